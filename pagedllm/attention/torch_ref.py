@@ -1,0 +1,72 @@
+"""The plain paged-attention reference: the oracle every faster backend is tested against.
+
+Slot mapping: the cache is a flat array of `num_blocks * block_size` slots, viewed as blocks.
+
+    block_table of seq i = [7, 2, 5]          block_size = 4
+    position:   0 1 2 3 | 4 5 6 7 | 8 9
+    block:      7       | 2       | 5
+    slot:      28 .. 31 | 8 .. 11 | 20 21     slot = block_table[pos // 4] * 4 + pos % 4
+
+    k_cache.view(num_blocks * block_size, Hkv, D)[slot] holds the key of that position.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedllm.attention.metadata import AttentionMetadata
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store the new tokens' K/V at their slots.
+
+    Args:
+        key, value: [num_tokens, num_kv_heads, head_dim].
+        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], written in place.
+        slot_mapping: [num_tokens] int64, slot = block_id * block_size + offset.
+    """
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    k_cache.view(num_slots, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    v_cache.view(num_slots, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The first `seq_len` positions of one sequence: [seq_len, num_kv_heads, head_dim]."""
+    block_size = cache.shape[1]
+    num_blocks = (seq_len + block_size - 1) // block_size
+    return cache[block_table[:num_blocks].long()].flatten(0, 1)[:seq_len]
+
+
+def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Causal attention of each sequence's new queries over its cached context.
+
+    Query row j of seq i sits at position `seq_len_i - q_len_i + j` and sees positions <= it. The K/V of
+    the new tokens must already be written to the cache.
+
+    Args:
+        query: [num_tokens, num_heads, head_dim].
+        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim].
+    Returns:
+        [num_tokens, num_heads, head_dim], in query's dtype.
+    """
+    out = torch.empty_like(query)
+    num_heads, num_kv_heads = query.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    qsl = meta.query_start_loc_cpu
+    for i, seq_len in enumerate(meta.seq_lens_cpu):
+        start, end = qsl[i], qsl[i + 1]
+        q_len = end - start
+        if q_len == 0:
+            continue
+        q = query[start:end].float()  # [q_len, H, D]
+        k = gather_kv(k_cache, meta.block_tables[i], seq_len).float().repeat_interleave(group, dim=1)
+        v = gather_kv(v_cache, meta.block_tables[i], seq_len).float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [H, q_len, seq_len]
+        q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
+        k_pos = torch.arange(seq_len).unsqueeze(0)
+        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
+    return out

@@ -1,0 +1,1 @@
+"""Benchmarks: `pagedllm bench throughput|serve|prefix` (see docs/benchmarks.md)."""

@@ -1,0 +1,6 @@
+"""`python -m pagedllm.bench throughput|serve|prefix ...`"""
+
+from pagedllm.bench.cli import main
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""Command-line flags shared by the bench commands: the engine's, and the dataset's."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from typing import Any
+
+from pagedllm.bench.datasets import BenchRequest, load_requests
+
+_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """'4294967296', '4G', '4GiB', '512MB' -> bytes (binary units)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", text.lower())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"expected a byte count such as 4294967296, 4G or 512MiB, got {text!r}")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2)])
+
+
+def add_engine_args(parser: argparse.ArgumentParser, prefix_caching_flag: bool = True) -> None:
+    group = parser.add_argument_group("engine")
+    group.add_argument("--model", default=None,
+                       help="HF model folder, .gguf file, or the embedded default (SmolLM2-135M-Instruct) if unset")
+    group.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    group.add_argument("--max-model-len", type=int, default=None)
+    group.add_argument("--max-num-seqs", type=int, default=256)
+    group.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    group.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
+                       help="bytes for the KV pool, e.g. 2G (default: the engine's own budget)")
+    group.add_argument("--block-size", type=int, default=16)
+    if prefix_caching_flag:
+        group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+
+
+def engine_kwargs(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
+    """The `LLM(...)` keyword arguments named by the engine flags, then `overrides`."""
+    kwargs = dict(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                  kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
+                  enable_prefix_caching=getattr(args, "enable_prefix_caching", True), seed=args.seed)
+    return kwargs | overrides
+
+
+def add_dataset_args(parser: argparse.ArgumentParser, datasets: tuple[str, ...] = ("mixed", "random", "jsonl"),
+                     default: str = "mixed") -> None:
+    group = parser.add_argument_group("dataset")
+    group.add_argument("--dataset", default=default, choices=datasets)
+    group.add_argument("--dataset-path", default=None, help="the file of --dataset jsonl")
+    group.add_argument("--num-prompts", type=int, default=None,
+                       help="requests to run (default: 50 for mixed, 100 for random, the whole file for jsonl)")
+    group.add_argument("--input-len", type=int, default=256, help="prompt tokens of --dataset random")
+    group.add_argument("--output-len", type=int, default=128,
+                       help="output tokens of --dataset random, and of jsonl lines without output_len")
+    group.add_argument("--seed", type=int, default=0)
+
+
+def dataset_argv(args: argparse.Namespace) -> list[str]:
+    """The dataset and model flags again, to rebuild the same requests in a child process."""
+    argv = ["--dataset", args.dataset, "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+            "--seed", str(args.seed), "--dtype", args.dtype]
+    for flag, value in (("--dataset-path", args.dataset_path), ("--num-prompts", args.num_prompts),
+                        ("--model", args.model)):
+        if value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
+def requests_from_args(tokenizer, args: argparse.Namespace) -> list[BenchRequest]:
+    return load_requests(tokenizer, args.dataset, num_prompts=args.num_prompts, input_len=args.input_len,
+                         output_len=args.output_len, dataset_path=args.dataset_path, seed=args.seed)

@@ -1,0 +1,78 @@
+"""The peer: Hugging Face transformers `generate` over left-padded static batches, greedy, in bf16.
+
+A static batch runs until its longest request is done, so every row generates max(output_len in the batch)
+tokens. Only each request's own output_len counts as useful output; the rest is reported as generated tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
+
+from pagedllm.bench.datasets import BenchRequest
+from pagedllm.loader.resolve import ResolvedModel
+
+_DTYPES = {"auto": torch.bfloat16, "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class HFRun:
+    elapsed_s: float
+    num_generated_tokens: int   # batch rows x the batch's longest output, summed over batches
+
+
+def load_hf_model(resolved: ResolvedModel, dtype: str = "auto") -> PreTrainedModel:
+    """The model in `dtype` ("auto" means bfloat16), from an HF folder or a GGUF file (dequantised).
+
+    transformers' own GGUF path (`from_pretrained(gguf_file=)`) needs `accelerate`; instead a GGUF's weights come
+    from pagedllm's GGUF reader into the transformers model built from the same config.
+    """
+    if resolved.gguf_path is None:
+        return AutoModelForCausalLM.from_pretrained(str(resolved.path), dtype=_DTYPES[dtype]).eval()
+    from pagedllm.loader import load_hf_config
+    from pagedllm.loader.gguf import iterate_gguf
+
+    model = AutoModelForCausalLM.from_config(load_hf_config(resolved), dtype=_DTYPES[dtype])
+    missing, unexpected = model.load_state_dict(dict(iterate_gguf(resolved.gguf_path, _DTYPES[dtype])),
+                                                strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:
+        raise RuntimeError(f"the GGUF does not fit the transformers model: missing {missing}, "
+                           f"unexpected {unexpected}")
+    model.tie_weights()
+    return model.eval()
+
+
+def _left_padded(batch: list[BenchRequest], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """input_ids and attention_mask, each [B, P_max], with the padding on the left."""
+    width = max(r.prompt_len for r in batch)
+    input_ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for row, request in enumerate(batch):
+        input_ids[row, width - request.prompt_len:] = torch.tensor(request.prompt_token_ids)
+        attention_mask[row, width - request.prompt_len:] = 1
+    return input_ids, attention_mask
+
+
+@torch.inference_mode()
+def generate_batch(model: PreTrainedModel, batch: list[BenchRequest], pad_token_id: int) -> int:
+    """Greedy-generate exactly max(output_len) tokens for every row; returns how many tokens were generated."""
+    num_new = max(r.output_len for r in batch)
+    input_ids, attention_mask = _left_padded(batch, pad_token_id)
+    config = GenerationConfig(max_new_tokens=num_new, min_new_tokens=num_new, do_sample=False,
+                              pad_token_id=pad_token_id, eos_token_id=model.generation_config.eos_token_id)
+    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
+    num_generated = out.shape[1] - input_ids.shape[1]
+    if num_generated != num_new:
+        raise RuntimeError(f"transformers generated {num_generated} tokens per row instead of {num_new}")
+    return len(batch) * num_generated
+
+
+def run_hf(model: PreTrainedModel, requests: list[BenchRequest], batch_size: int, pad_token_id: int) -> HFRun:
+    """Run the requests in dataset order, `batch_size` at a time."""
+    start = time.perf_counter()
+    num_generated = sum(generate_batch(model, requests[i:i + batch_size], pad_token_id)
+                        for i in range(0, len(requests), batch_size))
+    return HFRun(time.perf_counter() - start, num_generated)

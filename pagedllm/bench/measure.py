@@ -1,0 +1,140 @@
+"""What the benchmarks measure besides time: FLOPs of the useful work, the bf16 GEMM peak, KV waste, peak RSS."""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+import time
+from dataclasses import dataclass
+
+import psutil
+
+from pagedllm.bench.datasets import BenchRequest
+
+
+def peak_rss_mib() -> float:
+    """The process's peak resident set size so far (ru_maxrss: KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (1 << 20) if sys.platform == "darwin" else peak / 1024
+
+
+def seconds_since_process_start() -> float:
+    return time.time() - psutil.Process(os.getpid()).create_time()
+
+
+# ---- FLOPs -------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ModelDims:
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+
+    @classmethod
+    def from_hf_config(cls, config) -> ModelDims:
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return cls(config.num_hidden_layers, config.hidden_size, config.num_attention_heads,
+                   getattr(config, "num_key_value_heads", None) or config.num_attention_heads, head_dim,
+                   config.intermediate_size, config.vocab_size)
+
+    @property
+    def num_layer_params(self) -> int:
+        """Weights of the transformer layers (q, k, v, o, gate, up, down); no embedding, no lm_head, no norms."""
+        attention = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        return self.num_layers * (attention + mlp)
+
+
+def useful_flops(dims: ModelDims, requests: list[BenchRequest]) -> float:
+    """FLOPs of the work every system must do for `requests`, whatever it wastes on top.
+
+    Per request of prompt P and output O: the layers see P + O - 1 tokens (the last sampled token is never fed
+    back), at 2 FLOPs per weight each; the lm_head runs once per output token (2 x hidden x vocab); and the token
+    at position p attends to p + 1 keys, costing 4 x layers x heads x head_dim FLOPs per key (QK^T and PV).
+    """
+    per_key = 4 * dims.num_layers * dims.num_heads * dims.head_dim
+    total = 0.0
+    for request in requests:
+        num_fed = request.prompt_len + request.output_len - 1
+        total += 2 * dims.num_layer_params * num_fed
+        total += 2 * dims.hidden_size * dims.vocab_size * request.output_len
+        total += per_key * num_fed * (num_fed + 1) / 2
+    return total
+
+
+def bf16_gemm_peak_gflops(size: int = 2048, repeats: int = 5) -> float:
+    """Best of `repeats` bf16 [size x size] @ [size x size] matmuls on the CPU, in GFLOP/s."""
+    import torch
+
+    a = torch.randn(size, size, dtype=torch.bfloat16)
+    b = torch.randn(size, size, dtype=torch.bfloat16)
+    torch.matmul(a, b)   # warm-up: thread pool, kernel selection
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.matmul(a, b)
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best / 1e9
+
+
+# ---- KV waste ----------------------------------------------------------------------------------------------------
+@dataclass
+class KVWaste:
+    """Allocated KV slots that hold no token, sampled after each step.
+
+    A running request holding `b` blocks with `c` computed tokens wastes `b * block_size - c` slots: the unused
+    tail of its last block (plus anything reserved ahead). Summed over the running requests, averaged over steps.
+    """
+
+    num_steps: int = 0
+    total_waste_slots: int = 0
+    total_allocated_slots: int = 0
+
+    def add(self, waste_slots: int, allocated_slots: int) -> None:
+        self.num_steps += 1
+        self.total_waste_slots += waste_slots
+        self.total_allocated_slots += allocated_slots
+
+    @property
+    def mean_waste_slots(self) -> float:
+        return self.total_waste_slots / self.num_steps if self.num_steps else 0.0
+
+    @property
+    def mean_allocated_slots(self) -> float:
+        return self.total_allocated_slots / self.num_steps if self.num_steps else 0.0
+
+    @property
+    def waste_pct(self) -> float:
+        return 100 * self.total_waste_slots / self.total_allocated_slots if self.total_allocated_slots else 0.0
+
+
+def sample_engine_kv(engine, waste: KVWaste) -> None:
+    """One KVWaste sample from the engine's running requests and their block tables."""
+    block_size = engine.config.cache.block_size
+    allocated = held = 0
+    for request in engine.scheduler.running:
+        allocated += len(engine.kv_manager.get_block_ids(request.request_id)) * block_size
+        held += request.num_computed_tokens
+    waste.add(allocated - held, allocated)
+
+
+def static_batch_kv_waste(requests: list[BenchRequest], batch_size: int) -> KVWaste:
+    """KV waste of left-padded static batches (the Hugging Face peer), from the batch shapes.
+
+    After decode step t (t = 1..T, T = the batch's longest output) the cache holds B x (P_max + t) slots, of
+    which request i fills P_i + min(t, O_i): padding and tokens past a request's own output_len are waste.
+    """
+    waste = KVWaste()
+    for start in range(0, len(requests), batch_size):
+        batch = requests[start:start + batch_size]
+        max_prompt = max(r.prompt_len for r in batch)
+        max_output = max(r.output_len for r in batch)
+        for t in range(1, max_output + 1):
+            allocated = len(batch) * (max_prompt + t)
+            held = sum(r.prompt_len + min(t, r.output_len) for r in batch)
+            waste.add(allocated - held, allocated)
+    return waste

@@ -1,0 +1,105 @@
+"""`pagedllm bench prefix`: a shared-system-prompt workload with the prefix cache on, then off, in one run.
+
+The two engines are built one after the other in this process; the first is freed before the second starts. The
+hit rate is prompt tokens served from the prefix cache (each RequestOutput's `num_cached_tokens`) over all prompt
+tokens; `kv_manager_hit_rate` is the KV manager's own count over the run (`prefix_cache_stats.num_hit_tokens` over
+`num_query_tokens`, which counts a preempted request's lookups again); the ideal rate is what a cache could reach: every request but the first reusing the shared prefix's full
+blocks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from pagedllm.bench.args import add_engine_args, engine_kwargs
+from pagedllm.bench.datasets import BenchRequest, shared_prefix_requests
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    add_engine_args(parser, prefix_caching_flag=False)
+    group = parser.add_argument_group("workload")
+    group.add_argument("--num-prompts", type=int, default=32)
+    group.add_argument("--prefix-len", type=int, default=512, help="tokens of the shared system prompt")
+    group.add_argument("--output-len", type=int, default=32)
+    group.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output-json", default=None)
+    parser.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> dict[str, Any]:
+    result: dict[str, Any] = {"cache_on": run_once(args, True)}
+    gc.collect()
+    result["cache_off"] = run_once(args, False)
+    result["ratio"] = (result["cache_on"]["output_tokens_per_second"]
+                       / result["cache_off"]["output_tokens_per_second"])
+    print_report(result)
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    return result
+
+
+def run_once(args: argparse.Namespace, enable_prefix_caching: bool) -> dict[str, Any]:
+    """Build an engine, run the workload once, and return its figures; the engine is freed on return."""
+    from pagedllm import LLM, SamplingParams
+
+    llm = LLM(**engine_kwargs(args, enable_prefix_caching=enable_prefix_caching))
+    llm.generate("Hello", SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)   # warm, shares no block
+    requests = shared_prefix_requests(llm.get_tokenizer(), args.num_prompts, args.prefix_len, args.output_len,
+                                      args.seed)
+    params = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=r.output_len) for r in requests]
+    stats = llm.engine.kv_manager.prefix_cache_stats
+    hits_before, queries_before = stats.num_hit_tokens, stats.num_query_tokens
+    start = time.perf_counter()
+    outputs = llm.generate([r.prompt_token_ids for r in requests], params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    num_kv_queries = stats.num_query_tokens - queries_before
+    num_prompt_tokens = sum(r.prompt_len for r in requests)
+    num_output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    num_hit_tokens = sum(o.num_cached_tokens for o in outputs)
+    return {
+        "enable_prefix_caching": enable_prefix_caching, "num_requests": len(requests),
+        "total_prompt_tokens": num_prompt_tokens, "total_output_tokens": num_output_tokens,
+        "elapsed_time": elapsed, "requests_per_second": len(requests) / elapsed,
+        "tokens_per_second": (num_prompt_tokens + num_output_tokens) / elapsed,
+        "output_tokens_per_second": num_output_tokens / elapsed,
+        "prefix_cache_hit_tokens": num_hit_tokens, "hit_rate": num_hit_tokens / num_prompt_tokens,
+        "kv_manager_hit_rate": (stats.num_hit_tokens - hits_before) / num_kv_queries if num_kv_queries else 0.0,
+        "ideal_hit_rate": ideal_hit_rate(requests, llm.engine.config.cache.block_size),
+    }
+
+
+def ideal_hit_rate(requests: list[BenchRequest], block_size: int) -> float:
+    """Every request after the first reuses the full blocks of the prefix that all prompts share."""
+    first = requests[0].prompt_token_ids
+    shared = min(_common_prefix_len(first, r.prompt_token_ids) for r in requests[1:]) if len(requests) > 1 else 0
+    reusable = shared // block_size * block_size
+    return reusable * (len(requests) - 1) / sum(r.prompt_len for r in requests)
+
+
+def _common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def print_report(result: dict[str, Any]) -> None:
+    on, off = result["cache_on"], result["cache_off"]
+    print(f"Shared-prefix workload: {on['num_requests']} requests, {on['total_prompt_tokens']} prompt tokens, "
+          f"{on['total_output_tokens']} output tokens")
+    print(f"{'':<28}{'cache on':>12}{'cache off':>12}")
+    for label, key, fmt in [("Requests/s", "requests_per_second", "{:.2f}"),
+                            ("Total tokens/s", "tokens_per_second", "{:.1f}"),
+                            ("Output tokens/s", "output_tokens_per_second", "{:.1f}"),
+                            ("Wall time (s)", "elapsed_time", "{:.2f}"),
+                            ("Prefix-cache hit rate", "hit_rate", "{:.1%}")]:
+        print(f"{label:<28}{fmt.format(on[key]):>12}{fmt.format(off[key]):>12}")
+    print(f"Speed-up with the prefix cache: {result['ratio']:.2f}x "
+          f"(hit rate {on['hit_rate']:.1%} of prompt tokens; ideal {on['ideal_hit_rate']:.1%})")

@@ -1,0 +1,222 @@
+"""`pagedllm bench throughput`: offline throughput on a fixed workload, optionally against transformers.
+
+With `--compare hf` the Hugging Face peer runs in a child process after the engine is freed, so that each side
+has its own start-up time and peak RSS, and the ratios come from one run on one machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from pagedllm.bench.args import add_dataset_args, add_engine_args, dataset_argv, engine_kwargs, requests_from_args
+from pagedllm.bench.datasets import BenchRequest
+from pagedllm.bench.measure import (KVWaste, ModelDims, bf16_gemm_peak_gflops, peak_rss_mib, sample_engine_kv,
+                                    seconds_since_process_start, static_batch_kv_waste, useful_flops)
+
+_RATIO_KEYS = ("requests_per_second", "tokens_per_second", "output_tokens_per_second")
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    add_dataset_args(parser)
+    add_engine_args(parser)
+    parser.add_argument("--backend", choices=["pagedllm", "hf"], default="pagedllm")
+    parser.add_argument("--compare", choices=["hf"], default=None,
+                        help="also time Hugging Face transformers generate on the same requests, in this run")
+    parser.add_argument("--hf-batch-size", type=int, default=8, help="static batch size of the hf backend")
+    parser.add_argument("--skip-gemm-peak", action="store_true", help="do not time the bf16 GEMM peak")
+    parser.add_argument("--output-json", default=None, help="write the results to this file")
+    parser.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> dict[str, Any]:
+    result = run_pagedllm(args) if args.backend == "pagedllm" else run_hf(args)
+    gc.collect()   # the engine is gone: free its memory before the peer or the GEMM timing runs
+    if not args.skip_gemm_peak:
+        _add_gemm_peak(result, bf16_gemm_peak_gflops())
+    if args.compare == "hf":
+        hf = _run_hf_child(args)
+        if "gemm_peak_gflops" in result:
+            _add_gemm_peak(hf, result["gemm_peak_gflops"])
+        result["hf"] = hf
+        result["ratio"] = {key: result[key] / hf[key] for key in _RATIO_KEYS}
+    print_report(result)
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    return result
+
+
+# ---- the two backends --------------------------------------------------------------------------------------------
+def run_pagedllm(args: argparse.Namespace) -> dict[str, Any]:
+    from pagedllm import LLM, SamplingParams
+
+    init_start = time.perf_counter()
+    llm = LLM(**engine_kwargs(args))
+    engine_init_s = time.perf_counter() - init_start
+    startup_s = seconds_since_process_start()
+    start = time.perf_counter()
+    llm.generate("Hello", SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    first_token_s = time.perf_counter() - start
+
+    requests = requests_from_args(llm.get_tokenizer(), args)
+    params = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=r.output_len) for r in requests]
+    waste = KVWaste()
+    with _sampling_kv_waste(llm.engine, waste):
+        start = time.perf_counter()
+        outputs = llm.generate([r.prompt_token_ids for r in requests], params, use_tqdm=True)
+        elapsed = time.perf_counter() - start
+    num_output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    result = _summarise("pagedllm", llm.engine.model_name, args, requests, elapsed,
+                        ModelDims.from_hf_config(llm.engine.hf_config))
+    _check_output_tokens(result, num_output_tokens)
+    result.update(startup_s=startup_s, engine_init_s=engine_init_s, first_token_s=first_token_s,
+                  peak_rss_mib=peak_rss_mib(), kv_waste=_kv_waste_dict(waste),
+                  num_kv_blocks=llm.engine.capacity.num_blocks, block_size=llm.engine.capacity.block_size)
+    return result
+
+
+def run_hf(args: argparse.Namespace) -> dict[str, Any]:
+    from pagedllm.bench.hf_baseline import generate_batch, load_hf_model, run_hf as run_batches
+    from pagedllm.loader.resolve import resolve_model
+    from pagedllm.tokenizer.tokenizer import load_tokenizer
+
+    resolved = resolve_model(args.model)
+    init_start = time.perf_counter()
+    model = load_hf_model(resolved, args.dtype)
+    tokenizer = load_tokenizer(resolved.path, resolved.gguf_file)
+    engine_init_s = time.perf_counter() - init_start
+    startup_s = seconds_since_process_start()
+    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    start = time.perf_counter()
+    generate_batch(model, [BenchRequest(tokenizer.encode("Hello"), 1)], pad_token_id)
+    first_token_s = time.perf_counter() - start
+
+    requests = requests_from_args(tokenizer, args)
+    run = run_batches(model, requests, args.hf_batch_size, pad_token_id)
+    result = _summarise("hf", resolved.name, args, requests, run.elapsed_s, ModelDims.from_hf_config(model.config))
+    result.update(startup_s=startup_s, engine_init_s=engine_init_s, first_token_s=first_token_s,
+                  peak_rss_mib=peak_rss_mib(), hf_batch_size=args.hf_batch_size,
+                  total_generated_tokens=run.num_generated_tokens,
+                  kv_waste=_kv_waste_dict(static_batch_kv_waste(requests, args.hf_batch_size)))
+    return result
+
+
+def _run_hf_child(args: argparse.Namespace) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "hf.json"
+        command = [sys.executable, "-m", "pagedllm.bench", "throughput", "--backend", "hf", "--skip-gemm-peak",
+                   "--hf-batch-size", str(args.hf_batch_size), "--output-json", str(path), *dataset_argv(args)]
+        print("Running the Hugging Face peer:", " ".join(command[2:]), flush=True)
+        subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+        return json.loads(path.read_text(encoding="utf-8"))
+
+
+class _sampling_kv_waste:
+    """Wrap `engine.step` so that each step ends with a KV waste sample."""
+
+    def __init__(self, engine, waste: KVWaste) -> None:
+        self.engine, self.waste = engine, waste
+
+    def __enter__(self) -> None:
+        step = self.engine.step
+
+        def step_and_sample():
+            outputs = step()
+            sample_engine_kv(self.engine, self.waste)
+            return outputs
+
+        self.engine.step = step_and_sample
+
+    def __exit__(self, *exc_info) -> None:
+        del self.engine.step   # back to the class's method
+
+
+# ---- results -----------------------------------------------------------------------------------------------------
+def _summarise(backend: str, model_name: str, args: argparse.Namespace, requests: list[BenchRequest],
+               elapsed: float, dims: ModelDims) -> dict[str, Any]:
+    num_prompt_tokens = sum(r.prompt_len for r in requests)
+    num_output_tokens = sum(r.output_len for r in requests)
+    return {
+        "backend": backend, "model": model_name, "dataset": args.dataset,
+        "num_requests": len(requests), "total_prompt_tokens": num_prompt_tokens,
+        "total_output_tokens": num_output_tokens, "total_num_tokens": num_prompt_tokens + num_output_tokens,
+        "elapsed_time": elapsed,
+        "requests_per_second": len(requests) / elapsed,
+        "tokens_per_second": (num_prompt_tokens + num_output_tokens) / elapsed,
+        "output_tokens_per_second": num_output_tokens / elapsed,
+        "achieved_gflops": useful_flops(dims, requests) / elapsed / 1e9,
+    }
+
+
+def _check_output_tokens(result: dict[str, Any], num_output_tokens: int) -> None:
+    if num_output_tokens != result["total_output_tokens"]:
+        raise RuntimeError(f"the engine generated {num_output_tokens} tokens, the requests asked for "
+                           f"{result['total_output_tokens']}: ignore_eos or max_tokens was not honoured")
+
+
+def _add_gemm_peak(result: dict[str, Any], peak_gflops: float) -> None:
+    result["gemm_peak_gflops"] = peak_gflops
+    result["flops_utilization_pct"] = 100 * result["achieved_gflops"] / peak_gflops
+
+
+def _kv_waste_dict(waste: KVWaste) -> dict[str, float]:
+    return {"mean_waste_slots": waste.mean_waste_slots, "mean_allocated_slots": waste.mean_allocated_slots,
+            "waste_pct": waste.waste_pct, "num_steps": waste.num_steps}
+
+
+_ROWS = [  # (label, key, format)
+    ("Requests/s", "requests_per_second", "{:.2f}"),
+    ("Total tokens/s", "tokens_per_second", "{:.1f}"),
+    ("Output tokens/s", "output_tokens_per_second", "{:.1f}"),
+    ("Wall time (s)", "elapsed_time", "{:.2f}"),
+    ("Peak RSS (MiB)", "peak_rss_mib", "{:.0f}"),
+    ("Start-up: process -> ready (s)", "startup_s", "{:.2f}"),
+    ("First request, 1 token (s)", "first_token_s", "{:.3f}"),
+    ("Mean KV waste (% of allocated)", "kv_waste.waste_pct", "{:.1f}"),
+    ("Achieved GFLOP/s", "achieved_gflops", "{:.1f}"),
+    ("  % of bf16 GEMM peak", "flops_utilization_pct", "{:.1f}"),
+]
+
+
+def _get(result: dict[str, Any], key: str) -> Any:
+    for part in key.split("."):
+        result = result.get(part) if isinstance(result, dict) else None
+    return result
+
+
+def _cell(result: dict[str, Any], key: str, fmt: str) -> str:
+    value = _get(result, key)
+    return "-" if value is None else fmt.format(value)
+
+
+def print_report(result: dict[str, Any]) -> None:
+    """vLLM's throughput line, then a table of the other figures (two columns and ratios with --compare)."""
+    print(f"Throughput: {result['requests_per_second']:.2f} requests/s, {result['tokens_per_second']:.2f} total "
+          f"tokens/s, {result['output_tokens_per_second']:.2f} output tokens/s")
+    print(f"Total num prompt tokens:  {result['total_prompt_tokens']}")
+    print(f"Total num output tokens:  {result['total_output_tokens']}")
+    hf = result.get("hf")
+    header = f"{'':<34}{result['backend']:>12}"
+    if hf is not None:
+        header += f"{'hf':>12}{'ratio':>9}"
+    print(header)
+    for label, key, fmt in _ROWS:
+        line = f"{label:<34}{_cell(result, key, fmt):>12}"
+        if hf is not None:
+            line += f"{_cell(hf, key, fmt):>12}"
+            if key in _RATIO_KEYS:
+                line += f"{result['ratio'][key]:>8.2f}x"
+        print(line)
+    if "gemm_peak_gflops" in result:
+        print(f"bf16 GEMM peak (GFLOP/s, this CPU, this run): {result['gemm_peak_gflops']:.1f}")
+    if result["backend"] == "hf" or hf is not None:
+        generated = (hf or result)["total_generated_tokens"]
+        print(f"hf static batches of {(hf or result)['hf_batch_size']} generated {generated} tokens; "
+              f"{(hf or result)['total_output_tokens']} of them are useful output (each request's own output_len)")

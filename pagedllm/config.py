@@ -1,0 +1,111 @@
+"""Engine configuration: plain dataclasses, no torch, so that `pagedllm.core` can import them.
+
+Each config validates itself in `__post_init__` and raises `ValueError` naming the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+PreemptionMode = Literal["recompute", "swap", "auto"]
+
+
+def _require(ok: bool, name: str, allowed: str, value: object) -> None:
+    if not ok:
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+@dataclass
+class CacheConfig:
+    """How the KV cache is laid out and how big its pools are.
+
+    Args:
+        block_size: tokens per KV block.
+        kv_cache_memory: bytes for the KV pool; None sizes it from the memory budget.
+        gpu_memory_utilization: fraction of device memory for weights + activations + KV; None uses the
+            device's default (on a CPU, a 4 GiB pool capped by what is available).
+        swap_space: GiB of the second (host or memory-mapped) pool used by swap preemption.
+        swap_path: file backing the swap pool on a CPU device; None uses a temporary file.
+        enable_prefix_caching: reuse the KV of full blocks whose token chains match.
+        num_blocks: filled in at start-up from the memory budget (tests may set it directly).
+        num_swap_blocks: filled in at start-up from `swap_space`.
+    """
+
+    block_size: int = 16
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float | None = None
+    swap_space: float = 0.0
+    swap_path: str | None = None
+    enable_prefix_caching: bool = True
+    num_blocks: int | None = None
+    num_swap_blocks: int = 0
+
+    def __post_init__(self) -> None:
+        _require(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0, "block_size",
+                 "a positive power of two", self.block_size)
+        _require(self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory",
+                 "a positive number of bytes", self.kv_cache_memory)
+        _require(self.gpu_memory_utilization is None or 0.0 < self.gpu_memory_utilization <= 1.0,
+                 "gpu_memory_utilization", "in (0, 1]", self.gpu_memory_utilization)
+        _require(self.swap_space >= 0, "swap_space", ">= 0 (GiB)", self.swap_space)
+        _require(self.num_blocks is None or self.num_blocks >= 2, "num_blocks", ">= 2", self.num_blocks)
+
+
+@dataclass
+class SchedulerConfig:
+    """What one engine step may hold.
+
+    Args:
+        max_num_seqs: most requests in one step.
+        max_num_batched_tokens: the step's token budget (prefill chunks plus decodes).
+        max_model_len: most tokens (prompt + output) one request may reach.
+        preemption_mode: "recompute", "swap" or "auto" when blocks run out.
+    """
+
+    max_model_len: int = 2048
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    preemption_mode: PreemptionMode = "recompute"
+
+    def __post_init__(self) -> None:
+        _require(self.max_model_len > 0, "max_model_len", "> 0", self.max_model_len)
+        _require(self.max_num_seqs > 0, "max_num_seqs", "> 0", self.max_num_seqs)
+        _require(self.max_num_batched_tokens > 0, "max_num_batched_tokens", "> 0",
+                 self.max_num_batched_tokens)
+        _require(self.preemption_mode in ("recompute", "swap", "auto"), "preemption_mode",
+                 "one of 'recompute', 'swap', 'auto'", self.preemption_mode)
+
+
+@dataclass
+class ModelConfig:
+    """Which model to run and in what precision.
+
+    Args:
+        model: a Hugging Face folder, a `.gguf` file, or None for the embedded default model.
+        dtype: "auto" (bfloat16 where the CPU supports it, float32 otherwise), "bfloat16", "float16"
+            or "float32".
+        max_model_len: caps the model's own context length; None keeps it.
+        seed: seed of the engine's global random stream.
+        chat_template: a Jinja template that replaces the model's own.
+    """
+
+    model: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+    chat_template: str | None = None
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        _require(self.dtype in ("auto", "bfloat16", "float16", "float32"), "dtype",
+                 "one of 'auto', 'bfloat16', 'float16', 'float32'", self.dtype)
+        _require(self.max_model_len is None or self.max_model_len > 0, "max_model_len", "> 0",
+                 self.max_model_len)
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

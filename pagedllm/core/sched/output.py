@@ -1,0 +1,93 @@
+"""What passes between the scheduler, the runner and the engine each step: plain data, no behaviour."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedllm.core.request import FinishReason
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """A request the runner has no state for: scheduled for the first time, or again after a preemption.
+
+    `output_token_ids` is empty for a fresh request; after a preemption it holds the tokens generated so far
+    (the runner needs them for penalties; their K/V is recomputed from `ScheduledRequest.token_ids`).
+    """
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One request's share of the step.
+
+    Invariants: `token_ids` are the request's tokens at positions
+    `num_computed_tokens : num_computed_tokens + len(token_ids)` (at least one); `block_ids` (the whole block
+    table) has room for all of them; `sample` is True exactly when these tokens reach the request's last known
+    token, so the runner samples the next one.
+    """
+
+    req_id: str
+    block_ids: list[int]
+    num_computed_tokens: int
+    token_ids: list[int]
+    sample: bool
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step's plan.
+
+    `scheduled` is in batch order; every request in `new_requests` is also in `scheduled`.
+    `num_batched_tokens` is the sum of `len(token_ids)` over `scheduled`, at most `max_num_batched_tokens`.
+    `finished_req_ids` finished since the last step and `preempted_req_ids` were preempted in this one: the
+    runner drops its state for both (a preempted request comes back later through `new_requests`).
+    The block lists are `(src, dst)` block-id pairs the runner applies before the forward pass (empty for now).
+    """
+
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] = field(default_factory=set)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(slots=True)
+class RunnerOutput:
+    """What the runner produced: one sampled token for each request scheduled with `sample=True`, and its
+    log-probabilities when asked for (their structure is the sampler's)."""
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, object] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class RequestUpdate:
+    """What changed for one request in a step, for the engine's detokenizer and outputs.
+
+    `finish_reason` is set once, on the request's last update; `stop_reason` is the stop token id that ended
+    it (None for EOS, length or abort). `num_cached_tokens` is the prefix-cache hit at first scheduling.
+    """
+
+    req_id: str
+    new_token_ids: list[int]
+    new_logprobs: object | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0

@@ -1,0 +1,278 @@
+"""AsyncEngine: the LLMEngine step loop on one background thread, beside the asyncio event loop.
+
+```
+ event loop thread                                   engine thread (the only one that touches LLMEngine)
+ -----------------                                   -------------
+ generate(id) -> registers queue[id]  --inbox-->      wait on condition while idle
+              -> post(_Add)                           add / abort everything in the inbox
+ await queue[id].get()  <--call_soon_threadsafe--     step() -> outputs; one _dispatch callback per step
+ disconnect / cancel -> post(_Abort)                  metrics: scheduler snapshot + per-request timings
+```
+The model forward releases the GIL, so the event loop keeps serving HTTP while a step runs. If the loop raises,
+the error is kept, every waiting request fails with EngineDeadError, and so does every later one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from pagedllm.engine.llm_engine import LLMEngine, PromptInput
+from pagedllm.metrics.stats import IterationStats, RequestTimes, SchedulerStats, read_scheduler_stats
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+StatLogger = Callable[[SchedulerStats, IterationStats], None]
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped on an error; no request can run."""
+
+
+@dataclass(slots=True)
+class _Add:
+    request_id: str
+    prompt: PromptInput
+    params: SamplingParams
+    prompt_token_ids: list[int] | None
+    priority: int
+    cache_salt: str | None
+    arrival: float          # time.monotonic(), for latencies
+    arrival_time: float     # time.time(), for the scheduler's first-come order
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_ids: list[str]
+
+
+class AsyncEngine:
+    """Serve an LLMEngine to asyncio code.
+
+    Args:
+        engine: the engine; from `start()` on, only the engine thread may touch it.
+        log_requests: log each request's prompt and parameters (off by default: prompts may be private).
+    """
+
+    def __init__(self, engine: LLMEngine, log_requests: bool = False) -> None:
+        self.engine = engine
+        self.log_requests = log_requests
+        self.error: BaseException | None = None
+        self.latest_stats = SchedulerStats()
+        self._stat_loggers: list[StatLogger] = []
+        self._cond = threading.Condition()
+        self._inbox: list[_Add | _Abort] = []
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._streams: dict[str, asyncio.Queue] = {}        # event loop thread only
+        self._times: dict[str, RequestTimes] = {}           # engine thread only
+
+    # ---- read-only facts, safe from any thread ------------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.runner.shape.vocab_size
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    def add_stat_logger(self, stat_logger: StatLogger) -> None:
+        """Call `stat_logger(scheduler_stats, iteration_stats)` on the engine thread after each step."""
+        self._stat_loggers.append(stat_logger)
+
+    # ---- lifecycle ----------------------------------------------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Start the engine thread; outputs are delivered on `loop` (default: the running loop)."""
+        if self._thread is not None:
+            raise RuntimeError("the engine thread is already started")
+        self._loop = loop or asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # ---- the asyncio side ---------------------------------------------------------------------------------------
+    async def generate(self, request_id: str, prompt: PromptInput, params: SamplingParams, *,
+                       prompt_token_ids: list[int] | None = None, priority: int = 0,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Run one request and yield its outputs until the last (`finished`) one.
+
+        Use `params.output_kind = "delta"` to get each step's new text. Closing the iterator early (the client
+        went away) aborts the request, and its KV blocks go back to the pool.
+
+        Raises:
+            EngineDeadError: the engine loop has failed (now or while this request waited).
+            ValueError: the engine refused the request (this request alone fails).
+        """
+        self._raise_if_dead()
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = queue
+        if self.log_requests:
+            logger.info("request %s: prompt=%r params=%s", request_id, prompt, params)
+        self._post(_Add(request_id, prompt, params, prompt_token_ids, priority, cache_salt, time.monotonic(),
+                        time.time()))
+        done = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    done = True     # refused at add time, or the engine died: nothing to abort
+                    raise item
+                done = item.finished
+                yield item
+                if done:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not done:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (a no-op if it already finished)."""
+        self._post(_Abort([request_id]))
+
+    def _raise_if_dead(self) -> None:
+        if self.error is not None:
+            raise EngineDeadError(f"the engine loop has stopped: {self.error!r}") from self.error
+        if self._thread is None or self._stopped:
+            raise EngineDeadError("the engine is not running")
+
+    def _post(self, item: _Add | _Abort) -> None:
+        with self._cond:
+            self._inbox.append(item)
+            self._cond.notify()
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        """On the event loop: hand each output to its request's queue."""
+        for output in outputs:
+            queue = self._streams.get(output.request_id)
+            if queue is not None:
+                queue.put_nowait(output)
+
+    def _dispatch_error(self, request_id: str, error: BaseException) -> None:
+        queue = self._streams.get(request_id)
+        if queue is not None:
+            queue.put_nowait(error)
+
+    def _fail_all(self, error: BaseException) -> None:
+        dead = EngineDeadError(f"the engine loop has stopped: {error!r}")
+        for queue in self._streams.values():
+            queue.put_nowait(dead)
+
+    def _call_in_loop(self, callback: Callable, *args) -> None:
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:    # the event loop has closed: nobody is waiting any more
+            pass
+
+    # ---- the engine thread --------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while (batch := self._wait_for_work()) is not None:
+                iteration = IterationStats()
+                self._handle_inbox(batch, iteration)
+                outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+                self._publish(outputs, iteration)
+        except BaseException as exc:  # noqa: BLE001 - any failure kills the loop; report it to everyone
+            logger.exception("the engine loop failed; the server will answer 503 from now on")
+            self.error = exc
+            self._call_in_loop(self._fail_all, exc)
+
+    def _wait_for_work(self) -> list[_Add | _Abort] | None:
+        """Sleep until there is something to do; None once shut down."""
+        with self._cond:
+            while not self._stopped and not self._inbox and not self.engine.has_unfinished_requests():
+                self._cond.wait()
+            if self._stopped:
+                return None
+            batch, self._inbox = self._inbox, []
+            return batch
+
+    def _handle_inbox(self, batch: list[_Add | _Abort], iteration: IterationStats) -> None:
+        for item in batch:
+            if isinstance(item, _Add):
+                self._add(item)
+            else:
+                self._abort(item.request_ids, iteration)
+
+    def _add(self, item: _Add) -> None:
+        try:
+            self.engine.add_request(item.request_id, item.prompt, item.params, priority=item.priority,
+                                    cache_salt=item.cache_salt, arrival_time=item.arrival_time,
+                                    prompt_token_ids=item.prompt_token_ids)
+        except Exception as exc:  # bad input fails this request alone
+            self._call_in_loop(self._dispatch_error, item.request_id, exc)
+            return
+        num_prompt_tokens = len(item.prompt_token_ids) if item.prompt_token_ids is not None else 0
+        self._times[item.request_id] = RequestTimes(item.arrival, num_prompt_tokens)
+
+    def _abort(self, request_ids: list[str], iteration: IterationStats) -> None:
+        live = [r for r in request_ids if r in self._times]
+        if not live:
+            return      # finished (or refused) before the abort arrived
+        self.engine.abort_request(live)
+        now = time.monotonic()
+        for request_id in live:
+            self._times.pop(request_id).on_finished(iteration, "abort", now)
+
+    def _publish(self, outputs: list[RequestOutput], iteration: IterationStats) -> None:
+        now = time.monotonic()
+        self._mark_scheduled(iteration, now)
+        for output in outputs:
+            times = self._times.get(output.request_id)
+            if times is None:
+                continue
+            if not times.num_prompt_tokens:
+                times.num_prompt_tokens = len(output.prompt_token_ids)
+            if times.scheduled is None:
+                times.on_scheduled(iteration, now)
+            times.on_tokens(iteration, sum(len(c.token_ids) for c in output.outputs), now)
+            if output.finished:
+                reason = output.outputs[0].finish_reason if output.outputs else None
+                self._times.pop(output.request_id).on_finished(iteration, reason or "stop", now)
+        self.latest_stats = read_scheduler_stats(self.engine.scheduler, self.engine.kv_manager)
+        for stat_logger in self._stat_loggers:
+            try:
+                stat_logger(self.latest_stats, iteration)
+            except Exception:  # noqa: BLE001 - metrics must never stop the engine
+                logger.exception("stat logger failed")
+        if outputs:
+            self._call_in_loop(self._dispatch, outputs)
+
+    def _mark_scheduled(self, iteration: IterationStats, now: float) -> None:
+        """Queue time: a request counts as scheduled once the scheduler has computed any of its tokens."""
+        requests = getattr(self.engine.scheduler, "requests", None)
+        if not isinstance(requests, dict):
+            return
+        for request_id, times in self._times.items():
+            if times.scheduled is None:
+                request = requests.get(request_id)
+                if request is not None and (request.num_computed_tokens > 0 or request.status.name == "RUNNING"):
+                    times.on_scheduled(iteration, now)

@@ -1,0 +1,127 @@
+"""The offline API: `LLM(model).generate(prompts, params)` and `LLM.chat(messages)`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from pagedllm.config import CacheConfig, EngineConfig, ModelConfig, PreemptionMode, SchedulerConfig
+from pagedllm.engine.llm_engine import LLMEngine, PromptInput
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.tokenizer.chat_template import apply_chat_template
+
+Conversation = list[dict[str, Any]]
+
+
+class LLM:
+    """An engine for offline batch inference.
+
+    Args:
+        model: a Hugging Face folder, a `.gguf` file, or None for the embedded SmolLM2-135M-Instruct.
+        dtype: "auto", "bfloat16", "float16" or "float32".
+        max_model_len: context length cap (prompt + output).
+        block_size: tokens per KV block.
+        gpu_memory_utilization: fraction of device memory (of RAM on a CPU) for the engine.
+        kv_cache_memory: bytes for the KV pool; overrides gpu_memory_utilization.
+        max_num_seqs: most requests in one step.
+        max_num_batched_tokens: token budget of one step.
+        seed: seed of the global random stream.
+        enable_prefix_caching: reuse the KV cache of shared prompt prefixes.
+        chat_template: a Jinja template replacing the model's own.
+    """
+
+    def __init__(self, model: str | None = None, *, dtype: str = "auto", max_model_len: int | None = None,
+                 block_size: int = 16, gpu_memory_utilization: float | None = None,
+                 kv_cache_memory: int | None = None, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int = 2048, seed: int = 0, enable_prefix_caching: bool = True,
+                 swap_space: float = 0.0, preemption_mode: PreemptionMode = "recompute",
+                 chat_template: str | None = None, num_kv_blocks: int | None = None) -> None:
+        config = EngineConfig(
+            model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
+                              chat_template=chat_template),
+            cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
+                              gpu_memory_utilization=gpu_memory_utilization, swap_space=swap_space,
+                              enable_prefix_caching=enable_prefix_caching, num_blocks=num_kv_blocks),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                      preemption_mode=preemption_mode),
+        )
+        self.engine = LLMEngine(config)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptInput | Sequence[PromptInput],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Complete each prompt; the outputs come back in input order.
+
+        Args:
+            prompts: a string, a list of token ids, or a list of either.
+            sampling_params: one for all prompts, or one per prompt (default: SamplingParams()).
+            use_tqdm: show a progress bar when there is more than one prompt.
+            priority: one per prompt; lower runs first.
+        """
+        prompt_list = _as_prompt_list(prompts)
+        params_list = _per_prompt(sampling_params or SamplingParams(), len(prompt_list), "sampling_params")
+        priorities = _per_prompt(list(priority) if priority is not None else 0, len(prompt_list), "priority")
+        token_ids = [self.engine.tokenize_prompt(p) for p in prompt_list]   # all validated before any runs
+        request_ids = [str(next(self._counter)) for _ in prompt_list]
+        for request_id, prompt, ids, params, prio in zip(request_ids, prompt_list, token_ids, params_list,
+                                                         priorities):
+            self.engine.add_request(request_id, prompt, params, priority=prio, prompt_token_ids=ids)
+        return self._run(request_ids, use_tqdm and len(prompt_list) > 1)
+
+    def chat(self, messages: Conversation | Sequence[Conversation],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *, use_tqdm: bool = True,
+             chat_template: str | None = None, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Generate a reply to a conversation, or to each of a list of conversations."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        template = chat_template or self.engine.config.model.chat_template
+        prompts = [apply_chat_template(self.engine.tokenizer, c, template, add_generation_prompt)
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        num_output_tokens = 0
+        try:
+            while len(done) < len(request_ids):
+                if not self.engine.has_unfinished_requests():
+                    raise RuntimeError("the engine went idle with requests unanswered")
+                for output in self.engine.step():
+                    if output.finished:
+                        done[output.request_id] = output
+                        num_output_tokens += len(output.outputs[0].token_ids)
+                        bar.update(1)
+                        bar.set_postfix_str(f"output {num_output_tokens / max(bar.format_dict['elapsed'], 1e-9):.1f} tok/s")
+        except BaseException:
+            self.engine.abort_request([r for r in request_ids if r not in done])
+            raise
+        finally:
+            bar.close()
+        return [done[r] for r in request_ids]
+
+
+def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if not prompts:
+        raise ValueError("prompts is empty: give at least one prompt")
+    if all(isinstance(t, int) for t in prompts):
+        return [prompts]    # one prompt as token ids
+    return prompts
+
+
+def _per_prompt(value, count: int, name: str) -> list:
+    if isinstance(value, list | tuple):
+        if len(value) != count:
+            raise ValueError(f"{name} has {len(value)} entries for {count} prompts")
+        return list(value)
+    return [value] * count

@@ -1,0 +1,53 @@
+"""Run the OpenAI-compatible server: `python -m pagedllm.entrypoints.openai.api_server --model MODEL`
+(vLLM's spelling; `pagedllm serve [MODEL]` does the same)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from pagedllm.entrypoints.openai.cli_args import add_server_args, engine_config_from_args
+
+logger = logging.getLogger(__name__)
+
+DESCRIPTION = ("Serve a model over an OpenAI-compatible HTTP API: /v1/models, /v1/completions, "
+               "/v1/chat/completions (with streaming), /tokenize, /detokenize, /health, /version and /metrics "
+               "(Prometheus).")
+
+
+def build_app_from_args(args: argparse.Namespace):
+    """Load the engine the flags describe and wrap it in the app (the engine thread starts with the server)."""
+    from pagedllm.engine.async_engine import AsyncEngine
+    from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.entrypoints.openai.serving_base import ServerLimits
+    from pagedllm.entrypoints.openai.server import build_app
+
+    engine = AsyncEngine(LLMEngine(engine_config_from_args(args)), log_requests=args.enable_log_requests)
+    limits = ServerLimits(max_request_body_bytes=args.max_request_body_bytes, max_n=args.max_n,
+                          max_stop_strings=args.max_stop_strings, max_logprobs=args.max_logprobs)
+    return build_app(engine, served_model_names=args.served_model_name, api_key=args.api_key, limits=limits)
+
+
+def run_server(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = build_app_from_args(args)
+    names = ", ".join(args.served_model_name or [app.state.engine.model_name])
+    logger.info("serving %s on http://%s:%d (API key %s)", names, args.host, args.port,
+                "required" if args.api_key else "not required")
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, timeout_keep_alive=5)
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m pagedllm.entrypoints.openai.api_server",
+                                     description=DESCRIPTION)
+    return add_server_args(parser, positional_model=False)
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_server(make_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""The server's command-line flags, named as `vllm serve` names them, and the EngineConfig they make.
+
+Importing this module is cheap (no torch), so `pagedllm --help` answers at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+
+_SIZE_UNITS = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "ki": 1024, "mi": 1024**2, "gi": 1024**3}
+
+
+def parse_bytes(text: str) -> int:
+    """'67108864', '64MiB', '64M', '4GiB', '1.5G' -> bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmMgG]i?)?[bB]?\s*", text)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 67108864, 64MiB, 4GiB)")
+    number, unit = match.groups()
+    return int(float(number) * _SIZE_UNITS[(unit or "").lower()])
+
+
+def add_server_args(parser: argparse.ArgumentParser, *, positional_model: bool) -> argparse.ArgumentParser:
+    """Add every serving flag to `parser`.
+
+    Args:
+        positional_model: `pagedllm serve [MODEL]` takes the model as an optional positional argument; both
+            forms also accept --model.
+    """
+    model_help = ("a Hugging Face model folder (config.json + safetensors), a .gguf file, or the name of the "
+                  "embedded default model (SmolLM2-135M-Instruct, used when no model is given)")
+    if positional_model:
+        parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help=model_help)
+    parser.add_argument("--model", default=None, help=model_help)
+
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1",
+                        help="address to bind; 0.0.0.0 exposes the server to the network (default: %(default)s)")
+    server.add_argument("--port", type=int, default=8000, help="TCP port (default: %(default)s)")
+    server.add_argument("--api-key", default=os.environ.get("PAGEDLLM_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' on /v1/* (default: $PAGEDLLM_API_KEY; unset "
+                             "means no key)")
+    server.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                        help="name(s) clients use in the `model` field; the first is reported back "
+                             "(default: the model's own name)")
+    server.add_argument("--chat-template", default=None,
+                        help="a Jinja chat template, or the path of a file holding one, replacing the model's own")
+    server.add_argument("--enable-log-requests", action="store_true",
+                        help="log each request's prompt and sampling parameters (off: prompts may be private)")
+    server.add_argument("--uvicorn-log-level", default="info",
+                        choices=["critical", "error", "warning", "info", "debug", "trace"],
+                        help="uvicorn's log level (default: %(default)s)")
+
+    limits = parser.add_argument_group("request limits")
+    limits.add_argument("--max-request-body-bytes", type=parse_bytes, default=32 * 1024 * 1024,
+                        help="larger request bodies get 413 (default: 32MiB)")
+    limits.add_argument("--max-n", type=int, default=128, help="most completions per prompt, n (default: %(default)s)")
+    limits.add_argument("--max-stop-strings", type=int, default=64,
+                        help="most stop strings per request (default: %(default)s)")
+    limits.add_argument("--max-logprobs", type=int, default=20,
+                        help="most log-probabilities per token, logprobs / top_logprobs (default: %(default)s)")
+
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--max-model-len", type=int, default=None,
+                        help="context length cap, prompt + output tokens (default: the model's own)")
+    engine.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                        help="weight and activation precision; auto is bfloat16 where the CPU supports it, float32 "
+                             "otherwise (default: %(default)s)")
+    engine.add_argument("--block-size", type=int, default=16,
+                        help="tokens per KV-cache block, a power of two (default: %(default)s)")
+    engine.add_argument("--gpu-memory-utilization", type=float, default=None,
+                        help="fraction of device memory for weights, activations and the KV cache; on a CPU, the "
+                             "fraction of RAM (default: on a GPU 0.9, on a CPU a 4 GiB KV pool)")
+    engine.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
+                        help="size of the KV pool, e.g. 512MiB or 2GiB; overrides --gpu-memory-utilization")
+    engine.add_argument("--swap-space", type=float, default=0.0,
+                        help="GiB of the second KV pool that swap preemption moves blocks to (default: 0)")
+    engine.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap", "auto"],
+                        help="what to do with a request when KV blocks run out (default: %(default)s)")
+    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                        help="reuse the KV cache of shared prompt prefixes (default: on)")
+    engine.add_argument("--max-num-seqs", type=int, default=256,
+                        help="most requests in one engine step (default: %(default)s)")
+    engine.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                        help="token budget of one engine step; longer prompts are prefilled in chunks "
+                             "(default: %(default)s)")
+    engine.add_argument("--seed", type=int, default=0, help="seed of the engine's random stream (default: 0)")
+    return parser
+
+
+def model_of(args: argparse.Namespace) -> str | None:
+    tag = getattr(args, "model_tag", None)
+    if tag is not None and args.model is not None and tag != args.model:
+        raise SystemExit(f"error: two models given: {tag!r} and --model {args.model!r}")
+    return tag or args.model
+
+
+def engine_config_from_args(args: argparse.Namespace):
+    """The EngineConfig the flags describe. Raises ValueError naming a bad field."""
+    from pagedllm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+
+    return EngineConfig(
+        model=ModelConfig(model=model_of(args), dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed,
+                          chat_template=args.chat_template),
+        cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+                          gpu_memory_utilization=args.gpu_memory_utilization, swap_space=args.swap_space,
+                          enable_prefix_caching=args.enable_prefix_caching),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                                  preemption_mode=args.preemption_mode),
+    )

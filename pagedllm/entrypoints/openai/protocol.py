@@ -1,0 +1,133 @@
+"""OpenAI request schemas (pydantic) and the error type every endpoint answers with.
+
+Requests accept OpenAI's fields plus vLLM's sampling extras (top_k, min_p, ...). Unknown fields are ignored, as
+OpenAI's own server does. Responses are built as plain dicts by the serving modules: they are encoded once per
+chunk, and pydantic would only add a second copy of each field.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class OpenAIError(Exception):
+    """An error sent back as `{"error": {"message", "type", "param", "code"}}` with an HTTP status.
+
+    Args:
+        message: what went wrong, for the user.
+        status_code: HTTP status (400 bad input, 401 key, 404 model, 413 body, 503 engine dead).
+        param: the request field at fault, if any.
+        code: a short machine-readable code, e.g. "model_not_found".
+    """
+
+    def __init__(self, message: str, status_code: int = 400, param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status_code = status_code
+        self.param = param
+        self.code = code
+
+    @property
+    def type(self) -> str:
+        if self.status_code >= 500:
+            return "server_error"
+        return {401: "authentication_error", 404: "not_found_error"}.get(self.status_code,
+                                                                          "invalid_request_error")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingFields(_Request):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    priority: int = 0
+    cache_salt: str | None = None
+
+
+class CompletionRequest(_SamplingFields):
+    """POST /v1/completions. `prompt`: a string, a list of strings, token ids, or a list of token-id lists."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[dict[str, Any]]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+class TokenizeRequest(_Request):
+    """POST /tokenize: either `prompt` or chat `messages`."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int] = Field(default_factory=list)
+
+
+FinishReason = Literal["stop", "length", "abort"]

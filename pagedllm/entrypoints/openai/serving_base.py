@@ -1,0 +1,266 @@
+"""What /v1/completions and /v1/chat/completions share: model check, limits, prompt validation, sampling
+parameters, fanning `n` out to engine requests, and SSE framing."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import math
+from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any
+
+from pagedllm.engine.async_engine import AsyncEngine, EngineDeadError
+from pagedllm.entrypoints.openai.protocol import OpenAIError, _SamplingFields
+from pagedllm.outputs import Logprob, RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# JSON has no -inf; vLLM sends this instead.
+MIN_LOGPROB = -9999.0
+
+
+@dataclass
+class ServerLimits:
+    """Per-request limits (vLLM's defaults where it has one).
+
+    Args:
+        max_request_body_bytes: larger bodies get 413.
+        max_n: most completions per prompt.
+        max_stop_strings: most stop strings per request.
+        max_logprobs: most top log-probabilities per token (vLLM's max_logprobs).
+        max_prompts: most prompts in one /v1/completions request.
+    """
+
+    max_request_body_bytes: int = 32 * 1024 * 1024
+    max_n: int = 128
+    max_stop_strings: int = 64
+    max_logprobs: int = 20
+    max_prompts: int = 1024
+
+
+@dataclass
+class Choice:
+    """One engine request behind a response choice."""
+
+    index: int
+    request_id: str
+    prompt_index: int
+    params: SamplingParams
+
+
+@dataclass
+class Prompt:
+    text: str | None
+    token_ids: list[int]
+
+
+class OpenAIServing:
+    """Base of the serving classes.
+
+    Args:
+        engine: the running AsyncEngine.
+        served_model_names: names accepted in `model`; the first is reported back.
+        limits: per-request limits.
+    """
+
+    def __init__(self, engine: AsyncEngine, served_model_names: Sequence[str], limits: ServerLimits) -> None:
+        self.engine = engine
+        self.served_model_names = list(served_model_names)
+        self.limits = limits
+
+    # ---- validation ---------------------------------------------------------------------------------------------
+    def check_model(self, model: str | None) -> str:
+        """The name to report; 404 for a model this server does not serve."""
+        if model is None or model == "":
+            return self.served_model_names[0]
+        if model not in self.served_model_names:
+            raise OpenAIError(f"The model `{model}` does not exist. This server serves "
+                              f"{', '.join(self.served_model_names)}.", 404, "model", "model_not_found")
+        return model
+
+    def check_common(self, request: _SamplingFields) -> None:
+        if request.stream_options is not None and not request.stream:
+            raise OpenAIError("stream_options can only be set when stream is true", param="stream_options")
+        if not 1 <= request.n <= self.limits.max_n:
+            raise OpenAIError(f"n must be in [1, {self.limits.max_n}], got {request.n}", param="n")
+        stops = [request.stop] if isinstance(request.stop, str) else request.stop or []
+        if len(stops) > self.limits.max_stop_strings:
+            raise OpenAIError(f"stop has {len(stops)} strings; at most {self.limits.max_stop_strings} are allowed",
+                              param="stop")
+
+    def check_logprobs(self, num_logprobs: int | None, param: str) -> None:
+        if num_logprobs is not None and not 0 <= num_logprobs <= self.limits.max_logprobs:
+            raise OpenAIError(f"{param} must be in [0, {self.limits.max_logprobs}], got {num_logprobs}",
+                              param=param)
+
+    def validate_prompt(self, token_ids: list[int], param: str = "prompt") -> list[int]:
+        """Vocabulary and length checks, with vLLM's wording for a prompt that fills the context."""
+        max_len = self.engine.max_model_len
+        if len(token_ids) >= max_len:
+            raise OpenAIError(f"This model's maximum context length is {max_len} tokens. However, your request "
+                              f"has {len(token_ids)} input tokens. Please reduce the length of the input messages.",
+                              param=param, code="context_length_exceeded")
+        try:
+            return self.engine.engine.tokenize_prompt(token_ids)   # validation only: no engine state touched
+        except ValueError as exc:
+            raise OpenAIError(str(exc), param=param) from exc
+
+    def resolve_max_tokens(self, max_tokens: int | None, num_prompt_tokens: int, param: str = "max_tokens") -> int:
+        """`max_tokens`, or all the context left; 400 if prompt + max_tokens overflows the context."""
+        max_len = self.engine.max_model_len
+        if max_tokens is None:
+            return max_len - num_prompt_tokens
+        if max_tokens >= 1 and num_prompt_tokens + max_tokens > max_len:
+            raise OpenAIError(f"This model's maximum context length is {max_len} tokens. However, you requested "
+                              f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the messages, "
+                              f"{max_tokens} in the completion). Please reduce the length of the messages or "
+                              "completion.", param=param, code="context_length_exceeded")
+        return max_tokens
+
+    def sampling_params(self, request: _SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """SamplingParams for one child request (n = 1: the server fans n out itself)."""
+        try:
+            logit_bias = {int(k): v for k, v in (request.logit_bias or {}).items()}
+        except ValueError as exc:
+            raise OpenAIError("logit_bias keys must be token ids", param="logit_bias") from exc
+        fields: dict[str, Any] = dict(
+            n=1, max_tokens=max_tokens, stop=request.stop, seed=request.seed, logprobs=logprobs,
+            presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
+            logit_bias=logit_bias or None, ignore_eos=request.ignore_eos, min_tokens=request.min_tokens,
+            stop_token_ids=request.stop_token_ids, skip_special_tokens=request.skip_special_tokens,
+            spaces_between_special_tokens=request.spaces_between_special_tokens,
+            include_stop_str_in_output=request.include_stop_str_in_output, output_kind="delta")
+        optional = dict(temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
+                        min_p=request.min_p, repetition_penalty=request.repetition_penalty)
+        fields.update({k: v for k, v in optional.items() if v is not None})
+        try:
+            return SamplingParams(**fields)
+        except ValueError as exc:
+            raise OpenAIError(str(exc), param=_param_of(str(exc))) from exc
+
+    def make_choices(self, request_id: str, params_per_prompt: list[SamplingParams], n: int) -> list[Choice]:
+        """n children per prompt, ids `{request_id}-{choice}`; a seeded request gives child i the seed + i."""
+        choices = []
+        for prompt_index, params in enumerate(params_per_prompt):
+            for i in range(n):
+                child = params if params.seed is None or i == 0 else dataclasses.replace(params, seed=params.seed + i)
+                index = prompt_index * n + i
+                choices.append(Choice(index, f"{request_id}-{index}", prompt_index, child))
+        return choices
+
+    # ---- running ------------------------------------------------------------------------------------------------
+    async def run_choices(self, choices: list[Choice], prompts: list[Prompt], priority: int,
+                          cache_salt: str | None) -> AsyncIterator[tuple[Choice, RequestOutput]]:
+        """Start every child request and yield (choice, output) as outputs arrive, in any order.
+
+        Closing this iterator (or cancelling its consumer) aborts every child still running.
+        """
+        streams = [self.engine.generate(c.request_id, prompts[c.prompt_index].token_ids, c.params,
+                                        prompt_token_ids=prompts[c.prompt_index].token_ids, priority=priority,
+                                        cache_salt=cache_salt) for c in choices]
+        if len(streams) == 1:
+            async with aclosing(streams[0]) as stream:
+                async for output in stream:
+                    yield choices[0], output
+            return
+        async for i, output in _merge(streams):
+            yield choices[i], output
+
+    async def first_then_rest(self, outputs: AsyncIterator[tuple[Choice, RequestOutput]]
+                              ) -> AsyncIterator[tuple[Choice, RequestOutput]]:
+        """Wait for the first output before answering, so that a request the engine refuses gets a real status
+        code rather than an error inside a 200 stream."""
+        first = await anext(outputs)
+
+        async def chained() -> AsyncIterator[tuple[Choice, RequestOutput]]:
+            async with aclosing(outputs):
+                yield first
+                async for item in outputs:
+                    yield item
+        return chained()
+
+
+async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several output streams; an error in one ends them all."""
+    queue: asyncio.Queue = asyncio.Queue()
+    _DONE = object()
+
+    async def drain(i: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async with aclosing(stream):
+                async for output in stream:
+                    queue.put_nowait((i, output))
+            queue.put_nowait((i, _DONE))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            queue.put_nowait((i, exc))
+
+    tasks = [asyncio.ensure_future(drain(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is _DONE:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _param_of(message: str) -> str | None:
+    """SamplingParams' messages start with the field name: 'top_p must be in (0, 1], got 2'."""
+    head = message.split(" ", 1)[0]
+    return head if head.isidentifier() else None
+
+
+def error_for(exc: BaseException) -> OpenAIError:
+    """The OpenAI error for an exception raised while a request runs."""
+    if isinstance(exc, OpenAIError):
+        return exc
+    if isinstance(exc, EngineDeadError):
+        return OpenAIError(str(exc), 503, code="engine_dead")
+    if isinstance(exc, ValueError):
+        return OpenAIError(str(exc), 400, _param_of(str(exc)))
+    logger.exception("request failed", exc_info=exc)
+    return OpenAIError(f"internal error: {exc!r}", 500)
+
+
+def sse(data: dict[str, Any] | str) -> str:
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {payload}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
+            "total_tokens": num_prompt_tokens + num_completion_tokens}
+
+
+def clean_logprob(value: float) -> float:
+    return value if value > MIN_LOGPROB else MIN_LOGPROB     # also maps -inf and nan
+
+
+def top_entries(position: dict[int, Logprob], num: int) -> list[tuple[int, Logprob]]:
+    """The `num` most likely tokens at one position (by rank, else by log-probability)."""
+    ordered = sorted(position.items(), key=lambda kv: (kv[1].rank if kv[1].rank is not None else math.inf,
+                                                       -kv[1].logprob))
+    return ordered[:num]
+
+
+def token_text(tokenizer: Any, token_id: int, entry: Logprob | None) -> str:
+    if entry is not None and entry.decoded_token is not None:
+        return entry.decoded_token
+    return tokenizer.decode([token_id])

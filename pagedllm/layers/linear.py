@@ -1,0 +1,136 @@
+"""Linear layers shaped for tensor parallelism (Megatron style), running with tp_size=1 for now.
+
+Each parameter carries a `weight_loader(param, loaded_weight[, shard_id])` that takes the *full* checkpoint
+tensor and copies this rank's slice into place, so the model's `load_weights` never needs to know the split.
+
+    ColumnParallelLinear   W [out, in]  split by rows:    rank r holds W[r*out/tp:(r+1)*out/tp]
+    RowParallelLinear      W [out, in]  split by columns: rank r holds W[:, r*in/tp:(r+1)*in/tp]; sum-reduce
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _param(*shape: int, dtype: torch.dtype, loader: Callable) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+    p.weight_loader = loader  # type: ignore[attr-defined]
+    return p
+
+
+def _divide(n: int, tp_size: int, what: str) -> int:
+    if n % tp_size:
+        raise ValueError(f"{what}={n} is not divisible by tensor_parallel_size={tp_size}")
+    return n // tp_size
+
+
+def _copy(param: torch.Tensor, loaded: torch.Tensor) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"shape mismatch: parameter {tuple(param.shape)}, checkpoint {tuple(loaded.shape)}")
+    param.data.copy_(loaded)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b, with W's output rows split across ranks. x: [T, in] -> y: [T, out / tp]."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, dtype: torch.dtype = torch.float32,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.input_size = input_size
+        self.output_size_per_partition = _divide(output_size, tp_size, "output_size")
+        self.weight = _param(self.output_size_per_partition, input_size, dtype=dtype, loader=self.weight_loader)
+        self.bias = _param(self.output_size_per_partition, dtype=dtype, loader=self.weight_loader) if bias else None
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        shard = param.shape[0]
+        _copy(param, loaded.narrow(0, self.tp_rank * shard, shard))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs fused into one matmul (e.g. gate_up); shard ids 0, 1, ..."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
+                 dtype: torch.dtype = torch.float32, tp_rank: int = 0, tp_size: int = 1) -> None:
+        self.output_sizes = output_sizes
+        super().__init__(input_size, sum(output_sizes), bias, dtype, tp_rank, tp_size)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
+        if shard_id is None:
+            return super().weight_loader(param, loaded)
+        shard = self.output_sizes[shard_id] // self.tp_size
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        _copy(param.data.narrow(0, offset, shard), loaded.narrow(0, self.tp_rank * shard, shard))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q, k, v projection. Output: [T, (Hq + 2 * Hkv) * D / tp]; shard ids "q", "k", "v".
+
+    KV heads fewer than tp_size are replicated: each rank keeps the kv head its query heads use.
+    """
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
+                 dtype: torch.dtype = torch.float32, tp_rank: int = 0, tp_size: int = 1) -> None:
+        self.head_dim = head_dim
+        self.num_heads = _divide(num_heads, tp_size, "num_attention_heads")
+        if num_kv_heads >= tp_size:
+            self.num_kv_heads, self.num_kv_replicas = _divide(num_kv_heads, tp_size, "num_key_value_heads"), 1
+        else:
+            self.num_kv_heads, self.num_kv_replicas = 1, _divide(tp_size, num_kv_heads, "tp_size / kv heads")
+        output_size = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
+        super().__init__(hidden_size, output_size, bias, dtype, tp_rank, tp_size)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:
+        if shard_id is None:
+            raise ValueError("QKVParallelLinear needs a shard id: 'q', 'k' or 'v'")
+        if shard_id == "q":
+            offset, size, rank = 0, self.q_size, self.tp_rank
+        elif shard_id in ("k", "v"):
+            offset = self.q_size + (self.kv_size if shard_id == "v" else 0)
+            size, rank = self.kv_size, self.tp_rank // self.num_kv_replicas
+        else:
+            raise ValueError(f"unknown qkv shard id {shard_id!r}")
+        _copy(param.data.narrow(0, offset, size), loaded.narrow(0, rank * size, size))
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b, with W's input columns split across ranks; partial sums are all-reduced.
+
+    x: [T, in / tp] -> y: [T, out].
+    """
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, dtype: torch.dtype = torch.float32,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.input_size_per_partition = _divide(input_size, tp_size, "input_size")
+        self.output_size = output_size
+        self.weight = _param(output_size, self.input_size_per_partition, dtype=dtype, loader=self.weight_loader)
+        self.bias = _param(output_size, dtype=dtype, loader=self.weight_loader) if bias else None
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if param.dim() == 1:  # the bias is not split: it is added once, after the reduce
+            return _copy(param, loaded)
+        shard = param.shape[1]
+        _copy(param, loaded.narrow(1, self.tp_rank * shard, shard))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if self.tp_size > 1:
+            torch.distributed.all_reduce(y)
+        return y if self.bias is None else y + self.bias

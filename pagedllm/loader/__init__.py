@@ -1,0 +1,97 @@
+"""Load a model: resolve the argument, read its config, build the model and feed it the checkpoint's weights.
+
+The loaders (`safetensors.py`, `gguf.py`) yield Hugging Face (name, tensor) pairs and know nothing of models;
+the registry picks the class; the model maps the names onto its parameters.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedllm.config import ModelConfig
+from pagedllm.loader.resolve import ResolvedModel, resolve_model
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    hf_config: Any  # transformers.PretrainedConfig
+    resolved: ResolvedModel
+    dtype: torch.dtype
+
+
+def cpu_supports_bf16() -> bool:
+    """True when the CPU has native bfloat16 arithmetic (AVX512-BF16 or AMX)."""
+    try:
+        if torch.backends.cpu.get_cpu_capability() in ("AVX512_BF16", "AMX"):
+            return True
+    except AttributeError:
+        pass
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return any(f in flags for f in (" avx512_bf16", " amx_bf16"))
+
+
+def resolve_dtype(dtype: str, device: str = "cpu") -> torch.dtype:
+    """"auto" -> bfloat16 on a GPU or a bf16-capable CPU, float32 otherwise; other names map directly."""
+    if dtype != "auto":
+        return _DTYPES[dtype]
+    if device != "cpu":
+        return torch.bfloat16
+    return torch.bfloat16 if cpu_supports_bf16() else torch.float32
+
+
+def load_hf_config(resolved: ResolvedModel) -> Any:
+    """The transformers config of a folder, or one built from a GGUF's metadata."""
+    if resolved.gguf_path is not None:
+        from pagedllm.loader.gguf import GGUFFile, gguf_hf_config
+
+        return gguf_hf_config(GGUFFile(resolved.gguf_path))
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(resolved.path))
+
+
+def load_model(model_config: ModelConfig) -> LoadedModel:
+    """Resolve, build and load the model of `model_config`, in eval mode on `model_config.device`."""
+    from pagedllm.models.registry import model_class_for_config
+
+    start = time.perf_counter()
+    resolved = resolve_model(model_config.model)
+    dtype = resolve_dtype(model_config.dtype, model_config.device)
+    if resolved.gguf_path is not None:
+        from pagedllm.loader.gguf import GGUFFile, gguf_hf_config, iterate_gguf
+
+        gguf_file = GGUFFile(resolved.gguf_path)
+        hf_config = gguf_hf_config(gguf_file)
+        weights = iterate_gguf(resolved.gguf_path, dtype, gguf_file)
+    else:
+        from transformers import AutoConfig
+
+        from pagedllm.loader.safetensors import iterate_safetensors
+
+        hf_config = AutoConfig.from_pretrained(str(resolved.path))
+        weights = iterate_safetensors(resolved.path, dtype)
+    model_cls = model_class_for_config(hf_config)
+    with torch.device(model_config.device):
+        model = model_cls(hf_config, dtype=dtype)
+    model.load_weights(weights)
+    model.eval()
+    logger.info("loaded %s (%s) in %.2f s", resolved.name, dtype, time.perf_counter() - start)
+    return LoadedModel(model, hf_config, resolved, dtype)
+
+
+__all__ = ["LoadedModel", "ResolvedModel", "load_model", "load_hf_config", "resolve_dtype", "resolve_model"]

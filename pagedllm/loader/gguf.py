@@ -1,0 +1,248 @@
+"""(hf_name, tensor) pairs from a GGUF file, dequantised with the `gguf` package, llama Q/K permutation undone.
+
+The header is parsed here rather than with `gguf.GGUFReader`, which builds a numpy view per array item and
+takes seconds on a tokenizer's 100k strings; tensor data is memory-mapped and dequantised one tensor at a time.
+
+Layout of a GGUF file (little endian):
+
+    magic "GGUF" | version u32 | n_tensors u64 | n_kv u64
+    n_kv x       (key: str, value_type: u32, value)          str = u64 length + utf-8 bytes
+    n_tensors x  (name: str, n_dims: u32, dims: u64[n_dims], ggml_type: u32, offset: u64)
+    padding to `general.alignment` (32) | tensor data, each at data_start + offset
+
+dims run fastest first, so a GGUF [ne0, ne1] tensor is a torch [ne1, ne0] one.
+"""
+
+from __future__ import annotations
+
+import mmap
+import re
+import struct
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+from gguf.quants import dequantize
+
+_SCALARS: dict[int, str] = {
+    GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H", GGUFValueType.INT16: "<h",
+    GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i", GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<?",
+    GGUFValueType.UINT64: "<Q", GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d",
+}
+_PLAIN_TYPES: dict[int, torch.dtype] = {
+    GGMLQuantizationType.F32: torch.float32, GGMLQuantizationType.F16: torch.float16,
+    GGMLQuantizationType.BF16: torch.bfloat16,
+}
+# Architectures whose Q/K rows llama.cpp's converter permutes (for its interleaved rope).
+_PERMUTED_ARCHS = {"llama"}
+
+# GGUF tensor name -> Hugging Face name (llama family). {i} is the layer index.
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_SKIPPED = {"rope_freqs"}  # llama3 rope factors: the rope is rebuilt from the config instead
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+@dataclass(frozen=True)
+class GGUFTensorInfo:
+    name: str
+    shape: tuple[int, ...]  # torch order (slowest first)
+    ggml_type: GGMLQuantizationType
+    offset: int  # absolute byte offset in the file
+
+    @property
+    def num_bytes(self) -> int:
+        block_size, type_size = GGML_QUANT_SIZES[self.ggml_type]
+        return int(np.prod(self.shape)) * type_size // block_size
+
+
+class _Cursor:
+    def __init__(self, buf: mmap.mmap) -> None:
+        self.buf, self.pos = buf, 0
+
+    def unpack(self, fmt: str) -> Any:
+        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> str:
+        n = self.unpack("<Q")
+        self.pos += n
+        return bytes(self.buf[self.pos - n:self.pos]).decode("utf-8", errors="replace")
+
+    def skip_string(self) -> None:
+        self.pos += 8 + struct.unpack_from("<Q", self.buf, self.pos)[0]
+
+    def value(self, vtype: int, keep_string_arrays: bool) -> Any:
+        if vtype == GGUFValueType.STRING:
+            return self.string()
+        if vtype != GGUFValueType.ARRAY:
+            return self.unpack(_SCALARS[vtype])
+        item_type, count = self.unpack("<I"), self.unpack("<Q")
+        if item_type in _SCALARS:
+            fmt = _SCALARS[item_type]
+            size = struct.calcsize(fmt)
+            arr = np.frombuffer(self.buf, dtype=np.dtype(fmt), count=count, offset=self.pos).copy()
+            self.pos += size * count
+            return arr
+        if item_type == GGUFValueType.STRING and not keep_string_arrays:
+            for _ in range(count):
+                self.skip_string()
+            return None  # skipped: tokenizer vocabularies and merges
+        return [self.value(item_type, keep_string_arrays) for _ in range(count)]
+
+
+class GGUFFile:
+    """Metadata and tensor index of a GGUF file; tensors are read lazily from a memory map.
+
+    String arrays (the tokenizer's tokens and merges) are skipped unless `keep_string_arrays`; their keys map
+    to None.
+    """
+
+    def __init__(self, path: str | Path, keep_string_arrays: bool = False) -> None:
+        self.path = Path(path)
+        with open(self.path, "rb") as f:
+            self._buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        cur = _Cursor(self._buf)
+        if bytes(self._buf[:4]) != b"GGUF":
+            raise ValueError(f"{self.path} is not a GGUF file (bad magic)")
+        cur.pos = 4
+        self.version = cur.unpack("<I")
+        if self.version < 2:
+            raise ValueError(f"{self.path}: GGUF version {self.version} is not supported (need >= 2)")
+        num_tensors, num_kv = cur.unpack("<Q"), cur.unpack("<Q")
+        self.metadata: dict[str, Any] = {}
+        for _ in range(num_kv):
+            key = cur.string()
+            self.metadata[key] = cur.value(cur.unpack("<I"), keep_string_arrays)
+        raw = [self._tensor_header(cur) for _ in range(num_tensors)]
+        alignment = int(self.metadata.get("general.alignment", 32))
+        data_start = -(-cur.pos // alignment) * alignment
+        self.tensors = {name: GGUFTensorInfo(name, shape, t, data_start + off) for name, shape, t, off in raw}
+
+    @staticmethod
+    def _tensor_header(cur: _Cursor) -> tuple[str, tuple[int, ...], GGMLQuantizationType, int]:
+        name = cur.string()
+        dims = [cur.unpack("<Q") for _ in range(cur.unpack("<I"))]
+        ggml_type = GGMLQuantizationType(cur.unpack("<I"))
+        return name, tuple(reversed(dims)), ggml_type, cur.unpack("<Q")
+
+    @property
+    def architecture(self) -> str:
+        return str(self.metadata["general.architecture"])
+
+    def arch_value(self, key: str, default: Any = None) -> Any:
+        """`{architecture}.{key}` from the metadata, e.g. arch_value("block_count")."""
+        return self.metadata.get(f"{self.architecture}.{key}", default)
+
+    def read_tensor(self, info: GGUFTensorInfo) -> torch.Tensor:
+        """The tensor dequantised: float32 for quantised types, its own dtype for F32/F16/BF16."""
+        if info.ggml_type in _PLAIN_TYPES:
+            dtype = _PLAIN_TYPES[info.ggml_type]
+            count = int(np.prod(info.shape))
+            with warnings.catch_warnings():  # read-only mmap: callers copy before writing
+                warnings.simplefilter("ignore", UserWarning)
+                return torch.frombuffer(self._buf, dtype=dtype, count=count, offset=info.offset).view(info.shape)
+        data = np.frombuffer(self._buf, dtype=np.uint8, count=info.num_bytes, offset=info.offset)
+        block_size, type_size = GGML_QUANT_SIZES[info.ggml_type]
+        rows = data.reshape(*info.shape[:-1], info.shape[-1] // block_size * type_size)
+        return torch.from_numpy(dequantize(rows, info.ggml_type))
+
+
+def gguf_to_hf_name(name: str) -> str | None:
+    """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'; None for tensors to skip."""
+    m = _BLOCK_RE.match(name)
+    if m:
+        layer, part, kind = m.groups()
+        if part not in _BLOCK_NAMES:
+            raise KeyError(f"unknown GGUF tensor {name!r}")
+        return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
+    base, _, kind = name.rpartition(".")
+    if base in _SKIPPED:
+        return None
+    if base not in _TOP_NAMES:
+        raise KeyError(f"unknown GGUF tensor {name!r}")
+    return f"{_TOP_NAMES[base]}.{kind}"
+
+
+def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo convert_hf_to_gguf's `permute(w, n_head, n_head_kv)` for one of q (num_heads) or k (num_kv_heads).
+
+    llama.cpp reorders each head's rows from halves [x0..x(d/2-1), y0..] to interleaved pairs [x0, y0, x1, ...]:
+    forward is reshape(H, 2, d/2, ...).swapaxes(1, 2); the inverse is reshape(H, d/2, 2, ...).swapaxes(1, 2).
+    """
+    rest = weight.shape[1:]
+    return weight.reshape(num_heads, weight.shape[0] // num_heads // 2, 2, *rest).transpose(1, 2).reshape(
+        weight.shape)
+
+
+def iterate_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
+                 gguf_file: GGUFFile | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (Hugging Face name, tensor in `dtype`) for every weight of a llama-family GGUF."""
+    g = gguf_file or GGUFFile(path)
+    permute = g.architecture in _PERMUTED_ARCHS
+    num_heads = g.arch_value("attention.head_count")
+    num_kv_heads = g.arch_value("attention.head_count_kv", num_heads)
+    for info in g.tensors.values():
+        hf_name = gguf_to_hf_name(info.name)
+        if hf_name is None:
+            continue
+        tensor = g.read_tensor(info)
+        if permute and ".q_proj." in hf_name:
+            tensor = unpermute_qk(tensor, num_heads)
+        elif permute and ".k_proj." in hf_name:
+            tensor = unpermute_qk(tensor, num_kv_heads)
+        yield hf_name, tensor.to(dtype)
+
+
+def gguf_hf_config(g: GGUFFile) -> Any:
+    """A transformers config built from GGUF metadata (what `AutoConfig.from_pretrained(gguf_file=)` gives,
+    without parsing the tokenizer, which takes seconds)."""
+    from transformers import AutoConfig
+
+    arch = g.architecture
+    num_heads = int(g.arch_value("attention.head_count"))
+    hidden = int(g.arch_value("embedding_length"))
+    kwargs: dict[str, Any] = dict(
+        vocab_size=int(g.arch_value("vocab_size") or g.tensors["token_embd.weight"].shape[0]),
+        hidden_size=hidden,
+        intermediate_size=int(g.arch_value("feed_forward_length")),
+        num_hidden_layers=int(g.arch_value("block_count")),
+        num_attention_heads=num_heads,
+        num_key_value_heads=int(g.arch_value("attention.head_count_kv", num_heads)),
+        head_dim=int(g.arch_value("rope.dimension_count", hidden // num_heads)),
+        max_position_embeddings=int(g.arch_value("context_length", 2048)),
+        rms_norm_eps=float(g.arch_value("attention.layer_norm_rms_epsilon", 1e-6)),
+        tie_word_embeddings="output.weight" not in g.tensors,
+        rope_parameters=_gguf_rope_parameters(g),
+    )
+    for field, gguf_field in (("bos", "bos"), ("eos", "eos"), ("pad", "padding"), ("unk", "unknown")):
+        token_id = g.metadata.get(f"tokenizer.ggml.{gguf_field}_token_id")
+        if token_id is not None:
+            kwargs[f"{field}_token_id"] = int(token_id)
+    if arch == "llama":
+        kwargs["attention_bias"] = "blk.0.attn_q.bias" in g.tensors
+    name = g.metadata.get("general.name")
+    config = AutoConfig.for_model(arch, **kwargs)
+    if name:
+        config._name_or_path = str(name)
+    return config
+
+
+def _gguf_rope_parameters(g: GGUFFile) -> dict[str, Any]:
+    params: dict[str, Any] = {"rope_theta": float(g.arch_value("rope.freq_base", 10000.0)), "rope_type": "default"}
+    scaling = g.arch_value("rope.scaling.type")
+    if scaling in ("linear",):
+        params.update(rope_type="linear", factor=float(g.arch_value("rope.scaling.factor")))
+    elif scaling not in (None, "none"):
+        raise NotImplementedError(f"GGUF rope scaling {scaling!r} is not supported")
+    return params

@@ -1,0 +1,105 @@
+"""Prometheus metrics under vLLM's names with the prefix `pagedllm:`, each labelled with model_name.
+
+Each server owns a `CollectorRegistry`, so tests (or one process serving two apps) never clash in the global
+registry. `record()` is called from the engine thread after each step; prometheus_client is thread safe.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from pagedllm.metrics.stats import IterationStats, SchedulerStats
+
+PREFIX = "pagedllm:"
+
+# vLLM's buckets, in seconds.
+_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+_ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0]
+_REQUEST_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                    240.0, 480.0, 960.0, 1920.0, 7680.0]
+
+
+class PrometheusStatLogger:
+    """Turns SchedulerStats and IterationStats into gauges, counters and histograms.
+
+    Args:
+        model_name: the value of every metric's model_name label.
+        registry: where the metrics live; a fresh one when None.
+    """
+
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.model_name = model_name
+        labels = ["model_name"]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(PREFIX + name, doc, labels, registry=self.registry).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(PREFIX + name, doc, labels, registry=self.registry).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=self.registry).labels(model_name)
+
+        self.num_running = gauge("num_requests_running", "Requests in the running batch.")
+        self.num_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.num_swapped = gauge("num_requests_swapped", "Requests whose KV blocks are swapped out.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).")
+        self.blocks_free = gauge("num_blocks_free", "Free KV-cache blocks (cached-but-unused count as free).")
+        self.blocks_total = gauge("num_blocks_total", "KV-cache blocks in the pool.")
+        self.preemptions = Counter(PREFIX + "num_preemptions", "Requests preempted, by mode.",
+                                   ["model_name", "mode"], registry=self.registry)
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.request_success = Counter(PREFIX + "request_success", "Requests finished, by finish reason.",
+                                       ["model_name", "finished_reason"], registry=self.registry)
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.", _TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between two tokens of a request.", _ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token.", _REQUEST_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.", _REQUEST_BUCKETS)
+        for reason in ("stop", "length", "abort"):
+            self.request_success.labels(model_name, reason)
+        self._last: SchedulerStats | None = None
+
+    def record(self, scheduler_stats: SchedulerStats | None, iteration: IterationStats | None) -> None:
+        if scheduler_stats is not None:
+            self._record_scheduler(scheduler_stats)
+        if iteration is not None:
+            self._record_iteration(iteration)
+
+    def _record_scheduler(self, stats: SchedulerStats) -> None:
+        self.num_running.set(stats.num_running)
+        self.num_waiting.set(stats.num_waiting)
+        self.num_swapped.set(stats.num_swapped)
+        self.kv_usage.set(stats.kv_cache_usage)
+        self.blocks_free.set(stats.num_blocks_free)
+        self.blocks_total.set(stats.num_blocks_total)
+        last = self._last or SchedulerStats()
+        # The core keeps cumulative counts; a Prometheus counter takes increments.
+        for mode, count in stats.num_preemptions_total.items():
+            _inc(self.preemptions.labels(self.model_name, mode), count - last.num_preemptions_total.get(mode, 0))
+        _inc(self.prefix_queries, stats.prefix_cache_queries_total - last.prefix_cache_queries_total)
+        _inc(self.prefix_hits, stats.prefix_cache_hits_total - last.prefix_cache_hits_total)
+        self._last = stats
+
+    def _record_iteration(self, it: IterationStats) -> None:
+        _inc(self.prompt_tokens, it.num_prompt_tokens)
+        _inc(self.generation_tokens, it.num_generation_tokens)
+        for value in it.time_to_first_tokens:
+            self.ttft.observe(value)
+        for value in it.inter_token_latencies:
+            self.itl.observe(value)
+        for value in it.queue_times:
+            self.queue_time.observe(value)
+        for finished in it.finished:
+            self.request_success.labels(self.model_name, finished.finish_reason).inc()
+            self.e2e.observe(finished.e2e_latency)
+
+
+def _inc(counter: Counter, amount: float) -> None:
+    if amount > 0:
+        counter.inc(amount)

@@ -1,0 +1,214 @@
+"""One Llama-family decoder: Llama 2/3, Mistral, Qwen2, SmolLM; MHA, GQA and MQA; tied or untied embeddings.
+
+The model is format-agnostic: `load_weights` takes Hugging Face parameter names from any loader and maps the
+separate q/k/v and gate/up checkpoint tensors onto the fused parameters (`STACKED_PARAMS_MAPPING`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+from pagedllm.attention.cpu import paged_attention
+from pagedllm.attention.metadata import AttentionMetadata, KVCache
+from pagedllm.attention.torch_ref import write_kv
+from pagedllm.layers.activation import SiluAndMul
+from pagedllm.layers.embedding import ParallelLMHead, VocabEmbedding
+from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pagedllm.layers.norm import RMSNorm
+from pagedllm.layers.rotary import RotaryEmbedding, get_rope, rope_config
+
+# (query, k_cache, v_cache, meta, scale) -> out; see pagedllm.attention.torch_ref.paged_attention_ref
+AttentionBackend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
+
+# (fused parameter name part, checkpoint name part, shard id)
+STACKED_PARAMS_MAPPING: list[tuple[str, str, str | int]] = [
+    (".qkv_proj", ".q_proj", "q"),
+    (".qkv_proj", ".k_proj", "k"),
+    (".qkv_proj", ".v_proj", "v"),
+    (".gate_up_proj", ".gate_proj", 0),
+    (".gate_up_proj", ".up_proj", 1),
+]
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+def _head_dim(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _has_qkv_bias(config: Any) -> bool:
+    return bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: Any, dtype: torch.dtype, attn_backend: AttentionBackend,
+                 rotary_emb: RotaryEmbedding) -> None:
+        super().__init__()
+        self.head_dim = _head_dim(config)
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.scale = self.head_dim ** -0.5
+        self.attn_backend = attn_backend
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads,
+                                          bias=_has_qkv_bias(config), dtype=dtype)
+        self.o_proj = RowParallelLinear(self.num_heads * self.head_dim, config.hidden_size,
+                                        bias=bool(getattr(config, "attention_bias", False)), dtype=dtype)
+        self.rotary_emb = rotary_emb  # shared by all layers
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        # x: [T, hidden]
+        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) * D]
+        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(-1, q_size // self.head_dim, self.head_dim)  # [T, Hq, D]
+        k = k.view(-1, kv_size // self.head_dim, self.head_dim)  # [T, Hkv, D]
+        v = v.view(-1, kv_size // self.head_dim, self.head_dim)
+        q, k = self.rotary_emb(positions, q, k)
+        k_cache, v_cache = kv_cache
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = self.attn_backend(q, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
+        return self.o_proj(out.flatten(1))  # [T, hidden]
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: Any, dtype: torch.dtype) -> None:
+        super().__init__()
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only 'silu')")
+        bias = bool(getattr(config, "mlp_bias", False))
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias=bias, dtype=dtype)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias, dtype=dtype)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))  # [T, H] -> [T, 2I] -> [T, I] -> [T, H]
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: Any, dtype: torch.dtype, attn_backend: AttentionBackend,
+                 rotary_emb: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, dtype, attn_backend, rotary_emb)
+        self.mlp = LlamaMLP(config, dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                kv_cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: Any, dtype: torch.dtype, attn_backend: AttentionBackend) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype)
+        base, scaling = rope_config(config)
+        rotary_emb = get_rope(_head_dim(config), config.max_position_embeddings, base, scaling)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype, attn_backend, rotary_emb)
+                                    for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [T, H]
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x, residual = layer(positions, x, residual, kv_cache, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    """A Llama-family causal LM over a paged KV cache.
+
+    Args:
+        config: a Hugging Face config (LlamaConfig, MistralConfig, Qwen2Config, ...).
+        dtype: parameter and activation dtype.
+        attn_backend: paged attention function; the batched CPU backend by default.
+    """
+
+    def __init__(self, config: Any, dtype: torch.dtype = torch.float32,
+                 attn_backend: AttentionBackend = paged_attention) -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.model = LlamaModel(config, dtype, attn_backend)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype)
+        if self.tie_word_embeddings:
+            self.lm_head.tie(self.model.embed_tokens)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.model.layers)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: [T] -> hidden states [T, H]; writes the new tokens' K/V to kv_caches."""
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, H] -> logits [N, V] float32."""
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load (Hugging Face name, tensor) pairs; returns the names of the parameters loaded.
+
+        Raises KeyError for a checkpoint name the model does not know and ValueError for parameters no
+        checkpoint tensor filled.
+        """
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if self.tie_word_embeddings and name == "lm_head.weight":
+                continue  # some checkpoints store the tied head anyway; the embedding is the one used
+            loaded.add(self._load_one(params, name, tensor))
+        self._check_all_loaded(params, loaded)
+        return loaded
+
+    def _load_one(self, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> str:
+        for fused, part, shard_id in STACKED_PARAMS_MAPPING:
+            if part in name:
+                target = name.replace(part, fused)
+                param = self._param(params, name, target)
+                param.weight_loader(param, tensor, shard_id)
+                return f"{target}#{shard_id}"
+        param = self._param(params, name, name)
+        loader = getattr(param, "weight_loader", None)
+        if loader is None:
+            if param.shape != tensor.shape:
+                raise ValueError(f"{name}: shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+            param.data.copy_(tensor)
+        else:
+            loader(param, tensor)
+        return name
+
+    @staticmethod
+    def _param(params: dict[str, nn.Parameter], name: str, target: str) -> nn.Parameter:
+        if target not in params:
+            raise KeyError(f"checkpoint tensor {name!r} has no matching parameter in LlamaForCausalLM")
+        return params[target]
+
+    def _check_all_loaded(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
+        expected = set()
+        for name in params:
+            if self.tie_word_embeddings and name == "lm_head.weight":
+                continue
+            fused = [(p, s) for f, p, s in STACKED_PARAMS_MAPPING if f + "." in name]
+            expected.update(f"{name}#{s}" for _, s in fused) if fused else expected.add(name)
+        missing = sorted(expected - loaded)
+        if missing:
+            shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
+            raise ValueError(f"{len(missing)} parameters were not found in the checkpoint: {shown}")

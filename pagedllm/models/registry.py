@@ -1,0 +1,44 @@
+"""Architecture name -> model class.
+
+Accepts Hugging Face `architectures` entries (e.g. "LlamaForCausalLM") and GGUF `general.architecture` /
+HF `model_type` names (e.g. "llama").
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from pagedllm.models.llama import LlamaForCausalLM
+
+_MODELS: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "llama": LlamaForCausalLM,
+    "mistral": LlamaForCausalLM,
+    "qwen2": LlamaForCausalLM,
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def get_model_class(architecture: str) -> type[nn.Module]:
+    """The model class for one architecture name; ValueError listing the supported names otherwise."""
+    try:
+        return _MODELS[architecture]
+    except KeyError:
+        raise ValueError(f"unsupported model architecture {architecture!r}; supported: "
+                         f"{', '.join(supported_architectures())}") from None
+
+
+def model_class_for_config(config: Any) -> type[nn.Module]:
+    """The model class for a Hugging Face config: its `architectures`, else its `model_type`."""
+    names = list(getattr(config, "architectures", None) or []) + [getattr(config, "model_type", "")]
+    for name in names:
+        if name in _MODELS:
+            return _MODELS[name]
+    raise ValueError(f"unsupported model architecture {names!r}; supported: {', '.join(supported_architectures())}")

@@ -1,0 +1,74 @@
+"""What a request gives back, shaped like vLLM's outputs. Plain dataclasses, no torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class Logprob:
+    """One token's log-probability.
+
+    Args:
+        logprob: natural log of the token's probability under the raw (unprocessed) logits.
+        rank: 1-based rank of the token in the vocabulary (1 = most likely); None if not computed.
+        decoded_token: the token's text, if the detokenizer filled it in.
+    """
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per generated token: token id -> Logprob, holding the sampled token and the top-`logprobs` tokens.
+SampleLogprobs = list[dict[int, Logprob]]
+
+
+@dataclass
+class CompletionOutput:
+    """One completion of a prompt.
+
+    Args:
+        index: which of the prompt's `n` completions this is.
+        text: generated text (without the matched stop string unless include_stop_str_in_output).
+        token_ids: generated token ids, including a final EOS or stop token id.
+        cumulative_logprob: sum of the sampled tokens' log-probabilities, when logprobs were requested.
+        logprobs: per generated token, its top log-probabilities, when requested.
+        finish_reason: None while running; then "stop" (EOS, stop string or stop token), "length" or "abort".
+        stop_reason: the stop string or stop token id that ended it; None for EOS, length or abort.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: SampleLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """A prompt and its completions, so far or final.
+
+    Args:
+        request_id: the engine's id for the request.
+        prompt: the prompt text, if the request came as text.
+        prompt_token_ids: the tokenized prompt.
+        outputs: one CompletionOutput per completion (`n` of them).
+        finished: True once every completion has finished.
+        num_cached_tokens: prompt tokens served from the prefix cache.
+        metrics: timing information, if the engine records it.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = False
+    num_cached_tokens: int = 0
+    metrics: Any = None

@@ -1,0 +1,83 @@
+"""Turns a scheduler step into the flat tensors one forward pass takes.
+
+The batch is flat: the new tokens of every scheduled request, one after another.
+
+    request:        A (3 new)      B (1 new)   C (2 new)
+    rows:           0  1  2        3           4  5
+    query_start:    0              3           4          6
+    positions:      5  6  7        40          0  1        (num_computed_tokens + offset)
+    slot:           block_table[pos // block_size] * block_size + pos % block_size
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import chain
+
+import numpy as np
+import torch
+
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.core.sched.output import ScheduledRequest
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class CachedRequestState:
+    """What the runner remembers about a request between steps (it survives preemption)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class ModelInputs:
+    input_ids: torch.Tensor          # [num_tokens]
+    positions: torch.Tensor          # [num_tokens]
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor     # [num_sampled]: the row of each sampling request's last token
+    sample_req_ids: list[str]        # the requests those rows belong to, in order
+
+
+def build_model_inputs(scheduled: list[ScheduledRequest], block_size: int, device: torch.device) -> ModelInputs:
+    num_new = np.fromiter((len(s.token_ids) for s in scheduled), dtype=np.int64, count=len(scheduled))
+    num_computed = np.fromiter((s.num_computed_tokens for s in scheduled), dtype=np.int64, count=len(scheduled))
+    query_start = np.zeros(len(scheduled) + 1, dtype=np.int64)
+    np.cumsum(num_new, out=query_start[1:])
+    num_tokens = int(query_start[-1])
+
+    row_req = np.repeat(np.arange(len(scheduled)), num_new)                      # [num_tokens]
+    positions = num_computed[row_req] + np.arange(num_tokens) - query_start[row_req]
+    block_tables = _block_table_array(scheduled)
+    slots = block_tables[row_req, positions // block_size] * block_size + positions % block_size
+    seq_lens = num_computed + num_new
+
+    sample_rows = [i for i, s in enumerate(scheduled) if s.sample]
+    input_ids = np.fromiter(chain.from_iterable(s.token_ids for s in scheduled), dtype=np.int64, count=num_tokens)
+    meta = AttentionMetadata(
+        slot_mapping=torch.from_numpy(slots).to(device),
+        query_start_loc=torch.from_numpy(query_start.astype(np.int32)).to(device),
+        seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
+        block_tables=torch.from_numpy(block_tables).to(device),
+        max_query_len=int(num_new.max()),
+        max_seq_len=int(seq_lens.max()),
+    )
+    return ModelInputs(
+        input_ids=torch.from_numpy(input_ids).to(device),
+        positions=torch.from_numpy(positions).to(device),
+        meta=meta,
+        logits_indices=torch.from_numpy(query_start[1:][sample_rows] - 1).to(device),
+        sample_req_ids=[scheduled[i].req_id for i in sample_rows],
+    )
+
+
+def _block_table_array(scheduled: list[ScheduledRequest]) -> np.ndarray:
+    """[num_seqs, max_blocks] int32, padded with 0 (the null block)."""
+    max_blocks = max(len(s.block_ids) for s in scheduled)
+    table = np.zeros((len(scheduled), max_blocks), dtype=np.int32)
+    for row, s in enumerate(scheduled):
+        table[row, : len(s.block_ids)] = s.block_ids
+    return table

@@ -1,0 +1,110 @@
+"""The KV cache tensors: sizing from the memory budget, allocation, and block copies.
+
+One tensor holds every layer's keys and values, shaped in blocks:
+
+    kv: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+          layer ─┘   └─ 0 = K, 1 = V
+
+so that a block copy (copy-on-write) or a swap moves one block of every layer with one indexing op.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import psutil
+import torch
+
+logger = logging.getLogger(__name__)
+
+GiB = 1 << 30
+CPU_DEFAULT_KV_BYTES = 4 * GiB
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """The shape of one token's K/V across the model."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        """2 (K and V) x layers x kv_heads x head_dim x dtype bytes."""
+        element_size = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_size
+
+
+@dataclass(frozen=True)
+class CapacityReport:
+    num_blocks: int
+    block_size: int
+    bytes_per_token: int
+    max_model_len: int
+
+    @property
+    def max_concurrent_seqs(self) -> float:
+        """How many requests at full context fit in the pool at once."""
+        return (self.num_blocks - 1) * self.block_size / self.max_model_len
+
+    def __str__(self) -> str:
+        pool_gib = self.num_blocks * self.block_size * self.bytes_per_token / GiB
+        return (f"KV cache: {self.num_blocks} blocks of {self.block_size} tokens ({pool_gib:.2f} GiB), "
+                f"{self.bytes_per_token} bytes per token, "
+                f"{self.max_concurrent_seqs:.1f}x concurrency at max_model_len={self.max_model_len}")
+
+
+def kv_budget_bytes(kv_cache_memory: int | None, memory_utilization: float | None, weight_bytes: int,
+                    device: torch.device) -> int:
+    """Bytes for the KV pool: explicit, else a fraction of device memory minus the weights, else the default.
+
+    On a CPU the pool shares RAM with everything else, so the default is 4 GiB capped by half of what is
+    available now; an explicit utilization takes that fraction of the machine's RAM.
+    """
+    if kv_cache_memory is not None:
+        return kv_cache_memory
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        fraction = memory_utilization if memory_utilization is not None else 0.9
+        # The activation peak is small next to the pool for the models we serve; keep 5% headroom for it.
+        return int(min(total * fraction - weight_bytes - 0.05 * total, free * 0.95))
+    if memory_utilization is not None:
+        return int(psutil.virtual_memory().total * memory_utilization) - weight_bytes
+    return min(CPU_DEFAULT_KV_BYTES, psutil.virtual_memory().available // 2)
+
+
+def num_blocks_for(budget_bytes: int, layout: KVLayout, block_size: int) -> int:
+    num_blocks = budget_bytes // (layout.bytes_per_token * block_size)
+    if num_blocks < 2:
+        raise ValueError(f"the KV cache budget of {budget_bytes} bytes holds fewer than 2 blocks of "
+                         f"{block_size} tokens ({layout.bytes_per_token} bytes per token); raise "
+                         "kv_cache_memory or gpu_memory_utilization")
+    return int(num_blocks)
+
+
+def allocate_kv(layout: KVLayout, num_blocks: int, block_size: int, device: torch.device) -> torch.Tensor:
+    """A zeroed KV tensor. On a CPU it comes from calloc, so untouched pages cost no RAM and no start-up time."""
+    shape = (layout.num_layers, 2, num_blocks, block_size, layout.num_kv_heads, layout.head_dim)
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=layout.dtype, device=device)
+    element_size = torch.empty((), dtype=layout.dtype).element_size()
+    raw = np.zeros(int(np.prod(shape)) * element_size, dtype=np.uint8)
+    return torch.from_numpy(raw).view(layout.dtype).view(shape)
+
+
+def layer_caches(kv: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per-layer (k_cache, v_cache) views, each [num_blocks, block_size, num_kv_heads, head_dim]."""
+    return [(kv[layer, 0], kv[layer, 1]) for layer in range(kv.shape[0])]
+
+
+def copy_blocks(kv: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
+    """Copy whole blocks (all layers, K and V) from src to dst ids within one pool."""
+    if not pairs:
+        return
+    src = torch.tensor([s for s, _ in pairs], device=kv.device)
+    dst = torch.tensor([d for _, d in pairs], device=kv.device)
+    kv[:, :, dst] = kv[:, :, src]

@@ -1,0 +1,101 @@
+"""The model runner: executes one scheduler step on the device.
+
+It moves blocks the scheduler asked to move, builds the flat inputs, runs the model over the paged KV cache and
+samples. It never decides policy.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.config import CacheConfig
+from pagedllm.core.sched.output import NewRequestData, RunnerOutput, SchedulerOutput
+from pagedllm.layers.sampler import Sampler, SamplingMetadata, SamplingRow, make_generator
+from pagedllm.loader import LoadedModel
+from pagedllm.runner import kv_tensors
+from pagedllm.runner.input_batch import CachedRequestState, ModelInputs, build_model_inputs
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+
+
+def model_shape(hf_config) -> ModelShape:
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    return ModelShape(hf_config.num_hidden_layers, num_kv_heads, head_dim, hf_config.vocab_size)
+
+
+class ModelRunner:
+    """Owns the model, the KV tensors and each request's sampling state."""
+
+    def __init__(self, loaded: LoadedModel, cache_config: CacheConfig, eos_token_id: int | None,
+                 seed: int = 0) -> None:
+        self.model = loaded.model
+        self.device = next(self.model.parameters()).device
+        self.shape = model_shape(loaded.hf_config)
+        self.layout = kv_tensors.KVLayout(self.shape.num_layers, self.shape.num_kv_heads, self.shape.head_dim,
+                                          loaded.dtype)
+        self.block_size = cache_config.block_size
+        self.eos_token_id = eos_token_id
+        self.sampler = Sampler()
+        self.requests: dict[str, CachedRequestState] = {}
+        self.global_generator = make_generator(seed, self.device)
+        self.kv: torch.Tensor | None = None
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.kv = kv_tensors.allocate_kv(self.layout, num_blocks, self.block_size, self.device)
+        self.kv_caches = kv_tensors.layer_caches(self.kv)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        for req_id in out.finished_req_ids:
+            self.requests.pop(req_id, None)
+        # A preempted request keeps its state here (above all its seeded generator, so that its samples do not
+        # depend on whether it was preempted); it comes back through new_requests and is recognised.
+        for new in out.new_requests:
+            self._add_request(new)
+        assert self.kv is not None, "allocate_kv_cache() must run before execute()"
+        kv_tensors.copy_blocks(self.kv, out.blocks_to_copy)
+        if not out.scheduled:
+            return RunnerOutput(sampled_token_ids={}, logprobs={})
+        inputs = build_model_inputs(out.scheduled, self.block_size, self.device)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        if not inputs.sample_req_ids:
+            return RunnerOutput(sampled_token_ids={}, logprobs={})
+        return self._sample(hidden, inputs)
+
+    def _add_request(self, new: NewRequestData) -> None:
+        if new.req_id in self.requests:
+            return
+        seed = new.sampling_params.seed
+        generator = make_generator(seed, self.device) if seed is not None else None
+        self.requests[new.req_id] = CachedRequestState(new.req_id, list(new.prompt_token_ids),
+                                                       new.sampling_params, generator)
+
+    def _sample(self, hidden: torch.Tensor, inputs: ModelInputs) -> RunnerOutput:
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])   # [num_sampled, vocab]
+        states = [self.requests[req_id] for req_id in inputs.sample_req_ids]
+        rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids, s.generator, self.eos_token_id)
+                for s in states]
+        meta = SamplingMetadata.build(rows, self.shape.vocab_size, self.device, self.global_generator)
+        result = self.sampler(logits, meta)
+        token_ids = result.token_ids.tolist()
+        for state, token_id in zip(states, token_ids):
+            state.output_token_ids.append(token_id)
+        sampled = dict(zip(inputs.sample_req_ids, token_ids))
+        logprobs = result.logprobs.to_lists(inputs.sample_req_ids) if result.logprobs is not None else {}
+        return RunnerOutput(sampled_token_ids=sampled, logprobs=logprobs)

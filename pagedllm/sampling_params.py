@@ -1,0 +1,129 @@
+"""Sampling parameters, with vLLM's fields, defaults and validation. Pure Python: the core imports it."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+_GREEDY_EPS = 1e-5
+
+
+def _check(ok: bool, name: str, allowed: str, value: object) -> None:
+    if not ok:
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _normalise_logit_bias(logit_bias: dict) -> dict[int, float]:
+    """Keys may arrive as strings (JSON objects); values as ints."""
+    out = {}
+    for key, value in logit_bias.items():
+        try:
+            token_id = int(key) if isinstance(key, str) or _is_int(key) else None
+        except ValueError:
+            token_id = None
+        _check(token_id is not None, "logit_bias", "keyed by integer token ids", key)
+        _check(_is_number(value), "logit_bias", "values in [-100, 100]", value)
+        out[token_id] = float(value)
+    return out
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one prompt's completions.
+
+    Args:
+        n: completions per prompt.
+        temperature: 0 is greedy; higher flattens the distribution.
+        top_p, top_k, min_p: nucleus, top-k (0 or -1 = off) and min-p filters.
+        presence_penalty, frequency_penalty: OpenAI penalties on generated tokens, in [-2, 2].
+        repetition_penalty: multiplicative penalty on prompt and generated tokens, > 0 (1 = off).
+        seed: per-request seed; the same seed gives the same tokens whatever the batch.
+        stop: strings that end the completion (not included in the text unless include_stop_str_in_output).
+        stop_token_ids: token ids that end the completion (kept in token_ids, not in the text).
+        ignore_eos: keep generating past EOS.
+        max_tokens: most generated tokens; None means up to the context length.
+        min_tokens: EOS and stop_token_ids are suppressed until this many tokens are generated.
+        logprobs: number of top log-probabilities returned per generated token (plus the sampled one).
+        skip_special_tokens: leave special tokens out of the text.
+        include_stop_str_in_output: keep the matched stop string in the text.
+        logit_bias: token id -> bias added to its logit, in [-100, 100].
+    """
+
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    output_kind: str = field(default="final", repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias:
+            self.logit_bias = _normalise_logit_bias(self.logit_bias)
+        self._validate()
+        if self.temperature < _GREEDY_EPS:
+            # Greedy: the filters have no effect, so normalise them away.
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+
+    def _validate(self) -> None:
+        _check(_is_int(self.n) and self.n >= 1, "n", "an integer >= 1", self.n)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_number(value) and -2.0 <= value <= 2.0, name, "in [-2, 2]", value)
+        _check(_is_number(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
+               "> 0", self.repetition_penalty)
+        _check(_is_number(self.temperature) and self.temperature >= 0, "temperature", ">= 0",
+               self.temperature)
+        _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
+        _check(_is_int(self.top_k) and self.top_k >= -1, "top_k", "-1, 0 (off) or a positive integer",
+               self.top_k)
+        _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", "in [0, 1]", self.min_p)
+        _check(self.seed is None or _is_int(self.seed), "seed", "an integer or None", self.seed)
+        _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
+               "max_tokens", "an integer >= 1 or None", self.max_tokens)
+        _check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", "an integer >= 0",
+               self.min_tokens)
+        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+               f"<= max_tokens ({self.max_tokens})", self.min_tokens)
+        _check(self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0), "logprobs",
+               "an integer >= 0 or None", self.logprobs)
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop", "a list of non-empty strings",
+               self.stop)
+        _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+               "a list of non-negative integers", self.stop_token_ids)
+        for token_id, bias in (self.logit_bias or {}).items():
+            _check(token_id >= 0, "logit_bias", "keyed by non-negative token ids", token_id)
+            _check(_is_number(bias) and -100 <= bias <= 100, "logit_bias", "values in [-100, 100]", bias)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    def max_stop_len(self) -> int:
+        """Length of the longest stop string: how much streamed text must be held back."""
+        return max((len(s) for s in self.stop), default=0)

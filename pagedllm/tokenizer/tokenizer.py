@@ -1,0 +1,107 @@
+"""Load a transformers tokenizer from a Hugging Face folder or a GGUF file.
+
+Building a tokenizer from a GGUF file means converting its vocabulary (about 5 s for SmolLM2), so the result is
+saved with `save_pretrained` under the cache directory and loaded from there next time (about 0.25 s). The cache
+key is the GGUF file's resolved path, size and modification time plus the transformers version, so a changed
+file or library gets a fresh conversion. `PAGEDLLM_CACHE_DIR` moves the cache (default `~/.cache/pagedllm`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import transformers
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+_COMPLETE_MARKER = ".pagedllm-complete"
+
+
+def cache_dir() -> Path:
+    """Root of pagedllm's on-disk cache: $PAGEDLLM_CACHE_DIR, else ~/.cache/pagedllm."""
+    return Path(os.environ.get("PAGEDLLM_CACHE_DIR") or Path.home() / ".cache" / "pagedllm")
+
+
+def load_tokenizer(path: str | Path, gguf_file: str | None = None,
+                   chat_template: str | None = None) -> PreTrainedTokenizerBase:
+    """Load the tokenizer of a model.
+
+    Args:
+        path: a Hugging Face model folder, a folder holding `gguf_file`, or a `.gguf` file itself.
+        gguf_file: name of the GGUF file inside `path`, if the tokenizer comes from a GGUF file.
+        chat_template: a Jinja chat template (or the path of a file holding one) replacing the model's own.
+    """
+    path = Path(path)
+    if gguf_file is None and path.suffix == ".gguf" and path.is_file():
+        path, gguf_file = path.parent, path.name
+    if gguf_file is not None:
+        tokenizer = _load_gguf_tokenizer(path / gguf_file)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    if chat_template is not None:
+        tokenizer.chat_template = _read_chat_template(chat_template)
+    return tokenizer
+
+
+def _read_chat_template(chat_template: str) -> str:
+    """vLLM's --chat-template takes either the template or a file holding it."""
+    if "{" not in chat_template and len(chat_template) < 4096:
+        candidate = Path(chat_template).expanduser()
+        if candidate.is_file():
+            return candidate.read_text(encoding="utf-8")
+        raise ValueError(f"chat_template {chat_template!r} is neither a Jinja template nor a readable file")
+    return chat_template
+
+
+def _load_gguf_tokenizer(gguf_path: Path) -> PreTrainedTokenizerBase:
+    cached = _gguf_cache_path(gguf_path)
+    if (cached / _COMPLETE_MARKER).is_file():
+        try:
+            return AutoTokenizer.from_pretrained(str(cached))
+        except Exception as exc:  # a damaged cache entry: rebuild it
+            logger.warning("ignoring unreadable tokenizer cache %s: %s", cached, exc)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    _save_to_cache(tokenizer, cached)
+    return tokenizer
+
+
+def _gguf_cache_path(gguf_path: Path) -> Path:
+    resolved = gguf_path.resolve()
+    stat = resolved.stat()
+    key = f"{resolved}|{stat.st_size}|{stat.st_mtime_ns}|transformers={transformers.__version__}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:32]
+    return cache_dir() / "tokenizers" / digest
+
+
+def _save_to_cache(tokenizer: PreTrainedTokenizerBase, target: Path) -> None:
+    """Save into a temporary sibling, then rename, so a concurrent reader never sees half a tokenizer."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
+        tokenizer.save_pretrained(str(tmp))
+        (tmp / _COMPLETE_MARKER).touch()
+        if target.exists():
+            shutil.rmtree(target, ignore_errors=True)
+        try:
+            tmp.rename(target)
+        except OSError:  # another process got there first
+            shutil.rmtree(tmp, ignore_errors=True)
+    except OSError as exc:
+        logger.warning("could not cache the tokenizer in %s: %s", target, exc)
+
+
+def eos_token_ids(tokenizer: PreTrainedTokenizerBase, hf_config: object | None = None) -> list[int]:
+    """Token ids that end generation: the tokenizer's EOS first, then any others the model config lists."""
+    ids: list[int] = []
+    candidates = [getattr(tokenizer, "eos_token_id", None), getattr(hf_config, "eos_token_id", None)]
+    for value in candidates:
+        for token_id in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(token_id, int) and token_id not in ids:
+                ids.append(token_id)
+    return ids

@@ -1,0 +1,108 @@
+"""Linear layers' tensor-parallel weight loaders, RMSNorm, SiluAndMul and the vocab embedding."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+from pagedllm.layers.activation import SiluAndMul
+from pagedllm.layers.embedding import ParallelLMHead, VocabEmbedding
+from pagedllm.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
+                                    RowParallelLinear)
+from pagedllm.layers.norm import RMSNorm
+
+
+def _load(layer, name: str, loaded: torch.Tensor, *shard) -> None:
+    param = getattr(layer, name)
+    param.weight_loader(param, loaded, *shard)
+
+
+def test_column_and_row_shard_by_rank() -> None:
+    w = torch.randn(8, 6)
+    col = ColumnParallelLinear(6, 8, bias=True, tp_rank=1, tp_size=2)
+    _load(col, "weight", w)
+    _load(col, "bias", torch.arange(8.0))
+    assert torch.equal(col.weight, w[4:]) and col.bias.tolist() == [4.0, 5.0, 6.0, 7.0]
+    row = RowParallelLinear(6, 8, bias=True, tp_rank=1, tp_size=2)
+    _load(row, "weight", w)
+    _load(row, "bias", torch.arange(8.0))
+    assert torch.equal(row.weight, w[:, 3:]) and row.bias.shape == (8,)
+
+
+def test_single_rank_layers_compute_linear() -> None:
+    x, w, b = torch.randn(3, 6), torch.randn(8, 6), torch.randn(8)
+    col, row = ColumnParallelLinear(6, 8, bias=True), RowParallelLinear(6, 8, bias=True)
+    for layer in (col, row):
+        _load(layer, "weight", w)
+        _load(layer, "bias", b)
+        torch.testing.assert_close(layer(x), F.linear(x, w, b))
+
+
+def test_qkv_loader_places_shards() -> None:
+    q, k, v = torch.randn(8, 5), torch.randn(4, 5), torch.randn(4, 5)  # 4 q heads, 2 kv heads, head_dim 2
+    layer = QKVParallelLinear(5, 2, num_heads=4, num_kv_heads=2)
+    for shard_id, t in (("q", q), ("k", k), ("v", v)):
+        _load(layer, "weight", t, shard_id)
+    assert torch.equal(layer.weight, torch.cat([q, k, v]))
+    rank1 = QKVParallelLinear(5, 2, num_heads=4, num_kv_heads=2, tp_rank=1, tp_size=2)
+    for shard_id, t in (("q", q), ("k", k), ("v", v)):
+        _load(rank1, "weight", t, shard_id)
+    assert torch.equal(rank1.weight, torch.cat([q[4:], k[2:], v[2:]]))
+
+
+def test_qkv_replicates_kv_heads_when_fewer_than_ranks() -> None:
+    q, k, v = torch.randn(8, 5), torch.randn(2, 5), torch.randn(2, 5)  # MQA: one kv head, head_dim 2
+    for rank in (0, 1):
+        layer = QKVParallelLinear(5, 2, num_heads=4, num_kv_heads=1, tp_rank=rank, tp_size=2)
+        for shard_id, t in (("q", q), ("k", k), ("v", v)):
+            _load(layer, "weight", t, shard_id)
+        assert torch.equal(layer.weight, torch.cat([q[rank * 4:(rank + 1) * 4], k, v]))
+
+
+def test_merged_column_loader() -> None:
+    gate, up = torch.randn(6, 4), torch.randn(6, 4)
+    layer = MergedColumnParallelLinear(4, [6, 6])
+    _load(layer, "weight", up, 1)
+    _load(layer, "weight", gate, 0)
+    assert torch.equal(layer.weight, torch.cat([gate, up]))
+    rank1 = MergedColumnParallelLinear(4, [6, 6], tp_rank=1, tp_size=2)
+    _load(rank1, "weight", gate, 0)
+    _load(rank1, "weight", up, 1)
+    assert torch.equal(rank1.weight, torch.cat([gate[3:], up[3:]]))
+
+
+def test_rmsnorm_matches_transformers_with_fused_residual() -> None:
+    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
+        x, res, w = torch.randn(5, 32).to(dtype), torch.randn(5, 32).to(dtype), torch.randn(32).to(dtype)
+        hf = LlamaRMSNorm(32, eps=1e-5).to(dtype)
+        hf.weight.data.copy_(w)
+        ours = RMSNorm(32, eps=1e-5, dtype=dtype)
+        ours.weight.data.copy_(w)
+        torch.testing.assert_close(ours(x), hf(x), atol=tol, rtol=tol)
+        out, new_res = ours(x, res)
+        torch.testing.assert_close(new_res, x + res)
+        torch.testing.assert_close(out, hf(x + res), atol=tol, rtol=tol)
+
+
+def test_silu_and_mul() -> None:
+    x = torch.randn(3, 10)
+    torch.testing.assert_close(SiluAndMul()(x), F.silu(x[:, :5]) * x[:, 5:])
+
+
+def test_embedding_and_lm_head() -> None:
+    w = torch.randn(10, 4)
+    emb = VocabEmbedding(10, 4)
+    emb.weight.weight_loader(emb.weight, w)
+    ids = torch.tensor([0, 9, 3])
+    assert torch.equal(emb(ids), w[ids])
+    head = ParallelLMHead(10, 4, dtype=torch.bfloat16)
+    head.weight.weight_loader(head.weight, w)
+    logits = head(torch.randn(2, 4).bfloat16())
+    assert logits.shape == (2, 10) and logits.dtype == torch.float32
+    shard = VocabEmbedding(10, 4, tp_rank=1, tp_size=3)  # 4 rows each, the last rank padded
+    shard.weight.weight_loader(shard.weight, w)
+    assert torch.equal(shard.weight, w[4:8])
+    last = VocabEmbedding(10, 4, tp_rank=2, tp_size=3)
+    last.weight.weight_loader(last.weight, w)
+    assert torch.equal(last.weight[:2], w[8:]) and not last.weight[2:].any()

@@ -1,0 +1,162 @@
+"""GGUF reading: header parsing against gguf.GGUFReader, every tensor type, the llama Q/K permutation, and
+whole tiny models written as GGUF files compared with transformers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize, quantize
+
+from pagedllm.config import ModelConfig
+from pagedllm.loader import load_model
+from pagedllm.loader.gguf import GGUFFile, gguf_hf_config, gguf_to_hf_name, iterate_gguf, unpermute_qk
+from tests.models.tiny import SimplePagedRunner, build_tiny_hf_model
+
+QUANTIZABLE = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1]
+RAW_ONLY = [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q2_K, Q.Q3_K]  # no Python quantizer: random bytes, checked vs GGUFReader
+
+
+def _encode(x: np.ndarray, qtype: Q, rng: np.random.Generator) -> np.ndarray:
+    if qtype == Q.F32:
+        return x
+    if qtype in RAW_ONLY:
+        block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        raw = rng.integers(0, 256, (x.shape[0], x.shape[1] // block_size * type_size), dtype=np.uint8)
+        return raw
+    return quantize(x, qtype)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # random K-quant bytes hold NaN/inf f16 scales
+def test_every_tensor_type_matches_gguf_reader(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    path = tmp_path / "types.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    originals = {}
+    for qtype in QUANTIZABLE + RAW_ONLY:
+        x = rng.standard_normal((3, 512)).astype(np.float32)
+        originals[qtype.name] = x
+        data = _encode(x, qtype, rng)
+        writer.add_tensor(qtype.name, data, raw_dtype=None if qtype in (Q.F32, Q.F16) else qtype)
+    writer.add_array("tokenizer.ggml.tokens", ["a", "bb", "ccc"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    ours = GGUFFile(path)
+    assert ours.metadata["tokenizer.ggml.tokens"] is None  # string arrays skipped
+    assert GGUFFile(path, keep_string_arrays=True).metadata["tokenizer.ggml.tokens"] == ["a", "bb", "ccc"]
+    reader = gguf.GGUFReader(str(path))
+    for t in reader.tensors:
+        info = ours.tensors[t.name]
+        assert info.ggml_type == t.tensor_type and info.offset == t.data_offset
+        got = ours.read_tensor(info).float()
+        expected = torch.from_numpy(dequantize(t.data, t.tensor_type).astype(np.float32))
+        assert got.shape == (3, 512)
+        torch.testing.assert_close(got, expected, atol=0, rtol=0, equal_nan=True)
+        if t.tensor_type in QUANTIZABLE:  # and the round trip is close to the original
+            err = (got - torch.from_numpy(originals[t.name])).abs().max().item()
+            assert err < 0.35, (t.name, err)
+
+
+def _permute(w: torch.Tensor, n_head: int, n_head_kv: int | None) -> torch.Tensor:
+    """convert_hf_to_gguf.LlamaModel.permute, verbatim in torch."""
+    if n_head_kv is not None and n_head != n_head_kv:
+        n_head = n_head_kv
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def test_unpermute_inverts_llama_cpp_permute() -> None:
+    q, k = torch.randn(4 * 8, 16), torch.randn(2 * 8, 16)
+    assert torch.equal(unpermute_qk(_permute(q, 4, 4), 4), q)
+    assert torch.equal(unpermute_qk(_permute(k, 4, 2), 2), k)
+    assert not torch.equal(_permute(q, 4, 4), q)
+
+
+def test_name_mapping() -> None:
+    assert gguf_to_hf_name("blk.3.attn_q.weight") == "model.layers.3.self_attn.q_proj.weight"
+    assert gguf_to_hf_name("blk.0.ffn_down.weight") == "model.layers.0.mlp.down_proj.weight"
+    assert gguf_to_hf_name("blk.1.attn_k.bias") == "model.layers.1.self_attn.k_proj.bias"
+    assert gguf_to_hf_name("output.weight") == "lm_head.weight"
+    assert gguf_to_hf_name("rope_freqs.weight") is None
+    with pytest.raises(KeyError, match="blk.0.attn_q_norm"):
+        gguf_to_hf_name("blk.0.attn_q_norm.weight")
+
+
+_HF_TO_GGUF = {v: k for k, v in {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}.items()}
+
+
+def _write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32) -> None:
+    """What llama.cpp's converter does, in miniature: metadata, renamed tensors, Q/K permuted for llama."""
+    cfg = hf_model.config
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    for name, t in hf_model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        if name.startswith("model.layers."):
+            _, _, layer, rest = name.split(".", 3)
+            module, kind = rest.rsplit(".", 1)
+            gname = f"blk.{layer}.{_HF_TO_GGUF[module]}.{kind}"
+        else:
+            gname = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                     "lm_head.weight": "output.weight"}[name]
+        if arch == "llama" and ".attn_q." in gname:
+            t = _permute(t, cfg.num_attention_heads, cfg.num_attention_heads)
+        elif arch == "llama" and ".attn_k." in gname:
+            t = _permute(t, cfg.num_attention_heads, cfg.num_key_value_heads)
+        data = t.numpy()
+        if qtype != Q.F32 and t.dim() == 2:
+            w.add_tensor(gname, quantize(data, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(gname, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("kind,arch", [("llama-gqa", "llama"), ("llama-untied", "llama"), ("qwen2", "qwen2")])
+def test_tiny_gguf_model_matches_transformers(tmp_path: Path, kind: str, arch: str) -> None:
+    hf_model = build_tiny_hf_model(kind)
+    path = tmp_path / f"{kind}.gguf"
+    _write_model_gguf(hf_model, path, arch)
+    config = gguf_hf_config(GGUFFile(path))
+    assert config.model_type == arch and config.tie_word_embeddings == hf_model.config.tie_word_embeddings
+    assert config.num_key_value_heads == hf_model.config.num_key_value_heads
+    model = load_model(ModelConfig(model=str(path), dtype="float32")).model
+    prompt = [1, 17, 250, 9, 33, 70, 5, 80, 81]
+    logits = SimplePagedRunner(model).step({0: prompt})
+    with torch.inference_mode():
+        expected = hf_model(torch.tensor([prompt])).logits[0, -1]
+    torch.testing.assert_close(logits[0], expected, atol=1e-4, rtol=0)
+
+
+def test_quantized_gguf_is_close(tmp_path: Path) -> None:
+    hf_model = build_tiny_hf_model("llama-gqa")
+    path = tmp_path / "q8.gguf"
+    _write_model_gguf(hf_model, path, "llama", Q.Q8_0)
+    weights = dict(iterate_gguf(path, torch.float32))
+    ref = hf_model.state_dict()
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight"):
+        torch.testing.assert_close(weights[name], ref[name], atol=0.02, rtol=0.02)  # permutation undone
+    assert weights["model.norm.weight"].dtype == torch.float32

@@ -1,0 +1,58 @@
+"""pagedllm's Llama-family model against transformers on tiny random checkpoints, through a paged KV cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.config import ModelConfig
+from pagedllm.loader import load_model
+from tests.models.tiny import TINY_MODELS, SimplePagedRunner, save_tiny_model
+
+PROMPTS = [[1, 17, 250, 9, 33, 70, 5], [1, 200, 3], [1, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 12]]
+NUM_DECODE_STEPS = 10
+ATOL = 1e-4
+
+
+@torch.inference_mode()
+def _hf_last_logits(hf_model, tokens: list[int]) -> torch.Tensor:
+    return hf_model(torch.tensor([tokens])).logits[0, -1].float()
+
+
+def _load(folder) -> torch.nn.Module:
+    return load_model(ModelConfig(model=str(folder), dtype="float32")).model
+
+
+@pytest.mark.parametrize("kind", list(TINY_MODELS))
+def test_prefill_and_decode_match_transformers(tmp_path, kind: str) -> None:
+    folder, hf_model = save_tiny_model(tmp_path / kind, kind, with_tokenizer=False)
+    runner = SimplePagedRunner(_load(folder), block_size=4, num_blocks=64)
+    seqs = [list(p) for p in PROMPTS]
+    # Step 1: prompt 0 and 1 whole, prompt 2 as a first chunk; step 2: prompt 2's second chunk.
+    logits = runner.step({0: seqs[0], 1: seqs[1], 2: seqs[2][:5]})
+    logits = torch.cat([logits[:2], runner.step({2: seqs[2][5:]})])
+    for _ in range(NUM_DECODE_STEPS):
+        for i, seq in enumerate(seqs):
+            expected = _hf_last_logits(hf_model, seq)
+            torch.testing.assert_close(logits[i], expected, atol=ATOL, rtol=0)
+            assert int(logits[i].argmax()) == int(expected.argmax())
+            seq.append(int(expected.argmax()))
+        logits = runner.step({i: [seq[-1]] for i, seq in enumerate(seqs)})
+
+
+def test_sharded_checkpoint(tmp_path) -> None:
+    folder, hf_model = save_tiny_model(tmp_path / "sharded", "llama-untied", max_shard_size="100KB",
+                                       with_tokenizer=False)
+    assert (folder / "model.safetensors.index.json").is_file()
+    runner = SimplePagedRunner(_load(folder))
+    logits = runner.step({0: PROMPTS[0]})
+    torch.testing.assert_close(logits[0], _hf_last_logits(hf_model, PROMPTS[0]), atol=ATOL, rtol=0)
+
+
+def test_bfloat16_close_to_float32(tmp_path) -> None:
+    folder, hf_model = save_tiny_model(tmp_path / "bf16", "llama-gqa", with_tokenizer=False)
+    model = load_model(ModelConfig(model=str(folder), dtype="bfloat16")).model
+    assert model.dtype == torch.bfloat16 and model.lm_head.weight.dtype == torch.bfloat16
+    logits = SimplePagedRunner(model, dtype=torch.bfloat16).step({0: PROMPTS[0]})
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits[0], _hf_last_logits(hf_model, PROMPTS[0]), atol=0.1, rtol=0.05)

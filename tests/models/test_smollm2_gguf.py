@@ -1,0 +1,59 @@
+"""The embedded SmolLM2 GGUF: pagedllm's loader and model against transformers' own GGUF loading."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.config import ModelConfig
+from pagedllm.loader import load_model
+from tests.models.tiny import SimplePagedRunner
+
+NUM_STEPS = 16
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "You are a helpful assistant."},
+     {"role": "user", "content": "Write a haiku about paged attention."}],
+]
+
+
+def _transformers_gguf_model(folder: str, gguf_file: str) -> torch.nn.Module:
+    """transformers' own GGUF reading (dequantisation, renaming, Q/K un-permutation), independent of ours.
+
+    `from_pretrained(gguf_file=)` would need `accelerate`; this is the same loader without it.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    config = AutoConfig.from_pretrained(folder, gguf_file=gguf_file)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    tensors = load_gguf_checkpoint(f"{folder}/{gguf_file}", return_tensors=True, model_to_load=model)["tensors"]
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    model.tie_weights()
+    return model.eval()
+
+
+@pytest.mark.slow
+def test_smollm2_gguf_matches_transformers() -> None:
+    from transformers import AutoTokenizer
+
+    loaded = load_model(ModelConfig(model=None, dtype="float32"))
+    folder, gguf_file = str(loaded.resolved.path), loaded.resolved.gguf_file
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
+    hf_model = _transformers_gguf_model(folder, gguf_file)
+    assert torch.equal(hf_model.lm_head.weight, hf_model.model.embed_tokens.weight)
+    seqs = [list(tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=True)
+                 ["input_ids"]) for c in CHATS]
+    runner = SimplePagedRunner(loaded.model, block_size=16, num_blocks=32)
+    logits = runner.step(dict(enumerate(seqs)))
+    max_err = 0.0
+    for _ in range(NUM_STEPS):
+        for i, seq in enumerate(seqs):
+            with torch.inference_mode():
+                expected = hf_model(torch.tensor([seq])).logits[0, -1].float()
+            max_err = max(max_err, (logits[i] - expected).abs().max().item())
+            assert int(logits[i].argmax()) == int(expected.argmax()), tokenizer.decode(seq)
+            seq.append(int(expected.argmax()))
+        logits = runner.step({i: [seq[-1]] for i, seq in enumerate(seqs)})
+    assert max_err < 1e-3, max_err

@@ -1,0 +1,120 @@
+"""Tiny random Hugging Face models (and a byte-level tokenizer) in a folder, for tests. Nothing is downloaded.
+
+    folder, hf_model = save_tiny_model(tmp_path / "m", "llama-gqa")
+    runner = SimplePagedRunner(pagedllm_model, block_size=4, num_blocks=64)
+    logits = runner.step({0: [1, 2, 3], 1: [4, 5]})        # seq id -> new tokens; returns last-token logits
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+VOCAB_SIZE = 384  # 256 bytes + specials, padded
+_COMMON: dict[str, Any] = dict(
+    vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    max_position_embeddings=256, rms_norm_eps=1e-5, initializer_range=0.1, bos_token_id=1, eos_token_id=2,
+    tie_word_embeddings=True,
+)
+TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama-mha": ("llama", dict(num_key_value_heads=4)),
+    "llama-gqa": ("llama", dict(num_key_value_heads=2)),
+    "llama-mqa": ("llama", dict(num_key_value_heads=1, head_dim=32)),
+    "llama-untied": ("llama", dict(num_key_value_heads=2, tie_word_embeddings=False)),
+    "llama3-rope": ("llama", dict(num_key_value_heads=2, rope_parameters=dict(
+        rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=16))),
+    "qwen2": ("qwen2", dict(num_key_value_heads=2, tie_word_embeddings=False)),
+    "mistral": ("mistral", dict(num_key_value_heads=2, sliding_window=None)),
+}
+
+
+def tiny_config(kind: str = "llama-gqa", **overrides: Any) -> Any:
+    """The transformers config of one of TINY_MODELS, with overrides."""
+    from transformers import AutoConfig
+
+    model_type, extra = TINY_MODELS[kind]
+    return AutoConfig.for_model(model_type, **{**_COMMON, **extra, **overrides})
+
+
+def build_tiny_hf_model(kind: str = "llama-gqa", seed: int = 0, **overrides: Any) -> Any:
+    """A randomly initialised float32 transformers causal LM, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = tiny_config(kind, **overrides)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
+    return model.eval()
+
+
+def build_byte_tokenizer() -> Any:
+    """A byte-level BPE tokenizer with no merges (ids 3..258 are bytes) and a ChatML template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<s>", "</s>"]
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {tok: i for i, tok in enumerate(specials + sorted(alphabet) + ["<|im_start|>", "<|im_end|>"])}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   additional_special_tokens=["<|im_start|>", "<|im_end|>"])
+    fast.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    return fast
+
+
+def save_tiny_model(folder: Path, kind: str = "llama-gqa", seed: int = 0, max_shard_size: str | None = None,
+                    with_tokenizer: bool = True, **overrides: Any) -> tuple[Path, Any]:
+    """Save a tiny random model (safetensors, optionally sharded) and a byte tokenizer; returns (folder, hf model)."""
+    folder = Path(folder)
+    model = build_tiny_hf_model(kind, seed, **overrides)
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(folder, safe_serialization=True, **kwargs)
+    if with_tokenizer:
+        build_byte_tokenizer().save_pretrained(folder)
+    return folder, model
+
+
+class SimplePagedRunner:
+    """A minimal stand-in for the model runner: per-sequence block tables over a hand-allocated KV cache."""
+
+    def __init__(self, model: Any, block_size: int = 4, num_blocks: int = 64,
+                 dtype: torch.dtype = torch.float32) -> None:
+        from pagedllm.attention.metadata import AttentionMetadata
+
+        self._meta_cls = AttentionMetadata
+        cfg = model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+                          for _ in range(cfg.num_hidden_layers)]
+        self.model, self.block_size = model, block_size
+        # Hand out blocks in a scrambled order (block 0 reserved) so tables are not contiguous.
+        self._free = list(range(num_blocks - 1, 0, -1))[::2] + list(range(num_blocks - 1, 0, -1))[1::2]
+        self.block_tables: dict[int, list[int]] = {}
+        self.num_computed: dict[int, int] = {}
+
+    @torch.inference_mode()
+    def step(self, new_tokens: dict[int, list[int]]) -> torch.Tensor:
+        """Run one batched step; returns the last new token's logits of each sequence: [num_seqs, V] float32."""
+        seq_ids = list(new_tokens)
+        for sid in seq_ids:
+            table = self.block_tables.setdefault(sid, [])
+            needed = -(-(self.num_computed.get(sid, 0) + len(new_tokens[sid])) // self.block_size)
+            while len(table) < needed:
+                table.append(self._free.pop(0))
+        computed = [self.num_computed.get(s, 0) for s in seq_ids]
+        query_lens = [len(new_tokens[s]) for s in seq_ids]
+        meta = self._meta_cls.build([self.block_tables[s] for s in seq_ids], computed, query_lens, self.block_size)
+        input_ids = torch.tensor([t for s in seq_ids for t in new_tokens[s]], dtype=torch.int64)
+        positions = torch.cat([torch.arange(c, c + q) for c, q in zip(computed, query_lens)])
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        last = torch.tensor(meta.query_start_loc_cpu[1:]) - 1
+        for s, q in zip(seq_ids, query_lens):
+            self.num_computed[s] = self.num_computed.get(s, 0) + q
+        return self.model.compute_logits(hidden[last])

@@ -1,0 +1,29 @@
+import torch
+
+from pagedllm.core.sched.output import ScheduledRequest
+from pagedllm.runner.input_batch import build_model_inputs
+
+
+def _sched(req_id, block_ids, num_computed, token_ids, sample):
+    return ScheduledRequest(req_id=req_id, block_ids=block_ids, num_computed_tokens=num_computed,
+                            token_ids=token_ids, sample=sample)
+
+
+def test_flat_batch_positions_slots_and_sampled_rows():
+    # A: a prefill chunk at positions 2..4 crossing from block 7 into block 3 (block_size 4);
+    # B: one decode token at position 9 in its third block; C: a fresh prompt that is not finished (no sample).
+    scheduled = [
+        _sched("A", [7, 3], 2, [10, 11, 12], True),
+        _sched("B", [1, 2, 5], 9, [20], True),
+        _sched("C", [4], 0, [30, 31], False),
+    ]
+    inputs = build_model_inputs(scheduled, block_size=4, device=torch.device("cpu"))
+    assert inputs.input_ids.tolist() == [10, 11, 12, 20, 30, 31]
+    assert inputs.positions.tolist() == [2, 3, 4, 9, 0, 1]
+    assert inputs.meta.slot_mapping.tolist() == [7 * 4 + 2, 7 * 4 + 3, 3 * 4 + 0, 5 * 4 + 1, 4 * 4, 4 * 4 + 1]
+    assert inputs.meta.query_start_loc.tolist() == [0, 3, 4, 6]
+    assert inputs.meta.seq_lens.tolist() == [5, 10, 2]
+    assert inputs.meta.block_tables.tolist() == [[7, 3, 0], [1, 2, 5], [4, 0, 0]]
+    assert (inputs.meta.max_query_len, inputs.meta.max_seq_len) == (3, 10)
+    assert inputs.logits_indices.tolist() == [2, 3]
+    assert inputs.sample_req_ids == ["A", "B"]

@@ -1,0 +1,39 @@
+import pytest
+import torch
+
+from pagedllm.runner import kv_tensors
+
+LAYOUT = kv_tensors.KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
+
+
+def test_bytes_per_token_counts_k_and_v_of_every_layer():
+    assert LAYOUT.bytes_per_token == 2 * 3 * 2 * 8 * 2
+
+
+def test_pool_is_sized_from_the_budget_and_zeroed():
+    num_blocks = kv_tensors.num_blocks_for(10 * LAYOUT.bytes_per_token * 16 + 5, LAYOUT, block_size=16)
+    assert num_blocks == 10
+    kv = kv_tensors.allocate_kv(LAYOUT, num_blocks, 16, torch.device("cpu"))
+    assert kv.shape == (3, 2, 10, 16, 2, 8) and kv.dtype == torch.bfloat16
+    assert not kv.any()
+    k_cache, v_cache = kv_tensors.layer_caches(kv)[1]
+    assert k_cache.data_ptr() == kv[1, 0].data_ptr() and v_cache.shape == (10, 16, 2, 8)
+
+
+def test_a_budget_under_two_blocks_is_a_clear_error():
+    with pytest.raises(ValueError, match="fewer than 2 blocks"):
+        kv_tensors.num_blocks_for(LAYOUT.bytes_per_token * 16, LAYOUT, block_size=16)
+
+
+def test_copy_blocks_copies_every_layer_bit_for_bit():
+    kv = torch.randn(3, 2, 6, 4, 2, 8).to(torch.bfloat16)
+    before = kv.clone()
+    kv_tensors.copy_blocks(kv, [(1, 4), (2, 5)])
+    assert torch.equal(kv[:, :, 4], before[:, :, 1]) and torch.equal(kv[:, :, 5], before[:, :, 2])
+    assert torch.equal(kv[:, :, :4], before[:, :, :4])
+
+
+def test_capacity_report_states_blocks_bytes_and_concurrency():
+    report = kv_tensors.CapacityReport(num_blocks=129, block_size=16, bytes_per_token=100, max_model_len=512)
+    assert report.max_concurrent_seqs == 4.0
+    assert "129 blocks" in str(report) and "100 bytes per token" in str(report) and "4.0x" in str(report)

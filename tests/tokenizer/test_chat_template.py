@@ -1,0 +1,67 @@
+"""apply_chat_template: the SmolLM2 template, message validation and clear errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedllm.loader.resolve import default_model_gguf
+from pagedllm.tokenizer.chat_template import apply_chat_template, render_chat_template, validate_messages
+from pagedllm.tokenizer.tokenizer import load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(default_model_gguf())
+
+
+def test_smollm2_template(tokenizer) -> None:
+    messages = [{"role": "user", "content": "Hi!"}]
+    text = render_chat_template(tokenizer, messages)
+    assert text == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+                    "<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n")
+    ids = apply_chat_template(tokenizer, messages)
+    assert ids == tokenizer.encode(text, add_special_tokens=False)
+    assert ids.count(tokenizer.convert_tokens_to_ids("<|im_start|>")) == 3
+    no_prompt = render_chat_template(tokenizer, messages, add_generation_prompt=False)
+    assert not no_prompt.endswith("assistant\n")
+
+
+def test_text_parts_are_joined(tokenizer) -> None:
+    parts = [{"role": "system", "content": "Be brief."},
+             {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    assert "<|im_start|>user\na\nb<|im_end|>" in render_chat_template(tokenizer, parts)
+
+
+def test_custom_template(tokenizer) -> None:
+    template = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
+    messages = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+    assert render_chat_template(tokenizer, messages, chat_template=template) == "[user]x[assistant]y"
+
+
+def test_missing_template_is_a_clear_error(tokenizer, monkeypatch) -> None:
+    monkeypatch.setattr(tokenizer, "chat_template", None)
+    with pytest.raises(ValueError, match="no chat template"):
+        apply_chat_template(tokenizer, [{"role": "user", "content": "x"}])
+
+
+@pytest.mark.parametrize("messages, match", [
+    ([], "empty"),
+    ("hello", "list"),
+    (["hello"], "must be a dict"),
+    ([{"role": "robot", "content": "x"}], "role 'robot'"),
+    ([{"content": "x"}], "role None"),
+    ([{"role": "user"}], "no 'content'"),
+    ([{"role": "user", "content": 3}], "string or a list"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "text part"),
+])
+def test_invalid_messages(messages, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        validate_messages(messages)
+
+
+def test_valid_messages_are_copied_not_changed() -> None:
+    messages = [{"role": "developer", "content": "d"}, {"role": "tool", "content": "t", "tool_call_id": "1"},
+                {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]
+    out = validate_messages(messages)
+    assert out[1] == {"role": "tool", "content": "t", "tool_call_id": "1"}
+    assert out[2]["content"] == "" and messages[2]["content"] is None
