@@ -1,8 +1,30 @@
-"""pagedllm: a PagedAttention LLM inference and serving engine."""
+"""pagedllm: a PagedAttention LLM inference and serving engine.
 
-from pagedllm.entrypoints.llm import LLM
-from pagedllm.outputs import CompletionOutput, RequestOutput
-from pagedllm.sampling_params import SamplingParams
+The public names are imported lazily, so that `import pagedllm.core` (the pure-Python bookkeeping) needs no torch.
+"""
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "LLM": "pagedllm.entrypoints.llm",
+    "SamplingParams": "pagedllm.sampling_params",
+    "RequestOutput": "pagedllm.outputs",
+    "CompletionOutput": "pagedllm.outputs",
+}
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+
+if TYPE_CHECKING:
+    from pagedllm.entrypoints.llm import LLM
+    from pagedllm.outputs import CompletionOutput, RequestOutput
+    from pagedllm.sampling_params import SamplingParams
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'pagedllm' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -48,7 +48,7 @@ class AttentionMetadata:
 
     @classmethod
     def build(cls, block_tables: list[list[int]], num_computed: list[int], query_lens: list[int],
-              block_size: int, device: torch.device | str = "cpu") -> "AttentionMetadata":
+              block_size: int, device: torch.device | str = "cpu") -> AttentionMetadata:
         """Metadata for sequences that have `num_computed[i]` cached tokens and `query_lens[i]` new ones.
 
         A convenience for tests and simple runners; `block_tables[i]` must cover the new context length.

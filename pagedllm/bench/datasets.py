@@ -25,6 +25,8 @@ if TYPE_CHECKING:   # transformers is slow to import; the CLI imports this modul
 MIXED_NUM_PROMPTS = 50
 MIXED_PROMPT_LEN = (30, 600)
 MIXED_OUTPUT_LEN = (16, 256)
+_GOLDEN = 0.6180339887498949    # steps of the two length sequences: irrational, and unlike each other,
+_PLASTIC = 0.7548776662466927   # so that prompt and output lengths are not correlated
 
 
 @dataclass(frozen=True)
@@ -81,8 +83,14 @@ def _sentence(rng: random.Random) -> str:
                            A=rng.choice(_ADJECTIVES), C=rng.choice(_CONNECTIVES))
 
 
-def _log_uniform_int(rng: random.Random, low: int, high: int) -> int:
-    return int(round(math.exp(rng.uniform(math.log(low), math.log(high)))))
+def _log_spread(u: float, low: int, high: int) -> int:
+    """u in [0, 1) -> an integer in [low, high], evenly spread on a log scale."""
+    return int(round(math.exp(math.log(low) + u * (math.log(high) - math.log(low)))))
+
+
+def _spread(i: int, step: float) -> float:
+    """The i-th point of an additive-recurrence sequence: any first n points cover [0, 1) evenly."""
+    return (0.5 + i * step) % 1.0
 
 
 def _chat_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> list[int]:
@@ -96,9 +104,10 @@ def _chat_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]
 
 def _grow_to_length(tokenizer: PreTrainedTokenizerBase, rng: random.Random, target_len: int,
                     build: Callable[[str], list[dict[str, str]]]) -> list[int]:
-    """Add generated sentences to `build(text)`'s messages until its chat tokens reach `target_len`."""
-    sentences: list[str] = []
-    token_ids = _chat_ids(tokenizer, build(""))
+    """Add generated sentences to `build(text)`'s messages until its chat tokens reach `target_len` (at least one
+    sentence, so that no two prompts are the same)."""
+    sentences = [_sentence(rng)]
+    token_ids = _chat_ids(tokenizer, build(sentences[0]))
     while len(token_ids) < target_len:
         sentences.append(_sentence(rng))
         token_ids = _chat_ids(tokenizer, build(" ".join(sentences)))
@@ -110,13 +119,15 @@ def mixed_requests(tokenizer: PreTrainedTokenizerBase, num_prompts: int = MIXED_
                    seed: int = 0) -> list[BenchRequest]:
     """The built-in chat workload; the first n requests are the same whatever num_prompts is.
 
-    Prompt and output lengths are log-uniform over their ranges, so short chats outnumber long ones.
+    Prompt and output lengths are spread evenly on a log scale over their ranges (a low-discrepancy sequence, so
+    even a few requests cover the range), and short chats outnumber long ones. A chat template's own tokens
+    (SmolLM2's adds a default system prompt) set the shortest prompt.
     """
     rng = random.Random(seed)
     requests = []
-    for _ in range(num_prompts):
-        target_len = _log_uniform_int(rng, *MIXED_PROMPT_LEN)
-        output_len = _log_uniform_int(rng, *MIXED_OUTPUT_LEN)
+    for i in range(num_prompts):
+        target_len = _log_spread(_spread(i, _GOLDEN), *MIXED_PROMPT_LEN)
+        output_len = _log_spread(_spread(i, _PLASTIC), *MIXED_OUTPUT_LEN)
         task = rng.choice(_TASKS)
         token_ids = _grow_to_length(tokenizer, rng, target_len,
                                     lambda notes: [{"role": "user", "content": f"Notes: {notes}\n\n{task}"}])

@@ -3,8 +3,10 @@
 The two engines are built one after the other in this process; the first is freed before the second starts. The
 hit rate is prompt tokens served from the prefix cache (each RequestOutput's `num_cached_tokens`) over all prompt
 tokens; `kv_manager_hit_rate` is the KV manager's own count over the run (`prefix_cache_stats.num_hit_tokens` over
-`num_query_tokens`, which counts a preempted request's lookups again); the ideal rate is what a cache could reach: every request but the first reusing the shared prefix's full
-blocks.
+`num_query_tokens`, which counts a preempted request's lookups again); the ideal rate is what a cache could reach: every request reusing the shared prefix's full blocks. Before the
+timed run each engine serves the system prompt alone once (max_tokens=1), as a server that has seen it before
+would hold it; without that warm-up the first requests would all be scheduled in one step, before any block of
+the prefix is cached.
 """
 
 from __future__ import annotations
@@ -48,9 +50,11 @@ def run_once(args: argparse.Namespace, enable_prefix_caching: bool) -> dict[str,
     from pagedllm import LLM, SamplingParams
 
     llm = LLM(**engine_kwargs(args, enable_prefix_caching=enable_prefix_caching))
-    llm.generate("Hello", SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)   # warm, shares no block
     requests = shared_prefix_requests(llm.get_tokenizer(), args.num_prompts, args.prefix_len, args.output_len,
                                       args.seed)
+    # Warm-up: the system prompt alone, as a server that has seen it before would hold it.
+    llm.generate([requests[0].prompt_token_ids[:shared_prefix_len(requests)]],
+                 SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
     params = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=r.output_len) for r in requests]
     stats = llm.engine.kv_manager.prefix_cache_stats
     hits_before, queries_before = stats.num_hit_tokens, stats.num_query_tokens
@@ -73,12 +77,16 @@ def run_once(args: argparse.Namespace, enable_prefix_caching: bool) -> dict[str,
     }
 
 
-def ideal_hit_rate(requests: list[BenchRequest], block_size: int) -> float:
-    """Every request after the first reuses the full blocks of the prefix that all prompts share."""
+def shared_prefix_len(requests: list[BenchRequest]) -> int:
+    """Length of the token prefix that every prompt shares."""
     first = requests[0].prompt_token_ids
-    shared = min(_common_prefix_len(first, r.prompt_token_ids) for r in requests[1:]) if len(requests) > 1 else 0
-    reusable = shared // block_size * block_size
-    return reusable * (len(requests) - 1) / sum(r.prompt_len for r in requests)
+    return min((_common_prefix_len(first, r.prompt_token_ids) for r in requests[1:]), default=len(first))
+
+
+def ideal_hit_rate(requests: list[BenchRequest], block_size: int) -> float:
+    """Every request reuses the full blocks of the shared prefix (the warm-up computed them)."""
+    reusable = shared_prefix_len(requests) // block_size * block_size
+    return reusable * len(requests) / sum(r.prompt_len for r in requests)
 
 
 def _common_prefix_len(a: list[int], b: list[int]) -> int:

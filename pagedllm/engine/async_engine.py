@@ -195,6 +195,7 @@ class AsyncEngine:
     # ---- the engine thread --------------------------------------------------------------------------------------
     def _run(self) -> None:
         try:
+            self._publish([], IterationStats())     # the gauges' starting values
             while (batch := self._wait_for_work()) is not None:
                 iteration = IterationStats()
                 self._handle_inbox(batch, iteration)

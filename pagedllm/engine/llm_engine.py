@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass, field
 
@@ -13,13 +12,14 @@ from pagedllm.core.sched.output import RequestUpdate
 from pagedllm.core.sched.scheduler import Scheduler
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.loader import load_model
+from pagedllm.logger import init_logger
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.runner import kv_tensors
 from pagedllm.runner.model_runner import ModelRunner
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizer.tokenizer import load_tokenizer
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 PromptInput = str | list[int]
 

@@ -99,7 +99,8 @@ class LLM:
                         done[output.request_id] = output
                         num_output_tokens += len(output.outputs[0].token_ids)
                         bar.update(1)
-                        bar.set_postfix_str(f"output {num_output_tokens / max(bar.format_dict['elapsed'], 1e-9):.1f} tok/s")
+                        elapsed = max(bar.format_dict["elapsed"], 1e-9)
+                        bar.set_postfix_str(f"output {num_output_tokens / elapsed:.1f} tok/s")
         except BaseException:
             self.engine.abort_request([r for r in request_ids if r not in done])
             raise

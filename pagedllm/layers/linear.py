@@ -9,7 +9,7 @@ tensor and copies this rank's slice into place, so the model's `load_weights` ne
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F

@@ -4,11 +4,12 @@ Order of operations (as in vLLM):
     raw logprobs (if requested, from the unprocessed logits)
     -> logit_bias -> min_tokens (EOS / stop ids to -inf) -> penalties (repetition, frequency, presence)
     -> greedy rows: argmax
-    -> random rows: temperature -> top-k -> top-p -> softmax -> min-p -> exponential-race sampling
+    -> random rows: temperature -> top-k -> top-p -> softmax -> min-p -> inverse-CDF sampling
 
-Sampling uses the exponential trick, `argmax(probs / q)` with `q ~ Exp(1)`, which picks token i with probability
-probs[i]. A row with a per-request seed draws its `q` from its own `torch.Generator`, so its tokens do not
-depend on which other requests share the batch or where the row sits; unseeded rows share one draw.
+Random rows draw one uniform number each and take the first token whose cumulative probability passes it
+(see inverse_cdf_sample for why not vLLM's exponential race). A row with a per-request seed draws from its own
+`torch.Generator`, exactly one number per step, so its tokens do not depend on which other requests share the
+batch or where the row sits; unseeded rows share one draw from the engine's generator (or torch's RNG).
 
 `sample_reference` at the bottom processes one row with plain ops; it is the oracle the tests compare against.
 """
@@ -21,6 +22,9 @@ import torch
 from torch import nn
 
 from pagedllm.sampling_params import SamplingParams
+
+# Top-p looks at each row's largest logits first (see top_k_top_p_candidates).
+_TOP_P_CANDIDATES = 1024
 
 
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -319,12 +323,28 @@ class Sampler(nn.Module):
 
     @staticmethod
     def _sample_random(probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        q = torch.empty_like(probs)
-        if len(meta.generators) < probs.shape[0]:
-            q.exponential_(generator=meta.generator)  # one draw shared by every unseeded row
+        """One uniform number per row, from the row's own generator if it has one."""
+        batch = probs.shape[0]
+        if len(meta.generators) < batch:
+            uniform = torch.rand(batch, generator=meta.generator, device=probs.device)  # shared by unseeded rows
+        else:
+            uniform = torch.empty(batch, device=probs.device)
         for i, generator in meta.generators.items():
-            q[i].exponential_(generator=generator)
-        return probs.div(q).argmax(dim=-1)
+            uniform[i] = torch.rand(1, generator=generator, device=probs.device)
+        return inverse_cdf_sample(probs, uniform)
+
+
+def inverse_cdf_sample(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """The first token whose cumulative probability exceeds u * total: token i with probability probs[i].
+
+    Chosen over vLLM's exponential race (argmax of probs / q, q ~ Exp(1)) because on a CPU drawing V exponentials
+    per row costs about 9 ms for [8, 49152] on one core, while this draws one number per row (about 0.6 ms in
+    all). Zero-probability tokens are never picked: their cumulative sum equals their predecessor's.
+    """
+    cdf = probs.cumsum(dim=-1)                                      # [B, V]
+    target = (uniform.to(cdf.dtype) * cdf[:, -1]).unsqueeze(1)      # [B, 1], in [0, total)
+    token_ids = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    return token_ids.clamp_(max=probs.shape[1] - 1)
 
 
 def apply_penalties(logits: torch.Tensor, penalties: _Penalties) -> torch.Tensor:
@@ -345,8 +365,41 @@ def apply_top_k_only(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor) -> torch.Tensor:
-    """Top-k then top-p with one ascending sort. Top-p keeps the smallest set of the most likely tokens whose
-    probability reaches p (always at least one token)."""
+    """Top-k then top-p. Top-p keeps the smallest set of the most likely tokens whose probability reaches p
+    (always at least one token). Tries the row's largest logits first; sorts the whole vocabulary only when
+    some row's top-p set may reach past them (a full sort of [8, 49152] costs about 25 ms on one CPU core)."""
+    fast = top_k_top_p_candidates(logits, top_k, top_p)
+    return fast if fast is not None else top_k_top_p_sorted(logits, top_k, top_p)
+
+
+def top_k_top_p_candidates(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor,
+                           num_candidates: int = _TOP_P_CANDIDATES) -> torch.Tensor | None:
+    """Top-k and top-p computed on each row's largest logits only; None if that cannot be exact.
+
+    It is exact for a row whose top-k fits in the candidates, or whose candidates hold at least p of the
+    probability: every token past them then has at least p of the mass before it, so top-p drops it.
+    """
+    batch, vocab_size = logits.shape
+    k = top_k if top_k is not None else torch.full((batch,), vocab_size, device=logits.device)
+    bounded_ks = k[k < vocab_size]
+    num = min(vocab_size, max(num_candidates, int(bounded_ks.max()) if bounded_ks.numel() else 0))
+    values, indices = logits.topk(num, dim=-1)                      # [B, num], descending
+    bounded = k <= num                                              # top-k support inside the candidates
+    kth = values.gather(1, (k.clamp(max=num) - 1).unsqueeze(1))
+    values = values.masked_fill(bounded.unsqueeze(1) & (values < kth), float("-inf"))
+    log_total = torch.where(bounded, values.logsumexp(dim=-1), logits.logsumexp(dim=-1))
+    probs = (values - log_total.unsqueeze(1)).exp()
+    cumulative = probs.cumsum(dim=-1)
+    if not bool((bounded | (cumulative[:, -1] >= top_p)).all()):
+        return None
+    keep = (cumulative - probs) < top_p.unsqueeze(1)                # probability mass before the token < p
+    keep |= (top_p >= 1.0).unsqueeze(1)                             # rounding must not drop tokens when p = 1
+    values = values.masked_fill(~keep, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter_(1, indices, values)
+
+
+def top_k_top_p_sorted(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor) -> torch.Tensor:
+    """Top-k then top-p with one ascending sort of the whole vocabulary (as vLLM)."""
     vocab_size = logits.shape[1]
     sorted_logits, sorted_idx = logits.sort(dim=-1, descending=False)
     if top_k is not None:
@@ -404,8 +457,16 @@ def sample_reference(logits_row: torch.Tensor, row: SamplingRow) -> ReferenceSam
     if params.greedy:
         return ReferenceSample(int(logits.argmax()), logits, None, raw_logprobs)
     probs = _reference_probs(logits, params)
-    q = torch.empty(vocab_size).exponential_(generator=row.generator)
-    return ReferenceSample(int((probs / q).argmax()), logits, probs, raw_logprobs)
+    u = float(torch.rand(1, generator=row.generator))
+    cumulative = 0.0
+    token_id = int(probs.nonzero().max())                           # if rounding leaves u past the end
+    total = float(probs.sum())
+    for i, p in enumerate(probs.tolist()):
+        cumulative += p
+        if p > 0 and cumulative > u * total:
+            token_id = i
+            break
+    return ReferenceSample(token_id, logits, probs, raw_logprobs)
 
 
 def _reference_penalties(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,13 +57,21 @@ def resolve_dtype(dtype: str, device: str = "cpu") -> torch.dtype:
 
 def load_hf_config(resolved: ResolvedModel) -> Any:
     """The transformers config of a folder, or one built from a GGUF's metadata."""
-    if resolved.gguf_path is not None:
-        from pagedllm.loader.gguf import GGUFFile, gguf_hf_config
+    return _config_and_weights(resolved, torch.float32)[0]
 
-        return gguf_hf_config(GGUFFile(resolved.gguf_path))
+
+def _config_and_weights(resolved: ResolvedModel, dtype: torch.dtype) -> tuple[Any, Iterator[tuple[str, torch.Tensor]]]:
+    """(hf_config, lazy (name, tensor) iterator); nothing is read until the iterator is consumed."""
+    if resolved.gguf_path is not None:
+        from pagedllm.loader.gguf import GGUFFile, gguf_hf_config, iterate_gguf
+
+        gguf_file = GGUFFile(resolved.gguf_path)
+        return gguf_hf_config(gguf_file), iterate_gguf(resolved.gguf_path, dtype, gguf_file)
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(str(resolved.path))
+    from pagedllm.loader.safetensors import iterate_safetensors
+
+    return AutoConfig.from_pretrained(str(resolved.path)), iterate_safetensors(resolved.path, dtype)
 
 
 def load_model(model_config: ModelConfig) -> LoadedModel:
@@ -72,20 +81,9 @@ def load_model(model_config: ModelConfig) -> LoadedModel:
     start = time.perf_counter()
     resolved = resolve_model(model_config.model)
     dtype = resolve_dtype(model_config.dtype, model_config.device)
-    if resolved.gguf_path is not None:
-        from pagedllm.loader.gguf import GGUFFile, gguf_hf_config, iterate_gguf
-
-        gguf_file = GGUFFile(resolved.gguf_path)
-        hf_config = gguf_hf_config(gguf_file)
-        weights = iterate_gguf(resolved.gguf_path, dtype, gguf_file)
-    else:
-        from transformers import AutoConfig
-
-        from pagedllm.loader.safetensors import iterate_safetensors
-
-        hf_config = AutoConfig.from_pretrained(str(resolved.path))
-        weights = iterate_safetensors(resolved.path, dtype)
+    hf_config, weights = _config_and_weights(resolved, dtype)
     model_cls = model_class_for_config(hf_config)
+    # Parameters are allocated with torch.empty (no random init), so building directly is cheap.
     with torch.device(model_config.device):
         model = model_cls(hf_config, dtype=dtype)
     model.load_weights(weights)

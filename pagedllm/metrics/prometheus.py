@@ -6,11 +6,14 @@ registry. `record()` is called from the engine thread after each step; prometheu
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
 from pagedllm.metrics.stats import IterationStats, SchedulerStats
 
 PREFIX = "pagedllm:"
+
+# No `*_created` series next to each counter (as in vLLM): they double the scrape for nothing.
+disable_created_metrics()
 
 # vLLM's buckets, in seconds.
 _TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,

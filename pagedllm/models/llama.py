@@ -6,7 +6,8 @@ separate q/k/v and gate/up checkpoint tensors onto the fused parameters (`STACKE
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -202,12 +203,12 @@ class LlamaForCausalLM(nn.Module):
         return params[target]
 
     def _check_all_loaded(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
-        expected = set()
+        expected: set[str] = set()
         for name in params:
             if self.tie_word_embeddings and name == "lm_head.weight":
                 continue
-            fused = [(p, s) for f, p, s in STACKED_PARAMS_MAPPING if f + "." in name]
-            expected.update(f"{name}#{s}" for _, s in fused) if fused else expected.add(name)
+            shard_ids = [s for fused, _, s in STACKED_PARAMS_MAPPING if fused + "." in name]
+            expected.update([f"{name}#{s}" for s in shard_ids] if shard_ids else [name])
         missing = sorted(expected - loaded)
         if missing:
             shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")

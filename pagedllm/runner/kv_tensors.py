@@ -10,14 +10,11 @@ so that a block copy (copy-on-write) or a swap moves one block of every layer wi
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import numpy as np
 import psutil
 import torch
-
-logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
 CPU_DEFAULT_KV_BYTES = 4 * GiB

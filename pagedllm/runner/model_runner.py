@@ -6,7 +6,6 @@ samples. It never decides policy.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -17,8 +16,6 @@ from pagedllm.layers.sampler import Sampler, SamplingMetadata, SamplingRow, make
 from pagedllm.loader import LoadedModel
 from pagedllm.runner import kv_tensors
 from pagedllm.runner.input_batch import CachedRequestState, ModelInputs, build_model_inputs
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

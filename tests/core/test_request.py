@@ -21,7 +21,7 @@ def test_counters_and_token_lists() -> None:
 
 def test_finish_reason_prints_openai_value() -> None:
     assert str(FinishReason.STOP) == "stop" and f"{FinishReason.LENGTH}" == "length"
-    assert FinishReason.ABORT == "abort"
+    assert FinishReason.ABORT.value == "abort" and isinstance(FinishReason.ABORT, str)
     assert FinishReason.ABORT.status is RequestStatus.FINISHED_ABORTED
     assert [s.is_finished for s in RequestStatus] == [False, False, False, True, True, True]
 

@@ -8,8 +8,12 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.embedding import ParallelLMHead, VocabEmbedding
-from pagedllm.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
-                                    RowParallelLinear)
+from pagedllm.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from pagedllm.layers.norm import RMSNorm
 
 

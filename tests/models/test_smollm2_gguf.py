@@ -23,10 +23,12 @@ def _transformers_gguf_model(folder: str, gguf_file: str) -> torch.nn.Module:
     `from_pretrained(gguf_file=)` would need `accelerate`; this is the same loader without it.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     config = AutoConfig.from_pretrained(folder, gguf_file=gguf_file)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with no_init_weights():  # every weight is overwritten below; random init of 135M params is slow
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     tensors = load_gguf_checkpoint(f"{folder}/{gguf_file}", return_tensors=True, model_to_load=model)["tensors"]
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
@@ -47,13 +49,17 @@ def test_smollm2_gguf_matches_transformers() -> None:
                  ["input_ids"]) for c in CHATS]
     runner = SimplePagedRunner(loaded.model, block_size=16, num_blocks=32)
     logits = runner.step(dict(enumerate(seqs)))
+    hf_caches: list = [None] * len(seqs)
+    new_inputs = [list(s) for s in seqs]
     max_err = 0.0
     for _ in range(NUM_STEPS):
         for i, seq in enumerate(seqs):
-            with torch.inference_mode():
-                expected = hf_model(torch.tensor([seq])).logits[0, -1].float()
+            with torch.inference_mode():  # transformers with its own KV cache, one sequence at a time
+                out = hf_model(torch.tensor([new_inputs[i]]), past_key_values=hf_caches[i], use_cache=True)
+            hf_caches[i], expected = out.past_key_values, out.logits[0, -1].float()
             max_err = max(max_err, (logits[i] - expected).abs().max().item())
             assert int(logits[i].argmax()) == int(expected.argmax()), tokenizer.decode(seq)
             seq.append(int(expected.argmax()))
+            new_inputs[i] = [seq[-1]]
         logits = runner.step({i: [seq[-1]] for i, seq in enumerate(seqs)})
     assert max_err < 1e-3, max_err

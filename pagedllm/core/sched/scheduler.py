@@ -143,7 +143,7 @@ class Scheduler:
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         while self.waiting and plan.token_budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            if cdiv(request.num_tokens, self.kv_cache_manager.block_size) > self.kv_cache_manager.num_usable_blocks:
+            if not self._fits_in_pool(request.num_tokens):
                 self._finish_unschedulable(request)
             elif not self._admit(request, plan):
                 break
@@ -164,10 +164,11 @@ class Scheduler:
         plan.new_req_ids.append(request.request_id)
         return True
 
+    def _fits_in_pool(self, num_tokens: int) -> bool:
+        return cdiv(num_tokens, self.kv_cache_manager.block_size) <= self.kv_cache_manager.num_usable_blocks
+
     def _finish_unschedulable(self, request: Request) -> None:
-        too_long_prompt = cdiv(request.num_prompt_tokens, self.kv_cache_manager.block_size) > \
-            self.kv_cache_manager.num_usable_blocks
-        reason = FinishReason.ABORT if too_long_prompt else FinishReason.LENGTH
+        reason = FinishReason.LENGTH if self._fits_in_pool(request.num_prompt_tokens) else FinishReason.ABORT
         self._finish(request, reason)
         self._pending_updates.append(RequestUpdate(request.request_id, [], finish_reason=reason,
                                                    num_cached_tokens=request.num_cached_tokens))

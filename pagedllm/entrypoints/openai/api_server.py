@@ -19,8 +19,8 @@ def build_app_from_args(args: argparse.Namespace):
     """Load the engine the flags describe and wrap it in the app (the engine thread starts with the server)."""
     from pagedllm.engine.async_engine import AsyncEngine
     from pagedllm.engine.llm_engine import LLMEngine
-    from pagedllm.entrypoints.openai.serving_base import ServerLimits
     from pagedllm.entrypoints.openai.server import build_app
+    from pagedllm.entrypoints.openai.serving_base import ServerLimits
 
     engine = AsyncEngine(LLMEngine(engine_config_from_args(args)), log_requests=args.enable_log_requests)
     limits = ServerLimits(max_request_body_bytes=args.max_request_body_bytes, max_n=args.max_n,

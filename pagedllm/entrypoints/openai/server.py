@@ -23,8 +23,14 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import pagedllm
 from pagedllm.engine.async_engine import AsyncEngine, EngineDeadError
-from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                                  OpenAIError, TokenizeRequest, now)
+from pagedllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    OpenAIError,
+    TokenizeRequest,
+    now,
+)
 from pagedllm.entrypoints.openai.serving_base import OpenAIServing, ServerLimits, error_for
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion

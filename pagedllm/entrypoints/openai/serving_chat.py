@@ -9,8 +9,18 @@ from typing import Any
 import jinja2
 
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, OpenAIError, now, random_id
-from pagedllm.entrypoints.openai.serving_base import (SSE_DONE, Choice, OpenAIServing, Prompt, clean_logprob,
-                                                      error_for, sse, token_text, top_entries, usage)
+from pagedllm.entrypoints.openai.serving_base import (
+    SSE_DONE,
+    Choice,
+    OpenAIServing,
+    Prompt,
+    clean_logprob,
+    error_for,
+    sse,
+    token_text,
+    top_entries,
+    usage,
+)
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.tokenizer.chat_template import apply_chat_template
 

@@ -7,8 +7,18 @@ from contextlib import aclosing
 from typing import Any
 
 from pagedllm.entrypoints.openai.protocol import CompletionRequest, OpenAIError, now, random_id
-from pagedllm.entrypoints.openai.serving_base import (SSE_DONE, Choice, OpenAIServing, Prompt, clean_logprob,
-                                                      error_for, sse, token_text, top_entries, usage)
+from pagedllm.entrypoints.openai.serving_base import (
+    SSE_DONE,
+    Choice,
+    OpenAIServing,
+    Prompt,
+    clean_logprob,
+    error_for,
+    sse,
+    token_text,
+    top_entries,
+    usage,
+)
 from pagedllm.outputs import CompletionOutput, RequestOutput
 
 

@@ -1,0 +1,33 @@
+from __future__ import annotations
+
+import pytest
+
+from pagedllm.bench.args import parse_bytes
+from pagedllm.bench.datasets import BenchRequest
+from pagedllm.bench.measure import KVWaste, ModelDims, static_batch_kv_waste, useful_flops
+
+
+def test_useful_flops_counts_layers_lm_head_and_attention():
+    dims = ModelDims(num_layers=1, hidden_size=4, num_heads=2, num_kv_heads=1, head_dim=2, intermediate_size=8,
+                     vocab_size=10)
+    assert dims.num_layer_params == 4 * 2 * (2 * 2 + 2 * 1) + 3 * 4 * 8
+    # prompt 2, output 2: 3 tokens fed, 2 logits, keys seen 1 + 2 + 3.
+    expected = 2 * dims.num_layer_params * 3 + 2 * 4 * 10 * 2 + 4 * 1 * 2 * 2 * 6
+    assert useful_flops(dims, [BenchRequest([1, 2], 2)]) == expected
+
+
+def test_static_batch_kv_waste_counts_padding_and_overrun():
+    # One batch: prompts 3 and 1, outputs 2 and 1. Step 1: 2 x 4 slots hold 4 + 2; step 2: 2 x 5 hold 5 + 2.
+    waste = static_batch_kv_waste([BenchRequest([1, 2, 3], 2), BenchRequest([1], 1)], batch_size=2)
+    assert (waste.num_steps, waste.total_allocated_slots, waste.total_waste_slots) == (2, 18, 5)
+    assert waste.waste_pct == pytest.approx(100 * 5 / 18)
+    assert static_batch_kv_waste([BenchRequest([1], 3)] * 2, batch_size=1).waste_pct == 0
+
+
+def test_kv_waste_empty():
+    assert KVWaste().waste_pct == 0 and KVWaste().mean_waste_slots == 0
+
+
+@pytest.mark.parametrize("text, value", [("1024", 1024), ("4G", 4 << 30), ("512MiB", 512 << 20), ("1.5k", 1536)])
+def test_parse_bytes(text, value):
+    assert parse_bytes(text) == value

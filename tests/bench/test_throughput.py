@@ -1,0 +1,56 @@
+from __future__ import annotations
+
+import argparse
+import json
+
+from pagedllm.bench.cli import add_bench_parser, main
+
+_ENGINE = ["--kv-cache-memory", "16M", "--dtype", "float32"]
+
+
+def test_throughput_with_hf_comparison(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "result.json"
+    result = main(["throughput", "--model", tiny_model_dir, "--dataset", "random", "--num-prompts", "5",
+                   "--input-len", "12", "--output-len", "6", "--compare", "hf", "--hf-batch-size", "2",
+                   "--output-json", str(out), *_ENGINE])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    for side in (result, result["hf"]):
+        assert (side["num_requests"], side["total_prompt_tokens"], side["total_output_tokens"]) == (5, 60, 30)
+        for key in ("requests_per_second", "tokens_per_second", "output_tokens_per_second", "elapsed_time",
+                    "peak_rss_mib", "startup_s", "first_token_s", "achieved_gflops", "flops_utilization_pct"):
+            assert side[key] > 0, key
+        assert 0 <= side["kv_waste"]["waste_pct"] < 100
+    assert result["gemm_peak_gflops"] > 0
+    assert result["kv_waste"]["num_steps"] >= 6 and result["kv_waste"]["waste_pct"] > 0   # block tails
+    assert result["hf"]["backend"] == "hf" and result["hf"]["total_generated_tokens"] == 30
+    assert set(result["ratio"]) == {"requests_per_second", "tokens_per_second", "output_tokens_per_second"}
+    assert result["ratio"]["output_tokens_per_second"] == (result["output_tokens_per_second"]
+                                                          / result["hf"]["output_tokens_per_second"])
+    printed = capsys.readouterr().out
+    assert "Throughput: " in printed and "requests/s" in printed and "ratio" in printed
+
+
+def test_throughput_mixed_dataset_pagedllm_only(tiny_model_dir, capsys):
+    result = main(["throughput", "--model", tiny_model_dir, "--num-prompts", "3", "--skip-gemm-peak",
+                   "--max-num-seqs", "2", *_ENGINE])
+    assert result["dataset"] == "mixed" and result["num_requests"] == 3
+    assert result["output_tokens_per_second"] > 0 and "hf" not in result and "gemm_peak_gflops" not in result
+
+
+def test_hf_backend_counts_only_useful_output(tiny_model_dir, tmp_path):
+    path = tmp_path / "r.jsonl"
+    path.write_text('{"prompt": [5, 6, 7], "output_len": 2}\n{"prompt": [8, 9], "output_len": 5}\n')
+    result = main(["throughput", "--backend", "hf", "--model", tiny_model_dir, "--dataset", "jsonl",
+                   "--dataset-path", str(path), "--hf-batch-size", "2", "--skip-gemm-peak", "--dtype", "float32"])
+    assert result["total_output_tokens"] == 7 and result["total_generated_tokens"] == 10
+    assert result["kv_waste"]["waste_pct"] > 0
+
+
+def test_add_bench_parser_registers_the_three_commands():
+    parser = argparse.ArgumentParser(prog="pagedllm")
+    add_bench_parser(parser.add_subparsers(dest="command"))
+    for command in ("throughput", "serve", "prefix"):
+        args = parser.parse_args(["bench", command])
+        assert args.command == "bench" and args.bench_command == command and callable(args.func)
+    args = parser.parse_args(["bench", "throughput", "--no-enable-prefix-caching", "--kv-cache-memory", "1G"])
+    assert args.enable_prefix_caching is False and args.kv_cache_memory == 1 << 30

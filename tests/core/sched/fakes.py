@@ -1,0 +1,107 @@
+"""A model-free stand-in for the runner, and a loop that drives a scheduler with it, checking every step."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pagedllm.core.request import FinishReason
+from pagedllm.core.sched.output import RequestUpdate, RunnerOutput, SchedulerOutput
+from pagedllm.core.sched.scheduler import Scheduler
+
+VOCAB = 50
+
+
+def next_token(context: tuple[int, ...]) -> int:
+    """The fake model: the next token is a function of the whole context (ints hash the same in every run)."""
+    return hash(context) % VOCAB
+
+
+class FakeRunner:
+    """Writes each scheduled token id into its KV slot, then reads the whole context back through the block
+    table to 'attend': a wrong block table, a bad prefix hit or a lost block changes the sampled tokens (or
+    raises KeyError for a slot never written)."""
+
+    def __init__(self, block_size: int, script: dict[str, list[int]] | None = None) -> None:
+        self.block_size = block_size
+        self.slots: dict[int, int] = {}
+        self.script = script  # request id -> tokens to return instead of the fake model's
+
+    def _slot(self, block_ids: list[int], pos: int) -> int:
+        return block_ids[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        sampled: dict[str, int] = {}
+        for scheduled in out.scheduled:
+            for offset, token_id in enumerate(scheduled.token_ids):
+                self.slots[self._slot(scheduled.block_ids, scheduled.num_computed_tokens + offset)] = token_id
+            if scheduled.sample:
+                end = scheduled.num_computed_tokens + scheduled.num_new_tokens
+                context = tuple(self.slots[self._slot(scheduled.block_ids, pos)] for pos in range(end))
+                sampled[scheduled.req_id] = (self.script[scheduled.req_id].pop(0) if self.script
+                                             else next_token(context))
+        return RunnerOutput(sampled)
+
+
+@dataclass
+class Result:
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+
+def check_step(scheduler: Scheduler, out: SchedulerOutput) -> None:
+    config, manager = scheduler.config, scheduler.kv_cache_manager
+    assert out.num_batched_tokens == sum(s.num_new_tokens for s in out.scheduled) <= config.max_num_batched_tokens
+    assert len(out.scheduled) <= scheduler.num_running <= config.max_num_seqs
+    assert len({s.req_id for s in out.scheduled}) == len(out.scheduled)
+    assert {n.req_id for n in out.new_requests} <= {s.req_id for s in out.scheduled}
+    for s in out.scheduled:
+        request = scheduler.requests[s.req_id]
+        assert s.num_new_tokens > 0 and s.num_computed_tokens == request.num_computed_tokens
+        assert s.num_computed_tokens + s.num_new_tokens <= config.max_model_len
+        assert len(s.block_ids) * manager.block_size >= s.num_computed_tokens + s.num_new_tokens
+        assert s.sample == (s.num_computed_tokens + s.num_new_tokens == request.num_tokens)
+    assert not out.blocks_to_copy and not out.blocks_to_swap_in and not out.blocks_to_swap_out
+    manager.check_integrity()
+
+
+def run_steps(scheduler: Scheduler, runner: FakeRunner, results: dict[str, Result],
+              before_step: Callable[[int], bool] | None = None, max_steps: int = 2000) -> list[SchedulerOutput]:
+    """Step until nothing is left, checking every step. `before_step(step)` may add or abort requests; it
+    returns whether it has more to do in later steps."""
+    outputs: list[SchedulerOutput] = []
+    for step in range(max_steps):
+        more_to_come = before_step(step) if before_step is not None else False
+        if not more_to_come and not scheduler.has_unfinished_requests():
+            return outputs
+        out = scheduler.schedule()
+        check_step(scheduler, out)
+        updates = scheduler.update_from_output(out, runner.execute(out))
+        scheduler.kv_cache_manager.check_integrity()
+        record(results, updates)
+        outputs.append(out)
+    raise AssertionError("the scheduler did not finish")
+
+
+def record(results: dict[str, Result], updates: list[RequestUpdate]) -> None:
+    for update in updates:
+        result = results.setdefault(update.req_id, Result())
+        assert result.finish_reason is None, "update after the finish"
+        result.token_ids += update.new_token_ids
+        result.finish_reason, result.stop_reason = update.finish_reason, update.stop_reason
+        result.num_cached_tokens = update.num_cached_tokens
+
+
+def reference(prompt: list[int], max_tokens: int, eos_token_id: int | None) -> list[int]:
+    """What a never-preempted, uncached run of the fake model generates."""
+    context = list(prompt)
+    out: list[int] = []
+    while len(out) < max_tokens:
+        token = next_token(tuple(context))
+        out.append(token)
+        context.append(token)
+        if token == eos_token_id:
+            break
+    return out

@@ -1,0 +1,108 @@
+"""Prometheus metrics: the logger on its own, the core snapshot, and figures moving on a live server."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from prometheus_client import generate_latest
+
+from pagedllm.config import SchedulerConfig
+from pagedllm.core.kv_cache.manager import KVCacheManager
+from pagedllm.core.request import Request
+from pagedllm.core.sched.scheduler import Scheduler
+from pagedllm.metrics.prometheus import PrometheusStatLogger
+from pagedllm.metrics.stats import IterationStats, RequestTimes, SchedulerStats, read_scheduler_stats
+from pagedllm.sampling_params import SamplingParams
+from tests.entrypoints.server_utils import RunningServer, metric, scrape, wait_until
+
+
+def _values(stat_logger: PrometheusStatLogger) -> dict[str, float]:
+    values = {}
+    for line in generate_latest(stat_logger.registry).decode().splitlines():
+        if line and not line.startswith("#"):
+            key, value = line.rsplit(" ", 1)
+            values[key] = float(value)
+    return values
+
+
+def test_two_loggers_do_not_clash_and_counters_take_increments():
+    first, second = PrometheusStatLogger("a"), PrometheusStatLogger("b")
+    stats = SchedulerStats(num_running=2, num_waiting=1, num_blocks_free=30, num_blocks_total=40,
+                           num_preemptions_total={"recompute": 3}, prefix_cache_queries_total=64,
+                           prefix_cache_hits_total=32)
+    iteration = IterationStats()
+    times = RequestTimes(arrival=0.0, num_prompt_tokens=5)
+    times.on_scheduled(iteration, 0.1)
+    times.on_tokens(iteration, 1, 0.5)
+    times.on_tokens(iteration, 1, 0.7)
+    times.on_finished(iteration, "length", 0.7)
+    first.record(stats, iteration)
+    first.record(stats, None)                   # cumulative core counters unchanged: no double counting
+    values = _values(first)
+    assert metric(values, "pagedllm:num_requests_running") == 2
+    assert metric(values, "pagedllm:kv_cache_usage_perc") == pytest.approx(0.25)
+    assert metric(values, "pagedllm:num_preemptions_total", mode="recompute") == 3
+    assert metric(values, "pagedllm:prefix_cache_hits_total") == 32
+    assert metric(values, "pagedllm:prompt_tokens_total") == 5
+    assert metric(values, "pagedllm:generation_tokens_total") == 2
+    assert metric(values, "pagedllm:request_success_total", finished_reason="length") == 1
+    assert metric(values, "pagedllm:time_to_first_token_seconds_sum") == pytest.approx(0.5)
+    assert metric(values, "pagedllm:inter_token_latency_seconds_sum") == pytest.approx(0.2)
+    assert metric(values, "pagedllm:request_queue_time_seconds_sum") == pytest.approx(0.1)
+    assert metric(values, "pagedllm:e2e_request_latency_seconds_count") == 1
+    assert metric(_values(second), "pagedllm:prompt_tokens_total", model_name="b") == 0
+
+
+def test_scheduler_snapshot_reads_the_core():
+    kv = KVCacheManager(num_blocks=11, block_size=4, enable_caching=True)
+    scheduler = Scheduler(SchedulerConfig(max_model_len=64, max_num_batched_tokens=64), kv)
+    for i in range(2):
+        scheduler.add_request(Request(f"r{i}", list(range(1, 10)), SamplingParams(max_tokens=4)))
+    assert read_scheduler_stats(scheduler, kv).num_waiting == 2
+    scheduler.schedule()
+    stats = read_scheduler_stats(scheduler, kv)
+    assert (stats.num_running, stats.num_waiting, stats.num_blocks_total) == (2, 0, 10)
+    assert stats.num_blocks_free == 10 - 2 * 3
+    assert stats.prefix_cache_queries_total == kv.prefix_cache_stats.num_query_tokens > 0
+
+
+@pytest.mark.slow
+def test_live_figures_move(server: RunningServer):
+    url, headers = server.base_url, server.headers
+    assert wait_until(lambda: metric(scrape(url), "pagedllm:num_requests_running") == 0)
+    before = scrape(url)
+    total = metric(before, "pagedllm:num_blocks_total")
+    assert total > 0 and metric(before, "pagedllm:num_blocks_free") == total     # cached blocks count as free
+    prompt = ("Count slowly from one to one hundred, one number per line, please. Do not skip any number, and do "
+              "not add any words between the numbers: just the numbers themselves.")
+    num_prompt_tokens = len(server.engine.tokenizer.encode(prompt))
+    body = {"prompt": prompt, "max_tokens": 40, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=headers, timeout=60) as response:
+        lines = response.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        during = scrape(url)                                # the request is running now
+        assert metric(during, "pagedllm:num_requests_running") == 1
+        assert metric(during, "pagedllm:num_blocks_free") < total
+        assert metric(during, "pagedllm:kv_cache_usage_perc") > 0
+        assert [line for line in lines if line][-1] == "data: [DONE]"
+    assert wait_until(lambda: metric(scrape(url), "pagedllm:num_requests_running") == 0)
+    after = scrape(url)
+
+    def grew(name: str, **labels: str) -> float:
+        return metric(after, name, **labels) - metric(before, name, **labels)
+
+    assert grew("pagedllm:prompt_tokens_total") == num_prompt_tokens
+    assert grew("pagedllm:generation_tokens_total") == 40
+    assert grew("pagedllm:request_success_total", finished_reason="length") == 1
+    assert grew("pagedllm:time_to_first_token_seconds_count") == 1
+    assert grew("pagedllm:request_queue_time_seconds_count") == 1
+    assert grew("pagedllm:e2e_request_latency_seconds_count") == 1
+    assert grew("pagedllm:inter_token_latency_seconds_count") == 39
+    assert grew("pagedllm:prefix_cache_queries_total") >= num_prompt_tokens
+    assert metric(after, "pagedllm:num_blocks_free") == total
+
+    # The same prompt again: its full blocks come from the prefix cache.
+    hits = metric(after, "pagedllm:prefix_cache_hits_total")
+    httpx.post(f"{url}/v1/completions", json={**body, "stream": False, "max_tokens": 2}, headers=headers, timeout=60)
+    assert num_prompt_tokens > 32
+    assert metric(scrape(url), "pagedllm:prefix_cache_hits_total") >= hits + 32
