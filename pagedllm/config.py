@@ -61,12 +61,18 @@ class SchedulerConfig:
         max_num_batched_tokens: the step's token budget (prefill chunks plus decodes).
         max_model_len: most tokens (prompt + output) one request may reach.
         preemption_mode: "recompute", "swap" or "auto" when blocks run out.
+        swap_seconds_per_block: estimated time to copy one KV block between the device and the swap pool.
+        recompute_seconds_per_token: estimated time to recompute one token's K/V (a prefill token).
+            "auto" swaps a victim when 2 x blocks x swap_seconds_per_block (out and back in) is less than
+            computed tokens x recompute_seconds_per_token. The engine fills both in from the model.
     """
 
     max_model_len: int = 2048
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     preemption_mode: PreemptionMode = "recompute"
+    swap_seconds_per_block: float = 0.0
+    recompute_seconds_per_token: float = 0.0
 
     def __post_init__(self) -> None:
         _require(self.max_model_len > 0, "max_model_len", "> 0", self.max_model_len)

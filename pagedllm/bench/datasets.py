@@ -129,8 +129,8 @@ def mixed_requests(tokenizer: PreTrainedTokenizerBase, num_prompts: int = MIXED_
         target_len = _log_spread(_spread(i, _GOLDEN), *MIXED_PROMPT_LEN)
         output_len = _log_spread(_spread(i, _PLASTIC), *MIXED_OUTPUT_LEN)
         task = rng.choice(_TASKS)
-        token_ids = _grow_to_length(tokenizer, rng, target_len,
-                                    lambda notes: [{"role": "user", "content": f"Notes: {notes}\n\n{task}"}])
+        token_ids = _grow_to_length(tokenizer, rng, target_len, lambda notes, task=task: [
+            {"role": "user", "content": f"Notes: {notes}\n\n{task}"}])
         requests.append(BenchRequest(token_ids, output_len))
     return requests
 

@@ -1,12 +1,14 @@
 """`pagedllm bench prefix`: a shared-system-prompt workload with the prefix cache on, then off, in one run.
 
-The two engines are built one after the other in this process; the first is freed before the second starts. The
-hit rate is prompt tokens served from the prefix cache (each RequestOutput's `num_cached_tokens`) over all prompt
-tokens; `kv_manager_hit_rate` is the KV manager's own count over the run (`prefix_cache_stats.num_hit_tokens` over
-`num_query_tokens`, which counts a preempted request's lookups again); the ideal rate is what a cache could reach: every request reusing the shared prefix's full blocks. Before the
-timed run each engine serves the system prompt alone once (max_tokens=1), as a server that has seen it before
-would hold it; without that warm-up the first requests would all be scheduled in one step, before any block of
-the prefix is cached.
+The two engines are built one after the other in this process; the first is freed before the second starts.
+Before the timed run each engine serves the system prompt alone once (max_tokens=1), as a server that has seen it
+before would hold it; without that warm-up the first requests would all be scheduled in one step, before any block
+of the prefix is cached.
+
+The hit rate is prompt tokens served from the prefix cache (each RequestOutput's `num_cached_tokens`) over all
+prompt tokens; the ideal rate is every request reusing the shared prefix's full blocks. `kv_manager_hit_rate` is
+the KV manager's own count over the run (`prefix_cache_stats.num_hit_tokens / num_query_tokens`, which counts a
+preempted request's lookups again).
 """
 
 from __future__ import annotations

@@ -13,13 +13,23 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from pagedllm.bench.args import add_dataset_args, add_engine_args, dataset_argv, engine_kwargs, requests_from_args
 from pagedllm.bench.datasets import BenchRequest
-from pagedllm.bench.measure import (KVWaste, ModelDims, bf16_gemm_peak_gflops, peak_rss_mib, sample_engine_kv,
-                                    seconds_since_process_start, static_batch_kv_waste, useful_flops)
+from pagedllm.bench.measure import (
+    KVWaste,
+    ModelDims,
+    bf16_gemm_peak_gflops,
+    peak_rss_mib,
+    sample_engine_kv,
+    seconds_since_process_start,
+    static_batch_kv_waste,
+    useful_flops,
+)
 
 _RATIO_KEYS = ("requests_per_second", "tokens_per_second", "output_tokens_per_second")
 
@@ -83,7 +93,8 @@ def run_pagedllm(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_hf(args: argparse.Namespace) -> dict[str, Any]:
-    from pagedllm.bench.hf_baseline import generate_batch, load_hf_model, run_hf as run_batches
+    from pagedllm.bench.hf_baseline import generate_batch, load_hf_model
+    from pagedllm.bench.hf_baseline import run_hf as run_batches
     from pagedllm.loader.resolve import resolve_model
     from pagedllm.tokenizer.tokenizer import load_tokenizer
 
@@ -118,24 +129,21 @@ def _run_hf_child(args: argparse.Namespace) -> dict[str, Any]:
         return json.loads(path.read_text(encoding="utf-8"))
 
 
-class _sampling_kv_waste:
+@contextmanager
+def _sampling_kv_waste(engine, waste: KVWaste) -> Iterator[None]:
     """Wrap `engine.step` so that each step ends with a KV waste sample."""
+    step = engine.step
 
-    def __init__(self, engine, waste: KVWaste) -> None:
-        self.engine, self.waste = engine, waste
+    def step_and_sample():
+        outputs = step()
+        sample_engine_kv(engine, waste)
+        return outputs
 
-    def __enter__(self) -> None:
-        step = self.engine.step
-
-        def step_and_sample():
-            outputs = step()
-            sample_engine_kv(self.engine, self.waste)
-            return outputs
-
-        self.engine.step = step_and_sample
-
-    def __exit__(self, *exc_info) -> None:
-        del self.engine.step   # back to the class's method
+    engine.step = step_and_sample
+    try:
+        yield
+    finally:
+        del engine.step   # back to the class's method
 
 
 # ---- results -----------------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ have K/V in the cache. Each step the scheduler schedules the difference, so ther
 from __future__ import annotations
 
 import enum
+import hashlib
 import time
 from dataclasses import dataclass, field
 
@@ -18,6 +19,7 @@ class RequestStatus(enum.Enum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
+    SWAPPED = enum.auto()      # preempted by swap: its computed blocks wait in the swap pool
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()
@@ -63,6 +65,14 @@ class Request:
         arrival_time: when it arrived (`time.monotonic()` by default); orders requests of equal priority.
         priority: lower runs first.
         cache_salt: isolates this request's prefix-cache entries from requests with another salt.
+        parent_id: for a forked sequence (a parallel-sampling child or a beam), the id of its group's first
+            request; None for a request the user added.
+        index: which of its group's `n` completions this is (0 for the first request).
+        group_size: most sequences its group may run at once (`n`, or the beam width); the scheduler reserves
+            that many of `max_num_seqs` when it admits the group's first request.
+        engine_appends_tokens: beam search: the runner's logprobs are reported, but no sampled token is
+            appended and no stop condition checked; the engine picks the next token (`Scheduler.append_token`,
+            `Scheduler.fork_request`).
 
     Only `append_output_token_ids` may add output tokens: it keeps `all_token_ids` in step.
     """
@@ -74,6 +84,10 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0
     cache_salt: str | None = None
+    parent_id: str | None = None
+    index: int = 0
+    group_size: int = 1
+    engine_appends_tokens: bool = False
     output_token_ids: list[int] = field(init=False, default_factory=list)
     num_computed_tokens: int = field(init=False, default=0)
     status: RequestStatus = field(init=False, default=RequestStatus.WAITING)
@@ -110,7 +124,49 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
+    @property
+    def group_id(self) -> str:
+        """The id shared by a request and every sequence forked from it."""
+        return self.parent_id if self.parent_id is not None else self.request_id
+
+    @property
+    def num_pending_children(self) -> int:
+        """Children a parallel-sampling request (n > 1) forks at its first sampled token: n - 1 until then."""
+        n = self.sampling_params.n
+        if n == 1 or self.parent_id is not None or self.output_token_ids or self.engine_appends_tokens:
+            return 0
+        return n - 1
+
+    def fork(self, child_id: str, index: int) -> Request:
+        """A copy of this sequence under a new id: same tokens, counters and block hashes (not its blocks:
+        `KVCacheManager.fork` shares those)."""
+        child = Request(child_id, self.prompt_token_ids, self.sampling_params, self.eos_token_id,
+                        self.arrival_time, self.priority, self.cache_salt, parent_id=self.group_id, index=index,
+                        group_size=self.group_size, engine_appends_tokens=self.engine_appends_tokens)
+        child.output_token_ids = list(self.output_token_ids)
+        child._all_token_ids = list(self._all_token_ids)
+        child.num_computed_tokens = self.num_computed_tokens
+        child.num_cached_tokens = self.num_cached_tokens
+        child.status = self.status
+        child.block_hashes = list(self.block_hashes)
+        return child
+
     def append_output_token_ids(self, token_ids: int | list[int]) -> None:
         new_ids = [token_ids] if isinstance(token_ids, int) else token_ids
         self.output_token_ids.extend(new_ids)
         self._all_token_ids.extend(new_ids)
+
+
+def child_request_id(parent_id: str, index: int) -> str:
+    """The id of completion `index` (>= 1) of a parallel-sampling request."""
+    return f"{parent_id}#{index}"
+
+
+def child_seed(seed: int | None, index: int) -> int | None:
+    """The seed of completion `index` of a request seeded with `seed`: completion 0 keeps `seed` (so n=1 and
+    outputs[0] of n>1 agree); the others get a 63-bit seed derived from (seed, index), so that requests seeded
+    s and s+1 do not share streams. None (unseeded) stays None."""
+    if seed is None or index == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1

@@ -18,7 +18,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
 from pagedllm.engine.llm_engine import LLMEngine, PromptInput
@@ -118,7 +118,7 @@ class AsyncEngine:
     # ---- the asyncio side ---------------------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt: PromptInput, params: SamplingParams, *,
                        prompt_token_ids: list[int] | None = None, priority: int = 0,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       cache_salt: str | None = None) -> AsyncGenerator[RequestOutput, None]:
         """Run one request and yield its outputs until the last (`finished`) one.
 
         Use `params.output_kind = "delta"` to get each step's new text. Closing the iterator early (the client

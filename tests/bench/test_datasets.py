@@ -4,8 +4,14 @@ import json
 
 import pytest
 
-from pagedllm.bench.datasets import (BenchRequest, jsonl_requests, load_requests, mixed_requests, random_requests,
-                                     shared_prefix_requests)
+from pagedllm.bench.datasets import (
+    BenchRequest,
+    jsonl_requests,
+    load_requests,
+    mixed_requests,
+    random_requests,
+    shared_prefix_requests,
+)
 from pagedllm.bench.prefix import ideal_hit_rate, shared_prefix_len
 
 

@@ -55,8 +55,8 @@ def test_smollm2_gguf_matches_transformers() -> None:
     for _ in range(NUM_STEPS):
         for i, seq in enumerate(seqs):
             with torch.inference_mode():  # transformers with its own KV cache, one sequence at a time
-                out = hf_model(torch.tensor([new_inputs[i]]), past_key_values=hf_caches[i], use_cache=True)
-            hf_caches[i], expected = out.past_key_values, out.logits[0, -1].float()
+                out = hf_model(torch.tensor([new_inputs[i]]), cache=hf_caches[i], use_cache=True)
+            hf_caches[i], expected = out.cache, out.logits[0, -1].float()
             max_err = max(max_err, (logits[i] - expected).abs().max().item())
             assert int(logits[i].argmax()) == int(expected.argmax()), tokenizer.decode(seq)
             seq.append(int(expected.argmax()))

@@ -10,6 +10,22 @@ table:   [  17   ,    4    ,   9   ]        3 blocks = cdiv(10, 4); block 9 has 
 Safe call order within one scheduling step: `get_computed_blocks(r)` then, with no other allocation in between,
 `allocate_slots(r, n, computed)`: the hit blocks are only referenced by `allocate_slots`, so a `None` from it
 leaves everything as it was.
+
+Sharing (copy-on-write). `fork(parent, child)` gives the child the parent's table; every block's ref_cnt rises.
+Full blocks are never written again, so they stay shared for good. The first write into a shared, partly
+filled last block copies it: `allocate_slots` gives the writer a fresh block and records `(src, dst)`, which
+the scheduler drains with `take_blocks_to_copy()` into `SchedulerOutput.blocks_to_copy`:
+
+```
+parent  [ 17 | 4 | 9:ab.. ]      fork       parent [ 17 | 4 | 9:ab.. ]   ref_cnt 17, 4, 9: 2
+                                 ------>    child  [ 17 | 4 | 9:ab.. ]
+child writes token c at slot 2:  child [ 17 | 4 | 21:abc. ]  blocks_to_copy += (9, 21); ref_cnt 9: 1
+```
+
+Swap. A second, uncached `BlockPool` (`num_swap_blocks`, 0 for none) holds the computed blocks of swapped-out
+requests. `swap_out` moves a request's computed blocks there (a shared block is copied; the others keep
+using the device block), `swap_in` brings them back into fresh device blocks; both return `(src, dst)` pairs
+for the runner. A swapped-out request holds no device block.
 """
 
 from __future__ import annotations
@@ -44,10 +60,17 @@ class KVCacheManager:
         enable_caching: reuse full blocks whose token chains match (prefix caching).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 num_swap_blocks: int = 0) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
+        # The swap pool's block 0 is a null block too, so that block ids mean the same in both pools' tensors.
+        self.swap_pool = BlockPool(num_swap_blocks, enable_caching=False) if num_swap_blocks >= 2 else None
+        # request id -> its blocks in the swap pool, while it is swapped out.
+        self._swapped_blocks: dict[str, list[KVCacheBlock]] = {}
+        # request id -> copy-on-write (src, dst) pairs made since the last take_blocks_to_copy().
+        self._pending_copies: dict[str, list[tuple[int, int]]] = {}
         # request id -> its block table. The one place a request's blocks are recorded, so that a fork can
         # later copy a table (sharing blocks) and a swap can replace one.
         self._req_blocks: dict[str, list[KVCacheBlock]] = {}
@@ -70,8 +93,23 @@ class KVCacheManager:
     def prefix_cache_stats(self) -> PrefixCacheStats:
         return self.pool.prefix_cache_stats
 
+    @property
+    def num_free_swap_blocks(self) -> int:
+        return self.swap_pool.num_free_blocks if self.swap_pool is not None else 0
+
+    @property
+    def num_usable_swap_blocks(self) -> int:
+        return self.swap_pool.num_usable_blocks if self.swap_pool is not None else 0
+
     def get_block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self._req_blocks.get(request_id, ())]
+
+    def get_swapped_block_ids(self, request_id: str) -> list[int]:
+        return [block.block_id for block in self._swapped_blocks.get(request_id, ())]
+
+    def get_ref_counts(self, request_id: str) -> list[int]:
+        """The ref_cnt of each block in the request's device table (for tests and debugging)."""
+        return [block.ref_cnt for block in self._req_blocks.get(request_id, ())]
 
     def get_computed_blocks(self, request: Request) -> ComputedBlocks:
         """The longest chain of cached full blocks that prefixes the request's tokens.
@@ -105,18 +143,28 @@ class KVCacheManager:
                 blocks are referenced and become the head of the table.
 
         Returns:
-            The ids of the newly allocated blocks (maybe none), or None when there are not enough free blocks,
-            in which case nothing changed.
+            The ids of the newly allocated blocks (maybe none, and not counting a copy-on-write copy), or None
+            when there are not enough free blocks, in which case nothing changed.
+
+        When the first new token lands in a block shared with another table (after a fork), that block is
+        copied first: the request gets a fresh block in its place, the pair is recorded for
+        `take_blocks_to_copy()`, and the shared block loses one reference.
         """
         table = self._req_blocks.get(request.request_id, [])
         hit = computed.blocks if computed is not None else []
         assert not (hit and table), "a prefix hit is only for a request without blocks"
+        assert request.request_id not in self._swapped_blocks, "swap the request in first"
         num_computed = computed.num_computed_tokens if computed is not None else request.num_computed_tokens
         num_needed = max(0, cdiv(num_computed + num_new_tokens, self.block_size) - len(table) - len(hit))
+        write_index = num_computed // self.block_size
+        copy_on_write = num_new_tokens > 0 and write_index < len(table) and table[write_index].ref_cnt > 1
+        assert all(block.ref_cnt == 1 for block in table[write_index + 1:]), "a shared block past the write point"
         # Free cached hit blocks sit in the free queue; touching them takes them out of it.
         num_free_after_touch = self.pool.num_free_blocks - sum(1 for block in hit if block.ref_cnt == 0)
-        if num_needed > num_free_after_touch:
+        if num_needed + copy_on_write > num_free_after_touch:
             return None
+        if copy_on_write:
+            self._copy_on_write(request.request_id, table, write_index)
         self.pool.touch(hit)
         new_blocks = self.pool.get_new_blocks(num_needed)
         if request.request_id not in self._req_blocks:
@@ -125,6 +173,36 @@ class KVCacheManager:
         table.extend(hit)
         table.extend(new_blocks)
         return [block.block_id for block in new_blocks]
+
+    def _copy_on_write(self, request_id: str, table: list[KVCacheBlock], index: int) -> None:
+        shared = table[index]
+        (copy,) = self.pool.get_new_blocks(1)
+        table[index] = copy
+        self.pool.free_blocks([shared])  # still held by another table
+        self._pending_copies.setdefault(request_id, []).append((shared.block_id, copy.block_id))
+
+    def take_blocks_to_copy(self) -> list[tuple[int, int]]:
+        """The copy-on-write pairs made since the last call, for this step's `SchedulerOutput.blocks_to_copy`."""
+        pairs = [pair for pairs in self._pending_copies.values() for pair in pairs]
+        self._pending_copies.clear()
+        return pairs
+
+    def has_pending_copy(self, request_id: str) -> bool:
+        """True if the request got a copy-on-write block this step: that block's K/V is not there yet."""
+        return request_id in self._pending_copies
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Give `child` the parent's block table: the blocks are shared, each ref_cnt rises by one.
+
+        Call between steps (the parent's pending copies, if any, already drained). Nothing is copied now;
+        the first write into a shared, partly filled block copies it (see `allocate_slots`).
+        """
+        assert child.request_id not in self._req_blocks and child.request_id not in self._swapped_blocks
+        assert not self.has_pending_copy(parent.request_id), "fork after the step's copies were taken"
+        table = list(self._req_blocks.get(parent.request_id, []))
+        self.pool.touch(table)
+        self._req_blocks[child.request_id] = table
+        self._num_cached_blocks[child.request_id] = self._num_cached_blocks.get(parent.request_id, 0)
 
     def cache_full_blocks(self, request: Request) -> None:
         """Offer the request's blocks that are full of computed tokens to the prefix cache.
@@ -152,26 +230,83 @@ class KVCacheManager:
         (which other requests are likelier to share). Hashed blocks stay findable until evicted."""
         table = self._req_blocks.pop(request.request_id, [])
         self._num_cached_blocks.pop(request.request_id, None)
+        self._pending_copies.pop(request.request_id, None)  # its copy's destination is free again
         self.pool.free_blocks(reversed(table))
+        swapped = self._swapped_blocks.pop(request.request_id, [])
+        if swapped:
+            assert self.swap_pool is not None
+            self.swap_pool.free_blocks(reversed(swapped))
+
+    # ---- swap -------------------------------------------------------------------------------------------------
+    def can_swap_out(self, request: Request) -> bool:
+        """True if the swap pool has room for the request's computed blocks, and none of them is a copy
+        made this step (its K/V would only be there after the step's copies, which run after swap-outs)."""
+        num_blocks = cdiv(request.num_computed_tokens, self.block_size)
+        return (self.swap_pool is not None and request.request_id in self._req_blocks and num_blocks > 0
+                and num_blocks <= self.swap_pool.num_free_blocks and not self.has_pending_copy(request.request_id))
+
+    def swap_out(self, request: Request) -> list[tuple[int, int]]:
+        """Move the request's computed blocks to the swap pool; returns (device id, swap id) pairs to copy.
+
+        Blocks past the computed tokens (allocated for this step) are just freed. The device blocks are freed
+        tail first and keep their hashes; a shared one stays in use by its other tables.
+        """
+        assert self.can_swap_out(request) and self.swap_pool is not None
+        table = self._req_blocks.pop(request.request_id)
+        self._num_cached_blocks.pop(request.request_id)
+        swap_blocks = self.swap_pool.get_new_blocks(cdiv(request.num_computed_tokens, self.block_size))
+        self._swapped_blocks[request.request_id] = swap_blocks
+        self.pool.free_blocks(reversed(table))
+        return [(device.block_id, swap.block_id) for device, swap in zip(table, swap_blocks)]
+
+    def can_swap_in(self, request: Request, num_new_tokens: int) -> bool:
+        """True if the device pool has room for the swapped blocks and the next `num_new_tokens` tokens."""
+        num_swapped = len(self._swapped_blocks[request.request_id])
+        num_needed = max(num_swapped, cdiv(request.num_computed_tokens + num_new_tokens, self.block_size))
+        return num_needed <= self.pool.num_free_blocks
+
+    def swap_in(self, request: Request) -> list[tuple[int, int]]:
+        """Bring a swapped-out request's blocks back into fresh device blocks; returns (swap id, device id)
+        pairs to copy. Its full blocks are offered to the prefix cache again after the step."""
+        assert self.swap_pool is not None
+        swap_blocks = self._swapped_blocks.pop(request.request_id)
+        device_blocks = self.pool.get_new_blocks(len(swap_blocks))
+        self._req_blocks[request.request_id] = device_blocks
+        self._num_cached_blocks[request.request_id] = 0
+        self.swap_pool.free_blocks(reversed(swap_blocks))
+        return [(swap.block_id, device.block_id) for swap, device in zip(swap_blocks, device_blocks)]
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; False (and nothing done) while any block is in use."""
         return self.pool.reset_prefix_cache()
 
     def check_integrity(self) -> None:
-        """Assert the pool's invariants, and that ref counts are exactly the number of tables holding a block."""
-        self.pool.check_integrity()
-        refs: Counter[int] = Counter()
-        for request_id, table in self._req_blocks.items():
-            ids = [block.block_id for block in table]
-            assert len(set(ids)) == len(ids), f"request {request_id} holds a block twice"
-            assert 0 not in ids, f"request {request_id} holds the null block"
-            assert self._num_cached_blocks[request_id] <= len(table)
-            refs.update(ids)
-        for block in self.pool.blocks[1:]:
-            assert block.ref_cnt == refs[block.block_id], (
-                f"block {block.block_id}: ref_cnt {block.ref_cnt}, held by {refs[block.block_id]} tables")
+        """Assert both pools' invariants, and that each block's ref_cnt is exactly the number of tables
+        holding it (shared blocks included)."""
+        assert self._req_blocks.keys().isdisjoint(self._swapped_blocks), "a request in both pools"
+        assert self._pending_copies.keys() <= self._req_blocks.keys(), "a copy for a request without blocks"
+        for request_id in self._req_blocks:
+            assert self._num_cached_blocks[request_id] <= len(self._req_blocks[request_id])
+        _check_tables(self.pool, self._req_blocks)
+        if self.swap_pool is not None:
+            _check_tables(self.swap_pool, self._swapped_blocks)
+        else:
+            assert not self._swapped_blocks
 
     def _block_hashes(self, request: Request) -> list[BlockHash]:
         extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt)
         return request.block_hashes
+
+
+def _check_tables(pool: BlockPool, tables: dict[str, list[KVCacheBlock]]) -> None:
+    pool.check_integrity()
+    refs: Counter[int] = Counter()
+    for request_id, table in tables.items():
+        ids = [block.block_id for block in table]
+        assert len(set(ids)) == len(ids), f"request {request_id} holds a block twice"
+        assert 0 not in ids, f"request {request_id} holds the null block"
+        assert all(pool.blocks[i] is block for i, block in zip(ids, table)), f"{request_id}: block of another pool"
+        refs.update(ids)
+    for block in pool.blocks[1:]:
+        assert block.ref_cnt == refs[block.block_id], (
+            f"block {block.block_id}: ref_cnt {block.ref_cnt}, held by {refs[block.block_id]} tables")

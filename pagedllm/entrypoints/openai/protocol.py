@@ -34,10 +34,8 @@ class OpenAIError(Exception):
 
     @property
     def type(self) -> str:
-        if self.status_code >= 500:
-            return "server_error"
-        return {401: "authentication_error", 404: "not_found_error"}.get(self.status_code,
-                                                                          "invalid_request_error")
+        """OpenAI's own types: every client error is an invalid_request_error; `code` tells them apart."""
+        return "server_error" if self.status_code >= 500 else "invalid_request_error"
 
     def to_dict(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

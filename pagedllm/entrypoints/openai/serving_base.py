@@ -8,7 +8,7 @@ import dataclasses
 import json
 import logging
 import math
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
@@ -57,6 +57,9 @@ class Choice:
 class Prompt:
     text: str | None
     token_ids: list[int]
+
+
+OutputStream = AsyncGenerator[tuple[Choice, RequestOutput], None]
 
 
 class OpenAIServing:
@@ -155,7 +158,7 @@ class OpenAIServing:
 
     # ---- running ------------------------------------------------------------------------------------------------
     async def run_choices(self, choices: list[Choice], prompts: list[Prompt], priority: int,
-                          cache_salt: str | None) -> AsyncIterator[tuple[Choice, RequestOutput]]:
+                          cache_salt: str | None) -> OutputStream:
         """Start every child request and yield (choice, output) as outputs arrive, in any order.
 
         Closing this iterator (or cancelling its consumer) aborts every child still running.
@@ -171,13 +174,12 @@ class OpenAIServing:
         async for i, output in _merge(streams):
             yield choices[i], output
 
-    async def first_then_rest(self, outputs: AsyncIterator[tuple[Choice, RequestOutput]]
-                              ) -> AsyncIterator[tuple[Choice, RequestOutput]]:
+    async def first_then_rest(self, outputs: OutputStream) -> OutputStream:
         """Wait for the first output before answering, so that a request the engine refuses gets a real status
         code rather than an error inside a 200 stream."""
         first = await anext(outputs)
 
-        async def chained() -> AsyncIterator[tuple[Choice, RequestOutput]]:
+        async def chained() -> OutputStream:
             async with aclosing(outputs):
                 yield first
                 async for item in outputs:
@@ -185,12 +187,12 @@ class OpenAIServing:
         return chained()
 
 
-async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def _merge(streams: list[AsyncGenerator[RequestOutput, None]]) -> AsyncGenerator[tuple[int, RequestOutput], None]:
     """Interleave several output streams; an error in one ends them all."""
     queue: asyncio.Queue = asyncio.Queue()
     _DONE = object()
 
-    async def drain(i: int, stream: AsyncIterator[RequestOutput]) -> None:
+    async def drain(i: int, stream: AsyncGenerator[RequestOutput, None]) -> None:
         try:
             async with aclosing(stream):
                 async for output in stream:

@@ -11,8 +11,8 @@ import jinja2
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, OpenAIError, now, random_id
 from pagedllm.entrypoints.openai.serving_base import (
     SSE_DONE,
-    Choice,
     OpenAIServing,
+    OutputStream,
     Prompt,
     clean_logprob,
     error_for,
@@ -21,7 +21,7 @@ from pagedllm.entrypoints.openai.serving_base import (
     top_entries,
     usage,
 )
-from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.outputs import CompletionOutput
 from pagedllm.tokenizer.chat_template import apply_chat_template
 
 
@@ -74,7 +74,7 @@ class OpenAIServingChat(OpenAIServing):
             raise OpenAIError(str(exc), param="messages") from exc
 
     # ---- responses ----------------------------------------------------------------------------------------------
-    async def _collect(self, outputs: AsyncIterator[tuple[Choice, RequestOutput]], states: list[_ChoiceState],
+    async def _collect(self, outputs: OutputStream, states: list[_ChoiceState],
                        head: dict[str, Any], num_logprobs: int | None, num_prompt_tokens: int) -> dict[str, Any]:
         async with aclosing(outputs):
             async for choice, output in outputs:
@@ -86,7 +86,7 @@ class OpenAIServingChat(OpenAIServing):
         return {**head, "object": "chat.completion", "choices": choices,
                 "usage": usage(num_prompt_tokens, num_completion_tokens)}
 
-    async def _stream(self, outputs: AsyncIterator[tuple[Choice, RequestOutput]], states: list[_ChoiceState],
+    async def _stream(self, outputs: OutputStream, states: list[_ChoiceState],
                       head: dict[str, Any], num_logprobs: int | None, include_usage: bool,
                       num_prompt_tokens: int) -> AsyncIterator[str]:
         head = {**head, "object": "chat.completion.chunk"}

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from typing import Any
+from typing import Any, cast
 
 from pagedllm.entrypoints.openai.protocol import CompletionRequest, OpenAIError, now, random_id
 from pagedllm.entrypoints.openai.serving_base import (
     SSE_DONE,
-    Choice,
     OpenAIServing,
+    OutputStream,
     Prompt,
     clean_logprob,
     error_for,
@@ -19,7 +19,7 @@ from pagedllm.entrypoints.openai.serving_base import (
     top_entries,
     usage,
 )
-from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.outputs import CompletionOutput
 
 
 class _ChoiceState:
@@ -65,12 +65,13 @@ class OpenAIServingCompletion(OpenAIServing):
 
     # ---- prompts ------------------------------------------------------------------------------------------------
     def _prompts(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[Prompt]:
+        raw: list[str | list[int]]
         if isinstance(prompt, str):
-            raw: list[str | list[int]] = [prompt]
+            raw = [prompt]
         elif prompt and all(isinstance(t, int) for t in prompt):
-            raw = [list(prompt)]            # one prompt as token ids
+            raw = [cast(list[int], prompt)]         # one prompt as token ids
         else:
-            raw = list(prompt)
+            raw = cast(list[str | list[int]], list(prompt))
         if not raw:
             raise OpenAIError("prompt must not be empty", param="prompt")
         if len(raw) > self.limits.max_prompts:
@@ -87,7 +88,7 @@ class OpenAIServingCompletion(OpenAIServing):
         return prompt.text if prompt.text is not None else self.engine.tokenizer.decode(prompt.token_ids)
 
     # ---- responses ----------------------------------------------------------------------------------------------
-    async def _collect(self, outputs: AsyncIterator[tuple[Choice, RequestOutput]], states: list[_ChoiceState],
+    async def _collect(self, outputs: OutputStream, states: list[_ChoiceState],
                        head: dict[str, Any], num_logprobs: int | None, num_prompt_tokens: int) -> dict[str, Any]:
         async with aclosing(outputs):
             async for choice, output in outputs:
@@ -98,7 +99,7 @@ class OpenAIServingCompletion(OpenAIServing):
         num_completion_tokens = sum(len(s.token_ids) for s in states)
         return {**head, "choices": choices, "usage": usage(num_prompt_tokens, num_completion_tokens)}
 
-    async def _stream(self, outputs: AsyncIterator[tuple[Choice, RequestOutput]], states: list[_ChoiceState],
+    async def _stream(self, outputs: OutputStream, states: list[_ChoiceState],
                       head: dict[str, Any], num_logprobs: int | None, include_usage: bool,
                       num_prompt_tokens: int) -> AsyncIterator[str]:
         extra = {"usage": None} if include_usage else {}
