@@ -43,8 +43,7 @@ class _Add:
     prompt_token_ids: list[int] | None
     priority: int
     cache_salt: str | None
-    arrival: float          # time.monotonic(), for latencies
-    arrival_time: float     # time.time(), for the scheduler's first-come order
+    arrival: float          # time.monotonic(): the scheduler's first-come order and the latencies
 
 
 @dataclass(slots=True)
@@ -135,8 +134,7 @@ class AsyncEngine:
         self._streams[request_id] = queue
         if self.log_requests:
             logger.info("request %s: prompt=%r params=%s", request_id, prompt, params)
-        self._post(_Add(request_id, prompt, params, prompt_token_ids, priority, cache_salt, time.monotonic(),
-                        time.time()))
+        self._post(_Add(request_id, prompt, params, prompt_token_ids, priority, cache_salt, time.monotonic()))
         done = False
         try:
             while True:
@@ -226,7 +224,7 @@ class AsyncEngine:
     def _add(self, item: _Add) -> None:
         try:
             self.engine.add_request(item.request_id, item.prompt, item.params, priority=item.priority,
-                                    cache_salt=item.cache_salt, arrival_time=item.arrival_time,
+                                    cache_salt=item.cache_salt, arrival_time=item.arrival,
                                     prompt_token_ids=item.prompt_token_ids)
         except Exception as exc:  # bad input fails this request alone
             self._call_in_loop(self._dispatch_error, item.request_id, exc)

@@ -107,7 +107,7 @@ class LLMEngine:
                                              detokenizer, logprobs=[] if params.logprobs is not None else None)
         self.scheduler.add_request(Request(
             request_id=request_id, prompt_token_ids=token_ids, sampling_params=params,
-            eos_token_id=self.tokenizer.eos_token_id, arrival_time=arrival_time or time.time(),
+            eos_token_id=self.tokenizer.eos_token_id, arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
             priority=priority, cache_salt=cache_salt))
 
     def abort_request(self, request_ids: list[str]) -> None:

@@ -23,7 +23,7 @@ def test_finish_reason_prints_openai_value() -> None:
     assert str(FinishReason.STOP) == "stop" and f"{FinishReason.LENGTH}" == "length"
     assert FinishReason.ABORT.value == "abort" and isinstance(FinishReason.ABORT, str)
     assert FinishReason.ABORT.status is RequestStatus.FINISHED_ABORTED
-    assert [s.is_finished for s in RequestStatus] == [False, False, False, True, True, True]
+    assert [s.is_finished for s in RequestStatus] == [False, False, False, False, True, True, True]
 
 
 def test_request_is_slotted() -> None:

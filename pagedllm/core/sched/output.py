@@ -30,6 +30,11 @@ class ScheduledRequest:
     `num_computed_tokens : num_computed_tokens + len(token_ids)` (at least one); `block_ids` (the whole block
     table) has room for all of them; `sample` is True exactly when these tokens reach the request's last known
     token, so the runner samples the next one.
+
+    `child_req_ids` is set only on the first sampled token of a parallel-sampling request (n > 1): the runner
+    samples that row once more for each child, child i (1-based) with its own seed stream
+    (`pagedllm.core.request.child_seed`), creates their sampling state, and returns one token per id; the
+    scheduler then forks the children off the request (shared blocks) in `update_from_output`.
     """
 
     req_id: str
@@ -37,6 +42,7 @@ class ScheduledRequest:
     num_computed_tokens: int
     token_ids: list[int]
     sample: bool
+    child_req_ids: list[str] = field(default_factory=list)
 
     @property
     def num_new_tokens(self) -> int:
@@ -51,7 +57,11 @@ class SchedulerOutput:
     `num_batched_tokens` is the sum of `len(token_ids)` over `scheduled`, at most `max_num_batched_tokens`.
     `finished_req_ids` finished since the last step and `preempted_req_ids` were preempted in this one: the
     runner drops its state for both (a preempted request comes back later through `new_requests`).
-    The block lists are `(src, dst)` block-id pairs the runner applies before the forward pass (empty for now).
+    The block lists are `(src, dst)` block-id pairs the runner applies before the forward pass, in this order:
+    `blocks_to_swap_out` (device -> swap pool), `blocks_to_swap_in` (swap pool -> device), then
+    `blocks_to_copy` (device -> device, copy-on-write; read all sources before writing any destination).
+    Every destination is a block no one reads this step before the transfer; no block is the destination of
+    two pairs.
     """
 
     new_requests: list[NewRequestData] = field(default_factory=list)
@@ -83,6 +93,9 @@ class RequestUpdate:
 
     `finish_reason` is set once, on the request's last update; `stop_reason` is the stop token id that ended
     it (None for EOS, length or abort). `num_cached_tokens` is the prefix-cache hit at first scheduling.
+    A forked sequence (a parallel-sampling child) names its group's first request in `parent_req_id` and its
+    completion number in `index`. A beam (`Request.engine_appends_tokens`) gets updates with no token ids,
+    only `new_logprobs`.
     """
 
     req_id: str
@@ -91,3 +104,5 @@ class RequestUpdate:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    parent_req_id: str | None = None
+    index: int = 0

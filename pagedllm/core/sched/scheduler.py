@@ -2,12 +2,29 @@
 
 One rule: each step a request gets `num_tokens - num_computed_tokens` tokens, capped by what is left of the
 step's token budget (and by `max_model_len`). Chunked prefill, prefix-cache hits, recompute after preemption
-and decode all follow from it. Running requests are served first, in order; then waiting ones, in
-(priority, arrival_time) order, while there is budget, a free sequence slot and blocks.
+and decode all follow from it. Running requests are served first, in order; then swapped-out ones, in
+(priority, arrival_time) order; then, once none is left swapped out, waiting ones, in the same order, while
+there is budget, a free sequence slot and blocks.
 
 When a running request cannot get blocks, the lowest-priority, latest-arriving running request (maybe itself)
-is preempted by recompute: its blocks are freed (their hashes stay in the prefix cache), its computed tokens
-are forgotten, and it waits again with its original priority and arrival time.
+is preempted, by recompute or by swap (`SchedulerConfig.preemption_mode`):
+  - recompute: its blocks are freed (their hashes stay in the prefix cache), its computed tokens are
+    forgotten, and it waits again with its original priority and arrival time;
+  - swap: its computed blocks move to the swap pool (`blocks_to_swap_out`) and it waits in `swapped`; it
+    comes back into fresh device blocks (`blocks_to_swap_in`) before any waiting request is admitted;
+  - auto: swap when moving the blocks out and back costs less than recomputing them:
+        2 x num_blocks x swap_seconds_per_block  <  num_computed_tokens x recompute_seconds_per_token.
+A request falls back to recompute when the swap pool has no room, when it has nothing computed, when it is a
+beam waiting for its next token, or when a block of it was copied (copy-on-write) this very step.
+No admission happens in a step with a preemption.
+
+Parallel sampling (n > 1): the request runs alone until its first sampled token. That step asks the runner
+for n samples of its last row (`ScheduledRequest.child_req_ids`); `update_from_output` then forks n - 1
+children off it (`KVCacheManager.fork`: shared blocks), and each sequence goes on by itself. A group reserves
+`group_size` (n, or the beam width) of the `max_num_seqs` seats when its first request is admitted.
+
+Beam search: beams are requests with `engine_appends_tokens`. Their updates carry logprobs but no token; the
+engine picks the continuations and calls `append_token`, `fork_request` and `finish_requests`.
 
 A request that needs more blocks than the whole pool holds can never run. `schedule()` finishes it instead of
 waiting forever: with `FinishReason.ABORT` when its prompt alone is too long, with `FinishReason.LENGTH` when
@@ -17,12 +34,13 @@ its generated tokens made it too long. Its `RequestUpdate` comes with the next `
 from __future__ import annotations
 
 import bisect
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from pagedllm.config import SchedulerConfig
 from pagedllm.core.kv_cache.manager import KVCacheManager, cdiv
-from pagedllm.core.request import FinishReason, Request, RequestStatus
+from pagedllm.core.request import FinishReason, Request, RequestStatus, child_request_id
 from pagedllm.core.sched.output import (NewRequestData, RequestUpdate, RunnerOutput, ScheduledRequest,
                                         SchedulerOutput)
 
@@ -31,14 +49,21 @@ def _waiting_order(request: Request) -> tuple[int, float]:
     return request.priority, request.arrival_time
 
 
+def _group_seats(group_size: int, num_running: int) -> int:
+    """A group with running members holds group_size seats (more if it ever had more members running)."""
+    return max(group_size, num_running) if num_running else 0
+
+
 @dataclass(slots=True)
 class _StepPlan:
-    """The step being built: tokens per scheduled request id, in batch order."""
+    """The step being built: tokens per scheduled request id, in batch order, and the blocks to move."""
 
     token_budget: int
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     new_req_ids: list[str] = field(default_factory=list)
     preempted_req_ids: set[str] = field(default_factory=set)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
 
     def add(self, request: Request, num_tokens: int) -> None:
         self.num_scheduled_tokens[request.request_id] = num_tokens
@@ -52,7 +77,7 @@ class Scheduler:
     """Decides, each step, which requests run and how many tokens each computes.
 
     Args:
-        config: max_num_seqs, max_num_batched_tokens, max_model_len.
+        config: max_num_seqs, max_num_batched_tokens, max_model_len, the preemption mode and its costs.
         kv_cache_manager: the block tables; the scheduler is its only writer.
 
     Each `schedule()` must be followed by `update_from_output()` with the runner's result, even when the
@@ -65,9 +90,15 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting: list[Request] = []  # sorted by (priority, arrival_time); new and preempted
         self.running: list[Request] = []  # in admission order
+        self.swapped: list[Request] = []  # sorted by (priority, arrival_time); blocks in the swap pool
         self.num_preemptions = 0
+        self.num_preemptions_by_mode: dict[str, int] = {"recompute": 0, "swap": 0}
         self._finished_req_ids: set[str] = set()
         self._pending_updates: list[RequestUpdate] = []
+        self._unannounced_req_ids: set[str] = set()  # forked beams the runner has not seen yet
+        # Seats (of max_num_seqs) held by the running requests: each group holds max(group_size, its count).
+        self._num_running_in_group: Counter[str] = Counter()
+        self._num_seats = 0
 
     @property
     def num_running(self) -> int:
@@ -77,34 +108,76 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    @property
+    def num_swapped(self) -> int:
+        return len(self.swapped)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
     def add_request(self, request: Request) -> None:
-        """Queue a new request. Raises ValueError for a duplicate id, an empty prompt, or a prompt longer than
-        max_model_len."""
+        """Queue a new request. Raises ValueError for a duplicate id, an empty prompt, a prompt longer than
+        max_model_len, or a group (n or beam width) larger than max_num_seqs."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         if not 0 < request.num_prompt_tokens <= self.config.max_model_len:
             raise ValueError(f"the prompt has {request.num_prompt_tokens} tokens; it must have between 1 and "
                              f"max_model_len ({self.config.max_model_len})")
+        if request.num_pending_children:
+            request.group_size = max(request.group_size, request.sampling_params.n)
+        if request.group_size > self.config.max_num_seqs:
+            raise ValueError(f"n (or the beam width) is {request.group_size}, more than max_num_seqs "
+                             f"({self.config.max_num_seqs})")
         self.requests[request.request_id] = request
         bisect.insort(self.waiting, request, key=_waiting_order)
 
     def finish_requests(self, request_ids: str | Iterable[str], reason: FinishReason) -> None:
-        """Finish requests wherever they are (waiting, running, preempted), freeing their blocks; unknown or
-        already finished ids are ignored. For aborts and stop strings."""
+        """Finish requests wherever they are (waiting, running, preempted, swapped), freeing their blocks;
+        unknown or already finished ids are ignored. For aborts and stop strings."""
         for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
             request = self.requests.get(request_id)
             if request is not None:
                 self._finish(request, reason)
 
+    # ---- beam search: the engine picks the tokens ----------------------------------------------------------------
+    def append_token(self, request_id: str, token_id: int) -> None:
+        """Append a token the engine chose to a beam (a request with `engine_appends_tokens`)."""
+        request = self.requests[request_id]
+        assert request.engine_appends_tokens and request.num_tokens < self.config.max_model_len
+        request.append_output_token_ids(token_id)
+
+    def fork_request(self, parent_id: str, child_id: str, token_id: int) -> Request:
+        """A new beam: the parent's tokens plus `token_id`, sharing the parent's blocks (copy-on-write).
+
+        Call between steps, before appending to the parent. The child runs (or waits) where the parent is.
+        """
+        parent = self.requests[parent_id]
+        assert parent.engine_appends_tokens and parent.status is not RequestStatus.SWAPPED
+        if child_id in self.requests:
+            raise ValueError(f"request id {child_id!r} is already in use")
+        child = parent.fork(child_id, index=0)
+        self._add_forked(parent, child)
+        self._unannounced_req_ids.add(child_id)
+        child.append_output_token_ids(token_id)
+        return child
+
+    def _add_forked(self, parent: Request, child: Request) -> None:
+        self.requests[child.request_id] = child
+        self.kv_cache_manager.fork(parent, child)
+        if child.status is RequestStatus.RUNNING:
+            self._add_running(child)
+        else:
+            bisect.insort(self.waiting, child, key=_waiting_order)
+
+    # ---- schedule ---------------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         plan = _StepPlan(self.config.max_num_batched_tokens)
         self._schedule_running(plan)
         # Admitting anyone right after a preemption would just take the blocks that were freed for others.
         if not plan.preempted_req_ids:
-            self._schedule_waiting(plan)
+            self._schedule_swapped(plan)
+            if not self.swapped:
+                self._schedule_waiting(plan)
         return self._make_output(plan)
 
     def _schedule_running(self, plan: _StepPlan) -> None:
@@ -112,6 +185,8 @@ class Scheduler:
             if plan.token_budget == 0:
                 break
             if request.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            if request.num_computed_tokens == request.num_tokens:  # a beam waiting for the engine's token
                 continue
             num_new_tokens = self._num_new_tokens(request, request.num_computed_tokens, plan.token_budget)
             if self._allocate_or_preempt(request, num_new_tokens, plan):
@@ -129,19 +204,54 @@ class Scheduler:
         return True
 
     def _preempt(self, request: Request, plan: _StepPlan) -> None:
-        """Preempt by recompute: free the blocks (hashes kept), forget the computed tokens, wait again."""
-        self.running.remove(request)
+        """Preempt by swap or by recompute (see the module docstring); the request leaves `running`."""
+        self._remove_running(request)
         plan.remove(request)
         plan.preempted_req_ids.add(request.request_id)
-        self.kv_cache_manager.free(request)
-        request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
+        mode = self._preemption_mode(request)
+        if mode == "swap":
+            plan.blocks_to_swap_out += self.kv_cache_manager.swap_out(request)
+            request.status = RequestStatus.SWAPPED
+            bisect.insort(self.swapped, request, key=_waiting_order)
+        else:
+            self.kv_cache_manager.free(request)
+            request.status = RequestStatus.PREEMPTED
+            request.num_computed_tokens = 0
+            bisect.insort(self.waiting, request, key=_waiting_order)
         request.num_preemptions += 1
         self.num_preemptions += 1
-        bisect.insort(self.waiting, request, key=_waiting_order)
+        self.num_preemptions_by_mode[mode] += 1
+
+    def _preemption_mode(self, request: Request) -> str:
+        config = self.config
+        if (config.preemption_mode == "recompute" or request.num_computed_tokens == request.num_tokens
+                or not self.kv_cache_manager.can_swap_out(request)):
+            return "recompute"
+        if config.preemption_mode == "swap":
+            return "swap"
+        num_blocks = cdiv(request.num_computed_tokens, self.kv_cache_manager.block_size)
+        swap_cost = 2 * num_blocks * config.swap_seconds_per_block
+        recompute_cost = request.num_computed_tokens * config.recompute_seconds_per_token
+        return "swap" if swap_cost < recompute_cost else "recompute"
+
+    def _schedule_swapped(self, plan: _StepPlan) -> None:
+        """Swap requests back in, best first, while they fit; never preempts."""
+        while self.swapped and plan.token_budget > 0:
+            request = self.swapped[0]
+            if not self._fits_in_pool(request.num_tokens):
+                self._finish_unschedulable(request)
+                continue
+            num_new_tokens = self._num_new_tokens(request, request.num_computed_tokens, plan.token_budget)
+            if not self._has_seat_for(request) or not self.kv_cache_manager.can_swap_in(request, num_new_tokens):
+                return
+            self.swapped.pop(0)
+            plan.blocks_to_swap_in += self.kv_cache_manager.swap_in(request)
+            allocated = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+            assert allocated is not None, "can_swap_in promised room"
+            self._start(request, num_new_tokens, plan)
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
-        while self.waiting and plan.token_budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and plan.token_budget > 0 and self._has_seat_for(self.waiting[0]):
             request = self.waiting[0]
             if not self._fits_in_pool(request.num_tokens):
                 self._finish_unschedulable(request)
@@ -155,14 +265,39 @@ class Scheduler:
         if self.kv_cache_manager.allocate_slots(request, num_new_tokens, computed) is None:
             return False
         self.waiting.pop(0)
-        request.status = RequestStatus.RUNNING
         request.num_computed_tokens = computed.num_computed_tokens
         if request.num_preemptions == 0:
             request.num_cached_tokens = computed.num_computed_tokens
-        self.running.append(request)
+        self._start(request, num_new_tokens, plan)
+        return True
+
+    def _start(self, request: Request, num_new_tokens: int, plan: _StepPlan) -> None:
+        request.status = RequestStatus.RUNNING
+        self._add_running(request)
         plan.add(request, num_new_tokens)
         plan.new_req_ids.append(request.request_id)
-        return True
+
+    # ---- seats: max_num_seqs counts every sequence a running group may fork into -------------------------------
+    def _seats_after(self, request: Request, change: int) -> int:
+        """Seats held by the running requests if the request's group had `change` more running members."""
+        count = self._num_running_in_group[request.group_id]
+        return self._num_seats - _group_seats(request.group_size, count) + \
+            _group_seats(request.group_size, count + change)
+
+    def _has_seat_for(self, request: Request) -> bool:
+        return self._seats_after(request, +1) <= self.config.max_num_seqs
+
+    def _add_running(self, request: Request) -> None:
+        self._num_seats = self._seats_after(request, +1)
+        self._num_running_in_group[request.group_id] += 1
+        self.running.append(request)
+
+    def _remove_running(self, request: Request) -> None:
+        self.running.remove(request)
+        self._num_seats = self._seats_after(request, -1)
+        self._num_running_in_group[request.group_id] -= 1
+        if not self._num_running_in_group[request.group_id]:
+            del self._num_running_in_group[request.group_id]
 
     def _fits_in_pool(self, num_tokens: int) -> bool:
         return cdiv(num_tokens, self.kv_cache_manager.block_size) <= self.kv_cache_manager.num_usable_blocks
@@ -171,7 +306,8 @@ class Scheduler:
         reason = FinishReason.LENGTH if self._fits_in_pool(request.num_prompt_tokens) else FinishReason.ABORT
         self._finish(request, reason)
         self._pending_updates.append(RequestUpdate(request.request_id, [], finish_reason=reason,
-                                                   num_cached_tokens=request.num_cached_tokens))
+                                                   num_cached_tokens=request.num_cached_tokens,
+                                                   parent_req_id=request.parent_id, index=request.index))
 
     def _num_new_tokens(self, request: Request, num_computed_tokens: int, token_budget: int) -> int:
         num_new_tokens = min(request.num_tokens - num_computed_tokens, token_budget,
@@ -182,52 +318,71 @@ class Scheduler:
     def _make_output(self, plan: _StepPlan) -> SchedulerOutput:
         scheduled = [self._scheduled_request(self.requests[request_id], num_tokens)
                      for request_id, num_tokens in plan.num_scheduled_tokens.items()]
+        new_req_ids = plan.new_req_ids + [request_id for request_id in plan.num_scheduled_tokens
+                                          if request_id in self._unannounced_req_ids
+                                          and request_id not in plan.new_req_ids]
+        self._unannounced_req_ids.difference_update(plan.num_scheduled_tokens)
         new_requests = []
-        for request_id in plan.new_req_ids:
+        for request_id in new_req_ids:
             request = self.requests[request_id]
             new_requests.append(NewRequestData(request_id, request.prompt_token_ids, request.sampling_params,
                                                list(request.output_token_ids)))
         finished_req_ids, self._finished_req_ids = self._finished_req_ids, set()
         return SchedulerOutput(new_requests=new_requests, scheduled=scheduled,
                                num_batched_tokens=sum(plan.num_scheduled_tokens.values()),
-                               finished_req_ids=finished_req_ids, preempted_req_ids=plan.preempted_req_ids)
+                               finished_req_ids=finished_req_ids, preempted_req_ids=plan.preempted_req_ids,
+                               blocks_to_copy=self.kv_cache_manager.take_blocks_to_copy(),
+                               blocks_to_swap_out=plan.blocks_to_swap_out,
+                               blocks_to_swap_in=plan.blocks_to_swap_in)
 
     def _scheduled_request(self, request: Request, num_tokens: int) -> ScheduledRequest:
         start = request.num_computed_tokens
+        sample = start + num_tokens == request.num_tokens
+        child_req_ids = ([child_request_id(request.request_id, i)
+                          for i in range(1, request.num_pending_children + 1)] if sample else [])
         return ScheduledRequest(req_id=request.request_id,
                                 block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
                                 num_computed_tokens=start,
                                 token_ids=request.all_token_ids[start:start + num_tokens],
-                                sample=start + num_tokens == request.num_tokens)
+                                sample=sample, child_req_ids=child_req_ids)
 
+    # ---- update -----------------------------------------------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, res: RunnerOutput) -> list[RequestUpdate]:
-        """Apply a step's result: advance the counters, append sampled tokens, cache newly full blocks, check
-        stop conditions and free finished requests. Returns an update per request that got a token or
-        finished."""
+        """Apply a step's result: advance the counters, fork parallel-sampling children, append sampled
+        tokens, cache newly full blocks, check stop conditions and free finished requests. Returns an update
+        per sequence that got a token (or, for beams, logprobs) or finished."""
         updates, self._pending_updates = self._pending_updates, []
         for scheduled in out.scheduled:
             request = self.requests.get(scheduled.req_id)
             if request is None:  # finished (aborted) after schedule()
                 continue
-            update = self._update_request(request, scheduled, res)
-            if update is not None:
-                updates.append(update)
+            updates += self._update_request(request, scheduled, res)
         return updates
 
     def _update_request(self, request: Request, scheduled: ScheduledRequest,
-                        res: RunnerOutput) -> RequestUpdate | None:
+                        res: RunnerOutput) -> list[RequestUpdate]:
         assert request.num_computed_tokens == scheduled.num_computed_tokens, "output does not match the state"
         request.num_computed_tokens += scheduled.num_new_tokens
         self.kv_cache_manager.cache_full_blocks(request)
         if not scheduled.sample:
-            return None
+            return []
+        if request.engine_appends_tokens:
+            return [RequestUpdate(request.request_id, [], res.logprobs.get(request.request_id),
+                                  num_cached_tokens=request.num_cached_tokens, parent_req_id=request.parent_id)]
+        sequences = [request]
+        for index, child_id in enumerate(scheduled.child_req_ids, start=1):
+            sequences.append(request.fork(child_id, index))
+            self._add_forked(request, sequences[-1])
+        return [self._append_sampled(sequence, res) for sequence in sequences]
+
+    def _append_sampled(self, request: Request, res: RunnerOutput) -> RequestUpdate:
         token_id = res.sampled_token_ids[request.request_id]
         request.append_output_token_ids(token_id)
         reason = self._check_stop(request)
         if reason is not None:
             self._finish(request, reason)
         return RequestUpdate(request.request_id, [token_id], res.logprobs.get(request.request_id), reason,
-                             request.stop_reason, request.num_cached_tokens)
+                             request.stop_reason, request.num_cached_tokens, request.parent_id, request.index)
 
     def _check_stop(self, request: Request) -> FinishReason | None:
         """Stop on EOS or a stop token (once min_tokens are out), else on max_tokens or max_model_len.
@@ -248,11 +403,14 @@ class Scheduler:
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         if request.status is RequestStatus.RUNNING:
-            self.running.remove(request)
+            self._remove_running(request)
+        elif request.status is RequestStatus.SWAPPED:
+            self.swapped.remove(request)
         else:
             self.waiting.remove(request)
         self.kv_cache_manager.free(request)
         request.status = reason.status
         request.finish_reason = reason
         del self.requests[request.request_id]
+        self._unannounced_req_ids.discard(request.request_id)
         self._finished_req_ids.add(request.request_id)
