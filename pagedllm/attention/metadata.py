@@ -7,6 +7,7 @@ head_dim]`. The batch is flattened: the new tokens of all sequences are concaten
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -41,10 +42,14 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
 
-    @property
-    def is_pure_decode(self) -> bool:
-        """True when every sequence has exactly one new token."""
-        return self.max_query_len == 1
+    @cached_property
+    def num_decodes(self) -> int:
+        """How many leading sequences have exactly one new token (the runner puts decodes first)."""
+        qsl = self.query_start_loc_cpu
+        count = 0
+        while count < self.num_seqs and qsl[count + 1] - qsl[count] == 1:
+            count += 1
+        return count
 
     @classmethod
     def build(cls, block_tables: list[list[int]], num_computed: list[int], query_lens: list[int],

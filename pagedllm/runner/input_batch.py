@@ -43,6 +43,8 @@ class ModelInputs:
 
 
 def build_model_inputs(scheduled: list[ScheduledRequest], block_size: int, device: torch.device) -> ModelInputs:
+    # Decodes first: attention runs them as one batch (see pagedllm.attention.cpu).
+    scheduled = sorted(scheduled, key=lambda s: len(s.token_ids) > 1)
     num_new = np.fromiter((len(s.token_ids) for s in scheduled), dtype=np.int64, count=len(scheduled))
     num_computed = np.fromiter((s.num_computed_tokens for s in scheduled), dtype=np.int64, count=len(scheduled))
     query_start = np.zeros(len(scheduled) + 1, dtype=np.int64)
@@ -64,6 +66,8 @@ def build_model_inputs(scheduled: list[ScheduledRequest], block_size: int, devic
         block_tables=torch.from_numpy(block_tables).to(device),
         max_query_len=int(num_new.max()),
         max_seq_len=int(seq_lens.max()),
+        query_start_loc_cpu=query_start.tolist(),
+        seq_lens_cpu=seq_lens.tolist(),
     )
     return ModelInputs(
         input_ids=torch.from_numpy(input_ids).to(device),

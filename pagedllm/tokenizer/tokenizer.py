@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -18,14 +17,11 @@ from pathlib import Path
 import transformers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from pagedllm.paths import cache_dir
+
 logger = logging.getLogger(__name__)
 
 _COMPLETE_MARKER = ".pagedllm-complete"
-
-
-def cache_dir() -> Path:
-    """Root of pagedllm's on-disk cache: $PAGEDLLM_CACHE_DIR, else ~/.cache/pagedllm."""
-    return Path(os.environ.get("PAGEDLLM_CACHE_DIR") or Path.home() / ".cache" / "pagedllm")
 
 
 def load_tokenizer(path: str | Path, gguf_file: str | None = None,

@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedllm.attention.cpu import paged_attention
+from pagedllm.attention.cpu import decode_attention, paged_attention
+from pagedllm.attention.kernels import cpu_kernels
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.torch_ref import paged_attention_ref, write_kv
 
@@ -41,8 +42,11 @@ def _random_batch(num_computed: list[int], query_lens: list[int], num_heads: int
 
 
 BATCHES = {
-    "mixed": ([0, 5, 9, 3, 0], [7, 6, 1, 1, 1]),  # fresh prefill, chunk with a cached prefix, decodes
-    "decode": ([3, 4, 11, 0, 8], [1, 1, 1, 1, 1]),
+    # decodes first (as the runner orders them), then a fresh prefill and a chunk with a cached prefix
+    "mixed": ([9, 3, 0, 0, 5], [1, 1, 1, 7, 6]),
+    # decodes that do not come first take the per-sequence path: still correct
+    "unordered": ([0, 5, 9, 3, 0], [7, 6, 1, 1, 1]),
+    "decode": ([3, 4, 11, 0, 8, 37], [1, 1, 1, 1, 1, 1]),
     "single_prefill": ([0], [13]),
 }
 
@@ -59,6 +63,35 @@ def test_cpu_backend_matches_reference(heads: str, batch: str, dtype: torch.dtyp
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert actual.dtype == dtype and actual.shape == query.shape
     torch.testing.assert_close(actual.float(), expected.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("heads", list(HEADS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_decode_kernel_matches_the_torch_fallback_and_reference(heads: str, dtype: torch.dtype,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    num_heads, num_kv_heads = HEADS[heads]
+    query, k_cache, v_cache, meta, _ = _random_batch(*BATCHES["decode"], num_heads, num_kv_heads, dtype, seed=3)
+    scale = HEAD_DIM ** -0.5
+    assert cpu_kernels() is not None, "the C++ kernels must build on the test machine"
+    kernel = decode_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+    monkeypatch.setenv("PAGEDLLM_DISABLE_KERNELS", "1")
+    fallback = decode_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+    expected = paged_attention_ref(query, k_cache, v_cache, meta, scale)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(kernel.float(), expected.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(fallback.float(), expected.float(), atol=tol, rtol=tol)
+
+
+def test_decode_kernel_reads_a_cache_view_with_layer_strides() -> None:
+    """The runner hands the kernel kv[layer, 0]: a view into one tensor holding every layer's K and V."""
+    num_heads, num_kv_heads = HEADS["gqa"]
+    query, k_cache, v_cache, meta, _ = _random_batch(*BATCHES["decode"], num_heads, num_kv_heads, torch.float32)
+    kv = torch.stack([torch.stack([torch.randn_like(k_cache), torch.randn_like(v_cache)]),
+                      torch.stack([k_cache, v_cache])])  # [layers=2, 2, blocks, bs, Hkv, D]
+    scale = HEAD_DIM ** -0.5
+    actual = decode_attention(query, kv[1, 0], kv[1, 1], meta.block_tables, meta.seq_lens, scale)
+    expected = paged_attention_ref(query, k_cache, v_cache, meta, scale)
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("heads", list(HEADS))

@@ -18,12 +18,13 @@ def test_flat_batch_positions_slots_and_sampled_rows():
         _sched("C", [4], 0, [30, 31], False),
     ]
     inputs = build_model_inputs(scheduled, block_size=4, device=torch.device("cpu"))
-    assert inputs.input_ids.tolist() == [10, 11, 12, 20, 30, 31]
-    assert inputs.positions.tolist() == [2, 3, 4, 9, 0, 1]
-    assert inputs.meta.slot_mapping.tolist() == [7 * 4 + 2, 7 * 4 + 3, 3 * 4 + 0, 5 * 4 + 1, 4 * 4, 4 * 4 + 1]
-    assert inputs.meta.query_start_loc.tolist() == [0, 3, 4, 6]
-    assert inputs.meta.seq_lens.tolist() == [5, 10, 2]
-    assert inputs.meta.block_tables.tolist() == [[7, 3, 0], [1, 2, 5], [4, 0, 0]]
-    assert (inputs.meta.max_query_len, inputs.meta.max_seq_len) == (3, 10)
-    assert inputs.logits_indices.tolist() == [2, 3]
-    assert inputs.sample_req_ids == ["A", "B"]
+    # The decode (B) moves to the front; the others keep their order.
+    assert inputs.input_ids.tolist() == [20, 10, 11, 12, 30, 31]
+    assert inputs.positions.tolist() == [9, 2, 3, 4, 0, 1]
+    assert inputs.meta.slot_mapping.tolist() == [5 * 4 + 1, 7 * 4 + 2, 7 * 4 + 3, 3 * 4 + 0, 4 * 4, 4 * 4 + 1]
+    assert inputs.meta.query_start_loc.tolist() == [0, 1, 4, 6]
+    assert inputs.meta.seq_lens.tolist() == [10, 5, 2]
+    assert inputs.meta.block_tables.tolist() == [[1, 2, 5], [7, 3, 0], [4, 0, 0]]
+    assert (inputs.meta.max_query_len, inputs.meta.max_seq_len, inputs.meta.num_decodes) == (3, 10, 1)
+    assert inputs.logits_indices.tolist() == [0, 3]
+    assert inputs.sample_req_ids == ["B", "A"]

@@ -37,3 +37,26 @@ def test_capacity_report_states_blocks_bytes_and_concurrency():
     report = kv_tensors.CapacityReport(num_blocks=129, block_size=16, bytes_per_token=100, max_model_len=512)
     assert report.max_concurrent_seqs == 4.0
     assert "129 blocks" in str(report) and "100 bytes per token" in str(report) and "4.0x" in str(report)
+
+
+def test_swap_space_on_a_cpu_is_a_memory_mapped_file_deleted_on_close(tmp_path):
+    path = tmp_path / "swap.bin"
+    swap = kv_tensors.SwapSpace(LAYOUT, num_blocks=5, block_size=4, device=torch.device("cpu"), path=str(path))
+    assert swap.is_memory_mapped and swap.kv.shape == (3, 2, 5, 4, 2, 8) and swap.kv.dtype == torch.bfloat16
+    assert path.stat().st_size == 5 * 4 * LAYOUT.bytes_per_token and not swap.kv.any()
+    swap.close()
+    assert not path.exists()
+    anonymous = kv_tensors.SwapSpace(LAYOUT, num_blocks=5, block_size=4, device=torch.device("cpu"))
+    assert anonymous.is_memory_mapped
+    anonymous.close()
+
+
+def test_swap_out_and_in_round_trip_bit_for_bit():
+    kv = torch.randn(3, 2, 6, 4, 2, 8).to(torch.bfloat16)
+    before = kv.clone()
+    swap = kv_tensors.SwapSpace(LAYOUT, num_blocks=5, block_size=4, device=torch.device("cpu"))
+    kv_tensors.swap_blocks(kv, swap.kv, [(1, 3), (4, 1)])
+    kv[:, :, 1] = 0
+    kv_tensors.swap_blocks(swap.kv, kv, [(3, 5), (1, 2)])
+    assert torch.equal(kv[:, :, 5], before[:, :, 1]) and torch.equal(kv[:, :, 2], before[:, :, 4])
+    swap.close()

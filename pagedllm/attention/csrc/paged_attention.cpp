@@ -1,0 +1,118 @@
+// Paged decode attention on the CPU: one query token per sequence, read straight from the block tables.
+//
+// The torch path gathers every sequence's K/V into a padded copy per layer and runs a masked SDPA; this kernel
+// reads each key and value once, in place, for all the query heads that share it (GQA/MQA), and never
+// touches padding. Parallel over (sequence, kv head).
+//
+//   q, out:            [num_seqs, num_heads, head_dim]
+//   k_cache, v_cache:  [num_blocks, block_size, num_kv_heads, head_dim]   (any strides in the first three dims)
+//   block_tables:      [num_seqs, max_blocks] int32
+//   seq_lens:          [num_seqs] int32, context length including the query token
+//
+//   token t of sequence b lives at block_tables[b][t / block_size], offset t % block_size.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+template <typename scalar_t>
+inline void load_row(const scalar_t* src, float* dst, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+template <typename scalar_t>
+void decode_attention_impl(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
+                           const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                           const torch::Tensor& seq_lens, double scale) {
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t max_blocks = block_tables.size(1);
+  const int64_t kb = k_cache.stride(0), kt = k_cache.stride(1), kh = k_cache.stride(2);
+  const int64_t vb = v_cache.stride(0), vt = v_cache.stride(1), vh = v_cache.stride(2);
+  const scalar_t* q_ptr = q.data_ptr<scalar_t>();
+  const scalar_t* k_ptr = k_cache.data_ptr<scalar_t>();
+  const scalar_t* v_ptr = v_cache.data_ptr<scalar_t>();
+  scalar_t* out_ptr = out.data_ptr<scalar_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+
+  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * head_dim), acc(group * head_dim), row(head_dim), scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / num_kv_heads, h = task % num_kv_heads;
+      const int64_t len = lens[b];
+      const int32_t* table = tables + b * max_blocks;
+      scores.resize(group * len);
+      for (int64_t g = 0; g < group; ++g) {
+        load_row(q_ptr + (b * num_heads + h * group + g) * head_dim, qf.data() + g * head_dim, head_dim);
+        for (int64_t d = 0; d < head_dim; ++d) qf[g * head_dim + d] *= static_cast<float>(scale);
+      }
+      // Scores: [group, len].
+      for (int64_t t = 0; t < len; ++t) {
+        const scalar_t* key = k_ptr + table[t / block_size] * kb + (t % block_size) * kt + h * kh;
+        load_row(key, row.data(), head_dim);
+        for (int64_t g = 0; g < group; ++g) scores[g * len + t] = dot(qf.data() + g * head_dim, row.data(), head_dim);
+      }
+      // Softmax per query head, in float.
+      std::vector<float> inv_sum(group);
+      for (int64_t g = 0; g < group; ++g) {
+        float* s = scores.data() + g * len;
+        const float m = *std::max_element(s, s + len);
+        float sum = 0.f;
+        for (int64_t t = 0; t < len; ++t) {
+          s[t] = std::exp(s[t] - m);
+          sum += s[t];
+        }
+        inv_sum[g] = 1.f / sum;
+      }
+      // Weighted sum of values.
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < len; ++t) {
+        const scalar_t* value = v_ptr + table[t / block_size] * vb + (t % block_size) * vt + h * vh;
+        load_row(value, row.data(), head_dim);
+        for (int64_t g = 0; g < group; ++g) {
+          const float p = scores[g * len + t];
+          float* a = acc.data() + g * head_dim;
+#pragma omp simd
+          for (int64_t d = 0; d < head_dim; ++d) a[d] += p * row[d];
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        scalar_t* o = out_ptr + (b * num_heads + h * group + g) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<scalar_t>(acc[g * head_dim + d] * inv_sum[g]);
+      }
+    }
+  });
+}
+
+void decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                      torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
+  TORCH_CHECK(q.is_contiguous() && out.is_contiguous(), "q and out must be contiguous");
+  TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "the head dim of the caches must be contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
+              "block_tables and seq_lens must be int32");
+  TORCH_CHECK(block_tables.is_contiguous() && seq_lens.is_contiguous(), "block_tables and seq_lens must be contiguous");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention", [&] {
+    decode_attention_impl<scalar_t>(out, q, k_cache, v_cache, block_tables, seq_lens, scale);
+  });
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_attention", &decode_attention, "Paged decode attention, one query token per sequence (CPU)");
+}
