@@ -63,6 +63,7 @@ class RequestOutput:
         finished: True once every completion has finished.
         num_cached_tokens: prompt tokens served from the prefix cache.
         metrics: timing information, if the engine records it.
+        error: set when the engine failed while running this request (it then finishes with "abort").
     """
 
     request_id: str
@@ -72,3 +73,4 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     metrics: Any = None
+    error: str | None = None

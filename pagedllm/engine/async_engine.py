@@ -8,8 +8,17 @@
  await queue[id].get()  <--call_soon_threadsafe--     step() -> outputs; one _dispatch callback per step
  disconnect / cancel -> post(_Abort)                  metrics: scheduler snapshot + per-request timings
 ```
-The model forward releases the GIL, so the event loop keeps serving HTTP while a step runs. If the loop raises,
-the error is kept, every waiting request fails with EngineDeadError, and so does every later one.
+The model forward releases the GIL, so the event loop keeps serving HTTP while a step runs.
+
+Failures, from the smallest to the largest:
+  - the engine refuses a request at add time (bad input): that request alone fails, with ValueError;
+  - the runner raises during a step: LLMEngine fails that step's batch alone; each of its requests fails here
+    with RequestFailedError, and the loop goes on;
+  - the loop itself raises (the bookkeeping is broken): the error is kept, every waiting request fails with
+    EngineDeadError, and so does every later one; `is_running` turns False at once.
+Shutting down: `begin_drain()` refuses new requests (EngineDrainingError), `drain(timeout)` waits for the running
+ones and then aborts the rest (finish_reason "abort", stop_reason "server_shutdown"); `shutdown()` stops the thread
+and fails anything still waiting, so that no caller ever hangs.
 """
 
 from __future__ import annotations
@@ -23,7 +32,7 @@ from dataclasses import dataclass
 
 from pagedllm.engine.llm_engine import LLMEngine, PromptInput
 from pagedllm.metrics.stats import IterationStats, RequestTimes, SchedulerStats, read_scheduler_stats
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -33,6 +42,17 @@ StatLogger = Callable[[SchedulerStats, IterationStats], None]
 
 class EngineDeadError(RuntimeError):
     """The engine loop has stopped on an error; no request can run."""
+
+
+class EngineDrainingError(EngineDeadError):
+    """The server is shutting down: it takes no new request."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed while running this request (a failed step); other requests go on."""
+
+
+SHUTDOWN_STOP_REASON = "server_shutdown"
 
 
 @dataclass(slots=True)
@@ -49,6 +69,7 @@ class _Add:
 @dataclass(slots=True)
 class _Abort:
     request_ids: list[str]
+    stop_reason: str | None = None      # set: tell each request's caller it ended, with this stop_reason
 
 
 class AsyncEngine:
@@ -68,6 +89,7 @@ class AsyncEngine:
         self._cond = threading.Condition()
         self._inbox: list[_Add | _Abort] = []
         self._stopped = False
+        self._draining = False
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, asyncio.Queue] = {}        # event loop thread only
@@ -94,6 +116,15 @@ class AsyncEngine:
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
+    @property
+    def is_draining(self) -> bool:
+        return self._draining
+
+    @property
+    def num_active_requests(self) -> int:
+        """Requests some caller is still waiting on (event loop thread only)."""
+        return len(self._streams)
+
     def add_stat_logger(self, stat_logger: StatLogger) -> None:
         """Call `stat_logger(scheduler_stats, iteration_stats)` on the engine thread after each step."""
         self._stat_loggers.append(stat_logger)
@@ -108,11 +139,33 @@ class AsyncEngine:
         self._thread.start()
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread; any request still waiting fails with EngineDeadError (none hangs)."""
         with self._cond:
             self._stopped = True
             self._cond.notify()
         if self._thread is not None:
             self._thread.join(timeout)
+            self._call_in_loop(self._fail_all, EngineDeadError("the engine has shut down"))
+
+    def begin_drain(self) -> None:
+        """Refuse new requests from now on; running ones go on."""
+        self._draining = True
+
+    async def drain(self, timeout: float, poll_interval: float = 0.05) -> int:
+        """Refuse new requests, wait up to `timeout` seconds for the running ones to finish, then abort the rest:
+        each ends with finish_reason "abort" and stop_reason "server_shutdown". Returns how many were aborted."""
+        self.begin_drain()
+        deadline = time.monotonic() + timeout
+        while self._streams and time.monotonic() < deadline and self.is_running:
+            await asyncio.sleep(poll_interval)
+        left = list(self._streams)
+        if left and self.is_running:
+            logger.warning("shutdown deadline (%.1f s) reached: aborting %d running request(s)", timeout, len(left))
+            self._post(_Abort(left, SHUTDOWN_STOP_REASON))
+            end = time.monotonic() + 5.0
+            while self._streams and time.monotonic() < end and self.is_running:
+                await asyncio.sleep(poll_interval)
+        return len(left)
 
     # ---- the asyncio side ---------------------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt: PromptInput, params: SamplingParams, *,
@@ -128,6 +181,8 @@ class AsyncEngine:
             ValueError: the engine refused the request (this request alone fails).
         """
         self._raise_if_dead()
+        if self._draining:
+            raise EngineDrainingError("the server is shutting down and takes no new requests")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         queue: asyncio.Queue = asyncio.Queue()
@@ -142,6 +197,9 @@ class AsyncEngine:
                 if isinstance(item, BaseException):
                     done = True     # refused at add time, or the engine died: nothing to abort
                     raise item
+                if item.error is not None:
+                    done = True     # the engine failed this request's step and has already finished it
+                    raise RequestFailedError(item.error)
                 done = item.finished
                 yield item
                 if done:
@@ -179,7 +237,7 @@ class AsyncEngine:
             queue.put_nowait(error)
 
     def _fail_all(self, error: BaseException) -> None:
-        dead = EngineDeadError(f"the engine loop has stopped: {error!r}")
+        dead = error if isinstance(error, EngineDeadError) else EngineDeadError(f"the engine loop has stopped: {error!r}")
         for queue in self._streams.values():
             queue.put_nowait(dead)
 
@@ -219,7 +277,7 @@ class AsyncEngine:
             if isinstance(item, _Add):
                 self._add(item)
             else:
-                self._abort(item.request_ids, iteration)
+                self._abort(item.request_ids, iteration, item.stop_reason)
 
     def _add(self, item: _Add) -> None:
         try:
@@ -232,7 +290,7 @@ class AsyncEngine:
         num_prompt_tokens = len(item.prompt_token_ids) if item.prompt_token_ids is not None else 0
         self._times[item.request_id] = RequestTimes(item.arrival, num_prompt_tokens)
 
-    def _abort(self, request_ids: list[str], iteration: IterationStats) -> None:
+    def _abort(self, request_ids: list[str], iteration: IterationStats, stop_reason: str | None = None) -> None:
         live = [r for r in request_ids if r in self._times]
         if not live:
             return      # finished (or refused) before the abort arrived
@@ -240,6 +298,11 @@ class AsyncEngine:
         now = time.monotonic()
         for request_id in live:
             self._times.pop(request_id).on_finished(iteration, "abort", now)
+        if stop_reason is not None:     # someone is still listening: tell them how it ended
+            ends = [RequestOutput(r, None, [], [CompletionOutput(0, "", [], finish_reason="abort",
+                                                                 stop_reason=stop_reason)], finished=True)
+                    for r in live]
+            self._call_in_loop(self._dispatch, ends)
 
     def _publish(self, outputs: list[RequestOutput], iteration: IterationStats) -> None:
         now = time.monotonic()

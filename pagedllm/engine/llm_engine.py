@@ -6,10 +6,12 @@ import time
 from dataclasses import dataclass, field
 
 from pagedllm.config import EngineConfig
+from pagedllm.core.kv_cache.block_pool import PrefixCacheStats
 from pagedllm.core.kv_cache.manager import KVCacheManager
-from pagedllm.core.request import FinishReason, Request
-from pagedllm.core.sched.output import RequestUpdate
+from pagedllm.core.request import FinishReason, Request, RequestStatus, child_request_id
+from pagedllm.core.sched.output import RequestUpdate, RunnerOutput, SchedulerOutput
 from pagedllm.core.sched.scheduler import Scheduler
+from pagedllm.engine.beam_search import BeamSearchDriver, BeamSearchOutput, BeamSearchParams
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.loader import load_model
 from pagedllm.logger import init_logger
@@ -23,19 +25,39 @@ logger = init_logger(__name__)
 
 PromptInput = str | list[int]
 
+# The swap-or-recompute cost model's device constants (see docs/architecture.md, "Swap and auto preemption"):
+# bytes per second moving KV blocks to and from the swap pool, and the flop rate a prefill achieves.
+_SWAP_BYTES_PER_SECOND = {"cuda": 12e9, "cpu": 2e9}   # pinned host memory over PCIe; memcpy into a mapped file
+_PREFILL_FLOPS_PER_SECOND = {"cuda": 1e14, "cpu": 5e10}
+
 
 @dataclass
-class _Tracked:
-    """The engine's view of one request: text so far and what to report."""
+class _Completion:
+    """One of a request's n completions: text so far and what to report."""
 
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
+    index: int
     detokenizer: IncrementalDetokenizer
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float = 0.0
     sent_tokens: int = 0
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class _Tracked:
+    """The engine's view of one request and its n completions (parallel sampling forks them in the core)."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    completions: list[_Completion]
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.completions)
 
 
 class LLMEngine:
@@ -53,8 +75,11 @@ class LLMEngine:
         num_blocks = config.cache.num_blocks or self._num_blocks()
         config.cache.num_blocks = num_blocks
         self.runner.allocate_kv_cache(num_blocks)
-        self.kv_manager = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        self._setup_swap()
+        self.kv_manager = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
+                                         config.cache.num_swap_blocks)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
+        self.beam_search = BeamSearchDriver(self.scheduler, self.tokenizer)
         self.capacity = kv_tensors.CapacityReport(num_blocks, config.cache.block_size,
                                                   self.runner.layout.bytes_per_token, self.max_model_len)
         logger.info("%s", self.capacity)
@@ -66,6 +91,22 @@ class LLMEngine:
         if wanted is not None and wanted > model_len:
             raise ValueError(f"max_model_len={wanted} is larger than the model's context length {model_len}")
         return wanted or model_len
+
+    def _setup_swap(self) -> None:
+        """Size the swap pool from swap_space GiB, and give the scheduler the swap-or-recompute costs."""
+        cache, sched = self.config.cache, self.config.scheduler
+        bytes_per_block = self.runner.layout.bytes_per_token * cache.block_size
+        num_swap_blocks = int(cache.swap_space * kv_tensors.GiB) // bytes_per_block
+        cache.num_swap_blocks = num_swap_blocks if num_swap_blocks >= 2 else 0
+        if cache.num_swap_blocks:
+            self.runner.allocate_swap_space(cache.num_swap_blocks, cache.swap_path)
+        elif sched.preemption_mode != "recompute":
+            logger.warning("preemption_mode=%r without swap space (swap_space=%s GiB): preempting by recompute",
+                           sched.preemption_mode, cache.swap_space)
+        device = self.runner.device.type if self.runner.device.type in _SWAP_BYTES_PER_SECOND else "cpu"
+        num_params = sum(p.numel() for p in self.runner.model.parameters())
+        sched.swap_seconds_per_block = bytes_per_block / _SWAP_BYTES_PER_SECOND[device]
+        sched.recompute_seconds_per_token = 2 * num_params / _PREFILL_FLOPS_PER_SECOND[device]
 
     def _num_blocks(self) -> int:
         cache = self.config.cache
@@ -96,24 +137,45 @@ class LLMEngine:
         """Queue a request. `prompt_token_ids`, when given, are the already validated tokens of `prompt`."""
         if request_id in self._tracked:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if params.n != 1:
-            raise ValueError("n > 1 is not supported yet")
         token_ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize_prompt(prompt)
         vocab_size = self.runner.shape.vocab_size
         if any(t >= vocab_size for t in list(params.logit_bias or {}) + params.stop_token_ids):
             raise ValueError(f"logit_bias and stop_token_ids take token ids in [0, {vocab_size})")
-        detokenizer = IncrementalDetokenizer(self.tokenizer, params, token_ids)
-        self._tracked[request_id] = _Tracked(prompt if isinstance(prompt, str) else None, token_ids, params,
-                                             detokenizer, logprobs=[] if params.logprobs is not None else None)
+        completions = [_Completion(i, IncrementalDetokenizer(self.tokenizer, params, token_ids),
+                                   logprobs=[] if params.logprobs is not None else None) for i in range(params.n)]
         self.scheduler.add_request(Request(
             request_id=request_id, prompt_token_ids=token_ids, sampling_params=params,
             eos_token_id=self.tokenizer.eos_token_id, arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
             priority=priority, cache_salt=cache_salt))
+        self._tracked[request_id] = _Tracked(prompt if isinstance(prompt, str) else None, token_ids, params,
+                                             completions)
+
+    def add_beam_search(self, request_id: str, prompt: PromptInput, params: BeamSearchParams) -> None:
+        """Queue a beam search; its result comes from `pop_beam_search_output` once `step()` finished it."""
+        if request_id in self._tracked or request_id in self.beam_search.groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        token_ids = self.tokenize_prompt(prompt)
+        self.beam_search.add(request_id, token_ids, params, self.tokenizer.eos_token_id, self.max_model_len)
+
+    def pop_beam_search_output(self, request_id: str) -> BeamSearchOutput | None:
+        return self.beam_search.outputs.pop(request_id, None)
 
     def abort_request(self, request_ids: list[str]) -> None:
-        self.scheduler.finish_requests(request_ids, FinishReason.ABORT)
         for request_id in request_ids:
-            self._tracked.pop(request_id, None)
+            tracked = self._tracked.pop(request_id, None)
+            num_completions = tracked.params.n if tracked is not None else 1
+            self.scheduler.finish_requests([request_id] + [child_request_id(request_id, i)
+                                                           for i in range(1, num_completions)], FinishReason.ABORT)
+            self.beam_search.abort(request_id)
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """Queried and hit prompt tokens of the prefix cache so far (for metrics)."""
+        return self.kv_manager.prefix_cache_stats
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block hash; False (nothing done) while requests hold blocks."""
+        return self.kv_manager.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -121,51 +183,88 @@ class LLMEngine:
     # ---- the loop -----------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
-        res = self.runner.execute(out)
+        try:
+            res = self.runner.execute(out)
+        except Exception as exc:  # noqa: BLE001 - a failed step fails its batch, not the engine
+            return self._fail_step(out, exc)
         updates = self.scheduler.update_from_output(out, res)
-        return [o for o in map(self._process, updates) if o is not None]
+        outputs = [o for o in map(self._process, updates) if o is not None]
+        if self.beam_search.groups:
+            self.beam_search.advance()
+        return outputs
+
+    def _fail_step(self, out: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+        """The runner raised: finish (abort) every request of the step's batch, and any it was swapping out,
+        since their KV may be half written; free their blocks, and go on. Each gets an output with `error`."""
+        failed = [s.req_id for s in out.scheduled]
+        failed += [r for r in out.preempted_req_ids if getattr(self.scheduler.requests.get(r), "status", None)
+                   is RequestStatus.SWAPPED]
+        logger.error("engine step failed for %d request(s): %r", len(failed), exc,
+                     exc_info=(type(exc), exc, exc.__traceback__))
+        requests = {r: self.scheduler.requests.get(r) for r in failed}
+        self.scheduler.finish_requests(failed, FinishReason.ABORT)
+        outputs = [o for o in map(self._process, self.scheduler.update_from_output(out, RunnerOutput()))
+                   if o is not None]
+        message = f"the engine step running this request failed: {exc!r}"
+        for req_id, request in requests.items():
+            output = self._process(RequestUpdate(req_id, [], finish_reason=FinishReason.ABORT,
+                                                 parent_req_id=getattr(request, "parent_id", None),
+                                                 index=getattr(request, "index", 0)))
+            if output is not None:
+                output.error = message
+                outputs.append(output)
+        return outputs
 
     def _process(self, update: RequestUpdate) -> RequestOutput | None:
-        tracked = self._tracked.get(update.req_id)
+        """Detokenize one sequence's update. With n > 1, a "final" output waits for all n completions; a
+        streamed one carries just the completion that changed (its `index` says which)."""
+        request_id = update.parent_req_id or update.req_id
+        tracked = self._tracked.get(request_id)
         if tracked is None:
+            self.beam_search.on_update(update)
             return None
-        tracked.token_ids.extend(update.new_token_ids)
-        self._append_logprobs(tracked, update)
+        completion = tracked.completions[update.index]
+        tracked.num_cached_tokens = update.num_cached_tokens
+        completion.token_ids.extend(update.new_token_ids)
+        self._append_logprobs(completion, update)
         finish_reason, stop_reason = update.finish_reason, update.stop_reason
-        stop_str = tracked.detokenizer.update(update.new_token_ids) if update.new_token_ids else None
+        stop_str = completion.detokenizer.update(update.new_token_ids) if update.new_token_ids else None
         if stop_str is not None and finish_reason is None:
             self.scheduler.finish_requests([update.req_id], FinishReason.STOP)
             finish_reason, stop_reason = FinishReason.STOP, stop_str
-        finished = finish_reason is not None
-        if finished:
-            del self._tracked[update.req_id]
-        if tracked.params.output_kind == "final" and not finished:
-            return None
-        return self._make_output(update, tracked, finish_reason, stop_reason)
+        completion.finish_reason, completion.stop_reason = finish_reason, stop_reason
+        if tracked.finished:
+            del self._tracked[request_id]
+        if tracked.params.output_kind == "final":
+            if not tracked.finished:
+                return None
+            return self._make_output(request_id, tracked, tracked.completions)
+        return self._make_output(request_id, tracked, [completion])
 
-    def _append_logprobs(self, tracked: _Tracked, update: RequestUpdate) -> None:
-        if tracked.logprobs is None or update.new_logprobs is None:
+    def _append_logprobs(self, completion: _Completion, update: RequestUpdate) -> None:
+        if completion.logprobs is None or update.new_logprobs is None:
             return
         for token_id, entries in zip(update.new_token_ids, update.new_logprobs):
             position = {tid: Logprob(lp, rank, self.tokenizer.decode([tid])) for tid, lp, rank in entries}
-            tracked.logprobs.append(position)
-            tracked.cumulative_logprob += position[token_id].logprob
+            completion.logprobs.append(position)
+            completion.cumulative_logprob += position[token_id].logprob
 
-    def _make_output(self, update: RequestUpdate, tracked: _Tracked, finish_reason: FinishReason | None,
-                     stop_reason: int | str | None) -> RequestOutput:
-        finished = finish_reason is not None
+    def _make_output(self, request_id: str, tracked: _Tracked, completions: list[_Completion]) -> RequestOutput:
+        return RequestOutput(request_id=request_id, prompt=tracked.prompt, prompt_token_ids=tracked.prompt_token_ids,
+                             outputs=[self._completion_output(tracked, c) for c in completions],
+                             finished=tracked.finished, num_cached_tokens=tracked.num_cached_tokens)
+
+    def _completion_output(self, tracked: _Tracked, completion: _Completion) -> CompletionOutput:
+        finished = completion.finish_reason is not None
         delta = tracked.params.output_kind == "delta"
-        start = tracked.sent_tokens if delta else 0
-        tracked.sent_tokens = len(tracked.token_ids)
-        completion = CompletionOutput(
-            index=0,
-            text=tracked.detokenizer.get_next_output_text(finished, delta),
-            token_ids=tracked.token_ids[start:],
-            cumulative_logprob=tracked.cumulative_logprob if tracked.logprobs is not None else None,
-            logprobs=tracked.logprobs[start:] if tracked.logprobs is not None else None,
-            finish_reason=finish_reason.value if finish_reason is not None else None,
-            stop_reason=stop_reason,
+        start = completion.sent_tokens if delta else 0
+        completion.sent_tokens = len(completion.token_ids)
+        return CompletionOutput(
+            index=completion.index,
+            text=completion.detokenizer.get_next_output_text(finished, delta),
+            token_ids=completion.token_ids[start:],
+            cumulative_logprob=completion.cumulative_logprob if completion.logprobs is not None else None,
+            logprobs=completion.logprobs[start:] if completion.logprobs is not None else None,
+            finish_reason=completion.finish_reason.value if completion.finish_reason is not None else None,
+            stop_reason=completion.stop_reason,
         )
-        return RequestOutput(request_id=update.req_id, prompt=tracked.prompt,
-                             prompt_token_ids=tracked.prompt_token_ids, outputs=[completion], finished=finished,
-                             num_cached_tokens=update.num_cached_tokens)

@@ -9,6 +9,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from pagedllm.config import CacheConfig, EngineConfig, ModelConfig, PreemptionMode, SchedulerConfig
+from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedllm.engine.llm_engine import LLMEngine, PromptInput
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -31,6 +32,9 @@ class LLM:
         max_num_batched_tokens: token budget of one step.
         seed: seed of the global random stream.
         enable_prefix_caching: reuse the KV cache of shared prompt prefixes.
+        swap_space: GiB of the swap pool for swap preemption (host memory, or a memory-mapped file on a CPU).
+        swap_path: the file backing the swap pool on a CPU device; None: an anonymous temporary file.
+        preemption_mode: "recompute", "swap" or "auto" (swap when it costs less than recomputing).
         chat_template: a Jinja template replacing the model's own.
     """
 
@@ -39,12 +43,14 @@ class LLM:
                  kv_cache_memory: int | None = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, seed: int = 0, enable_prefix_caching: bool = True,
                  swap_space: float = 0.0, preemption_mode: PreemptionMode = "recompute",
-                 chat_template: str | None = None, num_kv_blocks: int | None = None) -> None:
+                 chat_template: str | None = None, num_kv_blocks: int | None = None,
+                 swap_path: str | None = None) -> None:
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
                               chat_template=chat_template),
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
                               gpu_memory_utilization=gpu_memory_utilization, swap_space=swap_space,
+                              swap_path=swap_path,
                               enable_prefix_caching=enable_prefix_caching, num_blocks=num_kv_blocks),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       preemption_mode=preemption_mode),
@@ -54,6 +60,37 @@ class LLM:
 
     def get_tokenizer(self):
         return self.engine.tokenizer
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block; False (nothing done) while requests are running."""
+        return self.engine.reset_prefix_cache()
+
+    def beam_search(self, prompts: PromptInput | Sequence[PromptInput],
+                    params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """Beam search for each prompt; one BeamSearchOutput per prompt, in order, sequences best first.
+
+        The beams run in the engine and share their KV blocks copy-on-write (see pagedllm/engine/beam_search.py).
+        """
+        prompt_list = _as_prompt_list(prompts)
+        request_ids = [f"beam-{next(self._counter)}" for _ in prompt_list]
+        for prompt in prompt_list:
+            self.engine.tokenize_prompt(prompt)  # all validated before any runs
+        for request_id, prompt in zip(request_ids, prompt_list):
+            self.engine.add_beam_search(request_id, prompt, params)
+        results: dict[str, BeamSearchOutput] = {}
+        try:
+            while len(results) < len(request_ids):
+                if not self.engine.has_unfinished_requests():
+                    raise RuntimeError("the engine went idle with beam searches unanswered")
+                self.engine.step()
+                for request_id in request_ids:
+                    output = self.engine.pop_beam_search_output(request_id)
+                    if output is not None:
+                        results[request_id] = output
+        except BaseException:
+            self.engine.abort_request([r for r in request_ids if r not in results])
+            raise
+        return [results[r] for r in request_ids]
 
     def generate(self, prompts: PromptInput | Sequence[PromptInput],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
@@ -88,6 +125,7 @@ class LLM:
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}
+        wanted = set(request_ids)  # the engine may also be running requests added directly to it
         bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         num_output_tokens = 0
         try:
@@ -95,9 +133,9 @@ class LLM:
                 if not self.engine.has_unfinished_requests():
                     raise RuntimeError("the engine went idle with requests unanswered")
                 for output in self.engine.step():
-                    if output.finished:
+                    if output.finished and output.request_id in wanted:
                         done[output.request_id] = output
-                        num_output_tokens += len(output.outputs[0].token_ids)
+                        num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
                         bar.update(1)
                         elapsed = max(bar.format_dict["elapsed"], 1e-9)
                         bar.set_postfix_str(f"output {num_output_tokens / elapsed:.1f} tok/s")

@@ -6,10 +6,16 @@ One tensor holds every layer's keys and values, shaped in blocks:
           layer ─┘   └─ 0 = K, 1 = V
 
 so that a block copy (copy-on-write) or a swap moves one block of every layer with one indexing op.
+
+The swap pool (`SwapSpace`) has the same layout. Next to a GPU it is pinned host memory; on a CPU device it is
+a memory-mapped file, so that swapped blocks can leave RAM for the page cache and the disk and the swap pool
+really adds capacity.
 """
 
 from __future__ import annotations
 
+import os
+import tempfile
 from dataclasses import dataclass
 
 import numpy as np
@@ -105,3 +111,50 @@ def copy_blocks(kv: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
     src = torch.tensor([s for s, _ in pairs], device=kv.device)
     dst = torch.tensor([d for _, d in pairs], device=kv.device)
     kv[:, :, dst] = kv[:, :, src]
+
+
+def swap_blocks(src: torch.Tensor, dst: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
+    """Copy whole blocks (all layers, K and V) from block src of one pool to block dst of another."""
+    if not pairs:
+        return
+    src_ids = torch.tensor([s for s, _ in pairs], device=src.device)
+    dst_ids = torch.tensor([d for _, d in pairs], device=dst.device)
+    dst[:, :, dst_ids] = src[:, :, src_ids].to(dst.device, non_blocking=False)
+
+
+class SwapSpace:
+    """The swap pool's tensor, `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`.
+
+    Args:
+        layout, num_blocks, block_size: as for `allocate_kv`.
+        device: the KV cache's device. For CUDA the pool is pinned host memory; for a CPU a memory-mapped file.
+        path: the file on a CPU device; None uses an anonymous temporary file (already unlinked, so it is gone
+            when the pool is closed or the process dies). A given path is created, and deleted by `close()`.
+    """
+
+    def __init__(self, layout: KVLayout, num_blocks: int, block_size: int, device: torch.device,
+                 path: str | None = None) -> None:
+        shape = (layout.num_layers, 2, num_blocks, block_size, layout.num_kv_heads, layout.head_dim)
+        self.path = path
+        self._file = None
+        if device.type == "cuda":
+            self.kv = torch.zeros(shape, dtype=layout.dtype, pin_memory=True)
+            return
+        num_bytes = int(np.prod(shape)) * torch.empty((), dtype=layout.dtype).element_size()
+        self._file = open(path, "w+b") if path is not None else tempfile.TemporaryFile(prefix="pagedllm-swap-")
+        self._file.truncate(num_bytes)  # sparse: pages cost nothing until a block is swapped out
+        raw = np.memmap(self._file, dtype=np.uint8, mode="r+", shape=(num_bytes,))
+        self.kv = torch.from_numpy(raw).view(layout.dtype).view(shape)
+
+    @property
+    def is_memory_mapped(self) -> bool:
+        return self._file is not None
+
+    def close(self) -> None:
+        """Release the memory (and the file)."""
+        self.kv = torch.empty(0)
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+            if self.path is not None and os.path.exists(self.path):
+                os.remove(self.path)

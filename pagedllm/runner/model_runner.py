@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.config import CacheConfig
+from pagedllm.core.request import child_seed
 from pagedllm.core.sched.output import NewRequestData, RunnerOutput, SchedulerOutput
 from pagedllm.layers.sampler import Sampler, SamplingMetadata, SamplingRow, make_generator
 from pagedllm.loader import LoadedModel
@@ -49,6 +50,7 @@ class ModelRunner:
         self.global_generator = make_generator(seed, self.device)
         self.kv: torch.Tensor | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.swap: kv_tensors.SwapSpace | None = None
 
     def weight_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -56,6 +58,19 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.kv = kv_tensors.allocate_kv(self.layout, num_blocks, self.block_size, self.device)
         self.kv_caches = kv_tensors.layer_caches(self.kv)
+
+    def allocate_swap_space(self, num_blocks: int, path: str | None = None) -> None:
+        """The swap pool: pinned host memory beside a GPU, a memory-mapped file on a CPU device."""
+        self.swap = kv_tensors.SwapSpace(self.layout, num_blocks, self.block_size, self.device, path)
+
+    def _move_blocks(self, out: SchedulerOutput) -> None:
+        """Swap-out, then swap-in, then copy-on-write copies: the order SchedulerOutput promises."""
+        assert self.kv is not None, "allocate_kv_cache() must run before execute()"
+        if out.blocks_to_swap_out or out.blocks_to_swap_in:
+            assert self.swap is not None, "the scheduler swapped without a swap pool"
+            kv_tensors.swap_blocks(self.kv, self.swap.kv, out.blocks_to_swap_out)
+            kv_tensors.swap_blocks(self.swap.kv, self.kv, out.blocks_to_swap_in)
+        kv_tensors.copy_blocks(self.kv, out.blocks_to_copy)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
@@ -65,15 +80,15 @@ class ModelRunner:
         # depend on whether it was preempted); it comes back through new_requests and is recognised.
         for new in out.new_requests:
             self._add_request(new)
-        assert self.kv is not None, "allocate_kv_cache() must run before execute()"
-        kv_tensors.copy_blocks(self.kv, out.blocks_to_copy)
+        self._move_blocks(out)
         if not out.scheduled:
             return RunnerOutput(sampled_token_ids={}, logprobs={})
         inputs = build_model_inputs(out.scheduled, self.block_size, self.device)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         if not inputs.sample_req_ids:
             return RunnerOutput(sampled_token_ids={}, logprobs={})
-        return self._sample(hidden, inputs)
+        children = {s.req_id: s.child_req_ids for s in out.scheduled if s.child_req_ids}
+        return self._sample(hidden, inputs, children)
 
     def _add_request(self, new: NewRequestData) -> None:
         if new.req_id in self.requests:
@@ -83,9 +98,33 @@ class ModelRunner:
         self.requests[new.req_id] = CachedRequestState(new.req_id, list(new.prompt_token_ids),
                                                        new.sampling_params, generator)
 
-    def _sample(self, hidden: torch.Tensor, inputs: ModelInputs) -> RunnerOutput:
+    def _add_child(self, parent_id: str, child_id: str, index: int) -> None:
+        """Sampling state for child `index` of a parallel-sampling request: its own seed stream."""
+        parent = self.requests[parent_id]
+        seed = child_seed(parent.params.seed, index)
+        generator = make_generator(seed, self.device) if seed is not None else None
+        self.requests[child_id] = CachedRequestState(child_id, parent.prompt_token_ids, parent.params, generator,
+                                                     list(parent.output_token_ids))
+
+    def _fork_rows(self, req_ids: list[str], children: dict[str, list[str]]) -> tuple[list[int], list[str]]:
+        """Repeat each forking request's logits row once per child: (row of each sample, its request id)."""
+        rows, row_req_ids = [], []
+        for row, req_id in enumerate(req_ids):
+            rows.append(row)
+            row_req_ids.append(req_id)
+            for index, child_id in enumerate(children.get(req_id, ()), start=1):
+                self._add_child(req_id, child_id, index)
+                rows.append(row)
+                row_req_ids.append(child_id)
+        return rows, row_req_ids
+
+    def _sample(self, hidden: torch.Tensor, inputs: ModelInputs, children: dict[str, list[str]]) -> RunnerOutput:
         logits = self.model.compute_logits(hidden[inputs.logits_indices])   # [num_sampled, vocab]
-        states = [self.requests[req_id] for req_id in inputs.sample_req_ids]
+        sample_req_ids = inputs.sample_req_ids
+        if children:
+            rows, sample_req_ids = self._fork_rows(sample_req_ids, children)
+            logits = logits[torch.tensor(rows, device=logits.device)]       # [num_sampled + children, vocab]
+        states = [self.requests[req_id] for req_id in sample_req_ids]
         rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids, s.generator, self.eos_token_id)
                 for s in states]
         meta = SamplingMetadata.build(rows, self.shape.vocab_size, self.device, self.global_generator)
@@ -93,6 +132,6 @@ class ModelRunner:
         token_ids = result.token_ids.tolist()
         for state, token_id in zip(states, token_ids):
             state.output_token_ids.append(token_id)
-        sampled = dict(zip(inputs.sample_req_ids, token_ids))
-        logprobs = result.logprobs.to_lists(inputs.sample_req_ids) if result.logprobs is not None else {}
+        sampled = dict(zip(sample_req_ids, token_ids))
+        logprobs = result.logprobs.to_lists(sample_req_ids) if result.logprobs is not None else {}
         return RunnerOutput(sampled_token_ids=sampled, logprobs=logprobs)

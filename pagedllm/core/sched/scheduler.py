@@ -41,8 +41,7 @@ from dataclasses import dataclass, field
 from pagedllm.config import SchedulerConfig
 from pagedllm.core.kv_cache.manager import KVCacheManager, cdiv
 from pagedllm.core.request import FinishReason, Request, RequestStatus, child_request_id
-from pagedllm.core.sched.output import (NewRequestData, RequestUpdate, RunnerOutput, ScheduledRequest,
-                                        SchedulerOutput)
+from pagedllm.core.sched.output import NewRequestData, RequestUpdate, RunnerOutput, ScheduledRequest, SchedulerOutput
 
 
 def _waiting_order(request: Request) -> tuple[int, float]:

@@ -24,19 +24,24 @@ def build_app_from_args(args: argparse.Namespace):
 
     engine = AsyncEngine(LLMEngine(engine_config_from_args(args)), log_requests=args.enable_log_requests)
     limits = ServerLimits(max_request_body_bytes=args.max_request_body_bytes, max_n=args.max_n,
-                          max_stop_strings=args.max_stop_strings, max_logprobs=args.max_logprobs)
+                          max_stop_strings=args.max_stop_strings, max_logprobs=args.max_logprobs,
+                          max_choices=args.max_choices)
     return build_app(engine, served_model_names=args.served_model_name, api_key=args.api_key, limits=limits)
 
 
 def run_server(args: argparse.Namespace) -> None:
     import uvicorn
 
+    from pagedllm.entrypoints.openai.graceful import GracefulServer
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = build_app_from_args(args)
     names = ", ".join(args.served_model_name or [app.state.engine.model_name])
     logger.info("serving %s on http://%s:%d (API key %s)", names, args.host, args.port,
                 "required" if args.api_key else "not required")
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, timeout_keep_alive=5)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                            timeout_keep_alive=5, timeout_graceful_shutdown=5)
+    GracefulServer(config, app.state.engine, args.shutdown_timeout).run()
 
 
 def make_parser() -> argparse.ArgumentParser:

@@ -48,18 +48,23 @@ def add_server_args(parser: argparse.ArgumentParser, *, positional_model: bool) 
                         help="a Jinja chat template, or the path of a file holding one, replacing the model's own")
     server.add_argument("--enable-log-requests", action="store_true",
                         help="log each request's prompt and sampling parameters (off: prompts may be private)")
+    server.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="on SIGTERM or Ctrl-C: seconds to let running requests finish before aborting them "
+                             "(new requests get 503 meanwhile); a second Ctrl-C quits at once (default: %(default)s)")
     server.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"],
                         help="uvicorn's log level (default: %(default)s)")
 
     limits = parser.add_argument_group("request limits")
-    limits.add_argument("--max-request-body-bytes", type=parse_bytes, default=32 * 1024 * 1024,
-                        help="larger request bodies get 413 (default: 32MiB)")
+    limits.add_argument("--max-request-body-bytes", type=parse_bytes, default=4 * 1024 * 1024,
+                        help="larger request bodies get 413 (default: 4MiB)")
     limits.add_argument("--max-n", type=int, default=128, help="most completions per prompt, n (default: %(default)s)")
     limits.add_argument("--max-stop-strings", type=int, default=64,
                         help="most stop strings per request (default: %(default)s)")
     limits.add_argument("--max-logprobs", type=int, default=20,
                         help="most log-probabilities per token, logprobs / top_logprobs (default: %(default)s)")
+    limits.add_argument("--max-choices", type=int, default=1024,
+                        help="most completions one request may start, prompts x n (default: %(default)s)")
 
     engine = parser.add_argument_group("engine")
     engine.add_argument("--max-model-len", type=int, default=None,

@@ -11,7 +11,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class OpenAIError(Exception):
@@ -49,8 +49,41 @@ def now() -> int:
     return int(time.time())
 
 
+# vLLM's bounds: a 64-bit signed seed (torch takes [-2**63, 2**64), so seed + choice index still fits).
+_SEED_MIN, _SEED_MAX = -(2**63), 2**63 - 1
+
+
+def _has_lone_surrogate(value: Any) -> bool:
+    """True if any string in a JSON value holds a lone surrogate ("\\ud800", or invalid UTF-8 bytes that Python's
+    json decoder lets through): no tokenizer or response encoder can take one. Iterative: any nesting depth."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
+
+
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # NaN and +-Infinity (which Python's json accepts) are refused in every float field.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for key, value in data.items():
+                if _has_lone_surrogate(key) or _has_lone_surrogate(value):
+                    raise ValueError(f"field {key!r} holds a lone surrogate: the text is not valid Unicode")
+        return data
 
 
 class StreamOptions(_Request):
@@ -67,7 +100,7 @@ class _SamplingFields(_Request):
     top_p: float | None = None
     n: int = 1
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=_SEED_MIN, le=_SEED_MAX)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
@@ -102,7 +135,11 @@ class CompletionRequest(_SamplingFields):
 class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions."""
 
-    messages: list[dict[str, Any]]
+    # Validated by the chat template (roles, content parts); the schema below documents the common shape.
+    messages: list[dict[str, Any]] = Field(min_length=1, json_schema_extra={"items": {
+        "type": "object", "required": ["role", "content"],
+        "properties": {"role": {"enum": ["system", "user", "assistant", "developer", "tool"]},
+                       "content": {"type": "string"}}}})
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None

@@ -75,6 +75,7 @@ def build_app(engine: AsyncEngine, *, served_model_names: Sequence[str] | None =
 # ---- routes -----------------------------------------------------------------------------------------------------
 def _v1_router(engine: AsyncEngine, names: list[str], limits: ServerLimits, api_key: str | None) -> APIRouter:
     dependencies = [Depends(_api_key_check(api_key))] if api_key else []
+    dependencies.append(Depends(_refuse_while_draining(engine)))
     router = APIRouter(prefix="/v1", dependencies=dependencies)
     completion = OpenAIServingCompletion(engine, names, limits)
     chat = OpenAIServingChat(engine, names, limits)
@@ -104,6 +105,8 @@ def _utility_router(engine: AsyncEngine, names: list[str], stat_logger: Promethe
     async def health() -> Response:
         if not engine.is_running:
             raise OpenAIError(f"the engine is not running: {engine.error!r}", 503, code="engine_dead")
+        if engine.is_draining:
+            raise OpenAIError("the server is shutting down", 503, code="server_shutting_down")
         return Response(status_code=200)
 
     @router.get("/version")
@@ -135,6 +138,14 @@ def _utility_router(engine: AsyncEngine, names: list[str], stat_logger: Promethe
         return {"prompt": engine.tokenizer.decode(body.tokens)}
 
     return router
+
+
+def _refuse_while_draining(engine: AsyncEngine):
+    async def check() -> None:
+        if engine.is_draining:
+            raise OpenAIError("the server is shutting down and takes no new requests", 503,
+                              code="server_shutting_down")
+    return check
 
 
 def _api_key_check(api_key: str):
@@ -193,7 +204,7 @@ async def _cancel_on_disconnect(raw_request: Request, work: Awaitable) -> Any:
     task.cancel()
     with suppress(asyncio.CancelledError, Exception):
         await task
-    logger.info("client disconnected; request aborted")
+    logger.debug("client disconnected; request aborted")
     return None
 
 
@@ -272,6 +283,11 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ValueError)
     async def value_error(_: Request, exc: ValueError) -> JSONResponse:
+        return _error_response(error_for(exc))
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+        # A bug, not bad input; still answered in OpenAI's shape (error_for logs the traceback).
         return _error_response(error_for(exc))
 
 

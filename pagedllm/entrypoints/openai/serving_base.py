@@ -13,7 +13,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
-from pagedllm.engine.async_engine import AsyncEngine, EngineDeadError
+from pagedllm.engine.async_engine import AsyncEngine, EngineDeadError, EngineDrainingError, RequestFailedError
 from pagedllm.entrypoints.openai.protocol import OpenAIError, _SamplingFields
 from pagedllm.outputs import Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -34,13 +34,15 @@ class ServerLimits:
         max_stop_strings: most stop strings per request.
         max_logprobs: most top log-probabilities per token (vLLM's max_logprobs).
         max_prompts: most prompts in one /v1/completions request.
+        max_choices: most engine requests one HTTP request may start (prompts x n).
     """
 
-    max_request_body_bytes: int = 32 * 1024 * 1024
+    max_request_body_bytes: int = 4 * 1024 * 1024
     max_n: int = 128
     max_stop_strings: int = 64
     max_logprobs: int = 20
     max_prompts: int = 1024
+    max_choices: int = 1024
 
 
 @dataclass
@@ -131,6 +133,10 @@ class OpenAIServing:
             logit_bias = {int(k): v for k, v in (request.logit_bias or {}).items()}
         except ValueError as exc:
             raise OpenAIError("logit_bias keys must be token ids", param="logit_bias") from exc
+        vocab_size = self.engine.vocab_size
+        for name, token_ids in (("logit_bias", list(logit_bias)), ("stop_token_ids", request.stop_token_ids or [])):
+            if any(not 0 <= t < vocab_size for t in token_ids):
+                raise OpenAIError(f"{name} takes token ids in [0, {vocab_size})", param=name)
         fields: dict[str, Any] = dict(
             n=1, max_tokens=max_tokens, stop=request.stop, seed=request.seed, logprobs=logprobs,
             presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
@@ -148,6 +154,9 @@ class OpenAIServing:
 
     def make_choices(self, request_id: str, params_per_prompt: list[SamplingParams], n: int) -> list[Choice]:
         """n children per prompt, ids `{request_id}-{choice}`; a seeded request gives child i the seed + i."""
+        if len(params_per_prompt) * n > self.limits.max_choices:
+            raise OpenAIError(f"{len(params_per_prompt)} prompts x n={n} is more than the {self.limits.max_choices} "
+                              "completions one request may ask for", param="n")
         choices = []
         for prompt_index, params in enumerate(params_per_prompt):
             for i in range(n):
@@ -230,8 +239,12 @@ def error_for(exc: BaseException) -> OpenAIError:
     """The OpenAI error for an exception raised while a request runs."""
     if isinstance(exc, OpenAIError):
         return exc
+    if isinstance(exc, EngineDrainingError):
+        return OpenAIError(str(exc), 503, code="server_shutting_down")
     if isinstance(exc, EngineDeadError):
         return OpenAIError(str(exc), 503, code="engine_dead")
+    if isinstance(exc, RequestFailedError):
+        return OpenAIError(str(exc), 500, code="engine_step_failed")
     if isinstance(exc, ValueError):
         return OpenAIError(str(exc), 400, _param_of(str(exc)))
     logger.exception("request failed", exc_info=exc)

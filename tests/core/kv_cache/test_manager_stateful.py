@@ -1,14 +1,16 @@
-"""Random allocate / decode / free / evict / reset sequences against the manager's invariants.
+"""Random allocate / decode / fork / swap / free / evict / reset sequences against the manager's invariants.
 
-A model of the KV contents rides along: for each block, the token prefix whose K/V it holds. A prefix hit must
-return blocks whose recorded prefix equals the request's, so a wrong hit is caught, not just a broken count.
+A model of the KV contents rides along: for each block (of both pools), the token prefix whose K/V it holds;
+copy-on-write copies and swaps move it as the runner would. A prefix hit must return blocks whose recorded
+prefix equals the request's, and every live request's blocks must hold its own tokens, so a wrong hit, a
+missed copy or a lost swap is caught, not just a broken count.
 """
 
 from __future__ import annotations
 
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, multiple, rule
 
 from pagedllm.core.kv_cache.manager import KVCacheManager
 from pagedllm.core.request import Request
@@ -16,6 +18,7 @@ from pagedllm.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 12
+NUM_SWAP_BLOCKS = 8
 
 # A tiny alphabet and shared starts make prefix hits frequent.
 tokens_strategy = st.lists(st.integers(0, 2), min_size=1, max_size=24)
@@ -26,16 +29,20 @@ class ManagerMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.manager = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE)
+        self.manager = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, num_swap_blocks=NUM_SWAP_BLOCKS)
         self.contents: dict[int, tuple[int, ...]] = {}  # block id -> token prefix whose K/V it holds
+        self.swap_contents: dict[int, tuple[int, ...]] = {}
         self.live: dict[str, Request] = {}
+        self.swapped: set[str] = set()
         self.next_id = 0
 
     def _snapshot(self) -> tuple[list[int], list[int]]:
         return self.manager.pool.free_block_ids(), [b.ref_cnt for b in self.manager.pool.blocks]
 
     def _compute(self, request: Request, num_new_tokens: int) -> None:
-        """Play the runner: write the new tokens' K/V, then advance the counter and cache full blocks."""
+        """Play the runner: apply the copies, write the new tokens' K/V, advance the counter, cache full blocks."""
+        for src, dst in self.manager.take_blocks_to_copy():
+            self.contents[dst] = self.contents[src]
         table = self.manager.get_block_ids(request.request_id)
         end = request.num_computed_tokens + num_new_tokens
         for pos in range(request.num_computed_tokens, end):
@@ -65,7 +72,7 @@ class ManagerMachine(RuleBasedStateMachine):
     @rule(request_id=requests, token=st.integers(0, 2))
     def decode(self, request_id: str, token: int) -> None:
         request = self.live.get(request_id)
-        if request is None:
+        if request is None or request_id in self.swapped:
             return
         before = self._snapshot()
         if self.manager.allocate_slots(request, 1) is None:  # room for the token about to be appended
@@ -74,16 +81,47 @@ class ManagerMachine(RuleBasedStateMachine):
         request.append_output_token_ids(token)
         self._compute(request, 1)
 
+    @rule(target=requests, request_id=requests)
+    def fork(self, request_id: str):
+        parent = self.live.get(request_id)
+        if parent is None or request_id in self.swapped:
+            return multiple()
+        child = parent.fork(f"r{self.next_id}", index=1)
+        self.next_id += 1
+        self.manager.fork(parent, child)
+        self.live[child.request_id] = child
+        return child.request_id
+
+    @rule(request_id=requests)
+    def swap_out(self, request_id: str) -> None:
+        request = self.live.get(request_id)
+        if request is None or request_id in self.swapped or not self.manager.can_swap_out(request):
+            return
+        for device, swap in self.manager.swap_out(request):
+            self.swap_contents[swap] = self.contents[device]
+        self.swapped.add(request_id)
+
+    @rule(request_id=requests)
+    def swap_in(self, request_id: str) -> None:
+        request = self.live.get(request_id)
+        if request is None or request_id not in self.swapped or not self.manager.can_swap_in(request, 1):
+            return
+        for swap, device in self.manager.swap_in(request):
+            self.contents[device] = self.swap_contents[swap]
+        self.swapped.discard(request_id)
+
     @rule(request_id=consumes(requests))
     def free(self, request_id: str) -> None:
         request = self.live.pop(request_id, None)
         if request is not None:
             self.manager.free(request)
-            assert self.manager.get_block_ids(request_id) == []
+            self.swapped.discard(request_id)
+            assert self.manager.get_block_ids(request_id) == [] == self.manager.get_swapped_block_ids(request_id)
 
     @rule()
     def reset(self) -> None:
-        assert self.manager.reset_prefix_cache() == (not self.live)
+        # Swapped-out requests hold no device block: they do not stand in the way.
+        assert self.manager.reset_prefix_cache() == (not self.live.keys() - self.swapped)
 
     @invariant()
     def integrity(self) -> None:
@@ -91,7 +129,16 @@ class ManagerMachine(RuleBasedStateMachine):
         used = {i for r in self.live.values() for i in self.manager.get_block_ids(r.request_id)}
         assert self.manager.num_free_blocks == NUM_BLOCKS - 1 - len(used)
         for request in self.live.values():
-            assert len(self.manager.get_block_ids(request.request_id)) == -(-request.num_tokens // BLOCK_SIZE)
+            request_id = request.request_id
+            if request_id in self.swapped:
+                table, contents = self.manager.get_swapped_block_ids(request_id), self.swap_contents
+                assert len(table) == -(-request.num_computed_tokens // BLOCK_SIZE)
+            else:
+                table, contents = self.manager.get_block_ids(request_id), self.contents
+                assert len(table) == -(-request.num_tokens // BLOCK_SIZE)
+            for index, block_id in enumerate(table[:-(-request.num_computed_tokens // BLOCK_SIZE)]):
+                end = min((index + 1) * BLOCK_SIZE, request.num_computed_tokens)
+                assert contents[block_id][:end] == tuple(request.all_token_ids[:end]), "a block lost its K/V"
 
 
 ManagerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)

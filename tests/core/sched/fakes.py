@@ -12,25 +12,42 @@ from pagedllm.core.sched.scheduler import Scheduler
 VOCAB = 50
 
 
-def next_token(context: tuple[int, ...]) -> int:
-    """The fake model: the next token is a function of the whole context (ints hash the same in every run)."""
-    return hash(context) % VOCAB
+def next_token(context: tuple[int, ...], index: int = 0) -> int:
+    """The fake model: the next token is a function of the whole context (ints hash the same in every run).
+    `index` > 0 is the sample of parallel-sampling child `index` (a different stream from the same context)."""
+    return hash(context + ((-index,) if index else ())) % VOCAB
 
 
 class FakeRunner:
     """Writes each scheduled token id into its KV slot, then reads the whole context back through the block
-    table to 'attend': a wrong block table, a bad prefix hit or a lost block changes the sampled tokens (or
-    raises KeyError for a slot never written)."""
+    table to 'attend': a wrong block table, a bad prefix hit, a lost block, a missing copy or swap changes the
+    sampled tokens (or raises KeyError for a slot never written). Swaps and copies move slot contents, in the
+    runner's order: swap-out, swap-in, copy."""
 
     def __init__(self, block_size: int, script: dict[str, list[int]] | None = None) -> None:
         self.block_size = block_size
         self.slots: dict[int, int] = {}
+        self.swap_slots: dict[int, int] = {}
         self.script = script  # request id -> tokens to return instead of the fake model's
 
     def _slot(self, block_ids: list[int], pos: int) -> int:
         return block_ids[pos // self.block_size] * self.block_size + pos % self.block_size
 
+    def _move(self, src: dict[int, int], dst: dict[int, int], pairs: list[tuple[int, int]]) -> None:
+        """Copy whole blocks, reading every source before writing any destination."""
+        size = self.block_size
+        contents = [[src.get(s * size + offset) for offset in range(size)] for s, _ in pairs]
+        for (_, d), values in zip(pairs, contents):
+            for offset, value in enumerate(values):
+                if value is None:
+                    dst.pop(d * size + offset, None)
+                else:
+                    dst[d * size + offset] = value
+
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        self._move(self.slots, self.swap_slots, out.blocks_to_swap_out)
+        self._move(self.swap_slots, self.slots, out.blocks_to_swap_in)
+        self._move(self.slots, self.slots, out.blocks_to_copy)
         sampled: dict[str, int] = {}
         for scheduled in out.scheduled:
             for offset, token_id in enumerate(scheduled.token_ids):
@@ -40,6 +57,8 @@ class FakeRunner:
                 context = tuple(self.slots[self._slot(scheduled.block_ids, pos)] for pos in range(end))
                 sampled[scheduled.req_id] = (self.script[scheduled.req_id].pop(0) if self.script
                                              else next_token(context))
+                for index, child_id in enumerate(scheduled.child_req_ids, start=1):
+                    sampled[child_id] = next_token(context, index)
         return RunnerOutput(sampled)
 
 
@@ -63,7 +82,11 @@ def check_step(scheduler: Scheduler, out: SchedulerOutput) -> None:
         assert s.num_computed_tokens + s.num_new_tokens <= config.max_model_len
         assert len(s.block_ids) * manager.block_size >= s.num_computed_tokens + s.num_new_tokens
         assert s.sample == (s.num_computed_tokens + s.num_new_tokens == request.num_tokens)
-    assert not out.blocks_to_copy and not out.blocks_to_swap_in and not out.blocks_to_swap_out
+    for pairs in (out.blocks_to_copy, out.blocks_to_swap_in, out.blocks_to_swap_out):
+        destinations = [dst for _, dst in pairs]
+        assert len(set(destinations)) == len(destinations) and 0 not in destinations
+    assert not (out.blocks_to_swap_in and out.preempted_req_ids), "swap-in in a step with a preemption"
+    assert scheduler.num_running + scheduler.num_swapped + scheduler.num_waiting == len(scheduler.requests)
     manager.check_integrity()
 
 
@@ -94,12 +117,12 @@ def record(results: dict[str, Result], updates: list[RequestUpdate]) -> None:
         result.num_cached_tokens = update.num_cached_tokens
 
 
-def reference(prompt: list[int], max_tokens: int, eos_token_id: int | None) -> list[int]:
-    """What a never-preempted, uncached run of the fake model generates."""
+def reference(prompt: list[int], max_tokens: int, eos_token_id: int | None, index: int = 0) -> list[int]:
+    """What a never-preempted, uncached run of the fake model generates (completion `index` of n > 1)."""
     context = list(prompt)
     out: list[int] = []
     while len(out) < max_tokens:
-        token = next_token(tuple(context))
+        token = next_token(tuple(context), index if not out else 0)
         out.append(token)
         context.append(token)
         if token == eos_token_id:

@@ -1,0 +1,79 @@
+"""A tiny random Llama (tests/models/tiny.py: vocab 384, 2 layers, context 256) behind the real engine and server.
+
+Steps take milliseconds, so the reliability tests can afford thousands of requests. Greedy outputs are
+float32 and do not depend on the batch, so "served under load" can be compared with "served alone".
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import random
+from pathlib import Path
+
+import pytest
+
+from pagedllm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.entrypoints.llm import LLM
+from pagedllm.sampling_params import SamplingParams
+
+STRESS = bool(os.environ.get("PAGEDLLM_STRESS"))
+stress = pytest.mark.skipif(not STRESS, reason="a long run: `make stress` (PAGEDLLM_STRESS=1) runs it")
+TINY_CONTEXT = 256
+
+
+def build_tiny_engine(folder: Path, *, num_blocks: int = 512, block_size: int = 16, max_num_seqs: int = 256,
+                      preemption_mode: str = "recompute", swap_space: float = 0.0,
+                      enable_prefix_caching: bool = True, max_num_batched_tokens: int = 2048) -> LLMEngine:
+    return LLMEngine(EngineConfig(
+        model=ModelConfig(model=str(folder), dtype="float32", max_model_len=TINY_CONTEXT),
+        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, swap_space=swap_space,
+                          enable_prefix_caching=enable_prefix_caching),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                  preemption_mode=preemption_mode)))
+
+
+def offline(engine: LLMEngine) -> LLM:
+    """The offline LLM API around an already built engine."""
+    llm = LLM.__new__(LLM)
+    llm.engine, llm._counter = engine, itertools.count()
+    return llm
+
+
+def served_alone(engine: LLMEngine, prompts: list[str], max_tokens: int) -> dict[str, list[int]]:
+    """Greedy token ids of each prompt, run one at a time (a batch of one, nothing else in the pool)."""
+    llm = offline(engine)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return {p: llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in dict.fromkeys(prompts)}
+
+
+def random_prompts(num: int, seed: int, min_len: int = 8, max_len: int = 64) -> list[str]:
+    """`num` distinct ASCII prompts (the byte tokenizer makes one token per character)."""
+    rng = random.Random(seed)
+    words = ["alpha", "beta", "gamma", "delta", "paged", "block", "cache", "token", "queue", "swap", "fork", "tail"]
+    prompts: list[str] = []
+    while len(prompts) < num:
+        text = f"{len(prompts)}:"
+        target = rng.randint(min_len, max_len)
+        while len(text) < target:
+            text += " " + rng.choice(words)
+        prompts.append(text[:target])
+    return prompts
+
+
+def error_shape(response) -> dict:
+    """The `error` object of an OpenAI-shaped error response; fails the test if the shape is wrong."""
+    body = response.json()
+    assert isinstance(body, dict) and set(body) == {"error"}, body
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert isinstance(error["message"], str) and error["message"], error
+    assert error["type"] == ("server_error" if response.status_code >= 500 else "invalid_request_error"), error
+    return error
+
+
+def pool_is_whole(engine) -> bool:
+    """Nothing running or waiting, and every usable block free (cached-but-unused counts as free)."""
+    manager = engine.kv_manager
+    return (not engine.scheduler.requests and manager.num_free_blocks == manager.num_usable_blocks)
