@@ -15,10 +15,12 @@ _EXPORTS = {
     "SamplingParams": "pagedllm.sampling_params",
     "RequestOutput": "pagedllm.outputs",
     "CompletionOutput": "pagedllm.outputs",
+    "BeamSearchParams": "pagedllm.engine.beam_search",
 }
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "BeamSearchParams"]
 
 if TYPE_CHECKING:
+    from pagedllm.engine.beam_search import BeamSearchParams
     from pagedllm.entrypoints.llm import LLM
     from pagedllm.outputs import CompletionOutput, RequestOutput
     from pagedllm.sampling_params import SamplingParams

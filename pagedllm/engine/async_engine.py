@@ -237,7 +237,8 @@ class AsyncEngine:
             queue.put_nowait(error)
 
     def _fail_all(self, error: BaseException) -> None:
-        dead = error if isinstance(error, EngineDeadError) else EngineDeadError(f"the engine loop has stopped: {error!r}")
+        dead = error if isinstance(error, EngineDeadError) else \
+            EngineDeadError(f"the engine loop has stopped: {error!r}")
         for queue in self._streams.values():
             queue.put_nowait(dead)
 

@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pagedllm.core.kv_cache.manager import KVCacheManager
+    from pagedllm.core.sched.scheduler import Scheduler
 
 
 @dataclass(slots=True)
@@ -91,45 +95,19 @@ class RequestTimes:
                                                    self.num_prompt_tokens, self.num_generation_tokens))
 
 
-def read_scheduler_stats(scheduler: Any, kv_manager: Any) -> SchedulerStats:
-    """Snapshot the scheduler and KV manager. Call it only from the thread that steps the engine.
-
-    Reads `pagedllm.core`'s public attributes; anything a core version lacks (e.g. a swapped queue) reads as 0.
-    """
-    prefix = getattr(kv_manager, "prefix_cache_stats", None)
+def read_scheduler_stats(scheduler: Scheduler, kv_manager: KVCacheManager) -> SchedulerStats:
+    """Snapshot the scheduler and KV manager. Call it only from the thread that steps the engine."""
+    prefix = kv_manager.prefix_cache_stats
     return SchedulerStats(
-        num_running=_count(scheduler, "running"),
-        num_waiting=_count(scheduler, "waiting"),
-        num_swapped=_count(scheduler, "swapped"),
-        num_blocks_free=_int(kv_manager, "num_free_blocks"),
-        num_blocks_total=_int(kv_manager, "num_usable_blocks"),
-        num_preemptions_total=_preemptions(scheduler),
-        prefix_cache_queries_total=_int(prefix, "num_query_tokens"),
-        prefix_cache_hits_total=_int(prefix, "num_hit_tokens"),
+        num_running=len(scheduler.running),
+        num_waiting=len(scheduler.waiting),
+        num_swapped=len(scheduler.swapped),
+        num_blocks_free=kv_manager.num_free_blocks,
+        num_blocks_total=kv_manager.num_usable_blocks,
+        num_preemptions_total=dict(scheduler.num_preemptions_by_mode),
+        prefix_cache_queries_total=prefix.num_query_tokens,
+        prefix_cache_hits_total=prefix.num_hit_tokens,
     )
-
-
-def _int(obj: Any, name: str) -> int:
-    value = getattr(obj, name, None)
-    if callable(value):
-        value = value()
-    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0
-
-
-def _count(obj: Any, name: str) -> int:
-    value = getattr(obj, name, None)
-    return len(value) if value is not None else 0
-
-
-def _preemptions(scheduler: Any) -> dict[str, int]:
-    """{mode: count}. A core that keeps a single total has only ever preempted in its configured mode."""
-    value = getattr(scheduler, "num_preemptions", None)
-    if isinstance(value, dict):
-        return {str(mode): int(count) for mode, count in value.items()}
-    if isinstance(value, int):
-        mode = getattr(getattr(scheduler, "config", None), "preemption_mode", "recompute")
-        return {str(mode): value}
-    return {}
 
 
 def monotonic() -> float:

@@ -17,7 +17,7 @@ HEADS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (4, 1)}
 
 
 def _random_batch(num_computed: list[int], query_lens: list[int], num_heads: int, num_kv_heads: int,
-                  dtype: torch.dtype, seed: int = 0):
+                  dtype: torch.dtype, seed: int = 0, head_dim: int = HEAD_DIM):
     """Random full sequences; their prefixes are written to a shuffled paged cache, new tokens queued."""
     g = torch.Generator().manual_seed(seed)
     seq_lens = [c + q for c, q in zip(num_computed, query_lens)]
@@ -27,10 +27,10 @@ def _random_batch(num_computed: list[int], query_lens: list[int], num_heads: int
     tables, k_full, v_full, q_full = [], [], [], []
     for n, s in zip(blocks_needed, seq_lens):
         tables.append([perm.pop() for _ in range(n)])
-        k_full.append(torch.randn(s, num_kv_heads, HEAD_DIM, generator=g).to(dtype))
-        v_full.append(torch.randn(s, num_kv_heads, HEAD_DIM, generator=g).to(dtype))
-        q_full.append(torch.randn(s, num_heads, HEAD_DIM, generator=g).to(dtype))
-    k_cache = torch.randn(num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM, generator=g).to(dtype)  # garbage
+        k_full.append(torch.randn(s, num_kv_heads, head_dim, generator=g).to(dtype))
+        v_full.append(torch.randn(s, num_kv_heads, head_dim, generator=g).to(dtype))
+        q_full.append(torch.randn(s, num_heads, head_dim, generator=g).to(dtype))
+    k_cache = torch.randn(num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, generator=g).to(dtype)  # garbage
     v_cache = torch.randn_like(k_cache)
     prefix = AttentionMetadata.build(tables, [0] * len(seq_lens), num_computed, BLOCK_SIZE)
     write_kv(torch.cat([k[:c] for k, c in zip(k_full, num_computed)]),
@@ -67,11 +67,13 @@ def test_cpu_backend_matches_reference(heads: str, batch: str, dtype: torch.dtyp
 
 @pytest.mark.parametrize("heads", list(HEADS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_decode_kernel_matches_the_torch_fallback_and_reference(heads: str, dtype: torch.dtype,
+@pytest.mark.parametrize("head_dim", [HEAD_DIM, 64, 128])  # 64 and 128 take the kernel's unrolled paths
+def test_decode_kernel_matches_the_torch_fallback_and_reference(heads: str, dtype: torch.dtype, head_dim: int,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     num_heads, num_kv_heads = HEADS[heads]
-    query, k_cache, v_cache, meta, _ = _random_batch(*BATCHES["decode"], num_heads, num_kv_heads, dtype, seed=3)
-    scale = HEAD_DIM ** -0.5
+    query, k_cache, v_cache, meta, _ = _random_batch(*BATCHES["decode"], num_heads, num_kv_heads, dtype, seed=3,
+                                                     head_dim=head_dim)
+    scale = head_dim ** -0.5
     assert cpu_kernels() is not None, "the C++ kernels must build on the test machine"
     kernel = decode_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
     monkeypatch.setenv("PAGEDLLM_DISABLE_KERNELS", "1")

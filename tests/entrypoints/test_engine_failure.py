@@ -10,6 +10,9 @@ import time
 import httpx
 import pytest
 
+from pagedllm.config import SchedulerConfig
+from pagedllm.core.kv_cache.manager import KVCacheManager
+from pagedllm.core.sched.scheduler import Scheduler
 from tests.entrypoints.server_utils import RunningServer, start_server
 
 pytestmark = pytest.mark.slow
@@ -21,7 +24,10 @@ class ExplodingEngine:
     def __init__(self, real, gate: threading.Event) -> None:
         self.real, self.gate = real, gate
         self.tokenizer, self.max_model_len, self.model_name = real.tokenizer, real.max_model_len, real.model_name
-        self.runner, self.scheduler, self.kv_manager = real.runner, None, None
+        self.runner = real.runner
+        # An idle core of its own, for the metrics (the real engine's belongs to the shared server's thread).
+        self.kv_manager = KVCacheManager(num_blocks=16, block_size=16)
+        self.scheduler = Scheduler(SchedulerConfig(), self.kv_manager)
         self.pending: set[str] = set()
 
     def tokenize_prompt(self, prompt):

@@ -69,10 +69,10 @@ def test_a_large_body_under_the_limit_is_refused_quickly(http):
 @pytest.mark.parametrize("depth", [100, 10_000, 200_000])
 def test_deeply_nested_json(http, depth):
     for path, field in ((COMPLETIONS, "prompt"), (CHAT, "messages")):
-        body = ('{"%s": ' % field + "[" * depth + "]" * depth + "}").encode()
+        body = (f'{{"{field}": ' + "[" * depth + "]" * depth + "}").encode()
         rejected(post_raw(http, path, body), 400)
-        nested = ('{"messages": [{"role": "user", "content": ' + "[" * depth + "]" * depth + "}]}").encode()
-        rejected(post_raw(http, CHAT, nested), 400)
+    nested = ('{"messages": [{"role": "user", "content": ' + "[" * depth + "]" * depth + "}]}").encode()
+    rejected(post_raw(http, CHAT, nested), 400)
 
 
 @pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
@@ -115,7 +115,8 @@ def test_nan_and_inf_in_logit_bias(http, literal):
     rejected(post_raw(http, CHAT, body), 400, "logit_bias")
 
 
-@pytest.mark.parametrize("content", [b'{"prompt": "\xff\xfe\xfd"}', b'\xc3\x28', b'{"prompt": "ok", "stop": "\xed\xa0\x80"}',
+@pytest.mark.parametrize("content", [b'{"prompt": "\xff\xfe\xfd"}', b'\xc3\x28',
+                                     b'{"prompt": "ok", "stop": "\xed\xa0\x80"}',
                                      b'{"prompt": "a\xed\xa0\x80b", "echo": true}'])
 def test_invalid_utf8(http, content):
     rejected(post_raw(http, COMPLETIONS, content), 400)

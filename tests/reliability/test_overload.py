@@ -18,7 +18,7 @@ import pytest
 
 from pagedllm.sampling_params import SamplingParams
 from tests.entrypoints.server_utils import metric, scrape, start_server, wait_until
-from tests.reliability.tiny_server import STRESS, build_tiny_engine, offline, random_prompts, served_alone
+from tests.reliability.tiny_server import STRESS, build_tiny_engine, random_prompts, served_alone
 
 NUM_REQUESTS, CONCURRENCY = (1000, 256) if STRESS else (200, 64)
 NUM_DISTINCT = 100 if STRESS else 50
@@ -62,7 +62,9 @@ async def _one(client: httpx.AsyncClient, prompt: str, priority: int = 0) -> tup
 
 async def _load(base_url: str) -> tuple[list, tuple, float]:
     semaphore = asyncio.Semaphore(CONCURRENCY)
-    limits = httpx.Limits(max_connections=CONCURRENCY + 8, max_keepalive_connections=CONCURRENCY + 8)
+    # keepalive_expiry under the server's 5 s: never reuse a connection the server is closing.
+    limits = httpx.Limits(max_connections=CONCURRENCY + 8, max_keepalive_connections=CONCURRENCY + 8,
+                          keepalive_expiry=2)
     async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits) as client:
         async def gated(prompt: str):
             async with semaphore:

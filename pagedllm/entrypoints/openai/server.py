@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import pagedllm
-from pagedllm.engine.async_engine import AsyncEngine, EngineDeadError
+from pagedllm.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -283,6 +283,10 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ValueError)
     async def value_error(_: Request, exc: ValueError) -> JSONResponse:
+        return _error_response(error_for(exc))
+
+    @app.exception_handler(RequestFailedError)
+    async def request_failed(_: Request, exc: RequestFailedError) -> JSONResponse:
         return _error_response(error_for(exc))
 
     @app.exception_handler(Exception)
