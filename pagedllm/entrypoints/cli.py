@@ -1,13 +1,15 @@
-"""The `pagedllm` command: `pagedllm serve [MODEL]`, and `pagedllm bench ...` when pagedllm.bench is present.
+"""The `pagedllm` command: `pagedllm serve [MODEL]` and `pagedllm bench throughput|serve|prefix`.
 
-Nothing heavy is imported before the arguments are parsed, so `pagedllm --help` answers at once.
+Nothing heavy is imported before the arguments are parsed, so `pagedllm --help` answers at once, and so that
+`serve` can set OpenMP's wait policy before torch loads.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
+import os
 
+from pagedllm.bench.cli import add_bench_parser
 from pagedllm.entrypoints.openai.api_server import DESCRIPTION, run_server
 from pagedllm.entrypoints.openai.cli_args import add_server_args
 
@@ -20,20 +22,8 @@ def make_parser() -> argparse.ArgumentParser:
                                   description=DESCRIPTION)
     add_server_args(serve, positional_model=True)
     serve.set_defaults(func=run_server)
-    _add_bench_parser(subparsers)
+    add_bench_parser(subparsers)
     return parser
-
-
-def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
-    """`pagedllm bench ...` lives in pagedllm.bench.cli: `add_bench_parser(subparsers)` registers it (and sets
-    `func` on its parsers). Skipped while that module does not exist."""
-    try:
-        bench_cli = importlib.import_module("pagedllm.bench.cli")
-    except ModuleNotFoundError as exc:
-        if exc.name in ("pagedllm.bench", "pagedllm.bench.cli"):
-            return
-        raise
-    bench_cli.add_bench_parser(subparsers)
 
 
 def _version() -> str:
@@ -43,6 +33,10 @@ def _version() -> str:
 
 def main(argv: list[str] | None = None) -> None:
     args = make_parser().parse_args(argv)
+    if args.command == "serve":
+        # The server's event loop shares the cores with torch's OpenMP threads; spinning idle threads starve it
+        # (and on a busy 2-core box slow the forward pass several times over). Sleeping threads cost a few percent.
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     args.func(args)
 
 
