@@ -14,6 +14,10 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <type_traits>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 #include <cstring>
 #include <cmath>
 #include <vector>
@@ -44,6 +48,28 @@ inline float dot(const float* a, const float* b, int64_t n) {
   for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
   return s;
 }
+
+#if defined(__AVX512BF16__)
+// Scores of `num_keys` consecutive keys of one block against a kv head's query group, with AVX512-BF16 dot
+// products: each _mm512_dpbf16_ps multiplies 32 bf16 pairs straight into 16 float lanes, with no widening.
+// head_dim must be a multiple of 32.
+inline void block_scores_bf16(const c10::BFloat16* key, int64_t key_stride, int64_t num_keys,
+                              const c10::BFloat16* q, int64_t group, int64_t head_dim, float scale,
+                              float* scores, int64_t len) {
+  for (int64_t t = 0; t < num_keys; ++t, key += key_stride) {
+    for (int64_t g = 0; g < group; ++g) {
+      const c10::BFloat16* qg = q + g * head_dim;
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t d = 0; d < head_dim; d += 32) {
+        const __m512bh k = (__m512bh)_mm512_loadu_si512(key + d);
+        const __m512bh qv = (__m512bh)_mm512_loadu_si512(qg + d);
+        acc = _mm512_dpbf16_ps(acc, qv, k);
+      }
+      scores[g * len + t] = _mm512_reduce_add_ps(acc) * scale;
+    }
+  }
+}
+#endif
 
 // exp(s - max) in place over a row of scores; returns their sum. Vectorised through libmvec (-fno-math-errno).
 inline float exp_and_sum(float* s, int64_t n) {
@@ -92,6 +118,15 @@ void decode_attention_impl(torch::Tensor& out, const torch::Tensor& q, const tor
       for (int64_t start = 0; start < len; start += block_size) {
         const scalar_t* key = k_ptr + table[start / block_size] * kb + h * kh;
         const int64_t stop = std::min(len, start + block_size);
+#if defined(__AVX512BF16__)
+        if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+          if (head_dim % 32 == 0) {
+            block_scores_bf16(key, kt, stop - start, q_ptr + (b * num_heads + h * group) * head_dim, group,
+                              head_dim, static_cast<float>(scale), scores.data() + start, len);
+            continue;
+          }
+        }
+#endif
         for (int64_t t = start; t < stop; ++t, key += kt) {
           load_row(key, row.data(), head_dim);
           for (int64_t g = 0; g < group; ++g) {
