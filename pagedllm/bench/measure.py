@@ -14,8 +14,19 @@ from pagedllm.bench.datasets import BenchRequest
 
 
 def peak_rss_mib() -> float:
-    """The process's peak resident set size so far (ru_maxrss: KiB on Linux, bytes on macOS)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    """The process's peak resident set size so far.
+
+    Linux's VmHWM, not ru_maxrss: ru_maxrss survives execve, so a child started from a large process (the peer)
+    would report its parent's peak.
+    """
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss   # KiB on Linux, bytes on macOS
     return peak / (1 << 20) if sys.platform == "darwin" else peak / 1024
 
 
