@@ -34,8 +34,8 @@ def cpu_kernels() -> ModuleType | None:
     build_dir.mkdir(parents=True, exist_ok=True)
     try:
         return cpp_extension.load(name="pagedllm_cpu_kernels", sources=[str(_SOURCE)],
-                                  extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"], extra_ldflags=["-fopenmp"],
-                                  build_directory=str(build_dir), verbose=False)
+                                  extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
+                                  extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
     except Exception as exc:  # noqa: BLE001 - any build failure means "use the torch path"
         logger.warning("pagedllm's CPU kernels could not be built (%s); using the slower torch attention", exc)
         return None

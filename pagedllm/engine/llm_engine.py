@@ -145,8 +145,9 @@ class LLMEngine:
                                    logprobs=[] if params.logprobs is not None else None) for i in range(params.n)]
         self.scheduler.add_request(Request(
             request_id=request_id, prompt_token_ids=token_ids, sampling_params=params,
-            eos_token_id=self.tokenizer.eos_token_id, arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
-            priority=priority, cache_salt=cache_salt))
+            eos_token_id=self.tokenizer.eos_token_id,
+            arrival_time=arrival_time if arrival_time is not None else time.monotonic(), priority=priority,
+            cache_salt=cache_salt))
         self._tracked[request_id] = _Tracked(prompt if isinstance(prompt, str) else None, token_ids, params,
                                              completions)
 

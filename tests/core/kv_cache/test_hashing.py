@@ -1,7 +1,13 @@
 from __future__ import annotations
 
-from pagedllm.core.kv_cache.hashing import (BlockHash, BlockKey, block_key, encode_block_key,
-                                            extend_block_hashes, hash_block_key)
+from pagedllm.core.kv_cache.hashing import (
+    BlockHash,
+    BlockKey,
+    block_key,
+    encode_block_key,
+    extend_block_hashes,
+    hash_block_key,
+)
 
 
 def test_only_full_blocks_are_hashed_incrementally() -> None:
