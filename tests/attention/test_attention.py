@@ -13,7 +13,7 @@ from pagedllm.attention.torch_ref import paged_attention_ref, write_kv
 
 BLOCK_SIZE = 4
 HEAD_DIM = 16
-HEADS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (4, 1)}
+HEADS = {"mha": (4, 4), "gqa": (4, 2), "gqa3": (9, 3), "mqa": (4, 1), "gqa5": (5, 1)}  # gqa5: no fixed-group path
 
 
 def _random_batch(num_computed: list[int], query_lens: list[int], num_heads: int, num_kv_heads: int,

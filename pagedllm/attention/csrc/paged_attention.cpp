@@ -83,16 +83,17 @@ inline float exp_and_sum(float* s, int64_t n) {
   return sum;
 }
 
-// kHeadDim > 0 fixes the head size at compile time, so every per-token loop unrolls into straight vector code;
-// 0 takes it from the tensors.
-template <typename scalar_t, int64_t kHeadDim>
+// kHeadDim > 0 and kGroup > 0 fix the head size and the query heads per kv head at compile time, so every
+// per-token loop unrolls into straight vector code and the output accumulators stay in registers; 0 takes the
+// value from the tensors.
+template <typename scalar_t, int64_t kHeadDim, int64_t kGroup>
 void decode_attention_impl(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
                            const torch::Tensor& v_cache, const torch::Tensor& block_tables,
                            const torch::Tensor& seq_lens, double scale) {
   const int64_t num_seqs = q.size(0), num_heads = q.size(1);
   const int64_t head_dim = kHeadDim > 0 ? kHeadDim : q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
-  const int64_t group = num_heads / num_kv_heads;
+  const int64_t group = kGroup > 0 ? kGroup : num_heads / num_kv_heads;
   const int64_t max_blocks = block_tables.size(1);
   const int64_t kb = k_cache.stride(0), kt = k_cache.stride(1), kh = k_cache.stride(2);
   const int64_t vb = v_cache.stride(0), vt = v_cache.stride(1), vh = v_cache.stride(2);
@@ -104,7 +105,10 @@ void decode_attention_impl(torch::Tensor& out, const torch::Tensor& q, const tor
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
 
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * head_dim), acc(group * head_dim), row(head_dim), scores;
+    constexpr bool kFixed = kHeadDim > 0 && kGroup > 0;
+    std::vector<float> qf(group * head_dim), row(head_dim), scores, acc_heap(kFixed ? 0 : group * head_dim);
+    float acc_fixed[kFixed ? kGroup * kHeadDim : 1];
+    float* acc = kFixed ? acc_fixed : acc_heap.data();
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / num_kv_heads, h = task % num_kv_heads;
       const int64_t len = lens[b];
@@ -137,7 +141,7 @@ void decode_attention_impl(torch::Tensor& out, const torch::Tensor& q, const tor
       std::vector<float> inv_sum(group);
       for (int64_t g = 0; g < group; ++g) inv_sum[g] = 1.f / exp_and_sum(scores.data() + g * len, len);
       // Weighted sum of values.
-      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(acc, acc + group * head_dim, 0.f);
       for (int64_t start = 0; start < len; start += block_size) {
         const scalar_t* value = v_ptr + table[start / block_size] * vb + h * vh;
         const int64_t stop = std::min(len, start + block_size);
@@ -145,7 +149,7 @@ void decode_attention_impl(torch::Tensor& out, const torch::Tensor& q, const tor
           load_row(value, row.data(), head_dim);
           for (int64_t g = 0; g < group; ++g) {
             const float p = scores[g * len + t];
-            float* a = acc.data() + g * head_dim;
+            float* a = acc + g * head_dim;
 #pragma omp simd
             for (int64_t d = 0; d < head_dim; ++d) a[d] += p * row[d];
           }
@@ -159,6 +163,21 @@ void decode_attention_impl(torch::Tensor& out, const torch::Tensor& q, const tor
   });
 }
 
+// The group sizes of common GQA models (MHA = 1, SmolLM2 = 3, Llama 3 and Mistral = 4, TinyLlama = 8, ...).
+template <typename scalar_t, int64_t kHeadDim>
+void dispatch_group(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
+                    const torch::Tensor& v_cache, const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
+                    double scale) {
+#define PAGEDLLM_GROUP(G) \
+  case G: return decode_attention_impl<scalar_t, kHeadDim, G>(out, q, k_cache, v_cache, block_tables, seq_lens, scale);
+  switch (q.size(1) / k_cache.size(2)) {
+    PAGEDLLM_GROUP(1) PAGEDLLM_GROUP(2) PAGEDLLM_GROUP(3) PAGEDLLM_GROUP(4)
+    PAGEDLLM_GROUP(6) PAGEDLLM_GROUP(7) PAGEDLLM_GROUP(8)
+    default: return decode_attention_impl<scalar_t, kHeadDim, 0>(out, q, k_cache, v_cache, block_tables, seq_lens, scale);
+  }
+#undef PAGEDLLM_GROUP
+}
+
 void decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                       torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous(), "q and out must be contiguous");
@@ -169,9 +188,9 @@ void decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention", [&] {
     switch (q.size(2)) {
-      case 64: decode_attention_impl<scalar_t, 64>(out, q, k_cache, v_cache, block_tables, seq_lens, scale); break;
-      case 128: decode_attention_impl<scalar_t, 128>(out, q, k_cache, v_cache, block_tables, seq_lens, scale); break;
-      default: decode_attention_impl<scalar_t, 0>(out, q, k_cache, v_cache, block_tables, seq_lens, scale);
+      case 64: dispatch_group<scalar_t, 64>(out, q, k_cache, v_cache, block_tables, seq_lens, scale); break;
+      case 128: dispatch_group<scalar_t, 128>(out, q, k_cache, v_cache, block_tables, seq_lens, scale); break;
+      default: decode_attention_impl<scalar_t, 0, 0>(out, q, k_cache, v_cache, block_tables, seq_lens, scale);
     }
   });
 }
