@@ -197,20 +197,18 @@ class LLMEngine:
     def _fail_step(self, out: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
         """The runner raised: finish (abort) every request of the step's batch, and any it was swapping out,
         since their KV may be half written; free their blocks, and go on. Each gets an output with `error`."""
-        failed = [s.req_id for s in out.scheduled]
-        failed += [r for r in out.preempted_req_ids if getattr(self.scheduler.requests.get(r), "status", None)
-                   is RequestStatus.SWAPPED]
+        live = self.scheduler.requests
+        failed = {s.req_id: live[s.req_id] for s in out.scheduled}
+        failed.update((r, live[r]) for r in out.preempted_req_ids if live[r].status is RequestStatus.SWAPPED)
         logger.error("engine step failed for %d request(s): %r", len(failed), exc,
                      exc_info=(type(exc), exc, exc.__traceback__))
-        requests = {r: self.scheduler.requests.get(r) for r in failed}
-        self.scheduler.finish_requests(failed, FinishReason.ABORT)
+        self.scheduler.finish_requests(list(failed), FinishReason.ABORT)
         outputs = [o for o in map(self._process, self.scheduler.update_from_output(out, RunnerOutput()))
                    if o is not None]
         message = f"the engine step running this request failed: {exc!r}"
-        for req_id, request in requests.items():
+        for req_id, request in failed.items():
             output = self._process(RequestUpdate(req_id, [], finish_reason=FinishReason.ABORT,
-                                                 parent_req_id=getattr(request, "parent_id", None),
-                                                 index=getattr(request, "index", 0)))
+                                                 parent_req_id=request.parent_id, index=request.index))
             if output is not None:
                 output.error = message
                 outputs.append(output)

@@ -82,29 +82,30 @@ class ModelRunner:
             self._add_request(new)
         self._move_blocks(out)
         if not out.scheduled:
-            return RunnerOutput(sampled_token_ids={}, logprobs={})
+            return RunnerOutput()
         inputs = build_model_inputs(out.scheduled, self.block_size, self.device)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         if not inputs.sample_req_ids:
-            return RunnerOutput(sampled_token_ids={}, logprobs={})
+            return RunnerOutput()
         children = {s.req_id: s.child_req_ids for s in out.scheduled if s.child_req_ids}
         return self._sample(hidden, inputs, children)
 
     def _add_request(self, new: NewRequestData) -> None:
         if new.req_id in self.requests:
             return
-        seed = new.sampling_params.seed
-        generator = make_generator(seed, self.device) if seed is not None else None
         self.requests[new.req_id] = CachedRequestState(new.req_id, list(new.prompt_token_ids),
-                                                       new.sampling_params, generator)
+                                                       new.sampling_params, self._generator(new.sampling_params.seed))
 
     def _add_child(self, parent_id: str, child_id: str, index: int) -> None:
         """Sampling state for child `index` of a parallel-sampling request: its own seed stream."""
         parent = self.requests[parent_id]
-        seed = child_seed(parent.params.seed, index)
-        generator = make_generator(seed, self.device) if seed is not None else None
+        generator = self._generator(child_seed(parent.params.seed, index))
         self.requests[child_id] = CachedRequestState(child_id, parent.prompt_token_ids, parent.params, generator,
                                                      list(parent.output_token_ids))
+
+    def _generator(self, seed: int | None) -> torch.Generator | None:
+        """A seeded request's own random stream; None draws from the engine's global one."""
+        return make_generator(seed, self.device) if seed is not None else None
 
     def _fork_rows(self, req_ids: list[str], children: dict[str, list[str]]) -> tuple[list[int], list[str]]:
         """Repeat each forking request's logits row once per child: (row of each sample, its request id)."""

@@ -277,22 +277,13 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return _error_response(OpenAIError(str(exc.detail), exc.status_code))
 
-    @app.exception_handler(EngineDeadError)
-    async def engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+    async def mapped_error(_: Request, exc: Exception) -> JSONResponse:
+        # error_for maps each kind to its status; an unexpected Exception is a bug, not bad input, and is still
+        # answered in OpenAI's shape (error_for logs its traceback).
         return _error_response(error_for(exc))
 
-    @app.exception_handler(ValueError)
-    async def value_error(_: Request, exc: ValueError) -> JSONResponse:
-        return _error_response(error_for(exc))
-
-    @app.exception_handler(RequestFailedError)
-    async def request_failed(_: Request, exc: RequestFailedError) -> JSONResponse:
-        return _error_response(error_for(exc))
-
-    @app.exception_handler(Exception)
-    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
-        # A bug, not bad input; still answered in OpenAI's shape (error_for logs the traceback).
-        return _error_response(error_for(exc))
+    for kind in (EngineDeadError, ValueError, RequestFailedError, Exception):
+        app.add_exception_handler(kind, mapped_error)
 
 
 def _validation_error(exc: RequestValidationError) -> OpenAIError:
