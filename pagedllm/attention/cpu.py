@@ -1,7 +1,7 @@
 """The CPU paged-attention backend. Same signature and results as `torch_ref.paged_attention_ref`.
 
 The runner puts decode sequences (one new token) first. Those run through the C++ kernel
-(`csrc/paged_attention.cpp`), which reads K/V in place through the block tables; where the kernel cannot be
+(`pagedllm/kernels/csrc/attention.cpp`), which reads K/V in place through the block tables; where the kernel cannot be
 built, through one padded, masked SDPA call. Each remaining sequence (a prefill chunk) runs one SDPA call over
 its gathered context: plainly causal when the chunk is the whole context, with an offset causal mask when part of
 the context was cached before.
@@ -9,14 +9,12 @@ the context was cached before.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
-from pagedllm.attention.kernels import cpu_kernels
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.torch_ref import gather_kv, write_kv
+from pagedllm.kernels import kernels_for
 
 __all__ = ["paged_attention", "decode_attention", "write_kv"]
 
@@ -38,19 +36,13 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """One query token per sequence. query: [B, Hq, D]; block_tables: [B, max_blocks]; seq_lens: [B]."""
-    kernels = _kernels(query)
+    kernels = kernels_for(query)
     if kernels is None:
         return _decode_padded(query, k_cache, v_cache, block_tables, seq_lens, scale)
     query = query.contiguous()
     out = torch.empty_like(query)
     kernels.decode_attention(out, query, k_cache, v_cache, block_tables.contiguous(), seq_lens.contiguous(), scale)
     return out
-
-
-def _kernels(query: torch.Tensor):
-    if query.device.type != "cpu" or os.environ.get("PAGEDLLM_DISABLE_KERNELS") == "1":
-        return None
-    return cpu_kernels()
 
 
 def _prefill_per_sequence(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

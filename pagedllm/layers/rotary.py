@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedllm.kernels import kernels_for
+
 
 def rope_config(config: Any) -> tuple[float, dict | None]:
     """(base, scaling) from a Hugging Face config; scaling is None for the default rope type."""
@@ -77,7 +79,22 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [T]; q: [T, Hq, D]; k: [T, Hkv, D] -> rotated (q, k), same shapes and dtypes."""
+        """positions: [T]; q: [T, Hq, D]; k: [T, Hkv, D]. Rotates q and k in place and returns them.
+
+        In place because they are views of the step's fresh qkv projection; on the CPU one C++ kernel does it,
+        elsewhere `forward_native` (the torch reference, which returns new tensors) and a copy back.
+        """
+        kernels = kernels_for(q)
+        if kernels is None:
+            q_rot, k_rot = self.forward_native(positions, q, k)
+            q.copy_(q_rot)
+            k.copy_(k_rot)
+        else:
+            kernels.rotary_embedding(positions.long(), q, k, self.cos_cache, self.sin_cache)
+        return q, k
+
+    def forward_native(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
         cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
         sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin

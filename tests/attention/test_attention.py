@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.attention.cpu import decode_attention, paged_attention
-from pagedllm.attention.kernels import cpu_kernels
+from pagedllm.kernels import cpu_kernels
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.torch_ref import paged_attention_ref, write_kv
 

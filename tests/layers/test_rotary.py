@@ -58,7 +58,7 @@ def test_apply_matches_transformers(scaling) -> None:
     base, sc = rope_config(config)
     rope = get_rope(head_dim, config.max_position_embeddings, base, sc)
     q, k = torch.randn(5, 4, head_dim), torch.randn(5, 2, head_dim)
-    q_rot, k_rot = rope(positions, q, k)
+    q_rot, k_rot = rope(positions, q.clone(), k.clone())  # rotates in place
     inv_freq = LlamaRotaryEmbedding(config).inv_freq  # HF's own, default or llama3
     freqs = positions[:, None].float() * inv_freq[None, :]
     emb = torch.cat([freqs, freqs], -1)

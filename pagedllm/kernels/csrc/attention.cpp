@@ -10,7 +10,9 @@
 //   seq_lens:          [num_seqs] int32, context length including the query token
 //
 //   token t of sequence b lives at block_tables[b][t / block_size], offset t % block_size.
-#include <torch/extension.h>
+#include "ops.h"
+
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -18,28 +20,17 @@
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
-#include <cstring>
 #include <cmath>
 #include <vector>
 
+namespace pagedllm {
 namespace {
 
-// Widen a row to float. bf16 is the top half of a float, so the conversion is a shift the compiler vectorises.
-inline void load_row(const c10::BFloat16* src, float* dst, int64_t n) {
-  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t wide = static_cast<uint32_t>(bits[i]) << 16;
-    float value;
-    std::memcpy(&value, &wide, sizeof(value));
-    dst[i] = value;
-  }
-}
-
+// Widen a row to float.
 template <typename scalar_t>
 inline void load_row(const scalar_t* src, float* dst, int64_t n) {
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
 }
 
 inline float dot(const float* a, const float* b, int64_t n) {
@@ -87,9 +78,9 @@ inline float exp_and_sum(float* s, int64_t n) {
 // per-token loop unrolls into straight vector code and the output accumulators stay in registers; 0 takes the
 // value from the tensors.
 template <typename scalar_t, int64_t kHeadDim, int64_t kGroup>
-void decode_attention_impl(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
-                           const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-                           const torch::Tensor& seq_lens, double scale) {
+void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                           const at::Tensor& v_cache, const at::Tensor& block_tables,
+                           const at::Tensor& seq_lens, double scale) {
   const int64_t num_seqs = q.size(0), num_heads = q.size(1);
   const int64_t head_dim = kHeadDim > 0 ? kHeadDim : q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
@@ -165,8 +156,8 @@ void decode_attention_impl(torch::Tensor& out, const torch::Tensor& q, const tor
 
 // The group sizes of common GQA models (MHA = 1, SmolLM2 = 3, Llama 3 and Mistral = 4, TinyLlama = 8, ...).
 template <typename scalar_t, int64_t kHeadDim>
-void dispatch_group(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
-                    const torch::Tensor& v_cache, const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
+void dispatch_group(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                    const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                     double scale) {
 #define PAGEDLLM_GROUP(G) \
   case G: return decode_attention_impl<scalar_t, kHeadDim, G>(out, q, k_cache, v_cache, block_tables, seq_lens, scale);
@@ -178,8 +169,10 @@ void dispatch_group(torch::Tensor& out, const torch::Tensor& q, const torch::Ten
 #undef PAGEDLLM_GROUP
 }
 
-void decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                      torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
+}  // namespace
+
+void decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                      at::Tensor block_tables, at::Tensor seq_lens, double scale) {
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous(), "q and out must be contiguous");
   TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "the head dim of the caches must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
@@ -195,8 +188,4 @@ void decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
   });
 }
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention, "Paged decode attention, one query token per sequence (CPU)");
-}
+}  // namespace pagedllm

@@ -1,0 +1,17 @@
+// The Python module: pagedllm.kernels.cpu_kernels() returns it.
+#include <torch/extension.h>
+
+#include "ops.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_attention", &pagedllm::decode_attention,
+        "Paged decode attention, one query token per sequence: (out, q, k_cache, v_cache, block_tables, seq_lens, "
+        "scale)");
+  m.def("rms_norm", &pagedllm::rms_norm, "out = RMSNorm(x) * weight: (out, x, weight, eps)");
+  m.def("fused_add_rms_norm", &pagedllm::fused_add_rms_norm,
+        "residual_out = x + residual; out = RMSNorm(residual_out) * weight: "
+        "(out, residual_out, x, residual, weight, eps)");
+  m.def("silu_and_mul", &pagedllm::silu_and_mul, "out = silu(x[:, :d]) * x[:, d:]: (out, x)");
+  m.def("rotary_embedding", &pagedllm::rotary_embedding,
+        "Neox-style rotary embedding of q and k in place: (positions, q, k, cos_cache, sin_cache)");
+}

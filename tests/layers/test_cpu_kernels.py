@@ -1,0 +1,108 @@
+"""The C++ layer kernels (pagedllm/kernels/csrc/layers.cpp) against the torch reference of each layer.
+
+Each layer's `forward` takes the kernel on the CPU and `forward_native` is the plain torch code; both must agree
+in float32 to float rounding and in bfloat16/float16 to one rounding step of the storage type.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.kernels import cpu_kernels
+from pagedllm.layers.activation import SiluAndMul
+from pagedllm.layers.norm import RMSNorm
+from pagedllm.layers.rotary import get_rope
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# Row counts on either side of the kernels' per-thread grain; widths that are and are not multiples of a vector.
+SHAPES = [(1, 576), (7, 40), (300, 576)]
+
+
+@pytest.fixture(autouse=True)
+def _kernels_built() -> None:
+    assert cpu_kernels() is not None, "the C++ kernels must build on the test machine"
+
+
+def _tol(dtype: torch.dtype) -> dict:
+    # float32: float rounding; half types: one rounding of the storage type (the kernels round where torch does,
+    # but sums are taken in a different order, so a value on a rounding boundary may land on the other side).
+    return {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-2, rtol=8e-3),
+            torch.float16: dict(atol=1e-3, rtol=1e-3)}[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_rms_norm_kernel_matches_torch(dtype: torch.dtype, shape: tuple[int, int]) -> None:
+    g = torch.Generator().manual_seed(0)
+    x, residual = (torch.randn(*shape, generator=g).mul(3).to(dtype) for _ in range(2))
+    norm = RMSNorm(shape[1], eps=1e-5, dtype=dtype)
+    norm.weight.data.copy_(torch.randn(shape[1], generator=g))
+    x_before, residual_before = x.clone(), residual.clone()
+    torch.testing.assert_close(norm(x), norm.forward_native(x), **_tol(dtype))
+    out, new_residual = norm(x, residual)
+    expected_out, expected_residual = norm.forward_native(x, residual)
+    assert torch.equal(new_residual, expected_residual)  # one rounded add: the same bits
+    torch.testing.assert_close(out, expected_out, **_tol(dtype))
+    assert torch.equal(x, x_before) and torch.equal(residual, residual_before)  # inputs untouched
+
+
+def test_rms_norm_kernel_reads_strided_rows() -> None:
+    base = torch.randn(9, 80)
+    x = base[:, 8:72]  # rows 80 apart
+    norm = RMSNorm(64)
+    torch.testing.assert_close(norm(x), norm.forward_native(x), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_silu_and_mul_kernel_matches_torch(dtype: torch.dtype, shape: tuple[int, int]) -> None:
+    x = torch.randn(shape[0], 2 * shape[1], generator=torch.Generator().manual_seed(1)).mul(4).to(dtype)
+    act = SiluAndMul()
+    torch.testing.assert_close(act(x), act.forward_native(x), **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", [1, 5, 200])
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+def test_rotary_kernel_matches_torch(dtype: torch.dtype, num_tokens: int, head_dim: int) -> None:
+    """q and k are views into one qkv projection, as the attention layer hands them over."""
+    g = torch.Generator().manual_seed(2)
+    rope = get_rope(head_dim, 4096, 10000.0)
+    heads, kv_heads = 9, 3
+    qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+    positions = torch.randint(0, 4096, (num_tokens,), generator=g)
+
+    def split(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, _ = t.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+        return q.view(num_tokens, heads, head_dim), k.view(num_tokens, kv_heads, head_dim)
+
+    expected_q, expected_k = rope.forward_native(positions, *split(qkv.clone()))
+    qkv_kernel = qkv.clone()
+    q, k = rope(positions, *split(qkv_kernel))
+    torch.testing.assert_close(q, expected_q, **_tol(dtype))
+    torch.testing.assert_close(k, expected_k, **_tol(dtype))
+    v_offset = (heads + kv_heads) * head_dim
+    assert torch.equal(qkv_kernel[:, v_offset:], qkv[:, v_offset:])  # v untouched
+
+
+def test_rotary_kernel_rejects_a_position_outside_its_cache() -> None:
+    rope = get_rope(16, 8, 10000.0)
+    q, k = torch.randn(2, 1, 16), torch.randn(2, 1, 16)
+    with pytest.raises(RuntimeError, match="outside the rotary cache"):
+        rope(torch.tensor([3, 8]), q, k)
+
+
+def test_layers_use_torch_when_kernels_are_disabled(monkeypatch: pytest.MonkeyPatch) -> None:
+    import pagedllm.kernels as kernels
+
+    monkeypatch.setenv("PAGEDLLM_DISABLE_KERNELS", "1")
+    monkeypatch.setattr(kernels, "cpu_kernels", lambda: pytest.fail("the kernels were used"))
+    x = torch.randn(3, 8)
+    norm = RMSNorm(8)
+    assert torch.equal(norm(x), norm.forward_native(x))
+    assert torch.equal(SiluAndMul()(x), SiluAndMul().forward_native(x))
+    rope = get_rope(8, 4, 10000.0)
+    q, k, positions = torch.randn(2, 2, 8), torch.randn(2, 1, 8), torch.tensor([1, 3])
+    expected = rope.forward_native(positions, q, k)
+    assert all(torch.equal(a, b) for a, b in zip(rope(positions, q, k), expected))
