@@ -1,10 +1,10 @@
 """The CPU paged-attention backend. Same signature and results as `torch_ref.paged_attention_ref`.
 
-The runner puts decode sequences (one new token) first. Those run through the C++ kernel
-(`pagedllm/kernels/csrc/attention.cpp`), which reads K/V in place through the block tables; where the kernel cannot be
-built, through one padded, masked SDPA call. Each remaining sequence (a prefill chunk) runs one SDPA call over
-its gathered context: plainly causal when the chunk is the whole context, with an offset causal mask when part of
-the context was cached before.
+The runner puts decode sequences (one new token) first; they run through the C++ decode kernel
+(`pagedllm/kernels/csrc/decode_attention.cpp`), the rest (prefill chunks, with or without a cached prefix) through
+the C++ prefill kernel (`prefill_attention.cpp`). Both read K/V in place through the block tables. Without the
+kernels: decodes through one padded, masked SDPA call, and each prefill chunk through one SDPA call over its
+gathered context (plainly causal when the chunk is the whole context, with an offset causal mask otherwise).
 """
 
 from __future__ import annotations
@@ -22,14 +22,18 @@ __all__ = ["paged_attention", "decode_attention", "write_kv"]
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Causal paged attention; see `paged_attention_ref`. query: [T, Hq, D] -> [T, Hq, D]."""
-    num_decodes = meta.num_decodes
-    if num_decodes == meta.num_seqs:
-        return decode_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+    kernels = kernels_for(query)
+    if kernels is None:
+        return _paged_attention_torch(query, k_cache, v_cache, meta, scale)
+    query = query.contiguous()
     out = torch.empty_like(query)
+    num_decodes = meta.num_decodes
     if num_decodes:
-        out[:num_decodes] = decode_attention(query[:num_decodes], k_cache, v_cache,
-                                             meta.block_tables[:num_decodes], meta.seq_lens[:num_decodes], scale)
-    _prefill_per_sequence(out, query, k_cache, v_cache, meta, scale, first_seq=num_decodes)
+        kernels.decode_attention(out[:num_decodes], query[:num_decodes], k_cache, v_cache,
+                                 meta.block_tables[:num_decodes], meta.seq_lens[:num_decodes], scale)
+    if num_decodes < meta.num_seqs:
+        kernels.prefill_attention(out, query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                  meta.query_start_loc, num_decodes, scale)
     return out
 
 
@@ -42,6 +46,19 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     query = query.contiguous()
     out = torch.empty_like(query)
     kernels.decode_attention(out, query, k_cache, v_cache, block_tables.contiguous(), seq_lens.contiguous(), scale)
+    return out
+
+
+def _paged_attention_torch(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    num_decodes = meta.num_decodes
+    if num_decodes == meta.num_seqs:
+        return _decode_padded(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+    out = torch.empty_like(query)
+    if num_decodes:
+        out[:num_decodes] = _decode_padded(query[:num_decodes], k_cache, v_cache, meta.block_tables[:num_decodes],
+                                           meta.seq_lens[:num_decodes], scale)
+    _prefill_per_sequence(out, query, k_cache, v_cache, meta, scale, first_seq=num_decodes)
     return out
 
 

@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.attention.cpu import decode_attention, paged_attention
-from pagedllm.kernels import cpu_kernels
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.torch_ref import paged_attention_ref, write_kv
+from pagedllm.kernels import cpu_kernels
 
 BLOCK_SIZE = 4
 HEAD_DIM = 16
@@ -17,11 +17,11 @@ HEADS = {"mha": (4, 4), "gqa": (4, 2), "gqa3": (9, 3), "mqa": (4, 1), "gqa5": (5
 
 
 def _random_batch(num_computed: list[int], query_lens: list[int], num_heads: int, num_kv_heads: int,
-                  dtype: torch.dtype, seed: int = 0, head_dim: int = HEAD_DIM):
+                  dtype: torch.dtype, seed: int = 0, head_dim: int = HEAD_DIM, block_size: int = BLOCK_SIZE):
     """Random full sequences; their prefixes are written to a shuffled paged cache, new tokens queued."""
     g = torch.Generator().manual_seed(seed)
     seq_lens = [c + q for c, q in zip(num_computed, query_lens)]
-    blocks_needed = [(s + BLOCK_SIZE - 1) // BLOCK_SIZE for s in seq_lens]
+    blocks_needed = [(s + block_size - 1) // block_size for s in seq_lens]
     num_blocks = sum(blocks_needed) + 3
     perm = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()  # block 0 stays a null block
     tables, k_full, v_full, q_full = [], [], [], []
@@ -30,12 +30,12 @@ def _random_batch(num_computed: list[int], query_lens: list[int], num_heads: int
         k_full.append(torch.randn(s, num_kv_heads, head_dim, generator=g).to(dtype))
         v_full.append(torch.randn(s, num_kv_heads, head_dim, generator=g).to(dtype))
         q_full.append(torch.randn(s, num_heads, head_dim, generator=g).to(dtype))
-    k_cache = torch.randn(num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, generator=g).to(dtype)  # garbage
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)  # garbage
     v_cache = torch.randn_like(k_cache)
-    prefix = AttentionMetadata.build(tables, [0] * len(seq_lens), num_computed, BLOCK_SIZE)
+    prefix = AttentionMetadata.build(tables, [0] * len(seq_lens), num_computed, block_size)
     write_kv(torch.cat([k[:c] for k, c in zip(k_full, num_computed)]),
              torch.cat([v[:c] for v, c in zip(v_full, num_computed)]), k_cache, v_cache, prefix.slot_mapping)
-    meta = AttentionMetadata.build(tables, num_computed, query_lens, BLOCK_SIZE)
+    meta = AttentionMetadata.build(tables, num_computed, query_lens, block_size)
     new = lambda xs: torch.cat([x[c:] for x, c in zip(xs, num_computed)])  # noqa: E731
     write_kv(new(k_full), new(v_full), k_cache, v_cache, meta.slot_mapping)
     return new(q_full), k_cache, v_cache, meta, (q_full, k_full, v_full)
@@ -82,6 +82,29 @@ def test_decode_kernel_matches_the_torch_fallback_and_reference(heads: str, dtyp
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(kernel.float(), expected.float(), atol=tol, rtol=tol)
     torch.testing.assert_close(fallback.float(), expected.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("heads", list(HEADS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [HEAD_DIM, 64, 128])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_prefill_kernel_matches_the_torch_path_and_reference(heads: str, dtype: torch.dtype, head_dim: int,
+                                                             block_size: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Long chunks: several 16-key tiles and 16-token query tiles, fresh and after a cached prefix, with decodes
+    first; more tasks than threads, of very different costs."""
+    num_heads, num_kv_heads = HEADS[heads]
+    num_computed, query_lens = [40, 7, 0, 0, 100, 33], [1, 1, 70, 1, 37, 18]
+    query, k_cache, v_cache, meta, _ = _random_batch(num_computed, query_lens, num_heads, num_kv_heads, dtype,
+                                                     seed=5, head_dim=head_dim, block_size=block_size)
+    scale = head_dim ** -0.5
+    assert cpu_kernels() is not None, "the C++ kernels must build on the test machine"
+    kernel = paged_attention(query, k_cache, v_cache, meta, scale)
+    monkeypatch.setenv("PAGEDLLM_DISABLE_KERNELS", "1")
+    torch_path = paged_attention(query, k_cache, v_cache, meta, scale)
+    expected = paged_attention_ref(query, k_cache, v_cache, meta, scale)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(kernel.float(), expected.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(torch_path.float(), expected.float(), atol=tol, rtol=tol)
 
 
 def test_decode_kernel_reads_a_cache_view_with_layer_strides() -> None:

@@ -80,7 +80,7 @@ void silu_and_mul_impl(at::Tensor& out, const at::Tensor& x) {
 #pragma omp simd
       for (int64_t i = 0; i < d; ++i) {
         const float g = to_float(gate[i]);
-        o[i] = from_float<scalar_t>(round_to<scalar_t>(g / (1.f + std::exp(-g))) * to_float(up[i]));
+        o[i] = from_float<scalar_t>(round_to<scalar_t>(g / (1.f + exp_approx(-g))) * to_float(up[i]));
       }
     }
   });

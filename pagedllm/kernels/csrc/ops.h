@@ -6,14 +6,19 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
 namespace pagedllm {
 
-// Attention (attention.cpp).
+// Attention (decode_attention.cpp, prefill_attention.cpp).
 void decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
                       at::Tensor seq_lens, double scale);
+void prefill_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                       at::Tensor block_tables, at::Tensor seq_lens, at::Tensor query_start_loc, int64_t first_seq,
+                       double scale);
 
 // Layers (layers.cpp).
 void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps);
@@ -47,6 +52,26 @@ inline c10::BFloat16 from_float<c10::BFloat16>(float x) {
   c10::BFloat16 out;
   out.x = static_cast<uint16_t>(nan ? 0x7FC0u : rounded);
   return out;
+}
+
+// exp(x) in float, to within ~2 ulp, written so that `#pragma omp simd` loops over it vectorise: std::exp stays
+// a scalar call there (glibc declares its vector variants only under -ffast-math). Cephes' expf: x = n ln2 + r,
+// |r| <= ln2 / 2, exp(r) by a degree-7 polynomial, 2^n put into the exponent bits.
+inline float exp_approx(float x) {
+  const float clamped = std::min(std::max(x, -87.3365478515625f), 88.3762626647949f);
+  const float n = std::nearbyint(clamped * 1.44269504088896341f);
+  const float r = clamped - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return x < -87.3365478515625f ? 0.f : p * scale;  // below that, exp underflows (and exp(-inf) = 0)
 }
 
 // Round a float to the storage type and back: where torch would store an intermediate result.

@@ -62,12 +62,12 @@ inline void block_scores_bf16(const c10::BFloat16* key, int64_t key_stride, int6
 }
 #endif
 
-// exp(s - max) in place over a row of scores; returns their sum. Vectorised through libmvec (-fno-math-errno).
+// exp(s - max) in place over a row of scores; returns their sum.
 inline float exp_and_sum(float* s, int64_t n) {
   float m = s[0];
   for (int64_t t = 1; t < n; ++t) m = std::max(m, s[t]);
 #pragma omp simd
-  for (int64_t t = 0; t < n; ++t) s[t] = std::exp(s[t] - m);
+  for (int64_t t = 0; t < n; ++t) s[t] = exp_approx(s[t] - m);
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t t = 0; t < n; ++t) sum += s[t];

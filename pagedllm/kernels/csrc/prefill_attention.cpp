@@ -1,0 +1,366 @@
+// Paged prefill attention on the CPU: causal attention of each sequence's new query tokens over its whole
+// context (cached prefix + the new tokens), read through the block tables. Flash-attention style: keys are
+// taken 16 at a time with an online softmax, so no [q_len, seq_len] score matrix or mask is ever built.
+//
+//   q, out:            [num_tokens, num_heads, head_dim]; seq i's queries are rows qsl[i]:qsl[i+1]
+//   k_cache, v_cache:  [num_blocks, block_size, num_kv_heads, head_dim]   (any strides in the first three dims)
+//   block_tables:      [num_seqs, max_blocks] int32;  seq_lens: [num_seqs] int32 (context after this step)
+//   query_start_loc:   [num_seqs + 1] int32
+//   Query j of seq i sits at position seq_len - q_len + j and sees the keys at positions <= its own.
+//
+// Two passes:
+//   1. per (sequence, kv head): copy the context's keys into tiles of 16, transposed so that one vector
+//      instruction scores 16 keys (with AVX512-BF16 for bf16: vdpbf16ps takes (k[2p], k[2p+1]) pairs straight
+//      from memory), and the values into float rows;
+//   2. per (sequence, kv head, 16 query tokens): every query head of the group scores the keys up to the last
+//      query's position, 64 at a time, then an online softmax and the weighted values, in float. The tasks are
+//      dealt to the threads by cost.
+#include "ops.h"
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <type_traits>
+#include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace pagedllm {
+namespace {
+
+constexpr int64_t kKeyTile = 16;    // keys scored together: one 16-lane float vector
+constexpr int64_t kKeyChunk = 64;   // keys per online-softmax update (4 tiles), to spread its fixed cost
+constexpr int64_t kQueryTile = 16;  // query tokens per task (x the group's query heads = the rows of a task)
+
+// One (sequence, kv head)'s context, packed by pass 1.
+struct Packed {
+  int64_t seq, head, num_tiles;
+  int64_t k_offset, v_offset;  // into the shared key / value buffers
+};
+
+struct Task {
+  int64_t packed, q_begin, q_end;  // query rows [q_begin, q_end) of the flat batch
+  int64_t cost;
+};
+
+// Scores of `rows` float query rows against one transposed key tile kt[D][16]: s[r * s_stride + j] = q[r] . k[j].
+inline void score_tile_float(const float* q, int64_t rows, int64_t head_dim, const float* kt, float* s,
+                             int64_t s_stride) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float acc[kKeyTile] = {};
+    const float* qr = q + r * head_dim;
+    for (int64_t d = 0; d < head_dim; ++d) {
+      const float qv = qr[d];
+      const float* k = kt + d * kKeyTile;
+#pragma omp simd
+      for (int64_t j = 0; j < kKeyTile; ++j) acc[j] += qv * k[j];
+    }
+    std::copy(acc, acc + kKeyTile, s + r * s_stride);
+  }
+}
+
+#if defined(__AVX512BF16__)
+// The same with bf16 pairs: q[r] holds a row's `pairs` (q[2p], q[2p+1]) words, kp[p] the 16 keys' pair p.
+template <int R>
+inline void score_rows_bf16(const uint32_t* q, int64_t pairs, const uint32_t* kp, float* s, int64_t s_stride) {
+  __m512 acc[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    const __m512bh k = (__m512bh)_mm512_loadu_si512(kp + p * kKeyTile);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(static_cast<int>(q[r * pairs + p])), k);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(s + r * s_stride, acc[r]);
+}
+
+inline void score_tile_bf16(const uint32_t* q, int64_t rows, int64_t pairs, const uint32_t* kp, float* s,
+                            int64_t s_stride) {
+  int64_t r = 0;
+  for (; r + 8 <= rows; r += 8) score_rows_bf16<8>(q + r * pairs, pairs, kp, s + r * s_stride, s_stride);
+  const uint32_t* qr = q + r * pairs;
+  float* sr = s + r * s_stride;
+  switch (rows - r) {
+    case 7: return score_rows_bf16<7>(qr, pairs, kp, sr, s_stride);
+    case 6: return score_rows_bf16<6>(qr, pairs, kp, sr, s_stride);
+    case 5: return score_rows_bf16<5>(qr, pairs, kp, sr, s_stride);
+    case 4: return score_rows_bf16<4>(qr, pairs, kp, sr, s_stride);
+    case 3: return score_rows_bf16<3>(qr, pairs, kp, sr, s_stride);
+    case 2: return score_rows_bf16<2>(qr, pairs, kp, sr, s_stride);
+    case 1: return score_rows_bf16<1>(qr, pairs, kp, sr, s_stride);
+    default: return;
+  }
+}
+#endif
+
+// o += p . v over the first `visible` values v[j][D] of a key chunk. With AVX-512 and a fixed head size the
+// row's output stays in registers, in two sets (even and odd keys) so that the FMA chains run in parallel.
+template <int64_t kHeadDim>
+inline void accumulate_values(const float* p, int64_t visible, const float* v, int64_t head_dim, float* o) {
+#if defined(__AVX512F__)
+  if constexpr (kHeadDim > 0 && kHeadDim % 16 == 0) {
+    constexpr int kVecs = kHeadDim / 16;
+    __m512 even[kVecs], odd[kVecs];
+#pragma GCC unroll 8
+    for (int i = 0; i < kVecs; ++i) {
+      even[i] = _mm512_loadu_ps(o + 16 * i);
+      odd[i] = _mm512_setzero_ps();
+    }
+    int64_t j = 0;
+    for (; j + 2 <= visible; j += 2) {
+      const __m512 p0 = _mm512_set1_ps(p[j]), p1 = _mm512_set1_ps(p[j + 1]);
+      const float* v0 = v + j * kHeadDim;
+#pragma GCC unroll 8
+      for (int i = 0; i < kVecs; ++i) {
+        even[i] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * i), even[i]);
+        odd[i] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v0 + kHeadDim + 16 * i), odd[i]);
+      }
+    }
+    if (j < visible) {
+      const __m512 p0 = _mm512_set1_ps(p[j]);
+#pragma GCC unroll 8
+      for (int i = 0; i < kVecs; ++i) even[i] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v + j * kHeadDim + 16 * i), even[i]);
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < kVecs; ++i) _mm512_storeu_ps(o + 16 * i, _mm512_add_ps(even[i], odd[i]));
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < visible; ++j) {
+    const float pj = p[j];
+    const float* vj = v + j * head_dim;
+#pragma omp simd
+    for (int64_t d = 0; d < head_dim; ++d) o[d] += pj * vj[d];
+  }
+}
+
+// Online softmax for one query row over the first `visible` scores s[kKeyChunk] of a key chunk, then
+// o += p . v. m, l: the row's running max and sum of exp (of scaled scores); o: its unnormalised output.
+template <int64_t kHeadDim>
+inline void softmax_accumulate(float* s, int64_t visible, float scale, const float* v, int64_t head_dim, float& m,
+                               float& l, float* o) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+#pragma omp simd
+  for (int64_t j = 0; j < kKeyChunk; ++j) s[j] *= scale;
+  for (int64_t j = visible; j < kKeyChunk; ++j) s[j] = kNegInf;  // keys past the row's position
+  float lane_max[kKeyTile];  // a max per vector lane, then across lanes: the form compilers vectorise
+  std::fill(lane_max, lane_max + kKeyTile, kNegInf);
+  for (int64_t j = 0; j < kKeyChunk; j += kKeyTile) {
+#pragma omp simd
+    for (int64_t lane = 0; lane < kKeyTile; ++lane) lane_max[lane] = std::max(lane_max[lane], s[j + lane]);
+  }
+  const float chunk_max = *std::max_element(lane_max, lane_max + kKeyTile);
+  const float m_new = std::max(m, chunk_max);
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < kKeyChunk; ++j) {
+    s[j] = exp_approx(s[j] - m_new);  // exp(-inf) = 0
+    sum += s[j];
+  }
+  const float correction = exp_approx(m - m_new);  // 0 on the first tile (m = -inf)
+  l = l * correction + sum;
+  m = m_new;
+  if (correction != 1.f) {
+    const int64_t n = kHeadDim > 0 ? kHeadDim : head_dim;
+#pragma omp simd
+    for (int64_t d = 0; d < n; ++d) o[d] *= correction;
+  }
+  accumulate_values<kHeadDim>(s, visible, v, head_dim, o);
+}
+
+template <typename scalar_t, int64_t kHeadDim>
+void prefill_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                            const at::Tensor& query_start_loc, int64_t first_seq, double scale_arg) {
+#if defined(__AVX512BF16__)
+  constexpr bool kBf16Dot = std::is_same_v<scalar_t, c10::BFloat16>;
+#else
+  constexpr bool kBf16Dot = false;
+#endif
+  const int64_t num_seqs = seq_lens.size(0), num_heads = q.size(1);
+  const int64_t head_dim = kHeadDim > 0 ? kHeadDim : q.size(2);
+  const int64_t pairs = head_dim / 2;
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads, max_blocks = block_tables.size(1);
+  const int64_t kb = k_cache.stride(0), kt = k_cache.stride(1), kh = k_cache.stride(2);
+  const int64_t vb = v_cache.stride(0), vt = v_cache.stride(1), vh = v_cache.stride(2);
+  const scalar_t* q_ptr = q.data_ptr<scalar_t>();
+  const scalar_t* k_ptr = k_cache.data_ptr<scalar_t>();
+  const scalar_t* v_ptr = v_cache.data_ptr<scalar_t>();
+  scalar_t* out_ptr = out.data_ptr<scalar_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
+  const float scale = static_cast<float>(scale_arg);
+  // Words per key tile in the key buffer: bf16 pairs [D/2][16] as uint32, or floats [D][16].
+  const int64_t k_tile_words = (kBf16Dot ? pairs : head_dim) * kKeyTile;
+
+  std::vector<Packed> packed;
+  std::vector<Task> tasks;
+  int64_t k_words = 0, v_floats = 0;
+  for (int64_t i = first_seq; i < num_seqs; ++i) {
+    const int64_t q_len = qsl[i + 1] - qsl[i], seq_len = lens[i];
+    if (q_len == 0) continue;
+    const int64_t tiles = (seq_len + kKeyTile - 1) / kKeyTile;
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      packed.push_back({i, h, tiles, k_words, v_floats});
+      k_words += tiles * k_tile_words;
+      v_floats += tiles * kKeyTile * head_dim;
+      for (int64_t begin = 0; begin < q_len; begin += kQueryTile) {
+        const int64_t end = std::min(q_len, begin + kQueryTile);
+        const int64_t last_pos = seq_len - q_len + end - 1;
+        tasks.push_back({static_cast<int64_t>(packed.size()) - 1, qsl[i] + begin, qsl[i] + end,
+                         (end - begin) * (last_pos + 1)});
+      }
+    }
+  }
+  std::vector<uint32_t> k_bits(kBf16Dot ? k_words : 0);
+  std::vector<float> k_floats(kBf16Dot ? 0 : k_words), values(v_floats);
+
+  // Pass 1: pack keys and values.
+  at::parallel_for(0, static_cast<int64_t>(packed.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t w = begin; w < end; ++w) {
+      const Packed& pk = packed[w];
+      const int64_t seq_len = lens[pk.seq];
+      const int32_t* table = tables + pk.seq * max_blocks;
+      float* vdst = values.data() + pk.v_offset;
+      for (int64_t pos = 0; pos < pk.num_tiles * kKeyTile; ++pos) {
+        const int64_t tile = pos / kKeyTile, j = pos % kKeyTile;
+        float* vrow = vdst + pos * head_dim;
+        if (pos >= seq_len) {  // the last tile's tail: zeros, never visible
+          std::fill(vrow, vrow + head_dim, 0.f);
+          if constexpr (kBf16Dot) {
+            for (int64_t p = 0; p < pairs; ++p) k_bits[pk.k_offset + tile * k_tile_words + p * kKeyTile + j] = 0;
+          } else {
+            for (int64_t d = 0; d < head_dim; ++d) k_floats[pk.k_offset + tile * k_tile_words + d * kKeyTile + j] = 0;
+          }
+          continue;
+        }
+        const int64_t block = table[pos / block_size], offset = pos % block_size;
+        const scalar_t* key = k_ptr + block * kb + offset * kt + pk.head * kh;
+        const scalar_t* value = v_ptr + block * vb + offset * vt + pk.head * vh;
+        for (int64_t d = 0; d < head_dim; ++d) vrow[d] = to_float(value[d]);
+        if constexpr (kBf16Dot) {
+          uint32_t* kdst = k_bits.data() + pk.k_offset + tile * k_tile_words + j;
+          const uint16_t* kw = reinterpret_cast<const uint16_t*>(key);
+          for (int64_t p = 0; p < pairs; ++p) {
+            kdst[p * kKeyTile] = static_cast<uint32_t>(kw[2 * p]) | (static_cast<uint32_t>(kw[2 * p + 1]) << 16);
+          }
+        } else {
+          float* kdst = k_floats.data() + pk.k_offset + tile * k_tile_words + j;
+          for (int64_t d = 0; d < head_dim; ++d) kdst[d * kKeyTile] = to_float(key[d]);
+        }
+      }
+    }
+  });
+
+  // Deal the tasks to the threads, most expensive first, each to the least loaded (at::parallel_for would
+  // hand out contiguous ranges, and the last query tiles of a long sequence cost the most).
+  const int64_t num_threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks.size()));
+  std::vector<int64_t> order(tasks.size());
+  for (size_t t = 0; t < order.size(); ++t) order[t] = static_cast<int64_t>(t);
+  std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return tasks[a].cost > tasks[b].cost; });
+  std::vector<std::vector<int64_t>> assigned(num_threads);
+  std::vector<int64_t> load(num_threads, 0);
+  for (int64_t t : order) {
+    const int64_t idx = std::min_element(load.begin(), load.end()) - load.begin();
+    assigned[idx].push_back(t);
+    load[idx] += tasks[t].cost;
+  }
+
+  // Pass 2: attention per task.
+  at::parallel_for(0, num_threads, 1, [&](int64_t begin, int64_t end) {
+    const int64_t max_rows = kQueryTile * group;
+    std::vector<float> q_rows(max_rows * head_dim), scores(max_rows * kKeyChunk), acc(max_rows * head_dim);
+    std::vector<uint32_t> q_pairs(kBf16Dot ? max_rows * pairs : 0);
+    std::vector<float> row_max(max_rows), row_sum(max_rows);
+    for (int64_t thread = begin; thread < end; ++thread) {
+      for (int64_t t : assigned[thread]) {
+        const Task& task = tasks[t];
+        const Packed& pk = packed[task.packed];
+        const int64_t seq_len = lens[pk.seq], q_len = qsl[pk.seq + 1] - qsl[pk.seq];
+        const int64_t first_pos = seq_len - q_len + (task.q_begin - qsl[pk.seq]);  // position of the first row's token
+        const int64_t tokens = task.q_end - task.q_begin, rows = tokens * group;
+        // Rows: token-major, then the group's query heads.
+        for (int64_t r = 0; r < rows; ++r) {
+          const scalar_t* src = q_ptr + ((task.q_begin + r / group) * num_heads + pk.head * group + r % group) * head_dim;
+          if constexpr (kBf16Dot) {
+            std::memcpy(q_pairs.data() + r * pairs, src, head_dim * sizeof(scalar_t));
+          } else {
+            for (int64_t d = 0; d < head_dim; ++d) q_rows[r * head_dim + d] = to_float(src[d]);
+          }
+        }
+        std::fill(row_max.begin(), row_max.begin() + rows, -std::numeric_limits<float>::infinity());
+        std::fill(row_sum.begin(), row_sum.begin() + rows, 0.f);
+        std::fill(acc.begin(), acc.begin() + rows * head_dim, 0.f);
+        const int64_t last_tile = (first_pos + tokens - 1) / kKeyTile;
+        for (int64_t chunk_start = 0; chunk_start <= last_tile * kKeyTile; chunk_start += kKeyChunk) {
+          const int64_t first_tile = chunk_start / kKeyTile;
+          const int64_t tiles = std::min(kKeyChunk / kKeyTile, last_tile + 1 - first_tile);
+          for (int64_t i = 0; i < tiles; ++i) {
+            float* s = scores.data() + i * kKeyTile;
+            if constexpr (kBf16Dot) {
+#if defined(__AVX512BF16__)
+              score_tile_bf16(q_pairs.data(), rows, pairs, k_bits.data() + pk.k_offset + (first_tile + i) * k_tile_words,
+                              s, kKeyChunk);
+#endif
+            } else {
+              score_tile_float(q_rows.data(), rows, head_dim,
+                               k_floats.data() + pk.k_offset + (first_tile + i) * k_tile_words, s, kKeyChunk);
+            }
+          }
+          const float* v = values.data() + pk.v_offset + chunk_start * head_dim;
+          for (int64_t r = 0; r < rows; ++r) {
+            const int64_t visible = std::min(tiles * kKeyTile, first_pos + r / group - chunk_start + 1);
+            if (visible <= 0) continue;
+            softmax_accumulate<kHeadDim>(scores.data() + r * kKeyChunk, visible, scale, v, head_dim, row_max[r],
+                                         row_sum[r], acc.data() + r * head_dim);
+          }
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          scalar_t* dst = out_ptr + ((task.q_begin + r / group) * num_heads + pk.head * group + r % group) * head_dim;
+          const float inv = 1.f / row_sum[r];
+          for (int64_t d = 0; d < head_dim; ++d) dst[d] = from_float<scalar_t>(acc[r * head_dim + d] * inv);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+void prefill_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                       at::Tensor block_tables, at::Tensor seq_lens, at::Tensor query_start_loc, int64_t first_seq,
+                       double scale) {
+  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && out.sizes() == q.sizes(),
+              "q and out must be contiguous and of one shape");
+  TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "the head dim of the caches must be contiguous");
+  for (const at::Tensor* t : {&block_tables, &seq_lens, &query_start_loc}) {
+    TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous(), "block tables, lengths and starts must be int32");
+  }
+  TORCH_CHECK(query_start_loc.numel() == seq_lens.numel() + 1, "query_start_loc must have num_seqs + 1 entries");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(q.size(2) % 2 == 0, "head_dim must be even");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "prefill_attention", [&] {
+    switch (q.size(2)) {
+      case 64:
+        return prefill_attention_impl<scalar_t, 64>(out, q, k_cache, v_cache, block_tables, seq_lens,
+                                                    query_start_loc, first_seq, scale);
+      case 128:
+        return prefill_attention_impl<scalar_t, 128>(out, q, k_cache, v_cache, block_tables, seq_lens,
+                                                     query_start_loc, first_seq, scale);
+      default:
+        return prefill_attention_impl<scalar_t, 0>(out, q, k_cache, v_cache, block_tables, seq_lens,
+                                                   query_start_loc, first_seq, scale);
+    }
+  });
+}
+
+}  // namespace pagedllm
