@@ -7,6 +7,7 @@ import re
 from typing import Any
 
 from pagedllm.bench.datasets import BenchRequest, load_requests
+from pagedllm.config import DEFAULT_BLOCK_SIZE
 
 _SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
@@ -29,7 +30,7 @@ def add_engine_args(parser: argparse.ArgumentParser, prefix_caching_flag: bool =
     group.add_argument("--max-num-batched-tokens", type=int, default=2048)
     group.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
                        help="bytes for the KV pool, e.g. 2G (default: the engine's own budget)")
-    group.add_argument("--block-size", type=int, default=16)
+    group.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     if prefix_caching_flag:
         group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
 

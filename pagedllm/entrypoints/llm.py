@@ -8,7 +8,14 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from pagedllm.config import CacheConfig, EngineConfig, ModelConfig, PreemptionMode, SchedulerConfig
+from pagedllm.config import (
+    DEFAULT_BLOCK_SIZE,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    PreemptionMode,
+    SchedulerConfig,
+)
 from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedllm.engine.llm_engine import LLMEngine, PromptInput
 from pagedllm.outputs import RequestOutput
@@ -39,7 +46,7 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, *, dtype: str = "auto", max_model_len: int | None = None,
-                 block_size: int = 16, gpu_memory_utilization: float | None = None,
+                 block_size: int = DEFAULT_BLOCK_SIZE, gpu_memory_utilization: float | None = None,
                  kv_cache_memory: int | None = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, seed: int = 0, enable_prefix_caching: bool = True,
                  swap_space: float = 0.0, preemption_mode: PreemptionMode = "recompute",

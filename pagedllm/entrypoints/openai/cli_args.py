@@ -9,6 +9,8 @@ import argparse
 import os
 import re
 
+from pagedllm.config import DEFAULT_BLOCK_SIZE
+
 _SIZE_UNITS = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "ki": 1024, "mi": 1024**2, "gi": 1024**3}
 
 
@@ -72,7 +74,7 @@ def add_server_args(parser: argparse.ArgumentParser, *, positional_model: bool) 
     engine.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                         help="weight and activation precision; auto is bfloat16 where the CPU supports it, float32 "
                              "otherwise (default: %(default)s)")
-    engine.add_argument("--block-size", type=int, default=16,
+    engine.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
                         help="tokens per KV-cache block, a power of two (default: %(default)s)")
     engine.add_argument("--gpu-memory-utilization", type=float, default=None,
                         help="fraction of device memory for weights, activations and the KV cache; on a CPU, the "
