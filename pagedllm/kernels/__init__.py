@@ -29,9 +29,14 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 
 
+def kernels_disabled() -> bool:
+    """PAGEDLLM_DISABLE_KERNELS=1: run plain torch everywhere (no C++ kernels, no prepacked weights)."""
+    return os.environ.get("PAGEDLLM_DISABLE_KERNELS") == "1"
+
+
 def kernels_for(tensor: torch.Tensor) -> ModuleType | None:
     """The kernel module if `tensor`'s computation should use it: on the CPU, not disabled, built."""
-    if tensor.device.type != "cpu" or os.environ.get("PAGEDLLM_DISABLE_KERNELS") == "1":
+    if tensor.device.type != "cpu" or kernels_disabled():
         return None
     return cpu_kernels()
 

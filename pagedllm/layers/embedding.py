@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.layers.linear import linear
+
 
 class VocabEmbedding(nn.Module):
     """input_ids: [T] -> [T, H]. Rank r holds vocab rows [r * V/tp, (r+1) * V/tp), padded to a multiple of tp."""
@@ -41,6 +43,8 @@ class VocabEmbedding(nn.Module):
 class ParallelLMHead(VocabEmbedding):
     """hidden [N, H] -> logits [N, V] float32. Shares the embedding's weight when embeddings are tied."""
 
+    packable_weight = True  # see pagedllm.layers.linear.pack_linear_weights
+
     def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype = torch.float32,
                  tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__(num_embeddings, embedding_dim, dtype, tp_rank, tp_size)
@@ -49,7 +53,7 @@ class ParallelLMHead(VocabEmbedding):
         self.weight = embedding.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        logits = F.linear(hidden, self.weight).float()  # [N, V / tp]
+        logits = linear(hidden, self.weight).float()  # [N, V / tp]
         if self.tp_size > 1:
             parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
             torch.distributed.all_gather(parts, logits)

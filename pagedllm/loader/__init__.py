@@ -76,6 +76,7 @@ def _config_and_weights(resolved: ResolvedModel, dtype: torch.dtype) -> tuple[An
 
 def load_model(model_config: ModelConfig) -> LoadedModel:
     """Resolve, build and load the model of `model_config`, in eval mode on `model_config.device`."""
+    from pagedllm.layers.linear import pack_linear_weights
     from pagedllm.models.registry import model_class_for_config
 
     start = time.perf_counter()
@@ -88,7 +89,9 @@ def load_model(model_config: ModelConfig) -> LoadedModel:
         model = model_cls(hf_config, dtype=dtype)
     model.load_weights(weights)
     model.eval()
-    logger.info("loaded %s (%s) in %.2f s", resolved.name, dtype, time.perf_counter() - start)
+    packed = pack_linear_weights(model)
+    logger.info("loaded %s (%s%s) in %.2f s", resolved.name, dtype,
+                f", {packed} weights prepacked for oneDNN" if packed else "", time.perf_counter() - start)
     return LoadedModel(model, hf_config, resolved, dtype)
 
 

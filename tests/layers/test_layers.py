@@ -1,7 +1,8 @@
-"""Linear layers' tensor-parallel weight loaders, RMSNorm, SiluAndMul and the vocab embedding."""
+"""Linear layers' tensor-parallel weight loaders and prepacked weights, RMSNorm, SiluAndMul, the vocab embedding."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
@@ -13,6 +14,7 @@ from pagedllm.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
+    pack_linear_weights,
 )
 from pagedllm.layers.norm import RMSNorm
 
@@ -110,3 +112,42 @@ def test_embedding_and_lm_head() -> None:
     last = VocabEmbedding(10, 4, tp_rank=2, tp_size=3)
     last.weight.weight_loader(last.weight, w)
     assert torch.equal(last.weight[:2], w[8:]) and not last.weight[2:].any()
+
+
+def test_packed_linear_weights_give_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """oneDNN's prepacked bf16 weights (pack_linear_weights) against F.linear on the plain ones."""
+    g = torch.Generator().manual_seed(0)
+    model = torch.nn.ModuleDict({
+        "qkv": QKVParallelLinear(64, 16, num_heads=4, num_kv_heads=2, bias=True, dtype=torch.bfloat16),
+        "down": RowParallelLinear(96, 64, bias=True, dtype=torch.bfloat16),
+        "head": ParallelLMHead(100, 64, dtype=torch.bfloat16),
+        "fp32": ColumnParallelLinear(64, 32, dtype=torch.float32),
+    })
+    for p in model.parameters():
+        p.data.copy_(torch.randn(p.shape, generator=g))
+    inputs = {m: (torch.randn(m, 64, generator=g).bfloat16(), torch.randn(m, 96, generator=g).bfloat16())
+              for m in (1, 5, 300)}
+    expected = {m: (model["qkv"](x), model["down"](y), model["head"](x)) for m, (x, y) in inputs.items()}
+    monkeypatch.setenv("PAGEDLLM_DISABLE_KERNELS", "1")
+    assert pack_linear_weights(model) == 0
+    monkeypatch.delenv("PAGEDLLM_DISABLE_KERNELS")
+    assert pack_linear_weights(model) == 3  # the float32 layer stays plain
+    assert model["qkv"].weight.is_mkldnn and not model["fp32"].weight.is_mkldnn
+    for m, (x, y) in inputs.items():
+        actual = (model["qkv"](x), model["down"](y), model["head"](x))
+        for a, e in zip(actual, expected[m]):
+            assert a.dtype == e.dtype and torch.equal(a, e)
+    assert pack_linear_weights(model) == 0  # packing twice is a no-op
+
+
+def test_a_tied_lm_head_gets_its_own_packed_copy() -> None:
+    emb = VocabEmbedding(10, 32, dtype=torch.bfloat16)
+    emb.weight.data.copy_(torch.randn(10, 32))
+    head = ParallelLMHead(10, 32, dtype=torch.bfloat16)
+    head.tie(emb)
+    x = torch.randn(3, 32).bfloat16()
+    expected = head(x)
+    assert pack_linear_weights(torch.nn.ModuleList([emb, head])) == 1
+    assert head.weight.is_mkldnn and not emb.weight.is_mkldnn
+    assert torch.equal(head(x), expected)
+    assert torch.equal(emb(torch.tensor([3])), emb.weight[3:4])
