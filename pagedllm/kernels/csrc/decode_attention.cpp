@@ -81,19 +81,13 @@ template <typename scalar_t, int64_t kHeadDim, int64_t kGroup>
 void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& block_tables,
                            const at::Tensor& seq_lens, double scale) {
+  const PagedCache<scalar_t> cache(k_cache, v_cache, block_tables, seq_lens);
   const int64_t num_seqs = q.size(0), num_heads = q.size(1);
   const int64_t head_dim = kHeadDim > 0 ? kHeadDim : q.size(2);
-  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  const int64_t block_size = cache.block_size, num_kv_heads = cache.num_kv_heads;
   const int64_t group = kGroup > 0 ? kGroup : num_heads / num_kv_heads;
-  const int64_t max_blocks = block_tables.size(1);
-  const int64_t kb = k_cache.stride(0), kt = k_cache.stride(1), kh = k_cache.stride(2);
-  const int64_t vb = v_cache.stride(0), vt = v_cache.stride(1), vh = v_cache.stride(2);
   const scalar_t* q_ptr = q.data_ptr<scalar_t>();
-  const scalar_t* k_ptr = k_cache.data_ptr<scalar_t>();
-  const scalar_t* v_ptr = v_cache.data_ptr<scalar_t>();
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
 
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     constexpr bool kFixed = kHeadDim > 0 && kGroup > 0;
@@ -102,8 +96,8 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
     float* acc = kFixed ? acc_fixed : acc_heap.data();
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / num_kv_heads, h = task % num_kv_heads;
-      const int64_t len = lens[b];
-      const int32_t* table = tables + b * max_blocks;
+      const int64_t len = cache.seq_lens[b];
+      const int32_t* table = cache.table(b);
       scores.resize(group * len);
       for (int64_t g = 0; g < group; ++g) {
         load_row(q_ptr + (b * num_heads + h * group + g) * head_dim, qf.data() + g * head_dim, head_dim);
@@ -111,18 +105,18 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
       }
       // Scores: [group, len], walking the block table one block at a time.
       for (int64_t start = 0; start < len; start += block_size) {
-        const scalar_t* key = k_ptr + table[start / block_size] * kb + h * kh;
+        const scalar_t* key = cache.key(table, start, h);
         const int64_t stop = std::min(len, start + block_size);
 #if defined(__AVX512BF16__)
         if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
           if (head_dim % 32 == 0) {
-            block_scores_bf16(key, kt, stop - start, q_ptr + (b * num_heads + h * group) * head_dim, group,
+            block_scores_bf16(key, cache.k_token, stop - start, q_ptr + (b * num_heads + h * group) * head_dim, group,
                               head_dim, static_cast<float>(scale), scores.data() + start, len);
             continue;
           }
         }
 #endif
-        for (int64_t t = start; t < stop; ++t, key += kt) {
+        for (int64_t t = start; t < stop; ++t, key += cache.k_token) {
           load_row(key, row.data(), head_dim);
           for (int64_t g = 0; g < group; ++g) {
             scores[g * len + t] = dot(qf.data() + g * head_dim, row.data(), head_dim);
@@ -134,9 +128,9 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
       // Weighted sum of values.
       std::fill(acc, acc + group * head_dim, 0.f);
       for (int64_t start = 0; start < len; start += block_size) {
-        const scalar_t* value = v_ptr + table[start / block_size] * vb + h * vh;
+        const scalar_t* value = cache.value(table, start, h);
         const int64_t stop = std::min(len, start + block_size);
-        for (int64_t t = start; t < stop; ++t, value += vt) {
+        for (int64_t t = start; t < stop; ++t, value += cache.v_token) {
           load_row(value, row.data(), head_dim);
           for (int64_t g = 0; g < group; ++g) {
             const float p = scores[g * len + t];

@@ -27,6 +27,34 @@ void fused_add_rms_norm(at::Tensor out, at::Tensor residual_out, at::Tensor x, a
 void silu_and_mul(at::Tensor out, at::Tensor x);
 void rotary_embedding(at::Tensor positions, at::Tensor q, at::Tensor k, at::Tensor cos_cache, at::Tensor sin_cache);
 
+// A paged KV cache as raw pointers, for the attention kernels: position `pos` of sequence `seq` lives in block
+// table(seq)[pos / block_size] at offset pos % block_size. The caches are [num_blocks, block_size, num_kv_heads,
+// head_dim] with any strides in the first three dims (e.g. views of one tensor holding every layer).
+template <typename scalar_t>
+struct PagedCache {
+  const scalar_t* k;
+  const scalar_t* v;
+  int64_t block_size, num_kv_heads;
+  int64_t k_block, k_token, k_head, v_block, v_token, v_head;  // strides
+  const int32_t* block_tables;
+  int64_t max_blocks;
+  const int32_t* seq_lens;
+
+  PagedCache(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables, const at::Tensor& lens)
+      : k(k_cache.data_ptr<scalar_t>()), v(v_cache.data_ptr<scalar_t>()), block_size(k_cache.size(1)),
+        num_kv_heads(k_cache.size(2)), k_block(k_cache.stride(0)), k_token(k_cache.stride(1)),
+        k_head(k_cache.stride(2)), v_block(v_cache.stride(0)), v_token(v_cache.stride(1)), v_head(v_cache.stride(2)),
+        block_tables(tables.data_ptr<int32_t>()), max_blocks(tables.size(1)), seq_lens(lens.data_ptr<int32_t>()) {}
+
+  const int32_t* table(int64_t seq) const { return block_tables + seq * max_blocks; }
+  const scalar_t* key(const int32_t* table, int64_t pos, int64_t head) const {
+    return k + table[pos / block_size] * k_block + (pos % block_size) * k_token + head * k_head;
+  }
+  const scalar_t* value(const int32_t* table, int64_t pos, int64_t head) const {
+    return v + table[pos / block_size] * v_block + (pos % block_size) * v_token + head * v_head;
+  }
+};
+
 // float <-> storage type. bf16 is the top half of a float: widening is a shift, narrowing rounds to nearest
 // even as torch does, so a kernel that rounds where torch rounds gives torch's bits. Written on the raw bits so
 // that the compiler vectorises loops over them.

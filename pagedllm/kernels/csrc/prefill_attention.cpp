@@ -184,19 +184,14 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tens
 #else
   constexpr bool kBf16Dot = false;
 #endif
+  const PagedCache<scalar_t> cache(k_cache, v_cache, block_tables, seq_lens);
+  const int32_t* lens = cache.seq_lens;
   const int64_t num_seqs = seq_lens.size(0), num_heads = q.size(1);
   const int64_t head_dim = kHeadDim > 0 ? kHeadDim : q.size(2);
   const int64_t pairs = head_dim / 2;
-  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
-  const int64_t group = num_heads / num_kv_heads, max_blocks = block_tables.size(1);
-  const int64_t kb = k_cache.stride(0), kt = k_cache.stride(1), kh = k_cache.stride(2);
-  const int64_t vb = v_cache.stride(0), vt = v_cache.stride(1), vh = v_cache.stride(2);
+  const int64_t num_kv_heads = cache.num_kv_heads, group = num_heads / num_kv_heads;
   const scalar_t* q_ptr = q.data_ptr<scalar_t>();
-  const scalar_t* k_ptr = k_cache.data_ptr<scalar_t>();
-  const scalar_t* v_ptr = v_cache.data_ptr<scalar_t>();
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
   const float scale = static_cast<float>(scale_arg);
   // Words per key tile in the key buffer: bf16 pairs [D/2][16] as uint32, or floats [D][16].
@@ -229,7 +224,7 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tens
     for (int64_t w = begin; w < end; ++w) {
       const Packed& pk = packed[w];
       const int64_t seq_len = lens[pk.seq];
-      const int32_t* table = tables + pk.seq * max_blocks;
+      const int32_t* table = cache.table(pk.seq);
       float* vdst = values.data() + pk.v_offset;
       for (int64_t pos = 0; pos < pk.num_tiles * kKeyTile; ++pos) {
         const int64_t tile = pos / kKeyTile, j = pos % kKeyTile;
@@ -243,9 +238,8 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tens
           }
           continue;
         }
-        const int64_t block = table[pos / block_size], offset = pos % block_size;
-        const scalar_t* key = k_ptr + block * kb + offset * kt + pk.head * kh;
-        const scalar_t* value = v_ptr + block * vb + offset * vt + pk.head * vh;
+        const scalar_t* key = cache.key(table, pos, pk.head);
+        const scalar_t* value = cache.value(table, pos, pk.head);
         for (int64_t d = 0; d < head_dim; ++d) vrow[d] = to_float(value[d]);
         if constexpr (kBf16Dot) {
           uint32_t* kdst = k_bits.data() + pk.k_offset + tile * k_tile_words + j;
