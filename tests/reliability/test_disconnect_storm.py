@@ -89,7 +89,10 @@ def test_disconnect_storm_leaks_nothing(storm_server):
     # Every request the engine took is accounted for, none lost; a client may hang up before the engine sees it.
     num_in_engine = NUM_CLIENTS - outcomes.count("timer, before the answer")
     assert num_in_engine <= num_aborted + num_completed <= NUM_CLIENTS, outcomes
-    assert num_completed == outcomes.count("completed")
+    # Every stream a client read to the end finished in the engine. A timed-out client may also have hung up just
+    # after the engine finished its request (before it read the last chunk), so the engine can count a few more.
+    completed_clients = outcomes.count("completed")
+    assert completed_clients <= num_completed <= completed_clients + outcomes.count("timer"), outcomes
     manager = storm_server.engine.engine.kv_manager
     manager.check_integrity()           # the engine is idle: reading it from this thread is safe
     assert not storm_server.engine.engine.scheduler.requests
