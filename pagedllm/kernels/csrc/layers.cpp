@@ -48,7 +48,8 @@ void rms_norm_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& weigh
 template <typename scalar_t>
 void fused_add_rms_norm_impl(at::Tensor& out, at::Tensor& residual_out, const at::Tensor& x,
                              const at::Tensor& residual, const at::Tensor& weight, float eps) {
-  const int64_t rows = x.size(0), n = x.size(1);
+  const int64_t rows = x.size(0), n = x.size(1), x_stride = x.stride(0), r_stride = residual.stride(0);
+  const int64_t out_stride = out.stride(0), sum_stride = residual_out.stride(0);
   const scalar_t* x_ptr = x.data_ptr<scalar_t>();
   const scalar_t* r_ptr = residual.data_ptr<scalar_t>();
   const scalar_t* w = weight.data_ptr<scalar_t>();
@@ -56,12 +57,12 @@ void fused_add_rms_norm_impl(at::Tensor& out, at::Tensor& residual_out, const at
   scalar_t* sum_ptr = residual_out.data_ptr<scalar_t>();
   at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const scalar_t* xr = x_ptr + r * x.stride(0);
-      const scalar_t* rr = r_ptr + r * residual.stride(0);
-      scalar_t* sum = sum_ptr + r * residual_out.stride(0);
+      const scalar_t* xr = x_ptr + r * x_stride;
+      const scalar_t* rr = r_ptr + r * r_stride;
+      scalar_t* sum = sum_ptr + r * sum_stride;
 #pragma omp simd
       for (int64_t i = 0; i < n; ++i) sum[i] = from_float<scalar_t>(to_float(xr[i]) + to_float(rr[i]));
-      norm_row(sum, w, out_ptr + r * out.stride(0), n, eps);
+      norm_row(sum, w, out_ptr + r * out_stride, n, eps);
     }
   });
 }
