@@ -5,7 +5,20 @@ from __future__ import annotations
 
 import pytest
 
+from pagedllm.cpu import MAX_ISA_ENV, runnable_levels
+from pagedllm.kernels import cpu_kernels
+
 MiB = 1 << 20
+
+
+@pytest.fixture(params=["native", *runnable_levels()])
+def isa_level(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Runs a kernel test once per ISA level this CPU runs: the native build, then the AVX2 (-march=x86-64-v3)
+    and baseline (-march=x86-64) builds, chosen through PAGEDLLM_MAX_CPU_ISA as a user would."""
+    if request.param != "native":
+        monkeypatch.setenv(MAX_ISA_ENV, request.param)
+    assert cpu_kernels() is not None, f"the C++ kernels must build at the {request.param} level on the test machine"
+    return request.param
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""The peer: Hugging Face transformers `generate` over left-padded static batches, greedy, in bf16.
+"""The peer: Hugging Face transformers `generate` over left-padded static batches, greedy, in its fastest dtype.
 
 A static batch runs until its longest request is done, so every row generates max(output_len in the batch)
 tokens. Only each request's own output_len counts as useful output; the rest is reported as generated tokens.
@@ -13,9 +13,18 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
 from pagedllm.bench.datasets import BenchRequest
+from pagedllm.cpu import onednn_bf16_ok
 from pagedllm.loader.resolve import ResolvedModel
 
-_DTYPES = {"auto": torch.bfloat16, "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def hf_dtype(dtype: str) -> torch.dtype:
+    """"auto" is transformers' fastest dtype on this CPU: bfloat16 where oneDNN has bf16 instructions, float32
+    where bf16 is emulated (several times slower there); other names map directly."""
+    if dtype == "auto":
+        return torch.bfloat16 if onednn_bf16_ok() else torch.float32
+    return _DTYPES[dtype]
 
 
 @dataclass(frozen=True)
@@ -25,18 +34,18 @@ class HFRun:
 
 
 def load_hf_model(resolved: ResolvedModel, dtype: str = "auto") -> PreTrainedModel:
-    """The model in `dtype` ("auto" means bfloat16), from an HF folder or a GGUF file (dequantised).
+    """The model in `dtype` (see `hf_dtype`), from an HF folder or a GGUF file (dequantised).
 
     transformers' own GGUF path (`from_pretrained(gguf_file=)`) needs `accelerate`; instead a GGUF's weights come
     from pagedllm's GGUF reader into the transformers model built from the same config.
     """
     if resolved.gguf_path is None:
-        return AutoModelForCausalLM.from_pretrained(str(resolved.path), dtype=_DTYPES[dtype]).eval()
+        return AutoModelForCausalLM.from_pretrained(str(resolved.path), dtype=hf_dtype(dtype)).eval()
     from pagedllm.loader import load_hf_config
     from pagedllm.loader.gguf import iterate_gguf
 
-    model = AutoModelForCausalLM.from_config(load_hf_config(resolved), dtype=_DTYPES[dtype])
-    missing, unexpected = model.load_state_dict(dict(iterate_gguf(resolved.gguf_path, _DTYPES[dtype])),
+    model = AutoModelForCausalLM.from_config(load_hf_config(resolved), dtype=hf_dtype(dtype))
+    missing, unexpected = model.load_state_dict(dict(iterate_gguf(resolved.gguf_path, hf_dtype(dtype))),
                                                 strict=False)
     if unexpected or set(missing) - {"lm_head.weight"}:
         raise RuntimeError(f"the GGUF does not fit the transformers model: missing {missing}, "

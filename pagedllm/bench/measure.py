@@ -77,19 +77,23 @@ def useful_flops(dims: ModelDims, requests: list[BenchRequest]) -> float:
     return total
 
 
-def bf16_gemm_peak_gflops(size: int = 2048, repeats: int = 5) -> float:
-    """Best of `repeats` bf16 [size x size] @ [size x size] matmuls on the CPU, in GFLOP/s."""
+def gemm_peak_gflops(size: int = 2048, repeats: int = 5) -> tuple[str, float]:
+    """(dtype, GFLOP/s): the best of `repeats` [size x size] @ [size x size] matmuls on the CPU, in the dtype torch
+    multiplies fastest here: bfloat16 where oneDNN has bf16 instructions, float32 elsewhere (bf16 is emulated)."""
     import torch
 
-    a = torch.randn(size, size, dtype=torch.bfloat16)
-    b = torch.randn(size, size, dtype=torch.bfloat16)
+    from pagedllm.cpu import onednn_bf16_ok
+
+    dtype = torch.bfloat16 if onednn_bf16_ok() else torch.float32
+    a = torch.randn(size, size, dtype=dtype)
+    b = torch.randn(size, size, dtype=dtype)
     torch.matmul(a, b)   # warm-up: thread pool, kernel selection
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
         torch.matmul(a, b)
         best = min(best, time.perf_counter() - start)
-    return 2 * size**3 / best / 1e9
+    return str(dtype).removeprefix("torch."), 2 * size**3 / best / 1e9
 
 
 # ---- KV waste ----------------------------------------------------------------------------------------------------

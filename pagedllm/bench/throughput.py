@@ -23,13 +23,14 @@ from pagedllm.bench.datasets import BenchRequest
 from pagedllm.bench.measure import (
     KVWaste,
     ModelDims,
-    bf16_gemm_peak_gflops,
+    gemm_peak_gflops,
     peak_rss_mib,
     sample_engine_kv,
     seconds_since_process_start,
     static_batch_kv_waste,
     useful_flops,
 )
+from pagedllm.cpu import cpu_info
 
 _RATIO_KEYS = ("requests_per_second", "tokens_per_second", "output_tokens_per_second")
 
@@ -41,7 +42,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compare", choices=["hf"], default=None,
                         help="also time Hugging Face transformers generate on the same requests, in this run")
     parser.add_argument("--hf-batch-size", type=int, default=8, help="static batch size of the hf backend")
-    parser.add_argument("--skip-gemm-peak", action="store_true", help="do not time the bf16 GEMM peak")
+    parser.add_argument("--skip-gemm-peak", action="store_true", help="do not time the GEMM peak")
     parser.add_argument("--output-json", default=None, help="write the results to this file")
     parser.set_defaults(func=main)
 
@@ -50,11 +51,11 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     result = run_pagedllm(args) if args.backend == "pagedllm" else run_hf(args)
     gc.collect()   # the engine is gone: free its memory before the peer or the GEMM timing runs
     if not args.skip_gemm_peak:
-        _add_gemm_peak(result, bf16_gemm_peak_gflops())
+        _add_gemm_peak(result, *gemm_peak_gflops())
     if args.compare == "hf":
         hf = _run_hf_child(args)
         if "gemm_peak_gflops" in result:
-            _add_gemm_peak(hf, result["gemm_peak_gflops"])
+            _add_gemm_peak(hf, result["gemm_peak_dtype"], result["gemm_peak_gflops"])
         result["hf"] = hf
         result["ratio"] = {key: result[key] / hf[key] for key in _RATIO_KEYS}
     print_report(result)
@@ -88,7 +89,8 @@ def run_pagedllm(args: argparse.Namespace) -> dict[str, Any]:
     _check_output_tokens(result, num_output_tokens)
     result.update(startup_s=startup_s, engine_init_s=engine_init_s, first_token_s=first_token_s,
                   peak_rss_mib=peak_rss_mib(), kv_waste=_kv_waste_dict(waste),
-                  num_kv_blocks=llm.engine.capacity.num_blocks, block_size=llm.engine.capacity.block_size)
+                  num_kv_blocks=llm.engine.capacity.num_blocks, block_size=llm.engine.capacity.block_size,
+                  dtype=str(llm.engine.runner.layout.dtype).removeprefix("torch."))
     return result
 
 
@@ -114,7 +116,7 @@ def run_hf(args: argparse.Namespace) -> dict[str, Any]:
     result = _summarise("hf", resolved.name, args, requests, run.elapsed_s, ModelDims.from_hf_config(model.config))
     result.update(startup_s=startup_s, engine_init_s=engine_init_s, first_token_s=first_token_s,
                   peak_rss_mib=peak_rss_mib(), hf_batch_size=args.hf_batch_size,
-                  total_generated_tokens=run.num_generated_tokens,
+                  total_generated_tokens=run.num_generated_tokens, dtype=str(model.dtype).removeprefix("torch."),
                   kv_waste=_kv_waste_dict(static_batch_kv_waste(requests, args.hf_batch_size)))
     return result
 
@@ -152,7 +154,7 @@ def _summarise(backend: str, model_name: str, args: argparse.Namespace, requests
     num_prompt_tokens = sum(r.prompt_len for r in requests)
     num_output_tokens = sum(r.output_len for r in requests)
     return {
-        "backend": backend, "model": model_name, "dataset": args.dataset,
+        "backend": backend, "model": model_name, "dataset": args.dataset, "cpu": cpu_info().describe(),
         "num_requests": len(requests), "total_prompt_tokens": num_prompt_tokens,
         "total_output_tokens": num_output_tokens, "total_num_tokens": num_prompt_tokens + num_output_tokens,
         "elapsed_time": elapsed,
@@ -169,8 +171,8 @@ def _check_output_tokens(result: dict[str, Any], num_output_tokens: int) -> None
                            f"{result['total_output_tokens']}: ignore_eos or max_tokens was not honoured")
 
 
-def _add_gemm_peak(result: dict[str, Any], peak_gflops: float) -> None:
-    result["gemm_peak_gflops"] = peak_gflops
+def _add_gemm_peak(result: dict[str, Any], dtype: str, peak_gflops: float) -> None:
+    result["gemm_peak_dtype"], result["gemm_peak_gflops"] = dtype, peak_gflops
     result["flops_utilization_pct"] = 100 * result["achieved_gflops"] / peak_gflops
 
 
@@ -180,6 +182,7 @@ def _kv_waste_dict(waste: KVWaste) -> dict[str, float]:
 
 
 _ROWS = [  # (label, key, format)
+    ("dtype", "dtype", "{}"),
     ("Requests/s", "requests_per_second", "{:.2f}"),
     ("Total tokens/s", "tokens_per_second", "{:.1f}"),
     ("Output tokens/s", "output_tokens_per_second", "{:.1f}"),
@@ -189,7 +192,7 @@ _ROWS = [  # (label, key, format)
     ("First request, 1 token (s)", "first_token_s", "{:.3f}"),
     ("Mean KV waste (% of allocated)", "kv_waste.waste_pct", "{:.1f}"),
     ("Achieved GFLOP/s", "achieved_gflops", "{:.1f}"),
-    ("  % of bf16 GEMM peak", "flops_utilization_pct", "{:.1f}"),
+    ("  % of the GEMM peak", "flops_utilization_pct", "{:.1f}"),
 ]
 
 
@@ -206,6 +209,7 @@ def _cell(result: dict[str, Any], key: str, fmt: str) -> str:
 
 def print_report(result: dict[str, Any]) -> None:
     """vLLM's throughput line, then a table of the other figures (two columns and ratios with --compare)."""
+    print(f"CPU: {result['cpu']}")
     print(f"Throughput: {result['requests_per_second']:.2f} requests/s, {result['tokens_per_second']:.2f} total "
           f"tokens/s, {result['output_tokens_per_second']:.2f} output tokens/s")
     print(f"Total num prompt tokens:  {result['total_prompt_tokens']}")
@@ -223,7 +227,7 @@ def print_report(result: dict[str, Any]) -> None:
                 line += f"{result['ratio'][key]:>8.2f}x"
         print(line)
     if "gemm_peak_gflops" in result:
-        print(f"bf16 GEMM peak (GFLOP/s, this CPU, this run): {result['gemm_peak_gflops']:.1f}")
+        print(f"{result['gemm_peak_dtype']} GEMM peak (GFLOP/s, this CPU, this run): {result['gemm_peak_gflops']:.1f}")
     if result["backend"] == "hf" or hf is not None:
         generated = (hf or result)["total_generated_tokens"]
         print(f"hf static batches of {(hf or result)['hf_batch_size']} generated {generated} tokens; "

@@ -1,13 +1,18 @@
 """pagedllm's C++ CPU kernels, compiled on first use and cached.
 
-`torch.utils.cpp_extension.load` builds `csrc/*.cpp` for this machine (-O3 -march=native) into pagedllm's cache
-folder; later processes load the built library in a fraction of a second. When no compiler is available, or
-`PAGEDLLM_DISABLE_KERNELS=1`, the kernels are reported missing and every caller uses its torch path instead.
+`torch.utils.cpp_extension.load` builds `csrc/*.cpp` for this CPU (`-march` from pagedllm.cpu: native, or the
+level PAGEDLLM_MAX_CPU_ISA caps it to) into pagedllm's cache folder; later processes load the built library in a
+fraction of a second. When no compiler is available, or `PAGEDLLM_DISABLE_KERNELS=1`, the kernels are reported
+missing and every caller uses its torch path instead. `python -m pagedllm.kernels` builds every level this CPU
+can run (`make test` does, so that the tests of each level find it built).
 
     kernels = kernels_for(x)        # None off the CPU, when disabled, or when the build failed
     if kernels is None:
         return torch_path(x)
     kernels.rms_norm(out, x, weight, eps)
+
+The sources keep each ISA's code behind the compiler's macros (`__AVX512F__`, `__AVX2__`, ...) with a plain C++
+path beside it, so one source builds at every level.
 """
 
 from __future__ import annotations
@@ -16,12 +21,12 @@ import functools
 import hashlib
 import logging
 import os
-import platform
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
+from pagedllm.cpu import cpu_info, runnable_levels
 from pagedllm.paths import cache_dir
 
 logger = logging.getLogger(__name__)
@@ -41,24 +46,37 @@ def kernels_for(tensor: torch.Tensor) -> ModuleType | None:
     return cpu_kernels()
 
 
-@functools.cache
 def cpu_kernels() -> ModuleType | None:
-    """The compiled kernel module, or None if it cannot be built here."""
+    """The kernel module built for this CPU (or its PAGEDLLM_MAX_CPU_ISA cap), or None if it cannot be built."""
+    return build_kernels(cpu_info().march)
+
+
+def kernel_marches() -> list[str]:
+    """Every -march this CPU runs the kernels at: native, then each lower level's (x86-64-v3 = AVX2, x86-64)."""
+    return ["native"] + [cpu_info(level).march for level in runnable_levels()]
+
+
+@functools.cache
+def build_kernels(march: str) -> ModuleType | None:
+    """The kernels compiled with `-march=march` (each level its own cached build), or None if that fails."""
     from torch.utils import cpp_extension
 
     sources = sorted(_CSRC.glob("*.cpp"))
-    # Keyed by the sources, torch and the CPU, since -march=native code is only valid on this kind of CPU.
-    key = hashlib.sha256(torch.__version__.encode() + _cpu_signature().encode())
+    # Keyed by the sources, torch, the -march and, for native, the CPU: native code is only valid on this CPU.
+    signature = _cpu_signature() if march == "native" else ""
+    key = hashlib.sha256(f"{torch.__version__}|{march}|{signature}".encode())
     for path in sorted(_CSRC.iterdir()):
         key.update(path.name.encode() + path.read_bytes())
     build_dir = cache_dir() / "kernels" / key.hexdigest()[:16]
     build_dir.mkdir(parents=True, exist_ok=True)
+    name = "pagedllm_cpu_kernels" + ("" if march == "native" else "_" + march.replace("-", "_"))
     try:
-        return cpp_extension.load(name="pagedllm_cpu_kernels", sources=[str(s) for s in sources],
-                                  extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
+        return cpp_extension.load(name=name, sources=[str(s) for s in sources],
+                                  extra_cflags=["-O3", f"-march={march}", "-fopenmp", "-fno-math-errno"],
                                   extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
     except Exception as exc:  # noqa: BLE001 - any build failure means "use the torch path"
-        logger.warning("pagedllm's CPU kernels could not be built (%s); using the slower torch paths", exc)
+        logger.warning("pagedllm's CPU kernels could not be built for -march=%s (%s); using the slower torch paths",
+                       march, exc)
         return None
 
 
@@ -67,4 +85,4 @@ def _cpu_signature() -> str:
         flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
         flags = ""
-    return platform.machine() + flags
+    return cpu_info().machine + flags

@@ -6,7 +6,8 @@ tensor and copies this rank's slice into place, so the model's `load_weights` ne
     ColumnParallelLinear   W [out, in]  split by rows:    rank r holds W[r*out/tp:(r+1)*out/tp]
     RowParallelLinear      W [out, in]  split by columns: rank r holds W[:, r*in/tp:(r+1)*in/tp]; sum-reduce
 
-After loading, `pack_linear_weights` may swap a bf16 CPU weight for oneDNN's prepacked copy; `linear` takes either.
+After loading, `pack_linear_weights` swaps CPU weights for packed copies (oneDNN's for bf16 where it has bf16
+instructions, pagedllm's own kernel's otherwise); `linear` takes any of them.
 """
 
 from __future__ import annotations
@@ -17,37 +18,61 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.kernels import kernels_disabled
+from pagedllm.cpu import onednn_bf16_ok
+from pagedllm.kernels import cpu_kernels, kernels_disabled
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T + b, for a plain [out, in] weight or one packed by `pack_linear_weights` (the same bits)."""
+    """x W^T + b, for a plain [out, in] weight or one packed by `pack_linear_weights` (oneDNN's or pagedllm's)."""
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    if weight.dim() == 3:  # pagedllm's blocked layout, [ceil(out / 16), in, 16]
+        out = torch.empty(x.shape[0], weight.out_features, dtype=x.dtype)  # type: ignore[attr-defined]
+        cpu_kernels().linear_packed(out, x, weight, bias)  # type: ignore[union-attr]
+        return out
     return F.linear(x, weight, bias)
 
 
+def linear_packing(dtype: torch.dtype) -> str | None:
+    """How `pack_linear_weights` stores CPU weights of `dtype` here: "onednn", "pagedllm" or None (plain).
+
+    bf16 goes to oneDNN where it has bf16 instructions (torch is asked); elsewhere (AVX2, ARM, plain x86-64) to
+    pagedllm's packed kernel, which widens bf16 to float32 in registers: bf16 through `F.linear` is emulated
+    there and several times slower than float32. float32 goes to pagedllm's kernel everywhere: it reads each
+    weight once per call at any batch size (MKL's small-batch GEMMs reach half the memory bandwidth) and gives a
+    row the same bits in any batch. float16 stays plain.
+    """
+    if kernels_disabled() or dtype not in (torch.bfloat16, torch.float32):
+        return None
+    if dtype == torch.bfloat16 and onednn_bf16_ok():
+        return "onednn"
+    return "pagedllm" if cpu_kernels() is not None else None
+
+
 def pack_linear_weights(model: nn.Module) -> int:
-    """Store every bf16 CPU weight of `model`'s linear layers (LM head included) in oneDNN's blocked layout.
+    """Store the CPU weights of `model`'s linear layers (LM head included) packed for the fastest matmul here.
 
     `F.linear` in bf16 re-blocks the weight on every call, which for a decode step's few rows costs more than the
-    product itself: measured on SmolLM2's shapes, 30 layers' matmuls take 9.6 ms plain and 5.2 ms prepacked for
-    one row, 30 and 19 ms for 50 rows, and a 2,048-row prefill is ~20% faster too, with identical results. Each
-    layer whose class sets `packable_weight` gets its weight replaced (a tied LM head gets its own packed copy;
-    the embedding keeps the plain one). Skipped for other dtypes, off the CPU, without oneDNN, or with
-    PAGEDLLM_DISABLE_KERNELS=1. Returns how many weights were packed.
+    product itself: measured on SmolLM2's shapes with oneDNN, 30 layers' matmuls take 9.6 ms plain and 5.2 ms
+    prepacked for one row, 30 and 19 ms for 50 rows, and a 2,048-row prefill is ~20% faster too, with identical
+    results. Each layer whose class sets `packable_weight` gets its weight replaced (a tied LM head gets its own
+    packed copy; the embedding keeps the plain one). `linear_packing` says which packing, if any, applies.
+    Returns how many weights were packed.
     """
-    if kernels_disabled() or not torch.backends.mkldnn.is_available():
-        return 0
     packed = 0
     for layer in model.modules():
         weight = getattr(layer, "weight", None)
-        if not getattr(type(layer), "packable_weight", False) or weight is None or weight.is_mkldnn:
+        if not getattr(type(layer), "packable_weight", False) or weight is None or weight.device.type != "cpu":
             continue
-        if weight.device.type == "cpu" and weight.dtype == torch.bfloat16:
+        packing = None if weight.is_mkldnn or weight.dim() != 2 else linear_packing(weight.dtype)
+        if packing == "onednn":
             layer.weight = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1),
                                         requires_grad=False)
-            packed += 1
+        elif packing == "pagedllm":
+            layer.weight = nn.Parameter(cpu_kernels().pack_linear_weight(weight.detach()),  # type: ignore[union-attr]
+                                        requires_grad=False)
+            layer.weight.out_features = weight.shape[0]  # type: ignore[attr-defined]
+        packed += packing is not None
     return packed
 
 

@@ -10,13 +10,13 @@ import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from pagedllm.config import ModelConfig
+from pagedllm.cpu import cpu_info, onednn_bf16_ok
 from pagedllm.loader.resolve import ResolvedModel, resolve_model
 
 logger = logging.getLogger(__name__)
@@ -32,27 +32,37 @@ class LoadedModel:
     dtype: torch.dtype
 
 
-def cpu_supports_bf16() -> bool:
-    """True when the CPU has native bfloat16 arithmetic (AVX512-BF16 or AMX)."""
-    try:
-        if torch.backends.cpu.get_cpu_capability() in ("AVX512_BF16", "AMX"):
-            return True
-    except AttributeError:
-        pass
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return any(f in flags for f in (" avx512_bf16", " amx_bf16"))
-
-
 def resolve_dtype(dtype: str, device: str = "cpu") -> torch.dtype:
-    """"auto" -> bfloat16 on a GPU or a bf16-capable CPU, float32 otherwise; other names map directly."""
+    """"auto" -> bfloat16 on a GPU, and on a CPU wherever linear layers run bf16 weights at full speed (oneDNN with
+    bf16 instructions, or pagedllm's packed kernel: bf16 in memory, float32 arithmetic); float32 only where
+    neither can (no bf16 in oneDNN, and pagedllm's kernels disabled or not built). Other names map directly."""
+    from pagedllm.layers.linear import linear_packing
+
     if dtype != "auto":
         return _DTYPES[dtype]
-    if device != "cpu":
+    if device != "cpu" or onednn_bf16_ok() or linear_packing(torch.bfloat16) is not None:
         return torch.bfloat16
-    return torch.bfloat16 if cpu_supports_bf16() else torch.float32
+    return torch.float32
+
+
+def _log_precision(requested: str, dtype: torch.dtype, device: str) -> None:
+    """One line at start-up: the CPU, the dtype chosen and why, and how its matmuls run."""
+    from pagedllm.layers.linear import linear_packing
+
+    chosen = f"{str(dtype).removeprefix('torch.')}{' (auto)' if requested == 'auto' else ''}"
+    if device != "cpu":
+        logger.info("device %s; dtype %s", device, chosen)
+        return
+    how = {"onednn": "bf16 weights and KV cache, bf16 matmuls in oneDNN",
+           "pagedllm": "bf16 weights and KV cache (half float32's bytes), float32 arithmetic in pagedllm's kernels"}
+    packing = linear_packing(dtype)
+    if packing is not None:
+        logger.info("CPU: %s; dtype %s: %s", cpu_info().describe(), chosen, how[packing])
+    elif dtype == torch.bfloat16:
+        logger.warning("CPU: %s; dtype %s runs through torch's bf16 emulation without pagedllm's kernels: several "
+                       "times slower than float32 here", cpu_info().describe(), chosen)
+    else:
+        logger.info("CPU: %s; dtype %s", cpu_info().describe(), chosen)
 
 
 def load_hf_config(resolved: ResolvedModel) -> Any:
@@ -82,6 +92,7 @@ def load_model(model_config: ModelConfig) -> LoadedModel:
     start = time.perf_counter()
     resolved = resolve_model(model_config.model)
     dtype = resolve_dtype(model_config.dtype, model_config.device)
+    _log_precision(model_config.dtype, dtype, model_config.device)
     hf_config, weights = _config_and_weights(resolved, dtype)
     model_cls = model_class_for_config(hf_config)
     # Parameters are allocated with torch.empty (no random init), so building directly is cheap.
@@ -90,8 +101,8 @@ def load_model(model_config: ModelConfig) -> LoadedModel:
     model.load_weights(weights)
     model.eval()
     packed = pack_linear_weights(model)
-    logger.info("loaded %s (%s%s) in %.2f s", resolved.name, dtype,
-                f", {packed} weights prepacked for oneDNN" if packed else "", time.perf_counter() - start)
+    logger.info("loaded %s (%s%s) in %.2f s", resolved.name, dtype, f", {packed} weights packed" if packed else "",
+                time.perf_counter() - start)
     return LoadedModel(model, hf_config, resolved, dtype)
 
 

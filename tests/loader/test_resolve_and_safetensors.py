@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pagedllm.cpu import MAX_ISA_ENV, onednn_bf16_ok, runnable_levels
 from pagedllm.loader import resolve_dtype
 from pagedllm.loader.resolve import DEFAULT_MODEL_NAME, resolve_model
 from pagedllm.loader.safetensors import iterate_safetensors, safetensors_files
@@ -48,9 +49,19 @@ def test_unresolvable_models_are_clear_errors(tmp_path: Path) -> None:
         resolve_model("meta-llama/Llama-3.2-1B")
 
 
-def test_resolve_dtype() -> None:
+@pytest.mark.parametrize("isa_cap", [None, "avx2", "baseline"])
+def test_resolve_dtype(isa_cap: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto is bfloat16 at every ISA level with the kernels (bf16 weights, float32 arithmetic where the CPU has no
+    bf16), float32 without them; explicit names are taken as they are."""
+    if isa_cap is not None:
+        if isa_cap not in runnable_levels():
+            pytest.skip(f"this CPU does not run the {isa_cap} level")
+        monkeypatch.setenv(MAX_ISA_ENV, isa_cap)
     assert resolve_dtype("float32") == torch.float32 and resolve_dtype("bfloat16") == torch.bfloat16
-    assert resolve_dtype("auto") in (torch.bfloat16, torch.float32)
+    assert resolve_dtype("auto") == torch.bfloat16 and resolve_dtype("auto", device="cuda") == torch.bfloat16
+    monkeypatch.setenv("PAGEDLLM_DISABLE_KERNELS", "1")
+    assert resolve_dtype("auto") == (torch.bfloat16 if onednn_bf16_ok() else torch.float32)
+    assert resolve_dtype("auto", device="cuda") == torch.bfloat16
 
 
 @pytest.mark.parametrize("max_shard_size", [None, "60KB"])

@@ -17,4 +17,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &pagedllm::silu_and_mul, "out = silu(x[:, :d]) * x[:, d:]: (out, x)");
   m.def("rotary_embedding", &pagedllm::rotary_embedding,
         "Neox-style rotary embedding of q and k in place: (positions, q, k, cos_cache, sin_cache)");
+  m.def("pack_linear_weight", &pagedllm::pack_linear_weight,
+        "A float32 or bfloat16 [N, K] weight in linear_packed's blocked layout, [ceil(N/16), K, 16]: (weight)");
+  m.def("linear_packed", &pagedllm::linear_packed,
+        "out = x W^T + bias in float32 arithmetic, W packed by pack_linear_weight, N = out.size(1): "
+        "(out, x, packed, bias)");
 }

@@ -27,6 +27,10 @@ void fused_add_rms_norm(at::Tensor out, at::Tensor residual_out, at::Tensor x, a
 void silu_and_mul(at::Tensor out, at::Tensor x);
 void rotary_embedding(at::Tensor positions, at::Tensor q, at::Tensor k, at::Tensor cos_cache, at::Tensor sin_cache);
 
+// Linear layers on a prepacked weight (linear.cpp).
+at::Tensor pack_linear_weight(at::Tensor weight);
+void linear_packed(at::Tensor out, at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias);
+
 // A paged KV cache as raw pointers, for the attention kernels: position `pos` of sequence `seq` lives in block
 // table(seq)[pos / block_size] at offset pos % block_size. The caches are [num_blocks, block_size, num_kv_heads,
 // head_dim] with any strides in the first three dims (e.g. views of one tensor holding every layer).

@@ -1,0 +1,322 @@
+// Linear layers, out = x W^T + b, on a weight packed once at load time, in float32 arithmetic whatever the storage.
+//
+// On a CPU without native bf16, `F.linear` in bf16 is emulated and several times slower than float32, while
+// float32 weights cost twice the bytes per decode step. Here the weight stays bf16 (or float32) in memory and
+// is widened in registers (bf16 -> float32 is exact: a 16-bit shift), so a decode step reads each weight byte
+// once, and a prefill runs a register-blocked micro-kernel near the FMA peak.
+//
+// Packed layout: [ceil(N / 16), K, 16], output rows of W in blocks of 16, zero-padded, each block transposed so
+// that one k gives the 16 weights of its 16 columns in one contiguous row.
+//
+//       W [N, K]                          packed [N/16, K, 16]
+//    row n0  : w00 w01 .. w0K     block 0:  k=0: w00 w10 .. w15,0      (float32: columns 0..15 in order)
+//    row n1  : w10 w11 .. w1K               k=1: w01 w11 .. w15,1
+//     ...                                    ...
+//    row n15 : ...                block 1:  rows 16..31, the same way; the last block's missing rows are 0
+//
+// A bf16 block row pairs column j with column j + 8 in one 32-bit word, so that `word << 16` gives columns 0..7
+// and `word & 0xFFFF0000` columns 8..15 as float32, with no shuffle:
+//
+//    bf16 slot:   0    1    2    3   ..   14   15
+//    column:      0    8    1    9   ..    7   15
+//
+// The layout is the same in every build (AVX2 or plain C++), so one packed tensor serves all of them.
+//
+// Loops: the caller's threads split the column blocks (and the row tiles when there are few blocks). Each
+// thread walks its blocks in panels that fit in L2; every tile of up to 6 rows of x (float32: read in place; bf16:
+// widened once per call) streams over a panel's blocks, a chunk of K at a time so that the tile stays in L1: a
+// 6 x 16 tile of out is 12 ymm accumulators over a chunk. So the weight is read from memory once per call,
+// whatever M is, and a prefill's FMAs wait on neither memory nor L2.
+#include "ops.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+namespace pagedllm {
+namespace {
+
+constexpr int64_t kBlock = 16;                  // output columns per packed block: two ymm of float32
+constexpr int kMaxRows = 6;                     // rows per tile: 6 x 2 accumulators = 12 of the 16 ymm registers
+constexpr int64_t kPanelBytes = 512 * 1024;     // weight panel kept in L2 (half of a 1 MiB L2) while tiles stream
+constexpr int64_t kTileBytes = 16 * 1024;       // x tile per K chunk: half of L1, the other half streams weights
+constexpr int64_t kInlineMacs = 1 << 18;        // below this many multiply-adds, a fork costs more than it saves
+constexpr int64_t kWidenGrain = 1 << 16;        // bf16 x values widened per task: fewer are not worth a fork
+
+// Where column j of a block lives in a bf16 block row (see the diagram above).
+inline int64_t bf16_slot(int64_t j) { return j < 8 ? 2 * j : 2 * (j - 8) + 1; }
+
+// W's rows [16 b, 16 b + rows) into block b, [K][16], zeroed beforehand so that missing rows stay 0.
+template <typename W>
+void pack_block(const W* w, int64_t rows, int64_t k_size, W* block) {
+  for (int64_t j = 0; j < rows; ++j) {
+    const int64_t slot = std::is_same_v<W, c10::BFloat16> ? bf16_slot(j) : j;
+    for (int64_t k = 0; k < k_size; ++k) block[k * kBlock + slot] = w[j * k_size + k];
+  }
+}
+
+template <typename W>
+void pack_weight(const at::Tensor& weight, at::Tensor& packed) {
+  const int64_t n = weight.size(0), k = weight.size(1);
+  const W* w = weight.data_ptr<W>();
+  W* dst = packed.data_ptr<W>();
+  at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      pack_block(w + b * kBlock * k, std::min(kBlock, n - b * kBlock), k, dst + b * k * kBlock);
+    }
+  });
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+
+inline void load_block_row(const float* p, __m256& lo, __m256& hi) {
+  lo = _mm256_loadu_ps(p);
+  hi = _mm256_loadu_ps(p + 8);
+}
+
+inline void load_block_row(const c10::BFloat16* p, __m256& lo, __m256& hi) {
+  const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  lo = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
+  hi = _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// c[rows][2] += x[rows][k] times row k of a block: the 16 weights widened, each row's x broadcast.
+template <int rows, typename W>
+inline void fma_step(const float* x, int64_t ld, const W* block_row, __m256 (&c)[rows][2]) {
+  __m256 lo, hi;
+  load_block_row(block_row, lo, hi);
+#pragma GCC unroll 8
+  for (int r = 0; r < rows; ++r) {
+    const __m256 xv = _mm256_broadcast_ss(x + r * ld);
+    c[r][0] = _mm256_fmadd_ps(xv, lo, c[r][0]);
+    c[r][1] = _mm256_fmadd_ps(xv, hi, c[r][1]);
+  }
+}
+
+// acc[rows][16] += x[rows][k_size] (float32 rows `ld` apart) times a chunk of one packed block ([k_size][16]).
+// Every output is one chain of FMAs in k order, whatever the tile's row count: a row gets the same bits in any
+// batch (splitting k over more accumulators would keep the FMA units busier for 1-3 rows, but a decode step that
+// small is bound by memory, and batch-invariant results are worth more).
+template <int rows, typename W>
+void tile_kernel(const float* x, int64_t ld, const W* block, int64_t k_size, float* acc) {
+  __m256 c[rows][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < rows; ++r) {
+    c[r][0] = _mm256_loadu_ps(acc + r * kBlock);
+    c[r][1] = _mm256_loadu_ps(acc + r * kBlock + 8);
+  }
+#pragma GCC unroll 4
+  for (int64_t k = 0; k < k_size; ++k) fma_step(x + k, ld, block + k * kBlock, c);
+#pragma GCC unroll 8
+  for (int r = 0; r < rows; ++r) {
+    _mm256_storeu_ps(acc + r * kBlock, c[r][0]);
+    _mm256_storeu_ps(acc + r * kBlock + 8, c[r][1]);
+  }
+}
+
+#else  // plain C++: any CPU, vectorised by the compiler as far as it can
+
+inline void load_block_row(const float* p, float* w) { std::copy(p, p + kBlock, w); }
+
+inline void load_block_row(const c10::BFloat16* p, float* w) {
+  for (int j = 0; j < 8; ++j) {
+    w[j] = to_float(p[2 * j]);
+    w[j + 8] = to_float(p[2 * j + 1]);
+  }
+}
+
+template <int rows, typename W>
+void tile_kernel(const float* x, int64_t ld, const W* block, int64_t k_size, float* acc) {
+  float c[rows][kBlock];  // acc may alias x as far as the compiler knows: summing into it reloads both every k
+  std::copy(acc, acc + rows * kBlock, &c[0][0]);
+  for (int64_t k = 0; k < k_size; ++k) {
+    float w[kBlock];
+    load_block_row(block + k * kBlock, w);
+    for (int r = 0; r < rows; ++r) {
+      const float xv = x[r * ld + k];
+#pragma omp simd
+      for (int j = 0; j < kBlock; ++j) c[r][j] += xv * w[j];
+    }
+  }
+  std::copy(&c[0][0], &c[0][0] + rows * kBlock, acc);
+}
+
+#endif
+
+template <typename W>
+void run_tile(int rows, const float* x, int64_t ld, const W* block, int64_t k_size, float* acc) {
+  switch (rows) {
+    case 1: return tile_kernel<1>(x, ld, block, k_size, acc);
+    case 2: return tile_kernel<2>(x, ld, block, k_size, acc);
+    case 3: return tile_kernel<3>(x, ld, block, k_size, acc);
+    case 4: return tile_kernel<4>(x, ld, block, k_size, acc);
+    case 5: return tile_kernel<5>(x, ld, block, k_size, acc);
+    default: return tile_kernel<6>(x, ld, block, k_size, acc);
+  }
+}
+
+// One call's operands as raw pointers: float32 rows of x (`ld` apart), the packed weight, and out's rows
+// (contiguous, `out_stride` apart) of type T.
+template <typename T, typename W>
+struct LinearProblem {
+  const float* x;
+  int64_t ld;
+  const W* packed;
+  const T* bias;  // nullptr: no bias
+  T* out;
+  int64_t m, n, k, out_stride;
+
+  // out[m0 .. m0 + rows, 16 b ..] = acc + bias, rounded once to T; the padded columns of the last block dropped.
+  void store_tile(const float* acc, int64_t m0, int rows, int64_t b) const {
+    const int64_t n0 = b * kBlock, cols = std::min(kBlock, n - n0);
+    for (int r = 0; r < rows; ++r) {
+      T* dst = out + (m0 + r) * out_stride + n0;
+      for (int64_t j = 0; j < cols; ++j) {
+        dst[j] = from_float<T>(bias ? acc[r * kBlock + j] + to_float(bias[n0 + j]) : acc[r * kBlock + j]);
+      }
+    }
+  }
+
+  // K in equal chunks of at most kTileBytes of x tile (one chunk for a few rows: the weight streams best whole).
+  int64_t chunk_size() const {
+    const int64_t tile_bytes = std::min<int64_t>(kMaxRows, m) * k * sizeof(float);
+    const int64_t chunks = std::max<int64_t>(1, (tile_bytes + kTileBytes - 1) / kTileBytes);
+    return (k + chunks - 1) / chunks;
+  }
+
+  int tile_rows(int64_t t) const { return static_cast<int>(std::min<int64_t>(kMaxRows, m - t * kMaxRows)); }
+
+  // x[tile t, k0 .. k0 + len] into L2, a chunk ahead of the kernel: x comes back from L3 for every panel, and
+  // six short rows are too many streams for the hardware prefetcher to catch in time.
+  void prefetch_x(int64_t t, int64_t k0, int64_t len) const {
+    if (t * kMaxRows >= m) return;
+    const float* rows = x + t * kMaxRows * ld + k0;
+    for (int r = 0; r < tile_rows(t); ++r) {
+      for (int64_t i = 0; i < len; i += 64 / sizeof(float)) __builtin_prefetch(rows + r * ld + i, 0, 2);
+    }
+  }
+
+  // Tile t of rows over the panel's blocks [p0, p1): acc holds [p1 - p0][kMaxRows][16] floats.
+  void run_panel_tile(int64_t p0, int64_t p1, int64_t t, float* acc) const {
+    const int64_t m0 = t * kMaxRows, chunk = chunk_size();
+    const int rows = tile_rows(t);
+    std::fill(acc, acc + (p1 - p0) * kMaxRows * kBlock, 0.f);
+    for (int64_t k0 = 0; k0 < k; k0 += chunk) {
+      const int64_t k_size = std::min(chunk, k - k0);
+      if (k0 + chunk < k) {
+        prefetch_x(t, k0 + chunk, std::min(chunk, k - k0 - chunk));
+      } else {
+        prefetch_x(t + 1, 0, std::min(chunk, k));
+      }
+      for (int64_t b = p0; b < p1; ++b) {
+        run_tile(rows, x + m0 * ld + k0, ld, packed + (b * k + k0) * kBlock, k_size,
+                 acc + (b - p0) * kMaxRows * kBlock);
+      }
+    }
+    for (int64_t b = p0; b < p1; ++b) store_tile(acc + (b - p0) * kMaxRows * kBlock, m0, rows, b);
+  }
+
+  // Column blocks [b0, b1) times row tiles [t0, t1), panel by panel.
+  void run(int64_t b0, int64_t b1, int64_t t0, int64_t t1) const {
+    const int64_t panel_blocks = std::max<int64_t>(1, kPanelBytes / std::max<int64_t>(1, k * kBlock * sizeof(W)));
+    std::vector<float> acc(std::min(panel_blocks, b1 - b0) * kMaxRows * kBlock);
+    for (int64_t p0 = b0; p0 < b1; p0 += panel_blocks) {
+      for (int64_t t = t0; t < t1; ++t) run_panel_tile(p0, std::min(p0 + panel_blocks, b1), t, acc.data());
+    }
+  }
+
+  // Threads split the column blocks; when there are fewer blocks than threads, the row tiles too.
+  void run_parallel() const {
+    const int64_t blocks = (n + kBlock - 1) / kBlock, tiles = (m + kMaxRows - 1) / kMaxRows;
+    const int64_t threads = at::get_num_threads();
+    const int64_t n_parts = std::min(threads, blocks);
+    const int64_t m_parts = std::min(tiles, (threads + n_parts - 1) / n_parts);
+    const int64_t tasks = n_parts * m_parts;
+    const int64_t grain = m * n * k < kInlineMacs ? tasks : 1;
+    at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t np = task % n_parts, mp = task / n_parts;
+        run(np * blocks / n_parts, (np + 1) * blocks / n_parts, mp * tiles / m_parts, (mp + 1) * tiles / m_parts);
+      }
+    });
+  }
+};
+
+// x's rows as float32: x itself, or a widened copy of a bf16 x.
+at::Tensor float_rows(const at::Tensor& x) {
+  if (x.scalar_type() == at::kFloat) return x;
+  at::Tensor wide = at::empty(x.sizes(), x.options().dtype(at::kFloat));
+  const int64_t k = x.size(1), x_stride = x.stride(0);
+  const c10::BFloat16* src = x.data_ptr<c10::BFloat16>();
+  float* dst = wide.data_ptr<float>();
+  at::parallel_for(0, x.size(0), std::max<int64_t>(1, kWidenGrain / std::max<int64_t>(1, k)),
+                   [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+#pragma omp simd
+      for (int64_t i = 0; i < k; ++i) dst[r * k + i] = to_float(src[r * x_stride + i]);
+    }
+  });
+  return wide;
+}
+
+template <typename T, typename W>
+void linear_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
+                 const c10::optional<at::Tensor>& bias) {
+  const at::Tensor x32 = float_rows(x);
+  const LinearProblem<T, W> problem{x32.data_ptr<float>(), x32.stride(0), packed.data_ptr<W>(),
+                                    bias ? bias->data_ptr<T>() : nullptr, out.data_ptr<T>(),
+                                    x.size(0), out.size(1), x.size(1), out.stride(0)};
+  problem.run_parallel();
+}
+
+bool is_float_or_bf16(const at::Tensor& t) {
+  return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16;
+}
+
+}  // namespace
+
+at::Tensor pack_linear_weight(at::Tensor weight) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2 && weight.is_contiguous(),
+              "weight must be a contiguous [N, K] CPU tensor");
+  TORCH_CHECK(is_float_or_bf16(weight), "weight must be float32 or bfloat16, got ", weight.scalar_type());
+  const int64_t blocks = (weight.size(0) + kBlock - 1) / kBlock;
+  at::Tensor packed = at::zeros({blocks, weight.size(1), kBlock}, weight.options());
+  if (weight.scalar_type() == at::kBFloat16) {
+    pack_weight<c10::BFloat16>(weight, packed);
+  } else {
+    pack_weight<float>(weight, packed);
+  }
+  return packed;
+}
+
+void linear_packed(at::Tensor out, at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias) {
+  TORCH_CHECK(x.device().is_cpu() && out.device().is_cpu() && packed.device().is_cpu(), "tensors must be on the CPU");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kBlock && packed.is_contiguous() && is_float_or_bf16(packed),
+              "packed must come from pack_linear_weight: a contiguous float32 or bfloat16 [ceil(N/16), K, 16]");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.dim() == 2 && out.stride(1) == 1,
+              "x and out must be 2-D with contiguous rows");
+  TORCH_CHECK(is_float_or_bf16(x) && out.scalar_type() == x.scalar_type(),
+              "x must be float32 or bfloat16 and out of x's dtype, got x ", x.scalar_type(), ", out ",
+              out.scalar_type());
+  TORCH_CHECK(x.size(1) == packed.size(1), "x has K=", x.size(1), " but the packed weight K=", packed.size(1));
+  TORCH_CHECK(out.size(0) == x.size(0) && (out.size(1) + kBlock - 1) / kBlock == packed.size(0),
+              "out must be [M, N] with M=", x.size(0), " and N in (", 16 * (packed.size(0) - 1), ", ",
+              16 * packed.size(0), "], got ", out.sizes());
+  TORCH_CHECK(!bias || (bias->is_contiguous() && bias->numel() == out.size(1) && bias->scalar_type() == x.scalar_type()
+                        && bias->device().is_cpu()),
+              "bias must be a contiguous [N] CPU tensor of x's dtype");
+  if (out.numel() == 0) return;
+  const bool x_bf16 = x.scalar_type() == at::kBFloat16, w_bf16 = packed.scalar_type() == at::kBFloat16;
+  if (x_bf16 && w_bf16) return linear_impl<c10::BFloat16, c10::BFloat16>(out, x, packed, bias);
+  if (x_bf16) return linear_impl<c10::BFloat16, float>(out, x, packed, bias);
+  if (w_bf16) return linear_impl<float, c10::BFloat16>(out, x, packed, bias);
+  linear_impl<float, float>(out, x, packed, bias);
+}
+
+}  // namespace pagedllm

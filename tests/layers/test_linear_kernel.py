@@ -1,0 +1,130 @@
+"""The packed linear kernel (pagedllm/kernels/csrc/linear.cpp) against `F.linear` in float32.
+
+The kernel widens bf16 exactly and accumulates in float32, so against the float32 reference it differs only by
+the order of the sums (float32 output) or, on top of that, by one rounding to bf16 (bf16 output).
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedllm.kernels import cpu_kernels
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture
+def kernels(isa_level: str) -> ModuleType:
+    """The kernel module of each ISA level this CPU runs (see tests/conftest.py)."""
+    return cpu_kernels()
+
+
+def _linear(kernels: ModuleType, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
+    kernels.linear_packed(out, x, kernels.pack_linear_weight(weight), bias)
+    return out
+
+
+def _assert_matches_float32(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                            bias: torch.Tensor | None) -> None:
+    expected = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    # Sums of K products of N(0, 1) values are ~sqrt(K) in size; their float32 rounding ~1e-7 of that.
+    scale = x.shape[1] ** 0.5
+    rtol = 2**-8 if out.dtype == torch.bfloat16 else 1e-5  # bf16: one rounding (half an ulp, <= 2^-8 relative)
+    torch.testing.assert_close(out.float(), expected, rtol=rtol, atol=1e-5 * scale)
+
+
+@pytest.mark.parametrize("x_dtype", DTYPES)
+@pytest.mark.parametrize("weight_dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 3, 17, 64, 300])
+# N: partial and whole 16-column blocks, one block (the threads split rows instead); K: below and above one
+# K chunk (1001: two uneven chunks for 6-row tiles), odd sizes.
+@pytest.mark.parametrize(("n", "k"), [(40, 72), (100, 13), (64, 576), (40, 100), (8, 40), (24, 1001)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_kernel_matches_float32_reference(kernels: ModuleType, x_dtype: torch.dtype,
+                                                 weight_dtype: torch.dtype, m: int, n: int, k: int,
+                                                 with_bias: bool) -> None:
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k, generator=g).to(x_dtype)
+    weight = torch.randn(n, k, generator=g).to(weight_dtype)
+    bias = torch.randn(n, generator=g).to(x_dtype) if with_bias else None
+    _assert_matches_float32(_linear(kernels, x, weight, bias), x, weight, bias)
+
+
+@pytest.mark.parametrize("x_dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 17, 300])
+def test_linear_kernel_reads_strided_rows(kernels: ModuleType, x_dtype: torch.dtype, m: int) -> None:
+    """x as a column slice of a wider tensor (rows 120 apart); out written into a slice of a wider tensor too."""
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, 120, generator=g).to(x_dtype)[:, 8:108]
+    weight = torch.randn(40, 100, generator=g).bfloat16()
+    bias = torch.randn(40, generator=g).to(x_dtype)
+    wide_out = torch.full((m, 50), 7.0, dtype=x_dtype)
+    kernels.linear_packed(wide_out[:, 5:45], x, kernels.pack_linear_weight(weight), bias)
+    _assert_matches_float32(wide_out[:, 5:45], x, weight, bias)
+    assert (wide_out[:, :5] == 7).all() and (wide_out[:, 45:] == 7).all()  # nothing written outside out
+
+
+@pytest.mark.parametrize("weight_dtype", DTYPES)
+def test_packed_weight_layout(kernels: ModuleType, weight_dtype: torch.dtype) -> None:
+    """[ceil(N/16), K, 16], rows zero-padded; a bf16 block row pairs column j with column j + 8."""
+    weight = torch.arange(1, 20 * 3 + 1, dtype=torch.float32).view(20, 3).to(weight_dtype)  # exact in bf16
+    packed = kernels.pack_linear_weight(weight)
+    assert packed.shape == (2, 3, 16) and packed.dtype == weight_dtype
+    order = [0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15] if weight_dtype == torch.bfloat16 else range(16)
+    padded = torch.cat([weight, weight.new_zeros(12, 3)])  # [32, 3]
+    expected = padded.view(2, 16, 3).transpose(1, 2)[:, :, list(order)]
+    assert torch.equal(packed, expected)
+
+
+def test_linear_kernel_rounds_bf16_output_once(kernels: ModuleType) -> None:
+    """A bf16 output is the float32 sum rounded to nearest even, as `.to(torch.bfloat16)` rounds."""
+    x = torch.tensor([[1.0, 2.0**-8, 2.0**-9]], dtype=torch.bfloat16)
+    weight = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [1.0, 0.0, 1.0]], dtype=torch.bfloat16)
+    out = _linear(kernels, x, weight, None)
+    expected = torch.tensor([[1 + 2.0**-8, 1 + 2.0**-8 + 2.0**-9, 1 + 2.0**-9]]).bfloat16()
+    assert torch.equal(out, expected)  # a tie (to even: down), above half (up), below half (down)
+
+
+def test_linear_kernel_rejects_bad_input(kernels: ModuleType) -> None:
+    weight = torch.randn(40, 72)
+    packed = kernels.pack_linear_weight(weight)
+    x, out = torch.randn(3, 72), torch.empty(3, 40)
+    cases = [
+        (lambda: kernels.pack_linear_weight(weight.half()), "float32 or bfloat16"),
+        (lambda: kernels.pack_linear_weight(weight.t()), "contiguous"),
+        (lambda: kernels.linear_packed(out, torch.randn(3, 64), packed, None), "K=64"),
+        (lambda: kernels.linear_packed(out, x.half(), packed, None), "float32 or bfloat16"),
+        (lambda: kernels.linear_packed(out.bfloat16(), x, packed, None), "out of x's dtype"),
+        (lambda: kernels.linear_packed(torch.empty(3, 16), x, packed, None), "N in"),
+        (lambda: kernels.linear_packed(out, x, weight, None), "pack_linear_weight"),
+        (lambda: kernels.linear_packed(out, x, packed, torch.randn(41)), "bias"),
+        (lambda: kernels.linear_packed(out, x.t().contiguous().t(), packed, None), "contiguous rows"),
+    ]
+    for call, message in cases:
+        with pytest.raises(RuntimeError, match=message):
+            call()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_row_gets_the_same_bits_in_any_batch(kernels: ModuleType, dtype: torch.dtype) -> None:
+    """Every output is one chain of sums in k order, whatever the tile and the thread that computes it, so
+    batching never changes a row's result (and so never a greedy token)."""
+    g = torch.Generator().manual_seed(7)
+    weight = torch.randn(100, 600, generator=g).to(dtype)
+    packed = kernels.pack_linear_weight(weight)
+    x = torch.randn(301, 600, generator=g).to(dtype)
+
+    def run(rows: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(rows.shape[0], 100, dtype=dtype)
+        kernels.linear_packed(out, rows, packed, None)
+        return out
+
+    full = run(x)
+    for m in (1, 2, 3, 5, 6, 7, 13, 64):
+        for start in (0, 4, 300 - m + 1):
+            assert torch.equal(run(x[start:start + m]), full[start:start + m]), (m, start)

@@ -1,0 +1,83 @@
+"""pagedllm.cpu: the features read from /proc/cpuinfo, the ISA level, and the PAGEDLLM_MAX_CPU_ISA cap."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pagedllm import cpu
+from pagedllm.cpu import CpuInfo, cpu_info, onednn_bf16_ok, parse_cpuinfo
+
+ZEN4 = frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16",
+                  "avx512_vnni"})
+ZEN3 = frozenset({"avx2", "fma", "f16c"})
+
+
+@pytest.fixture
+def zen4(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make this module see a Zen 4, whatever the test machine is."""
+    monkeypatch.setattr(cpu, "_read_cpu", lambda: ("x86_64", "AMD EPYC 9R14", ZEN4))
+    monkeypatch.delenv(cpu.MAX_ISA_ENV, raising=False)
+
+
+def test_parse_x86_and_arm_cpuinfo() -> None:
+    x86 = "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse2 avx2 fma f16c sha_ni avx512f\n\n" \
+          "processor\t: 1\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse2 avx2 fma f16c sha_ni avx512f\n"
+    assert parse_cpuinfo(x86) == ("AMD EPYC", frozenset({"avx2", "fma", "f16c", "avx512f"}))
+    arm = "processor\t: 0\nBogoMIPS\t: 243.75\nFeatures\t: fp asimd evtstrm aes bf16 i8mm\nCPU part\t: 0xd40\n"
+    assert parse_cpuinfo(arm, default_name="aarch64") == ("aarch64", frozenset({"asimd", "bf16"}))
+
+
+def test_levels_and_marches() -> None:
+    assert CpuInfo("x86_64", "zen4", ZEN4).isa_level == "avx512"
+    assert CpuInfo("x86_64", "zen4", ZEN4).native_bf16
+    zen3 = CpuInfo("x86_64", "zen3", ZEN3)
+    assert (zen3.isa_level, zen3.native_bf16, zen3.march) == ("avx2", False, "native")
+    assert CpuInfo("x86_64", "old", frozenset({"avx2"})).isa_level == "baseline"  # AVX2 without FMA is not v3
+    arm = CpuInfo("aarch64", "graviton", frozenset({"asimd"}))
+    assert (arm.isa_level, arm.is_x86, arm.march) == ("neon", False, "native")
+    assert "no native bf16" in zen3.describe() and "avx2" in zen3.describe()
+
+
+def test_this_machine_matches_proc_cpuinfo() -> None:
+    info = cpu_info()
+    try:
+        flags = parse_cpuinfo(Path("/proc/cpuinfo").read_text())[1]
+    except OSError:
+        pytest.skip("no /proc/cpuinfo")
+    assert info.flags == flags and not info.capped
+    assert info.native_bf16 == bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def test_cap_to_avx2_hides_avx512(zen4, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert cpu_info().isa_level == "avx512" and cpu_info().march == "native"
+    monkeypatch.setenv(cpu.MAX_ISA_ENV, "avx2")
+    capped = cpu_info()
+    assert (capped.isa_level, capped.march, capped.native_bf16, capped.capped) == ("avx2", "x86-64-v3", False, True)
+    assert not onednn_bf16_ok()  # whatever torch finds on the real CPU
+    assert "capped" in capped.describe()
+    monkeypatch.setenv(cpu.MAX_ISA_ENV, "baseline")
+    assert (cpu_info().isa_level, cpu_info().march, cpu_info().flags) == ("baseline", "x86-64", frozenset())
+
+
+def test_a_cap_above_the_cpu_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu, "_read_cpu", lambda: ("x86_64", "AMD EPYC", ZEN3))
+    monkeypatch.setenv(cpu.MAX_ISA_ENV, "avx512")
+    assert cpu_info() == CpuInfo("x86_64", "AMD EPYC", ZEN3)
+    at_level = cpu_info("avx2")  # an argument overrides the environment
+    assert (at_level.isa_level, at_level.march, at_level.capped) == ("avx2", "x86-64-v3", True)
+
+
+def test_runnable_levels(zen4, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert cpu.runnable_levels() == ["avx2", "baseline"]
+    monkeypatch.setattr(cpu, "_read_cpu", lambda: ("x86_64", "old", frozenset()))
+    assert cpu.runnable_levels() == ["baseline"]
+    monkeypatch.setattr(cpu, "_read_cpu", lambda: ("aarch64", "graviton", frozenset({"asimd"})))
+    assert cpu.runnable_levels() == []
+
+
+def test_a_bad_cap_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cpu.MAX_ISA_ENV, "sse9")
+    with pytest.raises(ValueError, match="PAGEDLLM_MAX_CPU_ISA must be one of baseline, avx2, avx512"):
+        cpu_info()
