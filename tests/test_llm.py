@@ -63,8 +63,8 @@ def test_batching_and_preemption_change_no_greedy_token(smol_llm):
     squeezed = [o.outputs[0].token_ids for o in tiny.generate(prompts, params, use_tqdm=False)]
     assert tiny.engine.scheduler.num_preemptions > 0
     assert squeezed == batched
-    tiny.engine.kv_manager.check_integrity()
-    assert tiny.engine.kv_manager.num_free_blocks == 40 - 1   # all but the null block
+    tiny.engine.kv_cache_manager.check_integrity()
+    assert tiny.engine.kv_cache_manager.num_free_blocks == 40 - 1   # all but the null block
 
 
 def test_stop_strings_and_stop_tokens(smol_llm):

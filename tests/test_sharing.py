@@ -44,7 +44,7 @@ def _run_checked(llm: LLM, max_steps: int = 5000) -> list:
         if not engine.has_unfinished_requests():
             return finished
         finished += [o for o in engine.step() if o.finished]
-        engine.kv_manager.check_integrity()
+        engine.kv_cache_manager.check_integrity()
     raise AssertionError("did not finish")
 
 
@@ -85,7 +85,7 @@ def test_a_shared_system_prompt_reuses_exactly_its_full_blocks(tiny):
 # ---- parallel sampling ------------------------------------------------------------------------------------------
 def test_n4_shares_the_prompt_blocks_and_copies_the_partial_one_bit_for_bit(tiny):
     llm = _llm(tiny)
-    engine, manager = llm.engine, llm.engine.kv_manager
+    engine, manager = llm.engine, llm.engine.kv_cache_manager
     prompt = _prompt(1, 50)                                        # 12 full blocks + 2 tokens
     engine.add_request("p", prompt, SamplingParams(n=4, temperature=1.0, seed=5, max_tokens=6, ignore_eos=True))
     out = engine.scheduler.schedule()
@@ -162,7 +162,7 @@ def test_beam_search_matches_transformers_without_eos(tiny, beam_width):
 
 def test_beams_share_blocks_and_free_them(tiny):
     llm = _llm(tiny)
-    engine, manager = llm.engine, llm.engine.kv_manager
+    engine, manager = llm.engine, llm.engine.kv_cache_manager
     engine.add_beam_search("g", _prompt(8, 37), BeamSearchParams(beam_width=4, max_tokens=6, ignore_eos=True))
     saw_sharing = False
     while engine.has_unfinished_requests():
@@ -219,7 +219,7 @@ def test_preemption_in_a_tiny_pool_gives_the_same_tokens(tiny, roomy_tokens, mod
         assert by_mode["swap"] > 0
     else:
         assert by_mode["swap"] == 0
-    manager = engine.kv_manager
+    manager = engine.kv_cache_manager
     assert manager.num_free_blocks == manager.num_usable_blocks
     assert manager.num_free_swap_blocks == manager.num_usable_swap_blocks
     assert engine.scheduler.num_swapped == 0
@@ -239,7 +239,7 @@ def test_n_and_beams_survive_preemption(tiny):
     got_beams = squeezed.beam_search([prompt, _prompt(32, 20)], beam)[0]
     assert [s.tokens for s in got_beams.sequences] == [s.tokens for s in expected_beams.sequences]
     assert squeezed.engine.scheduler.num_preemptions > 0
-    squeezed.engine.kv_manager.check_integrity()
+    squeezed.engine.kv_cache_manager.check_integrity()
 
 
 def test_priorities_run_lower_first(tiny):

@@ -128,13 +128,9 @@ class KVWaste:
 
 
 def sample_engine_kv(engine, waste: KVWaste) -> None:
-    """One KVWaste sample from the engine's running requests and their block tables."""
-    block_size = engine.config.cache.block_size
-    allocated = held = 0
-    for request in engine.scheduler.running:
-        allocated += len(engine.kv_manager.get_block_ids(request.request_id)) * block_size
-        held += request.num_computed_tokens
-    waste.add(allocated - held, allocated)
+    """One KVWaste sample: the slots of the running requests' blocks that hold no computed token."""
+    stats = engine.make_stats()
+    waste.add(stats.num_kv_slots_running - stats.num_kv_slots_filled, stats.num_kv_slots_running)
 
 
 def static_batch_kv_waste(requests: list[BenchRequest], batch_size: int) -> KVWaste:

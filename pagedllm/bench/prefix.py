@@ -58,7 +58,7 @@ def run_once(args: argparse.Namespace, enable_prefix_caching: bool) -> dict[str,
     llm.generate([requests[0].prompt_token_ids[:shared_prefix_len(requests)]],
                  SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
     params = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=r.output_len) for r in requests]
-    stats = llm.engine.kv_manager.prefix_cache_stats
+    stats = llm.engine.prefix_cache_stats
     hits_before, queries_before = stats.num_hit_tokens, stats.num_query_tokens
     start = time.perf_counter()
     outputs = llm.generate([r.prompt_token_ids for r in requests], params, use_tqdm=False)

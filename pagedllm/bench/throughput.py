@@ -90,7 +90,7 @@ def run_pagedllm(args: argparse.Namespace) -> dict[str, Any]:
     result.update(startup_s=startup_s, engine_init_s=engine_init_s, first_token_s=first_token_s,
                   peak_rss_mib=peak_rss_mib(), kv_waste=_kv_waste_dict(waste),
                   num_kv_blocks=llm.engine.capacity.num_blocks, block_size=llm.engine.capacity.block_size,
-                  dtype=str(llm.engine.runner.layout.dtype).removeprefix("torch."))
+                  dtype=str(llm.engine.dtype).removeprefix("torch."))
     return result
 
 

@@ -6,7 +6,7 @@
  generate(id) -> registers queue[id]  --inbox-->      wait on condition while idle
               -> post(_Add)                           add / abort everything in the inbox
  await queue[id].get()  <--call_soon_threadsafe--     step() -> outputs; one _dispatch callback per step
- disconnect / cancel -> post(_Abort)                  metrics: scheduler snapshot + per-request timings
+ disconnect / cancel -> post(_Abort)                  metrics: engine.make_stats() + request timings
 ```
 The model forward releases the GIL, so the event loop keeps serving HTTP while a step runs.
 
@@ -30,9 +30,9 @@ import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
-from pagedllm.engine.llm_engine import LLMEngine, PromptInput
-from pagedllm.metrics.stats import IterationStats, RequestTimes, SchedulerStats, read_scheduler_stats
-from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.engine.llm_engine import LLMEngine, PromptInput, tokenize_prompt
+from pagedllm.metrics.stats import IterationStats, RequestStatsTracker, SchedulerStats
+from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, asyncio.Queue] = {}        # event loop thread only
-        self._times: dict[str, RequestTimes] = {}           # engine thread only
+        self._request_stats = RequestStatsTracker()         # engine thread only
 
     # ---- read-only facts, safe from any thread ------------------------------------------------------------------
     @property
@@ -111,6 +111,11 @@ class AsyncEngine:
     @property
     def vocab_size(self) -> int:
         return self.engine.runner.shape.vocab_size
+
+    def validate_prompt(self, prompt: PromptInput) -> list[int]:
+        """The prompt's token ids, validated as the engine will (empty, vocabulary, context length); raises
+        ValueError (PromptTooLongError for the context). Safe from any thread: it reads only fixed facts."""
+        return tokenize_prompt(self.tokenizer, prompt, self.vocab_size, self.max_model_len)
 
     @property
     def is_running(self) -> bool:
@@ -289,38 +294,20 @@ class AsyncEngine:
             self._call_in_loop(self._dispatch_error, item.request_id, exc)
             return
         num_prompt_tokens = len(item.prompt_token_ids) if item.prompt_token_ids is not None else 0
-        self._times[item.request_id] = RequestTimes(item.arrival, num_prompt_tokens)
+        self._request_stats.on_added(item.request_id, item.arrival, num_prompt_tokens)
 
     def _abort(self, request_ids: list[str], iteration: IterationStats, stop_reason: str | None = None) -> None:
-        live = [r for r in request_ids if r in self._times]
+        live = [r for r in request_ids if r in self._request_stats]
         if not live:
             return      # finished (or refused) before the abort arrived
-        self.engine.abort_request(live)
-        now = time.monotonic()
-        for request_id in live:
-            self._times.pop(request_id).on_finished(iteration, "abort", now)
+        ends = self.engine.abort_request(live, stop_reason)
+        self._request_stats.on_aborted(live, iteration, time.monotonic())
         if stop_reason is not None:     # someone is still listening: tell them how it ended
-            ends = [RequestOutput(r, None, [], [CompletionOutput(0, "", [], finish_reason="abort",
-                                                                 stop_reason=stop_reason)], finished=True)
-                    for r in live]
             self._call_in_loop(self._dispatch, ends)
 
     def _publish(self, outputs: list[RequestOutput], iteration: IterationStats) -> None:
-        now = time.monotonic()
-        self._mark_scheduled(iteration, now)
-        for output in outputs:
-            times = self._times.get(output.request_id)
-            if times is None:
-                continue
-            if not times.num_prompt_tokens:
-                times.num_prompt_tokens = len(output.prompt_token_ids)
-            if times.scheduled is None:
-                times.on_scheduled(iteration, now)
-            times.on_tokens(iteration, sum(len(c.token_ids) for c in output.outputs), now)
-            if output.finished:
-                reason = output.outputs[0].finish_reason if output.outputs else None
-                self._times.pop(output.request_id).on_finished(iteration, reason or "stop", now)
-        self.latest_stats = read_scheduler_stats(self.engine.scheduler, self.engine.kv_manager)
+        self.latest_stats = self.engine.make_stats()
+        self._request_stats.on_step(outputs, self.latest_stats.scheduled_req_ids, iteration, time.monotonic())
         for stat_logger in self._stat_loggers:
             try:
                 stat_logger(self.latest_stats, iteration)
@@ -328,14 +315,3 @@ class AsyncEngine:
                 logger.exception("stat logger failed")
         if outputs:
             self._call_in_loop(self._dispatch, outputs)
-
-    def _mark_scheduled(self, iteration: IterationStats, now: float) -> None:
-        """Queue time: a request counts as scheduled once the scheduler has computed any of its tokens."""
-        requests = getattr(self.engine.scheduler, "requests", None)
-        if not isinstance(requests, dict):
-            return
-        for request_id, times in self._times.items():
-            if times.scheduled is None:
-                request = requests.get(request_id)
-                if request is not None and (request.num_computed_tokens > 0 or request.status.name == "RUNNING"):
-                    times.on_scheduled(iteration, now)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
+
+import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache.block_pool import PrefixCacheStats
@@ -15,6 +18,7 @@ from pagedllm.engine.beam_search import BeamSearchDriver, BeamSearchOutput, Beam
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.loader import load_model
 from pagedllm.logger import init_logger
+from pagedllm.metrics.stats import SchedulerStats
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.runner import kv_tensors
 from pagedllm.runner.model_runner import ModelRunner
@@ -60,11 +64,34 @@ class _Tracked:
         return all(c.finish_reason is not None for c in self.completions)
 
 
+class PromptTooLongError(ValueError):
+    """A prompt that leaves no room in the context for a generated token."""
+
+    def __init__(self, num_tokens: int, max_model_len: int) -> None:
+        super().__init__(f"the prompt has {num_tokens} tokens, but max_model_len is {max_model_len}: it must be "
+                         "shorter, to leave room for at least one generated token")
+        self.num_tokens, self.max_model_len = num_tokens, max_model_len
+
+
+def tokenize_prompt(tokenizer, prompt: PromptInput, vocab_size: int, max_model_len: int) -> list[int]:
+    """Token ids of a prompt, validated: not empty, inside the vocabulary and the context. Reads nothing but its
+    arguments, so any thread may call it (the tokenizer's `encode` is thread-safe)."""
+    token_ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    if not token_ids:
+        raise ValueError("the prompt is empty: give at least one token")
+    if any(not isinstance(t, int) or not 0 <= t < vocab_size for t in token_ids):
+        raise ValueError(f"prompt token ids must be integers in [0, {vocab_size})")
+    if len(token_ids) >= max_model_len:
+        raise PromptTooLongError(len(token_ids), max_model_len)
+    return token_ids
+
+
 class LLMEngine:
     """Loads a model, sizes the KV pool, and runs the scheduler/runner loop one step at a time."""
 
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
+        # The engine fills in what it derives (context length, pool sizes, preemption costs) on its own copy.
+        config = self.config = copy.deepcopy(config)
         loaded = load_model(config.model)
         self.model_name = loaded.resolved.name
         self.tokenizer = load_tokenizer(loaded.resolved.path, loaded.resolved.gguf_file, config.model.chat_template)
@@ -76,9 +103,9 @@ class LLMEngine:
         config.cache.num_blocks = num_blocks
         self.runner.allocate_kv_cache(num_blocks)
         self._setup_swap()
-        self.kv_manager = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
+        self.kv_cache_manager = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
                                          config.cache.num_swap_blocks)
-        self.scheduler = Scheduler(config.scheduler, self.kv_manager)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
         self.beam_search = BeamSearchDriver(self.scheduler, self.tokenizer)
         self.capacity = kv_tensors.CapacityReport(num_blocks, config.cache.block_size,
                                                   self.runner.layout.bytes_per_token, self.max_model_len)
@@ -117,19 +144,7 @@ class LLMEngine:
     # ---- requests ---------------------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: PromptInput) -> list[int]:
         """Token ids of a prompt, validated: not empty, inside the vocabulary and the context."""
-        if isinstance(prompt, str):
-            token_ids = self.tokenizer.encode(prompt)
-        else:
-            token_ids = list(prompt)
-        if not token_ids:
-            raise ValueError("the prompt is empty: give at least one token")
-        vocab_size = self.runner.shape.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab_size for t in token_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab_size})")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(token_ids)} tokens, but max_model_len is {self.max_model_len}: "
-                             "it must be shorter, to leave room for at least one generated token")
-        return token_ids
+        return tokenize_prompt(self.tokenizer, prompt, self.runner.shape.vocab_size, self.max_model_len)
 
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams, priority: int = 0,
                     cache_salt: str | None = None, arrival_time: float | None = None,
@@ -161,22 +176,41 @@ class LLMEngine:
     def pop_beam_search_output(self, request_id: str) -> BeamSearchOutput | None:
         return self.beam_search.outputs.pop(request_id, None)
 
-    def abort_request(self, request_ids: list[str]) -> None:
+    def abort_request(self, request_ids: list[str], stop_reason: str | None = None) -> list[RequestOutput]:
+        """Abort requests (ids that already finished are skipped). Returns each aborted request's last output:
+        every completion still running ends with finish_reason "abort" and `stop_reason`."""
+        outputs = []
         for request_id in request_ids:
             tracked = self._tracked.pop(request_id, None)
             num_completions = tracked.params.n if tracked is not None else 1
             self.scheduler.finish_requests([request_id] + [child_request_id(request_id, i)
                                                            for i in range(1, num_completions)], FinishReason.ABORT)
             self.beam_search.abort(request_id)
+            if tracked is None:
+                continue
+            for completion in tracked.completions:
+                if completion.finish_reason is None:
+                    completion.finish_reason, completion.stop_reason = FinishReason.ABORT, stop_reason
+            outputs.append(self._make_output(request_id, tracked, tracked.completions))
+        return outputs
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The model's weights and KV cache dtype."""
+        return self.runner.layout.dtype
+
+    def make_stats(self) -> SchedulerStats:
+        """The scheduler's snapshot after the last step (for metrics; from the stepping thread)."""
+        return self.scheduler.make_stats()
 
     @property
     def prefix_cache_stats(self) -> PrefixCacheStats:
         """Queried and hit prompt tokens of the prefix cache so far (for metrics)."""
-        return self.kv_manager.prefix_cache_stats
+        return self.kv_cache_manager.prefix_cache_stats
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block hash; False (nothing done) while requests hold blocks."""
-        return self.kv_manager.reset_prefix_cache()
+        return self.kv_cache_manager.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

@@ -62,9 +62,10 @@ def build_kernels(march: str) -> ModuleType | None:
     from torch.utils import cpp_extension
 
     sources = sorted(_CSRC.glob("*.cpp"))
-    # Keyed by the sources, torch, the -march and, for native, the CPU: native code is only valid on this CPU.
+    # Keyed by the sources and their folder (ninja rebuilds when the command line, which names them, changes),
+    # torch, the -march and, for native, the CPU: native code is only valid on this CPU.
     signature = _cpu_signature() if march == "native" else ""
-    key = hashlib.sha256(f"{torch.__version__}|{march}|{signature}".encode())
+    key = hashlib.sha256(f"{torch.__version__}|{march}|{signature}|{_CSRC.resolve()}".encode())
     for path in sorted(_CSRC.iterdir()):
         key.update(path.name.encode() + path.read_bytes())
     build_dir = cache_dir() / "kernels" / key.hexdigest()[:16]

@@ -1,18 +1,19 @@
 """Plain records of what the engine did: a snapshot of the scheduler per step, and per-request timings.
 
-The async engine fills these on its engine thread and hands them to stat loggers (`prometheus.py`). No
-prometheus_client here, so the records can be logged or tested on their own.
+The scheduler makes the snapshot (`Scheduler.make_stats`); `RequestStatsTracker` turns the engine's outputs into
+per-request timings. The async engine runs both on its engine thread and hands the records to stat loggers
+(`prometheus.py`). No prometheus_client and no torch here, so the core can import this and the records can be
+logged or tested on their own.
 """
 
 from __future__ import annotations
 
-import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from pagedllm.core.kv_cache.manager import KVCacheManager
-    from pagedllm.core.sched.scheduler import Scheduler
+    from pagedllm.outputs import RequestOutput
 
 
 @dataclass(slots=True)
@@ -27,6 +28,9 @@ class SchedulerStats:
     num_preemptions_total: dict[str, int] = field(default_factory=dict)   # mode -> count
     prefix_cache_queries_total: int = 0     # prompt tokens looked up in the prefix cache
     prefix_cache_hits_total: int = 0        # of those, tokens found
+    num_kv_slots_running: int = 0           # token slots of the blocks the running requests hold
+    num_kv_slots_filled: int = 0            # of those, slots holding a computed token (the rest is tail waste)
+    scheduled_req_ids: list[str] = field(default_factory=list)   # the requests the last step ran
 
     @property
     def kv_cache_usage(self) -> float:
@@ -95,20 +99,41 @@ class RequestTimes:
                                                    self.num_prompt_tokens, self.num_generation_tokens))
 
 
-def read_scheduler_stats(scheduler: Scheduler, kv_manager: KVCacheManager) -> SchedulerStats:
-    """Snapshot the scheduler and KV manager. Call it only from the thread that steps the engine."""
-    prefix = kv_manager.prefix_cache_stats
-    return SchedulerStats(
-        num_running=len(scheduler.running),
-        num_waiting=len(scheduler.waiting),
-        num_swapped=len(scheduler.swapped),
-        num_blocks_free=kv_manager.num_free_blocks,
-        num_blocks_total=kv_manager.num_usable_blocks,
-        num_preemptions_total=dict(scheduler.num_preemptions_by_mode),
-        prefix_cache_queries_total=prefix.num_query_tokens,
-        prefix_cache_hits_total=prefix.num_hit_tokens,
-    )
+class RequestStatsTracker:
+    """Each request's timings from the engine's side: queue time, time to first token, inter-token latency and
+    end-to-end latency, recorded into the step's IterationStats. Used by one thread (the one stepping the engine).
+    """
 
+    def __init__(self) -> None:
+        self._times: dict[str, RequestTimes] = {}
 
-def monotonic() -> float:
-    return time.monotonic()
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._times
+
+    def on_added(self, request_id: str, arrival: float, num_prompt_tokens: int) -> None:
+        self._times[request_id] = RequestTimes(arrival, num_prompt_tokens)
+
+    def on_step(self, outputs: Iterable[RequestOutput], scheduled_req_ids: Iterable[str], iteration: IterationStats,
+                now: float) -> None:
+        """A step ran `scheduled_req_ids` (their queue time ends) and produced `outputs`."""
+        for request_id in scheduled_req_ids:
+            times = self._times.get(request_id)
+            if times is not None:
+                times.on_scheduled(iteration, now)
+        for output in outputs:
+            times = self._times.get(output.request_id)
+            if times is None:
+                continue
+            if not times.num_prompt_tokens:
+                times.num_prompt_tokens = len(output.prompt_token_ids)
+            times.on_scheduled(iteration, now)
+            times.on_tokens(iteration, sum(len(c.token_ids) for c in output.outputs), now)
+            if output.finished:
+                reason = output.outputs[0].finish_reason if output.outputs else None
+                self._times.pop(output.request_id).on_finished(iteration, reason or "stop", now)
+
+    def on_aborted(self, request_ids: Iterable[str], iteration: IterationStats, now: float) -> None:
+        for request_id in request_ids:
+            times = self._times.pop(request_id, None)
+            if times is not None:
+                times.on_finished(iteration, "abort", now)

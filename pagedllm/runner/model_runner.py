@@ -13,10 +13,11 @@ import torch
 from pagedllm.config import CacheConfig
 from pagedllm.core.request import child_seed
 from pagedllm.core.sched.output import NewRequestData, RunnerOutput, SchedulerOutput
-from pagedllm.layers.sampler import Sampler, SamplingMetadata, SamplingRow, make_generator
 from pagedllm.loader import LoadedModel
 from pagedllm.runner import kv_tensors
 from pagedllm.runner.input_batch import CachedRequestState, ModelInputs, build_model_inputs
+from pagedllm.sample.metadata import SamplingMetadata, SamplingRow, make_generator
+from pagedllm.sample.sampler import Sampler
 
 
 @dataclass(frozen=True)

@@ -26,18 +26,18 @@ class ExplodingEngine:
         self.tokenizer, self.max_model_len, self.model_name = real.tokenizer, real.max_model_len, real.model_name
         self.runner = real.runner
         # An idle core of its own, for the metrics (the real engine's belongs to the shared server's thread).
-        self.kv_manager = KVCacheManager(num_blocks=16, block_size=16)
-        self.scheduler = Scheduler(SchedulerConfig(), self.kv_manager)
+        self.scheduler = Scheduler(SchedulerConfig(), KVCacheManager(num_blocks=16, block_size=16))
         self.pending: set[str] = set()
-
-    def tokenize_prompt(self, prompt):
-        return self.real.tokenize_prompt(prompt)        # pure validation
 
     def add_request(self, request_id, *args, **kwargs) -> None:
         self.pending.add(request_id)
 
-    def abort_request(self, request_ids) -> None:
+    def abort_request(self, request_ids, stop_reason=None) -> list:
         self.pending.difference_update(request_ids)
+        return []
+
+    def make_stats(self):
+        return self.scheduler.make_stats()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.pending)

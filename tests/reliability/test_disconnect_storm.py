@@ -93,7 +93,7 @@ def test_disconnect_storm_leaks_nothing(storm_server):
     # after the engine finished its request (before it read the last chunk), so the engine can count a few more.
     completed_clients = outcomes.count("completed")
     assert completed_clients <= num_completed <= completed_clients + outcomes.count("timer"), outcomes
-    manager = storm_server.engine.engine.kv_manager
+    manager = storm_server.engine.engine.kv_cache_manager
     manager.check_integrity()           # the engine is idle: reading it from this thread is safe
     assert not storm_server.engine.engine.scheduler.requests
 

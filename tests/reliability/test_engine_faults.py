@@ -67,7 +67,7 @@ def test_a_failed_step_fails_its_batch_alone(tiny_model_dir, caplog):
             for output in engine.step():
                 if output.finished:
                     results[output.request_id] = output
-            engine.kv_manager.check_integrity()
+            engine.kv_cache_manager.check_integrity()
     assert len(runner.failed_batches) == 1
     failed = runner.failed_batches[0]
     assert "poison" in failed and len(failed) > 1      # it took the requests batched with it down too...
@@ -81,7 +81,7 @@ def test_a_failed_step_fails_its_batch_alone(tiny_model_dir, caplog):
             assert output.error is None and completion.finish_reason == "length"
             assert completion.token_ids == alone[prompts[int(request_id[1:])]]
     assert any(not r.startswith("poison") and r not in failed for r in results)
-    manager = engine.kv_manager
+    manager = engine.kv_cache_manager
     assert not engine.scheduler.requests and manager.num_free_blocks == manager.num_usable_blocks
     assert "injected fault" in caplog.text and SECRET not in caplog.text and POISON not in caplog.text
 

@@ -22,17 +22,17 @@ def test_salted_tenants_never_share_blocks(tiny_model_dir):
     assert num_full_blocks >= 4
     engine.add_request("a1", SHARED_PROMPT, params, cache_salt="tenant-a")
     engine.step()
-    blocks_a1 = engine.kv_manager.get_block_ids("a1")
+    blocks_a1 = engine.kv_cache_manager.get_block_ids("a1")
     while engine.has_unfinished_requests():
         engine.step()
-    hits = engine.kv_manager.prefix_cache_stats.num_hit_tokens
+    hits = engine.kv_cache_manager.prefix_cache_stats.num_hit_tokens
 
     # Tenant B, same prompt, another salt, while tenant A's repeat runs beside it.
     engine.add_request("a2", SHARED_PROMPT, params, cache_salt="tenant-a")
     engine.add_request("b1", SHARED_PROMPT, params, cache_salt="tenant-b")
     engine.add_request("nosalt", SHARED_PROMPT, params)
     engine.step()
-    blocks = {r: engine.kv_manager.get_block_ids(r) for r in ("a2", "b1", "nosalt")}
+    blocks = {r: engine.kv_cache_manager.get_block_ids(r) for r in ("a2", "b1", "nosalt")}
     a2, b1 = engine.scheduler.requests["a2"], engine.scheduler.requests["b1"]
     assert a2.num_cached_tokens == num_full_blocks * 16        # the same tenant hits its own cache...
     assert b1.num_cached_tokens == 0                           # ...the other tenant does not
@@ -40,10 +40,10 @@ def test_salted_tenants_never_share_blocks(tiny_model_dir):
     assert blocks["a2"][:num_full_blocks] == blocks_a1[:num_full_blocks]
     assert not set(blocks["b1"]) & set(blocks["a2"]) and not set(blocks["b1"]) & set(blocks_a1)
     assert not set(blocks["nosalt"]) & (set(blocks["a2"]) | set(blocks["b1"]))
-    assert engine.kv_manager.prefix_cache_stats.num_hit_tokens == hits + num_full_blocks * 16
+    assert engine.kv_cache_manager.prefix_cache_stats.num_hit_tokens == hits + num_full_blocks * 16
     while engine.has_unfinished_requests():
         engine.step()
-    engine.kv_manager.check_integrity()
+    engine.kv_cache_manager.check_integrity()
 
 
 @pytest.fixture(scope="module")

@@ -147,7 +147,7 @@ def test_priority_under_load_at_the_engine(tiny_model_dir):
     high = engine.scheduler.requests["high"]
     while engine.has_unfinished_requests():
         run_step()
-        engine.kv_manager.check_integrity()
+        engine.kv_cache_manager.check_integrity()
     assert high.num_preemptions == 0
     assert all(finished_at["high"] <= finished_at[r] for r in waiting)
     assert len(finished_at) == 41

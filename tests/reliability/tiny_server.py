@@ -75,5 +75,5 @@ def error_shape(response) -> dict:
 
 def pool_is_whole(engine) -> bool:
     """Nothing running or waiting, and every usable block free (cached-but-unused counts as free)."""
-    manager = engine.kv_manager
+    manager = engine.kv_cache_manager
     return (not engine.scheduler.requests and manager.num_free_blocks == manager.num_usable_blocks)

@@ -55,8 +55,10 @@ class SchedulerOutput:
 
     `scheduled` is in batch order; every request in `new_requests` is also in `scheduled`.
     `num_batched_tokens` is the sum of `len(token_ids)` over `scheduled`, at most `max_num_batched_tokens`.
-    `finished_req_ids` finished since the last step and `preempted_req_ids` were preempted in this one: the
-    runner drops its state for both (a preempted request comes back later through `new_requests`).
+    `finished_req_ids` finished since the last step: the runner drops their state. `preempted_req_ids` were
+    preempted in this one: the runner keeps their state (a seeded generator goes on where it stopped) and
+    recognises them when they come back through `new_requests`; the engine reads the list to fail the requests
+    a failed step was swapping out.
     The block lists are `(src, dst)` block-id pairs the runner applies before the forward pass, in this order:
     `blocks_to_swap_out` (device -> swap pool), `blocks_to_swap_in` (swap pool -> device), then
     `blocks_to_copy` (device -> device, copy-on-write; read all sources before writing any destination).

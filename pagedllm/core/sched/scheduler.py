@@ -42,6 +42,7 @@ from pagedllm.config import SchedulerConfig
 from pagedllm.core.kv_cache.manager import KVCacheManager, cdiv
 from pagedllm.core.request import FinishReason, Request, RequestStatus, child_request_id
 from pagedllm.core.sched.output import NewRequestData, RequestUpdate, RunnerOutput, ScheduledRequest, SchedulerOutput
+from pagedllm.metrics.stats import SchedulerStats
 
 
 def _waiting_order(request: Request) -> tuple[int, float]:
@@ -93,6 +94,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_preemptions_by_mode: dict[str, int] = {"recompute": 0, "swap": 0}
         self._finished_req_ids: set[str] = set()
+        self._last_scheduled_req_ids: list[str] = []  # the requests of the last schedule(), for make_stats
         self._pending_updates: list[RequestUpdate] = []
         self._unannounced_req_ids: set[str] = set()  # forked beams the runner has not seen yet
         # Seats (of max_num_seqs) held by the running requests: each group holds max(group_size, its count).
@@ -113,6 +115,20 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def make_stats(self) -> SchedulerStats:
+        """A snapshot of the queues, the KV pool and the counters, for metrics (from the stepping thread)."""
+        kv = self.kv_cache_manager
+        prefix = kv.prefix_cache_stats
+        num_slots = sum(len(kv.get_block_ids(r.request_id)) for r in self.running) * kv.block_size
+        return SchedulerStats(
+            num_running=len(self.running), num_waiting=len(self.waiting), num_swapped=len(self.swapped),
+            num_blocks_free=kv.num_free_blocks, num_blocks_total=kv.num_usable_blocks,
+            num_preemptions_total=dict(self.num_preemptions_by_mode),
+            prefix_cache_queries_total=prefix.num_query_tokens, prefix_cache_hits_total=prefix.num_hit_tokens,
+            num_kv_slots_running=num_slots,
+            num_kv_slots_filled=sum(r.num_computed_tokens for r in self.running),
+            scheduled_req_ids=list(self._last_scheduled_req_ids))
 
     def add_request(self, request: Request) -> None:
         """Queue a new request. Raises ValueError for a duplicate id, an empty prompt, a prompt longer than
@@ -321,6 +337,7 @@ class Scheduler:
                                           if request_id in self._unannounced_req_ids
                                           and request_id not in plan.new_req_ids]
         self._unannounced_req_ids.difference_update(plan.num_scheduled_tokens)
+        self._last_scheduled_req_ids = list(plan.num_scheduled_tokens)
         new_requests = []
         for request_id in new_req_ids:
             request = self.requests[request_id]

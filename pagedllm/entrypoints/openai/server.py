@@ -1,4 +1,5 @@
-"""The FastAPI app: OpenAI routes, errors in OpenAI's shape, API key, body limit, disconnects, /metrics.
+"""The FastAPI app: OpenAI routes, errors in OpenAI's shape, the API key, /metrics. The ASGI transport (SSE,
+disconnects, the body limit) is in transport.py.
 
 `build_app(engine, ...)` makes an app around an AsyncEngine; the app's lifespan starts the engine thread on the
 server's event loop and stops it on shutdown. Each app has its own Prometheus registry.
@@ -7,19 +8,15 @@ server's event loop and stops it on shutdown. Each app has its own Prometheus re
 from __future__ import annotations
 
 import asyncio
-import json
-import logging
-import secrets
-from collections.abc import AsyncIterator, Awaitable, Sequence
-from contextlib import asynccontextmanager, suppress
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import pagedllm
 from pagedllm.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
@@ -31,12 +28,12 @@ from pagedllm.entrypoints.openai.protocol import (
     TokenizeRequest,
     now,
 )
-from pagedllm.entrypoints.openai.serving_base import OpenAIServing, ServerLimits, error_for
+from pagedllm.entrypoints.openai.serving_base import ServerLimits, error_for
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from pagedllm.entrypoints.openai.transport import RequestGate, respond
 from pagedllm.metrics.prometheus import PrometheusStatLogger
-
-logger = logging.getLogger(__name__)
 
 
 def build_app(engine: AsyncEngine, *, served_model_names: Sequence[str] | None = None, api_key: str | None = None,
@@ -66,19 +63,18 @@ def build_app(engine: AsyncEngine, *, served_model_names: Sequence[str] | None =
     app.state.engine = engine
     app.state.registry = stat_logger.registry
     _add_error_handlers(app)
-    app.add_middleware(BodySizeLimit, max_bytes=limits.max_request_body_bytes)
-    app.include_router(_v1_router(engine, names, limits, api_key))
-    app.include_router(_utility_router(engine, names, stat_logger))
+    app.add_middleware(RequestGate, max_bytes=limits.max_request_body_bytes, api_key=api_key)
+    chat = OpenAIServingChat(engine, names, limits)
+    app.include_router(_v1_router(OpenAIServingCompletion(engine, names, limits), chat))
+    app.include_router(_utility_router(OpenAIServingTokenization(chat), stat_logger))
     return app
 
 
 # ---- routes -----------------------------------------------------------------------------------------------------
-def _v1_router(engine: AsyncEngine, names: list[str], limits: ServerLimits, api_key: str | None) -> APIRouter:
-    dependencies = [Depends(_api_key_check(api_key))] if api_key else []
-    dependencies.append(Depends(_refuse_while_draining(engine)))
-    router = APIRouter(prefix="/v1", dependencies=dependencies)
-    completion = OpenAIServingCompletion(engine, names, limits)
-    chat = OpenAIServingChat(engine, names, limits)
+def _v1_router(completion: OpenAIServingCompletion, chat: OpenAIServingChat) -> APIRouter:
+    """/v1/*. The API key is checked by RequestGate, before the body is read."""
+    engine, names = chat.engine, chat.served_model_names
+    router = APIRouter(prefix="/v1", dependencies=[Depends(_refuse_while_draining(engine))])
 
     @router.get("/models")
     async def models() -> dict[str, Any]:
@@ -88,18 +84,18 @@ def _v1_router(engine: AsyncEngine, names: list[str], limits: ServerLimits, api_
 
     @router.post("/completions")
     async def completions(body: CompletionRequest, raw_request: Request) -> Response:
-        return await _respond(raw_request, completion.create(body))
+        return await respond(raw_request, completion.create(body))
 
     @router.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw_request: Request) -> Response:
-        return await _respond(raw_request, chat.create(body))
+        return await respond(raw_request, chat.create(body))
 
     return router
 
 
-def _utility_router(engine: AsyncEngine, names: list[str], stat_logger: PrometheusStatLogger) -> APIRouter:
+def _utility_router(tokenization: OpenAIServingTokenization, stat_logger: PrometheusStatLogger) -> APIRouter:
+    engine = tokenization.engine
     router = APIRouter()
-    base = OpenAIServing(engine, names, ServerLimits())
 
     @router.get("/health")
     async def health() -> Response:
@@ -119,23 +115,11 @@ def _utility_router(engine: AsyncEngine, names: list[str], stat_logger: Promethe
 
     @router.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
-        base.check_model(body.model)
-        if (body.prompt is None) == (body.messages is None):
-            raise OpenAIError("give exactly one of prompt and messages", param="prompt")
-        if body.messages is not None:
-            chat = OpenAIServingChat(engine, names, base.limits)
-            tokens = chat.render(ChatCompletionRequest(messages=body.messages,
-                                                       add_generation_prompt=body.add_generation_prompt))
-        else:
-            tokens = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        return {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
+        return tokenization.tokenize(body)
 
     @router.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
-        base.check_model(body.model)
-        if any(not 0 <= t < engine.vocab_size for t in body.tokens):
-            raise OpenAIError(f"tokens must be in [0, {engine.vocab_size})", param="tokens")
-        return {"prompt": engine.tokenizer.decode(body.tokens)}
+        return tokenization.detokenize(body)
 
     return router
 
@@ -146,117 +130,6 @@ def _refuse_while_draining(engine: AsyncEngine):
             raise OpenAIError("the server is shutting down and takes no new requests", 503,
                               code="server_shutting_down")
     return check
-
-
-def _api_key_check(api_key: str):
-    expected = f"Bearer {api_key}".encode()
-
-    async def check(request: Request) -> None:
-        given = request.headers.get("authorization", "").encode()
-        if not secrets.compare_digest(given, expected):
-            raise OpenAIError("Incorrect or missing API key: send 'Authorization: Bearer <key>'.", 401,
-                              code="invalid_api_key")
-    return check
-
-
-# ---- responses and disconnects ------------------------------------------------------------------------------------
-class SSEResponse(StreamingResponse):
-    """A server-sent-events stream. Starlette cancels the stream when the client disconnects; closing the body
-    iterator here then aborts the engine requests behind it at once, not whenever it is garbage collected."""
-
-    media_type = "text/event-stream"
-
-    def __init__(self, content: AsyncIterator[str]) -> None:
-        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            aclose = getattr(self.body_iterator, "aclose", None)
-            if aclose is not None:
-                await aclose()
-
-
-async def _respond(raw_request: Request, work: Awaitable[dict[str, Any] | AsyncIterator[str]]) -> Response:
-    """Run a handler until it answers or the client disconnects (which cancels it and so aborts its requests)."""
-    result = await _cancel_on_disconnect(raw_request, work)
-    if result is None:
-        return Response(status_code=499)    # nobody is listening
-    if isinstance(result, dict):
-        return JSONResponse(result)
-    return SSEResponse(result)
-
-
-async def _cancel_on_disconnect(raw_request: Request, work: Awaitable) -> Any:
-    """The result of `work`, or None if the client went away first (then `work` is cancelled)."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_for_disconnect(raw_request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        task.cancel()
-        raise
-    finally:
-        watcher.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    with suppress(asyncio.CancelledError, Exception):
-        await task
-    logger.debug("client disconnected; request aborted")
-    return None
-
-
-async def _wait_for_disconnect(raw_request: Request) -> None:
-    while (await raw_request.receive())["type"] != "http.disconnect":
-        pass
-
-
-class BodySizeLimit:
-    """Pure ASGI middleware (a BaseHTTPMiddleware would break disconnect detection): 413 for a body over
-    `max_bytes`, whether it declares its length or arrives chunked."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._reject(send)
-            return
-        if declared is not None:
-            await self.app(scope, receive, send)
-            return
-        # No declared length: read the body here, up to the limit, then replay it.
-        messages: list[Message] = []
-        size = 0
-        while True:
-            message = await receive()
-            messages.append(message)
-            if message["type"] != "http.request":
-                break
-            size += len(message.get("body", b""))
-            if size > self.max_bytes:
-                await self._reject(send)
-                return
-            if not message.get("more_body", False):
-                break
-
-        async def replay() -> Message:
-            return messages.pop(0) if messages else await receive()
-        await self.app(scope, replay, send)
-
-    async def _reject(self, send: Send) -> None:
-        error = OpenAIError(f"the request body is larger than {self.max_bytes} bytes", 413, code="request_too_large")
-        body = json.dumps(error.to_dict()).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
 
 
 # ---- errors -------------------------------------------------------------------------------------------------------

@@ -1,27 +1,23 @@
-"""What /v1/completions and /v1/chat/completions share: model check, limits, prompt validation, sampling
-parameters, fanning `n` out to engine requests, and SSE framing."""
+"""What /v1/completions and /v1/chat/completions share before they answer: model check, limits, prompt
+validation, sampling parameters, and fanning `n` out to engine requests (serving_choices.py answers)."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
-import math
 from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
 from pagedllm.engine.async_engine import AsyncEngine, EngineDeadError, EngineDrainingError, RequestFailedError
+from pagedllm.engine.llm_engine import PromptTooLongError
 from pagedllm.entrypoints.openai.protocol import OpenAIError, _SamplingFields
-from pagedllm.outputs import Logprob, RequestOutput
+from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-# JSON has no -inf; vLLM sends this instead.
-MIN_LOGPROB = -9999.0
 
 
 @dataclass
@@ -104,14 +100,13 @@ class OpenAIServing:
                               param=param)
 
     def validate_prompt(self, token_ids: list[int], param: str = "prompt") -> list[int]:
-        """Vocabulary and length checks, with vLLM's wording for a prompt that fills the context."""
-        max_len = self.engine.max_model_len
-        if len(token_ids) >= max_len:
-            raise OpenAIError(f"This model's maximum context length is {max_len} tokens. However, your request "
-                              f"has {len(token_ids)} input tokens. Please reduce the length of the input messages.",
-                              param=param, code="context_length_exceeded")
+        """The engine's prompt checks, with vLLM's wording for a prompt that fills the context."""
         try:
-            return self.engine.engine.tokenize_prompt(token_ids)   # validation only: no engine state touched
+            return self.engine.validate_prompt(token_ids)
+        except PromptTooLongError as exc:
+            raise OpenAIError(f"This model's maximum context length is {exc.max_model_len} tokens. However, your "
+                              f"request has {exc.num_tokens} input tokens. Please reduce the length of the input "
+                              "messages.", param=param, code="context_length_exceeded") from exc
         except ValueError as exc:
             raise OpenAIError(str(exc), param=param) from exc
 
@@ -250,32 +245,3 @@ def error_for(exc: BaseException) -> OpenAIError:
     logger.exception("request failed", exc_info=exc)
     return OpenAIError(f"internal error: {exc!r}", 500)
 
-
-def sse(data: dict[str, Any] | str) -> str:
-    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
-    return f"data: {payload}\n\n"
-
-
-SSE_DONE = "data: [DONE]\n\n"
-
-
-def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
-            "total_tokens": num_prompt_tokens + num_completion_tokens}
-
-
-def clean_logprob(value: float) -> float:
-    return value if value > MIN_LOGPROB else MIN_LOGPROB     # also maps -inf and nan
-
-
-def top_entries(position: dict[int, Logprob], num: int) -> list[tuple[int, Logprob]]:
-    """The `num` most likely tokens at one position (by rank, else by log-probability)."""
-    ordered = sorted(position.items(), key=lambda kv: (kv[1].rank if kv[1].rank is not None else math.inf,
-                                                       -kv[1].logprob))
-    return ordered[:num]
-
-
-def token_text(tokenizer: Any, token_id: int, entry: Logprob | None) -> str:
-    if entry is not None and entry.decoded_token is not None:
-        return entry.decoded_token
-    return tokenizer.decode([token_id])

@@ -7,14 +7,10 @@ import random
 import pytest
 import torch
 
-from pagedllm.layers.sampler import (
-    Sampler,
-    SamplingMetadata,
-    SamplingRow,
-    make_generator,
-    sample_reference,
-)
+from pagedllm.sample.metadata import SamplingMetadata, SamplingRow, make_generator
+from pagedllm.sample.sampler import Sampler
 from pagedllm.sampling_params import SamplingParams
+from tests.sample.reference import sample_reference
 
 VOCAB = 97
 EOS = 3
@@ -230,18 +226,6 @@ def test_repetition_penalty_changes_greedy_choice() -> None:
     assert _sample(logits, rows).token_ids.tolist() == [8]
 
 
-def test_metadata_flags_skip_work() -> None:
-    meta = SamplingMetadata.build([_row(SamplingParams(temperature=0, top_k=5))], VOCAB, "cpu")
-    assert meta.all_greedy and meta.no_top_k and meta.no_top_p and meta.no_min_p and meta.no_penalties
-    assert meta.logit_bias is None and meta.min_tokens_mask is None and meta.max_num_logprobs is None
-    meta = SamplingMetadata.build([_row(SamplingParams(top_k=VOCAB + 5)), _row(SamplingParams(top_k=-1))],
-                                  VOCAB, "cpu")
-    assert meta.all_random and meta.no_top_k
-    meta = SamplingMetadata.build([_row(SamplingParams(top_k=2, logprobs=3)), _row(SamplingParams(logprobs=1))],
-                                  VOCAB, "cpu")
-    assert meta.top_k.tolist() == [2, VOCAB] and meta.max_num_logprobs == 3
-
-
 def test_out_of_vocab_ids_are_ignored() -> None:
     params = SamplingParams(temperature=0, logit_bias={VOCAB + 1: 5.0}, min_tokens=2, stop_token_ids=[VOCAB + 3],
                             repetition_penalty=1.2)
@@ -275,32 +259,3 @@ def test_engine_generator_makes_unseeded_rows_reproducible() -> None:
         return Sampler()(logits, meta).token_ids.tolist()
 
     assert run() == run()
-
-
-@pytest.mark.parametrize("seed", range(4))
-def test_top_p_candidates_agree_with_full_sort(seed: int) -> None:
-    from pagedllm.layers.sampler import top_k_top_p_candidates, top_k_top_p_sorted
-
-    torch.manual_seed(seed)
-    vocab = 500
-    logits = torch.randn(6, vocab) * torch.tensor([[8.0], [8.0], [0.5], [3.0], [8.0], [1.0]])
-    top_k = torch.tensor([vocab, 20, 7, vocab, vocab, vocab])
-    top_p = torch.tensor([0.9, 0.5, 0.99, 0.3, 1.0, 0.05])
-    expected = top_k_top_p_sorted(logits, top_k, top_p)
-    fast = top_k_top_p_candidates(logits, top_k, top_p, num_candidates=vocab)
-    torch.testing.assert_close(fast.softmax(-1), expected.softmax(-1))
-    assert torch.equal(fast.softmax(-1) > 1e-6, expected.softmax(-1) > 1e-6)
-    peaked = top_k_top_p_candidates(logits[[0, 1, 2, 5]], top_k[[0, 1, 2, 5]], top_p[[0, 1, 2, 5]], 32)
-    assert peaked is not None                                      # peaked rows and top-k rows fit
-    torch.testing.assert_close(peaked.softmax(-1), expected[[0, 1, 2, 5]].softmax(-1))
-    flat = torch.randn(1, vocab) * 0.1
-    assert top_k_top_p_candidates(flat, None, torch.tensor([0.9]), 32) is None  # a flat row needs the sort
-    assert top_k_top_p_candidates(logits, None, top_p, num_candidates=vocab) is not None
-
-
-def test_inverse_cdf_never_picks_zero_probability_tokens() -> None:
-    from pagedllm.layers.sampler import inverse_cdf_sample
-
-    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0]] * 5)
-    uniform = torch.tensor([0.0, 0.4999, 0.5, 0.999999, 1.0 - 2 ** -24])
-    assert inverse_cdf_sample(probs, uniform).tolist() == [1, 1, 3, 3, 3]

@@ -1,0 +1,141 @@
+"""The ASGI side of the server: SSE responses, cancelling a handler when its client disconnects, and the body
+size limit. Nothing here knows the OpenAI API beyond the shape of its errors."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import suppress
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from pagedllm.entrypoints.openai.protocol import OpenAIError
+
+logger = logging.getLogger(__name__)
+
+
+class SSEResponse(StreamingResponse):
+    """A server-sent-events stream. Starlette cancels the stream when the client disconnects; closing the body
+    iterator here then aborts the engine requests behind it at once, not whenever it is garbage collected."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[str]) -> None:
+        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+
+async def respond(raw_request: Request, work: Awaitable[dict[str, Any] | AsyncIterator[str]]) -> Response:
+    """Run a handler until it answers or the client disconnects (which cancels it and so aborts its requests)."""
+    result = await cancel_on_disconnect(raw_request, work)
+    if result is None:
+        return Response(status_code=499)    # nobody is listening
+    if isinstance(result, dict):
+        return JSONResponse(result)
+    return SSEResponse(result)
+
+
+async def cancel_on_disconnect(raw_request: Request, work: Awaitable) -> Any:
+    """The result of `work`, or None if the client went away first (then `work` is cancelled)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(wait_for_disconnect(raw_request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with suppress(asyncio.CancelledError, Exception):
+        await task
+    logger.debug("client disconnected; request aborted")
+    return None
+
+
+async def wait_for_disconnect(raw_request: Request) -> None:
+    while (await raw_request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class RequestGate:
+    """Pure ASGI middleware (a BaseHTTPMiddleware would break disconnect detection) that reads each request's body
+    before the app does, counting the bytes as they arrive whatever the headers declare: 413 as soon as it passes
+    `max_bytes`, 400 for a request that declares both Content-Length and Transfer-Encoding (h11 would honour the
+    chunked framing and read past the declared length). The app then reads the buffered body.
+
+    With `api_key`, a /v1 request without `Authorization: Bearer <api_key>` gets its 401 before any of its body
+    is read."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, api_key: str | None = None) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+        self.expected_authorization = None if api_key is None else f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        error = self._refusal(scope, headers)
+        if error is not None:
+            await send_error(send, error)
+            return
+        messages: list[Message] = []
+        size = 0
+        while True:
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request":
+                break
+            size += len(message.get("body", b""))
+            if size > self.max_bytes:
+                await send_error(send, self._too_large())
+                return
+            if not message.get("more_body", False):
+                break
+
+        async def replay() -> Message:
+            return messages.pop(0) if messages else await receive()
+        await self.app(scope, replay, send)
+
+    def _refusal(self, scope: Scope, headers: dict[bytes, bytes]) -> OpenAIError | None:
+        """The error to answer before reading the body, if any: bad key, conflicting framing, declared too big."""
+        if self.expected_authorization is not None and scope["path"].startswith("/v1/"):
+            given = headers.get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected_authorization):
+                return OpenAIError("Incorrect or missing API key: send 'Authorization: Bearer <key>'.", 401,
+                                   code="invalid_api_key")
+        declared = headers.get(b"content-length")
+        if declared is not None and b"transfer-encoding" in headers:
+            return OpenAIError("the request declares both Content-Length and Transfer-Encoding", 400,
+                               code="conflicting_framing")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            return self._too_large()
+        return None
+
+    def _too_large(self) -> OpenAIError:
+        return OpenAIError(f"the request body is larger than {self.max_bytes} bytes", 413, code="request_too_large")
+
+
+async def send_error(send: Send, error: OpenAIError) -> None:
+    """Answer with `error` in OpenAI's shape, straight on the ASGI channel."""
+    body = json.dumps(error.to_dict()).encode()
+    await send({"type": "http.response.start", "status": error.status_code,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,200 @@
+"""The rows of a batch -> SamplingMetadata: each row's sampling parameters as tensors, with flags that let the
+sampler skip what no row asks for. A seeded request's generator (make_generator) travels with its row."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.sampling_params import SamplingParams
+
+
+def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """A torch.Generator seeded with `seed`: one per seeded request, kept for the request's lifetime."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+@dataclass
+class SamplingRow:
+    """What the sampler needs to know about one row of the batch.
+
+    Args:
+        params: the request's sampling parameters.
+        prompt_token_ids: the prompt (for the repetition penalty).
+        output_token_ids: tokens generated so far (penalties, min_tokens).
+        generator: the request's generator if it has a seed (see make_generator), else None.
+        eos_token_id: suppressed while fewer than min_tokens tokens have been generated.
+    """
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: torch.Generator | None = None
+    eos_token_id: int | None = None
+
+
+@dataclass
+class Penalties:
+    repetition: torch.Tensor      # [B] float, 1 = off
+    frequency: torch.Tensor       # [B] float, 0 = off
+    presence: torch.Tensor        # [B] float, 0 = off
+    seen_mask: torch.Tensor       # [B, V] bool: token is in the prompt or the output
+    output_counts: torch.Tensor   # [B, V] float: times each token was generated
+
+
+@dataclass
+class SparseEntries:
+    """(row, token) pairs, with a value each for logit_bias: scattered into [B, V] at sampling time."""
+
+    rows: torch.Tensor      # [E] int64
+    tokens: torch.Tensor    # [E] int64
+    values: torch.Tensor    # [E] float32 (bias) or unused for masks
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-row sampling parameters of one batch as tensors, with flags that let common cases skip work.
+
+    Build it with SamplingMetadata.build(rows, vocab_size, device).
+    """
+
+    vocab_size: int
+    temperature: torch.Tensor              # [B] float32; greedy rows hold 1.0
+    greedy_mask: torch.Tensor              # [B] bool
+    all_greedy: bool
+    all_random: bool
+    top_p: torch.Tensor | None             # [B] float32; None when no random row uses top-p
+    top_k: torch.Tensor | None             # [B] int64 in [1, V]; None when no random row uses top-k
+    min_p: torch.Tensor | None             # [B] float32; None when no random row uses min-p
+    penalties: Penalties | None            # None when no row has a penalty
+    logit_bias: SparseEntries | None
+    min_tokens_mask: SparseEntries | None  # (row, token) to set to -inf: EOS / stop ids before min_tokens
+    generators: dict[int, torch.Generator] # row index -> generator, for seeded random rows
+    num_logprobs: list[int | None]         # per row: the `logprobs` it asked for
+    max_num_logprobs: int | None           # None: no row asked for logprobs
+    generator: torch.Generator | None = None  # the shared draw of unseeded rows; None: torch's default RNG
+
+    @classmethod
+    def build(cls, rows: list[SamplingRow], vocab_size: int, device: torch.device | str = "cpu",
+              generator: torch.Generator | None = None) -> SamplingMetadata:
+        """Gather the rows' parameters into tensors on `device`.
+
+        Args:
+            rows: the batch, one row per sampled token.
+            vocab_size: V; token ids outside [0, V) in the rows are ignored.
+            device: where the logits live.
+            generator: draws for the rows without a seed of their own (an engine-wide seed); None: torch's RNG.
+        """
+        params = [row.params for row in rows]
+        greedy = [p.greedy for p in params]
+        random_rows = [p for p in params if not p.greedy]
+        top_k = [effective_top_k(p.top_k, vocab_size) for p in params]
+        logprob_counts = [p.logprobs for p in params if p.logprobs is not None]
+        return cls(
+            vocab_size=vocab_size,
+            temperature=_floats([1.0 if g else p.temperature for p, g in zip(params, greedy)], device),
+            greedy_mask=torch.tensor(greedy, dtype=torch.bool, device=device),
+            all_greedy=all(greedy),
+            all_random=not any(greedy),
+            top_p=(_floats([p.top_p for p in params], device) if any(p.top_p < 1.0 for p in random_rows)
+                   else None),
+            top_k=(torch.tensor(top_k, dtype=torch.long, device=device)
+                   if any(k < vocab_size for k, g in zip(top_k, greedy) if not g) else None),
+            min_p=(_floats([p.min_p for p in params], device) if any(p.min_p > 0 for p in random_rows)
+                   else None),
+            penalties=_build_penalties(rows, vocab_size, device),
+            logit_bias=_build_logit_bias(rows, vocab_size, device),
+            min_tokens_mask=_build_min_tokens_mask(rows, vocab_size, device),
+            generators={i: row.generator for i, row in enumerate(rows)
+                        if row.generator is not None and not row.params.greedy},
+            num_logprobs=[p.logprobs for p in params],
+            max_num_logprobs=max(logprob_counts) if logprob_counts else None,
+            generator=generator,
+        )
+
+
+def _floats(values: list[float], device: torch.device | str) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=device)
+
+
+def effective_top_k(top_k: int, vocab_size: int) -> int:
+    """0 and -1 mean off, which is the same as keeping the whole vocabulary."""
+    return vocab_size if top_k <= 0 else min(top_k, vocab_size)
+
+
+def _has_penalties(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+
+
+def _pad(lists: list[list[int]], pad: int, device: torch.device | str) -> torch.Tensor:
+    """[B, max_len] int64, padded with `pad`."""
+    width = max((len(ids) for ids in lists), default=0)
+    out = torch.full((len(lists), width), pad, dtype=torch.long)
+    for i, ids in enumerate(lists):
+        if ids:
+            out[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+    return out.to(device)
+
+
+def _in_vocab(ids: list[int], vocab_size: int) -> list[int]:
+    return [t if 0 <= t < vocab_size else vocab_size for t in ids]
+
+
+def _build_penalties(rows: list[SamplingRow], vocab_size: int, device: torch.device | str) -> Penalties | None:
+    if not any(_has_penalties(row.params) for row in rows):
+        return None
+    # Pad with an extra column (index vocab_size) that is sliced off, so ragged rows scatter in one op.
+    shape = (len(rows), vocab_size + 1)
+    prompt = _pad([_in_vocab(r.prompt_token_ids, vocab_size) for r in rows], vocab_size, device)
+    output = _pad([_in_vocab(r.output_token_ids, vocab_size) for r in rows], vocab_size, device)
+    prompt_mask = torch.zeros(shape, dtype=torch.bool, device=device).scatter_(1, prompt, True)
+    counts = torch.zeros(shape, dtype=torch.float32, device=device)
+    counts.scatter_add_(1, output, torch.ones_like(output, dtype=torch.float32))
+    counts = counts[:, :vocab_size]
+    params = [r.params for r in rows]
+    return Penalties(
+        repetition=_floats([p.repetition_penalty for p in params], device),
+        frequency=_floats([p.frequency_penalty for p in params], device),
+        presence=_floats([p.presence_penalty for p in params], device),
+        seen_mask=prompt_mask[:, :vocab_size] | (counts > 0),
+        output_counts=counts,
+    )
+
+
+def _sparse(entries: list[tuple[int, int, float]], device: torch.device | str) -> SparseEntries | None:
+    if not entries:
+        return None
+    rows, tokens, values = zip(*entries)
+    return SparseEntries(
+        rows=torch.tensor(rows, dtype=torch.long, device=device),
+        tokens=torch.tensor(tokens, dtype=torch.long, device=device),
+        values=_floats(list(values), device),
+    )
+
+
+def _build_logit_bias(rows: list[SamplingRow], vocab_size: int,
+                      device: torch.device | str) -> SparseEntries | None:
+    entries = [(i, token_id, bias) for i, row in enumerate(rows)
+               for token_id, bias in (row.params.logit_bias or {}).items() if token_id < vocab_size]
+    return _sparse(entries, device)
+
+
+def min_tokens_stop_ids(row: SamplingRow) -> set[int]:
+    """Token ids to suppress for this row now: its stop ids and EOS while fewer than min_tokens were generated."""
+    params = row.params
+    if len(row.output_token_ids) >= params.min_tokens:
+        return set()
+    stop_ids = set(params.stop_token_ids or [])
+    if row.eos_token_id is not None and not params.ignore_eos:
+        stop_ids.add(row.eos_token_id)
+    return stop_ids
+
+
+def _build_min_tokens_mask(rows: list[SamplingRow], vocab_size: int,
+                           device: torch.device | str) -> SparseEntries | None:
+    entries = [(i, token_id, 0.0) for i, row in enumerate(rows)
+               for token_id in sorted(min_tokens_stop_ids(row)) if token_id < vocab_size]
+    return _sparse(entries, device)

@@ -1,0 +1,127 @@
+"""The sampler: logits of a batch -> one token per row, vectorised over the batch.
+
+Order of operations (as in vLLM):
+    raw logprobs (if requested, from the unprocessed logits)
+    -> logit_bias -> min_tokens (EOS / stop ids to -inf) -> penalties (repetition, frequency, presence)
+    -> greedy rows: argmax
+    -> random rows: temperature -> top-k -> top-p -> softmax -> min-p -> inverse-CDF sampling
+
+Random rows draw one uniform number each and take the first token whose cumulative probability passes it
+(see ops.inverse_cdf_sample for why not vLLM's exponential race). A row with a per-request seed draws from its own
+`torch.Generator`, exactly one number per step, so its tokens do not depend on which other requests share the
+batch or where the row sits; unseeded rows share one draw from the engine's generator (or torch's RNG).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pagedllm.sample.metadata import SamplingMetadata
+from pagedllm.sample.ops import (
+    apply_min_p,
+    apply_penalties,
+    apply_top_k_only,
+    apply_top_k_top_p,
+    gather_logprobs,
+    inverse_cdf_sample,
+)
+
+
+@dataclass
+class LogprobsTensors:
+    """Log-probabilities of a batch, from the raw logits.
+
+    token_ids, logprobs: [B, 1 + max_num_logprobs]; column 0 is the sampled token, then the top tokens in order.
+    ranks: [B] 1-based rank of the sampled token (1 = most likely).
+    num_logprobs: per row, how many top logprobs it asked for (None: none at all). A row that asked for fewer
+        than max_num_logprobs uses the first 1 + its count columns.
+    """
+
+    token_ids: torch.Tensor
+    logprobs: torch.Tensor
+    ranks: torch.Tensor
+    num_logprobs: list[int | None]
+
+    def to_lists(self, req_ids: list[str]) -> dict[str, list[list[tuple[int, float, int]]]]:
+        """Per request that asked for logprobs (req_ids in batch order): a one-element list (this step's one
+        token) of (token_id, logprob, rank) entries, the sampled token first, then its top tokens."""
+        token_ids, logprobs, ranks = self.token_ids.tolist(), self.logprobs.tolist(), self.ranks.tolist()
+        out = {}
+        for i, (req_id, num) in enumerate(zip(req_ids, self.num_logprobs)):
+            if num is None:
+                continue
+            entries = [(token_ids[i][0], logprobs[i][0], ranks[i])]
+            entries += [(token_ids[i][j], logprobs[i][j], j) for j in range(1, num + 1)]
+            out[req_id] = [entries]
+        return out
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor               # [B] int64
+    logprobs: LogprobsTensors | None      # None when no row asked for logprobs
+
+
+class Sampler(nn.Module):
+    """Samples one token per row: `Sampler()(logits [B, V] float32, meta) -> SamplerOutput`."""
+
+    def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        # logits: [B, V]
+        logits = logits.float()
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if meta.max_num_logprobs is not None else None
+        logits = self.process_logits(logits, meta)
+        if meta.all_greedy:
+            token_ids = logits.argmax(dim=-1)
+        else:
+            token_ids = self._sample_random(self.compute_probs(logits, meta), meta)
+            if not meta.all_random:
+                token_ids = torch.where(meta.greedy_mask, logits.argmax(dim=-1), token_ids)
+        logprobs = None
+        if raw_logprobs is not None:
+            ids, values, ranks = gather_logprobs(raw_logprobs, meta.max_num_logprobs, token_ids)
+            logprobs = LogprobsTensors(token_ids=ids, logprobs=values, ranks=ranks, num_logprobs=meta.num_logprobs)
+        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+
+    @staticmethod
+    def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """Apply logit_bias, min_tokens and penalties. Never modifies the caller's tensor."""
+        if meta.logit_bias is None and meta.min_tokens_mask is None and meta.penalties is None:
+            return logits
+        logits = logits.clone()
+        if meta.logit_bias is not None:
+            bias = meta.logit_bias
+            logits.index_put_((bias.rows, bias.tokens), bias.values, accumulate=True)
+        if meta.min_tokens_mask is not None:
+            mask = meta.min_tokens_mask
+            logits[mask.rows, mask.tokens] = float("-inf")
+        if meta.penalties is not None:
+            logits = apply_penalties(logits, meta.penalties)
+        return logits
+
+    @staticmethod
+    def compute_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """Processed logits -> the distribution random rows sample from: temperature, top-k, top-p, min-p."""
+        logits = logits / meta.temperature.unsqueeze(1)
+        if meta.top_p is not None:
+            logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
+        elif meta.top_k is not None:
+            logits = apply_top_k_only(logits, meta.top_k)
+        probs = torch.softmax(logits, dim=-1)
+        if meta.min_p is not None:
+            probs = apply_min_p(probs, meta.min_p)
+        return probs
+
+    @staticmethod
+    def _sample_random(probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """One uniform number per row, from the row's own generator if it has one."""
+        batch = probs.shape[0]
+        if len(meta.generators) < batch:
+            uniform = torch.rand(batch, generator=meta.generator, device=probs.device)  # shared by unseeded rows
+        else:
+            uniform = torch.empty(batch, device=probs.device)
+        for i, generator in meta.generators.items():
+            uniform[i] = torch.rand(1, generator=generator, device=probs.device)
+        return inverse_cdf_sample(probs, uniform)

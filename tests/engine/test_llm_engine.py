@@ -1,0 +1,72 @@
+"""LLMEngine's contract with the async engine: aborts return the requests' last outputs, the stats snapshot, and
+prompt validation that any thread may call."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.config import CacheConfig, EngineConfig, ModelConfig
+from pagedllm.engine.llm_engine import LLMEngine, PromptTooLongError, tokenize_prompt
+from tests.models.tiny import save_tiny_model
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> str:
+    return str(save_tiny_model(tmp_path_factory.mktemp("tiny") / "m", "llama-gqa", seed=5)[0])
+
+
+@pytest.fixture(scope="module")
+def engine(folder: str):
+    return LLM(model=folder, dtype="float32", block_size=4, num_kv_blocks=64, max_model_len=64).engine
+
+
+def test_the_callers_config_is_left_as_it_was(folder: str) -> None:
+    config = EngineConfig(model=ModelConfig(model=folder, dtype="float32"),
+                          cache=CacheConfig(block_size=4, kv_cache_memory=1 << 20))
+    before = copy.deepcopy(config)
+    engine = LLMEngine(config)
+    assert config == before
+    assert engine.config.cache.num_blocks > 0 and engine.config.scheduler.max_model_len == engine.max_model_len
+
+
+def test_abort_returns_the_last_output_of_each_live_request(engine) -> None:
+    engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=20, ignore_eos=True, n=2))
+    engine.add_request("b", [8, 9], SamplingParams(max_tokens=20, ignore_eos=True, output_kind="delta"))
+    for _ in range(3):
+        engine.step()
+    assert engine.make_stats().num_running == 3     # a's two completions and b
+    outputs = {o.request_id: o for o in engine.abort_request(["a", "b", "never-added"], stop_reason="bye")}
+    assert set(outputs) == {"a", "b"} and all(o.finished for o in outputs.values())
+    assert [c.index for c in outputs["a"].outputs] == [0, 1]
+    assert all(c.finish_reason == "abort" and c.stop_reason == "bye" for o in outputs.values() for c in o.outputs)
+    assert all(len(c.token_ids) >= 2 for c in outputs["a"].outputs)   # cumulative: all tokens so far
+    assert outputs["b"].outputs[0].token_ids == []                      # delta: nothing unsent
+    assert engine.abort_request(["a"]) == []                            # already gone
+    assert not engine.has_unfinished_requests()
+    stats = engine.make_stats()
+    assert stats.num_running == 0 and stats.num_blocks_free == stats.num_blocks_total
+
+
+def test_stats_snapshot_names_the_step_and_its_kv_slots(engine) -> None:
+    engine.add_request("s", list(range(10, 19)), SamplingParams(max_tokens=2, ignore_eos=True))
+    engine.step()
+    stats = engine.make_stats()
+    assert stats.scheduled_req_ids == ["s"] and stats.num_running == 1
+    assert (stats.num_kv_slots_running, stats.num_kv_slots_filled) == (12, 9)   # 9 tokens in 3 blocks of 4
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def test_prompt_validation_reads_only_its_arguments(engine) -> None:
+    tokenizer, vocab_size = engine.tokenizer, engine.runner.shape.vocab_size
+    assert tokenize_prompt(tokenizer, [1, 2], vocab_size, 64) == engine.tokenize_prompt([1, 2]) == [1, 2]
+    with pytest.raises(PromptTooLongError, match="max_model_len is 64") as too_long:
+        tokenize_prompt(tokenizer, [1] * 64, vocab_size, 64)
+    assert (too_long.value.num_tokens, too_long.value.max_model_len) == (64, 64)
+    with pytest.raises(ValueError, match="empty"):
+        tokenize_prompt(tokenizer, [], vocab_size, 64)
+    with pytest.raises(ValueError, match=rf"\[0, {vocab_size}\)"):
+        tokenize_prompt(tokenizer, [vocab_size], vocab_size, 64)
