@@ -14,6 +14,7 @@ so nothing in pagedllm asks torch about features without going through here.
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 from dataclasses import dataclass
@@ -111,6 +112,7 @@ def onednn_bf16_ok() -> bool:
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+@functools.cache  # the CPU does not change under a process; the kernels ask on every call
 def _read_cpu() -> tuple[str, str, frozenset[str]]:
     machine = platform.machine() or "unknown"
     try:

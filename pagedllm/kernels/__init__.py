@@ -62,18 +62,20 @@ def build_kernels(march: str) -> ModuleType | None:
     from torch.utils import cpp_extension
 
     sources = sorted(_CSRC.glob("*.cpp"))
+    # -fno-trapping-math changes no result (pagedllm never reads the FP exception flags); without it GCC keeps a
+    # select like `x < lo ? 0 : p * s` a branch where AVX2 has no masked ops, and the loop stays scalar.
+    cflags = ["-O3", f"-march={march}", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
     # Keyed by the sources and their folder (ninja rebuilds when the command line, which names them, changes),
-    # torch, the -march and, for native, the CPU: native code is only valid on this CPU.
+    # the flags, torch and, for native, the CPU: native code is only valid on this CPU.
     signature = _cpu_signature() if march == "native" else ""
-    key = hashlib.sha256(f"{torch.__version__}|{march}|{signature}|{_CSRC.resolve()}".encode())
+    key = hashlib.sha256(f"{torch.__version__}|{cflags}|{signature}|{_CSRC.resolve()}".encode())
     for path in sorted(_CSRC.iterdir()):
         key.update(path.name.encode() + path.read_bytes())
     build_dir = cache_dir() / "kernels" / key.hexdigest()[:16]
     build_dir.mkdir(parents=True, exist_ok=True)
     name = "pagedllm_cpu_kernels" + ("" if march == "native" else "_" + march.replace("-", "_"))
     try:
-        return cpp_extension.load(name=name, sources=[str(s) for s in sources],
-                                  extra_cflags=["-O3", f"-march={march}", "-fopenmp", "-fno-math-errno"],
+        return cpp_extension.load(name=name, sources=[str(s) for s in sources], extra_cflags=cflags,
                                   extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
     except Exception as exc:  # noqa: BLE001 - any build failure means "use the torch path"
         logger.warning("pagedllm's CPU kernels could not be built for -march=%s (%s); using the slower torch paths",

@@ -88,10 +88,13 @@ inline c10::BFloat16 from_float<c10::BFloat16>(float x) {
 
 // exp(x) in float, to within ~2 ulp, written so that `#pragma omp simd` loops over it vectorise: std::exp stays
 // a scalar call there (glibc declares its vector variants only under -ffast-math). Cephes' expf: x = n ln2 + r,
-// |r| <= ln2 / 2, exp(r) by a degree-7 polynomial, 2^n put into the exponent bits.
+// |r| <= ln2 / 2, exp(r) by a degree-7 polynomial, 2^n put into the exponent bits. n is rounded to nearest by
+// adding and taking away 1.5 x 2^23 (exact for |n| < 2^22): std::nearbyint vectorises with AVX-512 but stays a
+// scalar instruction in AVX2 loops, which made SiLU-and-mul 20x slower there.
 inline float exp_approx(float x) {
+  constexpr float kRoundToInt = 12582912.0f;  // 1.5 x 2^23
   const float clamped = std::min(std::max(x, -87.3365478515625f), 88.3762626647949f);
-  const float n = std::nearbyint(clamped * 1.44269504088896341f);
+  const float n = (clamped * 1.44269504088896341f + kRoundToInt) - kRoundToInt;
   const float r = clamped - n * 0.693359375f + n * 2.12194440e-4f;
   float p = 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
@@ -103,7 +106,8 @@ inline float exp_approx(float x) {
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
-  return x < -87.3365478515625f ? 0.f : p * scale;  // below that, exp underflows (and exp(-inf) = 0)
+  const float value = p * scale;  // computed whatever x, so that the select below is branch-free (AVX2 has no masks)
+  return x < -87.3365478515625f ? 0.f : value;  // below that, exp underflows (and exp(-inf) = 0)
 }
 
 // Round a float to the storage type and back: where torch would store an intermediate result.

@@ -25,7 +25,7 @@
 #include <limits>
 #include <type_traits>
 #include <vector>
-#if defined(__AVX512F__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -48,6 +48,44 @@ struct Task {
 };
 
 // Scores of `rows` float query rows against one transposed key tile kt[D][16]: s[r * s_stride + j] = q[r] . k[j].
+#if defined(__AVX2__) && defined(__FMA__)
+// R rows at a time, 2 x R ymm accumulators: one row alone is a chain of dependent FMAs (a quarter of the FMA
+// units' rate); four rows keep eight chains in flight. Each score is still one chain over d, in order.
+template <int R>
+inline void score_rows_avx2(const float* q, int64_t head_dim, const float* kt, float* s, int64_t s_stride) {
+  __m256 acc[R][2];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < head_dim; ++d) {
+    const __m256 k0 = _mm256_loadu_ps(kt + d * kKeyTile), k1 = _mm256_loadu_ps(kt + d * kKeyTile + 8);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m256 qv = _mm256_broadcast_ss(q + r * head_dim + d);
+      acc[r][0] = _mm256_fmadd_ps(qv, k0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(qv, k1, acc[r][1]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(s + r * s_stride, acc[r][0]);
+    _mm256_storeu_ps(s + r * s_stride + 8, acc[r][1]);
+  }
+}
+
+inline void score_tile_float(const float* q, int64_t rows, int64_t head_dim, const float* kt, float* s,
+                             int64_t s_stride) {
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) score_rows_avx2<4>(q + r * head_dim, head_dim, kt, s + r * s_stride, s_stride);
+  const float* qr = q + r * head_dim;
+  float* sr = s + r * s_stride;
+  switch (rows - r) {
+    case 3: return score_rows_avx2<3>(qr, head_dim, kt, sr, s_stride);
+    case 2: return score_rows_avx2<2>(qr, head_dim, kt, sr, s_stride);
+    case 1: return score_rows_avx2<1>(qr, head_dim, kt, sr, s_stride);
+    default: return;
+  }
+}
+#else
 inline void score_tile_float(const float* q, int64_t rows, int64_t head_dim, const float* kt, float* s,
                              int64_t s_stride) {
   for (int64_t r = 0; r < rows; ++r) {
@@ -62,6 +100,7 @@ inline void score_tile_float(const float* q, int64_t rows, int64_t head_dim, con
     std::copy(acc, acc + kKeyTile, s + r * s_stride);
   }
 }
+#endif
 
 #if defined(__AVX512BF16__)
 // The same with bf16 pairs: q[r] holds a row's `pairs` (q[2p], q[2p+1]) words, kp[p] the 16 keys' pair p.
@@ -130,6 +169,22 @@ inline void accumulate_values(const float* p, int64_t visible, const float* v, i
     }
 #pragma GCC unroll 8
     for (int i = 0; i < kVecs; ++i) _mm512_storeu_ps(o + 16 * i, _mm512_add_ps(even[i], odd[i]));
+    return;
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  // AVX2 has half the registers: one set, which at up to 8 vectors is already 8 independent FMA chains.
+  if constexpr (kHeadDim > 0 && kHeadDim % 8 == 0 && kHeadDim <= 64) {
+    constexpr int kVecs = kHeadDim / 8;
+    __m256 acc[kVecs];
+#pragma GCC unroll 8
+    for (int i = 0; i < kVecs; ++i) acc[i] = _mm256_loadu_ps(o + 8 * i);
+    for (int64_t j = 0; j < visible; ++j) {
+      const __m256 pj = _mm256_set1_ps(p[j]);
+#pragma GCC unroll 8
+      for (int i = 0; i < kVecs; ++i) acc[i] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + j * kHeadDim + 8 * i), acc[i]);
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < kVecs; ++i) _mm256_storeu_ps(o + 8 * i, acc[i]);
     return;
   }
 #endif
