@@ -36,6 +36,23 @@ constexpr int64_t kKeyTile = 16;    // keys scored together: one 16-lane float v
 constexpr int64_t kKeyChunk = 64;   // keys per online-softmax update (4 tiles), to spread its fixed cost
 constexpr int64_t kQueryTile = 16;  // query tokens per task (x the group's query heads = the rows of a task)
 
+// run.template operator()<R>(r) over `rows` rows in blocks of kMax (R = kMax), then once for the R < kMax left:
+// the register-blocked scoring kernels take their row count at compile time.
+template <int R, typename Run>
+inline void run_rows_left(int64_t left, int64_t r, Run& run) {
+  if constexpr (R > 0) {
+    if (left == R) return run.template operator()<R>(r);
+    run_rows_left<R - 1>(left, r, run);
+  }
+}
+
+template <int kMax, typename Run>
+inline void run_row_blocks(int64_t rows, Run&& run) {
+  int64_t r = 0;
+  for (; r + kMax <= rows; r += kMax) run.template operator()<kMax>(r);
+  run_rows_left<kMax - 1>(rows - r, r, run);
+}
+
 // One (sequence, kv head)'s context, packed by pass 1.
 struct Packed {
   int64_t seq, head, num_tiles;
@@ -74,16 +91,9 @@ inline void score_rows_avx2(const float* q, int64_t head_dim, const float* kt, f
 
 inline void score_tile_float(const float* q, int64_t rows, int64_t head_dim, const float* kt, float* s,
                              int64_t s_stride) {
-  int64_t r = 0;
-  for (; r + 4 <= rows; r += 4) score_rows_avx2<4>(q + r * head_dim, head_dim, kt, s + r * s_stride, s_stride);
-  const float* qr = q + r * head_dim;
-  float* sr = s + r * s_stride;
-  switch (rows - r) {
-    case 3: return score_rows_avx2<3>(qr, head_dim, kt, sr, s_stride);
-    case 2: return score_rows_avx2<2>(qr, head_dim, kt, sr, s_stride);
-    case 1: return score_rows_avx2<1>(qr, head_dim, kt, sr, s_stride);
-    default: return;
-  }
+  run_row_blocks<4>(rows, [&]<int R>(int64_t r) {
+    score_rows_avx2<R>(q + r * head_dim, head_dim, kt, s + r * s_stride, s_stride);
+  });
 }
 #else
 inline void score_tile_float(const float* q, int64_t rows, int64_t head_dim, const float* kt, float* s,
@@ -122,20 +132,9 @@ inline void score_rows_bf16(const uint32_t* q, int64_t pairs, const uint32_t* kp
 
 inline void score_tile_bf16(const uint32_t* q, int64_t rows, int64_t pairs, const uint32_t* kp, float* s,
                             int64_t s_stride) {
-  int64_t r = 0;
-  for (; r + 8 <= rows; r += 8) score_rows_bf16<8>(q + r * pairs, pairs, kp, s + r * s_stride, s_stride);
-  const uint32_t* qr = q + r * pairs;
-  float* sr = s + r * s_stride;
-  switch (rows - r) {
-    case 7: return score_rows_bf16<7>(qr, pairs, kp, sr, s_stride);
-    case 6: return score_rows_bf16<6>(qr, pairs, kp, sr, s_stride);
-    case 5: return score_rows_bf16<5>(qr, pairs, kp, sr, s_stride);
-    case 4: return score_rows_bf16<4>(qr, pairs, kp, sr, s_stride);
-    case 3: return score_rows_bf16<3>(qr, pairs, kp, sr, s_stride);
-    case 2: return score_rows_bf16<2>(qr, pairs, kp, sr, s_stride);
-    case 1: return score_rows_bf16<1>(qr, pairs, kp, sr, s_stride);
-    default: return;
-  }
+  run_row_blocks<8>(rows, [&]<int R>(int64_t r) {
+    score_rows_bf16<R>(q + r * pairs, pairs, kp, s + r * s_stride, s_stride);
+  });
 }
 #endif
 
