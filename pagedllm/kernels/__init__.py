@@ -26,7 +26,7 @@ from types import ModuleType
 
 import torch
 
-from pagedllm.cpu import cpu_info, runnable_levels
+from pagedllm.cpu import MAX_ISA_ENV, cpu_info, runnable_levels
 from pagedllm.paths import cache_dir
 
 logger = logging.getLogger(__name__)
@@ -48,7 +48,12 @@ def kernels_for(tensor: torch.Tensor) -> ModuleType | None:
 
 def cpu_kernels() -> ModuleType | None:
     """The kernel module built for this CPU (or its PAGEDLLM_MAX_CPU_ISA cap), or None if it cannot be built."""
-    return build_kernels(cpu_info().march)
+    return _kernels_under_cap(os.environ.get(MAX_ISA_ENV))
+
+
+@functools.cache  # every kernel call asks: one dict lookup per cap, not a CpuInfo each time
+def _kernels_under_cap(cap: str | None) -> ModuleType | None:
+    return build_kernels(cpu_info(cap).march)
 
 
 def kernel_marches() -> list[str]:
