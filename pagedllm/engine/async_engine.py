@@ -307,7 +307,7 @@ class AsyncEngine:
 
     def _publish(self, outputs: list[RequestOutput], iteration: IterationStats) -> None:
         self.latest_stats = self.engine.make_stats()
-        self._request_stats.on_step(outputs, self.latest_stats.scheduled_req_ids, iteration, time.monotonic())
+        self._request_stats.on_step(outputs, self.latest_stats.scheduled_request_ids, iteration, time.monotonic())
         for stat_logger in self._stat_loggers:
             try:
                 stat_logger(self.latest_stats, iteration)

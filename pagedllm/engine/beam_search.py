@@ -77,7 +77,7 @@ def beam_score(num_generated_tokens: int, cum_logprob: float, length_penalty: fl
 
 @dataclass
 class _Beam:
-    req_id: str
+    request_id: str
     output_token_ids: list[int]
     cum_logprob: float
     candidates: list[tuple[int, float]] | None = None  # (token, logprob), best first; None: not computed yet
@@ -106,11 +106,11 @@ class BeamSearchGroup:
         return f"{self.group_id}#beam{next(self._ids)}"
 
     def on_update(self, update: RequestUpdate) -> None:
-        beam = self.live.get(update.req_id)
+        beam = self.live.get(update.request_id)
         if beam is None:
             return
         if update.finish_reason is not None:  # the scheduler gave up on it (it cannot fit in the pool)
-            del self.live[update.req_id]
+            del self.live[update.request_id]
             return
         (entries,) = update.new_logprobs  # one position: (token, logprob, rank), sampled first, then the top
         best: dict[int, float] = {}
@@ -152,15 +152,15 @@ class BeamSearchGroup:
         for beam in self.live.values():
             continuations = [(c, t) for c, b, t in kept if b is beam]
             if not continuations:
-                scheduler.finish_requests(beam.req_id, FinishReason.ABORT)
+                scheduler.finish_requests(beam.request_id, FinishReason.ABORT)
                 continue
             for cum_logprob, token_id in continuations[1:]:  # fork before the parent gets its own token
                 child_id = self.new_beam_id()
-                scheduler.fork_request(beam.req_id, child_id, token_id)
+                scheduler.fork_request(beam.request_id, child_id, token_id)
                 live[child_id] = _Beam(child_id, beam.output_token_ids + [token_id], cum_logprob)
             cum_logprob, token_id = continuations[0]
-            scheduler.append_token(beam.req_id, token_id)
-            live[beam.req_id] = _Beam(beam.req_id, beam.output_token_ids + [token_id], cum_logprob)
+            scheduler.append_token(beam.request_id, token_id)
+            live[beam.request_id] = _Beam(beam.request_id, beam.output_token_ids + [token_id], cum_logprob)
         self.live = live
 
     def output(self, tokenizer) -> BeamSearchOutput:
@@ -201,8 +201,8 @@ class BeamSearchDriver:
 
     def on_update(self, update: RequestUpdate) -> bool:
         """Take a beam's update; False if it is not a beam."""
-        group = self.groups.get(update.req_id.rsplit("#beam", 1)[0])
-        if group is None or update.req_id not in group.live:
+        group = self.groups.get(update.request_id.rsplit("#beam", 1)[0])
+        if group is None or update.request_id not in group.live:
             return False
         group.on_update(update)
         return True

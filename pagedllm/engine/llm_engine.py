@@ -217,32 +217,33 @@ class LLMEngine:
 
     # ---- the loop -----------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        out = self.scheduler.schedule()
+        scheduler_output = self.scheduler.schedule()
         try:
-            res = self.runner.execute(out)
+            runner_output = self.runner.execute(scheduler_output)
         except Exception as exc:  # noqa: BLE001 - a failed step fails its batch, not the engine
-            return self._fail_step(out, exc)
-        updates = self.scheduler.update_from_output(out, res)
+            return self._fail_step(scheduler_output, exc)
+        updates = self.scheduler.update_from_output(scheduler_output, runner_output)
         outputs = [o for o in map(self._process, updates) if o is not None]
         if self.beam_search.groups:
             self.beam_search.advance()
         return outputs
 
-    def _fail_step(self, out: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+    def _fail_step(self, scheduler_output: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
         """The runner raised: finish (abort) every request of the step's batch, and any it was swapping out,
         since their KV may be half written; free their blocks, and go on. Each gets an output with `error`."""
         live = self.scheduler.requests
-        failed = {s.req_id: live[s.req_id] for s in out.scheduled}
-        failed.update((r, live[r]) for r in out.preempted_req_ids if live[r].status is RequestStatus.SWAPPED)
+        failed = {s.request_id: live[s.request_id] for s in scheduler_output.scheduled}
+        failed.update((r, live[r]) for r in scheduler_output.preempted_request_ids
+                      if live[r].status is RequestStatus.SWAPPED)
         logger.error("engine step failed for %d request(s): %r", len(failed), exc,
                      exc_info=(type(exc), exc, exc.__traceback__))
         self.scheduler.finish_requests(list(failed), FinishReason.ABORT)
-        outputs = [o for o in map(self._process, self.scheduler.update_from_output(out, RunnerOutput()))
+        outputs = [o for o in map(self._process, self.scheduler.update_from_output(scheduler_output, RunnerOutput()))
                    if o is not None]
         message = f"the engine step running this request failed: {exc!r}"
-        for req_id, request in failed.items():
-            output = self._process(RequestUpdate(req_id, [], finish_reason=FinishReason.ABORT,
-                                                 parent_req_id=request.parent_id, index=request.index))
+        for request_id, request in failed.items():
+            output = self._process(RequestUpdate(request_id, [], finish_reason=FinishReason.ABORT,
+                                                 parent_request_id=request.parent_id, index=request.index))
             if output is not None:
                 output.error = message
                 outputs.append(output)
@@ -251,7 +252,7 @@ class LLMEngine:
     def _process(self, update: RequestUpdate) -> RequestOutput | None:
         """Detokenize one sequence's update. With n > 1, a "final" output waits for all n completions; a
         streamed one carries just the completion that changed (its `index` says which)."""
-        request_id = update.parent_req_id or update.req_id
+        request_id = update.parent_request_id or update.request_id
         tracked = self._tracked.get(request_id)
         if tracked is None:
             self.beam_search.on_update(update)
@@ -263,7 +264,7 @@ class LLMEngine:
         finish_reason, stop_reason = update.finish_reason, update.stop_reason
         stop_str = completion.detokenizer.update(update.new_token_ids) if update.new_token_ids else None
         if stop_str is not None and finish_reason is None:
-            self.scheduler.finish_requests([update.req_id], FinishReason.STOP)
+            self.scheduler.finish_requests([update.request_id], FinishReason.STOP)
             finish_reason, stop_reason = FinishReason.STOP, stop_str
         completion.finish_reason, completion.stop_reason = finish_reason, stop_reason
         if tracked.finished:

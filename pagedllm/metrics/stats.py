@@ -30,7 +30,7 @@ class SchedulerStats:
     prefix_cache_hits_total: int = 0        # of those, tokens found
     num_kv_slots_running: int = 0           # token slots of the blocks the running requests hold
     num_kv_slots_filled: int = 0            # of those, slots holding a computed token (the rest is tail waste)
-    scheduled_req_ids: list[str] = field(default_factory=list)   # the requests the last step ran
+    scheduled_request_ids: list[str] = field(default_factory=list)   # the requests the last step ran
 
     @property
     def kv_cache_usage(self) -> float:
@@ -113,10 +113,10 @@ class RequestStatsTracker:
     def on_added(self, request_id: str, arrival: float, num_prompt_tokens: int) -> None:
         self._times[request_id] = RequestTimes(arrival, num_prompt_tokens)
 
-    def on_step(self, outputs: Iterable[RequestOutput], scheduled_req_ids: Iterable[str], iteration: IterationStats,
+    def on_step(self, outputs: Iterable[RequestOutput], scheduled_request_ids: Iterable[str], iteration: IterationStats,
                 now: float) -> None:
-        """A step ran `scheduled_req_ids` (their queue time ends) and produced `outputs`."""
-        for request_id in scheduled_req_ids:
+        """A step ran `scheduled_request_ids` (their queue time ends) and produced `outputs`."""
+        for request_id in scheduled_request_ids:
             times = self._times.get(request_id)
             if times is not None:
                 times.on_scheduled(iteration, now)

@@ -26,7 +26,7 @@ from pagedllm.sampling_params import SamplingParams
 class CachedRequestState:
     """What the runner remembers about a request between steps (it survives preemption)."""
 
-    req_id: str
+    request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     generator: torch.Generator | None
@@ -39,7 +39,7 @@ class ModelInputs:
     positions: torch.Tensor          # [num_tokens]
     meta: AttentionMetadata
     logits_indices: torch.Tensor     # [num_sampled]: the row of each sampling request's last token
-    sample_req_ids: list[str]        # the requests those rows belong to, in order
+    sample_request_ids: list[str]        # the requests those rows belong to, in order
 
 
 def build_model_inputs(scheduled: list[ScheduledRequest], block_size: int, device: torch.device) -> ModelInputs:
@@ -74,7 +74,7 @@ def build_model_inputs(scheduled: list[ScheduledRequest], block_size: int, devic
         positions=torch.from_numpy(positions).to(device),
         meta=meta,
         logits_indices=torch.from_numpy(query_start[1:][sample_rows] - 1).to(device),
-        sample_req_ids=[scheduled[i].req_id for i in sample_rows],
+        sample_request_ids=[scheduled[i].request_id for i in sample_rows],
     )
 
 

@@ -64,37 +64,37 @@ class ModelRunner:
         """The swap pool: pinned host memory beside a GPU, a memory-mapped file on a CPU device."""
         self.swap = kv_tensors.SwapSpace(self.layout, num_blocks, self.block_size, self.device, path)
 
-    def _move_blocks(self, out: SchedulerOutput) -> None:
+    def _move_blocks(self, scheduler_output: SchedulerOutput) -> None:
         """Swap-out, then swap-in, then copy-on-write copies: the order SchedulerOutput promises."""
         assert self.kv is not None, "allocate_kv_cache() must run before execute()"
-        if out.blocks_to_swap_out or out.blocks_to_swap_in:
+        if scheduler_output.blocks_to_swap_out or scheduler_output.blocks_to_swap_in:
             assert self.swap is not None, "the scheduler swapped without a swap pool"
-            kv_tensors.swap_blocks(self.kv, self.swap.kv, out.blocks_to_swap_out)
-            kv_tensors.swap_blocks(self.swap.kv, self.kv, out.blocks_to_swap_in)
-        kv_tensors.copy_blocks(self.kv, out.blocks_to_copy)
+            kv_tensors.swap_blocks(self.kv, self.swap.kv, scheduler_output.blocks_to_swap_out)
+            kv_tensors.swap_blocks(self.swap.kv, self.kv, scheduler_output.blocks_to_swap_in)
+        kv_tensors.copy_blocks(self.kv, scheduler_output.blocks_to_copy)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        for req_id in out.finished_req_ids:
-            self.requests.pop(req_id, None)
+    def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        for request_id in scheduler_output.finished_request_ids:
+            self.requests.pop(request_id, None)
         # A preempted request keeps its state here (above all its seeded generator, so that its samples do not
         # depend on whether it was preempted); it comes back through new_requests and is recognised.
-        for new in out.new_requests:
+        for new in scheduler_output.new_requests:
             self._add_request(new)
-        self._move_blocks(out)
-        if not out.scheduled:
+        self._move_blocks(scheduler_output)
+        if not scheduler_output.scheduled:
             return RunnerOutput()
-        inputs = build_model_inputs(out.scheduled, self.block_size, self.device)
+        inputs = build_model_inputs(scheduler_output.scheduled, self.block_size, self.device)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
-        if not inputs.sample_req_ids:
+        if not inputs.sample_request_ids:
             return RunnerOutput()
-        children = {s.req_id: s.child_req_ids for s in out.scheduled if s.child_req_ids}
+        children = {s.request_id: s.child_request_ids for s in scheduler_output.scheduled if s.child_request_ids}
         return self._sample(hidden, inputs, children)
 
     def _add_request(self, new: NewRequestData) -> None:
-        if new.req_id in self.requests:
+        if new.request_id in self.requests:
             return
-        self.requests[new.req_id] = CachedRequestState(new.req_id, list(new.prompt_token_ids),
+        self.requests[new.request_id] = CachedRequestState(new.request_id, list(new.prompt_token_ids),
                                                        new.sampling_params, self._generator(new.sampling_params.seed))
 
     def _add_child(self, parent_id: str, child_id: str, index: int) -> None:
@@ -108,25 +108,25 @@ class ModelRunner:
         """A seeded request's own random stream; None draws from the engine's global one."""
         return make_generator(seed, self.device) if seed is not None else None
 
-    def _fork_rows(self, req_ids: list[str], children: dict[str, list[str]]) -> tuple[list[int], list[str]]:
+    def _fork_rows(self, request_ids: list[str], children: dict[str, list[str]]) -> tuple[list[int], list[str]]:
         """Repeat each forking request's logits row once per child: (row of each sample, its request id)."""
-        rows, row_req_ids = [], []
-        for row, req_id in enumerate(req_ids):
+        rows, row_request_ids = [], []
+        for row, request_id in enumerate(request_ids):
             rows.append(row)
-            row_req_ids.append(req_id)
-            for index, child_id in enumerate(children.get(req_id, ()), start=1):
-                self._add_child(req_id, child_id, index)
+            row_request_ids.append(request_id)
+            for index, child_id in enumerate(children.get(request_id, ()), start=1):
+                self._add_child(request_id, child_id, index)
                 rows.append(row)
-                row_req_ids.append(child_id)
-        return rows, row_req_ids
+                row_request_ids.append(child_id)
+        return rows, row_request_ids
 
     def _sample(self, hidden: torch.Tensor, inputs: ModelInputs, children: dict[str, list[str]]) -> RunnerOutput:
         logits = self.model.compute_logits(hidden[inputs.logits_indices])   # [num_sampled, vocab]
-        sample_req_ids = inputs.sample_req_ids
+        sample_request_ids = inputs.sample_request_ids
         if children:
-            rows, sample_req_ids = self._fork_rows(sample_req_ids, children)
+            rows, sample_request_ids = self._fork_rows(sample_request_ids, children)
             logits = logits[torch.tensor(rows, device=logits.device)]       # [num_sampled + children, vocab]
-        states = [self.requests[req_id] for req_id in sample_req_ids]
+        states = [self.requests[request_id] for request_id in sample_request_ids]
         rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids, s.generator, self.eos_token_id)
                 for s in states]
         meta = SamplingMetadata.build(rows, self.shape.vocab_size, self.device, self.global_generator)
@@ -134,6 +134,6 @@ class ModelRunner:
         token_ids = result.token_ids.tolist()
         for state, token_id in zip(states, token_ids):
             state.output_token_ids.append(token_id)
-        sampled = dict(zip(sample_req_ids, token_ids))
-        logprobs = result.logprobs.to_lists(sample_req_ids) if result.logprobs is not None else {}
+        sampled = dict(zip(sample_request_ids, token_ids))
+        logprobs = result.logprobs.to_lists(sample_request_ids) if result.logprobs is not None else {}
         return RunnerOutput(sampled_token_ids=sampled, logprobs=logprobs)

@@ -45,18 +45,18 @@ class LogprobsTensors:
     ranks: torch.Tensor
     num_logprobs: list[int | None]
 
-    def to_lists(self, req_ids: list[str]) -> dict[str, list[list[tuple[int, float, int]]]]:
-        """Per request that asked for logprobs (req_ids in batch order): a one-element list (this step's one
+    def to_lists(self, request_ids: list[str]) -> dict[str, list[list[tuple[int, float, int]]]]:
+        """Per request that asked for logprobs (request_ids in batch order): a one-element list (this step's one
         token) of (token_id, logprob, rank) entries, the sampled token first, then its top tokens."""
         token_ids, logprobs, ranks = self.token_ids.tolist(), self.logprobs.tolist(), self.ranks.tolist()
-        out = {}
-        for i, (req_id, num) in enumerate(zip(req_ids, self.num_logprobs)):
+        per_request = {}
+        for i, (request_id, num) in enumerate(zip(request_ids, self.num_logprobs)):
             if num is None:
                 continue
             entries = [(token_ids[i][0], logprobs[i][0], ranks[i])]
             entries += [(token_ids[i][j], logprobs[i][j], j) for j in range(1, num + 1)]
-            out[req_id] = [entries]
-        return out
+            per_request[request_id] = [entries]
+        return per_request
 
 
 @dataclass

@@ -54,7 +54,7 @@ def test_stats_snapshot_names_the_step_and_its_kv_slots(engine) -> None:
     engine.add_request("s", list(range(10, 19)), SamplingParams(max_tokens=2, ignore_eos=True))
     engine.step()
     stats = engine.make_stats()
-    assert stats.scheduled_req_ids == ["s"] and stats.num_running == 1
+    assert stats.scheduled_request_ids == ["s"] and stats.num_running == 1
     assert (stats.num_kv_slots_running, stats.num_kv_slots_filled) == (12, 9)   # 9 tokens in 3 blocks of 4
     while engine.has_unfinished_requests():
         engine.step()

@@ -58,13 +58,13 @@ def test_scheduler_snapshot_reads_the_core():
     scheduler = Scheduler(SchedulerConfig(max_model_len=64, max_num_batched_tokens=64), kv)
     for i in range(2):
         scheduler.add_request(Request(f"r{i}", list(range(1, 10)), SamplingParams(max_tokens=4)))
-    assert scheduler.make_stats().num_waiting == 2 and scheduler.make_stats().scheduled_req_ids == []
+    assert scheduler.make_stats().num_waiting == 2 and scheduler.make_stats().scheduled_request_ids == []
     scheduler.schedule()
     stats = scheduler.make_stats()
     assert (stats.num_running, stats.num_waiting, stats.num_blocks_total) == (2, 0, 10)
     assert stats.num_blocks_free == 10 - 2 * 3
     assert stats.prefix_cache_queries_total == kv.prefix_cache_stats.num_query_tokens > 0
-    assert stats.scheduled_req_ids == ["r0", "r1"]
+    assert stats.scheduled_request_ids == ["r0", "r1"]
     # 9 prompt tokens each in 3 blocks of 4 slots: 12 slots held, 9 filled once the step's tokens are computed
     assert stats.num_kv_slots_running == 2 * 12 and stats.num_kv_slots_filled == 0
 

@@ -36,8 +36,8 @@ class PoisonedRunner:
         return any(token_ids[i:i + n] == self.poison_ids for i in range(len(token_ids) - n + 1))
 
     def execute(self, out):
-        self.poisoned |= {new.req_id for new in out.new_requests if self._is_poisoned(new.prompt_token_ids)}
-        batch = {s.req_id for s in out.scheduled}
+        self.poisoned |= {new.request_id for new in out.new_requests if self._is_poisoned(new.prompt_token_ids)}
+        batch = {s.request_id for s in out.scheduled}
         if batch & self.poisoned:
             self.failed_batches.append(batch)
             raise RuntimeError("injected fault in the model forward")

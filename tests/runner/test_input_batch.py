@@ -4,8 +4,8 @@ from pagedllm.core.sched.output import ScheduledRequest
 from pagedllm.runner.input_batch import build_model_inputs
 
 
-def _sched(req_id, block_ids, num_computed, token_ids, sample):
-    return ScheduledRequest(req_id=req_id, block_ids=block_ids, num_computed_tokens=num_computed,
+def _sched(request_id, block_ids, num_computed, token_ids, sample):
+    return ScheduledRequest(request_id=request_id, block_ids=block_ids, num_computed_tokens=num_computed,
                             token_ids=token_ids, sample=sample)
 
 
@@ -27,4 +27,4 @@ def test_flat_batch_positions_slots_and_sampled_rows():
     assert inputs.meta.block_tables.tolist() == [[1, 2, 5], [7, 3, 0], [4, 0, 0]]
     assert (inputs.meta.max_query_len, inputs.meta.max_seq_len, inputs.meta.num_decodes) == (3, 10, 1)
     assert inputs.logits_indices.tolist() == [0, 3]
-    assert inputs.sample_req_ids == ["B", "A"]
+    assert inputs.sample_request_ids == ["B", "A"]

@@ -16,7 +16,7 @@ class NewRequestData:
     (the runner needs them for penalties; their K/V is recomputed from `ScheduledRequest.token_ids`).
     """
 
-    req_id: str
+    request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     output_token_ids: list[int] = field(default_factory=list)
@@ -31,18 +31,18 @@ class ScheduledRequest:
     table) has room for all of them; `sample` is True exactly when these tokens reach the request's last known
     token, so the runner samples the next one.
 
-    `child_req_ids` is set only on the first sampled token of a parallel-sampling request (n > 1): the runner
+    `child_request_ids` is set only on the first sampled token of a parallel-sampling request (n > 1): the runner
     samples that row once more for each child, child i (1-based) with its own seed stream
     (`pagedllm.core.request.child_seed`), creates their sampling state, and returns one token per id; the
     scheduler then forks the children off the request (shared blocks) in `update_from_output`.
     """
 
-    req_id: str
+    request_id: str
     block_ids: list[int]
     num_computed_tokens: int
     token_ids: list[int]
     sample: bool
-    child_req_ids: list[str] = field(default_factory=list)
+    child_request_ids: list[str] = field(default_factory=list)
 
     @property
     def num_new_tokens(self) -> int:
@@ -55,7 +55,7 @@ class SchedulerOutput:
 
     `scheduled` is in batch order; every request in `new_requests` is also in `scheduled`.
     `num_batched_tokens` is the sum of `len(token_ids)` over `scheduled`, at most `max_num_batched_tokens`.
-    `finished_req_ids` finished since the last step: the runner drops their state. `preempted_req_ids` were
+    `finished_request_ids` finished since the last step: the runner drops their state. `preempted_request_ids` were
     preempted in this one: the runner keeps their state (a seeded generator goes on where it stopped) and
     recognises them when they come back through `new_requests`; the engine reads the list to fail the requests
     a failed step was swapping out.
@@ -69,8 +69,8 @@ class SchedulerOutput:
     new_requests: list[NewRequestData] = field(default_factory=list)
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     num_batched_tokens: int = 0
-    finished_req_ids: set[str] = field(default_factory=set)
-    preempted_req_ids: set[str] = field(default_factory=set)
+    finished_request_ids: set[str] = field(default_factory=set)
+    preempted_request_ids: set[str] = field(default_factory=set)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
@@ -95,16 +95,16 @@ class RequestUpdate:
 
     `finish_reason` is set once, on the request's last update; `stop_reason` is the stop token id that ended
     it (None for EOS, length or abort). `num_cached_tokens` is the prefix-cache hit at first scheduling.
-    A forked sequence (a parallel-sampling child) names its group's first request in `parent_req_id` and its
+    A forked sequence (a parallel-sampling child) names its group's first request in `parent_request_id` and its
     completion number in `index`. A beam (`Request.engine_appends_tokens`) gets updates with no token ids,
     only `new_logprobs`.
     """
 
-    req_id: str
+    request_id: str
     new_token_ids: list[int]
     new_logprobs: object | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
-    parent_req_id: str | None = None
+    parent_request_id: str | None = None
     index: int = 0

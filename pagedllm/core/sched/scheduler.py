@@ -19,7 +19,7 @@ beam waiting for its next token, or when a block of it was copied (copy-on-write
 No admission happens in a step with a preemption.
 
 Parallel sampling (n > 1): the request runs alone until its first sampled token. That step asks the runner
-for n samples of its last row (`ScheduledRequest.child_req_ids`); `update_from_output` then forks n - 1
+for n samples of its last row (`ScheduledRequest.child_request_ids`); `update_from_output` then forks n - 1
 children off it (`KVCacheManager.fork`: shared blocks), and each sequence goes on by itself. A group reserves
 `group_size` (n, or the beam width) of the `max_num_seqs` seats when its first request is admitted.
 
@@ -60,8 +60,8 @@ class _StepPlan:
 
     token_budget: int
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
-    new_req_ids: list[str] = field(default_factory=list)
-    preempted_req_ids: set[str] = field(default_factory=set)
+    new_request_ids: list[str] = field(default_factory=list)
+    preempted_request_ids: set[str] = field(default_factory=set)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
 
@@ -93,10 +93,10 @@ class Scheduler:
         self.swapped: list[Request] = []  # sorted by (priority, arrival_time); blocks in the swap pool
         self.num_preemptions = 0
         self.num_preemptions_by_mode: dict[str, int] = {"recompute": 0, "swap": 0}
-        self._finished_req_ids: set[str] = set()
-        self._last_scheduled_req_ids: list[str] = []  # the requests of the last schedule(), for make_stats
+        self._finished_request_ids: set[str] = set()
+        self._last_scheduled_request_ids: list[str] = []  # the requests of the last schedule(), for make_stats
         self._pending_updates: list[RequestUpdate] = []
-        self._unannounced_req_ids: set[str] = set()  # forked beams the runner has not seen yet
+        self._unannounced_request_ids: set[str] = set()  # forked beams the runner has not seen yet
         # Seats (of max_num_seqs) held by the running requests: each group holds max(group_size, its count).
         self._num_running_in_group: Counter[str] = Counter()
         self._num_seats = 0
@@ -128,7 +128,7 @@ class Scheduler:
             prefix_cache_queries_total=prefix.num_query_tokens, prefix_cache_hits_total=prefix.num_hit_tokens,
             num_kv_slots_running=num_slots,
             num_kv_slots_filled=sum(r.num_computed_tokens for r in self.running),
-            scheduled_req_ids=list(self._last_scheduled_req_ids))
+            scheduled_request_ids=list(self._last_scheduled_request_ids))
 
     def add_request(self, request: Request) -> None:
         """Queue a new request. Raises ValueError for a duplicate id, an empty prompt, a prompt longer than
@@ -172,7 +172,7 @@ class Scheduler:
             raise ValueError(f"request id {child_id!r} is already in use")
         child = parent.fork(child_id, index=0)
         self._add_forked(parent, child)
-        self._unannounced_req_ids.add(child_id)
+        self._unannounced_request_ids.add(child_id)
         child.append_output_token_ids(token_id)
         return child
 
@@ -189,7 +189,7 @@ class Scheduler:
         plan = _StepPlan(self.config.max_num_batched_tokens)
         self._schedule_running(plan)
         # Admitting anyone right after a preemption would just take the blocks that were freed for others.
-        if not plan.preempted_req_ids:
+        if not plan.preempted_request_ids:
             self._schedule_swapped(plan)
             if not self.swapped:
                 self._schedule_waiting(plan)
@@ -222,7 +222,7 @@ class Scheduler:
         """Preempt by swap or by recompute (see the module docstring); the request leaves `running`."""
         self._remove_running(request)
         plan.remove(request)
-        plan.preempted_req_ids.add(request.request_id)
+        plan.preempted_request_ids.add(request.request_id)
         mode = self._preemption_mode(request)
         if mode == "swap":
             plan.blocks_to_swap_out += self.kv_cache_manager.swap_out(request)
@@ -290,7 +290,7 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         self._add_running(request)
         plan.add(request, num_new_tokens)
-        plan.new_req_ids.append(request.request_id)
+        plan.new_request_ids.append(request.request_id)
 
     # ---- seats: max_num_seqs counts every sequence a running group may fork into -------------------------------
     def _seats_after(self, request: Request, change: int) -> int:
@@ -322,7 +322,7 @@ class Scheduler:
         self._finish(request, reason)
         self._pending_updates.append(RequestUpdate(request.request_id, [], finish_reason=reason,
                                                    num_cached_tokens=request.num_cached_tokens,
-                                                   parent_req_id=request.parent_id, index=request.index))
+                                                   parent_request_id=request.parent_id, index=request.index))
 
     def _num_new_tokens(self, request: Request, num_computed_tokens: int, token_budget: int) -> int:
         num_new_tokens = min(request.num_tokens - num_computed_tokens, token_budget,
@@ -333,20 +333,21 @@ class Scheduler:
     def _make_output(self, plan: _StepPlan) -> SchedulerOutput:
         scheduled = [self._scheduled_request(self.requests[request_id], num_tokens)
                      for request_id, num_tokens in plan.num_scheduled_tokens.items()]
-        new_req_ids = plan.new_req_ids + [request_id for request_id in plan.num_scheduled_tokens
-                                          if request_id in self._unannounced_req_ids
-                                          and request_id not in plan.new_req_ids]
-        self._unannounced_req_ids.difference_update(plan.num_scheduled_tokens)
-        self._last_scheduled_req_ids = list(plan.num_scheduled_tokens)
+        new_request_ids = plan.new_request_ids + [request_id for request_id in plan.num_scheduled_tokens
+                                          if request_id in self._unannounced_request_ids
+                                          and request_id not in plan.new_request_ids]
+        self._unannounced_request_ids.difference_update(plan.num_scheduled_tokens)
+        self._last_scheduled_request_ids = list(plan.num_scheduled_tokens)
         new_requests = []
-        for request_id in new_req_ids:
+        for request_id in new_request_ids:
             request = self.requests[request_id]
             new_requests.append(NewRequestData(request_id, request.prompt_token_ids, request.sampling_params,
                                                list(request.output_token_ids)))
-        finished_req_ids, self._finished_req_ids = self._finished_req_ids, set()
+        finished_request_ids, self._finished_request_ids = self._finished_request_ids, set()
         return SchedulerOutput(new_requests=new_requests, scheduled=scheduled,
                                num_batched_tokens=sum(plan.num_scheduled_tokens.values()),
-                               finished_req_ids=finished_req_ids, preempted_req_ids=plan.preempted_req_ids,
+                               finished_request_ids=finished_request_ids,
+                               preempted_request_ids=plan.preempted_request_ids,
                                blocks_to_copy=self.kv_cache_manager.take_blocks_to_copy(),
                                blocks_to_swap_out=plan.blocks_to_swap_out,
                                blocks_to_swap_in=plan.blocks_to_swap_in)
@@ -354,50 +355,51 @@ class Scheduler:
     def _scheduled_request(self, request: Request, num_tokens: int) -> ScheduledRequest:
         start = request.num_computed_tokens
         sample = start + num_tokens == request.num_tokens
-        child_req_ids = ([child_request_id(request.request_id, i)
+        child_request_ids = ([child_request_id(request.request_id, i)
                           for i in range(1, request.num_pending_children + 1)] if sample else [])
-        return ScheduledRequest(req_id=request.request_id,
+        return ScheduledRequest(request_id=request.request_id,
                                 block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
                                 num_computed_tokens=start,
                                 token_ids=request.all_token_ids[start:start + num_tokens],
-                                sample=sample, child_req_ids=child_req_ids)
+                                sample=sample, child_request_ids=child_request_ids)
 
     # ---- update -----------------------------------------------------------------------------------------------
-    def update_from_output(self, out: SchedulerOutput, res: RunnerOutput) -> list[RequestUpdate]:
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: RunnerOutput) -> list[RequestUpdate]:
         """Apply a step's result: advance the counters, fork parallel-sampling children, append sampled
         tokens, cache newly full blocks, check stop conditions and free finished requests. Returns an update
         per sequence that got a token (or, for beams, logprobs) or finished."""
         updates, self._pending_updates = self._pending_updates, []
-        for scheduled in out.scheduled:
-            request = self.requests.get(scheduled.req_id)
+        for scheduled in scheduler_output.scheduled:
+            request = self.requests.get(scheduled.request_id)
             if request is None:  # finished (aborted) after schedule()
                 continue
-            updates += self._update_request(request, scheduled, res)
+            updates += self._update_request(request, scheduled, runner_output)
         return updates
 
     def _update_request(self, request: Request, scheduled: ScheduledRequest,
-                        res: RunnerOutput) -> list[RequestUpdate]:
+                        runner_output: RunnerOutput) -> list[RequestUpdate]:
         assert request.num_computed_tokens == scheduled.num_computed_tokens, "output does not match the state"
         request.num_computed_tokens += scheduled.num_new_tokens
         self.kv_cache_manager.cache_full_blocks(request)
         if not scheduled.sample:
             return []
         if request.engine_appends_tokens:
-            return [RequestUpdate(request.request_id, [], res.logprobs.get(request.request_id),
-                                  num_cached_tokens=request.num_cached_tokens, parent_req_id=request.parent_id)]
+            return [RequestUpdate(request.request_id, [], runner_output.logprobs.get(request.request_id),
+                                  num_cached_tokens=request.num_cached_tokens, parent_request_id=request.parent_id)]
         sequences = [request]
-        for index, child_id in enumerate(scheduled.child_req_ids, start=1):
+        for index, child_id in enumerate(scheduled.child_request_ids, start=1):
             sequences.append(request.fork(child_id, index))
             self._add_forked(request, sequences[-1])
-        return [self._append_sampled(sequence, res) for sequence in sequences]
+        return [self._append_sampled(sequence, runner_output) for sequence in sequences]
 
-    def _append_sampled(self, request: Request, res: RunnerOutput) -> RequestUpdate:
-        token_id = res.sampled_token_ids[request.request_id]
+    def _append_sampled(self, request: Request, runner_output: RunnerOutput) -> RequestUpdate:
+        token_id = runner_output.sampled_token_ids[request.request_id]
         request.append_output_token_ids(token_id)
         reason = self._check_stop(request)
         if reason is not None:
             self._finish(request, reason)
-        return RequestUpdate(request.request_id, [token_id], res.logprobs.get(request.request_id), reason,
+        return RequestUpdate(request.request_id, [token_id], runner_output.logprobs.get(request.request_id), reason,
                              request.stop_reason, request.num_cached_tokens, request.parent_id, request.index)
 
     def _check_stop(self, request: Request) -> FinishReason | None:
@@ -428,5 +430,5 @@ class Scheduler:
         request.status = reason.status
         request.finish_reason = reason
         del self.requests[request.request_id]
-        self._unannounced_req_ids.discard(request.request_id)
-        self._finished_req_ids.add(request.request_id)
+        self._unannounced_request_ids.discard(request.request_id)
+        self._finished_request_ids.add(request.request_id)

@@ -55,9 +55,9 @@ class FakeRunner:
             if scheduled.sample:
                 end = scheduled.num_computed_tokens + scheduled.num_new_tokens
                 context = tuple(self.slots[self._slot(scheduled.block_ids, pos)] for pos in range(end))
-                sampled[scheduled.req_id] = (self.script[scheduled.req_id].pop(0) if self.script
+                sampled[scheduled.request_id] = (self.script[scheduled.request_id].pop(0) if self.script
                                              else next_token(context))
-                for index, child_id in enumerate(scheduled.child_req_ids, start=1):
+                for index, child_id in enumerate(scheduled.child_request_ids, start=1):
                     sampled[child_id] = next_token(context, index)
         return RunnerOutput(sampled)
 
@@ -74,10 +74,10 @@ def check_step(scheduler: Scheduler, out: SchedulerOutput) -> None:
     config, manager = scheduler.config, scheduler.kv_cache_manager
     assert out.num_batched_tokens == sum(s.num_new_tokens for s in out.scheduled) <= config.max_num_batched_tokens
     assert len(out.scheduled) <= scheduler.num_running <= config.max_num_seqs
-    assert len({s.req_id for s in out.scheduled}) == len(out.scheduled)
-    assert {n.req_id for n in out.new_requests} <= {s.req_id for s in out.scheduled}
+    assert len({s.request_id for s in out.scheduled}) == len(out.scheduled)
+    assert {n.request_id for n in out.new_requests} <= {s.request_id for s in out.scheduled}
     for s in out.scheduled:
-        request = scheduler.requests[s.req_id]
+        request = scheduler.requests[s.request_id]
         assert s.num_new_tokens > 0 and s.num_computed_tokens == request.num_computed_tokens
         assert s.num_computed_tokens + s.num_new_tokens <= config.max_model_len
         assert len(s.block_ids) * manager.block_size >= s.num_computed_tokens + s.num_new_tokens
@@ -85,7 +85,7 @@ def check_step(scheduler: Scheduler, out: SchedulerOutput) -> None:
     for pairs in (out.blocks_to_copy, out.blocks_to_swap_in, out.blocks_to_swap_out):
         destinations = [dst for _, dst in pairs]
         assert len(set(destinations)) == len(destinations) and 0 not in destinations
-    assert not (out.blocks_to_swap_in and out.preempted_req_ids), "swap-in in a step with a preemption"
+    assert not (out.blocks_to_swap_in and out.preempted_request_ids), "swap-in in a step with a preemption"
     assert scheduler.num_running + scheduler.num_swapped + scheduler.num_waiting == len(scheduler.requests)
     manager.check_integrity()
 
@@ -110,7 +110,7 @@ def run_steps(scheduler: Scheduler, runner: FakeRunner, results: dict[str, Resul
 
 def record(results: dict[str, Result], updates: list[RequestUpdate]) -> None:
     for update in updates:
-        result = results.setdefault(update.req_id, Result())
+        result = results.setdefault(update.request_id, Result())
         assert result.finish_reason is None, "update after the finish"
         result.token_ids += update.new_token_ids
         result.finish_reason, result.stop_reason = update.finish_reason, update.stop_reason

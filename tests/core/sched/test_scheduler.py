@@ -30,7 +30,7 @@ def _request(request_id: str, prompt: list[int] | int, max_tokens: int | None = 
 
 
 def _plan(out: SchedulerOutput) -> list[tuple[str, int, bool]]:
-    return [(s.req_id, s.num_new_tokens, s.sample) for s in out.scheduled]
+    return [(s.request_id, s.num_new_tokens, s.sample) for s in out.scheduled]
 
 
 def _step(scheduler: Scheduler, runner: FakeRunner, results: dict[str, Result]) -> SchedulerOutput:
@@ -59,8 +59,8 @@ def test_chunked_prefill_follows_the_token_budget() -> None:
         [("a", 1, True), ("b", 2, True)],
         [("a", 1, True), ("b", 1, True)],
     ]
-    assert [n.req_id for n in outputs[2].new_requests] == ["b"]
-    assert outputs[4].finished_req_ids == set() and "b" not in scheduler.requests
+    assert [n.request_id for n in outputs[2].new_requests] == ["b"]
+    assert outputs[4].finished_request_ids == set() and "b" not in scheduler.requests
     assert results["a"].token_ids == reference(list(range(100, 120)), 3, None)
     assert results["a"].finish_reason is FinishReason.LENGTH and results["b"].finish_reason is FinishReason.LENGTH
     assert _all_free(scheduler) and scheduler.num_preemptions == 0
@@ -72,8 +72,8 @@ def test_finished_ids_reach_the_next_output() -> None:
     runner, results = FakeRunner(BLOCK_SIZE), dict[str, Result]()
     _step(scheduler, runner, results)
     assert not scheduler.has_unfinished_requests() and results["a"].finish_reason is FinishReason.LENGTH
-    assert scheduler.schedule().finished_req_ids == {"a"}
-    assert scheduler.schedule().finished_req_ids == set()
+    assert scheduler.schedule().finished_request_ids == {"a"}
+    assert scheduler.schedule().finished_request_ids == set()
 
 
 def test_max_num_seqs() -> None:
@@ -94,7 +94,7 @@ def test_preemption_in_a_tiny_pool_still_gives_the_same_tokens(enable_caching: b
         scheduler.add_request(_request(request_id, prompt, max_tokens=10, arrival_time=i))
     results: dict[str, Result] = {}
     outputs = run_steps(scheduler, FakeRunner(BLOCK_SIZE), results)
-    assert scheduler.num_preemptions > 0 and any(out.preempted_req_ids for out in outputs)
+    assert scheduler.num_preemptions > 0 and any(out.preempted_request_ids for out in outputs)
     for request_id, prompt in prompts.items():
         assert results[request_id].token_ids == reference(prompt, 10, None)
     assert _all_free(scheduler)
@@ -109,7 +109,7 @@ def test_no_admission_in_a_step_with_a_preemption() -> None:
     _step(scheduler, runner, results)
     scheduler.add_request(_request("c", 1, max_tokens=1, arrival_time=2))
     out = _step(scheduler, runner, results)  # a needs a 3rd block: b is preempted
-    assert out.preempted_req_ids == {"b"} and _plan(out) == [("a", 1, True)]
+    assert out.preempted_request_ids == {"b"} and _plan(out) == [("a", 1, True)]
     assert scheduler.requests["b"].status is RequestStatus.PREEMPTED
     assert [r.request_id for r in scheduler.waiting] == ["b", "c"]
 
@@ -125,12 +125,12 @@ def test_victim_is_the_lowest_priority_even_if_already_scheduled() -> None:
     # low's next token fits its block and is scheduled first; high then needs a 3rd block: low, the lower
     # priority, is the victim although it arrived first, and its token goes back to the budget.
     out = _step(scheduler, runner, results)
-    assert _plan(out) == [("high", 1, True)] and out.preempted_req_ids == {"low"}
+    assert _plan(out) == [("high", 1, True)] and out.preempted_request_ids == {"low"}
     assert out.num_batched_tokens == 1
     low = scheduler.requests["low"]
     assert low.status is RequestStatus.PREEMPTED and low.num_computed_tokens == 0 and low.num_preemptions == 1
     resumed = [n for out in run_steps(scheduler, runner, results) for n in out.new_requests]
-    assert [(n.req_id, n.output_token_ids) for n in resumed] == [("low", results["low"].token_ids[:3])]
+    assert [(n.request_id, n.output_token_ids) for n in resumed] == [("low", results["low"].token_ids[:3])]
     assert results["low"].token_ids == reference(list(range(100, 105)), 4, None)
     assert results["high"].token_ids == reference(list(range(200, 207)), 4, None)
 
@@ -140,7 +140,7 @@ def test_priority_orders_admission() -> None:
     for request_id, priority, arrival in [("a", 2, 0), ("b", 0, 1), ("c", 1, 2), ("d", 0, 3)]:
         scheduler.add_request(_request(request_id, 3, max_tokens=1, priority=priority, arrival_time=arrival))
     outputs = run_steps(scheduler, FakeRunner(BLOCK_SIZE), {})
-    assert [out.scheduled[0].req_id for out in outputs] == ["b", "d", "c", "a"]
+    assert [out.scheduled[0].request_id for out in outputs] == ["b", "d", "c", "a"]
 
 
 def test_abort_anywhere_frees_blocks() -> None:
@@ -154,7 +154,7 @@ def test_abort_anywhere_frees_blocks() -> None:
     scheduler.finish_requests("run", FinishReason.ABORT)  # twice: ignored
     assert not scheduler.has_unfinished_requests() and _all_free(scheduler)
     assert scheduler.num_running == scheduler.num_waiting == 0
-    assert scheduler.schedule().finished_req_ids == {"run", "wait"}
+    assert scheduler.schedule().finished_request_ids == {"run", "wait"}
 
 
 def test_abort_between_schedule_and_update() -> None:

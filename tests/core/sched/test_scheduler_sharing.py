@@ -44,7 +44,7 @@ def test_n4_shares_the_prompt_blocks_and_copies_only_the_partial_one() -> None:
     runner, results = FakeRunner(BLOCK_SIZE), dict[str, Result]()
 
     out = scheduler.schedule()
-    assert out.scheduled[0].child_req_ids == ["p#1", "p#2", "p#3"]
+    assert out.scheduled[0].child_request_ids == ["p#1", "p#2", "p#3"]
     record(results, scheduler.update_from_output(out, runner.execute(out)))
     ids = ["p", "p#1", "p#2", "p#3"]
     assert [scheduler.requests[i].index for i in ids] == [0, 1, 2, 3]
@@ -57,7 +57,7 @@ def test_n4_shares_the_prompt_blocks_and_copies_only_the_partial_one() -> None:
 
     out = scheduler.schedule()
     check_step(scheduler, out)
-    assert [s.child_req_ids for s in out.scheduled] == [[]] * 4
+    assert [s.child_request_ids for s in out.scheduled] == [[]] * 4
     # Three writers copy the partial block; the last one writes in place. Full blocks are never copied.
     shared = tables[0][2]
     assert len(out.blocks_to_copy) == 3 and all(src == shared for src, _ in out.blocks_to_copy)
@@ -80,7 +80,7 @@ def test_n_counts_against_max_num_seqs() -> None:
     scheduler.add_request(Request("b", [4, 5, 6], SamplingParams(n=2, max_tokens=3), arrival_time=1))
     results: dict[str, Result] = {}
     outputs = run_steps(scheduler, FakeRunner(BLOCK_SIZE), results)
-    assert [s.req_id for s in outputs[0].scheduled] == ["a"]       # b would need 2 more seats than are left
+    assert [s.request_id for s in outputs[0].scheduled] == ["a"]       # b would need 2 more seats than are left
     assert set(results) == {"a", "a#1", "a#2", "b", "b#1"} and _all_free(scheduler)
 
 
@@ -146,12 +146,12 @@ def test_swapped_requests_come_back_before_waiting_ones_and_by_priority() -> Non
     record(results, scheduler.update_from_output(out, runner.execute(out)))
     out = scheduler.schedule()                                     # r0 needs a block: r1 (priority 2) swaps out
     check_step(scheduler, out)
-    assert out.preempted_req_ids == {"r1"} and scheduler.requests["r1"].status is RequestStatus.SWAPPED
+    assert out.preempted_request_ids == {"r1"} and scheduler.requests["r1"].status is RequestStatus.SWAPPED
     assert len(out.blocks_to_swap_out) == 2
     record(results, scheduler.update_from_output(out, runner.execute(out)))
     scheduler.add_request(Request("new", [1, 2], SamplingParams(max_tokens=1), arrival_time=9, priority=-5))
     outputs = run_steps(scheduler, runner, results)
-    first_step = {r: min(i for i, o in enumerate(outputs) if r in {n.req_id for n in o.new_requests})
+    first_step = {r: min(i for i, o in enumerate(outputs) if r in {n.request_id for n in o.new_requests})
                   for r in ("r1", "new")}
     assert first_step["r1"] <= first_step["new"]                   # swapped back in first, despite priority
     assert outputs[first_step["r1"]].blocks_to_swap_in
@@ -166,7 +166,7 @@ def test_victims_are_the_lowest_priority_latest_arrival_among_forks_too() -> Non
     scheduler.add_request(Request("lo", list(range(50, 56)), SamplingParams(n=2, max_tokens=12), priority=1))
     results: dict[str, Result] = {}
     outputs = run_steps(scheduler, FakeRunner(BLOCK_SIZE), results)
-    preempted = set().union(*(out.preempted_req_ids for out in outputs))
+    preempted = set().union(*(out.preempted_request_ids for out in outputs))
     assert preempted and "hi" not in preempted
     assert results["hi"].token_ids == reference(list(range(6)), 12, None)
     assert results["lo#1"].token_ids == reference(list(range(50, 56)), 12, None, 1) and _all_free(scheduler)
@@ -179,7 +179,7 @@ def test_beam_hooks_fork_append_and_finish() -> None:
                                   engine_appends_tokens=True))
     out = scheduler.schedule()
     updates = scheduler.update_from_output(out, RunnerOutput({"b0": 99}, {"b0": ["logprobs"]}))
-    assert [(u.req_id, u.new_token_ids, u.new_logprobs) for u in updates] == [("b0", [], ["logprobs"])]
+    assert [(u.request_id, u.new_token_ids, u.new_logprobs) for u in updates] == [("b0", [], ["logprobs"])]
     assert scheduler.requests["b0"].output_token_ids == []          # the engine picks the token
     assert scheduler.schedule().scheduled == []                     # b0 waits for its token
     scheduler.update_from_output(scheduler.schedule(), RunnerOutput())
@@ -188,8 +188,8 @@ def test_beam_hooks_fork_append_and_finish() -> None:
     assert manager.get_ref_counts("b1") == [2, 2]
     out = scheduler.schedule()
     check_step(scheduler, out)
-    assert [n.req_id for n in out.new_requests] == ["b1"] and len(out.blocks_to_copy) == 1
-    assert [(s.req_id, s.token_ids) for s in out.scheduled] == [("b0", [10]), ("b1", [11])]
+    assert [n.request_id for n in out.new_requests] == ["b1"] and len(out.blocks_to_copy) == 1
+    assert [(s.request_id, s.token_ids) for s in out.scheduled] == [("b0", [10]), ("b1", [11])]
     scheduler.update_from_output(out, RunnerOutput())
     scheduler.finish_requests(["b0", "b1"], FinishReason.ABORT)
     assert _all_free(scheduler)
