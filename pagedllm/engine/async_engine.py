@@ -110,7 +110,7 @@ class AsyncEngine:
 
     @property
     def vocab_size(self) -> int:
-        return self.engine.runner.shape.vocab_size
+        return self.engine.vocab_size
 
     def validate_prompt(self, prompt: PromptInput) -> list[int]:
         """The prompt's token ids, validated as the engine will (empty, vocabulary, context length); raises

@@ -99,12 +99,13 @@ class LLMEngine:
         self.max_model_len = self._max_model_len(loaded.hf_config)
         config.scheduler.max_model_len = self.max_model_len
         self.runner = ModelRunner(loaded, config.cache, self.tokenizer.eos_token_id, config.model.seed)
+        self.vocab_size = self.runner.shape.vocab_size
         num_blocks = config.cache.num_blocks or self._num_blocks()
         config.cache.num_blocks = num_blocks
         self.runner.allocate_kv_cache(num_blocks)
         self._setup_swap()
-        self.kv_cache_manager = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
-                                         config.cache.num_swap_blocks)
+        self.kv_cache_manager = KVCacheManager(num_blocks, config.cache.block_size,
+                                               config.cache.enable_prefix_caching, config.cache.num_swap_blocks)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
         self.beam_search = BeamSearchDriver(self.scheduler, self.tokenizer)
         self.capacity = kv_tensors.CapacityReport(num_blocks, config.cache.block_size,
@@ -144,7 +145,7 @@ class LLMEngine:
     # ---- requests ---------------------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: PromptInput) -> list[int]:
         """Token ids of a prompt, validated: not empty, inside the vocabulary and the context."""
-        return tokenize_prompt(self.tokenizer, prompt, self.runner.shape.vocab_size, self.max_model_len)
+        return tokenize_prompt(self.tokenizer, prompt, self.vocab_size, self.max_model_len)
 
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams, priority: int = 0,
                     cache_salt: str | None = None, arrival_time: float | None = None,
@@ -153,9 +154,8 @@ class LLMEngine:
         if request_id in self._tracked:
             raise ValueError(f"request id {request_id!r} is already in use")
         token_ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize_prompt(prompt)
-        vocab_size = self.runner.shape.vocab_size
-        if any(t >= vocab_size for t in list(params.logit_bias or {}) + params.stop_token_ids):
-            raise ValueError(f"logit_bias and stop_token_ids take token ids in [0, {vocab_size})")
+        if any(t >= self.vocab_size for t in list(params.logit_bias or {}) + params.stop_token_ids):
+            raise ValueError(f"logit_bias and stop_token_ids take token ids in [0, {self.vocab_size})")
         completions = [_Completion(i, IncrementalDetokenizer(self.tokenizer, params, token_ids),
                                    logprobs=[] if params.logprobs is not None else None) for i in range(params.n)]
         self.scheduler.add_request(Request(
