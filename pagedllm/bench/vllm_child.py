@@ -1,0 +1,47 @@
+"""The vLLM peer's side of `--compare vllm`, run by the peer environment's Python (it has vllm, not pagedllm).
+
+It imports only the standard library and vllm, so it runs as a file: `python vllm_child.py JOB.json RESULT.json`.
+JOB.json holds the model folder, the dtype, the engine sizes, the prompts as token ids with their output lengths,
+and an optional warm-up prompt (the prefix bench's system prompt). RESULT.json gets the timings and token counts.
+Every request is greedy with ignore_eos, as on pagedllm's side, so both generate exactly the same number of tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+def main(job_path: str, result_path: str) -> None:
+    with open(job_path, encoding="utf-8") as f:
+        job = json.load(f)
+    start = time.perf_counter()
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=job["model"], dtype=job["dtype"], max_model_len=job["max_model_len"],
+              max_num_seqs=job["max_num_seqs"], max_num_batched_tokens=job["max_num_batched_tokens"],
+              enable_prefix_caching=job["enable_prefix_caching"], seed=job["seed"])
+    startup_s = time.perf_counter() - start
+    start = time.perf_counter()
+    llm.generate([{"prompt_token_ids": job["warmup_prompt_token_ids"]}], SamplingParams(temperature=0, max_tokens=1),
+                 use_tqdm=False)
+    first_token_s = time.perf_counter() - start
+
+    prompts = [{"prompt_token_ids": ids} for ids in job["prompt_token_ids"]]
+    params = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=n) for n in job["output_lens"]]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    result = {
+        "elapsed_time": elapsed, "startup_s": startup_s, "first_token_s": first_token_s,
+        "num_output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
+        "prefix_cache_hit_tokens": sum(o.num_cached_tokens or 0 for o in outputs),
+        "vllm_version": sys.modules["vllm"].__version__,
+    }
+    with open(result_path, "w", encoding="utf-8") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,125 @@
+"""`--compare vllm` end to end against a stand-in `vllm` package: vLLM itself is never installed for the tests, but
+the child script, the job it gets (model folder, dtype, sizes, token ids), its environment and the report are the
+ones a real run uses. The stand-in records what it was given and generates exactly max_tokens tokens."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from pagedllm.bench.cli import main
+
+_FAKE_VLLM = '''
+import json, os
+__version__ = "0.0-stand-in"
+
+class SamplingParams:
+    def __init__(self, temperature, max_tokens, ignore_eos=False):
+        self.max_tokens, self.ignore_eos = max_tokens, ignore_eos
+
+class _Completion:
+    def __init__(self, n):
+        self.token_ids = [7] * n
+
+class _Output:
+    def __init__(self, n):
+        self.outputs, self.num_cached_tokens = [_Completion(n)], 3
+
+class LLM:
+    def __init__(self, **kwargs):
+        self.env = {k: v for k, v in os.environ.items() if k.startswith("VLLM_CPU")}
+        self.kwargs, self.calls = kwargs, []
+
+    def generate(self, prompts, params, use_tqdm=True):
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        self.calls.append([p["prompt_token_ids"] for p in prompts])
+        with open(os.environ["FAKE_VLLM_RECORD"], "w") as f:
+            json.dump({"kwargs": self.kwargs, "env": self.env, "calls": self.calls}, f)
+        return [_Output(p.max_tokens) for p in params]
+'''
+
+
+@pytest.fixture
+def fake_vllm_python(tmp_path, monkeypatch) -> tuple[Path, Path]:
+    """A `python` that runs this interpreter with the stand-in vllm first on its path; and its record file."""
+    (tmp_path / "pkgs" / "vllm").mkdir(parents=True)
+    (tmp_path / "pkgs" / "vllm" / "__init__.py").write_text(_FAKE_VLLM)
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\nPYTHONPATH="{tmp_path / "pkgs"}" exec "{sys.executable}" "$@"\n')
+    python.chmod(python.stat().st_mode | stat.S_IXUSR)
+    record = tmp_path / "record.json"
+    monkeypatch.setenv("FAKE_VLLM_RECORD", str(record))
+    return python, record
+
+
+def test_compare_vllm_runs_the_same_token_ids_in_the_peer(tiny_model_dir, fake_vllm_python, capsys):
+    python, record = fake_vllm_python
+    result = main(["throughput", "--model", tiny_model_dir, "--dataset", "random", "--num-prompts", "4",
+                   "--input-len", "10", "--output-len", "5", "--compare", "vllm", "--vllm-python", str(python),
+                   "--kv-cache-memory", "16M", "--dtype", "float32", "--skip-gemm-peak"])
+    seen = json.loads(record.read_text())
+    warmup, timed = seen["calls"]
+    assert len(warmup) == 1 and len(timed) == 4 and all(len(ids) == 10 for ids in timed)
+    assert seen["kwargs"]["dtype"] == "float32" and seen["kwargs"]["enable_prefix_caching"] is True
+    assert seen["kwargs"]["max_num_seqs"] == 256 and seen["kwargs"]["max_num_batched_tokens"] == 2048
+    assert seen["env"]["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0" and seen["env"]["VLLM_CPU_KVCACHE_SPACE"] == "4"
+    assert seen["env"]["VLLM_CPU_OMP_THREADS_BIND"] == ",".join(map(str, sorted(os.sched_getaffinity(0))))
+    vllm = result["vllm"]
+    assert (vllm["backend"], vllm["total_output_tokens"], vllm["dtype"]) == ("vllm", 20, "float32")
+    assert result["ratio"]["vllm"]["output_tokens_per_second"] == (result["output_tokens_per_second"]
+                                                                  / vllm["output_tokens_per_second"])
+    printed = capsys.readouterr().out
+    assert "vllm" in printed and "vLLM 0.0-stand-in (vllm-cpu), float32" in printed
+
+
+def test_prefix_compare_vllm_warms_up_on_the_system_prompt(tiny_model_dir, fake_vllm_python, capsys):
+    python, record = fake_vllm_python
+    result = main(["prefix", "--model", tiny_model_dir, "--num-prompts", "3", "--prefix-len", "40",
+                   "--output-len", "2", "--kv-cache-memory", "16M", "--dtype", "float32", "--compare", "vllm",
+                   "--vllm-python", str(python)])
+    warmup, timed = json.loads(record.read_text())["calls"]
+    assert len(timed) == 3 and all(ids[:len(warmup[0])] == warmup[0] for ids in timed)
+    assert len(warmup[0]) >= 40
+    vllm = result["vllm"]
+    assert vllm["total_output_tokens"] == 6 and vllm["hit_rate"] == 9 / vllm["total_prompt_tokens"]  # 3 per request
+    assert result["vs_vllm"] == result["cache_on"]["output_tokens_per_second"] / vllm["output_tokens_per_second"]
+    assert "over vLLM 0.0-stand-in" in capsys.readouterr().out
+
+
+def test_the_exported_folder_is_the_model(tiny_model_dir, tmp_path):
+    from pagedllm.bench.vllm_peer import export_hf_folder
+
+    dtype, config = export_hf_folder(tiny_model_dir, "float32", tmp_path / "out")
+    assert dtype == "float32"
+    assert config.num_hidden_layers == AutoConfig.from_pretrained(tiny_model_dir).num_hidden_layers
+    original = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    written = AutoModelForCausalLM.from_pretrained(tmp_path / "out").state_dict()
+    assert written.keys() == original.keys()
+    assert all(torch.equal(written[name], original[name]) for name in original)
+    assert AutoTokenizer.from_pretrained(tmp_path / "out").encode("a b c") == \
+        AutoTokenizer.from_pretrained(tiny_model_dir).encode("a b c")
+
+
+def test_compare_vllm_without_the_environment_says_how_to_build_it(tiny_model_dir, tmp_path):
+    with pytest.raises(FileNotFoundError, match="make bench-peers"):
+        main(["throughput", "--model", tiny_model_dir, "--dataset", "random", "--num-prompts", "1",
+              "--input-len", "4", "--output-len", "2", "--compare", "vllm", "--vllm-python",
+              str(tmp_path / "nowhere" / "python"), "--kv-cache-memory", "16M", "--dtype", "float32",
+              "--skip-gemm-peak"])
+
+
+def test_a_failing_peer_shows_the_end_of_its_log(tiny_model_dir, tmp_path):
+    python = tmp_path / "python"
+    python.write_text("#!/bin/sh\necho 'ImportError: no module named vllm._C' >&2\nexit 3\n")
+    python.chmod(python.stat().st_mode | stat.S_IXUSR)
+    with pytest.raises(RuntimeError, match=r"(?s)exit 3.*vllm\._C"):
+        main(["throughput", "--model", tiny_model_dir, "--dataset", "random", "--num-prompts", "1",
+              "--input-len", "4", "--output-len", "2", "--compare", "vllm", "--vllm-python", str(python),
+              "--kv-cache-memory", "16M", "--dtype", "float32", "--skip-gemm-peak"])
