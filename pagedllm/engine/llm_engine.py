@@ -285,7 +285,8 @@ class LLMEngine:
 
     def _process(self, update: RequestUpdate) -> RequestOutput | None:
         """Detokenize one sequence's update. With n > 1, a "final" output waits for all n completions; a
-        streamed one carries just the completion that changed (its `index` says which)."""
+        streamed one carries just the completion that changed (its `index` says which), or all n when the
+        request ended before it forked."""
         request_id = update.parent_request_id or update.request_id
         tracked = self._tracked.get(request_id)
         if tracked is None:

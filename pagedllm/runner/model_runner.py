@@ -1,7 +1,8 @@
 """The model runner: executes one scheduler step on the device.
 
-It moves blocks the scheduler asked to move, builds the flat inputs, runs the model over the paged KV cache and
-samples. It never decides policy.
+`prepare` moves the blocks the scheduler asked to move (once a step); `run` builds the flat inputs, runs the
+model over the paged KV cache and samples, for all of the step's requests or, when a run raised, for a part of
+them. It never decides policy.
 """
 
 from __future__ import annotations

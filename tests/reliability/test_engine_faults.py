@@ -71,22 +71,28 @@ def test_a_failing_request_fails_alone(tiny_model_dir, caplog, num_tokens_before
     engine = build_tiny_engine(tiny_model_dir, num_blocks=64, max_num_seqs=4)
     prompts = [f"{SECRET} request {i}" for i in range(10)]
     alone = served_alone(engine, prompts, 20)
+    # A seeded n = 2 request forks and copies its shared block (copy-on-write) beside the failing one.
+    sampled = SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=20, ignore_eos=True)
+    sampled_alone = [c.token_ids for c in offline(engine).generate(["forked"], sampled, use_tqdm=False)[0].outputs]
     num_poison_tokens = len(engine.tokenize_prompt(f"{POISON} {SECRET}"))
     runner = _poison(engine, num_poison_tokens + num_tokens_before_fault - 1 if num_tokens_before_fault else 0)
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     for i, prompt in enumerate(prompts[:4]):
         engine.add_request(f"a{i}", prompt, params)
     engine.add_request("poison", f"{POISON} {SECRET}", params)     # waits for a seat, then breaks its runs
+    engine.add_request("forked", "forked", sampled)
     for i, prompt in enumerate(prompts[4:], start=4):
         engine.add_request(f"b{i}", prompt, params)
     with caplog.at_level(logging.DEBUG):
         results = _step_to_the_end(engine)
-    assert any(len(batch) > 1 for batch in runner.failed_batches)  # it was batched with others...
-    assert set(results) == {f"a{i}" for i in range(4)} | {f"b{i}" for i in range(4, 10)} | {"poison"}
+    assert any({"poison", "forked"} < batch for batch in runner.failed_batches)  # it was batched with others...
+    assert set(results) == {f"a{i}" for i in range(4)} | {f"b{i}" for i in range(4, 10)} | {"poison", "forked"}
     poisoned = results.pop("poison")
     assert poisoned.outputs[0].finish_reason == "abort" and "injected fault" in poisoned.error
     assert len(poisoned.outputs[0].token_ids) == num_tokens_before_fault
-    for request_id, output in results.items():                     # ...and took none of them down
+    forked = results.pop("forked")                                  # ...and took none of them down
+    assert forked.error is None and [c.token_ids for c in forked.outputs] == sampled_alone
+    for request_id, output in results.items():
         completion = output.outputs[0]
         assert output.error is None and completion.finish_reason == "length"
         assert completion.token_ids == alone[prompts[int(request_id[1:])]]
