@@ -74,7 +74,8 @@ class SchedulerConfig:
         swap_seconds_per_block: estimated time to copy one KV block between the device and the swap pool.
         recompute_seconds_per_token: estimated time to recompute one token's K/V (a prefill token).
             "auto" swaps a victim when 2 x blocks x swap_seconds_per_block (out and back in) is less than
-            computed tokens x recompute_seconds_per_token. The engine fills both in from the model.
+            computed tokens x recompute_seconds_per_token. The engine fills both in: with "auto" it measures
+            them at start-up and, on a CPU, updates them after each step; otherwise device defaults.
     """
 
     max_model_len: int = 2048
