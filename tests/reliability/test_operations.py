@@ -78,8 +78,8 @@ def test_the_flags_reach_the_config(tmp_path):
 
 
 # ---- the swap pool -------------------------------------------------------------------------------------------------
-def test_close_deletes_a_named_swap_file_and_the_log_reports_the_pool(tiny_model_dir, tmp_path, caplog):
-    path = tmp_path / "swap.bin"
+def test_close_deletes_a_named_swap_file_and_the_log_reports_the_pool(tiny_model_dir, disk_tmp_path, caplog):
+    path = disk_tmp_path / "swap.bin"
     logging.getLogger("pagedllm").addHandler(caplog.handler)
     try:
         with offline(build_tiny_engine(tiny_model_dir, num_blocks=64, swap_space=SWAP_SPACE,
@@ -93,8 +93,8 @@ def test_close_deletes_a_named_swap_file_and_the_log_reports_the_pool(tiny_model
     llm.close()     # twice is harmless
 
 
-def test_server_stop_deletes_the_swap_file_and_metrics_report_the_pool(tiny_model_dir, tmp_path):
-    path = tmp_path / "swap.bin"
+def test_server_stop_deletes_the_swap_file_and_metrics_report_the_pool(tiny_model_dir, disk_tmp_path):
+    path = disk_tmp_path / "swap.bin"
     engine = build_tiny_engine(tiny_model_dir, num_blocks=64, swap_space=SWAP_SPACE, swap_path=str(path),
                                preemption_mode="swap")
     server = start_server(engine, api_key=None)

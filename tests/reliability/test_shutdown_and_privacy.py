@@ -72,8 +72,8 @@ async def _load_then_sigterm(url: str, process: subprocess.Popen) -> tuple[list,
         return await asyncio.gather(*streams), during
 
 
-def test_sigterm_drains_then_exits_0_and_logs_no_prompt(tiny_model_dir, tmp_path):
-    port, log_path, swap_path = _free_port(), tmp_path / "server.log", tmp_path / "swap.bin"
+def test_sigterm_drains_then_exits_0_and_logs_no_prompt(tiny_model_dir, tmp_path, disk_tmp_path):
+    port, log_path, swap_path = _free_port(), tmp_path / "server.log", disk_tmp_path / "swap.bin"
     process = _start(tiny_model_dir, port, log_path, swap_path)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -42,8 +42,8 @@ def test_capacity_report_states_blocks_bytes_and_concurrency():
     assert "129 blocks" in str(report) and "100 bytes per token" in str(report) and "4.0x" in str(report)
 
 
-def test_swap_space_on_a_cpu_is_a_memory_mapped_file_deleted_on_close(tmp_path):
-    path = tmp_path / "swap.bin"
+def test_swap_space_on_a_cpu_is_a_memory_mapped_file_deleted_on_close(disk_tmp_path):
+    path = disk_tmp_path / "swap.bin"
     swap = kv_tensors.SwapSpace(LAYOUT, num_blocks=5, block_size=4, device=torch.device("cpu"), path=str(path))
     assert swap.is_memory_mapped and swap.kv.shape == (3, 2, 5, 4, 2, 8) and swap.kv.dtype == torch.bfloat16
     assert path.stat().st_size == 5 * 4 * LAYOUT.bytes_per_token and not swap.kv.any()
@@ -83,15 +83,13 @@ def test_a_swap_file_on_tmpfs_is_refused_with_a_clear_message():
     assert not os.path.exists(path)
 
 
-def test_the_anonymous_swap_file_leaves_a_ram_backed_tmpdir_for_the_cache_dir(tmp_path, monkeypatch):
-    if kv_tensors.is_ram_backed(str(tmp_path)):
-        pytest.skip("the test's own directory is RAM-backed")
+def test_the_anonymous_swap_file_leaves_a_ram_backed_tmpdir_for_the_cache_dir(disk_tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", _tmpfs_dir())
-    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(disk_tmp_path / "cache"))
     swap = kv_tensors.SwapSpace(LAYOUT, num_blocks=5, block_size=4, device=torch.device("cpu"))
-    assert swap.location == f"an anonymous file in {tmp_path / 'cache'}"
+    assert swap.location == f"an anonymous file in {disk_tmp_path / 'cache'}"
     swap.close()
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", str(disk_tmp_path))
     swap = kv_tensors.SwapSpace(LAYOUT, num_blocks=5, block_size=4, device=torch.device("cpu"))
-    assert swap.location == f"an anonymous file in {tmp_path}"
+    assert swap.location == f"an anonymous file in {disk_tmp_path}"
     swap.close()
