@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 PreemptionMode = Literal["recompute", "swap", "auto"]
+SchedulingPolicy = Literal["fcfs", "priority"]
 
 
 def _require(ok: bool, name: str, allowed: str, value: object) -> None:
@@ -31,7 +32,8 @@ class CacheConfig:
         gpu_memory_utilization: fraction of device memory for weights + activations + KV; None uses the
             device's default (on a CPU, a 4 GiB pool capped by what is available).
         swap_space: GiB of the second (host or memory-mapped) pool used by swap preemption.
-        swap_path: file backing the swap pool on a CPU device; None uses a temporary file.
+        swap_path: file backing the swap pool on a CPU device (not on tmpfs; deleted when the engine closes); None
+            uses an anonymous file in a disk-backed directory.
         enable_prefix_caching: reuse the KV of full blocks whose token chains match.
         num_blocks: filled in at start-up from the memory budget (tests may set it directly).
         num_swap_blocks: filled in at start-up from `swap_space`.
@@ -66,16 +68,21 @@ class SchedulerConfig:
         max_num_batched_tokens: the step's token budget (prefill chunks plus decodes).
         max_model_len: most tokens (prompt + output) one request may reach.
         preemption_mode: "recompute", "swap" or "auto" when blocks run out.
+        scheduling_policy: "fcfs" (the default: every request has priority 0, first come first served) or
+            "priority" (a request's `priority` orders the queues, lower first). Under "fcfs" a non-zero priority
+            is refused, as in vLLM, so that no client can jump the queue unless the operator allows it.
         swap_seconds_per_block: estimated time to copy one KV block between the device and the swap pool.
         recompute_seconds_per_token: estimated time to recompute one token's K/V (a prefill token).
             "auto" swaps a victim when 2 x blocks x swap_seconds_per_block (out and back in) is less than
-            computed tokens x recompute_seconds_per_token. The engine fills both in from the model.
+            computed tokens x recompute_seconds_per_token. The engine fills both in: with "auto" it measures
+            them at start-up and, on a CPU, updates them after each step; otherwise device defaults.
     """
 
     max_model_len: int = 2048
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     preemption_mode: PreemptionMode = "recompute"
+    scheduling_policy: SchedulingPolicy = "fcfs"
     swap_seconds_per_block: float = 0.0
     recompute_seconds_per_token: float = 0.0
 
@@ -86,6 +93,14 @@ class SchedulerConfig:
                  self.max_num_batched_tokens)
         _require(self.preemption_mode in ("recompute", "swap", "auto"), "preemption_mode",
                  "one of 'recompute', 'swap', 'auto'", self.preemption_mode)
+        _require(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy", "one of 'fcfs', 'priority'",
+                 self.scheduling_policy)
+
+    def check_priority(self, priority: int) -> None:
+        """Raise ValueError for a non-zero priority unless scheduling_policy is "priority"."""
+        if priority != 0 and self.scheduling_policy != "priority":
+            raise ValueError(f"priority is {priority}, but priority scheduling is not enabled: the server must run "
+                             "with --scheduling-policy priority (LLM(scheduling_policy='priority'))")
 
 
 @dataclass

@@ -3,6 +3,10 @@ that matter and greedy tokens can be compared exactly with Hugging Face transfor
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+from pathlib import Path
+
 import pytest
 
 from pagedllm.cpu import MAX_ISA_ENV, runnable_levels
@@ -40,3 +44,21 @@ def smol_hf():
     model = AutoModelForCausalLM.from_pretrained(resolved.path, gguf_file=resolved.gguf_file, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(resolved.path, gguf_file=resolved.gguf_file)
     return model.eval(), tokenizer
+
+
+@pytest.fixture
+def disk_tmp_path(tmp_path):
+    """A fresh folder on a disk, for swap files (refused on a RAM-backed filesystem): tmp_path, or where that is
+    tmpfs, a folder in pagedllm's cache directory, removed afterwards."""
+    from pagedllm.paths import cache_dir
+    from pagedllm.runner.kv_tensors import is_ram_backed
+
+    if not is_ram_backed(str(tmp_path)):
+        yield tmp_path
+        return
+    cache_dir().mkdir(parents=True, exist_ok=True)
+    if is_ram_backed(str(cache_dir())):
+        pytest.skip("neither the temporary nor the cache directory is on a disk")
+    folder = tempfile.mkdtemp(prefix="test-swap-", dir=cache_dir())
+    yield Path(folder)
+    shutil.rmtree(folder)

@@ -243,7 +243,7 @@ def test_n_and_beams_survive_preemption(tiny):
 
 
 def test_priorities_run_lower_first(tiny):
-    llm = _llm(tiny, max_num_seqs=1)
+    llm = _llm(tiny, max_num_seqs=1, scheduling_policy="priority")
     prompts = [_prompt(40 + i, 5) for i in range(4)]
     engine = llm.engine
     for i, (prompt, priority) in enumerate(zip(prompts, [3, 1, 2, 0])):

@@ -17,8 +17,8 @@ Failures, from the smallest to the largest:
   - the loop itself raises (the bookkeeping is broken): the error is kept, every waiting request fails with
     EngineDeadError, and so does every later one; `is_running` turns False at once.
 Shutting down: `begin_drain()` refuses new requests (EngineDrainingError), `drain(timeout)` waits for the running
-ones and then aborts the rest (finish_reason "abort", stop_reason "server_shutdown"); `shutdown()` stops the thread
-and fails anything still waiting, so that no caller ever hangs.
+ones and then aborts the rest (finish_reason "abort", stop_reason "server_shutdown"); `shutdown()` stops the thread,
+fails anything still waiting, so that no caller ever hangs, and closes the engine (the swap file goes).
 """
 
 from __future__ import annotations
@@ -112,6 +112,10 @@ class AsyncEngine:
     def vocab_size(self) -> int:
         return self.engine.vocab_size
 
+    @property
+    def swap_space_bytes(self) -> int:
+        return self.engine.swap_space_bytes
+
     def validate_prompt(self, prompt: PromptInput) -> list[int]:
         """The prompt's token ids, validated as the engine will (empty, vocabulary, context length); raises
         ValueError (PromptTooLongError for the context). Safe from any thread: it reads only fixed facts."""
@@ -144,13 +148,18 @@ class AsyncEngine:
         self._thread.start()
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the engine thread; any request still waiting fails with EngineDeadError (none hangs)."""
+        """Stop the engine thread; any request still waiting fails with EngineDeadError (none hangs). Then close
+        the engine (its swap file is deleted), unless the thread is still inside a step after `timeout`."""
         with self._cond:
             self._stopped = True
             self._cond.notify()
         if self._thread is not None:
             self._thread.join(timeout)
             self._call_in_loop(self._fail_all, EngineDeadError("the engine has shut down"))
+        if self._thread is not None and self._thread.is_alive():
+            logger.warning("the engine thread did not stop within %.1f s; the engine is left open", timeout)
+            return
+        self.engine.close()
 
     def begin_drain(self) -> None:
         """Refuse new requests from now on; running ones go on."""
@@ -183,7 +192,8 @@ class AsyncEngine:
 
         Raises:
             EngineDeadError: the engine loop has failed (now or while this request waited).
-            ValueError: the engine refused the request (this request alone fails).
+            ValueError: the engine refused the request (this request alone fails), e.g. a non-zero priority
+                without scheduling_policy "priority".
         """
         self._raise_if_dead()
         if self._draining:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedllm.config import EngineConfig
+from pagedllm.config import EngineConfig, SchedulerConfig
 from pagedllm.core.kv_cache.block_pool import PrefixCacheStats
 from pagedllm.core.kv_cache.manager import KVCacheManager
 from pagedllm.core.request import FinishReason, Request, RequestStatus, child_request_id
@@ -21,7 +21,7 @@ from pagedllm.logger import init_logger
 from pagedllm.metrics.stats import SchedulerStats
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.runner import kv_tensors
-from pagedllm.runner.model_runner import ModelRunner
+from pagedllm.runner.model_runner import ModelRunner, StepTimings
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizer.tokenizer import load_tokenizer
 
@@ -29,10 +29,15 @@ logger = init_logger(__name__)
 
 PromptInput = str | list[int]
 
-# The swap-or-recompute cost model's device constants (see docs/architecture.md, "Swap and auto preemption"):
-# bytes per second moving KV blocks to and from the swap pool, and the flop rate a prefill achieves.
+# The swap-or-recompute costs (see docs/architecture.md, "Swap and auto preemption"). Defaults per device: bytes
+# per second moving KV blocks to and from the swap pool, and the flop rate a prefill achieves. With
+# preemption_mode "auto" a start-up measurement replaces them, and on a CPU each step's timings then update them.
 _SWAP_BYTES_PER_SECOND = {"cuda": 12e9, "cpu": 2e9}   # pinned host memory over PCIe; memcpy into a mapped file
 _PREFILL_FLOPS_PER_SECOND = {"cuda": 1e14, "cpu": 5e10}
+_MEASURE_PREFILL_TOKENS = 256   # the start-up prefill (fewer when the step budget, pool or context is smaller)
+_MEASURE_SWAP_BLOCKS = 16       # the start-up copy to the swap pool and back
+_COST_EMA_WEIGHT = 0.2          # the newest step's weight in the moving averages
+_MIN_TOKENS_FOR_RATE = 64       # a step of fewer tokens measures its fixed overhead more than per-token work
 
 
 @dataclass
@@ -86,6 +91,22 @@ def tokenize_prompt(tokenizer, prompt: PromptInput, vocab_size: int, max_model_l
     return token_ids
 
 
+def follow_step_costs(sched: SchedulerConfig, timings: StepTimings) -> None:
+    """Move the scheduler's swap-or-recompute costs towards what a step took: an exponential moving average of the
+    seconds per token of steps of at least _MIN_TOKENS_FOR_RATE tokens, and of the seconds per block of steps
+    that swapped."""
+    if timings.num_tokens >= _MIN_TOKENS_FOR_RATE:
+        sched.recompute_seconds_per_token = _ema(sched.recompute_seconds_per_token,
+                                                 timings.forward_seconds / timings.num_tokens)
+    if timings.num_swapped_blocks:
+        sched.swap_seconds_per_block = _ema(sched.swap_seconds_per_block,
+                                            timings.swap_seconds / timings.num_swapped_blocks)
+
+
+def _ema(average: float, sample: float) -> float:
+    return (1 - _COST_EMA_WEIGHT) * average + _COST_EMA_WEIGHT * sample
+
+
 class LLMEngine:
     """Loads a model, sizes the KV pool, and runs the scheduler/runner loop one step at a time."""
 
@@ -104,6 +125,7 @@ class LLMEngine:
         config.cache.num_blocks = num_blocks
         self.runner.allocate_kv_cache(num_blocks)
         self._setup_swap()
+        self._setup_costs()
         self.kv_cache_manager = KVCacheManager(num_blocks, config.cache.block_size,
                                                config.cache.enable_prefix_caching, config.cache.num_swap_blocks)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
@@ -121,20 +143,46 @@ class LLMEngine:
         return wanted or model_len
 
     def _setup_swap(self) -> None:
-        """Size the swap pool from swap_space GiB, and give the scheduler the swap-or-recompute costs."""
+        """Size the swap pool from swap_space GiB, and allocate it."""
         cache, sched = self.config.cache, self.config.scheduler
         bytes_per_block = self.runner.layout.bytes_per_token * cache.block_size
         num_swap_blocks = int(cache.swap_space * kv_tensors.GiB) // bytes_per_block
         cache.num_swap_blocks = num_swap_blocks if num_swap_blocks >= 2 else 0
+        self.swap_space_bytes = cache.num_swap_blocks * bytes_per_block
         if cache.num_swap_blocks:
             self.runner.allocate_swap_space(cache.num_swap_blocks, cache.swap_path)
+            logger.info("swap pool: %d blocks of %d tokens (%.2f GiB) in %s", cache.num_swap_blocks,
+                        cache.block_size, self.swap_space_bytes / kv_tensors.GiB, self.runner.swap.location)
         elif sched.preemption_mode != "recompute":
             logger.warning("preemption_mode=%r without swap space (swap_space=%s GiB): preempting by recompute",
                            sched.preemption_mode, cache.swap_space)
+
+    def _setup_costs(self) -> None:
+        """Give the scheduler the swap-or-recompute costs: the device's defaults, or with "auto" and a swap pool a
+        start-up measurement, which each step on a CPU then updates (`follow_step_costs`)."""
+        cache, sched = self.config.cache, self.config.scheduler
         device = self.runner.device.type if self.runner.device.type in _SWAP_BYTES_PER_SECOND else "cpu"
         num_params = sum(p.numel() for p in self.runner.model.parameters())
+        bytes_per_block = self.runner.layout.bytes_per_token * cache.block_size
         sched.swap_seconds_per_block = bytes_per_block / _SWAP_BYTES_PER_SECOND[device]
         sched.recompute_seconds_per_token = 2 * num_params / _PREFILL_FLOPS_PER_SECOND[device]
+        measured = sched.preemption_mode == "auto" and cache.num_swap_blocks > 0
+        # A GPU runs kernels asynchronously: its step times would be those of the launches.
+        self._follow_costs = measured and self.runner.device.type == "cpu"
+        if measured:
+            self._measure_costs()
+
+    def _measure_costs(self) -> None:
+        """A short prefill and a block copy to the swap pool and back, while both pools are still empty."""
+        cache, sched = self.config.cache, self.config.scheduler
+        assert cache.num_blocks is not None
+        num_tokens = min(_MEASURE_PREFILL_TOKENS, sched.max_num_batched_tokens, self.max_model_len - 1,
+                         (cache.num_blocks - 1) * cache.block_size)
+        sched.recompute_seconds_per_token = self.runner.measure_prefill_seconds_per_token(num_tokens)
+        num_blocks = min(_MEASURE_SWAP_BLOCKS, cache.num_blocks - 1, cache.num_swap_blocks - 1)
+        sched.swap_seconds_per_block = self.runner.measure_swap_seconds_per_block(num_blocks)
+        logger.info("preemption costs, measured: recompute %.3g ms per token, swap %.3g ms per block (out or in)",
+                    1e3 * sched.recompute_seconds_per_token, 1e3 * sched.swap_seconds_per_block)
 
     def _num_blocks(self) -> int:
         cache = self.config.cache
@@ -150,7 +198,9 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams, priority: int = 0,
                     cache_salt: str | None = None, arrival_time: float | None = None,
                     prompt_token_ids: list[int] | None = None) -> None:
-        """Queue a request. `prompt_token_ids`, when given, are the already validated tokens of `prompt`."""
+        """Queue a request. `prompt_token_ids`, when given, are the already validated tokens of `prompt`. A
+        non-zero `priority` needs scheduling_policy "priority" (ValueError otherwise)."""
+        self.config.scheduler.check_priority(priority)
         if request_id in self._tracked:
             raise ValueError(f"request id {request_id!r} is already in use")
         token_ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize_prompt(prompt)
@@ -215,6 +265,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def close(self) -> None:
+        """Release the swap pool: its file is closed and deleted. The engine must not step afterwards."""
+        self.runner.close()
+
     # ---- the loop -----------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         scheduler_output = self.scheduler.schedule()
@@ -224,6 +278,8 @@ class LLMEngine:
             errors = dict.fromkeys(self._step_request_ids(scheduler_output), exc)
             return self._finish_step(scheduler_output, RunnerOutput(), errors)
         runner_output, errors = self._execute(scheduler_output.scheduled)
+        if self._follow_costs and not errors:
+            follow_step_costs(self.config.scheduler, self.runner.last_timings)
         return self._finish_step(scheduler_output, runner_output, errors)
 
     def _step_request_ids(self, scheduler_output: SchedulerOutput) -> list[str]:

@@ -15,6 +15,7 @@ from pagedllm.config import (
     ModelConfig,
     PreemptionMode,
     SchedulerConfig,
+    SchedulingPolicy,
 )
 from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedllm.engine.llm_engine import LLMEngine, PromptInput
@@ -40,8 +41,11 @@ class LLM:
         seed: seed of the global random stream.
         enable_prefix_caching: reuse the KV cache of shared prompt prefixes.
         swap_space: GiB of the swap pool for swap preemption (host memory, or a memory-mapped file on a CPU).
-        swap_path: the file backing the swap pool on a CPU device; None: an anonymous temporary file.
+        swap_path: the file backing the swap pool on a CPU device, deleted by `close()`; refused on a RAM-backed
+            filesystem (tmpfs). None: an anonymous file in a disk-backed directory.
         preemption_mode: "recompute", "swap" or "auto" (swap when it costs less than recomputing).
+        scheduling_policy: "fcfs" (priorities refused) or "priority" (`generate(..., priority=...)` orders the
+            queues).
         chat_template: a Jinja template replacing the model's own.
         quantization: None, or "int8" (linear weights as int8 with per-row scales, quantized at load).
     """
@@ -52,7 +56,8 @@ class LLM:
                  max_num_batched_tokens: int = 2048, seed: int = 0, enable_prefix_caching: bool = True,
                  swap_space: float = 0.0, preemption_mode: PreemptionMode = "recompute",
                  chat_template: str | None = None, num_kv_blocks: int | None = None,
-                 swap_path: str | None = None, quantization: str | None = None) -> None:
+                 swap_path: str | None = None, scheduling_policy: SchedulingPolicy = "fcfs",
+                 quantization: str | None = None) -> None:
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
                               chat_template=chat_template, quantization=quantization),
@@ -61,10 +66,20 @@ class LLM:
                               swap_path=swap_path,
                               enable_prefix_caching=enable_prefix_caching, num_blocks=num_kv_blocks),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                      preemption_mode=preemption_mode),
+                                      preemption_mode=preemption_mode, scheduling_policy=scheduling_policy),
         )
         self.engine = LLMEngine(config)
         self._counter = itertools.count()
+
+    def close(self) -> None:
+        """Release the engine's swap pool (its file is deleted). `with LLM(...) as llm:` closes on leaving."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -109,11 +124,13 @@ class LLM:
             prompts: a string, a list of token ids, or a list of either.
             sampling_params: one for all prompts, or one per prompt (default: SamplingParams()).
             use_tqdm: show a progress bar when there is more than one prompt.
-            priority: one per prompt; lower runs first.
+            priority: one per prompt; lower runs first. Needs scheduling_policy "priority" unless all are 0.
         """
         prompt_list = _as_prompt_list(prompts)
         params_list = _per_prompt(sampling_params or SamplingParams(), len(prompt_list), "sampling_params")
         priorities = _per_prompt(list(priority) if priority is not None else 0, len(prompt_list), "priority")
+        for prio in priorities:
+            self.engine.config.scheduler.check_priority(prio)
         token_ids = [self.engine.tokenize_prompt(p) for p in prompt_list]   # all validated before any runs
         request_ids = [str(next(self._counter)) for _ in prompt_list]
         for request_id, prompt, ids, params, prio in zip(request_ids, prompt_list, token_ids, params_list,

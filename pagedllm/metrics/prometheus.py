@@ -30,9 +30,10 @@ class PrometheusStatLogger:
     Args:
         model_name: the value of every metric's model_name label.
         registry: where the metrics live; a fresh one when None.
+        swap_space_bytes: the size of the swap pool (0: none), a fixed gauge.
     """
 
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None, swap_space_bytes: int = 0) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.model_name = model_name
         labels = ["model_name"]
@@ -52,6 +53,9 @@ class PrometheusStatLogger:
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).")
         self.blocks_free = gauge("num_blocks_free", "Free KV-cache blocks (cached-but-unused count as free).")
         self.blocks_total = gauge("num_blocks_total", "KV-cache blocks in the pool.")
+        self.swap_blocks_used = gauge("num_swap_blocks_used", "Swap-pool blocks holding swapped-out KV.")
+        self.swap_blocks_total = gauge("num_swap_blocks_total", "Blocks in the swap pool (0: no swap pool).")
+        gauge("swap_space_bytes", "Size of the swap pool in bytes (0: no swap pool).").set(swap_space_bytes)
         self.preemptions = Counter(PREFIX + "num_preemptions", "Requests preempted, by mode.",
                                    ["model_name", "mode"], registry=self.registry)
         self.prefix_queries = counter("prefix_cache_queries",
@@ -82,6 +86,8 @@ class PrometheusStatLogger:
         self.kv_usage.set(stats.kv_cache_usage)
         self.blocks_free.set(stats.num_blocks_free)
         self.blocks_total.set(stats.num_blocks_total)
+        self.swap_blocks_used.set(stats.num_swap_blocks_total - stats.num_swap_blocks_free)
+        self.swap_blocks_total.set(stats.num_swap_blocks_total)
         last = self._last or SchedulerStats()
         # The core keeps cumulative counts; a Prometheus counter takes increments.
         for mode, count in stats.num_preemptions_total.items():

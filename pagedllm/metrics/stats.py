@@ -25,6 +25,8 @@ class SchedulerStats:
     num_swapped: int = 0
     num_blocks_free: int = 0
     num_blocks_total: int = 0
+    num_swap_blocks_free: int = 0
+    num_swap_blocks_total: int = 0          # the swap pool's usable blocks (0: no swap pool)
     num_preemptions_total: dict[str, int] = field(default_factory=dict)   # mode -> count
     prefix_cache_queries_total: int = 0     # prompt tokens looked up in the prefix cache, once a request
     prefix_cache_hits_total: int = 0        # of those, tokens found

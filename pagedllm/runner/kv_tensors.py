@@ -9,7 +9,9 @@ so that a block copy (copy-on-write) or a swap moves one block of every layer wi
 
 The swap pool (`SwapSpace`) has the same layout. Next to a GPU it is pinned host memory; on a CPU device it is
 a memory-mapped file, so that swapped blocks can leave RAM for the page cache and the disk and the swap pool
-really adds capacity.
+really adds capacity. That holds only on a disk: a file on a RAM-backed filesystem (tmpfs, ramfs; /dev/shm, and
+often /tmp) takes the same RAM as the KV pool. So a named swap file there is refused, and the anonymous one goes
+to the temporary directory only when it is on a disk, else to pagedllm's cache directory.
 """
 
 from __future__ import annotations
@@ -22,8 +24,14 @@ import numpy as np
 import psutil
 import torch
 
+from pagedllm.logger import init_logger
+from pagedllm.paths import cache_dir
+
+logger = init_logger(__name__)
+
 GiB = 1 << 30
 CPU_DEFAULT_KV_BYTES = 4 * GiB
+RAM_BACKED_FILESYSTEMS = ("tmpfs", "ramfs")
 
 
 @dataclass(frozen=True)
@@ -127,14 +135,53 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, pairs: list[tuple[int, int
     dst[:, :, dst_ids] = src[:, :, src_ids].to(dst.device, non_blocking=False)
 
 
+def filesystem_type(path: str) -> str:
+    """The type of the filesystem holding `path` ("ext4", "tmpfs", ...): that of its deepest mount point in
+    /proc/mounts, the last one mounted there winning. "" when the mount table cannot be read."""
+    real = os.path.realpath(path)
+    best, fstype = "", ""
+    try:
+        with open("/proc/mounts") as mounts:
+            for line in mounts:
+                fields = line.split()
+                mount_point = fields[1].replace("\\040", " ")
+                inside = mount_point == "/" or real == mount_point or real.startswith(mount_point + "/")
+                if inside and len(mount_point) >= len(best):
+                    best, fstype = mount_point, fields[2]
+    except OSError:
+        return ""
+    return fstype
+
+
+def is_ram_backed(path: str) -> bool:
+    return filesystem_type(path) in RAM_BACKED_FILESYSTEMS
+
+
+def _anonymous_swap_dir() -> str:
+    """The temporary directory if it is on a disk, else pagedllm's cache directory if that is; else (warned) the
+    temporary directory."""
+    tmp, cache = tempfile.gettempdir(), cache_dir()
+    if not is_ram_backed(tmp):
+        return tmp
+    cache.mkdir(parents=True, exist_ok=True)
+    if not is_ram_backed(str(cache)):
+        return str(cache)
+    logger.warning("the swap file goes to %s, a RAM-backed filesystem like %s: swapped blocks stay in RAM, so the "
+                   "swap pool adds no capacity; give swap_path (--swap-path) a file on a disk", tmp, cache)
+    return tmp
+
+
 class SwapSpace:
     """The swap pool's tensor, `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`.
 
     Args:
         layout, num_blocks, block_size: as for `allocate_kv`.
         device: the KV cache's device. For CUDA the pool is pinned host memory; for a CPU a memory-mapped file.
-        path: the file on a CPU device; None uses an anonymous temporary file (already unlinked, so it is gone
-            when the pool is closed or the process dies). A given path is created, and deleted by `close()`.
+        path: the file on a CPU device; None uses an anonymous file (already unlinked, so it is gone when the pool
+            is closed or the process dies) in a disk-backed directory (see the module docstring). A given path is
+            created, and deleted by `close()`; one on a RAM-backed filesystem is refused (ValueError).
+
+    `location` says where the pool lives, for the start-up log.
     """
 
     def __init__(self, layout: KVLayout, num_blocks: int, block_size: int, device: torch.device,
@@ -144,9 +191,18 @@ class SwapSpace:
         self._file = None
         if device.type == "cuda":
             self.kv = torch.zeros(shape, dtype=layout.dtype, pin_memory=True)
+            self.location = "pinned host memory"
             return
         num_bytes = int(np.prod(shape)) * torch.empty((), dtype=layout.dtype).element_size()
-        self._file = open(path, "w+b") if path is not None else tempfile.TemporaryFile(prefix="pagedllm-swap-")
+        if path is not None and is_ram_backed(path):
+            raise ValueError(f"swap_path {path!r} is on a RAM-backed filesystem ({filesystem_type(path)}): swapped "
+                             "blocks would stay in RAM and the swap pool would add no capacity; give a file on a disk")
+        if path is not None:
+            self._file, self.location = open(path, "w+b"), f"the file {path}"
+        else:
+            folder = _anonymous_swap_dir()
+            self._file = tempfile.TemporaryFile(prefix="pagedllm-swap-", dir=folder)
+            self.location = f"an anonymous file in {folder}"
         self._file.truncate(num_bytes)  # sparse: pages cost nothing until a block is swapped out
         raw = np.memmap(self._file, dtype=np.uint8, mode="r+", shape=(num_bytes,))
         self.kv = torch.from_numpy(raw).view(layout.dtype).view(shape)
@@ -156,7 +212,7 @@ class SwapSpace:
         return self._file is not None
 
     def close(self) -> None:
-        """Release the memory (and the file)."""
+        """Release the memory, and close and delete the file. Closing twice does nothing more."""
         self.kv = torch.empty(0)
         if self._file is not None:
             self._file.close()

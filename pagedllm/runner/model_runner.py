@@ -7,6 +7,8 @@ them. It never decides policy.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +37,17 @@ def model_shape(hf_config) -> ModelShape:
     return ModelShape(hf_config.num_hidden_layers, num_kv_heads, head_dim, hf_config.vocab_size)
 
 
+@dataclass(slots=True)
+class StepTimings:
+    """What the last `execute()` took, for the swap-or-recompute costs. On a CPU the clock reads true times; on a
+    GPU kernels run asynchronously, so the times are those of the launches."""
+
+    swap_seconds: float = 0.0         # swap-outs and swap-ins
+    num_swapped_blocks: int = 0
+    forward_seconds: float = 0.0      # the model's forward pass
+    num_tokens: int = 0               # the tokens it ran
+
+
 class ModelRunner:
     """Owns the model, the KV tensors and each request's sampling state."""
 
@@ -53,6 +66,7 @@ class ModelRunner:
         self.kv: torch.Tensor | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.swap: kv_tensors.SwapSpace | None = None
+        self.last_timings = StepTimings()
 
     def weight_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -65,13 +79,23 @@ class ModelRunner:
         """The swap pool: pinned host memory beside a GPU, a memory-mapped file on a CPU device."""
         self.swap = kv_tensors.SwapSpace(self.layout, num_blocks, self.block_size, self.device, path)
 
+    def close(self) -> None:
+        """Release the swap pool (closing and deleting its file); closing twice does nothing more."""
+        if self.swap is not None:
+            self.swap.close()
+            self.swap = None
+
     def _move_blocks(self, scheduler_output: SchedulerOutput) -> None:
         """Swap-out, then swap-in, then copy-on-write copies: the order SchedulerOutput promises."""
         assert self.kv is not None, "allocate_kv_cache() must run before prepare()"
         if scheduler_output.blocks_to_swap_out or scheduler_output.blocks_to_swap_in:
             assert self.swap is not None, "the scheduler swapped without a swap pool"
+            start = time.perf_counter()
             kv_tensors.swap_blocks(self.kv, self.swap.kv, scheduler_output.blocks_to_swap_out)
             kv_tensors.swap_blocks(self.swap.kv, self.kv, scheduler_output.blocks_to_swap_in)
+            self.last_timings.swap_seconds = time.perf_counter() - start
+            self.last_timings.num_swapped_blocks = (len(scheduler_output.blocks_to_swap_out)
+                                                    + len(scheduler_output.blocks_to_swap_in))
         kv_tensors.copy_blocks(self.kv, scheduler_output.blocks_to_copy)
 
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
@@ -89,6 +113,7 @@ class ModelRunner:
         # depend on whether it was preempted); it comes back through new_requests and is recognised.
         for new in scheduler_output.new_requests:
             self._add_request(new)
+        self.last_timings = StepTimings()
         self._move_blocks(scheduler_output)
 
     @torch.inference_mode()
@@ -102,11 +127,44 @@ class ModelRunner:
         if not scheduled:
             return RunnerOutput()
         inputs = build_model_inputs(scheduled, self.block_size, self.device)
+        start = time.perf_counter()
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        self.last_timings.forward_seconds = time.perf_counter() - start
+        self.last_timings.num_tokens = len(inputs.input_ids)
         if not inputs.sample_request_ids:
             return RunnerOutput()
         children = {s.request_id: s.child_request_ids for s in scheduled if s.child_request_ids}
         return self._sample(hidden, inputs, children)
+
+    # ---- start-up measurements (the KV and swap pools are still empty) -----------------------------------------
+    @torch.inference_mode()
+    def measure_prefill_seconds_per_token(self, num_tokens: int) -> float:
+        """Seconds per token of a prefill of `num_tokens` dummy tokens into the first blocks of the KV pool."""
+        block_ids = list(range(1, -(-num_tokens // self.block_size) + 1))
+        inputs = build_model_inputs([ScheduledRequest("measure", block_ids, 0, [0] * num_tokens, sample=False)],
+                                    self.block_size, self.device)
+        seconds = self._second_run_seconds(
+            lambda: self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta))
+        return seconds / num_tokens
+
+    def measure_swap_seconds_per_block(self, num_blocks: int) -> float:
+        """Seconds per block of copying blocks 1..num_blocks to the swap pool and back."""
+        assert self.kv is not None and self.swap is not None
+        kv, swap_kv, pairs = self.kv, self.swap.kv, [(i, i) for i in range(1, num_blocks + 1)]
+        seconds = self._second_run_seconds(
+            lambda: (kv_tensors.swap_blocks(kv, swap_kv, pairs), kv_tensors.swap_blocks(swap_kv, kv, pairs)))
+        return seconds / (2 * num_blocks)
+
+    def _second_run_seconds(self, run: Callable[[], object]) -> float:
+        """Wall seconds of the second of two calls: the first pays one-off costs (first-touch page faults, a
+        swap file's block allocation, lazy set-up) that a running engine has long paid."""
+        for _ in range(2):
+            start = time.perf_counter()
+            run()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            seconds = time.perf_counter() - start
+        return seconds
 
     def _add_request(self, new: NewRequestData) -> None:
         if new.request_id in self.requests:

@@ -24,7 +24,7 @@ class ExplodingEngine:
     def __init__(self, real, gate: threading.Event) -> None:
         self.real, self.gate = real, gate
         self.tokenizer, self.max_model_len, self.model_name = real.tokenizer, real.max_model_len, real.model_name
-        self.vocab_size = real.vocab_size
+        self.vocab_size, self.swap_space_bytes = real.vocab_size, real.swap_space_bytes
         # An idle core of its own, for the metrics (the real engine's belongs to the shared server's thread).
         self.scheduler = Scheduler(SchedulerConfig(), KVCacheManager(num_blocks=16, block_size=16))
         self.pending: set[str] = set()
@@ -35,6 +35,9 @@ class ExplodingEngine:
     def abort_request(self, request_ids, stop_reason=None) -> list:
         self.pending.difference_update(request_ids)
         return []
+
+    def close(self) -> None:
+        """Nothing to release: the real engine belongs to the shared server."""
 
     def make_stats(self):
         return self.scheduler.make_stats()

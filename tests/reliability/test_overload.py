@@ -40,7 +40,7 @@ def _engine_or_skip(folder, mode: str):
     swap_space = 0.0 if mode == "recompute" else 0.05      # GiB; the tiny model's blocks are 8 KiB
     try:
         engine = build_tiny_engine(folder, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, preemption_mode=mode,
-                                   swap_space=swap_space)
+                                   swap_space=swap_space, scheduling_policy="priority")
     except (NotImplementedError, ValueError) as exc:
         pytest.skip(f"the engine refuses preemption_mode={mode!r}: {exc}")
     if mode != "recompute" and not engine.config.cache.num_swap_blocks:
@@ -125,7 +125,8 @@ def test_overload_loses_nothing(tiny_model_dir, alone, mode):
 def test_priority_under_load_at_the_engine(tiny_model_dir):
     """Deterministic: a high-priority request added under load finishes no later than any low-priority request
     that was still waiting when it arrived, and it is never preempted."""
-    engine = build_tiny_engine(tiny_model_dir, num_blocks=4 * BLOCKS_PER_REQUEST, block_size=BLOCK_SIZE)
+    engine = build_tiny_engine(tiny_model_dir, num_blocks=4 * BLOCKS_PER_REQUEST, block_size=BLOCK_SIZE,
+                               scheduling_policy="priority")
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     for i, prompt in enumerate(PROMPTS[:40]):
         engine.add_request(f"low-{i}", prompt, params, priority=0)

@@ -2,7 +2,8 @@
 
 Graceful shutdown: from SIGTERM on, /health and new requests get 503; running requests go on until
 --shutdown-timeout, then the rest end with finish_reason "abort" and stop_reason "server_shutdown"; every client
-gets a complete answer; the process exits 0. Privacy: nothing of a prompt reaches the server's log by default."""
+gets a complete answer; the process exits 0 and its swap file is gone. Privacy: nothing of a prompt reaches the
+server's log by default."""
 
 from __future__ import annotations
 
@@ -33,10 +34,11 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _start(folder, port: int, log_path) -> subprocess.Popen:
+def _start(folder, port: int, log_path, swap_path) -> subprocess.Popen:
     command = [sys.executable, "-m", "pagedllm.entrypoints.openai.api_server", "--model", str(folder),
                "--port", str(port), "--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "4MiB",
-               "--max-num-seqs", "1", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT)]
+               "--max-num-seqs", "1", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT), "--swap-space", "0.001",
+               "--swap-path", str(swap_path)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(command, stdout=log_path.open("w"), stderr=subprocess.STDOUT, env=env)
 
@@ -70,9 +72,9 @@ async def _load_then_sigterm(url: str, process: subprocess.Popen) -> tuple[list,
         return await asyncio.gather(*streams), during
 
 
-def test_sigterm_drains_then_exits_0_and_logs_no_prompt(tiny_model_dir, tmp_path):
-    port, log_path = _free_port(), tmp_path / "server.log"
-    process = _start(tiny_model_dir, port, log_path)
+def test_sigterm_drains_then_exits_0_and_logs_no_prompt(tiny_model_dir, tmp_path, disk_tmp_path):
+    port, log_path, swap_path = _free_port(), tmp_path / "server.log", disk_tmp_path / "swap.bin"
+    process = _start(tiny_model_dir, port, log_path, swap_path)
     url = f"http://127.0.0.1:{port}"
     try:
         def up() -> bool:
@@ -82,6 +84,7 @@ def test_sigterm_drains_then_exits_0_and_logs_no_prompt(tiny_model_dir, tmp_path
             except httpx.HTTPError:
                 return False
         assert wait_until(up, timeout=120, interval=0.2)
+        assert swap_path.exists()
         # A normal request first: its prompt must not be logged either.
         ok = httpx.post(f"{url}/v1/completions", json={"prompt": f"{SECRET} hello", "max_tokens": 3}, timeout=30)
         assert ok.status_code == 200 and SECRET not in ok.json()["choices"][0]["text"]
@@ -104,4 +107,6 @@ def test_sigterm_drains_then_exits_0_and_logs_no_prompt(tiny_model_dir, tmp_path
     assert set(reasons) <= {("length", None), ("abort", "server_shutdown")}, reasons
     assert elapsed < SHUTDOWN_TIMEOUT + 15, elapsed
     assert "SIGTERM" in log and "aborting" in log
+    assert re.search(rf"swap pool: \d+ blocks of 8 tokens .* in the file {re.escape(str(swap_path))}", log), log
+    assert not swap_path.exists()                                         # closed and deleted
     assert SECRET not in log, "a prompt reached the server log"

@@ -25,13 +25,14 @@ TINY_CONTEXT = 256
 
 def build_tiny_engine(folder: Path, *, num_blocks: int = 512, block_size: int = 16, max_num_seqs: int = 256,
                       preemption_mode: str = "recompute", swap_space: float = 0.0,
-                      enable_prefix_caching: bool = True, max_num_batched_tokens: int = 2048) -> LLMEngine:
+                      enable_prefix_caching: bool = True, max_num_batched_tokens: int = 2048,
+                      scheduling_policy: str = "fcfs", swap_path: str | None = None) -> LLMEngine:
     return LLMEngine(EngineConfig(
         model=ModelConfig(model=str(folder), dtype="float32", max_model_len=TINY_CONTEXT),
-        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, swap_space=swap_space,
+        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, swap_space=swap_space, swap_path=swap_path,
                           enable_prefix_caching=enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                  preemption_mode=preemption_mode)))
+                                  preemption_mode=preemption_mode, scheduling_policy=scheduling_policy)))
 
 
 def offline(engine: LLMEngine) -> LLM:

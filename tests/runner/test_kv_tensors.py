@@ -1,3 +1,6 @@
+import os
+import tempfile
+
 import pytest
 import torch
 
@@ -39,8 +42,8 @@ def test_capacity_report_states_blocks_bytes_and_concurrency():
     assert "129 blocks" in str(report) and "100 bytes per token" in str(report) and "4.0x" in str(report)
 
 
-def test_swap_space_on_a_cpu_is_a_memory_mapped_file_deleted_on_close(tmp_path):
-    path = tmp_path / "swap.bin"
+def test_swap_space_on_a_cpu_is_a_memory_mapped_file_deleted_on_close(disk_tmp_path):
+    path = disk_tmp_path / "swap.bin"
     swap = kv_tensors.SwapSpace(LAYOUT, num_blocks=5, block_size=4, device=torch.device("cpu"), path=str(path))
     assert swap.is_memory_mapped and swap.kv.shape == (3, 2, 5, 4, 2, 8) and swap.kv.dtype == torch.bfloat16
     assert path.stat().st_size == 5 * 4 * LAYOUT.bytes_per_token and not swap.kv.any()
@@ -59,4 +62,34 @@ def test_swap_out_and_in_round_trip_bit_for_bit():
     kv[:, :, 1] = 0
     kv_tensors.swap_blocks(swap.kv, kv, [(3, 5), (1, 2)])
     assert torch.equal(kv[:, :, 5], before[:, :, 1]) and torch.equal(kv[:, :, 2], before[:, :, 4])
+    swap.close()
+
+
+def _tmpfs_dir() -> str:
+    if not kv_tensors.is_ram_backed("/dev/shm"):
+        pytest.skip("no tmpfs at /dev/shm on this machine")
+    return "/dev/shm"
+
+
+def test_the_filesystem_type_comes_from_the_deepest_mount():
+    assert kv_tensors.filesystem_type(f"{_tmpfs_dir()}/not/yet/there") == "tmpfs"
+    assert kv_tensors.filesystem_type("/proc/self") == "proc"
+
+
+def test_a_swap_file_on_tmpfs_is_refused_with_a_clear_message():
+    path = f"{_tmpfs_dir()}/pagedllm-test-swap.bin"
+    with pytest.raises(ValueError, match="RAM-backed filesystem.*no capacity"):
+        kv_tensors.SwapSpace(LAYOUT, num_blocks=5, block_size=4, device=torch.device("cpu"), path=path)
+    assert not os.path.exists(path)
+
+
+def test_the_anonymous_swap_file_leaves_a_ram_backed_tmpdir_for_the_cache_dir(disk_tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", _tmpfs_dir())
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(disk_tmp_path / "cache"))
+    swap = kv_tensors.SwapSpace(LAYOUT, num_blocks=5, block_size=4, device=torch.device("cpu"))
+    assert swap.location == f"an anonymous file in {disk_tmp_path / 'cache'}"
+    swap.close()
+    monkeypatch.setattr(tempfile, "tempdir", str(disk_tmp_path))
+    swap = kv_tensors.SwapSpace(LAYOUT, num_blocks=5, block_size=4, device=torch.device("cpu"))
+    assert swap.location == f"an anonymous file in {disk_tmp_path}"
     swap.close()

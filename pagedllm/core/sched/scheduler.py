@@ -14,6 +14,10 @@ is preempted, by recompute or by swap (`SchedulerConfig.preemption_mode`):
     comes back into fresh device blocks (`blocks_to_swap_in`) before any waiting request is admitted;
   - auto: swap when moving the blocks out and back costs less than recomputing them:
         2 x num_blocks x swap_seconds_per_block  <  num_computed_tokens x recompute_seconds_per_token.
+    The two costs are measured, not assumed: the engine times a short prefill and a block copy to the swap
+    pool and back at start-up, then follows its own steps on a CPU with an exponential moving average (weight
+    0.2 for the newest) of the seconds per token of steps of at least 64 tokens and of the seconds per block
+    of steps that swapped (`pagedllm.engine.llm_engine.follow_step_costs`). The scheduler only reads them.
 A request falls back to recompute when the swap pool has no room, when it has nothing computed, when it is a
 beam waiting for its next token, or when a block of it was copied (copy-on-write) this very step.
 No admission happens in a step with a preemption.
@@ -124,6 +128,7 @@ class Scheduler:
         return SchedulerStats(
             num_running=len(self.running), num_waiting=len(self.waiting), num_swapped=len(self.swapped),
             num_blocks_free=kv.num_free_blocks, num_blocks_total=kv.num_usable_blocks,
+            num_swap_blocks_free=kv.num_free_swap_blocks, num_swap_blocks_total=kv.num_usable_swap_blocks,
             num_preemptions_total=dict(self.num_preemptions_by_mode),
             prefix_cache_queries_total=prefix.num_query_tokens, prefix_cache_hits_total=prefix.num_hit_tokens,
             num_kv_slots_running=num_slots,

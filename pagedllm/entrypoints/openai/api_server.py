@@ -35,13 +35,20 @@ def run_server(args: argparse.Namespace) -> None:
     from pagedllm.entrypoints.openai.graceful import GracefulServer
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = build_app_from_args(args)
+    try:
+        app = build_app_from_args(args)
+    except ValueError as exc:    # a bad setting (e.g. a swap file on tmpfs): say so, without a traceback
+        raise SystemExit(f"error: {exc}") from exc
     names = ", ".join(args.served_model_name or [app.state.engine.model_name])
     logger.info("serving %s on http://%s:%d (API key %s)", names, args.host, args.port,
                 "required" if args.api_key else "not required")
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             timeout_keep_alive=5, timeout_graceful_shutdown=5)
-    GracefulServer(config, app.state.engine, args.shutdown_timeout).run()
+    try:
+        GracefulServer(config, app.state.engine, args.shutdown_timeout).run()
+    finally:
+        # The lifespan closes the engine on a graceful stop; a forced one (a second signal) skips the lifespan.
+        app.state.engine.engine.close()
 
 
 def make_parser() -> argparse.ArgumentParser:

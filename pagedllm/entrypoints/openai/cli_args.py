@@ -86,8 +86,14 @@ def add_server_args(parser: argparse.ArgumentParser, *, positional_model: bool) 
                         help="size of the KV pool, e.g. 512MiB or 2GiB; overrides --gpu-memory-utilization")
     engine.add_argument("--swap-space", type=float, default=0.0,
                         help="GiB of the second KV pool that swap preemption moves blocks to (default: 0)")
+    engine.add_argument("--swap-path", default=None,
+                        help="file backing the swap pool on a CPU, deleted on shutdown; refused on a RAM-backed "
+                             "filesystem such as /dev/shm (default: an anonymous file in a disk-backed directory)")
     engine.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap", "auto"],
                         help="what to do with a request when KV blocks run out (default: %(default)s)")
+    engine.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                        help="fcfs: first come first served, a request with a non-zero `priority` gets 400; "
+                             "priority: a request's `priority` orders the queue, lower first (default: %(default)s)")
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                         help="reuse the KV cache of shared prompt prefixes (default: on)")
     engine.add_argument("--max-num-seqs", type=int, default=256,
@@ -115,7 +121,7 @@ def engine_config_from_args(args: argparse.Namespace):
                           chat_template=args.chat_template, quantization=args.quantization),
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                           gpu_memory_utilization=args.gpu_memory_utilization, swap_space=args.swap_space,
-                          enable_prefix_caching=args.enable_prefix_caching),
+                          swap_path=args.swap_path, enable_prefix_caching=args.enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                                  preemption_mode=args.preemption_mode),
+                                  preemption_mode=args.preemption_mode, scheduling_policy=args.scheduling_policy),
     )

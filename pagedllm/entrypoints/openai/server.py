@@ -48,7 +48,7 @@ def build_app(engine: AsyncEngine, *, served_model_names: Sequence[str] | None =
     """
     names = list(served_model_names or [engine.model_name])
     limits = limits or ServerLimits()
-    stat_logger = PrometheusStatLogger(names[0])
+    stat_logger = PrometheusStatLogger(names[0], swap_space_bytes=engine.swap_space_bytes)
     engine.add_stat_logger(stat_logger.record)
 
     @asynccontextmanager
