@@ -34,6 +34,7 @@ from pagedllm.core.request import Request
 from pagedllm.core.sched.output import RunnerOutput, SchedulerOutput
 from pagedllm.core.sched.scheduler import Scheduler
 from pagedllm.memory.traces import TraceRequest
+from pagedllm.metrics.stats import SchedulerStats
 from pagedllm.sampling_params import SamplingParams
 
 PAGED_BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -142,8 +143,10 @@ def _sample_zeros(scheduler_output: SchedulerOutput) -> RunnerOutput:
     return RunnerOutput({s.request_id: 0 for s in scheduler_output.scheduled if s.sample})
 
 
-def simulate(trace: list[TraceRequest], policy: str, config: SimConfig = SimConfig()) -> PolicyResult:
-    """Run the whole trace under one policy; every request finishes (the budget holds any one request)."""
+def simulate(trace: list[TraceRequest], policy: str, config: SimConfig = SimConfig(),
+             on_step: Callable[[SchedulerStats], None] | None = None) -> PolicyResult:
+    """Run the whole trace under one policy; every request finishes (the budget holds any one request).
+    `on_step` sees the scheduler's snapshot after every step."""
     too_long = [r for r in trace if r.prompt_len + r.output_len > config.max_model_len]
     if too_long:
         raise ValueError(f"{len(too_long)} requests of the trace are longer than max_model_len "
@@ -161,6 +164,8 @@ def simulate(trace: list[TraceRequest], policy: str, config: SimConfig = SimConf
         scheduler.update_from_output(scheduler_output, _sample_zeros(scheduler_output))
         stats = scheduler.make_stats()
         waste.add(stats.num_kv_slots_running - stats.num_kv_slots_filled, stats.num_kv_slots_running)
+        if on_step is not None:
+            on_step(stats)
         max_batch = max(max_batch, len(scheduler_output.scheduled))
         total_batch += len(scheduler_output.scheduled)
         clock += config.step_seconds
