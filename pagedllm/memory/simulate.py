@@ -19,7 +19,7 @@ will do), so they show no external fragmentation.
 
 Measured after every step, as `pagedllm bench` measures the engine (`KVWaste`): the slots held by running
 requests and, of those, the slots holding a computed token's K/V. `token_state_pct` is their ratio over the
-whole run; `max_batch` is the most requests running in one step.
+whole run; `max_batch` is the most requests one step ran.
 """
 
 from __future__ import annotations
