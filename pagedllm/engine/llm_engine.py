@@ -16,7 +16,7 @@ from pagedllm.core.sched.output import RequestUpdate, RunnerOutput, ScheduledReq
 from pagedllm.core.sched.scheduler import Scheduler
 from pagedllm.engine.beam_search import BeamSearchDriver, BeamSearchOutput, BeamSearchParams
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
-from pagedllm.loader import load_model
+from pagedllm.loader import load_model, max_model_len_of
 from pagedllm.logger import init_logger
 from pagedllm.metrics.stats import SchedulerStats
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
@@ -117,7 +117,7 @@ class LLMEngine:
         self.model_name = loaded.resolved.name
         self.tokenizer = load_tokenizer(loaded.resolved.path, loaded.resolved.gguf_file, config.model.chat_template)
         self.hf_config = loaded.hf_config
-        self.max_model_len = self._max_model_len(loaded.hf_config)
+        self.max_model_len = max_model_len_of(loaded.hf_config, config.model.max_model_len)
         config.scheduler.max_model_len = self.max_model_len
         self.runner = ModelRunner(loaded, config.cache, self.tokenizer.eos_token_id, config.model.seed)
         self.vocab_size = self.runner.shape.vocab_size
@@ -134,13 +134,6 @@ class LLMEngine:
                                                   self.runner.layout.bytes_per_token, self.max_model_len)
         logger.info("%s", self.capacity)
         self._tracked: dict[str, _Tracked] = {}
-
-    def _max_model_len(self, hf_config) -> int:
-        model_len = getattr(hf_config, "max_position_embeddings", None) or 2048
-        wanted = self.config.model.max_model_len
-        if wanted is not None and wanted > model_len:
-            raise ValueError(f"max_model_len={wanted} is larger than the model's context length {model_len}")
-        return wanted or model_len
 
     def _setup_swap(self) -> None:
         """Size the swap pool from swap_space GiB, and allocate it."""

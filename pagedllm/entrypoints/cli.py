@@ -1,4 +1,5 @@
-"""The `pagedllm` command: `pagedllm serve [MODEL]` and `pagedllm bench throughput|serve|prefix`.
+"""The `pagedllm` command: `pagedllm serve [MODEL]`, `pagedllm bench throughput|serve|prefix`, `pagedllm plan
+[MODEL]` and `pagedllm simulate`.
 
 Nothing heavy is imported before the arguments are parsed, so `pagedllm --help` answers at once, and so that
 `serve` can set OpenMP's wait policy before torch loads.
@@ -12,6 +13,7 @@ import os
 from pagedllm.bench.cli import add_bench_parser
 from pagedllm.entrypoints.openai.api_server import DESCRIPTION, run_server
 from pagedllm.entrypoints.openai.cli_args import add_server_args
+from pagedllm.memory.cli import add_memory_parsers
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -23,6 +25,7 @@ def make_parser() -> argparse.ArgumentParser:
     add_server_args(serve, positional_model=True)
     serve.set_defaults(func=run_server)
     add_bench_parser(subparsers)
+    add_memory_parsers(subparsers)
     return parser
 
 

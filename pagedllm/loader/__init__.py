@@ -70,6 +70,14 @@ def load_hf_config(resolved: ResolvedModel) -> Any:
     return _config_and_weights(resolved, torch.float32)[0]
 
 
+def max_model_len_of(hf_config: Any, wanted: int | None) -> int:
+    """The model's context length (`max_position_embeddings`, else 2048), capped by `wanted` when given."""
+    model_len = getattr(hf_config, "max_position_embeddings", None) or 2048
+    if wanted is not None and wanted > model_len:
+        raise ValueError(f"max_model_len={wanted} is larger than the model's context length {model_len}")
+    return wanted or model_len
+
+
 def _config_and_weights(resolved: ResolvedModel, dtype: torch.dtype) -> tuple[Any, Iterator[tuple[str, torch.Tensor]]]:
     """(hf_config, lazy (name, tensor) iterator); nothing is read until the iterator is consumed."""
     if resolved.gguf_path is not None:
@@ -106,4 +114,5 @@ def load_model(model_config: ModelConfig) -> LoadedModel:
     return LoadedModel(model, hf_config, resolved, dtype)
 
 
-__all__ = ["LoadedModel", "ResolvedModel", "load_model", "load_hf_config", "resolve_dtype", "resolve_model"]
+__all__ = ["LoadedModel", "ResolvedModel", "load_model", "load_hf_config", "max_model_len_of", "resolve_dtype",
+           "resolve_model"]

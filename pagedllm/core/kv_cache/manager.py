@@ -104,6 +104,10 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self._req_blocks.get(request_id, ())]
 
+    def num_blocks_held(self, request_id: str) -> int:
+        """The length of the request's device block table (0 without one), without building the id list."""
+        return len(self._req_blocks.get(request_id, ()))
+
     def get_swapped_block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self._swapped_blocks.get(request_id, ())]
 

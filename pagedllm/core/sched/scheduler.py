@@ -124,7 +124,7 @@ class Scheduler:
         """A snapshot of the queues, the KV pool and the counters, for metrics (from the stepping thread)."""
         kv = self.kv_cache_manager
         prefix = kv.prefix_cache_stats
-        num_slots = sum(len(kv.get_block_ids(r.request_id)) for r in self.running) * kv.block_size
+        num_slots = sum(kv.num_blocks_held(r.request_id) for r in self.running) * kv.block_size
         return SchedulerStats(
             num_running=len(self.running), num_waiting=len(self.waiting), num_swapped=len(self.swapped),
             num_blocks_free=kv.num_free_blocks, num_blocks_total=kv.num_usable_blocks,
