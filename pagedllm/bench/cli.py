@@ -1,4 +1,5 @@
-"""`pagedllm bench throughput|serve|prefix`: the parser the `pagedllm` command registers, and a standalone main.
+"""`pagedllm bench throughput|serve|prefix|dashboard`: the parser the `pagedllm` command registers, and a
+standalone main.
 
 Each command's module builds its own flags and sets `func`, so a caller runs a parsed command with
 `args.func(args)`; the function returns the figures it printed, as a dict.
@@ -14,6 +15,7 @@ _COMMANDS = {
     "throughput": "offline throughput on a fixed workload; --compare hf times transformers in the same run",
     "serve": "online latency and throughput against an OpenAI-compatible server",
     "prefix": "a shared-system-prompt workload with the prefix cache on, then off",
+    "dashboard": "the engine's step time with the /dashboard page open in headless Chromium, against closed",
 }
 
 
@@ -25,10 +27,11 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 
 
 def add_bench_commands(parser: argparse.ArgumentParser) -> None:
-    from pagedllm.bench import prefix, serve, throughput
+    from pagedllm.bench import dashboard, prefix, serve, throughput
 
-    modules = {"throughput": throughput, "serve": serve, "prefix": prefix}
-    commands = parser.add_subparsers(dest="bench_command", metavar="{throughput,serve,prefix}", required=True)
+    modules = {"throughput": throughput, "serve": serve, "prefix": prefix, "dashboard": dashboard}
+    commands = parser.add_subparsers(dest="bench_command", metavar="{throughput,serve,prefix,dashboard}",
+                                     required=True)
     for name, help_text in _COMMANDS.items():
         command = commands.add_parser(name, help=help_text, description=help_text[0].upper() + help_text[1:] + ".",
                                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)

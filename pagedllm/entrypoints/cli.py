@@ -1,4 +1,4 @@
-"""The `pagedllm` command: `pagedllm serve [MODEL]` and `pagedllm bench throughput|serve|prefix`.
+"""The `pagedllm` command: `pagedllm serve [MODEL]` and `pagedllm bench throughput|serve|prefix|dashboard`.
 
 Nothing heavy is imported before the arguments are parsed, so `pagedllm --help` answers at once, and so that
 `serve` can set OpenMP's wait policy before torch loads.
