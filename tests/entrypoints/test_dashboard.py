@@ -26,7 +26,8 @@ SCREENSHOT_ENV = "PAGEDLLM_DASHBOARD_SCREENSHOT"    # a path: the browser test s
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> RunningServer:
     """A tiny random Llama (byte tokenizer) behind the server: the dashboard shows blocks, not text. 160 blocks of
-    4 tokens and a small swap pool, so that the workload (6 requests of ~150 tokens) fills the pool and swaps."""
+    4 tokens and a small swap pool, so that the workload (12 requests of ~230 tokens, ~58 blocks each, 24 of them
+    a shared prefix) cannot all fit and preempts."""
     folder, _ = save_tiny_model(tmp_path_factory.mktemp("tiny") / "m", "llama-gqa")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)        # a tiny model on a busy two-core box: a second thread only spins
@@ -44,7 +45,7 @@ def _idle_metrics(url: str) -> dict[str, float]:
     return scrape(url)
 
 
-def _complete(url: str, topic: str, max_tokens: int = 40) -> None:
+def _complete(url: str, topic: str, max_tokens: int = 120) -> None:
     response = httpx.post(f"{url}/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120,
                           json={"prompt": f"{_PREFIX}Tell me about {topic}.", "max_tokens": max_tokens,
                                 "temperature": 0, "ignore_eos": True})
@@ -119,7 +120,8 @@ def _check_counts_equal_metrics(page, url: str) -> None:
 
 
 def _check_updates_under_load(page, url: str) -> None:
-    topics = ["the sea", "a city at night", "mountains", "a robot", "coffee", "the moon"]
+    topics = ["the sea", "a city at night", "mountains", "a robot", "coffee", "the moon", "winter", "a library",
+              "rain", "a garden", "the wind", "a bridge"]
     with concurrent.futures.ThreadPoolExecutor(len(topics)) as pool:
         running = [pool.submit(_complete, url, topic) for topic in topics]
         page.wait_for_function("Number(document.body.dataset.running) > 0", timeout=60_000)
@@ -127,8 +129,16 @@ def _check_updates_under_load(page, url: str) -> None:
         assert busy["used"] + busy["shared"] > 0
         assert page.locator("#requests tr").count() > 0 and page.locator("#requests .prompt").count() > 0
         if os.environ.get(SCREENSHOT_ENV):
-            page.wait_for_function("document.querySelectorAll('#requests tr').length >= 4", timeout=30_000)
+            page.wait_for_function("document.getElementById('fig-preemptions').textContent !== '0 / 0'",
+                                   timeout=60_000)
             page.screenshot(path=os.environ[SCREENSHOT_ENV], full_page=True)
         for future in running:
             future.result(timeout=120)
     page.wait_for_function("Number(document.body.dataset.running) === 0", timeout=30_000)
+    # The pool was too small for all twelve: preemptions, as /metrics counts them; whatever went out came back in.
+    values = _idle_metrics(url)
+    preemptions = [int(metric(values, "pagedllm:num_preemptions_total", mode=mode)) for mode in ("recompute", "swap")]
+    wait_until(lambda: page.inner_text("#fig-preemptions") == " / ".join(map(str, preemptions)), timeout=10)
+    assert page.inner_text("#fig-preemptions") == " / ".join(map(str, preemptions)) and sum(preemptions) > 0
+    swapped_out, swapped_in = map(int, page.inner_text("#fig-swap").split(" / "))
+    assert swapped_in == swapped_out and (swapped_out > 0) == (preemptions[1] > 0)
