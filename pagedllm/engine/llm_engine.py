@@ -13,7 +13,7 @@ from pagedllm.core.kv_cache.block_map import BlockMap
 from pagedllm.core.kv_cache.block_pool import PrefixCacheStats
 from pagedllm.core.kv_cache.manager import KVCacheManager
 from pagedllm.core.request import FinishReason, Request, RequestStatus, child_request_id
-from pagedllm.core.sched.output import RequestUpdate, RunnerOutput, SchedulerOutput
+from pagedllm.core.sched.output import RequestUpdate, RunnerOutput, ScheduledRequest, SchedulerOutput
 from pagedllm.core.sched.scheduler import Scheduler
 from pagedllm.engine.beam_search import BeamSearchDriver, BeamSearchOutput, BeamSearchParams
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
@@ -224,39 +224,74 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         scheduler_output = self.scheduler.schedule()
         try:
-            runner_output = self.runner.execute(scheduler_output)
-        except Exception as exc:  # noqa: BLE001 - a failed step fails its batch, not the engine
-            return self._fail_step(scheduler_output, exc)
+            self.runner.prepare(scheduler_output)
+        except Exception as exc:  # noqa: BLE001 - the block moves may be half done: the whole step fails
+            errors = dict.fromkeys(self._step_request_ids(scheduler_output), exc)
+            return self._finish_step(scheduler_output, RunnerOutput(), errors)
+        runner_output, errors = self._execute(scheduler_output.scheduled)
+        return self._finish_step(scheduler_output, runner_output, errors)
+
+    def _step_request_ids(self, scheduler_output: SchedulerOutput) -> list[str]:
+        """The step's requests and those it was swapping out: their KV is unsure when the block moves fail."""
+        live = self.scheduler.requests
+        return [s.request_id for s in scheduler_output.scheduled] + [
+            r for r in scheduler_output.preempted_request_ids if live[r].status is RequestStatus.SWAPPED]
+
+    def _execute(self, scheduled: list[ScheduledRequest]) -> tuple[RunnerOutput, dict[str, Exception]]:
+        """Run the step's requests. When the runner raises, each half is run again, recursively, down to single
+        requests, so that only a request whose own run raises fails (with its error) and one bad request cannot
+        fail a whole batch. A rerun is safe: `runner.run` writes only the K/V slots of these requests' new
+        tokens (a rerun overwrites the same slots) and advances their sampling state only once it has sampled;
+        the block moves ran once, in `prepare`, and the scheduler's counters move only in `update_from_output`.
+        """
+        try:
+            return self.runner.run(scheduled), {}
+        except Exception as exc:  # noqa: BLE001 - a failed run fails its own requests, not the engine
+            if len(scheduled) == 1:
+                return RunnerOutput(), {scheduled[0].request_id: exc}
+            logger.warning("engine step failed for %d requests: %r; running them again in halves to find the "
+                           "failing ones", len(scheduled), exc)
+        middle = len(scheduled) // 2
+        first, first_errors = self._execute(scheduled[:middle])
+        second, second_errors = self._execute(scheduled[middle:])
+        return (RunnerOutput({**first.sampled_token_ids, **second.sampled_token_ids},
+                             {**first.logprobs, **second.logprobs}), first_errors | second_errors)
+
+    def _finish_step(self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput,
+                     errors: dict[str, Exception]) -> list[RequestOutput]:
+        """Fail the requests whose run raised, then apply the step's result to the others."""
+        outputs = self._fail_requests(errors)
         updates = self.scheduler.update_from_output(scheduler_output, runner_output)
-        outputs = [o for o in map(self._process, updates) if o is not None]
+        outputs += [o for o in map(self._process, updates) if o is not None]
         if self.beam_search.groups:
             self.beam_search.advance()
         return outputs
 
-    def _fail_step(self, scheduler_output: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
-        """The runner raised: finish (abort) every request of the step's batch, and any it was swapping out,
-        since their KV may be half written; free their blocks, and go on. Each gets an output with `error`."""
-        live = self.scheduler.requests
-        failed = {s.request_id: live[s.request_id] for s in scheduler_output.scheduled}
-        failed.update((r, live[r]) for r in scheduler_output.preempted_request_ids
-                      if live[r].status is RequestStatus.SWAPPED)
-        logger.error("engine step failed for %d request(s): %r", len(failed), exc,
-                     exc_info=(type(exc), exc, exc.__traceback__))
-        self.scheduler.finish_requests(list(failed), FinishReason.ABORT)
-        outputs = [o for o in map(self._process, self.scheduler.update_from_output(scheduler_output, RunnerOutput()))
-                   if o is not None]
-        message = f"the engine step running this request failed: {exc!r}"
-        for request_id, request in failed.items():
-            output = self._process(RequestUpdate(request_id, [], finish_reason=FinishReason.ABORT,
-                                                 parent_request_id=request.parent_id, index=request.index))
-            if output is not None:
-                output.error = message
-                outputs.append(output)
+    def _fail_requests(self, errors: dict[str, Exception]) -> list[RequestOutput]:
+        """Abort each failed request, with every sequence of its group (its other completions; a request fails
+        as a whole), freeing their blocks. Each gets a final output whose `error` names the exception. A failed
+        beam is dropped from its search, which goes on with the others."""
+        for exc in {id(exc): exc for exc in errors.values()}.values():
+            logger.error("engine step failed for %d request(s): %r", sum(e is exc for e in errors.values()), exc,
+                         exc_info=(type(exc), exc, exc.__traceback__))
+        outputs = []
+        for request_id, exc in errors.items():
+            request = self.scheduler.requests.get(request_id)
+            if request is None:  # a sibling's failure already aborted it
+                continue
+            if request.group_id not in self._tracked:
+                self.scheduler.finish_requests(request_id, FinishReason.ABORT)
+                self.beam_search.on_update(RequestUpdate(request_id, [], finish_reason=FinishReason.ABORT))
+                continue
+            (output,) = self.abort_request([request.group_id])
+            output.error = f"the engine step running this request failed: {exc!r}"
+            outputs.append(output)
         return outputs
 
     def _process(self, update: RequestUpdate) -> RequestOutput | None:
         """Detokenize one sequence's update. With n > 1, a "final" output waits for all n completions; a
-        streamed one carries just the completion that changed (its `index` says which)."""
+        streamed one carries just the completion that changed (its `index` says which), or all n when the
+        request ended before it forked."""
         request_id = update.parent_request_id or update.request_id
         tracked = self._tracked.get(request_id)
         if tracked is None:
@@ -272,13 +307,19 @@ class LLMEngine:
             self.scheduler.finish_requests([update.request_id], FinishReason.STOP)
             finish_reason, stop_reason = FinishReason.STOP, stop_str
         completion.finish_reason, completion.stop_reason = finish_reason, stop_reason
+        changed = [completion]
+        if finish_reason is not None and not completion.token_ids:
+            # Finished before its first sampled token, so it never forked: its n - 1 other completions end with it.
+            changed = tracked.completions
+            for unforked in changed:
+                unforked.finish_reason, unforked.stop_reason = finish_reason, stop_reason
         if tracked.finished:
             del self._tracked[request_id]
         if tracked.params.output_kind == "final":
             if not tracked.finished:
                 return None
             return self._make_output(request_id, tracked, tracked.completions)
-        return self._make_output(request_id, tracked, [completion])
+        return self._make_output(request_id, tracked, changed)
 
     def _append_logprobs(self, completion: _Completion, update: RequestUpdate) -> None:
         if completion.logprobs is None or update.new_logprobs is None:

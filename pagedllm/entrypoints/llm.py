@@ -43,6 +43,7 @@ class LLM:
         swap_path: the file backing the swap pool on a CPU device; None: an anonymous temporary file.
         preemption_mode: "recompute", "swap" or "auto" (swap when it costs less than recomputing).
         chat_template: a Jinja template replacing the model's own.
+        quantization: None, or "int8" (linear weights as int8 with per-row scales, quantized at load).
     """
 
     def __init__(self, model: str | None = None, *, dtype: str = "auto", max_model_len: int | None = None,
@@ -51,10 +52,10 @@ class LLM:
                  max_num_batched_tokens: int = 2048, seed: int = 0, enable_prefix_caching: bool = True,
                  swap_space: float = 0.0, preemption_mode: PreemptionMode = "recompute",
                  chat_template: str | None = None, num_kv_blocks: int | None = None,
-                 swap_path: str | None = None) -> None:
+                 swap_path: str | None = None, quantization: str | None = None) -> None:
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
-                              chat_template=chat_template),
+                              chat_template=chat_template, quantization=quantization),
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
                               gpu_memory_utilization=gpu_memory_utilization, swap_space=swap_space,
                               swap_path=swap_path,

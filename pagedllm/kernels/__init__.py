@@ -17,10 +17,13 @@ path beside it, so one source builds at every level.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
@@ -80,12 +83,27 @@ def build_kernels(march: str) -> ModuleType | None:
     build_dir.mkdir(parents=True, exist_ok=True)
     name = "pagedllm_cpu_kernels" + ("" if march == "native" else "_" + march.replace("-", "_"))
     try:
-        return cpp_extension.load(name=name, sources=[str(s) for s in sources], extra_cflags=cflags,
-                                  extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
+        with _build_guard(build_dir):
+            return cpp_extension.load(name=name, sources=[str(s) for s in sources], extra_cflags=cflags,
+                                      extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
     except Exception as exc:  # noqa: BLE001 - any build failure means "use the torch path"
         logger.warning("pagedllm's CPU kernels could not be built for -march=%s (%s); using the slower torch paths",
                        march, exc)
         return None
+
+
+@contextmanager
+def _build_guard(build_dir: Path) -> Iterator[None]:
+    """One builder per folder at a time, and no wait on a dead one.
+
+    torch marks a build in progress with a `lock` file that only the builder removes: a build killed half-way
+    (Ctrl-C, a timeout) leaves it behind, and every later process then waits on it forever. An flock is released
+    by the kernel when its holder dies, however it dies; under it, a `lock` file left there is a dead builder's.
+    """
+    with open(build_dir / "pagedllm-build.flock", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        (build_dir / "lock").unlink(missing_ok=True)
+        yield
 
 
 def _cpu_signature() -> str:

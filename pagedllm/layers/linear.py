@@ -7,7 +7,8 @@ tensor and copies this rank's slice into place, so the model's `load_weights` ne
     RowParallelLinear      W [out, in]  split by columns: rank r holds W[:, r*in/tp:(r+1)*in/tp]; sum-reduce
 
 After loading, `pack_linear_weights` swaps CPU weights for packed copies (oneDNN's for bf16 where it has bf16
-instructions, pagedllm's own kernel's otherwise); `linear` takes any of them.
+instructions, pagedllm's own kernel's otherwise, and int8 with row scales under quantization="int8"); `linear`
+takes any of them.
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """x W^T + b, for a plain [out, in] weight or one packed by `pack_linear_weights` (oneDNN's or pagedllm's)."""
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    if weight.dim() == 3:  # pagedllm's blocked layout, [ceil(out / 16), in, 16]
+    if weight.dim() == 3:  # pagedllm's blocked layout, [ceil(out / 16), in, 16]; int8 carries its row scales
         out = torch.empty(x.shape[0], weight.out_features, dtype=x.dtype)  # type: ignore[attr-defined]
-        cpu_kernels().linear_packed(out, x, weight, bias)  # type: ignore[union-attr]
+        cpu_kernels().linear_packed(out, x, weight, bias, getattr(weight, "scale", None))  # type: ignore[union-attr]
         return out
     return F.linear(x, weight, bias)
 
@@ -49,7 +50,31 @@ def linear_packing(dtype: torch.dtype) -> str | None:
     return "pagedllm" if cpu_kernels() is not None else None
 
 
-def pack_linear_weights(model: nn.Module) -> int:
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-row int8: (q [N, K] int8, scale [N] float32) with weight ~= scale[:, None] * q.
+
+    Each row's largest magnitude maps to 127 (an all-zero row gets scale 1); values round to nearest.
+    """
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1) / 127
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The float32 weight an int8 weight stands for (the reference of the int8 kernel)."""
+    return q.float() * scale[:, None]
+
+
+def _packed(weight: torch.Tensor) -> nn.Parameter:
+    """pagedllm's blocked layout of a plain [N, K] weight, as a parameter that knows N."""
+    packed = nn.Parameter(cpu_kernels().pack_linear_weight(weight), requires_grad=False)  # type: ignore[union-attr]
+    packed.out_features = weight.shape[0]  # type: ignore[attr-defined]
+    return packed
+
+
+def pack_linear_weights(model: nn.Module, quantization: str | None = None) -> int:
     """Store the CPU weights of `model`'s linear layers (LM head included) packed for the fastest matmul here.
 
     `F.linear` in bf16 re-blocks the weight on every call, which for a decode step's few rows costs more than the
@@ -57,21 +82,28 @@ def pack_linear_weights(model: nn.Module) -> int:
     prepacked for one row, 30 and 19 ms for 50 rows, and a 2,048-row prefill is ~20% faster too, with identical
     results. Each layer whose class sets `packable_weight` gets its weight replaced (a tied LM head gets its own
     packed copy; the embedding keeps the plain one). `linear_packing` says which packing, if any, applies.
-    Returns how many weights were packed.
+    With quantization="int8" every such weight is quantized (`quantize_int8`) into pagedllm's layout instead,
+    whatever the dtype: a quarter of float32's bytes, half of bf16's. Returns how many weights were packed.
     """
+    if quantization not in (None, "int8"):
+        raise ValueError(f"unknown quantization {quantization!r}: pagedllm runs None or 'int8'")
+    if quantization == "int8" and (kernels_disabled() or cpu_kernels() is None):
+        raise RuntimeError("quantization='int8' runs in pagedllm's CPU kernels, which are disabled or not built here")
     packed = 0
     for layer in model.modules():
         weight = getattr(layer, "weight", None)
         if not getattr(type(layer), "packable_weight", False) or weight is None or weight.device.type != "cpu":
             continue
-        packing = None if weight.is_mkldnn or weight.dim() != 2 else linear_packing(weight.dtype)
+        packing = None if weight.is_mkldnn or weight.dim() != 2 else quantization or linear_packing(weight.dtype)
         if packing == "onednn":
             layer.weight = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1),
                                         requires_grad=False)
         elif packing == "pagedllm":
-            layer.weight = nn.Parameter(cpu_kernels().pack_linear_weight(weight.detach()),  # type: ignore[union-attr]
-                                        requires_grad=False)
-            layer.weight.out_features = weight.shape[0]  # type: ignore[attr-defined]
+            layer.weight = _packed(weight.detach())
+        elif packing == "int8":
+            q, scale = quantize_int8(weight)
+            layer.weight = _packed(q)
+            layer.weight.scale = scale  # type: ignore[attr-defined]
         packed += packing is not None
     return packed
 

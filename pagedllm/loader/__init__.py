@@ -100,9 +100,9 @@ def load_model(model_config: ModelConfig) -> LoadedModel:
         model = model_cls(hf_config, dtype=dtype)
     model.load_weights(weights)
     model.eval()
-    packed = pack_linear_weights(model)
-    logger.info("loaded %s (%s%s) in %.2f s", resolved.name, dtype, f", {packed} weights packed" if packed else "",
-                time.perf_counter() - start)
+    packed = pack_linear_weights(model, model_config.quantization)
+    how = f", {packed} weights packed{' as int8' if model_config.quantization == 'int8' else ''}" if packed else ""
+    logger.info("loaded %s (%s%s) in %.2f s", resolved.name, dtype, how, time.perf_counter() - start)
     return LoadedModel(model, hf_config, resolved, dtype)
 
 

@@ -54,7 +54,8 @@ class PrometheusStatLogger:
         self.blocks_total = gauge("num_blocks_total", "KV-cache blocks in the pool.")
         self.preemptions = Counter(PREFIX + "num_preemptions", "Requests preempted, by mode.",
                                    ["model_name", "mode"], registry=self.registry)
-        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_queries = counter("prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache, once per request admitted.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")

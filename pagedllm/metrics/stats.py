@@ -26,7 +26,7 @@ class SchedulerStats:
     num_blocks_free: int = 0
     num_blocks_total: int = 0
     num_preemptions_total: dict[str, int] = field(default_factory=dict)   # mode -> count
-    prefix_cache_queries_total: int = 0     # prompt tokens looked up in the prefix cache
+    prefix_cache_queries_total: int = 0     # prompt tokens looked up in the prefix cache, once a request
     prefix_cache_hits_total: int = 0        # of those, tokens found
     num_kv_slots_running: int = 0           # token slots of the blocks the running requests hold
     num_kv_slots_filled: int = 0            # of those, slots holding a computed token (the rest is tail waste)

@@ -1,7 +1,8 @@
 """The model runner: executes one scheduler step on the device.
 
-It moves blocks the scheduler asked to move, builds the flat inputs, runs the model over the paged KV cache and
-samples. It never decides policy.
+`prepare` moves the blocks the scheduler asked to move (once a step); `run` builds the flat inputs, runs the
+model over the paged KV cache and samples, for all of the step's requests or, when a run raised, for a part of
+them. It never decides policy.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 
 from pagedllm.config import CacheConfig
 from pagedllm.core.request import child_seed
-from pagedllm.core.sched.output import NewRequestData, RunnerOutput, SchedulerOutput
+from pagedllm.core.sched.output import NewRequestData, RunnerOutput, ScheduledRequest, SchedulerOutput
 from pagedllm.loader import LoadedModel
 from pagedllm.runner import kv_tensors
 from pagedllm.runner.input_batch import CachedRequestState, ModelInputs, build_model_inputs
@@ -66,15 +67,22 @@ class ModelRunner:
 
     def _move_blocks(self, scheduler_output: SchedulerOutput) -> None:
         """Swap-out, then swap-in, then copy-on-write copies: the order SchedulerOutput promises."""
-        assert self.kv is not None, "allocate_kv_cache() must run before execute()"
+        assert self.kv is not None, "allocate_kv_cache() must run before prepare()"
         if scheduler_output.blocks_to_swap_out or scheduler_output.blocks_to_swap_in:
             assert self.swap is not None, "the scheduler swapped without a swap pool"
             kv_tensors.swap_blocks(self.kv, self.swap.kv, scheduler_output.blocks_to_swap_out)
             kv_tensors.swap_blocks(self.swap.kv, self.kv, scheduler_output.blocks_to_swap_in)
         kv_tensors.copy_blocks(self.kv, scheduler_output.blocks_to_copy)
 
-    @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        """The whole step at once: `prepare`, then `run` every scheduled request."""
+        self.prepare(scheduler_output)
+        return self.run(scheduler_output.scheduled)
+
+    @torch.inference_mode()
+    def prepare(self, scheduler_output: SchedulerOutput) -> None:
+        """What a step does exactly once, before any forward pass: drop the finished requests' state, take the
+        new ones', and move blocks (swap out, swap in, copy-on-write)."""
         for request_id in scheduler_output.finished_request_ids:
             self.requests.pop(request_id, None)
         # A preempted request keeps its state here (above all its seeded generator, so that its samples do not
@@ -82,13 +90,22 @@ class ModelRunner:
         for new in scheduler_output.new_requests:
             self._add_request(new)
         self._move_blocks(scheduler_output)
-        if not scheduler_output.scheduled:
+
+    @torch.inference_mode()
+    def run(self, scheduled: list[ScheduledRequest]) -> RunnerOutput:
+        """Run the model and sample for some or all of a prepared step's requests.
+
+        It writes only the K/V slots of these requests' new tokens, and appends their sampled tokens to their
+        state only once the whole group is sampled, so a group that raised may be run again (in parts): the
+        rerun writes the same slots again.
+        """
+        if not scheduled:
             return RunnerOutput()
-        inputs = build_model_inputs(scheduler_output.scheduled, self.block_size, self.device)
+        inputs = build_model_inputs(scheduled, self.block_size, self.device)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         if not inputs.sample_request_ids:
             return RunnerOutput()
-        children = {s.request_id: s.child_request_ids for s in scheduler_output.scheduled if s.child_request_ids}
+        children = {s.request_id: s.child_request_ids for s in scheduled if s.child_request_ids}
         return self._sample(hidden, inputs, children)
 
     def _add_request(self, new: NewRequestData) -> None:

@@ -15,6 +15,13 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from pagedllm.bench.cli import main
+from pagedllm.loader.resolve import resolve_model
+
+_FAKE_SERVE = '''
+import json, os, sys
+with open(os.environ["FAKE_VLLM_RECORD"], "w") as f:
+    json.dump({"argv": sys.argv[1:], "bind": os.environ["VLLM_CPU_OMP_THREADS_BIND"]}, f)
+'''
 
 _FAKE_VLLM = '''
 import json, os
@@ -50,7 +57,11 @@ class LLM:
 def fake_vllm_python(tmp_path, monkeypatch) -> tuple[Path, Path]:
     """A `python` that runs this interpreter with the stand-in vllm first on its path; and its record file."""
     (tmp_path / "pkgs" / "vllm").mkdir(parents=True)
+    (tmp_path / "pkgs" / "vllm" / "entrypoints" / "cli").mkdir(parents=True)
     (tmp_path / "pkgs" / "vllm" / "__init__.py").write_text(_FAKE_VLLM)
+    for package in ("entrypoints", "entrypoints/cli"):
+        (tmp_path / "pkgs" / "vllm" / package / "__init__.py").write_text("")
+    (tmp_path / "pkgs" / "vllm" / "entrypoints" / "cli" / "main.py").write_text(_FAKE_SERVE)
     python = tmp_path / "python"
     python.write_text(f'#!/bin/sh\nPYTHONPATH="{tmp_path / "pkgs"}" exec "{sys.executable}" "$@"\n')
     python.chmod(python.stat().st_mode | stat.S_IXUSR)
@@ -69,7 +80,7 @@ def test_compare_vllm_runs_the_same_token_ids_in_the_peer(tiny_model_dir, fake_v
     assert len(warmup) == 1 and len(timed) == 4 and all(len(ids) == 10 for ids in timed)
     assert seen["kwargs"]["dtype"] == "float32" and seen["kwargs"]["enable_prefix_caching"] is True
     assert seen["kwargs"]["max_num_seqs"] == 256 and seen["kwargs"]["max_num_batched_tokens"] == 2048
-    assert seen["env"]["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0" and seen["env"]["VLLM_CPU_KVCACHE_SPACE"] == "4"
+    assert seen["env"]["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0" and seen["env"]["VLLM_CPU_KVCACHE_SPACE"] == "1"
     assert seen["env"]["VLLM_CPU_OMP_THREADS_BIND"] == ",".join(map(str, sorted(os.sched_getaffinity(0))))
     vllm = result["vllm"]
     assert (vllm["backend"], vllm["total_output_tokens"], vllm["dtype"]) == ("vllm", 20, "float32")
@@ -91,6 +102,19 @@ def test_prefix_compare_vllm_warms_up_on_the_system_prompt(tiny_model_dir, fake_
     assert vllm["total_output_tokens"] == 6 and vllm["hit_rate"] == 9 / vllm["total_prompt_tokens"]  # 3 per request
     assert result["vs_vllm"] == result["cache_on"]["output_tokens_per_second"] / vllm["output_tokens_per_second"]
     assert "over vLLM 0.0-stand-in" in capsys.readouterr().out
+
+
+def test_vllm_serve_serves_the_exported_model_under_pagedllms_name(tiny_model_dir, fake_vllm_python, tmp_path):
+    python, record = fake_vllm_python
+    result = main(["vllm-serve", "--model", tiny_model_dir, "--dtype", "float32", "--vllm-python", str(python),
+                   "--export-dir", str(tmp_path / "export"), "--port", "8123", "--max-num-seqs", "16"])
+    seen = json.loads(record.read_text())
+    assert result == {"returncode": 0}
+    assert seen["argv"][:2] == ["serve", str(tmp_path / "export")]
+    flags = dict(zip(seen["argv"][2::2], seen["argv"][3::2]))
+    assert flags == {"--served-model-name": resolve_model(tiny_model_dir).name, "--port": "8123", "--dtype": "float32",
+                     "--max-num-seqs": "16", "--max-num-batched-tokens": "2048"}
+    assert (tmp_path / "export" / "config.json").exists()
 
 
 def test_the_exported_folder_is_the_model(tiny_model_dir, tmp_path):

@@ -100,3 +100,25 @@ def test_layers_use_torch_when_kernels_are_disabled(monkeypatch: pytest.MonkeyPa
     q, k, positions = torch.randn(2, 2, 8), torch.randn(2, 1, 8), torch.tensor([1, 3])
     expected = rope.forward_native(positions, q, k)
     assert all(torch.equal(a, b) for a, b in zip(rope(positions, q, k), expected))
+
+
+def test_a_build_killed_half_way_does_not_block_the_next(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """torch's `lock` file, left behind by a build killed half-way, would make every later build wait on it
+    forever; under pagedllm's flock (released when its holder dies) it is cleared before torch looks."""
+    from torch.utils import cpp_extension
+
+    from pagedllm.kernels import build_kernels
+
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
+    lock_seen = []
+
+    def fake_load(build_directory: str, **kwargs) -> str:
+        lock_seen.append((tmp_path / "kernels" / build_directory / "lock").exists())
+        return "built"
+
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    assert build_kernels.__wrapped__("x86-64") == "built"
+    (build_dir,) = (tmp_path / "kernels").iterdir()
+    (build_dir / "lock").touch()   # what a killed build leaves
+    assert build_kernels.__wrapped__("x86-64") == "built"
+    assert lock_seen == [False, False]

@@ -1,7 +1,9 @@
 """The packed linear kernel (pagedllm/kernels/csrc/linear.cpp) against `F.linear` in float32.
 
 The kernel widens bf16 exactly and accumulates in float32, so against the float32 reference it differs only by
-the order of the sums (float32 output) or, on top of that, by one rounding to bf16 (bf16 output).
+the order of the sums (float32 output) or, on top of that, by one rounding to bf16 (bf16 output). An int8 weight's
+reference is `F.linear` on its dequantised float32 weight (`dequantize_int8`): the kernel sums x times q and
+scales once, so the two differ by float32 rounding only.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.kernels import cpu_kernels
+from pagedllm.layers.linear import dequantize_int8, quantize_int8
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -93,9 +96,10 @@ def test_linear_kernel_rounds_bf16_output_once(kernels: ModuleType) -> None:
 def test_linear_kernel_rejects_bad_input(kernels: ModuleType) -> None:
     weight = torch.randn(40, 72)
     packed = kernels.pack_linear_weight(weight)
+    int8_packed = kernels.pack_linear_weight(quantize_int8(weight)[0])
     x, out = torch.randn(3, 72), torch.empty(3, 40)
     cases = [
-        (lambda: kernels.pack_linear_weight(weight.half()), "float32 or bfloat16"),
+        (lambda: kernels.pack_linear_weight(weight.half()), "float32, bfloat16 or int8"),
         (lambda: kernels.pack_linear_weight(weight.t()), "contiguous"),
         (lambda: kernels.linear_packed(out, torch.randn(3, 64), packed, None), "K=64"),
         (lambda: kernels.linear_packed(out, x.half(), packed, None), "float32 or bfloat16"),
@@ -104,6 +108,10 @@ def test_linear_kernel_rejects_bad_input(kernels: ModuleType) -> None:
         (lambda: kernels.linear_packed(out, x, weight, None), "pack_linear_weight"),
         (lambda: kernels.linear_packed(out, x, packed, torch.randn(41)), "bias"),
         (lambda: kernels.linear_packed(out, x.t().contiguous().t(), packed, None), "contiguous rows"),
+        (lambda: kernels.linear_packed(out, x, packed, None, torch.ones(40)), "only an int8 weight"),
+        (lambda: kernels.linear_packed(out, x, int8_packed, None), "needs its"),
+        (lambda: kernels.linear_packed(out, x, int8_packed, None, torch.ones(40).double()), "scale must be"),
+        (lambda: kernels.linear_packed(out, x, int8_packed, None, torch.ones(39)), "scale must be"),
     ]
     for call, message in cases:
         with pytest.raises(RuntimeError, match=message):
@@ -128,3 +136,34 @@ def test_a_row_gets_the_same_bits_in_any_batch(kernels: ModuleType, dtype: torch
     for m in (1, 2, 3, 5, 6, 7, 13, 64):
         for start in (0, 4, 300 - m + 1):
             assert torch.equal(run(x[start:start + m]), full[start:start + m]), (m, start)
+
+
+@pytest.mark.parametrize("x_dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 5, 17, 300])
+@pytest.mark.parametrize(("n", "k"), [(40, 72), (100, 13), (64, 576), (24, 1001)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_int8_kernel_matches_the_dequantised_reference(kernels: ModuleType, x_dtype: torch.dtype, m: int, n: int,
+                                                       k: int, with_bias: bool) -> None:
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k, generator=g).to(x_dtype)
+    q, scale = quantize_int8(torch.randn(n, k, generator=g))
+    bias = torch.randn(n, generator=g).to(x_dtype) if with_bias else None
+    out = torch.empty(m, n, dtype=x_dtype)
+    kernels.linear_packed(out, x, kernels.pack_linear_weight(q), bias, scale)
+    _assert_matches_float32(out, x, dequantize_int8(q, scale), bias)
+
+
+def test_int8_packed_layout_keeps_columns_in_order(kernels: ModuleType) -> None:
+    weight = (torch.arange(20 * 3, dtype=torch.int8).view(20, 3) - 30)
+    packed = kernels.pack_linear_weight(weight)
+    expected = torch.cat([weight, weight.new_zeros(12, 3)]).view(2, 16, 3).transpose(1, 2)
+    assert packed.dtype == torch.int8 and torch.equal(packed, expected)
+
+
+def test_quantize_int8_maps_each_rows_largest_magnitude_to_127():
+    weight = torch.tensor([[0.5, -1.0, 0.25, 0.0], [0.0, 0.0, 0.0, 0.0], [3.0, 1.0, -2.0, 0.014]])
+    q, scale = quantize_int8(weight)
+    assert q.dtype == torch.int8 and scale.dtype == torch.float32
+    assert q[0].tolist() == [64, -127, 32, 0] and q[1].tolist() == [0, 0, 0, 0] and scale[1] == 1
+    assert q[2].tolist() == [127, 42, -85, 1]
+    assert (dequantize_int8(q, scale) - weight).abs().le(scale[:, None] / 2 + 1e-7).all()  # round to nearest

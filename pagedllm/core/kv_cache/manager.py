@@ -120,7 +120,7 @@ class KVCacheManager:
         """The longest chain of cached full blocks that prefixes the request's tokens.
 
         The hit never covers the last token: at least one token must be computed to get logits, so it stops
-        at `num_tokens - 1` rounded down to a block. Takes no reference (see `allocate_slots`).
+        at `num_tokens - 1` rounded down to a block. Takes no reference and counts no query (see `allocate_slots`).
         """
         if not self.enable_caching:
             return ComputedBlocks()
@@ -133,9 +133,7 @@ class KVCacheManager:
             if block is None:
                 break
             blocks.append(block)
-        num_hit_tokens = len(blocks) * self.block_size
-        self.pool.record_prefix_query(request.num_tokens, num_hit_tokens)
-        return ComputedBlocks(blocks, num_hit_tokens)
+        return ComputedBlocks(blocks, len(blocks) * self.block_size)
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        computed: ComputedBlocks | None = None) -> list[int] | None:
@@ -145,7 +143,10 @@ class KVCacheManager:
             request: the request; its `num_computed_tokens` counts the tokens already in its blocks.
             num_new_tokens: tokens to compute this step.
             computed: a prefix hit from `get_computed_blocks`, for a request that has no blocks yet; its
-                blocks are referenced and become the head of the table.
+                blocks are referenced and become the head of the table. This admission is when the query
+                counts in `prefix_cache_stats`: once per request, since a failed attempt (None) counts
+                nothing and a re-admission after a recompute preemption (`num_preemptions > 0`), which
+                mostly finds its own freed blocks, is left out, as vLLM leaves it out of its hit rate.
 
         Returns:
             The ids of the newly allocated blocks (maybe none, and not counting a copy-on-write copy), or None
@@ -171,6 +172,8 @@ class KVCacheManager:
         if copy_on_write:
             self._copy_on_write(request.request_id, table, write_index)
         self.pool.touch(hit)
+        if computed is not None and self.enable_caching and request.num_preemptions == 0:
+            self.pool.record_prefix_query(request.num_tokens, computed.num_computed_tokens)
         new_blocks = self.pool.get_new_blocks(num_needed)
         if request.request_id not in self._req_blocks:
             self._req_blocks[request.request_id] = table

@@ -74,6 +74,9 @@ def add_server_args(parser: argparse.ArgumentParser, *, positional_model: bool) 
     engine.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                         help="weight and activation precision; auto is bfloat16 where the CPU supports it, float32 "
                              "otherwise (default: %(default)s)")
+    engine.add_argument("--quantization", "-q", default=None, choices=["int8"],
+                        help="int8: linear weights stored as int8 with one scale per output row, quantized at load "
+                             "(default: none, the dtype's weights)")
     engine.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
                         help="tokens per KV-cache block, a power of two (default: %(default)s)")
     engine.add_argument("--gpu-memory-utilization", type=float, default=None,
@@ -109,7 +112,7 @@ def engine_config_from_args(args: argparse.Namespace):
 
     return EngineConfig(
         model=ModelConfig(model=model_of(args), dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed,
-                          chat_template=args.chat_template),
+                          chat_template=args.chat_template, quantization=args.quantization),
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                           gpu_memory_utilization=args.gpu_memory_utilization, swap_space=args.swap_space,
                           enable_prefix_caching=args.enable_prefix_caching),

@@ -18,8 +18,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_embedding", &pagedllm::rotary_embedding,
         "Neox-style rotary embedding of q and k in place: (positions, q, k, cos_cache, sin_cache)");
   m.def("pack_linear_weight", &pagedllm::pack_linear_weight,
-        "A float32 or bfloat16 [N, K] weight in linear_packed's blocked layout, [ceil(N/16), K, 16]: (weight)");
+        "A float32, bfloat16 or int8 [N, K] weight in linear_packed's blocked layout, [ceil(N/16), K, 16]: "
+        "(weight)");
   m.def("linear_packed", &pagedllm::linear_packed,
-        "out = x W^T + bias in float32 arithmetic, W packed by pack_linear_weight, N = out.size(1): "
-        "(out, x, packed, bias)");
+        "out = x W^T + bias in float32 arithmetic, W packed by pack_linear_weight, N = out.size(1); an int8 W is "
+        "scale[n] * q[n, k]: (out, x, packed, bias, scale)",
+        pybind11::arg("out"), pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("bias") = pybind11::none(),
+        pybind11::arg("scale") = pybind11::none());
 }

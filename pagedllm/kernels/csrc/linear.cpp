@@ -1,4 +1,6 @@
 // Linear layers, out = x W^T + b, on a weight packed once at load time, in float32 arithmetic whatever the storage.
+// The weight is float32, bf16, or int8 with one float32 scale per output row (weight-only quantization:
+// W[n, k] = scale[n] * q[n, k]); an int8 weight's sums run over q and each output is scaled once, at the end.
 //
 // On a CPU without native bf16, `F.linear` in bf16 is emulated and several times slower than float32, while
 // float32 weights cost twice the bytes per decode step. Here the weight stays bf16 (or float32) in memory and
@@ -19,6 +21,8 @@
 //
 //    bf16 slot:   0    1    2    3   ..   14   15
 //    column:      0    8    1    9   ..    7   15
+//
+// An int8 block row keeps the 16 columns in order (one 16-byte load, two sign-extensions to 8 x int32).
 //
 // The layout is the same in every build (AVX2 or plain C++), so one packed tensor serves all of them.
 //
@@ -86,6 +90,12 @@ inline void load_block_row(const c10::BFloat16* p, __m256& lo, __m256& hi) {
   hi = _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
+inline void load_block_row(const int8_t* p, __m256& lo, __m256& hi) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+  hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(bytes, bytes)));
+}
+
 // c[rows][2] += x[rows][k] times row k of a block: the 16 weights widened, each row's x broadcast.
 template <int rows, typename W>
 inline void fma_step(const float* x, int64_t ld, const W* block_row, __m256 (&c)[rows][2]) {
@@ -131,6 +141,8 @@ inline void load_block_row(const c10::BFloat16* p, float* w) {
   }
 }
 
+inline void load_block_row(const int8_t* p, float* w) { std::copy(p, p + kBlock, w); }
+
 template <int rows, typename W>
 void tile_kernel(const float* x, int64_t ld, const W* block, int64_t k_size, float* acc) {
   float c[rows][kBlock];  // acc may alias x as far as the compiler knows: summing into it reloads both every k
@@ -161,24 +173,27 @@ void run_tile(int rows, const float* x, int64_t ld, const W* block, int64_t k_si
   }
 }
 
-// One call's operands as raw pointers: float32 rows of x (`ld` apart), the packed weight, and out's rows
-// (contiguous, `out_stride` apart) of type T.
+// One call's operands as raw pointers: float32 rows of x (`ld` apart), the packed weight (and an int8 weight's
+// row scales), and out's rows (contiguous, `out_stride` apart) of type T.
 template <typename T, typename W>
 struct LinearProblem {
   const float* x;
   int64_t ld;
   const W* packed;
+  const float* scale;  // [N] for an int8 weight; nullptr otherwise
   const T* bias;  // nullptr: no bias
   T* out;
   int64_t m, n, k, out_stride;
 
-  // out[m0 .. m0 + rows, 16 b ..] = acc + bias, rounded once to T; the padded columns of the last block dropped.
+  // out[m0 .. m0 + rows, 16 b ..] = acc (times the scale) + bias, rounded once to T; the padded columns of the
+  // last block dropped.
   void store_tile(const float* acc, int64_t m0, int rows, int64_t b) const {
     const int64_t n0 = b * kBlock, cols = std::min(kBlock, n - n0);
     for (int r = 0; r < rows; ++r) {
       T* dst = out + (m0 + r) * out_stride + n0;
       for (int64_t j = 0; j < cols; ++j) {
-        dst[j] = from_float<T>(bias ? acc[r * kBlock + j] + to_float(bias[n0 + j]) : acc[r * kBlock + j]);
+        const float sum = scale ? acc[r * kBlock + j] * scale[n0 + j] : acc[r * kBlock + j];
+        dst[j] = from_float<T>(bias ? sum + to_float(bias[n0 + j]) : sum);
       }
     }
   }
@@ -267,38 +282,53 @@ at::Tensor float_rows(const at::Tensor& x) {
 
 template <typename T, typename W>
 void linear_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
-                 const c10::optional<at::Tensor>& bias) {
+                 const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& scale) {
   const at::Tensor x32 = float_rows(x);
   const LinearProblem<T, W> problem{x32.data_ptr<float>(), x32.stride(0), packed.data_ptr<W>(),
+                                    scale ? scale->data_ptr<float>() : nullptr,
                                     bias ? bias->data_ptr<T>() : nullptr, out.data_ptr<T>(),
                                     x.size(0), out.size(1), x.size(1), out.stride(0)};
   problem.run_parallel();
+}
+
+// The four kernels of an x dtype T: weights in float32, bf16 or int8.
+template <typename T>
+void linear_for_weight(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
+                       const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& scale) {
+  switch (packed.scalar_type()) {
+    case at::kBFloat16: return linear_impl<T, c10::BFloat16>(out, x, packed, bias, scale);
+    case at::kChar: return linear_impl<T, int8_t>(out, x, packed, bias, scale);
+    default: return linear_impl<T, float>(out, x, packed, bias, scale);
+  }
 }
 
 bool is_float_or_bf16(const at::Tensor& t) {
   return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16;
 }
 
+bool is_weight_dtype(const at::Tensor& t) { return is_float_or_bf16(t) || t.scalar_type() == at::kChar; }
+
 }  // namespace
 
 at::Tensor pack_linear_weight(at::Tensor weight) {
   TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2 && weight.is_contiguous(),
               "weight must be a contiguous [N, K] CPU tensor");
-  TORCH_CHECK(is_float_or_bf16(weight), "weight must be float32 or bfloat16, got ", weight.scalar_type());
+  TORCH_CHECK(is_weight_dtype(weight), "weight must be float32, bfloat16 or int8, got ", weight.scalar_type());
   const int64_t blocks = (weight.size(0) + kBlock - 1) / kBlock;
   at::Tensor packed = at::zeros({blocks, weight.size(1), kBlock}, weight.options());
-  if (weight.scalar_type() == at::kBFloat16) {
-    pack_weight<c10::BFloat16>(weight, packed);
-  } else {
-    pack_weight<float>(weight, packed);
+  switch (weight.scalar_type()) {
+    case at::kBFloat16: pack_weight<c10::BFloat16>(weight, packed); break;
+    case at::kChar: pack_weight<int8_t>(weight, packed); break;
+    default: pack_weight<float>(weight, packed);
   }
   return packed;
 }
 
-void linear_packed(at::Tensor out, at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias) {
+void linear_packed(at::Tensor out, at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias,
+                   c10::optional<at::Tensor> scale) {
   TORCH_CHECK(x.device().is_cpu() && out.device().is_cpu() && packed.device().is_cpu(), "tensors must be on the CPU");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kBlock && packed.is_contiguous() && is_float_or_bf16(packed),
-              "packed must come from pack_linear_weight: a contiguous float32 or bfloat16 [ceil(N/16), K, 16]");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kBlock && packed.is_contiguous() && is_weight_dtype(packed),
+              "packed must come from pack_linear_weight: a contiguous float32, bfloat16 or int8 [ceil(N/16), K, 16]");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.dim() == 2 && out.stride(1) == 1,
               "x and out must be 2-D with contiguous rows");
   TORCH_CHECK(is_float_or_bf16(x) && out.scalar_type() == x.scalar_type(),
@@ -311,12 +341,14 @@ void linear_packed(at::Tensor out, at::Tensor x, at::Tensor packed, c10::optiona
   TORCH_CHECK(!bias || (bias->is_contiguous() && bias->numel() == out.size(1) && bias->scalar_type() == x.scalar_type()
                         && bias->device().is_cpu()),
               "bias must be a contiguous [N] CPU tensor of x's dtype");
+  TORCH_CHECK((packed.scalar_type() == at::kChar) == scale.has_value(),
+              "an int8 weight needs its [N] float32 row scales, and only an int8 weight takes them");
+  TORCH_CHECK(!scale || (scale->is_contiguous() && scale->numel() == out.size(1)
+                         && scale->scalar_type() == at::kFloat && scale->device().is_cpu()),
+              "scale must be a contiguous [N] float32 CPU tensor");
   if (out.numel() == 0) return;
-  const bool x_bf16 = x.scalar_type() == at::kBFloat16, w_bf16 = packed.scalar_type() == at::kBFloat16;
-  if (x_bf16 && w_bf16) return linear_impl<c10::BFloat16, c10::BFloat16>(out, x, packed, bias);
-  if (x_bf16) return linear_impl<c10::BFloat16, float>(out, x, packed, bias);
-  if (w_bf16) return linear_impl<float, c10::BFloat16>(out, x, packed, bias);
-  linear_impl<float, float>(out, x, packed, bias);
+  if (x.scalar_type() == at::kBFloat16) return linear_for_weight<c10::BFloat16>(out, x, packed, bias, scale);
+  linear_for_weight<float>(out, x, packed, bias, scale);
 }
 
 }  // namespace pagedllm

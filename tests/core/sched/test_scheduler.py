@@ -234,3 +234,22 @@ def test_empty_step() -> None:
     out = scheduler.schedule()
     assert out.is_empty and out.num_batched_tokens == 0
     assert scheduler.update_from_output(out, RunnerOutput()) == []
+
+
+def test_prefix_cache_queries_count_once_per_request_under_memory_pressure() -> None:
+    scheduler = _scheduler(num_blocks=9)  # 8 usable blocks = 32 tokens
+    prompts = {f"r{i}": [1, 2, 3, 4, i, 5, 6] for i in range(6)}  # 2 blocks each, the first one shared
+    for i, (request_id, prompt) in enumerate(prompts.items()):
+        scheduler.add_request(_request(request_id, prompt, max_tokens=10, arrival_time=i))
+    manager = scheduler.kv_cache_manager
+    lookups: list[str] = []
+    get_computed_blocks = manager.get_computed_blocks
+    manager.get_computed_blocks = lambda request: lookups.append(request.request_id) or get_computed_blocks(request)
+    results: dict[str, Result] = {}
+    run_steps(scheduler, FakeRunner(BLOCK_SIZE), results)
+    # Admissions failed for want of blocks, and recompute preemptions sent requests back to the queue...
+    assert len(lookups) > len(prompts) + scheduler.num_preemptions > len(prompts)
+    # ...yet each request's prompt was counted once, at its first admission, with the hit it got then.
+    stats = manager.prefix_cache_stats
+    assert stats.num_queries == len(prompts) and stats.num_query_tokens == 7 * len(prompts)
+    assert stats.num_hit_tokens == sum(results[r].num_cached_tokens for r in prompts) > 0
