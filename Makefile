@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 STAMP := .venv/.installed
 
-.PHONY: test test-fast stress serve bench bench-peers clean
+.PHONY: test test-fast browser stress serve bench bench-peers clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -22,6 +22,14 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
+
+# The dashboard's browser test drives Debian's chromium (Playwright's own browser download is not reachable): install
+# it where apt-get can (as root, or through sudo); without it, that test is skipped and says why.
+browser:
+	@command -v chromium >/dev/null || ! command -v apt-get >/dev/null || \
+		{ SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		  $$SUDO apt-get install -y -q chromium || { $$SUDO apt-get update -q && $$SUDO apt-get install -y -q chromium; } \
+		  || echo "could not install chromium: the dashboard's browser test will be skipped"; }
 
 # The long reliability runs (docs/reliability.md): 1,000 requests at concurrency 256 per preemption mode, a
 # 1,000-client disconnect storm, 400 fuzz examples per endpoint and mode. Figures land in .stress/.

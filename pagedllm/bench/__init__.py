@@ -1,1 +1,1 @@
-"""Benchmarks: `pagedllm bench throughput|serve|prefix` (see docs/benchmarks.md)."""
+"""Benchmarks: `pagedllm bench throughput|serve|prefix|dashboard` (see docs/benchmarks.md)."""

@@ -1,4 +1,4 @@
-"""`python -m pagedllm.bench throughput|serve|prefix ...`"""
+"""`python -m pagedllm.bench throughput|serve|prefix|dashboard ...`"""
 
 from pagedllm.bench.cli import main
 

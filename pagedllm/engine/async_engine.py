@@ -7,8 +7,11 @@
               -> post(_Add)                           add / abort everything in the inbox
  await queue[id].get()  <--call_soon_threadsafe--     step() -> outputs; one _dispatch callback per step
  disconnect / cancel -> post(_Abort)                  metrics: engine.make_stats() + request timings
+ await kv_cache_snapshot() -> post(_Snapshot) ..>    after that step, if asked: engine.make_block_map()
 ```
-The model forward releases the GIL, so the event loop keeps serving HTTP while a step runs.
+The model forward releases the GIL, so the event loop keeps serving HTTP while a step runs. The dashboard's block
+map is made only when a caller asks, at most once per step whatever the number of callers, and is handed over as an
+immutable `KVCacheSnapshot`: with no dashboard open, the loop does no extra work.
 
 Failures, from the smallest to the largest:
   - the engine refuses a request at add time (bad input): that request alone fails, with ValueError;
@@ -30,6 +33,7 @@ import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
+from pagedllm.core.kv_cache.block_map import BlockMap
 from pagedllm.engine.llm_engine import LLMEngine, PromptInput, tokenize_prompt
 from pagedllm.metrics.stats import IterationStats, RequestStatsTracker, SchedulerStats
 from pagedllm.outputs import RequestOutput
@@ -72,6 +76,23 @@ class _Abort:
     stop_reason: str | None = None      # set: tell each request's caller it ended, with this stop_reason
 
 
+@dataclass(slots=True)
+class _Snapshot:
+    """Ask for a KVCacheSnapshot after the coming step."""
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheSnapshot:
+    """The scheduler's stats and the KV block map, taken together after one step (so they agree)."""
+
+    time: float             # time.time() when taken
+    stats: SchedulerStats
+    block_map: BlockMap
+
+
+_InboxItem = _Add | _Abort | _Snapshot
+
+
 class AsyncEngine:
     """Serve an LLMEngine to asyncio code.
 
@@ -87,12 +108,13 @@ class AsyncEngine:
         self.latest_stats = SchedulerStats()
         self._stat_loggers: list[StatLogger] = []
         self._cond = threading.Condition()
-        self._inbox: list[_Add | _Abort] = []
+        self._inbox: list[_InboxItem] = []
         self._stopped = False
         self._draining = False
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, asyncio.Queue] = {}        # event loop thread only
+        self._snapshot_waiter: asyncio.Future[KVCacheSnapshot] | None = None     # event loop thread only
         self._request_stats = RequestStatsTracker()         # engine thread only
 
     # ---- read-only facts, safe from any thread ------------------------------------------------------------------
@@ -224,6 +246,20 @@ class AsyncEngine:
             if not done:
                 self.abort(request_id)
 
+    async def kv_cache_snapshot(self) -> KVCacheSnapshot:
+        """The KV block map and the stats after the engine's next step (at once when it is idle). Callers that
+        ask while one is being made share it.
+
+        Raises:
+            EngineDeadError: the engine loop has failed or stopped.
+        """
+        self._raise_if_dead()
+        if self._snapshot_waiter is None:
+            assert self._loop is not None
+            self._snapshot_waiter = self._loop.create_future()
+            self._post(_Snapshot())
+        return await asyncio.shield(self._snapshot_waiter)
+
     def abort(self, request_id: str) -> None:
         """Abort a request (a no-op if it already finished)."""
         self._post(_Abort([request_id]))
@@ -234,7 +270,7 @@ class AsyncEngine:
         if self._thread is None or self._stopped:
             raise EngineDeadError("the engine is not running")
 
-    def _post(self, item: _Add | _Abort) -> None:
+    def _post(self, item: _InboxItem) -> None:
         with self._cond:
             self._inbox.append(item)
             self._cond.notify()
@@ -251,11 +287,23 @@ class AsyncEngine:
         if queue is not None:
             queue.put_nowait(error)
 
+    def _deliver_snapshot(self, snapshot: KVCacheSnapshot | BaseException) -> None:
+        """On the event loop: hand the snapshot (or the engine's death) to everyone waiting for one."""
+        waiter, self._snapshot_waiter = self._snapshot_waiter, None
+        if waiter is None or waiter.done():
+            return
+        if isinstance(snapshot, BaseException):
+            waiter.set_exception(snapshot)
+            waiter.exception()      # retrieved: no "never retrieved" warning when every caller went away
+        else:
+            waiter.set_result(snapshot)
+
     def _fail_all(self, error: BaseException) -> None:
         dead = error if isinstance(error, EngineDeadError) else \
             EngineDeadError(f"the engine loop has stopped: {error!r}")
         for queue in self._streams.values():
             queue.put_nowait(dead)
+        self._deliver_snapshot(dead)
 
     def _call_in_loop(self, callback: Callable, *args) -> None:
         assert self._loop is not None
@@ -270,15 +318,18 @@ class AsyncEngine:
             self._publish([], IterationStats())     # the gauges' starting values
             while (batch := self._wait_for_work()) is not None:
                 iteration = IterationStats()
-                self._handle_inbox(batch, iteration)
+                wants_snapshot = self._handle_inbox(batch, iteration)
                 outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
                 self._publish(outputs, iteration)
+                if wants_snapshot:
+                    snapshot = KVCacheSnapshot(time.time(), self.latest_stats, self.engine.make_block_map())
+                    self._call_in_loop(self._deliver_snapshot, snapshot)
         except BaseException as exc:  # noqa: BLE001 - any failure kills the loop; report it to everyone
             logger.exception("the engine loop failed; the server will answer 503 from now on")
             self.error = exc
             self._call_in_loop(self._fail_all, exc)
 
-    def _wait_for_work(self) -> list[_Add | _Abort] | None:
+    def _wait_for_work(self) -> list[_InboxItem] | None:
         """Sleep until there is something to do; None once shut down."""
         with self._cond:
             while not self._stopped and not self._inbox and not self.engine.has_unfinished_requests():
@@ -288,12 +339,17 @@ class AsyncEngine:
             batch, self._inbox = self._inbox, []
             return batch
 
-    def _handle_inbox(self, batch: list[_Add | _Abort], iteration: IterationStats) -> None:
+    def _handle_inbox(self, batch: list[_InboxItem], iteration: IterationStats) -> bool:
+        """Add and abort; True if a snapshot was asked for."""
+        wants_snapshot = False
         for item in batch:
             if isinstance(item, _Add):
                 self._add(item)
-            else:
+            elif isinstance(item, _Abort):
                 self._abort(item.request_ids, iteration, item.stop_reason)
+            else:
+                wants_snapshot = True
+        return wants_snapshot
 
     def _add(self, item: _Add) -> None:
         try:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedllm.config import EngineConfig, SchedulerConfig
+from pagedllm.core.kv_cache.block_map import BlockMap
 from pagedllm.core.kv_cache.block_pool import PrefixCacheStats
 from pagedllm.core.kv_cache.manager import KVCacheManager
 from pagedllm.core.request import FinishReason, Request, RequestStatus, child_request_id
@@ -245,6 +246,10 @@ class LLMEngine:
     def make_stats(self) -> SchedulerStats:
         """The scheduler's snapshot after the last step (for metrics; from the stepping thread)."""
         return self.scheduler.make_stats()
+
+    def make_block_map(self) -> BlockMap:
+        """A snapshot of the KV pools and the requests' block tables (for the dashboard; from the stepping thread)."""
+        return self.scheduler.make_block_map()
 
     @property
     def prefix_cache_stats(self) -> PrefixCacheStats:

@@ -41,6 +41,13 @@ class SchedulerStats:
             return 0.0
         return 1.0 - self.num_blocks_free / self.num_blocks_total
 
+    @property
+    def kv_waste(self) -> float:
+        """Fraction of the running requests' token slots that hold no computed token (mostly tail blocks)."""
+        if self.num_kv_slots_running <= 0:
+            return 0.0
+        return 1.0 - self.num_kv_slots_filled / self.num_kv_slots_running
+
 
 @dataclass(slots=True)
 class FinishedRequestStats:

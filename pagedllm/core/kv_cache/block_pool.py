@@ -65,6 +65,10 @@ class BlockPool:
         """Fraction of the usable blocks in use, in [0, 1]."""
         return 1.0 - self.num_free_blocks / self.num_usable_blocks
 
+    def cached_blocks(self) -> Iterable[KVCacheBlock]:
+        """The blocks in the prefix-cache map, free or in use."""
+        return self._cached.values()
+
     def free_block_ids(self) -> list[int]:
         """Ids in the free queue, in eviction order (for tests and debugging)."""
         return [block.block_id for block in self._free_queue]

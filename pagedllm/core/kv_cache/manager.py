@@ -31,9 +31,11 @@ for the runner. A swapped-out request holds no device block.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from pagedllm.core.kv_cache.block import KVCacheBlock
+from pagedllm.core.kv_cache.block_map import BlockMap, RequestBlocks, encode_states
 from pagedllm.core.kv_cache.block_pool import BlockPool, PrefixCacheStats
 from pagedllm.core.kv_cache.hashing import BlockHash, block_key, extend_block_hashes
 from pagedllm.core.request import Request
@@ -76,6 +78,9 @@ class KVCacheManager:
         self._req_blocks: dict[str, list[KVCacheBlock]] = {}
         # request id -> how many leading blocks of its table were already offered to the prefix cache.
         self._num_cached_blocks: dict[str, int] = {}
+        # Swap traffic since start-up, in blocks (metrics).
+        self.num_blocks_swapped_out = 0
+        self.num_blocks_swapped_in = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -264,6 +269,7 @@ class KVCacheManager:
         swap_blocks = self.swap_pool.get_new_blocks(cdiv(request.num_computed_tokens, self.block_size))
         self._swapped_blocks[request.request_id] = swap_blocks
         self.pool.free_blocks(reversed(table))
+        self.num_blocks_swapped_out += len(swap_blocks)
         return [(device.block_id, swap.block_id) for device, swap in zip(table, swap_blocks)]
 
     def can_swap_in(self, request: Request, num_new_tokens: int) -> bool:
@@ -281,7 +287,22 @@ class KVCacheManager:
         self._req_blocks[request.request_id] = device_blocks
         self._num_cached_blocks[request.request_id] = 0
         self.swap_pool.free_blocks(reversed(swap_blocks))
+        self.num_blocks_swapped_in += len(swap_blocks)
         return [(swap.block_id, device.block_id) for swap, device in zip(swap_blocks, device_blocks)]
+
+    def make_block_map(self, requests: Iterable[Request]) -> BlockMap:
+        """A snapshot of both pools, with the tables of those of `requests` that hold blocks (the dashboard)."""
+        tables = []
+        for request in requests:
+            block_ids = tuple(self.get_block_ids(request.request_id))
+            swap_block_ids = tuple(self.get_swapped_block_ids(request.request_id))
+            if block_ids or swap_block_ids:
+                tables.append(RequestBlocks.of(request, block_ids, swap_block_ids))
+        states = encode_states(self.pool.num_blocks, self.pool.cached_blocks(), self._req_blocks.values())
+        swap_states = b"" if self.swap_pool is None else \
+            encode_states(self.swap_pool.num_blocks, (), self._swapped_blocks.values())
+        return BlockMap(self.block_size, states, swap_states, tuple(tables), self.num_blocks_swapped_out,
+                        self.num_blocks_swapped_in)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; False (and nothing done) while any block is in use."""

@@ -43,6 +43,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from pagedllm.config import SchedulerConfig
+from pagedllm.core.kv_cache.block_map import BlockMap
 from pagedllm.core.kv_cache.manager import KVCacheManager, cdiv
 from pagedllm.core.request import FinishReason, Request, RequestStatus, child_request_id
 from pagedllm.core.sched.output import NewRequestData, RequestUpdate, RunnerOutput, ScheduledRequest, SchedulerOutput
@@ -134,6 +135,11 @@ class Scheduler:
             num_kv_slots_running=num_slots,
             num_kv_slots_filled=sum(r.num_computed_tokens for r in self.running),
             scheduled_request_ids=list(self._last_scheduled_request_ids))
+
+    def make_block_map(self) -> BlockMap:
+        """A snapshot of the KV pools and of the block tables of every unfinished request (for the dashboard;
+        from the stepping thread)."""
+        return self.kv_cache_manager.make_block_map(self.requests.values())
 
     def add_request(self, request: Request) -> None:
         """Queue a new request. Raises ValueError for a duplicate id, an empty prompt, a prompt longer than

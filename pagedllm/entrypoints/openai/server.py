@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedllm
 from pagedllm.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
+from pagedllm.entrypoints.openai.dashboard import dashboard_router
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -43,7 +44,7 @@ def build_app(engine: AsyncEngine, *, served_model_names: Sequence[str] | None =
     Args:
         engine: an AsyncEngine not yet started; the app's lifespan starts and stops it.
         served_model_names: names accepted in `model` (default: the engine's model name).
-        api_key: when set, /v1/* requires `Authorization: Bearer <api_key>`.
+        api_key: when set, /v1/* requires `Authorization: Bearer <api_key>`, and /dashboard `?key=<api_key>`.
         limits: per-request limits (default: ServerLimits()).
     """
     names = list(served_model_names or [engine.model_name])
@@ -67,6 +68,7 @@ def build_app(engine: AsyncEngine, *, served_model_names: Sequence[str] | None =
     chat = OpenAIServingChat(engine, names, limits)
     app.include_router(_v1_router(OpenAIServingCompletion(engine, names, limits), chat))
     app.include_router(_utility_router(OpenAIServingTokenization(chat), stat_logger))
+    app.include_router(dashboard_router(engine, api_key))
     return app
 
 
