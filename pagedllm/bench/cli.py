@@ -1,4 +1,5 @@
-"""`pagedllm bench throughput|serve|prefix`: the parser the `pagedllm` command registers, and a standalone main.
+"""`pagedllm bench throughput|serve|prefix|structured`: the parser the `pagedllm` command registers, and a
+standalone main.
 
 Each command's module builds its own flags and sets `func`, so a caller runs a parsed command with
 `args.func(args)`; the function returns the figures it printed, as a dict.
@@ -14,21 +15,22 @@ _COMMANDS = {
     "throughput": "offline throughput on a fixed workload; --compare hf times transformers in the same run",
     "serve": "online latency and throughput against an OpenAI-compatible server",
     "prefix": "a shared-system-prompt workload with the prefix cache on, then off",
+    "structured": "the same workload free, then constrained by a JSON schema: the cost, compile time, validity",
 }
 
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add `bench` with its three commands to a `pagedllm` command's subparsers."""
+    """Add `bench` with its commands to a `pagedllm` command's subparsers."""
     bench = subparsers.add_parser("bench", help="benchmark the engine", description="Benchmark the engine.")
     add_bench_commands(bench)
     return bench
 
 
 def add_bench_commands(parser: argparse.ArgumentParser) -> None:
-    from pagedllm.bench import prefix, serve, throughput
+    from pagedllm.bench import prefix, serve, structured, throughput
 
-    modules = {"throughput": throughput, "serve": serve, "prefix": prefix}
-    commands = parser.add_subparsers(dest="bench_command", metavar="{throughput,serve,prefix}", required=True)
+    modules = {"throughput": throughput, "serve": serve, "prefix": prefix, "structured": structured}
+    commands = parser.add_subparsers(dest="bench_command", metavar="{" + ",".join(_COMMANDS) + "}", required=True)
     for name, help_text in _COMMANDS.items():
         command = commands.add_parser(name, help=help_text, description=help_text[0].upper() + help_text[1:] + ".",
                                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)

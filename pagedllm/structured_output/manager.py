@@ -20,7 +20,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
 import llguidance.hf
-import llguidance.torch
 import torch
 
 from pagedllm.sampling_params import StructuredOutputsParams
@@ -94,12 +93,18 @@ class StructuredOutputManager:
         return self.compile(constraint).deep_copy()
 
     def fill_bitmask(self, matchers: list[llguidance.LLMatcher]) -> torch.Tensor:
-        """[len(matchers), ceil(V / 32)] int32: bit j of word w allows token 32 * w + j for that row."""
-        bitmask = llguidance.torch.allocate_token_bitmask(len(matchers), self.vocab_size)
+        """[len(matchers), ceil(V / 32)] int32: bit j of word w allows token 32 * w + j for that row.
+
+        llguidance's executor writes the rows in parallel, straight into the tensor's memory (what
+        `llguidance.torch.fill_next_token_bitmask_par` does; that module is not imported because importing it
+        runs torch.compile, seconds of start-up for a CPU engine).
+        """
+        bitmask = torch.full((len(matchers), (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
         if self._executor is None:
             self._executor = llguidance.LLExecutor()
-        llguidance.torch.fill_next_token_bitmask_par(self._executor, [(m, i) for i, m in enumerate(matchers)],
-                                                     bitmask)
+        row_bytes = bitmask.shape[1] * bitmask.element_size()
+        self._executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], bitmask.data_ptr(),
+                                               row_bytes, len(matchers))
         return bitmask
 
     def fill_bitmask_async(self, matchers: list[llguidance.LLMatcher]) -> Future[torch.Tensor]:
