@@ -134,6 +134,27 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = None
 
 
+class FunctionDefinition(_Request):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(_Request):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class _FunctionName(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"] = "function"
+    function: _FunctionName
+
+
 class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions."""
 
@@ -148,7 +169,8 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
 
 
 class TokenizeRequest(_Request):
@@ -166,4 +188,4 @@ class DetokenizeRequest(_Request):
     tokens: list[int] = Field(default_factory=list)
 
 
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "tool_calls"]
