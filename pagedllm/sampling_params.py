@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -35,6 +36,59 @@ def _normalise_logit_bias(logit_bias: dict) -> dict[int, float]:
     return out
 
 
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on the output, with vLLM's names; set exactly one field.
+
+    Args:
+        json: a JSON schema (a dict, or its JSON text): the output is a JSON value that validates against it.
+        regex: the output matches this regular expression.
+        choice: the output is exactly one of these strings.
+        grammar: a Lark grammar (llguidance's dialect, which also takes `%json { schema }` rules).
+        json_object: True: the output is a JSON object, of any shape.
+    """
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in _STRUCTURED_KINDS if getattr(self, name) not in (None, False)]
+        _check(len(given) == 1, "structured_outputs", f"exactly one of {', '.join(_STRUCTURED_KINDS)}",
+               given or None)
+        if isinstance(self.json, str):
+            try:
+                schema = json.loads(self.json)
+            except ValueError as exc:
+                raise ValueError(f"structured_outputs.json must be a JSON schema, got invalid JSON: {exc}") from None
+            object.__setattr__(self, "json", schema)
+        _check(self.json is None or isinstance(self.json, dict), "structured_outputs.json",
+               "a JSON schema (an object)", self.json)
+        _check(self.regex is None or (isinstance(self.regex, str) and self.regex), "structured_outputs.regex",
+               "a non-empty string", self.regex)
+        _check(self.grammar is None or (isinstance(self.grammar, str) and self.grammar.strip()),
+               "structured_outputs.grammar", "a non-empty Lark grammar", self.grammar)
+        _check(self.choice is None or (isinstance(self.choice, (list, tuple)) and self.choice
+                                       and all(isinstance(c, str) and c for c in self.choice)),
+               "structured_outputs.choice", "a non-empty list of non-empty strings", self.choice)
+        _check(self.json_object in (None, True, False), "structured_outputs.json_object", "a boolean",
+               self.json_object)
+
+    @property
+    def kind(self) -> str:
+        return next(name for name in _STRUCTURED_KINDS if getattr(self, name) not in (None, False))
+
+    def key(self) -> tuple[str, str]:
+        """(kind, canonical text): equal constraints have equal keys, whatever their dict order."""
+        value = getattr(self, self.kind)
+        return self.kind, value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+
+
+_STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
 @dataclass
 class SamplingParams:
     """How to sample one prompt's completions.
@@ -55,6 +109,7 @@ class SamplingParams:
         skip_special_tokens: leave special tokens out of the text.
         include_stop_str_in_output: keep the matched stop string in the text.
         logit_bias: token id -> bias added to its logit, in [-100, 100].
+        structured_outputs: a constraint every output follows (JSON schema, regex, choice, grammar).
     """
 
     n: int = 1
@@ -76,6 +131,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     output_kind: str = field(default="final", repr=False)
 
     def __post_init__(self) -> None:
@@ -119,6 +175,18 @@ class SamplingParams:
         for token_id, bias in (self.logit_bias or {}).items():
             _check(token_id >= 0, "logit_bias", "keyed by non-negative token ids", token_id)
             _check(_is_number(bias) and -100 <= bias <= 100, "logit_bias", "values in [-100, 100]", bias)
+        self._validate_structured_outputs()
+
+    def _validate_structured_outputs(self) -> None:
+        if self.structured_outputs is None:
+            return
+        _check(isinstance(self.structured_outputs, StructuredOutputsParams), "structured_outputs",
+               "a StructuredOutputsParams", self.structured_outputs)
+        # The grammar decides where the output ends: it allows EOS exactly when the output is complete.
+        _check(not self.ignore_eos, "ignore_eos", "False with structured_outputs (the grammar ends the output)",
+               self.ignore_eos)
+        _check(self.min_tokens == 0, "min_tokens", "0 with structured_outputs (the grammar ends the output)",
+               self.min_tokens)
 
     @property
     def greedy(self) -> bool:

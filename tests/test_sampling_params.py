@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def test_defaults_match_vllm() -> None:
@@ -57,3 +57,30 @@ def test_rejects_invalid(kwargs: dict) -> None:
 ])
 def test_accepts_valid(kwargs: dict) -> None:
     SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({}, "exactly one of json, regex, choice, grammar, json_object"),
+    ({"regex": "a+", "choice": ["a"]}, "exactly one of"),
+    ({"json": "{not json"}, "invalid JSON"),
+    ({"json": [1, 2]}, "structured_outputs.json must be a JSON schema"),
+    ({"choice": []}, "structured_outputs.choice must be a non-empty list"),
+    ({"choice": ["a", ""]}, "structured_outputs.choice must be a non-empty list"),
+    ({"grammar": "  "}, "structured_outputs.grammar must be a non-empty Lark grammar"),
+])
+def test_structured_outputs_params_are_validated(fields: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        StructuredOutputsParams(**fields)
+
+
+def test_structured_outputs_keys_ignore_dict_order_and_json_text() -> None:
+    a = StructuredOutputsParams(json={"type": "object", "required": ["x"]})
+    b = StructuredOutputsParams(json='{"required": ["x"], "type": "object"}')
+    assert a.key() == b.key() and a.kind == "json" and b.json == a.json
+    assert StructuredOutputsParams(choice=["a", "b"]).key() == ("choice", '["a", "b"]')
+
+
+@pytest.mark.parametrize("fields", [{"ignore_eos": True}, {"min_tokens": 2}])
+def test_structured_outputs_refuse_what_would_fight_the_grammar_over_eos(fields: dict) -> None:
+    with pytest.raises(ValueError, match="with structured_outputs"):
+        SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+"), **fields)

@@ -215,13 +215,17 @@ class AsyncEngine:
         Raises:
             EngineDeadError: the engine loop has failed (now or while this request waited).
             ValueError: the engine refused the request (this request alone fails), e.g. a non-zero priority
-                without scheduling_policy "priority".
+                without scheduling_policy "priority", or a structured-output constraint that does not compile.
         """
         self._raise_if_dead()
         if self._draining:
             raise EngineDrainingError("the server is shutting down and takes no new requests")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if params.structured_outputs is not None:
+            # Compile (or find in the cache) here, in a worker thread, so that the step loop only copies it.
+            await asyncio.get_running_loop().run_in_executor(None, self.engine.structured_output.compile,
+                                                             params.structured_outputs)
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
         if self.log_requests:

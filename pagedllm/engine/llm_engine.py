@@ -22,8 +22,9 @@ from pagedllm.logger import init_logger
 from pagedllm.metrics.stats import SchedulerStats
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.runner import kv_tensors
-from pagedllm.runner.model_runner import ModelRunner, StepTimings
+from pagedllm.runner.model_runner import ModelRunner, StepTimings, model_shape
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output import StructuredOutputManager
 from pagedllm.tokenizer.tokenizer import load_tokenizer
 
 logger = init_logger(__name__)
@@ -120,7 +121,9 @@ class LLMEngine:
         self.hf_config = loaded.hf_config
         self.max_model_len = max_model_len_of(loaded.hf_config, config.model.max_model_len)
         config.scheduler.max_model_len = self.max_model_len
-        self.runner = ModelRunner(loaded, config.cache, self.tokenizer.eos_token_id, config.model.seed)
+        self.structured_output = StructuredOutputManager(self.tokenizer, model_shape(loaded.hf_config).vocab_size)
+        self.runner = ModelRunner(loaded, config.cache, self.tokenizer.eos_token_id, config.model.seed,
+                                  self.structured_output)
         self.vocab_size = self.runner.shape.vocab_size
         num_blocks = config.cache.num_blocks or self._num_blocks()
         config.cache.num_blocks = num_blocks
@@ -200,6 +203,8 @@ class LLMEngine:
         token_ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize_prompt(prompt)
         if any(t >= self.vocab_size for t in list(params.logit_bias or {}) + params.stop_token_ids):
             raise ValueError(f"logit_bias and stop_token_ids take token ids in [0, {self.vocab_size})")
+        if params.structured_outputs is not None:
+            self.structured_output.compile(params.structured_outputs)   # a cache hit when the caller compiled it
         completions = [_Completion(i, IncrementalDetokenizer(self.tokenizer, params, token_ids),
                                    logprobs=[] if params.logprobs is not None else None) for i in range(params.n)]
         self.scheduler.add_request(Request(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from itertools import chain
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -20,6 +21,9 @@ import torch
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.core.sched.output import ScheduledRequest
 from pagedllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
 
 
 @dataclass(slots=True)
@@ -31,6 +35,7 @@ class CachedRequestState:
     params: SamplingParams
     generator: torch.Generator | None
     output_token_ids: list[int] = field(default_factory=list)
+    grammar: LLMatcher | None = None     # structured outputs: the parse state after output_token_ids
 
 
 @dataclass(slots=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,7 @@ from pagedllm.runner import kv_tensors
 from pagedllm.runner.input_batch import CachedRequestState, ModelInputs, build_model_inputs
 from pagedllm.sample.metadata import SamplingMetadata, SamplingRow, make_generator
 from pagedllm.sample.sampler import Sampler
+from pagedllm.structured_output import StructuredOutputManager
 
 
 @dataclass(frozen=True)
@@ -49,10 +51,11 @@ class StepTimings:
 
 
 class ModelRunner:
-    """Owns the model, the KV tensors and each request's sampling state."""
+    """Owns the model, the KV tensors and each request's sampling state (with its grammar matcher, for
+    structured outputs from `structured_output`)."""
 
     def __init__(self, loaded: LoadedModel, cache_config: CacheConfig, eos_token_id: int | None,
-                 seed: int = 0) -> None:
+                 seed: int = 0, structured_output: StructuredOutputManager | None = None) -> None:
         self.model = loaded.model
         self.device = next(self.model.parameters()).device
         self.shape = model_shape(loaded.hf_config)
@@ -61,6 +64,7 @@ class ModelRunner:
         self.block_size = cache_config.block_size
         self.eos_token_id = eos_token_id
         self.sampler = Sampler()
+        self.structured_output = structured_output
         self.requests: dict[str, CachedRequestState] = {}
         self.global_generator = make_generator(seed, self.device)
         self.kv: torch.Tensor | None = None
@@ -127,14 +131,19 @@ class ModelRunner:
         if not scheduled:
             return RunnerOutput()
         inputs = build_model_inputs(scheduled, self.block_size, self.device)
+        pending_masks = self._start_token_bitmasks(inputs.sample_request_ids)
         start = time.perf_counter()
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        try:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        except BaseException:
+            _wait_token_bitmasks(pending_masks)   # the fill reads the matchers: done before any rerun touches them
+            raise
         self.last_timings.forward_seconds = time.perf_counter() - start
         self.last_timings.num_tokens = len(inputs.input_ids)
         if not inputs.sample_request_ids:
             return RunnerOutput()
         children = {s.request_id: s.child_request_ids for s in scheduled if s.child_request_ids}
-        return self._sample(hidden, inputs, children)
+        return self._sample(hidden, inputs, children, _wait_token_bitmasks(pending_masks))
 
     # ---- start-up measurements (the KV and swap pools are still empty) -----------------------------------------
     @torch.inference_mode()
@@ -169,15 +178,30 @@ class ModelRunner:
     def _add_request(self, new: NewRequestData) -> None:
         if new.request_id in self.requests:
             return
-        self.requests[new.request_id] = CachedRequestState(new.request_id, list(new.prompt_token_ids),
-                                                       new.sampling_params, self._generator(new.sampling_params.seed))
+        params = new.sampling_params
+        grammar = None
+        if params.structured_outputs is not None:
+            assert self.structured_output is not None, "a structured-output request needs the runner's manager"
+            grammar = self.structured_output.new_matcher(params.structured_outputs)
+        self.requests[new.request_id] = CachedRequestState(new.request_id, list(new.prompt_token_ids), params,
+                                                           self._generator(params.seed), grammar=grammar)
+
+    def _start_token_bitmasks(self, request_ids: list[str]) -> tuple[list[str], Future] | None:
+        """Start filling the bitmask of each constrained request about to sample, beside the forward pass:
+        (their ids, the future [len(ids), ceil(V / 32)] bitmask); None when no request is constrained."""
+        constrained = [r for r in request_ids if self.requests[r].grammar is not None]
+        if not constrained:
+            return None
+        assert self.structured_output is not None
+        return constrained, self.structured_output.fill_bitmask_async([self.requests[r].grammar for r in constrained])
 
     def _add_child(self, parent_id: str, child_id: str, index: int) -> None:
         """Sampling state for child `index` of a parallel-sampling request: its own seed stream."""
         parent = self.requests[parent_id]
         generator = self._generator(child_seed(parent.params.seed, index))
+        grammar = parent.grammar.deep_copy() if parent.grammar is not None else None
         self.requests[child_id] = CachedRequestState(child_id, parent.prompt_token_ids, parent.params, generator,
-                                                     list(parent.output_token_ids))
+                                                     list(parent.output_token_ids), grammar)
 
     def _generator(self, seed: int | None) -> torch.Generator | None:
         """A seeded request's own random stream; None draws from the engine's global one."""
@@ -195,20 +219,49 @@ class ModelRunner:
                 row_request_ids.append(child_id)
         return rows, row_request_ids
 
-    def _sample(self, hidden: torch.Tensor, inputs: ModelInputs, children: dict[str, list[str]]) -> RunnerOutput:
+    def _sample(self, hidden: torch.Tensor, inputs: ModelInputs, children: dict[str, list[str]],
+                masks: dict[str, torch.Tensor]) -> RunnerOutput:
+        """Sample each row; `masks` holds the token bitmask of each constrained request (its children share it:
+        their matchers are copies of the parent's, taken before this step's token)."""
         logits = self.model.compute_logits(hidden[inputs.logits_indices])   # [num_sampled, vocab]
-        sample_request_ids = inputs.sample_request_ids
+        sample_request_ids = parent_ids = inputs.sample_request_ids
         if children:
             rows, sample_request_ids = self._fork_rows(sample_request_ids, children)
+            parent_ids = [inputs.sample_request_ids[row] for row in rows]
             logits = logits[torch.tensor(rows, device=logits.device)]       # [num_sampled + children, vocab]
         states = [self.requests[request_id] for request_id in sample_request_ids]
-        rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids, s.generator, self.eos_token_id)
-                for s in states]
+        rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids, s.generator, self.eos_token_id,
+                            masks.get(parent_id)) for s, parent_id in zip(states, parent_ids)]
         meta = SamplingMetadata.build(rows, self.shape.vocab_size, self.device, self.global_generator)
         result = self.sampler(logits, meta)
         token_ids = result.token_ids.tolist()
+        _consume_in_grammars(states, token_ids)
         for state, token_id in zip(states, token_ids):
             state.output_token_ids.append(token_id)
         sampled = dict(zip(sample_request_ids, token_ids))
         logprobs = result.logprobs.to_lists(sample_request_ids) if result.logprobs is not None else {}
         return RunnerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+
+def _consume_in_grammars(states: list[CachedRequestState], token_ids: list[int]) -> None:
+    """Advance each constrained request's matcher by its sampled token, all or none: when a grammar refuses its
+    token (which its mask allowed), the matchers already advanced are rolled back before the error is raised, so
+    that the group may run again (in parts) from the same state."""
+    advanced = []
+    for state, token_id in zip(states, token_ids):
+        if state.grammar is None:
+            continue
+        if not state.grammar.consume_token(token_id):
+            for grammar in advanced:
+                grammar.rollback(1)
+            raise RuntimeError(f"request {state.request_id}: the grammar refused token {token_id}, which its "
+                               f"mask allowed: {state.grammar.get_error()}")
+        advanced.append(state.grammar)
+
+
+def _wait_token_bitmasks(pending: tuple[list[str], Future] | None) -> dict[str, torch.Tensor]:
+    """Request id -> its row of the bitmask, once the fill started by _start_token_bitmasks is done."""
+    if pending is None:
+        return {}
+    request_ids, future = pending
+    return dict(zip(request_ids, future.result()))

@@ -27,6 +27,8 @@ class SamplingRow:
         output_token_ids: tokens generated so far (penalties, min_tokens).
         generator: the request's generator if it has a seed (see make_generator), else None.
         eos_token_id: suppressed while fewer than min_tokens tokens have been generated.
+        token_bitmask: [ceil(V / 32)] int32 of a structured-output row: bit j of word w allows token 32 * w + j
+            (every other token is masked out); None: no constraint.
     """
 
     params: SamplingParams
@@ -34,6 +36,15 @@ class SamplingRow:
     output_token_ids: list[int]
     generator: torch.Generator | None = None
     eos_token_id: int | None = None
+    token_bitmask: torch.Tensor | None = None
+
+
+@dataclass
+class TokenBitmask:
+    """The allowed tokens of the constrained rows (structured outputs)."""
+
+    rows: torch.Tensor      # [R] int64: the constrained rows of the batch
+    bitmask: torch.Tensor   # [R, ceil(V / 32)] int32 on the CPU, one row of SamplingRow.token_bitmask each
 
 
 @dataclass
@@ -72,6 +83,7 @@ class SamplingMetadata:
     penalties: Penalties | None            # None when no row has a penalty
     logit_bias: SparseEntries | None
     min_tokens_mask: SparseEntries | None  # (row, token) to set to -inf: EOS / stop ids before min_tokens
+    token_bitmask: TokenBitmask | None     # None when no row is constrained
     generators: dict[int, torch.Generator] # row index -> generator, for seeded random rows
     num_logprobs: list[int | None]         # per row: the `logprobs` it asked for
     max_num_logprobs: int | None           # None: no row asked for logprobs
@@ -108,6 +120,7 @@ class SamplingMetadata:
             penalties=_build_penalties(rows, vocab_size, device),
             logit_bias=_build_logit_bias(rows, vocab_size, device),
             min_tokens_mask=_build_min_tokens_mask(rows, vocab_size, device),
+            token_bitmask=_build_token_bitmask(rows, device),
             generators={i: row.generator for i, row in enumerate(rows)
                         if row.generator is not None and not row.params.greedy},
             num_logprobs=[p.logprobs for p in params],
@@ -198,3 +211,11 @@ def _build_min_tokens_mask(rows: list[SamplingRow], vocab_size: int,
     entries = [(i, token_id, 0.0) for i, row in enumerate(rows)
                for token_id in sorted(min_tokens_stop_ids(row)) if token_id < vocab_size]
     return _sparse(entries, device)
+
+
+def _build_token_bitmask(rows: list[SamplingRow], device: torch.device | str) -> TokenBitmask | None:
+    constrained = [i for i, row in enumerate(rows) if row.token_bitmask is not None]
+    if not constrained:
+        return None
+    return TokenBitmask(rows=torch.tensor(constrained, dtype=torch.long, device=device),
+                        bitmask=torch.stack([rows[i].token_bitmask for i in constrained]))

@@ -3,9 +3,12 @@ the logprobs gather."""
 
 from __future__ import annotations
 
+import sys
+
+import numpy as np
 import torch
 
-from pagedllm.sample.metadata import Penalties
+from pagedllm.sample.metadata import Penalties, TokenBitmask
 
 # Top-p looks at each row's largest logits first (see top_k_top_p_candidates).
 _TOP_P_CANDIDATES = 1024
@@ -22,6 +25,24 @@ def inverse_cdf_sample(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tens
     target = (uniform.to(cdf.dtype) * cdf[:, -1]).unsqueeze(1)      # [B, 1], in [0, total)
     token_ids = torch.searchsorted(cdf, target, right=True).squeeze(1)
     return token_ids.clamp_(max=probs.shape[1] - 1)
+
+
+def apply_token_bitmask(logits: torch.Tensor, mask: TokenBitmask) -> None:
+    """Set every token a constrained row does not allow to -inf, in place."""
+    allowed = unpack_bitmask(mask.bitmask, logits.shape[1]).to(logits.device)     # [R, V] bool
+    logits[mask.rows] = logits[mask.rows].masked_fill(~allowed, float("-inf"))
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[R, W] int32 -> [R, vocab_size] bool, bit j of word w -> column 32 * w + j.
+
+    Read as bytes: on a little-endian machine byte k of word w holds bits 8k..8k+7, so numpy's little-order
+    unpackbits over the bytes yields the columns in order (a [R, W, 32] shift-and-mask costs 32x the memory).
+    """
+    assert sys.byteorder == "little", "the bitmask's byte view assumes a little-endian machine"
+    as_bytes = bitmask.contiguous().numpy().view(np.uint8)                          # [R, 4W]
+    bits = np.unpackbits(as_bytes, axis=1, count=vocab_size, bitorder="little")
+    return torch.from_numpy(bits.view(np.bool_))
 
 
 def apply_penalties(logits: torch.Tensor, penalties: Penalties) -> torch.Tensor:

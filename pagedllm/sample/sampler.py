@@ -2,6 +2,7 @@
 
 Order of operations (as in vLLM):
     raw logprobs (if requested, from the unprocessed logits)
+    -> structured-output bitmask (disallowed tokens to -inf, so that nothing after can bring one back)
     -> logit_bias -> min_tokens (EOS / stop ids to -inf) -> penalties (repetition, frequency, presence)
     -> greedy rows: argmax
     -> random rows: temperature -> top-k -> top-p -> softmax -> min-p -> inverse-CDF sampling
@@ -23,6 +24,7 @@ from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.ops import (
     apply_min_p,
     apply_penalties,
+    apply_token_bitmask,
     apply_top_k_only,
     apply_top_k_top_p,
     gather_logprobs,
@@ -87,10 +89,13 @@ class Sampler(nn.Module):
 
     @staticmethod
     def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """Apply logit_bias, min_tokens and penalties. Never modifies the caller's tensor."""
-        if meta.logit_bias is None and meta.min_tokens_mask is None and meta.penalties is None:
+        """Apply the token bitmask, logit_bias, min_tokens and penalties. Never modifies the caller's tensor."""
+        if (meta.token_bitmask is None and meta.logit_bias is None and meta.min_tokens_mask is None
+                and meta.penalties is None):
             return logits
         logits = logits.clone()
+        if meta.token_bitmask is not None:
+            apply_token_bitmask(logits, meta.token_bitmask)
         if meta.logit_bias is not None:
             bias = meta.logit_bias
             logits.index_put_((bias.rows, bias.tokens), bias.values, accumulate=True)

@@ -25,6 +25,11 @@ def sample_reference(logits_row: torch.Tensor, row: SamplingRow) -> ReferenceSam
     vocab_size = logits_row.shape[0]
     raw_logprobs = torch.log_softmax(logits_row.float(), dim=-1)
     logits = logits_row.float().clone()
+    if row.token_bitmask is not None:
+        words = row.token_bitmask.tolist()
+        for token_id in range(vocab_size):
+            if not (words[token_id // 32] >> (token_id % 32)) & 1:
+                logits[token_id] = float("-inf")
     for token_id, bias in (params.logit_bias or {}).items():
         if token_id < vocab_size:
             logits[token_id] += bias

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pagedllm.sample.metadata import SamplingMetadata, SamplingRow, make_generator
+from pagedllm.sample.ops import unpack_bitmask
 from pagedllm.sample.sampler import Sampler
 from pagedllm.sampling_params import SamplingParams
 from tests.sample.reference import sample_reference
@@ -63,8 +64,19 @@ def _clone_rows(rows: list[SamplingRow]) -> list[SamplingRow]:
         if row.generator is not None:
             generator = torch.Generator()
             generator.set_state(row.generator.get_state())
-        out.append(SamplingRow(row.params, row.prompt_token_ids, row.output_token_ids, generator, row.eos_token_id))
+        out.append(SamplingRow(row.params, row.prompt_token_ids, row.output_token_ids, generator, row.eos_token_id,
+                               row.token_bitmask))
     return out
+
+
+def _random_bitmask(generator: torch.Generator, vocab_size: int = VOCAB) -> torch.Tensor:
+    """[ceil(V / 32)] int32 with random bits, tokens 20..29 always allowed (so no row is masked out entirely)."""
+    bits = torch.rand(vocab_size, generator=generator) < 0.3
+    bits[20:30] = True
+    words = torch.zeros((vocab_size + 31) // 32, dtype=torch.int64)
+    for token_id in bits.nonzero().flatten().tolist():
+        words[token_id // 32] |= 1 << (token_id % 32)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)   # bit 31 is the sign bit
 
 
 @pytest.mark.parametrize("case", range(12))
@@ -73,6 +85,9 @@ def test_matches_reference_on_random_batches(case: int) -> None:
     torch.manual_seed(case)
     batch = rng.randrange(1, 9)
     rows = _random_rows(rng, batch)
+    mask_generator = make_generator(case)
+    for row in rows[case % 2::2]:             # structured outputs on every other row, half the cases
+        row.token_bitmask = _random_bitmask(mask_generator) if case >= 6 else None
     ref_rows = _clone_rows(rows)
     logits = torch.randn(batch, VOCAB) * 3
     meta = SamplingMetadata.build(rows, VOCAB, "cpu")
@@ -259,3 +274,25 @@ def test_engine_generator_makes_unseeded_rows_reproducible() -> None:
         return Sampler()(logits, meta).token_ids.tolist()
 
     assert run() == run()
+
+
+@pytest.mark.parametrize("vocab_size", [1, 31, 32, 33, 97, 1000])
+def test_unpack_bitmask_matches_shift_and_mask(vocab_size: int) -> None:
+    bitmask = torch.randint(-2**31, 2**31, (3, (vocab_size + 31) // 32), dtype=torch.int32)
+    shifts = torch.arange(32, dtype=torch.int32)
+    expected = ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab_size].bool()
+    assert torch.equal(unpack_bitmask(bitmask, vocab_size), expected)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_masked_token_is_never_sampled_whatever_its_bias(temperature: float) -> None:
+    """The mask comes first: a +100 logit_bias, top-k 1 or a huge logit cannot bring a masked token back."""
+    logits = torch.randn(64, VOCAB)
+    logits[:, 5] = 50.0
+    bitmask = _random_bitmask(make_generator(0))
+    bitmask[0] &= ~(1 << 5)                                 # token 5 is masked
+    allowed = unpack_bitmask(bitmask.unsqueeze(0), VOCAB)[0]
+    params = SamplingParams(temperature=temperature, top_k=1 if temperature else 0, logit_bias={5: 100.0})
+    rows = [SamplingRow(params, [], [], make_generator(i), EOS, bitmask) for i in range(64)]
+    token_ids = _sample(logits, rows).token_ids
+    assert allowed[token_ids].all() and not allowed[5]

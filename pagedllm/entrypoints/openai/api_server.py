@@ -26,7 +26,8 @@ def build_app_from_args(args: argparse.Namespace):
     limits = ServerLimits(max_request_body_bytes=args.max_request_body_bytes, max_n=args.max_n,
                           max_stop_strings=args.max_stop_strings, max_logprobs=args.max_logprobs,
                           max_choices=args.max_choices)
-    return build_app(engine, served_model_names=args.served_model_name, api_key=args.api_key, limits=limits)
+    return build_app(engine, served_model_names=args.served_model_name, api_key=args.api_key, limits=limits,
+                     enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser)
 
 
 def run_server(args: argparse.Namespace) -> None:

@@ -10,6 +10,7 @@ import os
 import re
 
 from pagedllm.config import DEFAULT_BLOCK_SIZE
+from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 _SIZE_UNITS = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "ki": 1024, "mi": 1024**2, "gi": 1024**3}
 
@@ -48,6 +49,11 @@ def add_server_args(parser: argparse.ArgumentParser, *, positional_model: bool) 
                              "(default: the model's own name)")
     server.add_argument("--chat-template", default=None,
                         help="a Jinja chat template, or the path of a file holding one, replacing the model's own")
+    server.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='let the model call tools on its own (tool_choice "auto"); needs --tool-call-parser')
+    server.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                        help="how tool calls are written in the model's replies: hermes (<tool_call> JSON, Qwen2 "
+                             "style) or llama3_json")
     server.add_argument("--enable-log-requests", action="store_true",
                         help="log each request's prompt and sampling parameters (off: prompts may be private)")
     server.add_argument("--shutdown-timeout", type=float, default=30.0,

@@ -38,7 +38,8 @@ from pagedllm.metrics.prometheus import PrometheusStatLogger
 
 
 def build_app(engine: AsyncEngine, *, served_model_names: Sequence[str] | None = None, api_key: str | None = None,
-              limits: ServerLimits | None = None) -> FastAPI:
+              limits: ServerLimits | None = None, enable_auto_tool_choice: bool = False,
+              tool_call_parser: str | None = None) -> FastAPI:
     """An OpenAI-compatible app serving `engine`.
 
     Args:
@@ -46,7 +47,11 @@ def build_app(engine: AsyncEngine, *, served_model_names: Sequence[str] | None =
         served_model_names: names accepted in `model` (default: the engine's model name).
         api_key: when set, /v1/* requires `Authorization: Bearer <api_key>`, and /dashboard `?key=<api_key>`.
         limits: per-request limits (default: ServerLimits()).
+        enable_auto_tool_choice: allow tool_choice "auto" (the model decides whether to call a tool).
+        tool_call_parser: how the model writes tool calls (a name of TOOL_PARSERS); needed by the above.
     """
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
     names = list(served_model_names or [engine.model_name])
     limits = limits or ServerLimits()
     stat_logger = PrometheusStatLogger(names[0], swap_space_bytes=engine.swap_space_bytes)
@@ -65,7 +70,7 @@ def build_app(engine: AsyncEngine, *, served_model_names: Sequence[str] | None =
     app.state.registry = stat_logger.registry
     _add_error_handlers(app)
     app.add_middleware(RequestGate, max_bytes=limits.max_request_body_bytes, api_key=api_key)
-    chat = OpenAIServingChat(engine, names, limits)
+    chat = OpenAIServingChat(engine, names, limits, tool_call_parser if enable_auto_tool_choice else None)
     app.include_router(_v1_router(OpenAIServingCompletion(engine, names, limits), chat))
     app.include_router(_utility_router(OpenAIServingTokenization(chat), stat_logger))
     app.include_router(dashboard_router(engine, api_key))

@@ -14,6 +14,7 @@ from typing import Any
 from pagedllm.engine.async_engine import AsyncEngine, EngineDeadError, EngineDrainingError, RequestFailedError
 from pagedllm.engine.llm_engine import PromptTooLongError
 from pagedllm.entrypoints.openai.protocol import OpenAIError, _SamplingFields
+from pagedllm.entrypoints.openai.structured_outputs import structured_outputs_from
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -138,7 +139,8 @@ class OpenAIServing:
             logit_bias=logit_bias or None, ignore_eos=request.ignore_eos, min_tokens=request.min_tokens,
             stop_token_ids=request.stop_token_ids, skip_special_tokens=request.skip_special_tokens,
             spaces_between_special_tokens=request.spaces_between_special_tokens,
-            include_stop_str_in_output=request.include_stop_str_in_output, output_kind="delta")
+            include_stop_str_in_output=request.include_stop_str_in_output, output_kind="delta",
+            structured_outputs=structured_outputs_from(request.response_format, request.structured_outputs))
         optional = dict(temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
                         min_p=request.min_p, repetition_penalty=request.repetition_penalty)
         fields.update({k: v for k, v in optional.items() if v is not None})

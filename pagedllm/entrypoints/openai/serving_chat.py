@@ -1,27 +1,66 @@
-"""POST /v1/chat/completions: messages -> the chat template -> an assistant reply, whole or streamed."""
+"""POST /v1/chat/completions: messages -> the chat template -> an assistant reply, whole or streamed.
+
+Tools: tool_choice "auto" (the default when tools are given) needs the server's --enable-auto-tool-choice and
+--tool-call-parser, and the parser finds the calls in the reply; "required" and a named function force the reply
+with a JSON schema (structured outputs), so the calls always parse; "none" leaves the reply as text. The tools
+reach the model through the chat template's `tools` variable, or, for a template that never mentions tools (such as
+SmolLM2's), in the system message, in the Hermes format (tool_parsers.inline_tools).
+"""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import dataclasses
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import jinja2
 
-from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, OpenAIError, now, random_id
-from pagedllm.entrypoints.openai.serving_base import Prompt
+from pagedllm.engine.async_engine import AsyncEngine
+from pagedllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    NamedToolChoice,
+    OpenAIError,
+    now,
+    random_id,
+)
+from pagedllm.entrypoints.openai.serving_base import Prompt, ServerLimits
 from pagedllm.entrypoints.openai.serving_choices import ChoiceState, GenerationServing, TokenLogprob
+from pagedllm.entrypoints.openai.tool_parsers import (
+    TOOL_PARSERS,
+    ToolCallStream,
+    inline_tools,
+    named_tool_schema,
+    required_tools_schema,
+)
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedllm.tokenizer.chat_template import apply_chat_template
 
 
+class ChatChoiceState(ChoiceState):
+    """A chat choice, with its tool calls when the request has tools."""
+
+    def __init__(self, tools: ToolCallStream | None) -> None:
+        super().__init__()
+        self.tools = tools
+
+
 class OpenAIServingChat(GenerationServing):
-    """The chat completions API, with vLLM's sampling extras."""
+    """The chat completions API, with vLLM's sampling extras.
+
+    Args:
+        tool_call_parser: the parser of tool_choice "auto" (a name of TOOL_PARSERS); None: "auto" is refused.
+    """
+
+    def __init__(self, engine: AsyncEngine, served_model_names: Sequence[str], limits: ServerLimits,
+                 tool_call_parser: str | None = None) -> None:
+        super().__init__(engine, served_model_names, limits)
+        self.tool_call_parser = tool_call_parser
 
     async def create(self, request: ChatCompletionRequest) -> dict[str, Any] | AsyncIterator[str]:
         """A response dict, or (stream=True) an iterator of SSE lines. Raises OpenAIError on bad input."""
         model = self.check_model(request.model)
         self.check_common(request)
-        if request.tools:
-            raise OpenAIError("tools are not supported", param="tools")
+        tool_choice = self._tool_choice(request)
         if request.top_logprobs is not None and not request.logprobs:
             raise OpenAIError("top_logprobs requires logprobs to be true", param="top_logprobs")
         self.check_logprobs(request.top_logprobs, "top_logprobs")
@@ -30,39 +69,109 @@ class OpenAIServingChat(GenerationServing):
         max_tokens, param = request.max_tokens, "max_tokens"
         if request.max_completion_tokens is not None:
             max_tokens, param = request.max_completion_tokens, "max_completion_tokens"
-        params = self.sampling_params(request, self.resolve_max_tokens(max_tokens, len(prompt.token_ids), param),
-                                      num_logprobs)
+        params = self._force_tool_call(request, tool_choice, self.sampling_params(
+            request, self.resolve_max_tokens(max_tokens, len(prompt.token_ids), param), num_logprobs))
         request_id = random_id("chatcmpl")
         choices = self.make_choices(request_id, [params], request.n)
         outputs = await self.first_then_rest(self.run_choices(choices, [prompt], request.priority,
                                                               request.cache_salt))
         head = {"id": request_id, "created": now(), "model": model,
                 "object": "chat.completion.chunk" if request.stream else "chat.completion"}
-        return await self.respond(request, outputs, [ChoiceState() for _ in choices], head, num_logprobs,
-                                  len(prompt.token_ids))
+        states = [ChatChoiceState(self._tool_stream(tool_choice)) for _ in choices]
+        return await self.respond(request, outputs, states, head, num_logprobs, len(prompt.token_ids))
 
     def render(self, request: ChatCompletionRequest) -> list[int]:
         """The conversation's prompt token ids; 400 naming `messages` on a bad message or template."""
+        messages, kwargs = request.messages, dict(request.chat_template_kwargs or {})
+        if request.tools:
+            tools = [tool.model_dump(exclude_none=True) for tool in request.tools]
+            template = request.chat_template or getattr(self.engine.tokenizer, "chat_template", None) or ""
+            if "tools" in template:
+                kwargs["tools"] = tools
+            else:
+                messages = inline_tools(messages, tools)
         try:
-            return apply_chat_template(self.engine.tokenizer, request.messages, request.chat_template,
-                                       request.add_generation_prompt, **(request.chat_template_kwargs or {}))
+            return apply_chat_template(self.engine.tokenizer, messages, request.chat_template,
+                                       request.add_generation_prompt, **kwargs)
         except (ValueError, TypeError, jinja2.TemplateError) as exc:
             raise OpenAIError(str(exc), param="messages") from exc
+
+    # ---- tools --------------------------------------------------------------------------------------------------
+    def _tool_choice(self, request: ChatCompletionRequest) -> str | NamedToolChoice:
+        """The request's tool_choice ("auto" when tools are given without one), checked; 400 if it cannot run."""
+        choice = request.tool_choice or ("auto" if request.tools else "none")
+        if choice != "none" and not request.tools:
+            raise OpenAIError("tool_choice needs tools", param="tool_choice")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name
+                                                                                for t in request.tools or []}:
+            raise OpenAIError(f"tool_choice names the function {choice.function.name!r}, which is not in tools",
+                              param="tool_choice")
+        if choice == "auto" and self.tool_call_parser is None:
+            raise OpenAIError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be '
+                              'set (or use tool_choice "required", "none" or a named function)', param="tool_choice")
+        if choice in ("none", "auto"):
+            return choice
+        if request.response_format is not None or request.structured_outputs is not None:
+            raise OpenAIError("a forced tool call (tool_choice required or a named function) cannot be combined "
+                              "with response_format or structured_outputs", param="tool_choice")
+        return choice
+
+    def _force_tool_call(self, request: ChatCompletionRequest, tool_choice: str | NamedToolChoice,
+                         params: SamplingParams) -> SamplingParams:
+        """"required" and a named function: constrain the reply to the calls' JSON schema."""
+        tools = [tool.model_dump(exclude_none=True) for tool in request.tools or []]
+        if tool_choice == "required":
+            schema = required_tools_schema(tools)
+        elif isinstance(tool_choice, NamedToolChoice):
+            schema = named_tool_schema(next(t for t in tools if t["function"]["name"] == tool_choice.function.name))
+        else:
+            return params
+        return dataclasses.replace(params, structured_outputs=StructuredOutputsParams(json=schema))
+
+    def _tool_stream(self, tool_choice: str | NamedToolChoice) -> ToolCallStream | None:
+        if tool_choice == "none":
+            return None
+        if tool_choice == "auto":
+            return ToolCallStream(parser=TOOL_PARSERS[self.tool_call_parser]())
+        if tool_choice == "required":
+            return ToolCallStream(required=True)
+        return ToolCallStream(forced_name=tool_choice.function.name)
 
     # ---- response shape -----------------------------------------------------------------------------------------
     def _opening(self) -> dict[str, Any]:
         return {"delta": {"role": "assistant", "content": ""}}
 
-    def _message(self, text: str) -> dict[str, Any]:
-        return {"message": {"role": "assistant", "content": text}}
+    def _message(self, state: ChoiceState) -> dict[str, Any]:
+        tools = state.tools if isinstance(state, ChatChoiceState) else None
+        if tools is None:
+            return {"message": {"role": "assistant", "content": state.text}}
+        content, calls = tools.final(state.text)
+        if not calls:
+            return {"message": {"role": "assistant", "content": content}}
+        _finish_with_tool_calls(state)
+        return {"message": {"role": "assistant", "content": content, "tool_calls": [c.to_json() for c in calls]}}
 
-    def _delta(self, text: str, finish_reason: str | None) -> dict[str, Any]:
-        return {"delta": {"content": text} if text or finish_reason is None else {}}
+    def _delta(self, state: ChoiceState, text: str) -> dict[str, Any]:
+        tools = state.tools if isinstance(state, ChatChoiceState) else None
+        finished = state.finish_reason is not None
+        if tools is None:
+            return {"delta": {"content": text} if text or not finished else {}}
+        delta = tools.delta(text, finished)
+        if finished and (delta.get("tool_calls") or tools.forced_call is not None):
+            _finish_with_tool_calls(state)
+        return {"delta": delta}
 
     def _logprobs_json(self, tokens: list[TokenLogprob]) -> dict[str, Any]:
         return {"content": [{**_token_json(t.token, t.logprob),
                              "top_logprobs": [_token_json(text, logprob) for text, logprob in t.top]}
                             for t in tokens]}
+
+
+def _finish_with_tool_calls(state: ChoiceState) -> None:
+    """A reply that ended on its own and made calls finishes with "tool_calls" (one cut at max_tokens keeps
+    "length")."""
+    if state.finish_reason == "stop":
+        state.finish_reason = "tool_calls"
 
 
 def _token_json(text: str, logprob: float | None) -> dict[str, Any]:

@@ -77,12 +77,14 @@ class GenerationServing(OpenAIServing, ABC):
 
     # ---- what differs between the APIs --------------------------------------------------------------------------
     @abstractmethod
-    def _message(self, text: str) -> dict[str, Any]:
-        """A whole response's choice body, the fields between `index` and `logprobs`."""
+    def _message(self, state: ChoiceState) -> dict[str, Any]:
+        """A whole response's choice body, the fields between `index` and `logprobs` (it may set the state's
+        finish_reason, e.g. to "tool_calls")."""
 
     @abstractmethod
-    def _delta(self, text: str, finish_reason: str | None) -> dict[str, Any]:
-        """A streamed choice body, the fields between `index` and `logprobs`."""
+    def _delta(self, state: ChoiceState, text: str) -> dict[str, Any]:
+        """A streamed choice body for `text`, the fields between `index` and `logprobs` (it may set the state's
+        finish_reason)."""
 
     @abstractmethod
     def _logprobs_json(self, tokens: list[TokenLogprob]) -> dict[str, Any]:
@@ -98,8 +100,9 @@ class GenerationServing(OpenAIServing, ABC):
         async with aclosing(outputs):
             async for choice, output in outputs:
                 self._absorb(states[choice.index], output.outputs[0], num_logprobs)
-        choices = [self._choice(i, self._message(s.text), s.logprobs, s.finish_reason, s.stop_reason)
-                   for i, s in enumerate(states)]
+        bodies = [self._message(s) for s in states]
+        choices = [self._choice(i, body, s.logprobs, s.finish_reason, s.stop_reason)
+                   for i, (body, s) in enumerate(zip(bodies, states))]
         return {**head, "choices": choices, "usage": _usage(states, num_prompt_tokens)}
 
     async def _stream(self, outputs: OutputStream, states: list[ChoiceState], head: dict[str, Any],
@@ -129,8 +132,9 @@ class GenerationServing(OpenAIServing, ABC):
                 yield self._choice(index, opening, None, None, None)
         tokens = self._absorb(state, delta, num_logprobs)
         if text or delta.token_ids or delta.finish_reason is not None:
-            yield self._choice(index, self._delta(text, delta.finish_reason), tokens, delta.finish_reason,
-                               delta.stop_reason)
+            body = self._delta(state, text)
+            finish_reason = state.finish_reason if delta.finish_reason is not None else None
+            yield self._choice(index, body, tokens, finish_reason, delta.stop_reason)
 
     def _choice(self, index: int, body: dict[str, Any], tokens: list[TokenLogprob] | None,
                 finish_reason: str | None, stop_reason: int | str | None) -> dict[str, Any]:

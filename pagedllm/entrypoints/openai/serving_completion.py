@@ -60,10 +60,10 @@ class OpenAIServingCompletion(GenerationServing):
         return prompt.text if prompt.text is not None else self.engine.tokenizer.decode(prompt.token_ids)
 
     # ---- response shape -----------------------------------------------------------------------------------------
-    def _message(self, text: str) -> dict[str, Any]:
-        return {"text": text}
+    def _message(self, state: ChoiceState) -> dict[str, Any]:
+        return {"text": state.text}
 
-    def _delta(self, text: str, finish_reason: str | None) -> dict[str, Any]:
+    def _delta(self, state: ChoiceState, text: str) -> dict[str, Any]:
         return {"text": text}
 
     def _logprobs_json(self, tokens: list[TokenLogprob]) -> dict[str, Any]:

@@ -1,0 +1,112 @@
+"""StructuredOutputManager: compiles constraints into llguidance matchers, caches them by constraint, and fills
+the token bitmask of a batch.
+
+```
+ add time (any thread)                      step (engine thread)
+ ---------------------                      --------------------
+ compile(constraint) -> cached LLMatcher    new_matcher(constraint) -> a deep copy of the cached one, per request
+                                            fill_bitmask([matcher per sampled row])  (in a thread, beside the model)
+                                            matcher.consume_token(sampled token)
+```
+Compiling is the slow part (milliseconds to seconds for large schemas); callers do it before the request reaches
+the step loop (the async engine in its executor, the offline engine at add_request), so a step only copies.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import llguidance
+import llguidance.hf
+import torch
+
+from pagedllm.sampling_params import StructuredOutputsParams
+
+# Compact JSON: no optional whitespace between tokens, so that a model cannot spend its tokens on blank space (a
+# schema's "x-guidance" options can turn it back on).
+_JSON_DEFAULTS = {"whitespace_flexible": False}
+_MAX_CACHED_GRAMMARS = 256
+
+
+def grammar_text(constraint: StructuredOutputsParams) -> str:
+    """The llguidance grammar of a constraint (not yet checked: LLMatcher does that)."""
+    kind, text = constraint.key()
+    if kind == "json":
+        return llguidance.LLMatcher.grammar_from_json_schema(text, defaults=_JSON_DEFAULTS)
+    if kind == "json_object":
+        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_DEFAULTS)
+    return llguidance.grammar_from(kind, text)
+
+
+class StructuredOutputManager:
+    """Compiles and caches grammars for one tokenizer and vocabulary; thread-safe.
+
+    Args:
+        tokenizer: a fast Hugging Face tokenizer (llguidance reads its vocabulary).
+        vocab_size: the model's vocabulary (logits width); ids past the tokenizer's are never allowed.
+    """
+
+    def __init__(self, tokenizer, vocab_size: int) -> None:
+        self._hf_tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._ll_tokenizer: llguidance.LLTokenizer | None = None
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
+        self._executor: llguidance.LLExecutor | None = None
+        self._fill_thread = ThreadPoolExecutor(1, thread_name_prefix="pagedllm-bitmask")
+
+    def _tokenizer(self) -> llguidance.LLTokenizer:
+        """Built on first use (about a second for a 50k vocabulary), under the lock."""
+        if self._ll_tokenizer is None:
+            self._ll_tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size)
+        return self._ll_tokenizer
+
+    def compile(self, constraint: StructuredOutputsParams) -> llguidance.LLMatcher:
+        """The constraint's pristine matcher, from the cache or compiled now.
+
+        Raises:
+            ValueError: the schema, regex or grammar is invalid (llguidance's message says where).
+        """
+        key = constraint.key()
+        with self._lock:
+            matcher = self._cache.get(key)
+            if matcher is not None:
+                self._cache.move_to_end(key)
+                return matcher
+            tokenizer = self._tokenizer()
+        try:
+            matcher = llguidance.LLMatcher(tokenizer, grammar_text(constraint), log_level=0)
+        except ValueError as exc:     # llguidance raises for text that is not JSON at all
+            raise ValueError(f"invalid structured_outputs.{key[0]}: {exc}") from None
+        if matcher.is_error():
+            raise ValueError(f"invalid structured_outputs.{key[0]}: {matcher.get_error()}")
+        with self._lock:
+            self._cache[key] = matcher
+            if len(self._cache) > _MAX_CACHED_GRAMMARS:
+                self._cache.popitem(last=False)
+        return matcher
+
+    def new_matcher(self, constraint: StructuredOutputsParams) -> llguidance.LLMatcher:
+        """A fresh matcher for one request (a copy: matchers hold the request's parse state)."""
+        return self.compile(constraint).deep_copy()
+
+    def fill_bitmask(self, matchers: list[llguidance.LLMatcher]) -> torch.Tensor:
+        """[len(matchers), ceil(V / 32)] int32: bit j of word w allows token 32 * w + j for that row.
+
+        llguidance's executor writes the rows in parallel, straight into the tensor's memory (what
+        `llguidance.torch.fill_next_token_bitmask_par` does; that module is not imported because importing it
+        runs torch.compile, seconds of start-up for a CPU engine).
+        """
+        bitmask = torch.full((len(matchers), (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor()
+        row_bytes = bitmask.shape[1] * bitmask.element_size()
+        self._executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], bitmask.data_ptr(),
+                                               row_bytes, len(matchers))
+        return bitmask
+
+    def fill_bitmask_async(self, matchers: list[llguidance.LLMatcher]) -> Future[torch.Tensor]:
+        """fill_bitmask in a background thread: llguidance drops the GIL, so it runs beside the model forward."""
+        return self._fill_thread.submit(self.fill_bitmask, matchers)

@@ -1,0 +1,106 @@
+"""The tool-call parsers, the forcing schemas and ToolCallStream, without a model; and how tools reach a chat
+template that knows them and one that does not."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, OpenAIError
+from pagedllm.entrypoints.openai.serving_base import ServerLimits
+from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedllm.entrypoints.openai.tool_parsers import (
+    HermesToolParser,
+    Llama3JsonToolParser,
+    ToolCallStream,
+    required_tools_schema,
+)
+from tests.models.tiny import build_byte_tokenizer
+
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def _calls(calls) -> list[tuple[str, dict]]:
+    return [(c.name, json.loads(c.arguments)) for c in calls]
+
+
+def test_hermes_reads_each_block_and_the_content_before():
+    text = ('Let me check.\n<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n'
+            '<tool_call>{"name": "b", "arguments": {}}</tool_call>')
+    content, calls = HermesToolParser().extract(text)
+    assert content == "Let me check." and _calls(calls) == [("a", {"x": 1}), ("b", {})]
+    assert HermesToolParser().extract('<tool_call>{"name": "a", "arguments": {"x": 1}}')[1]   # unclosed, at the end
+    assert HermesToolParser().extract("<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
+
+
+@pytest.mark.parametrize("text, start", [("plain", None), ("abc <tool_call>{", 4), ("abc <tool_", 4), ("a <", 2)])
+def test_hermes_tool_start_holds_back_a_marker_in_the_making(text, start):
+    assert HermesToolParser().tool_start(text) == start
+
+
+def test_llama3_json_reads_calls_separated_by_semicolons():
+    text = '<|python_tag|>{"name": "a", "parameters": {"x": 1}}; {"name": "b", "arguments": {"y": "z"}}'
+    assert _calls(Llama3JsonToolParser().extract(text)[1]) == [("a", {"x": 1}), ("b", {"y": "z"})]
+    assert Llama3JsonToolParser().extract("Hello {there}") == ("Hello {there}", [])
+    assert Llama3JsonToolParser().tool_start('  {"na') == 0 and Llama3JsonToolParser().tool_start("Hi") is None
+
+
+def test_stream_sends_content_then_the_calls_at_the_end():
+    stream = ToolCallStream(parser=HermesToolParser())
+    deltas = [stream.delta(t, False) for t in ["Sure", ". <tool", '_call>{"name": "a", ', '"arguments": {}}']]
+    last = stream.delta("</tool_call>", True)
+    assert deltas == [{"content": "Sure"}, {"content": ". "}, {}, {}]
+    [call] = last["tool_calls"]
+    assert call["index"] == 0 and call["function"] == {"name": "a", "arguments": "{}"}
+
+
+def test_stream_of_a_named_function_names_it_once_then_sends_arguments():
+    stream = ToolCallStream(forced_name="f")
+    first, second, third = stream.delta("", False), stream.delta('{"x":', False), stream.delta(" 1}", True)
+    assert first["tool_calls"][0]["function"] == {"name": "f", "arguments": ""} and first["tool_calls"][0]["id"]
+    assert second == {"tool_calls": [{"index": 0, "function": {"arguments": '{"x":'}}]}
+    assert third == {"tool_calls": [{"index": 0, "function": {"arguments": " 1}"}}]}
+    assert _calls(stream.final('{"x": 1}')[1]) == [("f", {"x": 1})]
+
+
+def test_required_schema_lists_calls_of_the_given_tools():
+    schema = required_tools_schema([TOOL])
+    assert schema["minItems"] == 1 and schema["items"]["anyOf"][0]["properties"]["name"] == {"const": "get_weather"}
+    stream = ToolCallStream(required=True)
+    assert _calls(stream.final('[{"name": "get_weather", "parameters": {"city": "Rome"}}]')[1]) == [
+        ("get_weather", {"city": "Rome"})]
+
+
+def _chat(tokenizer, parser: str | None = None) -> OpenAIServingChat:
+    return OpenAIServingChat(SimpleNamespace(tokenizer=tokenizer), ["m"], ServerLimits(), parser)
+
+
+def test_tools_go_into_the_system_message_of_a_template_that_knows_none():
+    tokenizer = build_byte_tokenizer()
+    messages = [{"role": "user", "content": "Weather in Rome?"},
+                {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
+                    "name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    prompt = tokenizer.decode(_chat(tokenizer).render(ChatCompletionRequest(messages=messages, tools=[TOOL])))
+    assert prompt.startswith("<|im_start|>system\nYou can call functions.") and '"name": "get_weather"' in prompt
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>' in prompt
+    assert "<|im_start|>tool\nsunny<|im_end|>" in prompt
+
+
+def test_a_template_that_knows_tools_gets_them():
+    template = ("{% for t in tools %}TOOL {{ t.function.name }}\n{% endfor %}"
+                "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}")
+    tokenizer = build_byte_tokenizer()
+    request = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=[TOOL],
+                                    chat_template=template)
+    assert tokenizer.decode(_chat(tokenizer).render(request)) == "TOOL get_weather\nuser: hi\n"
+
+
+def test_auto_needs_the_servers_parser():
+    request = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=[TOOL])
+    with pytest.raises(OpenAIError, match="--enable-auto-tool-choice"):
+        _chat(build_byte_tokenizer())._tool_choice(request)
+    assert _chat(build_byte_tokenizer(), "hermes")._tool_choice(request) == "auto"
