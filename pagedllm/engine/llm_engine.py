@@ -16,6 +16,7 @@ from pagedllm.core.sched.output import RequestUpdate, RunnerOutput, SchedulerOut
 from pagedllm.core.sched.scheduler import Scheduler
 from pagedllm.engine.beam_search import BeamSearchDriver, BeamSearchOutput, BeamSearchParams
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.inputs import ParsedPrompt, PromptType, parse_prompt
 from pagedllm.loader import load_model
 from pagedllm.logger import init_logger
 from pagedllm.metrics.stats import SchedulerStats
@@ -27,7 +28,7 @@ from pagedllm.tokenizer.tokenizer import load_tokenizer
 
 logger = init_logger(__name__)
 
-PromptInput = str | list[int]
+PromptInput = PromptType | ParsedPrompt
 
 # The swap-or-recompute cost model's device constants (see docs/architecture.md, "Swap and auto preemption"):
 # bytes per second moving KV blocks to and from the swap pool, and the flop rate a prefill achieves.
@@ -74,9 +75,10 @@ class PromptTooLongError(ValueError):
 
 
 def tokenize_prompt(tokenizer, prompt: PromptInput, vocab_size: int, max_model_len: int) -> list[int]:
-    """Token ids of a prompt, validated: not empty, inside the vocabulary and the context. Reads nothing but its
-    arguments, so any thread may call it (the tokenizer's `encode` is thread-safe)."""
-    token_ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    """Token ids of a prompt (any form of `pagedllm.inputs`), validated: not empty, inside the vocabulary and the
+    context. Reads nothing but its arguments, so any thread may call it (the tokenizer's `encode` is thread-safe)."""
+    parsed = parse_prompt(prompt)
+    token_ids = parsed.token_ids if parsed.token_ids is not None else tokenizer.encode(parsed.text)
     if not token_ids:
         raise ValueError("the prompt is empty: give at least one token")
     if any(not isinstance(t, int) or not 0 <= t < vocab_size for t in token_ids):
@@ -150,10 +152,13 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams, priority: int = 0,
                     cache_salt: str | None = None, arrival_time: float | None = None,
                     prompt_token_ids: list[int] | None = None) -> None:
-        """Queue a request. `prompt_token_ids`, when given, are the already validated tokens of `prompt`."""
+        """Queue a request. `prompt_token_ids`, when given, are the already validated tokens of `prompt`; a
+        `cache_salt` argument overrides the prompt dict's own."""
         if request_id in self._tracked:
             raise ValueError(f"request id {request_id!r} is already in use")
-        token_ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize_prompt(prompt)
+        parsed = parse_prompt(prompt)
+        token_ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize_prompt(parsed)
+        cache_salt = cache_salt if cache_salt is not None else parsed.cache_salt
         if any(t >= self.vocab_size for t in list(params.logit_bias or {}) + params.stop_token_ids):
             raise ValueError(f"logit_bias and stop_token_ids take token ids in [0, {self.vocab_size})")
         completions = [_Completion(i, IncrementalDetokenizer(self.tokenizer, params, token_ids),
@@ -163,8 +168,7 @@ class LLMEngine:
             eos_token_id=self.tokenizer.eos_token_id,
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(), priority=priority,
             cache_salt=cache_salt))
-        self._tracked[request_id] = _Tracked(prompt if isinstance(prompt, str) else None, token_ids, params,
-                                             completions)
+        self._tracked[request_id] = _Tracked(parsed.text, token_ids, params, completions)
 
     def add_beam_search(self, request_id: str, prompt: PromptInput, params: BeamSearchParams) -> None:
         """Queue a beam search; its result comes from `pop_beam_search_output` once `step()` finished it."""
