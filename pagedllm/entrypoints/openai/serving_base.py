@@ -1,10 +1,10 @@
 """What /v1/completions and /v1/chat/completions share before they answer: model check, limits, prompt
-validation, sampling parameters, and fanning `n` out to engine requests (serving_choices.py answers)."""
+validation, sampling parameters, and running one engine request per prompt, whose `n` completions the engine
+forks (serving_choices.py answers)."""
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
@@ -14,7 +14,7 @@ from typing import Any
 from pagedllm.engine.async_engine import AsyncEngine, EngineDeadError, EngineDrainingError, RequestFailedError
 from pagedllm.engine.llm_engine import PromptTooLongError
 from pagedllm.entrypoints.openai.protocol import OpenAIError, _SamplingFields
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -41,14 +41,17 @@ class ServerLimits:
     max_choices: int = 1024
 
 
-@dataclass
-class Choice:
-    """One engine request behind a response choice."""
+@dataclass(slots=True)
+class ChoiceDelta:
+    """What one response choice produced in one engine output.
+
+    Args:
+        index: the choice's index in the response: prompt_index * n + the completion's index.
+        delta: the completion's new text and tokens (the engine runs with output_kind "delta").
+    """
 
     index: int
-    request_id: str
-    prompt_index: int
-    params: SamplingParams
+    delta: CompletionOutput
 
 
 @dataclass
@@ -57,7 +60,7 @@ class Prompt:
     token_ids: list[int]
 
 
-OutputStream = AsyncGenerator[tuple[Choice, RequestOutput], None]
+OutputStream = AsyncGenerator[ChoiceDelta, None]
 
 
 class OpenAIServing:
@@ -123,7 +126,7 @@ class OpenAIServing:
         return max_tokens
 
     def sampling_params(self, request: _SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """SamplingParams for one child request (n = 1: the server fans n out itself)."""
+        """SamplingParams for one prompt's engine request: its `n` completions are forked in the engine."""
         try:
             logit_bias = {int(k): v for k, v in (request.logit_bias or {}).items()}
         except ValueError as exc:
@@ -133,7 +136,7 @@ class OpenAIServing:
             if any(not 0 <= t < vocab_size for t in token_ids):
                 raise OpenAIError(f"{name} takes token ids in [0, {vocab_size})", param=name)
         fields: dict[str, Any] = dict(
-            n=1, max_tokens=max_tokens, stop=request.stop, seed=request.seed, logprobs=logprobs,
+            n=request.n, max_tokens=max_tokens, stop=request.stop, seed=request.seed, logprobs=logprobs,
             presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
             logit_bias=logit_bias or None, ignore_eos=request.ignore_eos, min_tokens=request.min_tokens,
             stop_token_ids=request.stop_token_ids, skip_special_tokens=request.skip_special_tokens,
@@ -147,36 +150,33 @@ class OpenAIServing:
         except ValueError as exc:
             raise OpenAIError(str(exc), param=_param_of(str(exc))) from exc
 
-    def make_choices(self, request_id: str, params_per_prompt: list[SamplingParams], n: int) -> list[Choice]:
-        """n children per prompt, ids `{request_id}-{choice}`; a seeded request gives child i the seed + i."""
-        if len(params_per_prompt) * n > self.limits.max_choices:
-            raise OpenAIError(f"{len(params_per_prompt)} prompts x n={n} is more than the {self.limits.max_choices} "
+    def check_num_choices(self, num_prompts: int, n: int) -> None:
+        if num_prompts * n > self.limits.max_choices:
+            raise OpenAIError(f"{num_prompts} prompts x n={n} is more than the {self.limits.max_choices} "
                               "completions one request may ask for", param="n")
-        choices = []
-        for prompt_index, params in enumerate(params_per_prompt):
-            for i in range(n):
-                child = params if params.seed is None or i == 0 else dataclasses.replace(params, seed=params.seed + i)
-                index = prompt_index * n + i
-                choices.append(Choice(index, f"{request_id}-{index}", prompt_index, child))
-        return choices
 
     # ---- running ------------------------------------------------------------------------------------------------
-    async def run_choices(self, choices: list[Choice], prompts: list[Prompt], priority: int,
-                          cache_salt: str | None) -> OutputStream:
-        """Start every child request and yield (choice, output) as outputs arrive, in any order.
+    async def run_prompts(self, request_id: str, prompts: list[Prompt], params_per_prompt: list[SamplingParams],
+                          priority: int, cache_salt: str | None) -> OutputStream:
+        """Start one engine request per prompt (`{request_id}-{prompt_index}`), whose `n` completions the engine
+        forks off it, sharing the prompt's KV blocks; yield each completion's deltas as they arrive, in any order.
 
-        Closing this iterator (or cancelling its consumer) aborts every child still running.
+        Closing this iterator (or cancelling its consumer) aborts every request still running, with all its
+        completions.
         """
-        streams = [self.engine.generate(c.request_id, prompts[c.prompt_index].token_ids, c.params,
-                                        prompt_token_ids=prompts[c.prompt_index].token_ids, priority=priority,
-                                        cache_salt=cache_salt) for c in choices]
+        streams = [self.engine.generate(f"{request_id}-{i}", prompt.token_ids, params,
+                                        prompt_token_ids=prompt.token_ids, priority=priority, cache_salt=cache_salt)
+                   for i, (prompt, params) in enumerate(zip(prompts, params_per_prompt))]
+        n = params_per_prompt[0].n
         if len(streams) == 1:
             async with aclosing(streams[0]) as stream:
                 async for output in stream:
-                    yield choices[0], output
+                    for delta in _choice_deltas(0, n, output):
+                        yield delta
             return
-        async for i, output in _merge(streams):
-            yield choices[i], output
+        async for prompt_index, output in _merge(streams):
+            for delta in _choice_deltas(prompt_index, n, output):
+                yield delta
 
     async def first_then_rest(self, outputs: OutputStream) -> OutputStream:
         """Wait for the first output before answering, so that a request the engine refuses gets a real status
@@ -189,6 +189,11 @@ class OpenAIServing:
                 async for item in outputs:
                     yield item
         return chained()
+
+
+def _choice_deltas(prompt_index: int, n: int, output: RequestOutput) -> list[ChoiceDelta]:
+    """An engine output carries the completion that changed (all n of them when the request is aborted)."""
+    return [ChoiceDelta(prompt_index * n + completion.index, completion) for completion in output.outputs]
 
 
 async def _merge(streams: list[AsyncGenerator[RequestOutput, None]]) -> AsyncGenerator[tuple[int, RequestOutput], None]:

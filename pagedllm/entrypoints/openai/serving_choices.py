@@ -96,8 +96,8 @@ class GenerationServing(OpenAIServing, ABC):
     async def _collect(self, outputs: OutputStream, states: list[ChoiceState], head: dict[str, Any],
                        num_logprobs: int | None, num_prompt_tokens: int) -> dict[str, Any]:
         async with aclosing(outputs):
-            async for choice, output in outputs:
-                self._absorb(states[choice.index], output.outputs[0], num_logprobs)
+            async for choice in outputs:
+                self._absorb(states[choice.index], choice.delta, num_logprobs)
         choices = [self._choice(i, self._message(s.text), s.logprobs, s.finish_reason, s.stop_reason)
                    for i, s in enumerate(states)]
         return {**head, "choices": choices, "usage": _usage(states, num_prompt_tokens)}
@@ -107,8 +107,8 @@ class GenerationServing(OpenAIServing, ABC):
         extra = {"usage": None} if include_usage else {}
         async with aclosing(outputs):
             try:
-                async for choice, output in outputs:
-                    for part in self._chunks(choice.index, states[choice.index], output.outputs[0], num_logprobs):
+                async for choice in outputs:
+                    for part in self._chunks(choice.index, states[choice.index], choice.delta, num_logprobs):
                         yield _sse({**head, "choices": [part], **extra})
                 if include_usage:
                     yield _sse({**head, "choices": [], "usage": _usage(states, num_prompt_tokens)})

@@ -25,12 +25,12 @@ class OpenAIServingCompletion(GenerationServing):
         prompts = self._prompts(request.prompt)
         params = [self.sampling_params(request, self.resolve_max_tokens(request.max_tokens, len(p.token_ids)),
                                        request.logprobs) for p in prompts]
+        self.check_num_choices(len(prompts), request.n)
         request_id = random_id("cmpl")
-        choices = self.make_choices(request_id, params, request.n)
-        outputs = self.run_choices(choices, prompts, request.priority, request.cache_salt)
+        outputs = self.run_prompts(request_id, prompts, params, request.priority, request.cache_salt)
         outputs = await self.first_then_rest(outputs)
         echoes = [self._echo(p) if request.echo else "" for p in prompts]
-        states = [ChoiceState(echoes[c.prompt_index]) for c in choices]
+        states = [ChoiceState(echo) for echo in echoes for _ in range(request.n)]
         head = {"id": request_id, "object": "text_completion", "created": now(), "model": model}
         return await self.respond(request, outputs, states, head, request.logprobs,
                                   sum(len(p.token_ids) for p in prompts))
