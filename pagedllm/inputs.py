@@ -78,7 +78,8 @@ def _parse_dict(prompt: dict, index: int) -> ParsedPrompt:
 
 
 def _token_ids(value: object, index: int, what: str) -> list[int]:
-    if not isinstance(value, list | tuple) or any(isinstance(t, bool) or not isinstance(t, int) for t in value):
+    # type() is int, not isinstance: a bool is no token id. One C-level pass (a prompt may hold millions of ids).
+    if not isinstance(value, list | tuple) or not set(map(type, value)) <= {int}:
         raise ValueError(f"prompt {index}: {what} must be a list of integer token ids")
     return list(value)
 
