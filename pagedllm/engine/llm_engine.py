@@ -20,7 +20,7 @@ from pagedllm.inputs import ParsedPrompt, PromptType, parse_prompt
 from pagedllm.loader import load_model
 from pagedllm.logger import init_logger
 from pagedllm.metrics.stats import SchedulerStats
-from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from pagedllm.runner import kv_tensors
 from pagedllm.runner.model_runner import ModelRunner
 from pagedllm.sampling_params import SamplingParams
@@ -59,6 +59,8 @@ class _Tracked:
     params: SamplingParams
     completions: list[_Completion]
     num_cached_tokens: int = 0
+    prompt_logprobs: PromptLogprobs | None = None    # [None] + one position per computed prompt token
+    prompt_logprobs_sent: bool = False              # output_kind "delta": they go out once, in the first output
 
     @property
     def finished(self) -> bool:
@@ -168,7 +170,8 @@ class LLMEngine:
             eos_token_id=self.tokenizer.eos_token_id,
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(), priority=priority,
             cache_salt=cache_salt))
-        self._tracked[request_id] = _Tracked(parsed.text, token_ids, params, completions)
+        self._tracked[request_id] = _Tracked(parsed.text, token_ids, params, completions,
+                                             prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
 
     def add_beam_search(self, request_id: str, prompt: PromptInput, params: BeamSearchParams) -> None:
         """Queue a beam search; its result comes from `pop_beam_search_output` once `step()` finished it."""
@@ -261,8 +264,12 @@ class LLMEngine:
         if tracked is None:
             self.beam_search.on_update(update)
             return None
-        completion = tracked.completions[update.index]
         tracked.num_cached_tokens = update.num_cached_tokens
+        if update.new_prompt_logprobs and tracked.prompt_logprobs is not None:
+            tracked.prompt_logprobs += map(self._logprob_position, update.new_prompt_logprobs)
+        if not update.new_token_ids and update.finish_reason is None:
+            return None     # a chunk of the prompt: nothing to report until the first token
+        completion = tracked.completions[update.index]
         completion.token_ids.extend(update.new_token_ids)
         self._append_logprobs(completion, update)
         finish_reason, stop_reason = update.finish_reason, update.stop_reason
@@ -283,14 +290,22 @@ class LLMEngine:
         if completion.logprobs is None or update.new_logprobs is None:
             return
         for token_id, entries in zip(update.new_token_ids, update.new_logprobs):
-            position = {tid: Logprob(lp, rank, self.tokenizer.decode([tid])) for tid, lp, rank in entries}
+            position = self._logprob_position(entries)
             completion.logprobs.append(position)
             completion.cumulative_logprob += position[token_id].logprob
 
+    def _logprob_position(self, entries: list[tuple[int, float, int]]) -> dict[int, Logprob]:
+        """The runner's (token_id, logprob, rank) entries of one position, with each token's text."""
+        return {token_id: Logprob(logprob, rank, self.tokenizer.decode([token_id]))
+                for token_id, logprob, rank in entries}
+
     def _make_output(self, request_id: str, tracked: _Tracked, completions: list[_Completion]) -> RequestOutput:
+        prompt_logprobs = None if tracked.prompt_logprobs_sent else tracked.prompt_logprobs
+        tracked.prompt_logprobs_sent = tracked.params.output_kind == "delta"
         return RequestOutput(request_id=request_id, prompt=tracked.prompt, prompt_token_ids=tracked.prompt_token_ids,
                              outputs=[self._completion_output(tracked, c) for c in completions],
-                             finished=tracked.finished, num_cached_tokens=tracked.num_cached_tokens)
+                             finished=tracked.finished, num_cached_tokens=tracked.num_cached_tokens,
+                             prompt_logprobs=prompt_logprobs)
 
     def _completion_output(self, tracked: _Tracked, completion: _Completion) -> CompletionOutput:
         finished = completion.finish_reason is not None

@@ -31,6 +31,7 @@ class CachedRequestState:
     params: SamplingParams
     generator: torch.Generator | None
     output_token_ids: list[int] = field(default_factory=list)
+    num_prompt_logprob_positions: int = 0    # prompt positions whose logprobs went out (a recompute skips them)
 
 
 @dataclass(slots=True)
@@ -40,6 +41,7 @@ class ModelInputs:
     meta: AttentionMetadata
     logits_indices: torch.Tensor     # [num_sampled]: the row of each sampling request's last token
     sample_request_ids: list[str]        # the requests those rows belong to, in order
+    first_rows: dict[str, int]       # request id -> the row of its first new token
 
 
 def build_model_inputs(scheduled: list[ScheduledRequest], block_size: int, device: torch.device) -> ModelInputs:
@@ -75,6 +77,7 @@ def build_model_inputs(scheduled: list[ScheduledRequest], block_size: int, devic
         meta=meta,
         logits_indices=torch.from_numpy(query_start[1:][sample_rows] - 1).to(device),
         sample_request_ids=[scheduled[i].request_id for i in sample_rows],
+        first_rows={s.request_id: int(start) for s, start in zip(scheduled, query_start)},
     )
 
 

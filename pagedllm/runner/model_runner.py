@@ -12,12 +12,12 @@ import torch
 
 from pagedllm.config import CacheConfig
 from pagedllm.core.request import child_seed
-from pagedllm.core.sched.output import NewRequestData, RunnerOutput, SchedulerOutput
+from pagedllm.core.sched.output import NewRequestData, RunnerOutput, ScheduledRequest, SchedulerOutput
 from pagedllm.loader import LoadedModel
 from pagedllm.runner import kv_tensors
 from pagedllm.runner.input_batch import CachedRequestState, ModelInputs, build_model_inputs
 from pagedllm.sample.metadata import SamplingMetadata, SamplingRow, make_generator
-from pagedllm.sample.sampler import Sampler
+from pagedllm.sample.sampler import Sampler, position_logprobs
 
 
 @dataclass(frozen=True)
@@ -86,10 +86,32 @@ class ModelRunner:
             return RunnerOutput()
         inputs = build_model_inputs(scheduler_output.scheduled, self.block_size, self.device)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        prompt_logprobs = self._prompt_logprobs(hidden, inputs, scheduler_output.scheduled)
         if not inputs.sample_request_ids:
-            return RunnerOutput()
+            return RunnerOutput(prompt_logprobs=prompt_logprobs)
         children = {s.request_id: s.child_request_ids for s in scheduler_output.scheduled if s.child_request_ids}
-        return self._sample(hidden, inputs, children)
+        output = self._sample(hidden, inputs, children)
+        output.prompt_logprobs = prompt_logprobs
+        return output
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, inputs: ModelInputs,
+                         scheduled: list[ScheduledRequest]) -> dict[str, list]:
+        """For each request that wants prompt logprobs: the logprobs of the prompt tokens its rows predict this
+        step (row p predicts prompt token p + 1), from raw logits, skipping positions already reported."""
+        result = {}
+        for s in scheduled:
+            state = self.requests[s.request_id]
+            num = state.params.prompt_logprobs
+            start = max(s.num_computed_tokens, state.num_prompt_logprob_positions)
+            end = min(s.num_computed_tokens + s.num_new_tokens, len(state.prompt_token_ids) - 1)
+            if num is None or start >= end:
+                continue
+            row = inputs.first_rows[s.request_id] + start - s.num_computed_tokens
+            logits = self.model.compute_logits(hidden[row:row + end - start])             # [end - start, vocab]
+            targets = torch.tensor(state.prompt_token_ids[start + 1:end + 1], device=logits.device)
+            result[s.request_id] = position_logprobs(logits, targets, num)
+            state.num_prompt_logprob_positions = end
+        return result
 
     def _add_request(self, new: NewRequestData) -> None:
         if new.request_id in self.requests:
@@ -102,7 +124,8 @@ class ModelRunner:
         parent = self.requests[parent_id]
         generator = self._generator(child_seed(parent.params.seed, index))
         self.requests[child_id] = CachedRequestState(child_id, parent.prompt_token_ids, parent.params, generator,
-                                                     list(parent.output_token_ids))
+                                                     list(parent.output_token_ids),
+                                                     parent.num_prompt_logprob_positions)
 
     def _generator(self, seed: int | None) -> torch.Generator | None:
         """A seeded request's own random stream; None draws from the engine's global one."""

@@ -14,7 +14,7 @@ from typing import Any
 from pagedllm.engine.async_engine import AsyncEngine, EngineDeadError, EngineDrainingError, RequestFailedError
 from pagedllm.engine.llm_engine import PromptTooLongError
 from pagedllm.entrypoints.openai.protocol import OpenAIError, _SamplingFields
-from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.outputs import CompletionOutput, PromptLogprobs, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -48,10 +48,15 @@ class ChoiceDelta:
     Args:
         index: the choice's index in the response: prompt_index * n + the completion's index.
         delta: the completion's new text and tokens (the engine runs with output_kind "delta").
+        prompt_index: which prompt of the request the choice completes.
+        prompt_logprobs: the prompt's log-probabilities, if asked for; they come once per prompt, with the first
+            delta of one of its choices.
     """
 
     index: int
     delta: CompletionOutput
+    prompt_index: int = 0
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass
@@ -125,7 +130,8 @@ class OpenAIServing:
                               "completion.", param=param, code="context_length_exceeded")
         return max_tokens
 
-    def sampling_params(self, request: _SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, request: _SamplingFields, max_tokens: int, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         """SamplingParams for one prompt's engine request: its `n` completions are forked in the engine."""
         try:
             logit_bias = {int(k): v for k, v in (request.logit_bias or {}).items()}
@@ -137,6 +143,7 @@ class OpenAIServing:
                 raise OpenAIError(f"{name} takes token ids in [0, {vocab_size})", param=name)
         fields: dict[str, Any] = dict(
             n=request.n, max_tokens=max_tokens, stop=request.stop, seed=request.seed, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
             logit_bias=logit_bias or None, ignore_eos=request.ignore_eos, min_tokens=request.min_tokens,
             stop_token_ids=request.stop_token_ids, skip_special_tokens=request.skip_special_tokens,
@@ -193,7 +200,8 @@ class OpenAIServing:
 
 def _choice_deltas(prompt_index: int, n: int, output: RequestOutput) -> list[ChoiceDelta]:
     """An engine output carries the completion that changed (all n of them when the request is aborted)."""
-    return [ChoiceDelta(prompt_index * n + completion.index, completion) for completion in output.outputs]
+    return [ChoiceDelta(prompt_index * n + completion.index, completion, prompt_index, output.prompt_logprobs)
+            for completion in output.outputs]
 
 
 async def _merge(streams: list[AsyncGenerator[RequestOutput, None]]) -> AsyncGenerator[tuple[int, RequestOutput], None]:

@@ -158,9 +158,9 @@ class GenerationServing(OpenAIServing, ABC):
         tokenizer = self.engine.tokenizer
         entry = position.get(token_id)
         text = _token_text(tokenizer, token_id, entry)
-        top = [(_token_text(tokenizer, top_id, lp), _clean_logprob(lp.logprob))
+        top = [(_token_text(tokenizer, top_id, lp), clean_logprob(lp.logprob))
                for top_id, lp in _top_entries(position, num_logprobs)]
-        token = TokenLogprob(text, None if entry is None else _clean_logprob(entry.logprob), top, state.text_offset)
+        token = TokenLogprob(text, None if entry is None else clean_logprob(entry.logprob), top, state.text_offset)
         state.text_offset += len(text)
         return token
 
@@ -175,7 +175,8 @@ def _usage(states: list[ChoiceState], num_prompt_tokens: int) -> dict[str, int]:
             "total_tokens": num_prompt_tokens + num_completion_tokens}
 
 
-def _clean_logprob(value: float) -> float:
+def clean_logprob(value: float) -> float:
+    """A log-probability JSON can carry."""
     return value if value > MIN_LOGPROB else MIN_LOGPROB     # also maps -inf and nan
 
 

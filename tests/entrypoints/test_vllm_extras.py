@@ -1,6 +1,7 @@
-"""`n` over HTTP goes through the engine's forks, as offline: the children share the prompt's KV blocks, the same
-request and seed give the same completions both ways, and a client that leaves aborts every child.
-A tiny random Llama (tests/models/tiny.py) behind the real server, driven with the `openai` SDK."""
+"""What vLLM users count on over HTTP, on a tiny random Llama (tests/models/tiny.py) behind the real server,
+driven with the `openai` SDK: `n` goes through the engine's forks, as offline (the children share the prompt's KV
+blocks, the same request and seed give the same completions both ways, a client that leaves aborts every child);
+`prompt_logprobs` on /v1/completions equal the offline ones."""
 
 from __future__ import annotations
 
@@ -115,3 +116,52 @@ def test_a_client_that_leaves_aborts_every_child(server):
                                      finished_reason="abort") == aborts + 1)
     assert not engine.scheduler.requests
     assert wait_until(lambda: pool_is_whole(engine))
+
+
+# ---- prompt_logprobs ------------------------------------------------------------------------------------------
+def _offline_prompt_logprobs(llm: LLM, prompt: str) -> list:
+    (output,) = llm.generate(prompt, SamplingParams(max_tokens=1, prompt_logprobs=2), use_tqdm=False)
+    return [None if p is None else {str(t): (lp.logprob, lp.rank, lp.decoded_token) for t, lp in p.items()}
+            for p in output.prompt_logprobs]
+
+
+def _served(prompt_logprobs: list) -> list:
+    return [None if p is None else {t: (e["logprob"], e["rank"], e["decoded_token"]) for t, e in p.items()}
+            for p in prompt_logprobs]
+
+
+def _assert_same(got: list, expected: list) -> None:
+    assert len(got) == len(expected) and got[0] is None and expected[0] is None
+    for mine, theirs in zip(got[1:], expected[1:]):
+        assert mine.keys() == theirs.keys()
+        for token_id, (logprob, rank, text) in mine.items():
+            assert logprob == pytest.approx(theirs[token_id][0], abs=1e-4)
+            assert (rank, text) == theirs[token_id][1:]
+
+
+def test_prompt_logprobs_on_every_choice_match_offline(client, server, offline):
+    prompts = ["The first prompt of two", "and the second"]
+    out = client.completions.create(model=server.model_name, prompt=prompts, n=2, max_tokens=2,
+                                    extra_body={"prompt_logprobs": 2})
+    for choice in out.choices:
+        _assert_same(_served(choice.model_extra["prompt_logprobs"]),
+                     _offline_prompt_logprobs(offline, prompts[choice.index // 2]))
+
+
+def test_prompt_logprobs_are_right_for_a_prompt_in_the_prefix_cache(client, server, offline):
+    prompt = "a prompt sent twice, so that its blocks are cached the second time"
+    first = client.completions.create(model=server.model_name, prompt=prompt, max_tokens=1)
+    again = client.completions.create(model=server.model_name, prompt=prompt, max_tokens=1,
+                                      extra_body={"prompt_logprobs": 2})
+    assert first.choices[0].model_extra.get("prompt_logprobs") is None
+    _assert_same(_served(again.choices[0].model_extra["prompt_logprobs"]), _offline_prompt_logprobs(offline, prompt))
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    ({"prompt_logprobs": -1}, "prompt_logprobs"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"),
+])
+def test_bad_prompt_logprobs_are_a_400_naming_the_field(server, body, param):
+    response = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "Hi", "max_tokens": 1, **body})
+    assert response.status_code == 400 and response.json()["error"]["param"] == param
