@@ -14,6 +14,7 @@ from typing import Any
 from pagedllm.engine.async_engine import AsyncEngine, EngineDeadError, EngineDrainingError, RequestFailedError
 from pagedllm.engine.llm_engine import PromptTooLongError
 from pagedllm.entrypoints.openai.protocol import OpenAIError, _SamplingFields
+from pagedllm.inputs import ParsedPrompt
 from pagedllm.outputs import CompletionOutput, PromptLogprobs, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -110,7 +111,8 @@ class OpenAIServing:
     def validate_prompt(self, token_ids: list[int], param: str = "prompt") -> list[int]:
         """The engine's prompt checks, with vLLM's wording for a prompt that fills the context."""
         try:
-            return self.engine.validate_prompt(token_ids)
+            # Already a list of ints (the request schema): skip parse_prompt's pass over a maybe huge prompt.
+            return self.engine.validate_prompt(ParsedPrompt(None, token_ids))
         except PromptTooLongError as exc:
             raise OpenAIError(f"This model's maximum context length is {exc.max_model_len} tokens. However, your "
                               f"request has {exc.num_tokens} input tokens. Please reduce the length of the input "

@@ -42,9 +42,7 @@ class OpenAIServingCompletion(GenerationServing):
         response = await self.respond(request, outputs, states, head, request.logprobs,
                                       sum(len(p.token_ids) for p in prompts))
         if request.prompt_logprobs is not None:     # never streamed (refused above): a whole response
-            assert isinstance(response, dict)
-            for choice in response["choices"]:
-                choice["prompt_logprobs"] = _prompt_logprobs_json(prompt_logprobs.get(choice["index"] // request.n))
+            _add_prompt_logprobs(cast(dict[str, Any], response), prompt_logprobs, request.n)
         return response
 
     # ---- prompts ------------------------------------------------------------------------------------------------
@@ -91,6 +89,12 @@ async def _keep_prompt_logprobs(outputs: OutputStream, kept: dict[int, PromptLog
             if choice.prompt_logprobs is not None:
                 kept[choice.prompt_index] = choice.prompt_logprobs
             yield choice
+
+
+def _add_prompt_logprobs(response: dict[str, Any], kept: dict[int, PromptLogprobs], n: int) -> None:
+    """Give each choice its prompt's log-probabilities, after stop_reason, as vLLM does."""
+    for choice in response["choices"]:
+        choice["prompt_logprobs"] = _prompt_logprobs_json(kept.get(choice["index"] // n))
 
 
 def _prompt_logprobs_json(prompt_logprobs: PromptLogprobs | None) -> list[dict[str, Any] | None] | None:
