@@ -23,6 +23,9 @@ class Logprob:
 
 # Per generated token: token id -> Logprob, holding the sampled token and the top-`logprobs` tokens.
 SampleLogprobs = list[dict[int, Logprob]]
+# Per prompt token: None for the first (nothing predicts it), then token id -> Logprob, holding the prompt token
+# and the top-`prompt_logprobs` tokens at that position.
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -59,6 +62,8 @@ class RequestOutput:
         request_id: the engine's id for the request.
         prompt: the prompt text, if the request came as text.
         prompt_token_ids: the tokenized prompt.
+        prompt_logprobs: per prompt token, its log-probabilities, when SamplingParams.prompt_logprobs asked for
+            them (a streamed request gets them in its first output only).
         outputs: one CompletionOutput per completion (`n` of them).
         finished: True once every completion has finished.
         num_cached_tokens: prompt tokens served from the prefix cache.
@@ -70,6 +75,7 @@ class RequestOutput:
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
+    prompt_logprobs: PromptLogprobs | None = None
     finished: bool = False
     num_cached_tokens: int = 0
     metrics: Any = None

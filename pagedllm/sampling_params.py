@@ -106,6 +106,9 @@ class SamplingParams:
         max_tokens: most generated tokens; None means up to the context length.
         min_tokens: EOS and stop_token_ids are suppressed until this many tokens are generated.
         logprobs: number of top log-probabilities returned per generated token (plus the sampled one).
+        prompt_logprobs: number of top log-probabilities returned per prompt token (plus the prompt token
+            itself), in `RequestOutput.prompt_logprobs`. Such a request takes no prefix-cache hit: every prompt
+            position must be computed to have logits.
         skip_special_tokens: leave special tokens out of the text.
         include_stop_str_in_output: keep the matched stop string in the text.
         logit_bias: token id -> bias added to its logit, in [-100, 100].
@@ -127,6 +130,7 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -168,6 +172,8 @@ class SamplingParams:
                f"<= max_tokens ({self.max_tokens})", self.min_tokens)
         _check(self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0), "logprobs",
                "an integer >= 0 or None", self.logprobs)
+        _check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and self.prompt_logprobs >= 0),
+               "prompt_logprobs", "an integer >= 0 or None", self.prompt_logprobs)
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "a list of non-empty strings",
                self.stop)
         _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",

@@ -209,8 +209,10 @@ class AsyncEngine:
                        cache_salt: str | None = None) -> AsyncGenerator[RequestOutput, None]:
         """Run one request and yield its outputs until the last (`finished`) one.
 
-        Use `params.output_kind = "delta"` to get each step's new text. Closing the iterator early (the client
-        went away) aborts the request, and its KV blocks go back to the pool.
+        Use `params.output_kind = "delta"` to get each step's new text; with `params.n > 1` each such output
+        carries the completion that changed (its `index` says which), and the last is `finished` once all n are.
+        Closing the iterator early (the client went away) aborts the request with all its completions, and its KV
+        blocks go back to the pool.
 
         Raises:
             EngineDeadError: the engine loop has failed (now or while this request waited).

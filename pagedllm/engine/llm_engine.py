@@ -17,10 +17,11 @@ from pagedllm.core.sched.output import RequestUpdate, RunnerOutput, ScheduledReq
 from pagedllm.core.sched.scheduler import Scheduler
 from pagedllm.engine.beam_search import BeamSearchDriver, BeamSearchOutput, BeamSearchParams
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.inputs import ParsedPrompt, PromptType, parse_prompt
 from pagedllm.loader import load_model, max_model_len_of
 from pagedllm.logger import init_logger
 from pagedllm.metrics.stats import SchedulerStats
-from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from pagedllm.runner import kv_tensors
 from pagedllm.runner.model_runner import ModelRunner, StepTimings, model_shape
 from pagedllm.sampling_params import SamplingParams
@@ -29,7 +30,7 @@ from pagedllm.tokenizer.tokenizer import load_tokenizer
 
 logger = init_logger(__name__)
 
-PromptInput = str | list[int]
+PromptInput = PromptType | ParsedPrompt
 
 # The swap-or-recompute costs (see docs/architecture.md, "Swap and auto preemption"). Defaults per device: bytes
 # per second moving KV blocks to and from the swap pool, and the flop rate a prefill achieves. With
@@ -65,6 +66,8 @@ class _Tracked:
     params: SamplingParams
     completions: list[_Completion]
     num_cached_tokens: int = 0
+    prompt_logprobs: PromptLogprobs | None = None    # [None] + one position per computed prompt token
+    prompt_logprobs_sent: bool = False              # output_kind "delta": they go out once, in the first output
 
     @property
     def finished(self) -> bool:
@@ -81,9 +84,10 @@ class PromptTooLongError(ValueError):
 
 
 def tokenize_prompt(tokenizer, prompt: PromptInput, vocab_size: int, max_model_len: int) -> list[int]:
-    """Token ids of a prompt, validated: not empty, inside the vocabulary and the context. Reads nothing but its
-    arguments, so any thread may call it (the tokenizer's `encode` is thread-safe)."""
-    token_ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    """Token ids of a prompt (any form of `pagedllm.inputs`), validated: not empty, inside the vocabulary and the
+    context. Reads nothing but its arguments, so any thread may call it (the tokenizer's `encode` is thread-safe)."""
+    parsed = parse_prompt(prompt)
+    token_ids = parsed.token_ids if parsed.token_ids is not None else tokenizer.encode(parsed.text)
     if not token_ids:
         raise ValueError("the prompt is empty: give at least one token")
     if any(not isinstance(t, int) or not 0 <= t < vocab_size for t in token_ids):
@@ -195,12 +199,15 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams, priority: int = 0,
                     cache_salt: str | None = None, arrival_time: float | None = None,
                     prompt_token_ids: list[int] | None = None) -> None:
-        """Queue a request. `prompt_token_ids`, when given, are the already validated tokens of `prompt`. A
-        non-zero `priority` needs scheduling_policy "priority" (ValueError otherwise)."""
+        """Queue a request. `prompt_token_ids`, when given, are the already validated tokens of `prompt`; a
+        `cache_salt` argument overrides the prompt dict's own. A non-zero `priority` needs scheduling_policy
+        "priority" (ValueError otherwise)."""
         self.config.scheduler.check_priority(priority)
         if request_id in self._tracked:
             raise ValueError(f"request id {request_id!r} is already in use")
-        token_ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize_prompt(prompt)
+        parsed = parse_prompt(prompt)
+        token_ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize_prompt(parsed)
+        cache_salt = cache_salt if cache_salt is not None else parsed.cache_salt
         if any(t >= self.vocab_size for t in list(params.logit_bias or {}) + params.stop_token_ids):
             raise ValueError(f"logit_bias and stop_token_ids take token ids in [0, {self.vocab_size})")
         if params.structured_outputs is not None:
@@ -212,8 +219,8 @@ class LLMEngine:
             eos_token_id=self.tokenizer.eos_token_id,
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(), priority=priority,
             cache_salt=cache_salt))
-        self._tracked[request_id] = _Tracked(prompt if isinstance(prompt, str) else None, token_ids, params,
-                                             completions)
+        self._tracked[request_id] = _Tracked(parsed.text, token_ids, params, completions,
+                                             prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
 
     def add_beam_search(self, request_id: str, prompt: PromptInput, params: BeamSearchParams) -> None:
         """Queue a beam search; its result comes from `pop_beam_search_output` once `step()` finished it."""
@@ -351,8 +358,12 @@ class LLMEngine:
         if tracked is None:
             self.beam_search.on_update(update)
             return None
-        completion = tracked.completions[update.index]
         tracked.num_cached_tokens = update.num_cached_tokens
+        if update.new_prompt_logprobs and tracked.prompt_logprobs is not None:
+            tracked.prompt_logprobs += map(self._logprob_position, update.new_prompt_logprobs)
+        if not update.new_token_ids and update.finish_reason is None:
+            return None     # a chunk of the prompt: nothing to report until the first token
+        completion = tracked.completions[update.index]
         completion.token_ids.extend(update.new_token_ids)
         self._append_logprobs(completion, update)
         finish_reason, stop_reason = update.finish_reason, update.stop_reason
@@ -379,14 +390,22 @@ class LLMEngine:
         if completion.logprobs is None or update.new_logprobs is None:
             return
         for token_id, entries in zip(update.new_token_ids, update.new_logprobs):
-            position = {tid: Logprob(lp, rank, self.tokenizer.decode([tid])) for tid, lp, rank in entries}
+            position = self._logprob_position(entries)
             completion.logprobs.append(position)
             completion.cumulative_logprob += position[token_id].logprob
 
+    def _logprob_position(self, entries: list[tuple[int, float, int]]) -> dict[int, Logprob]:
+        """The runner's (token_id, logprob, rank) entries of one position, with each token's text."""
+        return {token_id: Logprob(logprob, rank, self.tokenizer.decode([token_id]))
+                for token_id, logprob, rank in entries}
+
     def _make_output(self, request_id: str, tracked: _Tracked, completions: list[_Completion]) -> RequestOutput:
+        prompt_logprobs = None if tracked.prompt_logprobs_sent else tracked.prompt_logprobs
+        tracked.prompt_logprobs_sent = tracked.params.output_kind == "delta"
         return RequestOutput(request_id=request_id, prompt=tracked.prompt, prompt_token_ids=tracked.prompt_token_ids,
                              outputs=[self._completion_output(tracked, c) for c in completions],
-                             finished=tracked.finished, num_cached_tokens=tracked.num_cached_tokens)
+                             finished=tracked.finished, num_cached_tokens=tracked.num_cached_tokens,
+                             prompt_logprobs=prompt_logprobs)
 
     def _completion_output(self, tracked: _Tracked, completion: _Completion) -> CompletionOutput:
         finished = completion.finish_reason is not None

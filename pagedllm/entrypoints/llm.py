@@ -18,7 +18,8 @@ from pagedllm.config import (
     SchedulingPolicy,
 )
 from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchParams
-from pagedllm.engine.llm_engine import LLMEngine, PromptInput
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.inputs import PromptType, as_prompt_list
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizer.chat_template import apply_chat_template
@@ -88,13 +89,13 @@ class LLM:
         """Forget every cached block; False (nothing done) while requests are running."""
         return self.engine.reset_prefix_cache()
 
-    def beam_search(self, prompts: PromptInput | Sequence[PromptInput],
+    def beam_search(self, prompts: PromptType | Sequence[PromptType],
                     params: BeamSearchParams) -> list[BeamSearchOutput]:
         """Beam search for each prompt; one BeamSearchOutput per prompt, in order, sequences best first.
 
         The beams run in the engine and share their KV blocks copy-on-write (see pagedllm/engine/beam_search.py).
         """
-        prompt_list = _as_prompt_list(prompts)
+        prompt_list = as_prompt_list(prompts)
         request_ids = [f"beam-{next(self._counter)}" for _ in prompt_list]
         for prompt in prompt_list:
             self.engine.tokenize_prompt(prompt)  # all validated before any runs
@@ -115,18 +116,19 @@ class LLM:
             raise
         return [results[r] for r in request_ids]
 
-    def generate(self, prompts: PromptInput | Sequence[PromptInput],
+    def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Complete each prompt; the outputs come back in input order.
 
         Args:
-            prompts: a string, a list of token ids, or a list of either.
+            prompts: one prompt or a list of them, each a string, a list of token ids, `{"prompt": str}` or
+                `{"prompt_token_ids": [...]}` (a dict may add `cache_salt`; see `pagedllm.inputs`).
             sampling_params: one for all prompts, or one per prompt (default: SamplingParams()).
             use_tqdm: show a progress bar when there is more than one prompt.
             priority: one per prompt; lower runs first. Needs scheduling_policy "priority" unless all are 0.
         """
-        prompt_list = _as_prompt_list(prompts)
+        prompt_list = as_prompt_list(prompts)
         params_list = _per_prompt(sampling_params or SamplingParams(), len(prompt_list), "sampling_params")
         priorities = _per_prompt(list(priority) if priority is not None else 0, len(prompt_list), "priority")
         for prio in priorities:
@@ -141,8 +143,16 @@ class LLM:
     def chat(self, messages: Conversation | Sequence[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *, use_tqdm: bool = True,
              chat_template: str | None = None, add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Generate a reply to a conversation, or to each of a list of conversations."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        """Generate a reply to a conversation, or to each of a list of conversations; one RequestOutput per
+        conversation, in order.
+
+        Args:
+            messages: a conversation (a list of `{"role", "content"}` dicts), or a list of conversations.
+            sampling_params: one for all conversations, or one per conversation.
+            chat_template: a Jinja template replacing the engine's.
+            add_generation_prompt: end the prompt with the assistant's turn opening.
+        """
+        conversations = _as_conversations(messages)
         template = chat_template or self.engine.config.model.chat_template
         prompts = [apply_chat_template(self.engine.tokenizer, c, template, add_generation_prompt)
                    for c in conversations]
@@ -172,15 +182,17 @@ class LLM:
         return [done[r] for r in request_ids]
 
 
-def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
-    if isinstance(prompts, str):
-        return [prompts]
-    prompts = list(prompts)
-    if not prompts:
-        raise ValueError("prompts is empty: give at least one prompt")
-    if all(isinstance(t, int) for t in prompts):
-        return [prompts]    # one prompt as token ids
-    return prompts
+def _as_conversations(messages: Conversation | Sequence[Conversation]) -> list[Conversation]:
+    """One conversation (a list of message dicts) or a list of them -> the list of conversations."""
+    if not isinstance(messages, list | tuple) or not messages:
+        raise ValueError("messages must be a conversation (a list of message dicts) or a list of conversations")
+    if all(isinstance(m, dict) for m in messages):
+        return [list(messages)]
+    for index, conversation in enumerate(messages):
+        if not isinstance(conversation, list | tuple) or not conversation or \
+                not all(isinstance(m, dict) for m in conversation):
+            raise ValueError(f"conversation {index}: a conversation is a non-empty list of message dicts")
+    return [list(c) for c in messages]
 
 
 def _per_prompt(value, count: int, name: str) -> list:

@@ -36,6 +36,7 @@ class CachedRequestState:
     generator: torch.Generator | None
     output_token_ids: list[int] = field(default_factory=list)
     grammar: LLMatcher | None = None     # structured outputs: the parse state after output_token_ids
+    num_prompt_logprob_positions: int = 0    # prompt positions whose logprobs went out (a recompute skips them)
 
 
 @dataclass(slots=True)
@@ -45,6 +46,7 @@ class ModelInputs:
     meta: AttentionMetadata
     logits_indices: torch.Tensor     # [num_sampled]: the row of each sampling request's last token
     sample_request_ids: list[str]        # the requests those rows belong to, in order
+    first_rows: dict[str, int]       # request id -> the row of its first new token
 
 
 def build_model_inputs(scheduled: list[ScheduledRequest], block_size: int, device: torch.device) -> ModelInputs:
@@ -80,6 +82,7 @@ def build_model_inputs(scheduled: list[ScheduledRequest], block_size: int, devic
         meta=meta,
         logits_indices=torch.from_numpy(query_start[1:][sample_rows] - 1).to(device),
         sample_request_ids=[scheduled[i].request_id for i in sample_rows],
+        first_rows={s.request_id: int(start) for s, start in zip(scheduled, query_start)},
     )
 
 

@@ -21,7 +21,7 @@ from pagedllm.loader import LoadedModel
 from pagedllm.runner import kv_tensors
 from pagedllm.runner.input_batch import CachedRequestState, ModelInputs, build_model_inputs
 from pagedllm.sample.metadata import SamplingMetadata, SamplingRow, make_generator
-from pagedllm.sample.sampler import Sampler
+from pagedllm.sample.sampler import Sampler, position_logprobs
 from pagedllm.structured_output import StructuredOutputManager
 
 
@@ -135,15 +135,40 @@ class ModelRunner:
         start = time.perf_counter()
         try:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+            prompt_logprobs, reported = self._prompt_logprobs(hidden, inputs, scheduled)
         except BaseException:
             _wait_token_bitmasks(pending_masks)   # the fill reads the matchers: done before any rerun touches them
             raise
         self.last_timings.forward_seconds = time.perf_counter() - start
         self.last_timings.num_tokens = len(inputs.input_ids)
-        if not inputs.sample_request_ids:
-            return RunnerOutput()
-        children = {s.request_id: s.child_request_ids for s in scheduled if s.child_request_ids}
-        return self._sample(hidden, inputs, children, _wait_token_bitmasks(pending_masks))
+        output = RunnerOutput()
+        if inputs.sample_request_ids:
+            children = {s.request_id: s.child_request_ids for s in scheduled if s.child_request_ids}
+            output = self._sample(hidden, inputs, children, _wait_token_bitmasks(pending_masks))
+        for state, end in reported:   # only once the group succeeded: a group that raised may run again
+            state.num_prompt_logprob_positions = end
+        output.prompt_logprobs = prompt_logprobs
+        return output
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, inputs: ModelInputs, scheduled: list[ScheduledRequest]
+                         ) -> tuple[dict[str, list], list[tuple[CachedRequestState, int]]]:
+        """For each request that wants prompt logprobs: the logprobs of the prompt tokens its rows predict this
+        step (row p predicts prompt token p + 1), from raw logits, skipping positions already reported; and, for
+        the caller to record once the step succeeded, each state with the end of the positions reported now."""
+        result, reported = {}, []
+        for s in scheduled:
+            state = self.requests[s.request_id]
+            num = state.params.prompt_logprobs
+            start = max(s.num_computed_tokens, state.num_prompt_logprob_positions)
+            end = min(s.num_computed_tokens + s.num_new_tokens, len(state.prompt_token_ids) - 1)
+            if num is None or start >= end:
+                continue
+            row = inputs.first_rows[s.request_id] + start - s.num_computed_tokens
+            logits = self.model.compute_logits(hidden[row:row + end - start])             # [end - start, vocab]
+            targets = torch.tensor(state.prompt_token_ids[start + 1:end + 1], device=logits.device)
+            result[s.request_id] = position_logprobs(logits, targets, num)
+            reported.append((state, end))
+        return result, reported
 
     # ---- start-up measurements (the KV and swap pools are still empty) -----------------------------------------
     @torch.inference_mode()
@@ -201,7 +226,8 @@ class ModelRunner:
         generator = self._generator(child_seed(parent.params.seed, index))
         grammar = parent.grammar.deep_copy() if parent.grammar is not None else None
         self.requests[child_id] = CachedRequestState(child_id, parent.prompt_token_ids, parent.params, generator,
-                                                     list(parent.output_token_ids), grammar)
+                                                     list(parent.output_token_ids), grammar,
+                                                     parent.num_prompt_logprob_positions)
 
     def _generator(self, seed: int | None) -> torch.Generator | None:
         """A seeded request's own random stream; None draws from the engine's global one."""

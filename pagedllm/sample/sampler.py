@@ -51,14 +51,20 @@ class LogprobsTensors:
         """Per request that asked for logprobs (request_ids in batch order): a one-element list (this step's one
         token) of (token_id, logprob, rank) entries, the sampled token first, then its top tokens."""
         token_ids, logprobs, ranks = self.token_ids.tolist(), self.logprobs.tolist(), self.ranks.tolist()
-        per_request = {}
-        for i, (request_id, num) in enumerate(zip(request_ids, self.num_logprobs)):
-            if num is None:
-                continue
-            entries = [(token_ids[i][0], logprobs[i][0], ranks[i])]
-            entries += [(token_ids[i][j], logprobs[i][j], j) for j in range(1, num + 1)]
-            per_request[request_id] = [entries]
-        return per_request
+        return {request_id: [_entries(token_ids[i], logprobs[i], ranks[i], num)]
+                for i, (request_id, num) in enumerate(zip(request_ids, self.num_logprobs)) if num is not None}
+
+
+def _entries(token_ids: list[int], logprobs: list[float], rank: int, num: int) -> list[tuple[int, float, int]]:
+    """One position's (token_id, logprob, rank): the chosen token with its rank, then the top `num` tokens."""
+    return [(token_ids[0], logprobs[0], rank)] + [(token_ids[j], logprobs[j], j) for j in range(1, num + 1)]
+
+
+def position_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num: int) -> list[list[tuple[int, float, int]]]:
+    """Per row of raw `logits` [P, V]: the (token_id, logprob, rank) entries of `token_ids` [P] (the prompt token
+    each row predicts) and of the row's top `num` tokens, the given token first."""
+    ids, values, ranks = gather_logprobs(torch.log_softmax(logits.float(), dim=-1), num, token_ids)
+    return [_entries(*row, num) for row in zip(ids.tolist(), values.tolist(), ranks.tolist())]
 
 
 @dataclass

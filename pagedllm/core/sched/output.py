@@ -83,10 +83,14 @@ class SchedulerOutput:
 @dataclass(slots=True)
 class RunnerOutput:
     """What the runner produced: one sampled token for each request scheduled with `sample=True`, and its
-    log-probabilities when asked for (their structure is the sampler's)."""
+    log-probabilities when asked for (their structure is the sampler's). `prompt_logprobs` holds, for each request
+    with `prompt_logprobs` whose step computed prompt positions not reported before, one entry per such position
+    p: the log-probabilities of prompt token p + 1 and of the top tokens there (a list of (token_id, logprob,
+    rank), the prompt token first)."""
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, object] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -97,7 +101,8 @@ class RequestUpdate:
     it (None for EOS, length or abort). `num_cached_tokens` is the prefix-cache hit at first scheduling.
     A forked sequence (a parallel-sampling child) names its group's first request in `parent_request_id` and its
     completion number in `index`. A beam (`Request.engine_appends_tokens`) gets updates with no token ids,
-    only `new_logprobs`.
+    only `new_logprobs`. `new_prompt_logprobs` are the prompt positions the step computed (RunnerOutput's
+    `prompt_logprobs`); a chunk of the prompt that samples nothing gets an update with just those.
     """
 
     request_id: str
@@ -108,3 +113,4 @@ class RequestUpdate:
     num_cached_tokens: int = 0
     parent_request_id: str | None = None
     index: int = 0
+    new_prompt_logprobs: list | None = None

@@ -393,8 +393,11 @@ class Scheduler:
         assert request.num_computed_tokens == scheduled.num_computed_tokens, "output does not match the state"
         request.num_computed_tokens += scheduled.num_new_tokens
         self.kv_cache_manager.cache_full_blocks(request)
+        prompt_logprobs = runner_output.prompt_logprobs.get(request.request_id)
         if not scheduled.sample:
-            return []
+            return [RequestUpdate(request.request_id, [], num_cached_tokens=request.num_cached_tokens,
+                                  parent_request_id=request.parent_id, index=request.index,
+                                  new_prompt_logprobs=prompt_logprobs)] if prompt_logprobs else []
         if request.engine_appends_tokens:
             return [RequestUpdate(request.request_id, [], runner_output.logprobs.get(request.request_id),
                                   num_cached_tokens=request.num_cached_tokens, parent_request_id=request.parent_id)]
@@ -402,7 +405,9 @@ class Scheduler:
         for index, child_id in enumerate(scheduled.child_request_ids, start=1):
             sequences.append(request.fork(child_id, index))
             self._add_forked(request, sequences[-1])
-        return [self._append_sampled(sequence, runner_output) for sequence in sequences]
+        updates = [self._append_sampled(sequence, runner_output) for sequence in sequences]
+        updates[0].new_prompt_logprobs = prompt_logprobs
+        return updates
 
     def _append_sampled(self, request: Request, runner_output: RunnerOutput) -> RequestUpdate:
         token_id = runner_output.sampled_token_ids[request.request_id]

@@ -130,6 +130,7 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = 16
     echo: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None      # vLLM's extra: top log-probabilities per prompt token
     suffix: str | None = None
     best_of: int | None = None
 

@@ -1,10 +1,10 @@
 """What /v1/completions and /v1/chat/completions share before they answer: model check, limits, prompt
-validation, sampling parameters, and fanning `n` out to engine requests (serving_choices.py answers)."""
+validation, sampling parameters, and running one engine request per prompt, whose `n` completions the engine
+forks (serving_choices.py answers)."""
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
@@ -15,7 +15,8 @@ from pagedllm.engine.async_engine import AsyncEngine, EngineDeadError, EngineDra
 from pagedllm.engine.llm_engine import PromptTooLongError
 from pagedllm.entrypoints.openai.protocol import OpenAIError, _SamplingFields
 from pagedllm.entrypoints.openai.structured_outputs import structured_outputs_from
-from pagedllm.outputs import RequestOutput
+from pagedllm.inputs import ParsedPrompt
+from pagedllm.outputs import CompletionOutput, PromptLogprobs, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -42,14 +43,22 @@ class ServerLimits:
     max_choices: int = 1024
 
 
-@dataclass
-class Choice:
-    """One engine request behind a response choice."""
+@dataclass(slots=True)
+class ChoiceDelta:
+    """What one response choice produced in one engine output.
+
+    Args:
+        index: the choice's index in the response: prompt_index * n + the completion's index.
+        delta: the completion's new text and tokens (the engine runs with output_kind "delta").
+        prompt_index: which prompt of the request the choice completes.
+        prompt_logprobs: the prompt's log-probabilities, if asked for; they come once per prompt, with the first
+            delta of one of its choices.
+    """
 
     index: int
-    request_id: str
-    prompt_index: int
-    params: SamplingParams
+    delta: CompletionOutput
+    prompt_index: int = 0
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass
@@ -58,7 +67,7 @@ class Prompt:
     token_ids: list[int]
 
 
-OutputStream = AsyncGenerator[tuple[Choice, RequestOutput], None]
+OutputStream = AsyncGenerator[ChoiceDelta, None]
 
 
 class OpenAIServing:
@@ -103,7 +112,8 @@ class OpenAIServing:
     def validate_prompt(self, token_ids: list[int], param: str = "prompt") -> list[int]:
         """The engine's prompt checks, with vLLM's wording for a prompt that fills the context."""
         try:
-            return self.engine.validate_prompt(token_ids)
+            # Already a list of ints (the request schema): skip parse_prompt's pass over a maybe huge prompt.
+            return self.engine.validate_prompt(ParsedPrompt(None, token_ids))
         except PromptTooLongError as exc:
             raise OpenAIError(f"This model's maximum context length is {exc.max_model_len} tokens. However, your "
                               f"request has {exc.num_tokens} input tokens. Please reduce the length of the input "
@@ -123,8 +133,9 @@ class OpenAIServing:
                               "completion.", param=param, code="context_length_exceeded")
         return max_tokens
 
-    def sampling_params(self, request: _SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """SamplingParams for one child request (n = 1: the server fans n out itself)."""
+    def sampling_params(self, request: _SamplingFields, max_tokens: int, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
+        """SamplingParams for one prompt's engine request: its `n` completions are forked in the engine."""
         try:
             logit_bias = {int(k): v for k, v in (request.logit_bias or {}).items()}
         except ValueError as exc:
@@ -134,7 +145,8 @@ class OpenAIServing:
             if any(not 0 <= t < vocab_size for t in token_ids):
                 raise OpenAIError(f"{name} takes token ids in [0, {vocab_size})", param=name)
         fields: dict[str, Any] = dict(
-            n=1, max_tokens=max_tokens, stop=request.stop, seed=request.seed, logprobs=logprobs,
+            n=request.n, max_tokens=max_tokens, stop=request.stop, seed=request.seed, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
             logit_bias=logit_bias or None, ignore_eos=request.ignore_eos, min_tokens=request.min_tokens,
             stop_token_ids=request.stop_token_ids, skip_special_tokens=request.skip_special_tokens,
@@ -149,36 +161,33 @@ class OpenAIServing:
         except ValueError as exc:
             raise OpenAIError(str(exc), param=_param_of(str(exc))) from exc
 
-    def make_choices(self, request_id: str, params_per_prompt: list[SamplingParams], n: int) -> list[Choice]:
-        """n children per prompt, ids `{request_id}-{choice}`; a seeded request gives child i the seed + i."""
-        if len(params_per_prompt) * n > self.limits.max_choices:
-            raise OpenAIError(f"{len(params_per_prompt)} prompts x n={n} is more than the {self.limits.max_choices} "
+    def check_num_choices(self, num_prompts: int, n: int) -> None:
+        if num_prompts * n > self.limits.max_choices:
+            raise OpenAIError(f"{num_prompts} prompts x n={n} is more than the {self.limits.max_choices} "
                               "completions one request may ask for", param="n")
-        choices = []
-        for prompt_index, params in enumerate(params_per_prompt):
-            for i in range(n):
-                child = params if params.seed is None or i == 0 else dataclasses.replace(params, seed=params.seed + i)
-                index = prompt_index * n + i
-                choices.append(Choice(index, f"{request_id}-{index}", prompt_index, child))
-        return choices
 
     # ---- running ------------------------------------------------------------------------------------------------
-    async def run_choices(self, choices: list[Choice], prompts: list[Prompt], priority: int,
-                          cache_salt: str | None) -> OutputStream:
-        """Start every child request and yield (choice, output) as outputs arrive, in any order.
+    async def run_prompts(self, request_id: str, prompts: list[Prompt], params_per_prompt: list[SamplingParams],
+                          priority: int, cache_salt: str | None) -> OutputStream:
+        """Start one engine request per prompt (`{request_id}-{prompt_index}`), whose `n` completions the engine
+        forks off it, sharing the prompt's KV blocks; yield each completion's deltas as they arrive, in any order.
 
-        Closing this iterator (or cancelling its consumer) aborts every child still running.
+        Closing this iterator (or cancelling its consumer) aborts every request still running, with all its
+        completions.
         """
-        streams = [self.engine.generate(c.request_id, prompts[c.prompt_index].token_ids, c.params,
-                                        prompt_token_ids=prompts[c.prompt_index].token_ids, priority=priority,
-                                        cache_salt=cache_salt) for c in choices]
+        streams = [self.engine.generate(f"{request_id}-{i}", prompt.token_ids, params,
+                                        prompt_token_ids=prompt.token_ids, priority=priority, cache_salt=cache_salt)
+                   for i, (prompt, params) in enumerate(zip(prompts, params_per_prompt))]
+        n = params_per_prompt[0].n
         if len(streams) == 1:
             async with aclosing(streams[0]) as stream:
                 async for output in stream:
-                    yield choices[0], output
+                    for delta in _choice_deltas(0, n, output):
+                        yield delta
             return
-        async for i, output in _merge(streams):
-            yield choices[i], output
+        async for prompt_index, output in _merge(streams):
+            for delta in _choice_deltas(prompt_index, n, output):
+                yield delta
 
     async def first_then_rest(self, outputs: OutputStream) -> OutputStream:
         """Wait for the first output before answering, so that a request the engine refuses gets a real status
@@ -191,6 +200,12 @@ class OpenAIServing:
                 async for item in outputs:
                     yield item
         return chained()
+
+
+def _choice_deltas(prompt_index: int, n: int, output: RequestOutput) -> list[ChoiceDelta]:
+    """An engine output carries the completion that changed (all n of them when the request is aborted)."""
+    return [ChoiceDelta(prompt_index * n + completion.index, completion, prompt_index, output.prompt_logprobs)
+            for completion in output.outputs]
 
 
 async def _merge(streams: list[AsyncGenerator[RequestOutput, None]]) -> AsyncGenerator[tuple[int, RequestOutput], None]:

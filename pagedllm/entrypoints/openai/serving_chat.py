@@ -72,12 +72,12 @@ class OpenAIServingChat(GenerationServing):
         params = self._force_tool_call(request, tool_choice, self.sampling_params(
             request, self.resolve_max_tokens(max_tokens, len(prompt.token_ids), param), num_logprobs))
         request_id = random_id("chatcmpl")
-        choices = self.make_choices(request_id, [params], request.n)
-        outputs = await self.first_then_rest(self.run_choices(choices, [prompt], request.priority,
+        self.check_num_choices(1, request.n)
+        outputs = await self.first_then_rest(self.run_prompts(request_id, [prompt], [params], request.priority,
                                                               request.cache_salt))
         head = {"id": request_id, "created": now(), "model": model,
                 "object": "chat.completion.chunk" if request.stream else "chat.completion"}
-        states = [ChatChoiceState(self._tool_stream(tool_choice)) for _ in choices]
+        states = [ChatChoiceState(self._tool_stream(tool_choice)) for _ in range(request.n)]
         return await self.respond(request, outputs, states, head, num_logprobs, len(prompt.token_ids))
 
     def render(self, request: ChatCompletionRequest) -> list[int]:

@@ -98,9 +98,9 @@ class GenerationServing(OpenAIServing, ABC):
     async def _collect(self, outputs: OutputStream, states: list[ChoiceState], head: dict[str, Any],
                        num_logprobs: int | None, num_prompt_tokens: int) -> dict[str, Any]:
         async with aclosing(outputs):
-            async for choice, output in outputs:
-                self._absorb(states[choice.index], output.outputs[0], num_logprobs)
-        bodies = [self._message(s) for s in states]
+            async for choice in outputs:
+                self._absorb(states[choice.index], choice.delta, num_logprobs)
+        bodies = [self._message(s) for s in states]   # first: a body may set its state's finish_reason
         choices = [self._choice(i, body, s.logprobs, s.finish_reason, s.stop_reason)
                    for i, (body, s) in enumerate(zip(bodies, states))]
         return {**head, "choices": choices, "usage": _usage(states, num_prompt_tokens)}
@@ -110,8 +110,8 @@ class GenerationServing(OpenAIServing, ABC):
         extra = {"usage": None} if include_usage else {}
         async with aclosing(outputs):
             try:
-                async for choice, output in outputs:
-                    for part in self._chunks(choice.index, states[choice.index], output.outputs[0], num_logprobs):
+                async for choice in outputs:
+                    for part in self._chunks(choice.index, states[choice.index], choice.delta, num_logprobs):
                         yield _sse({**head, "choices": [part], **extra})
                 if include_usage:
                     yield _sse({**head, "choices": [], "usage": _usage(states, num_prompt_tokens)})
@@ -162,9 +162,9 @@ class GenerationServing(OpenAIServing, ABC):
         tokenizer = self.engine.tokenizer
         entry = position.get(token_id)
         text = _token_text(tokenizer, token_id, entry)
-        top = [(_token_text(tokenizer, top_id, lp), _clean_logprob(lp.logprob))
+        top = [(_token_text(tokenizer, top_id, lp), clean_logprob(lp.logprob))
                for top_id, lp in _top_entries(position, num_logprobs)]
-        token = TokenLogprob(text, None if entry is None else _clean_logprob(entry.logprob), top, state.text_offset)
+        token = TokenLogprob(text, None if entry is None else clean_logprob(entry.logprob), top, state.text_offset)
         state.text_offset += len(text)
         return token
 
@@ -179,7 +179,8 @@ def _usage(states: list[ChoiceState], num_prompt_tokens: int) -> dict[str, int]:
             "total_tokens": num_prompt_tokens + num_completion_tokens}
 
 
-def _clean_logprob(value: float) -> float:
+def clean_logprob(value: float) -> float:
+    """A log-probability JSON can carry."""
     return value if value > MIN_LOGPROB else MIN_LOGPROB     # also maps -inf and nan
 
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any, cast
 
 from pagedllm.entrypoints.openai.protocol import CompletionRequest, OpenAIError, now, random_id
-from pagedllm.entrypoints.openai.serving_base import Prompt
-from pagedllm.entrypoints.openai.serving_choices import ChoiceState, GenerationServing, TokenLogprob
+from pagedllm.entrypoints.openai.serving_base import OutputStream, Prompt
+from pagedllm.entrypoints.openai.serving_choices import ChoiceState, GenerationServing, TokenLogprob, clean_logprob
+from pagedllm.outputs import PromptLogprobs
 
 
 class OpenAIServingCompletion(GenerationServing):
@@ -18,22 +20,30 @@ class OpenAIServingCompletion(GenerationServing):
         model = self.check_model(request.model)
         self.check_common(request)
         self.check_logprobs(request.logprobs, "logprobs")
+        self.check_logprobs(request.prompt_logprobs, "prompt_logprobs")
+        if request.stream and request.prompt_logprobs is not None:
+            raise OpenAIError("prompt_logprobs are not available when stream is true", param="prompt_logprobs")
         if request.suffix:
             raise OpenAIError("suffix is not supported", param="suffix")
         if request.best_of is not None and request.best_of != request.n:
             raise OpenAIError("best_of is not supported (it must be absent or equal to n)", param="best_of")
         prompts = self._prompts(request.prompt)
         params = [self.sampling_params(request, self.resolve_max_tokens(request.max_tokens, len(p.token_ids)),
-                                       request.logprobs) for p in prompts]
+                                       request.logprobs, request.prompt_logprobs) for p in prompts]
+        self.check_num_choices(len(prompts), request.n)
         request_id = random_id("cmpl")
-        choices = self.make_choices(request_id, params, request.n)
-        outputs = self.run_choices(choices, prompts, request.priority, request.cache_salt)
+        prompt_logprobs: dict[int, PromptLogprobs] = {}
+        outputs = _keep_prompt_logprobs(self.run_prompts(request_id, prompts, params, request.priority,
+                                                         request.cache_salt), prompt_logprobs)
         outputs = await self.first_then_rest(outputs)
         echoes = [self._echo(p) if request.echo else "" for p in prompts]
-        states = [ChoiceState(echoes[c.prompt_index]) for c in choices]
+        states = [ChoiceState(echo) for echo in echoes for _ in range(request.n)]
         head = {"id": request_id, "object": "text_completion", "created": now(), "model": model}
-        return await self.respond(request, outputs, states, head, request.logprobs,
-                                  sum(len(p.token_ids) for p in prompts))
+        response = await self.respond(request, outputs, states, head, request.logprobs,
+                                      sum(len(p.token_ids) for p in prompts))
+        if request.prompt_logprobs is not None:     # never streamed (refused above): a whole response
+            _add_prompt_logprobs(cast(dict[str, Any], response), prompt_logprobs, request.n)
+        return response
 
     # ---- prompts ------------------------------------------------------------------------------------------------
     def _prompts(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[Prompt]:
@@ -70,6 +80,30 @@ class OpenAIServingCompletion(GenerationServing):
         """The legacy format: one list per field, and top log-probabilities as {text: logprob}."""
         return {"tokens": [t.token for t in tokens], "token_logprobs": [t.logprob for t in tokens],
                 "top_logprobs": [_top_json(t) for t in tokens], "text_offset": [t.text_offset for t in tokens]}
+
+
+async def _keep_prompt_logprobs(outputs: OutputStream, kept: dict[int, PromptLogprobs]) -> OutputStream:
+    """Pass the choices' deltas on, keeping each prompt's log-probabilities (by prompt index) as they pass."""
+    async with aclosing(outputs):
+        async for choice in outputs:
+            if choice.prompt_logprobs is not None:
+                kept[choice.prompt_index] = choice.prompt_logprobs
+            yield choice
+
+
+def _add_prompt_logprobs(response: dict[str, Any], kept: dict[int, PromptLogprobs], n: int) -> None:
+    """Give each choice its prompt's log-probabilities, after stop_reason, as vLLM does."""
+    for choice in response["choices"]:
+        choice["prompt_logprobs"] = _prompt_logprobs_json(kept.get(choice["index"] // n))
+
+
+def _prompt_logprobs_json(prompt_logprobs: PromptLogprobs | None) -> list[dict[str, Any] | None] | None:
+    """vLLM's shape: None for the first token, then {token id: {logprob, rank, decoded_token}} per position."""
+    if prompt_logprobs is None:
+        return None
+    return [None if position is None else
+            {str(token_id): {"logprob": clean_logprob(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
+             for token_id, lp in position.items()} for position in prompt_logprobs]
 
 
 def _top_json(token: TokenLogprob) -> dict[str, float]:

@@ -1,0 +1,97 @@
+"""The prompt forms vLLM takes: a string, a list of token ids, `{"prompt": str}` (TextPrompt) or
+`{"prompt_token_ids": [...]}` (TokensPrompt), each dict with an optional `cache_salt`. Pure Python: the core and
+the server may import it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NotRequired, TypedDict
+
+
+class TextPrompt(TypedDict):
+    """A prompt as text, tokenized by the engine."""
+
+    prompt: str
+    cache_salt: NotRequired[str]
+
+
+class TokensPrompt(TypedDict):
+    """A prompt as token ids; `prompt`, if given, is its text (reported back in RequestOutput.prompt)."""
+
+    prompt_token_ids: list[int]
+    prompt: NotRequired[str]
+    cache_salt: NotRequired[str]
+
+
+PromptType = str | list[int] | TextPrompt | TokensPrompt
+
+# vLLM's keys for inputs a text-only engine has no use for: refused by name rather than as unknown keys.
+_UNSUPPORTED_KEYS = {"multi_modal_data": "multi-modal inputs", "mm_processor_kwargs": "multi-modal inputs",
+                     "prompt_embeds": "prompt embeddings", "token_type_ids": "token type ids"}
+_KEYS = {"prompt", "prompt_token_ids", "cache_salt"}
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedPrompt:
+    """One prompt, whatever its form: its text and/or token ids (at least one is set), and its cache salt."""
+
+    text: str | None
+    token_ids: list[int] | None
+    cache_salt: str | None = None
+
+
+def parse_prompt(prompt: PromptType | ParsedPrompt, index: int = 0) -> ParsedPrompt:
+    """Check one prompt's form and types; a ValueError names the prompt's `index` and the key at fault."""
+    if isinstance(prompt, ParsedPrompt):
+        return prompt
+    if isinstance(prompt, str):
+        return ParsedPrompt(prompt, None)
+    if isinstance(prompt, dict):
+        return _parse_dict(prompt, index)
+    if isinstance(prompt, list | tuple):
+        return ParsedPrompt(None, _token_ids(prompt, index, "the prompt"))
+    raise ValueError(f"prompt {index}: a prompt is a string, a list of token ids, {{'prompt': str}} or "
+                    f"{{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+
+
+def _parse_dict(prompt: dict, index: int) -> ParsedPrompt:
+    for key in prompt:
+        if key in _UNSUPPORTED_KEYS:
+            raise ValueError(f"prompt {index}: key {key!r} is not supported: this engine serves text-only models "
+                             f"and takes no {_UNSUPPORTED_KEYS[key]}")
+        if key not in _KEYS:
+            raise ValueError(f"prompt {index}: unknown key {key!r}; a prompt dict takes 'prompt' or "
+                             "'prompt_token_ids', and 'cache_salt'")
+    if "prompt" not in prompt and "prompt_token_ids" not in prompt:
+        raise ValueError(f"prompt {index}: a prompt dict needs 'prompt' (text) or 'prompt_token_ids'")
+    text = prompt.get("prompt")
+    if text is not None and not isinstance(text, str):
+        raise ValueError(f"prompt {index}: key 'prompt' must be a string, got {type(text).__name__}")
+    salt = prompt.get("cache_salt")
+    if salt is not None and not isinstance(salt, str):
+        raise ValueError(f"prompt {index}: key 'cache_salt' must be a string, got {type(salt).__name__}")
+    token_ids = prompt.get("prompt_token_ids")
+    if token_ids is not None or "prompt_token_ids" in prompt:
+        token_ids = _token_ids(token_ids, index, "key 'prompt_token_ids'")
+    return ParsedPrompt(text, token_ids, salt)
+
+
+def _token_ids(value: object, index: int, what: str) -> list[int]:
+    # type() is int, not isinstance: a bool is no token id. One C-level pass (a prompt may hold millions of ids).
+    if not isinstance(value, list | tuple) or not set(map(type, value)) <= {int}:
+        raise ValueError(f"prompt {index}: {what} must be a list of integer token ids")
+    return list(value)
+
+
+def as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[ParsedPrompt]:
+    """One prompt or a list of them (in any of the forms) -> the parsed prompts, in order."""
+    if isinstance(prompts, str | dict):
+        prompts = [prompts]
+    elif not isinstance(prompts, list | tuple):
+        raise ValueError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}")
+    if not prompts:
+        raise ValueError("prompts is empty: give at least one prompt")
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+        prompts = [list(prompts)]    # one prompt as token ids
+    return [parse_prompt(p, i) for i, p in enumerate(prompts)]

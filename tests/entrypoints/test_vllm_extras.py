@@ -1,0 +1,167 @@
+"""What vLLM users count on over HTTP, on a tiny random Llama (tests/models/tiny.py) behind the real server,
+driven with the `openai` SDK: `n` goes through the engine's forks, as offline (the children share the prompt's KV
+blocks, the same request and seed give the same completions both ways, a client that leaves aborts every child);
+`prompt_logprobs` on /v1/completions equal the offline ones."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from tests.entrypoints.server_utils import RunningServer, metric, scrape, start_server, wait_until
+from tests.models.tiny import save_tiny_model
+from tests.reliability.tiny_server import build_tiny_engine, pool_is_whole
+
+PROMPT = "Once upon a time, in a paged cache,"
+SAMPLED = dict(temperature=1.0, top_p=0.95, seed=1234, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    folder, _ = save_tiny_model(tmp_path_factory.mktemp("tiny") / "m", "llama-gqa", initializer_range=0.5)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir):
+    running = start_server(build_tiny_engine(tiny_dir), api_key=None)
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server: RunningServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="EMPTY", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_dir) -> LLM:
+    return LLM(model=str(tiny_dir), dtype="float32", block_size=16, num_kv_blocks=512)
+
+
+def _offline_texts(llm: LLM, prompt, n: int, seed: int = SAMPLED["seed"]) -> list[str]:
+    (output,) = llm.generate(prompt, SamplingParams(n=n, **{**SAMPLED, "seed": seed}), use_tqdm=False)
+    return [c.text for c in sorted(output.outputs, key=lambda c: c.index)]
+
+
+def _create(client, server, prompt, n: int, seed: int = SAMPLED["seed"], **kwargs):
+    body = {**SAMPLED, "seed": seed}
+    return client.completions.create(model=server.model_name, prompt=prompt, n=n, seed=body.pop("seed"),
+                                     temperature=body.pop("temperature"), top_p=body.pop("top_p"),
+                                     max_tokens=body.pop("max_tokens"), extra_body=body, **kwargs)
+
+
+def test_n_with_a_seed_gives_the_offline_completions(client, server, offline):
+    expected = _offline_texts(offline, PROMPT, 3)
+    assert len(set(expected)) == 3
+    out = _create(client, server, PROMPT, 3)
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert [c.text for c in out.choices] == expected
+    assert out.usage.completion_tokens == 3 * SAMPLED["max_tokens"]
+    # Seed s with n=2 is not seed s+1 with n=1 (the children's seeds are derived, not s+1, s+2, ...).
+    (next_seed,) = _offline_texts(offline, PROMPT, 1, seed=SAMPLED["seed"] + 1)
+    assert _create(client, server, PROMPT, 2).choices[1].text != next_seed
+
+
+def test_streamed_choices_carry_their_index_and_match_offline(client, server, offline):
+    expected = _offline_texts(offline, PROMPT, 3)
+    texts = ["", "", ""]
+    finished = set()
+    for chunk in _create(client, server, PROMPT, 3, stream=True):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+            if choice.finish_reason is not None:
+                finished.add(choice.index)
+    assert texts == expected and finished == {0, 1, 2}
+
+
+def test_several_prompts_each_with_n(client, server, offline):
+    prompts = [PROMPT, "A second prompt"]
+    out = _create(client, server, prompts, 2)
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert [c.text for c in out.choices] == _offline_texts(offline, prompts[0], 2) + \
+        _offline_texts(offline, prompts[1], 2)
+
+
+def test_the_children_share_the_prompt_prefill(client, server):
+    """One prefix-cache lookup (one prefill) for the prompt, whatever n: the children are forks of one request,
+    not n requests that each look the prompt up and prefill it."""
+    stats = server.engine.engine.prefix_cache_stats
+    before = stats.num_query_tokens
+    _create(client, server, "a prompt no other test sends, to be prefilled once", 4)
+    num_prompt_tokens = len(server.engine.tokenizer.encode("a prompt no other test sends, to be prefilled once"))
+    assert stats.num_query_tokens - before == num_prompt_tokens
+
+
+def test_a_client_that_leaves_aborts_every_child(server):
+    engine = server.engine.engine
+    assert wait_until(lambda: pool_is_whole(engine))
+    aborts = metric(scrape(server.base_url), "pagedllm:request_success_total", finished_reason="abort")
+    body = {"prompt": "Tell me", "n": 4, "max_tokens": 240, "temperature": 1.0, "ignore_eos": True, "stream": True}
+
+    async def open_and_drop() -> None:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as http, \
+                http.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            async for line in response.aiter_lines():
+                if line.startswith("data: "):
+                    break       # one chunk, then hang up
+    asyncio.run(open_and_drop())
+    # The abort of the one engine request ends all four completions at once: none is left to run its 240 tokens.
+    assert wait_until(lambda: metric(scrape(server.base_url), "pagedllm:request_success_total",
+                                     finished_reason="abort") == aborts + 1)
+    assert not engine.scheduler.requests
+    assert wait_until(lambda: pool_is_whole(engine))
+
+
+# ---- prompt_logprobs ------------------------------------------------------------------------------------------
+def _offline_prompt_logprobs(llm: LLM, prompt: str) -> list:
+    (output,) = llm.generate(prompt, SamplingParams(max_tokens=1, prompt_logprobs=2), use_tqdm=False)
+    return [None if p is None else {str(t): (lp.logprob, lp.rank, lp.decoded_token) for t, lp in p.items()}
+            for p in output.prompt_logprobs]
+
+
+def _served(prompt_logprobs: list) -> list:
+    return [None if p is None else {t: (e["logprob"], e["rank"], e["decoded_token"]) for t, e in p.items()}
+            for p in prompt_logprobs]
+
+
+def _assert_same(got: list, expected: list) -> None:
+    assert len(got) == len(expected) and got[0] is None and expected[0] is None
+    for mine, theirs in zip(got[1:], expected[1:]):
+        assert mine.keys() == theirs.keys()
+        for token_id, (logprob, rank, text) in mine.items():
+            assert logprob == pytest.approx(theirs[token_id][0], abs=1e-4)
+            assert (rank, text) == theirs[token_id][1:]
+
+
+def test_prompt_logprobs_on_every_choice_match_offline(client, server, offline):
+    prompts = ["The first prompt of two", "and the second"]
+    out = client.completions.create(model=server.model_name, prompt=prompts, n=2, max_tokens=2,
+                                    extra_body={"prompt_logprobs": 2})
+    for choice in out.choices:
+        _assert_same(_served(choice.model_extra["prompt_logprobs"]),
+                     _offline_prompt_logprobs(offline, prompts[choice.index // 2]))
+
+
+def test_prompt_logprobs_are_right_for_a_prompt_in_the_prefix_cache(client, server, offline):
+    prompt = "a prompt sent twice, so that its blocks are cached the second time"
+    first = client.completions.create(model=server.model_name, prompt=prompt, max_tokens=1)
+    again = client.completions.create(model=server.model_name, prompt=prompt, max_tokens=1,
+                                      extra_body={"prompt_logprobs": 2})
+    assert first.choices[0].model_extra.get("prompt_logprobs") is None
+    _assert_same(_served(again.choices[0].model_extra["prompt_logprobs"]), _offline_prompt_logprobs(offline, prompt))
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    ({"prompt_logprobs": -1}, "prompt_logprobs"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"),
+])
+def test_bad_prompt_logprobs_are_a_400_naming_the_field(server, body, param):
+    response = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "Hi", "max_tokens": 1, **body})
+    assert response.status_code == 400 and response.json()["error"]["param"] == param

@@ -1,0 +1,116 @@
+"""Prompt forms as vLLM has them (pagedllm/inputs.py): parsing alone, then through the offline API on a tiny
+random Llama with a byte tokenizer (one token per character)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.inputs import ParsedPrompt, as_prompt_list, parse_prompt
+from tests.models.tiny import save_tiny_model
+
+
+# ---- parsing --------------------------------------------------------------------------------------------------
+def test_every_form_parses():
+    assert parse_prompt("hi") == ParsedPrompt("hi", None)
+    assert parse_prompt([5, 6]) == ParsedPrompt(None, [5, 6])
+    assert parse_prompt({"prompt": "hi", "cache_salt": "s"}) == ParsedPrompt("hi", None, "s")
+    assert parse_prompt({"prompt_token_ids": (5, 6)}) == ParsedPrompt(None, [5, 6])
+    assert parse_prompt({"prompt_token_ids": [5], "prompt": "x"}) == ParsedPrompt("x", [5])
+
+
+def test_one_prompt_or_a_list_of_any_forms():
+    assert as_prompt_list("hi") == [ParsedPrompt("hi", None)]
+    assert as_prompt_list([5, 6]) == [ParsedPrompt(None, [5, 6])]
+    assert as_prompt_list({"prompt_token_ids": [5]}) == [ParsedPrompt(None, [5])]
+    mixed = as_prompt_list(["a", [5], {"prompt": "b"}, {"prompt_token_ids": [6], "cache_salt": "s"}])
+    assert mixed == [ParsedPrompt("a", None), ParsedPrompt(None, [5]), ParsedPrompt("b", None),
+                     ParsedPrompt(None, [6], "s")]
+
+
+@pytest.mark.parametrize(("prompts", "words"), [
+    (["ok", {"prompt": "x", "temperature": 1}], ["prompt 1", "unknown key 'temperature'"]),
+    ([{"prompt": "x", "multi_modal_data": {"image": 1}}], ["prompt 0", "'multi_modal_data'", "not supported"]),
+    (["a", "b", {"prompt_embeds": [0.1]}], ["prompt 2", "'prompt_embeds'", "not supported"]),
+    ([{"prompt": 5}], ["prompt 0", "key 'prompt'", "string"]),
+    (["a", {"prompt_token_ids": "12"}], ["prompt 1", "key 'prompt_token_ids'"]),
+    ([{"prompt_token_ids": [1, 2.5]}], ["prompt 0", "key 'prompt_token_ids'"]),
+    ([{"prompt_token_ids": [True]}], ["prompt 0", "key 'prompt_token_ids'"]),
+    ([{"prompt": "x", "cache_salt": 3}], ["prompt 0", "key 'cache_salt'"]),
+    (["a", {"cache_salt": "s"}], ["prompt 1", "'prompt'", "'prompt_token_ids'"]),
+    (["a", [1, "2"]], ["prompt 1", "token ids"]),
+    (["a", None], ["prompt 1", "NoneType"]),
+    ([], ["empty"]),
+    (7, ["int"]),
+])
+def test_bad_prompts_name_their_index_and_key(prompts, words):
+    with pytest.raises(ValueError) as info:
+        as_prompt_list(prompts)
+    for word in words:
+        assert word in str(info.value)
+
+
+# ---- through the offline API ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory) -> LLM:
+    folder, _ = save_tiny_model(tmp_path_factory.mktemp("tiny") / "m", "llama-gqa", initializer_range=0.5)
+    return LLM(model=str(folder), dtype="float32", block_size=4, num_kv_blocks=256)
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+def _run(llm: LLM, prompts) -> list[tuple[str | None, list[int], list[int]]]:
+    return [(o.prompt, o.prompt_token_ids, o.outputs[0].token_ids)
+            for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+def test_every_prompt_form_gives_the_same_completion(llm):
+    ids = llm.get_tokenizer().encode("hello there")
+    (text_out,) = _run(llm, "hello there")
+    assert text_out[0] == "hello there" and text_out[1] == ids
+    completion = text_out[2]
+    assert _run(llm, ids) == [(None, ids, completion)]
+    assert _run(llm, {"prompt": "hello there"}) == [("hello there", ids, completion)]
+    assert _run(llm, {"prompt_token_ids": ids}) == [(None, ids, completion)]
+    assert _run(llm, {"prompt_token_ids": ids, "prompt": "hello there"}) == [("hello there", ids, completion)]
+    many = _run(llm, ["hello there", ids, {"prompt": "hello there"}, {"prompt_token_ids": ids, "cache_salt": "a"}])
+    assert [out[2] for out in many] == [completion] * 4
+
+
+def test_a_dict_cache_salt_isolates_the_prefix_cache(llm):
+    prompt = "a shared system prompt, long enough for several blocks"
+    llm.generate({"prompt": prompt, "cache_salt": "alice"}, GREEDY, use_tqdm=False)
+    bob = llm.generate({"prompt": prompt, "cache_salt": "bob"}, GREEDY, use_tqdm=False)[0]
+    alice = llm.generate({"prompt": prompt, "cache_salt": "alice"}, GREEDY, use_tqdm=False)[0]
+    assert bob.num_cached_tokens == 0 and alice.num_cached_tokens > 0
+    assert alice.outputs[0].token_ids == bob.outputs[0].token_ids
+
+
+def test_a_bad_prompt_in_a_list_fails_before_any_runs(llm):
+    with pytest.raises(ValueError, match=r"prompt 1: unknown key 'propmt'"):
+        llm.generate(["fine", {"propmt": "typo"}], GREEDY, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_chat_takes_one_conversation_or_many(llm):
+    first = [{"role": "user", "content": "Hi"}]
+    second = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why?"}]
+    (one,) = llm.chat(first, GREEDY, use_tqdm=False)
+    both = llm.chat([first, second], GREEDY, use_tqdm=False)
+    tokenizer = llm.get_tokenizer()
+    assert one.prompt_token_ids == tokenizer.apply_chat_template(first, add_generation_prompt=True, return_dict=False)
+    assert [o.prompt_token_ids for o in both] == [
+        tokenizer.apply_chat_template(c, add_generation_prompt=True, return_dict=False) for c in (first, second)]
+    assert both[0].outputs[0].token_ids == one.outputs[0].token_ids
+
+
+@pytest.mark.parametrize(("messages", "words"), [
+    ([], "messages must be"),
+    ("hi", "messages must be"),
+    ([[{"role": "user", "content": "a"}], "b"], "conversation 1"),
+    ([[{"role": "user", "content": "a"}], []], "conversation 1"),
+])
+def test_chat_refuses_what_is_not_a_conversation(llm, messages, words):
+    with pytest.raises(ValueError, match=words):
+        llm.chat(messages, GREEDY, use_tqdm=False)

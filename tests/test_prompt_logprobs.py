@@ -1,0 +1,112 @@
+"""SamplingParams.prompt_logprobs on a tiny random Llama, against log_softmax of Hugging Face transformers' logits:
+whole prompts, chunked prefill, a prompt whose blocks sit in the prefix cache, preemption, n > 1, streaming."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.outputs import PromptLogprobs
+from tests.models.tiny import save_tiny_model
+
+NUM_TOP = 3
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder, hf_model = save_tiny_model(tmp_path_factory.mktemp("tiny") / "m", "llama-gqa", initializer_range=0.5)
+    return str(folder), hf_model
+
+
+def _llm(tiny, **kw) -> LLM:
+    kw.setdefault("num_kv_blocks", 256)
+    return LLM(model=tiny[0], dtype="float32", block_size=4, **kw)
+
+
+def _prompt(seed: int, length: int) -> list[int]:
+    return torch.randint(3, 259, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _params(**kw) -> SamplingParams:
+    return SamplingParams(**{"temperature": 0, "max_tokens": 3, "ignore_eos": True, "prompt_logprobs": NUM_TOP, **kw})
+
+
+def _check_against_hf(hf_model, prompt: list[int], got: PromptLogprobs | None) -> None:
+    with torch.inference_mode():
+        reference = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0].float(), dim=-1)   # [P, V]
+    assert got is not None and len(got) == len(prompt) and got[0] is None
+    for position, token_id in enumerate(prompt[1:]):
+        row, entry = reference[position], got[position + 1]
+        top = row.topk(NUM_TOP)
+        assert set(entry) == {token_id, *top.indices.tolist()}
+        assert entry[token_id].logprob == pytest.approx(row[token_id].item(), abs=1e-4)
+        assert entry[token_id].rank == int((row > row[token_id]).sum()) + 1
+        for rank, (top_id, value) in enumerate(zip(top.indices.tolist(), top.values.tolist()), start=1):
+            assert entry[top_id].logprob == pytest.approx(value, abs=1e-4)
+            if top_id != token_id:
+                assert entry[top_id].rank == rank
+        assert all(lp.decoded_token is not None for lp in entry.values())
+
+
+def test_prompt_logprobs_match_transformers(tiny):
+    llm = _llm(tiny)
+    prompts = [_prompt(1, 19), _prompt(2, 2), _prompt(3, 33)]
+    outputs = llm.generate(prompts, _params(), use_tqdm=False)
+    for prompt, output in zip(prompts, outputs):
+        _check_against_hf(tiny[1], prompt, output.prompt_logprobs)
+    assert llm.generate(prompts[0], SamplingParams(max_tokens=2), use_tqdm=False)[0].prompt_logprobs is None
+
+
+def test_chunked_prefill_gives_every_position_once(tiny):
+    llm = _llm(tiny, max_num_batched_tokens=8)       # a 30-token prompt runs in four chunks
+    prompt = _prompt(4, 30)
+    _check_against_hf(tiny[1], prompt, llm.generate(prompt, _params(), use_tqdm=False)[0].prompt_logprobs)
+
+
+def test_a_prefix_cache_hit_is_refused_and_the_logprobs_stay_right(tiny):
+    llm = _llm(tiny)
+    prompt = _prompt(5, 26)
+    llm.generate(prompt, SamplingParams(max_tokens=2), use_tqdm=False)             # its blocks are now cached
+    output = llm.generate(prompt, _params(), use_tqdm=False)[0]
+    assert output.num_cached_tokens == 0
+    _check_against_hf(tiny[1], prompt, output.prompt_logprobs)
+    # The blocks it computed are cached for everyone else.
+    assert llm.generate(prompt, SamplingParams(max_tokens=2), use_tqdm=False)[0].num_cached_tokens == 24
+
+
+def test_preemption_by_recompute_reports_each_position_once(tiny):
+    llm = _llm(tiny, num_kv_blocks=24, max_num_batched_tokens=16)    # 23 usable blocks of 4 for 4 x 40 tokens
+    prompts = [_prompt(10 + i, 24) for i in range(4)]
+    outputs = llm.generate(prompts, _params(max_tokens=16), use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    for prompt, output in zip(prompts, outputs):
+        _check_against_hf(tiny[1], prompt, output.prompt_logprobs)
+
+
+def test_n_completions_share_one_set_of_prompt_logprobs(tiny):
+    llm = _llm(tiny)
+    prompt = _prompt(6, 14)
+    output = llm.generate(prompt, _params(n=3, temperature=1.0, seed=3), use_tqdm=False)[0]
+    assert len(output.outputs) == 3
+    _check_against_hf(tiny[1], prompt, output.prompt_logprobs)
+
+
+def test_a_streamed_request_gets_them_in_its_first_output_only(tiny):
+    engine = _llm(tiny, max_num_batched_tokens=8).engine
+    prompt = _prompt(7, 20)
+    params = _params(max_tokens=4)
+    params.output_kind = "delta"
+    engine.add_request("s", prompt, params)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [1, 1, 1, 1]
+    _check_against_hf(tiny[1], prompt, outputs[0].prompt_logprobs)
+    assert all(o.prompt_logprobs is None for o in outputs[1:])
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True])
+def test_a_bad_prompt_logprobs_is_refused(value):
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=value)
