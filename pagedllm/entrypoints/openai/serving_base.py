@@ -99,10 +99,11 @@ class OpenAIServing:
             raise OpenAIError(f"{param} must be in [0, {self.limits.max_logprobs}], got {num_logprobs}",
                               param=param)
 
-    def validate_prompt(self, token_ids: list[int], param: str = "prompt") -> list[int]:
-        """The engine's prompt checks, with vLLM's wording for a prompt that fills the context."""
+    async def prompt_token_ids(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
+        """The prompt tokenized (off the event loop) and put through the engine's checks, with vLLM's wording for
+        a prompt that fills the context."""
         try:
-            return self.engine.validate_prompt(token_ids)
+            return await self.engine.tokenize_prompt(prompt)
         except PromptTooLongError as exc:
             raise OpenAIError(f"This model's maximum context length is {exc.max_model_len} tokens. However, your "
                               f"request has {exc.num_tokens} input tokens. Please reduce the length of the input "
