@@ -24,6 +24,7 @@ class ExplodingEngine:
     def __init__(self, real, gate: threading.Event) -> None:
         self.real, self.gate = real, gate
         self.tokenizer, self.max_model_len, self.model_name = real.tokenizer, real.max_model_len, real.model_name
+        self.vocab_size = real.vocab_size
         self.runner = real.runner
         # An idle core of its own, for the metrics (the real engine's belongs to the shared server's thread).
         self.scheduler = Scheduler(SchedulerConfig(), KVCacheManager(num_blocks=16, block_size=16))
