@@ -8,7 +8,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.core.request import RequestStatus
-from pagedllm.engine.beam_search import BeamSearchParams
+from pagedllm.engine.beam_search import BeamSearchParams, beam_score
 from tests.models.tiny import save_tiny_model
 
 BLOCK_SIZE = 4
@@ -184,11 +184,37 @@ def test_beams_share_blocks_and_free_them(tiny):
     assert manager.num_free_blocks == manager.num_usable_blocks
 
 
-def test_beam_search_with_eos_returns_scored_hypotheses(tiny):
-    llm = _llm(tiny)
-    out = llm.beam_search([_prompt(9, 5)], BeamSearchParams(beam_width=3, max_tokens=5, length_penalty=0.5))[0]
-    assert 1 <= len(out.sequences) <= 3 and all(s.finish_reason in ("stop", "length") for s in out.sequences)
-    assert all(isinstance(s.text, str) for s in out.sequences)
+# (prompt seed, EOS token, length penalty): EOS tokens the beams produce early, so that finished (EOS) and
+# live (length) hypotheses of different lengths compete for the final ranking. In each case, leaving the EOS
+# out of the length (as vLLM does) would rank the returned beams in another order than transformers does.
+EOS_CASES = [(8, 29, 0.5), (21, 247, 0.5), (14, 163, 1.0), (24, 69, 1.0)]
+
+
+@pytest.mark.parametrize("prompt_seed, eos, length_penalty", EOS_CASES)
+def test_beam_search_with_eos_matches_transformers(tiny, prompt_seed, eos, length_penalty):
+    llm, hf_model, prompt = _llm(tiny), tiny[1], _prompt(prompt_seed, 8)
+    tokenizer = llm.engine.tokenizer
+    tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos)
+    assert tokenizer.eos_token_id == eos
+    params = BeamSearchParams(beam_width=3, max_tokens=6, length_penalty=length_penalty)
+    ours = llm.beam_search([prompt], params)[0]
+    with torch.inference_mode():
+        # early_stopping="never": like us, transformers then keeps searching while a live beam could still win.
+        hf = hf_model.generate(torch.tensor([prompt]), num_beams=3, num_return_sequences=3, do_sample=False,
+                               max_new_tokens=6, eos_token_id=eos, pad_token_id=0, length_penalty=length_penalty,
+                               early_stopping="never", output_scores=True, return_dict_in_generate=True)
+    hf_tokens = [_until_eos(row[len(prompt):].tolist(), eos) for row in hf.sequences]
+    assert [s.output_token_ids for s in ours.sequences] == hf_tokens                     # the beams, in order
+    assert [s.finish_reason for s in ours.sequences] == ["stop" if t[-1] == eos else "length" for t in hf_tokens]
+    scores = [beam_score(len(s.output_token_ids), s.cum_logprob, length_penalty) for s in ours.sequences]
+    assert scores == pytest.approx(hf.sequences_scores.tolist(), abs=1e-4)
+    assert scores == sorted(scores, reverse=True)
+    assert "stop" in [s.finish_reason for s in ours.sequences]      # EOS really ended a returned beam
+
+
+def _until_eos(token_ids: list[int], eos: int) -> list[int]:
+    """transformers pads a beam that ended early: cut after its EOS."""
+    return token_ids[:token_ids.index(eos) + 1] if eos in token_ids else token_ids
 
 
 # ---- preemption ------------------------------------------------------------------------------------------------

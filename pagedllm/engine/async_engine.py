@@ -9,9 +9,11 @@
  disconnect / cancel -> post(_Abort)                  metrics: engine.make_stats() + request timings
  await kv_cache_snapshot() -> post(_Snapshot) ..>    after that step, if asked: engine.make_block_map()
 ```
-The model forward releases the GIL, so the event loop keeps serving HTTP while a step runs. The dashboard's block
-map is made only when a caller asks, at most once per step whatever the number of callers, and is handed over as an
-immutable `KVCacheSnapshot`: with no dashboard open, the loop does no extra work.
+The model forward releases the GIL, so the event loop keeps serving HTTP while a step runs. Tokenizing and chat
+templating run on a third thread (`run_on_tokenizer_thread`): a multi-MB prompt takes seconds to tokenize, and on
+the event loop every stream would stall for that long (the Rust tokenizer releases the GIL while it encodes).
+The dashboard's block map is made only when a caller asks, at most once per step whatever the number of callers,
+and is handed over as an immutable `KVCacheSnapshot`: with no dashboard open, the loop does no extra work.
 
 Failures, from the smallest to the largest:
   - the engine refuses a request at add time (bad input): that request alone fails, with ValueError;
@@ -27,11 +29,14 @@ fails anything still waiting, so that no caller ever hangs, and closes the engin
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 from pagedllm.core.kv_cache.block_map import BlockMap
 from pagedllm.engine.llm_engine import LLMEngine, PromptInput, tokenize_prompt
@@ -42,6 +47,7 @@ from pagedllm.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 StatLogger = Callable[[SchedulerStats, IterationStats], None]
+T = TypeVar("T")
 
 
 class EngineDeadError(RuntimeError):
@@ -116,6 +122,10 @@ class AsyncEngine:
         self._streams: dict[str, asyncio.Queue] = {}        # event loop thread only
         self._snapshot_waiter: asyncio.Future[KVCacheSnapshot] | None = None     # event loop thread only
         self._request_stats = RequestStatsTracker()         # engine thread only
+        # One worker, as vLLM's serving layer has: tokenizer calls run one at a time and in order (a fast
+        # tokenizer raises "Already borrowed" if one thread changes its settings while another encodes), and a
+        # flood of huge prompts takes one core, not all of them.
+        self._tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-tokenizer")
 
     # ---- read-only facts, safe from any thread ------------------------------------------------------------------
     @property
@@ -138,10 +148,17 @@ class AsyncEngine:
     def swap_space_bytes(self) -> int:
         return self.engine.swap_space_bytes
 
-    def validate_prompt(self, prompt: PromptInput) -> list[int]:
-        """The prompt's token ids, validated as the engine will (empty, vocabulary, context length); raises
-        ValueError (PromptTooLongError for the context). Safe from any thread: it reads only fixed facts."""
-        return tokenize_prompt(self.tokenizer, prompt, self.vocab_size, self.max_model_len)
+    async def tokenize_prompt(self, prompt: PromptInput) -> list[int]:
+        """The prompt's token ids, validated as the engine will (empty, vocabulary, context length), computed on
+        the tokenizer thread; raises ValueError (PromptTooLongError for the context)."""
+        return await self.run_on_tokenizer_thread(tokenize_prompt, self.tokenizer, prompt, self.vocab_size,
+                                                  self.max_model_len)
+
+    async def run_on_tokenizer_thread(self, fn: Callable[..., T], *args, **kwargs) -> T:
+        """`fn(*args, **kwargs)` on the tokenizer thread, off the event loop; for tokenizing, templating and
+        decoding, which take time in proportion to the text. Safe from any coroutine on the event loop."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenizer_pool, functools.partial(fn, *args, **kwargs))
 
     @property
     def is_running(self) -> bool:
@@ -175,6 +192,7 @@ class AsyncEngine:
         with self._cond:
             self._stopped = True
             self._cond.notify()
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
         if self._thread is not None:
             self._thread.join(timeout)
             self._call_in_loop(self._fail_all, EngineDeadError("the engine has shut down"))

@@ -12,7 +12,8 @@ cumulative logprob and keeps the best `beam_width`:
 
 A candidate that is EOS (unless ignore_eos) and ranks before the `beam_width`-th kept one becomes a finished
 hypothesis. At `max_tokens` the live beams become hypotheses too, and the best `beam_width` hypotheses by
-`cum_logprob / num_generated_tokens ** length_penalty` (a final EOS not counted) are returned, best first.
+`cum_logprob / num_generated_tokens ** length_penalty` are returned, best first (a final EOS counts as a
+generated token, as in Hugging Face transformers).
 See docs/architecture.md for how this compares with Hugging Face transformers' beam search.
 """
 
@@ -165,8 +166,7 @@ class BeamSearchGroup:
 
     def output(self, tokenizer) -> BeamSearchOutput:
         def score(h: _Hypothesis) -> float:
-            num_generated = len(h.output_token_ids) - (h.finish_reason == "stop")
-            return beam_score(num_generated, h.cum_logprob, self.params.length_penalty)
+            return beam_score(len(h.output_token_ids), h.cum_logprob, self.params.length_penalty)
 
         best = sorted(self.hypotheses, key=score, reverse=True)[:self.params.beam_width]
         return BeamSearchOutput([

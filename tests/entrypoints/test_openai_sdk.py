@@ -129,8 +129,8 @@ def test_chat(client, server):
     out = client.chat.completions.create(model=server.model_name, messages=messages, max_tokens=8, temperature=0)
     assert out.object == "chat.completion"
     assert out.choices[0].message.role == "assistant" and out.choices[0].message.content
-    assert 0 < out.usage.completion_tokens <= 8
-    assert out.choices[0].finish_reason in ("stop", "length")
+    # Greedy: SmolLM2's answer is longer than 8 tokens, so it stops at the limit.
+    assert (out.usage.completion_tokens, out.choices[0].finish_reason) == (8, "length")
     again = client.chat.completions.create(model=server.model_name, messages=messages, max_completion_tokens=8,
                                            temperature=0)
     assert again.choices[0].message.content == out.choices[0].message.content

@@ -3,6 +3,7 @@ template that knows them and one that does not."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from types import SimpleNamespace
 
@@ -75,7 +76,15 @@ def test_required_schema_lists_calls_of_the_given_tools():
 
 
 def _chat(tokenizer, parser: str | None = None) -> OpenAIServingChat:
-    return OpenAIServingChat(SimpleNamespace(tokenizer=tokenizer), ["m"], ServerLimits(), parser)
+    async def run_on_tokenizer_thread(fn, *args, **kwargs):   # the async engine's, on this thread
+        return fn(*args, **kwargs)
+
+    engine = SimpleNamespace(tokenizer=tokenizer, run_on_tokenizer_thread=run_on_tokenizer_thread)
+    return OpenAIServingChat(engine, ["m"], ServerLimits(), parser)
+
+
+def _render(tokenizer, request: ChatCompletionRequest) -> str:
+    return tokenizer.decode(asyncio.run(_chat(tokenizer).render(request)))
 
 
 def test_tools_go_into_the_system_message_of_a_template_that_knows_none():
@@ -84,7 +93,7 @@ def test_tools_go_into_the_system_message_of_a_template_that_knows_none():
                 {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
                     "name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
                 {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
-    prompt = tokenizer.decode(_chat(tokenizer).render(ChatCompletionRequest(messages=messages, tools=[TOOL])))
+    prompt = _render(tokenizer, ChatCompletionRequest(messages=messages, tools=[TOOL]))
     assert prompt.startswith("<|im_start|>system\nYou can call functions.") and '"name": "get_weather"' in prompt
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>' in prompt
     assert "<|im_start|>tool\nsunny<|im_end|>" in prompt
@@ -96,7 +105,7 @@ def test_a_template_that_knows_tools_gets_them():
     tokenizer = build_byte_tokenizer()
     request = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=[TOOL],
                                     chat_template=template)
-    assert tokenizer.decode(_chat(tokenizer).render(request)) == "TOOL get_weather\nuser: hi\n"
+    assert _render(tokenizer, request) == "TOOL get_weather\nuser: hi\n"
 
 
 def test_auto_needs_the_servers_parser():

@@ -11,6 +11,7 @@ import asyncio
 import json
 import statistics
 import time
+from collections import Counter
 from pathlib import Path
 
 import httpx
@@ -36,16 +37,51 @@ def alone(tiny_model_dir) -> dict[str, list[int]]:
     return served_alone(build_tiny_engine(tiny_model_dir, num_blocks=64), PROMPTS, MAX_TOKENS)
 
 
-def _engine_or_skip(folder, mode: str):
+def _engine(folder, mode: str):
+    """The tiny engine with a pool of 10% of the demand; swap and auto get a swap pool (a refusal fails)."""
     swap_space = 0.0 if mode == "recompute" else 0.05      # GiB; the tiny model's blocks are 8 KiB
-    try:
-        engine = build_tiny_engine(folder, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, preemption_mode=mode,
-                                   swap_space=swap_space, scheduling_policy="priority")
-    except (NotImplementedError, ValueError) as exc:
-        pytest.skip(f"the engine refuses preemption_mode={mode!r}: {exc}")
-    if mode != "recompute" and not engine.config.cache.num_swap_blocks:
-        pytest.skip(f"preemption_mode={mode!r}: the engine has no swap pool yet (it would just recompute)")
+    engine = build_tiny_engine(folder, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, preemption_mode=mode,
+                               swap_space=swap_space, scheduling_policy="priority")
+    assert mode == "recompute" or engine.config.cache.num_swap_blocks > 0, f"{mode}: no swap pool"
     return engine
+
+
+def _record_decisions(scheduler) -> Counter:
+    """Count each preemption's mode as the scheduler decides it, beside what the cost model predicts from the
+    scheduler's own rates at that moment: {(decided, predicted): count}."""
+    decisions: Counter = Counter()
+    decide = scheduler._preemption_mode
+
+    def spy(request):
+        mode = decide(request)
+        decisions[mode, _cost_model_choice(scheduler, request)] += 1
+        return mode
+    scheduler._preemption_mode = spy
+    return decisions
+
+
+def _count_swapped_blocks(runner) -> Counter:
+    """Count the blocks each step hands the runner to move: {"out": device -> swap pool, "in": back}."""
+    moved: Counter = Counter()
+    prepare = runner.prepare
+
+    def spy(scheduler_output):
+        moved["out"] += len(scheduler_output.blocks_to_swap_out)
+        moved["in"] += len(scheduler_output.blocks_to_swap_in)
+        return prepare(scheduler_output)
+    runner.prepare = spy
+    return moved
+
+
+def _cost_model_choice(scheduler, request) -> str:
+    """Swap when moving the blocks out and back costs less than recomputing them (the module docstring of
+    pagedllm/core/sched/scheduler.py), unless the request cannot swap."""
+    config, manager = scheduler.config, scheduler.kv_cache_manager
+    if request.num_computed_tokens == request.num_tokens or not manager.can_swap_out(request):
+        return "recompute"
+    num_blocks = -(-request.num_computed_tokens // manager.block_size)
+    swap_cost = 2 * num_blocks * config.swap_seconds_per_block
+    return "swap" if swap_cost < request.num_computed_tokens * config.recompute_seconds_per_token else "recompute"
 
 
 async def _one(client: httpx.AsyncClient, prompt: str, priority: int = 0) -> tuple[str, list[int] | None, float]:
@@ -82,7 +118,8 @@ async def _load(base_url: str) -> tuple[list, tuple, float]:
 
 @pytest.mark.parametrize("mode", ["recompute", "swap", "auto"])
 def test_overload_loses_nothing(tiny_model_dir, alone, mode):
-    engine = _engine_or_skip(tiny_model_dir, mode)
+    engine = _engine(tiny_model_dir, mode)
+    decisions, moved = _record_decisions(engine.scheduler), _count_swapped_blocks(engine.runner)
     tokenizer = engine.tokenizer
     server = start_server(engine, api_key=None)
     try:
@@ -99,8 +136,15 @@ def test_overload_loses_nothing(tiny_model_dir, alone, mode):
     preemptions = engine.scheduler.num_preemptions
     assert preemptions > 0, "the pool was meant to be too small"
     assert metric(values, "pagedllm:num_preemptions_total") == preemptions
-    if mode == "swap":
-        assert engine.scheduler.num_preemptions_by_mode["swap"] > 0
+    by_mode = engine.scheduler.num_preemptions_by_mode
+    assert by_mode == {m: sum(n for (d, _), n in decisions.items() if d == m) for m in ("recompute", "swap")}
+    if mode == "recompute":
+        assert by_mode["swap"] == 0 and moved["out"] == moved["in"] == 0
+    elif mode == "swap":                    # the swap pool never fills here: every preemption swaps
+        assert by_mode == {"recompute": 0, "swap": preemptions}
+        assert moved["out"] > 0 and moved["in"] == moved["out"], moved     # all that went out came back
+    else:                                   # auto: every choice is the cost model's
+        assert all(decided == predicted for decided, predicted in decisions), decisions
     leaked = metric(values, "pagedllm:num_blocks_total") - metric(values, "pagedllm:num_blocks_free")
     assert leaked == 0
     latencies = sorted(r[2] for r in results)

@@ -20,7 +20,8 @@ import time
 import httpx
 
 from tests.entrypoints.server_utils import wait_until
-from tests.reliability.tiny_server import error_shape
+from tests.models.tiny import build_byte_tokenizer
+from tests.reliability.tiny_server import error_shape, prompt_traces
 
 SECRET = "tenant-secret-9c2e51"
 SHUTDOWN_TIMEOUT = 2.0
@@ -87,7 +88,7 @@ def test_sigterm_drains_then_exits_0_and_logs_no_prompt(tiny_model_dir, tmp_path
         assert swap_path.exists()
         # A normal request first: its prompt must not be logged either.
         ok = httpx.post(f"{url}/v1/completions", json={"prompt": f"{SECRET} hello", "max_tokens": 3}, timeout=30)
-        assert ok.status_code == 200 and SECRET not in ok.json()["choices"][0]["text"]
+        assert ok.status_code == 200
         signalled = time.monotonic()
         endings, during = asyncio.run(_load_then_sigterm(url, process))
         exit_code = process.wait(timeout=SHUTDOWN_TIMEOUT + 30)
@@ -109,4 +110,5 @@ def test_sigterm_drains_then_exits_0_and_logs_no_prompt(tiny_model_dir, tmp_path
     assert "SIGTERM" in log and "aborting" in log
     assert re.search(rf"swap pool: \d+ blocks of 8 tokens .* in the file {re.escape(str(swap_path))}", log), log
     assert not swap_path.exists()                                         # closed and deleted
-    assert SECRET not in log, "a prompt reached the server log"
+    # Neither as text nor as token ids (test_isolation.py shows the check sees a logged prompt).
+    assert not any(trace in log for trace in prompt_traces(build_byte_tokenizer(), SECRET)), "a prompt was logged"

@@ -78,3 +78,49 @@ def pool_is_whole(engine) -> bool:
     """Nothing running or waiting, and every usable block free (cached-but-unused counts as free)."""
     manager = engine.kv_cache_manager
     return (not engine.scheduler.requests and manager.num_free_blocks == manager.num_usable_blocks)
+
+
+def audit_block_tables(engine, scheduler_output) -> int:
+    """Assert that no scheduled request can read a block it does not hold; returns how many blocks are shared.
+
+    Each request's block table in the step's plan is exactly its table in the KV cache manager; every block in
+    it is in use (never a free block); a block in several tables has a ref count of at least its number of
+    holders, and is a full, cached block whose hash is each holder's own hash at that position (the same
+    tokens and the same cache salt). Then the manager's `check_integrity()` (ref count == holders, pools whole).
+    """
+    manager = engine.kv_cache_manager
+    holders: dict[int, list[tuple[str, int]]] = {}
+    for scheduled in scheduler_output.scheduled:
+        assert scheduled.block_ids == manager.get_block_ids(scheduled.request_id), scheduled.request_id
+        for position, block_id in enumerate(scheduled.block_ids):
+            assert manager.pool.blocks[block_id].ref_cnt > 0, f"{scheduled.request_id} reads free block {block_id}"
+            holders.setdefault(block_id, []).append((scheduled.request_id, position))
+    shared = {block_id: held for block_id, held in holders.items() if len(held) > 1}
+    for block_id, held in shared.items():
+        block = manager.pool.blocks[block_id]
+        assert block.ref_cnt >= len(held) and block.block_hash is not None, f"block {block_id} shared, not cached"
+        for request_id, position in held:
+            request_hashes = engine.scheduler.requests[request_id].block_hashes
+            assert position < len(request_hashes) and request_hashes[position] == block.block_hash, (
+                f"{request_id} shares block {block_id} with different content")
+    manager.check_integrity()
+    return len(shared)
+
+
+def install_block_audit(engine) -> list[int]:
+    """Run `audit_block_tables` before the runner prepares each step; returns the per-step shared-block counts
+    (one entry per audited step)."""
+    audited: list[int] = []
+    prepare = engine.runner.prepare
+
+    def audited_prepare(scheduler_output):
+        audited.append(audit_block_tables(engine, scheduler_output))
+        return prepare(scheduler_output)
+    engine.runner.prepare = audited_prepare
+    return audited
+
+
+def prompt_traces(tokenizer, text: str) -> list[str]:
+    """What a prompt looks like in a log: its text, and its token ids as a printed list shows them (the server
+    hands the engine token ids, so a logged request shows ids, not text)."""
+    return [text, ", ".join(map(str, tokenizer.encode(text, add_special_tokens=False)))]

@@ -122,11 +122,11 @@ def _utility_router(tokenization: OpenAIServingTokenization, stat_logger: Promet
 
     @router.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
-        return tokenization.tokenize(body)
+        return await tokenization.tokenize(body)
 
     @router.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
-        return tokenization.detokenize(body)
+        return await tokenization.detokenize(body)
 
     return router
 

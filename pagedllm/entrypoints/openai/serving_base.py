@@ -109,11 +109,12 @@ class OpenAIServing:
             raise OpenAIError(f"{param} must be in [0, {self.limits.max_logprobs}], got {num_logprobs}",
                               param=param)
 
-    def validate_prompt(self, token_ids: list[int], param: str = "prompt") -> list[int]:
-        """The engine's prompt checks, with vLLM's wording for a prompt that fills the context."""
+    async def prompt_token_ids(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
+        """The prompt tokenized (off the event loop) and put through the engine's checks, with vLLM's wording for
+        a prompt that fills the context."""
         try:
-            # Already a list of ints (the request schema): skip parse_prompt's pass over a maybe huge prompt.
-            return self.engine.validate_prompt(ParsedPrompt(None, token_ids))
+            # A list is already ints (the request schema): as a ParsedPrompt it skips parse_prompt's pass over it.
+            return await self.engine.tokenize_prompt(ParsedPrompt(None, prompt) if isinstance(prompt, list) else prompt)
         except PromptTooLongError as exc:
             raise OpenAIError(f"This model's maximum context length is {exc.max_model_len} tokens. However, your "
                               f"request has {exc.num_tokens} input tokens. Please reduce the length of the input "

@@ -65,7 +65,7 @@ class OpenAIServingChat(GenerationServing):
             raise OpenAIError("top_logprobs requires logprobs to be true", param="top_logprobs")
         self.check_logprobs(request.top_logprobs, "top_logprobs")
         num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        prompt = Prompt(None, self.validate_prompt(self.render(request), param="messages"))
+        prompt = Prompt(None, await self.prompt_token_ids(await self.render(request), param="messages"))
         max_tokens, param = request.max_tokens, "max_tokens"
         if request.max_completion_tokens is not None:
             max_tokens, param = request.max_completion_tokens, "max_completion_tokens"
@@ -80,8 +80,9 @@ class OpenAIServingChat(GenerationServing):
         states = [ChatChoiceState(self._tool_stream(tool_choice)) for _ in range(request.n)]
         return await self.respond(request, outputs, states, head, num_logprobs, len(prompt.token_ids))
 
-    def render(self, request: ChatCompletionRequest) -> list[int]:
-        """The conversation's prompt token ids; 400 naming `messages` on a bad message or template."""
+    async def render(self, request: ChatCompletionRequest) -> list[int]:
+        """The conversation's prompt token ids, templated off the event loop; 400 naming `messages` on a bad
+        message or template."""
         messages, kwargs = request.messages, dict(request.chat_template_kwargs or {})
         if request.tools:
             tools = [tool.model_dump(exclude_none=True) for tool in request.tools]
@@ -91,8 +92,9 @@ class OpenAIServingChat(GenerationServing):
             else:
                 messages = inline_tools(messages, tools)
         try:
-            return apply_chat_template(self.engine.tokenizer, messages, request.chat_template,
-                                       request.add_generation_prompt, **kwargs)
+            return await self.engine.run_on_tokenizer_thread(
+                apply_chat_template, self.engine.tokenizer, messages, request.chat_template,
+                request.add_generation_prompt, **kwargs)
         except (ValueError, TypeError, jinja2.TemplateError) as exc:
             raise OpenAIError(str(exc), param="messages") from exc
 

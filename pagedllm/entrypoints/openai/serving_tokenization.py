@@ -16,20 +16,21 @@ class OpenAIServingTokenization(OpenAIServing):
         super().__init__(chat.engine, chat.served_model_names, chat.limits)
         self.chat = chat
 
-    def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
+    async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
         self.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise OpenAIError("give exactly one of prompt and messages", param="prompt")
         if body.messages is not None:
-            tokens = self.chat.render(ChatCompletionRequest(messages=body.messages,
-                                                            add_generation_prompt=body.add_generation_prompt))
+            tokens = await self.chat.render(ChatCompletionRequest(messages=body.messages,
+                                                                  add_generation_prompt=body.add_generation_prompt))
         else:
-            tokens = self.engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            tokens = await self.engine.run_on_tokenizer_thread(self.engine.tokenizer.encode, body.prompt,
+                                                               add_special_tokens=body.add_special_tokens)
         return {"count": len(tokens), "max_model_len": self.engine.max_model_len, "tokens": tokens}
 
-    def detokenize(self, body: DetokenizeRequest) -> dict[str, str]:
+    async def detokenize(self, body: DetokenizeRequest) -> dict[str, str]:
         self.check_model(body.model)
         vocab_size = self.engine.vocab_size
         if any(not 0 <= t < vocab_size for t in body.tokens):
             raise OpenAIError(f"tokens must be in [0, {vocab_size})", param="tokens")
-        return {"prompt": self.engine.tokenizer.decode(body.tokens)}
+        return {"prompt": await self.engine.run_on_tokenizer_thread(self.engine.tokenizer.decode, body.tokens)}

@@ -32,7 +32,10 @@ def _all_free(scheduler: Scheduler) -> bool:
 def test_child_seeds_are_derived_and_stable() -> None:
     assert child_seed(None, 3) is None and child_seed(7, 0) == 7
     seeds = {child_seed(7, i) for i in range(1, 50)} | {child_seed(8, i) for i in range(1, 50)}
-    assert len(seeds) == 98 and child_seed(7, 1) == child_seed(7, 1) and all(0 <= s < 2**63 for s in seeds)
+    assert len(seeds) == 98 and all(0 <= s < 2**63 for s in seeds)
+    # Pinned: a changed derivation would change every seeded n > 1 output.
+    assert (child_seed(7, 1), child_seed(7, 2), child_seed(8, 1)) == (
+        8483367915304847654, 3068249057399463944, 4313483211066685641)
     assert child_request_id("r", 2) == "r#2"
 
 
@@ -107,7 +110,7 @@ def test_swap_preemption_in_a_tiny_pool_gives_the_same_tokens(mode: str) -> None
         scheduler.add_request(Request(request_id, prompt, SamplingParams(max_tokens=10), arrival_time=i))
     results: dict[str, Result] = {}
     outputs = run_steps(scheduler, FakeRunner(BLOCK_SIZE), results)
-    assert scheduler.num_preemptions_by_mode["swap"] > 0 and scheduler.num_preemptions_by_mode["recompute"] == 0
+    assert scheduler.num_preemptions_by_mode == {"recompute": 0, "swap": 2}
     assert any(out.blocks_to_swap_out for out in outputs) and any(out.blocks_to_swap_in for out in outputs)
     for request_id, prompt in prompts.items():
         assert results[request_id].token_ids == reference(prompt, 10, None)
@@ -120,8 +123,7 @@ def test_auto_recomputes_when_recompute_is_cheaper() -> None:
     for i in range(4):
         scheduler.add_request(Request(f"r{i}", [i, 1, 2, 3, 4, 5], SamplingParams(max_tokens=10), arrival_time=i))
     run_steps(scheduler, FakeRunner(BLOCK_SIZE), {})
-    assert scheduler.num_preemptions_by_mode["recompute"] > 0 and scheduler.num_preemptions_by_mode["swap"] == 0
-    assert scheduler.num_preemptions == sum(scheduler.num_preemptions_by_mode.values())
+    assert scheduler.num_preemptions_by_mode == {"recompute": 2, "swap": 0} and scheduler.num_preemptions == 2
 
 
 def test_a_full_swap_pool_falls_back_to_recompute() -> None:
@@ -131,7 +133,7 @@ def test_a_full_swap_pool_falls_back_to_recompute() -> None:
         scheduler.add_request(Request(request_id, prompt, SamplingParams(max_tokens=10), arrival_time=i))
     results: dict[str, Result] = {}
     run_steps(scheduler, FakeRunner(BLOCK_SIZE), results)
-    assert scheduler.num_preemptions_by_mode["recompute"] > 0
+    assert scheduler.num_preemptions_by_mode == {"recompute": 1, "swap": 1}   # no room left for the other
     assert all(results[r].token_ids == reference(p, 10, None) for r, p in prompts.items()) and _all_free(scheduler)
 
 
