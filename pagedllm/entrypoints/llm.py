@@ -15,6 +15,7 @@ from pagedllm.config import (
     ModelConfig,
     PreemptionMode,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedllm.engine.llm_engine import LLMEngine, PromptInput
@@ -43,6 +44,8 @@ class LLM:
         swap_path: the file backing the swap pool on a CPU device; None: an anonymous temporary file.
         preemption_mode: "recompute", "swap" or "auto" (swap when it costs less than recomputing).
         chat_template: a Jinja template replacing the model's own.
+        speculative_config: speculative decoding as vLLM takes it, e.g. `{"method": "ngram",
+            "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}`; None: off.
     """
 
     def __init__(self, model: str | None = None, *, dtype: str = "auto", max_model_len: int | None = None,
@@ -51,7 +54,8 @@ class LLM:
                  max_num_batched_tokens: int = 2048, seed: int = 0, enable_prefix_caching: bool = True,
                  swap_space: float = 0.0, preemption_mode: PreemptionMode = "recompute",
                  chat_template: str | None = None, num_kv_blocks: int | None = None,
-                 swap_path: str | None = None) -> None:
+                 swap_path: str | None = None,
+                 speculative_config: dict[str, Any] | SpeculativeConfig | None = None) -> None:
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
                               chat_template=chat_template),
@@ -61,6 +65,7 @@ class LLM:
                               enable_prefix_caching=enable_prefix_caching, num_blocks=num_kv_blocks),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       preemption_mode=preemption_mode),
+            speculative=SpeculativeConfig.from_dict(speculative_config),
         )
         self.engine = LLMEngine(config)
         self._counter = itertools.count()

@@ -18,6 +18,7 @@ from pagedllm.runner import kv_tensors
 from pagedllm.runner.input_batch import CachedRequestState, ModelInputs, build_model_inputs
 from pagedllm.sample.metadata import SamplingMetadata, SamplingRow, make_generator
 from pagedllm.sample.sampler import Sampler
+from pagedllm.spec_decode.rejection_sampler import verify_drafts
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,10 @@ class ModelRunner:
         if not inputs.sample_request_ids:
             return RunnerOutput()
         children = {s.request_id: s.child_request_ids for s in scheduler_output.scheduled if s.child_request_ids}
-        return self._sample(hidden, inputs, children)
+        drafts = {s.request_id: s.spec_token_ids for s in scheduler_output.scheduled if s.spec_token_ids}
+        if drafts:
+            return self._sample_with_drafts(hidden, inputs, children, drafts)
+        return self._sample(hidden[inputs.logits_indices], inputs.sample_request_ids, children)
 
     def _add_request(self, new: NewRequestData) -> None:
         if new.request_id in self.requests:
@@ -120,15 +124,15 @@ class ModelRunner:
                 row_request_ids.append(child_id)
         return rows, row_request_ids
 
-    def _sample(self, hidden: torch.Tensor, inputs: ModelInputs, children: dict[str, list[str]]) -> RunnerOutput:
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])   # [num_sampled, vocab]
-        sample_request_ids = inputs.sample_request_ids
+    def _sample(self, hidden: torch.Tensor, sample_request_ids: list[str],
+                children: dict[str, list[str]]) -> RunnerOutput:
+        """Sample one token per row of `hidden` ([num_sampled, H], the last row of each sampling request)."""
+        logits = self.model.compute_logits(hidden)                          # [num_sampled, vocab]
         if children:
             rows, sample_request_ids = self._fork_rows(sample_request_ids, children)
             logits = logits[torch.tensor(rows, device=logits.device)]       # [num_sampled + children, vocab]
         states = [self.requests[request_id] for request_id in sample_request_ids]
-        rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids, s.generator, self.eos_token_id)
-                for s in states]
+        rows = [self._sampling_row(s) for s in states]
         meta = SamplingMetadata.build(rows, self.shape.vocab_size, self.device, self.global_generator)
         result = self.sampler(logits, meta)
         token_ids = result.token_ids.tolist()
@@ -137,3 +141,33 @@ class ModelRunner:
         sampled = dict(zip(sample_request_ids, token_ids))
         logprobs = result.logprobs.to_lists(sample_request_ids) if result.logprobs is not None else {}
         return RunnerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    def _sampling_row(self, state: CachedRequestState, draft_ids: list[int] | None = None) -> SamplingRow:
+        """The sampler's view of a request, after its output tokens and then `draft_ids`."""
+        output_token_ids = state.output_token_ids + draft_ids if draft_ids else state.output_token_ids
+        return SamplingRow(state.params, state.prompt_token_ids, output_token_ids, state.generator, self.eos_token_id)
+
+    def _sample_with_drafts(self, hidden: torch.Tensor, inputs: ModelInputs, children: dict[str, list[str]],
+                            drafts: dict[str, list[int]]) -> RunnerOutput:
+        """Sample the requests without drafts as usual; verify the others' drafts (pagedllm.spec_decode) on the
+        logits of their last 1 + k rows."""
+        last_rows = inputs.logits_indices.tolist()
+        plain = [(row, r) for row, r in zip(last_rows, inputs.sample_request_ids) if r not in drafts]
+        output = (self._sample(hidden[[row for row, _ in plain]], [r for _, r in plain], children) if plain
+                  else RunnerOutput())
+        spec = [(row, r) for row, r in zip(last_rows, inputs.sample_request_ids) if r in drafts]
+        request_ids = [r for _, r in spec]
+        rows = [row - k for row, r in spec for k in range(len(drafts[r]), -1, -1)]
+        logits = self.model.compute_logits(hidden[rows])                    # [sum(k + 1), vocab]
+        states = [self.requests[r] for r in request_ids]
+        sampling_rows = [self._sampling_row(s, drafts[r][:j]) for s, r in zip(states, request_ids)
+                         for j in range(len(drafts[r]) + 1)]
+        meta = SamplingMetadata.build(sampling_rows, self.shape.vocab_size, self.device, self.global_generator)
+        verified = verify_drafts(logits, meta, request_ids, [drafts[r] for r in request_ids])
+        for state, request_id, num_accepted, token_id in zip(states, request_ids, verified.num_accepted,
+                                                             verified.token_ids):
+            state.output_token_ids += drafts[request_id][:num_accepted] + [token_id]
+            output.sampled_token_ids[request_id] = token_id
+            output.num_accepted_draft_tokens[request_id] = num_accepted
+        output.logprobs.update(verified.logprobs)
+        return output
