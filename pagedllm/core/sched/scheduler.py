@@ -225,7 +225,11 @@ class Scheduler:
                 continue
             num_new_tokens = self._num_new_tokens(request, request.num_computed_tokens, plan.token_budget)
             spec_token_ids = self._propose_drafts(request, plan.token_budget - num_new_tokens)
-            if self._allocate_or_preempt(request, num_new_tokens + len(spec_token_ids), plan):
+            # Drafts never cost a preemption: without free blocks for them, the request runs without drafts.
+            if spec_token_ids and self.kv_cache_manager.allocate_slots(
+                    request, num_new_tokens + len(spec_token_ids)) is None:
+                spec_token_ids = []
+            if spec_token_ids or self._allocate_or_preempt(request, num_new_tokens, plan):
                 plan.add(request, num_new_tokens + len(spec_token_ids), spec_token_ids)
 
     def _propose_drafts(self, request: Request, token_budget: int) -> list[int]:

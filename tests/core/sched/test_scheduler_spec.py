@@ -96,6 +96,21 @@ def test_drafts_stay_within_max_tokens_max_model_len_and_the_budget() -> None:
             assert end <= 20 and (s.request_id != "a" or end + 1 <= 4 + 9)
 
 
+def test_drafts_without_free_blocks_are_dropped_not_preempted_for() -> None:
+    """A request that fills the pool: drafts would need a fifth block. Were they allocated by preempting, the
+    request would preempt itself and recompute everything at each token; it runs without them, and is preempted
+    once, when its next token no longer fits, to end at the pool's size."""
+    scheduler = _scheduler(num_blocks=5)                           # 4 usable blocks: 16 slots
+    prompt = _prompt(6, 14)
+    scheduler.add_request(Request("a", prompt, SamplingParams(max_tokens=None, ignore_eos=True)))
+    results: dict[str, Result] = {}
+    outputs = run_steps(scheduler, FakeRunner(BLOCK_SIZE), results, max_steps=20)
+    assert results["a"].token_ids == reference(prompt, 3, None)
+    assert results["a"].finish_reason is FinishReason.LENGTH
+    assert not any(s.spec_token_ids for out in outputs for s in out.scheduled)
+    assert scheduler.num_preemptions == 1
+
+
 def test_eos_inside_an_accepted_run_truncates_there() -> None:
     prompt = _prompt(4, 7)
     expected = reference(prompt, 30, None)
