@@ -107,3 +107,35 @@ def test_verify_applies_penalties_over_the_drafts_before_each_position() -> None
     rows = [SamplingRow(params, [0], [1, 1][:j]) for j in range(3)]
     out = verify_drafts(logits, SamplingMetadata.build(rows, 4), ["a"], [[1, 1]])
     assert (out.num_accepted, out.token_ids) == ([1], [2])
+
+
+def test_two_tokens_follow_the_target_through_verify_with_temperature_and_top_k() -> None:
+    """A fake model with fixed logits per position (L0, L1) and fixed, often wrong drafts: the first two generated
+    tokens, over 3 + 2 rows per trial (a run rejected at position 0 verifies a new draft for position 1), follow
+    p0 x p1 after temperature 0.7 and top-k 3. Threshold: chi-square's 0.999 quantile at 8 degrees of freedom
+    (the 9 cells of the top-3 x top-3 support)."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0], [0.0, 1.5, 1.4, 0.3], [0.0, 0.0, 0.0, 0.0]])
+    params = SamplingParams(temperature=0.7, top_k=3)
+    num_trials = 6000
+    generator = torch.Generator().manual_seed(1)
+
+    def verify(drafts: list[int], first_position: int, count: int):
+        rows = [SamplingRow(params, [0], []) for _ in range(count * (len(drafts) + 1))]
+        meta = SamplingMetadata.build(rows, 4, generator=generator)
+        block = logits[first_position:first_position + len(drafts) + 1]
+        return verify_drafts(block.repeat(count, 1), meta, [str(i) for i in range(count)], [drafts] * count)
+
+    first = verify([1, 2], 0, num_trials)                   # d1 = 1 (p0's second choice), d2 = 2
+    pairs = []
+    rejected_at_0 = [i for i, a in enumerate(first.num_accepted) if a == 0]
+    second = verify([3], 1, len(rejected_at_0))             # d = 3: p1's third choice
+    second_tokens = iter([3 if a else token for a, token in zip(second.num_accepted, second.token_ids)])
+    for a, token in zip(first.num_accepted, first.token_ids):
+        pairs.append((token, next(second_tokens)) if a == 0 else (1, 2 if a == 2 else token))
+    top3 = [torch.tensor([True, True, True, False]), torch.tensor([False, True, True, True])]
+    probs = [torch.softmax((logits[j] / 0.7).masked_fill(~top3[j], -torch.inf), -1) for j in range(2)]
+    expected = torch.outer(probs[0], probs[1]).flatten()
+    counts = torch.bincount(torch.tensor([4 * x + y for x, y in pairs]), minlength=16).double()
+    support = expected > 0
+    assert counts[~support].sum() == 0
+    assert _chi_square(counts[support], expected[support].double()) < 26.1, counts.view(4, 4)
