@@ -452,7 +452,7 @@ class Scheduler:
         reason = None
         for index, token_id in enumerate(token_ids):
             request.append_output_token_ids(token_id)
-            request.num_computed_tokens += index < num_computed
+            request.num_computed_tokens += int(index < num_computed)
             reason = self._check_stop(request)
             if reason is not None:
                 token_ids = token_ids[:index + 1]
