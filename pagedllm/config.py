@@ -137,7 +137,47 @@ class ModelConfig:
 
 
 @dataclass
+class SpeculativeConfig:
+    """Speculative decoding, as vLLM's `speculative_config` (only the n-gram prompt-lookup method so far).
+
+    Args:
+        method: "ngram": drafts come from the request's own tokens (the longest suffix n-gram seen before).
+        num_speculative_tokens: most draft tokens verified per request and step (k).
+        prompt_lookup_max: longest suffix n-gram looked up.
+        prompt_lookup_min: shortest suffix n-gram that may give a draft.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_max: int = 3
+    prompt_lookup_min: int = 1
+
+    def __post_init__(self) -> None:
+        _require(self.method == "ngram", "speculative_config.method", "'ngram'", self.method)
+        _require(self.num_speculative_tokens > 0, "speculative_config.num_speculative_tokens", "> 0",
+                 self.num_speculative_tokens)
+        _require(self.prompt_lookup_min > 0, "speculative_config.prompt_lookup_min", "> 0", self.prompt_lookup_min)
+        _require(self.prompt_lookup_max >= self.prompt_lookup_min, "speculative_config.prompt_lookup_max",
+                 f">= prompt_lookup_min ({self.prompt_lookup_min})", self.prompt_lookup_max)
+
+    @classmethod
+    def from_dict(cls, values: dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
+        """vLLM's dict form (`{"method": "ngram", "num_speculative_tokens": 3, ...}`); None turns it off.
+        Unknown keys are a ValueError naming them."""
+        if values is None or isinstance(values, SpeculativeConfig):
+            return values
+        if not isinstance(values, dict):
+            raise ValueError(f"speculative_config must be a dict, got {values!r}")
+        unknown = sorted(set(values) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"speculative_config has unknown keys {unknown}; known: "
+                             f"{sorted(cls.__dataclass_fields__)}")
+        return cls(**values)
+
+
+@dataclass
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig | None = None

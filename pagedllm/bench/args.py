@@ -8,6 +8,7 @@ from typing import Any
 
 from pagedllm.bench.datasets import BenchRequest, load_requests
 from pagedllm.config import DEFAULT_BLOCK_SIZE
+from pagedllm.entrypoints.openai.cli_args import parse_json_object
 
 _SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
@@ -35,6 +36,8 @@ def add_engine_args(parser: argparse.ArgumentParser, prefix_caching_flag: bool =
     group.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     if prefix_caching_flag:
         group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    group.add_argument("--speculative-config", type=parse_json_object, default=None,
+                       help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'')
 
 
 def engine_kwargs(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
@@ -43,17 +46,19 @@ def engine_kwargs(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                   kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
                   enable_prefix_caching=getattr(args, "enable_prefix_caching", True), seed=args.seed,
-                  quantization=args.quantization)
+                  quantization=args.quantization, speculative_config=args.speculative_config)
     return kwargs | overrides
 
 
-def add_dataset_args(parser: argparse.ArgumentParser, datasets: tuple[str, ...] = ("mixed", "random", "jsonl"),
+def add_dataset_args(parser: argparse.ArgumentParser,
+                     datasets: tuple[str, ...] = ("mixed", "random", "jsonl", "grounded"),
                      default: str = "mixed") -> None:
     group = parser.add_argument_group("dataset")
     group.add_argument("--dataset", default=default, choices=datasets)
     group.add_argument("--dataset-path", default=None, help="the file of --dataset jsonl")
     group.add_argument("--num-prompts", type=int, default=None,
-                       help="requests to run (default: 50 for mixed, 100 for random, the whole file for jsonl)")
+                       help="requests to run (default: 50 for mixed, 100 for random, 32 for grounded, the whole "
+                            "file for jsonl)")
     group.add_argument("--input-len", type=int, default=256, help="prompt tokens of --dataset random")
     group.add_argument("--output-len", type=int, default=128,
                        help="output tokens of --dataset random, and of jsonl lines without output_len")

@@ -5,6 +5,8 @@
 - `random`: random token ids of a fixed length (vLLM's random dataset).
 - `jsonl`: one JSON object a line, {"prompt": str | [int], "output_len": int (optional)}.
 - `shared-prefix`: one long system prompt followed by different short questions (the prefix-cache bench).
+- `grounded`: input-grounded chats: copy-edit a given text, the output about as long as the text (where
+  speculative decoding's n-gram prompt lookup pays).
 
 Every request is run with ignore_eos=True, so every system generates exactly `output_len` tokens.
 """
@@ -179,6 +181,27 @@ def shared_prefix_requests(tokenizer: PreTrainedTokenizerBase, num_prompts: int,
     return requests
 
 
+GROUNDED_TEXT_LEN = (60, 240)
+
+
+def grounded_requests(tokenizer: PreTrainedTokenizerBase, num_prompts: int, seed: int = 0) -> list[BenchRequest]:
+    """Chats asking to copy-edit a text of 60 to 240 tokens (spread on a log scale); each output is as long as
+    the text, since a faithful edit mostly copies it."""
+    rng = random.Random(seed)
+    requests = []
+    for i in range(num_prompts):
+        target_len = _log_spread(_spread(i, _GOLDEN), *GROUNDED_TEXT_LEN)
+        sentences = [_sentence(rng)]
+        while len(tokenizer.encode(" ".join(sentences), add_special_tokens=False)) < target_len:
+            sentences.append(_sentence(rng))
+        text = " ".join(sentences)
+        messages = [{"role": "user", "content": "Fix the punctuation of this text and return it otherwise "
+                                                f"unchanged:\n\n{text}"}]
+        requests.append(BenchRequest(_chat_ids(tokenizer, messages),
+                                     len(tokenizer.encode(text, add_special_tokens=False))))
+    return requests
+
+
 def load_requests(tokenizer: PreTrainedTokenizerBase, dataset: str, *, num_prompts: int | None = None,
                   input_len: int = 256, output_len: int = 128, dataset_path: str | None = None,
                   seed: int = 0) -> list[BenchRequest]:
@@ -193,4 +216,6 @@ def load_requests(tokenizer: PreTrainedTokenizerBase, dataset: str, *, num_promp
         return jsonl_requests(tokenizer, dataset_path, num_prompts, output_len)
     if dataset == "shared-prefix":
         return shared_prefix_requests(tokenizer, num_prompts or 32, input_len, output_len, seed)
-    raise ValueError(f"unknown dataset {dataset!r}; expected mixed, random, jsonl or shared-prefix")
+    if dataset == "grounded":
+        return grounded_requests(tokenizer, num_prompts or 32, seed)
+    raise ValueError(f"unknown dataset {dataset!r}; expected mixed, random, jsonl, shared-prefix or grounded")

@@ -97,6 +97,12 @@ def run_pagedllm(args: argparse.Namespace) -> dict[str, Any]:
                   peak_rss_mib=peak_rss_mib(), kv_waste=_kv_waste_dict(waste),
                   num_kv_blocks=llm.engine.capacity.num_blocks, block_size=llm.engine.capacity.block_size,
                   dtype=str(llm.engine.dtype).removeprefix("torch."))
+    spec = llm.engine.make_stats().spec_decoding
+    if spec is not None:
+        result["spec_decoding"] = {"config": args.speculative_config, "acceptance_rate": spec.acceptance_rate,
+                                   "mean_acceptance_length": spec.mean_acceptance_length,
+                                   "num_drafts": spec.num_drafts, "num_draft_tokens": spec.num_draft_tokens,
+                                   "num_accepted_tokens": spec.num_accepted_tokens}
     return result
 
 
@@ -216,6 +222,8 @@ _ROWS = [  # (label, key, format)
     ("Start-up: process -> ready (s)", "startup_s", "{:.2f}"),
     ("First request, 1 token (s)", "first_token_s", "{:.3f}"),
     ("Mean KV waste (% of allocated)", "kv_waste.waste_pct", "{:.1f}"),
+    ("Spec decode: acceptance rate", "spec_decoding.acceptance_rate", "{:.2f}"),
+    ("Spec decode: mean accepted length", "spec_decoding.mean_acceptance_length", "{:.2f}"),
     ("Achieved GFLOP/s", "achieved_gflops", "{:.1f}"),
     ("  % of the GEMM peak", "flops_utilization_pct", "{:.1f}"),
 ]

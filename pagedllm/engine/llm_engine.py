@@ -25,6 +25,7 @@ from pagedllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestO
 from pagedllm.runner import kv_tensors
 from pagedllm.runner.model_runner import ModelRunner, StepTimings, model_shape
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.spec_decode.ngram_proposer import NgramProposer
 from pagedllm.structured_output import StructuredOutputManager
 from pagedllm.tokenizer.tokenizer import load_tokenizer
 
@@ -136,7 +137,9 @@ class LLMEngine:
         self._setup_costs()
         self.kv_cache_manager = KVCacheManager(num_blocks, config.cache.block_size,
                                                config.cache.enable_prefix_caching, config.cache.num_swap_blocks)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
+        proposer = NgramProposer(config.speculative) if config.speculative is not None else None
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager,
+                                   proposer.propose if proposer is not None else None)
         self.beam_search = BeamSearchDriver(self.scheduler, self.tokenizer)
         self.capacity = kv_tensors.CapacityReport(num_blocks, config.cache.block_size,
                                                   self.runner.layout.bytes_per_token, self.max_model_len)
@@ -364,10 +367,10 @@ class LLMEngine:
         if not update.new_token_ids and update.finish_reason is None:
             return None     # a chunk of the prompt: nothing to report until the first token
         completion = tracked.completions[update.index]
+        stop_str, update.new_token_ids = self._detokenize(completion, update.new_token_ids)
         completion.token_ids.extend(update.new_token_ids)
         self._append_logprobs(completion, update)
         finish_reason, stop_reason = update.finish_reason, update.stop_reason
-        stop_str = completion.detokenizer.update(update.new_token_ids) if update.new_token_ids else None
         if stop_str is not None and finish_reason is None:
             self.scheduler.finish_requests([update.request_id], FinishReason.STOP)
             finish_reason, stop_reason = FinishReason.STOP, stop_str
@@ -385,6 +388,16 @@ class LLMEngine:
                 return None
             return self._make_output(request_id, tracked, tracked.completions)
         return self._make_output(request_id, tracked, changed)
+
+    @staticmethod
+    def _detokenize(completion: _Completion, token_ids: list[int]) -> tuple[str | None, list[int]]:
+        """Feed the tokens to the detokenizer one by one (a speculative step brings several); on a stop string,
+        the tokens after the one completing it are dropped, as if they had never been generated."""
+        for index, token_id in enumerate(token_ids):
+            stop_str = completion.detokenizer.update([token_id])
+            if stop_str is not None:
+                return stop_str, token_ids[:index + 1]
+        return None, token_ids
 
     def _append_logprobs(self, completion: _Completion, update: RequestUpdate) -> None:
         if completion.logprobs is None or update.new_logprobs is None:

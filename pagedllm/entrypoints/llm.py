@@ -16,6 +16,7 @@ from pagedllm.config import (
     PreemptionMode,
     SchedulerConfig,
     SchedulingPolicy,
+    SpeculativeConfig,
 )
 from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedllm.engine.llm_engine import LLMEngine
@@ -49,6 +50,8 @@ class LLM:
             queues).
         chat_template: a Jinja template replacing the model's own.
         quantization: None, or "int8" (linear weights as int8 with per-row scales, quantized at load).
+        speculative_config: speculative decoding as vLLM takes it, e.g. `{"method": "ngram",
+            "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}`; None: off.
     """
 
     def __init__(self, model: str | None = None, *, dtype: str = "auto", max_model_len: int | None = None,
@@ -58,7 +61,8 @@ class LLM:
                  swap_space: float = 0.0, preemption_mode: PreemptionMode = "recompute",
                  chat_template: str | None = None, num_kv_blocks: int | None = None,
                  swap_path: str | None = None, scheduling_policy: SchedulingPolicy = "fcfs",
-                 quantization: str | None = None) -> None:
+                 quantization: str | None = None,
+                 speculative_config: dict[str, Any] | SpeculativeConfig | None = None) -> None:
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
                               chat_template=chat_template, quantization=quantization),
@@ -68,6 +72,7 @@ class LLM:
                               enable_prefix_caching=enable_prefix_caching, num_blocks=num_kv_blocks),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       preemption_mode=preemption_mode, scheduling_policy=scheduling_policy),
+            speculative=SpeculativeConfig.from_dict(speculative_config),
         )
         self.engine = LLMEngine(config)
         self._counter = itertools.count()

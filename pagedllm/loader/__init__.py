@@ -54,7 +54,8 @@ def _log_precision(requested: str, dtype: torch.dtype, device: str) -> None:
         logger.info("device %s; dtype %s", device, chosen)
         return
     how = {"onednn": "bf16 weights and KV cache, bf16 matmuls in oneDNN",
-           "pagedllm": "bf16 weights and KV cache (half float32's bytes), float32 arithmetic in pagedllm's kernels"}
+           "pagedllm": ("bf16 weights and KV cache (half float32's bytes), float32 arithmetic in pagedllm's kernels"
+                        if dtype == torch.bfloat16 else "float32 weights packed for pagedllm's kernels")}
     packing = linear_packing(dtype)
     if packing is not None:
         logger.info("CPU: %s; dtype %s: %s", cpu_info().describe(), chosen, how[packing])

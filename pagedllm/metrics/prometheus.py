@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
-from pagedllm.metrics.stats import IterationStats, SchedulerStats
+from pagedllm.metrics.stats import IterationStats, SchedulerStats, SpecDecodingStats
 
 PREFIX = "pagedllm:"
 
@@ -72,6 +72,7 @@ class PrometheusStatLogger:
         for reason in ("stop", "length", "abort"):
             self.request_success.labels(model_name, reason)
         self._last: SchedulerStats | None = None
+        self._spec: _SpecDecodingMetrics | None = None   # made at the first stats with speculative decoding on
 
     def record(self, scheduler_stats: SchedulerStats | None, iteration: IterationStats | None) -> None:
         if scheduler_stats is not None:
@@ -94,6 +95,10 @@ class PrometheusStatLogger:
             _inc(self.preemptions.labels(self.model_name, mode), count - last.num_preemptions_total.get(mode, 0))
         _inc(self.prefix_queries, stats.prefix_cache_queries_total - last.prefix_cache_queries_total)
         _inc(self.prefix_hits, stats.prefix_cache_hits_total - last.prefix_cache_hits_total)
+        if stats.spec_decoding is not None:
+            if self._spec is None:
+                self._spec = _SpecDecodingMetrics(self.registry, self.model_name)
+            self._spec.record(stats.spec_decoding, last.spec_decoding or SpecDecodingStats())
         self._last = stats
 
     def _record_iteration(self, it: IterationStats) -> None:
@@ -108,6 +113,32 @@ class PrometheusStatLogger:
         for finished in it.finished:
             self.request_success.labels(self.model_name, finished.finish_reason).inc()
             self.e2e.observe(finished.e2e_latency)
+
+
+class _SpecDecodingMetrics:
+    """vLLM's speculative decoding counters: acceptance rate = accepted / draft tokens, mean acceptance length =
+    1 + accepted tokens / drafts."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+            return Counter(PREFIX + name, doc, ["model_name", *labels], registry=registry)
+
+        self.model_name = model_name
+        self.num_drafts = counter("spec_decode_num_drafts", "Draft runs verified.").labels(model_name)
+        self.num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified.").labels(model_name)
+        self.num_accepted_tokens = counter("spec_decode_num_accepted_tokens",
+                                           "Draft tokens accepted.").labels(model_name)
+        self.per_pos = counter("spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position.",
+                               ("position",))
+
+    def record(self, stats: SpecDecodingStats, last: SpecDecodingStats) -> None:
+        _inc(self.num_drafts, stats.num_drafts - last.num_drafts)
+        _inc(self.num_draft_tokens, stats.num_draft_tokens - last.num_draft_tokens)
+        _inc(self.num_accepted_tokens, stats.num_accepted_tokens - last.num_accepted_tokens)
+        previous = last.num_accepted_tokens_per_pos
+        for position, count in enumerate(stats.num_accepted_tokens_per_pos):
+            before = previous[position] if position < len(previous) else 0
+            _inc(self.per_pos.labels(self.model_name, str(position)), count - before)
 
 
 def _inc(counter: Counter, amount: float) -> None:

@@ -17,6 +17,41 @@ if TYPE_CHECKING:
 
 
 @dataclass(slots=True)
+class SpecDecodingStats:
+    """Speculative decoding's counters since start-up (vLLM's `spec_decode_*`): verified draft runs, their draft
+    tokens, the accepted ones, and how often the draft at each position (0-based) was accepted."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def observe(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        """One request's drafts verified: the first `num_accepted_tokens` of `num_draft_tokens` accepted."""
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
+        per_pos = self.num_accepted_tokens_per_pos
+        per_pos.extend([0] * (num_draft_tokens - len(per_pos)))
+        for position in range(num_accepted_tokens):
+            per_pos[position] += 1
+
+    def copy(self) -> SpecDecodingStats:
+        return SpecDecodingStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
+                                 list(self.num_accepted_tokens_per_pos))
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft tokens over proposed ones (0 before any draft)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens each verify pass produced on average: the accepted drafts plus the sampled token (vLLM's)."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+@dataclass(slots=True)
 class SchedulerStats:
     """The scheduler and KV pool after one engine step. Counters (`*_total`) are cumulative since start-up."""
 
@@ -33,6 +68,7 @@ class SchedulerStats:
     num_kv_slots_running: int = 0           # token slots of the blocks the running requests hold
     num_kv_slots_filled: int = 0            # of those, slots holding a computed token (the rest is tail waste)
     scheduled_request_ids: list[str] = field(default_factory=list)   # the requests the last step ran
+    spec_decoding: SpecDecodingStats | None = None   # None without speculative decoding
 
     @property
     def kv_cache_usage(self) -> float:

@@ -22,6 +22,7 @@ from pagedllm.runner import kv_tensors
 from pagedllm.runner.input_batch import CachedRequestState, ModelInputs, build_model_inputs
 from pagedllm.sample.metadata import SamplingMetadata, SamplingRow, make_generator
 from pagedllm.sample.sampler import Sampler, position_logprobs
+from pagedllm.spec_decode.rejection_sampler import verify_drafts
 from pagedllm.structured_output import StructuredOutputManager
 
 
@@ -144,7 +145,10 @@ class ModelRunner:
         output = RunnerOutput()
         if inputs.sample_request_ids:
             children = {s.request_id: s.child_request_ids for s in scheduled if s.child_request_ids}
-            output = self._sample(hidden, inputs, children, _wait_token_bitmasks(pending_masks))
+            drafts = {s.request_id: s.spec_token_ids for s in scheduled if s.spec_token_ids}
+            masks = _wait_token_bitmasks(pending_masks)
+            output = (self._sample_with_drafts(hidden, inputs, children, drafts, masks) if drafts else
+                      self._sample(hidden[inputs.logits_indices], inputs.sample_request_ids, children, masks))
         for state, end in reported:   # only once the group succeeded: a group that raised may run again
             state.num_prompt_logprob_positions = end
         output.prompt_logprobs = prompt_logprobs
@@ -245,19 +249,19 @@ class ModelRunner:
                 row_request_ids.append(child_id)
         return rows, row_request_ids
 
-    def _sample(self, hidden: torch.Tensor, inputs: ModelInputs, children: dict[str, list[str]],
+    def _sample(self, hidden: torch.Tensor, sample_request_ids: list[str], children: dict[str, list[str]],
                 masks: dict[str, torch.Tensor]) -> RunnerOutput:
-        """Sample each row; `masks` holds the token bitmask of each constrained request (its children share it:
-        their matchers are copies of the parent's, taken before this step's token)."""
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])   # [num_sampled, vocab]
-        sample_request_ids = parent_ids = inputs.sample_request_ids
+        """Sample one token per row of `hidden` ([num_sampled, H], the last row of each sampling request);
+        `masks` holds the token bitmask of each constrained request (its children share it: their matchers are
+        copies of the parent's, taken before this step's token)."""
+        logits = self.model.compute_logits(hidden)                          # [num_sampled, vocab]
+        parent_ids = sample_request_ids
         if children:
             rows, sample_request_ids = self._fork_rows(sample_request_ids, children)
-            parent_ids = [inputs.sample_request_ids[row] for row in rows]
+            parent_ids = [parent_ids[row] for row in rows]
             logits = logits[torch.tensor(rows, device=logits.device)]       # [num_sampled + children, vocab]
         states = [self.requests[request_id] for request_id in sample_request_ids]
-        rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids, s.generator, self.eos_token_id,
-                            masks.get(parent_id)) for s, parent_id in zip(states, parent_ids)]
+        rows = [self._sampling_row(s, mask=masks.get(parent_id)) for s, parent_id in zip(states, parent_ids)]
         meta = SamplingMetadata.build(rows, self.shape.vocab_size, self.device, self.global_generator)
         result = self.sampler(logits, meta)
         token_ids = result.token_ids.tolist()
@@ -268,6 +272,39 @@ class ModelRunner:
         logprobs = result.logprobs.to_lists(sample_request_ids) if result.logprobs is not None else {}
         return RunnerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
+    def _sampling_row(self, state: CachedRequestState, draft_ids: list[int] | None = None,
+                      mask: torch.Tensor | None = None) -> SamplingRow:
+        """The sampler's view of a request, after its output tokens and then `draft_ids`, under its token
+        bitmask (structured outputs), if any."""
+        output_token_ids = state.output_token_ids + draft_ids if draft_ids else state.output_token_ids
+        return SamplingRow(state.params, state.prompt_token_ids, output_token_ids, state.generator, self.eos_token_id,
+                           mask)
+
+    def _sample_with_drafts(self, hidden: torch.Tensor, inputs: ModelInputs, children: dict[str, list[str]],
+                            drafts: dict[str, list[int]], masks: dict[str, torch.Tensor]) -> RunnerOutput:
+        """Sample the requests without drafts as usual; verify the others' drafts (pagedllm.spec_decode) on the
+        logits of their last 1 + k rows (a constrained request gets no drafts). The drafts are verified before
+        any request's state changes, so that a group that raised may run again."""
+        last_rows = inputs.logits_indices.tolist()
+        spec = [(row, r) for row, r in zip(last_rows, inputs.sample_request_ids) if r in drafts]
+        request_ids = [r for _, r in spec]
+        rows = [row - k for row, r in spec for k in range(len(drafts[r]), -1, -1)]
+        logits = self.model.compute_logits(hidden[rows])                    # [sum(k + 1), vocab]
+        states = [self.requests[r] for r in request_ids]
+        sampling_rows = [self._sampling_row(s, drafts[r][:j]) for s, r in zip(states, request_ids)
+                         for j in range(len(drafts[r]) + 1)]
+        meta = SamplingMetadata.build(sampling_rows, self.shape.vocab_size, self.device, self.global_generator)
+        verified = verify_drafts(logits, meta, request_ids, [drafts[r] for r in request_ids])
+        plain = [(row, r) for row, r in zip(last_rows, inputs.sample_request_ids) if r not in drafts]
+        output = (self._sample(hidden[[row for row, _ in plain]], [r for _, r in plain], children, masks) if plain
+                  else RunnerOutput())
+        for state, request_id, num_accepted, token_id in zip(states, request_ids, verified.num_accepted,
+                                                             verified.token_ids):
+            state.output_token_ids += drafts[request_id][:num_accepted] + [token_id]
+            output.sampled_token_ids[request_id] = token_id
+            output.num_accepted_draft_tokens[request_id] = num_accepted
+        output.logprobs.update(verified.logprobs)
+        return output
 
 def _consume_in_grammars(states: list[CachedRequestState], token_ids: list[int]) -> None:
     """Advance each constrained request's matcher by its sampled token, all or none: when a grammar refuses its

@@ -55,3 +55,12 @@ def test_shared_prefix_requests(tiny_tokenizer):
     assert shared >= 200
     assert all(r.prompt_len > shared and r.output_len == 5 for r in requests)
     assert ideal_hit_rate(requests, 16) == pytest.approx(shared // 16 * 16 * 6 / sum(r.prompt_len for r in requests))
+
+
+def test_grounded_requests_ask_to_edit_a_text_as_long_as_the_output(tiny_tokenizer):
+    requests = load_requests(tiny_tokenizer, "grounded", num_prompts=6)
+    assert requests == load_requests(tiny_tokenizer, "grounded", num_prompts=6)
+    assert len(requests) == 6 and all(60 <= r.output_len <= 400 for r in requests)
+    for request in requests:
+        text = tiny_tokenizer.decode(request.prompt_token_ids)
+        assert "return it otherwise unchanged" in text and request.prompt_len > request.output_len

@@ -58,3 +58,14 @@ def test_add_bench_parser_registers_the_three_commands():
         assert args.command == "bench" and args.bench_command == command and callable(args.func)
     args = parser.parse_args(["bench", "throughput", "--no-enable-prefix-caching", "--kv-cache-memory", "1G"])
     assert args.enable_prefix_caching is False and args.kv_cache_memory == 1 << 30
+
+
+def test_throughput_grounded_dataset_with_speculation(tiny_model_dir, capsys):
+    result = main(["throughput", "--model", tiny_model_dir, "--dataset", "grounded", "--num-prompts", "2",
+                   "--skip-gemm-peak", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
+                   *_ENGINE])
+    assert result["dataset"] == "grounded" and result["num_requests"] == 2
+    spec = result["spec_decoding"]
+    assert spec["config"]["num_speculative_tokens"] == 3 and spec["num_drafts"] > 0
+    assert 0 <= spec["acceptance_rate"] <= 1 and spec["mean_acceptance_length"] >= 1
+    assert "Spec decode: acceptance rate" in capsys.readouterr().out

@@ -109,3 +109,25 @@ def test_live_figures_move(server: RunningServer):
     httpx.post(f"{url}/v1/completions", json={**body, "stream": False, "max_tokens": 2}, headers=headers, timeout=60)
     assert num_prompt_tokens > 32
     assert metric(scrape(url), "pagedllm:prefix_cache_hits_total") >= hits + 32
+
+
+def test_spec_decode_counters_appear_only_with_speculation_and_take_increments():
+    from pagedllm.metrics.stats import SpecDecodingStats
+
+    stat_logger = PrometheusStatLogger("m")
+    stat_logger.record(SchedulerStats(), None)
+    assert not any("spec_decode" in key for key in _values(stat_logger))
+    spec = SpecDecodingStats()
+    spec.observe(3, 2)
+    spec.observe(3, 0)
+    stat_logger.record(SchedulerStats(spec_decoding=spec.copy()), None)
+    spec.observe(2, 2)
+    stat_logger.record(SchedulerStats(spec_decoding=spec.copy()), None)
+    stat_logger.record(SchedulerStats(spec_decoding=spec.copy()), None)
+    values = _values(stat_logger)
+    assert values['pagedllm:spec_decode_num_drafts_total{model_name="m"}'] == 3
+    assert values['pagedllm:spec_decode_num_draft_tokens_total{model_name="m"}'] == 8
+    assert values['pagedllm:spec_decode_num_accepted_tokens_total{model_name="m"}'] == 4
+    per_pos = 'pagedllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="%d"}'
+    assert (values[per_pos % 0], values[per_pos % 1]) == (2, 2)
+    assert (spec.acceptance_rate, spec.mean_acceptance_length) == (0.5, 1 + 4 / 3)

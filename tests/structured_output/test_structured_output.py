@@ -130,3 +130,25 @@ def test_a_bad_constraint_fails_at_add_time(llm: LLM, constraint: StructuredOutp
     with pytest.raises(ValueError, match=message):
         llm.engine.add_request("bad", "hi", SamplingParams(structured_outputs=constraint))
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_with_speculative_decoding_a_constrained_request_gets_no_drafts(folder: str):
+    """n-gram speculation finds drafts in this repetitive prompt (the unconstrained request gets some), but a
+    constrained request gets none, so its grammar alone decides each token: the same tokens as without speculation."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    constraint, valid = CASES["regex"]
+    constrained = SamplingParams(temperature=0, max_tokens=40, structured_outputs=constraint)
+    free = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    tokens, drafts = {}, {}
+    for speculative_config in (None, spec):
+        llm = LLM(model=folder, dtype="float32", block_size=4, num_kv_blocks=256, max_model_len=256,
+                  speculative_config=speculative_config)
+        for name, params in (("constrained", constrained), ("free", free)):
+            (output,) = llm.generate(["abcabcabc abcabc"], params, use_tqdm=False)
+            tokens[name, speculative_config is not None] = output.outputs[0].token_ids
+            texts = output.outputs[0].text
+            if speculative_config is not None:
+                drafts[name] = llm.engine.make_stats().spec_decoding.num_drafts - sum(drafts.values())
+                assert name == "free" or valid(texts)
+    assert drafts == {"constrained": 0, "free": drafts["free"]} and drafts["free"] > 0
+    assert tokens["constrained", True] == tokens["constrained", False]

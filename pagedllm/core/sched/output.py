@@ -27,9 +27,13 @@ class ScheduledRequest:
     """One request's share of the step.
 
     Invariants: `token_ids` are the request's tokens at positions
-    `num_computed_tokens : num_computed_tokens + len(token_ids)` (at least one); `block_ids` (the whole block
-    table) has room for all of them; `sample` is True exactly when these tokens reach the request's last known
-    token, so the runner samples the next one.
+    `num_computed_tokens : num_computed_tokens + len(token_ids)` (at least one), followed by its
+    `spec_token_ids`; `block_ids` (the whole block table) has room for all of them; `sample` is True exactly when
+    these tokens reach the request's last known token, so the runner samples the next one.
+
+    `spec_token_ids` (speculative decoding) are draft tokens after the last known one: the runner verifies them
+    in the same forward pass (logits at each of the last `1 + len(spec_token_ids)` positions), and reports how
+    many it accepted in `RunnerOutput.num_accepted_draft_tokens`.
 
     `child_request_ids` is set only on the first sampled token of a parallel-sampling request (n > 1): the runner
     samples that row once more for each child, child i (1-based) with its own seed stream
@@ -43,6 +47,7 @@ class ScheduledRequest:
     token_ids: list[int]
     sample: bool
     child_request_ids: list[str] = field(default_factory=list)
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_new_tokens(self) -> int:
@@ -86,11 +91,16 @@ class RunnerOutput:
     log-probabilities when asked for (their structure is the sampler's). `prompt_logprobs` holds, for each request
     with `prompt_logprobs` whose step computed prompt positions not reported before, one entry per such position
     p: the log-probabilities of prompt token p + 1 and of the top tokens there (a list of (token_id, logprob,
-    rank), the prompt token first)."""
+    rank), the prompt token first).
+
+    For a request scheduled with draft tokens, `num_accepted_draft_tokens` says how many of them (a prefix) were
+    accepted, and the sampled token comes after those: the request's new tokens are
+    `spec_token_ids[:num_accepted] + [sampled]`, and its logprobs hold one entry per new token."""
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, object] = field(default_factory=dict)
     prompt_logprobs: dict[str, list] = field(default_factory=dict)
+    num_accepted_draft_tokens: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

@@ -27,6 +27,15 @@ for n samples of its last row (`ScheduledRequest.child_request_ids`); `update_fr
 children off it (`KVCacheManager.fork`: shared blocks), and each sequence goes on by itself. A group reserves
 `group_size` (n, or the beam width) of the `max_num_seqs` seats when its first request is admitted.
 
+Speculative decoding (with a `propose` function): a running request whose only token left to compute is its last
+one is scheduled with that token plus up to k draft tokens (`ScheduledRequest.spec_token_ids`), and the KV
+manager allocates slots for all of them. The runner verifies the drafts; `update_from_output` appends the
+accepted ones and the token sampled after them, and advances `num_computed_tokens` only over the accepted
+tokens. The rejected drafts' slots stay allocated and are overwritten by the next step's tokens; since block
+hashes are computed from `all_token_ids` and `cache_full_blocks` stops at `num_computed_tokens`, the prefix cache
+only ever sees accepted tokens. No drafts for beams, for a structured-output request, or for a parallel-sampling
+request before its fork.
+
 Beam search: beams are requests with `engine_appends_tokens`. Their updates carry logprobs but no token; the
 engine picks the continuations and calls `append_token`, `fork_request` and `finish_requests`.
 
@@ -39,7 +48,7 @@ from __future__ import annotations
 
 import bisect
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from pagedllm.config import SchedulerConfig
@@ -47,7 +56,10 @@ from pagedllm.core.kv_cache.block_map import BlockMap
 from pagedllm.core.kv_cache.manager import KVCacheManager, cdiv
 from pagedllm.core.request import FinishReason, Request, RequestStatus, child_request_id
 from pagedllm.core.sched.output import NewRequestData, RequestUpdate, RunnerOutput, ScheduledRequest, SchedulerOutput
-from pagedllm.metrics.stats import SchedulerStats
+from pagedllm.metrics.stats import SchedulerStats, SpecDecodingStats
+
+# (token_ids, max_num_tokens) -> draft tokens to follow token_ids, at most max_num_tokens of them.
+DraftProposer = Callable[[list[int], int], list[int]]
 
 
 def _waiting_order(request: Request) -> tuple[int, float]:
@@ -64,18 +76,22 @@ class _StepPlan:
     """The step being built: tokens per scheduled request id, in batch order, and the blocks to move."""
 
     token_budget: int
-    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)   # draft tokens included
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     new_request_ids: list[str] = field(default_factory=list)
     preempted_request_ids: set[str] = field(default_factory=set)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
 
-    def add(self, request: Request, num_tokens: int) -> None:
+    def add(self, request: Request, num_tokens: int, spec_token_ids: list[int] | None = None) -> None:
         self.num_scheduled_tokens[request.request_id] = num_tokens
         self.token_budget -= num_tokens
+        if spec_token_ids:
+            self.spec_token_ids[request.request_id] = spec_token_ids
 
     def remove(self, request: Request) -> None:
         self.token_budget += self.num_scheduled_tokens.pop(request.request_id, 0)
+        self.spec_token_ids.pop(request.request_id, None)
 
 
 class Scheduler:
@@ -84,14 +100,18 @@ class Scheduler:
     Args:
         config: max_num_seqs, max_num_batched_tokens, max_model_len, the preemption mode and its costs.
         kv_cache_manager: the block tables; the scheduler is its only writer.
+        propose: speculative decoding's draft proposer (e.g. `NgramProposer.propose`); None: no drafts.
 
     Each `schedule()` must be followed by `update_from_output()` with the runner's result, even when the
     output is empty: that is where updates for requests finished inside `schedule()` are delivered.
     """
 
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
+                 propose: DraftProposer | None = None) -> None:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
+        self.propose = propose
+        self.spec_decoding_stats = SpecDecodingStats()
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting: list[Request] = []  # sorted by (priority, arrival_time); new and preempted
         self.running: list[Request] = []  # in admission order
@@ -134,7 +154,8 @@ class Scheduler:
             prefix_cache_queries_total=prefix.num_query_tokens, prefix_cache_hits_total=prefix.num_hit_tokens,
             num_kv_slots_running=num_slots,
             num_kv_slots_filled=sum(r.num_computed_tokens for r in self.running),
-            scheduled_request_ids=list(self._last_scheduled_request_ids))
+            scheduled_request_ids=list(self._last_scheduled_request_ids),
+            spec_decoding=self.spec_decoding_stats.copy() if self.propose is not None else None)
 
     def make_block_map(self) -> BlockMap:
         """A snapshot of the KV pools and of the block tables of every unfinished request (for the dashboard;
@@ -215,8 +236,27 @@ class Scheduler:
             if request.num_computed_tokens == request.num_tokens:  # a beam waiting for the engine's token
                 continue
             num_new_tokens = self._num_new_tokens(request, request.num_computed_tokens, plan.token_budget)
-            if self._allocate_or_preempt(request, num_new_tokens, plan):
-                plan.add(request, num_new_tokens)
+            spec_token_ids = self._propose_drafts(request, plan.token_budget - num_new_tokens)
+            # Drafts never cost a preemption: without free blocks for them, the request runs without drafts.
+            if spec_token_ids and self.kv_cache_manager.allocate_slots(
+                    request, num_new_tokens + len(spec_token_ids)) is None:
+                spec_token_ids = []
+            if spec_token_ids or self._allocate_or_preempt(request, num_new_tokens, plan):
+                plan.add(request, num_new_tokens + len(spec_token_ids), spec_token_ids)
+
+    def _propose_drafts(self, request: Request, token_budget: int) -> list[int]:
+        """Draft tokens for a request about to compute its last token, so many that the drafts and the token
+        sampled after them stay within the budget, max_tokens and max_model_len. None for a structured-output
+        request: its grammar decides which tokens may follow, and verifying drafts under a grammar is not built."""
+        if (self.propose is None or request.num_computed_tokens != request.num_tokens - 1
+                or request.engine_appends_tokens or request.num_pending_children
+                or request.sampling_params.structured_outputs is not None):
+            return []
+        max_num_tokens = min(token_budget, self.config.max_model_len - request.num_tokens)
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:
+            max_num_tokens = min(max_num_tokens, max_tokens - request.num_output_tokens - 1)
+        return self.propose(request.all_token_ids, max_num_tokens) if max_num_tokens > 0 else []
 
     def _allocate_or_preempt(self, request: Request, num_new_tokens: int, plan: _StepPlan) -> bool:
         """Get blocks for a running request, preempting others (or itself) until they fit.
@@ -342,7 +382,8 @@ class Scheduler:
         return num_new_tokens
 
     def _make_output(self, plan: _StepPlan) -> SchedulerOutput:
-        scheduled = [self._scheduled_request(self.requests[request_id], num_tokens)
+        scheduled = [self._scheduled_request(self.requests[request_id], num_tokens,
+                                             plan.spec_token_ids.get(request_id, []))
                      for request_id, num_tokens in plan.num_scheduled_tokens.items()]
         new_request_ids = plan.new_request_ids + [request_id for request_id in plan.num_scheduled_tokens
                                           if request_id in self._unannounced_request_ids
@@ -363,16 +404,17 @@ class Scheduler:
                                blocks_to_swap_out=plan.blocks_to_swap_out,
                                blocks_to_swap_in=plan.blocks_to_swap_in)
 
-    def _scheduled_request(self, request: Request, num_tokens: int) -> ScheduledRequest:
+    def _scheduled_request(self, request: Request, num_tokens: int, spec_token_ids: list[int]) -> ScheduledRequest:
         start = request.num_computed_tokens
-        sample = start + num_tokens == request.num_tokens
+        end = start + num_tokens - len(spec_token_ids)
+        sample = end == request.num_tokens
         child_request_ids = ([child_request_id(request.request_id, i)
                           for i in range(1, request.num_pending_children + 1)] if sample else [])
         return ScheduledRequest(request_id=request.request_id,
                                 block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
                                 num_computed_tokens=start,
-                                token_ids=request.all_token_ids[start:start + num_tokens],
-                                sample=sample, child_request_ids=child_request_ids)
+                                token_ids=request.all_token_ids[start:end] + spec_token_ids,
+                                sample=sample, child_request_ids=child_request_ids, spec_token_ids=spec_token_ids)
 
     # ---- update -----------------------------------------------------------------------------------------------
     def update_from_output(self, scheduler_output: SchedulerOutput,
@@ -391,7 +433,8 @@ class Scheduler:
     def _update_request(self, request: Request, scheduled: ScheduledRequest,
                         runner_output: RunnerOutput) -> list[RequestUpdate]:
         assert request.num_computed_tokens == scheduled.num_computed_tokens, "output does not match the state"
-        request.num_computed_tokens += scheduled.num_new_tokens
+        # Draft tokens are not the request's tokens yet: the accepted ones count once appended.
+        request.num_computed_tokens += scheduled.num_new_tokens - len(scheduled.spec_token_ids)
         self.kv_cache_manager.cache_full_blocks(request)
         prompt_logprobs = runner_output.prompt_logprobs.get(request.request_id)
         if not scheduled.sample:
@@ -405,18 +448,42 @@ class Scheduler:
         for index, child_id in enumerate(scheduled.child_request_ids, start=1):
             sequences.append(request.fork(child_id, index))
             self._add_forked(request, sequences[-1])
-        updates = [self._append_sampled(sequence, runner_output) for sequence in sequences]
+        if scheduled.spec_token_ids:
+            updates = [self._append_verified(request, scheduled.spec_token_ids, runner_output)]
+        else:
+            updates = [self._append_sampled(sequence, [runner_output.sampled_token_ids[sequence.request_id]],
+                                            runner_output) for sequence in sequences]
         updates[0].new_prompt_logprobs = prompt_logprobs
         return updates
 
-    def _append_sampled(self, request: Request, runner_output: RunnerOutput) -> RequestUpdate:
-        token_id = runner_output.sampled_token_ids[request.request_id]
-        request.append_output_token_ids(token_id)
-        reason = self._check_stop(request)
+    def _append_verified(self, request: Request, spec_token_ids: list[int],
+                         runner_output: RunnerOutput) -> RequestUpdate:
+        """Append the accepted drafts and the token sampled after them; the verify pass wrote the drafts' K/V,
+        so each accepted draft advances num_computed_tokens."""
+        num_accepted = runner_output.num_accepted_draft_tokens[request.request_id]
+        self.spec_decoding_stats.observe(len(spec_token_ids), num_accepted)
+        token_ids = spec_token_ids[:num_accepted] + [runner_output.sampled_token_ids[request.request_id]]
+        return self._append_sampled(request, token_ids, runner_output, num_computed=num_accepted)
+
+    def _append_sampled(self, request: Request, token_ids: list[int], runner_output: RunnerOutput,
+                        num_computed: int = 0) -> RequestUpdate:
+        """Append tokens one by one, stopping at the first that finishes the request (the rest are dropped).
+        The first `num_computed` of them already have their K/V in the cache: the blocks they fill are cached."""
+        reason = None
+        for index, token_id in enumerate(token_ids):
+            request.append_output_token_ids(token_id)
+            request.num_computed_tokens += int(index < num_computed)
+            reason = self._check_stop(request)
+            if reason is not None:
+                token_ids = token_ids[:index + 1]
+                break
+        if num_computed:
+            self.kv_cache_manager.cache_full_blocks(request)
         if reason is not None:
             self._finish(request, reason)
-        return RequestUpdate(request.request_id, [token_id], runner_output.logprobs.get(request.request_id), reason,
-                             request.stop_reason, request.num_cached_tokens, request.parent_id, request.index)
+        logprobs = runner_output.logprobs.get(request.request_id)
+        return RequestUpdate(request.request_id, token_ids, logprobs[:len(token_ids)] if logprobs is not None else None,
+                             reason, request.stop_reason, request.num_cached_tokens, request.parent_id, request.index)
 
     def _check_stop(self, request: Request) -> FinishReason | None:
         """Stop on EOS or a stop token (once min_tokens are out), else on max_tokens or max_model_len.

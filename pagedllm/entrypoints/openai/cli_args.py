@@ -6,6 +6,7 @@ Importing this module is cheap (no torch), so `pagedllm --help` answers at once.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 
@@ -22,6 +23,17 @@ def parse_bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 67108864, 64MiB, 4GiB)")
     number, unit = match.groups()
     return int(float(number) * _SIZE_UNITS[(unit or "").lower()])
+
+
+def parse_json_object(text: str) -> dict:
+    """A JSON object given on the command line, e.g. --speculative-config '{"method": "ngram", ...}'."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object")
+    return value
 
 
 def add_server_args(parser: argparse.ArgumentParser, *, positional_model: bool) -> argparse.ArgumentParser:
@@ -108,6 +120,9 @@ def add_server_args(parser: argparse.ArgumentParser, *, positional_model: bool) 
                         help="token budget of one engine step; longer prompts are prefilled in chunks "
                              "(default: %(default)s)")
     engine.add_argument("--seed", type=int, default=0, help="seed of the engine's random stream (default: 0)")
+    engine.add_argument("--speculative-config", type=parse_json_object, default=None,
+                        help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
+                             '"prompt_lookup_max": 3, "prompt_lookup_min": 1}\' (default: off)')
     return parser
 
 
@@ -120,7 +135,7 @@ def model_of(args: argparse.Namespace) -> str | None:
 
 def engine_config_from_args(args: argparse.Namespace):
     """The EngineConfig the flags describe. Raises ValueError naming a bad field."""
-    from pagedllm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from pagedllm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 
     return EngineConfig(
         model=ModelConfig(model=model_of(args), dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed,
@@ -130,4 +145,5 @@ def engine_config_from_args(args: argparse.Namespace):
                           swap_path=args.swap_path, enable_prefix_caching=args.enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   preemption_mode=args.preemption_mode, scheduling_policy=args.scheduling_policy),
+        speculative=SpeculativeConfig.from_dict(args.speculative_config),
     )

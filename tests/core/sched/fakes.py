@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagedllm.core.request import FinishReason
-from pagedllm.core.sched.output import RequestUpdate, RunnerOutput, SchedulerOutput
+from pagedllm.core.sched.output import RequestUpdate, RunnerOutput, ScheduledRequest, SchedulerOutput
 from pagedllm.core.sched.scheduler import Scheduler
 
 VOCAB = 50
@@ -49,17 +49,34 @@ class FakeRunner:
         self._move(self.swap_slots, self.slots, out.blocks_to_swap_in)
         self._move(self.slots, self.slots, out.blocks_to_copy)
         sampled: dict[str, int] = {}
+        accepted: dict[str, int] = {}
         for scheduled in out.scheduled:
             for offset, token_id in enumerate(scheduled.token_ids):
                 self.slots[self._slot(scheduled.block_ids, scheduled.num_computed_tokens + offset)] = token_id
             if scheduled.sample:
-                end = scheduled.num_computed_tokens + scheduled.num_new_tokens
+                end = scheduled.num_computed_tokens + scheduled.num_new_tokens - len(scheduled.spec_token_ids)
                 context = tuple(self.slots[self._slot(scheduled.block_ids, pos)] for pos in range(end))
+                if scheduled.spec_token_ids:
+                    context = self._verify(scheduled, context, accepted)
                 sampled[scheduled.request_id] = (self.script[scheduled.request_id].pop(0) if self.script
                                              else next_token(context))
                 for index, child_id in enumerate(scheduled.child_request_ids, start=1):
                     sampled[child_id] = next_token(context, index)
-        return RunnerOutput(sampled)
+        return RunnerOutput(sampled, num_accepted_draft_tokens=accepted)
+
+    def _verify(self, scheduled: ScheduledRequest, context: tuple[int, ...],
+                accepted: dict[str, int]) -> tuple[int, ...]:
+        """Greedy verification: accept drafts while each is the fake model's next token, reading each draft's
+        context back from the slots (so the drafts' K/V must be where the block table says)."""
+        count = 0
+        for draft in scheduled.spec_token_ids:
+            if draft != next_token(context):
+                break
+            position = len(context)
+            context += (self.slots[self._slot(scheduled.block_ids, position)],)
+            count += 1
+        accepted[scheduled.request_id] = count
+        return context
 
 
 @dataclass
@@ -81,7 +98,9 @@ def check_step(scheduler: Scheduler, out: SchedulerOutput) -> None:
         assert s.num_new_tokens > 0 and s.num_computed_tokens == request.num_computed_tokens
         assert s.num_computed_tokens + s.num_new_tokens <= config.max_model_len
         assert len(s.block_ids) * manager.block_size >= s.num_computed_tokens + s.num_new_tokens
-        assert s.sample == (s.num_computed_tokens + s.num_new_tokens == request.num_tokens)
+        num_known = s.num_new_tokens - len(s.spec_token_ids)
+        assert s.sample == (s.num_computed_tokens + num_known == request.num_tokens)
+        assert not s.spec_token_ids or (s.sample and num_known == 1), "drafts only after the last known token"
     for pairs in (out.blocks_to_copy, out.blocks_to_swap_in, out.blocks_to_swap_out):
         destinations = [dst for _, dst in pairs]
         assert len(set(destinations)) == len(destinations) and 0 not in destinations

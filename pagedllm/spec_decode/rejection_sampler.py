@@ -1,0 +1,129 @@
+"""Verification of draft tokens: rejection sampling against the target model (vLLM's RejectionSampler).
+
+A request with k drafts d_1..d_k gets logits at k + 1 positions from one forward pass: position j (0-based) is
+the target distribution p_j after the request's tokens and d_1..d_j. Draft j + 1 is accepted with probability
+min(1, p_j(d) / q(d)); an n-gram draft is a point mass (q(d) = 1), so with probability p_j(d). At the first
+rejection the token comes from the residual max(0, p_j - q), normalised: p_j with d removed. If all k are
+accepted, a bonus token is sampled from p_k. The tokens then follow p exactly (Leviathan et al., 2023).
+
+    rows:      d_1 d_2 d_3 bonus           accepted:  yes yes no  -           -> tokens d_1 d_2 r_2
+               p_0 p_1 p_2 p_3             (r_2 ~ p_2 without d_3)
+
+Greedy rows are the case p = one-hot(argmax): a draft is accepted iff it is the argmax, and the token after the
+accepted ones is the argmax. Each position goes through the sampler's own logits processing (bias, min_tokens,
+penalties over the output plus the drafts before it) and its temperature / top-k / top-p / min-p.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.sample.metadata import SamplingMetadata
+from pagedllm.sample.ops import gather_logprobs, inverse_cdf_sample
+from pagedllm.sample.sampler import LogprobsTensors, Sampler
+
+TokenLogprobs = list[tuple[int, float, int]]   # (token_id, logprob, rank) entries of one position
+
+
+@dataclass
+class VerifiedTokens:
+    """Per request (in the order given): how many drafts were accepted, the token sampled after them, and, for
+    requests that asked for logprobs, one entry list per new token (the accepted drafts, then that token)."""
+
+    num_accepted: list[int]
+    token_ids: list[int]
+    logprobs: dict[str, list[TokenLogprobs]]
+
+
+def verify_drafts(logits: torch.Tensor, meta: SamplingMetadata, request_ids: list[str],
+                  spec_token_ids: list[list[int]]) -> VerifiedTokens:
+    """Verify each request's drafts.
+
+    Args:
+        logits: [R, V] float32, R = sum(k_i + 1): request i's k_i + 1 positions, one after another.
+        meta: the rows' sampling metadata (row j of request i: its output tokens extended by its first j drafts).
+        request_ids: the requests, in row order.
+        spec_token_ids: each request's drafts.
+    """
+    draft_ids = torch.tensor([t for drafts in spec_token_ids for t in drafts + [-1]], device=logits.device)
+    probs = target_probs(logits, meta)
+    accepted, recovered = rejection_sample(probs, draft_ids, draw_uniforms(meta, len(draft_ids), logits.device))
+    accepted_list, recovered_list = accepted.tolist(), recovered.tolist()
+    # Each row's token for the logprobs: its draft, then the sampled one where the run stops (later rows unused).
+    num_accepted, token_ids, row_tokens = [], [], [max(t, 0) for t in draft_ids.tolist()]
+    start = 0
+    for drafts in spec_token_ids:
+        count = 0
+        while count < len(drafts) and accepted_list[start + count]:
+            count += 1
+        num_accepted.append(count)
+        token_ids.append(recovered_list[start + count])
+        row_tokens[start + count] = token_ids[-1]
+        start += len(drafts) + 1
+    logprobs = _logprobs(logits, meta, row_tokens, request_ids, spec_token_ids, num_accepted)
+    return VerifiedTokens(num_accepted, token_ids, logprobs)
+
+
+def target_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """[R, V]: the distribution each row samples from; one-hot at the argmax for greedy rows."""
+    processed = Sampler.process_logits(logits.float(), meta)
+    greedy = torch.zeros_like(processed).scatter_(1, processed.argmax(dim=-1, keepdim=True), 1.0)
+    if meta.all_greedy:
+        return greedy
+    probs = Sampler.compute_probs(processed, meta)
+    return probs if meta.all_random else torch.where(meta.greedy_mask.unsqueeze(1), greedy, probs)
+
+
+def draw_uniforms(meta: SamplingMetadata, num_rows: int, device: torch.device) -> torch.Tensor:
+    """[R, 2] uniform numbers: column 0 decides acceptance, column 1 samples the residual. Greedy rows get 0 (the
+    argmax: see rejection_sample); a seeded row draws both from its own generator, so its tokens do not depend on
+    the batch; the unseeded rows share one draw."""
+    uniform = torch.zeros(num_rows, 2, device=device)
+    random_rows = ~meta.greedy_mask
+    if not meta.all_greedy and len(meta.generators) < int(random_rows.sum()):
+        shared = torch.rand(num_rows, 2, generator=meta.generator, device=device)
+        uniform = torch.where(random_rows.unsqueeze(1), shared, uniform)
+    for row, generator in meta.generators.items():
+        uniform[row] = torch.rand(2, generator=generator, device=device)
+    return uniform
+
+
+def rejection_sample(probs: torch.Tensor, draft_ids: torch.Tensor,
+                     uniform: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row: whether its draft is accepted, and the token to emit if the run stops at this row.
+
+    Args:
+        probs: [R, V] target distributions.
+        draft_ids: [R] the draft token each row verifies; -1 for a bonus row (no draft, never accepted).
+        uniform: [R, 2] numbers in [0, 1).
+
+    Returns:
+        accepted: [R] bool, uniform[:, 0] < p(draft).
+        recovered: [R] int64, drawn from p with the draft removed (the residual of a point-mass draft), or from
+            p itself on a bonus row, by inverse CDF with uniform[:, 1].
+    """
+    has_draft = draft_ids >= 0
+    index = draft_ids.clamp(min=0).unsqueeze(1)                           # [R, 1]
+    p_draft = probs.gather(1, index).squeeze(1)                            # [R]
+    accepted = has_draft & (uniform[:, 0] < p_draft)
+    residual = torch.where(has_draft.unsqueeze(1), probs.scatter(1, index, 0.0), probs)
+    return accepted, inverse_cdf_sample(residual, uniform[:, 1])
+
+
+def _logprobs(logits: torch.Tensor, meta: SamplingMetadata, row_tokens: list[int], request_ids: list[str],
+              spec_token_ids: list[list[int]], num_accepted: list[int]) -> dict[str, list[TokenLogprobs]]:
+    """The raw logprobs of each request's new tokens (the accepted drafts, then the sampled one), as the
+    sampler's `LogprobsTensors.to_lists` gives them for one token."""
+    if meta.max_num_logprobs is None:
+        return {}
+    token_ids = torch.tensor(row_tokens, device=logits.device)
+    ids, values, ranks = gather_logprobs(torch.log_softmax(logits.float(), dim=-1), meta.max_num_logprobs, token_ids)
+    per_row = LogprobsTensors(ids, values, ranks, meta.num_logprobs).to_lists([str(r) for r in range(len(row_tokens))])
+    result, start = {}, 0
+    for request_id, drafts, count in zip(request_ids, spec_token_ids, num_accepted):
+        if str(start) in per_row:
+            result[request_id] = [per_row[str(row)][0] for row in range(start, start + count + 1)]
+        start += len(drafts) + 1
+    return result

@@ -1,0 +1,34 @@
+"""The server's flags -> EngineConfig: --speculative-config takes vLLM's JSON."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from pagedllm.entrypoints.openai.cli_args import add_server_args, engine_config_from_args
+
+
+def _config(*argv: str):
+    parser = add_server_args(argparse.ArgumentParser(), positional_model=True)
+    return engine_config_from_args(parser.parse_args(list(argv)))
+
+
+def test_speculative_config_json() -> None:
+    assert _config().speculative is None
+    config = _config("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 5, '
+                                             '"prompt_lookup_max": 4, "prompt_lookup_min": 2}')
+    spec = config.speculative
+    assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min) == \
+        ("ngram", 5, 4, 2)
+
+
+@pytest.mark.parametrize("text", ["{not json", "[1, 2]"])
+def test_speculative_config_that_is_not_a_json_object_is_a_usage_error(text: str) -> None:
+    with pytest.raises(SystemExit):
+        _config("--speculative-config", text)
+
+
+def test_bad_speculative_config_names_the_field() -> None:
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        _config("--speculative-config", '{"num_speculative_tokens": 0}')

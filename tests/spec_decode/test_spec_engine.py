@@ -1,0 +1,103 @@
+"""Speculative decoding end to end on a tiny random Llama: greedy tokens (and logprobs) identical with and without
+it, under preemption, prefix-cache hits, n > 1, stop strings and max_tokens landing inside an accepted run."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from tests.models.tiny import save_tiny_model
+
+BLOCK_SIZE = 4
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+# Byte-level prompts with repeats, so that n-gram lookup finds drafts from the first step on.
+PROMPTS = ["abcabcabd abcab", "the cat sat. the cat", "xyzzy xyzzy xy", "1 2 3 1 2 3 1 2", "hello hello hel"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    folder, _ = save_tiny_model(tmp_path_factory.mktemp("tiny") / "m", "llama-gqa", seed=2, initializer_range=0.2)
+    return str(folder)
+
+
+def _llm(tiny: str, spec: bool, **kw) -> LLM:
+    kw.setdefault("num_kv_blocks", 256)
+    return LLM(model=tiny, dtype="float32", block_size=BLOCK_SIZE, speculative_config=SPEC if spec else None, **kw)
+
+
+def _generate(llm: LLM, prompts, params) -> list[list[list[int]]]:
+    engine, outputs = llm.engine, []
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    while engine.has_unfinished_requests():
+        outputs += [o for o in engine.step() if o.finished]
+        engine.kv_cache_manager.check_integrity()
+    outputs.sort(key=lambda o: int(o.request_id))
+    return [[c.token_ids for c in o.outputs] for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def plain(tiny: str) -> LLM:
+    return _llm(tiny, spec=False)
+
+
+@pytest.fixture(scope="module")
+def spec(tiny: str) -> LLM:
+    return _llm(tiny, spec=True)
+
+
+def test_greedy_tokens_and_logprobs_are_identical(plain: LLM, spec: LLM) -> None:
+    params = SamplingParams(temperature=0, max_tokens=25, ignore_eos=True, logprobs=2)
+    expected = plain.generate(PROMPTS, params, use_tqdm=False)
+    got = spec.generate(PROMPTS, params, use_tqdm=False)
+    for e, g in zip(expected, got):
+        assert g.outputs[0].token_ids == e.outputs[0].token_ids
+        for e_pos, g_pos in zip(e.outputs[0].logprobs, g.outputs[0].logprobs):
+            assert e_pos.keys() == g_pos.keys()
+            assert all(abs(e_pos[t].logprob - g_pos[t].logprob) < 1e-4 and e_pos[t].rank == g_pos[t].rank
+                       for t in e_pos)
+    stats = spec.engine.make_stats().spec_decoding
+    assert stats is not None and 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
+
+
+def test_greedy_identical_under_preemption_prefix_hits_and_n(tiny: str, plain: LLM) -> None:
+    shared = "abcabcabcabcabcabcabc "                               # 5 full blocks shared by every prompt
+    prompts = [shared + p for p in PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, n=2)
+    expected = _generate(plain, prompts, params)
+    small = _llm(tiny, spec=True, num_kv_blocks=30, max_num_seqs=4)
+    assert _generate(small, prompts, params) == expected
+    assert small.engine.scheduler.num_preemptions > 0
+    assert small.engine.prefix_cache_stats.num_hit_tokens > 0
+    assert small.engine.make_stats().spec_decoding.num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 6, 7, 11])
+def test_max_tokens_inside_an_accepted_run(plain: LLM, spec: LLM, max_tokens: int) -> None:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params, use_tqdm=False)]
+    got = [o.outputs[0] for o in spec.generate(PROMPTS, params, use_tqdm=False)]
+    assert [c.token_ids for c in got] == expected
+    assert all(c.finish_reason == "length" for c in got)
+
+
+@pytest.mark.parametrize("length", [3, 4, 5, 6, 7])
+def test_stop_string_inside_an_accepted_run(plain: LLM, spec: LLM, length: int) -> None:
+    """The stop string is the first `length` characters of the output, so it ends at token `length` (one byte
+    a token here) wherever that falls in a verified run; the tokens after it must not be reported."""
+    params = SamplingParams(temperature=0, max_tokens=25, ignore_eos=True)
+    texts = [o.outputs[0].text for o in plain.generate(PROMPTS, params, use_tqdm=False)]
+    stopped = [SamplingParams(temperature=0, max_tokens=25, ignore_eos=True, stop=[text[:length]])
+               for text in texts]
+    expected = plain.generate(PROMPTS, stopped, use_tqdm=False)
+    got = spec.generate(PROMPTS, stopped, use_tqdm=False)
+    for e, g in zip(expected, got):
+        assert (g.outputs[0].token_ids, g.outputs[0].text, g.outputs[0].finish_reason) == \
+            (e.outputs[0].token_ids, e.outputs[0].text, "stop")
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(spec: LLM) -> None:
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=20, ignore_eos=True)
+    alone = spec.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0].token_ids
+    batched = spec.generate(PROMPTS, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert alone == batched
