@@ -145,12 +145,17 @@ class SpeculativeConfig:
         num_speculative_tokens: most draft tokens verified per request and step (k).
         prompt_lookup_max: longest suffix n-gram looked up.
         prompt_lookup_min: shortest suffix n-gram that may give a draft.
+        disable_by_batch_size: no drafts in a step while more requests than this are running (vLLM's name); None:
+            drafts at any batch size. Verifying k drafts computes k more tokens per request: at small batches a
+            step is bound by reading the weights and they come nearly free, at large ones a CPU step is bound by
+            arithmetic and they cost their full price (docs/benchmarks.md).
     """
 
     method: str = "ngram"
     num_speculative_tokens: int = 3
     prompt_lookup_max: int = 3
     prompt_lookup_min: int = 1
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         _require(self.method == "ngram", "speculative_config.method", "'ngram'", self.method)
@@ -159,6 +164,8 @@ class SpeculativeConfig:
         _require(self.prompt_lookup_min > 0, "speculative_config.prompt_lookup_min", "> 0", self.prompt_lookup_min)
         _require(self.prompt_lookup_max >= self.prompt_lookup_min, "speculative_config.prompt_lookup_max",
                  f">= prompt_lookup_min ({self.prompt_lookup_min})", self.prompt_lookup_max)
+        _require(self.disable_by_batch_size is None or self.disable_by_batch_size > 0,
+                 "speculative_config.disable_by_batch_size", "None or > 0", self.disable_by_batch_size)
 
     @classmethod
     def from_dict(cls, values: dict | SpeculativeConfig | None) -> SpeculativeConfig | None:

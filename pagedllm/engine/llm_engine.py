@@ -139,7 +139,8 @@ class LLMEngine:
                                                config.cache.enable_prefix_caching, config.cache.num_swap_blocks)
         proposer = NgramProposer(config.speculative) if config.speculative is not None else None
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager,
-                                   proposer.propose if proposer is not None else None)
+                                   proposer.propose if proposer is not None else None,
+                                   config.speculative.disable_by_batch_size if config.speculative else None)
         self.beam_search = BeamSearchDriver(self.scheduler, self.tokenizer)
         self.capacity = kv_tensors.CapacityReport(num_blocks, config.cache.block_size,
                                                   self.runner.layout.bytes_per_token, self.max_model_len)

@@ -107,10 +107,11 @@ class Scheduler:
     """
 
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
-                 propose: DraftProposer | None = None) -> None:
+                 propose: DraftProposer | None = None, max_batch_for_drafts: int | None = None) -> None:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
         self.propose = propose
+        self.max_batch_for_drafts = max_batch_for_drafts   # no drafts while more requests run; None: no limit
         self.spec_decoding_stats = SpecDecodingStats()
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting: list[Request] = []  # sorted by (priority, arrival_time); new and preempted
@@ -247,10 +248,12 @@ class Scheduler:
     def _propose_drafts(self, request: Request, token_budget: int) -> list[int]:
         """Draft tokens for a request about to compute its last token, so many that the drafts and the token
         sampled after them stay within the budget, max_tokens and max_model_len. None for a structured-output
-        request: its grammar decides which tokens may follow, and verifying drafts under a grammar is not built."""
+        request (its grammar decides which tokens may follow; verifying drafts under a grammar is not built), and
+        none while more than `max_batch_for_drafts` requests run."""
         if (self.propose is None or request.num_computed_tokens != request.num_tokens - 1
                 or request.engine_appends_tokens or request.num_pending_children
-                or request.sampling_params.structured_outputs is not None):
+                or request.sampling_params.structured_outputs is not None
+                or (self.max_batch_for_drafts is not None and len(self.running) > self.max_batch_for_drafts)):
             return []
         max_num_tokens = min(token_budget, self.config.max_model_len - request.num_tokens)
         max_tokens = request.sampling_params.max_tokens

@@ -96,6 +96,25 @@ def test_drafts_stay_within_max_tokens_max_model_len_and_the_budget() -> None:
             assert end <= 20 and (s.request_id != "a" or end + 1 <= 4 + 9)
 
 
+def test_no_drafts_while_more_requests_run_than_disable_by_batch_size() -> None:
+    """max_batch_for_drafts=2: with three requests running no step carries drafts; once one has finished, the
+    two left get them again. The tokens are the reference's either way."""
+    scheduler = _scheduler()
+    scheduler.max_batch_for_drafts = 2
+    lengths = {"a": 3, "b": 12, "c": 12}
+    for i, (request_id, max_tokens) in enumerate(lengths.items()):
+        scheduler.add_request(Request(request_id, _prompt(i, 5), SamplingParams(max_tokens=max_tokens,
+                                                                                ignore_eos=True)))
+    results: dict[str, Result] = {}
+    outputs = run_steps(scheduler, FakeRunner(BLOCK_SIZE), results)
+    for i, (request_id, max_tokens) in enumerate(lengths.items()):
+        assert results[request_id].token_ids == reference(_prompt(i, 5), max_tokens, None)
+    drafted = [any(s.spec_token_ids for s in out.scheduled) for out in outputs]
+    three_running = [len(out.scheduled) == 3 for out in outputs]
+    assert any(three_running) and not any(d and t for d, t in zip(drafted, three_running))
+    assert any(drafted)                # after "a" finished
+
+
 def test_drafts_without_free_blocks_are_dropped_not_preempted_for() -> None:
     """A request that fills the pool: drafts would need a fifth block. Were they allocated by preempting, the
     request would preempt itself and recompute everything at each token; it runs without them, and is preempted
