@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.entrypoints.openai.tool_parsers import with_tools
 from pagedllm.inputs import ParsedPrompt, as_prompt_list, parse_prompt
 from tests.models.tiny import save_tiny_model
 
@@ -103,6 +104,27 @@ def test_chat_takes_one_conversation_or_many(llm):
     assert [o.prompt_token_ids for o in both] == [
         tokenizer.apply_chat_template(c, add_generation_prompt=True, return_dict=False) for c in (first, second)]
     assert both[0].outputs[0].token_ids == one.outputs[0].token_ids
+
+
+def test_chat_renders_tools_as_the_server_does(tmp_path):
+    """The tiny model's ChatML template knows no tools: they go into the system message in the Hermes format,
+    exactly as `/v1/chat/completions` renders them, for every conversation. (A longer context: the byte
+    tokenizer spends ~450 tokens on the tools' system message.)"""
+    folder, _ = save_tiny_model(tmp_path / "m", "llama-gqa", max_position_embeddings=1024)
+    llm = LLM(model=str(folder), dtype="float32", block_size=4, num_kv_blocks=512)
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    conversations = [[{"role": "user", "content": "Weather in Rome?"}],
+                     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "And Oslo?"}]]
+    outputs = llm.chat(conversations, GREEDY, use_tqdm=False, tools=[tool])
+    tokenizer = llm.get_tokenizer()
+    for conversation, output in zip(conversations, outputs):
+        expected = tokenizer.apply_chat_template(with_tools(conversation, [tool], tokenizer.chat_template)[0],
+                                                 add_generation_prompt=True, return_dict=False)
+        assert output.prompt_token_ids == expected
+        prompt = tokenizer.decode(output.prompt_token_ids)
+        assert prompt.startswith("<|im_start|>system\n") and '"name": "get_weather"' in prompt
+    assert "Be brief." in tokenizer.decode(outputs[1].prompt_token_ids)     # the system message is kept
 
 
 @pytest.mark.parametrize(("messages", "words"), [

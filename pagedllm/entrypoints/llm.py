@@ -20,6 +20,7 @@ from pagedllm.config import (
 )
 from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.entrypoints.openai.tool_parsers import with_tools
 from pagedllm.inputs import PromptType, as_prompt_list
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -147,7 +148,8 @@ class LLM:
 
     def chat(self, messages: Conversation | Sequence[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *, use_tqdm: bool = True,
-             chat_template: str | None = None, add_generation_prompt: bool = True) -> list[RequestOutput]:
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
         """Generate a reply to a conversation, or to each of a list of conversations; one RequestOutput per
         conversation, in order.
 
@@ -156,11 +158,20 @@ class LLM:
             sampling_params: one for all conversations, or one per conversation.
             chat_template: a Jinja template replacing the engine's.
             add_generation_prompt: end the prompt with the assistant's turn opening.
+            tools: OpenAI-style function tools, rendered as the server renders them (the template's `tools`
+                variable, or the system message for a template without one); the reply's calls are its text
+                (parse them with a tool parser, e.g. `HermesToolParser`).
         """
         conversations = _as_conversations(messages)
         template = chat_template or self.engine.config.model.chat_template
-        prompts = [apply_chat_template(self.engine.tokenizer, c, template, add_generation_prompt)
-                   for c in conversations]
+        prompts = []
+        for conversation in conversations:
+            kwargs: dict[str, Any] = {}
+            if tools:
+                used = template or getattr(self.engine.tokenizer, "chat_template", None) or ""
+                conversation, kwargs = with_tools(list(conversation), tools, used)
+            prompts.append(apply_chat_template(self.engine.tokenizer, conversation, template, add_generation_prompt,
+                                               **kwargs))
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

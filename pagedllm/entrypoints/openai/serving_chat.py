@@ -28,9 +28,9 @@ from pagedllm.entrypoints.openai.serving_choices import ChoiceState, GenerationS
 from pagedllm.entrypoints.openai.tool_parsers import (
     TOOL_PARSERS,
     ToolCallStream,
-    inline_tools,
     named_tool_schema,
     required_tools_schema,
+    with_tools,
 )
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedllm.tokenizer.chat_template import apply_chat_template
@@ -85,12 +85,10 @@ class OpenAIServingChat(GenerationServing):
         message or template."""
         messages, kwargs = request.messages, dict(request.chat_template_kwargs or {})
         if request.tools:
-            tools = [tool.model_dump(exclude_none=True) for tool in request.tools]
             template = request.chat_template or getattr(self.engine.tokenizer, "chat_template", None) or ""
-            if "tools" in template:
-                kwargs["tools"] = tools
-            else:
-                messages = inline_tools(messages, tools)
+            messages, tool_kwargs = with_tools(messages, [t.model_dump(exclude_none=True) for t in request.tools],
+                                               template)
+            kwargs |= tool_kwargs
         try:
             return await self.engine.run_on_tokenizer_thread(
                 apply_chat_template, self.engine.tokenizer, messages, request.chat_template,

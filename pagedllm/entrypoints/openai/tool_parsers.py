@@ -189,6 +189,16 @@ To call a function, reply with its name and arguments as a JSON object inside <t
 </tool_call>"""
 
 
+def with_tools(messages: list[dict[str, Any]], tools: list[dict[str, Any]],
+               template: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """How tools reach the model (the server's `tools`, `LLM.chat(tools=...)`): as the chat template's `tools`
+    variable when the template uses one, else written into the system message (`inline_tools`). Returns the
+    messages and the extra template variables."""
+    if "tools" in template:
+        return messages, {"tools": tools}
+    return inline_tools(messages, tools), {}
+
+
 def inline_tools(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The conversation with the tools written into its system message, in the Hermes format (the one the
     hermes parser reads back), and each earlier assistant call written into its content the same way."""
