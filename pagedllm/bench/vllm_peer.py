@@ -20,7 +20,6 @@ import json
 import os
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -83,7 +82,6 @@ def run_vllm(args: argparse.Namespace, requests: list[BenchRequest], warmup_prom
         job_path, result_path, log_path = Path(tmp) / "job.json", Path(tmp) / "result.json", Path(tmp) / "vllm.log"
         job_path.write_text(json.dumps(job), encoding="utf-8")
         print(f"Running the vLLM peer ({python}, {dtype}): this starts in about 3 minutes on 2 cores", flush=True)
-        start = time.perf_counter()
         with open(log_path, "w", encoding="utf-8") as log:
             done = subprocess.run([str(python), str(_CHILD), str(job_path), str(result_path)],
                                   env=vllm_env(args.kv_cache_memory), stdout=log, stderr=subprocess.STDOUT)
@@ -91,7 +89,7 @@ def run_vllm(args: argparse.Namespace, requests: list[BenchRequest], warmup_prom
             tail = log_path.read_text(encoding="utf-8", errors="replace")[-4000:]
             raise RuntimeError(f"the vLLM peer failed (exit {done.returncode}); the end of its log:\n{tail}")
         result = json.loads(result_path.read_text(encoding="utf-8"))
-    result.update(dtype=dtype, process_s=time.perf_counter() - start)
+    result["dtype"] = dtype
     return result, hf_config
 
 
