@@ -10,6 +10,7 @@ from typing import Literal
 
 PreemptionMode = Literal["recompute", "swap", "auto"]
 SchedulingPolicy = Literal["fcfs", "priority"]
+DistributedExecutorBackend = Literal["mp", "ray"]
 
 
 def _require(ok: bool, name: str, allowed: str, value: object) -> None:
@@ -183,8 +184,32 @@ class SpeculativeConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """How many processes and engines run the model (docs/scale-out.md).
+
+    Args:
+        tensor_parallel_size: worker processes that each hold 1/N of every layer (and of the KV heads), joined
+            by torch.distributed (gloo on a CPU, NCCL on a GPU).
+        data_parallel_size: whole engines, each with its own KV pool, behind one router.
+        distributed_executor_backend: how the tensor-parallel workers start: "mp" (local processes) or "ray"
+            (Ray actors, on a running cluster or a local one); None: "mp".
+    """
+
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    distributed_executor_backend: DistributedExecutorBackend | None = None
+
+    def __post_init__(self) -> None:
+        _require(self.tensor_parallel_size >= 1, "tensor_parallel_size", ">= 1", self.tensor_parallel_size)
+        _require(self.data_parallel_size >= 1, "data_parallel_size", ">= 1", self.data_parallel_size)
+        _require(self.distributed_executor_backend in (None, "mp", "ray"), "distributed_executor_backend",
+                 "None, 'mp' or 'ray'", self.distributed_executor_backend)
+
+
+@dataclass
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = None
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)

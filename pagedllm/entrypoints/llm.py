@@ -13,6 +13,7 @@ from pagedllm.config import (
     CacheConfig,
     EngineConfig,
     ModelConfig,
+    ParallelConfig,
     PreemptionMode,
     SchedulerConfig,
     SchedulingPolicy,
@@ -53,6 +54,9 @@ class LLM:
         quantization: None, or "int8" (linear weights as int8 with per-row scales, quantized at load).
         speculative_config: speculative decoding as vLLM takes it, e.g. `{"method": "ngram",
             "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}`; None: off.
+        tensor_parallel_size: worker processes sharing each layer (docs/scale-out.md).
+        data_parallel_size: engines, each with its own KV pool, the prompts routed among them.
+        distributed_executor_backend: "mp" (local worker processes, the default) or "ray".
     """
 
     def __init__(self, model: str | None = None, *, dtype: str = "auto", max_model_len: int | None = None,
@@ -63,7 +67,9 @@ class LLM:
                  chat_template: str | None = None, num_kv_blocks: int | None = None,
                  swap_path: str | None = None, scheduling_policy: SchedulingPolicy = "fcfs",
                  quantization: str | None = None,
-                 speculative_config: dict[str, Any] | SpeculativeConfig | None = None) -> None:
+                 speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
+                 tensor_parallel_size: int = 1, data_parallel_size: int = 1,
+                 distributed_executor_backend: str | None = None) -> None:
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
                               chat_template=chat_template, quantization=quantization),
@@ -74,6 +80,8 @@ class LLM:
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       preemption_mode=preemption_mode, scheduling_policy=scheduling_policy),
             speculative=SpeculativeConfig.from_dict(speculative_config),
+            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size,
+                                    distributed_executor_backend=distributed_executor_backend),
         )
         self.engine = LLMEngine(config)
         self._counter = itertools.count()

@@ -119,6 +119,13 @@ def add_server_args(parser: argparse.ArgumentParser, *, positional_model: bool) 
     engine.add_argument("--max-num-batched-tokens", type=int, default=2048,
                         help="token budget of one engine step; longer prompts are prefilled in chunks "
                              "(default: %(default)s)")
+    parallel = parser.add_argument_group("parallelism (docs/scale-out.md)")
+    parallel.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                          help="worker processes sharing each layer, joined by torch.distributed (default: 1)")
+    parallel.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                          help="engines behind a prefix-aware router, each with its own KV pool (default: 1)")
+    parallel.add_argument("--distributed-executor-backend", default=None, choices=["mp", "ray"],
+                          help="start the tensor-parallel workers as local processes (mp, the default) or Ray actors")
     engine.add_argument("--seed", type=int, default=0, help="seed of the engine's random stream (default: 0)")
     engine.add_argument("--speculative-config", type=parse_json_object, default=None,
                         help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
@@ -135,7 +142,8 @@ def model_of(args: argparse.Namespace) -> str | None:
 
 def engine_config_from_args(args: argparse.Namespace):
     """The EngineConfig the flags describe. Raises ValueError naming a bad field."""
-    from pagedllm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+    from pagedllm.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,
+                                 SpeculativeConfig)
 
     return EngineConfig(
         model=ModelConfig(model=model_of(args), dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed,
@@ -146,4 +154,7 @@ def engine_config_from_args(args: argparse.Namespace):
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   preemption_mode=args.preemption_mode, scheduling_policy=args.scheduling_policy),
         speculative=SpeculativeConfig.from_dict(args.speculative_config),
+        parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
+                                data_parallel_size=args.data_parallel_size,
+                                distributed_executor_backend=args.distributed_executor_backend),
     )
