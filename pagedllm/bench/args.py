@@ -36,6 +36,8 @@ def add_engine_args(parser: argparse.ArgumentParser, prefix_caching_flag: bool =
     group.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     if prefix_caching_flag:
         group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                       help="worker processes sharing each layer (docs/scale-out.md)")
     group.add_argument("--speculative-config", type=parse_json_object, default=None,
                        help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'')
 
@@ -46,7 +48,8 @@ def engine_kwargs(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                   kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
                   enable_prefix_caching=getattr(args, "enable_prefix_caching", True), seed=args.seed,
-                  quantization=args.quantization, speculative_config=args.speculative_config)
+                  quantization=args.quantization, speculative_config=args.speculative_config,
+                  tensor_parallel_size=args.tensor_parallel_size)
     return kwargs | overrides
 
 

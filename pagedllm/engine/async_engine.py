@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from pagedllm.core.kv_cache.block_map import BlockMap
+from pagedllm.distributed import TensorParallelError
 from pagedllm.engine.llm_engine import LLMEngine, PromptInput, tokenize_prompt
 from pagedllm.metrics.stats import IterationStats, RequestStatsTracker, SchedulerStats
 from pagedllm.outputs import RequestOutput
@@ -162,7 +163,13 @@ class AsyncEngine:
 
     @property
     def is_running(self) -> bool:
+        self._notice_dead_workers()
         return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    def _notice_dead_workers(self) -> None:
+        """A tensor-parallel worker that died while the engine idled kills the engine now, not at the next step."""
+        if self.error is None and not self.engine.is_healthy():
+            self.error = TensorParallelError("a tensor-parallel worker process died")
 
     @property
     def is_draining(self) -> bool:
@@ -289,6 +296,7 @@ class AsyncEngine:
         self._post(_Abort([request_id]))
 
     def _raise_if_dead(self) -> None:
+        self._notice_dead_workers()
         if self.error is not None:
             raise EngineDeadError(f"the engine loop has stopped: {self.error!r}") from self.error
         if self._thread is None or self._stopped:

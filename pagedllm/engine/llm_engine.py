@@ -15,6 +15,7 @@ from pagedllm.core.kv_cache.manager import KVCacheManager
 from pagedllm.core.request import FinishReason, Request, RequestStatus, child_request_id
 from pagedllm.core.sched.output import RequestUpdate, RunnerOutput, ScheduledRequest, SchedulerOutput
 from pagedllm.core.sched.scheduler import Scheduler
+from pagedllm.distributed import Peers, TensorParallelError, start_peers
 from pagedllm.engine.beam_search import BeamSearchDriver, BeamSearchOutput, BeamSearchParams
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.inputs import ParsedPrompt, PromptType, parse_prompt
@@ -120,9 +121,17 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         # The engine fills in what it derives (context length, pool sizes, preemption costs) on its own copy.
         config = self.config = copy.deepcopy(config)
-        if config.parallel.tensor_parallel_size > 1 or config.parallel.data_parallel_size > 1:
-            raise ValueError("tensor_parallel_size and data_parallel_size > 1 are not implemented yet")
-        loaded = load_model(config.model)
+        if config.parallel.data_parallel_size > 1:
+            raise ValueError("data_parallel_size > 1 is not implemented yet")
+        peers = start_peers(config)     # the workers load their slices while this process loads rank 0's
+        try:
+            self._start(config, peers)
+        except BaseException:
+            peers.close()
+            raise
+
+    def _start(self, config: EngineConfig, peers: Peers) -> None:
+        loaded = load_model(config.model, 0, config.parallel.tensor_parallel_size)
         self.model_name = loaded.resolved.name
         self.tokenizer = load_tokenizer(loaded.resolved.path, loaded.resolved.gguf_file, config.model.chat_template)
         self.hf_config = loaded.hf_config
@@ -130,7 +139,7 @@ class LLMEngine:
         config.scheduler.max_model_len = self.max_model_len
         self.structured_output = StructuredOutputManager(self.tokenizer, model_shape(loaded.hf_config).vocab_size)
         self.runner = ModelRunner(loaded, config.cache, self.tokenizer.eos_token_id, config.model.seed,
-                                  self.structured_output)
+                                  self.structured_output, peers)
         self.vocab_size = self.runner.shape.vocab_size
         num_blocks = config.cache.num_blocks or self._num_blocks()
         config.cache.num_blocks = num_blocks
@@ -278,6 +287,10 @@ class LLMEngine:
         """Forget every cached block hash; False (nothing done) while requests hold blocks."""
         return self.kv_cache_manager.reset_prefix_cache()
 
+    def is_healthy(self) -> bool:
+        """False once a tensor-parallel worker died or a rank-wide operation failed: the engine cannot step."""
+        return self.runner.peers.is_alive()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
@@ -290,6 +303,8 @@ class LLMEngine:
         scheduler_output = self.scheduler.schedule()
         try:
             self.runner.prepare(scheduler_output)
+        except TensorParallelError:
+            raise
         except Exception as exc:  # noqa: BLE001 - the block moves may be half done: the whole step fails
             errors = dict.fromkeys(self._step_request_ids(scheduler_output), exc)
             return self._finish_step(scheduler_output, RunnerOutput(), errors)
@@ -313,6 +328,8 @@ class LLMEngine:
         """
         try:
             return self.runner.run(scheduled), {}
+        except TensorParallelError:
+            raise   # the ranks are out of step: no rerun can help, the engine fails as a whole
         except Exception as exc:  # noqa: BLE001 - a failed run fails its own requests, not the engine
             if len(scheduled) == 1:
                 return RunnerOutput(), {scheduled[0].request_id: exc}

@@ -53,9 +53,13 @@ class ParallelLMHead(VocabEmbedding):
         self.weight = embedding.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        """Rank 0 (the only one that samples) gets the whole vocabulary's logits, gathered from every rank's
+        slice; another rank gets its own slice [N, V / tp]."""
         logits = linear(hidden, self.weight).float()  # [N, V / tp]
         if self.tp_size > 1:
-            parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
-            torch.distributed.all_gather(parts, logits)
+            parts = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
+            torch.distributed.gather(logits, parts, dst=0)
+            if parts is None:
+                return logits
             logits = torch.cat(parts, dim=-1)
         return logits[:, :self.num_embeddings]

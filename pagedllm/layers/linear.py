@@ -1,4 +1,4 @@
-"""Linear layers shaped for tensor parallelism (Megatron style), running with tp_size=1 for now.
+"""Linear layers shaped for tensor parallelism (Megatron style): each rank holds its slice of every weight.
 
 Each parameter carries a `weight_loader(param, loaded_weight[, shard_id])` that takes the *full* checkpoint
 tensor and copies this rank's slice into place, so the model's `load_weights` never needs to know the split.
@@ -14,6 +14,7 @@ takes any of them.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -164,42 +165,70 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         _copy(param.data.narrow(0, offset, shard), loaded.narrow(0, self.tp_rank * shard, shard))
 
 
-class QKVParallelLinear(ColumnParallelLinear):
-    """Fused q, k, v projection. Output: [T, (Hq + 2 * Hkv) * D / tp]; shard ids "q", "k", "v".
+@dataclass(frozen=True)
+class HeadShard:
+    """The attention heads one tensor-parallel rank computes: query heads [q_start, q_start + num_heads) and KV
+    heads [kv_start, kv_start + num_kv_heads)."""
 
-    KV heads fewer than tp_size are replicated: each rank keeps the kv head its query heads use.
+    q_start: int
+    num_heads: int
+    kv_start: int
+    num_kv_heads: int
+
+
+def head_shard(num_heads: int, num_kv_heads: int, tp_rank: int, tp_size: int) -> HeadShard:
+    """Split the attention heads across ranks by whole GQA groups (a KV head with the query heads that read it).
+
+    With at least as many KV heads as ranks, each rank takes a run of groups, the first `num_kv_heads % tp_size`
+    ranks one more (SmolLM2's 3 KV heads of 3 query heads each at tp 2: rank 0 takes 2 groups, 6 query heads;
+    rank 1 takes 1 group, 3 query heads), so no KV head is stored twice. With fewer KV heads than ranks, the query
+    heads split evenly and each KV head is replicated on the tp_size / num_kv_heads ranks whose queries read it.
     """
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}")
+    group = num_heads // num_kv_heads
+    if num_kv_heads >= tp_size:
+        base, extra = divmod(num_kv_heads, tp_size)
+        kv_start, num_kv = tp_rank * base + min(tp_rank, extra), base + (tp_rank < extra)
+        return HeadShard(kv_start * group, num_kv * group, kv_start, num_kv)
+    if tp_size % num_kv_heads or num_heads % tp_size:
+        raise ValueError(f"tensor_parallel_size={tp_size} with {num_kv_heads} KV heads and {num_heads} query heads: "
+                         "with fewer KV heads than ranks, the ranks must be a multiple of the KV heads and divide "
+                         "the query heads")
+    num_q = num_heads // tp_size
+    return HeadShard(tp_rank * num_q, num_q, tp_rank * num_kv_heads // tp_size, 1)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q, k, v projection of this rank's heads (`head_shard`). Output: [T, (Hq_r + 2 * Hkv_r) * D];
+    shard ids "q", "k", "v"."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
                  dtype: torch.dtype = torch.float32, tp_rank: int = 0, tp_size: int = 1) -> None:
         self.head_dim = head_dim
-        self.num_heads = _divide(num_heads, tp_size, "num_attention_heads")
-        if num_kv_heads >= tp_size:
-            self.num_kv_heads, self.num_kv_replicas = _divide(num_kv_heads, tp_size, "num_key_value_heads"), 1
-        else:
-            self.num_kv_heads, self.num_kv_replicas = 1, _divide(tp_size, num_kv_heads, "tp_size / kv heads")
-        output_size = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
+        self.heads = head_shard(num_heads, num_kv_heads, tp_rank, tp_size)
+        output_size = (self.heads.num_heads + 2 * self.heads.num_kv_heads) * head_dim * tp_size
         super().__init__(hidden_size, output_size, bias, dtype, tp_rank, tp_size)
 
     @property
     def q_size(self) -> int:
-        return self.num_heads * self.head_dim
+        return self.heads.num_heads * self.head_dim
 
     @property
     def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
+        return self.heads.num_kv_heads * self.head_dim
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:
         if shard_id is None:
             raise ValueError("QKVParallelLinear needs a shard id: 'q', 'k' or 'v'")
         if shard_id == "q":
-            offset, size, rank = 0, self.q_size, self.tp_rank
+            offset, size, start = 0, self.q_size, self.heads.q_start
         elif shard_id in ("k", "v"):
             offset = self.q_size + (self.kv_size if shard_id == "v" else 0)
-            size, rank = self.kv_size, self.tp_rank // self.num_kv_replicas
+            size, start = self.kv_size, self.heads.kv_start
         else:
             raise ValueError(f"unknown qkv shard id {shard_id!r}")
-        _copy(param.data.narrow(0, offset, size), loaded.narrow(0, rank * size, size))
+        _copy(param.data.narrow(0, offset, size), loaded.narrow(0, start * self.head_dim, size))
 
 
 class RowParallelLinear(nn.Module):
@@ -211,10 +240,15 @@ class RowParallelLinear(nn.Module):
     packable_weight = True
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, dtype: torch.dtype = torch.float32,
-                 tp_rank: int = 0, tp_size: int = 1) -> None:
+                 tp_rank: int = 0, tp_size: int = 1, input_shard: tuple[int, int] | None = None) -> None:
+        """`input_shard`: (first column, columns) of this rank, when the split is not even (attention heads split
+        by `head_shard`); None splits the input columns evenly."""
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.input_size_per_partition = _divide(input_size, tp_size, "input_size")
+        if input_shard is None:
+            size = _divide(input_size, tp_size, "input_size")
+            input_shard = (tp_rank * size, size)
+        self.input_offset, self.input_size_per_partition = input_shard
         self.output_size = output_size
         self.weight = _param(output_size, self.input_size_per_partition, dtype=dtype, loader=self.weight_loader)
         self.bias = _param(output_size, dtype=dtype, loader=self.weight_loader) if bias else None
@@ -222,8 +256,7 @@ class RowParallelLinear(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         if param.dim() == 1:  # the bias is not split: it is added once, after the reduce
             return _copy(param, loaded)
-        shard = param.shape[1]
-        _copy(param, loaded.narrow(1, self.tp_rank * shard, shard))
+        _copy(param, loaded.narrow(1, self.input_offset, self.input_size_per_partition))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(x, self.weight)

@@ -30,6 +30,8 @@ class LoadedModel:
     hf_config: Any  # transformers.PretrainedConfig
     resolved: ResolvedModel
     dtype: torch.dtype
+    tp_rank: int = 0        # this process's slice of the model under tensor parallelism
+    tp_size: int = 1
 
 
 def resolve_dtype(dtype: str, device: str = "cpu") -> torch.dtype:
@@ -93,26 +95,29 @@ def _config_and_weights(resolved: ResolvedModel, dtype: torch.dtype) -> tuple[An
     return AutoConfig.from_pretrained(str(resolved.path)), iterate_safetensors(resolved.path, dtype)
 
 
-def load_model(model_config: ModelConfig) -> LoadedModel:
-    """Resolve, build and load the model of `model_config`, in eval mode on `model_config.device`."""
+def load_model(model_config: ModelConfig, tp_rank: int = 0, tp_size: int = 1) -> LoadedModel:
+    """Resolve, build and load the model of `model_config`, in eval mode on `model_config.device`; under tensor
+    parallelism, rank `tp_rank`'s slice of it (each rank reads the checkpoint and keeps its own slice)."""
     from pagedllm.layers.linear import pack_linear_weights
     from pagedllm.models.registry import model_class_for_config
 
     start = time.perf_counter()
     resolved = resolve_model(model_config.model)
     dtype = resolve_dtype(model_config.dtype, model_config.device)
-    _log_precision(model_config.dtype, dtype, model_config.device)
+    if tp_rank == 0:
+        _log_precision(model_config.dtype, dtype, model_config.device)
     hf_config, weights = _config_and_weights(resolved, dtype)
     model_cls = model_class_for_config(hf_config)
     # Parameters are allocated with torch.empty (no random init), so building directly is cheap.
     with torch.device(model_config.device):
-        model = model_cls(hf_config, dtype=dtype)
+        model = model_cls(hf_config, dtype=dtype, tp_rank=tp_rank, tp_size=tp_size)
     model.load_weights(weights)
     model.eval()
     packed = pack_linear_weights(model, model_config.quantization)
     how = f", {packed} weights packed{' as int8' if model_config.quantization == 'int8' else ''}" if packed else ""
-    logger.info("loaded %s (%s%s) in %.2f s", resolved.name, dtype, how, time.perf_counter() - start)
-    return LoadedModel(model, hf_config, resolved, dtype)
+    rank = f", tensor-parallel rank {tp_rank} of {tp_size}" if tp_size > 1 else ""
+    logger.info("loaded %s (%s%s%s) in %.2f s", resolved.name, dtype, how, rank, time.perf_counter() - start)
+    return LoadedModel(model, hf_config, resolved, dtype, tp_rank, tp_size)
 
 
 __all__ = ["LoadedModel", "ResolvedModel", "load_model", "load_hf_config", "max_model_len_of", "resolve_dtype",

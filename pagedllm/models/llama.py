@@ -35,6 +35,13 @@ STACKED_PARAMS_MAPPING: list[tuple[str, str, str | int]] = [
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
 
+TPRank = tuple[int, int]   # (tp_rank, tp_size)
+
+
+def _num_kv_heads(config: Any) -> int:
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
 def _head_dim(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
@@ -44,18 +51,23 @@ def _has_qkv_bias(config: Any) -> bool:
 
 
 class LlamaAttention(nn.Module):
+    """Self-attention over this rank's heads (all of them at tp_size 1; see `head_shard`)."""
+
     def __init__(self, config: Any, dtype: torch.dtype, attn_backend: AttentionBackend,
-                 rotary_emb: RotaryEmbedding) -> None:
+                 rotary_emb: RotaryEmbedding, tp: TPRank) -> None:
         super().__init__()
         self.head_dim = _head_dim(config)
         self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.num_kv_heads = _num_kv_heads(config)
         self.scale = self.head_dim ** -0.5
         self.attn_backend = attn_backend
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads,
-                                          bias=_has_qkv_bias(config), dtype=dtype)
+                                          bias=_has_qkv_bias(config), dtype=dtype, tp_rank=tp[0], tp_size=tp[1])
+        heads = self.qkv_proj.heads
         self.o_proj = RowParallelLinear(self.num_heads * self.head_dim, config.hidden_size,
-                                        bias=bool(getattr(config, "attention_bias", False)), dtype=dtype)
+                                        bias=bool(getattr(config, "attention_bias", False)), dtype=dtype,
+                                        tp_rank=tp[0], tp_size=tp[1],
+                                        input_shard=(heads.q_start * self.head_dim, heads.num_heads * self.head_dim))
         self.rotary_emb = rotary_emb  # shared by all layers
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
@@ -75,14 +87,16 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: Any, dtype: torch.dtype) -> None:
+    def __init__(self, config: Any, dtype: torch.dtype, tp: TPRank) -> None:
         super().__init__()
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only 'silu')")
         bias = bool(getattr(config, "mlp_bias", False))
         inter = config.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias=bias, dtype=dtype)
-        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias, dtype=dtype)
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias=bias, dtype=dtype,
+                                                       tp_rank=tp[0], tp_size=tp[1])
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias, dtype=dtype,
+                                           tp_rank=tp[0], tp_size=tp[1])
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -91,10 +105,10 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: Any, dtype: torch.dtype, attn_backend: AttentionBackend,
-                 rotary_emb: RotaryEmbedding) -> None:
+                 rotary_emb: RotaryEmbedding, tp: TPRank) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, dtype, attn_backend, rotary_emb)
-        self.mlp = LlamaMLP(config, dtype)
+        self.self_attn = LlamaAttention(config, dtype, attn_backend, rotary_emb, tp)
+        self.mlp = LlamaMLP(config, dtype, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
@@ -110,12 +124,12 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any, dtype: torch.dtype, attn_backend: AttentionBackend) -> None:
+    def __init__(self, config: Any, dtype: torch.dtype, attn_backend: AttentionBackend, tp: TPRank) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype, tp[0], tp[1])
         base, scaling = rope_config(config)
         rotary_emb = get_rope(_head_dim(config), config.max_position_embeddings, base, scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype, attn_backend, rotary_emb)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype, attn_backend, rotary_emb, tp)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
@@ -136,16 +150,19 @@ class LlamaForCausalLM(nn.Module):
         config: a Hugging Face config (LlamaConfig, MistralConfig, Qwen2Config, ...).
         dtype: parameter and activation dtype.
         attn_backend: paged attention function; the batched CPU backend by default.
+        tp_rank, tp_size: this rank's slice of every layer under tensor parallelism (docs/scale-out.md); the
+            row-parallel layers and the embedding all-reduce, and the LM head gathers to rank 0.
     """
 
     def __init__(self, config: Any, dtype: torch.dtype = torch.float32,
-                 attn_backend: AttentionBackend = paged_attention) -> None:
+                 attn_backend: AttentionBackend = paged_attention, tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__()
         self.config = config
         self.dtype = dtype
-        self.model = LlamaModel(config, dtype, attn_backend)
+        tp = (tp_rank, tp_size)
+        self.model = LlamaModel(config, dtype, attn_backend, tp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype, tp_rank, tp_size)
         if self.tie_word_embeddings:
             self.lm_head.tie(self.model.embed_tokens)
 

@@ -14,9 +14,12 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.config import CacheConfig
 from pagedllm.core.request import child_seed
 from pagedllm.core.sched.output import NewRequestData, RunnerOutput, ScheduledRequest, SchedulerOutput
+from pagedllm.distributed import Peers
+from pagedllm.layers.linear import head_shard
 from pagedllm.loader import LoadedModel
 from pagedllm.runner import kv_tensors
 from pagedllm.runner.input_batch import CachedRequestState, ModelInputs, build_model_inputs
@@ -34,10 +37,12 @@ class ModelShape:
     vocab_size: int
 
 
-def model_shape(hf_config) -> ModelShape:
+def model_shape(hf_config, tp_rank: int = 0, tp_size: int = 1) -> ModelShape:
+    """The model's shape as rank `tp_rank` of `tp_size` holds it (num_kv_heads: this rank's KV heads)."""
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
-    return ModelShape(hf_config.num_hidden_layers, num_kv_heads, head_dim, hf_config.vocab_size)
+    heads = head_shard(hf_config.num_attention_heads, num_kv_heads, tp_rank, tp_size)
+    return ModelShape(hf_config.num_hidden_layers, heads.num_kv_heads, head_dim, hf_config.vocab_size)
 
 
 @dataclass(slots=True)
@@ -53,13 +58,21 @@ class StepTimings:
 
 class ModelRunner:
     """Owns the model, the KV tensors and each request's sampling state (with its grammar matcher, for
-    structured outputs from `structured_output`)."""
+    structured outputs from `structured_output`).
+
+    Under tensor parallelism every rank has one, over its slice of the model and its KV heads; rank 0's sends
+    each rank-wide operation (KV and swap allocation, block moves, forward passes, logits) to the others through
+    `peers` before doing its own part (pagedllm/distributed), and alone holds requests and samples.
+    """
 
     def __init__(self, loaded: LoadedModel, cache_config: CacheConfig, eos_token_id: int | None,
-                 seed: int = 0, structured_output: StructuredOutputManager | None = None) -> None:
+                 seed: int = 0, structured_output: StructuredOutputManager | None = None,
+                 peers: Peers | None = None) -> None:
         self.model = loaded.model
+        self.tp_rank = loaded.tp_rank
+        self.peers = peers or Peers()
         self.device = next(self.model.parameters()).device
-        self.shape = model_shape(loaded.hf_config)
+        self.shape = model_shape(loaded.hf_config, loaded.tp_rank, loaded.tp_size)
         self.layout = kv_tensors.KVLayout(self.shape.num_layers, self.shape.num_kv_heads, self.shape.head_dim,
                                           loaded.dtype)
         self.block_size = cache_config.block_size
@@ -77,31 +90,53 @@ class ModelRunner:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        self.kv = kv_tensors.allocate_kv(self.layout, num_blocks, self.block_size, self.device)
-        self.kv_caches = kv_tensors.layer_caches(self.kv)
+        with self.peers.run("allocate_kv_cache", num_blocks, wait=True):
+            self.kv = kv_tensors.allocate_kv(self.layout, num_blocks, self.block_size, self.device)
+            self.kv_caches = kv_tensors.layer_caches(self.kv)
 
     def allocate_swap_space(self, num_blocks: int, path: str | None = None) -> None:
-        """The swap pool: pinned host memory beside a GPU, a memory-mapped file on a CPU device."""
-        self.swap = kv_tensors.SwapSpace(self.layout, num_blocks, self.block_size, self.device, path)
+        """The swap pool: pinned host memory beside a GPU, a memory-mapped file on a CPU device (rank r > 0 of a
+        tensor-parallel group puts its own beside the named one, as `path.rank<r>`)."""
+        with self.peers.run("allocate_swap_space", num_blocks, path, wait=True):
+            path = f"{path}.rank{self.tp_rank}" if path is not None and self.tp_rank else path
+            self.swap = kv_tensors.SwapSpace(self.layout, num_blocks, self.block_size, self.device, path)
 
     def close(self) -> None:
-        """Release the swap pool (closing and deleting its file); closing twice does nothing more."""
+        """Release the swap pool (closing and deleting its file) and stop the tensor-parallel workers; closing
+        twice does nothing more."""
+        self.peers.close()
         if self.swap is not None:
             self.swap.close()
             self.swap = None
 
-    def _move_blocks(self, scheduler_output: SchedulerOutput) -> None:
+    @torch.inference_mode()
+    def move_blocks(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],
+                    copies: list[tuple[int, int]]) -> None:
         """Swap-out, then swap-in, then copy-on-write copies: the order SchedulerOutput promises."""
-        assert self.kv is not None, "allocate_kv_cache() must run before prepare()"
-        if scheduler_output.blocks_to_swap_out or scheduler_output.blocks_to_swap_in:
-            assert self.swap is not None, "the scheduler swapped without a swap pool"
-            start = time.perf_counter()
-            kv_tensors.swap_blocks(self.kv, self.swap.kv, scheduler_output.blocks_to_swap_out)
-            kv_tensors.swap_blocks(self.swap.kv, self.kv, scheduler_output.blocks_to_swap_in)
-            self.last_timings.swap_seconds = time.perf_counter() - start
-            self.last_timings.num_swapped_blocks = (len(scheduler_output.blocks_to_swap_out)
-                                                    + len(scheduler_output.blocks_to_swap_in))
-        kv_tensors.copy_blocks(self.kv, scheduler_output.blocks_to_copy)
+        if not (swap_out or swap_in or copies):
+            return
+        with self.peers.run("move_blocks", swap_out, swap_in, copies):
+            assert self.kv is not None, "allocate_kv_cache() must run before prepare()"
+            if swap_out or swap_in:
+                assert self.swap is not None, "the scheduler swapped without a swap pool"
+                start = time.perf_counter()
+                kv_tensors.swap_blocks(self.kv, self.swap.kv, swap_out)
+                kv_tensors.swap_blocks(self.swap.kv, self.kv, swap_in)
+                self.last_timings.swap_seconds = time.perf_counter() - start
+                self.last_timings.num_swapped_blocks = len(swap_out) + len(swap_in)
+            kv_tensors.copy_blocks(self.kv, copies)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The model over the paged KV cache: [T] ids and positions -> hidden states [T, H] (on every rank)."""
+        with self.peers.run("forward", input_ids, positions, meta):
+            return self.model(input_ids, positions, self.kv_caches, meta)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] -> logits [N, V] float32 (on rank 0; a worker gets its vocabulary slice)."""
+        with self.peers.run("compute_logits", hidden):
+            return self.model.compute_logits(hidden)
 
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         """The whole step at once: `prepare`, then `run` every scheduled request."""
@@ -119,7 +154,8 @@ class ModelRunner:
         for new in scheduler_output.new_requests:
             self._add_request(new)
         self.last_timings = StepTimings()
-        self._move_blocks(scheduler_output)
+        self.move_blocks(scheduler_output.blocks_to_swap_out, scheduler_output.blocks_to_swap_in,
+                         scheduler_output.blocks_to_copy)
 
     @torch.inference_mode()
     def run(self, scheduled: list[ScheduledRequest]) -> RunnerOutput:
@@ -135,7 +171,7 @@ class ModelRunner:
         pending_masks = self._start_token_bitmasks(inputs.sample_request_ids)
         start = time.perf_counter()
         try:
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+            hidden = self.forward(inputs.input_ids, inputs.positions, inputs.meta)
             prompt_logprobs, reported = self._prompt_logprobs(hidden, inputs, scheduled)
         except BaseException:
             _wait_token_bitmasks(pending_masks)   # the fill reads the matchers: done before any rerun touches them
@@ -168,7 +204,7 @@ class ModelRunner:
             if num is None or start >= end:
                 continue
             row = inputs.first_rows[s.request_id] + start - s.num_computed_tokens
-            logits = self.model.compute_logits(hidden[row:row + end - start])             # [end - start, vocab]
+            logits = self.compute_logits(hidden[row:row + end - start])             # [end - start, vocab]
             targets = torch.tensor(state.prompt_token_ids[start + 1:end + 1], device=logits.device)
             result[s.request_id] = position_logprobs(logits, targets, num)
             reported.append((state, end))
@@ -182,7 +218,7 @@ class ModelRunner:
         inputs = build_model_inputs([ScheduledRequest("measure", block_ids, 0, [0] * num_tokens, sample=False)],
                                     self.block_size, self.device)
         seconds = self._second_run_seconds(
-            lambda: self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta))
+            lambda: self.forward(inputs.input_ids, inputs.positions, inputs.meta))
         return seconds / num_tokens
 
     def measure_swap_seconds_per_block(self, num_blocks: int) -> float:
@@ -254,7 +290,7 @@ class ModelRunner:
         """Sample one token per row of `hidden` ([num_sampled, H], the last row of each sampling request);
         `masks` holds the token bitmask of each constrained request (its children share it: their matchers are
         copies of the parent's, taken before this step's token)."""
-        logits = self.model.compute_logits(hidden)                          # [num_sampled, vocab]
+        logits = self.compute_logits(hidden)                          # [num_sampled, vocab]
         parent_ids = sample_request_ids
         if children:
             rows, sample_request_ids = self._fork_rows(sample_request_ids, children)
@@ -289,7 +325,7 @@ class ModelRunner:
         spec = [(row, r) for row, r in zip(last_rows, inputs.sample_request_ids) if r in drafts]
         request_ids = [r for _, r in spec]
         rows = [row - k for row, r in spec for k in range(len(drafts[r]), -1, -1)]
-        logits = self.model.compute_logits(hidden[rows])                    # [sum(k + 1), vocab]
+        logits = self.compute_logits(hidden[rows])                    # [sum(k + 1), vocab]
         states = [self.requests[r] for r in request_ids]
         sampling_rows = [self._sampling_row(s, drafts[r][:j]) for s, r in zip(states, request_ids)
                          for j in range(len(drafts[r]) + 1)]

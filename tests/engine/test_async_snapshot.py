@@ -32,6 +32,9 @@ class CountingEngine:
         self.block_map_threads.append(threading.current_thread().name)
         return self.scheduler.make_block_map()
 
+    def is_healthy(self) -> bool:
+        return True
+
     def has_unfinished_requests(self) -> bool:
         return self.steps_left > 0
 

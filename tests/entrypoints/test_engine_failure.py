@@ -42,6 +42,9 @@ class ExplodingEngine:
     def make_stats(self):
         return self.scheduler.make_stats()
 
+    def is_healthy(self) -> bool:
+        return True
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.pending)
 

@@ -142,8 +142,14 @@ def model_of(args: argparse.Namespace) -> str | None:
 
 def engine_config_from_args(args: argparse.Namespace):
     """The EngineConfig the flags describe. Raises ValueError naming a bad field."""
-    from pagedllm.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,
-                                 SpeculativeConfig)
+    from pagedllm.config import (
+        CacheConfig,
+        EngineConfig,
+        ModelConfig,
+        ParallelConfig,
+        SchedulerConfig,
+        SpeculativeConfig,
+    )
 
     return EngineConfig(
         model=ModelConfig(model=model_of(args), dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed,

@@ -1,0 +1,291 @@
+"""Tensor parallelism on one machine: worker processes, each running one slice of the model (docs/scale-out.md).
+
+Rank 0 is the engine's own process. Its `ModelRunner` does everything that is not per rank: it builds the step's
+flat inputs, samples, and keeps the requests' state. Ranks 1..N-1 are worker processes, each with its own
+`ModelRunner` over its slice of the weights (`head_shard`: whole GQA groups) and a KV pool of its KV heads, with
+the same block ids. Before each rank-wide operation, rank 0's runner sends it to every worker (`Peers.run`), then
+does its own part; the collectives inside the model (an all-reduce after attention and after the MLP, one for the
+vocab-parallel embedding, a gather of the LM head's logits to rank 0) join them:
+
+    rank 0                                    worker r
+    runner.forward(ids, positions, meta)
+      ├─ send ("forward", ids, positions, meta) ──▶ runner.forward(...)
+      └─ model(...)  ◀═══ all-reduce x (2 L + 1) ═══▶ model(...)
+    runner.compute_logits(hidden)
+      ├─ send ("compute_logits", hidden) ─────────▶ runner.compute_logits(...)
+      └─ lm_head     ◀═══ gather to rank 0 ════════ lm_head
+
+Commands travel on one pipe per worker (pickled bytes; a worker waits on it for as long as the engine idles, and
+reads end-of-file when rank 0 is gone), the collectives on a gloo process group. Workers never see a request: the
+scheduler, the sampler and the structured-output grammars live on rank 0 only.
+
+A rank-wide operation that fails on any rank leaves the ranks out of step (a collective half done), so it fails
+the engine as a whole with `TensorParallelError`: every request gets an error, and the server answers 503.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import pickle
+import socket
+import traceback
+from collections.abc import Iterator
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
+
+import psutil
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from pagedllm.config import EngineConfig
+from pagedllm.logger import init_logger
+
+if TYPE_CHECKING:
+    from pagedllm.runner.model_runner import ModelRunner
+
+logger = init_logger(__name__)
+
+# A collective waits this long for a rank that stopped answering (one that died closes its sockets at once).
+_COLLECTIVE_TIMEOUT = timedelta(seconds=120)
+_JOIN_SECONDS = 10.0
+_WAITED_FOR = ("allocate_kv_cache", "allocate_swap_space")   # rank 0 calls these with wait=True
+
+
+class TensorParallelError(RuntimeError):
+    """A tensor-parallel worker died or an operation failed on some rank: the engine cannot go on."""
+
+
+class Peers:
+    """What rank 0's runner sends its rank-wide operations to. This one, for tensor_parallel_size 1, has none."""
+
+    size = 1
+
+    @contextlib.contextmanager
+    def run(self, method: str, *args, wait: bool = False) -> Iterator[None]:
+        """Start `method(*args)` on every other rank; the body is rank 0's own part. `wait`: return only once
+        every rank has done it (for the allocations at start-up, so that a rank's failure shows there)."""
+        yield
+
+    def is_alive(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+class WorkerProcesses(Peers):
+    """Ranks 1..N-1 as local processes (spawned, so that no torch or OpenMP state is forked), joined to this
+    process (rank 0) by a gloo process group. `start` returns once every rank has joined the group; each worker
+    then loads its slice of the model while rank 0 loads its own."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.size = config.parallel.tensor_parallel_size
+        self.error: BaseException | None = None
+        self._closed = False
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        context = mp.get_context("spawn")
+        self.pipes: list[Connection] = []
+        self.processes: list[mp.Process] = []
+        for rank in range(1, self.size):
+            ours, theirs = context.Pipe()
+            process = context.Process(target=_worker_main, args=(config, rank, init_method, theirs),
+                                      name=f"pagedllm-tp{rank}", daemon=True)
+            process.start()
+            theirs.close()
+            self.pipes.append(ours)
+            self.processes.append(process)
+        _join_group(0, self.size, init_method)
+        logger.info("tensor parallelism: %d ranks (this process and worker pids %s) joined over gloo, %d threads "
+                    "each", self.size, [p.pid for p in self.processes], torch.get_num_threads())
+
+    @contextlib.contextmanager
+    def run(self, method: str, *args, wait: bool = False) -> Iterator[None]:
+        if self.error is not None:
+            raise TensorParallelError(f"the tensor-parallel group failed earlier: {self.error!r}") from self.error
+        try:
+            command = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
+            for pipe in self.pipes:
+                pipe.send_bytes(command)
+            yield
+            if wait:
+                dist.barrier()
+        except BaseException as exc:
+            self.error = exc
+            dead = [p.name for p in self.processes if not p.is_alive()]
+            logger.error("tensor-parallel %s failed%s: %r", method, f" (dead: {', '.join(dead)})" if dead else "",
+                         exc)
+            raise TensorParallelError(f"tensor-parallel {method} failed: {exc!r}"
+                                      + (f"; worker(s) {', '.join(dead)} died" if dead else "")) from exc
+
+    def is_alive(self) -> bool:
+        return self.error is None and not self._closed and all(p.is_alive() for p in self.processes)
+
+    def close(self) -> None:
+        """Stop the workers (they close their swap files), then leave the group; no process is left behind."""
+        if self._closed:
+            return
+        self._closed = True
+        for pipe in self.pipes:
+            with contextlib.suppress(OSError):
+                pipe.send_bytes(pickle.dumps(("shutdown", ())))
+            pipe.close()
+        for process in self.processes:
+            process.join(_JOIN_SECONDS)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class RayWorkers(Peers):
+    """Ranks 1..N-1 as Ray actors, on the Ray cluster at RAY_ADDRESS (`ray start --head` on one machine,
+    `ray start --address ...` on the others) or, without one, a local cluster this engine starts and stops.
+    Commands are actor calls (Ray runs one actor's calls in order); the collectives use the same gloo group as
+    local processes, rendezvousing at this node's address (docs/scale-out.md says which ports and interfaces)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        try:
+            import ray
+        except ImportError:
+            raise ValueError("distributed_executor_backend='ray' needs Ray: pip install 'pagedllm[ray]'") from None
+        self.ray = ray
+        self.size = config.parallel.tensor_parallel_size
+        self.error: BaseException | None = None
+        self._closed = False
+        self._owns_ray = not ray.is_initialized()
+        if self._owns_ray:
+            ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False,
+                     configure_logging=False)
+        init_method = f"tcp://{ray.util.get_node_ip_address()}:{_free_port()}"
+        worker = ray.remote(num_cpus=1)(_RayWorker)
+        self.actors = [worker.options(name=f"pagedllm-tp{rank}-{os.getpid()}").remote(config, rank, init_method)
+                       for rank in range(1, self.size)]
+        self._pending: list = []
+        _join_group(0, self.size, init_method)
+        self.pids = ray.get([actor.pid.remote() for actor in self.actors])
+        logger.info("tensor parallelism: %d ranks (this process and Ray actors, pids %s) joined over gloo",
+                    self.size, self.pids)
+
+    @contextlib.contextmanager
+    def run(self, method: str, *args, wait: bool = False) -> Iterator[None]:
+        if self.error is not None:
+            raise TensorParallelError(f"the tensor-parallel group failed earlier: {self.error!r}") from self.error
+        try:
+            refs = [actor.execute.remote(method, args) for actor in self.actors]
+            yield
+            if wait:
+                dist.barrier()
+                self.ray.get(refs)
+            else:
+                self._pending = self._settled(self._pending + refs)
+        except BaseException as exc:
+            self.error = exc
+            logger.error("tensor-parallel %s failed: %r", method, exc)
+            raise TensorParallelError(f"tensor-parallel {method} failed: {exc!r}") from exc
+
+    def _settled(self, refs: list) -> list:
+        """The calls still running; raises the error of one that failed (an actor that died among them)."""
+        done, running = self.ray.wait(refs, num_returns=len(refs), timeout=0)
+        self.ray.get(done)
+        return running
+
+    def is_alive(self) -> bool:
+        """No call failed and, for the actors on this machine, their processes live (an actor on another node
+        that dies is noticed at the next step, whose collective fails)."""
+        return self.error is None and not self._closed and all(
+            psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in self.pids)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(Exception):
+            self.ray.get([actor.execute.remote("close", ()) for actor in self.actors], timeout=_JOIN_SECONDS)
+        for actor in self.actors:
+            self.ray.kill(actor)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if self._owns_ray:
+            self.ray.shutdown()
+
+
+class _RayWorker:
+    """A tensor-parallel rank inside a Ray actor: joins the group and loads its slice when created."""
+
+    def __init__(self, config: EngineConfig, rank: int, init_method: str) -> None:
+        self.runner = _start_rank(config, rank, init_method)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def execute(self, method: str, args: tuple) -> None:
+        getattr(self.runner, method)(*args)
+        if method in _WAITED_FOR:
+            dist.barrier()
+
+
+def start_peers(config: EngineConfig) -> Peers:
+    """The other ranks of `config`'s tensor-parallel group: none at size 1, else worker processes. Each of the
+    N processes gets 1/N of the CPU's threads, so that the ranks do not oversubscribe the cores."""
+    if config.parallel.tensor_parallel_size == 1:
+        return Peers()
+    if dist.is_initialized():
+        raise ValueError("a tensor-parallel engine needs its own process group, and this process already has one: "
+                         "run one tensor-parallel engine per process")
+    torch.set_num_threads(_threads_per_rank(config.parallel.tensor_parallel_size))
+    if config.parallel.distributed_executor_backend == "ray":
+        return RayWorkers(config)
+    return WorkerProcesses(config)
+
+
+def _threads_per_rank(tp_size: int) -> int:
+    return max(1, len(os.sched_getaffinity(0)) // tp_size)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _join_group(rank: int, size: int, init_method: str) -> None:
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size, timeout=_COLLECTIVE_TIMEOUT)
+
+
+def _start_rank(config: EngineConfig, rank: int, init_method: str) -> ModelRunner:
+    """A worker rank's runner: its share of the threads, joined to the group, over its slice of the model."""
+    from pagedllm.loader import load_model
+    from pagedllm.runner.model_runner import ModelRunner
+
+    tp_size = config.parallel.tensor_parallel_size
+    torch.set_num_threads(_threads_per_rank(tp_size))
+    _join_group(rank, tp_size, init_method)
+    return ModelRunner(load_model(config.model, rank, tp_size), copy.deepcopy(config.cache), None,
+                       config.model.seed)
+
+
+def _worker_main(config: EngineConfig, rank: int, init_method: str, pipe: Connection) -> None:
+    """A worker: join the group, load this rank's slice, then run rank 0's commands until told to stop or until
+    rank 0 is gone. Any failure ends the process, which fails rank 0's next collective."""
+    runner = _start_rank(config, rank, init_method)
+    try:
+        while True:
+            try:
+                method, args = pickle.loads(pipe.recv_bytes())
+            except EOFError:     # rank 0 is gone
+                return
+            if method == "shutdown":
+                return
+            getattr(runner, method)(*args)
+            if method in _WAITED_FOR:
+                dist.barrier()
+    except BaseException:
+        logger.error("tensor-parallel rank %d failed:\n%s", rank, traceback.format_exc())
+        raise
+    finally:
+        runner.close()

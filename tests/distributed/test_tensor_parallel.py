@@ -1,0 +1,153 @@
+"""Tensor parallelism (pagedllm/distributed): two ranks give the tokens one rank gives, on tiny random models whose
+heads split unevenly or whose single KV head is replicated, on SmolLM2, under preemption by swap and by recompute,
+with prefix caching and n > 1; and a worker that dies fails the engine cleanly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import httpx
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.layers.linear import HeadShard, head_shard
+from tests.entrypoints.server_utils import start_server, wait_until
+from tests.models.tiny import save_tiny_model
+
+MiB = 1 << 20
+PROMPTS = ["hello world", "the quick brown fox jumps over", "a", "tensor parallel ranks share each layer"]
+# Two shared-prefix prompts, for the prefix cache (block size 4: several whole blocks).
+SHARED = "a long shared system prompt that fills whole blocks: "
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+def test_head_shard_splits_whole_gqa_groups() -> None:
+    # SmolLM2: 9 query heads, 3 KV heads, at tp 2: rank 0 takes 2 groups, rank 1 the third; no KV head twice.
+    assert head_shard(9, 3, 0, 2) == HeadShard(q_start=0, num_heads=6, kv_start=0, num_kv_heads=2)
+    assert head_shard(9, 3, 1, 2) == HeadShard(q_start=6, num_heads=3, kv_start=2, num_kv_heads=1)
+    assert head_shard(32, 8, 3, 4) == HeadShard(q_start=24, num_heads=8, kv_start=6, num_kv_heads=2)
+    # Fewer KV heads than ranks: queries split evenly, each KV head replicated on the ranks that read it.
+    assert [head_shard(8, 2, r, 4) for r in range(4)] == [
+        HeadShard(0, 2, 0, 1), HeadShard(2, 2, 0, 1), HeadShard(4, 2, 1, 1), HeadShard(6, 2, 1, 1)]
+    assert head_shard(4, 1, 1, 2) == HeadShard(2, 2, 0, 1)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "tp"), [(9, 3, 4), (6, 2, 4), (4, 3, 2)])
+def test_head_shard_refuses_what_cannot_split(heads: int, kv_heads: int, tp: int) -> None:
+    with pytest.raises(ValueError, match="tensor_parallel_size|multiple"):
+        head_shard(heads, kv_heads, 0, tp)
+
+
+def _generate(llm: LLM, prompts: list[str], params: SamplingParams) -> list[list[list[int]]]:
+    return [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def _prefix_hits(llm: LLM) -> list[tuple[int, list[int]]]:
+    """(cached prompt tokens, greedy tokens) of two prompts sharing SHARED, run one after the other."""
+    outputs = [llm.generate([SHARED + end], GREEDY, use_tqdm=False)[0] for end in ("one", "another")]
+    return [(o.num_cached_tokens, o.outputs[0].token_ids) for o in outputs]
+
+
+# (kind, overrides, preemption mode): uneven GQA groups (6 query heads over 3 KV heads: 2 groups and 1) preempting
+# by swap; Qwen2 (q/k/v biases, untied head) with one KV head replicated on both ranks, preempting by recompute.
+TINY_CASES = [("llama-gqa", dict(num_attention_heads=6, num_key_value_heads=3, hidden_size=96), "swap"),
+              ("qwen2", dict(num_key_value_heads=1), "recompute")]
+
+
+@pytest.mark.parametrize(("kind", "overrides", "mode"), TINY_CASES, ids=["llama-uneven-gqa", "qwen2-mqa"])
+def test_two_ranks_give_the_tokens_of_one(tmp_path, disk_tmp_path, kind: str, overrides: dict, mode: str) -> None:
+    folder, _ = save_tiny_model(tmp_path / kind, kind, **overrides)
+    swap_dir = disk_tmp_path / "swap"
+    swap_dir.mkdir()
+    # 40 blocks of 4 tokens against 8 requests of ~60 tokens: the step must preempt.
+    common = dict(dtype="float32", block_size=4, num_kv_blocks=40, max_num_seqs=8, seed=7,
+                  preemption_mode=mode, swap_space=0.01 if mode == "swap" else 0.0)
+    prompts = PROMPTS + [SHARED + p for p in PROMPTS]
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=16, n=2, seed=3)
+    with LLM(str(folder), **common) as one:
+        expected_greedy, expected_sampled = _generate(one, prompts, GREEDY), _generate(one, PROMPTS, sampled)
+        expected_prefix = _prefix_hits(one)
+    assert expected_prefix[1][0] > 0, "the second prompt was meant to hit the first one's blocks"
+    with LLM(str(folder), **common, tensor_parallel_size=2,
+             swap_path=str(swap_dir / "kv") if mode == "swap" else None) as two:
+        workers = two.engine.runner.peers.processes
+        assert [p.is_alive() for p in workers] == [True]
+        assert sorted(f.name for f in swap_dir.iterdir()) == (["kv", "kv.rank1"] if mode == "swap" else [])
+        assert _generate(two, prompts, GREEDY) == expected_greedy
+        stats = two.engine.make_stats()
+        assert stats.num_preemptions_total.get(mode, 0) > 0, "the pool was meant to force preemption"
+        assert _generate(two, PROMPTS, sampled) == expected_sampled
+        assert _prefix_hits(two) == expected_prefix
+    for process in workers:
+        process.join(10)
+        assert not process.is_alive()
+    assert not list(swap_dir.iterdir()), "each rank's swap file is deleted on close"
+
+
+def test_smollm2_on_two_ranks_matches_one(smol_llm) -> None:
+    prompts = ["What is the capital of France?", "Write a haiku about the sea.", "1, 2, 3, 4,"]
+    expected = _generate(smol_llm, prompts, GREEDY)
+    with LLM(dtype="float32", kv_cache_memory=64 * MiB, max_model_len=2048, tensor_parallel_size=2) as two:
+        layers = two.engine.runner.model.model.layers
+        assert layers[0].self_attn.qkv_proj.heads == HeadShard(0, 6, 0, 2)    # rank 0: 2 of the 3 KV heads
+        assert two.engine.runner.layout.num_kv_heads == 2
+        assert _generate(two, prompts, GREEDY) == expected
+
+
+def test_a_dead_worker_fails_every_request_and_the_server_answers_503(tmp_path) -> None:
+    folder, _ = save_tiny_model(tmp_path / "m", "llama-gqa")
+    llm = LLM(str(folder), dtype="float32", kv_cache_memory=8 * MiB, tensor_parallel_size=2)
+    worker = llm.engine.runner.peers.processes[0]
+    server = start_server(llm.engine, api_key=None)
+    try:
+        body = {"model": server.model_name, "prompt": "hello", "max_tokens": 200, "ignore_eos": True,
+                "stream": True}
+        with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=30) as response:
+            lines = response.iter_lines()
+            assert any(line.startswith("data: {") for line in lines)    # the stream has started
+            os.kill(worker.pid, signal.SIGKILL)
+            rest = "\n".join(lines)
+        assert '"error"' in rest and "tensor-parallel" in rest
+        assert wait_until(lambda: httpx.get(f"{server.base_url}/health").status_code == 503)
+        again = httpx.post(f"{server.base_url}/v1/completions", json={**body, "stream": False}, timeout=30)
+        assert again.status_code == 503
+    finally:
+        server.stop()
+        llm.close()
+    worker.join(10)
+    assert not worker.is_alive()
+    assert not torch.distributed.is_initialized(), "the process group is left on close"
+
+
+def test_a_worker_that_dies_while_idle_fails_health_at_once(tmp_path) -> None:
+    folder, _ = save_tiny_model(tmp_path / "m", "llama-gqa")
+    with LLM(str(folder), dtype="float32", kv_cache_memory=8 * MiB, tensor_parallel_size=2) as llm:
+        assert llm.engine.is_healthy()
+        worker = llm.engine.runner.peers.processes[0]
+        worker.kill()
+        worker.join(10)
+        start = time.monotonic()
+        assert not llm.engine.is_healthy()
+        with pytest.raises(Exception, match="tensor-parallel"):
+            llm.generate(["hello"], GREEDY, use_tqdm=False)
+        assert time.monotonic() - start < 30
+
+
+def test_ray_actors_give_the_tokens_of_one_rank_and_a_dead_actor_fails_the_engine(tmp_path) -> None:
+    """The Ray backend on a local cluster this engine starts (no RAY_ADDRESS) and stops on close."""
+    ray = pytest.importorskip("ray")
+    folder, _ = save_tiny_model(tmp_path / "m", "llama-gqa")
+    common = dict(dtype="float32", kv_cache_memory=8 * MiB)
+    with LLM(str(folder), **common) as one:
+        expected = _generate(one, PROMPTS, GREEDY)
+    with LLM(str(folder), **common, tensor_parallel_size=2, distributed_executor_backend="ray") as two:
+        assert _generate(two, PROMPTS, GREEDY) == expected
+        (pid,) = two.engine.runner.peers.pids
+        os.kill(pid, signal.SIGKILL)
+        assert wait_until(lambda: not two.engine.is_healthy())
+        with pytest.raises(Exception, match="tensor-parallel"):
+            two.generate(["hello"], GREEDY, use_tqdm=False)
+    assert not ray.is_initialized(), "the local cluster the engine started is stopped on close"
