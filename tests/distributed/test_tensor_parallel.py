@@ -97,12 +97,18 @@ def test_smollm2_on_two_ranks_matches_one(smol_llm) -> None:
         assert _generate(two, prompts, GREEDY) == expected
 
 
-def test_a_dead_worker_fails_every_request_and_the_server_answers_503(tmp_path) -> None:
+def test_the_server_on_two_ranks_and_a_dead_worker_fails_every_request_with_503(tmp_path) -> None:
     folder, _ = save_tiny_model(tmp_path / "m", "llama-gqa")
+    with LLM(str(folder), dtype="float32", kv_cache_memory=8 * MiB) as one:
+        expected = [o.outputs[0].text for o in one.generate(PROMPTS, GREEDY, use_tqdm=False)]
     llm = LLM(str(folder), dtype="float32", kv_cache_memory=8 * MiB, tensor_parallel_size=2)
     worker = llm.engine.runner.peers.processes[0]
     server = start_server(llm.engine, api_key=None)
     try:
+        served = httpx.post(f"{server.base_url}/v1/completions", timeout=30, json={
+            "model": server.model_name, "prompt": PROMPTS, "max_tokens": GREEDY.max_tokens, "temperature": 0,
+            "ignore_eos": True}).json()
+        assert [c["text"] for c in sorted(served["choices"], key=lambda c: c["index"])] == expected
         body = {"model": server.model_name, "prompt": "hello", "max_tokens": 200, "ignore_eos": True,
                 "stream": True}
         with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=30) as response:
@@ -139,7 +145,7 @@ def test_a_worker_that_dies_while_idle_fails_health_at_once(tmp_path) -> None:
 def test_ray_actors_give_the_tokens_of_one_rank_and_a_dead_actor_fails_the_engine(tmp_path) -> None:
     """The Ray backend on a local cluster this engine starts (no RAY_ADDRESS) and stops on close."""
     ray = pytest.importorskip("ray")
-    folder, _ = save_tiny_model(tmp_path / "m", "llama-gqa")
+    folder, _ = save_tiny_model(tmp_path / "m", "llama-mha")
     common = dict(dtype="float32", kv_cache_memory=8 * MiB)
     with LLM(str(folder), **common) as one:
         expected = _generate(one, PROMPTS, GREEDY)
