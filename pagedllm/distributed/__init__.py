@@ -86,7 +86,7 @@ class WorkerProcesses(Peers):
         self.size = config.parallel.tensor_parallel_size
         self.error: BaseException | None = None
         self._closed = False
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        init_method = f"tcp://127.0.0.1:{free_port()}"
         context = mp.get_context("spawn")
         self.pipes: list[Connection] = []
         self.processes: list[mp.Process] = []
@@ -161,7 +161,7 @@ class RayWorkers(Peers):
         if self._owns_ray:
             ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False,
                      configure_logging=False)
-        init_method = f"tcp://{ray.util.get_node_ip_address()}:{_free_port()}"
+        init_method = f"tcp://{ray.util.get_node_ip_address()}:{free_port()}"
         worker = ray.remote(num_cpus=1)(_RayWorker)
         self.actors = [worker.options(name=f"pagedllm-tp{rank}-{os.getpid()}").remote(config, rank, init_method)
                        for rank in range(1, self.size)]
@@ -237,17 +237,19 @@ def start_peers(config: EngineConfig) -> Peers:
     if dist.is_initialized():
         raise ValueError("a tensor-parallel engine needs its own process group, and this process already has one: "
                          "run one tensor-parallel engine per process")
-    torch.set_num_threads(_threads_per_rank(config.parallel.tensor_parallel_size))
+    torch.set_num_threads(threads_per_rank(config.parallel.tensor_parallel_size))
     if config.parallel.distributed_executor_backend == "ray":
         return RayWorkers(config)
     return WorkerProcesses(config)
 
 
-def _threads_per_rank(tp_size: int) -> int:
+def threads_per_rank(tp_size: int) -> int:
+    """Each of the tp_size processes of a group on one machine gets its share of this process's cores."""
     return max(1, len(os.sched_getaffinity(0)) // tp_size)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on the loopback interface now, for a group's rendezvous."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -263,7 +265,7 @@ def _start_rank(config: EngineConfig, rank: int, init_method: str) -> ModelRunne
     from pagedllm.runner.model_runner import ModelRunner
 
     tp_size = config.parallel.tensor_parallel_size
-    torch.set_num_threads(_threads_per_rank(tp_size))
+    torch.set_num_threads(threads_per_rank(tp_size))
     _join_group(rank, tp_size, init_method)
     return ModelRunner(load_model(config.model, rank, tp_size), copy.deepcopy(config.cache), None,
                        config.model.seed)

@@ -157,3 +157,13 @@ def test_ray_actors_give_the_tokens_of_one_rank_and_a_dead_actor_fails_the_engin
         with pytest.raises(Exception, match="tensor-parallel"):
             two.generate(["hello"], GREEDY, use_tqdm=False)
     assert not ray.is_initialized(), "the local cluster the engine started is stopped on close"
+
+
+def test_bench_comm_times_a_forward_pass_of_collectives(tmp_path) -> None:
+    from pagedllm.bench.cli import main
+
+    folder, _ = save_tiny_model(tmp_path / "m", "llama-gqa")          # hidden 64, 2 layers, vocabulary 384
+    result = main(["comm", "--model", str(folder), "--dtype", "float32", "--tokens", "1", "3", "--repeats", "2"])
+    assert [(p["tokens"], p["all_reduces"], p["all_reduce_bytes"], p["gather_bytes"]) for p in result["passes"]] == [
+        (1, 5, 5 * 64 * 4, 192 * 4), (3, 5, 5 * 3 * 64 * 4, 3 * 192 * 4)]
+    assert all(p["all_reduce_ms"] > 0 and p["gather_ms"] > 0 for p in result["passes"])
