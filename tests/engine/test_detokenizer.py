@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.engine.detokenizer import IncrementalDetokenizer, _decodes_in_rust
 from pagedllm.loader.resolve import default_model_gguf
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizer.tokenizer import load_tokenizer
@@ -56,16 +56,26 @@ def test_any_text_streams_back_exactly(tokenizer, prompt_ids, text: str) -> None
     assert "".join(deltas) == tokenizer.decode(ids)
 
 
+@settings(max_examples=60, deadline=None)
+@given(ids=st.lists(st.integers(0, 49151), min_size=1, max_size=12), skip=st.booleans())
+def test_the_rust_decode_is_transformers_decode(tokenizer, prompt_ids, ids: list[int], skip: bool) -> None:
+    """The detokenizer calls the Rust tokenizer directly (`_decodes_in_rust`); it must give transformers' text for
+    any ids, special ones included (ids 0-16 are SmolLM2's specials)."""
+    assert _decodes_in_rust(tokenizer)
+    detok = IncrementalDetokenizer(tokenizer, SamplingParams(skip_special_tokens=skip), prompt_ids)
+    assert detok._decode(ids) == tokenizer.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+
+
 def test_work_per_token_is_bounded(tokenizer, prompt_ids, monkeypatch) -> None:
     ids = tokenizer.encode(MULTIBYTE * 20, add_special_tokens=False)
     lengths = []
-    original = tokenizer.decode
+    original = IncrementalDetokenizer._decode
 
-    def counting_decode(token_ids, **kwargs):
+    def counting_decode(self, token_ids):
         lengths.append(len(token_ids))
-        return original(token_ids, **kwargs)
+        return original(self, token_ids)
 
-    monkeypatch.setattr(tokenizer, "decode", counting_decode)
+    monkeypatch.setattr(IncrementalDetokenizer, "_decode", counting_decode)
     detok, _, _, _ = stream(tokenizer, prompt_ids, ids, SamplingParams())
     assert detok.output_text == MULTIBYTE * 20
     assert len(lengths) <= 2 * len(ids) and max(lengths) <= 12
