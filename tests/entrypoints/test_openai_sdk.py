@@ -55,6 +55,31 @@ def test_completion_echo(client, server):
     assert out.choices[0].text == PROMPT + greedy_text(client, server.model_name, PROMPT, 4)
 
 
+def test_completion_echo_with_logprobs_covers_the_prompt(client, server):
+    ids = server.engine.tokenizer.encode(PROMPT)
+    plain = client.completions.create(model=server.model_name, prompt=PROMPT, max_tokens=3, temperature=0, logprobs=2)
+    prompt_only = client.completions.create(model=server.model_name, prompt=PROMPT, max_tokens=1, temperature=0,
+                                            extra_body={"prompt_logprobs": 2})
+    out = client.completions.create(model=server.model_name, prompt=PROMPT, max_tokens=3, temperature=0, logprobs=2,
+                                    echo=True)
+    lp, generated = out.choices[0].logprobs, plain.choices[0].logprobs
+    assert len(lp.tokens) == len(ids) + 3
+    assert "".join(lp.tokens) == out.choices[0].text == PROMPT + plain.choices[0].text
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None     # nothing predicts the first token
+    # The prompt part: each token's log-probability as prompt_logprobs reports it; then the generated part as
+    # without echo, its offsets shifted by the prompt's length.
+    expected = [prompt_only.choices[0].model_extra["prompt_logprobs"][i][str(t)]["logprob"]
+                for i, t in enumerate(ids) if i > 0]
+    assert lp.token_logprobs[1:len(ids)] == pytest.approx(expected, abs=1e-4)
+    assert all(2 <= len(top) <= 3 for top in lp.top_logprobs[1:])
+    assert lp.token_logprobs[len(ids):] == pytest.approx(generated.token_logprobs, abs=1e-4)
+    assert lp.text_offset[0] == 0 and lp.text_offset[len(ids):] == [o + len(PROMPT) for o in generated.text_offset]
+    assert all(b - a == len(t) for a, b, t in zip(lp.text_offset, lp.text_offset[1:], lp.tokens))
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        client.completions.create(model=server.model_name, prompt=PROMPT, max_tokens=3, logprobs=2, echo=True,
+                                  stream=True)
+
+
 def test_completion_n2_sampled_with_seed(client, server):
     kwargs = dict(model=server.model_name, prompt="Once upon a time", max_tokens=8, temperature=1.0, n=2, seed=7,
                   extra_body={"ignore_eos": True})

@@ -23,13 +23,19 @@ class OpenAIServingCompletion(GenerationServing):
         self.check_logprobs(request.prompt_logprobs, "prompt_logprobs")
         if request.stream and request.prompt_logprobs is not None:
             raise OpenAIError("prompt_logprobs are not available when stream is true", param="prompt_logprobs")
+        # echo with logprobs reports the prompt tokens' log-probabilities too (OpenAI's legacy API, as vLLM)
+        echo_logprobs = request.echo and request.logprobs is not None
+        if echo_logprobs and request.stream:
+            raise OpenAIError("echo with logprobs is not available when stream is true", param="echo")
+        num_prompt_logprobs = (max(request.prompt_logprobs or 0, cast(int, request.logprobs)) if echo_logprobs
+                               else request.prompt_logprobs)
         if request.suffix:
             raise OpenAIError("suffix is not supported", param="suffix")
         if request.best_of is not None and request.best_of != request.n:
             raise OpenAIError("best_of is not supported (it must be absent or equal to n)", param="best_of")
         prompts = await self._prompts(request.prompt)
         params = [self.sampling_params(request, self.resolve_max_tokens(request.max_tokens, len(p.token_ids)),
-                                       request.logprobs, request.prompt_logprobs) for p in prompts]
+                                       request.logprobs, num_prompt_logprobs) for p in prompts]
         self.check_num_choices(len(prompts), request.n)
         request_id = random_id("cmpl")
         prompt_logprobs: dict[int, PromptLogprobs] = {}
@@ -41,9 +47,30 @@ class OpenAIServingCompletion(GenerationServing):
         head = {"id": request_id, "object": "text_completion", "created": now(), "model": model}
         response = await self.respond(request, outputs, states, head, request.logprobs,
                                       sum(len(p.token_ids) for p in prompts))
-        if request.prompt_logprobs is not None:     # never streamed (refused above): a whole response
+        if echo_logprobs:                           # never streamed (refused above): a whole response
+            self._add_echo_logprobs(cast(dict[str, Any], response), prompts, prompt_logprobs, request.n,
+                                    cast(int, request.logprobs))
+        if request.prompt_logprobs is not None:     # never streamed either
             _add_prompt_logprobs(cast(dict[str, Any], response), prompt_logprobs, request.n)
         return response
+
+    def _add_echo_logprobs(self, response: dict[str, Any], prompts: list[Prompt], kept: dict[int, PromptLogprobs],
+                           n: int, num_logprobs: int) -> None:
+        """Put each prompt token's entry before the choice's generated ones: its text, log-probability and top
+        `num_logprobs`, with text offsets from 0. The first token has no log-probability (nothing predicts it)
+        and, as in OpenAI's and vLLM's answers, None for its top log-probabilities."""
+        for choice in response["choices"]:
+            index = choice["index"] // n
+            token_ids, positions = prompts[index].token_ids, kept[index]
+            state = ChoiceState()
+            first = self.engine.tokenizer.decode(token_ids[:1])
+            state.text_offset = len(first)
+            tokens = [TokenLogprob(first, None, [], 0)] + [
+                self._token_logprob(state, token_id, cast(dict, position), num_logprobs)
+                for token_id, position in zip(token_ids[1:], positions[1:])]
+            prompt_part = self._logprobs_json(tokens)
+            prompt_part["top_logprobs"][0] = None
+            choice["logprobs"] = {field: prompt_part[field] + choice["logprobs"][field] for field in prompt_part}
 
     # ---- prompts ------------------------------------------------------------------------------------------------
     async def _prompts(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[Prompt]:
