@@ -119,7 +119,7 @@ def test_a_client_that_leaves_aborts_every_child(server):
 
 
 # ---- prompt_logprobs ------------------------------------------------------------------------------------------
-def _offline_prompt_logprobs(llm: LLM, prompt: str) -> list:
+def _offline_prompt_logprobs(llm: LLM, prompt: str | dict) -> list:
     (output,) = llm.generate(prompt, SamplingParams(max_tokens=1, prompt_logprobs=2), use_tqdm=False)
     return [None if p is None else {str(t): (lp.logprob, lp.rank, lp.decoded_token) for t, lp in p.items()}
             for p in output.prompt_logprobs]
@@ -157,11 +157,22 @@ def test_prompt_logprobs_are_right_for_a_prompt_in_the_prefix_cache(client, serv
     _assert_same(_served(again.choices[0].model_extra["prompt_logprobs"]), _offline_prompt_logprobs(offline, prompt))
 
 
+def test_prompt_logprobs_of_a_chat_are_those_of_its_templated_prompt(client, server, offline):
+    messages = [{"role": "user", "content": "Say something short."}]
+    out = client.chat.completions.create(model=server.model_name, messages=messages, max_tokens=2,
+                                         extra_body={"prompt_logprobs": 2})
+    templated = offline.get_tokenizer().apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    _assert_same(_served(out.model_extra["prompt_logprobs"]), _offline_prompt_logprobs(
+        offline, {"prompt_token_ids": offline.get_tokenizer().encode(templated)}))
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
 @pytest.mark.parametrize(("body", "param"), [
     ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     ({"prompt_logprobs": -1}, "prompt_logprobs"),
     ({"prompt_logprobs": 21}, "prompt_logprobs"),
 ])
-def test_bad_prompt_logprobs_are_a_400_naming_the_field(server, body, param):
-    response = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "Hi", "max_tokens": 1, **body})
+def test_bad_prompt_logprobs_are_a_400_naming_the_field(server, endpoint, body, param):
+    prompt = {"prompt": "Hi"} if endpoint == "completions" else {"messages": [{"role": "user", "content": "Hi"}]}
+    response = httpx.post(f"{server.base_url}/v1/{endpoint}", json={**prompt, "max_tokens": 1, **body})
     assert response.status_code == 400 and response.json()["error"]["param"] == param

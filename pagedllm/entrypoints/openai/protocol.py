@@ -121,6 +121,7 @@ class _SamplingFields(_Request):
     cache_salt: str | None = None
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
+    prompt_logprobs: int | None = None      # top log-probabilities per prompt token (not with stream)
 
 
 class CompletionRequest(_SamplingFields):
@@ -130,7 +131,6 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = 16
     echo: bool = False
     logprobs: int | None = None
-    prompt_logprobs: int | None = None      # vLLM's extra: top log-probabilities per prompt token
     suffix: str | None = None
     best_of: int | None = None
 

@@ -109,6 +109,12 @@ class OpenAIServing:
             raise OpenAIError(f"{param} must be in [0, {self.limits.max_logprobs}], got {num_logprobs}",
                               param=param)
 
+    def check_prompt_logprobs(self, request: _SamplingFields) -> None:
+        """vLLM's `prompt_logprobs`: in range, and not with stream (they come with the whole response)."""
+        self.check_logprobs(request.prompt_logprobs, "prompt_logprobs")
+        if request.stream and request.prompt_logprobs is not None:
+            raise OpenAIError("prompt_logprobs are not available when stream is true", param="prompt_logprobs")
+
     async def prompt_token_ids(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
         """The prompt tokenized (off the event loop) and put through the engine's checks, with vLLM's wording for
         a prompt that fills the context."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jinja2
 
@@ -24,7 +24,13 @@ from pagedllm.entrypoints.openai.protocol import (
     random_id,
 )
 from pagedllm.entrypoints.openai.serving_base import Prompt, ServerLimits
-from pagedllm.entrypoints.openai.serving_choices import ChoiceState, GenerationServing, TokenLogprob
+from pagedllm.entrypoints.openai.serving_choices import (
+    ChoiceState,
+    GenerationServing,
+    TokenLogprob,
+    keep_prompt_logprobs,
+    prompt_logprobs_json,
+)
 from pagedllm.entrypoints.openai.tool_parsers import (
     TOOL_PARSERS,
     ToolCallStream,
@@ -32,6 +38,7 @@ from pagedllm.entrypoints.openai.tool_parsers import (
     required_tools_schema,
     with_tools,
 )
+from pagedllm.outputs import PromptLogprobs
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedllm.tokenizer.chat_template import apply_chat_template
 
@@ -64,21 +71,27 @@ class OpenAIServingChat(GenerationServing):
         if request.top_logprobs is not None and not request.logprobs:
             raise OpenAIError("top_logprobs requires logprobs to be true", param="top_logprobs")
         self.check_logprobs(request.top_logprobs, "top_logprobs")
+        self.check_prompt_logprobs(request)
         num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
         prompt = Prompt(None, await self.prompt_token_ids(await self.render(request), param="messages"))
         max_tokens, param = request.max_tokens, "max_tokens"
         if request.max_completion_tokens is not None:
             max_tokens, param = request.max_completion_tokens, "max_completion_tokens"
         params = self._force_tool_call(request, tool_choice, self.sampling_params(
-            request, self.resolve_max_tokens(max_tokens, len(prompt.token_ids), param), num_logprobs))
+            request, self.resolve_max_tokens(max_tokens, len(prompt.token_ids), param), num_logprobs,
+            request.prompt_logprobs))
         request_id = random_id("chatcmpl")
         self.check_num_choices(1, request.n)
-        outputs = await self.first_then_rest(self.run_prompts(request_id, [prompt], [params], request.priority,
-                                                              request.cache_salt))
+        prompt_logprobs: dict[int, PromptLogprobs] = {}
+        outputs = await self.first_then_rest(keep_prompt_logprobs(self.run_prompts(
+            request_id, [prompt], [params], request.priority, request.cache_salt), prompt_logprobs))
         head = {"id": request_id, "created": now(), "model": model,
                 "object": "chat.completion.chunk" if request.stream else "chat.completion"}
         states = [ChatChoiceState(self._tool_stream(tool_choice)) for _ in range(request.n)]
-        return await self.respond(request, outputs, states, head, num_logprobs, len(prompt.token_ids))
+        response = await self.respond(request, outputs, states, head, num_logprobs, len(prompt.token_ids))
+        if request.prompt_logprobs is not None:     # never streamed (refused above): a whole response
+            cast(dict[str, Any], response)["prompt_logprobs"] = prompt_logprobs_json(prompt_logprobs.get(0))
+        return response
 
     async def render(self, request: ChatCompletionRequest) -> list[int]:
         """The conversation's prompt token ids, templated off the event loop; 400 naming `messages` on a bad

@@ -15,7 +15,7 @@ from typing import Any
 
 from pagedllm.entrypoints.openai.protocol import _SamplingFields
 from pagedllm.entrypoints.openai.serving_base import OpenAIServing, OutputStream, error_for
-from pagedllm.outputs import CompletionOutput, Logprob
+from pagedllm.outputs import CompletionOutput, Logprob, PromptLogprobs
 
 # JSON has no -inf; vLLM sends this instead.
 MIN_LOGPROB = -9999.0
@@ -167,6 +167,24 @@ class GenerationServing(OpenAIServing, ABC):
         token = TokenLogprob(text, None if entry is None else clean_logprob(entry.logprob), top, state.text_offset)
         state.text_offset += len(text)
         return token
+
+
+async def keep_prompt_logprobs(outputs: OutputStream, kept: dict[int, PromptLogprobs]) -> OutputStream:
+    """Pass the choices' deltas on, keeping each prompt's log-probabilities (by prompt index) as they pass."""
+    async with aclosing(outputs):
+        async for choice in outputs:
+            if choice.prompt_logprobs is not None:
+                kept[choice.prompt_index] = choice.prompt_logprobs
+            yield choice
+
+
+def prompt_logprobs_json(prompt_logprobs: PromptLogprobs | None) -> list[dict[str, Any] | None] | None:
+    """vLLM's shape: None for the first token, then {token id: {logprob, rank, decoded_token}} per position."""
+    if prompt_logprobs is None:
+        return None
+    return [None if position is None else
+            {str(token_id): {"logprob": clean_logprob(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
+             for token_id, lp in position.items()} for position in prompt_logprobs]
 
 
 def _sse(data: dict[str, Any]) -> str:

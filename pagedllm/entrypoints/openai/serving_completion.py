@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from contextlib import aclosing
 from typing import Any, cast
 
 from pagedllm.entrypoints.openai.protocol import CompletionRequest, OpenAIError, now, random_id
-from pagedllm.entrypoints.openai.serving_base import OutputStream, Prompt
-from pagedllm.entrypoints.openai.serving_choices import ChoiceState, GenerationServing, TokenLogprob, clean_logprob
+from pagedllm.entrypoints.openai.serving_base import Prompt
+from pagedllm.entrypoints.openai.serving_choices import (
+    ChoiceState,
+    GenerationServing,
+    TokenLogprob,
+    keep_prompt_logprobs,
+    prompt_logprobs_json,
+)
 from pagedllm.outputs import PromptLogprobs
 
 
@@ -20,9 +25,7 @@ class OpenAIServingCompletion(GenerationServing):
         model = self.check_model(request.model)
         self.check_common(request)
         self.check_logprobs(request.logprobs, "logprobs")
-        self.check_logprobs(request.prompt_logprobs, "prompt_logprobs")
-        if request.stream and request.prompt_logprobs is not None:
-            raise OpenAIError("prompt_logprobs are not available when stream is true", param="prompt_logprobs")
+        self.check_prompt_logprobs(request)
         # echo with logprobs reports the prompt tokens' log-probabilities too (OpenAI's legacy API, as vLLM)
         echo_logprobs = request.echo and request.logprobs is not None
         if echo_logprobs and request.stream:
@@ -39,7 +42,7 @@ class OpenAIServingCompletion(GenerationServing):
         self.check_num_choices(len(prompts), request.n)
         request_id = random_id("cmpl")
         prompt_logprobs: dict[int, PromptLogprobs] = {}
-        outputs = _keep_prompt_logprobs(self.run_prompts(request_id, prompts, params, request.priority,
+        outputs = keep_prompt_logprobs(self.run_prompts(request_id, prompts, params, request.priority,
                                                          request.cache_salt), prompt_logprobs)
         outputs = await self.first_then_rest(outputs)
         echoes = [self._echo(p) if request.echo else "" for p in prompts]
@@ -51,7 +54,8 @@ class OpenAIServingCompletion(GenerationServing):
             self._add_echo_logprobs(cast(dict[str, Any], response), prompts, prompt_logprobs, request.n,
                                     cast(int, request.logprobs))
         if request.prompt_logprobs is not None:     # never streamed either
-            _add_prompt_logprobs(cast(dict[str, Any], response), prompt_logprobs, request.n)
+            for choice in cast(dict[str, Any], response)["choices"]:    # on each choice, after stop_reason (vLLM)
+                choice["prompt_logprobs"] = prompt_logprobs_json(prompt_logprobs.get(choice["index"] // request.n))
         return response
 
     def _add_echo_logprobs(self, response: dict[str, Any], prompts: list[Prompt], kept: dict[int, PromptLogprobs],
@@ -101,30 +105,6 @@ class OpenAIServingCompletion(GenerationServing):
         """The legacy format: one list per field, and top log-probabilities as {text: logprob}."""
         return {"tokens": [t.token for t in tokens], "token_logprobs": [t.logprob for t in tokens],
                 "top_logprobs": [_top_json(t) for t in tokens], "text_offset": [t.text_offset for t in tokens]}
-
-
-async def _keep_prompt_logprobs(outputs: OutputStream, kept: dict[int, PromptLogprobs]) -> OutputStream:
-    """Pass the choices' deltas on, keeping each prompt's log-probabilities (by prompt index) as they pass."""
-    async with aclosing(outputs):
-        async for choice in outputs:
-            if choice.prompt_logprobs is not None:
-                kept[choice.prompt_index] = choice.prompt_logprobs
-            yield choice
-
-
-def _add_prompt_logprobs(response: dict[str, Any], kept: dict[int, PromptLogprobs], n: int) -> None:
-    """Give each choice its prompt's log-probabilities, after stop_reason, as vLLM does."""
-    for choice in response["choices"]:
-        choice["prompt_logprobs"] = _prompt_logprobs_json(kept.get(choice["index"] // n))
-
-
-def _prompt_logprobs_json(prompt_logprobs: PromptLogprobs | None) -> list[dict[str, Any] | None] | None:
-    """vLLM's shape: None for the first token, then {token id: {logprob, rank, decoded_token}} per position."""
-    if prompt_logprobs is None:
-        return None
-    return [None if position is None else
-            {str(token_id): {"logprob": clean_logprob(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
-             for token_id, lp in position.items()} for position in prompt_logprobs]
 
 
 def _top_json(token: TokenLogprob) -> dict[str, float]:
