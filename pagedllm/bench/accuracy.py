@@ -35,10 +35,15 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedllm.bench.args import add_dataset_args, add_engine_args, engine_kwargs, requests_from_args
 from pagedllm.cpu import cpu_info
+
+if TYPE_CHECKING:   # both are slow to import; the CLI imports this module to build its parser
+    from transformers import PreTrainedModel
+
+    from pagedllm import LLM
 
 TEXT_PATH = Path(__file__).parent / "data" / "botchan.txt"
 WEIGHT_QUANTIZATIONS = ("none", "int8")     # "none": the checkpoint's weights in --dtype
@@ -143,7 +148,7 @@ class Perplexity:
         return math.exp(self.nll_sum / self.num_scored_tokens)
 
 
-def engine_perplexity(llm, token_ids: list[int], windows: Sequence[Window]) -> Perplexity:
+def engine_perplexity(llm: LLM, token_ids: list[int], windows: Sequence[Window]) -> Perplexity:
     """Score the windows with the engine's prompt logprobs (one request per window, max_tokens=1)."""
     from pagedllm import SamplingParams
 
@@ -151,12 +156,15 @@ def engine_perplexity(llm, token_ids: list[int], windows: Sequence[Window]) -> P
     outputs = llm.generate([token_ids[w.start:w.end] for w in windows], params, use_tqdm=len(windows) > 1)
     nll_sum = 0.0
     for w, output in zip(windows, outputs):
-        logprobs = output.prompt_logprobs
-        nll_sum -= sum(logprobs[pos - w.start][token_ids[pos]].logprob for pos in range(w.score_from, w.end))
+        assert output.prompt_logprobs is not None, "prompt_logprobs=0 gives every prompt token's logprob"
+        for pos in range(w.score_from, w.end):
+            entry = output.prompt_logprobs[pos - w.start]
+            assert entry is not None     # only a window's first token has none, and it is never scored
+            nll_sum -= entry[token_ids[pos]].logprob
     return Perplexity(nll_sum, num_scored_tokens(windows))
 
 
-def hf_perplexity(model, token_ids: list[int], windows: Sequence[Window]) -> Perplexity:
+def hf_perplexity(model: PreTrainedModel, token_ids: list[int], windows: Sequence[Window]) -> Perplexity:
     """The same with a transformers model: log_softmax of its logits, one forward pass per window."""
     import torch
 
@@ -197,16 +205,16 @@ def greedy_agreement(reference: Sequence[Sequence[int]], candidate: Sequence[Seq
 
 # ---- the command ---------------------------------------------------------------------------------------------------
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    add_dataset_args(parser, datasets=("mixed", "random", "jsonl", "grounded"))
+    add_dataset_args(parser)
     add_engine_args(parser, quantization_flag=False)
     parser.add_argument("--config", dest="configs", type=parse_config, action="append", default=None,
                         help="a configuration to measure, WEIGHTS[/KV]: weights "
-                             f"{'|'.join(WEIGHT_QUANTIZATIONS)}, KV cache {'|'.join(KV_CACHE_DTYPES)} (default "
-                             "auto); repeat for more (default: every combination this build takes). The "
+                             f"{'|'.join(WEIGHT_QUANTIZATIONS)}, KV cache {'|'.join(KV_CACHE_DTYPES)} (auto if "
+                             "left out); repeat for more; none given: every combination this build takes. The "
                              "reference, none/auto, always runs")
     parser.add_argument("--text-path", default=str(TEXT_PATH), help="the text to score (UTF-8)")
     parser.add_argument("--num-text-tokens", type=int, default=None,
-                        help="score only the text's first N tokens (default: all of it)")
+                        help="score only the text's first N tokens (None: all of it)")
     parser.add_argument("--window", type=int, default=1024, help="tokens per perplexity window")
     parser.add_argument("--stride", type=int, default=512, help="tokens between the starts of two windows")
     parser.add_argument("--max-tokens", type=int, default=64, help="greedy tokens per agreement request")

@@ -1,5 +1,5 @@
-"""`pagedllm bench throughput|serve|prefix|structured|accuracy|vllm-serve|dashboard`: the parser `pagedllm` registers, and a
-standalone main.
+"""`pagedllm bench throughput|serve|prefix|structured|accuracy|vllm-serve|dashboard`: the parser `pagedllm`
+registers, and a standalone main.
 
 Each command's module builds its own flags and sets `func`, so a caller runs a parsed command with
 `args.func(args)`; the function returns the figures it printed, as a dict.
