@@ -232,6 +232,9 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     check_supported(configs)
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    if args.num_text_tokens is not None and args.num_text_tokens < 2:
+        raise ValueError(f"--num-text-tokens must be at least 2 (one token of context, one scored), got "
+                         f"{args.num_text_tokens}")
     resolved = resolve_model(args.model)
     tokenizer = load_tokenizer(resolved.path, resolved.gguf_file)
     text_bytes = Path(args.text_path).read_bytes()
@@ -251,9 +254,9 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     for config in configs:
         row, outputs = _measure(args, config, token_ids, windows, prompts)
         reference_outputs = reference_outputs or outputs
-        row.update(asdict(greedy_agreement(reference_outputs, outputs)))
-        row["perplexity_change_pct"] = 100 * (row["perplexity"] / (result["configs"] or [row])[0]["perplexity"] - 1)
         result["configs"].append(row)
+        row.update(asdict(greedy_agreement(reference_outputs, outputs)))
+        row["perplexity_change_pct"] = 100 * (row["perplexity"] / result["configs"][0]["perplexity"] - 1)
     result["dtype"] = result["configs"][0]["dtype"]
     if args.hf_check:
         from pagedllm.bench.hf_baseline import load_hf_model

@@ -101,6 +101,13 @@ def test_a_bad_config_is_refused_by_the_parser(config, message, capsys):
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags,match", [(["--max-tokens", "0"], "--max-tokens must be at least 1"),
+                                         (["--num-text-tokens", "1"], "--num-text-tokens must be at least 2")])
+def test_bad_numbers_are_refused_before_anything_runs(flags, match):
+    with pytest.raises(ValueError, match=match):
+        main(["accuracy", "--config", "none", *flags])
+
+
 def test_a_kv_cache_dtype_the_build_lacks_is_refused_before_anything_runs(monkeypatch):
     monkeypatch.setattr(accuracy, "llm_accepts_kv_cache_dtype", lambda: False)
     assert accuracy.default_configs() == [AccuracyConfig(None), AccuracyConfig("int8")]
