@@ -21,13 +21,15 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2)])
 
 
-def add_engine_args(parser: argparse.ArgumentParser, prefix_caching_flag: bool = True) -> None:
+def add_engine_args(parser: argparse.ArgumentParser, prefix_caching_flag: bool = True,
+                    quantization_flag: bool = True) -> None:
     group = parser.add_argument_group("engine")
     group.add_argument("--model", default=None,
                        help="HF model folder, .gguf file, or the embedded default (SmolLM2-135M-Instruct) if unset")
     group.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
-    group.add_argument("--quantization", "-q", default=None, choices=["int8"],
-                       help="int8: weights stored as int8 with per-row scales (pagedllm only; peers run --dtype)")
+    if quantization_flag:
+        group.add_argument("--quantization", "-q", default=None, choices=["int8"],
+                           help="int8: weights stored as int8 with per-row scales (pagedllm only; peers run --dtype)")
     group.add_argument("--max-model-len", type=int, default=None)
     group.add_argument("--max-num-seqs", type=int, default=256)
     group.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -48,7 +50,7 @@ def engine_kwargs(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                   kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
                   enable_prefix_caching=getattr(args, "enable_prefix_caching", True), seed=args.seed,
-                  quantization=args.quantization, speculative_config=args.speculative_config,
+                  quantization=getattr(args, "quantization", None), speculative_config=args.speculative_config,
                   tensor_parallel_size=args.tensor_parallel_size)
     return kwargs | overrides
 

