@@ -120,8 +120,11 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         # The engine fills in what it derives (context length, pool sizes, preemption costs) on its own copy.
         config = self.config = copy.deepcopy(config)
-        if config.parallel.tensor_parallel_size > 1 or config.parallel.data_parallel_size > 1:
-            raise ValueError("tensor_parallel_size and data_parallel_size > 1 are not implemented yet")
+        if config.parallel.tensor_parallel_size > 1:
+            raise ValueError("tensor_parallel_size > 1 is not implemented yet")
+        if config.parallel.data_parallel_size > 1:
+            raise ValueError("an LLMEngine is one replica: data_parallel_size > 1 runs several behind a router "
+                             "(pagedllm.engine.data_parallel; LLM and the server build them)")
         loaded = load_model(config.model)
         self.model_name = loaded.resolved.name
         self.tokenizer = load_tokenizer(loaded.resolved.path, loaded.resolved.gguf_file, config.model.chat_template)
