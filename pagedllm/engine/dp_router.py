@@ -13,13 +13,14 @@ block hashes (the prefix cache's own chain, cache_salt in block 0):
 The map is bounded (least recently used hashes go first) and is the router's belief, not the pools' state: a
 replica may have evicted a block since. When the replica holding the prefix has more than `balance_threshold`
 unfinished requests beyond the least loaded one, the least loaded one gets the request anyway, so that one hot
-prefix cannot pile every request onto one replica. Pure Python, no torch.
+prefix cannot pile every request onto one replica. Among equally loaded replicas the turn goes round robin.
+Pure Python, no torch.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from pagedllm.config import DataParallelRouterPolicy
 from pagedllm.core.kv_cache.hashing import BlockHash, extend_block_hashes
@@ -49,7 +50,7 @@ class DataParallelRouter:
         self.num_replicas, self.block_size, self.policy = num_replicas, block_size, policy
         self.max_blocks, self.balance_threshold = max_blocks, balance_threshold
         self._holders: OrderedDict[BlockHash, set[int]] = OrderedDict()  # oldest first
-        self._next = 0  # round robin's turn
+        self._next = 0  # round robin's turn, and the first in line when loads tie
 
     @property
     def num_blocks_known(self) -> int:
@@ -84,12 +85,19 @@ class DataParallelRouter:
         self._holders.clear()
 
     def _choose(self, block_hashes: list[BlockHash], loads: Sequence[int]) -> int:
-        least_loaded = min(range(self.num_replicas), key=lambda r: (loads[r], r))
+        least_loaded = self._least_loaded(range(self.num_replicas), loads)
         num_matched, holders = self.matched_blocks(block_hashes)
         if num_matched == 0:
             return least_loaded
-        best = min(holders, key=lambda r: (loads[r], r))
+        best = self._least_loaded(holders, loads)
         return best if loads[best] - loads[least_loaded] <= self.balance_threshold else least_loaded
+
+    def _least_loaded(self, replicas: Iterable[int], loads: Sequence[int]) -> int:
+        """The least loaded replica; ties go round robin, so that an idle server spreads new prefixes too."""
+        start = self._next
+        chosen = min(replicas, key=lambda r: (loads[r], (r - start) % self.num_replicas))
+        self._next = (chosen + 1) % self.num_replicas
+        return chosen
 
     def _remember(self, block_hashes: list[BlockHash], replica: int) -> None:
         for block_hash in block_hashes:
