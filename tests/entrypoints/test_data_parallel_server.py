@@ -127,3 +127,16 @@ def test_prefix_aware_routing_hits_the_prefix_cache_more_than_round_robin(tiny_d
         finally:
             server.stop()
     assert hit_rates["prefix_aware"] > hit_rates["round_robin"] > 0
+
+
+def test_the_flags_reach_the_config():
+    from pagedllm.entrypoints.openai.api_server import make_parser
+    from pagedllm.entrypoints.openai.cli_args import engine_config_from_args
+
+    default = engine_config_from_args(make_parser().parse_args([])).parallel
+    assert (default.data_parallel_size, default.data_parallel_router) == (1, "prefix_aware")
+    parallel = engine_config_from_args(make_parser().parse_args(
+        ["-dp", "2", "--data-parallel-router", "round_robin"])).parallel
+    assert (parallel.data_parallel_size, parallel.data_parallel_router) == (2, "round_robin")
+    with pytest.raises(SystemExit):
+        make_parser().parse_args(["--data-parallel-router", "random"])

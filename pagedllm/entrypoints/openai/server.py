@@ -38,8 +38,8 @@ from pagedllm.entrypoints.openai.transport import RequestGate, respond
 from pagedllm.metrics.prometheus import PrometheusStatLogger
 
 
-def build_app(engine: AsyncEngine | AsyncDataParallelEngine, *, served_model_names: Sequence[str] | None = None, api_key: str | None = None,
-              limits: ServerLimits | None = None, enable_auto_tool_choice: bool = False,
+def build_app(engine: AsyncEngine | AsyncDataParallelEngine, *, served_model_names: Sequence[str] | None = None,
+              api_key: str | None = None, limits: ServerLimits | None = None, enable_auto_tool_choice: bool = False,
               tool_call_parser: str | None = None) -> FastAPI:
     """An OpenAI-compatible app serving `engine`.
 
