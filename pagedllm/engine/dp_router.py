@@ -2,13 +2,15 @@
 
 Each replica has its own KV pool, so a prompt's prefix-cache hits come only from the replica that ran its prefix
 before. The prefix-aware router remembers, for the full blocks of the prompts it routed, which replicas got them,
-and sends a prompt to the replica holding the longest chain of its leading blocks:
+and sends a prompt to the replica holding the longest chain of its leading blocks, if that chain is at least
+`cache_threshold` of the prompt's full blocks:
 
 ```
 block hashes (the prefix cache's own chain, cache_salt in block 0):
   prompt A:  h0 h1 h2 h3          -> no replica knows h0: the least loaded one, say 1; remember h0..h3 -> {1}
   prompt B:  h0 h1 h2 h7 h8       -> replica 1 holds h0 h1 h2 (3 blocks): replica 1; h7 h8 -> {1}
   prompt C:  h9 ...               -> nobody: the least loaded replica
+  prompt D:  h0 h5 h6 h7 h8 h9    -> 1 block of 6 on replica 1: too little, the least loaded replica
 ```
 The map is bounded (least recently used hashes go first) and is the router's belief, not the pools' state: a
 replica may have evicted a block since. When the replica holding the prefix has more than `balance_threshold`
@@ -37,10 +39,13 @@ class DataParallelRouter:
             pools hold together.
         balance_threshold: how many more unfinished requests than the least loaded replica the prefix's holder may
             have and still get the request.
+        cache_threshold: the least share of the prompt's full blocks that must match for the holder to get the
+            request (SGLang's `cache_threshold`); below it the request balances like an unrelated one. Chat
+            prompts share their template's first block or two, which is no reason to pile them on one replica.
     """
 
     def __init__(self, num_replicas: int, block_size: int, policy: DataParallelRouterPolicy = "prefix_aware",
-                 max_blocks: int = 65536, balance_threshold: int = 16) -> None:
+                 max_blocks: int = 65536, balance_threshold: int = 16, cache_threshold: float = 0.5) -> None:
         if num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
         if policy not in ("prefix_aware", "round_robin"):
@@ -48,7 +53,9 @@ class DataParallelRouter:
         if max_blocks < 1:
             raise ValueError(f"max_blocks must be >= 1, got {max_blocks}")
         self.num_replicas, self.block_size, self.policy = num_replicas, block_size, policy
-        self.max_blocks, self.balance_threshold = max_blocks, balance_threshold
+        if not 0.0 <= cache_threshold <= 1.0:
+            raise ValueError(f"cache_threshold must be in [0, 1], got {cache_threshold}")
+        self.max_blocks, self.balance_threshold, self.cache_threshold = max_blocks, balance_threshold, cache_threshold
         self._holders: OrderedDict[BlockHash, set[int]] = OrderedDict()  # oldest first
         self._next = 0  # round robin's turn, and the first in line when loads tie
 
@@ -87,7 +94,7 @@ class DataParallelRouter:
     def _choose(self, block_hashes: list[BlockHash], loads: Sequence[int]) -> int:
         least_loaded = self._least_loaded(range(self.num_replicas), loads)
         num_matched, holders = self.matched_blocks(block_hashes)
-        if num_matched == 0:
+        if num_matched == 0 or num_matched < self.cache_threshold * len(block_hashes):
             return least_loaded
         best = self._least_loaded(holders, loads)
         return best if loads[best] - loads[least_loaded] <= self.balance_threshold else least_loaded

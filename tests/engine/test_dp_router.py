@@ -83,7 +83,7 @@ def test_forget_clears_the_map():
 
 @pytest.mark.parametrize("kwargs, field", [
     (dict(num_replicas=0), "num_replicas"), (dict(policy="random"), "data_parallel_router"),
-    (dict(max_blocks=0), "max_blocks")])
+    (dict(max_blocks=0), "max_blocks"), (dict(cache_threshold=1.5), "cache_threshold")])
 def test_bad_settings_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         DataParallelRouter(**({"num_replicas": 2, "block_size": BLOCK} | kwargs))
@@ -114,3 +114,17 @@ def test_the_lru_bound_holds_and_the_newest_prefix_is_remembered(requests, max_b
         if hashes and len(hashes) <= max_blocks:
             num_matched, holders = router.matched_blocks(hashes)
             assert num_matched == len(hashes) and replica in holders
+
+
+def test_a_short_common_head_does_not_pull_a_prompt_to_its_holder():
+    """Chat prompts share their template's first block: below cache_threshold of the prompt's blocks, a match
+    counts for nothing and the request balances."""
+    router = DataParallelRouter(2, BLOCK)
+    head = _prompt(9, 1)
+    assert router.route(head + _prompt(1, 3), None, [0, 0]) == 0
+    assert router.route(head + _prompt(2, 3), None, [1, 0]) == 1          # 1 block of 4 matched: balance
+    assert router.route(head + _prompt(1, 3, [5]), None, [1, 1]) == 0     # 4 of 4 on replica 0
+    assert router.route(head + _prompt(1, 1), None, [5, 0]) == 0          # 2 of 2: replica 0, within the threshold
+    strict = DataParallelRouter(2, BLOCK, cache_threshold=1.0)
+    strict.route(_prompt(1, 2), None, [0, 0])
+    assert strict.route(_prompt(1, 2) + _prompt(3, 1), None, [1, 0]) == 1  # 2 of 3 is not all
