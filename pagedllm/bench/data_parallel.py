@@ -2,7 +2,11 @@
 the prefix-aware router, then N replicas round robin.
 
 The workload is `--num-prefixes` system prompts (each the `prefix` bench's, from its own seed) with
-`--num-prompts` questions spread over them, in a shuffled order, all given to `LLM.generate` at once. One engine
+`--num-prompts` questions spread over them, in a shuffled order, all given to `LLM.generate` at once. Before the
+timed run each system prompt is served alone once (max_tokens=1, one after the other, routed as any request), as
+a server that has seen them before would hold them: then what counts is where the router sends the questions
+(the prefix cache shares no block between requests prefilled in the same step, so without the warm-up the first
+step's misses would hide it). One engine
 uses the process's intra-op threads; N replicas share them out (each gets threads / N) and step in N threads,
 so that the comparison is at the same cores. The hit rate is prompt tokens served from a prefix cache (each
 RequestOutput's `num_cached_tokens`) over all prompt tokens: a prefix that the router sends to both replicas is
@@ -21,6 +25,7 @@ from typing import Any
 
 from pagedllm.bench.args import add_engine_args, engine_kwargs
 from pagedllm.bench.datasets import BenchRequest, shared_prefix_requests
+from pagedllm.bench.prefix import shared_prefix_len
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -53,14 +58,17 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def multi_prefix_requests(tokenizer, args: argparse.Namespace) -> list[BenchRequest]:
-    """`num_prompts` requests over `num_prefixes` system prompts, shuffled."""
+def multi_prefix_requests(tokenizer, args: argparse.Namespace) -> tuple[list[BenchRequest], list[list[int]]]:
+    """`num_prompts` requests over `num_prefixes` system prompts, shuffled; and each system prompt's tokens."""
     requests: list[BenchRequest] = []
+    prefixes: list[list[int]] = []
     for group in range(args.num_prefixes):
         count = args.num_prompts // args.num_prefixes + (group < args.num_prompts % args.num_prefixes)
-        requests += shared_prefix_requests(tokenizer, count, args.prefix_len, args.output_len, args.seed + group)
+        group_requests = shared_prefix_requests(tokenizer, count, args.prefix_len, args.output_len, args.seed + group)
+        prefixes.append(group_requests[0].prompt_token_ids[:shared_prefix_len(group_requests)])
+        requests += group_requests
     random.Random(args.seed).shuffle(requests)
-    return requests
+    return requests, prefixes
 
 
 def run_once(args: argparse.Namespace, data_parallel_size: int, router: str) -> dict[str, Any]:
@@ -72,7 +80,9 @@ def run_once(args: argparse.Namespace, data_parallel_size: int, router: str) -> 
     num_threads = torch.get_num_threads()
     try:
         with LLM(**engine_kwargs(args, data_parallel_size=data_parallel_size, data_parallel_router=router)) as llm:
-            requests = multi_prefix_requests(llm.get_tokenizer(), args)
+            requests, prefixes = multi_prefix_requests(llm.get_tokenizer(), args)
+            for prefix in prefixes:     # the warm-up: as a server that has seen each system prompt before
+                llm.generate([prefix], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
             params = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=r.output_len) for r in requests]
             start = time.perf_counter()
             outputs = llm.generate([r.prompt_token_ids for r in requests], params, use_tqdm=False)
