@@ -129,8 +129,8 @@ def test_prefix_aware_routing_hits_the_prefix_cache_more_than_round_robin(tiny_d
     assert hit_rates["prefix_aware"] > hit_rates["round_robin"] > 0
 
 
-def test_the_flags_reach_the_config():
-    from pagedllm.entrypoints.openai.api_server import make_parser
+def test_the_flags_reach_the_config_and_the_app(tiny_dir):
+    from pagedllm.entrypoints.openai.api_server import build_app_from_args, make_parser
     from pagedllm.entrypoints.openai.cli_args import engine_config_from_args
 
     default = engine_config_from_args(make_parser().parse_args([])).parallel
@@ -140,3 +140,9 @@ def test_the_flags_reach_the_config():
     assert (parallel.data_parallel_size, parallel.data_parallel_router) == (2, "round_robin")
     with pytest.raises(SystemExit):
         make_parser().parse_args(["--data-parallel-router", "random"])
+    app = build_app_from_args(make_parser().parse_args(
+        ["--model", str(tiny_dir), "-dp", "2", "--kv-cache-memory", "1M", "--max-model-len", str(TINY_CONTEXT)]))
+    try:
+        assert isinstance(app.state.engine, AsyncDataParallelEngine) and app.state.engine.data_parallel_size == 2
+    finally:
+        app.state.engine.close()
