@@ -77,3 +77,11 @@ def test_an_engine_refuses_data_parallel_size_above_one(tiny_dir):
         LLMEngine(EngineConfig(model=ModelConfig(model=str(tiny_dir)), parallel=ParallelConfig(data_parallel_size=2)))
     with pytest.raises(ValueError, match="data_parallel_router"):
         _llm(tiny_dir, 2, data_parallel_router="random")
+
+
+def test_each_replica_gets_its_own_swap_file(tiny_dir, disk_tmp_path):
+    path = disk_tmp_path / "swap"
+    with _llm(tiny_dir, 2, swap_space=0.001, swap_path=str(path), preemption_mode="swap") as llm:
+        assert [r.runner.swap.location for r in llm.engine.replicas] == [f"the file {path}.0", f"the file {path}.1"]
+        assert (disk_tmp_path / "swap.0").exists() and (disk_tmp_path / "swap.1").exists()
+    assert not any(disk_tmp_path.iterdir())             # close() deleted both
