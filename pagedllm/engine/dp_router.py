@@ -10,7 +10,7 @@ block hashes (the prefix cache's own chain, cache_salt in block 0):
   prompt A:  h0 h1 h2 h3          -> no replica knows h0: the least loaded one, say 1; remember h0..h3 -> {1}
   prompt B:  h0 h1 h2 h7 h8       -> replica 1 holds h0 h1 h2 (3 blocks): replica 1; h7 h8 -> {1}
   prompt C:  h9 ...               -> nobody: the least loaded replica
-  prompt D:  h0 h5 h6 h7 h8 h9    -> 1 block of 6 on replica 1: too little, the least loaded replica
+  prompt D:  h0 h5 h6 h10 h11 h12 -> 1 block of 6 on replica 1: too little, the least loaded replica
 ```
 The map is bounded (least recently used hashes go first) and is the router's belief, not the pools' state: a
 replica may have evicted a block since. When the replica holding the prefix has more than `balance_threshold`
