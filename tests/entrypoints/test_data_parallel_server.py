@@ -74,9 +74,9 @@ def test_completions_chat_streaming_and_n_work_across_replicas(dp_server):
     assert all(replica.engine.prefix_cache_stats.num_queries > 0 for replica in engine.replicas)
 
 
-def test_metrics_label_each_replica(dp_server):
-    for i in range(4):
-        _complete(dp_server.base_url, f"{i} metrics prompt number {i}")
+def test_metrics_label_each_replica_and_the_dashboard_shows_replica_0(dp_server):
+    for i in range(4):     # lengths 0, 7, 28, 63 more: no two replicas' totals can be equal
+        _complete(dp_server.base_url, f"{i} metrics prompt" + "x" * (7 * i * i))
     values = scrape(dp_server.base_url)
     for replica in ("0", "1"):
         assert metric(values, "pagedllm:num_blocks_total", replica=replica) == 127     # block 0 is the null block
@@ -84,6 +84,11 @@ def test_metrics_label_each_replica(dp_server):
                    for r in ("0", "1")]
     served = [replica.engine.prefix_cache_stats.num_queries for replica in dp_server.engine.replicas]
     assert per_replica == served and all(per_replica)
+    # /v1/kv_cache (the dashboard's data) shows replica 0.
+    kv_cache = httpx.get(f"{dp_server.base_url}/v1/kv_cache", timeout=10).json()
+    first = dp_server.engine.replicas[0].latest_stats
+    assert kv_cache["stats"]["prefix_cache_queries"] == first.prefix_cache_queries_total
+    assert first.prefix_cache_queries_total != dp_server.engine.replicas[1].latest_stats.prefix_cache_queries_total
 
 
 def test_a_disconnect_frees_the_blocks_of_the_replica_that_ran_it(dp_server):
