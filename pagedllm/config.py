@@ -11,6 +11,7 @@ from typing import Literal
 PreemptionMode = Literal["recompute", "swap", "auto"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 DistributedExecutorBackend = Literal["mp", "ray"]
+DataParallelRouterPolicy = Literal["prefix_aware", "round_robin"]
 
 
 def _require(ok: bool, name: str, allowed: str, value: object) -> None:
@@ -190,7 +191,10 @@ class ParallelConfig:
     Args:
         tensor_parallel_size: worker processes that each hold 1/N of every layer (and of the KV heads), joined
             by torch.distributed (gloo on a CPU, NCCL on a GPU).
-        data_parallel_size: whole engines, each with its own KV pool, behind one router.
+        data_parallel_size: whole engines (replicas), each with its own KV pool and the configured KV budget,
+            behind one router.
+        data_parallel_router: how the router picks a replica: "prefix_aware" (the replica most likely to hold
+            the prompt's prefix, else the least loaded) or "round_robin".
         distributed_executor_backend: how the tensor-parallel workers start: "mp" (local processes) or "ray"
             (Ray actors, on a running cluster or a local one); None: "mp".
     """
@@ -198,12 +202,18 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     distributed_executor_backend: DistributedExecutorBackend | None = None
+    data_parallel_router: DataParallelRouterPolicy = "prefix_aware"
 
     def __post_init__(self) -> None:
         _require(self.tensor_parallel_size >= 1, "tensor_parallel_size", ">= 1", self.tensor_parallel_size)
         _require(self.data_parallel_size >= 1, "data_parallel_size", ">= 1", self.data_parallel_size)
         _require(self.distributed_executor_backend in (None, "mp", "ray"), "distributed_executor_backend",
                  "None, 'mp' or 'ray'", self.distributed_executor_backend)
+        _require(self.data_parallel_router in ("prefix_aware", "round_robin"), "data_parallel_router",
+                 "one of 'prefix_aware', 'round_robin'", self.data_parallel_router)
+        _require(self.tensor_parallel_size == 1 or self.data_parallel_size == 1, "data_parallel_size",
+                 "1 with tensor_parallel_size > 1 (replicas of tensor-parallel groups are not supported yet: "
+                 "each group needs a process of its own)", self.data_parallel_size)
 
 
 @dataclass

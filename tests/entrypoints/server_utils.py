@@ -19,6 +19,7 @@ import uvicorn
 
 from pagedllm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pagedllm.engine.async_engine import AsyncEngine
+from pagedllm.engine.data_parallel import AsyncDataParallelEngine
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.llm import LLM
 from pagedllm.entrypoints.openai.server import build_app
@@ -38,7 +39,7 @@ REFERENCE_PROMPTS = [f"{form} {topic}." for form, topic in itertools.product(_FO
 @dataclass
 class RunningServer:
     base_url: str
-    engine: AsyncEngine
+    engine: AsyncEngine | AsyncDataParallelEngine
     server: uvicorn.Server
     thread: threading.Thread
     model_name: str
@@ -72,9 +73,9 @@ def offline_reference(engine: LLMEngine, prompts: list[str], max_tokens: int) ->
 def start_server(engine, *, api_key: str | None = API_KEY, limits: ServerLimits | None = None,
                  served_model_names: list[str] | None = None, timeout: float = 60.0,
                  tool_call_parser: str | None = None) -> RunningServer:
-    """Serve an (LLM or fake) engine on a free 127.0.0.1 port; returns once /health answers. `tool_call_parser`
-    turns on tool_choice "auto" with that parser."""
-    async_engine = AsyncEngine(engine)
+    """Serve an (LLM or fake) engine, or data-parallel replicas (an AsyncDataParallelEngine), on a free 127.0.0.1
+    port; returns once /health answers. `tool_call_parser` turns on tool_choice "auto" with that parser."""
+    async_engine = engine if isinstance(engine, AsyncDataParallelEngine) else AsyncEngine(engine)
     limits = limits or ServerLimits(max_request_body_bytes=MAX_BODY_BYTES)
     app = build_app(async_engine, served_model_names=served_model_names, api_key=api_key, limits=limits,
                     enable_auto_tool_choice=tool_call_parser is not None, tool_call_parser=tool_call_parser)

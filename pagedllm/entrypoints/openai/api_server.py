@@ -17,12 +17,11 @@ DESCRIPTION = ("Serve a model over an OpenAI-compatible HTTP API: /v1/models, /v
 
 def build_app_from_args(args: argparse.Namespace):
     """Load the engine the flags describe and wrap it in the app (the engine thread starts with the server)."""
-    from pagedllm.engine.async_engine import AsyncEngine
-    from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.engine.data_parallel import build_async_engine
     from pagedllm.entrypoints.openai.server import build_app
     from pagedllm.entrypoints.openai.serving_base import ServerLimits
 
-    engine = AsyncEngine(LLMEngine(engine_config_from_args(args)), log_requests=args.enable_log_requests)
+    engine = build_async_engine(engine_config_from_args(args), log_requests=args.enable_log_requests)
     limits = ServerLimits(max_request_body_bytes=args.max_request_body_bytes, max_n=args.max_n,
                           max_stop_strings=args.max_stop_strings, max_logprobs=args.max_logprobs,
                           max_choices=args.max_choices)
@@ -49,7 +48,7 @@ def run_server(args: argparse.Namespace) -> None:
         GracefulServer(config, app.state.engine, args.shutdown_timeout).run()
     finally:
         # The lifespan closes the engine on a graceful stop; a forced one (a second signal) skips the lifespan.
-        app.state.engine.engine.close()
+        app.state.engine.close()
 
 
 def make_parser() -> argparse.ArgumentParser:

@@ -123,7 +123,11 @@ def add_server_args(parser: argparse.ArgumentParser, *, positional_model: bool) 
     parallel.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                           help="worker processes sharing each layer, joined by torch.distributed (default: 1)")
     parallel.add_argument("--data-parallel-size", "-dp", type=int, default=1,
-                          help="engines behind a prefix-aware router, each with its own KV pool (default: 1)")
+                          help="engines behind a prefix-aware router, each with its own KV pool of the configured "
+                               "size (default: 1)")
+    parallel.add_argument("--data-parallel-router", default="prefix_aware", choices=["prefix_aware", "round_robin"],
+                          help="send a request to the replica most likely to hold its prefix (else the least "
+                               "loaded), or round robin (default: %(default)s)")
     parallel.add_argument("--distributed-executor-backend", default=None, choices=["mp", "ray"],
                           help="start the tensor-parallel workers as local processes (mp, the default) or Ray actors")
     engine.add_argument("--seed", type=int, default=0, help="seed of the engine's random stream (default: 0)")
@@ -162,5 +166,6 @@ def engine_config_from_args(args: argparse.Namespace):
         speculative=SpeculativeConfig.from_dict(args.speculative_config),
         parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
                                 data_parallel_size=args.data_parallel_size,
-                                distributed_executor_backend=args.distributed_executor_backend),
+                                distributed_executor_backend=args.distributed_executor_backend,
+                                data_parallel_router=args.data_parallel_router),
     )

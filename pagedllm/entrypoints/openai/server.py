@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedllm
 from pagedllm.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
+from pagedllm.engine.data_parallel import AsyncDataParallelEngine
 from pagedllm.entrypoints.openai.dashboard import dashboard_router
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -37,13 +38,14 @@ from pagedllm.entrypoints.openai.transport import RequestGate, respond
 from pagedllm.metrics.prometheus import PrometheusStatLogger
 
 
-def build_app(engine: AsyncEngine, *, served_model_names: Sequence[str] | None = None, api_key: str | None = None,
-              limits: ServerLimits | None = None, enable_auto_tool_choice: bool = False,
+def build_app(engine: AsyncEngine | AsyncDataParallelEngine, *, served_model_names: Sequence[str] | None = None,
+              api_key: str | None = None, limits: ServerLimits | None = None, enable_auto_tool_choice: bool = False,
               tool_call_parser: str | None = None) -> FastAPI:
     """An OpenAI-compatible app serving `engine`.
 
     Args:
-        engine: an AsyncEngine not yet started; the app's lifespan starts and stops it.
+        engine: an AsyncEngine not yet started, or data-parallel replicas behind one (AsyncDataParallelEngine);
+            the app's lifespan starts and stops it.
         served_model_names: names accepted in `model` (default: the engine's model name).
         api_key: when set, /v1/* requires `Authorization: Bearer <api_key>`, and /dashboard `?key=<api_key>`.
         limits: per-request limits (default: ServerLimits()).
@@ -54,7 +56,8 @@ def build_app(engine: AsyncEngine, *, served_model_names: Sequence[str] | None =
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
     names = list(served_model_names or [engine.model_name])
     limits = limits or ServerLimits()
-    stat_logger = PrometheusStatLogger(names[0], swap_space_bytes=engine.swap_space_bytes)
+    stat_logger = PrometheusStatLogger(names[0], swap_space_bytes=engine.swap_space_bytes,
+                                       data_parallel_size=engine.data_parallel_size)
     engine.add_stat_logger(stat_logger.record)
 
     @asynccontextmanager

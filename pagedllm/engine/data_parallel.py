@@ -1,0 +1,309 @@
+"""Data parallelism: N whole engines (replicas), each with its own KV pool, behind a router (dp_router.py).
+
+```
+                      router.route(prompt ids, cache_salt, loads)
+ LLM.generate  --->  DataParallelEngine  ---> replica 0: LLMEngine   step() in thread 0 --+
+ (offline)           step(): every busy  ---> replica 1: LLMEngine   step() in thread 1 --+--> outputs, in one list
+                     replica at once
+
+ server        --->  AsyncDataParallelEngine ---> replica 0: AsyncEngine (its own engine thread)
+ (serving_*.py)      generate() routes; the  ---> replica 1: AsyncEngine (its own engine thread)
+                     rest fans out
+```
+Both fronts keep the interface of what they stand for (LLMEngine for the offline LLM, AsyncEngine for the server),
+so neither the offline API nor the serving code knows about replicas. A request runs on one replica from start
+to end, so its `n` completions, beams, aborts and disconnects stay inside that replica. The model forward
+releases the GIL, so the replicas' steps overlap on the cores. Each replica takes the configured KV budget (as a
+vLLM data-parallel rank does); on a CPU the process's intra-op threads are shared out among the replicas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import functools
+from collections import Counter
+from collections.abc import AsyncGenerator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import aclosing
+from typing import TypeVar
+
+import torch
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.kv_cache.block_pool import PrefixCacheStats
+from pagedllm.engine.async_engine import AsyncEngine, KVCacheSnapshot
+from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchParams
+from pagedllm.engine.dp_router import DataParallelRouter
+from pagedllm.engine.llm_engine import LLMEngine, PromptInput
+from pagedllm.inputs import parse_prompt
+from pagedllm.logger import init_logger
+from pagedllm.outputs import RequestOutput
+from pagedllm.runner import kv_tensors
+from pagedllm.sampling_params import SamplingParams
+
+logger = init_logger(__name__)
+T = TypeVar("T")
+
+
+def build_replicas(config: EngineConfig) -> list[LLMEngine]:
+    """`config.parallel.data_parallel_size` engines, each with the configured KV budget (a `swap_path` gets the
+    replica's index as a suffix); on a CPU the intra-op threads are divided among them. Logs the pools' sizes."""
+    num_replicas = config.parallel.data_parallel_size
+    if config.model.device == "cpu" and num_replicas > 1:
+        num_threads = max(1, torch.get_num_threads() // num_replicas)
+        torch.set_num_threads(num_threads)
+        logger.info("data parallel: %d intra-op thread(s) per replica", num_threads)
+    replicas: list[LLMEngine] = []
+    try:
+        for index in range(num_replicas):
+            replica_config = copy.deepcopy(config)
+            replica_config.parallel.data_parallel_size = 1
+            if config.cache.swap_path is not None and num_replicas > 1:
+                replica_config.cache.swap_path = f"{config.cache.swap_path}.{index}"
+            replicas.append(LLMEngine(replica_config))
+    except BaseException:
+        for replica in replicas:
+            replica.close()
+        raise
+    if num_replicas > 1:
+        capacity = replicas[0].capacity
+        pool_gib = capacity.num_blocks * capacity.block_size * capacity.bytes_per_token / kv_tensors.GiB
+        logger.info("data parallel: %d replicas, each with its own KV pool of %d blocks (%.2f GiB; %.2f GiB in all)",
+                    num_replicas, capacity.num_blocks, pool_gib, num_replicas * pool_gib)
+    return replicas
+
+
+def make_router(config: EngineConfig, num_blocks_per_replica: int) -> DataParallelRouter:
+    """The config's router, remembering about as many block hashes as the replicas' pools hold together."""
+    parallel = config.parallel
+    return DataParallelRouter(parallel.data_parallel_size, config.cache.block_size, parallel.data_parallel_router,
+                              max_blocks=parallel.data_parallel_size * num_blocks_per_replica)
+
+
+class DataParallelEngine:
+    """The offline front: N LLMEngine replicas with LLMEngine's request and step methods (those `LLM` uses).
+
+    `add_request` routes; `step()` steps every replica that has work, at once, one thread each, and returns all
+    their outputs. Only one thread at a time touches a replica, as for a single engine.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.replicas = build_replicas(config)
+        first = self.replicas[0]
+        self.config = copy.deepcopy(first.config)       # what replica 0 derived, with the parallel settings
+        self.config.parallel = copy.deepcopy(config.parallel)
+        self.tokenizer, self.model_name = first.tokenizer, first.model_name
+        self.vocab_size, self.max_model_len = first.vocab_size, first.max_model_len
+        self.router = make_router(config, first.capacity.num_blocks)
+        self._owner: dict[str, int] = {}    # unfinished request id -> its replica
+        self._pool = ThreadPoolExecutor(len(self.replicas), thread_name_prefix="pagedllm-dp")
+
+    def tokenize_prompt(self, prompt: PromptInput) -> list[int]:
+        return self.replicas[0].tokenize_prompt(prompt)
+
+    def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams, priority: int = 0,
+                    cache_salt: str | None = None, arrival_time: float | None = None,
+                    prompt_token_ids: list[int] | None = None) -> None:
+        """Route the request to a replica and queue it there (see `LLMEngine.add_request`)."""
+        self._check_new(request_id)
+        token_ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize_prompt(prompt)
+        cache_salt = cache_salt if cache_salt is not None else parse_prompt(prompt).cache_salt
+        index = self.router.route(token_ids, cache_salt, self._loads())
+        self.replicas[index].add_request(request_id, prompt, params, priority, cache_salt, arrival_time, token_ids)
+        self._owner[request_id] = index
+
+    def add_beam_search(self, request_id: str, prompt: PromptInput, params: BeamSearchParams) -> None:
+        self._check_new(request_id)
+        index = self.router.route(self.tokenize_prompt(prompt), parse_prompt(prompt).cache_salt, self._loads())
+        self.replicas[index].add_beam_search(request_id, prompt, params)
+        self._owner[request_id] = index
+
+    def pop_beam_search_output(self, request_id: str) -> BeamSearchOutput | None:
+        index = self._owner.get(request_id)
+        output = self.replicas[index].pop_beam_search_output(request_id) if index is not None else None
+        if output is not None:
+            del self._owner[request_id]
+        return output
+
+    def abort_request(self, request_ids: list[str], stop_reason: str | None = None) -> list[RequestOutput]:
+        """Abort each request on its replica; returns the aborted requests' last outputs."""
+        outputs = []
+        for request_id in request_ids:
+            index = self._owner.pop(request_id, None)
+            if index is not None:
+                outputs += self.replicas[index].abort_request([request_id], stop_reason)
+        return outputs
+
+    def step(self) -> list[RequestOutput]:
+        """One step of every replica with unfinished requests, concurrently."""
+        busy = [replica for replica in self.replicas if replica.has_unfinished_requests()]
+        results = list(self._pool.map(LLMEngine.step, busy)) if len(busy) > 1 else [r.step() for r in busy]
+        outputs = [output for result in results for output in result]
+        for output in outputs:
+            if output.finished:
+                self._owner.pop(output.request_id, None)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return any(replica.has_unfinished_requests() for replica in self.replicas)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every replica's cached blocks and the router's map; False if some replica is busy (those that
+        are idle are reset all the same)."""
+        done = all([replica.reset_prefix_cache() for replica in self.replicas])
+        if done:
+            self.router.forget()
+        return done
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """The replicas' prefix-cache totals, summed."""
+        stats = [replica.prefix_cache_stats for replica in self.replicas]
+        return PrefixCacheStats(sum(s.num_queries for s in stats), sum(s.num_query_tokens for s in stats),
+                                sum(s.num_hit_tokens for s in stats))
+
+    def close(self) -> None:
+        for replica in self.replicas:
+            replica.close()
+        self._pool.shutdown(wait=False)
+
+    def _check_new(self, request_id: str) -> None:
+        if request_id in self._owner:
+            raise ValueError(f"request id {request_id!r} is already in use")
+
+    def _loads(self) -> list[int]:
+        counts = Counter(self._owner.values())
+        return [counts[index] for index in range(len(self.replicas))]
+
+
+class AsyncDataParallelEngine:
+    """The server's front: N AsyncEngine replicas (each its own engine thread) with AsyncEngine's interface.
+
+    `generate` routes the request to a replica and streams from it; an abort goes to the replica running the
+    request; start, drain and shutdown go to every replica; the engine is running while every replica is.
+    Tokenizing and the read-only facts come from replica 0 (the replicas load the same model).
+
+    Args:
+        replicas: AsyncEngines not yet started.
+        router: picks a replica for each request, given the requests each one is running.
+    """
+
+    def __init__(self, replicas: list[AsyncEngine], router: DataParallelRouter) -> None:
+        self.replicas, self.router = replicas, router
+        self._owner: dict[str, int] = {}    # event loop thread only
+
+    # ---- read-only facts ------------------------------------------------------------------------------------------
+    @property
+    def data_parallel_size(self) -> int:
+        return len(self.replicas)
+
+    @property
+    def tokenizer(self):
+        return self.replicas[0].tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.replicas[0].max_model_len
+
+    @property
+    def model_name(self) -> str:
+        return self.replicas[0].model_name
+
+    @property
+    def vocab_size(self) -> int:
+        return self.replicas[0].vocab_size
+
+    @property
+    def swap_space_bytes(self) -> int:
+        """Each replica's swap pool."""
+        return self.replicas[0].swap_space_bytes
+
+    @property
+    def error(self) -> BaseException | None:
+        """The first replica's error that stopped its loop; None while all run."""
+        return next((replica.error for replica in self.replicas if replica.error is not None), None)
+
+    @property
+    def is_running(self) -> bool:
+        return all(replica.is_running for replica in self.replicas)
+
+    @property
+    def is_draining(self) -> bool:
+        return any(replica.is_draining for replica in self.replicas)
+
+    @property
+    def num_active_requests(self) -> int:
+        return sum(replica.num_active_requests for replica in self.replicas)
+
+    async def tokenize_prompt(self, prompt: PromptInput) -> list[int]:
+        return await self.replicas[0].tokenize_prompt(prompt)
+
+    async def run_on_tokenizer_thread(self, fn: Callable[..., T], *args, **kwargs) -> T:
+        return await self.replicas[0].run_on_tokenizer_thread(fn, *args, **kwargs)
+
+    def add_stat_logger(self, stat_logger: Callable[..., None]) -> None:
+        """Call `stat_logger(scheduler_stats, iteration_stats, replica=index)` on each replica's engine thread after
+        each of its steps."""
+        for index, replica in enumerate(self.replicas):
+            replica.add_stat_logger(functools.partial(stat_logger, replica=index))
+
+    # ---- lifecycle ------------------------------------------------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        loop = loop or asyncio.get_running_loop()
+        for replica in self.replicas:
+            replica.start(loop)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        for replica in self.replicas:
+            replica.shutdown(timeout)
+
+    def close(self) -> None:
+        for replica in self.replicas:
+            replica.close()
+
+    def begin_drain(self) -> None:
+        for replica in self.replicas:
+            replica.begin_drain()
+
+    async def drain(self, timeout: float, poll_interval: float = 0.05) -> int:
+        """Drain every replica at once (see `AsyncEngine.drain`); returns how many requests were aborted."""
+        return sum(await asyncio.gather(*(replica.drain(timeout, poll_interval) for replica in self.replicas)))
+
+    # ---- requests -------------------------------------------------------------------------------------------------
+    async def generate(self, request_id: str, prompt: PromptInput, params: SamplingParams, *,
+                       prompt_token_ids: list[int] | None = None, priority: int = 0,
+                       cache_salt: str | None = None) -> AsyncGenerator[RequestOutput, None]:
+        """Route the request to a replica and yield its outputs (see `AsyncEngine.generate`)."""
+        if request_id in self._owner:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        token_ids = prompt_token_ids if prompt_token_ids is not None else await self.tokenize_prompt(prompt)
+        cache_salt = cache_salt if cache_salt is not None else parse_prompt(prompt).cache_salt
+        index = self.router.route(token_ids, cache_salt, [r.num_active_requests for r in self.replicas])
+        self._owner[request_id] = index
+        try:
+            stream = self.replicas[index].generate(request_id, prompt, params, prompt_token_ids=token_ids,
+                                                   priority=priority, cache_salt=cache_salt)
+            async with aclosing(stream):
+                async for output in stream:
+                    yield output
+        finally:
+            self._owner.pop(request_id, None)
+
+    async def kv_cache_snapshot(self) -> KVCacheSnapshot:
+        """Replica 0's block map and stats (the dashboard shows one pool)."""
+        return await self.replicas[0].kv_cache_snapshot()
+
+    def abort(self, request_id: str) -> None:
+        index = self._owner.get(request_id)
+        if index is not None:
+            self.replicas[index].abort(request_id)
+
+
+def build_async_engine(config: EngineConfig, log_requests: bool = False) -> AsyncEngine | AsyncDataParallelEngine:
+    """The server's engine: one AsyncEngine, or with data_parallel_size > 1 the replicas behind the router."""
+    replicas = build_replicas(config)
+    engines = [AsyncEngine(replica, log_requests) for replica in replicas]
+    if len(engines) == 1:
+        return engines[0]
+    return AsyncDataParallelEngine(engines, make_router(config, replicas[0].capacity.num_blocks))

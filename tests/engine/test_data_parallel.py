@@ -1,0 +1,87 @@
+"""Offline data parallelism: `LLM(data_parallel_size=2)` routes the prompts over two replicas, steps them in two
+threads, and returns the same greedy tokens as one engine, in input order. On a tiny random Llama."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.engine.beam_search import BeamSearchParams
+from pagedllm.engine.data_parallel import DataParallelEngine
+from tests.models.tiny import save_tiny_model
+from tests.reliability.tiny_server import TINY_CONTEXT, random_prompts
+
+SYSTEM = "You are a terse assistant. Answer in one word. Context: " + "abcdefgh" * 6   # 3+ blocks of 16
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    folder, _ = save_tiny_model(tmp_path_factory.mktemp("dp") / "llama", "llama-gqa", initializer_range=0.5)
+    return folder
+
+
+@pytest.fixture(autouse=True)
+def restore_torch_threads():
+    """build_replicas divides the process's intra-op threads among the replicas."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def _llm(folder, data_parallel_size: int, **kwargs) -> LLM:
+    return LLM(str(folder), dtype="float32", max_model_len=TINY_CONTEXT, block_size=16, num_kv_blocks=128,
+               data_parallel_size=data_parallel_size, **kwargs)
+
+
+def test_two_replicas_give_one_engines_greedy_tokens_in_input_order(tiny_dir):
+    prompts = random_prompts(10, seed=3) + [SYSTEM + f" Question {i}?" for i in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    with _llm(tiny_dir, 1) as one:
+        expected = [o.outputs[0].token_ids for o in one.generate(prompts, params, use_tqdm=False)]
+    with _llm(tiny_dir, 2) as two:
+        assert isinstance(two.engine, DataParallelEngine) and len(two.engine.replicas) == 2
+        outputs = two.generate(prompts, params, use_tqdm=False)
+        assert [o.prompt for o in outputs] == prompts
+        assert [o.outputs[0].token_ids for o in outputs] == expected
+        queries = [replica.prefix_cache_stats.num_queries for replica in two.engine.replicas]
+        assert all(queries) and sum(queries) == len(prompts)      # both replicas ran some of the prompts
+        # n > 1 and beam search run inside one replica each.
+        (forked,) = two.generate([prompts[0]], SamplingParams(n=2, temperature=0.0, max_tokens=6, ignore_eos=True),
+                                 use_tqdm=False)
+        assert [c.token_ids for c in forked.outputs] == [expected[0], expected[0]]
+        (beams,) = two.beam_search([prompts[1]], BeamSearchParams(beam_width=2, max_tokens=3))
+        assert len(beams.sequences) == 2
+        assert not two.engine.has_unfinished_requests() and not two.engine._owner
+
+
+def test_prefix_aware_routing_hits_the_cache_more_than_round_robin_offline(tiny_dir):
+    """Three system prompts, four questions each, one after the other: the router keeps each system prompt on one
+    replica (one miss each), round robin computes it on both (two misses each)."""
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    hit_rates = {}
+    for router in ("prefix_aware", "round_robin"):
+        with _llm(tiny_dir, 2, data_parallel_router=router) as llm:
+            for group in range(3):
+                for i in range(4):
+                    llm.generate([f"{group}{SYSTEM} Question {i}?"], params, use_tqdm=False)
+            hit_rates[router] = llm.engine.prefix_cache_stats.hit_rate
+    assert hit_rates["prefix_aware"] > hit_rates["round_robin"]
+
+
+def test_an_engine_refuses_data_parallel_size_above_one(tiny_dir):
+    from pagedllm.config import EngineConfig, ModelConfig, ParallelConfig
+    from pagedllm.engine.llm_engine import LLMEngine
+
+    with pytest.raises(ValueError, match="one replica"):
+        LLMEngine(EngineConfig(model=ModelConfig(model=str(tiny_dir)), parallel=ParallelConfig(data_parallel_size=2)))
+    with pytest.raises(ValueError, match="data_parallel_router"):
+        _llm(tiny_dir, 2, data_parallel_router="random")
+
+
+def test_each_replica_gets_its_own_swap_file(tiny_dir, disk_tmp_path):
+    path = disk_tmp_path / "swap"
+    with _llm(tiny_dir, 2, swap_space=0.001, swap_path=str(path), preemption_mode="swap") as llm:
+        assert [r.runner.swap.location for r in llm.engine.replicas] == [f"the file {path}.0", f"the file {path}.1"]
+        assert (disk_tmp_path / "swap.0").exists() and (disk_tmp_path / "swap.1").exists()
+    assert not any(disk_tmp_path.iterdir())             # close() deleted both
