@@ -111,32 +111,46 @@ def test_prefill_kernel_matches_the_torch_path_and_reference(heads: str, dtype: 
 
 
 # The int8 cache's mixed batch: decodes first (the decode kernel), then fresh and cached-prefix prefill chunks and a
-# late decode (the prefill kernel), crossing many blocks and 16-key tiles.
-INT8_BATCH = ([40, 7, 0, 0, 100, 33], [1, 1, 70, 1, 37, 18])
+# late decode (the prefill kernel), crossing blocks, 16-key tiles and 16-token query tiles.
+INT8_BATCH = ([20, 7, 0, 0, 40, 33], [1, 1, 35, 1, 20, 18])
+INT8_HEADS = ["mha", "gqa3", "gqa5"]  # the kernels' fixed group sizes 1 and 3, and the generic path
 
 
-@pytest.mark.parametrize("heads", list(HEADS))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("head_dim", [HEAD_DIM, 64, 128])
-def test_int8_cache_kernels_match_the_dequantized_reference(heads: str, dtype: torch.dtype, head_dim: int,
-                                                            isa_level: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The kernels read an int8 row as q * s, the floats `dequantize_kv` gives the reference: the same inputs, so
-    the float tolerances hold (float32: summation order only; bf16: the output's rounding)."""
+def _int8_attention(heads: str, dtype: torch.dtype, head_dim: int) -> tuple[torch.Tensor, ...]:
+    """(kernel or torch-path output, the two decodes alone, the dequantize-then-float reference)."""
     num_heads, num_kv_heads = HEADS[heads]
     query, k_cache, v_cache, meta, _ = _random_batch(*INT8_BATCH, num_heads, num_kv_heads, dtype, seed=7,
                                                      head_dim=head_dim, int8_cache=True)
     assert k_cache.dtype == torch.int8 and k_cache.shape[-1] == head_dim + 4
     scale = head_dim ** -0.5
-    kernel = paged_attention(query, k_cache, v_cache, meta, scale)
+    out = paged_attention(query, k_cache, v_cache, meta, scale)
     decodes = decode_attention(query[:2], k_cache, v_cache, meta.block_tables[:2], meta.seq_lens[:2], scale)
-    monkeypatch.setenv("PAGEDLLM_DISABLE_KERNELS", "1")
-    torch_path = paged_attention(query, k_cache, v_cache, meta, scale)
-    expected = paged_attention_ref(query, k_cache, v_cache, meta, scale)
+    return out, decodes, paged_attention_ref(query, k_cache, v_cache, meta, scale)
+
+
+@pytest.mark.parametrize("heads", INT8_HEADS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [HEAD_DIM, 64, 128])
+def test_int8_cache_kernels_match_the_dequantized_reference(heads: str, dtype: torch.dtype, head_dim: int,
+                                                            isa_level: str) -> None:
+    """The kernels read an int8 row as q * s, the floats `dequantize_kv` gives the reference: the same inputs, so
+    the float tolerances hold (float32: summation order only; bf16: the output's rounding)."""
+    out, decodes, expected = _int8_attention(heads, dtype, head_dim)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    assert kernel.dtype == dtype
-    torch.testing.assert_close(kernel.float(), expected.float(), atol=tol, rtol=tol)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
     torch.testing.assert_close(decodes.float(), expected[:2].float(), atol=tol, rtol=tol)
-    torch.testing.assert_close(torch_path.float(), expected.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("heads", INT8_HEADS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_cache_torch_path_matches_the_dequantized_reference(heads: str, dtype: torch.dtype,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PAGEDLLM_DISABLE_KERNELS", "1")
+    out, decodes, expected = _int8_attention(heads, dtype, 64)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(decodes.float(), expected[:2].float(), atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("head_dim", [HEAD_DIM, 64])
