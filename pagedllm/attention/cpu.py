@@ -5,6 +5,8 @@ The runner puts decode sequences (one new token) first; they run through the C++
 the C++ prefill kernel (`prefill_attention.cpp`). Both read K/V in place through the block tables. Without the
 kernels: decodes through one padded, masked SDPA call, and each prefill chunk through one SDPA call over its
 gathered context (plainly causal when the chunk is the whole context, with an offset causal mask otherwise).
+An int8 cache (kv_cache_dtype="int8", see `torch_ref.quantize_kv`) is dequantized where it is read: by the
+kernels row by row, by the torch paths after each gather.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.attention.torch_ref import gather_kv, write_kv
+from pagedllm.attention.torch_ref import dequantize_kv, gather_kv, write_kv
 from pagedllm.kernels import kernels_for
 
 __all__ = ["paged_attention", "decode_attention", "write_kv"]
@@ -71,8 +73,8 @@ def _prefill_per_sequence(out: torch.Tensor, query: torch.Tensor, k_cache: torch
         if q_len == 0:
             continue
         q = query[start:end].transpose(0, 1)  # [H, q_len, D]
-        k = gather_kv(k_cache, meta.block_tables[i], seq_len).transpose(0, 1)  # [Hkv, seq_len, D]
-        v = gather_kv(v_cache, meta.block_tables[i], seq_len).transpose(0, 1)
+        k = _as_query(query, gather_kv(k_cache, meta.block_tables[i], seq_len)).transpose(0, 1)  # [Hkv, seq_len, D]
+        v = _as_query(query, gather_kv(v_cache, meta.block_tables[i], seq_len)).transpose(0, 1)
         # Query j sits at position seq_len - q_len + j. SDPA's is_causal aligns the mask to the top-left, which is
         # right only when nothing was cached before this chunk; otherwise the mask is offset.
         fresh = q_len == seq_len
@@ -94,10 +96,15 @@ def _decode_padded(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     block_size = k_cache.shape[1]
     num_blocks = (int(seq_lens.max()) + block_size - 1) // block_size
     tables = block_tables[:, :num_blocks].long()  # [B, nb]
-    k = k_cache[tables].flatten(1, 2).transpose(1, 2)  # [B, Hkv, nb*bs, D]
-    v = v_cache[tables].flatten(1, 2).transpose(1, 2)
+    k = _as_query(query, k_cache[tables]).flatten(1, 2).transpose(1, 2)  # [B, Hkv, nb*bs, D]
+    v = _as_query(query, v_cache[tables]).flatten(1, 2).transpose(1, 2)
     positions = torch.arange(num_blocks * block_size, device=query.device)
     mask = positions.unsqueeze(0) < seq_lens.to(query.device).unsqueeze(1)  # [B, nb*bs]
     o = F.scaled_dot_product_attention(query.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], scale=scale,
                                        enable_gqa=True)
     return o.squeeze(2)  # [B, H, D]
+
+
+def _as_query(query: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Gathered cache rows in the query's dtype: an int8 cache's dequantized, a float cache's as they are."""
+    return rows if rows.dtype == query.dtype else dequantize_kv(rows).to(query.dtype)

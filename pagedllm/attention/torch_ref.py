@@ -23,12 +23,40 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 
     Args:
         key, value: [num_tokens, num_kv_heads, head_dim].
-        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], written in place.
+        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], written in place; an int8 cache
+            ([..., head_dim + 4]) stores the rows quantized by `quantize_kv`.
         slot_mapping: [num_tokens] int64, slot = block_id * block_size + offset.
     """
     num_slots = k_cache.shape[0] * k_cache.shape[1]
-    k_cache.view(num_slots, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    v_cache.view(num_slots, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+    k_cache.view(num_slots, *k_cache.shape[2:]).index_copy_(0, slot_mapping, _to_cache(key, k_cache.dtype))
+    v_cache.view(num_slots, *v_cache.shape[2:]).index_copy_(0, slot_mapping, _to_cache(value, v_cache.dtype))
+
+
+def _to_cache(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    return quantize_kv(x) if cache_dtype == torch.int8 else x.to(cache_dtype)
+
+
+def quantize_kv(x: torch.Tensor) -> torch.Tensor:
+    """K or V rows in an int8 cache's layout: [..., head_dim] -> [..., head_dim + 4] int8.
+
+    Each row (one token's one kv head) is scaled symmetrically by its own absmax: s = max|x| / 127, q =
+    round(x / s), stored as the head_dim int8 values q followed by the 4 bytes of float32 s. Keeping the scale in
+    the row keeps it in the block, so that a block copy or swap moves it with the data, and a per-token scale
+    makes a token's stored K/V independent of the tokens batched with it.
+
+        row: | q[0] q[1] ... q[D-1] | s (float32, 4 bytes) |      x ~= q * s
+    """
+    scale = x.float().abs().amax(dim=-1, keepdim=True) / 127.0  # [..., 1]
+    q = torch.round(x.float() / torch.where(scale > 0, scale, 1.0)).clamp_(-127, 127).to(torch.int8)
+    return torch.cat([q, scale.view(torch.int8)], dim=-1)
+
+
+def dequantize_kv(rows: torch.Tensor) -> torch.Tensor:
+    """Cached K or V rows as float32: an int8 cache's q * s ([..., head_dim + 4] -> [..., head_dim]), a float
+    cache's values widened."""
+    if rows.dtype != torch.int8:
+        return rows.float()
+    return rows[..., :-4].float() * rows[..., -4:].contiguous().view(torch.float32)
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -47,7 +75,8 @@ def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
     Args:
         query: [num_tokens, num_heads, head_dim].
-        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim].
+        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim] in a float dtype, or int8 caches
+            (see `quantize_kv`), dequantized as they are read.
     Returns:
         [num_tokens, num_heads, head_dim], in query's dtype.
     """
@@ -61,8 +90,8 @@ def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         if q_len == 0:
             continue
         q = query[start:end].float()  # [q_len, H, D]
-        k = gather_kv(k_cache, meta.block_tables[i], seq_len).float().repeat_interleave(group, dim=1)
-        v = gather_kv(v_cache, meta.block_tables[i], seq_len).float().repeat_interleave(group, dim=1)
+        k = dequantize_kv(gather_kv(k_cache, meta.block_tables[i], seq_len)).repeat_interleave(group, dim=1)
+        v = dequantize_kv(gather_kv(v_cache, meta.block_tables[i], seq_len)).repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [H, q_len, seq_len]
         q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
         k_pos = torch.arange(seq_len).unsqueeze(0)

@@ -30,6 +30,8 @@ def add_engine_args(parser: argparse.ArgumentParser, prefix_caching_flag: bool =
     if quantization_flag:
         group.add_argument("--quantization", "-q", default=None, choices=["int8"],
                            help="int8: weights stored as int8 with per-row scales (pagedllm only; peers run --dtype)")
+        group.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
+                           help="int8: K/V stored as int8 with a float32 scale per row (pagedllm only)")
     group.add_argument("--max-model-len", type=int, default=None)
     group.add_argument("--max-num-seqs", type=int, default=256)
     group.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -50,7 +52,8 @@ def engine_kwargs(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                   kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
                   enable_prefix_caching=getattr(args, "enable_prefix_caching", True), seed=args.seed,
-                  quantization=getattr(args, "quantization", None), speculative_config=args.speculative_config,
+                  quantization=getattr(args, "quantization", None),
+                  kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"), speculative_config=args.speculative_config,
                   tensor_parallel_size=args.tensor_parallel_size)
     return kwargs | overrides
 

@@ -28,6 +28,8 @@ def add_memory_parsers(subparsers: argparse._SubParsersAction) -> None:
                            "max_model_len)")
     plan.add_argument("--max-model-len", type=int, default=None, help="context length cap (default: the model's)")
     plan.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    plan.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
+                      help="K/V storage: the model's dtype, or int8 with a float32 scale per row (default: auto)")
     plan.add_argument("--json", action="store_true", help="print JSON for scripts")
     plan.set_defaults(func=run_plan)
 
@@ -62,7 +64,7 @@ def run_plan(args: argparse.Namespace) -> dict[str, Any]:
 
     try:
         plan = make_plan(args.model, args.kv_cache_memory, args.block_size, args.context_len, args.max_model_len,
-                         args.dtype)
+                         args.dtype, args.kv_cache_dtype)
     except (ValueError, FileNotFoundError) as error:
         raise SystemExit(f"error: {error}") from None
     print(json.dumps(plan.to_json(), indent=2) if args.json else format_plan(plan))

@@ -8,7 +8,7 @@ head), GQA (its own grouping, when it has one) and MQA (one KV head).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -44,6 +44,7 @@ class KVPlan:
     num_kv_heads: int
     head_dim: int
     dtype: str
+    kv_cache_dtype: str
     budget_bytes: int
     context_len: int
     capacity: kv_tensors.CapacityReport
@@ -58,7 +59,8 @@ def attention_kind(num_heads: int, num_kv_heads: int) -> str:
 
 
 def make_plan(model: str | None, budget_bytes: int | None = None, block_size: int = 8,
-              context_len: int | None = None, max_model_len: int | None = None, dtype: str = "auto") -> KVPlan:
+              context_len: int | None = None, max_model_len: int | None = None, dtype: str = "auto",
+              kv_cache_dtype: str = "auto") -> KVPlan:
     """The plan for `model` (a folder, a .gguf file or None for the default) and a KV budget.
 
     Args:
@@ -66,6 +68,7 @@ def make_plan(model: str | None, budget_bytes: int | None = None, block_size: in
         context_len: tokens per sequence for the "how many fit" columns; None is `DEFAULT_CONTEXT_LEN` (capped
             by max_model_len).
         max_model_len: as the engine's flag: caps the model's context length; None keeps it.
+        kv_cache_dtype: as the engine's: "auto" (the model's dtype) or "int8" (int8 plus a float32 scale per row).
     """
     from pagedllm.loader import load_hf_config, max_model_len_of, resolve_dtype, resolve_model
 
@@ -80,19 +83,20 @@ def make_plan(model: str | None, budget_bytes: int | None = None, block_size: in
     if not 0 < context_len <= model_len:
         raise ValueError(f"context_len must be in [1, max_model_len={model_len}], got {context_len}")
     num_heads = hf_config.num_attention_heads
-    layout = kv_tensors.KVLayout(shape.num_layers, shape.num_kv_heads, shape.head_dim, torch_dtype)
+    layout = kv_tensors.KVLayout(shape.num_layers, shape.num_kv_heads, shape.head_dim, torch_dtype, kv_cache_dtype)
     capacity = kv_tensors.CapacityReport(kv_tensors.num_blocks_for(budget_bytes, layout, block_size), block_size,
                                          layout.bytes_per_token, model_len)
     kv_heads = {"MHA": num_heads, attention_kind(num_heads, shape.num_kv_heads): shape.num_kv_heads, "MQA": 1}
     variants = [_variant(name, layout, heads, budget_bytes, block_size, context_len, model_len)
                 for name, heads in sorted(kv_heads.items(), key=lambda item: -item[1])]
     return KVPlan(resolved.name, shape.num_layers, num_heads, shape.num_kv_heads, shape.head_dim,
-                  str(torch_dtype).removeprefix("torch."), budget_bytes, context_len, capacity, variants)
+                  str(torch_dtype).removeprefix("torch."), kv_cache_dtype, budget_bytes, context_len, capacity,
+                  variants)
 
 
 def _variant(name: str, layout: kv_tensors.KVLayout, num_kv_heads: int, budget_bytes: int, block_size: int,
              context_len: int, max_model_len: int) -> AttentionVariant:
-    layout = kv_tensors.KVLayout(layout.num_layers, num_kv_heads, layout.head_dim, layout.dtype)
+    layout = replace(layout, num_kv_heads=num_kv_heads)
     num_blocks = kv_tensors.num_blocks_for(budget_bytes, layout, block_size)
     num_slots = (num_blocks - 1) * block_size   # block 0 is the null block
     return AttentionVariant(name, num_kv_heads, layout.bytes_per_token, num_blocks,
@@ -102,11 +106,13 @@ def _variant(name: str, layout: kv_tensors.KVLayout, num_kv_heads: int, budget_b
 def format_plan(plan: KVPlan) -> str:
     """The plan as a short report and a table, one row per attention variant."""
     kind = attention_kind(plan.num_heads, plan.num_kv_heads)
+    row_bytes = plan.capacity.bytes_per_token // (2 * plan.num_layers * plan.num_kv_heads)
+    int8 = plan.kv_cache_dtype == "int8"
+    row = f"({plan.head_dim} int8 + a 4-byte scale)" if int8 else f"{plan.head_dim} x {row_bytes // plan.head_dim} bytes"
     lines = [f"model: {plan.model}: {plan.num_layers} layers, {plan.num_heads} query heads, {plan.num_kv_heads} "
-             f"KV heads ({kind}), head_dim {plan.head_dim}, {plan.dtype}",
-             f"KV bytes per token: 2 x {plan.num_layers} layers x {plan.num_kv_heads} KV heads x {plan.head_dim} "
-             f"x {plan.capacity.bytes_per_token // (2 * plan.num_layers * plan.num_kv_heads * plan.head_dim)} bytes"
-             f" = {plan.capacity.bytes_per_token:,}",
+             f"KV heads ({kind}), head_dim {plan.head_dim}, {plan.dtype}{', int8 KV cache' if int8 else ''}",
+             f"KV bytes per token: 2 x {plan.num_layers} layers x {plan.num_kv_heads} KV heads x {row} "
+             f"= {plan.capacity.bytes_per_token:,}",
              f"budget: {plan.budget_bytes / kv_tensors.GiB:.2f} GiB -> {plan.capacity}",
              f"sequences of {plan.context_len} tokens that fit: paged (blocks of {plan.capacity.block_size}) vs "
              f"contiguous (each reserves max_model_len={plan.capacity.max_model_len}):", ""]

@@ -7,6 +7,10 @@ One tensor holds every layer's keys and values, shaped in blocks:
 
 so that a block copy (copy-on-write) or a swap moves one block of every layer with one indexing op.
 
+With kv_cache_dtype="int8" the tensor is int8 and each row is `head_dim + 4` bytes wide: the quantized values,
+then that (token, kv head)'s float32 scale (`pagedllm.attention.torch_ref.quantize_kv`). The scales live in the
+blocks, so copies, swaps and the swap pool move them with the data and need no change.
+
 The swap pool (`SwapSpace`) has the same layout. Next to a GPU it is pinned host memory; on a CPU device it is
 a memory-mapped file, so that swapped blocks can leave RAM for the page cache and the disk and the swap pool
 really adds capacity. That holds only on a disk: a file on a RAM-backed filesystem (tmpfs, ramfs; /dev/shm, and
@@ -36,18 +40,40 @@ RAM_BACKED_FILESYSTEMS = ("tmpfs", "ramfs")
 
 @dataclass(frozen=True)
 class KVLayout:
-    """The shape of one token's K/V across the model."""
+    """The shape of one token's K/V across the model.
+
+    dtype is the model's; kv_cache_dtype "auto" stores K/V in it, "int8" as int8 rows with a float32 scale each.
+    """
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    kv_cache_dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_dtype == "int8" and self.head_dim % 4:
+            raise ValueError(f"kv_cache_dtype 'int8' needs a head_dim that is a multiple of 4 (its float32 scales "
+                             f"are stored aligned beside the rows), got {self.head_dim}")
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        return torch.int8 if self.kv_cache_dtype == "int8" else self.dtype
+
+    @property
+    def row_size(self) -> int:
+        """Stored elements per (token, kv head): head_dim, plus the 4 bytes of an int8 row's float32 scale."""
+        return self.head_dim + 4 if self.kv_cache_dtype == "int8" else self.head_dim
 
     @property
     def bytes_per_token(self) -> int:
-        """2 (K and V) x layers x kv_heads x head_dim x dtype bytes."""
-        element_size = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_size
+        """2 (K and V) x layers x kv_heads x row bytes (head_dim x dtype bytes, or head_dim + 4 for int8)."""
+        element_size = torch.empty((), dtype=self.storage_dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.row_size * element_size
+
+    def shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """The pool tensor's shape: [num_layers, 2, num_blocks, block_size, num_kv_heads, row_size]."""
+        return (self.num_layers, 2, num_blocks, block_size, self.num_kv_heads, self.row_size)
 
 
 @dataclass(frozen=True)
@@ -104,16 +130,16 @@ def allocate_kv(layout: KVLayout, num_blocks: int, block_size: int, device: torc
     each first touch of a 2 MiB page can stall for milliseconds in compaction, and the mixed benchmark ran ~6%
     slower than with 4 KiB faults.
     """
-    shape = (layout.num_layers, 2, num_blocks, block_size, layout.num_kv_heads, layout.head_dim)
+    shape, dtype = layout.shape(num_blocks, block_size), layout.storage_dtype
     if device.type != "cpu":
-        return torch.zeros(shape, dtype=layout.dtype, device=device)
-    element_size = torch.empty((), dtype=layout.dtype).element_size()
+        return torch.zeros(shape, dtype=dtype, device=device)
+    element_size = torch.empty((), dtype=dtype).element_size()
     raw = np.zeros(int(np.prod(shape)) * element_size, dtype=np.uint8)
-    return torch.from_numpy(raw).view(layout.dtype).view(shape)
+    return torch.from_numpy(raw).view(dtype).view(shape)
 
 
 def layer_caches(kv: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per-layer (k_cache, v_cache) views, each [num_blocks, block_size, num_kv_heads, head_dim]."""
+    """Per-layer (k_cache, v_cache) views, each [num_blocks, block_size, num_kv_heads, row_size]."""
     return [(kv[layer, 0], kv[layer, 1]) for layer in range(kv.shape[0])]
 
 
@@ -172,7 +198,7 @@ def _anonymous_swap_dir() -> str:
 
 
 class SwapSpace:
-    """The swap pool's tensor, `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`.
+    """The swap pool's tensor, `[num_layers, 2, num_blocks, block_size, num_kv_heads, row_size]` (`KVLayout.shape`).
 
     Args:
         layout, num_blocks, block_size: as for `allocate_kv`.
@@ -186,14 +212,14 @@ class SwapSpace:
 
     def __init__(self, layout: KVLayout, num_blocks: int, block_size: int, device: torch.device,
                  path: str | None = None) -> None:
-        shape = (layout.num_layers, 2, num_blocks, block_size, layout.num_kv_heads, layout.head_dim)
+        shape, dtype = layout.shape(num_blocks, block_size), layout.storage_dtype
         self.path = path
         self._file = None
         if device.type == "cuda":
-            self.kv = torch.zeros(shape, dtype=layout.dtype, pin_memory=True)
+            self.kv = torch.zeros(shape, dtype=dtype, pin_memory=True)
             self.location = "pinned host memory"
             return
-        num_bytes = int(np.prod(shape)) * torch.empty((), dtype=layout.dtype).element_size()
+        num_bytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
         if path is not None and is_ram_backed(path):
             raise ValueError(f"swap_path {path!r} is on a RAM-backed filesystem ({filesystem_type(path)}): swapped "
                              "blocks would stay in RAM and the swap pool would add no capacity; give a file on a disk")
@@ -205,7 +231,7 @@ class SwapSpace:
             self.location = f"an anonymous file in {folder}"
         self._file.truncate(num_bytes)  # sparse: pages cost nothing until a block is swapped out
         raw = np.memmap(self._file, dtype=np.uint8, mode="r+", shape=(num_bytes,))
-        self.kv = torch.from_numpy(raw).view(layout.dtype).view(shape)
+        self.kv = torch.from_numpy(raw).view(dtype).view(shape)
 
     @property
     def is_memory_mapped(self) -> bool:

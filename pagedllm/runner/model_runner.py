@@ -74,7 +74,7 @@ class ModelRunner:
         self.device = next(self.model.parameters()).device
         self.shape = model_shape(loaded.hf_config, loaded.tp_rank, loaded.tp_size)
         self.layout = kv_tensors.KVLayout(self.shape.num_layers, self.shape.num_kv_heads, self.shape.head_dim,
-                                          loaded.dtype)
+                                          loaded.dtype, cache_config.kv_cache_dtype)
         self.block_size = cache_config.block_size
         self.eos_token_id = eos_token_id
         self.sampler = Sampler()

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from pagedllm.attention.cpu import decode_attention, paged_attention
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.attention.torch_ref import paged_attention_ref, write_kv
+from pagedllm.attention.torch_ref import dequantize_kv, paged_attention_ref, quantize_kv, write_kv
 
 BLOCK_SIZE = 4
 HEAD_DIM = 16
@@ -16,8 +16,10 @@ HEADS = {"mha": (4, 4), "gqa": (4, 2), "gqa3": (9, 3), "mqa": (4, 1), "gqa5": (5
 
 
 def _random_batch(num_computed: list[int], query_lens: list[int], num_heads: int, num_kv_heads: int,
-                  dtype: torch.dtype, seed: int = 0, head_dim: int = HEAD_DIM, block_size: int = BLOCK_SIZE):
-    """Random full sequences; their prefixes are written to a shuffled paged cache, new tokens queued."""
+                  dtype: torch.dtype, seed: int = 0, head_dim: int = HEAD_DIM, block_size: int = BLOCK_SIZE,
+                  int8_cache: bool = False):
+    """Random full sequences; their prefixes are written to a shuffled paged cache (int8 rows with their scales if
+    `int8_cache`), new tokens queued."""
     g = torch.Generator().manual_seed(seed)
     seq_lens = [c + q for c, q in zip(num_computed, query_lens)]
     blocks_needed = [(s + block_size - 1) // block_size for s in seq_lens]
@@ -31,6 +33,8 @@ def _random_batch(num_computed: list[int], query_lens: list[int], num_heads: int
         q_full.append(torch.randn(s, num_heads, head_dim, generator=g).to(dtype))
     k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)  # garbage
     v_cache = torch.randn_like(k_cache)
+    if int8_cache:
+        k_cache, v_cache = quantize_kv(k_cache), quantize_kv(v_cache)
     prefix = AttentionMetadata.build(tables, [0] * len(seq_lens), num_computed, block_size)
     write_kv(torch.cat([k[:c] for k, c in zip(k_full, num_computed)]),
              torch.cat([v[:c] for v, c in zip(v_full, num_computed)]), k_cache, v_cache, prefix.slot_mapping)
@@ -104,6 +108,86 @@ def test_prefill_kernel_matches_the_torch_path_and_reference(heads: str, dtype: 
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(kernel.float(), expected.float(), atol=tol, rtol=tol)
     torch.testing.assert_close(torch_path.float(), expected.float(), atol=tol, rtol=tol)
+
+
+# The int8 cache's mixed batch: decodes first (the decode kernel), then fresh and cached-prefix prefill chunks and a
+# late decode (the prefill kernel), crossing blocks, 16-key tiles and 16-token query tiles.
+INT8_BATCH = ([20, 7, 0, 0, 40, 33], [1, 1, 35, 1, 20, 18])
+INT8_HEADS = ["mha", "gqa3", "gqa5"]  # the kernels' fixed group sizes 1 and 3, and the generic path
+
+
+def _int8_attention(heads: str, dtype: torch.dtype, head_dim: int) -> tuple[torch.Tensor, ...]:
+    """(kernel or torch-path output, the two decodes alone, the dequantize-then-float reference)."""
+    num_heads, num_kv_heads = HEADS[heads]
+    query, k_cache, v_cache, meta, _ = _random_batch(*INT8_BATCH, num_heads, num_kv_heads, dtype, seed=7,
+                                                     head_dim=head_dim, int8_cache=True)
+    assert k_cache.dtype == torch.int8 and k_cache.shape[-1] == head_dim + 4
+    scale = head_dim ** -0.5
+    out = paged_attention(query, k_cache, v_cache, meta, scale)
+    decodes = decode_attention(query[:2], k_cache, v_cache, meta.block_tables[:2], meta.seq_lens[:2], scale)
+    return out, decodes, paged_attention_ref(query, k_cache, v_cache, meta, scale)
+
+
+@pytest.mark.parametrize("heads", INT8_HEADS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [HEAD_DIM, 64, 128])
+def test_int8_cache_kernels_match_the_dequantized_reference(heads: str, dtype: torch.dtype, head_dim: int,
+                                                            isa_level: str) -> None:
+    """The kernels read an int8 row as q * s, the floats `dequantize_kv` gives the reference: the same inputs, so
+    the float tolerances hold (float32: summation order only; bf16: the output's rounding)."""
+    out, decodes, expected = _int8_attention(heads, dtype, head_dim)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(decodes.float(), expected[:2].float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("heads", INT8_HEADS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_cache_torch_path_matches_the_dequantized_reference(heads: str, dtype: torch.dtype,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PAGEDLLM_DISABLE_KERNELS", "1")
+    out, decodes, expected = _int8_attention(heads, dtype, 64)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(decodes.float(), expected[:2].float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("head_dim", [HEAD_DIM, 64])
+def test_int8_cache_attention_is_close_to_float_attention(head_dim: int) -> None:
+    """Against the unquantized cache, loosely. A row's rounding error is at most s / 2 = max|x| / 254 per element,
+    under 0.02 for N(0, 1) rows; V's error passes through the softmax's convex combination unchanged in bound, and
+    K's moves a score by scale * q . dk, a few hundredths here, so each output stays within ~0.05 and the mean
+    error is far smaller."""
+    num_heads, num_kv_heads = HEADS["gqa"]
+    query, k_cache, v_cache, meta, _ = _random_batch(*INT8_BATCH, num_heads, num_kv_heads, torch.float32, seed=7,
+                                                     head_dim=head_dim)
+    _, k_int8, v_int8, _, _ = _random_batch(*INT8_BATCH, num_heads, num_kv_heads, torch.float32, seed=7,
+                                            head_dim=head_dim, int8_cache=True)
+    scale = head_dim ** -0.5
+    exact = paged_attention_ref(query, k_cache, v_cache, meta, scale)
+    quantized = paged_attention(query, k_int8, v_int8, meta, scale)
+    error = (quantized - exact).abs()
+    assert error.max() < 0.05 and error.mean() < 0.005
+    assert error.max() > 0  # it did read the int8 cache
+
+
+def test_quantize_kv_rows_and_write_kv_into_an_int8_cache() -> None:
+    x = torch.randn(6, 2, 8, generator=torch.Generator().manual_seed(0)) * torch.arange(1.0, 7.0)[:, None, None]
+    x[2, 1] = 0.0
+    rows = quantize_kv(x)
+    assert rows.dtype == torch.int8 and rows.shape == (6, 2, 12)
+    scales = rows[..., 8:].contiguous().view(torch.float32).squeeze(-1)
+    torch.testing.assert_close(scales, x.abs().amax(-1) / 127)
+    assert rows[..., :8].abs().amax(-1)[scales > 0].eq(127).all()  # each row's absmax maps to +-127
+    error = (dequantize_kv(rows) - x).abs()
+    assert (error <= scales.unsqueeze(-1) / 2 + 1e-6).all()
+    assert dequantize_kv(rows)[2, 1].eq(0).all()  # a zero row (scale 0) stays zero, no NaN
+    k_cache = torch.zeros(3, BLOCK_SIZE, 2, 12, dtype=torch.int8)
+    v_cache = torch.zeros_like(k_cache)
+    write_kv(x[:3], -x[:3], k_cache, v_cache, torch.tensor([9, 10, 3]))
+    assert torch.equal(k_cache[2, 1], rows[0]) and torch.equal(k_cache[0, 3], rows[2])
+    torch.testing.assert_close(dequantize_kv(v_cache[2, 2]), -dequantize_kv(rows[1]))
 
 
 def test_decode_kernel_reads_a_cache_view_with_layer_strides() -> None:

@@ -61,6 +61,11 @@ def test_plan_command_prints_json_and_a_table(folder: Path, capsys: pytest.Captu
     main(["plan", str(folder), "--kv-cache-memory", "200KiB", "--block-size", "4", "--dtype", "float32"])
     out = capsys.readouterr().out
     assert "KV bytes per token: 2 x 2 layers x 2 KV heads x 16 x 4 bytes = 512" in out and "GQA *" in out
+    main(["plan", str(folder), "--kv-cache-memory", "200KiB", "--block-size", "4", "--dtype", "float32",
+          "--kv-cache-dtype", "int8"])
+    out = capsys.readouterr().out
+    assert "KV bytes per token: 2 x 2 layers x 2 KV heads x (16 int8 + a 4-byte scale) = 160" in out
+    assert "-> KV cache: 320 blocks of 4 tokens" in out  # 200 KiB // (4 x 160 bytes)
 
 
 @pytest.mark.parametrize(("argv", "message"), [

@@ -93,3 +93,42 @@ def test_the_anonymous_swap_file_leaves_a_ram_backed_tmpdir_for_the_cache_dir(di
     swap = kv_tensors.SwapSpace(LAYOUT, num_blocks=5, block_size=4, device=torch.device("cpu"))
     assert swap.location == f"an anonymous file in {disk_tmp_path}"
     swap.close()
+
+
+# ---- kv_cache_dtype="int8" -------------------------------------------------------------------------------------
+INT8_LAYOUT = kv_tensors.KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16, kv_cache_dtype="int8")
+
+
+@pytest.mark.parametrize(("dtype", "ratio"), [(torch.float32, 4 * 64 / 68), (torch.bfloat16, 2 * 64 / 68)])
+def test_an_int8_row_is_head_dim_bytes_and_a_float32_scale(dtype, ratio):
+    assert INT8_LAYOUT.bytes_per_token == 2 * 3 * 2 * (8 + 4)
+    plain = kv_tensors.KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, dtype=dtype)  # SmolLM2-135M's shape
+    int8 = kv_tensors.KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, dtype=dtype, kv_cache_dtype="int8")
+    assert int8.bytes_per_token == 2 * 30 * 3 * 68
+    assert plain.bytes_per_token / int8.bytes_per_token == pytest.approx(ratio)  # 3.76x float32, 1.88x bf16
+    budget = 1 << 30
+    assert kv_tensors.num_blocks_for(budget, int8, 16) == budget // (16 * 2 * 30 * 3 * 68)
+
+
+def test_an_int8_head_dim_must_keep_the_scales_aligned():
+    with pytest.raises(ValueError, match="kv_cache_dtype 'int8' needs a head_dim that is a multiple of 4"):
+        kv_tensors.KVLayout(num_layers=1, num_kv_heads=1, head_dim=6, dtype=torch.float32, kv_cache_dtype="int8")
+
+
+def test_int8_blocks_move_with_their_scales_through_copy_and_swap():
+    """The scales sit in each row's last 4 bytes, so a block copy or a swap round trip moves them too."""
+    from pagedllm.attention.torch_ref import dequantize_kv, quantize_kv
+
+    kv = kv_tensors.allocate_kv(INT8_LAYOUT, 6, 4, torch.device("cpu"))
+    assert kv.shape == (3, 2, 6, 4, 2, 12) and kv.dtype == torch.int8
+    values = torch.randn(3, 2, 6, 4, 2, 8) * torch.arange(1.0, 7.0)[:, None, None, None]  # a scale per block
+    kv.copy_(quantize_kv(values))
+    before = dequantize_kv(kv)
+    kv_tensors.copy_blocks(kv, [(1, 4)])
+    assert torch.equal(dequantize_kv(kv[:, :, 4]), before[:, :, 1])
+    swap = kv_tensors.SwapSpace(INT8_LAYOUT, num_blocks=5, block_size=4, device=torch.device("cpu"))
+    assert swap.kv.shape == kv.shape[:2] + (5,) + kv.shape[3:] and swap.kv.dtype == torch.int8
+    kv_tensors.swap_blocks(kv, swap.kv, [(2, 3)])
+    kv_tensors.swap_blocks(swap.kv, kv, [(3, 5)])
+    assert torch.equal(dequantize_kv(kv[:, :, 5]), before[:, :, 2])
+    swap.close()

@@ -102,6 +102,9 @@ def add_server_args(parser: argparse.ArgumentParser, *, positional_model: bool) 
                              "fraction of RAM (default: on a GPU 0.9, on a CPU a 4 GiB KV pool)")
     engine.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
                         help="size of the KV pool, e.g. 512MiB or 2GiB; overrides --gpu-memory-utilization")
+    engine.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
+                        help="K/V storage: auto is the model's dtype; int8 stores int8 with a float32 scale per token "
+                             "and kv head, ~1.9x the blocks of bfloat16, ~3.8x those of float32 (default: %(default)s)")
     engine.add_argument("--swap-space", type=float, default=0.0,
                         help="GiB of the second KV pool that swap preemption moves blocks to (default: 0)")
     engine.add_argument("--swap-path", default=None,
@@ -160,7 +163,8 @@ def engine_config_from_args(args: argparse.Namespace):
                           chat_template=args.chat_template, quantization=args.quantization),
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                           gpu_memory_utilization=args.gpu_memory_utilization, swap_space=args.swap_space,
-                          swap_path=args.swap_path, enable_prefix_caching=args.enable_prefix_caching),
+                          swap_path=args.swap_path, enable_prefix_caching=args.enable_prefix_caching,
+                          kv_cache_dtype=args.kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   preemption_mode=args.preemption_mode, scheduling_policy=args.scheduling_policy),
         speculative=SpeculativeConfig.from_dict(args.speculative_config),

@@ -5,8 +5,8 @@
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &pagedllm::decode_attention,
-        "Paged decode attention, one query token per sequence: (out, q, k_cache, v_cache, block_tables, seq_lens, "
-        "scale)");
+        "Paged decode attention, one query token per sequence, over a float or int8 cache: (out, q, k_cache, "
+        "v_cache, block_tables, seq_lens, scale)");
   m.def("prefill_attention", &pagedllm::prefill_attention,
         "Paged causal attention of sequences first_seq.. of a flat batch: (out, q, k_cache, v_cache, block_tables, "
         "seq_lens, query_start_loc, first_seq, scale)");

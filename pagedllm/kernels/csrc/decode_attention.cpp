@@ -5,7 +5,8 @@
 // touches padding. Parallel over (sequence, kv head).
 //
 //   q, out:            [num_seqs, num_heads, head_dim]
-//   k_cache, v_cache:  [num_blocks, block_size, num_kv_heads, head_dim]   (any strides in the first three dims)
+//   k_cache, v_cache:  [num_blocks, block_size, num_kv_heads, head_dim]   (any strides in the first three dims);
+//                      int8: [..., head_dim + 4], each row dequantized as it is read (ops.h, load_row)
 //   block_tables:      [num_seqs, max_blocks] int32
 //   seq_lens:          [num_seqs] int32, context length including the query token
 //
@@ -25,13 +26,6 @@
 
 namespace pagedllm {
 namespace {
-
-// Widen a row to float.
-template <typename scalar_t>
-inline void load_row(const scalar_t* src, float* dst, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
-}
 
 inline float dot(const float* a, const float* b, int64_t n) {
   float s = 0.f;
@@ -76,12 +70,12 @@ inline float exp_and_sum(float* s, int64_t n) {
 
 // kHeadDim > 0 and kGroup > 0 fix the head size and the query heads per kv head at compile time, so every
 // per-token loop unrolls into straight vector code and the output accumulators stay in registers; 0 takes the
-// value from the tensors.
-template <typename scalar_t, int64_t kHeadDim, int64_t kGroup>
+// value from the tensors. cache_t is scalar_t, or int8_t for an int8 cache.
+template <typename scalar_t, typename cache_t, int64_t kHeadDim, int64_t kGroup>
 void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& block_tables,
                            const at::Tensor& seq_lens, double scale) {
-  const PagedCache<scalar_t> cache(k_cache, v_cache, block_tables, seq_lens);
+  const PagedCache<cache_t> cache(k_cache, v_cache, block_tables, seq_lens);
   const int64_t num_seqs = q.size(0), num_heads = q.size(1);
   const int64_t head_dim = kHeadDim > 0 ? kHeadDim : q.size(2);
   const int64_t block_size = cache.block_size, num_kv_heads = cache.num_kv_heads;
@@ -105,10 +99,10 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
       }
       // Scores: [group, len], walking the block table one block at a time.
       for (int64_t start = 0; start < len; start += block_size) {
-        const scalar_t* key = cache.key(table, start, h);
+        const cache_t* key = cache.key(table, start, h);
         const int64_t stop = std::min(len, start + block_size);
 #if defined(__AVX512BF16__)
-        if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+        if constexpr (std::is_same_v<cache_t, c10::BFloat16>) {
           if (head_dim % 32 == 0) {
             block_scores_bf16(key, cache.k_token, stop - start, q_ptr + (b * num_heads + h * group) * head_dim, group,
                               head_dim, static_cast<float>(scale), scores.data() + start, len);
@@ -128,7 +122,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
       // Weighted sum of values.
       std::fill(acc, acc + group * head_dim, 0.f);
       for (int64_t start = 0; start < len; start += block_size) {
-        const scalar_t* value = cache.value(table, start, h);
+        const cache_t* value = cache.value(table, start, h);
         const int64_t stop = std::min(len, start + block_size);
         for (int64_t t = start; t < stop; ++t, value += cache.v_token) {
           load_row(value, row.data(), head_dim);
@@ -149,16 +143,16 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
 }
 
 // The group sizes of common GQA models (MHA = 1, SmolLM2 = 3, Llama 3 and Mistral = 4, TinyLlama = 8, ...).
-template <typename scalar_t, int64_t kHeadDim>
+template <typename scalar_t, typename cache_t, int64_t kHeadDim>
 void dispatch_group(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                     const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                     double scale) {
 #define PAGEDLLM_GROUP(G) \
-  case G: return decode_attention_impl<scalar_t, kHeadDim, G>(out, q, k_cache, v_cache, block_tables, seq_lens, scale);
+  case G: return decode_attention_impl<scalar_t, cache_t, kHeadDim, G>(out, q, k_cache, v_cache, block_tables, seq_lens, scale);
   switch (q.size(1) / k_cache.size(2)) {
     PAGEDLLM_GROUP(1) PAGEDLLM_GROUP(2) PAGEDLLM_GROUP(3) PAGEDLLM_GROUP(4)
     PAGEDLLM_GROUP(6) PAGEDLLM_GROUP(7) PAGEDLLM_GROUP(8)
-    default: return decode_attention_impl<scalar_t, kHeadDim, 0>(out, q, k_cache, v_cache, block_tables, seq_lens, scale);
+    default: return decode_attention_impl<scalar_t, cache_t, kHeadDim, 0>(out, q, k_cache, v_cache, block_tables, seq_lens, scale);
   }
 #undef PAGEDLLM_GROUP
 }
@@ -174,11 +168,16 @@ void decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tens
   TORCH_CHECK(block_tables.is_contiguous() && seq_lens.is_contiguous(), "block_tables and seq_lens must be contiguous");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention", [&] {
-    switch (q.size(2)) {
-      case 64: dispatch_group<scalar_t, 64>(out, q, k_cache, v_cache, block_tables, seq_lens, scale); break;
-      case 128: dispatch_group<scalar_t, 128>(out, q, k_cache, v_cache, block_tables, seq_lens, scale); break;
-      default: decode_attention_impl<scalar_t, 0, 0>(out, q, k_cache, v_cache, block_tables, seq_lens, scale);
-    }
+    dispatch_cache<scalar_t>(q, k_cache, v_cache, [&]<typename cache_t>() {
+      switch (q.size(2)) {
+        case 64: return dispatch_group<scalar_t, cache_t, 64>(out, q, k_cache, v_cache, block_tables, seq_lens, scale);
+        case 128:
+          return dispatch_group<scalar_t, cache_t, 128>(out, q, k_cache, v_cache, block_tables, seq_lens, scale);
+        default:
+          return decode_attention_impl<scalar_t, cache_t, 0, 0>(out, q, k_cache, v_cache, block_tables, seq_lens,
+                                                                scale);
+      }
+    });
   });
 }
 

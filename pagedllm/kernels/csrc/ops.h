@@ -34,11 +34,13 @@ void linear_packed(at::Tensor out, at::Tensor x, at::Tensor packed, c10::optiona
 
 // A paged KV cache as raw pointers, for the attention kernels: position `pos` of sequence `seq` lives in block
 // table(seq)[pos / block_size] at offset pos % block_size. The caches are [num_blocks, block_size, num_kv_heads,
-// head_dim] with any strides in the first three dims (e.g. views of one tensor holding every layer).
-template <typename scalar_t>
+// head_dim] with any strides in the first three dims (e.g. views of one tensor holding every layer). An int8 cache
+// (kv_cache_dtype="int8") is [..., head_dim + 4]: each row's head_dim values q, then the float32 scale s of that
+// (token, kv head), the value being q * s (see load_row and pagedllm.attention.torch_ref.quantize_kv).
+template <typename cache_t>
 struct PagedCache {
-  const scalar_t* k;
-  const scalar_t* v;
+  const cache_t* k;
+  const cache_t* v;
   int64_t block_size, num_kv_heads;
   int64_t k_block, k_token, k_head, v_block, v_token, v_head;  // strides
   const int32_t* block_tables;
@@ -46,16 +48,16 @@ struct PagedCache {
   const int32_t* seq_lens;
 
   PagedCache(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables, const at::Tensor& lens)
-      : k(k_cache.data_ptr<scalar_t>()), v(v_cache.data_ptr<scalar_t>()), block_size(k_cache.size(1)),
+      : k(k_cache.data_ptr<cache_t>()), v(v_cache.data_ptr<cache_t>()), block_size(k_cache.size(1)),
         num_kv_heads(k_cache.size(2)), k_block(k_cache.stride(0)), k_token(k_cache.stride(1)),
         k_head(k_cache.stride(2)), v_block(v_cache.stride(0)), v_token(v_cache.stride(1)), v_head(v_cache.stride(2)),
         block_tables(tables.data_ptr<int32_t>()), max_blocks(tables.size(1)), seq_lens(lens.data_ptr<int32_t>()) {}
 
   const int32_t* table(int64_t seq) const { return block_tables + seq * max_blocks; }
-  const scalar_t* key(const int32_t* table, int64_t pos, int64_t head) const {
+  const cache_t* key(const int32_t* table, int64_t pos, int64_t head) const {
     return k + table[pos / block_size] * k_block + (pos % block_size) * k_token + head * k_head;
   }
-  const scalar_t* value(const int32_t* table, int64_t pos, int64_t head) const {
+  const cache_t* value(const int32_t* table, int64_t pos, int64_t head) const {
     return v + table[pos / block_size] * v_block + (pos % block_size) * v_token + head * v_head;
   }
 };
@@ -85,6 +87,35 @@ inline c10::BFloat16 from_float<c10::BFloat16>(float x) {
   c10::BFloat16 out;
   out.x = static_cast<uint16_t>(nan ? 0x7FC0u : rounded);
   return out;
+}
+
+// Widen one cached K or V row of n values to float: a float type by conversion, an int8 row (n values, then its
+// float32 scale) by q * s, the product torch's dequantization computes, so both give the same floats.
+template <typename cache_t>
+inline void load_row(const cache_t* src, float* dst, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
+}
+inline void load_row(const int8_t* src, float* dst, int64_t n) {
+  float scale;
+  std::memcpy(&scale, src + n, sizeof(scale));
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]) * scale;
+}
+
+// Run body.template operator()<cache_t>() with cache_t = int8_t for an int8 cache, else the query's scalar_t; the
+// caches must match the query: same float type, or int8 rows of head_dim + 4.
+template <typename scalar_t, typename Body>
+inline void dispatch_cache(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, Body&& body) {
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k_cache and v_cache must have one dtype");
+  if (k_cache.scalar_type() == at::kChar) {
+    TORCH_CHECK(k_cache.size(3) == q.size(2) + 4 && v_cache.size(3) == q.size(2) + 4,
+                "an int8 cache holds head_dim values and a float32 scale per row");
+    return body.template operator()<int8_t>();
+  }
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type(), "the caches must have the query's dtype, or int8");
+  TORCH_CHECK(k_cache.size(3) == q.size(2) && v_cache.size(3) == q.size(2), "the caches' head_dim must be q's");
+  body.template operator()<scalar_t>();
 }
 
 // exp(x) in float, to within ~2 ulp, written so that `#pragma omp simd` loops over it vectorise: std::exp stays

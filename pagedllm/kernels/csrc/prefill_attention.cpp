@@ -3,7 +3,8 @@
 // taken 16 at a time with an online softmax, so no [q_len, seq_len] score matrix or mask is ever built.
 //
 //   q, out:            [num_tokens, num_heads, head_dim]; seq i's queries are rows qsl[i]:qsl[i+1]
-//   k_cache, v_cache:  [num_blocks, block_size, num_kv_heads, head_dim]   (any strides in the first three dims)
+//   k_cache, v_cache:  [num_blocks, block_size, num_kv_heads, head_dim]   (any strides in the first three dims);
+//                      int8: [..., head_dim + 4], dequantized by pass 1 as it packs them (ops.h, load_row)
 //   block_tables:      [num_seqs, max_blocks] int32;  seq_lens: [num_seqs] int32 (context after this step)
 //   query_start_loc:   [num_seqs + 1] int32
 //   Query j of seq i sits at position seq_len - q_len + j and sees the keys at positions <= its own.
@@ -229,16 +230,16 @@ inline void softmax_accumulate(float* s, int64_t visible, float scale, const flo
   accumulate_values<kHeadDim>(s, visible, v, head_dim, o);
 }
 
-template <typename scalar_t, int64_t kHeadDim>
+template <typename scalar_t, typename cache_t, int64_t kHeadDim>
 void prefill_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                             const at::Tensor& query_start_loc, int64_t first_seq, double scale_arg) {
 #if defined(__AVX512BF16__)
-  constexpr bool kBf16Dot = std::is_same_v<scalar_t, c10::BFloat16>;
+  constexpr bool kBf16Dot = std::is_same_v<cache_t, c10::BFloat16>;  // then scalar_t is bf16 too
 #else
   constexpr bool kBf16Dot = false;
 #endif
-  const PagedCache<scalar_t> cache(k_cache, v_cache, block_tables, seq_lens);
+  const PagedCache<cache_t> cache(k_cache, v_cache, block_tables, seq_lens);
   const int32_t* lens = cache.seq_lens;
   const int64_t num_seqs = seq_lens.size(0), num_heads = q.size(1);
   const int64_t head_dim = kHeadDim > 0 ? kHeadDim : q.size(2);
@@ -275,6 +276,7 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tens
 
   // Pass 1: pack keys and values.
   at::parallel_for(0, static_cast<int64_t>(packed.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> krow(head_dim);
     for (int64_t w = begin; w < end; ++w) {
       const Packed& pk = packed[w];
       const int64_t seq_len = lens[pk.seq];
@@ -292,9 +294,8 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tens
           }
           continue;
         }
-        const scalar_t* key = cache.key(table, pos, pk.head);
-        const scalar_t* value = cache.value(table, pos, pk.head);
-        for (int64_t d = 0; d < head_dim; ++d) vrow[d] = to_float(value[d]);
+        const cache_t* key = cache.key(table, pos, pk.head);
+        load_row(cache.value(table, pos, pk.head), vrow, head_dim);
         if constexpr (kBf16Dot) {
           uint32_t* kdst = k_bits.data() + pk.k_offset + tile * k_tile_words + j;
           const uint16_t* kw = reinterpret_cast<const uint16_t*>(key);
@@ -303,7 +304,8 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tens
           }
         } else {
           float* kdst = k_floats.data() + pk.k_offset + tile * k_tile_words + j;
-          for (int64_t d = 0; d < head_dim; ++d) kdst[d * kKeyTile] = to_float(key[d]);
+          load_row(key, krow.data(), head_dim);
+          for (int64_t d = 0; d < head_dim; ++d) kdst[d * kKeyTile] = krow[d];
         }
       }
     }
@@ -397,17 +399,19 @@ void prefill_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Ten
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
   TORCH_CHECK(q.size(2) % 2 == 0, "head_dim must be even");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "prefill_attention", [&] {
-    switch (q.size(2)) {
-      case 64:
-        return prefill_attention_impl<scalar_t, 64>(out, q, k_cache, v_cache, block_tables, seq_lens,
-                                                    query_start_loc, first_seq, scale);
-      case 128:
-        return prefill_attention_impl<scalar_t, 128>(out, q, k_cache, v_cache, block_tables, seq_lens,
-                                                     query_start_loc, first_seq, scale);
-      default:
-        return prefill_attention_impl<scalar_t, 0>(out, q, k_cache, v_cache, block_tables, seq_lens,
-                                                   query_start_loc, first_seq, scale);
-    }
+    dispatch_cache<scalar_t>(q, k_cache, v_cache, [&]<typename cache_t>() {
+      switch (q.size(2)) {
+        case 64:
+          return prefill_attention_impl<scalar_t, cache_t, 64>(out, q, k_cache, v_cache, block_tables, seq_lens,
+                                                               query_start_loc, first_seq, scale);
+        case 128:
+          return prefill_attention_impl<scalar_t, cache_t, 128>(out, q, k_cache, v_cache, block_tables, seq_lens,
+                                                                query_start_loc, first_seq, scale);
+        default:
+          return prefill_attention_impl<scalar_t, cache_t, 0>(out, q, k_cache, v_cache, block_tables, seq_lens,
+                                                              query_start_loc, first_seq, scale);
+      }
+    });
   });
 }
 
