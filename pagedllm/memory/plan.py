@@ -108,7 +108,8 @@ def format_plan(plan: KVPlan) -> str:
     kind = attention_kind(plan.num_heads, plan.num_kv_heads)
     row_bytes = plan.capacity.bytes_per_token // (2 * plan.num_layers * plan.num_kv_heads)
     int8 = plan.kv_cache_dtype == "int8"
-    row = f"({plan.head_dim} int8 + a 4-byte scale)" if int8 else f"{plan.head_dim} x {row_bytes // plan.head_dim} bytes"
+    row = (f"({plan.head_dim} int8 + a 4-byte scale)" if int8
+           else f"{plan.head_dim} x {row_bytes // plan.head_dim} bytes")
     lines = [f"model: {plan.model}: {plan.num_layers} layers, {plan.num_heads} query heads, {plan.num_kv_heads} "
              f"KV heads ({kind}), head_dim {plan.head_dim}, {plan.dtype}{', int8 KV cache' if int8 else ''}",
              f"KV bytes per token: 2 x {plan.num_layers} layers x {plan.num_kv_heads} KV heads x {row} "
