@@ -153,8 +153,8 @@ def pack_gguf_linear_weights(model: nn.Module, rows: dict[str, tuple[GGMLQuantiz
         if layer_rows.shape[0] != weight.shape[0]:
             raise ValueError(f"{name}: the checkpoint has {layer_rows.shape[0]} rows, the layer {weight.shape[0]}")
         layer.weight = nn.Parameter(pack_gguf_weight(layer_rows, ggml_type), requires_grad=False)
-        layer.weight.out_features = weight.shape[0]  # type: ignore[attr-defined]
-        layer.weight.ggml_type = int(ggml_type)  # type: ignore[attr-defined]
+        layer.weight.out_features = weight.shape[0]
+        layer.weight.ggml_type = int(ggml_type)
         counts[ggml_type.name] += 1
     return counts
 

@@ -125,7 +125,6 @@ def _pack(model: nn.Module, quantization: str | None, resolved: ResolvedModel) -
 def load_model(model_config: ModelConfig, tp_rank: int = 0, tp_size: int = 1) -> LoadedModel:
     """Resolve, build and load the model of `model_config`, in eval mode on `model_config.device`; under tensor
     parallelism, rank `tp_rank`'s slice of it (each rank reads the checkpoint and keeps its own slice)."""
-    from pagedllm.layers.linear import pack_linear_weights
     from pagedllm.models.registry import model_class_for_config
 
     start = time.perf_counter()

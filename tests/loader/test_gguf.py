@@ -13,10 +13,9 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
 from pagedllm.config import ModelConfig
-from pagedllm.loader import load_model
 from pagedllm.layers.gguf import PACKED_GGUF_TYPES, dequantize_gguf_packed, pack_gguf_weight
-from pagedllm.loader.gguf import (GGUFFile, gguf_block_rows, gguf_hf_config, gguf_to_hf_name, iterate_gguf,
-                                  unpermute_qk)
+from pagedllm.loader import load_model
+from pagedllm.loader.gguf import GGUFFile, gguf_block_rows, gguf_hf_config, gguf_to_hf_name, iterate_gguf, unpermute_qk
 from tests.models.tiny import SimplePagedRunner, build_tiny_hf_model
 
 QUANTIZABLE = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1]
