@@ -320,11 +320,14 @@ void linear_for_weight(at::Tensor& out, const at::Tensor& x, const at::Tensor& p
 //    Q4_0: d[16] | q[32][8] bytes: byte j = column j | column j + 8 << 4    W = d (q - 8)    320 bytes
 //    Q4_1: d[16] m[16] | q[32][8] as Q4_0                                    W = d q + m      384 bytes
 //
-// A group is dequantised to float32 [32][16] in an L1 buffer (the same arithmetic as the loader's torch
-// dequantisers, so the same bits) and handed to the float32 tile kernel, once per group for all the row tiles of
-// a chunk of x's rows: a decode step reads each weight byte once, and a prefill dequantises each group once per
-// chunk of up to ~200 rows, a few instructions per weight against 2 x 200 FMAs.
-constexpr int64_t kGroup = 32;  // k's per GGUF block
+// A group is dequantised to float32 [32][16] (the same arithmetic as the loader's torch dequantisers, so the same
+// bits), which is the float32 layout's [32 k][16] slice of that block: the float32 tile kernel sums it, so a row's
+// result is the float32 kernel's on the dequantised weight, bit for bit. Up to kGroupRows rows of x (decode), each
+// group is dequantised into an L1 buffer once for all the row tiles and the weight is read once. Past that
+// (prefill), the whole weight is dequantised into the float32 layout first (4 bytes a weight written and read once
+// per call, small beside M x 2 FLOPs a weight) and the float32 kernel runs on it, panels in L2 and all.
+constexpr int64_t kGroup = 32;      // k's per GGUF block
+constexpr int64_t kGroupRows = 48;  // rows of x up to which a group is dequantised in L1 for all of them
 enum GgufType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };  // ggml's type numbers
 
 int64_t gguf_header_bytes(int64_t type) { return (type == kQ4_1 ? 2 : 1) * kBlock * sizeof(float); }
@@ -394,7 +397,7 @@ void dequant_group(const uint8_t* group, float* w) {
 
 #endif
 
-// out = x W^T + b for a GGUF-packed W: threads split the column blocks (and chunks of rows when few blocks).
+// out = x W^T + b for a GGUF-packed W and at most kGroupRows rows of x.
 template <typename T, int64_t type>
 struct GgufProblem {
   const float* x;
@@ -403,12 +406,6 @@ struct GgufProblem {
   const T* bias;  // nullptr: no bias
   T* out;
   int64_t m, n, k, out_stride;
-
-  // Rows per chunk: a multiple of the tile's rows whose x fits the L2 panel budget (a prefill's x streams once
-  // per column block, from L2).
-  int64_t chunk_rows() const {
-    return std::max<int64_t>(1, kPanelBytes / (k * sizeof(float)) / kMaxRows) * kMaxRows;
-  }
 
   // Block b for rows [m0, m1): acc holds [m1 - m0][16] floats, w one dequantised group.
   void run_block(int64_t b, int64_t m0, int64_t m1, float* acc, float* w) const {
@@ -427,31 +424,48 @@ struct GgufProblem {
     }
   }
 
+  // Threads split the column blocks (and the row tiles when there are few blocks).
   void run_parallel() const {
-    const int64_t rows = chunk_rows(), chunks = (m + rows - 1) / rows;
-    split_blocks_and_tiles((n + kBlock - 1) / kBlock, chunks, m * n * k,
-                           [&](int64_t b0, int64_t b1, int64_t c0, int64_t c1) {
-      std::vector<float> acc(std::min(m, rows) * kBlock), w(kGroup * kBlock);
-      for (int64_t c = c0; c < c1; ++c) {
-        for (int64_t b = b0; b < b1; ++b) run_block(b, c * rows, std::min(m, (c + 1) * rows), acc.data(), w.data());
-      }
+    split_blocks_and_tiles((n + kBlock - 1) / kBlock, (m + kMaxRows - 1) / kMaxRows, m * n * k,
+                           [&](int64_t b0, int64_t b1, int64_t t0, int64_t t1) {
+      const int64_t m0 = t0 * kMaxRows, m1 = std::min(m, t1 * kMaxRows);
+      std::vector<float> acc((m1 - m0) * kBlock), w(kGroup * kBlock);
+      for (int64_t b = b0; b < b1; ++b) run_block(b, m0, m1, acc.data(), w.data());
     });
   }
 };
 
+// The float32 [ceil(N/16), K, 16] weight (pack_linear_weight's layout) of a GGUF-packed one.
+template <int64_t type>
+at::Tensor dequantize_packed(const at::Tensor& packed) {
+  const int64_t groups = packed.size(1);
+  at::Tensor weight = at::empty({packed.size(0), groups * kGroup, kBlock}, packed.options().dtype(at::kFloat));
+  const uint8_t* src = packed.data_ptr<uint8_t>();
+  float* dst = weight.data_ptr<float>();
+  at::parallel_for(0, packed.size(0) * groups, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      dequant_group<type>(src + i * gguf_group_bytes(type), dst + i * kGroup * kBlock);
+    }
+  });
+  return weight;
+}
+
+template <typename T, int64_t type>
+void run_gguf(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+  if (x.size(0) > kGroupRows) return linear_impl<T, float>(out, x, dequantize_packed<type>(packed), bias, {});
+  const at::Tensor x32 = float_rows(x);
+  GgufProblem<T, type>{x32.data_ptr<float>(), x32.stride(0), packed.data_ptr<uint8_t>(),
+                       bias ? bias->data_ptr<T>() : nullptr, out.data_ptr<T>(), x.size(0), out.size(1), x.size(1),
+                       out.stride(0)}.run_parallel();
+}
+
 template <typename T>
 void linear_gguf_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, int64_t type,
                       const c10::optional<at::Tensor>& bias) {
-  const at::Tensor x32 = float_rows(x);
-  const float* x_rows = x32.data_ptr<float>();
-  const uint8_t* weight = packed.data_ptr<uint8_t>();
-  const T* b = bias ? bias->data_ptr<T>() : nullptr;
-  const int64_t m = x.size(0), n = out.size(1), k = x.size(1), ld = x32.stride(0), out_stride = out.stride(0);
-  T* out_rows = out.data_ptr<T>();
   switch (type) {
-    case kQ4_0: return GgufProblem<T, kQ4_0>{x_rows, ld, weight, b, out_rows, m, n, k, out_stride}.run_parallel();
-    case kQ4_1: return GgufProblem<T, kQ4_1>{x_rows, ld, weight, b, out_rows, m, n, k, out_stride}.run_parallel();
-    default: return GgufProblem<T, kQ8_0>{x_rows, ld, weight, b, out_rows, m, n, k, out_stride}.run_parallel();
+    case kQ4_0: return run_gguf<T, kQ4_0>(out, x, packed, bias);
+    case kQ4_1: return run_gguf<T, kQ4_1>(out, x, packed, bias);
+    default: return run_gguf<T, kQ8_0>(out, x, packed, bias);
   }
 }
 
@@ -460,6 +474,23 @@ bool is_float_or_bf16(const at::Tensor& t) {
 }
 
 bool is_weight_dtype(const at::Tensor& t) { return is_float_or_bf16(t) || t.scalar_type() == at::kChar; }
+
+// The checks both kernels make of x, out and bias, for a packed weight of `blocks` column blocks and `k` k's.
+void check_operands(const at::Tensor& out, const at::Tensor& x, int64_t blocks, int64_t k,
+                    const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.dim() == 2 && out.stride(1) == 1,
+              "x and out must be 2-D with contiguous rows");
+  TORCH_CHECK(is_float_or_bf16(x) && out.scalar_type() == x.scalar_type(),
+              "x must be float32 or bfloat16 and out of x's dtype, got x ", x.scalar_type(), ", out ",
+              out.scalar_type());
+  TORCH_CHECK(x.size(1) == k, "x has K=", x.size(1), " but the packed weight K=", k);
+  TORCH_CHECK(out.size(0) == x.size(0) && (out.size(1) + kBlock - 1) / kBlock == blocks,
+              "out must be [M, N] with M=", x.size(0), " and N in (", 16 * (blocks - 1), ", ", 16 * blocks,
+              "], got ", out.sizes());
+  TORCH_CHECK(!bias || (bias->is_contiguous() && bias->numel() == out.size(1) && bias->scalar_type() == x.scalar_type()
+                        && bias->device().is_cpu()),
+              "bias must be a contiguous [N] CPU tensor of x's dtype");
+}
 
 }  // namespace
 
@@ -482,18 +513,7 @@ void linear_packed(at::Tensor out, at::Tensor x, at::Tensor packed, c10::optiona
   TORCH_CHECK(x.device().is_cpu() && out.device().is_cpu() && packed.device().is_cpu(), "tensors must be on the CPU");
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kBlock && packed.is_contiguous() && is_weight_dtype(packed),
               "packed must come from pack_linear_weight: a contiguous float32, bfloat16 or int8 [ceil(N/16), K, 16]");
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.dim() == 2 && out.stride(1) == 1,
-              "x and out must be 2-D with contiguous rows");
-  TORCH_CHECK(is_float_or_bf16(x) && out.scalar_type() == x.scalar_type(),
-              "x must be float32 or bfloat16 and out of x's dtype, got x ", x.scalar_type(), ", out ",
-              out.scalar_type());
-  TORCH_CHECK(x.size(1) == packed.size(1), "x has K=", x.size(1), " but the packed weight K=", packed.size(1));
-  TORCH_CHECK(out.size(0) == x.size(0) && (out.size(1) + kBlock - 1) / kBlock == packed.size(0),
-              "out must be [M, N] with M=", x.size(0), " and N in (", 16 * (packed.size(0) - 1), ", ",
-              16 * packed.size(0), "], got ", out.sizes());
-  TORCH_CHECK(!bias || (bias->is_contiguous() && bias->numel() == out.size(1) && bias->scalar_type() == x.scalar_type()
-                        && bias->device().is_cpu()),
-              "bias must be a contiguous [N] CPU tensor of x's dtype");
+  check_operands(out, x, packed.size(0), packed.size(1), bias);
   TORCH_CHECK((packed.scalar_type() == at::kChar) == scale.has_value(),
               "an int8 weight needs its [N] float32 row scales, and only an int8 weight takes them");
   TORCH_CHECK(!scale || (scale->is_contiguous() && scale->numel() == out.size(1)
@@ -504,7 +524,8 @@ void linear_packed(at::Tensor out, at::Tensor x, at::Tensor packed, c10::optiona
   linear_for_weight<float>(out, x, packed, bias, scale);
 }
 
-void linear_gguf(at::Tensor out, at::Tensor x, at::Tensor packed, int64_t ggml_type, c10::optional<at::Tensor> bias) {
+void linear_gguf(at::Tensor out, at::Tensor x, at::Tensor packed, int64_t ggml_type,
+                 c10::optional<at::Tensor> bias) {
   TORCH_CHECK(ggml_type == kQ4_0 || ggml_type == kQ4_1 || ggml_type == kQ8_0,
               "ggml_type must be Q4_0 (2), Q4_1 (3) or Q8_0 (8), got ", ggml_type);
   TORCH_CHECK(x.device().is_cpu() && out.device().is_cpu() && packed.device().is_cpu(), "tensors must be on the CPU");
@@ -512,19 +533,7 @@ void linear_gguf(at::Tensor out, at::Tensor x, at::Tensor packed, int64_t ggml_t
                   && packed.size(2) == gguf_group_bytes(ggml_type),
               "packed must come from pack_gguf_weight: a contiguous uint8 [ceil(N/16), K/32, ",
               gguf_group_bytes(ggml_type), "] for this type, got ", packed.sizes());
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.dim() == 2 && out.stride(1) == 1,
-              "x and out must be 2-D with contiguous rows");
-  TORCH_CHECK(is_float_or_bf16(x) && out.scalar_type() == x.scalar_type(),
-              "x must be float32 or bfloat16 and out of x's dtype, got x ", x.scalar_type(), ", out ",
-              out.scalar_type());
-  TORCH_CHECK(x.size(1) == packed.size(1) * kGroup, "x has K=", x.size(1), " but the packed weight K=",
-              packed.size(1) * kGroup);
-  TORCH_CHECK(out.size(0) == x.size(0) && (out.size(1) + kBlock - 1) / kBlock == packed.size(0),
-              "out must be [M, N] with M=", x.size(0), " and N in (", 16 * (packed.size(0) - 1), ", ",
-              16 * packed.size(0), "], got ", out.sizes());
-  TORCH_CHECK(!bias || (bias->is_contiguous() && bias->numel() == out.size(1) && bias->scalar_type() == x.scalar_type()
-                        && bias->device().is_cpu()),
-              "bias must be a contiguous [N] CPU tensor of x's dtype");
+  check_operands(out, x, packed.size(0), packed.size(1) * kGroup, bias);
   if (out.numel() == 0) return;
   if (x.scalar_type() == at::kBFloat16) return linear_gguf_impl<c10::BFloat16>(out, x, packed, ggml_type, bias);
   linear_gguf_impl<float>(out, x, packed, ggml_type, bias);
