@@ -1,7 +1,9 @@
-"""quantization="int8": linear weights stored as int8 with per-row scales, end to end.
+"""quantization="int8" (linear weights stored as int8 with per-row scales) and "gguf" (a GGUF's blocks kept), end to
+end.
 
 The oracle is the same engine in float32 on a checkpoint whose linear weights were replaced by their dequantised
-int8 values: it computes the same function up to float32 rounding, so greedy tokens must be identical."""
+int8 values: it computes the same function up to float32 rounding, so greedy tokens must be identical. A gguf engine's
+oracle is the default float32 engine, which dequantises the same blocks."""
 
 from __future__ import annotations
 
