@@ -29,7 +29,8 @@ from pagedllm.layers.gguf import pack_gguf_weight
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T + b, for a plain [out, in] weight or one packed by `pack_linear_weights` (oneDNN's or pagedllm's)."""
+    """x W^T + b, for a plain [out, in] weight or one packed by `pack_linear_weights` (oneDNN's or pagedllm's) or
+    `pack_gguf_linear_weights`."""
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     if weight.dtype == torch.uint8:  # GGUF blocks, [ceil(out / 16), in / 32, group bytes] (pagedllm.layers.gguf)
