@@ -191,3 +191,23 @@ def test_gguf_quantization_computes_the_dequantised_model(tmp_path: Path, kind: 
     assert packed.model.embed_tokens.weight.dtype == torch.float32  # the lookup keeps a dequantised copy
     prompt = [1, 17, 250, 9, 33, 70, 5, 80, 81]
     assert torch.equal(SimplePagedRunner(packed).step({0: prompt}), SimplePagedRunner(dense).step({0: prompt}))
+
+
+def test_a_layer_with_a_part_not_in_a_packed_type_keeps_its_dequantised_weight(tmp_path: Path, monkeypatch) -> None:
+    """A fused layer packs only when all its parts are blocks of one packed type (a Q4_K_M file, say, stores some
+    v_proj as Q6_K): layer 0's qkv, whose v_proj is withheld here, falls back to the dense packing."""
+    path = tmp_path / "mixed.gguf"
+    _write_model_gguf(build_tiny_hf_model("llama-gqa"), path, "llama", Q.Q4_0)
+
+    def without_layer0_v(g: GGUFFile, types: tuple[Q, ...]) -> dict:
+        rows = gguf_block_rows(g, types)
+        del rows["model.layers.0.self_attn.v_proj.weight"]
+        return rows
+
+    monkeypatch.setattr("pagedllm.loader.gguf.gguf_block_rows", without_layer0_v)
+    packed = load_model(ModelConfig(model=str(path), dtype="float32", quantization="gguf")).model
+    assert packed.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float32
+    assert packed.model.layers[1].self_attn.qkv_proj.weight.dtype == torch.uint8
+    dense = load_model(ModelConfig(model=str(path), dtype="float32")).model
+    prompt = [1, 17, 250, 9, 33]
+    assert torch.equal(SimplePagedRunner(packed).step({0: prompt}), SimplePagedRunner(dense).step({0: prompt}))
