@@ -187,7 +187,7 @@ def _random_gguf_rows(ggml_type: GGMLQuantizationType, n: int, k: int, seed: int
 
 
 @pytest.mark.parametrize("ggml_type", GGUF_TYPES)
-@pytest.mark.parametrize("m", [1, 3, 7, 33, 65])  # 65: past 48 rows, the whole weight is dequantised first
+@pytest.mark.parametrize("m", [1, 3, 7, 33, 700])  # 700 x 96 floats: past 256 KiB the weight is dequantised first
 @pytest.mark.parametrize(("x_dtype", "with_bias"), [(torch.float32, False), (torch.bfloat16, True)])
 def test_gguf_kernel_matches_the_dequantised_reference(kernels: ModuleType, ggml_type: GGMLQuantizationType,
                                                        x_dtype: torch.dtype, m: int, with_bias: bool) -> None:

@@ -322,12 +322,13 @@ void linear_for_weight(at::Tensor& out, const at::Tensor& x, const at::Tensor& p
 //
 // A group is dequantised to float32 [32][16] (the same arithmetic as the loader's torch dequantisers, so the same
 // bits), which is the float32 layout's [32 k][16] slice of that block: the float32 tile kernel sums it, so a row's
-// result is the float32 kernel's on the dequantised weight, bit for bit. Up to kGroupRows rows of x (decode), each
-// group is dequantised into an L1 buffer once for all the row tiles and the weight is read once. Past that
-// (prefill), the whole weight is dequantised into the float32 layout first (4 bytes a weight written and read once
-// per call, small beside M x 2 FLOPs a weight) and the float32 kernel runs on it, panels in L2 and all.
-constexpr int64_t kGroup = 32;      // k's per GGUF block
-constexpr int64_t kGroupRows = 48;  // rows of x up to which a group is dequantised in L1 for all of them
+// result is the float32 kernel's on the dequantised weight, bit for bit. While x fits in half of L2 (decode, and
+// up to ~100 rows at SmolLM2's widths), each group is dequantised into an L1 buffer once for all the row tiles and
+// the weight is read once. Past that (prefill), the whole weight is dequantised into the float32 layout first (4
+// bytes a weight written and read once per call, small beside M x 2 FLOPs a weight) and the float32 kernel runs on
+// it, panels in L2 and all.
+constexpr int64_t kGroup = 32;                        // k's per GGUF block
+constexpr int64_t kGroupPathBytes = kPanelBytes / 2;  // x up to this size: each group dequantised once for all rows
 enum GgufType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };  // ggml's type numbers
 
 int64_t gguf_header_bytes(int64_t type) { return (type == kQ4_1 ? 2 : 1) * kBlock * sizeof(float); }
@@ -397,7 +398,7 @@ void dequant_group(const uint8_t* group, float* w) {
 
 #endif
 
-// out = x W^T + b for a GGUF-packed W and at most kGroupRows rows of x.
+// out = x W^T + b for a GGUF-packed W and an x of at most kGroupPathBytes (or one tile of rows).
 template <typename T, int64_t type>
 struct GgufProblem {
   const float* x;
@@ -452,7 +453,8 @@ at::Tensor dequantize_packed(const at::Tensor& packed) {
 
 template <typename T, int64_t type>
 void run_gguf(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
-  if (x.size(0) > kGroupRows) return linear_impl<T, float>(out, x, dequantize_packed<type>(packed), bias, {});
+  const bool group_path = x.size(0) <= kMaxRows || x.numel() * int64_t{sizeof(float)} <= kGroupPathBytes;
+  if (!group_path) return linear_impl<T, float>(out, x, dequantize_packed<type>(packed), bias, {});
   const at::Tensor x32 = float_rows(x);
   GgufProblem<T, type>{x32.data_ptr<float>(), x32.stride(0), packed.data_ptr<uint8_t>(),
                        bias ? bias->data_ptr<T>() : nullptr, out.data_ptr<T>(), x.size(0), out.size(1), x.size(1),
