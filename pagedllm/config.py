@@ -127,8 +127,10 @@ class ModelConfig:
         max_model_len: caps the model's own context length; None keeps it.
         seed: seed of the engine's global random stream.
         chat_template: a Jinja template that replaces the model's own.
-        quantization: None, or "int8": linear weights stored as int8 with one scale per output row (weight-only,
-            quantized at load from any checkpoint), multiplied in pagedllm's CPU kernels.
+        quantization: None, "int8": linear weights stored as int8 with one scale per output row (weight-only,
+            quantized at load from any checkpoint), or "gguf": a .gguf file's Q4_0, Q4_1 and Q8_0 linear weights
+            kept in their blocks (other types are dequantised to `dtype`); both multiplied in pagedllm's CPU
+            kernels.
     """
 
     model: str | None = None
@@ -144,9 +146,10 @@ class ModelConfig:
                  "one of 'auto', 'bfloat16', 'float16', 'float32'", self.dtype)
         _require(self.max_model_len is None or self.max_model_len > 0, "max_model_len", "> 0",
                  self.max_model_len)
-        _require(self.quantization in (None, "int8"), "quantization", "None or 'int8'", self.quantization)
+        _require(self.quantization in (None, "int8", "gguf"), "quantization", "None, 'int8' or 'gguf'",
+                 self.quantization)
         _require(self.quantization is None or self.device == "cpu", "quantization",
-                 "None on a GPU (the int8 kernels are CPU kernels)", self.quantization)
+                 "None on a GPU (the int8 and gguf kernels are CPU kernels)", self.quantization)
 
 
 @dataclass

@@ -1,7 +1,9 @@
-"""quantization="int8": linear weights stored as int8 with per-row scales, end to end.
+"""quantization="int8" (linear weights stored as int8 with per-row scales) and "gguf" (a GGUF's blocks kept), end to
+end.
 
 The oracle is the same engine in float32 on a checkpoint whose linear weights were replaced by their dequantised
-int8 values: it computes the same function up to float32 rounding, so greedy tokens must be identical."""
+int8 values: it computes the same function up to float32 rounding, so greedy tokens must be identical. A gguf engine's
+oracle is the default float32 engine, which dequantises the same blocks."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.config import ModelConfig
 from pagedllm.entrypoints.openai.cli_args import add_server_args, engine_config_from_args
 from pagedllm.layers.linear import dequantize_int8, quantize_int8
+from pagedllm.loader import load_model
 from tests.models.tiny import build_byte_tokenizer, build_tiny_hf_model
 
 _LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
@@ -65,7 +68,7 @@ def test_int8_weights_are_a_quarter_of_float32s(checkpoints):
 
 
 def test_an_unknown_quantization_is_refused_by_name():
-    with pytest.raises(ValueError, match="quantization must be None or 'int8', got 'awq'"):
+    with pytest.raises(ValueError, match="quantization must be None, 'int8' or 'gguf', got 'awq'"):
         ModelConfig(quantization="awq")
     with pytest.raises(ValueError, match="quantization"):
         ModelConfig(quantization="int8", device="cuda")
@@ -74,5 +77,27 @@ def test_an_unknown_quantization_is_refused_by_name():
 def test_serve_takes_quantization():
     parser = add_server_args(argparse.ArgumentParser(), positional_model=False)
     assert engine_config_from_args(parser.parse_args(["--quantization", "int8"])).model.quantization == "int8"
+    assert engine_config_from_args(parser.parse_args(["-q", "gguf"])).model.quantization == "gguf"
     with pytest.raises(SystemExit):
         parser.parse_args(["--quantization", "gptq"])
+
+
+def test_gguf_mode_gives_smollm2s_greedy_tokens(smol_llm):
+    """SmolLM2's Q4_1 linear weights (and its Q8_0 tied LM head) kept packed compute, in float32, the function
+    of the default engine's dequantised float32 weights: the kernel gives the same bits, so the same tokens."""
+    gguf = LLM(dtype="float32", quantization="gguf", kv_cache_memory=64 << 20, max_model_len=2048)
+    model = gguf.engine.runner.model
+    assert model.model.layers[0].mlp.gate_up_proj.weight.ggml_type == 3  # Q4_1
+    assert model.lm_head.weight.ggml_type == 8  # Q8_0: the tied embedding's type
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    tokens = [o.outputs[0].token_ids for o in gguf.generate(prompts, params, use_tqdm=False)]
+    assert tokens == [o.outputs[0].token_ids for o in smol_llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_gguf_mode_needs_a_gguf_file_and_one_rank(checkpoints):
+    original, _ = checkpoints
+    with pytest.raises(ValueError, match="quantization='gguf'.*not a .gguf file"):
+        load_model(ModelConfig(model=original, quantization="gguf"))
+    with pytest.raises(ValueError, match="quantization='gguf' runs on one rank"):
+        load_model(ModelConfig(quantization="gguf"), tp_rank=0, tp_size=2)

@@ -7,27 +7,36 @@ tensor and copies this rank's slice into place, so the model's `load_weights` ne
     RowParallelLinear      W [out, in]  split by columns: rank r holds W[:, r*in/tp:(r+1)*in/tp]; sum-reduce
 
 After loading, `pack_linear_weights` swaps CPU weights for packed copies (oneDNN's for bf16 where it has bf16
-instructions, pagedllm's own kernel's otherwise, and int8 with row scales under quantization="int8"); `linear`
+instructions, pagedllm's own kernel's otherwise, and int8 with row scales under quantization="int8");
+`pack_gguf_linear_weights` before it keeps a GGUF's Q4_0/Q4_1/Q8_0 blocks packed (quantization="gguf"). `linear`
 takes any of them.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType
 from torch import nn
 
 from pagedllm.cpu import onednn_bf16_ok
 from pagedllm.kernels import cpu_kernels, kernels_disabled
+from pagedllm.layers.gguf import pack_gguf_weight
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T + b, for a plain [out, in] weight or one packed by `pack_linear_weights` (oneDNN's or pagedllm's)."""
+    """x W^T + b, for a plain [out, in] weight or one packed by `pack_linear_weights` (oneDNN's or pagedllm's) or
+    `pack_gguf_linear_weights`."""
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    if weight.dtype == torch.uint8:  # GGUF blocks, [ceil(out / 16), in / 32, group bytes] (pagedllm.layers.gguf)
+        out = torch.empty(x.shape[0], weight.out_features, dtype=x.dtype)  # type: ignore[attr-defined]
+        cpu_kernels().linear_gguf(out, x, weight, weight.ggml_type, bias)  # type: ignore[union-attr,attr-defined]
+        return out
     if weight.dim() == 3:  # pagedllm's blocked layout, [ceil(out / 16), in, 16]; int8 carries its row scales
         out = torch.empty(x.shape[0], weight.out_features, dtype=x.dtype)  # type: ignore[attr-defined]
         cpu_kernels().linear_packed(out, x, weight, bias, getattr(weight, "scale", None))  # type: ignore[union-attr]
@@ -107,6 +116,48 @@ def pack_linear_weights(model: nn.Module, quantization: str | None = None) -> in
             layer.weight.scale = scale  # type: ignore[attr-defined]
         packed += packing is not None
     return packed
+
+
+def _checkpoint_names(module_name: str, fused: dict[str, list[str]], tied: bool) -> list[str]:
+    """The checkpoint weights whose rows, concatenated, make module `module_name`'s weight."""
+    prefix, _, leaf = module_name.rpartition(".")
+    if leaf in fused:
+        return [f"{prefix}.{part}.weight" if prefix else f"{part}.weight" for part in fused[leaf]]
+    if module_name == "lm_head" and tied:
+        return ["model.embed_tokens.weight"]
+    return [f"{module_name}.weight"]
+
+
+def pack_gguf_linear_weights(model: nn.Module, rows: dict[str, tuple[GGMLQuantizationType, torch.Tensor]]
+                             ) -> Counter[str]:
+    """Replace the weight of each of `model`'s linear layers (LM head included) whose checkpoint tensors are all
+    in `rows` ({Hugging Face name: (type, GGUF rows)}, `pagedllm.loader.gguf.gguf_block_rows`), in one type, by
+    those blocks packed (`pack_gguf_weight`): a fused layer (`model.packed_modules_mapping`, e.g. qkv_proj from
+    q/k/v_proj) concatenates its parts' rows, which share K. A tied LM head packs the embedding's rows; the
+    embedding keeps its dequantised copy for the lookup. Other layers keep their weight for `pack_linear_weights`.
+    Returns how many weights were packed per GGUF type name.
+    """
+    if kernels_disabled() or cpu_kernels() is None:
+        raise RuntimeError("quantization='gguf' runs in pagedllm's CPU kernels, which are disabled or not built here")
+    fused = getattr(model, "packed_modules_mapping", {})
+    tied = bool(getattr(model, "tie_word_embeddings", False))
+    counts: Counter[str] = Counter()
+    for name, layer in model.named_modules():
+        weight = getattr(layer, "weight", None)
+        if not getattr(type(layer), "packable_weight", False) or weight is None or weight.dim() != 2:
+            continue
+        parts = [rows.get(part) for part in _checkpoint_names(name, fused, tied)]
+        if any(part is None for part in parts) or len({part[0] for part in parts}) != 1:  # type: ignore[index]
+            continue
+        ggml_type = parts[0][0]  # type: ignore[index]
+        layer_rows = torch.cat([part[1] for part in parts])  # type: ignore[index]
+        if layer_rows.shape[0] != weight.shape[0]:
+            raise ValueError(f"{name}: the checkpoint has {layer_rows.shape[0]} rows, the layer {weight.shape[0]}")
+        layer.weight = nn.Parameter(pack_gguf_weight(layer_rows, ggml_type), requires_grad=False)
+        layer.weight.out_features = weight.shape[0]
+        layer.weight.ggml_type = int(ggml_type)
+        counts[ggml_type.name] += 1
+    return counts
 
 
 def _param(*shape: int, dtype: torch.dtype, loader: Callable) -> nn.Parameter:

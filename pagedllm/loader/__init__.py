@@ -95,14 +95,42 @@ def _config_and_weights(resolved: ResolvedModel, dtype: torch.dtype) -> tuple[An
     return AutoConfig.from_pretrained(str(resolved.path)), iterate_safetensors(resolved.path, dtype)
 
 
+def _check_gguf_quantization(resolved: ResolvedModel, tp_size: int) -> None:
+    if resolved.gguf_path is None:
+        raise ValueError(f"quantization='gguf' keeps a GGUF file's blocks packed, but {resolved.name} is not a .gguf "
+                         "file: use 'int8' or None")
+    if tp_size > 1:
+        raise ValueError("quantization='gguf' runs on one rank (tensor_parallel_size=1): the packed blocks are not "
+                         "split across ranks yet")
+
+
+def _pack(model: nn.Module, quantization: str | None, resolved: ResolvedModel) -> str:
+    """Pack the linear weights for `quantization`; returns what was packed, for the start-up line."""
+    from pagedllm.layers.gguf import PACKED_GGUF_TYPES
+    from pagedllm.layers.linear import pack_gguf_linear_weights, pack_linear_weights
+
+    gguf_counts: dict[str, int] = {}
+    if quantization == "gguf":
+        from pagedllm.loader.gguf import GGUFFile, gguf_block_rows
+
+        rows = gguf_block_rows(GGUFFile(resolved.gguf_path), PACKED_GGUF_TYPES)  # type: ignore[arg-type]
+        gguf_counts = pack_gguf_linear_weights(model, rows)
+    packed = pack_linear_weights(model, None if quantization == "gguf" else quantization)
+    parts = [f"{count} as GGUF {name}" for name, count in sorted(gguf_counts.items())]
+    if packed:
+        parts.append(f"{packed}{' as int8' if quantization == 'int8' else ''}")
+    return f", weights packed: {', '.join(parts)}" if parts else ""
+
+
 def load_model(model_config: ModelConfig, tp_rank: int = 0, tp_size: int = 1) -> LoadedModel:
     """Resolve, build and load the model of `model_config`, in eval mode on `model_config.device`; under tensor
     parallelism, rank `tp_rank`'s slice of it (each rank reads the checkpoint and keeps its own slice)."""
-    from pagedllm.layers.linear import pack_linear_weights
     from pagedllm.models.registry import model_class_for_config
 
     start = time.perf_counter()
     resolved = resolve_model(model_config.model)
+    if model_config.quantization == "gguf":
+        _check_gguf_quantization(resolved, tp_size)
     dtype = resolve_dtype(model_config.dtype, model_config.device)
     if tp_rank == 0:
         _log_precision(model_config.dtype, dtype, model_config.device)
@@ -113,8 +141,7 @@ def load_model(model_config: ModelConfig, tp_rank: int = 0, tp_size: int = 1) ->
         model = model_cls(hf_config, dtype=dtype, tp_rank=tp_rank, tp_size=tp_size)
     model.load_weights(weights)
     model.eval()
-    packed = pack_linear_weights(model, model_config.quantization)
-    how = f", {packed} weights packed{' as int8' if model_config.quantization == 'int8' else ''}" if packed else ""
+    how = _pack(model, model_config.quantization, resolved)
     rank = f", tensor-parallel rank {tp_rank} of {tp_size}" if tp_size > 1 else ""
     logger.info("loaded %s (%s%s%s) in %.2f s", resolved.name, dtype, how, rank, time.perf_counter() - start)
     return LoadedModel(model, hf_config, resolved, dtype, tp_rank, tp_size)

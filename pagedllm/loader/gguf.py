@@ -241,6 +241,27 @@ def iterate_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
         yield hf_name, tensor.to(dtype)
 
 
+def gguf_block_rows(g: GGUFFile, ggml_types: tuple[GGMLQuantizationType, ...]
+                    ) -> dict[str, tuple[GGMLQuantizationType, torch.Tensor]]:
+    """{Hugging Face name: (type, raw rows)} of the 2-D tensors stored as one of `ggml_types`: each row's blocks
+    as stored (uint8 [N, K/32 * block bytes], over the memory map, never to be written), q/k rows unpermuted as
+    `iterate_gguf` unpermutes them (rows are independent, so moving whole rows of blocks is exact)."""
+    permute = g.architecture in _PERMUTED_ARCHS
+    heads = {".q_proj.": g.arch_value("attention.head_count")}
+    heads[".k_proj."] = g.arch_value("attention.head_count_kv", heads[".q_proj."])
+    rows: dict[str, tuple[GGMLQuantizationType, torch.Tensor]] = {}
+    for info in g.tensors.values():
+        hf_name = gguf_to_hf_name(info.name)
+        if hf_name is None or info.ggml_type not in ggml_types or len(info.shape) != 2:
+            continue
+        raw = g._view(torch.uint8, info.num_bytes, info.offset).view(info.shape[0], -1)
+        for part, num_heads in heads.items():
+            if permute and part in hf_name:
+                raw = unpermute_qk(raw, num_heads)
+        rows[hf_name] = (info.ggml_type, raw)
+    return rows
+
+
 def gguf_hf_config(g: GGUFFile) -> Any:
     """A transformers config built from GGUF metadata (what `AutoConfig.from_pretrained(gguf_file=)` gives,
     without parsing the tokenizer, which takes seconds)."""

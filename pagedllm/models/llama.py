@@ -32,6 +32,11 @@ STACKED_PARAMS_MAPPING: list[tuple[str, str, str | int]] = [
     (".gate_up_proj", ".gate_proj", 0),
     (".gate_up_proj", ".up_proj", 1),
 ]
+# fused module -> the checkpoint modules whose rows it stacks, in order (vLLM's name for it), for loaders that
+# place whole rows, such as pagedllm.layers.linear.pack_gguf_linear_weights
+PACKED_MODULES_MAPPING: dict[str, list[str]] = {
+    fused[1:]: [part[1:] for other, part, _ in STACKED_PARAMS_MAPPING if other == fused]
+    for fused, _, _ in STACKED_PARAMS_MAPPING}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
 
@@ -153,6 +158,8 @@ class LlamaForCausalLM(nn.Module):
         tp_rank, tp_size: this rank's slice of every layer under tensor parallelism (docs/scale-out.md); the
             row-parallel layers and the embedding all-reduce, and the LM head gathers to rank 0.
     """
+
+    packed_modules_mapping = PACKED_MODULES_MAPPING
 
     def __init__(self, config: Any, dtype: torch.dtype = torch.float32,
                  attn_backend: AttentionBackend = paged_attention, tp_rank: int = 0, tp_size: int = 1) -> None:

@@ -3,7 +3,8 @@
 The kernel widens bf16 exactly and accumulates in float32, so against the float32 reference it differs only by
 the order of the sums (float32 output) or, on top of that, by one rounding to bf16 (bf16 output). An int8 weight's
 reference is `F.linear` on its dequantised float32 weight (`dequantize_int8`): the kernel sums x times q and
-scales once, so the two differ by float32 rounding only.
+scales once, so the two differ by float32 rounding only. A GGUF weight's (Q4_0, Q4_1, Q8_0 blocks) is its
+dequantised weight (`dequantize_gguf_packed`), and there the kernel gives the float32 kernel's bits.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ from types import ModuleType
 import pytest
 import torch
 import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from pagedllm.kernels import cpu_kernels
+from pagedllm.layers.gguf import dequantize_gguf_packed, pack_gguf_weight
 from pagedllm.layers.linear import dequantize_int8, quantize_int8
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -167,3 +170,53 @@ def test_quantize_int8_maps_each_rows_largest_magnitude_to_127():
     assert q[0].tolist() == [64, -127, 32, 0] and q[1].tolist() == [0, 0, 0, 0] and scale[1] == 1
     assert q[2].tolist() == [127, 42, -85, 1]
     assert (dequantize_int8(q, scale) - weight).abs().le(scale[:, None] / 2 + 1e-7).all()  # round to nearest
+
+
+GGUF_TYPES = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0]
+
+
+def _random_gguf_rows(ggml_type: GGMLQuantizationType, n: int, k: int, seed: int) -> torch.Tensor:
+    """n rows of k values as GGUF blocks: random values, random f16 scales (and mins) in [-0.1, 0.1)."""
+    g = torch.Generator().manual_seed(seed)
+    block_bytes = GGML_QUANT_SIZES[ggml_type][1]
+    blocks = torch.randint(0, 256, (n, k // 32, block_bytes), dtype=torch.uint8, generator=g)
+    num_scales = 2 if ggml_type == GGMLQuantizationType.Q4_1 else 1
+    scales = (torch.rand(n, k // 32, num_scales, generator=g) * 0.2 - 0.1).half()
+    blocks[..., :2 * num_scales] = scales.view(torch.uint8)
+    return blocks.view(n, -1)
+
+
+@pytest.mark.parametrize("ggml_type", GGUF_TYPES)
+@pytest.mark.parametrize("m", [1, 3, 7, 33, 700])  # 700 x 96 floats: past 256 KiB the weight is dequantised first
+@pytest.mark.parametrize(("x_dtype", "with_bias"), [(torch.float32, False), (torch.bfloat16, True)])
+def test_gguf_kernel_matches_the_dequantised_reference(kernels: ModuleType, ggml_type: GGMLQuantizationType,
+                                                       x_dtype: torch.dtype, m: int, with_bias: bool) -> None:
+    """N = 40 (a partial block of 16), K = 96 (three GGUF blocks)."""
+    g = torch.Generator().manual_seed(m)
+    packed = pack_gguf_weight(_random_gguf_rows(ggml_type, 40, 96, seed=m), ggml_type)
+    weight = dequantize_gguf_packed(packed, ggml_type, 40)
+    x = torch.randn(m, 96, generator=g).to(x_dtype)
+    bias = torch.randn(40, generator=g).to(x_dtype) if with_bias else None
+    out = torch.empty(m, 40, dtype=x_dtype)
+    kernels.linear_gguf(out, x, packed, int(ggml_type), bias)
+    _assert_matches_float32(out, x, weight, bias)
+    # The group is dequantised with the reference's arithmetic and summed as the float32 kernel sums, so a GGUF
+    # weight gives the bits of its dequantised float32 weight: the default engine's greedy tokens, exactly.
+    assert torch.equal(out, _linear(kernels, x, weight, bias))
+
+
+def test_gguf_kernel_rejects_bad_input(kernels: ModuleType) -> None:
+    q4_1 = GGMLQuantizationType.Q4_1
+    packed = pack_gguf_weight(_random_gguf_rows(q4_1, 40, 64, seed=0), q4_1)
+    x, out = torch.randn(3, 64), torch.empty(3, 40)
+    cases = [
+        (lambda: kernels.linear_gguf(out, x, packed, 12), "ggml_type must be"),
+        (lambda: kernels.linear_gguf(out, x, packed, int(GGMLQuantizationType.Q8_0)), "pack_gguf_weight"),
+        (lambda: kernels.linear_gguf(out, torch.randn(3, 96), packed, int(q4_1)), "K=96"),
+        (lambda: kernels.linear_gguf(torch.empty(3, 16), x, packed, int(q4_1)), "N in"),
+        (lambda: kernels.linear_gguf(out, x.half(), packed, int(q4_1)), "float32 or bfloat16"),
+        (lambda: kernels.linear_gguf(out, x, packed, int(q4_1), torch.randn(41)), "bias"),
+    ]
+    for call, message in cases:
+        with pytest.raises(RuntimeError, match=message):
+            call()

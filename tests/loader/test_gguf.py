@@ -13,8 +13,9 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
 from pagedllm.config import ModelConfig
+from pagedllm.layers.gguf import PACKED_GGUF_TYPES, dequantize_gguf_packed, pack_gguf_weight
 from pagedllm.loader import load_model
-from pagedllm.loader.gguf import GGUFFile, gguf_hf_config, gguf_to_hf_name, iterate_gguf, unpermute_qk
+from pagedllm.loader.gguf import GGUFFile, gguf_block_rows, gguf_hf_config, gguf_to_hf_name, iterate_gguf, unpermute_qk
 from tests.models.tiny import SimplePagedRunner, build_tiny_hf_model
 
 QUANTIZABLE = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1]
@@ -160,3 +161,53 @@ def test_quantized_gguf_is_close(tmp_path: Path) -> None:
     for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight"):
         torch.testing.assert_close(weights[name], ref[name], atol=0.02, rtol=0.02)  # permutation undone
     assert weights["model.norm.weight"].dtype == torch.float32
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
+def test_packed_gguf_rows_are_the_dequantised_weights(tmp_path: Path, qtype: Q) -> None:
+    """Each linear weight's blocks, q/k rows unpermuted and regrouped for the kernel, dequantise to the bits
+    `iterate_gguf` gives (the loader's torch dequantisers, checked against gguf's above)."""
+    hf_model = build_tiny_hf_model("llama-gqa")
+    path = tmp_path / f"{qtype.name}.gguf"
+    _write_model_gguf(hf_model, path, "llama", qtype)
+    rows = gguf_block_rows(GGUFFile(path), PACKED_GGUF_TYPES)
+    weights = dict(iterate_gguf(path, torch.float32))
+    assert "model.layers.0.self_attn.q_proj.weight" in rows and "model.norm.weight" not in rows  # 1-D stays out
+    for name, (ggml_type, raw) in rows.items():
+        assert ggml_type == qtype
+        n = weights[name].shape[0]
+        assert torch.equal(dequantize_gguf_packed(pack_gguf_weight(raw, ggml_type), ggml_type, n), weights[name])
+
+
+@pytest.mark.parametrize("kind", ["llama-gqa", "llama-untied"])
+def test_gguf_quantization_computes_the_dequantised_model(tmp_path: Path, kind: str) -> None:
+    """quantization="gguf" keeps the blocks and gives, in float32, the logits of the dequantised model, bitwise."""
+    path = tmp_path / f"{kind}.gguf"
+    _write_model_gguf(build_tiny_hf_model(kind), path, "llama", Q.Q4_1)
+    packed = load_model(ModelConfig(model=str(path), dtype="float32", quantization="gguf")).model
+    dense = load_model(ModelConfig(model=str(path), dtype="float32")).model
+    qkv, head = packed.model.layers[0].self_attn.qkv_proj.weight, packed.lm_head.weight
+    assert qkv.dtype == torch.uint8 and qkv.ggml_type == Q.Q4_1 and head.dtype == torch.uint8
+    assert packed.model.embed_tokens.weight.dtype == torch.float32  # the lookup keeps a dequantised copy
+    prompt = [1, 17, 250, 9, 33, 70, 5, 80, 81]
+    assert torch.equal(SimplePagedRunner(packed).step({0: prompt}), SimplePagedRunner(dense).step({0: prompt}))
+
+
+def test_a_layer_with_a_part_not_in_a_packed_type_keeps_its_dequantised_weight(tmp_path: Path, monkeypatch) -> None:
+    """A fused layer packs only when all its parts are blocks of one packed type (a Q4_K_M file, say, stores some
+    v_proj as Q6_K): layer 0's qkv, whose v_proj is withheld here, falls back to the dense packing."""
+    path = tmp_path / "mixed.gguf"
+    _write_model_gguf(build_tiny_hf_model("llama-gqa"), path, "llama", Q.Q4_0)
+
+    def without_layer0_v(g: GGUFFile, types: tuple[Q, ...]) -> dict:
+        rows = gguf_block_rows(g, types)
+        del rows["model.layers.0.self_attn.v_proj.weight"]
+        return rows
+
+    monkeypatch.setattr("pagedllm.loader.gguf.gguf_block_rows", without_layer0_v)
+    packed = load_model(ModelConfig(model=str(path), dtype="float32", quantization="gguf")).model
+    assert packed.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float32
+    assert packed.model.layers[1].self_attn.qkv_proj.weight.dtype == torch.uint8
+    dense = load_model(ModelConfig(model=str(path), dtype="float32")).model
+    prompt = [1, 17, 250, 9, 33]
+    assert torch.equal(SimplePagedRunner(packed).step({0: prompt}), SimplePagedRunner(dense).step({0: prompt}))

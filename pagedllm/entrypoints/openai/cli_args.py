@@ -92,8 +92,9 @@ def add_server_args(parser: argparse.ArgumentParser, *, positional_model: bool) 
     engine.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                         help="weight and activation precision; auto is bfloat16 where the CPU supports it, float32 "
                              "otherwise (default: %(default)s)")
-    engine.add_argument("--quantization", "-q", default=None, choices=["int8"],
-                        help="int8: linear weights stored as int8 with one scale per output row, quantized at load "
+    engine.add_argument("--quantization", "-q", default=None, choices=["int8", "gguf"],
+                        help="int8: linear weights stored as int8 with one scale per output row, quantized at load; "
+                             "gguf: a .gguf file's Q4_0, Q4_1 and Q8_0 linear weights kept in their blocks "
                              "(default: none, the dtype's weights)")
     engine.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
                         help="tokens per KV-cache block, a power of two (default: %(default)s)")

@@ -25,4 +25,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "scale[n] * q[n, k]: (out, x, packed, bias, scale)",
         pybind11::arg("out"), pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("bias") = pybind11::none(),
         pybind11::arg("scale") = pybind11::none());
+  m.def("linear_gguf", &pagedllm::linear_gguf,
+        "out = x W^T + bias in float32 arithmetic, W a GGUF Q4_0, Q4_1 or Q8_0 weight regrouped by "
+        "pagedllm.layers.gguf.pack_gguf_weight, N = out.size(1): (out, x, packed, ggml_type, bias)",
+        pybind11::arg("out"), pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("ggml_type"),
+        pybind11::arg("bias") = pybind11::none());
 }

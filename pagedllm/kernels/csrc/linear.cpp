@@ -173,6 +173,38 @@ void run_tile(int rows, const float* x, int64_t ld, const W* block, int64_t k_si
   }
 }
 
+// out[m0 .. m0 + rows, 16 b ..] = acc (times the row scale, if any) + bias, rounded once to T; the padded
+// columns of the last block dropped.
+template <typename T>
+void store_rows(T* out, int64_t out_stride, int64_t n, const T* bias, const float* scale, const float* acc,
+                int64_t m0, int rows, int64_t b) {
+  const int64_t n0 = b * kBlock, cols = std::min(kBlock, n - n0);
+  for (int r = 0; r < rows; ++r) {
+    T* dst = out + (m0 + r) * out_stride + n0;
+    for (int64_t j = 0; j < cols; ++j) {
+      const float sum = scale ? acc[r * kBlock + j] * scale[n0 + j] : acc[r * kBlock + j];
+      dst[j] = from_float<T>(bias ? sum + to_float(bias[n0 + j]) : sum);
+    }
+  }
+}
+
+// Threads split the column blocks; when there are fewer blocks than threads, the row tiles too.
+// run(b0, b1, t0, t1) computes column blocks [b0, b1) of row tiles [t0, t1); `macs` is the call's work.
+template <typename Run>
+void split_blocks_and_tiles(int64_t blocks, int64_t tiles, int64_t macs, const Run& run) {
+  const int64_t threads = at::get_num_threads();
+  const int64_t n_parts = std::min(threads, blocks);
+  const int64_t m_parts = std::min(tiles, (threads + n_parts - 1) / n_parts);
+  const int64_t tasks = n_parts * m_parts;
+  const int64_t grain = macs < kInlineMacs ? tasks : 1;
+  at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t np = task % n_parts, mp = task / n_parts;
+      run(np * blocks / n_parts, (np + 1) * blocks / n_parts, mp * tiles / m_parts, (mp + 1) * tiles / m_parts);
+    }
+  });
+}
+
 // One call's operands as raw pointers: float32 rows of x (`ld` apart), the packed weight (and an int8 weight's
 // row scales), and out's rows (contiguous, `out_stride` apart) of type T.
 template <typename T, typename W>
@@ -184,19 +216,6 @@ struct LinearProblem {
   const T* bias;  // nullptr: no bias
   T* out;
   int64_t m, n, k, out_stride;
-
-  // out[m0 .. m0 + rows, 16 b ..] = acc (times the scale) + bias, rounded once to T; the padded columns of the
-  // last block dropped.
-  void store_tile(const float* acc, int64_t m0, int rows, int64_t b) const {
-    const int64_t n0 = b * kBlock, cols = std::min(kBlock, n - n0);
-    for (int r = 0; r < rows; ++r) {
-      T* dst = out + (m0 + r) * out_stride + n0;
-      for (int64_t j = 0; j < cols; ++j) {
-        const float sum = scale ? acc[r * kBlock + j] * scale[n0 + j] : acc[r * kBlock + j];
-        dst[j] = from_float<T>(bias ? sum + to_float(bias[n0 + j]) : sum);
-      }
-    }
-  }
 
   // K in equal chunks of at most kTileBytes of x tile (one chunk for a few rows: the weight streams best whole).
   int64_t chunk_size() const {
@@ -234,7 +253,9 @@ struct LinearProblem {
                  acc + (b - p0) * kMaxRows * kBlock);
       }
     }
-    for (int64_t b = p0; b < p1; ++b) store_tile(acc + (b - p0) * kMaxRows * kBlock, m0, rows, b);
+    for (int64_t b = p0; b < p1; ++b) {
+      store_rows(out, out_stride, n, bias, scale, acc + (b - p0) * kMaxRows * kBlock, m0, rows, b);
+    }
   }
 
   // Column blocks [b0, b1) times row tiles [t0, t1), panel by panel.
@@ -246,20 +267,9 @@ struct LinearProblem {
     }
   }
 
-  // Threads split the column blocks; when there are fewer blocks than threads, the row tiles too.
   void run_parallel() const {
-    const int64_t blocks = (n + kBlock - 1) / kBlock, tiles = (m + kMaxRows - 1) / kMaxRows;
-    const int64_t threads = at::get_num_threads();
-    const int64_t n_parts = std::min(threads, blocks);
-    const int64_t m_parts = std::min(tiles, (threads + n_parts - 1) / n_parts);
-    const int64_t tasks = n_parts * m_parts;
-    const int64_t grain = m * n * k < kInlineMacs ? tasks : 1;
-    at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t np = task % n_parts, mp = task / n_parts;
-        run(np * blocks / n_parts, (np + 1) * blocks / n_parts, mp * tiles / m_parts, (mp + 1) * tiles / m_parts);
-      }
-    });
+    split_blocks_and_tiles((n + kBlock - 1) / kBlock, (m + kMaxRows - 1) / kMaxRows, m * n * k,
+                           [&](int64_t b0, int64_t b1, int64_t t0, int64_t t1) { run(b0, b1, t0, t1); });
   }
 };
 
@@ -302,11 +312,187 @@ void linear_for_weight(at::Tensor& out, const at::Tensor& x, const at::Tensor& p
   }
 }
 
+// GGUF's block formats, kept packed (issue 15): the linear weight's 32-value blocks regrouped by pagedllm.layers.gguf
+// into [ceil(N/16), K/32, group bytes]: for each 16 output rows and each 32 k's, the rows' float32 scales d (and
+// Q4_1's mins m), then the 32 x 16 values, k-major:
+//
+//    Q8_0: d[16] | q[32][16] int8, columns in order                          W = d q          576 bytes
+//    Q4_0: d[16] | q[32][8] bytes: byte j = column j | column j + 8 << 4    W = d (q - 8)    320 bytes
+//    Q4_1: d[16] m[16] | q[32][8] as Q4_0                                    W = d q + m      384 bytes
+//
+// A group is dequantised to float32 [32][16] (the same arithmetic as the loader's torch dequantisers, so the same
+// bits), which is the float32 layout's [32 k][16] slice of that block: the float32 tile kernel sums it, so a row's
+// result is the float32 kernel's on the dequantised weight, bit for bit. While x fits in half of L2 (decode, and
+// up to ~100 rows at SmolLM2's widths), each group is dequantised into an L1 buffer once for all the row tiles and
+// the weight is read once. Past that (prefill), the whole weight is dequantised into the float32 layout first (4
+// bytes a weight written and read once per call, small beside M x 2 FLOPs a weight) and the float32 kernel runs on
+// it, panels in L2 and all.
+constexpr int64_t kGroup = 32;                        // k's per GGUF block
+constexpr int64_t kGroupPathBytes = kPanelBytes / 2;  // x up to this size: each group dequantised once for all rows
+enum GgufType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };  // ggml's type numbers
+
+int64_t gguf_header_bytes(int64_t type) { return (type == kQ4_1 ? 2 : 1) * kBlock * sizeof(float); }
+int64_t gguf_group_bytes(int64_t type) {
+  return gguf_header_bytes(type) + kGroup * kBlock / (type == kQ8_0 ? 1 : 2);
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+
+// A 4-bit group: 8 bytes per k, low nibbles columns 0..7, high nibbles 8..15.
+template <int64_t type>
+void dequant_group(const uint8_t* group, float* w) {
+  const float* d = reinterpret_cast<const float*>(group);
+  const __m256 d_lo = _mm256_loadu_ps(d), d_hi = _mm256_loadu_ps(d + 8);
+  const __m256 m_lo = type == kQ4_1 ? _mm256_loadu_ps(d + 16) : _mm256_setzero_ps();
+  const __m256 m_hi = type == kQ4_1 ? _mm256_loadu_ps(d + 24) : _mm256_setzero_ps();
+  const uint8_t* q = group + gguf_header_bytes(type);
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  const __m256i offset = _mm256_set1_epi32(type == kQ4_0 ? 8 : 0);
+  for (int64_t k = 0; k < kGroup; ++k) {
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k * kBlock / 2));
+    const __m128i lo = _mm_and_si128(bytes, low4), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
+    const __m256 q_lo = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(lo), offset));
+    const __m256 q_hi = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(hi), offset));
+    __m256 w_lo = _mm256_mul_ps(d_lo, q_lo), w_hi = _mm256_mul_ps(d_hi, q_hi);
+    if (type == kQ4_1) {  // d q rounded, then + m rounded: two roundings, as torch's `d * q + m`
+      w_lo = _mm256_add_ps(w_lo, m_lo);
+      w_hi = _mm256_add_ps(w_hi, m_hi);
+    }
+    _mm256_storeu_ps(w + k * kBlock, w_lo);
+    _mm256_storeu_ps(w + k * kBlock + 8, w_hi);
+  }
+}
+
+template <>
+void dequant_group<kQ8_0>(const uint8_t* group, float* w) {
+  const float* d = reinterpret_cast<const float*>(group);
+  const __m256 d_lo = _mm256_loadu_ps(d), d_hi = _mm256_loadu_ps(d + 8);
+  const int8_t* q = reinterpret_cast<const int8_t*>(group + gguf_header_bytes(kQ8_0));
+  for (int64_t k = 0; k < kGroup; ++k) {
+    __m256 q_lo, q_hi;
+    load_block_row(q + k * kBlock, q_lo, q_hi);
+    _mm256_storeu_ps(w + k * kBlock, _mm256_mul_ps(d_lo, q_lo));
+    _mm256_storeu_ps(w + k * kBlock + 8, _mm256_mul_ps(d_hi, q_hi));
+  }
+}
+
+#else  // plain C++: the same arithmetic, one value at a time
+
+template <int64_t type>
+void dequant_group(const uint8_t* group, float* w) {
+  const float* d = reinterpret_cast<const float*>(group);
+  const uint8_t* q = group + gguf_header_bytes(type);
+  for (int64_t k = 0; k < kGroup; ++k) {
+    for (int64_t j = 0; j < kBlock; ++j) {
+      if (type == kQ8_0) {
+        w[k * kBlock + j] = d[j] * static_cast<float>(reinterpret_cast<const int8_t*>(q)[k * kBlock + j]);
+        continue;
+      }
+      const uint8_t byte = q[k * kBlock / 2 + j % 8];
+      const int value = (j < 8 ? byte & 0x0F : byte >> 4) - (type == kQ4_0 ? 8 : 0);
+      const float scaled = d[j] * static_cast<float>(value);
+      w[k * kBlock + j] = type == kQ4_1 ? scaled + d[kBlock + j] : scaled;
+    }
+  }
+}
+
+#endif
+
+// out = x W^T + b for a GGUF-packed W and an x of at most kGroupPathBytes (or one tile of rows).
+template <typename T, int64_t type>
+struct GgufProblem {
+  const float* x;
+  int64_t ld;
+  const uint8_t* packed;
+  const T* bias;  // nullptr: no bias
+  T* out;
+  int64_t m, n, k, out_stride;
+
+  // Block b for rows [m0, m1): acc holds [m1 - m0][16] floats, w one dequantised group.
+  void run_block(int64_t b, int64_t m0, int64_t m1, float* acc, float* w) const {
+    std::fill(acc, acc + (m1 - m0) * kBlock, 0.f);
+    const uint8_t* groups = packed + b * (k / kGroup) * gguf_group_bytes(type);
+    for (int64_t g = 0; g < k / kGroup; ++g) {
+      dequant_group<type>(groups + g * gguf_group_bytes(type), w);
+      for (int64_t r0 = m0; r0 < m1; r0 += kMaxRows) {
+        run_tile(static_cast<int>(std::min<int64_t>(kMaxRows, m1 - r0)), x + r0 * ld + g * kGroup, ld,
+                 static_cast<const float*>(w), kGroup, acc + (r0 - m0) * kBlock);
+      }
+    }
+    for (int64_t r0 = m0; r0 < m1; r0 += kMaxRows) {
+      store_rows(out, out_stride, n, bias, static_cast<const float*>(nullptr), acc + (r0 - m0) * kBlock, r0,
+                 static_cast<int>(std::min<int64_t>(kMaxRows, m1 - r0)), b);
+    }
+  }
+
+  // Threads split the column blocks (and the row tiles when there are few blocks).
+  void run_parallel() const {
+    split_blocks_and_tiles((n + kBlock - 1) / kBlock, (m + kMaxRows - 1) / kMaxRows, m * n * k,
+                           [&](int64_t b0, int64_t b1, int64_t t0, int64_t t1) {
+      const int64_t m0 = t0 * kMaxRows, m1 = std::min(m, t1 * kMaxRows);
+      std::vector<float> acc((m1 - m0) * kBlock), w(kGroup * kBlock);
+      for (int64_t b = b0; b < b1; ++b) run_block(b, m0, m1, acc.data(), w.data());
+    });
+  }
+};
+
+// The float32 [ceil(N/16), K, 16] weight (pack_linear_weight's layout) of a GGUF-packed one.
+template <int64_t type>
+at::Tensor dequantize_packed(const at::Tensor& packed) {
+  const int64_t groups = packed.size(1);
+  at::Tensor weight = at::empty({packed.size(0), groups * kGroup, kBlock}, packed.options().dtype(at::kFloat));
+  const uint8_t* src = packed.data_ptr<uint8_t>();
+  float* dst = weight.data_ptr<float>();
+  at::parallel_for(0, packed.size(0) * groups, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      dequant_group<type>(src + i * gguf_group_bytes(type), dst + i * kGroup * kBlock);
+    }
+  });
+  return weight;
+}
+
+template <typename T, int64_t type>
+void run_gguf(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+  const bool group_path = x.size(0) <= kMaxRows || x.numel() * int64_t{sizeof(float)} <= kGroupPathBytes;
+  if (!group_path) return linear_impl<T, float>(out, x, dequantize_packed<type>(packed), bias, {});
+  const at::Tensor x32 = float_rows(x);
+  GgufProblem<T, type>{x32.data_ptr<float>(), x32.stride(0), packed.data_ptr<uint8_t>(),
+                       bias ? bias->data_ptr<T>() : nullptr, out.data_ptr<T>(), x.size(0), out.size(1), x.size(1),
+                       out.stride(0)}.run_parallel();
+}
+
+template <typename T>
+void linear_gguf_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, int64_t type,
+                      const c10::optional<at::Tensor>& bias) {
+  switch (type) {
+    case kQ4_0: return run_gguf<T, kQ4_0>(out, x, packed, bias);
+    case kQ4_1: return run_gguf<T, kQ4_1>(out, x, packed, bias);
+    default: return run_gguf<T, kQ8_0>(out, x, packed, bias);
+  }
+}
+
 bool is_float_or_bf16(const at::Tensor& t) {
   return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16;
 }
 
 bool is_weight_dtype(const at::Tensor& t) { return is_float_or_bf16(t) || t.scalar_type() == at::kChar; }
+
+// The checks both kernels make of x, out and bias, for a packed weight of `blocks` column blocks and `k` k's.
+void check_operands(const at::Tensor& out, const at::Tensor& x, int64_t blocks, int64_t k,
+                    const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.dim() == 2 && out.stride(1) == 1,
+              "x and out must be 2-D with contiguous rows");
+  TORCH_CHECK(is_float_or_bf16(x) && out.scalar_type() == x.scalar_type(),
+              "x must be float32 or bfloat16 and out of x's dtype, got x ", x.scalar_type(), ", out ",
+              out.scalar_type());
+  TORCH_CHECK(x.size(1) == k, "x has K=", x.size(1), " but the packed weight K=", k);
+  TORCH_CHECK(out.size(0) == x.size(0) && (out.size(1) + kBlock - 1) / kBlock == blocks,
+              "out must be [M, N] with M=", x.size(0), " and N in (", 16 * (blocks - 1), ", ", 16 * blocks,
+              "], got ", out.sizes());
+  TORCH_CHECK(!bias || (bias->is_contiguous() && bias->numel() == out.size(1) && bias->scalar_type() == x.scalar_type()
+                        && bias->device().is_cpu()),
+              "bias must be a contiguous [N] CPU tensor of x's dtype");
+}
 
 }  // namespace
 
@@ -329,18 +515,7 @@ void linear_packed(at::Tensor out, at::Tensor x, at::Tensor packed, c10::optiona
   TORCH_CHECK(x.device().is_cpu() && out.device().is_cpu() && packed.device().is_cpu(), "tensors must be on the CPU");
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kBlock && packed.is_contiguous() && is_weight_dtype(packed),
               "packed must come from pack_linear_weight: a contiguous float32, bfloat16 or int8 [ceil(N/16), K, 16]");
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.dim() == 2 && out.stride(1) == 1,
-              "x and out must be 2-D with contiguous rows");
-  TORCH_CHECK(is_float_or_bf16(x) && out.scalar_type() == x.scalar_type(),
-              "x must be float32 or bfloat16 and out of x's dtype, got x ", x.scalar_type(), ", out ",
-              out.scalar_type());
-  TORCH_CHECK(x.size(1) == packed.size(1), "x has K=", x.size(1), " but the packed weight K=", packed.size(1));
-  TORCH_CHECK(out.size(0) == x.size(0) && (out.size(1) + kBlock - 1) / kBlock == packed.size(0),
-              "out must be [M, N] with M=", x.size(0), " and N in (", 16 * (packed.size(0) - 1), ", ",
-              16 * packed.size(0), "], got ", out.sizes());
-  TORCH_CHECK(!bias || (bias->is_contiguous() && bias->numel() == out.size(1) && bias->scalar_type() == x.scalar_type()
-                        && bias->device().is_cpu()),
-              "bias must be a contiguous [N] CPU tensor of x's dtype");
+  check_operands(out, x, packed.size(0), packed.size(1), bias);
   TORCH_CHECK((packed.scalar_type() == at::kChar) == scale.has_value(),
               "an int8 weight needs its [N] float32 row scales, and only an int8 weight takes them");
   TORCH_CHECK(!scale || (scale->is_contiguous() && scale->numel() == out.size(1)
@@ -349,6 +524,21 @@ void linear_packed(at::Tensor out, at::Tensor x, at::Tensor packed, c10::optiona
   if (out.numel() == 0) return;
   if (x.scalar_type() == at::kBFloat16) return linear_for_weight<c10::BFloat16>(out, x, packed, bias, scale);
   linear_for_weight<float>(out, x, packed, bias, scale);
+}
+
+void linear_gguf(at::Tensor out, at::Tensor x, at::Tensor packed, int64_t ggml_type,
+                 c10::optional<at::Tensor> bias) {
+  TORCH_CHECK(ggml_type == kQ4_0 || ggml_type == kQ4_1 || ggml_type == kQ8_0,
+              "ggml_type must be Q4_0 (2), Q4_1 (3) or Q8_0 (8), got ", ggml_type);
+  TORCH_CHECK(x.device().is_cpu() && out.device().is_cpu() && packed.device().is_cpu(), "tensors must be on the CPU");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous()
+                  && packed.size(2) == gguf_group_bytes(ggml_type),
+              "packed must come from pack_gguf_weight: a contiguous uint8 [ceil(N/16), K/32, ",
+              gguf_group_bytes(ggml_type), "] for this type, got ", packed.sizes());
+  check_operands(out, x, packed.size(0), packed.size(1) * kGroup, bias);
+  if (out.numel() == 0) return;
+  if (x.scalar_type() == at::kBFloat16) return linear_gguf_impl<c10::BFloat16>(out, x, packed, ggml_type, bias);
+  linear_gguf_impl<float>(out, x, packed, ggml_type, bias);
 }
 
 }  // namespace pagedllm

@@ -31,6 +31,7 @@ void rotary_embedding(at::Tensor positions, at::Tensor q, at::Tensor k, at::Tens
 at::Tensor pack_linear_weight(at::Tensor weight);
 void linear_packed(at::Tensor out, at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias,
                    c10::optional<at::Tensor> scale);
+void linear_gguf(at::Tensor out, at::Tensor x, at::Tensor packed, int64_t ggml_type, c10::optional<at::Tensor> bias);
 
 // A paged KV cache as raw pointers, for the attention kernels: position `pos` of sequence `seq` lives in block
 // table(seq)[pos / block_size] at offset pos % block_size. The caches are [num_blocks, block_size, num_kv_heads,
