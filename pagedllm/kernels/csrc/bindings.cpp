@@ -3,25 +3,28 @@
 
 #include "ops.h"
 
+// Every kernel runs without the GIL (its arguments are converted first, its result after), so that other Python
+// threads go on meanwhile: the server's event loop beside the engine thread, data-parallel replicas beside each other.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using NoGil = pybind11::call_guard<pybind11::gil_scoped_release>;
   m.def("decode_attention", &pagedllm::decode_attention,
         "Paged decode attention, one query token per sequence, over a float or int8 cache: (out, q, k_cache, "
-        "v_cache, block_tables, seq_lens, scale)");
+        "v_cache, block_tables, seq_lens, scale)", NoGil());
   m.def("prefill_attention", &pagedllm::prefill_attention,
         "Paged causal attention of sequences first_seq.. of a flat batch: (out, q, k_cache, v_cache, block_tables, "
-        "seq_lens, query_start_loc, first_seq, scale)");
-  m.def("rms_norm", &pagedllm::rms_norm, "out = RMSNorm(x) * weight: (out, x, weight, eps)");
+        "seq_lens, query_start_loc, first_seq, scale)", NoGil());
+  m.def("rms_norm", &pagedllm::rms_norm, "out = RMSNorm(x) * weight: (out, x, weight, eps)", NoGil());
   m.def("fused_add_rms_norm", &pagedllm::fused_add_rms_norm,
         "residual_out = x + residual; out = RMSNorm(residual_out) * weight: "
-        "(out, residual_out, x, residual, weight, eps)");
-  m.def("silu_and_mul", &pagedllm::silu_and_mul, "out = silu(x[:, :d]) * x[:, d:]: (out, x)");
+        "(out, residual_out, x, residual, weight, eps)", NoGil());
+  m.def("silu_and_mul", &pagedllm::silu_and_mul, "out = silu(x[:, :d]) * x[:, d:]: (out, x)", NoGil());
   m.def("rotary_embedding", &pagedllm::rotary_embedding,
-        "Neox-style rotary embedding of q and k in place: (positions, q, k, cos_cache, sin_cache)");
+        "Neox-style rotary embedding of q and k in place: (positions, q, k, cos_cache, sin_cache)", NoGil());
   m.def("pack_linear_weight", &pagedllm::pack_linear_weight,
         "A float32, bfloat16 or int8 [N, K] weight in linear_packed's blocked layout, [ceil(N/16), K, 16]: "
-        "(weight)");
+        "(weight)", NoGil());
   m.def("linear_packed", &pagedllm::linear_packed,
-        "out = x W^T + bias in float32 arithmetic, W packed by pack_linear_weight, N = out.size(1); an int8 W is "
+        "out = x W^T + bias in float32 arithmetic, W packed by pack_linear_weight, N = out.size(1, NoGil()); an int8 W is "
         "scale[n] * q[n, k]: (out, x, packed, bias, scale)",
         pybind11::arg("out"), pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("bias") = pybind11::none(),
         pybind11::arg("scale") = pybind11::none());
@@ -29,5 +32,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "out = x W^T + bias in float32 arithmetic, W a GGUF Q4_0, Q4_1 or Q8_0 weight regrouped by "
         "pagedllm.layers.gguf.pack_gguf_weight, N = out.size(1): (out, x, packed, ggml_type, bias)",
         pybind11::arg("out"), pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("ggml_type"),
-        pybind11::arg("bias") = pybind11::none());
+        pybind11::arg("bias") = pybind11::none(), NoGil());
 }
