@@ -210,7 +210,8 @@ class ParallelConfig:
         data_parallel_router: how the router picks a replica: "prefix_aware" (the replica most likely to hold
             the prompt's prefix, else the least loaded) or "round_robin".
         distributed_executor_backend: how the tensor-parallel workers start: "mp" (local processes) or "ray"
-            (Ray actors, on a running cluster or a local one); None: "mp".
+            (Ray actors, on a running cluster or a local one); None: "mp". With "ray", data-parallel replicas
+            run in Ray actors too (with "mp", in this process).
     """
 
     tensor_parallel_size: int = 1
@@ -225,9 +226,10 @@ class ParallelConfig:
                  "None, 'mp' or 'ray'", self.distributed_executor_backend)
         _require(self.data_parallel_router in ("prefix_aware", "round_robin"), "data_parallel_router",
                  "one of 'prefix_aware', 'round_robin'", self.data_parallel_router)
-        _require(self.tensor_parallel_size == 1 or self.data_parallel_size == 1, "data_parallel_size",
-                 "1 with tensor_parallel_size > 1 (replicas of tensor-parallel groups are not supported yet: "
-                 "each group needs a process of its own)", self.data_parallel_size)
+        _require(self.tensor_parallel_size == 1 or self.data_parallel_size == 1
+                 or self.distributed_executor_backend == "ray", "data_parallel_size",
+                 "1 with tensor_parallel_size > 1, unless distributed_executor_backend='ray' (each replica's "
+                 "tensor-parallel group needs a process of its own: a Ray actor)", self.data_parallel_size)
 
 
 @dataclass

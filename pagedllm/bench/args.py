@@ -43,6 +43,9 @@ def add_engine_args(parser: argparse.ArgumentParser, prefix_caching_flag: bool =
         group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                        help="worker processes sharing each layer (docs/scale-out.md)")
+    group.add_argument("--distributed-executor-backend", default=None, choices=["mp", "ray"],
+                       help="tensor-parallel workers as local processes (mp, the default) or Ray actors; with ray, "
+                            "data-parallel replicas run in Ray actors too")
     group.add_argument("--speculative-config", type=parse_json_object, default=None,
                        help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'')
 
@@ -55,7 +58,8 @@ def engine_kwargs(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
                   enable_prefix_caching=getattr(args, "enable_prefix_caching", True), seed=args.seed,
                   quantization=getattr(args, "quantization", None),
                   kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"), speculative_config=args.speculative_config,
-                  tensor_parallel_size=args.tensor_parallel_size)
+                  tensor_parallel_size=args.tensor_parallel_size,
+                  distributed_executor_backend=args.distributed_executor_backend)
     return kwargs | overrides
 
 

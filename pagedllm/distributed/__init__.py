@@ -149,18 +149,15 @@ class RayWorkers(Peers):
     local processes, rendezvousing at this node's address (docs/scale-out.md says which ports and interfaces)."""
 
     def __init__(self, config: EngineConfig) -> None:
-        try:
-            import ray
-        except ImportError:
-            raise ValueError("distributed_executor_backend='ray' needs Ray: pip install 'pagedllm[ray]'") from None
-        self.ray = ray
+        self.ray = ray = acquire_ray()
         self.size = config.parallel.tensor_parallel_size
         self.error: BaseException | None = None
         self._closed = False
-        self._owns_ray = not ray.is_initialized()
-        if self._owns_ray:
-            ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False,
-                     configure_logging=False)
+        try:
+            require_ray_cpus(ray, self.size - 1, f"tensor_parallel_size={self.size}'s workers")
+        except ValueError:
+            release_ray()
+            raise
         init_method = f"tcp://{ray.util.get_node_ip_address()}:{free_port()}"
         worker = ray.remote(num_cpus=1)(_RayWorker)
         self.actors = [worker.options(name=f"pagedllm-tp{rank}-{os.getpid()}").remote(config, rank, init_method)
@@ -197,8 +194,7 @@ class RayWorkers(Peers):
     def is_alive(self) -> bool:
         """No call failed and, for the actors on this machine, their processes live (an actor on another node
         that dies is noticed at the next step, whose collective fails)."""
-        return self.error is None and not self._closed and all(
-            psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in self.pids)
+        return self.error is None and not self._closed and all(process_lives(pid) for pid in self.pids)
 
     def close(self) -> None:
         if self._closed:
@@ -210,8 +206,46 @@ class RayWorkers(Peers):
             self.ray.kill(actor)
         if dist.is_initialized():
             dist.destroy_process_group()
-        if self._owns_ray:
-            self.ray.shutdown()
+        release_ray()
+
+
+_ray_users = 0              # the RayWorkers and RayReplicas of this process holding Ray
+_ray_started_here = False   # whether this process started the local cluster it is connected to
+
+
+def acquire_ray():
+    """The `ray` module, connected: to the cluster at RAY_ADDRESS (`ray start --head`), to the one this process
+    already joined, or else to a local cluster started here, which `release_ray` stops once its last user is done."""
+    global _ray_users, _ray_started_here
+    try:
+        import ray
+    except ImportError:
+        raise ValueError("distributed_executor_backend='ray' needs Ray: pip install 'pagedllm[ray]'") from None
+    if not ray.is_initialized():
+        ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False,
+                 configure_logging=False)
+        _ray_started_here = True
+    _ray_users += 1
+    return ray
+
+
+def require_ray_cpus(ray, num_actors: int, what: str) -> None:
+    """Refuse at once, rather than wait forever for them, actors the cluster has no CPUs for (one each)."""
+    num_cpus = ray.cluster_resources().get("CPU", 0)
+    if num_cpus < num_actors:
+        raise ValueError(f"{what} need {num_actors} Ray actors of one CPU each, and the Ray cluster has "
+                         f"{num_cpus:g} CPU(s)")
+
+
+def release_ray() -> None:
+    """One user of `acquire_ray` is done; the last one stops the local cluster if this process started it."""
+    global _ray_users, _ray_started_here
+    _ray_users -= 1
+    if _ray_users == 0 and _ray_started_here:
+        import ray
+
+        ray.shutdown()
+        _ray_started_here = False
 
 
 class _RayWorker:
@@ -241,6 +275,14 @@ def start_peers(config: EngineConfig) -> Peers:
     if config.parallel.distributed_executor_backend == "ray":
         return RayWorkers(config)
     return WorkerProcesses(config)
+
+
+def process_lives(pid: int) -> bool:
+    """Whether process `pid` on this machine runs (a zombie does not)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def threads_per_rank(tp_size: int) -> int:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import functools
+import operator
 from collections import Counter
 from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -48,24 +49,46 @@ T = TypeVar("T")
 
 def build_replicas(config: EngineConfig) -> list[LLMEngine]:
     """`config.parallel.data_parallel_size` engines, each with the configured KV budget (a `swap_path` gets the
-    replica's index as a suffix); on a CPU the intra-op threads are divided among them. Logs the pools' sizes."""
+    replica's index as a suffix): in this process, or with the "ray" backend and more than one, each in a Ray
+    actor (`RayReplica`, same interface). On a CPU the intra-op threads are divided among them. Logs the pools."""
     num_replicas = config.parallel.data_parallel_size
+    in_actors = num_replicas > 1 and config.parallel.distributed_executor_backend == "ray"
+    num_threads = max(1, torch.get_num_threads() // num_replicas)
     if config.model.device == "cpu" and num_replicas > 1:
-        num_threads = max(1, torch.get_num_threads() // num_replicas)
-        torch.set_num_threads(num_threads)
+        if not in_actors:
+            torch.set_num_threads(num_threads)
         logger.info("data parallel: %d intra-op thread(s) per replica", num_threads)
+    if in_actors:
+        from pagedllm.distributed import acquire_ray, release_ray, require_ray_cpus
+
+        ray = acquire_ray()     # held while the replicas start, so that a failure among them stops a local cluster
     replicas: list[LLMEngine] = []
     try:
+        if in_actors:
+            tp_size = config.parallel.tensor_parallel_size      # each replica is rank 0 of its group
+            require_ray_cpus(ray, num_replicas * tp_size, f"data_parallel_size={num_replicas}'s replicas"
+                             + (f" of tensor_parallel_size={tp_size}" if tp_size > 1 else ""))
         for index in range(num_replicas):
             replica_config = copy.deepcopy(config)
             replica_config.parallel.data_parallel_size = 1
             if config.cache.swap_path is not None and num_replicas > 1:
                 replica_config.cache.swap_path = f"{config.cache.swap_path}.{index}"
-            replicas.append(LLMEngine(replica_config))
+            if in_actors:
+                from pagedllm.distributed.ray_replica import RayReplica
+
+                replicas.append(RayReplica(replica_config, index, num_threads))
+            else:
+                replicas.append(LLMEngine(replica_config))
+        for replica in replicas:
+            if in_actors:
+                replica.wait_until_loaded()
     except BaseException:
         for replica in replicas:
             replica.close()
         raise
+    finally:
+        if in_actors:
+            release_ray()
     if num_replicas > 1:
         capacity = replicas[0].capacity
         pool_gib = capacity.num_blocks * capacity.block_size * capacity.bytes_per_token / kv_tensors.GiB
@@ -138,7 +161,8 @@ class DataParallelEngine:
     def step(self) -> list[RequestOutput]:
         """One step of every replica with unfinished requests, concurrently."""
         busy = [replica for replica in self.replicas if replica.has_unfinished_requests()]
-        results = list(self._pool.map(LLMEngine.step, busy)) if len(busy) > 1 else [r.step() for r in busy]
+        step = operator.methodcaller("step")
+        results = list(self._pool.map(step, busy)) if len(busy) > 1 else [step(r) for r in busy]
         outputs = [output for result in results for output in result]
         for output in outputs:
             if output.finished:

@@ -133,7 +133,8 @@ def add_server_args(parser: argparse.ArgumentParser, *, positional_model: bool) 
                           help="send a request to the replica most likely to hold its prefix (else the least "
                                "loaded), or round robin (default: %(default)s)")
     parallel.add_argument("--distributed-executor-backend", default=None, choices=["mp", "ray"],
-                          help="start the tensor-parallel workers as local processes (mp, the default) or Ray actors")
+                          help="start the tensor-parallel workers as local processes (mp, the default) or Ray "
+                               "actors; with ray, the data-parallel replicas run in Ray actors too")
     engine.add_argument("--seed", type=int, default=0, help="seed of the engine's random stream (default: 0)")
     engine.add_argument("--speculative-config", type=parse_json_object, default=None,
                         help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
