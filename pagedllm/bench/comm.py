@@ -1,10 +1,11 @@
 """`pagedllm bench comm`: what tensor parallelism's collectives cost per forward pass, on this machine.
 
-N processes join a gloo group, as the engine's ranks do (pagedllm/distributed, with the same threads per rank),
-and run one forward pass's collectives for the model's shapes, without the model: 2 x layers + 1 all-reduces of
+N processes join a group as the engine's ranks do (pagedllm/distributed, with the same threads per rank), and run
+one forward pass's collectives for the model's shapes, without the model: 2 x layers + 1 all-reduces of
 [T, hidden] in the model's dtype (after attention and after the MLP in every layer, and the vocab-parallel
-embedding), then the gather of the LM head's float32 vocabulary slices of the rows sampled to rank 0. The time
-per pass is the median over --repeats, taken on rank 0 after a barrier; the bytes are those of one rank's
+embedding), then the gather of the LM head's float32 vocabulary slices of the rows sampled to rank 0; over gloo,
+then over the shared-memory segment the engine uses on one machine (pagedllm/distributed/communicator.py). The
+time per pass is the median over --repeats, taken on rank 0 after a barrier; the bytes are those of one rank's
 tensors. Set this against the step times of `pagedllm bench throughput -tp N` (docs/scale-out.md).
 """
 
@@ -14,6 +15,7 @@ import argparse
 import json
 import statistics
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +41,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
     from pagedllm.distributed import free_port, threads_per_rank
+    from pagedllm.distributed.communicator import create_segment, new_segment_path, remove_segment
     from pagedllm.loader import load_hf_config, resolve_dtype, resolve_model
 
     if args.tensor_parallel_size < 2:
@@ -49,7 +52,9 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     dtype = resolve_dtype(args.dtype)
     job = dict(size=args.tensor_parallel_size, init_method=f"tcp://127.0.0.1:{free_port()}",
                threads=threads_per_rank(args.tensor_parallel_size), hidden=dims.hidden_size, layers=dims.num_layers,
-               vocab=dims.vocab_size, dtype=dtype, tokens=args.tokens, repeats=args.repeats)
+               vocab=dims.vocab_size, dtype=dtype, tokens=args.tokens, repeats=args.repeats,
+               segment_path=new_segment_path())
+    create_segment(job["segment_path"], job["size"])
     context = mp.get_context("spawn")
     others = [context.Process(target=_rank_main, args=(rank, job), daemon=True)
               for rank in range(1, args.tensor_parallel_size)]
@@ -59,6 +64,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     try:
         rows = _rank_main(0, job)
     finally:
+        remove_segment(job["segment_path"])
         torch.set_num_threads(threads)
         for process in others:
             process.join()
@@ -72,39 +78,50 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
 
 def _rank_main(rank: int, job: dict[str, Any]) -> list[dict[str, Any]]:
     """One rank's passes; rank 0 (this process) returns the timings."""
+    from pagedllm.distributed.communicator import Communicator, close_communicator, init_communicator
+
     torch.set_num_threads(job["threads"])
     dist.init_process_group("gloo", init_method=job["init_method"], rank=rank, world_size=job["size"])
+    transports = {"gloo": Communicator(rank, job["size"])}
+    shared = init_communicator(rank, job["size"], job["segment_path"], timedelta(seconds=120))
+    if shared.kind != "gloo":
+        transports["shm"] = shared
     num_all_reduces = 2 * job["layers"] + 1
     vocab_slice = -(-job["vocab"] // job["size"])
     rows = []
     for tokens in job["tokens"]:
         hidden = torch.randn(tokens, job["hidden"]).to(job["dtype"])
         logits = torch.randn(tokens, vocab_slice)
-        parts = [torch.empty_like(logits) for _ in range(job["size"])] if rank == 0 else None
-        times = []
-        for _ in range(job["repeats"] + 1):             # the first pass pays the connections' set-up
-            dist.barrier()
-            start = time.perf_counter()
-            for _ in range(num_all_reduces):
-                dist.all_reduce(hidden)
-            all_reduced = time.perf_counter()
-            dist.gather(logits, parts, dst=0)
-            times.append((all_reduced - start, time.perf_counter() - all_reduced))
-        all_reduce_s = statistics.median(t for t, _ in times[1:])
-        gather_s = statistics.median(g for _, g in times[1:])
-        rows.append(dict(
-            tokens=tokens, all_reduces=num_all_reduces,
-            all_reduce_bytes=num_all_reduces * hidden.numel() * hidden.element_size(),
-            all_reduce_ms=1e3 * all_reduce_s, gather_bytes=logits.numel() * logits.element_size(),
-            gather_ms=1e3 * gather_s, us_per_all_reduce=1e6 * all_reduce_s / num_all_reduces))
+        row: dict[str, Any] = dict(tokens=tokens, all_reduces=num_all_reduces,
+                                   all_reduce_bytes=num_all_reduces * hidden.numel() * hidden.element_size(),
+                                   gather_bytes=logits.numel() * logits.element_size())
+        for name, transport in transports.items():
+            times = []
+            for _ in range(job["repeats"] + 1):             # the first pass pays the connections' set-up
+                dist.barrier()
+                start = time.perf_counter()
+                for _ in range(num_all_reduces):
+                    transport.all_reduce(hidden)
+                all_reduced = time.perf_counter()
+                transport.gather_to_first(logits)
+                times.append((all_reduced - start, time.perf_counter() - all_reduced))
+            all_reduce_s = statistics.median(t for t, _ in times[1:])
+            row[name] = dict(all_reduce_ms=1e3 * all_reduce_s, us_per_all_reduce=1e6 * all_reduce_s / num_all_reduces,
+                             gather_ms=1e3 * statistics.median(g for _, g in times[1:]))
+        rows.append(row)
+    close_communicator()
     dist.destroy_process_group()
     return rows
 
 
 def print_report(result: dict[str, Any]) -> None:
-    print(f"{result['model']} ({result['dtype']}), {result['tensor_parallel_size']} ranks over gloo, "
-          f"{result['threads_per_rank']} thread(s) each; per forward pass:")
-    print(f"{'tokens':>7} {'all-reduces':>12} {'bytes':>10} {'ms':>8} {'us each':>8} {'gather bytes':>13} {'ms':>7}")
+    transports = [name for name in ("gloo", "shm") if name in result["passes"][0]]
+    print(f"{result['model']} ({result['dtype']}), {result['tensor_parallel_size']} ranks, "
+          f"{result['threads_per_rank']} thread(s) each; per forward pass (all-reduces, then the gather):")
+    header = "".join(f" {name + ' ms':>10} {name + ' us each':>13} {name + ' gather ms':>16}" for name in transports)
+    print(f"{'tokens':>7} {'all-reduces':>12} {'bytes':>10}{header} {'gather bytes':>13}")
     for row in result["passes"]:
-        print(f"{row['tokens']:>7} {row['all_reduces']:>12} {row['all_reduce_bytes']:>10} {row['all_reduce_ms']:>8.2f} "
-              f"{row['us_per_all_reduce']:>8.1f} {row['gather_bytes']:>13} {row['gather_ms']:>7.2f}")
+        cells = "".join(f" {row[name]['all_reduce_ms']:>10.2f} {row[name]['us_per_all_reduce']:>13.1f}"
+                        f" {row[name]['gather_ms']:>16.2f}" for name in transports)
+        print(f"{row['tokens']:>7} {row['all_reduces']:>12} {row['all_reduce_bytes']:>10}{cells}"
+              f" {row['gather_bytes']:>13}")

@@ -42,6 +42,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pagedllm.config import EngineConfig
+from pagedllm.distributed.communicator import (
+    close_communicator,
+    create_segment,
+    init_communicator,
+    new_segment_path,
+    remove_segment,
+)
 from pagedllm.logger import init_logger
 
 if TYPE_CHECKING:
@@ -87,18 +94,23 @@ class WorkerProcesses(Peers):
         self.error: BaseException | None = None
         self._closed = False
         init_method = f"tcp://127.0.0.1:{free_port()}"
+        segment_path = new_segment_path()
+        create_segment(segment_path, self.size)
         context = mp.get_context("spawn")
         self.pipes: list[Connection] = []
         self.processes: list[mp.Process] = []
-        for rank in range(1, self.size):
-            ours, theirs = context.Pipe()
-            process = context.Process(target=_worker_main, args=(config, rank, init_method, theirs),
-                                      name=f"pagedllm-tp{rank}", daemon=True)
-            process.start()
-            theirs.close()
-            self.pipes.append(ours)
-            self.processes.append(process)
-        _join_group(0, self.size, init_method)
+        try:
+            for rank in range(1, self.size):
+                ours, theirs = context.Pipe()
+                process = context.Process(target=_worker_main, args=(config, rank, init_method, segment_path, theirs),
+                                          name=f"pagedllm-tp{rank}", daemon=True)
+                process.start()
+                theirs.close()
+                self.pipes.append(ours)
+                self.processes.append(process)
+            _join_group(0, self.size, init_method, segment_path)
+        finally:
+            remove_segment(segment_path)
         logger.info("tensor parallelism: %d ranks (this process and worker pids %s) joined over gloo, %d threads "
                     "each", self.size, [p.pid for p in self.processes], torch.get_num_threads())
 
@@ -138,8 +150,7 @@ class WorkerProcesses(Peers):
             if process.is_alive():
                 process.kill()
                 process.join()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        _leave_group()
 
 
 class RayWorkers(Peers):
@@ -159,11 +170,17 @@ class RayWorkers(Peers):
             release_ray()
             raise
         init_method = f"tcp://{ray.util.get_node_ip_address()}:{free_port()}"
+        segment_path = new_segment_path()   # mapped by the actors on this node; those on others use gloo
+        create_segment(segment_path, self.size)
         worker = ray.remote(num_cpus=1)(_RayWorker)
-        self.actors = [worker.options(name=f"pagedllm-tp{rank}-{os.getpid()}").remote(config, rank, init_method)
-                       for rank in range(1, self.size)]
-        self._pending: list = []
-        _join_group(0, self.size, init_method)
+        try:
+            self.actors = [worker.options(name=f"pagedllm-tp{rank}-{os.getpid()}").remote(config, rank, init_method,
+                                                                                         segment_path)
+                           for rank in range(1, self.size)]
+            self._pending: list = []
+            _join_group(0, self.size, init_method, segment_path)
+        finally:
+            remove_segment(segment_path)
         self.pids = ray.get([actor.pid.remote() for actor in self.actors])
         logger.info("tensor parallelism: %d ranks (this process and Ray actors, pids %s) joined over gloo",
                     self.size, self.pids)
@@ -204,8 +221,7 @@ class RayWorkers(Peers):
             self.ray.get([actor.execute.remote("close", ()) for actor in self.actors], timeout=_JOIN_SECONDS)
         for actor in self.actors:
             self.ray.kill(actor)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        _leave_group()
         release_ray()
 
 
@@ -251,8 +267,8 @@ def release_ray() -> None:
 class _RayWorker:
     """A tensor-parallel rank inside a Ray actor: joins the group and loads its slice when created."""
 
-    def __init__(self, config: EngineConfig, rank: int, init_method: str) -> None:
-        self.runner = _start_rank(config, rank, init_method)
+    def __init__(self, config: EngineConfig, rank: int, init_method: str, segment_path: str | None) -> None:
+        self.runner = _start_rank(config, rank, init_method, segment_path)
 
     def pid(self) -> int:
         return os.getpid()
@@ -297,26 +313,35 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _join_group(rank: int, size: int, init_method: str) -> None:
+def _join_group(rank: int, size: int, init_method: str, segment_path: str | None) -> None:
+    """Join the gloo group, then choose its collectives' transport (shared memory when all ranks share /dev/shm)."""
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size, timeout=_COLLECTIVE_TIMEOUT)
+    init_communicator(rank, size, segment_path, _COLLECTIVE_TIMEOUT)
 
 
-def _start_rank(config: EngineConfig, rank: int, init_method: str) -> ModelRunner:
+def _leave_group() -> None:
+    close_communicator()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _start_rank(config: EngineConfig, rank: int, init_method: str, segment_path: str | None) -> ModelRunner:
     """A worker rank's runner: its share of the threads, joined to the group, over its slice of the model."""
     from pagedllm.loader import load_model
     from pagedllm.runner.model_runner import ModelRunner
 
     tp_size = config.parallel.tensor_parallel_size
     torch.set_num_threads(threads_per_rank(tp_size))
-    _join_group(rank, tp_size, init_method)
+    _join_group(rank, tp_size, init_method, segment_path)
     return ModelRunner(load_model(config.model, rank, tp_size), copy.deepcopy(config.cache), None,
                        config.model.seed)
 
 
-def _worker_main(config: EngineConfig, rank: int, init_method: str, pipe: Connection) -> None:
+def _worker_main(config: EngineConfig, rank: int, init_method: str, segment_path: str | None,
+                 pipe: Connection) -> None:
     """A worker: join the group, load this rank's slice, then run rank 0's commands until told to stop or until
     rank 0 is gone. Any failure ends the process, which fails rank 0's next collective."""
-    runner = _start_rank(config, rank, init_method)
+    runner = _start_rank(config, rank, init_method, segment_path)
     try:
         while True:
             try:

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.distributed.communicator import communicator
 from pagedllm.layers.linear import linear
 
 
@@ -36,7 +37,7 @@ class VocabEmbedding(nn.Module):
         local = input_ids - self.vocab_start
         outside = (local < 0) | (local >= self.num_per_partition)
         y = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0)
-        torch.distributed.all_reduce(y)
+        communicator().all_reduce(y)
         return y
 
 
@@ -57,9 +58,8 @@ class ParallelLMHead(VocabEmbedding):
         slice; another rank gets its own slice [N, V / tp]."""
         logits = linear(hidden, self.weight).float()  # [N, V / tp]
         if self.tp_size > 1:
-            parts = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
-            torch.distributed.gather(logits, parts, dst=0)
+            parts = communicator().gather_to_first(logits)     # [tp, N, V / tp] on rank 0
             if parts is None:
                 return logits
-            logits = torch.cat(parts, dim=-1)
+            logits = parts.permute(1, 0, 2).reshape(logits.shape[0], -1)
         return logits[:, :self.num_embeddings]

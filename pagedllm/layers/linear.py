@@ -24,6 +24,7 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from pagedllm.cpu import onednn_bf16_ok
+from pagedllm.distributed.communicator import communicator
 from pagedllm.kernels import cpu_kernels, kernels_disabled
 from pagedllm.layers.gguf import pack_gguf_weight
 
@@ -312,5 +313,5 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(x, self.weight)
         if self.tp_size > 1:
-            torch.distributed.all_reduce(y)
+            communicator().all_reduce(y)
         return y if self.bias is None else y + self.bias

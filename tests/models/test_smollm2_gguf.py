@@ -17,33 +17,12 @@ CHATS = [
 ]
 
 
-def _transformers_gguf_model(folder: str, gguf_file: str) -> torch.nn.Module:
-    """transformers' own GGUF reading (dequantisation, renaming, Q/K un-permutation), independent of ours.
-
-    `from_pretrained(gguf_file=)` would need `accelerate`; this is the same loader without it.
-    """
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.initialization import no_init_weights
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    config = AutoConfig.from_pretrained(folder, gguf_file=gguf_file)
-    with no_init_weights():  # every weight is overwritten below; random init of 135M params is slow
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    tensors = load_gguf_checkpoint(f"{folder}/{gguf_file}", return_tensors=True, model_to_load=model)["tensors"]
-    missing, unexpected = model.load_state_dict(tensors, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
-    model.tie_weights()
-    return model.eval()
-
-
 @pytest.mark.slow
-def test_smollm2_gguf_matches_transformers() -> None:
-    from transformers import AutoTokenizer
-
+def test_smollm2_gguf_matches_transformers(smol_hf) -> None:
+    """`smol_hf`: transformers' own GGUF reading (dequantisation, renaming, Q/K un-permutation), independent of
+    ours, shared with the other tests that need it (it takes ~25 s to load)."""
+    hf_model, tokenizer = smol_hf
     loaded = load_model(ModelConfig(model=None, dtype="float32"))
-    folder, gguf_file = str(loaded.resolved.path), loaded.resolved.gguf_file
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
-    hf_model = _transformers_gguf_model(folder, gguf_file)
     assert torch.equal(hf_model.lm_head.weight, hf_model.model.embed_tokens.weight)
     seqs = [list(tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=True)
                  ["input_ids"]) for c in CHATS]

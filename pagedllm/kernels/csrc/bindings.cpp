@@ -33,4 +33,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "pagedllm.layers.gguf.pack_gguf_weight, N = out.size(1): (out, x, packed, ggml_type, bias)",
         pybind11::arg("out"), pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("ggml_type"),
         pybind11::arg("bias") = pybind11::none(), NoGil());
+  m.def("shm_register", &pagedllm::shm_register,
+        "Write this rank's pid into a shared segment, for the others' liveness checks: (segment, rank, world, pid)",
+        NoGil());
+  m.def("shm_all_reduce", &pagedllm::shm_all_reduce,
+        "Sum x over the ranks in place, through a shared segment, in rank order (the same bits on every rank); "
+        "returns the last round used: (segment, x, rank, world, seq, timeout_s)", NoGil());
+  m.def("shm_gather", &pagedllm::shm_gather,
+        "Every rank's x, in rank order, into out ([world, *x.shape]; None on a rank that does not need them); "
+        "returns the last round used: (segment, x, out, rank, world, seq, timeout_s)", NoGil());
 }

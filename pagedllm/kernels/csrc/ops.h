@@ -33,6 +33,12 @@ void linear_packed(at::Tensor out, at::Tensor x, at::Tensor packed, c10::optiona
                    c10::optional<at::Tensor> scale);
 void linear_gguf(at::Tensor out, at::Tensor x, at::Tensor packed, int64_t ggml_type, c10::optional<at::Tensor> bias);
 
+// shm.cpp: the collectives of tensor-parallel ranks on one machine; each returns the last round number it used.
+void shm_register(at::Tensor segment, int64_t rank, int64_t world, int64_t pid);
+int64_t shm_all_reduce(at::Tensor segment, at::Tensor x, int64_t rank, int64_t world, int64_t seq, double timeout_s);
+int64_t shm_gather(at::Tensor segment, at::Tensor x, c10::optional<at::Tensor> out, int64_t rank, int64_t world,
+                   int64_t seq, double timeout_s);
+
 // A paged KV cache as raw pointers, for the attention kernels: position `pos` of sequence `seq` lives in block
 // table(seq)[pos / block_size] at offset pos % block_size. The caches are [num_blocks, block_size, num_kv_heads,
 // head_dim] with any strides in the first three dims (e.g. views of one tensor holding every layer). An int8 cache
