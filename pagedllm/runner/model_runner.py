@@ -7,6 +7,8 @@ them. It never decides policy.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -103,11 +105,16 @@ class ModelRunner:
 
     def close(self) -> None:
         """Release the swap pool (closing and deleting its file) and stop the tensor-parallel workers; closing
-        twice does nothing more."""
+        twice does nothing more. A worker that was killed could not delete its swap file: rank 0 deletes what is
+        left of theirs beside its own."""
         self.peers.close()
         if self.swap is not None:
+            path = self.swap.path
             self.swap.close()
             self.swap = None
+            for rank in range(1, self.peers.size) if path is not None else ():
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(f"{path}.rank{rank}")
 
     @torch.inference_mode()
     def move_blocks(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],

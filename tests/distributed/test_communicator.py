@@ -57,6 +57,7 @@ def _wait_alone(rank: int, init_method: str, segment_path: str, results) -> None
     shared = _join(rank, init_method, segment_path)
     if rank == 1:
         time.sleep(3600)        # never joins the collective; the test kills it
+    results.put("waiting")
     start = time.monotonic()
     try:
         shared.all_reduce(torch.ones(8))
@@ -101,7 +102,8 @@ def test_shared_memory_collectives_give_gloos_results_and_the_same_bits_on_every
 
 def test_a_partner_that_dies_fails_the_collective_at_once() -> None:
     ranks, results, _ = _run(_wait_alone)
-    time.sleep(3)               # rank 0 is spinning on rank 1's flag by now (the start-up takes about a second)
+    assert results.get(timeout=60) == "waiting"
+    time.sleep(0.2)             # rank 0 is spinning on rank 1's flag by now
     os.kill(ranks[1].pid, signal.SIGKILL)
     message, waited = results.get(timeout=30)
     ranks[0].join(30)
