@@ -3,6 +3,7 @@ that matter and greedy tokens can be compared exactly with Hugging Face transfor
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import tempfile
 from pathlib import Path
@@ -41,9 +42,26 @@ def smol_hf():
     from pagedllm.loader.resolve import resolve_model
 
     resolved = resolve_model(None)
-    model = AutoModelForCausalLM.from_pretrained(resolved.path, gguf_file=resolved.gguf_file, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(resolved.path, gguf_file=resolved.gguf_file)
+    with _gguf_parsed_once():
+        model = AutoModelForCausalLM.from_pretrained(resolved.path, gguf_file=resolved.gguf_file,
+                                                     dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(resolved.path, gguf_file=resolved.gguf_file)
     return model.eval(), tokenizer
+
+
+@contextlib.contextmanager
+def _gguf_parsed_once():
+    """transformers parses the file's metadata anew for its config, its weights and its tokenizer (~9 s each on a
+    Zen 3 core), and rebuilds gguf's tensor-name map for each of ~400 modules (~11 s); both are pure functions of
+    their arguments, so they are memoized while the oracle loads. What transformers computes is unchanged."""
+    import functools
+    from unittest import mock
+
+    import gguf
+
+    with mock.patch.object(gguf, "GGUFReader", functools.cache(gguf.GGUFReader)), \
+            mock.patch.object(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map)):
+        yield
 
 
 @pytest.fixture
