@@ -164,21 +164,20 @@ class RayWorkers(Peers):
         self.size = config.parallel.tensor_parallel_size
         self.error: BaseException | None = None
         self._closed = False
+        self._pending: list = []
+        segment_path = new_segment_path()   # mapped by the actors on this node; those on others use gloo
         try:
             require_ray_cpus(ray, self.size - 1, f"tensor_parallel_size={self.size}'s workers")
-        except ValueError:
-            release_ray()
-            raise
-        init_method = f"tcp://{ray.util.get_node_ip_address()}:{free_port()}"
-        segment_path = new_segment_path()   # mapped by the actors on this node; those on others use gloo
-        create_segment(segment_path, self.size)
-        worker = ray.remote(num_cpus=1)(_RayWorker)
-        try:
+            init_method = f"tcp://{ray.util.get_node_ip_address()}:{free_port()}"
+            create_segment(segment_path, self.size)
+            worker = ray.remote(num_cpus=1)(_RayWorker)
             self.actors = [worker.options(name=f"pagedllm-tp{rank}-{os.getpid()}").remote(config, rank, init_method,
                                                                                          segment_path)
                            for rank in range(1, self.size)]
-            self._pending: list = []
             _join_group(0, self.size, init_method, segment_path)
+        except BaseException:
+            release_ray()       # stops a local cluster this engine started, and with it any actor started here
+            raise
         finally:
             remove_segment(segment_path)
         self.pids = ray.get([actor.pid.remote() for actor in self.actors])

@@ -67,10 +67,15 @@ class SharedMemoryCommunicator(Communicator):
         self._seq = 0       # the last round this rank took part in; the same on every rank between collectives
 
     def all_reduce(self, x: torch.Tensor) -> None:
-        if not x.is_contiguous() or x.dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"shared-memory all-reduce takes contiguous float32 or bfloat16, not {x.dtype}")
-        self._seq = self._kernels.shm_all_reduce(self.segment, x, self.rank, self.world, self._seq,
+        """Over the segment for float32 and bfloat16 (the activations' dtypes on a CPU); over gloo for another
+        dtype (float16), which every rank chooses alike since they reduce the same tensors."""
+        if x.dtype not in (torch.float32, torch.bfloat16):
+            return super().all_reduce(x)
+        target = x if x.is_contiguous() else x.contiguous()
+        self._seq = self._kernels.shm_all_reduce(self.segment, target, self.rank, self.world, self._seq,
                                                  self._timeout_s)
+        if target is not x:
+            x.copy_(target)
 
     def gather_to_first(self, x: torch.Tensor) -> torch.Tensor | None:
         x = x.contiguous()

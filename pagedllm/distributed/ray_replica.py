@@ -115,7 +115,8 @@ class RayReplica:
         """Wait for the actor's engine to start (the replicas load their models meanwhile, side by side); raises
         its start-up error."""
         facts: _Facts = self._get(self._facts_ref)
-        self.pid, self.node_id = facts.pid, facts.node_id
+        self.pid = facts.pid
+        self._on_this_node = facts.node_id == self.ray.get_runtime_context().get_node_id()
         self.config, self.tokenizer = facts.config, facts.tokenizer
         self.model_name, self.vocab_size, self.max_model_len = facts.model_name, facts.vocab_size, facts.max_model_len
         self.swap_space_bytes, self.capacity = facts.swap_space_bytes, facts.capacity
@@ -180,8 +181,7 @@ class RayReplica:
     def is_healthy(self) -> bool:
         """Not closed and, for an actor on this machine, its process lives: asked without a call, so that /health
         never waits for a step (an actor on another node that dies is noticed at the next call, which fails)."""
-        return not self._closed and (self.node_id != self.ray.get_runtime_context().get_node_id()
-                                     or process_lives(self.pid))
+        return not self._closed and (not self._on_this_node or process_lives(self.pid))
 
     def close(self) -> None:
         """Close the engine in the actor (its swap file is deleted there), then end the actor."""

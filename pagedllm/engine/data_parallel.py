@@ -52,49 +52,61 @@ def build_replicas(config: EngineConfig) -> list[LLMEngine]:
     replica's index as a suffix): in this process, or with the "ray" backend and more than one, each in a Ray
     actor (`RayReplica`, same interface). On a CPU the intra-op threads are divided among them. Logs the pools."""
     num_replicas = config.parallel.data_parallel_size
-    in_actors = num_replicas > 1 and config.parallel.distributed_executor_backend == "ray"
     num_threads = max(1, torch.get_num_threads() // num_replicas)
-    if config.model.device == "cpu" and num_replicas > 1:
-        if not in_actors:
+    if num_replicas > 1 and config.parallel.distributed_executor_backend == "ray":
+        replicas = _replicas_in_actors(config, num_threads)
+    else:
+        if config.model.device == "cpu" and num_replicas > 1:
             torch.set_num_threads(num_threads)
+        replicas = []
+        try:
+            for index in range(num_replicas):
+                replicas.append(LLMEngine(_replica_config(config, index)))
+        except BaseException:
+            for replica in replicas:
+                replica.close()
+            raise
+    if config.model.device == "cpu" and num_replicas > 1:
         logger.info("data parallel: %d intra-op thread(s) per replica", num_threads)
-    if in_actors:
-        from pagedllm.distributed import acquire_ray, release_ray, require_ray_cpus
-
-        ray = acquire_ray()     # held while the replicas start, so that a failure among them stops a local cluster
-    replicas: list[LLMEngine] = []
-    try:
-        if in_actors:
-            tp_size = config.parallel.tensor_parallel_size      # each replica is rank 0 of its group
-            require_ray_cpus(ray, num_replicas * tp_size, f"data_parallel_size={num_replicas}'s replicas"
-                             + (f" of tensor_parallel_size={tp_size}" if tp_size > 1 else ""))
-        for index in range(num_replicas):
-            replica_config = copy.deepcopy(config)
-            replica_config.parallel.data_parallel_size = 1
-            if config.cache.swap_path is not None and num_replicas > 1:
-                replica_config.cache.swap_path = f"{config.cache.swap_path}.{index}"
-            if in_actors:
-                from pagedllm.distributed.ray_replica import RayReplica
-
-                replicas.append(RayReplica(replica_config, index, num_threads))
-            else:
-                replicas.append(LLMEngine(replica_config))
-        for replica in replicas:
-            if in_actors:
-                replica.wait_until_loaded()
-    except BaseException:
-        for replica in replicas:
-            replica.close()
-        raise
-    finally:
-        if in_actors:
-            release_ray()
     if num_replicas > 1:
         capacity = replicas[0].capacity
         pool_gib = capacity.num_blocks * capacity.block_size * capacity.bytes_per_token / kv_tensors.GiB
         logger.info("data parallel: %d replicas, each with its own KV pool of %d blocks (%.2f GiB; %.2f GiB in all)",
                     num_replicas, capacity.num_blocks, pool_gib, num_replicas * pool_gib)
     return replicas
+
+
+def _replica_config(config: EngineConfig, index: int) -> EngineConfig:
+    replica_config = copy.deepcopy(config)
+    replica_config.parallel.data_parallel_size = 1
+    if config.cache.swap_path is not None and config.parallel.data_parallel_size > 1:
+        replica_config.cache.swap_path = f"{config.cache.swap_path}.{index}"
+    return replica_config
+
+
+def _replicas_in_actors(config: EngineConfig, num_threads: int) -> list[LLMEngine]:
+    """Each replica in a Ray actor; all of them load their models side by side."""
+    from pagedllm.distributed import acquire_ray, release_ray, require_ray_cpus
+    from pagedllm.distributed.ray_replica import RayReplica
+
+    num_replicas, tp_size = config.parallel.data_parallel_size, config.parallel.tensor_parallel_size
+    ray = acquire_ray()     # held while the replicas start, so that a failure among them stops a local cluster
+    replicas: list[RayReplica] = []
+    try:
+        # Each replica is rank 0 of its tensor-parallel group, whose other ranks are actors too.
+        require_ray_cpus(ray, num_replicas * tp_size, f"data_parallel_size={num_replicas}'s replicas"
+                         + (f" of tensor_parallel_size={tp_size}" if tp_size > 1 else ""))
+        for index in range(num_replicas):
+            replicas.append(RayReplica(_replica_config(config, index), index, num_threads))
+        for replica in replicas:
+            replica.wait_until_loaded()
+    except BaseException:
+        for replica in replicas:
+            replica.close()
+        raise
+    finally:
+        release_ray()
+    return replicas  # type: ignore[return-value]  # LLMEngine's interface, duck-typed
 
 
 def make_router(config: EngineConfig, num_blocks_per_replica: int) -> DataParallelRouter:

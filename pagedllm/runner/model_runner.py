@@ -112,9 +112,10 @@ class ModelRunner:
             path = self.swap.path
             self.swap.close()
             self.swap = None
-            for rank in range(1, self.peers.size) if path is not None else ():
+            worker_paths = [f"{path}.rank{rank}" for rank in range(1, self.peers.size)] if path is not None else []
+            for worker_path in worker_paths:
                 with contextlib.suppress(FileNotFoundError):
-                    os.unlink(f"{path}.rank{rank}")
+                    os.unlink(worker_path)
 
     @torch.inference_mode()
     def move_blocks(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],

@@ -47,6 +47,14 @@ def _compare(rank: int, init_method: str, segment_path: str, results) -> None:
             shared.all_reduce(a)
             gloo.all_reduce(b)
             out[f"reduce {dtype} {size}"] = (_plain(a), _plain(b))
+    # float16 goes over gloo, a non-contiguous tensor through a contiguous copy, with the same results.
+    seeded = torch.Generator().manual_seed(rank)
+    for key, x in [("reduce float16", torch.randn(64, generator=seeded).half()),
+                   ("reduce float32 transposed", torch.randn(8, 16, generator=seeded).t())]:
+        a, b = x.clone(), x.clone()
+        shared.all_reduce(a)
+        gloo.all_reduce(b)
+        out[key] = (_plain(a), _plain(b))
     logits = torch.randn(3, 1000, generator=torch.Generator().manual_seed(rank))
     out["gather"] = (_plain(shared.gather_to_first(logits)), _plain(gloo.gather_to_first(logits)))
     results.put((rank, out))
