@@ -225,7 +225,7 @@ class ModelRunner:
         block_ids = list(range(1, -(-num_tokens // self.block_size) + 1))
         inputs = build_model_inputs([ScheduledRequest("measure", block_ids, 0, [0] * num_tokens, sample=False)],
                                     self.block_size, self.device)
-        seconds = self._second_run_seconds(
+        seconds = self._warm_run_seconds(
             lambda: self.forward(inputs.input_ids, inputs.positions, inputs.meta))
         return seconds / num_tokens
 
@@ -233,20 +233,23 @@ class ModelRunner:
         """Seconds per block of copying blocks 1..num_blocks to the swap pool and back."""
         assert self.kv is not None and self.swap is not None
         kv, swap_kv, pairs = self.kv, self.swap.kv, [(i, i) for i in range(1, num_blocks + 1)]
-        seconds = self._second_run_seconds(
+        seconds = self._warm_run_seconds(
             lambda: (kv_tensors.swap_blocks(kv, swap_kv, pairs), kv_tensors.swap_blocks(swap_kv, kv, pairs)))
         return seconds / (2 * num_blocks)
 
-    def _second_run_seconds(self, run: Callable[[], object]) -> float:
-        """Wall seconds of the second of two calls: the first pays one-off costs (first-touch page faults, a
-        swap file's block allocation, lazy set-up) that a running engine has long paid."""
-        for _ in range(2):
+    def _warm_run_seconds(self, run: Callable[[], object], repeats: int = 2) -> float:
+        """Wall seconds of a call once warm: the first call pays one-off costs (first-touch page faults, a swap
+        file's block allocation, lazy set-up) that a running engine has long paid; then the fastest of `repeats`
+        calls, so that a moment's contention on a busy machine (another process taking the core) does not pass
+        for the cost."""
+        times = []
+        for _ in range(1 + repeats):
             start = time.perf_counter()
             run()
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            seconds = time.perf_counter() - start
-        return seconds
+            times.append(time.perf_counter() - start)
+        return min(times[1:])
 
     def _add_request(self, new: NewRequestData) -> None:
         if new.request_id in self.requests:
