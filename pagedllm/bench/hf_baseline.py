@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
 from pagedllm.bench.datasets import BenchRequest
 from pagedllm.cpu import onednn_bf16_ok
@@ -44,7 +44,9 @@ def load_hf_model(resolved: ResolvedModel, dtype: str = "auto") -> PreTrainedMod
     from pagedllm.loader import load_hf_config
     from pagedllm.loader.gguf import iterate_gguf
 
-    model = AutoModelForCausalLM.from_config(load_hf_config(resolved), dtype=hf_dtype(dtype))
+    config = load_hf_config(resolved)  # a GGUF's is generic (see gguf_hf_config): the model's own class
+    config = AutoConfig.for_model(config.model_type, **{k: v for k, v in config.to_dict().items() if k != "model_type"})
+    model = AutoModelForCausalLM.from_config(config, dtype=hf_dtype(dtype))
     missing, unexpected = model.load_state_dict(dict(iterate_gguf(resolved.gguf_path, hf_dtype(dtype))),
                                                 strict=False)
     if unexpected or set(missing) - {"lm_head.weight"}:

@@ -263,9 +263,15 @@ def gguf_block_rows(g: GGUFFile, ggml_types: tuple[GGMLQuantizationType, ...]
 
 
 def gguf_hf_config(g: GGUFFile) -> Any:
-    """A transformers config built from GGUF metadata (what `AutoConfig.from_pretrained(gguf_file=)` gives,
-    without parsing the tokenizer, which takes seconds)."""
-    from transformers import AutoConfig
+    """A transformers config built from GGUF metadata (the fields `AutoConfig.from_pretrained(gguf_file=)` gives,
+    without parsing the tokenizer, which takes seconds).
+
+    It is the generic `PretrainedConfig` with `model_type` set, not the architecture's own class: importing any
+    of those (LlamaConfig, Qwen2Config) pulls in torch.distributed.tensor and sympy through transformers'
+    activations, ~1.3 s of a ~6 s cold start on a Zen 3 core, and the engine reads only the fields. Code that
+    builds a transformers model from it converts it (`pagedllm.bench.hf_baseline.load_hf_model`).
+    """
+    from transformers import PretrainedConfig
 
     arch = g.architecture
     num_heads = int(g.arch_value("attention.head_count"))
@@ -290,7 +296,8 @@ def gguf_hf_config(g: GGUFFile) -> Any:
     if arch == "llama":
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in g.tensors
     name = g.metadata.get("general.name")
-    config = AutoConfig.for_model(arch, **kwargs)
+    config = PretrainedConfig(**kwargs)
+    config.model_type = arch
     if name:
         config._name_or_path = str(name)
     return config

@@ -122,3 +122,38 @@ def test_a_build_killed_half_way_does_not_block_the_next(monkeypatch: pytest.Mon
     (build_dir / "lock").touch()   # what a killed build leaves
     assert build_kernels.__wrapped__("x86-64") == "built"
     assert lock_seen == [False, False]
+
+
+def test_a_build_that_loaded_once_is_imported_without_the_build_tools(monkeypatch: pytest.MonkeyPatch,
+                                                                      tmp_path) -> None:
+    """Later processes import a loaded build's library directly (no cpp_extension, no ninja check); a library
+    that no longer loads is built again rather than failing."""
+    import shutil
+    from pathlib import Path
+
+    from torch.utils import cpp_extension
+
+    from pagedllm.kernels import build_kernels
+
+    real = build_kernels("x86-64")
+    if real is None:
+        pytest.skip("no C++ compiler here: the kernels cannot be built")
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
+    builds = []
+
+    def fake_load(name: str, build_directory: str, **kwargs):
+        builds.append(name)
+        library = Path(build_directory) / f"{name}.so"
+        if name == "pagedllm_cpu_kernels_x86_64":
+            shutil.copy(real.__file__, library)
+        else:
+            library.write_bytes(b"not a library")  # stands for one broken since it loaded
+        return real
+
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    assert build_kernels.__wrapped__("x86-64") is real
+    assert hasattr(build_kernels.__wrapped__("x86-64"), "linear_packed")
+    assert builds == ["pagedllm_cpu_kernels_x86_64"]
+    assert build_kernels.__wrapped__("x86-64-v2") is real
+    assert build_kernels.__wrapped__("x86-64-v2") is real
+    assert builds == ["pagedllm_cpu_kernels_x86_64"] + ["pagedllm_cpu_kernels_x86_64_v2"] * 2
