@@ -6,7 +6,8 @@ the C++ prefill kernel (`prefill_attention.cpp`). Both read K/V in place through
 kernels: decodes through one padded, masked SDPA call, and each prefill chunk through one SDPA call over its
 gathered context (plainly causal when the chunk is the whole context, with an offset causal mask otherwise).
 An int8 cache (kv_cache_dtype="int8", see `torch_ref.quantize_kv`) is dequantized where it is read: by the
-kernels row by row, by the torch paths after each gather.
+kernels row by row, by the torch paths after each gather. `write_kv` stores a step's new K/V through the C++
+`write_kv` (`cache_write.cpp`), which quantizes an int8 cache's rows as it goes.
 """
 
 from __future__ import annotations
@@ -14,11 +15,22 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pagedllm.attention import torch_ref
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.attention.torch_ref import dequantize_kv, gather_kv, write_kv
+from pagedllm.attention.torch_ref import dequantize_kv, gather_kv
 from pagedllm.kernels import kernels_for
 
 __all__ = ["paged_attention", "decode_attention", "write_kv"]
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store the new tokens' K/V at their slots: `torch_ref.write_kv`, in one C++ pass where the kernels run (a
+    float cache of key's dtype, or an int8 cache quantized row by row) instead of two to two dozen torch ops."""
+    kernels = kernels_for(key)
+    if kernels is None or k_cache.dtype not in (key.dtype, torch.int8):
+        return torch_ref.write_kv(key, value, k_cache, v_cache, slot_mapping)
+    kernels.write_kv(key, value, k_cache, v_cache, slot_mapping)
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

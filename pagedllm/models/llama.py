@@ -12,9 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedllm.attention.cpu import paged_attention
+from pagedllm.attention.cpu import paged_attention, write_kv
 from pagedllm.attention.metadata import AttentionMetadata, KVCache
-from pagedllm.attention.torch_ref import write_kv
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.embedding import ParallelLMHead, VocabEmbedding
 from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear

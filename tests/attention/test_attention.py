@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pagedllm.attention import cpu, torch_ref
 from pagedllm.attention.cpu import decode_attention, paged_attention
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.torch_ref import dequantize_kv, paged_attention_ref, quantize_kv, write_kv
@@ -188,6 +189,36 @@ def test_quantize_kv_rows_and_write_kv_into_an_int8_cache() -> None:
     write_kv(x[:3], -x[:3], k_cache, v_cache, torch.tensor([9, 10, 3]))
     assert torch.equal(k_cache[2, 1], rows[0]) and torch.equal(k_cache[0, 3], rows[2])
     torch.testing.assert_close(dequantize_kv(v_cache[2, 2]), -dequantize_kv(rows[1]))
+
+
+@pytest.mark.parametrize("cache_dtype", ["float", "int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [HEAD_DIM, 64])
+def test_write_kv_kernel_stores_the_reference_bits(cache_dtype: str, dtype: torch.dtype, head_dim: int,
+                                                   isa_level: str) -> None:
+    """The C++ write (one pass, int8 rows quantized as it goes) leaves the caches bit for bit as torch_ref's;
+    key and value are views into one qkv row, as the model hands them, and a zero row keeps scale 0."""
+    g = torch.Generator().manual_seed(7)
+    tokens, heads = 150, 3  # past the kernel's 128-token task grain: two threads' worth
+    qkv = (torch.randn(tokens, 4 * heads * head_dim, generator=g) * 3).to(dtype)
+    key = qkv[:, heads * head_dim:2 * heads * head_dim].view(tokens, heads, head_dim)
+    value = qkv[:, 2 * heads * head_dim:3 * heads * head_dim].view(tokens, heads, head_dim)
+    key[5, 1] = 0
+    width = head_dim + 4 if cache_dtype == "int8" else head_dim
+    caches = torch.randn(2, 2, 40, 8, heads, width, generator=g).to(dtype)  # [layers, K/V, blocks, bs, H, D]
+    if cache_dtype == "int8":
+        caches = torch.randint(-128, 128, caches.shape, generator=g, dtype=torch.int8)
+    expected = caches.clone()
+    slots = torch.randperm(40 * 8, generator=g)[:tokens]
+    cpu.write_kv(key, value, caches[1, 0], caches[1, 1], slots)
+    torch_ref.write_kv(key, value, expected[1, 0], expected[1, 1], slots)
+    assert torch.equal(caches, expected)
+
+
+def test_write_kv_kernel_refuses_a_slot_outside_the_cache() -> None:
+    k_cache = torch.zeros(3, BLOCK_SIZE, 1, 2)
+    with pytest.raises(RuntimeError, match="slot 12 is outside the cache's 12"):
+        cpu.write_kv(torch.ones(1, 1, 2), torch.ones(1, 1, 2), k_cache, k_cache.clone(), torch.tensor([12]))
 
 
 def test_decode_kernel_reads_a_cache_view_with_layer_strides() -> None:

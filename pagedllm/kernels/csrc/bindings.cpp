@@ -13,6 +13,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention", &pagedllm::prefill_attention,
         "Paged causal attention of sequences first_seq.. of a flat batch: (out, q, k_cache, v_cache, block_tables, "
         "seq_lens, query_start_loc, first_seq, scale)", NoGil());
+  m.def("write_kv", &pagedllm::write_kv,
+        "Store the new tokens' K and V rows at their slots, copied into a cache of their dtype or quantized into an "
+        "int8 cache's rows: (key, value, k_cache, v_cache, slot_mapping)", NoGil());
   m.def("rms_norm", &pagedllm::rms_norm, "out = RMSNorm(x) * weight: (out, x, weight, eps)", NoGil());
   m.def("fused_add_rms_norm", &pagedllm::fused_add_rms_norm,
         "residual_out = x + residual; out = RMSNorm(residual_out) * weight: "
@@ -24,10 +27,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "A float32, bfloat16 or int8 [N, K] weight in linear_packed's blocked layout, [ceil(N/16), K, 16]: "
         "(weight)", NoGil());
   m.def("linear_packed", &pagedllm::linear_packed,
-        "out = x W^T + bias in float32 arithmetic, W packed by pack_linear_weight, N = out.size(1, NoGil()); an int8 W is "
+        "out = x W^T + bias in float32 arithmetic, W packed by pack_linear_weight, N = out.size(1); an int8 W is "
         "scale[n] * q[n, k]: (out, x, packed, bias, scale)",
         pybind11::arg("out"), pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("bias") = pybind11::none(),
-        pybind11::arg("scale") = pybind11::none());
+        pybind11::arg("scale") = pybind11::none(), NoGil());
   m.def("linear_gguf", &pagedllm::linear_gguf,
         "out = x W^T + bias in float32 arithmetic, W a GGUF Q4_0, Q4_1 or Q8_0 weight regrouped by "
         "pagedllm.layers.gguf.pack_gguf_weight, N = out.size(1): (out, x, packed, ggml_type, bias)",

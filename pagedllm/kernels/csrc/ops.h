@@ -20,6 +20,9 @@ void prefill_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Ten
                        at::Tensor block_tables, at::Tensor seq_lens, at::Tensor query_start_loc, int64_t first_seq,
                        double scale);
 
+// The new tokens' K and V into their cache slots, copied or quantized to int8 rows (cache_write.cpp).
+void write_kv(at::Tensor key, at::Tensor value, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slot_mapping);
+
 // Layers (layers.cpp).
 void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps);
 void fused_add_rms_norm(at::Tensor out, at::Tensor residual_out, at::Tensor x, at::Tensor residual,
