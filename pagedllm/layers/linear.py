@@ -8,7 +8,7 @@ tensor and copies this rank's slice into place, so the model's `load_weights` ne
 
 After loading, `pack_linear_weights` swaps CPU weights for packed copies (oneDNN's for bf16 where it has bf16
 instructions, pagedllm's own kernel's otherwise, and int8 with row scales under quantization="int8");
-`pack_gguf_linear_weights` before it keeps a GGUF's Q4_0/Q4_1/Q8_0 blocks packed (quantization="gguf"). `linear`
+`pack_gguf_linear_weights` before it keeps a GGUF's Q4_0/Q4_1/Q8_0/Q4_K blocks packed (quantization="gguf"). `linear`
 takes any of them.
 """
 
@@ -26,7 +26,7 @@ from torch import nn
 from pagedllm.cpu import onednn_bf16_ok
 from pagedllm.distributed.communicator import communicator
 from pagedllm.kernels import cpu_kernels, kernels_disabled
-from pagedllm.layers.gguf import pack_gguf_weight
+from pagedllm.layers.gguf import pack_gguf_weight, packed_type
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -156,7 +156,7 @@ def pack_gguf_linear_weights(model: nn.Module, rows: dict[str, tuple[GGMLQuantiz
             raise ValueError(f"{name}: the checkpoint has {layer_rows.shape[0]} rows, the layer {weight.shape[0]}")
         layer.weight = nn.Parameter(pack_gguf_weight(layer_rows, ggml_type), requires_grad=False)
         layer.weight.out_features = weight.shape[0]
-        layer.weight.ggml_type = int(ggml_type)
+        layer.weight.ggml_type = int(packed_type(ggml_type))
         counts[ggml_type.name] += 1
     return counts
 
