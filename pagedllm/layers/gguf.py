@@ -15,7 +15,7 @@ float32, so that the kernel dequantises one group of 32 k's for 16 columns with 
                                              Q4_0/Q4_1 8 bytes per k, byte j = column j | column j + 8 << 4
 
 Other 4-bit formats whose groups of 32 k's are each an affine map of 4-bit values pack as Q4_1 through `Q4Rows`
-(W = d q + m per row and group, d and m float32): GGUF's Q4_K here.
+(W = d q + m per row and group, d and m float32): GGUF's Q4_K here, AWQ and GPTQ in `pagedllm.layers.int4`.
 A Q4_K super-block of 256 values is 8 such groups, with d = d_super * sc_j and m = -dmin * m_j (exact in float32:
 an f16 times a 6-bit integer), so it runs in the Q4_1 kernel with no kernel of its own:
 
@@ -47,6 +47,18 @@ class Q4Rows(NamedTuple):
     q: torch.Tensor  # uint8 [N, K], values 0..15
     d: torch.Tensor  # float32 [N, K/32]
     m: torch.Tensor  # float32 [N, K/32]
+
+
+def cat_q4_rows(parts: list[Q4Rows]) -> Q4Rows:
+    """The rows of `parts` one after another (a fused layer's parts, which share K)."""
+    return Q4Rows(*(torch.cat(field) for field in zip(*parts)))
+
+
+def dequantize_q4_rows(rows: Q4Rows) -> torch.Tensor:
+    """The float32 [N, K] weight `rows` stand for, with the Q4_1 kernel's arithmetic."""
+    n, k = rows.q.shape
+    q = rows.q.float().view(n, k // _GROUP, _GROUP)
+    return (rows.d[..., None] * q + rows.m[..., None]).view(n, k)
 
 
 def packed_type(ggml_type: GGMLQuantizationType) -> GGMLQuantizationType:
