@@ -144,6 +144,8 @@ def save_int4_checkpoint(folder: Path, hf_model: Any, method: str, group_size: i
         packed = pack_awq(q, scales, zeros) if method == "awq" else pack_gptq(q, scales, zeros, g_idx, v1)
         del tensors[f"{name}.weight"]
         tensors.update({f"{name}.{suffix}": t for suffix, t in packed.items()})
+        if method == "gptq" and module.bias is None:  # AutoGPTQ stores a zero bias for every layer
+            tensors[f"{name}.bias"] = torch.zeros(module.weight.shape[0], dtype=torch.float16)
     folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(folder / "model.safetensors"))
     config = copy.deepcopy(hf_model.config)
