@@ -75,12 +75,13 @@ def _header_bytes(ggml_type: GGMLQuantizationType) -> int:
 
 
 def pack_gguf_weight(rows: torch.Tensor, ggml_type: GGMLQuantizationType) -> torch.Tensor:
-    """GGUF rows (uint8 [N, K/32 * block bytes], as stored) -> uint8 [ceil(N/16), K/32, group bytes] (above)."""
+    """GGUF rows (uint8 [N, K / block values * block bytes], as stored) -> uint8 [ceil(N/16), K/32, group bytes]
+    (above; Q4_K's as Q4_1's)."""
     if ggml_type not in PACKED_GGUF_TYPES:
         raise ValueError(f"ggml_type must be one of {[t.name for t in PACKED_GGUF_TYPES]}, got {ggml_type.name}")
-    block_bytes = GGML_QUANT_SIZES[ggml_type][1]
+    block_values, block_bytes = GGML_QUANT_SIZES[ggml_type]
     if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[1] % block_bytes:
-        raise ValueError(f"rows must be uint8 [N, K/32 * {block_bytes}] GGUF blocks, got {rows.dtype} "
+        raise ValueError(f"rows must be uint8 [N, K/{block_values} * {block_bytes}] GGUF blocks, got {rows.dtype} "
                          f"{tuple(rows.shape)}")
     if ggml_type == GGMLQuantizationType.Q4_K:
         return pack_q4_rows(q4_k_rows(rows))
