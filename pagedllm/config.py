@@ -11,6 +11,7 @@ from typing import Literal
 PreemptionMode = Literal["recompute", "swap", "auto"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 DistributedExecutorBackend = Literal["mp", "ray"]
+QUANTIZATIONS = (None, "int8", "gguf", "awq", "gptq")
 DataParallelRouterPolicy = Literal["prefix_aware", "round_robin"]
 
 
@@ -127,10 +128,13 @@ class ModelConfig:
         max_model_len: caps the model's own context length; None keeps it.
         seed: seed of the engine's global random stream.
         chat_template: a Jinja template that replaces the model's own.
-        quantization: None, "int8": linear weights stored as int8 with one scale per output row (weight-only,
-            quantized at load from any checkpoint), or "gguf": a .gguf file's Q4_0, Q4_1 and Q8_0 linear weights
-            kept in their blocks (other types are dequantised to `dtype`); both multiplied in pagedllm's CPU
-            kernels.
+        quantization: how linear weights are stored, all multiplied in pagedllm's CPU kernels. None: in `dtype`,
+            unless the checkpoint is AWQ or GPTQ (its config.json's quantization_config), which then runs as such.
+            "int8": int8 with one scale per output row (weight-only, quantized at load from any checkpoint).
+            "gguf": a .gguf file's Q4_0, Q4_1, Q8_0 and Q4_K linear weights kept in their blocks (other types are
+            dequantised to `dtype`). "awq" / "gptq": an AutoAWQ (GEMM) or AutoGPTQ/GPTQModel 4-bit checkpoint's
+            weights kept in 4 bits, repacked for the Q4_1 kernel (group_size a multiple of 32; GPTQ act-order
+            gathers the activations in the weight's input order). gguf, awq and gptq run on one rank.
     """
 
     model: str | None = None
@@ -146,10 +150,10 @@ class ModelConfig:
                  "one of 'auto', 'bfloat16', 'float16', 'float32'", self.dtype)
         _require(self.max_model_len is None or self.max_model_len > 0, "max_model_len", "> 0",
                  self.max_model_len)
-        _require(self.quantization in (None, "int8", "gguf"), "quantization", "None, 'int8' or 'gguf'",
+        _require(self.quantization in QUANTIZATIONS, "quantization", "None, 'int8', 'gguf', 'awq' or 'gptq'",
                  self.quantization)
         _require(self.quantization is None or self.device == "cpu", "quantization",
-                 "None on a GPU (the int8 and gguf kernels are CPU kernels)", self.quantization)
+                 "None on a GPU (the quantized kernels are CPU kernels)", self.quantization)
 
 
 @dataclass

@@ -1,9 +1,10 @@
-"""quantization="int8" (linear weights stored as int8 with per-row scales) and "gguf" (a GGUF's blocks kept), end to
-end.
+"""quantization="int8" (linear weights stored as int8 with per-row scales), "gguf" (a GGUF's blocks kept) and
+"awq"/"gptq" (such checkpoints' 4-bit weights kept), end to end.
 
 The oracle is the same engine in float32 on a checkpoint whose linear weights were replaced by their dequantised
 int8 values: it computes the same function up to float32 rounding, so greedy tokens must be identical. A gguf engine's
-oracle is the default float32 engine, which dequantises the same blocks."""
+oracle is the default float32 engine, which dequantises the same blocks. An AWQ or GPTQ checkpoint's is transformers
+on its dequantised weights."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from pagedllm.config import ModelConfig
 from pagedllm.entrypoints.openai.cli_args import add_server_args, engine_config_from_args
 from pagedllm.layers.linear import dequantize_int8, quantize_int8
 from pagedllm.loader import load_model
-from tests.models.tiny import build_byte_tokenizer, build_tiny_hf_model
+from tests.models.int4_checkpoints import save_int4_checkpoint
+from tests.models.tiny import SimplePagedRunner, build_byte_tokenizer, build_tiny_hf_model
 
 _LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
 PROMPTS = ["The quick brown fox", "int8 weights, one scale per row:", "0123456789" * 3, "a"]
@@ -68,8 +70,8 @@ def test_int8_weights_are_a_quarter_of_float32s(checkpoints):
 
 
 def test_an_unknown_quantization_is_refused_by_name():
-    with pytest.raises(ValueError, match="quantization must be None, 'int8' or 'gguf', got 'awq'"):
-        ModelConfig(quantization="awq")
+    with pytest.raises(ValueError, match="quantization must be None, 'int8', 'gguf', 'awq' or 'gptq', got 'fp8'"):
+        ModelConfig(quantization="fp8")
     with pytest.raises(ValueError, match="quantization"):
         ModelConfig(quantization="int8", device="cuda")
 
@@ -78,8 +80,9 @@ def test_serve_takes_quantization():
     parser = add_server_args(argparse.ArgumentParser(), positional_model=False)
     assert engine_config_from_args(parser.parse_args(["--quantization", "int8"])).model.quantization == "int8"
     assert engine_config_from_args(parser.parse_args(["-q", "gguf"])).model.quantization == "gguf"
+    assert engine_config_from_args(parser.parse_args(["-q", "gptq"])).model.quantization == "gptq"
     with pytest.raises(SystemExit):
-        parser.parse_args(["--quantization", "gptq"])
+        parser.parse_args(["--quantization", "fp8"])
 
 
 def test_gguf_mode_gives_smollm2s_greedy_tokens(smol_llm):
@@ -101,3 +104,93 @@ def test_gguf_mode_needs_a_gguf_file_and_one_rank(checkpoints):
         load_model(ModelConfig(model=original, quantization="gguf"))
     with pytest.raises(ValueError, match="quantization='gguf' runs on one rank"):
         load_model(ModelConfig(quantization="gguf"), tp_rank=0, tp_size=2)
+
+
+INT4_CHECKPOINTS = {  # name: (method, group_size, act_order, GPTQ v1)
+    "awq-g64": ("awq", 64, False, True),
+    "gptq-g32-act-order": ("gptq", 32, True, True),
+    "gptq_v2-g64": ("gptq", 64, False, False),
+}
+
+
+@pytest.fixture(scope="module")
+def int4_checkpoints(tmp_path_factory):
+    """{name: (folder of the quantized tiny model, transformers model on its dequantised weights)}."""
+    root = tmp_path_factory.mktemp("int4")
+    model = build_tiny_hf_model("llama-untied", seed=5)
+    return {name: save_int4_checkpoint(root / name, model, *spec) for name, spec in INT4_CHECKPOINTS.items()}
+
+
+@pytest.mark.parametrize("name", list(INT4_CHECKPOINTS))
+def test_int4_checkpoint_computes_its_dequantised_weights(int4_checkpoints, name):
+    """The quantization comes from the checkpoint's config; each linear layer but the (unquantized) LM head keeps
+    its 4 bits, and prefill and decode logits are transformers' on the dequantised weights."""
+    folder, dequantised = int4_checkpoints[name]
+    model = load_model(ModelConfig(model=str(folder), dtype="float32")).model
+    layer = model.model.layers[1]
+    for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        assert proj.weight.dtype == torch.uint8 and proj.weight.ggml_type == 3  # Q4_1
+    assert (layer.self_attn.qkv_proj.weight.input_perm is not None) == ("act-order" in name)
+    assert model.lm_head.weight.dtype != torch.uint8
+    runner, tokens = SimplePagedRunner(model), [1, 17, 250, 9, 33, 70, 5]
+    logits = runner.step({0: tokens})[0]
+    for _ in range(4):
+        with torch.inference_mode():
+            expected = dequantised(torch.tensor([tokens])).logits[0, -1]
+        torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
+        tokens.append(int(expected.argmax()))
+        logits = runner.step({0: tokens[-1:]})[0]
+
+
+def test_awq_checkpoint_gives_transformers_greedy_tokens(int4_checkpoints):
+    folder, dequantised = int4_checkpoints["awq-g64"]
+    llm = LLM(str(folder), dtype="float32", quantization="awq", kv_cache_memory=16 << 20)
+    prompt = [1, 44, 45, 46, 47]
+    tokens = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+                          use_tqdm=False)[0].outputs[0].token_ids
+    with torch.inference_mode():
+        expected = dequantised.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, min_new_tokens=10)
+    assert list(tokens) == expected[0, len(prompt):].tolist()
+
+
+def test_int4_quantization_must_match_the_checkpoint(checkpoints, int4_checkpoints):
+    original, _ = checkpoints
+    awq, gptq = str(int4_checkpoints["awq-g64"][0]), str(int4_checkpoints["gptq_v2-g64"][0])
+    cases = [(original, "awq", "quantization='awq' needs a checkpoint whose config.json has "
+                               "quantization_config.quant_method='awq'"),
+             (gptq, "awq", "is a 'gptq' checkpoint .* not 'awq'"),
+             (awq, "int8", "is a 'awq' checkpoint .* not 'int8'")]
+    for model, quantization, message in cases:
+        with pytest.raises(ValueError, match=message):
+            load_model(ModelConfig(model=model, quantization=quantization))
+    with pytest.raises(ValueError, match="quantization='awq' runs on one rank"):
+        load_model(ModelConfig(model=awq), tp_rank=0, tp_size=2)
+
+
+def test_a_fused_layer_whose_parts_permute_k_differently_keeps_its_dequantised_weight(int4_checkpoints, monkeypatch):
+    """Layer 0's v_proj is given an equivalent weight whose first two runs of 32 sorted inputs are swapped (the
+    same function, a different permutation): its qkv_proj cannot run as one packed weight and stays dense."""
+    from pagedllm.layers.int4 import Int4Weight
+    from pagedllm.loader import int4
+
+    folder, dequantised = int4_checkpoints["gptq-g32-act-order"]
+    original = int4.int4_weights
+
+    def with_layer0_v_reordered(*args):
+        weights = original(*args)
+        name = "model.layers.0.self_attn.v_proj.weight"
+        weight = weights[name]()
+        swap = torch.cat([torch.arange(32, 64), torch.arange(32), torch.arange(64, len(weight.input_perm))])
+        groups = [1, 0, *range(2, weight.rows.d.shape[1])]
+        rows = weight.rows._replace(q=weight.rows.q[:, swap], d=weight.rows.d[:, groups], m=weight.rows.m[:, groups])
+        weights[name] = lambda: Int4Weight(rows, weight.input_perm[swap])
+        return weights
+
+    monkeypatch.setattr(int4, "int4_weights", with_layer0_v_reordered)
+    model = load_model(ModelConfig(model=str(folder), dtype="float32")).model
+    assert model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float32
+    assert model.model.layers[1].self_attn.qkv_proj.weight.dtype == torch.uint8
+    tokens = [1, 17, 250, 9, 33]
+    with torch.inference_mode():
+        expected = dequantised(torch.tensor([tokens])).logits[0, -1]
+    torch.testing.assert_close(SimplePagedRunner(model).step({0: tokens})[0], expected, atol=1e-4, rtol=0)

@@ -1,4 +1,4 @@
-"""GGUF's Q4_0, Q4_1 and Q8_0 weights kept packed for pagedllm's `linear_gguf` kernel (quantization="gguf").
+"""GGUF's Q4_0, Q4_1, Q8_0 and Q4_K weights kept packed for pagedllm's `linear_gguf` kernel (quantization="gguf").
 
 A GGUF row of K values is K/32 blocks; each block is one f16 scale d (and Q4_1's f16 min m) and 32 values:
 
@@ -14,6 +14,14 @@ float32, so that the kernel dequantises one group of 32 k's for 16 columns with 
       d[16] float32 | (Q4_1) m[16] float32 | values [32 k][16 columns]: Q8_0 one int8 each;
                                              Q4_0/Q4_1 8 bytes per k, byte j = column j | column j + 8 << 4
 
+Other 4-bit formats whose groups of 32 k's are each an affine map of 4-bit values pack as Q4_1 through `Q4Rows`
+(W = d q + m per row and group, d and m float32): GGUF's Q4_K here, AWQ and GPTQ in `pagedllm.layers.int4`.
+A Q4_K super-block of 256 values is 8 such groups, with d = d_super * sc_j and m = -dmin * m_j (exact in float32:
+an f16 times a 6-bit integer), so it runs in the Q4_1 kernel with no kernel of its own:
+
+    Q4_K: d dmin (f16) | 12 bytes: 6-bit sc_j, m_j of the 8 groups | 128 bytes: for each 64 values, 32 bytes whose
+          low nibbles are values 0..31 and high nibbles values 32..63          W = d sc_j q - dmin m_j
+
 The values are the checkpoint's own, so the packed weight stands for exactly the weight the loader's dequantisers
 give (`dequantize_gguf_packed` computes it, with their arithmetic, and is the kernel's reference). Missing rows
 of the last block are zero bytes: d = m = 0, so they are 0.
@@ -21,12 +29,41 @@ of the last block are zero bytes: d = m = 0, so they are 0.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-PACKED_GGUF_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)
+PACKED_GGUF_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0,
+                     GGMLQuantizationType.Q4_K)
 _ROWS = 16   # output rows per packed block (the kernel's column block)
 _GROUP = 32  # k's per GGUF block
+_Q4_K_BYTES = 144  # per super-block of 256 values: d, dmin (f16), 12 bytes of scales and mins, 128 of nibbles
+
+
+class Q4Rows(NamedTuple):
+    """4-bit weight rows in the Q4_1 kernel's terms: W[n, k] = d[n, k // 32] * q[n, k] + m[n, k // 32]."""
+
+    q: torch.Tensor  # uint8 [N, K], values 0..15
+    d: torch.Tensor  # float32 [N, K/32]
+    m: torch.Tensor  # float32 [N, K/32]
+
+
+def cat_q4_rows(parts: list[Q4Rows]) -> Q4Rows:
+    """The rows of `parts` one after another (a fused layer's parts, which share K)."""
+    return Q4Rows(*(torch.cat(field) for field in zip(*parts)))
+
+
+def dequantize_q4_rows(rows: Q4Rows) -> torch.Tensor:
+    """The float32 [N, K] weight `rows` stand for, with the Q4_1 kernel's arithmetic."""
+    n, k = rows.q.shape
+    q = rows.q.float().view(n, k // _GROUP, _GROUP)
+    return (rows.d[..., None] * q + rows.m[..., None]).view(n, k)
+
+
+def packed_type(ggml_type: GGMLQuantizationType) -> GGMLQuantizationType:
+    """The kernel type of `pack_gguf_weight(rows, ggml_type)`: Q4_K packs as Q4_1, the others as themselves."""
+    return GGMLQuantizationType.Q4_1 if ggml_type == GGMLQuantizationType.Q4_K else ggml_type
 
 
 def _num_scales(ggml_type: GGMLQuantizationType) -> int:
@@ -38,13 +75,16 @@ def _header_bytes(ggml_type: GGMLQuantizationType) -> int:
 
 
 def pack_gguf_weight(rows: torch.Tensor, ggml_type: GGMLQuantizationType) -> torch.Tensor:
-    """GGUF rows (uint8 [N, K/32 * block bytes], as stored) -> uint8 [ceil(N/16), K/32, group bytes] (above)."""
+    """GGUF rows (uint8 [N, K / block values * block bytes], as stored) -> uint8 [ceil(N/16), K/32, group bytes]
+    (above; Q4_K's as Q4_1's)."""
     if ggml_type not in PACKED_GGUF_TYPES:
         raise ValueError(f"ggml_type must be one of {[t.name for t in PACKED_GGUF_TYPES]}, got {ggml_type.name}")
-    block_bytes = GGML_QUANT_SIZES[ggml_type][1]
+    block_values, block_bytes = GGML_QUANT_SIZES[ggml_type]
     if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[1] % block_bytes:
-        raise ValueError(f"rows must be uint8 [N, K/32 * {block_bytes}] GGUF blocks, got {rows.dtype} "
+        raise ValueError(f"rows must be uint8 [N, K/{block_values} * {block_bytes}] GGUF blocks, got {rows.dtype} "
                          f"{tuple(rows.shape)}")
+    if ggml_type == GGMLQuantizationType.Q4_K:
+        return pack_q4_rows(q4_k_rows(rows))
     n, groups = rows.shape[0], rows.shape[1] // block_bytes
     blocks = torch.cat([rows, rows.new_zeros(-n % _ROWS, rows.shape[1])]).view(-1, _ROWS, groups, block_bytes)
     head = _header_bytes(ggml_type)
@@ -52,13 +92,51 @@ def pack_gguf_weight(rows: torch.Tensor, ggml_type: GGMLQuantizationType) -> tor
     scales = scales.permute(0, 2, 3, 1).contiguous().view(torch.uint8).flatten(2)  # [B, G, (d[16], m[16]) bytes]
     values = blocks[..., head:]  # [B, 16 columns, G, 32 or 16 bytes]
     if ggml_type != GGMLQuantizationType.Q8_0:
-        nibbles = torch.cat([values & 0x0F, values >> 4], dim=-1)  # [B, 16, G, 32]: value i of the block
-        values = nibbles[:, :8] | (nibbles[:, 8:] << 4)  # [B, 8, G, 32]: byte j = column j | column j + 8
+        values = _column_pairs(torch.cat([values & 0x0F, values >> 4], dim=-1))  # value i of the block
     return torch.cat([scales, values.permute(0, 2, 3, 1).flatten(2)], dim=-1).contiguous()
 
 
+def _column_pairs(q: torch.Tensor) -> torch.Tensor:
+    """4-bit values [B, 16 columns, G, 32] -> bytes [B, 8, G, 32]: byte j = column j | column j + 8 << 4."""
+    return q[:, :8] | (q[:, 8:] << 4)
+
+
+def pack_q4_rows(rows: Q4Rows) -> torch.Tensor:
+    """`Q4Rows` -> the Q4_1 packed layout (above): uint8 [ceil(N/16), K/32, 384], for `linear_gguf` as Q4_1."""
+    n, k = rows.q.shape
+    pad = -n % _ROWS
+    q = torch.cat([rows.q, rows.q.new_zeros(pad, k)]).view(-1, _ROWS, k // _GROUP, _GROUP)  # [B, 16, G, 32]
+    scales = torch.stack([rows.d, rows.m], dim=-1).float()  # [N, G, d / m]
+    scales = torch.cat([scales, scales.new_zeros(pad, *scales.shape[1:])]).view(-1, _ROWS, k // _GROUP, 2)
+    scales = scales.permute(0, 2, 3, 1).contiguous().view(torch.uint8).flatten(2)  # [B, G, (d[16], m[16]) bytes]
+    values = _column_pairs(q).permute(0, 2, 3, 1).flatten(2)  # [B, G, 32 k x 8 bytes]
+    return torch.cat([scales, values], dim=-1).contiguous()
+
+
+def q4_k_rows(rows: torch.Tensor) -> Q4Rows:
+    """GGUF Q4_K rows (uint8 [N, K/256 * 144], as stored) as `Q4Rows`: each sub-block of 32 is one group."""
+    n = rows.shape[0]
+    blocks = rows.reshape(-1, _Q4_K_BYTES)  # [S, 144], S super-blocks
+    d = blocks[:, 0:2].contiguous().view(torch.float16).float()  # [S, 1]
+    dmin = blocks[:, 2:4].contiguous().view(torch.float16).float()
+    sc, mins = _q4_k_scales_and_mins(blocks[:, 4:16])  # [S, 8] each
+    chunks = blocks[:, 16:].reshape(-1, 4, 1, 32)  # [S, 4 x 64 values, 1, 32 bytes]
+    q = torch.cat([chunks & 0x0F, chunks >> 4], dim=2)  # [S, 4, low / high, 32]: values in order
+    return Q4Rows(q.reshape(n, -1), (d * sc.float()).view(n, -1), (-(dmin * mins.float())).view(n, -1))
+
+
+def _q4_k_scales_and_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """12 bytes [S, 12] -> 6-bit (sc, m) [S, 8] each, as llama.cpp's get_scale_min_k4: bytes 0-3 hold sc_0..3 (and
+    the top bits of sc_4..7), 4-7 hold m_0..3 (and those of m_4..7), 8-11 the low 4 bits of sc_4..7 and m_4..7."""
+    sc_lo, m_lo, low4 = packed[:, 0:4], packed[:, 4:8], packed[:, 8:12]
+    sc = torch.cat([sc_lo & 0x3F, (low4 & 0x0F) | ((sc_lo >> 2) & 0x30)], dim=1)
+    mins = torch.cat([m_lo & 0x3F, (low4 >> 4) | ((m_lo >> 2) & 0x30)], dim=1)
+    return sc, mins
+
+
 def dequantize_gguf_packed(packed: torch.Tensor, ggml_type: GGMLQuantizationType, n: int) -> torch.Tensor:
-    """The float32 [N, K] weight a packed GGUF weight stands for: the reference of the `linear_gguf` kernel."""
+    """The float32 [N, K] weight a packed GGUF weight stands for: the reference of the `linear_gguf` kernel.
+    `ggml_type` is the packed one (`packed_type`)."""
     num_blocks, groups = packed.shape[:2]
     num_scales = _num_scales(ggml_type)
     scales = packed[..., :4 * _ROWS * num_scales].contiguous().view(torch.float32)

@@ -8,14 +8,15 @@ tensor and copies this rank's slice into place, so the model's `load_weights` ne
 
 After loading, `pack_linear_weights` swaps CPU weights for packed copies (oneDNN's for bf16 where it has bf16
 instructions, pagedllm's own kernel's otherwise, and int8 with row scales under quantization="int8");
-`pack_gguf_linear_weights` before it keeps a GGUF's Q4_0/Q4_1/Q8_0 blocks packed (quantization="gguf"). `linear`
-takes any of them.
+`pack_gguf_linear_weights` before it keeps a GGUF's Q4_0/Q4_1/Q8_0/Q4_K blocks packed (quantization="gguf"), and
+`pack_int4_linear_weights` an AWQ or GPTQ checkpoint's 4-bit weights (quantization="awq"/"gptq"). `linear` takes
+any of them.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -26,15 +27,19 @@ from torch import nn
 from pagedllm.cpu import onednn_bf16_ok
 from pagedllm.distributed.communicator import communicator
 from pagedllm.kernels import cpu_kernels, kernels_disabled
-from pagedllm.layers.gguf import pack_gguf_weight
+from pagedllm.layers.gguf import cat_q4_rows, pack_gguf_weight, pack_q4_rows, packed_type
+from pagedllm.layers.int4 import Int4Weight
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T + b, for a plain [out, in] weight or one packed by `pack_linear_weights` (oneDNN's or pagedllm's) or
-    `pack_gguf_linear_weights`."""
+    """x W^T + b, for a plain [out, in] weight or one packed by `pack_linear_weights` (oneDNN's or pagedllm's),
+    `pack_gguf_linear_weights` or `pack_int4_linear_weights`. A packed weight whose `input_perm` is set (GPTQ
+    act-order) runs over its inputs in that order: x[:, input_perm]."""
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     if weight.dtype == torch.uint8:  # GGUF blocks, [ceil(out / 16), in / 32, group bytes] (pagedllm.layers.gguf)
+        perm = getattr(weight, "input_perm", None)
+        x = x if perm is None else x.index_select(1, perm)  # GPTQ act-order: K as the weight stores it
         out = torch.empty(x.shape[0], weight.out_features, dtype=x.dtype)  # type: ignore[attr-defined]
         cpu_kernels().linear_gguf(out, x, weight, weight.ggml_type, bias)  # type: ignore[union-attr,attr-defined]
         return out
@@ -129,36 +134,81 @@ def _checkpoint_names(module_name: str, fused: dict[str, list[str]], tied: bool)
     return [f"{module_name}.weight"]
 
 
+def _quantizable_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module, list[str]]]:
+    """(name, layer, checkpoint weight names) of each of `model`'s linear layers (LM head included) that still has
+    a plain 2-D weight: a fused layer (`model.packed_modules_mapping`, e.g. qkv_proj from q/k/v_proj) names its
+    parts, whose rows it concatenates; a tied LM head names the embedding."""
+    fused = getattr(model, "packed_modules_mapping", {})
+    tied = bool(getattr(model, "tie_word_embeddings", False))
+    for name, layer in model.named_modules():
+        weight = getattr(layer, "weight", None)
+        if getattr(type(layer), "packable_weight", False) and weight is not None and weight.dim() == 2:
+            yield name, layer, _checkpoint_names(name, fused, tied)
+
+
+def _set_packed(layer: nn.Module, name: str, num_rows: int, packed: torch.Tensor, ggml_type: GGMLQuantizationType,
+                input_perm: torch.Tensor | None = None) -> None:
+    """Replace `layer`'s weight by `packed`, a `linear_gguf` weight of the checkpoint's `num_rows` rows
+    (`input_perm`: see `linear`)."""
+    n = layer.weight.shape[0]
+    if num_rows != n:
+        raise ValueError(f"{name}: the checkpoint has {num_rows} rows, the layer {n}")
+    layer.weight = nn.Parameter(packed, requires_grad=False)
+    layer.weight.out_features = n
+    layer.weight.ggml_type = int(ggml_type)
+    layer.weight.input_perm = input_perm
+
+
+def _check_kernels(mode: str) -> None:
+    if kernels_disabled() or cpu_kernels() is None:
+        raise RuntimeError(f"{mode} runs in pagedllm's CPU kernels, which are disabled or not built here")
+
+
 def pack_gguf_linear_weights(model: nn.Module, rows: dict[str, tuple[GGMLQuantizationType, torch.Tensor]]
                              ) -> Counter[str]:
     """Replace the weight of each of `model`'s linear layers (LM head included) whose checkpoint tensors are all
     in `rows` ({Hugging Face name: (type, GGUF rows)}, `pagedllm.loader.gguf.gguf_block_rows`), in one type, by
-    those blocks packed (`pack_gguf_weight`): a fused layer (`model.packed_modules_mapping`, e.g. qkv_proj from
-    q/k/v_proj) concatenates its parts' rows, which share K. A tied LM head packs the embedding's rows; the
-    embedding keeps its dequantised copy for the lookup. Other layers keep their weight for `pack_linear_weights`.
-    Returns how many weights were packed per GGUF type name.
+    those blocks packed (`pack_gguf_weight`): a fused layer concatenates its parts' rows, which share K. A tied LM
+    head packs the embedding's rows; the embedding keeps its dequantised copy for the lookup. Other layers keep
+    their weight for `pack_linear_weights`. Returns how many weights were packed per GGUF type name.
     """
-    if kernels_disabled() or cpu_kernels() is None:
-        raise RuntimeError("quantization='gguf' runs in pagedllm's CPU kernels, which are disabled or not built here")
-    fused = getattr(model, "packed_modules_mapping", {})
-    tied = bool(getattr(model, "tie_word_embeddings", False))
+    _check_kernels("quantization='gguf'")
     counts: Counter[str] = Counter()
-    for name, layer in model.named_modules():
-        weight = getattr(layer, "weight", None)
-        if not getattr(type(layer), "packable_weight", False) or weight is None or weight.dim() != 2:
-            continue
-        parts = [rows.get(part) for part in _checkpoint_names(name, fused, tied)]
+    for name, layer, names in _quantizable_layers(model):
+        parts = [rows.get(part) for part in names]
         if any(part is None for part in parts) or len({part[0] for part in parts}) != 1:  # type: ignore[index]
             continue
         ggml_type = parts[0][0]  # type: ignore[index]
         layer_rows = torch.cat([part[1] for part in parts])  # type: ignore[index]
-        if layer_rows.shape[0] != weight.shape[0]:
-            raise ValueError(f"{name}: the checkpoint has {layer_rows.shape[0]} rows, the layer {weight.shape[0]}")
-        layer.weight = nn.Parameter(pack_gguf_weight(layer_rows, ggml_type), requires_grad=False)
-        layer.weight.out_features = weight.shape[0]
-        layer.weight.ggml_type = int(ggml_type)
+        _set_packed(layer, name, layer_rows.shape[0], pack_gguf_weight(layer_rows, ggml_type), packed_type(ggml_type))
         counts[ggml_type.name] += 1
     return counts
+
+
+def pack_int4_linear_weights(model: nn.Module, weights: dict[str, Callable[[], Int4Weight]]) -> int:
+    """Replace the weight of each of `model`'s linear layers whose checkpoint weights are all in `weights`
+    ({Hugging Face name: its 4-bit weight, read on demand}, `pagedllm.loader.int4.int4_weights`) by their rows
+    packed as Q4_1 (`pack_q4_rows`). A fused layer's parts must permute K alike (GPTQ act-order gives q/k/v, and
+    gate/up, one permutation: they share their input); one whose parts do not keeps its dequantised weight, as do
+    layers the checkpoint left unquantized. Returns how many weights were packed.
+    """
+    _check_kernels("quantization='awq' or 'gptq'")
+    packed = 0
+    for name, layer, names in _quantizable_layers(model):
+        if not all(part in weights for part in names):
+            continue
+        parts = [weights[part]() for part in names]
+        perm = parts[0].input_perm
+        if not all(_same_perm(part.input_perm, perm) for part in parts):
+            continue
+        rows = cat_q4_rows([part.rows for part in parts])
+        _set_packed(layer, name, rows.q.shape[0], pack_q4_rows(rows), GGMLQuantizationType.Q4_1, perm)
+        packed += 1
+    return packed
+
+
+def _same_perm(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return a is b or (a is not None and b is not None and torch.equal(a, b))
 
 
 def _param(*shape: int, dtype: torch.dtype, loader: Callable) -> nn.Parameter:

@@ -70,7 +70,13 @@ def _log_precision(requested: str, dtype: torch.dtype, device: str) -> None:
 
 def load_hf_config(resolved: ResolvedModel) -> Any:
     """The transformers config of a folder, or one built from a GGUF's metadata."""
-    return _config_and_weights(resolved, torch.float32)[0]
+    if resolved.gguf_path is not None:
+        from pagedllm.loader.gguf import GGUFFile, gguf_hf_config
+
+        return gguf_hf_config(GGUFFile(resolved.gguf_path))
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(resolved.path))
 
 
 def max_model_len_of(hf_config: Any, wanted: int | None) -> int:
@@ -81,42 +87,66 @@ def max_model_len_of(hf_config: Any, wanted: int | None) -> int:
     return wanted or model_len
 
 
-def _config_and_weights(resolved: ResolvedModel, dtype: torch.dtype) -> tuple[Any, Iterator[tuple[str, torch.Tensor]]]:
-    """(hf_config, lazy (name, tensor) iterator); nothing is read until the iterator is consumed."""
+def _weights(resolved: ResolvedModel, dtype: torch.dtype, hf_config: Any, quantization: str | None
+             ) -> Iterator[tuple[str, torch.Tensor]]:
+    """A lazy (name, tensor) iterator over the checkpoint's weights in `dtype` (quantized ones dequantised)."""
+    from pagedllm.loader.int4 import INT4_METHODS, int4_config, iterate_int4
+
     if resolved.gguf_path is not None:
-        from pagedllm.loader.gguf import GGUFFile, gguf_hf_config, iterate_gguf
+        from pagedllm.loader.gguf import iterate_gguf
 
-        gguf_file = GGUFFile(resolved.gguf_path)
-        return gguf_hf_config(gguf_file), iterate_gguf(resolved.gguf_path, dtype, gguf_file)
-    from transformers import AutoConfig
-
+        return iterate_gguf(resolved.gguf_path, dtype)
+    if quantization in INT4_METHODS:
+        return iterate_int4(resolved.path, dtype, int4_config(hf_config))
     from pagedllm.loader.safetensors import iterate_safetensors
 
-    return AutoConfig.from_pretrained(str(resolved.path)), iterate_safetensors(resolved.path, dtype)
+    return iterate_safetensors(resolved.path, dtype)
 
 
-def _check_gguf_quantization(resolved: ResolvedModel, tp_size: int) -> None:
-    if resolved.gguf_path is None:
+def resolve_quantization(requested: str | None, resolved: ResolvedModel, hf_config: Any, tp_size: int = 1,
+                         device: str = "cpu") -> str | None:
+    """The quantization to run: `requested`, or the checkpoint's own (`quantization_config.quant_method`) when
+    None, as vLLM does. ValueError when they disagree, for a quant method pagedllm does not run, and for the modes
+    that keep packed weights (gguf, awq, gptq) off one CPU rank."""
+    from pagedllm.loader.int4 import INT4_METHODS, checkpoint_quantization
+
+    method = None if resolved.is_gguf else checkpoint_quantization(hf_config)
+    quantization = requested or method
+    if method is not None and quantization != method:
+        raise ValueError(f"{resolved.name} is a {method!r} checkpoint (its quantization_config), which runs as "
+                         f"quantization={method!r} or None, not {requested!r}")
+    if quantization not in (None, "int8", "gguf", *INT4_METHODS):
+        raise ValueError(f"{resolved.name} is a {quantization!r} checkpoint: pagedllm runs unquantized, GGUF, AWQ "
+                         "and GPTQ checkpoints")
+    if quantization in INT4_METHODS and method is None:
+        raise ValueError(f"quantization={quantization!r} needs a checkpoint whose config.json has "
+                         f"quantization_config.quant_method={quantization!r}; {resolved.name} has none")
+    if quantization == "gguf" and resolved.gguf_path is None:
         raise ValueError(f"quantization='gguf' keeps a GGUF file's blocks packed, but {resolved.name} is not a .gguf "
                          "file: use 'int8' or None")
-    if tp_size > 1:
-        raise ValueError("quantization='gguf' runs on one rank (tensor_parallel_size=1): the packed blocks are not "
-                         "split across ranks yet")
+    if quantization in ("gguf", *INT4_METHODS) and (tp_size > 1 or device != "cpu"):
+        raise ValueError(f"quantization={quantization!r} runs on one rank (tensor_parallel_size=1), in pagedllm's CPU "
+                         "kernels: the packed blocks are not split across ranks yet")
+    return quantization
 
 
-def _pack(model: nn.Module, quantization: str | None, resolved: ResolvedModel) -> str:
+def _pack(model: nn.Module, quantization: str | None, resolved: ResolvedModel, hf_config: Any) -> str:
     """Pack the linear weights for `quantization`; returns what was packed, for the start-up line."""
     from pagedllm.layers.gguf import PACKED_GGUF_TYPES
-    from pagedllm.layers.linear import pack_gguf_linear_weights, pack_linear_weights
+    from pagedllm.layers.linear import pack_gguf_linear_weights, pack_int4_linear_weights, pack_linear_weights
+    from pagedllm.loader.int4 import INT4_METHODS, int4_config, int4_weights
 
-    gguf_counts: dict[str, int] = {}
+    parts = []
     if quantization == "gguf":
         from pagedllm.loader.gguf import GGUFFile, gguf_block_rows
 
         rows = gguf_block_rows(GGUFFile(resolved.gguf_path), PACKED_GGUF_TYPES)  # type: ignore[arg-type]
-        gguf_counts = pack_gguf_linear_weights(model, rows)
-    packed = pack_linear_weights(model, None if quantization == "gguf" else quantization)
-    parts = [f"{count} as GGUF {name}" for name, count in sorted(gguf_counts.items())]
+        counts = pack_gguf_linear_weights(model, rows)
+        parts = [f"{count} as GGUF {name}" for name, count in sorted(counts.items())]
+    elif quantization in INT4_METHODS:
+        count = pack_int4_linear_weights(model, int4_weights(resolved.path, int4_config(hf_config)))
+        parts = [f"{count} as {quantization.upper()} 4-bit (Q4_1 kernel)"]
+    packed = pack_linear_weights(model, quantization if quantization == "int8" else None)
     if packed:
         parts.append(f"{packed}{' as int8' if quantization == 'int8' else ''}")
     return f", weights packed: {', '.join(parts)}" if parts else ""
@@ -129,19 +159,18 @@ def load_model(model_config: ModelConfig, tp_rank: int = 0, tp_size: int = 1) ->
 
     start = time.perf_counter()
     resolved = resolve_model(model_config.model)
-    if model_config.quantization == "gguf":
-        _check_gguf_quantization(resolved, tp_size)
+    hf_config = load_hf_config(resolved)
+    quantization = resolve_quantization(model_config.quantization, resolved, hf_config, tp_size, model_config.device)
     dtype = resolve_dtype(model_config.dtype, model_config.device)
     if tp_rank == 0:
         _log_precision(model_config.dtype, dtype, model_config.device)
-    hf_config, weights = _config_and_weights(resolved, dtype)
     model_cls = model_class_for_config(hf_config)
     # Parameters are allocated with torch.empty (no random init), so building directly is cheap.
     with torch.device(model_config.device):
         model = model_cls(hf_config, dtype=dtype, tp_rank=tp_rank, tp_size=tp_size)
-    model.load_weights(weights)
+    model.load_weights(_weights(resolved, dtype, hf_config, quantization))
     model.eval()
-    how = _pack(model, model_config.quantization, resolved)
+    how = _pack(model, quantization, resolved, hf_config)
     rank = f", tensor-parallel rank {tp_rank} of {tp_size}" if tp_size > 1 else ""
     logger.info("loaded %s (%s%s%s) in %.2f s", resolved.name, dtype, how, rank, time.perf_counter() - start)
     return LoadedModel(model, hf_config, resolved, dtype, tp_rank, tp_size)

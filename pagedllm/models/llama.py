@@ -198,17 +198,27 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if self.tie_word_embeddings and name == "lm_head.weight":
                 continue  # some checkpoints store the tied head anyway; the embedding is the one used
+            if name.endswith(".bias") and self._target(name)[0] not in params and not tensor.any():
+                continue  # a zero bias is no bias (AutoGPTQ stores one for every layer, biased or not)
             loaded.add(self._load_one(params, name, tensor))
         self._check_all_loaded(params, loaded)
         return loaded
 
-    def _load_one(self, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> str:
+    @staticmethod
+    def _target(name: str) -> tuple[str, str | int | None]:
+        """(parameter name, shard id) of a checkpoint name: q/k/v_proj go to qkv_proj, gate/up_proj to gate_up_proj
+        (STACKED_PARAMS_MAPPING); other names to themselves, with no shard."""
         for fused, part, shard_id in STACKED_PARAMS_MAPPING:
             if part in name:
-                target = name.replace(part, fused)
-                param = self._param(params, name, target)
-                param.weight_loader(param, tensor, shard_id)
-                return f"{target}#{shard_id}"
+                return name.replace(part, fused), shard_id
+        return name, None
+
+    def _load_one(self, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> str:
+        target, shard_id = self._target(name)
+        if shard_id is not None:
+            param = self._param(params, name, target)
+            param.weight_loader(param, tensor, shard_id)
+            return f"{target}#{shard_id}"
         param = self._param(params, name, name)
         loader = getattr(param, "weight_loader", None)
         if loader is None:

@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
 from pagedllm.config import ModelConfig
-from pagedllm.layers.gguf import PACKED_GGUF_TYPES, dequantize_gguf_packed, pack_gguf_weight
+from pagedllm.layers.gguf import PACKED_GGUF_TYPES, dequantize_gguf_packed, pack_gguf_weight, packed_type
 from pagedllm.loader import load_model
 from pagedllm.loader.gguf import GGUFFile, gguf_block_rows, gguf_hf_config, gguf_to_hf_name, iterate_gguf, unpermute_qk
 from tests.models.tiny import SimplePagedRunner, build_tiny_hf_model
@@ -127,7 +127,7 @@ def _write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32) -> None
             t = _permute(t, cfg.num_attention_heads, cfg.num_key_value_heads)
         data = t.numpy()
         if qtype != Q.F32 and t.dim() == 2:
-            w.add_tensor(gname, quantize(data, qtype), raw_dtype=qtype)
+            w.add_tensor(gname, _quantize_q4_k(data) if qtype == Q.Q4_K else quantize(data, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(gname, data)
     w.write_header_to_file()
@@ -163,6 +163,40 @@ def test_quantized_gguf_is_close(tmp_path: Path) -> None:
     assert weights["model.norm.weight"].dtype == torch.float32
 
 
+def _quantize_q4_k(x: np.ndarray) -> np.ndarray:
+    """Rows [N, K] as Q4_K super-blocks (uint8 [N, K/256 * 144]), min-max per sub-block of 32 (gguf has no Q4_K
+    quantizer): d dmin | scales and mins, 6 bits each (llama.cpp's get_scale_min_k4 layout) | nibbles."""
+    sub = x.reshape(-1, 8, 32).astype(np.float32)  # [S, 8, 32]
+    lo = np.minimum(sub.min(-1), 0)
+    scale, mins = (sub.max(-1) - lo) / 15, -lo  # [S, 8]
+    d = (scale.max(-1, keepdims=True) / 63).astype(np.float16)
+    dmin = (mins.max(-1, keepdims=True) / 63).astype(np.float16)
+    sc = np.clip(np.round(scale / np.maximum(d, 1e-8)), 0, 63).astype(np.uint8)
+    m = np.clip(np.round(mins / np.maximum(dmin, 1e-8)), 0, 63).astype(np.uint8)
+    step = np.maximum(d.astype(np.float32) * sc, 1e-8)[..., None]
+    q = np.clip(np.round((sub + (dmin.astype(np.float32) * m)[..., None]) / step), 0, 15).astype(np.uint8)
+    scales = np.concatenate([sc[:, :4] | (sc[:, 4:] >> 4) << 6, m[:, :4] | (m[:, 4:] >> 4) << 6,
+                             (sc[:, 4:] & 0x0F) | (m[:, 4:] & 0x0F) << 4], axis=1)  # [S, 12]
+    chunks = q.reshape(-1, 4, 2, 32)  # each 64 values: low nibbles the first 32, high the next 32
+    nibbles = (chunks[:, :, 0] | chunks[:, :, 1] << 4).reshape(-1, 128)
+    blocks = np.concatenate([d.view(np.uint8), dmin.view(np.uint8), scales, nibbles], axis=1)
+    return blocks.reshape(x.shape[0], -1)
+
+
+def test_q4_k_packs_as_q4_1_with_ggufs_dequantisation() -> None:
+    """Random Q4_K bytes (f16 d and dmin kept finite) packed for the Q4_1 kernel stand for the bits gguf's
+    dequantiser gives; and the test's quantizer writes the layout gguf reads."""
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, (40, 2 * 144), dtype=np.uint8)
+    raw.reshape(40, 2, 144)[..., :4] = (rng.random((40, 2, 2)) * 0.01).astype(np.float16).view(np.uint8)
+    packed = pack_gguf_weight(torch.from_numpy(raw), Q.Q4_K)
+    expected = torch.from_numpy(dequantize(raw, Q.Q4_K))
+    assert packed_type(Q.Q4_K) == Q.Q4_1
+    assert torch.equal(dequantize_gguf_packed(packed, Q.Q4_1, 40), expected)
+    x = rng.standard_normal((3, 512)).astype(np.float32)
+    assert np.abs(dequantize(_quantize_q4_k(x), Q.Q4_K) - x).max() < 0.25
+
+
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
 def test_packed_gguf_rows_are_the_dequantised_weights(tmp_path: Path, qtype: Q) -> None:
     """Each linear weight's blocks, q/k rows unpermuted and regrouped for the kernel, dequantise to the bits
@@ -189,6 +223,18 @@ def test_gguf_quantization_computes_the_dequantised_model(tmp_path: Path, kind: 
     qkv, head = packed.model.layers[0].self_attn.qkv_proj.weight, packed.lm_head.weight
     assert qkv.dtype == torch.uint8 and qkv.ggml_type == Q.Q4_1 and head.dtype == torch.uint8
     assert packed.model.embed_tokens.weight.dtype == torch.float32  # the lookup keeps a dequantised copy
+    prompt = [1, 17, 250, 9, 33, 70, 5, 80, 81]
+    assert torch.equal(SimplePagedRunner(packed).step({0: prompt}), SimplePagedRunner(dense).step({0: prompt}))
+
+
+def test_gguf_quantization_keeps_q4_k_packed(tmp_path: Path) -> None:
+    """Q4_K weights (K a multiple of 256 here) run as Q4_1 groups and give the dequantised model's logits, bitwise."""
+    path = tmp_path / "q4_k.gguf"
+    _write_model_gguf(build_tiny_hf_model("llama-gqa", hidden_size=256, intermediate_size=256), path, "llama", Q.Q4_K)
+    packed = load_model(ModelConfig(model=str(path), dtype="float32", quantization="gguf")).model
+    dense = load_model(ModelConfig(model=str(path), dtype="float32")).model
+    for proj in (packed.model.layers[0].self_attn.qkv_proj, packed.model.layers[1].mlp.down_proj, packed.lm_head):
+        assert proj.weight.dtype == torch.uint8 and proj.weight.ggml_type == Q.Q4_1
     prompt = [1, 17, 250, 9, 33, 70, 5, 80, 81]
     assert torch.equal(SimplePagedRunner(packed).step({0: prompt}), SimplePagedRunner(dense).step({0: prompt}))
 

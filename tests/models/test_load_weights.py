@@ -42,6 +42,17 @@ def test_unknown_name_is_an_error() -> None:
         model.load_weights(weights)
 
 
+def test_a_zero_bias_for_a_layer_without_one_is_skipped_and_any_other_refused() -> None:
+    """AutoGPTQ checkpoints hold a zero bias for every quantized layer, biased or not: it is no bias."""
+    model = LlamaForCausalLM(tiny_config("llama-gqa"))
+    weights = list(_hf_weights("llama-gqa").items())
+    loaded = model.load_weights(weights + [("model.layers.0.self_attn.k_proj.bias", torch.zeros(32)),
+                                           ("model.layers.1.mlp.down_proj.bias", torch.zeros(64))])
+    assert not any(name.endswith(".bias") for name in loaded)
+    with pytest.raises(KeyError, match="down_proj.bias"):
+        model.load_weights(weights + [("model.layers.1.mlp.down_proj.bias", torch.full((64,), 0.5))])
+
+
 def test_missing_parameters_are_an_error() -> None:
     model = LlamaForCausalLM(tiny_config("llama-gqa"))
     weights = [(n, t) for n, t in _hf_weights("llama-gqa").items() if ".k_proj." not in n and "norm" not in n]
