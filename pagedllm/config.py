@@ -5,6 +5,7 @@ Each config validates itself in `__post_init__` and raises `ValueError` naming t
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -131,6 +132,8 @@ class ModelConfig:
             quantized at load from any checkpoint), or "gguf": a .gguf file's Q4_0, Q4_1 and Q8_0 linear weights
             kept in their blocks (other types are dequantised to `dtype`); both multiplied in pagedllm's CPU
             kernels.
+        device: "auto" (CUDA when torch sees a CUDA device, else the CPU), "cpu", "cuda" or "cuda:N"; the engine
+            resolves it at start-up (`pagedllm.device.resolve_device`).
     """
 
     model: str | None = None
@@ -138,7 +141,7 @@ class ModelConfig:
     max_model_len: int | None = None
     seed: int = 0
     chat_template: str | None = None
-    device: str = "cpu"
+    device: str = "auto"
     quantization: str | None = None
 
     def __post_init__(self) -> None:
@@ -148,7 +151,9 @@ class ModelConfig:
                  self.max_model_len)
         _require(self.quantization in (None, "int8", "gguf"), "quantization", "None, 'int8' or 'gguf'",
                  self.quantization)
-        _require(self.quantization is None or self.device == "cpu", "quantization",
+        _require(re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None, "device",
+                 "'auto', 'cpu', 'cuda' or 'cuda:N'", self.device)
+        _require(self.quantization is None or not self.device.startswith("cuda"), "quantization",
                  "None on a GPU (the int8 and gguf kernels are CPU kernels)", self.quantization)
 
 

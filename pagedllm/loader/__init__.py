@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedllm.attention.selector import attention_backend
 from pagedllm.config import ModelConfig
 from pagedllm.cpu import cpu_info, onednn_bf16_ok
 from pagedllm.loader.resolve import ResolvedModel, resolve_model
@@ -138,7 +139,8 @@ def load_model(model_config: ModelConfig, tp_rank: int = 0, tp_size: int = 1) ->
     model_cls = model_class_for_config(hf_config)
     # Parameters are allocated with torch.empty (no random init), so building directly is cheap.
     with torch.device(model_config.device):
-        model = model_cls(hf_config, dtype=dtype, tp_rank=tp_rank, tp_size=tp_size)
+        model = model_cls(hf_config, dtype=dtype, attn_backend=attention_backend(model_config.device),
+                          tp_rank=tp_rank, tp_size=tp_size)
     model.load_weights(weights)
     model.eval()
     how = _pack(model, model_config.quantization, resolved)
