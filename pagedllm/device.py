@@ -32,10 +32,14 @@ def resolve_device(name: str) -> str:
 
 
 def resolve_engine_device(config: EngineConfig) -> None:
-    """Set `config.model.device` to the device it resolves to, and refuse what pagedllm does not run there."""
-    config.model = dataclasses.replace(config.model, device=resolve_device(config.model.device))  # re-validated
-    device = config.model.device
-    if device != "cpu" and (config.parallel.tensor_parallel_size > 1 or config.parallel.data_parallel_size > 1):
+    """Set `config.model.device` to the device it resolves to. "auto" stays on the CPU for what runs only there
+    (quantized weights, tensor and data parallelism); asking for CUDA with them is a ValueError."""
+    parallel = config.parallel
+    cpu_only = (config.model.quantization is not None or parallel.tensor_parallel_size > 1
+                or parallel.data_parallel_size > 1)
+    device = "cpu" if config.model.device == "auto" and cpu_only else resolve_device(config.model.device)
+    config.model = dataclasses.replace(config.model, device=device)  # re-validated: no quantization on CUDA
+    if device != "cpu" and (parallel.tensor_parallel_size > 1 or parallel.data_parallel_size > 1):
         raise ValueError(f"on {device} pagedllm runs one engine on one device: tensor_parallel_size and "
                          "data_parallel_size must be 1 (the tensor-parallel collectives go through host shared "
                          "memory, and data-parallel replicas would share the device's memory budget)")

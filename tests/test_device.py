@@ -44,14 +44,16 @@ def test_a_device_name_is_checked_in_the_config() -> None:
         ModelConfig(device="gpu")
 
 
-def test_what_runs_only_on_a_cpu_is_refused_on_cuda(fake_cuda: None) -> None:
-    config = EngineConfig(model=ModelConfig(quantization="int8"))
-    with pytest.raises(ValueError, match="quantization must be None on a GPU"):
+def test_auto_keeps_what_runs_only_on_a_cpu_there_and_cuda_refuses_it(fake_cuda: None) -> None:
+    cpu_only = [EngineConfig(model=ModelConfig(quantization="int8")),
+                EngineConfig(parallel=ParallelConfig(tensor_parallel_size=2))]
+    for config in cpu_only:
         resolve_engine_device(config)
-    config = EngineConfig(parallel=ParallelConfig(tensor_parallel_size=2))
+        assert config.model.device == "cpu"
+    config = EngineConfig(model=ModelConfig(device="cuda"), parallel=ParallelConfig(tensor_parallel_size=2))
     with pytest.raises(ValueError, match="on cuda pagedllm runs one engine on one device"):
         resolve_engine_device(config)
-    config = EngineConfig(model=ModelConfig(device="auto"))
+    config = EngineConfig()
     resolve_engine_device(config)
     assert config.model.device == "cuda"
 
