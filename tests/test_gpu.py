@@ -44,8 +44,12 @@ def _cuda_llm(model: str | None, **kw) -> LLM:
 
 def test_greedy_chat_tokens_on_cuda_match_transformers(smol_hf, caplog):
     hf_model, hf_tokenizer = smol_hf
-    with caplog.at_level(logging.INFO):
+    pagedllm_logger = logging.getLogger("pagedllm")     # it does not propagate to the root, where caplog listens
+    pagedllm_logger.addHandler(caplog.handler)
+    try:
         llm = _cuda_llm(None, gpu_memory_utilization=0.5, max_model_len=2048)
+    finally:
+        pagedllm_logger.removeHandler(caplog.handler)
     assert "device cuda:" in caplog.text and "profile run:" in caplog.text and "KV cache:" in caplog.text
     layer = llm.engine.runner.model.model.layers[0].self_attn
     assert layer.attn_backend is triton_attention.paged_attention
