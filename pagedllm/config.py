@@ -5,6 +5,7 @@ Each config validates itself in `__post_init__` and raises `ValueError` naming t
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -135,6 +136,8 @@ class ModelConfig:
             dequantised to `dtype`). "awq" / "gptq": an AutoAWQ (GEMM) or AutoGPTQ/GPTQModel 4-bit checkpoint's
             weights kept in 4 bits, repacked for the Q4_1 kernel (group_size a multiple of 32; GPTQ act-order
             gathers the activations in the weight's input order). gguf, awq and gptq run on one rank.
+        device: "auto" (CUDA when torch sees a CUDA device, else the CPU), "cpu", "cuda" or "cuda:N"; the engine
+            resolves it at start-up (`pagedllm.device.resolve_device`).
     """
 
     model: str | None = None
@@ -142,7 +145,7 @@ class ModelConfig:
     max_model_len: int | None = None
     seed: int = 0
     chat_template: str | None = None
-    device: str = "cpu"
+    device: str = "auto"
     quantization: str | None = None
 
     def __post_init__(self) -> None:
@@ -152,7 +155,9 @@ class ModelConfig:
                  self.max_model_len)
         _require(self.quantization in QUANTIZATIONS, "quantization", "None, 'int8', 'gguf', 'awq' or 'gptq'",
                  self.quantization)
-        _require(self.quantization is None or self.device == "cpu", "quantization",
+        _require(re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None, "device",
+                 "'auto', 'cpu', 'cuda' or 'cuda:N'", self.device)
+        _require(self.quantization is None or not self.device.startswith("cuda"), "quantization",
                  "None on a GPU (the quantized kernels are CPU kernels)", self.quantization)
 
 

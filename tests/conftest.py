@@ -4,16 +4,34 @@ that matter and greedy tokens can be compared exactly with Hugging Face transfor
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 
 from pagedllm.cpu import MAX_ISA_ENV, runnable_levels
 from pagedllm.kernels import cpu_kernels
 
 MiB = 1 << 20
+
+# Without a CUDA device, the Triton kernels' tests (tests/attention/test_triton_attention.py) run them on CPU
+# tensors through Triton's interpreter. Triton reads TRITON_INTERPRET when it is first imported (its own library
+# functions are decorated then), so it is set here, before anything can import triton; nothing else uses Triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `gpu` need a CUDA device: without one they are skipped, saying so."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device: torch sees none")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture(params=["native", *runnable_levels()])

@@ -6,6 +6,7 @@ head_dim]`. The batch is flattened: the new tokens of all sequences are concaten
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -77,3 +78,7 @@ class AttentionMetadata:
             query_start_loc_cpu=qsl,
             seq_lens_cpu=seq_lens,
         )
+
+
+# (query, k_cache, v_cache, meta, scale) -> out; see pagedllm.attention.torch_ref.paged_attention_ref
+AttentionBackend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]

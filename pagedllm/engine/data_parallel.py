@@ -33,6 +33,7 @@ import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache.block_pool import PrefixCacheStats
+from pagedllm.device import resolve_engine_device
 from pagedllm.engine.async_engine import AsyncEngine, KVCacheSnapshot
 from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedllm.engine.dp_router import DataParallelRouter
@@ -51,6 +52,8 @@ def build_replicas(config: EngineConfig) -> list[LLMEngine]:
     """`config.parallel.data_parallel_size` engines, each with the configured KV budget (a `swap_path` gets the
     replica's index as a suffix): in this process, or with the "ray" backend and more than one, each in a Ray
     actor (`RayReplica`, same interface). On a CPU the intra-op threads are divided among them. Logs the pools."""
+    config = copy.deepcopy(config)
+    resolve_engine_device(config)
     num_replicas = config.parallel.data_parallel_size
     num_threads = max(1, torch.get_num_threads() // num_replicas)
     if num_replicas > 1 and config.parallel.distributed_executor_backend == "ray":

@@ -15,6 +15,7 @@ from pagedllm.core.kv_cache.manager import KVCacheManager
 from pagedllm.core.request import FinishReason, Request, RequestStatus, child_request_id
 from pagedllm.core.sched.output import RequestUpdate, RunnerOutput, ScheduledRequest, SchedulerOutput
 from pagedllm.core.sched.scheduler import Scheduler
+from pagedllm.device import describe_device, resolve_engine_device
 from pagedllm.distributed import Peers, TensorParallelError, start_peers
 from pagedllm.engine.beam_search import BeamSearchDriver, BeamSearchOutput, BeamSearchParams
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
@@ -121,6 +122,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         # The engine fills in what it derives (context length, pool sizes, preemption costs) on its own copy.
         config = self.config = copy.deepcopy(config)
+        resolve_engine_device(config)
         if config.parallel.data_parallel_size > 1:
             raise ValueError("an LLMEngine is one replica: data_parallel_size > 1 runs several behind a router "
                              "(pagedllm.engine.data_parallel; LLM and the server build them)")
@@ -156,7 +158,7 @@ class LLMEngine:
         self.beam_search = BeamSearchDriver(self.scheduler, self.tokenizer)
         self.capacity = kv_tensors.CapacityReport(num_blocks, config.cache.block_size,
                                                   self.runner.layout.bytes_per_token, self.max_model_len)
-        logger.info("%s", self.capacity)
+        logger.info("device %s; %s", describe_device(self.runner.device), self.capacity)
         self._tracked: dict[str, _Tracked] = {}
 
     def _setup_swap(self) -> None:
@@ -203,9 +205,22 @@ class LLMEngine:
 
     def _num_blocks(self) -> int:
         cache = self.config.cache
+        activation_bytes = 0
+        if cache.kv_cache_memory is None and self.runner.device.type == "cuda":
+            activation_bytes = self._profile_activation_bytes()
         budget = kv_tensors.kv_budget_bytes(cache.kv_cache_memory, cache.gpu_memory_utilization,
-                                            self.runner.weight_bytes(), self.runner.device)
+                                            self.runner.weight_bytes(), self.runner.device, activation_bytes)
         return kv_tensors.num_blocks_for(budget, self.runner.layout, cache.block_size)
+
+    def _profile_activation_bytes(self) -> int:
+        """The activation peak of the largest step the scheduler may run: a full token budget (one sequence, so at
+        most max_model_len - 1 tokens) and the logits of max_num_seqs rows."""
+        sched = self.config.scheduler
+        num_tokens = min(sched.max_num_batched_tokens, self.max_model_len - 1)
+        peak = self.runner.profile_activation_bytes(num_tokens, min(sched.max_num_seqs, num_tokens))
+        logger.info("profile run: %d tokens peak at %.2f GiB of activations beside %.2f GiB of weights", num_tokens,
+                    peak / kv_tensors.GiB, self.runner.weight_bytes() / kv_tensors.GiB)
+        return peak
 
     # ---- requests ---------------------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: PromptInput) -> list[int]:

@@ -67,6 +67,7 @@ class LLM:
         data_parallel_router: "prefix_aware" (a prompt goes to the replica most likely to hold its prefix, else
             the least loaded) or "round_robin".
         distributed_executor_backend: "mp" (local worker processes, the default) or "ray".
+        device: "auto" (CUDA when torch sees a CUDA device, else the CPU), "cpu", "cuda" or "cuda:N".
     """
 
     def __init__(self, model: str | None = None, *, dtype: str = "auto", max_model_len: int | None = None,
@@ -80,10 +81,10 @@ class LLM:
                  speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
                  tensor_parallel_size: int = 1, data_parallel_size: int = 1,
                  distributed_executor_backend: str | None = None,
-                 data_parallel_router: DataParallelRouterPolicy = "prefix_aware") -> None:
+                 data_parallel_router: DataParallelRouterPolicy = "prefix_aware", device: str = "auto") -> None:
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
-                              chat_template=chat_template, quantization=quantization),
+                              chat_template=chat_template, quantization=quantization, device=device),
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
                               gpu_memory_utilization=gpu_memory_utilization, swap_space=swap_space,
                               swap_path=swap_path, enable_prefix_caching=enable_prefix_caching,

@@ -6,6 +6,7 @@ the registry picks the class; the model maps the names onto its parameters.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterator
@@ -15,8 +16,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedllm.attention.selector import attention_backend
 from pagedllm.config import ModelConfig
 from pagedllm.cpu import cpu_info, onednn_bf16_ok
+from pagedllm.device import model_device
 from pagedllm.loader.resolve import ResolvedModel, resolve_model
 
 logger = logging.getLogger(__name__)
@@ -158,6 +161,7 @@ def load_model(model_config: ModelConfig, tp_rank: int = 0, tp_size: int = 1) ->
     from pagedllm.models.registry import model_class_for_config
 
     start = time.perf_counter()
+    model_config = dataclasses.replace(model_config, device=model_device(model_config, tp_size))
     resolved = resolve_model(model_config.model)
     hf_config = load_hf_config(resolved)
     quantization = resolve_quantization(model_config.quantization, resolved, hf_config, tp_size, model_config.device)
@@ -167,7 +171,8 @@ def load_model(model_config: ModelConfig, tp_rank: int = 0, tp_size: int = 1) ->
     model_cls = model_class_for_config(hf_config)
     # Parameters are allocated with torch.empty (no random init), so building directly is cheap.
     with torch.device(model_config.device):
-        model = model_cls(hf_config, dtype=dtype, tp_rank=tp_rank, tp_size=tp_size)
+        model = model_cls(hf_config, dtype=dtype, attn_backend=attention_backend(model_config.device),
+                          tp_rank=tp_rank, tp_size=tp_size)
     model.load_weights(_weights(resolved, dtype, hf_config, quantization))
     model.eval()
     how = _pack(model, quantization, resolved, hf_config)

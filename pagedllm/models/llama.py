@@ -6,22 +6,19 @@ separate q/k/v and gate/up checkpoint tensors onto the fused parameters (`STACKE
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
 from pagedllm.attention.cpu import paged_attention, write_kv
-from pagedllm.attention.metadata import AttentionMetadata, KVCache
+from pagedllm.attention.metadata import AttentionBackend, AttentionMetadata, KVCache
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.embedding import ParallelLMHead, VocabEmbedding
 from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, get_rope, rope_config
-
-# (query, k_cache, v_cache, meta, scale) -> out; see pagedllm.attention.torch_ref.paged_attention_ref
-AttentionBackend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
 
 # (fused parameter name part, checkpoint name part, shard id)
 STACKED_PARAMS_MAPPING: list[tuple[str, str, str | int]] = [

@@ -35,6 +35,7 @@ logger = init_logger(__name__)
 
 GiB = 1 << 30
 CPU_DEFAULT_KV_BYTES = 4 * GiB
+GPU_DEFAULT_MEMORY_UTILIZATION = 0.9
 RAM_BACKED_FILESYSTEMS = ("tmpfs", "ramfs")
 
 
@@ -96,22 +97,35 @@ class CapacityReport:
 
 
 def kv_budget_bytes(kv_cache_memory: int | None, memory_utilization: float | None, weight_bytes: int,
-                    device: torch.device) -> int:
+                    device: torch.device, activation_bytes: int = 0) -> int:
     """Bytes for the KV pool: explicit, else a fraction of device memory minus the weights, else the default.
 
-    On a CPU the pool shares RAM with everything else, so the default is 4 GiB capped by half of what is
-    available now; an explicit utilization takes that fraction of the machine's RAM.
+    On a GPU, see `gpu_kv_budget_bytes` (`activation_bytes`: the peak of the start-up profile run). On a CPU the
+    pool shares RAM with everything else, so the default is 4 GiB capped by half of what is available now; an
+    explicit utilization takes that fraction of the machine's RAM.
     """
     if kv_cache_memory is not None:
         return kv_cache_memory
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        fraction = memory_utilization if memory_utilization is not None else 0.9
-        # The activation peak is small next to the pool for the models we serve; keep 5% headroom for it.
-        return int(min(total * fraction - weight_bytes - 0.05 * total, free * 0.95))
+        return gpu_kv_budget_bytes(total, free, memory_utilization, weight_bytes, activation_bytes)
     if memory_utilization is not None:
         return int(psutil.virtual_memory().total * memory_utilization) - weight_bytes
     return min(CPU_DEFAULT_KV_BYTES, psutil.virtual_memory().available // 2)
+
+
+def gpu_kv_budget_bytes(total_bytes: int, free_bytes: int, memory_utilization: float | None, weight_bytes: int,
+                        activation_bytes: int) -> int:
+    """The KV pool on a GPU, as vLLM sizes it: the engine's share of the device (`memory_utilization`, 0.9 by
+    default) less the weights and the activation peak of one maximal step, and never more than is free now, with
+    the weights loaded (what other processes hold is not the engine's), less the same peak.
+
+        |<----------------------------- total ----------------------------->|
+        |<---------------- memory_utilization x total ---------------->|
+        | weights | activation peak |            KV pool               | rest |
+    """
+    utilization = memory_utilization if memory_utilization is not None else GPU_DEFAULT_MEMORY_UTILIZATION
+    return min(int(total_bytes * utilization) - weight_bytes, free_bytes) - activation_bytes
 
 
 def num_blocks_for(budget_bytes: int, layout: KVLayout, block_size: int) -> int:

@@ -222,12 +222,36 @@ class ModelRunner:
     @torch.inference_mode()
     def measure_prefill_seconds_per_token(self, num_tokens: int) -> float:
         """Seconds per token of a prefill of `num_tokens` dummy tokens into the first blocks of the KV pool."""
-        block_ids = list(range(1, -(-num_tokens // self.block_size) + 1))
-        inputs = build_model_inputs([ScheduledRequest("measure", block_ids, 0, [0] * num_tokens, sample=False)],
-                                    self.block_size, self.device)
+        inputs = self._dummy_prefill(num_tokens)
         seconds = self._warm_run_seconds(
             lambda: self.forward(inputs.input_ids, inputs.positions, inputs.meta))
         return seconds / num_tokens
+
+    @torch.inference_mode()
+    def profile_activation_bytes(self, num_tokens: int, num_logit_rows: int) -> int:
+        """vLLM's profile run, on a CUDA device before the KV pool exists: the peak memory of one maximal step
+        over what was allocated before it. The step is a prefill of `num_tokens` dummy tokens into a temporary KV
+        cache just large enough, then the logits of `num_logit_rows` rows."""
+        assert self.device.type == "cuda" and self.kv is None, "profile before allocate_kv_cache(), on CUDA"
+        self.allocate_kv_cache(-(-num_tokens // self.block_size) + 1)
+        try:
+            inputs = self._dummy_prefill(num_tokens)
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            before = torch.cuda.memory_allocated(self.device)
+            hidden = self.forward(inputs.input_ids, inputs.positions, inputs.meta)
+            self.compute_logits(hidden[:num_logit_rows])
+            torch.cuda.synchronize(self.device)
+            return torch.cuda.max_memory_allocated(self.device) - before
+        finally:
+            self.kv, self.kv_caches = None, []
+            torch.cuda.empty_cache()
+
+    def _dummy_prefill(self, num_tokens: int) -> ModelInputs:
+        """Inputs of a prefill of `num_tokens` zeros into blocks 1, 2, ... of the KV pool."""
+        block_ids = list(range(1, -(-num_tokens // self.block_size) + 1))
+        return build_model_inputs([ScheduledRequest("measure", block_ids, 0, [0] * num_tokens, sample=False)],
+                                  self.block_size, self.device)
 
     def measure_swap_seconds_per_block(self, num_blocks: int) -> float:
         """Seconds per block of copying blocks 1..num_blocks to the swap pool and back."""

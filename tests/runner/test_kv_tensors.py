@@ -132,3 +132,12 @@ def test_int8_blocks_move_with_their_scales_through_copy_and_swap():
     kv_tensors.swap_blocks(swap.kv, kv, [(3, 5)])
     assert torch.equal(dequantize_kv(kv[:, :, 5]), before[:, :, 2])
     swap.close()
+
+
+def test_the_gpu_pool_is_the_engines_share_less_weights_and_activation_peak() -> None:
+    GiB = kv_tensors.GiB
+    # 0.9 x 80 GiB = 72 GiB, less 16 GiB of weights and a 2 GiB activation peak
+    assert kv_tensors.gpu_kv_budget_bytes(80 * GiB, 64 * GiB, None, 16 * GiB, 2 * GiB) == 54 * GiB
+    assert kv_tensors.gpu_kv_budget_bytes(80 * GiB, 64 * GiB, 0.5, 16 * GiB, 2 * GiB) == 22 * GiB
+    # another process holds 30 GiB: only what is free now, less the peak
+    assert kv_tensors.gpu_kv_budget_bytes(80 * GiB, 34 * GiB, None, 16 * GiB, 2 * GiB) == 32 * GiB

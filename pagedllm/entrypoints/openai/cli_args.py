@@ -89,9 +89,12 @@ def add_server_args(parser: argparse.ArgumentParser, *, positional_model: bool) 
     engine = parser.add_argument_group("engine")
     engine.add_argument("--max-model-len", type=int, default=None,
                         help="context length cap, prompt + output tokens (default: the model's own)")
+    engine.add_argument("--device", default="auto",
+                        help="auto (CUDA when torch sees a CUDA device, else the CPU), cpu, cuda or cuda:N "
+                             "(default: %(default)s)")
     engine.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
-                        help="weight and activation precision; auto is bfloat16 where the CPU supports it, float32 "
-                             "otherwise (default: %(default)s)")
+                        help="weight and activation precision; auto is bfloat16 on a GPU and where the CPU supports "
+                             "it, float32 otherwise (default: %(default)s)")
     engine.add_argument("--quantization", "-q", default=None, choices=["int8", "gguf", "awq", "gptq"],
                         help="int8: linear weights stored as int8 with one scale per output row, quantized at load; "
                              "gguf: a .gguf file's Q4_0, Q4_1, Q8_0 and Q4_K linear weights kept in their blocks; "
@@ -163,7 +166,7 @@ def engine_config_from_args(args: argparse.Namespace):
 
     return EngineConfig(
         model=ModelConfig(model=model_of(args), dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed,
-                          chat_template=args.chat_template, quantization=args.quantization),
+                          chat_template=args.chat_template, quantization=args.quantization, device=args.device),
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                           gpu_memory_utilization=args.gpu_memory_utilization, swap_space=args.swap_space,
                           swap_path=args.swap_path, enable_prefix_caching=args.enable_prefix_caching,

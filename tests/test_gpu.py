@@ -1,0 +1,96 @@
+"""The engine on a CUDA device: fidelity against Hugging Face transformers, prefix sharing, both preemption modes,
+the server, and the start-up profile run. Marked `gpu`: skipped, with the reason, where torch sees no CUDA device.
+
+Each test compares CUDA's tokens with the CPU's (or transformers') on the same float32 weights: the Triton kernel
+multiplies float32 in IEEE precision, so greedy tokens agree over these short generations."""
+
+from __future__ import annotations
+
+import logging
+
+import httpx
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.attention import triton_attention
+from tests.entrypoints.server_utils import start_server
+from tests.test_llm import CHATS
+from tests.test_sharing import PRESSURE_PROMPTS, SYSTEM, _greedy, _prompt, _tokens
+
+pytestmark = pytest.mark.gpu
+
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def tiny_cpu_tokens(tiny):
+    """The tiny model's greedy tokens for PRESSURE_PROMPTS on the CPU, in a roomy pool."""
+    llm = LLM(model=tiny[0], dtype="float32", block_size=4, num_kv_blocks=512, device="cpu")
+    return _tokens(llm.generate(PRESSURE_PROMPTS, _greedy(24), use_tqdm=False))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from tests.models.tiny import save_tiny_model
+
+    folder, hf_model = save_tiny_model(tmp_path_factory.mktemp("tiny") / "m", "llama-gqa", seed=3)
+    return str(folder), hf_model
+
+
+def _cuda_llm(model: str | None, **kw) -> LLM:
+    return LLM(model=model, dtype="float32", device="cuda", **kw)
+
+
+def test_greedy_chat_tokens_on_cuda_match_transformers(smol_hf, caplog):
+    hf_model, hf_tokenizer = smol_hf
+    pagedllm_logger = logging.getLogger("pagedllm")     # it does not propagate to the root, where caplog listens
+    pagedllm_logger.addHandler(caplog.handler)
+    try:
+        llm = _cuda_llm(None, gpu_memory_utilization=0.5, max_model_len=2048)
+    finally:
+        pagedllm_logger.removeHandler(caplog.handler)
+    assert "device cuda:" in caplog.text and "profile run:" in caplog.text and "KV cache:" in caplog.text
+    layer = llm.engine.runner.model.model.layers[0].self_attn
+    assert layer.attn_backend is triton_attention.paged_attention
+    conversations = [[{"role": "user", "content": c}] for c in CHATS]
+    ours = llm.chat(conversations, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+    for conversation, out in zip(conversations, ours):
+        ids = hf_tokenizer.apply_chat_template(conversation, add_generation_prompt=True, return_tensors="pt",
+                                               return_dict=True)["input_ids"]
+        with torch.inference_mode():
+            hf_out = hf_model.generate(ids, max_new_tokens=24, do_sample=False)
+        assert out.outputs[0].token_ids == hf_out[0, ids.shape[1]:].tolist(), conversation
+
+
+def test_prefix_sharing_on_cuda_changes_no_token(tiny):
+    prompts = [SYSTEM + _prompt(40 + i, 5 + i) for i in range(4)]
+    on = _cuda_llm(tiny[0], block_size=4, num_kv_blocks=256)
+    off = _cuda_llm(tiny[0], block_size=4, num_kv_blocks=256, enable_prefix_caching=False)
+    assert _tokens(on.generate(prompts, _greedy(), use_tqdm=False)) == \
+        _tokens(off.generate(prompts, _greedy(), use_tqdm=False))
+    assert on.engine.prefix_cache_stats.num_hit_tokens > 0
+    forked = on.generate(SYSTEM, SamplingParams(n=4, temperature=1.0, seed=1, max_tokens=8), use_tqdm=False)
+    assert len(forked[0].outputs) == 4
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_on_cuda_gives_the_cpus_tokens(tiny, tiny_cpu_tokens, mode):
+    llm = _cuda_llm(tiny[0], block_size=4, num_kv_blocks=24, swap_space=40 * 2048 / 2**30, preemption_mode=mode,
+                    max_num_batched_tokens=32)
+    assert llm.engine.runner.swap is not None and llm.engine.runner.swap.kv.is_pinned()
+    assert _tokens(llm.generate(PRESSURE_PROMPTS, _greedy(24), use_tqdm=False)) == tiny_cpu_tokens
+    assert llm.engine.scheduler.num_preemptions_by_mode[mode] > 0
+
+
+def test_the_server_answers_on_cuda(tiny):
+    llm = _cuda_llm(tiny[0], block_size=4, num_kv_blocks=256)
+    running = start_server(llm.engine)
+    try:
+        reply = httpx.post(f"{running.base_url}/v1/completions", headers=running.headers, timeout=60,
+                           json={"model": running.model_name, "prompt": [3, 4, 5, 6], "max_tokens": 5,
+                                 "temperature": 0})
+        assert reply.status_code == 200
+        assert reply.json()["usage"]["completion_tokens"] == 5
+    finally:
+        running.stop()
