@@ -19,8 +19,6 @@ import threading
 import time
 from typing import Any
 
-import httpx
-
 from pagedllm.bench.args import add_engine_args, engine_kwargs
 from pagedllm.metrics.stats import IterationStats, SchedulerStats
 
@@ -113,6 +111,8 @@ def _serve(app) -> tuple[str, Any]:
 
 
 def _run_workload(url: str, num_prompts: int, output_len: int) -> None:
+    import httpx  # here, not at the top: every `pagedllm` command builds this parser, and httpx takes ~0.2 s
+
     def one(index: int) -> None:
         body = {"prompt": f"Story number {index}: once upon a time", "max_tokens": output_len, "temperature": 0,
                 "ignore_eos": True}
