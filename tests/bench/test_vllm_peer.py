@@ -57,11 +57,11 @@ class LLM:
 def fake_vllm_python(tmp_path, monkeypatch) -> tuple[Path, Path]:
     """A `python` that runs this interpreter with the stand-in vllm first on its path; and its record file."""
     (tmp_path / "pkgs" / "vllm").mkdir(parents=True)
-    (tmp_path / "pkgs" / "vllm" / "entrypoints" / "cli").mkdir(parents=True)
+    (tmp_path / "pkgs" / "vllm" / "entrypoints" / "openai").mkdir(parents=True)
     (tmp_path / "pkgs" / "vllm" / "__init__.py").write_text(_FAKE_VLLM)
-    for package in ("entrypoints", "entrypoints/cli"):
+    for package in ("entrypoints", "entrypoints/openai"):
         (tmp_path / "pkgs" / "vllm" / package / "__init__.py").write_text("")
-    (tmp_path / "pkgs" / "vllm" / "entrypoints" / "cli" / "main.py").write_text(_FAKE_SERVE)
+    (tmp_path / "pkgs" / "vllm" / "entrypoints" / "openai" / "api_server.py").write_text(_FAKE_SERVE)
     python = tmp_path / "python"
     python.write_text(f'#!/bin/sh\nPYTHONPATH="{tmp_path / "pkgs"}" exec "{sys.executable}" "$@"\n')
     python.chmod(python.stat().st_mode | stat.S_IXUSR)
@@ -110,10 +110,9 @@ def test_vllm_serve_serves_the_exported_model_under_pagedllms_name(tiny_model_di
                    "--export-dir", str(tmp_path / "export"), "--port", "8123", "--max-num-seqs", "16"])
     seen = json.loads(record.read_text())
     assert result == {"returncode": 0}
-    assert seen["argv"][:2] == ["serve", str(tmp_path / "export")]
-    flags = dict(zip(seen["argv"][2::2], seen["argv"][3::2]))
-    assert flags == {"--served-model-name": resolve_model(tiny_model_dir).name, "--port": "8123", "--dtype": "float32",
-                     "--max-num-seqs": "16", "--max-num-batched-tokens": "2048"}
+    flags = dict(zip(seen["argv"][::2], seen["argv"][1::2]))
+    assert flags == {"--model": str(tmp_path / "export"), "--served-model-name": resolve_model(tiny_model_dir).name,
+                     "--port": "8123", "--dtype": "float32", "--max-num-seqs": "16", "--max-num-batched-tokens": "2048"}
     assert (tmp_path / "export" / "config.json").exists()
 
 
