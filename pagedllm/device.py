@@ -8,8 +8,7 @@ import psutil
 import torch
 
 from pagedllm.config import EngineConfig, ModelConfig
-
-GiB = 1 << 30
+from pagedllm.runner.kv_tensors import GiB
 
 
 def resolve_device(name: str) -> str:
