@@ -13,10 +13,13 @@ from pagedllm.cpu import MAX_ISA_ENV, onednn_bf16_ok
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.embedding import ParallelLMHead, VocabEmbedding
 from pagedllm.layers.linear import (
+    BF16_KERNEL_ENV,
     ColumnParallelLinear,
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
+    _timed_bf16_kernel,
+    bf16_kernel,
     linear_packing,
     pack_linear_weights,
 )
@@ -140,7 +143,9 @@ def packing(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     AVX2 cap hides oneDNN's bf16 from pagedllm, as on a CPU without AVX-512)."""
     if request.param == "onednn" and not onednn_bf16_ok():
         pytest.skip("oneDNN has no bf16 path on this CPU (it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT)")
-    if request.param == "pagedllm":
+    if request.param == "onednn":
+        monkeypatch.setenv(BF16_KERNEL_ENV, "onednn")  # not left to the timing
+    else:
         monkeypatch.setenv(MAX_ISA_ENV, "avx2")
     assert linear_packing(torch.bfloat16) == request.param and linear_packing(torch.float32) == "pagedllm"
     assert linear_packing(torch.float16) is None
@@ -190,3 +195,22 @@ def test_a_tied_lm_head_gets_its_own_packed_copy(packing: str) -> None:
     torch.testing.assert_close(head(x), expected, atol=0 if packing == "onednn" else 2e-2,
                                rtol=0 if packing == "onednn" else 8e-3)
     assert torch.equal(emb(torch.tensor([3])), emb.weight[3:4])
+
+
+def test_bf16_kernel_is_timed_unless_named(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Where oneDNN has bf16 instructions, the faster of it and pagedllm's kernel runs bf16 weights: timed once
+    (and logged with both times), or named by $PAGEDLLM_BF16_KERNEL; any other name is refused."""
+    if not onednn_bf16_ok():
+        pytest.skip("oneDNN has no bf16 path on this CPU: pagedllm's kernel is the only packing for bf16")
+    monkeypatch.delenv(BF16_KERNEL_ENV, raising=False)
+    _timed_bf16_kernel.cache_clear()  # timed again, here, so that its log line is seen
+    with caplog.at_level("INFO", logger="pagedllm.layers.linear"):
+        choice = bf16_kernel()
+    assert choice in ("onednn", "pagedllm") and linear_packing(torch.bfloat16) == choice
+    assert f"bf16 matmuls in {choice} here" in caplog.text and "ms in oneDNN" in caplog.text
+    for name in ("onednn", "pagedllm"):
+        monkeypatch.setenv(BF16_KERNEL_ENV, name)
+        assert bf16_kernel() == name == linear_packing(torch.bfloat16)
+    monkeypatch.setenv(BF16_KERNEL_ENV, "mkl")
+    with pytest.raises(ValueError, match="PAGEDLLM_BF16_KERNEL must be 'onednn' or 'pagedllm', got 'mkl'"):
+        bf16_kernel()

@@ -24,12 +24,13 @@
 //
 // An int8 block row keeps the 16 columns in order (one 16-byte load, two sign-extensions to 8 x int32).
 //
-// The layout is the same in every build (AVX2 or plain C++), so one packed tensor serves all of them.
+// The layout is the same in every build (AVX-512, AVX2 or plain C++), so one packed tensor serves all of them.
 //
 // Loops: the caller's threads split the column blocks (and the row tiles when there are few blocks). Each
-// thread walks its blocks in panels that fit in L2; every tile of up to 6 rows of x (float32: read in place; bf16:
-// widened once per call) streams over a panel's blocks, a chunk of K at a time so that the tile stays in L1: a
-// 6 x 16 tile of out is 12 ymm accumulators over a chunk. So the weight is read from memory once per call,
+// thread walks its blocks in panels that fit in L2 (a bf16 or int8 panel widened to float32 first when many tiles
+// will read it); every tile of up to 6 rows of x (12 with AVX-512; float32: read in place; bf16: widened once per
+// call) streams over a panel's blocks, a chunk of K at a time so that the tile stays in L1: a 6 x 16 tile of out
+// is 12 ymm accumulators over a chunk (12 x 16: 12 zmm). So the weight is read from memory once per call,
 // whatever M is, and a prefill's FMAs wait on neither memory nor L2.
 #include "ops.h"
 
@@ -46,12 +47,17 @@
 namespace pagedllm {
 namespace {
 
-constexpr int64_t kBlock = 16;                  // output columns per packed block: two ymm of float32
+constexpr int64_t kBlock = 16;                  // output columns per packed block: one zmm, or two ymm, of float32
+#if defined(__AVX512F__)
+constexpr int kMaxRows = 12;                    // rows per tile: 12 zmm accumulators of the 32, one per row
+#else
 constexpr int kMaxRows = 6;                     // rows per tile: 6 x 2 accumulators = 12 of the 16 ymm registers
+#endif
 constexpr int64_t kPanelBytes = 512 * 1024;     // weight panel kept in L2 (half of a 1 MiB L2) while tiles stream
 constexpr int64_t kTileBytes = 16 * 1024;       // x tile per K chunk: half of L1, the other half streams weights
 constexpr int64_t kInlineMacs = 1 << 18;        // below this many multiply-adds, a fork costs more than it saves
 constexpr int64_t kWidenGrain = 1 << 16;        // bf16 x values widened per task: fewer are not worth a fork
+constexpr int64_t kWidenTiles = 3;              // row tiles from which a bf16/int8 panel is widened once for all
 
 // Where column j of a block lives in a bf16 block row (see the diagram above).
 inline int64_t bf16_slot(int64_t j) { return j < 8 ? 2 * j : 2 * (j - 8) + 1; }
@@ -78,6 +84,68 @@ void pack_weight(const at::Tensor& weight, at::Tensor& packed) {
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
+// 16 int8 values as float32, columns 0..7 and 8..15 (the AVX2 kernel's int8 rows and GGUF's Q8_0 groups).
+inline void widen_int8(const int8_t* p, __m256& lo, __m256& hi) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+  hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(bytes, bytes)));
+}
+#endif
+
+#if defined(__AVX512F__)
+
+// AVX-512: one zmm per block row. A bf16 block row widens in two instructions (zero-extend, shift) into slot
+// order (columns 0, 8, 1, 9, ...), so a tile's accumulators run in slot order and are permuted into column order
+// once per chunk, when they are loaded and stored. Each output is still one chain of FMAs in k order: the same
+// bits as the AVX2 path.
+inline __m512 load_block_row(const float* p) { return _mm512_loadu_ps(p); }
+
+inline __m512 load_block_row(const c10::BFloat16* p) {
+  const __m256i slots = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(slots), 16));
+}
+
+inline __m512 load_block_row(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+// acc[rows][16] += x[rows][k_size] (float32 rows `ld` apart) times a chunk of one packed block ([k_size][16]).
+template <int rows, typename W>
+void tile_kernel(const float* x, int64_t ld, const W* block, int64_t k_size, float* acc) {
+  constexpr bool slot_order = std::is_same_v<W, c10::BFloat16>;
+  // Lane i of a slot-order register holds column column_of_slot[i]; column j lives in lane bf16_slot(j).
+  const __m512i column_of_slot = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+  const __m512i slot_of_column = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+  __m512 c[rows];
+#pragma GCC unroll 12
+  for (int r = 0; r < rows; ++r) {
+    const __m512 columns = _mm512_loadu_ps(acc + r * kBlock);
+    c[r] = slot_order ? _mm512_permutexvar_ps(column_of_slot, columns) : columns;
+  }
+#pragma GCC unroll 4
+  for (int64_t k = 0; k < k_size; ++k) {
+    const __m512 w = load_block_row(block + k * kBlock);
+#pragma GCC unroll 12
+    for (int r = 0; r < rows; ++r) c[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ld + k]), w, c[r]);
+  }
+#pragma GCC unroll 12
+  for (int r = 0; r < rows; ++r) {
+    _mm512_storeu_ps(acc + r * kBlock, slot_order ? _mm512_permutexvar_ps(slot_of_column, c[r]) : c[r]);
+  }
+}
+
+// `n` block rows of a bf16 or int8 block as float32 block rows, columns in order.
+template <typename W>
+void widen_block_rows(const W* src, int64_t n, float* dst) {
+  const __m512i slot_of_column = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+  for (int64_t i = 0; i < n; ++i) {
+    const __m512 w = load_block_row(src + i * kBlock);
+    const bool slot_order = std::is_same_v<W, c10::BFloat16>;
+    _mm512_storeu_ps(dst + i * kBlock, slot_order ? _mm512_permutexvar_ps(slot_of_column, w) : w);
+  }
+}
+
+#elif defined(__AVX2__) && defined(__FMA__)
 
 inline void load_block_row(const float* p, __m256& lo, __m256& hi) {
   lo = _mm256_loadu_ps(p);
@@ -90,11 +158,7 @@ inline void load_block_row(const c10::BFloat16* p, __m256& lo, __m256& hi) {
   hi = _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
-inline void load_block_row(const int8_t* p, __m256& lo, __m256& hi) {
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
-  hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(bytes, bytes)));
-}
+inline void load_block_row(const int8_t* p, __m256& lo, __m256& hi) { widen_int8(p, lo, hi); }
 
 // c[rows][2] += x[rows][k] times row k of a block: the 16 weights widened, each row's x broadcast.
 template <int rows, typename W>
@@ -130,6 +194,16 @@ void tile_kernel(const float* x, int64_t ld, const W* block, int64_t k_size, flo
   }
 }
 
+template <typename W>
+void widen_block_rows(const W* src, int64_t n, float* dst) {
+  for (int64_t i = 0; i < n; ++i) {
+    __m256 lo, hi;
+    load_block_row(src + i * kBlock, lo, hi);
+    _mm256_storeu_ps(dst + i * kBlock, lo);
+    _mm256_storeu_ps(dst + i * kBlock + 8, hi);
+  }
+}
+
 #else  // plain C++: any CPU, vectorised by the compiler as far as it can
 
 inline void load_block_row(const float* p, float* w) { std::copy(p, p + kBlock, w); }
@@ -159,18 +233,20 @@ void tile_kernel(const float* x, int64_t ld, const W* block, int64_t k_size, flo
   std::copy(&c[0][0], &c[0][0] + rows * kBlock, acc);
 }
 
+template <typename W>
+void widen_block_rows(const W* src, int64_t n, float* dst) {
+  for (int64_t i = 0; i < n; ++i) load_block_row(src + i * kBlock, dst + i * kBlock);
+}
+
 #endif
 
-template <typename W>
-void run_tile(int rows, const float* x, int64_t ld, const W* block, int64_t k_size, float* acc) {
-  switch (rows) {
-    case 1: return tile_kernel<1>(x, ld, block, k_size, acc);
-    case 2: return tile_kernel<2>(x, ld, block, k_size, acc);
-    case 3: return tile_kernel<3>(x, ld, block, k_size, acc);
-    case 4: return tile_kernel<4>(x, ld, block, k_size, acc);
-    case 5: return tile_kernel<5>(x, ld, block, k_size, acc);
-    default: return tile_kernel<6>(x, ld, block, k_size, acc);
+// tile_kernel<rows> for rows = 1 .. kMaxRows, chosen at run time.
+template <typename W, int rows = kMaxRows>
+void run_tile(int n_rows, const float* x, int64_t ld, const W* block, int64_t k_size, float* acc) {
+  if constexpr (rows > 1) {
+    if (n_rows < rows) return run_tile<W, rows - 1>(n_rows, x, ld, block, k_size, acc);
   }
+  tile_kernel<rows>(x, ld, block, k_size, acc);
 }
 
 // out[m0 .. m0 + rows, 16 b ..] = acc (times the row scale, if any) + bias, rounded once to T; the padded
@@ -236,8 +312,10 @@ struct LinearProblem {
     }
   }
 
-  // Tile t of rows over the panel's blocks [p0, p1): acc holds [p1 - p0][kMaxRows][16] floats.
-  void run_panel_tile(int64_t p0, int64_t p1, int64_t t, float* acc) const {
+  // Tile t of rows over the panel's blocks [p0, p1), whose weights start at `panel` (W, or float32 once
+  // widened): acc holds [p1 - p0][kMaxRows][16] floats.
+  template <typename P>
+  void run_panel_tile(const P* panel, int64_t p0, int64_t p1, int64_t t, float* acc) const {
     const int64_t m0 = t * kMaxRows, chunk = chunk_size();
     const int rows = tile_rows(t);
     std::fill(acc, acc + (p1 - p0) * kMaxRows * kBlock, 0.f);
@@ -249,7 +327,7 @@ struct LinearProblem {
         prefetch_x(t + 1, 0, std::min(chunk, k));
       }
       for (int64_t b = p0; b < p1; ++b) {
-        run_tile(rows, x + m0 * ld + k0, ld, packed + (b * k + k0) * kBlock, k_size,
+        run_tile(rows, x + m0 * ld + k0, ld, panel + ((b - p0) * k + k0) * kBlock, k_size,
                  acc + (b - p0) * kMaxRows * kBlock);
       }
     }
@@ -258,12 +336,26 @@ struct LinearProblem {
     }
   }
 
-  // Column blocks [b0, b1) times row tiles [t0, t1), panel by panel.
+  // Column blocks [b0, b1) times row tiles [t0, t1), panel by panel. With kWidenTiles tiles or more, a bf16 or
+  // int8 panel is first widened to float32 (exact), once for all of them: the tiles then spend no instruction on
+  // widening (two of every ~12 FMAs otherwise), and every output gets the same bits either way.
   void run(int64_t b0, int64_t b1, int64_t t0, int64_t t1) const {
-    const int64_t panel_blocks = std::max<int64_t>(1, kPanelBytes / std::max<int64_t>(1, k * kBlock * sizeof(W)));
-    std::vector<float> acc(std::min(panel_blocks, b1 - b0) * kMaxRows * kBlock);
+    const bool widen = !std::is_same_v<W, float> && t1 - t0 >= kWidenTiles;
+    const int64_t panel_bytes = k * kBlock * (widen ? sizeof(float) : sizeof(W));
+    const int64_t panel_blocks =
+        std::min(b1 - b0, std::max<int64_t>(1, kPanelBytes / std::max<int64_t>(1, panel_bytes)));
+    std::vector<float> acc(panel_blocks * kMaxRows * kBlock), wide(widen ? panel_blocks * k * kBlock : 0);
     for (int64_t p0 = b0; p0 < b1; p0 += panel_blocks) {
-      for (int64_t t = t0; t < t1; ++t) run_panel_tile(p0, std::min(p0 + panel_blocks, b1), t, acc.data());
+      const int64_t p1 = std::min(p0 + panel_blocks, b1);
+      const W* panel = packed + p0 * k * kBlock;
+      if (widen) widen_block_rows(panel, (p1 - p0) * k, wide.data());
+      for (int64_t t = t0; t < t1; ++t) {
+        if (widen) {
+          run_panel_tile(static_cast<const float*>(wide.data()), p0, p1, t, acc.data());
+        } else {
+          run_panel_tile(panel, p0, p1, t, acc.data());
+        }
+      }
     }
   }
 
@@ -370,7 +462,7 @@ void dequant_group<kQ8_0>(const uint8_t* group, float* w) {
   const int8_t* q = reinterpret_cast<const int8_t*>(group + gguf_header_bytes(kQ8_0));
   for (int64_t k = 0; k < kGroup; ++k) {
     __m256 q_lo, q_hi;
-    load_block_row(q + k * kBlock, q_lo, q_hi);
+    widen_int8(q + k * kBlock, q_lo, q_hi);
     _mm256_storeu_ps(w + k * kBlock, _mm256_mul_ps(d_lo, q_lo));
     _mm256_storeu_ps(w + k * kBlock + 8, _mm256_mul_ps(d_hi, q_hi));
   }
