@@ -36,6 +36,11 @@ void linear_packed(at::Tensor out, at::Tensor x, at::Tensor packed, c10::optiona
                    c10::optional<at::Tensor> scale);
 void linear_gguf(at::Tensor out, at::Tensor x, at::Tensor packed, int64_t ggml_type, c10::optional<at::Tensor> bias);
 
+// W8A8: int8 weights times int8 activations, quantized per row in the call, summed in int32 (linear_int8.cpp).
+std::tuple<at::Tensor, at::Tensor> pack_w8a8_weight(at::Tensor q);
+void linear_w8a8(at::Tensor out, at::Tensor x, at::Tensor packed, at::Tensor col_sums, at::Tensor w_scale,
+                 c10::optional<at::Tensor> bias);
+
 // shm.cpp: the collectives of tensor-parallel ranks on one machine; each returns the last round number it used.
 void shm_register(at::Tensor segment, int64_t rank, int64_t world, int64_t pid);
 int64_t shm_all_reduce(at::Tensor segment, at::Tensor x, int64_t rank, int64_t world, int64_t seq, double timeout_s);
