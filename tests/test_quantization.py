@@ -107,6 +107,14 @@ def test_w8a8_stays_close_to_the_unquantized_model(checkpoints):
     assert sum(a == b for t, e in zip(tokens, expected) for a, b in zip(t, e)) >= 0.75 * sum(map(len, expected))
 
 
+@pytest.mark.parametrize("quantization", ["int8", "w8a8"])
+def test_quantization_at_load_needs_the_kernels(monkeypatch, quantization):
+    monkeypatch.setenv("PAGEDLLM_DISABLE_KERNELS", "1")
+    with pytest.raises(RuntimeError, match=f"quantization='{quantization}' runs in pagedllm's CPU kernels, which are "
+                                           "disabled"):
+        linear_module.pack_linear_weights(torch.nn.Module(), quantization)
+
+
 def test_an_unknown_quantization_is_refused_by_name():
     with pytest.raises(ValueError, match="quantization must be None, 'int8', 'w8a8', 'gguf', 'awq' or 'gptq', got "
                                          "'fp8'"):
