@@ -12,7 +12,7 @@ from typing import Literal
 PreemptionMode = Literal["recompute", "swap", "auto"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 DistributedExecutorBackend = Literal["mp", "ray"]
-QUANTIZATIONS = (None, "int8", "gguf", "awq", "gptq")
+QUANTIZATIONS = (None, "int8", "w8a8", "gguf", "awq", "gptq")
 DataParallelRouterPolicy = Literal["prefix_aware", "round_robin"]
 
 
@@ -132,6 +132,8 @@ class ModelConfig:
         quantization: how linear weights are stored, all multiplied in pagedllm's CPU kernels. None: in `dtype`,
             unless the checkpoint is AWQ or GPTQ (its config.json's quantization_config), which then runs as such.
             "int8": int8 with one scale per output row (weight-only, quantized at load from any checkpoint).
+            "w8a8": the same int8 weights, times activations quantized to int8 per token (one scale a row) in each
+            matmul, summed in int32.
             "gguf": a .gguf file's Q4_0, Q4_1, Q8_0 and Q4_K linear weights kept in their blocks (other types are
             dequantised to `dtype`). "awq" / "gptq": an AutoAWQ (GEMM) or AutoGPTQ/GPTQModel 4-bit checkpoint's
             weights kept in 4 bits, repacked for the Q4_1 kernel (group_size a multiple of 32; GPTQ act-order
@@ -153,7 +155,7 @@ class ModelConfig:
                  "one of 'auto', 'bfloat16', 'float16', 'float32'", self.dtype)
         _require(self.max_model_len is None or self.max_model_len > 0, "max_model_len", "> 0",
                  self.max_model_len)
-        _require(self.quantization in QUANTIZATIONS, "quantization", "None, 'int8', 'gguf', 'awq' or 'gptq'",
+        _require(self.quantization in QUANTIZATIONS, "quantization", "None, 'int8', 'w8a8', 'gguf', 'awq' or 'gptq'",
                  self.quantization)
         _require(re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None, "device",
                  "'auto', 'cpu', 'cuda' or 'cuda:N'", self.device)

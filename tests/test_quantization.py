@@ -1,10 +1,12 @@
-"""quantization="int8" (linear weights stored as int8 with per-row scales), "gguf" (a GGUF's blocks kept) and
-"awq"/"gptq" (such checkpoints' 4-bit weights kept), end to end.
+"""quantization="int8" (linear weights stored as int8 with per-row scales), "w8a8" (those weights times activations
+quantized per token), "gguf" (a GGUF's blocks kept) and "awq"/"gptq" (such checkpoints' 4-bit weights kept), end to
+end.
 
 The oracle is the same engine in float32 on a checkpoint whose linear weights were replaced by their dequantised
-int8 values: it computes the same function up to float32 rounding, so greedy tokens must be identical. A gguf engine's
-oracle is the default float32 engine, which dequantises the same blocks. An AWQ or GPTQ checkpoint's is transformers
-on its dequantised weights."""
+int8 values: it computes the same function up to float32 rounding, so greedy tokens must be identical. A w8a8
+model's is the float32 model whose every matmul is `w8a8_reference`, to the bit. A gguf engine's oracle is the default
+float32 engine, which dequantises the same blocks. An AWQ or GPTQ checkpoint's is transformers on its dequantised
+weights."""
 
 from __future__ import annotations
 
@@ -14,9 +16,12 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.bench.args import add_engine_args
 from pagedllm.config import ModelConfig
 from pagedllm.entrypoints.openai.cli_args import add_server_args, engine_config_from_args
-from pagedllm.layers.linear import dequantize_int8, quantize_int8
+from pagedllm.layers import embedding
+from pagedllm.layers import linear as linear_module
+from pagedllm.layers.linear import dequantize_int8, quantize_int8, w8a8_reference
 from pagedllm.loader import load_model
 from tests.models.int4_checkpoints import save_int4_checkpoint
 from tests.models.tiny import SimplePagedRunner, build_byte_tokenizer, build_tiny_hf_model
@@ -69,17 +74,63 @@ def test_int8_weights_are_a_quarter_of_float32s(checkpoints):
     assert int8_proj.numel() * int8_proj.element_size() * 4 == plain_proj.numel() * plain_proj.element_size()
 
 
+def test_w8a8_model_computes_w8a8_reference_matmuls(checkpoints, monkeypatch):
+    """Every linear layer (LM head included) of a w8a8 model runs the W8A8 kernel, whose bits are
+    `w8a8_reference`'s: the logits of a prefill batch and a decode step are the float32 model's with each matmul
+    replaced by that reference, exactly."""
+    original, _ = checkpoints
+    model = load_model(ModelConfig(model=original, dtype="float32", quantization="w8a8")).model
+    for proj in (model.model.layers[1].self_attn.qkv_proj, model.model.layers[1].mlp.down_proj, model.lm_head):
+        assert proj.weight.dtype == torch.int8 and proj.weight.shape[2] == 64 and proj.weight.col_sums is not None
+    steps = [{0: [1, 17, 250, 9, 33, 70, 5], 1: [44, 45]}, {0: [12], 1: [300]}]
+    runner = SimplePagedRunner(model)
+    logits = [runner.step(step) for step in steps]
+
+    def reference_linear(x, weight, bias=None):
+        return w8a8_reference(x, *quantize_int8(weight), bias)
+
+    monkeypatch.setattr(linear_module, "pack_linear_weights", lambda model, quantization=None: 0)
+    monkeypatch.setattr(linear_module, "linear", reference_linear)
+    monkeypatch.setattr(embedding, "linear", reference_linear)
+    reference = SimplePagedRunner(load_model(ModelConfig(model=original, dtype="float32")).model)
+    for step, got in zip(steps, logits):
+        assert torch.equal(got, reference.step(step))
+
+
+def test_w8a8_stays_close_to_the_unquantized_model(checkpoints):
+    """Through the engine, in bf16: greedy tokens start as the unquantized float32 model's (quantizing the
+    activations too adds noise of ~1% of a matmul's outputs, which flips near ties only later on)."""
+    original, _ = checkpoints
+    w8a8 = LLM(original, dtype="bfloat16", quantization="w8a8", kv_cache_memory=16 << 20)
+    tokens, expected = _greedy(w8a8), _greedy(LLM(original, dtype="float32", kv_cache_memory=16 << 20))
+    assert [t[:3] for t in tokens] == [t[:3] for t in expected]
+    assert sum(a == b for t, e in zip(tokens, expected) for a, b in zip(t, e)) >= 0.75 * sum(map(len, expected))
+
+
+@pytest.mark.parametrize("quantization", ["int8", "w8a8"])
+def test_quantization_at_load_needs_the_kernels(monkeypatch, quantization):
+    monkeypatch.setenv("PAGEDLLM_DISABLE_KERNELS", "1")
+    with pytest.raises(RuntimeError, match=f"quantization='{quantization}' runs in pagedllm's CPU kernels, which are "
+                                           "disabled"):
+        linear_module.pack_linear_weights(torch.nn.Module(), quantization)
+
+
 def test_an_unknown_quantization_is_refused_by_name():
-    with pytest.raises(ValueError, match="quantization must be None, 'int8', 'gguf', 'awq' or 'gptq', got 'fp8'"):
+    with pytest.raises(ValueError, match="quantization must be None, 'int8', 'w8a8', 'gguf', 'awq' or 'gptq', got "
+                                         "'fp8'"):
         ModelConfig(quantization="fp8")
     with pytest.raises(ValueError, match="quantization"):
         ModelConfig(quantization="int8", device="cuda")
 
 
-def test_serve_takes_quantization():
+def test_serve_and_bench_take_quantization():
+    bench = argparse.ArgumentParser()
+    add_engine_args(bench)
+    assert bench.parse_args(["-q", "w8a8"]).quantization == "w8a8"
     parser = add_server_args(argparse.ArgumentParser(), positional_model=False)
     assert engine_config_from_args(parser.parse_args(["--quantization", "int8"])).model.quantization == "int8"
     assert engine_config_from_args(parser.parse_args(["-q", "gguf"])).model.quantization == "gguf"
+    assert engine_config_from_args(parser.parse_args(["-q", "w8a8"])).model.quantization == "w8a8"
     assert engine_config_from_args(parser.parse_args(["-q", "gptq"])).model.quantization == "gptq"
     with pytest.raises(SystemExit):
         parser.parse_args(["--quantization", "fp8"])

@@ -46,8 +46,8 @@ if TYPE_CHECKING:   # both are slow to import; the CLI imports this module to bu
     from pagedllm import LLM
 
 TEXT_PATH = Path(__file__).parent / "data" / "botchan.txt"
-WEIGHT_QUANTIZATIONS = ("none", "int8")     # "none": the checkpoint's weights in --dtype
-KV_CACHE_DTYPES = ("auto", "int8")          # "auto": the KV cache in --dtype
+WEIGHT_QUANTIZATIONS = ("none", "int8", "w8a8")     # "none": the checkpoint's weights in --dtype
+KV_CACHE_DTYPES = ("auto", "int8")                  # "auto": the KV cache in --dtype
 
 
 @dataclass(frozen=True)

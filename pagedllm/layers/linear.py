@@ -7,7 +7,8 @@ tensor and copies this rank's slice into place, so the model's `load_weights` ne
     RowParallelLinear      W [out, in]  split by columns: rank r holds W[:, r*in/tp:(r+1)*in/tp]; sum-reduce
 
 After loading, `pack_linear_weights` swaps CPU weights for packed copies (oneDNN's for bf16 where it has bf16
-instructions, pagedllm's own kernel's otherwise, and int8 with row scales under quantization="int8");
+instructions, pagedllm's own kernel's otherwise, int8 with row scales under quantization="int8", and the same int8
+weights in the int8 x int8 kernel's layout under quantization="w8a8");
 `pack_gguf_linear_weights` before it keeps a GGUF's Q4_0/Q4_1/Q8_0/Q4_K blocks packed (quantization="gguf"), and
 `pack_int4_linear_weights` an AWQ or GPTQ checkpoint's 4-bit weights (quantization="awq"/"gptq"). `linear` takes
 any of them.
@@ -49,9 +50,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         out = torch.empty(x.shape[0], weight.out_features, dtype=x.dtype)  # type: ignore[attr-defined]
         cpu_kernels().linear_gguf(out, x, weight, weight.ggml_type, bias)  # type: ignore[union-attr,attr-defined]
         return out
-    if weight.dim() == 3:  # pagedllm's blocked layout, [ceil(out / 16), in, 16]; int8 carries its row scales
+    if weight.dim() == 3:  # pagedllm's blocked layouts
         out = torch.empty(x.shape[0], weight.out_features, dtype=x.dtype)  # type: ignore[attr-defined]
-        cpu_kernels().linear_packed(out, x, weight, bias, getattr(weight, "scale", None))  # type: ignore[union-attr]
+        col_sums = getattr(weight, "col_sums", None)
+        if col_sums is None:  # [ceil(out / 16), in, 16]; int8 carries its row scales
+            cpu_kernels().linear_packed(out, x, weight, bias, getattr(weight, "scale", None))  # type: ignore[union-attr]
+        else:  # W8A8: [ceil(out / 16), ceil(in / 4), 64] int8 with its row scales and column sums; x quantized too
+            cpu_kernels().linear_w8a8(out, x, weight, col_sums, weight.scale, bias)  # type: ignore[union-attr,attr-defined]
         return out
     return F.linear(x, weight, bias)
 
@@ -143,9 +148,36 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale[:, None]
 
 
-def _packed(weight: torch.Tensor) -> nn.Parameter:
-    """pagedllm's blocked layout of a plain [N, K] weight, as a parameter that knows N."""
-    packed = nn.Parameter(cpu_kernels().pack_linear_weight(weight), requires_grad=False)  # type: ignore[union-attr]
+def w8a8_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T + b for W = scale[:, None] * q, with x's rows quantized as `quantize_int8` quantizes a weight's: what
+    the W8A8 kernel computes, to the bit (the reference of its every ISA path).
+
+    The int8 products are summed exactly (in int32: |sum| <= 127^2 K), then each output is
+    `(float(sum) * x_scale[m]) * scale[n]`, `+ bias[n]`, float32 operations each rounded, in that order, and the
+    result rounded once to x's dtype.
+    """
+    qx, x_scale = quantize_int8(x)
+    out = (qx.int() @ q.int().T).float() * x_scale[:, None] * scale
+    return (out if bias is None else out + bias.float()).to(x.dtype)
+
+
+def _packed(weight: torch.Tensor, quantization: str | None = None) -> nn.Parameter:
+    """A plain [N, K] weight as a parameter that knows N, in pagedllm's blocked layout; quantized to int8 with its
+    row scales (`scale`) for quantization="int8", and in the W8A8 kernel's layout with its column sums (`col_sums`)
+    too for "w8a8"."""
+    kernels = cpu_kernels()
+    if quantization is None:
+        packed = nn.Parameter(kernels.pack_linear_weight(weight), requires_grad=False)  # type: ignore[union-attr]
+    else:
+        q, scale = quantize_int8(weight)
+        if quantization == "int8":
+            packed = nn.Parameter(kernels.pack_linear_weight(q), requires_grad=False)  # type: ignore[union-attr]
+        else:
+            w8a8, col_sums = kernels.pack_w8a8_weight(q)  # type: ignore[union-attr]
+            packed = nn.Parameter(w8a8, requires_grad=False)
+            packed.col_sums = col_sums  # type: ignore[attr-defined]
+        packed.scale = scale  # type: ignore[attr-defined]
     packed.out_features = weight.shape[0]  # type: ignore[attr-defined]
     return packed
 
@@ -159,12 +191,14 @@ def pack_linear_weights(model: nn.Module, quantization: str | None = None) -> in
     results. Each layer whose class sets `packable_weight` gets its weight replaced (a tied LM head gets its own
     packed copy; the embedding keeps the plain one). `linear_packing` says which packing, if any, applies.
     With quantization="int8" every such weight is quantized (`quantize_int8`) into pagedllm's layout instead,
-    whatever the dtype: a quarter of float32's bytes, half of bf16's. Returns how many weights were packed.
+    whatever the dtype: a quarter of float32's bytes, half of bf16's. With "w8a8" it is quantized the same way
+    into the int8 x int8 kernel's layout, and each call quantizes x's rows too (`w8a8_reference`). Returns how many
+    weights were packed.
     """
-    if quantization not in (None, "int8"):
-        raise ValueError(f"unknown quantization {quantization!r}: pagedllm runs None or 'int8'")
-    if quantization == "int8" and (kernels_disabled() or cpu_kernels() is None):
-        raise RuntimeError("quantization='int8' runs in pagedllm's CPU kernels, which are disabled or not built here")
+    if quantization not in (None, "int8", "w8a8"):
+        raise ValueError(f"unknown quantization {quantization!r}: pagedllm runs None, 'int8' or 'w8a8'")
+    if quantization is not None:
+        _check_kernels(f"quantization={quantization!r}")
     packed = 0
     for layer in model.modules():
         weight = getattr(layer, "weight", None)
@@ -176,10 +210,8 @@ def pack_linear_weights(model: nn.Module, quantization: str | None = None) -> in
                                         requires_grad=False)
         elif packing == "pagedllm":
             layer.weight = _packed(weight.detach())
-        elif packing == "int8":
-            q, scale = quantize_int8(weight)
-            layer.weight = _packed(q)
-            layer.weight.scale = scale  # type: ignore[attr-defined]
+        elif packing in ("int8", "w8a8"):
+            layer.weight = _packed(weight.detach(), packing)
         packed += packing is not None
     return packed
 

@@ -118,7 +118,7 @@ def resolve_quantization(requested: str | None, resolved: ResolvedModel, hf_conf
     if method is not None and quantization != method:
         raise ValueError(f"{resolved.name} is a {method!r} checkpoint (its quantization_config), which runs as "
                          f"quantization={method!r} or None, not {requested!r}")
-    if quantization not in (None, "int8", "gguf", *INT4_METHODS):
+    if quantization not in (None, "int8", "w8a8", "gguf", *INT4_METHODS):
         raise ValueError(f"{resolved.name} is a {quantization!r} checkpoint: pagedllm runs unquantized, GGUF, AWQ "
                          "and GPTQ checkpoints")
     if quantization in INT4_METHODS and method is None:
@@ -126,7 +126,7 @@ def resolve_quantization(requested: str | None, resolved: ResolvedModel, hf_conf
                          f"quantization_config.quant_method={quantization!r}; {resolved.name} has none")
     if quantization == "gguf" and resolved.gguf_path is None:
         raise ValueError(f"quantization='gguf' keeps a GGUF file's blocks packed, but {resolved.name} is not a .gguf "
-                         "file: use 'int8' or None")
+                         "file: use 'int8', 'w8a8' or None")
     if quantization in ("gguf", *INT4_METHODS) and (tp_size > 1 or device != "cpu"):
         raise ValueError(f"quantization={quantization!r} runs on one rank (tensor_parallel_size=1), in pagedllm's CPU "
                          "kernels: the packed blocks are not split across ranks yet")
@@ -149,9 +149,10 @@ def _pack(model: nn.Module, quantization: str | None, resolved: ResolvedModel, h
     elif quantization in INT4_METHODS:
         count = pack_int4_linear_weights(model, int4_weights(resolved.path, int4_config(hf_config)))
         parts = [f"{count} as {quantization.upper()} 4-bit (Q4_1 kernel)"]
-    packed = pack_linear_weights(model, quantization if quantization == "int8" else None)
+    at_load = quantization if quantization in ("int8", "w8a8") else None  # quantized here, from any checkpoint
+    packed = pack_linear_weights(model, at_load)
     if packed:
-        parts.append(f"{packed}{' as int8' if quantization == 'int8' else ''}")
+        parts.append(f"{packed}{f' as {at_load}' if at_load else ''}")
     return f", weights packed: {', '.join(parts)}" if parts else ""
 
 

@@ -32,9 +32,7 @@
 // call) streams over a panel's blocks, a chunk of K at a time so that the tile stays in L1: a 6 x 16 tile of out
 // is 12 ymm accumulators over a chunk (12 x 16: 12 zmm). So the weight is read from memory once per call,
 // whatever M is, and a prefill's FMAs wait on neither memory nor L2.
-#include "ops.h"
-
-#include <ATen/Parallel.h>
+#include "linear_common.h"
 
 #include <algorithm>
 #include <type_traits>
@@ -47,16 +45,12 @@
 namespace pagedllm {
 namespace {
 
-constexpr int64_t kBlock = 16;                  // output columns per packed block: one zmm, or two ymm, of float32
 #if defined(__AVX512F__)
 constexpr int kMaxRows = 12;                    // rows per tile: 12 zmm accumulators of the 32, one per row
 #else
 constexpr int kMaxRows = 6;                     // rows per tile: 6 x 2 accumulators = 12 of the 16 ymm registers
 #endif
-constexpr int64_t kPanelBytes = 512 * 1024;     // weight panel kept in L2 (half of a 1 MiB L2) while tiles stream
 constexpr int64_t kTileBytes = 16 * 1024;       // x tile per K chunk: half of L1, the other half streams weights
-constexpr int64_t kInlineMacs = 1 << 18;        // below this many multiply-adds, a fork costs more than it saves
-constexpr int64_t kWidenGrain = 1 << 16;        // bf16 x values widened per task: fewer are not worth a fork
 constexpr int64_t kWidenTiles = 3;              // row tiles from which a bf16/int8 panel is widened once for all
 
 // Where column j of a block lives in a bf16 block row (see the diagram above).
@@ -249,38 +243,6 @@ void run_tile(int n_rows, const float* x, int64_t ld, const W* block, int64_t k_
   tile_kernel<rows>(x, ld, block, k_size, acc);
 }
 
-// out[m0 .. m0 + rows, 16 b ..] = acc (times the row scale, if any) + bias, rounded once to T; the padded
-// columns of the last block dropped.
-template <typename T>
-void store_rows(T* out, int64_t out_stride, int64_t n, const T* bias, const float* scale, const float* acc,
-                int64_t m0, int rows, int64_t b) {
-  const int64_t n0 = b * kBlock, cols = std::min(kBlock, n - n0);
-  for (int r = 0; r < rows; ++r) {
-    T* dst = out + (m0 + r) * out_stride + n0;
-    for (int64_t j = 0; j < cols; ++j) {
-      const float sum = scale ? acc[r * kBlock + j] * scale[n0 + j] : acc[r * kBlock + j];
-      dst[j] = from_float<T>(bias ? sum + to_float(bias[n0 + j]) : sum);
-    }
-  }
-}
-
-// Threads split the column blocks; when there are fewer blocks than threads, the row tiles too.
-// run(b0, b1, t0, t1) computes column blocks [b0, b1) of row tiles [t0, t1); `macs` is the call's work.
-template <typename Run>
-void split_blocks_and_tiles(int64_t blocks, int64_t tiles, int64_t macs, const Run& run) {
-  const int64_t threads = at::get_num_threads();
-  const int64_t n_parts = std::min(threads, blocks);
-  const int64_t m_parts = std::min(tiles, (threads + n_parts - 1) / n_parts);
-  const int64_t tasks = n_parts * m_parts;
-  const int64_t grain = macs < kInlineMacs ? tasks : 1;
-  at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t np = task % n_parts, mp = task / n_parts;
-      run(np * blocks / n_parts, (np + 1) * blocks / n_parts, mp * tiles / m_parts, (mp + 1) * tiles / m_parts);
-    }
-  });
-}
-
 // One call's operands as raw pointers: float32 rows of x (`ld` apart), the packed weight (and an int8 weight's
 // row scales), and out's rows (contiguous, `out_stride` apart) of type T.
 template <typename T, typename W>
@@ -372,7 +334,7 @@ at::Tensor float_rows(const at::Tensor& x) {
   const int64_t k = x.size(1), x_stride = x.stride(0);
   const c10::BFloat16* src = x.data_ptr<c10::BFloat16>();
   float* dst = wide.data_ptr<float>();
-  at::parallel_for(0, x.size(0), std::max<int64_t>(1, kWidenGrain / std::max<int64_t>(1, k)),
+  at::parallel_for(0, x.size(0), std::max<int64_t>(1, kConvertGrain / std::max<int64_t>(1, k)),
                    [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
 #pragma omp simd
@@ -563,28 +525,7 @@ void linear_gguf_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& pa
   }
 }
 
-bool is_float_or_bf16(const at::Tensor& t) {
-  return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16;
-}
-
 bool is_weight_dtype(const at::Tensor& t) { return is_float_or_bf16(t) || t.scalar_type() == at::kChar; }
-
-// The checks both kernels make of x, out and bias, for a packed weight of `blocks` column blocks and `k` k's.
-void check_operands(const at::Tensor& out, const at::Tensor& x, int64_t blocks, int64_t k,
-                    const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.dim() == 2 && out.stride(1) == 1,
-              "x and out must be 2-D with contiguous rows");
-  TORCH_CHECK(is_float_or_bf16(x) && out.scalar_type() == x.scalar_type(),
-              "x must be float32 or bfloat16 and out of x's dtype, got x ", x.scalar_type(), ", out ",
-              out.scalar_type());
-  TORCH_CHECK(x.size(1) == k, "x has K=", x.size(1), " but the packed weight K=", k);
-  TORCH_CHECK(out.size(0) == x.size(0) && (out.size(1) + kBlock - 1) / kBlock == blocks,
-              "out must be [M, N] with M=", x.size(0), " and N in (", 16 * (blocks - 1), ", ", 16 * blocks,
-              "], got ", out.sizes());
-  TORCH_CHECK(!bias || (bias->is_contiguous() && bias->numel() == out.size(1) && bias->scalar_type() == x.scalar_type()
-                        && bias->device().is_cpu()),
-              "bias must be a contiguous [N] CPU tensor of x's dtype");
-}
 
 }  // namespace
 

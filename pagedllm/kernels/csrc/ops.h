@@ -36,6 +36,11 @@ void linear_packed(at::Tensor out, at::Tensor x, at::Tensor packed, c10::optiona
                    c10::optional<at::Tensor> scale);
 void linear_gguf(at::Tensor out, at::Tensor x, at::Tensor packed, int64_t ggml_type, c10::optional<at::Tensor> bias);
 
+// W8A8: int8 weights times int8 activations, quantized per row in the call, summed in int32 (linear_int8.cpp).
+std::tuple<at::Tensor, at::Tensor> pack_w8a8_weight(at::Tensor q);
+void linear_w8a8(at::Tensor out, at::Tensor x, at::Tensor packed, at::Tensor col_sums, at::Tensor w_scale,
+                 c10::optional<at::Tensor> bias);
+
 // shm.cpp: the collectives of tensor-parallel ranks on one machine; each returns the last round number it used.
 void shm_register(at::Tensor segment, int64_t rank, int64_t world, int64_t pid);
 int64_t shm_all_reduce(at::Tensor segment, at::Tensor x, int64_t rank, int64_t world, int64_t seq, double timeout_s);
@@ -128,15 +133,20 @@ inline void dispatch_cache(const at::Tensor& q, const at::Tensor& k_cache, const
   body.template operator()<scalar_t>();
 }
 
+// x rounded to the nearest integer, ties to even (as std::nearbyint and torch.round), for |x| < 2^22: adding 1.5 x
+// 2^23 leaves no fraction bits, and taking it away again is exact. std::nearbyint vectorises with AVX-512 but stays
+// a scalar instruction in AVX2 loops, which made SiLU-and-mul 20x slower there.
+inline float round_half_even(float x) {
+  constexpr float kRoundToInt = 12582912.0f;  // 1.5 x 2^23
+  return (x + kRoundToInt) - kRoundToInt;
+}
+
 // exp(x) in float, to within ~2 ulp, written so that `#pragma omp simd` loops over it vectorise: std::exp stays
 // a scalar call there (glibc declares its vector variants only under -ffast-math). Cephes' expf: x = n ln2 + r,
-// |r| <= ln2 / 2, exp(r) by a degree-7 polynomial, 2^n put into the exponent bits. n is rounded to nearest by
-// adding and taking away 1.5 x 2^23 (exact for |n| < 2^22): std::nearbyint vectorises with AVX-512 but stays a
-// scalar instruction in AVX2 loops, which made SiLU-and-mul 20x slower there.
+// |r| <= ln2 / 2, exp(r) by a degree-7 polynomial, 2^n put into the exponent bits.
 inline float exp_approx(float x) {
-  constexpr float kRoundToInt = 12582912.0f;  // 1.5 x 2^23
   const float clamped = std::min(std::max(x, -87.3365478515625f), 88.3762626647949f);
-  const float n = (clamped * 1.44269504088896341f + kRoundToInt) - kRoundToInt;
+  const float n = round_half_even(clamped * 1.44269504088896341f);
   const float r = clamped - n * 0.693359375f + n * 2.12194440e-4f;
   float p = 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;

@@ -1,0 +1,70 @@
+// What the linear kernels share (linear.cpp: float32, bf16, int8-weight and GGUF weights; linear_int8.cpp: W8A8):
+// output columns in blocks of 16, the threads' split of the work, the store of a tile of results, and the checks
+// of x, out and bias.
+#pragma once
+
+#include "ops.h"
+
+#include <ATen/Parallel.h>
+
+namespace pagedllm {
+
+constexpr int64_t kBlock = 16;                  // output columns per packed block: one zmm, or two ymm, of float32
+constexpr int64_t kPanelBytes = 512 * 1024;     // weight panel kept in L2 (half of a 1 MiB L2) while tiles stream
+constexpr int64_t kInlineMacs = 1 << 18;        // below this many multiply-adds, a fork costs more than it saves
+constexpr int64_t kConvertGrain = 1 << 16;      // x values widened or quantized per task: fewer are not worth a fork
+
+// out[m0 .. m0 + rows, 16 b ..] = acc (times the row scale, if any) + bias, rounded once to T; the padded
+// columns of the last block dropped.
+template <typename T>
+void store_rows(T* out, int64_t out_stride, int64_t n, const T* bias, const float* scale, const float* acc,
+                int64_t m0, int rows, int64_t b) {
+  const int64_t n0 = b * kBlock, cols = std::min(kBlock, n - n0);
+  for (int r = 0; r < rows; ++r) {
+    T* dst = out + (m0 + r) * out_stride + n0;
+    for (int64_t j = 0; j < cols; ++j) {
+      const float sum = scale ? acc[r * kBlock + j] * scale[n0 + j] : acc[r * kBlock + j];
+      dst[j] = from_float<T>(bias ? sum + to_float(bias[n0 + j]) : sum);
+    }
+  }
+}
+
+// Threads split the column blocks; when there are fewer blocks than threads, the row tiles too.
+// run(b0, b1, t0, t1) computes column blocks [b0, b1) of row tiles [t0, t1); `macs` is the call's work.
+template <typename Run>
+void split_blocks_and_tiles(int64_t blocks, int64_t tiles, int64_t macs, const Run& run) {
+  const int64_t threads = at::get_num_threads();
+  const int64_t n_parts = std::min(threads, blocks);
+  const int64_t m_parts = std::min(tiles, (threads + n_parts - 1) / n_parts);
+  const int64_t tasks = n_parts * m_parts;
+  const int64_t grain = macs < kInlineMacs ? tasks : 1;
+  at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t np = task % n_parts, mp = task / n_parts;
+      run(np * blocks / n_parts, (np + 1) * blocks / n_parts, mp * tiles / m_parts, (mp + 1) * tiles / m_parts);
+    }
+  });
+}
+
+inline bool is_float_or_bf16(const at::Tensor& t) {
+  return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16;
+}
+
+// The checks every linear kernel makes of x, out and bias, for a packed weight of `blocks` column blocks and `k` k's.
+inline void check_operands(const at::Tensor& out, const at::Tensor& x, int64_t blocks, int64_t k,
+                           const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.dim() == 2 && out.stride(1) == 1,
+              "x and out must be 2-D with contiguous rows");
+  TORCH_CHECK(is_float_or_bf16(x) && out.scalar_type() == x.scalar_type(),
+              "x must be float32 or bfloat16 and out of x's dtype, got x ", x.scalar_type(), ", out ",
+              out.scalar_type());
+  TORCH_CHECK(x.size(1) == k, "x has K=", x.size(1), " but the packed weight K=", k);
+  TORCH_CHECK(out.size(0) == x.size(0) && (out.size(1) + kBlock - 1) / kBlock == blocks,
+              "out must be [M, N] with M=", x.size(0), " and N in (", 16 * (blocks - 1), ", ", 16 * blocks,
+              "], got ", out.sizes());
+  TORCH_CHECK(!bias || (bias->is_contiguous() && bias->numel() == out.size(1) && bias->scalar_type() == x.scalar_type()
+                        && bias->device().is_cpu()),
+              "bias must be a contiguous [N] CPU tensor of x's dtype");
+}
+
+}  // namespace pagedllm

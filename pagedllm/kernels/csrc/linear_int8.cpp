@@ -1,0 +1,312 @@
+// Linear layers in int8 x int8 (W8A8, quantization="w8a8"): out = x W^T + b with W[n, k] = s_w[n] q[n, k],
+// quantized at load (pagedllm.layers.linear.quantize_int8), and x's rows quantized the same way in each call:
+//
+//    s_x[m] = max_k |x[m, k]| / 127 (1 for a zero row),  qx[m, k] = round(x[m, k] / s_x[m]) in [-127, 127] (ties even)
+//    out[m, n] = (float(sum_k qx[m, k] q[n, k]) * s_x[m]) * s_w[n]  (+ bias[n]), rounded once to out's dtype
+//
+// The sum is exact in int32, and the float32 operations after it are each rounded, in that order (never fused into
+// an FMA), so every ISA path gives the bits of the torch reference, pagedllm.layers.linear.w8a8_reference. Against
+// the int8 weight-only kernel, the products are int8 x int8 (64 per instruction with VNNI, against 8 float32
+// FMAs per ymm) and the weight is read as before: a quarter of float32's bytes.
+//
+// Packed layout: [ceil(N / 16), ceil(K / 4), 64] int8: output rows in blocks of 16 and k in groups of 4, both
+// zero-padded; a group holds its block's 16 columns, column j's 4 consecutive k's at bytes [4 j, 4 j + 4), so that
+// one group is one zmm whose 32-bit lane j is column j:
+//
+//       q [N, K]                          packed [N/16, K/4, 64]
+//    row n0  : q0,0 q0,1 .. q0,K      block 0: group 0: q0,0 q0,1 q0,2 q0,3 | q1,0 .. q1,3 | .. | q15,0 .. q15,3
+//    row n1  : q1,0 q1,1 .. q1,K               group 1: q0,4 .. q0,7         | q1,4 .. q1,7 | .. | q15,4 .. q15,7
+//     ...                                       ...
+//    row n15 : ...                     block 1: rows 16..31, the same way; missing rows and k's are 0
+//
+// with each block's 16 column sums, sum_k q[n, k], beside it ([ceil(N / 16), 16] int32) for the VNNI path.
+//
+// Paths, for a group (16 columns x 4 k's) and one row of x, whose 4 bytes are broadcast to every lane:
+// - AVX512-VNNI: vpdpbusd multiplies unsigned bytes by signed ones, 4 a lane, summed into the lane's int32. x is
+//   stored as qx + 128 (0..254) and q stays signed: the sum gains 128 x the column sum, taken off by starting each
+//   accumulator at -128 x column sum. One instruction.
+// - AVX2: no VNNI. vpmaddubsw (unsigned x signed bytes, pairs summed in saturating int16) on |qx| and on q with
+//   qx's sign moved onto it (vpsignb), llama.cpp's trick: a pair sums to at most 2 x 127 x 127 = 32258, so it
+//   never saturates (which needs q != -128, hence [-127, 127]); vpmaddwd by ones adds the pairs into int32. Two ymm
+//   (8 columns each) a group, four instructions on each.
+// - plain C++: int32 loops.
+//
+// Loops as linear.cpp's: x is quantized once per call into a buffer the threads share; the threads split the
+// column blocks (and the row tiles when there are fewer blocks than threads); each walks its blocks in panels that
+// fit in L2, and every tile of rows (its quantized x, a few KiB, stays in L1) streams over a panel's blocks, so the
+// weight is read from memory once per call whatever M is. No K chunks: int8 rows are a quarter of linear.cpp's.
+#include "linear_common.h"
+
+#include <vector>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace pagedllm {
+namespace {
+
+constexpr int64_t kGroupK = 4;                  // k's per group
+constexpr int64_t kGroupBytes = kBlock * kGroupK;
+
+inline int32_t load_4_bytes(const uint8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+
+constexpr int kTileRows = 8;  // 8 rows x 2 accumulators: 16 of the 32 zmm registers
+constexpr int kXPlanes = 1;   // x's row: qx + 128
+
+inline void store_x(int8_t q, uint8_t* row, int64_t i, int64_t) { row[i] = static_cast<uint8_t>(q + 128); }
+
+// c[rows][h] += x[rows] (at byte `g4` of rows `ld` apart) . one group, each row's 4 bytes broadcast.
+template <int rows>
+inline void dot_group(const uint8_t* x, int64_t ld, int64_t g4, const int8_t* group, __m512i (&c)[rows][2], int h) {
+  const __m512i w = _mm512_loadu_si512(group);
+#pragma GCC unroll 8
+  for (int r = 0; r < rows; ++r) {
+    c[r][h] = _mm512_dpbusd_epi32(c[r][h], _mm512_set1_epi32(load_4_bytes(x + r * ld + g4)), w);
+  }
+}
+
+// acc[rows][16] = x[rows] (`ld` bytes apart) times a block's `groups` groups. Two accumulators per row, for the
+// even and the odd groups, so that even one row keeps two vpdpbusd in flight.
+template <int rows>
+void dot_tile(const uint8_t* x, int64_t ld, const int8_t* block, int64_t groups, const int32_t* col_sums,
+              int32_t* acc) {
+  const __m512i offset = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(_mm512_loadu_si512(col_sums), 7));
+  __m512i c[rows][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < rows; ++r) {
+    c[r][0] = offset;
+    c[r][1] = _mm512_setzero_si512();
+  }
+  int64_t g = 0;
+  for (; g + 2 <= groups; g += 2) {
+    dot_group(x, ld, g * kGroupK, block + g * kGroupBytes, c, 0);
+    dot_group(x, ld, (g + 1) * kGroupK, block + (g + 1) * kGroupBytes, c, 1);
+  }
+  if (g < groups) dot_group(x, ld, g * kGroupK, block + g * kGroupBytes, c, 0);
+#pragma GCC unroll 8
+  for (int r = 0; r < rows; ++r) _mm512_storeu_si512(acc + r * kBlock, _mm512_add_epi32(c[r][0], c[r][1]));
+}
+
+#elif defined(__AVX2__)
+
+constexpr int kTileRows = 4;  // 4 rows x 2 accumulators, 2 weight halves, 2 broadcasts, ones, temporaries: 16 ymm
+constexpr int kXPlanes = 2;   // x's row: |qx|, then qx (its signs)
+
+inline void store_x(int8_t q, uint8_t* row, int64_t i, int64_t k_padded) {
+  row[i] = static_cast<uint8_t>(q < 0 ? -q : q);
+  row[k_padded + i] = static_cast<uint8_t>(q);
+}
+
+// acc[rows][8 x 2] += |qx| . (q with qx's signs) over one group's 8 columns, for each row.
+template <int rows>
+inline void dot_half(const __m256i (&ax)[rows], const __m256i (&sx)[rows], __m256i w, __m256i (&c)[rows][2],
+                     int half) {
+  const __m256i ones = _mm256_set1_epi16(1);
+#pragma GCC unroll 8
+  for (int r = 0; r < rows; ++r) {
+    const __m256i pairs = _mm256_maddubs_epi16(ax[r], _mm256_sign_epi8(w, sx[r]));
+    c[r][half] = _mm256_add_epi32(c[r][half], _mm256_madd_epi16(pairs, ones));
+  }
+}
+
+template <int rows>
+void dot_tile(const uint8_t* x, int64_t ld, const int8_t* block, int64_t groups, const int32_t*, int32_t* acc) {
+  const int64_t signs = groups * kGroupK;  // the qx plane follows the |qx| plane
+  __m256i c[rows][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < rows; ++r) c[r][0] = c[r][1] = _mm256_setzero_si256();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i ax[rows], sx[rows];
+#pragma GCC unroll 8
+    for (int r = 0; r < rows; ++r) {
+      ax[r] = _mm256_set1_epi32(load_4_bytes(x + r * ld + g * kGroupK));
+      sx[r] = _mm256_set1_epi32(load_4_bytes(x + r * ld + signs + g * kGroupK));
+    }
+    const __m256i* w = reinterpret_cast<const __m256i*>(block + g * kGroupBytes);
+    dot_half(ax, sx, _mm256_loadu_si256(w), c, 0);
+    dot_half(ax, sx, _mm256_loadu_si256(w + 1), c, 1);
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < rows; ++r) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc + r * kBlock), c[r][0]);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc + r * kBlock + 8), c[r][1]);
+  }
+}
+
+#else  // plain C++: any CPU, vectorised by the compiler as far as it can
+
+constexpr int kTileRows = 4;
+constexpr int kXPlanes = 1;  // x's row: qx
+
+inline void store_x(int8_t q, uint8_t* row, int64_t i, int64_t) { row[i] = static_cast<uint8_t>(q); }
+
+template <int rows>
+void dot_tile(const uint8_t* x, int64_t ld, const int8_t* block, int64_t groups, const int32_t*, int32_t* acc) {
+  int32_t c[rows][kBlock] = {};
+  for (int64_t g = 0; g < groups; ++g) {
+    const int8_t* w = block + g * kGroupBytes;
+    for (int r = 0; r < rows; ++r) {
+      const int8_t* xg = reinterpret_cast<const int8_t*>(x + r * ld + g * kGroupK);
+#pragma omp simd
+      for (int j = 0; j < kBlock; ++j) {
+        c[r][j] += xg[0] * w[4 * j] + xg[1] * w[4 * j + 1] + xg[2] * w[4 * j + 2] + xg[3] * w[4 * j + 3];
+      }
+    }
+  }
+  std::copy(&c[0][0], &c[0][0] + rows * kBlock, acc);
+}
+
+#endif
+
+// dot_tile for a tile of `rows` <= kTileRows rows.
+template <int max_rows = kTileRows>
+void run_dot_tile(int rows, const uint8_t* x, int64_t ld, const int8_t* block, int64_t groups,
+                  const int32_t* col_sums, int32_t* acc) {
+  if constexpr (max_rows > 1) {
+    if (rows < max_rows) return run_dot_tile<max_rows - 1>(rows, x, ld, block, groups, col_sums, acc);
+  }
+  dot_tile<max_rows>(x, ld, block, groups, col_sums, acc);
+}
+
+// One row of x quantized into `row` (store_x's planes of k_padded bytes; the padding k's are 0), and its scale.
+template <typename T>
+void quantize_row(const T* x, int64_t k, int64_t k_padded, uint8_t* row, float* scale) {
+  float amax = 0.f;
+#pragma omp simd reduction(max : amax)
+  for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::abs(to_float(x[i])));
+  const float s = amax / 127.f > 0.f ? amax / 127.f : 1.f;
+  *scale = s;
+#pragma omp simd
+  for (int64_t i = 0; i < k; ++i) {
+    // Clamped before rounding, which gives the same integer (the bounds are integers) and keeps |v| < 2^22.
+    const float v = std::min(std::max(to_float(x[i]) / s, -127.f), 127.f);
+    store_x(static_cast<int8_t>(round_half_even(v)), row, i, k_padded);
+  }
+  for (int64_t i = k; i < k_padded; ++i) store_x(0, row, i, k_padded);
+}
+
+// GCC contracts `a * b + c` into one FMA wherever it sees both (intrinsics included), rounding once where torch
+// rounds twice. Values stored before this barrier are reloaded after it, as the compiler must assume the asm
+// changed them, so no product before it is fused with an add after it.
+inline void rounding_barrier(const void* stored) { asm volatile("" : : "r"(stored) : "memory"); }
+
+template <typename T>
+struct W8A8Problem {
+  const uint8_t* x;         // [m][kXPlanes][groups * 4]: quantized rows (store_x)
+  const float* x_scale;     // [m]
+  const int8_t* packed;     // [blocks][groups][64]
+  const int32_t* col_sums;  // [blocks][16]
+  const float* w_scale;     // [n]
+  const T* bias;            // nullptr: no bias
+  T* out;
+  int64_t m, n, groups, out_stride;
+
+  int64_t ld() const { return kXPlanes * groups * kGroupK; }
+
+  // out[m0 .. m0 + rows, block b]: the int32 sums, then the reference's float32 operations in its order.
+  void run_tile(int64_t m0, int rows, int64_t b) const {
+    int32_t acc[kTileRows * kBlock];
+    float scaled[kTileRows * kBlock];
+    run_dot_tile(rows, x + m0 * ld(), ld(), packed + b * groups * kGroupBytes, groups, col_sums + b * kBlock, acc);
+    const int64_t n0 = b * kBlock, cols = std::min(kBlock, n - n0);
+    for (int r = 0; r < rows; ++r) {
+      const float s = x_scale[m0 + r];
+#pragma omp simd
+      for (int64_t j = 0; j < cols; ++j) {
+        scaled[r * kBlock + j] = static_cast<float>(acc[r * kBlock + j]) * s * w_scale[n0 + j];
+      }
+    }
+    rounding_barrier(scaled);
+    store_rows(out, out_stride, n, bias, nullptr, scaled, m0, rows, b);
+  }
+
+  // Column blocks [b0, b1) times row tiles [t0, t1), panel by panel.
+  void run(int64_t b0, int64_t b1, int64_t t0, int64_t t1) const {
+    const int64_t panel_blocks = std::max<int64_t>(1, kPanelBytes / (groups * kGroupBytes));
+    for (int64_t p0 = b0; p0 < b1; p0 += panel_blocks) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t m0 = t * kTileRows;
+        const int rows = static_cast<int>(std::min<int64_t>(kTileRows, m - m0));
+        for (int64_t b = p0; b < std::min(p0 + panel_blocks, b1); ++b) run_tile(m0, rows, b);
+      }
+    }
+  }
+};
+
+template <typename T>
+void linear_w8a8_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& col_sums,
+                      const at::Tensor& w_scale, const c10::optional<at::Tensor>& bias) {
+  const int64_t m = x.size(0), k = x.size(1), groups = packed.size(1), k_padded = groups * kGroupK;
+  std::vector<uint8_t> quantized(m * kXPlanes * k_padded);
+  std::vector<float> x_scale(m);
+  const T* src = x.data_ptr<T>();
+  const int64_t grain = std::max<int64_t>(1, kConvertGrain / std::max<int64_t>(1, k));
+  at::parallel_for(0, m, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      quantize_row(src + r * x.stride(0), k, k_padded, quantized.data() + r * kXPlanes * k_padded, &x_scale[r]);
+    }
+  });
+  const W8A8Problem<T> problem{quantized.data(), x_scale.data(), packed.data_ptr<int8_t>(),
+                               col_sums.data_ptr<int32_t>(), w_scale.data_ptr<float>(),
+                               bias ? bias->data_ptr<T>() : nullptr, out.data_ptr<T>(), m, out.size(1), groups,
+                               out.stride(0)};
+  split_blocks_and_tiles(packed.size(0), (m + kTileRows - 1) / kTileRows, m * out.size(1) * k,
+                         [&](int64_t b0, int64_t b1, int64_t t0, int64_t t1) { problem.run(b0, b1, t0, t1); });
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> pack_w8a8_weight(at::Tensor q) {
+  TORCH_CHECK(q.device().is_cpu() && q.dim() == 2 && q.is_contiguous() && q.scalar_type() == at::kChar,
+              "q must be a contiguous [N, K] int8 CPU tensor");
+  TORCH_CHECK(q.numel() == 0 || q.min().item<int8_t>() > -128,
+              "q must be in [-127, 127] (the AVX2 path negates it by x's signs)");
+  const int64_t n = q.size(0), k = q.size(1), blocks = (n + kBlock - 1) / kBlock;
+  const int64_t groups = (k + kGroupK - 1) / kGroupK;
+  at::Tensor packed = at::zeros({blocks, groups, kGroupBytes}, q.options());
+  at::Tensor col_sums = at::zeros({blocks, kBlock}, q.options().dtype(at::kInt));
+  const int8_t* src = q.data_ptr<int8_t>();
+  int8_t* dst = packed.data_ptr<int8_t>();
+  int32_t* sums = col_sums.data_ptr<int32_t>();
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      int8_t* column = dst + (row / kBlock) * groups * kGroupBytes + (row % kBlock) * kGroupK;
+      for (int64_t i = 0; i < k; ++i) {
+        column[(i / kGroupK) * kGroupBytes + i % kGroupK] = src[row * k + i];
+        sums[row] += src[row * k + i];
+      }
+    }
+  });
+  return {packed, col_sums};
+}
+
+void linear_w8a8(at::Tensor out, at::Tensor x, at::Tensor packed, at::Tensor col_sums, at::Tensor w_scale,
+                 c10::optional<at::Tensor> bias) {
+  TORCH_CHECK(x.device().is_cpu() && out.device().is_cpu() && packed.device().is_cpu(), "tensors must be on the CPU");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kGroupBytes && packed.is_contiguous()
+                  && packed.scalar_type() == at::kChar,
+              "packed must come from pack_w8a8_weight: a contiguous int8 [ceil(N/16), ceil(K/4), 64]");
+  TORCH_CHECK(x.dim() == 2 && (x.size(1) + kGroupK - 1) / kGroupK == packed.size(1), "x has K=", x.size(1),
+              " but the packed weight holds ", packed.size(1), " groups of 4 k's");
+  check_operands(out, x, packed.size(0), x.size(1), bias);
+  TORCH_CHECK(col_sums.device().is_cpu() && col_sums.is_contiguous() && col_sums.scalar_type() == at::kInt
+                  && col_sums.dim() == 2 && col_sums.size(0) == packed.size(0) && col_sums.size(1) == kBlock,
+              "col_sums must be the contiguous int32 [ceil(N/16), 16] that pack_w8a8_weight returns");
+  TORCH_CHECK(w_scale.device().is_cpu() && w_scale.is_contiguous() && w_scale.scalar_type() == at::kFloat
+                  && w_scale.numel() == out.size(1),
+              "w_scale must be a contiguous [N] float32 CPU tensor");
+  if (out.numel() == 0) return;
+  if (x.scalar_type() == at::kBFloat16) {
+    return linear_w8a8_impl<c10::BFloat16>(out, x, packed, col_sums, w_scale, bias);
+  }
+  linear_w8a8_impl<float>(out, x, packed, col_sums, w_scale, bias);
+}
+
+}  // namespace pagedllm

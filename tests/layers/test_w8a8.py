@@ -1,0 +1,95 @@
+"""The W8A8 kernel (pagedllm/kernels/csrc/linear_int8.cpp) against `w8a8_reference`, bit for bit.
+
+The kernel quantizes x's rows as the reference does, sums int8 x int8 products exactly in int32 and then does the
+reference's float32 operations in its order, so at every ISA level (VNNI, AVX2's sign trick, plain C++) the
+output must be *equal*, not close.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import pytest
+import torch
+
+from pagedllm.kernels import cpu_kernels
+from pagedllm.layers.linear import quantize_int8, w8a8_reference
+
+
+@pytest.fixture
+def kernels(isa_level: str) -> ModuleType:
+    """The kernel module of each ISA level this CPU runs (see tests/conftest.py)."""
+    return cpu_kernels()
+
+
+def _x(m: int, k: int, g: torch.Generator) -> torch.Tensor:
+    """Random rows, but rows 1-4: a zero row (scale 1), rows of huge and tiny magnitude, and a row of exact ties
+    for the rounding (x / s = 0.5, 1.5, 2.5, -2.5: ties go to even)."""
+    x = torch.randn(m, k, generator=g)
+    x[1] = 0
+    x[2], x[3] = x[0] * 1e30, x[0] * 1e-30
+    x[4] = torch.tensor([127.0, 0.5, 1.5, 2.5, -2.5] * k)[:k]
+    return x
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True])
+# N: one partial block, whole and partial blocks (fewer blocks than threads: the threads split row tiles); K: a
+# partial group of 4, SmolLM2's hidden size, an odd size over 1,000.
+@pytest.mark.parametrize(("n", "k"), [(9, 13), (40, 576), (72, 1001)])
+def test_w8a8_kernel_gives_the_references_bits(kernels: ModuleType, x_dtype: torch.dtype, with_bias: bool, n: int,
+                                               k: int) -> None:
+    g = torch.Generator().manual_seed(n * 1000 + k)
+    q, scale = quantize_int8(torch.randn(n, k, generator=g))
+    packed, col_sums = kernels.pack_w8a8_weight(q)
+    bias = torch.randn(n, generator=g).to(x_dtype) if with_bias else None
+    x_all = _x(100, k, g).to(x_dtype)
+    for m in (1, 2, 5, 8, 9, 17, 100):  # tiles of 4 and 8 rows, full and partial
+        x = x_all[:m]
+        out = torch.empty(m, n, dtype=x_dtype)
+        kernels.linear_w8a8(out, x, packed, col_sums, scale, bias)
+        assert torch.equal(out, w8a8_reference(x, q, scale, bias)), m
+
+
+def test_w8a8_kernel_reads_strided_rows(kernels: ModuleType) -> None:
+    """x as a column slice of a wider tensor; out written into a slice of a wider tensor, nothing outside it."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(11, 120, generator=g)[:, 8:108]
+    q, scale = quantize_int8(torch.randn(40, 100, generator=g))
+    packed, col_sums = kernels.pack_w8a8_weight(q)
+    wide_out = torch.full((11, 50), 7.0)
+    kernels.linear_w8a8(wide_out[:, 5:45], x, packed, col_sums, scale)
+    assert torch.equal(wide_out[:, 5:45], w8a8_reference(x, q, scale))
+    assert (wide_out[:, :5] == 7).all() and (wide_out[:, 45:] == 7).all()
+
+
+def test_w8a8_packed_layout(kernels: ModuleType) -> None:
+    """[ceil(N/16), ceil(K/4), 64]: per block of 16 rows and group of 4 k's, column j's 4 k's at [4j, 4j + 4),
+    zero-padded; and the column sums per block, [ceil(N/16), 16]."""
+    q = (torch.arange(20 * 7) % 255 - 127).to(torch.int8).view(20, 7)
+    packed, col_sums = kernels.pack_w8a8_weight(q)
+    assert packed.shape == (2, 2, 64) and packed.dtype == torch.int8
+    padded = torch.zeros(32, 8, dtype=torch.int8)
+    padded[:20, :7] = q
+    assert torch.equal(packed, padded.view(2, 16, 2, 4).permute(0, 2, 1, 3).reshape(2, 2, 64))
+    assert packed[1, 0, 4 * 3:4 * 3 + 4].tolist() == q[19, :4].tolist()  # row 19: block 1, column 3
+    assert col_sums.dtype == torch.int32 and torch.equal(col_sums, padded.int().sum(1).view(2, 16))
+
+
+def test_w8a8_kernel_rejects_bad_input(kernels: ModuleType) -> None:
+    q, scale = quantize_int8(torch.randn(40, 72))
+    packed, col_sums = kernels.pack_w8a8_weight(q)
+    x, out = torch.randn(3, 72), torch.empty(3, 40)
+    cases = [
+        (lambda: kernels.pack_w8a8_weight(torch.full((4, 4), -128, dtype=torch.int8)), r"\[-127, 127\]"),
+        (lambda: kernels.pack_w8a8_weight(q.float()), "int8"),
+        (lambda: kernels.linear_w8a8(out, torch.randn(3, 68), packed, col_sums, scale), "K=68"),
+        (lambda: kernels.linear_w8a8(out, x, kernels.pack_linear_weight(q), col_sums, scale), "pack_w8a8_weight"),
+        (lambda: kernels.linear_w8a8(out, x, packed, col_sums.view(-1), scale), "col_sums"),
+        (lambda: kernels.linear_w8a8(out, x, packed, col_sums, scale[:39]), "w_scale"),
+        (lambda: kernels.linear_w8a8(out, x.half(), packed, col_sums, scale), "float32 or bfloat16"),
+        (lambda: kernels.linear_w8a8(torch.empty(3, 16), x, packed, col_sums, scale), "N in"),
+    ]
+    for call, message in cases:
+        with pytest.raises(RuntimeError, match=message):
+            call()
