@@ -61,6 +61,16 @@ class CpuInfo:
         return bool({"avx512_bf16", "amx_bf16", "bf16"} & self.flags)
 
     @property
+    def bf16_dot_outruns_fma(self) -> bool:
+        """Whether bf16 dot products here do more work per cycle than float32 FMAs, so that oneDNN's bf16 matmul
+        beats pagedllm's kernel (bf16 widened, float32 FMAs): with AMX tiles, and on AMD's AVX512-BF16 (Zen 4 and
+        later: VDPBF16PS at the FMA's rate, two products each; oneDNN measured ~3x the float32 FMA peak there).
+        An Intel CPU with AVX512-BF16 but no AMX (Cooper Lake, or a VM that hides AMX) issues VDPBF16PS at half
+        its FMA's rate: pagedllm's kernel ran the mixed workload 1.27x faster than oneDNN on one. AMD's model
+        names all start with "AMD"."""
+        return "amx_bf16" in self.flags or ("avx512_bf16" in self.flags and self.model_name.startswith("AMD"))
+
+    @property
     def march(self) -> str:
         """-march for the C++ kernels: the CPU's own (native) unless capped, then the capped level's."""
         return _MARCH[self.isa_level] if self.capped and self.is_x86 else "native"

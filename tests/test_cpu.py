@@ -40,6 +40,13 @@ def test_levels_and_marches() -> None:
     assert "no native bf16" in zen3.describe() and "avx2" in zen3.describe()
 
 
+def test_bf16_dot_products_outrun_fmas_with_amx_and_on_amd() -> None:
+    assert CpuInfo("x86_64", "AMD EPYC 9R14 96-Core Processor", ZEN4).bf16_dot_outruns_fma
+    assert not CpuInfo("x86_64", "Intel(R) Xeon(R) Processor", ZEN4).bf16_dot_outruns_fma  # AVX512-BF16, no AMX
+    assert CpuInfo("x86_64", "Intel(R) Xeon(R) Platinum 8480+", ZEN4 | {"amx_tile", "amx_bf16"}).bf16_dot_outruns_fma
+    assert not CpuInfo("x86_64", "AMD EPYC 7R13", ZEN3).bf16_dot_outruns_fma
+
+
 def test_this_machine_matches_proc_cpuinfo() -> None:
     info = cpu_info()
     try:

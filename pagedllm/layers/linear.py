@@ -16,10 +16,7 @@ any of them.
 
 from __future__ import annotations
 
-import functools
-import logging
 import os
-import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -29,13 +26,11 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from torch import nn
 
-from pagedllm.cpu import onednn_bf16_ok
+from pagedllm.cpu import cpu_info, onednn_bf16_ok
 from pagedllm.distributed.communicator import communicator
 from pagedllm.kernels import cpu_kernels, kernels_disabled
 from pagedllm.layers.gguf import cat_q4_rows, pack_gguf_weight, pack_q4_rows, packed_type
 from pagedllm.layers.int4 import Int4Weight
-
-logger = logging.getLogger(__name__)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -80,55 +75,23 @@ def linear_packing(dtype: torch.dtype) -> str | None:
 
 
 BF16_KERNEL_ENV = "PAGEDLLM_BF16_KERNEL"
-_BF16_PROBE = (128, 576, 1536)  # rows, K, N: a batched decode step's or a prefill chunk's MLP-sized matmul
-_PAGEDLLM_MARGIN = 1.1          # pagedllm's kernel is taken only when this much faster: no flapping near a tie
 
 
 def bf16_kernel() -> str:
     """Which kernel multiplies bf16 weights where oneDNN has bf16 instructions: "onednn" or "pagedllm".
 
-    $PAGEDLLM_BF16_KERNEL names one; otherwise both are timed once per process (`_timed_bf16_kernel`).
+    oneDNN where bf16 dot products outrun float32 FMAs (`CpuInfo.bf16_dot_outruns_fma`: AMX, AMD's AVX512-BF16),
+    pagedllm's kernel elsewhere; $PAGEDLLM_BF16_KERNEL names one. A rule, not a timing at start-up: timing one
+    matmul both ways picked the slower kernel in 2 of 6 starts on a 2-core VM (busy or not, the two came within
+    10% there while the whole workload differed by 27%), and the two round a bf16 matmul differently, so a
+    timed choice would make the same model's greedy tokens differ from one start to the next.
     """
     choice = os.environ.get(BF16_KERNEL_ENV)
     if choice is None:
-        return _timed_bf16_kernel()
+        return "onednn" if cpu_info().bf16_dot_outruns_fma else "pagedllm"
     if choice not in ("onednn", "pagedllm"):
         raise ValueError(f"{BF16_KERNEL_ENV} must be 'onednn' or 'pagedllm', got {choice!r}")
     return choice
-
-
-@functools.cache
-def _timed_bf16_kernel() -> str:
-    """The faster bf16 matmul on this CPU, timed on one matmul (best of 5 calls each, ~10 ms in all).
-
-    "Native bf16" is not one speed, and no CPU flag tells which: Zen 4's bf16 dot products (VDPBF16PS) do twice
-    the work of its float32 FMAs, and oneDNN runs ~2-3x faster there than pagedllm's kernel, which widens bf16 and
-    multiplies in float32; an Intel Xeon with AVX512-BF16 but no AMX issues them at half the FMA's rate, and there
-    pagedllm's kernel (AVX-512 FMAs) is ~1.2-1.45x faster than oneDNN's (docs/benchmarks.md).
-    """
-    rows, k, n = _BF16_PROBE
-    generator = torch.Generator().manual_seed(0)
-    weight = torch.randn(n, k, generator=generator).div_(k**0.5).bfloat16()
-    x = torch.randn(rows, k, generator=generator).bfloat16()
-    onednn = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
-    packed = _packed(weight)
-    t_onednn, t_pagedllm = _best_time(lambda: linear(x, onednn)), _best_time(lambda: linear(x, packed))
-    choice = "pagedllm" if t_pagedllm * _PAGEDLLM_MARGIN < t_onednn else "onednn"
-    logger.info("bf16 matmuls in %s here: a [%d, %d] x [%d, %d] bf16 matmul took %.2f ms in pagedllm's kernel, "
-                "%.2f ms in oneDNN (%s=onednn|pagedllm chooses)", choice, rows, k, k, n, t_pagedllm * 1e3,
-                t_onednn * 1e3, BF16_KERNEL_ENV)
-    return choice
-
-
-def _best_time(fn: Callable[[], object], calls: int = 5) -> float:
-    """The fastest of `calls` timed calls of `fn`, after one untimed."""
-    fn()
-    best = float("inf")
-    for _ in range(calls):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

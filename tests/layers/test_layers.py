@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from pagedllm.cpu import MAX_ISA_ENV, onednn_bf16_ok
+from pagedllm.cpu import MAX_ISA_ENV, cpu_info, onednn_bf16_ok
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.embedding import ParallelLMHead, VocabEmbedding
 from pagedllm.layers.linear import (
@@ -18,7 +18,6 @@ from pagedllm.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
-    _timed_bf16_kernel,
     bf16_kernel,
     linear_packing,
     pack_linear_weights,
@@ -197,17 +196,14 @@ def test_a_tied_lm_head_gets_its_own_packed_copy(packing: str) -> None:
     assert torch.equal(emb(torch.tensor([3])), emb.weight[3:4])
 
 
-def test_bf16_kernel_is_timed_unless_named(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    """Where oneDNN has bf16 instructions, the faster of it and pagedllm's kernel runs bf16 weights: timed once
-    (and logged with both times), or named by $PAGEDLLM_BF16_KERNEL; any other name is refused."""
+def test_bf16_kernel_follows_the_cpu_unless_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where oneDNN has bf16 instructions, it runs bf16 weights if bf16 dot products outrun float32 FMAs here, and
+    pagedllm's kernel otherwise, unless $PAGEDLLM_BF16_KERNEL names one; any other name is refused."""
     if not onednn_bf16_ok():
         pytest.skip("oneDNN has no bf16 path on this CPU: pagedllm's kernel is the only packing for bf16")
     monkeypatch.delenv(BF16_KERNEL_ENV, raising=False)
-    _timed_bf16_kernel.cache_clear()  # timed again, here, so that its log line is seen
-    with caplog.at_level("INFO", logger="pagedllm.layers.linear"):
-        choice = bf16_kernel()
-    assert choice in ("onednn", "pagedllm") and linear_packing(torch.bfloat16) == choice
-    assert f"bf16 matmuls in {choice} here" in caplog.text and "ms in oneDNN" in caplog.text
+    expected = "onednn" if cpu_info().bf16_dot_outruns_fma else "pagedllm"
+    assert bf16_kernel() == expected == linear_packing(torch.bfloat16)
     for name in ("onednn", "pagedllm"):
         monkeypatch.setenv(BF16_KERNEL_ENV, name)
         assert bf16_kernel() == name == linear_packing(torch.bfloat16)

@@ -36,7 +36,6 @@
 
 #include <algorithm>
 #include <type_traits>
-#include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -306,16 +305,17 @@ struct LinearProblem {
     const int64_t panel_bytes = k * kBlock * (widen ? sizeof(float) : sizeof(W));
     const int64_t panel_blocks =
         std::min(b1 - b0, std::max<int64_t>(1, kPanelBytes / std::max<int64_t>(1, panel_bytes)));
-    std::vector<float> acc(panel_blocks * kMaxRows * kBlock), wide(widen ? panel_blocks * k * kBlock : 0);
+    const AlignedFloats acc = aligned_floats(panel_blocks * kMaxRows * kBlock);
+    const AlignedFloats wide = aligned_floats(widen ? panel_blocks * k * kBlock : 0);
     for (int64_t p0 = b0; p0 < b1; p0 += panel_blocks) {
       const int64_t p1 = std::min(p0 + panel_blocks, b1);
       const W* panel = packed + p0 * k * kBlock;
-      if (widen) widen_block_rows(panel, (p1 - p0) * k, wide.data());
+      if (widen) widen_block_rows(panel, (p1 - p0) * k, wide.get());
       for (int64_t t = t0; t < t1; ++t) {
         if (widen) {
-          run_panel_tile(static_cast<const float*>(wide.data()), p0, p1, t, acc.data());
+          run_panel_tile(static_cast<const float*>(wide.get()), p0, p1, t, acc.get());
         } else {
-          run_panel_tile(panel, p0, p1, t, acc.data());
+          run_panel_tile(panel, p0, p1, t, acc.get());
         }
       }
     }
@@ -484,8 +484,8 @@ struct GgufProblem {
     split_blocks_and_tiles((n + kBlock - 1) / kBlock, (m + kMaxRows - 1) / kMaxRows, m * n * k,
                            [&](int64_t b0, int64_t b1, int64_t t0, int64_t t1) {
       const int64_t m0 = t0 * kMaxRows, m1 = std::min(m, t1 * kMaxRows);
-      std::vector<float> acc((m1 - m0) * kBlock), w(kGroup * kBlock);
-      for (int64_t b = b0; b < b1; ++b) run_block(b, m0, m1, acc.data(), w.data());
+      const AlignedFloats acc = aligned_floats((m1 - m0) * kBlock), w = aligned_floats(kGroup * kBlock);
+      for (int64_t b = b0; b < b1; ++b) run_block(b, m0, m1, acc.get(), w.get());
     });
   }
 };

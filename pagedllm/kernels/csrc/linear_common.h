@@ -7,6 +7,9 @@
 
 #include <ATen/Parallel.h>
 
+#include <cstdlib>
+#include <memory>
+
 namespace pagedllm {
 
 constexpr int64_t kBlock = 16;                  // output columns per packed block: one zmm, or two ymm, of float32
@@ -27,6 +30,16 @@ void store_rows(T* out, int64_t out_stride, int64_t n, const T* bias, const floa
       dst[j] = from_float<T>(bias ? sum + to_float(bias[n0 + j]) : sum);
     }
   }
+}
+
+// A buffer of n floats starting on a cache line. A float32 block row is 64 bytes: at malloc's 16-byte alignment,
+// most AVX-512 loads and stores of one would straddle two lines.
+using AlignedFloats = std::unique_ptr<float[], decltype(&std::free)>;
+inline AlignedFloats aligned_floats(int64_t n) {
+  const size_t bytes = (static_cast<size_t>(std::max<int64_t>(n, 1)) * sizeof(float) + 63) / 64 * 64;
+  AlignedFloats buffer(static_cast<float*>(std::aligned_alloc(64, bytes)), &std::free);
+  TORCH_CHECK(buffer, "out of memory allocating ", bytes, " bytes");
+  return buffer;
 }
 
 // Threads split the column blocks; when there are fewer blocks than threads, the row tiles too.
