@@ -59,8 +59,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def linear_packing(dtype: torch.dtype) -> str | None:
     """How `pack_linear_weights` stores CPU weights of `dtype` here: "onednn", "pagedllm" or None (plain).
 
-    bf16 goes to oneDNN where it has bf16 instructions (torch is asked) and is the faster of the two there
-    (`bf16_kernel`); elsewhere (AVX2, ARM, plain x86-64) to pagedllm's packed kernel, which widens bf16 to float32
+    bf16 goes to oneDNN where it has bf16 instructions (torch is asked) and its bf16 dot products outrun float32
+    FMAs (`bf16_kernel`); elsewhere (AVX2, ARM, plain x86-64) to pagedllm's packed kernel, which widens bf16 to float32
     in registers: bf16 through `F.linear` is emulated there and several times slower than float32. float32 goes
     to pagedllm's kernel everywhere: it reads each weight once per call at any batch size (MKL's small-batch GEMMs
     reach half the memory bandwidth) and gives a row the same bits in any batch. float16 stays plain.

@@ -143,7 +143,7 @@ def packing(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     if request.param == "onednn" and not onednn_bf16_ok():
         pytest.skip("oneDNN has no bf16 path on this CPU (it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT)")
     if request.param == "onednn":
-        monkeypatch.setenv(BF16_KERNEL_ENV, "onednn")  # not left to the timing
+        monkeypatch.setenv(BF16_KERNEL_ENV, "onednn")  # whatever `bf16_kernel` picks on this CPU
     else:
         monkeypatch.setenv(MAX_ISA_ENV, "avx2")
     assert linear_packing(torch.bfloat16) == request.param and linear_packing(torch.float32) == "pagedllm"

@@ -102,19 +102,26 @@ inline __m512 load_block_row(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
+// A W block row's 16 values as load_block_row gives them, from column order, and back: bf16's in slot order (lane
+// i holds column 0, 8, 1, 9, ...; column j is in lane bf16_slot(j)), the others' in column order already.
+template <typename W>
+inline __m512 columns_to_lanes(__m512 v) {
+  if constexpr (!std::is_same_v<W, c10::BFloat16>) return v;
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15), v);
+}
+
+template <typename W>
+inline __m512 lanes_to_columns(__m512 v) {
+  if constexpr (!std::is_same_v<W, c10::BFloat16>) return v;
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15), v);
+}
+
 // acc[rows][16] += x[rows][k_size] (float32 rows `ld` apart) times a chunk of one packed block ([k_size][16]).
 template <int rows, typename W>
 void tile_kernel(const float* x, int64_t ld, const W* block, int64_t k_size, float* acc) {
-  constexpr bool slot_order = std::is_same_v<W, c10::BFloat16>;
-  // Lane i of a slot-order register holds column column_of_slot[i]; column j lives in lane bf16_slot(j).
-  const __m512i column_of_slot = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
-  const __m512i slot_of_column = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
   __m512 c[rows];
 #pragma GCC unroll 12
-  for (int r = 0; r < rows; ++r) {
-    const __m512 columns = _mm512_loadu_ps(acc + r * kBlock);
-    c[r] = slot_order ? _mm512_permutexvar_ps(column_of_slot, columns) : columns;
-  }
+  for (int r = 0; r < rows; ++r) c[r] = columns_to_lanes<W>(_mm512_loadu_ps(acc + r * kBlock));
 #pragma GCC unroll 4
   for (int64_t k = 0; k < k_size; ++k) {
     const __m512 w = load_block_row(block + k * kBlock);
@@ -122,19 +129,14 @@ void tile_kernel(const float* x, int64_t ld, const W* block, int64_t k_size, flo
     for (int r = 0; r < rows; ++r) c[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ld + k]), w, c[r]);
   }
 #pragma GCC unroll 12
-  for (int r = 0; r < rows; ++r) {
-    _mm512_storeu_ps(acc + r * kBlock, slot_order ? _mm512_permutexvar_ps(slot_of_column, c[r]) : c[r]);
-  }
+  for (int r = 0; r < rows; ++r) _mm512_storeu_ps(acc + r * kBlock, lanes_to_columns<W>(c[r]));
 }
 
 // `n` block rows of a bf16 or int8 block as float32 block rows, columns in order.
 template <typename W>
 void widen_block_rows(const W* src, int64_t n, float* dst) {
-  const __m512i slot_of_column = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
   for (int64_t i = 0; i < n; ++i) {
-    const __m512 w = load_block_row(src + i * kBlock);
-    const bool slot_order = std::is_same_v<W, c10::BFloat16>;
-    _mm512_storeu_ps(dst + i * kBlock, slot_order ? _mm512_permutexvar_ps(slot_of_column, w) : w);
+    _mm512_storeu_ps(dst + i * kBlock, lanes_to_columns<W>(load_block_row(src + i * kBlock)));
   }
 }
 
@@ -313,7 +315,7 @@ struct LinearProblem {
       if (widen) widen_block_rows(panel, (p1 - p0) * k, wide.get());
       for (int64_t t = t0; t < t1; ++t) {
         if (widen) {
-          run_panel_tile(static_cast<const float*>(wide.get()), p0, p1, t, acc.get());
+          run_panel_tile(wide.get(), p0, p1, t, acc.get());
         } else {
           run_panel_tile(panel, p0, p1, t, acc.get());
         }
