@@ -132,8 +132,8 @@ class ModelConfig:
         quantization: how linear weights are stored, all multiplied in pagedllm's CPU kernels. None: in `dtype`,
             unless the checkpoint is AWQ or GPTQ (its config.json's quantization_config), which then runs as such.
             "int8": int8 with one scale per output row (weight-only, quantized at load from any checkpoint).
-            "w8a8": the same int8 weights, times activations quantized to int8 per token (one scale a row) in each
-            matmul, summed in int32.
+            "w8a8": the same int8 weights, times activations quantized to int8 in each matmul (one scale per 64
+            values of a token's row), summed in int32.
             "gguf": a .gguf file's Q4_0, Q4_1, Q8_0 and Q4_K linear weights kept in their blocks (other types are
             dequantised to `dtype`). "awq" / "gptq": an AutoAWQ (GEMM) or AutoGPTQ/GPTQModel 4-bit checkpoint's
             weights kept in 4 bits, repacked for the Q4_1 kernel (group_size a multiple of 32; GPTQ act-order

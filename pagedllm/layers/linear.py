@@ -50,7 +50,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         col_sums = getattr(weight, "col_sums", None)
         if col_sums is None:  # [ceil(out / 16), in, 16]; int8 carries its row scales
             cpu_kernels().linear_packed(out, x, weight, bias, getattr(weight, "scale", None))  # type: ignore[union-attr]
-        else:  # W8A8: [ceil(out / 16), ceil(in / 4), 64] int8 with its row scales and column sums; x quantized too
+        else:  # W8A8: [ceil(out / 16), ceil(in / 4), 64] int8, its row scales and column sums; x quantized too
             cpu_kernels().linear_w8a8(out, x, weight, col_sums, weight.scale, bias)  # type: ignore[union-attr,attr-defined]
         return out
     return F.linear(x, weight, bias)
@@ -111,17 +111,28 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale[:, None]
 
 
+W8A8_SPAN = 64  # k's of an activation row that share one scale under quantization="w8a8"
+
+
 def w8a8_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T + b for W = scale[:, None] * q, with x's rows quantized as `quantize_int8` quantizes a weight's: what
-    the W8A8 kernel computes, to the bit (the reference of its every ISA path).
+    """x W^T + b for W = scale[:, None] * q, with each span of `W8A8_SPAN` k's of x's rows quantized as
+    `quantize_int8` quantizes a weight's row: what the W8A8 kernel computes, to the bit (the reference of its every
+    ISA path).
 
-    The int8 products are summed exactly (in int32: |sum| <= 127^2 K), then each output is
-    `(float(sum) * x_scale[m]) * scale[n]`, `+ bias[n]`, float32 operations each rounded, in that order, and the
-    result rounded once to x's dtype.
+    A span's int8 products are summed exactly (in int32: |sum| <= 127^2 x 64); the spans' sums are accumulated in
+    float32, `acc = acc + float(sum) * x_scale[m, span]`, span by span, each operation rounded; then each output is
+    `acc * scale[n]`, `+ bias[n]`, and the result rounded once to x's dtype.
     """
-    qx, x_scale = quantize_int8(x)
-    out = (qx.int() @ q.int().T).float() * x_scale[:, None] * scale
+    m, k = x.shape
+    pad = -k % W8A8_SPAN
+    qx, x_scale = quantize_int8(F.pad(x.float(), (0, pad)).view(-1, W8A8_SPAN))
+    qx, x_scale = qx.view(m, -1, W8A8_SPAN).int(), x_scale.view(m, -1)
+    qw = F.pad(q, (0, pad)).view(q.shape[0], -1, W8A8_SPAN).int()
+    acc = torch.zeros(m, q.shape[0])
+    for t in range(qx.shape[1]):
+        acc = acc + (qx[:, t] @ qw[:, t].T).float() * x_scale[:, t, None]
+    out = acc * scale
     return (out if bias is None else out + bias.float()).to(x.dtype)
 
 
@@ -155,7 +166,8 @@ def pack_linear_weights(model: nn.Module, quantization: str | None = None) -> in
     packed copy; the embedding keeps the plain one). `linear_packing` says which packing, if any, applies.
     With quantization="int8" every such weight is quantized (`quantize_int8`) into pagedllm's layout instead,
     whatever the dtype: a quarter of float32's bytes, half of bf16's. With "w8a8" it is quantized the same way
-    into the int8 x int8 kernel's layout, and each call quantizes x's rows too (`w8a8_reference`). Returns how many
+    into the int8 x int8 kernel's layout, and each call quantizes x's rows too, a scale per 64 k's
+    (`w8a8_reference`). Returns how many
     weights were packed.
     """
     if quantization not in (None, "int8", "w8a8"):

@@ -97,7 +97,7 @@ def add_server_args(parser: argparse.ArgumentParser, *, positional_model: bool) 
                              "it, float32 otherwise (default: %(default)s)")
     engine.add_argument("--quantization", "-q", default=None, choices=["int8", "w8a8", "gguf", "awq", "gptq"],
                         help="int8: linear weights stored as int8 with one scale per output row, quantized at load; "
-                             "w8a8: those int8 weights times activations quantized to int8 per token; "
+                             "w8a8: those int8 weights times activations quantized to int8, a scale per 64 values; "
                              "gguf: a .gguf file's Q4_0, Q4_1, Q8_0 and Q4_K linear weights kept in their blocks; "
                              "awq, gptq: an AWQ or GPTQ checkpoint's 4-bit weights kept in 4 bits (default: the "
                              "checkpoint's own quantization_config, else none: the dtype's weights)")

@@ -38,10 +38,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("bias") = pybind11::none(), NoGil());
   m.def("pack_w8a8_weight", &pagedllm::pack_w8a8_weight,
         "An int8 [N, K] weight with values in [-127, 127] in linear_w8a8's layout: (packed [ceil(N/16), ceil(K/4), "
-        "64] int8, column sums [ceil(N/16), 16] int32): (q)", NoGil());
+        "64] int8, column sums per 64 k's [ceil(N/16), ceil(K/64), 16] int32): (q)", NoGil());
   m.def("linear_w8a8", &pagedllm::linear_w8a8,
-        "out = x W^T + bias with W = w_scale[n] q[n, k] packed by pack_w8a8_weight and x quantized to int8 per row "
-        "in the call: out[m, n] = (float(sum_k qx q) * x_scale[m]) * w_scale[n] + bias[n], N = out.size(1): "
+        "out = x W^T + bias with W = w_scale[n] q[n, k] packed by pack_w8a8_weight and x quantized to int8 in the "
+        "call, one scale per 64 k's of a row: out[m, n] = (sum over spans t of float(sum_{k in t} qx q) * "
+        "x_scale[m, t]) * w_scale[n] + bias[n], N = out.size(1): "
         "(out, x, packed, col_sums, w_scale, bias)",
         pybind11::arg("out"), pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("col_sums"),
         pybind11::arg("w_scale"), pybind11::arg("bias") = pybind11::none(), NoGil());

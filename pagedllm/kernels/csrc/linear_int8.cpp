@@ -1,13 +1,20 @@
 // Linear layers in int8 x int8 (W8A8, quantization="w8a8"): out = x W^T + b with W[n, k] = s_w[n] q[n, k],
-// quantized at load (pagedllm.layers.linear.quantize_int8), and x's rows quantized the same way in each call:
+// quantized at load (pagedllm.layers.linear.quantize_int8), and x's rows quantized in each call in spans of 64 k's
+// (k in [64 t, 64 t + 64)), each span with its own scale, as llama.cpp quantizes activations (Q8_0, 32 k's):
 //
-//    s_x[m] = max_k |x[m, k]| / 127 (1 for a zero row),  qx[m, k] = round(x[m, k] / s_x[m]) in [-127, 127] (ties even)
-//    out[m, n] = (float(sum_k qx[m, k] q[n, k]) * s_x[m]) * s_w[n]  (+ bias[n]), rounded once to out's dtype
+//    s_x[m, t] = max |x[m, span t]| / 127 (1 for a zero span),  qx[m, k] = round(x[m, k] / s_x[m, t]) in [-127, 127]
+//    acc[m, n] = sum over spans t, in order, of float(sum_{k in span t} qx[m, k] q[n, k]) * s_x[m, t]
+//    out[m, n] = acc[m, n] * s_w[n]  (+ bias[n]), rounded once to out's dtype
 //
-// The sum is exact in int32, and the float32 operations after it are each rounded, in that order (never fused into
-// an FMA), so every ISA path gives the bits of the torch reference, pagedllm.layers.linear.w8a8_reference. Against
-// the int8 weight-only kernel, the products are int8 x int8 (64 per instruction with VNNI, against 8 float32
-// FMAs per ymm) and the weight is read as before: a quarter of float32's bytes.
+// One scale per row made the whole row as coarse as its largest value allows: SmolLM2-135M's perplexity rose 3.9%
+// over float32 (int8 weights alone: 0.1%); with a scale per 64 k's, 0.9% (per 32: 0.8%, per 192: 1.8%), for one
+// convert, multiply and add per row and span beside the span's 16 int8 dot-product instructions.
+//
+// Each span's sum is exact in int32, and the float32 operations after it are each rounded, in that order (never
+// fused into an FMA: `rounded`), so every ISA path gives the bits of the torch reference,
+// pagedllm.layers.linear.w8a8_reference. Against the int8 weight-only kernel, the products are int8 x int8 (64 per
+// instruction with VNNI, against 8 float32 FMAs per ymm) and the weight is read as before: a quarter of float32's
+// bytes.
 //
 // Packed layout: [ceil(N / 16), ceil(K / 4), 64] int8: output rows in blocks of 16 and k in groups of 4, both
 // zero-padded; a group holds its block's 16 columns, column j's 4 consecutive k's at bytes [4 j, 4 j + 4), so that
@@ -19,17 +26,19 @@
 //     ...                                       ...
 //    row n15 : ...                     block 1: rows 16..31, the same way; missing rows and k's are 0
 //
-// with each block's 16 column sums, sum_k q[n, k], beside it ([ceil(N / 16), 16] int32) for the VNNI path.
+// with each block's 16 column sums per span, sum_{k in span t} q[n, k], beside it ([ceil(N / 16), ceil(K / 64), 16]
+// int32) for the VNNI path.
 //
 // Paths, for a group (16 columns x 4 k's) and one row of x, whose 4 bytes are broadcast to every lane:
 // - AVX512-VNNI: vpdpbusd multiplies unsigned bytes by signed ones, 4 a lane, summed into the lane's int32. x is
-//   stored as qx + 128 (0..254) and q stays signed: the sum gains 128 x the column sum, taken off by starting each
-//   accumulator at -128 x column sum. One instruction.
+//   stored as qx + 128 (0..254) and q stays signed: a span's sum gains 128 x its column sum, taken off by starting
+//   each accumulator at -128 x that column sum. One instruction.
 // - AVX2: no VNNI. vpmaddubsw (unsigned x signed bytes, pairs summed in saturating int16) on |qx| and on q with
 //   qx's sign moved onto it (vpsignb), llama.cpp's trick: a pair sums to at most 2 x 127 x 127 = 32258, so it
 //   never saturates (which needs q != -128, hence [-127, 127]); vpmaddwd by ones adds the pairs into int32. Two ymm
 //   (8 columns each) a group, four instructions on each.
 // - plain C++: int32 loops.
+// Each span's int32 sums then go into the float32 accumulators (in zmm/ymm registers, or in memory for plain C++).
 //
 // Loops as linear.cpp's: x is quantized once per call into a buffer the threads share; the threads split the
 // column blocks (and the row tiles when there are fewer blocks than threads); each walks its blocks in panels that
@@ -48,12 +57,34 @@ namespace {
 
 constexpr int64_t kGroupK = 4;                  // k's per group
 constexpr int64_t kGroupBytes = kBlock * kGroupK;
+constexpr int64_t kSpanK = 64;                  // k's per activation scale
+constexpr int64_t kSpanGroups = kSpanK / kGroupK;
 
 inline int32_t load_4_bytes(const uint8_t* p) {
   int32_t v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
+
+// Where a tile's x lives: its quantized rows (`ld` bytes apart, store_x's planes) and their span scales (`spans`
+// apart).
+struct XTile {
+  const uint8_t* q;
+  int64_t ld;
+  const float* scale;
+  int64_t spans;
+};
+
+// GCC contracts `a * b + c` into one FMA wherever it sees both (intrinsics included), rounding once where torch
+// rounds twice. A product passed through `rounded` is opaque to it (an empty asm that may have changed the
+// register), so it is added as rounded. `rounding_barrier` does the same for values stored in memory: they are
+// reloaded after it, as the compiler must assume the asm changed them.
+template <typename V>
+inline V rounded(V v) {
+  asm("" : "+x"(v));
+  return v;
+}
+inline void rounding_barrier(const void* stored) { asm volatile("" : : "r"(stored) : "memory"); }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 
@@ -72,26 +103,37 @@ inline void dot_group(const uint8_t* x, int64_t ld, int64_t g4, const int8_t* gr
   }
 }
 
-// acc[rows][16] = x[rows] (`ld` bytes apart) times a block's `groups` groups. Two accumulators per row, for the
-// even and the odd groups, so that even one row keeps two vpdpbusd in flight.
+// acc[rows][16] = x[rows] times a block's `groups` groups, span by span. Two int32 accumulators per row, for the
+// even and the odd groups, so that even one row keeps two vpdpbusd in flight; one float32 accumulator per row.
 template <int rows>
-void dot_tile(const uint8_t* x, int64_t ld, const int8_t* block, int64_t groups, const int32_t* col_sums,
-              int32_t* acc) {
-  const __m512i offset = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(_mm512_loadu_si512(col_sums), 7));
-  __m512i c[rows][2];
+void dot_tile(const XTile& x, const int8_t* block, int64_t groups, const int32_t* col_sums, float* acc) {
+  __m512 f[rows];
 #pragma GCC unroll 8
-  for (int r = 0; r < rows; ++r) {
-    c[r][0] = offset;
-    c[r][1] = _mm512_setzero_si512();
-  }
-  int64_t g = 0;
-  for (; g + 2 <= groups; g += 2) {
-    dot_group(x, ld, g * kGroupK, block + g * kGroupBytes, c, 0);
-    dot_group(x, ld, (g + 1) * kGroupK, block + (g + 1) * kGroupBytes, c, 1);
-  }
-  if (g < groups) dot_group(x, ld, g * kGroupK, block + g * kGroupBytes, c, 0);
+  for (int r = 0; r < rows; ++r) f[r] = _mm512_setzero_ps();
+  for (int64_t t = 0; t * kSpanGroups < groups; ++t) {
+    const int64_t g1 = std::min(groups, (t + 1) * kSpanGroups);
+    const __m512i offset =
+        _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(_mm512_loadu_si512(col_sums + t * kBlock), 7));
+    __m512i c[rows][2];
 #pragma GCC unroll 8
-  for (int r = 0; r < rows; ++r) _mm512_storeu_si512(acc + r * kBlock, _mm512_add_epi32(c[r][0], c[r][1]));
+    for (int r = 0; r < rows; ++r) {
+      c[r][0] = offset;
+      c[r][1] = _mm512_setzero_si512();
+    }
+    int64_t g = t * kSpanGroups;
+    for (; g + 2 <= g1; g += 2) {
+      dot_group(x.q, x.ld, g * kGroupK, block + g * kGroupBytes, c, 0);
+      dot_group(x.q, x.ld, (g + 1) * kGroupK, block + (g + 1) * kGroupBytes, c, 1);
+    }
+    if (g < g1) dot_group(x.q, x.ld, g * kGroupK, block + g * kGroupBytes, c, 0);
+#pragma GCC unroll 8
+    for (int r = 0; r < rows; ++r) {
+      const __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(c[r][0], c[r][1]));
+      f[r] = _mm512_add_ps(f[r], rounded(_mm512_mul_ps(sum, _mm512_set1_ps(x.scale[r * x.spans + t]))));
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < rows; ++r) _mm512_storeu_ps(acc + r * kBlock, f[r]);
 }
 
 #elif defined(__AVX2__)
@@ -116,27 +158,34 @@ inline void dot_half(const __m256i (&ax)[rows], const __m256i (&sx)[rows], __m25
   }
 }
 
+// The float32 accumulators live in `acc` (L1): in registers they would spill the int32 ones.
 template <int rows>
-void dot_tile(const uint8_t* x, int64_t ld, const int8_t* block, int64_t groups, const int32_t*, int32_t* acc) {
+void dot_tile(const XTile& x, const int8_t* block, int64_t groups, const int32_t*, float* acc) {
   const int64_t signs = groups * kGroupK;  // the qx plane follows the |qx| plane
-  __m256i c[rows][2];
+  std::fill(acc, acc + rows * kBlock, 0.f);
+  for (int64_t t = 0; t * kSpanGroups < groups; ++t) {
+    __m256i c[rows][2];
 #pragma GCC unroll 8
-  for (int r = 0; r < rows; ++r) c[r][0] = c[r][1] = _mm256_setzero_si256();
-  for (int64_t g = 0; g < groups; ++g) {
-    __m256i ax[rows], sx[rows];
+    for (int r = 0; r < rows; ++r) c[r][0] = c[r][1] = _mm256_setzero_si256();
+    for (int64_t g = t * kSpanGroups; g < std::min(groups, (t + 1) * kSpanGroups); ++g) {
+      __m256i ax[rows], sx[rows];
+#pragma GCC unroll 8
+      for (int r = 0; r < rows; ++r) {
+        ax[r] = _mm256_set1_epi32(load_4_bytes(x.q + r * x.ld + g * kGroupK));
+        sx[r] = _mm256_set1_epi32(load_4_bytes(x.q + r * x.ld + signs + g * kGroupK));
+      }
+      const __m256i* w = reinterpret_cast<const __m256i*>(block + g * kGroupBytes);
+      dot_half(ax, sx, _mm256_loadu_si256(w), c, 0);
+      dot_half(ax, sx, _mm256_loadu_si256(w + 1), c, 1);
+    }
 #pragma GCC unroll 8
     for (int r = 0; r < rows; ++r) {
-      ax[r] = _mm256_set1_epi32(load_4_bytes(x + r * ld + g * kGroupK));
-      sx[r] = _mm256_set1_epi32(load_4_bytes(x + r * ld + signs + g * kGroupK));
+      const __m256 s = _mm256_set1_ps(x.scale[r * x.spans + t]);
+      for (int h = 0; h < 2; ++h) {
+        float* a = acc + r * kBlock + 8 * h;
+        _mm256_storeu_ps(a, _mm256_add_ps(_mm256_loadu_ps(a), rounded(_mm256_mul_ps(_mm256_cvtepi32_ps(c[r][h]), s))));
+      }
     }
-    const __m256i* w = reinterpret_cast<const __m256i*>(block + g * kGroupBytes);
-    dot_half(ax, sx, _mm256_loadu_si256(w), c, 0);
-    dot_half(ax, sx, _mm256_loadu_si256(w + 1), c, 1);
-  }
-#pragma GCC unroll 8
-  for (int r = 0; r < rows; ++r) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc + r * kBlock), c[r][0]);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc + r * kBlock + 8), c[r][1]);
   }
 }
 
@@ -148,80 +197,90 @@ constexpr int kXPlanes = 1;  // x's row: qx
 inline void store_x(int8_t q, uint8_t* row, int64_t i, int64_t) { row[i] = static_cast<uint8_t>(q); }
 
 template <int rows>
-void dot_tile(const uint8_t* x, int64_t ld, const int8_t* block, int64_t groups, const int32_t*, int32_t* acc) {
-  int32_t c[rows][kBlock] = {};
-  for (int64_t g = 0; g < groups; ++g) {
-    const int8_t* w = block + g * kGroupBytes;
-    for (int r = 0; r < rows; ++r) {
-      const int8_t* xg = reinterpret_cast<const int8_t*>(x + r * ld + g * kGroupK);
+void dot_tile(const XTile& x, const int8_t* block, int64_t groups, const int32_t*, float* acc) {
+  std::fill(acc, acc + rows * kBlock, 0.f);
+  for (int64_t t = 0; t * kSpanGroups < groups; ++t) {
+    int32_t c[rows][kBlock] = {};
+    for (int64_t g = t * kSpanGroups; g < std::min(groups, (t + 1) * kSpanGroups); ++g) {
+      const int8_t* w = block + g * kGroupBytes;
+      for (int r = 0; r < rows; ++r) {
+        const int8_t* xg = reinterpret_cast<const int8_t*>(x.q + r * x.ld + g * kGroupK);
 #pragma omp simd
-      for (int j = 0; j < kBlock; ++j) {
-        c[r][j] += xg[0] * w[4 * j] + xg[1] * w[4 * j + 1] + xg[2] * w[4 * j + 2] + xg[3] * w[4 * j + 3];
+        for (int j = 0; j < kBlock; ++j) {
+          c[r][j] += xg[0] * w[4 * j] + xg[1] * w[4 * j + 1] + xg[2] * w[4 * j + 2] + xg[3] * w[4 * j + 3];
+        }
       }
     }
+    float products[rows][kBlock];
+    for (int r = 0; r < rows; ++r) {
+      const float s = x.scale[r * x.spans + t];
+#pragma omp simd
+      for (int j = 0; j < kBlock; ++j) products[r][j] = static_cast<float>(c[r][j]) * s;
+    }
+    rounding_barrier(products);
+    for (int r = 0; r < rows; ++r) {
+#pragma omp simd
+      for (int j = 0; j < kBlock; ++j) acc[r * kBlock + j] += products[r][j];
+    }
   }
-  std::copy(&c[0][0], &c[0][0] + rows * kBlock, acc);
 }
 
 #endif
 
 // dot_tile for a tile of `rows` <= kTileRows rows.
 template <int max_rows = kTileRows>
-void run_dot_tile(int rows, const uint8_t* x, int64_t ld, const int8_t* block, int64_t groups,
-                  const int32_t* col_sums, int32_t* acc) {
+void run_dot_tile(int rows, const XTile& x, const int8_t* block, int64_t groups, const int32_t* col_sums,
+                  float* acc) {
   if constexpr (max_rows > 1) {
-    if (rows < max_rows) return run_dot_tile<max_rows - 1>(rows, x, ld, block, groups, col_sums, acc);
+    if (rows < max_rows) return run_dot_tile<max_rows - 1>(rows, x, block, groups, col_sums, acc);
   }
-  dot_tile<max_rows>(x, ld, block, groups, col_sums, acc);
+  dot_tile<max_rows>(x, block, groups, col_sums, acc);
 }
 
-// One row of x quantized into `row` (store_x's planes of k_padded bytes; the padding k's are 0), and its scale.
+// One row of x quantized into `row` (store_x's planes of k_padded bytes; the padding k's are 0), span by span, and
+// the spans' scales.
 template <typename T>
-void quantize_row(const T* x, int64_t k, int64_t k_padded, uint8_t* row, float* scale) {
-  float amax = 0.f;
+void quantize_row(const T* x, int64_t k, int64_t k_padded, uint8_t* row, float* scales) {
+  for (int64_t start = 0; start < k; start += kSpanK) {
+    const int64_t end = std::min(k, start + kSpanK);
+    float amax = 0.f;
 #pragma omp simd reduction(max : amax)
-  for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::abs(to_float(x[i])));
-  const float s = amax / 127.f > 0.f ? amax / 127.f : 1.f;
-  *scale = s;
+    for (int64_t i = start; i < end; ++i) amax = std::max(amax, std::abs(to_float(x[i])));
+    const float s = amax / 127.f > 0.f ? amax / 127.f : 1.f;
+    scales[start / kSpanK] = s;
 #pragma omp simd
-  for (int64_t i = 0; i < k; ++i) {
-    // Clamped before rounding, which gives the same integer (the bounds are integers) and keeps |v| < 2^22.
-    const float v = std::min(std::max(to_float(x[i]) / s, -127.f), 127.f);
-    store_x(static_cast<int8_t>(round_half_even(v)), row, i, k_padded);
+    for (int64_t i = start; i < end; ++i) {
+      // Clamped before rounding, which gives the same integer (the bounds are integers) and keeps |v| < 2^22.
+      const float v = std::min(std::max(to_float(x[i]) / s, -127.f), 127.f);
+      store_x(static_cast<int8_t>(round_half_even(v)), row, i, k_padded);
+    }
   }
   for (int64_t i = k; i < k_padded; ++i) store_x(0, row, i, k_padded);
 }
 
-// GCC contracts `a * b + c` into one FMA wherever it sees both (intrinsics included), rounding once where torch
-// rounds twice. Values stored before this barrier are reloaded after it, as the compiler must assume the asm
-// changed them, so no product before it is fused with an add after it.
-inline void rounding_barrier(const void* stored) { asm volatile("" : : "r"(stored) : "memory"); }
-
 template <typename T>
 struct W8A8Problem {
   const uint8_t* x;         // [m][kXPlanes][groups * 4]: quantized rows (store_x)
-  const float* x_scale;     // [m]
+  const float* x_scale;     // [m][spans]
   const int8_t* packed;     // [blocks][groups][64]
-  const int32_t* col_sums;  // [blocks][16]
+  const int32_t* col_sums;  // [blocks][spans][16]
   const float* w_scale;     // [n]
   const T* bias;            // nullptr: no bias
   T* out;
-  int64_t m, n, groups, out_stride;
+  int64_t m, n, groups, spans, out_stride;
 
   int64_t ld() const { return kXPlanes * groups * kGroupK; }
 
-  // out[m0 .. m0 + rows, block b]: the int32 sums, then the reference's float32 operations in its order.
+  // out[m0 .. m0 + rows, block b]: the spans' sums, then the reference's float32 operations in its order.
   void run_tile(int64_t m0, int rows, int64_t b) const {
-    int32_t acc[kTileRows * kBlock];
-    float scaled[kTileRows * kBlock];
-    run_dot_tile(rows, x + m0 * ld(), ld(), packed + b * groups * kGroupBytes, groups, col_sums + b * kBlock, acc);
+    alignas(64) float acc[kTileRows * kBlock];
+    alignas(64) float scaled[kTileRows * kBlock];
+    const XTile tile{x + m0 * ld(), ld(), x_scale + m0 * spans, spans};
+    run_dot_tile(rows, tile, packed + b * groups * kGroupBytes, groups, col_sums + b * spans * kBlock, acc);
     const int64_t n0 = b * kBlock, cols = std::min(kBlock, n - n0);
     for (int r = 0; r < rows; ++r) {
-      const float s = x_scale[m0 + r];
 #pragma omp simd
-      for (int64_t j = 0; j < cols; ++j) {
-        scaled[r * kBlock + j] = static_cast<float>(acc[r * kBlock + j]) * s * w_scale[n0 + j];
-      }
+      for (int64_t j = 0; j < cols; ++j) scaled[r * kBlock + j] = acc[r * kBlock + j] * w_scale[n0 + j];
     }
     rounding_barrier(scaled);
     store_rows(out, out_stride, n, bias, nullptr, scaled, m0, rows, b);
@@ -244,19 +303,21 @@ template <typename T>
 void linear_w8a8_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& col_sums,
                       const at::Tensor& w_scale, const c10::optional<at::Tensor>& bias) {
   const int64_t m = x.size(0), k = x.size(1), groups = packed.size(1), k_padded = groups * kGroupK;
+  const int64_t spans = col_sums.size(1);
   std::vector<uint8_t> quantized(m * kXPlanes * k_padded);
-  std::vector<float> x_scale(m);
+  std::vector<float> x_scale(m * spans);
   const T* src = x.data_ptr<T>();
   const int64_t grain = std::max<int64_t>(1, kConvertGrain / std::max<int64_t>(1, k));
   at::parallel_for(0, m, grain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      quantize_row(src + r * x.stride(0), k, k_padded, quantized.data() + r * kXPlanes * k_padded, &x_scale[r]);
+      quantize_row(src + r * x.stride(0), k, k_padded, quantized.data() + r * kXPlanes * k_padded,
+                   x_scale.data() + r * spans);
     }
   });
   const W8A8Problem<T> problem{quantized.data(), x_scale.data(), packed.data_ptr<int8_t>(),
                                col_sums.data_ptr<int32_t>(), w_scale.data_ptr<float>(),
                                bias ? bias->data_ptr<T>() : nullptr, out.data_ptr<T>(), m, out.size(1), groups,
-                               out.stride(0)};
+                               spans, out.stride(0)};
   split_blocks_and_tiles(packed.size(0), (m + kTileRows - 1) / kTileRows, m * out.size(1) * k,
                          [&](int64_t b0, int64_t b1, int64_t t0, int64_t t1) { problem.run(b0, b1, t0, t1); });
 }
@@ -269,18 +330,19 @@ std::tuple<at::Tensor, at::Tensor> pack_w8a8_weight(at::Tensor q) {
   TORCH_CHECK(q.numel() == 0 || q.min().item<int8_t>() > -128,
               "q must be in [-127, 127] (the AVX2 path negates it by x's signs)");
   const int64_t n = q.size(0), k = q.size(1), blocks = (n + kBlock - 1) / kBlock;
-  const int64_t groups = (k + kGroupK - 1) / kGroupK;
+  const int64_t groups = (k + kGroupK - 1) / kGroupK, spans = (k + kSpanK - 1) / kSpanK;
   at::Tensor packed = at::zeros({blocks, groups, kGroupBytes}, q.options());
-  at::Tensor col_sums = at::zeros({blocks, kBlock}, q.options().dtype(at::kInt));
+  at::Tensor col_sums = at::zeros({blocks, spans, kBlock}, q.options().dtype(at::kInt));
   const int8_t* src = q.data_ptr<int8_t>();
   int8_t* dst = packed.data_ptr<int8_t>();
   int32_t* sums = col_sums.data_ptr<int32_t>();
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       int8_t* column = dst + (row / kBlock) * groups * kGroupBytes + (row % kBlock) * kGroupK;
+      int32_t* column_sums = sums + (row / kBlock) * spans * kBlock + row % kBlock;
       for (int64_t i = 0; i < k; ++i) {
         column[(i / kGroupK) * kGroupBytes + i % kGroupK] = src[row * k + i];
-        sums[row] += src[row * k + i];
+        column_sums[(i / kSpanK) * kBlock] += src[row * k + i];
       }
     }
   });
@@ -297,8 +359,9 @@ void linear_w8a8(at::Tensor out, at::Tensor x, at::Tensor packed, at::Tensor col
               " but the packed weight holds ", packed.size(1), " groups of 4 k's");
   check_operands(out, x, packed.size(0), x.size(1), bias);
   TORCH_CHECK(col_sums.device().is_cpu() && col_sums.is_contiguous() && col_sums.scalar_type() == at::kInt
-                  && col_sums.dim() == 2 && col_sums.size(0) == packed.size(0) && col_sums.size(1) == kBlock,
-              "col_sums must be the contiguous int32 [ceil(N/16), 16] that pack_w8a8_weight returns");
+                  && col_sums.dim() == 3 && col_sums.size(0) == packed.size(0)
+                  && col_sums.size(1) == (x.size(1) + kSpanK - 1) / kSpanK && col_sums.size(2) == kBlock,
+              "col_sums must be the contiguous int32 [ceil(N/16), ceil(K/64), 16] that pack_w8a8_weight returns");
   TORCH_CHECK(w_scale.device().is_cpu() && w_scale.is_contiguous() && w_scale.scalar_type() == at::kFloat
                   && w_scale.numel() == out.size(1),
               "w_scale must be a contiguous [N] float32 CPU tensor");
