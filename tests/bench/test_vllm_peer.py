@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import stat
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from pagedllm.bench.cli import main
 from pagedllm.loader.resolve import resolve_model
+from tests.bench.conftest import python_with_packages
 
 _FAKE_SERVE = '''
 import json, os, sys
@@ -56,15 +56,9 @@ class LLM:
 @pytest.fixture
 def fake_vllm_python(tmp_path, monkeypatch) -> tuple[Path, Path]:
     """A `python` that runs this interpreter with the stand-in vllm first on its path; and its record file."""
-    (tmp_path / "pkgs" / "vllm").mkdir(parents=True)
-    (tmp_path / "pkgs" / "vllm" / "entrypoints" / "openai").mkdir(parents=True)
-    (tmp_path / "pkgs" / "vllm" / "__init__.py").write_text(_FAKE_VLLM)
-    for package in ("entrypoints", "entrypoints/openai"):
-        (tmp_path / "pkgs" / "vllm" / package / "__init__.py").write_text("")
-    (tmp_path / "pkgs" / "vllm" / "entrypoints" / "openai" / "api_server.py").write_text(_FAKE_SERVE)
-    python = tmp_path / "python"
-    python.write_text(f'#!/bin/sh\nPYTHONPATH="{tmp_path / "pkgs"}" exec "{sys.executable}" "$@"\n')
-    python.chmod(python.stat().st_mode | stat.S_IXUSR)
+    python = python_with_packages(tmp_path, {"vllm/__init__.py": _FAKE_VLLM, "vllm/entrypoints/__init__.py": "",
+                                             "vllm/entrypoints/openai/__init__.py": "",
+                                             "vllm/entrypoints/openai/api_server.py": _FAKE_SERVE})
     record = tmp_path / "record.json"
     monkeypatch.setenv("FAKE_VLLM_RECORD", str(record))
     return python, record
