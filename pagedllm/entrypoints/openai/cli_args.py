@@ -37,7 +37,7 @@ def parse_json_object(text: str) -> dict:
 
 
 def add_server_args(parser: argparse.ArgumentParser, *, positional_model: bool) -> argparse.ArgumentParser:
-    """Add every serving flag to `parser`.
+    """Add every serving flag to `parser`, group by group (--help lists them so).
 
     Args:
         positional_model: `pagedllm serve [MODEL]` takes the model as an optional positional argument; both
@@ -49,7 +49,14 @@ def add_server_args(parser: argparse.ArgumentParser, *, positional_model: bool) 
         parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help=model_help)
     parser.add_argument("--model", default=None, help=model_help)
 
-    server = parser.add_argument_group("server")
+    _add_http_args(parser.add_argument_group("server"))
+    _add_limit_args(parser.add_argument_group("request limits"))
+    _add_engine_args(parser.add_argument_group("engine"))
+    _add_parallel_args(parser.add_argument_group("parallelism (docs/scale-out.md)"))
+    return parser
+
+
+def _add_http_args(server: argparse._ArgumentGroup) -> None:
     server.add_argument("--host", default="127.0.0.1",
                         help="address to bind; 0.0.0.0 exposes the server to the network (default: %(default)s)")
     server.add_argument("--port", type=int, default=8000, help="TCP port (default: %(default)s)")
@@ -75,7 +82,8 @@ def add_server_args(parser: argparse.ArgumentParser, *, positional_model: bool) 
                         choices=["critical", "error", "warning", "info", "debug", "trace"],
                         help="uvicorn's log level (default: %(default)s)")
 
-    limits = parser.add_argument_group("request limits")
+
+def _add_limit_args(limits: argparse._ArgumentGroup) -> None:
     limits.add_argument("--max-request-body-bytes", type=parse_bytes, default=4 * 1024 * 1024,
                         help="larger request bodies get 413 (default: 4MiB)")
     limits.add_argument("--max-n", type=int, default=128, help="most completions per prompt, n (default: %(default)s)")
@@ -86,7 +94,8 @@ def add_server_args(parser: argparse.ArgumentParser, *, positional_model: bool) 
     limits.add_argument("--max-choices", type=int, default=1024,
                         help="most completions one request may start, prompts x n (default: %(default)s)")
 
-    engine = parser.add_argument_group("engine")
+
+def _add_engine_args(engine: argparse._ArgumentGroup) -> None:
     engine.add_argument("--max-model-len", type=int, default=None,
                         help="context length cap, prompt + output tokens (default: the model's own)")
     engine.add_argument("--device", default="auto",
@@ -128,7 +137,13 @@ def add_server_args(parser: argparse.ArgumentParser, *, positional_model: bool) 
     engine.add_argument("--max-num-batched-tokens", type=int, default=2048,
                         help="token budget of one engine step; longer prompts are prefilled in chunks "
                              "(default: %(default)s)")
-    parallel = parser.add_argument_group("parallelism (docs/scale-out.md)")
+    engine.add_argument("--seed", type=int, default=0, help="seed of the engine's random stream (default: 0)")
+    engine.add_argument("--speculative-config", type=parse_json_object, default=None,
+                        help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
+                             '"prompt_lookup_max": 3, "prompt_lookup_min": 1}\' (default: off)')
+
+
+def _add_parallel_args(parallel: argparse._ArgumentGroup) -> None:
     parallel.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                           help="worker processes sharing each layer, joined by torch.distributed (default: 1)")
     parallel.add_argument("--data-parallel-size", "-dp", type=int, default=1,
@@ -140,11 +155,6 @@ def add_server_args(parser: argparse.ArgumentParser, *, positional_model: bool) 
     parallel.add_argument("--distributed-executor-backend", default=None, choices=["mp", "ray"],
                           help="start the tensor-parallel workers as local processes (mp, the default) or Ray "
                                "actors; with ray, the data-parallel replicas run in Ray actors too")
-    engine.add_argument("--seed", type=int, default=0, help="seed of the engine's random stream (default: 0)")
-    engine.add_argument("--speculative-config", type=parse_json_object, default=None,
-                        help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
-                             '"prompt_lookup_max": 3, "prompt_lookup_min": 1}\' (default: off)')
-    return parser
 
 
 def model_of(args: argparse.Namespace) -> str | None:
