@@ -4,9 +4,10 @@ end.
 
 The oracle is the same engine in float32 on a checkpoint whose linear weights were replaced by their dequantised
 int8 values: it computes the same function up to float32 rounding, so greedy tokens must be identical. A w8a8
-model's is the float32 model whose every matmul is `w8a8_reference`, to the bit. A gguf engine's oracle is the default
-float32 engine, which dequantises the same blocks. An AWQ or GPTQ checkpoint's is transformers on its dequantised
-weights."""
+model's is the float32 model whose every matmul is `w8a8_reference`, to the bit. 4-bit weights (gguf's Q4 types, AWQ,
+GPTQ) multiply activations quantized per 32 values: their oracle is the model whose 4-bit matmuls are
+`w4a8_reference`, to the bit, and the dequantised model (the default float32 engine on the same GGUF, transformers on
+an AWQ or GPTQ checkpoint's dequantised weights) within that noise."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from pagedllm.layers import linear as linear_module
 from pagedllm.layers.linear import dequantize_int8, quantize_int8, w8a8_reference
 from pagedllm.loader import load_model
 from tests.models.int4_checkpoints import save_int4_checkpoint
-from tests.models.tiny import SimplePagedRunner, build_byte_tokenizer, build_tiny_hf_model
+from tests.models.tiny import SimplePagedRunner, build_byte_tokenizer, build_tiny_hf_model, use_w4a8_reference
 
 _LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
 PROMPTS = ["The quick brown fox", "int8 weights, one scale per row:", "0123456789" * 3, "a"]
@@ -136,9 +137,10 @@ def test_serve_and_bench_take_quantization():
         parser.parse_args(["--quantization", "fp8"])
 
 
-def test_gguf_mode_gives_smollm2s_greedy_tokens(smol_llm):
-    """SmolLM2's Q4_1 linear weights (and its Q8_0 tied LM head) kept packed compute, in float32, the function
-    of the default engine's dequantised float32 weights: the kernel gives the same bits, so the same tokens."""
+def test_gguf_mode_stays_close_to_smollm2s_dequantised_model(smol_llm):
+    """SmolLM2's Q4_1 linear weights (and its Q8_0 tied LM head) kept packed, in float32: the 4-bit layers
+    quantize their activations per 32 values, so greedy tokens start as the default engine's (which dequantises the
+    same blocks) (the kernel's bits against `w4a8_reference` are tested on tiny models)."""
     gguf = LLM(dtype="float32", quantization="gguf", kv_cache_memory=64 << 20, max_model_len=2048)
     model = gguf.engine.runner.model
     assert model.model.layers[0].mlp.gate_up_proj.weight.ggml_type == 3  # Q4_1
@@ -146,7 +148,9 @@ def test_gguf_mode_gives_smollm2s_greedy_tokens(smol_llm):
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     prompts = ["The capital of France is", "def fibonacci(n):"]
     tokens = [o.outputs[0].token_ids for o in gguf.generate(prompts, params, use_tqdm=False)]
-    assert tokens == [o.outputs[0].token_ids for o in smol_llm.generate(prompts, params, use_tqdm=False)]
+    expected = [o.outputs[0].token_ids for o in smol_llm.generate(prompts, params, use_tqdm=False)]
+    # "Paris.\n\n" then an open-ended continuation, where a near tie may flip; the code runs on alike.
+    assert [t[:5] for t in tokens] == [t[:5] for t in expected] and tokens[1] == expected[1]
 
 
 def test_gguf_mode_needs_a_gguf_file_and_one_rank(checkpoints):
@@ -172,10 +176,16 @@ def int4_checkpoints(tmp_path_factory):
     return {name: save_int4_checkpoint(root / name, model, *spec) for name, spec in INT4_CHECKPOINTS.items()}
 
 
+def _close_to(logits: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Within the noise of 8-bit activations (~2% of the largest logit on these tiny models), same argmax."""
+    return bool((logits - expected).abs().max() < 0.05 * expected.abs().max() and logits.argmax() == expected.argmax())
+
+
 @pytest.mark.parametrize("name", list(INT4_CHECKPOINTS))
-def test_int4_checkpoint_computes_its_dequantised_weights(int4_checkpoints, name):
+def test_int4_checkpoint_computes_w4a8_on_its_weights(int4_checkpoints, name, monkeypatch):
     """The quantization comes from the checkpoint's config; each linear layer but the (unquantized) LM head keeps
-    its 4 bits, and prefill and decode logits are transformers' on the dequantised weights."""
+    its 4 bits; prefill and decode logits are the model's with `w4a8_reference` matmuls, bitwise, and
+    transformers' on the dequantised weights within the activations' quantization noise."""
     folder, dequantised = int4_checkpoints[name]
     model = load_model(ModelConfig(model=str(folder), dtype="float32")).model
     layer = model.model.layers[1]
@@ -184,16 +194,21 @@ def test_int4_checkpoint_computes_its_dequantised_weights(int4_checkpoints, name
     assert (layer.self_attn.qkv_proj.weight.input_perm is not None) == ("act-order" in name)
     assert model.lm_head.weight.dtype != torch.uint8
     runner, tokens = SimplePagedRunner(model), [1, 17, 250, 9, 33, 70, 5]
-    logits = runner.step({0: tokens})[0]
+    steps, logits = [list(tokens)], [runner.step({0: tokens})[0]]
     for _ in range(4):
         with torch.inference_mode():
             expected = dequantised(torch.tensor([tokens])).logits[0, -1]
-        torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
+        assert _close_to(logits[-1], expected)
         tokens.append(int(expected.argmax()))
-        logits = runner.step({0: tokens[-1:]})[0]
+        steps.append(tokens[-1:])
+        logits.append(runner.step({0: tokens[-1:]})[0])
+    use_w4a8_reference(monkeypatch)
+    reference = SimplePagedRunner(model)
+    for step, got in zip(steps, logits):
+        assert torch.equal(got, reference.step({0: step})[0])
 
 
-def test_awq_checkpoint_gives_transformers_greedy_tokens(int4_checkpoints):
+def test_awq_checkpoint_runs_in_the_engine(int4_checkpoints):
     folder, dequantised = int4_checkpoints["awq-g64"]
     llm = LLM(str(folder), dtype="float32", quantization="awq", kv_cache_memory=16 << 20)
     prompt = [1, 44, 45, 46, 47]
@@ -201,7 +216,8 @@ def test_awq_checkpoint_gives_transformers_greedy_tokens(int4_checkpoints):
                           use_tqdm=False)[0].outputs[0].token_ids
     with torch.inference_mode():
         expected = dequantised.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, min_new_tokens=10)
-    assert list(tokens) == expected[0, len(prompt):].tolist()
+    # Greedy tokens start as transformers' on the dequantised weights (8-bit activations flip near ties later on).
+    assert len(tokens) == 10 and list(tokens[:4]) == expected[0, len(prompt):len(prompt) + 4].tolist()
 
 
 def test_int4_quantization_must_match_the_checkpoint(checkpoints, int4_checkpoints):
@@ -244,4 +260,7 @@ def test_a_fused_layer_whose_parts_permute_k_differently_keeps_its_dequantised_w
     tokens = [1, 17, 250, 9, 33]
     with torch.inference_mode():
         expected = dequantised(torch.tensor([tokens])).logits[0, -1]
-    torch.testing.assert_close(SimplePagedRunner(model).step({0: tokens})[0], expected, atol=1e-4, rtol=0)
+    logits = SimplePagedRunner(model).step({0: tokens})[0]
+    assert _close_to(logits, expected)
+    use_w4a8_reference(monkeypatch)
+    assert torch.equal(logits, SimplePagedRunner(model).step({0: tokens})[0])

@@ -46,7 +46,8 @@ if TYPE_CHECKING:   # both are slow to import; the CLI imports this module to bu
     from pagedllm import LLM
 
 TEXT_PATH = Path(__file__).parent / "data" / "botchan.txt"
-WEIGHT_QUANTIZATIONS = ("none", "int8", "w8a8")     # "none": the checkpoint's weights in --dtype
+WEIGHT_QUANTIZATIONS = ("none", "int8", "w8a8", "gguf")  # "none": the checkpoint's weights in --dtype; "gguf":
+                                                        # a .gguf file's blocks kept (quantization="gguf")
 KV_CACHE_DTYPES = ("auto", "int8")                  # "auto": the KV cache in --dtype
 
 
@@ -92,18 +93,23 @@ def llm_accepts_kv_cache_dtype() -> bool:
     return "kv_cache_dtype" in inspect.signature(LLM).parameters
 
 
-def default_configs() -> list[AccuracyConfig]:
-    """Every weights x KV-cache combination this build's LLM accepts."""
+def default_configs(gguf_model: bool) -> list[AccuracyConfig]:
+    """Every weights x KV-cache combination this build's LLM accepts for the model (gguf for a .gguf file only)."""
     kv_dtypes = KV_CACHE_DTYPES if llm_accepts_kv_cache_dtype() else ("auto",)
-    return [parse_config(f"{weights}/{kv}") for weights in WEIGHT_QUANTIZATIONS for kv in kv_dtypes]
+    weights = [w for w in WEIGHT_QUANTIZATIONS if gguf_model or w != "gguf"]
+    return [parse_config(f"{w}/{kv}") for w in weights for kv in kv_dtypes]
 
 
-def check_supported(configs: Sequence[AccuracyConfig]) -> None:
-    """Refuse, before anything runs, a KV-cache dtype this build's LLM does not take."""
+def check_supported(configs: Sequence[AccuracyConfig], gguf_model: bool) -> None:
+    """Refuse, before anything runs, a KV-cache dtype this build's LLM does not take, and gguf weights for a model
+    that is not a .gguf file."""
     unsupported = [c.name for c in configs if c.kv_cache_dtype != "auto"]
     if unsupported and not llm_accepts_kv_cache_dtype():
         raise ValueError(f"--config {', '.join(unsupported)}: this build's LLM has no kv_cache_dtype argument; "
                          f"only KV cache dtype 'auto' can be measured")
+    gguf = [c.name for c in configs if c.quantization == "gguf"]
+    if gguf and not gguf_model:
+        raise ValueError(f"--config {', '.join(gguf)}: gguf weights need a .gguf model (--model); this one is not")
 
 
 # ---- perplexity ----------------------------------------------------------------------------------------------------
@@ -228,14 +234,15 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     from pagedllm.loader.resolve import resolve_model
     from pagedllm.tokenizer.tokenizer import load_tokenizer
 
-    configs = list(dict.fromkeys([REFERENCE, *(args.configs or default_configs())]))
-    check_supported(configs)
+    resolved = resolve_model(args.model)
+    gguf_model = resolved.gguf_file is not None
+    configs = list(dict.fromkeys([REFERENCE, *(args.configs or default_configs(gguf_model))]))
+    check_supported(configs, gguf_model)
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be at least 1, got {args.max_tokens}")
     if args.num_text_tokens is not None and args.num_text_tokens < 2:
         raise ValueError(f"--num-text-tokens must be at least 2 (one token of context, one scored), got "
                          f"{args.num_text_tokens}")
-    resolved = resolve_model(args.model)
     tokenizer = load_tokenizer(resolved.path, resolved.gguf_file)
     text_bytes = Path(args.text_path).read_bytes()
     token_ids = tokenizer.encode(text_bytes.decode("utf-8"), add_special_tokens=False)[:args.num_text_tokens]

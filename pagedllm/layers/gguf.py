@@ -7,12 +7,13 @@ A GGUF row of K values is K/32 blocks; each block is one f16 scale d (and Q4_1's
               for i < 16, high nibble for i >= 16
     Q4_1: d m | 16 bytes, as Q4_0                             W = d q + m
 
-`pack_gguf_weight` regroups the blocks of 16 output rows side by side, k-major, with the scales widened to
-float32, so that the kernel dequantises one group of 32 k's for 16 columns with a few vector instructions:
+`pack_gguf_weight` regroups the blocks of 16 output rows side by side, with the scales widened to float32, so that
+the kernel reads one group of 32 k's for 16 columns with a few vector loads:
 
     packed [ceil(N/16), K/32, group bytes], per (16 rows b, 32 k's g):
-      d[16] float32 | (Q4_1) m[16] float32 | values [32 k][16 columns]: Q8_0 one int8 each;
-                                             Q4_0/Q4_1 8 bytes per k, byte j = column j | column j + 8 << 4
+      d[16] float32 | (Q4_1) m[16] float32 | values: Q8_0 [32 k][16 columns] int8 (dequantised by the kernel);
+        Q4_0/Q4_1 4 octets of 8 k's, 64 bytes each: byte 4 j + t of octet o = column j's k 8 o + t (low nibble)
+        | k 8 o + 4 + t << 4, so that a masked octet is 16 lanes of 4 k's, vpdpbusd's operand (linear_q4.cpp)
 
 Other 4-bit formats whose groups of 32 k's are each an affine map of 4-bit values pack as Q4_1 through `Q4Rows`
 (W = d q + m per row and group, d and m float32): GGUF's Q4_K here, AWQ and GPTQ in `pagedllm.layers.int4`.
@@ -23,8 +24,9 @@ an f16 times a 6-bit integer), so it runs in the Q4_1 kernel with no kernel of i
           low nibbles are values 0..31 and high nibbles values 32..63          W = d sc_j q - dmin m_j
 
 The values are the checkpoint's own, so the packed weight stands for exactly the weight the loader's dequantisers
-give (`dequantize_gguf_packed` computes it, with their arithmetic, and is the kernel's reference). Missing rows
-of the last block are zero bytes: d = m = 0, so they are 0.
+give (`dequantize_gguf_packed` computes it, with their arithmetic: Q8_0's kernel gives that weight's float32 bits;
+the 4-bit types' multiply their values by activations quantized to int8, `pagedllm.layers.linear.w4a8_reference`).
+Missing rows of the last block are zero bytes: d = m = 0, so they are 0.
 """
 
 from __future__ import annotations
@@ -91,14 +93,18 @@ def pack_gguf_weight(rows: torch.Tensor, ggml_type: GGMLQuantizationType) -> tor
     scales = blocks[..., :head].contiguous().view(torch.float16).float()  # [B, 16, G, 1 or 2]
     scales = scales.permute(0, 2, 3, 1).contiguous().view(torch.uint8).flatten(2)  # [B, G, (d[16], m[16]) bytes]
     values = blocks[..., head:]  # [B, 16 columns, G, 32 or 16 bytes]
-    if ggml_type != GGMLQuantizationType.Q8_0:
-        values = _column_pairs(torch.cat([values & 0x0F, values >> 4], dim=-1))  # value i of the block
-    return torch.cat([scales, values.permute(0, 2, 3, 1).flatten(2)], dim=-1).contiguous()
+    if ggml_type == GGMLQuantizationType.Q8_0:
+        values = values.permute(0, 2, 3, 1).flatten(2)  # [B, G, 32 k x 16 columns]
+    else:
+        values = _octets(torch.cat([values & 0x0F, values >> 4], dim=-1))  # value i of the block
+    return torch.cat([scales, values], dim=-1).contiguous()
 
 
-def _column_pairs(q: torch.Tensor) -> torch.Tensor:
-    """4-bit values [B, 16 columns, G, 32] -> bytes [B, 8, G, 32]: byte j = column j | column j + 8 << 4."""
-    return q[:, :8] | (q[:, 8:] << 4)
+def _octets(q: torch.Tensor) -> torch.Tensor:
+    """4-bit values [B, 16 columns, G, 32 k] -> bytes [B, G, 256]: 4 octets of 8 k's, byte 4 j + t of octet o =
+    q[j, 8 o + t] | q[j, 8 o + 4 + t] << 4."""
+    q = q.view(*q.shape[:3], 4, 2, 4)  # [B, 16 j, G, octet, low / high, t]
+    return (q[..., 0, :] | (q[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).flatten(2)
 
 
 def pack_q4_rows(rows: Q4Rows) -> torch.Tensor:
@@ -109,8 +115,7 @@ def pack_q4_rows(rows: Q4Rows) -> torch.Tensor:
     scales = torch.stack([rows.d, rows.m], dim=-1).float()  # [N, G, d / m]
     scales = torch.cat([scales, scales.new_zeros(pad, *scales.shape[1:])]).view(-1, _ROWS, k // _GROUP, 2)
     scales = scales.permute(0, 2, 3, 1).contiguous().view(torch.uint8).flatten(2)  # [B, G, (d[16], m[16]) bytes]
-    values = _column_pairs(q).permute(0, 2, 3, 1).flatten(2)  # [B, G, 32 k x 8 bytes]
-    return torch.cat([scales, values], dim=-1).contiguous()
+    return torch.cat([scales, _octets(q)], dim=-1).contiguous()
 
 
 def q4_k_rows(rows: torch.Tensor) -> Q4Rows:
@@ -134,20 +139,30 @@ def _q4_k_scales_and_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return sc, mins
 
 
-def dequantize_gguf_packed(packed: torch.Tensor, ggml_type: GGMLQuantizationType, n: int) -> torch.Tensor:
-    """The float32 [N, K] weight a packed GGUF weight stands for: the reference of the `linear_gguf` kernel.
-    `ggml_type` is the packed one (`packed_type`)."""
+def unpack_gguf_packed(packed: torch.Tensor, ggml_type: GGMLQuantizationType, n: int
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A packed GGUF weight's values as stored (float32 [N, K]: Q8_0's int8, the 4-bit types' 0..15) and its
+    float32 scales d and (Q4_1) mins m, [N, K/32] each; `ggml_type` is the packed one (`packed_type`)."""
     num_blocks, groups = packed.shape[:2]
     num_scales = _num_scales(ggml_type)
     scales = packed[..., :4 * _ROWS * num_scales].contiguous().view(torch.float32)
-    scales = scales.view(num_blocks, groups, 1, num_scales, _ROWS)  # [B, G, 1, d / m, 16]
-    values = packed[..., 4 * _ROWS * num_scales:].reshape(num_blocks, groups, _GROUP, -1)
+    scales = scales.view(num_blocks, groups, num_scales, _ROWS).permute(2, 0, 3, 1)  # [d / m, B, 16, G]
+    scales = scales.reshape(num_scales, num_blocks * _ROWS, groups)[:, :n]
+    values = packed[..., 4 * _ROWS * num_scales:]
     if ggml_type == GGMLQuantizationType.Q8_0:
-        q = values.view(torch.int8).float()  # [B, G, 32, 16]
-    else:
-        q = torch.cat([values & 0x0F, values >> 4], dim=-1).to(torch.int8)
-        q = (q - 8 if ggml_type == GGMLQuantizationType.Q4_0 else q).float()
-    weight = scales[..., 0, :] * q
-    if ggml_type == GGMLQuantizationType.Q4_1:
-        weight = weight + scales[..., 1, :]
-    return weight.permute(0, 3, 1, 2).reshape(num_blocks * _ROWS, groups * _GROUP)[:n]
+        q = values.contiguous().view(torch.int8).view(num_blocks, groups, _GROUP, _ROWS).permute(0, 3, 1, 2)
+    else:  # [B, G, octet, 16 j, 4 t] -> [B, 16 j, G, octet, low / high, t]
+        octets = values.reshape(num_blocks, groups, 4, _ROWS, 4)
+        q = torch.stack([octets & 0x0F, octets >> 4], dim=3).permute(0, 4, 1, 2, 3, 5)
+    q = q.reshape(num_blocks * _ROWS, groups * _GROUP)[:n].float()
+    return q, scales[0], scales[1] if num_scales == 2 else None
+
+
+def dequantize_gguf_packed(packed: torch.Tensor, ggml_type: GGMLQuantizationType, n: int) -> torch.Tensor:
+    """The float32 [N, K] weight a packed GGUF weight stands for, with the loader's dequantisers' arithmetic.
+    `ggml_type` is the packed one (`packed_type`)."""
+    q, d, m = unpack_gguf_packed(packed, ggml_type, n)
+    if ggml_type == GGMLQuantizationType.Q4_0:
+        q = q - 8
+    weight = d.repeat_interleave(_GROUP, dim=1) * q
+    return weight if m is None else weight + m.repeat_interleave(_GROUP, dim=1)

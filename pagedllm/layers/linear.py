@@ -29,7 +29,7 @@ from torch import nn
 from pagedllm.cpu import cpu_info, onednn_bf16_ok
 from pagedllm.distributed.communicator import communicator
 from pagedllm.kernels import cpu_kernels, kernels_disabled
-from pagedllm.layers.gguf import cat_q4_rows, pack_gguf_weight, pack_q4_rows, packed_type
+from pagedllm.layers.gguf import cat_q4_rows, pack_gguf_weight, pack_q4_rows, packed_type, unpack_gguf_packed
 from pagedllm.layers.int4 import Int4Weight
 
 
@@ -112,6 +112,15 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 W8A8_SPAN = 64  # k's of an activation row that share one scale under quantization="w8a8" (kSpanK in linear_int8.cpp)
+W4A8_SPAN = 32  # the same for GGUF's 4-bit weights (one GGUF block; kGroupK in linear_q4.cpp)
+
+
+def _quantize_spans(x: torch.Tensor, span: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x's rows [M, K], zero-padded to whole spans, quantized as `quantize_int8` quantizes a weight's row, one scale
+    per span of `span` k's: (qx int32 [M, spans, span], scale float32 [M, spans])."""
+    m, k = x.shape
+    qx, scale = quantize_int8(F.pad(x.float(), (0, -k % span)).view(-1, span))
+    return qx.view(m, -1, span).int(), scale.view(m, -1)
 
 
 def w8a8_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
@@ -124,16 +133,36 @@ def w8a8_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     float32, `acc = acc + float(sum) * x_scale[m, span]`, span by span, each operation rounded; then each output is
     `acc * scale[n]`, `+ bias[n]`, and the result rounded once to x's dtype.
     """
-    m, k = x.shape
-    pad = -k % W8A8_SPAN
-    qx, x_scale = quantize_int8(F.pad(x.float(), (0, pad)).view(-1, W8A8_SPAN))
-    qx, x_scale = qx.view(m, -1, W8A8_SPAN).int(), x_scale.view(m, -1)
-    qw = F.pad(q, (0, pad)).view(q.shape[0], -1, W8A8_SPAN).int()
-    acc = torch.zeros(m, q.shape[0])
+    qx, x_scale = _quantize_spans(x, W8A8_SPAN)
+    qw = F.pad(q, (0, -q.shape[1] % W8A8_SPAN)).view(q.shape[0], -1, W8A8_SPAN).int()
+    acc = torch.zeros(x.shape[0], q.shape[0])
     for t in range(qx.shape[1]):
         acc = acc + (qx[:, t] @ qw[:, t].T).float() * x_scale[:, t, None]
     out = acc * scale
     return (out if bias is None else out + bias.float()).to(x.dtype)
+
+
+def w4a8_reference(x: torch.Tensor, packed: torch.Tensor, ggml_type: GGMLQuantizationType, n: int,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T + b for a packed GGUF Q4_0 or Q4_1 weight (`pack_gguf_weight`; W = d q + m, Q4_0's m = -8 d), with
+    each group of `W4A8_SPAN` k's of x's rows quantized as `w8a8_reference` quantizes a span: what `linear_gguf`
+    computes for those types, to the bit, at every ISA level and any M.
+
+    Per group g, the int8 x 4-bit products are summed exactly; with sm = x_scale[m, g] * float(sum of the group's
+    qx), `acc = acc + (float(sum) * d[n, g]) * x_scale[m, g]`, then `acc = acc + m[n, g] * sm`, group by group, each
+    operation rounded; the result `+ bias[n]`, rounded once to x's dtype.
+    """
+    q, d, m = unpack_gguf_packed(packed, ggml_type, n)
+    if m is None:
+        m = d * -8
+    qx, x_scale = _quantize_spans(x, W4A8_SPAN)
+    scaled_sums = x_scale * qx.sum(dim=-1).float()
+    qw = q.int().view(n, -1, W4A8_SPAN)
+    acc = torch.zeros(x.shape[0], n)
+    for g in range(qx.shape[1]):
+        acc = acc + (qx[:, g] @ qw[:, g].T).float() * d[:, g] * x_scale[:, g, None]
+        acc = acc + m[:, g] * scaled_sums[:, g, None]
+    return (acc if bias is None else acc + bias.float()).to(x.dtype)
 
 
 def _packed(weight: torch.Tensor, quantization: str | None = None) -> nn.Parameter:

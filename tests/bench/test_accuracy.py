@@ -93,7 +93,7 @@ def test_the_command_measures_each_config_against_the_reference(tiny_model_dir, 
     assert "| int8/auto |" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("config,message", [("int4", "weights must be one of none, int8, w8a8"),
+@pytest.mark.parametrize("config,message", [("int4", "weights must be one of none, int8, w8a8, gguf"),
                                             ("int8/fp8", "KV cache dtype must be one of auto, int8")])
 def test_a_bad_config_is_refused_by_the_parser(config, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -110,13 +110,23 @@ def test_bad_numbers_are_refused_before_anything_runs(flags, match):
 
 def test_a_kv_cache_dtype_the_build_lacks_is_refused_before_anything_runs(monkeypatch):
     monkeypatch.setattr(accuracy, "llm_accepts_kv_cache_dtype", lambda: False)
-    assert accuracy.default_configs() == [AccuracyConfig(None), AccuracyConfig("int8"), AccuracyConfig("w8a8")]
+    assert accuracy.default_configs(False) == [AccuracyConfig(None), AccuracyConfig("int8"), AccuracyConfig("w8a8")]
     with pytest.raises(ValueError, match="none/int8: this build's LLM has no kv_cache_dtype"):
         main(["accuracy", "--config", "none/int8"])
     monkeypatch.setattr(accuracy, "llm_accepts_kv_cache_dtype", lambda: True)
-    assert AccuracyConfig("int8", "int8") in accuracy.default_configs()
+    assert AccuracyConfig("int8", "int8") in accuracy.default_configs(False)
+    assert AccuracyConfig("gguf", "int8") in accuracy.default_configs(True)
     assert AccuracyConfig(None, "int8").llm_kwargs() == {"quantization": None, "kv_cache_dtype": "int8"}
     assert AccuracyConfig("int8").llm_kwargs() == {"quantization": "int8"}
+
+
+def test_gguf_weights_need_a_gguf_model(tiny_model_dir):
+    """The default model is a .gguf file, so gguf is among its configurations; a Hugging Face folder is refused
+    before anything runs."""
+    assert AccuracyConfig("gguf") in accuracy.default_configs(True)
+    assert AccuracyConfig("gguf") not in accuracy.default_configs(False)
+    with pytest.raises(ValueError, match="gguf/auto: gguf weights need a .gguf model"):
+        main(["accuracy", "--model", str(tiny_model_dir), "--config", "gguf"])
 
 
 def test_window_is_plain_data():

@@ -368,15 +368,11 @@ void linear_for_weight(at::Tensor& out, const at::Tensor& x, const at::Tensor& p
   }
 }
 
-// GGUF's block formats, kept packed (issue 15): the linear weight's 32-value blocks regrouped by pagedllm.layers.gguf
-// into [ceil(N/16), K/32, group bytes]: for each 16 output rows and each 32 k's, the rows' float32 scales d (and
-// Q4_1's mins m), then the 32 x 16 values, k-major:
+// GGUF's Q8_0 blocks, kept packed (issue 15; the 4-bit types run in linear_q4.cpp): the linear weight's 32-value
+// blocks regrouped by pagedllm.layers.gguf into [ceil(N/16), K/32, 576 bytes]: for each 16 output rows and each 32
+// k's, the rows' float32 scales d[16], then q[32][16] int8, k-major, columns in order (W = d q).
 //
-//    Q8_0: d[16] | q[32][16] int8, columns in order                          W = d q          576 bytes
-//    Q4_0: d[16] | q[32][8] bytes: byte j = column j | column j + 8 << 4    W = d (q - 8)    320 bytes
-//    Q4_1: d[16] m[16] | q[32][8] as Q4_0                                    W = d q + m      384 bytes
-//
-// A group is dequantised to float32 [32][16] (the same arithmetic as the loader's torch dequantisers, so the same
+// A group is dequantised to float32 [32][16] (the same arithmetic as the loader's torch dequantiser, so the same
 // bits), which is the float32 layout's [32 k][16] slice of that block: the float32 tile kernel sums it, so a row's
 // result is the float32 kernel's on the dequantised weight, bit for bit. While x fits in half of L2 (decode, and
 // up to ~100 rows at SmolLM2's widths), each group is dequantised into an L1 buffer once for all the row tiles and
@@ -385,45 +381,19 @@ void linear_for_weight(at::Tensor& out, const at::Tensor& x, const at::Tensor& p
 // it, panels in L2 and all.
 constexpr int64_t kGroup = 32;                        // k's per GGUF block
 constexpr int64_t kGroupPathBytes = kPanelBytes / 2;  // x up to this size: each group dequantised once for all rows
+constexpr int64_t kQ8GroupBytes = kBlock * sizeof(float) + kGroup * kBlock;
 enum GgufType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };  // ggml's type numbers
 
-int64_t gguf_header_bytes(int64_t type) { return (type == kQ4_1 ? 2 : 1) * kBlock * sizeof(float); }
 int64_t gguf_group_bytes(int64_t type) {
-  return gguf_header_bytes(type) + kGroup * kBlock / (type == kQ8_0 ? 1 : 2);
+  return type == kQ8_0 ? kQ8GroupBytes : (type == kQ4_1 ? 2 : 1) * kBlock * sizeof(float) + kGroup * kBlock / 2;
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
 
-// A 4-bit group: 8 bytes per k, low nibbles columns 0..7, high nibbles 8..15.
-template <int64_t type>
 void dequant_group(const uint8_t* group, float* w) {
   const float* d = reinterpret_cast<const float*>(group);
   const __m256 d_lo = _mm256_loadu_ps(d), d_hi = _mm256_loadu_ps(d + 8);
-  const __m256 m_lo = type == kQ4_1 ? _mm256_loadu_ps(d + 16) : _mm256_setzero_ps();
-  const __m256 m_hi = type == kQ4_1 ? _mm256_loadu_ps(d + 24) : _mm256_setzero_ps();
-  const uint8_t* q = group + gguf_header_bytes(type);
-  const __m128i low4 = _mm_set1_epi8(0x0F);
-  const __m256i offset = _mm256_set1_epi32(type == kQ4_0 ? 8 : 0);
-  for (int64_t k = 0; k < kGroup; ++k) {
-    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k * kBlock / 2));
-    const __m128i lo = _mm_and_si128(bytes, low4), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
-    const __m256 q_lo = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(lo), offset));
-    const __m256 q_hi = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(hi), offset));
-    __m256 w_lo = _mm256_mul_ps(d_lo, q_lo), w_hi = _mm256_mul_ps(d_hi, q_hi);
-    if (type == kQ4_1) {  // d q rounded, then + m rounded: two roundings, as torch's `d * q + m`
-      w_lo = _mm256_add_ps(w_lo, m_lo);
-      w_hi = _mm256_add_ps(w_hi, m_hi);
-    }
-    _mm256_storeu_ps(w + k * kBlock, w_lo);
-    _mm256_storeu_ps(w + k * kBlock + 8, w_hi);
-  }
-}
-
-template <>
-void dequant_group<kQ8_0>(const uint8_t* group, float* w) {
-  const float* d = reinterpret_cast<const float*>(group);
-  const __m256 d_lo = _mm256_loadu_ps(d), d_hi = _mm256_loadu_ps(d + 8);
-  const int8_t* q = reinterpret_cast<const int8_t*>(group + gguf_header_bytes(kQ8_0));
+  const int8_t* q = reinterpret_cast<const int8_t*>(group + kBlock * sizeof(float));
   for (int64_t k = 0; k < kGroup; ++k) {
     __m256 q_lo, q_hi;
     widen_int8(q + k * kBlock, q_lo, q_hi);
@@ -434,29 +404,19 @@ void dequant_group<kQ8_0>(const uint8_t* group, float* w) {
 
 #else  // plain C++: the same arithmetic, one value at a time
 
-template <int64_t type>
 void dequant_group(const uint8_t* group, float* w) {
   const float* d = reinterpret_cast<const float*>(group);
-  const uint8_t* q = group + gguf_header_bytes(type);
+  const int8_t* q = reinterpret_cast<const int8_t*>(group + kBlock * sizeof(float));
   for (int64_t k = 0; k < kGroup; ++k) {
-    for (int64_t j = 0; j < kBlock; ++j) {
-      if (type == kQ8_0) {
-        w[k * kBlock + j] = d[j] * static_cast<float>(reinterpret_cast<const int8_t*>(q)[k * kBlock + j]);
-        continue;
-      }
-      const uint8_t byte = q[k * kBlock / 2 + j % 8];
-      const int value = (j < 8 ? byte & 0x0F : byte >> 4) - (type == kQ4_0 ? 8 : 0);
-      const float scaled = d[j] * static_cast<float>(value);
-      w[k * kBlock + j] = type == kQ4_1 ? scaled + d[kBlock + j] : scaled;
-    }
+    for (int64_t j = 0; j < kBlock; ++j) w[k * kBlock + j] = d[j] * static_cast<float>(q[k * kBlock + j]);
   }
 }
 
 #endif
 
-// out = x W^T + b for a GGUF-packed W and an x of at most kGroupPathBytes (or one tile of rows).
-template <typename T, int64_t type>
-struct GgufProblem {
+// out = x W^T + b for a Q8_0-packed W and an x of at most kGroupPathBytes (or one tile of rows).
+template <typename T>
+struct Q8Problem {
   const float* x;
   int64_t ld;
   const uint8_t* packed;
@@ -467,9 +427,9 @@ struct GgufProblem {
   // Block b for rows [m0, m1): acc holds [m1 - m0][16] floats, w one dequantised group.
   void run_block(int64_t b, int64_t m0, int64_t m1, float* acc, float* w) const {
     std::fill(acc, acc + (m1 - m0) * kBlock, 0.f);
-    const uint8_t* groups = packed + b * (k / kGroup) * gguf_group_bytes(type);
+    const uint8_t* groups = packed + b * (k / kGroup) * kQ8GroupBytes;
     for (int64_t g = 0; g < k / kGroup; ++g) {
-      dequant_group<type>(groups + g * gguf_group_bytes(type), w);
+      dequant_group(groups + g * kQ8GroupBytes, w);
       for (int64_t r0 = m0; r0 < m1; r0 += kMaxRows) {
         run_tile(static_cast<int>(std::min<int64_t>(kMaxRows, m1 - r0)), x + r0 * ld + g * kGroup, ld,
                  static_cast<const float*>(w), kGroup, acc + (r0 - m0) * kBlock);
@@ -492,8 +452,7 @@ struct GgufProblem {
   }
 };
 
-// The float32 [ceil(N/16), K, 16] weight (pack_linear_weight's layout) of a GGUF-packed one.
-template <int64_t type>
+// The float32 [ceil(N/16), K, 16] weight (pack_linear_weight's layout) of a Q8_0-packed one.
 at::Tensor dequantize_packed(const at::Tensor& packed) {
   const int64_t groups = packed.size(1);
   at::Tensor weight = at::empty({packed.size(0), groups * kGroup, kBlock}, packed.options().dtype(at::kFloat));
@@ -501,30 +460,19 @@ at::Tensor dequantize_packed(const at::Tensor& packed) {
   float* dst = weight.data_ptr<float>();
   at::parallel_for(0, packed.size(0) * groups, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      dequant_group<type>(src + i * gguf_group_bytes(type), dst + i * kGroup * kBlock);
+      dequant_group(src + i * kQ8GroupBytes, dst + i * kGroup * kBlock);
     }
   });
   return weight;
 }
 
-template <typename T, int64_t type>
-void run_gguf(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
-  const bool group_path = x.size(0) <= kMaxRows || x.numel() * int64_t{sizeof(float)} <= kGroupPathBytes;
-  if (!group_path) return linear_impl<T, float>(out, x, dequantize_packed<type>(packed), bias, {});
-  const at::Tensor x32 = float_rows(x);
-  GgufProblem<T, type>{x32.data_ptr<float>(), x32.stride(0), packed.data_ptr<uint8_t>(),
-                       bias ? bias->data_ptr<T>() : nullptr, out.data_ptr<T>(), x.size(0), out.size(1), x.size(1),
-                       out.stride(0)}.run_parallel();
-}
-
 template <typename T>
-void linear_gguf_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, int64_t type,
-                      const c10::optional<at::Tensor>& bias) {
-  switch (type) {
-    case kQ4_0: return run_gguf<T, kQ4_0>(out, x, packed, bias);
-    case kQ4_1: return run_gguf<T, kQ4_1>(out, x, packed, bias);
-    default: return run_gguf<T, kQ8_0>(out, x, packed, bias);
-  }
+void run_q8_0(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+  const bool group_path = x.size(0) <= kMaxRows || x.numel() * int64_t{sizeof(float)} <= kGroupPathBytes;
+  if (!group_path) return linear_impl<T, float>(out, x, dequantize_packed(packed), bias, {});
+  const at::Tensor x32 = float_rows(x);
+  Q8Problem<T>{x32.data_ptr<float>(), x32.stride(0), packed.data_ptr<uint8_t>(), bias ? bias->data_ptr<T>() : nullptr,
+               out.data_ptr<T>(), x.size(0), out.size(1), x.size(1), out.stride(0)}.run_parallel();
 }
 
 bool is_weight_dtype(const at::Tensor& t) { return is_float_or_bf16(t) || t.scalar_type() == at::kChar; }
@@ -572,8 +520,9 @@ void linear_gguf(at::Tensor out, at::Tensor x, at::Tensor packed, int64_t ggml_t
               gguf_group_bytes(ggml_type), "] for this type, got ", packed.sizes());
   check_operands(out, x, packed.size(0), packed.size(1) * kGroup, bias);
   if (out.numel() == 0) return;
-  if (x.scalar_type() == at::kBFloat16) return linear_gguf_impl<c10::BFloat16>(out, x, packed, ggml_type, bias);
-  linear_gguf_impl<float>(out, x, packed, ggml_type, bias);
+  if (ggml_type != kQ8_0) return linear_w4a8(out, x, packed, ggml_type == kQ4_1, bias);
+  if (x.scalar_type() == at::kBFloat16) return run_q8_0<c10::BFloat16>(out, x, packed, bias);
+  run_q8_0<float>(out, x, packed, bias);
 }
 
 }  // namespace pagedllm

@@ -1,6 +1,7 @@
-// What the linear kernels share (linear.cpp: float32, bf16, int8-weight and GGUF weights; linear_int8.cpp: W8A8):
-// output columns in blocks of 16, the threads' split of the work, the store of a tile of results, and the checks
-// of x, out and bias.
+// What the linear kernels share (linear.cpp: float32, bf16, int8-weight and GGUF Q8_0 weights; linear_int8.cpp:
+// W8A8; linear_q4.cpp: GGUF's 4-bit weights times int8 activations): output columns in blocks of 16, the threads'
+// split of the work, the store of a tile of results, the quantization of activations, and the checks of x, out and
+// bias.
 #pragma once
 
 #include "ops.h"
@@ -59,6 +60,44 @@ void split_blocks_and_tiles(int64_t blocks, int64_t tiles, int64_t macs, const R
   });
 }
 
+// GCC contracts `a * b + c` into one FMA wherever it sees both (intrinsics included), rounding once where torch
+// rounds twice. A product passed through `rounded` is opaque to it (an empty asm that may have changed the
+// register), so it is added as rounded. `rounding_barrier` does the same for values stored in memory: they are
+// reloaded after it, as the compiler must assume the asm changed them.
+template <typename V>
+inline V rounded(V v) {
+  asm("" : "+x"(v));
+  return v;
+}
+inline void rounding_barrier(const void* stored) { asm volatile("" : : "r"(stored) : "memory"); }
+
+inline int32_t load_4_bytes(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// A row of k values of x quantized to int8 span by span, `span` k's to a scale, as
+// pagedllm.layers.linear.quantize_int8 quantizes a row: s = max |x| / 127 over the span (1 for a zero span),
+// q = round(x / s) in [-127, 127]. scales[t] gets span t's s; store(i, q) each value's q.
+template <typename T, typename Store>
+void quantize_spans(const T* x, int64_t k, int64_t span, float* scales, const Store& store) {
+  for (int64_t start = 0; start < k; start += span) {
+    const int64_t end = std::min(k, start + span);
+    float amax = 0.f;
+#pragma omp simd reduction(max : amax)
+    for (int64_t i = start; i < end; ++i) amax = std::max(amax, std::abs(to_float(x[i])));
+    const float s = amax / 127.f > 0.f ? amax / 127.f : 1.f;
+    scales[start / span] = s;
+#pragma omp simd
+    for (int64_t i = start; i < end; ++i) {
+      // Clamped before rounding, which gives the same integer (the bounds are integers) and keeps |v| < 2^22.
+      const float v = std::min(std::max(to_float(x[i]) / s, -127.f), 127.f);
+      store(i, static_cast<int8_t>(round_half_even(v)));
+    }
+  }
+}
+
 inline bool is_float_or_bf16(const at::Tensor& t) {
   return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16;
 }
@@ -79,5 +118,10 @@ inline void check_operands(const at::Tensor& out, const at::Tensor& x, int64_t b
                         && bias->device().is_cpu()),
               "bias must be a contiguous [N] CPU tensor of x's dtype");
 }
+
+// out = x W^T + b for a GGUF Q4_0 (has_min false) or Q4_1 weight, x quantized per 32 k's (linear_q4.cpp); the
+// operands checked by linear_gguf.
+void linear_w4a8(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, bool has_min,
+                 const c10::optional<at::Tensor>& bias);
 
 }  // namespace pagedllm

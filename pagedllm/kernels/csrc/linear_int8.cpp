@@ -60,12 +60,6 @@ constexpr int64_t kGroupBytes = kBlock * kGroupK;
 constexpr int64_t kSpanK = 64;                  // k's per activation scale
 constexpr int64_t kSpanGroups = kSpanK / kGroupK;
 
-inline int32_t load_4_bytes(const uint8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
 // Where a tile's x lives: its quantized rows (`ld` bytes apart, store_x's planes) and their span scales (`spans`
 // apart).
 struct XTile {
@@ -74,17 +68,6 @@ struct XTile {
   const float* scale;
   int64_t spans;
 };
-
-// GCC contracts `a * b + c` into one FMA wherever it sees both (intrinsics included), rounding once where torch
-// rounds twice. A product passed through `rounded` is opaque to it (an empty asm that may have changed the
-// register), so it is added as rounded. `rounding_barrier` does the same for values stored in memory: they are
-// reloaded after it, as the compiler must assume the asm changed them.
-template <typename V>
-inline V rounded(V v) {
-  asm("" : "+x"(v));
-  return v;
-}
-inline void rounding_barrier(const void* stored) { asm volatile("" : : "r"(stored) : "memory"); }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 
@@ -241,20 +224,7 @@ void run_dot_tile(int rows, const XTile& x, const int8_t* block, int64_t groups,
 // the spans' scales.
 template <typename T>
 void quantize_row(const T* x, int64_t k, int64_t k_padded, uint8_t* row, float* scales) {
-  for (int64_t start = 0; start < k; start += kSpanK) {
-    const int64_t end = std::min(k, start + kSpanK);
-    float amax = 0.f;
-#pragma omp simd reduction(max : amax)
-    for (int64_t i = start; i < end; ++i) amax = std::max(amax, std::abs(to_float(x[i])));
-    const float s = amax / 127.f > 0.f ? amax / 127.f : 1.f;
-    scales[start / kSpanK] = s;
-#pragma omp simd
-    for (int64_t i = start; i < end; ++i) {
-      // Clamped before rounding, which gives the same integer (the bounds are integers) and keeps |v| < 2^22.
-      const float v = std::min(std::max(to_float(x[i]) / s, -127.f), 127.f);
-      store_x(static_cast<int8_t>(round_half_even(v)), row, i, k_padded);
-    }
-  }
+  quantize_spans(x, k, kSpanK, scales, [&](int64_t i, int8_t q) { store_x(q, row, i, k_padded); });
   for (int64_t i = k; i < k_padded; ++i) store_x(0, row, i, k_padded);
 }
 
