@@ -4,10 +4,10 @@ end.
 
 The oracle is the same engine in float32 on a checkpoint whose linear weights were replaced by their dequantised
 int8 values: it computes the same function up to float32 rounding, so greedy tokens must be identical. A w8a8
-model's is the float32 model whose every matmul is `w8a8_reference`, to the bit. 4-bit weights (gguf's Q4 types, AWQ,
-GPTQ) multiply activations quantized per 32 values: their oracle is the model whose 4-bit matmuls are
-`w4a8_reference`, to the bit, and the dequantised model (the default float32 engine on the same GGUF, transformers on
-an AWQ or GPTQ checkpoint's dequantised weights) within that noise."""
+model's is the float32 model whose every matmul is `w8a8_reference`, to the bit. GGUF blocks (and AWQ's and GPTQ's
+4-bit weights, repacked as such) multiply activations quantized per 32 values: their oracle is the model whose
+packed matmuls are `gguf_reference`, to the bit, and the dequantised model (the default float32 engine on the same
+GGUF, transformers on an AWQ or GPTQ checkpoint's dequantised weights) within that noise."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from pagedllm.layers import linear as linear_module
 from pagedllm.layers.linear import dequantize_int8, quantize_int8, w8a8_reference
 from pagedllm.loader import load_model
 from tests.models.int4_checkpoints import save_int4_checkpoint
-from tests.models.tiny import SimplePagedRunner, build_byte_tokenizer, build_tiny_hf_model, use_w4a8_reference
+from tests.models.tiny import SimplePagedRunner, build_byte_tokenizer, build_tiny_hf_model, use_gguf_reference
 
 _LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
 PROMPTS = ["The quick brown fox", "int8 weights, one scale per row:", "0123456789" * 3, "a"]
@@ -138,9 +138,9 @@ def test_serve_and_bench_take_quantization():
 
 
 def test_gguf_mode_stays_close_to_smollm2s_dequantised_model(smol_llm):
-    """SmolLM2's Q4_1 linear weights (and its Q8_0 tied LM head) kept packed, in float32: the 4-bit layers
-    quantize their activations per 32 values, so greedy tokens start as the default engine's (which dequantises the
-    same blocks) (the kernel's bits against `w4a8_reference` are tested on tiny models)."""
+    """SmolLM2's Q4_1 linear weights (and its Q8_0 tied LM head) kept packed, in float32: the layers quantize their
+    activations per 32 values, so greedy tokens start as the default engine's (which dequantises the same blocks)
+    (the kernel's bits against `gguf_reference` are tested on tiny models)."""
     gguf = LLM(dtype="float32", quantization="gguf", kv_cache_memory=64 << 20, max_model_len=2048)
     model = gguf.engine.runner.model
     assert model.model.layers[0].mlp.gate_up_proj.weight.ggml_type == 3  # Q4_1
@@ -184,7 +184,7 @@ def _close_to(logits: torch.Tensor, expected: torch.Tensor) -> bool:
 @pytest.mark.parametrize("name", list(INT4_CHECKPOINTS))
 def test_int4_checkpoint_computes_w4a8_on_its_weights(int4_checkpoints, name, monkeypatch):
     """The quantization comes from the checkpoint's config; each linear layer but the (unquantized) LM head keeps
-    its 4 bits; prefill and decode logits are the model's with `w4a8_reference` matmuls, bitwise, and
+    its 4 bits; prefill and decode logits are the model's with `gguf_reference` matmuls, bitwise, and
     transformers' on the dequantised weights within the activations' quantization noise."""
     folder, dequantised = int4_checkpoints[name]
     model = load_model(ModelConfig(model=str(folder), dtype="float32")).model
@@ -202,7 +202,7 @@ def test_int4_checkpoint_computes_w4a8_on_its_weights(int4_checkpoints, name, mo
         tokens.append(int(expected.argmax()))
         steps.append(tokens[-1:])
         logits.append(runner.step({0: tokens[-1:]})[0])
-    use_w4a8_reference(monkeypatch)
+    use_gguf_reference(monkeypatch)
     reference = SimplePagedRunner(model)
     for step, got in zip(steps, logits):
         assert torch.equal(got, reference.step({0: step})[0])
@@ -262,5 +262,5 @@ def test_a_fused_layer_whose_parts_permute_k_differently_keeps_its_dequantised_w
         expected = dequantised(torch.tensor([tokens])).logits[0, -1]
     logits = SimplePagedRunner(model).step({0: tokens})[0]
     assert _close_to(logits, expected)
-    use_w4a8_reference(monkeypatch)
+    use_gguf_reference(monkeypatch)
     assert torch.equal(logits, SimplePagedRunner(model).step({0: tokens})[0])

@@ -8,12 +8,14 @@ A GGUF row of K values is K/32 blocks; each block is one f16 scale d (and Q4_1's
     Q4_1: d m | 16 bytes, as Q4_0                             W = d q + m
 
 `pack_gguf_weight` regroups the blocks of 16 output rows side by side, with the scales widened to float32, so that
-the kernel reads one group of 32 k's for 16 columns with a few vector loads:
+the kernel reads one group of 32 k's for 16 columns in 64-byte rows of 16 lanes of 4 k's, vpdpbusd's operand
+(linear_gguf.cpp):
 
     packed [ceil(N/16), K/32, group bytes], per (16 rows b, 32 k's g):
-      d[16] float32 | (Q4_1) m[16] float32 | values: Q8_0 [32 k][16 columns] int8 (dequantised by the kernel);
-        Q4_0/Q4_1 4 octets of 8 k's, 64 bytes each: byte 4 j + t of octet o = column j's k 8 o + t (low nibble)
-        | k 8 o + 4 + t << 4, so that a masked octet is 16 lanes of 4 k's, vpdpbusd's operand (linear_q4.cpp)
+      d[16] float32 | (Q4_1) m[16] float32 | values:
+        Q8_0       8 quads of 4 k's, 64 bytes each: byte 4 j + t of quad i = column j's k 4 i + t (int8)
+        Q4_0/Q4_1  4 octets of 8 k's, 64 bytes each: byte 4 j + t of octet o = column j's k 8 o + t (low nibble)
+                   | k 8 o + 4 + t << 4
 
 Other 4-bit formats whose groups of 32 k's are each an affine map of 4-bit values pack as Q4_1 through `Q4Rows`
 (W = d q + m per row and group, d and m float32): GGUF's Q4_K here, AWQ and GPTQ in `pagedllm.layers.int4`.
@@ -24,8 +26,8 @@ an f16 times a 6-bit integer), so it runs in the Q4_1 kernel with no kernel of i
           low nibbles are values 0..31 and high nibbles values 32..63          W = d sc_j q - dmin m_j
 
 The values are the checkpoint's own, so the packed weight stands for exactly the weight the loader's dequantisers
-give (`dequantize_gguf_packed` computes it, with their arithmetic: Q8_0's kernel gives that weight's float32 bits;
-the 4-bit types' multiply their values by activations quantized to int8, `pagedllm.layers.linear.w4a8_reference`).
+give (`dequantize_gguf_packed` computes it, with their arithmetic); the kernel multiplies the values by activations
+quantized to int8 (`pagedllm.layers.linear.gguf_reference`).
 Missing rows of the last block are zero bytes: d = m = 0, so they are 0.
 """
 
@@ -93,8 +95,8 @@ def pack_gguf_weight(rows: torch.Tensor, ggml_type: GGMLQuantizationType) -> tor
     scales = blocks[..., :head].contiguous().view(torch.float16).float()  # [B, 16, G, 1 or 2]
     scales = scales.permute(0, 2, 3, 1).contiguous().view(torch.uint8).flatten(2)  # [B, G, (d[16], m[16]) bytes]
     values = blocks[..., head:]  # [B, 16 columns, G, 32 or 16 bytes]
-    if ggml_type == GGMLQuantizationType.Q8_0:
-        values = values.permute(0, 2, 3, 1).flatten(2)  # [B, G, 32 k x 16 columns]
+    if ggml_type == GGMLQuantizationType.Q8_0:  # [B, 16 j, G, 8 quads, 4 t] -> [B, G, quad, j, t]
+        values = values.reshape(*values.shape[:3], 8, 4).permute(0, 2, 3, 1, 4).flatten(2)
     else:
         values = _octets(torch.cat([values & 0x0F, values >> 4], dim=-1))  # value i of the block
     return torch.cat([scales, values], dim=-1).contiguous()
@@ -149,8 +151,8 @@ def unpack_gguf_packed(packed: torch.Tensor, ggml_type: GGMLQuantizationType, n:
     scales = scales.view(num_blocks, groups, num_scales, _ROWS).permute(2, 0, 3, 1)  # [d / m, B, 16, G]
     scales = scales.reshape(num_scales, num_blocks * _ROWS, groups)[:, :n]
     values = packed[..., 4 * _ROWS * num_scales:]
-    if ggml_type == GGMLQuantizationType.Q8_0:
-        q = values.contiguous().view(torch.int8).view(num_blocks, groups, _GROUP, _ROWS).permute(0, 3, 1, 2)
+    if ggml_type == GGMLQuantizationType.Q8_0:  # [B, G, quad, 16 j, 4 t] -> [B, 16 j, G, quad, t]
+        q = values.contiguous().view(torch.int8).view(num_blocks, groups, 8, _ROWS, 4).permute(0, 3, 1, 2, 4)
     else:  # [B, G, octet, 16 j, 4 t] -> [B, 16 j, G, octet, low / high, t]
         octets = values.reshape(num_blocks, groups, 4, _ROWS, 4)
         q = torch.stack([octets & 0x0F, octets >> 4], dim=3).permute(0, 4, 1, 2, 3, 5)

@@ -112,7 +112,7 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 W8A8_SPAN = 64  # k's of an activation row that share one scale under quantization="w8a8" (kSpanK in linear_int8.cpp)
-W4A8_SPAN = 32  # the same for GGUF's 4-bit weights (one GGUF block; kGroupK in linear_q4.cpp)
+GGUF_SPAN = 32  # the same for GGUF's blocks under quantization="gguf" (one GGUF block; kGroupK in linear_gguf.cpp)
 
 
 def _quantize_spans(x: torch.Tensor, span: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,26 +142,28 @@ def w8a8_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     return (out if bias is None else out + bias.float()).to(x.dtype)
 
 
-def w4a8_reference(x: torch.Tensor, packed: torch.Tensor, ggml_type: GGMLQuantizationType, n: int,
+def gguf_reference(x: torch.Tensor, packed: torch.Tensor, ggml_type: GGMLQuantizationType, n: int,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T + b for a packed GGUF Q4_0 or Q4_1 weight (`pack_gguf_weight`; W = d q + m, Q4_0's m = -8 d), with
-    each group of `W4A8_SPAN` k's of x's rows quantized as `w8a8_reference` quantizes a span: what `linear_gguf`
-    computes for those types, to the bit, at every ISA level and any M.
+    """x W^T + b for a packed GGUF Q8_0, Q4_0 or Q4_1 weight (`pack_gguf_weight`; W = d q, Q4_0: d q + m with
+    m = -8 d, Q4_1: d q + m), with each group of `GGUF_SPAN` k's of x's rows quantized as `w8a8_reference` quantizes
+    a span: what `linear_gguf` computes, to the bit, at every ISA level and any M.
 
-    Per group g, the int8 x 4-bit products are summed exactly; with sm = x_scale[m, g] * float(sum of the group's
-    qx), `acc = acc + (float(sum) * d[n, g]) * x_scale[m, g]`, then `acc = acc + m[n, g] * sm`, group by group, each
-    operation rounded; the result `+ bias[n]`, rounded once to x's dtype.
+    Per group g, the int8 x weight-value products are summed exactly; `acc = acc + (float(sum) * d[n, g]) *
+    x_scale[m, g]`, then for the 4-bit types, with sm = x_scale[m, g] * float(sum of the group's qx),
+    `acc = acc + m[n, g] * sm`, group by group, each operation rounded; the result `+ bias[n]`, rounded once to x's
+    dtype.
     """
     q, d, m = unpack_gguf_packed(packed, ggml_type, n)
-    if m is None:
+    if ggml_type == GGMLQuantizationType.Q4_0:
         m = d * -8
-    qx, x_scale = _quantize_spans(x, W4A8_SPAN)
+    qx, x_scale = _quantize_spans(x, GGUF_SPAN)
     scaled_sums = x_scale * qx.sum(dim=-1).float()
-    qw = q.int().view(n, -1, W4A8_SPAN)
+    qw = q.int().view(n, -1, GGUF_SPAN)
     acc = torch.zeros(x.shape[0], n)
     for g in range(qx.shape[1]):
         acc = acc + (qx[:, g] @ qw[:, g].T).float() * d[:, g] * x_scale[:, g, None]
-        acc = acc + m[:, g] * scaled_sums[:, g, None]
+        if m is not None:
+            acc = acc + m[:, g] * scaled_sums[:, g, None]
     return (acc if bias is None else acc + bias.float()).to(x.dtype)
 
 

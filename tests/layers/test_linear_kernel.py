@@ -3,9 +3,9 @@
 The kernel widens bf16 exactly and accumulates in float32, so against the float32 reference it differs only by
 the order of the sums (float32 output) or, on top of that, by one rounding to bf16 (bf16 output). An int8 weight's
 reference is `F.linear` on its dequantised float32 weight (`dequantize_int8`): the kernel sums x times q and
-scales once, so the two differ by float32 rounding only. A GGUF Q8_0 weight's is its dequantised weight
-(`dequantize_gguf_packed`), and there the kernel gives the float32 kernel's bits; Q4_0 and Q4_1 weights multiply
-activations quantized per 32 k's, and give `w4a8_reference`'s bits.
+scales once, so the two differ by float32 rounding only. GGUF weights (Q8_0, Q4_0, Q4_1 blocks) multiply
+activations quantized per 32 k's: they give `gguf_reference`'s bits, within ~1% of their dequantised weight's
+(`dequantize_gguf_packed`) float32 result.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from pagedllm.kernels import cpu_kernels
 from pagedllm.layers.gguf import dequantize_gguf_packed, pack_gguf_weight
-from pagedllm.layers.linear import dequantize_int8, quantize_int8, w4a8_reference
+from pagedllm.layers.linear import dequantize_int8, gguf_reference, quantize_int8
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -187,32 +187,13 @@ def _random_gguf_rows(ggml_type: GGMLQuantizationType, n: int, k: int, seed: int
     return blocks.view(n, -1)
 
 
-@pytest.mark.parametrize("m", [1, 3, 7, 33, 700])  # 700 x 96 floats: past 256 KiB the weight is dequantised first
-@pytest.mark.parametrize(("x_dtype", "with_bias"), [(torch.float32, False), (torch.bfloat16, True)])
-def test_q8_0_kernel_gives_the_dequantised_weights_bits(kernels: ModuleType, x_dtype: torch.dtype, m: int,
-                                                        with_bias: bool) -> None:
-    """N = 40 (a partial block of 16), K = 96 (three GGUF blocks)."""
-    q8_0 = GGMLQuantizationType.Q8_0
-    g = torch.Generator().manual_seed(m)
-    packed = pack_gguf_weight(_random_gguf_rows(q8_0, 40, 96, seed=m), q8_0)
-    weight = dequantize_gguf_packed(packed, q8_0, 40)
-    x = torch.randn(m, 96, generator=g).to(x_dtype)
-    bias = torch.randn(40, generator=g).to(x_dtype) if with_bias else None
-    out = torch.empty(m, 40, dtype=x_dtype)
-    kernels.linear_gguf(out, x, packed, int(q8_0), bias)
-    _assert_matches_float32(out, x, weight, bias)
-    # The group is dequantised with the reference's arithmetic and summed as the float32 kernel sums, so a Q8_0
-    # weight gives the bits of its dequantised float32 weight.
-    assert torch.equal(out, _linear(kernels, x, weight, bias))
-
-
-@pytest.mark.parametrize("ggml_type", [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1])
+@pytest.mark.parametrize("ggml_type", GGUF_TYPES)
 @pytest.mark.parametrize("m", [1, 3, 9, 33, 300])  # tiles of 8 rows (AVX-512) or 4, whole and partial
 @pytest.mark.parametrize(("x_dtype", "with_bias"), [(torch.float32, False), (torch.bfloat16, True)])
-def test_q4_kernel_gives_the_w4a8_references_bits(kernels: ModuleType, ggml_type: GGMLQuantizationType,
-                                                 x_dtype: torch.dtype, m: int, with_bias: bool) -> None:
-    """N = 40 (a partial block of 16), K = 160 (five groups). The activations are quantized per 32 k's, so the
-    result is within ~1% of the dequantised weight's, and exactly the reference's."""
+def test_gguf_kernel_gives_the_references_bits(kernels: ModuleType, ggml_type: GGMLQuantizationType,
+                                               x_dtype: torch.dtype, m: int, with_bias: bool) -> None:
+    """N = 40 (a partial block of 16), K = 160 (five groups). The random bytes hold every value (Q8_0's -128,
+    whose magnitude the AVX2 path multiplies, included)."""
     g = torch.Generator().manual_seed(m)
     packed = pack_gguf_weight(_random_gguf_rows(ggml_type, 40, 160, seed=m), ggml_type)
     x = torch.randn(m, 160, generator=g).to(x_dtype)
@@ -220,22 +201,23 @@ def test_q4_kernel_gives_the_w4a8_references_bits(kernels: ModuleType, ggml_type
     bias = torch.randn(40, generator=g).to(x_dtype) if with_bias else None
     out = torch.empty(m, 40, dtype=x_dtype)
     kernels.linear_gguf(out, x, packed, int(ggml_type), bias)
-    assert torch.equal(out, w4a8_reference(x, packed, ggml_type, 40, bias))
+    assert torch.equal(out, gguf_reference(x, packed, ggml_type, 40, bias))
     weight = dequantize_gguf_packed(packed, ggml_type, 40)
     expected = F.linear(x.float(), weight, None if bias is None else bias.float())
     assert (out.float() - expected).norm() < 0.02 * expected.norm()
 
 
-def test_a_q4_rows_result_does_not_depend_on_its_batch(kernels: ModuleType) -> None:
+@pytest.mark.parametrize("ggml_type", [GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_1])
+def test_a_gguf_rows_result_does_not_depend_on_its_batch(kernels: ModuleType, ggml_type: GGMLQuantizationType
+                                                         ) -> None:
     """Each row's activations are quantized on their own and summed in a fixed order: a row alone, in a tile of
     others and in a prefill-sized batch gives the same bits (so a sequence's tokens do not depend on its company)."""
-    q4_1 = GGMLQuantizationType.Q4_1
-    packed = pack_gguf_weight(_random_gguf_rows(q4_1, 40, 96, seed=1), q4_1)
+    packed = pack_gguf_weight(_random_gguf_rows(ggml_type, 40, 96, seed=1), ggml_type)
     x = torch.randn(300, 96, generator=torch.Generator().manual_seed(1))
     outs = []
     for rows in (x[:1], x[:5], x):
         out = torch.empty(rows.shape[0], 40)
-        kernels.linear_gguf(out, rows, packed, int(q4_1))
+        kernels.linear_gguf(out, rows, packed, int(ggml_type))
         outs.append(out[0])
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 

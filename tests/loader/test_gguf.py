@@ -16,7 +16,7 @@ from pagedllm.config import ModelConfig
 from pagedllm.layers.gguf import PACKED_GGUF_TYPES, dequantize_gguf_packed, pack_gguf_weight, packed_type
 from pagedllm.loader import load_model
 from pagedllm.loader.gguf import GGUFFile, gguf_block_rows, gguf_hf_config, gguf_to_hf_name, iterate_gguf, unpermute_qk
-from tests.models.tiny import SimplePagedRunner, build_tiny_hf_model, use_w4a8_reference
+from tests.models.tiny import SimplePagedRunner, build_tiny_hf_model, use_gguf_reference
 
 QUANTIZABLE = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1]
 RAW_ONLY = [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q2_K, Q.Q3_K]  # no Python quantizer: random bytes, checked vs GGUFReader
@@ -213,27 +213,27 @@ def test_packed_gguf_rows_are_the_dequantised_weights(tmp_path: Path, qtype: Q) 
         assert torch.equal(dequantize_gguf_packed(pack_gguf_weight(raw, ggml_type), ggml_type, n), weights[name])
 
 
-def _assert_w4a8_of_the_dense_model(packed, dense, prompt: list[int], monkeypatch) -> None:
-    """`packed`'s logits are those of its 4-bit layers computed by `w4a8_reference`, bitwise, and within the noise
+def _assert_gguf_reference_near_the_dense_model(packed, dense, prompt: list[int], monkeypatch) -> None:
+    """`packed`'s logits are those of its GGUF-packed layers computed by `gguf_reference`, bitwise, and within the noise
     of 8-bit activations of the dequantised (`dense`) model's, with the same next token."""
     got, expected = SimplePagedRunner(packed).step({0: prompt}), SimplePagedRunner(dense).step({0: prompt})
     assert (got - expected).abs().max() < 0.05 * expected.abs().max() and got.argmax() == expected.argmax()
-    use_w4a8_reference(monkeypatch)
+    use_gguf_reference(monkeypatch)
     assert torch.equal(got, SimplePagedRunner(packed).step({0: prompt}))
 
 
-@pytest.mark.parametrize("kind", ["llama-gqa", "llama-untied"])
-def test_gguf_quantization_multiplies_its_blocks(tmp_path: Path, kind: str, monkeypatch) -> None:
-    """quantization="gguf" keeps the blocks: Q4_1 weights times activations quantized per 32 values (the
-    dequantised model within that noise), the untied LM head's Q4_1 and the tied one's (the embedding's) too."""
+@pytest.mark.parametrize(("kind", "qtype"), [("llama-gqa", Q.Q4_1), ("llama-untied", Q.Q4_1), ("llama-gqa", Q.Q8_0)])
+def test_gguf_quantization_multiplies_its_blocks(tmp_path: Path, kind: str, qtype: Q, monkeypatch) -> None:
+    """quantization="gguf" keeps the blocks: weights times activations quantized per 32 values (the dequantised
+    model within that noise), the untied LM head's blocks and the tied one's (the embedding's) too."""
     path = tmp_path / f"{kind}.gguf"
-    _write_model_gguf(build_tiny_hf_model(kind), path, "llama", Q.Q4_1)
+    _write_model_gguf(build_tiny_hf_model(kind), path, "llama", qtype)
     packed = load_model(ModelConfig(model=str(path), dtype="float32", quantization="gguf")).model
     dense = load_model(ModelConfig(model=str(path), dtype="float32")).model
     qkv, head = packed.model.layers[0].self_attn.qkv_proj.weight, packed.lm_head.weight
-    assert qkv.dtype == torch.uint8 and qkv.ggml_type == Q.Q4_1 and head.dtype == torch.uint8
+    assert qkv.dtype == torch.uint8 and qkv.ggml_type == qtype and head.dtype == torch.uint8
     assert packed.model.embed_tokens.weight.dtype == torch.float32  # the lookup keeps a dequantised copy
-    _assert_w4a8_of_the_dense_model(packed, dense, [1, 17, 250, 9, 33, 70, 5, 80, 81], monkeypatch)
+    _assert_gguf_reference_near_the_dense_model(packed, dense, [1, 17, 250, 9, 33, 70, 5, 80, 81], monkeypatch)
 
 
 def test_gguf_quantization_keeps_q4_k_packed(tmp_path: Path, monkeypatch) -> None:
@@ -244,7 +244,7 @@ def test_gguf_quantization_keeps_q4_k_packed(tmp_path: Path, monkeypatch) -> Non
     dense = load_model(ModelConfig(model=str(path), dtype="float32")).model
     for proj in (packed.model.layers[0].self_attn.qkv_proj, packed.model.layers[1].mlp.down_proj, packed.lm_head):
         assert proj.weight.dtype == torch.uint8 and proj.weight.ggml_type == Q.Q4_1
-    _assert_w4a8_of_the_dense_model(packed, dense, [1, 17, 250, 9, 33, 70, 5, 80, 81], monkeypatch)
+    _assert_gguf_reference_near_the_dense_model(packed, dense, [1, 17, 250, 9, 33, 70, 5, 80, 81], monkeypatch)
 
 
 def test_a_layer_with_a_part_not_in_a_packed_type_keeps_its_dequantised_weight(tmp_path: Path, monkeypatch) -> None:
@@ -263,4 +263,4 @@ def test_a_layer_with_a_part_not_in_a_packed_type_keeps_its_dequantised_weight(t
     assert packed.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float32
     assert packed.model.layers[1].self_attn.qkv_proj.weight.dtype == torch.uint8
     dense = load_model(ModelConfig(model=str(path), dtype="float32")).model
-    _assert_w4a8_of_the_dense_model(packed, dense, [1, 17, 250, 9, 33], monkeypatch)
+    _assert_gguf_reference_near_the_dense_model(packed, dense, [1, 17, 250, 9, 33], monkeypatch)

@@ -120,22 +120,21 @@ class SimplePagedRunner:
         return self.model.compute_logits(hidden[last])
 
 
-def use_w4a8_reference(monkeypatch: Any) -> None:
-    """Make every linear layer whose weight is packed for the 4-bit kernel (GGUF Q4_0, Q4_1 and Q4_K, AWQ, GPTQ)
-    compute `w4a8_reference` (the kernel's bits, from torch) instead; the other layers keep their kernels."""
+def use_gguf_reference(monkeypatch: Any) -> None:
+    """Make every linear layer whose weight is packed as GGUF blocks (Q8_0, Q4_0, Q4_1: GGUF's, and AWQ's and
+    GPTQ's repacked) compute `gguf_reference` (the kernel's bits, from torch) instead; the others keep their kernels."""
     from gguf import GGMLQuantizationType
 
     from pagedllm.layers import embedding
     from pagedllm.layers import linear as linear_module
 
     kernel_linear = linear_module.linear
-    four_bit = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
 
     def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if weight.dtype != torch.uint8 or weight.ggml_type not in four_bit:
+        if weight.dtype != torch.uint8:
             return kernel_linear(x, weight, bias)
         x = x if weight.input_perm is None else x.index_select(1, weight.input_perm)
-        return linear_module.w4a8_reference(x, weight, GGMLQuantizationType(weight.ggml_type), weight.out_features,
+        return linear_module.gguf_reference(x, weight, GGMLQuantizationType(weight.ggml_type), weight.out_features,
                                             bias)
 
     monkeypatch.setattr(linear_module, "linear", reference)

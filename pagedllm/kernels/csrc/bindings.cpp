@@ -33,8 +33,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("scale") = pybind11::none(), NoGil());
   m.def("linear_gguf", &pagedllm::linear_gguf,
         "out = x W^T + bias, W a GGUF Q4_0, Q4_1 or Q8_0 weight regrouped by "
-        "pagedllm.layers.gguf.pack_gguf_weight, N = out.size(1); Q8_0 in float32 arithmetic, Q4_0 and Q4_1 times x "
-        "quantized to int8 per 32 k's (pagedllm.layers.linear.w4a8_reference): (out, x, packed, ggml_type, bias)",
+        "pagedllm.layers.gguf.pack_gguf_weight, N = out.size(1), times x quantized to int8 per 32 k's "
+        "(pagedllm.layers.linear.gguf_reference): (out, x, packed, ggml_type, bias)",
         pybind11::arg("out"), pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("ggml_type"),
         pybind11::arg("bias") = pybind11::none(), NoGil());
   m.def("pack_w8a8_weight", &pagedllm::pack_w8a8_weight,

@@ -76,15 +76,6 @@ void pack_weight(const at::Tensor& weight, at::Tensor& packed) {
   });
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
-// 16 int8 values as float32, columns 0..7 and 8..15 (the AVX2 kernel's int8 rows and GGUF's Q8_0 groups).
-inline void widen_int8(const int8_t* p, __m256& lo, __m256& hi) {
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
-  hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(bytes, bytes)));
-}
-#endif
-
 #if defined(__AVX512F__)
 
 // AVX-512: one zmm per block row. A bf16 block row widens in two instructions (zero-extend, shift) into slot
@@ -153,7 +144,11 @@ inline void load_block_row(const c10::BFloat16* p, __m256& lo, __m256& hi) {
   hi = _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
-inline void load_block_row(const int8_t* p, __m256& lo, __m256& hi) { widen_int8(p, lo, hi); }
+inline void load_block_row(const int8_t* p, __m256& lo, __m256& hi) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+  hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(bytes, bytes)));
+}
 
 // c[rows][2] += x[rows][k] times row k of a block: the 16 weights widened, each row's x broadcast.
 template <int rows, typename W>
@@ -368,113 +363,6 @@ void linear_for_weight(at::Tensor& out, const at::Tensor& x, const at::Tensor& p
   }
 }
 
-// GGUF's Q8_0 blocks, kept packed (issue 15; the 4-bit types run in linear_q4.cpp): the linear weight's 32-value
-// blocks regrouped by pagedllm.layers.gguf into [ceil(N/16), K/32, 576 bytes]: for each 16 output rows and each 32
-// k's, the rows' float32 scales d[16], then q[32][16] int8, k-major, columns in order (W = d q).
-//
-// A group is dequantised to float32 [32][16] (the same arithmetic as the loader's torch dequantiser, so the same
-// bits), which is the float32 layout's [32 k][16] slice of that block: the float32 tile kernel sums it, so a row's
-// result is the float32 kernel's on the dequantised weight, bit for bit. While x fits in half of L2 (decode, and
-// up to ~100 rows at SmolLM2's widths), each group is dequantised into an L1 buffer once for all the row tiles and
-// the weight is read once. Past that (prefill), the whole weight is dequantised into the float32 layout first (4
-// bytes a weight written and read once per call, small beside M x 2 FLOPs a weight) and the float32 kernel runs on
-// it, panels in L2 and all.
-constexpr int64_t kGroup = 32;                        // k's per GGUF block
-constexpr int64_t kGroupPathBytes = kPanelBytes / 2;  // x up to this size: each group dequantised once for all rows
-constexpr int64_t kQ8GroupBytes = kBlock * sizeof(float) + kGroup * kBlock;
-enum GgufType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };  // ggml's type numbers
-
-int64_t gguf_group_bytes(int64_t type) {
-  return type == kQ8_0 ? kQ8GroupBytes : (type == kQ4_1 ? 2 : 1) * kBlock * sizeof(float) + kGroup * kBlock / 2;
-}
-
-#if defined(__AVX2__) && defined(__FMA__)
-
-void dequant_group(const uint8_t* group, float* w) {
-  const float* d = reinterpret_cast<const float*>(group);
-  const __m256 d_lo = _mm256_loadu_ps(d), d_hi = _mm256_loadu_ps(d + 8);
-  const int8_t* q = reinterpret_cast<const int8_t*>(group + kBlock * sizeof(float));
-  for (int64_t k = 0; k < kGroup; ++k) {
-    __m256 q_lo, q_hi;
-    widen_int8(q + k * kBlock, q_lo, q_hi);
-    _mm256_storeu_ps(w + k * kBlock, _mm256_mul_ps(d_lo, q_lo));
-    _mm256_storeu_ps(w + k * kBlock + 8, _mm256_mul_ps(d_hi, q_hi));
-  }
-}
-
-#else  // plain C++: the same arithmetic, one value at a time
-
-void dequant_group(const uint8_t* group, float* w) {
-  const float* d = reinterpret_cast<const float*>(group);
-  const int8_t* q = reinterpret_cast<const int8_t*>(group + kBlock * sizeof(float));
-  for (int64_t k = 0; k < kGroup; ++k) {
-    for (int64_t j = 0; j < kBlock; ++j) w[k * kBlock + j] = d[j] * static_cast<float>(q[k * kBlock + j]);
-  }
-}
-
-#endif
-
-// out = x W^T + b for a Q8_0-packed W and an x of at most kGroupPathBytes (or one tile of rows).
-template <typename T>
-struct Q8Problem {
-  const float* x;
-  int64_t ld;
-  const uint8_t* packed;
-  const T* bias;  // nullptr: no bias
-  T* out;
-  int64_t m, n, k, out_stride;
-
-  // Block b for rows [m0, m1): acc holds [m1 - m0][16] floats, w one dequantised group.
-  void run_block(int64_t b, int64_t m0, int64_t m1, float* acc, float* w) const {
-    std::fill(acc, acc + (m1 - m0) * kBlock, 0.f);
-    const uint8_t* groups = packed + b * (k / kGroup) * kQ8GroupBytes;
-    for (int64_t g = 0; g < k / kGroup; ++g) {
-      dequant_group(groups + g * kQ8GroupBytes, w);
-      for (int64_t r0 = m0; r0 < m1; r0 += kMaxRows) {
-        run_tile(static_cast<int>(std::min<int64_t>(kMaxRows, m1 - r0)), x + r0 * ld + g * kGroup, ld,
-                 static_cast<const float*>(w), kGroup, acc + (r0 - m0) * kBlock);
-      }
-    }
-    for (int64_t r0 = m0; r0 < m1; r0 += kMaxRows) {
-      store_rows(out, out_stride, n, bias, static_cast<const float*>(nullptr), acc + (r0 - m0) * kBlock, r0,
-                 static_cast<int>(std::min<int64_t>(kMaxRows, m1 - r0)), b);
-    }
-  }
-
-  // Threads split the column blocks (and the row tiles when there are few blocks).
-  void run_parallel() const {
-    split_blocks_and_tiles((n + kBlock - 1) / kBlock, (m + kMaxRows - 1) / kMaxRows, m * n * k,
-                           [&](int64_t b0, int64_t b1, int64_t t0, int64_t t1) {
-      const int64_t m0 = t0 * kMaxRows, m1 = std::min(m, t1 * kMaxRows);
-      const AlignedFloats acc = aligned_floats((m1 - m0) * kBlock), w = aligned_floats(kGroup * kBlock);
-      for (int64_t b = b0; b < b1; ++b) run_block(b, m0, m1, acc.get(), w.get());
-    });
-  }
-};
-
-// The float32 [ceil(N/16), K, 16] weight (pack_linear_weight's layout) of a Q8_0-packed one.
-at::Tensor dequantize_packed(const at::Tensor& packed) {
-  const int64_t groups = packed.size(1);
-  at::Tensor weight = at::empty({packed.size(0), groups * kGroup, kBlock}, packed.options().dtype(at::kFloat));
-  const uint8_t* src = packed.data_ptr<uint8_t>();
-  float* dst = weight.data_ptr<float>();
-  at::parallel_for(0, packed.size(0) * groups, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      dequant_group(src + i * kQ8GroupBytes, dst + i * kGroup * kBlock);
-    }
-  });
-  return weight;
-}
-
-template <typename T>
-void run_q8_0(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
-  const bool group_path = x.size(0) <= kMaxRows || x.numel() * int64_t{sizeof(float)} <= kGroupPathBytes;
-  if (!group_path) return linear_impl<T, float>(out, x, dequantize_packed(packed), bias, {});
-  const at::Tensor x32 = float_rows(x);
-  Q8Problem<T>{x32.data_ptr<float>(), x32.stride(0), packed.data_ptr<uint8_t>(), bias ? bias->data_ptr<T>() : nullptr,
-               out.data_ptr<T>(), x.size(0), out.size(1), x.size(1), out.stride(0)}.run_parallel();
-}
-
 bool is_weight_dtype(const at::Tensor& t) { return is_float_or_bf16(t) || t.scalar_type() == at::kChar; }
 
 }  // namespace
@@ -507,22 +395,6 @@ void linear_packed(at::Tensor out, at::Tensor x, at::Tensor packed, c10::optiona
   if (out.numel() == 0) return;
   if (x.scalar_type() == at::kBFloat16) return linear_for_weight<c10::BFloat16>(out, x, packed, bias, scale);
   linear_for_weight<float>(out, x, packed, bias, scale);
-}
-
-void linear_gguf(at::Tensor out, at::Tensor x, at::Tensor packed, int64_t ggml_type,
-                 c10::optional<at::Tensor> bias) {
-  TORCH_CHECK(ggml_type == kQ4_0 || ggml_type == kQ4_1 || ggml_type == kQ8_0,
-              "ggml_type must be Q4_0 (2), Q4_1 (3) or Q8_0 (8), got ", ggml_type);
-  TORCH_CHECK(x.device().is_cpu() && out.device().is_cpu() && packed.device().is_cpu(), "tensors must be on the CPU");
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous()
-                  && packed.size(2) == gguf_group_bytes(ggml_type),
-              "packed must come from pack_gguf_weight: a contiguous uint8 [ceil(N/16), K/32, ",
-              gguf_group_bytes(ggml_type), "] for this type, got ", packed.sizes());
-  check_operands(out, x, packed.size(0), packed.size(1) * kGroup, bias);
-  if (out.numel() == 0) return;
-  if (ggml_type != kQ8_0) return linear_w4a8(out, x, packed, ggml_type == kQ4_1, bias);
-  if (x.scalar_type() == at::kBFloat16) return run_q8_0<c10::BFloat16>(out, x, packed, bias);
-  run_q8_0<float>(out, x, packed, bias);
 }
 
 }  // namespace pagedllm

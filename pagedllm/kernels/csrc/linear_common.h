@@ -1,7 +1,6 @@
-// What the linear kernels share (linear.cpp: float32, bf16, int8-weight and GGUF Q8_0 weights; linear_int8.cpp:
-// W8A8; linear_q4.cpp: GGUF's 4-bit weights times int8 activations): output columns in blocks of 16, the threads'
-// split of the work, the store of a tile of results, the quantization of activations, and the checks of x, out and
-// bias.
+// What the linear kernels share (linear.cpp: float32, bf16 and int8 weights; linear_int8.cpp: W8A8;
+// linear_gguf.cpp: GGUF's blocks times int8 activations): output columns in blocks of 16, the threads' split of the
+// work, the store of a tile of results, the quantization of activations, and the checks of x, out and bias.
 #pragma once
 
 #include "ops.h"
@@ -118,10 +117,5 @@ inline void check_operands(const at::Tensor& out, const at::Tensor& x, int64_t b
                         && bias->device().is_cpu()),
               "bias must be a contiguous [N] CPU tensor of x's dtype");
 }
-
-// out = x W^T + b for a GGUF Q4_0 (has_min false) or Q4_1 weight, x quantized per 32 k's (linear_q4.cpp); the
-// operands checked by linear_gguf.
-void linear_w4a8(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, bool has_min,
-                 const c10::optional<at::Tensor>& bias);
 
 }  // namespace pagedllm

@@ -1,0 +1,358 @@
+// GGUF's blocks kept packed (quantization="gguf"): Q8_0, Q4_0 and Q4_1 weights, which also run Q4_K, AWQ and GPTQ
+// weights (pagedllm.layers.gguf repacks them as Q4_1), times activations quantized to 8 bits, as llama.cpp
+// multiplies its blocks by Q8 activations. x's rows are quantized in each call, one scale per group of 32 k's (a
+// GGUF block), and each group's products are summed exactly in int32:
+//
+//    s_x[m, g] = max |x[m, group g]| / 127 (1 for a zero group), qx[m, k] = round(x[m, k] / s_x[m, g]),
+//    sm[m, g] = s_x[m, g] * float(sum_{k in g} qx[m, k])
+//    W[n, k] = d[n, g] q[n, k] (+ m[n, g])   Q8_0: q int8, no m; Q4_0: q in 0..15, m = -8 d; Q4_1: q in 0..15
+//    acc[m, n] = sum over groups g, in order, of  (float(sum_{k in g} qx q) * d[n, g]) * s_x[m, g]
+//                                              (+ m[n, g] * sm[m, g])
+//    out[m, n] = acc[m, n] (+ bias[n]), rounded once to out's dtype
+//
+// each float32 operation rounded, in that order (never fused into an FMA: `rounded`), so every ISA path gives the
+// bits of the torch reference, pagedllm.layers.linear.gguf_reference, at any M: a row's result does not depend on
+// the batch it runs in. The min term uses the quantized x's sum, as llama.cpp does: the error is then that of
+// quantizing x against W itself (roughly centred), not against d q (all of one sign).
+//
+// Packed layout (pagedllm.layers.gguf.pack_gguf_weight): [ceil(N / 16), K / 32, group bytes], for each 16 output
+// rows and 32 k's the rows' float32 d[16] (and Q4_1's m[16]), then the values in 64-byte rows whose 32-bit lane j
+// is column j:
+//
+//    Q8_0: 8 quads of 4 k's:   byte 4 j + t of quad i = column j's k 4 i + t (int8)             576 bytes a group
+//    Q4_x: 4 octets of 8 k's:  byte 4 j + t of octet o = column j's k 8 o + t in its low nibble,  320 (Q4_0) or
+//                              k 8 o + 4 + t in its high one                                      384 (Q4_1)
+//
+// so that one 64-byte row (an octet masked by 0x0F, or shifted by 4 first) is a zmm of 16 lanes of 4 k's, the operand
+// vpdpbusd multiplies by a row's 4 bytes of qx broadcast to every lane. Paths:
+// - AVX512-VNNI: vpdpbusd multiplies unsigned bytes by signed ones. Q4: the nibbles are the unsigned operand, qx the
+//   signed one. Q8_0: x is stored as qx + 128 (unsigned) and the weight is the signed operand; the 128 x the group's
+//   column sums this adds is taken off, the column sums counted by vpdpbusd of 1s with the weight (shared by the
+//   tile's rows).
+// - AVX2: vpmaddubsw (unsigned x signed bytes, pairs summed in saturating int16). Q4: nibbles x qx, |pair| <= 2 x 15
+//   x 127, the 8 of a group added in int16 (|sum| <= 16 x 15 x 127 = 30480 < 2^15, so never saturating), then
+//   vpmaddwd by ones into int32. Q8_0: |q| x qx with q's sign moved onto it (vpsignb; |q| may be 128, qx never is),
+//   |pair| <= 2 x 128 x 127 = 32512, each pair sum widened by vpmaddwd at once.
+// - plain C++: int32 loops.
+//
+// Loops as linear_int8.cpp's: x is quantized once per call into buffers the threads share; the threads split the
+// column blocks (and the row tiles when there are fewer blocks than threads); each walks its blocks in panels that
+// fit in L2, and every tile of rows (its quantized x stays in L1) streams over a panel's blocks, so the weight is
+// read from memory once per call whatever M is.
+#include "linear_common.h"
+
+#include <vector>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace pagedllm {
+namespace {
+
+enum GgufType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };  // ggml's type numbers
+constexpr int64_t kGroupK = 32;  // k's per group: one d (and m) per column, one x scale per row
+constexpr int64_t kRowBytes = 64;  // one row of a group's values: 16 lanes of 4 bytes
+
+constexpr int64_t header_bytes(int64_t type) { return (type == kQ4_1 ? 2 : 1) * kBlock * int64_t{sizeof(float)}; }
+constexpr int64_t group_bytes(int64_t type) {
+  return header_bytes(type) + kGroupK * kBlock / (type == kQ8_0 ? 1 : 2);
+}
+
+// A tile's quantized x: rows of K bytes (`ld` apart: store_x's encoding), and per row and group s_x and sm
+// (`groups` apart).
+struct Q8Rows {
+  const uint8_t* q;
+  int64_t ld;
+  const float* scale;
+  const float* scaled_sum;
+  int64_t groups;
+
+  const uint8_t* at(int r, int64_t g) const { return q + r * ld + g * kGroupK; }
+  float s(int r, int64_t g) const { return scale[r * groups + g]; }
+  float sm(int r, int64_t g) const { return scaled_sum[r * groups + g]; }
+};
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+
+constexpr int kTileRows = 8;  // 8 rows x (2 int32 + 1 float32 accumulators): 24 of the 32 zmm registers
+
+// A quantized x value as stored: Q8_0's as qx + 128, vpdpbusd's unsigned operand.
+inline uint8_t store_x(int8_t q, int64_t type) { return static_cast<uint8_t>(type == kQ8_0 ? q + 128 : q); }
+
+// c[rows][2] = one group's int32 sums, each row's in its two accumulators.
+template <int rows, int64_t type>
+inline void group_sums(const Q8Rows& x, int64_t g, const uint8_t* values, __m512i (&c)[rows][2]) {
+  if constexpr (type == kQ8_0) {
+    __m512i col_sums = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int64_t i = 0; i < kGroupK / 4; ++i) {
+      const __m512i w = _mm512_loadu_si512(values + i * kRowBytes);
+      col_sums = _mm512_dpbusd_epi32(col_sums, _mm512_set1_epi8(1), w);
+#pragma GCC unroll 8
+      for (int r = 0; r < rows; ++r) {
+        c[r][i % 2] = _mm512_dpbusd_epi32(c[r][i % 2], _mm512_set1_epi32(load_4_bytes(x.at(r, g) + 4 * i)), w);
+      }
+    }
+    const __m512i offset = _mm512_slli_epi32(col_sums, 7);  // sum (qx + 128) q - sum qx q
+#pragma GCC unroll 8
+    for (int r = 0; r < rows; ++r) c[r][0] = _mm512_sub_epi32(c[r][0], offset);
+  } else {
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+#pragma GCC unroll 4
+    for (int64_t o = 0; o < kGroupK / 8; ++o) {
+      const __m512i w = _mm512_loadu_si512(values + o * kRowBytes);
+      const __m512i lo = _mm512_and_si512(w, low4), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low4);
+#pragma GCC unroll 8
+      for (int r = 0; r < rows; ++r) {
+        c[r][0] = _mm512_dpbusd_epi32(c[r][0], lo, _mm512_set1_epi32(load_4_bytes(x.at(r, g) + 8 * o)));
+        c[r][1] = _mm512_dpbusd_epi32(c[r][1], hi, _mm512_set1_epi32(load_4_bytes(x.at(r, g) + 8 * o + 4)));
+      }
+    }
+  }
+}
+
+// acc[rows][16] = x[rows] times a block's `groups` groups.
+template <int rows, int64_t type>
+void dot_tile(const Q8Rows& x, const uint8_t* block, int64_t groups, float* acc) {
+  __m512 f[rows];
+#pragma GCC unroll 8
+  for (int r = 0; r < rows; ++r) f[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* group = block + g * group_bytes(type);
+    __m512i c[rows][2];
+#pragma GCC unroll 8
+    for (int r = 0; r < rows; ++r) c[r][0] = c[r][1] = _mm512_setzero_si512();
+    group_sums<rows, type>(x, g, group + header_bytes(type), c);
+    const float* header = reinterpret_cast<const float*>(group);
+    const __m512 d = _mm512_loadu_ps(header);
+    const __m512 m = type == kQ4_1 ? _mm512_loadu_ps(header + kBlock) : _mm512_mul_ps(d, _mm512_set1_ps(-8.f));
+#pragma GCC unroll 8
+    for (int r = 0; r < rows; ++r) {
+      const __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(c[r][0], c[r][1]));
+      f[r] = _mm512_add_ps(f[r], rounded(_mm512_mul_ps(_mm512_mul_ps(sum, d), _mm512_set1_ps(x.s(r, g)))));
+      if (type != kQ8_0) f[r] = _mm512_add_ps(f[r], rounded(_mm512_mul_ps(m, _mm512_set1_ps(x.sm(r, g)))));
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < rows; ++r) _mm512_storeu_ps(acc + r * kBlock, f[r]);
+}
+
+#elif defined(__AVX2__)
+
+constexpr int kTileRows = 4;  // 4 rows x 2 integer accumulators, the weight's vectors, broadcasts: 16 ymm
+
+inline uint8_t store_x(int8_t q, int64_t) { return static_cast<uint8_t>(q); }
+
+// c[rows][h] = one group's int32 sums over columns 8 h .. 8 h + 7.
+template <int rows, int64_t type>
+inline void group_sums(const Q8Rows& x, int64_t g, const uint8_t* values, __m256i (&c)[rows][2]) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  if constexpr (type == kQ8_0) {
+    for (int64_t i = 0; i < kGroupK / 4; ++i) {
+      for (int h = 0; h < 2; ++h) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values + i * kRowBytes + 32 * h));
+        const __m256i magnitudes = _mm256_abs_epi8(w);
+#pragma GCC unroll 8
+        for (int r = 0; r < rows; ++r) {
+          const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(load_4_bytes(x.at(r, g) + 4 * i)), w);
+          c[r][h] = _mm256_add_epi32(c[r][h], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitudes, xs), ones));
+        }
+      }
+    }
+  } else {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    __m256i pairs[rows][2];  // int16 pair sums
+#pragma GCC unroll 8
+    for (int r = 0; r < rows; ++r) pairs[r][0] = pairs[r][1] = _mm256_setzero_si256();
+    for (int64_t o = 0; o < kGroupK / 8; ++o) {
+      for (int h = 0; h < 2; ++h) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values + o * kRowBytes + 32 * h));
+        const __m256i lo = _mm256_and_si256(w, low4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low4);
+#pragma GCC unroll 8
+        for (int r = 0; r < rows; ++r) {
+          const uint8_t* xq = x.at(r, g) + 8 * o;
+          pairs[r][h] = _mm256_add_epi16(pairs[r][h],
+                                         _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(load_4_bytes(xq))),
+                                                          _mm256_maddubs_epi16(hi, _mm256_set1_epi32(load_4_bytes(xq + 4)))));
+        }
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < rows; ++r) {
+      for (int h = 0; h < 2; ++h) c[r][h] = _mm256_madd_epi16(pairs[r][h], ones);
+    }
+  }
+}
+
+// The float32 accumulators live in `acc` (L1): in registers they would spill the integer ones.
+template <int rows, int64_t type>
+void dot_tile(const Q8Rows& x, const uint8_t* block, int64_t groups, float* acc) {
+  std::fill(acc, acc + rows * kBlock, 0.f);
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* group = block + g * group_bytes(type);
+    __m256i c[rows][2];
+#pragma GCC unroll 8
+    for (int r = 0; r < rows; ++r) c[r][0] = c[r][1] = _mm256_setzero_si256();
+    group_sums<rows, type>(x, g, group + header_bytes(type), c);
+    const float* header = reinterpret_cast<const float*>(group);
+#pragma GCC unroll 8
+    for (int r = 0; r < rows; ++r) {
+      for (int h = 0; h < 2; ++h) {
+        const __m256 d = _mm256_loadu_ps(header + 8 * h);
+        float* a = acc + r * kBlock + 8 * h;
+        const __m256 sum = _mm256_cvtepi32_ps(c[r][h]);
+        __m256 f = _mm256_add_ps(_mm256_loadu_ps(a),
+                                 rounded(_mm256_mul_ps(_mm256_mul_ps(sum, d), _mm256_set1_ps(x.s(r, g)))));
+        if (type != kQ8_0) {
+          const __m256 m =
+              type == kQ4_1 ? _mm256_loadu_ps(header + kBlock + 8 * h) : _mm256_mul_ps(d, _mm256_set1_ps(-8.f));
+          f = _mm256_add_ps(f, rounded(_mm256_mul_ps(m, _mm256_set1_ps(x.sm(r, g)))));
+        }
+        _mm256_storeu_ps(a, f);
+      }
+    }
+  }
+}
+
+#else  // plain C++: any CPU, vectorised by the compiler as far as it can
+
+constexpr int kTileRows = 4;
+
+inline uint8_t store_x(int8_t q, int64_t) { return static_cast<uint8_t>(q); }
+
+// Value t (0..3) of lane j of row i of a group's values.
+template <int64_t type>
+inline int weight_value(const uint8_t* values, int64_t i, int j, int t) {
+  if constexpr (type == kQ8_0) return static_cast<int8_t>(values[i * kRowBytes + 4 * j + t]);
+  const uint8_t byte = values[(i / 2) * kRowBytes + 4 * j + t];
+  return i % 2 ? byte >> 4 : byte & 0x0F;  // Q4: row i's k's are octet i / 2's low (even i) or high nibbles
+}
+
+template <int rows, int64_t type>
+void dot_tile(const Q8Rows& x, const uint8_t* block, int64_t groups, float* acc) {
+  std::fill(acc, acc + rows * kBlock, 0.f);
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* group = block + g * group_bytes(type);
+    const uint8_t* values = group + header_bytes(type);
+    int32_t c[rows][kBlock] = {};
+    for (int64_t i = 0; i < kGroupK / 4; ++i) {  // 4 k's at a time: k = 4 i + t
+      for (int r = 0; r < rows; ++r) {
+        const int8_t* xq = reinterpret_cast<const int8_t*>(x.at(r, g)) + 4 * i;
+        for (int j = 0; j < kBlock; ++j) {
+          for (int t = 0; t < 4; ++t) c[r][j] += weight_value<type>(values, i, j, t) * xq[t];
+        }
+      }
+    }
+    const float* d = reinterpret_cast<const float*>(group);
+    float scaled[rows][kBlock], mins[rows][kBlock];
+    for (int r = 0; r < rows; ++r) {
+      for (int j = 0; j < kBlock; ++j) {
+        scaled[r][j] = static_cast<float>(c[r][j]) * d[j] * x.s(r, g);
+        mins[r][j] = (type == kQ4_1 ? d[kBlock + j] : d[j] * -8.f) * x.sm(r, g);
+      }
+    }
+    rounding_barrier(scaled);
+    rounding_barrier(mins);
+    for (int r = 0; r < rows; ++r) {
+      for (int j = 0; j < kBlock; ++j) {
+        acc[r * kBlock + j] += scaled[r][j];
+        if (type != kQ8_0) acc[r * kBlock + j] += mins[r][j];
+      }
+    }
+  }
+}
+
+#endif
+
+// dot_tile for a tile of `rows` <= kTileRows rows.
+template <int64_t type, int max_rows = kTileRows>
+void run_dot_tile(int rows, const Q8Rows& x, const uint8_t* block, int64_t groups, float* acc) {
+  if constexpr (max_rows > 1) {
+    if (rows < max_rows) return run_dot_tile<type, max_rows - 1>(rows, x, block, groups, acc);
+  }
+  dot_tile<max_rows, type>(x, block, groups, acc);
+}
+
+template <typename T, int64_t type>
+struct GgufProblem {
+  Q8Rows x;  // all m rows
+  const uint8_t* packed;
+  const T* bias;  // nullptr: no bias
+  T* out;
+  int64_t m, n, groups, out_stride;
+
+  void run_tile(int64_t m0, int rows, int64_t b) const {
+    alignas(64) float acc[kTileRows * kBlock];
+    const Q8Rows tile{x.q + m0 * x.ld, x.ld, x.scale + m0 * groups, x.scaled_sum + m0 * groups, groups};
+    run_dot_tile<type>(rows, tile, packed + b * groups * group_bytes(type), groups, acc);
+    store_rows(out, out_stride, n, bias, static_cast<const float*>(nullptr), acc, m0, rows, b);
+  }
+
+  // Column blocks [b0, b1) times row tiles [t0, t1), panel by panel.
+  void run(int64_t b0, int64_t b1, int64_t t0, int64_t t1) const {
+    const int64_t panel_blocks = std::max<int64_t>(1, kPanelBytes / (groups * group_bytes(type)));
+    for (int64_t p0 = b0; p0 < b1; p0 += panel_blocks) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t m0 = t * kTileRows;
+        const int rows = static_cast<int>(std::min<int64_t>(kTileRows, m - m0));
+        for (int64_t b = p0; b < std::min(p0 + panel_blocks, b1); ++b) run_tile(m0, rows, b);
+      }
+    }
+  }
+};
+
+template <typename T, int64_t type>
+void run_gguf(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+  const int64_t m = x.size(0), k = x.size(1), groups = k / kGroupK;
+  std::vector<uint8_t> quantized(m * k);
+  std::vector<float> scale(m * groups), scaled_sum(m * groups);
+  const T* src = x.data_ptr<T>();
+  at::parallel_for(0, m, std::max<int64_t>(1, kConvertGrain / std::max<int64_t>(1, k)), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      uint8_t* row = quantized.data() + r * k;
+      quantize_spans(src + r * x.stride(0), k, kGroupK, scale.data() + r * groups,
+                     [&](int64_t i, int8_t q) { row[i] = store_x(q, type); });
+      if (type == kQ8_0) continue;  // no min term: sm unused
+      for (int64_t g = 0; g < groups; ++g) {  // a Q4 row is stored as qx itself
+        int32_t sum = 0;
+        for (int64_t i = g * kGroupK; i < (g + 1) * kGroupK; ++i) sum += static_cast<int8_t>(row[i]);
+        scaled_sum[r * groups + g] = scale[r * groups + g] * static_cast<float>(sum);
+      }
+    }
+  });
+  const GgufProblem<T, type> problem{{quantized.data(), k, scale.data(), scaled_sum.data(), groups},
+                                     packed.data_ptr<uint8_t>(), bias ? bias->data_ptr<T>() : nullptr,
+                                     out.data_ptr<T>(), m, out.size(1), groups, out.stride(0)};
+  split_blocks_and_tiles(packed.size(0), (m + kTileRows - 1) / kTileRows, m * out.size(1) * k,
+                         [&](int64_t b0, int64_t b1, int64_t t0, int64_t t1) { problem.run(b0, b1, t0, t1); });
+}
+
+template <typename T>
+void linear_gguf_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, int64_t type,
+                      const c10::optional<at::Tensor>& bias) {
+  switch (type) {
+    case kQ4_0: return run_gguf<T, kQ4_0>(out, x, packed, bias);
+    case kQ4_1: return run_gguf<T, kQ4_1>(out, x, packed, bias);
+    default: return run_gguf<T, kQ8_0>(out, x, packed, bias);
+  }
+}
+
+}  // namespace
+
+void linear_gguf(at::Tensor out, at::Tensor x, at::Tensor packed, int64_t ggml_type,
+                 c10::optional<at::Tensor> bias) {
+  TORCH_CHECK(ggml_type == kQ4_0 || ggml_type == kQ4_1 || ggml_type == kQ8_0,
+              "ggml_type must be Q4_0 (2), Q4_1 (3) or Q8_0 (8), got ", ggml_type);
+  TORCH_CHECK(x.device().is_cpu() && out.device().is_cpu() && packed.device().is_cpu(), "tensors must be on the CPU");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous()
+                  && packed.size(2) == group_bytes(ggml_type),
+              "packed must come from pack_gguf_weight: a contiguous uint8 [ceil(N/16), K/32, ",
+              group_bytes(ggml_type), "] for this type, got ", packed.sizes());
+  check_operands(out, x, packed.size(0), packed.size(1) * kGroupK, bias);
+  if (out.numel() == 0) return;
+  if (x.scalar_type() == at::kBFloat16) return linear_gguf_impl<c10::BFloat16>(out, x, packed, ggml_type, bias);
+  linear_gguf_impl<float>(out, x, packed, ggml_type, bias);
+}
+
+}  // namespace pagedllm
