@@ -21,6 +21,7 @@ from pagedllm.config import CacheConfig
 from pagedllm.core.request import child_seed
 from pagedllm.core.sched.output import NewRequestData, RunnerOutput, ScheduledRequest, SchedulerOutput
 from pagedllm.distributed import Peers
+from pagedllm.kernels import kernels_fixed
 from pagedllm.layers.linear import head_shard
 from pagedllm.loader import LoadedModel
 from pagedllm.runner import kv_tensors
@@ -137,13 +138,13 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The model over the paged KV cache: [T] ids and positions -> hidden states [T, H] (on every rank)."""
-        with self.peers.run("forward", input_ids, positions, meta):
+        with self.peers.run("forward", input_ids, positions, meta), kernels_fixed():
             return self.model(input_ids, positions, self.kv_caches, meta)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> logits [N, V] float32 (on rank 0; a worker gets its vocabulary slice)."""
-        with self.peers.run("compute_logits", hidden):
+        with self.peers.run("compute_logits", hidden), kernels_fixed():
             return self.model.compute_logits(hidden)
 
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:

@@ -157,3 +157,27 @@ def test_a_build_that_loaded_once_is_imported_without_the_build_tools(monkeypatc
     assert build_kernels.__wrapped__("x86-64-v2") is real
     assert build_kernels.__wrapped__("x86-64-v2") is real
     assert builds == ["pagedllm_cpu_kernels_x86_64"] + ["pagedllm_cpu_kernels_x86_64_v2"] * 2
+
+
+def test_kernels_fixed_reads_the_environment_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over a forward pass the runner holds `kernels_fixed`: the layers' ~500 questions a step are answered from
+    one reading of the environment, taken when it was entered; after it, and in other threads, the environment
+    counts again."""
+    import threading
+
+    from pagedllm.kernels import cpu_kernels, kernels_disabled, kernels_fixed, kernels_for
+
+    monkeypatch.delenv("PAGEDLLM_DISABLE_KERNELS", raising=False)
+    built = cpu_kernels()
+    if built is None:
+        pytest.skip("pagedllm's CPU kernels are not built here")
+    x = torch.zeros(2)
+    seen_elsewhere = []
+    with kernels_fixed():
+        monkeypatch.setenv("PAGEDLLM_DISABLE_KERNELS", "1")
+        assert not kernels_disabled() and kernels_for(x) is built
+        other = threading.Thread(target=lambda: seen_elsewhere.append(kernels_disabled()))
+        other.start()
+        other.join()
+    assert seen_elsewhere == [True]
+    assert kernels_disabled() and kernels_for(x) is None
