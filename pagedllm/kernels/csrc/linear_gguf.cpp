@@ -126,6 +126,7 @@ void dot_tile(const Q8Rows& x, const uint8_t* block, int64_t groups, float* acc)
     group_sums<rows, type>(x, g, group + header_bytes(type), c);
     const float* header = reinterpret_cast<const float*>(group);
     const __m512 d = _mm512_loadu_ps(header);
+    // Q4_1 stores m, Q4_0 has m = -8 d; Q8_0 has none (unused below).
     const __m512 m = type == kQ4_1 ? _mm512_loadu_ps(header + kBlock) : _mm512_mul_ps(d, _mm512_set1_ps(-8.f));
 #pragma GCC unroll 8
     for (int r = 0; r < rows; ++r) {
