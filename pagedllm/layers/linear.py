@@ -97,12 +97,14 @@ def bf16_kernel() -> str:
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-output-row int8: (q [N, K] int8, scale [N] float32) with weight ~= scale[:, None] * q.
 
-    Each row's largest magnitude maps to 127 (an all-zero row gets scale 1); values round to nearest.
+    Each row's largest magnitude maps to 127 (an all-zero row gets scale 1); values round to nearest. A row holding
+    a NaN or an infinity gets a NaN or infinite scale and q 0, so that whatever it multiplies comes out NaN.
     """
     w = weight.detach().float()
     scale = w.abs().amax(dim=1) / 127
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127)
+    q = torch.where(torch.isfinite(scale)[:, None], q, torch.zeros_like(q)).to(torch.int8)
     return q, scale
 
 

@@ -116,3 +116,40 @@ def test_w8a8_kernel_rejects_bad_input(kernels: ModuleType) -> None:
     for call, message in cases:
         with pytest.raises(RuntimeError, match=message):
             call()
+
+
+@pytest.mark.parametrize("kind", ["w8a8", "gguf Q8_0", "gguf Q4_1"])
+def test_a_nan_or_inf_in_x_comes_out_nan(kernels: ModuleType, kind: str) -> None:
+    """A NaN or an infinity in an activation row makes that row's outputs NaN, as in float32, at every ISA level and
+    in the references: its span gets a non-finite scale (a NaN is not dropped by the span's max, nor cast to int8).
+    The other rows keep their values."""
+    from gguf import GGMLQuantizationType
+
+    from pagedllm.layers.gguf import pack_gguf_weight
+    from pagedllm.layers.linear import gguf_reference
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 128, generator=g)
+    x[0, 5], x[1, 70] = float("nan"), float("inf")
+    out = torch.empty(3, 24)
+    if kind == "w8a8":
+        q, scale = quantize_int8(torch.randn(24, 128, generator=g))
+        kernels.linear_w8a8(out, x, *kernels.pack_w8a8_weight(q), scale)
+        expected = w8a8_reference(x, q, scale)
+    else:
+        ggml_type = GGMLQuantizationType[kind.split()[1]]
+        rows = torch.randint(0, 256, (24, 4, 34 if ggml_type == GGMLQuantizationType.Q8_0 else 20), generator=g,
+                             dtype=torch.uint8)
+        rows[..., :2] = torch.full((24, 4, 1), 0.01).half().view(torch.uint8)  # d (and Q4_1's m) finite
+        if ggml_type == GGMLQuantizationType.Q4_1:
+            rows[..., 2:4] = torch.full((24, 4, 1), -0.05).half().view(torch.uint8)
+        packed = pack_gguf_weight(rows.view(24, -1), ggml_type)
+        kernels.linear_gguf(out, x, packed, int(ggml_type))
+        expected = gguf_reference(x, packed, ggml_type, 24)
+    assert out[:2].isnan().all() and out[2].isfinite().all()
+    torch.testing.assert_close(out, expected, rtol=0, atol=0, equal_nan=True)
+
+
+def test_quantize_int8_gives_a_row_with_a_nan_a_nan_scale() -> None:
+    q, scale = quantize_int8(torch.tensor([[1.0, float("nan"), 2.0], [1.0, float("inf"), 2.0], [0.0, 0.0, 0.0]]))
+    assert scale[0].isnan() and scale[1].isinf() and scale[2] == 1 and not q.any()

@@ -8,6 +8,7 @@
 #include <ATen/Parallel.h>
 
 #include <cstdlib>
+#include <limits>
 #include <memory>
 
 namespace pagedllm {
@@ -78,16 +79,27 @@ inline int32_t load_4_bytes(const void* p) {
 
 // A row of k values of x quantized to int8 span by span, `span` k's to a scale, as
 // pagedllm.layers.linear.quantize_int8 quantizes a row: s = max |x| / 127 over the span (1 for a zero span),
-// q = round(x / s) in [-127, 127]. scales[t] gets span t's s; store(i, q) each value's q.
+// q = round(x / s) in [-127, 127]. scales[t] gets span t's s; store(i, q) each value's q. A span holding a NaN or
+// an infinity gets s NaN or infinite and every q 0, so that its products come out NaN, as float32 ones would
+// (rather than a NaN cast to int8, which is undefined).
 template <typename T, typename Store>
 void quantize_spans(const T* x, int64_t k, int64_t span, float* scales, const Store& store) {
   for (int64_t start = 0; start < k; start += span) {
     const int64_t end = std::min(k, start + span);
     float amax = 0.f;
-#pragma omp simd reduction(max : amax)
-    for (int64_t i = start; i < end; ++i) amax = std::max(amax, std::abs(to_float(x[i])));
-    const float s = amax / 127.f > 0.f ? amax / 127.f : 1.f;
+    int nan = 0;  // std::max drops a NaN
+#pragma omp simd reduction(max : amax) reduction(| : nan)
+    for (int64_t i = start; i < end; ++i) {
+      const float a = std::abs(to_float(x[i]));
+      amax = std::max(amax, a);
+      nan |= std::isnan(a);
+    }
+    const float s = nan ? std::numeric_limits<float>::quiet_NaN() : (amax / 127.f > 0.f ? amax / 127.f : 1.f);
     scales[start / span] = s;
+    if (!std::isfinite(s)) {
+      for (int64_t i = start; i < end; ++i) store(i, int8_t{0});
+      continue;
+    }
 #pragma omp simd
     for (int64_t i = start; i < end; ++i) {
       // Clamped before rounding, which gives the same integer (the bounds are integers) and keeps |v| < 2^22.
