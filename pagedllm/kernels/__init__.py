@@ -44,10 +44,14 @@ _BUILT_MARKER = "pagedllm-built"  # written once a build has loaded; a killed bu
 _fixed_env: ContextVar[tuple[bool, str | None] | None] = ContextVar("pagedllm_kernel_env", default=None)
 
 
+def _disabled_in_env() -> bool:
+    return os.environ.get("PAGEDLLM_DISABLE_KERNELS") == "1"
+
+
 def kernels_disabled() -> bool:
     """PAGEDLLM_DISABLE_KERNELS=1: run plain torch everywhere (no C++ kernels, no prepacked weights)."""
     fixed = _fixed_env.get()
-    return fixed[0] if fixed is not None else os.environ.get("PAGEDLLM_DISABLE_KERNELS") == "1"
+    return fixed[0] if fixed is not None else _disabled_in_env()
 
 
 def kernels_for(tensor: torch.Tensor) -> ModuleType | None:
@@ -68,7 +72,7 @@ def kernels_fixed() -> Iterator[None]:
     """Within it (in this thread), `kernels_disabled`, `kernels_for` and `cpu_kernels` answer from one reading of
     the environment instead of one per call: a model step asks ~500 times, at ~1 us a reading. The runner holds it
     over each forward pass, so a change to PAGEDLLM_DISABLE_KERNELS or PAGEDLLM_MAX_CPU_ISA counts from the next."""
-    token = _fixed_env.set((os.environ.get("PAGEDLLM_DISABLE_KERNELS") == "1", os.environ.get(MAX_ISA_ENV)))
+    token = _fixed_env.set((_disabled_in_env(), os.environ.get(MAX_ISA_ENV)))
     try:
         yield
     finally:
