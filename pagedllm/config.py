@@ -129,15 +129,18 @@ class ModelConfig:
         max_model_len: caps the model's own context length; None keeps it.
         seed: seed of the engine's global random stream.
         chat_template: a Jinja template that replaces the model's own.
-        quantization: how linear weights are stored, all multiplied in pagedllm's CPU kernels. None: in `dtype`,
-            unless the checkpoint is AWQ or GPTQ (its config.json's quantization_config), which then runs as such.
+        quantization: how linear weights are stored, all multiplied in pagedllm's CPU kernels. None: the
+            checkpoint's own, as vLLM: an AWQ or GPTQ folder (its config.json's quantization_config) runs as such, a
+            .gguf file as "gguf" under dtype "auto" where that can run (the CPU kernels, one rank); otherwise the
+            weights are in `dtype` (a dtype named outright dequantises a .gguf file: `loader.implied_gguf`).
             "int8": int8 with one scale per output row (weight-only, quantized at load from any checkpoint).
             "w8a8": the same int8 weights, times activations quantized to int8 in each matmul (one scale per 64
             values of a token's row), summed in int32.
-            "gguf": a .gguf file's Q4_0, Q4_1, Q8_0 and Q4_K linear weights kept in their blocks (other types are
-            dequantised to `dtype`). "awq" / "gptq": an AutoAWQ (GEMM) or AutoGPTQ/GPTQModel 4-bit checkpoint's
-            weights kept in 4 bits, repacked for the Q4_1 kernel (group_size a multiple of 32; GPTQ act-order
-            gathers the activations in the weight's input order). gguf, awq and gptq run on one rank.
+            "gguf": a .gguf file's Q4_0, Q4_1, Q8_0 and Q4_K linear weights kept in their blocks, times activations
+            quantized to 16 bits in each matmul (other types are dequantised to `dtype`). "awq" / "gptq": an
+            AutoAWQ (GEMM) or AutoGPTQ/GPTQModel 4-bit checkpoint's weights kept in 4 bits, repacked for the Q4_1
+            kernel (group_size a multiple of 32; GPTQ act-order gathers the activations in the weight's input
+            order). gguf, awq and gptq run on one rank.
         device: "auto" (CUDA when torch sees a CUDA device, else the CPU), "cpu", "cuda" or "cuda:N"; the engine
             resolves it at start-up (`pagedllm.device.resolve_device`).
     """

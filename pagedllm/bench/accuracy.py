@@ -231,10 +231,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
+    from pagedllm.loader import resolve_dtype
     from pagedllm.loader.resolve import resolve_model
     from pagedllm.tokenizer.tokenizer import load_tokenizer
 
     resolved = resolve_model(args.model)
+    # "none" is the checkpoint's weights in a dtype named outright: under "auto" a .gguf file would keep its blocks.
+    args.dtype = str(resolve_dtype(args.dtype)).removeprefix("torch.")
     gguf_model = resolved.gguf_file is not None
     configs = list(dict.fromkeys([REFERENCE, *(args.configs or default_configs(gguf_model))]))
     check_supported(configs, gguf_model)

@@ -102,7 +102,8 @@ def run_pagedllm(args: argparse.Namespace) -> dict[str, Any]:
     result.update(startup_s=startup_s, engine_init_s=engine_init_s, first_token_s=first_token_s,
                   peak_rss_mib=peak_rss_mib(), kv_waste=_kv_waste_dict(waste),
                   num_kv_blocks=llm.engine.capacity.num_blocks, block_size=llm.engine.capacity.block_size,
-                  dtype=str(llm.engine.dtype).removeprefix("torch."), kv_cache_dtype=args.kv_cache_dtype)
+                  dtype=str(llm.engine.dtype).removeprefix("torch."), quantization=llm.engine.quantization or "none",
+                  kv_cache_dtype=args.kv_cache_dtype)
     spec = llm.engine.make_stats().spec_decoding
     if spec is not None:
         result["spec_decoding"] = {"config": args.speculative_config, "acceptance_rate": spec.acceptance_rate,
@@ -237,6 +238,7 @@ def _kv_waste_dict(waste: KVWaste) -> dict[str, float]:
 
 _ROWS = [  # (label, key, format)
     ("dtype", "dtype", "{}"),
+    ("Weight quantization", "quantization", "{}"),
     ("Requests/s", "requests_per_second", "{:.2f}"),
     ("Total tokens/s", "tokens_per_second", "{:.1f}"),
     ("Output tokens/s", "output_tokens_per_second", "{:.1f}"),

@@ -286,6 +286,11 @@ class LLMEngine:
         """The model's weights and KV cache dtype."""
         return self.runner.layout.dtype
 
+    @property
+    def quantization(self) -> str | None:
+        """How the linear weights run, as resolved at load (None: in `dtype`)."""
+        return self.runner.quantization
+
     def make_stats(self) -> SchedulerStats:
         """The scheduler's snapshot after the last step (for metrics; from the stepping thread)."""
         return self.scheduler.make_stats()

@@ -144,13 +144,28 @@ def w8a8_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     return (out if bias is None else out + bias.float()).to(x.dtype)
 
 
+def quantize_16bit_spans(x: torch.Tensor, span: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x's rows [M, K] quantized to 16 bits per span of `span` k's, as two int8 halves: with s and v = x / s
+    clamped to [-127, 127] as `_quantize_spans` has them, hi = round(v) and lo = round(256 (v - hi)) clamped to
+    [-127, 127]. Returns (256 hi + lo: int32 [M, spans, span], s / 256: float32 [M, spans]): x ~= (s / 256) (256 hi
+    + lo) within s / 512 (s / 256 where lo clamps: v - hi within 1/512 of a half), where 8 bits leave s / 2."""
+    m, k = x.shape
+    rows = F.pad(x.float(), (0, -k % span)).view(-1, span)
+    _, scale = quantize_int8(rows)
+    v = (rows / scale[:, None]).clamp_(-127, 127)
+    hi = torch.round(v)
+    lo = torch.round((v - hi) * 256).clamp_(-127, 127)
+    x16 = torch.where(torch.isfinite(scale)[:, None], 256 * hi + lo, torch.zeros_like(v))
+    return x16.view(m, -1, span).int(), (scale / 256).view(m, -1)
+
+
 def gguf_reference(x: torch.Tensor, packed: torch.Tensor, ggml_type: GGMLQuantizationType, n: int,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T + b for a packed GGUF Q8_0, Q4_0 or Q4_1 weight (`pack_gguf_weight`; W = d q, Q4_0: d q + m with
-    m = -8 d, Q4_1: d q + m), with each group of `GGUF_SPAN` k's of x's rows quantized as `w8a8_reference` quantizes
-    a span: what `linear_gguf` computes, to the bit, at every ISA level and any M.
+    m = -8 d, Q4_1: d q + m), with each group of `GGUF_SPAN` k's of x's rows quantized to 16 bits
+    (`quantize_16bit_spans`: x ~= x_scale qx): what `linear_gguf` computes, to the bit, at every ISA level and any M.
 
-    Per group g, the int8 x weight-value products are summed exactly; `acc = acc + (float(sum) * d[n, g]) *
+    Per group g, the integer products are summed exactly in int32; `acc = acc + (float(sum) * d[n, g]) *
     x_scale[m, g]`, then for the 4-bit types, with sm = x_scale[m, g] * float(sum of the group's qx),
     `acc = acc + m[n, g] * sm`, group by group, each operation rounded; the result `+ bias[n]`, rounded once to x's
     dtype.
@@ -158,7 +173,7 @@ def gguf_reference(x: torch.Tensor, packed: torch.Tensor, ggml_type: GGMLQuantiz
     q, d, m = unpack_gguf_packed(packed, ggml_type, n)
     if ggml_type == GGMLQuantizationType.Q4_0:
         m = d * -8
-    qx, x_scale = _quantize_spans(x, GGUF_SPAN)
+    qx, x_scale = quantize_16bit_spans(x, GGUF_SPAN)
     scaled_sums = x_scale * qx.sum(dim=-1).float()
     qw = q.int().view(n, -1, GGUF_SPAN)
     acc = torch.zeros(x.shape[0], n)
@@ -258,8 +273,13 @@ def _set_packed(layer: nn.Module, name: str, num_rows: int, packed: torch.Tensor
     layer.weight.input_perm = input_perm
 
 
+def quantized_kernels_available() -> bool:
+    """Whether pagedllm's CPU kernels, which every quantized weight format runs in, are built and enabled here."""
+    return not kernels_disabled() and cpu_kernels() is not None
+
+
 def _check_kernels(mode: str) -> None:
-    if kernels_disabled() or cpu_kernels() is None:
+    if not quantized_kernels_available():
         raise RuntimeError(f"{mode} runs in pagedllm's CPU kernels, which are disabled or not built here")
 
 

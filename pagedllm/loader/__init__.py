@@ -33,6 +33,7 @@ class LoadedModel:
     hf_config: Any  # transformers.PretrainedConfig
     resolved: ResolvedModel
     dtype: torch.dtype
+    quantization: str | None = None  # as resolved (`resolve_quantization`): None, the dtype's own weights
     tp_rank: int = 0        # this process's slice of the model under tensor parallelism
     tp_size: int = 1
 
@@ -106,15 +107,30 @@ def _weights(resolved: ResolvedModel, dtype: torch.dtype, hf_config: Any, quanti
     return iterate_safetensors(resolved.path, dtype)
 
 
+def implied_gguf(resolved: ResolvedModel, dtype: str, tp_size: int = 1, device: str = "cpu") -> str | None:
+    """"gguf" when a .gguf file runs under dtype "auto" where its blocks can stay packed (pagedllm's CPU kernels,
+    one rank); None otherwise: the file is dequantised into the dtype (a dtype named outright asks for that)."""
+    from pagedllm.layers.linear import quantized_kernels_available
+
+    if not resolved.is_gguf or dtype != "auto":
+        return None
+    if tp_size > 1 or device != "cpu" or not quantized_kernels_available():
+        logger.info("%s: GGUF weights dequantised (their blocks stay packed only on one CPU rank, in pagedllm's "
+                    "kernels)", resolved.name)
+        return None
+    return "gguf"
+
+
 def resolve_quantization(requested: str | None, resolved: ResolvedModel, hf_config: Any, tp_size: int = 1,
-                         device: str = "cpu") -> str | None:
-    """The quantization to run: `requested`, or the checkpoint's own (`quantization_config.quant_method`) when
-    None, as vLLM does. ValueError when they disagree, for a quant method pagedllm does not run, and for the modes
-    that keep packed weights (gguf, awq, gptq) off one CPU rank."""
+                         device: str = "cpu", dtype: str = "auto") -> str | None:
+    """The quantization to run: `requested`, or when None the checkpoint's own, as vLLM does: an AWQ/GPTQ
+    folder's `quantization_config.quant_method`, or "gguf" for a .gguf file under dtype "auto" (`implied_gguf`).
+    ValueError when they disagree, for a quant method pagedllm does not run, and for the modes that keep packed
+    weights (gguf, awq, gptq) asked for off one CPU rank."""
     from pagedllm.loader.int4 import INT4_METHODS, checkpoint_quantization
 
     method = None if resolved.is_gguf else checkpoint_quantization(hf_config)
-    quantization = requested or method
+    quantization = requested or method or implied_gguf(resolved, dtype, tp_size, device)
     if method is not None and quantization != method:
         raise ValueError(f"{resolved.name} is a {method!r} checkpoint (its quantization_config), which runs as "
                          f"quantization={method!r} or None, not {requested!r}")
@@ -165,7 +181,8 @@ def load_model(model_config: ModelConfig, tp_rank: int = 0, tp_size: int = 1) ->
     model_config = dataclasses.replace(model_config, device=model_device(model_config, tp_size))
     resolved = resolve_model(model_config.model)
     hf_config = load_hf_config(resolved)
-    quantization = resolve_quantization(model_config.quantization, resolved, hf_config, tp_size, model_config.device)
+    quantization = resolve_quantization(model_config.quantization, resolved, hf_config, tp_size, model_config.device,
+                                        model_config.dtype)
     dtype = resolve_dtype(model_config.dtype, model_config.device)
     if tp_rank == 0:
         _log_precision(model_config.dtype, dtype, model_config.device)
@@ -179,7 +196,7 @@ def load_model(model_config: ModelConfig, tp_rank: int = 0, tp_size: int = 1) ->
     how = _pack(model, quantization, resolved, hf_config)
     rank = f", tensor-parallel rank {tp_rank} of {tp_size}" if tp_size > 1 else ""
     logger.info("loaded %s (%s%s%s) in %.2f s", resolved.name, dtype, how, rank, time.perf_counter() - start)
-    return LoadedModel(model, hf_config, resolved, dtype, tp_rank, tp_size)
+    return LoadedModel(model, hf_config, resolved, dtype, quantization, tp_rank, tp_size)
 
 
 __all__ = ["LoadedModel", "ResolvedModel", "load_model", "load_hf_config", "max_model_len_of", "resolve_dtype",

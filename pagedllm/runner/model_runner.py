@@ -73,6 +73,7 @@ class ModelRunner:
                  peers: Peers | None = None) -> None:
         self.model = loaded.model
         self.tp_rank = loaded.tp_rank
+        self.quantization = loaded.quantization
         self.peers = peers or Peers()
         self.device = next(self.model.parameters()).device
         self.shape = model_shape(loaded.hf_config, loaded.tp_rank, loaded.tp_size)

@@ -109,7 +109,9 @@ def _add_engine_args(engine: argparse._ArgumentGroup) -> None:
                              "w8a8: those int8 weights times activations quantized to int8, a scale per 64 values; "
                              "gguf: a .gguf file's Q4_0, Q4_1, Q8_0 and Q4_K linear weights kept in their blocks; "
                              "awq, gptq: an AWQ or GPTQ checkpoint's 4-bit weights kept in 4 bits (default: the "
-                             "checkpoint's own quantization_config, else none: the dtype's weights)")
+                             "checkpoint's own: its quantization_config, gguf for a .gguf file under --dtype auto "
+                             "on one CPU rank; else none: the dtype's weights, so --dtype bfloat16 or float32 "
+                             "dequantises a .gguf file)")
     engine.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
                         help="tokens per KV-cache block, a power of two (default: %(default)s)")
     engine.add_argument("--gpu-memory-utilization", type=float, default=None,

@@ -77,11 +77,11 @@ inline int32_t load_4_bytes(const void* p) {
   return v;
 }
 
-// A row of k values of x quantized to int8 span by span, `span` k's to a scale, as
+// A row of k values of x scaled for int8 span by span, `span` k's to a scale, as
 // pagedllm.layers.linear.quantize_int8 quantizes a row: s = max |x| / 127 over the span (1 for a zero span),
-// q = round(x / s) in [-127, 127]. scales[t] gets span t's s; store(i, q) each value's q. A span holding a NaN or
-// an infinity gets s NaN or infinite and every q 0, so that its products come out NaN, as float32 ones would
-// (rather than a NaN cast to int8, which is undefined).
+// v = x / s clamped to [-127, 127], whose q = round(v) (`quantized`) is the int8 value. scales[t] gets span t's s;
+// store(i, v) each value's v. A span holding a NaN or an infinity gets s NaN or infinite and every v 0, so that its
+// products come out NaN, as float32 ones would (rather than a NaN cast to int8, which is undefined).
 template <typename T, typename Store>
 void quantize_spans(const T* x, int64_t k, int64_t span, float* scales, const Store& store) {
   for (int64_t start = 0; start < k; start += span) {
@@ -97,17 +97,18 @@ void quantize_spans(const T* x, int64_t k, int64_t span, float* scales, const St
     const float s = nan ? std::numeric_limits<float>::quiet_NaN() : (amax / 127.f > 0.f ? amax / 127.f : 1.f);
     scales[start / span] = s;
     if (!std::isfinite(s)) {
-      for (int64_t i = start; i < end; ++i) store(i, int8_t{0});
+      for (int64_t i = start; i < end; ++i) store(i, 0.f);
       continue;
     }
 #pragma omp simd
     for (int64_t i = start; i < end; ++i) {
       // Clamped before rounding, which gives the same integer (the bounds are integers) and keeps |v| < 2^22.
-      const float v = std::min(std::max(to_float(x[i]) / s, -127.f), 127.f);
-      store(i, static_cast<int8_t>(round_half_even(v)));
+      store(i, std::min(std::max(to_float(x[i]) / s, -127.f), 127.f));
     }
   }
 }
+
+inline int8_t quantized(float v) { return static_cast<int8_t>(round_half_even(v)); }
 
 inline bool is_float_or_bf16(const at::Tensor& t) {
   return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16;

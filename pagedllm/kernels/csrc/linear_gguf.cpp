@@ -1,9 +1,10 @@
 // GGUF's blocks kept packed (quantization="gguf"): Q8_0, Q4_0 and Q4_1 weights, which also run Q4_K, AWQ and GPTQ
-// weights (pagedllm.layers.gguf repacks them as Q4_1), times activations quantized to 8 bits, as llama.cpp
-// multiplies its blocks by Q8 activations. x's rows are quantized in each call, one scale per group of 32 k's (a
-// GGUF block), and each group's products are summed exactly in int32:
+// weights (pagedllm.layers.gguf repacks them as Q4_1), times activations quantized to 16 bits carried as two int8
+// halves. x's rows are quantized in each call, one scale per group of 32 k's (a GGUF block), and each group's
+// products are summed exactly in int32:
 //
-//    s_x[m, g] = max |x[m, group g]| / 127 (1 for a zero group), qx[m, k] = round(x[m, k] / s_x[m, g]),
+//    v = x[m, k] / s (clamped to [-127, 127]) with s = max |x[m, group g]| / 127 (1 for a zero group),
+//    hi = round(v), lo = round(256 (v - hi)) clamped to [-127, 127], qx[m, k] = 256 hi + lo, s_x[m, g] = s / 256,
 //    sm[m, g] = s_x[m, g] * float(sum_{k in g} qx[m, k])
 //    W[n, k] = d[n, g] q[n, k] (+ m[n, g])   Q8_0: q int8, no m; Q4_0: q in 0..15, m = -8 d; Q4_1: q in 0..15
 //    acc[m, n] = sum over groups g, in order, of  (float(sum_{k in g} qx q) * d[n, g]) * s_x[m, g]
@@ -15,6 +16,13 @@
 // the batch it runs in. The min term uses the quantized x's sum, as llama.cpp does: the error is then that of
 // quantizing x against W itself (roughly centred), not against d q (all of one sign).
 //
+// Why 16 bits: llama.cpp quantizes x to 8 bits (hi alone), an error of up to s / 2 a value, which on SmolLM2's
+// Q4_1 file moves a logit by tenths of a nat and flips near ties that the file itself (dequantised) does not: its
+// answer to "What is the capital of France?" turns into French nonsense. lo takes that error to s / 512 (s / 256
+// where it clamps). The weights' bytes, which bound a decode step, are read once either way: lo costs one more
+// multiply-add instruction per weight vector and row, not more memory traffic (no slower on this project's
+// AVX-512 machine, docs/benchmarks.md).
+//
 // Packed layout (pagedllm.layers.gguf.pack_gguf_weight): [ceil(N / 16), K / 32, group bytes], for each 16 output
 // rows and 32 k's the rows' float32 d[16] (and Q4_1's m[16]), then the values in 64-byte rows whose 32-bit lane j
 // is column j:
@@ -24,16 +32,17 @@
 //                              k 8 o + 4 + t in its high one                                      384 (Q4_1)
 //
 // so that one 64-byte row (an octet masked by 0x0F, or shifted by 4 first) is a zmm of 16 lanes of 4 k's, the operand
-// vpdpbusd multiplies by a row's 4 bytes of qx broadcast to every lane. Paths:
-// - AVX512-VNNI: vpdpbusd multiplies unsigned bytes by signed ones. Q4: the nibbles are the unsigned operand, qx the
-//   signed one. Q8_0: x is stored as qx + 128 (unsigned) and the weight is the signed operand; the 128 x the group's
-//   column sums this adds is taken off, the column sums counted by vpdpbusd of 1s with the weight (shared by the
-//   tile's rows).
-// - AVX2: vpmaddubsw (unsigned x signed bytes, pairs summed in saturating int16). Q4: nibbles x qx, |pair| <= 2 x 15
-//   x 127, the 8 of a group added in int16 (|sum| <= 16 x 15 x 127 = 30480 < 2^15, so never saturating), then
-//   vpmaddwd by ones into int32. Q8_0: |q| x qx with q's sign moved onto it (vpsignb; |q| may be 128, qx never is),
-//   |pair| <= 2 x 128 x 127 = 32512, each pair sum widened by vpmaddwd at once.
-// - plain C++: int32 loops.
+// vpdpbusd multiplies by a row's 4 bytes of hi (or lo) broadcast to every lane. Each half's products are summed
+// apart, each |sum| <= 32 x 128 x 127 < 2^19, and joined as 256 sum_hi + sum_lo (< 2^28). Paths:
+// - AVX512-VNNI: vpdpbusd multiplies unsigned bytes by signed ones. Q4: the nibbles are the unsigned operand, hi or
+//   lo the signed one. Q8_0: each half is stored + 128 (unsigned) and the weight is the signed operand; the 128 x
+//   the group's column sums this adds is taken off, the column sums counted by vpdpbusd of 1s with the weight
+//   (shared by the tile's rows).
+// - AVX2: vpmaddubsw (unsigned x signed bytes, pairs summed in saturating int16), then vpmaddwd by 256 (hi) or 1
+//   (lo) into int32. Q4: nibbles x a half, |pair| <= 2 x 15 x 127, the 8 of a group added in int16 (|sum| <= 16 x
+//   15 x 127 = 30480 < 2^15, so never saturating). Q8_0: |q| x a half with q's sign moved onto it (vpsignb; |q| may
+//   be 128, a half never is), |pair| <= 2 x 128 x 127 = 32512, each pair sum widened at once.
+// - plain C++: int32 loops over qx.
 //
 // Loops as linear_int8.cpp's: x is quantized once per call into buffers the threads share; the threads split the
 // column blocks (and the row tiles when there are fewer blocks than threads); each walks its blocks in panels that
@@ -59,16 +68,17 @@ constexpr int64_t group_bytes(int64_t type) {
   return header_bytes(type) + kGroupK * kBlock / (type == kQ8_0 ? 1 : 2);
 }
 
-// A tile's quantized x: rows of K bytes (`ld` apart: store_x's encoding), and per row and group s_x and sm
-// (`groups` apart).
-struct Q8Rows {
+// A tile's quantized x: rows of 2 K bytes (`ld` apart), each group's 32 his then its 32 los (store_x's encoding),
+// and per row and group s_x and sm (`groups` apart).
+struct Q16Rows {
   const uint8_t* q;
   int64_t ld;
   const float* scale;
   const float* scaled_sum;
   int64_t groups;
 
-  const uint8_t* at(int r, int64_t g) const { return q + r * ld + g * kGroupK; }
+  const uint8_t* hi(int r, int64_t g) const { return q + r * ld + g * 2 * kGroupK; }
+  const uint8_t* lo(int r, int64_t g) const { return hi(r, g) + kGroupK; }
   float s(int r, int64_t g) const { return scale[r * groups + g]; }
   float sm(int r, int64_t g) const { return scaled_sum[r * groups + g]; }
 };
@@ -77,12 +87,17 @@ struct Q8Rows {
 
 constexpr int kTileRows = 8;  // 8 rows x (2 int32 + 1 float32 accumulators): 24 of the 32 zmm registers
 
-// A quantized x value as stored: Q8_0's as qx + 128, vpdpbusd's unsigned operand.
+// A half of a quantized x value as stored: Q8_0's + 128, vpdpbusd's unsigned operand.
 inline uint8_t store_x(int8_t q, int64_t type) { return static_cast<uint8_t>(type == kQ8_0 ? q + 128 : q); }
 
-// c[rows][2] = one group's int32 sums, each row's in its two accumulators.
+inline __m512i broadcast_4_bytes(const uint8_t* p) { return _mm512_set1_epi32(load_4_bytes(p)); }
+
+// c[r] = one group's int32 sums of row r's products, 256 sum_hi + sum_lo.
 template <int rows, int64_t type>
-inline void group_sums(const Q8Rows& x, int64_t g, const uint8_t* values, __m512i (&c)[rows][2]) {
+inline void group_sums(const Q16Rows& x, int64_t g, const uint8_t* values, __m512i (&c)[rows]) {
+  __m512i sum_hi[rows], sum_lo[rows];
+#pragma GCC unroll 8
+  for (int r = 0; r < rows; ++r) sum_hi[r] = sum_lo[r] = _mm512_setzero_si512();
   if constexpr (type == kQ8_0) {
     __m512i col_sums = _mm512_setzero_si512();
 #pragma GCC unroll 8
@@ -91,12 +106,16 @@ inline void group_sums(const Q8Rows& x, int64_t g, const uint8_t* values, __m512
       col_sums = _mm512_dpbusd_epi32(col_sums, _mm512_set1_epi8(1), w);
 #pragma GCC unroll 8
       for (int r = 0; r < rows; ++r) {
-        c[r][i % 2] = _mm512_dpbusd_epi32(c[r][i % 2], _mm512_set1_epi32(load_4_bytes(x.at(r, g) + 4 * i)), w);
+        sum_hi[r] = _mm512_dpbusd_epi32(sum_hi[r], broadcast_4_bytes(x.hi(r, g) + 4 * i), w);
+        sum_lo[r] = _mm512_dpbusd_epi32(sum_lo[r], broadcast_4_bytes(x.lo(r, g) + 4 * i), w);
       }
     }
-    const __m512i offset = _mm512_slli_epi32(col_sums, 7);  // sum (qx + 128) q - sum qx q
+    const __m512i offset = _mm512_slli_epi32(col_sums, 7);  // sum (half + 128) q - sum half q
 #pragma GCC unroll 8
-    for (int r = 0; r < rows; ++r) c[r][0] = _mm512_sub_epi32(c[r][0], offset);
+    for (int r = 0; r < rows; ++r) {
+      sum_hi[r] = _mm512_sub_epi32(sum_hi[r], offset);
+      sum_lo[r] = _mm512_sub_epi32(sum_lo[r], offset);
+    }
   } else {
     const __m512i low4 = _mm512_set1_epi8(0x0F);
 #pragma GCC unroll 4
@@ -105,24 +124,26 @@ inline void group_sums(const Q8Rows& x, int64_t g, const uint8_t* values, __m512
       const __m512i lo = _mm512_and_si512(w, low4), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low4);
 #pragma GCC unroll 8
       for (int r = 0; r < rows; ++r) {
-        c[r][0] = _mm512_dpbusd_epi32(c[r][0], lo, _mm512_set1_epi32(load_4_bytes(x.at(r, g) + 8 * o)));
-        c[r][1] = _mm512_dpbusd_epi32(c[r][1], hi, _mm512_set1_epi32(load_4_bytes(x.at(r, g) + 8 * o + 4)));
+        sum_hi[r] = _mm512_dpbusd_epi32(sum_hi[r], lo, broadcast_4_bytes(x.hi(r, g) + 8 * o));
+        sum_hi[r] = _mm512_dpbusd_epi32(sum_hi[r], hi, broadcast_4_bytes(x.hi(r, g) + 8 * o + 4));
+        sum_lo[r] = _mm512_dpbusd_epi32(sum_lo[r], lo, broadcast_4_bytes(x.lo(r, g) + 8 * o));
+        sum_lo[r] = _mm512_dpbusd_epi32(sum_lo[r], hi, broadcast_4_bytes(x.lo(r, g) + 8 * o + 4));
       }
     }
   }
+#pragma GCC unroll 8
+  for (int r = 0; r < rows; ++r) c[r] = _mm512_add_epi32(_mm512_slli_epi32(sum_hi[r], 8), sum_lo[r]);
 }
 
 // acc[rows][16] = x[rows] times a block's `groups` groups.
 template <int rows, int64_t type>
-void dot_tile(const Q8Rows& x, const uint8_t* block, int64_t groups, float* acc) {
+void dot_tile(const Q16Rows& x, const uint8_t* block, int64_t groups, float* acc) {
   __m512 f[rows];
 #pragma GCC unroll 8
   for (int r = 0; r < rows; ++r) f[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* group = block + g * group_bytes(type);
-    __m512i c[rows][2];
-#pragma GCC unroll 8
-    for (int r = 0; r < rows; ++r) c[r][0] = c[r][1] = _mm512_setzero_si512();
+    __m512i c[rows];
     group_sums<rows, type>(x, g, group + header_bytes(type), c);
     const float* header = reinterpret_cast<const float*>(group);
     const __m512 d = _mm512_loadu_ps(header);
@@ -130,7 +151,7 @@ void dot_tile(const Q8Rows& x, const uint8_t* block, int64_t groups, float* acc)
     const __m512 m = type == kQ4_1 ? _mm512_loadu_ps(header + kBlock) : _mm512_mul_ps(d, _mm512_set1_ps(-8.f));
 #pragma GCC unroll 8
     for (int r = 0; r < rows; ++r) {
-      const __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(c[r][0], c[r][1]));
+      const __m512 sum = _mm512_cvtepi32_ps(c[r]);
       f[r] = _mm512_add_ps(f[r], rounded(_mm512_mul_ps(_mm512_mul_ps(sum, d), _mm512_set1_ps(x.s(r, g)))));
       if (type != kQ8_0) f[r] = _mm512_add_ps(f[r], rounded(_mm512_mul_ps(m, _mm512_set1_ps(x.sm(r, g)))));
     }
@@ -145,56 +166,64 @@ constexpr int kTileRows = 4;  // 4 rows x 2 integer accumulators, the weight's v
 
 inline uint8_t store_x(int8_t q, int64_t) { return static_cast<uint8_t>(q); }
 
-// c[rows][h] = one group's int32 sums over columns 8 h .. 8 h + 7.
+inline __m256i broadcast_4_bytes(const uint8_t* p) { return _mm256_set1_epi32(load_4_bytes(p)); }
+
+// c[rows][h] = one group's int32 sums over columns 8 h .. 8 h + 7, 256 sum_hi + sum_lo: the int16 pair sums of
+// the his widened by vpmaddwd with 256s, the los' with 1s.
 template <int rows, int64_t type>
-inline void group_sums(const Q8Rows& x, int64_t g, const uint8_t* values, __m256i (&c)[rows][2]) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  if constexpr (type == kQ8_0) {
-    for (int64_t i = 0; i < kGroupK / 4; ++i) {
-      for (int h = 0; h < 2; ++h) {
+inline void group_sums(const Q16Rows& x, int64_t g, const uint8_t* values, __m256i (&c)[rows][2]) {
+  const __m256i ones = _mm256_set1_epi16(1), times256 = _mm256_set1_epi16(256);
+  for (int h = 0; h < 2; ++h) {
+    if constexpr (type == kQ8_0) {
+      __m256i sum[rows];
+#pragma GCC unroll 8
+      for (int r = 0; r < rows; ++r) sum[r] = _mm256_setzero_si256();
+      for (int64_t i = 0; i < kGroupK / 4; ++i) {
         const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values + i * kRowBytes + 32 * h));
         const __m256i magnitudes = _mm256_abs_epi8(w);
 #pragma GCC unroll 8
         for (int r = 0; r < rows; ++r) {
-          const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(load_4_bytes(x.at(r, g) + 4 * i)), w);
-          c[r][h] = _mm256_add_epi32(c[r][h], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitudes, xs), ones));
+          const __m256i his = _mm256_sign_epi8(broadcast_4_bytes(x.hi(r, g) + 4 * i), w);
+          const __m256i los = _mm256_sign_epi8(broadcast_4_bytes(x.lo(r, g) + 4 * i), w);
+          sum[r] = _mm256_add_epi32(sum[r], _mm256_add_epi32(
+              _mm256_madd_epi16(_mm256_maddubs_epi16(magnitudes, his), times256),
+              _mm256_madd_epi16(_mm256_maddubs_epi16(magnitudes, los), ones)));
         }
       }
-    }
-  } else {
-    const __m256i low4 = _mm256_set1_epi8(0x0F);
-    __m256i pairs[rows][2];  // int16 pair sums
 #pragma GCC unroll 8
-    for (int r = 0; r < rows; ++r) pairs[r][0] = pairs[r][1] = _mm256_setzero_si256();
-    for (int64_t o = 0; o < kGroupK / 8; ++o) {
-      for (int h = 0; h < 2; ++h) {
+      for (int r = 0; r < rows; ++r) c[r][h] = sum[r];
+    } else {
+      const __m256i low4 = _mm256_set1_epi8(0x0F);
+      __m256i pairs_hi[rows], pairs_lo[rows];  // int16 pair sums
+#pragma GCC unroll 8
+      for (int r = 0; r < rows; ++r) pairs_hi[r] = pairs_lo[r] = _mm256_setzero_si256();
+      for (int64_t o = 0; o < kGroupK / 8; ++o) {
         const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values + o * kRowBytes + 32 * h));
         const __m256i lo = _mm256_and_si256(w, low4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low4);
 #pragma GCC unroll 8
         for (int r = 0; r < rows; ++r) {
-          const uint8_t* xq = x.at(r, g) + 8 * o;
-          pairs[r][h] = _mm256_add_epi16(pairs[r][h],
-                                         _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(load_4_bytes(xq))),
-                                                          _mm256_maddubs_epi16(hi, _mm256_set1_epi32(load_4_bytes(xq + 4)))));
+          const uint8_t *xh = x.hi(r, g) + 8 * o, *xl = x.lo(r, g) + 8 * o;
+          pairs_hi[r] = _mm256_add_epi16(pairs_hi[r], _mm256_add_epi16(
+              _mm256_maddubs_epi16(lo, broadcast_4_bytes(xh)), _mm256_maddubs_epi16(hi, broadcast_4_bytes(xh + 4))));
+          pairs_lo[r] = _mm256_add_epi16(pairs_lo[r], _mm256_add_epi16(
+              _mm256_maddubs_epi16(lo, broadcast_4_bytes(xl)), _mm256_maddubs_epi16(hi, broadcast_4_bytes(xl + 4))));
         }
       }
-    }
 #pragma GCC unroll 8
-    for (int r = 0; r < rows; ++r) {
-      for (int h = 0; h < 2; ++h) c[r][h] = _mm256_madd_epi16(pairs[r][h], ones);
+      for (int r = 0; r < rows; ++r) {
+        c[r][h] = _mm256_add_epi32(_mm256_madd_epi16(pairs_hi[r], times256), _mm256_madd_epi16(pairs_lo[r], ones));
+      }
     }
   }
 }
 
 // The float32 accumulators live in `acc` (L1): in registers they would spill the integer ones.
 template <int rows, int64_t type>
-void dot_tile(const Q8Rows& x, const uint8_t* block, int64_t groups, float* acc) {
+void dot_tile(const Q16Rows& x, const uint8_t* block, int64_t groups, float* acc) {
   std::fill(acc, acc + rows * kBlock, 0.f);
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* group = block + g * group_bytes(type);
     __m256i c[rows][2];
-#pragma GCC unroll 8
-    for (int r = 0; r < rows; ++r) c[r][0] = c[r][1] = _mm256_setzero_si256();
     group_sums<rows, type>(x, g, group + header_bytes(type), c);
     const float* header = reinterpret_cast<const float*>(group);
 #pragma GCC unroll 8
@@ -231,7 +260,7 @@ inline int weight_value(const uint8_t* values, int64_t i, int j, int t) {
 }
 
 template <int rows, int64_t type>
-void dot_tile(const Q8Rows& x, const uint8_t* block, int64_t groups, float* acc) {
+void dot_tile(const Q16Rows& x, const uint8_t* block, int64_t groups, float* acc) {
   std::fill(acc, acc + rows * kBlock, 0.f);
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* group = block + g * group_bytes(type);
@@ -239,9 +268,10 @@ void dot_tile(const Q8Rows& x, const uint8_t* block, int64_t groups, float* acc)
     int32_t c[rows][kBlock] = {};
     for (int64_t i = 0; i < kGroupK / 4; ++i) {  // 4 k's at a time: k = 4 i + t
       for (int r = 0; r < rows; ++r) {
-        const int8_t* xq = reinterpret_cast<const int8_t*>(x.at(r, g)) + 4 * i;
+        const int8_t* xh = reinterpret_cast<const int8_t*>(x.hi(r, g)) + 4 * i;
+        const int8_t* xl = reinterpret_cast<const int8_t*>(x.lo(r, g)) + 4 * i;
         for (int j = 0; j < kBlock; ++j) {
-          for (int t = 0; t < 4; ++t) c[r][j] += weight_value<type>(values, i, j, t) * xq[t];
+          for (int t = 0; t < 4; ++t) c[r][j] += weight_value<type>(values, i, j, t) * (256 * xh[t] + xl[t]);
         }
       }
     }
@@ -268,7 +298,7 @@ void dot_tile(const Q8Rows& x, const uint8_t* block, int64_t groups, float* acc)
 
 // dot_tile for a tile of `rows` <= kTileRows rows.
 template <int64_t type, int max_rows = kTileRows>
-void run_dot_tile(int rows, const Q8Rows& x, const uint8_t* block, int64_t groups, float* acc) {
+void run_dot_tile(int rows, const Q16Rows& x, const uint8_t* block, int64_t groups, float* acc) {
   if constexpr (max_rows > 1) {
     if (rows < max_rows) return run_dot_tile<type, max_rows - 1>(rows, x, block, groups, acc);
   }
@@ -277,7 +307,7 @@ void run_dot_tile(int rows, const Q8Rows& x, const uint8_t* block, int64_t group
 
 template <typename T, int64_t type>
 struct GgufProblem {
-  Q8Rows x;  // all m rows
+  Q16Rows x;  // all m rows
   const uint8_t* packed;
   const T* bias;  // nullptr: no bias
   T* out;
@@ -285,7 +315,7 @@ struct GgufProblem {
 
   void run_tile(int64_t m0, int rows, int64_t b) const {
     alignas(64) float acc[kTileRows * kBlock];
-    const Q8Rows tile{x.q + m0 * x.ld, x.ld, x.scale + m0 * groups, x.scaled_sum + m0 * groups, groups};
+    const Q16Rows tile{x.q + m0 * x.ld, x.ld, x.scale + m0 * groups, x.scaled_sum + m0 * groups, groups};
     run_dot_tile<type>(rows, tile, packed + b * groups * group_bytes(type), groups, acc);
     store_rows(out, out_stride, n, bias, static_cast<const float*>(nullptr), acc, m0, rows, b);
   }
@@ -306,23 +336,31 @@ struct GgufProblem {
 template <typename T, int64_t type>
 void run_gguf(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
   const int64_t m = x.size(0), k = x.size(1), groups = k / kGroupK;
-  std::vector<uint8_t> quantized(m * k);
+  std::vector<uint8_t> halves(m * 2 * k);
   std::vector<float> scale(m * groups), scaled_sum(m * groups);
   const T* src = x.data_ptr<T>();
   at::parallel_for(0, m, std::max<int64_t>(1, kConvertGrain / std::max<int64_t>(1, k)), [&](int64_t begin, int64_t end) {
+    std::vector<int32_t> qx(k);
     for (int64_t r = begin; r < end; ++r) {
-      uint8_t* row = quantized.data() + r * k;
-      quantize_spans(src + r * x.stride(0), k, kGroupK, scale.data() + r * groups,
-                     [&](int64_t i, int8_t q) { row[i] = store_x(q, type); });
-      if (type == kQ8_0) continue;  // no min term: sm unused
-      for (int64_t g = 0; g < groups; ++g) {  // a Q4 row is stored as qx itself
+      uint8_t* row = halves.data() + r * 2 * k;
+      quantize_spans(src + r * x.stride(0), k, kGroupK, scale.data() + r * groups, [&](int64_t i, float v) {
+        const int8_t hi = quantized(v);
+        const int8_t lo = quantized(std::min(std::max((v - hi) * 256.f, -127.f), 127.f));  // v - hi is exact
+        uint8_t* at = row + (i / kGroupK) * 2 * kGroupK + i % kGroupK;
+        at[0] = store_x(hi, type);
+        at[kGroupK] = store_x(lo, type);
+        qx[i] = 256 * hi + lo;
+      });
+      for (int64_t g = 0; g < groups; ++g) {
+        float& s = scale[r * groups + g];
+        s = s / 256.f;
         int32_t sum = 0;
-        for (int64_t i = g * kGroupK; i < (g + 1) * kGroupK; ++i) sum += static_cast<int8_t>(row[i]);
-        scaled_sum[r * groups + g] = scale[r * groups + g] * static_cast<float>(sum);
+        for (int64_t i = g * kGroupK; i < (g + 1) * kGroupK; ++i) sum += qx[i];
+        scaled_sum[r * groups + g] = s * static_cast<float>(sum);  // unused by Q8_0, which has no min term
       }
     }
   });
-  const GgufProblem<T, type> problem{{quantized.data(), k, scale.data(), scaled_sum.data(), groups},
+  const GgufProblem<T, type> problem{{halves.data(), 2 * k, scale.data(), scaled_sum.data(), groups},
                                      packed.data_ptr<uint8_t>(), bias ? bias->data_ptr<T>() : nullptr,
                                      out.data_ptr<T>(), m, out.size(1), groups, out.stride(0)};
   split_blocks_and_tiles(packed.size(0), (m + kTileRows - 1) / kTileRows, m * out.size(1) * k,

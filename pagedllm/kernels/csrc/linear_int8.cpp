@@ -224,7 +224,7 @@ void run_dot_tile(int rows, const XTile& x, const int8_t* block, int64_t groups,
 // the spans' scales.
 template <typename T>
 void quantize_row(const T* x, int64_t k, int64_t k_padded, uint8_t* row, float* scales) {
-  quantize_spans(x, k, kSpanK, scales, [&](int64_t i, int8_t q) { store_x(q, row, i, k_padded); });
+  quantize_spans(x, k, kSpanK, scales, [&](int64_t i, float v) { store_x(quantized(v), row, i, k_padded); });
   for (int64_t i = k; i < k_padded; ++i) store_x(0, row, i, k_padded);
 }
 
