@@ -202,12 +202,13 @@ def int4_checkpoints(tmp_path_factory):
 
 
 def _close_to(logits: torch.Tensor, expected: torch.Tensor) -> bool:
-    """Within the noise of 8-bit activations (~2% of the largest logit on these tiny models), same argmax."""
-    return bool((logits - expected).abs().max() < 0.05 * expected.abs().max() and logits.argmax() == expected.argmax())
+    """Within the noise of 16-bit activations (8-bit ones left ~2% of the largest logit on these tiny models), same
+    argmax."""
+    return bool((logits - expected).abs().max() < 1e-3 * expected.abs().max() and logits.argmax() == expected.argmax())
 
 
 @pytest.mark.parametrize("name", list(INT4_CHECKPOINTS))
-def test_int4_checkpoint_computes_w4a8_on_its_weights(int4_checkpoints, name, monkeypatch):
+def test_int4_checkpoint_computes_w4a16_on_its_weights(int4_checkpoints, name, monkeypatch):
     """The quantization comes from the checkpoint's config; each linear layer but the (unquantized) LM head keeps
     its 4 bits; prefill and decode logits are the model's with `gguf_reference` matmuls, bitwise, and
     transformers' on the dequantised weights within the activations' quantization noise."""
@@ -241,8 +242,7 @@ def test_awq_checkpoint_runs_in_the_engine(int4_checkpoints):
                           use_tqdm=False)[0].outputs[0].token_ids
     with torch.inference_mode():
         expected = dequantised.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, min_new_tokens=10)
-    # Greedy tokens start as transformers' on the dequantised weights (8-bit activations flip near ties later on).
-    assert len(tokens) == 10 and list(tokens[:4]) == expected[0, len(prompt):len(prompt) + 4].tolist()
+    assert list(tokens) == expected[0, len(prompt):].tolist()  # transformers' greedy tokens on the dequantised weights
 
 
 def test_int4_quantization_must_match_the_checkpoint(checkpoints, int4_checkpoints):

@@ -1,6 +1,7 @@
 // What the linear kernels share (linear.cpp: float32, bf16 and int8 weights; linear_int8.cpp: W8A8;
-// linear_gguf.cpp: GGUF's blocks times int8 activations): output columns in blocks of 16, the threads' split of the
-// work, the store of a tile of results, the quantization of activations, and the checks of x, out and bias.
+// linear_gguf.cpp: GGUF's blocks times 16-bit activations in two int8 halves): output columns in blocks of 16, the
+// threads' split of the work, the store of a tile of results, the quantization of activations, and the checks of
+// x, out and bias.
 #pragma once
 
 #include "ops.h"

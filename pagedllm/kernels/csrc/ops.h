@@ -35,7 +35,7 @@ at::Tensor pack_linear_weight(at::Tensor weight);
 void linear_packed(at::Tensor out, at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias,
                    c10::optional<at::Tensor> scale);
 
-// GGUF's Q8_0, Q4_0 and Q4_1 blocks times activations quantized per 32 k's (linear_gguf.cpp).
+// GGUF's Q8_0, Q4_0 and Q4_1 blocks times activations quantized to 16 bits per 32 k's (linear_gguf.cpp).
 void linear_gguf(at::Tensor out, at::Tensor x, at::Tensor packed, int64_t ggml_type, c10::optional<at::Tensor> bias);
 
 // W8A8: int8 weights times int8 activations, quantized per row in the call, summed in int32 (linear_int8.cpp).
