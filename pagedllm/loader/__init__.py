@@ -152,7 +152,8 @@ def resolve_quantization(requested: str | None, resolved: ResolvedModel, hf_conf
 def _pack(model: nn.Module, quantization: str | None, resolved: ResolvedModel, hf_config: Any) -> str:
     """Pack the linear weights for `quantization`; returns what was packed, for the start-up line."""
     from pagedllm.layers.gguf import PACKED_GGUF_TYPES
-    from pagedllm.layers.linear import pack_gguf_linear_weights, pack_int4_linear_weights, pack_linear_weights
+    from pagedllm.layers.linear import (gguf_activation_bits, pack_gguf_linear_weights, pack_int4_linear_weights,
+                                        pack_linear_weights)
     from pagedllm.loader.int4 import INT4_METHODS, int4_config, int4_weights
 
     parts = []
@@ -165,6 +166,8 @@ def _pack(model: nn.Module, quantization: str | None, resolved: ResolvedModel, h
     elif quantization in INT4_METHODS:
         count = pack_int4_linear_weights(model, int4_weights(resolved.path, int4_config(hf_config)))
         parts = [f"{count} as {quantization.upper()} 4-bit (Q4_1 kernel)"]
+    if parts:
+        parts[-1] += f", times {gguf_activation_bits()}-bit activations"
     at_load = quantization if quantization in ("int8", "w8a8") else None  # quantized here, from any checkpoint
     packed = pack_linear_weights(model, at_load)
     if packed:

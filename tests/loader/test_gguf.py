@@ -236,6 +236,30 @@ def test_gguf_quantization_multiplies_its_blocks(tmp_path: Path, kind: str, qtyp
     _assert_gguf_reference_near_the_dense_model(packed, dense, [1, 17, 250, 9, 33, 70, 5, 80, 81], monkeypatch)
 
 
+def test_8_bit_activations_are_a_switch_read_at_load(tmp_path: Path, monkeypatch) -> None:
+    """PAGEDLLM_GGUF_ACTIVATION_BITS=8 packs the weights to multiply 8-bit activations (llama.cpp's arithmetic): the
+    logits are `gguf_reference`'s at 8 bits, bitwise, further from the dequantised model's than 16 bits leave them;
+    any other value than 8 or 16 is refused at load, naming the variable."""
+    path = tmp_path / "q4_1.gguf"
+    _write_model_gguf(build_tiny_hf_model("llama-gqa"), path, "llama", Q.Q4_1)
+    config = ModelConfig(model=str(path), dtype="float32", quantization="gguf")
+    fine, dense = load_model(config).model, load_model(ModelConfig(model=str(path), dtype="float32")).model
+    monkeypatch.setenv("PAGEDLLM_GGUF_ACTIVATION_BITS", "8")
+    coarse = load_model(config).model
+    assert coarse.model.layers[0].mlp.down_proj.weight.activation_bits == 8
+    assert fine.model.layers[0].mlp.down_proj.weight.activation_bits == 16
+    prompt = [1, 17, 250, 9, 33, 70, 5, 80, 81]
+    expected = SimplePagedRunner(dense).step({0: prompt})
+    coarse_logits, fine_logits = SimplePagedRunner(coarse).step({0: prompt}), SimplePagedRunner(fine).step({0: prompt})
+    assert (coarse_logits - expected).abs().max() > 10 * (fine_logits - expected).abs().max()
+    assert (coarse_logits - expected).abs().max() < 0.05 * expected.abs().max()
+    use_gguf_reference(monkeypatch)
+    assert torch.equal(coarse_logits, SimplePagedRunner(coarse).step({0: prompt}))
+    monkeypatch.setenv("PAGEDLLM_GGUF_ACTIVATION_BITS", "4")
+    with pytest.raises(ValueError, match="PAGEDLLM_GGUF_ACTIVATION_BITS must be 8 or 16, got '4'"):
+        load_model(config)
+
+
 def test_gguf_quantization_keeps_q4_k_packed(tmp_path: Path, monkeypatch) -> None:
     """Q4_K weights (K a multiple of 256 here) run as Q4_1 groups."""
     path = tmp_path / "q4_k.gguf"

@@ -135,7 +135,7 @@ def use_gguf_reference(monkeypatch: Any) -> None:
             return kernel_linear(x, weight, bias)
         x = x if weight.input_perm is None else x.index_select(1, weight.input_perm)
         return linear_module.gguf_reference(x, weight, GGMLQuantizationType(weight.ggml_type), weight.out_features,
-                                            bias)
+                                            bias, weight.activation_bits)
 
     monkeypatch.setattr(linear_module, "linear", reference)
     monkeypatch.setattr(embedding, "linear", reference)

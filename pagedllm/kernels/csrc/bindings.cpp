@@ -33,10 +33,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("scale") = pybind11::none(), NoGil());
   m.def("linear_gguf", &pagedllm::linear_gguf,
         "out = x W^T + bias, W a GGUF Q4_0, Q4_1 or Q8_0 weight regrouped by "
-        "pagedllm.layers.gguf.pack_gguf_weight, N = out.size(1), times x quantized to int8 per 32 k's "
-        "(pagedllm.layers.linear.gguf_reference): (out, x, packed, ggml_type, bias)",
+        "pagedllm.layers.gguf.pack_gguf_weight, N = out.size(1), times x quantized per 32 k's to 16 bits (two "
+        "int8 halves) or 8 (pagedllm.layers.linear.gguf_reference): (out, x, packed, ggml_type, bias, "
+        "activation_bits)",
         pybind11::arg("out"), pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("ggml_type"),
-        pybind11::arg("bias") = pybind11::none(), NoGil());
+        pybind11::arg("bias") = pybind11::none(), pybind11::arg("activation_bits") = 16, NoGil());
   m.def("pack_w8a8_weight", &pagedllm::pack_w8a8_weight,
         "An int8 [N, K] weight with values in [-127, 127] in linear_w8a8's layout: (packed [ceil(N/16), ceil(K/4), "
         "64] int8, column sums per 64 k's [ceil(N/16), ceil(K/64), 16] int32): (q)", NoGil());

@@ -19,9 +19,9 @@
 // Why 16 bits: llama.cpp quantizes x to 8 bits (hi alone), an error of up to s / 2 a value, which on SmolLM2's
 // Q4_1 file moves a logit by tenths of a nat and flips near ties that the file itself (dequantised) does not: its
 // answer to "What is the capital of France?" turns into French nonsense. lo takes that error to s / 512 (s / 256
-// where it clamps). The weights' bytes, which bound a decode step, are read once either way: lo costs one more
-// multiply-add instruction per weight vector and row, not more memory traffic (no slower on this project's
-// AVX-512 machine, docs/benchmarks.md).
+// where it clamps). The weights' bytes are read once either way, but lo doubles the multiply-adds: the Q4 matmuls
+// take ~1.45x as long (docs/benchmarks.md). activation_bits = 8 keeps hi alone (s_x = s, qx = hi): llama.cpp's
+// arithmetic and speed, for a user who accepts its flips (PAGEDLLM_GGUF_ACTIVATION_BITS=8).
 //
 // Packed layout (pagedllm.layers.gguf.pack_gguf_weight): [ceil(N / 16), K / 32, group bytes], for each 16 output
 // rows and 32 k's the rows' float32 d[16] (and Q4_1's m[16]), then the values in 64-byte rows whose 32-bit lane j
@@ -68,16 +68,18 @@ constexpr int64_t group_bytes(int64_t type) {
   return header_bytes(type) + kGroupK * kBlock / (type == kQ8_0 ? 1 : 2);
 }
 
-// A tile's quantized x: rows of 2 K bytes (`ld` apart), each group's 32 his then its 32 los (store_x's encoding),
-// and per row and group s_x and sm (`groups` apart).
-struct Q16Rows {
+// A tile's quantized x in `halves` int8 halves (2: 16 bits, hi and lo; 1: 8 bits, hi alone, llama.cpp's): rows of
+// halves x K bytes (`ld` apart), each group's 32 his then its 32 los (store_x's encoding), and per row and group
+// s_x and sm (`groups` apart).
+template <int halves>
+struct QxRows {
   const uint8_t* q;
   int64_t ld;
   const float* scale;
   const float* scaled_sum;
   int64_t groups;
 
-  const uint8_t* hi(int r, int64_t g) const { return q + r * ld + g * 2 * kGroupK; }
+  const uint8_t* hi(int r, int64_t g) const { return q + r * ld + g * halves * kGroupK; }
   const uint8_t* lo(int r, int64_t g) const { return hi(r, g) + kGroupK; }
   float s(int r, int64_t g) const { return scale[r * groups + g]; }
   float sm(int r, int64_t g) const { return scaled_sum[r * groups + g]; }
@@ -92,9 +94,10 @@ inline uint8_t store_x(int8_t q, int64_t type) { return static_cast<uint8_t>(typ
 
 inline __m512i broadcast_4_bytes(const uint8_t* p) { return _mm512_set1_epi32(load_4_bytes(p)); }
 
-// c[r] = one group's int32 sums of row r's products, 256 sum_hi + sum_lo.
-template <int rows, int64_t type>
-inline void group_sums(const Q16Rows& x, int64_t g, const uint8_t* values, __m512i (&c)[rows]) {
+// c[r] = one group's int32 sums of row r's products: 256 sum_hi + sum_lo (with x's hi alone, sum_hi and sum_lo
+// hold parts of its sum).
+template <int rows, int64_t type, int halves>
+inline void group_sums(const QxRows<halves>& x, int64_t g, const uint8_t* values, __m512i (&c)[rows]) {
   __m512i sum_hi[rows], sum_lo[rows];
 #pragma GCC unroll 8
   for (int r = 0; r < rows; ++r) sum_hi[r] = sum_lo[r] = _mm512_setzero_si512();
@@ -106,15 +109,20 @@ inline void group_sums(const Q16Rows& x, int64_t g, const uint8_t* values, __m51
       col_sums = _mm512_dpbusd_epi32(col_sums, _mm512_set1_epi8(1), w);
 #pragma GCC unroll 8
       for (int r = 0; r < rows; ++r) {
-        sum_hi[r] = _mm512_dpbusd_epi32(sum_hi[r], broadcast_4_bytes(x.hi(r, g) + 4 * i), w);
-        sum_lo[r] = _mm512_dpbusd_epi32(sum_lo[r], broadcast_4_bytes(x.lo(r, g) + 4 * i), w);
+        if constexpr (halves == 2) {
+          sum_hi[r] = _mm512_dpbusd_epi32(sum_hi[r], broadcast_4_bytes(x.hi(r, g) + 4 * i), w);
+          sum_lo[r] = _mm512_dpbusd_epi32(sum_lo[r], broadcast_4_bytes(x.lo(r, g) + 4 * i), w);
+        } else {  // the two accumulators in turn: two independent chains
+          __m512i& sum = i % 2 ? sum_lo[r] : sum_hi[r];
+          sum = _mm512_dpbusd_epi32(sum, broadcast_4_bytes(x.hi(r, g) + 4 * i), w);
+        }
       }
     }
     const __m512i offset = _mm512_slli_epi32(col_sums, 7);  // sum (half + 128) q - sum half q
 #pragma GCC unroll 8
     for (int r = 0; r < rows; ++r) {
       sum_hi[r] = _mm512_sub_epi32(sum_hi[r], offset);
-      sum_lo[r] = _mm512_sub_epi32(sum_lo[r], offset);
+      if constexpr (halves == 2) sum_lo[r] = _mm512_sub_epi32(sum_lo[r], offset);
     }
   } else {
     const __m512i low4 = _mm512_set1_epi8(0x0F);
@@ -124,27 +132,35 @@ inline void group_sums(const Q16Rows& x, int64_t g, const uint8_t* values, __m51
       const __m512i lo = _mm512_and_si512(w, low4), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low4);
 #pragma GCC unroll 8
       for (int r = 0; r < rows; ++r) {
-        sum_hi[r] = _mm512_dpbusd_epi32(sum_hi[r], lo, broadcast_4_bytes(x.hi(r, g) + 8 * o));
-        sum_hi[r] = _mm512_dpbusd_epi32(sum_hi[r], hi, broadcast_4_bytes(x.hi(r, g) + 8 * o + 4));
-        sum_lo[r] = _mm512_dpbusd_epi32(sum_lo[r], lo, broadcast_4_bytes(x.lo(r, g) + 8 * o));
-        sum_lo[r] = _mm512_dpbusd_epi32(sum_lo[r], hi, broadcast_4_bytes(x.lo(r, g) + 8 * o + 4));
+        if constexpr (halves == 2) {
+          sum_hi[r] = _mm512_dpbusd_epi32(sum_hi[r], lo, broadcast_4_bytes(x.hi(r, g) + 8 * o));
+          sum_hi[r] = _mm512_dpbusd_epi32(sum_hi[r], hi, broadcast_4_bytes(x.hi(r, g) + 8 * o + 4));
+          sum_lo[r] = _mm512_dpbusd_epi32(sum_lo[r], lo, broadcast_4_bytes(x.lo(r, g) + 8 * o));
+          sum_lo[r] = _mm512_dpbusd_epi32(sum_lo[r], hi, broadcast_4_bytes(x.lo(r, g) + 8 * o + 4));
+        } else {  // one accumulator per nibble: two independent chains
+          sum_hi[r] = _mm512_dpbusd_epi32(sum_hi[r], lo, broadcast_4_bytes(x.hi(r, g) + 8 * o));
+          sum_lo[r] = _mm512_dpbusd_epi32(sum_lo[r], hi, broadcast_4_bytes(x.hi(r, g) + 8 * o + 4));
+        }
       }
     }
   }
 #pragma GCC unroll 8
-  for (int r = 0; r < rows; ++r) c[r] = _mm512_add_epi32(_mm512_slli_epi32(sum_hi[r], 8), sum_lo[r]);
+  for (int r = 0; r < rows; ++r) {
+    c[r] = halves == 2 ? _mm512_add_epi32(_mm512_slli_epi32(sum_hi[r], 8), sum_lo[r])
+                       : _mm512_add_epi32(sum_hi[r], sum_lo[r]);  // the two chains of hi's products
+  }
 }
 
 // acc[rows][16] = x[rows] times a block's `groups` groups.
-template <int rows, int64_t type>
-void dot_tile(const Q16Rows& x, const uint8_t* block, int64_t groups, float* acc) {
+template <int rows, int64_t type, int halves>
+void dot_tile(const QxRows<halves>& x, const uint8_t* block, int64_t groups, float* acc) {
   __m512 f[rows];
 #pragma GCC unroll 8
   for (int r = 0; r < rows; ++r) f[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* group = block + g * group_bytes(type);
     __m512i c[rows];
-    group_sums<rows, type>(x, g, group + header_bytes(type), c);
+    group_sums<rows, type, halves>(x, g, group + header_bytes(type), c);
     const float* header = reinterpret_cast<const float*>(group);
     const __m512 d = _mm512_loadu_ps(header);
     // Q4_1 stores m, Q4_0 has m = -8 d; Q8_0 has none (unused below).
@@ -169,9 +185,9 @@ inline uint8_t store_x(int8_t q, int64_t) { return static_cast<uint8_t>(q); }
 inline __m256i broadcast_4_bytes(const uint8_t* p) { return _mm256_set1_epi32(load_4_bytes(p)); }
 
 // c[rows][h] = one group's int32 sums over columns 8 h .. 8 h + 7, 256 sum_hi + sum_lo: the int16 pair sums of
-// the his widened by vpmaddwd with 256s, the los' with 1s.
-template <int rows, int64_t type>
-inline void group_sums(const Q16Rows& x, int64_t g, const uint8_t* values, __m256i (&c)[rows][2]) {
+// the his widened by vpmaddwd with 256s, the los' with 1s (with x's hi alone, its sums widened with 1s).
+template <int rows, int64_t type, int halves>
+inline void group_sums(const QxRows<halves>& x, int64_t g, const uint8_t* values, __m256i (&c)[rows][2]) {
   const __m256i ones = _mm256_set1_epi16(1), times256 = _mm256_set1_epi16(256);
   for (int h = 0; h < 2; ++h) {
     if constexpr (type == kQ8_0) {
@@ -184,10 +200,14 @@ inline void group_sums(const Q16Rows& x, int64_t g, const uint8_t* values, __m25
 #pragma GCC unroll 8
         for (int r = 0; r < rows; ++r) {
           const __m256i his = _mm256_sign_epi8(broadcast_4_bytes(x.hi(r, g) + 4 * i), w);
-          const __m256i los = _mm256_sign_epi8(broadcast_4_bytes(x.lo(r, g) + 4 * i), w);
-          sum[r] = _mm256_add_epi32(sum[r], _mm256_add_epi32(
-              _mm256_madd_epi16(_mm256_maddubs_epi16(magnitudes, his), times256),
-              _mm256_madd_epi16(_mm256_maddubs_epi16(magnitudes, los), ones)));
+          if constexpr (halves == 2) {
+            const __m256i los = _mm256_sign_epi8(broadcast_4_bytes(x.lo(r, g) + 4 * i), w);
+            sum[r] = _mm256_add_epi32(sum[r], _mm256_add_epi32(
+                _mm256_madd_epi16(_mm256_maddubs_epi16(magnitudes, his), times256),
+                _mm256_madd_epi16(_mm256_maddubs_epi16(magnitudes, los), ones)));
+          } else {
+            sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitudes, his), ones));
+          }
         }
       }
 #pragma GCC unroll 8
@@ -205,26 +225,30 @@ inline void group_sums(const Q16Rows& x, int64_t g, const uint8_t* values, __m25
           const uint8_t *xh = x.hi(r, g) + 8 * o, *xl = x.lo(r, g) + 8 * o;
           pairs_hi[r] = _mm256_add_epi16(pairs_hi[r], _mm256_add_epi16(
               _mm256_maddubs_epi16(lo, broadcast_4_bytes(xh)), _mm256_maddubs_epi16(hi, broadcast_4_bytes(xh + 4))));
-          pairs_lo[r] = _mm256_add_epi16(pairs_lo[r], _mm256_add_epi16(
-              _mm256_maddubs_epi16(lo, broadcast_4_bytes(xl)), _mm256_maddubs_epi16(hi, broadcast_4_bytes(xl + 4))));
+          if constexpr (halves == 2) {
+            pairs_lo[r] = _mm256_add_epi16(pairs_lo[r], _mm256_add_epi16(
+                _mm256_maddubs_epi16(lo, broadcast_4_bytes(xl)), _mm256_maddubs_epi16(hi, broadcast_4_bytes(xl + 4))));
+          }
         }
       }
 #pragma GCC unroll 8
       for (int r = 0; r < rows; ++r) {
-        c[r][h] = _mm256_add_epi32(_mm256_madd_epi16(pairs_hi[r], times256), _mm256_madd_epi16(pairs_lo[r], ones));
+        c[r][h] = halves == 2
+                      ? _mm256_add_epi32(_mm256_madd_epi16(pairs_hi[r], times256), _mm256_madd_epi16(pairs_lo[r], ones))
+                      : _mm256_madd_epi16(pairs_hi[r], ones);
       }
     }
   }
 }
 
 // The float32 accumulators live in `acc` (L1): in registers they would spill the integer ones.
-template <int rows, int64_t type>
-void dot_tile(const Q16Rows& x, const uint8_t* block, int64_t groups, float* acc) {
+template <int rows, int64_t type, int halves>
+void dot_tile(const QxRows<halves>& x, const uint8_t* block, int64_t groups, float* acc) {
   std::fill(acc, acc + rows * kBlock, 0.f);
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* group = block + g * group_bytes(type);
     __m256i c[rows][2];
-    group_sums<rows, type>(x, g, group + header_bytes(type), c);
+    group_sums<rows, type, halves>(x, g, group + header_bytes(type), c);
     const float* header = reinterpret_cast<const float*>(group);
 #pragma GCC unroll 8
     for (int r = 0; r < rows; ++r) {
@@ -259,8 +283,8 @@ inline int weight_value(const uint8_t* values, int64_t i, int j, int t) {
   return i % 2 ? byte >> 4 : byte & 0x0F;  // Q4: row i's k's are octet i / 2's low (even i) or high nibbles
 }
 
-template <int rows, int64_t type>
-void dot_tile(const Q16Rows& x, const uint8_t* block, int64_t groups, float* acc) {
+template <int rows, int64_t type, int halves>
+void dot_tile(const QxRows<halves>& x, const uint8_t* block, int64_t groups, float* acc) {
   std::fill(acc, acc + rows * kBlock, 0.f);
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* group = block + g * group_bytes(type);
@@ -271,7 +295,9 @@ void dot_tile(const Q16Rows& x, const uint8_t* block, int64_t groups, float* acc
         const int8_t* xh = reinterpret_cast<const int8_t*>(x.hi(r, g)) + 4 * i;
         const int8_t* xl = reinterpret_cast<const int8_t*>(x.lo(r, g)) + 4 * i;
         for (int j = 0; j < kBlock; ++j) {
-          for (int t = 0; t < 4; ++t) c[r][j] += weight_value<type>(values, i, j, t) * (256 * xh[t] + xl[t]);
+          for (int t = 0; t < 4; ++t) {
+            c[r][j] += weight_value<type>(values, i, j, t) * (halves == 2 ? 256 * xh[t] + xl[t] : xh[t]);
+          }
         }
       }
     }
@@ -297,17 +323,17 @@ void dot_tile(const Q16Rows& x, const uint8_t* block, int64_t groups, float* acc
 #endif
 
 // dot_tile for a tile of `rows` <= kTileRows rows.
-template <int64_t type, int max_rows = kTileRows>
-void run_dot_tile(int rows, const Q16Rows& x, const uint8_t* block, int64_t groups, float* acc) {
+template <int64_t type, int max_rows = kTileRows, int halves>
+void run_dot_tile(int rows, const QxRows<halves>& x, const uint8_t* block, int64_t groups, float* acc) {
   if constexpr (max_rows > 1) {
     if (rows < max_rows) return run_dot_tile<type, max_rows - 1>(rows, x, block, groups, acc);
   }
   dot_tile<max_rows, type>(x, block, groups, acc);
 }
 
-template <typename T, int64_t type>
+template <typename T, int64_t type, int halves>
 struct GgufProblem {
-  Q16Rows x;  // all m rows
+  QxRows<halves> x;  // all m rows
   const uint8_t* packed;
   const T* bias;  // nullptr: no bias
   T* out;
@@ -315,7 +341,7 @@ struct GgufProblem {
 
   void run_tile(int64_t m0, int rows, int64_t b) const {
     alignas(64) float acc[kTileRows * kBlock];
-    const Q16Rows tile{x.q + m0 * x.ld, x.ld, x.scale + m0 * groups, x.scaled_sum + m0 * groups, groups};
+    const QxRows<halves> tile{x.q + m0 * x.ld, x.ld, x.scale + m0 * groups, x.scaled_sum + m0 * groups, groups};
     run_dot_tile<type>(rows, tile, packed + b * groups * group_bytes(type), groups, acc);
     store_rows(out, out_stride, n, bias, static_cast<const float*>(nullptr), acc, m0, rows, b);
   }
@@ -333,56 +359,68 @@ struct GgufProblem {
   }
 };
 
-template <typename T, int64_t type>
+template <typename T, int64_t type, int halves>
 void run_gguf(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
   const int64_t m = x.size(0), k = x.size(1), groups = k / kGroupK;
-  std::vector<uint8_t> halves(m * 2 * k);
+  std::vector<uint8_t> quantized_x(m * halves * k);
   std::vector<float> scale(m * groups), scaled_sum(m * groups);
   const T* src = x.data_ptr<T>();
   at::parallel_for(0, m, std::max<int64_t>(1, kConvertGrain / std::max<int64_t>(1, k)), [&](int64_t begin, int64_t end) {
     std::vector<int32_t> qx(k);
     for (int64_t r = begin; r < end; ++r) {
-      uint8_t* row = halves.data() + r * 2 * k;
+      uint8_t* row = quantized_x.data() + r * halves * k;
       quantize_spans(src + r * x.stride(0), k, kGroupK, scale.data() + r * groups, [&](int64_t i, float v) {
         const int8_t hi = quantized(v);
-        const int8_t lo = quantized(std::min(std::max((v - hi) * 256.f, -127.f), 127.f));  // v - hi is exact
-        uint8_t* at = row + (i / kGroupK) * 2 * kGroupK + i % kGroupK;
+        uint8_t* at = row + (i / kGroupK) * halves * kGroupK + i % kGroupK;
         at[0] = store_x(hi, type);
-        at[kGroupK] = store_x(lo, type);
-        qx[i] = 256 * hi + lo;
+        if constexpr (halves == 2) {
+          const int8_t lo = quantized(std::min(std::max((v - hi) * 256.f, -127.f), 127.f));  // v - hi is exact
+          at[kGroupK] = store_x(lo, type);
+          qx[i] = 256 * hi + lo;
+        } else {
+          qx[i] = hi;
+        }
       });
       for (int64_t g = 0; g < groups; ++g) {
         float& s = scale[r * groups + g];
-        s = s / 256.f;
+        if constexpr (halves == 2) s = s / 256.f;
         int32_t sum = 0;
         for (int64_t i = g * kGroupK; i < (g + 1) * kGroupK; ++i) sum += qx[i];
         scaled_sum[r * groups + g] = s * static_cast<float>(sum);  // unused by Q8_0, which has no min term
       }
     }
   });
-  const GgufProblem<T, type> problem{{halves.data(), 2 * k, scale.data(), scaled_sum.data(), groups},
+  const GgufProblem<T, type, halves> problem{{quantized_x.data(), halves * k, scale.data(), scaled_sum.data(), groups},
                                      packed.data_ptr<uint8_t>(), bias ? bias->data_ptr<T>() : nullptr,
                                      out.data_ptr<T>(), m, out.size(1), groups, out.stride(0)};
   split_blocks_and_tiles(packed.size(0), (m + kTileRows - 1) / kTileRows, m * out.size(1) * k,
                          [&](int64_t b0, int64_t b1, int64_t t0, int64_t t1) { problem.run(b0, b1, t0, t1); });
 }
 
-template <typename T>
+template <typename T, int halves>
 void linear_gguf_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, int64_t type,
                       const c10::optional<at::Tensor>& bias) {
   switch (type) {
-    case kQ4_0: return run_gguf<T, kQ4_0>(out, x, packed, bias);
-    case kQ4_1: return run_gguf<T, kQ4_1>(out, x, packed, bias);
-    default: return run_gguf<T, kQ8_0>(out, x, packed, bias);
+    case kQ4_0: return run_gguf<T, kQ4_0, halves>(out, x, packed, bias);
+    case kQ4_1: return run_gguf<T, kQ4_1, halves>(out, x, packed, bias);
+    default: return run_gguf<T, kQ8_0, halves>(out, x, packed, bias);
   }
+}
+
+template <typename T>
+void linear_gguf_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, int64_t type,
+                      const c10::optional<at::Tensor>& bias, int64_t activation_bits) {
+  if (activation_bits == 8) return linear_gguf_impl<T, 1>(out, x, packed, type, bias);
+  linear_gguf_impl<T, 2>(out, x, packed, type, bias);
 }
 
 }  // namespace
 
 void linear_gguf(at::Tensor out, at::Tensor x, at::Tensor packed, int64_t ggml_type,
-                 c10::optional<at::Tensor> bias) {
+                 c10::optional<at::Tensor> bias, int64_t activation_bits) {
   TORCH_CHECK(ggml_type == kQ4_0 || ggml_type == kQ4_1 || ggml_type == kQ8_0,
               "ggml_type must be Q4_0 (2), Q4_1 (3) or Q8_0 (8), got ", ggml_type);
+  TORCH_CHECK(activation_bits == 8 || activation_bits == 16, "activation_bits must be 8 or 16, got ", activation_bits);
   TORCH_CHECK(x.device().is_cpu() && out.device().is_cpu() && packed.device().is_cpu(), "tensors must be on the CPU");
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous()
                   && packed.size(2) == group_bytes(ggml_type),
@@ -390,8 +428,10 @@ void linear_gguf(at::Tensor out, at::Tensor x, at::Tensor packed, int64_t ggml_t
               group_bytes(ggml_type), "] for this type, got ", packed.sizes());
   check_operands(out, x, packed.size(0), packed.size(1) * kGroupK, bias);
   if (out.numel() == 0) return;
-  if (x.scalar_type() == at::kBFloat16) return linear_gguf_impl<c10::BFloat16>(out, x, packed, ggml_type, bias);
-  linear_gguf_impl<float>(out, x, packed, ggml_type, bias);
+  if (x.scalar_type() == at::kBFloat16) {
+    return linear_gguf_impl<c10::BFloat16>(out, x, packed, ggml_type, bias, activation_bits);
+  }
+  linear_gguf_impl<float>(out, x, packed, ggml_type, bias, activation_bits);
 }
 
 }  // namespace pagedllm
