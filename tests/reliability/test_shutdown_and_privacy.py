@@ -57,15 +57,23 @@ async def _stream(client: httpx.AsyncClient, i: int) -> dict:
     raise AssertionError(f"client {i}: the stream ended without [DONE]")
 
 
+def _metric(text: str, name: str) -> float:
+    """The value of pagedllm:`name` in a /metrics text, 0 before it is first set."""
+    match = re.search(rf"^pagedllm:{name}\{{[^}}]*\}} (\S+)$", text, re.MULTILINE)
+    return 0.0 if match is None else float(match.group(1))
+
+
 async def _load_then_sigterm(url: str, process: subprocess.Popen) -> tuple[list, list]:
     async with httpx.AsyncClient(base_url=url, timeout=60) as client:
         streams = [asyncio.ensure_future(_stream(client, i)) for i in range(NUM_CLIENTS)]
-        while True:                       # wait until the requests are in and generating
+        for _ in range(1200):             # wait (up to a minute) until all the requests are in and generating
             await asyncio.sleep(0.05)
-            match = re.search(r"^pagedllm:generation_tokens_total\{[^}]*\} (\S+)$", (await client.get("/metrics")).text,
-                              re.MULTILINE)
-            if match is not None and float(match.group(1)) > 3:       # more than the first request's 3
+            metrics = (await client.get("/metrics")).text
+            if _metric(metrics, "generation_tokens_total") > 3 and (    # more than the first request's 3
+                    _metric(metrics, "num_requests_running") + _metric(metrics, "num_requests_waiting") == NUM_CLIENTS):
                 break
+        else:
+            raise AssertionError(f"the {NUM_CLIENTS} requests were not all in after a minute:\n{metrics}")
         process.send_signal(signal.SIGTERM)
         await asyncio.sleep(0.3)
         during = [await client.get("/health"),
