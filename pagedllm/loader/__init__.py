@@ -51,13 +51,18 @@ def resolve_dtype(dtype: str, device: str = "cpu") -> torch.dtype:
     return torch.float32
 
 
-def _log_precision(requested: str, dtype: torch.dtype, device: str) -> None:
-    """One line at start-up: the CPU, the dtype chosen and why, and how its matmuls run."""
+def _log_precision(requested: str, dtype: torch.dtype, device: str, quantization: str | None) -> None:
+    """One line at start-up: the CPU, the dtype chosen and why, and how its matmuls run (with quantized linear
+    weights, how the rest runs: the loaded line says how the weights were packed)."""
     from pagedllm.layers.linear import linear_packing
 
     chosen = f"{str(dtype).removeprefix('torch.')}{' (auto)' if requested == 'auto' else ''}"
     if device != "cpu":
         logger.info("device %s; dtype %s", device, chosen)
+        return
+    if quantization is not None:
+        logger.info("CPU: %s; dtype %s for activations, the KV cache and unquantized tensors; linear weights as %s",
+                    cpu_info().describe(), chosen, quantization)
         return
     how = {"onednn": "bf16 weights and KV cache, bf16 matmuls in oneDNN",
            "pagedllm": ("bf16 weights and KV cache (half float32's bytes), float32 arithmetic in pagedllm's kernels"
@@ -188,7 +193,7 @@ def load_model(model_config: ModelConfig, tp_rank: int = 0, tp_size: int = 1) ->
                                         model_config.dtype)
     dtype = resolve_dtype(model_config.dtype, model_config.device)
     if tp_rank == 0:
-        _log_precision(model_config.dtype, dtype, model_config.device)
+        _log_precision(model_config.dtype, dtype, model_config.device, quantization)
     model_cls = model_class_for_config(hf_config)
     # Parameters are allocated with torch.empty (no random init), so building directly is cheap.
     with torch.device(model_config.device):
