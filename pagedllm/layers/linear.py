@@ -43,7 +43,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         perm = getattr(weight, "input_perm", None)
         x = x if perm is None else x.index_select(1, perm)  # GPTQ act-order: K as the weight stores it
         out = torch.empty(x.shape[0], weight.out_features, dtype=x.dtype)  # type: ignore[attr-defined]
-        cpu_kernels().linear_gguf(out, x, weight, weight.ggml_type, bias,  # type: ignore[union-attr]
+        cpu_kernels().linear_gguf(out, x, weight, weight.ggml_type, bias,  # type: ignore[union-attr,attr-defined]
                                   weight.activation_bits)  # type: ignore[attr-defined]
         return out
     if weight.dim() == 3:  # pagedllm's blocked layouts

@@ -157,8 +157,12 @@ def resolve_quantization(requested: str | None, resolved: ResolvedModel, hf_conf
 def _pack(model: nn.Module, quantization: str | None, resolved: ResolvedModel, hf_config: Any) -> str:
     """Pack the linear weights for `quantization`; returns what was packed, for the start-up line."""
     from pagedllm.layers.gguf import PACKED_GGUF_TYPES
-    from pagedllm.layers.linear import (gguf_activation_bits, pack_gguf_linear_weights, pack_int4_linear_weights,
-                                        pack_linear_weights)
+    from pagedllm.layers.linear import (
+        gguf_activation_bits,
+        pack_gguf_linear_weights,
+        pack_int4_linear_weights,
+        pack_linear_weights,
+    )
     from pagedllm.loader.int4 import INT4_METHODS, int4_config, int4_weights
 
     parts = []
