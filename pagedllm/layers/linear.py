@@ -266,7 +266,7 @@ GGUF_ACTIVATION_BITS_ENV = "PAGEDLLM_GGUF_ACTIVATION_BITS"
 
 
 def gguf_activation_bits() -> int:
-    """The bits `linear_gguf` quantizes activations to, read when the weights are packed: 16 (two int8 halves, the
+    """The bits `linear_gguf` quantizes activations to, read by the loader when it packs: 16 (two int8 halves, the
     dequantised weights' results within float noise), or 8 with PAGEDLLM_GGUF_ACTIVATION_BITS=8 (llama.cpp's
     arithmetic: ~1.45x faster 4-bit matmuls, near ties flipped)."""
     value = os.environ.get(GGUF_ACTIVATION_BITS_ENV, "16")
@@ -299,16 +299,16 @@ def _check_kernels(mode: str) -> None:
         raise RuntimeError(f"{mode} runs in pagedllm's CPU kernels, which are disabled or not built here")
 
 
-def pack_gguf_linear_weights(model: nn.Module, rows: dict[str, tuple[GGMLQuantizationType, torch.Tensor]]
-                             ) -> Counter[str]:
+def pack_gguf_linear_weights(model: nn.Module, rows: dict[str, tuple[GGMLQuantizationType, torch.Tensor]],
+                             activation_bits: int = 16) -> Counter[str]:
     """Replace the weight of each of `model`'s linear layers (LM head included) whose checkpoint tensors are all
     in `rows` ({Hugging Face name: (type, GGUF rows)}, `pagedllm.loader.gguf.gguf_block_rows`), in one type, by
     those blocks packed (`pack_gguf_weight`): a fused layer concatenates its parts' rows, which share K. A tied LM
     head packs the embedding's rows; the embedding keeps its dequantised copy for the lookup. Other layers keep
-    their weight for `pack_linear_weights`. Returns how many weights were packed per GGUF type name.
+    their weight for `pack_linear_weights`. The packed weights multiply activations quantized to `activation_bits`
+    (16 or 8, `gguf_activation_bits`). Returns how many weights were packed per GGUF type name.
     """
     _check_kernels("quantization='gguf'")
-    activation_bits = gguf_activation_bits()
     counts: Counter[str] = Counter()
     for name, layer, names in _quantizable_layers(model):
         parts = [rows.get(part) for part in names]
@@ -322,15 +322,16 @@ def pack_gguf_linear_weights(model: nn.Module, rows: dict[str, tuple[GGMLQuantiz
     return counts
 
 
-def pack_int4_linear_weights(model: nn.Module, weights: dict[str, Callable[[], Int4Weight]]) -> int:
+def pack_int4_linear_weights(model: nn.Module, weights: dict[str, Callable[[], Int4Weight]],
+                             activation_bits: int = 16) -> int:
     """Replace the weight of each of `model`'s linear layers whose checkpoint weights are all in `weights`
     ({Hugging Face name: its 4-bit weight, read on demand}, `pagedllm.loader.int4.int4_weights`) by their rows
     packed as Q4_1 (`pack_q4_rows`). A fused layer's parts must permute K alike (GPTQ act-order gives q/k/v, and
     gate/up, one permutation: they share their input); one whose parts do not keeps its dequantised weight, as do
-    layers the checkpoint left unquantized. Returns how many weights were packed.
+    layers the checkpoint left unquantized. Activations are quantized to `activation_bits`, as in
+    `pack_gguf_linear_weights`. Returns how many weights were packed.
     """
     _check_kernels("quantization='awq' or 'gptq'")
-    activation_bits = gguf_activation_bits()
     packed = 0
     for name, layer, names in _quantizable_layers(model):
         if not all(part in weights for part in names):

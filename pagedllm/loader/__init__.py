@@ -166,17 +166,19 @@ def _pack(model: nn.Module, quantization: str | None, resolved: ResolvedModel, h
     from pagedllm.loader.int4 import INT4_METHODS, int4_config, int4_weights
 
     parts = []
-    if quantization == "gguf":
-        from pagedllm.loader.gguf import GGUFFile, gguf_block_rows
+    if quantization in ("gguf", *INT4_METHODS):  # the GGUF kernel's modes
+        activation_bits = gguf_activation_bits()
+        if quantization == "gguf":
+            from pagedllm.loader.gguf import GGUFFile, gguf_block_rows
 
-        rows = gguf_block_rows(GGUFFile(resolved.gguf_path), PACKED_GGUF_TYPES)  # type: ignore[arg-type]
-        counts = pack_gguf_linear_weights(model, rows)
-        parts = [f"{count} as GGUF {name}" for name, count in sorted(counts.items())]
-    elif quantization in INT4_METHODS:
-        count = pack_int4_linear_weights(model, int4_weights(resolved.path, int4_config(hf_config)))
-        parts = [f"{count} as {quantization.upper()} 4-bit (Q4_1 kernel)"]
-    if parts:
-        parts[-1] += f", times {gguf_activation_bits()}-bit activations"
+            rows = gguf_block_rows(GGUFFile(resolved.gguf_path), PACKED_GGUF_TYPES)  # type: ignore[arg-type]
+            counts = pack_gguf_linear_weights(model, rows, activation_bits)
+            parts = [f"{count} as GGUF {name}" for name, count in sorted(counts.items())]
+        else:
+            weights = int4_weights(resolved.path, int4_config(hf_config))
+            parts = [f"{pack_int4_linear_weights(model, weights, activation_bits)} as {quantization.upper()} 4-bit "
+                     "(Q4_1 kernel)"]
+        parts[-1] += f", times {activation_bits}-bit activations"
     at_load = quantization if quantization in ("int8", "w8a8") else None  # quantized here, from any checkpoint
     packed = pack_linear_weights(model, at_load)
     if packed:
