@@ -56,12 +56,14 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     from playwright.sync_api import sync_playwright
 
     from pagedllm.engine.async_engine import AsyncEngine
+    from pagedllm.engine.engine_thread import EngineThread
     from pagedllm.entrypoints.llm import LLM
     from pagedllm.entrypoints.openai.server import build_app
 
     if args.chromium is None:
         raise SystemExit("no Chromium found: install Debian's chromium package or pass --chromium")
-    engine = AsyncEngine(LLM(**engine_kwargs(args)).engine)
+    thread = EngineThread()     # the model loads on the thread that steps it (engine_thread.py)
+    engine = AsyncEngine(thread.call(lambda: LLM(**engine_kwargs(args)).engine), thread=thread)
     clock = _StepClock()
     engine.add_stat_logger(clock)
     url, stop = _serve(build_app(engine))

@@ -11,7 +11,8 @@
                      rest fans out
 ```
 Both fronts keep the interface of what they stand for (LLMEngine for the offline LLM, AsyncEngine for the server),
-so neither the offline API nor the serving code knows about replicas. A request runs on one replica from start
+so neither the offline API nor the serving code knows about replicas. Each replica is built on the thread that
+steps it, and only that thread runs its forward passes (engine_thread.py). A request runs on one replica from start
 to end, so its `n` completions, beams, aborts and disconnects stay inside that replica. The model forward
 releases the GIL, so the replicas' steps overlap on the cores. Each replica takes the configured KV budget (as a
 vLLM data-parallel rank does); on a CPU the process's intra-op threads are shared out among the replicas.
@@ -22,10 +23,8 @@ from __future__ import annotations
 import asyncio
 import copy
 import functools
-import operator
 from collections import Counter
-from collections.abc import AsyncGenerator, Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
 from typing import TypeVar
 
@@ -37,6 +36,7 @@ from pagedllm.device import resolve_engine_device
 from pagedllm.engine.async_engine import AsyncEngine, KVCacheSnapshot
 from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedllm.engine.dp_router import DataParallelRouter
+from pagedllm.engine.engine_thread import EngineThread
 from pagedllm.engine.llm_engine import LLMEngine, PromptInput
 from pagedllm.inputs import parse_prompt
 from pagedllm.logger import init_logger
@@ -48,10 +48,11 @@ logger = init_logger(__name__)
 T = TypeVar("T")
 
 
-def build_replicas(config: EngineConfig) -> list[LLMEngine]:
+def build_replicas(config: EngineConfig, threads: Sequence[EngineThread]) -> list[LLMEngine]:
     """`config.parallel.data_parallel_size` engines, each with the configured KV budget (a `swap_path` gets the
-    replica's index as a suffix): in this process, or with the "ray" backend and more than one, each in a Ray
-    actor (`RayReplica`, same interface). On a CPU the intra-op threads are divided among them. Logs the pools."""
+    replica's index as a suffix): in this process, replica i built on `threads[i]`, the thread that is to step it
+    (engine_thread.py says why), or with the "ray" backend and more than one, each in a Ray actor (`RayReplica`,
+    same interface). On a CPU the intra-op threads are divided among them. Logs the pools."""
     config = copy.deepcopy(config)
     resolve_engine_device(config)
     num_replicas = config.parallel.data_parallel_size
@@ -64,7 +65,7 @@ def build_replicas(config: EngineConfig) -> list[LLMEngine]:
         replicas = []
         try:
             for index in range(num_replicas):
-                replicas.append(LLMEngine(_replica_config(config, index)))
+                replicas.append(threads[index].call(LLMEngine, _replica_config(config, index)))
         except BaseException:
             for replica in replicas:
                 replica.close()
@@ -77,6 +78,16 @@ def build_replicas(config: EngineConfig) -> list[LLMEngine]:
         logger.info("data parallel: %d replicas, each with its own KV pool of %d blocks (%.2f GiB; %.2f GiB in all)",
                     num_replicas, capacity.num_blocks, pool_gib, num_replicas * pool_gib)
     return replicas
+
+
+def engine_threads(count: int, name: str) -> list[EngineThread]:
+    """One EngineThread per replica: `name`, or `name`-i for replica i of several."""
+    return [EngineThread(name if count == 1 else f"{name}-{index}") for index in range(count)]
+
+
+def _stop(threads: list[EngineThread]) -> None:
+    for thread in threads:
+        thread.stop()
 
 
 def _replica_config(config: EngineConfig, index: int) -> EngineConfig:
@@ -127,7 +138,12 @@ class DataParallelEngine:
     """
 
     def __init__(self, config: EngineConfig) -> None:
-        self.replicas = build_replicas(config)
+        self._threads = engine_threads(config.parallel.data_parallel_size, "pagedllm-dp")
+        try:
+            self.replicas = build_replicas(config, self._threads)
+        except BaseException:
+            _stop(self._threads)
+            raise
         first = self.replicas[0]
         self.config = copy.deepcopy(first.config)       # what replica 0 derived, with the parallel settings
         self.config.parallel = copy.deepcopy(config.parallel)
@@ -135,7 +151,6 @@ class DataParallelEngine:
         self.vocab_size, self.max_model_len = first.vocab_size, first.max_model_len
         self.router = make_router(config, first.capacity.num_blocks)
         self._owner: dict[str, int] = {}    # unfinished request id -> its replica
-        self._pool = ThreadPoolExecutor(len(self.replicas), thread_name_prefix="pagedllm-dp")
 
     def tokenize_prompt(self, prompt: PromptInput) -> list[int]:
         return self.replicas[0].tokenize_prompt(prompt)
@@ -174,11 +189,10 @@ class DataParallelEngine:
         return outputs
 
     def step(self) -> list[RequestOutput]:
-        """One step of every replica with unfinished requests, concurrently."""
-        busy = [replica for replica in self.replicas if replica.has_unfinished_requests()]
-        step = operator.methodcaller("step")
-        results = list(self._pool.map(step, busy)) if len(busy) > 1 else [step(r) for r in busy]
-        outputs = [output for result in results for output in result]
+        """One step of every replica with unfinished requests, concurrently, each on its own thread."""
+        steps = [thread.submit(replica.step) for replica, thread in zip(self.replicas, self._threads, strict=True)
+                 if replica.has_unfinished_requests()]
+        outputs = [output for step in steps for output in step.result()]
         for output in outputs:
             if output.finished:
                 self._owner.pop(output.request_id, None)
@@ -205,7 +219,7 @@ class DataParallelEngine:
     def close(self) -> None:
         for replica in self.replicas:
             replica.close()
-        self._pool.shutdown(wait=False)
+        _stop(self._threads)
 
     def _check_new(self, request_id: str) -> None:
         if request_id in self._owner:
@@ -340,9 +354,15 @@ class AsyncDataParallelEngine:
 
 
 def build_async_engine(config: EngineConfig, log_requests: bool = False) -> AsyncEngine | AsyncDataParallelEngine:
-    """The server's engine: one AsyncEngine, or with data_parallel_size > 1 the replicas behind the router."""
-    replicas = build_replicas(config)
-    engines = [AsyncEngine(replica, log_requests) for replica in replicas]
+    """The server's engine: one AsyncEngine, or with data_parallel_size > 1 the replicas behind the router; each
+    engine built on the thread that steps it."""
+    threads = engine_threads(config.parallel.data_parallel_size, "pagedllm-engine")
+    try:
+        replicas = build_replicas(config, threads)
+    except BaseException:
+        _stop(threads)
+        raise
+    engines = [AsyncEngine(replica, log_requests, thread) for replica, thread in zip(replicas, threads, strict=True)]
     if len(engines) == 1:
         return engines[0]
     return AsyncDataParallelEngine(engines, make_router(config, replicas[0].capacity.num_blocks))
