@@ -5,7 +5,7 @@ the token bitmask of a batch.
  add time (any thread)                      step (engine thread)
  ---------------------                      --------------------
  compile(constraint) -> cached LLMatcher    new_matcher(constraint) -> a deep copy of the cached one, per request
-                                            fill_bitmask([matcher per sampled row])  (in a thread, beside the model)
+                                            fill_bitmask_async([matcher per sampled row])  (filled beside the model)
                                             matcher.consume_token(sampled token)
 ```
 Compiling is the slow part (milliseconds to seconds for large schemas); callers do it before the request reaches
@@ -92,21 +92,24 @@ class StructuredOutputManager:
         """A fresh matcher for one request (a copy: matchers hold the request's parse state)."""
         return self.compile(constraint).deep_copy()
 
-    def fill_bitmask(self, matchers: list[llguidance.LLMatcher]) -> torch.Tensor:
-        """[len(matchers), ceil(V / 32)] int32: bit j of word w allows token 32 * w + j for that row.
+    def fill_bitmask_async(self, matchers: list[llguidance.LLMatcher]) -> Future[torch.Tensor]:
+        """[len(matchers), ceil(V / 32)] int32, filled in a background thread (llguidance drops the GIL, so it runs
+        beside the model forward): bit j of word w allows token 32 * w + j for that row.
 
-        llguidance's executor writes the rows in parallel, straight into the tensor's memory (what
-        `llguidance.torch.fill_next_token_bitmask_par` does; that module is not imported because importing it
-        runs torch.compile, seconds of start-up for a CPU engine).
+        The tensor is made here, on the caller's thread (the engine's): a torch op on the fill thread, such as
+        this fill of ~77k values for 50 rows, would start a second OpenMP team there (engine_thread.py says what
+        that costs every kernel call).
         """
         bitmask = torch.full((len(matchers), (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
+        return self._fill_thread.submit(self._fill_bitmask, matchers, bitmask)
+
+    def _fill_bitmask(self, matchers: list[llguidance.LLMatcher], bitmask: torch.Tensor) -> torch.Tensor:
+        """llguidance's executor writes the rows in parallel, straight into the tensor's memory (what
+        `llguidance.torch.fill_next_token_bitmask_par` does; that module is not imported because importing it
+        runs torch.compile, seconds of start-up for a CPU engine)."""
         if self._executor is None:
             self._executor = llguidance.LLExecutor()
         row_bytes = bitmask.shape[1] * bitmask.element_size()
         self._executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], bitmask.data_ptr(),
                                                row_bytes, len(matchers))
         return bitmask
-
-    def fill_bitmask_async(self, matchers: list[llguidance.LLMatcher]) -> Future[torch.Tensor]:
-        """fill_bitmask in a background thread: llguidance drops the GIL, so it runs beside the model forward."""
-        return self._fill_thread.submit(self.fill_bitmask, matchers)

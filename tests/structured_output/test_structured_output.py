@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from typing import Annotated, Literal
 
 import pytest
+import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from pagedllm import LLM, SamplingParams, StructuredOutputsParams
@@ -119,6 +121,24 @@ def test_grammars_are_compiled_once_per_constraint(llm: LLM) -> None:
     first = manager.compile(StructuredOutputsParams(json=schema))
     assert manager.compile(StructuredOutputsParams(json=json.dumps(reordered))) is first
     assert manager.new_matcher(StructuredOutputsParams(json=schema)) is not first
+
+
+def test_the_bitmask_is_made_on_the_callers_thread_and_only_filled_beside_it(llm: LLM, monkeypatch) -> None:
+    """A torch op on the fill thread would start a second OpenMP team (pagedllm/engine/engine_thread.py)."""
+    manager = llm.engine.structured_output
+    made_on: list[str] = []
+    full = torch.full
+
+    def spy(*args, **kwargs):
+        made_on.append(threading.current_thread().name)
+        return full(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "full", spy)
+    matcher = manager.new_matcher(StructuredOutputsParams(choice=["yes", "no"]))
+    bitmask = manager.fill_bitmask_async([matcher, matcher.deep_copy()]).result(10)
+    assert made_on == [threading.current_thread().name]
+    assert bitmask.shape == (2, (manager.vocab_size + 31) // 32) and torch.equal(bitmask[0], bitmask[1])
+    assert (bitmask != 0).any() and (bitmask != -1).any()      # some tokens allowed, not all
 
 
 @pytest.mark.parametrize("constraint, message", [
