@@ -15,6 +15,7 @@ A replica whose actor dies fails the calls to it: its requests get an error and 
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache.block_pool import PrefixCacheStats
 from pagedllm.distributed import _JOIN_SECONDS, acquire_ray, process_lives, release_ray
 from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchParams
+from pagedllm.engine.engine_thread import EngineThread
 from pagedllm.engine.llm_engine import LLMEngine, PromptInput, tokenize_prompt
 from pagedllm.logger import init_logger
 from pagedllm.outputs import RequestOutput
@@ -49,12 +51,17 @@ class _Facts:
 
 
 class _EngineActor:
-    """The actor: one LLMEngine on its share of the node's cores."""
+    """The actor: one LLMEngine on its share of the node's cores.
+
+    Ray runs a threaded actor's calls on any of its threads; the engine is built and runs on one of its own
+    (engine_thread.py says why: two threads running its forward passes would throttle each other's kernels).
+    """
 
     def __init__(self, config: EngineConfig, num_threads: int) -> None:
         if config.model.device == "cpu":
             torch.set_num_threads(num_threads)
-        self.engine = LLMEngine(config)
+        self._thread = EngineThread("pagedllm-replica")
+        self.engine = self._thread.call(LLMEngine, config)
 
     def facts(self) -> _Facts:
         import ray
@@ -65,11 +72,11 @@ class _EngineActor:
                       engine.capacity)
 
     def call(self, method: str, *args, **kwargs) -> Any:
-        return getattr(self.engine, method)(*args, **kwargs)
+        return self._thread.call(functools.partial(getattr(self.engine, method), *args, **kwargs))
 
     def call_and_report(self, method: str, *args, **kwargs) -> tuple[Any, bool]:
         """`method`'s result, and whether the engine has unfinished requests after it."""
-        return getattr(self.engine, method)(*args, **kwargs), self.engine.has_unfinished_requests()
+        return self.call(method, *args, **kwargs), self.engine.has_unfinished_requests()
 
     def compile(self, spec) -> None:
         self.engine.structured_output.compile(spec)
