@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,10 +26,12 @@ from pagedllm.engine.data_parallel import DataParallelEngine
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.openai.tool_parsers import with_tools
 from pagedllm.inputs import PromptType, as_prompt_list
+from pagedllm.logger import init_logger
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizer.chat_template import apply_chat_template
 
+logger = init_logger(__name__)
 Conversation = list[dict[str, Any]]
 
 
@@ -99,8 +102,20 @@ class LLM:
                                     distributed_executor_backend=distributed_executor_backend,
                                     data_parallel_router=data_parallel_router),
         )
-        self.engine = LLMEngine(config) if data_parallel_size == 1 else DataParallelEngine(config)
+        self._attach(LLMEngine(config) if data_parallel_size == 1 else DataParallelEngine(config))
+
+    @classmethod
+    def from_engine(cls, engine: LLMEngine | DataParallelEngine) -> LLM:
+        """The offline API around an engine already built, on this thread (see `generate`)."""
+        llm = cls.__new__(cls)
+        llm._attach(engine)
+        return llm
+
+    def _attach(self, engine: LLMEngine | DataParallelEngine) -> None:
+        self.engine = engine
         self._counter = itertools.count()
+        self._built_on = threading.get_ident()
+        self._warned_of_thread = False
 
     def close(self) -> None:
         """Release the engine's swap pool (its file is deleted). `with LLM(...) as llm:` closes on leaving."""
@@ -132,6 +147,7 @@ class LLM:
         for request_id, prompt in zip(request_ids, prompt_list):
             self.engine.add_beam_search(request_id, prompt, params)
         results: dict[str, BeamSearchOutput] = {}
+        self._warn_if_on_another_thread()
         try:
             while len(results) < len(request_ids):
                 if not self.engine.has_unfinished_requests():
@@ -157,6 +173,11 @@ class LLM:
             sampling_params: one for all prompts, or one per prompt (default: SamplingParams()).
             use_tqdm: show a progress bar when there is more than one prompt.
             priority: one per prompt; lower runs first. Needs scheduling_policy "priority" unless all are 0.
+
+        Call it from the thread that built the LLM: torch's kernels run on GNU OpenMP, which gives each thread that
+        runs them a team of worker threads, and with two teams on the machine every kernel call wakes a sleeping
+        worker (pagedllm/engine/engine_thread.py). From another thread it works, about half as fast, and says so
+        once in the log.
         """
         prompt_list = as_prompt_list(prompts)
         params_list = _per_prompt(sampling_params or SamplingParams(), len(prompt_list), "sampling_params")
@@ -198,7 +219,16 @@ class LLM:
                                                **kwargs))
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
+    def _warn_if_on_another_thread(self) -> None:
+        if self._warned_of_thread or threading.get_ident() == self._built_on:
+            return
+        self._warned_of_thread = True
+        logger.warning("this LLM runs on a thread other than the one that built it: its kernels may run about half "
+                       "as fast (torch's OpenMP gives each thread its own team of workers; see LLM.generate). "
+                       "Build the LLM on the thread that calls it.")
+
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        self._warn_if_on_another_thread()
         done: dict[str, RequestOutput] = {}
         wanted = set(request_ids)  # the engine may also be running requests added directly to it
         bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)

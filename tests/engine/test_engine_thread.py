@@ -4,13 +4,14 @@ why: a second thread running OpenMP regions made every kernel call wake a sleepi
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections import defaultdict
 
 import pytest
 import torch
 
-from pagedllm import SamplingParams
+from pagedllm import LLM, SamplingParams
 from pagedllm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 from pagedllm.engine.data_parallel import AsyncDataParallelEngine, build_async_engine
 from pagedllm.engine.engine_thread import EngineThread
@@ -87,3 +88,22 @@ def test_the_server_builds_each_engine_on_the_thread_that_steps_it(tiny_dir, thr
 
     asyncio.run(run())
     assert [threads_seen(replica.engine) for replica in replicas] == [(name, {name}) for name in names]
+
+
+def test_the_offline_llm_says_once_that_it_runs_on_a_thread_other_than_its_builders(tiny_dir, caplog) -> None:
+    llm = LLM(str(tiny_dir), dtype="float32", max_model_len=TINY_CONTEXT, block_size=16, num_kv_blocks=64)
+    logging.getLogger("pagedllm").addHandler(caplog.handler)     # pagedllm's loggers do not propagate to the root
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+        expected = llm.generate([[1, 2, 3]], params)[0].outputs[0].token_ids
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+        results = []
+        worker = threading.Thread(target=lambda: results.extend(llm.generate([[1, 2, 3]], params) for _ in range(2)))
+        worker.start()
+        worker.join(60)
+        assert [r[0].outputs[0].token_ids for r in results] == [expected, expected]   # it works, slower
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warnings) == 1 and "thread other than the one that built it" in warnings[0]
+    finally:
+        logging.getLogger("pagedllm").removeHandler(caplog.handler)
+        llm.close()

@@ -63,8 +63,7 @@ def build_engine() -> LLMEngine:
 
 def offline_reference(engine: LLMEngine, prompts: list[str], max_tokens: int) -> dict[str, tuple[str, list[int]]]:
     """Greedy (text, token ids) of each prompt from the offline LLM API, run on `engine`."""
-    llm = LLM.__new__(LLM)       # the offline API around an already loaded engine
-    llm.engine, llm._counter = engine, itertools.count()
+    llm = LLM.from_engine(engine)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     return {p: (o.outputs[0].text, o.outputs[0].token_ids) for p, o in zip(prompts, outputs)}

@@ -6,7 +6,6 @@ float32 and do not depend on the batch, so "served under load" can be compared w
 
 from __future__ import annotations
 
-import itertools
 import os
 import random
 from pathlib import Path
@@ -37,9 +36,7 @@ def build_tiny_engine(folder: Path, *, num_blocks: int = 512, block_size: int = 
 
 def offline(engine: LLMEngine) -> LLM:
     """The offline LLM API around an already built engine."""
-    llm = LLM.__new__(LLM)
-    llm.engine, llm._counter = engine, itertools.count()
-    return llm
+    return LLM.from_engine(engine)
 
 
 def served_alone(engine: LLMEngine, prompts: list[str], max_tokens: int) -> dict[str, list[int]]:
