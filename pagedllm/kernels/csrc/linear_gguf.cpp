@@ -359,6 +359,27 @@ struct GgufProblem {
   }
 };
 
+// One group of a row: its 32 v's (quantize_spans) as stored halves, his then los (the 16-bit encoding at the top),
+// s turned into s_x, and sm = s_x * the sum of the group's qx (unused by Q8_0, which has no min term).
+template <int64_t type, int halves>
+void store_group(const float* v, uint8_t* stored, float& s, float& sm) {
+  int32_t sum = 0;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < kGroupK; ++j) {
+    const int8_t hi = quantized(v[j]);
+    stored[j] = store_x(hi, type);
+    if constexpr (halves == 2) {
+      const int8_t lo = quantized(std::min(std::max((v[j] - hi) * 256.f, -127.f), 127.f));  // v - hi is exact
+      stored[kGroupK + j] = store_x(lo, type);
+      sum += 256 * hi + lo;
+    } else {
+      sum += hi;
+    }
+  }
+  if constexpr (halves == 2) s = s / 256.f;
+  sm = s * static_cast<float>(sum);
+}
+
 template <typename T, int64_t type, int halves>
 void run_gguf(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
   const int64_t m = x.size(0), k = x.size(1), groups = k / kGroupK;
@@ -366,27 +387,12 @@ void run_gguf(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, co
   std::vector<float> scale(m * groups), scaled_sum(m * groups);
   const T* src = x.data_ptr<T>();
   at::parallel_for(0, m, std::max<int64_t>(1, kConvertGrain / std::max<int64_t>(1, k)), [&](int64_t begin, int64_t end) {
-    std::vector<int32_t> qx(k);
+    std::vector<float> v(k);
     for (int64_t r = begin; r < end; ++r) {
-      uint8_t* row = quantized_x.data() + r * halves * k;
-      quantize_spans(src + r * x.stride(0), k, kGroupK, scale.data() + r * groups, [&](int64_t i, float v) {
-        const int8_t hi = quantized(v);
-        uint8_t* at = row + (i / kGroupK) * halves * kGroupK + i % kGroupK;
-        at[0] = store_x(hi, type);
-        if constexpr (halves == 2) {
-          const int8_t lo = quantized(std::min(std::max((v - hi) * 256.f, -127.f), 127.f));  // v - hi is exact
-          at[kGroupK] = store_x(lo, type);
-          qx[i] = 256 * hi + lo;
-        } else {
-          qx[i] = hi;
-        }
-      });
+      quantize_spans(src + r * x.stride(0), k, kGroupK, scale.data() + r * groups, v.data());
       for (int64_t g = 0; g < groups; ++g) {
-        float& s = scale[r * groups + g];
-        if constexpr (halves == 2) s = s / 256.f;
-        int32_t sum = 0;
-        for (int64_t i = g * kGroupK; i < (g + 1) * kGroupK; ++i) sum += qx[i];
-        scaled_sum[r * groups + g] = s * static_cast<float>(sum);  // unused by Q8_0, which has no min term
+        store_group<type, halves>(v.data() + g * kGroupK, quantized_x.data() + (r * groups + g) * halves * kGroupK,
+                                  scale[r * groups + g], scaled_sum[r * groups + g]);
       }
     }
   });

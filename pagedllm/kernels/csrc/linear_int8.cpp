@@ -221,10 +221,11 @@ void run_dot_tile(int rows, const XTile& x, const int8_t* block, int64_t groups,
 }
 
 // One row of x quantized into `row` (store_x's planes of k_padded bytes; the padding k's are 0), span by span, and
-// the spans' scales.
+// the spans' scales; v: k floats of scratch.
 template <typename T>
-void quantize_row(const T* x, int64_t k, int64_t k_padded, uint8_t* row, float* scales) {
-  quantize_spans(x, k, kSpanK, scales, [&](int64_t i, float v) { store_x(quantized(v), row, i, k_padded); });
+void quantize_row(const T* x, int64_t k, int64_t k_padded, uint8_t* row, float* scales, float* v) {
+  quantize_spans(x, k, kSpanK, scales, v);
+  for (int64_t i = 0; i < k; ++i) store_x(quantized(v[i]), row, i, k_padded);
   for (int64_t i = k; i < k_padded; ++i) store_x(0, row, i, k_padded);
 }
 
@@ -279,9 +280,10 @@ void linear_w8a8_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& pa
   const T* src = x.data_ptr<T>();
   const int64_t grain = std::max<int64_t>(1, kConvertGrain / std::max<int64_t>(1, k));
   at::parallel_for(0, m, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> v(k);
     for (int64_t r = begin; r < end; ++r) {
       quantize_row(src + r * x.stride(0), k, k_padded, quantized.data() + r * kXPlanes * k_padded,
-                   x_scale.data() + r * spans);
+                   x_scale.data() + r * spans, v.data());
     }
   });
   const W8A8Problem<T> problem{quantized.data(), x_scale.data(), packed.data_ptr<int8_t>(),
