@@ -24,7 +24,7 @@ import asyncio
 import copy
 import functools
 from collections import Counter
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from typing import TypeVar
 
@@ -48,11 +48,22 @@ logger = init_logger(__name__)
 T = TypeVar("T")
 
 
-def build_replicas(config: EngineConfig, threads: Sequence[EngineThread]) -> list[LLMEngine]:
+def build_replicas(config: EngineConfig, thread_name: str) -> tuple[list[LLMEngine], list[EngineThread]]:
     """`config.parallel.data_parallel_size` engines, each with the configured KV budget (a `swap_path` gets the
-    replica's index as a suffix): in this process, replica i built on `threads[i]`, the thread that is to step it
+    replica's index as a suffix), and the EngineThread of each, named `thread_name` (`thread_name`-i for replica i
+    of several): in this process, each replica is built on its thread, the one that is to step it
     (engine_thread.py says why), or with the "ray" backend and more than one, each in a Ray actor (`RayReplica`,
     same interface). On a CPU the intra-op threads are divided among them. Logs the pools."""
+    count = config.parallel.data_parallel_size
+    threads = [EngineThread(thread_name if count == 1 else f"{thread_name}-{index}") for index in range(count)]
+    try:
+        return _build_replicas(config, threads), threads
+    except BaseException:
+        _stop(threads)
+        raise
+
+
+def _build_replicas(config: EngineConfig, threads: list[EngineThread]) -> list[LLMEngine]:
     config = copy.deepcopy(config)
     resolve_engine_device(config)
     num_replicas = config.parallel.data_parallel_size
@@ -78,11 +89,6 @@ def build_replicas(config: EngineConfig, threads: Sequence[EngineThread]) -> lis
         logger.info("data parallel: %d replicas, each with its own KV pool of %d blocks (%.2f GiB; %.2f GiB in all)",
                     num_replicas, capacity.num_blocks, pool_gib, num_replicas * pool_gib)
     return replicas
-
-
-def engine_threads(count: int, name: str) -> list[EngineThread]:
-    """One EngineThread per replica: `name`, or `name`-i for replica i of several."""
-    return [EngineThread(name if count == 1 else f"{name}-{index}") for index in range(count)]
 
 
 def _stop(threads: list[EngineThread]) -> None:
@@ -138,12 +144,7 @@ class DataParallelEngine:
     """
 
     def __init__(self, config: EngineConfig) -> None:
-        self._threads = engine_threads(config.parallel.data_parallel_size, "pagedllm-dp")
-        try:
-            self.replicas = build_replicas(config, self._threads)
-        except BaseException:
-            _stop(self._threads)
-            raise
+        self.replicas, self._threads = build_replicas(config, "pagedllm-dp")
         first = self.replicas[0]
         self.config = copy.deepcopy(first.config)       # what replica 0 derived, with the parallel settings
         self.config.parallel = copy.deepcopy(config.parallel)
@@ -356,12 +357,7 @@ class AsyncDataParallelEngine:
 def build_async_engine(config: EngineConfig, log_requests: bool = False) -> AsyncEngine | AsyncDataParallelEngine:
     """The server's engine: one AsyncEngine, or with data_parallel_size > 1 the replicas behind the router; each
     engine built on the thread that steps it."""
-    threads = engine_threads(config.parallel.data_parallel_size, "pagedllm-engine")
-    try:
-        replicas = build_replicas(config, threads)
-    except BaseException:
-        _stop(threads)
-        raise
+    replicas, threads = build_replicas(config, "pagedllm-engine")
     engines = [AsyncEngine(replica, log_requests, thread) for replica, thread in zip(replicas, threads, strict=True)]
     if len(engines) == 1:
         return engines[0]

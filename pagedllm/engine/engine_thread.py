@@ -32,10 +32,6 @@ class EngineThread:
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
-    @property
-    def name(self) -> str:
-        return self._thread.name
-
     def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
         """Run `fn(*args)` on the thread after what was submitted before; its result or error in the future."""
         future: Future[T] = Future()

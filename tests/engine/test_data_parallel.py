@@ -4,15 +4,12 @@ order. On a tiny random Llama."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.beam_search import BeamSearchParams
 from pagedllm.engine.data_parallel import DataParallelEngine
-from pagedllm.engine.llm_engine import LLMEngine
 from tests.models.tiny import save_tiny_model
 from tests.reliability.tiny_server import TINY_CONTEXT, random_prompts
 
@@ -91,23 +88,9 @@ def test_each_replica_gets_its_own_swap_file(tiny_dir, disk_tmp_path):
     assert not any(disk_tmp_path.iterdir())             # close() deleted both
 
 
-def test_each_replica_is_built_and_stepped_on_one_thread_of_its_own(tiny_dir, monkeypatch):
+def test_each_replica_is_built_and_stepped_on_one_thread_of_its_own(tiny_dir, threads_seen):
     """engine_thread.py says why: a thread that runs a replica's forward passes must be the one that built it."""
-    seen: dict[int, list[str]] = {}
-    init, step = LLMEngine.__init__, LLMEngine.step
-
-    def recording_init(self, config):
-        seen[id(self)] = [threading.current_thread().name]
-        init(self, config)
-
-    def recording_step(self):
-        seen[id(self)].append(threading.current_thread().name)
-        return step(self)
-
-    monkeypatch.setattr(LLMEngine, "__init__", recording_init)
-    monkeypatch.setattr(LLMEngine, "step", recording_step)
     with _llm(tiny_dir, 2) as llm:
         llm.generate(random_prompts(6, seed=1), SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
-        threads = [set(seen[id(replica)]) for replica in llm.engine.replicas]
-    assert threads == [{"pagedllm-dp-0"}, {"pagedllm-dp-1"}]
-    assert all(len(seen[id(replica)]) > 1 for replica in llm.engine.replicas)      # built there, then stepped
+        seen = [threads_seen(replica) for replica in llm.engine.replicas]
+    assert seen == [("pagedllm-dp-0", {"pagedllm-dp-0"}), ("pagedllm-dp-1", {"pagedllm-dp-1"})]

@@ -6,16 +6,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections import defaultdict
 
 import pytest
-import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 from pagedllm.engine.data_parallel import AsyncDataParallelEngine, build_async_engine
 from pagedllm.engine.engine_thread import EngineThread
-from pagedllm.engine.llm_engine import LLMEngine
 from tests.models.tiny import save_tiny_model
 from tests.reliability.tiny_server import TINY_CONTEXT
 
@@ -43,28 +40,6 @@ def test_an_engine_thread_runs_its_jobs_in_order_on_itself_and_hands_back_result
 def tiny_dir(tmp_path_factory):
     folder, _ = save_tiny_model(tmp_path_factory.mktemp("engine-thread") / "llama", "llama-gqa")
     return folder
-
-
-@pytest.fixture
-def threads_seen(monkeypatch):
-    """{engine: (the thread that built it, the set of threads that stepped it)}, for every LLMEngine made."""
-    built: dict[int, str] = {}
-    stepped: dict[int, set[str]] = defaultdict(set)
-    init, step = LLMEngine.__init__, LLMEngine.step
-
-    def recording_init(self, config):
-        built[id(self)] = threading.current_thread().name
-        init(self, config)
-
-    def recording_step(self):
-        stepped[id(self)].add(threading.current_thread().name)
-        return step(self)
-
-    monkeypatch.setattr(LLMEngine, "__init__", recording_init)
-    monkeypatch.setattr(LLMEngine, "step", recording_step)
-    before = torch.get_num_threads()     # data parallelism divides the intra-op threads among the replicas
-    yield lambda engine: (built[id(engine)], stepped[id(engine)])
-    torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("data_parallel_size", [1, 2])
