@@ -143,6 +143,8 @@ class ModelConfig:
             order). gguf, awq and gptq run on one rank.
         device: "auto" (CUDA when torch sees a CUDA device, else the CPU), "cpu", "cuda" or "cuda:N"; the engine
             resolves it at start-up (`pagedllm.device.resolve_device`).
+        enforce_eager: on a GPU, run every step eagerly instead of replaying the decode steps' CUDA graphs
+            (`pagedllm.runner.cuda_graphs`); a CPU runs eagerly anyway.
     """
 
     model: str | None = None
@@ -152,6 +154,7 @@ class ModelConfig:
     chat_template: str | None = None
     device: str = "auto"
     quantization: str | None = None
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         _require(self.dtype in ("auto", "bfloat16", "float16", "float32"), "dtype",

@@ -10,7 +10,7 @@ import torch
 
 from pagedllm import LLM
 from pagedllm.attention import cpu
-from pagedllm.attention.selector import attention_backend
+from pagedllm.attention.selector import attention_backend, runs_in_cuda_graphs
 from pagedllm.config import EngineConfig, ModelConfig, ParallelConfig
 from pagedllm.device import describe_device, resolve_device, resolve_engine_device
 from pagedllm.entrypoints.openai.api_server import run_server
@@ -71,6 +71,8 @@ def test_llm_and_serve_refuse_cuda_without_cuda_before_loading_anything() -> Non
 def test_each_device_gets_its_attention_backend() -> None:
     assert attention_backend("cpu") is cpu.paged_attention
     assert attention_backend("cuda:0").__module__ == "pagedllm.attention.triton_attention"
+    # Only the Triton kernel reads the sequences' lengths on the device, as a CUDA graph's replay needs.
+    assert runs_in_cuda_graphs(attention_backend("cuda:0")) and not runs_in_cuda_graphs(attention_backend("cpu"))
 
 
 def test_the_start_up_line_names_the_device_and_its_memory() -> None:

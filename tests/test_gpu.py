@@ -1,5 +1,6 @@
 """The engine on a CUDA device: fidelity against Hugging Face transformers, prefix sharing, both preemption modes,
-the server, and the start-up profile run. Marked `gpu`: skipped, with the reason, where torch sees no CUDA device.
+the server, the start-up profile run, and decode steps replayed from CUDA graphs against eager ones. Marked `gpu`:
+skipped, with the reason, where torch sees no CUDA device.
 
 Each test compares CUDA's tokens with the CPU's (or transformers') on the same float32 weights: the Triton kernel
 multiplies float32 in IEEE precision, so greedy tokens agree over these short generations."""
@@ -15,6 +16,7 @@ import torch
 from pagedllm import LLM, SamplingParams
 from pagedllm.attention import triton_attention
 from tests.entrypoints.server_utils import start_server
+from tests.runner.test_cuda_graphs import MAX_NUM_SEQS, greedy_with_logprobs
 from tests.test_llm import CHATS
 from tests.test_sharing import PRESSURE_PROMPTS, SYSTEM, _greedy, _prompt, _tokens
 
@@ -94,3 +96,12 @@ def test_the_server_answers_on_cuda(tiny):
         assert reply.json()["usage"]["completion_tokens"] == 5
     finally:
         running.stop()
+
+
+def test_cuda_graphs_give_the_eager_tokens(tiny):
+    graphs = _cuda_llm(tiny[0], block_size=4, num_kv_blocks=256, max_num_seqs=MAX_NUM_SEQS)
+    eager = _cuda_llm(tiny[0], block_size=4, num_kv_blocks=256, max_num_seqs=MAX_NUM_SEQS, enforce_eager=True)
+    assert graphs.engine.runner.decode_graphs.sizes == [1, 2, 4, 8] and eager.engine.runner.decode_graphs is None
+    (tokens, logprobs), (eager_tokens, eager_logprobs) = greedy_with_logprobs(graphs), greedy_with_logprobs(eager)
+    assert tokens == eager_tokens
+    torch.testing.assert_close(logprobs, eager_logprobs, rtol=0, atol=1e-4)

@@ -23,3 +23,10 @@ def attention_backend(device: str) -> AttentionBackend:
                        "triton for it", device, exc)
         return cpu.paged_attention
     return paged_attention
+
+
+def runs_in_cuda_graphs(backend: AttentionBackend) -> bool:
+    """Whether a decode step through `backend` can be captured in a CUDA graph (pagedllm.runner.cuda_graphs): the
+    Triton kernel reads each sequence's length and blocks on the device, the torch path loops over them on the
+    host, where a graph would fix the values its capture saw."""
+    return backend is not cpu.paged_attention

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedllm.attention.selector import runs_in_cuda_graphs
 from pagedllm.config import EngineConfig, SchedulerConfig
 from pagedllm.core.kv_cache.block_map import BlockMap
 from pagedllm.core.kv_cache.block_pool import PrefixCacheStats
@@ -149,6 +150,9 @@ class LLMEngine:
         self.runner.allocate_kv_cache(num_blocks)
         self._setup_swap()
         self._setup_costs()
+        if (self.runner.device.type == "cuda" and not config.model.enforce_eager
+                and runs_in_cuda_graphs(self.runner.attn_backend)):
+            self._capture_decode_graphs()
         self.kv_cache_manager = KVCacheManager(num_blocks, config.cache.block_size,
                                                config.cache.enable_prefix_caching, config.cache.num_swap_blocks)
         proposer = NgramProposer(config.speculative) if config.speculative is not None else None
@@ -202,6 +206,13 @@ class LLMEngine:
         sched.swap_seconds_per_block = self.runner.measure_swap_seconds_per_block(num_blocks)
         logger.info("preemption costs, measured: recompute %.3g ms per token, swap %.3g ms per block (out or in)",
                     1e3 * sched.recompute_seconds_per_token, 1e3 * sched.swap_seconds_per_block)
+
+    def _capture_decode_graphs(self) -> None:
+        start = time.perf_counter()
+        self.runner.capture_decode_graphs(self.config.scheduler.max_num_seqs, self.max_model_len)
+        assert self.runner.decode_graphs is not None
+        logger.info("CUDA graphs: decode steps of %s sequences captured in %.1f s (enforce_eager=True turns them off)",
+                    ", ".join(map(str, self.runner.decode_graphs.sizes)), time.perf_counter() - start)
 
     def _num_blocks(self) -> int:
         cache = self.config.cache

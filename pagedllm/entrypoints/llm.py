@@ -74,6 +74,7 @@ class LLM:
             the least loaded) or "round_robin".
         distributed_executor_backend: "mp" (local worker processes, the default) or "ray".
         device: "auto" (CUDA when torch sees a CUDA device, else the CPU), "cpu", "cuda" or "cuda:N".
+        enforce_eager: on a GPU, run decode steps eagerly instead of replaying CUDA graphs captured at start-up.
     """
 
     def __init__(self, model: str | None = None, *, dtype: str = "auto", max_model_len: int | None = None,
@@ -87,10 +88,12 @@ class LLM:
                  speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
                  tensor_parallel_size: int = 1, data_parallel_size: int = 1,
                  distributed_executor_backend: str | None = None,
-                 data_parallel_router: DataParallelRouterPolicy = "prefix_aware", device: str = "auto") -> None:
+                 data_parallel_router: DataParallelRouterPolicy = "prefix_aware", device: str = "auto",
+                 enforce_eager: bool = False) -> None:
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
-                              chat_template=chat_template, quantization=quantization, device=device),
+                              chat_template=chat_template, quantization=quantization, device=device,
+                              enforce_eager=enforce_eager),
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
                               gpu_memory_utilization=gpu_memory_utilization, swap_space=swap_space,
                               swap_path=swap_path, enable_prefix_caching=enable_prefix_caching,

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedllm.attention.cpu import paged_attention as cpu_paged_attention
+from pagedllm.attention.metadata import AttentionBackend
 from pagedllm.attention.selector import attention_backend
 from pagedllm.config import ModelConfig
 from pagedllm.cpu import cpu_info, onednn_bf16_ok
@@ -36,6 +38,7 @@ class LoadedModel:
     quantization: str | None = None  # as resolved (`resolve_quantization`): None, the dtype's own weights
     tp_rank: int = 0        # this process's slice of the model under tensor parallelism
     tp_size: int = 1
+    attn_backend: AttentionBackend = cpu_paged_attention   # the one its layers attend through
 
 
 def resolve_dtype(dtype: str, device: str = "cpu") -> torch.dtype:
@@ -202,15 +205,15 @@ def load_model(model_config: ModelConfig, tp_rank: int = 0, tp_size: int = 1) ->
         _log_precision(model_config.dtype, dtype, model_config.device, quantization)
     model_cls = model_class_for_config(hf_config)
     # Parameters are allocated with torch.empty (no random init), so building directly is cheap.
+    attn_backend = attention_backend(model_config.device)
     with torch.device(model_config.device):
-        model = model_cls(hf_config, dtype=dtype, attn_backend=attention_backend(model_config.device),
-                          tp_rank=tp_rank, tp_size=tp_size)
+        model = model_cls(hf_config, dtype=dtype, attn_backend=attn_backend, tp_rank=tp_rank, tp_size=tp_size)
     model.load_weights(_weights(resolved, dtype, hf_config, quantization))
     model.eval()
     how = _pack(model, quantization, resolved, hf_config)
     rank = f", tensor-parallel rank {tp_rank} of {tp_size}" if tp_size > 1 else ""
     logger.info("loaded %s (%s%s%s) in %.2f s", resolved.name, dtype, how, rank, time.perf_counter() - start)
-    return LoadedModel(model, hf_config, resolved, dtype, quantization, tp_rank, tp_size)
+    return LoadedModel(model, hf_config, resolved, dtype, quantization, tp_rank, tp_size, attn_backend)
 
 
 __all__ = ["LoadedModel", "ResolvedModel", "load_model", "load_hf_config", "max_model_len_of", "resolve_dtype",

@@ -25,6 +25,7 @@ from pagedllm.kernels import kernels_fixed
 from pagedllm.layers.linear import head_shard
 from pagedllm.loader import LoadedModel
 from pagedllm.runner import kv_tensors
+from pagedllm.runner.cuda_graphs import Capture, DecodeGraphs, capture_sizes, cuda_capture
 from pagedllm.runner.input_batch import CachedRequestState, ModelInputs, build_model_inputs
 from pagedllm.sample.metadata import SamplingMetadata, SamplingRow, make_generator
 from pagedllm.sample.sampler import Sampler, position_logprobs
@@ -74,6 +75,7 @@ class ModelRunner:
         self.model = loaded.model
         self.tp_rank = loaded.tp_rank
         self.quantization = loaded.quantization
+        self.attn_backend = loaded.attn_backend
         self.peers = peers or Peers()
         self.device = next(self.model.parameters()).device
         self.shape = model_shape(loaded.hf_config, loaded.tp_rank, loaded.tp_size)
@@ -88,12 +90,14 @@ class ModelRunner:
         self.kv: torch.Tensor | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.swap: kv_tensors.SwapSpace | None = None
+        self.decode_graphs: DecodeGraphs | None = None
         self.last_timings = StepTimings()
 
     def weight_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.decode_graphs = None   # they read the old pool
         with self.peers.run("allocate_kv_cache", num_blocks, wait=True):
             self.kv = kv_tensors.allocate_kv(self.layout, num_blocks, self.block_size, self.device)
             self.kv_caches = kv_tensors.layer_caches(self.kv)
@@ -143,6 +147,15 @@ class ModelRunner:
             return self.model(input_ids, positions, self.kv_caches, meta)
 
     @torch.inference_mode()
+    def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: Capture | None = None) -> None:
+        """Capture the decode steps of up to max_num_seqs sequences (`cuda_graphs`), into CUDA graphs unless
+        `capture` says otherwise; after allocate_kv_cache, on one rank."""
+        assert self.kv is not None and self.peers.size == 1, "capture after allocate_kv_cache(), on one rank"
+        self.decode_graphs = DecodeGraphs(self.forward, capture_sizes(max_num_seqs),
+                                          -(-max_model_len // self.block_size), self.device,
+                                          capture or cuda_capture())
+
+    @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> logits [N, V] float32 (on rank 0; a worker gets its vocabulary slice)."""
         with self.peers.run("compute_logits", hidden), kernels_fixed():
@@ -181,7 +194,7 @@ class ModelRunner:
         pending_masks = self._start_token_bitmasks(inputs.sample_request_ids)
         start = time.perf_counter()
         try:
-            hidden = self.forward(inputs.input_ids, inputs.positions, inputs.meta)
+            hidden = self._forward_step(inputs)
             prompt_logprobs, reported = self._prompt_logprobs(hidden, inputs, scheduled)
         except BaseException:
             _wait_token_bitmasks(pending_masks)   # the fill reads the matchers: done before any rerun touches them
@@ -199,6 +212,13 @@ class ModelRunner:
             state.num_prompt_logprob_positions = end
         output.prompt_logprobs = prompt_logprobs
         return output
+
+    def _forward_step(self, inputs: ModelInputs) -> torch.Tensor:
+        """The step's forward pass: a captured graph's replay when one covers it, else eager."""
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.covers(inputs.meta):
+            return graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+        return self.forward(inputs.input_ids, inputs.positions, inputs.meta)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, inputs: ModelInputs, scheduled: list[ScheduledRequest]
                          ) -> tuple[dict[str, list], list[tuple[CachedRequestState, int]]]:

@@ -1,4 +1,4 @@
-"""The server's flags -> EngineConfig: --speculative-config takes vLLM's JSON."""
+"""The server's flags -> EngineConfig: --speculative-config takes vLLM's JSON; --enforce-eager."""
 
 from __future__ import annotations
 
@@ -32,3 +32,8 @@ def test_speculative_config_that_is_not_a_json_object_is_a_usage_error(text: str
 def test_bad_speculative_config_names_the_field() -> None:
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         _config("--speculative-config", '{"num_speculative_tokens": 0}')
+
+
+def test_enforce_eager_reaches_the_model_config() -> None:
+    assert _config().model.enforce_eager is False
+    assert _config("--enforce-eager", "--device", "cuda").model.enforce_eager is True

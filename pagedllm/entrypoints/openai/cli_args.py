@@ -101,6 +101,8 @@ def _add_engine_args(engine: argparse._ArgumentGroup) -> None:
     engine.add_argument("--device", default="auto",
                         help="auto (CUDA when torch sees a CUDA device, else the CPU), cpu, cuda or cuda:N "
                              "(default: %(default)s)")
+    engine.add_argument("--enforce-eager", action="store_true",
+                        help="on a GPU, run decode steps eagerly instead of replaying CUDA graphs captured at start-up")
     engine.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                         help="weight and activation precision; auto is bfloat16 on a GPU and where the CPU supports "
                              "it, float32 otherwise (default: %(default)s)")
@@ -179,7 +181,8 @@ def engine_config_from_args(args: argparse.Namespace):
 
     return EngineConfig(
         model=ModelConfig(model=model_of(args), dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed,
-                          chat_template=args.chat_template, quantization=args.quantization, device=args.device),
+                          chat_template=args.chat_template, quantization=args.quantization, device=args.device,
+                          enforce_eager=args.enforce_eager),
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                           gpu_memory_utilization=args.gpu_memory_utilization, swap_space=args.swap_space,
                           swap_path=args.swap_path, enable_prefix_caching=args.enable_prefix_caching,
