@@ -88,6 +88,24 @@ def test_decode_kernel_matches_the_torch_fallback_and_reference(heads: str, dtyp
     torch.testing.assert_close(fallback.float(), expected.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("heads", ["gqa3", "mqa", "gqa5"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_decode_kernel_over_long_contexts_in_large_blocks(heads: str, dtype: torch.dtype, head_dim: int,
+                                                         block_size: int, isa_level: str) -> None:
+    """Contexts of many blocks, ending mid-block and not on a multiple of the 4 keys the vector path scores
+    together, so that its prefetches ahead, its 4-key steps and the keys left over all run."""
+    num_heads, num_kv_heads = HEADS[heads]
+    query, k_cache, v_cache, meta, _ = _random_batch([70, 129, 6, 200], [1, 1, 1, 1], num_heads, num_kv_heads, dtype,
+                                                     seed=5, head_dim=head_dim, block_size=block_size)
+    scale = head_dim ** -0.5
+    kernel = decode_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+    expected = paged_attention_ref(query, k_cache, v_cache, meta, scale)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(kernel.float(), expected.float(), atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("heads", list(HEADS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim", [HEAD_DIM, 64, 128])

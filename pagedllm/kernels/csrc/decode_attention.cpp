@@ -18,7 +18,7 @@
 
 #include <algorithm>
 #include <type_traits>
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 #include <cmath>
@@ -34,31 +34,142 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
+// The vector paths below keep key and value rows, and the group's sums, in registers: for a fixed head size and
+// group, over a bf16 or float cache (an int8 one takes the plain path).
+template <typename cache_t, int64_t kHeadDim, int64_t kGroup>
+constexpr bool kVectorPath =
+#if defined(__AVX512F__)
+    kHeadDim > 0 && kHeadDim % 16 == 0 && kGroup > 0 &&
+    (std::is_same_v<cache_t, float> || std::is_same_v<cache_t, c10::BFloat16>);
+#else
+    false;
+#endif
+
+// Keys scored together before their sums are reduced: four (one tree of adds per query head) while their
+// 4 x kGroup accumulators fit in registers beside a row, else one.
+constexpr int64_t keys_per_step(int64_t group) { return group <= 4 ? 4 : 1; }
+
+// Values accumulated per pass over a block: the most 16-lane vectors of the output row, dividing it, whose
+// kGroup copies fit in 16 registers; larger heads or groups take several passes over each value row.
+constexpr int64_t vectors_per_pass(int64_t head_dim, int64_t group) {
+  int64_t vecs = head_dim / 16;
+  while (vecs > 1 && (group * vecs > 16 || (head_dim / 16) % vecs != 0)) --vecs;
+  return vecs;
+}
+
+// Blocks ahead of the reads whose rows are asked for: the block table scatters blocks where no hardware
+// prefetcher looks, and a block's rows of one kv head (8 of 128 bytes, 384 apart, for SmolLM2) take a few hundred
+// cycles to use. Two blocks ahead measured ~1.2x faster than one, four no better.
+constexpr int64_t kPrefetchBlocks = 2;
+
+// Ask for the cache lines of n rows of row_bytes, `stride` elements apart (one kv head's rows of a block). The
+// callers pass the first row: with the address computed in here from the PagedCache, GCC left no prefetch in the
+// binary.
+template <typename cache_t>
+inline void prefetch_rows(const cache_t* row, int64_t stride, int64_t n, int64_t row_bytes) {
+  for (int64_t t = 0; t < n; ++t, row += stride) {
+    const char* bytes = reinterpret_cast<const char*>(row);
+    for (int64_t offset = 0; offset < row_bytes; offset += 64) __builtin_prefetch(bytes + offset);
+  }
+}
+
+#if defined(__AVX512F__)
+// 16 cached values as floats: bf16 widened by a shift.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+// The sums of the lanes of a, b, c and d, in that order: a tree of adds instead of four full reductions.
+inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const auto halves = [](__m512 v) {
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  };
+  const __m256 ab = _mm256_hadd_ps(halves(a), halves(b)), cd = _mm256_hadd_ps(halves(c), halves(d));
+  const __m256 abcd = _mm256_hadd_ps(ab, cd);  // lanes: a b c d of the low 128 bits, then of the high ones
+  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+// Lane sums of key `key`'s products with each query head of the group: q_g . k in 16 partial sums. With
+// AVX512-BF16 a bf16 key multiplies the bf16 query pairs as they are (vdpbf16ps), else both as floats.
+template <typename cache_t, int64_t kHeadDim, int64_t kGroup>
+inline void key_products(const cache_t* key, const float* qf, const c10::BFloat16* q, __m512 (&acc)[kGroup]) {
 #if defined(__AVX512BF16__)
-// Scores of `num_keys` consecutive keys of one block against a kv head's query group, with AVX512-BF16 dot
-// products: each _mm512_dpbf16_ps multiplies 32 bf16 pairs straight into 16 float lanes, with no widening.
-// head_dim must be a multiple of 32.
-inline void block_scores_bf16(const c10::BFloat16* key, int64_t key_stride, int64_t num_keys,
-                              const c10::BFloat16* q, int64_t group, int64_t head_dim, float scale,
-                              float* scores, int64_t len) {
-  for (int64_t t = 0; t < num_keys; ++t, key += key_stride) {
-    for (int64_t g = 0; g < group; ++g) {
-      const c10::BFloat16* qg = q + g * head_dim;
-      __m512 acc = _mm512_setzero_ps();
-      for (int64_t d = 0; d < head_dim; d += 32) {
-        const __m512bh k = (__m512bh)_mm512_loadu_si512(key + d);
-        const __m512bh qv = (__m512bh)_mm512_loadu_si512(qg + d);
-        acc = _mm512_dpbf16_ps(acc, qv, k);
+  if constexpr (std::is_same_v<cache_t, c10::BFloat16> && kHeadDim % 32 == 0) {
+    __m512bh k[kHeadDim / 32];
+#pragma GCC unroll 8
+    for (int64_t c = 0; c < kHeadDim / 32; ++c) k[c] = (__m512bh)_mm512_loadu_si512(key + 32 * c);
+#pragma GCC unroll 8
+    for (int64_t g = 0; g < kGroup; ++g) {
+      acc[g] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+      for (int64_t c = 0; c < kHeadDim / 32; ++c) {
+        acc[g] = _mm512_dpbf16_ps(acc[g], (__m512bh)_mm512_loadu_si512(q + g * kHeadDim + 32 * c), k[c]);
       }
-      scores[g * len + t] = _mm512_reduce_add_ps(acc) * scale;
+    }
+    return;
+  }
+#endif
+  __m512 k[kHeadDim / 16];
+#pragma GCC unroll 8
+  for (int64_t c = 0; c < kHeadDim / 16; ++c) k[c] = load16(key + 16 * c);
+#pragma GCC unroll 8
+  for (int64_t g = 0; g < kGroup; ++g) {
+    acc[g] = _mm512_mul_ps(k[0], _mm512_loadu_ps(qf + g * kHeadDim));
+#pragma GCC unroll 8
+    for (int64_t c = 1; c < kHeadDim / 16; ++c) {
+      acc[g] = _mm512_fmadd_ps(k[c], _mm512_loadu_ps(qf + g * kHeadDim + 16 * c), acc[g]);
     }
   }
 }
 #endif
 
+// scores[g * len + t] = scale * q_g . k_t for the n keys of one block that start at `key` (`key_stride` apart).
+// qf: the group's query rows as floats; q: the same rows as stored (read by the bf16 dot products).
+template <typename scalar_t, typename cache_t, int64_t kHeadDim, int64_t kGroup>
+inline void block_scores(const cache_t* key, int64_t key_stride, int64_t n, const float* qf, const scalar_t* q,
+                         int64_t group, int64_t head_dim, float scale, float* scores, int64_t len) {
+#if defined(__AVX512F__)
+  if constexpr (kVectorPath<cache_t, kHeadDim, kGroup>) {
+    const auto* q_bf16 = reinterpret_cast<const c10::BFloat16*>(q);  // read only when cache_t (= scalar_t) is bf16
+    int64_t t = 0;
+    if constexpr (keys_per_step(kGroup) == 4) {
+      const __m128 scale4 = _mm_set1_ps(scale);
+      for (; t + 4 <= n; t += 4) {  // four keys, then one tree of adds per query head
+        __m512 acc[4][kGroup];
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; ++i) {
+          key_products<cache_t, kHeadDim, kGroup>(key + (t + i) * key_stride, qf, q_bf16, acc[i]);
+        }
+#pragma GCC unroll 8
+        for (int64_t g = 0; g < kGroup; ++g) {
+          _mm_storeu_ps(scores + g * len + t, _mm_mul_ps(sum4(acc[0][g], acc[1][g], acc[2][g], acc[3][g]), scale4));
+        }
+      }
+    }
+    for (; t < n; ++t) {
+      __m512 acc[kGroup];
+      key_products<cache_t, kHeadDim, kGroup>(key + t * key_stride, qf, q_bf16, acc);
+#pragma GCC unroll 8
+      for (int64_t g = 0; g < kGroup; ++g) scores[g * len + t] = _mm512_reduce_add_ps(acc[g]) * scale;
+    }
+    return;
+  }
+#endif
+  float row[kHeadDim > 0 ? kHeadDim : 1];
+  std::vector<float> row_heap(kHeadDim > 0 ? 0 : head_dim);
+  float* k = kHeadDim > 0 ? row : row_heap.data();
+  for (int64_t t = 0; t < n; ++t, key += key_stride) {
+    load_row(key, k, head_dim);
+    for (int64_t g = 0; g < group; ++g) scores[g * len + t] = dot(qf + g * head_dim, k, head_dim) * scale;
+  }
+}
+
 // exp(s - max) in place over a row of scores; returns their sum.
 inline float exp_and_sum(float* s, int64_t n) {
   float m = s[0];
+#pragma omp simd reduction(max : m)
   for (int64_t t = 1; t < n; ++t) m = std::max(m, s[t]);
 #pragma omp simd
   for (int64_t t = 0; t < n; ++t) s[t] = exp_approx(s[t] - m);
@@ -68,9 +179,72 @@ inline float exp_and_sum(float* s, int64_t n) {
   return sum;
 }
 
-// kHeadDim > 0 and kGroup > 0 fix the head size and the query heads per kv head at compile time, so every
-// per-token loop unrolls into straight vector code and the output accumulators stay in registers; 0 takes the
-// value from the tensors. cache_t is scalar_t, or int8_t for an int8 cache.
+// acc[g] = sum over the context of p[g * len + t] v_t, walking the block table.
+template <typename cache_t, int64_t kHeadDim, int64_t kGroup>
+inline void weighted_values(const PagedCache<cache_t>& cache, const int32_t* table, int64_t h, int64_t len,
+                            const float* p, int64_t group, int64_t head_dim, float* acc) {
+#if defined(__AVX512F__)
+  if constexpr (kVectorPath<cache_t, kHeadDim, kGroup>) {
+    constexpr int64_t kVecs = vectors_per_pass(kHeadDim, kGroup);
+    const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(cache_t));
+    for (int64_t first = 0; first < kHeadDim; first += 16 * kVecs) {  // output columns [first, first + 16 kVecs)
+      __m512 o[kGroup][kVecs];
+#pragma GCC unroll 16
+      for (int64_t i = 0; i < kGroup * kVecs; ++i) o[i / kVecs][i % kVecs] = _mm512_setzero_ps();
+      for (int64_t start = 0; start < len; start += cache.block_size) {
+        const cache_t* value = cache.value(table, start, h);
+        const int64_t stop = std::min(len, start + cache.block_size);
+        const int64_t ahead = start + kPrefetchBlocks * cache.block_size;
+        if (ahead < len) {
+          prefetch_rows(cache.value(table, ahead, h), cache.v_token, std::min(len - ahead, cache.block_size), row_bytes);
+        }
+        for (int64_t t = start; t < stop; ++t, value += cache.v_token) {
+          __m512 v[kVecs];
+#pragma GCC unroll 8
+          for (int64_t c = 0; c < kVecs; ++c) v[c] = load16(value + first + 16 * c);
+#pragma GCC unroll 8
+          for (int64_t g = 0; g < kGroup; ++g) {
+            const __m512 pg = _mm512_set1_ps(p[g * len + t]);
+#pragma GCC unroll 8
+            for (int64_t c = 0; c < kVecs; ++c) o[g][c] = _mm512_fmadd_ps(pg, v[c], o[g][c]);
+          }
+        }
+      }
+#pragma GCC unroll 16
+      for (int64_t i = 0; i < kGroup * kVecs; ++i) {
+        _mm512_storeu_ps(acc + (i / kVecs) * kHeadDim + first + 16 * (i % kVecs), o[i / kVecs][i % kVecs]);
+      }
+    }
+    return;
+  }
+#endif
+  float row[kHeadDim > 0 ? kHeadDim : 1];
+  std::vector<float> row_heap(kHeadDim > 0 ? 0 : head_dim);
+  float* v = kHeadDim > 0 ? row : row_heap.data();
+  const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(cache_t));
+  std::fill(acc, acc + group * head_dim, 0.f);
+  for (int64_t start = 0; start < len; start += cache.block_size) {
+    const cache_t* value = cache.value(table, start, h);
+    const int64_t stop = std::min(len, start + cache.block_size);
+    const int64_t ahead = start + kPrefetchBlocks * cache.block_size;
+    if (ahead < len) {
+      prefetch_rows(cache.value(table, ahead, h), cache.v_token, std::min(len - ahead, cache.block_size), row_bytes);
+    }
+    for (int64_t t = start; t < stop; ++t, value += cache.v_token) {
+      load_row(value, v, head_dim);
+      for (int64_t g = 0; g < group; ++g) {
+        const float pg = p[g * len + t];
+        float* a = acc + g * head_dim;
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; ++d) a[d] += pg * v[d];
+      }
+    }
+  }
+}
+
+// kHeadDim > 0 and kGroup > 0 fix the head size and the query heads per kv head at compile time, so that the
+// per-key loops unroll into straight vector code; 0 takes the value from the tensors. cache_t is scalar_t, or
+// int8_t for an int8 cache.
 template <typename scalar_t, typename cache_t, int64_t kHeadDim, int64_t kGroup>
 void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& block_tables,
@@ -78,62 +252,34 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
   const PagedCache<cache_t> cache(k_cache, v_cache, block_tables, seq_lens);
   const int64_t num_seqs = q.size(0), num_heads = q.size(1);
   const int64_t head_dim = kHeadDim > 0 ? kHeadDim : q.size(2);
-  const int64_t block_size = cache.block_size, num_kv_heads = cache.num_kv_heads;
+  const int64_t num_kv_heads = cache.num_kv_heads;
   const int64_t group = kGroup > 0 ? kGroup : num_heads / num_kv_heads;
   const scalar_t* q_ptr = q.data_ptr<scalar_t>();
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
 
+  const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(cache_t));
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    constexpr bool kFixed = kHeadDim > 0 && kGroup > 0;
-    std::vector<float> qf(group * head_dim), row(head_dim), scores, acc_heap(kFixed ? 0 : group * head_dim);
-    float acc_fixed[kFixed ? kGroup * kHeadDim : 1];
-    float* acc = kFixed ? acc_fixed : acc_heap.data();
+    std::vector<float> qf(group * head_dim), scores, acc(group * head_dim), inv_sum(group);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / num_kv_heads, h = task % num_kv_heads;
       const int64_t len = cache.seq_lens[b];
       const int32_t* table = cache.table(b);
+      const scalar_t* q_group = q_ptr + (b * num_heads + h * group) * head_dim;
+      load_row(q_group, qf.data(), group * head_dim);
       scores.resize(group * len);
-      for (int64_t g = 0; g < group; ++g) {
-        load_row(q_ptr + (b * num_heads + h * group + g) * head_dim, qf.data() + g * head_dim, head_dim);
-        for (int64_t d = 0; d < head_dim; ++d) qf[g * head_dim + d] *= static_cast<float>(scale);
-      }
       // Scores: [group, len], walking the block table one block at a time.
-      for (int64_t start = 0; start < len; start += block_size) {
-        const cache_t* key = cache.key(table, start, h);
-        const int64_t stop = std::min(len, start + block_size);
-#if defined(__AVX512BF16__)
-        if constexpr (std::is_same_v<cache_t, c10::BFloat16>) {
-          if (head_dim % 32 == 0) {
-            block_scores_bf16(key, cache.k_token, stop - start, q_ptr + (b * num_heads + h * group) * head_dim, group,
-                              head_dim, static_cast<float>(scale), scores.data() + start, len);
-            continue;
-          }
+      for (int64_t start = 0; start < len; start += cache.block_size) {
+        const int64_t ahead = start + kPrefetchBlocks * cache.block_size;
+        if (ahead < len) {
+          prefetch_rows(cache.key(table, ahead, h), cache.k_token, std::min(len - ahead, cache.block_size), row_bytes);
         }
-#endif
-        for (int64_t t = start; t < stop; ++t, key += cache.k_token) {
-          load_row(key, row.data(), head_dim);
-          for (int64_t g = 0; g < group; ++g) {
-            scores[g * len + t] = dot(qf.data() + g * head_dim, row.data(), head_dim);
-          }
-        }
+        block_scores<scalar_t, cache_t, kHeadDim, kGroup>(cache.key(table, start, h), cache.k_token,
+                                                          std::min(len, start + cache.block_size) - start,
+                                                          qf.data(), q_group, group, head_dim,
+                                                          static_cast<float>(scale), scores.data() + start, len);
       }
-      std::vector<float> inv_sum(group);
       for (int64_t g = 0; g < group; ++g) inv_sum[g] = 1.f / exp_and_sum(scores.data() + g * len, len);
-      // Weighted sum of values.
-      std::fill(acc, acc + group * head_dim, 0.f);
-      for (int64_t start = 0; start < len; start += block_size) {
-        const cache_t* value = cache.value(table, start, h);
-        const int64_t stop = std::min(len, start + block_size);
-        for (int64_t t = start; t < stop; ++t, value += cache.v_token) {
-          load_row(value, row.data(), head_dim);
-          for (int64_t g = 0; g < group; ++g) {
-            const float p = scores[g * len + t];
-            float* a = acc + g * head_dim;
-#pragma omp simd
-            for (int64_t d = 0; d < head_dim; ++d) a[d] += p * row[d];
-          }
-        }
-      }
+      weighted_values<cache_t, kHeadDim, kGroup>(cache, table, h, len, scores.data(), group, head_dim, acc.data());
       for (int64_t g = 0; g < group; ++g) {
         scalar_t* o = out_ptr + (b * num_heads + h * group + g) * head_dim;
         for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<scalar_t>(acc[g * head_dim + d] * inv_sum[g]);
