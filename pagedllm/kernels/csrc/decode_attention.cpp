@@ -222,7 +222,12 @@ inline void weighted_values(const PagedCache<cache_t>& cache, const int32_t* tab
   std::vector<float> row_heap(kHeadDim > 0 ? 0 : head_dim);
   float* v = kHeadDim > 0 ? row : row_heap.data();
   const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(cache_t));
-  std::fill(acc, acc + group * head_dim, 0.f);
+  // With a fixed size the sums live in a local array, which the compiler keeps in registers where they fit
+  // (`acc` might alias `p`, so every update to it would go to memory).
+  constexpr bool kFixed = kHeadDim > 0 && kGroup > 0;
+  float sums_fixed[kFixed ? kGroup * kHeadDim : 1];
+  float* sums = kFixed ? sums_fixed : acc;
+  std::fill(sums, sums + group * head_dim, 0.f);
   for (int64_t start = 0; start < len; start += cache.block_size) {
     const cache_t* value = cache.value(table, start, h);
     const int64_t stop = std::min(len, start + cache.block_size);
@@ -234,12 +239,13 @@ inline void weighted_values(const PagedCache<cache_t>& cache, const int32_t* tab
       load_row(value, v, head_dim);
       for (int64_t g = 0; g < group; ++g) {
         const float pg = p[g * len + t];
-        float* a = acc + g * head_dim;
+        float* a = sums + g * head_dim;
 #pragma omp simd
         for (int64_t d = 0; d < head_dim; ++d) a[d] += pg * v[d];
       }
     }
   }
+  if (kFixed) std::copy(sums, sums + group * head_dim, acc);
 }
 
 // kHeadDim > 0 and kGroup > 0 fix the head size and the query heads per kv head at compile time, so that the
