@@ -20,6 +20,7 @@ to the temporary directory only when it is on a disk, else to pagedllm's cache d
 
 from __future__ import annotations
 
+import mmap
 import os
 import tempfile
 from dataclasses import dataclass
@@ -138,18 +139,21 @@ def num_blocks_for(budget_bytes: int, layout: KVLayout, block_size: int) -> int:
 
 
 def allocate_kv(layout: KVLayout, num_blocks: int, block_size: int, device: torch.device) -> torch.Tensor:
-    """A zeroed KV tensor. On a CPU it comes from calloc, so untouched pages cost no RAM and no start-up time.
+    """A zeroed KV tensor. On a CPU it is an anonymous private mapping, zero pages that cost no RAM and no start-up
+    time until first written, faulted in 4 KiB at a time.
 
-    Transparent huge pages (MADV_HUGEPAGE) were measured and rejected: with the kernel's default `defrag=madvise`
-    each first touch of a 2 MiB page can stall for milliseconds in compaction, and the mixed benchmark ran ~6%
-    slower than with 4 KiB faults.
+    Not numpy.zeros: numpy asks for transparent huge pages (MADV_HUGEPAGE) on large arrays, and with the kernel's
+    default `defrag=madvise` the first touch of each 2 MiB page then compacts memory synchronously: measured on a
+    2-vCPU VM, 2.5-4 ms a huge page (5-8 us per 4 KiB of it) against ~1 us per 4 KiB page here, so that an engine's
+    first request spent 0.45 s writing its first token's K/V (60 layer regions, a huge page each) and the mixed
+    benchmark ~0.9 s of its ~21 s.
     """
     shape, dtype = layout.shape(num_blocks, block_size), layout.storage_dtype
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     element_size = torch.empty((), dtype=dtype).element_size()
-    raw = np.zeros(int(np.prod(shape)) * element_size, dtype=np.uint8)
-    return torch.from_numpy(raw).view(dtype).view(shape)
+    pages = mmap.mmap(-1, int(np.prod(shape)) * element_size, flags=mmap.MAP_PRIVATE)  # the tensor keeps it alive
+    return torch.frombuffer(pages, dtype=torch.uint8).view(dtype).view(shape)
 
 
 def layer_caches(kv: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:

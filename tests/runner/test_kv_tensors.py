@@ -23,6 +23,33 @@ def test_pool_is_sized_from_the_budget_and_zeroed():
     assert k_cache.data_ptr() == kv[1, 0].data_ptr() and v_cache.shape == (10, 16, 2, 8)
 
 
+def _vm_flags(address: int) -> list[str]:
+    """The VmFlags of this process's mapping that holds `address` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5:
+                low, high = (int(bound, 16) for bound in fields[0].split("-"))
+                inside = low <= address < high
+            elif inside and fields[0] == "VmFlags:":
+                return fields[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads Linux's /proc/self/smaps")
+def test_the_pool_is_not_advised_for_huge_pages():
+    """numpy.zeros would advise the pool's aligned middle for transparent huge pages ("hg"), whose first touches
+    stall in compaction (kv_tensors.allocate_kv); a 64 MiB pool must have no such part."""
+    layout = kv_tensors.KVLayout(num_layers=2, num_kv_heads=4, head_dim=64, dtype=torch.bfloat16)
+    num_blocks = (64 << 20) // (layout.bytes_per_token * 16)
+    kv = kv_tensors.allocate_kv(layout, num_blocks, 16, torch.device("cpu"))
+    for offset in range(0, kv.numel() * kv.element_size(), 4 << 20):
+        assert "hg" not in _vm_flags(kv.data_ptr() + offset), offset
+    kv[1, 1, -1].fill_(1.0)       # writable, and zero elsewhere
+    assert kv.sum().item() == kv[1, 1, -1].numel()
+
+
 def test_a_budget_under_two_blocks_is_a_clear_error():
     with pytest.raises(ValueError, match="fewer than 2 blocks"):
         kv_tensors.num_blocks_for(LAYOUT.bytes_per_token * 16, LAYOUT, block_size=16)
