@@ -196,11 +196,11 @@ inline void accumulate_values(const float* p, int64_t visible, const float* v, i
   }
 }
 
-// Online softmax for one query row over the first `visible` scores s[kKeyChunk] of a key chunk, then
-// o += p . v. m, l: the row's running max and sum of exp (of scaled scores); o: its unnormalised output.
+// Online softmax for one query row over the first `visible` scores s[kKeyChunk] of a key chunk: s becomes the
+// chunk's p (0 past `visible`), and o, the row's unnormalised output, is rescaled to the new max. m, l: the row's
+// running max and sum of exp (of scaled scores).
 template <int64_t kHeadDim>
-inline void softmax_accumulate(float* s, int64_t visible, float scale, const float* v, int64_t head_dim, float& m,
-                               float& l, float* o) {
+inline void softmax_chunk(float* s, int64_t visible, float scale, int64_t head_dim, float& m, float& l, float* o) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 #pragma omp simd
   for (int64_t j = 0; j < kKeyChunk; ++j) s[j] *= scale;
@@ -227,7 +227,39 @@ inline void softmax_accumulate(float* s, int64_t visible, float scale, const flo
 #pragma omp simd
     for (int64_t d = 0; d < n; ++d) o[d] *= correction;
   }
-  accumulate_values<kHeadDim>(s, visible, v, head_dim, o);
+}
+
+// o[r] += p[r] . v for `rows` rows (p rows kKeyChunk apart, o rows head_dim apart) over the first `visible`
+// values of a key chunk. With AVX-512 and a fixed head size, R rows at a time share each value vector loaded
+// (R x kHeadDim / 16 = 16 accumulators): one row at a time loaded every value once per FMA.
+template <int64_t kHeadDim>
+inline void accumulate_rows(const float* p, int64_t rows, int64_t visible, const float* v, int64_t head_dim,
+                            float* o) {
+  int64_t r = 0;
+#if defined(__AVX512F__)
+  if constexpr (kHeadDim > 0 && kHeadDim % 16 == 0 && kHeadDim <= 256) {
+    constexpr int kVecs = kHeadDim / 16, R = std::max(1, 16 / kVecs);
+    for (; r + R <= rows; r += R) {
+      __m512 acc[R][kVecs];
+#pragma GCC unroll 16
+      for (int i = 0; i < R * kVecs; ++i) acc[i / kVecs][i % kVecs] = _mm512_loadu_ps(o + (r + i / kVecs) * kHeadDim + 16 * (i % kVecs));
+      for (int64_t j = 0; j < visible; ++j) {
+        __m512 vj[kVecs];
+#pragma GCC unroll 16
+        for (int c = 0; c < kVecs; ++c) vj[c] = _mm512_loadu_ps(v + j * kHeadDim + 16 * c);
+#pragma GCC unroll 16
+        for (int rr = 0; rr < R; ++rr) {
+          const __m512 pj = _mm512_set1_ps(p[(r + rr) * kKeyChunk + j]);
+#pragma GCC unroll 16
+          for (int c = 0; c < kVecs; ++c) acc[rr][c] = _mm512_fmadd_ps(pj, vj[c], acc[rr][c]);
+        }
+      }
+#pragma GCC unroll 16
+      for (int i = 0; i < R * kVecs; ++i) _mm512_storeu_ps(o + (r + i / kVecs) * kHeadDim + 16 * (i % kVecs), acc[i / kVecs][i % kVecs]);
+    }
+  }
+#endif
+  for (; r < rows; ++r) accumulate_values<kHeadDim>(p + r * kKeyChunk, visible, v, head_dim, o + r * head_dim);
 }
 
 template <typename scalar_t, typename cache_t, int64_t kHeadDim>
@@ -366,13 +398,19 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tens
                                k_floats.data() + pk.k_offset + (first_tile + i) * k_tile_words, s, kKeyChunk);
             }
           }
-          const float* v = values.data() + pk.v_offset + chunk_start * head_dim;
           for (int64_t r = 0; r < rows; ++r) {
+            float* s = scores.data() + r * kKeyChunk;
             const int64_t visible = std::min(tiles * kKeyTile, first_pos + r / group - chunk_start + 1);
-            if (visible <= 0) continue;
-            softmax_accumulate<kHeadDim>(scores.data() + r * kKeyChunk, visible, scale, v, head_dim, row_max[r],
-                                         row_sum[r], acc.data() + r * head_dim);
+            if (visible <= 0) {  // the chunk is past this row's position: it adds nothing
+              std::fill(s, s + kKeyChunk, 0.f);
+              continue;
+            }
+            softmax_chunk<kHeadDim>(s, visible, scale, head_dim, row_max[r], row_sum[r], acc.data() + r * head_dim);
           }
+          // Every row's p is 0 past its own position, so all rows take the last row's keys (the most any sees).
+          const int64_t visible = std::min(tiles * kKeyTile, first_pos + (rows - 1) / group - chunk_start + 1);
+          accumulate_rows<kHeadDim>(scores.data(), rows, visible, values.data() + pk.v_offset + chunk_start * head_dim,
+                                    head_dim, acc.data());
         }
         for (int64_t r = 0; r < rows; ++r) {
           scalar_t* dst = out_ptr + ((task.q_begin + r / group) * num_heads + pk.head * group + r % group) * head_dim;
