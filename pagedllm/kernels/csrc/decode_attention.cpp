@@ -62,14 +62,29 @@ constexpr int64_t vectors_per_pass(int64_t head_dim, int64_t group) {
 // cycles to use. Two blocks ahead measured ~1.2x faster than one, four no better.
 constexpr int64_t kPrefetchBlocks = 2;
 
-// Ask for the cache lines of n rows of row_bytes, `stride` elements apart (one kv head's rows of a block). The
-// callers pass the first row: with the address computed in here from the PagedCache, GCC left no prefetch in the
-// binary.
+// Ask for the cache lines of n rows of row_bytes, `stride` elements apart (one kv head's rows of a block). Given
+// the first row: with the address computed in here from the PagedCache, GCC once left no prefetch in the binary
+// (check with objdump after changing these).
 template <typename cache_t>
 inline void prefetch_rows(const cache_t* row, int64_t stride, int64_t n, int64_t row_bytes) {
   for (int64_t t = 0; t < n; ++t, row += stride) {
     const char* bytes = reinterpret_cast<const char*>(row);
     for (int64_t offset = 0; offset < row_bytes; offset += 64) __builtin_prefetch(bytes + offset);
+  }
+}
+
+// Walk kv head h's keys (kValues: its values) at positions [0, len) block by block: body(first row, start, stop)
+// for each block, once the rows kPrefetchBlocks blocks ahead are asked for.
+template <bool kValues, typename cache_t, typename Body>
+inline void for_each_block(const PagedCache<cache_t>& cache, const int32_t* table, int64_t h, int64_t len,
+                           int64_t head_dim, Body&& body) {
+  const auto first_row = [&](int64_t pos) { return kValues ? cache.value(table, pos, h) : cache.key(table, pos, h); };
+  const int64_t stride = kValues ? cache.v_token : cache.k_token;
+  const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(cache_t));
+  for (int64_t start = 0; start < len; start += cache.block_size) {
+    const int64_t ahead = start + kPrefetchBlocks * cache.block_size;
+    if (ahead < len) prefetch_rows(first_row(ahead), stride, std::min(len - ahead, cache.block_size), row_bytes);
+    body(first_row(start), start, std::min(len, start + cache.block_size));
   }
 }
 
@@ -186,18 +201,11 @@ inline void weighted_values(const PagedCache<cache_t>& cache, const int32_t* tab
 #if defined(__AVX512F__)
   if constexpr (kVectorPath<cache_t, kHeadDim, kGroup>) {
     constexpr int64_t kVecs = vectors_per_pass(kHeadDim, kGroup);
-    const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(cache_t));
     for (int64_t first = 0; first < kHeadDim; first += 16 * kVecs) {  // output columns [first, first + 16 kVecs)
       __m512 o[kGroup][kVecs];
 #pragma GCC unroll 16
       for (int64_t i = 0; i < kGroup * kVecs; ++i) o[i / kVecs][i % kVecs] = _mm512_setzero_ps();
-      for (int64_t start = 0; start < len; start += cache.block_size) {
-        const cache_t* value = cache.value(table, start, h);
-        const int64_t stop = std::min(len, start + cache.block_size);
-        const int64_t ahead = start + kPrefetchBlocks * cache.block_size;
-        if (ahead < len) {
-          prefetch_rows(cache.value(table, ahead, h), cache.v_token, std::min(len - ahead, cache.block_size), row_bytes);
-        }
+      for_each_block<true>(cache, table, h, len, head_dim, [&](const cache_t* value, int64_t start, int64_t stop) {
         for (int64_t t = start; t < stop; ++t, value += cache.v_token) {
           __m512 v[kVecs];
 #pragma GCC unroll 8
@@ -209,7 +217,7 @@ inline void weighted_values(const PagedCache<cache_t>& cache, const int32_t* tab
             for (int64_t c = 0; c < kVecs; ++c) o[g][c] = _mm512_fmadd_ps(pg, v[c], o[g][c]);
           }
         }
-      }
+      });
 #pragma GCC unroll 16
       for (int64_t i = 0; i < kGroup * kVecs; ++i) {
         _mm512_storeu_ps(acc + (i / kVecs) * kHeadDim + first + 16 * (i % kVecs), o[i / kVecs][i % kVecs]);
@@ -221,20 +229,13 @@ inline void weighted_values(const PagedCache<cache_t>& cache, const int32_t* tab
   float row[kHeadDim > 0 ? kHeadDim : 1];
   std::vector<float> row_heap(kHeadDim > 0 ? 0 : head_dim);
   float* v = kHeadDim > 0 ? row : row_heap.data();
-  const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(cache_t));
   // With a fixed size the sums live in a local array, which the compiler keeps in registers where they fit
   // (`acc` might alias `p`, so every update to it would go to memory).
   constexpr bool kFixed = kHeadDim > 0 && kGroup > 0;
   float sums_fixed[kFixed ? kGroup * kHeadDim : 1];
   float* sums = kFixed ? sums_fixed : acc;
   std::fill(sums, sums + group * head_dim, 0.f);
-  for (int64_t start = 0; start < len; start += cache.block_size) {
-    const cache_t* value = cache.value(table, start, h);
-    const int64_t stop = std::min(len, start + cache.block_size);
-    const int64_t ahead = start + kPrefetchBlocks * cache.block_size;
-    if (ahead < len) {
-      prefetch_rows(cache.value(table, ahead, h), cache.v_token, std::min(len - ahead, cache.block_size), row_bytes);
-    }
+  for_each_block<true>(cache, table, h, len, head_dim, [&](const cache_t* value, int64_t start, int64_t stop) {
     for (int64_t t = start; t < stop; ++t, value += cache.v_token) {
       load_row(value, v, head_dim);
       for (int64_t g = 0; g < group; ++g) {
@@ -244,7 +245,7 @@ inline void weighted_values(const PagedCache<cache_t>& cache, const int32_t* tab
         for (int64_t d = 0; d < head_dim; ++d) a[d] += pg * v[d];
       }
     }
-  }
+  });
   if (kFixed) std::copy(sums, sums + group * head_dim, acc);
 }
 
@@ -263,7 +264,6 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
   const scalar_t* q_ptr = q.data_ptr<scalar_t>();
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
 
-  const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(cache_t));
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * head_dim), scores, acc(group * head_dim), inv_sum(group);
     for (int64_t task = begin; task < end; ++task) {
@@ -274,16 +274,11 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
       load_row(q_group, qf.data(), group * head_dim);
       scores.resize(group * len);
       // Scores: [group, len], walking the block table one block at a time.
-      for (int64_t start = 0; start < len; start += cache.block_size) {
-        const int64_t ahead = start + kPrefetchBlocks * cache.block_size;
-        if (ahead < len) {
-          prefetch_rows(cache.key(table, ahead, h), cache.k_token, std::min(len - ahead, cache.block_size), row_bytes);
-        }
-        block_scores<scalar_t, cache_t, kHeadDim, kGroup>(cache.key(table, start, h), cache.k_token,
-                                                          std::min(len, start + cache.block_size) - start,
-                                                          qf.data(), q_group, group, head_dim,
-                                                          static_cast<float>(scale), scores.data() + start, len);
-      }
+      for_each_block<false>(cache, table, h, len, head_dim, [&](const cache_t* key, int64_t start, int64_t stop) {
+        block_scores<scalar_t, cache_t, kHeadDim, kGroup>(key, cache.k_token, stop - start, qf.data(), q_group, group,
+                                                          head_dim, static_cast<float>(scale), scores.data() + start,
+                                                          len);
+      });
       for (int64_t g = 0; g < group; ++g) inv_sum[g] = 1.f / exp_and_sum(scores.data() + g * len, len);
       weighted_values<cache_t, kHeadDim, kGroup>(cache, table, h, len, scores.data(), group, head_dim, acc.data());
       for (int64_t g = 0; g < group; ++g) {
