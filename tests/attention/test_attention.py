@@ -14,6 +14,9 @@ from pagedllm.attention.torch_ref import dequantize_kv, paged_attention_ref, qua
 BLOCK_SIZE = 4
 HEAD_DIM = 16
 HEADS = {"mha": (4, 4), "gqa": (4, 2), "gqa3": (9, 3), "mqa": (4, 1), "gqa5": (5, 1)}  # gqa5: no fixed-group path
+# Larger groups, for the decode kernel's vector paths: one key a step (AVX2 from 4, AVX-512 from 8) and several
+# passes over each value row (AVX2 from 2 at head_dim 64, AVX-512 from 8).
+WIDE_GROUPS = {"gqa4": (8, 2), "gqa8": (16, 2)}
 
 
 def _random_batch(num_computed: list[int], query_lens: list[int], num_heads: int, num_kv_heads: int,
@@ -88,7 +91,7 @@ def test_decode_kernel_matches_the_torch_fallback_and_reference(heads: str, dtyp
     torch.testing.assert_close(fallback.float(), expected.float(), atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("heads", ["gqa3", "mqa", "gqa5"])
+@pytest.mark.parametrize("heads", ["gqa3", "mqa", "gqa5", *WIDE_GROUPS])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("block_size", [8, 16])
@@ -96,7 +99,7 @@ def test_decode_kernel_over_long_contexts_in_large_blocks(heads: str, dtype: tor
                                                          block_size: int, isa_level: str) -> None:
     """Contexts of many blocks, ending mid-block and not on a multiple of the 4 keys the vector path scores
     together, so that its prefetches ahead, its 4-key steps and the keys left over all run."""
-    num_heads, num_kv_heads = HEADS[heads]
+    num_heads, num_kv_heads = (HEADS | WIDE_GROUPS)[heads]
     query, k_cache, v_cache, meta, _ = _random_batch([70, 129, 6, 200], [1, 1, 1, 1], num_heads, num_kv_heads, dtype,
                                                      seed=5, head_dim=head_dim, block_size=block_size)
     scale = head_dim ** -0.5

@@ -18,7 +18,7 @@
 
 #include <algorithm>
 #include <type_traits>
-#if defined(__AVX512F__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 #include <cmath>
@@ -35,27 +35,37 @@ inline float dot(const float* a, const float* b, int64_t n) {
 }
 
 // The vector paths below keep key and value rows, and the group's sums, in registers: for a fixed head size and
-// group, over a bf16 or float cache (an int8 one takes the plain path).
-template <typename cache_t, int64_t kHeadDim, int64_t kGroup>
-constexpr bool kVectorPath =
+// group, over a bf16 or float cache (an int8 one takes the plain path). Their vectors: 16 float lanes in a zmm with
+// AVX-512 (32 registers), 8 in a ymm with AVX2 and FMA (16 registers).
 #if defined(__AVX512F__)
-    kHeadDim > 0 && kHeadDim % 16 == 0 && kGroup > 0 &&
-    (std::is_same_v<cache_t, float> || std::is_same_v<cache_t, c10::BFloat16>);
+using vfloat = __m512;
+constexpr int64_t kLanes = 16;
+constexpr int64_t kMaxAccumulators = 16;  // of a step's sums: half the registers
+#elif defined(__AVX2__) && defined(__FMA__)
+using vfloat = __m256;
+constexpr int64_t kLanes = 8;
+constexpr int64_t kMaxAccumulators = 12;  // of 16 registers: the rest hold a row's vector and the weights
 #else
-    false;
+constexpr int64_t kLanes = 0;  // no vector path
 #endif
 
-// Keys scored together before their sums are reduced: four (one tree of adds per query head) while their
-// 4 x kGroup accumulators fit in registers beside a row, else one.
-constexpr int64_t keys_per_step(int64_t group) { return group <= 4 ? 4 : 1; }
+template <typename cache_t, int64_t kHeadDim, int64_t kGroup>
+constexpr bool kVectorPath = kLanes > 0 && kHeadDim > 0 && kHeadDim % kLanes == 0 && kGroup > 0 &&
+                             (std::is_same_v<cache_t, float> || std::is_same_v<cache_t, c10::BFloat16>);
 
-// Values accumulated per pass over a block: the most 16-lane vectors of the output row, dividing it, whose
-// kGroup copies fit in 16 registers; larger heads or groups take several passes over each value row.
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+// Keys scored together before their sums are reduced: four (one tree of adds per query head) while their
+// 4 x kGroup accumulators fit in registers, else one.
+constexpr int64_t keys_per_step(int64_t group) { return 4 * group <= kMaxAccumulators ? 4 : 1; }
+
+// Values accumulated per pass over a block: the most vectors of the output row, dividing it, whose kGroup copies
+// fit in the accumulators' registers; larger heads or groups take several passes over each value row.
 constexpr int64_t vectors_per_pass(int64_t head_dim, int64_t group) {
-  int64_t vecs = head_dim / 16;
-  while (vecs > 1 && (group * vecs > 16 || (head_dim / 16) % vecs != 0)) --vecs;
+  int64_t vecs = head_dim / kLanes;
+  while (vecs > 1 && (group * vecs > kMaxAccumulators || (head_dim / kLanes) % vecs != 0)) --vecs;
   return vecs;
 }
+#endif
 
 // Blocks ahead of the reads whose rows are asked for: the block table scatters blocks where no hardware
 // prefetcher looks, and a block's rows of one kv head (8 of 128 bytes, 384 apart, for SmolLM2) take a few hundred
@@ -89,27 +99,52 @@ inline void for_each_block(const PagedCache<cache_t>& cache, const int32_t* tabl
 }
 
 #if defined(__AVX512F__)
-// 16 cached values as floats: bf16 widened by a shift.
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
+inline vfloat vzero() { return _mm512_setzero_ps(); }
+inline vfloat vset1(float x) { return _mm512_set1_ps(x); }
+inline vfloat vfma(vfloat a, vfloat b, vfloat c) { return _mm512_fmadd_ps(a, b, c); }
+inline void vstore(float* p, vfloat v) { _mm512_storeu_ps(p, v); }
+inline float vsum(vfloat v) { return _mm512_reduce_add_ps(v); }
+// A vector of cached values as floats: bf16 widened by a shift.
+inline vfloat vload(const float* p) { return _mm512_loadu_ps(p); }
+inline vfloat vload(const c10::BFloat16* p) {
   const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
+// The low and high eight lanes added: what the tree of sum4 starts from.
+inline __m256 halves(vfloat v) {
+  return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+inline vfloat vzero() { return _mm256_setzero_ps(); }
+inline vfloat vset1(float x) { return _mm256_set1_ps(x); }
+inline vfloat vfma(vfloat a, vfloat b, vfloat c) { return _mm256_fmadd_ps(a, b, c); }
+inline void vstore(float* p, vfloat v) { _mm256_storeu_ps(p, v); }
+inline vfloat vload(const float* p) { return _mm256_loadu_ps(p); }
+inline vfloat vload(const c10::BFloat16* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+inline __m256 halves(vfloat v) { return v; }
+inline float vsum(vfloat v) {
+  const __m128 quad = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 pair = _mm_add_ps(quad, _mm_movehl_ps(quad, quad));
+  return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
+}
+#endif
 
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 // The sums of the lanes of a, b, c and d, in that order: a tree of adds instead of four full reductions.
-inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
-  const auto halves = [](__m512 v) {
-    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-  };
+inline __m128 sum4(vfloat a, vfloat b, vfloat c, vfloat d) {
   const __m256 ab = _mm256_hadd_ps(halves(a), halves(b)), cd = _mm256_hadd_ps(halves(c), halves(d));
   const __m256 abcd = _mm256_hadd_ps(ab, cd);  // lanes: a b c d of the low 128 bits, then of the high ones
   return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
 }
 
-// Lane sums of key `key`'s products with each query head of the group: q_g . k in 16 partial sums. With
-// AVX512-BF16 a bf16 key multiplies the bf16 query pairs as they are (vdpbf16ps), else both as floats.
+// Lane sums of key `key`'s products with each query head of the group: q_g . k in kLanes partial sums. With
+// AVX512-BF16 a bf16 key multiplies the bf16 query pairs as they are (vdpbf16ps), else both as floats, one vector
+// of the key at a time (the query rows are read from memory, where they stay in L1).
 template <typename cache_t, int64_t kHeadDim, int64_t kGroup>
-inline void key_products(const cache_t* key, const float* qf, const c10::BFloat16* q, __m512 (&acc)[kGroup]) {
+inline void key_products(const cache_t* key, const float* qf, const c10::BFloat16* q, vfloat (&acc)[kGroup]) {
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<cache_t, c10::BFloat16> && kHeadDim % 32 == 0) {
     __m512bh k[kHeadDim / 32];
@@ -126,16 +161,13 @@ inline void key_products(const cache_t* key, const float* qf, const c10::BFloat1
     return;
   }
 #endif
-  __m512 k[kHeadDim / 16];
 #pragma GCC unroll 8
-  for (int64_t c = 0; c < kHeadDim / 16; ++c) k[c] = load16(key + 16 * c);
+  for (int64_t g = 0; g < kGroup; ++g) acc[g] = vzero();
+#pragma GCC unroll 16
+  for (int64_t c = 0; c < kHeadDim / kLanes; ++c) {
+    const vfloat k = vload(key + kLanes * c);
 #pragma GCC unroll 8
-  for (int64_t g = 0; g < kGroup; ++g) {
-    acc[g] = _mm512_mul_ps(k[0], _mm512_loadu_ps(qf + g * kHeadDim));
-#pragma GCC unroll 8
-    for (int64_t c = 1; c < kHeadDim / 16; ++c) {
-      acc[g] = _mm512_fmadd_ps(k[c], _mm512_loadu_ps(qf + g * kHeadDim + 16 * c), acc[g]);
-    }
+    for (int64_t g = 0; g < kGroup; ++g) acc[g] = vfma(k, vload(qf + g * kHeadDim + kLanes * c), acc[g]);
   }
 }
 #endif
@@ -145,14 +177,14 @@ inline void key_products(const cache_t* key, const float* qf, const c10::BFloat1
 template <typename scalar_t, typename cache_t, int64_t kHeadDim, int64_t kGroup>
 inline void block_scores(const cache_t* key, int64_t key_stride, int64_t n, const float* qf, const scalar_t* q,
                          int64_t group, int64_t head_dim, float scale, float* scores, int64_t len) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
   if constexpr (kVectorPath<cache_t, kHeadDim, kGroup>) {
     const auto* q_bf16 = reinterpret_cast<const c10::BFloat16*>(q);  // read only when cache_t (= scalar_t) is bf16
     int64_t t = 0;
     if constexpr (keys_per_step(kGroup) == 4) {
       const __m128 scale4 = _mm_set1_ps(scale);
       for (; t + 4 <= n; t += 4) {  // four keys, then one tree of adds per query head
-        __m512 acc[4][kGroup];
+        vfloat acc[4][kGroup];
 #pragma GCC unroll 4
         for (int i = 0; i < 4; ++i) {
           key_products<cache_t, kHeadDim, kGroup>(key + (t + i) * key_stride, qf, q_bf16, acc[i]);
@@ -164,10 +196,10 @@ inline void block_scores(const cache_t* key, int64_t key_stride, int64_t n, cons
       }
     }
     for (; t < n; ++t) {
-      __m512 acc[kGroup];
+      vfloat acc[kGroup];
       key_products<cache_t, kHeadDim, kGroup>(key + t * key_stride, qf, q_bf16, acc);
 #pragma GCC unroll 8
-      for (int64_t g = 0; g < kGroup; ++g) scores[g * len + t] = _mm512_reduce_add_ps(acc[g]) * scale;
+      for (int64_t g = 0; g < kGroup; ++g) scores[g * len + t] = vsum(acc[g]) * scale;
     }
     return;
   }
@@ -183,9 +215,7 @@ inline void block_scores(const cache_t* key, int64_t key_stride, int64_t n, cons
 
 // exp(s - max) in place over a row of scores; returns their sum.
 inline float exp_and_sum(float* s, int64_t n) {
-  float m = s[0];
-#pragma omp simd reduction(max : m)
-  for (int64_t t = 1; t < n; ++t) m = std::max(m, s[t]);
+  const float m = max_of(s, n);
 #pragma omp simd
   for (int64_t t = 0; t < n; ++t) s[t] = exp_approx(s[t] - m);
   float sum = 0.f;
@@ -198,29 +228,29 @@ inline float exp_and_sum(float* s, int64_t n) {
 template <typename cache_t, int64_t kHeadDim, int64_t kGroup>
 inline void weighted_values(const PagedCache<cache_t>& cache, const int32_t* table, int64_t h, int64_t len,
                             const float* p, int64_t group, int64_t head_dim, float* acc) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
   if constexpr (kVectorPath<cache_t, kHeadDim, kGroup>) {
     constexpr int64_t kVecs = vectors_per_pass(kHeadDim, kGroup);
-    for (int64_t first = 0; first < kHeadDim; first += 16 * kVecs) {  // output columns [first, first + 16 kVecs)
-      __m512 o[kGroup][kVecs];
+    for (int64_t first = 0; first < kHeadDim; first += kLanes * kVecs) {  // columns [first, first + kLanes kVecs)
+      vfloat o[kGroup][kVecs];
 #pragma GCC unroll 16
-      for (int64_t i = 0; i < kGroup * kVecs; ++i) o[i / kVecs][i % kVecs] = _mm512_setzero_ps();
+      for (int64_t i = 0; i < kGroup * kVecs; ++i) o[i / kVecs][i % kVecs] = vzero();
       for_each_block<true>(cache, table, h, len, head_dim, [&](const cache_t* value, int64_t start, int64_t stop) {
         for (int64_t t = start; t < stop; ++t, value += cache.v_token) {
-          __m512 v[kVecs];
+          vfloat pg[kGroup];  // the group's weights of this value, then its vectors one at a time
 #pragma GCC unroll 8
-          for (int64_t c = 0; c < kVecs; ++c) v[c] = load16(value + first + 16 * c);
+          for (int64_t g = 0; g < kGroup; ++g) pg[g] = vset1(p[g * len + t]);
 #pragma GCC unroll 8
-          for (int64_t g = 0; g < kGroup; ++g) {
-            const __m512 pg = _mm512_set1_ps(p[g * len + t]);
+          for (int64_t c = 0; c < kVecs; ++c) {
+            const vfloat v = vload(value + first + kLanes * c);
 #pragma GCC unroll 8
-            for (int64_t c = 0; c < kVecs; ++c) o[g][c] = _mm512_fmadd_ps(pg, v[c], o[g][c]);
+            for (int64_t g = 0; g < kGroup; ++g) o[g][c] = vfma(pg[g], v, o[g][c]);
           }
         }
       });
 #pragma GCC unroll 16
       for (int64_t i = 0; i < kGroup * kVecs; ++i) {
-        _mm512_storeu_ps(acc + (i / kVecs) * kHeadDim + first + 16 * (i % kVecs), o[i / kVecs][i % kVecs]);
+        vstore(acc + (i / kVecs) * kHeadDim + first + kLanes * (i % kVecs), o[i / kVecs][i % kVecs]);
       }
     }
     return;

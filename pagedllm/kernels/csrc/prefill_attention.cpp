@@ -205,14 +205,7 @@ inline void softmax_chunk(float* s, int64_t visible, float scale, int64_t head_d
 #pragma omp simd
   for (int64_t j = 0; j < kKeyChunk; ++j) s[j] *= scale;
   for (int64_t j = visible; j < kKeyChunk; ++j) s[j] = kNegInf;  // keys past the row's position
-  float lane_max[kKeyTile];  // a max per vector lane, then across lanes: the form compilers vectorise
-  std::fill(lane_max, lane_max + kKeyTile, kNegInf);
-  for (int64_t j = 0; j < kKeyChunk; j += kKeyTile) {
-#pragma omp simd
-    for (int64_t lane = 0; lane < kKeyTile; ++lane) lane_max[lane] = std::max(lane_max[lane], s[j + lane]);
-  }
-  const float chunk_max = *std::max_element(lane_max, lane_max + kKeyTile);
-  const float m_new = std::max(m, chunk_max);
+  const float m_new = std::max(m, max_of(s, kKeyChunk));
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t j = 0; j < kKeyChunk; ++j) {
