@@ -14,6 +14,29 @@ from pagedllm.sample.metadata import Penalties, TokenBitmask
 _TOP_P_CANDIDATES = 1024
 
 
+# Values per chunk in argmax_rows: a vocabulary that is a multiple of it (SmolLM2's 49,152 = 384 x 128) takes the
+# two-stage path.
+_ARGMAX_CHUNK = 128
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """`x.argmax(dim=-1)` of [N, V] float rows: the first index of each row's largest value (of its first NaN).
+
+    torch's CPU argmax is a scalar loop (~1.3 ms for [32, 49152] here, about a tenth of a decode step's non-model
+    time), while its amax is vectorised (~0.14 ms). So: the max of each chunk of 128 values (amax), the first chunk
+    holding the row's max (argmax over N x V/128 values), then the first index of that max inside the chunk. The
+    first chunk holding the max holds its first index, so ties and NaN (amax and argmax both take NaN as the
+    largest) come out as torch's. Other shapes and non-CPU tensors take torch's argmax.
+    """
+    rows, vocab = x.shape
+    if x.device.type != "cpu" or vocab % _ARGMAX_CHUNK:
+        return x.argmax(dim=-1)
+    chunks = x.view(rows, vocab // _ARGMAX_CHUNK, _ARGMAX_CHUNK)
+    chunk = chunks.amax(dim=-1).argmax(dim=-1)                                    # [N]
+    within = chunks[torch.arange(rows, device=x.device), chunk].argmax(dim=-1)    # [N]
+    return chunk * _ARGMAX_CHUNK + within
+
+
 def inverse_cdf_sample(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """The first token whose cumulative probability exceeds u * total: token i with probability probs[i].
 

@@ -27,6 +27,7 @@ from pagedllm.sample.ops import (
     apply_token_bitmask,
     apply_top_k_only,
     apply_top_k_top_p,
+    argmax_rows,
     gather_logprobs,
     inverse_cdf_sample,
 )
@@ -82,11 +83,11 @@ class Sampler(nn.Module):
         raw_logprobs = torch.log_softmax(logits, dim=-1) if meta.max_num_logprobs is not None else None
         logits = self.process_logits(logits, meta)
         if meta.all_greedy:
-            token_ids = logits.argmax(dim=-1)
+            token_ids = argmax_rows(logits)
         else:
             token_ids = self._sample_random(self.compute_probs(logits, meta), meta)
             if not meta.all_random:
-                token_ids = torch.where(meta.greedy_mask, logits.argmax(dim=-1), token_ids)
+                token_ids = torch.where(meta.greedy_mask, argmax_rows(logits), token_ids)
         logprobs = None
         if raw_logprobs is not None:
             ids, values, ranks = gather_logprobs(raw_logprobs, meta.max_num_logprobs, token_ids)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.sample.metadata import SamplingMetadata
-from pagedllm.sample.ops import gather_logprobs, inverse_cdf_sample
+from pagedllm.sample.ops import argmax_rows, gather_logprobs, inverse_cdf_sample
 from pagedllm.sample.sampler import LogprobsTensors, Sampler
 
 TokenLogprobs = list[tuple[int, float, int]]   # (token_id, logprob, rank) entries of one position
@@ -69,7 +69,7 @@ def verify_drafts(logits: torch.Tensor, meta: SamplingMetadata, request_ids: lis
 def target_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """[R, V]: the distribution each row samples from; one-hot at the argmax for greedy rows."""
     processed = Sampler.process_logits(logits.float(), meta)
-    greedy = torch.zeros_like(processed).scatter_(1, processed.argmax(dim=-1, keepdim=True), 1.0)
+    greedy = torch.zeros_like(processed).scatter_(1, argmax_rows(processed).unsqueeze(1), 1.0)
     if meta.all_greedy:
         return greedy
     probs = Sampler.compute_probs(processed, meta)

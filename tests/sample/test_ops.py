@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedllm.sample.ops import inverse_cdf_sample, top_k_top_p_candidates, top_k_top_p_sorted
+from pagedllm.sample.ops import argmax_rows, inverse_cdf_sample, top_k_top_p_candidates, top_k_top_p_sorted
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -31,3 +31,18 @@ def test_inverse_cdf_never_picks_zero_probability_tokens() -> None:
     probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0]] * 5)
     uniform = torch.tensor([0.0, 0.4999, 0.5, 0.999999, 1.0 - 2 ** -24])
     assert inverse_cdf_sample(probs, uniform).tolist() == [1, 1, 3, 3, 3]
+
+
+@pytest.mark.parametrize("vocab", [49152, 1024, 1000])     # 1000: not a multiple of the chunk, torch's argmax
+def test_argmax_rows_is_torch_argmax_with_ties_and_nan(vocab: int) -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(9, vocab)
+    logits[1, [5, 700, vocab - 1]] = 50.0          # ties across chunks: the first index
+    logits[2, [130, 131]] = 50.0                   # ties in one chunk
+    logits[3, [vocab - 1, 3]] = float("nan")       # NaN counts as the largest, the first one wins
+    logits[4] = float("-inf")                      # a row masked out entirely (a grammar, min_tokens)
+    logits[5, vocab - 1] = float("inf")
+    logits[6] = 0.0                                # all equal
+    logits[7, 0] = 1e30
+    for rows in (logits, logits.to(torch.bfloat16).float(), logits[:1]):
+        assert torch.equal(argmax_rows(rows), rows.argmax(dim=-1))
