@@ -194,8 +194,8 @@ def _random_gguf_rows(ggml_type: GGMLQuantizationType, n: int, k: int, seed: int
 def test_gguf_kernel_gives_the_references_bits(kernels: ModuleType, ggml_type: GGMLQuantizationType,
                                                x_dtype: torch.dtype, m: int, with_bias: bool, activation_bits: int
                                                ) -> None:
-    """N = 40 (a partial block of 16), K = 160 (five groups). The random bytes hold every value (Q8_0's -128,
-    whose magnitude the AVX2 path multiplies, included)."""
+    """N = 40 (a partial block of 16), K = 160 (five groups). The random bytes hold every value (Q8_0's -128
+    included), and each group's largest |x| becomes the largest 16-bit value, +-127 x 256."""
     g = torch.Generator().manual_seed(m)
     packed = pack_gguf_weight(_random_gguf_rows(ggml_type, 40, 160, seed=m), ggml_type)
     x = torch.randn(m, 160, generator=g).to(x_dtype)

@@ -38,10 +38,12 @@
 //   lo the signed one. Q8_0: each half is stored + 128 (unsigned) and the weight is the signed operand; the 128 x
 //   the group's column sums this adds is taken off, the column sums counted by vpdpbusd of 1s with the weight
 //   (shared by the tile's rows).
-// - AVX2: vpmaddubsw (unsigned x signed bytes, pairs summed in saturating int16), then vpmaddwd by 256 (hi) or 1
-//   (lo) into int32. Q4: nibbles x a half, |pair| <= 2 x 15 x 127, the 8 of a group added in int16 (|sum| <= 16 x
-//   15 x 127 = 30480 < 2^15, so never saturating). Q8_0: |q| x a half with q's sign moved onto it (vpsignb; |q| may
-//   be 128, a half never is), |pair| <= 2 x 128 x 127 = 32512, each pair sum widened at once.
+// - AVX2, Q4: vpmaddubsw (unsigned x signed bytes, pairs summed in saturating int16) of the nibbles by a half,
+//   |pair| <= 2 x 15 x 127, the 8 of a group added in int16 (|sum| <= 16 x 15 x 127 = 30480 < 2^15, so never
+//   saturating), then vpmaddwd by 256 (hi) or 1 (lo) into int32. Q8_0: x's values are stored whole, as int16 (256 hi
+//   + lo), and vpmaddwd multiplies them by the weight widened to int16: a multiply-add per 16 products, where
+//   vpmaddubsw's pairs of a byte by a half (up to 2 x 128 x 127) would each need widening on their own. Each half
+//   of a block's columns (8, a ymm) runs over all its groups in turn, its float32 sums in registers.
 // - plain C++: int32 loops over qx.
 //
 // Loops as linear_int8.cpp's: x is quantized once per call into buffers the threads share; the threads split the
@@ -62,6 +64,9 @@ namespace {
 enum GgufType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };  // ggml's type numbers
 constexpr int64_t kGroupK = 32;  // k's per group: one d (and m) per column, one x scale per row
 constexpr int64_t kRowBytes = 64;  // one row of a group's values: 16 lanes of 4 bytes
+// x values quantized per task, a quarter of kConvertGrain's widened ones: a call of 32 rows x 1536 k's by one column
+// block, whose quantization ran on one thread at kConvertGrain, took 128 us, 82 us on two (capped to AVX2).
+constexpr int64_t kQuantizeGrain = kConvertGrain / 4;
 
 constexpr int64_t header_bytes(int64_t type) { return (type == kQ4_1 ? 2 : 1) * kBlock * int64_t{sizeof(float)}; }
 constexpr int64_t group_bytes(int64_t type) {
@@ -69,17 +74,20 @@ constexpr int64_t group_bytes(int64_t type) {
 }
 
 // A tile's quantized x in `halves` int8 halves (2: 16 bits, hi and lo; 1: 8 bits, hi alone, llama.cpp's): rows of
-// halves x K bytes (`ld` apart), each group's 32 his then its 32 los (store_x's encoding), and per row and group
-// s_x and sm (`groups` apart).
+// K groups of 32 (`ld` bytes apart), each group's 32 his then its 32 los (store_x's encoding), or, where the ISA's
+// path takes them so (`whole_values`), its 32 values as int16 (256 hi + lo, or hi); and per row and group s_x and
+// sm (`groups` apart).
 template <int halves>
 struct QxRows {
   const uint8_t* q;
   int64_t ld;
+  int64_t stride;  // bytes of a row's group
   const float* scale;
   const float* scaled_sum;
   int64_t groups;
 
-  const uint8_t* hi(int r, int64_t g) const { return q + r * ld + g * halves * kGroupK; }
+  const uint8_t* hi(int r, int64_t g) const { return q + r * ld + g * stride; }
+  const int16_t* values(int r, int64_t g) const { return reinterpret_cast<const int16_t*>(hi(r, g)); }
   const uint8_t* lo(int r, int64_t g) const { return hi(r, g) + kGroupK; }
   float s(int r, int64_t g) const { return scale[r * groups + g]; }
   float sm(int r, int64_t g) const { return scaled_sum[r * groups + g]; }
@@ -91,6 +99,7 @@ constexpr int kTileRows = 8;  // 8 rows x (2 int32 + 1 float32 accumulators): 24
 
 // A half of a quantized x value as stored: Q8_0's + 128, vpdpbusd's unsigned operand.
 inline uint8_t store_x(int8_t q, int64_t type) { return static_cast<uint8_t>(type == kQ8_0 ? q + 128 : q); }
+constexpr bool whole_values(int64_t) { return false; }
 
 inline __m512i broadcast_4_bytes(const uint8_t* p) { return _mm512_set1_epi32(load_4_bytes(p)); }
 
@@ -178,94 +187,105 @@ void dot_tile(const QxRows<halves>& x, const uint8_t* block, int64_t groups, flo
 
 #elif defined(__AVX2__)
 
-constexpr int kTileRows = 4;  // 4 rows x 2 integer accumulators, the weight's vectors, broadcasts: 16 ymm
+constexpr int kTileRows = 4;  // 4 rows x (2 integer + 1 float32 accumulators), the weight's vectors: 16 ymm
 
 inline uint8_t store_x(int8_t q, int64_t) { return static_cast<uint8_t>(q); }
+// Q8_0 multiplies x's 16-bit values whole (vpmaddwd), the Q4 types its int8 halves (vpmaddubsw).
+constexpr bool whole_values(int64_t type) { return type == kQ8_0; }
 
-inline __m256i broadcast_4_bytes(const uint8_t* p) { return _mm256_set1_epi32(load_4_bytes(p)); }
+// The 4 (or 8) bytes at p in every lane. In asm, so that each is loaded where it is used: GCC would otherwise hoist
+// the broadcasts of a tile's rows out of the loop over the column halves, which does not change them, and spill
+// them (the Q4 calls ran ~1.3x slower so).
+inline __m256i broadcast_4_bytes(const uint8_t* p) {
+  __m256i v;
+  asm volatile("vpbroadcastd %1, %0" : "=x"(v) : "m"(*reinterpret_cast<const int32_t*>(p)));
+  return v;
+}
+inline __m256i broadcast_8_bytes(const int16_t* p) {
+  __m256i v;
+  asm volatile("vpbroadcastq %1, %0" : "=x"(v) : "m"(*reinterpret_cast<const int64_t*>(p)));
+  return v;
+}
 
-// c[rows][h] = one group's int32 sums over columns 8 h .. 8 h + 7, 256 sum_hi + sum_lo: the int16 pair sums of
-// the his widened by vpmaddwd with 256s, the los' with 1s (with x's hi alone, its sums widened with 1s).
+// c[rows] = one group's int32 sums of products over 8 columns (the 32-byte half of each 64-byte row at `values`).
 template <int rows, int64_t type, int halves>
-inline void group_sums(const QxRows<halves>& x, int64_t g, const uint8_t* values, __m256i (&c)[rows][2]) {
-  const __m256i ones = _mm256_set1_epi16(1), times256 = _mm256_set1_epi16(256);
-  for (int h = 0; h < 2; ++h) {
-    if constexpr (type == kQ8_0) {
-      __m256i sum[rows];
+inline void half_sums(const QxRows<halves>& x, int64_t g, const uint8_t* values, __m256i (&c)[rows]) {
+  if constexpr (type == kQ8_0) {
+    // Each 4 k's of 4 columns widened to int16 (vpmovsxbw) times the row's 4 values (broadcast): vpmaddwd sums the
+    // products in pairs, two int32 lanes a column, |sum| <= 32 x 128 x 32639 < 2^28; vphaddd joins each column's
+    // two lanes, in the order (0, 1, 4, 5 | 2, 3, 6, 7) that vpermq puts right.
+    __m256i first4[rows], last4[rows];
 #pragma GCC unroll 8
-      for (int r = 0; r < rows; ++r) sum[r] = _mm256_setzero_si256();
-      for (int64_t i = 0; i < kGroupK / 4; ++i) {
-        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values + i * kRowBytes + 32 * h));
-        const __m256i magnitudes = _mm256_abs_epi8(w);
-#pragma GCC unroll 8
-        for (int r = 0; r < rows; ++r) {
-          const __m256i his = _mm256_sign_epi8(broadcast_4_bytes(x.hi(r, g) + 4 * i), w);
-          if constexpr (halves == 2) {
-            const __m256i los = _mm256_sign_epi8(broadcast_4_bytes(x.lo(r, g) + 4 * i), w);
-            sum[r] = _mm256_add_epi32(sum[r], _mm256_add_epi32(
-                _mm256_madd_epi16(_mm256_maddubs_epi16(magnitudes, his), times256),
-                _mm256_madd_epi16(_mm256_maddubs_epi16(magnitudes, los), ones)));
-          } else {
-            sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitudes, his), ones));
-          }
-        }
-      }
-#pragma GCC unroll 8
-      for (int r = 0; r < rows; ++r) c[r][h] = sum[r];
-    } else {
-      const __m256i low4 = _mm256_set1_epi8(0x0F);
-      __m256i pairs_hi[rows], pairs_lo[rows];  // int16 pair sums
-#pragma GCC unroll 8
-      for (int r = 0; r < rows; ++r) pairs_hi[r] = pairs_lo[r] = _mm256_setzero_si256();
-      for (int64_t o = 0; o < kGroupK / 8; ++o) {
-        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values + o * kRowBytes + 32 * h));
-        const __m256i lo = _mm256_and_si256(w, low4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low4);
-#pragma GCC unroll 8
-        for (int r = 0; r < rows; ++r) {
-          const uint8_t *xh = x.hi(r, g) + 8 * o, *xl = x.lo(r, g) + 8 * o;
-          pairs_hi[r] = _mm256_add_epi16(pairs_hi[r], _mm256_add_epi16(
-              _mm256_maddubs_epi16(lo, broadcast_4_bytes(xh)), _mm256_maddubs_epi16(hi, broadcast_4_bytes(xh + 4))));
-          if constexpr (halves == 2) {
-            pairs_lo[r] = _mm256_add_epi16(pairs_lo[r], _mm256_add_epi16(
-                _mm256_maddubs_epi16(lo, broadcast_4_bytes(xl)), _mm256_maddubs_epi16(hi, broadcast_4_bytes(xl + 4))));
-          }
-        }
-      }
+    for (int r = 0; r < rows; ++r) first4[r] = last4[r] = _mm256_setzero_si256();
+#pragma GCC unroll 2  // all 8: GCC sums the quads' products in trees and spills them (the LM head ran 1.18x slower)
+    for (int64_t i = 0; i < kGroupK / 4; ++i) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values + i * kRowBytes));
+      const __m256i w_first = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(w));
+      const __m256i w_last = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(w, 1));
 #pragma GCC unroll 8
       for (int r = 0; r < rows; ++r) {
-        c[r][h] = halves == 2
-                      ? _mm256_add_epi32(_mm256_madd_epi16(pairs_hi[r], times256), _mm256_madd_epi16(pairs_lo[r], ones))
-                      : _mm256_madd_epi16(pairs_hi[r], ones);
+        const __m256i xs = broadcast_8_bytes(x.values(r, g) + 4 * i);
+        first4[r] = _mm256_add_epi32(first4[r], _mm256_madd_epi16(w_first, xs));
+        last4[r] = _mm256_add_epi32(last4[r], _mm256_madd_epi16(w_last, xs));
       }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < rows; ++r) c[r] = _mm256_permute4x64_epi64(_mm256_hadd_epi32(first4[r], last4[r]), 0xD8);
+  } else {
+    // 256 sum_hi + sum_lo: the int16 pair sums of the his widened by vpmaddwd with 256s, the los' with 1s (with x's
+    // hi alone, its sums widened with 1s).
+    const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), times256 = _mm256_set1_epi16(256);
+    __m256i pairs_hi[rows], pairs_lo[rows];  // int16 pair sums
+#pragma GCC unroll 8
+    for (int r = 0; r < rows; ++r) pairs_hi[r] = pairs_lo[r] = _mm256_setzero_si256();
+    for (int64_t o = 0; o < kGroupK / 8; ++o) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values + o * kRowBytes));
+      const __m256i lo = _mm256_and_si256(w, low4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low4);
+#pragma GCC unroll 8
+      for (int r = 0; r < rows; ++r) {
+        const uint8_t *xh = x.hi(r, g) + 8 * o, *xl = x.lo(r, g) + 8 * o;
+        pairs_hi[r] = _mm256_add_epi16(pairs_hi[r], _mm256_add_epi16(
+            _mm256_maddubs_epi16(lo, broadcast_4_bytes(xh)), _mm256_maddubs_epi16(hi, broadcast_4_bytes(xh + 4))));
+        if constexpr (halves == 2) {
+          pairs_lo[r] = _mm256_add_epi16(pairs_lo[r], _mm256_add_epi16(
+              _mm256_maddubs_epi16(lo, broadcast_4_bytes(xl)), _mm256_maddubs_epi16(hi, broadcast_4_bytes(xl + 4))));
+        }
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < rows; ++r) {
+      c[r] = halves == 2
+                 ? _mm256_add_epi32(_mm256_madd_epi16(pairs_hi[r], times256), _mm256_madd_epi16(pairs_lo[r], ones))
+                 : _mm256_madd_epi16(pairs_hi[r], ones);
     }
   }
 }
 
-// The float32 accumulators live in `acc` (L1): in registers they would spill the integer ones.
+// One half of the block's columns at a time over all its groups, so that the half's float32 accumulators stay in
+// registers.
 template <int rows, int64_t type, int halves>
 void dot_tile(const QxRows<halves>& x, const uint8_t* block, int64_t groups, float* acc) {
-  std::fill(acc, acc + rows * kBlock, 0.f);
-  for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* group = block + g * group_bytes(type);
-    __m256i c[rows][2];
-    group_sums<rows, type, halves>(x, g, group + header_bytes(type), c);
-    const float* header = reinterpret_cast<const float*>(group);
+  for (int h = 0; h < 2; ++h) {
+    __m256 f[rows];
 #pragma GCC unroll 8
-    for (int r = 0; r < rows; ++r) {
-      for (int h = 0; h < 2; ++h) {
-        const __m256 d = _mm256_loadu_ps(header + 8 * h);
-        float* a = acc + r * kBlock + 8 * h;
-        const __m256 sum = _mm256_cvtepi32_ps(c[r][h]);
-        __m256 f = _mm256_add_ps(_mm256_loadu_ps(a),
-                                 rounded(_mm256_mul_ps(_mm256_mul_ps(sum, d), _mm256_set1_ps(x.s(r, g)))));
-        if (type != kQ8_0) {
-          const __m256 m =
-              type == kQ4_1 ? _mm256_loadu_ps(header + kBlock + 8 * h) : _mm256_mul_ps(d, _mm256_set1_ps(-8.f));
-          f = _mm256_add_ps(f, rounded(_mm256_mul_ps(m, _mm256_set1_ps(x.sm(r, g)))));
-        }
-        _mm256_storeu_ps(a, f);
+    for (int r = 0; r < rows; ++r) f[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* group = block + g * group_bytes(type);
+      __m256i c[rows];
+      half_sums<rows, type, halves>(x, g, group + header_bytes(type) + 32 * h, c);
+      const float* header = reinterpret_cast<const float*>(group) + 8 * h;
+      const __m256 d = _mm256_loadu_ps(header);
+      // Q4_1 stores m, Q4_0 has m = -8 d; Q8_0 has none (unused below).
+      const __m256 m = type == kQ4_1 ? _mm256_loadu_ps(header + kBlock) : _mm256_mul_ps(d, _mm256_set1_ps(-8.f));
+#pragma GCC unroll 8
+      for (int r = 0; r < rows; ++r) {
+        const __m256 sum = _mm256_cvtepi32_ps(c[r]);
+        f[r] = _mm256_add_ps(f[r], rounded(_mm256_mul_ps(_mm256_mul_ps(sum, d), _mm256_set1_ps(x.s(r, g)))));
+        if (type != kQ8_0) f[r] = _mm256_add_ps(f[r], rounded(_mm256_mul_ps(m, _mm256_set1_ps(x.sm(r, g)))));
       }
     }
+#pragma GCC unroll 8
+    for (int r = 0; r < rows; ++r) _mm256_storeu_ps(acc + r * kBlock + 8 * h, f[r]);
   }
 }
 
@@ -274,6 +294,7 @@ void dot_tile(const QxRows<halves>& x, const uint8_t* block, int64_t groups, flo
 constexpr int kTileRows = 4;
 
 inline uint8_t store_x(int8_t q, int64_t) { return static_cast<uint8_t>(q); }
+constexpr bool whole_values(int64_t) { return false; }
 
 // Value t (0..3) of lane j of row i of a group's values.
 template <int64_t type>
@@ -341,7 +362,8 @@ struct GgufProblem {
 
   void run_tile(int64_t m0, int rows, int64_t b) const {
     alignas(64) float acc[kTileRows * kBlock];
-    const QxRows<halves> tile{x.q + m0 * x.ld, x.ld, x.scale + m0 * groups, x.scaled_sum + m0 * groups, groups};
+    const QxRows<halves> tile{x.q + m0 * x.ld, x.ld, x.stride, x.scale + m0 * groups, x.scaled_sum + m0 * groups,
+                              groups};
     run_dot_tile<type>(rows, tile, packed + b * groups * group_bytes(type), groups, acc);
     store_rows(out, out_stride, n, bias, static_cast<const float*>(nullptr), acc, m0, rows, b);
   }
@@ -359,22 +381,30 @@ struct GgufProblem {
   }
 };
 
+// Bytes of a row's group of quantized x (QxRows).
+constexpr int64_t x_group_bytes(int64_t type, int halves) {
+  return (whole_values(type) ? int64_t{sizeof(int16_t)} : halves) * kGroupK;
+}
+
 // One group of a row: its 32 v's (quantize_spans) as stored halves, his then los (the 16-bit encoding at the top),
-// s turned into s_x, and sm = s_x * the sum of the group's qx (unused by Q8_0, which has no min term).
+// or as int16 values, s turned into s_x, and sm = s_x * the sum of the group's qx (unused by Q8_0, which has no min
+// term).
 template <int64_t type, int halves>
 void store_group(const float* v, uint8_t* stored, float& s, float& sm) {
   int32_t sum = 0;
 #pragma omp simd reduction(+ : sum)
   for (int64_t j = 0; j < kGroupK; ++j) {
     const int8_t hi = quantized(v[j]);
-    stored[j] = store_x(hi, type);
-    if constexpr (halves == 2) {
-      const int8_t lo = quantized(std::min(std::max((v[j] - hi) * 256.f, -127.f), 127.f));  // v - hi is exact
-      stored[kGroupK + j] = store_x(lo, type);
-      sum += 256 * hi + lo;
+    // v - hi is exact
+    const int8_t lo = halves == 2 ? quantized(std::min(std::max((v[j] - hi) * 256.f, -127.f), 127.f)) : 0;
+    const int16_t value = static_cast<int16_t>(halves == 2 ? 256 * hi + lo : hi);
+    if constexpr (whole_values(type)) {
+      reinterpret_cast<int16_t*>(stored)[j] = value;
     } else {
-      sum += hi;
+      stored[j] = store_x(hi, type);
+      if constexpr (halves == 2) stored[kGroupK + j] = store_x(lo, type);
     }
+    sum += value;
   }
   if constexpr (halves == 2) s = s / 256.f;
   sm = s * static_cast<float>(sum);
@@ -383,22 +413,24 @@ void store_group(const float* v, uint8_t* stored, float& s, float& sm) {
 template <typename T, int64_t type, int halves>
 void run_gguf(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
   const int64_t m = x.size(0), k = x.size(1), groups = k / kGroupK;
-  std::vector<uint8_t> quantized_x(m * halves * k);
+  constexpr int64_t stride = x_group_bytes(type, halves);
+  std::vector<uint8_t> quantized_x(m * groups * stride);
   std::vector<float> scale(m * groups), scaled_sum(m * groups);
   const T* src = x.data_ptr<T>();
-  at::parallel_for(0, m, std::max<int64_t>(1, kConvertGrain / std::max<int64_t>(1, k)), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, m, std::max<int64_t>(1, kQuantizeGrain / std::max<int64_t>(1, k)), [&](int64_t begin, int64_t end) {
     std::vector<float> v(k);
     for (int64_t r = begin; r < end; ++r) {
       quantize_spans(src + r * x.stride(0), k, kGroupK, scale.data() + r * groups, v.data());
       for (int64_t g = 0; g < groups; ++g) {
-        store_group<type, halves>(v.data() + g * kGroupK, quantized_x.data() + (r * groups + g) * halves * kGroupK,
+        store_group<type, halves>(v.data() + g * kGroupK, quantized_x.data() + (r * groups + g) * stride,
                                   scale[r * groups + g], scaled_sum[r * groups + g]);
       }
     }
   });
-  const GgufProblem<T, type, halves> problem{{quantized_x.data(), halves * k, scale.data(), scaled_sum.data(), groups},
-                                     packed.data_ptr<uint8_t>(), bias ? bias->data_ptr<T>() : nullptr,
-                                     out.data_ptr<T>(), m, out.size(1), groups, out.stride(0)};
+  const GgufProblem<T, type, halves> problem{
+      {quantized_x.data(), groups * stride, stride, scale.data(), scaled_sum.data(), groups},
+      packed.data_ptr<uint8_t>(), bias ? bias->data_ptr<T>() : nullptr, out.data_ptr<T>(), m, out.size(1), groups,
+      out.stride(0)};
   split_blocks_and_tiles(packed.size(0), (m + kTileRows - 1) / kTileRows, m * out.size(1) * k,
                          [&](int64_t b0, int64_t b1, int64_t t0, int64_t t1) { problem.run(b0, b1, t0, t1); });
 }
