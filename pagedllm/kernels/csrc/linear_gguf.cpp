@@ -74,19 +74,18 @@ constexpr int64_t group_bytes(int64_t type) {
 }
 
 // A tile's quantized x in `halves` int8 halves (2: 16 bits, hi and lo; 1: 8 bits, hi alone, llama.cpp's): rows of
-// K groups of 32 (`ld` bytes apart), each group's 32 his then its 32 los (store_x's encoding), or, where the ISA's
+// K groups of 32 (`stride` bytes each), each group's 32 his then its 32 los (store_x's encoding), or, where the ISA's
 // path takes them so (`whole_values`), its 32 values as int16 (256 hi + lo, or hi); and per row and group s_x and
 // sm (`groups` apart).
 template <int halves>
 struct QxRows {
   const uint8_t* q;
-  int64_t ld;
   int64_t stride;  // bytes of a row's group
   const float* scale;
   const float* scaled_sum;
   int64_t groups;
 
-  const uint8_t* hi(int r, int64_t g) const { return q + r * ld + g * stride; }
+  const uint8_t* hi(int r, int64_t g) const { return q + (r * groups + g) * stride; }
   const int16_t* values(int r, int64_t g) const { return reinterpret_cast<const int16_t*>(hi(r, g)); }
   const uint8_t* lo(int r, int64_t g) const { return hi(r, g) + kGroupK; }
   float s(int r, int64_t g) const { return scale[r * groups + g]; }
@@ -362,8 +361,8 @@ struct GgufProblem {
 
   void run_tile(int64_t m0, int rows, int64_t b) const {
     alignas(64) float acc[kTileRows * kBlock];
-    const QxRows<halves> tile{x.q + m0 * x.ld, x.ld, x.stride, x.scale + m0 * groups, x.scaled_sum + m0 * groups,
-                              groups};
+    const QxRows<halves> tile{x.q + m0 * groups * x.stride, x.stride, x.scale + m0 * groups,
+                              x.scaled_sum + m0 * groups, groups};
     run_dot_tile<type>(rows, tile, packed + b * groups * group_bytes(type), groups, acc);
     store_rows(out, out_stride, n, bias, static_cast<const float*>(nullptr), acc, m0, rows, b);
   }
@@ -428,7 +427,7 @@ void run_gguf(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, co
     }
   });
   const GgufProblem<T, type, halves> problem{
-      {quantized_x.data(), groups * stride, stride, scale.data(), scaled_sum.data(), groups},
+      {quantized_x.data(), stride, scale.data(), scaled_sum.data(), groups},
       packed.data_ptr<uint8_t>(), bias ? bias->data_ptr<T>() : nullptr, out.data_ptr<T>(), m, out.size(1), groups,
       out.stride(0)};
   split_blocks_and_tiles(packed.size(0), (m + kTileRows - 1) / kTileRows, m * out.size(1) * k,
