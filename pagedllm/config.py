@@ -143,8 +143,9 @@ class ModelConfig:
             order). gguf, awq and gptq run on one rank.
         device: "auto" (CUDA when torch sees a CUDA device, else the CPU), "cpu", "cuda" or "cuda:N"; the engine
             resolves it at start-up (`pagedllm.device.resolve_device`).
-        enforce_eager: on a GPU, run every step eagerly instead of replaying the decode steps' CUDA graphs
-            (`pagedllm.runner.cuda_graphs`); a CPU runs eagerly anyway.
+        enforce_eager: run the model's modules one by one, from Python: on a GPU, instead of replaying the decode
+            steps' CUDA graphs (`pagedllm.runner.cuda_graphs`); on a CPU, instead of running all decoder layers in one
+            C++ call a step (`LlamaForCausalLM.use_decoder_stack`; the same bits either way).
     """
 
     model: str | None = None

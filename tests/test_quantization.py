@@ -25,7 +25,13 @@ from pagedllm.layers import linear as linear_module
 from pagedllm.layers.linear import dequantize_int8, quantize_int8, w8a8_reference
 from pagedllm.loader import load_model
 from tests.models.int4_checkpoints import save_int4_checkpoint
-from tests.models.tiny import SimplePagedRunner, build_byte_tokenizer, build_tiny_hf_model, use_gguf_reference
+from tests.models.tiny import (
+    SimplePagedRunner,
+    build_byte_tokenizer,
+    build_tiny_hf_model,
+    run_modules,
+    use_gguf_reference,
+)
 
 _LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
 PROMPTS = ["The quick brown fox", "int8 weights, one scale per row:", "0123456789" * 3, "a"]
@@ -93,6 +99,7 @@ def test_w8a8_model_computes_w8a8_reference_matmuls(checkpoints, monkeypatch):
     monkeypatch.setattr(linear_module, "pack_linear_weights", lambda model, quantization=None: 0)
     monkeypatch.setattr(linear_module, "linear", reference_linear)
     monkeypatch.setattr(embedding, "linear", reference_linear)
+    run_modules(monkeypatch)
     reference = SimplePagedRunner(load_model(ModelConfig(model=original, dtype="float32")).model)
     for step, got in zip(steps, logits):
         assert torch.equal(got, reference.step(step))

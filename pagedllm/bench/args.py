@@ -51,6 +51,9 @@ def add_engine_args(parser: argparse.ArgumentParser, prefix_caching_flag: bool =
                             "data-parallel replicas run in Ray actors too")
     group.add_argument("--speculative-config", type=parse_json_object, default=None,
                        help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'')
+    group.add_argument("--enforce-eager", action="store_true",
+                       help="run pagedllm's modules one by one from Python, not its decoder layers in one C++ call "
+                            "(or CUDA graphs on a GPU)")
 
 
 def engine_kwargs(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
@@ -62,7 +65,7 @@ def engine_kwargs(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
                   quantization=getattr(args, "quantization", None),
                   kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"), speculative_config=args.speculative_config,
                   tensor_parallel_size=args.tensor_parallel_size,
-                  distributed_executor_backend=args.distributed_executor_backend)
+                  distributed_executor_backend=args.distributed_executor_backend, enforce_eager=args.enforce_eager)
     return kwargs | overrides
 
 

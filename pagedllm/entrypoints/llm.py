@@ -74,7 +74,8 @@ class LLM:
             the least loaded) or "round_robin".
         distributed_executor_backend: "mp" (local worker processes, the default) or "ray".
         device: "auto" (CUDA when torch sees a CUDA device, else the CPU), "cpu", "cuda" or "cuda:N".
-        enforce_eager: on a GPU, run decode steps eagerly instead of replaying CUDA graphs captured at start-up.
+        enforce_eager: run the model's modules one by one from Python: on a GPU instead of replaying CUDA graphs
+            captured at start-up, on a CPU instead of running the decoder layers in one C++ call a step.
     """
 
     def __init__(self, model: str | None = None, *, dtype: str = "auto", max_model_len: int | None = None,

@@ -11,7 +11,8 @@ instructions, pagedllm's own kernel's otherwise, int8 with row scales under quan
 weights in the int8 x int8 kernel's layout under quantization="w8a8");
 `pack_gguf_linear_weights` before it keeps a GGUF's Q4_0/Q4_1/Q8_0/Q4_K blocks packed (quantization="gguf"), and
 `pack_int4_linear_weights` an AWQ or GPTQ checkpoint's 4-bit weights (quantization="awq"/"gptq"). `linear` takes
-any of them.
+any of them, and so does the C++ kernels' LinearWeights (`linear_weights`), which repeats its branches for the
+model's DecoderStack.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import os
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +58,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             cpu_kernels().linear_w8a8(out, x, weight, col_sums, weight.scale, bias)  # type: ignore[union-attr,attr-defined]
         return out
     return F.linear(x, weight, bias)
+
+
+def linear_weights(kernels: ModuleType, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                   row_bias: torch.Tensor | None = None) -> Any:
+    """`weight` as the C++ kernels' LinearWeights (for their DecoderStack, pagedllm/kernels/csrc/decoder.cpp), which
+    computes `linear(x, weight, bias)`, then adds `row_bias` as a row-parallel layer adds its bias."""
+    return kernels.LinearWeights(weight, getattr(weight, "out_features", weight.shape[0]), bias, row_bias,
+                                 getattr(weight, "scale", None), getattr(weight, "col_sums", None),
+                                 getattr(weight, "input_perm", None), getattr(weight, "ggml_type", 0),
+                                 getattr(weight, "activation_bits", 16))
 
 
 def linear_packing(dtype: torch.dtype) -> str | None:
@@ -389,6 +402,10 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
 
+    def kernel_weights(self, kernels: ModuleType) -> Any:
+        """This layer for the C++ kernels' DecoderStack (`linear_weights`)."""
+        return linear_weights(kernels, self.weight, self.bias)
+
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel outputs fused into one matmul (e.g. gate_up); shard ids 0, 1, ..."""
@@ -504,3 +521,8 @@ class RowParallelLinear(nn.Module):
         if self.tp_size > 1:
             communicator().all_reduce(y)
         return y if self.bias is None else y + self.bias
+
+    def kernel_weights(self, kernels: ModuleType) -> Any:
+        """This layer for the C++ kernels' DecoderStack (`linear_weights`), on one rank (it has no all-reduce)."""
+        assert self.tp_size == 1, "DecoderStack runs on one rank"
+        return linear_weights(kernels, self.weight, row_bias=self.bias)

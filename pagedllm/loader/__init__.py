@@ -211,6 +211,8 @@ def load_model(model_config: ModelConfig, tp_rank: int = 0, tp_size: int = 1) ->
     model.load_weights(_weights(resolved, dtype, hf_config, quantization))
     model.eval()
     how = _pack(model, quantization, resolved, hf_config)
+    if not model_config.enforce_eager:
+        model.use_decoder_stack()
     rank = f", tensor-parallel rank {tp_rank} of {tp_size}" if tp_size > 1 else ""
     logger.info("loaded %s (%s%s%s) in %.2f s", resolved.name, dtype, how, rank, time.perf_counter() - start)
     return LoadedModel(model, hf_config, resolved, dtype, quantization, tp_rank, tp_size, attn_backend)

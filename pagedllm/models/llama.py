@@ -7,6 +7,7 @@ separate q/k/v and gate/up checkpoint tensors onto the fused parameters (`STACKE
 from __future__ import annotations
 
 from collections.abc import Iterable
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -14,6 +15,7 @@ from torch import nn
 
 from pagedllm.attention.cpu import paged_attention, write_kv
 from pagedllm.attention.metadata import AttentionBackend, AttentionMetadata, KVCache
+from pagedllm.kernels import kernels_for
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.embedding import ParallelLMHead, VocabEmbedding
 from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -133,15 +135,43 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype, attn_backend, rotary_emb, tp)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        # kernel module -> its DecoderStack of these layers; None: the modules run (see use_decoder_stack)
+        self.stacks: dict[ModuleType, Any] | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, H]
+        stack = self.stack_for(x)
+        if stack is not None:
+            return stack.forward(x, positions, kv_caches, meta.slot_mapping, meta.block_tables, meta.seq_lens,
+                                 meta.query_start_loc, meta.num_decodes)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(positions, x, residual, kv_cache, meta)
         x, _ = self.norm(x, residual)
         return x
+
+    def stack_for(self, x: torch.Tensor) -> Any:
+        """The DecoderStack of the kernels that x's computation runs in, built on first use; None where the
+        modules run (no stack wanted, or no kernels: disabled, not built, not on the CPU)."""
+        kernels = kernels_for(x) if self.stacks is not None else None
+        if kernels is None:
+            return None
+        stack = self.stacks.get(kernels)  # type: ignore[union-attr]
+        if stack is None:
+            stack = self.stacks[kernels] = self._build_stack(kernels)  # type: ignore[index]
+        return stack
+
+    def _build_stack(self, kernels: ModuleType) -> Any:
+        attn = self.layers[0].self_attn
+        layers = [kernels.DecoderLayerWeights(
+            layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+            layer.self_attn.qkv_proj.kernel_weights(kernels), layer.self_attn.o_proj.kernel_weights(kernels),
+            layer.mlp.gate_up_proj.kernel_weights(kernels), layer.mlp.down_proj.kernel_weights(kernels))
+            for layer in self.layers]
+        return kernels.DecoderStack(layers, self.norm.weight, self.norm.eps, attn.rotary_emb.cos_cache,
+                                    attn.rotary_emb.sin_cache, attn.qkv_proj.q_size // attn.head_dim,
+                                    attn.qkv_proj.kv_size // attn.head_dim, attn.head_dim, attn.scale)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -172,6 +202,16 @@ class LlamaForCausalLM(nn.Module):
     @property
     def num_layers(self) -> int:
         return len(self.model.layers)
+
+    def use_decoder_stack(self) -> None:
+        """Run the decoder layers in one C++ call a step (the kernels' DecoderStack, pagedllm/kernels/csrc/decoder.cpp)
+        wherever the CPU kernels run, instead of ~15 module calls a layer: the same kernels in the same order, so the
+        same bits, without ~3-5 ms of Python a step (SmolLM2, one stream). Only on one rank and with the CPU attention
+        backend: otherwise the modules run. The loader calls it once the weights are final, packed: a stack holds
+        the weight tensors it was built with. `enforce_eager=True` keeps the modules."""
+        layer = self.model.layers[0]
+        if layer.mlp.down_proj.tp_size == 1 and layer.self_attn.attn_backend is paged_attention:
+            self.model.stacks = {}
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata) -> torch.Tensor:

@@ -95,7 +95,7 @@ _HF_TO_GGUF = {v: k for k, v in {
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}.items()}
 
 
-def _write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32) -> None:
+def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32) -> None:
     """What llama.cpp's converter does, in miniature: metadata, renamed tensors, Q/K permuted for llama."""
     cfg = hf_model.config
     w = gguf.GGUFWriter(str(path), arch)
@@ -140,7 +140,7 @@ def _write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32) -> None
 def test_tiny_gguf_model_matches_transformers(tmp_path: Path, kind: str, arch: str) -> None:
     hf_model = build_tiny_hf_model(kind)
     path = tmp_path / f"{kind}.gguf"
-    _write_model_gguf(hf_model, path, arch)
+    write_model_gguf(hf_model, path, arch)
     config = gguf_hf_config(GGUFFile(path))
     assert config.model_type == arch and config.tie_word_embeddings == hf_model.config.tie_word_embeddings
     assert config.num_key_value_heads == hf_model.config.num_key_value_heads
@@ -155,7 +155,7 @@ def test_tiny_gguf_model_matches_transformers(tmp_path: Path, kind: str, arch: s
 def test_quantized_gguf_is_close(tmp_path: Path) -> None:
     hf_model = build_tiny_hf_model("llama-gqa")
     path = tmp_path / "q8.gguf"
-    _write_model_gguf(hf_model, path, "llama", Q.Q8_0)
+    write_model_gguf(hf_model, path, "llama", Q.Q8_0)
     weights = dict(iterate_gguf(path, torch.float32))
     ref = hf_model.state_dict()
     for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight"):
@@ -203,7 +203,7 @@ def test_packed_gguf_rows_are_the_dequantised_weights(tmp_path: Path, qtype: Q) 
     `iterate_gguf` gives (the loader's torch dequantisers, checked against gguf's above)."""
     hf_model = build_tiny_hf_model("llama-gqa")
     path = tmp_path / f"{qtype.name}.gguf"
-    _write_model_gguf(hf_model, path, "llama", qtype)
+    write_model_gguf(hf_model, path, "llama", qtype)
     rows = gguf_block_rows(GGUFFile(path), PACKED_GGUF_TYPES)
     weights = dict(iterate_gguf(path, torch.float32))
     assert "model.layers.0.self_attn.q_proj.weight" in rows and "model.norm.weight" not in rows  # 1-D stays out
@@ -227,7 +227,7 @@ def test_gguf_quantization_multiplies_its_blocks(tmp_path: Path, kind: str, qtyp
     """quantization="gguf" keeps the blocks: weights times activations quantized to 16 bits (the dequantised
     model within that noise), the untied LM head's blocks and the tied one's (the embedding's) too."""
     path = tmp_path / f"{kind}.gguf"
-    _write_model_gguf(build_tiny_hf_model(kind), path, "llama", qtype)
+    write_model_gguf(build_tiny_hf_model(kind), path, "llama", qtype)
     packed = load_model(ModelConfig(model=str(path), dtype="float32", quantization="gguf")).model
     dense = load_model(ModelConfig(model=str(path), dtype="float32")).model
     qkv, head = packed.model.layers[0].self_attn.qkv_proj.weight, packed.lm_head.weight
@@ -241,7 +241,7 @@ def test_8_bit_activations_are_a_switch_read_at_load(tmp_path: Path, monkeypatch
     logits are `gguf_reference`'s at 8 bits, bitwise, further from the dequantised model's than 16 bits leave them;
     any other value than 8 or 16 is refused at load, naming the variable."""
     path = tmp_path / "q4_1.gguf"
-    _write_model_gguf(build_tiny_hf_model("llama-gqa"), path, "llama", Q.Q4_1)
+    write_model_gguf(build_tiny_hf_model("llama-gqa"), path, "llama", Q.Q4_1)
     config = ModelConfig(model=str(path), dtype="float32", quantization="gguf")
     fine, dense = load_model(config).model, load_model(ModelConfig(model=str(path), dtype="float32")).model
     monkeypatch.setenv("PAGEDLLM_GGUF_ACTIVATION_BITS", "8")
@@ -263,7 +263,7 @@ def test_8_bit_activations_are_a_switch_read_at_load(tmp_path: Path, monkeypatch
 def test_gguf_quantization_keeps_q4_k_packed(tmp_path: Path, monkeypatch) -> None:
     """Q4_K weights (K a multiple of 256 here) run as Q4_1 groups."""
     path = tmp_path / "q4_k.gguf"
-    _write_model_gguf(build_tiny_hf_model("llama-gqa", hidden_size=256, intermediate_size=256), path, "llama", Q.Q4_K)
+    write_model_gguf(build_tiny_hf_model("llama-gqa", hidden_size=256, intermediate_size=256), path, "llama", Q.Q4_K)
     packed = load_model(ModelConfig(model=str(path), dtype="float32", quantization="gguf")).model
     dense = load_model(ModelConfig(model=str(path), dtype="float32")).model
     for proj in (packed.model.layers[0].self_attn.qkv_proj, packed.model.layers[1].mlp.down_proj, packed.lm_head):
@@ -275,7 +275,7 @@ def test_a_layer_with_a_part_not_in_a_packed_type_keeps_its_dequantised_weight(t
     """A fused layer packs only when all its parts are blocks of one packed type (a Q4_K_M file, say, stores some
     v_proj as Q6_K): layer 0's qkv, whose v_proj is withheld here, falls back to the dense packing."""
     path = tmp_path / "mixed.gguf"
-    _write_model_gguf(build_tiny_hf_model("llama-gqa"), path, "llama", Q.Q4_0)
+    write_model_gguf(build_tiny_hf_model("llama-gqa"), path, "llama", Q.Q4_0)
 
     def without_layer0_v(g: GGUFFile, types: tuple[Q, ...]) -> dict:
         rows = gguf_block_rows(g, types)

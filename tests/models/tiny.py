@@ -120,9 +120,18 @@ class SimplePagedRunner:
         return self.model.compute_logits(hidden[last])
 
 
+def run_modules(monkeypatch: Any) -> None:
+    """Make every Llama model, loaded before or after, run its modules one by one (no DecoderStack), so that a layer
+    function the test patches takes effect."""
+    from pagedllm.models.llama import LlamaModel
+
+    monkeypatch.setattr(LlamaModel, "stack_for", lambda self, x: None)
+
+
 def use_gguf_reference(monkeypatch: Any) -> None:
     """Make every linear layer whose weight is packed as GGUF blocks (Q8_0, Q4_0, Q4_1: GGUF's, and AWQ's and
-    GPTQ's repacked) compute `gguf_reference` (the kernel's bits, from torch) instead; the others keep their kernels."""
+    GPTQ's repacked) compute `gguf_reference` (the kernel's bits, from torch) instead; the others keep their kernels.
+    The models run their modules (`run_modules`)."""
     from gguf import GGMLQuantizationType
 
     from pagedllm.layers import embedding
@@ -139,3 +148,4 @@ def use_gguf_reference(monkeypatch: Any) -> None:
 
     monkeypatch.setattr(linear_module, "linear", reference)
     monkeypatch.setattr(embedding, "linear", reference)
+    run_modules(monkeypatch)

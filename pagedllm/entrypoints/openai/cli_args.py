@@ -102,7 +102,9 @@ def _add_engine_args(engine: argparse._ArgumentGroup) -> None:
                         help="auto (CUDA when torch sees a CUDA device, else the CPU), cpu, cuda or cuda:N "
                              "(default: %(default)s)")
     engine.add_argument("--enforce-eager", action="store_true",
-                        help="on a GPU, run decode steps eagerly instead of replaying CUDA graphs captured at start-up")
+                        help="run the model's modules one by one from Python: on a GPU instead of replaying CUDA "
+                             "graphs captured at start-up, on a CPU instead of running the decoder layers in one C++ "
+                             "call")
     engine.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                         help="weight and activation precision; auto is bfloat16 on a GPU and where the CPU supports "
                              "it, float32 otherwise (default: %(default)s)")

@@ -6,6 +6,7 @@
 // Every kernel runs without the GIL (its arguments are converted first, its result after), so that other Python
 // threads go on meanwhile: the server's event loop beside the engine thread, data-parallel replicas beside each other.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
   using NoGil = pybind11::call_guard<pybind11::gil_scoped_release>;
   m.def("decode_attention", &pagedllm::decode_attention,
         "Paged decode attention, one query token per sequence, over a float or int8 cache: (out, q, k_cache, "
@@ -48,6 +49,31 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(out, x, packed, col_sums, w_scale, bias)",
         pybind11::arg("out"), pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("col_sums"),
         pybind11::arg("w_scale"), pybind11::arg("bias") = pybind11::none(), NoGil());
+  // module_local: each ISA level's build is a module of its own in one process, each with these C++ types
+  py::class_<pagedllm::LinearWeights>(m, "LinearWeights", py::module_local(),
+                                      "A linear layer's weight for DecoderStack, as pagedllm.layers.linear.linear "
+                                      "takes it (pagedllm.layers.linear.linear_weights builds one)")
+      .def(py::init<at::Tensor, int64_t, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
+                    c10::optional<at::Tensor>, c10::optional<at::Tensor>, c10::optional<at::Tensor>, int64_t,
+                    int64_t>(),
+           py::arg("weight"), py::arg("out_features"), py::arg("bias") = py::none(), py::arg("row_bias") = py::none(),
+           py::arg("scale") = py::none(), py::arg("col_sums") = py::none(), py::arg("input_perm") = py::none(),
+           py::arg("ggml_type") = 0, py::arg("activation_bits") = 16);
+  py::class_<pagedllm::DecoderLayerWeights>(m, "DecoderLayerWeights", py::module_local())
+      .def(py::init<at::Tensor, at::Tensor, pagedllm::LinearWeights, pagedllm::LinearWeights, pagedllm::LinearWeights,
+                    pagedllm::LinearWeights>(),
+           py::arg("input_norm"), py::arg("post_attention_norm"), py::arg("qkv"), py::arg("o"), py::arg("gate_up"),
+           py::arg("down"));
+  py::class_<pagedllm::DecoderStack>(m, "DecoderStack", py::module_local(),
+                                     "A Llama-family decoder's layers and final norm in one call (decoder.cpp)")
+      .def(py::init<std::vector<pagedllm::DecoderLayerWeights>, at::Tensor, double, at::Tensor, at::Tensor, int64_t,
+                    int64_t, int64_t, double>(),
+           py::arg("layers"), py::arg("norm"), py::arg("eps"), py::arg("cos_cache"), py::arg("sin_cache"),
+           py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("scale"))
+      .def("forward", &pagedllm::DecoderStack::forward,
+           "The embedded tokens [T, H] through every layer and the final norm, reading and writing the paged KV "
+           "cache: (x, positions, kv_caches, slot_mapping, block_tables, seq_lens, query_start_loc, num_decodes)",
+           NoGil());
   m.def("shm_register", &pagedllm::shm_register,
         "Write this rank's pid into a shared segment, for the others' liveness checks: (segment, rank, world, pid)",
         NoGil());

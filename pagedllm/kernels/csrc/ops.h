@@ -11,6 +11,8 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <tuple>
+#include <vector>
 
 namespace pagedllm {
 
@@ -44,6 +46,54 @@ void linear_gguf(at::Tensor out, at::Tensor x, at::Tensor packed, int64_t ggml_t
 std::tuple<at::Tensor, at::Tensor> pack_w8a8_weight(at::Tensor q);
 void linear_w8a8(at::Tensor out, at::Tensor x, at::Tensor packed, at::Tensor col_sums, at::Tensor w_scale,
                  c10::optional<at::Tensor> bias);
+
+// A linear layer's weight as pagedllm.layers.linear.linear takes it (GGUF blocks, pagedllm's packed layouts, oneDNN's
+// or a plain [out, in] weight), with the bias the kernel adds and the one added after it (a row-parallel layer's).
+struct LinearWeights {
+  at::Tensor weight;
+  int64_t out_features;
+  c10::optional<at::Tensor> bias, row_bias, scale, col_sums, input_perm;
+  int64_t ggml_type, activation_bits;
+
+  LinearWeights(at::Tensor weight, int64_t out_features, c10::optional<at::Tensor> bias,
+                c10::optional<at::Tensor> row_bias, c10::optional<at::Tensor> scale, c10::optional<at::Tensor> col_sums,
+                c10::optional<at::Tensor> input_perm, int64_t ggml_type, int64_t activation_bits);
+  at::Tensor operator()(at::Tensor x) const;  // x [T, in] -> [T, out]
+};
+
+struct DecoderLayerWeights {
+  at::Tensor input_norm, post_attention_norm;
+  LinearWeights qkv, o, gate_up, down;
+};
+
+using KVPair = std::tuple<at::Tensor, at::Tensor>;  // one layer's (k_cache, v_cache)
+
+// A Llama-family decoder's layers and final norm in one call (decoder.cpp): pagedllm.models.llama's modules, with
+// the CPU attention backend, on one rank.
+class DecoderStack {
+ public:
+  DecoderStack(std::vector<DecoderLayerWeights> layers, at::Tensor norm, double eps, at::Tensor cos_cache,
+               at::Tensor sin_cache, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale);
+  // x: the embedded tokens [T, H]; the batch as pagedllm.attention.metadata.AttentionMetadata holds it, decodes first.
+  at::Tensor forward(at::Tensor x, const at::Tensor& positions, const std::vector<KVPair>& kv_caches,
+                     at::Tensor slot_mapping, at::Tensor block_tables, at::Tensor seq_lens,
+                     at::Tensor query_start_loc, int64_t num_decodes) const;
+
+ private:
+  struct StepBatch {
+    at::Tensor slot_mapping, block_tables, seq_lens, query_start_loc;
+    int64_t num_decodes;
+  };
+  at::Tensor attention(const DecoderLayerWeights& layer, const at::Tensor& h, const at::Tensor& positions,
+                       const KVPair& kv_cache, const StepBatch& batch) const;
+
+  std::vector<DecoderLayerWeights> layers_;
+  at::Tensor norm_;
+  double eps_;
+  at::Tensor cos_cache_, sin_cache_;
+  int64_t num_heads_, num_kv_heads_, head_dim_;
+  double scale_;
+};
 
 // shm.cpp: the collectives of tensor-parallel ranks on one machine; each returns the last round number it used.
 void shm_register(at::Tensor segment, int64_t rank, int64_t world, int64_t pid);

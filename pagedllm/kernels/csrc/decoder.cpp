@@ -1,0 +1,128 @@
+// A Llama-family decoder's layers in one call: what pagedllm/models/llama.py's modules do, from C++.
+//
+// The modules call these same kernels one at a time from Python: ~15 calls a layer, each behind a module call, a
+// kernel lookup, argument conversion and a Python allocation, ~3-5 ms of a ~16 ms one-stream decode step on SmolLM2's
+// 30 layers. DecoderStack::forward makes the same calls, on the same tensors, in the same order, so it gives the
+// modules' bits (tested, for every weight format), and it holds no GIL while the whole stack runs.
+#include "ops.h"
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+
+#include <utility>
+
+namespace pagedllm {
+namespace {
+
+// torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], ""), as pagedllm.layers.linear.linear calls it.
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{x, weight, bias, std::string("none"),
+                          c10::impl::GenericList(c10::OptionalType::create(c10::NumberType::get())),
+                          std::string("")};
+  op.callBoxed(&stack);
+  return stack.back().toTensor();
+}
+
+}  // namespace
+
+LinearWeights::LinearWeights(at::Tensor weight, int64_t out_features, c10::optional<at::Tensor> bias,
+                             c10::optional<at::Tensor> row_bias, c10::optional<at::Tensor> scale,
+                             c10::optional<at::Tensor> col_sums, c10::optional<at::Tensor> input_perm,
+                             int64_t ggml_type, int64_t activation_bits)
+    : weight(std::move(weight)), out_features(out_features), bias(std::move(bias)), row_bias(std::move(row_bias)),
+      scale(std::move(scale)), col_sums(std::move(col_sums)), input_perm(std::move(input_perm)),
+      ggml_type(ggml_type), activation_bits(activation_bits) {}
+
+// The branches of pagedllm.layers.linear.linear, in its order.
+at::Tensor LinearWeights::operator()(at::Tensor x) const {
+  at::Tensor y;
+  if (weight.is_mkldnn()) {
+    y = onednn_linear(x, weight, bias);
+  } else if (weight.scalar_type() == at::kByte) {
+    if (input_perm) x = x.index_select(1, *input_perm);
+    y = at::empty({x.size(0), out_features}, x.options());
+    linear_gguf(y, x, weight, ggml_type, bias, activation_bits);
+  } else if (weight.dim() == 3) {
+    y = at::empty({x.size(0), out_features}, x.options());
+    if (col_sums) {
+      linear_w8a8(y, x, weight, *col_sums, *scale, bias);
+    } else {
+      linear_packed(y, x, weight, bias, scale);
+    }
+  } else {
+    y = at::linear(x, weight, bias);
+  }
+  return row_bias ? y + *row_bias : y;
+}
+
+DecoderStack::DecoderStack(std::vector<DecoderLayerWeights> layers, at::Tensor norm, double eps,
+                           at::Tensor cos_cache, at::Tensor sin_cache, int64_t num_heads, int64_t num_kv_heads,
+                           int64_t head_dim, double scale)
+    : layers_(std::move(layers)), norm_(std::move(norm)), eps_(eps), cos_cache_(std::move(cos_cache)),
+      sin_cache_(std::move(sin_cache)), num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim),
+      scale_(scale) {}
+
+// LlamaModel.forward after the embedding: x [T, H] -> the final norm's output [T, H].
+at::Tensor DecoderStack::forward(at::Tensor x, const at::Tensor& positions, const std::vector<KVPair>& kv_caches,
+                                 at::Tensor slot_mapping, at::Tensor block_tables, at::Tensor seq_lens,
+                                 at::Tensor query_start_loc, int64_t num_decodes) const {
+  TORCH_CHECK(kv_caches.size() == layers_.size(), "one KV cache per layer: ", layers_.size(), " layers, ",
+              kv_caches.size(), " caches");
+  const at::Tensor pos = positions.to(at::kLong);
+  const StepBatch batch{std::move(slot_mapping), std::move(block_tables), std::move(seq_lens),
+                        std::move(query_start_loc), num_decodes};
+  at::Tensor residual;
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const DecoderLayerWeights& layer = layers_[i];
+    at::Tensor h = at::empty_like(x);
+    if (residual.defined()) {
+      at::Tensor sum = at::empty_like(x);
+      fused_add_rms_norm(h, sum, x, residual, layer.input_norm, eps_);
+      residual = sum;
+    } else {
+      rms_norm(h, x, layer.input_norm, eps_);
+      residual = x;
+    }
+    x = attention(layer, h, pos, kv_caches[i], batch);
+    h = at::empty_like(x);
+    at::Tensor sum = at::empty_like(x);
+    fused_add_rms_norm(h, sum, x, residual, layer.post_attention_norm, eps_);
+    residual = sum;
+    const at::Tensor gate_up = layer.gate_up(h);
+    at::Tensor act = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+    silu_and_mul(act, gate_up);
+    x = layer.down(act);
+  }
+  at::Tensor out = at::empty_like(x);
+  at::Tensor sum = at::empty_like(x);
+  fused_add_rms_norm(out, sum, x, residual, norm_, eps_);
+  return out;
+}
+
+// LlamaAttention.forward with the CPU backend (pagedllm.attention.cpu): h [T, H] -> o_proj's output [T, H].
+at::Tensor DecoderStack::attention(const DecoderLayerWeights& layer, const at::Tensor& h, const at::Tensor& positions,
+                                   const KVPair& kv_cache, const StepBatch& batch) const {
+  const at::Tensor qkv = layer.qkv(h);  // [T, (Hq + 2 Hkv) D]
+  const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
+  at::Tensor q = qkv.narrow(1, 0, q_size).view({-1, num_heads_, head_dim_});
+  const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({-1, num_kv_heads_, head_dim_});
+  const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({-1, num_kv_heads_, head_dim_});
+  rotary_embedding(positions, q, k, cos_cache_, sin_cache_);
+  const auto& [k_cache, v_cache] = kv_cache;
+  write_kv(k, v, k_cache, v_cache, batch.slot_mapping);
+  q = q.contiguous();
+  at::Tensor out = at::empty_like(q);
+  const int64_t num_decodes = batch.num_decodes;
+  if (num_decodes > 0) {
+    decode_attention(out.narrow(0, 0, num_decodes), q.narrow(0, 0, num_decodes), k_cache, v_cache,
+                     batch.block_tables.narrow(0, 0, num_decodes), batch.seq_lens.narrow(0, 0, num_decodes), scale_);
+  }
+  if (num_decodes < batch.seq_lens.size(0)) {
+    prefill_attention(out, q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
+                      num_decodes, scale_);
+  }
+  return layer.o(out.flatten(1));
+}
+
+}  // namespace pagedllm

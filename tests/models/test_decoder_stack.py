@@ -1,0 +1,103 @@
+"""The decoder layers in one C++ call (DecoderStack, pagedllm/kernels/csrc/decoder.cpp) give the modules' bits.
+
+The engine runs a model's layers through the stack unless enforce_eager=True. Each case runs the same requests both
+ways, through chunked prefills, steps that mix prefill chunks with decodes, and decodes alone, and compares every
+prompt and sample logprob exactly, for each weight format the kernels take and both KV cache dtypes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.config import ModelConfig
+from pagedllm.cpu import onednn_bf16_ok
+from pagedllm.layers.linear import BF16_KERNEL_ENV
+from pagedllm.loader import load_model
+from tests.loader.test_gguf import write_model_gguf
+from tests.models.tiny import SimplePagedRunner, build_tiny_hf_model, save_tiny_model
+
+_generator = torch.Generator().manual_seed(7)
+PROMPTS = [torch.randint(3, 259, (n,), generator=_generator).tolist() for n in (5, 23, 41)]
+PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+
+# case -> (tiny model kind, config overrides, LLM arguments)
+CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
+    "float32": ("llama-gqa", {}, dict(dtype="float32")),
+    "bfloat16": ("llama-gqa", {}, dict(dtype="bfloat16")),
+    "float16, plain weights": ("llama-gqa", {}, dict(dtype="float16")),
+    "qwen2, qkv bias": ("qwen2", {}, dict(dtype="float32")),
+    "o_proj and mlp biases": ("llama-untied", dict(attention_bias=True, mlp_bias=True), dict(dtype="float32")),
+    "mqa, head_dim 32": ("llama-mqa", {}, dict(dtype="float32")),
+    "int8": ("llama-gqa", {}, dict(dtype="float32", quantization="int8")),
+    "w8a8": ("llama-gqa", {}, dict(dtype="bfloat16", quantization="w8a8")),
+    "int8 kv cache": ("llama-gqa", {}, dict(dtype="float32", kv_cache_dtype="int8")),
+}
+
+
+def _run(model: str, **kwargs: Any) -> tuple[list[Any], LLM]:
+    # 16-token steps: the long prompts prefill in chunks, beside the short one's decodes
+    llm = LLM(model, block_size=4, max_num_batched_tokens=16, num_kv_blocks=128, **kwargs)
+    outputs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    return [(o.prompt_logprobs, o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs], llm
+
+
+def _stacks(llm: LLM) -> dict | None:
+    return llm.engine.runner.model.model.stacks
+
+
+def _assert_stack_gives_the_modules_bits(model: str, **kwargs: Any) -> None:
+    stacked, llm = _run(model, **kwargs)
+    eager, eager_llm = _run(model, enforce_eager=True, **kwargs)
+    assert len(_stacks(llm)) == 1 and _stacks(eager_llm) is None  # one stack built and run; none under eager
+    assert stacked == eager
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_stack_gives_the_modules_bits(tmp_path: Path, case: str) -> None:
+    kind, overrides, kwargs = CASES[case]
+    folder, _ = save_tiny_model(tmp_path / "m", kind, seed=3, **overrides)
+    _assert_stack_gives_the_modules_bits(str(folder), **kwargs)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0])
+def test_stack_gives_the_modules_bits_on_gguf_blocks(tmp_path: Path, qtype: Q, isa_level: str) -> None:
+    """A .gguf file's blocks (its default), at each ISA level's build of the kernels and the stack; the steps
+    prefill two sequences, decode them, then decode one beside a third's prefill."""
+    path = tmp_path / "m.gguf"
+    write_model_gguf(build_tiny_hf_model("llama-untied", seed=3), path, "llama", qtype)
+    logits = []
+    for enforce_eager in (False, True):
+        model = load_model(ModelConfig(model=str(path), dtype="float32", quantization="gguf",
+                                       enforce_eager=enforce_eager)).model
+        assert model.model.layers[0].mlp.down_proj.weight.dtype == torch.uint8
+        runner = SimplePagedRunner(model)
+        logits.append([runner.step({0: PROMPTS[0], 1: PROMPTS[1]}), runner.step({0: [40], 1: [41]}),
+                       runner.step({1: [42], 2: PROMPTS[2]})])
+        assert (model.model.stacks is None) == enforce_eager
+    assert all(torch.equal(a, b) for a, b in zip(*logits))
+
+
+@pytest.mark.skipif(not onednn_bf16_ok(), reason="oneDNN has no bf16 linear on this CPU")
+def test_stack_gives_the_modules_bits_on_onednn_weights(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(BF16_KERNEL_ENV, "onednn")
+    folder, _ = save_tiny_model(tmp_path / "m", "llama-gqa", seed=3)
+    _assert_stack_gives_the_modules_bits(str(folder), dtype="bfloat16")
+    llm = LLM(str(folder), dtype="bfloat16", num_kv_blocks=16)
+    assert llm.engine.runner.model.model.layers[0].mlp.down_proj.weight.is_mkldnn
+
+
+def test_a_stack_refuses_caches_that_do_not_match_its_layers(tmp_path: Path) -> None:
+    folder, _ = save_tiny_model(tmp_path / "m", "llama-gqa", seed=3)
+    llm = LLM(str(folder), dtype="float32", block_size=4, num_kv_blocks=16)
+    runner = llm.engine.runner
+    x = torch.zeros(1, runner.model.config.hidden_size)
+    stack = runner.model.model.stack_for(x)
+    one = torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="one KV cache per layer: 2 layers, 1 caches"):
+        stack.forward(x, torch.zeros(1, dtype=torch.int64), runner.kv_caches[:1], torch.zeros(1, dtype=torch.int64),
+                      one.view(1, 1), one, torch.tensor([0, 1], dtype=torch.int32), 1)
