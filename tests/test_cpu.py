@@ -7,11 +7,12 @@ from pathlib import Path
 import pytest
 
 from pagedllm import cpu
-from pagedllm.cpu import CpuInfo, cpu_info, onednn_bf16_ok, parse_cpuinfo
+from pagedllm.cpu import CpuInfo, cpu_info, onednn_bf16_ok, parse_cpuinfo, torch_bf16_is_native
 
 ZEN4 = frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16",
                   "avx512_vnni"})
 ZEN3 = frozenset({"avx2", "fma", "f16c"})
+ICE_LAKE = frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"})
 
 
 @pytest.fixture
@@ -56,6 +57,15 @@ def test_this_machine_matches_proc_cpuinfo(monkeypatch: pytest.MonkeyPatch) -> N
         pytest.skip("no /proc/cpuinfo")
     assert info.flags == flags and not info.capped
     assert info.native_bf16 == bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def test_bf16_is_native_only_with_bf16_instructions(zen4, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peer's bf16 is only fast where the CPU computes bf16: on a Zen 4 when torch's oneDNN runs bf16 at all (the
+    real CPU answers that), never on an AVX-512 CPU without AVX512-BF16, where oneDNN emulates it."""
+    assert torch_bf16_is_native() == onednn_bf16_ok()
+    monkeypatch.setattr(cpu, "_read_cpu", lambda: ("x86_64", "Intel(R) Xeon(R) Processor", ICE_LAKE))
+    assert cpu_info().isa_level == "avx512" and not cpu_info().native_bf16
+    assert not torch_bf16_is_native()
 
 
 def test_cap_to_avx2_hides_avx512(zen4, monkeypatch: pytest.MonkeyPatch) -> None:

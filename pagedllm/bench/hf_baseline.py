@@ -13,17 +13,18 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
 from pagedllm.bench.datasets import BenchRequest
-from pagedllm.cpu import onednn_bf16_ok
+from pagedllm.cpu import torch_bf16_is_native
 from pagedllm.loader.resolve import ResolvedModel
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def hf_dtype(dtype: str) -> torch.dtype:
-    """"auto" is transformers' fastest dtype on this CPU: bfloat16 where oneDNN has bf16 instructions, float32
-    where bf16 is emulated (several times slower there); other names map directly."""
+    """"auto" is transformers' (and vLLM-CPU's) fastest dtype on this CPU: bfloat16 where oneDNN has bf16
+    instructions, float32 where bf16 is emulated (2-4x slower there: `torch_bf16_is_native`); other names map
+    directly."""
     if dtype == "auto":
-        return torch.bfloat16 if onednn_bf16_ok() else torch.float32
+        return torch.bfloat16 if torch_bf16_is_native() else torch.float32
     return _DTYPES[dtype]
 
 

@@ -82,9 +82,9 @@ def gemm_peak_gflops(size: int = 2048, repeats: int = 5) -> tuple[str, float]:
     multiplies fastest here: bfloat16 where oneDNN has bf16 instructions, float32 elsewhere (bf16 is emulated)."""
     import torch
 
-    from pagedllm.cpu import onednn_bf16_ok
+    from pagedllm.cpu import torch_bf16_is_native
 
-    dtype = torch.bfloat16 if onednn_bf16_ok() else torch.float32
+    dtype = torch.bfloat16 if torch_bf16_is_native() else torch.float32
     a = torch.randn(size, size, dtype=dtype)
     b = torch.randn(size, size, dtype=dtype)
     torch.matmul(a, b)   # warm-up: thread pool, kernel selection

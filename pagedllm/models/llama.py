@@ -154,13 +154,11 @@ class LlamaModel(nn.Module):
     def stack_for(self, x: torch.Tensor) -> Any:
         """The DecoderStack of the kernels that x's computation runs in, built on first use; None where the
         modules run (no stack wanted, or no kernels: disabled, not built, not on the CPU)."""
-        kernels = kernels_for(x) if self.stacks is not None else None
-        if kernels is None:
+        if self.stacks is None or (kernels := kernels_for(x)) is None:
             return None
-        stack = self.stacks.get(kernels)  # type: ignore[union-attr]
-        if stack is None:
-            stack = self.stacks[kernels] = self._build_stack(kernels)  # type: ignore[index]
-        return stack
+        if kernels not in self.stacks:
+            self.stacks[kernels] = self._build_stack(kernels)
+        return self.stacks[kernels]
 
     def _build_stack(self, kernels: ModuleType) -> Any:
         attn = self.layers[0].self_attn
