@@ -123,6 +123,38 @@ void tile_kernel(const float* x, int64_t ld, const W* block, int64_t k_size, flo
   for (int r = 0; r < rows; ++r) _mm512_storeu_ps(acc + r * kBlock, lanes_to_columns<W>(c[r]));
 }
 
+// tile_kernel over two blocks at once (`block_stride` and `acc_stride` apart): each x value is broadcast once into a
+// register for two FMAs. One block at a time, the FMAs take x from memory with an embedded broadcast, 13 loads for
+// 12 FMAs a k, and an Ice Lake Xeon ran them at one a cycle (78-89 GFLOP/s a thread); two blocks, 14 loads for 24
+// FMAs, ran at 149-151, MKL's rate. Each output is still one chain of FMAs in k order: the same bits.
+template <int rows, typename W>
+void tile_pair_kernel(const float* x, int64_t ld, const W* block, int64_t block_stride, int64_t k_size, float* acc,
+                      int64_t acc_stride) {
+  __m512 c[rows], d[rows];
+#pragma GCC unroll 12
+  for (int r = 0; r < rows; ++r) {
+    c[r] = columns_to_lanes<W>(_mm512_loadu_ps(acc + r * kBlock));
+    d[r] = columns_to_lanes<W>(_mm512_loadu_ps(acc + acc_stride + r * kBlock));
+  }
+#pragma GCC unroll 2
+  for (int64_t k = 0; k < k_size; ++k) {
+    const __m512 w0 = load_block_row(block + k * kBlock);
+    const __m512 w1 = load_block_row(block + block_stride + k * kBlock);
+#pragma GCC unroll 12
+    for (int r = 0; r < rows; ++r) {
+      __m512 xv;  // loaded where used: GCC would hoist a broadcast intrinsic out of the unrolled loop and spill it
+      asm("vbroadcastss %1, %0" : "=v"(xv) : "m"(x[r * ld + k]));
+      c[r] = _mm512_fmadd_ps(xv, w0, c[r]);
+      d[r] = _mm512_fmadd_ps(xv, w1, d[r]);
+    }
+  }
+#pragma GCC unroll 12
+  for (int r = 0; r < rows; ++r) {
+    _mm512_storeu_ps(acc + r * kBlock, lanes_to_columns<W>(c[r]));
+    _mm512_storeu_ps(acc + acc_stride + r * kBlock, lanes_to_columns<W>(d[r]));
+  }
+}
+
 // `n` block rows of a bf16 or int8 block as float32 block rows, columns in order.
 template <typename W>
 void widen_block_rows(const W* src, int64_t n, float* dst) {
@@ -239,6 +271,18 @@ void run_tile(int n_rows, const float* x, int64_t ld, const W* block, int64_t k_
   tile_kernel<rows>(x, ld, block, k_size, acc);
 }
 
+#if defined(__AVX512F__)
+// tile_pair_kernel<rows> for rows = 1 .. kMaxRows, chosen at run time.
+template <typename W, int rows = kMaxRows>
+void run_tile_pair(int n_rows, const float* x, int64_t ld, const W* block, int64_t block_stride, int64_t k_size,
+                   float* acc, int64_t acc_stride) {
+  if constexpr (rows > 1) {
+    if (n_rows < rows) return run_tile_pair<W, rows - 1>(n_rows, x, ld, block, block_stride, k_size, acc, acc_stride);
+  }
+  tile_pair_kernel<rows>(x, ld, block, block_stride, k_size, acc, acc_stride);
+}
+#endif
+
 // One call's operands as raw pointers: float32 rows of x (`ld` apart), the packed weight (and an int8 weight's
 // row scales), and out's rows (contiguous, `out_stride` apart) of type T.
 template <typename T, typename W>
@@ -284,7 +328,14 @@ struct LinearProblem {
       } else {
         prefetch_x(t + 1, 0, std::min(chunk, k));
       }
-      for (int64_t b = p0; b < p1; ++b) {
+      int64_t b = p0;
+#if defined(__AVX512F__)
+      for (; b + 1 < p1; b += 2) {
+        run_tile_pair(rows, x + m0 * ld + k0, ld, panel + ((b - p0) * k + k0) * kBlock, k * kBlock, k_size,
+                      acc + (b - p0) * kMaxRows * kBlock, kMaxRows * kBlock);
+      }
+#endif
+      for (; b < p1; ++b) {
         run_tile(rows, x + m0 * ld + k0, ld, panel + ((b - p0) * k + k0) * kBlock, k_size,
                  acc + (b - p0) * kMaxRows * kBlock);
       }
