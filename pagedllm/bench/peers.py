@@ -7,9 +7,14 @@ script imports only the standard library and the peer's package, so that Python 
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import tempfile
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +34,53 @@ def run_child(python: Path, child: Path, job: dict[str, Any], env: dict[str, str
         job_path, result_path, log_path = Path(tmp) / "job.json", Path(tmp) / "result.json", Path(tmp) / "peer.log"
         job_path.write_text(json.dumps(job), encoding="utf-8")
         with open(log_path, "w", encoding="utf-8") as log:
-            done = subprocess.run([str(python), str(child), str(job_path), str(result_path)], env=env, stdout=log,
-                                  stderr=subprocess.STDOUT)
-        if done.returncode != 0:
+            returncode = run_in_own_group([str(python), str(child), str(job_path), str(result_path)], env=env,
+                                          stdout=log, stderr=subprocess.STDOUT)
+        if returncode != 0:
             tail = log_path.read_text(encoding="utf-8", errors="replace")[-4000:]
-            raise RuntimeError(f"the {peer} peer failed (exit {done.returncode}); the end of its log:\n{tail}")
+            raise RuntimeError(f"the {peer} peer failed (exit {returncode}); the end of its log:\n{tail}")
         return json.loads(result_path.read_text(encoding="utf-8"))
+
+
+def run_in_own_group(command: list[str], **popen_args: Any) -> int:
+    """Run `command` in a process group of its own until it exits, then end whatever is left of the group.
+
+    A peer starts processes of its own (vLLM's EngineCore and its workers) that can outlive it, spinning on both
+    cores and slowing every later run: they go with it, whether it exits, fails, or this process is stopped by
+    Ctrl-C or SIGTERM (which raises SystemExit here while the command runs). Returns the command's exit status.
+    """
+    process = subprocess.Popen(command, start_new_session=True, **popen_args)
+    try:
+        with _sigterm_raises():
+            return process.wait()
+    finally:
+        _end_group(process)
+
+
+def _end_group(process: subprocess.Popen[Any], grace_seconds: float = 10.0) -> None:
+    """SIGTERM the process group `process` leads, then SIGKILL what is left of it once the leader has gone or the
+    grace has passed."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=grace_seconds)
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """SIGTERM raises SystemExit(143) inside, so that `finally` blocks run (Python's default ends the process
+    without them); only the main thread can set a handler, elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def exit_on_sigterm(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, exit_on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)

@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from pagedllm.bench.args import add_engine_args
 from pagedllm.bench.datasets import BenchRequest
-from pagedllm.bench.peers import peer_python, run_child
+from pagedllm.bench.peers import peer_python, run_child, run_in_own_group
 
 DEFAULT_VLLM_PYTHON = ".peers/vllm/bin/python"
 _CHILD = Path(__file__).with_name("vllm_child.py")
@@ -111,7 +110,7 @@ def serve_main(args: argparse.Namespace) -> dict[str, Any]:
             command.append("--no-enable-prefix-caching")
         print("Starting:", " ".join(command), flush=True)
         try:
-            returncode = subprocess.run(command, env=vllm_env(args.kv_cache_memory)).returncode
+            returncode = run_in_own_group(command, env=vllm_env(args.kv_cache_memory))
         except KeyboardInterrupt:
             returncode = 0
     return {"returncode": returncode}
