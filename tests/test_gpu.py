@@ -85,6 +85,21 @@ def test_preemption_on_cuda_gives_the_cpus_tokens(tiny, tiny_cpu_tokens, mode):
     assert llm.engine.scheduler.num_preemptions_by_mode[mode] > 0
 
 
+def test_swapped_blocks_survive_the_step_that_writes_into_them():
+    """A swap-out's copy to the host runs on a stream of its own under the next step: the step writing into the
+    freed blocks at once must not reach the swapped rows, and a swap-in's rows are there before the step reads."""
+    from pagedllm.runner.kv_tensors import KVLayout, SwapSpace, allocate_kv
+
+    cuda = torch.device("cuda")
+    layout = KVLayout(num_layers=8, num_kv_heads=4, head_dim=128, dtype=torch.float16)
+    kv, pool = allocate_kv(layout, 256, 16, cuda).normal_(), SwapSpace(layout, 64, 16, cuda)
+    going_out = kv[:, :, [5, 9, 2, *range(100, 140)]].clone()
+    pool.move(kv, [(5, 0), (9, 63), (2, 7), *((b, b - 90) for b in range(100, 140))], [])
+    kv.fill_(7)                                           # the step writes everywhere, the freed blocks too
+    pool.move(kv, [], [(63, 200), (0, 201), (7, 202), *((b - 90, b + 110) for b in range(100, 140))])
+    assert torch.equal(kv[:, :, [201, 200, 202, *range(210, 250)]], going_out)
+
+
 def test_the_server_answers_on_cuda(tiny):
     llm = _cuda_llm(tiny[0], block_size=4, num_kv_blocks=256)
     running = start_server(llm.engine)

@@ -163,20 +163,19 @@ def layer_caches(kv: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def copy_blocks(kv: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
     """Copy whole blocks (all layers, K and V) from src to dst ids within one pool."""
-    if not pairs:
-        return
-    src = torch.tensor([s for s, _ in pairs], device=kv.device)
-    dst = torch.tensor([d for _, d in pairs], device=kv.device)
-    kv[:, :, dst] = kv[:, :, src]
+    if pairs:
+        kv[:, :, _column(pairs, 1, kv.device)] = kv[:, :, _column(pairs, 0, kv.device)]
 
 
 def swap_blocks(src: torch.Tensor, dst: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
     """Copy whole blocks (all layers, K and V) from block src of one pool to block dst of another."""
-    if not pairs:
-        return
-    src_ids = torch.tensor([s for s, _ in pairs], device=src.device)
-    dst_ids = torch.tensor([d for _, d in pairs], device=dst.device)
-    dst[:, :, dst_ids] = src[:, :, src_ids].to(dst.device, non_blocking=False)
+    if pairs:
+        dst[:, :, _column(pairs, 1, dst.device)] = src[:, :, _column(pairs, 0, src.device)].to(dst.device)
+
+
+def _column(pairs: list[tuple[int, int]], index: int, device: torch.device | str) -> torch.Tensor:
+    """The block ids at `index` of each (src, dst) pair, as a tensor on `device`."""
+    return torch.tensor([pair[index] for pair in pairs], device=device)
 
 
 def filesystem_type(path: str) -> str:
@@ -233,9 +232,11 @@ class SwapSpace:
         shape, dtype = layout.shape(num_blocks, block_size), layout.storage_dtype
         self.path = path
         self._file = None
+        self._side_stream: SideStreamSwaps | None = None
         if device.type == "cuda":
             self.kv = torch.zeros(shape, dtype=dtype, pin_memory=True)
             self.location = "pinned host memory"
+            self._side_stream = SideStreamSwaps(device)
             return
         num_bytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
         if path is not None and is_ram_backed(path):
@@ -255,11 +256,69 @@ class SwapSpace:
     def is_memory_mapped(self) -> bool:
         return self._file is not None
 
+    def move(self, kv: torch.Tensor, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
+        """Swap blocks out of the KV pool `kv` ((kv block, swap block) pairs), then into it ((swap block, kv block)
+        pairs): beside a GPU on a CUDA stream of their own (`SideStreamSwaps`), on a CPU at once."""
+        if self._side_stream is not None:
+            self._side_stream.move(kv, self.kv, swap_out, swap_in)
+            return
+        swap_blocks(kv, self.kv, swap_out)
+        swap_blocks(self.kv, kv, swap_in)
+
     def close(self) -> None:
         """Release the memory, and close and delete the file. Closing twice does nothing more."""
         self.kv = torch.empty(0)
+        self._side_stream = None
         if self._file is not None:
             self._file.close()
             self._file = None
             if self.path is not None and os.path.exists(self.path):
                 os.remove(self.path)
+
+
+class SideStreamSwaps:
+    """A GPU's swaps on a CUDA stream of their own: the host thread never waits for PCIe, and a swap-out's copy to
+    host memory runs under the step's forward pass instead of before it.
+
+        compute stream ── step t-1 ──┬──────────────────────────────── wait(ready) ── copies, step t's forward ──
+        copy stream                  └─ gather outs ── ins: H2D, scatter ── ready ── outs: D2H ── done
+        host                            (the next move, once `done`: the outs' rows go into the swap pool)
+
+    The copy stream starts once the compute stream's earlier work has (the blocks hold what it wrote), and the
+    compute stream waits only for `ready`: by then the blocks going out are gathered into a buffer of their own, so
+    the step may write into them as soon as they are freed, and the blocks coming in have landed. A swap-out's rows
+    reach the pinned pool at the next move, before any swap-in reads it; pinned buffers are held by torch's caching
+    host allocator until the copies that use them have run.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.stream = torch.cuda.Stream(device)
+        self._pending: list[tuple[torch.cuda.Event, torch.Tensor, torch.Tensor]] = []  # (done, rows, swap block ids)
+
+    def move(self, kv: torch.Tensor, pool: torch.Tensor, swap_out: list[tuple[int, int]],
+             swap_in: list[tuple[int, int]]) -> None:
+        """Swap out, then in (as `SwapSpace.move`), on the copy stream; the compute stream waits for `ready`."""
+        self.settle(pool)
+        compute = torch.cuda.current_stream(kv.device)
+        self.stream.wait_stream(compute)
+        kv.record_stream(self.stream)   # a pool freed by a reallocation is not reused before these copies ran
+        with torch.cuda.stream(self.stream):
+            gathered = kv[:, :, _column(swap_out, 0, kv.device)] if swap_out else None   # [L, 2, n, ...]
+            if swap_in:
+                rows = torch.empty((*pool.shape[:2], len(swap_in), *pool.shape[3:]), dtype=pool.dtype,
+                                   pin_memory=True)
+                torch.index_select(pool, 2, _column(swap_in, 0, "cpu"), out=rows)
+                kv[:, :, _column(swap_in, 1, kv.device)] = rows.to(kv.device, non_blocking=True)
+            ready = self.stream.record_event()
+            if gathered is not None:
+                host = torch.empty_like(gathered, device="cpu", pin_memory=True)
+                host.copy_(gathered, non_blocking=True)
+                self._pending.append((self.stream.record_event(), host, _column(swap_out, 1, "cpu")))
+        compute.wait_event(ready)
+
+    def settle(self, pool: torch.Tensor) -> None:
+        """Put the swapped-out rows into the pool, in the order they went out, waiting for copies still running."""
+        for done, rows, swap_block_ids in self._pending:
+            done.synchronize()
+            pool[:, :, swap_block_ids] = rows
+        self._pending.clear()

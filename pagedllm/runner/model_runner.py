@@ -134,8 +134,7 @@ class ModelRunner:
             if swap_out or swap_in:
                 assert self.swap is not None, "the scheduler swapped without a swap pool"
                 start = time.perf_counter()
-                kv_tensors.swap_blocks(self.kv, self.swap.kv, swap_out)
-                kv_tensors.swap_blocks(self.swap.kv, self.kv, swap_in)
+                self.swap.move(self.kv, swap_out, swap_in)
                 self.last_timings.swap_seconds = time.perf_counter() - start
                 self.last_timings.num_swapped_blocks = len(swap_out) + len(swap_in)
             kv_tensors.copy_blocks(self.kv, copies)
