@@ -21,8 +21,6 @@ import platform
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 # The features pagedllm's paths care about, as /proc/cpuinfo names them.
 FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni",
             "avx_vnni", "amx_tile", "amx_bf16", "amx_int8", "asimd", "bf16")
@@ -116,8 +114,11 @@ def runnable_levels() -> list[str]:
 def onednn_bf16_ok() -> bool:
     """True when torch's oneDNN runs bf16 linears here (it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT).
 
-    Torch is asked, not second-guessed; a cap below AVX-512 says no whatever torch finds.
+    Torch is asked, not second-guessed; a cap below AVX-512 says no whatever torch finds. (Imported here: the rest of
+    this module does not need torch, and `pagedllm --help` builds its parsers from modules that import this one.)
     """
+    import torch
+
     if cpu_info().isa_level != "avx512" or not torch.backends.mkldnn.is_available():
         return False
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())

@@ -19,10 +19,6 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-
 from pagedllm.bench.measure import ModelDims
 
 _TOKENS = [1, 8, 32, 256, 512]
@@ -40,6 +36,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    import torch.multiprocessing as mp
+
     from pagedllm.distributed import free_port, threads_per_rank
     from pagedllm.distributed.communicator import create_segment, new_segment_path, remove_segment
     from pagedllm.loader import load_hf_config, resolve_dtype, resolve_model
@@ -78,6 +77,9 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
 
 def _rank_main(rank: int, job: dict[str, Any]) -> list[dict[str, Any]]:
     """One rank's passes; rank 0 (this process) returns the timings."""
+    import torch
+    import torch.distributed as dist
+
     from pagedllm.distributed.communicator import Communicator, close_communicator, init_communicator
 
     torch.set_num_threads(job["threads"])
