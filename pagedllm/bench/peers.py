@@ -47,11 +47,12 @@ def run_in_own_group(command: list[str], **popen_args: Any) -> int:
 
     A peer starts processes of its own (vLLM's EngineCore and its workers) that can outlive it, spinning on both
     cores and slowing every later run: they go with it, whether it exits, fails, or this process is stopped by
-    Ctrl-C or SIGTERM (which raises SystemExit here while the command runs). Returns the command's exit status.
+    Ctrl-C, SIGTERM or SIGHUP (which raise SystemExit here while the command runs). Returns the command's exit
+    status.
     """
     process = subprocess.Popen(command, start_new_session=True, **popen_args)
     try:
-        with _sigterm_raises():
+        with _stopping_signals_raise():
             return process.wait()
     finally:
         _end_group(process)
@@ -68,19 +69,29 @@ def _end_group(process: subprocess.Popen[Any], grace_seconds: float = 10.0) -> N
     process.wait()
 
 
+# The signals that end this process (the default action) which the peer, in a session of its own, would not get:
+# SIGTERM, and SIGHUP when the terminal goes (a foreground process group gets it; the peer's is not one).
+_STOPPING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
 @contextlib.contextmanager
-def _sigterm_raises() -> Iterator[None]:
-    """SIGTERM raises SystemExit(143) inside, so that `finally` blocks run (Python's default ends the process
-    without them); only the main thread can set a handler, elsewhere this does nothing."""
+def _stopping_signals_raise() -> Iterator[None]:
+    """SIGTERM and SIGHUP raise SystemExit(128 + the signal) inside, so that `finally` blocks run (Python's default
+    ends the process without them). A signal this process ignores (under nohup, SIGHUP) stays ignored; only the
+    main thread can set handlers, elsewhere this does nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
-    def exit_on_sigterm(signum: int, frame: object) -> None:
+    def exit_on_signal(signum: int, frame: object) -> None:
         raise SystemExit(128 + signum)
 
-    previous = signal.signal(signal.SIGTERM, exit_on_sigterm)
+    previous = {number: signal.getsignal(number) for number in _STOPPING_SIGNALS}
+    for number, handler in previous.items():
+        if handler is not signal.SIG_IGN:
+            signal.signal(number, exit_on_signal)
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+        for number, handler in previous.items():
+            signal.signal(number, handler if handler is not None else signal.SIG_DFL)

@@ -9,18 +9,19 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from pagedllm.bench.peers import run_in_own_group
 
-# Starts a grandchild that would spin on forever (as vLLM's EngineCore can), writes its pid, then exits or sleeps.
+# Starts a grandchild that would spin on forever (as vLLM's EngineCore can), writes its pid, sleeps argv[3] seconds
+# and exits with status argv[2].
 _LEAVES_A_PROCESS = """
 import subprocess, sys, time
 grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
 open(sys.argv[1], "w").write(str(grandchild.pid))
-if sys.argv[2] == "sleep":
-    time.sleep(600)
-sys.exit(int(sys.argv[2]) if sys.argv[2] != "sleep" else 0)
+time.sleep(float(sys.argv[3]))
+sys.exit(int(sys.argv[2]))
 """
-
 
 def _is_running(pid: int) -> bool:
     """Whether `pid` is a live process (a zombie that no one has reaped yet counts as gone)."""
@@ -51,16 +52,32 @@ def _read_pid(path: Path, seconds: float = 30.0) -> int:
 def test_what_a_peer_leaves_running_goes_when_it_exits(tmp_path):
     script, pid_file = tmp_path / "peer.py", tmp_path / "grandchild.pid"
     script.write_text(_LEAVES_A_PROCESS)
-    assert run_in_own_group([sys.executable, str(script), str(pid_file), "3"]) == 3
+    assert run_in_own_group([sys.executable, str(script), str(pid_file), "3", "0"]) == 3
     assert _gone_within(_read_pid(pid_file))
 
 
-def test_stopping_the_benchmark_stops_the_peer_and_what_it_started(tmp_path):
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
+def test_stopping_the_benchmark_stops_the_peer_and_what_it_started(tmp_path, stop):
     script, pid_file = tmp_path / "peer.py", tmp_path / "grandchild.pid"
     script.write_text(_LEAVES_A_PROCESS)
-    bench = subprocess.Popen([sys.executable, "-c", "import sys; from pagedllm.bench.peers import run_in_own_group; "
-                              f"run_in_own_group([sys.executable, {str(script)!r}, {str(pid_file)!r}, 'sleep'])"])
+    # A Python started from a non-interactive shell's background job ignores SIGINT: restore the default, Ctrl-C's.
+    bench = subprocess.Popen([sys.executable, "-c", "import signal, sys; signal.signal(signal.SIGINT, "
+                              "signal.default_int_handler); from pagedllm.bench.peers import run_in_own_group; "
+                              f"run_in_own_group([sys.executable, {str(script)!r}, {str(pid_file)!r}, '0', '600'])"])
     grandchild = _read_pid(pid_file)
-    bench.send_signal(signal.SIGTERM)
-    assert bench.wait(timeout=30) == 128 + signal.SIGTERM
+    bench.send_signal(stop)
+    returncode = bench.wait(timeout=30)
+    assert returncode == (-stop if stop == signal.SIGINT else 128 + stop)   # Python ends on KeyboardInterrupt by SIGINT
+    assert _gone_within(grandchild)
+
+
+def test_a_stop_signal_the_benchmark_ignores_stays_ignored(tmp_path):
+    script, pid_file = tmp_path / "peer.py", tmp_path / "grandchild.pid"
+    script.write_text(_LEAVES_A_PROCESS)
+    bench = subprocess.Popen([sys.executable, "-c", "import signal, sys; signal.signal(signal.SIGHUP, signal.SIG_IGN); "
+                              "from pagedllm.bench.peers import run_in_own_group; "
+                              f"sys.exit(run_in_own_group([sys.executable, {str(script)!r}, {str(pid_file)!r}, '5', '2']))"])
+    grandchild = _read_pid(pid_file)
+    bench.send_signal(signal.SIGHUP)                                   # as under nohup: the run goes on
+    assert bench.wait(timeout=30) == 5
     assert _gone_within(grandchild)
