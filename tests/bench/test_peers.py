@@ -49,21 +49,32 @@ def _read_pid(path: Path, seconds: float = 30.0) -> int:
     return int(path.read_text())
 
 
-def test_what_a_peer_leaves_running_goes_when_it_exits(tmp_path):
+def _peer(tmp_path: Path, exit_status: int, seconds: float) -> tuple[list[str], Path]:
+    """A peer's command (_LEAVES_A_PROCESS: exits with `exit_status` after `seconds`) and the file it writes its
+    grandchild's pid to."""
     script, pid_file = tmp_path / "peer.py", tmp_path / "grandchild.pid"
     script.write_text(_LEAVES_A_PROCESS)
-    assert run_in_own_group([sys.executable, str(script), str(pid_file), "3", "0"]) == 3
+    return [sys.executable, str(script), str(pid_file), str(exit_status), str(seconds)], pid_file
+
+
+def _benchmark(peer: list[str], signal_setup: str) -> subprocess.Popen[bytes]:
+    """A benchmark process that runs `signal_setup`, then `peer` through run_in_own_group, exiting with its status."""
+    return subprocess.Popen([sys.executable, "-c", f"import signal, sys\n{signal_setup}\n"
+                             "from pagedllm.bench.peers import run_in_own_group\n"
+                             f"sys.exit(run_in_own_group({peer!r}))"])
+
+
+def test_what_a_peer_leaves_running_goes_when_it_exits(tmp_path):
+    peer, pid_file = _peer(tmp_path, 3, 0)
+    assert run_in_own_group(peer) == 3
     assert _gone_within(_read_pid(pid_file))
 
 
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
 def test_stopping_the_benchmark_stops_the_peer_and_what_it_started(tmp_path, stop):
-    script, pid_file = tmp_path / "peer.py", tmp_path / "grandchild.pid"
-    script.write_text(_LEAVES_A_PROCESS)
+    peer, pid_file = _peer(tmp_path, 0, 600)
     # A Python started from a non-interactive shell's background job ignores SIGINT: restore the default, Ctrl-C's.
-    bench = subprocess.Popen([sys.executable, "-c", "import signal, sys; signal.signal(signal.SIGINT, "
-                              "signal.default_int_handler); from pagedllm.bench.peers import run_in_own_group; "
-                              f"run_in_own_group([sys.executable, {str(script)!r}, {str(pid_file)!r}, '0', '600'])"])
+    bench = _benchmark(peer, "signal.signal(signal.SIGINT, signal.default_int_handler)")
     grandchild = _read_pid(pid_file)
     bench.send_signal(stop)
     returncode = bench.wait(timeout=30)
@@ -72,11 +83,8 @@ def test_stopping_the_benchmark_stops_the_peer_and_what_it_started(tmp_path, sto
 
 
 def test_a_stop_signal_the_benchmark_ignores_stays_ignored(tmp_path):
-    script, pid_file = tmp_path / "peer.py", tmp_path / "grandchild.pid"
-    script.write_text(_LEAVES_A_PROCESS)
-    bench = subprocess.Popen([sys.executable, "-c", "import signal, sys; signal.signal(signal.SIGHUP, signal.SIG_IGN); "
-                              "from pagedllm.bench.peers import run_in_own_group; "
-                              f"sys.exit(run_in_own_group([sys.executable, {str(script)!r}, {str(pid_file)!r}, '5', '2']))"])
+    peer, pid_file = _peer(tmp_path, 5, 2)
+    bench = _benchmark(peer, "signal.signal(signal.SIGHUP, signal.SIG_IGN)")
     grandchild = _read_pid(pid_file)
     bench.send_signal(signal.SIGHUP)                                   # as under nohup: the run goes on
     assert bench.wait(timeout=30) == 5
