@@ -2,7 +2,8 @@
 
 The kernel quantizes x's rows as the reference does (a scale per span of 64 k's), sums each span's int8 x int8
 products exactly in int32 and then does the reference's float32 operations in its order, so at every ISA level
-(VNNI, AVX2's sign trick, plain C++) the output must be *equal*, not close.
+(VNNI, AVX2's sign trick, plain C++; AMX tiles for 16 rows or more where the CPU has AMX-INT8) the output must be
+*equal*, not close.
 """
 
 from __future__ import annotations
@@ -48,20 +49,21 @@ def test_w8a8_kernel_gives_the_references_bits(kernels: ModuleType, x_dtype: tor
     packed, col_sums = kernels.pack_w8a8_weight(q)
     bias = torch.randn(n, generator=g).to(x_dtype) if with_bias else None
     x_all = _x(100, k, g).to(x_dtype)
-    for m in (1, 2, 5, 8, 9, 17, 100):  # tiles of 4 and 8 rows, full and partial
+    for m in (1, 2, 5, 8, 9, 16, 17, 100):  # tiles of 4, 8 and (AMX) 16 rows, full and partial
         x = x_all[:m]
         out = torch.empty(m, n, dtype=x_dtype)
         kernels.linear_w8a8(out, x, packed, col_sums, scale, bias)
         assert torch.equal(out, w8a8_reference(x, q, scale, bias)), m
 
 
-def test_w8a8_kernel_reads_strided_rows(kernels: ModuleType) -> None:
+@pytest.mark.parametrize("m", [11, 21])  # vector tiles; AMX tiles where the CPU has them
+def test_w8a8_kernel_reads_strided_rows(kernels: ModuleType, m: int) -> None:
     """x as a column slice of a wider tensor; out written into a slice of a wider tensor, nothing outside it."""
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(11, 120, generator=g)[:, 8:108]
+    x = torch.randn(m, 120, generator=g)[:, 8:108]
     q, scale = quantize_int8(torch.randn(40, 100, generator=g))
     packed, col_sums = kernels.pack_w8a8_weight(q)
-    wide_out = torch.full((11, 50), 7.0)
+    wide_out = torch.full((m, 50), 7.0)
     kernels.linear_w8a8(wide_out[:, 5:45], x, packed, col_sums, scale)
     assert torch.equal(wide_out[:, 5:45], w8a8_reference(x, q, scale))
     assert (wide_out[:, :5] == 7).all() and (wide_out[:, 45:] == 7).all()

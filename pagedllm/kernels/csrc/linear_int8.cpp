@@ -38,6 +38,8 @@
 //   never saturates (which needs q != -128, hence [-127, 127]); vpmaddwd by ones adds the pairs into int32. Two ymm
 //   (8 columns each) a group, four instructions on each.
 // - plain C++: int32 loops.
+// - AMX-INT8 (Sapphire Rapids and later, where Linux grants the tiles), for 16 rows or more: one `tdpbusd` a span
+//   for 16 rows x 16 columns, on x as the VNNI path stores it and the packed weight as it is (below).
 // Each span's int32 sums then go into the float32 accumulators (in zmm/ymm registers, or in memory for plain C++).
 //
 // Loops as linear.cpp's: x is quantized once per call into a buffer the threads share; the threads split the
@@ -50,6 +52,15 @@
 
 #if defined(__AVX2__)
 #include <immintrin.h>
+#endif
+
+// AMX (Sapphire Rapids and later): tile registers multiply 16 rows by a block over a whole span at once.
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define PAGEDLLM_W8A8_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#define PAGEDLLM_W8A8_AMX 0
 #endif
 
 namespace pagedllm {
@@ -210,6 +221,100 @@ void dot_tile(const XTile& x, const int8_t* block, int64_t groups, const int32_t
 
 #endif
 
+#if PAGEDLLM_W8A8_AMX
+
+// AMX-INT8: `tdpbusd` multiplies a tile of 16 rows of x (64 bytes each: a span) by a tile of the block's 16 groups
+// of that span (16 rows of 64 bytes, as packed: vpdpbusd's layout is the tile's) into 16 x 16 int32 sums, the sums
+// dot_tile forms with 256 vpdpbusd: integers, so the same sums, and the float32 steps after them are dot_tile's, so
+// the same bits. x is stored as qx + 128, as for vpdpbusd, and each sum starts from the same -128 x column sum.
+constexpr int kAmxRows = 16;  // rows of x per tile
+// Fewer rows take the VNNI tiles (docs/benchmarks.md: SmolLM2's layers on two threads, by rows).
+constexpr int64_t kAmxMinRows = 16;
+
+// Whether Linux lets this process use the tile registers: it grants them on request, once (torch's oneDNN asks
+// the same way).
+bool amx_granted() {
+  static const bool granted = [] {
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return granted;
+}
+
+// The tile registers (macros: the tile intrinsics paste their operand into the instruction's text). Two sets of
+// sums, x and weight tiles, taken in turn: a tile's sums reach the vector registers through a store and loads that
+// wait for it, so the tiles of span t + 1 run while span t's sums are turned into floats.
+#define TILE_SUMS_EVEN 0
+#define TILE_X_EVEN 1
+#define TILE_W_EVEN 2
+#define TILE_SUMS_ODD 3
+#define TILE_X_ODD 4
+#define TILE_W_ODD 5
+
+// Every tile is 16 rows of 64 bytes; `ldtilecfg`'s 64-byte operand, for this thread until `_tile_release`.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+inline void configure_tiles() {
+  TileConfig config;
+  for (int t = 0; t < 6; ++t) config.rows[t] = kAmxRows, config.colsb[t] = kSpanK;
+  asm volatile("" : : "r"(&config) : "memory");  // GCC's ldtilecfg does not tell it the stores above are read
+  _tile_loadconfig(&config);
+}
+
+// Span t's sums of x's 16 rows (from `x`, `ld` bytes apart) by the weight's 16 groups at `w`, into `sums`.
+#define AMX_SPAN_SUMS(sum, x_tile, w_tile, x, ld, w, sums) \
+  do {                                                     \
+    _tile_loadd(w_tile, w, kGroupBytes);                   \
+    _tile_loadd(x_tile, x, ld);                            \
+    _tile_zero(sum);                                       \
+    _tile_dpbusd(sum, x_tile, w_tile);                     \
+    _tile_stored(sum, sums, kBlock * sizeof(int32_t));     \
+  } while (0)
+
+// acc[16][16] = x's 16 rows (padded past m, each to whole spans) times a block's spans, as dot_tile computes it;
+// `block` holds whole spans (a partial last one zero-padded by run_amx).
+void amx_dot_tile(const XTile& x, const int8_t* block, int64_t spans, const int32_t* col_sums, float* acc) {
+  alignas(64) int32_t sums[2][kAmxRows][kBlock];
+  __m512 f[kAmxRows];
+#pragma GCC unroll 16
+  for (int r = 0; r < kAmxRows; ++r) f[r] = _mm512_setzero_ps();
+  const auto span_x = [&](int64_t t) { return x.q + t * kSpanK; };
+  const auto span_w = [&](int64_t t) { return block + t * kSpanGroups * kGroupBytes; };
+  AMX_SPAN_SUMS(TILE_SUMS_EVEN, TILE_X_EVEN, TILE_W_EVEN, span_x(0), x.ld, span_w(0), sums[0]);
+  for (int64_t t = 0; t < spans; ++t) {
+    if (t + 1 < spans) {
+      if (t % 2) {
+        AMX_SPAN_SUMS(TILE_SUMS_EVEN, TILE_X_EVEN, TILE_W_EVEN, span_x(t + 1), x.ld, span_w(t + 1), sums[0]);
+      } else {
+        AMX_SPAN_SUMS(TILE_SUMS_ODD, TILE_X_ODD, TILE_W_ODD, span_x(t + 1), x.ld, span_w(t + 1), sums[1]);
+      }
+    }
+    const __m512i offset =
+        _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(_mm512_loadu_si512(col_sums + t * kBlock), 7));
+#pragma GCC unroll 16
+    for (int r = 0; r < kAmxRows; ++r) {
+      const __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(offset, _mm512_load_si512(sums[t % 2][r])));
+      f[r] = _mm512_add_ps(f[r], rounded(_mm512_mul_ps(sum, _mm512_set1_ps(x.scale[r * x.spans + t]))));
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < kAmxRows; ++r) _mm512_storeu_ps(acc + r * kBlock, f[r]);
+}
+
+#undef AMX_SPAN_SUMS
+
+#else
+
+constexpr int kAmxRows = kTileRows;
+constexpr int64_t kAmxMinRows = std::numeric_limits<int64_t>::max();
+inline bool amx_granted() { return false; }
+
+#endif
+
 // dot_tile for a tile of `rows` <= kTileRows rows.
 template <int max_rows = kTileRows>
 void run_dot_tile(int rows, const XTile& x, const int8_t* block, int64_t groups, const int32_t* col_sums,
@@ -231,23 +336,21 @@ void quantize_row(const T* x, int64_t k, int64_t k_padded, uint8_t* row, float* 
 
 template <typename T>
 struct W8A8Problem {
-  const uint8_t* x;         // [m][kXPlanes][groups * 4]: quantized rows (store_x)
+  const uint8_t* x;         // [m][kXPlanes][ld / kXPlanes]: quantized rows (store_x), padded to whole tiles
   const float* x_scale;     // [m][spans]
   const int8_t* packed;     // [blocks][groups][64]
   const int32_t* col_sums;  // [blocks][spans][16]
   const float* w_scale;     // [n]
   const T* bias;            // nullptr: no bias
   T* out;
-  int64_t m, n, groups, spans, out_stride;
+  int64_t m, n, groups, spans, ld, out_stride;
+  bool amx;  // AMX tiles of kAmxRows rows (x's rows padded to whole spans), else the ISA's tiles of kTileRows
 
-  int64_t ld() const { return kXPlanes * groups * kGroupK; }
+  const int8_t* block(int64_t b) const { return packed + b * groups * kGroupBytes; }
 
-  // out[m0 .. m0 + rows, block b]: the spans' sums, then the reference's float32 operations in its order.
-  void run_tile(int64_t m0, int rows, int64_t b) const {
-    alignas(64) float acc[kTileRows * kBlock];
-    alignas(64) float scaled[kTileRows * kBlock];
-    const XTile tile{x + m0 * ld(), ld(), x_scale + m0 * spans, spans};
-    run_dot_tile(rows, tile, packed + b * groups * kGroupBytes, groups, col_sums + b * spans * kBlock, acc);
+  // out[m0 .. m0 + rows, block b] = acc (the spans' sums, in the reference's float32 operations) times w_scale.
+  void store(const float* acc, int64_t m0, int rows, int64_t b) const {
+    alignas(64) float scaled[kAmxRows * kBlock];
     const int64_t n0 = b * kBlock, cols = std::min(kBlock, n - n0);
     for (int r = 0; r < rows; ++r) {
 #pragma omp simd
@@ -259,38 +362,81 @@ struct W8A8Problem {
 
   // Column blocks [b0, b1) times row tiles [t0, t1), panel by panel.
   void run(int64_t b0, int64_t b1, int64_t t0, int64_t t1) const {
+#if PAGEDLLM_W8A8_AMX
+    if (amx) return run_amx(b0, b1, t0, t1);
+#endif
     const int64_t panel_blocks = std::max<int64_t>(1, kPanelBytes / (groups * kGroupBytes));
     for (int64_t p0 = b0; p0 < b1; p0 += panel_blocks) {
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t m0 = t * kTileRows;
         const int rows = static_cast<int>(std::min<int64_t>(kTileRows, m - m0));
-        for (int64_t b = p0; b < std::min(p0 + panel_blocks, b1); ++b) run_tile(m0, rows, b);
+        for (int64_t b = p0; b < std::min(p0 + panel_blocks, b1); ++b) {
+          alignas(64) float acc[kTileRows * kBlock];
+          const XTile tile{x + m0 * ld, ld, x_scale + m0 * spans, spans};
+          run_dot_tile(rows, tile, block(b), groups, col_sums + b * spans * kBlock, acc);
+          store(acc, m0, rows, b);
+        }
       }
     }
   }
+
+#if PAGEDLLM_W8A8_AMX
+  // As run, in AMX tiles. A weight whose K is not whole spans has its panels copied, zero-padded, for the tiles.
+  void run_amx(int64_t b0, int64_t b1, int64_t t0, int64_t t1) const {
+    const int64_t padded_groups = spans * kSpanGroups, block_bytes = padded_groups * kGroupBytes;
+    const int64_t panel_blocks = std::max<int64_t>(1, kPanelBytes / block_bytes);
+    const bool copy = padded_groups != groups;
+    const AlignedFloats buffer = aligned_floats(copy ? std::min(panel_blocks, b1 - b0) * block_bytes / 4 : 0);
+    int8_t* padded = reinterpret_cast<int8_t*>(buffer.get());
+    configure_tiles();
+    for (int64_t p0 = b0; p0 < b1; p0 += panel_blocks) {
+      const int64_t p1 = std::min(p0 + panel_blocks, b1);
+      if (copy) {
+        std::fill(padded, padded + (p1 - p0) * block_bytes, int8_t{0});
+        for (int64_t b = p0; b < p1; ++b) {
+          std::copy(block(b), block(b) + groups * kGroupBytes, padded + (b - p0) * block_bytes);
+        }
+      }
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t m0 = t * kAmxRows;
+        const XTile tile{x + m0 * ld, ld, x_scale + m0 * spans, spans};
+        for (int64_t b = p0; b < p1; ++b) {
+          alignas(64) float acc[kAmxRows * kBlock];
+          amx_dot_tile(tile, copy ? padded + (b - p0) * block_bytes : block(b), spans,
+                       col_sums + b * spans * kBlock, acc);
+          store(acc, m0, static_cast<int>(std::min<int64_t>(kAmxRows, m - m0)), b);
+        }
+      }
+    }
+    _tile_release();  // the tile registers' state goes with the thread on every switch while configured
+  }
+#endif
 };
 
 template <typename T>
 void linear_w8a8_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& col_sums,
                       const at::Tensor& w_scale, const c10::optional<at::Tensor>& bias) {
-  const int64_t m = x.size(0), k = x.size(1), groups = packed.size(1), k_padded = groups * kGroupK;
-  const int64_t spans = col_sums.size(1);
-  std::vector<uint8_t> quantized(m * kXPlanes * k_padded);
-  std::vector<float> x_scale(m * spans);
+  const int64_t m = x.size(0), k = x.size(1), groups = packed.size(1), spans = col_sums.size(1);
+  const bool amx = m >= kAmxMinRows && amx_granted();
+  // x's rows: whole groups, or whole spans for the tiles; whole tiles of rows (an AMX tile loads all 16).
+  const int64_t k_padded = amx ? spans * kSpanK : groups * kGroupK, ld = kXPlanes * k_padded;
+  const int64_t tile_rows = amx ? kAmxRows : kTileRows, tiles = (m + tile_rows - 1) / tile_rows;
+  std::vector<uint8_t> quantized(tiles * tile_rows * ld);
+  std::vector<float> x_scale(tiles * tile_rows * spans);
   const T* src = x.data_ptr<T>();
   const int64_t grain = std::max<int64_t>(1, kConvertGrain / std::max<int64_t>(1, k));
   at::parallel_for(0, m, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> v(k);
     for (int64_t r = begin; r < end; ++r) {
-      quantize_row(src + r * x.stride(0), k, k_padded, quantized.data() + r * kXPlanes * k_padded,
-                   x_scale.data() + r * spans, v.data());
+      quantize_row(src + r * x.stride(0), k, k_padded, quantized.data() + r * ld, x_scale.data() + r * spans,
+                   v.data());
     }
   });
   const W8A8Problem<T> problem{quantized.data(), x_scale.data(), packed.data_ptr<int8_t>(),
                                col_sums.data_ptr<int32_t>(), w_scale.data_ptr<float>(),
                                bias ? bias->data_ptr<T>() : nullptr, out.data_ptr<T>(), m, out.size(1), groups,
-                               spans, out.stride(0)};
-  split_blocks_and_tiles(packed.size(0), (m + kTileRows - 1) / kTileRows, m * out.size(1) * k,
+                               spans, ld, out.stride(0), amx};
+  split_blocks_and_tiles(packed.size(0), tiles, m * out.size(1) * k,
                          [&](int64_t b0, int64_t b1, int64_t t0, int64_t t1) { problem.run(b0, b1, t0, t1); });
 }
 
