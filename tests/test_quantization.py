@@ -12,6 +12,7 @@ GGUF, transformers on an AWQ or GPTQ checkpoint's dequantised weights) within th
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import pytest
 import torch
@@ -164,13 +165,26 @@ def test_gguf_mode_gives_smollm2s_dequantised_models_tokens(smol_llm):
     assert reply.text.startswith("The capital of France is Paris")
 
 
+def _cpu_with_amx(monkeypatch, amx: bool) -> None:
+    """Make pagedllm.cpu report this CPU with (and oneDNN's bf16) or without AMX."""
+    import pagedllm.cpu
+
+    real = pagedllm.cpu.cpu_info()
+    tiles = {"amx_tile", "amx_bf16", "amx_int8"}
+    cpu = dataclasses.replace(real, flags=real.flags | tiles if amx else real.flags - tiles)
+    monkeypatch.setattr(pagedllm.cpu, "cpu_info", lambda max_isa=None: cpu)
+    if amx:
+        monkeypatch.setattr(pagedllm.cpu, "onednn_bf16_ok", lambda: True)
+
+
 def test_a_gguf_file_keeps_its_blocks_unless_a_dtype_is_named(checkpoints, monkeypatch):
     """As vLLM runs a .gguf file as quantization="gguf": implied under dtype "auto" where the blocks can stay packed
     (the CPU kernels, one rank); a dtype named outright, another device or tensor parallelism dequantise it; an
-    explicit quantization wins; a Hugging Face folder implies nothing."""
+    explicit quantization wins; a Hugging Face folder implies nothing. (A CPU without AMX: see the next test.)"""
     from pagedllm.loader import load_hf_config, resolve_quantization
     from pagedllm.loader.resolve import resolve_model
 
+    _cpu_with_amx(monkeypatch, False)
     smollm2 = resolve_model(None)
     config = load_hf_config(smollm2)
     assert resolve_quantization(None, smollm2, config) == "gguf"
@@ -183,6 +197,21 @@ def test_a_gguf_file_keeps_its_blocks_unless_a_dtype_is_named(checkpoints, monke
     assert resolve_quantization(None, folder, load_hf_config(folder)) is None
     monkeypatch.setenv("PAGEDLLM_DISABLE_KERNELS", "1")
     assert resolve_quantization(None, smollm2, config) is None
+
+
+def test_a_gguf_file_runs_in_bf16_on_a_cpu_with_amx(monkeypatch):
+    """With AMX, oneDNN's bf16 tiles outrun the GGUF kernel on batches: dtype "auto" dequantises the file (to bf16,
+    `resolve_dtype`'s choice there), and quantization="gguf" still keeps its blocks."""
+    from pagedllm.loader import load_hf_config, resolve_quantization
+    from pagedllm.loader.resolve import resolve_model
+
+    smollm2 = resolve_model(None)
+    config = load_hf_config(smollm2)
+    _cpu_with_amx(monkeypatch, True)
+    assert resolve_quantization(None, smollm2, config) is None
+    assert resolve_quantization("gguf", smollm2, config) == "gguf"
+    _cpu_with_amx(monkeypatch, False)
+    assert resolve_quantization(None, smollm2, config) == "gguf"
 
 
 def test_gguf_mode_needs_a_gguf_file_and_one_rank(checkpoints):

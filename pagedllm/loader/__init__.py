@@ -117,7 +117,9 @@ def _weights(resolved: ResolvedModel, dtype: torch.dtype, hf_config: Any, quanti
 
 def implied_gguf(resolved: ResolvedModel, dtype: str, tp_size: int = 1, device: str = "cpu") -> str | None:
     """"gguf" when a .gguf file runs under dtype "auto" where its blocks can stay packed (pagedllm's CPU kernels,
-    one rank); None otherwise: the file is dequantised into the dtype (a dtype named outright asks for that)."""
+    one rank) and are the faster choice (not on a CPU with AMX, `CpuInfo.amx`); None otherwise: the file is
+    dequantised into the dtype (a dtype named outright asks for that; quantization="gguf" keeps the blocks)."""
+    from pagedllm.cpu import cpu_info, onednn_bf16_ok
     from pagedllm.layers.linear import quantized_kernels_available
 
     if not resolved.is_gguf or dtype != "auto":
@@ -125,6 +127,10 @@ def implied_gguf(resolved: ResolvedModel, dtype: str, tp_size: int = 1, device: 
     if tp_size > 1 or device != "cpu" or not quantized_kernels_available():
         logger.info("%s: GGUF weights dequantised (their blocks stay packed only on one CPU rank, in pagedllm's "
                     "kernels)", resolved.name)
+        return None
+    if cpu_info().amx and onednn_bf16_ok():
+        logger.info("%s: GGUF weights dequantised to bf16: with AMX, oneDNN's tiles multiply batches faster than the "
+                    "GGUF kernel (quantization='gguf' keeps the blocks: faster for one stream)", resolved.name)
         return None
     return "gguf"
 
