@@ -38,7 +38,7 @@
 //   never saturates (which needs q != -128, hence [-127, 127]); vpmaddwd by ones adds the pairs into int32. Two ymm
 //   (8 columns each) a group, four instructions on each.
 // - plain C++: int32 loops.
-// - AMX-INT8 (Sapphire Rapids and later, where Linux grants the tiles), for 16 rows or more: one `tdpbusd` a span
+// - AMX-INT8 (Sapphire Rapids and later, where Linux grants the tiles), for 12 rows or more: one `tdpbusd` a span
 //   for 16 rows x 16 columns, on x as the VNNI path stores it and the packed weight as it is (below).
 // Each span's int32 sums then go into the float32 accumulators (in zmm/ymm registers, or in memory for plain C++).
 //
@@ -228,8 +228,9 @@ void dot_tile(const XTile& x, const int8_t* block, int64_t groups, const int32_t
 // dot_tile forms with 256 vpdpbusd: integers, so the same sums, and the float32 steps after them are dot_tile's, so
 // the same bits. x is stored as qx + 128, as for vpdpbusd, and each sum starts from the same -128 x column sum.
 constexpr int kAmxRows = 16;  // rows of x per tile
-// Fewer rows take the VNNI tiles (docs/benchmarks.md: SmolLM2's layers on two threads, by rows).
-constexpr int64_t kAmxMinRows = 16;
+// Fewer rows take the VNNI tiles, whose cost falls with the rows where a tile's does not: SmolLM2's layers on two
+// threads, VNNI against tiles, 2.7 against 2.9 ms at 8 rows, 3.8 against 3.2 at 12 (docs/benchmarks.md).
+constexpr int64_t kAmxMinRows = 12;
 
 // Whether Linux lets this process use the tile registers: it grants them on request, once (torch's oneDNN asks
 // the same way).
