@@ -8,6 +8,7 @@ import base64
 import concurrent.futures
 import os
 import shutil
+import time
 
 import httpx
 import pytest
@@ -92,7 +93,7 @@ def _page_counts(page) -> dict[str, int]:
     return {name: int(page.inner_text(f"#count-{name}")) for name in ("free", "cached", "used", "shared")}
 
 
-def test_the_page_in_a_headless_browser(server: RunningServer):
+def test_the_page_in_a_headless_browser(server: RunningServer, monkeypatch):
     sync_api = pytest.importorskip("playwright.sync_api", reason="playwright (a dev dependency) is not installed")
     url = server.base_url
     with sync_api.sync_playwright() as playwright:
@@ -102,10 +103,24 @@ def test_the_page_in_a_headless_browser(server: RunningServer):
             page.goto(f"{url}/dashboard?key={API_KEY}")
             assert "key=" not in page.url                  # dropped from the address bar
             _check_counts_equal_metrics(page, url)
+            _slow_steps(monkeypatch, server, 0.02)
             _check_updates_under_load(page, url)
             _check_counts_equal_metrics(page, url)
         finally:
             browser.close()
+
+
+def _slow_steps(monkeypatch, server: RunningServer, seconds: float) -> None:
+    """Make each engine step take `seconds` longer: on a fast CPU the tiny model can run the whole load between two
+    of the page's polls (500 ms apart), and the page would never see a request running."""
+    engine = server.engine.engine
+    step = engine.step
+
+    def slow_step():
+        time.sleep(seconds)
+        return step()
+
+    monkeypatch.setattr(engine, "step", slow_step)
 
 
 def _check_counts_equal_metrics(page, url: str) -> None:
