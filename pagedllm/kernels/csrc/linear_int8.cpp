@@ -97,6 +97,11 @@ inline void dot_group(const uint8_t* x, int64_t ld, int64_t g4, const int8_t* gr
   }
 }
 
+// A span's int32 sums start at -128 x its 16 column sums: x is stored + 128, which adds that much.
+inline __m512i start_of_span(const int32_t* col_sums) {
+  return _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(_mm512_loadu_si512(col_sums), 7));
+}
+
 // acc[rows][16] = x[rows] times a block's `groups` groups, span by span. Two int32 accumulators per row, for the
 // even and the odd groups, so that even one row keeps two vpdpbusd in flight; one float32 accumulator per row.
 template <int rows>
@@ -106,8 +111,7 @@ void dot_tile(const XTile& x, const int8_t* block, int64_t groups, const int32_t
   for (int r = 0; r < rows; ++r) f[r] = _mm512_setzero_ps();
   for (int64_t t = 0; t * kSpanGroups < groups; ++t) {
     const int64_t g1 = std::min(groups, (t + 1) * kSpanGroups);
-    const __m512i offset =
-        _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(_mm512_loadu_si512(col_sums + t * kBlock), 7));
+    const __m512i offset = start_of_span(col_sums + t * kBlock);
     __m512i c[rows][2];
 #pragma GCC unroll 8
     for (int r = 0; r < rows; ++r) {
@@ -294,8 +298,7 @@ void amx_dot_tile(const XTile& x, const int8_t* block, int64_t spans, const int3
         AMX_SPAN_SUMS(TILE_SUMS_ODD, TILE_X_ODD, TILE_W_ODD, span_x(t + 1), x.ld, span_w(t + 1), sums[1]);
       }
     }
-    const __m512i offset =
-        _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(_mm512_loadu_si512(col_sums + t * kBlock), 7));
+    const __m512i offset = start_of_span(col_sums + t * kBlock);
 #pragma GCC unroll 16
     for (int r = 0; r < kAmxRows; ++r) {
       const __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(offset, _mm512_load_si512(sums[t % 2][r])));
