@@ -180,7 +180,7 @@ def _cpu_with_amx(monkeypatch, amx: bool) -> None:
 def test_a_gguf_file_keeps_its_blocks_unless_a_dtype_is_named(checkpoints, monkeypatch):
     """As vLLM runs a .gguf file as quantization="gguf": implied under dtype "auto" where the blocks can stay packed
     (the CPU kernels, one rank); a dtype named outright, another device or tensor parallelism dequantise it; an
-    explicit quantization wins; a Hugging Face folder implies nothing. (A CPU without AMX: see the next test.)"""
+    explicit quantization wins; a Hugging Face folder implies nothing. (A CPU without AMX; with it, the next test.)"""
     from pagedllm.loader import load_hf_config, resolve_quantization
     from pagedllm.loader.resolve import resolve_model
 
@@ -199,19 +199,14 @@ def test_a_gguf_file_keeps_its_blocks_unless_a_dtype_is_named(checkpoints, monke
     assert resolve_quantization(None, smollm2, config) is None
 
 
-def test_a_gguf_file_runs_in_bf16_on_a_cpu_with_amx(monkeypatch):
-    """With AMX, oneDNN's bf16 tiles outrun the GGUF kernel on batches: dtype "auto" dequantises the file (to bf16,
-    `resolve_dtype`'s choice there), and quantization="gguf" still keeps its blocks."""
+def test_a_gguf_file_keeps_its_blocks_on_a_cpu_with_amx(monkeypatch):
+    """With AMX the blocks stay packed too: the kernel multiplies them in bf16 tiles there (`gguf_activation_bits`)."""
     from pagedllm.loader import load_hf_config, resolve_quantization
     from pagedllm.loader.resolve import resolve_model
 
     smollm2 = resolve_model(None)
-    config = load_hf_config(smollm2)
     _cpu_with_amx(monkeypatch, True)
-    assert resolve_quantization(None, smollm2, config) is None
-    assert resolve_quantization("gguf", smollm2, config) == "gguf"
-    _cpu_with_amx(monkeypatch, False)
-    assert resolve_quantization(None, smollm2, config) == "gguf"
+    assert resolve_quantization(None, smollm2, load_hf_config(smollm2)) == "gguf"
 
 
 def test_gguf_mode_needs_a_gguf_file_and_one_rank(checkpoints):

@@ -32,7 +32,14 @@ from torch import nn
 from pagedllm.cpu import cpu_info, onednn_bf16_ok
 from pagedllm.distributed.communicator import communicator
 from pagedllm.kernels import cpu_kernels, kernels_disabled
-from pagedllm.layers.gguf import cat_q4_rows, pack_gguf_weight, pack_q4_rows, packed_type, unpack_gguf_packed
+from pagedllm.layers.gguf import (
+    cat_q4_rows,
+    dequantize_gguf_packed,
+    pack_gguf_weight,
+    pack_q4_rows,
+    packed_type,
+    unpack_gguf_packed,
+)
 from pagedllm.layers.int4 import Int4Weight
 
 
@@ -180,11 +187,19 @@ def gguf_reference(x: torch.Tensor, packed: torch.Tensor, ggml_type: GGMLQuantiz
     (`quantize_16bit_spans`: x ~= x_scale qx), or with `activation_bits=8` to 8 as `w8a8_reference` quantizes a
     span: what `linear_gguf` computes, to the bit, at every ISA level and any M.
 
+    With `activation_bits=GGUF_BF16_TILES`: x rounded to bf16 times W rounded to bf16, summed in float64, the
+    result (+ b) rounded to x's dtype: what the AMX tiles compute to within their float32 sums (whose order inside a
+    tile the hardware fixes, and torch cannot repeat).
+
     Per group g, the integer products are summed exactly in int32; `acc = acc + (float(sum) * d[n, g]) *
     x_scale[m, g]`, then for the 4-bit types, with sm = x_scale[m, g] * float(sum of the group's qx),
     `acc = acc + m[n, g] * sm`, group by group, each operation rounded; the result `+ bias[n]`, rounded once to x's
     dtype.
     """
+    if activation_bits == GGUF_BF16_TILES:
+        weight = dequantize_gguf_packed(packed, ggml_type, n).bfloat16().double()
+        out = x.bfloat16().double() @ weight.T
+        return (out if bias is None else out + bias.double()).to(x.dtype)
     q, d, m = unpack_gguf_packed(packed, ggml_type, n)
     if ggml_type == GGMLQuantizationType.Q4_0:
         m = d * -8
@@ -276,16 +291,39 @@ def _quantizable_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module, list
 
 
 GGUF_ACTIVATION_BITS_ENV = "PAGEDLLM_GGUF_ACTIVATION_BITS"
+GGUF_BF16_TILES = 0  # activation_bits for x in bf16 times the blocks dequantised to bf16, in AMX tiles
 
 
-def gguf_activation_bits() -> int:
-    """The bits `linear_gguf` quantizes activations to, read by the loader when it packs: 16 (two int8 halves, the
-    dequantised weights' results within float noise), or 8 with PAGEDLLM_GGUF_ACTIVATION_BITS=8 (llama.cpp's
-    arithmetic: ~1.45x faster 4-bit matmuls, near ties flipped)."""
-    value = os.environ.get(GGUF_ACTIVATION_BITS_ENV, "16")
-    if value not in ("8", "16"):
-        raise ValueError(f"{GGUF_ACTIVATION_BITS_ENV} must be 8 or 16, got {value!r}")
-    return int(value)
+def gguf_bf16_tiles_available() -> bool:
+    """Whether `linear_gguf` multiplies GGUF blocks in AMX-BF16 tiles here (`GGUF_BF16_TILES`): kernels built with
+    AMX-BF16, and Linux granting the tiles to this process."""
+    kernels = cpu_kernels()
+    return kernels is not None and bool(kernels.gguf_bf16_tiles_available())  # type: ignore[attr-defined]
+
+
+def gguf_activation_bits(dtype: torch.dtype) -> int:
+    """How `linear_gguf` multiplies GGUF blocks in a model whose activations are `dtype`, read by the loader when it
+    packs. bf16 activations on a CPU with AMX-BF16: `GGUF_BF16_TILES` (0), the blocks dequantised to bf16 in tiles,
+    which round nothing of x and W that a bf16 model does not (the dequantised file's bf16 weights) and multiply a
+    batch as fast as oneDNN's bf16 tiles from a third of the bytes. Elsewhere activations quantized to 16 bits (two
+    int8 halves, the dequantised weights' results within float noise). PAGEDLLM_GGUF_ACTIVATION_BITS names one: 16,
+    8 (llama.cpp's arithmetic: ~1.45x faster 4-bit matmuls than 16, near ties flipped) or bf16."""
+    value = os.environ.get(GGUF_ACTIVATION_BITS_ENV)
+    if value is None:
+        return GGUF_BF16_TILES if dtype == torch.bfloat16 and gguf_bf16_tiles_available() else 16
+    if value not in ("8", "16", "bf16"):
+        raise ValueError(f"{GGUF_ACTIVATION_BITS_ENV} must be 8, 16 or bf16, got {value!r}")
+    if value == "bf16" and not gguf_bf16_tiles_available():
+        raise ValueError(f"{GGUF_ACTIVATION_BITS_ENV}=bf16 multiplies GGUF blocks in AMX-BF16 tiles, which this CPU "
+                         "(or this build of the kernels) does not have: use 16 or 8")
+    return GGUF_BF16_TILES if value == "bf16" else int(value)
+
+
+def gguf_arithmetic(activation_bits: int) -> str:
+    """`activation_bits` in words, for the start-up line."""
+    if activation_bits == GGUF_BF16_TILES:
+        return "bf16 activations in AMX tiles"
+    return f"{activation_bits}-bit activations"
 
 
 def _set_packed(layer: nn.Module, name: str, num_rows: int, packed: torch.Tensor, ggml_type: GGMLQuantizationType,
@@ -318,8 +356,8 @@ def pack_gguf_linear_weights(model: nn.Module, rows: dict[str, tuple[GGMLQuantiz
     in `rows` ({Hugging Face name: (type, GGUF rows)}, `pagedllm.loader.gguf.gguf_block_rows`), in one type, by
     those blocks packed (`pack_gguf_weight`): a fused layer concatenates its parts' rows, which share K. A tied LM
     head packs the embedding's rows; the embedding keeps its dequantised copy for the lookup. Other layers keep
-    their weight for `pack_linear_weights`. The packed weights multiply activations quantized to `activation_bits`
-    (16 or 8, `gguf_activation_bits`). Returns how many weights were packed per GGUF type name.
+    their weight for `pack_linear_weights`. The packed weights multiply activations as `activation_bits` says
+    (`gguf_activation_bits`). Returns how many weights were packed per GGUF type name.
     """
     _check_kernels("quantization='gguf'")
     counts: Counter[str] = Counter()

@@ -117,9 +117,8 @@ def _weights(resolved: ResolvedModel, dtype: torch.dtype, hf_config: Any, quanti
 
 def implied_gguf(resolved: ResolvedModel, dtype: str, tp_size: int = 1, device: str = "cpu") -> str | None:
     """"gguf" when a .gguf file runs under dtype "auto" where its blocks can stay packed (pagedllm's CPU kernels,
-    one rank) and are the faster choice (not on a CPU with AMX, `CpuInfo.amx`); None otherwise: the file is
-    dequantised into the dtype (a dtype named outright asks for that; quantization="gguf" keeps the blocks)."""
-    from pagedllm.cpu import cpu_info, onednn_bf16_ok
+    one rank); None otherwise: the file is dequantised into the dtype (a dtype named outright asks for that;
+    quantization="gguf" keeps the blocks)."""
     from pagedllm.layers.linear import quantized_kernels_available
 
     if not resolved.is_gguf or dtype != "auto":
@@ -127,10 +126,6 @@ def implied_gguf(resolved: ResolvedModel, dtype: str, tp_size: int = 1, device: 
     if tp_size > 1 or device != "cpu" or not quantized_kernels_available():
         logger.info("%s: GGUF weights dequantised (their blocks stay packed only on one CPU rank, in pagedllm's "
                     "kernels)", resolved.name)
-        return None
-    if cpu_info().amx and onednn_bf16_ok():
-        logger.info("%s: GGUF weights dequantised to bf16: with AMX, oneDNN's tiles multiply batches faster than the "
-                    "GGUF kernel (quantization='gguf' keeps the blocks: faster for one stream)", resolved.name)
         return None
     return "gguf"
 
@@ -163,11 +158,13 @@ def resolve_quantization(requested: str | None, resolved: ResolvedModel, hf_conf
     return quantization
 
 
-def _pack(model: nn.Module, quantization: str | None, resolved: ResolvedModel, hf_config: Any) -> str:
+def _pack(model: nn.Module, quantization: str | None, resolved: ResolvedModel, hf_config: Any, dtype: torch.dtype
+          ) -> str:
     """Pack the linear weights for `quantization`; returns what was packed, for the start-up line."""
     from pagedllm.layers.gguf import PACKED_GGUF_TYPES
     from pagedllm.layers.linear import (
         gguf_activation_bits,
+        gguf_arithmetic,
         pack_gguf_linear_weights,
         pack_int4_linear_weights,
         pack_linear_weights,
@@ -176,7 +173,7 @@ def _pack(model: nn.Module, quantization: str | None, resolved: ResolvedModel, h
 
     parts = []
     if quantization in ("gguf", *INT4_METHODS):  # the GGUF kernel's modes
-        activation_bits = gguf_activation_bits()
+        activation_bits = gguf_activation_bits(dtype)
         if quantization == "gguf":
             from pagedllm.loader.gguf import GGUFFile, gguf_block_rows
 
@@ -187,7 +184,7 @@ def _pack(model: nn.Module, quantization: str | None, resolved: ResolvedModel, h
             weights = int4_weights(resolved.path, int4_config(hf_config))
             parts = [f"{pack_int4_linear_weights(model, weights, activation_bits)} as {quantization.upper()} 4-bit "
                      "(Q4_1 kernel)"]
-        parts[-1] += f", times {activation_bits}-bit activations"
+        parts[-1] += f", times {gguf_arithmetic(activation_bits)}"
     at_load = quantization if quantization in ("int8", "w8a8") else None  # quantized here, from any checkpoint
     packed = pack_linear_weights(model, at_load)
     if packed:
@@ -216,7 +213,7 @@ def load_model(model_config: ModelConfig, tp_rank: int = 0, tp_size: int = 1) ->
         model = model_cls(hf_config, dtype=dtype, attn_backend=attn_backend, tp_rank=tp_rank, tp_size=tp_size)
     model.load_weights(_weights(resolved, dtype, hf_config, quantization))
     model.eval()
-    how = _pack(model, quantization, resolved, hf_config)
+    how = _pack(model, quantization, resolved, hf_config, dtype)
     if not model_config.enforce_eager:
         model.use_decoder_stack()
     rank = f", tensor-parallel rank {tp_rank} of {tp_size}" if tp_size > 1 else ""

@@ -5,7 +5,9 @@ the order of the sums (float32 output) or, on top of that, by one rounding to bf
 reference is `F.linear` on its dequantised float32 weight (`dequantize_int8`): the kernel sums x times q and
 scales once, so the two differ by float32 rounding only. GGUF weights (Q8_0, Q4_0, Q4_1 blocks) multiply
 activations quantized to 16 bits per 32 k's (or 8, llama.cpp's): they give `gguf_reference`'s bits, within 1e-4 of
-their dequantised weight's (`dequantize_gguf_packed`) float32 result (8 bits: ~1%).
+their dequantised weight's (`dequantize_gguf_packed`) float32 result (8 bits: ~1%). On a CPU with AMX-BF16 they
+also multiply x in bf16 by the blocks dequantised to bf16 in tiles (activation_bits=0): within float32 sums of
+`gguf_reference`'s float64 result, and the same bits for a row in any batch.
 """
 
 from __future__ import annotations
@@ -19,7 +21,13 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from pagedllm.kernels import cpu_kernels
 from pagedllm.layers.gguf import dequantize_gguf_packed, pack_gguf_weight
-from pagedllm.layers.linear import dequantize_int8, gguf_reference, quantize_16bit_spans, quantize_int8
+from pagedllm.layers.linear import (
+    GGUF_BF16_TILES,
+    dequantize_int8,
+    gguf_reference,
+    quantize_16bit_spans,
+    quantize_int8,
+)
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -242,6 +250,57 @@ def test_a_gguf_rows_result_does_not_depend_on_its_batch(kernels: ModuleType, gg
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
+@pytest.fixture
+def amx_kernels() -> ModuleType:
+    """The native build of the kernels, where it multiplies GGUF blocks in AMX-BF16 tiles (the builds below native
+    have no AMX: test_gguf_kernel_rejects_bad_input checks that they say so)."""
+    kernels = cpu_kernels()
+    if kernels is None or not kernels.gguf_bf16_tiles_available():
+        pytest.skip("GGUF blocks in AMX-BF16 tiles need a CPU with AMX-BF16; the integer arithmetic above is what "
+                    "runs here")
+    return kernels
+
+
+@pytest.mark.parametrize("ggml_type", GGUF_TYPES)
+@pytest.mark.parametrize("m", [1, 5, 16, 17, 40, 300])  # one or two tiles of 16 rows, partial, pairs, a prefill
+@pytest.mark.parametrize(("x_dtype", "with_bias"), [(torch.float32, False), (torch.bfloat16, True)])
+@pytest.mark.parametrize(("n", "k"), [(40, 160), (16, 32), (200, 576)])  # a partial block; one; 13 blocks (odd)
+def test_gguf_bf16_tiles_match_the_reference(amx_kernels: ModuleType, ggml_type: GGMLQuantizationType, m: int,
+                                             x_dtype: torch.dtype, with_bias: bool, n: int, k: int) -> None:
+    """The tiles' float32 sums of bf16 products against the same products summed in float64: within float32
+    rounding of the sum of |products| (float32 out), plus one rounding to bf16 (bf16 out)."""
+    g = torch.Generator().manual_seed(m + n)
+    packed = pack_gguf_weight(_random_gguf_rows(ggml_type, n, k, seed=m), ggml_type)
+    x = torch.randn(m, k, generator=g).to(x_dtype)
+    bias = torch.randn(n, generator=g).to(x_dtype) if with_bias else None
+    out = torch.empty(m, n, dtype=x_dtype)
+    amx_kernels.linear_gguf(out, x, packed, int(ggml_type), bias, GGUF_BF16_TILES)
+    expected = gguf_reference(x.float(), packed, ggml_type, n, None if bias is None else bias.float(), GGUF_BF16_TILES)
+    weight = dequantize_gguf_packed(packed, ggml_type, n).bfloat16().double()
+    magnitude = x.bfloat16().double().abs() @ weight.abs().T
+    rounding = 2**-8 * expected.abs() if x_dtype == torch.bfloat16 else 0
+    assert ((out.double() - expected.double()).abs() <= 1e-6 * magnitude + rounding + 1e-30).all()
+    # Against the float32 weight itself: bf16's rounding of x and W, ~2^-9 of each product.
+    exact = F.linear(x.float(), dequantize_gguf_packed(packed, ggml_type, n), None if bias is None else bias.float())
+    assert (out.float() - exact).norm() < 1e-2 * exact.norm()
+
+
+@pytest.mark.parametrize("ggml_type", GGUF_TYPES)
+def test_a_rows_result_in_bf16_tiles_does_not_depend_on_its_batch(amx_kernels: ModuleType,
+                                                                   ggml_type: GGMLQuantizationType) -> None:
+    """A row alone (a staged partial tile), among a few (dequantised a pair of blocks at a time) and in a prefill-sized
+    batch (all blocks at once, rows read in place and in chunks) gives the same bits."""
+    packed = pack_gguf_weight(_random_gguf_rows(ggml_type, 72, 96, seed=2), ggml_type)
+    x = torch.randn(300, 96, generator=torch.Generator().manual_seed(2)).bfloat16()
+    outs = []
+    for rows in (x[:1], x[:33], x, x[1:]):
+        out = torch.empty(rows.shape[0], 72, dtype=torch.bfloat16)
+        amx_kernels.linear_gguf(out, rows, packed, int(ggml_type), None, GGUF_BF16_TILES)
+        outs.append(out)
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][0], outs[2][0])
+    assert torch.equal(outs[2][1:], outs[3])  # every row of a batch, at another place in it
+
+
 def test_gguf_kernel_rejects_bad_input(kernels: ModuleType) -> None:
     q4_1 = GGMLQuantizationType.Q4_1
     packed = pack_gguf_weight(_random_gguf_rows(q4_1, 40, 64, seed=0), q4_1)
@@ -253,8 +312,11 @@ def test_gguf_kernel_rejects_bad_input(kernels: ModuleType) -> None:
         (lambda: kernels.linear_gguf(torch.empty(3, 16), x, packed, int(q4_1)), "N in"),
         (lambda: kernels.linear_gguf(out, x.half(), packed, int(q4_1)), "float32 or bfloat16"),
         (lambda: kernels.linear_gguf(out, x, packed, int(q4_1), torch.randn(41)), "bias"),
-        (lambda: kernels.linear_gguf(out, x, packed, int(q4_1), None, 12), "activation_bits must be 8 or 16"),
+        (lambda: kernels.linear_gguf(out, x, packed, int(q4_1), None, 12), "activation_bits must be 16, 8 or 0"),
     ]
+    if not kernels.gguf_bf16_tiles_available():  # every build below native, and every CPU without AMX-BF16
+        cases.append((lambda: kernels.linear_gguf(out, x, packed, int(q4_1), None, GGUF_BF16_TILES),
+                      "AMX-BF16 tiles, which this build of the kernels"))
     for call, message in cases:
         with pytest.raises(RuntimeError, match=message):
             call()

@@ -256,8 +256,53 @@ def test_8_bit_activations_are_a_switch_read_at_load(tmp_path: Path, monkeypatch
     use_gguf_reference(monkeypatch)
     assert torch.equal(coarse_logits, SimplePagedRunner(coarse).step({0: prompt}))
     monkeypatch.setenv("PAGEDLLM_GGUF_ACTIVATION_BITS", "4")
-    with pytest.raises(ValueError, match="PAGEDLLM_GGUF_ACTIVATION_BITS must be 8 or 16, got '4'"):
+    with pytest.raises(ValueError, match="PAGEDLLM_GGUF_ACTIVATION_BITS must be 8, 16 or bf16, got '4'"):
         load_model(config)
+
+
+def test_the_gguf_arithmetic_follows_the_activations_dtype_and_the_cpu(monkeypatch) -> None:
+    """bf16 activations take the AMX-BF16 tiles where the kernels have them (activation_bits 0); float32 ones, and
+    every CPU without the tiles, the 16-bit integer arithmetic; PAGEDLLM_GGUF_ACTIVATION_BITS=bf16 asks for the tiles
+    and is refused, naming what is missing, where there are none."""
+    from pagedllm.layers import linear as linear_module
+    from pagedllm.layers.linear import GGUF_BF16_TILES, gguf_activation_bits
+
+    for tiles in (True, False):
+        monkeypatch.setattr(linear_module, "gguf_bf16_tiles_available", lambda tiles=tiles: tiles)
+        assert gguf_activation_bits(torch.bfloat16) == (GGUF_BF16_TILES if tiles else 16)
+        assert gguf_activation_bits(torch.float32) == 16
+    monkeypatch.setenv("PAGEDLLM_GGUF_ACTIVATION_BITS", "bf16")
+    with pytest.raises(ValueError, match="AMX-BF16 tiles, which this CPU"):
+        gguf_activation_bits(torch.bfloat16)
+    monkeypatch.setattr(linear_module, "gguf_bf16_tiles_available", lambda: True)
+    assert gguf_activation_bits(torch.float32) == GGUF_BF16_TILES
+
+
+def test_a_bf16_model_multiplies_gguf_blocks_in_amx_tiles(tmp_path: Path, monkeypatch) -> None:
+    """On a CPU with AMX-BF16, a bf16 model's GGUF layers run in the tiles: its logits are `gguf_reference`'s (the
+    bf16 products summed in float64) within the float32 sums, near the dequantised bf16 model's (oneDNN's or
+    pagedllm's bf16 matmuls), with the same next token, and a sequence's logits do not depend on its batch."""
+    from pagedllm.kernels import cpu_kernels
+
+    if cpu_kernels() is None or not cpu_kernels().gguf_bf16_tiles_available():
+        pytest.skip("GGUF blocks in AMX-BF16 tiles need a CPU with AMX-BF16; bf16 models take the 16-bit integer "
+                    "arithmetic here (the tests above)")
+    path = tmp_path / "q4_1.gguf"
+    write_model_gguf(build_tiny_hf_model("llama-gqa"), path, "llama", Q.Q4_1)
+    packed = load_model(ModelConfig(model=str(path), dtype="bfloat16", quantization="gguf")).model
+    dense = load_model(ModelConfig(model=str(path), dtype="bfloat16")).model
+    assert packed.model.layers[0].mlp.down_proj.weight.activation_bits == 0
+    prompt, other = [1, 17, 250, 9, 33, 70, 5, 80, 81], [7, 7, 40, 2]
+
+    def step(model, batch):
+        return SimplePagedRunner(model, dtype=torch.bfloat16).step(batch)
+
+    got, expected = step(packed, {0: prompt}), step(dense, {0: prompt})
+    assert (got - expected).abs().max() < 2e-2 * expected.abs().max() and got.argmax() == expected.argmax()
+    assert torch.equal(got[0], step(packed, {1: other, 0: prompt})[1])
+    use_gguf_reference(monkeypatch)
+    reference = step(packed, {0: prompt})
+    assert (got - reference).abs().max() < 2e-2 * reference.abs().max() and got.argmax() == reference.argmax()
 
 
 def test_gguf_quantization_keeps_q4_k_packed(tmp_path: Path, monkeypatch) -> None:

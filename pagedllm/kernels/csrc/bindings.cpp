@@ -35,10 +35,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_gguf", &pagedllm::linear_gguf,
         "out = x W^T + bias, W a GGUF Q4_0, Q4_1 or Q8_0 weight regrouped by "
         "pagedllm.layers.gguf.pack_gguf_weight, N = out.size(1), times x quantized per 32 k's to 16 bits (two "
-        "int8 halves) or 8 (pagedllm.layers.linear.gguf_reference): (out, x, packed, ggml_type, bias, "
-        "activation_bits)",
+        "int8 halves) or 8, or times x in bf16 with W dequantised to bf16 in AMX tiles for activation_bits=0 "
+        "(pagedllm.layers.linear.gguf_reference): (out, x, packed, ggml_type, bias, activation_bits)",
         pybind11::arg("out"), pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("ggml_type"),
         pybind11::arg("bias") = pybind11::none(), pybind11::arg("activation_bits") = 16, NoGil());
+  m.def("gguf_bf16_tiles_available", &pagedllm::gguf_bf16_tiles_available,
+        "Whether linear_gguf runs activation_bits=0 here: built with AMX-BF16, and granted the tiles by Linux");
   m.def("pack_w8a8_weight", &pagedllm::pack_w8a8_weight,
         "An int8 [N, K] weight with values in [-127, 127] in linear_w8a8's layout: (packed [ceil(N/16), ceil(K/4), "
         "64] int8, column sums per 64 k's [ceil(N/16), ceil(K/64), 16] int32): (q)", NoGil());

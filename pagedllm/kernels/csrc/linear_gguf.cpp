@@ -50,7 +50,9 @@
 // column blocks (and the row tiles when there are fewer blocks than threads); each walks its blocks in panels that
 // fit in L2, and every tile of rows (its quantized x stays in L1) streams over a panel's blocks, so the weight is
 // read from memory once per call whatever M is.
-#include "linear_common.h"
+//
+// activation_bits = 0 is another arithmetic, for a bf16 model on a CPU with AMX-BF16: linear_gguf_amx.cpp.
+#include "linear_gguf.h"
 
 #include <vector>
 
@@ -61,17 +63,9 @@
 namespace pagedllm {
 namespace {
 
-enum GgufType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };  // ggml's type numbers
-constexpr int64_t kGroupK = 32;  // k's per group: one d (and m) per column, one x scale per row
-constexpr int64_t kRowBytes = 64;  // one row of a group's values: 16 lanes of 4 bytes
 // x values quantized per task, a quarter of kConvertGrain's widened ones: a call of 32 rows x 1536 k's by one column
 // block, whose quantization ran on one thread at kConvertGrain, took 128 us, 82 us on two (capped to AVX2).
 constexpr int64_t kQuantizeGrain = kConvertGrain / 4;
-
-constexpr int64_t header_bytes(int64_t type) { return (type == kQ4_1 ? 2 : 1) * kBlock * int64_t{sizeof(float)}; }
-constexpr int64_t group_bytes(int64_t type) {
-  return header_bytes(type) + kGroupK * kBlock / (type == kQ8_0 ? 1 : 2);
-}
 
 // A tile's quantized x in `halves` int8 halves (2: 16 bits, hi and lo; 1: 8 bits, hi alone, llama.cpp's): rows of
 // K groups of 32 (`stride` bytes each), each group's 32 his then its 32 los (store_x's encoding), or, where the ISA's
@@ -457,13 +451,15 @@ void linear_gguf(at::Tensor out, at::Tensor x, at::Tensor packed, int64_t ggml_t
                  c10::optional<at::Tensor> bias, int64_t activation_bits) {
   TORCH_CHECK(ggml_type == kQ4_0 || ggml_type == kQ4_1 || ggml_type == kQ8_0,
               "ggml_type must be Q4_0 (2), Q4_1 (3) or Q8_0 (8), got ", ggml_type);
-  TORCH_CHECK(activation_bits == 8 || activation_bits == 16, "activation_bits must be 8 or 16, got ", activation_bits);
+  TORCH_CHECK(activation_bits == 8 || activation_bits == 16 || activation_bits == 0,
+              "activation_bits must be 16, 8 or 0 (x in bf16, AMX-BF16 tiles), got ", activation_bits);
   TORCH_CHECK(x.device().is_cpu() && out.device().is_cpu() && packed.device().is_cpu(), "tensors must be on the CPU");
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous()
                   && packed.size(2) == group_bytes(ggml_type),
               "packed must come from pack_gguf_weight: a contiguous uint8 [ceil(N/16), K/32, ",
               group_bytes(ggml_type), "] for this type, got ", packed.sizes());
   check_operands(out, x, packed.size(0), packed.size(1) * kGroupK, bias);
+  if (activation_bits == 0) return linear_gguf_bf16(out, x, packed, ggml_type, bias);
   if (out.numel() == 0) return;
   if (x.scalar_type() == at::kBFloat16) {
     return linear_gguf_impl<c10::BFloat16>(out, x, packed, ggml_type, bias, activation_bits);

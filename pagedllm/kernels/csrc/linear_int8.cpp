@@ -57,8 +57,6 @@
 // AMX (Sapphire Rapids and later): tile registers multiply 16 rows by a block over a whole span at once.
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define PAGEDLLM_W8A8_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
 #else
 #define PAGEDLLM_W8A8_AMX 0
 #endif
@@ -231,20 +229,9 @@ void dot_tile(const XTile& x, const int8_t* block, int64_t groups, const int32_t
 // of that span (16 rows of 64 bytes, as packed: vpdpbusd's layout is the tile's) into 16 x 16 int32 sums, the sums
 // dot_tile forms with 256 vpdpbusd: integers, so the same sums, and the float32 steps after them are dot_tile's, so
 // the same bits. x is stored as qx + 128, as for vpdpbusd, and each sum starts from the same -128 x column sum.
-constexpr int kAmxRows = 16;  // rows of x per tile
 // Fewer rows take the VNNI tiles, whose cost falls with the rows where a tile's does not: SmolLM2's layers on two
 // threads, VNNI against tiles, 2.7 against 2.9 ms at 8 rows, 3.8 against 3.2 at 12 (docs/benchmarks.md).
 constexpr int64_t kAmxMinRows = 12;
-
-// Whether Linux lets this process use the tile registers: it grants them on request, once (torch's oneDNN asks
-// the same way).
-bool amx_granted() {
-  static const bool granted = [] {
-    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return granted;
-}
 
 // The tile registers (macros: the tile intrinsics paste their operand into the instruction's text). Two sets of
 // sums, x and weight tiles, taken in turn: a tile's sums reach the vector registers through a store and loads that
@@ -255,20 +242,6 @@ bool amx_granted() {
 #define TILE_SUMS_ODD 3
 #define TILE_X_ODD 4
 #define TILE_W_ODD 5
-
-// Every tile is 16 rows of 64 bytes; `ldtilecfg`'s 64-byte operand, for this thread until `_tile_release`.
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-inline void configure_tiles() {
-  TileConfig config;
-  for (int t = 0; t < 6; ++t) config.rows[t] = kAmxRows, config.colsb[t] = kSpanK;
-  asm volatile("" : : "r"(&config) : "memory");  // GCC's ldtilecfg does not tell it the stores above are read
-  _tile_loadconfig(&config);
-}
 
 // Span t's sums of x's 16 rows (from `x`, `ld` bytes apart) by the weight's 16 groups at `w`, into `sums`.
 #define AMX_SPAN_SUMS(sum, x_tile, w_tile, x, ld, w, sums) \
@@ -313,9 +286,11 @@ void amx_dot_tile(const XTile& x, const int8_t* block, int64_t spans, const int3
 
 #else
 
+#if !defined(__AMX_TILE__)  // else linear_common.h's
 constexpr int kAmxRows = kTileRows;
-constexpr int64_t kAmxMinRows = std::numeric_limits<int64_t>::max();
 inline bool amx_granted() { return false; }
+#endif
+constexpr int64_t kAmxMinRows = std::numeric_limits<int64_t>::max();
 
 #endif
 
@@ -392,7 +367,7 @@ struct W8A8Problem {
     const bool copy = padded_groups != groups;
     const AlignedFloats buffer = aligned_floats(copy ? std::min(panel_blocks, b1 - b0) * block_bytes / 4 : 0);
     int8_t* padded = reinterpret_cast<int8_t*>(buffer.get());
-    configure_tiles();
+    configure_tiles(6);
     for (int64_t p0 = b0; p0 < b1; p0 += panel_blocks) {
       const int64_t p1 = std::min(p0 + panel_blocks, b1);
       if (copy) {

@@ -38,9 +38,12 @@ at::Tensor pack_linear_weight(at::Tensor weight);
 void linear_packed(at::Tensor out, at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias,
                    c10::optional<at::Tensor> scale);
 
-// GGUF's Q8_0, Q4_0 and Q4_1 blocks times activations quantized to 16 (or 8) bits per 32 k's (linear_gguf.cpp).
+// GGUF's Q8_0, Q4_0 and Q4_1 blocks times activations quantized to 16 (or 8) bits per 32 k's (linear_gguf.cpp),
+// or (activation_bits = 0) times x in bf16, the blocks dequantised to bf16 in AMX tiles (linear_gguf_amx.cpp), which
+// run where gguf_bf16_tiles_available().
 void linear_gguf(at::Tensor out, at::Tensor x, at::Tensor packed, int64_t ggml_type, c10::optional<at::Tensor> bias,
                  int64_t activation_bits);
+bool gguf_bf16_tiles_available();
 
 // W8A8: int8 weights times int8 activations, quantized per row in the call, summed in int32 (linear_int8.cpp).
 std::tuple<at::Tensor, at::Tensor> pack_w8a8_weight(at::Tensor q);

@@ -1,0 +1,23 @@
+// The packed layout of GGUF's blocks that linear_gguf.cpp (integer arithmetic) and linear_gguf_amx.cpp (bf16 in AMX
+// tiles) read; pagedllm.layers.gguf.pack_gguf_weight writes it (linear_gguf.cpp describes it).
+#pragma once
+
+#include "linear_common.h"
+
+namespace pagedllm {
+
+enum GgufType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };  // ggml's type numbers
+constexpr int64_t kGroupK = 32;    // k's per group: one d (and m) per column, one x scale per row
+constexpr int64_t kRowBytes = 64;  // one row of a group's values: 16 lanes of 4 bytes
+
+constexpr int64_t header_bytes(int64_t type) { return (type == kQ4_1 ? 2 : 1) * kBlock * int64_t{sizeof(float)}; }
+constexpr int64_t group_bytes(int64_t type) {
+  return header_bytes(type) + kGroupK * kBlock / (type == kQ8_0 ? 1 : 2);
+}
+
+// out = x W^T + bias with x rounded to bf16 and W's blocks dequantised to bf16 (d q + m, rounded once), in AMX-BF16
+// tiles (linear_gguf_amx.cpp); the operands checked by linear_gguf, which calls it for activation_bits = 0.
+void linear_gguf_bf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, int64_t ggml_type,
+                      const c10::optional<at::Tensor>& bias);
+
+}  // namespace pagedllm

@@ -1,0 +1,294 @@
+// GGUF's blocks in AMX-BF16 tiles (activation_bits = 0; the default for GGUF blocks on a CPU with AMX): each call
+// dequantises the weight's blocks to bf16 in the layout of a tile, and `tdpbf16ps` multiplies x, rounded to bf16,
+// by them:
+//
+//    W[n, k] = bf16(fma(d[n, g], q[n, k], m[n, g]))    (Q8_0: m = 0; Q4_0: m = -8 d)
+//    out[m, n] = sum over groups g, in order, of tdpbf16ps(x[m, group g], W[n, group g]) (+ bias[n]), rounded once
+//
+// For a GGUF file's blocks (d and m from float16) d q is exact, so W is the file's weight rounded once to bf16, the
+// weight a bf16 model dequantised from it holds. The float32 sums are the tiles': each output starts at zero and
+// takes its groups in order, whatever the batch, so a row's result does not depend on the rows it runs with (oneDNN's
+// bf16 matmul gives the same bits at some M, but not at every M: it changes kernels with the shape).
+//
+// Why: where tiles multiply, a call's cost is the dequantisation, once per weight and call, not the products. A
+// decode step's batch reads a third of bf16's bytes (Q4_1: 0.625 bytes a weight, from L3 where bf16 comes from
+// memory), and a prefill chunk runs as fast as oneDNN's bf16 tiles (docs/benchmarks.md). The integer arithmetic
+// (linear_gguf.cpp) stays the default elsewhere, and the faster one for a batch of one to four rows here.
+//
+// A tile of the weight is one group (32 k's) of a block's 16 columns: 16 rows of 64 bytes, row i holding each
+// column's k 2 i and 2 i + 1 as a pair of bf16 (tdpbf16ps's B operand). A tile of x is 16 rows of that group's
+// 32 k's, read where x lies (bf16 rows) or from a copy rounded to bf16 (a float32 x, and a last partial tile, padded
+// with zero rows). Four tiles of sums hold 32 rows by 32 columns, so that each tile loaded serves two products.
+//
+// Loops: the threads split the column blocks (and the row tiles when there are fewer blocks than threads). A batch
+// of a few tiles of rows dequantises a pair of blocks at a time into L1 and runs every row over it; a larger one
+// dequantises all its blocks first (a thread's share of the weight, in L2), then runs chunks of rows that stay in
+// L2 over them. Either way each weight is dequantised once per call.
+#include "linear_gguf.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define PAGEDLLM_GGUF_AMX 1
+#else
+#define PAGEDLLM_GGUF_AMX 0
+#endif
+
+#include <type_traits>
+#include <vector>
+
+namespace pagedllm {
+namespace {
+
+#if PAGEDLLM_GGUF_AMX
+
+constexpr int64_t kTileBytes = kAmxRows * kAmxRowBytes;  // one dequantised group of a block
+constexpr int64_t kChunkTiles = 8;  // row tiles per chunk of a large batch: 128 rows of K bf16, in L2
+// Batches of more row tiles than this dequantise a thread's blocks all at once.
+constexpr int64_t kPairedTiles = kChunkTiles / 2;
+
+// Writes one dequantised group of a block: W's pairs of k's as `tdpbf16ps` takes them.
+template <int64_t type>
+struct GroupDequantizer {
+  __m512 d, m;
+  __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21,
+                                   5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);  // lane j of two vectors -> pair j
+  uint8_t* tile;
+
+  GroupDequantizer(const uint8_t* group, uint8_t* tile) : tile(tile) {
+    const float* header = reinterpret_cast<const float*>(group);
+    d = _mm512_loadu_ps(header);
+    m = type == kQ4_1 ? _mm512_loadu_ps(header + kBlock)
+        : type == kQ4_0 ? _mm512_mul_ps(d, _mm512_set1_ps(-8.f)) : _mm512_setzero_ps();
+  }
+
+  __m512 weight(__m512i q) const { return _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(q), m); }
+
+  // Tile row `row`: column j's k's (even, odd) from lane j of the two vectors of values.
+  void store(int row, __m512i even, __m512i odd) const {
+    const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(weight(odd), weight(even)));
+    _mm512_store_si512(tile + row * kAmxRowBytes, _mm512_permutexvar_epi16(pairs, both));
+  }
+};
+
+template <int shift>  // the 4-bit value at bit `shift` of each lane
+inline __m512i nibble(__m512i v) {
+  if constexpr (shift == 28) return _mm512_srli_epi32(v, 28);
+  const __m512i low4 = _mm512_set1_epi32(0x0F);
+  if constexpr (shift == 0) return _mm512_and_si512(v, low4);
+  return _mm512_and_si512(_mm512_srli_epi32(v, shift), low4);
+}
+
+template <int t>  // the signed byte t of each lane
+inline __m512i signed_byte(__m512i v) {
+  if constexpr (t == 3) return _mm512_srai_epi32(v, 24);
+  return _mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * t), 24);
+}
+
+// One group (its packed bytes at `group`, linear_gguf.cpp's layout) into the 16 x 64 bytes at `tile`.
+template <int64_t type>
+void dequantize_group(const uint8_t* group, uint8_t* tile) {
+  const GroupDequantizer<type> w(group, tile);
+  const uint8_t* values = group + header_bytes(type);
+  if constexpr (type == kQ8_0) {  // quad i: byte t of lane j is k 4 i + t
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) {
+      const __m512i v = _mm512_loadu_si512(values + i * kRowBytes);
+      w.store(2 * i, signed_byte<0>(v), signed_byte<1>(v));
+      w.store(2 * i + 1, signed_byte<2>(v), signed_byte<3>(v));
+    }
+  } else {  // octet o: byte t of lane j is k 8 o + t in its low nibble, 8 o + 4 + t in its high one
+#pragma GCC unroll 4
+    for (int o = 0; o < 4; ++o) {
+      const __m512i v = _mm512_loadu_si512(values + o * kRowBytes);
+      w.store(4 * o, nibble<0>(v), nibble<8>(v));
+      w.store(4 * o + 1, nibble<16>(v), nibble<24>(v));
+      w.store(4 * o + 2, nibble<4>(v), nibble<12>(v));
+      w.store(4 * o + 3, nibble<20>(v), nibble<28>(v));
+    }
+  }
+}
+
+// The tile registers: sums 0-3 (row tile r by block c in 2 r + c), x 4-5, weight 6-7.
+constexpr int kTiles = 8;
+
+// acc[2 r + c] = x's row tile r (of R, `ld` bytes apart from `x`) times dequantised block c (of C, `groups` tiles
+// apart from `w`), group by group.
+template <int R, int C>
+void tile_sums(const uint8_t* x, int64_t ld, const uint8_t* w, int64_t groups, float* acc) {
+  _tile_zero(0);
+  if constexpr (C > 1) _tile_zero(1);
+  if constexpr (R > 1) _tile_zero(2);
+  if constexpr (R > 1 && C > 1) _tile_zero(3);
+  for (int64_t g = 0; g < groups; ++g) {
+    _tile_loadd(6, w + g * kTileBytes, kAmxRowBytes);
+    if constexpr (C > 1) _tile_loadd(7, w + (groups + g) * kTileBytes, kAmxRowBytes);
+    _tile_loadd(4, x + g * kAmxRowBytes, ld);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (C > 1) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (R > 1) {
+      _tile_loadd(5, x + kAmxRows * ld + g * kAmxRowBytes, ld);
+      _tile_dpbf16ps(2, 5, 6);
+      if constexpr (C > 1) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  constexpr int64_t stride = kBlock * sizeof(float), tile = kAmxRows * kBlock;
+  _tile_stored(0, acc, stride);
+  if constexpr (C > 1) _tile_stored(1, acc + tile, stride);
+  if constexpr (R > 1) _tile_stored(2, acc + 2 * tile, stride);
+  if constexpr (R > 1 && C > 1) _tile_stored(3, acc + 3 * tile, stride);
+}
+
+// out[m0 + r, n0 + j] = acc[r][j] (+ bias[n0 + j]) for r < rows, j < cols, rounded once to T as from_float rounds.
+template <typename T>
+void store_tile(T* out, int64_t out_stride, const T* bias, const float* acc, int64_t m0, int rows, int64_t n0,
+                int cols) {
+  const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
+  __m512 b = _mm512_setzero_ps();
+  if constexpr (std::is_same_v<T, float>) {
+    if (bias) b = _mm512_maskz_loadu_ps(mask, bias + n0);
+  } else if (bias) {
+    b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + n0)), 16));
+  }
+  for (int r = 0; r < rows; ++r) {
+    const __m512 v = _mm512_add_ps(_mm512_load_ps(acc + r * kBlock), b);
+    T* dst = out + (m0 + r) * out_stride + n0;
+    if constexpr (std::is_same_v<T, float>) {
+      _mm512_mask_storeu_ps(dst, mask, v);
+    } else {  // from_float's rounding: to nearest even on the bits, a NaN kept a NaN
+      const __m512i bits = _mm512_castps_si512(v);
+      const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+      __m512i top = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+      top = _mm512_mask_mov_epi32(top, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+      _mm256_mask_storeu_epi16(dst, mask, _mm512_cvtepi32_epi16(top));
+    }
+  }
+}
+
+template <typename T>
+struct Bf16TileProblem {
+  const uint8_t* x;       // x's bf16 rows, ld bytes apart: row tiles [0, in_place)
+  int64_t ld, in_place;
+  const uint8_t* staged;  // row tiles [in_place, ...): bf16 rows of k, zero-padded to a whole tile
+  const uint8_t* packed;
+  const T* bias;
+  T* out;
+  int64_t type, groups, m, n, out_stride;
+
+  const uint8_t* x_tile(int64_t t) const {
+    return t < in_place ? x + t * kAmxRows * ld : staged + (t - in_place) * kAmxRows * groups * kAmxRowBytes;
+  }
+  int64_t x_ld(int64_t t) const { return t < in_place ? ld : groups * kAmxRowBytes; }
+
+  template <int64_t type_>
+  void dequantize(int64_t b0, int64_t b1, uint8_t* dst) const {
+    for (int64_t b = b0; b < b1; ++b) {
+      for (int64_t g = 0; g < groups; ++g) {
+        dequantize_group<type_>(packed + (b * groups + g) * group_bytes(type_), dst + ((b - b0) * groups + g) * kTileBytes);
+      }
+    }
+  }
+  // Blocks [b0, b1) dequantised into dst, `groups` tiles a block.
+  void dequantize(int64_t b0, int64_t b1, uint8_t* dst) const {
+    switch (type) {
+      case kQ4_0: return dequantize<kQ4_0>(b0, b1, dst);
+      case kQ4_1: return dequantize<kQ4_1>(b0, b1, dst);
+      default: return dequantize<kQ8_0>(b0, b1, dst);
+    }
+  }
+
+  // Row tiles [t0, t1), two at a time where both lie in one place, times blocks p, p + 1 (nb of them) at `w`.
+  void multiply(int64_t t0, int64_t t1, const uint8_t* w, int64_t p, int nb) const {
+    alignas(64) float acc[4 * kAmxRows * kBlock];
+    for (int64_t t = t0; t < t1;) {
+      const int nr = t + 1 < t1 && (t + 1 < in_place || t >= in_place) ? 2 : 1;
+      const uint8_t* xt = x_tile(t);
+      const int64_t ldt = x_ld(t);
+      if (nr == 2 && nb == 2) tile_sums<2, 2>(xt, ldt, w, groups, acc);
+      else if (nr == 2) tile_sums<2, 1>(xt, ldt, w, groups, acc);
+      else if (nb == 2) tile_sums<1, 2>(xt, ldt, w, groups, acc);
+      else tile_sums<1, 1>(xt, ldt, w, groups, acc);
+      for (int r = 0; r < nr; ++r) {
+        const int64_t m0 = (t + r) * kAmxRows;
+        for (int c = 0; c < nb; ++c) {
+          const int64_t n0 = (p + c) * kBlock;
+          store_tile(out, out_stride, bias, acc + (2 * r + c) * kAmxRows * kBlock, m0,
+                     static_cast<int>(std::min<int64_t>(kAmxRows, m - m0)), n0,
+                     static_cast<int>(std::min<int64_t>(kBlock, n - n0)));
+        }
+      }
+      t += nr;
+    }
+  }
+
+  // Column blocks [b0, b1) times row tiles [t0, t1).
+  void run(int64_t b0, int64_t b1, int64_t t0, int64_t t1) const {
+    const bool all_at_once = t1 - t0 > kPairedTiles;
+    const AlignedFloats buffer = aligned_floats((all_at_once ? b1 - b0 : 2) * groups * kTileBytes / sizeof(float));
+    uint8_t* w = reinterpret_cast<uint8_t*>(buffer.get());
+    configure_tiles(kTiles);
+    if (all_at_once) {
+      dequantize(b0, b1, w);
+      for (int64_t c0 = t0; c0 < t1; c0 += kChunkTiles) {
+        for (int64_t p = b0; p < b1; p += 2) {
+          multiply(c0, std::min(c0 + kChunkTiles, t1), w + (p - b0) * groups * kTileBytes, p,
+                   static_cast<int>(std::min<int64_t>(2, b1 - p)));
+        }
+      }
+    } else {
+      for (int64_t p = b0; p < b1; p += 2) {
+        const int64_t p1 = std::min(p + 2, b1);
+        dequantize(p, p1, w);
+        multiply(t0, t1, w, p, static_cast<int>(p1 - p));
+      }
+    }
+    _tile_release();  // the tile registers' state goes with the thread on every switch while configured
+  }
+};
+
+template <typename T>
+void run_bf16_tiles(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, int64_t type,
+                    const c10::optional<at::Tensor>& bias) {
+  const int64_t m = x.size(0), k = x.size(1), tiles = (m + kAmxRows - 1) / kAmxRows;
+  const int64_t in_place = std::is_same_v<T, c10::BFloat16> ? m / kAmxRows : 0;
+  std::vector<c10::BFloat16> staged((tiles - in_place) * kAmxRows * k, c10::BFloat16(0.f));
+  const T* src = x.data_ptr<T>();
+  const int64_t x_stride = x.stride(0);
+  at::parallel_for(in_place * kAmxRows, m, std::max<int64_t>(1, kConvertGrain / std::max<int64_t>(1, k)), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      c10::BFloat16* dst = staged.data() + (r - in_place * kAmxRows) * k;
+#pragma omp simd
+      for (int64_t i = 0; i < k; ++i) dst[i] = from_float<c10::BFloat16>(to_float(src[r * x_stride + i]));
+    }
+  });
+  const Bf16TileProblem<T> problem{reinterpret_cast<const uint8_t*>(src), x_stride * int64_t{sizeof(T)}, in_place,
+                                   reinterpret_cast<const uint8_t*>(staged.data()), packed.data_ptr<uint8_t>(),
+                                   bias ? bias->data_ptr<T>() : nullptr, out.data_ptr<T>(), type, packed.size(1), m,
+                                   out.size(1), out.stride(0)};
+  split_blocks_and_tiles(packed.size(0), tiles, m * out.size(1) * k,
+                         [&](int64_t b0, int64_t b1, int64_t t0, int64_t t1) { problem.run(b0, b1, t0, t1); });
+}
+
+#endif
+
+}  // namespace
+
+bool gguf_bf16_tiles_available() {
+#if PAGEDLLM_GGUF_AMX
+  return amx_granted();
+#else
+  return false;
+#endif
+}
+
+void linear_gguf_bf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, int64_t ggml_type,
+                      const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(gguf_bf16_tiles_available(),
+              "activation_bits=0 multiplies GGUF blocks in AMX-BF16 tiles, which this build of the kernels (or this "
+              "CPU, or Linux for this process) does not have: use 16 or 8");
+#if PAGEDLLM_GGUF_AMX
+  if (out.numel() == 0) return;
+  if (x.scalar_type() == at::kBFloat16) return run_bf16_tiles<c10::BFloat16>(out, x, packed, ggml_type, bias);
+  run_bf16_tiles<float>(out, x, packed, ggml_type, bias);
+#endif
+}
+
+}  // namespace pagedllm
