@@ -15,15 +15,21 @@
 // memory), and a prefill chunk runs as fast as oneDNN's bf16 tiles (docs/benchmarks.md). The integer arithmetic
 // (linear_gguf.cpp) stays the default elsewhere, and the faster one for a batch of one to four rows here.
 //
-// A tile of the weight is one group (32 k's) of a block's 16 columns: 16 rows of 64 bytes, row i holding each
-// column's k 2 i and 2 i + 1 as a pair of bf16 (tdpbf16ps's B operand). A tile of x is 16 rows of that group's
-// 32 k's, read where x lies (bf16 rows) or from a copy rounded to bf16 (a float32 x, and a last partial tile, padded
-// with zero rows). Four tiles of sums hold 32 rows by 32 columns, so that each tile loaded serves two products.
-//
-// Loops: the threads split the column blocks (and the row tiles when there are fewer blocks than threads). A batch
-// of a few tiles of rows dequantises a pair of blocks at a time into L1 and runs every row over it; a larger one
-// dequantises all its blocks first (a thread's share of the weight, in L2), then runs chunks of rows that stay in
-// L2 over them. Either way each weight is dequantised once per call.
+// Tiles: a group (32 k's) of a block's 16 columns is one tile, and so are 16 rows of x over that group. A
+// `tdpbf16ps` sum is symmetric: x as the A operand (16 rows of 32 k's) and W as B (16 rows of pairs, row i holding
+// each column's k 2 i and 2 i + 1), or W as A and x as B, give the same bits (checked over 76,800 sums), so the
+// kernel takes whichever costs less to build:
+// - a few tiles of rows (a decode step): W as A, dequantised a pair of blocks at a time into L1 by tables: a 4-bit
+//   column's 16 possible weights are one table, bf16(fma(d, q, m)) for q = 0..15, and `vpermw` looks its 32 nibbles
+//   up at once, k in order (~7 instructions a column and group where the pairs take ~12; the blocks read a few groups
+//   ahead); x's tiles transposed to pairs once per call; the 16 x 16 sums transposed back as they are stored.
+// - more rows (a prefill chunk), and Q8_0's blocks: W as B, dequantised in pairs (each is read by many rows, so its
+//   cost does not matter), all of a thread's blocks first (its share of the weight, in L2), then chunks of rows
+//   that stay in L2 run over them; x's tiles read where x lies (bf16 rows) or from a copy rounded to bf16 (a float32
+//   x, and a last partial tile, padded with zero rows).
+// Four tiles of sums hold 32 rows by 32 columns, so that each tile loaded serves two products. The threads split
+// the column blocks (and the row tiles when there are fewer blocks than threads); each weight is dequantised once
+// per call.
 #include "linear_gguf.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -44,6 +50,9 @@ constexpr int64_t kTileBytes = kAmxRows * kAmxRowBytes;  // one dequantised grou
 constexpr int64_t kChunkTiles = 8;  // row tiles per chunk of a large batch: 128 rows of K bf16, in L2
 // Batches of more row tiles than this dequantise a thread's blocks all at once.
 constexpr int64_t kPairedTiles = kChunkTiles / 2;
+// Groups read ahead of the one dequantised: a few rows' calls wait on memory otherwise (SmolLM2's layers at one
+// row took 9.3-10.3 ms without, 7.3 with 4 groups ahead, 7.7 with 8).
+constexpr int64_t kPrefetchGroups = 4;
 
 // Writes one dequantised group of a block: W's pairs of k's as `tdpbf16ps` takes them.
 template <int64_t type>
@@ -107,13 +116,65 @@ void dequantize_group(const uint8_t* group, uint8_t* tile) {
   }
 }
 
+// One 4-bit group (its packed bytes at `group`) into the 16 x 64 bytes at `rows`: row j is column j's 32 weights,
+// k in order (the A operand of `tdpbf16ps`). A column's 16 possible weights are one table, bf16(fma(d, q, m)) for
+// q = 0..15 (one FMA and one conversion), and `vpermw` looks its 32 nibbles up in it at once.
+template <int64_t type>
+void dequantize_rows(const uint8_t* group, uint8_t* rows) {
+  static_assert(type != kQ8_0);
+  const float* d = reinterpret_cast<const float*>(group);
+  const uint8_t* values = group + header_bytes(type);
+  // Octet o's lane j holds column j's k 8 o + t (low nibble of byte t) and 8 o + 4 + t (high): a 4 x 16 transpose
+  // of the lanes gives lane l of c[r] column 4 l + r's 16 bytes, octet by octet.
+  const __m512i o0 = _mm512_loadu_si512(values), o1 = _mm512_loadu_si512(values + kRowBytes);
+  const __m512i o2 = _mm512_loadu_si512(values + 2 * kRowBytes), o3 = _mm512_loadu_si512(values + 3 * kRowBytes);
+  const __m512i lo01 = _mm512_unpacklo_epi32(o0, o1), hi01 = _mm512_unpackhi_epi32(o0, o1);
+  const __m512i lo23 = _mm512_unpacklo_epi32(o2, o3), hi23 = _mm512_unpackhi_epi32(o2, o3);
+  const __m512i c[4] = {_mm512_unpacklo_epi64(lo01, lo23), _mm512_unpackhi_epi64(lo01, lo23),
+                        _mm512_unpacklo_epi64(hi01, hi23), _mm512_unpackhi_epi64(hi01, hi23)};
+  // Word k of lane l's column: byte 4 (k / 8) + k % 4 of the lane, shifted right by 4 where k % 8 >= 4.
+  alignas(64) static const struct Index {
+    uint8_t bytes[4][64];
+    uint16_t shifts[32];
+    Index() : bytes{}, shifts{} {
+      for (int l = 0; l < 4; ++l) {
+        for (int k = 0; k < 32; ++k) bytes[l][2 * k] = static_cast<uint8_t>(16 * l + 4 * (k / 8) + k % 4);
+      }
+      for (int k = 0; k < 32; ++k) shifts[k] = k % 8 >= 4 ? 4 : 0;
+    }
+  } index;
+  const __m512i shifts = _mm512_load_si512(index.shifts), low4 = _mm512_set1_epi16(0x0F);
+  const __m512 q = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  constexpr __mmask64 kEvenBytes = 0x5555555555555555ull;
+#pragma GCC unroll 16
+  for (int j = 0; j < kBlock; ++j) {
+    const __m512 dj = _mm512_set1_ps(d[j]);
+    const __m512 mj = type == kQ4_1 ? _mm512_set1_ps(d[kBlock + j]) : _mm512_mul_ps(dj, _mm512_set1_ps(-8.f));
+    const __m512i table = _mm512_castsi256_si512(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_fmadd_ps(dj, q, mj))));
+    const __m512i bytes = _mm512_maskz_permutexvar_epi8(kEvenBytes, _mm512_load_si512(index.bytes[j / 4]), c[j % 4]);
+    const __m512i nibbles = _mm512_and_si512(_mm512_srlv_epi16(bytes, shifts), low4);
+    _mm512_store_si512(rows + j * kAmxRowBytes, _mm512_permutexvar_epi16(nibbles, table));
+  }
+}
+
 // The tile registers: sums 0-3 (row tile r by block c in 2 r + c), x 4-5, weight 6-7.
 constexpr int kTiles = 8;
 
-// acc[2 r + c] = x's row tile r (of R, `ld` bytes apart from `x`) times dequantised block c (of C, `groups` tiles
-// apart from `w`), group by group.
-template <int R, int C>
-void tile_sums(const uint8_t* x, int64_t ld, const uint8_t* w, int64_t groups, float* acc) {
+// Where x's row tiles are: tile t's group g at x + t * tile + g * group, its 16 rows ld bytes apart.
+struct XTiles {
+  const uint8_t* x;
+  int64_t ld, group, tile;
+  const uint8_t* at(int64_t t, int64_t g) const { return x + t * tile + g * group; }
+};
+
+// acc[2 r + c] = x's row tile r (of R) times dequantised block c (of C, `groups` tiles apart from `w`), group by
+// group. With w_is_a the blocks are the A operand (dequantize_rows' rows) and x's tiles the B one (pairs), and acc
+// holds [column][row] sums: the same bits as the other way round.
+template <int R, int C, bool w_is_a>
+void tile_sums(const XTiles& x, const uint8_t* w, int64_t groups, float* acc) {
+#define PAGEDLLM_DP(sums, x_tile, w_tile)                         \
+  if constexpr (w_is_a) _tile_dpbf16ps(sums, w_tile, x_tile);    \
+  else _tile_dpbf16ps(sums, x_tile, w_tile)
   _tile_zero(0);
   if constexpr (C > 1) _tile_zero(1);
   if constexpr (R > 1) _tile_zero(2);
@@ -121,20 +182,29 @@ void tile_sums(const uint8_t* x, int64_t ld, const uint8_t* w, int64_t groups, f
   for (int64_t g = 0; g < groups; ++g) {
     _tile_loadd(6, w + g * kTileBytes, kAmxRowBytes);
     if constexpr (C > 1) _tile_loadd(7, w + (groups + g) * kTileBytes, kAmxRowBytes);
-    _tile_loadd(4, x + g * kAmxRowBytes, ld);
-    _tile_dpbf16ps(0, 4, 6);
-    if constexpr (C > 1) _tile_dpbf16ps(1, 4, 7);
+    _tile_loadd(4, x.at(0, g), x.ld);
+    PAGEDLLM_DP(0, 4, 6);
+    if constexpr (C > 1) { PAGEDLLM_DP(1, 4, 7); }
     if constexpr (R > 1) {
-      _tile_loadd(5, x + kAmxRows * ld + g * kAmxRowBytes, ld);
-      _tile_dpbf16ps(2, 5, 6);
-      if constexpr (C > 1) _tile_dpbf16ps(3, 5, 7);
+      _tile_loadd(5, x.at(1, g), x.ld);
+      PAGEDLLM_DP(2, 5, 6);
+      if constexpr (C > 1) { PAGEDLLM_DP(3, 5, 7); }
     }
   }
+#undef PAGEDLLM_DP
   constexpr int64_t stride = kBlock * sizeof(float), tile = kAmxRows * kBlock;
   _tile_stored(0, acc, stride);
   if constexpr (C > 1) _tile_stored(1, acc + tile, stride);
   if constexpr (R > 1) _tile_stored(2, acc + 2 * tile, stride);
   if constexpr (R > 1 && C > 1) _tile_stored(3, acc + 3 * tile, stride);
+}
+
+template <bool w_is_a>
+void tile_sums(int nr, int nb, const XTiles& x, const uint8_t* w, int64_t groups, float* acc) {
+  if (nr == 2 && nb == 2) return tile_sums<2, 2, w_is_a>(x, w, groups, acc);
+  if (nr == 2) return tile_sums<2, 1, w_is_a>(x, w, groups, acc);
+  if (nb == 2) return tile_sums<1, 2, w_is_a>(x, w, groups, acc);
+  tile_sums<1, 1, w_is_a>(x, w, groups, acc);
 }
 
 // out[m0 + r, n0 + j] = acc[r][j] (+ bias[n0 + j]) for r < rows, j < cols, rounded once to T as from_float rounds.
@@ -163,28 +233,59 @@ void store_tile(T* out, int64_t out_stride, const T* bias, const float* acc, int
   }
 }
 
+// dst row p (64 bytes) = pair p (dword p at byte `offset`) of each of the 16 rows: a 16 x 16 transpose of dwords.
+inline void transpose_pairs(const uint8_t* const (&rows)[kAmxRows], int64_t offset, uint8_t* dst) {
+  __m512i r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(rows[i] + offset);
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  // r[4 q + s]: lane l holds dword 4 l + s' of rows 4 q .. 4 q + 3 (s' = 0, 1, 2, 3 for s = 0, 1, 2, 3).
+  for (int s = 0; s < 4; ++s) {
+    const __m512i a = _mm512_shuffle_i32x4(r[s], r[4 + s], 0x88), b = _mm512_shuffle_i32x4(r[s], r[4 + s], 0xDD);
+    const __m512i c = _mm512_shuffle_i32x4(r[8 + s], r[12 + s], 0x88), e = _mm512_shuffle_i32x4(r[8 + s], r[12 + s], 0xDD);
+    t[s] = _mm512_shuffle_i32x4(a, c, 0x88);       // lanes: pair s of rows 0-3, 4-7, 8-11, 12-15
+    t[8 + s] = _mm512_shuffle_i32x4(a, c, 0xDD);   // pair 8 + s
+    t[4 + s] = _mm512_shuffle_i32x4(b, e, 0x88);   // pair 4 + s
+    t[12 + s] = _mm512_shuffle_i32x4(b, e, 0xDD);  // pair 12 + s
+  }
+  for (int p = 0; p < 16; ++p) _mm512_store_si512(dst + p * kAmxRowBytes, t[p]);
+}
+
 template <typename T>
 struct Bf16TileProblem {
   const uint8_t* x;       // x's bf16 rows, ld bytes apart: row tiles [0, in_place)
   int64_t ld, in_place;
   const uint8_t* staged;  // row tiles [in_place, ...): bf16 rows of k, zero-padded to a whole tile
+  const uint8_t* x_pairs;  // or x's row tiles as B operands, `groups` tiles each (transpose_pairs)
   const uint8_t* packed;
   const T* bias;
   T* out;
   int64_t type, groups, m, n, out_stride;
 
-  const uint8_t* x_tile(int64_t t) const {
-    return t < in_place ? x + t * kAmxRows * ld : staged + (t - in_place) * kAmxRows * groups * kAmxRowBytes;
-  }
-  int64_t x_ld(int64_t t) const { return t < in_place ? ld : groups * kAmxRowBytes; }
-
   template <int64_t type_>
   void dequantize(int64_t b0, int64_t b1, uint8_t* dst) const {
     for (int64_t b = b0; b < b1; ++b) {
       for (int64_t g = 0; g < groups; ++g) {
-        dequantize_group<type_>(packed + (b * groups + g) * group_bytes(type_), dst + ((b - b0) * groups + g) * kTileBytes);
+        const uint8_t* group = packed + (b * groups + g) * group_bytes(type_);
+        prefetch_ahead(group);
+        dequantize_group<type_>(group, dst + ((b - b0) * groups + g) * kTileBytes);
       }
     }
+  }
+
+  // The group kPrefetchGroups after `group` (the next block's where the block ends), towards L1. In asm: GCC found
+  // a function of `_mm_prefetch`s free of side effects and dropped its calls.
+  void prefetch_ahead(const uint8_t* group) const {
+    const uint8_t* ahead = group + kPrefetchGroups * group_bytes(type);
+    for (int64_t i = 0; i < group_bytes(type); i += 64) asm volatile("prefetcht0 %0" : : "m"(ahead[i]));
   }
   // Blocks [b0, b1) dequantised into dst, `groups` tiles a block.
   void dequantize(int64_t b0, int64_t b1, uint8_t* dst) const {
@@ -195,23 +296,34 @@ struct Bf16TileProblem {
     }
   }
 
-  // Row tiles [t0, t1), two at a time where both lie in one place, times blocks p, p + 1 (nb of them) at `w`.
+  // Row tiles [t0, t1), two at a time where both lie in one place, times blocks p, p + 1 (nb of them) at `w`: as
+  // the A operand with x_pairs, else the B one.
   void multiply(int64_t t0, int64_t t1, const uint8_t* w, int64_t p, int nb) const {
-    alignas(64) float acc[4 * kAmxRows * kBlock];
+    alignas(64) float acc[4 * kAmxRows * kBlock], by_row[kAmxRows * kBlock];
     for (int64_t t = t0; t < t1;) {
-      const int nr = t + 1 < t1 && (t + 1 < in_place || t >= in_place) ? 2 : 1;
-      const uint8_t* xt = x_tile(t);
-      const int64_t ldt = x_ld(t);
-      if (nr == 2 && nb == 2) tile_sums<2, 2>(xt, ldt, w, groups, acc);
-      else if (nr == 2) tile_sums<2, 1>(xt, ldt, w, groups, acc);
-      else if (nb == 2) tile_sums<1, 2>(xt, ldt, w, groups, acc);
-      else tile_sums<1, 1>(xt, ldt, w, groups, acc);
+      const int nr = t + 1 < t1 && (x_pairs || t + 1 < in_place || t >= in_place) ? 2 : 1;
+      if (x_pairs) {
+        tile_sums<true>(nr, nb, {x_pairs + t * groups * kTileBytes, kAmxRowBytes, kTileBytes, groups * kTileBytes},
+                        w, groups, acc);
+      } else if (t < in_place) {
+        tile_sums<false>(nr, nb, {x + t * kAmxRows * ld, ld, kAmxRowBytes, kAmxRows * ld}, w, groups, acc);
+      } else {
+        const int64_t staged_ld = groups * kAmxRowBytes;
+        tile_sums<false>(nr, nb, {staged + (t - in_place) * kAmxRows * staged_ld, staged_ld, kAmxRowBytes,
+                                  kAmxRows * staged_ld}, w, groups, acc);
+      }
       for (int r = 0; r < nr; ++r) {
         const int64_t m0 = (t + r) * kAmxRows;
         for (int c = 0; c < nb; ++c) {
           const int64_t n0 = (p + c) * kBlock;
-          store_tile(out, out_stride, bias, acc + (2 * r + c) * kAmxRows * kBlock, m0,
-                     static_cast<int>(std::min<int64_t>(kAmxRows, m - m0)), n0,
+          const float* sums = acc + (2 * r + c) * kAmxRows * kBlock;
+          if (x_pairs) {  // [column][row]
+            const uint8_t* columns[kAmxRows];
+            for (int j = 0; j < kAmxRows; ++j) columns[j] = reinterpret_cast<const uint8_t*>(sums + j * kAmxRows);
+            transpose_pairs(columns, 0, reinterpret_cast<uint8_t*>(by_row));
+            sums = by_row;
+          }
+          store_tile(out, out_stride, bias, sums, m0, static_cast<int>(std::min<int64_t>(kAmxRows, m - m0)), n0,
                      static_cast<int>(std::min<int64_t>(kBlock, n - n0)));
         }
       }
@@ -232,6 +344,20 @@ struct Bf16TileProblem {
           multiply(c0, std::min(c0 + kChunkTiles, t1), w + (p - b0) * groups * kTileBytes, p,
                    static_cast<int>(std::min<int64_t>(2, b1 - p)));
         }
+      }
+    } else if (x_pairs != nullptr) {
+      for (int64_t p = b0; p < b1; p += 2) {
+        const int nb = static_cast<int>(std::min<int64_t>(2, b1 - p));
+        for (int b = 0; b < nb; ++b) {
+          for (int64_t g = 0; g < groups; ++g) {
+            const uint8_t* group = packed + ((p + b) * groups + g) * group_bytes(type);
+            prefetch_ahead(group);
+            uint8_t* rows = w + (b * groups + g) * kTileBytes;
+            if (type == kQ4_0) dequantize_rows<kQ4_0>(group, rows);
+            else dequantize_rows<kQ4_1>(group, rows);
+          }
+        }
+        multiply(t0, t1, w, p, nb);
       }
     } else {
       for (int64_t p = b0; p < b1; p += 2) {
@@ -259,8 +385,27 @@ void run_bf16_tiles(at::Tensor& out, const at::Tensor& x, const at::Tensor& pack
       for (int64_t i = 0; i < k; ++i) dst[i] = from_float<c10::BFloat16>(to_float(src[r * x_stride + i]));
     }
   });
+  // A few row tiles of 4-bit blocks: x's tiles as B operands, each group's 16 rows by 16 pairs transposed.
+  const int64_t groups = packed.size(1);
+  AlignedFloats pairs = aligned_floats(0);
+  if (tiles <= kPairedTiles && type != kQ8_0) {
+    pairs = aligned_floats(tiles * groups * kTileBytes / sizeof(float));
+    for (int64_t t = 0; t < tiles; ++t) {
+      const uint8_t* rows[kAmxRows];
+      for (int r = 0; r < kAmxRows; ++r) {
+        const int64_t row = t * kAmxRows + r;
+        rows[r] = row < in_place * kAmxRows ? reinterpret_cast<const uint8_t*>(src) + row * x_stride * int64_t{sizeof(T)}
+                                            : reinterpret_cast<const uint8_t*>(staged.data()) + (row - in_place * kAmxRows) * k * 2;
+      }
+      for (int64_t g = 0; g < groups; ++g) {
+        transpose_pairs(rows, g * kAmxRowBytes, reinterpret_cast<uint8_t*>(pairs.get()) + (t * groups + g) * kTileBytes);
+      }
+    }
+  }
   const Bf16TileProblem<T> problem{reinterpret_cast<const uint8_t*>(src), x_stride * int64_t{sizeof(T)}, in_place,
-                                   reinterpret_cast<const uint8_t*>(staged.data()), packed.data_ptr<uint8_t>(),
+                                   reinterpret_cast<const uint8_t*>(staged.data()),
+                                   tiles <= kPairedTiles && type != kQ8_0 ? reinterpret_cast<const uint8_t*>(pairs.get()) : nullptr,
+                                   packed.data_ptr<uint8_t>(),
                                    bias ? bias->data_ptr<T>() : nullptr, out.data_ptr<T>(), type, packed.size(1), m,
                                    out.size(1), out.stride(0)};
   split_blocks_and_tiles(packed.size(0), tiles, m * out.size(1) * k,
