@@ -299,6 +299,12 @@ def test_a_rows_result_in_bf16_tiles_does_not_depend_on_its_batch(amx_kernels: M
         outs.append(out)
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][0], outs[2][0])
     assert torch.equal(outs[2][1:], outs[3])  # every row of a batch, at another place in it
+    for rows in (1, 33, 300):  # rows of a wider tensor (x's rows read in place, staged and transposed from it)
+        wide = torch.zeros(rows, 160, dtype=torch.bfloat16)
+        wide[:, 32:128] = x[:rows]
+        out = torch.empty(rows, 72, dtype=torch.bfloat16)
+        amx_kernels.linear_gguf(out, wide[:, 32:128], packed, int(ggml_type), None, GGUF_BF16_TILES)
+        assert torch.equal(out, outs[2][:rows])
 
 
 def test_gguf_kernel_rejects_bad_input(kernels: ModuleType) -> None:
