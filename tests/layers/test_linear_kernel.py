@@ -264,7 +264,8 @@ def amx_kernels() -> ModuleType:
 @pytest.mark.parametrize("ggml_type", GGUF_TYPES)
 @pytest.mark.parametrize("m", [1, 5, 16, 17, 40, 300])  # one or two tiles of 16 rows, partial, pairs, a prefill
 @pytest.mark.parametrize(("x_dtype", "with_bias"), [(torch.float32, False), (torch.bfloat16, True)])
-@pytest.mark.parametrize(("n", "k"), [(40, 160), (16, 32), (200, 576)])  # a partial block; one; 13 blocks (odd)
+# A partial block; one; 13 blocks (odd); 63, more than a panel of dequantised blocks for each thread (prefills).
+@pytest.mark.parametrize(("n", "k"), [(40, 160), (16, 32), (200, 576), (1000, 576)])
 def test_gguf_bf16_tiles_match_the_reference(amx_kernels: ModuleType, ggml_type: GGMLQuantizationType, m: int,
                                              x_dtype: torch.dtype, with_bias: bool, n: int, k: int) -> None:
     """The tiles' float32 sums of bf16 products against the same products summed in float64: within float32

@@ -24,8 +24,8 @@
 //   up at once, k in order (~7 instructions a column and group where the pairs take ~12; the blocks read a few groups
 //   ahead); x's tiles transposed to pairs once per call; the 16 x 16 sums transposed back as they are stored.
 // - more rows (a prefill chunk), and Q8_0's blocks: W as B, dequantised in pairs (each is read by many rows, so its
-//   cost does not matter), all of a thread's blocks first (its share of the weight, in L2), then chunks of rows
-//   that stay in L2 run over them; x's tiles read where x lies (bf16 rows) or from a copy rounded to bf16 (a float32
+//   cost does not matter), a panel of a thread's blocks at a time (kPanelBytes of bf16, in L2), then chunks of rows
+//   that stay in L2 run over it; x's tiles read where x lies (bf16 rows) or from a copy rounded to bf16 (a float32
 //   x, and a last partial tile, padded with zero rows).
 // Four tiles of sums hold 32 rows by 32 columns, so that each tile loaded serves two products. The threads split
 // the column blocks (and the row tiles when there are fewer blocks than threads); each weight is dequantised once
@@ -48,7 +48,7 @@ namespace {
 
 constexpr int64_t kTileBytes = kAmxRows * kAmxRowBytes;  // one dequantised group of a block
 constexpr int64_t kChunkTiles = 8;  // row tiles per chunk of a large batch: 128 rows of K bf16, in L2
-// Batches of more row tiles than this dequantise a thread's blocks all at once.
+// Batches of more row tiles than this dequantise a panel of blocks at a time (kPanelBytes), else a pair.
 constexpr int64_t kPairedTiles = kChunkTiles / 2;
 // Groups read ahead of the one dequantised: a few rows' calls wait on memory otherwise (SmolLM2's layers at one
 // row took 9.3-10.3 ms without, 7.3 with 4 groups ahead, 7.7 with 8).
@@ -333,16 +333,22 @@ struct Bf16TileProblem {
 
   // Column blocks [b0, b1) times row tiles [t0, t1).
   void run(int64_t b0, int64_t b1, int64_t t0, int64_t t1) const {
-    const bool all_at_once = t1 - t0 > kPairedTiles;
-    const AlignedFloats buffer = aligned_floats((all_at_once ? b1 - b0 : 2) * groups * kTileBytes / sizeof(float));
+    const bool many_rows = t1 - t0 > kPairedTiles;
+    // Blocks dequantised at once for many rows: as many pairs as fit in kPanelBytes (L2), at least one pair.
+    const int64_t panel_blocks = std::max<int64_t>(2, kPanelBytes / (groups * kTileBytes) / 2 * 2);
+    const AlignedFloats buffer =
+        aligned_floats((many_rows ? std::min(panel_blocks, b1 - b0) : 2) * groups * kTileBytes / sizeof(float));
     uint8_t* w = reinterpret_cast<uint8_t*>(buffer.get());
     configure_tiles(kTiles);
-    if (all_at_once) {
-      dequantize(b0, b1, w);
-      for (int64_t c0 = t0; c0 < t1; c0 += kChunkTiles) {
-        for (int64_t p = b0; p < b1; p += 2) {
-          multiply(c0, std::min(c0 + kChunkTiles, t1), w + (p - b0) * groups * kTileBytes, p,
-                   static_cast<int>(std::min<int64_t>(2, b1 - p)));
+    if (many_rows) {
+      for (int64_t s0 = b0; s0 < b1; s0 += panel_blocks) {
+        const int64_t s1 = std::min(s0 + panel_blocks, b1);
+        dequantize(s0, s1, w);
+        for (int64_t c0 = t0; c0 < t1; c0 += kChunkTiles) {
+          for (int64_t p = s0; p < s1; p += 2) {
+            multiply(c0, std::min(c0 + kChunkTiles, t1), w + (p - s0) * groups * kTileBytes, p,
+                     static_cast<int>(std::min<int64_t>(2, s1 - p)));
+          }
         }
       }
     } else if (x_pairs != nullptr) {
