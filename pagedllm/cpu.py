@@ -70,13 +70,6 @@ class CpuInfo:
         return "amx_bf16" in self.flags or ("avx512_bf16" in self.flags and self.model_name.startswith("AMD"))
 
     @property
-    def amx(self) -> bool:
-        """AMX tiles for bf16 and int8 (Sapphire Rapids and later): oneDNN's bf16 matmuls in them outrun pagedllm's
-        GGUF kernel from 16 rows on (6x at prefill sizes), so a .gguf file under dtype "auto" runs dequantised to
-        bf16 here (`pagedllm.loader.implied_gguf`; docs/benchmarks.md, "Intel Xeon with AMX")."""
-        return {"amx_tile", "amx_bf16", "amx_int8"} <= self.flags
-
-    @property
     def march(self) -> str:
         """-march for the C++ kernels: the CPU's own (native) unless capped, then the capped level's."""
         return _MARCH[self.isa_level] if self.capped and self.is_x86 else "native"

@@ -150,7 +150,8 @@ void dequantize_rows(const uint8_t* group, uint8_t* rows) {
   for (int j = 0; j < kBlock; ++j) {
     const __m512 dj = _mm512_set1_ps(d[j]);
     const __m512 mj = type == kQ4_1 ? _mm512_set1_ps(d[kBlock + j]) : _mm512_mul_ps(dj, _mm512_set1_ps(-8.f));
-    const __m512i table = _mm512_castsi256_si512(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_fmadd_ps(dj, q, mj))));
+    const __m256bh weights = _mm512_cvtneps_pbh(_mm512_fmadd_ps(dj, q, mj));
+    const __m512i table = _mm512_castsi256_si512(reinterpret_cast<__m256i>(weights));
     const __m512i bytes = _mm512_maskz_permutexvar_epi8(kEvenBytes, _mm512_load_si512(index.bytes[j / 4]), c[j % 4]);
     const __m512i nibbles = _mm512_and_si512(_mm512_srlv_epi16(bytes, shifts), low4);
     _mm512_store_si512(rows + j * kAmxRowBytes, _mm512_permutexvar_epi16(nibbles, table));
@@ -250,7 +251,8 @@ inline void transpose_pairs(const uint8_t* const (&rows)[kAmxRows], int64_t offs
   // r[4 q + s]: lane l holds dword 4 l + s' of rows 4 q .. 4 q + 3 (s' = 0, 1, 2, 3 for s = 0, 1, 2, 3).
   for (int s = 0; s < 4; ++s) {
     const __m512i a = _mm512_shuffle_i32x4(r[s], r[4 + s], 0x88), b = _mm512_shuffle_i32x4(r[s], r[4 + s], 0xDD);
-    const __m512i c = _mm512_shuffle_i32x4(r[8 + s], r[12 + s], 0x88), e = _mm512_shuffle_i32x4(r[8 + s], r[12 + s], 0xDD);
+    const __m512i c = _mm512_shuffle_i32x4(r[8 + s], r[12 + s], 0x88);
+    const __m512i e = _mm512_shuffle_i32x4(r[8 + s], r[12 + s], 0xDD);
     t[s] = _mm512_shuffle_i32x4(a, c, 0x88);       // lanes: pair s of rows 0-3, 4-7, 8-11, 12-15
     t[8 + s] = _mm512_shuffle_i32x4(a, c, 0xDD);   // pair 8 + s
     t[4 + s] = _mm512_shuffle_i32x4(b, e, 0x88);   // pair 4 + s
@@ -270,14 +272,27 @@ struct Bf16TileProblem {
   T* out;
   int64_t type, groups, m, n, out_stride;
 
-  template <int64_t type_>
+  // Blocks [b0, b1) dequantised into dst, `groups` tiles a block: as A operands (dequantize_rows, 4-bit types) or
+  // as B ones (dequantize_group), each block's groups read kPrefetchGroups ahead.
+  template <int64_t type_, bool as_rows>
   void dequantize(int64_t b0, int64_t b1, uint8_t* dst) const {
     for (int64_t b = b0; b < b1; ++b) {
       for (int64_t g = 0; g < groups; ++g) {
         const uint8_t* group = packed + (b * groups + g) * group_bytes(type_);
         prefetch_ahead(group);
-        dequantize_group<type_>(group, dst + ((b - b0) * groups + g) * kTileBytes);
+        uint8_t* tile = dst + ((b - b0) * groups + g) * kTileBytes;
+        if constexpr (as_rows) dequantize_rows<type_>(group, tile);
+        else dequantize_group<type_>(group, tile);
       }
+    }
+  }
+  template <bool as_rows>
+  void dequantize(int64_t b0, int64_t b1, uint8_t* dst) const {
+    switch (type) {
+      case kQ4_0: return dequantize<kQ4_0, as_rows>(b0, b1, dst);
+      case kQ4_1: return dequantize<kQ4_1, as_rows>(b0, b1, dst);
+      default:
+        if constexpr (!as_rows) dequantize<kQ8_0, false>(b0, b1, dst);  // Q8_0 has no tables: never x_pairs
     }
   }
 
@@ -286,14 +301,6 @@ struct Bf16TileProblem {
   void prefetch_ahead(const uint8_t* group) const {
     const uint8_t* ahead = group + kPrefetchGroups * group_bytes(type);
     for (int64_t i = 0; i < group_bytes(type); i += 64) asm volatile("prefetcht0 %0" : : "m"(ahead[i]));
-  }
-  // Blocks [b0, b1) dequantised into dst, `groups` tiles a block.
-  void dequantize(int64_t b0, int64_t b1, uint8_t* dst) const {
-    switch (type) {
-      case kQ4_0: return dequantize<kQ4_0>(b0, b1, dst);
-      case kQ4_1: return dequantize<kQ4_1>(b0, b1, dst);
-      default: return dequantize<kQ8_0>(b0, b1, dst);
-    }
   }
 
   // Row tiles [t0, t1), two at a time where both lie in one place, times blocks p, p + 1 (nb of them) at `w`: as
@@ -343,7 +350,7 @@ struct Bf16TileProblem {
     if (many_rows) {
       for (int64_t s0 = b0; s0 < b1; s0 += panel_blocks) {
         const int64_t s1 = std::min(s0 + panel_blocks, b1);
-        dequantize(s0, s1, w);
+        dequantize<false>(s0, s1, w);
         for (int64_t c0 = t0; c0 < t1; c0 += kChunkTiles) {
           for (int64_t p = s0; p < s1; p += 2) {
             multiply(c0, std::min(c0 + kChunkTiles, t1), w + (p - s0) * groups * kTileBytes, p,
@@ -351,24 +358,11 @@ struct Bf16TileProblem {
           }
         }
       }
-    } else if (x_pairs != nullptr) {
-      for (int64_t p = b0; p < b1; p += 2) {
-        const int nb = static_cast<int>(std::min<int64_t>(2, b1 - p));
-        for (int b = 0; b < nb; ++b) {
-          for (int64_t g = 0; g < groups; ++g) {
-            const uint8_t* group = packed + ((p + b) * groups + g) * group_bytes(type);
-            prefetch_ahead(group);
-            uint8_t* rows = w + (b * groups + g) * kTileBytes;
-            if (type == kQ4_0) dequantize_rows<kQ4_0>(group, rows);
-            else dequantize_rows<kQ4_1>(group, rows);
-          }
-        }
-        multiply(t0, t1, w, p, nb);
-      }
     } else {
       for (int64_t p = b0; p < b1; p += 2) {
         const int64_t p1 = std::min(p + 2, b1);
-        dequantize(p, p1, w);
+        if (x_pairs) dequantize<true>(p, p1, w);
+        else dequantize<false>(p, p1, w);
         multiply(t0, t1, w, p, static_cast<int>(p1 - p));
       }
     }
@@ -384,7 +378,8 @@ void run_bf16_tiles(at::Tensor& out, const at::Tensor& x, const at::Tensor& pack
   std::vector<c10::BFloat16> staged((tiles - in_place) * kAmxRows * k, c10::BFloat16(0.f));
   const T* src = x.data_ptr<T>();
   const int64_t x_stride = x.stride(0);
-  at::parallel_for(in_place * kAmxRows, m, std::max<int64_t>(1, kConvertGrain / std::max<int64_t>(1, k)), [&](int64_t begin, int64_t end) {
+  const int64_t grain = std::max<int64_t>(1, kConvertGrain / std::max<int64_t>(1, k));
+  at::parallel_for(in_place * kAmxRows, m, grain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       c10::BFloat16* dst = staged.data() + (r - in_place * kAmxRows) * k;
 #pragma omp simd
@@ -393,27 +388,28 @@ void run_bf16_tiles(at::Tensor& out, const at::Tensor& x, const at::Tensor& pack
   });
   // A few row tiles of 4-bit blocks: x's tiles as B operands, each group's 16 rows by 16 pairs transposed.
   const int64_t groups = packed.size(1);
-  AlignedFloats pairs = aligned_floats(0);
-  if (tiles <= kPairedTiles && type != kQ8_0) {
-    pairs = aligned_floats(tiles * groups * kTileBytes / sizeof(float));
+  const bool x_as_b = tiles <= kPairedTiles && type != kQ8_0;
+  AlignedFloats pairs = aligned_floats(x_as_b ? tiles * groups * kTileBytes / sizeof(float) : 0);
+  if (x_as_b) {
     for (int64_t t = 0; t < tiles; ++t) {
       const uint8_t* rows[kAmxRows];
       for (int r = 0; r < kAmxRows; ++r) {
         const int64_t row = t * kAmxRows + r;
-        rows[r] = row < in_place * kAmxRows ? reinterpret_cast<const uint8_t*>(src) + row * x_stride * int64_t{sizeof(T)}
-                                            : reinterpret_cast<const uint8_t*>(staged.data()) + (row - in_place * kAmxRows) * k * 2;
+        rows[r] = row < in_place * kAmxRows
+                      ? reinterpret_cast<const uint8_t*>(src + row * x_stride)
+                      : reinterpret_cast<const uint8_t*>(staged.data() + (row - in_place * kAmxRows) * k);
       }
       for (int64_t g = 0; g < groups; ++g) {
-        transpose_pairs(rows, g * kAmxRowBytes, reinterpret_cast<uint8_t*>(pairs.get()) + (t * groups + g) * kTileBytes);
+        transpose_pairs(rows, g * kAmxRowBytes,
+                        reinterpret_cast<uint8_t*>(pairs.get()) + (t * groups + g) * kTileBytes);
       }
     }
   }
   const Bf16TileProblem<T> problem{reinterpret_cast<const uint8_t*>(src), x_stride * int64_t{sizeof(T)}, in_place,
                                    reinterpret_cast<const uint8_t*>(staged.data()),
-                                   tiles <= kPairedTiles && type != kQ8_0 ? reinterpret_cast<const uint8_t*>(pairs.get()) : nullptr,
-                                   packed.data_ptr<uint8_t>(),
-                                   bias ? bias->data_ptr<T>() : nullptr, out.data_ptr<T>(), type, packed.size(1), m,
-                                   out.size(1), out.stride(0)};
+                                   x_as_b ? reinterpret_cast<const uint8_t*>(pairs.get()) : nullptr,
+                                   packed.data_ptr<uint8_t>(), bias ? bias->data_ptr<T>() : nullptr,
+                                   out.data_ptr<T>(), type, groups, m, out.size(1), out.stride(0)};
   split_blocks_and_tiles(packed.size(0), tiles, m * out.size(1) * k,
                          [&](int64_t b0, int64_t b1, int64_t t0, int64_t t1) { problem.run(b0, b1, t0, t1); });
 }
