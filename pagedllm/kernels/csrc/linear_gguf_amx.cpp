@@ -22,7 +22,8 @@
 // - a few tiles of rows (a decode step): W as A, dequantised a pair of blocks at a time into L1 by tables: a 4-bit
 //   column's 16 possible weights are one table, bf16(fma(d, q, m)) for q = 0..15, and `vpermw` looks its 32 nibbles
 //   up at once, k in order (~7 instructions a column and group where the pairs take ~12; the blocks read a few groups
-//   ahead); x's tiles transposed to pairs once per call; the 16 x 16 sums transposed back as they are stored.
+//   ahead; the next pair dequantised while the tiles multiply this one); x's tiles transposed to pairs once per
+//   call; the 16 x 16 sums transposed back as they are stored.
 // - more rows (a prefill chunk), and Q8_0's blocks: W as B, dequantised in pairs (each is read by many rows, so its
 //   cost does not matter), a panel of a thread's blocks at a time (kPanelBytes of bf16, in L2), then chunks of rows
 //   that stay in L2 run over it; x's tiles read where x lies (bf16 rows) or from a copy rounded to bf16 (a float32
@@ -169,10 +170,10 @@ struct XTiles {
 };
 
 // acc[2 r + c] = x's row tile r (of R) times dequantised block c (of C, `groups` tiles apart from `w`), group by
-// group. With w_is_a the blocks are the A operand (dequantize_rows' rows) and x's tiles the B one (pairs), and acc
-// holds [column][row] sums: the same bits as the other way round.
-template <int R, int C, bool w_is_a>
-void tile_sums(const XTiles& x, const uint8_t* w, int64_t groups, float* acc) {
+// group, between(g) called after group g's products. With w_is_a the blocks are the A operand (dequantize_rows'
+// rows) and x's tiles the B one (pairs), and acc holds [column][row] sums: the same bits as the other way round.
+template <int R, int C, bool w_is_a, typename Between>
+void tile_sums(const XTiles& x, const uint8_t* w, int64_t groups, float* acc, const Between& between) {
 #define PAGEDLLM_DP(sums, x_tile, w_tile)                         \
   if constexpr (w_is_a) _tile_dpbf16ps(sums, w_tile, x_tile);    \
   else _tile_dpbf16ps(sums, x_tile, w_tile)
@@ -191,6 +192,7 @@ void tile_sums(const XTiles& x, const uint8_t* w, int64_t groups, float* acc) {
       PAGEDLLM_DP(2, 5, 6);
       if constexpr (C > 1) { PAGEDLLM_DP(3, 5, 7); }
     }
+    between(g);
   }
 #undef PAGEDLLM_DP
   constexpr int64_t stride = kBlock * sizeof(float), tile = kAmxRows * kBlock;
@@ -200,12 +202,12 @@ void tile_sums(const XTiles& x, const uint8_t* w, int64_t groups, float* acc) {
   if constexpr (R > 1 && C > 1) _tile_stored(3, acc + 3 * tile, stride);
 }
 
-template <bool w_is_a>
-void tile_sums(int nr, int nb, const XTiles& x, const uint8_t* w, int64_t groups, float* acc) {
-  if (nr == 2 && nb == 2) return tile_sums<2, 2, w_is_a>(x, w, groups, acc);
-  if (nr == 2) return tile_sums<2, 1, w_is_a>(x, w, groups, acc);
-  if (nb == 2) return tile_sums<1, 2, w_is_a>(x, w, groups, acc);
-  tile_sums<1, 1, w_is_a>(x, w, groups, acc);
+template <bool w_is_a, typename Between>
+void tile_sums(int nr, int nb, const XTiles& x, const uint8_t* w, int64_t groups, float* acc, const Between& between) {
+  if (nr == 2 && nb == 2) return tile_sums<2, 2, w_is_a>(x, w, groups, acc, between);
+  if (nr == 2) return tile_sums<2, 1, w_is_a>(x, w, groups, acc, between);
+  if (nb == 2) return tile_sums<1, 2, w_is_a>(x, w, groups, acc, between);
+  tile_sums<1, 1, w_is_a>(x, w, groups, acc, between);
 }
 
 // out[m0 + r, n0 + j] = acc[r][j] (+ bias[n0 + j]) for r < rows, j < cols, rounded once to T as from_float rounds.
@@ -272,12 +274,12 @@ struct Bf16TileProblem {
   T* out;
   int64_t type, groups, m, n, out_stride;
 
-  // Blocks [b0, b1) dequantised into dst, `groups` tiles a block: as A operands (dequantize_rows, 4-bit types) or
-  // as B ones (dequantize_group), each block's groups read kPrefetchGroups ahead.
+  // Groups [g0, g1) of blocks [b0, b1) dequantised into dst, `groups` tiles a block: as A operands
+  // (dequantize_rows, 4-bit types) or as B ones (dequantize_group), each block's groups read kPrefetchGroups ahead.
   template <int64_t type_, bool as_rows>
-  void dequantize(int64_t b0, int64_t b1, uint8_t* dst) const {
+  void dequantize(int64_t b0, int64_t b1, int64_t g0, int64_t g1, uint8_t* dst) const {
     for (int64_t b = b0; b < b1; ++b) {
-      for (int64_t g = 0; g < groups; ++g) {
+      for (int64_t g = g0; g < g1; ++g) {
         const uint8_t* group = packed + (b * groups + g) * group_bytes(type_);
         prefetch_ahead(group);
         uint8_t* tile = dst + ((b - b0) * groups + g) * kTileBytes;
@@ -287,37 +289,40 @@ struct Bf16TileProblem {
     }
   }
   template <bool as_rows>
-  void dequantize(int64_t b0, int64_t b1, uint8_t* dst) const {
+  void dequantize(int64_t b0, int64_t b1, int64_t g0, int64_t g1, uint8_t* dst) const {
     switch (type) {
-      case kQ4_0: return dequantize<kQ4_0, as_rows>(b0, b1, dst);
-      case kQ4_1: return dequantize<kQ4_1, as_rows>(b0, b1, dst);
+      case kQ4_0: return dequantize<kQ4_0, as_rows>(b0, b1, g0, g1, dst);
+      case kQ4_1: return dequantize<kQ4_1, as_rows>(b0, b1, g0, g1, dst);
       default:
-        if constexpr (!as_rows) dequantize<kQ8_0, false>(b0, b1, dst);  // Q8_0 has no tables: never x_pairs
+        if constexpr (!as_rows) dequantize<kQ8_0, false>(b0, b1, g0, g1, dst);  // Q8_0 has no tables: never x_pairs
     }
   }
 
-  // The group kPrefetchGroups after `group` (the next block's where the block ends), towards L1. In asm: GCC found
-  // a function of `_mm_prefetch`s free of side effects and dropped its calls.
+  // The group kPrefetchGroups after `group` (the next block's where the block ends), towards L1.
   void prefetch_ahead(const uint8_t* group) const {
     const uint8_t* ahead = group + kPrefetchGroups * group_bytes(type);
-    for (int64_t i = 0; i < group_bytes(type); i += 64) asm volatile("prefetcht0 %0" : : "m"(ahead[i]));
+    for (int64_t i = 0; i < group_bytes(type); i += 64) prefetch_line<0>(ahead + i);
   }
 
   // Row tiles [t0, t1), two at a time where both lie in one place, times blocks p, p + 1 (nb of them) at `w`: as
-  // the A operand with x_pairs, else the B one.
-  void multiply(int64_t t0, int64_t t1, const uint8_t* w, int64_t p, int nb) const {
+  // the A operand with x_pairs, else the B one. between(g) after each group of the first row tiles' products.
+  template <typename Between>
+  void multiply(int64_t t0, int64_t t1, const uint8_t* w, int64_t p, int nb, const Between& between) const {
     alignas(64) float acc[4 * kAmxRows * kBlock], by_row[kAmxRows * kBlock];
     for (int64_t t = t0; t < t1;) {
       const int nr = t + 1 < t1 && (x_pairs || t + 1 < in_place || t >= in_place) ? 2 : 1;
+      const auto during = [&](int64_t g) {
+        if (t == t0) between(g);
+      };
       if (x_pairs) {
         tile_sums<true>(nr, nb, {x_pairs + t * groups * kTileBytes, kAmxRowBytes, kTileBytes, groups * kTileBytes},
-                        w, groups, acc);
+                        w, groups, acc, during);
       } else if (t < in_place) {
-        tile_sums<false>(nr, nb, {x + t * kAmxRows * ld, ld, kAmxRowBytes, kAmxRows * ld}, w, groups, acc);
+        tile_sums<false>(nr, nb, {x + t * kAmxRows * ld, ld, kAmxRowBytes, kAmxRows * ld}, w, groups, acc, during);
       } else {
         const int64_t staged_ld = groups * kAmxRowBytes;
         tile_sums<false>(nr, nb, {staged + (t - in_place) * kAmxRows * staged_ld, staged_ld, kAmxRowBytes,
-                                  kAmxRows * staged_ld}, w, groups, acc);
+                                  kAmxRows * staged_ld}, w, groups, acc, during);
       }
       for (int r = 0; r < nr; ++r) {
         const int64_t m0 = (t + r) * kAmxRows;
@@ -344,26 +349,36 @@ struct Bf16TileProblem {
     // Blocks dequantised at once for many rows: as many pairs as fit in kPanelBytes (L2), at least one pair.
     const int64_t panel_blocks = std::max<int64_t>(2, kPanelBytes / (groups * kTileBytes) / 2 * 2);
     const AlignedFloats buffer =
-        aligned_floats((many_rows ? std::min(panel_blocks, b1 - b0) : 2) * groups * kTileBytes / sizeof(float));
+        aligned_floats((many_rows ? std::min(panel_blocks, b1 - b0) : 4) * groups * kTileBytes / sizeof(float));
     uint8_t* w = reinterpret_cast<uint8_t*>(buffer.get());
     configure_tiles(kTiles);
     if (many_rows) {
       for (int64_t s0 = b0; s0 < b1; s0 += panel_blocks) {
         const int64_t s1 = std::min(s0 + panel_blocks, b1);
-        dequantize<false>(s0, s1, w);
+        dequantize<false>(s0, s1, 0, groups, w);
         for (int64_t c0 = t0; c0 < t1; c0 += kChunkTiles) {
           for (int64_t p = s0; p < s1; p += 2) {
             multiply(c0, std::min(c0 + kChunkTiles, t1), w + (p - s0) * groups * kTileBytes, p,
-                     static_cast<int>(std::min<int64_t>(2, s1 - p)));
+                     static_cast<int>(std::min<int64_t>(2, s1 - p)), [](int64_t) {});
           }
         }
       }
-    } else {
+    } else if (x_pairs) {
+      // Tables: the next pair of blocks dequantised group by group while the tiles multiply this pair (its vector
+      // instructions run while a `tdpbf16ps` does; 1.07-1.11x at 32-64 rows), into the other half of the buffer.
+      const int64_t pair_bytes = 2 * groups * kTileBytes;
+      dequantize<true>(b0, std::min(b0 + 2, b1), 0, groups, w);
+      for (int64_t p = b0; p < b1; p += 2) {
+        const int64_t p1 = std::min(p + 2, b1), next_end = std::min(p + 4, b1);
+        uint8_t* next = w + ((p - b0) / 2 + 1) % 2 * pair_bytes;
+        multiply(t0, t1, w + (p - b0) / 2 % 2 * pair_bytes, p, static_cast<int>(p1 - p),
+                 [&](int64_t g) { dequantize<true>(p1, next_end, g, g + 1, next); });
+      }
+    } else {  // Q8_0's pairs: the same overlap measured slower for the LM head at 1-16 rows (1.76 against 1.51 ms)
       for (int64_t p = b0; p < b1; p += 2) {
         const int64_t p1 = std::min(p + 2, b1);
-        if (x_pairs) dequantize<true>(p, p1, w);
-        else dequantize<false>(p, p1, w);
-        multiply(t0, t1, w, p, static_cast<int>(p1 - p));
+        dequantize<false>(p, p1, 0, groups, w);
+        multiply(t0, t1, w, p, static_cast<int>(p1 - p), [](int64_t) {});
       }
     }
     _tile_release();  // the tile registers' state goes with the thread on every switch while configured

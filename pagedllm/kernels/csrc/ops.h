@@ -134,6 +134,19 @@ struct PagedCache {
   }
 };
 
+// Asks for the cache line holding p, towards L1 (kLevel 0) or L2 (1). In asm: GCC judged helpers made of
+// `__builtin_prefetch` or `_mm_prefetch` calls free of side effects and dropped their calls (check with objdump).
+template <int kLevel>
+inline void prefetch_line(const void* p) {
+  static_assert(kLevel == 0 || kLevel == 1);
+#if defined(__x86_64__)
+  if constexpr (kLevel == 0) asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p)));
+  else asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));
+#else
+  __builtin_prefetch(p, 0, 3 - kLevel);
+#endif
+}
+
 // float <-> storage type. bf16 is the top half of a float: widening is a shift, narrowing rounds to nearest
 // even as torch does, so a kernel that rounds where torch rounds gives torch's bits. Written on the raw bits so
 // that the compiler vectorises loops over them.
