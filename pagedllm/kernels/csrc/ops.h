@@ -14,6 +14,12 @@
 #include <tuple>
 #include <vector>
 
+#if defined(__AMX_TILE__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 namespace pagedllm {
 
 // Attention (decode_attention.cpp, prefill_attention.cpp).
@@ -146,6 +152,35 @@ inline void prefetch_line(const void* p) {
   __builtin_prefetch(p, 0, 3 - kLevel);
 #endif
 }
+
+#if defined(__AMX_TILE__)
+// AMX (Sapphire Rapids and later): tile registers, used by linear_int8.cpp (W8A8), linear_gguf_amx.cpp and
+// prefill_attention.cpp.
+// Whether Linux lets this process use them: it grants them on request, once (torch's oneDNN asks the same way).
+inline bool amx_granted() {
+  static const bool granted = [] {
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return granted;
+}
+
+constexpr int kAmxRows = 16;        // rows of a tile
+constexpr int64_t kAmxRowBytes = 64;  // bytes of a tile's row
+
+// Tiles 0 .. count - 1 as 16 rows of 64 bytes each (`ldtilecfg`'s 64-byte operand), for this thread until
+// `_tile_release`.
+inline void configure_tiles(int count) {
+  struct alignas(64) TileConfig {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+  } config;
+  for (int t = 0; t < count; ++t) config.rows[t] = kAmxRows, config.colsb[t] = kAmxRowBytes;
+  asm volatile("" : : "r"(&config) : "memory");  // GCC's ldtilecfg does not tell it the stores above are read
+  _tile_loadconfig(&config);
+}
+#endif
 
 // float <-> storage type. bf16 is the top half of a float: widening is a shift, narrowing rounds to nearest
 // even as torch does, so a kernel that rounds where torch rounds gives torch's bits. Written on the raw bits so
