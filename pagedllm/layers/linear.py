@@ -319,6 +319,23 @@ def gguf_activation_bits(dtype: torch.dtype) -> int:
     return GGUF_BF16_TILES if value == "bf16" else int(value)
 
 
+def fuses_silu_and_mul(weight: torch.Tensor) -> bool:
+    """Whether a gate_up projection's `weight` (gate's rows, then up's) runs with its SiLU-and-mul in one kernel,
+    `linear_silu_and_mul`: GGUF blocks in AMX-BF16 tiles, each half whole blocks of 16 columns."""
+    return (weight.dtype == torch.uint8 and getattr(weight, "activation_bits", None) == GGUF_BF16_TILES
+            and getattr(weight, "input_perm", None) is None
+            and weight.out_features % 32 == 0)  # type: ignore[attr-defined]
+
+
+def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(gate) * up of `linear(x, weight, bias)` = [gate, up] for a weight that `fuses_silu_and_mul`, the same bits
+    as SiluAndMul after it, computed as the tiles store their sums: the [T, 2 I] product is never written (a
+    2,048-token prefill of SmolLM2's gate_up and its SiLU-and-mul ~1.1x faster)."""
+    out = torch.empty(x.shape[0], weight.out_features // 2, dtype=x.dtype)  # type: ignore[attr-defined]
+    cpu_kernels().linear_gguf_silu_and_mul(out, x, weight, weight.ggml_type, bias)  # type: ignore[union-attr,attr-defined]
+    return out
+
+
 def gguf_arithmetic(activation_bits: int) -> str:
     """`activation_bits` in words, for the start-up line."""
     if activation_bits == GGUF_BF16_TILES:

@@ -18,7 +18,13 @@ from pagedllm.attention.metadata import AttentionBackend, AttentionMetadata, KVC
 from pagedllm.kernels import kernels_for
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.embedding import ParallelLMHead, VocabEmbedding
-from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pagedllm.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    fuses_silu_and_mul,
+    linear_silu_and_mul,
+)
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, get_rope, rope_config
 
@@ -103,7 +109,10 @@ class LlamaMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))  # [T, H] -> [T, 2I] -> [T, I] -> [T, H]
+        gate_up = self.gate_up_proj
+        if fuses_silu_and_mul(gate_up.weight):  # the same bits, the [T, 2I] product never stored
+            return self.down_proj(linear_silu_and_mul(x, gate_up.weight, gate_up.bias))
+        return self.down_proj(self.act_fn(gate_up(x)))  # [T, H] -> [T, 2I] -> [T, I] -> [T, H]
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -308,6 +308,45 @@ def test_a_rows_result_in_bf16_tiles_does_not_depend_on_its_batch(amx_kernels: M
         assert torch.equal(out, outs[2][:rows])
 
 
+@pytest.mark.parametrize("ggml_type", GGUF_TYPES)
+@pytest.mark.parametrize("m", [1, 17, 40, 300])  # decode batches (x's tiles as B operands), a prefill (panels)
+@pytest.mark.parametrize(("x_dtype", "with_bias"), [(torch.float32, True), (torch.bfloat16, False),
+                                                    (torch.bfloat16, True)])
+# Gate and up of 3 blocks each (odd: a thread's share ends mid-weight); 31 each, more than a thread's panel.
+@pytest.mark.parametrize(("half", "k"), [(48, 64), (496, 576)])
+def test_gated_tiles_give_the_bits_of_the_linear_then_silu_and_mul(amx_kernels: ModuleType,
+                                                                    ggml_type: GGMLQuantizationType, m: int,
+                                                                    x_dtype: torch.dtype, with_bias: bool,
+                                                                    half: int, k: int) -> None:
+    """linear_gguf_silu_and_mul (a gate_up projection with its SiLU-and-mul in the tiles' store) against
+    linear_gguf's [gate, up] output and then silu_and_mul: the same bits."""
+    g = torch.Generator().manual_seed(m + half)
+    packed = pack_gguf_weight(_random_gguf_rows(ggml_type, 2 * half, k, seed=m), ggml_type)
+    x = (torch.randn(m, k, generator=g) * 4).to(x_dtype)
+    bias = torch.randn(2 * half, generator=g).to(x_dtype) if with_bias else None
+    gate_up = torch.empty(m, 2 * half, dtype=x_dtype)
+    amx_kernels.linear_gguf(gate_up, x, packed, int(ggml_type), bias, GGUF_BF16_TILES)
+    expected = torch.empty(m, half, dtype=x_dtype)
+    amx_kernels.silu_and_mul(expected, gate_up)
+    out = torch.empty(m, half, dtype=x_dtype)
+    amx_kernels.linear_gguf_silu_and_mul(out, x, packed, int(ggml_type), bias)
+    assert torch.equal(out, expected)
+
+
+def test_gated_tiles_reject_bad_input(kernels: ModuleType) -> None:
+    q4_1 = GGMLQuantizationType.Q4_1
+    packed = pack_gguf_weight(_random_gguf_rows(q4_1, 40, 64, seed=0), q4_1)  # 40 = 2 x 20: halves split a block
+    x = torch.randn(3, 64)
+    with pytest.raises(RuntimeError, match="a multiple of 16"):
+        kernels.linear_gguf_silu_and_mul(torch.empty(3, 20), x, packed, int(q4_1))
+    packed = pack_gguf_weight(_random_gguf_rows(q4_1, 64, 64, seed=0), q4_1)
+    with pytest.raises(RuntimeError, match=r"bias must be a contiguous \[2 N\]"):
+        kernels.linear_gguf_silu_and_mul(torch.empty(3, 32), x, packed, int(q4_1), torch.randn(32))
+    if not kernels.gguf_bf16_tiles_available():
+        with pytest.raises(RuntimeError, match="AMX-BF16 tiles, which this build of the kernels"):
+            kernels.linear_gguf_silu_and_mul(torch.empty(3, 32), x, packed, int(q4_1))
+
+
 def test_gguf_kernel_rejects_bad_input(kernels: ModuleType) -> None:
     q4_1 = GGMLQuantizationType.Q4_1
     packed = pack_gguf_weight(_random_gguf_rows(q4_1, 40, 64, seed=0), q4_1)

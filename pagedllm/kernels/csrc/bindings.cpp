@@ -39,6 +39,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(pagedllm.layers.linear.gguf_reference): (out, x, packed, ggml_type, bias, activation_bits)",
         pybind11::arg("out"), pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("ggml_type"),
         pybind11::arg("bias") = pybind11::none(), pybind11::arg("activation_bits") = 16, NoGil());
+  m.def("linear_gguf_silu_and_mul", &pagedllm::linear_gguf_silu_and_mul,
+        "out = silu(x W_gate^T + b_gate) * (x W_up^T + b_up) for a GGUF weight of 2 N columns, gate's then up's (a "
+        "fused gate_up projection), N = out.size(1) a multiple of 16: linear_gguf with activation_bits=0 then "
+        "silu_and_mul, the same bits, in one pass: (out, x, packed, ggml_type, bias)",
+        pybind11::arg("out"), pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("ggml_type"),
+        pybind11::arg("bias") = pybind11::none(), NoGil());
   m.def("gguf_bf16_tiles_available", &pagedllm::gguf_bf16_tiles_available,
         "Whether linear_gguf runs activation_bits=0 here: built with AMX-BF16, and granted the tiles by Linux");
   m.def("pack_w8a8_weight", &pagedllm::pack_w8a8_weight,

@@ -56,6 +56,19 @@ at::Tensor LinearWeights::operator()(at::Tensor x) const {
   return row_bias ? y + *row_bias : y;
 }
 
+// pagedllm.models.llama.LlamaMLP's gate_up projection and SiLU-and-mul (fuses_silu_and_mul's test, in its order).
+at::Tensor LinearWeights::silu_and_mul(const at::Tensor& x) const {
+  if (weight.scalar_type() == at::kByte && activation_bits == 0 && !input_perm && out_features % 32 == 0 && !row_bias) {
+    at::Tensor out = at::empty({x.size(0), out_features / 2}, x.options());
+    linear_gguf_silu_and_mul(out, x, weight, ggml_type, bias);
+    return out;
+  }
+  const at::Tensor gate_up = (*this)(x);
+  at::Tensor out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  pagedllm::silu_and_mul(out, gate_up);
+  return out;
+}
+
 DecoderStack::DecoderStack(std::vector<DecoderLayerWeights> layers, at::Tensor norm, double eps,
                            at::Tensor cos_cache, at::Tensor sin_cache, int64_t num_heads, int64_t num_kv_heads,
                            int64_t head_dim, double scale)
@@ -89,10 +102,7 @@ at::Tensor DecoderStack::forward(at::Tensor x, const at::Tensor& positions, cons
     at::Tensor sum = at::empty_like(x);
     fused_add_rms_norm(h, sum, x, residual, layer.post_attention_norm, eps_);
     residual = sum;
-    const at::Tensor gate_up = layer.gate_up(h);
-    at::Tensor act = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
-    silu_and_mul(act, gate_up);
-    x = layer.down(act);
+    x = layer.down(layer.gate_up.silu_and_mul(h));
   }
   at::Tensor out = at::empty_like(x);
   at::Tensor sum = at::empty_like(x);

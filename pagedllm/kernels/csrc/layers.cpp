@@ -77,12 +77,8 @@ void silu_and_mul_impl(at::Tensor& out, const at::Tensor& x) {
       const scalar_t* gate = x_ptr + r * x_stride;
       const scalar_t* up = gate + d;
       scalar_t* o = out_ptr + r * out_stride;
-      // torch: silu(gate) * up, with silu(g) = g / (1 + exp(-g)) rounded to the storage type first.
 #pragma omp simd
-      for (int64_t i = 0; i < d; ++i) {
-        const float g = to_float(gate[i]);
-        o[i] = from_float<scalar_t>(round_to<scalar_t>(g / (1.f + exp_approx(-g))) * to_float(up[i]));
-      }
+      for (int64_t i = 0; i < d; ++i) o[i] = from_float<scalar_t>(silu_times<scalar_t>(to_float(gate[i]), to_float(up[i])));
     }
   });
 }

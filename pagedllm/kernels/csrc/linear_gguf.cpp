@@ -449,15 +449,9 @@ void linear_gguf_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& pa
 
 void linear_gguf(at::Tensor out, at::Tensor x, at::Tensor packed, int64_t ggml_type,
                  c10::optional<at::Tensor> bias, int64_t activation_bits) {
-  TORCH_CHECK(ggml_type == kQ4_0 || ggml_type == kQ4_1 || ggml_type == kQ8_0,
-              "ggml_type must be Q4_0 (2), Q4_1 (3) or Q8_0 (8), got ", ggml_type);
+  check_gguf_packed(x, out, packed, ggml_type);
   TORCH_CHECK(activation_bits == 8 || activation_bits == 16 || activation_bits == 0,
               "activation_bits must be 16, 8 or 0 (x in bf16, AMX-BF16 tiles), got ", activation_bits);
-  TORCH_CHECK(x.device().is_cpu() && out.device().is_cpu() && packed.device().is_cpu(), "tensors must be on the CPU");
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous()
-                  && packed.size(2) == group_bytes(ggml_type),
-              "packed must come from pack_gguf_weight: a contiguous uint8 [ceil(N/16), K/32, ",
-              group_bytes(ggml_type), "] for this type, got ", packed.sizes());
   check_operands(out, x, packed.size(0), packed.size(1) * kGroupK, bias);
   if (activation_bits == 0) return linear_gguf_bf16(out, x, packed, ggml_type, bias);
   if (out.numel() == 0) return;

@@ -15,6 +15,17 @@ constexpr int64_t group_bytes(int64_t type) {
   return header_bytes(type) + kGroupK * kBlock / (type == kQ8_0 ? 1 : 2);
 }
 
+// The checks of a packed GGUF weight and the tensors a call reads and writes, shared by the calls on it.
+inline void check_gguf_packed(const at::Tensor& x, const at::Tensor& out, const at::Tensor& packed, int64_t type) {
+  TORCH_CHECK(type == kQ4_0 || type == kQ4_1 || type == kQ8_0,
+              "ggml_type must be Q4_0 (2), Q4_1 (3) or Q8_0 (8), got ", type);
+  TORCH_CHECK(x.device().is_cpu() && out.device().is_cpu() && packed.device().is_cpu(), "tensors must be on the CPU");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous()
+                  && packed.size(2) == group_bytes(type),
+              "packed must come from pack_gguf_weight: a contiguous uint8 [ceil(N/16), K/32, ", group_bytes(type),
+              "] for this type, got ", packed.sizes());
+}
+
 // out = x W^T + bias with x rounded to bf16 and W's blocks dequantised to bf16 (d q + m, rounded once), in AMX-BF16
 // tiles (linear_gguf_amx.cpp); the operands checked by linear_gguf, which calls it for activation_bits = 0.
 void linear_gguf_bf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, int64_t ggml_type,

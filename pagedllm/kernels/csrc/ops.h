@@ -50,6 +50,11 @@ void linear_packed(at::Tensor out, at::Tensor x, at::Tensor packed, c10::optiona
 void linear_gguf(at::Tensor out, at::Tensor x, at::Tensor packed, int64_t ggml_type, c10::optional<at::Tensor> bias,
                  int64_t activation_bits);
 bool gguf_bf16_tiles_available();
+// silu(x W_gate^T) * (x W_up^T) for a packed weight of 2 N columns (gate's N, then up's), N a multiple of 16: the
+// bits of linear_gguf (activation_bits = 0) then silu_and_mul, with the product stored once (linear_gguf_amx.cpp).
+// Runs where gguf_bf16_tiles_available().
+void linear_gguf_silu_and_mul(at::Tensor out, at::Tensor x, at::Tensor packed, int64_t ggml_type,
+                              c10::optional<at::Tensor> bias);
 
 // W8A8: int8 weights times int8 activations, quantized per row in the call, summed in int32 (linear_int8.cpp).
 std::tuple<at::Tensor, at::Tensor> pack_w8a8_weight(at::Tensor q);
@@ -68,6 +73,9 @@ struct LinearWeights {
                 c10::optional<at::Tensor> row_bias, c10::optional<at::Tensor> scale, c10::optional<at::Tensor> col_sums,
                 c10::optional<at::Tensor> input_perm, int64_t ggml_type, int64_t activation_bits);
   at::Tensor operator()(at::Tensor x) const;  // x [T, in] -> [T, out]
+  // silu_and_mul of operator()(x) for a gate_up projection: x [T, in] -> [T, out / 2], in one kernel where
+  // pagedllm.layers.linear.fuses_silu_and_mul says so (GGUF blocks in AMX tiles).
+  at::Tensor silu_and_mul(const at::Tensor& x) const;
 };
 
 struct DecoderLayerWeights {
@@ -290,6 +298,14 @@ inline float max_of(const float* x, int64_t n) {
 template <typename scalar_t>
 inline float round_to(float x) {
   return to_float(from_float<scalar_t>(x));
+}
+
+// SiLU-and-mul of one gate and up value as torch computes it in scalar_t: silu(g) = g / (1 + exp(-g)), rounded to
+// the storage type, times up. layers.cpp's silu_and_mul and the GGUF tiles' fused store (linear_gguf_amx.cpp) share
+// it, so that both give the same bits.
+template <typename scalar_t>
+inline float silu_times(float gate, float up) {
+  return round_to<scalar_t>(gate / (1.f + exp_approx(-gate))) * up;
 }
 
 }  // namespace pagedllm
