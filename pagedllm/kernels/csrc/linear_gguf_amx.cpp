@@ -338,15 +338,14 @@ struct Bf16TileProblem {
   }
 
   // Row tiles [t0, t1), two at a time where both lie in one place, times blocks p, p + 1 (nb of them) at `w`: as
-  // the A operand with x_pairs, else the B one. between(g) after each group of the first row tiles' products.
+  // the A operand with x_pairs, else the B one. between(call, calls, g) after group g's products in each of the
+  // calls of tile_sums (x_pairs': (t1 - t0 + 1) / 2 of them, two row tiles each).
   template <typename Between>
   void multiply(int64_t t0, int64_t t1, const uint8_t* w, int64_t p, int nb, const Between& between) const {
     alignas(64) float acc[4 * kAmxRows * kBlock], by_row[2][kAmxRows * kBlock];
     for (int64_t t = t0; t < t1;) {
       const int nr = t + 1 < t1 && (x_pairs || t + 1 < in_place || t >= in_place) ? 2 : 1;
-      const auto during = [&](int64_t g) {
-        if (t == t0) between(g);
-      };
+      const auto during = [&](int64_t g) { between((t - t0) / 2, (t1 - t0 + 1) / 2, g); };
       if (x_pairs) {
         tile_sums<true>(nr, nb, {x_pairs + t * groups * kTileBytes, kAmxRowBytes, kTileBytes, groups * kTileBytes},
                         w, groups, acc, during);
@@ -399,26 +398,31 @@ struct Bf16TileProblem {
         for (int64_t c0 = t0; c0 < t1; c0 += kChunkTiles) {
           for (int64_t p = s0; p < s1; p += 2) {
             multiply(c0, std::min(c0 + kChunkTiles, t1), w + (p - s0) * groups * kTileBytes, p,
-                     static_cast<int>(std::min<int64_t>(2, s1 - p)), [](int64_t) {});
+                     static_cast<int>(std::min<int64_t>(2, s1 - p)), [](int64_t, int64_t, int64_t) {});
           }
         }
       }
     } else if (x_pairs) {
       // Tables: the next pair of blocks dequantised group by group while the tiles multiply this pair (its vector
-      // instructions run while a `tdpbf16ps` does; 1.10-1.17x at 32-64 rows), into the other half of the buffer.
+      // instructions run while a `tdpbf16ps` does; 1.10-1.17x at 32-64 rows), into the other half of the buffer,
+      // its blocks spread over the pair's calls of two row tiles (all in the first call: 0.94-0.95x at 33-64 rows).
       const int64_t pair_bytes = 2 * groups * kTileBytes;
       dequantize<true>(b0, std::min(b0 + 2, b1), 0, groups, w);
       for (int64_t p = b0; p < b1; p += 2) {
         const int64_t p1 = std::min(p + 2, b1), next_end = std::min(p + 4, b1);
         uint8_t* next = w + ((p - b0) / 2 + 1) % 2 * pair_bytes;
         multiply(t0, t1, w + (p - b0) / 2 % 2 * pair_bytes, p, static_cast<int>(p1 - p),
-                 [&](int64_t g) { dequantize<true>(p1, next_end, g, g + 1, next); });
+                 [&](int64_t call, int64_t calls, int64_t g) {
+                   for (int64_t b = p1 + call; b < next_end; b += calls) {
+                     dequantize<true>(b, b + 1, g, g + 1, next + (b - p1) * groups * kTileBytes);
+                   }
+                 });
       }
     } else {  // Q8_0's pairs: the same overlap measured slower for the LM head at 1-16 rows (1.76 against 1.51 ms)
       for (int64_t p = b0; p < b1; p += 2) {
         const int64_t p1 = std::min(p + 2, b1);
         dequantize<false>(p, p1, 0, groups, w);
-        multiply(t0, t1, w, p, static_cast<int>(p1 - p), [](int64_t) {});
+        multiply(t0, t1, w, p, static_cast<int>(p1 - p), [](int64_t, int64_t, int64_t) {});
       }
     }
     _tile_release();  // the tile registers' state goes with the thread on every switch while configured
