@@ -287,9 +287,9 @@ inline float exp_approx(float x) {
 }
 
 #if defined(__AVX512F__)
-// exp_approx of 16 values x <= 0 (none may be NaN), 2^n put in by vscalefps: an exponent below -126 gives a
+// exp_approx of 16 values, none NaN or above kHighest, 2^n put in by vscalefps: an exponent below -126 gives a
 // denormal or 0 where exp_approx gives 0 below kLowest.
-inline __m512 exp_nonpositive(__m512 x) {
+inline __m512 exp_approx16(__m512 x) {
   using namespace expf_constants;
   const __m512 clamped = _mm512_max_ps(x, _mm512_set1_ps(kLowest));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(clamped, _mm512_set1_ps(kLog2e)),
