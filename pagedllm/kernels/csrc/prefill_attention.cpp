@@ -383,13 +383,17 @@ inline void softmax_chunk(float* s, int64_t visible, float scale, int64_t head_d
       scaled[i] = _mm512_fmsub_ps(x[i], vscale, _mm512_set1_ps(m));
       above |= _mm512_cmp_ps_mask(scaled[i], _mm512_set1_ps(kSlack), _CMP_GT_OQ);
     }
-    float m_new = m;
+    float correction = 1.f;
     if (above) {  // a new max, further than kSlack (always on the row's first chunk, where m = -inf)
       // scale > 0: the max of the scaled scores is the scaled max.
       const float chunk_max = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(x[0], x[1]), _mm512_max_ps(x[2], x[3])));
-      m_new = std::max(m, chunk_max * scale);
+      const float m_new = std::max(m, chunk_max * scale);
+      correction = exp_approx(m - m_new);  // 0 on the first chunk (m = -inf)
+      m = m_new;
 #pragma GCC unroll 4
-      for (int i = 0; i < 4; ++i) scaled[i] = _mm512_fmsub_ps(x[i], vscale, _mm512_set1_ps(m_new));
+      for (int i = 0; i < 4; ++i) scaled[i] = _mm512_fmsub_ps(x[i], vscale, _mm512_set1_ps(m));
+      const __m512 c = _mm512_set1_ps(correction);
+      for (int64_t d = 0; d < head_dim; d += 16) _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), c));
     }
     __m512 sum = _mm512_setzero_ps();
 #pragma GCC unroll 4
@@ -398,16 +402,7 @@ inline void softmax_chunk(float* s, int64_t visible, float scale, int64_t head_d
       _mm512_storeu_ps(s + 16 * i, p);
       sum = _mm512_add_ps(sum, p);
     }
-    const float chunk_sum = _mm512_reduce_add_ps(sum);
-    if (m_new == m) {
-      l += chunk_sum;
-      return;
-    }
-    const float correction = exp_approx(m - m_new);  // 0 on the first chunk (m = -inf)
-    l = l * correction + chunk_sum;
-    m = m_new;
-    const __m512 c = _mm512_set1_ps(correction);
-    for (int64_t d = 0; d < head_dim; d += 16) _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), c));
+    l = l * correction + _mm512_reduce_add_ps(sum);
     return;
   }
 #endif
