@@ -181,3 +181,28 @@ def test_kernels_fixed_reads_the_environment_once(monkeypatch: pytest.MonkeyPatc
         other.join()
     assert seen_elsewhere == [True]
     assert kernels_disabled() and kernels_for(x) is None
+
+
+@pytest.mark.parametrize(("n", "parts"), [(0, 2), (1, 2), (5, 2), (100, 2), (7, 3), (64, 1)])
+def test_parallel_units_deals_every_unit_once(n: int, parts: int, isa_level: str) -> None:
+    """parallel_units (ops.h), which deals the linear and attention kernels' work to the threads: each unit taken
+    by exactly one thread, whatever the number of parts against threads (more parts than threads: a thread runs
+    several)."""
+    from pagedllm.kernels import cpu_kernels
+
+    owners = cpu_kernels().parallel_units_owners(n, parts, 0.0)
+    assert len(owners) == n and all(owner >= 0 for owner in owners), owners
+
+
+def test_parallel_units_lets_a_fast_thread_take_a_slow_ones_units(isa_level: str) -> None:
+    """Thread 0 sleeps 20 ms after each unit: thread 1 takes its own half, then thread 0's units from the back of
+    thread 0's range, so that thread 0 runs a contiguous first few (none, when thread 1 is through before thread 0
+    starts) and thread 1 all the rest."""
+    from pagedllm.kernels import cpu_kernels
+
+    if torch.get_num_threads() < 2:
+        pytest.skip("needs two threads for the kernels: torch has one here")
+    owners = cpu_kernels().parallel_units_owners(40, 2, 0.02)
+    first = owners.count(0)
+    assert owners == [0] * first + [1] * (40 - first), owners
+    assert first < 20, f"thread 1 should have taken some of thread 0's 20 units: {owners}"

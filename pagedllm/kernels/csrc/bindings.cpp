@@ -3,6 +3,9 @@
 
 #include "ops.h"
 
+#include <chrono>
+#include <thread>
+
 // Every kernel runs without the GIL (its arguments are converted first, its result after), so that other Python
 // threads go on meanwhile: the server's event loop beside the engine thread, data-parallel replicas beside each other.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -82,6 +85,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "The embedded tokens [T, H] through every layer and the final norm, reading and writing the paged KV "
            "cache: (x, positions, kv_caches, slot_mapping, block_tables, seq_lens, query_start_loc, num_decodes)",
            NoGil());
+  m.def("parallel_units_owners",
+        [](int64_t n, int64_t parts, double thread0_sleep_s) {
+          // Which thread took each unit: -1 none, -2 more than one.
+          std::unique_ptr<std::atomic<int64_t>[]> owners(new std::atomic<int64_t>[n]);
+          for (int64_t u = 0; u < n; ++u) owners[u].store(-1);
+          pagedllm::parallel_units(n, parts, [&](const auto& take) {
+            const int64_t thread = at::get_thread_num();
+            for (int64_t u; (u = take()) >= 0;) {
+              int64_t none = -1;
+              if (!owners[u].compare_exchange_strong(none, thread)) owners[u].store(-2);
+              if (thread == 0) std::this_thread::sleep_for(std::chrono::duration<double>(thread0_sleep_s));
+            }
+          });
+          std::vector<int64_t> result(n);
+          for (int64_t u = 0; u < n; ++u) result[u] = owners[u].load();
+          return result;
+        },
+        "For the tests of parallel_units (ops.h): the thread that took each of n units dealt over `parts` threads "
+        "(-1: none, -2: more than one), thread 0 sleeping thread0_sleep_s after each of its units: "
+        "(n, parts, thread0_sleep_s)", NoGil());
   m.def("shm_register", &pagedllm::shm_register,
         "Write this rank's pid into a shared segment, for the others' liveness checks: (segment, rank, world, pid)",
         NoGil());

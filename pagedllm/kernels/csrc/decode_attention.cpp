@@ -293,23 +293,14 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
   const scalar_t* q_ptr = q.data_ptr<scalar_t>();
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
 
-  // The (sequence, kv head) tasks in contiguous ranges of about equal work, a task's work its context length (plus
-  // a block's worth of fixed cost): at::parallel_for's ranges of equal task counts left one thread waiting while
-  // the other read the longer contexts (1.04x over SmolLM2's layers at 50 sequences of 60-600 tokens).
+  // The (sequence, kv head) tasks, dealt by parallel_units: a thread takes its own range's tasks in order (a
+  // sequence's kv heads one after another, whose rows share cache lines' neighbours), then the others' from their
+  // ends, so that neither thread waits while the other reads longer contexts or runs slower.
   const int64_t num_tasks = num_seqs * num_kv_heads;
-  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tasks));
-  const auto work = [&](int64_t task) { return int64_t{cache.seq_lens[task / num_kv_heads]} + cache.block_size; };
-  int64_t total = 0;
-  for (int64_t task = 0; task < num_tasks; ++task) total += work(task);
-  std::vector<int64_t> bounds(parts + 1, num_tasks);  // part i: tasks [bounds[i], bounds[i + 1])
-  bounds[0] = 0;
-  for (int64_t task = 0, done = 0, part = 1; task < num_tasks && part < parts; ++task) {
-    done += work(task);
-    if (done * parts >= total * part) bounds[part++] = task + 1;
-  }
-  at::parallel_for(0, parts, 1, [&](int64_t first_part, int64_t end_part) {
+  parallel_units(num_tasks, std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tasks)),
+                 [&](const auto& take) {
     std::vector<float> qf(group * head_dim), scores, acc(group * head_dim), inv_sum(group);
-    for (int64_t task = bounds[first_part]; task < bounds[end_part]; ++task) {
+    for (int64_t task; (task = take()) >= 0;) {
       const int64_t b = task / num_kv_heads, h = task % num_kv_heads;
       const int64_t len = cache.seq_lens[b];
       const int32_t* table = cache.table(b);

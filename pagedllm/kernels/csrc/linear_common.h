@@ -44,18 +44,19 @@ inline AlignedFloats aligned_floats(int64_t n) {
   return buffer;
 }
 
-// Threads split the column blocks; when there are fewer blocks than threads, the row tiles too.
+// Threads split the column blocks (and the row tiles, when there are fewer blocks than threads) into units,
+// kUnitsPerThread a thread, taken as parallel_units deals them: a thread that runs slower gets fewer.
 // run(b0, b1, t0, t1) computes column blocks [b0, b1) of row tiles [t0, t1); `macs` is the call's work.
+constexpr int64_t kUnitsPerThread = 4;
+
 template <typename Run>
 void split_blocks_and_tiles(int64_t blocks, int64_t tiles, int64_t macs, const Run& run) {
-  const int64_t threads = at::get_num_threads();
-  const int64_t n_parts = std::min(threads, blocks);
+  const int64_t threads = macs < kInlineMacs ? 1 : at::get_num_threads();
+  const int64_t n_parts = threads == 1 ? 1 : std::min(blocks, kUnitsPerThread * threads);
   const int64_t m_parts = std::min(tiles, (threads + n_parts - 1) / n_parts);
-  const int64_t tasks = n_parts * m_parts;
-  const int64_t grain = macs < kInlineMacs ? tasks : 1;
-  at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t np = task % n_parts, mp = task / n_parts;
+  parallel_units(n_parts * m_parts, threads, [&](const auto& take) {
+    for (int64_t unit; (unit = take()) >= 0;) {
+      const int64_t np = unit % n_parts, mp = unit / n_parts;
       run(np * blocks / n_parts, (np + 1) * blocks / n_parts, mp * tiles / m_parts, (mp + 1) * tiles / m_parts);
     }
   });

@@ -25,16 +25,18 @@
 //   ahead; the next pair dequantised while the tiles multiply this one); x's tiles transposed to pairs once per
 //   call; the 16 x 16 sums transposed back as they are stored.
 // - more rows (a prefill chunk), and Q8_0's blocks: W as B, dequantised in pairs (each is read by many rows, so its
-//   cost does not matter), a panel of a thread's blocks at a time (kPanelBytes of bf16, in L2), then chunks of rows
+//   cost does not matter), a panel of blocks at a time (at most kPanelBytes of bf16, in L2), then chunks of rows
 //   that stay in L2 run over it; x's tiles read where x lies (bf16 rows) or from a copy rounded to bf16 (a float32
 //   x, and a last partial tile, padded with zero rows).
 // A gate_up projection's call (linear_gguf_silu_and_mul) takes its blocks in pairs, gate block j and up block j, and
 // stores silu(gate) * up from the two tiles of sums, rounded where linear_gguf then silu_and_mul round (the same
 // bits): the [M, 2 I] product is never written nor read back (a 2,048-row prefill of SmolLM2's gate_up and SiLU
 // 1.08-1.14x; decode batches level, 0.97-1.04x).
-// Four tiles of sums hold 32 rows by 32 columns, so that each tile loaded serves two products. The threads split
-// the column blocks (and the row tiles when there are fewer blocks than threads); each weight is dequantised once
-// per call.
+// Four tiles of sums hold 32 rows by 32 columns, so that each tile loaded serves two products. The threads take
+// units of work as parallel_units deals them (ops.h): pairs of blocks for a few rows, (panel, chunk of rows) for
+// many, so that a thread the hypervisor slows down gets fewer (a static split of the blocks left the other waiting:
+// 1.05-1.3x on SmolLM2's 30 layers at 16-2,048 rows when the two cores ran at different speeds, level when they
+// did not). Each weight is dequantised once per call, or twice where two threads take units of one panel.
 #include "linear_gguf.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -382,50 +384,65 @@ struct Bf16TileProblem {
     }
   }
 
-  // Column blocks [b0, b1) times row tiles [t0, t1).
-  void run(int64_t b0, int64_t b1, int64_t t0, int64_t t1) const {
-    const bool many_rows = t1 - t0 > kPairedTiles;
-    // Blocks dequantised at once for many rows: as many pairs as fit in kPanelBytes (L2), at least one pair.
-    const int64_t panel_blocks = std::max<int64_t>(2, kPanelBytes / (groups * kTileBytes) / 2 * 2);
-    const AlignedFloats buffer =  // a panel, or a pair of blocks twice over (the tables' double buffer)
-        aligned_floats((many_rows ? std::min(panel_blocks, b1 - b0) : 4) * groups * kTileBytes / sizeof(float));
-    uint8_t* w = reinterpret_cast<uint8_t*>(buffer.get());
-    configure_tiles(kTiles);
-    if (many_rows) {
-      for (int64_t s0 = b0; s0 < b1; s0 += panel_blocks) {
-        const int64_t s1 = std::min(s0 + panel_blocks, b1);
-        dequantize<false>(s0, s1, 0, groups, w);
-        for (int64_t c0 = t0; c0 < t1; c0 += kChunkTiles) {
-          for (int64_t p = s0; p < s1; p += 2) {
-            multiply(c0, std::min(c0 + kChunkTiles, t1), w + (p - s0) * groups * kTileBytes, p,
-                     static_cast<int>(std::min<int64_t>(2, s1 - p)), [](int64_t, int64_t, int64_t) {});
-          }
+  // A few row tiles: units of a pair of column blocks, each thread taking its own pairs first, then the others'
+  // from their ends (parallel_units). With x_pairs, the thread's next pair is dequantised group by group while the
+  // tiles multiply this one (its vector instructions run while a `tdpbf16ps` does; 1.10-1.17x at 32-64 rows), into
+  // the other half of the buffer, its blocks spread over the pair's calls of two row tiles (all in the first call:
+  // 0.94-0.95x at 33-64 rows). Q8_0's pairs are dequantised before their products: the same overlap measured slower
+  // for the LM head at 1-16 rows (1.76 against 1.51 ms).
+  void run_pairs(int64_t blocks, int64_t tiles, int64_t threads) const {
+    const int64_t pair_bytes = 2 * groups * kTileBytes;
+    const auto pair_end = [&](int64_t u) { return std::min(2 * u + 2, blocks); };
+    parallel_units((blocks + 1) / 2, threads, [&](const auto& take) {
+      const AlignedFloats buffer = aligned_floats(2 * pair_bytes / sizeof(float));  // two pairs: a double buffer
+      uint8_t* w = reinterpret_cast<uint8_t*>(buffer.get());
+      configure_tiles(kTiles);
+      if (x_pairs) {
+        int64_t u = take();
+        if (u >= 0) dequantize<true>(2 * u, pair_end(u), 0, groups, w);
+        for (int64_t half = 0; u >= 0; half = 1 - half) {
+          const int64_t next = take(), n0 = next >= 0 ? 2 * next : 0, n1 = next >= 0 ? pair_end(next) : 0;
+          uint8_t* ahead = w + (1 - half) * pair_bytes;
+          multiply(0, tiles, w + half * pair_bytes, 2 * u, static_cast<int>(pair_end(u) - 2 * u),
+                   [&](int64_t call, int64_t calls, int64_t g) {
+                     for (int64_t b = n0 + call; b < n1; b += calls) {
+                       dequantize<true>(b, b + 1, g, g + 1, ahead + (b - n0) * groups * kTileBytes);
+                     }
+                   });
+          u = next;
+        }
+      } else {
+        for (int64_t u; (u = take()) >= 0;) {
+          dequantize<false>(2 * u, pair_end(u), 0, groups, w);
+          multiply(0, tiles, w, 2 * u, static_cast<int>(pair_end(u) - 2 * u), [](int64_t, int64_t, int64_t) {});
         }
       }
-    } else if (x_pairs) {
-      // Tables: the next pair of blocks dequantised group by group while the tiles multiply this pair (its vector
-      // instructions run while a `tdpbf16ps` does; 1.10-1.17x at 32-64 rows), into the other half of the buffer,
-      // its blocks spread over the pair's calls of two row tiles (all in the first call: 0.94-0.95x at 33-64 rows).
-      const int64_t pair_bytes = 2 * groups * kTileBytes;
-      dequantize<true>(b0, std::min(b0 + 2, b1), 0, groups, w);
-      for (int64_t p = b0; p < b1; p += 2) {
-        const int64_t p1 = std::min(p + 2, b1), next_end = std::min(p + 4, b1);
-        uint8_t* next = w + ((p - b0) / 2 + 1) % 2 * pair_bytes;
-        multiply(t0, t1, w + (p - b0) / 2 % 2 * pair_bytes, p, static_cast<int>(p1 - p),
-                 [&](int64_t call, int64_t calls, int64_t g) {
-                   for (int64_t b = p1 + call; b < next_end; b += calls) {
-                     dequantize<true>(b, b + 1, g, g + 1, next + (b - p1) * groups * kTileBytes);
-                   }
-                 });
+      _tile_release();  // the tile registers' state goes with the thread on every switch while configured
+    });
+  }
+
+  // Many row tiles: units of (panel of column blocks, chunk of row tiles), panel by panel, each thread taking its
+  // own units first, then the others' from their ends (parallel_units).
+  void run_units(int64_t blocks, int64_t tiles, int64_t threads) const {
+    const int64_t chunks = (tiles + kChunkTiles - 1) / kChunkTiles;
+    const int64_t max_panel = std::max<int64_t>(2, kPanelBytes / (groups * kTileBytes) / 2 * 2);
+    const int64_t want_panels = (kUnitsPerThread * threads + chunks - 1) / chunks;
+    const int64_t panel =
+        std::min(max_panel, std::max<int64_t>(2, ((blocks + want_panels - 1) / want_panels + 1) / 2 * 2));
+    parallel_units((blocks + panel - 1) / panel * chunks, threads, [&](const auto& take) {
+      const AlignedFloats buffer = aligned_floats(std::min(panel, blocks) * groups * kTileBytes / sizeof(float));
+      uint8_t* w = reinterpret_cast<uint8_t*>(buffer.get());
+      configure_tiles(kTiles);
+      for (int64_t u, held = -1; (u = take()) >= 0;) {
+        const int64_t s0 = u / chunks * panel, s1 = std::min(s0 + panel, blocks), c0 = u % chunks * kChunkTiles;
+        if (u / chunks != held) dequantize<false>(s0, s1, 0, groups, w), held = u / chunks;
+        for (int64_t p = s0; p < s1; p += 2) {
+          multiply(c0, std::min(c0 + kChunkTiles, tiles), w + (p - s0) * groups * kTileBytes, p,
+                   static_cast<int>(std::min<int64_t>(2, s1 - p)), [](int64_t, int64_t, int64_t) {});
+        }
       }
-    } else {  // Q8_0's pairs: the same overlap measured slower for the LM head at 1-16 rows (1.76 against 1.51 ms)
-      for (int64_t p = b0; p < b1; p += 2) {
-        const int64_t p1 = std::min(p + 2, b1);
-        dequantize<false>(p, p1, 0, groups, w);
-        multiply(t0, t1, w, p, static_cast<int>(p1 - p), [](int64_t, int64_t, int64_t) {});
-      }
-    }
-    _tile_release();  // the tile registers' state goes with the thread on every switch while configured
+      _tile_release();
+    });
   }
 };
 
@@ -470,12 +487,9 @@ void run_bf16_tiles(at::Tensor& out, const at::Tensor& x, const at::Tensor& pack
                                    packed.data_ptr<uint8_t>(), bias ? bias->data_ptr<T>() : nullptr,
                                    out.data_ptr<T>(), type, groups, m, out.size(1), out.stride(0),
                                    gated ? packed.size(0) / 2 : 0};
-  // A gated call's threads split pairs of blocks (gate, up), which its tiles take together.
-  const int64_t per_task = gated ? 2 : 1;
-  split_blocks_and_tiles(packed.size(0) / per_task, tiles, m * packed.size(0) * kBlock * k,
-                         [&](int64_t b0, int64_t b1, int64_t t0, int64_t t1) {
-                           problem.run(b0 * per_task, b1 * per_task, t0, t1);
-                         });
+  const int64_t threads = m * packed.size(0) * kBlock * k < kInlineMacs ? 1 : at::get_num_threads();
+  if (tiles > kPairedTiles) return problem.run_units(packed.size(0), tiles, threads);
+  problem.run_pairs(packed.size(0), tiles, threads);
 }
 
 #endif

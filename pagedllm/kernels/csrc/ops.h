@@ -5,12 +5,15 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <tuple>
 #include <vector>
 
@@ -149,6 +152,55 @@ struct PagedCache {
     return v + table[pos / block_size] * v_block + (pos % block_size) * v_token + head * v_head;
   }
 };
+
+// Units of work [0, n) in one contiguous range per thread: thread `part` takes units from the front of its own
+// range, then, once that is empty, from the back of the others'. A thread that runs slower than its partner ends up
+// with fewer units (a VM's two cores do not always run at one speed: on the AMX Xeon the kernels' static splits left
+// one thread waiting for the other ~10% of a run in some hours, none in others), while each thread still walks
+// mostly its own contiguous run (what it has in cache, or has dequantised, stays useful). parallel_units runs
+// body(take) on each of `parts` threads, take() giving the thread's next unit, or -1 when none is left.
+class UnitRanges {
+ public:
+  UnitRanges(int64_t n, int64_t parts) : parts_(parts), ranges_(new Range[parts]) {
+    for (int64_t i = 0; i < parts; ++i) ranges_[i].bounds.store(pack(n * i / parts, n * (i + 1) / parts));
+  }
+  int64_t take(int64_t part) {
+    if (const int64_t u = take_from(part, true); u >= 0) return u;
+    for (int64_t i = 1; i < parts_; ++i) {
+      if (const int64_t u = take_from((part + i) % parts_, false); u >= 0) return u;
+    }
+    return -1;
+  }
+
+ private:
+  struct alignas(64) Range {
+    std::atomic<uint64_t> bounds;  // front in the low 32 bits, back (one past the last unit) in the high ones
+  };
+  static uint64_t pack(int64_t front, int64_t back) {
+    return static_cast<uint64_t>(back) << 32 | static_cast<uint64_t>(front);
+  }
+  int64_t take_from(int64_t r, bool front) {
+    uint64_t bounds = ranges_[r].bounds.load(std::memory_order_relaxed);
+    while (true) {
+      const int64_t lo = static_cast<int64_t>(bounds & 0xFFFFFFFFu), hi = static_cast<int64_t>(bounds >> 32);
+      if (lo >= hi) return -1;
+      if (ranges_[r].bounds.compare_exchange_weak(bounds, front ? pack(lo + 1, hi) : pack(lo, hi - 1),
+                                                  std::memory_order_relaxed)) {
+        return front ? lo : hi - 1;
+      }
+    }
+  }
+  int64_t parts_;
+  std::unique_ptr<Range[]> ranges_;
+};
+
+template <typename Body>
+void parallel_units(int64_t n, int64_t parts, const Body& body) {
+  UnitRanges ranges(n, parts);
+  at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t part = begin; part < end; ++part) body([&] { return ranges.take(part); });
+  });
+}
 
 // Asks for the cache line holding p, towards L1 (kLevel 0) or L2 (1). In asm: GCC judged helpers made of
 // `__builtin_prefetch` or `_mm_prefetch` calls free of side effects and dropped their calls (check with objdump).

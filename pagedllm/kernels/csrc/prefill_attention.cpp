@@ -26,6 +26,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <type_traits>
@@ -554,22 +555,17 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tens
     }
   });
 
-  // Deal the tasks to the threads, most expensive first, each to the least loaded (at::parallel_for would
-  // hand out contiguous ranges, and the last query tiles of a long sequence cost the most).
+  // The tasks, most expensive first, each taken by the next thread free (at::parallel_for would hand out
+  // contiguous ranges, and the last query tiles of a long sequence cost the most; a fixed deal would leave a thread
+  // that runs slower, as these shared cores sometimes do, last to finish).
   const int64_t num_threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks.size()));
   std::vector<int64_t> order(tasks.size());
   for (size_t t = 0; t < order.size(); ++t) order[t] = static_cast<int64_t>(t);
   std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return tasks[a].cost > tasks[b].cost; });
-  std::vector<std::vector<int64_t>> assigned(num_threads);
-  std::vector<int64_t> load(num_threads, 0);
-  for (int64_t t : order) {
-    const int64_t idx = std::min_element(load.begin(), load.end()) - load.begin();
-    assigned[idx].push_back(t);
-    load[idx] += tasks[t].cost;
-  }
+  std::atomic<size_t> next_task{0};
 
   // Pass 2: attention per task.
-  at::parallel_for(0, num_threads, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, num_threads, 1, [&](int64_t, int64_t) {
     const int64_t max_rows = kQueryTile * group;
     std::vector<float> q_rows(max_rows * head_dim), scores(max_rows * kKeyChunk), acc(max_rows * head_dim);
     std::vector<uint32_t> q_pairs(kBf16Dot ? max_rows * pairs : 0);
@@ -578,75 +574,73 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tens
     std::vector<c10::BFloat16> p_bf16(amx ? max_rows * kKeyChunk : 0);
     if (amx) configure_tiles(kAttentionTiles);
 #endif
-    for (int64_t thread = begin; thread < end; ++thread) {
-      for (int64_t t : assigned[thread]) {
-        const Task& task = tasks[t];
-        const Packed& pk = packed[task.packed];
-        const int64_t seq_len = lens[pk.seq], q_len = qsl[pk.seq + 1] - qsl[pk.seq];
-        const int64_t first_pos = seq_len - q_len + (task.q_begin - qsl[pk.seq]);  // position of the first row's token
-        const int64_t tokens = task.q_end - task.q_begin, rows = tokens * group;
-        // Rows: token-major, then the group's query heads.
-        for (int64_t r = 0; r < rows; ++r) {
-          const scalar_t* src = q_ptr + ((task.q_begin + r / group) * num_heads + pk.head * group + r % group) * head_dim;
-          if constexpr (kBf16Dot) {
-            std::memcpy(q_pairs.data() + r * pairs, src, head_dim * sizeof(scalar_t));
-          } else {
-            for (int64_t d = 0; d < head_dim; ++d) q_rows[r * head_dim + d] = to_float(src[d]);
-          }
+    for (size_t n; (n = next_task.fetch_add(1, std::memory_order_relaxed)) < order.size();) {
+      const Task& task = tasks[order[n]];
+      const Packed& pk = packed[task.packed];
+      const int64_t seq_len = lens[pk.seq], q_len = qsl[pk.seq + 1] - qsl[pk.seq];
+      const int64_t first_pos = seq_len - q_len + (task.q_begin - qsl[pk.seq]);  // position of the first row's token
+      const int64_t tokens = task.q_end - task.q_begin, rows = tokens * group;
+      // Rows: token-major, then the group's query heads.
+      for (int64_t r = 0; r < rows; ++r) {
+        const scalar_t* src = q_ptr + ((task.q_begin + r / group) * num_heads + pk.head * group + r % group) * head_dim;
+        if constexpr (kBf16Dot) {
+          std::memcpy(q_pairs.data() + r * pairs, src, head_dim * sizeof(scalar_t));
+        } else {
+          for (int64_t d = 0; d < head_dim; ++d) q_rows[r * head_dim + d] = to_float(src[d]);
         }
-        std::fill(row_max.begin(), row_max.begin() + rows, -std::numeric_limits<float>::infinity());
-        std::fill(row_sum.begin(), row_sum.begin() + rows, 0.f);
-        std::fill(acc.begin(), acc.begin() + rows * head_dim, 0.f);
-        const int64_t last_tile = (first_pos + tokens - 1) / kKeyTile;
-        for (int64_t chunk_start = 0; chunk_start <= last_tile * kKeyTile; chunk_start += kKeyChunk) {
-          const int64_t first_tile = chunk_start / kKeyTile;
-          const int64_t tiles = std::min(kKeyChunk / kKeyTile, last_tile + 1 - first_tile);
-          if constexpr (kBf16Dot) {
-#if PAGEDLLM_ATTENTION_AMX
-            if (amx) {
-              score_chunk_amx(q_pairs.data(), rows, pairs, k_bits.data() + pk.k_offset + first_tile * k_tile_words,
-                              k_tile_words, tiles, scores.data(), kKeyChunk);
-            }
-#endif
-#if defined(__AVX512BF16__)
-            if (!amx) {
-              for (int64_t i = 0; i < tiles; ++i) {
-                score_tile_bf16(q_pairs.data(), rows, pairs,
-                                k_bits.data() + pk.k_offset + (first_tile + i) * k_tile_words,
-                                scores.data() + i * kKeyTile, kKeyChunk);
-              }
-            }
-#endif
-          } else {
-            score_chunk_float(q_rows.data(), rows, head_dim, k_floats.data() + pk.k_offset + first_tile * k_tile_words,
-                              tiles, scores.data(), kKeyChunk);
-          }
-          for (int64_t r = 0; r < rows; ++r) {
-            float* s = scores.data() + r * kKeyChunk;
-            const int64_t visible = std::min(tiles * kKeyTile, first_pos + r / group - chunk_start + 1);
-            if (visible <= 0) {  // the chunk is past this row's position: it adds nothing
-              std::fill(s, s + kKeyChunk, 0.f);
-              continue;
-            }
-            softmax_chunk<kHeadDim>(s, visible, scale, head_dim, row_max[r], row_sum[r], acc.data() + r * head_dim);
-          }
+      }
+      std::fill(row_max.begin(), row_max.begin() + rows, -std::numeric_limits<float>::infinity());
+      std::fill(row_sum.begin(), row_sum.begin() + rows, 0.f);
+      std::fill(acc.begin(), acc.begin() + rows * head_dim, 0.f);
+      const int64_t last_tile = (first_pos + tokens - 1) / kKeyTile;
+      for (int64_t chunk_start = 0; chunk_start <= last_tile * kKeyTile; chunk_start += kKeyChunk) {
+        const int64_t first_tile = chunk_start / kKeyTile;
+        const int64_t tiles = std::min(kKeyChunk / kKeyTile, last_tile + 1 - first_tile);
+        if constexpr (kBf16Dot) {
 #if PAGEDLLM_ATTENTION_AMX
           if (amx) {
-            accumulate_chunk_amx(scores.data(), rows, value_pairs.data() + pk.v_offset + chunk_start / 2 * head_dim,
-                                 head_dim, p_bf16.data(), acc.data());
-            continue;
+            score_chunk_amx(q_pairs.data(), rows, pairs, k_bits.data() + pk.k_offset + first_tile * k_tile_words,
+                            k_tile_words, tiles, scores.data(), kKeyChunk);
           }
 #endif
-          // Every row's p is 0 past its own position, so all rows take the last row's keys (the most any sees).
-          const int64_t visible = std::min(tiles * kKeyTile, first_pos + (rows - 1) / group - chunk_start + 1);
-          accumulate_rows<kHeadDim>(scores.data(), rows, visible, values.data() + pk.v_offset + chunk_start * head_dim,
-                                    head_dim, acc.data());
+#if defined(__AVX512BF16__)
+          if (!amx) {
+            for (int64_t i = 0; i < tiles; ++i) {
+              score_tile_bf16(q_pairs.data(), rows, pairs,
+                              k_bits.data() + pk.k_offset + (first_tile + i) * k_tile_words,
+                              scores.data() + i * kKeyTile, kKeyChunk);
+            }
+          }
+#endif
+        } else {
+          score_chunk_float(q_rows.data(), rows, head_dim, k_floats.data() + pk.k_offset + first_tile * k_tile_words,
+                            tiles, scores.data(), kKeyChunk);
         }
         for (int64_t r = 0; r < rows; ++r) {
-          scalar_t* dst = out_ptr + ((task.q_begin + r / group) * num_heads + pk.head * group + r % group) * head_dim;
-          const float inv = 1.f / row_sum[r];
-          for (int64_t d = 0; d < head_dim; ++d) dst[d] = from_float<scalar_t>(acc[r * head_dim + d] * inv);
+          float* s = scores.data() + r * kKeyChunk;
+          const int64_t visible = std::min(tiles * kKeyTile, first_pos + r / group - chunk_start + 1);
+          if (visible <= 0) {  // the chunk is past this row's position: it adds nothing
+            std::fill(s, s + kKeyChunk, 0.f);
+            continue;
+          }
+          softmax_chunk<kHeadDim>(s, visible, scale, head_dim, row_max[r], row_sum[r], acc.data() + r * head_dim);
         }
+#if PAGEDLLM_ATTENTION_AMX
+        if (amx) {
+          accumulate_chunk_amx(scores.data(), rows, value_pairs.data() + pk.v_offset + chunk_start / 2 * head_dim,
+                               head_dim, p_bf16.data(), acc.data());
+          continue;
+        }
+#endif
+        // Every row's p is 0 past its own position, so all rows take the last row's keys (the most any sees).
+        const int64_t visible = std::min(tiles * kKeyTile, first_pos + (rows - 1) / group - chunk_start + 1);
+        accumulate_rows<kHeadDim>(scores.data(), rows, visible, values.data() + pk.v_offset + chunk_start * head_dim,
+                                  head_dim, acc.data());
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        scalar_t* dst = out_ptr + ((task.q_begin + r / group) * num_heads + pk.head * group + r % group) * head_dim;
+        const float inv = 1.f / row_sum[r];
+        for (int64_t d = 0; d < head_dim; ++d) dst[d] = from_float<scalar_t>(acc[r * head_dim + d] * inv);
       }
     }
 #if PAGEDLLM_ATTENTION_AMX
