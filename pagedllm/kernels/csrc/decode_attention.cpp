@@ -296,9 +296,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
   // The (sequence, kv head) tasks, dealt by parallel_units: a thread takes its own range's tasks in order (a
   // sequence's kv heads one after another, whose rows share cache lines' neighbours), then the others' from their
   // ends, so that neither thread waits while the other reads longer contexts or runs slower.
-  const int64_t num_tasks = num_seqs * num_kv_heads;
-  parallel_units(num_tasks, std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tasks)),
-                 [&](const auto& take) {
+  parallel_units(num_seqs * num_kv_heads, at::get_num_threads(), [&](const auto& take) {
     std::vector<float> qf(group * head_dim), scores, acc(group * head_dim), inv_sum(group);
     for (int64_t task; (task = take()) >= 0;) {
       const int64_t b = task / num_kv_heads, h = task % num_kv_heads;

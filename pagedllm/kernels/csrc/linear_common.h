@@ -49,9 +49,12 @@ inline AlignedFloats aligned_floats(int64_t n) {
 // run(b0, b1, t0, t1) computes column blocks [b0, b1) of row tiles [t0, t1); `macs` is the call's work.
 constexpr int64_t kUnitsPerThread = 4;
 
+// The threads a call of `macs` multiply-adds runs on: one below kInlineMacs, where a fork costs more than it saves.
+inline int64_t threads_for(int64_t macs) { return macs < kInlineMacs ? 1 : at::get_num_threads(); }
+
 template <typename Run>
 void split_blocks_and_tiles(int64_t blocks, int64_t tiles, int64_t macs, const Run& run) {
-  const int64_t threads = macs < kInlineMacs ? 1 : at::get_num_threads();
+  const int64_t threads = threads_for(macs);
   const int64_t n_parts = threads == 1 ? 1 : std::min(blocks, kUnitsPerThread * threads);
   const int64_t m_parts = std::min(tiles, (threads + n_parts - 1) / n_parts);
   parallel_units(n_parts * m_parts, threads, [&](const auto& take) {

@@ -487,7 +487,7 @@ void run_bf16_tiles(at::Tensor& out, const at::Tensor& x, const at::Tensor& pack
                                    packed.data_ptr<uint8_t>(), bias ? bias->data_ptr<T>() : nullptr,
                                    out.data_ptr<T>(), type, groups, m, out.size(1), out.stride(0),
                                    gated ? packed.size(0) / 2 : 0};
-  const int64_t threads = m * packed.size(0) * kBlock * k < kInlineMacs ? 1 : at::get_num_threads();
+  const int64_t threads = threads_for(m * packed.size(0) * kBlock * k);
   if (tiles > kPairedTiles) return problem.run_units(packed.size(0), tiles, threads);
   problem.run_pairs(packed.size(0), tiles, threads);
 }

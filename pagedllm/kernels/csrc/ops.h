@@ -196,6 +196,7 @@ class UnitRanges {
 
 template <typename Body>
 void parallel_units(int64_t n, int64_t parts, const Body& body) {
+  parts = std::max<int64_t>(1, std::min(parts, n));  // a part with no units of its own would only steal
   UnitRanges ranges(n, parts);
   at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
     for (int64_t part = begin; part < end; ++part) body([&] { return ranges.take(part); });
