@@ -5,7 +5,6 @@ The public names are imported lazily, so that `import pagedllm.core` (the pure-P
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
@@ -31,4 +30,6 @@ if TYPE_CHECKING:
 def __getattr__(name: str) -> Any:
     if name not in _EXPORTS:
         raise AttributeError(f"module 'pagedllm' has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+    from pagedllm.heap import import_static
+
+    return getattr(import_static(_EXPORTS[name]), name)   # torch and transformers, imported here: pagedllm.heap

@@ -165,6 +165,21 @@ def test_gguf_mode_gives_smollm2s_dequantised_models_tokens(smol_llm):
     assert reply.text.startswith("The capital of France is Paris")
 
 
+def test_gguf_blocks_kept_packed_are_never_read_to_load(monkeypatch):
+    """A .gguf file's blocks are packed before loading, so that loading reads, and dequantises, only the tensors
+    the model keeps dense: SmolLM2's norms and its Q8_0 embedding (the tied LM head packs the embedding's blocks,
+    the lookup keeps a dequantised copy)."""
+    from pagedllm.loader.gguf import GGUFFile
+
+    read, read_tensor = [], GGUFFile.read_tensor
+    monkeypatch.setattr(GGUFFile, "read_tensor", lambda self, info: read.append(info.name) or read_tensor(self, info))
+    model = load_model(ModelConfig(dtype="float32", quantization="gguf")).model
+    assert set(read) == {"token_embd.weight", "output_norm.weight"} | {
+        f"blk.{i}.{norm}.weight" for i in range(model.num_layers) for norm in ("attn_norm", "ffn_norm")}
+    assert model.model.embed_tokens.weight.dtype == torch.float32
+    assert model.lm_head.weight.ggml_type == 8  # Q8_0
+
+
 def _cpu_with_amx(monkeypatch, amx: bool) -> None:
     """Make pagedllm.cpu report this CPU with (and oneDNN's bf16) or without AMX."""
     import pagedllm.cpu
@@ -310,7 +325,14 @@ def test_a_fused_layer_whose_parts_permute_k_differently_keeps_its_dequantised_w
         return weights
 
     monkeypatch.setattr(int4, "int4_weights", with_layer0_v_reordered)
+    dequantised_shapes, dequantize = [], int4.dequantize_int4
+    monkeypatch.setattr(int4, "dequantize_int4",
+                        lambda weight: dequantised_shapes.append(tuple(weight.rows.q.shape)) or dequantize(weight))
     model = load_model(ModelConfig(model=str(folder), dtype="float32")).model
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    hidden = model.config.hidden_size
+    # loading dequantised the dense layer's q, k and v, and none of the 4-bit weights packed before it
+    assert sorted(dequantised_shapes) == sorted([(qkv.q_size, hidden), (qkv.kv_size, hidden), (qkv.kv_size, hidden)])
     assert model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float32
     assert model.model.layers[1].self_attn.qkv_proj.weight.dtype == torch.uint8
     tokens = [1, 17, 250, 9, 33]

@@ -20,6 +20,7 @@ from pagedllm.device import describe_device, resolve_engine_device
 from pagedllm.distributed import Peers, TensorParallelError, start_peers
 from pagedllm.engine.beam_search import BeamSearchDriver, BeamSearchOutput, BeamSearchParams
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.heap import paused_gc
 from pagedllm.inputs import ParsedPrompt, PromptType, parse_prompt
 from pagedllm.loader import load_model, max_model_len_of
 from pagedllm.logger import init_logger
@@ -129,7 +130,8 @@ class LLMEngine:
                              "(pagedllm.engine.data_parallel; LLM and the server build them)")
         peers = start_peers(config)     # the workers load their slices while this process loads rank 0's
         try:
-            self._start(config, peers)
+            with paused_gc():           # loading makes many long-lived objects and little garbage: pagedllm.heap
+                self._start(config, peers)
         except BaseException:
             peers.close()
             raise

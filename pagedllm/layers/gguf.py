@@ -94,19 +94,32 @@ def pack_gguf_weight(rows: torch.Tensor, ggml_type: GGMLQuantizationType) -> tor
     head = _header_bytes(ggml_type)
     scales = blocks[..., :head].contiguous().view(torch.float16).float()  # [B, 16, G, 1 or 2]
     scales = scales.permute(0, 2, 3, 1).contiguous().view(torch.uint8).flatten(2)  # [B, G, (d[16], m[16]) bytes]
-    values = blocks[..., head:]  # [B, 16 columns, G, 32 or 16 bytes]
-    if ggml_type == GGMLQuantizationType.Q8_0:  # [B, 16 j, G, 8 quads, 4 t] -> [B, G, quad, j, t]
-        values = values.reshape(*values.shape[:3], 8, 4).permute(0, 2, 3, 1, 4).flatten(2)
-    else:
-        values = _octets(torch.cat([values & 0x0F, values >> 4], dim=-1))  # value i of the block
+    words = _words(blocks[..., head:])  # [B, 16 columns, G, 8 quads of int8 (Q8_0) or 4 words of 8 nibbles]
+    if ggml_type == GGMLQuantizationType.Q8_0:
+        values = _interleave_columns(words)
+    else:  # value i in byte i % 16, low nibble for i < 16: the words of values 0..15, then of 16..31
+        values = _octets(torch.cat([words & _LOW_NIBBLES, (words >> 4) & _LOW_NIBBLES], dim=-1))
     return torch.cat([scales, values], dim=-1).contiguous()
 
 
+# The packing moves 4-byte words, never single bytes: a permuted copy of int32s is ~4x faster than of uint8s.
+_LOW_NIBBLES = 0x0F0F0F0F
+
+
+def _words(values: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., 4 w] -> int32 [..., w]: word i holds bytes 4 i .. 4 i + 3 (byte t in bits 8 t .. 8 t + 7)."""
+    return values.contiguous().view(torch.int32)
+
+
+def _interleave_columns(words: torch.Tensor) -> torch.Tensor:
+    """int32 [B, 16 columns j, G, W] -> bytes [B, G, W x 64]: word i's 64-byte row holds column j's word i at 4 j."""
+    return words.permute(0, 2, 3, 1).contiguous().view(torch.uint8).flatten(2)
+
+
 def _octets(q: torch.Tensor) -> torch.Tensor:
-    """4-bit values [B, 16 columns, G, 32 k] -> bytes [B, G, 256]: 4 octets of 8 k's, byte 4 j + t of octet o =
-    q[j, 8 o + t] | q[j, 8 o + 4 + t] << 4."""
-    q = q.view(*q.shape[:3], 4, 2, 4)  # [B, 16 j, G, octet, low / high, t]
-    return (q[..., 0, :] | (q[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).flatten(2)
+    """4-bit values in words (`_words` of [B, 16 columns, G, 32 k], one a byte) -> bytes [B, G, 256]: 4 octets of
+    8 k's, byte 4 j + t of octet o = q[j, 8 o + t] | q[j, 8 o + 4 + t] << 4."""
+    return _interleave_columns(q[..., 0::2] | (q[..., 1::2] << 4))
 
 
 def pack_q4_rows(rows: Q4Rows) -> torch.Tensor:
@@ -117,7 +130,7 @@ def pack_q4_rows(rows: Q4Rows) -> torch.Tensor:
     scales = torch.stack([rows.d, rows.m], dim=-1).float()  # [N, G, d / m]
     scales = torch.cat([scales, scales.new_zeros(pad, *scales.shape[1:])]).view(-1, _ROWS, k // _GROUP, 2)
     scales = scales.permute(0, 2, 3, 1).contiguous().view(torch.uint8).flatten(2)  # [B, G, (d[16], m[16]) bytes]
-    return torch.cat([scales, _octets(q)], dim=-1).contiguous()
+    return torch.cat([scales, _octets(_words(q))], dim=-1).contiguous()
 
 
 def q4_k_rows(rows: torch.Tensor) -> Q4Rows:

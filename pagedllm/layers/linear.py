@@ -8,9 +8,10 @@ tensor and copies this rank's slice into place, so the model's `load_weights` ne
 
 After loading, `pack_linear_weights` swaps CPU weights for packed copies (oneDNN's for bf16 where it has bf16
 instructions, pagedllm's own kernel's otherwise, int8 with row scales under quantization="int8", and the same int8
-weights in the int8 x int8 kernel's layout under quantization="w8a8");
-`pack_gguf_linear_weights` before it keeps a GGUF's Q4_0/Q4_1/Q8_0/Q4_K blocks packed (quantization="gguf"), and
-`pack_int4_linear_weights` an AWQ or GPTQ checkpoint's 4-bit weights (quantization="awq"/"gptq"). `linear` takes
+weights in the int8 x int8 kernel's layout under quantization="w8a8"). Before loading, `pack_gguf_linear_weights`
+packs a GGUF's Q4_0/Q4_1/Q8_0/Q4_K blocks (quantization="gguf"), and `pack_int4_linear_weights` an AWQ or GPTQ
+checkpoint's 4-bit weights (quantization="awq"/"gptq"), in place of weights loading then skips
+(`packed_checkpoint_names`). `linear` takes
 any of them, and so does the C++ kernels' LinearWeights (`linear_weights`), which repeats its branches for the
 model's DecoderStack.
 """
@@ -288,6 +289,22 @@ def _quantizable_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module, list
         weight = getattr(layer, "weight", None)
         if getattr(type(layer), "packable_weight", False) and weight is not None and weight.dim() == 2:
             yield name, layer, _checkpoint_names(name, fused, tied)
+
+
+def packed_checkpoint_names(model: nn.Module) -> set[str]:
+    """The checkpoint weights that only layers packed from blocks (`pack_gguf_linear_weights`,
+    `pack_int4_linear_weights`, which run before loading) are made of: loading need not read, let alone
+    dequantise, them. The embedding under a tied LM head still loads, for the lookup."""
+    fused = getattr(model, "packed_modules_mapping", {})
+    tied = bool(getattr(model, "tie_word_embeddings", False))
+    names = {name for module_name, layer in model.named_modules() if is_block_packed(getattr(layer, "weight", None))
+             for name in _checkpoint_names(module_name, fused, tied)}
+    return names - {name for name, param in model.named_parameters() if not is_block_packed(param)}
+
+
+def is_block_packed(weight: torch.Tensor | None) -> bool:
+    """Whether `weight` is a linear weight packed from a checkpoint's blocks (`_set_packed`)."""
+    return getattr(weight, "ggml_type", None) is not None
 
 
 GGUF_ACTIVATION_BITS_ENV = "PAGEDLLM_GGUF_ACTIVATION_BITS"

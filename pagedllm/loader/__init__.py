@@ -99,17 +99,18 @@ def max_model_len_of(hf_config: Any, wanted: int | None) -> int:
     return wanted or model_len
 
 
-def _weights(resolved: ResolvedModel, dtype: torch.dtype, hf_config: Any, quantization: str | None
-             ) -> Iterator[tuple[str, torch.Tensor]]:
-    """A lazy (name, tensor) iterator over the checkpoint's weights in `dtype` (quantized ones dequantised)."""
+def _weights(resolved: ResolvedModel, dtype: torch.dtype, hf_config: Any, quantization: str | None,
+             skip: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """A lazy (name, tensor) iterator over the checkpoint's weights in `dtype` (quantized ones dequantised), but
+    for the quantized ones named in `skip`, which are never read."""
     from pagedllm.loader.int4 import INT4_METHODS, int4_config, iterate_int4
 
     if resolved.gguf_path is not None:
         from pagedllm.loader.gguf import iterate_gguf
 
-        return iterate_gguf(resolved.gguf_path, dtype)
+        return iterate_gguf(resolved.gguf_path, dtype, skip=skip)
     if quantization in INT4_METHODS:
-        return iterate_int4(resolved.path, dtype, int4_config(hf_config))
+        return iterate_int4(resolved.path, dtype, int4_config(hf_config), skip)
     from pagedllm.loader.safetensors import iterate_safetensors
 
     return iterate_safetensors(resolved.path, dtype)
@@ -158,43 +159,51 @@ def resolve_quantization(requested: str | None, resolved: ResolvedModel, hf_conf
     return quantization
 
 
-def _pack(model: nn.Module, quantization: str | None, resolved: ResolvedModel, hf_config: Any, dtype: torch.dtype
-          ) -> str:
-    """Pack the linear weights for `quantization`; returns what was packed, for the start-up line."""
-    from pagedllm.layers.gguf import PACKED_GGUF_TYPES
+def _pack_blocks(model: nn.Module, quantization: str | None, resolved: ResolvedModel, hf_config: Any,
+                 dtype: torch.dtype) -> list[str]:
+    """Before loading: pack the GGUF kernel's blocks (quantization "gguf", "awq" or "gptq") in place of the linear
+    weights they hold, so that loading never reads, or dequantises, those weights (`packed_checkpoint_names`).
+    Returns what was packed, for the start-up line."""
     from pagedllm.layers.linear import (
         gguf_activation_bits,
         gguf_arithmetic,
         pack_gguf_linear_weights,
         pack_int4_linear_weights,
-        pack_linear_weights,
     )
     from pagedllm.loader.int4 import INT4_METHODS, int4_config, int4_weights
 
-    parts = []
-    if quantization in ("gguf", *INT4_METHODS):  # the GGUF kernel's modes
-        activation_bits = gguf_activation_bits(dtype)
-        if quantization == "gguf":
-            from pagedllm.loader.gguf import GGUFFile, gguf_block_rows
+    if quantization not in ("gguf", *INT4_METHODS):
+        return []
+    activation_bits = gguf_activation_bits(dtype)
+    if quantization == "gguf":
+        from pagedllm.layers.gguf import PACKED_GGUF_TYPES
+        from pagedllm.loader.gguf import GGUFFile, gguf_block_rows
 
-            rows = gguf_block_rows(GGUFFile(resolved.gguf_path), PACKED_GGUF_TYPES)  # type: ignore[arg-type]
-            counts = pack_gguf_linear_weights(model, rows, activation_bits)
-            parts = [f"{count} as GGUF {name}" for name, count in sorted(counts.items())]
-        else:
-            weights = int4_weights(resolved.path, int4_config(hf_config))
-            parts = [f"{pack_int4_linear_weights(model, weights, activation_bits)} as {quantization.upper()} 4-bit "
-                     "(Q4_1 kernel)"]
-        parts[-1] += f", times {gguf_arithmetic(activation_bits)}"
+        rows = gguf_block_rows(GGUFFile(resolved.gguf_path), PACKED_GGUF_TYPES)  # type: ignore[arg-type]
+        counts = pack_gguf_linear_weights(model, rows, activation_bits)
+        parts = [f"{count} as GGUF {name}" for name, count in sorted(counts.items())]
+    else:
+        weights = int4_weights(resolved.path, int4_config(hf_config))
+        parts = [f"{pack_int4_linear_weights(model, weights, activation_bits)} as {quantization.upper()} 4-bit "
+                 "(Q4_1 kernel)"]
+    parts[-1] += f", times {gguf_arithmetic(activation_bits)}"
+    return parts
+
+
+def _pack(model: nn.Module, quantization: str | None) -> list[str]:
+    """After loading: pack the linear weights still plain (`pack_linear_weights`), quantized to int8 here under
+    quantization "int8" or "w8a8". Returns what was packed, for the start-up line."""
+    from pagedllm.layers.linear import pack_linear_weights
+
     at_load = quantization if quantization in ("int8", "w8a8") else None  # quantized here, from any checkpoint
     packed = pack_linear_weights(model, at_load)
-    if packed:
-        parts.append(f"{packed}{f' as {at_load}' if at_load else ''}")
-    return f", weights packed: {', '.join(parts)}" if parts else ""
+    return [f"{packed}{f' as {at_load}' if at_load else ''}"] if packed else []
 
 
 def load_model(model_config: ModelConfig, tp_rank: int = 0, tp_size: int = 1) -> LoadedModel:
     """Resolve, build and load the model of `model_config`, in eval mode on `model_config.device`; under tensor
     parallelism, rank `tp_rank`'s slice of it (each rank reads the checkpoint and keeps its own slice)."""
+    from pagedllm.layers.linear import packed_checkpoint_names
     from pagedllm.models.registry import model_class_for_config
 
     start = time.perf_counter()
@@ -211,9 +220,11 @@ def load_model(model_config: ModelConfig, tp_rank: int = 0, tp_size: int = 1) ->
     attn_backend = attention_backend(model_config.device)
     with torch.device(model_config.device):
         model = model_cls(hf_config, dtype=dtype, attn_backend=attn_backend, tp_rank=tp_rank, tp_size=tp_size)
-    model.load_weights(_weights(resolved, dtype, hf_config, quantization))
+    parts = _pack_blocks(model, quantization, resolved, hf_config, dtype)
+    model.load_weights(_weights(resolved, dtype, hf_config, quantization, skip=packed_checkpoint_names(model)))
     model.eval()
-    how = _pack(model, quantization, resolved, hf_config, dtype)
+    parts += _pack(model, quantization)
+    how = f", weights packed: {', '.join(parts)}" if parts else ""
     if not model_config.enforce_eager:
         model.use_decoder_stack()
     rank = f", tensor-parallel rank {tp_rank} of {tp_size}" if tp_size > 1 else ""

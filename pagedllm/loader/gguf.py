@@ -19,7 +19,7 @@ import mmap
 import re
 import struct
 import warnings
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -222,16 +222,17 @@ def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
         weight.shape)
 
 
-def iterate_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
-                 gguf_file: GGUFFile | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (Hugging Face name, tensor in `dtype`) for every weight of a llama-family GGUF."""
+def iterate_gguf(path: str | Path, dtype: torch.dtype = torch.float32, gguf_file: GGUFFile | None = None,
+                 skip: Container[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (Hugging Face name, tensor in `dtype`) for every weight of a llama-family GGUF but those named in
+    `skip`, which are never read."""
     g = gguf_file or GGUFFile(path)
     permute = g.architecture in _PERMUTED_ARCHS
     num_heads = g.arch_value("attention.head_count")
     num_kv_heads = g.arch_value("attention.head_count_kv", num_heads)
     for info in g.tensors.values():
         hf_name = gguf_to_hf_name(info.name)
-        if hf_name is None:
+        if hf_name is None or hf_name in skip:
             continue
         tensor = g.read_tensor(info)
         if permute and ".q_proj." in hf_name:

@@ -2,14 +2,14 @@
 quantized linear layers are stored as `{layer}.qweight`, `.qzeros`, `.scales` (and GPTQ's `.g_idx`) in place of
 `{layer}.weight` (layouts in `pagedllm.layers.int4`).
 
-The model loads each such layer's dequantised weight (`iterate_int4`), as it loads a GGUF's; `int4_weights` then
-gives the 4-bit weights that `pack_int4_linear_weights` keeps in their place.
+`int4_weights` gives the 4-bit weights, which `pack_int4_linear_weights` packs in their layers' place before
+the model loads the rest (`iterate_int4`: a layer left unpacked loads its dequantised weight, as from a GGUF).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -90,11 +90,14 @@ def _int4_weight(tensors: dict[str, torch.Tensor], config: Int4Config) -> Int4We
     return gptq_int4_weight(tensors["qweight"], tensors["qzeros"], tensors["scales"], g_idx, config.zero_offset)
 
 
-def iterate_int4(folder: Path, dtype: torch.dtype, config: Int4Config) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_int4(folder: Path, dtype: torch.dtype, config: Int4Config, skip: Container[str] = ()
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) pairs for the model's `load_weights`: the unquantized tensors cast to `dtype`, then each
-    quantized layer's dequantised weight in `dtype` under its plain name."""
+    quantized layer's dequantised weight in `dtype` under its plain name, but for those named in `skip` (packed
+    as they are: never read)."""
     for name, tensor in iterate_safetensors(folder, dtype):
         if name.rpartition(".")[2] not in _QUANTIZED_SUFFIXES:
             yield name, tensor
     for name, weight in int4_weights(folder, config).items():
-        yield name, dequantize_int4(weight()).to(dtype)
+        if name not in skip:
+            yield name, dequantize_int4(weight()).to(dtype)

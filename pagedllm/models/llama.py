@@ -23,6 +23,7 @@ from pagedllm.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
     fuses_silu_and_mul,
+    is_block_packed,
     linear_silu_and_mul,
 )
 from pagedllm.layers.norm import RMSNorm
@@ -281,9 +282,9 @@ class LlamaForCausalLM(nn.Module):
 
     def _check_all_loaded(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
         expected: set[str] = set()
-        for name in params:
-            if self.tie_word_embeddings and name == "lm_head.weight":
-                continue
+        for name, param in params.items():
+            if (self.tie_word_embeddings and name == "lm_head.weight") or is_block_packed(param):
+                continue  # a block-packed weight was packed from the checkpoint before loading
             shard_ids = [s for fused, _, s in STACKED_PARAMS_MAPPING if fused + "." in name]
             expected.update([f"{name}#{s}" for s in shard_ids] if shard_ids else [name])
         missing = sorted(expected - loaded)

@@ -7,6 +7,7 @@ import argparse
 import logging
 
 from pagedllm.entrypoints.openai.cli_args import add_server_args, engine_config_from_args
+from pagedllm.heap import freeze_startup_heap, paused_gc
 
 logger = logging.getLogger(__name__)
 
@@ -36,9 +37,11 @@ def run_server(args: argparse.Namespace) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        app = build_app_from_args(args)
+        with paused_gc():
+            app = build_app_from_args(args)
     except ValueError as exc:    # a bad setting (e.g. a swap file on tmpfs): say so, without a traceback
         raise SystemExit(f"error: {exc}") from exc
+    freeze_startup_heap()        # the engine and the app live as long as the process: pagedllm.heap
     names = ", ".join(args.served_model_name or [app.state.engine.model_name])
     logger.info("serving %s on http://%s:%d (API key %s)", names, args.host, args.port,
                 "required" if args.api_key else "not required")
