@@ -7,7 +7,8 @@ Slot mapping: the cache is a flat array of `num_blocks * block_size` slots, view
     block:      7       | 2       | 5
     slot:      28 .. 31 | 8 .. 11 | 20 21     slot = block_table[pos // 4] * 4 + pos % 4
 
-    k_cache.view(num_blocks * block_size, Hkv, D)[slot] holds the key of that position.
+    k_cache[slot // block_size, slot % block_size] holds the key of that position (a CPU pool stores each block
+    head-major: pagedllm.runner.kv_tensors.pool_view; indexing never assumes the cache's strides).
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
             ([..., head_dim + 4]) stores the rows quantized by `quantize_kv`.
         slot_mapping: [num_tokens] int64, slot = block_id * block_size + offset.
     """
-    num_slots = k_cache.shape[0] * k_cache.shape[1]
-    k_cache.view(num_slots, *k_cache.shape[2:]).index_copy_(0, slot_mapping, _to_cache(key, k_cache.dtype))
-    v_cache.view(num_slots, *v_cache.shape[2:]).index_copy_(0, slot_mapping, _to_cache(value, v_cache.dtype))
+    blocks, offsets = slot_mapping // k_cache.shape[1], slot_mapping % k_cache.shape[1]
+    k_cache[blocks, offsets] = _to_cache(key, k_cache.dtype)
+    v_cache[blocks, offsets] = _to_cache(value, v_cache.dtype)
 
 
 def _to_cache(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:

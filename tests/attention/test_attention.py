@@ -10,6 +10,7 @@ from pagedllm.attention import cpu, torch_ref
 from pagedllm.attention.cpu import decode_attention, paged_attention
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.torch_ref import dequantize_kv, paged_attention_ref, quantize_kv, write_kv
+from pagedllm.runner.kv_tensors import pool_view
 
 BLOCK_SIZE = 4
 HEAD_DIM = 16
@@ -252,6 +253,36 @@ def test_decode_kernel_reads_a_cache_view_with_layer_strides() -> None:
     actual = decode_attention(query, kv[1, 0], kv[1, 1], meta.block_tables, meta.seq_lens, scale)
     expected = paged_attention_ref(query, k_cache, v_cache, meta, scale)
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+
+
+def _head_major(cache: torch.Tensor) -> torch.Tensor:
+    """A copy of `cache` ([blocks, block_size, Hkv, D]) stored as a CPU pool stores it: each block head-major."""
+    return pool_view(torch.empty(cache.numel(), dtype=cache.dtype), (1, 1, *cache.shape))[0, 0].copy_(cache)
+
+
+@pytest.mark.parametrize("cache_dtype", ["auto", "int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernels_read_and_write_a_head_major_pool(cache_dtype: str, dtype: torch.dtype, isa_level: str) -> None:
+    """A CPU pool keeps one kv head's rows of a block together (kv_tensors.pool_view): the kernels and the torch
+    reference read and write it by its strides, with the bits they give on a token-major cache."""
+    num_heads, num_kv_heads = HEADS["gqa3"]
+    query, k_cache, v_cache, meta, _ = _random_batch(*BATCHES["mixed"], num_heads, num_kv_heads, dtype,
+                                                     int8_cache=cache_dtype == "int8")
+    k_pool, v_pool = _head_major(k_cache), _head_major(v_cache)
+    assert k_pool[5, :, 2].is_contiguous() and not k_pool[5].is_contiguous()
+    scale = HEAD_DIM ** -0.5
+    assert torch.equal(paged_attention(query, k_pool, v_pool, meta, scale),
+                       paged_attention(query, k_cache, v_cache, meta, scale))
+    g = torch.Generator().manual_seed(3)
+    key, value = (torch.randn(6, num_kv_heads, HEAD_DIM, generator=g).to(dtype) for _ in range(2))
+    slots = torch.randperm(k_cache.shape[0] * BLOCK_SIZE, generator=g)[:6]
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    torch_ref.write_kv(key, value, expected_k, expected_v, slots)
+    cpu.write_kv(key, value, k_pool, v_pool, slots)
+    assert torch.equal(k_pool, expected_k) and torch.equal(v_pool, expected_v)
+    k_pool, v_pool = _head_major(k_cache), _head_major(v_cache)
+    torch_ref.write_kv(key, value, k_pool, v_pool, slots)
+    assert torch.equal(k_pool, expected_k) and torch.equal(v_pool, expected_v)
 
 
 @pytest.mark.parametrize("heads", list(HEADS))

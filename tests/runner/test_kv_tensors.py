@@ -23,6 +23,22 @@ def test_pool_is_sized_from_the_budget_and_zeroed():
     assert k_cache.data_ptr() == kv[1, 0].data_ptr() and v_cache.shape == (10, 16, 2, 8)
 
 
+def test_a_cpu_pool_keeps_a_kv_heads_rows_of_a_block_together(disk_tmp_path):
+    """Each block is stored head-major (`pool_view`), the pool's and the swap file's alike, under the logical shape
+    [layers, 2, blocks, block_size, kv_heads, row]: attention reads a block's rows of one kv head as one run."""
+    pool = kv_tensors.allocate_kv(LAYOUT, 10, 16, torch.device("cpu"))
+    swap = kv_tensors.SwapSpace(LAYOUT, 4, 16, torch.device("cpu"), str(disk_tmp_path / "swap"))
+    try:
+        for kv in (pool, swap.kv):
+            k_cache = kv_tensors.layer_caches(kv)[2][0]
+            assert k_cache.stride() == (2 * 16 * 8, 8, 16 * 8, 1)   # token t of kv head h at h * 16 * 8 + t * 8
+            assert k_cache[3, :, 1].is_contiguous()
+        offset = (pool[2, 1, 5, 7, 1].data_ptr() - pool.data_ptr()) // pool.element_size()
+        assert offset == ((2 * 2 + 1) * 10 + 5) * 16 * 2 * 8 + (1 * 16 + 7) * 8   # layer 2's V, block 5, head 1
+    finally:
+        swap.close()
+
+
 def _vm_flags(address: int) -> list[str]:
     """The VmFlags of this process's mapping that holds `address` (/proc/self/smaps)."""
     inside = False
