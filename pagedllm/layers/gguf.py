@@ -38,6 +38,8 @@ from typing import NamedTuple
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from pagedllm.kernels import cpu_kernels, kernels_disabled
+
 PACKED_GGUF_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0,
                      GGMLQuantizationType.Q4_K)
 _ROWS = 16   # output rows per packed block (the kernel's column block)
@@ -80,15 +82,30 @@ def _header_bytes(ggml_type: GGMLQuantizationType) -> int:
 
 def pack_gguf_weight(rows: torch.Tensor, ggml_type: GGMLQuantizationType) -> torch.Tensor:
     """GGUF rows (uint8 [N, K / block values * block bytes], as stored) -> uint8 [ceil(N/16), K/32, group bytes]
-    (above; Q4_K's as Q4_1's)."""
+    (above; Q4_K's as Q4_1's): in one pass of pagedllm's kernels where they run (their `pack_gguf_weight`, the bytes of
+    `pack_gguf_weight_reference`, tested), else in torch. Q4_K repacks in torch (`q4_k_rows`)."""
+    kernels = None if kernels_disabled() or ggml_type == GGMLQuantizationType.Q4_K else cpu_kernels()
+    if kernels is None:
+        return pack_gguf_weight_reference(rows, ggml_type)
+    _check_gguf_rows(rows, ggml_type)
+    return kernels.pack_gguf_weight(rows.contiguous(), int(ggml_type))  # type: ignore[attr-defined]
+
+
+def _check_gguf_rows(rows: torch.Tensor, ggml_type: GGMLQuantizationType) -> None:
     if ggml_type not in PACKED_GGUF_TYPES:
         raise ValueError(f"ggml_type must be one of {[t.name for t in PACKED_GGUF_TYPES]}, got {ggml_type.name}")
     block_values, block_bytes = GGML_QUANT_SIZES[ggml_type]
     if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[1] % block_bytes:
         raise ValueError(f"rows must be uint8 [N, K/{block_values} * {block_bytes}] GGUF blocks, got {rows.dtype} "
                          f"{tuple(rows.shape)}")
+
+
+def pack_gguf_weight_reference(rows: torch.Tensor, ggml_type: GGMLQuantizationType) -> torch.Tensor:
+    """`pack_gguf_weight` in torch ops."""
+    _check_gguf_rows(rows, ggml_type)
     if ggml_type == GGMLQuantizationType.Q4_K:
         return pack_q4_rows(q4_k_rows(rows))
+    block_bytes = GGML_QUANT_SIZES[ggml_type][1]
     n, groups = rows.shape[0], rows.shape[1] // block_bytes
     blocks = torch.cat([rows, rows.new_zeros(-n % _ROWS, rows.shape[1])]).view(-1, _ROWS, groups, block_bytes)
     head = _header_bytes(ggml_type)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from pagedllm.kernels import cpu_kernels
-from pagedllm.layers.gguf import dequantize_gguf_packed, pack_gguf_weight
+from pagedllm.layers.gguf import dequantize_gguf_packed, pack_gguf_weight, pack_gguf_weight_reference
 from pagedllm.layers.linear import (
     GGUF_BF16_TILES,
     dequantize_int8,
@@ -345,6 +345,19 @@ def test_gated_tiles_reject_bad_input(kernels: ModuleType) -> None:
     if not kernels.gguf_bf16_tiles_available():
         with pytest.raises(RuntimeError, match="AMX-BF16 tiles, which this build of the kernels"):
             kernels.linear_gguf_silu_and_mul(torch.empty(3, 32), x, packed, int(q4_1))
+
+
+@pytest.mark.parametrize("ggml_type", GGUF_TYPES)
+@pytest.mark.parametrize("n", [1, 16, 40])   # a block of 16 rows partly filled, whole, and more than two
+def test_the_kernels_pack_gguf_rows_as_the_torch_reference_does(kernels: ModuleType, ggml_type: GGMLQuantizationType,
+                                                                  n: int) -> None:
+    rows = _random_gguf_rows(ggml_type, n, 96, seed=n)
+    assert torch.equal(kernels.pack_gguf_weight(rows, int(ggml_type)), pack_gguf_weight_reference(rows, ggml_type))
+    assert torch.equal(pack_gguf_weight(rows, ggml_type), pack_gguf_weight_reference(rows, ggml_type))
+    with pytest.raises(RuntimeError, match="rows must be a contiguous uint8"):
+        kernels.pack_gguf_weight(rows[:, 1:], int(ggml_type))
+    with pytest.raises(RuntimeError, match="ggml_type must be"):
+        kernels.pack_gguf_weight(rows, 12)
 
 
 def test_gguf_kernel_rejects_bad_input(kernels: ModuleType) -> None:

@@ -48,6 +48,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "silu_and_mul, the same bits, in one pass: (out, x, packed, ggml_type, bias)",
         pybind11::arg("out"), pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("ggml_type"),
         pybind11::arg("bias") = pybind11::none(), NoGil());
+  m.def("pack_gguf_weight", &pagedllm::pack_gguf_weight,
+        "GGUF Q4_0, Q4_1 or Q8_0 rows (uint8 [N, K/32 * block bytes], as stored) in linear_gguf's layout, the bytes "
+        "of pagedllm.layers.gguf.pack_gguf_weight_reference: (rows, ggml_type)", NoGil());
   m.def("gguf_bf16_tiles_available", &pagedllm::gguf_bf16_tiles_available,
         "Whether linear_gguf runs activation_bits=0 here: built with AMX-BF16, and granted the tiles by Linux");
   m.def("pack_w8a8_weight", &pagedllm::pack_w8a8_weight,

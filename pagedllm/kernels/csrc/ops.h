@@ -55,6 +55,8 @@ void linear_packed(at::Tensor out, at::Tensor x, at::Tensor packed, c10::optiona
 void linear_gguf(at::Tensor out, at::Tensor x, at::Tensor packed, int64_t ggml_type, c10::optional<at::Tensor> bias,
                  int64_t activation_bits);
 bool gguf_bf16_tiles_available();
+// A GGUF Q4_0, Q4_1 or Q8_0 weight's rows of blocks regrouped in the layout linear_gguf reads (linear_gguf.cpp).
+at::Tensor pack_gguf_weight(at::Tensor rows, int64_t ggml_type);
 // silu(x W_gate^T) * (x W_up^T) for a packed weight of 2 N columns (gate's N, then up's), N a multiple of 16: the
 // bits of linear_gguf (activation_bits = 0) then silu_and_mul, with the product stored once (linear_gguf_amx.cpp).
 // Runs where gguf_bf16_tiles_available().
