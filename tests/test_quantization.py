@@ -168,12 +168,15 @@ def test_gguf_mode_gives_smollm2s_dequantised_models_tokens(smol_llm):
 def test_gguf_blocks_kept_packed_are_never_read_to_load(monkeypatch):
     """A .gguf file's blocks are packed before loading, so that loading reads, and dequantises, only the tensors
     the model keeps dense: SmolLM2's norms and its Q8_0 embedding (the tied LM head packs the embedding's blocks,
-    the lookup keeps a dequantised copy)."""
+    the lookup keeps a dequantised copy); the file is opened once."""
     from pagedllm.loader.gguf import GGUFFile
 
     read, read_tensor = [], GGUFFile.read_tensor
     monkeypatch.setattr(GGUFFile, "read_tensor", lambda self, info: read.append(info.name) or read_tensor(self, info))
+    opened, init = [], GGUFFile.__init__
+    monkeypatch.setattr(GGUFFile, "__init__", lambda self, *args: opened.append(args) or init(self, *args))
     model = load_model(ModelConfig(dtype="float32", quantization="gguf")).model
+    assert len(opened) == 1   # its header parsed once, for the config, the packing and the tensors
     assert set(read) == {"token_embd.weight", "output_norm.weight"} | {
         f"blk.{i}.{norm}.weight" for i in range(model.num_layers) for norm in ("attn_norm", "ffn_norm")}
     assert model.model.embed_tokens.weight.dtype == torch.float32

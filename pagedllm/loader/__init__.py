@@ -11,7 +11,7 @@ import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -23,6 +23,9 @@ from pagedllm.config import ModelConfig
 from pagedllm.cpu import cpu_info, onednn_bf16_ok
 from pagedllm.device import model_device
 from pagedllm.loader.resolve import ResolvedModel, resolve_model
+
+if TYPE_CHECKING:   # gguf (numpy and the gguf package) loads only for a .gguf model
+    from pagedllm.loader.gguf import GGUFFile
 
 logger = logging.getLogger(__name__)
 
@@ -80,12 +83,13 @@ def _log_precision(requested: str, dtype: torch.dtype, device: str, quantization
         logger.info("CPU: %s; dtype %s", cpu_info().describe(), chosen)
 
 
-def load_hf_config(resolved: ResolvedModel) -> Any:
-    """The transformers config of a folder, or one built from a GGUF's metadata."""
+def load_hf_config(resolved: ResolvedModel, gguf_file: GGUFFile | None = None) -> Any:
+    """The transformers config of a folder, or one built from a GGUF's metadata (`gguf_file`: the file already
+    opened)."""
     if resolved.gguf_path is not None:
         from pagedllm.loader.gguf import GGUFFile, gguf_hf_config
 
-        return gguf_hf_config(GGUFFile(resolved.gguf_path))
+        return gguf_hf_config(gguf_file or GGUFFile(resolved.gguf_path))
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(str(resolved.path))
@@ -100,7 +104,7 @@ def max_model_len_of(hf_config: Any, wanted: int | None) -> int:
 
 
 def _weights(resolved: ResolvedModel, dtype: torch.dtype, hf_config: Any, quantization: str | None,
-             skip: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
+             skip: set[str], gguf_file: GGUFFile | None) -> Iterator[tuple[str, torch.Tensor]]:
     """A lazy (name, tensor) iterator over the checkpoint's weights in `dtype` (quantized ones dequantised), but
     for the quantized ones named in `skip`, which are never read."""
     from pagedllm.loader.int4 import INT4_METHODS, int4_config, iterate_int4
@@ -108,7 +112,7 @@ def _weights(resolved: ResolvedModel, dtype: torch.dtype, hf_config: Any, quanti
     if resolved.gguf_path is not None:
         from pagedllm.loader.gguf import iterate_gguf
 
-        return iterate_gguf(resolved.gguf_path, dtype, skip=skip)
+        return iterate_gguf(resolved.gguf_path, dtype, gguf_file, skip)
     if quantization in INT4_METHODS:
         return iterate_int4(resolved.path, dtype, int4_config(hf_config), skip)
     from pagedllm.loader.safetensors import iterate_safetensors
@@ -160,7 +164,7 @@ def resolve_quantization(requested: str | None, resolved: ResolvedModel, hf_conf
 
 
 def _pack_blocks(model: nn.Module, quantization: str | None, resolved: ResolvedModel, hf_config: Any,
-                 dtype: torch.dtype) -> list[str]:
+                 dtype: torch.dtype, gguf_file: GGUFFile | None) -> list[str]:
     """Before loading: pack the GGUF kernel's blocks (quantization "gguf", "awq" or "gptq") in place of the linear
     weights they hold, so that loading never reads, or dequantises, those weights (`packed_checkpoint_names`).
     Returns what was packed, for the start-up line."""
@@ -177,9 +181,9 @@ def _pack_blocks(model: nn.Module, quantization: str | None, resolved: ResolvedM
     activation_bits = gguf_activation_bits(dtype)
     if quantization == "gguf":
         from pagedllm.layers.gguf import PACKED_GGUF_TYPES
-        from pagedllm.loader.gguf import GGUFFile, gguf_block_rows
+        from pagedllm.loader.gguf import gguf_block_rows
 
-        rows = gguf_block_rows(GGUFFile(resolved.gguf_path), PACKED_GGUF_TYPES)  # type: ignore[arg-type]
+        rows = gguf_block_rows(gguf_file, PACKED_GGUF_TYPES)  # type: ignore[arg-type]
         counts = pack_gguf_linear_weights(model, rows, activation_bits)
         parts = [f"{count} as GGUF {name}" for name, count in sorted(counts.items())]
     else:
@@ -209,7 +213,12 @@ def load_model(model_config: ModelConfig, tp_rank: int = 0, tp_size: int = 1) ->
     start = time.perf_counter()
     model_config = dataclasses.replace(model_config, device=model_device(model_config, tp_size))
     resolved = resolve_model(model_config.model)
-    hf_config = load_hf_config(resolved)
+    gguf_file = None
+    if resolved.gguf_path is not None:   # its header parsed once, for the config, the packing and the tensors
+        from pagedllm.loader.gguf import GGUFFile
+
+        gguf_file = GGUFFile(resolved.gguf_path)
+    hf_config = load_hf_config(resolved, gguf_file)
     quantization = resolve_quantization(model_config.quantization, resolved, hf_config, tp_size, model_config.device,
                                         model_config.dtype)
     dtype = resolve_dtype(model_config.dtype, model_config.device)
@@ -220,8 +229,8 @@ def load_model(model_config: ModelConfig, tp_rank: int = 0, tp_size: int = 1) ->
     attn_backend = attention_backend(model_config.device)
     with torch.device(model_config.device):
         model = model_cls(hf_config, dtype=dtype, attn_backend=attn_backend, tp_rank=tp_rank, tp_size=tp_size)
-    parts = _pack_blocks(model, quantization, resolved, hf_config, dtype)
-    model.load_weights(_weights(resolved, dtype, hf_config, quantization, skip=packed_checkpoint_names(model)))
+    parts = _pack_blocks(model, quantization, resolved, hf_config, dtype, gguf_file)
+    model.load_weights(_weights(resolved, dtype, hf_config, quantization, packed_checkpoint_names(model), gguf_file))
     model.eval()
     parts += _pack(model, quantization)
     how = f", weights packed: {', '.join(parts)}" if parts else ""
