@@ -279,26 +279,27 @@ def _checkpoint_names(module_name: str, fused: dict[str, list[str]], tied: bool)
     return [f"{module_name}.weight"]
 
 
-def _quantizable_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module, list[str]]]:
-    """(name, layer, checkpoint weight names) of each of `model`'s linear layers (LM head included) that still has
-    a plain 2-D weight: a fused layer (`model.packed_modules_mapping`, e.g. qkv_proj from q/k/v_proj) names its
-    parts, whose rows it concatenates; a tied LM head names the embedding."""
+def _linear_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module, list[str]]]:
+    """(name, layer, checkpoint weight names) of each of `model`'s linear layers (LM head included): a fused layer
+    (`model.packed_modules_mapping`, e.g. qkv_proj from q/k/v_proj) names its parts, whose rows it concatenates; a
+    tied LM head names the embedding."""
     fused = getattr(model, "packed_modules_mapping", {})
     tied = bool(getattr(model, "tie_word_embeddings", False))
     for name, layer in model.named_modules():
-        weight = getattr(layer, "weight", None)
-        if getattr(type(layer), "packable_weight", False) and weight is not None and weight.dim() == 2:
+        if getattr(type(layer), "packable_weight", False) and getattr(layer, "weight", None) is not None:
             yield name, layer, _checkpoint_names(name, fused, tied)
+
+
+def _quantizable_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module, list[str]]]:
+    """`_linear_layers` that still have a plain 2-D weight."""
+    return ((name, layer, names) for name, layer, names in _linear_layers(model) if layer.weight.dim() == 2)
 
 
 def packed_checkpoint_names(model: nn.Module) -> set[str]:
     """The checkpoint weights that only layers packed from blocks (`pack_gguf_linear_weights`,
     `pack_int4_linear_weights`, which run before loading) are made of: loading need not read, let alone
     dequantise, them. The embedding under a tied LM head still loads, for the lookup."""
-    fused = getattr(model, "packed_modules_mapping", {})
-    tied = bool(getattr(model, "tie_word_embeddings", False))
-    names = {name for module_name, layer in model.named_modules() if is_block_packed(getattr(layer, "weight", None))
-             for name in _checkpoint_names(module_name, fused, tied)}
+    names = {name for _, layer, parts in _linear_layers(model) if is_block_packed(layer.weight) for name in parts}
     return names - {name for name, param in model.named_parameters() if not is_block_packed(param)}
 
 

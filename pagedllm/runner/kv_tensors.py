@@ -83,7 +83,7 @@ def pool_view(buffer: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     `buffer`, stored head-major within each block ([..., num_kv_heads, block_size, row_size]), as vLLM's CPU cache
     is: one kv head's rows of a block lie together. Attention reads a (sequence, kv head) at a time, so it reads a
     block's keys, and its values, as one run instead of block_size rows num_kv_heads rows apart: decode attention
-    1.1-1.4x on SmolLM2 (docs/benchmarks.md). The kernels and the torch paths take any strides there."""
+    1.1-1.3x on SmolLM2 (docs/benchmarks.md). The kernels and the torch paths take any strides there."""
     stored = (*shape[:3], shape[4], shape[3], *shape[5:])
     return buffer.view(stored).transpose(3, 4)
 
