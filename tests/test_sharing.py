@@ -66,6 +66,37 @@ def test_cache_on_and_off_give_the_same_tokens_greedy_and_seeded(tiny):
     assert results[0] == results[1]
 
 
+def test_a_cascade_over_a_long_shared_prompt_gives_the_tokens_of_separate_attention(tiny, monkeypatch):
+    """32 requests after a 130-token system prompt: with the cache their steps share its first 32 blocks, and
+    attention runs as a cascade over 128 of them (the kernels' own test of the batch, on each step's metadata);
+    without it nothing is shared. Same greedy tokens."""
+    import pagedllm.runner.model_runner as model_runner
+    from pagedllm.attention.cpu import cascade_prefix_len
+
+    system = _prompt(0, 130)
+    prompts = [system + _prompt(i, 3 + i % 8) for i in range(32)]
+    results, metas = [], []
+    build = model_runner.build_model_inputs
+
+    def recording_build(*args):
+        inputs = build(*args)
+        metas.append(inputs.meta)
+        return inputs
+
+    monkeypatch.setattr(model_runner, "build_model_inputs", recording_build)
+    for caching in (True, False):
+        llm = _llm(tiny, enable_prefix_caching=caching)
+        llm.generate(system + [5], _greedy(1), use_tqdm=False)
+        metas.clear()
+        results.append(_tokens(llm.generate(prompts, _greedy(), use_tqdm=False)))
+        hf_config = tiny[1].config
+        query = torch.zeros(1, hf_config.num_attention_heads, 16)
+        k_cache = torch.zeros(1, BLOCK_SIZE, hf_config.num_key_value_heads, 16)
+        cascades = [cascade_prefix_len(query, k_cache, meta) for meta in metas]
+        assert (max(cascades) == 128) == caching, cascades
+    assert results[0] == results[1]
+
+
 def test_a_shared_system_prompt_reuses_exactly_its_full_blocks(tiny):
     llm = _llm(tiny)
     first = llm.generate(SYSTEM + [7, 8], _greedy(2), use_tqdm=False)[0]

@@ -2,7 +2,10 @@
 
 The runner puts decode sequences (one new token) first; they run through the C++ decode kernel
 (`pagedllm/kernels/csrc/decode_attention.cpp`), the rest (prefill chunks, with or without a cached prefix) through
-the C++ prefill kernel (`prefill_attention.cpp`). Both read K/V in place through the block tables. Without the
+the C++ prefill kernel (`prefill_attention.cpp`). Both read K/V in place through the block tables. When every
+sequence's context starts with the same blocks (a system prompt the prefix cache holds, the samples of one prompt),
+the step runs as cascade attention (`paged_attention.cpp`): all its query rows score the shared prefix in one pass,
+and each sequence's own keys continue from there; same results, within rounding. Without the
 kernels: decodes through one padded, masked SDPA call, and each prefill chunk through one SDPA call over its
 gathered context (plainly causal when the chunk is the whole context, with an offset causal mask otherwise).
 An int8 cache (kv_cache_dtype="int8", see `torch_ref.quantize_kv`) is dequantized where it is read: by the
@@ -20,7 +23,7 @@ from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.torch_ref import dequantize_kv, gather_kv
 from pagedllm.kernels import kernels_for
 
-__all__ = ["paged_attention", "decode_attention", "write_kv"]
+__all__ = ["paged_attention", "decode_attention", "cascade_prefix_len", "write_kv"]
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -41,14 +44,19 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         return _paged_attention_torch(query, k_cache, v_cache, meta, scale)
     query = query.contiguous()
     out = torch.empty_like(query)
-    num_decodes = meta.num_decodes
-    if num_decodes:
-        kernels.decode_attention(out[:num_decodes], query[:num_decodes], k_cache, v_cache,
-                                 meta.block_tables[:num_decodes], meta.seq_lens[:num_decodes], scale)
-    if num_decodes < meta.num_seqs:
-        kernels.prefill_attention(out, query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                  meta.query_start_loc, num_decodes, scale)
+    kernels.paged_attention(out, query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                            meta.num_decodes, scale)
     return out
+
+
+def cascade_prefix_len(query: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata) -> int:
+    """The positions `paged_attention` runs as cascade attention's shared prefix for this batch (0: none, or no
+    kernels): the same blocks at the start of every block table, seen by every query, in whole 64-key chunks, where
+    enough sequences share enough of them to pay for the prefix's pass."""
+    kernels = kernels_for(query)
+    if kernels is None:
+        return 0
+    return kernels.cascade_prefix_len(query, k_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc)
 
 
 def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

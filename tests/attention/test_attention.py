@@ -22,19 +22,24 @@ WIDE_GROUPS = {"gqa4": (8, 2), "gqa8": (16, 2)}
 
 def _random_batch(num_computed: list[int], query_lens: list[int], num_heads: int, num_kv_heads: int,
                   dtype: torch.dtype, seed: int = 0, head_dim: int = HEAD_DIM, block_size: int = BLOCK_SIZE,
-                  int8_cache: bool = False):
+                  int8_cache: bool = False, shared_prefix: int = 0):
     """Random full sequences; their prefixes are written to a shuffled paged cache (int8 rows with their scales if
-    `int8_cache`), new tokens queued."""
+    `int8_cache`), new tokens queued. The first `shared_prefix` positions (whole blocks) of every sequence are the
+    same keys and values in the same blocks, as the prefix cache shares a system prompt."""
     g = torch.Generator().manual_seed(seed)
     seq_lens = [c + q for c, q in zip(num_computed, query_lens)]
     blocks_needed = [(s + block_size - 1) // block_size for s in seq_lens]
     num_blocks = sum(blocks_needed) + 3
     perm = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()  # block 0 stays a null block
+    shared_blocks = [perm.pop() for _ in range(shared_prefix // block_size)]
+    shared_kv = [torch.randn(shared_prefix, num_kv_heads, head_dim, generator=g) for _ in range(2)]
     tables, k_full, v_full, q_full = [], [], [], []
     for n, s in zip(blocks_needed, seq_lens):
-        tables.append([perm.pop() for _ in range(n)])
-        k_full.append(torch.randn(s, num_kv_heads, head_dim, generator=g).to(dtype))
-        v_full.append(torch.randn(s, num_kv_heads, head_dim, generator=g).to(dtype))
+        tables.append(shared_blocks + [perm.pop() for _ in range(n - len(shared_blocks))])
+        k, v = (torch.cat([kv, torch.randn(s - shared_prefix, num_kv_heads, head_dim, generator=g)]).to(dtype)
+                for kv in shared_kv)
+        k_full.append(k)
+        v_full.append(v)
         q_full.append(torch.randn(s, num_heads, head_dim, generator=g).to(dtype))
     k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)  # garbage
     v_cache = torch.randn_like(k_cache)
@@ -193,6 +198,74 @@ def test_int8_cache_attention_is_close_to_float_attention(head_dim: int) -> None
     error = (quantized - exact).abs()
     assert error.max() < 0.05 and error.mean() < 0.005
     assert error.max() > 0  # it did read the int8 cache
+
+
+# Cascade attention: decodes first, then chunks and a late decode, all after a shared prefix of whole blocks; the
+# positions past it are each sequence's own: none yet (a question's first chunk), a few, or many (a long answer,
+# several 64-key chunks). Sixteen sequences over 256 shared keys: a cascade on every path (paged_attention.cpp).
+CASCADE_BATCH = ([0, 37, 5, 64, 0, 3, 9, 1, 20, 0, 90, 2, 11, 0, 6, 30], [1] * 10 + [40, 17, 33, 5, 64, 1])
+
+
+def _cascade_batch(heads: str, dtype: torch.dtype, head_dim: int, block_size: int, shared_prefix: int,
+                   int8_cache: bool = False):
+    num_heads, num_kv_heads = (HEADS | WIDE_GROUPS)[heads]
+    own, query_lens = CASCADE_BATCH
+    return _random_batch([shared_prefix + c for c in own], query_lens, num_heads, num_kv_heads, dtype, seed=11,
+                         head_dim=head_dim, block_size=block_size, int8_cache=int8_cache,
+                         shared_prefix=shared_prefix)
+
+
+@pytest.mark.parametrize("heads", ["mha", "gqa3", "gqa5", "gqa8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [HEAD_DIM, 64, 128])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_cascade_attention_matches_the_reference(heads: str, dtype: torch.dtype, head_dim: int, block_size: int,
+                                                 isa_level: str) -> None:
+    """Sequences sharing 256 keys and 3 blocks: the prefix pass takes 256 keys for every row at once, the decode
+    and prefill kernels the shared blocks left and each sequence's own keys from its state."""
+    shared = 256 + 3 * block_size
+    query, k_cache, v_cache, meta, _ = _cascade_batch(heads, dtype, head_dim, block_size, shared)
+    assert cpu.cascade_prefix_len(query, k_cache, meta) == 256
+    scale = head_dim ** -0.5
+    expected = paged_attention_ref(query, k_cache, v_cache, meta, scale)
+    actual = paged_attention(query, k_cache, v_cache, meta, scale)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(actual.float(), expected.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("heads", INT8_HEADS)
+def test_cascade_attention_over_an_int8_cache(heads: str, isa_level: str) -> None:
+    query, k_cache, v_cache, meta, _ = _cascade_batch(heads, torch.bfloat16, 64, 16, 256, int8_cache=True)
+    assert cpu.cascade_prefix_len(query, k_cache, meta) == 256
+    expected = paged_attention_ref(query, k_cache, v_cache, meta, 0.125)
+    torch.testing.assert_close(paged_attention(query, k_cache, v_cache, meta, 0.125).float(), expected.float(),
+                               atol=2e-2, rtol=2e-2)
+
+
+def test_cascade_prefix_is_the_shared_blocks_every_query_sees_in_whole_chunks() -> None:
+    def prefix(tables: list[list[int]], num_computed: list[int] | None = None, query_lens: list[int] | None = None,
+               dtype: torch.dtype = torch.float32) -> int:
+        num_computed = num_computed or [260] * len(tables)
+        query_lens = query_lens or [1] * len(tables)
+        meta = AttentionMetadata.build(tables, num_computed, query_lens, 16)
+        query, k_cache = torch.zeros(sum(query_lens), 9, 64, dtype=dtype), torch.zeros(500, 16, 3, 64, dtype=dtype)
+        return cpu.cascade_prefix_len(query, k_cache, meta)
+
+    shared = list(range(1, 17))  # 16 blocks of 16: 256 positions
+    tables = [shared + [100 + i] for i in range(32)]
+    assert prefix(tables) == 256
+    assert prefix(tables[:31] + [shared[:13] + list(range(200, 204))]) == 192  # 13 blocks in one table: 3 chunks
+    assert prefix(tables, [200] + [260] * 31, [60] + [1] * 31) == 192  # seq 0's queries start at position 200
+    assert prefix(tables[:31] + [[99] + shared[1:] + [115]]) == 0  # the first blocks differ
+    assert prefix([shared[:3] + [100 + i] for i in range(32)], [49] * 32) == 0  # under one chunk shared
+    # In vector code (float32) a cascade takes 16 sequences and 4096 keys' reads saved (sequences x prefix).
+    assert prefix(tables[:16]) == 256
+    assert prefix(tables[:15]) == 0
+    assert prefix([shared[:8] + [100 + i] for i in range(16)], [129] * 16) == 0  # 16 x 128
+    assert prefix([shared[:8] + [100 + i] for i in range(32)], [129] * 32) == 128  # 32 x 128
+    # bf16 may take AMX tiles, where 8 sequences and 2048 keys suffice: these two hold on either path.
+    assert prefix(tables[:16], dtype=torch.bfloat16) == 256
+    assert prefix(tables[:4], dtype=torch.bfloat16) == 0
 
 
 def test_quantize_kv_rows_and_write_kv_into_an_int8_cache() -> None:

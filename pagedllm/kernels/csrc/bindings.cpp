@@ -17,6 +17,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention", &pagedllm::prefill_attention,
         "Paged causal attention of sequences first_seq.. of a flat batch: (out, q, k_cache, v_cache, block_tables, "
         "seq_lens, query_start_loc, first_seq, scale)", NoGil());
+  m.def("paged_attention", &pagedllm::paged_attention,
+        "A step's paged attention, decodes first, as cascade attention where every sequence's context starts with "
+        "the same blocks: (out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_decodes, scale)",
+        NoGil());
+  m.def("cascade_prefix_len", &pagedllm::cascade_prefix_len,
+        "The shared prefix paged_attention runs as cascade attention, in positions (0: none): (q, k_cache, "
+        "block_tables, seq_lens, query_start_loc)", NoGil());
   m.def("write_kv", &pagedllm::write_kv,
         "Store the new tokens' K and V rows at their slots, copied into a cache of their dtype or quantized into an "
         "int8 cache's rows: (key, value, k_cache, v_cache, slot_mapping)", NoGil());

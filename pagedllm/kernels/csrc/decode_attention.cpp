@@ -82,18 +82,20 @@ inline void prefetch_rows(const cache_t* row, int64_t stride, int64_t n, int64_t
   }
 }
 
-// Walk kv head h's keys (kValues: its values) at positions [0, len) block by block: body(first row, start, stop)
-// for each block, once the rows kPrefetchBlocks blocks ahead are asked for.
+// Walk kv head h's keys (kValues: its values) at positions [first, len) block by block: body(first row, start, stop)
+// for each block's part of them, once the rows kPrefetchBlocks blocks ahead are asked for.
 template <bool kValues, typename cache_t, typename Body>
-inline void for_each_block(const PagedCache<cache_t>& cache, const int32_t* table, int64_t h, int64_t len,
-                           int64_t head_dim, Body&& body) {
+inline void for_each_block(const PagedCache<cache_t>& cache, const int32_t* table, int64_t h, int64_t first,
+                           int64_t len, int64_t head_dim, Body&& body) {
   const auto first_row = [&](int64_t pos) { return kValues ? cache.value(table, pos, h) : cache.key(table, pos, h); };
   const int64_t stride = kValues ? cache.v_token : cache.k_token;
   const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(cache_t));
-  for (int64_t start = 0; start < len; start += cache.block_size) {
-    const int64_t ahead = start + kPrefetchBlocks * cache.block_size;
-    if (ahead < len) prefetch_rows(first_row(ahead), stride, std::min(len - ahead, cache.block_size), row_bytes);
-    body(first_row(start), start, std::min(len, start + cache.block_size));
+  const int64_t bs = cache.block_size;
+  for (int64_t start = first, stop; start < len; start = stop) {
+    stop = std::min(len, (start / bs + 1) * bs);
+    const int64_t ahead = start + kPrefetchBlocks * bs;
+    if (ahead < len) prefetch_rows(first_row(ahead), stride, std::min(len, (ahead / bs + 1) * bs) - ahead, row_bytes);
+    body(first_row(start), start, stop);
   }
 }
 
@@ -212,9 +214,9 @@ inline void block_scores(const cache_t* key, int64_t key_stride, int64_t n, cons
   }
 }
 
-// exp(s - max) in place over a row of scores; returns their sum.
-inline float exp_and_sum(float* s, int64_t n) {
-  const float m = max_of(s, n);
+// exp(s - m) in place over a row of scores, m their max; returns their sum.
+inline float exp_and_sum(float* s, int64_t n, float& m) {
+  m = max_of(s, n);
 #pragma omp simd
   for (int64_t t = 0; t < n; ++t) s[t] = exp_approx(s[t] - m);
   float sum = 0.f;
@@ -223,25 +225,26 @@ inline float exp_and_sum(float* s, int64_t n) {
   return sum;
 }
 
-// acc[g] = sum over the context of p[g * len + t] v_t, walking the block table.
+// acc[g] = sum over positions [first, len) of p[g * n + t - first] v_t (n = len - first), walking the block table.
 template <typename cache_t, int64_t kHeadDim, int64_t kGroup>
-inline void weighted_values(const PagedCache<cache_t>& cache, const int32_t* table, int64_t h, int64_t len,
-                            const float* p, int64_t group, int64_t head_dim, float* acc) {
+inline void weighted_values(const PagedCache<cache_t>& cache, const int32_t* table, int64_t h, int64_t first,
+                            int64_t len, const float* p, int64_t group, int64_t head_dim, float* acc) {
+  const int64_t n = len - first;
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
   if constexpr (kVectorPath<cache_t, kHeadDim, kGroup>) {
     constexpr int64_t kVecs = vectors_per_pass(kHeadDim, kGroup);
-    for (int64_t first = 0; first < kHeadDim; first += kLanes * kVecs) {  // columns [first, first + kLanes kVecs)
+    for (int64_t col = 0; col < kHeadDim; col += kLanes * kVecs) {  // columns [col, col + kLanes kVecs)
       vfloat o[kGroup][kVecs];
 #pragma GCC unroll 16
       for (int64_t i = 0; i < kGroup * kVecs; ++i) o[i / kVecs][i % kVecs] = vzero();
-      for_each_block<true>(cache, table, h, len, head_dim, [&](const cache_t* value, int64_t start, int64_t stop) {
+      for_each_block<true>(cache, table, h, first, len, head_dim, [&](const cache_t* value, int64_t start, int64_t stop) {
         for (int64_t t = start; t < stop; ++t, value += cache.v_token) {
           vfloat pg[kGroup];  // the group's weights of this value, then its vectors one at a time
 #pragma GCC unroll 8
-          for (int64_t g = 0; g < kGroup; ++g) pg[g] = vset1(p[g * len + t]);
+          for (int64_t g = 0; g < kGroup; ++g) pg[g] = vset1(p[g * n + t - first]);
 #pragma GCC unroll 8
           for (int64_t c = 0; c < kVecs; ++c) {
-            const vfloat v = vload(value + first + kLanes * c);
+            const vfloat v = vload(value + col + kLanes * c);
 #pragma GCC unroll 8
             for (int64_t g = 0; g < kGroup; ++g) o[g][c] = vfma(pg[g], v, o[g][c]);
           }
@@ -249,7 +252,7 @@ inline void weighted_values(const PagedCache<cache_t>& cache, const int32_t* tab
       });
 #pragma GCC unroll 16
       for (int64_t i = 0; i < kGroup * kVecs; ++i) {
-        vstore(acc + (i / kVecs) * kHeadDim + first + kLanes * (i % kVecs), o[i / kVecs][i % kVecs]);
+        vstore(acc + (i / kVecs) * kHeadDim + col + kLanes * (i % kVecs), o[i / kVecs][i % kVecs]);
       }
     }
     return;
@@ -264,11 +267,11 @@ inline void weighted_values(const PagedCache<cache_t>& cache, const int32_t* tab
   float sums_fixed[kFixed ? kGroup * kHeadDim : 1];
   float* sums = kFixed ? sums_fixed : acc;
   std::fill(sums, sums + group * head_dim, 0.f);
-  for_each_block<true>(cache, table, h, len, head_dim, [&](const cache_t* value, int64_t start, int64_t stop) {
+  for_each_block<true>(cache, table, h, first, len, head_dim, [&](const cache_t* value, int64_t start, int64_t stop) {
     for (int64_t t = start; t < stop; ++t, value += cache.v_token) {
       load_row(value, v, head_dim);
       for (int64_t g = 0; g < group; ++g) {
-        const float pg = p[g * len + t];
+        const float pg = p[g * n + t - first];
         float* a = sums + g * head_dim;
 #pragma omp simd
         for (int64_t d = 0; d < head_dim; ++d) a[d] += pg * v[d];
@@ -281,10 +284,13 @@ inline void weighted_values(const PagedCache<cache_t>& cache, const int32_t* tab
 // kHeadDim > 0 and kGroup > 0 fix the head size and the query heads per kv head at compile time, so that the
 // per-key loops unroll into straight vector code; 0 takes the value from the tensors. cache_t is scalar_t, or
 // int8_t for an int8 cache.
+// With a prefix state (cascade attention), sequence b's row reads only its keys from prefix->prefix_len on, and its
+// softmax continues from that state: out = (e^(m' - M) acc' + e^(m - M) acc) / (e^(m' - M) l' + e^(m - M) l), M the
+// larger max.
 template <typename scalar_t, typename cache_t, int64_t kHeadDim, int64_t kGroup>
 void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& block_tables,
-                           const at::Tensor& seq_lens, double scale) {
+                           const at::Tensor& seq_lens, double scale, const SoftmaxState* prefix) {
   const PagedCache<cache_t> cache(k_cache, v_cache, block_tables, seq_lens);
   const int64_t num_seqs = q.size(0), num_heads = q.size(1);
   const int64_t head_dim = kHeadDim > 0 ? kHeadDim : q.size(2);
@@ -292,30 +298,55 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
   const int64_t group = kGroup > 0 ? kGroup : num_heads / num_kv_heads;
   const scalar_t* q_ptr = q.data_ptr<scalar_t>();
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
+  const int64_t first = prefix ? prefix->prefix_len : 0;
 
   // The (sequence, kv head) tasks, dealt by parallel_units: a thread takes its own range's tasks in order (a
   // sequence's kv heads one after another, whose rows share cache lines' neighbours), then the others' from their
   // ends, so that neither thread waits while the other reads longer contexts or runs slower.
   parallel_units(num_seqs * num_kv_heads, at::get_num_threads(), [&](const auto& take) {
-    std::vector<float> qf(group * head_dim), scores, acc(group * head_dim), inv_sum(group);
+    // A row's output: acc * own + (with a prefix) the prefix's acc * prefix_weight.
+    std::vector<float> qf(group * head_dim), scores, acc(group * head_dim), own(group), prefix_weight(group);
     for (int64_t task; (task = take()) >= 0;) {
       const int64_t b = task / num_kv_heads, h = task % num_kv_heads;
-      const int64_t len = cache.seq_lens[b];
+      const int64_t len = cache.seq_lens[b], n = len - first;
       const int32_t* table = cache.table(b);
-      const scalar_t* q_group = q_ptr + (b * num_heads + h * group) * head_dim;
+      const int64_t row = b * num_heads + h * group;  // the group's first row of q, out and the prefix state
+      const scalar_t* q_group = q_ptr + row * head_dim;
       load_row(q_group, qf.data(), group * head_dim);
-      scores.resize(group * len);
-      // Scores: [group, len], walking the block table one block at a time.
-      for_each_block<false>(cache, table, h, len, head_dim, [&](const cache_t* key, int64_t start, int64_t stop) {
+      scores.resize(group * n);
+      // Scores: [group, n], walking the block table one block at a time.
+      for_each_block<false>(cache, table, h, first, len, head_dim,
+                            [&](const cache_t* key, int64_t start, int64_t stop) {
         block_scores<scalar_t, cache_t, kHeadDim, kGroup>(key, cache.k_token, stop - start, qf.data(), q_group, group,
-                                                          head_dim, static_cast<float>(scale), scores.data() + start,
-                                                          len);
+                                                          head_dim, static_cast<float>(scale),
+                                                          scores.data() + start - first, n);
       });
-      for (int64_t g = 0; g < group; ++g) inv_sum[g] = 1.f / exp_and_sum(scores.data() + g * len, len);
-      weighted_values<cache_t, kHeadDim, kGroup>(cache, table, h, len, scores.data(), group, head_dim, acc.data());
       for (int64_t g = 0; g < group; ++g) {
-        scalar_t* o = out_ptr + (b * num_heads + h * group + g) * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<scalar_t>(acc[g * head_dim + d] * inv_sum[g]);
+        float m;
+        const float sum = exp_and_sum(scores.data() + g * n, n, m);
+        if (!prefix) {
+          own[g] = 1.f / sum;
+          continue;
+        }
+        const float m_prefix = prefix->max[row + g], m_both = std::max(m, m_prefix);
+        const float w_prefix = exp_approx(m_prefix - m_both), w_own = exp_approx(m - m_both);
+        const float inv = 1.f / (prefix->sum[row + g] * w_prefix + sum * w_own);
+        own[g] = w_own * inv;
+        prefix_weight[g] = w_prefix * inv;
+      }
+      weighted_values<cache_t, kHeadDim, kGroup>(cache, table, h, first, len, scores.data(), group, head_dim,
+                                                 acc.data());
+      for (int64_t g = 0; g < group; ++g) {
+        scalar_t* o = out_ptr + (row + g) * head_dim;
+        const float* a = acc.data() + g * head_dim;
+        if (prefix) {
+          const float* a_prefix = prefix->acc.get() + (row + g) * head_dim;
+          for (int64_t d = 0; d < head_dim; ++d) {
+            o[d] = static_cast<scalar_t>(a[d] * own[g] + a_prefix[d] * prefix_weight[g]);
+          }
+        } else {
+          for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<scalar_t>(a[d] * own[g]);
+        }
       }
     }
   });
@@ -325,13 +356,13 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
 template <typename scalar_t, typename cache_t, int64_t kHeadDim>
 void dispatch_group(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                     const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                    double scale) {
+                    double scale, const SoftmaxState* prefix) {
 #define PAGEDLLM_GROUP(G) \
-  case G: return decode_attention_impl<scalar_t, cache_t, kHeadDim, G>(out, q, k_cache, v_cache, block_tables, seq_lens, scale);
+  case G: return decode_attention_impl<scalar_t, cache_t, kHeadDim, G>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, prefix);
   switch (q.size(1) / k_cache.size(2)) {
     PAGEDLLM_GROUP(1) PAGEDLLM_GROUP(2) PAGEDLLM_GROUP(3) PAGEDLLM_GROUP(4)
     PAGEDLLM_GROUP(6) PAGEDLLM_GROUP(7) PAGEDLLM_GROUP(8)
-    default: return decode_attention_impl<scalar_t, cache_t, kHeadDim, 0>(out, q, k_cache, v_cache, block_tables, seq_lens, scale);
+    default: return decode_attention_impl<scalar_t, cache_t, kHeadDim, 0>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, prefix);
   }
 #undef PAGEDLLM_GROUP
 }
@@ -340,6 +371,12 @@ void dispatch_group(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
 
 void decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                       at::Tensor block_tables, at::Tensor seq_lens, double scale) {
+  decode_attention_after_prefix(out, q, k_cache, v_cache, block_tables, seq_lens, scale, nullptr);
+}
+
+void decode_attention_after_prefix(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
+                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                   const at::Tensor& seq_lens, double scale, const SoftmaxState* prefix) {
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous(), "q and out must be contiguous");
   TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "the head dim of the caches must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
@@ -349,12 +386,14 @@ void decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tens
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention", [&] {
     dispatch_cache<scalar_t>(q, k_cache, v_cache, [&]<typename cache_t>() {
       switch (q.size(2)) {
-        case 64: return dispatch_group<scalar_t, cache_t, 64>(out, q, k_cache, v_cache, block_tables, seq_lens, scale);
+        case 64:
+          return dispatch_group<scalar_t, cache_t, 64>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, prefix);
         case 128:
-          return dispatch_group<scalar_t, cache_t, 128>(out, q, k_cache, v_cache, block_tables, seq_lens, scale);
+          return dispatch_group<scalar_t, cache_t, 128>(out, q, k_cache, v_cache, block_tables, seq_lens, scale,
+                                                        prefix);
         default:
           return decode_attention_impl<scalar_t, cache_t, 0, 0>(out, q, k_cache, v_cache, block_tables, seq_lens,
-                                                                scale);
+                                                                scale, prefix);
       }
     });
   });

@@ -123,15 +123,8 @@ at::Tensor DecoderStack::attention(const DecoderLayerWeights& layer, const at::T
   write_kv(k, v, k_cache, v_cache, batch.slot_mapping);
   q = q.contiguous();
   at::Tensor out = at::empty_like(q);
-  const int64_t num_decodes = batch.num_decodes;
-  if (num_decodes > 0) {
-    decode_attention(out.narrow(0, 0, num_decodes), q.narrow(0, 0, num_decodes), k_cache, v_cache,
-                     batch.block_tables.narrow(0, 0, num_decodes), batch.seq_lens.narrow(0, 0, num_decodes), scale_);
-  }
-  if (num_decodes < batch.seq_lens.size(0)) {
-    prefill_attention(out, q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
-                      num_decodes, scale_);
-  }
+  paged_attention(out, q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
+                  batch.num_decodes, scale_);
   return layer.o(out.flatten(1));
 }
 

@@ -265,33 +265,6 @@ void store_silu_tile(T* out, int64_t out_stride, const T* bias, int64_t up_offse
   }
 }
 
-// dst row p (64 bytes) = pair p (dword p at byte `offset`) of each of the 16 rows: a 16 x 16 transpose of dwords.
-inline void transpose_pairs(const uint8_t* const (&rows)[kAmxRows], int64_t offset, uint8_t* dst) {
-  __m512i r[16], t[16];
-  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(rows[i] + offset);
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  // r[4 q + s]: lane l holds dword 4 l + s' of rows 4 q .. 4 q + 3 (s' = 0, 1, 2, 3 for s = 0, 1, 2, 3).
-  for (int s = 0; s < 4; ++s) {
-    const __m512i a = _mm512_shuffle_i32x4(r[s], r[4 + s], 0x88), b = _mm512_shuffle_i32x4(r[s], r[4 + s], 0xDD);
-    const __m512i c = _mm512_shuffle_i32x4(r[8 + s], r[12 + s], 0x88);
-    const __m512i e = _mm512_shuffle_i32x4(r[8 + s], r[12 + s], 0xDD);
-    t[s] = _mm512_shuffle_i32x4(a, c, 0x88);       // lanes: pair s of rows 0-3, 4-7, 8-11, 12-15
-    t[8 + s] = _mm512_shuffle_i32x4(a, c, 0xDD);   // pair 8 + s
-    t[4 + s] = _mm512_shuffle_i32x4(b, e, 0x88);   // pair 4 + s
-    t[12 + s] = _mm512_shuffle_i32x4(b, e, 0xDD);  // pair 12 + s
-  }
-  for (int p = 0; p < 16; ++p) _mm512_store_si512(dst + p * kAmxRowBytes, t[p]);
-}
-
 template <typename T>
 struct Bf16TileProblem {
   const uint8_t* x;       // x's bf16 rows, ld bytes apart: row tiles [0, in_place)

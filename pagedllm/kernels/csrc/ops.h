@@ -27,12 +27,49 @@
 
 namespace pagedllm {
 
-// Attention (decode_attention.cpp, prefill_attention.cpp).
+// Attention (decode_attention.cpp, prefill_attention.cpp, paged_attention.cpp).
 void decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
                       at::Tensor seq_lens, double scale);
 void prefill_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                        at::Tensor block_tables, at::Tensor seq_lens, at::Tensor query_start_loc, int64_t first_seq,
                        double scale);
+// A step's attention as pagedllm.attention.cpu.paged_attention runs it: decodes (the first num_decodes sequences)
+// through decode_attention, the rest through prefill_attention; when every sequence's context starts with the same
+// blocks, as cascade attention (paged_attention.cpp).
+void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
+                     at::Tensor seq_lens, at::Tensor query_start_loc, int64_t num_decodes, double scale);
+// The prefix paged_attention runs as cascade attention for this batch: the positions at the start of every
+// sequence's context held in the same blocks of every table and seen by every query token, in whole blocks, rounded
+// down to a multiple of 64; 0 where a cascade would not pay (paged_attention.cpp).
+int64_t cascade_prefix_len(at::Tensor q, at::Tensor k_cache, at::Tensor block_tables, at::Tensor seq_lens,
+                           at::Tensor query_start_loc);
+
+// The online-softmax state of every query row (token, query head) of a flat batch over the keys at positions
+// [0, prefix_len) of its context: the running max m of its scaled scores, the sum l of their exp(s - m), and the
+// output row they weigh, not yet divided by l. Cascade attention's prefix part leaves it; its suffix parts start
+// from it, so that each row's softmax runs over all its keys as if in one pass.
+struct SoftmaxState {
+  SoftmaxState(int64_t num_tokens, int64_t num_heads, int64_t head_dim, int64_t prefix_len)
+      : prefix_len(prefix_len), max(new float[num_tokens * num_heads]), sum(new float[num_tokens * num_heads]),
+        acc(new float[num_tokens * num_heads * head_dim]) {}  // left uninitialised: the prefix part fills them
+  int64_t prefix_len;
+  std::unique_ptr<float[]> max, sum, acc;  // [num_tokens, num_heads] (acc: [..., head_dim]), rows as in q
+};
+// Cascade attention's parts (paged_attention.cpp runs them): every row of q over the first prefix_len keys of the
+// first sequence's blocks (a multiple of 64 keys), then the decodes' and the other sequences' rows over the rest of
+// their contexts from that state (prefix = nullptr: from no keys, over the whole context).
+// Whether prefill_attention scores and weighs in AMX tiles for this query and cache (bf16, head size 64 or 128).
+bool prefill_attention_in_tiles(const at::Tensor& q, const at::Tensor& k_cache);
+SoftmaxState prefix_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                              const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                              const at::Tensor& query_start_loc, int64_t prefix_len, double scale);
+void decode_attention_after_prefix(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
+                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                   const at::Tensor& seq_lens, double scale, const SoftmaxState* prefix);
+void prefill_attention_after_prefix(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
+                                    const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                    const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t first_seq,
+                                    double scale, const SoftmaxState* prefix);
 
 // The new tokens' K and V into their cache slots, copied or quantized to int8 rows (cache_write.cpp).
 void write_kv(at::Tensor key, at::Tensor value, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slot_mapping);
@@ -217,6 +254,36 @@ inline void prefetch_line(const void* p) {
   __builtin_prefetch(p, 0, 3 - kLevel);
 #endif
 }
+
+#if defined(__AVX512F__)
+// dst row p (64 bytes) = pair p (dword p at byte `offset`) of each of the 16 rows: a 16 x 16 transpose of dwords,
+// which makes 16 rows of bf16 pairs an AMX B operand (linear_gguf_amx.cpp's x, prefill_attention.cpp's keys).
+inline void transpose_pairs(const uint8_t* const (&rows)[16], int64_t offset, uint8_t* dst) {
+  __m512i r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(rows[i] + offset);
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  // r[4 q + s]: lane l holds dword 4 l + s' of rows 4 q .. 4 q + 3 (s' = 0, 1, 2, 3 for s = 0, 1, 2, 3).
+  for (int s = 0; s < 4; ++s) {
+    const __m512i a = _mm512_shuffle_i32x4(r[s], r[4 + s], 0x88), b = _mm512_shuffle_i32x4(r[s], r[4 + s], 0xDD);
+    const __m512i c = _mm512_shuffle_i32x4(r[8 + s], r[12 + s], 0x88);
+    const __m512i e = _mm512_shuffle_i32x4(r[8 + s], r[12 + s], 0xDD);
+    t[s] = _mm512_shuffle_i32x4(a, c, 0x88);       // lanes: pair s of rows 0-3, 4-7, 8-11, 12-15
+    t[8 + s] = _mm512_shuffle_i32x4(a, c, 0xDD);   // pair 8 + s
+    t[4 + s] = _mm512_shuffle_i32x4(b, e, 0x88);   // pair 4 + s
+    t[12 + s] = _mm512_shuffle_i32x4(b, e, 0xDD);  // pair 12 + s
+  }
+  for (int p = 0; p < 16; ++p) _mm512_storeu_si512(dst + p * 64, t[p]);
+}
+#endif
 
 #if defined(__AMX_TILE__)
 // AMX (Sapphire Rapids and later): tile registers, used by linear_int8.cpp (W8A8), linear_gguf_amx.cpp and

@@ -65,14 +65,15 @@ inline void run_row_blocks(int64_t rows, Run&& run) {
   run_rows_left<kMax - 1>(rows - r, r, run);
 }
 
-// One (sequence, kv head)'s context, packed by pass 1.
+// Keys [first, end) of one (sequence, kv head)'s context, packed by pass 1 in tiles of 16 from `first`.
 struct Packed {
-  int64_t seq, head, num_tiles;
+  int64_t seq, head, first, end, num_tiles;
   int64_t k_offset, v_offset;  // into the shared key / value buffers
 };
 
 struct Task {
-  int64_t packed, q_begin, q_end;  // query rows [q_begin, q_end) of the flat batch
+  int64_t packed, q_begin, q_end;  // query rows [q_begin, q_end) of the flat batch, one token after another
+  int64_t first_pos;               // the first token's position: token i of the task sees keys <= first_pos + i
   int64_t cost;
 };
 
@@ -280,10 +281,10 @@ inline void accumulate_chunk_amx(const float* p, int64_t rows, const uint32_t* v
   }
 }
 
-// Keys [0, keys) of kv head h's values as `tdpbf16ps`'s B operand: dst[t / 2][d] = (v_t[d], v_t+1[d]) for even t,
-// zero past len.
-inline void pack_value_pairs(const PagedCache<c10::BFloat16>& cache, const int32_t* table, int64_t h, int64_t len,
-                             int64_t keys, int64_t head_dim, uint32_t* dst) {
+// Keys [first, first + keys) of kv head h's values as `tdpbf16ps`'s B operand: dst[i][d] = (v_t[d], v_t+1[d]) for
+// t = first + 2 i, zero from `end` on.
+inline void pack_value_pairs(const PagedCache<c10::BFloat16>& cache, const int32_t* table, int64_t h, int64_t first,
+                             int64_t end, int64_t keys, int64_t head_dim, uint32_t* dst) {
   alignas(64) static const struct Interleave {
     uint16_t words[32];  // word i: a's i / 2 (even i) or b's (odd i); the second 16 of each are 16 further on
     Interleave() {
@@ -291,10 +292,10 @@ inline void pack_value_pairs(const PagedCache<c10::BFloat16>& cache, const int32
     }
   } interleave;
   const __m512i low = _mm512_load_si512(interleave.words), high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
-  for (int64_t t = 0; t < keys; t += 2, dst += head_dim) {
+  for (int64_t t = first; t < first + keys; t += 2, dst += head_dim) {
     for (int64_t d = 0; d < head_dim; d += 32) {
-      const __m512i a = t < len ? _mm512_loadu_si512(cache.value(table, t, h) + d) : _mm512_setzero_si512();
-      const __m512i b = t + 1 < len ? _mm512_loadu_si512(cache.value(table, t + 1, h) + d) : _mm512_setzero_si512();
+      const __m512i a = t < end ? _mm512_loadu_si512(cache.value(table, t, h) + d) : _mm512_setzero_si512();
+      const __m512i b = t + 1 < end ? _mm512_loadu_si512(cache.value(table, t + 1, h) + d) : _mm512_setzero_si512();
       _mm512_storeu_si512(dst + d, _mm512_permutex2var_epi16(a, low, b));
       _mm512_storeu_si512(dst + d + 16, _mm512_permutex2var_epi16(a, high, b));
     }
@@ -459,24 +460,65 @@ inline void accumulate_rows(const float* p, int64_t rows, int64_t visible, const
   for (; r < rows; ++r) accumulate_values<kHeadDim>(p + r * kKeyChunk, visible, v, head_dim, o + r * head_dim);
 }
 
+// The work of one call: the contexts to pack, and the query tiles to run over them.
+struct Plan {
+  std::vector<Packed> packed;
+  std::vector<Task> tasks;
+};
+
+// Sequences first_seq.. of the batch, each query tile over its keys [first, seq_len): the whole context (first = 0),
+// or what follows a cascade's prefix.
+Plan plan_sequences(const int32_t* qsl, const int32_t* lens, int64_t first_seq, int64_t num_seqs,
+                    int64_t num_kv_heads, int64_t first) {
+  Plan plan;
+  for (int64_t i = first_seq; i < num_seqs; ++i) {
+    const int64_t q_len = qsl[i + 1] - qsl[i], seq_len = lens[i];
+    if (q_len == 0) continue;
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      plan.packed.push_back({i, h, first, seq_len});
+      for (int64_t begin = 0; begin < q_len; begin += kQueryTile) {
+        const int64_t end = std::min(q_len, begin + kQueryTile), first_pos = seq_len - q_len + begin;
+        plan.tasks.push_back({static_cast<int64_t>(plan.packed.size()) - 1, qsl[i] + begin, qsl[i] + end, first_pos,
+                              (end - begin) * (first_pos + end - begin - first)});
+      }
+    }
+  }
+  return plan;
+}
+
+// Every query row of the batch over a cascade's prefix, keys [0, prefix_len) of sequence `seq`'s blocks (the same
+// blocks in every sequence): each kv head's prefix packed once, its rows taken 16 tokens at a time whatever sequence
+// they belong to, all seeing all of it (first_pos = prefix_len).
+Plan plan_prefix(int64_t num_tokens, int64_t seq, int64_t num_kv_heads, int64_t prefix_len) {
+  Plan plan;
+  for (int64_t h = 0; h < num_kv_heads; ++h) {
+    plan.packed.push_back({seq, h, 0, prefix_len});
+    for (int64_t begin = 0; begin < num_tokens; begin += kQueryTile) {
+      const int64_t end = std::min(num_tokens, begin + kQueryTile);
+      plan.tasks.push_back({h, begin, end, prefix_len, (end - begin) * prefix_len});
+    }
+  }
+  return plan;
+}
+
+// Runs a plan: pass 1 packs its contexts, pass 2 its tasks. Each query row (token, query head) starts from `init`'s
+// online-softmax state (a cascade's suffix after its prefix) or from no keys, and ends either normalised into `out`
+// or, with `keep`, as a state (a cascade's prefix).
 template <typename scalar_t, typename cache_t, int64_t kHeadDim>
-void prefill_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
-                            const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                            const at::Tensor& query_start_loc, int64_t first_seq, double scale_arg) {
+void run_plan(Plan& plan, at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+              const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale_arg,
+              const SoftmaxState* init, SoftmaxState* keep) {
 #if defined(__AVX512BF16__)
   constexpr bool kBf16Dot = std::is_same_v<cache_t, c10::BFloat16>;  // then scalar_t is bf16 too
 #else
   constexpr bool kBf16Dot = false;
 #endif
   const PagedCache<cache_t> cache(k_cache, v_cache, block_tables, seq_lens);
-  const int32_t* lens = cache.seq_lens;
-  const int64_t num_seqs = seq_lens.size(0), num_heads = q.size(1);
+  const int64_t num_heads = q.size(1);
   const int64_t head_dim = kHeadDim > 0 ? kHeadDim : q.size(2);
   const int64_t pairs = head_dim / 2;
-  const int64_t num_kv_heads = cache.num_kv_heads, group = num_heads / num_kv_heads;
+  const int64_t group = num_heads / cache.num_kv_heads;
   const scalar_t* q_ptr = q.data_ptr<scalar_t>();
-  scalar_t* out_ptr = out.data_ptr<scalar_t>();
-  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
   const float scale = static_cast<float>(scale_arg);
   // Words per key tile in the key buffer: bf16 pairs [D/2][16] as uint32, or floats [D][16].
   const int64_t k_tile_words = (kBf16Dot ? pairs : head_dim) * kKeyTile;
@@ -486,50 +528,55 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tens
   constexpr bool amx = false;
 #endif
   // The AMX path's values cover whole chunks of keys (zero past the context).
-  const auto chunk_keys = [](int64_t seq_len) { return (seq_len + kKeyChunk - 1) / kKeyChunk * kKeyChunk; };
+  const auto chunk_keys = [](int64_t keys) { return (keys + kKeyChunk - 1) / kKeyChunk * kKeyChunk; };
 
-  std::vector<Packed> packed;
-  std::vector<Task> tasks;
   int64_t k_words = 0, v_size = 0;  // v_size: floats, or with amx words of pairs of keys
-  for (int64_t i = first_seq; i < num_seqs; ++i) {
-    const int64_t q_len = qsl[i + 1] - qsl[i], seq_len = lens[i];
-    if (q_len == 0) continue;
-    const int64_t tiles = (seq_len + kKeyTile - 1) / kKeyTile;
-    for (int64_t h = 0; h < num_kv_heads; ++h) {
-      packed.push_back({i, h, tiles, k_words, v_size});
-      k_words += tiles * k_tile_words;
-      v_size += amx ? chunk_keys(seq_len) / 2 * head_dim : tiles * kKeyTile * head_dim;
-      for (int64_t begin = 0; begin < q_len; begin += kQueryTile) {
-        const int64_t end = std::min(q_len, begin + kQueryTile);
-        const int64_t last_pos = seq_len - q_len + end - 1;
-        tasks.push_back({static_cast<int64_t>(packed.size()) - 1, qsl[i] + begin, qsl[i] + end,
-                         (end - begin) * (last_pos + 1)});
-      }
-    }
+  for (Packed& pk : plan.packed) {
+    pk.num_tiles = (pk.end - pk.first + kKeyTile - 1) / kKeyTile;
+    pk.k_offset = k_words;
+    pk.v_offset = v_size;
+    k_words += pk.num_tiles * k_tile_words;
+    v_size += amx ? chunk_keys(pk.end - pk.first) / 2 * head_dim : pk.num_tiles * kKeyTile * head_dim;
   }
-  std::vector<uint32_t> k_bits(kBf16Dot ? k_words : 0);
-  std::vector<float> k_floats(kBf16Dot ? 0 : k_words), values(amx ? 0 : v_size);
-  std::vector<uint32_t> value_pairs(amx ? v_size : 0);
+  // Left uninitialised: pass 1 writes every word of them, zeros past each context.
+  const std::unique_ptr<uint32_t[]> k_bits(new uint32_t[kBf16Dot ? k_words : 0]);
+  const std::unique_ptr<float[]> k_floats(new float[kBf16Dot ? 0 : k_words]), values(new float[amx ? 0 : v_size]);
+  const std::unique_ptr<uint32_t[]> value_pairs(new uint32_t[amx ? v_size : 0]);
 
   // Pass 1: pack keys and values.
-  at::parallel_for(0, static_cast<int64_t>(packed.size()), 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, static_cast<int64_t>(plan.packed.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> krow(head_dim);
     for (int64_t w = begin; w < end; ++w) {
-      const Packed& pk = packed[w];
-      const int64_t seq_len = lens[pk.seq];
+      const Packed& pk = plan.packed[w];
       const int32_t* table = cache.table(pk.seq);
 #if PAGEDLLM_ATTENTION_AMX
       if constexpr (kBf16Dot) {
         if (amx) {
-          pack_value_pairs(cache, table, pk.head, seq_len, chunk_keys(seq_len), head_dim,
-                           value_pairs.data() + pk.v_offset);
+          pack_value_pairs(cache, table, pk.head, pk.first, pk.end, chunk_keys(pk.end - pk.first), head_dim,
+                           value_pairs.get() + pk.v_offset);
         }
       }
 #endif
-      for (int64_t pos = 0; pos < pk.num_tiles * kKeyTile; ++pos) {
-        const int64_t tile = pos / kKeyTile, j = pos % kKeyTile;
-        float* vrow = amx ? nullptr : values.data() + pk.v_offset + pos * head_dim;
-        if (pos >= seq_len) {  // the last tile's tail: zeros, never visible
+#if defined(__AVX512F__)
+      // With AMX (its values packed above), the keys 16 at a time: their bf16 pairs transposed into a tile's rows.
+      if (amx) {
+        alignas(64) static const uint8_t zeros[2 * std::max<int64_t>(kHeadDim, 1)] = {};
+        for (int64_t tile = 0; tile < pk.num_tiles; ++tile) {
+          const uint8_t* rows[kKeyTile];
+          for (int64_t j = 0; j < kKeyTile; ++j) {
+            const int64_t pos = pk.first + tile * kKeyTile + j;
+            rows[j] = pos < pk.end ? reinterpret_cast<const uint8_t*>(cache.key(table, pos, pk.head)) : zeros;
+          }
+          uint8_t* dst = reinterpret_cast<uint8_t*>(k_bits.get() + pk.k_offset + tile * k_tile_words);
+          for (int64_t offset = 0; offset < head_dim * 2; offset += 64) transpose_pairs(rows, offset, dst + offset * 16);
+        }
+        continue;
+      }
+#endif
+      for (int64_t i = 0; i < pk.num_tiles * kKeyTile; ++i) {
+        const int64_t tile = i / kKeyTile, j = i % kKeyTile, pos = pk.first + i;
+        float* vrow = amx ? nullptr : values.get() + pk.v_offset + i * head_dim;
+        if (pos >= pk.end) {  // the last tile's tail: zeros, never visible
           if (!amx) std::fill(vrow, vrow + head_dim, 0.f);
           if constexpr (kBf16Dot) {
             for (int64_t p = 0; p < pairs; ++p) k_bits[pk.k_offset + tile * k_tile_words + p * kKeyTile + j] = 0;
@@ -541,13 +588,13 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tens
         const cache_t* key = cache.key(table, pos, pk.head);
         if (!amx) load_row(cache.value(table, pos, pk.head), vrow, head_dim);
         if constexpr (kBf16Dot) {
-          uint32_t* kdst = k_bits.data() + pk.k_offset + tile * k_tile_words + j;
+          uint32_t* kdst = k_bits.get() + pk.k_offset + tile * k_tile_words + j;
           const uint16_t* kw = reinterpret_cast<const uint16_t*>(key);
           for (int64_t p = 0; p < pairs; ++p) {
             kdst[p * kKeyTile] = static_cast<uint32_t>(kw[2 * p]) | (static_cast<uint32_t>(kw[2 * p + 1]) << 16);
           }
         } else {
-          float* kdst = k_floats.data() + pk.k_offset + tile * k_tile_words + j;
+          float* kdst = k_floats.get() + pk.k_offset + tile * k_tile_words + j;
           load_row(key, krow.data(), head_dim);
           for (int64_t d = 0; d < head_dim; ++d) kdst[d * kKeyTile] = krow[d];
         }
@@ -558,6 +605,7 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tens
   // The tasks, most expensive first, each taken by the next thread free (at::parallel_for would hand out
   // contiguous ranges, and the last query tiles of a long sequence cost the most; a fixed deal would leave a thread
   // that runs slower, as these shared cores sometimes do, last to finish).
+  const std::vector<Task>& tasks = plan.tasks;
   const int64_t num_threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks.size()));
   std::vector<int64_t> order(tasks.size());
   for (size_t t = 0; t < order.size(); ++t) order[t] = static_cast<int64_t>(t);
@@ -576,30 +624,38 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tens
 #endif
     for (size_t n; (n = next_task.fetch_add(1, std::memory_order_relaxed)) < order.size();) {
       const Task& task = tasks[order[n]];
-      const Packed& pk = packed[task.packed];
-      const int64_t seq_len = lens[pk.seq], q_len = qsl[pk.seq + 1] - qsl[pk.seq];
-      const int64_t first_pos = seq_len - q_len + (task.q_begin - qsl[pk.seq]);  // position of the first row's token
+      const Packed& pk = plan.packed[task.packed];
+      const int64_t first_pos = task.first_pos;
       const int64_t tokens = task.q_end - task.q_begin, rows = tokens * group;
-      // Rows: token-major, then the group's query heads.
+      // Rows: token-major, then the group's query heads; `row` is a row's index in the batch's [tokens, heads].
+      const auto row = [&](int64_t r) { return (task.q_begin + r / group) * num_heads + pk.head * group + r % group; };
       for (int64_t r = 0; r < rows; ++r) {
-        const scalar_t* src = q_ptr + ((task.q_begin + r / group) * num_heads + pk.head * group + r % group) * head_dim;
+        const scalar_t* src = q_ptr + row(r) * head_dim;
         if constexpr (kBf16Dot) {
           std::memcpy(q_pairs.data() + r * pairs, src, head_dim * sizeof(scalar_t));
         } else {
           for (int64_t d = 0; d < head_dim; ++d) q_rows[r * head_dim + d] = to_float(src[d]);
         }
       }
-      std::fill(row_max.begin(), row_max.begin() + rows, -std::numeric_limits<float>::infinity());
-      std::fill(row_sum.begin(), row_sum.begin() + rows, 0.f);
-      std::fill(acc.begin(), acc.begin() + rows * head_dim, 0.f);
-      const int64_t last_tile = (first_pos + tokens - 1) / kKeyTile;
-      for (int64_t chunk_start = 0; chunk_start <= last_tile * kKeyTile; chunk_start += kKeyChunk) {
-        const int64_t first_tile = chunk_start / kKeyTile;
-        const int64_t tiles = std::min(kKeyChunk / kKeyTile, last_tile + 1 - first_tile);
+      if (init) {
+        for (int64_t r = 0; r < rows; ++r) {
+          row_max[r] = init->max[row(r)];
+          row_sum[r] = init->sum[row(r)];
+          std::copy_n(init->acc.get() + row(r) * head_dim, head_dim, acc.data() + r * head_dim);
+        }
+      } else {
+        std::fill(row_max.begin(), row_max.begin() + rows, -std::numeric_limits<float>::infinity());
+        std::fill(row_sum.begin(), row_sum.begin() + rows, 0.f);
+        std::fill(acc.begin(), acc.begin() + rows * head_dim, 0.f);
+      }
+      const int64_t key_end = std::min(pk.end, first_pos + tokens);  // past the last key any row sees
+      for (int64_t chunk_start = pk.first; chunk_start < key_end; chunk_start += kKeyChunk) {
+        const int64_t first_tile = (chunk_start - pk.first) / kKeyTile;
+        const int64_t tiles = std::min(kKeyChunk / kKeyTile, (key_end - chunk_start + kKeyTile - 1) / kKeyTile);
         if constexpr (kBf16Dot) {
 #if PAGEDLLM_ATTENTION_AMX
           if (amx) {
-            score_chunk_amx(q_pairs.data(), rows, pairs, k_bits.data() + pk.k_offset + first_tile * k_tile_words,
+            score_chunk_amx(q_pairs.data(), rows, pairs, k_bits.get() + pk.k_offset + first_tile * k_tile_words,
                             k_tile_words, tiles, scores.data(), kKeyChunk);
           }
 #endif
@@ -607,13 +663,13 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tens
           if (!amx) {
             for (int64_t i = 0; i < tiles; ++i) {
               score_tile_bf16(q_pairs.data(), rows, pairs,
-                              k_bits.data() + pk.k_offset + (first_tile + i) * k_tile_words,
+                              k_bits.get() + pk.k_offset + (first_tile + i) * k_tile_words,
                               scores.data() + i * kKeyTile, kKeyChunk);
             }
           }
 #endif
         } else {
-          score_chunk_float(q_rows.data(), rows, head_dim, k_floats.data() + pk.k_offset + first_tile * k_tile_words,
+          score_chunk_float(q_rows.data(), rows, head_dim, k_floats.get() + pk.k_offset + first_tile * k_tile_words,
                             tiles, scores.data(), kKeyChunk);
         }
         for (int64_t r = 0; r < rows; ++r) {
@@ -627,18 +683,26 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tens
         }
 #if PAGEDLLM_ATTENTION_AMX
         if (amx) {
-          accumulate_chunk_amx(scores.data(), rows, value_pairs.data() + pk.v_offset + chunk_start / 2 * head_dim,
-                               head_dim, p_bf16.data(), acc.data());
+          accumulate_chunk_amx(scores.data(), rows,
+                               value_pairs.get() + pk.v_offset + (chunk_start - pk.first) / 2 * head_dim, head_dim,
+                               p_bf16.data(), acc.data());
           continue;
         }
 #endif
         // Every row's p is 0 past its own position, so all rows take the last row's keys (the most any sees).
         const int64_t visible = std::min(tiles * kKeyTile, first_pos + (rows - 1) / group - chunk_start + 1);
-        accumulate_rows<kHeadDim>(scores.data(), rows, visible, values.data() + pk.v_offset + chunk_start * head_dim,
-                                  head_dim, acc.data());
+        accumulate_rows<kHeadDim>(scores.data(), rows, visible,
+                                  values.get() + pk.v_offset + (chunk_start - pk.first) * head_dim, head_dim,
+                                  acc.data());
       }
       for (int64_t r = 0; r < rows; ++r) {
-        scalar_t* dst = out_ptr + ((task.q_begin + r / group) * num_heads + pk.head * group + r % group) * head_dim;
+        if (keep) {
+          keep->max[row(r)] = row_max[r];
+          keep->sum[row(r)] = row_sum[r];
+          std::copy_n(acc.data() + r * head_dim, head_dim, keep->acc.get() + row(r) * head_dim);
+          continue;
+        }
+        scalar_t* dst = out.data_ptr<scalar_t>() + row(r) * head_dim;
         const float inv = 1.f / row_sum[r];
         for (int64_t d = 0; d < head_dim; ++d) dst[d] = from_float<scalar_t>(acc[r * head_dim + d] * inv);
       }
@@ -649,13 +713,23 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tens
   });
 }
 
-}  // namespace
+// run_plan<scalar_t, cache_t, kHeadDim> for q's dtype, the cache's and the head size (64 and 128 unrolled).
+template <typename Run>
+void dispatch_plan(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, Run&& run) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "prefill_attention", [&] {
+    dispatch_cache<scalar_t>(q, k_cache, v_cache, [&]<typename cache_t>() {
+      switch (q.size(2)) {
+        case 64: return run.template operator()<scalar_t, cache_t, 64>();
+        case 128: return run.template operator()<scalar_t, cache_t, 128>();
+        default: return run.template operator()<scalar_t, cache_t, 0>();
+      }
+    });
+  });
+}
 
-void prefill_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
-                       at::Tensor block_tables, at::Tensor seq_lens, at::Tensor query_start_loc, int64_t first_seq,
-                       double scale) {
-  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && out.sizes() == q.sizes(),
-              "q and out must be contiguous and of one shape");
+void check_prefill_args(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc) {
+  TORCH_CHECK(q.is_contiguous(), "q must be contiguous");
   TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "the head dim of the caches must be contiguous");
   for (const at::Tensor* t : {&block_tables, &seq_lens, &query_start_loc}) {
     TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous(), "block tables, lengths and starts must be int32");
@@ -663,21 +737,54 @@ void prefill_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Ten
   TORCH_CHECK(query_start_loc.numel() == seq_lens.numel() + 1, "query_start_loc must have num_seqs + 1 entries");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
   TORCH_CHECK(q.size(2) % 2 == 0, "head_dim must be even");
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "prefill_attention", [&] {
-    dispatch_cache<scalar_t>(q, k_cache, v_cache, [&]<typename cache_t>() {
-      switch (q.size(2)) {
-        case 64:
-          return prefill_attention_impl<scalar_t, cache_t, 64>(out, q, k_cache, v_cache, block_tables, seq_lens,
-                                                               query_start_loc, first_seq, scale);
-        case 128:
-          return prefill_attention_impl<scalar_t, cache_t, 128>(out, q, k_cache, v_cache, block_tables, seq_lens,
-                                                                query_start_loc, first_seq, scale);
-        default:
-          return prefill_attention_impl<scalar_t, cache_t, 0>(out, q, k_cache, v_cache, block_tables, seq_lens,
-                                                              query_start_loc, first_seq, scale);
-      }
-    });
+}
+
+}  // namespace
+
+bool prefill_attention_in_tiles(const at::Tensor& q, const at::Tensor& k_cache) {
+#if PAGEDLLM_ATTENTION_AMX
+  return q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
+         (q.size(2) == 64 || q.size(2) == 128) && amx_granted();
+#else
+  return false;
+#endif
+}
+
+void prefill_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                       at::Tensor block_tables, at::Tensor seq_lens, at::Tensor query_start_loc, int64_t first_seq,
+                       double scale) {
+  prefill_attention_after_prefix(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, first_seq, scale,
+                                 nullptr);
+}
+
+void prefill_attention_after_prefix(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
+                                    const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                    const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t first_seq,
+                                    double scale, const SoftmaxState* prefix) {
+  check_prefill_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc);
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "out must be contiguous and of q's shape");
+  Plan plan = plan_sequences(query_start_loc.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), first_seq,
+                             seq_lens.size(0), k_cache.size(2), prefix ? prefix->prefix_len : 0);
+  dispatch_plan(q, k_cache, v_cache, [&]<typename scalar_t, typename cache_t, int64_t kHeadDim>() {
+    run_plan<scalar_t, cache_t, kHeadDim>(plan, out, q, k_cache, v_cache, block_tables, seq_lens, scale, prefix,
+                                          nullptr);
   });
+}
+
+SoftmaxState prefix_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                              const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                              const at::Tensor& query_start_loc, int64_t prefix_len, double scale) {
+  check_prefill_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc);
+  TORCH_CHECK(prefix_len > 0 && prefix_len % kKeyChunk == 0, "a cascade's prefix is whole chunks of ", kKeyChunk,
+              " keys, not ", prefix_len);
+  SoftmaxState state(q.size(0), q.size(1), q.size(2), prefix_len);
+  Plan plan = plan_prefix(q.size(0), 0, k_cache.size(2), prefix_len);
+  at::Tensor unused;
+  dispatch_plan(q, k_cache, v_cache, [&]<typename scalar_t, typename cache_t, int64_t kHeadDim>() {
+    run_plan<scalar_t, cache_t, kHeadDim>(plan, unused, q, k_cache, v_cache, block_tables, seq_lens, scale, nullptr,
+                                          &state);
+  });
+  return state;
 }
 
 }  // namespace pagedllm
