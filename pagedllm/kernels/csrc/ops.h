@@ -44,6 +44,10 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
 int64_t cascade_prefix_len(at::Tensor q, at::Tensor k_cache, at::Tensor block_tables, at::Tensor seq_lens,
                            at::Tensor query_start_loc);
 
+// Keys per online-softmax update of prefill_attention (4 tiles of 16), to spread its fixed cost; a cascade's prefix
+// is whole chunks of them.
+constexpr int64_t kKeyChunk = 64;
+
 // The online-softmax state of every query row (token, query head) of a flat batch over the keys at positions
 // [0, prefix_len) of its context: the running max m of its scaled scores, the sum l of their exp(s - m), and the
 // output row they weigh, not yet divided by l. Cascade attention's prefix part leaves it; its suffix parts start
@@ -55,11 +59,11 @@ struct SoftmaxState {
   int64_t prefix_len;
   std::unique_ptr<float[]> max, sum, acc;  // [num_tokens, num_heads] (acc: [..., head_dim]), rows as in q
 };
-// Cascade attention's parts (paged_attention.cpp runs them): every row of q over the first prefix_len keys of the
-// first sequence's blocks (a multiple of 64 keys), then the decodes' and the other sequences' rows over the rest of
-// their contexts from that state (prefix = nullptr: from no keys, over the whole context).
 // Whether prefill_attention scores and weighs in AMX tiles for this query and cache (bf16, head size 64 or 128).
 bool prefill_attention_in_tiles(const at::Tensor& q, const at::Tensor& k_cache);
+// Cascade attention's parts (paged_attention.cpp runs them): every row of q over the first prefix_len keys of the
+// first sequence's blocks (whole kKeyChunks), then the decodes' and the other sequences' rows over the rest of their
+// contexts from that state (prefix = nullptr: from no keys, over the whole context).
 SoftmaxState prefix_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                               const at::Tensor& block_tables, const at::Tensor& seq_lens,
                               const at::Tensor& query_start_loc, int64_t prefix_len, double scale);

@@ -23,8 +23,6 @@
 namespace pagedllm {
 namespace {
 
-constexpr int64_t kPrefixChunk = 64;  // prefill_attention's kKeyChunk: the prefix pass scores whole chunks
-
 // A cascade pays for packing the prefix and for a pass of its own over the rows; it gains the reads of the prefix's
 // keys and values it saves, sequences x prefix. Measured on SmolLM2's shapes (9 query heads, 3 kv heads, 64 dims;
 // decodes with 48 keys of their own; docs/benchmarks.md): in AMX tiles 1.1-1.45x from 8 sequences over 256 keys, 16
@@ -57,7 +55,7 @@ int64_t cascade_prefix_len(at::Tensor q, at::Tensor k_cache, at::Tensor block_ta
   for (int64_t i = 1; i < num_seqs && blocks > 0; ++i) {  // the same block ids in every table
     blocks = std::mismatch(tables, tables + blocks, tables + i * max_blocks).first - tables;
   }
-  const int64_t prefix_len = blocks * block_size / kPrefixChunk * kPrefixChunk;
+  const int64_t prefix_len = blocks * block_size / kKeyChunk * kKeyChunk;
   return prefix_len * num_seqs >= least.keys ? prefix_len : 0;
 }
 

@@ -44,8 +44,7 @@
 namespace pagedllm {
 namespace {
 
-constexpr int64_t kKeyTile = 16;    // keys scored together: one 16-lane float vector
-constexpr int64_t kKeyChunk = 64;   // keys per online-softmax update (4 tiles), to spread its fixed cost
+constexpr int64_t kKeyTile = 16;    // keys scored together: one 16-lane float vector (kKeyChunk: ops.h)
 constexpr int64_t kQueryTile = 16;  // query tokens per task (x the group's query heads = the rows of a task)
 
 // run.template operator()<R>(r) over `rows` rows in blocks of kMax (R = kMax), then once for the R < kMax left:
@@ -523,7 +522,7 @@ void run_plan(Plan& plan, at::Tensor& out, const at::Tensor& q, const at::Tensor
   // Words per key tile in the key buffer: bf16 pairs [D/2][16] as uint32, or floats [D][16].
   const int64_t k_tile_words = (kBf16Dot ? pairs : head_dim) * kKeyTile;
 #if PAGEDLLM_ATTENTION_AMX
-  const bool amx = kBf16Dot && kHeadDim > 0 && kHeadDim % 64 == 0 && amx_granted();
+  const bool amx = kBf16Dot && prefill_attention_in_tiles(q, k_cache);
 #else
   constexpr bool amx = false;
 #endif
