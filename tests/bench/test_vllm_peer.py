@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -140,3 +142,40 @@ def test_a_failing_peer_shows_the_end_of_its_log(tiny_model_dir, tmp_path):
         main(["throughput", "--model", tiny_model_dir, "--dataset", "random", "--num-prompts", "1",
               "--input-len", "4", "--output-len", "2", "--compare", "vllm", "--vllm-python", str(python),
               "--kv-cache-memory", "16M", "--dtype", "float32", "--skip-gemm-peak"])
+
+
+@pytest.mark.parametrize("level", ["avx2", "baseline"])
+def test_a_capped_run_caps_the_peer_too(monkeypatch, level):
+    """Under PAGEDLLM_MAX_CPU_ISA below AVX-512, vLLM gets torch's, oneDNN's and MKL's caps (a caller's own kept)
+    and the sitecustomize that makes it pick its AVX2 kernels; uncapped, neither."""
+    from pagedllm.bench import vllm_peer
+    from pagedllm.cpu import CpuInfo
+
+    flags = frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"})
+    monkeypatch.setattr(vllm_peer, "cpu_info", lambda: CpuInfo("x86_64", "test", flags))
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "SSE4_2")
+    plain = vllm_peer.vllm_env(None)
+    assert plain["PYTHONPATH"] == "/elsewhere" and "ATEN_CPU_CAPABILITY" not in plain
+
+    capped_flags = flags & {"avx2", "fma", "f16c"}
+    monkeypatch.setattr(vllm_peer, "cpu_info", lambda: CpuInfo("x86_64", "test", capped_flags, capped=True))
+    env = vllm_peer.vllm_env(None)
+    site = Path(vllm_peer.__file__).with_name("vllm_capped")
+    assert env["PYTHONPATH"] == f"{site}{os.pathsep}/elsewhere"
+    assert (env["ATEN_CPU_CAPABILITY"], env["ONEDNN_MAX_CPU_ISA"]) == ("avx2", "AVX2")
+    assert env["MKL_ENABLE_INSTRUCTIONS"] == "SSE4_2"
+    assert env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+
+
+def test_the_capped_peers_torch_reports_an_avx2_cpu():
+    """What vLLM asks to choose between its AVX2 and AVX-512 builds and its AMX paths answers no, on any CPU."""
+    from pagedllm.bench import vllm_peer
+
+    site = Path(vllm_peer.__file__).with_name("vllm_capped")
+    checks = ["_is_avx512_supported", "_is_avx512_bf16_supported", "_is_vnni_supported", "_is_amx_tile_supported",
+              "_is_amx_fp16_supported"]
+    code = f"import torch.cpu; print([getattr(torch.cpu, name)() for name in {checks!r}])"
+    out = subprocess.run([sys.executable, "-c", code], env=os.environ | {"PYTHONPATH": str(site)},
+                         capture_output=True, text=True, check=True).stdout
+    assert out.strip() == str([False] * len(checks))
