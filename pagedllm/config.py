@@ -146,6 +146,11 @@ class ModelConfig:
         enforce_eager: run the model's modules one by one, from Python: on a GPU, instead of replaying the decode
             steps' CUDA graphs (`pagedllm.runner.cuda_graphs`); on a CPU, instead of running all decoder layers in one
             C++ call a step (`LlamaForCausalLM.use_decoder_stack`; the same bits either way).
+        disable_cascade_attn: never run a step's attention as cascade attention (vLLM's key). By default the CPU
+            kernels do where every sequence of a step starts with the same cached blocks and enough of them share
+            enough keys to pay (`pagedllm/kernels/csrc/paged_attention.cpp`); its results differ from the
+            sequence-by-sequence ones in the order of their float sums, so turning it off makes a request's
+            attention independent of the batch it ran in.
     """
 
     model: str | None = None
@@ -156,6 +161,7 @@ class ModelConfig:
     device: str = "auto"
     quantization: str | None = None
     enforce_eager: bool = False
+    disable_cascade_attn: bool = False
 
     def __post_init__(self) -> None:
         _require(self.dtype in ("auto", "bfloat16", "float16", "float32"), "dtype",

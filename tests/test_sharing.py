@@ -69,7 +69,7 @@ def test_cache_on_and_off_give_the_same_tokens_greedy_and_seeded(tiny):
 def test_a_cascade_over_a_long_shared_prompt_gives_the_tokens_of_separate_attention(tiny, monkeypatch):
     """32 requests after a 130-token system prompt: with the cache their steps share its first 32 blocks, and
     attention runs as a cascade over 128 of them (the kernels' own test of the batch, on each step's metadata);
-    without it nothing is shared. Same greedy tokens."""
+    without it nothing is shared, and with disable_cascade_attn no step runs one. Same greedy tokens."""
     import pagedllm.runner.model_runner as model_runner
     from pagedllm.attention.cpu import cascade_prefix_len
 
@@ -84,8 +84,8 @@ def test_a_cascade_over_a_long_shared_prompt_gives_the_tokens_of_separate_attent
         return inputs
 
     monkeypatch.setattr(model_runner, "build_model_inputs", recording_build)
-    for caching in (True, False):
-        llm = _llm(tiny, enable_prefix_caching=caching)
+    for caching, disable in ((True, False), (False, False), (True, True)):
+        llm = _llm(tiny, enable_prefix_caching=caching, disable_cascade_attn=disable)
         llm.generate(system + [5], _greedy(1), use_tqdm=False)
         metas.clear()
         results.append(_tokens(llm.generate(prompts, _greedy(), use_tqdm=False)))
@@ -93,8 +93,8 @@ def test_a_cascade_over_a_long_shared_prompt_gives_the_tokens_of_separate_attent
         query = torch.zeros(1, hf_config.num_attention_heads, 16)
         k_cache = torch.zeros(1, BLOCK_SIZE, hf_config.num_key_value_heads, 16)
         cascades = [cascade_prefix_len(query, k_cache, meta) for meta in metas]
-        assert (max(cascades) == 128) == caching, cascades
-    assert results[0] == results[1]
+        assert (max(cascades) == 128) == (caching and not disable), cascades
+    assert results[0] == results[1] == results[2]
 
 
 def test_a_shared_system_prompt_reuses_exactly_its_full_blocks(tiny):

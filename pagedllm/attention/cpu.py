@@ -45,16 +45,16 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     query = query.contiguous()
     out = torch.empty_like(query)
     kernels.paged_attention(out, query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                            meta.num_decodes, scale)
+                            meta.num_decodes, scale, meta.cascade)
     return out
 
 
 def cascade_prefix_len(query: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata) -> int:
     """The positions `paged_attention` runs as cascade attention's shared prefix for this batch (0: none, or no
     kernels): the same blocks at the start of every block table, seen by every query, in whole 64-key chunks, where
-    enough sequences share enough of them to pay for the prefix's pass."""
+    enough sequences share enough of them to pay for the prefix's pass; 0 where `meta.cascade` is off."""
     kernels = kernels_for(query)
-    if kernels is None:
+    if kernels is None or not meta.cascade:
         return 0
     return kernels.cascade_prefix_len(query, k_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc)
 

@@ -32,6 +32,8 @@ class AttentionMetadata:
     # Host copies of query_start_loc / seq_lens, for per-sequence Python loops (filled in if omitted).
     query_start_loc_cpu: list[int] = field(default_factory=list)
     seq_lens_cpu: list[int] = field(default_factory=list)
+    # Whether the CPU kernels may run the step's attention as cascade attention where it pays (a shared prefix).
+    cascade: bool = True
 
     def __post_init__(self) -> None:
         if not self.query_start_loc_cpu:

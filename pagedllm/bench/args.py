@@ -54,6 +54,8 @@ def add_engine_args(parser: argparse.ArgumentParser, prefix_caching_flag: bool =
     group.add_argument("--enforce-eager", action="store_true",
                        help="run pagedllm's modules one by one from Python, not its decoder layers in one C++ call "
                             "(or CUDA graphs on a GPU)")
+    group.add_argument("--disable-cascade-attn", action="store_true",
+                       help="never run a step's attention as cascade attention over a shared prefix")
 
 
 def engine_kwargs(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
@@ -65,7 +67,8 @@ def engine_kwargs(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
                   quantization=getattr(args, "quantization", None),
                   kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"), speculative_config=args.speculative_config,
                   tensor_parallel_size=args.tensor_parallel_size,
-                  distributed_executor_backend=args.distributed_executor_backend, enforce_eager=args.enforce_eager)
+                  distributed_executor_backend=args.distributed_executor_backend, enforce_eager=args.enforce_eager,
+                  disable_cascade_attn=args.disable_cascade_attn)
     return kwargs | overrides
 
 

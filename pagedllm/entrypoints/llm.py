@@ -76,6 +76,8 @@ class LLM:
         device: "auto" (CUDA when torch sees a CUDA device, else the CPU), "cpu", "cuda" or "cuda:N".
         enforce_eager: run the model's modules one by one from Python: on a GPU instead of replaying CUDA graphs
             captured at start-up, on a CPU instead of running the decoder layers in one C++ call a step.
+        disable_cascade_attn: never run a step's attention as cascade attention over a shared prefix (see
+            `ModelConfig.disable_cascade_attn`).
     """
 
     def __init__(self, model: str | None = None, *, dtype: str = "auto", max_model_len: int | None = None,
@@ -90,11 +92,11 @@ class LLM:
                  tensor_parallel_size: int = 1, data_parallel_size: int = 1,
                  distributed_executor_backend: str | None = None,
                  data_parallel_router: DataParallelRouterPolicy = "prefix_aware", device: str = "auto",
-                 enforce_eager: bool = False) -> None:
+                 enforce_eager: bool = False, disable_cascade_attn: bool = False) -> None:
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
                               chat_template=chat_template, quantization=quantization, device=device,
-                              enforce_eager=enforce_eager),
+                              enforce_eager=enforce_eager, disable_cascade_attn=disable_cascade_attn),
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
                               gpu_memory_utilization=gpu_memory_utilization, swap_space=swap_space,
                               swap_path=swap_path, enable_prefix_caching=enable_prefix_caching,

@@ -42,6 +42,7 @@ class LoadedModel:
     tp_rank: int = 0        # this process's slice of the model under tensor parallelism
     tp_size: int = 1
     attn_backend: AttentionBackend = cpu_paged_attention   # the one its layers attend through
+    cascade: bool = True    # steps may run attention as cascade attention (not ModelConfig.disable_cascade_attn)
 
 
 def resolve_dtype(dtype: str, device: str = "cpu") -> torch.dtype:
@@ -238,7 +239,8 @@ def load_model(model_config: ModelConfig, tp_rank: int = 0, tp_size: int = 1) ->
         model.use_decoder_stack()
     rank = f", tensor-parallel rank {tp_rank} of {tp_size}" if tp_size > 1 else ""
     logger.info("loaded %s (%s%s%s) in %.2f s", resolved.name, dtype, how, rank, time.perf_counter() - start)
-    return LoadedModel(model, hf_config, resolved, dtype, quantization, tp_rank, tp_size, attn_backend)
+    return LoadedModel(model, hf_config, resolved, dtype, quantization, tp_rank, tp_size, attn_backend,
+                       not model_config.disable_cascade_attn)
 
 
 __all__ = ["LoadedModel", "ResolvedModel", "load_model", "load_hf_config", "max_model_len_of", "resolve_dtype",

@@ -154,7 +154,7 @@ class LlamaModel(nn.Module):
         stack = self.stack_for(x)
         if stack is not None:
             return stack.forward(x, positions, kv_caches, meta.slot_mapping, meta.block_tables, meta.seq_lens,
-                                 meta.query_start_loc, meta.num_decodes)
+                                 meta.query_start_loc, meta.num_decodes, meta.cascade)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(positions, x, residual, kv_cache, meta)

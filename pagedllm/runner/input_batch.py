@@ -49,7 +49,8 @@ class ModelInputs:
     first_rows: dict[str, int]       # request id -> the row of its first new token
 
 
-def build_model_inputs(scheduled: list[ScheduledRequest], block_size: int, device: torch.device) -> ModelInputs:
+def build_model_inputs(scheduled: list[ScheduledRequest], block_size: int, device: torch.device,
+                       cascade: bool = True) -> ModelInputs:
     # Decodes first: attention runs them as one batch (see pagedllm.attention.cpu).
     scheduled = sorted(scheduled, key=lambda s: len(s.token_ids) > 1)
     num_new = np.fromiter((len(s.token_ids) for s in scheduled), dtype=np.int64, count=len(scheduled))
@@ -75,6 +76,7 @@ def build_model_inputs(scheduled: list[ScheduledRequest], block_size: int, devic
         max_seq_len=int(seq_lens.max()),
         query_start_loc_cpu=query_start.tolist(),
         seq_lens_cpu=seq_lens.tolist(),
+        cascade=cascade,
     )
     return ModelInputs(
         input_ids=torch.from_numpy(input_ids).to(device),

@@ -76,6 +76,7 @@ class ModelRunner:
         self.tp_rank = loaded.tp_rank
         self.quantization = loaded.quantization
         self.attn_backend = loaded.attn_backend
+        self.cascade = loaded.cascade
         self.peers = peers or Peers()
         self.device = next(self.model.parameters()).device
         self.shape = model_shape(loaded.hf_config, loaded.tp_rank, loaded.tp_size)
@@ -189,7 +190,7 @@ class ModelRunner:
         """
         if not scheduled:
             return RunnerOutput()
-        inputs = build_model_inputs(scheduled, self.block_size, self.device)
+        inputs = build_model_inputs(scheduled, self.block_size, self.device, self.cascade)
         pending_masks = self._start_token_bitmasks(inputs.sample_request_ids)
         start = time.perf_counter()
         try:

@@ -242,6 +242,27 @@ def test_cascade_attention_over_an_int8_cache(heads: str, isa_level: str) -> Non
                                atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_batch_without_cascades_gives_each_sequence_its_own_bits(dtype: torch.dtype, isa_level: str) -> None:
+    """With `cascade` off (ModelConfig.disable_cascade_attn) a batch that would run as a cascade gives every
+    sequence exactly what it gets attended alone (a cascade's sums run in another order: close, not equal); but for
+    the decode after the chunks, which the prefill kernel takes in the batch and the decode kernel alone."""
+    query, k_cache, v_cache, meta, _ = _cascade_batch("gqa3", dtype, 64, 16, 256)
+    assert cpu.cascade_prefix_len(query, k_cache, meta) == 256
+    meta.cascade = False
+    assert cpu.cascade_prefix_len(query, k_cache, meta) == 0
+    batch = paged_attention(query, k_cache, v_cache, meta, 0.125)
+    qsl = meta.query_start_loc_cpu
+    late_decode = meta.num_seqs - 1
+    assert meta.num_decodes < late_decode and qsl[late_decode + 1] - qsl[late_decode] == 1
+    for i in range(late_decode):
+        one = AttentionMetadata(meta.slot_mapping[qsl[i]:qsl[i + 1]], torch.tensor([0, qsl[i + 1] - qsl[i]],
+                                dtype=torch.int32), meta.seq_lens[i:i + 1], meta.block_tables[i:i + 1],
+                                qsl[i + 1] - qsl[i], meta.seq_lens_cpu[i])
+        alone = paged_attention(query[qsl[i]:qsl[i + 1]], k_cache, v_cache, one, 0.125)
+        assert torch.equal(batch[qsl[i]:qsl[i + 1]], alone), i
+
+
 def test_cascade_prefix_is_the_shared_blocks_every_query_sees_in_whole_chunks() -> None:
     def prefix(tables: list[list[int]], num_computed: list[int] | None = None, query_lens: list[int] | None = None,
                dtype: torch.dtype = torch.float32) -> int:

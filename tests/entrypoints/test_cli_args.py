@@ -1,4 +1,5 @@
-"""The server's flags -> EngineConfig: --speculative-config takes vLLM's JSON; --enforce-eager."""
+"""The server's flags -> EngineConfig: --speculative-config takes vLLM's JSON; --enforce-eager,
+--disable-cascade-attn."""
 
 from __future__ import annotations
 
@@ -37,3 +38,8 @@ def test_bad_speculative_config_names_the_field() -> None:
 def test_enforce_eager_reaches_the_model_config() -> None:
     assert _config().model.enforce_eager is False
     assert _config("--enforce-eager", "--device", "cuda").model.enforce_eager is True
+
+
+def test_disable_cascade_attn_reaches_the_model_config() -> None:
+    assert _config().model.disable_cascade_attn is False
+    assert _config("--disable-cascade-attn").model.disable_cascade_attn is True

@@ -104,4 +104,4 @@ def test_a_stack_refuses_caches_that_do_not_match_its_layers(tmp_path: Path) -> 
     one = torch.zeros(1, dtype=torch.int32)
     with pytest.raises(RuntimeError, match="one KV cache per layer: 2 layers, 1 caches"):
         stack.forward(x, torch.zeros(1, dtype=torch.int64), runner.kv_caches[:1], torch.zeros(1, dtype=torch.int64),
-                      one.view(1, 1), one, torch.tensor([0, 1], dtype=torch.int32), 1)
+                      one.view(1, 1), one, torch.tensor([0, 1], dtype=torch.int32), 1, True)

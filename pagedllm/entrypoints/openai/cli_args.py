@@ -105,6 +105,10 @@ def _add_engine_args(engine: argparse._ArgumentGroup) -> None:
                         help="run the model's modules one by one from Python: on a GPU instead of replaying CUDA "
                              "graphs captured at start-up, on a CPU instead of running the decoder layers in one C++ "
                              "call")
+    engine.add_argument("--disable-cascade-attn", action="store_true",
+                        help="never run a step's attention as cascade attention over a prefix all its sequences "
+                             "share (the kernels do where it pays): a request's attention then does not depend on "
+                             "its batch")
     engine.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                         help="weight and activation precision; auto is bfloat16 on a GPU and where the CPU supports "
                              "it, float32 otherwise (default: %(default)s)")
@@ -184,7 +188,7 @@ def engine_config_from_args(args: argparse.Namespace):
     return EngineConfig(
         model=ModelConfig(model=model_of(args), dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed,
                           chat_template=args.chat_template, quantization=args.quantization, device=args.device,
-                          enforce_eager=args.enforce_eager),
+                          enforce_eager=args.enforce_eager, disable_cascade_attn=args.disable_cascade_attn),
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                           gpu_memory_utilization=args.gpu_memory_utilization, swap_space=args.swap_space,
                           swap_path=args.swap_path, enable_prefix_caching=args.enable_prefix_caching,

@@ -19,7 +19,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "seq_lens, query_start_loc, first_seq, scale)", NoGil());
   m.def("paged_attention", &pagedllm::paged_attention,
         "A step's paged attention, decodes first, as cascade attention where every sequence's context starts with "
-        "the same blocks: (out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_decodes, scale)",
+        "the same blocks and `cascade` allows it: (out, q, k_cache, v_cache, block_tables, seq_lens, "
+        "query_start_loc, num_decodes, scale, cascade)",
         NoGil());
   m.def("cascade_prefix_len", &pagedllm::cascade_prefix_len,
         "The shared prefix paged_attention runs as cascade attention, in positions (0: none): (q, k_cache, "
@@ -93,7 +94,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("scale"))
       .def("forward", &pagedllm::DecoderStack::forward,
            "The embedded tokens [T, H] through every layer and the final norm, reading and writing the paged KV "
-           "cache: (x, positions, kv_caches, slot_mapping, block_tables, seq_lens, query_start_loc, num_decodes)",
+           "cache: (x, positions, kv_caches, slot_mapping, block_tables, seq_lens, query_start_loc, num_decodes, "
+           "cascade)",
            NoGil());
   m.def("parallel_units_owners",
         [](int64_t n, int64_t parts, double thread0_sleep_s) {

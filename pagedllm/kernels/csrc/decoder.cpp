@@ -79,12 +79,12 @@ DecoderStack::DecoderStack(std::vector<DecoderLayerWeights> layers, at::Tensor n
 // LlamaModel.forward after the embedding: x [T, H] -> the final norm's output [T, H].
 at::Tensor DecoderStack::forward(at::Tensor x, const at::Tensor& positions, const std::vector<KVPair>& kv_caches,
                                  at::Tensor slot_mapping, at::Tensor block_tables, at::Tensor seq_lens,
-                                 at::Tensor query_start_loc, int64_t num_decodes) const {
+                                 at::Tensor query_start_loc, int64_t num_decodes, bool cascade) const {
   TORCH_CHECK(kv_caches.size() == layers_.size(), "one KV cache per layer: ", layers_.size(), " layers, ",
               kv_caches.size(), " caches");
   const at::Tensor pos = positions.to(at::kLong);
   const StepBatch batch{std::move(slot_mapping), std::move(block_tables), std::move(seq_lens),
-                        std::move(query_start_loc), num_decodes};
+                        std::move(query_start_loc), num_decodes, cascade};
   at::Tensor residual;
   for (size_t i = 0; i < layers_.size(); ++i) {
     const DecoderLayerWeights& layer = layers_[i];
@@ -124,7 +124,7 @@ at::Tensor DecoderStack::attention(const DecoderLayerWeights& layer, const at::T
   q = q.contiguous();
   at::Tensor out = at::empty_like(q);
   paged_attention(out, q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
-                  batch.num_decodes, scale_);
+                  batch.num_decodes, scale_, batch.cascade);
   return layer.o(out.flatten(1));
 }
 

@@ -35,9 +35,10 @@ void prefill_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Ten
                        double scale);
 // A step's attention as pagedllm.attention.cpu.paged_attention runs it: decodes (the first num_decodes sequences)
 // through decode_attention, the rest through prefill_attention; when every sequence's context starts with the same
-// blocks, as cascade attention (paged_attention.cpp).
+// blocks and `cascade` allows it, as cascade attention (paged_attention.cpp).
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
-                     at::Tensor seq_lens, at::Tensor query_start_loc, int64_t num_decodes, double scale);
+                     at::Tensor seq_lens, at::Tensor query_start_loc, int64_t num_decodes, double scale,
+                     bool cascade);
 // The prefix paged_attention runs as cascade attention for this batch: the positions at the start of every
 // sequence's context held in the same blocks of every table and seen by every query token, in whole blocks, rounded
 // down to a multiple of 64; 0 where a cascade would not pay (paged_attention.cpp).
@@ -142,12 +143,13 @@ class DecoderStack {
   // x: the embedded tokens [T, H]; the batch as pagedllm.attention.metadata.AttentionMetadata holds it, decodes first.
   at::Tensor forward(at::Tensor x, const at::Tensor& positions, const std::vector<KVPair>& kv_caches,
                      at::Tensor slot_mapping, at::Tensor block_tables, at::Tensor seq_lens,
-                     at::Tensor query_start_loc, int64_t num_decodes) const;
+                     at::Tensor query_start_loc, int64_t num_decodes, bool cascade) const;
 
  private:
   struct StepBatch {
     at::Tensor slot_mapping, block_tables, seq_lens, query_start_loc;
     int64_t num_decodes;
+    bool cascade;
   };
   at::Tensor attention(const DecoderLayerWeights& layer, const at::Tensor& h, const at::Tensor& positions,
                        const KVPair& kv_cache, const StepBatch& batch) const;

@@ -60,9 +60,10 @@ int64_t cascade_prefix_len(at::Tensor q, at::Tensor k_cache, at::Tensor block_ta
 }
 
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
-                     at::Tensor seq_lens, at::Tensor query_start_loc, int64_t num_decodes, double scale) {
+                     at::Tensor seq_lens, at::Tensor query_start_loc, int64_t num_decodes, double scale,
+                     bool cascade) {
   const int64_t num_seqs = seq_lens.size(0);
-  const int64_t prefix_len = cascade_prefix_len(q, k_cache, block_tables, seq_lens, query_start_loc);
+  const int64_t prefix_len = cascade ? cascade_prefix_len(q, k_cache, block_tables, seq_lens, query_start_loc) : 0;
   std::optional<SoftmaxState> prefix;
   if (prefix_len > 0) {
     prefix.emplace(prefix_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, prefix_len, scale));
