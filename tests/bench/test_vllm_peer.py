@@ -155,11 +155,15 @@ def test_a_capped_run_caps_the_peer_too(monkeypatch, level):
     monkeypatch.setattr(vllm_peer, "cpu_info", lambda: CpuInfo("x86_64", "test", flags))
     monkeypatch.setenv("PYTHONPATH", "/elsewhere")
     monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "SSE4_2")
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)  # as `make test` capped by hand would set them
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
     plain = vllm_peer.vllm_env(None)
     assert plain["PYTHONPATH"] == "/elsewhere" and "ATEN_CPU_CAPABILITY" not in plain
 
-    capped_flags = flags & {"avx2", "fma", "f16c"}
-    monkeypatch.setattr(vllm_peer, "cpu_info", lambda: CpuInfo("x86_64", "test", capped_flags, capped=True))
+    capped_flags = flags & {"avx2", "fma", "f16c"} if level == "avx2" else frozenset()
+    capped = CpuInfo("x86_64", "test", capped_flags, capped=True)
+    assert capped.isa_level == level
+    monkeypatch.setattr(vllm_peer, "cpu_info", lambda: capped)
     env = vllm_peer.vllm_env(None)
     site = Path(vllm_peer.__file__).with_name("vllm_capped")
     assert env["PYTHONPATH"] == f"{site}{os.pathsep}/elsewhere"
