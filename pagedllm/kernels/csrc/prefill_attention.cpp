@@ -16,10 +16,12 @@
 //   2. per (sequence, kv head, 16 query tokens): every query head of the group scores the keys up to the last
 //      query's position, 64 at a time, then an online softmax and the weighted values, in float. The tasks are
 //      dealt to the threads by cost.
-// With AMX-BF16 (a bf16 cache, a head size of a multiple of 64), tiles do both products: pass 1 packs the values as
-// `tdpbf16ps`'s B operand too (pairs of keys), 16 rows by 16 keys are scored per `tdpbf16ps` and 32 dims, and the
-// chunk's p, rounded to bf16, weighs the values in tiles; the softmax and the sums stay float. 1.9-2.2x the
-// AVX512-BF16 path on SmolLM2's shapes; the outputs differ from it by about an ulp of bf16 (p's rounding).
+// With AVX512-BF16, a bf16 cache and a head size of 64 or 128, pass 1 packs the values in pairs of keys instead
+// (`vdpbf16ps`'s and `tdpbf16ps`'s B operand) and the chunk's p, rounded to bf16, weighs them a pair of keys per
+// product: 1.5-2.2x the float values on a Zen 5, whose outputs differ by about an ulp of bf16 (p's rounding). With
+// AMX-BF16 tiles do both products: 16 rows by 16 keys are scored per `tdpbf16ps` and 32 dims, and the values are
+// weighed in tiles (1.9-2.2x the AVX512-BF16 path on SmolLM2's shapes, when its values were floats); the softmax
+// and the sums stay float.
 #include "ops.h"
 
 #include <ATen/Dispatch.h>
@@ -178,29 +180,47 @@ inline void score_chunk_float(const float* q, int64_t rows, int64_t head_dim, co
 #endif
 
 #if defined(__AVX512BF16__)
-// AVX512-BF16: R rows against one key tile in bf16 pairs: q[r] holds a row's `pairs` (q[2p], q[2p+1]) words, kp[p]
-// the 16 keys' pair p.
-template <int R>
-inline void score_rows_bf16(const uint32_t* q, int64_t pairs, const uint32_t* kp, float* s, int64_t s_stride) {
-  __m512 acc[R];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+// AVX512-BF16: R rows x T key tiles in bf16 pairs, R x T zmm accumulators (q[r] holds a row's `pairs` (q[2p],
+// q[2p+1]) words, kp tile t's [pairs][16] words, k_tile_words apart): each q pair is broadcast once for T products
+// and each key vector loaded once for R rows, and the R x T chains hide `vdpbf16ps`'s latency, where one tile at a
+// time (8 chains) left it waiting.
+template <int R, int T>
+inline void score_rows_bf16(const uint32_t* q, int64_t pairs, const uint32_t* kp, int64_t k_tile_words, float* s,
+                            int64_t s_stride) {
+  __m512 acc[R][T];
+#pragma GCC unroll 24
+  for (int i = 0; i < R * T; ++i) acc[i / T][i % T] = _mm512_setzero_ps();
   for (int64_t p = 0; p < pairs; ++p) {
-    const __m512bh k = (__m512bh)_mm512_loadu_si512(kp + p * kKeyTile);
-#pragma GCC unroll 8
+    __m512bh k[T];
+#pragma GCC unroll 4
+    for (int t = 0; t < T; ++t) k[t] = (__m512bh)_mm512_loadu_si512(kp + t * k_tile_words + p * kKeyTile);
+#pragma GCC unroll 6
     for (int r = 0; r < R; ++r) {
-      acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(static_cast<int>(q[r * pairs + p])), k);
+      const __m512bh qp = (__m512bh)_mm512_set1_epi32(static_cast<int>(q[r * pairs + p]));
+#pragma GCC unroll 4
+      for (int t = 0; t < T; ++t) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], qp, k[t]);
     }
   }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(s + r * s_stride, acc[r]);
+#pragma GCC unroll 24
+  for (int i = 0; i < R * T; ++i) _mm512_storeu_ps(s + (i / T) * s_stride + (i % T) * kKeyTile, acc[i / T][i % T]);
 }
 
-inline void score_tile_bf16(const uint32_t* q, int64_t rows, int64_t pairs, const uint32_t* kp, float* s,
-                            int64_t s_stride) {
-  run_row_blocks<8>(rows, [&]<int R>(int64_t r) {
-    score_rows_bf16<R>(q + r * pairs, pairs, kp, s + r * s_stride, s_stride);
+template <int T>
+inline void score_tiles_bf16(const uint32_t* q, int64_t rows, int64_t pairs, const uint32_t* kp, int64_t k_tile_words,
+                             float* s, int64_t s_stride) {
+  run_row_blocks<6>(rows, [&]<int R>(int64_t r) {
+    score_rows_bf16<R, T>(q + r * pairs, pairs, kp, k_tile_words, s + r * s_stride, s_stride);
   });
+}
+
+inline void score_chunk_bf16(const uint32_t* q, int64_t rows, int64_t pairs, const uint32_t* kp, int64_t k_tile_words,
+                             int64_t tiles, float* s, int64_t s_stride) {
+  switch (tiles) {
+    case 4: return score_tiles_bf16<4>(q, rows, pairs, kp, k_tile_words, s, s_stride);
+    case 3: return score_tiles_bf16<3>(q, rows, pairs, kp, k_tile_words, s, s_stride);
+    case 2: return score_tiles_bf16<2>(q, rows, pairs, kp, k_tile_words, s, s_stride);
+    default: return score_tiles_bf16<1>(q, rows, pairs, kp, k_tile_words, s, s_stride);
+  }
 }
 #endif
 
@@ -244,18 +264,11 @@ inline void score_chunk_amx(const uint32_t* q, int64_t rows, int64_t pairs, cons
   }
 }
 
-// o[r] += p[r] . v over a whole chunk of kKeyChunk keys, for the rows of whole tiles covering [0, rows): p (rows of
-// kKeyChunk floats, 0 past a row's keys) rounded to bf16 into p_bf16, the values as pairs of keys (vp: the chunk's
-// 32 pair rows of head_dim words, pack_value_pairs), o [rows][head_dim] in float.
-inline void accumulate_chunk_amx(const float* p, int64_t rows, const uint32_t* vp, int64_t head_dim,
-                                 c10::BFloat16* p_bf16, float* o) {
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t k = 0; k < kKeyChunk; k += 32) {
-      const float* src = p + r * kKeyChunk + k;
-      const __m512bh both = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 16), _mm512_loadu_ps(src));
-      _mm512_storeu_si512(p_bf16 + r * kKeyChunk + k, reinterpret_cast<__m512i>(both));
-    }
-  }
+// o[r] += p[r] . v over a whole chunk of kKeyChunk keys, for the rows of whole tiles covering [0, rows): p in bf16
+// (round_chunk_to_bf16), the values as pairs of keys (vp: the chunk's 32 pair rows of head_dim words,
+// pack_value_pairs), o [rows][head_dim] in float.
+inline void accumulate_chunk_amx(const c10::BFloat16* p_bf16, int64_t rows, const uint32_t* vp, int64_t head_dim,
+                                 float* o) {
   const int64_t p_bytes = kKeyChunk * sizeof(c10::BFloat16), o_bytes = head_dim * sizeof(float);
   const int64_t v_bytes = head_dim * sizeof(uint32_t);
   const uint32_t* vp_second = vp + kAmxRows * head_dim;  // keys 32-63
@@ -278,6 +291,55 @@ inline void accumulate_chunk_amx(const float* p, int64_t rows, const uint32_t* v
 #undef PAGEDLLM_PV
     }
   }
+}
+
+#endif
+
+#if defined(__AVX512BF16__)
+// The chunk's p of `rows` rows (kKeyChunk floats each, 0 past a row's keys) rounded to bf16: pairs of keys, the
+// A operand of the products with the values' pairs below (and of the AMX path's tiles).
+inline void round_chunk_to_bf16(const float* p, int64_t rows, c10::BFloat16* p_bf16) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t k = 0; k < kKeyChunk; k += 32) {
+      const float* src = p + r * kKeyChunk + k;
+      const __m512bh both = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 16), _mm512_loadu_ps(src));
+      _mm512_storeu_si512(p_bf16 + r * kKeyChunk + k, reinterpret_cast<__m512i>(both));
+    }
+  }
+}
+
+// o[r] += p[r] . v for R rows over the first `pairs` pairs of keys of a chunk, a pair per `vdpbf16ps`: p in bf16
+// (pp: rows of kKeyChunk / 2 pair words), vp the chunk's pair rows of kHeadDim words (pack_value_pairs), o rows of
+// kHeadDim floats. Each value vector is loaded once for R rows; half the instructions and half the bytes of float
+// values.
+template <int R, int64_t kHeadDim>
+inline void accumulate_pairs_rows(const uint32_t* pp, int64_t pairs, const uint32_t* vp, float* o) {
+  constexpr int kVecs = kHeadDim / 16;
+  __m512 acc[R][kVecs];
+#pragma GCC unroll 24
+  for (int i = 0; i < R * kVecs; ++i) acc[i / kVecs][i % kVecs] = _mm512_loadu_ps(o + (i / kVecs) * kHeadDim + 16 * (i % kVecs));
+  for (int64_t i = 0; i < pairs; ++i) {
+    __m512bh v[kVecs];
+#pragma GCC unroll 8
+    for (int c = 0; c < kVecs; ++c) v[c] = (__m512bh)_mm512_loadu_si512(vp + i * kHeadDim + 16 * c);
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      const __m512bh pw = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[r * (kKeyChunk / 2) + i]));
+#pragma GCC unroll 8
+      for (int c = 0; c < kVecs; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pw, v[c]);
+    }
+  }
+#pragma GCC unroll 24
+  for (int i = 0; i < R * kVecs; ++i) _mm512_storeu_ps(o + (i / kVecs) * kHeadDim + 16 * (i % kVecs), acc[i / kVecs][i % kVecs]);
+}
+
+template <int64_t kHeadDim>
+inline void accumulate_pairs(const c10::BFloat16* p_bf16, int64_t rows, int64_t pairs, const uint32_t* vp, float* o) {
+  static_assert(kHeadDim % 16 == 0);
+  const uint32_t* pp = reinterpret_cast<const uint32_t*>(p_bf16);
+  run_row_blocks<std::max<int>(1, 16 / (kHeadDim / 16))>(rows, [&]<int R>(int64_t r) {
+    accumulate_pairs_rows<R, kHeadDim>(pp + r * (kKeyChunk / 2), pairs, vp, o + r * kHeadDim);
+  });
 }
 
 // Keys [first, first + keys) of kv head h's values as `tdpbf16ps`'s B operand: dst[i][d] = (v_t[d], v_t+1[d]) for
@@ -521,26 +583,29 @@ void run_plan(Plan& plan, at::Tensor& out, const at::Tensor& q, const at::Tensor
   const float scale = static_cast<float>(scale_arg);
   // Words per key tile in the key buffer: bf16 pairs [D/2][16] as uint32, or floats [D][16].
   const int64_t k_tile_words = (kBf16Dot ? pairs : head_dim) * kKeyTile;
+  // With AVX512-BF16 and a head size of 64 or 128, p (rounded to bf16) weighs the values in pairs of keys, in AMX
+  // tiles where the CPU has them (a head size of a multiple of 64) or else with `vdpbf16ps`.
+  constexpr bool kPairs = kBf16Dot && kHeadDim > 0;
 #if PAGEDLLM_ATTENTION_AMX
   const bool amx = kBf16Dot && prefill_attention_in_tiles(q, k_cache);
 #else
   constexpr bool amx = false;
 #endif
-  // The AMX path's values cover whole chunks of keys (zero past the context).
+  // The values' pairs cover whole chunks of keys (zero past the context).
   const auto chunk_keys = [](int64_t keys) { return (keys + kKeyChunk - 1) / kKeyChunk * kKeyChunk; };
 
-  int64_t k_words = 0, v_size = 0;  // v_size: floats, or with amx words of pairs of keys
+  int64_t k_words = 0, v_size = 0;  // v_size: floats, or with kPairs words of pairs of keys
   for (Packed& pk : plan.packed) {
     pk.num_tiles = (pk.end - pk.first + kKeyTile - 1) / kKeyTile;
     pk.k_offset = k_words;
     pk.v_offset = v_size;
     k_words += pk.num_tiles * k_tile_words;
-    v_size += amx ? chunk_keys(pk.end - pk.first) / 2 * head_dim : pk.num_tiles * kKeyTile * head_dim;
+    v_size += kPairs ? chunk_keys(pk.end - pk.first) / 2 * head_dim : pk.num_tiles * kKeyTile * head_dim;
   }
   // Left uninitialised: pass 1 writes every word of them, zeros past each context.
   const std::unique_ptr<uint32_t[]> k_bits(new uint32_t[kBf16Dot ? k_words : 0]);
-  const std::unique_ptr<float[]> k_floats(new float[kBf16Dot ? 0 : k_words]), values(new float[amx ? 0 : v_size]);
-  const std::unique_ptr<uint32_t[]> value_pairs(new uint32_t[amx ? v_size : 0]);
+  const std::unique_ptr<float[]> k_floats(new float[kBf16Dot ? 0 : k_words]), values(new float[kPairs ? 0 : v_size]);
+  const std::unique_ptr<uint32_t[]> value_pairs(new uint32_t[kPairs ? v_size : 0]);
 
   // Pass 1: pack keys and values.
   at::parallel_for(0, static_cast<int64_t>(plan.packed.size()), 1, [&](int64_t begin, int64_t end) {
@@ -548,18 +613,12 @@ void run_plan(Plan& plan, at::Tensor& out, const at::Tensor& q, const at::Tensor
     for (int64_t w = begin; w < end; ++w) {
       const Packed& pk = plan.packed[w];
       const int32_t* table = cache.table(pk.seq);
-#if PAGEDLLM_ATTENTION_AMX
-      if constexpr (kBf16Dot) {
-        if (amx) {
-          pack_value_pairs(cache, table, pk.head, pk.first, pk.end, chunk_keys(pk.end - pk.first), head_dim,
-                           value_pairs.get() + pk.v_offset);
-        }
-      }
-#endif
-#if defined(__AVX512F__)
-      // With AMX (its values packed above), the keys 16 at a time: their bf16 pairs transposed into a tile's rows.
-      if (amx) {
-        alignas(64) static const uint8_t zeros[2 * std::max<int64_t>(kHeadDim, 1)] = {};
+#if defined(__AVX512BF16__)
+      // The values in pairs of keys, and the keys 16 at a time: their bf16 pairs transposed into a tile's rows.
+      if constexpr (kPairs) {
+        pack_value_pairs(cache, table, pk.head, pk.first, pk.end, chunk_keys(pk.end - pk.first), head_dim,
+                         value_pairs.get() + pk.v_offset);
+        alignas(64) static const uint8_t zeros[2 * kHeadDim] = {};
         for (int64_t tile = 0; tile < pk.num_tiles; ++tile) {
           const uint8_t* rows[kKeyTile];
           for (int64_t j = 0; j < kKeyTile; ++j) {
@@ -574,9 +633,9 @@ void run_plan(Plan& plan, at::Tensor& out, const at::Tensor& q, const at::Tensor
 #endif
       for (int64_t i = 0; i < pk.num_tiles * kKeyTile; ++i) {
         const int64_t tile = i / kKeyTile, j = i % kKeyTile, pos = pk.first + i;
-        float* vrow = amx ? nullptr : values.get() + pk.v_offset + i * head_dim;
+        float* vrow = values.get() + pk.v_offset + i * head_dim;
         if (pos >= pk.end) {  // the last tile's tail: zeros, never visible
-          if (!amx) std::fill(vrow, vrow + head_dim, 0.f);
+          std::fill(vrow, vrow + head_dim, 0.f);
           if constexpr (kBf16Dot) {
             for (int64_t p = 0; p < pairs; ++p) k_bits[pk.k_offset + tile * k_tile_words + p * kKeyTile + j] = 0;
           } else {
@@ -585,7 +644,7 @@ void run_plan(Plan& plan, at::Tensor& out, const at::Tensor& q, const at::Tensor
           continue;
         }
         const cache_t* key = cache.key(table, pos, pk.head);
-        if (!amx) load_row(cache.value(table, pos, pk.head), vrow, head_dim);
+        load_row(cache.value(table, pos, pk.head), vrow, head_dim);
         if constexpr (kBf16Dot) {
           uint32_t* kdst = k_bits.get() + pk.k_offset + tile * k_tile_words + j;
           const uint16_t* kw = reinterpret_cast<const uint16_t*>(key);
@@ -617,8 +676,8 @@ void run_plan(Plan& plan, at::Tensor& out, const at::Tensor& q, const at::Tensor
     std::vector<float> q_rows(max_rows * head_dim), scores(max_rows * kKeyChunk), acc(max_rows * head_dim);
     std::vector<uint32_t> q_pairs(kBf16Dot ? max_rows * pairs : 0);
     std::vector<float> row_max(max_rows), row_sum(max_rows);
+    std::vector<c10::BFloat16> p_bf16(kPairs ? max_rows * kKeyChunk : 0);
 #if PAGEDLLM_ATTENTION_AMX
-    std::vector<c10::BFloat16> p_bf16(amx ? max_rows * kKeyChunk : 0);
     if (amx) configure_tiles(kAttentionTiles);
 #endif
     for (size_t n; (n = next_task.fetch_add(1, std::memory_order_relaxed)) < order.size();) {
@@ -660,11 +719,8 @@ void run_plan(Plan& plan, at::Tensor& out, const at::Tensor& q, const at::Tensor
 #endif
 #if defined(__AVX512BF16__)
           if (!amx) {
-            for (int64_t i = 0; i < tiles; ++i) {
-              score_tile_bf16(q_pairs.data(), rows, pairs,
-                              k_bits.get() + pk.k_offset + (first_tile + i) * k_tile_words,
-                              scores.data() + i * kKeyTile, kKeyChunk);
-            }
+            score_chunk_bf16(q_pairs.data(), rows, pairs, k_bits.get() + pk.k_offset + first_tile * k_tile_words,
+                             k_tile_words, tiles, scores.data(), kKeyChunk);
           }
 #endif
         } else {
@@ -680,16 +736,22 @@ void run_plan(Plan& plan, at::Tensor& out, const at::Tensor& q, const at::Tensor
           }
           softmax_chunk<kHeadDim>(s, visible, scale, head_dim, row_max[r], row_sum[r], acc.data() + r * head_dim);
         }
+        // Every row's p is 0 past its own position, so all rows take the last row's keys (the most any sees).
+        const int64_t visible = std::min(tiles * kKeyTile, first_pos + (rows - 1) / group - chunk_start + 1);
+#if defined(__AVX512BF16__)
+        if constexpr (kPairs) {
+          round_chunk_to_bf16(scores.data(), rows, p_bf16.data());
+          const uint32_t* vp = value_pairs.get() + pk.v_offset + (chunk_start - pk.first) / 2 * head_dim;
 #if PAGEDLLM_ATTENTION_AMX
-        if (amx) {
-          accumulate_chunk_amx(scores.data(), rows,
-                               value_pairs.get() + pk.v_offset + (chunk_start - pk.first) / 2 * head_dim, head_dim,
-                               p_bf16.data(), acc.data());
+          if (amx) {
+            accumulate_chunk_amx(p_bf16.data(), rows, vp, head_dim, acc.data());
+            continue;
+          }
+#endif
+          accumulate_pairs<kHeadDim>(p_bf16.data(), rows, (visible + 1) / 2, vp, acc.data());
           continue;
         }
 #endif
-        // Every row's p is 0 past its own position, so all rows take the last row's keys (the most any sees).
-        const int64_t visible = std::min(tiles * kKeyTile, first_pos + (rows - 1) / group - chunk_start + 1);
         accumulate_rows<kHeadDim>(scores.data(), rows, visible,
                                   values.get() + pk.v_offset + (chunk_start - pk.first) * head_dim, head_dim,
                                   acc.data());
