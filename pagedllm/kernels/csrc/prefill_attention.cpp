@@ -583,8 +583,8 @@ void run_plan(Plan& plan, at::Tensor& out, const at::Tensor& q, const at::Tensor
   const float scale = static_cast<float>(scale_arg);
   // Words per key tile in the key buffer: bf16 pairs [D/2][16] as uint32, or floats [D][16].
   const int64_t k_tile_words = (kBf16Dot ? pairs : head_dim) * kKeyTile;
-  // With AVX512-BF16 and a head size of 64 or 128, p (rounded to bf16) weighs the values in pairs of keys, in AMX
-  // tiles where the CPU has them (a head size of a multiple of 64) or else with `vdpbf16ps`.
+  // With AVX512-BF16 and a head size of 64 or 128, p (rounded to bf16) weighs the values in pairs of keys: in AMX
+  // tiles where Linux grants them, else with `vdpbf16ps`.
   constexpr bool kPairs = kBf16Dot && kHeadDim > 0;
 #if PAGEDLLM_ATTENTION_AMX
   const bool amx = kBf16Dot && prefill_attention_in_tiles(q, k_cache);
