@@ -387,6 +387,30 @@ constexpr int64_t x_group_bytes(int64_t type, int halves) {
 // term).
 template <int64_t type, int halves>
 void store_group(const float* v, uint8_t* stored, float& s, float& sm) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  // The loop below in two zmm of 16 values, the same operations on the same floats: GCC compiles that loop to ymm
+  // and mask juggling, 4-5% of the mixed workload on a Zen 5. round_half_even's 1.5 x 2^23 in registers.
+  const __m512 round = _mm512_set1_ps(12582912.0f);
+  const __m512i offset = _mm512_set1_epi32(type == kQ8_0 ? 128 : 0);  // store_x
+  __m512i sum = _mm512_setzero_si512();
+  for (int i = 0; i < 2; ++i) {
+    const __m512 x = _mm512_loadu_ps(v + 16 * i);
+    const __m512 hi = _mm512_sub_ps(_mm512_add_ps(x, round), round);
+    __m512i value = _mm512_cvtps_epi32(hi);  // an integer already: exact
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(stored + 16 * i), _mm512_cvtepi32_epi8(_mm512_add_epi32(value, offset)));
+    if constexpr (halves == 2) {
+      const __m512 r = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(_mm512_sub_ps(x, hi), _mm512_set1_ps(256.f)),
+                                                   _mm512_set1_ps(-127.f)), _mm512_set1_ps(127.f));
+      const __m512i lo = _mm512_cvtps_epi32(_mm512_sub_ps(_mm512_add_ps(r, round), round));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(stored + kGroupK + 16 * i),
+                       _mm512_cvtepi32_epi8(_mm512_add_epi32(lo, offset)));
+      value = _mm512_add_epi32(_mm512_slli_epi32(value, 8), lo);
+    }
+    sum = _mm512_add_epi32(sum, value);
+  }
+  if constexpr (halves == 2) s = s / 256.f;
+  sm = s * static_cast<float>(_mm512_reduce_add_epi32(sum));
+#else
   int32_t sum = 0;
 #pragma omp simd reduction(+ : sum)
   for (int64_t j = 0; j < kGroupK; ++j) {
@@ -404,6 +428,7 @@ void store_group(const float* v, uint8_t* stored, float& s, float& sm) {
   }
   if constexpr (halves == 2) s = s / 256.f;
   sm = s * static_cast<float>(sum);
+#endif
 }
 
 template <typename T, int64_t type, int halves>
