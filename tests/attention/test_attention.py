@@ -100,11 +100,12 @@ def test_decode_kernel_matches_the_torch_fallback_and_reference(heads: str, dtyp
 @pytest.mark.parametrize("heads", ["gqa3", "mqa", "gqa5", *WIDE_GROUPS])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("block_size", [8, 16])
-def test_decode_kernel_over_long_contexts_in_large_blocks(heads: str, dtype: torch.dtype, head_dim: int,
-                                                         block_size: int, isa_level: str) -> None:
+@pytest.mark.parametrize("block_size", [1, 8, 16])
+def test_decode_kernel_over_long_contexts(heads: str, dtype: torch.dtype, head_dim: int, block_size: int,
+                                          isa_level: str) -> None:
     """Contexts of many blocks, ending mid-block and not on a multiple of the 4 keys the vector path scores
-    together, so that its prefetches ahead, its 4-key steps and the keys left over all run."""
+    together, so that its prefetches ahead, its 4-key steps and the keys left over all run; and, with AVX512-BF16,
+    the value pairs, odd contexts' last key alone, and one-token blocks, whose keys are weighed one at a time."""
     num_heads, num_kv_heads = (HEADS | WIDE_GROUPS)[heads]
     query, k_cache, v_cache, meta, _ = _random_batch([70, 129, 6, 200], [1, 1, 1, 1], num_heads, num_kv_heads, dtype,
                                                      seed=5, head_dim=head_dim, block_size=block_size)

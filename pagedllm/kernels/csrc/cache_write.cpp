@@ -27,10 +27,9 @@ inline void store_row(const scalar_t* x, int8_t* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) absmax = std::max(absmax, std::fabs(to_float(x[i])));
   const float scale = absmax / 127.f;
   const float divisor = scale > 0.f ? scale : 1.f;
-  constexpr float kRoundToInt = 12582912.0f;
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
-    const float q = (to_float(x[i]) / divisor + kRoundToInt) - kRoundToInt;
+    const float q = round_half_even(to_float(x[i]) / divisor);
     dst[i] = static_cast<int8_t>(std::min(std::max(q, -127.f), 127.f));
   }
   std::memcpy(dst + n, &scale, sizeof(scale));

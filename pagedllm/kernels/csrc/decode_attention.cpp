@@ -99,6 +99,20 @@ inline void for_each_block(const PagedCache<cache_t>& cache, const int32_t* tabl
   }
 }
 
+// Ask for the rows of kv head h's keys (kValues: values) in the first kPrefetchBlocks blocks from `first`: what
+// for_each_block reads before its own requests ahead have landed.
+template <bool kValues, typename cache_t>
+inline void prefetch_first_blocks(const PagedCache<cache_t>& cache, const int32_t* table, int64_t h, int64_t first,
+                                  int64_t len, int64_t head_dim) {
+  const int64_t stride = kValues ? cache.v_token : cache.k_token, bs = cache.block_size;
+  const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(cache_t));
+  const int64_t end = std::min(len, (first / bs + kPrefetchBlocks) * bs);
+  for (int64_t start = first, stop; start < end; start = stop) {
+    stop = std::min(end, (start / bs + 1) * bs);
+    prefetch_rows(kValues ? cache.value(table, start, h) : cache.key(table, start, h), stride, stop - start, row_bytes);
+  }
+}
+
 #if defined(__AVX512F__)
 inline vfloat vzero() { return _mm512_setzero_ps(); }
 inline vfloat vset1(float x) { return _mm512_set1_ps(x); }
@@ -111,7 +125,7 @@ inline vfloat vload(const c10::BFloat16* p) {
   const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
-// The low and high eight lanes added: what the tree of sum4 starts from.
+// The low and high eight lanes added.
 inline __m256 halves(vfloat v) {
   return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
 }
@@ -125,7 +139,6 @@ inline vfloat vload(const c10::BFloat16* p) {
   const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
 }
-inline __m256 halves(vfloat v) { return v; }
 inline float vsum(vfloat v) {
   const __m128 quad = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 pair = _mm_add_ps(quad, _mm_movehl_ps(quad, quad));
@@ -133,13 +146,27 @@ inline float vsum(vfloat v) {
 }
 #endif
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-// The sums of the lanes of a, b, c and d, in that order: a tree of adds instead of four full reductions.
+#if defined(__AVX512F__)
+// The sums of the lanes of a, b, c and d, in that order: a tree of adds instead of four full reductions. Within
+// each 128-bit lane first (unpacks, no hadd), then across the four lanes.
 inline __m128 sum4(vfloat a, vfloat b, vfloat c, vfloat d) {
-  const __m256 ab = _mm256_hadd_ps(halves(a), halves(b)), cd = _mm256_hadd_ps(halves(c), halves(d));
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));  // a0+a2 b0+b2 a1+a3 b1+b3
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  const __m512d ab_pairs = _mm512_castps_pd(ab), cd_pairs = _mm512_castps_pd(cd);
+  const __m512 abcd = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(ab_pairs, cd_pairs)),
+                                    _mm512_castpd_ps(_mm512_unpackhi_pd(ab_pairs, cd_pairs)));  // a b c d a lane
+  const __m256 half = halves(abcd);
+  return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+inline __m128 sum4(vfloat a, vfloat b, vfloat c, vfloat d) {
+  const __m256 ab = _mm256_hadd_ps(a, b), cd = _mm256_hadd_ps(c, d);
   const __m256 abcd = _mm256_hadd_ps(ab, cd);  // lanes: a b c d of the low 128 bits, then of the high ones
   return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
 }
+#endif
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 
 // Lane sums of key `key`'s products with each query head of the group: q_g . k in kLanes partial sums. With
 // AVX512-BF16 a bf16 key multiplies the bf16 query pairs as they are (vdpbf16ps), else both as floats, one vector
@@ -281,6 +308,99 @@ inline void weighted_values(const PagedCache<cache_t>& cache, const int32_t* tab
   if (kFixed) std::copy(sums, sums + group * head_dim, acc);
 }
 
+#if defined(__AVX512BF16__)
+// weighted_values' pair path, for a bf16 cache whose head size is whole registers of bf16 (32 dims): two keys per
+// `vdpbf16ps`, their value rows interleaved word by word against their two weights, rounded to bf16 as the prefill
+// kernel rounds p. A quarter of the float path's instructions: no widening shifts, half the multiply-adds.
+template <typename cache_t, int64_t kHeadDim, int64_t kGroup>
+constexpr bool kValuePairs = std::is_same_v<cache_t, c10::BFloat16> && kHeadDim > 0 && kHeadDim % 32 == 0 &&
+                             kGroup > 0 && vectors_per_pass(kHeadDim, kGroup) % 2 == 0;
+
+// Rows of n weights (n apart) rounded to bf16, each padded with zeros to `stride` (a multiple of 32): word i of a
+// row holds the weights of its keys 2i and 2i + 1, the operand a pair of value rows is weighed with.
+inline void round_rows_to_bf16(const float* p, int64_t rows, int64_t n, int64_t stride, c10::BFloat16* dst) {
+  const auto mask = [](int64_t left) {
+    return static_cast<__mmask16>(left >= 16 ? 0xFFFF : left <= 0 ? 0 : (1 << left) - 1);
+  };
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t t = 0; t < stride; t += 32) {
+      const float* src = p + r * n + t;
+      const __m512bh both = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(mask(n - t - 16), src + 16),
+                                                _mm512_maskz_loadu_ps(mask(n - t), src));
+      _mm512_storeu_si512(dst + r * stride + t, reinterpret_cast<__m512i>(both));
+    }
+  }
+}
+
+// o += the weighted values of keys i and i + 1 (offsets from `first`; i even) from rows a and b, or (kAlone) of key
+// i alone from a (b = a), its word's other weight cleared. A function, not a lambda: GCC kept a lambda's captured
+// sums in memory.
+template <int64_t kGroup, int64_t kChunks, bool kAlone>
+inline void add_value_pair(const c10::BFloat16* a, const c10::BFloat16* b, const uint32_t* words,
+                           int64_t word_stride, int64_t i, __m512 (&o)[kGroup][kChunks][2]) {
+  __m512bh w[kGroup];
+#pragma GCC unroll 8
+  for (int64_t g = 0; g < kGroup; ++g) {
+    uint32_t word = words[g * word_stride + i / 2];
+    if constexpr (kAlone) word = i % 2 ? word >> 16 : word & 0xFFFFu;
+    w[g] = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int32_t>(word)));
+  }
+#pragma GCC unroll 8
+  for (int64_t c = 0; c < kChunks; ++c) {
+    const __m512i va = _mm512_loadu_si512(a + 32 * c), vb = _mm512_loadu_si512(b + 32 * c);
+    const __m512bh lo = reinterpret_cast<__m512bh>(_mm512_unpacklo_epi16(va, vb));
+    const __m512bh hi = reinterpret_cast<__m512bh>(_mm512_unpackhi_epi16(va, vb));
+#pragma GCC unroll 8
+    for (int64_t g = 0; g < kGroup; ++g) {
+      o[g][c][0] = _mm512_dpbf16_ps(o[g][c][0], lo, w[g]);
+      o[g][c][1] = _mm512_dpbf16_ps(o[g][c][1], hi, w[g]);
+    }
+  }
+}
+
+// weighted_values with p_bf16 (kGroup rows of bf16 weights, `stride` apart: round_rows_to_bf16). Pairs of keys
+// start at even offsets from `first`, so that a pair's weights are one word; a key left alone (a sequence's last,
+// or each key with one-token blocks) takes its word with the partner's weight cleared. The interleaved rows put
+// dims 8l..8l+3 of each 32 in 128-bit lane l of one sum and dims 8l+4..8l+7 in the other's: put back in order as
+// they are stored.
+template <int64_t kHeadDim, int64_t kGroup>
+inline void weighted_value_pairs(const PagedCache<c10::BFloat16>& cache, const int32_t* table, int64_t h,
+                                 int64_t first, int64_t len, const c10::BFloat16* p_bf16, int64_t stride,
+                                 float* acc) {
+  constexpr int64_t kChunks = vectors_per_pass(kHeadDim, kGroup) / 2;  // of 32 dims a pass
+  const auto* words = reinterpret_cast<const uint32_t*>(p_bf16);
+  const int64_t word_stride = stride / 2, step = cache.v_token;
+  const __m512i in_order_lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i in_order_hi = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int64_t col = 0; col < kHeadDim; col += 32 * kChunks) {
+    __m512 o[kGroup][kChunks][2];
+#pragma GCC unroll 16
+    for (int64_t i = 0; i < kGroup * kChunks * 2; ++i) o[i / (2 * kChunks)][i / 2 % kChunks][i % 2] = _mm512_setzero_ps();
+    for_each_block<true>(cache, table, h, first, len, kHeadDim,
+                         [&](const c10::BFloat16* value, int64_t start, int64_t stop) {
+      value += col;
+      int64_t t = start;
+      if ((t - first) % 2) {  // only with one-token blocks
+        add_value_pair<kGroup, kChunks, true>(value, value, words, word_stride, t - first, o);
+        ++t;
+        value += step;
+      }
+      for (; t + 2 <= stop; t += 2, value += 2 * step) {
+        add_value_pair<kGroup, kChunks, false>(value, value + step, words, word_stride, t - first, o);
+      }
+      if (t < stop) add_value_pair<kGroup, kChunks, true>(value, value, words, word_stride, t - first, o);
+    });
+#pragma GCC unroll 16
+    for (int64_t i = 0; i < kGroup * kChunks; ++i) {
+      const int64_t g = i / kChunks, c = i % kChunks;
+      float* dst = acc + g * kHeadDim + col + 32 * c;
+      _mm512_storeu_ps(dst, _mm512_permutex2var_ps(o[g][c][0], in_order_lo, o[g][c][1]));
+      _mm512_storeu_ps(dst + 16, _mm512_permutex2var_ps(o[g][c][0], in_order_hi, o[g][c][1]));
+    }
+  }
+}
+#endif
+
 // kHeadDim > 0 and kGroup > 0 fix the head size and the query heads per kv head at compile time, so that the
 // per-key loops unroll into straight vector code; 0 takes the value from the tensors. cache_t is scalar_t, or
 // int8_t for an int8 cache.
@@ -306,6 +426,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
   parallel_units(num_seqs * num_kv_heads, at::get_num_threads(), [&](const auto& take) {
     // A row's output: acc * own + (with a prefix) the prefix's acc * prefix_weight.
     std::vector<float> qf(group * head_dim), scores, acc(group * head_dim), own(group), prefix_weight(group);
+    std::vector<c10::BFloat16> p_bf16;  // the pair path's weights
     for (int64_t task; (task = take()) >= 0;) {
       const int64_t b = task / num_kv_heads, h = task % num_kv_heads;
       const int64_t len = cache.seq_lens[b], n = len - first;
@@ -314,6 +435,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
       const scalar_t* q_group = q_ptr + row * head_dim;
       load_row(q_group, qf.data(), group * head_dim);
       scores.resize(group * n);
+      prefetch_first_blocks<false>(cache, table, h, first, len, head_dim);
       // Scores: [group, n], walking the block table one block at a time.
       for_each_block<false>(cache, table, h, first, len, head_dim,
                             [&](const cache_t* key, int64_t start, int64_t stop) {
@@ -321,6 +443,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
                                                           head_dim, static_cast<float>(scale),
                                                           scores.data() + start - first, n);
       });
+      prefetch_first_blocks<true>(cache, table, h, first, len, head_dim);
       for (int64_t g = 0; g < group; ++g) {
         float m;
         const float sum = exp_and_sum(scores.data() + g * n, n, m);
@@ -334,6 +457,14 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
         own[g] = w_own * inv;
         prefix_weight[g] = w_prefix * inv;
       }
+#if defined(__AVX512BF16__)
+      if constexpr (kValuePairs<cache_t, kHeadDim, kGroup>) {
+        const int64_t stride = (n + 31) / 32 * 32;
+        p_bf16.resize(kGroup * stride);
+        round_rows_to_bf16(scores.data(), kGroup, n, stride, p_bf16.data());
+        weighted_value_pairs<kHeadDim, kGroup>(cache, table, h, first, len, p_bf16.data(), stride, acc.data());
+      } else  // the float path
+#endif
       weighted_values<cache_t, kHeadDim, kGroup>(cache, table, h, first, len, scores.data(), group, head_dim,
                                                  acc.data());
       for (int64_t g = 0; g < group; ++g) {

@@ -379,10 +379,8 @@ inline void dispatch_cache(const at::Tensor& q, const at::Tensor& k_cache, const
 // x rounded to the nearest integer, ties to even (as std::nearbyint and torch.round), for |x| < 2^22: adding 1.5 x
 // 2^23 leaves no fraction bits, and taking it away again is exact. std::nearbyint vectorises with AVX-512 but stays
 // a scalar instruction in AVX2 loops, which made SiLU-and-mul 20x slower there.
-inline float round_half_even(float x) {
-  constexpr float kRoundToInt = 12582912.0f;  // 1.5 x 2^23
-  return (x + kRoundToInt) - kRoundToInt;
-}
+constexpr float kRoundToInt = 12582912.0f;  // 1.5 x 2^23
+inline float round_half_even(float x) { return (x + kRoundToInt) - kRoundToInt; }
 
 // exp(x) in float, to within ~2 ulp, written so that `#pragma omp simd` loops over it vectorise: std::exp stays
 // a scalar call there (glibc declares its vector variants only under -ffast-math). Cephes' expf: x = n ln2 + r,
