@@ -70,6 +70,17 @@ namespace {
 // block, whose quantization ran on one thread at kConvertGrain, took 128 us, 82 us on two (capped to AVX2).
 constexpr int64_t kQuantizeGrain = kConvertGrain / 4;
 
+// Groups ahead of the one a tile reads whose lines are asked for, towards L2. The weight streams from memory once per
+// call, and at a few rows a tile a group's multiply-adds take less time than memory takes to deliver the next: with
+// the hardware prefetcher alone, 4-16 rows over SmolLM2's 30 layers of weights ran 1.35-1.8x slower (Zen 5).
+constexpr int64_t kPrefetchGroups = 8;
+template <int64_t type>
+inline void prefetch_group_ahead(const uint8_t* group) {
+  const uint8_t* ahead = group + kPrefetchGroups * group_bytes(type);
+#pragma GCC unroll 16
+  for (int64_t line = 0; line < group_bytes(type); line += 64) prefetch_line<1>(ahead + line);
+}
+
 // A tile's quantized x in `halves` int8 halves (2: 16 bits, hi and lo; 1: 8 bits, hi alone, llama.cpp's): rows of
 // K groups of 32 (`stride` bytes each), each group's 32 his then its 32 los (store_x's encoding), or, where the ISA's
 // path takes them so (`whole_values`), its 32 values as int16 (256 hi + lo, or hi); and per row and group s_x and
@@ -164,6 +175,7 @@ void dot_tile(const QxRows<halves>& x, const uint8_t* block, int64_t groups, flo
   for (int r = 0; r < rows; ++r) f[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* group = block + g * group_bytes(type);
+    prefetch_group_ahead<type>(group);
     __m512i c[rows];
     group_sums<rows, type, halves>(x, g, group + header_bytes(type), c);
     const float* header = reinterpret_cast<const float*>(group);
@@ -267,6 +279,7 @@ void dot_tile(const QxRows<halves>& x, const uint8_t* block, int64_t groups, flo
     for (int r = 0; r < rows; ++r) f[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
       const uint8_t* group = block + g * group_bytes(type);
+      if (h == 0) prefetch_group_ahead<type>(group);  // the second half finds the block in cache
       __m256i c[rows];
       half_sums<rows, type, halves>(x, g, group + header_bytes(type) + 32 * h, c);
       const float* header = reinterpret_cast<const float*>(group) + 8 * h;
