@@ -54,8 +54,8 @@ constexpr int64_t kWidenTiles = 3;              // row tiles from which a bf16/i
 
 // The weight's bytes ahead of a tile's reads whose lines are asked for, towards L2, where the tile reads the packed
 // weight itself (kStream below; not a panel widened into L2): at a few rows a block row's FMAs take less time than
-// memory takes to deliver the next rows, and the hardware prefetcher alone left the kernel waiting (1.1-1.6x slower
-// at 4-32 rows over 30 layers' weights, Zen 5; 1.1-1.5x at 1-4 rows capped to AVX2).
+// memory takes to deliver the next rows, and the hardware prefetcher alone left the kernel waiting (up to 1.6x
+// slower at 4-32 rows over 30 layers' weights on a Zen 5, up to 1.4x capped to AVX2; docs/benchmarks.md).
 constexpr int64_t kPrefetchBytes = 2048;
 
 // Whether a tile of `rows` reading the packed weight itself (kStream) asks for it ahead: not one row of float32,

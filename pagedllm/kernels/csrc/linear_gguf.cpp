@@ -72,7 +72,7 @@ constexpr int64_t kQuantizeGrain = kConvertGrain / 4;
 
 // Groups ahead of the one a tile reads whose lines are asked for, towards L2. The weight streams from memory once per
 // call, and at a few rows a tile a group's multiply-adds take less time than memory takes to deliver the next: with
-// the hardware prefetcher alone, 4-16 rows over SmolLM2's 30 layers of weights ran 1.35-1.8x slower (Zen 5).
+// the hardware prefetcher alone, 4-16 rows over SmolLM2's 30 layers of weights ran up to 1.8x slower (Zen 5).
 constexpr int64_t kPrefetchGroups = 8;
 template <int64_t type>
 inline void prefetch_group_ahead(const uint8_t* group) {
