@@ -316,22 +316,6 @@ template <typename cache_t, int64_t kHeadDim, int64_t kGroup>
 constexpr bool kValuePairs = std::is_same_v<cache_t, c10::BFloat16> && kHeadDim > 0 && kHeadDim % 32 == 0 &&
                              kGroup > 0 && vectors_per_pass(kHeadDim, kGroup) % 2 == 0;
 
-// Rows of n weights (n apart) rounded to bf16, each padded with zeros to `stride` (a multiple of 32): word i of a
-// row holds the weights of its keys 2i and 2i + 1, the operand a pair of value rows is weighed with.
-inline void round_rows_to_bf16(const float* p, int64_t rows, int64_t n, int64_t stride, c10::BFloat16* dst) {
-  const auto mask = [](int64_t left) {
-    return static_cast<__mmask16>(left >= 16 ? 0xFFFF : left <= 0 ? 0 : (1 << left) - 1);
-  };
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t t = 0; t < stride; t += 32) {
-      const float* src = p + r * n + t;
-      const __m512bh both = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(mask(n - t - 16), src + 16),
-                                                _mm512_maskz_loadu_ps(mask(n - t), src));
-      _mm512_storeu_si512(dst + r * stride + t, reinterpret_cast<__m512i>(both));
-    }
-  }
-}
-
 // o += the weighted values of keys i and i + 1 (offsets from `first`; i even) from rows a and b, or (kAlone) of key
 // i alone from a (b = a), its word's other weight cleared. A function, not a lambda: GCC kept a lambda's captured
 // sums in memory.
@@ -374,8 +358,11 @@ inline void weighted_value_pairs(const PagedCache<c10::BFloat16>& cache, const i
   const __m512i in_order_hi = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   for (int64_t col = 0; col < kHeadDim; col += 32 * kChunks) {
     __m512 o[kGroup][kChunks][2];
-#pragma GCC unroll 16
-    for (int64_t i = 0; i < kGroup * kChunks * 2; ++i) o[i / (2 * kChunks)][i / 2 % kChunks][i % 2] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int64_t g = 0; g < kGroup; ++g) {
+#pragma GCC unroll 8
+      for (int64_t c = 0; c < kChunks; ++c) o[g][c][0] = o[g][c][1] = _mm512_setzero_ps();
+    }
     for_each_block<true>(cache, table, h, first, len, kHeadDim,
                          [&](const c10::BFloat16* value, int64_t start, int64_t stop) {
       value += col;

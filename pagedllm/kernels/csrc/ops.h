@@ -291,6 +291,25 @@ inline void transpose_pairs(const uint8_t* const (&rows)[16], int64_t offset, ui
 }
 #endif
 
+#if defined(__AVX512BF16__)
+// Rows of n weights (n apart) rounded to bf16, each padded with zeros to `stride` (a multiple of 32): word i of a
+// row holds the weights of its keys 2i and 2i + 1, the operand a pair of value rows is weighed with (the attention
+// kernels' p, as vdpbf16ps or AMX tiles take it).
+inline void round_rows_to_bf16(const float* p, int64_t rows, int64_t n, int64_t stride, c10::BFloat16* dst) {
+  const auto mask = [](int64_t left) {
+    return static_cast<__mmask16>(left >= 16 ? 0xFFFF : left <= 0 ? 0 : (1 << left) - 1);
+  };
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t t = 0; t < stride; t += 32) {
+      const float* src = p + r * n + t;
+      const __m512bh both = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(mask(n - t - 16), src + 16),
+                                                _mm512_maskz_loadu_ps(mask(n - t), src));
+      _mm512_storeu_si512(dst + r * stride + t, reinterpret_cast<__m512i>(both));
+    }
+  }
+}
+#endif
+
 #if defined(__AMX_TILE__)
 // AMX (Sapphire Rapids and later): tile registers, used by linear_int8.cpp (W8A8), linear_gguf_amx.cpp and
 // prefill_attention.cpp.

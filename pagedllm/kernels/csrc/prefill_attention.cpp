@@ -265,7 +265,7 @@ inline void score_chunk_amx(const uint32_t* q, int64_t rows, int64_t pairs, cons
 }
 
 // o[r] += p[r] . v over a whole chunk of kKeyChunk keys, for the rows of whole tiles covering [0, rows): p in bf16
-// (round_chunk_to_bf16), the values as pairs of keys (vp: the chunk's 32 pair rows of head_dim words,
+// (round_rows_to_bf16), the values as pairs of keys (vp: the chunk's 32 pair rows of head_dim words,
 // pack_value_pairs), o [rows][head_dim] in float.
 inline void accumulate_chunk_amx(const c10::BFloat16* p_bf16, int64_t rows, const uint32_t* vp, int64_t head_dim,
                                  float* o) {
@@ -296,18 +296,6 @@ inline void accumulate_chunk_amx(const c10::BFloat16* p_bf16, int64_t rows, cons
 #endif
 
 #if defined(__AVX512BF16__)
-// The chunk's p of `rows` rows (kKeyChunk floats each, 0 past a row's keys) rounded to bf16: pairs of keys, the
-// A operand of the products with the values' pairs below (and of the AMX path's tiles).
-inline void round_chunk_to_bf16(const float* p, int64_t rows, c10::BFloat16* p_bf16) {
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t k = 0; k < kKeyChunk; k += 32) {
-      const float* src = p + r * kKeyChunk + k;
-      const __m512bh both = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 16), _mm512_loadu_ps(src));
-      _mm512_storeu_si512(p_bf16 + r * kKeyChunk + k, reinterpret_cast<__m512i>(both));
-    }
-  }
-}
-
 // o[r] += p[r] . v for R rows over the first `pairs` pairs of keys of a chunk, a pair per `vdpbf16ps`: p in bf16
 // (pp: rows of kKeyChunk / 2 pair words), vp the chunk's pair rows of kHeadDim words (pack_value_pairs), o rows of
 // kHeadDim floats. Each value vector is loaded once for R rows; half the instructions and half the bytes of float
@@ -740,7 +728,7 @@ void run_plan(Plan& plan, at::Tensor& out, const at::Tensor& q, const at::Tensor
         const int64_t visible = std::min(tiles * kKeyTile, first_pos + (rows - 1) / group - chunk_start + 1);
 #if defined(__AVX512BF16__)
         if constexpr (kPairs) {
-          round_chunk_to_bf16(scores.data(), rows, p_bf16.data());
+          round_rows_to_bf16(scores.data(), rows, kKeyChunk, kKeyChunk, p_bf16.data());
           const uint32_t* vp = value_pairs.get() + pk.v_offset + (chunk_start - pk.first) / 2 * head_dim;
 #if PAGEDLLM_ATTENTION_AMX
           if (amx) {
