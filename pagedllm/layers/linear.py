@@ -188,16 +188,16 @@ def gguf_reference(x: torch.Tensor, packed: torch.Tensor, ggml_type: GGMLQuantiz
     (`quantize_16bit_spans`: x ~= x_scale qx), or with `activation_bits=8` to 8 as `w8a8_reference` quantizes a
     span: what `linear_gguf` computes, to the bit, at every ISA level and any M.
 
-    With `activation_bits=GGUF_BF16_TILES`: x rounded to bf16 times W rounded to bf16, summed in float64, the
-    result (+ b) rounded to x's dtype: what the AMX tiles compute to within their float32 sums (whose order inside a
-    tile the hardware fixes, and torch cannot repeat).
+    With `activation_bits=GGUF_BF16`: x rounded to bf16 times W rounded to bf16, summed in float64, the
+    result (+ b) rounded to x's dtype: what the AMX tiles and the AVX512-BF16 vectors compute to within their
+    float32 sums (in an order that the tiles' hardware fixes, and torch cannot repeat).
 
     Per group g, the integer products are summed exactly in int32; `acc = acc + (float(sum) * d[n, g]) *
     x_scale[m, g]`, then for the 4-bit types, with sm = x_scale[m, g] * float(sum of the group's qx),
     `acc = acc + m[n, g] * sm`, group by group, each operation rounded; the result `+ bias[n]`, rounded once to x's
     dtype.
     """
-    if activation_bits == GGUF_BF16_TILES:
+    if activation_bits == GGUF_BF16:
         weight = dequantize_gguf_packed(packed, ggml_type, n).bfloat16().double()
         out = x.bfloat16().double() @ weight.T
         return (out if bias is None else out + bias.double()).to(x.dtype)
@@ -309,46 +309,55 @@ def is_block_packed(weight: torch.Tensor | None) -> bool:
 
 
 GGUF_ACTIVATION_BITS_ENV = "PAGEDLLM_GGUF_ACTIVATION_BITS"
-GGUF_BF16_TILES = 0  # activation_bits for x in bf16 times the blocks dequantised to bf16, in AMX tiles
+GGUF_BF16 = 0  # activation_bits for x in bf16 times the blocks dequantised to bf16 (AMX tiles or AVX512-BF16)
+
+
+def gguf_bf16_available() -> bool:
+    """Whether `linear_gguf` multiplies GGUF blocks by x in bf16 here (`GGUF_BF16`): kernels built with AVX512-BF16
+    (in vectors), or with AMX-BF16 and Linux granting the tiles to this process (in tiles)."""
+    kernels = cpu_kernels()
+    return kernels is not None and bool(kernels.gguf_bf16_available())  # type: ignore[attr-defined]
 
 
 def gguf_bf16_tiles_available() -> bool:
-    """Whether `linear_gguf` multiplies GGUF blocks in AMX-BF16 tiles here (`GGUF_BF16_TILES`): kernels built with
-    AMX-BF16, and Linux granting the tiles to this process."""
+    """Whether `GGUF_BF16` runs in AMX-BF16 tiles here: kernels built with AMX-BF16, and Linux granting the tiles to
+    this process."""
     kernels = cpu_kernels()
     return kernels is not None and bool(kernels.gguf_bf16_tiles_available())  # type: ignore[attr-defined]
 
 
 def gguf_activation_bits(dtype: torch.dtype) -> int:
     """How `linear_gguf` multiplies GGUF blocks in a model whose activations are `dtype`, read by the loader when it
-    packs. bf16 activations on a CPU with AMX-BF16: `GGUF_BF16_TILES` (0), the blocks dequantised to bf16 in tiles,
-    which round nothing of x and W that a bf16 model does not (the dequantised file's bf16 weights) and multiply a
-    batch as fast as oneDNN's bf16 tiles from a third of the bytes. Elsewhere activations quantized to 16 bits (two
-    int8 halves, the dequantised weights' results within float noise). PAGEDLLM_GGUF_ACTIVATION_BITS names one: 16,
-    8 (llama.cpp's arithmetic: ~1.45x faster 4-bit matmuls than 16, near ties flipped) or bf16."""
+    packs. bf16 activations on a CPU with AVX512-BF16: `GGUF_BF16` (0), the blocks dequantised to bf16, which rounds
+    nothing of x and W that a bf16 model does not (the dequantised file's bf16 weights): in AMX tiles where there are
+    (a batch as fast as oneDNN's bf16 tiles from a third of the bytes), else in vectors (linear_gguf_bf16.cpp: on a
+    Zen 5, prefill chunks 1.3-1.5x faster than 16 bits, batches of ~17 rows level, one row 0.6-0.7x; the mixed
+    workload 1.12x, one stream 0.85x). Elsewhere activations quantized to 16 bits (two int8 halves, the dequantised
+    weights' results within float noise). PAGEDLLM_GGUF_ACTIVATION_BITS names one: 16, 8 (llama.cpp's arithmetic:
+    ~1.45x faster 4-bit matmuls than 16, near ties flipped) or bf16."""
     value = os.environ.get(GGUF_ACTIVATION_BITS_ENV)
     if value is None:
-        return GGUF_BF16_TILES if dtype == torch.bfloat16 and gguf_bf16_tiles_available() else 16
+        return GGUF_BF16 if dtype == torch.bfloat16 and gguf_bf16_available() else 16
     if value not in ("8", "16", "bf16"):
         raise ValueError(f"{GGUF_ACTIVATION_BITS_ENV} must be 8, 16 or bf16, got {value!r}")
-    if value == "bf16" and not gguf_bf16_tiles_available():
-        raise ValueError(f"{GGUF_ACTIVATION_BITS_ENV}=bf16 multiplies GGUF blocks in AMX-BF16 tiles, which this CPU "
+    if value == "bf16" and not gguf_bf16_available():
+        raise ValueError(f"{GGUF_ACTIVATION_BITS_ENV}=bf16 multiplies GGUF blocks with AVX512-BF16, which this CPU "
                          "(or this build of the kernels) does not have: use 16 or 8")
-    return GGUF_BF16_TILES if value == "bf16" else int(value)
+    return GGUF_BF16 if value == "bf16" else int(value)
 
 
 def fuses_silu_and_mul(weight: torch.Tensor) -> bool:
     """Whether a gate_up projection's `weight` (gate's rows, then up's) runs with its SiLU-and-mul in one kernel,
-    `linear_silu_and_mul`: GGUF blocks in AMX-BF16 tiles, each half whole blocks of 16 columns."""
-    return (weight.dtype == torch.uint8 and getattr(weight, "activation_bits", None) == GGUF_BF16_TILES
+    `linear_silu_and_mul`: GGUF blocks times x in bf16, each half whole blocks of 16 columns."""
+    return (weight.dtype == torch.uint8 and getattr(weight, "activation_bits", None) == GGUF_BF16
             and getattr(weight, "input_perm", None) is None
             and weight.out_features % 32 == 0)  # type: ignore[attr-defined]
 
 
 def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """silu(gate) * up of `linear(x, weight, bias)` = [gate, up] for a weight that `fuses_silu_and_mul`, the same bits
-    as SiluAndMul after it, computed as the tiles store their sums: the [T, 2 I] product is never written (a
-    2,048-token prefill of SmolLM2's gate_up and its SiLU-and-mul ~1.1x faster)."""
+    as SiluAndMul after it, computed as the kernel stores its sums: the [T, 2 I] product is never written (a
+    2,048-token prefill of SmolLM2's gate_up and its SiLU-and-mul ~1.1x faster in AMX tiles)."""
     out = torch.empty(x.shape[0], weight.out_features // 2, dtype=x.dtype)  # type: ignore[attr-defined]
     cpu_kernels().linear_gguf_silu_and_mul(out, x, weight, weight.ggml_type, bias)  # type: ignore[union-attr,attr-defined]
     return out
@@ -356,8 +365,8 @@ def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
 
 def gguf_arithmetic(activation_bits: int) -> str:
     """`activation_bits` in words, for the start-up line."""
-    if activation_bits == GGUF_BF16_TILES:
-        return "bf16 activations in AMX tiles"
+    if activation_bits == GGUF_BF16:
+        return f"bf16 activations in {'AMX tiles' if gguf_bf16_tiles_available() else 'AVX512-BF16 vectors'}"
     return f"{activation_bits}-bit activations"
 
 

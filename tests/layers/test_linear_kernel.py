@@ -5,9 +5,9 @@ the order of the sums (float32 output) or, on top of that, by one rounding to bf
 reference is `F.linear` on its dequantised float32 weight (`dequantize_int8`): the kernel sums x times q and
 scales once, so the two differ by float32 rounding only. GGUF weights (Q8_0, Q4_0, Q4_1 blocks) multiply
 activations quantized to 16 bits per 32 k's (or 8, llama.cpp's): they give `gguf_reference`'s bits, within 1e-4 of
-their dequantised weight's (`dequantize_gguf_packed`) float32 result (8 bits: ~1%). On a CPU with AMX-BF16 they
-also multiply x in bf16 by the blocks dequantised to bf16 in tiles (activation_bits=0): within float32 sums of
-`gguf_reference`'s float64 result, and the same bits for a row in any batch.
+their dequantised weight's (`dequantize_gguf_packed`) float32 result (8 bits: ~1%). On a CPU with AVX512-BF16 they
+also multiply x in bf16 by the blocks dequantised to bf16 (activation_bits=0), in AMX tiles where there are, else in
+vectors: within float32 sums of `gguf_reference`'s float64 result, and the same bits for a row in any batch.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from pagedllm.kernels import cpu_kernels
 from pagedllm.layers.gguf import dequantize_gguf_packed, pack_gguf_weight, pack_gguf_weight_reference
 from pagedllm.layers.linear import (
-    GGUF_BF16_TILES,
+    GGUF_BF16,
     dequantize_int8,
     gguf_reference,
     quantize_16bit_spans,
@@ -251,12 +251,13 @@ def test_a_gguf_rows_result_does_not_depend_on_its_batch(kernels: ModuleType, gg
 
 
 @pytest.fixture
-def amx_kernels() -> ModuleType:
-    """The native build of the kernels, where it multiplies GGUF blocks in AMX-BF16 tiles (the builds below native
-    have no AMX: test_gguf_kernel_rejects_bad_input checks that they say so)."""
+def bf16_kernels() -> ModuleType:
+    """The native build of the kernels, where it multiplies GGUF blocks by x in bf16: in AMX-BF16 tiles, or in
+    AVX512-BF16 vectors (the builds below native have neither: test_gguf_kernel_rejects_bad_input checks that they
+    say so)."""
     kernels = cpu_kernels()
-    if kernels is None or not kernels.gguf_bf16_tiles_available():
-        pytest.skip("GGUF blocks in AMX-BF16 tiles need a CPU with AMX-BF16; the integer arithmetic above is what "
+    if kernels is None or not kernels.gguf_bf16_available():
+        pytest.skip("GGUF blocks times x in bf16 need a CPU with AVX512-BF16; the integer arithmetic above is what "
                     "runs here")
     return kernels
 
@@ -266,17 +267,17 @@ def amx_kernels() -> ModuleType:
 @pytest.mark.parametrize(("x_dtype", "with_bias"), [(torch.float32, False), (torch.bfloat16, True)])
 # A partial block; one; 13 blocks (odd); 63, more than a panel of dequantised blocks for each thread (prefills).
 @pytest.mark.parametrize(("n", "k"), [(40, 160), (16, 32), (200, 576), (1000, 576)])
-def test_gguf_bf16_tiles_match_the_reference(amx_kernels: ModuleType, ggml_type: GGMLQuantizationType, m: int,
+def test_gguf_blocks_times_bf16_match_the_reference(bf16_kernels: ModuleType, ggml_type: GGMLQuantizationType, m: int,
                                              x_dtype: torch.dtype, with_bias: bool, n: int, k: int) -> None:
-    """The tiles' float32 sums of bf16 products against the same products summed in float64: within float32
-    rounding of the sum of |products| (float32 out), plus one rounding to bf16 (bf16 out)."""
+    """The float32 sums of bf16 products (in tiles or vectors) against the same products summed in float64: within
+    float32 rounding of the sum of |products| (float32 out), plus one rounding to bf16 (bf16 out)."""
     g = torch.Generator().manual_seed(m + n)
     packed = pack_gguf_weight(_random_gguf_rows(ggml_type, n, k, seed=m), ggml_type)
     x = torch.randn(m, k, generator=g).to(x_dtype)
     bias = torch.randn(n, generator=g).to(x_dtype) if with_bias else None
     out = torch.empty(m, n, dtype=x_dtype)
-    amx_kernels.linear_gguf(out, x, packed, int(ggml_type), bias, GGUF_BF16_TILES)
-    expected = gguf_reference(x.float(), packed, ggml_type, n, None if bias is None else bias.float(), GGUF_BF16_TILES)
+    bf16_kernels.linear_gguf(out, x, packed, int(ggml_type), bias, GGUF_BF16)
+    expected = gguf_reference(x.float(), packed, ggml_type, n, None if bias is None else bias.float(), GGUF_BF16)
     weight = dequantize_gguf_packed(packed, ggml_type, n).bfloat16().double()
     magnitude = x.bfloat16().double().abs() @ weight.abs().T
     rounding = 2**-8 * expected.abs() if x_dtype == torch.bfloat16 else 0
@@ -287,16 +288,17 @@ def test_gguf_bf16_tiles_match_the_reference(amx_kernels: ModuleType, ggml_type:
 
 
 @pytest.mark.parametrize("ggml_type", GGUF_TYPES)
-def test_a_rows_result_in_bf16_tiles_does_not_depend_on_its_batch(amx_kernels: ModuleType,
+def test_a_rows_result_in_bf16_does_not_depend_on_its_batch(bf16_kernels: ModuleType,
                                                                    ggml_type: GGMLQuantizationType) -> None:
-    """A row alone (a staged partial tile), among a few (dequantised a pair of blocks at a time) and in a prefill-sized
-    batch (all blocks at once, rows read in place and in chunks) gives the same bits."""
+    """A row alone (a staged partial tile, or a partial tile of vector rows), among a few (tiles: dequantised a pair
+    of blocks at a time) and in a prefill-sized batch (tiles: all blocks at once, rows read in place and in chunks)
+    gives the same bits."""
     packed = pack_gguf_weight(_random_gguf_rows(ggml_type, 72, 96, seed=2), ggml_type)
     x = torch.randn(300, 96, generator=torch.Generator().manual_seed(2)).bfloat16()
     outs = []
     for rows in (x[:1], x[:33], x, x[1:]):
         out = torch.empty(rows.shape[0], 72, dtype=torch.bfloat16)
-        amx_kernels.linear_gguf(out, rows, packed, int(ggml_type), None, GGUF_BF16_TILES)
+        bf16_kernels.linear_gguf(out, rows, packed, int(ggml_type), None, GGUF_BF16)
         outs.append(out)
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][0], outs[2][0])
     assert torch.equal(outs[2][1:], outs[3])  # every row of a batch, at another place in it
@@ -304,7 +306,7 @@ def test_a_rows_result_in_bf16_tiles_does_not_depend_on_its_batch(amx_kernels: M
         wide = torch.zeros(rows, 160, dtype=torch.bfloat16)
         wide[:, 32:128] = x[:rows]
         out = torch.empty(rows, 72, dtype=torch.bfloat16)
-        amx_kernels.linear_gguf(out, wide[:, 32:128], packed, int(ggml_type), None, GGUF_BF16_TILES)
+        bf16_kernels.linear_gguf(out, wide[:, 32:128], packed, int(ggml_type), None, GGUF_BF16)
         assert torch.equal(out, outs[2][:rows])
 
 
@@ -314,26 +316,26 @@ def test_a_rows_result_in_bf16_tiles_does_not_depend_on_its_batch(amx_kernels: M
                                                     (torch.bfloat16, True)])
 # Gate and up of 3 blocks each (odd: a thread's share ends mid-weight); 31 each, more than a thread's panel.
 @pytest.mark.parametrize(("half", "k"), [(48, 64), (496, 576)])
-def test_gated_tiles_give_the_bits_of_the_linear_then_silu_and_mul(amx_kernels: ModuleType,
+def test_gated_bf16_gives_the_bits_of_the_linear_then_silu_and_mul(bf16_kernels: ModuleType,
                                                                     ggml_type: GGMLQuantizationType, m: int,
                                                                     x_dtype: torch.dtype, with_bias: bool,
                                                                     half: int, k: int) -> None:
-    """linear_gguf_silu_and_mul (a gate_up projection with its SiLU-and-mul in the tiles' store) against
+    """linear_gguf_silu_and_mul (a gate_up projection with its SiLU-and-mul in the kernel's store) against
     linear_gguf's [gate, up] output and then silu_and_mul: the same bits."""
     g = torch.Generator().manual_seed(m + half)
     packed = pack_gguf_weight(_random_gguf_rows(ggml_type, 2 * half, k, seed=m), ggml_type)
     x = (torch.randn(m, k, generator=g) * 4).to(x_dtype)
     bias = torch.randn(2 * half, generator=g).to(x_dtype) if with_bias else None
     gate_up = torch.empty(m, 2 * half, dtype=x_dtype)
-    amx_kernels.linear_gguf(gate_up, x, packed, int(ggml_type), bias, GGUF_BF16_TILES)
+    bf16_kernels.linear_gguf(gate_up, x, packed, int(ggml_type), bias, GGUF_BF16)
     expected = torch.empty(m, half, dtype=x_dtype)
-    amx_kernels.silu_and_mul(expected, gate_up)
+    bf16_kernels.silu_and_mul(expected, gate_up)
     out = torch.empty(m, half, dtype=x_dtype)
-    amx_kernels.linear_gguf_silu_and_mul(out, x, packed, int(ggml_type), bias)
+    bf16_kernels.linear_gguf_silu_and_mul(out, x, packed, int(ggml_type), bias)
     assert torch.equal(out, expected)
 
 
-def test_gated_tiles_reject_bad_input(kernels: ModuleType) -> None:
+def test_gated_bf16_rejects_bad_input(kernels: ModuleType) -> None:
     q4_1 = GGMLQuantizationType.Q4_1
     packed = pack_gguf_weight(_random_gguf_rows(q4_1, 40, 64, seed=0), q4_1)  # 40 = 2 x 20: halves split a block
     x = torch.randn(3, 64)
@@ -342,8 +344,8 @@ def test_gated_tiles_reject_bad_input(kernels: ModuleType) -> None:
     packed = pack_gguf_weight(_random_gguf_rows(q4_1, 64, 64, seed=0), q4_1)
     with pytest.raises(RuntimeError, match=r"bias must be a contiguous \[2 N\]"):
         kernels.linear_gguf_silu_and_mul(torch.empty(3, 32), x, packed, int(q4_1), torch.randn(32))
-    if not kernels.gguf_bf16_tiles_available():
-        with pytest.raises(RuntimeError, match="AMX-BF16 tiles, which this build of the kernels"):
+    if not kernels.gguf_bf16_available():
+        with pytest.raises(RuntimeError, match="AVX512-BF16, which this build of the kernels"):
             kernels.linear_gguf_silu_and_mul(torch.empty(3, 32), x, packed, int(q4_1))
 
 
@@ -373,9 +375,9 @@ def test_gguf_kernel_rejects_bad_input(kernels: ModuleType) -> None:
         (lambda: kernels.linear_gguf(out, x, packed, int(q4_1), torch.randn(41)), "bias"),
         (lambda: kernels.linear_gguf(out, x, packed, int(q4_1), None, 12), "activation_bits must be 16, 8 or 0"),
     ]
-    if not kernels.gguf_bf16_tiles_available():  # every build below native, and every CPU without AMX-BF16
-        cases.append((lambda: kernels.linear_gguf(out, x, packed, int(q4_1), None, GGUF_BF16_TILES),
-                      "AMX-BF16 tiles, which this build of the kernels"))
+    if not kernels.gguf_bf16_available():  # every build below native, and every CPU without AVX512-BF16
+        cases.append((lambda: kernels.linear_gguf(out, x, packed, int(q4_1), None, GGUF_BF16),
+                      "AVX512-BF16, which this build of the kernels"))
     for call, message in cases:
         with pytest.raises(RuntimeError, match=message):
             call()

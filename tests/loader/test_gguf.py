@@ -261,32 +261,35 @@ def test_8_bit_activations_are_a_switch_read_at_load(tmp_path: Path, monkeypatch
 
 
 def test_the_gguf_arithmetic_follows_the_activations_dtype_and_the_cpu(monkeypatch) -> None:
-    """bf16 activations take the AMX-BF16 tiles where the kernels have them (activation_bits 0); float32 ones, and
-    every CPU without the tiles, the 16-bit integer arithmetic; PAGEDLLM_GGUF_ACTIVATION_BITS=bf16 asks for the tiles
-    and is refused, naming what is missing, where there are none."""
+    """bf16 activations take x in bf16 where the kernels multiply it (activation_bits 0: AMX-BF16 tiles or
+    AVX512-BF16 vectors); float32 ones, and every CPU without AVX512-BF16, the 16-bit integer arithmetic;
+    PAGEDLLM_GGUF_ACTIVATION_BITS=bf16 asks for x in bf16 and is refused, naming what is missing, where there is
+    none."""
     from pagedllm.layers import linear as linear_module
-    from pagedllm.layers.linear import GGUF_BF16_TILES, gguf_activation_bits
+    from pagedllm.layers.linear import GGUF_BF16, gguf_activation_bits
 
-    for tiles in (True, False):
-        monkeypatch.setattr(linear_module, "gguf_bf16_tiles_available", lambda tiles=tiles: tiles)
-        assert gguf_activation_bits(torch.bfloat16) == (GGUF_BF16_TILES if tiles else 16)
+    for available in (True, False):
+        monkeypatch.setattr(linear_module, "gguf_bf16_available", lambda available=available: available)
+        assert gguf_activation_bits(torch.bfloat16) == (GGUF_BF16 if available else 16)
         assert gguf_activation_bits(torch.float32) == 16
     monkeypatch.setenv("PAGEDLLM_GGUF_ACTIVATION_BITS", "bf16")
-    with pytest.raises(ValueError, match="AMX-BF16 tiles, which this CPU"):
+    monkeypatch.setattr(linear_module, "gguf_bf16_available", lambda: False)
+    with pytest.raises(ValueError, match="AVX512-BF16, which this CPU"):
         gguf_activation_bits(torch.bfloat16)
-    monkeypatch.setattr(linear_module, "gguf_bf16_tiles_available", lambda: True)
-    assert gguf_activation_bits(torch.float32) == GGUF_BF16_TILES
+    monkeypatch.setattr(linear_module, "gguf_bf16_available", lambda: True)
+    assert gguf_activation_bits(torch.float32) == GGUF_BF16
 
 
-def test_a_bf16_model_multiplies_gguf_blocks_in_amx_tiles(tmp_path: Path, monkeypatch) -> None:
-    """On a CPU with AMX-BF16, a bf16 model's GGUF layers run in the tiles: its logits are `gguf_reference`'s (the
-    bf16 products summed in float64) within the float32 sums, near the dequantised bf16 model's (oneDNN's or
-    pagedllm's bf16 matmuls), with the same next token, and a sequence's logits do not depend on its batch."""
-    from pagedllm.kernels import cpu_kernels
+def test_a_bf16_model_multiplies_gguf_blocks_by_bf16_activations(tmp_path: Path, monkeypatch) -> None:
+    """On a CPU with AVX512-BF16, a bf16 model's GGUF layers multiply x in bf16 (in AMX tiles where there are, else
+    in vectors): its logits are `gguf_reference`'s (the bf16 products summed in float64) within the float32 sums,
+    near the dequantised bf16 model's (oneDNN's or pagedllm's bf16 matmuls), with the same next token, and a
+    sequence's logits do not depend on its batch."""
+    from pagedllm.layers.linear import gguf_bf16_available
 
-    if cpu_kernels() is None or not cpu_kernels().gguf_bf16_tiles_available():
-        pytest.skip("GGUF blocks in AMX-BF16 tiles need a CPU with AMX-BF16; bf16 models take the 16-bit integer "
-                    "arithmetic here (the tests above)")
+    if not gguf_bf16_available():
+        pytest.skip("GGUF blocks times bf16 activations need a CPU with AVX512-BF16; bf16 models take the 16-bit "
+                    "integer arithmetic here (the tests above)")
     path = tmp_path / "q4_1.gguf"
     write_model_gguf(build_tiny_hf_model("llama-gqa"), path, "llama", Q.Q4_1)
     packed = load_model(ModelConfig(model=str(path), dtype="bfloat16", quantization="gguf")).model

@@ -59,8 +59,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_gguf_weight", &pagedllm::pack_gguf_weight,
         "GGUF Q4_0, Q4_1 or Q8_0 rows (uint8 [N, K/32 * block bytes], as stored) in linear_gguf's layout, the bytes "
         "of pagedllm.layers.gguf.pack_gguf_weight_reference: (rows, ggml_type)", NoGil());
+  m.def("gguf_bf16_available", &pagedllm::gguf_bf16_available,
+        "Whether linear_gguf runs activation_bits=0 here: built with AVX512-BF16 (vectors), or with AMX-BF16 and "
+        "granted the tiles by Linux");
   m.def("gguf_bf16_tiles_available", &pagedllm::gguf_bf16_tiles_available,
-        "Whether linear_gguf runs activation_bits=0 here: built with AMX-BF16, and granted the tiles by Linux");
+        "Whether linear_gguf's activation_bits=0 runs in AMX-BF16 tiles here: built with AMX-BF16, and granted the "
+        "tiles by Linux (else in AVX512-BF16 vectors, where gguf_bf16_available)");
   m.def("pack_w8a8_weight", &pagedllm::pack_w8a8_weight,
         "An int8 [N, K] weight with values in [-127, 127] in linear_w8a8's layout: (packed [ceil(N/16), ceil(K/4), "
         "64] int8, column sums per 64 k's [ceil(N/16), ceil(K/64), 16] int32): (q)", NoGil());

@@ -51,7 +51,7 @@
 // fit in L2, and every tile of rows (its quantized x stays in L1) streams over a panel's blocks, so the weight is
 // read from memory once per call whatever M is.
 //
-// activation_bits = 0 is another arithmetic, for a bf16 model on a CPU with AMX-BF16: linear_gguf_amx.cpp.
+// activation_bits = 0 is another arithmetic, x in bf16 for a bf16 model with AVX512-BF16: linear_gguf_bf16.cpp.
 #include "linear_gguf.h"
 
 #include <c10/util/Half.h>
@@ -492,7 +492,7 @@ void linear_gguf(at::Tensor out, at::Tensor x, at::Tensor packed, int64_t ggml_t
                  c10::optional<at::Tensor> bias, int64_t activation_bits) {
   check_gguf_packed(x, out, packed, ggml_type);
   TORCH_CHECK(activation_bits == 8 || activation_bits == 16 || activation_bits == 0,
-              "activation_bits must be 16, 8 or 0 (x in bf16, AMX-BF16 tiles), got ", activation_bits);
+              "activation_bits must be 16, 8 or 0 (x in bf16), got ", activation_bits);
   check_operands(out, x, packed.size(0), packed.size(1) * kGroupK, bias);
   if (activation_bits == 0) return linear_gguf_bf16(out, x, packed, ggml_type, bias);
   if (out.numel() == 0) return;

@@ -27,7 +27,8 @@ inline void check_gguf_packed(const at::Tensor& x, const at::Tensor& out, const 
 }
 
 // out = x W^T + bias with x rounded to bf16 and W's blocks dequantised to bf16 (d q + m, rounded once), in AMX-BF16
-// tiles (linear_gguf_amx.cpp); the operands checked by linear_gguf, which calls it for activation_bits = 0.
+// tiles or AVX512-BF16 vectors (linear_gguf_bf16.cpp); the operands checked by linear_gguf, which calls it for
+// activation_bits = 0.
 void linear_gguf_bf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, int64_t ggml_type,
                       const c10::optional<at::Tensor>& bias);
 

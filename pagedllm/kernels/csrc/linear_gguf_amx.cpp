@@ -12,8 +12,9 @@
 //
 // Why: where tiles multiply, a call's cost is the dequantisation, once per weight and call, not the products. A
 // decode step's batch reads a third of bf16's bytes (Q4_1: 0.625 bytes a weight, from L3 where bf16 comes from
-// memory), and a prefill chunk runs as fast as oneDNN's bf16 tiles (docs/benchmarks.md). The integer arithmetic
-// (linear_gguf.cpp) stays the default elsewhere, and the faster one for a batch of one to four rows here.
+// memory), and a prefill chunk runs as fast as oneDNN's bf16 tiles (docs/benchmarks.md). Without tiles the same
+// arithmetic runs in AVX512-BF16 vectors (linear_gguf_bf16.cpp); the integer arithmetic (linear_gguf.cpp) is the
+// default without either, and the faster one for a batch of one to four rows here.
 //
 // Tiles: a group (32 k's) of a block's 16 columns is one tile, and so are 16 rows of x over that group. A
 // `tdpbf16ps` sum is symmetric: x as the A operand (16 rows of 32 k's) and W as B (16 rows of pairs, row i holding
@@ -37,21 +38,21 @@
 // many, so that a thread the hypervisor slows down gets fewer (a static split of the blocks left the other waiting:
 // 1.05-1.3x on SmolLM2's 30 layers at 16-2,048 rows when the two cores ran at different speeds, level when they
 // did not). Each weight is dequantised once per call, or twice where two threads take units of one panel.
-#include "linear_gguf.h"
+#include "linear_gguf_bf16.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && PAGEDLLM_GGUF_BF16
 #define PAGEDLLM_GGUF_AMX 1
 #else
 #define PAGEDLLM_GGUF_AMX 0
 #endif
 
-#include <type_traits>
 #include <vector>
 
 namespace pagedllm {
 namespace {
 
 #if PAGEDLLM_GGUF_AMX
+using namespace gguf_bf16;
 
 constexpr int64_t kTileBytes = kAmxRows * kAmxRowBytes;  // one dequantised group of a block
 constexpr int64_t kChunkTiles = 8;  // row tiles per chunk of a large batch: 128 rows of K bf16, in L2
@@ -60,68 +61,6 @@ constexpr int64_t kPairedTiles = kChunkTiles / 2;
 // Groups read ahead of the one dequantised: a few rows' calls wait on memory otherwise (SmolLM2's layers at one
 // row took 9.3-10.3 ms without, 7.3 with 4 groups ahead, 7.7 with 8).
 constexpr int64_t kPrefetchGroups = 4;
-
-// Writes one dequantised group of a block: W's pairs of k's as `tdpbf16ps` takes them.
-template <int64_t type>
-struct GroupDequantizer {
-  __m512 d, m;
-  __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21,
-                                   5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);  // lane j of two vectors -> pair j
-  uint8_t* tile;
-
-  GroupDequantizer(const uint8_t* group, uint8_t* tile) : tile(tile) {
-    const float* header = reinterpret_cast<const float*>(group);
-    d = _mm512_loadu_ps(header);
-    m = type == kQ4_1 ? _mm512_loadu_ps(header + kBlock)
-        : type == kQ4_0 ? _mm512_mul_ps(d, _mm512_set1_ps(-8.f)) : _mm512_setzero_ps();
-  }
-
-  __m512 weight(__m512i q) const { return _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(q), m); }
-
-  // Tile row `row`: column j's k's (even, odd) from lane j of the two vectors of values.
-  void store(int row, __m512i even, __m512i odd) const {
-    const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(weight(odd), weight(even)));
-    _mm512_store_si512(tile + row * kAmxRowBytes, _mm512_permutexvar_epi16(pairs, both));
-  }
-};
-
-template <int shift>  // the 4-bit value at bit `shift` of each lane
-inline __m512i nibble(__m512i v) {
-  if constexpr (shift == 28) return _mm512_srli_epi32(v, 28);
-  const __m512i low4 = _mm512_set1_epi32(0x0F);
-  if constexpr (shift == 0) return _mm512_and_si512(v, low4);
-  return _mm512_and_si512(_mm512_srli_epi32(v, shift), low4);
-}
-
-template <int t>  // the signed byte t of each lane
-inline __m512i signed_byte(__m512i v) {
-  if constexpr (t == 3) return _mm512_srai_epi32(v, 24);
-  return _mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * t), 24);
-}
-
-// One group (its packed bytes at `group`, linear_gguf.cpp's layout) into the 16 x 64 bytes at `tile`.
-template <int64_t type>
-void dequantize_group(const uint8_t* group, uint8_t* tile) {
-  const GroupDequantizer<type> w(group, tile);
-  const uint8_t* values = group + header_bytes(type);
-  if constexpr (type == kQ8_0) {  // quad i: byte t of lane j is k 4 i + t
-#pragma GCC unroll 8
-    for (int i = 0; i < 8; ++i) {
-      const __m512i v = _mm512_loadu_si512(values + i * kRowBytes);
-      w.store(2 * i, signed_byte<0>(v), signed_byte<1>(v));
-      w.store(2 * i + 1, signed_byte<2>(v), signed_byte<3>(v));
-    }
-  } else {  // octet o: byte t of lane j is k 8 o + t in its low nibble, 8 o + 4 + t in its high one
-#pragma GCC unroll 4
-    for (int o = 0; o < 4; ++o) {
-      const __m512i v = _mm512_loadu_si512(values + o * kRowBytes);
-      w.store(4 * o, nibble<0>(v), nibble<8>(v));
-      w.store(4 * o + 1, nibble<16>(v), nibble<24>(v));
-      w.store(4 * o + 2, nibble<4>(v), nibble<12>(v));
-      w.store(4 * o + 3, nibble<20>(v), nibble<28>(v));
-    }
-  }
-}
 
 // One 4-bit group (its packed bytes at `group`) into the 16 x 64 bytes at `rows`: row j is column j's 32 weights,
 // k in order (the A operand of `tdpbf16ps`). A column's 16 possible weights are one table, bf16(fma(d, q, m)) for
@@ -216,66 +155,6 @@ void tile_sums(int nr, int nb, const XTiles& x, const uint8_t* w, int64_t groups
   tile_sums<1, 1, w_is_a>(x, w, groups, acc, between);
 }
 
-// from_float<bf16>'s bits of 16 floats, in the low half of each 32-bit lane: to nearest even on the bits, a NaN
-// kept a NaN.
-inline __m512i bf16_bits(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i top = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
-  return _mm512_mask_mov_epi32(top, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-}
-
-// 16 of T's values as floats: a bias's (or its zeros past `mask`), round_to<T>'s of 16 floats.
-template <typename T>
-inline __m512 load16(const T* p, __mmask16 mask) {
-  if constexpr (std::is_same_v<T, float>) return _mm512_maskz_loadu_ps(mask, p);
-  else return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
-}
-template <typename T>
-inline __m512 round16(__m512 v) {
-  if constexpr (std::is_same_v<T, float>) return v;
-  else return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(v), 16));
-}
-// dst[j] = from_float<T>(v[j]) for the lanes of mask.
-template <typename T>
-inline void store16(T* dst, __m512 v, __mmask16 mask) {
-  if constexpr (std::is_same_v<T, float>) _mm512_mask_storeu_ps(dst, mask, v);
-  else _mm256_mask_storeu_epi16(dst, mask, _mm512_cvtepi32_epi16(bf16_bits(v)));
-}
-
-// out[m0 + r, n0 + j] = acc[r][j] (+ bias[n0 + j]) for r < rows, j < cols, rounded once to T as from_float rounds.
-template <typename T>
-void store_tile(T* out, int64_t out_stride, const T* bias, const float* acc, int64_t m0, int rows, int64_t n0,
-                int cols) {
-  const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
-  const __m512 b = bias ? load16(bias + n0, mask) : _mm512_setzero_ps();
-  for (int r = 0; r < rows; ++r) {
-    store16(out + (m0 + r) * out_stride + n0, _mm512_add_ps(_mm512_load_ps(acc + r * kBlock), b), mask);
-  }
-}
-
-// out[m0 + r, n0 + j] = silu(g) * u for r < rows, j < 16, with g = gate[r][j] + bias[n0 + j] and u = up[r][j] +
-// bias[up_offset + n0 + j] each rounded once to T: linear_gguf's store of gate and up, then silu_and_mul, in one
-// (the same bits: silu_times's steps, 16 lanes at a time, where GCC vectorised its loop 8 wide).
-template <typename T>
-void store_silu_tile(T* out, int64_t out_stride, const T* bias, int64_t up_offset, const float* gate, const float* up,
-                     int64_t m0, int rows, int64_t n0) {
-  constexpr __mmask16 kAll = 0xFFFF;
-  const __m512 gate_bias = bias ? load16(bias + n0, kAll) : _mm512_setzero_ps();
-  const __m512 up_bias = bias ? load16(bias + up_offset + n0, kAll) : _mm512_setzero_ps();
-  const __m512 one = _mm512_set1_ps(1.f), highest = _mm512_set1_ps(expf_constants::kHighest);
-  const __m512i sign = _mm512_set1_epi32(static_cast<int>(0x80000000u));
-  for (int r = 0; r < rows; ++r) {
-    const __m512 g = round16<T>(_mm512_add_ps(_mm512_load_ps(gate + r * kBlock), gate_bias));
-    const __m512 u = round16<T>(_mm512_add_ps(_mm512_load_ps(up + r * kBlock), up_bias));
-    // exp_approx(-g): exp_approx16 clamps below as exp_approx does (1 + its denormal or 0 is 1), not above.
-    const __m512 minus_g = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), sign));
-    const __m512 e = exp_approx16(_mm512_min_ps(minus_g, highest));
-    store16(out + (m0 + r) * out_stride + n0, _mm512_mul_ps(round16<T>(_mm512_div_ps(g, _mm512_add_ps(one, e))), u),
-            kAll);
-  }
-}
-
 template <typename T>
 struct Bf16TileProblem {
   const uint8_t* x;       // x's bf16 rows, ld bytes apart: row tiles [0, in_place)
@@ -286,11 +165,9 @@ struct Bf16TileProblem {
   const T* bias;
   T* out;
   int64_t type, groups, m, n, out_stride;
-  // 0, or a gated call's (linear_gguf_silu_and_mul) half of the blocks: its blocks taken in pairs (gate block j, up
-  // block half_blocks + j) as blocks 2 j and 2 j + 1, whose sums make out's columns 16 j ...
-  int64_t half_blocks;
+  int64_t half_blocks;  // 0, or a gated call's half of the blocks (physical_block)
 
-  int64_t physical(int64_t b) const { return half_blocks == 0 ? b : b / 2 + b % 2 * half_blocks; }
+  int64_t physical(int64_t b) const { return physical_block(b, half_blocks); }
 
   // Groups [g0, g1) of blocks [b0, b1) dequantised into dst, `groups` tiles a block: as A operands
   // (dequantize_rows, 4-bit types) or as B ones (dequantize_group), each block's groups read kPrefetchGroups ahead.
@@ -478,16 +355,20 @@ void run_bf16_tiles(at::Tensor& out, const at::Tensor& x, const at::Tensor& pack
 
 #endif
 
-void run_tiles(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, int64_t type,
-               const c10::optional<at::Tensor>& bias, bool gated) {
+}  // namespace
+
+bool run_gguf_bf16_tiles(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, int64_t type,
+                         const c10::optional<at::Tensor>& bias, bool gated) {
 #if PAGEDLLM_GGUF_AMX
-  if (out.numel() == 0) return;
-  if (x.scalar_type() == at::kBFloat16) return run_bf16_tiles<c10::BFloat16>(out, x, packed, type, bias, gated);
-  run_bf16_tiles<float>(out, x, packed, type, bias, gated);
+  if (!amx_granted()) return false;
+  if (out.numel() == 0) return true;
+  if (x.scalar_type() == at::kBFloat16) run_bf16_tiles<c10::BFloat16>(out, x, packed, type, bias, gated);
+  else run_bf16_tiles<float>(out, x, packed, type, bias, gated);
+  return true;
+#else
+  return false;
 #endif
 }
-
-}  // namespace
 
 bool gguf_bf16_tiles_available() {
 #if PAGEDLLM_GGUF_AMX
@@ -495,31 +376,6 @@ bool gguf_bf16_tiles_available() {
 #else
   return false;
 #endif
-}
-
-void linear_gguf_bf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, int64_t ggml_type,
-                      const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(gguf_bf16_tiles_available(),
-              "activation_bits=0 multiplies GGUF blocks in AMX-BF16 tiles, which this build of the kernels (or this "
-              "CPU, or Linux for this process) does not have: use 16 or 8");
-  run_tiles(out, x, packed, ggml_type, bias, false);
-}
-
-void linear_gguf_silu_and_mul(at::Tensor out, at::Tensor x, at::Tensor packed, int64_t ggml_type,
-                              c10::optional<at::Tensor> bias) {
-  check_gguf_packed(x, out, packed, ggml_type);
-  const int64_t half = out.size(1);
-  TORCH_CHECK(packed.size(0) * kBlock == 2 * half && half % kBlock == 0,
-              "linear_gguf_silu_and_mul: packed must hold 2 N columns (gate, then up) for out's N, a multiple of 16; "
-              "got N=", half, " and ", packed.size(0) * kBlock, " packed columns");
-  check_operands(out, x, packed.size(0) / 2, packed.size(1) * kGroupK, c10::nullopt);
-  TORCH_CHECK(!bias || (bias->is_contiguous() && bias->numel() == 2 * half && bias->scalar_type() == x.scalar_type()
-                        && bias->device().is_cpu()),
-              "bias must be a contiguous [2 N] CPU tensor of x's dtype (gate's, then up's)");
-  TORCH_CHECK(gguf_bf16_tiles_available(),
-              "linear_gguf_silu_and_mul runs in AMX-BF16 tiles, which this build of the kernels (or this CPU, or Linux "
-              "for this process) does not have");
-  run_tiles(out, x, packed, ggml_type, bias, true);
 }
 
 }  // namespace pagedllm

@@ -92,16 +92,17 @@ void linear_packed(at::Tensor out, at::Tensor x, at::Tensor packed, c10::optiona
                    c10::optional<at::Tensor> scale);
 
 // GGUF's Q8_0, Q4_0 and Q4_1 blocks times activations quantized to 16 (or 8) bits per 32 k's (linear_gguf.cpp),
-// or (activation_bits = 0) times x in bf16, the blocks dequantised to bf16 in AMX tiles (linear_gguf_amx.cpp), which
-// run where gguf_bf16_tiles_available().
+// or (activation_bits = 0) times x in bf16, the blocks dequantised to bf16, in AMX tiles (linear_gguf_amx.cpp) where
+// gguf_bf16_tiles_available(), else in AVX512-BF16 vectors (linear_gguf_bf16.cpp): where gguf_bf16_available().
 void linear_gguf(at::Tensor out, at::Tensor x, at::Tensor packed, int64_t ggml_type, c10::optional<at::Tensor> bias,
                  int64_t activation_bits);
+bool gguf_bf16_available();
 bool gguf_bf16_tiles_available();
 // A GGUF Q4_0, Q4_1 or Q8_0 weight's rows of blocks regrouped in the layout linear_gguf reads (linear_gguf.cpp).
 at::Tensor pack_gguf_weight(at::Tensor rows, int64_t ggml_type);
 // silu(x W_gate^T) * (x W_up^T) for a packed weight of 2 N columns (gate's N, then up's), N a multiple of 16: the
-// bits of linear_gguf (activation_bits = 0) then silu_and_mul, with the product stored once (linear_gguf_amx.cpp).
-// Runs where gguf_bf16_tiles_available().
+// bits of linear_gguf (activation_bits = 0) then silu_and_mul, with the product stored once (linear_gguf_bf16.cpp).
+// Runs where gguf_bf16_available().
 void linear_gguf_silu_and_mul(at::Tensor out, at::Tensor x, at::Tensor packed, int64_t ggml_type,
                               c10::optional<at::Tensor> bias);
 
