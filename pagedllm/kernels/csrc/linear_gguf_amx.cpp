@@ -315,14 +315,7 @@ void run_bf16_tiles(at::Tensor& out, const at::Tensor& x, const at::Tensor& pack
   std::vector<c10::BFloat16> staged((tiles - in_place) * kAmxRows * k, c10::BFloat16(0.f));
   const T* src = x.data_ptr<T>();
   const int64_t x_stride = x.stride(0);
-  const int64_t grain = std::max<int64_t>(1, kConvertGrain / std::max<int64_t>(1, k));
-  at::parallel_for(in_place * kAmxRows, m, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      c10::BFloat16* dst = staged.data() + (r - in_place * kAmxRows) * k;
-#pragma omp simd
-      for (int64_t i = 0; i < k; ++i) dst[i] = from_float<c10::BFloat16>(to_float(src[r * x_stride + i]));
-    }
-  });
+  stage_rows_in_bf16(src, x_stride, in_place * kAmxRows, m, k, staged.data());
   // A few row tiles of 4-bit blocks: x's tiles as B operands, each group's 16 rows by 16 pairs transposed.
   const int64_t groups = packed.size(1);
   const bool x_as_b = tiles <= kPairedTiles && type != kQ8_0;

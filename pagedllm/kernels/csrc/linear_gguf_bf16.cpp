@@ -66,7 +66,9 @@ void tile_sums(const uint8_t* x, int64_t ld, const uint8_t* w, int64_t pairs, fl
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
 #pragma GCC unroll 2
-    for (int c = 0; c < C; ++c) _mm512_store_ps(sums + (c * kRows + r) * kBlock, _mm512_add_ps(acc[r][c][0], acc[r][c][1]));
+    for (int c = 0; c < C; ++c) {
+      _mm512_store_ps(sums + (c * kRows + r) * kBlock, _mm512_add_ps(acc[r][c][0], acc[r][c][1]));
+    }
   }
 }
 
@@ -106,9 +108,9 @@ struct Bf16VectorProblem {
       const uint8_t* block = packed + physical(b) * groups * group_bytes(type_);
       for (int64_t g = 0; g < groups; ++g) {
         const uint8_t* group = block + g * group_bytes(type_);
-        const uint8_t* ahead = g + kPrefetchGroups < groups
-                                   ? group + kPrefetchGroups * group_bytes(type_)
-                                   : packed + (physical(b + 1) * groups + g + kPrefetchGroups - groups) * group_bytes(type_);
+        // The group kPrefetchGroups ahead, in the next block (as this call reads them) where this one ends.
+        const int64_t ahead_g = g + kPrefetchGroups, ahead_b = b + ahead_g / groups;
+        const uint8_t* ahead = packed + (physical(ahead_b) * groups + ahead_g % groups) * group_bytes(type_);
 #pragma GCC unroll 16
         for (int64_t line = 0; line < group_bytes(type_); line += 64) prefetch_line<1>(ahead + line);
         dequantize_group<type_>(group, dst + ((b - b0) * groups + g) * kGroupBytes);
@@ -176,14 +178,7 @@ void run_bf16_vectors(at::Tensor& out, const at::Tensor& x, const at::Tensor& pa
   int64_t ld = x.stride(0) * int64_t{sizeof(T)};
   if constexpr (!std::is_same_v<T, c10::BFloat16>) {
     staged.resize(m * k);
-    const T* src = x.data_ptr<T>();
-    const int64_t x_stride = x.stride(0);
-    at::parallel_for(0, m, std::max<int64_t>(1, kConvertGrain / std::max<int64_t>(1, k)), [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-#pragma omp simd
-        for (int64_t i = 0; i < k; ++i) staged[r * k + i] = from_float<c10::BFloat16>(to_float(src[r * x_stride + i]));
-      }
-    });
+    stage_rows_in_bf16(x.data_ptr<T>(), x.stride(0), 0, m, k, staged.data());
     rows = reinterpret_cast<const uint8_t*>(staged.data()), ld = k * int64_t{sizeof(c10::BFloat16)};
   }
   const Bf16VectorProblem<T> problem{rows, ld, packed.data_ptr<uint8_t>(), bias ? bias->data_ptr<T>() : nullptr,

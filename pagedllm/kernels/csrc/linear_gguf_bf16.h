@@ -36,6 +36,20 @@ inline int64_t physical_block(int64_t b, int64_t half_blocks) {
   return half_blocks == 0 ? b : b / 2 + b % 2 * half_blocks;
 }
 
+// Rows [r0, r1) of x (rows `stride` values apart) rounded to bf16 into dst, k values a row: x's copy that both ways
+// multiply where x is float32 (and the tiles, for a last partial tile of bf16 rows).
+template <typename T>
+void stage_rows_in_bf16(const T* x, int64_t stride, int64_t r0, int64_t r1, int64_t k, c10::BFloat16* dst) {
+  const int64_t grain = std::max<int64_t>(1, kConvertGrain / std::max<int64_t>(1, k));
+  at::parallel_for(r0, r1, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      c10::BFloat16* row = dst + (r - r0) * k;
+#pragma omp simd
+      for (int64_t i = 0; i < k; ++i) row[i] = from_float<c10::BFloat16>(to_float(x[r * stride + i]));
+    }
+  });
+}
+
 // Writes one dequantised group of a block: W's pairs of k's as `tdpbf16ps` and `vdpbf16ps` take them.
 template <int64_t type>
 struct GroupDequantizer {
