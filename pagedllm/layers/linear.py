@@ -331,8 +331,8 @@ def gguf_activation_bits(dtype: torch.dtype) -> int:
     packs. bf16 activations on a CPU with AVX512-BF16: `GGUF_BF16` (0), the blocks dequantised to bf16, which rounds
     nothing of x and W that a bf16 model does not (the dequantised file's bf16 weights): in AMX tiles where there are
     (a batch as fast as oneDNN's bf16 tiles from a third of the bytes), else in vectors (linear_gguf_bf16.cpp: on a
-    Zen 5, prefill chunks 1.3-1.5x faster than 16 bits, batches of ~17 rows level, one row 0.6-0.7x; the mixed
-    workload 1.12x, one stream 0.85x). Elsewhere activations quantized to 16 bits (two int8 halves, the dequantised
+    Zen 5, prefill chunks 1.3-1.5x faster than 16 bits, batches of ~17 rows level, one to six rows 0.8-0.9x; the
+    mixed workload 1.12x, one stream 0.9x). Elsewhere activations quantized to 16 bits (two int8 halves, the dequantised
     weights' results within float noise). PAGEDLLM_GGUF_ACTIVATION_BITS names one: 16, 8 (llama.cpp's arithmetic:
     ~1.45x faster 4-bit matmuls than 16, near ties flipped) or bf16."""
     value = os.environ.get(GGUF_ACTIVATION_BITS_ENV)

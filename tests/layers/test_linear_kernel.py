@@ -290,24 +290,25 @@ def test_gguf_blocks_times_bf16_match_the_reference(bf16_kernels: ModuleType, gg
 @pytest.mark.parametrize("ggml_type", GGUF_TYPES)
 def test_a_rows_result_in_bf16_does_not_depend_on_its_batch(bf16_kernels: ModuleType,
                                                                    ggml_type: GGMLQuantizationType) -> None:
-    """A row alone (a staged partial tile, or a partial tile of vector rows), among a few (tiles: dequantised a pair
-    of blocks at a time) and in a prefill-sized batch (tiles: all blocks at once, rows read in place and in chunks)
-    gives the same bits."""
+    """A row alone (a staged partial tile, or vectors streaming the blocks group by group), among a few (tiles:
+    dequantised a pair of blocks at a time; vectors: streamed to a partial tile, or a panel dequantised whole) and
+    in a prefill-sized batch (tiles: all blocks at once, rows read in place and in chunks) gives the same bits."""
     packed = pack_gguf_weight(_random_gguf_rows(ggml_type, 72, 96, seed=2), ggml_type)
     x = torch.randn(300, 96, generator=torch.Generator().manual_seed(2)).bfloat16()
     outs = []
-    for rows in (x[:1], x[:33], x, x[1:]):
+    for rows in (x[:1], x[:5], x[:33], x, x[1:]):
         out = torch.empty(rows.shape[0], 72, dtype=torch.bfloat16)
         bf16_kernels.linear_gguf(out, rows, packed, int(ggml_type), None, GGUF_BF16)
         outs.append(out)
-    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][0], outs[2][0])
-    assert torch.equal(outs[2][1:], outs[3])  # every row of a batch, at another place in it
+    assert all(torch.equal(outs[0][0], batch[0]) for batch in outs[1:4])
+    assert torch.equal(outs[1], outs[3][:5])
+    assert torch.equal(outs[3][1:], outs[4])  # every row of a batch, at another place in it
     for rows in (1, 33, 300):  # rows of a wider tensor (x's rows read in place, staged and transposed from it)
         wide = torch.zeros(rows, 160, dtype=torch.bfloat16)
         wide[:, 32:128] = x[:rows]
         out = torch.empty(rows, 72, dtype=torch.bfloat16)
         bf16_kernels.linear_gguf(out, wide[:, 32:128], packed, int(ggml_type), None, GGUF_BF16)
-        assert torch.equal(out, outs[2][:rows])
+        assert torch.equal(out, outs[3][:rows])
 
 
 @pytest.mark.parametrize("ggml_type", GGUF_TYPES)

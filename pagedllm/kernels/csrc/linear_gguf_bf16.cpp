@@ -15,13 +15,15 @@
 // Why: 32 products a `vdpbf16ps` and no per-group scaling of the sums, where the 16-bit integer path
 // (linear_gguf.cpp) takes two `vpdpbusd`s per 64 products and three float multiplies per group: a 2,048-row prefill of
 // SmolLM2's layers ran 1.47x faster on a Zen 5 (docs/benchmarks.md), a batch of 17 rows level to 1.1x. Its cost is
-// the dequantisation, once per weight and call: a batch of one to eight rows took 1.3-1.6x as long as the integer
-// path. On the mixed workload the run took 1.12x less time, one stream 0.85x the tokens a second; like the tiles it
-// is the default for a bf16 model (pagedllm.layers.linear.gguf_activation_bits).
+// the dequantisation, once per weight and call: a batch of one to six rows takes 1.1-1.2x as long as the integer
+// path, eight 1.2x. On the mixed workload the run took 1.12x less time, one stream 0.9x the tokens a second; like the
+// tiles it is the default for a bf16 model (pagedllm.layers.linear.gguf_activation_bits).
 //
-// Loops: the threads take panels of column blocks (parallel_units), each dequantised whole into this thread's buffer
-// (at most kPanelBytes of bf16, in L2), and every tile of kRows rows runs over the panel's blocks two at a time. A
-// gated call (linear_gguf_silu_and_mul) pairs gate block j with up block j and stores silu(gate) * up.
+// Loops: the threads take panels of column blocks (parallel_units). Past kRows rows each panel is dequantised whole
+// into this thread's buffer (at most kPanelBytes of bf16, in L2), and every tile of kRows rows runs over the panel's
+// blocks two at a time; up to kRows rows, the one tile streams the panel's blocks, two at a time, a group of each
+// dequantised into L1 and multiplied before the next. A gated call (linear_gguf_silu_and_mul) pairs gate block j with
+// up block j and stores silu(gate) * up.
 #include "linear_gguf_bf16.h"
 
 #include <vector>
@@ -37,47 +39,59 @@ constexpr int kRows = 6;  // rows of a tile: 6 rows x 2 blocks x 2 sums = 24 of 
 // weights: 3.8 ms with 8, 2.9 with 16, the integer path 1.8-2.1).
 constexpr int64_t kPrefetchGroups = 16;
 
-// sums[c][r] (16 floats each, kRows rows apart) = row r of x (rows `ld` bytes apart, bf16) times block c of C (its
-// `pairs` rows of pairs at w + c * pairs * kPairRowBytes): the even pairs' and the odd pairs' sums, then their sum.
+// A tile's float32 sums: R rows of x times C blocks, the even pairs' and the odd pairs' sums of each output apart.
 template <int R, int C>
-void tile_sums(const uint8_t* x, int64_t ld, const uint8_t* w, int64_t pairs, float* sums) {
+struct TileSums {
   __m512 acc[R][C][2];
+
+  TileSums() {
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
+    for (int r = 0; r < R; ++r) {
 #pragma GCC unroll 2
-    for (int c = 0; c < C; ++c) acc[r][c][0] = acc[r][c][1] = _mm512_setzero_ps();
+      for (int c = 0; c < C; ++c) acc[r][c][0] = acc[r][c][1] = _mm512_setzero_ps();
+    }
   }
-  for (int64_t p = 0; p < pairs; p += 2) {
+
+  // Adds x's R rows (bf16, `ld` bytes apart, each from the pair of k's at x) times `pairs` rows of pairs of each
+  // block c (at w + c * stride * kPairRowBytes), an even number of them.
+  void add(const uint8_t* x, int64_t ld, const uint8_t* w, int64_t stride, int64_t pairs) {
+    for (int64_t p = 0; p < pairs; p += 2) {
 #pragma GCC unroll 2
-    for (int s = 0; s < 2; ++s) {
-      __m512bh weights[C];
+      for (int s = 0; s < 2; ++s) {
+        __m512bh weights[C];
+#pragma GCC unroll 2
+        for (int c = 0; c < C; ++c) {
+          weights[c] = reinterpret_cast<__m512bh>(_mm512_load_si512(w + (c * stride + p + s) * kPairRowBytes));
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const __m512bh xs = reinterpret_cast<__m512bh>(_mm512_set1_epi32(load_4_bytes(x + r * ld + 4 * (p + s))));
+#pragma GCC unroll 2
+          for (int c = 0; c < C; ++c) acc[r][c][s] = _mm512_dpbf16_ps(acc[r][c][s], xs, weights[c]);
+        }
+      }
+    }
+  }
+
+  // sums[c][r] (16 floats each, kRows rows apart) = the even sum plus the odd one.
+  void store(float* sums) const {
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
 #pragma GCC unroll 2
       for (int c = 0; c < C; ++c) {
-        weights[c] = reinterpret_cast<__m512bh>(_mm512_load_si512(w + (c * pairs + p + s) * kPairRowBytes));
-      }
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        const __m512bh xs = reinterpret_cast<__m512bh>(_mm512_set1_epi32(load_4_bytes(x + r * ld + 4 * (p + s))));
-#pragma GCC unroll 2
-        for (int c = 0; c < C; ++c) acc[r][c][s] = _mm512_dpbf16_ps(acc[r][c][s], xs, weights[c]);
+        _mm512_store_ps(sums + (c * kRows + r) * kBlock, _mm512_add_ps(acc[r][c][0], acc[r][c][1]));
       }
     }
   }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 2
-    for (int c = 0; c < C; ++c) {
-      _mm512_store_ps(sums + (c * kRows + r) * kBlock, _mm512_add_ps(acc[r][c][0], acc[r][c][1]));
-    }
-  }
-}
+};
 
-template <int C, int R = kRows>
-void run_tile_sums(int rows, const uint8_t* x, int64_t ld, const uint8_t* w, int64_t pairs, float* sums) {
+// f(std::integral_constant<int, rows>()), rows from 1 to kRows: a tile's rows as a constant.
+template <int R = kRows, typename F>
+void with_rows(int rows, F&& f) {
   if constexpr (R > 1) {
-    if (rows < R) return run_tile_sums<C, R - 1>(rows, x, ld, w, pairs, sums);
+    if (rows < R) return with_rows<R - 1>(rows, f);
   }
-  tile_sums<R, C>(x, ld, w, pairs, sums);
+  f(std::integral_constant<int, R>());
 }
 
 // This thread's buffer of at least `bytes`, kept from call to call (a panel is up to kPanelBytes: allocated in each
@@ -101,52 +115,105 @@ struct Bf16VectorProblem {
 
   int64_t physical(int64_t b) const { return physical_block(b, half_blocks); }
 
+  // Asks for the lines of block b's group g towards L2, `ahead` groups of this block further on: in the next
+  // `step` blocks' where this block ends (the next panel's, or a stream's next pair).
+  template <int64_t type_>
+  void prefetch_ahead(int64_t b, int64_t g, int64_t ahead, int64_t step) const {
+    const int64_t ahead_g = g + ahead, ahead_b = b + step * (ahead_g / groups);
+    const uint8_t* group = packed + (physical(ahead_b) * groups + ahead_g % groups) * group_bytes(type_);
+#pragma GCC unroll 16
+    for (int64_t line = 0; line < group_bytes(type_); line += 64) prefetch_line<1>(group + line);
+  }
+
+  template <int64_t type_>
+  const uint8_t* group_of(int64_t b, int64_t g) const {
+    return packed + (physical(b) * groups + g) * group_bytes(type_);
+  }
+
   // Blocks [b0, b1) dequantised into dst, a block's groups one after another.
   template <int64_t type_>
   void dequantize(int64_t b0, int64_t b1, uint8_t* dst) const {
     for (int64_t b = b0; b < b1; ++b) {
-      const uint8_t* block = packed + physical(b) * groups * group_bytes(type_);
       for (int64_t g = 0; g < groups; ++g) {
-        const uint8_t* group = block + g * group_bytes(type_);
-        // The group kPrefetchGroups ahead, in the next block (as this call reads them) where this one ends.
-        const int64_t ahead_g = g + kPrefetchGroups, ahead_b = b + ahead_g / groups;
-        const uint8_t* ahead = packed + (physical(ahead_b) * groups + ahead_g % groups) * group_bytes(type_);
-#pragma GCC unroll 16
-        for (int64_t line = 0; line < group_bytes(type_); line += 64) prefetch_line<1>(ahead + line);
-        dequantize_group<type_>(group, dst + ((b - b0) * groups + g) * kGroupBytes);
+        prefetch_ahead<type_>(b, g, kPrefetchGroups, 1);
+        dequantize_group<type_>(group_of<type_>(b, g), dst + ((b - b0) * groups + g) * kGroupBytes);
       }
     }
   }
-  void dequantize(int64_t b0, int64_t b1, uint8_t* dst) const {
-    switch (type) {
-      case kQ4_0: return dequantize<kQ4_0>(b0, b1, dst);
-      case kQ4_1: return dequantize<kQ4_1>(b0, b1, dst);
-      default: return dequantize<kQ8_0>(b0, b1, dst);
+
+  // Rows [m0, m0 + rows) of out from sums[c][r] (store's): blocks [b, b + nb) of this call.
+  void store(const float* sums, int64_t m0, int rows, int64_t b, int nb) const {
+    if (half_blocks) {
+      return store_silu_tile(out, out_stride, bias, half_blocks * kBlock, sums, sums + kRows * kBlock, m0, rows,
+                             b / 2 * kBlock);
+    }
+    for (int c = 0; c < nb; ++c) {
+      const int64_t n0 = (b + c) * kBlock;
+      store_tile(out, out_stride, bias, sums + c * kRows * kBlock, m0, rows, n0,
+                 static_cast<int>(std::min<int64_t>(kBlock, n - n0)));
     }
   }
 
   // Every row times the panel's blocks [p0, p1), dequantised at w.
+  template <int C>
   void multiply(int64_t p0, int64_t p1, const uint8_t* w) const {
     alignas(64) float sums[2 * kRows * kBlock];
     const int64_t pairs = groups * kGroupK / 2;
     for (int64_t m0 = 0; m0 < m; m0 += kRows) {
       const int rows = static_cast<int>(std::min<int64_t>(kRows, m - m0));
-      for (int64_t b = p0; b < p1; b += 2) {
-        const uint8_t* blocks = w + (b - p0) * groups * kGroupBytes;
-        const int nb = static_cast<int>(std::min<int64_t>(2, p1 - b));
-        if (nb == 2) run_tile_sums<2>(rows, x + m0 * ld, ld, blocks, pairs, sums);
-        else run_tile_sums<1>(rows, x + m0 * ld, ld, blocks, pairs, sums);
-        if (half_blocks) {
-          store_silu_tile(out, out_stride, bias, half_blocks * kBlock, sums, sums + kRows * kBlock, m0, rows,
-                          b / 2 * kBlock);
-          continue;
-        }
-        for (int c = 0; c < nb; ++c) {
-          const int64_t n0 = (b + c) * kBlock;
-          store_tile(out, out_stride, bias, sums + c * kRows * kBlock, m0, rows, n0,
-                     static_cast<int>(std::min<int64_t>(kBlock, n - n0)));
-        }
+      for (int64_t b = p0; b + C <= p1; b += 2) {
+        with_rows(rows, [&](auto r) {
+          TileSums<r, C> tile;
+          tile.add(x + m0 * ld, ld, w + (b - p0) * groups * kGroupBytes, pairs, pairs);
+          tile.store(sums);
+        });
+        store(sums, m0, rows, b, C);
       }
+    }
+  }
+
+  // Every row (at most kRows) times blocks [p0, p1), C at a time, group by group: a group of each block dequantised into
+  // L1 and multiplied before the next, the sums of multiply's order without the panel's round trip through L2 (one
+  // row over SmolLM2's 30 layers: 1.4-1.6x the integer path's time with the panel, 1.1-1.2x streamed; one stream of
+  // tokens 1.2x faster).
+  template <int64_t type_, int C>
+  void stream(int64_t p0, int64_t p1) const {
+    alignas(64) uint8_t w[2 * kGroupBytes];
+    alignas(64) float sums[2 * kRows * kBlock];
+    for (int64_t b = p0; b + C <= p1; b += 2) {
+      with_rows(static_cast<int>(m), [&](auto r) {
+        TileSums<r, C> tile;
+        for (int64_t g = 0; g < groups; ++g) {
+#pragma GCC unroll 2
+          for (int c = 0; c < C; ++c) {
+            prefetch_ahead<type_>(b + c, g, kPrefetchGroups, 2);
+            dequantize_group<type_>(group_of<type_>(b + c, g), w + c * kGroupBytes);
+          }
+          tile.add(x + g * kGroupK / 2 * 4, ld, w, kGroupK / 2, kGroupK / 2);
+        }
+        tile.store(sums);
+      });
+      store(sums, 0, static_cast<int>(m), b, C);
+    }
+  }
+
+  // Blocks [p0, p1) times every row: streamed to a few rows, else dequantised whole into this thread's buffer w.
+  template <int64_t type_>
+  void run_panel(int64_t p0, int64_t p1, uint8_t* w) const {
+    if (m <= kRows) {
+      stream<type_, 2>(p0, p1);
+      if ((p1 - p0) % 2) stream<type_, 1>(p1 - 1, p1);
+      return;
+    }
+    dequantize<type_>(p0, p1, w);
+    multiply<2>(p0, p1, w);
+    if ((p1 - p0) % 2) multiply<1>(p1 - 1, p1, w + (p1 - 1 - p0) * groups * kGroupBytes);
+  }
+  void run_panel(int64_t p0, int64_t p1, uint8_t* w) const {
+    switch (type) {
+      case kQ4_0: return run_panel<kQ4_0>(p0, p1, w);
+      case kQ4_1: return run_panel<kQ4_1>(p0, p1, w);
+      default: return run_panel<kQ8_0>(p0, p1, w);
     }
   }
 
@@ -158,12 +225,8 @@ struct Bf16VectorProblem {
     const int64_t want = (blocks + kUnitsPerThread * threads - 1) / (kUnitsPerThread * threads);
     const int64_t panel = std::min(max_panel, std::max<int64_t>(2, (want + 1) / 2 * 2));
     parallel_units((blocks + panel - 1) / panel, threads, [&](const auto& take) {
-      uint8_t* w = thread_buffer(std::min(panel, blocks) * block_bytes);
-      for (int64_t u; (u = take()) >= 0;) {
-        const int64_t p0 = u * panel, p1 = std::min(p0 + panel, blocks);
-        dequantize(p0, p1, w);
-        multiply(p0, p1, w);
-      }
+      uint8_t* w = m <= kRows ? nullptr : thread_buffer(std::min(panel, blocks) * block_bytes);
+      for (int64_t u; (u = take()) >= 0;) run_panel(u * panel, std::min(u * panel + panel, blocks), w);
     });
   }
 };

@@ -91,7 +91,7 @@ inline __m512i signed_byte(__m512i v) {
 // One group (its packed bytes at `group`, linear_gguf.cpp's layout) into the 16 x 64 bytes at `tile`: row i holds
 // each column's k's 2 i and 2 i + 1 (a tile's B operand, and what one `vdpbf16ps` multiplies).
 template <int64_t type>
-void dequantize_group(const uint8_t* group, uint8_t* tile) {
+[[gnu::always_inline]] inline void dequantize_group(const uint8_t* group, uint8_t* tile) {
   const GroupDequantizer<type> w(group, tile);
   const uint8_t* values = group + header_bytes(type);
   if constexpr (type == kQ8_0) {  // quad i: byte t of lane j is k 4 i + t
