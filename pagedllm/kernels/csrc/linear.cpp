@@ -52,12 +52,6 @@ constexpr int kMaxRows = 6;                     // rows per tile: 6 x 2 accumula
 constexpr int64_t kTileBytes = 16 * 1024;       // x tile per K chunk: half of L1, the other half streams weights
 constexpr int64_t kWidenTiles = 3;              // row tiles from which a bf16/int8 panel is widened once for all
 
-// The weight's bytes ahead of a tile's reads whose lines are asked for, towards L2, where the tile reads the packed
-// weight itself (kStream below; not a panel widened into L2): at a few rows a block row's FMAs take less time than
-// memory takes to deliver the next rows, and the hardware prefetcher alone left the kernel waiting (up to 1.6x
-// slower at 4-32 rows over 30 layers' weights on a Zen 5, up to 1.4x capped to AVX2; docs/benchmarks.md).
-constexpr int64_t kPrefetchBytes = 2048;
-
 // Whether a tile of `rows` reading the packed weight itself (kStream) asks for it ahead: not one row of float32,
 // which streams as fast without (0.92-0.96x with, Zen 5).
 template <int rows, bool kStream, typename W>

@@ -19,6 +19,13 @@ constexpr int64_t kPanelBytes = 512 * 1024;     // weight panel kept in L2 (half
 constexpr int64_t kInlineMacs = 1 << 18;        // below this many multiply-adds, a fork costs more than it saves
 constexpr int64_t kConvertGrain = 1 << 16;      // x values widened or quantized per task: fewer are not worth a fork
 
+// The weight's bytes ahead of a tile's reads whose lines are asked for, towards L2, where a tile streams the packed
+// weight itself (linear.cpp's kStream tiles, linear_int8.cpp's): at a few rows a block row's multiply-adds take less
+// time than memory takes to deliver the next rows, and the hardware prefetcher alone left the kernels waiting (on a
+// Zen 5 over 30 layers' weights: linear.cpp up to 1.6x slower at 4-32 rows, up to 1.4x capped to AVX2; W8A8 1.1-1.3x
+// at 4-16 rows, at both levels; docs/benchmarks.md).
+constexpr int64_t kPrefetchBytes = 2048;
+
 // out[m0 .. m0 + rows, 16 b ..] = acc (times the row scale, if any) + bias, rounded once to T; the padded
 // columns of the last block dropped.
 template <typename T>

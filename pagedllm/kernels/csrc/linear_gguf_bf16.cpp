@@ -172,10 +172,10 @@ struct Bf16VectorProblem {
     }
   }
 
-  // Every row (at most kRows) times blocks [p0, p1), C at a time, group by group: a group of each block dequantised into
-  // L1 and multiplied before the next, the sums of multiply's order without the panel's round trip through L2 (one
-  // row over SmolLM2's 30 layers: 1.4-1.6x the integer path's time with the panel, 1.1-1.2x streamed; one stream of
-  // tokens 1.2x faster).
+  // Every row (at most kRows) times blocks [p0, p1), C at a time, group by group: a group of each block dequantised
+  // into L1 and multiplied before the next, the sums of multiply's order without the panel's round trip through L2
+  // (one row over SmolLM2's 30 layers: 1.4-1.6x the integer path's time with the panel, 1.1-1.2x streamed; one
+  // stream of tokens 1.2x faster).
   template <int64_t type_, int C>
   void stream(int64_t p0, int64_t p1) const {
     alignas(64) uint8_t w[2 * kGroupBytes];

@@ -44,8 +44,9 @@
 //
 // Loops as linear.cpp's: x is quantized once per call into a buffer the threads share; the threads split the
 // column blocks (and the row tiles when there are fewer blocks than threads); each walks its blocks in panels that
-// fit in L2, and every tile of rows (its quantized x, a few KiB, stays in L1) streams over a panel's blocks, so the
-// weight is read from memory once per call whatever M is. No K chunks: int8 rows are a quarter of linear.cpp's.
+// fit in L2, and every tile of rows (its quantized x, a few KiB, stays in L1) streams over a panel's blocks, asking
+// for them kPrefetchBytes ahead, so the weight is read from memory once per call whatever M is. No K chunks: int8
+// rows are a quarter of linear.cpp's.
 #include "linear_common.h"
 
 #include <vector>
@@ -118,6 +119,8 @@ void dot_tile(const XTile& x, const int8_t* block, int64_t groups, const int32_t
     }
     int64_t g = t * kSpanGroups;
     for (; g + 2 <= g1; g += 2) {
+      prefetch_line<1>(block + g * kGroupBytes + kPrefetchBytes);  // a group is a line
+      prefetch_line<1>(block + (g + 1) * kGroupBytes + kPrefetchBytes);
       dot_group(x.q, x.ld, g * kGroupK, block + g * kGroupBytes, c, 0);
       dot_group(x.q, x.ld, (g + 1) * kGroupK, block + (g + 1) * kGroupBytes, c, 1);
     }
@@ -170,6 +173,7 @@ void dot_tile(const XTile& x, const int8_t* block, int64_t groups, const int32_t
         ax[r] = _mm256_set1_epi32(load_4_bytes(x.q + r * x.ld + g * kGroupK));
         sx[r] = _mm256_set1_epi32(load_4_bytes(x.q + r * x.ld + signs + g * kGroupK));
       }
+      prefetch_line<1>(block + g * kGroupBytes + kPrefetchBytes);  // a group is a line
       const __m256i* w = reinterpret_cast<const __m256i*>(block + g * kGroupBytes);
       dot_half(ax, sx, _mm256_loadu_si256(w), c, 0);
       dot_half(ax, sx, _mm256_loadu_si256(w + 1), c, 1);
