@@ -125,6 +125,7 @@ struct Bf16VectorProblem {
     for (int64_t line = 0; line < group_bytes(type_); line += 64) prefetch_line<1>(group + line);
   }
 
+  // Block b's group g, packed.
   template <int64_t type_>
   const uint8_t* group_of(int64_t b, int64_t g) const {
     return packed + (physical(b) * groups + g) * group_bytes(type_);
@@ -189,7 +190,7 @@ struct Bf16VectorProblem {
             prefetch_ahead<type_>(b + c, g, kPrefetchGroups, 2);
             dequantize_group<type_>(group_of<type_>(b + c, g), w + c * kGroupBytes);
           }
-          tile.add(x + g * kGroupK / 2 * 4, ld, w, kGroupK / 2, kGroupK / 2);
+          tile.add(x + g * kGroupK * int64_t{sizeof(c10::BFloat16)}, ld, w, kGroupK / 2, kGroupK / 2);
         }
         tile.store(sums);
       });
