@@ -155,7 +155,7 @@ struct Bf16VectorProblem {
     }
   }
 
-  // Every row times the panel's blocks [p0, p1), dequantised at w.
+  // Every row times the panel's blocks [p0, p1), dequantised at w, C at a time (C = 1: p1 - p0 is 1).
   template <int C>
   void multiply(int64_t p0, int64_t p1, const uint8_t* w) const {
     alignas(64) float sums[2 * kRows * kBlock];
