@@ -16,17 +16,30 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.entrypoints.server_utils import wait_until
-from tests.models.tiny import build_byte_tokenizer
+from tests.models.tiny import build_byte_tokenizer, save_tiny_model
 from tests.reliability.tiny_server import error_shape, prompt_traces
 
 SECRET = "tenant-secret-9c2e51"
 SHUTDOWN_TIMEOUT = 2.0
 NUM_CLIENTS = 24
-MAX_TOKENS = 200
+# One request at a time: the one running at SIGTERM finishes well inside the timeout, and the queue's 24 x 600 tokens
+# outlast it (24 x 200 took about the 2 s on a Zen 5, which left nothing to abort in one run of four).
+MAX_TOKENS = 600
+MAX_MODEL_LEN = 640
+
+
+@pytest.fixture(scope="module")
+def long_context_model_dir(tmp_path_factory) -> Path:
+    """The reliability tests' tiny model (tiny_model_dir's) with room for MAX_MODEL_LEN tokens."""
+    folder, _ = save_tiny_model(tmp_path_factory.mktemp("tiny-long") / "llama", "llama-gqa", initializer_range=0.5,
+                                max_position_embeddings=MAX_MODEL_LEN)
+    return folder
 
 
 def _free_port() -> int:
@@ -37,9 +50,9 @@ def _free_port() -> int:
 
 def _start(folder, port: int, log_path, swap_path) -> subprocess.Popen:
     command = [sys.executable, "-m", "pagedllm.entrypoints.openai.api_server", "--model", str(folder),
-               "--port", str(port), "--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "4MiB",
-               "--max-num-seqs", "1", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT), "--swap-space", "0.001",
-               "--swap-path", str(swap_path)]
+               "--port", str(port), "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
+               "--kv-cache-memory", "4MiB", "--max-num-seqs", "1", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT),
+               "--swap-space", "0.001", "--swap-path", str(swap_path)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(command, stdout=log_path.open("w"), stderr=subprocess.STDOUT, env=env)
 
@@ -81,9 +94,9 @@ async def _load_then_sigterm(url: str, process: subprocess.Popen) -> tuple[list,
         return await asyncio.gather(*streams), during
 
 
-def test_sigterm_drains_then_exits_0_and_logs_no_prompt(tiny_model_dir, tmp_path, disk_tmp_path):
+def test_sigterm_drains_then_exits_0_and_logs_no_prompt(long_context_model_dir, tmp_path, disk_tmp_path):
     port, log_path, swap_path = _free_port(), tmp_path / "server.log", disk_tmp_path / "swap.bin"
-    process = _start(tiny_model_dir, port, log_path, swap_path)
+    process = _start(long_context_model_dir, port, log_path, swap_path)
     url = f"http://127.0.0.1:{port}"
     try:
         def up() -> bool:
