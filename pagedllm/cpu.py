@@ -62,12 +62,18 @@ class CpuInfo:
     @property
     def bf16_dot_outruns_fma(self) -> bool:
         """Whether bf16 dot products here do more work per cycle than float32 FMAs, so that oneDNN's bf16 matmul
-        beats pagedllm's kernel (bf16 widened, float32 FMAs): with AMX tiles, and on AMD's AVX512-BF16 (Zen 4 and
-        later: VDPBF16PS at the FMA's rate, two products each; oneDNN measured ~3x the float32 FMA peak there).
-        An Intel CPU with AVX512-BF16 but no AMX (Cooper Lake, or a VM that hides AMX) issues VDPBF16PS at half
-        its FMA's rate: pagedllm's kernel ran the mixed workload 1.27x faster than oneDNN on one. AMD's model
-        names all start with "AMD"."""
-        return "amx_bf16" in self.flags or ("avx512_bf16" in self.flags and self.model_name.startswith("AMD"))
+        beats pagedllm's kernel (bf16 widened, float32 FMAs): with AMX tiles, and where `bf16_vectors_at_fma_rate`.
+        """
+        return "amx_bf16" in self.flags or self.bf16_vectors_at_fma_rate
+
+    @property
+    def bf16_vectors_at_fma_rate(self) -> bool:
+        """AMD's AVX512-BF16 (Zen 4 and later): VDPBF16PS at the FMA's rate, two products each (oneDNN measured ~3x
+        the float32 FMA peak there). An Intel CPU with AVX512-BF16 (Cooper Lake, Sapphire Rapids, a VM that hides
+        AMX) issues it at half its FMA's rate: pagedllm's kernel ran the mixed workload 1.27x faster than oneDNN on
+        one, and value rows weighed with VDPBF16PS in decode attention 0.85-0.9x as fast as widened ones. AMD's
+        model names all start with "AMD"."""
+        return "avx512_bf16" in self.flags and self.model_name.startswith("AMD")
 
     @property
     def march(self) -> str:

@@ -42,10 +42,13 @@ def test_levels_and_marches() -> None:
 
 
 def test_bf16_dot_products_outrun_fmas_with_amx_and_on_amd() -> None:
-    assert CpuInfo("x86_64", "AMD EPYC 9R14 96-Core Processor", ZEN4).bf16_dot_outruns_fma
-    assert not CpuInfo("x86_64", "Intel(R) Xeon(R) Processor", ZEN4).bf16_dot_outruns_fma  # AVX512-BF16, no AMX
-    assert CpuInfo("x86_64", "Intel(R) Xeon(R) Platinum 8480+", ZEN4 | {"amx_tile", "amx_bf16"}).bf16_dot_outruns_fma
-    assert not CpuInfo("x86_64", "AMD EPYC 7R13", ZEN3).bf16_dot_outruns_fma
+    """In tiles (AMX) or in AMD's vectors; Intel's VDPBF16PS runs at half its FMA's rate, with AMX or without."""
+    zen4 = CpuInfo("x86_64", "AMD EPYC 9R14 96-Core Processor", ZEN4)
+    intel = CpuInfo("x86_64", "Intel(R) Xeon(R) Processor", ZEN4)  # AVX512-BF16, no AMX
+    sapphire_rapids = CpuInfo("x86_64", "Intel(R) Xeon(R) Platinum 8480+", ZEN4 | {"amx_tile", "amx_bf16"})
+    zen3 = CpuInfo("x86_64", "AMD EPYC 7R13", ZEN3)
+    assert [cpu.bf16_dot_outruns_fma for cpu in (zen4, intel, sapphire_rapids, zen3)] == [True, False, True, False]
+    assert [cpu.bf16_vectors_at_fma_rate for cpu in (zen4, intel, sapphire_rapids, zen3)] == [True, False, False, False]
 
 
 def test_this_machine_matches_proc_cpuinfo(monkeypatch: pytest.MonkeyPatch) -> None:

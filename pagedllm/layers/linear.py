@@ -328,16 +328,18 @@ def gguf_bf16_tiles_available() -> bool:
 
 def gguf_activation_bits(dtype: torch.dtype) -> int:
     """How `linear_gguf` multiplies GGUF blocks in a model whose activations are `dtype`, read by the loader when it
-    packs. bf16 activations on a CPU with AVX512-BF16: `GGUF_BF16` (0), the blocks dequantised to bf16, which rounds
-    nothing of x and W that a bf16 model does not (the dequantised file's bf16 weights): in AMX tiles where there are
-    (a batch as fast as oneDNN's bf16 tiles from a third of the bytes), else in vectors (linear_gguf_bf16.cpp: on a
-    Zen 5, prefill chunks 1.3-1.5x faster than 16 bits, batches of ~17 rows level, one to six rows 0.8-0.9x; the
-    mixed workload 1.12x, one stream 0.9x). Elsewhere activations quantized to 16 bits (two int8 halves, the dequantised
-    weights' results within float noise). PAGEDLLM_GGUF_ACTIVATION_BITS names one: 16, 8 (llama.cpp's arithmetic:
-    ~1.45x faster 4-bit matmuls than 16, near ties flipped) or bf16."""
+    packs. bf16 activations where bf16 dot products pay: `GGUF_BF16` (0), the blocks dequantised to bf16, which
+    rounds nothing of x and W that a bf16 model does not (the dequantised file's bf16 weights): in AMX tiles where
+    there are (a batch as fast as oneDNN's bf16 tiles from a third of the bytes), else in AVX512-BF16 vectors on AMD
+    (`CpuInfo.bf16_vectors_at_fma_rate`; linear_gguf_bf16.cpp: on a Zen 5, prefill chunks 1.3-1.5x faster than 16
+    bits, batches of ~17 rows level, one to six rows 0.8-0.9x; the mixed workload 1.12x, one stream 0.9x). Elsewhere,
+    Intel's VDPBF16PS at half its FMA's rate among them, activations quantized to 16 bits (two int8 halves, the
+    dequantised weights' results within float noise). PAGEDLLM_GGUF_ACTIVATION_BITS names one: 16, 8 (llama.cpp's
+    arithmetic: ~1.45x faster 4-bit matmuls than 16, near ties flipped) or bf16."""
     value = os.environ.get(GGUF_ACTIVATION_BITS_ENV)
     if value is None:
-        return GGUF_BF16 if dtype == torch.bfloat16 and gguf_bf16_available() else 16
+        pays = gguf_bf16_tiles_available() or cpu_info().bf16_vectors_at_fma_rate
+        return GGUF_BF16 if dtype == torch.bfloat16 and gguf_bf16_available() and pays else 16
     if value not in ("8", "16", "bf16"):
         raise ValueError(f"{GGUF_ACTIVATION_BITS_ENV} must be 8, 16 or bf16, got {value!r}")
     if value == "bf16" and not gguf_bf16_available():

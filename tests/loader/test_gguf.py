@@ -261,16 +261,27 @@ def test_8_bit_activations_are_a_switch_read_at_load(tmp_path: Path, monkeypatch
 
 
 def test_the_gguf_arithmetic_follows_the_activations_dtype_and_the_cpu(monkeypatch) -> None:
-    """bf16 activations take x in bf16 where the kernels multiply it (activation_bits 0: AMX-BF16 tiles or
-    AVX512-BF16 vectors); float32 ones, and every CPU without AVX512-BF16, the 16-bit integer arithmetic;
-    PAGEDLLM_GGUF_ACTIVATION_BITS=bf16 asks for x in bf16 and is refused, naming what is missing, where there is
-    none."""
+    """bf16 activations take x in bf16 where the kernels multiply it and bf16 dot products pay (activation_bits 0:
+    AMX-BF16 tiles, or AVX512-BF16 vectors on AMD); float32 ones, an Intel CPU with AVX512-BF16 but no tiles (its
+    VDPBF16PS at half its FMA's rate) and every CPU without AVX512-BF16, the 16-bit integer arithmetic;
+    PAGEDLLM_GGUF_ACTIVATION_BITS=bf16 asks for x in bf16 (wherever the kernels can) and is refused, naming what
+    is missing, where there is none."""
+    from pagedllm import cpu
     from pagedllm.layers import linear as linear_module
     from pagedllm.layers.linear import GGUF_BF16, gguf_activation_bits
 
-    for available in (True, False):
+    avx2 = frozenset({"avx2", "fma", "f16c"})
+    avx512_bf16 = avx2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}
+    for model_name, flags, tiles, available, expected in [
+        ("AMD EPYC 9R14", avx512_bf16, False, True, GGUF_BF16),                 # Zen 4 and 5: vectors
+        ("Intel(R) Xeon(R) Platinum 8480+", avx512_bf16 | {"amx_bf16"}, True, True, GGUF_BF16),     # AMX tiles
+        ("Intel(R) Xeon(R) Processor", avx512_bf16, False, True, 16),           # Cooper Lake, a VM hiding AMX
+        ("AMD EPYC 7R13", avx2, False, False, 16),                              # Zen 3: no AVX512-BF16
+    ]:
+        monkeypatch.setattr(cpu, "_read_cpu", lambda name=model_name, flags=flags: ("x86_64", name, flags))
+        monkeypatch.setattr(linear_module, "gguf_bf16_tiles_available", lambda tiles=tiles: tiles)
         monkeypatch.setattr(linear_module, "gguf_bf16_available", lambda available=available: available)
-        assert gguf_activation_bits(torch.bfloat16) == (GGUF_BF16 if available else 16)
+        assert gguf_activation_bits(torch.bfloat16) == expected, model_name
         assert gguf_activation_bits(torch.float32) == 16
     monkeypatch.setenv("PAGEDLLM_GGUF_ACTIVATION_BITS", "bf16")
     monkeypatch.setattr(linear_module, "gguf_bf16_available", lambda: False)
@@ -281,15 +292,16 @@ def test_the_gguf_arithmetic_follows_the_activations_dtype_and_the_cpu(monkeypat
 
 
 def test_a_bf16_model_multiplies_gguf_blocks_by_bf16_activations(tmp_path: Path, monkeypatch) -> None:
-    """On a CPU with AVX512-BF16, a bf16 model's GGUF layers multiply x in bf16 (in AMX tiles where there are, else
-    in vectors): its logits are `gguf_reference`'s (the bf16 products summed in float64) within the float32 sums,
-    near the dequantised bf16 model's (oneDNN's or pagedllm's bf16 matmuls), with the same next token, and a
-    sequence's logits do not depend on its batch."""
+    """On a CPU with AVX512-BF16, a bf16 model's GGUF layers multiply x in bf16 when asked (the default with AMX
+    tiles or on AMD; in tiles where there are, else in vectors): its logits are `gguf_reference`'s (the bf16
+    products summed in float64) within the float32 sums, near the dequantised bf16 model's (oneDNN's or pagedllm's
+    bf16 matmuls), with the same next token, and a sequence's logits do not depend on its batch."""
     from pagedllm.layers.linear import gguf_bf16_available
 
     if not gguf_bf16_available():
         pytest.skip("GGUF blocks times bf16 activations need a CPU with AVX512-BF16; bf16 models take the 16-bit "
                     "integer arithmetic here (the tests above)")
+    monkeypatch.setenv("PAGEDLLM_GGUF_ACTIVATION_BITS", "bf16")     # the default only where VDPBF16PS pays
     path = tmp_path / "q4_1.gguf"
     write_model_gguf(build_tiny_hf_model("llama-gqa"), path, "llama", Q.Q4_1)
     packed = load_model(ModelConfig(model=str(path), dtype="bfloat16", quantization="gguf")).model

@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType as Q
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import ModelConfig
 from pagedllm.cpu import onednn_bf16_ok
-from pagedllm.layers.linear import BF16_KERNEL_ENV, fuses_silu_and_mul, gguf_bf16_available
+from pagedllm.layers.linear import BF16_KERNEL_ENV, GGUF_BF16, fuses_silu_and_mul, gguf_activation_bits
 from pagedllm.loader import load_model
 from tests.loader.test_gguf import write_model_gguf
 from tests.models.tiny import SimplePagedRunner, build_tiny_hf_model, save_tiny_model
@@ -68,8 +68,8 @@ def test_stack_gives_the_modules_bits(tmp_path: Path, case: str) -> None:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_stack_gives_the_modules_bits_on_gguf_blocks(tmp_path: Path, qtype: Q, dtype: str, isa_level: str) -> None:
     """A .gguf file's blocks (its default), at each ISA level's build of the kernels and the stack; the steps
-    prefill two sequences, decode them, then decode one beside a third's prefill. In bf16 on a CPU with AVX512-BF16
-    the blocks multiply x in bf16, and gate_up with its SiLU-and-mul in one kernel."""
+    prefill two sequences, decode them, then decode one beside a third's prefill. In bf16 where the blocks multiply x
+    in bf16 (`gguf_activation_bits`), gate_up runs with its SiLU-and-mul in one kernel."""
     path = tmp_path / "m.gguf"
     write_model_gguf(build_tiny_hf_model("llama-untied", seed=3), path, "llama", qtype)
     logits = []
@@ -77,7 +77,7 @@ def test_stack_gives_the_modules_bits_on_gguf_blocks(tmp_path: Path, qtype: Q, d
         model = load_model(ModelConfig(model=str(path), dtype=dtype, quantization="gguf",
                                        enforce_eager=enforce_eager)).model
         assert model.model.layers[0].mlp.down_proj.weight.dtype == torch.uint8
-        in_bf16 = dtype == "bfloat16" and gguf_bf16_available()
+        in_bf16 = gguf_activation_bits(getattr(torch, dtype)) == GGUF_BF16
         assert fuses_silu_and_mul(model.model.layers[0].mlp.gate_up_proj.weight) == in_bf16
         runner = SimplePagedRunner(model, dtype=getattr(torch, dtype))
         logits.append([runner.step({0: PROMPTS[0], 1: PROMPTS[1]}), runner.step({0: [40], 1: [41]}),

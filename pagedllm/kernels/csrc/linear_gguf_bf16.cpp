@@ -1,5 +1,5 @@
-// GGUF's blocks times x in bf16 (activation_bits = 0) in AVX512-BF16 vectors, where there are no AMX tiles (Zen 4,
-// Zen 5, Cooper Lake, ...): each call dequantises the weight's blocks to bf16 pairs (dequantize_group, the tiles'
+// GGUF's blocks times x in bf16 (activation_bits = 0) in AVX512-BF16 vectors, where there are no AMX tiles (the
+// default on Zen 4 and Zen 5; pagedllm.layers.linear.gguf_activation_bits says where else): each call dequantises the weight's blocks to bf16 pairs (dequantize_group, the tiles'
 // B operand), and `vdpbf16ps` multiplies x, rounded to bf16, by them, 16 columns a vector:
 //
 //    W[n, k] = bf16(fma(d[n, g], q[n, k], m[n, g]))    (Q8_0: m = 0; Q4_0: m = -8 d)
