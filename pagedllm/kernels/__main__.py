@@ -1,4 +1,5 @@
-"""`python -m pagedllm.kernels`: build the kernels at every -march this CPU runs, so no test or request waits."""
+"""`python -m pagedllm.kernels [MARCH ...]`: build the kernels at every -march this CPU runs (or at those named:
+`native` alone is what serving uses), so that no test or request waits."""
 
 from __future__ import annotations
 
@@ -7,7 +8,11 @@ import sys
 from pagedllm.kernels import build_kernels, kernel_marches
 
 if __name__ == "__main__":
-    failed = [march for march in kernel_marches() if build_kernels(march) is None]
+    marches = sys.argv[1:] or kernel_marches()
+    unknown = [march for march in marches if march not in kernel_marches()]
+    if unknown:
+        sys.exit(f"this CPU runs the kernels at -march={', '.join(kernel_marches())}, not {', '.join(unknown)}")
+    failed = [march for march in marches if build_kernels(march) is None]
     if failed:
         sys.exit(f"the kernels did not build for -march={', '.join(failed)}")
-    print(f"pagedllm kernels built for -march={', '.join(kernel_marches())}")
+    print(f"pagedllm kernels built for -march={', '.join(marches)}")
