@@ -206,3 +206,25 @@ def test_parallel_units_lets_a_fast_thread_take_a_slow_ones_units(isa_level: str
     first = owners.count(0)
     assert owners == [0] * first + [1] * (40 - first), owners
     assert first < 20, f"thread 1 should have taken some of thread 0's 20 units: {owners}"
+
+
+def test_the_build_command_builds_the_levels_asked_for_and_refuses_others() -> None:
+    """`python -m pagedllm.kernels native` (what `make serve` runs) builds this CPU's own level alone; a -march this
+    CPU does not run is refused, naming those it does, before anything is built."""
+    import subprocess
+    import sys
+
+    from pagedllm.kernels import cpu_kernels, kernel_marches
+
+    if cpu_kernels() is None:
+        pytest.skip("no C++ compiler here: the kernels cannot be built")
+
+    def run(*marches: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "pagedllm.kernels", *marches], capture_output=True, text=True,
+                              timeout=600)
+
+    native = run("native")     # built already in this process's cache: a load, not a compile
+    assert native.returncode == 0 and native.stdout.strip() == "pagedllm kernels built for -march=native"
+    refused = run("native", "znver9")
+    assert refused.returncode == 1 and refused.stdout == ""
+    assert f"runs the kernels at -march={', '.join(kernel_marches())}, not znver9" in refused.stderr
