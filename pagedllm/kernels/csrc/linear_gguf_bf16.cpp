@@ -1,6 +1,7 @@
 // GGUF's blocks times x in bf16 (activation_bits = 0) in AVX512-BF16 vectors, where there are no AMX tiles (the
-// default on Zen 4 and Zen 5; pagedllm.layers.linear.gguf_activation_bits says where else): each call dequantises the weight's blocks to bf16 pairs (dequantize_group, the tiles'
-// B operand), and `vdpbf16ps` multiplies x, rounded to bf16, by them, 16 columns a vector:
+// default on Zen 4 and Zen 5; pagedllm.layers.linear.gguf_activation_bits says where else): each call dequantises
+// the weight's blocks to bf16 pairs (dequantize_group, the tiles' B operand), and `vdpbf16ps` multiplies x, rounded
+// to bf16, by them, 16 columns a vector:
 //
 //    W[n, k] = bf16(fma(d[n, g], q[n, k], m[n, g]))    (Q8_0: m = 0; Q4_0: m = -8 d)
 //    even[m, n], odd[m, n] = the float32 sums of x's pairs of k's (2 p, 2 p + 1) times W's, p even and p odd, each
