@@ -223,7 +223,7 @@ def test_the_build_command_builds_the_levels_asked_for_and_refuses_others() -> N
         return subprocess.run([sys.executable, "-m", "pagedllm.kernels", *marches], capture_output=True, text=True,
                               timeout=600)
 
-    native = run("native")     # built already in this process's cache: a load, not a compile
+    native = run("native")     # built by the set-up (make test): a load, not a compile
     assert native.returncode == 0 and native.stdout.strip() == "pagedllm kernels built for -march=native"
     refused = run("native", "znver9")
     assert refused.returncode == 1 and refused.stdout == ""
