@@ -8,10 +8,11 @@ import sys
 from pagedllm.kernels import build_kernels, kernel_marches
 
 if __name__ == "__main__":
-    marches = sys.argv[1:] or kernel_marches()
-    unknown = [march for march in marches if march not in kernel_marches()]
+    runnable = kernel_marches()
+    marches = sys.argv[1:] or runnable
+    unknown = [march for march in marches if march not in runnable]
     if unknown:
-        sys.exit(f"this CPU runs the kernels at -march={', '.join(kernel_marches())}, not {', '.join(unknown)}")
+        sys.exit(f"this CPU runs the kernels at -march={', '.join(runnable)}, not {', '.join(unknown)}")
     failed = [march for march in marches if build_kernels(march) is None]
     if failed:
         sys.exit(f"the kernels did not build for -march={', '.join(failed)}")
