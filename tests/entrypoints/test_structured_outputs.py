@@ -86,4 +86,4 @@ def test_a_bad_constraint_is_a_clear_400(client, server, body, param, message):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=server.model_name, messages=MESSAGES, max_tokens=5, extra_body=body)
     error = info.value.body
-    assert message in error["message"] and (param is None or error["param"] == param)
+    assert message in error["message"] and error["param"] == param, error

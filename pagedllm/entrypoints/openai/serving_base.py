@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -249,9 +250,13 @@ async def _merge(streams: list[AsyncGenerator[RequestOutput, None]]) -> AsyncGen
 
 
 def _param_of(message: str) -> str | None:
-    """SamplingParams' messages start with the field name: 'top_p must be in (0, 1], got 2'."""
-    head = message.split(" ", 1)[0]
-    return head if head.isidentifier() else None
+    """The field a message names first, as SamplingParams' do: 'top_p must be in (0, 1], got 2' -> 'top_p'; None
+    for a message that does not start that way ('invalid structured_outputs.json: ...', 'the prompt is empty')."""
+    named = _NAMES_A_FIELD.match(message)
+    return named[1] if named else None
+
+
+_NAMES_A_FIELD = re.compile(r"([a-z_]+(?:\.[a-z_]+)*) (?:must|is|takes) ")
 
 
 def error_for(exc: BaseException) -> OpenAIError:
