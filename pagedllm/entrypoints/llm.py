@@ -200,7 +200,7 @@ class LLM:
     def chat(self, messages: Conversation | Sequence[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *, use_tqdm: bool = True,
              chat_template: str | None = None, add_generation_prompt: bool = True,
-             tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
+             continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
         """Generate a reply to a conversation, or to each of a list of conversations; one RequestOutput per
         conversation, in order.
 
@@ -209,6 +209,8 @@ class LLM:
             sampling_params: one for all conversations, or one per conversation.
             chat_template: a Jinja template replacing the engine's.
             add_generation_prompt: end the prompt with the assistant's turn opening.
+            continue_final_message: end the prompt with the last message left open (set add_generation_prompt to
+                False), so that the reply continues it: the start of a reply given ("prefill").
             tools: OpenAI-style function tools, rendered as the server renders them (the template's `tools`
                 variable, or the system message for a template without one); the reply's calls are its text
                 (parse them with a tool parser, e.g. `HermesToolParser`).
@@ -222,7 +224,7 @@ class LLM:
                 used = template or getattr(self.engine.tokenizer, "chat_template", None) or ""
                 conversation, kwargs = with_tools(list(conversation), tools, used)
             prompts.append(apply_chat_template(self.engine.tokenizer, conversation, template, add_generation_prompt,
-                                               **kwargs))
+                                               continue_final_message, **kwargs))
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _warn_if_on_another_thread(self) -> None:

@@ -12,7 +12,7 @@ ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 
 def render_chat_template(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, Any]],
                          chat_template: str | None = None, add_generation_prompt: bool = True,
-                         **template_kwargs: Any) -> str:
+                         continue_final_message: bool = False, **template_kwargs: Any) -> str:
     """The conversation as prompt text.
 
     Args:
@@ -20,25 +20,32 @@ def render_chat_template(tokenizer: PreTrainedTokenizerBase, messages: Sequence[
         messages: OpenAI-style messages: {"role": ..., "content": str | [{"type": "text", "text": ...}]}.
         chat_template: a Jinja template replacing the tokenizer's own.
         add_generation_prompt: end with the header of an assistant turn.
+        continue_final_message: end with the last message left open (no end-of-turn after it), for the model to
+            continue: a reply whose start is given ("prefill"). Not with add_generation_prompt.
         template_kwargs: extra variables for the template (e.g. tools).
     """
     conversation = validate_messages(messages)
+    if continue_final_message and add_generation_prompt:
+        raise ValueError("continue_final_message and add_generation_prompt cannot both be true: set "
+                         "add_generation_prompt to false to continue the last message")
     template = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
     if not template:
         raise ValueError("this model's tokenizer has no chat template; pass chat_template= "
                          "(or --chat-template) to use chat messages, or send a plain prompt")
     return tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt, **template_kwargs)
+                                         add_generation_prompt=add_generation_prompt,
+                                         continue_final_message=continue_final_message, **template_kwargs)
 
 
 def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, Any]],
                         chat_template: str | None = None, add_generation_prompt: bool = True,
-                        **template_kwargs: Any) -> list[int]:
+                        continue_final_message: bool = False, **template_kwargs: Any) -> list[int]:
     """The conversation as prompt token ids. See render_chat_template for the arguments.
 
     The template writes any BOS token itself, so the text is encoded without adding special tokens again.
     """
-    text = render_chat_template(tokenizer, messages, chat_template, add_generation_prompt, **template_kwargs)
+    text = render_chat_template(tokenizer, messages, chat_template, add_generation_prompt, continue_final_message,
+                                **template_kwargs)
     return tokenizer.encode(text, add_special_tokens=False)
 
 

@@ -1,7 +1,8 @@
 """What vLLM users count on over HTTP, on a tiny random Llama (tests/models/tiny.py) behind the real server,
 driven with the `openai` SDK: `n` goes through the engine's forks, as offline (the children share the prompt's KV
 blocks, the same request and seed give the same completions both ways, a client that leaves aborts every child);
-`prompt_logprobs` on /v1/completions equal the offline ones."""
+`prompt_logprobs` on /v1/completions equal the offline ones; a chat's last message continued
+(`continue_final_message`) and echoed."""
 
 from __future__ import annotations
 
@@ -176,3 +177,48 @@ def test_bad_prompt_logprobs_are_a_400_naming_the_field(server, endpoint, body, 
     prompt = {"prompt": "Hi"} if endpoint == "completions" else {"messages": [{"role": "user", "content": "Hi"}]}
     response = httpx.post(f"{server.base_url}/v1/{endpoint}", json={**prompt, "max_tokens": 1, **body})
     assert response.status_code == 400 and response.json()["error"]["param"] == param
+
+
+PREFILL = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "My favourite colour is"}]
+CONTINUE = {"continue_final_message": True, "add_generation_prompt": False}
+
+
+def test_continue_final_message_continues_the_reply_given(client, server, offline):
+    tokenizer = offline.get_tokenizer()
+    text = tokenizer.apply_chat_template(PREFILL, tokenize=False, continue_final_message=True)
+    assert text.endswith("<|im_start|>assistant\nMy favourite colour is")   # no end of turn after it
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    continuation = offline.generate({"prompt_token_ids": ids}, greedy, use_tqdm=False)[0].outputs[0].text
+    assert offline.chat(PREFILL, greedy, use_tqdm=False, add_generation_prompt=False,
+                        continue_final_message=True)[0].outputs[0].text == continuation
+    out = client.chat.completions.create(model=server.model_name, messages=PREFILL, max_tokens=6, temperature=0,
+                                         extra_body={**CONTINUE, "ignore_eos": True})
+    assert out.usage.prompt_tokens == len(ids) and out.choices[0].message.content == continuation
+    echoed = client.chat.completions.create(model=server.model_name, messages=PREFILL, max_tokens=6, temperature=0,
+                                            extra_body={**CONTINUE, "ignore_eos": True, "echo": True})
+    assert echoed.choices[0].message.content == "My favourite colour is" + continuation
+    stream = client.chat.completions.create(model=server.model_name, messages=PREFILL, max_tokens=6, temperature=0,
+                                            stream=True, extra_body={**CONTINUE, "ignore_eos": True, "echo": True})
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in stream) == echoed.choices[0].message.content
+    tokenized = httpx.post(f"{server.base_url}/tokenize", json={"messages": PREFILL, **CONTINUE}).json()
+    assert tokenized["tokens"] == ids
+
+
+def test_echo_repeats_only_an_assistant_message(client, server):
+    question = PREFILL[:1]
+    plain, echoed = (client.chat.completions.create(model=server.model_name, messages=question, max_tokens=4,
+                                                    temperature=0, extra_body={"echo": echo}) for echo in (False, True))
+    assert echoed.choices[0].message.content == plain.choices[0].message.content
+
+
+@pytest.mark.parametrize(("body", "param", "message"), [
+    ({"continue_final_message": True}, "messages", "add_generation_prompt to false"),
+    ({"echo": True, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
+     "echo", "echo cannot be combined with tool calls"),
+])
+def test_what_a_chat_cannot_combine_is_a_400(server, body, param, message):
+    response = httpx.post(f"{server.base_url}/v1/chat/completions", json={"messages": PREFILL, "max_tokens": 1,
+                                                                          **body})
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == param and message in error["message"], error

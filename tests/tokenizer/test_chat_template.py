@@ -26,6 +26,15 @@ def test_smollm2_template(tokenizer) -> None:
     assert not no_prompt.endswith("assistant\n")
 
 
+def test_continue_final_message_leaves_the_last_message_open(tokenizer) -> None:
+    messages = [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello, I am"}]
+    text = render_chat_template(tokenizer, messages, add_generation_prompt=False, continue_final_message=True)
+    closed = render_chat_template(tokenizer, messages, add_generation_prompt=False)
+    assert text.endswith("<|im_start|>assistant\nHello, I am") and closed.startswith(text) and closed != text
+    with pytest.raises(ValueError, match="cannot both be true"):
+        render_chat_template(tokenizer, messages, continue_final_message=True)
+
+
 def test_text_parts_are_joined(tokenizer) -> None:
     parts = [{"role": "system", "content": "Be brief."},
              {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]

@@ -168,6 +168,8 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False    # vLLM's: the last message left open, for the reply to continue it
+    echo: bool = False                      # vLLM's: the reply starts with the last message, if it is the assistant's
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ChatTool] | None = None
@@ -182,6 +184,7 @@ class TokenizeRequest(_Request):
     messages: list[dict[str, Any]] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 class DetokenizeRequest(_Request):

@@ -40,14 +40,14 @@ from pagedllm.entrypoints.openai.tool_parsers import (
 )
 from pagedllm.outputs import PromptLogprobs
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
-from pagedllm.tokenizer.chat_template import apply_chat_template
+from pagedllm.tokenizer.chat_template import apply_chat_template, validate_messages
 
 
 class ChatChoiceState(ChoiceState):
     """A chat choice, with its tool calls when the request has tools."""
 
-    def __init__(self, tools: ToolCallStream | None) -> None:
-        super().__init__()
+    def __init__(self, tools: ToolCallStream | None, echo: str) -> None:
+        super().__init__(echo)
         self.tools = tools
 
 
@@ -68,6 +68,8 @@ class OpenAIServingChat(GenerationServing):
         model = self.check_model(request.model)
         self.check_common(request)
         tool_choice = self._tool_choice(request)
+        if request.echo and tool_choice != "none":
+            raise OpenAIError("echo cannot be combined with tool calls (tool_choice other than none)", param="echo")
         if request.top_logprobs is not None and not request.logprobs:
             raise OpenAIError("top_logprobs requires logprobs to be true", param="top_logprobs")
         self.check_logprobs(request.top_logprobs, "top_logprobs")
@@ -87,7 +89,7 @@ class OpenAIServingChat(GenerationServing):
             request_id, [prompt], [params], request.priority, request.cache_salt), prompt_logprobs))
         head = {"id": request_id, "created": now(), "model": model,
                 "object": "chat.completion.chunk" if request.stream else "chat.completion"}
-        states = [ChatChoiceState(self._tool_stream(tool_choice)) for _ in range(request.n)]
+        states = [ChatChoiceState(self._tool_stream(tool_choice), _echo(request)) for _ in range(request.n)]
         response = await self.respond(request, outputs, states, head, num_logprobs, len(prompt.token_ids))
         if request.prompt_logprobs is not None:     # never streamed (refused above): a whole response
             cast(dict[str, Any], response)["prompt_logprobs"] = prompt_logprobs_json(prompt_logprobs.get(0))
@@ -105,7 +107,7 @@ class OpenAIServingChat(GenerationServing):
         try:
             return await self.engine.run_on_tokenizer_thread(
                 apply_chat_template, self.engine.tokenizer, messages, request.chat_template,
-                request.add_generation_prompt, **kwargs)
+                request.add_generation_prompt, request.continue_final_message, **kwargs)
         except (ValueError, TypeError, jinja2.TemplateError) as exc:
             raise OpenAIError(str(exc), param="messages") from exc
 
@@ -178,6 +180,15 @@ class OpenAIServingChat(GenerationServing):
         return {"content": [{**_token_json(t.token, t.logprob),
                              "top_logprobs": [_token_json(text, logprob) for text, logprob in t.top]}
                             for t in tokens]}
+
+
+def _echo(request: ChatCompletionRequest) -> str:
+    """What an `echo` reply starts with: the last message's text when it is the assistant's, as vLLM does (with
+    continue_final_message, the start of the reply given, then its continuation)."""
+    last = request.messages[-1]
+    if not request.echo or last.get("role") != "assistant":
+        return ""
+    return validate_messages([last])[0]["content"]
 
 
 def _finish_with_tool_calls(state: ChoiceState) -> None:

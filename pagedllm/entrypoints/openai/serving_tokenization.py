@@ -21,8 +21,9 @@ class OpenAIServingTokenization(OpenAIServing):
         if (body.prompt is None) == (body.messages is None):
             raise OpenAIError("give exactly one of prompt and messages", param="prompt")
         if body.messages is not None:
-            tokens = await self.chat.render(ChatCompletionRequest(messages=body.messages,
-                                                                  add_generation_prompt=body.add_generation_prompt))
+            tokens = await self.chat.render(ChatCompletionRequest(
+                messages=body.messages, add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message))
         else:
             tokens = await self.engine.run_on_tokenizer_thread(self.engine.tokenizer.encode, body.prompt,
                                                                add_special_tokens=body.add_special_tokens)
