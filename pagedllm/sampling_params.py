@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
@@ -112,7 +113,12 @@ class SamplingParams:
         skip_special_tokens: leave special tokens out of the text.
         include_stop_str_in_output: keep the matched stop string in the text.
         logit_bias: token id -> bias added to its logit, in [-100, 100].
-        structured_outputs: a constraint every output follows (JSON schema, regex, choice, grammar).
+        allowed_token_ids: the only tokens that may be generated (every other logit is set to -inf).
+        bad_words: words never generated: each is tokenized as it stands and after a space, and the last token of
+            such a sequence is banned wherever the output ends with the tokens before it (a one-token word:
+            everywhere), as in vLLM. The engine resolves them with its tokenizer (resolve_bad_words).
+        structured_outputs: a constraint every output follows (JSON schema, regex, choice, grammar); not with
+            allowed_token_ids or bad_words, which could leave a grammar no token it allows.
     """
 
     n: int = 1
@@ -135,14 +141,23 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     structured_outputs: StructuredOutputsParams | None = None
     output_kind: str = field(default="final", repr=False)
+    # bad_words as token sequences, from resolve_bad_words
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        self.bad_words = list(self.bad_words or [])
         if self.logit_bias:
             self.logit_bias = _normalise_logit_bias(self.logit_bias)
         self._validate()
@@ -181,6 +196,11 @@ class SamplingParams:
         for token_id, bias in (self.logit_bias or {}).items():
             _check(token_id >= 0, "logit_bias", "keyed by non-negative token ids", token_id)
             _check(_is_number(bias) and -100 <= bias <= 100, "logit_bias", "values in [-100, 100]", bias)
+        _check(self.allowed_token_ids is None or (len(self.allowed_token_ids) > 0 and all(
+            _is_int(t) and t >= 0 for t in self.allowed_token_ids)), "allowed_token_ids",
+            "None or a non-empty list of non-negative integers", self.allowed_token_ids)
+        _check(all(isinstance(w, str) and w.strip() for w in self.bad_words), "bad_words",
+               "a list of strings that are not blank", self.bad_words)
         self._validate_structured_outputs()
 
     def _validate_structured_outputs(self) -> None:
@@ -193,6 +213,23 @@ class SamplingParams:
                self.ignore_eos)
         _check(self.min_tokens == 0, "min_tokens", "0 with structured_outputs (the grammar ends the output)",
                self.min_tokens)
+        _check(self.allowed_token_ids is None, "allowed_token_ids",
+               "None with structured_outputs (the grammar decides the tokens allowed)", self.allowed_token_ids)
+        _check(not self.bad_words, "bad_words", "empty with structured_outputs (the grammar decides the tokens "
+               "allowed)", self.bad_words)
+
+    def resolve_bad_words(self, encode: Callable[[str], list[int]]) -> None:
+        """Set bad_words_token_ids from bad_words with `encode` (text -> token ids, no special tokens), as vLLM's
+        update_from_tokenizer does: each word as it stands (leading spaces dropped), and after a space when that
+        makes another sequence of as many tokens (the word inside a text)."""
+        sequences: list[list[int]] = []
+        for word in self.bad_words:
+            alone = encode(word.lstrip())
+            after_space = encode(" " + word.lstrip())
+            sequences.append(alone)
+            if after_space[0] != alone[0] and len(after_space) == len(alone):
+                sequences.append(after_space)
+        self.bad_words_token_ids = sequences
 
     @property
     def greedy(self) -> bool:

@@ -44,6 +44,8 @@ def test_logit_bias_keys_from_json_strings() -> None:
     {"stop": [""]}, {"stop": [1]}, {"stop_token_ids": [-1]}, {"stop_token_ids": ["1"]},
     {"logit_bias": {1: 101}}, {"logit_bias": {-1: 1}}, {"logit_bias": {"x": 1}}, {"logit_bias": {1.5: 1}},
     {"logit_bias": {1: "big"}},
+    {"allowed_token_ids": []}, {"allowed_token_ids": [-1]}, {"allowed_token_ids": ["1"]},
+    {"bad_words": [""]}, {"bad_words": ["  "]}, {"bad_words": [1]},
 ])
 def test_rejects_invalid(kwargs: dict) -> None:
     with pytest.raises(ValueError):
@@ -53,7 +55,7 @@ def test_rejects_invalid(kwargs: dict) -> None:
 @pytest.mark.parametrize("kwargs", [
     {"top_k": -1}, {"top_k": 0}, {"top_k": 50}, {"max_tokens": None, "min_tokens": 100}, {"seed": 0},
     {"logprobs": 0}, {"temperature": 0}, {"presence_penalty": -2, "frequency_penalty": 2},
-    {"stop_token_ids": (2, 3)}, {"logit_bias": {}},
+    {"stop_token_ids": (2, 3)}, {"logit_bias": {}}, {"allowed_token_ids": (5,)}, {"bad_words": "word"},
 ])
 def test_accepts_valid(kwargs: dict) -> None:
     SamplingParams(**kwargs)
@@ -80,7 +82,17 @@ def test_structured_outputs_keys_ignore_dict_order_and_json_text() -> None:
     assert StructuredOutputsParams(choice=["a", "b"]).key() == ("choice", '["a", "b"]')
 
 
-@pytest.mark.parametrize("fields", [{"ignore_eos": True}, {"min_tokens": 2}])
-def test_structured_outputs_refuse_what_would_fight_the_grammar_over_eos(fields: dict) -> None:
+@pytest.mark.parametrize("fields", [{"ignore_eos": True}, {"min_tokens": 2}, {"allowed_token_ids": [1]},
+                                    {"bad_words": ["a"]}])
+def test_structured_outputs_refuse_what_would_fight_the_grammar(fields: dict) -> None:
     with pytest.raises(ValueError, match="with structured_outputs"):
         SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+"), **fields)
+
+
+def test_bad_words_resolve_as_vllms_do() -> None:
+    """Each word as it stands and after a space, the second only when it is another sequence as long."""
+    vocab = {"Paris": [7], " Paris": [8], "New York": [9, 10], " New York": [11, 10], "ab": [1, 2], " ab": [3, 1, 2]}
+    params = SamplingParams(bad_words=["Paris", " New York", "ab"])
+    params.resolve_bad_words(vocab.__getitem__)
+    assert params.bad_words_token_ids == [[7], [8], [9, 10], [11, 10], [1, 2]]
+    assert SamplingParams(bad_words="ab").bad_words == ["ab"]

@@ -252,8 +252,11 @@ class LLMEngine:
         parsed = parse_prompt(prompt)
         token_ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize_prompt(parsed)
         cache_salt = cache_salt if cache_salt is not None else parsed.cache_salt
-        if any(t >= self.vocab_size for t in list(params.logit_bias or {}) + params.stop_token_ids):
-            raise ValueError(f"logit_bias and stop_token_ids take token ids in [0, {self.vocab_size})")
+        if any(t >= self.vocab_size for t in [*(params.logit_bias or {}), *params.stop_token_ids,
+                                              *(params.allowed_token_ids or [])]):
+            raise ValueError(f"logit_bias, stop_token_ids and allowed_token_ids take token ids in [0, "
+                             f"{self.vocab_size})")
+        params.resolve_bad_words(lambda text: self.tokenizer.encode(text, add_special_tokens=False))
         if params.structured_outputs is not None:
             self.structured_output.compile(params.structured_outputs)   # a cache hit when the caller compiled it
         completions = [_Completion(i, IncrementalDetokenizer(self.tokenizer, params, token_ids),

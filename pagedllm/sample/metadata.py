@@ -57,6 +57,14 @@ class Penalties:
 
 
 @dataclass
+class AllowedTokens:
+    """The tokens allowed in the rows that name them (allowed_token_ids)."""
+
+    rows: torch.Tensor      # [R] int64: the rows of the batch with allowed_token_ids
+    mask: torch.Tensor      # [R, V] bool: True where the row allows the token
+
+
+@dataclass
 class SparseEntries:
     """(row, token) pairs, with a value each for logit_bias: scattered into [B, V] at sampling time."""
 
@@ -82,7 +90,9 @@ class SamplingMetadata:
     min_p: torch.Tensor | None             # [B] float32; None when no random row uses min-p
     penalties: Penalties | None            # None when no row has a penalty
     logit_bias: SparseEntries | None
-    min_tokens_mask: SparseEntries | None  # (row, token) to set to -inf: EOS / stop ids before min_tokens
+    banned: SparseEntries | None           # (row, token) to set to -inf: EOS / stop ids before min_tokens, and
+                                           # the tokens that would complete a bad word
+    allowed: AllowedTokens | None          # None when no row has allowed_token_ids
     token_bitmask: TokenBitmask | None     # None when no row is constrained
     generators: dict[int, torch.Generator] # row index -> generator, for seeded random rows
     num_logprobs: list[int | None]         # per row: the `logprobs` it asked for
@@ -119,7 +129,8 @@ class SamplingMetadata:
                    else None),
             penalties=_build_penalties(rows, vocab_size, device),
             logit_bias=_build_logit_bias(rows, vocab_size, device),
-            min_tokens_mask=_build_min_tokens_mask(rows, vocab_size, device),
+            banned=_build_banned(rows, vocab_size, device),
+            allowed=_build_allowed(rows, vocab_size, device),
             token_bitmask=_build_token_bitmask(rows, device),
             generators={i: row.generator for i, row in enumerate(rows)
                         if row.generator is not None and not row.params.greedy},
@@ -206,11 +217,32 @@ def min_tokens_stop_ids(row: SamplingRow) -> set[int]:
     return stop_ids
 
 
-def _build_min_tokens_mask(rows: list[SamplingRow], vocab_size: int,
-                           device: torch.device | str) -> SparseEntries | None:
+def bad_word_ids(row: SamplingRow) -> set[int]:
+    """Token ids to ban for this row now: the last token of each bad word whose other tokens end the output (as
+    vLLM, only the generated tokens count)."""
+    banned = set()
+    output = row.output_token_ids
+    for word in row.params.bad_words_token_ids:
+        prefix = len(word) - 1
+        if prefix <= len(output) and output[len(output) - prefix:] == word[:prefix]:
+            banned.add(word[-1])
+    return banned
+
+
+def _build_banned(rows: list[SamplingRow], vocab_size: int, device: torch.device | str) -> SparseEntries | None:
     entries = [(i, token_id, 0.0) for i, row in enumerate(rows)
-               for token_id in sorted(min_tokens_stop_ids(row)) if token_id < vocab_size]
+               for token_id in sorted(min_tokens_stop_ids(row) | bad_word_ids(row)) if token_id < vocab_size]
     return _sparse(entries, device)
+
+
+def _build_allowed(rows: list[SamplingRow], vocab_size: int, device: torch.device | str) -> AllowedTokens | None:
+    limited = [i for i, row in enumerate(rows) if row.params.allowed_token_ids is not None]
+    if not limited:
+        return None
+    mask = torch.zeros(len(limited), vocab_size, dtype=torch.bool)
+    for j, i in enumerate(limited):
+        mask[j, [t for t in rows[i].params.allowed_token_ids if t < vocab_size]] = True
+    return AllowedTokens(rows=torch.tensor(limited, dtype=torch.long, device=device), mask=mask.to(device))
 
 
 def _build_token_bitmask(rows: list[SamplingRow], device: torch.device | str) -> TokenBitmask | None:

@@ -2,8 +2,9 @@
 
 Order of operations (as in vLLM):
     raw logprobs (if requested, from the unprocessed logits)
-    -> structured-output bitmask (disallowed tokens to -inf, so that nothing after can bring one back)
-    -> logit_bias -> min_tokens (EOS / stop ids to -inf) -> penalties (repetition, frequency, presence)
+    -> structured-output bitmask and allowed_token_ids (other tokens to -inf, so that nothing after can bring one
+       back) -> logit_bias -> banned tokens (min_tokens' EOS / stop ids, bad words) to -inf
+    -> penalties (repetition, frequency, presence)
     -> greedy rows: argmax
     -> random rows: temperature -> top-k -> top-p -> softmax -> min-p -> inverse-CDF sampling
 
@@ -96,19 +97,23 @@ class Sampler(nn.Module):
 
     @staticmethod
     def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """Apply the token bitmask, logit_bias, min_tokens and penalties. Never modifies the caller's tensor."""
-        if (meta.token_bitmask is None and meta.logit_bias is None and meta.min_tokens_mask is None
+        """Apply the token bitmask, allowed_token_ids, logit_bias, banned tokens and penalties. Never modifies the
+        caller's tensor."""
+        if (meta.token_bitmask is None and meta.allowed is None and meta.logit_bias is None and meta.banned is None
                 and meta.penalties is None):
             return logits
         logits = logits.clone()
         if meta.token_bitmask is not None:
             apply_token_bitmask(logits, meta.token_bitmask)
+        if meta.allowed is not None:
+            allowed = meta.allowed
+            logits[allowed.rows] = logits[allowed.rows].masked_fill(~allowed.mask, float("-inf"))
         if meta.logit_bias is not None:
             bias = meta.logit_bias
             logits.index_put_((bias.rows, bias.tokens), bias.values, accumulate=True)
-        if meta.min_tokens_mask is not None:
-            mask = meta.min_tokens_mask
-            logits[mask.rows, mask.tokens] = float("-inf")
+        if meta.banned is not None:
+            banned = meta.banned
+            logits[banned.rows, banned.tokens] = float("-inf")
         if meta.penalties is not None:
             logits = apply_penalties(logits, meta.penalties)
         return logits

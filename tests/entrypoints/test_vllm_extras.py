@@ -2,7 +2,7 @@
 driven with the `openai` SDK: `n` goes through the engine's forks, as offline (the children share the prompt's KV
 blocks, the same request and seed give the same completions both ways, a client that leaves aborts every child);
 `prompt_logprobs` on /v1/completions equal the offline ones; a chat's last message continued
-(`continue_final_message`) and echoed."""
+(`continue_final_message`) and echoed; `bad_words` and `allowed_token_ids`, offline and served alike."""
 
 from __future__ import annotations
 
@@ -222,3 +222,58 @@ def test_what_a_chat_cannot_combine_is_a_400(server, body, param, message):
                                                                           **body})
     error = response.json()["error"]
     assert response.status_code == 400 and error["param"] == param and message in error["message"], error
+
+
+GREEDY = dict(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def _printable_pair(tokenizer, token_ids: list[int]) -> tuple[int, str]:
+    """The first j whose tokens j, j + 1 are a two-character word that tokenizes back to them (the tiny model's
+    tokenizer has a token a byte)."""
+    for j in range(len(token_ids) - 1):
+        word = tokenizer.decode(token_ids[j:j + 2])
+        if word.isascii() and word.isprintable() and word == word.strip() and len(word) == 2:
+            assert tokenizer.encode(word, add_special_tokens=False) == token_ids[j:j + 2]
+            return j, word
+    raise AssertionError(f"no printable pair in {token_ids}")
+
+
+def test_bad_words_ban_a_word_where_it_would_be_completed(client, server, offline):
+    base = offline.generate(PROMPT, SamplingParams(**GREEDY), use_tqdm=False)[0].outputs[0].token_ids
+    j, word = _printable_pair(offline.get_tokenizer(), base)
+    params = SamplingParams(**GREEDY, bad_words=[word])
+    banned = offline.generate(PROMPT, params, use_tqdm=False)[0].outputs[0]
+    assert params.bad_words_token_ids == [base[j:j + 2]]    # " " + word is three tokens: not another form
+    # the same up to the word's first token, then anything but its second, and never the word again
+    assert banned.token_ids[:j + 1] == base[:j + 1] and banned.token_ids[j + 1] != base[j + 1]
+    assert all(banned.token_ids[k:k + 2] != base[j:j + 2] for k in range(len(banned.token_ids) - 1))
+    served = client.completions.create(model=server.model_name, prompt=PROMPT, max_tokens=24, temperature=0,
+                                       extra_body={"ignore_eos": True, "bad_words": [word]})
+    assert served.choices[0].text == banned.text
+
+
+def test_allowed_token_ids_are_the_only_tokens_generated(client, server, offline):
+    allowed = offline.get_tokenizer().encode("aeiou xyz", add_special_tokens=False)
+    vocab_size = offline.engine.vocab_size
+    only = offline.generate(PROMPT, SamplingParams(**GREEDY, allowed_token_ids=allowed), use_tqdm=False)
+    # the oracle: every other token pushed down by logit_bias
+    pushed = offline.generate(PROMPT, SamplingParams(**GREEDY, logit_bias={
+        t: -100.0 for t in range(vocab_size) if t not in allowed}), use_tqdm=False)
+    assert only[0].outputs[0].token_ids == pushed[0].outputs[0].token_ids
+    assert set(only[0].outputs[0].token_ids) <= set(allowed)
+    sampled = offline.generate(PROMPT, SamplingParams(**SAMPLED, allowed_token_ids=allowed), use_tqdm=False)
+    assert set(sampled[0].outputs[0].token_ids) <= set(allowed)
+    served = client.completions.create(model=server.model_name, prompt=PROMPT, max_tokens=24, temperature=0,
+                                       extra_body={"ignore_eos": True, "allowed_token_ids": allowed})
+    assert served.choices[0].text == only[0].outputs[0].text
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"allowed_token_ids": []}, "allowed_token_ids"),
+    ({"allowed_token_ids": [10**6]}, "allowed_token_ids"),
+    ({"bad_words": [" "]}, "bad_words"),
+    ({"bad_words": ["ab"], "structured_outputs": {"regex": "[a-z]+"}}, "bad_words"),
+])
+def test_bad_token_limits_are_a_400_naming_the_field(server, body, param):
+    response = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "Hi", "max_tokens": 1, **body})
+    assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text

@@ -14,7 +14,7 @@ from pagedllm.sampling_params import SamplingParams
 @dataclass
 class ReferenceSample:
     token_id: int
-    logits: torch.Tensor          # [V] after bias, min_tokens and penalties
+    logits: torch.Tensor          # [V] after the masks, bias, banned tokens and penalties
     probs: torch.Tensor | None    # [V] the distribution sampled from; None for greedy rows
     logprobs: torch.Tensor        # [V] log_softmax of the raw logits
 
@@ -30,12 +30,20 @@ def sample_reference(logits_row: torch.Tensor, row: SamplingRow) -> ReferenceSam
         for token_id in range(vocab_size):
             if not (words[token_id // 32] >> (token_id % 32)) & 1:
                 logits[token_id] = float("-inf")
+    if params.allowed_token_ids is not None:
+        for token_id in range(vocab_size):
+            if token_id not in params.allowed_token_ids:
+                logits[token_id] = float("-inf")
     for token_id, bias in (params.logit_bias or {}).items():
         if token_id < vocab_size:
             logits[token_id] += bias
     for token_id in min_tokens_stop_ids(row):
         if token_id < vocab_size:
             logits[token_id] = float("-inf")
+    for word in params.bad_words_token_ids:     # banned where the output ends with the word's other tokens
+        *prefix, last = word
+        if len(prefix) <= len(row.output_token_ids) and row.output_token_ids[::-1][:len(prefix)] == prefix[::-1]:
+            logits[last] = float("-inf")
     logits = _reference_penalties(logits, row)
     if params.greedy:
         return ReferenceSample(int(logits.argmax()), logits, None, raw_logprobs)

@@ -16,7 +16,7 @@ def test_metadata_flags_skip_work() -> None:
     meta = SamplingMetadata.build([_row(SamplingParams(temperature=0, top_k=5))], VOCAB, "cpu")
     assert meta.all_greedy and meta.top_k is None and meta.top_p is None and meta.min_p is None
     assert meta.penalties is None
-    assert meta.logit_bias is None and meta.min_tokens_mask is None and meta.max_num_logprobs is None
+    assert meta.logit_bias is None and meta.banned is None and meta.allowed is None and meta.max_num_logprobs is None
     meta = SamplingMetadata.build([_row(SamplingParams(top_k=VOCAB + 5)), _row(SamplingParams(top_k=-1))],
                                   VOCAB, "cpu")
     assert meta.all_random and meta.top_k is None

@@ -40,6 +40,7 @@ def _random_params(rng: random.Random) -> SamplingParams:
         frequency_penalty=rng.choice([0.0, 0.5, -0.5]),
         presence_penalty=rng.choice([0.0, 1.0]),
         logit_bias=rng.choice([None, {5: 3.0, 7: -100.0}]),
+        allowed_token_ids=rng.choice([None, list(range(20, 30)) + rng.sample(range(VOCAB), 20)]),
         min_tokens=rng.choice([0, 4]),
         stop_token_ids=rng.choice([[], [11, 12]]),
         logprobs=rng.choice([None, 0, 2, 5]),
@@ -52,7 +53,14 @@ def _random_rows(rng: random.Random, batch: int) -> list[SamplingRow]:
         prompt = [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 12))]
         output = [rng.randrange(VOCAB) for _ in range(rng.randrange(0, 8))]
         seed = None if rng.random() < 0.25 else 1000 + i  # unseeded rows share the global draw
-        rows.append(_row(_random_params(rng), seed=seed, prompt=prompt, output=output))
+        params = _random_params(rng)
+        if rng.random() < 0.5:
+            # bad words (resolved): one token, the output's last tokens and one more, and one that cannot match yet;
+            # their last tokens outside 20..29, which every mask allows, so that no row is masked out entirely
+            tail = output[len(output) - rng.randrange(0, min(3, len(output)) + 1):]
+            params.bad_words_token_ids = [[rng.randrange(30, VOCAB)], tail + [rng.randrange(30, VOCAB)],
+                                          [rng.randrange(VOCAB)] * (len(output) + 1) + [rng.randrange(30, VOCAB)]]
+        rows.append(_row(params, seed=seed, prompt=prompt, output=output))
     return rows
 
 

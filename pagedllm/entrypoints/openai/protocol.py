@@ -114,6 +114,8 @@ class _SamplingFields(_Request):
     ignore_eos: bool = False
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False

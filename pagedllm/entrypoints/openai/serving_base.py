@@ -149,14 +149,16 @@ class OpenAIServing:
         except ValueError as exc:
             raise OpenAIError("logit_bias keys must be token ids", param="logit_bias") from exc
         vocab_size = self.engine.vocab_size
-        for name, token_ids in (("logit_bias", list(logit_bias)), ("stop_token_ids", request.stop_token_ids or [])):
+        for name, token_ids in (("logit_bias", list(logit_bias)), ("stop_token_ids", request.stop_token_ids or []),
+                                ("allowed_token_ids", request.allowed_token_ids or [])):
             if any(not 0 <= t < vocab_size for t in token_ids):
                 raise OpenAIError(f"{name} takes token ids in [0, {vocab_size})", param=name)
         fields: dict[str, Any] = dict(
             n=request.n, max_tokens=max_tokens, stop=request.stop, seed=request.seed, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
-            logit_bias=logit_bias or None, ignore_eos=request.ignore_eos, min_tokens=request.min_tokens,
+            logit_bias=logit_bias or None, allowed_token_ids=request.allowed_token_ids, bad_words=request.bad_words,
+            ignore_eos=request.ignore_eos, min_tokens=request.min_tokens,
             stop_token_ids=request.stop_token_ids, skip_special_tokens=request.skip_special_tokens,
             spaces_between_special_tokens=request.spaces_between_special_tokens,
             include_stop_str_in_output=request.include_stop_str_in_output, output_kind="delta",
