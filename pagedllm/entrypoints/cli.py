@@ -1,5 +1,5 @@
-"""The `pagedllm` command: `pagedllm serve [MODEL]`, `pagedllm bench COMMAND` (throughput, accuracy, ...: see
-pagedllm/bench/cli.py), `pagedllm plan [MODEL]` and `pagedllm simulate`.
+"""The `pagedllm` command: `pagedllm serve [MODEL]`, `pagedllm run-batch -i IN -o OUT`, `pagedllm bench COMMAND`
+(throughput, accuracy, ...: see pagedllm/bench/cli.py), `pagedllm plan [MODEL]` and `pagedllm simulate`.
 
 `serve` leaves OpenMP's wait policy as it finds it: with the default, idle workers spin a while before they sleep,
 and one served stream takes 16 ms a token on the 2-core Xeon of docs/benchmarks.md, against 36 ms with
@@ -13,7 +13,7 @@ import argparse
 
 from pagedllm.bench.cli import add_bench_parser
 from pagedllm.entrypoints.openai.api_server import DESCRIPTION, run_server
-from pagedllm.entrypoints.openai.cli_args import add_server_args
+from pagedllm.entrypoints.openai.cli_args import RUN_BATCH_DESCRIPTION, add_run_batch_args, add_server_args
 from pagedllm.memory.cli import add_memory_parsers
 
 
@@ -25,9 +25,18 @@ def make_parser() -> argparse.ArgumentParser:
                                   description=DESCRIPTION)
     add_server_args(serve, positional_model=True)
     serve.set_defaults(func=run_server)
+    run_batch = subparsers.add_parser("run-batch", help="answer a file of OpenAI batch requests offline",
+                                      description=RUN_BATCH_DESCRIPTION)
+    add_run_batch_args(run_batch)
+    run_batch.set_defaults(func=_run_batch)
     add_bench_parser(subparsers)
     add_memory_parsers(subparsers)
     return parser
+
+
+def _run_batch(args: argparse.Namespace) -> None:
+    from pagedllm.entrypoints.openai.run_batch import main as run_batch_main  # torch: only when it runs
+    run_batch_main(args)
 
 
 def _version() -> str:

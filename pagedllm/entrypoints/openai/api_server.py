@@ -20,14 +20,20 @@ def build_app_from_args(args: argparse.Namespace):
     """Load the engine the flags describe and wrap it in the app (the engine thread starts with the server)."""
     from pagedllm.engine.data_parallel import build_async_engine
     from pagedllm.entrypoints.openai.server import build_app
-    from pagedllm.entrypoints.openai.serving_base import ServerLimits
 
     engine = build_async_engine(engine_config_from_args(args), log_requests=args.enable_log_requests)
-    limits = ServerLimits(max_request_body_bytes=args.max_request_body_bytes, max_n=args.max_n,
-                          max_stop_strings=args.max_stop_strings, max_logprobs=args.max_logprobs,
-                          max_choices=args.max_choices)
-    return build_app(engine, served_model_names=args.served_model_name, api_key=args.api_key, limits=limits,
-                     enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser)
+    return build_app(engine, served_model_names=args.served_model_name, api_key=args.api_key,
+                     limits=limits_from_args(args), enable_auto_tool_choice=args.enable_auto_tool_choice,
+                     tool_call_parser=args.tool_call_parser)
+
+
+def limits_from_args(args: argparse.Namespace):
+    """The ServerLimits the request-limit flags describe."""
+    from pagedllm.entrypoints.openai.serving_base import ServerLimits
+
+    return ServerLimits(max_request_body_bytes=args.max_request_body_bytes, max_n=args.max_n,
+                        max_stop_strings=args.max_stop_strings, max_logprobs=args.max_logprobs,
+                        max_choices=args.max_choices)
 
 
 def run_server(args: argparse.Namespace) -> None:

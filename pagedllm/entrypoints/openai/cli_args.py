@@ -1,4 +1,4 @@
-"""The server's command-line flags, named as `vllm serve` names them, and the EngineConfig they make.
+"""The command-line flags of `serve` and `run-batch`, named as vLLM names them, and the EngineConfig they make.
 
 Importing this module is cheap (no torch), so `pagedllm --help` answers at once.
 """
@@ -49,11 +49,38 @@ def add_server_args(parser: argparse.ArgumentParser, *, positional_model: bool) 
         parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help=model_help)
     parser.add_argument("--model", default=None, help=model_help)
 
-    _add_http_args(parser.add_argument_group("server"))
+    server = parser.add_argument_group("server")
+    _add_http_args(server)
+    add_request_handling_args(parser, server)
+    return parser
+
+
+RUN_BATCH_DESCRIPTION = ("Answer a file of requests in OpenAI's batch format (a JSON object a line: custom_id, "
+                         "method POST, url /v1/chat/completions or /v1/completions, body) offline, as the server "
+                         "would, and write a line for each to the output file, in the input's order.")
+
+
+def add_run_batch_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add `run-batch`'s flags to `parser`: the files, the model, and how requests are answered (as `serve`)."""
+    batch = parser.add_argument_group("batch")
+    batch.add_argument("-i", "--input-file", required=True,
+                       help="the requests, a JSON object a line ('-': standard input)")
+    batch.add_argument("-o", "--output-file", required=True,
+                       help="where the answers go, a line each, in the input's order ('-': standard output)")
+    batch.add_argument("--model", default=None,
+                       help="a Hugging Face model folder (config.json + safetensors), a .gguf file, or the name of "
+                            "the embedded default model (SmolLM2-135M-Instruct, used when no model is given)")
+    add_request_handling_args(parser, batch)
+    return parser
+
+
+def add_request_handling_args(parser: argparse.ArgumentParser, group: argparse._ArgumentGroup) -> None:
+    """The flags of how requests are answered, shared by `serve` and `run-batch`: into `group` those of the
+    OpenAI layer, then the request limits, engine and parallelism groups."""
+    _add_openai_args(group)
     _add_limit_args(parser.add_argument_group("request limits"))
     _add_engine_args(parser.add_argument_group("engine"))
     _add_parallel_args(parser.add_argument_group("parallelism (docs/scale-out.md)"))
-    return parser
 
 
 def _add_http_args(server: argparse._ArgumentGroup) -> None:
@@ -63,6 +90,15 @@ def _add_http_args(server: argparse._ArgumentGroup) -> None:
     server.add_argument("--api-key", default=os.environ.get("PAGEDLLM_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on /v1/* (default: $PAGEDLLM_API_KEY; unset "
                              "means no key)")
+    server.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="on SIGTERM or Ctrl-C: seconds to let running requests finish before aborting them "
+                             "(new requests get 503 meanwhile); a second Ctrl-C quits at once (default: %(default)s)")
+    server.add_argument("--uvicorn-log-level", default="info",
+                        choices=["critical", "error", "warning", "info", "debug", "trace"],
+                        help="uvicorn's log level (default: %(default)s)")
+
+
+def _add_openai_args(server: argparse._ArgumentGroup) -> None:
     server.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                         help="name(s) clients use in the `model` field; the first is reported back "
                              "(default: the model's own name)")
@@ -75,12 +111,6 @@ def _add_http_args(server: argparse._ArgumentGroup) -> None:
                              "style) or llama3_json")
     server.add_argument("--enable-log-requests", action="store_true",
                         help="log each request's prompt and sampling parameters (off: prompts may be private)")
-    server.add_argument("--shutdown-timeout", type=float, default=30.0,
-                        help="on SIGTERM or Ctrl-C: seconds to let running requests finish before aborting them "
-                             "(new requests get 503 meanwhile); a second Ctrl-C quits at once (default: %(default)s)")
-    server.add_argument("--uvicorn-log-level", default="info",
-                        choices=["critical", "error", "warning", "info", "debug", "trace"],
-                        help="uvicorn's log level (default: %(default)s)")
 
 
 def _add_limit_args(limits: argparse._ArgumentGroup) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -39,6 +40,22 @@ class OpenAIError(Exception):
 
     def to_dict(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def validation_error(errors: Sequence[Any]) -> OpenAIError:
+    """pydantic's errors of a request body (FastAPI's or a batch line's) as OpenAI's 400, naming the first bad
+    field."""
+    if not errors:
+        return OpenAIError("invalid request")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return OpenAIError(f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}",
+                           code="invalid_json")
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    if not loc:
+        return OpenAIError(f"the request body is invalid: {first['msg']}")
+    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
+    return OpenAIError(f"{'.'.join(loc)}: {first['msg']}{more}", param=loc[0])
 
 
 def random_id(prefix: str) -> str:

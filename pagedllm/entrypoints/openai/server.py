@@ -29,6 +29,7 @@ from pagedllm.entrypoints.openai.protocol import (
     OpenAIError,
     TokenizeRequest,
     now,
+    validation_error,
 )
 from pagedllm.entrypoints.openai.serving_base import ServerLimits, error_for
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -153,8 +154,8 @@ def _add_error_handlers(app: FastAPI) -> None:
         return _error_response(exc)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return _error_response(_validation_error(exc))
+    async def invalid_body(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error_response(validation_error(exc.errors()))  # FastAPI's 422 as OpenAI's 400
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -168,18 +169,3 @@ def _add_error_handlers(app: FastAPI) -> None:
     for kind in (EngineDeadError, ValueError, RequestFailedError, Exception):
         app.add_exception_handler(kind, mapped_error)
 
-
-def _validation_error(exc: RequestValidationError) -> OpenAIError:
-    """FastAPI's 422 as OpenAI's 400, naming the first bad field."""
-    errors = exc.errors()
-    if not errors:
-        return OpenAIError("invalid request")
-    first = errors[0]
-    if first.get("type") == "json_invalid":
-        return OpenAIError(f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}",
-                           code="invalid_json")
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-    if not loc:
-        return OpenAIError(f"the request body is invalid: {first['msg']}")
-    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
-    return OpenAIError(f"{'.'.join(loc)}: {first['msg']}{more}", param=loc[0])
