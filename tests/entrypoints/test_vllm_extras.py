@@ -277,3 +277,19 @@ def test_allowed_token_ids_are_the_only_tokens_generated(client, server, offline
 def test_bad_token_limits_are_a_400_naming_the_field(server, body, param):
     response = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "Hi", "max_tokens": 1, **body})
     assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+
+
+def test_continuous_usage_stats_put_each_choices_usage_so_far_in_every_chunk(client, server):
+    stream = client.chat.completions.create(model=server.model_name, messages=PREFILL[:1], max_tokens=5, n=2,
+                                            temperature=1.0, seed=3, stream=True, extra_body={"ignore_eos": True},
+                                            stream_options={"include_usage": True, "continuous_usage_stats": True})
+    chunks = list(stream)
+    so_far: dict[int, list[int]] = {0: [], 1: []}
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices
+        assert chunk.usage.prompt_tokens == chunks[-1].usage.prompt_tokens
+        assert chunk.usage.total_tokens == chunk.usage.prompt_tokens + chunk.usage.completion_tokens
+        so_far[choice.index].append(chunk.usage.completion_tokens)
+    for counts in so_far.values():   # the opening chunk (the role) before any token, then one more per token
+        assert counts[0] == 0 and counts[1:] == list(range(1, 6)), counts
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10

@@ -71,8 +71,10 @@ class GenerationServing(OpenAIServing, ABC):
             num_logprobs: top log-probabilities per token; None for no log-probabilities.
         """
         if request.stream:
-            include_usage = bool(request.stream_options and request.stream_options.include_usage)
-            return self._stream(outputs, states, head, num_logprobs, include_usage, num_prompt_tokens)
+            options = request.stream_options
+            usage = "continuous" if options and options.include_usage and options.continuous_usage_stats else (
+                "final" if options and options.include_usage else None)
+            return self._stream(outputs, states, head, num_logprobs, usage, num_prompt_tokens)
         return await self._collect(outputs, states, head, num_logprobs, num_prompt_tokens)
 
     # ---- what differs between the APIs --------------------------------------------------------------------------
@@ -106,14 +108,18 @@ class GenerationServing(OpenAIServing, ABC):
         return {**head, "choices": choices, "usage": _usage(states, num_prompt_tokens)}
 
     async def _stream(self, outputs: OutputStream, states: list[ChoiceState], head: dict[str, Any],
-                      num_logprobs: int | None, include_usage: bool, num_prompt_tokens: int) -> AsyncIterator[str]:
-        extra = {"usage": None} if include_usage else {}
+                      num_logprobs: int | None, usage: str | None, num_prompt_tokens: int) -> AsyncIterator[str]:
+        """`usage`: None (none), "final" (a last chunk with the whole request's), or "continuous" (vLLM's
+        continuous_usage_stats: each chunk also carries its choice's usage so far)."""
         async with aclosing(outputs):
             try:
                 async for choice in outputs:
-                    for part in self._chunks(choice.index, states[choice.index], choice.delta, num_logprobs):
+                    state = states[choice.index]
+                    for part in self._chunks(choice.index, state, choice.delta, num_logprobs):
+                        extra = {} if usage is None else {
+                            "usage": _usage([state], num_prompt_tokens) if usage == "continuous" else None}
                         yield _sse({**head, "choices": [part], **extra})
-                if include_usage:
+                if usage is not None:
                     yield _sse({**head, "choices": [], "usage": _usage(states, num_prompt_tokens)})
             except Exception as exc:  # noqa: BLE001 - the status line is sent: report the error in the stream
                 yield _sse(error_for(exc).to_dict())
