@@ -293,3 +293,40 @@ def test_continuous_usage_stats_put_each_choices_usage_so_far_in_every_chunk(cli
     for counts in so_far.values():   # the opening chunk (the role) before any token, then one more per token
         assert counts[0] == 0 and counts[1:] == list(range(1, 6)), counts
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+
+
+def test_return_token_ids_give_each_choices_tokens_and_its_prompts(client, server, offline):
+    prompts = ["Once upon", "a paged cache"]
+    expected = [offline.generate(p, SamplingParams(**GREEDY), use_tqdm=False)[0] for p in prompts]
+    whole = client.completions.create(model=server.model_name, prompt=prompts, max_tokens=24, temperature=0,
+                                      extra_body={"ignore_eos": True, "return_token_ids": True})
+    for choice, reference in zip(whole.choices, expected):
+        assert choice.model_extra["prompt_token_ids"] == reference.prompt_token_ids
+        assert choice.model_extra["token_ids"] == reference.outputs[0].token_ids
+    streamed: dict[int, list[int]] = {0: [], 1: []}
+    for chunk in client.completions.create(model=server.model_name, prompt=prompts, max_tokens=24, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True, "return_token_ids": True}):
+        (choice,) = chunk.choices
+        first = not streamed[choice.index]
+        assert ("prompt_token_ids" in choice.model_extra) == first      # on each choice's first chunk only
+        streamed[choice.index] += choice.model_extra["token_ids"]
+    assert [streamed[0], streamed[1]] == [r.outputs[0].token_ids for r in expected]
+    chat = client.chat.completions.create(model=server.model_name, messages=PREFILL[:1], max_tokens=5, temperature=0,
+                                          extra_body={"return_token_ids": True, "ignore_eos": True})
+    tokenizer = offline.get_tokenizer()
+    assert chat.model_extra["prompt_token_ids"] == tokenizer.encode(
+        tokenizer.apply_chat_template(PREFILL[:1], tokenize=False, add_generation_prompt=True), add_special_tokens=False)
+    assert tokenizer.decode(chat.choices[0].model_extra["token_ids"]) == chat.choices[0].message.content
+    plain = client.completions.create(model=server.model_name, prompt=prompts[0], max_tokens=2)
+    assert "token_ids" not in plain.choices[0].model_extra and "prompt_token_ids" not in plain.model_extra
+
+
+def test_return_tokens_as_token_ids_name_logprobs_tokens_by_id(client, server):
+    asked = dict(model=server.model_name, prompt="Once upon", max_tokens=4, temperature=0, logprobs=2)
+    by_text = client.completions.create(**asked).choices[0].logprobs
+    by_id = client.completions.create(**asked, extra_body={"return_tokens_as_token_ids": True,
+                                                           "return_token_ids": True}).choices[0]
+    assert by_id.logprobs.tokens == [f"token_id:{t}" for t in by_id.model_extra["token_ids"]]
+    assert by_id.logprobs.token_logprobs == by_text.token_logprobs
+    assert by_id.logprobs.text_offset == by_text.text_offset     # offsets still count the text
+    assert all(all(name.startswith("token_id:") for name in top) for top in by_id.logprobs.top_logprobs)

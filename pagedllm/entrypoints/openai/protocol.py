@@ -141,6 +141,8 @@ class _SamplingFields(_Request):
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
     prompt_logprobs: int | None = None      # top log-probabilities per prompt token (not with stream)
+    return_token_ids: bool | None = None    # the choices' token ids (streamed: each chunk's) and the prompt's
+    return_tokens_as_token_ids: bool | None = None    # logprobs name tokens "token_id:{id}"
 
 
 class CompletionRequest(_SamplingFields):

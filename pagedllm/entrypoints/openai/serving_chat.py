@@ -27,6 +27,7 @@ from pagedllm.entrypoints.openai.serving_base import Prompt, ServerLimits
 from pagedllm.entrypoints.openai.serving_choices import (
     ChoiceState,
     GenerationServing,
+    ResponseOptions,
     TokenLogprob,
     keep_prompt_logprobs,
     prompt_logprobs_json,
@@ -46,8 +47,8 @@ from pagedllm.tokenizer.chat_template import apply_chat_template, validate_messa
 class ChatChoiceState(ChoiceState):
     """A chat choice, with its tool calls when the request has tools."""
 
-    def __init__(self, tools: ToolCallStream | None, echo: str) -> None:
-        super().__init__(echo)
+    def __init__(self, tools: ToolCallStream | None, echo: str, prompt_token_ids: list[int]) -> None:
+        super().__init__(echo, prompt_token_ids)
         self.tools = tools
 
 
@@ -57,6 +58,8 @@ class OpenAIServingChat(GenerationServing):
     Args:
         tool_call_parser: the parser of tool_choice "auto" (a name of TOOL_PARSERS); None: "auto" is refused.
     """
+
+    prompt_token_ids_on_choices = False     # one conversation: its prompt's ids go on the response, as vLLM's
 
     def __init__(self, engine: AsyncEngine, served_model_names: Sequence[str], limits: ServerLimits,
                  tool_call_parser: str | None = None) -> None:
@@ -89,8 +92,10 @@ class OpenAIServingChat(GenerationServing):
             request_id, [prompt], [params], request.priority, request.cache_salt), prompt_logprobs))
         head = {"id": request_id, "created": now(), "model": model,
                 "object": "chat.completion.chunk" if request.stream else "chat.completion"}
-        states = [ChatChoiceState(self._tool_stream(tool_choice), _echo(request)) for _ in range(request.n)]
-        response = await self.respond(request, outputs, states, head, num_logprobs, len(prompt.token_ids))
+        states = [ChatChoiceState(self._tool_stream(tool_choice), _echo(request), prompt.token_ids)
+                  for _ in range(request.n)]
+        response = await self.respond(request, outputs, states, head,
+                                      ResponseOptions.of(request, len(prompt.token_ids), num_logprobs))
         if request.prompt_logprobs is not None:     # never streamed (refused above): a whole response
             cast(dict[str, Any], response)["prompt_logprobs"] = prompt_logprobs_json(prompt_logprobs.get(0))
         return response

@@ -1,7 +1,8 @@
 """How /v1/completions and /v1/chat/completions answer: fold each choice's deltas into what the choice has
 produced so far, then send the whole response, or stream an SSE chunk per delta and usage at the end.
 
-A subclass shapes the JSON that differs: a choice's body, its log-probabilities, and a chunk it opens with."""
+A subclass shapes the JSON that differs: a choice's body, its log-probabilities, a chunk it opens with, and where
+vLLM's `return_token_ids` puts the prompt's ids (on each choice, or once on the response)."""
 
 from __future__ import annotations
 
@@ -40,17 +41,48 @@ class TokenLogprob:
     text_offset: int
 
 
+@dataclass(frozen=True, slots=True)
+class ResponseOptions:
+    """How a request asked to be answered, beyond its choices' bodies.
+
+    Args:
+        num_prompt_tokens: all its prompts' tokens, for usage.
+        num_logprobs: top log-probabilities per token; None for no log-probabilities.
+        usage: streamed only: None (no usage), "final" (a last chunk with the request's usage), or "continuous"
+            (vLLM's continuous_usage_stats: each chunk also carries its choice's usage so far).
+        return_token_ids: vLLM's: each choice's token ids (streamed: each chunk's), and the prompt's.
+        tokens_as_ids: vLLM's return_tokens_as_token_ids: log-probabilities name tokens "token_id:{id}".
+    """
+
+    num_prompt_tokens: int
+    num_logprobs: int | None = None
+    usage: str | None = None
+    return_token_ids: bool = False
+    tokens_as_ids: bool = False
+
+    @classmethod
+    def of(cls, request: _SamplingFields, num_prompt_tokens: int, num_logprobs: int | None) -> ResponseOptions:
+        options = request.stream_options
+        usage = None
+        if request.stream and options is not None and options.include_usage:
+            usage = "continuous" if options.continuous_usage_stats else "final"
+        return cls(num_prompt_tokens, num_logprobs, usage, bool(request.return_token_ids),
+                   bool(request.return_tokens_as_token_ids))
+
+
 class ChoiceState:
     """What one choice has produced so far.
 
     Args:
         echo: the prompt text a completion repeats, else "": it starts the text and the first streamed chunk.
+        prompt_token_ids: the ids of the choice's prompt (for return_token_ids).
     """
 
-    def __init__(self, echo: str = "") -> None:
+    def __init__(self, echo: str = "", prompt_token_ids: list[int] | None = None) -> None:
         self.echo = echo
+        self.prompt_token_ids = prompt_token_ids
         self.text = echo
-        self.num_tokens = 0
+        self.token_ids: list[int] = []
         self.logprobs: list[TokenLogprob] | None = None
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
@@ -61,21 +93,20 @@ class ChoiceState:
 class GenerationServing(OpenAIServing, ABC):
     """Base of the serving classes that generate (chat and completion): their choices' outputs -> a response or SSE."""
 
+    # return_token_ids: the prompt's ids on each choice (completions: each choice has its prompt), or else once,
+    # on the response (chat: on its first chunk when streamed)
+    prompt_token_ids_on_choices = True
+
     async def respond(self, request: _SamplingFields, outputs: OutputStream, states: list[ChoiceState],
-                      head: dict[str, Any], num_logprobs: int | None,
-                      num_prompt_tokens: int) -> dict[str, Any] | AsyncIterator[str]:
+                      head: dict[str, Any], options: ResponseOptions) -> dict[str, Any] | AsyncIterator[str]:
         """The whole response, or (stream=True) an iterator of SSE lines.
 
         Args:
             head: the response's first fields (id, object, created, model), in the API's order.
-            num_logprobs: top log-probabilities per token; None for no log-probabilities.
         """
         if request.stream:
-            options = request.stream_options
-            usage = "continuous" if options and options.include_usage and options.continuous_usage_stats else (
-                "final" if options and options.include_usage else None)
-            return self._stream(outputs, states, head, num_logprobs, usage, num_prompt_tokens)
-        return await self._collect(outputs, states, head, num_logprobs, num_prompt_tokens)
+            return self._stream(outputs, states, head, options)
+        return await self._collect(outputs, states, head, options)
 
     # ---- what differs between the APIs --------------------------------------------------------------------------
     @abstractmethod
@@ -98,65 +129,85 @@ class GenerationServing(OpenAIServing, ABC):
 
     # ---- the shared loop ----------------------------------------------------------------------------------------
     async def _collect(self, outputs: OutputStream, states: list[ChoiceState], head: dict[str, Any],
-                       num_logprobs: int | None, num_prompt_tokens: int) -> dict[str, Any]:
+                       options: ResponseOptions) -> dict[str, Any]:
         async with aclosing(outputs):
             async for choice in outputs:
-                self._absorb(states[choice.index], choice.delta, num_logprobs)
+                self._absorb(states[choice.index], choice.delta, options)
         bodies = [self._message(s) for s in states]   # first: a body may set its state's finish_reason
-        choices = [self._choice(i, body, s.logprobs, s.finish_reason, s.stop_reason)
+        choices = [self._choice(i, body, s.logprobs, s.finish_reason, s.stop_reason,
+                                self._token_ids(s, s.token_ids, options, with_prompt=True))
                    for i, (body, s) in enumerate(zip(bodies, states))]
-        return {**head, "choices": choices, "usage": _usage(states, num_prompt_tokens)}
+        response = {**head, "choices": choices, "usage": _usage(states, options.num_prompt_tokens)}
+        return response | self._prompt_token_ids(states, options)
 
     async def _stream(self, outputs: OutputStream, states: list[ChoiceState], head: dict[str, Any],
-                      num_logprobs: int | None, usage: str | None, num_prompt_tokens: int) -> AsyncIterator[str]:
-        """`usage`: None (none), "final" (a last chunk with the whole request's), or "continuous" (vLLM's
-        continuous_usage_stats: each chunk also carries its choice's usage so far)."""
+                      options: ResponseOptions) -> AsyncIterator[str]:
+        first = self._prompt_token_ids(states, options)      # on the stream's first chunk
         async with aclosing(outputs):
             try:
                 async for choice in outputs:
                     state = states[choice.index]
-                    for part in self._chunks(choice.index, state, choice.delta, num_logprobs):
-                        extra = {} if usage is None else {
-                            "usage": _usage([state], num_prompt_tokens) if usage == "continuous" else None}
-                        yield _sse({**head, "choices": [part], **extra})
-                if usage is not None:
-                    yield _sse({**head, "choices": [], "usage": _usage(states, num_prompt_tokens)})
+                    for part in self._chunks(choice.index, state, choice.delta, options):
+                        extra = {} if options.usage is None else {"usage": _usage(
+                            [state], options.num_prompt_tokens) if options.usage == "continuous" else None}
+                        yield _sse({**head, "choices": [part], **extra, **first})
+                        first = {}
+                if options.usage is not None:
+                    yield _sse({**head, "choices": [], "usage": _usage(states, options.num_prompt_tokens)})
             except Exception as exc:  # noqa: BLE001 - the status line is sent: report the error in the stream
                 yield _sse(error_for(exc).to_dict())
         yield _SSE_DONE
 
     def _chunks(self, index: int, state: ChoiceState, delta: CompletionOutput,
-                num_logprobs: int | None) -> Iterator[dict[str, Any]]:
+                options: ResponseOptions) -> Iterator[dict[str, Any]]:
         """The streamed choices of one delta: the opening one before a choice's first delta, then the delta's own
         unless it carries nothing."""
         text = delta.text
-        if not state.started:
+        first = not state.started
+        if first:
             state.started = True
             text = state.echo + text
             opening = self._opening()
             if opening is not None:
                 yield self._choice(index, opening, None, None, None)
-        tokens = self._absorb(state, delta, num_logprobs)
+        tokens = self._absorb(state, delta, options)
         if text or delta.token_ids or delta.finish_reason is not None:
             body = self._delta(state, text)
             finish_reason = state.finish_reason if delta.finish_reason is not None else None
-            yield self._choice(index, body, tokens, finish_reason, delta.stop_reason)
+            yield self._choice(index, body, tokens, finish_reason, delta.stop_reason,
+                               self._token_ids(state, delta.token_ids, options, with_prompt=first))
 
     def _choice(self, index: int, body: dict[str, Any], tokens: list[TokenLogprob] | None,
-                finish_reason: str | None, stop_reason: int | str | None) -> dict[str, Any]:
+                finish_reason: str | None, stop_reason: int | str | None,
+                token_ids: dict[str, list[int] | None] | None = None) -> dict[str, Any]:
         return {"index": index, **body, "logprobs": None if tokens is None else self._logprobs_json(tokens),
-                "finish_reason": finish_reason, "stop_reason": stop_reason}
+                "finish_reason": finish_reason, "stop_reason": stop_reason, **(token_ids or {})}
+
+    def _token_ids(self, state: ChoiceState, token_ids: list[int], options: ResponseOptions,
+                   with_prompt: bool) -> dict[str, list[int] | None]:
+        """return_token_ids' fields on a choice: its prompt's ids (where they go on choices), then `token_ids`."""
+        if not options.return_token_ids:
+            return {}
+        if with_prompt and self.prompt_token_ids_on_choices:
+            return {"prompt_token_ids": state.prompt_token_ids, "token_ids": list(token_ids)}
+        return {"token_ids": list(token_ids)}
+
+    def _prompt_token_ids(self, states: list[ChoiceState], options: ResponseOptions) -> dict[str, list[int] | None]:
+        """return_token_ids' field on a response whose choices share one prompt."""
+        if not options.return_token_ids or self.prompt_token_ids_on_choices:
+            return {}
+        return {"prompt_token_ids": states[0].prompt_token_ids}
 
     def _absorb(self, state: ChoiceState, delta: CompletionOutput,
-                num_logprobs: int | None) -> list[TokenLogprob] | None:
+                options: ResponseOptions) -> list[TokenLogprob] | None:
         """Add one delta to its choice's state; return the log-probabilities of its tokens, if asked for."""
         state.text += delta.text
-        state.num_tokens += len(delta.token_ids)
+        state.token_ids += delta.token_ids
         if delta.finish_reason is not None:
             state.finish_reason, state.stop_reason = delta.finish_reason, delta.stop_reason
-        if num_logprobs is None or delta.logprobs is None:
+        if options.num_logprobs is None or delta.logprobs is None:
             return None
-        tokens = [self._token_logprob(state, t, position, num_logprobs)
+        tokens = [self._token_logprob(state, t, position, options.num_logprobs, options.tokens_as_ids)
                   for t, position in zip(delta.token_ids, delta.logprobs)]
         if state.logprobs is None:
             state.logprobs = []
@@ -164,13 +215,15 @@ class GenerationServing(OpenAIServing, ABC):
         return tokens
 
     def _token_logprob(self, state: ChoiceState, token_id: int, position: dict[int, Logprob],
-                       num_logprobs: int) -> TokenLogprob:
+                       num_logprobs: int, as_ids: bool) -> TokenLogprob:
+        """One token's entry; `as_ids`: tokens named "token_id:{id}" (their text offsets still count text)."""
         tokenizer = self.engine.tokenizer
         entry = position.get(token_id)
         text = _token_text(tokenizer, token_id, entry)
-        top = [(_token_text(tokenizer, top_id, lp), clean_logprob(lp.logprob))
+        top = [(f"token_id:{top_id}" if as_ids else _token_text(tokenizer, top_id, lp), clean_logprob(lp.logprob))
                for top_id, lp in _top_entries(position, num_logprobs)]
-        token = TokenLogprob(text, None if entry is None else clean_logprob(entry.logprob), top, state.text_offset)
+        token = TokenLogprob(f"token_id:{token_id}" if as_ids else text,
+                             None if entry is None else clean_logprob(entry.logprob), top, state.text_offset)
         state.text_offset += len(text)
         return token
 
@@ -198,7 +251,7 @@ def _sse(data: dict[str, Any]) -> str:
 
 
 def _usage(states: list[ChoiceState], num_prompt_tokens: int) -> dict[str, int]:
-    num_completion_tokens = sum(s.num_tokens for s in states)
+    num_completion_tokens = sum(len(s.token_ids) for s in states)
     return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
             "total_tokens": num_prompt_tokens + num_completion_tokens}
 

@@ -10,6 +10,7 @@ from pagedllm.entrypoints.openai.serving_base import Prompt
 from pagedllm.entrypoints.openai.serving_choices import (
     ChoiceState,
     GenerationServing,
+    ResponseOptions,
     TokenLogprob,
     keep_prompt_logprobs,
     prompt_logprobs_json,
@@ -46,20 +47,20 @@ class OpenAIServingCompletion(GenerationServing):
                                                          request.cache_salt), prompt_logprobs)
         outputs = await self.first_then_rest(outputs)
         echoes = [self._echo(p) if request.echo else "" for p in prompts]
-        states = [ChoiceState(echo) for echo in echoes for _ in range(request.n)]
+        states = [ChoiceState(echo, p.token_ids) for echo, p in zip(echoes, prompts) for _ in range(request.n)]
         head = {"id": request_id, "object": "text_completion", "created": now(), "model": model}
-        response = await self.respond(request, outputs, states, head, request.logprobs,
-                                      sum(len(p.token_ids) for p in prompts))
+        options = ResponseOptions.of(request, sum(len(p.token_ids) for p in prompts), request.logprobs)
+        response = await self.respond(request, outputs, states, head, options)
         if echo_logprobs:                           # never streamed (refused above): a whole response
             self._add_echo_logprobs(cast(dict[str, Any], response), prompts, prompt_logprobs, request.n,
-                                    cast(int, request.logprobs))
+                                    cast(int, request.logprobs), options.tokens_as_ids)
         if request.prompt_logprobs is not None:     # never streamed either
             for choice in cast(dict[str, Any], response)["choices"]:    # on each choice, after stop_reason (vLLM)
                 choice["prompt_logprobs"] = prompt_logprobs_json(prompt_logprobs.get(choice["index"] // request.n))
         return response
 
     def _add_echo_logprobs(self, response: dict[str, Any], prompts: list[Prompt], kept: dict[int, PromptLogprobs],
-                           n: int, num_logprobs: int) -> None:
+                           n: int, num_logprobs: int, as_ids: bool) -> None:
         """Put each prompt token's entry before the choice's generated ones: its text, log-probability and top
         `num_logprobs`, with text offsets from 0. The first token has no log-probability (nothing predicts it)
         and, as in OpenAI's and vLLM's answers, None for its top log-probabilities."""
@@ -69,8 +70,8 @@ class OpenAIServingCompletion(GenerationServing):
             state = ChoiceState()
             first = self.engine.tokenizer.decode(token_ids[:1])
             state.text_offset = len(first)
-            tokens = [TokenLogprob(first, None, [], 0)] + [
-                self._token_logprob(state, token_id, cast(dict, position), num_logprobs)
+            tokens = [TokenLogprob(f"token_id:{token_ids[0]}" if as_ids else first, None, [], 0)] + [
+                self._token_logprob(state, token_id, cast(dict, position), num_logprobs, as_ids)
                 for token_id, position in zip(token_ids[1:], positions[1:])]
             prompt_part = self._logprobs_json(tokens)
             prompt_part["top_logprobs"][0] = None
