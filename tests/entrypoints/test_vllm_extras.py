@@ -314,8 +314,8 @@ def test_return_token_ids_give_each_choices_tokens_and_its_prompts(client, serve
     chat = client.chat.completions.create(model=server.model_name, messages=PREFILL[:1], max_tokens=5, temperature=0,
                                           extra_body={"return_token_ids": True, "ignore_eos": True})
     tokenizer = offline.get_tokenizer()
-    assert chat.model_extra["prompt_token_ids"] == tokenizer.encode(
-        tokenizer.apply_chat_template(PREFILL[:1], tokenize=False, add_generation_prompt=True), add_special_tokens=False)
+    templated = tokenizer.apply_chat_template(PREFILL[:1], tokenize=False, add_generation_prompt=True)
+    assert chat.model_extra["prompt_token_ids"] == tokenizer.encode(templated, add_special_tokens=False)
     assert tokenizer.decode(chat.choices[0].model_extra["token_ids"]) == chat.choices[0].message.content
     plain = client.completions.create(model=server.model_name, prompt=prompts[0], max_tokens=2)
     assert "token_ids" not in plain.choices[0].model_extra and "prompt_token_ids" not in plain.model_extra
