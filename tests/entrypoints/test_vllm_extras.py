@@ -330,3 +330,37 @@ def test_return_tokens_as_token_ids_name_logprobs_tokens_by_id(client, server):
     assert by_id.logprobs.token_logprobs == by_text.token_logprobs
     assert by_id.logprobs.text_offset == by_text.text_offset     # offsets still count the text
     assert all(all(name.startswith("token_id:") for name in top) for top in by_id.logprobs.top_logprobs)
+
+
+def test_truncate_prompt_tokens_keeps_the_last_or_first_tokens(client, server, offline):
+    tokenizer = offline.get_tokenizer()
+    prompt = "abcdefghijklmnop"        # a token a character
+    for side, kept in (("left", "mnop"), ("right", "abcd"), (None, "mnop")):
+        out = client.completions.create(model=server.model_name, prompt=prompt, max_tokens=6, temperature=0,
+                                        echo=True, extra_body={"truncate_prompt_tokens": 4, "truncation_side": side,
+                                                               "return_token_ids": True, "ignore_eos": True})
+        expected = offline.generate(kept, SamplingParams(**{**GREEDY, "max_tokens": 6}), use_tqdm=False)[0]
+        choice = out.choices[0]
+        assert out.usage.prompt_tokens == 4 and choice.model_extra["prompt_token_ids"] == expected.prompt_token_ids
+        assert choice.text == kept + expected.outputs[0].text                  # echo repeats what was kept
+    chat = client.chat.completions.create(model=server.model_name, messages=PREFILL[:1], max_tokens=1,
+                                          extra_body={"truncate_prompt_tokens": 5, "return_token_ids": True})
+    templated = tokenizer.apply_chat_template(PREFILL[:1], tokenize=False, add_generation_prompt=True)
+    assert chat.model_extra["prompt_token_ids"] == tokenizer.encode(templated, add_special_tokens=False)[-5:]
+
+
+def test_truncate_prompt_tokens_minus_one_fits_a_prompt_longer_than_the_context(client, server):
+    max_len = client.models.list().data[0].model_extra["max_model_len"]
+    too_long = "x" * (max_len + 50)
+    refused = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": too_long, "max_tokens": 1})
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "context_length_exceeded"
+    out = client.completions.create(model=server.model_name, prompt=too_long, max_tokens=1,
+                                    extra_body={"truncate_prompt_tokens": -1})
+    assert out.usage.prompt_tokens == max_len - 1 and out.usage.completion_tokens == 1
+
+
+@pytest.mark.parametrize("keep", [0, -2, 10**6])
+def test_a_truncation_that_cannot_be_is_a_400(server, keep):
+    response = httpx.post(f"{server.base_url}/v1/completions",
+                          json={"prompt": "abc", "max_tokens": 1, "truncate_prompt_tokens": keep})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "truncate_prompt_tokens"

@@ -116,9 +116,27 @@ class OpenAIServing:
         if request.stream and request.prompt_logprobs is not None:
             raise OpenAIError("prompt_logprobs are not available when stream is true", param="prompt_logprobs")
 
-    async def prompt_token_ids(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
-        """The prompt tokenized (off the event loop) and put through the engine's checks, with vLLM's wording for
-        a prompt that fills the context."""
+    def truncation(self, request: _SamplingFields) -> slice | None:
+        """The prompt tokens vLLM's truncate_prompt_tokens keeps: the last k (truncation_side "left", the
+        default) or the first k; -1 keeps as many as leave room for one generated token. None: all of them."""
+        keep = request.truncate_prompt_tokens
+        if keep is None:
+            return None
+        max_len = self.engine.max_model_len
+        keep = max_len - 1 if keep == -1 else keep
+        if not 1 <= keep < max_len:
+            raise OpenAIError(f"truncate_prompt_tokens must be -1 or in [1, {max_len - 1}] (max_model_len is "
+                              f"{max_len}), got {request.truncate_prompt_tokens}", param="truncate_prompt_tokens")
+        return slice(0, keep) if request.truncation_side == "right" else slice(-keep, None)
+
+    async def prompt_token_ids(self, prompt: str | list[int], param: str = "prompt",
+                               truncation: slice | None = None) -> list[int]:
+        """The prompt tokenized (off the event loop), cut to `truncation` (see truncation()), and put through the
+        engine's checks, with vLLM's wording for a prompt that fills the context."""
+        if truncation is not None:
+            token_ids = prompt if isinstance(prompt, list) else await self.engine.run_on_tokenizer_thread(
+                self.engine.tokenizer.encode, prompt)
+            prompt = token_ids[truncation]
         try:
             # A list is already ints (the request schema): as a ParsedPrompt it skips parse_prompt's pass over it.
             return await self.engine.tokenize_prompt(ParsedPrompt(None, prompt) if isinstance(prompt, list) else prompt)

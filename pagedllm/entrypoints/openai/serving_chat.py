@@ -78,7 +78,8 @@ class OpenAIServingChat(GenerationServing):
         self.check_logprobs(request.top_logprobs, "top_logprobs")
         self.check_prompt_logprobs(request)
         num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        prompt = Prompt(None, await self.prompt_token_ids(await self.render(request), param="messages"))
+        truncation = self.truncation(request)
+        prompt = Prompt(None, await self.prompt_token_ids(await self.render(request), "messages", truncation))
         max_tokens, param = request.max_tokens, "max_tokens"
         if request.max_completion_tokens is not None:
             max_tokens, param = request.max_completion_tokens, "max_completion_tokens"
