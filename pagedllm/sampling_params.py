@@ -110,6 +110,8 @@ class SamplingParams:
         prompt_logprobs: number of top log-probabilities returned per prompt token (plus the prompt token
             itself), in `RequestOutput.prompt_logprobs`. Such a request takes no prefix-cache hit: every prompt
             position must be computed to have logits.
+        detokenize: False: no text at all (CompletionOutput.text stays "", log-probabilities carry no
+            decoded_token), for callers that only want token ids; not with stop strings, which are searched in text.
         skip_special_tokens: leave special tokens out of the text.
         include_stop_str_in_output: keep the matched stop string in the text.
         logit_bias: token id -> bias added to its logit, in [-100, 100].
@@ -137,6 +139,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    detokenize: bool = True
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -191,6 +194,8 @@ class SamplingParams:
                "prompt_logprobs", "an integer >= 0 or None", self.prompt_logprobs)
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "a list of non-empty strings",
                self.stop)
+        _check(self.detokenize or not self.stop, "stop", "empty with detokenize=False (stop strings are searched in "
+               "the text; stop_token_ids end a completion without it)", self.stop)
         _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                "a list of non-negative integers", self.stop_token_ids)
         for token_id, bias in (self.logit_bias or {}).items():

@@ -45,7 +45,7 @@ def test_logit_bias_keys_from_json_strings() -> None:
     {"logit_bias": {1: 101}}, {"logit_bias": {-1: 1}}, {"logit_bias": {"x": 1}}, {"logit_bias": {1.5: 1}},
     {"logit_bias": {1: "big"}},
     {"allowed_token_ids": []}, {"allowed_token_ids": [-1]}, {"allowed_token_ids": ["1"]},
-    {"bad_words": [""]}, {"bad_words": ["  "]}, {"bad_words": [1]},
+    {"bad_words": [""]}, {"bad_words": ["  "]}, {"bad_words": [1]}, {"detokenize": False, "stop": ["x"]},
 ])
 def test_rejects_invalid(kwargs: dict) -> None:
     with pytest.raises(ValueError):
@@ -56,6 +56,7 @@ def test_rejects_invalid(kwargs: dict) -> None:
     {"top_k": -1}, {"top_k": 0}, {"top_k": 50}, {"max_tokens": None, "min_tokens": 100}, {"seed": 0},
     {"logprobs": 0}, {"temperature": 0}, {"presence_penalty": -2, "frequency_penalty": 2},
     {"stop_token_ids": (2, 3)}, {"logit_bias": {}}, {"allowed_token_ids": (5,)}, {"bad_words": "word"},
+    {"detokenize": False, "stop_token_ids": [3]},
 ])
 def test_accepts_valid(kwargs: dict) -> None:
     SamplingParams(**kwargs)

@@ -91,6 +91,8 @@ class IncrementalDetokenizer:
         """
         if self.stop_reason is not None:
             return self.stop_reason
+        if not self.params.detokenize:
+            return None
         for token_id in new_token_ids:
             if token_id in self._stop_token_ids:
                 break

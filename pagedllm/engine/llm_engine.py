@@ -420,13 +420,14 @@ class LLMEngine:
             return None
         tracked.num_cached_tokens = update.num_cached_tokens
         if update.new_prompt_logprobs and tracked.prompt_logprobs is not None:
-            tracked.prompt_logprobs += map(self._logprob_position, update.new_prompt_logprobs)
+            tracked.prompt_logprobs += (self._logprob_position(entries, tracked.params.detokenize)
+                                        for entries in update.new_prompt_logprobs)
         if not update.new_token_ids and update.finish_reason is None:
             return None     # a chunk of the prompt: nothing to report until the first token
         completion = tracked.completions[update.index]
         stop_str, update.new_token_ids = self._detokenize(completion, update.new_token_ids)
         completion.token_ids.extend(update.new_token_ids)
-        self._append_logprobs(completion, update)
+        self._append_logprobs(completion, update, tracked.params.detokenize)
         finish_reason, stop_reason = update.finish_reason, update.stop_reason
         if stop_str is not None and finish_reason is None:
             self.scheduler.finish_requests([update.request_id], FinishReason.STOP)
@@ -456,17 +457,18 @@ class LLMEngine:
                 return stop_str, token_ids[:index + 1]
         return None, token_ids
 
-    def _append_logprobs(self, completion: _Completion, update: RequestUpdate) -> None:
+    def _append_logprobs(self, completion: _Completion, update: RequestUpdate, detokenize: bool) -> None:
         if completion.logprobs is None or update.new_logprobs is None:
             return
         for token_id, entries in zip(update.new_token_ids, update.new_logprobs):
-            position = self._logprob_position(entries)
+            position = self._logprob_position(entries, detokenize)
             completion.logprobs.append(position)
             completion.cumulative_logprob += position[token_id].logprob
 
-    def _logprob_position(self, entries: list[tuple[int, float, int]]) -> dict[int, Logprob]:
-        """The runner's (token_id, logprob, rank) entries of one position, with each token's text."""
-        return {token_id: Logprob(logprob, rank, self.tokenizer.decode([token_id]))
+    def _logprob_position(self, entries: list[tuple[int, float, int]], detokenize: bool) -> dict[int, Logprob]:
+        """The runner's (token_id, logprob, rank) entries of one position, with each token's text (None when the
+        request asked for no text)."""
+        return {token_id: Logprob(logprob, rank, self.tokenizer.decode([token_id]) if detokenize else None)
                 for token_id, logprob, rank in entries}
 
     def _make_output(self, request_id: str, tracked: _Tracked, completions: list[_Completion]) -> RequestOutput:

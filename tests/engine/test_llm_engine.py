@@ -70,3 +70,19 @@ def test_prompt_validation_reads_only_its_arguments(engine) -> None:
         tokenize_prompt(tokenizer, [], vocab_size, 64)
     with pytest.raises(ValueError, match=rf"\[0, {vocab_size}\)"):
         tokenize_prompt(tokenizer, [vocab_size], vocab_size, 64)
+
+
+def test_detokenize_false_gives_the_same_tokens_without_text(folder: str) -> None:
+    llm = LLM(model=folder, dtype="float32", block_size=4, num_kv_blocks=64, max_model_len=64)
+    letters = llm.get_tokenizer().encode("abcdefgh", add_special_tokens=False)     # so that the output is text
+    asked = dict(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2, prompt_logprobs=1,
+                 allowed_token_ids=letters)
+    with_text, ids_only = (llm.generate("hello there", SamplingParams(**asked, detokenize=detokenize),
+                                        use_tqdm=False)[0] for detokenize in (True, False))
+    assert ids_only.outputs[0].token_ids == with_text.outputs[0].token_ids and with_text.outputs[0].text
+    assert ids_only.outputs[0].text == ""
+    for got, expected in zip(ids_only.outputs[0].logprobs + ids_only.prompt_logprobs[1:],
+                             with_text.outputs[0].logprobs + with_text.prompt_logprobs[1:]):
+        assert {t: (lp.logprob, lp.rank, lp.decoded_token) for t, lp in got.items()} == {
+            t: (lp.logprob, lp.rank, None) for t, lp in expected.items()}
+        assert all(lp.decoded_token is not None for lp in expected.values())
