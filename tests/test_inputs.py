@@ -106,6 +106,13 @@ def test_chat_takes_one_conversation_or_many(llm):
     assert both[0].outputs[0].token_ids == one.outputs[0].token_ids
 
 
+def test_chat_template_kwargs_reach_the_template(llm):
+    template = "{{ greeting }}{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
+    (out,) = llm.chat([{"role": "user", "content": "Hi"}], GREEDY, use_tqdm=False, chat_template=template,
+                      chat_template_kwargs={"greeting": "Hello! "})
+    assert llm.get_tokenizer().decode(out.prompt_token_ids) == "Hello! [user]Hi"
+
+
 def test_chat_renders_tools_as_the_server_does(tmp_path):
     """The tiny model's ChatML template knows no tools: they go into the system message in the Hermes format,
     exactly as `/v1/chat/completions` renders them, for every conversation. (A longer context: the byte

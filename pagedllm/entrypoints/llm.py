@@ -200,7 +200,8 @@ class LLM:
     def chat(self, messages: Conversation | Sequence[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *, use_tqdm: bool = True,
              chat_template: str | None = None, add_generation_prompt: bool = True,
-             continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
+             continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """Generate a reply to a conversation, or to each of a list of conversations; one RequestOutput per
         conversation, in order.
 
@@ -214,15 +215,17 @@ class LLM:
             tools: OpenAI-style function tools, rendered as the server renders them (the template's `tools`
                 variable, or the system message for a template without one); the reply's calls are its text
                 (parse them with a tool parser, e.g. `HermesToolParser`).
+            chat_template_kwargs: extra variables for the template (e.g. a model's `enable_thinking`).
         """
         conversations = _as_conversations(messages)
         template = chat_template or self.engine.config.model.chat_template
         prompts = []
         for conversation in conversations:
-            kwargs: dict[str, Any] = {}
+            kwargs: dict[str, Any] = dict(chat_template_kwargs or {})
             if tools:
                 used = template or getattr(self.engine.tokenizer, "chat_template", None) or ""
-                conversation, kwargs = with_tools(list(conversation), tools, used)
+                conversation, tool_kwargs = with_tools(list(conversation), tools, used)
+                kwargs |= tool_kwargs
             prompts.append(apply_chat_template(self.engine.tokenizer, conversation, template, add_generation_prompt,
                                                continue_final_message, **kwargs))
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
