@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
+import openai
 import uvicorn
 
 from pagedllm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
@@ -52,6 +53,10 @@ class RunningServer:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(30)
+
+    def client(self, api_key: str = "EMPTY", timeout: float = 60) -> openai.OpenAI:
+        """The openai SDK on this server, without retries (a test sees the first answer)."""
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=api_key, max_retries=0, timeout=timeout)
 
 
 def build_engine() -> LLMEngine:

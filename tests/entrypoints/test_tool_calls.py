@@ -95,6 +95,18 @@ def test_required_forces_valid_calls(client, server):
             assert (call.function.name, set(arguments)) in (("get_weather", {"city", "unit"}), ("get_time", {"zone"}))
 
 
+def test_required_without_parallel_calls_makes_exactly_one(client, server):
+    for stream in (False, True):
+        out = client.chat.completions.create(model=server.model_name, messages=MESSAGES, tools=[WEATHER, TIME],
+                                             tool_choice="required", parallel_tool_calls=False, max_tokens=300,
+                                             stream=stream)
+        if stream:
+            calls = {c.index: c for chunk in out for c in chunk.choices[0].delta.tool_calls or []}
+            assert list(calls) == [0]
+        else:
+            assert len(out.choices[0].message.tool_calls) == 1 and out.choices[0].finish_reason == "tool_calls"
+
+
 def test_a_named_function_streams_its_arguments(client, server):
     stream = client.chat.completions.create(
         model=server.model_name, messages=MESSAGES, tools=[WEATHER, TIME], max_tokens=200, temperature=1.0, seed=1,

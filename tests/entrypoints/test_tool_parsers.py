@@ -58,6 +58,14 @@ def test_stream_sends_content_then_the_calls_at_the_end():
     assert call["index"] == 0 and call["function"] == {"name": "a", "arguments": "{}"}
 
 
+def test_without_parallel_calls_only_the_first_is_kept():
+    text = '<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b", "arguments": {}}</tool_call>'
+    assert [c.name for c in ToolCallStream(parser=HermesToolParser()).final(text)[1]] == ["a", "b"]
+    single = ToolCallStream(parser=HermesToolParser(), parallel=False)
+    assert [c.name for c in single.final(text)[1]] == ["a"]
+    assert [c["function"]["name"] for c in single.delta(text, True)["tool_calls"]] == ["a"]
+
+
 def test_stream_of_a_named_function_names_it_once_then_sends_arguments():
     stream = ToolCallStream(forced_name="f")
     first, second, third = stream.delta("", False), stream.delta('{"x":', False), stream.delta(" 1}", True)
@@ -70,6 +78,7 @@ def test_stream_of_a_named_function_names_it_once_then_sends_arguments():
 def test_required_schema_lists_calls_of_the_given_tools():
     schema = required_tools_schema([TOOL])
     assert schema["minItems"] == 1 and schema["items"]["anyOf"][0]["properties"]["name"] == {"const": "get_weather"}
+    assert "maxItems" not in schema and required_tools_schema([TOOL], parallel=False)["maxItems"] == 1
     stream = ToolCallStream(required=True)
     assert _calls(stream.final('[{"name": "get_weather", "parameters": {"city": "Rome"}}]')[1]) == [
         ("get_weather", {"city": "Rome"})]

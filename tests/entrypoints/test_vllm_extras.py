@@ -36,7 +36,7 @@ def server(tiny_dir):
 
 @pytest.fixture(scope="module")
 def client(server: RunningServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="EMPTY", max_retries=0, timeout=60)
+    return server.client()
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from pagedllm.heap import freeze_startup_heap, paused_gc
 
 logger = logging.getLogger(__name__)
 
-DESCRIPTION = ("Serve a model over an OpenAI-compatible HTTP API: /v1/models, /v1/completions, "
+DESCRIPTION = ("Serve a model over an OpenAI-compatible HTTP API: /v1/models, /v1/completions, /v1/responses, "
                "/v1/chat/completions (with streaming), /tokenize, /detokenize, /health, /version and /metrics "
                "(Prometheus).")
 

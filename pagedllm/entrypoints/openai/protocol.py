@@ -197,6 +197,38 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True    # false: at most one call (vLLM's)
+
+
+class ResponsesRequest(_Request):
+    """POST /v1/responses (OpenAI's Responses API), the part a text model serves: serving_responses.py."""
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    text: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] = Field(default_factory=list)
+    tool_choice: str | dict[str, Any] = "auto"
+    parallel_tool_calls: bool = True
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    store: bool = True
+    previous_response_id: str | None = None
+    background: bool = False
+    top_logprobs: int | None = None
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float | None = None
+    seed: int | None = Field(default=None, ge=_SEED_MIN, le=_SEED_MAX)
+    priority: int = 0
+    cache_salt: str | None = None
 
 
 class TokenizeRequest(_Request):

@@ -27,6 +27,7 @@ from pagedllm.entrypoints.openai.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     OpenAIError,
+    ResponsesRequest,
     TokenizeRequest,
     now,
     validation_error,
@@ -34,6 +35,7 @@ from pagedllm.entrypoints.openai.protocol import (
 from pagedllm.entrypoints.openai.serving_base import ServerLimits, error_for
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagedllm.entrypoints.openai.transport import RequestGate, respond
 from pagedllm.metrics.prometheus import PrometheusStatLogger
@@ -100,6 +102,10 @@ def _v1_router(completion: OpenAIServingCompletion, chat: OpenAIServingChat) -> 
     @router.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw_request: Request) -> Response:
         return await respond(raw_request, chat.create(body))
+
+    @router.post("/responses")
+    async def responses(body: ResponsesRequest, raw_request: Request) -> Response:
+        return await respond(raw_request, OpenAIServingResponses(chat).create(body))
 
     return router
 

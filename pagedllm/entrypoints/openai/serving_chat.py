@@ -66,8 +66,10 @@ class OpenAIServingChat(GenerationServing):
         super().__init__(engine, served_model_names, limits)
         self.tool_call_parser = tool_call_parser
 
-    async def create(self, request: ChatCompletionRequest) -> dict[str, Any] | AsyncIterator[str]:
-        """A response dict, or (stream=True) an iterator of SSE lines. Raises OpenAIError on bad input."""
+    async def create(self, request: ChatCompletionRequest,
+                     sse: bool = True) -> dict[str, Any] | AsyncIterator[str] | AsyncIterator[dict[str, Any]]:
+        """A response dict, or (stream=True) an iterator of SSE lines (or, `sse` false, of the chunks as dicts).
+        Raises OpenAIError on bad input."""
         model = self.check_model(request.model)
         self.check_common(request)
         tool_choice = self._tool_choice(request)
@@ -93,10 +95,11 @@ class OpenAIServingChat(GenerationServing):
             request_id, [prompt], [params], request.priority, request.cache_salt), prompt_logprobs))
         head = {"id": request_id, "created": now(), "model": model,
                 "object": "chat.completion.chunk" if request.stream else "chat.completion"}
-        states = [ChatChoiceState(self._tool_stream(tool_choice), _echo(request), prompt.token_ids)
+        states = [ChatChoiceState(self._tool_stream(tool_choice, request.parallel_tool_calls), _echo(request),
+                                  prompt.token_ids)
                   for _ in range(request.n)]
         response = await self.respond(request, outputs, states, head,
-                                      ResponseOptions.of(request, len(prompt.token_ids), num_logprobs))
+                                      ResponseOptions.of(request, len(prompt.token_ids), num_logprobs), sse)
         if request.prompt_logprobs is not None:     # never streamed (refused above): a whole response
             cast(dict[str, Any], response)["prompt_logprobs"] = prompt_logprobs_json(prompt_logprobs.get(0))
         return response
@@ -142,18 +145,18 @@ class OpenAIServingChat(GenerationServing):
         """"required" and a named function: constrain the reply to the calls' JSON schema."""
         tools = [tool.model_dump(exclude_none=True) for tool in request.tools or []]
         if tool_choice == "required":
-            schema = required_tools_schema(tools)
+            schema = required_tools_schema(tools, request.parallel_tool_calls)
         elif isinstance(tool_choice, NamedToolChoice):
             schema = named_tool_schema(next(t for t in tools if t["function"]["name"] == tool_choice.function.name))
         else:
             return params
         return dataclasses.replace(params, structured_outputs=StructuredOutputsParams(json=schema))
 
-    def _tool_stream(self, tool_choice: str | NamedToolChoice) -> ToolCallStream | None:
+    def _tool_stream(self, tool_choice: str | NamedToolChoice, parallel: bool) -> ToolCallStream | None:
         if tool_choice == "none":
             return None
         if tool_choice == "auto":
-            return ToolCallStream(parser=TOOL_PARSERS[self.tool_call_parser]())
+            return ToolCallStream(parser=TOOL_PARSERS[self.tool_call_parser](), parallel=parallel)
         if tool_choice == "required":
             return ToolCallStream(required=True)
         return ToolCallStream(forced_name=tool_choice.function.name)

@@ -98,14 +98,16 @@ class GenerationServing(OpenAIServing, ABC):
     prompt_token_ids_on_choices = True
 
     async def respond(self, request: _SamplingFields, outputs: OutputStream, states: list[ChoiceState],
-                      head: dict[str, Any], options: ResponseOptions) -> dict[str, Any] | AsyncIterator[str]:
-        """The whole response, or (stream=True) an iterator of SSE lines.
+                      head: dict[str, Any], options: ResponseOptions,
+                      sse: bool = True) -> dict[str, Any] | AsyncIterator[str] | AsyncIterator[dict[str, Any]]:
+        """The whole response, or (stream=True) an iterator of SSE lines (`sse`), or of the chunks as dicts.
 
         Args:
             head: the response's first fields (id, object, created, model), in the API's order.
         """
         if request.stream:
-            return self._stream(outputs, states, head, options)
+            chunks = self._stream(outputs, states, head, options)
+            return _as_sse(chunks) if sse else chunks
         return await self._collect(outputs, states, head, options)
 
     # ---- what differs between the APIs --------------------------------------------------------------------------
@@ -141,7 +143,9 @@ class GenerationServing(OpenAIServing, ABC):
         return response | self._prompt_token_ids(states, options)
 
     async def _stream(self, outputs: OutputStream, states: list[ChoiceState], head: dict[str, Any],
-                      options: ResponseOptions) -> AsyncIterator[str]:
+                      options: ResponseOptions) -> AsyncIterator[dict[str, Any]]:
+        """The chunks; an error after the first ends the stream with an OpenAI error dict (the status line is
+        sent by then)."""
         first = self._prompt_token_ids(states, options)      # on the stream's first chunk
         async with aclosing(outputs):
             try:
@@ -150,13 +154,12 @@ class GenerationServing(OpenAIServing, ABC):
                     for part in self._chunks(choice.index, state, choice.delta, options):
                         extra = {} if options.usage is None else {"usage": _usage(
                             [state], options.num_prompt_tokens) if options.usage == "continuous" else None}
-                        yield _sse({**head, "choices": [part], **extra, **first})
+                        yield {**head, "choices": [part], **extra, **first}
                         first = {}
                 if options.usage is not None:
-                    yield _sse({**head, "choices": [], "usage": _usage(states, options.num_prompt_tokens)})
+                    yield {**head, "choices": [], "usage": _usage(states, options.num_prompt_tokens)}
             except Exception as exc:  # noqa: BLE001 - the status line is sent: report the error in the stream
-                yield _sse(error_for(exc).to_dict())
-        yield _SSE_DONE
+                yield error_for(exc).to_dict()
 
     def _chunks(self, index: int, state: ChoiceState, delta: CompletionOutput,
                 options: ResponseOptions) -> Iterator[dict[str, Any]]:
@@ -248,6 +251,14 @@ def prompt_logprobs_json(prompt_logprobs: PromptLogprobs | None) -> list[dict[st
 
 def _sse(data: dict[str, Any]) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+async def _as_sse(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+    """The chunks as SSE lines, then OpenAI's end marker. Closing it closes `chunks` (and so aborts the requests)."""
+    async with aclosing(chunks):
+        async for chunk in chunks:
+            yield _sse(chunk)
+    yield _SSE_DONE
 
 
 def _usage(states: list[ChoiceState], num_prompt_tokens: int) -> dict[str, int]:

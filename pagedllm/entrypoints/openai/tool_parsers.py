@@ -111,11 +111,12 @@ def named_tool_schema(tool: dict[str, Any]) -> dict[str, Any]:
     return _parameters(tool)
 
 
-def required_tools_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
-    """tool_choice "required": the reply is a JSON list of one or more calls of the given tools."""
+def required_tools_schema(tools: list[dict[str, Any]], parallel: bool = True) -> dict[str, Any]:
+    """tool_choice "required": the reply is a JSON list of one or more calls of the given tools (exactly one when
+    not `parallel`, as vLLM does for parallel_tool_calls false)."""
     calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]}, "parameters": _parameters(t)},
               "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
-    return {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    return {"type": "array", "minItems": 1, "items": {"anyOf": calls}} | ({} if parallel else {"maxItems": 1})
 
 
 # ---- a choice's text -> content and tool calls -------------------------------------------------------------------
@@ -126,11 +127,13 @@ class ToolCallStream:
         parser: "auto": the parser that finds calls in free text (content before them streams as it comes).
         forced_name: a named tool_choice: the whole reply is this function's arguments (they stream as they come).
         required: tool_choice "required": the reply is a JSON list of calls (sent once complete).
+        parallel: False: only the first call the parser finds is kept (vLLM's parallel_tool_calls false; the
+            other modes make one call then).
     """
 
     def __init__(self, parser: HermesToolParser | Llama3JsonToolParser | None = None,
-                 forced_name: str | None = None, required: bool = False) -> None:
-        self.parser, self.forced_name, self.required = parser, forced_name, required
+                 forced_name: str | None = None, required: bool = False, parallel: bool = True) -> None:
+        self.parser, self.forced_name, self.required, self.parallel = parser, forced_name, required, parallel
         self.text = ""
         self.num_content_sent = 0
         self.forced_call = FunctionCall(forced_name, "") if forced_name is not None else None
@@ -146,7 +149,8 @@ class ToolCallStream:
             calls = [_call_from(v, "parameters") for v in value] if isinstance(value, list) else [None]
             return (text, []) if None in calls else (None, calls)
         assert self.parser is not None
-        return self.parser.extract(text)
+        content, calls = self.parser.extract(text)
+        return content, calls if self.parallel else calls[:1]
 
     def delta(self, text: str, finished: bool) -> dict[str, Any]:
         """The streamed `delta` for this much new text (`finished`: the reply's last)."""

@@ -1,0 +1,267 @@
+"""POST /v1/responses: OpenAI's Responses API, the part a text model serves, answered by the chat serving.
+
+The request becomes a chat completion: `instructions` a system message, `input` (a string, or message,
+function_call and function_call_output items) the conversation, `text.format` the response_format, function `tools`
+and `tool_choice` the chat's, `max_output_tokens` max_completion_tokens. The reply becomes the response's `output`:
+a message item with one output_text part, then a function_call item per tool call; a reply cut by the token limit
+leaves the response "incomplete". Streamed, the chat's chunks become the Responses events (`event:` and `data:`
+lines): response.created and .in_progress, the message's output_item / content_part / output_text events as its
+text arrives, a function call's events once it is complete, then response.completed, whose response's status may
+be "incomplete", as vLLM sends it (or an `error` event). Nothing is stored: `previous_response_id` and
+`background` are refused, and the response says store false.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+from pydantic import ValidationError
+
+from pagedllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    OpenAIError,
+    ResponsesRequest,
+    now,
+    random_id,
+    validation_error,
+)
+from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
+
+
+class OpenAIServingResponses:
+    """The Responses API over a chat serving (its engine, names and limits)."""
+
+    def __init__(self, chat: OpenAIServingChat) -> None:
+        self.chat = chat
+
+    async def create(self, request: ResponsesRequest) -> dict[str, Any] | AsyncIterator[str]:
+        """A response dict, or (stream=True) an iterator of SSE lines. Raises OpenAIError on bad input."""
+        if request.previous_response_id is not None:
+            raise OpenAIError("previous_response_id is not supported: this server stores no responses; send the "
+                              "whole conversation in input", param="previous_response_id")
+        if request.background:
+            raise OpenAIError("background responses are not supported", param="background")
+        if request.top_logprobs:
+            raise OpenAIError("top_logprobs is not supported on /v1/responses (use /v1/chat/completions)",
+                              param="top_logprobs")
+        chat_request = _chat_request(request)
+        model = self.chat.check_model(request.model)
+        response = _Response(request, model)
+        reply = await self.chat.create(chat_request, sse=False)
+        if isinstance(reply, dict):
+            (choice,) = reply["choices"]
+            message = choice["message"]
+            return response.finished(_output(message.get("content"), message.get("tool_calls") or []),
+                                     choice["finish_reason"], reply["usage"])
+        return _events(response, reply)
+
+
+class _Response:
+    """The response object, as it stands at each step."""
+
+    def __init__(self, request: ResponsesRequest, model: str) -> None:
+        self.request = request
+        self.fields: dict[str, Any] = {
+            "id": random_id("resp"), "object": "response", "created_at": now(), "status": "in_progress",
+            "model": model, "output": [], "incomplete_details": None, "error": None,
+            "instructions": request.instructions, "max_output_tokens": request.max_output_tokens,
+            "metadata": request.metadata or {}, "parallel_tool_calls": request.parallel_tool_calls,
+            "previous_response_id": None, "reasoning": None, "store": False, "temperature": request.temperature,
+            "text": request.text or {"format": {"type": "text"}}, "tool_choice": request.tool_choice,
+            "tools": request.tools, "top_p": request.top_p, "truncation": "disabled", "usage": None,
+            "user": request.user}
+
+    def finished(self, output: list[dict[str, Any]], finish_reason: str | None,
+                 usage: dict[str, int]) -> dict[str, Any]:
+        incomplete = finish_reason == "length"
+        for item in output:
+            item["status"] = "incomplete" if incomplete else "completed"
+        return self.fields | {
+            "status": "incomplete" if incomplete else "completed", "output": output,
+            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+            "usage": {"input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
+                      "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+                      "total_tokens": usage["total_tokens"]}}
+
+
+# ---- request -> chat ----------------------------------------------------------------------------------------------
+def _chat_request(request: ResponsesRequest) -> ChatCompletionRequest:
+    messages = [{"role": "system", "content": request.instructions}] if request.instructions is not None else []
+    messages += _messages(request.input)
+    fields: dict[str, Any] = {
+        "model": request.model, "messages": messages, "max_completion_tokens": request.max_output_tokens,
+        "temperature": request.temperature, "top_p": request.top_p, "top_k": request.top_k, "min_p": request.min_p,
+        "presence_penalty": request.presence_penalty, "frequency_penalty": request.frequency_penalty,
+        "repetition_penalty": request.repetition_penalty, "seed": request.seed, "user": request.user,
+        "priority": request.priority, "cache_salt": request.cache_salt, "stream": request.stream,
+        "stream_options": {"include_usage": True} if request.stream else None,
+        "response_format": _response_format(request.text)}
+    if request.tools:
+        fields["tools"] = [_chat_tool(i, tool) for i, tool in enumerate(request.tools)]
+        fields["tool_choice"] = _chat_tool_choice(request.tool_choice)
+        fields["parallel_tool_calls"] = request.parallel_tool_calls
+    elif request.tool_choice not in ("auto", "none"):
+        raise OpenAIError("tool_choice needs tools", param="tool_choice")
+    try:
+        return ChatCompletionRequest.model_validate(fields)
+    except ValidationError as exc:
+        raise validation_error(exc.errors()) from exc
+
+
+def _messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`input` as chat messages: a string is one user message; function_call items join one assistant message."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    if not items:
+        raise OpenAIError("input must not be empty", param="input")
+    messages: list[dict[str, Any]] = []
+    for i, item in enumerate(items):
+        kind = item.get("type", "message")
+        if kind == "message":
+            messages.append({"role": item.get("role"), "content": _text(i, item.get("content"))})
+        elif kind == "function_call":
+            call = {"id": item.get("call_id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
+            if messages and messages[-1]["role"] == "assistant" and messages[-1].get("tool_calls"):
+                messages[-1]["tool_calls"].append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                             "content": _text(i, item.get("output"))})
+        elif kind != "reasoning":           # a reasoning item sent back: this server's models write none
+            raise OpenAIError(f"input[{i}] has type {kind!r}; this server takes message, function_call and "
+                              "function_call_output items", param="input")
+    return messages
+
+
+def _text(index: int, content: Any) -> str | list[dict[str, Any]]:
+    """A message's content: a string, or its text parts (input_text, output_text) as chat text parts."""
+    if isinstance(content, str) or content is None:
+        return content
+    if not isinstance(content, list):
+        raise OpenAIError(f"input[{index}].content must be a string or a list of parts", param="input")
+    parts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
+            raise OpenAIError(f"input[{index}].content[{j}] must be a text part (input_text or output_text), got "
+                              f"{kind!r}: this server serves text only", param="input")
+        parts.append({"type": "text", "text": part["text"]})
+    return parts
+
+
+def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
+    """`text.format` as the chat's response_format (the Responses API flattens json_schema's fields)."""
+    fmt = (text or {}).get("format")
+    if fmt is None or fmt.get("type") == "text":
+        return None
+    if fmt.get("type") == "json_schema":
+        return {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
+    return fmt
+
+
+def _chat_tool(index: int, tool: dict[str, Any]) -> dict[str, Any]:
+    if tool.get("type") != "function":
+        raise OpenAIError(f"tools[{index}] has type {tool.get('type')!r}; this server takes function tools",
+                          param="tools")
+    return {"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}}
+
+
+def _chat_tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    return choice
+
+
+# ---- reply -> output ----------------------------------------------------------------------------------------------
+def _message_item(text: str | None) -> dict[str, Any]:
+    """A message item with one output_text part (none yet: `text` None, as a streamed message opens)."""
+    return {"type": "message", "id": random_id("msg"), "status": "in_progress", "role": "assistant",
+            "content": [] if text is None else [_text_part(text)]}
+
+
+def _text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _call_item(call: dict[str, Any]) -> dict[str, Any]:
+    function = call["function"]
+    return {"type": "function_call", "id": random_id("fc"), "call_id": call["id"], "name": function["name"],
+            "arguments": function["arguments"], "status": "in_progress"}
+
+
+def _output(content: str | None, tool_calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A message item for the reply's text (none if it only calls tools), then a function_call item per call."""
+    items = [_message_item(content)] if content or not tool_calls else []
+    return items + [_call_item(call) for call in tool_calls]
+
+
+# ---- streaming ----------------------------------------------------------------------------------------------------
+async def _events(response: _Response, chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+    """The chat's chunks as the Responses API's events."""
+    sequence = 0
+
+    def event(kind: str, **fields: Any) -> str:
+        nonlocal sequence
+        data = {"type": kind, "sequence_number": sequence, **fields}
+        sequence += 1
+        return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+    yield event("response.created", response=response.fields)
+    yield event("response.in_progress", response=response.fields)
+    message: dict[str, Any] | None = None
+    text = ""
+    calls: dict[int, dict[str, Any]] = {}
+    finish_reason, usage = None, None
+    async with aclosing(chunks):
+        async for chunk in chunks:
+            if "error" in chunk:
+                error = chunk["error"]
+                yield event("error", code=error.get("code") or error.get("type"), message=error["message"],
+                            param=error.get("param"))
+                return
+            usage = chunk.get("usage") or usage
+            for choice in chunk["choices"]:
+                delta = choice["delta"]
+                finish_reason = choice["finish_reason"] or finish_reason
+                if delta.get("content"):
+                    if message is None:
+                        message = _message_item(None)
+                        yield event("response.output_item.added", output_index=0, item=message)
+                        yield event("response.content_part.added", item_id=message["id"], output_index=0,
+                                    content_index=0, part=_text_part(""))
+                    text += delta["content"]
+                    yield event("response.output_text.delta", item_id=message["id"], output_index=0,
+                                content_index=0, delta=delta["content"], logprobs=[])
+                for piece in delta.get("tool_calls") or []:
+                    call = calls.setdefault(piece["index"], {"id": None, "function": {"name": None, "arguments": ""}})
+                    call["id"] = piece.get("id") or call["id"]
+                    function = piece.get("function", {})
+                    call["function"]["name"] = function.get("name") or call["function"]["name"]
+                    call["function"]["arguments"] += function.get("arguments") or ""
+    output = _output(text if message is not None else None, [calls[i] for i in sorted(calls)])
+    if message is not None:     # the streamed message keeps its id
+        output[0]["id"] = message["id"]
+    done = response.finished(output, finish_reason, usage or {"prompt_tokens": 0, "completion_tokens": 0,
+                                                              "total_tokens": 0})
+    for index, item in enumerate(output):
+        if item["type"] == "message":
+            yield event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
+                        text=text, logprobs=[])
+            yield event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
+                        part=item["content"][0])
+        else:
+            yield event("response.output_item.added", output_index=index, item=item | {"status": "in_progress",
+                                                                                      "arguments": ""})
+            yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                        delta=item["arguments"])
+            yield event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                        arguments=item["arguments"])
+        yield event("response.output_item.done", output_index=index, item=item)
+    # response.completed even for an incomplete response (its status says so), as vLLM does: the SDK's stream
+    # helpers wait for that event alone
+    yield event("response.completed", response=done)

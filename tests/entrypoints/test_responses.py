@@ -1,0 +1,145 @@
+"""/v1/responses (OpenAI's Responses API) on a tiny random Llama behind the real server, driven with the `openai`
+SDK: the reply is the chat endpoint's for the same conversation, whole or as the Responses events; text.format and
+function tools as the chat's response_format and tools; what a text-only server without storage cannot do is a 400."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.config import CacheConfig, EngineConfig, ModelConfig
+from pagedllm.engine.llm_engine import LLMEngine
+from tests.entrypoints.server_utils import RunningServer, start_server
+from tests.models.tiny import save_tiny_model
+
+# an enum, so that the random model's forced call ends within a few tokens
+WEATHER = {"type": "function", "name": "get_weather", "parameters": {"type": "object", "properties": {
+    "city": {"enum": ["Rome", "Oslo"]}}, "required": ["city"], "additionalProperties": False}}
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    folder, _ = save_tiny_model(tmp_path_factory.mktemp("tiny") / "m", "llama-gqa", initializer_range=0.5,
+                                max_position_embeddings=1024)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir):
+    # a context of 1,024: the byte tokenizer spends ~450 tokens on a tool's system message
+    engine = LLMEngine(EngineConfig(model=ModelConfig(model=str(tiny_dir), dtype="float32", max_model_len=1024),
+                                    cache=CacheConfig(block_size=16, num_blocks=512)))
+    running = start_server(engine, api_key=None)
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server: RunningServer) -> openai.OpenAI:
+    return server.client()
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_dir) -> LLM:
+    return LLM(model=str(tiny_dir), dtype="float32", block_size=16, num_kv_blocks=512)
+
+
+def _offline_chat(offline: LLM, messages: list[dict], max_tokens: int):
+    return offline.chat(messages, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)[0]
+
+
+@pytest.mark.parametrize("max_output_tokens", [3, 40])
+def test_a_response_is_the_chat_reply_to_instructions_and_input(client, server, offline, max_output_tokens):
+    response = client.responses.create(model=server.model_name, instructions="Be brief.", input="Say something.",
+                                       max_output_tokens=max_output_tokens, temperature=0)
+    expected = _offline_chat(offline, [{"role": "system", "content": "Be brief."},
+                                       {"role": "user", "content": "Say something."}], max_output_tokens)
+    completion = expected.outputs[0]
+    assert response.output_text == completion.text and response.object == "response"
+    (message,) = response.output
+    assert message.type == "message" and message.role == "assistant" and message.content[0].type == "output_text"
+    assert response.usage.input_tokens == len(expected.prompt_token_ids)
+    assert response.usage.output_tokens == len(completion.token_ids)
+    cut = completion.finish_reason == "length"
+    assert response.status == ("incomplete" if cut else "completed") and message.status == response.status
+    assert (response.incomplete_details is not None) == cut
+    assert response.instructions == "Be brief." and response.max_output_tokens == max_output_tokens
+
+
+def test_streamed_events_build_the_same_response(client, server):
+    asked = dict(model=server.model_name, input=[{"role": "user", "content": [
+        {"type": "input_text", "text": "Tell me"}, {"type": "input_text", "text": "a story."}]}],
+        max_output_tokens=12, temperature=0)
+    whole = client.responses.create(**asked)
+    with client.responses.stream(**asked) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.completed"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert "".join(deltas) == whole.output_text == final.output_text and len(deltas) > 1
+    assert final.usage.output_tokens == whole.usage.output_tokens and final.status == whole.status
+    assert len({e.item_id for e in events if hasattr(e, "item_id")} | {final.output[0].id}) == 1
+
+
+def test_text_format_constrains_the_output(client, server):
+    schema = {"type": "object", "properties": {"colour": {"enum": ["red", "green"]}}, "required": ["colour"],
+              "additionalProperties": False}
+    response = client.responses.create(model=server.model_name, input="Pick a colour.", max_output_tokens=40,
+                                       text={"format": {"type": "json_schema", "name": "pick", "schema": schema}})
+    assert response.status == "completed" and json.loads(response.output_text)["colour"] in ("red", "green")
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "name": "get_weather"}])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_forced_function_call_is_a_function_call_item(client, server, tool_choice, stream):
+    asked = dict(model=server.model_name, input="Weather in Rome?", tools=[WEATHER], tool_choice=tool_choice,
+                 parallel_tool_calls=False, max_output_tokens=200)     # one call: the list ends
+    if stream:
+        with client.responses.stream(**asked) as events:
+            kinds = [e.type for e in events]
+            response = events.get_final_response()
+        assert "response.function_call_arguments.done" in kinds
+    else:
+        response = client.responses.create(**asked)
+    (call,) = [item for item in response.output if item.type == "function_call"]
+    assert call.name == "get_weather" and json.loads(call.arguments)["city"] in ("Rome", "Oslo")
+    assert call.call_id.startswith("call") and call.status == "completed"
+
+
+def test_function_call_items_render_as_the_chat_tool_turns(client, server):
+    items = [{"role": "user", "content": "Weather in Rome?"},
+             {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Rome"}'},
+             {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}]
+    response = client.responses.create(model=server.model_name, input=items, max_output_tokens=1, temperature=0)
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}
+    chat = client.chat.completions.create(model=server.model_name, max_tokens=1, temperature=0, messages=[
+        items[0], {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}])
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+    assert response.output_text == chat.choices[0].message.content
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"background": True}, "background"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"tools": [{"type": "web_search"}]}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"input": [{"type": "input_image", "image_url": "http://x"}]}, "input"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input"),
+    ({"input": []}, "input"),
+    ({"temperature": -1}, "temperature"),
+    ({"model": "gpt-4o"}, "model"),
+])
+def test_what_this_server_cannot_do_is_a_clear_error(client, server, fields, param):
+    with pytest.raises(openai.APIStatusError) as info:
+        client.responses.create(**{"model": server.model_name, "input": "hi", **fields})
+    assert info.value.status_code in (400, 404) and info.value.body["param"] == param, info.value.body
