@@ -65,20 +65,24 @@ def test_requests_are_answered_as_the_offline_api_answers_them_in_the_input_orde
              _line("chat", "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 4, "temperature": 0,
                                                     "ignore_eos": True, "n": 2}),
              _line("short", "/v1/completions", {"prompt": ["a", "b"], "max_tokens": 2, "temperature": 0,
-                                                "ignore_eos": True})]
+                                                "ignore_eos": True}),
+             _line("response", "/v1/responses", {"input": MESSAGES, "max_output_tokens": 4, "temperature": 0})]
     outputs, counts = _run(tiny_dir, lines)
-    assert [o["custom_id"] for o in outputs] == ["long", "chat", "short"]
-    assert (counts.succeeded, counts.failed) == (3, 0)
+    assert [o["custom_id"] for o in outputs] == ["long", "chat", "short", "response"]
+    assert (counts.succeeded, counts.failed) == (4, 0)
     for output in outputs:
         response = output["response"]
         assert output["error"] is None and output["id"].startswith("batch_req")
         assert response["status_code"] == 200 and response["request_id"] == response["body"]["id"]
-    long, chat, short = (o["response"]["body"] for o in outputs)
+    long, chat, short, response = (o["response"]["body"] for o in outputs)
     assert long["choices"][0]["text"] == _greedy(reference, "Once upon a time", 48)
     assert long["usage"]["completion_tokens"] == 48
     assert chat["object"] == "chat.completion" and len(chat["choices"]) == 2
     assert [c["message"]["content"] for c in chat["choices"]] == [_greedy(reference, MESSAGES, 4, chat=True)] * 2
     assert [c["text"] for c in short["choices"]] == [_greedy(reference, p, 2) for p in ("a", "b")]
+    assert response["object"] == "response" and response["usage"]["output_tokens"] <= 4
+    assert response["output"][0]["content"][0]["text"] == reference.chat(
+        MESSAGES, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0].outputs[0].text
 
 
 @pytest.mark.parametrize("max_in_flight", [1, 3])

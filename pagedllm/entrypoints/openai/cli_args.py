@@ -56,8 +56,8 @@ def add_server_args(parser: argparse.ArgumentParser, *, positional_model: bool) 
 
 
 RUN_BATCH_DESCRIPTION = ("Answer a file of requests in OpenAI's batch format (a JSON object a line: custom_id, "
-                         "method POST, url /v1/chat/completions or /v1/completions, body) offline, as the server "
-                         "would, and write a line for each to the output file, in the input's order.")
+                         "method POST, url /v1/chat/completions, /v1/completions or /v1/responses, body) offline, "
+                         "as the server would, and write a line for each to the output file, in the input's order.")
 
 
 def add_run_batch_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

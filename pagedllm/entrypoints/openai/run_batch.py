@@ -1,6 +1,7 @@
 """`pagedllm run-batch -i requests.jsonl -o results.jsonl [--model MODEL] [flags]` (vLLM's `vllm run-batch`): a
-file of requests in OpenAI's batch format, answered by the server's own /v1/chat/completions and /v1/completions
-(the same validation, defaults and response bodies) without HTTP, all in one engine's continuous batches.
+file of requests in OpenAI's batch format, answered by the server's own /v1/chat/completions, /v1/completions and
+/v1/responses (the same validation, defaults and response bodies) without HTTP, all in one engine's continuous
+batches.
 
 Input, a JSON object a line (blank lines are skipped):
     {"custom_id": "request-1", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": [...], ...}}
@@ -32,12 +33,14 @@ from pagedllm.entrypoints.openai.cli_args import RUN_BATCH_DESCRIPTION, add_run_
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    ResponsesRequest,
     random_id,
     validation_error,
 )
 from pagedllm.entrypoints.openai.serving_base import ServerLimits, error_for
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +77,7 @@ async def run_batch(engine: AsyncEngine | AsyncDataParallelEngine, lines: Iterab
     endpoints: dict[str, Endpoint] = {
         "/v1/chat/completions": (ChatCompletionRequest, chat.create),
         "/v1/completions": (CompletionRequest, OpenAIServingCompletion(engine, names, limits).create),
+        "/v1/responses": (ResponsesRequest, OpenAIServingResponses(chat).create),
     }
     counts = BatchCounts()
     done: dict[int, tuple[int, dict[str, Any]]] = {}    # answered, waiting for the requests before them
