@@ -4,15 +4,17 @@ function tools as the chat's response_format and tools; what a text-only server 
 
 from __future__ import annotations
 
+import asyncio
 import json
 
+import httpx
 import openai
 import pytest
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import CacheConfig, EngineConfig, ModelConfig
 from pagedllm.engine.llm_engine import LLMEngine
-from tests.entrypoints.server_utils import RunningServer, start_server
+from tests.entrypoints.server_utils import RunningServer, metric, scrape, start_server, wait_until
 from tests.models.tiny import save_tiny_model
 
 # an enum, so that the random model's forced call ends within a few tokens
@@ -125,6 +127,25 @@ def test_function_call_items_render_as_the_chat_tool_turns(client, server):
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}])
     assert response.usage.input_tokens == chat.usage.prompt_tokens
     assert response.output_text == chat.choices[0].message.content
+
+
+def test_a_client_that_leaves_a_stream_aborts_its_request(server):
+    engine = server.engine.engine
+    aborts = metric(scrape(server.base_url), "pagedllm:request_success_total", finished_reason="abort")
+    eos = engine.tokenizer.eos_token_id
+    body = {"input": "Tell me a story.", "max_output_tokens": 500, "stream": True, "logit_bias": {str(eos): -100}}
+
+    async def open_and_drop() -> None:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as http, \
+                http.stream("POST", "/v1/responses", json=body) as response:
+            assert response.status_code == 200
+            async for line in response.aiter_lines():
+                if line == "event: response.in_progress":
+                    break       # before any text: hang up
+    asyncio.run(open_and_drop())
+    assert wait_until(lambda: metric(scrape(server.base_url), "pagedllm:request_success_total",
+                                     finished_reason="abort") == aborts + 1)
+    assert wait_until(lambda: not engine.scheduler.requests)
 
 
 @pytest.mark.parametrize(("fields", "param"), [

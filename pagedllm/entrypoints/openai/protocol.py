@@ -221,6 +221,7 @@ class ResponsesRequest(_Request):
     background: bool = False
     top_logprobs: int | None = None
     # vLLM's extras
+    logit_bias: dict[str, float] | None = None
     top_k: int | None = None
     min_p: float | None = None
     presence_penalty: float = 0.0

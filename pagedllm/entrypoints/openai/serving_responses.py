@@ -95,7 +95,8 @@ def _chat_request(request: ResponsesRequest) -> ChatCompletionRequest:
         "model": request.model, "messages": messages, "max_completion_tokens": request.max_output_tokens,
         "temperature": request.temperature, "top_p": request.top_p, "top_k": request.top_k, "min_p": request.min_p,
         "presence_penalty": request.presence_penalty, "frequency_penalty": request.frequency_penalty,
-        "repetition_penalty": request.repetition_penalty, "seed": request.seed, "user": request.user,
+        "repetition_penalty": request.repetition_penalty, "logit_bias": request.logit_bias, "seed": request.seed,
+        "user": request.user,
         "priority": request.priority, "cache_salt": request.cache_salt, "stream": request.stream,
         "stream_options": {"include_usage": True} if request.stream else None,
         "response_format": _response_format(request.text)}
@@ -211,13 +212,13 @@ async def _events(response: _Response, chunks: AsyncIterator[dict[str, Any]]) ->
         sequence += 1
         return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
-    yield event("response.created", response=response.fields)
-    yield event("response.in_progress", response=response.fields)
     message: dict[str, Any] | None = None
     text = ""
     calls: dict[int, dict[str, Any]] = {}
     finish_reason, usage = None, None
-    async with aclosing(chunks):
+    async with aclosing(chunks):     # from the first event on: a client that leaves aborts the request at once
+        yield event("response.created", response=response.fields)
+        yield event("response.in_progress", response=response.fields)
         async for chunk in chunks:
             if "error" in chunk:
                 error = chunk["error"]
