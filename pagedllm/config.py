@@ -146,6 +146,9 @@ class ModelConfig:
         enforce_eager: run the model's modules one by one, from Python: on a GPU, instead of replaying the decode
             steps' CUDA graphs (`pagedllm.runner.cuda_graphs`); on a CPU, instead of running all decoder layers in one
             C++ call a step (`LlamaForCausalLM.use_decoder_stack`; the same bits either way).
+        generation_config: "auto" (the model's generation_config.json: its sampling defaults for requests that set
+            none, and its other EOS ids as stop ids), "vllm" (none of it) or a folder holding such a file; vLLM's
+            `--generation-config` (pagedllm.loader.generation_config).
         disable_cascade_attn: never run a step's attention as cascade attention (vLLM's key). By default the CPU
             kernels do where every sequence of a step starts with the same cached blocks and enough of them share
             enough keys to pay (`pagedllm/kernels/csrc/paged_attention.cpp`); its results differ from the
@@ -162,6 +165,7 @@ class ModelConfig:
     quantization: str | None = None
     enforce_eager: bool = False
     disable_cascade_attn: bool = False
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         _require(self.dtype in ("auto", "bfloat16", "float16", "float32"), "dtype",

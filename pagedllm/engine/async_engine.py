@@ -39,7 +39,7 @@ import time
 from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from pagedllm.core.kv_cache.block_map import BlockMap
 from pagedllm.distributed import TensorParallelError
@@ -152,6 +152,10 @@ class AsyncEngine:
     @property
     def vocab_size(self) -> int:
         return self.engine.vocab_size
+
+    @property
+    def default_sampling(self) -> dict[str, Any]:
+        return self.engine.default_sampling
 
     @property
     def swap_space_bytes(self) -> int:

@@ -26,7 +26,7 @@ import functools
 from collections import Counter
 from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -150,6 +150,7 @@ class DataParallelEngine:
         self.config.parallel = copy.deepcopy(config.parallel)
         self.tokenizer, self.model_name = first.tokenizer, first.model_name
         self.vocab_size, self.max_model_len = first.vocab_size, first.max_model_len
+        self.default_sampling = first.default_sampling
         self.router = make_router(config, first.capacity.num_blocks)
         self._owner: dict[str, int] = {}    # unfinished request id -> its replica
 
@@ -267,6 +268,10 @@ class AsyncDataParallelEngine:
     @property
     def vocab_size(self) -> int:
         return self.replicas[0].vocab_size
+
+    @property
+    def default_sampling(self) -> dict[str, Any]:
+        return self.replicas[0].default_sampling
 
     @property
     def swap_space_bytes(self) -> int:

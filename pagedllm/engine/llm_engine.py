@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -23,6 +24,7 @@ from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.heap import paused_gc
 from pagedllm.inputs import ParsedPrompt, PromptType, parse_prompt
 from pagedllm.loader import load_model, max_model_len_of
+from pagedllm.loader.generation_config import read_generation_config
 from pagedllm.logger import init_logger
 from pagedllm.metrics.stats import SchedulerStats
 from pagedllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
@@ -141,6 +143,12 @@ class LLMEngine:
         self.model_name = loaded.resolved.name
         self.tokenizer = load_tokenizer(loaded.resolved.path, loaded.resolved.gguf_file, config.model.chat_template)
         self.hf_config = loaded.hf_config
+        defaults = read_generation_config(config.model.generation_config, loaded.resolved, loaded.hf_config)
+        self.default_sampling = defaults.sampling       # SamplingParams field -> the model's default
+        # the model's other EOS ids: stop ids of every request that does not ignore EOS (vLLM's
+        # update_from_generation_config), e.g. Llama 3's <|eot_id|> and <|eom_id|> beside <|end_of_text|>
+        self.eos_stop_token_ids = [t for t in dict.fromkeys(defaults.eos_token_ids)
+                                   if t != self.tokenizer.eos_token_id]
         self.max_model_len = max_model_len_of(loaded.hf_config, config.model.max_model_len)
         config.scheduler.max_model_len = self.max_model_len
         self.structured_output = StructuredOutputManager(self.tokenizer, model_shape(loaded.hf_config).vocab_size)
@@ -256,9 +264,12 @@ class LLMEngine:
                                               *(params.allowed_token_ids or [])]):
             raise ValueError(f"logit_bias, stop_token_ids and allowed_token_ids take token ids in [0, "
                              f"{self.vocab_size})")
-        params.resolve_bad_words(lambda text: self.tokenizer.encode(text, add_special_tokens=False))
         if params.structured_outputs is not None:
             self.structured_output.compile(params.structured_outputs)   # a cache hit when the caller compiled it
+        missing = [t for t in self.eos_stop_token_ids if t not in params.stop_token_ids]
+        if missing and not params.ignore_eos:
+            params = dataclasses.replace(params, stop_token_ids=params.stop_token_ids + missing)
+        params.resolve_bad_words(lambda text: self.tokenizer.encode(text, add_special_tokens=False))
         completions = [_Completion(i, IncrementalDetokenizer(self.tokenizer, params, token_ids),
                                    logprobs=[] if params.logprobs is not None else None) for i in range(params.n)]
         self.scheduler.add_request(Request(

@@ -78,6 +78,8 @@ class LLM:
             captured at start-up, on a CPU instead of running the decoder layers in one C++ call a step.
         disable_cascade_attn: never run a step's attention as cascade attention over a shared prefix (see
             `ModelConfig.disable_cascade_attn`).
+        generation_config: "auto" (the model's generation_config.json: its sampling defaults for calls given no
+            SamplingParams, its other EOS ids as stop ids), "vllm" (none of it) or a folder holding such a file.
     """
 
     def __init__(self, model: str | None = None, *, dtype: str = "auto", max_model_len: int | None = None,
@@ -92,11 +94,13 @@ class LLM:
                  tensor_parallel_size: int = 1, data_parallel_size: int = 1,
                  distributed_executor_backend: str | None = None,
                  data_parallel_router: DataParallelRouterPolicy = "prefix_aware", device: str = "auto",
-                 enforce_eager: bool = False, disable_cascade_attn: bool = False) -> None:
+                 enforce_eager: bool = False, disable_cascade_attn: bool = False,
+                 generation_config: str = "auto") -> None:
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
                               chat_template=chat_template, quantization=quantization, device=device,
-                              enforce_eager=enforce_eager, disable_cascade_attn=disable_cascade_attn),
+                              enforce_eager=enforce_eager, disable_cascade_attn=disable_cascade_attn,
+                              generation_config=generation_config),
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
                               gpu_memory_utilization=gpu_memory_utilization, swap_space=swap_space,
                               swap_path=swap_path, enable_prefix_caching=enable_prefix_caching,
@@ -135,6 +139,11 @@ class LLM:
 
     def get_tokenizer(self):
         return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` use when given no SamplingParams: SamplingParams() with the sampling defaults
+        of the model's generation config (`generation_config`), as vLLM's."""
+        return SamplingParams(**self.engine.default_sampling)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block; False (nothing done) while requests are running."""
@@ -176,7 +185,7 @@ class LLM:
         Args:
             prompts: one prompt or a list of them, each a string, a list of token ids, `{"prompt": str}` or
                 `{"prompt_token_ids": [...]}` (a dict may add `cache_salt`; see `pagedllm.inputs`).
-            sampling_params: one for all prompts, or one per prompt (default: SamplingParams()).
+            sampling_params: one for all prompts, or one per prompt (default: get_default_sampling_params()).
             use_tqdm: show a progress bar when there is more than one prompt.
             priority: one per prompt; lower runs first. Needs scheduling_policy "priority" unless all are 0.
 
@@ -186,7 +195,8 @@ class LLM:
         once in the log.
         """
         prompt_list = as_prompt_list(prompts)
-        params_list = _per_prompt(sampling_params or SamplingParams(), len(prompt_list), "sampling_params")
+        params_list = _per_prompt(sampling_params or self.get_default_sampling_params(), len(prompt_list),
+                                  "sampling_params")
         priorities = _per_prompt(list(priority) if priority is not None else 0, len(prompt_list), "priority")
         for prio in priorities:
             self.engine.config.scheduler.check_priority(prio)

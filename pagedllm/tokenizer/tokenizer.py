@@ -91,13 +91,3 @@ def _save_to_cache(tokenizer: PreTrainedTokenizerBase, target: Path) -> None:
     except OSError as exc:
         logger.warning("could not cache the tokenizer in %s: %s", target, exc)
 
-
-def eos_token_ids(tokenizer: PreTrainedTokenizerBase, hf_config: object | None = None) -> list[int]:
-    """Token ids that end generation: the tokenizer's EOS first, then any others the model config lists."""
-    ids: list[int] = []
-    candidates = [getattr(tokenizer, "eos_token_id", None), getattr(hf_config, "eos_token_id", None)]
-    for value in candidates:
-        for token_id in value if isinstance(value, (list, tuple)) else [value]:
-            if isinstance(token_id, int) and token_id not in ids:
-                ids.append(token_id)
-    return ids

@@ -25,6 +25,7 @@ class ExplodingEngine:
         self.real, self.gate = real, gate
         self.tokenizer, self.max_model_len, self.model_name = real.tokenizer, real.max_model_len, real.model_name
         self.vocab_size, self.swap_space_bytes = real.vocab_size, real.swap_space_bytes
+        self.default_sampling = real.default_sampling
         # An idle core of its own, for the metrics (the real engine's belongs to the shared server's thread).
         self.scheduler = Scheduler(SchedulerConfig(), KVCacheManager(num_blocks=16, block_size=16))
         self.pending: set[str] = set()

@@ -1,14 +1,13 @@
-"""load_tokenizer on the embedded SmolLM2 GGUF, its on-disk cache, and eos_token_ids."""
+"""load_tokenizer on the embedded SmolLM2 GGUF and its on-disk cache."""
 
 from __future__ import annotations
 
 import time
-from types import SimpleNamespace
 
 import pytest
 
 from pagedllm.loader.resolve import default_model_gguf as smol_gguf_path
-from pagedllm.tokenizer.tokenizer import _gguf_cache_path, eos_token_ids, load_tokenizer
+from pagedllm.tokenizer.tokenizer import _gguf_cache_path, load_tokenizer
 
 TEXTS = ["Hello, world!", "héllo 日本語 🎉 naïve café", "<|im_start|>user\nhi<|im_end|>\n", "  two  spaces\n\ttab"]
 
@@ -21,7 +20,6 @@ def tokenizer():
 def test_gguf_tokenizer_basics(tokenizer) -> None:
     assert len(tokenizer) == 49152
     assert tokenizer.eos_token == "<|im_end|>" and tokenizer.chat_template
-    assert eos_token_ids(tokenizer) == [tokenizer.eos_token_id]
     for text in TEXTS:
         assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
 
@@ -64,9 +62,3 @@ def test_chat_template_override(tokenizer, tmp_path) -> None:
     with pytest.raises(ValueError, match="neither"):
         load_tokenizer(smol_gguf_path(), chat_template=str(tmp_path / "missing.jinja"))
 
-
-def test_eos_token_ids_merges_config() -> None:
-    tok = SimpleNamespace(eos_token_id=2)
-    assert eos_token_ids(tok, SimpleNamespace(eos_token_id=[2, 7])) == [2, 7]
-    assert eos_token_ids(tok, SimpleNamespace(eos_token_id=9)) == [2, 9]
-    assert eos_token_ids(SimpleNamespace(eos_token_id=None)) == []

@@ -148,16 +148,18 @@ class OpenAIServing:
             raise OpenAIError(str(exc), param=param) from exc
 
     def resolve_max_tokens(self, max_tokens: int | None, num_prompt_tokens: int, param: str = "max_tokens") -> int:
-        """`max_tokens`, or all the context left; 400 if prompt + max_tokens overflows the context."""
+        """`max_tokens`, or all the context left, at most the model's generation config's max_tokens (as vLLM);
+        400 if prompt + max_tokens overflows the context."""
         max_len = self.engine.max_model_len
+        cap = self.engine.default_sampling.get("max_tokens")
         if max_tokens is None:
-            return max_len - num_prompt_tokens
+            return min(max_len - num_prompt_tokens, cap or max_len)
         if max_tokens >= 1 and num_prompt_tokens + max_tokens > max_len:
             raise OpenAIError(f"This model's maximum context length is {max_len} tokens. However, you requested "
                               f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the messages, "
                               f"{max_tokens} in the completion). Please reduce the length of the messages or "
                               "completion.", param=param, code="context_length_exceeded")
-        return max_tokens
+        return min(max_tokens, cap) if cap and max_tokens >= 1 else max_tokens
 
     def sampling_params(self, request: _SamplingFields, max_tokens: int, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
@@ -181,9 +183,12 @@ class OpenAIServing:
             spaces_between_special_tokens=request.spaces_between_special_tokens,
             include_stop_str_in_output=request.include_stop_str_in_output, output_kind="delta",
             structured_outputs=structured_outputs_from(request.response_format, request.structured_outputs))
+        # what the request leaves unset: the model's generation config's default, else SamplingParams' own
         optional = dict(temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
                         min_p=request.min_p, repetition_penalty=request.repetition_penalty)
-        fields.update({k: v for k, v in optional.items() if v is not None})
+        defaults = self.engine.default_sampling
+        fields.update({k: defaults[k] if v is None else v for k, v in optional.items()
+                       if v is not None or k in defaults})
         try:
             return SamplingParams(**fields)
         except ValueError as exc:
