@@ -1,5 +1,5 @@
 """The server's flags -> EngineConfig: --speculative-config takes vLLM's JSON; --enforce-eager,
---disable-cascade-attn."""
+--disable-cascade-attn, --generation-config; the CORS flags take JSON lists."""
 
 from __future__ import annotations
 
@@ -43,3 +43,22 @@ def test_enforce_eager_reaches_the_model_config() -> None:
 def test_disable_cascade_attn_reaches_the_model_config() -> None:
     assert _config().model.disable_cascade_attn is False
     assert _config("--disable-cascade-attn").model.disable_cascade_attn is True
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    return add_server_args(argparse.ArgumentParser(), positional_model=True).parse_args(list(argv))
+
+
+def test_cors_flags_take_json_lists_as_vllms_do() -> None:
+    default = _args()
+    assert (default.allowed_origins, default.allowed_methods, default.allowed_headers) == ([], ["*"], ["*"])
+    given = _args("--allowed-origins", '["http://localhost:3000"]', "--allow-credentials")
+    assert given.allowed_origins == ["http://localhost:3000"] and given.allow_credentials
+    for text in ("http://localhost:3000", '{"a": 1}', "[1]"):
+        with pytest.raises(SystemExit):
+            _args("--allowed-origins", text)
+
+
+def test_generation_config_reaches_the_model_config() -> None:
+    assert _config().model.generation_config == "auto"
+    assert _config("--generation-config", "vllm").model.generation_config == "vllm"

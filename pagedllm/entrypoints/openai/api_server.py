@@ -19,12 +19,14 @@ DESCRIPTION = ("Serve a model over an OpenAI-compatible HTTP API: /v1/models, /v
 def build_app_from_args(args: argparse.Namespace):
     """Load the engine the flags describe and wrap it in the app (the engine thread starts with the server)."""
     from pagedllm.engine.data_parallel import build_async_engine
-    from pagedllm.entrypoints.openai.server import build_app
+    from pagedllm.entrypoints.openai.server import CorsPolicy, build_app
 
     engine = build_async_engine(engine_config_from_args(args), log_requests=args.enable_log_requests)
     return build_app(engine, served_model_names=args.served_model_name, api_key=args.api_key,
                      limits=limits_from_args(args), enable_auto_tool_choice=args.enable_auto_tool_choice,
-                     tool_call_parser=args.tool_call_parser)
+                     tool_call_parser=args.tool_call_parser,
+                     cors=CorsPolicy(args.allowed_origins, args.allowed_methods, args.allowed_headers,
+                                     args.allow_credentials))
 
 
 def limits_from_args(args: argparse.Namespace):

@@ -36,6 +36,17 @@ def parse_json_object(text: str) -> dict:
     return value
 
 
+def parse_json_list(text: str) -> list[str]:
+    """A JSON list of strings given on the command line, e.g. --allowed-origins '["http://localhost:3000"]'."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON: {exc}") from None
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON list of strings")
+    return value
+
+
 def add_server_args(parser: argparse.ArgumentParser, *, positional_model: bool) -> argparse.ArgumentParser:
     """Add every serving flag to `parser`, group by group (--help lists them so).
 
@@ -90,6 +101,15 @@ def _add_http_args(server: argparse._ArgumentGroup) -> None:
     server.add_argument("--api-key", default=os.environ.get("PAGEDLLM_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on /v1/* (default: $PAGEDLLM_API_KEY; unset "
                              "means no key)")
+    server.add_argument("--allowed-origins", type=parse_json_list, default=[], metavar="JSON",
+                        help='origins whose web pages may call the server from a browser (CORS), e.g. '
+                             '\'["http://localhost:3000"]\' or \'["*"]\' (default: none, as vLLM)')
+    server.add_argument("--allowed-methods", type=parse_json_list, default=["*"], metavar="JSON",
+                        help="the HTTP methods those pages may use (default: all)")
+    server.add_argument("--allowed-headers", type=parse_json_list, default=["*"], metavar="JSON",
+                        help="the request headers those pages may send (default: all)")
+    server.add_argument("--allow-credentials", action="store_true",
+                        help="let those pages send cookies and HTTP authentication")
     server.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="on SIGTERM or Ctrl-C: seconds to let running requests finish before aborting them "
                              "(new requests get 503 meanwhile); a second Ctrl-C quits at once (default: %(default)s)")

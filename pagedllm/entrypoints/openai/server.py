@@ -10,10 +10,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -41,9 +43,20 @@ from pagedllm.entrypoints.openai.transport import RequestGate, respond
 from pagedllm.metrics.prometheus import PrometheusStatLogger
 
 
+@dataclass(frozen=True)
+class CorsPolicy:
+    """Which web pages' scripts may call the server from a browser (vLLM's --allowed-origins and the rest). The
+    default lets none: a page from another origin cannot read the server's answers."""
+
+    origins: Sequence[str] = ()
+    methods: Sequence[str] = ("*",)
+    headers: Sequence[str] = ("*",)
+    credentials: bool = False
+
+
 def build_app(engine: AsyncEngine | AsyncDataParallelEngine, *, served_model_names: Sequence[str] | None = None,
               api_key: str | None = None, limits: ServerLimits | None = None, enable_auto_tool_choice: bool = False,
-              tool_call_parser: str | None = None) -> FastAPI:
+              tool_call_parser: str | None = None, cors: CorsPolicy | None = None) -> FastAPI:
     """An OpenAI-compatible app serving `engine`.
 
     Args:
@@ -54,6 +67,7 @@ def build_app(engine: AsyncEngine | AsyncDataParallelEngine, *, served_model_nam
         limits: per-request limits (default: ServerLimits()).
         enable_auto_tool_choice: allow tool_choice "auto" (the model decides whether to call a tool).
         tool_call_parser: how the model writes tool calls (a name of TOOL_PARSERS); needed by the above.
+        cors: the origins whose pages may call the server (default: none).
     """
     if enable_auto_tool_choice and tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
@@ -76,6 +90,10 @@ def build_app(engine: AsyncEngine | AsyncDataParallelEngine, *, served_model_nam
     app.state.registry = stat_logger.registry
     _add_error_handlers(app)
     app.add_middleware(RequestGate, max_bytes=limits.max_request_body_bytes, api_key=api_key)
+    if cors is not None and cors.origins:
+        # outside the gate: a browser's preflight (OPTIONS, which carries no API key) is answered here
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors.origins), allow_methods=list(cors.methods),
+                           allow_headers=list(cors.headers), allow_credentials=cors.credentials)
     chat = OpenAIServingChat(engine, names, limits, tool_call_parser if enable_auto_tool_choice else None)
     app.include_router(_v1_router(OpenAIServingCompletion(engine, names, limits), chat))
     app.include_router(_utility_router(OpenAIServingTokenization(chat), stat_logger))
