@@ -40,6 +40,7 @@ from pagedllm.engine.engine_thread import EngineThread
 from pagedllm.engine.llm_engine import LLMEngine, PromptInput
 from pagedllm.inputs import parse_prompt
 from pagedllm.logger import init_logger
+from pagedllm.metrics.log_stats import LoggingStatLogger
 from pagedllm.outputs import RequestOutput
 from pagedllm.runner import kv_tensors
 from pagedllm.sampling_params import SamplingParams
@@ -359,11 +360,15 @@ class AsyncDataParallelEngine:
             self.replicas[index].abort(request_id)
 
 
-def build_async_engine(config: EngineConfig, log_requests: bool = False) -> AsyncEngine | AsyncDataParallelEngine:
+def build_async_engine(config: EngineConfig, log_requests: bool = False,
+                       log_stats: bool = False) -> AsyncEngine | AsyncDataParallelEngine:
     """The server's engine: one AsyncEngine, or with data_parallel_size > 1 the replicas behind the router; each
-    engine built on the thread that steps it."""
+    engine built on the thread that steps it. `log_stats`: vLLM's log line of throughput and load every 10 s of
+    activity (pagedllm.metrics.log_stats)."""
     replicas, threads = build_replicas(config, "pagedllm-engine")
     engines = [AsyncEngine(replica, log_requests, thread) for replica, thread in zip(replicas, threads, strict=True)]
-    if len(engines) == 1:
-        return engines[0]
-    return AsyncDataParallelEngine(engines, make_router(config, replicas[0].capacity.num_blocks))
+    engine = engines[0] if len(engines) == 1 else AsyncDataParallelEngine(
+        engines, make_router(config, replicas[0].capacity.num_blocks))
+    if log_stats:
+        engine.add_stat_logger(LoggingStatLogger().record)
+    return engine

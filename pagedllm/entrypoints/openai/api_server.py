@@ -21,7 +21,8 @@ def build_app_from_args(args: argparse.Namespace):
     from pagedllm.engine.data_parallel import build_async_engine
     from pagedllm.entrypoints.openai.server import CorsPolicy, build_app
 
-    engine = build_async_engine(engine_config_from_args(args), log_requests=args.enable_log_requests)
+    engine = build_async_engine(engine_config_from_args(args), log_requests=args.enable_log_requests,
+                                log_stats=not args.disable_log_stats)
     return build_app(engine, served_model_names=args.served_model_name, api_key=args.api_key,
                      limits=limits_from_args(args), enable_auto_tool_choice=args.enable_auto_tool_choice,
                      tool_call_parser=args.tool_call_parser,

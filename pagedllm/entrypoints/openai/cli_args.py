@@ -131,6 +131,9 @@ def _add_openai_args(server: argparse._ArgumentGroup) -> None:
                              "style) or llama3_json")
     server.add_argument("--enable-log-requests", action="store_true",
                         help="log each request's prompt and sampling parameters (off: prompts may be private)")
+    server.add_argument("--disable-log-stats", action="store_true",
+                        help="no log line every 10 s of the throughput, the running and waiting requests, KV "
+                             "cache usage and prefix cache hit rate")
 
 
 def _add_limit_args(limits: argparse._ArgumentGroup) -> None:

@@ -174,7 +174,8 @@ def main(args: argparse.Namespace) -> None:
             open(args.output_file, "w", encoding="utf-8"))
         try:
             config = engine_config_from_args(args)
-            engine = build_async_engine(config, log_requests=args.enable_log_requests)
+            engine = build_async_engine(config, log_requests=args.enable_log_requests,
+                                        log_stats=not args.disable_log_stats)
         except ValueError as exc:
             raise SystemExit(f"error: {exc}") from exc
         counts = asyncio.run(_run(engine, source, sink, 2 * config.scheduler.max_num_seqs, args,
