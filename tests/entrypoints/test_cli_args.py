@@ -1,5 +1,5 @@
 """The server's flags -> EngineConfig: --speculative-config takes vLLM's JSON; --enforce-eager,
---disable-cascade-attn, --generation-config; the CORS flags take JSON lists."""
+--disable-cascade-attn, --generation-config; the CORS flags take JSON lists; uvicorn's access log."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import argparse
 
 import pytest
 
+from pagedllm.entrypoints.openai.api_server import uvicorn_config
 from pagedllm.entrypoints.openai.cli_args import add_server_args, engine_config_from_args
 
 
@@ -62,3 +63,16 @@ def test_cors_flags_take_json_lists_as_vllms_do() -> None:
 def test_generation_config_reaches_the_model_config() -> None:
     assert _config().model.generation_config == "auto"
     assert _config("--generation-config", "vllm").model.generation_config == "vllm"
+
+
+@pytest.mark.parametrize(("flags", "access_log"), [((), True), (("--disable-uvicorn-access-log",), False)])
+def test_uvicorn_access_log_follows_the_flag(flags, access_log) -> None:
+    config = uvicorn_config(object(), _args("--port", "8123", *flags))
+    assert config.access_log is access_log and config.port == 8123 and config.host == "127.0.0.1"
+
+
+def test_a_vllm_command_line_parses() -> None:
+    args = _args("--trust-remote-code", "--disable-log-stats", "--disable-uvicorn-access-log", "--max-model-len",
+                 "4096", "--gpu-memory-utilization", "0.5", "--served-model-name", "smol", "--enable-prefix-caching",
+                 "--generation-config", "vllm", "--allowed-origins", '["*"]')
+    assert args.trust_remote_code and args.max_model_len == 4096 and args.served_model_name == ["smol"]

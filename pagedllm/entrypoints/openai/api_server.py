@@ -40,8 +40,6 @@ def limits_from_args(args: argparse.Namespace):
 
 
 def run_server(args: argparse.Namespace) -> None:
-    import uvicorn
-
     from pagedllm.entrypoints.openai.graceful import GracefulServer
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -54,13 +52,20 @@ def run_server(args: argparse.Namespace) -> None:
     names = ", ".join(args.served_model_name or [app.state.engine.model_name])
     logger.info("serving %s on http://%s:%d (API key %s)", names, args.host, args.port,
                 "required" if args.api_key else "not required")
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                            timeout_keep_alive=5, timeout_graceful_shutdown=5)
     try:
-        GracefulServer(config, app.state.engine, args.shutdown_timeout).run()
+        GracefulServer(uvicorn_config(app, args), app.state.engine, args.shutdown_timeout).run()
     finally:
         # The lifespan closes the engine on a graceful stop; a forced one (a second signal) skips the lifespan.
         app.state.engine.close()
+
+
+def uvicorn_config(app, args: argparse.Namespace):
+    """How uvicorn serves `app` under the flags."""
+    import uvicorn
+
+    return uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                          access_log=not args.disable_uvicorn_access_log, timeout_keep_alive=5,
+                          timeout_graceful_shutdown=5)
 
 
 def make_parser() -> argparse.ArgumentParser:

@@ -113,6 +113,8 @@ def _add_http_args(server: argparse._ArgumentGroup) -> None:
     server.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="on SIGTERM or Ctrl-C: seconds to let running requests finish before aborting them "
                              "(new requests get 503 meanwhile); a second Ctrl-C quits at once (default: %(default)s)")
+    server.add_argument("--disable-uvicorn-access-log", action="store_true",
+                        help="no uvicorn log line per HTTP request")
     server.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"],
                         help="uvicorn's log level (default: %(default)s)")
@@ -149,6 +151,9 @@ def _add_limit_args(limits: argparse._ArgumentGroup) -> None:
 
 
 def _add_engine_args(engine: argparse._ArgumentGroup) -> None:
+    engine.add_argument("--trust-remote-code", action="store_true",
+                        help="taken so that vLLM command lines run; it changes nothing: pagedllm runs its own "
+                             "model code (Llama and Qwen2 architectures), never code from a checkpoint")
     engine.add_argument("--max-model-len", type=int, default=None,
                         help="context length cap, prompt + output tokens (default: the model's own)")
     engine.add_argument("--device", default="auto",
