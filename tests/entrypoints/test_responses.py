@@ -157,6 +157,12 @@ def test_a_client_that_leaves_a_stream_aborts_its_request(server):
     ({"input": [{"type": "input_image", "image_url": "http://x"}]}, "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input"),
     ({"input": []}, "input"),
+    ({"input": [{"role": "wizard", "content": "hi"}]}, "input"),
+    ({"input": [{"type": "function_call", "call_id": "c"}]}, "input"),
+    ({"input": [{"type": "function_call_output", "output": "sunny"}]}, "input"),
+    ({"text": {"format": "json"}}, "text"),
+    ({"text": {"format": {"type": "xml"}}}, "text"),
+    ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"temperature": -1}, "temperature"),
     ({"model": "gpt-4o"}, "model"),
 ])

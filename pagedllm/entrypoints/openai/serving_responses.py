@@ -50,7 +50,11 @@ class OpenAIServingResponses:
         chat_request = _chat_request(request)
         model = self.chat.check_model(request.model)
         response = _Response(request, model)
-        reply = await self.chat.create(chat_request, sse=False)
+        try:
+            reply = await self.chat.create(chat_request, sse=False)
+        except OpenAIError as exc:      # named as the chat request names it: name the Responses API's field
+            exc.param = _CHAT_TO_RESPONSES_FIELD.get(exc.param, exc.param)
+            raise
         if isinstance(reply, dict):
             (choice,) = reply["choices"]
             message = choice["message"]
@@ -88,6 +92,9 @@ class _Response:
 
 
 # ---- request -> chat ----------------------------------------------------------------------------------------------
+_CHAT_TO_RESPONSES_FIELD = {"messages": "input", "max_completion_tokens": "max_output_tokens",
+                            "max_tokens": "max_output_tokens", "response_format": "text"}
+
 def _chat_request(request: ResponsesRequest) -> ChatCompletionRequest:
     messages = [{"role": "system", "content": request.instructions}] if request.instructions is not None else []
     messages += _messages(request.input)
@@ -124,19 +131,26 @@ def _messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
         if kind == "message":
             messages.append({"role": item.get("role"), "content": _text(i, item.get("content"))})
         elif kind == "function_call":
-            call = {"id": item.get("call_id"), "type": "function",
-                    "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
+            _require_strings(i, item, "call_id", "name", "arguments")
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]}}
             if messages and messages[-1]["role"] == "assistant" and messages[-1].get("tool_calls"):
                 messages[-1]["tool_calls"].append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
-            messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
-                             "content": _text(i, item.get("output"))})
+            _require_strings(i, item, "call_id")
+            messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": _text(i, item.get("output"))})
         elif kind != "reasoning":           # a reasoning item sent back: this server's models write none
             raise OpenAIError(f"input[{i}] has type {kind!r}; this server takes message, function_call and "
                               "function_call_output items", param="input")
     return messages
+
+
+def _require_strings(index: int, item: dict[str, Any], *keys: str) -> None:
+    for key in keys:
+        if not isinstance(item.get(key), str):
+            raise OpenAIError(f"input[{index}] ({item['type']}) needs {key}, a string", param="input")
 
 
 def _text(index: int, content: Any) -> str | list[dict[str, Any]]:
@@ -158,6 +172,9 @@ def _text(index: int, content: Any) -> str | list[dict[str, Any]]:
 def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     """`text.format` as the chat's response_format (the Responses API flattens json_schema's fields)."""
     fmt = (text or {}).get("format")
+    if fmt is not None and not isinstance(fmt, dict):
+        raise OpenAIError("text.format must be an object: {\"type\": \"text\" | \"json_object\" | "
+                          "\"json_schema\", ...}", param="text")
     if fmt is None or fmt.get("type") == "text":
         return None
     if fmt.get("type") == "json_schema":
