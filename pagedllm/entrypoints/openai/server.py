@@ -105,6 +105,7 @@ def build_app(engine: AsyncEngine | AsyncDataParallelEngine, *, served_model_nam
 def _v1_router(completion: OpenAIServingCompletion, chat: OpenAIServingChat) -> APIRouter:
     """/v1/*. The API key is checked by RequestGate, before the body is read."""
     engine, names = chat.engine, chat.served_model_names
+    responses_api = OpenAIServingResponses(chat)
     router = APIRouter(prefix="/v1", dependencies=[Depends(_refuse_while_draining(engine))])
 
     @router.get("/models")
@@ -123,7 +124,7 @@ def _v1_router(completion: OpenAIServingCompletion, chat: OpenAIServingChat) -> 
 
     @router.post("/responses")
     async def responses(body: ResponsesRequest, raw_request: Request) -> Response:
-        return await respond(raw_request, OpenAIServingResponses(chat).create(body))
+        return await respond(raw_request, responses_api.create(body))
 
     return router
 

@@ -47,11 +47,9 @@ class OpenAIServingResponses:
         if request.top_logprobs:
             raise OpenAIError("top_logprobs is not supported on /v1/responses (use /v1/chat/completions)",
                               param="top_logprobs")
-        chat_request = _chat_request(request)
-        model = self.chat.check_model(request.model)
-        response = _Response(request, model)
+        response = _Response(request, self.chat.check_model(request.model))
         try:
-            reply = await self.chat.create(chat_request, sse=False)
+            reply = await self.chat.create(_chat_request(request), sse=False)
         except OpenAIError as exc:      # named as the chat request names it: name the Responses API's field
             exc.param = _CHAT_TO_RESPONSES_FIELD.get(exc.param, exc.param)
             raise
@@ -67,7 +65,6 @@ class _Response:
     """The response object, as it stands at each step."""
 
     def __init__(self, request: ResponsesRequest, model: str) -> None:
-        self.request = request
         self.fields: dict[str, Any] = {
             "id": random_id("resp"), "object": "response", "created_at": now(), "status": "in_progress",
             "model": model, "output": [], "incomplete_details": None, "error": None,
@@ -94,6 +91,7 @@ class _Response:
 # ---- request -> chat ----------------------------------------------------------------------------------------------
 _CHAT_TO_RESPONSES_FIELD = {"messages": "input", "max_completion_tokens": "max_output_tokens",
                             "max_tokens": "max_output_tokens", "response_format": "text"}
+
 
 def _chat_request(request: ResponsesRequest) -> ChatCompletionRequest:
     messages = [{"role": "system", "content": request.instructions}] if request.instructions is not None else []
