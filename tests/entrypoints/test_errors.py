@@ -105,7 +105,7 @@ def test_api_key_guards_v1_only(server):
     error_of(httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer wrong"}), 401)
     error_of(httpx.post(f"{url}/v1/completions", json={"prompt": "x"}), 401)
     assert httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 200
-    for path in ("/health", "/metrics", "/version"):
+    for path in ("/health", "/ping", "/metrics", "/version"):
         assert httpx.get(f"{url}{path}").status_code == 200, path
 
 

@@ -25,6 +25,10 @@ def greedy_text(client, model, prompt, max_tokens=16, **kwargs) -> str:
 def test_models_lists_the_served_model(client, server):
     models = client.models.list().data
     assert [m.id for m in models] == [server.model_name]
+    assert client.models.retrieve(server.model_name).id == server.model_name
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("gpt-4o")
+    assert missing.value.body["code"] == "model_not_found"
 
 
 def test_completion_greedy_has_usage_and_length_finish(client, server):

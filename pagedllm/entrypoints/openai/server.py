@@ -108,11 +108,21 @@ def _v1_router(completion: OpenAIServingCompletion, chat: OpenAIServingChat) -> 
     responses_api = OpenAIServingResponses(chat)
     router = APIRouter(prefix="/v1", dependencies=[Depends(_refuse_while_draining(engine))])
 
+    def card(name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": now(), "owned_by": "pagedllm", "root": engine.model_name,
+                "parent": None, "max_model_len": engine.max_model_len}
+
     @router.get("/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": now(), "owned_by": "pagedllm", "root": engine.model_name,
-             "parent": None, "max_model_len": engine.max_model_len} for name in names]}
+        return {"object": "list", "data": [card(name) for name in names]}
+
+    @router.get("/models/{name:path}")
+    async def model(name: str) -> dict[str, Any]:
+        """OpenAI's retrieve (`client.models.retrieve`): one served name's card, or 404."""
+        if name not in names:
+            raise OpenAIError(f"The model `{name}` does not exist. This server serves {', '.join(names)}.", 404,
+                              param="model", code="model_not_found")
+        return card(name)
 
     @router.post("/completions")
     async def completions(body: CompletionRequest, raw_request: Request) -> Response:
@@ -134,6 +144,7 @@ def _utility_router(tokenization: OpenAIServingTokenization, stat_logger: Promet
     router = APIRouter()
 
     @router.get("/health")
+    @router.get("/ping")            # vLLM's (and SageMaker's) name for the same check
     async def health() -> Response:
         if not engine.is_running:
             raise OpenAIError(f"the engine is not running: {engine.error!r}", 503, code="engine_dead")
