@@ -25,7 +25,7 @@ def build_app_from_args(args: argparse.Namespace):
                                 log_stats=not args.disable_log_stats)
     return build_app(engine, served_model_names=args.served_model_name, api_key=args.api_key,
                      limits=limits_from_args(args), enable_auto_tool_choice=args.enable_auto_tool_choice,
-                     tool_call_parser=args.tool_call_parser,
+                     tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                      cors=CorsPolicy(args.allowed_origins, args.allowed_methods, args.allowed_headers,
                                      args.allow_credentials))
 

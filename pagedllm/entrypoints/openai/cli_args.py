@@ -11,6 +11,7 @@ import os
 import re
 
 from pagedllm.config import DEFAULT_BLOCK_SIZE
+from pagedllm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 _SIZE_UNITS = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "ki": 1024, "mi": 1024**2, "gi": 1024**3}
@@ -131,6 +132,9 @@ def _add_openai_args(server: argparse._ArgumentGroup) -> None:
     server.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                         help="how tool calls are written in the model's replies: hermes (<tool_call> JSON, Qwen2 "
                              "style) or llama3_json")
+    server.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                        help="how the model marks its thinking: deepseek_r1 (<think> ... </think>: DeepSeek-R1 and "
+                             "its Qwen2 distills, QwQ); replies then carry it in `reasoning`, apart from `content`")
     server.add_argument("--enable-log-requests", action="store_true",
                         help="log each request's prompt and sampling parameters (off: prompts may be private)")
     server.add_argument("--disable-log-stats", action="store_true",

@@ -198,6 +198,7 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True    # false: at most one call (vLLM's)
+    include_reasoning: bool = True      # with --reasoning-parser: false leaves the reasoning out (vLLM's)
 
 
 class ResponsesRequest(_Request):

@@ -68,12 +68,13 @@ Endpoint = tuple[type[BaseModel], Callable[[Any], Awaitable[Any]]]
 
 async def run_batch(engine: AsyncEngine | AsyncDataParallelEngine, lines: Iterable[str], write: Callable[[str], None],
                     *, max_in_flight: int, served_model_names: list[str] | None = None,
-                    limits: ServerLimits | None = None, tool_call_parser: str | None = None) -> BatchCounts:
+                    limits: ServerLimits | None = None, tool_call_parser: str | None = None,
+                    reasoning_parser: str | None = None) -> BatchCounts:
     """Answer every request of `lines` through the started `engine`, at most `max_in_flight` at once; `write` gets
     each output line (with its newline), in the input's order."""
     names = list(served_model_names or [engine.model_name])
     limits = limits or ServerLimits()
-    chat = OpenAIServingChat(engine, names, limits, tool_call_parser)
+    chat = OpenAIServingChat(engine, names, limits, tool_call_parser, reasoning_parser)
     endpoints: dict[str, Endpoint] = {
         "/v1/chat/completions": (ChatCompletionRequest, chat.create),
         "/v1/completions": (CompletionRequest, OpenAIServingCompletion(engine, names, limits).create),
@@ -192,7 +193,8 @@ async def _run(engine: AsyncEngine | AsyncDataParallelEngine, source: TextIO, si
         return await run_batch(engine, source, lambda text: (sink.write(text), sink.flush()),
                                max_in_flight=max_in_flight, served_model_names=args.served_model_name,
                                limits=limits,
-                               tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
+                               tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+                               reasoning_parser=args.reasoning_parser)
     finally:
         await asyncio.to_thread(engine.shutdown)
 

@@ -56,7 +56,8 @@ class CorsPolicy:
 
 def build_app(engine: AsyncEngine | AsyncDataParallelEngine, *, served_model_names: Sequence[str] | None = None,
               api_key: str | None = None, limits: ServerLimits | None = None, enable_auto_tool_choice: bool = False,
-              tool_call_parser: str | None = None, cors: CorsPolicy | None = None) -> FastAPI:
+              tool_call_parser: str | None = None, reasoning_parser: str | None = None,
+              cors: CorsPolicy | None = None) -> FastAPI:
     """An OpenAI-compatible app serving `engine`.
 
     Args:
@@ -67,6 +68,8 @@ def build_app(engine: AsyncEngine | AsyncDataParallelEngine, *, served_model_nam
         limits: per-request limits (default: ServerLimits()).
         enable_auto_tool_choice: allow tool_choice "auto" (the model decides whether to call a tool).
         tool_call_parser: how the model writes tool calls (a name of TOOL_PARSERS); needed by the above.
+        reasoning_parser: how the model marks its thinking (a name of REASONING_PARSERS): replies then carry it in
+            `reasoning`, apart from `content`.
         cors: the origins whose pages may call the server (default: none).
     """
     if enable_auto_tool_choice and tool_call_parser is None:
@@ -94,7 +97,8 @@ def build_app(engine: AsyncEngine | AsyncDataParallelEngine, *, served_model_nam
         # outside the gate: a browser's preflight (OPTIONS, which carries no API key) is answered here
         app.add_middleware(CORSMiddleware, allow_origins=list(cors.origins), allow_methods=list(cors.methods),
                            allow_headers=list(cors.headers), allow_credentials=cors.credentials)
-    chat = OpenAIServingChat(engine, names, limits, tool_call_parser if enable_auto_tool_choice else None)
+    chat = OpenAIServingChat(engine, names, limits, tool_call_parser if enable_auto_tool_choice else None,
+                             reasoning_parser)
     app.include_router(_v1_router(OpenAIServingCompletion(engine, names, limits), chat))
     app.include_router(_utility_router(OpenAIServingTokenization(chat), stat_logger))
     app.include_router(dashboard_router(engine, api_key))

@@ -5,6 +5,9 @@ Tools: tool_choice "auto" (the default when tools are given) needs the server's 
 with a JSON schema (structured outputs), so the calls always parse; "none" leaves the reply as text. The tools
 reach the model through the chat template's `tools` variable, or, for a template that never mentions tools (such as
 SmolLM2's), in the system message, in the Hermes format (tool_parsers.inline_tools).
+
+Reasoning: with --reasoning-parser, a reply's thinking (<think> ... </think>) goes to the message's `reasoning`
+(streamed: the deltas' `reasoning`) and the rest to `content`, which is what the tool parser reads.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from pagedllm.entrypoints.openai.protocol import (
     now,
     random_id,
 )
+from pagedllm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS, ReasoningStream
 from pagedllm.entrypoints.openai.serving_base import Prompt, ServerLimits
 from pagedllm.entrypoints.openai.serving_choices import (
     ChoiceState,
@@ -45,11 +49,14 @@ from pagedllm.tokenizer.chat_template import apply_chat_template, validate_messa
 
 
 class ChatChoiceState(ChoiceState):
-    """A chat choice, with its tool calls when the request has tools."""
+    """A chat choice, with its tool calls when the request has tools, and its reasoning split from its answer
+    under a reasoning parser (`show_reasoning`: the request's include_reasoning)."""
 
-    def __init__(self, tools: ToolCallStream | None, echo: str, prompt_token_ids: list[int]) -> None:
+    def __init__(self, tools: ToolCallStream | None, echo: str, prompt_token_ids: list[int],
+                 reasoning: ReasoningStream | None = None, show_reasoning: bool = True) -> None:
         super().__init__(echo, prompt_token_ids)
         self.tools = tools
+        self.reasoning, self.show_reasoning = reasoning, show_reasoning
 
 
 class OpenAIServingChat(GenerationServing):
@@ -57,14 +64,18 @@ class OpenAIServingChat(GenerationServing):
 
     Args:
         tool_call_parser: the parser of tool_choice "auto" (a name of TOOL_PARSERS); None: "auto" is refused.
+        reasoning_parser: a name of REASONING_PARSERS: each reply's thinking goes to the message's `reasoning`,
+            the rest to its `content` (and to the tool parser); None: the whole reply is content.
     """
 
     prompt_token_ids_on_choices = False     # one conversation: its prompt's ids go on the response, as vLLM's
 
     def __init__(self, engine: AsyncEngine, served_model_names: Sequence[str], limits: ServerLimits,
-                 tool_call_parser: str | None = None) -> None:
+                 tool_call_parser: str | None = None, reasoning_parser: str | None = None) -> None:
         super().__init__(engine, served_model_names, limits)
-        self.tool_call_parser = tool_call_parser
+        if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"unknown reasoning parser {reasoning_parser!r}; pagedllm has {REASONING_PARSERS}")
+        self.tool_call_parser, self.reasoning_parser = tool_call_parser, reasoning_parser
 
     async def create(self, request: ChatCompletionRequest,
                      sse: bool = True) -> dict[str, Any] | AsyncIterator[str] | AsyncIterator[dict[str, Any]]:
@@ -96,7 +107,8 @@ class OpenAIServingChat(GenerationServing):
         head = {"id": request_id, "created": now(), "model": model,
                 "object": "chat.completion.chunk" if request.stream else "chat.completion"}
         states = [ChatChoiceState(self._tool_stream(tool_choice, request.parallel_tool_calls), _echo(request),
-                                  prompt.token_ids)
+                                  prompt.token_ids, ReasoningStream() if self.reasoning_parser else None,
+                                  request.include_reasoning)
                   for _ in range(request.n)]
         response = await self.respond(request, outputs, states, head,
                                       ResponseOptions.of(request, len(prompt.token_ids), num_logprobs), sse)
@@ -166,22 +178,31 @@ class OpenAIServingChat(GenerationServing):
         return {"delta": {"role": "assistant", "content": ""}}
 
     def _message(self, state: ChoiceState) -> dict[str, Any]:
-        tools = state.tools if isinstance(state, ChatChoiceState) else None
-        if tools is None:
-            return {"message": {"role": "assistant", "content": state.text}}
-        content, calls = tools.final(state.text)
+        assert isinstance(state, ChatChoiceState)
+        message: dict[str, Any] = {"role": "assistant"}
+        text: str | None = state.text
+        if state.reasoning is not None:
+            reasoning, text = state.reasoning.final(state.text)
+            message |= {"reasoning": reasoning} if state.show_reasoning else {}
+        if state.tools is None:
+            return {"message": message | {"content": text}}
+        content, calls = state.tools.final(text or "")
         if not calls:
-            return {"message": {"role": "assistant", "content": content}}
+            return {"message": message | {"content": content if text is not None else None}}
         _finish_with_tool_calls(state)
-        return {"message": {"role": "assistant", "content": content, "tool_calls": [c.to_json() for c in calls]}}
+        return {"message": message | {"content": content, "tool_calls": [c.to_json() for c in calls]}}
 
     def _delta(self, state: ChoiceState, text: str) -> dict[str, Any]:
-        tools = state.tools if isinstance(state, ChatChoiceState) else None
+        assert isinstance(state, ChatChoiceState)
         finished = state.finish_reason is not None
-        if tools is None:
-            return {"delta": {"content": text} if text or not finished else {}}
-        delta = tools.delta(text, finished)
-        if finished and (delta.get("tool_calls") or tools.forced_call is not None):
+        delta: dict[str, Any] = {}
+        if state.reasoning is not None:
+            reasoning, text = state.reasoning.delta(text, finished)
+            delta = {"reasoning": reasoning} if reasoning and state.show_reasoning else {}
+        if state.tools is None:
+            return {"delta": delta | ({"content": text} if text or not (finished or delta) else {})}
+        delta |= state.tools.delta(text, finished)
+        if finished and (delta.get("tool_calls") or state.tools.forced_call is not None):
             _finish_with_tool_calls(state)
         return {"delta": delta}
 

@@ -35,7 +35,7 @@ def _call_from(value: Any, arguments_key: str) -> FunctionCall | None:
     return FunctionCall(value["name"], arguments if isinstance(arguments, str) else json.dumps(arguments))
 
 
-def _partial_suffix(text: str, marker: str) -> int | None:
+def partial_marker_start(text: str, marker: str) -> int | None:
     """Where a suffix of `text` that begins `marker` starts (it may become the marker), if any."""
     for k in range(min(len(marker) - 1, len(text)), 0, -1):
         if marker.startswith(text[-k:]):
@@ -52,7 +52,7 @@ class HermesToolParser:
     def tool_start(self, text: str) -> int | None:
         """Where a tool call starts (or may be starting) in the text so far; None: it is all content."""
         index = text.find(self.START)
-        return index if index >= 0 else _partial_suffix(text, self.START)
+        return index if index >= 0 else partial_marker_start(text, self.START)
 
     def extract(self, text: str) -> tuple[str | None, list[FunctionCall]]:
         """(content, calls); a reply whose blocks do not parse is all content."""

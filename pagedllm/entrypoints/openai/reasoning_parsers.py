@@ -1,0 +1,49 @@
+"""A reasoning model's thinking, split from its answer: the parsers of `--reasoning-parser` (vLLM's names), and
+ReasoningStream, which turns a choice's text into the chat API's `reasoning` and `content`, whole or as deltas.
+
+    deepseek_r1  <think> ... </think> then the answer (DeepSeek-R1 and its Qwen2 distills, QwQ); the chat template
+                 may open the <think> itself, so a reply without </think> is all reasoning, as in vLLM
+"""
+
+from __future__ import annotations
+
+from pagedllm.entrypoints.openai.tool_parsers import partial_marker_start
+
+REASONING_PARSERS = ("deepseek_r1",)
+
+
+class ReasoningStream:
+    """One choice's reasoning and content (`<think>` reasoning `</think>` content)."""
+
+    START, END = "<think>", "</think>"
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.num_reasoning_sent = 0     # of the reasoning (the text less a leading <think>)
+        self.answering = False          # </think> seen: the rest is content
+
+    def final(self, text: str) -> tuple[str | None, str | None]:
+        """(reasoning, content) of a whole reply; None for an empty part."""
+        body = text.removeprefix(self.START)
+        reasoning, ended, content = body.partition(self.END)
+        return reasoning or None, (content or None) if ended else None
+
+    def delta(self, text: str, finished: bool) -> tuple[str, str]:
+        """(reasoning, content) of this much new text (`finished`: the reply's last). A part of a tag that may be
+        completing is held back until the next text says."""
+        if self.answering:
+            return "", text
+        self.text += text
+        if not finished and self.START.startswith(self.text) and self.text != self.START:
+            return "", ""           # maybe the opening tag, in the making
+        body = self.text.removeprefix(self.START)
+        end = body.find(self.END)
+        if end >= 0:
+            self.answering = True
+            reasoning, self.num_reasoning_sent = body[self.num_reasoning_sent:end], end
+            return reasoning, body[end + len(self.END):]
+        held = None if finished else partial_marker_start(body, self.END)
+        upto = len(body) if held is None else held
+        reasoning = body[self.num_reasoning_sent:upto]
+        self.num_reasoning_sent = max(upto, self.num_reasoning_sent)
+        return reasoning, ""
