@@ -364,3 +364,20 @@ def test_a_truncation_that_cannot_be_is_a_400(server, keep):
     response = httpx.post(f"{server.base_url}/v1/completions",
                           json={"prompt": "abc", "max_tokens": 1, "truncate_prompt_tokens": keep})
     assert response.status_code == 400 and response.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
+def test_usage_says_how_many_prompt_tokens_the_prefix_cache_held(client, server):
+    prompts = [f"A prompt for the cached-tokens test, number {i}, long enough to fill a few blocks." for i in (1, 2)]
+    first = client.completions.create(model=server.model_name, prompt=prompts, max_tokens=1, n=2)
+    again = client.completions.create(model=server.model_name, prompt=prompts, max_tokens=1, n=2)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    # each prompt's full blocks of 16, counted once per prompt (not per choice): its last token is always computed
+    assert again.usage.prompt_tokens_details.cached_tokens == sum((len(p) - 1) // 16 * 16 for p in prompts)
+    chat = dict(model=server.model_name, messages=[{"role": "user", "content": prompts[0]}], max_tokens=1,
+                stream=True, stream_options={"include_usage": True})
+    streamed, streamed_again = client.chat.completions.create(**chat), client.chat.completions.create(**chat)
+    usages = [list(stream)[-1].usage for stream in (streamed, streamed_again)]
+    assert usages[0].prompt_tokens_details.cached_tokens < usages[1].prompt_tokens_details.cached_tokens
+    response = client.responses.create(model=server.model_name, input=prompts[1], max_output_tokens=1)
+    repeated = client.responses.create(model=server.model_name, input=prompts[1], max_output_tokens=1)
+    assert repeated.usage.input_tokens_details.cached_tokens > response.usage.input_tokens_details.cached_tokens

@@ -54,12 +54,14 @@ class ChoiceDelta:
         prompt_index: which prompt of the request the choice completes.
         prompt_logprobs: the prompt's log-probabilities, if asked for; they come once per prompt, with the first
             delta of one of its choices.
+        num_cached_tokens: of the prompt's tokens, those the prefix cache held.
     """
 
     index: int
     delta: CompletionOutput
     prompt_index: int = 0
     prompt_logprobs: PromptLogprobs | None = None
+    num_cached_tokens: int = 0
 
 
 @dataclass
@@ -237,8 +239,8 @@ class OpenAIServing:
 
 def _choice_deltas(prompt_index: int, n: int, output: RequestOutput) -> list[ChoiceDelta]:
     """An engine output carries the completion that changed (all n of them when the request is aborted)."""
-    return [ChoiceDelta(prompt_index * n + completion.index, completion, prompt_index, output.prompt_logprobs)
-            for completion in output.outputs]
+    return [ChoiceDelta(prompt_index * n + completion.index, completion, prompt_index, output.prompt_logprobs,
+                        output.num_cached_tokens) for completion in output.outputs]
 
 
 async def _merge(streams: list[AsyncGenerator[RequestOutput, None]]) -> AsyncGenerator[tuple[int, RequestOutput], None]:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedllm.entrypoints.openai.protocol import _SamplingFields
-from pagedllm.entrypoints.openai.serving_base import OpenAIServing, OutputStream, error_for
+from pagedllm.entrypoints.openai.serving_base import ChoiceDelta, OpenAIServing, OutputStream, error_for
 from pagedllm.outputs import CompletionOutput, Logprob, PromptLogprobs
 
 # JSON has no -inf; vLLM sends this instead.
@@ -83,6 +83,8 @@ class ChoiceState:
         self.prompt_token_ids = prompt_token_ids
         self.text = echo
         self.token_ids: list[int] = []
+        self.prompt_index = 0
+        self.num_cached_tokens = 0          # of its prompt's tokens, those the prefix cache held
         self.logprobs: list[TokenLogprob] | None = None
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
@@ -134,7 +136,7 @@ class GenerationServing(OpenAIServing, ABC):
                        options: ResponseOptions) -> dict[str, Any]:
         async with aclosing(outputs):
             async for choice in outputs:
-                self._absorb(states[choice.index], choice.delta, options)
+                self._absorb(_noted(states[choice.index], choice), choice.delta, options)
         bodies = [self._message(s) for s in states]   # first: a body may set its state's finish_reason
         choices = [self._choice(i, body, s.logprobs, s.finish_reason, s.stop_reason,
                                 self._token_ids(s, s.token_ids, options, with_prompt=True))
@@ -150,7 +152,7 @@ class GenerationServing(OpenAIServing, ABC):
         async with aclosing(outputs):
             try:
                 async for choice in outputs:
-                    state = states[choice.index]
+                    state = _noted(states[choice.index], choice)
                     for part in self._chunks(choice.index, state, choice.delta, options):
                         extra = {} if options.usage is None else {"usage": _usage(
                             [state], options.num_prompt_tokens) if options.usage == "continuous" else None}
@@ -261,10 +263,19 @@ async def _as_sse(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
     yield _SSE_DONE
 
 
-def _usage(states: list[ChoiceState], num_prompt_tokens: int) -> dict[str, int]:
+def _noted(state: ChoiceState, choice: ChoiceDelta) -> ChoiceState:
+    """The choice's state, told which prompt it completes and how much of that the prefix cache held."""
+    state.prompt_index, state.num_cached_tokens = choice.prompt_index, choice.num_cached_tokens
+    return state
+
+
+def _usage(states: list[ChoiceState], num_prompt_tokens: int) -> dict[str, Any]:
+    """Usage, with OpenAI's prompt_tokens_details.cached_tokens: the prompts' tokens the prefix cache held."""
     num_completion_tokens = sum(len(s.token_ids) for s in states)
+    cached = sum({s.prompt_index: s.num_cached_tokens for s in states}.values())     # once per prompt
     return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
-            "total_tokens": num_prompt_tokens + num_completion_tokens}
+            "total_tokens": num_prompt_tokens + num_completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def clean_logprob(value: float) -> float:

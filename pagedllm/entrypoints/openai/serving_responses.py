@@ -83,7 +83,8 @@ class _Response:
         return self.fields | {
             "status": "incomplete" if incomplete else "completed", "output": output,
             "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
-            "usage": {"input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
+            "usage": {"input_tokens": usage["prompt_tokens"],
+                      "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
                       "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
                       "total_tokens": usage["total_tokens"]}}
 
@@ -263,7 +264,8 @@ async def _events(response: _Response, chunks: AsyncIterator[dict[str, Any]]) ->
     if message is not None:     # the streamed message keeps its id
         output[0]["id"] = message["id"]
     done = response.finished(output, finish_reason, usage or {"prompt_tokens": 0, "completion_tokens": 0,
-                                                              "total_tokens": 0})
+                                                              "total_tokens": 0,
+                                                              "prompt_tokens_details": {"cached_tokens": 0}})
     for index, item in enumerate(output):
         if item["type"] == "message":
             yield event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
