@@ -14,6 +14,8 @@ import pytest
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import CacheConfig, EngineConfig, ModelConfig
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.entrypoints.openai.protocol import ResponsesRequest
+from pagedllm.entrypoints.openai.serving_responses import _events, _output, _Response
 from tests.entrypoints.server_utils import RunningServer, metric, scrape, start_server, wait_until
 from tests.models.tiny import save_tiny_model
 
@@ -170,3 +172,56 @@ def test_what_this_server_cannot_do_is_a_clear_error(client, server, fields, par
     with pytest.raises(openai.APIStatusError) as info:
         client.responses.create(**{"model": server.model_name, "input": "hi", **fields})
     assert info.value.status_code in (400, 404) and info.value.body["param"] == param, info.value.body
+
+
+def _chunk(finish_reason: str | None = None, **delta) -> dict:
+    return {"choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}]}
+
+
+def _streamed(chunks: list[dict]) -> list[dict]:
+    """The events _events makes of these chat chunks, parsed."""
+    async def source():
+        for chunk in chunks:
+            yield chunk
+
+    async def collect() -> list[str]:
+        response = _Response(ResponsesRequest(input="hi"), "m")
+        return [line async for line in _events(response, source())]
+    events = []
+    for text in asyncio.run(collect()):
+        kind_line, data_line = text.strip().split("\n")
+        event = json.loads(data_line.removeprefix("data: "))
+        assert kind_line == f"event: {event['type']}"
+        events.append(event)
+    return events
+
+
+@pytest.mark.parametrize("cut", [False, True])
+def test_reasoning_streams_as_its_own_item_before_the_message(cut):
+    usage = {"prompt_tokens": 5, "completion_tokens": 9, "total_tokens": 14,
+             "prompt_tokens_details": {"cached_tokens": 0}}
+    events = _streamed([_chunk(role="assistant", content=""), _chunk(reasoning="Let me "), _chunk(reasoning="see."),
+                        _chunk(content="It is "), _chunk("length" if cut else "stop", content="sunny."),
+                        {"choices": [], "usage": usage}])
+    kinds = [(e["type"], e.get("output_index")) for e in events]
+    assert kinds == [("response.created", None), ("response.in_progress", None),
+                     ("response.output_item.added", 0), ("response.content_part.added", 0),
+                     ("response.reasoning_text.delta", 0), ("response.reasoning_text.delta", 0),
+                     ("response.reasoning_text.done", 0), ("response.content_part.done", 0),
+                     ("response.output_item.done", 0),
+                     ("response.output_item.added", 1), ("response.content_part.added", 1),
+                     ("response.output_text.delta", 1), ("response.output_text.delta", 1),
+                     ("response.output_text.done", 1), ("response.content_part.done", 1),
+                     ("response.output_item.done", 1), ("response.completed", None)]
+    final = events[-1]["response"]
+    reasoning, message = final["output"]
+    assert reasoning["type"] == "reasoning"
+    assert reasoning["content"] == [{"type": "reasoning_text", "text": "Let me see."}]
+    assert message["content"][0]["text"] == "It is sunny." and reasoning["status"] == "completed"
+    assert message["status"] == final["status"] == ("incomplete" if cut else "completed")
+    assert final["usage"]["output_tokens"] == 9
+    assert len({e["item_id"] for e in events if e.get("output_index") == 1 and "item_id" in e}) == 1
+    whole = _Response(ResponsesRequest(input="hi"), "m").finished(_output("Let me see.", "It is sunny.", []),
+                                                                   "length" if cut else "stop", usage)
+    assert [(item["type"], item["status"]) for item in whole["output"]] == [
+        ("reasoning", "completed"), ("message", "incomplete" if cut else "completed")]

@@ -215,6 +215,7 @@ class ResponsesRequest(_Request):
     tools: list[dict[str, Any]] = Field(default_factory=list)
     tool_choice: str | dict[str, Any] = "auto"
     parallel_tool_calls: bool = True
+    include_reasoning: bool = True          # vLLM's: with --reasoning-parser, false leaves the reasoning item out
     metadata: dict[str, str] | None = None
     user: str | None = None
     store: bool = True

@@ -3,10 +3,11 @@
 The request becomes a chat completion: `instructions` a system message, `input` (a string, or message,
 function_call and function_call_output items) the conversation, `text.format` the response_format, function `tools`
 and `tool_choice` the chat's, `max_output_tokens` max_completion_tokens. The reply becomes the response's `output`:
-a message item with one output_text part, then a function_call item per tool call; a reply cut by the token limit
-leaves the response "incomplete". Streamed, the chat's chunks become the Responses events (`event:` and `data:`
-lines): response.created and .in_progress, the message's output_item / content_part / output_text events as its
-text arrives, a function call's events once it is complete, then response.completed, whose response's status may
+a reasoning item (under --reasoning-parser), a message item with one output_text part, then a function_call item
+per tool call; a reply cut by the token limit leaves the response "incomplete". Streamed, the chat's chunks become
+the Responses events (`event:` and `data:` lines): response.created and .in_progress, the reasoning's and then the
+message's output_item / content_part / reasoning_text or output_text events as their text arrives, a function
+call's events once it is complete, then response.completed, whose response's status may
 be "incomplete", as vLLM sends it (or an `error` event). Nothing is stored: `previous_response_id` and
 `background` are refused, and the response says store false.
 """
@@ -56,8 +57,8 @@ class OpenAIServingResponses:
         if isinstance(reply, dict):
             (choice,) = reply["choices"]
             message = choice["message"]
-            return response.finished(_output(message.get("content"), message.get("tool_calls") or []),
-                                     choice["finish_reason"], reply["usage"])
+            return response.finished(_output(message.get("reasoning"), message.get("content"),
+                                             message.get("tool_calls") or []), choice["finish_reason"], reply["usage"])
         return _events(response, reply)
 
 
@@ -78,8 +79,8 @@ class _Response:
     def finished(self, output: list[dict[str, Any]], finish_reason: str | None,
                  usage: dict[str, int]) -> dict[str, Any]:
         incomplete = finish_reason == "length"
-        for item in output:
-            item["status"] = "incomplete" if incomplete else "completed"
+        for index, item in enumerate(output):        # a cut reply cut its last item; those before it are whole
+            item["status"] = "incomplete" if incomplete and index == len(output) - 1 else "completed"
         return self.fields | {
             "status": "incomplete" if incomplete else "completed", "output": output,
             "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
@@ -102,7 +103,7 @@ def _chat_request(request: ResponsesRequest) -> ChatCompletionRequest:
         "temperature": request.temperature, "top_p": request.top_p, "top_k": request.top_k, "min_p": request.min_p,
         "presence_penalty": request.presence_penalty, "frequency_penalty": request.frequency_penalty,
         "repetition_penalty": request.repetition_penalty, "logit_bias": request.logit_bias, "seed": request.seed,
-        "user": request.user,
+        "user": request.user, "include_reasoning": request.include_reasoning,
         "priority": request.priority, "cache_salt": request.cache_salt, "stream": request.stream,
         "stream_options": {"include_usage": True} if request.stream else None,
         "response_format": _response_format(request.text)}
@@ -194,15 +195,24 @@ def _chat_tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
     return choice
 
 
-# ---- reply -> output ----------------------------------------------------------------------------------------------
-def _message_item(text: str | None) -> dict[str, Any]:
-    """A message item with one output_text part (none yet: `text` None, as a streamed message opens)."""
-    return {"type": "message", "id": random_id("msg"), "status": "in_progress", "role": "assistant",
-            "content": [] if text is None else [_text_part(text)]}
+# ---- reply -> output ---------------------------------------------------------------------------------------------
+# the chat reply's text fields -> (item type, content part type, the events' prefix); reasoning comes first
+_TEXT_ITEMS = {"reasoning": ("reasoning", "reasoning_text", "response.reasoning_text"),
+               "content": ("message", "output_text", "response.output_text")}
 
 
-def _text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _text_item(key: str, text: str | None) -> dict[str, Any]:
+    """A reasoning or message item with one text part (none yet: `text` None, as a streamed item opens)."""
+    kind, _, _ = _TEXT_ITEMS[key]
+    parts = [] if text is None else [_text_part(key, text)]
+    if kind == "reasoning":
+        return {"type": "reasoning", "id": random_id("rs"), "summary": [], "content": parts, "status": "in_progress"}
+    return {"type": "message", "id": random_id("msg"), "status": "in_progress", "role": "assistant", "content": parts}
+
+
+def _text_part(key: str, text: str) -> dict[str, Any]:
+    _, part_type, _ = _TEXT_ITEMS[key]
+    return {"type": part_type, "text": text} | ({"annotations": [], "logprobs": []} if key == "content" else {})
 
 
 def _call_item(call: dict[str, Any]) -> dict[str, Any]:
@@ -211,15 +221,18 @@ def _call_item(call: dict[str, Any]) -> dict[str, Any]:
             "arguments": function["arguments"], "status": "in_progress"}
 
 
-def _output(content: str | None, tool_calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """A message item for the reply's text (none if it only calls tools), then a function_call item per call."""
-    items = [_message_item(content)] if content or not tool_calls else []
+def _output(reasoning: str | None, content: str | None, tool_calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A reasoning item if the reply reasoned, a message item for its text (none if it only calls tools), then a
+    function_call item per call."""
+    items = [_text_item("reasoning", reasoning)] if reasoning else []
+    items += [_text_item("content", content or "")] if content or not tool_calls else []
     return items + [_call_item(call) for call in tool_calls]
 
 
 # ---- streaming ----------------------------------------------------------------------------------------------------
 async def _events(response: _Response, chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
-    """The chat's chunks as the Responses API's events."""
+    """The chat's chunks as the Responses API's events: a text item (reasoning, then the message) opens with its
+    first delta and closes when the next begins or the reply ends; function calls come whole, at the end."""
     sequence = 0
 
     def event(kind: str, **fields: Any) -> str:
@@ -228,8 +241,18 @@ async def _events(response: _Response, chunks: AsyncIterator[dict[str, Any]]) ->
         sequence += 1
         return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
-    message: dict[str, Any] | None = None
-    text = ""
+    def close(key: str, item: dict[str, Any], index: int, text: str, status: str) -> list[str]:
+        part = _text_part(key, text)
+        item.update(content=[part], status=status)
+        extra = {"logprobs": []} if key == "content" else {}
+        return [event(f"{_TEXT_ITEMS[key][2]}.done", item_id=item["id"], output_index=index, content_index=0,
+                      text=text, **extra),
+                event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
+                      part=part),
+                event("response.output_item.done", output_index=index, item=item)]
+
+    output: list[dict[str, Any]] = []
+    open_key, text = None, ""       # the text item being streamed (output[-1]), and its text so far
     calls: dict[int, dict[str, Any]] = {}
     finish_reason, usage = None, None
     async with aclosing(chunks):     # from the first event on: a client that leaves aborts the request at once
@@ -245,41 +268,46 @@ async def _events(response: _Response, chunks: AsyncIterator[dict[str, Any]]) ->
             for choice in chunk["choices"]:
                 delta = choice["delta"]
                 finish_reason = choice["finish_reason"] or finish_reason
-                if delta.get("content"):
-                    if message is None:
-                        message = _message_item(None)
-                        yield event("response.output_item.added", output_index=0, item=message)
-                        yield event("response.content_part.added", item_id=message["id"], output_index=0,
-                                    content_index=0, part=_text_part(""))
-                    text += delta["content"]
-                    yield event("response.output_text.delta", item_id=message["id"], output_index=0,
-                                content_index=0, delta=delta["content"], logprobs=[])
+                for key in _TEXT_ITEMS:
+                    if not delta.get(key):
+                        continue
+                    if key != open_key:
+                        if open_key is not None:
+                            for line in close(open_key, output[-1], len(output) - 1, text, "completed"):
+                                yield line
+                        open_key, text = key, ""
+                        output.append(_text_item(key, None))
+                        yield event("response.output_item.added", output_index=len(output) - 1, item=output[-1])
+                        yield event("response.content_part.added", item_id=output[-1]["id"],
+                                    output_index=len(output) - 1, content_index=0, part=_text_part(key, ""))
+                    text += delta[key]
+                    yield event(f"{_TEXT_ITEMS[key][2]}.delta", item_id=output[-1]["id"], output_index=len(output) - 1,
+                                content_index=0, delta=delta[key], **({"logprobs": []} if key == "content" else {}))
                 for piece in delta.get("tool_calls") or []:
                     call = calls.setdefault(piece["index"], {"id": None, "function": {"name": None, "arguments": ""}})
                     call["id"] = piece.get("id") or call["id"]
                     function = piece.get("function", {})
                     call["function"]["name"] = function.get("name") or call["function"]["name"]
                     call["function"]["arguments"] += function.get("arguments") or ""
-    output = _output(text if message is not None else None, [calls[i] for i in sorted(calls)])
-    if message is not None:     # the streamed message keeps its id
-        output[0]["id"] = message["id"]
+    status = "incomplete" if finish_reason == "length" else "completed"
+    if open_key is not None:
+        for line in close(open_key, output[-1], len(output) - 1, text, status):
+            yield line
+    elif not calls:                 # an empty reply still has its (empty) message
+        output.append(_text_item("content", ""))
+    for call in (calls[i] for i in sorted(calls)):
+        item, index = _call_item(call), len(output)
+        output.append(item)
+        yield event("response.output_item.added", output_index=index, item=item | {"arguments": ""})
+        yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                    delta=item["arguments"])
+        yield event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                    arguments=item["arguments"])
+        item["status"] = status
+        yield event("response.output_item.done", output_index=index, item=item)
     done = response.finished(output, finish_reason, usage or {"prompt_tokens": 0, "completion_tokens": 0,
                                                               "total_tokens": 0,
                                                               "prompt_tokens_details": {"cached_tokens": 0}})
-    for index, item in enumerate(output):
-        if item["type"] == "message":
-            yield event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
-                        text=text, logprobs=[])
-            yield event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
-                        part=item["content"][0])
-        else:
-            yield event("response.output_item.added", output_index=index, item=item | {"status": "in_progress",
-                                                                                      "arguments": ""})
-            yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                        delta=item["arguments"])
-            yield event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                        arguments=item["arguments"])
-        yield event("response.output_item.done", output_index=index, item=item)
     # response.completed even for an incomplete response (its status says so), as vLLM does: the SDK's stream
     # helpers wait for that event alone
     yield event("response.completed", response=done)
