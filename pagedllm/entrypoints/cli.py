@@ -1,4 +1,5 @@
-"""The `pagedllm` command: `pagedllm serve [MODEL]`, `pagedllm run-batch -i IN -o OUT`, `pagedllm bench COMMAND`
+"""The `pagedllm` command: `pagedllm serve [MODEL]`, `pagedllm run-batch -i IN -o OUT`, `pagedllm chat` and
+`pagedllm complete` (clients of a running server), `pagedllm bench COMMAND`
 (throughput, accuracy, ...: see pagedllm/bench/cli.py), `pagedllm plan [MODEL]` and `pagedllm simulate`.
 
 `serve` leaves OpenMP's wait policy as it finds it: with the default, idle workers spin a while before they sleep,
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 
 from pagedllm.bench.cli import add_bench_parser
+from pagedllm.entrypoints.client import add_client_parsers
 from pagedllm.entrypoints.openai.api_server import DESCRIPTION, run_server
 from pagedllm.entrypoints.openai.cli_args import RUN_BATCH_DESCRIPTION, add_run_batch_args, add_server_args
 from pagedllm.memory.cli import add_memory_parsers
@@ -29,6 +31,7 @@ def make_parser() -> argparse.ArgumentParser:
                                       description=RUN_BATCH_DESCRIPTION)
     add_run_batch_args(run_batch)
     run_batch.set_defaults(func=_run_batch)
+    add_client_parsers(subparsers)
     add_bench_parser(subparsers)
     add_memory_parsers(subparsers)
     return parser
