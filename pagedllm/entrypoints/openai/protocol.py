@@ -141,8 +141,9 @@ class _SamplingFields(_Request):
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
     prompt_logprobs: int | None = None      # top log-probabilities per prompt token (not with stream)
-    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)    # keep this many prompt tokens (-1: all
-    truncation_side: Literal["left", "right"] | None = None             # that fit); left (the default): the last
+    # keep this many of the prompt's tokens (-1: as many as fit): the last ones ("left", the default) or the first
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    truncation_side: Literal["left", "right"] | None = None
     return_token_ids: bool | None = None    # the choices' token ids (streamed: each chunk's) and the prompt's
     return_tokens_as_token_ids: bool | None = None    # logprobs name tokens "token_id:{id}"
 
