@@ -8,7 +8,7 @@ import json
 
 import openai
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedllm.config import CacheConfig, EngineConfig, ModelConfig
@@ -37,6 +37,7 @@ text_chars = st.text(alphabet=st.sampled_from("ab </>thinkT"), max_size=12).filt
     lambda s: "</think>" not in s and not s.startswith("<think>"))
 
 
+@settings(max_examples=200, deadline=None)
 @given(reasoning=text_chars, content=st.text(alphabet="ab </>thinkT", max_size=12), opened=st.booleans(),
        cuts=st.lists(st.integers(min_value=0, max_value=40), max_size=8))
 def test_streamed_deltas_join_to_the_whole_split(reasoning, content, opened, cuts):
