@@ -222,11 +222,17 @@ EOS_CASES = [(8, 29, 0.5), (21, 247, 0.5), (14, 163, 1.0), (24, 69, 1.0)]
 
 
 @pytest.mark.parametrize("prompt_seed, eos, length_penalty", EOS_CASES)
-def test_beam_search_with_eos_matches_transformers(tiny, prompt_seed, eos, length_penalty):
+@pytest.mark.parametrize("whose", ["tokenizer", "generation_config"])
+def test_beam_search_with_eos_matches_transformers(tiny, prompt_seed, eos, length_penalty, whose):
+    """The EOS is the tokenizer's, or one of the generation config's others (LLMEngine.eos_stop_token_ids)."""
     llm, hf_model, prompt = _llm(tiny), tiny[1], _prompt(prompt_seed, 8)
     tokenizer = llm.engine.tokenizer
-    tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos)
-    assert tokenizer.eos_token_id == eos
+    if whose == "tokenizer":
+        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos)
+        assert tokenizer.eos_token_id == eos
+    else:
+        assert tokenizer.eos_token_id != eos
+        llm.engine.eos_stop_token_ids = [eos]
     params = BeamSearchParams(beam_width=3, max_tokens=6, length_penalty=length_penalty)
     ours = llm.beam_search([prompt], params)[0]
     with torch.inference_mode():

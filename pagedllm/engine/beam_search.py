@@ -98,7 +98,7 @@ class BeamSearchGroup:
     group_id: str
     prompt_token_ids: list[int]
     params: BeamSearchParams
-    eos_token_id: int | None
+    eos_token_ids: frozenset[int]         # the tokenizer's EOS and the generation config's others
     live: dict[str, _Beam] = field(default_factory=dict)
     hypotheses: list[_Hypothesis] = field(default_factory=list)
     _ids: itertools.count = field(default_factory=itertools.count)
@@ -136,7 +136,7 @@ class BeamSearchGroup:
         for cum_logprob, beam, token_id in ranked:
             if len(kept) == width:
                 break
-            if token_id == self.eos_token_id and not self.params.ignore_eos:
+            if token_id in self.eos_token_ids and not self.params.ignore_eos:
                 self.hypotheses.append(_Hypothesis(beam.output_token_ids + [token_id], cum_logprob, "stop"))
             else:
                 kept.append((cum_logprob, beam, token_id))
@@ -186,16 +186,17 @@ class BeamSearchDriver:
         self.outputs: dict[str, BeamSearchOutput] = {}
 
     def add(self, request_id: str, prompt_token_ids: list[int], params: BeamSearchParams,
-            eos_token_id: int | None, max_model_len: int) -> None:
+            eos_token_ids: frozenset[int], max_model_len: int) -> None:
         max_tokens = min(params.max_tokens, max_model_len - len(prompt_token_ids))
-        group = BeamSearchGroup(request_id, list(prompt_token_ids), params, eos_token_id)
+        group = BeamSearchGroup(request_id, list(prompt_token_ids), params, eos_token_ids)
         group.params = BeamSearchParams(params.beam_width, max_tokens, params.ignore_eos, params.temperature,
                                         params.length_penalty)
         sampling = SamplingParams(temperature=0.0, logprobs=2 * params.beam_width, max_tokens=max_tokens,
                                   ignore_eos=True)
         root_id = group.new_beam_id()
-        self.scheduler.add_request(Request(root_id, prompt_token_ids, sampling, eos_token_id=eos_token_id,
-                                           group_size=params.beam_width, engine_appends_tokens=True))
+        # no EOS for the scheduler (ignore_eos): a beam ends in advance(), on any of eos_token_ids
+        self.scheduler.add_request(Request(root_id, prompt_token_ids, sampling, group_size=params.beam_width,
+                                           engine_appends_tokens=True))
         group.live[root_id] = _Beam(root_id, [], 0.0)
         self.groups[request_id] = group
 

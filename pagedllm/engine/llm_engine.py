@@ -285,7 +285,8 @@ class LLMEngine:
         if request_id in self._tracked or request_id in self.beam_search.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         token_ids = self.tokenize_prompt(prompt)
-        self.beam_search.add(request_id, token_ids, params, self.tokenizer.eos_token_id, self.max_model_len)
+        eos = frozenset(t for t in [self.tokenizer.eos_token_id, *self.eos_stop_token_ids] if t is not None)
+        self.beam_search.add(request_id, token_ids, params, eos, self.max_model_len)
 
     def pop_beam_search_output(self, request_id: str) -> BeamSearchOutput | None:
         return self.beam_search.outputs.pop(request_id, None)
