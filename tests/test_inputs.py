@@ -143,3 +143,18 @@ def test_chat_renders_tools_as_the_server_does(tmp_path):
 def test_chat_refuses_what_is_not_a_conversation(llm, messages, words):
     with pytest.raises(ValueError, match=words):
         llm.chat(messages, GREEDY, use_tqdm=False)
+
+
+def test_code_written_for_vllms_llm_runs(llm, tmp_path):
+    """What callers written for vLLM pass when they use nothing pagedllm lacks: lora_request=None,
+    trust_remote_code; a LoRA adapter is refused with what to do instead."""
+    plain = llm.generate("Hello", GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert llm.generate("Hello", GREEDY, use_tqdm=False, lora_request=None)[0].outputs[0].token_ids == plain
+    assert llm.chat([{"role": "user", "content": "Hi"}], GREEDY, use_tqdm=False, lora_request=None)
+    for call in (lambda: llm.generate("Hello", GREEDY, lora_request=object()),
+                 lambda: llm.chat([{"role": "user", "content": "Hi"}], GREEDY, lora_request=object())):
+        with pytest.raises(ValueError, match="no LoRA adapters.*merge_and_unload"):
+            call()
+    folder, _ = save_tiny_model(tmp_path / "m", "llama-gqa")
+    trusting = LLM(model=str(folder), dtype="float32", num_kv_blocks=64, trust_remote_code=True)
+    assert trusting.generate("Hello", GREEDY, use_tqdm=False)[0].outputs[0].token_ids

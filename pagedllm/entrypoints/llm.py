@@ -80,6 +80,8 @@ class LLM:
             `ModelConfig.disable_cascade_attn`).
         generation_config: "auto" (the model's generation_config.json: its sampling defaults for calls given no
             SamplingParams, its other EOS ids as stop ids), "vllm" (none of it) or a folder holding such a file.
+        trust_remote_code: taken so that code written for vLLM's LLM runs; it changes nothing: pagedllm runs its own
+            model code (Llama and Qwen2 architectures), never code from a checkpoint.
     """
 
     def __init__(self, model: str | None = None, *, dtype: str = "auto", max_model_len: int | None = None,
@@ -95,7 +97,7 @@ class LLM:
                  distributed_executor_backend: str | None = None,
                  data_parallel_router: DataParallelRouterPolicy = "prefix_aware", device: str = "auto",
                  enforce_eager: bool = False, disable_cascade_attn: bool = False,
-                 generation_config: str = "auto") -> None:
+                 generation_config: str = "auto", trust_remote_code: bool = False) -> None:
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
                               chat_template=chat_template, quantization=quantization, device=device,
@@ -179,7 +181,8 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                 lora_request: None = None) -> list[RequestOutput]:
         """Complete each prompt; the outputs come back in input order.
 
         Args:
@@ -188,12 +191,15 @@ class LLM:
             sampling_params: one for all prompts, or one per prompt (default: get_default_sampling_params()).
             use_tqdm: show a progress bar when there is more than one prompt.
             priority: one per prompt; lower runs first. Needs scheduling_policy "priority" unless all are 0.
+            lora_request: vLLM's; pagedllm serves no LoRA adapters, so only None (what callers written for vLLM
+                pass when they use none) is taken.
 
         Call it from the thread that built the LLM: torch's kernels run on GNU OpenMP, which gives each thread that
         runs them a team of worker threads, and with two teams on the machine every kernel call wakes a sleeping
         worker (pagedllm/engine/engine_thread.py). From another thread it works, about half as fast, and says so
         once in the log.
         """
+        _no_lora(lora_request)
         prompt_list = as_prompt_list(prompts)
         params_list = _per_prompt(sampling_params or self.get_default_sampling_params(), len(prompt_list),
                                   "sampling_params")
@@ -211,7 +217,7 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *, use_tqdm: bool = True,
              chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict[str, Any] | None = None, lora_request: None = None) -> list[RequestOutput]:
         """Generate a reply to a conversation, or to each of a list of conversations; one RequestOutput per
         conversation, in order.
 
@@ -226,7 +232,9 @@ class LLM:
                 variable, or the system message for a template without one); the reply's calls are its text
                 (parse them with a tool parser, e.g. `HermesToolParser`).
             chat_template_kwargs: extra variables for the template (e.g. a model's `enable_thinking`).
+            lora_request: only None, as in `generate`.
         """
+        _no_lora(lora_request)
         conversations = _as_conversations(messages)
         template = chat_template or self.engine.config.model.chat_template
         prompts = []
@@ -284,6 +292,12 @@ def _as_conversations(messages: Conversation | Sequence[Conversation]) -> list[C
                 not all(isinstance(m, dict) for m in conversation):
             raise ValueError(f"conversation {index}: a conversation is a non-empty list of message dicts")
     return [list(c) for c in messages]
+
+
+def _no_lora(lora_request: object) -> None:
+    if lora_request is not None:
+        raise ValueError("pagedllm serves no LoRA adapters: lora_request must be None (merge the adapter into the "
+                         "weights, e.g. with peft's merge_and_unload, and load the merged model)")
 
 
 def _per_prompt(value, count: int, name: str) -> list:
