@@ -26,26 +26,26 @@ def parse_bytes(text: str) -> int:
     return int(float(number) * _SIZE_UNITS[(unit or "").lower()])
 
 
-def parse_json_object(text: str) -> dict:
-    """A JSON object given on the command line, e.g. --speculative-config '{"method": "ngram", ...}'."""
+def _json_arg(text: str, fits, what: str):
+    """`text` parsed as JSON, a usage error unless `fits(value)` (it is `what`)."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
         raise argparse.ArgumentTypeError(f"{text!r} is not JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object")
+    if not fits(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
     return value
+
+
+def parse_json_object(text: str) -> dict:
+    """A JSON object given on the command line, e.g. --speculative-config '{"method": "ngram", ...}'."""
+    return _json_arg(text, lambda value: isinstance(value, dict), "a JSON object")
 
 
 def parse_json_list(text: str) -> list[str]:
     """A JSON list of strings given on the command line, e.g. --allowed-origins '["http://localhost:3000"]'."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"{text!r} is not JSON: {exc}") from None
-    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON list of strings")
-    return value
+    return _json_arg(text, lambda value: isinstance(value, list) and all(isinstance(v, str) for v in value),
+                     "a JSON list of strings")
 
 
 def add_server_args(parser: argparse.ArgumentParser, *, positional_model: bool) -> argparse.ArgumentParser:
