@@ -16,14 +16,17 @@ _EXPORTS = {
     "RequestOutput": "pagedllm.outputs",
     "CompletionOutput": "pagedllm.outputs",
     "BeamSearchParams": "pagedllm.engine.beam_search",
+    "PoolingParams": "pagedllm.pooling_params",
+    "EmbeddingRequestOutput": "pagedllm.outputs",
 }
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput",
-           "BeamSearchParams"]
+           "BeamSearchParams", "PoolingParams", "EmbeddingRequestOutput"]
 
 if TYPE_CHECKING:
     from pagedllm.engine.beam_search import BeamSearchParams
     from pagedllm.entrypoints.llm import LLM
-    from pagedllm.outputs import CompletionOutput, RequestOutput
+    from pagedllm.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput
+    from pagedllm.pooling_params import PoolingParams
     from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 

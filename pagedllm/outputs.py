@@ -69,6 +69,8 @@ class RequestOutput:
         num_cached_tokens: prompt tokens served from the prefix cache.
         metrics: timing information, if the engine records it.
         error: set when the engine failed while running this request (it then finishes with "abort").
+        embedding: an embedding request's (`PoolingParams`) result, in its final output; such a request has no
+            completions (`outputs` is empty).
     """
 
     request_id: str
@@ -80,3 +82,38 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: Any = None
     error: str | None = None
+    embedding: list[float] | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    """One prompt's embedding (vLLM's `EmbeddingOutput`).
+
+    Args:
+        embedding: the vector, float32 values as Python floats (the model's hidden size of them).
+    """
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What `LLM.embed` returns per prompt (vLLM's `EmbeddingRequestOutput`).
+
+    Args:
+        request_id: the engine's id for the request.
+        outputs: the prompt's embedding.
+        prompt_token_ids: the tokenized prompt.
+        num_cached_tokens: prompt tokens served from the prefix cache.
+        finished: always True: an embedding comes whole.
+    """
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    num_cached_tokens: int = 0
+    finished: bool = True

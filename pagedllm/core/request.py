@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from pagedllm.core.kv_cache.hashing import BlockHash
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -73,6 +74,8 @@ class Request:
         engine_appends_tokens: beam search: the runner's logprobs are reported, but no sampled token is
             appended and no stop condition checked; the engine picks the next token (`Scheduler.append_token`,
             `Scheduler.fork_request`).
+        pooling_params: an embedding request: the runner reports the prompt's embedding with its first (and, as
+            the engine sets max_tokens=1, only) sampled token.
 
     Only `append_output_token_ids` may add output tokens: it keeps `all_token_ids` in step.
     """
@@ -88,6 +91,7 @@ class Request:
     index: int = 0
     group_size: int = 1
     engine_appends_tokens: bool = False
+    pooling_params: PoolingParams | None = None
     output_token_ids: list[int] = field(init=False, default_factory=list)
     num_computed_tokens: int = field(init=False, default=0)
     status: RequestStatus = field(init=False, default=RequestStatus.WAITING)

@@ -30,6 +30,7 @@ from pagedllm.engine.engine_thread import EngineThread
 from pagedllm.engine.llm_engine import LLMEngine, PromptInput, tokenize_prompt
 from pagedllm.logger import init_logger
 from pagedllm.outputs import RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.runner import kv_tensors
 from pagedllm.sampling_params import SamplingParams
 
@@ -152,8 +153,8 @@ class RayReplica:
     def tokenize_prompt(self, prompt: PromptInput) -> list[int]:
         return tokenize_prompt(self.tokenizer, prompt, self.vocab_size, self.max_model_len)
 
-    def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams, priority: int = 0,
-                    cache_salt: str | None = None, arrival_time: float | None = None,
+    def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | PoolingParams,
+                    priority: int = 0, cache_salt: str | None = None, arrival_time: float | None = None,
                     prompt_token_ids: list[int] | None = None) -> None:
         self._call_and_report("add_request", request_id, prompt, params, priority, cache_salt, arrival_time,
                               prompt_token_ids)

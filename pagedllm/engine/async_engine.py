@@ -47,6 +47,7 @@ from pagedllm.engine.engine_thread import EngineThread
 from pagedllm.engine.llm_engine import LLMEngine, PromptInput, tokenize_prompt
 from pagedllm.metrics.stats import IterationStats, RequestStatsTracker, SchedulerStats
 from pagedllm.outputs import RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -248,10 +249,11 @@ class AsyncEngine:
         return len(left)
 
     # ---- the asyncio side ---------------------------------------------------------------------------------------
-    async def generate(self, request_id: str, prompt: PromptInput, params: SamplingParams, *,
+    async def generate(self, request_id: str, prompt: PromptInput, params: SamplingParams | PoolingParams, *,
                        prompt_token_ids: list[int] | None = None, priority: int = 0,
                        cache_salt: str | None = None) -> AsyncGenerator[RequestOutput, None]:
-        """Run one request and yield its outputs until the last (`finished`) one.
+        """Run one request and yield its outputs until the last (`finished`) one. With PoolingParams, the request
+        embeds the prompt: one output, whose `embedding` holds it.
 
         Use `params.output_kind = "delta"` to get each step's new text; with `params.n > 1` each such output
         carries the completion that changed (its `index` says which), and the last is `finished` once all n are.
@@ -268,7 +270,7 @@ class AsyncEngine:
             raise EngineDrainingError("the server is shutting down and takes no new requests")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if params.structured_outputs is not None:
+        if isinstance(params, SamplingParams) and params.structured_outputs is not None:
             # Compile (or find in the cache) here, in a worker thread, so that the step loop only copies it.
             await asyncio.get_running_loop().run_in_executor(None, self.engine.structured_output.compile,
                                                              params.structured_outputs)

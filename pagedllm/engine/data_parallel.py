@@ -42,6 +42,7 @@ from pagedllm.inputs import parse_prompt
 from pagedllm.logger import init_logger
 from pagedllm.metrics.log_stats import LoggingStatLogger
 from pagedllm.outputs import RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.runner import kv_tensors
 from pagedllm.sampling_params import SamplingParams
 
@@ -158,8 +159,8 @@ class DataParallelEngine:
     def tokenize_prompt(self, prompt: PromptInput) -> list[int]:
         return self.replicas[0].tokenize_prompt(prompt)
 
-    def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams, priority: int = 0,
-                    cache_salt: str | None = None, arrival_time: float | None = None,
+    def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | PoolingParams,
+                    priority: int = 0, cache_salt: str | None = None, arrival_time: float | None = None,
                     prompt_token_ids: list[int] | None = None) -> None:
         """Route the request to a replica and queue it there (see `LLMEngine.add_request`)."""
         self._check_new(request_id)

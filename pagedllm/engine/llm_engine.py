@@ -28,6 +28,7 @@ from pagedllm.loader.generation_config import read_generation_config
 from pagedllm.logger import init_logger
 from pagedllm.metrics.stats import SchedulerStats
 from pagedllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.runner import kv_tensors
 from pagedllm.runner.model_runner import ModelRunner, StepTimings, model_shape
 from pagedllm.sampling_params import SamplingParams
@@ -75,6 +76,8 @@ class _Tracked:
     num_cached_tokens: int = 0
     prompt_logprobs: PromptLogprobs | None = None    # [None] + one position per computed prompt token
     prompt_logprobs_sent: bool = False              # output_kind "delta": they go out once, in the first output
+    pooling: PoolingParams | None = None            # an embedding request
+    embedding: list[float] | None = None
 
     @property
     def finished(self) -> bool:
@@ -248,13 +251,17 @@ class LLMEngine:
         """Token ids of a prompt, validated: not empty, inside the vocabulary and the context."""
         return tokenize_prompt(self.tokenizer, prompt, self.vocab_size, self.max_model_len)
 
-    def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams, priority: int = 0,
-                    cache_salt: str | None = None, arrival_time: float | None = None,
+    def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | PoolingParams,
+                    priority: int = 0, cache_salt: str | None = None, arrival_time: float | None = None,
                     prompt_token_ids: list[int] | None = None) -> None:
-        """Queue a request. `prompt_token_ids`, when given, are the already validated tokens of `prompt`; a
-        `cache_salt` argument overrides the prompt dict's own. A non-zero `priority` needs scheduling_policy
-        "priority" (ValueError otherwise)."""
+        """Queue a request: a generation (SamplingParams), or an embedding of the prompt (PoolingParams: its output
+        carries `embedding` and no completion). `prompt_token_ids`, when given, are the already validated tokens of
+        `prompt`; a `cache_salt` argument overrides the prompt dict's own. A non-zero `priority` needs
+        scheduling_policy "priority" (ValueError otherwise)."""
         self.config.scheduler.check_priority(priority)
+        pooling = params if isinstance(params, PoolingParams) else None
+        if pooling is not None:   # the prompt's forward pass, then one greedy token that nobody sees
+            params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
         if request_id in self._tracked:
             raise ValueError(f"request id {request_id!r} is already in use")
         parsed = parse_prompt(prompt)
@@ -276,9 +283,10 @@ class LLMEngine:
             request_id=request_id, prompt_token_ids=token_ids, sampling_params=params,
             eos_token_id=self.tokenizer.eos_token_id,
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(), priority=priority,
-            cache_salt=cache_salt))
+            cache_salt=cache_salt, pooling_params=pooling))
         self._tracked[request_id] = _Tracked(parsed.text, token_ids, params, completions,
-                                             prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
+                                             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+                                             pooling=pooling)
 
     def add_beam_search(self, request_id: str, prompt: PromptInput, params: BeamSearchParams) -> None:
         """Queue a beam search; its result comes from `pop_beam_search_output` once `step()` finished it."""
@@ -431,6 +439,8 @@ class LLMEngine:
             self.beam_search.on_update(update)
             return None
         tracked.num_cached_tokens = update.num_cached_tokens
+        if update.embedding is not None:
+            tracked.embedding = update.embedding
         if update.new_prompt_logprobs and tracked.prompt_logprobs is not None:
             tracked.prompt_logprobs += (self._logprob_position(entries, tracked.params.detokenize)
                                         for entries in update.new_prompt_logprobs)
@@ -486,10 +496,10 @@ class LLMEngine:
     def _make_output(self, request_id: str, tracked: _Tracked, completions: list[_Completion]) -> RequestOutput:
         prompt_logprobs = None if tracked.prompt_logprobs_sent else tracked.prompt_logprobs
         tracked.prompt_logprobs_sent = tracked.params.output_kind == "delta"
+        outputs = [] if tracked.pooling is not None else [self._completion_output(tracked, c) for c in completions]
         return RequestOutput(request_id=request_id, prompt=tracked.prompt, prompt_token_ids=tracked.prompt_token_ids,
-                             outputs=[self._completion_output(tracked, c) for c in completions],
-                             finished=tracked.finished, num_cached_tokens=tracked.num_cached_tokens,
-                             prompt_logprobs=prompt_logprobs)
+                             outputs=outputs, finished=tracked.finished, num_cached_tokens=tracked.num_cached_tokens,
+                             prompt_logprobs=prompt_logprobs, embedding=tracked.embedding)
 
     def _completion_output(self, tracked: _Tracked, completion: _Completion) -> CompletionOutput:
         finished = completion.finish_reason is not None

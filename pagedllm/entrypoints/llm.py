@@ -27,7 +27,8 @@ from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.openai.tool_parsers import with_tools
 from pagedllm.inputs import PromptType, as_prompt_list
 from pagedllm.logger import init_logger
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizer.chat_template import apply_chat_template
 
@@ -204,9 +205,37 @@ class LLM:
         params_list = _per_prompt(sampling_params or self.get_default_sampling_params(), len(prompt_list),
                                   "sampling_params")
         priorities = _per_prompt(list(priority) if priority is not None else 0, len(prompt_list), "priority")
+        return self._add_and_run(prompt_list, params_list, priorities, use_tqdm)
+
+    def embed(self, prompts: PromptType | Sequence[PromptType],
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *, use_tqdm: bool = True,
+              lora_request: None = None) -> list[EmbeddingRequestOutput]:
+        """Embed each prompt (vLLM's `LLM.embed`): the model's final hidden state at the prompt's last token,
+        L2-normalised (`PoolingParams`); the outputs come back in input order. The prompts batch with each other
+        and with any generation, through the same paged cache and prefix cache; nothing is generated.
+
+        Args:
+            prompts: as `generate`'s.
+            pooling_params: one for all prompts, or one per prompt (default: `PoolingParams()`).
+            use_tqdm: show a progress bar when there is more than one prompt.
+            lora_request: only None, as in `generate`.
+        """
+        _no_lora(lora_request)
+        prompt_list = as_prompt_list(prompts)
+        params_list = _per_prompt(pooling_params or PoolingParams(), len(prompt_list), "pooling_params")
+        outputs = self._add_and_run(prompt_list, params_list, [0] * len(prompt_list), use_tqdm)
+        failed = [o for o in outputs if o.embedding is None]
+        if failed:
+            raise RuntimeError(f"request {failed[0].request_id} failed: {failed[0].error}")
+        return [EmbeddingRequestOutput(o.request_id, EmbeddingOutput(o.embedding), o.prompt_token_ids,
+                                       o.num_cached_tokens) for o in outputs]
+
+    def _add_and_run(self, prompt_list: list[PromptType], params_list: list[SamplingParams | PoolingParams],
+                     priorities: list[int], use_tqdm: bool) -> list[RequestOutput]:
+        """Validate every prompt before any runs, queue them, and run them to the end."""
         for prio in priorities:
             self.engine.config.scheduler.check_priority(prio)
-        token_ids = [self.engine.tokenize_prompt(p) for p in prompt_list]   # all validated before any runs
+        token_ids = [self.engine.tokenize_prompt(p) for p in prompt_list]
         request_ids = [str(next(self._counter)) for _ in prompt_list]
         for request_id, prompt, ids, params, prio in zip(request_ids, prompt_list, token_ids, params_list,
                                                          priorities):

@@ -20,6 +20,7 @@ import torch
 
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.core.sched.output import ScheduledRequest
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -37,6 +38,7 @@ class CachedRequestState:
     output_token_ids: list[int] = field(default_factory=list)
     grammar: LLMatcher | None = None     # structured outputs: the parse state after output_token_ids
     num_prompt_logprob_positions: int = 0    # prompt positions whose logprobs went out (a recompute skips them)
+    pooling: PoolingParams | None = None     # an embedding request
 
 
 @dataclass(slots=True)

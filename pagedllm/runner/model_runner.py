@@ -211,7 +211,23 @@ class ModelRunner:
         for state, end in reported:   # only once the group succeeded: a group that raised may run again
             state.num_prompt_logprob_positions = end
         output.prompt_logprobs = prompt_logprobs
+        output.embeddings = self._embeddings(hidden, inputs, scheduled)
         return output
+
+    def _embeddings(self, hidden: torch.Tensor, inputs: ModelInputs, scheduled: list[ScheduledRequest]
+                    ) -> dict[str, list[float]]:
+        """Each embedding request whose prompt's last token ran this step: that token's final hidden state (LAST
+        pooling, `PoolingParams`), in float32, L2-normalised unless it asks otherwise."""
+        result = {}
+        for s in scheduled:
+            pooling = self.requests[s.request_id].pooling
+            if pooling is None or not s.sample:
+                continue
+            vector = hidden[inputs.first_rows[s.request_id] + len(s.token_ids) - 1].float()
+            if pooling.normalize:
+                vector = torch.nn.functional.normalize(vector, dim=0)
+            result[s.request_id] = vector.tolist()
+        return result
 
     def _forward_step(self, inputs: ModelInputs) -> torch.Tensor:
         """The step's forward pass: a captured graph's replay when one covers it, else eager."""
@@ -306,7 +322,8 @@ class ModelRunner:
             assert self.structured_output is not None, "a structured-output request needs the runner's manager"
             grammar = self.structured_output.new_matcher(params.structured_outputs)
         self.requests[new.request_id] = CachedRequestState(new.request_id, list(new.prompt_token_ids), params,
-                                                           self._generator(params.seed), grammar=grammar)
+                                                           self._generator(params.seed), grammar=grammar,
+                                                           pooling=new.pooling_params)
 
     def _start_token_bitmasks(self, request_ids: list[str]) -> tuple[list[str], Future] | None:
         """Start filling the bitmask of each constrained request about to sample, beside the forward pass:

@@ -1,6 +1,6 @@
 """Offline data parallelism: `LLM(data_parallel_size=2)` routes the prompts over two replicas, steps them in two
-threads (each replica built and stepped on its own), and returns the same greedy tokens as one engine, in input
-order. On a tiny random Llama."""
+threads (each replica built and stepped on its own), and returns the same greedy tokens (and embeddings) as one
+engine, in input order. On a tiny random Llama."""
 
 from __future__ import annotations
 
@@ -40,6 +40,7 @@ def test_two_replicas_give_one_engines_greedy_tokens_in_input_order(tiny_dir):
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     with _llm(tiny_dir, 1) as one:
         expected = [o.outputs[0].token_ids for o in one.generate(prompts, params, use_tqdm=False)]
+        embeddings = [o.outputs.embedding for o in one.embed(prompts, use_tqdm=False)]
     with _llm(tiny_dir, 2) as two:
         assert isinstance(two.engine, DataParallelEngine) and len(two.engine.replicas) == 2
         outputs = two.generate(prompts, params, use_tqdm=False)
@@ -47,6 +48,8 @@ def test_two_replicas_give_one_engines_greedy_tokens_in_input_order(tiny_dir):
         assert [o.outputs[0].token_ids for o in outputs] == expected
         queries = [replica.prefix_cache_stats.num_queries for replica in two.engine.replicas]
         assert all(queries) and sum(queries) == len(prompts)      # both replicas ran some of the prompts
+        for output, embedding in zip(two.embed(prompts, use_tqdm=False), embeddings):   # so do embeddings
+            assert output.outputs.embedding == pytest.approx(embedding, abs=1e-6)
         # n > 1 and beam search run inside one replica each.
         (forked,) = two.generate([prompts[0]], SamplingParams(n=2, temperature=0.0, max_tokens=6, ignore_eos=True),
                                  use_tqdm=False)

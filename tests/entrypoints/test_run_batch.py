@@ -66,15 +66,16 @@ def test_requests_are_answered_as_the_offline_api_answers_them_in_the_input_orde
                                                     "ignore_eos": True, "n": 2}),
              _line("short", "/v1/completions", {"prompt": ["a", "b"], "max_tokens": 2, "temperature": 0,
                                                 "ignore_eos": True}),
-             _line("response", "/v1/responses", {"input": MESSAGES, "max_output_tokens": 4, "temperature": 0})]
+             _line("response", "/v1/responses", {"input": MESSAGES, "max_output_tokens": 4, "temperature": 0}),
+             _line("embedding", "/v1/embeddings", {"input": ["a", "b c"]})]
     outputs, counts = _run(tiny_dir, lines)
-    assert [o["custom_id"] for o in outputs] == ["long", "chat", "short", "response"]
-    assert (counts.succeeded, counts.failed) == (4, 0)
+    assert [o["custom_id"] for o in outputs] == ["long", "chat", "short", "response", "embedding"]
+    assert (counts.succeeded, counts.failed) == (5, 0)
     for output in outputs:
         response = output["response"]
         assert output["error"] is None and output["id"].startswith("batch_req")
         assert response["status_code"] == 200 and response["request_id"] == response["body"]["id"]
-    long, chat, short, response = (o["response"]["body"] for o in outputs)
+    long, chat, short, response, embedding = (o["response"]["body"] for o in outputs)
     assert long["choices"][0]["text"] == _greedy(reference, "Once upon a time", 48)
     assert long["usage"]["completion_tokens"] == 48
     assert chat["object"] == "chat.completion" and len(chat["choices"]) == 2
@@ -83,6 +84,10 @@ def test_requests_are_answered_as_the_offline_api_answers_them_in_the_input_orde
     assert response["object"] == "response" and response["usage"]["output_tokens"] <= 4
     assert response["output"][0]["content"][0]["text"] == reference.chat(
         MESSAGES, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0].outputs[0].text
+    expected = [o.outputs.embedding for o in reference.embed(["a", "b c"], use_tqdm=False)]
+    assert [d["index"] for d in embedding["data"]] == [0, 1]
+    for data, vector in zip(embedding["data"], expected):
+        assert data["embedding"] == pytest.approx(vector, abs=1e-6)
 
 
 @pytest.mark.parametrize("max_in_flight", [1, 3])
@@ -92,14 +97,14 @@ def test_every_line_gets_its_answer_bad_ones_included(tiny_dir, max_in_flight):
              _line("bad-temperature", "/v1/completions", {**good, "temperature": -1}),
              _line("no-prompt", "/v1/completions", {"max_tokens": 2}),
              _line("other-model", "/v1/completions", {**good, "model": "gpt-4"}),
-             _line("embeddings", "/v1/embeddings", {"input": "hi"}),
+             _line("speech", "/v1/audio/speech", {"input": "hi"}),
              _line("streamed", "/v1/completions", {**good, "stream": True}),
              "not JSON",
              json.dumps({"custom_id": "get", "method": "GET", "url": "/v1/completions", "body": good}),
              json.dumps({"method": "POST", "url": "/v1/completions", "body": good}),
              _line("ok-2", "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2})]
     outputs, counts = _run(tiny_dir, lines, max_in_flight)
-    assert [o["custom_id"] for o in outputs] == ["ok-1", "bad-temperature", "no-prompt", "other-model", "embeddings",
+    assert [o["custom_id"] for o in outputs] == ["ok-1", "bad-temperature", "no-prompt", "other-model", "speech",
                                                  "streamed", None, "get", None, "ok-2"]
     assert (counts.succeeded, counts.failed) == (2, 8)
     assert counts.failed_lines[:2] == ["line 2 (bad-temperature)", "line 3 (no-prompt)"]
@@ -111,7 +116,7 @@ def test_every_line_gets_its_answer_bad_ones_included(tiny_dir, max_in_flight):
         assert by_id[custom_id]["error"] is None and response["status_code"] == status
         assert response["body"]["error"]["param"] == param, response
     # no request at all: no response, an error naming why
-    assert by_id["embeddings"]["error"]["code"] == "invalid_url" and by_id["embeddings"]["response"] is None
+    assert by_id["speech"]["error"]["code"] == "invalid_url" and by_id["speech"]["response"] is None
     assert "stream" in by_id["streamed"]["error"]["message"]
     assert "POST" in by_id["get"]["error"]["message"]
     assert outputs[6]["error"]["code"] == "invalid_request" and "JSON" in outputs[6]["error"]["message"]

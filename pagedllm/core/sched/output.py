@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedllm.core.request import FinishReason
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -14,12 +15,14 @@ class NewRequestData:
 
     `output_token_ids` is empty for a fresh request; after a preemption it holds the tokens generated so far
     (the runner needs them for penalties; their K/V is recomputed from `ScheduledRequest.token_ids`).
+    `pooling_params` marks an embedding request (`Request.pooling_params`).
     """
 
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     output_token_ids: list[int] = field(default_factory=list)
+    pooling_params: PoolingParams | None = None
 
 
 @dataclass(slots=True)
@@ -95,12 +98,16 @@ class RunnerOutput:
 
     For a request scheduled with draft tokens, `num_accepted_draft_tokens` says how many of them (a prefix) were
     accepted, and the sampled token comes after those: the request's new tokens are
-    `spec_token_ids[:num_accepted] + [sampled]`, and its logprobs hold one entry per new token."""
+    `spec_token_ids[:num_accepted] + [sampled]`, and its logprobs hold one entry per new token.
+
+    `embeddings` holds, for each embedding request that sampled (its prompt's last token ran this step), its
+    prompt's embedding (`PoolingParams`)."""
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, object] = field(default_factory=dict)
     prompt_logprobs: dict[str, list] = field(default_factory=dict)
     num_accepted_draft_tokens: dict[str, int] = field(default_factory=dict)
+    embeddings: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -112,7 +119,8 @@ class RequestUpdate:
     A forked sequence (a parallel-sampling child) names its group's first request in `parent_request_id` and its
     completion number in `index`. A beam (`Request.engine_appends_tokens`) gets updates with no token ids,
     only `new_logprobs`. `new_prompt_logprobs` are the prompt positions the step computed (RunnerOutput's
-    `prompt_logprobs`); a chunk of the prompt that samples nothing gets an update with just those.
+    `prompt_logprobs`); a chunk of the prompt that samples nothing gets an update with just those. `embedding`:
+    an embedding request's, with its one token (RunnerOutput's `embeddings`).
     """
 
     request_id: str
@@ -124,3 +132,4 @@ class RequestUpdate:
     parent_request_id: str | None = None
     index: int = 0
     new_prompt_logprobs: list | None = None
+    embedding: list[float] | None = None

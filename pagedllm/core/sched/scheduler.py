@@ -397,7 +397,7 @@ class Scheduler:
         for request_id in new_request_ids:
             request = self.requests[request_id]
             new_requests.append(NewRequestData(request_id, request.prompt_token_ids, request.sampling_params,
-                                               list(request.output_token_ids)))
+                                               list(request.output_token_ids), request.pooling_params))
         finished_request_ids, self._finished_request_ids = self._finished_request_ids, set()
         return SchedulerOutput(new_requests=new_requests, scheduled=scheduled,
                                num_batched_tokens=sum(plan.num_scheduled_tokens.values()),
@@ -457,6 +457,7 @@ class Scheduler:
             updates = [self._append_sampled(sequence, [runner_output.sampled_token_ids[sequence.request_id]],
                                             runner_output) for sequence in sequences]
         updates[0].new_prompt_logprobs = prompt_logprobs
+        updates[0].embedding = runner_output.embeddings.get(request.request_id)
         return updates
 
     def _append_verified(self, request: Request, spec_token_ids: list[int],

@@ -251,4 +251,20 @@ class DetokenizeRequest(_Request):
     tokens: list[int] = Field(default_factory=list)
 
 
+class EmbeddingRequest(_Request):
+    """POST /v1/embeddings. `input`: a string, a list of strings, token ids, or a list of token-id lists;
+    `encoding_format` "base64" sends each vector as its little-endian float32 bytes (what OpenAI's SDK asks for by
+    default). vLLM's extras: normalize, truncate_prompt_tokens, truncation_side, priority."""
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    normalize: bool = True
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    truncation_side: Literal["left", "right"] | None = None
+    priority: int = 0
+
+
 FinishReason = Literal["stop", "length", "abort", "tool_calls"]

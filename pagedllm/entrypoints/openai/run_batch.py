@@ -1,7 +1,7 @@
 """`pagedllm run-batch -i requests.jsonl -o results.jsonl [--model MODEL] [flags]` (vLLM's `vllm run-batch`): a
-file of requests in OpenAI's batch format, answered by the server's own /v1/chat/completions, /v1/completions and
-/v1/responses (the same validation, defaults and response bodies) without HTTP, all in one engine's continuous
-batches.
+file of requests in OpenAI's batch format, answered by the server's own /v1/chat/completions, /v1/completions,
+/v1/responses and /v1/embeddings (the same validation, defaults and response bodies) without HTTP, all in one
+engine's continuous batches.
 
 Input, a JSON object a line (blank lines are skipped):
     {"custom_id": "request-1", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": [...], ...}}
@@ -33,6 +33,7 @@ from pagedllm.entrypoints.openai.cli_args import RUN_BATCH_DESCRIPTION, add_run_
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    EmbeddingRequest,
     ResponsesRequest,
     random_id,
     validation_error,
@@ -40,6 +41,7 @@ from pagedllm.entrypoints.openai.protocol import (
 from pagedllm.entrypoints.openai.serving_base import ServerLimits, error_for
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 
 logger = logging.getLogger(__name__)
@@ -79,6 +81,7 @@ async def run_batch(engine: AsyncEngine | AsyncDataParallelEngine, lines: Iterab
         "/v1/chat/completions": (ChatCompletionRequest, chat.create),
         "/v1/completions": (CompletionRequest, OpenAIServingCompletion(engine, names, limits).create),
         "/v1/responses": (ResponsesRequest, OpenAIServingResponses(chat).create),
+        "/v1/embeddings": (EmbeddingRequest, OpenAIServingEmbedding(engine, names, limits).create),
     }
     counts = BatchCounts()
     done: dict[int, tuple[int, dict[str, Any]]] = {}    # answered, waiting for the requests before them

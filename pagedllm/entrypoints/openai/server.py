@@ -28,6 +28,7 @@ from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     OpenAIError,
     ResponsesRequest,
     TokenizeRequest,
@@ -37,6 +38,7 @@ from pagedllm.entrypoints.openai.protocol import (
 from pagedllm.entrypoints.openai.serving_base import ServerLimits, error_for
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagedllm.entrypoints.openai.transport import RequestGate, respond
@@ -99,14 +101,16 @@ def build_app(engine: AsyncEngine | AsyncDataParallelEngine, *, served_model_nam
                            allow_headers=list(cors.headers), allow_credentials=cors.credentials)
     chat = OpenAIServingChat(engine, names, limits, tool_call_parser if enable_auto_tool_choice else None,
                              reasoning_parser)
-    app.include_router(_v1_router(OpenAIServingCompletion(engine, names, limits), chat))
+    app.include_router(_v1_router(OpenAIServingCompletion(engine, names, limits), chat,
+                                  OpenAIServingEmbedding(engine, names, limits)))
     app.include_router(_utility_router(OpenAIServingTokenization(chat), stat_logger))
     app.include_router(dashboard_router(engine, api_key))
     return app
 
 
 # ---- routes -----------------------------------------------------------------------------------------------------
-def _v1_router(completion: OpenAIServingCompletion, chat: OpenAIServingChat) -> APIRouter:
+def _v1_router(completion: OpenAIServingCompletion, chat: OpenAIServingChat,
+               embedding: OpenAIServingEmbedding) -> APIRouter:
     """/v1/*. The API key is checked by RequestGate, before the body is read."""
     engine, names = chat.engine, chat.served_model_names
     responses_api = OpenAIServingResponses(chat)
@@ -139,6 +143,10 @@ def _v1_router(completion: OpenAIServingCompletion, chat: OpenAIServingChat) -> 
     @router.post("/responses")
     async def responses(body: ResponsesRequest, raw_request: Request) -> Response:
         return await respond(raw_request, responses_api.create(body))
+
+    @router.post("/embeddings")
+    async def embeddings(body: EmbeddingRequest, raw_request: Request) -> Response:
+        return await respond(raw_request, embedding.create(body))
 
     return router
 

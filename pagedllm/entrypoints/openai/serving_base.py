@@ -10,11 +10,11 @@ import re
 from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from pagedllm.engine.async_engine import AsyncEngine, EngineDeadError, EngineDrainingError, RequestFailedError
 from pagedllm.engine.llm_engine import PromptTooLongError
-from pagedllm.entrypoints.openai.protocol import OpenAIError, _SamplingFields
+from pagedllm.entrypoints.openai.protocol import EmbeddingRequest, OpenAIError, _SamplingFields
 from pagedllm.entrypoints.openai.structured_outputs import structured_outputs_from
 from pagedllm.inputs import ParsedPrompt
 from pagedllm.outputs import CompletionOutput, PromptLogprobs, RequestOutput
@@ -118,7 +118,7 @@ class OpenAIServing:
         if request.stream and request.prompt_logprobs is not None:
             raise OpenAIError("prompt_logprobs are not available when stream is true", param="prompt_logprobs")
 
-    def truncation(self, request: _SamplingFields) -> slice | None:
+    def truncation(self, request: _SamplingFields | EmbeddingRequest) -> slice | None:
         """The prompt tokens vLLM's truncate_prompt_tokens keeps: the last k (truncation_side "left", the
         default) or the first k; -1 keeps as many as leave room for one generated token. None: all of them."""
         keep = request.truncate_prompt_tokens
@@ -148,6 +148,23 @@ class OpenAIServing:
                               "messages.", param=param, code="context_length_exceeded") from exc
         except ValueError as exc:
             raise OpenAIError(str(exc), param=param) from exc
+
+    async def prompts(self, prompt: str | list[str] | list[int] | list[list[int]], truncation: slice | None,
+                      param: str = "prompt") -> list[Prompt]:
+        """A request's prompts (one or a batch, each text or token ids), each through `prompt_token_ids`."""
+        raw: list[str | list[int]]
+        if isinstance(prompt, str):
+            raw = [prompt]
+        elif prompt and all(isinstance(t, int) for t in prompt):
+            raw = [cast(list[int], prompt)]         # one prompt as token ids
+        else:
+            raw = cast(list[str | list[int]], list(prompt))
+        if not raw:
+            raise OpenAIError(f"{param} must not be empty", param=param)
+        if len(raw) > self.limits.max_prompts:
+            raise OpenAIError(f"at most {self.limits.max_prompts} prompts per request", param=param)
+        return [Prompt(item if isinstance(item, str) and truncation is None else None,
+                       await self.prompt_token_ids(item, param, truncation)) for item in raw]
 
     def resolve_max_tokens(self, max_tokens: int | None, num_prompt_tokens: int, param: str = "max_tokens") -> int:
         """`max_tokens`, or all the context left, at most the model's generation config's max_tokens (as vLLM);

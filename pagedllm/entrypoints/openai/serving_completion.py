@@ -37,7 +37,7 @@ class OpenAIServingCompletion(GenerationServing):
             raise OpenAIError("suffix is not supported", param="suffix")
         if request.best_of is not None and request.best_of != request.n:
             raise OpenAIError("best_of is not supported (it must be absent or equal to n)", param="best_of")
-        prompts = await self._prompts(request.prompt, self.truncation(request))
+        prompts = await self.prompts(request.prompt, self.truncation(request))
         params = [self.sampling_params(request, self.resolve_max_tokens(request.max_tokens, len(p.token_ids)),
                                        request.logprobs, num_prompt_logprobs) for p in prompts]
         self.check_num_choices(len(prompts), request.n)
@@ -78,22 +78,6 @@ class OpenAIServingCompletion(GenerationServing):
             choice["logprobs"] = {field: prompt_part[field] + choice["logprobs"][field] for field in prompt_part}
 
     # ---- prompts ------------------------------------------------------------------------------------------------
-    async def _prompts(self, prompt: str | list[str] | list[int] | list[list[int]],
-                       truncation: slice | None) -> list[Prompt]:
-        raw: list[str | list[int]]
-        if isinstance(prompt, str):
-            raw = [prompt]
-        elif prompt and all(isinstance(t, int) for t in prompt):
-            raw = [cast(list[int], prompt)]         # one prompt as token ids
-        else:
-            raw = cast(list[str | list[int]], list(prompt))
-        if not raw:
-            raise OpenAIError("prompt must not be empty", param="prompt")
-        if len(raw) > self.limits.max_prompts:
-            raise OpenAIError(f"at most {self.limits.max_prompts} prompts per request", param="prompt")
-        return [Prompt(item if isinstance(item, str) and truncation is None else None,
-                       await self.prompt_token_ids(item, truncation=truncation)) for item in raw]
-
     def _echo(self, prompt: Prompt) -> str:
         return prompt.text if prompt.text is not None else self.engine.tokenizer.decode(prompt.token_ids)
 

@@ -1,0 +1,54 @@
+"""POST /v1/embeddings: prompts (text or token ids) -> one vector each (OpenAI's Embeddings API, vLLM's pooling
+parameters)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from contextlib import aclosing
+from typing import Any
+
+import numpy as np
+
+from pagedllm.entrypoints.openai.protocol import EmbeddingRequest, OpenAIError, now, random_id
+from pagedllm.entrypoints.openai.serving_base import OpenAIServing, Prompt
+from pagedllm.outputs import RequestOutput
+from pagedllm.pooling_params import PoolingParams
+
+
+class OpenAIServingEmbedding(OpenAIServing):
+    """Each prompt of a request runs as one engine request (`PoolingParams`), all at once, batched with whatever
+    else the engine runs; the answer lists their vectors in input order."""
+
+    async def create(self, request: EmbeddingRequest) -> dict[str, Any]:
+        model = self.check_model(request.model)
+        if request.dimensions is not None:
+            raise OpenAIError("this model does not support matryoshka representations, so dimensions cannot be "
+                              "set: its embeddings have the model's hidden size", param="dimensions")
+        prompts = await self.prompts(request.input, self.truncation(request), param="input")
+        request_id = random_id("embd")
+        params = PoolingParams(normalize=request.normalize)
+        outputs = await asyncio.gather(*(self._embed(f"{request_id}-{i}", prompt, params, request.priority)
+                                         for i, prompt in enumerate(prompts)))
+        num_tokens = sum(len(p.token_ids) for p in prompts)
+        return {"id": request_id, "object": "list", "created": now(), "model": model,
+                "data": [{"index": i, "object": "embedding", "embedding": _encode(o.embedding, request.encoding_format)}
+                         for i, o in enumerate(outputs)],
+                "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
+
+    async def _embed(self, request_id: str, prompt: Prompt, params: PoolingParams, priority: int) -> RequestOutput:
+        async with aclosing(self.engine.generate(request_id, prompt.token_ids, params, priority=priority,
+                                                 prompt_token_ids=prompt.token_ids)) as stream:
+            async for output in stream:
+                if output.finished:
+                    return output
+        raise RuntimeError(f"request {request_id} ended without an output")
+
+
+def _encode(vector: list[float] | None, encoding_format: str) -> list[float] | str:
+    """float: the values; base64: their little-endian float32 bytes (what OpenAI's SDK decodes by default)."""
+    if vector is None:
+        raise RuntimeError("an embedding request finished without its embedding")
+    if encoding_format == "base64":
+        return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
+    return vector

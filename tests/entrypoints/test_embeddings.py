@@ -1,0 +1,125 @@
+"""Embeddings (vLLM's `LLM.embed` and /v1/embeddings) on a tiny random Llama (tests/models/tiny.py): the vector is
+transformers' final hidden state at the prompt's last token (LAST pooling), L2-normalised unless asked otherwise,
+whether the prompt ran in one step or in chunks, hit the prefix cache or shared its steps with generations; over
+HTTP through the `openai` SDK (which asks for base64) the same vectors, with OpenAI's response shape and errors."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+import torch
+
+from pagedllm import LLM, PoolingParams, SamplingParams
+from tests.entrypoints.server_utils import RunningServer, start_server
+from tests.models.tiny import save_tiny_model
+from tests.reliability.tiny_server import build_tiny_engine
+
+PROMPTS = [[5, 17, 99, 3], list(range(20, 90)), [7] * 33]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("tiny") / "m", "llama-gqa", initializer_range=0.5)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny) -> LLM:
+    return LLM(model=str(tiny[0]), dtype="float32", block_size=16, num_kv_blocks=256)
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    running = start_server(build_tiny_engine(tiny[0]), api_key=None)
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server: RunningServer) -> openai.OpenAI:
+    return server.client()
+
+
+def _hf_last_hidden(hf_model, token_ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        out = hf_model.model(torch.tensor([token_ids])).last_hidden_state   # after the final norm
+    return out[0, -1].float()
+
+
+def test_embed_is_the_normalised_last_hidden_state_of_transformers(tiny, llm):
+    _, hf_model = tiny
+    outputs = llm.embed([{"prompt_token_ids": p} for p in PROMPTS], use_tqdm=False)
+    raw = llm.embed([{"prompt_token_ids": p} for p in PROMPTS], PoolingParams(normalize=False), use_tqdm=False)
+    for prompt, output, unnormalised in zip(PROMPTS, outputs, raw):
+        expected = _hf_last_hidden(hf_model, prompt)
+        assert output.prompt_token_ids == prompt and output.finished
+        assert output.outputs.hidden_size == hf_model.config.hidden_size
+        torch.testing.assert_close(torch.tensor(unnormalised.outputs.embedding), expected, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(torch.tensor(output.outputs.embedding),
+                                   torch.nn.functional.normalize(expected, dim=0), atol=1e-5, rtol=1e-4)
+        assert abs(torch.tensor(output.outputs.embedding).norm().item() - 1) < 1e-5
+
+
+def test_a_prompt_in_chunks_with_a_cache_hit_and_beside_generations_gives_the_same_vector(tiny):
+    _, hf_model = tiny
+    engine = build_tiny_engine(tiny[0], max_num_batched_tokens=24)     # a 70-token prompt runs in chunks
+    llm = LLM.from_engine(engine)
+    prompt = PROMPTS[1]
+    expected = torch.nn.functional.normalize(_hf_last_hidden(hf_model, prompt), dim=0)
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    (alone,) = llm.generate({"prompt_token_ids": PROMPTS[2]}, greedy, use_tqdm=False)
+
+    (first,) = llm.embed({"prompt_token_ids": prompt}, use_tqdm=False)
+    engine.add_request("gen", {"prompt_token_ids": PROMPTS[2]}, greedy)
+    engine.add_request("emb", {"prompt_token_ids": prompt}, PoolingParams())
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals |= {o.request_id: o for o in engine.step() if o.finished}
+    assert first.num_cached_tokens == 0 and finals["emb"].num_cached_tokens >= 64   # the second hit the cache
+    assert finals["emb"].outputs == [] and finals["gen"].embedding is None
+    assert finals["gen"].outputs[0].token_ids == alone.outputs[0].token_ids
+    for vector in (first.outputs.embedding, finals["emb"].embedding):
+        torch.testing.assert_close(torch.tensor(vector), expected, atol=1e-5, rtol=1e-4)
+
+
+def test_embed_refuses_bad_prompts_before_running_any(llm):
+    with pytest.raises(ValueError, match="empty"):
+        llm.embed([{"prompt_token_ids": [1, 2]}, {"prompt_token_ids": []}], use_tqdm=False)
+    with pytest.raises(ValueError, match="pooling_params has 1 entries for 2 prompts"):
+        llm.embed(["a", "b"], [PoolingParams()], use_tqdm=False)
+    with pytest.raises(ValueError, match="normalize"):
+        PoolingParams(normalize="yes")
+
+
+def test_served_embeddings_equal_offline_ones(client, server, llm):
+    texts = ["Once upon a time", "in a paged cache, blocks"]
+    expected = [o.outputs.embedding for o in llm.embed(texts, use_tqdm=False)]
+    as_base64 = client.embeddings.create(model=server.model_name, input=texts)     # the SDK asks for base64
+    as_floats = client.embeddings.create(model=server.model_name, input=texts, encoding_format="float")
+    for response in (as_base64, as_floats):
+        assert response.object == "list" and response.model == server.model_name
+        assert [d.index for d in response.data] == [0, 1] and {d.object for d in response.data} == {"embedding"}
+        for data, vector in zip(response.data, expected):
+            torch.testing.assert_close(torch.tensor(data.embedding), torch.tensor(vector), atol=1e-6, rtol=1e-5)
+    prompt_tokens = sum(len(llm.engine.tokenizer.encode(t)) for t in texts)
+    assert as_floats.usage.prompt_tokens == as_floats.usage.total_tokens == prompt_tokens
+
+    by_ids = client.embeddings.create(model=server.model_name, input=PROMPTS[0], encoding_format="float")
+    (offline,) = llm.embed({"prompt_token_ids": PROMPTS[0]}, use_tqdm=False)
+    torch.testing.assert_close(torch.tensor(by_ids.data[0].embedding), torch.tensor(offline.outputs.embedding),
+                               atol=1e-6, rtol=1e-5)
+    raw = client.embeddings.create(model=server.model_name, input="x y", encoding_format="float",
+                                   extra_body={"normalize": False})
+    assert abs(torch.tensor(raw.data[0].embedding).norm().item() - 1) > 1e-3
+
+
+@pytest.mark.parametrize(("kwargs", "param", "status"), [
+    (dict(input=[]), "input", 400),
+    (dict(input="hi", dimensions=8), "dimensions", 400),
+    (dict(input=[[1, 2], [10 ** 9]]), "input", 400),
+    (dict(input="hi", model="not-served"), "model", 404),
+])
+def test_bad_embedding_requests_get_openai_errors(client, server, kwargs, param, status):
+    with pytest.raises(openai.APIStatusError) as info:
+        client.embeddings.create(**{"model": server.model_name, **kwargs})
+    assert info.value.status_code == status
+    assert info.value.body["param"] == param
