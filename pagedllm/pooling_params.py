@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+RUNNERS = ("auto", "generate", "pooling")     # vLLM's `runner` values one engine covers (vLLM also has "draft")
+CONVERTS = ("auto", "none", "embed")          # and `convert` (vLLM also has "classify" and "reward")
+
 
 @dataclass(frozen=True)
 class PoolingParams:
@@ -22,3 +25,13 @@ class PoolingParams:
     def __post_init__(self) -> None:
         if not isinstance(self.normalize, bool):
             raise ValueError(f"normalize must be a bool, got {self.normalize!r}")
+
+
+def check_runner(runner: str, convert: str) -> None:
+    """vLLM's runner and convert values that one pagedllm engine serves as it is (it generates and embeds)."""
+    if runner not in RUNNERS:
+        raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {runner!r}: pagedllm generates and embeds "
+                         "with one engine, and has no draft runner")
+    if convert not in CONVERTS:
+        raise ValueError(f"convert must be one of {', '.join(CONVERTS)}, got {convert!r}: pagedllm embeds (LAST "
+                         "pooling) and has no classification or reward heads")

@@ -28,7 +28,7 @@ from pagedllm.entrypoints.openai.tool_parsers import with_tools
 from pagedllm.inputs import PromptType, as_prompt_list
 from pagedllm.logger import init_logger
 from pagedllm.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
-from pagedllm.pooling_params import PoolingParams
+from pagedllm.pooling_params import PoolingParams, check_runner
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizer.chat_template import apply_chat_template
 
@@ -83,6 +83,9 @@ class LLM:
             SamplingParams, its other EOS ids as stop ids), "vllm" (none of it) or a folder holding such a file.
         trust_remote_code: taken so that code written for vLLM's LLM runs; it changes nothing: pagedllm runs its own
             model code (Llama and Qwen2 architectures), never code from a checkpoint.
+        runner, convert: vLLM's switches to an embedding model (`runner="pooling"`, `convert="embed"`), taken so that
+            code written for vLLM runs; they select nothing, since one pagedllm engine both generates and embeds
+            (`embed`). vLLM's other runners and conversions (draft, classify, reward) are refused.
     """
 
     def __init__(self, model: str | None = None, *, dtype: str = "auto", max_model_len: int | None = None,
@@ -98,7 +101,9 @@ class LLM:
                  distributed_executor_backend: str | None = None,
                  data_parallel_router: DataParallelRouterPolicy = "prefix_aware", device: str = "auto",
                  enforce_eager: bool = False, disable_cascade_attn: bool = False,
-                 generation_config: str = "auto", trust_remote_code: bool = False) -> None:
+                 generation_config: str = "auto", trust_remote_code: bool = False, runner: str = "auto",
+                 convert: str = "auto") -> None:
+        check_runner(runner, convert)
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
                               chat_template=chat_template, quantization=quantization, device=device,

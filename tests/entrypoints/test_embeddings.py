@@ -123,3 +123,19 @@ def test_bad_embedding_requests_get_openai_errors(client, server, kwargs, param,
         client.embeddings.create(**{"model": server.model_name, **kwargs})
     assert info.value.status_code == status
     assert info.value.body["param"] == param
+
+
+def test_vllm_runner_and_convert_switches_are_taken_and_others_refused(tiny):
+    from pagedllm.entrypoints.openai.api_server import make_parser
+
+    llm = LLM(model=str(tiny[0]), dtype="float32", num_kv_blocks=64, runner="pooling", convert="embed")
+    (output,) = llm.embed([[1, 2, 3]], use_tqdm=False)
+    assert len(output.outputs.embedding) == tiny[1].config.hidden_size
+    with pytest.raises(ValueError, match="runner must be one of auto, generate, pooling, got 'draft'"):
+        LLM(model=str(tiny[0]), runner="draft")
+    with pytest.raises(ValueError, match="convert must be one of auto, none, embed, got 'classify'"):
+        LLM(model=str(tiny[0]), convert="classify")
+    args = make_parser().parse_args(["--runner", "pooling", "--convert", "embed"])
+    assert (args.runner, args.convert) == ("pooling", "embed")
+    with pytest.raises(SystemExit):
+        make_parser().parse_args(["--convert", "reward"])

@@ -13,6 +13,7 @@ import re
 from pagedllm.config import DEFAULT_BLOCK_SIZE
 from pagedllm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
+from pagedllm.pooling_params import CONVERTS, RUNNERS
 
 _SIZE_UNITS = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "ki": 1024, "mi": 1024**2, "gi": 1024**3}
 
@@ -158,6 +159,11 @@ def _add_engine_args(engine: argparse._ArgumentGroup) -> None:
     engine.add_argument("--trust-remote-code", action="store_true",
                         help="taken so that vLLM command lines run; it changes nothing: pagedllm runs its own "
                              "model code (Llama and Qwen2 architectures), never code from a checkpoint")
+    engine.add_argument("--runner", choices=RUNNERS, default="auto",
+                        help="taken so that vLLM command lines run (`--runner pooling` for an embedding model); it "
+                             "selects nothing: one engine both generates and embeds (/v1/embeddings)")
+    engine.add_argument("--convert", choices=CONVERTS, default="auto",
+                        help="as --runner (`--convert embed`): embeddings are always served, by LAST pooling")
     engine.add_argument("--max-model-len", type=int, default=None,
                         help="context length cap, prompt + output tokens (default: the model's own)")
     engine.add_argument("--device", default="auto",
