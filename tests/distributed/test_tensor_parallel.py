@@ -71,6 +71,7 @@ def test_two_ranks_give_the_tokens_of_one(tmp_path, disk_tmp_path, kind: str, ov
     with LLM(str(folder), **common) as one:
         expected_greedy, expected_sampled = _generate(one, prompts, GREEDY), _generate(one, PROMPTS, sampled)
         expected_prefix = _prefix_hits(one)
+        expected_embeddings = [o.outputs.embedding for o in one.embed(PROMPTS, use_tqdm=False)]
     assert expected_prefix[1][0] > 0, "the second prompt was meant to hit the first one's blocks"
     with LLM(str(folder), **common, tensor_parallel_size=2,
              swap_path=str(swap_dir / "kv") if mode == "swap" else None) as two:
@@ -82,6 +83,8 @@ def test_two_ranks_give_the_tokens_of_one(tmp_path, disk_tmp_path, kind: str, ov
         assert stats.num_preemptions_total.get(mode, 0) > 0, "the pool was meant to force preemption"
         assert _generate(two, PROMPTS, sampled) == expected_sampled
         assert _prefix_hits(two) == expected_prefix
+        for output, embedding in zip(two.embed(PROMPTS, use_tqdm=False), expected_embeddings):
+            assert output.outputs.embedding == pytest.approx(embedding, abs=1e-5)
         # A worker that dies while the engine idles fails its health at once, and the next request.
         workers[0].kill()
         workers[0].join(10)
