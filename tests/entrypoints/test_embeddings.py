@@ -5,6 +5,7 @@ HTTP through the `openai` SDK (which asks for base64) the same vectors, with Ope
 
 from __future__ import annotations
 
+import httpx
 import openai
 import pytest
 import torch
@@ -112,11 +113,24 @@ def test_served_embeddings_equal_offline_ones(client, server, llm):
     assert abs(torch.tensor(raw.data[0].embedding).norm().item() - 1) > 1e-3
 
 
+def test_chat_messages_embed_as_their_rendered_prompt(client, server):
+    messages = [{"role": "user", "content": "Embed this message"}]
+    tokens = httpx.post(f"{server.base_url}/tokenize",
+                        json={"messages": messages, "add_generation_prompt": False}).json()["tokens"]
+    as_chat = client.embeddings.create(model=server.model_name, input=[], encoding_format="float",
+                                       extra_body={"input": None, "messages": messages})
+    as_ids = client.embeddings.create(model=server.model_name, input=tokens, encoding_format="float")
+    assert as_chat.usage.prompt_tokens == len(tokens)
+    assert as_chat.data[0].embedding == as_ids.data[0].embedding
+
+
 @pytest.mark.parametrize(("kwargs", "param", "status"), [
     (dict(input=[]), "input", 400),
     (dict(input="hi", dimensions=8), "dimensions", 400),
     (dict(input=[[1, 2], [10 ** 9]]), "input", 400),
     (dict(input="hi", model="not-served"), "model", 404),
+    (dict(input="hi", extra_body={"messages": [{"role": "user", "content": "hi"}]}), "input", 400),
+    (dict(input=[], extra_body={"input": None, "messages": [{"role": "nobody"}]}), "messages", 400),
 ])
 def test_bad_embedding_requests_get_openai_errors(client, server, kwargs, param, status):
     with pytest.raises(openai.APIStatusError) as info:

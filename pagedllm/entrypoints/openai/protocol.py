@@ -252,12 +252,18 @@ class DetokenizeRequest(_Request):
 
 
 class EmbeddingRequest(_Request):
-    """POST /v1/embeddings. `input`: a string, a list of strings, token ids, or a list of token-id lists;
-    `encoding_format` "base64" sends each vector as its little-endian float32 bytes (what OpenAI's SDK asks for by
-    default). vLLM's extras: normalize, truncate_prompt_tokens, truncation_side, priority."""
+    """POST /v1/embeddings. `input`: a string, a list of strings, token ids, or a list of token-id lists; or, as
+    vLLM's chat form, `messages`, rendered by the chat template (with no generation prompt unless asked) into one
+    prompt. `encoding_format` "base64" sends each vector as its little-endian float32 bytes (what OpenAI's SDK asks
+    for by default). vLLM's extras: normalize, truncate_prompt_tokens, truncation_side, priority."""
 
     model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]]
+    input: str | list[str] | list[int] | list[list[int]] | None = None
+    messages: list[dict[str, Any]] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None

@@ -81,7 +81,7 @@ async def run_batch(engine: AsyncEngine | AsyncDataParallelEngine, lines: Iterab
         "/v1/chat/completions": (ChatCompletionRequest, chat.create),
         "/v1/completions": (CompletionRequest, OpenAIServingCompletion(engine, names, limits).create),
         "/v1/responses": (ResponsesRequest, OpenAIServingResponses(chat).create),
-        "/v1/embeddings": (EmbeddingRequest, OpenAIServingEmbedding(engine, names, limits).create),
+        "/v1/embeddings": (EmbeddingRequest, OpenAIServingEmbedding(chat).create),
     }
     counts = BatchCounts()
     done: dict[int, tuple[int, dict[str, Any]]] = {}    # answered, waiting for the requests before them

@@ -101,8 +101,7 @@ def build_app(engine: AsyncEngine | AsyncDataParallelEngine, *, served_model_nam
                            allow_headers=list(cors.headers), allow_credentials=cors.credentials)
     chat = OpenAIServingChat(engine, names, limits, tool_call_parser if enable_auto_tool_choice else None,
                              reasoning_parser)
-    app.include_router(_v1_router(OpenAIServingCompletion(engine, names, limits), chat,
-                                  OpenAIServingEmbedding(engine, names, limits)))
+    app.include_router(_v1_router(OpenAIServingCompletion(engine, names, limits), chat, OpenAIServingEmbedding(chat)))
     app.include_router(_utility_router(OpenAIServingTokenization(chat), stat_logger))
     app.include_router(dashboard_router(engine, api_key))
     return app

@@ -10,22 +10,37 @@ from typing import Any
 
 import numpy as np
 
-from pagedllm.entrypoints.openai.protocol import EmbeddingRequest, OpenAIError, now, random_id
+from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, EmbeddingRequest, OpenAIError, now, random_id
 from pagedllm.entrypoints.openai.serving_base import OpenAIServing, Prompt
+from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.outputs import RequestOutput
 from pagedllm.pooling_params import PoolingParams
 
 
 class OpenAIServingEmbedding(OpenAIServing):
     """Each prompt of a request runs as one engine request (`PoolingParams`), all at once, batched with whatever
-    else the engine runs; the answer lists their vectors in input order."""
+    else the engine runs; the answer lists their vectors in input order. Chat messages go through the chat
+    serving's template."""
+
+    def __init__(self, chat: OpenAIServingChat) -> None:
+        super().__init__(chat.engine, chat.served_model_names, chat.limits)
+        self.chat = chat
 
     async def create(self, request: EmbeddingRequest) -> dict[str, Any]:
         model = self.check_model(request.model)
         if request.dimensions is not None:
             raise OpenAIError("this model does not support matryoshka representations, so dimensions cannot be "
                               "set: its embeddings have the model's hidden size", param="dimensions")
-        prompts = await self.prompts(request.input, self.truncation(request), param="input")
+        if (request.input is None) == (request.messages is None):
+            raise OpenAIError("give exactly one of input and messages", param="input")
+        if request.messages is not None:
+            tokens = await self.chat.render(ChatCompletionRequest(
+                messages=request.messages, chat_template=request.chat_template,
+                chat_template_kwargs=request.chat_template_kwargs, add_generation_prompt=request.add_generation_prompt,
+                continue_final_message=request.continue_final_message))
+            prompts = await self.prompts(tokens, self.truncation(request), param="messages")
+        else:
+            prompts = await self.prompts(request.input, self.truncation(request), param="input")
         request_id = random_id("embd")
         params = PoolingParams(normalize=request.normalize)
         outputs = await asyncio.gather(*(self._embed(f"{request_id}-{i}", prompt, params, request.priority)
