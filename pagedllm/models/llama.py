@@ -182,6 +182,13 @@ class LlamaModel(nn.Module):
                                     attn.qkv_proj.kv_size // attn.head_dim, attn.head_dim, attn.scale)
 
 
+# Checkpoints of the decoder alone, as decoder embedding models are saved (gte-Qwen2, e5-mistral): tensor names
+# without the "model." prefix and no LM head. Such a model embeds (LAST pooling); its embedding matrix stands in as
+# the LM head, so that the engine can still sample (the one token an embedding request samples, or a generation,
+# which such a model was not trained for).
+BARE_ARCHITECTURES = frozenset({"LlamaModel", "MistralModel", "Qwen2Model"})
+
+
 class LlamaForCausalLM(nn.Module):
     """A Llama-family causal LM over a paged KV cache.
 
@@ -202,7 +209,8 @@ class LlamaForCausalLM(nn.Module):
         self.dtype = dtype
         tp = (tp_rank, tp_size)
         self.model = LlamaModel(config, dtype, attn_backend, tp)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.bare = bool(BARE_ARCHITECTURES & set(getattr(config, "architectures", None) or []))
+        self.tie_word_embeddings = self.bare or bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype, tp_rank, tp_size)
         if self.tie_word_embeddings:
             self.lm_head.tie(self.model.embed_tokens)
@@ -241,6 +249,8 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if name.endswith(_IGNORED_SUFFIXES):
                 continue
+            if self.bare and not name.startswith("model."):
+                name = "model." + name
             if self.tie_word_embeddings and name == "lm_head.weight":
                 continue  # some checkpoints store the tied head anyway; the embedding is the one used
             if name.endswith(".bias") and self._target(name)[0] not in params and not tensor.any():

@@ -12,7 +12,7 @@ import torch
 
 from pagedllm import LLM, PoolingParams, SamplingParams
 from tests.entrypoints.server_utils import RunningServer, start_server
-from tests.models.tiny import save_tiny_model
+from tests.models.tiny import build_byte_tokenizer, build_tiny_hf_model, save_tiny_model
 from tests.reliability.tiny_server import build_tiny_engine
 
 PROMPTS = [[5, 17, 99, 3], list(range(20, 90)), [7] * 33]
@@ -80,6 +80,28 @@ def test_a_prompt_in_chunks_with_a_cache_hit_and_beside_generations_gives_the_sa
     assert finals["gen"].outputs[0].token_ids == alone.outputs[0].token_ids
     for vector in (first.outputs.embedding, finals["emb"].embedding):
         torch.testing.assert_close(torch.tensor(vector), expected, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["llama-gqa", "qwen2"])
+def test_a_bare_decoder_checkpoint_embeds_as_transformers_does(tmp_path, kind):
+    """An embedding model saved as the decoder alone (architectures LlamaModel, Qwen2Model, MistralModel: names
+    without "model.", no LM head), as gte-Qwen2 and e5-mistral are: it loads, embeds as transformers' model does, and
+    its embedding matrix stands in as the LM head, so that it can still sample."""
+    hf_model = build_tiny_hf_model(kind, 0, initializer_range=0.5).model
+    hf_model.save_pretrained(tmp_path / "bare")
+    build_byte_tokenizer().save_pretrained(tmp_path / "bare")
+    assert hf_model.config.architectures[0].endswith("Model")
+    llm = LLM(model=str(tmp_path / "bare"), dtype="float32", num_kv_blocks=64)
+    for prompt, output in zip(PROMPTS, llm.embed([{"prompt_token_ids": p} for p in PROMPTS], use_tqdm=False)):
+        with torch.no_grad():
+            expected = hf_model(torch.tensor([prompt])).last_hidden_state[0, -1]
+        torch.testing.assert_close(torch.tensor(output.outputs.embedding),
+                                   torch.nn.functional.normalize(expected, dim=0), atol=1e-5, rtol=1e-4)
+    (generated,) = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
+                                use_tqdm=False)
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([PROMPTS[0]])).last_hidden_state[0, -1] @ hf_model.embed_tokens.weight.T
+    assert generated.outputs[0].token_ids[0] == int(logits.argmax())
 
 
 def test_embed_refuses_bad_prompts_before_running_any(llm):
