@@ -25,6 +25,7 @@ from pagedllm.heap import paused_gc
 from pagedllm.inputs import ParsedPrompt, PromptType, parse_prompt
 from pagedllm.loader import load_model, max_model_len_of
 from pagedllm.loader.generation_config import read_generation_config
+from pagedllm.loader.pooling_config import warn_unless_last_token_pooling
 from pagedllm.logger import init_logger
 from pagedllm.metrics.stats import SchedulerStats
 from pagedllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
@@ -146,6 +147,7 @@ class LLMEngine:
         self.model_name = loaded.resolved.name
         self.tokenizer = load_tokenizer(loaded.resolved.path, loaded.resolved.gguf_file, config.model.chat_template)
         self.hf_config = loaded.hf_config
+        warn_unless_last_token_pooling(loaded.resolved.path)
         defaults = read_generation_config(config.model.generation_config, loaded.resolved, loaded.hf_config)
         self.default_sampling = defaults.sampling       # SamplingParams field -> the model's default
         # the model's other EOS ids: stop ids of every request that does not ignore EOS (vLLM's

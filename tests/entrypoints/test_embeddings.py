@@ -5,6 +5,10 @@ HTTP through the `openai` SDK (which asks for base64) the same vectors, with Ope
 
 from __future__ import annotations
 
+import json
+import logging
+import shutil
+
 import httpx
 import openai
 import pytest
@@ -102,6 +106,27 @@ def test_a_bare_decoder_checkpoint_embeds_as_transformers_does(tmp_path, kind):
     with torch.no_grad():
         logits = hf_model(torch.tensor([PROMPTS[0]])).last_hidden_state[0, -1] @ hf_model.embed_tokens.weight.T
     assert generated.outputs[0].token_ids[0] == int(logits.argmax())
+
+
+@pytest.mark.parametrize(("modes", "warned"), [({"pooling_mode_lasttoken": True}, False),
+                                               ({"pooling_mode_mean_tokens": True, "pooling_mode_lasttoken": False},
+                                                True)])
+def test_a_sentence_transformers_pooling_other_than_the_last_token_is_warned_of(tiny, tmp_path, modes, warned,
+                                                                                caplog):
+    folder = tmp_path / "st"
+    shutil.copytree(tiny[0], folder)
+    (folder / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
+    (folder / "1_Pooling").mkdir()
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 64, **modes}))
+    logger = logging.getLogger("pagedllm")     # it does not propagate to the root, where caplog listens
+    logger.addHandler(caplog.handler)
+    try:
+        LLM(model=str(folder), dtype="float32", num_kv_blocks=16)
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert any("pools by mean_tokens" in r.getMessage() for r in caplog.records) == warned
 
 
 def test_embed_refuses_bad_prompts_before_running_any(llm):
