@@ -220,8 +220,8 @@ class ModelRunner:
         pooling, `PoolingParams`), in float32, L2-normalised unless it asks otherwise."""
         result = {}
         for s in scheduled:
-            pooling = self.requests[s.request_id].pooling
-            if pooling is None or not s.sample:
+            pooling = self.requests[s.request_id].pooling if s.sample else None
+            if pooling is None:
                 continue
             vector = hidden[inputs.first_rows[s.request_id] + len(s.token_ids) - 1].float()
             if pooling.normalize:
