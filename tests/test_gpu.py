@@ -69,6 +69,7 @@ def test_prefix_sharing_on_cuda_changes_no_token(tiny):
     prompts = [SYSTEM + _prompt(40 + i, 5 + i) for i in range(4)]
     on = _cuda_llm(tiny[0], block_size=4, num_kv_blocks=256)
     off = _cuda_llm(tiny[0], block_size=4, num_kv_blocks=256, enable_prefix_caching=False)
+    on.generate(SYSTEM + [5], _greedy(1), use_tqdm=False)        # the shared prefix cached before the batch
     assert _tokens(on.generate(prompts, _greedy(), use_tqdm=False)) == \
         _tokens(off.generate(prompts, _greedy(), use_tqdm=False))
     assert on.engine.prefix_cache_stats.num_hit_tokens > 0

@@ -3,9 +3,9 @@
 A CUDA graph needs a GPU (tests/test_gpu.py captures real ones there). Here the capture is `ReplayingCapture`:
 replaying runs the captured forward pass again over the same static buffers with the capture's own metadata, which
 is what a graph replays, short of fixing the kernels' launches. The model attends through the Triton kernel (the
-CUDA device's backend, run by Triton's interpreter on CPU tensors), so a host value read at capture instead of on
-the device, a padding row written into a real block or a stale buffer row would change the greedy tokens or their
-logprobs."""
+CUDA device's backend: compiled where there is a CUDA device, else run by Triton's interpreter on CPU tensors), so
+a host value read at capture instead of on the device, a padding row written into a real block or a stale buffer
+row would change the greedy tokens or their logprobs."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from pagedllm.runner.cuda_graphs import capture_sizes
 
 pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[dev]')")
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 MAX_NUM_SEQS = 8
 # Lengths that let the batch shrink step by step: 5 decodes (padded to 8), then 4, 3 (padded to 4), 2, 1.
 PROMPTS = [[3 + i, 40 + 3 * i, 7, 90 + i, 11][: 2 + i % 4] for i in range(5)]
@@ -53,11 +54,12 @@ def tiny_folder(tmp_path_factory) -> str:
 
 
 def _triton_llm(folder: str) -> LLM:
-    """The tiny model on the CPU, attending through the Triton kernel as on a CUDA device."""
+    """The tiny model attending through the Triton kernel: on a CUDA device with its own graphs off (each test
+    captures its own), else on the CPU with the kernel in Triton's interpreter."""
     from pagedllm.attention.triton_attention import paged_attention
 
     llm = LLM(model=folder, dtype="float32", block_size=4, num_kv_blocks=64, max_num_seqs=MAX_NUM_SEQS,
-              max_model_len=64, device="cpu")
+              max_model_len=64, device=DEVICE, enforce_eager=DEVICE == "cuda")
     for layer in llm.engine.runner.model.model.layers:
         layer.self_attn.attn_backend = paged_attention
     return llm
