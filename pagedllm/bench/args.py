@@ -27,6 +27,8 @@ def add_engine_args(parser: argparse.ArgumentParser, prefix_caching_flag: bool =
     group.add_argument("--model", default=None,
                        help="HF model folder, .gguf file, or the embedded default (SmolLM2-135M-Instruct) if unset")
     group.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    group.add_argument("--device", default="auto",
+                       help="auto (CUDA when torch sees a device, else the CPU), cpu, cuda or cuda:N")
     if quantization_flag:
         group.add_argument("--quantization", "-q", default=None, choices=["int8", "w8a8", "gguf"],
                            help="int8: weights stored as int8 with per-row scales; w8a8: those weights times "
@@ -60,7 +62,7 @@ def add_engine_args(parser: argparse.ArgumentParser, prefix_caching_flag: bool =
 
 def engine_kwargs(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
     """The `LLM(...)` keyword arguments named by the engine flags, then `overrides`."""
-    kwargs = dict(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+    kwargs = dict(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                   kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
                   enable_prefix_caching=getattr(args, "enable_prefix_caching", True), seed=args.seed,
@@ -88,9 +90,10 @@ def add_dataset_args(parser: argparse.ArgumentParser,
 
 
 def dataset_argv(args: argparse.Namespace) -> list[str]:
-    """The dataset and model flags again, to rebuild the same requests in a child process."""
+    """The dataset and model flags again, to rebuild the same requests (and run on the same device) in a child
+    process."""
     argv = ["--dataset", args.dataset, "--input-len", str(args.input_len), "--output-len", str(args.output_len),
-            "--seed", str(args.seed), "--dtype", args.dtype]
+            "--seed", str(args.seed), "--dtype", args.dtype, "--device", args.device]
     for flag, value in (("--dataset-path", args.dataset_path), ("--num-prompts", args.num_prompts),
                         ("--model", args.model)):
         if value is not None:

@@ -19,12 +19,12 @@ from pagedllm.loader.resolve import ResolvedModel
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-def hf_dtype(dtype: str) -> torch.dtype:
-    """"auto" is transformers' (and vLLM-CPU's) fastest dtype on this CPU: bfloat16 where oneDNN has bf16
-    instructions, float32 where bf16 is emulated (2-4x slower there: `torch_bf16_is_native`); other names map
-    directly."""
+def hf_dtype(dtype: str, device: str = "cpu") -> torch.dtype:
+    """"auto" is transformers' (and vLLM-CPU's) fastest dtype on `device`: bfloat16 on a GPU, and on a CPU where
+    oneDNN has bf16 instructions, float32 where bf16 is emulated (2-4x slower there: `torch_bf16_is_native`); other
+    names map directly."""
     if dtype == "auto":
-        return torch.bfloat16 if torch_bf16_is_native() else torch.float32
+        return torch.bfloat16 if device != "cpu" or torch_bf16_is_native() else torch.float32
     return _DTYPES[dtype]
 
 
@@ -34,27 +34,28 @@ class HFRun:
     num_generated_tokens: int   # batch rows x the batch's longest output, summed over batches
 
 
-def load_hf_model(resolved: ResolvedModel, dtype: str = "auto") -> PreTrainedModel:
-    """The model in `dtype` (see `hf_dtype`), from an HF folder or a GGUF file (dequantised).
+def load_hf_model(resolved: ResolvedModel, dtype: str = "auto", device: str = "cpu") -> PreTrainedModel:
+    """The model in `dtype` (see `hf_dtype`) on `device`, from an HF folder or a GGUF file (dequantised).
 
     transformers' own GGUF path (`from_pretrained(gguf_file=)`) needs `accelerate`; instead a GGUF's weights come
     from pagedllm's GGUF reader into the transformers model built from the same config.
     """
+    torch_dtype = hf_dtype(dtype, device)
     if resolved.gguf_path is None:
-        return AutoModelForCausalLM.from_pretrained(str(resolved.path), dtype=hf_dtype(dtype)).eval()
+        return AutoModelForCausalLM.from_pretrained(str(resolved.path), dtype=torch_dtype).to(device).eval()
     from pagedllm.loader import load_hf_config
     from pagedllm.loader.gguf import iterate_gguf
 
     config = load_hf_config(resolved)  # a GGUF's is generic (see gguf_hf_config): the model's own class
     config = AutoConfig.for_model(config.model_type, **{k: v for k, v in config.to_dict().items() if k != "model_type"})
-    model = AutoModelForCausalLM.from_config(config, dtype=hf_dtype(dtype))
-    missing, unexpected = model.load_state_dict(dict(iterate_gguf(resolved.gguf_path, hf_dtype(dtype))),
+    model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+    missing, unexpected = model.load_state_dict(dict(iterate_gguf(resolved.gguf_path, torch_dtype)),
                                                 strict=False)
     if unexpected or set(missing) - {"lm_head.weight"}:
         raise RuntimeError(f"the GGUF does not fit the transformers model: missing {missing}, "
                            f"unexpected {unexpected}")
     model.tie_weights()
-    return model.eval()
+    return model.to(device).eval()
 
 
 def _left_padded(batch: list[BenchRequest], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,7 +76,8 @@ def generate_batch(model: PreTrainedModel, batch: list[BenchRequest], pad_token_
     input_ids, attention_mask = _left_padded(batch, pad_token_id)
     config = GenerationConfig(max_new_tokens=num_new, min_new_tokens=num_new, do_sample=False,
                               pad_token_id=pad_token_id, eos_token_id=model.generation_config.eos_token_id)
-    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
+    out = model.generate(input_ids=input_ids.to(model.device), attention_mask=attention_mask.to(model.device),
+                         generation_config=config)
     num_generated = out.shape[1] - input_ids.shape[1]
     if num_generated != num_new:
         raise RuntimeError(f"transformers generated {num_generated} tokens per row instead of {num_new}")

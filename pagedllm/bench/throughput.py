@@ -61,8 +61,9 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         llamacpp_python(args)
         llamacpp_gguf(args.model)
     result = run_pagedllm(args) if args.backend == "pagedllm" else run_hf(args)
+    args.device = result["device"]  # the peers run where pagedllm ran (a .gguf's packed weights stay on the CPU)
     gc.collect()   # the engine is gone: free its memory before the peer or the GEMM timing runs
-    if not args.skip_gemm_peak:
+    if not args.skip_gemm_peak and args.device == "cpu":   # the peak of the CPU's GEMM, against a CPU run
         _add_gemm_peak(result, *gemm_peak_gflops())
     for peer in dict.fromkeys(args.compare):
         peer_result = _PEERS[peer](args)
@@ -101,7 +102,8 @@ def run_pagedllm(args: argparse.Namespace) -> dict[str, Any]:
     _check_output_tokens(result, num_output_tokens)
     result.update(startup_s=startup_s, engine_init_s=engine_init_s, first_token_s=first_token_s,
                   peak_rss_mib=peak_rss_mib(), kv_waste=_kv_waste_dict(waste),
-                  num_kv_blocks=llm.engine.capacity.num_blocks, block_size=llm.engine.capacity.block_size,
+                  device=llm.engine.config.model.device, num_kv_blocks=llm.engine.capacity.num_blocks,
+                  block_size=llm.engine.capacity.block_size,
                   dtype=str(llm.engine.dtype).removeprefix("torch."), quantization=llm.engine.quantization or "none",
                   kv_cache_dtype=args.kv_cache_dtype)
     spec = llm.engine.make_stats().spec_decoding
@@ -116,12 +118,14 @@ def run_pagedllm(args: argparse.Namespace) -> dict[str, Any]:
 def run_hf(args: argparse.Namespace) -> dict[str, Any]:
     from pagedllm.bench.hf_baseline import generate_batch, load_hf_model
     from pagedllm.bench.hf_baseline import run_hf as run_batches
+    from pagedllm.device import resolve_device
     from pagedllm.loader.resolve import resolve_model
     from pagedllm.tokenizer.tokenizer import load_tokenizer
 
     resolved = resolve_model(args.model)
     init_start = time.perf_counter()
-    model = load_hf_model(resolved, args.dtype)
+    device = resolve_device(args.device)
+    model = load_hf_model(resolved, args.dtype, device)
     tokenizer = load_tokenizer(resolved.path, resolved.gguf_file)
     engine_init_s = time.perf_counter() - init_start
     startup_s = seconds_since_process_start()
@@ -136,6 +140,7 @@ def run_hf(args: argparse.Namespace) -> dict[str, Any]:
     result.update(startup_s=startup_s, engine_init_s=engine_init_s, first_token_s=first_token_s,
                   peak_rss_mib=peak_rss_mib(), hf_batch_size=args.hf_batch_size,
                   total_generated_tokens=run.num_generated_tokens, dtype=str(model.dtype).removeprefix("torch."),
+                  device=device,
                   kv_waste=_kv_waste_dict(static_batch_kv_waste(requests, args.hf_batch_size)))
     return result
 
@@ -161,7 +166,7 @@ def _run_vllm_child(args: argparse.Namespace) -> dict[str, Any]:
     result = _summarise("vllm", resolved.name, args, requests, run["elapsed_time"],
                         ModelDims.from_hf_config(hf_config))
     _check_output_tokens(result, run["num_output_tokens"])
-    result.update(startup_s=run["startup_s"], first_token_s=run["first_token_s"], dtype=run["dtype"],
+    result.update(startup_s=run["startup_s"], first_token_s=run["first_token_s"], dtype=run["dtype"], device="cpu",
                   vllm_version=run["vllm_version"])
     return result
 
@@ -179,7 +184,7 @@ def _run_llamacpp_child(args: argparse.Namespace) -> dict[str, Any]:
                         ModelDims.from_hf_config(load_hf_config(resolved)))
     _check_output_tokens(result, run["num_output_tokens"])
     result.update(startup_s=run["startup_s"], first_token_s=run["first_token_s"], model_file=run["model_file"],
-                  n_threads=run["n_threads"], llama_cpp_version=run["llama_cpp_version"])
+                  device="cpu", n_threads=run["n_threads"], llama_cpp_version=run["llama_cpp_version"])
     return result
 
 
@@ -237,6 +242,7 @@ def _kv_waste_dict(waste: KVWaste) -> dict[str, float]:
 
 
 _ROWS = [  # (label, key, format)
+    ("Device", "device", "{}"),
     ("dtype", "dtype", "{}"),
     ("Weight quantization", "quantization", "{}"),
     ("Requests/s", "requests_per_second", "{:.2f}"),
