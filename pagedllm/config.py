@@ -261,9 +261,42 @@ class ParallelConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """LoRA adapters, as vLLM's `enable_lora=True` and its limits (pagedllm.lora).
+
+    Args:
+        max_loras: most distinct adapters in one step; a waiting request of another adapter waits.
+        max_lora_rank: largest rank an adapter may have.
+        max_cpu_loras: adapters kept loaded (the least recently used dropped beyond it, loaded again when needed);
+            None: max_loras.
+    """
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self) -> None:
+        _require(self.max_loras >= 1, "max_loras", ">= 1", self.max_loras)
+        _require(self.max_lora_rank >= 1, "max_lora_rank", ">= 1", self.max_lora_rank)
+        _require(self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras, "max_cpu_loras",
+                 f"None or >= max_loras ({self.max_loras})", self.max_cpu_loras)
+
+    @property
+    def capacity(self) -> int:
+        return self.max_cpu_loras or self.max_loras
+
+
+@dataclass
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = None
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: LoRAConfig | None = None     # None: LoRA adapters off
+
+    def __post_init__(self) -> None:
+        parallel = self.parallel
+        _require(self.lora is None or parallel.tensor_parallel_size == parallel.data_parallel_size == 1,
+                 "enable_lora", "False with tensor_parallel_size or data_parallel_size > 1 (LoRA adapters run on "
+                 "one engine of one rank)", self.lora is not None)

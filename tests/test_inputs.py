@@ -146,14 +146,14 @@ def test_chat_refuses_what_is_not_a_conversation(llm, messages, words):
 
 
 def test_code_written_for_vllms_llm_runs(llm, tmp_path):
-    """What callers written for vLLM pass when they use nothing pagedllm lacks: lora_request=None,
-    trust_remote_code; a LoRA adapter is refused with what to do instead."""
+    """What callers written for vLLM pass: lora_request=None, trust_remote_code; what is not a LoRARequest is
+    refused (tests/test_lora.py runs adapters)."""
     plain = llm.generate("Hello", GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     assert llm.generate("Hello", GREEDY, use_tqdm=False, lora_request=None)[0].outputs[0].token_ids == plain
     assert llm.chat([{"role": "user", "content": "Hi"}], GREEDY, use_tqdm=False, lora_request=None)
     for call in (lambda: llm.generate("Hello", GREEDY, lora_request=object()),
                  lambda: llm.chat([{"role": "user", "content": "Hi"}], GREEDY, lora_request=object())):
-        with pytest.raises(ValueError, match="no LoRA adapters.*merge_and_unload"):
+        with pytest.raises(ValueError, match="lora_request must be a LoRARequest or None"):
             call()
     folder, _ = save_tiny_model(tmp_path / "m", "llama-gqa")
     trusting = LLM(model=str(folder), dtype="float32", num_kv_blocks=64, trust_remote_code=True)

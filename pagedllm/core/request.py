@@ -11,7 +11,8 @@ import hashlib
 import time
 from dataclasses import dataclass, field
 
-from pagedllm.core.kv_cache.hashing import BlockHash
+from pagedllm.core.kv_cache.hashing import BlockHash, ExtraKey, request_extra_keys
+from pagedllm.lora.request import LoRARequest
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
@@ -76,6 +77,7 @@ class Request:
             `Scheduler.fork_request`).
         pooling_params: an embedding request: the runner reports the prompt's embedding with its first (and, as
             the engine sets max_tokens=1, only) sampled token.
+        lora_request: the LoRA adapter it runs with; None: the base model.
 
     Only `append_output_token_ids` may add output tokens: it keeps `all_token_ids` in step.
     """
@@ -92,6 +94,7 @@ class Request:
     group_size: int = 1
     engine_appends_tokens: bool = False
     pooling_params: PoolingParams | None = None
+    lora_request: LoRARequest | None = None
     output_token_ids: list[int] = field(init=False, default_factory=list)
     num_computed_tokens: int = field(init=False, default=0)
     status: RequestStatus = field(init=False, default=RequestStatus.WAITING)
@@ -106,6 +109,15 @@ class Request:
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)
         self._all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def lora_int_id(self) -> int | None:
+        return self.lora_request.lora_int_id if self.lora_request is not None else None
+
+    @property
+    def block_extra_keys(self) -> tuple[ExtraKey, ...]:
+        """What its blocks' hashes carry beside the tokens: the cache salt and the LoRA adapter."""
+        return request_extra_keys(self.cache_salt, self.lora_int_id)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -146,7 +158,8 @@ class Request:
         `KVCacheManager.fork` shares those)."""
         child = Request(child_id, self.prompt_token_ids, self.sampling_params, self.eos_token_id,
                         self.arrival_time, self.priority, self.cache_salt, parent_id=self.group_id, index=index,
-                        group_size=self.group_size, engine_appends_tokens=self.engine_appends_tokens)
+                        group_size=self.group_size, engine_appends_tokens=self.engine_appends_tokens,
+                        lora_request=self.lora_request)
         child.output_token_ids = list(self.output_token_ids)
         child._all_token_ids = list(self._all_token_ids)
         child.num_computed_tokens = self.num_computed_tokens

@@ -29,6 +29,7 @@ from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedllm.engine.engine_thread import EngineThread
 from pagedllm.engine.llm_engine import LLMEngine, PromptInput, tokenize_prompt
 from pagedllm.logger import init_logger
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.runner import kv_tensors
@@ -155,9 +156,9 @@ class RayReplica:
 
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | PoolingParams,
                     priority: int = 0, cache_salt: str | None = None, arrival_time: float | None = None,
-                    prompt_token_ids: list[int] | None = None) -> None:
+                    prompt_token_ids: list[int] | None = None, lora_request: LoRARequest | None = None) -> None:
         self._call_and_report("add_request", request_id, prompt, params, priority, cache_salt, arrival_time,
-                              prompt_token_ids)
+                              prompt_token_ids, lora_request)
 
     def add_beam_search(self, request_id: str, prompt: PromptInput, params: BeamSearchParams) -> None:
         self._call_and_report("add_beam_search", request_id, prompt, params)

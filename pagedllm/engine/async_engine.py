@@ -45,6 +45,7 @@ from pagedllm.core.kv_cache.block_map import BlockMap
 from pagedllm.distributed import TensorParallelError
 from pagedllm.engine.engine_thread import EngineThread
 from pagedllm.engine.llm_engine import LLMEngine, PromptInput, tokenize_prompt
+from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics.stats import IterationStats, RequestStatsTracker, SchedulerStats
 from pagedllm.outputs import RequestOutput
 from pagedllm.pooling_params import PoolingParams
@@ -80,6 +81,7 @@ class _Add:
     priority: int
     cache_salt: str | None
     arrival: float          # time.monotonic(): the scheduler's first-come order and the latencies
+    lora_request: LoRARequest | None = None
 
 
 @dataclass(slots=True)
@@ -251,9 +253,10 @@ class AsyncEngine:
     # ---- the asyncio side ---------------------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt: PromptInput, params: SamplingParams | PoolingParams, *,
                        prompt_token_ids: list[int] | None = None, priority: int = 0,
-                       cache_salt: str | None = None) -> AsyncGenerator[RequestOutput, None]:
+                       cache_salt: str | None = None, lora_request: LoRARequest | None = None
+                       ) -> AsyncGenerator[RequestOutput, None]:
         """Run one request and yield its outputs until the last (`finished`) one. With PoolingParams, the request
-        embeds the prompt: one output, whose `embedding` holds it.
+        embeds the prompt: one output, whose `embedding` holds it. `lora_request` runs it with that adapter.
 
         Use `params.output_kind = "delta"` to get each step's new text; with `params.n > 1` each such output
         carries the completion that changed (its `index` says which), and the last is `finished` once all n are.
@@ -278,7 +281,8 @@ class AsyncEngine:
         self._streams[request_id] = queue
         if self.log_requests:
             logger.info("request %s: prompt=%r params=%s", request_id, prompt, params)
-        self._post(_Add(request_id, prompt, params, prompt_token_ids, priority, cache_salt, time.monotonic()))
+        self._post(_Add(request_id, prompt, params, prompt_token_ids, priority, cache_salt, time.monotonic(),
+                        lora_request))
         done = False
         try:
             while True:
@@ -408,7 +412,7 @@ class AsyncEngine:
         try:
             self.engine.add_request(item.request_id, item.prompt, item.params, priority=item.priority,
                                     cache_salt=item.cache_salt, arrival_time=item.arrival,
-                                    prompt_token_ids=item.prompt_token_ids)
+                                    prompt_token_ids=item.prompt_token_ids, lora_request=item.lora_request)
         except Exception as exc:  # bad input fails this request alone
             self._call_in_loop(self._dispatch_error, item.request_id, exc)
             return

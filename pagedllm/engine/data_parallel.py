@@ -40,6 +40,7 @@ from pagedllm.engine.engine_thread import EngineThread
 from pagedllm.engine.llm_engine import LLMEngine, PromptInput
 from pagedllm.inputs import parse_prompt
 from pagedllm.logger import init_logger
+from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics.log_stats import LoggingStatLogger
 from pagedllm.outputs import RequestOutput
 from pagedllm.pooling_params import PoolingParams
@@ -161,8 +162,9 @@ class DataParallelEngine:
 
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | PoolingParams,
                     priority: int = 0, cache_salt: str | None = None, arrival_time: float | None = None,
-                    prompt_token_ids: list[int] | None = None) -> None:
-        """Route the request to a replica and queue it there (see `LLMEngine.add_request`)."""
+                    prompt_token_ids: list[int] | None = None, lora_request: LoRARequest | None = None) -> None:
+        """Route the request to a replica and queue it there (see `LLMEngine.add_request`; no LoRA adapters)."""
+        _no_lora(lora_request)
         self._check_new(request_id)
         token_ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize_prompt(prompt)
         cache_salt = cache_salt if cache_salt is not None else parse_prompt(prompt).cache_salt
@@ -334,8 +336,11 @@ class AsyncDataParallelEngine:
     # ---- requests -------------------------------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt: PromptInput, params: SamplingParams, *,
                        prompt_token_ids: list[int] | None = None, priority: int = 0,
-                       cache_salt: str | None = None) -> AsyncGenerator[RequestOutput, None]:
-        """Route the request to a replica and yield its outputs (see `AsyncEngine.generate`)."""
+                       cache_salt: str | None = None, lora_request: LoRARequest | None = None
+                       ) -> AsyncGenerator[RequestOutput, None]:
+        """Route the request to a replica and yield its outputs (see `AsyncEngine.generate`; no LoRA adapters:
+        they run on one engine)."""
+        _no_lora(lora_request)
         if request_id in self._owner:
             raise ValueError(f"request id {request_id!r} is already in use")
         token_ids = prompt_token_ids if prompt_token_ids is not None else await self.tokenize_prompt(prompt)
@@ -373,3 +378,8 @@ def build_async_engine(config: EngineConfig, log_requests: bool = False,
     if log_stats:
         engine.add_stat_logger(LoggingStatLogger().record)
     return engine
+
+
+def _no_lora(lora_request: LoRARequest | None) -> None:
+    if lora_request is not None:
+        raise ValueError("LoRA adapters run on one engine: data_parallel_size must be 1")

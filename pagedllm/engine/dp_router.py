@@ -25,7 +25,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 from pagedllm.config import DataParallelRouterPolicy
-from pagedllm.core.kv_cache.hashing import BlockHash, extend_block_hashes
+from pagedllm.core.kv_cache.hashing import BlockHash, extend_block_hashes, request_extra_keys
 
 
 class DataParallelRouter:
@@ -71,7 +71,7 @@ class DataParallelRouter:
             replica, self._next = self._next, (self._next + 1) % self.num_replicas
             return replica
         hashes: list[BlockHash] = []
-        extend_block_hashes(hashes, prompt_token_ids, self.block_size, cache_salt)
+        extend_block_hashes(hashes, prompt_token_ids, self.block_size, request_extra_keys(cache_salt))
         replica = self._choose(hashes, loads)
         self._remember(hashes, replica)
         return replica

@@ -27,6 +27,7 @@ from pagedllm.loader import load_model, max_model_len_of
 from pagedllm.loader.generation_config import read_generation_config
 from pagedllm.loader.pooling_config import warn_unless_last_token_pooling
 from pagedllm.logger import init_logger
+from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics.stats import SchedulerStats
 from pagedllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from pagedllm.pooling_params import PoolingParams
@@ -158,14 +159,14 @@ class LLMEngine:
         config.scheduler.max_model_len = self.max_model_len
         self.structured_output = StructuredOutputManager(self.tokenizer, model_shape(loaded.hf_config).vocab_size)
         self.runner = ModelRunner(loaded, config.cache, self.tokenizer.eos_token_id, config.model.seed,
-                                  self.structured_output, peers)
+                                  self.structured_output, peers, config.lora)
         self.vocab_size = self.runner.shape.vocab_size
         num_blocks = config.cache.num_blocks or self._num_blocks()
         config.cache.num_blocks = num_blocks
         self.runner.allocate_kv_cache(num_blocks)
         self._setup_swap()
         self._setup_costs()
-        if (self.runner.device.type == "cuda" and not config.model.enforce_eager
+        if (self.runner.device.type == "cuda" and not config.model.enforce_eager and config.lora is None
                 and runs_in_cuda_graphs(self.runner.attn_backend)):
             self._capture_decode_graphs()
         self.kv_cache_manager = KVCacheManager(num_blocks, config.cache.block_size,
@@ -173,7 +174,8 @@ class LLMEngine:
         proposer = NgramProposer(config.speculative) if config.speculative is not None else None
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager,
                                    proposer.propose if proposer is not None else None,
-                                   config.speculative.disable_by_batch_size if config.speculative else None)
+                                   config.speculative.disable_by_batch_size if config.speculative else None,
+                                   config.lora.max_loras if config.lora is not None else None)
         self.beam_search = BeamSearchDriver(self.scheduler, self.tokenizer)
         self.capacity = kv_tensors.CapacityReport(num_blocks, config.cache.block_size,
                                                   self.runner.layout.bytes_per_token, self.max_model_len)
@@ -255,12 +257,15 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | PoolingParams,
                     priority: int = 0, cache_salt: str | None = None, arrival_time: float | None = None,
-                    prompt_token_ids: list[int] | None = None) -> None:
+                    prompt_token_ids: list[int] | None = None, lora_request: LoRARequest | None = None) -> None:
         """Queue a request: a generation (SamplingParams), or an embedding of the prompt (PoolingParams: its output
         carries `embedding` and no completion). `prompt_token_ids`, when given, are the already validated tokens of
         `prompt`; a `cache_salt` argument overrides the prompt dict's own. A non-zero `priority` needs
-        scheduling_policy "priority" (ValueError otherwise)."""
+        scheduling_policy "priority" (ValueError otherwise). `lora_request` runs it with that LoRA adapter, which
+        is loaded now (ValueError for one that cannot be, or when the engine has LoRA off)."""
         self.config.scheduler.check_priority(priority)
+        if lora_request is not None:
+            self.runner.load_lora(lora_request)
         pooling = params if isinstance(params, PoolingParams) else None
         if pooling is not None:   # the prompt's forward pass, then one greedy token that nobody sees
             params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
@@ -285,7 +290,7 @@ class LLMEngine:
             request_id=request_id, prompt_token_ids=token_ids, sampling_params=params,
             eos_token_id=self.tokenizer.eos_token_id,
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(), priority=priority,
-            cache_salt=cache_salt, pooling_params=pooling))
+            cache_salt=cache_salt, pooling_params=pooling, lora_request=lora_request))
         self._tracked[request_id] = _Tracked(parsed.text, token_ids, params, completions,
                                              prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
                                              pooling=pooling)

@@ -14,6 +14,7 @@ from pagedllm.config import (
     CacheConfig,
     DataParallelRouterPolicy,
     EngineConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     PreemptionMode,
@@ -27,6 +28,7 @@ from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.openai.tool_parsers import with_tools
 from pagedllm.inputs import PromptType, as_prompt_list
 from pagedllm.logger import init_logger
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams, check_runner
 from pagedllm.sampling_params import SamplingParams
@@ -83,6 +85,10 @@ class LLM:
             SamplingParams, its other EOS ids as stop ids), "vllm" (none of it) or a folder holding such a file.
         trust_remote_code: taken so that code written for vLLM's LLM runs; it changes nothing: pagedllm runs its own
             model code (Llama and Qwen2 architectures), never code from a checkpoint.
+        enable_lora: serve LoRA adapters (PEFT's format) named per request by `lora_request`; the base model's
+            requests batch with theirs (pagedllm.lora). On one engine of one rank.
+        max_loras: most distinct adapters in one step; max_lora_rank: the largest rank taken; max_cpu_loras:
+            adapters kept loaded (default max_loras; others load again from their folders when asked for).
         runner, convert: vLLM's switches to an embedding model (`runner="pooling"`, `convert="embed"`), taken so that
             code written for vLLM runs; they select nothing, since one pagedllm engine both generates and embeds
             (`embed`). vLLM's other runners and conversions (draft, classify, reward) are refused.
@@ -102,7 +108,8 @@ class LLM:
                  data_parallel_router: DataParallelRouterPolicy = "prefix_aware", device: str = "auto",
                  enforce_eager: bool = False, disable_cascade_attn: bool = False,
                  generation_config: str = "auto", trust_remote_code: bool = False, runner: str = "auto",
-                 convert: str = "auto") -> None:
+                 convert: str = "auto", enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16,
+                 max_cpu_loras: int | None = None) -> None:
         check_runner(runner, convert)
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
@@ -119,6 +126,7 @@ class LLM:
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size,
                                     distributed_executor_backend=distributed_executor_backend,
                                     data_parallel_router=data_parallel_router),
+            lora=LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None,
         )
         self._attach(LLMEngine(config) if data_parallel_size == 1 else DataParallelEngine(config))
 
@@ -188,7 +196,7 @@ class LLM:
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  use_tqdm: bool = True, priority: Sequence[int] | None = None,
-                 lora_request: None = None) -> list[RequestOutput]:
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Complete each prompt; the outputs come back in input order.
 
         Args:
@@ -197,24 +205,25 @@ class LLM:
             sampling_params: one for all prompts, or one per prompt (default: get_default_sampling_params()).
             use_tqdm: show a progress bar when there is more than one prompt.
             priority: one per prompt; lower runs first. Needs scheduling_policy "priority" unless all are 0.
-            lora_request: vLLM's; pagedllm serves no LoRA adapters, so only None (what callers written for vLLM
-                pass when they use none) is taken.
+            lora_request: a LoRA adapter for every prompt, or one (or None) per prompt; needs
+                `enable_lora=True`. Prompts of different adapters, and of none, batch together.
 
         Call it from the thread that built the LLM: torch's kernels run on GNU OpenMP, which gives each thread that
         runs them a team of worker threads, and with two teams on the machine every kernel call wakes a sleeping
         worker (pagedllm/engine/engine_thread.py). From another thread it works, about half as fast, and says so
         once in the log.
         """
-        _no_lora(lora_request)
         prompt_list = as_prompt_list(prompts)
         params_list = _per_prompt(sampling_params or self.get_default_sampling_params(), len(prompt_list),
                                   "sampling_params")
         priorities = _per_prompt(list(priority) if priority is not None else 0, len(prompt_list), "priority")
-        return self._add_and_run(prompt_list, params_list, priorities, use_tqdm)
+        return self._add_and_run(prompt_list, params_list, priorities, use_tqdm,
+                                 _per_prompt(lora_request, len(prompt_list), "lora_request"))
 
     def embed(self, prompts: PromptType | Sequence[PromptType],
               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *, use_tqdm: bool = True,
-              lora_request: None = None) -> list[EmbeddingRequestOutput]:
+              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+              ) -> list[EmbeddingRequestOutput]:
         """Embed each prompt (vLLM's `LLM.embed`): the model's final hidden state at the prompt's last token,
         L2-normalised (`PoolingParams`); the outputs come back in input order. The prompts batch with each other
         and with any generation, through the same paged cache and prefix cache; nothing is generated.
@@ -223,12 +232,12 @@ class LLM:
             prompts: as `generate`'s.
             pooling_params: one for all prompts, or one per prompt (default: `PoolingParams()`).
             use_tqdm: show a progress bar when there is more than one prompt.
-            lora_request: only None, as in `generate`.
+            lora_request: as `generate`'s.
         """
-        _no_lora(lora_request)
         prompt_list = as_prompt_list(prompts)
         params_list = _per_prompt(pooling_params or PoolingParams(), len(prompt_list), "pooling_params")
-        outputs = self._add_and_run(prompt_list, params_list, [0] * len(prompt_list), use_tqdm)
+        outputs = self._add_and_run(prompt_list, params_list, [0] * len(prompt_list), use_tqdm,
+                                    _per_prompt(lora_request, len(prompt_list), "lora_request"))
         failed = [o for o in outputs if o.embedding is None]
         if failed:
             raise RuntimeError(f"request {failed[0].request_id} failed: {failed[0].error}")
@@ -236,22 +245,36 @@ class LLM:
                                        o.num_cached_tokens) for o in outputs]
 
     def _add_and_run(self, prompt_list: list[PromptType], params_list: list[SamplingParams | PoolingParams],
-                     priorities: list[int], use_tqdm: bool) -> list[RequestOutput]:
-        """Validate every prompt before any runs, queue them, and run them to the end."""
+                     priorities: list[int], use_tqdm: bool, loras: list[LoRARequest | None]) -> list[RequestOutput]:
+        """Validate every prompt (and load every adapter) before any runs, queue them, and run them to the end."""
         for prio in priorities:
             self.engine.config.scheduler.check_priority(prio)
         token_ids = [self.engine.tokenize_prompt(p) for p in prompt_list]
+        self._load_loras(loras)
         request_ids = [str(next(self._counter)) for _ in prompt_list]
-        for request_id, prompt, ids, params, prio in zip(request_ids, prompt_list, token_ids, params_list,
-                                                         priorities):
-            self.engine.add_request(request_id, prompt, params, priority=prio, prompt_token_ids=ids)
+        for request_id, prompt, ids, params, prio, lora in zip(request_ids, prompt_list, token_ids, params_list,
+                                                               priorities, loras):
+            self.engine.add_request(request_id, prompt, params, priority=prio, prompt_token_ids=ids,
+                                    lora_request=lora)
         return self._run(request_ids, use_tqdm and len(prompt_list) > 1)
+
+    def _load_loras(self, loras: list[LoRARequest | None]) -> None:
+        """Load each adapter named (ValueError for what is not a LoRARequest, or cannot load)."""
+        named = [lora for lora in loras if lora is not None]
+        for lora in named:
+            if not isinstance(lora, LoRARequest):
+                raise ValueError(f"lora_request must be a LoRARequest or None, got {lora!r}")
+        if named and not isinstance(self.engine, LLMEngine):
+            raise ValueError("LoRA adapters run on one engine: data_parallel_size must be 1")
+        for lora in dict.fromkeys(named):
+            self.engine.runner.load_lora(lora)
 
     def chat(self, messages: Conversation | Sequence[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *, use_tqdm: bool = True,
              chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
-             chat_template_kwargs: dict[str, Any] | None = None, lora_request: None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict[str, Any] | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generate a reply to a conversation, or to each of a list of conversations; one RequestOutput per
         conversation, in order.
 
@@ -266,9 +289,8 @@ class LLM:
                 variable, or the system message for a template without one); the reply's calls are its text
                 (parse them with a tool parser, e.g. `HermesToolParser`).
             chat_template_kwargs: extra variables for the template (e.g. a model's `enable_thinking`).
-            lora_request: only None, as in `generate`.
+            lora_request: as `generate`'s, per conversation.
         """
-        _no_lora(lora_request)
         conversations = _as_conversations(messages)
         template = chat_template or self.engine.config.model.chat_template
         prompts = []
@@ -280,7 +302,7 @@ class LLM:
                 kwargs |= tool_kwargs
             prompts.append(apply_chat_template(self.engine.tokenizer, conversation, template, add_generation_prompt,
                                                continue_final_message, **kwargs))
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def _warn_if_on_another_thread(self) -> None:
         if self._warned_of_thread or threading.get_ident() == self._built_on:
@@ -326,12 +348,6 @@ def _as_conversations(messages: Conversation | Sequence[Conversation]) -> list[C
                 not all(isinstance(m, dict) for m in conversation):
             raise ValueError(f"conversation {index}: a conversation is a non-empty list of message dicts")
     return [list(c) for c in messages]
-
-
-def _no_lora(lora_request: object) -> None:
-    if lora_request is not None:
-        raise ValueError("pagedllm serves no LoRA adapters: lora_request must be None (merge the adapter into the "
-                         "weights, e.g. with peft's merge_and_unload, and load the merged model)")
 
 
 def _per_prompt(value, count: int, name: str) -> list:

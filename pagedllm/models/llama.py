@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -28,6 +28,9 @@ from pagedllm.layers.linear import (
 )
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, get_rope, rope_config
+
+if TYPE_CHECKING:
+    from pagedllm.lora.adapter import LoRABatch
 
 # (fused parameter name part, checkpoint name part, shard id)
 STACKED_PARAMS_MAPPING: list[tuple[str, str, str | int]] = [
@@ -60,6 +63,19 @@ def _has_qkv_bias(config: Any) -> bool:
     return bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
 
 
+class LayerLoRA:
+    """The step's LoRA adapters (`LoRABatch`) at one decoder layer: `add(module, x, out)` adds their updates of
+    the fused module's output `out` for input `x`, in place, and returns `out`."""
+
+    __slots__ = ("batch", "layer")
+
+    def __init__(self, batch: LoRABatch, layer: int) -> None:
+        self.batch, self.layer = batch, layer
+
+    def add(self, module: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return self.batch.add(self.layer, module, x, out)
+
+
 class LlamaAttention(nn.Module):
     """Self-attention over this rank's heads (all of them at tp_size 1; see `head_shard`)."""
 
@@ -81,9 +97,11 @@ class LlamaAttention(nn.Module):
         self.rotary_emb = rotary_emb  # shared by all layers
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, lora: LayerLoRA | None = None) -> torch.Tensor:
         # x: [T, hidden]
         qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) * D]
+        if lora is not None:
+            lora.add("qkv_proj", x, qkv)
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, q_size // self.head_dim, self.head_dim)  # [T, Hq, D]
@@ -92,8 +110,8 @@ class LlamaAttention(nn.Module):
         q, k = self.rotary_emb(positions, q, k)
         k_cache, v_cache = kv_cache
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = self.attn_backend(q, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
-        return self.o_proj(out.flatten(1))  # [T, hidden]
+        out = self.attn_backend(q, k_cache, v_cache, meta, self.scale).flatten(1)  # [T, Hq * D]
+        return self.o_proj(out) if lora is None else lora.add("o_proj", out, self.o_proj(out))  # [T, hidden]
 
 
 class LlamaMLP(nn.Module):
@@ -109,8 +127,11 @@ class LlamaMLP(nn.Module):
                                            tp_rank=tp[0], tp_size=tp[1])
         self.act_fn = SiluAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LayerLoRA | None = None) -> torch.Tensor:
         gate_up = self.gate_up_proj
+        if lora is not None:
+            y = self.act_fn(lora.add("gate_up_proj", x, gate_up(x)))
+            return lora.add("down_proj", y, self.down_proj(y))
         if fuses_silu_and_mul(gate_up.weight):  # the same bits, the [T, 2I] product never stored
             return self.down_proj(linear_silu_and_mul(x, gate_up.weight, gate_up.bias))
         return self.down_proj(self.act_fn(gate_up(x)))  # [T, H] -> [T, 2I] -> [T, I] -> [T, H]
@@ -126,14 +147,15 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
-                kv_cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+                kv_cache: KVCache, meta: AttentionMetadata, lora: LayerLoRA | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, kv_cache, meta)
+        x = self.self_attn(positions, x, kv_cache, meta, lora)
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        return self.mlp(x, lora), residual
 
 
 class LlamaModel(nn.Module):
@@ -149,15 +171,16 @@ class LlamaModel(nn.Module):
         self.stacks: dict[ModuleType, Any] | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, lora: LoRABatch | None = None) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, H]
-        stack = self.stack_for(x)
+        stack = self.stack_for(x) if lora is None else None   # the C++ stack has no LoRA updates
         if stack is not None:
             return stack.forward(x, positions, kv_caches, meta.slot_mapping, meta.block_tables, meta.seq_lens,
                                  meta.query_start_loc, meta.num_decodes, meta.cascade)
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(positions, x, residual, kv_cache, meta)
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            x, residual = layer(positions, x, residual, kv_cache, meta,
+                                None if lora is None else LayerLoRA(lora, index))
         x, _ = self.norm(x, residual)
         return x
 
@@ -230,9 +253,10 @@ class LlamaForCausalLM(nn.Module):
             self.model.stacks = {}
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions: [T] -> hidden states [T, H]; writes the new tokens' K/V to kv_caches."""
-        return self.model(input_ids, positions, kv_caches, meta)
+                meta: AttentionMetadata, lora: LoRABatch | None = None) -> torch.Tensor:
+        """input_ids, positions: [T] -> hidden states [T, H]; writes the new tokens' K/V to kv_caches. `lora`: the
+        step's LoRA adapters and their rows."""
+        return self.model(input_ids, positions, kv_caches, meta, lora)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, H] -> logits [N, V] float32."""

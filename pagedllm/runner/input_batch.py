@@ -20,6 +20,7 @@ import torch
 
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.core.sched.output import ScheduledRequest
+from pagedllm.lora.request import LoRARequest
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
@@ -39,6 +40,7 @@ class CachedRequestState:
     grammar: LLMatcher | None = None     # structured outputs: the parse state after output_token_ids
     num_prompt_logprob_positions: int = 0    # prompt positions whose logprobs went out (a recompute skips them)
     pooling: PoolingParams | None = None     # an embedding request
+    lora: LoRARequest | None = None          # its LoRA adapter
 
 
 @dataclass(slots=True)

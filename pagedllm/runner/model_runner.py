@@ -17,13 +17,15 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.config import CacheConfig
+from pagedllm.config import CacheConfig, LoRAConfig
 from pagedllm.core.request import child_seed
 from pagedllm.core.sched.output import NewRequestData, RunnerOutput, ScheduledRequest, SchedulerOutput
 from pagedllm.distributed import Peers
 from pagedllm.kernels import kernels_fixed
 from pagedllm.layers.linear import head_shard
 from pagedllm.loader import LoadedModel
+from pagedllm.lora.adapter import LoRAAdapter, LoRABatch, LoRARegistry
+from pagedllm.lora.request import LoRARequest
 from pagedllm.runner import kv_tensors
 from pagedllm.runner.cuda_graphs import Capture, DecodeGraphs, capture_sizes, cuda_capture
 from pagedllm.runner.input_batch import CachedRequestState, ModelInputs, build_model_inputs
@@ -71,8 +73,10 @@ class ModelRunner:
 
     def __init__(self, loaded: LoadedModel, cache_config: CacheConfig, eos_token_id: int | None,
                  seed: int = 0, structured_output: StructuredOutputManager | None = None,
-                 peers: Peers | None = None) -> None:
+                 peers: Peers | None = None, lora_config: LoRAConfig | None = None) -> None:
         self.model = loaded.model
+        self.loras = (LoRARegistry(self.model, lora_config.max_lora_rank, lora_config.capacity)
+                      if lora_config is not None else None)
         self.tp_rank = loaded.tp_rank
         self.quantization = loaded.quantization
         self.attn_backend = loaded.attn_backend
@@ -141,10 +145,19 @@ class ModelRunner:
             kv_tensors.copy_blocks(self.kv, copies)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """The model over the paged KV cache: [T] ids and positions -> hidden states [T, H] (on every rank)."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                lora: LoRABatch | None = None) -> torch.Tensor:
+        """The model over the paged KV cache: [T] ids and positions -> hidden states [T, H] (on every rank), with
+        `lora`'s adapters on their rows (one rank only)."""
         with self.peers.run("forward", input_ids, positions, meta), kernels_fixed():
-            return self.model(input_ids, positions, self.kv_caches, meta)
+            return self.model(input_ids, positions, self.kv_caches, meta, lora)
+
+    def load_lora(self, request: LoRARequest) -> LoRAAdapter:
+        """The adapter, loaded now if it is not (ValueError for one that cannot be, or with LoRA off)."""
+        if self.loras is None:
+            raise ValueError(f"LoRA adapter {request.lora_name!r} asked for, but LoRA is off: start the engine with "
+                             "enable_lora=True (--enable-lora)")
+        return self.loras.get(request)
 
     @torch.inference_mode()
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: Capture | None = None) -> None:
@@ -194,7 +207,7 @@ class ModelRunner:
         pending_masks = self._start_token_bitmasks(inputs.sample_request_ids)
         start = time.perf_counter()
         try:
-            hidden = self._forward_step(inputs)
+            hidden = self._forward_step(inputs, self._lora_batch(inputs, scheduled))
             prompt_logprobs, reported = self._prompt_logprobs(hidden, inputs, scheduled)
         except BaseException:
             _wait_token_bitmasks(pending_masks)   # the fill reads the matchers: done before any rerun touches them
@@ -229,12 +242,27 @@ class ModelRunner:
             result[s.request_id] = vector.tolist()
         return result
 
-    def _forward_step(self, inputs: ModelInputs) -> torch.Tensor:
+    def _forward_step(self, inputs: ModelInputs, lora: LoRABatch | None) -> torch.Tensor:
         """The step's forward pass: a captured graph's replay when one covers it, else eager."""
         graphs = self.decode_graphs
-        if graphs is not None and graphs.covers(inputs.meta):
+        if graphs is not None and lora is None and graphs.covers(inputs.meta):
             return graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
-        return self.forward(inputs.input_ids, inputs.positions, inputs.meta)
+        return self.forward(inputs.input_ids, inputs.positions, inputs.meta, lora)
+
+    def _lora_batch(self, inputs: ModelInputs, scheduled: list[ScheduledRequest]) -> LoRABatch | None:
+        """The step's LoRA adapters and each one's rows; None when no request of the step has one."""
+        rows: dict[int, list[int]] = {}
+        requests: dict[int, LoRARequest] = {}
+        for s in scheduled:
+            lora = self.requests[s.request_id].lora
+            if lora is not None:
+                first = inputs.first_rows[s.request_id]
+                rows.setdefault(lora.lora_int_id, []).extend(range(first, first + len(s.token_ids)))
+                requests[lora.lora_int_id] = lora
+        if not rows:
+            return None
+        return LoRABatch([(self.load_lora(requests[i]), torch.tensor(r, device=self.device)) for i, r in rows.items()],
+                         len(inputs.input_ids))
 
     def _prompt_logprobs(self, hidden: torch.Tensor, inputs: ModelInputs, scheduled: list[ScheduledRequest]
                          ) -> tuple[dict[str, list], list[tuple[CachedRequestState, int]]]:
@@ -323,7 +351,7 @@ class ModelRunner:
             grammar = self.structured_output.new_matcher(params.structured_outputs)
         self.requests[new.request_id] = CachedRequestState(new.request_id, list(new.prompt_token_ids), params,
                                                            self._generator(params.seed), grammar=grammar,
-                                                           pooling=new.pooling_params)
+                                                           pooling=new.pooling_params, lora=new.lora_request)
 
     def _start_token_bitmasks(self, request_ids: list[str]) -> tuple[list[str], Future] | None:
         """Start filling the bitmask of each constrained request about to sample, beside the forward pass:
@@ -341,7 +369,7 @@ class ModelRunner:
         grammar = parent.grammar.deep_copy() if parent.grammar is not None else None
         self.requests[child_id] = CachedRequestState(child_id, parent.prompt_token_ids, parent.params, generator,
                                                      list(parent.output_token_ids), grammar,
-                                                     parent.num_prompt_logprob_positions)
+                                                     parent.num_prompt_logprob_positions, lora=parent.lora)
 
     def _generator(self, seed: int | None) -> torch.Generator | None:
         """A seeded request's own random stream; None draws from the engine's global one."""

@@ -63,7 +63,7 @@ def test_cache_salt_separates_tenants():
     assert router.route(_prompt(1, 2), None, [1, 1]) == 0
     assert router.route(_prompt(1, 2, [3]), "tenant-b", [0, 0]) == 1      # tenant b's own replica
     hashes: list = []
-    extend_block_hashes(hashes, _prompt(1, 2), BLOCK, "tenant-a")
+    extend_block_hashes(hashes, _prompt(1, 2), BLOCK, ("tenant-a",))
     assert router.matched_blocks(hashes) == (2, {0})
 
 
@@ -110,7 +110,7 @@ def test_the_lru_bound_holds_and_the_newest_prefix_is_remembered(requests, max_b
         loads[replica] += 1
         assert router.num_blocks_known <= max_blocks
         hashes: list = []
-        extend_block_hashes(hashes, prompt, BLOCK, None)
+        extend_block_hashes(hashes, prompt, BLOCK, ())
         if hashes and len(hashes) <= max_blocks:
             num_matched, holders = router.matched_blocks(hashes)
             assert num_matched == len(hashes) and replica in holders

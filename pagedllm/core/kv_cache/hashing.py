@@ -1,7 +1,8 @@
 """Chained hashes of full KV blocks, for prefix caching.
 
 Block i of a request is identified by its `BlockKey`: the hash of block i-1, its own tokens and extra keys (the
-cache salt, in block 0 only: the chain carries it into every later block). Only full blocks are hashed.
+cache salt and the LoRA adapter's id, in block 0 only: the chain carries them into every later block). Only full
+blocks are hashed.
 
 ```
 tokens:  [t0 t1 t2 t3][t4 t5 t6 t7][t8 t9]        block_size = 4
@@ -55,19 +56,25 @@ def hash_block_key(key: BlockKey) -> BlockHash:
     return BlockHash(xxhash.xxh3_128_digest(encode_block_key(key)))
 
 
+def request_extra_keys(cache_salt: str | None, lora_int_id: int | None = None) -> tuple[ExtraKey, ...]:
+    """A request's extra keys: its cache salt (a str) and its LoRA adapter's id (an int), where it has them. A
+    block computed under one adapter holds K/V that another adapter, or the base model, would not compute."""
+    return tuple(key for key in (cache_salt, lora_int_id) if key is not None)
+
+
 def block_key(token_ids: Sequence[int], block_index: int, block_size: int, parent_hash: BlockHash | None,
-              cache_salt: str | None) -> BlockKey:
-    """The key of full block `block_index` of `token_ids`, given the hash of the block before it."""
+              extra_keys: tuple[ExtraKey, ...]) -> BlockKey:
+    """The key of full block `block_index` of `token_ids`, given the hash of the block before it; the request's
+    `extra_keys` (`Request.block_extra_keys`) go into block 0's."""
     start = block_index * block_size
     block_tokens = tuple(token_ids[start:start + block_size])
     assert len(block_tokens) == block_size, "only full blocks are hashed"
-    extra_keys: tuple[ExtraKey, ...] = (cache_salt,) if block_index == 0 and cache_salt is not None else ()
-    return BlockKey(parent_hash, block_tokens, extra_keys)
+    return BlockKey(parent_hash, block_tokens, extra_keys if block_index == 0 else ())
 
 
 def extend_block_hashes(block_hashes: list[BlockHash], token_ids: Sequence[int], block_size: int,
-                        cache_salt: str | None) -> None:
+                        extra_keys: tuple[ExtraKey, ...]) -> None:
     """Append the hashes of the full blocks of `token_ids` that `block_hashes` does not have yet."""
     for index in range(len(block_hashes), len(token_ids) // block_size):
         parent = block_hashes[index - 1] if index > 0 else None
-        block_hashes.append(hash_block_key(block_key(token_ids, index, block_size, parent, cache_salt)))
+        block_hashes.append(hash_block_key(block_key(token_ids, index, block_size, parent, extra_keys)))

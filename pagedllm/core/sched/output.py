@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedllm.core.request import FinishReason
+from pagedllm.lora.request import LoRARequest
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
@@ -15,7 +16,7 @@ class NewRequestData:
 
     `output_token_ids` is empty for a fresh request; after a preemption it holds the tokens generated so far
     (the runner needs them for penalties; their K/V is recomputed from `ScheduledRequest.token_ids`).
-    `pooling_params` marks an embedding request (`Request.pooling_params`).
+    `pooling_params` marks an embedding request (`Request.pooling_params`); `lora_request` names its LoRA adapter.
     """
 
     request_id: str
@@ -23,6 +24,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     output_token_ids: list[int] = field(default_factory=list)
     pooling_params: PoolingParams | None = None
+    lora_request: LoRARequest | None = None
 
 
 @dataclass(slots=True)

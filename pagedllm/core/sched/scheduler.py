@@ -101,14 +101,18 @@ class Scheduler:
         config: max_num_seqs, max_num_batched_tokens, max_model_len, the preemption mode and its costs.
         kv_cache_manager: the block tables; the scheduler is its only writer.
         propose: speculative decoding's draft proposer (e.g. `NgramProposer.propose`); None: no drafts.
+        max_loras: most distinct LoRA adapters among the running requests; a waiting request of another adapter is
+            passed over (those after it may start) until one of theirs finishes. None: LoRA off.
 
     Each `schedule()` must be followed by `update_from_output()` with the runner's result, even when the
     output is empty: that is where updates for requests finished inside `schedule()` are delivered.
     """
 
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
-                 propose: DraftProposer | None = None, max_batch_for_drafts: int | None = None) -> None:
+                 propose: DraftProposer | None = None, max_batch_for_drafts: int | None = None,
+                 max_loras: int | None = None) -> None:
         self.config = config
+        self.max_loras = max_loras
         self.kv_cache_manager = kv_cache_manager
         self.propose = propose
         self.max_batch_for_drafts = max_batch_for_drafts   # no drafts while more requests run; None: no limit
@@ -320,12 +324,23 @@ class Scheduler:
             self._start(request, num_new_tokens, plan)
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
+        passed_over: list[Request] = []      # of a LoRA adapter that would be one too many
         while self.waiting and plan.token_budget > 0 and self._has_seat_for(self.waiting[0]):
             request = self.waiting[0]
-            if not self._fits_in_pool(request.num_tokens):
+            if not self._lora_fits(request):
+                passed_over.append(self.waiting.pop(0))
+            elif not self._fits_in_pool(request.num_tokens):
                 self._finish_unschedulable(request)
             elif not self._admit(request, plan):
                 break
+        self.waiting[:0] = passed_over       # they were first in line, and stay so
+
+    def _lora_fits(self, request: Request) -> bool:
+        """Whether the request's adapter runs already, or one more adapter fits under max_loras."""
+        if self.max_loras is None or request.lora_request is None:
+            return True
+        running = {r.lora_int_id for r in self.running if r.lora_request is not None}
+        return request.lora_int_id in running or len(running) < self.max_loras
 
     def _admit(self, request: Request, plan: _StepPlan) -> bool:
         """Start (or restart) the first waiting request, after a prefix-cache lookup. False if out of blocks."""
@@ -397,7 +412,8 @@ class Scheduler:
         for request_id in new_request_ids:
             request = self.requests[request_id]
             new_requests.append(NewRequestData(request_id, request.prompt_token_ids, request.sampling_params,
-                                               list(request.output_token_ids), request.pooling_params))
+                                               list(request.output_token_ids), request.pooling_params,
+                                               request.lora_request))
         finished_request_ids, self._finished_request_ids = self._finished_request_ids, set()
         return SchedulerOutput(new_requests=new_requests, scheduled=scheduled,
                                num_batched_tokens=sum(plan.num_scheduled_tokens.values()),

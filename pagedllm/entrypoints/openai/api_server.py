@@ -19,6 +19,7 @@ DESCRIPTION = ("Serve a model over an OpenAI-compatible HTTP API: /v1/models, /v
 def build_app_from_args(args: argparse.Namespace):
     """Load the engine the flags describe and wrap it in the app (the engine thread starts with the server)."""
     from pagedllm.engine.data_parallel import build_async_engine
+    from pagedllm.entrypoints.openai.cli_args import lora_modules_from_args
     from pagedllm.entrypoints.openai.server import CorsPolicy, build_app
 
     engine = build_async_engine(engine_config_from_args(args), log_requests=args.enable_log_requests,
@@ -27,7 +28,7 @@ def build_app_from_args(args: argparse.Namespace):
                      limits=limits_from_args(args), enable_auto_tool_choice=args.enable_auto_tool_choice,
                      tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                      cors=CorsPolicy(args.allowed_origins, args.allowed_methods, args.allowed_headers,
-                                     args.allow_credentials))
+                                     args.allow_credentials), lora_modules=lora_modules_from_args(args))
 
 
 def limits_from_args(args: argparse.Namespace):

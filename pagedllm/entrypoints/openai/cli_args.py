@@ -9,6 +9,7 @@ import argparse
 import json
 import os
 import re
+from typing import cast
 
 from pagedllm.config import DEFAULT_BLOCK_SIZE
 from pagedllm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
@@ -47,6 +48,28 @@ def parse_json_list(text: str) -> list[str]:
     """A JSON list of strings given on the command line, e.g. --allowed-origins '["http://localhost:3000"]'."""
     return _json_arg(text, lambda value: isinstance(value, list) and all(isinstance(v, str) for v in value),
                      "a JSON list of strings")
+
+
+def parse_lora_module(text: str) -> dict[str, str]:
+    """One --lora-modules entry, in vLLM's two forms: NAME=PATH, or a JSON object {"name": ..., "path": ...,
+    "base_model_name": ...} (the last optional)."""
+    if text.lstrip().startswith("{"):
+        module = _json_arg(text, lambda v: isinstance(v, dict) and isinstance(v.get("name"), str)
+                           and isinstance(v.get("path"), str) and set(v) <= {"name", "path", "base_model_name"},
+                           'a JSON object {"name": ..., "path": ..., "base_model_name": ...}')
+        return cast(dict[str, str], module)
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=PATH or a JSON object with name and path")
+    return {"name": name, "path": path}
+
+
+def lora_modules_from_args(args: argparse.Namespace) -> list:
+    """The LoRARequests --lora-modules names, with ids 1, 2, ... in order."""
+    from pagedllm.lora.request import LoRARequest
+
+    return [LoRARequest(m["name"], i, m["path"], m.get("base_model_name"))
+            for i, m in enumerate(args.lora_modules or [], start=1)]
 
 
 def add_server_args(parser: argparse.ArgumentParser, *, positional_model: bool) -> argparse.ArgumentParser:
@@ -224,6 +247,17 @@ def _add_engine_args(engine: argparse._ArgumentGroup) -> None:
     engine.add_argument("--speculative-config", type=parse_json_object, default=None,
                         help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
                              '"prompt_lookup_max": 3, "prompt_lookup_min": 1}\' (default: off)')
+    engine.add_argument("--enable-lora", action="store_true",
+                        help="serve LoRA adapters (PEFT's format) beside the base model (default: off)")
+    engine.add_argument("--lora-modules", nargs="+", type=parse_lora_module, default=None, metavar="NAME=PATH",
+                        help='the adapters served, each under its name as `model`: NAME=PATH or \'{"name": ..., '
+                             '"path": ..., "base_model_name": ...}\'; needs --enable-lora')
+    engine.add_argument("--max-loras", type=int, default=1,
+                        help="most distinct adapters in one engine step (default: %(default)s)")
+    engine.add_argument("--max-lora-rank", type=int, default=16,
+                        help="the largest adapter rank taken (default: %(default)s)")
+    engine.add_argument("--max-cpu-loras", type=int, default=None,
+                        help="adapters kept loaded; others load again when asked for (default: --max-loras)")
 
 
 def _add_parallel_args(parallel: argparse._ArgumentGroup) -> None:
@@ -252,12 +286,15 @@ def engine_config_from_args(args: argparse.Namespace):
     from pagedllm.config import (
         CacheConfig,
         EngineConfig,
+        LoRAConfig,
         ModelConfig,
         ParallelConfig,
         SchedulerConfig,
         SpeculativeConfig,
     )
 
+    if args.lora_modules and not args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
     return EngineConfig(
         model=ModelConfig(model=model_of(args), dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed,
                           chat_template=args.chat_template, quantization=args.quantization, device=args.device,
@@ -274,4 +311,5 @@ def engine_config_from_args(args: argparse.Namespace):
                                 data_parallel_size=args.data_parallel_size,
                                 distributed_executor_backend=args.distributed_executor_backend,
                                 data_parallel_router=args.data_parallel_router),
+        lora=LoRAConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras) if args.enable_lora else None,
     )

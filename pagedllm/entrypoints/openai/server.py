@@ -35,13 +35,14 @@ from pagedllm.entrypoints.openai.protocol import (
     now,
     validation_error,
 )
-from pagedllm.entrypoints.openai.serving_base import ServerLimits, error_for
+from pagedllm.entrypoints.openai.serving_base import ServerLimits, error_for, load_lora_modules
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagedllm.entrypoints.openai.transport import RequestGate, respond
+from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics.prometheus import PrometheusStatLogger
 
 
@@ -59,7 +60,7 @@ class CorsPolicy:
 def build_app(engine: AsyncEngine | AsyncDataParallelEngine, *, served_model_names: Sequence[str] | None = None,
               api_key: str | None = None, limits: ServerLimits | None = None, enable_auto_tool_choice: bool = False,
               tool_call_parser: str | None = None, reasoning_parser: str | None = None,
-              cors: CorsPolicy | None = None) -> FastAPI:
+              cors: CorsPolicy | None = None, lora_modules: Sequence[LoRARequest] = ()) -> FastAPI:
     """An OpenAI-compatible app serving `engine`.
 
     Args:
@@ -73,10 +74,13 @@ def build_app(engine: AsyncEngine | AsyncDataParallelEngine, *, served_model_nam
         reasoning_parser: how the model marks its thinking (a name of REASONING_PARSERS): replies then carry it in
             `reasoning`, apart from `content`.
         cors: the origins whose pages may call the server (default: none).
+        lora_modules: LoRA adapters served beside the base model, each under its `lora_name` as `model` (the engine
+            needs LoRA on); each is loaded now, so that a bad one stops the start.
     """
     if enable_auto_tool_choice and tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
     names = list(served_model_names or [engine.model_name])
+    load_lora_modules(engine, lora_modules, names)
     limits = limits or ServerLimits()
     stat_logger = PrometheusStatLogger(names[0], swap_space_bytes=engine.swap_space_bytes,
                                        data_parallel_size=engine.data_parallel_size)
@@ -100,8 +104,9 @@ def build_app(engine: AsyncEngine | AsyncDataParallelEngine, *, served_model_nam
         app.add_middleware(CORSMiddleware, allow_origins=list(cors.origins), allow_methods=list(cors.methods),
                            allow_headers=list(cors.headers), allow_credentials=cors.credentials)
     chat = OpenAIServingChat(engine, names, limits, tool_call_parser if enable_auto_tool_choice else None,
-                             reasoning_parser)
-    app.include_router(_v1_router(OpenAIServingCompletion(engine, names, limits), chat, OpenAIServingEmbedding(chat)))
+                             reasoning_parser, lora_modules)
+    app.include_router(_v1_router(OpenAIServingCompletion(engine, names, limits, lora_modules), chat,
+                                  OpenAIServingEmbedding(chat)))
     app.include_router(_utility_router(OpenAIServingTokenization(chat), stat_logger))
     app.include_router(dashboard_router(engine, api_key))
     return app
@@ -115,21 +120,26 @@ def _v1_router(completion: OpenAIServingCompletion, chat: OpenAIServingChat,
     responses_api = OpenAIServingResponses(chat)
     router = APIRouter(prefix="/v1", dependencies=[Depends(_refuse_while_draining(engine))])
 
-    def card(name: str) -> dict[str, Any]:
-        return {"id": name, "object": "model", "created": now(), "owned_by": "pagedllm", "root": engine.model_name,
-                "parent": None, "max_model_len": engine.max_model_len}
+    def card(name: str, root: str, parent: str | None) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": now(), "owned_by": "pagedllm", "root": root,
+                "parent": parent, "max_model_len": engine.max_model_len}
+
+    # the base model's names, then each LoRA adapter's (vLLM's cards: its folder as root, its base as parent)
+    cards = {name: (name, engine.model_name, None) for name in names} | {
+        lora.lora_name: (lora.lora_name, lora.lora_path, lora.base_model_name or names[0])
+        for lora in chat.lora_modules}
 
     @router.get("/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [card(name) for name in names]}
+        return {"object": "list", "data": [card(*fields) for fields in cards.values()]}
 
     @router.get("/models/{name:path}")
     async def model(name: str) -> dict[str, Any]:
         """OpenAI's retrieve (`client.models.retrieve`): one served name's card, or 404."""
-        if name not in names:
-            raise OpenAIError(f"The model `{name}` does not exist. This server serves {', '.join(names)}.", 404,
+        if name not in cards:
+            raise OpenAIError(f"The model `{name}` does not exist. This server serves {', '.join(cards)}.", 404,
                               param="model", code="model_not_found")
-        return card(name)
+        return card(*cards[name])
 
     @router.post("/completions")
     async def completions(body: CompletionRequest, raw_request: Request) -> Response:

@@ -13,10 +13,12 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from pagedllm.engine.async_engine import AsyncEngine, EngineDeadError, EngineDrainingError, RequestFailedError
+from pagedllm.engine.data_parallel import AsyncDataParallelEngine
 from pagedllm.engine.llm_engine import PromptTooLongError
 from pagedllm.entrypoints.openai.protocol import EmbeddingRequest, OpenAIError, _SamplingFields
 from pagedllm.entrypoints.openai.structured_outputs import structured_outputs_from
 from pagedllm.inputs import ParsedPrompt
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import CompletionOutput, PromptLogprobs, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -73,29 +75,54 @@ class Prompt:
 OutputStream = AsyncGenerator[ChoiceDelta, None]
 
 
+def load_lora_modules(engine: AsyncEngine | AsyncDataParallelEngine, lora_modules: Sequence[LoRARequest],
+                      served_model_names: Sequence[str]) -> None:
+    """Check and load the LoRA adapters a server serves, before its engine starts: a name served twice, or an
+    adapter that does not load, stops the start with a ValueError saying why."""
+    names = set(served_model_names)
+    for lora in lora_modules:
+        if lora.lora_name in names:
+            raise ValueError(f"LoRA module name {lora.lora_name!r} is served already (as a model name or another "
+                             "module's)")
+        names.add(lora.lora_name)
+    if lora_modules and not isinstance(engine, AsyncEngine):
+        raise ValueError("LoRA adapters run on one engine: data_parallel_size must be 1")
+    for lora in lora_modules:
+        engine.engine.runner.load_lora(lora)
+
+
 class OpenAIServing:
     """Base of the serving classes.
 
     Args:
         engine: the running AsyncEngine.
         served_model_names: names accepted in `model`; the first is reported back.
+        lora_modules: LoRA adapters served beside the base model, each under its `lora_name` as `model`.
         limits: per-request limits.
     """
 
-    def __init__(self, engine: AsyncEngine, served_model_names: Sequence[str], limits: ServerLimits) -> None:
+    def __init__(self, engine: AsyncEngine, served_model_names: Sequence[str], limits: ServerLimits,
+                 lora_modules: Sequence[LoRARequest] = ()) -> None:
         self.engine = engine
         self.served_model_names = list(served_model_names)
         self.limits = limits
+        self.lora_modules = list(lora_modules)
+        self._loras = {lora.lora_name: lora for lora in self.lora_modules}
 
     # ---- validation ---------------------------------------------------------------------------------------------
     def check_model(self, model: str | None) -> str:
-        """The name to report; 404 for a model this server does not serve."""
+        """The name to report; 404 for a model this server does not serve (a base name or a LoRA adapter's)."""
         if model is None or model == "":
             return self.served_model_names[0]
-        if model not in self.served_model_names:
+        if model not in self.served_model_names and model not in self._loras:
             raise OpenAIError(f"The model `{model}` does not exist. This server serves "
-                              f"{', '.join(self.served_model_names)}.", 404, "model", "model_not_found")
+                              f"{', '.join([*self.served_model_names, *self._loras])}.", 404, "model",
+                              "model_not_found")
         return model
+
+    def lora_for(self, model: str) -> LoRARequest | None:
+        """The LoRA adapter a checked `model` names; None for the base model."""
+        return self._loras.get(model)
 
     def check_common(self, request: _SamplingFields) -> None:
         if request.stream_options is not None and not request.stream:
@@ -220,7 +247,7 @@ class OpenAIServing:
 
     # ---- running ------------------------------------------------------------------------------------------------
     async def run_prompts(self, request_id: str, prompts: list[Prompt], params_per_prompt: list[SamplingParams],
-                          priority: int, cache_salt: str | None) -> OutputStream:
+                          priority: int, cache_salt: str | None, lora_request: LoRARequest | None) -> OutputStream:
         """Start one engine request per prompt (`{request_id}-{prompt_index}`), whose `n` completions the engine
         forks off it, sharing the prompt's KV blocks; yield each completion's deltas as they arrive, in any order.
 
@@ -228,7 +255,8 @@ class OpenAIServing:
         completions.
         """
         streams = [self.engine.generate(f"{request_id}-{i}", prompt.token_ids, params,
-                                        prompt_token_ids=prompt.token_ids, priority=priority, cache_salt=cache_salt)
+                                        prompt_token_ids=prompt.token_ids, priority=priority, cache_salt=cache_salt,
+                                        lora_request=lora_request)
                    for i, (prompt, params) in enumerate(zip(prompts, params_per_prompt))]
         n = params_per_prompt[0].n
         if len(streams) == 1:

@@ -43,6 +43,7 @@ from pagedllm.entrypoints.openai.tool_parsers import (
     required_tools_schema,
     with_tools,
 )
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import PromptLogprobs
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedllm.tokenizer.chat_template import apply_chat_template, validate_messages
@@ -71,8 +72,9 @@ class OpenAIServingChat(GenerationServing):
     prompt_token_ids_on_choices = False     # one conversation: its prompt's ids go on the response, as vLLM's
 
     def __init__(self, engine: AsyncEngine, served_model_names: Sequence[str], limits: ServerLimits,
-                 tool_call_parser: str | None = None, reasoning_parser: str | None = None) -> None:
-        super().__init__(engine, served_model_names, limits)
+                 tool_call_parser: str | None = None, reasoning_parser: str | None = None,
+                 lora_modules: Sequence[LoRARequest] = ()) -> None:
+        super().__init__(engine, served_model_names, limits, lora_modules)
         if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"unknown reasoning parser {reasoning_parser!r}; pagedllm has {REASONING_PARSERS}")
         self.tool_call_parser, self.reasoning_parser = tool_call_parser, reasoning_parser
@@ -103,7 +105,8 @@ class OpenAIServingChat(GenerationServing):
         self.check_num_choices(1, request.n)
         prompt_logprobs: dict[int, PromptLogprobs] = {}
         outputs = await self.first_then_rest(keep_prompt_logprobs(self.run_prompts(
-            request_id, [prompt], [params], request.priority, request.cache_salt), prompt_logprobs))
+            request_id, [prompt], [params], request.priority, request.cache_salt, self.lora_for(model)),
+            prompt_logprobs))
         head = {"id": request_id, "created": now(), "model": model,
                 "object": "chat.completion.chunk" if request.stream else "chat.completion"}
         states = [ChatChoiceState(self._tool_stream(tool_choice, request.parallel_tool_calls), _echo(request),

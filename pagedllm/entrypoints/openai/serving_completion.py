@@ -44,7 +44,7 @@ class OpenAIServingCompletion(GenerationServing):
         request_id = random_id("cmpl")
         prompt_logprobs: dict[int, PromptLogprobs] = {}
         outputs = keep_prompt_logprobs(self.run_prompts(request_id, prompts, params, request.priority,
-                                                         request.cache_salt), prompt_logprobs)
+                                                         request.cache_salt, self.lora_for(model)), prompt_logprobs)
         outputs = await self.first_then_rest(outputs)
         echoes = [self._echo(p) if request.echo else "" for p in prompts]
         states = [ChoiceState(echo, p.token_ids) for echo, p in zip(echoes, prompts) for _ in range(request.n)]

@@ -13,6 +13,7 @@ import numpy as np
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, EmbeddingRequest, OpenAIError, now, random_id
 from pagedllm.entrypoints.openai.serving_base import OpenAIServing, Prompt
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.pooling_params import PoolingParams
 
@@ -23,7 +24,7 @@ class OpenAIServingEmbedding(OpenAIServing):
     serving's template."""
 
     def __init__(self, chat: OpenAIServingChat) -> None:
-        super().__init__(chat.engine, chat.served_model_names, chat.limits)
+        super().__init__(chat.engine, chat.served_model_names, chat.limits, chat.lora_modules)
         self.chat = chat
 
     async def create(self, request: EmbeddingRequest) -> dict[str, Any]:
@@ -43,7 +44,8 @@ class OpenAIServingEmbedding(OpenAIServing):
             prompts = await self.prompts(request.input, self.truncation(request), param="input")
         request_id = random_id("embd")
         params = PoolingParams(normalize=request.normalize)
-        outputs = await asyncio.gather(*(self._embed(f"{request_id}-{i}", prompt, params, request.priority)
+        lora = self.lora_for(model)
+        outputs = await asyncio.gather(*(self._embed(f"{request_id}-{i}", prompt, params, request.priority, lora)
                                          for i, prompt in enumerate(prompts)))
         num_tokens = sum(len(p.token_ids) for p in prompts)
         return {"id": request_id, "object": "list", "created": now(), "model": model,
@@ -51,9 +53,10 @@ class OpenAIServingEmbedding(OpenAIServing):
                          for i, o in enumerate(outputs)],
                 "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
 
-    async def _embed(self, request_id: str, prompt: Prompt, params: PoolingParams, priority: int) -> RequestOutput:
+    async def _embed(self, request_id: str, prompt: Prompt, params: PoolingParams, priority: int,
+                     lora: LoRARequest | None) -> RequestOutput:
         async with aclosing(self.engine.generate(request_id, prompt.token_ids, params, priority=priority,
-                                                 prompt_token_ids=prompt.token_ids)) as stream:
+                                                 prompt_token_ids=prompt.token_ids, lora_request=lora)) as stream:
             async for output in stream:
                 if output.finished:
                     return output
