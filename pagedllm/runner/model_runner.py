@@ -251,6 +251,8 @@ class ModelRunner:
 
     def _lora_batch(self, inputs: ModelInputs, scheduled: list[ScheduledRequest]) -> LoRABatch | None:
         """The step's LoRA adapters and each one's rows; None when no request of the step has one."""
+        if self.loras is None:
+            return None
         rows: dict[int, list[int]] = {}
         requests: dict[int, LoRARequest] = {}
         for s in scheduled:
