@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import json
 import re
+from pathlib import Path
 from typing import Any
 
 from pagedllm.bench.datasets import BenchRequest, load_requests
 from pagedllm.config import DEFAULT_BLOCK_SIZE
 from pagedllm.entrypoints.openai.cli_args import parse_json_object
+from pagedllm.lora.request import LoRARequest
 
 _SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
@@ -71,7 +74,22 @@ def engine_kwargs(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
                   tensor_parallel_size=args.tensor_parallel_size,
                   distributed_executor_backend=args.distributed_executor_backend, enforce_eager=args.enforce_eager,
                   disable_cascade_attn=args.disable_cascade_attn)
+    if getattr(args, "lora_path", None):
+        kwargs |= dict(enable_lora=True, max_lora_rank=lora_rank(args.lora_path))
     return kwargs | overrides
+
+
+def lora_rank(lora_path: str) -> int:
+    """The rank in a PEFT adapter's adapter_config.json (ValueError if the folder has none)."""
+    config = Path(lora_path) / "adapter_config.json"
+    if not config.is_file():
+        raise ValueError(f"--lora-path {lora_path}: no adapter_config.json there")
+    return int(json.loads(config.read_text(encoding="utf-8"))["r"])
+
+
+def bench_lora_request(args: argparse.Namespace) -> LoRARequest | None:
+    """The LoRARequest every request of the run names (--lora-path), or None."""
+    return LoRARequest("bench", 1, args.lora_path) if getattr(args, "lora_path", None) else None
 
 
 def add_dataset_args(parser: argparse.ArgumentParser,

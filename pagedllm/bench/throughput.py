@@ -19,7 +19,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from pagedllm.bench.args import add_dataset_args, add_engine_args, dataset_argv, engine_kwargs, requests_from_args
+from pagedllm.bench.args import (
+    add_dataset_args,
+    add_engine_args,
+    bench_lora_request,
+    dataset_argv,
+    engine_kwargs,
+    requests_from_args,
+)
 from pagedllm.bench.datasets import BenchRequest
 from pagedllm.bench.llamacpp_peer import add_llamacpp_args, llamacpp_gguf, llamacpp_python, run_llamacpp
 from pagedllm.bench.measure import (
@@ -48,6 +55,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                              "repeat for several")
     add_vllm_args(parser)
     add_llamacpp_args(parser)
+    parser.add_argument("--lora-path", default=None,
+                        help="a PEFT LoRA adapter folder that every request runs with (vLLM's benchmark --lora-path); "
+                             "on both sides with --compare vllm")
     parser.add_argument("--hf-batch-size", type=int, default=8, help="static batch size of the hf backend")
     parser.add_argument("--skip-gemm-peak", action="store_true", help="do not time the GEMM peak")
     parser.add_argument("--output-json", default=None, help="write the results to this file")
@@ -55,6 +65,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
+    if args.lora_path and (args.backend != "pagedllm" or set(args.compare) - {"vllm"}):
+        raise ValueError("--lora-path runs pagedllm, and vLLM with --compare vllm; not transformers or llama.cpp")
     if "vllm" in args.compare:   # the peers' environments, before anything is timed
         vllm_python(args)
     if "llamacpp" in args.compare:
@@ -86,7 +98,8 @@ def run_pagedllm(args: argparse.Namespace) -> dict[str, Any]:
     engine_init_s = time.perf_counter() - init_start
     startup_s = seconds_since_process_start()
     start = time.perf_counter()
-    llm.generate("Hello", SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    lora = bench_lora_request(args)
+    llm.generate("Hello", SamplingParams(temperature=0, max_tokens=1), use_tqdm=False, lora_request=lora)
     first_token_s = time.perf_counter() - start
 
     requests = requests_from_args(llm.get_tokenizer(), args)
@@ -94,7 +107,7 @@ def run_pagedllm(args: argparse.Namespace) -> dict[str, Any]:
     waste = KVWaste()
     with _sampling_kv_waste(llm.engine, waste):
         start = time.perf_counter()
-        outputs = llm.generate([r.prompt_token_ids for r in requests], params, use_tqdm=True)
+        outputs = llm.generate([r.prompt_token_ids for r in requests], params, use_tqdm=True, lora_request=lora)
         elapsed = time.perf_counter() - start
     num_output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     result = _summarise("pagedllm", llm.engine.model_name, args, requests, elapsed,
@@ -105,7 +118,7 @@ def run_pagedllm(args: argparse.Namespace) -> dict[str, Any]:
                   device=llm.engine.config.model.device, num_kv_blocks=llm.engine.capacity.num_blocks,
                   block_size=llm.engine.capacity.block_size,
                   dtype=str(llm.engine.dtype).removeprefix("torch."), quantization=llm.engine.quantization or "none",
-                  kv_cache_dtype=args.kv_cache_dtype)
+                  kv_cache_dtype=args.kv_cache_dtype, lora_path=args.lora_path)
     spec = llm.engine.make_stats().spec_decoding
     if spec is not None:
         result["spec_decoding"] = {"config": args.speculative_config, "acceptance_rate": spec.acceptance_rate,

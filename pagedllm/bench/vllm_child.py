@@ -2,7 +2,8 @@
 
 It imports only the standard library and vllm, so it runs as a file: `python vllm_child.py JOB.json RESULT.json`.
 JOB.json holds the model folder, the dtype, the engine sizes, the prompts as token ids with their output lengths,
-and an optional warm-up prompt (the prefix bench's system prompt). RESULT.json gets the timings and token counts.
+an optional warm-up prompt (the prefix bench's system prompt), and an optional LoRA adapter every request runs
+with. RESULT.json gets the timings and token counts.
 Every request is greedy with ignore_eos, as on pagedllm's side, so both generate exactly the same number of tokens.
 """
 
@@ -19,19 +20,25 @@ def main(job_path: str, result_path: str) -> None:
     start = time.perf_counter()
     from vllm import LLM, SamplingParams
 
+    with_lora, lora = {}, {}      # the engine's LoRA options and each request's adapter, if any
+    if job.get("lora_path"):     # every request through one adapter (vLLM's benchmark --lora-path)
+        from vllm.lora.request import LoRARequest
+
+        with_lora = {"enable_lora": True, "max_loras": 1, "max_lora_rank": job["max_lora_rank"]}
+        lora = {"lora_request": LoRARequest("bench", 1, job["lora_path"])}
     llm = LLM(model=job["model"], dtype=job["dtype"], max_model_len=job["max_model_len"],
               max_num_seqs=job["max_num_seqs"], max_num_batched_tokens=job["max_num_batched_tokens"],
-              enable_prefix_caching=job["enable_prefix_caching"], seed=job["seed"])
+              enable_prefix_caching=job["enable_prefix_caching"], seed=job["seed"], **with_lora)
     startup_s = time.perf_counter() - start
     start = time.perf_counter()
     llm.generate([{"prompt_token_ids": job["warmup_prompt_token_ids"]}], SamplingParams(temperature=0, max_tokens=1),
-                 use_tqdm=False)
+                 use_tqdm=False, **lora)
     first_token_s = time.perf_counter() - start
 
     prompts = [{"prompt_token_ids": ids} for ids in job["prompt_token_ids"]]
     params = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=n) for n in job["output_lens"]]
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    outputs = llm.generate(prompts, params, use_tqdm=False, **lora)
     elapsed = time.perf_counter() - start
     result = {
         "elapsed_time": elapsed, "startup_s": startup_s, "first_token_s": first_token_s,

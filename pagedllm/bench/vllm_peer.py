@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from pagedllm.bench.args import add_engine_args
+from pagedllm.bench.args import add_engine_args, lora_rank
 from pagedllm.bench.datasets import BenchRequest
 from pagedllm.bench.peers import peer_python, run_child, run_in_own_group
 from pagedllm.cpu import cpu_info
@@ -85,7 +85,9 @@ def run_vllm(args: argparse.Namespace, requests: list[BenchRequest], warmup_prom
                "enable_prefix_caching": enable_prefix_caching, "seed": args.seed,
                "warmup_prompt_token_ids": warmup_prompt_token_ids,
                "prompt_token_ids": [r.prompt_token_ids for r in requests],
-               "output_lens": [r.output_len for r in requests]}
+               "output_lens": [r.output_len for r in requests], "lora_path": getattr(args, "lora_path", None)}
+        if job["lora_path"]:
+            job["max_lora_rank"] = lora_rank(job["lora_path"])
         print(f"Running the vLLM peer ({python}, {dtype}): this starts in about 3 minutes on 2 cores", flush=True)
         result = run_child(python, _CHILD, job, vllm_env(args.kv_cache_memory), "vLLM")
     result["dtype"] = dtype

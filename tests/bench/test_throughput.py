@@ -3,6 +3,7 @@ from __future__ import annotations
 import argparse
 import json
 
+import pytest
 import torch
 
 from pagedllm.bench.cli import add_bench_parser, main
@@ -76,3 +77,21 @@ def test_throughput_grounded_dataset_with_speculation(tiny_model_dir, capsys):
     assert spec["config"]["num_speculative_tokens"] == 3 and spec["num_drafts"] > 0
     assert 0 <= spec["acceptance_rate"] <= 1 and spec["mean_acceptance_length"] >= 1
     assert "Spec decode: acceptance rate" in capsys.readouterr().out
+
+
+def test_throughput_runs_every_request_through_a_lora_adapter(tiny_model_dir, tmp_path, capsys):
+    peft = pytest.importorskip("peft", reason="peft is not installed (pip install -e '.[dev]')")
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+                                peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    model.save_pretrained(tmp_path / "adapter")
+    argv = ["throughput", "--model", tiny_model_dir, "--dataset", "random", "--num-prompts", "3", "--input-len", "8",
+            "--output-len", "4", "--lora-path", str(tmp_path / "adapter"), *_ENGINE]
+    result = main(argv)
+    assert result["lora_path"] == str(tmp_path / "adapter") and result["total_output_tokens"] == 12
+    with pytest.raises(ValueError, match="--lora-path runs pagedllm, and vLLM"):
+        main([*argv, "--compare", "hf"])
+    with pytest.raises(ValueError, match="no adapter_config.json there"):
+        main([*argv[:-len(_ENGINE) - 2], "--lora-path", str(tmp_path), *_ENGINE])
