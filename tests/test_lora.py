@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import re
 
 import pytest
 import torch
@@ -146,6 +147,11 @@ def test_the_server_serves_each_adapter_by_name(tiny, adapters):
             reply = client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0,
                                               extra_body={"ignore_eos": True, "return_token_ids": True})
             assert reply.choices[0].token_ids == adapters[name][1][1], name
+        # vLLM's lora_requests_info: a series per set of adapters seen, stamped with when it was last seen
+        metrics = httpx.get(f"{running.base_url}/metrics", headers=running.headers).text
+        seen = re.findall(r'pagedllm:lora_requests_info\{[^}]*max_lora="2",[^}]*running_lora_adapters="([^"]*)"',
+                          metrics)
+        assert {"all", "qv", ""} <= set(seen), metrics
         vectors = [client.embeddings.create(model=m, input=PROMPTS[0]).data[0].embedding for m in ("all", "qv")]
         assert vectors[0] != vectors[1]
         missing = httpx.post(f"{running.base_url}/v1/completions", headers=running.headers,

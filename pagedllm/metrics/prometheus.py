@@ -89,6 +89,18 @@ class _Families:
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token.", _REQUEST_BUCKETS)
         self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.", _REQUEST_BUCKETS)
         self._spec: _SpecDecodingFamilies | None = None
+        self._lora_info: Gauge | None = None
+
+    @property
+    def lora_info(self) -> Gauge:
+        """vLLM's `lora_requests_info`, made at the first stats with LoRA on: a series per (max_lora, waiting
+        adapters, running adapters), the names comma-joined, whose value is when that set was last seen (the newest
+        is the present; LoRA-aware routers read it)."""
+        if self._lora_info is None:
+            self._lora_info = Gauge(PREFIX + "lora_requests_info", "Running stats on LoRA requests.",
+                                    [*self.label_names, "max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+                                    registry=self.registry)
+        return self._lora_info
 
     @property
     def spec(self) -> _SpecDecodingFamilies:
@@ -143,6 +155,10 @@ class _ReplicaMetrics:
                  count - last.num_preemptions_total.get(mode, 0))
         _inc(self.prefix_queries, stats.prefix_cache_queries_total - last.prefix_cache_queries_total)
         _inc(self.prefix_hits, stats.prefix_cache_hits_total - last.prefix_cache_hits_total)
+        if stats.max_loras is not None:
+            self.families.lora_info.labels(*self.label_values, str(stats.max_loras),
+                                           ",".join(stats.waiting_lora_adapters),
+                                           ",".join(stats.running_lora_adapters)).set_to_current_time()
         if stats.spec_decoding is not None:
             if self._spec is None:
                 self._spec = _SpecDecodingMetrics(self.families.spec, self.label_values)

@@ -69,6 +69,9 @@ class SchedulerStats:
     num_kv_slots_filled: int = 0            # of those, slots holding a computed token (the rest is tail waste)
     scheduled_request_ids: list[str] = field(default_factory=list)   # the requests the last step ran
     spec_decoding: SpecDecodingStats | None = None   # None without speculative decoding
+    max_loras: int | None = None            # None: LoRA off
+    running_lora_adapters: list[str] = field(default_factory=list)   # the adapters' names, each once, sorted
+    waiting_lora_adapters: list[str] = field(default_factory=list)
 
     @property
     def kv_cache_usage(self) -> float:

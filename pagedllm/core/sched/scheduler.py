@@ -62,6 +62,10 @@ from pagedllm.metrics.stats import SchedulerStats, SpecDecodingStats
 DraftProposer = Callable[[list[int], int], list[int]]
 
 
+def _lora_names(requests: list[Request]) -> list[str]:
+    return sorted({r.lora_request.lora_name for r in requests if r.lora_request is not None})
+
+
 def _waiting_order(request: Request) -> tuple[int, float]:
     return request.priority, request.arrival_time
 
@@ -160,7 +164,9 @@ class Scheduler:
             num_kv_slots_running=num_slots,
             num_kv_slots_filled=sum(r.num_computed_tokens for r in self.running),
             scheduled_request_ids=list(self._last_scheduled_request_ids),
-            spec_decoding=self.spec_decoding_stats.copy() if self.propose is not None else None)
+            spec_decoding=self.spec_decoding_stats.copy() if self.propose is not None else None,
+            max_loras=self.max_loras, running_lora_adapters=_lora_names(self.running),
+            waiting_lora_adapters=_lora_names([*self.waiting, *self.swapped]))
 
     def make_block_map(self) -> BlockMap:
         """A snapshot of the KV pools and of the block tables of every unfinished request (for the dashboard;
