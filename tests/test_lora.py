@@ -165,6 +165,49 @@ def test_the_server_serves_each_adapter_by_name(tiny, adapters):
         parser.parse_args(["--lora-modules", "no-path"])
 
 
+def test_adapters_load_and_unload_while_the_server_runs(tiny, adapters, monkeypatch, tmp_path):
+    """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter, under VLLM_ALLOW_RUNTIME_LORA_UPDATING=true; absent
+    (404) without it."""
+    import httpx
+
+    from tests.entrypoints.server_utils import start_server
+
+    llm = _llm(tiny, max_loras=2)
+    running = start_server(llm.engine)
+    try:
+        assert httpx.post(f"{running.base_url}/v1/load_lora_adapter", headers=running.headers,
+                          json={"lora_name": "qv", "lora_path": "/x"}).status_code == 404
+    finally:
+        running.stop()
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
+    running = start_server(_llm(tiny, max_loras=2).engine)
+    try:
+        def post(path: str, **body) -> httpx.Response:
+            return httpx.post(f"{running.base_url}/v1/{path}", headers=running.headers, json=body, timeout=60)
+
+        def complete(model: str) -> httpx.Response:
+            return post("completions", model=model, prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0,
+                        ignore_eos=True, return_token_ids=True)
+
+        assert complete("qv").status_code == 404
+        loaded = post("load_lora_adapter", lora_name="qv", lora_path=adapters["qv"][0].lora_path)
+        assert loaded.status_code == 200 and loaded.text == "Success: LoRA adapter 'qv' added successfully."
+        assert "qv" in {m["id"] for m in httpx.get(f"{running.base_url}/v1/models", headers=running.headers)
+                        .json()["data"]}
+        assert complete("qv").json()["choices"][0]["token_ids"] == adapters["qv"][1][1]
+        again = post("load_lora_adapter", lora_name="qv", lora_path=adapters["qv"][0].lora_path)
+        assert again.status_code == 400 and "already been loaded" in again.json()["error"]["message"]
+        broken = post("load_lora_adapter", lora_name="broken", lora_path=str(tmp_path))
+        assert broken.status_code == 400 and "adapter_config.json not found" in broken.json()["error"]["message"]
+        assert complete("broken").status_code == 404
+        unloaded = post("unload_lora_adapter", lora_name="qv")
+        assert unloaded.status_code == 200 and complete("qv").status_code == 404
+        assert post("unload_lora_adapter", lora_name="qv").status_code == 404
+        assert complete(running.model_name).json()["choices"][0]["token_ids"] == adapters["base"][1][1]
+    finally:
+        running.stop()
+
+
 def test_lora_requests_are_checked_with_clear_errors(tiny, adapters, tmp_path):
     request = adapters["all"][0]
     plain = LLM(model=tiny[0], dtype="float32", num_kv_blocks=64)

@@ -104,7 +104,15 @@ class KVCacheSnapshot:
     block_map: BlockMap
 
 
-_InboxItem = _Add | _Abort | _Snapshot
+@dataclass(slots=True)
+class _Call:
+    """Run `fn(engine)` on the engine thread, between steps; its result (or exception) goes to `future`."""
+
+    fn: Callable[[LLMEngine], Any]
+    future: asyncio.Future
+
+
+_InboxItem = _Add | _Abort | _Snapshot | _Call
 
 
 class AsyncEngine:
@@ -126,6 +134,7 @@ class AsyncEngine:
         self._stat_loggers: list[StatLogger] = []
         self._cond = threading.Condition()
         self._inbox: list[_InboxItem] = []
+        self._calls: set[asyncio.Future] = set()     # call_in_engine's, until answered
         self._stopped = False
         self._draining = False
         self._thread = thread or EngineThread()
@@ -302,6 +311,23 @@ class AsyncEngine:
             if not done:
                 self.abort(request_id)
 
+    async def call_in_engine(self, fn: Callable[[LLMEngine], T]) -> T:
+        """`fn(engine)`'s result, run on the engine thread between two steps (what changes the engine outside a
+        request, such as loading a LoRA adapter); its exception is raised here.
+
+        Raises:
+            EngineDeadError: the engine loop has failed or stopped (now or before `fn` ran).
+        """
+        self._raise_if_dead()
+        assert self._loop is not None
+        future = self._loop.create_future()
+        self._calls.add(future)
+        self._post(_Call(fn, future))
+        try:
+            return await future
+        finally:
+            self._calls.discard(future)
+
     async def kv_cache_snapshot(self) -> KVCacheSnapshot:
         """The KV block map and the stats after the engine's next step (at once when it is idle). Callers that
         ask while one is being made share it.
@@ -361,6 +387,8 @@ class AsyncEngine:
         for queue in self._streams.values():
             queue.put_nowait(dead)
         self._deliver_snapshot(dead)
+        for future in self._calls:
+            _settle(future, None, dead)
 
     def _call_in_loop(self, callback: Callable, *args) -> None:
         assert self._loop is not None
@@ -404,9 +432,18 @@ class AsyncEngine:
                 self._add(item)
             elif isinstance(item, _Abort):
                 self._abort(item.request_ids, iteration, item.stop_reason)
+            elif isinstance(item, _Call):
+                self._call(item)
             else:
                 wants_snapshot = True
         return wants_snapshot
+
+    def _call(self, item: _Call) -> None:
+        try:
+            result, error = item.fn(self.engine), None
+        except Exception as exc:  # the caller's failure, not the engine's
+            result, error = None, exc
+        self._call_in_loop(_settle, item.future, result, error)
 
     def _add(self, item: _Add) -> None:
         try:
@@ -438,3 +475,13 @@ class AsyncEngine:
                 logger.exception("stat logger failed")
         if outputs:
             self._call_in_loop(self._dispatch, outputs)
+
+
+def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    """On the event loop: give `future` its result or exception, unless it is done (its caller went away)."""
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

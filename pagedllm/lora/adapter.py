@@ -158,6 +158,10 @@ class LoRARegistry:
         self._adapters.move_to_end(request.lora_int_id)
         return adapter
 
+    def drop(self, lora_int_id: int) -> None:
+        """Forget an adapter (a request still naming it loads it again from its folder)."""
+        self._adapters.pop(lora_int_id, None)
+
     @property
     def loaded_ids(self) -> list[int]:
         return list(self._adapters)

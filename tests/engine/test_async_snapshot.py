@@ -97,3 +97,29 @@ def test_a_caller_waiting_for_a_snapshot_fails_when_the_engine_dies() -> None:
         finally:
             await asyncio.to_thread(engine.shutdown)
     asyncio.run(run())
+
+
+def test_a_call_runs_on_the_engine_thread_and_fails_when_the_engine_dies() -> None:
+    """`call_in_engine` (what loads LoRA adapters while serving): its function runs on the engine thread, its
+    exception reaches the caller, and a caller waiting when the engine dies gets EngineDeadError, not a hang."""
+    async def run() -> None:
+        fake = CountingEngine(num_steps=0)
+        engine = AsyncEngine(fake)
+        engine.start()
+        try:
+            here = threading.current_thread().name
+            there = await asyncio.wait_for(engine.call_in_engine(lambda _: threading.current_thread().name), 5)
+            assert there != here
+            with pytest.raises(ValueError, match="refused"):
+                await engine.call_in_engine(lambda _: (_ for _ in ()).throw(ValueError("refused")))
+            fake.steps_left, fake.hold_at, fake.fail = 5, 5, True
+            await engine.call_in_engine(lambda _: None)   # wakes the loop: it now holds in its failing step
+            await asyncio.sleep(0.05)
+            waiting = asyncio.ensure_future(engine.call_in_engine(lambda _: "never"))
+            await asyncio.sleep(0.05)
+            fake.release.set()
+            with pytest.raises(EngineDeadError, match="injected engine failure"):
+                await asyncio.wait_for(waiting, 5)
+        finally:
+            await asyncio.to_thread(engine.shutdown)
+    asyncio.run(run())

@@ -274,3 +274,17 @@ class EmbeddingRequest(_Request):
 
 
 FinishReason = Literal["stop", "length", "abort", "tool_calls"]
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """vLLM's /v1/load_lora_adapter body."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """vLLM's /v1/unload_lora_adapter body (its lora_int_id is taken and not needed: names are unique)."""
+
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None

@@ -38,7 +38,7 @@ from pagedllm.entrypoints.openai.protocol import (
     random_id,
     validation_error,
 )
-from pagedllm.entrypoints.openai.serving_base import ServerLimits, error_for, load_lora_modules
+from pagedllm.entrypoints.openai.serving_base import LoRAModules, ServerLimits, error_for, load_lora_modules
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
@@ -78,10 +78,11 @@ async def run_batch(engine: AsyncEngine | AsyncDataParallelEngine, lines: Iterab
     (`load_lora_modules`) before the engine started."""
     names = list(served_model_names or [engine.model_name])
     limits = limits or ServerLimits()
-    chat = OpenAIServingChat(engine, names, limits, tool_call_parser, reasoning_parser, lora_modules)
+    chat = OpenAIServingChat(engine, names, limits, tool_call_parser, reasoning_parser, LoRAModules(lora_modules))
     endpoints: dict[str, Endpoint] = {
         "/v1/chat/completions": (ChatCompletionRequest, chat.create),
-        "/v1/completions": (CompletionRequest, OpenAIServingCompletion(engine, names, limits, lora_modules).create),
+        "/v1/completions": (CompletionRequest,
+                            OpenAIServingCompletion(engine, names, limits, chat.lora_modules).create),
         "/v1/responses": (ResponsesRequest, OpenAIServingResponses(chat).create),
         "/v1/embeddings": (EmbeddingRequest, OpenAIServingEmbedding(chat).create),
     }

@@ -8,6 +8,7 @@ server's event loop and stops it on shutdown. Each app has its own Prometheus re
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -29,9 +30,11 @@ from pagedllm.entrypoints.openai.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
+    LoadLoRAAdapterRequest,
     OpenAIError,
     ResponsesRequest,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
     now,
     validation_error,
 )
@@ -80,7 +83,7 @@ def build_app(engine: AsyncEngine | AsyncDataParallelEngine, *, served_model_nam
     if enable_auto_tool_choice and tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
     names = list(served_model_names or [engine.model_name])
-    load_lora_modules(engine, lora_modules, names)
+    loras = load_lora_modules(engine, lora_modules, names)
     limits = limits or ServerLimits()
     stat_logger = PrometheusStatLogger(names[0], swap_space_bytes=engine.swap_space_bytes,
                                        data_parallel_size=engine.data_parallel_size)
@@ -104,9 +107,11 @@ def build_app(engine: AsyncEngine | AsyncDataParallelEngine, *, served_model_nam
         app.add_middleware(CORSMiddleware, allow_origins=list(cors.origins), allow_methods=list(cors.methods),
                            allow_headers=list(cors.headers), allow_credentials=cors.credentials)
     chat = OpenAIServingChat(engine, names, limits, tool_call_parser if enable_auto_tool_choice else None,
-                             reasoning_parser, lora_modules)
-    app.include_router(_v1_router(OpenAIServingCompletion(engine, names, limits, lora_modules), chat,
+                             reasoning_parser, loras)
+    app.include_router(_v1_router(OpenAIServingCompletion(engine, names, limits, loras), chat,
                                   OpenAIServingEmbedding(chat)))
+    if isinstance(engine, AsyncEngine) and runtime_lora_updating():    # loading answers 400 with LoRA off
+        app.include_router(_lora_router(engine, chat))
     app.include_router(_utility_router(OpenAIServingTokenization(chat), stat_logger))
     app.include_router(dashboard_router(engine, api_key))
     return app
@@ -124,22 +129,25 @@ def _v1_router(completion: OpenAIServingCompletion, chat: OpenAIServingChat,
         return {"id": name, "object": "model", "created": now(), "owned_by": "pagedllm", "root": root,
                 "parent": parent, "max_model_len": engine.max_model_len}
 
-    # the base model's names, then each LoRA adapter's (vLLM's cards: its folder as root, its base as parent)
-    cards = {name: (name, engine.model_name, None) for name in names} | {
-        lora.lora_name: (lora.lora_name, lora.lora_path, lora.base_model_name or names[0])
-        for lora in chat.lora_modules}
+    def cards() -> dict[str, tuple[str, str, str | None]]:
+        """The base model's names, then each LoRA adapter's (vLLM's cards: its folder as root, its base as
+        parent), as served now."""
+        return {name: (name, engine.model_name, None) for name in names} | {
+            lora.lora_name: (lora.lora_name, lora.lora_path, lora.base_model_name or names[0])
+            for lora in chat.lora_modules}
 
     @router.get("/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [card(*fields) for fields in cards.values()]}
+        return {"object": "list", "data": [card(*fields) for fields in cards().values()]}
 
     @router.get("/models/{name:path}")
     async def model(name: str) -> dict[str, Any]:
         """OpenAI's retrieve (`client.models.retrieve`): one served name's card, or 404."""
-        if name not in cards:
-            raise OpenAIError(f"The model `{name}` does not exist. This server serves {', '.join(cards)}.", 404,
+        served = cards()
+        if name not in served:
+            raise OpenAIError(f"The model `{name}` does not exist. This server serves {', '.join(served)}.", 404,
                               param="model", code="model_not_found")
-        return card(*cards[name])
+        return card(*served[name])
 
     @router.post("/completions")
     async def completions(body: CompletionRequest, raw_request: Request) -> Response:
@@ -156,6 +164,42 @@ def _v1_router(completion: OpenAIServingCompletion, chat: OpenAIServingChat,
     @router.post("/embeddings")
     async def embeddings(body: EmbeddingRequest, raw_request: Request) -> Response:
         return await respond(raw_request, embedding.create(body))
+
+    return router
+
+
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+
+
+def runtime_lora_updating() -> bool:
+    """vLLM's switch for loading and unloading LoRA adapters while the server runs: $VLLM_ALLOW_RUNTIME_LORA_UPDATING
+    set to true or 1."""
+    return os.environ.get(RUNTIME_LORA_ENV, "").strip().lower() in ("1", "true")
+
+
+def _lora_router(engine: AsyncEngine, chat: OpenAIServingChat) -> APIRouter:
+    """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter: the adapter is loaded (or dropped) on the engine
+    thread between two steps; requests already running with an unloaded adapter finish with it."""
+    router = APIRouter(prefix="/v1", dependencies=[Depends(_refuse_while_draining(engine))])
+    loras, names = chat.lora_modules, chat.served_model_names
+
+    @router.post("/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
+        if loras.get(body.lora_name) is not None or body.lora_name in names:
+            raise OpenAIError(f"The lora adapter '{body.lora_name}' has already been loaded.", param="lora_name")
+        lora = loras.new(body.lora_name, body.lora_path)
+        await engine.call_in_engine(lambda llm_engine: llm_engine.runner.load_lora(lora))
+        loras.add(lora)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @router.post("/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
+        lora = loras.remove(body.lora_name)
+        if lora is None:
+            raise OpenAIError(f"The lora adapter '{body.lora_name}' cannot be found.", 404, "lora_name",
+                              "model_not_found")
+        await engine.call_in_engine(lambda llm_engine: llm_engine.runner.loras.drop(lora.lora_int_id))
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     return router
 

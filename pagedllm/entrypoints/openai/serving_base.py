@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Iterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, cast
@@ -75,8 +75,38 @@ class Prompt:
 OutputStream = AsyncGenerator[ChoiceDelta, None]
 
 
+class LoRAModules:
+    """The LoRA adapters a server serves, by name, shared by its serving objects; `/v1/load_lora_adapter` and
+    `/v1/unload_lora_adapter` change them while it runs (`add`, `remove`)."""
+
+    def __init__(self, lora_modules: Sequence[LoRARequest] = ()) -> None:
+        self._by_name = {lora.lora_name: lora for lora in lora_modules}
+        self._next_id = max((lora.lora_int_id for lora in lora_modules), default=0) + 1
+
+    def __iter__(self) -> Iterator[LoRARequest]:
+        return iter(list(self._by_name.values()))
+
+    def __len__(self) -> int:
+        return len(self._by_name)
+
+    def get(self, name: str) -> LoRARequest | None:
+        return self._by_name.get(name)
+
+    def new(self, name: str, path: str) -> LoRARequest:
+        """A LoRARequest for an adapter not served yet, with an id never given before (not served until `add`)."""
+        self._next_id += 1
+        return LoRARequest(name, self._next_id - 1, path)
+
+    def add(self, lora: LoRARequest) -> None:
+        self._by_name[lora.lora_name] = lora
+        self._next_id = max(self._next_id, lora.lora_int_id + 1)
+
+    def remove(self, name: str) -> LoRARequest | None:
+        return self._by_name.pop(name, None)
+
+
 def load_lora_modules(engine: AsyncEngine | AsyncDataParallelEngine, lora_modules: Sequence[LoRARequest],
-                      served_model_names: Sequence[str]) -> None:
+                      served_model_names: Sequence[str]) -> LoRAModules:
     """Check and load the LoRA adapters a server serves, before its engine starts: a name served twice, or an
     adapter that does not load, stops the start with a ValueError saying why."""
     names = set(served_model_names)
@@ -89,6 +119,7 @@ def load_lora_modules(engine: AsyncEngine | AsyncDataParallelEngine, lora_module
         raise ValueError("LoRA adapters run on one engine: data_parallel_size must be 1")
     for lora in lora_modules:
         engine.engine.runner.load_lora(lora)
+    return LoRAModules(lora_modules)
 
 
 class OpenAIServing:
@@ -97,32 +128,32 @@ class OpenAIServing:
     Args:
         engine: the running AsyncEngine.
         served_model_names: names accepted in `model`; the first is reported back.
-        lora_modules: LoRA adapters served beside the base model, each under its `lora_name` as `model`.
+        lora_modules: LoRA adapters served beside the base model, each under its `lora_name` as `model` (one
+            LoRAModules shared by the server's serving objects).
         limits: per-request limits.
     """
 
     def __init__(self, engine: AsyncEngine, served_model_names: Sequence[str], limits: ServerLimits,
-                 lora_modules: Sequence[LoRARequest] = ()) -> None:
+                 lora_modules: LoRAModules | None = None) -> None:
         self.engine = engine
         self.served_model_names = list(served_model_names)
         self.limits = limits
-        self.lora_modules = list(lora_modules)
-        self._loras = {lora.lora_name: lora for lora in self.lora_modules}
+        self.lora_modules = lora_modules if lora_modules is not None else LoRAModules()
 
     # ---- validation ---------------------------------------------------------------------------------------------
     def check_model(self, model: str | None) -> str:
         """The name to report; 404 for a model this server does not serve (a base name or a LoRA adapter's)."""
         if model is None or model == "":
             return self.served_model_names[0]
-        if model not in self.served_model_names and model not in self._loras:
-            raise OpenAIError(f"The model `{model}` does not exist. This server serves "
-                              f"{', '.join([*self.served_model_names, *self._loras])}.", 404, "model",
-                              "model_not_found")
+        if model not in self.served_model_names and self.lora_modules.get(model) is None:
+            names = [*self.served_model_names, *(lora.lora_name for lora in self.lora_modules)]
+            raise OpenAIError(f"The model `{model}` does not exist. This server serves {', '.join(names)}.", 404,
+                              "model", "model_not_found")
         return model
 
     def lora_for(self, model: str) -> LoRARequest | None:
         """The LoRA adapter a checked `model` names; None for the base model."""
-        return self._loras.get(model)
+        return self.lora_modules.get(model)
 
     def check_common(self, request: _SamplingFields) -> None:
         if request.stream_options is not None and not request.stream:

@@ -27,7 +27,7 @@ from pagedllm.entrypoints.openai.protocol import (
     random_id,
 )
 from pagedllm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS, ReasoningStream
-from pagedllm.entrypoints.openai.serving_base import Prompt, ServerLimits
+from pagedllm.entrypoints.openai.serving_base import LoRAModules, Prompt, ServerLimits
 from pagedllm.entrypoints.openai.serving_choices import (
     ChoiceState,
     GenerationServing,
@@ -43,7 +43,6 @@ from pagedllm.entrypoints.openai.tool_parsers import (
     required_tools_schema,
     with_tools,
 )
-from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import PromptLogprobs
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedllm.tokenizer.chat_template import apply_chat_template, validate_messages
@@ -73,7 +72,7 @@ class OpenAIServingChat(GenerationServing):
 
     def __init__(self, engine: AsyncEngine, served_model_names: Sequence[str], limits: ServerLimits,
                  tool_call_parser: str | None = None, reasoning_parser: str | None = None,
-                 lora_modules: Sequence[LoRARequest] = ()) -> None:
+                 lora_modules: LoRAModules | None = None) -> None:
         super().__init__(engine, served_model_names, limits, lora_modules)
         if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"unknown reasoning parser {reasoning_parser!r}; pagedllm has {REASONING_PARSERS}")
