@@ -175,6 +175,8 @@ class RequestStatsTracker:
             if not times.num_prompt_tokens:
                 times.num_prompt_tokens = len(output.prompt_token_ids)
             times.on_scheduled(iteration, now)
+            if output.embedding is not None:    # an embedding: its prompt ran, and nothing is generated
+                iteration.num_prompt_tokens += times.num_prompt_tokens
             times.on_tokens(iteration, sum(len(c.token_ids) for c in output.outputs), now)
             if output.finished:
                 reason = output.outputs[0].finish_reason if output.outputs else None

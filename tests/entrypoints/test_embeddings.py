@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import time
 
 import httpx
 import openai
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, PoolingParams, SamplingParams
-from tests.entrypoints.server_utils import RunningServer, start_server
+from tests.entrypoints.server_utils import RunningServer, metric, scrape, start_server
 from tests.models.tiny import build_byte_tokenizer, build_tiny_hf_model, save_tiny_model
 from tests.reliability.tiny_server import build_tiny_engine
 
@@ -150,6 +151,16 @@ def test_served_embeddings_equal_offline_ones(client, server, llm):
             torch.testing.assert_close(torch.tensor(data.embedding), torch.tensor(vector), atol=1e-6, rtol=1e-5)
     prompt_tokens = sum(len(llm.engine.tokenizer.encode(t)) for t in texts)
     assert as_floats.usage.prompt_tokens == as_floats.usage.total_tokens == prompt_tokens
+    # /metrics counts an embedding's prompt tokens, and no generated token
+    before = scrape(server.base_url)
+    client.embeddings.create(model=server.model_name, input=texts, encoding_format="float")
+    deadline = time.monotonic() + 5
+    while (grew := metric(scrape(server.base_url), "pagedllm:prompt_tokens_total")
+           - metric(before, "pagedllm:prompt_tokens_total")) < prompt_tokens and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert grew == prompt_tokens
+    assert metric(scrape(server.base_url), "pagedllm:generation_tokens_total") == \
+        metric(before, "pagedllm:generation_tokens_total")
 
     by_ids = client.embeddings.create(model=server.model_name, input=PROMPTS[0], encoding_format="float")
     (offline,) = llm.embed({"prompt_token_ids": PROMPTS[0]}, use_tqdm=False)
