@@ -90,6 +90,30 @@ def test_adapters_and_the_base_model_in_one_batch_give_peft_tokens(tiny, adapter
     assert adapters["all"][1] != adapters["base"][1] and adapters["qv"][1] != adapters["base"][1]
 
 
+def test_beam_search_runs_every_beam_with_the_adapter(tiny, adapters):
+    """One beam is greedy decoding: PEFT's greedy tokens; the beams an adapter's search forks keep its adapter."""
+    from pagedllm import BeamSearchParams
+
+    llm = _llm(tiny, max_loras=2)
+    one_beam = BeamSearchParams(beam_width=1, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.beam_search([{"prompt_token_ids": p} for p in PROMPTS], one_beam,
+                              lora_request=[adapters["all"][0], None, adapters["qv"][0]])
+    assert [o.sequences[0].tokens[len(p):] for o, p in zip(outputs, PROMPTS)] == \
+        [adapters["all"][1][0], adapters["base"][1][1], adapters["qv"][1][2]]
+    engine = llm.engine
+    engine.add_beam_search("wide", {"prompt_token_ids": PROMPTS[0]},
+                           BeamSearchParams(beam_width=3, max_tokens=MAX_TOKENS, ignore_eos=True), adapters["all"][0])
+    most_beams = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        beams = list(engine.scheduler.running)
+        most_beams = max(most_beams, len(beams))
+        assert all(r.lora_request == adapters["all"][0] for r in beams)
+        assert all(engine.runner.requests[r.request_id].lora == adapters["all"][0] for r in beams
+                   if r.request_id in engine.runner.requests)
+    assert most_beams == 3 and engine.pop_beam_search_output("wide") is not None
+
+
 def test_max_loras_holds_the_running_adapters_to_its_count(tiny, adapters):
     llm = _llm(tiny, max_loras=1)
     engine = llm.engine

@@ -160,8 +160,9 @@ class RayReplica:
         self._call_and_report("add_request", request_id, prompt, params, priority, cache_salt, arrival_time,
                               prompt_token_ids, lora_request)
 
-    def add_beam_search(self, request_id: str, prompt: PromptInput, params: BeamSearchParams) -> None:
-        self._call_and_report("add_beam_search", request_id, prompt, params)
+    def add_beam_search(self, request_id: str, prompt: PromptInput, params: BeamSearchParams,
+                        lora_request: LoRARequest | None = None) -> None:
+        self._call_and_report("add_beam_search", request_id, prompt, params, lora_request)
 
     def pop_beam_search_output(self, request_id: str) -> BeamSearchOutput | None:
         return self._call("pop_beam_search_output", request_id)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pagedllm.core.request import FinishReason, Request
 from pagedllm.core.sched.output import RequestUpdate
 from pagedllm.core.sched.scheduler import Scheduler
+from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -186,7 +187,7 @@ class BeamSearchDriver:
         self.outputs: dict[str, BeamSearchOutput] = {}
 
     def add(self, request_id: str, prompt_token_ids: list[int], params: BeamSearchParams,
-            eos_token_ids: frozenset[int], max_model_len: int) -> None:
+            eos_token_ids: frozenset[int], max_model_len: int, lora_request: LoRARequest | None = None) -> None:
         max_tokens = min(params.max_tokens, max_model_len - len(prompt_token_ids))
         group = BeamSearchGroup(request_id, list(prompt_token_ids), params, eos_token_ids)
         group.params = BeamSearchParams(params.beam_width, max_tokens, params.ignore_eos, params.temperature,
@@ -196,7 +197,7 @@ class BeamSearchDriver:
         root_id = group.new_beam_id()
         # no EOS for the scheduler (ignore_eos): a beam ends in advance(), on any of eos_token_ids
         self.scheduler.add_request(Request(root_id, prompt_token_ids, sampling, group_size=params.beam_width,
-                                           engine_appends_tokens=True))
+                                           engine_appends_tokens=True, lora_request=lora_request))
         group.live[root_id] = _Beam(root_id, [], 0.0)
         self.groups[request_id] = group
 

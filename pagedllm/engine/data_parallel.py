@@ -172,7 +172,9 @@ class DataParallelEngine:
         self.replicas[index].add_request(request_id, prompt, params, priority, cache_salt, arrival_time, token_ids)
         self._owner[request_id] = index
 
-    def add_beam_search(self, request_id: str, prompt: PromptInput, params: BeamSearchParams) -> None:
+    def add_beam_search(self, request_id: str, prompt: PromptInput, params: BeamSearchParams,
+                        lora_request: LoRARequest | None = None) -> None:
+        _no_lora(lora_request)
         self._check_new(request_id)
         index = self.router.route(self.tokenize_prompt(prompt), parse_prompt(prompt).cache_salt, self._loads())
         self.replicas[index].add_beam_search(request_id, prompt, params)

@@ -295,13 +295,17 @@ class LLMEngine:
                                              prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
                                              pooling=pooling)
 
-    def add_beam_search(self, request_id: str, prompt: PromptInput, params: BeamSearchParams) -> None:
-        """Queue a beam search; its result comes from `pop_beam_search_output` once `step()` finished it."""
+    def add_beam_search(self, request_id: str, prompt: PromptInput, params: BeamSearchParams,
+                        lora_request: LoRARequest | None = None) -> None:
+        """Queue a beam search (every beam with `lora_request`'s adapter, if given); its result comes from
+        `pop_beam_search_output` once `step()` finished it."""
         if request_id in self._tracked or request_id in self.beam_search.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         token_ids = self.tokenize_prompt(prompt)
+        if lora_request is not None:
+            self.runner.load_lora(lora_request)
         eos = frozenset(t for t in [self.tokenizer.eos_token_id, *self.eos_stop_token_ids] if t is not None)
-        self.beam_search.add(request_id, token_ids, params, eos, self.max_model_len)
+        self.beam_search.add(request_id, token_ids, params, eos, self.max_model_len, lora_request)
 
     def pop_beam_search_output(self, request_id: str) -> BeamSearchOutput | None:
         return self.beam_search.outputs.pop(request_id, None)

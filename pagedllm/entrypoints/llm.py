@@ -165,18 +165,22 @@ class LLM:
         """Forget every cached block; False (nothing done) while requests are running."""
         return self.engine.reset_prefix_cache()
 
-    def beam_search(self, prompts: PromptType | Sequence[PromptType],
-                    params: BeamSearchParams) -> list[BeamSearchOutput]:
-        """Beam search for each prompt; one BeamSearchOutput per prompt, in order, sequences best first.
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
+                    lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                    ) -> list[BeamSearchOutput]:
+        """Beam search for each prompt; one BeamSearchOutput per prompt, in order, sequences best first;
+        `lora_request` as `generate`'s.
 
         The beams run in the engine and share their KV blocks copy-on-write (see pagedllm/engine/beam_search.py).
         """
         prompt_list = as_prompt_list(prompts)
+        loras = _per_prompt(lora_request, len(prompt_list), "lora_request")
         request_ids = [f"beam-{next(self._counter)}" for _ in prompt_list]
         for prompt in prompt_list:
             self.engine.tokenize_prompt(prompt)  # all validated before any runs
-        for request_id, prompt in zip(request_ids, prompt_list):
-            self.engine.add_beam_search(request_id, prompt, params)
+        self._load_loras(loras)
+        for request_id, prompt, lora in zip(request_ids, prompt_list, loras):
+            self.engine.add_beam_search(request_id, prompt, params, lora)
         results: dict[str, BeamSearchOutput] = {}
         self._warn_if_on_another_thread()
         try:
