@@ -106,8 +106,8 @@ class RunnerOutput:
     prompt's embedding (`PoolingParams`)."""
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, object] = field(default_factory=dict)
-    prompt_logprobs: dict[str, list] = field(default_factory=dict)
+    logprobs: dict[str, list[object]] = field(default_factory=dict)   # one entry per new token
+    prompt_logprobs: dict[str, list[object]] = field(default_factory=dict)
     num_accepted_draft_tokens: dict[str, int] = field(default_factory=dict)
     embeddings: dict[str, list[float]] = field(default_factory=dict)
 
@@ -127,11 +127,11 @@ class RequestUpdate:
 
     request_id: str
     new_token_ids: list[int]
-    new_logprobs: object | None = None
+    new_logprobs: list[object] | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     parent_request_id: str | None = None
     index: int = 0
-    new_prompt_logprobs: list | None = None
+    new_prompt_logprobs: list[object] | None = None
     embedding: list[float] | None = None
