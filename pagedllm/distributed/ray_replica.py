@@ -151,8 +151,8 @@ class RayReplica:
         return result
 
     # ---- LLMEngine's interface ----------------------------------------------------------------------------------
-    def tokenize_prompt(self, prompt: PromptInput) -> list[int]:
-        return tokenize_prompt(self.tokenizer, prompt, self.vocab_size, self.max_model_len)
+    def tokenize_prompt(self, prompt: PromptInput, pooling: bool = False) -> list[int]:
+        return tokenize_prompt(self.tokenizer, prompt, self.vocab_size, self.max_model_len, pooling)
 
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | PoolingParams,
                     priority: int = 0, cache_salt: str | None = None, arrival_time: float | None = None,

@@ -173,11 +173,12 @@ class AsyncEngine:
     def swap_space_bytes(self) -> int:
         return self.engine.swap_space_bytes
 
-    async def tokenize_prompt(self, prompt: PromptInput) -> list[int]:
-        """The prompt's token ids, validated as the engine will (empty, vocabulary, context length), computed on
-        the tokenizer thread; raises ValueError (PromptTooLongError for the context)."""
+    async def tokenize_prompt(self, prompt: PromptInput, pooling: bool = False) -> list[int]:
+        """The prompt's token ids, validated as the engine will (empty, vocabulary, context length, which a prompt
+        to embed may fill), computed on the tokenizer thread; raises ValueError (PromptTooLongError for the
+        context)."""
         return await self.run_on_tokenizer_thread(tokenize_prompt, self.tokenizer, prompt, self.vocab_size,
-                                                  self.max_model_len)
+                                                  self.max_model_len, pooling)
 
     async def run_on_tokenizer_thread(self, fn: Callable[..., T], *args, **kwargs) -> T:
         """`fn(*args, **kwargs)` on the tokenizer thread, off the event loop; for tokenizing, templating and

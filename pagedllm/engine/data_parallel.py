@@ -157,8 +157,8 @@ class DataParallelEngine:
         self.router = make_router(config, first.capacity.num_blocks)
         self._owner: dict[str, int] = {}    # unfinished request id -> its replica
 
-    def tokenize_prompt(self, prompt: PromptInput) -> list[int]:
-        return self.replicas[0].tokenize_prompt(prompt)
+    def tokenize_prompt(self, prompt: PromptInput, pooling: bool = False) -> list[int]:
+        return self.replicas[0].tokenize_prompt(prompt, pooling)
 
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | PoolingParams,
                     priority: int = 0, cache_salt: str | None = None, arrival_time: float | None = None,
@@ -166,7 +166,8 @@ class DataParallelEngine:
         """Route the request to a replica and queue it there (see `LLMEngine.add_request`; no LoRA adapters)."""
         _no_lora(lora_request)
         self._check_new(request_id)
-        token_ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize_prompt(prompt)
+        token_ids = prompt_token_ids if prompt_token_ids is not None else \
+            self.tokenize_prompt(prompt, isinstance(params, PoolingParams))
         cache_salt = cache_salt if cache_salt is not None else parse_prompt(prompt).cache_salt
         index = self.router.route(token_ids, cache_salt, self._loads())
         self.replicas[index].add_request(request_id, prompt, params, priority, cache_salt, arrival_time, token_ids)
@@ -301,8 +302,8 @@ class AsyncDataParallelEngine:
     def num_active_requests(self) -> int:
         return sum(replica.num_active_requests for replica in self.replicas)
 
-    async def tokenize_prompt(self, prompt: PromptInput) -> list[int]:
-        return await self.replicas[0].tokenize_prompt(prompt)
+    async def tokenize_prompt(self, prompt: PromptInput, pooling: bool = False) -> list[int]:
+        return await self.replicas[0].tokenize_prompt(prompt, pooling)
 
     async def run_on_tokenizer_thread(self, fn: Callable[..., T], *args, **kwargs) -> T:
         return await self.replicas[0].run_on_tokenizer_thread(fn, *args, **kwargs)
@@ -345,7 +346,8 @@ class AsyncDataParallelEngine:
         _no_lora(lora_request)
         if request_id in self._owner:
             raise ValueError(f"request id {request_id!r} is already in use")
-        token_ids = prompt_token_ids if prompt_token_ids is not None else await self.tokenize_prompt(prompt)
+        token_ids = prompt_token_ids if prompt_token_ids is not None else \
+            await self.tokenize_prompt(prompt, isinstance(params, PoolingParams))
         cache_salt = cache_salt if cache_salt is not None else parse_prompt(prompt).cache_salt
         index = self.router.route(token_ids, cache_salt, [r.num_active_requests for r in self.replicas])
         self._owner[request_id] = index

@@ -87,25 +87,29 @@ class _Tracked:
 
 
 class PromptTooLongError(ValueError):
-    """A prompt that leaves no room in the context for a generated token."""
+    """A prompt that leaves no room in the context for a generated token (or, to embed, over the context)."""
 
-    def __init__(self, num_tokens: int, max_model_len: int) -> None:
+    def __init__(self, num_tokens: int, max_model_len: int, pooling: bool = False) -> None:
+        room = "at most max_model_len tokens long, to embed" if pooling else \
+            "shorter, to leave room for at least one generated token"
         super().__init__(f"the prompt has {num_tokens} tokens, but max_model_len is {max_model_len}: it must be "
-                         "shorter, to leave room for at least one generated token")
+                         f"{room}")
         self.num_tokens, self.max_model_len = num_tokens, max_model_len
 
 
-def tokenize_prompt(tokenizer, prompt: PromptInput, vocab_size: int, max_model_len: int) -> list[int]:
+def tokenize_prompt(tokenizer, prompt: PromptInput, vocab_size: int, max_model_len: int,
+                    pooling: bool = False) -> list[int]:
     """Token ids of a prompt (any form of `pagedllm.inputs`), validated: not empty, inside the vocabulary and the
-    context. Reads nothing but its arguments, so any thread may call it (the tokenizer's `encode` is thread-safe)."""
+    context, which a prompt to embed (`pooling`) may fill, as in vLLM, and one to generate from must leave a token
+    of. Reads nothing but its arguments, so any thread may call it (the tokenizer's `encode` is thread-safe)."""
     parsed = parse_prompt(prompt)
     token_ids = parsed.token_ids if parsed.token_ids is not None else tokenizer.encode(parsed.text)
     if not token_ids:
         raise ValueError("the prompt is empty: give at least one token")
     if any(not isinstance(t, int) or not 0 <= t < vocab_size for t in token_ids):
         raise ValueError(f"prompt token ids must be integers in [0, {vocab_size})")
-    if len(token_ids) >= max_model_len:
-        raise PromptTooLongError(len(token_ids), max_model_len)
+    if len(token_ids) > max_model_len - (0 if pooling else 1):
+        raise PromptTooLongError(len(token_ids), max_model_len, pooling)
     return token_ids
 
 
@@ -251,9 +255,10 @@ class LLMEngine:
         return peak
 
     # ---- requests ---------------------------------------------------------------------------------------------
-    def tokenize_prompt(self, prompt: PromptInput) -> list[int]:
-        """Token ids of a prompt, validated: not empty, inside the vocabulary and the context."""
-        return tokenize_prompt(self.tokenizer, prompt, self.vocab_size, self.max_model_len)
+    def tokenize_prompt(self, prompt: PromptInput, pooling: bool = False) -> list[int]:
+        """Token ids of a prompt, validated: not empty, inside the vocabulary and the context (see
+        `tokenize_prompt`)."""
+        return tokenize_prompt(self.tokenizer, prompt, self.vocab_size, self.max_model_len, pooling)
 
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | PoolingParams,
                     priority: int = 0, cache_salt: str | None = None, arrival_time: float | None = None,
@@ -272,7 +277,8 @@ class LLMEngine:
         if request_id in self._tracked:
             raise ValueError(f"request id {request_id!r} is already in use")
         parsed = parse_prompt(prompt)
-        token_ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize_prompt(parsed)
+        token_ids = prompt_token_ids if prompt_token_ids is not None else \
+            self.tokenize_prompt(parsed, pooling is not None)
         cache_salt = cache_salt if cache_salt is not None else parsed.cache_salt
         if any(t >= self.vocab_size for t in [*(params.logit_bias or {}), *params.stop_token_ids,
                                               *(params.allowed_token_ids or [])]):

@@ -253,7 +253,8 @@ class LLM:
         """Validate every prompt (and load every adapter) before any runs, queue them, and run them to the end."""
         for prio in priorities:
             self.engine.config.scheduler.check_priority(prio)
-        token_ids = [self.engine.tokenize_prompt(p) for p in prompt_list]
+        token_ids = [self.engine.tokenize_prompt(p, isinstance(params, PoolingParams))
+                     for p, params in zip(prompt_list, params_list)]
         self._load_loras(loras)
         request_ids = [str(next(self._counter)) for _ in prompt_list]
         for request_id, prompt, ids, params, prio, lora in zip(request_ids, prompt_list, token_ids, params_list,

@@ -130,6 +130,30 @@ def test_a_sentence_transformers_pooling_other_than_the_last_token_is_warned_of(
     assert any("pools by mean_tokens" in r.getMessage() for r in caplog.records) == warned
 
 
+def test_a_prompt_may_fill_the_context_to_embed_as_in_vllm(tiny):
+    """A prompt of max_model_len tokens embeds (vLLM's pooling takes the whole context) and gives transformers'
+    vector; generating from it, or embedding one token more, is refused; the server's truncate_prompt_tokens=-1
+    keeps the whole context for an embedding (the last tokens, as truncation_side "left")."""
+    llm = LLM(model=str(tiny[0]), dtype="float32", block_size=16, num_kv_blocks=64, max_model_len=48)
+    full = list(range(30, 78))                                          # 48 tokens
+    (output,) = llm.embed({"prompt_token_ids": full}, PoolingParams(normalize=False), use_tqdm=False)
+    torch.testing.assert_close(torch.tensor(output.outputs.embedding), _hf_last_hidden(tiny[1], full), atol=1e-4,
+                               rtol=1e-4)
+    with pytest.raises(ValueError, match="leave room for at least one generated token"):
+        llm.generate({"prompt_token_ids": full}, use_tqdm=False)
+    with pytest.raises(ValueError, match="at most max_model_len tokens long, to embed"):
+        llm.embed({"prompt_token_ids": [*full, 5]}, use_tqdm=False)
+    running = start_server(llm.engine, api_key=None)
+    try:
+        client = running.client()
+        cut = client.embeddings.create(model=running.model_name, input=[4, 4, *full], encoding_format="float",
+                                       extra_body={"truncate_prompt_tokens": -1, "normalize": False})
+        assert cut.usage.prompt_tokens == 48
+        assert cut.data[0].embedding == pytest.approx(output.outputs.embedding, rel=1e-5, abs=1e-6)
+    finally:
+        running.stop()
+
+
 def test_embed_refuses_bad_prompts_before_running_any(llm):
     with pytest.raises(ValueError, match="empty"):
         llm.embed([{"prompt_token_ids": [1, 2]}, {"prompt_token_ids": []}], use_tqdm=False)

@@ -178,28 +178,32 @@ class OpenAIServing:
 
     def truncation(self, request: _SamplingFields | EmbeddingRequest) -> slice | None:
         """The prompt tokens vLLM's truncate_prompt_tokens keeps: the last k (truncation_side "left", the
-        default) or the first k; -1 keeps as many as leave room for one generated token. None: all of them."""
+        default) or the first k; -1 keeps as many as fit: the whole context to embed, all but one token to
+        generate. None: all of them."""
         keep = request.truncate_prompt_tokens
         if keep is None:
             return None
-        max_len = self.engine.max_model_len
-        keep = max_len - 1 if keep == -1 else keep
-        if not 1 <= keep < max_len:
-            raise OpenAIError(f"truncate_prompt_tokens must be -1 or in [1, {max_len - 1}] (max_model_len is "
-                              f"{max_len}), got {request.truncate_prompt_tokens}", param="truncate_prompt_tokens")
+        most = self.engine.max_model_len - (0 if isinstance(request, EmbeddingRequest) else 1)
+        keep = most if keep == -1 else keep
+        if not 1 <= keep <= most:
+            raise OpenAIError(f"truncate_prompt_tokens must be -1 or in [1, {most}] (max_model_len is "
+                              f"{self.engine.max_model_len}), got {request.truncate_prompt_tokens}",
+                              param="truncate_prompt_tokens")
         return slice(0, keep) if request.truncation_side == "right" else slice(-keep, None)
 
     async def prompt_token_ids(self, prompt: str | list[int], param: str = "prompt",
-                               truncation: slice | None = None) -> list[int]:
+                               truncation: slice | None = None, pooling: bool = False) -> list[int]:
         """The prompt tokenized (off the event loop), cut to `truncation` (see truncation()), and put through the
-        engine's checks, with vLLM's wording for a prompt that fills the context."""
+        engine's checks (`pooling`: a prompt to embed, which may fill the context), with vLLM's wording for a
+        prompt over the context."""
         if truncation is not None:
             token_ids = prompt if isinstance(prompt, list) else await self.engine.run_on_tokenizer_thread(
                 self.engine.tokenizer.encode, prompt)
             prompt = token_ids[truncation]
         try:
             # A list is already ints (the request schema): as a ParsedPrompt it skips parse_prompt's pass over it.
-            return await self.engine.tokenize_prompt(ParsedPrompt(None, prompt) if isinstance(prompt, list) else prompt)
+            return await self.engine.tokenize_prompt(ParsedPrompt(None, prompt) if isinstance(prompt, list) else prompt,
+                                                     pooling)
         except PromptTooLongError as exc:
             raise OpenAIError(f"This model's maximum context length is {exc.max_model_len} tokens. However, your "
                               f"request has {exc.num_tokens} input tokens. Please reduce the length of the input "
@@ -208,7 +212,7 @@ class OpenAIServing:
             raise OpenAIError(str(exc), param=param) from exc
 
     async def prompts(self, prompt: str | list[str] | list[int] | list[list[int]], truncation: slice | None,
-                      param: str = "prompt") -> list[Prompt]:
+                      param: str = "prompt", pooling: bool = False) -> list[Prompt]:
         """A request's prompts (one or a batch, each text or token ids), each through `prompt_token_ids`."""
         raw: list[str | list[int]]
         if isinstance(prompt, str):
@@ -222,7 +226,7 @@ class OpenAIServing:
         if len(raw) > self.limits.max_prompts:
             raise OpenAIError(f"at most {self.limits.max_prompts} prompts per request", param=param)
         return [Prompt(item if isinstance(item, str) and truncation is None else None,
-                       await self.prompt_token_ids(item, param, truncation)) for item in raw]
+                       await self.prompt_token_ids(item, param, truncation, pooling)) for item in raw]
 
     def resolve_max_tokens(self, max_tokens: int | None, num_prompt_tokens: int, param: str = "max_tokens") -> int:
         """`max_tokens`, or all the context left, at most the model's generation config's max_tokens (as vLLM);

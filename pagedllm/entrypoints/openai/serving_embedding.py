@@ -39,9 +39,9 @@ class OpenAIServingEmbedding(OpenAIServing):
                 messages=request.messages, chat_template=request.chat_template,
                 chat_template_kwargs=request.chat_template_kwargs, add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message))
-            prompts = await self.prompts(tokens, self.truncation(request), param="messages")
+            prompts = await self.prompts(tokens, self.truncation(request), param="messages", pooling=True)
         else:
-            prompts = await self.prompts(request.input, self.truncation(request), param="input")
+            prompts = await self.prompts(request.input, self.truncation(request), param="input", pooling=True)
         request_id = random_id("embd")
         params = PoolingParams(normalize=request.normalize)
         lora = self.lora_for(model)
