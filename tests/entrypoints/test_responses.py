@@ -93,6 +93,44 @@ def test_streamed_events_build_the_same_response(client, server):
     assert len({e.item_id for e in events if hasattr(e, "item_id")} | {final.output[0].id}) == 1
 
 
+def test_a_stored_response_is_retrieved_and_its_conversation_continued(client, server):
+    """store (the default) keeps a response for GET /v1/responses/{id} and for previous_response_id, which sends
+    the earlier input and output before the new input: the same reply as the whole conversation sent at once."""
+    asked = dict(model=server.model_name, max_output_tokens=8, temperature=0)
+    first = client.responses.create(input="My name is Ada.", instructions="Be brief.", **asked)
+    assert first.store is True and client.responses.retrieve(first.id).output_text == first.output_text
+    second = client.responses.create(input="What is my name?", previous_response_id=first.id, **asked)
+    whole = client.responses.create(input=[{"role": "user", "content": "My name is Ada."},
+                                           {"role": "assistant", "content": first.output_text},
+                                           {"role": "user", "content": "What is my name?"}], **asked)
+    assert second.previous_response_id == first.id
+    assert (second.output_text, second.usage.input_tokens) == (whole.output_text, whole.usage.input_tokens)
+    with client.responses.stream(input="And again?", previous_response_id=second.id, **asked) as stream:
+        streamed = stream.get_final_response()
+    assert client.responses.retrieve(streamed.id).output_text == streamed.output_text
+    unstored = client.responses.create(input="Forget this.", store=False, **asked)
+    assert unstored.store is False
+    for response_id in (unstored.id, "resp_unknown"):
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(response_id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(input="hi", previous_response_id=unstored.id, **asked)
+
+    # a function call continued: the tool's output, sent alone, follows the stored call
+    called = client.responses.create(model=server.model_name, input="Weather in Rome?", tools=[WEATHER],
+                                     tool_choice="required", parallel_tool_calls=False, max_output_tokens=200)
+    (call,) = [item for item in called.output if item.type == "function_call"]
+    answered = client.responses.create(input=[{"type": "function_call_output", "call_id": call.call_id,
+                                               "output": "sunny"}], previous_response_id=called.id, tools=[WEATHER],
+                                       tool_choice="none", **asked)
+    whole = client.responses.create(input=[{"role": "user", "content": "Weather in Rome?"},
+                                           {"type": "function_call", "call_id": call.call_id, "name": call.name,
+                                            "arguments": call.arguments},
+                                           {"type": "function_call_output", "call_id": call.call_id,
+                                            "output": "sunny"}], tools=[WEATHER], tool_choice="none", **asked)
+    assert answered.usage.input_tokens == whole.usage.input_tokens and answered.output_text == whole.output_text
+
+
 def test_text_format_constrains_the_output(client, server):
     schema = {"type": "object", "properties": {"colour": {"enum": ["red", "green"]}}, "required": ["colour"],
               "additionalProperties": False}
@@ -186,7 +224,7 @@ def _streamed(chunks: list[dict]) -> list[dict]:
 
     async def collect() -> list[str]:
         response = _Response(ResponsesRequest(input="hi"), "m")
-        return [line async for line in _events(response, source())]
+        return [line async for line in _events(response, source(), lambda done: None)]
     events = []
     for text in asyncio.run(collect()):
         kind_line, data_line = text.strip().split("\n")

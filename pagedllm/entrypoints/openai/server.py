@@ -161,6 +161,11 @@ def _v1_router(completion: OpenAIServingCompletion, chat: OpenAIServingChat,
     async def responses(body: ResponsesRequest, raw_request: Request) -> Response:
         return await respond(raw_request, responses_api.create(body))
 
+    @router.get("/responses/{response_id}")
+    async def stored_response(response_id: str) -> dict[str, Any]:
+        """OpenAI's retrieve (`client.responses.retrieve`): a response stored with `store` (the default)."""
+        return responses_api.retrieve(response_id)
+
     @router.post("/embeddings")
     async def embeddings(body: EmbeddingRequest, raw_request: Request) -> Response:
         return await respond(raw_request, embedding.create(body))

@@ -8,14 +8,19 @@ per tool call; a reply cut by the token limit leaves the response "incomplete". 
 the Responses events (`event:` and `data:` lines): response.created and .in_progress, the reasoning's and then the
 message's output_item / content_part / reasoning_text or output_text events as their text arrives, a function
 call's events once it is complete, then response.completed, whose response's status may
-be "incomplete", as vLLM sends it (or an `error` event). Nothing is stored: `previous_response_id` and
-`background` are refused, and the response says store false.
+be "incomplete", as vLLM sends it (or an `error` event).
+
+With `store` (true by default, as OpenAI's) a finished response is kept in memory (the most recent
+`MAX_STORED_RESPONSES`), for `GET /v1/responses/{id}` and for a later request's `previous_response_id`, which
+continues its conversation: the earlier input and output come before the new input (the earlier `instructions` do
+not carry over, as in OpenAI's API). `background` is refused.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from typing import Any
 
@@ -31,35 +36,61 @@ from pagedllm.entrypoints.openai.protocol import (
 )
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 
+MAX_STORED_RESPONSES = 10_000     # in memory: the oldest stored response is forgotten first
+
 
 class OpenAIServingResponses:
-    """The Responses API over a chat serving (its engine, names and limits)."""
+    """The Responses API over a chat serving (its engine, names and limits), with the responses stored."""
 
     def __init__(self, chat: OpenAIServingChat) -> None:
         self.chat = chat
+        # response id -> (the response, its conversation as chat messages: input, then output)
+        self._stored: OrderedDict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = OrderedDict()
+
+    def retrieve(self, response_id: str) -> dict[str, Any]:
+        """A stored response (GET /v1/responses/{id}); 404 if it is not, or no longer, stored."""
+        stored = self._stored.get(response_id)
+        if stored is None:
+            raise OpenAIError(f"Response with id '{response_id}' not found.", 404, "response_id", "not_found")
+        return stored[0]
+
+    def _store(self, response: dict[str, Any], messages: list[dict[str, Any]]) -> None:
+        conversation = messages + _as_messages(response["output"])
+        self._stored[response["id"]] = response, conversation
+        while len(self._stored) > MAX_STORED_RESPONSES:
+            self._stored.popitem(last=False)
 
     async def create(self, request: ResponsesRequest) -> dict[str, Any] | AsyncIterator[str]:
         """A response dict, or (stream=True) an iterator of SSE lines. Raises OpenAIError on bad input."""
+        earlier: list[dict[str, Any]] = []
         if request.previous_response_id is not None:
-            raise OpenAIError("previous_response_id is not supported: this server stores no responses; send the "
-                              "whole conversation in input", param="previous_response_id")
+            stored = self._stored.get(request.previous_response_id)
+            if stored is None:
+                raise OpenAIError(f"Response with id '{request.previous_response_id}' not found.", 404,
+                                  "previous_response_id", "not_found")
+            earlier = stored[1]
         if request.background:
             raise OpenAIError("background responses are not supported", param="background")
         if request.top_logprobs:
             raise OpenAIError("top_logprobs is not supported on /v1/responses (use /v1/chat/completions)",
                               param="top_logprobs")
         response = _Response(request, self.chat.check_model(request.model))
+        messages = earlier + _messages(request.input)     # the conversation, without this request's instructions
+        store = self._store if request.store else None
         try:
-            reply = await self.chat.create(_chat_request(request), sse=False)
+            reply = await self.chat.create(_chat_request(request, messages), sse=False)
         except OpenAIError as exc:      # named as the chat request names it: name the Responses API's field
             exc.param = _CHAT_TO_RESPONSES_FIELD.get(exc.param, exc.param)
             raise
         if isinstance(reply, dict):
             (choice,) = reply["choices"]
             message = choice["message"]
-            return response.finished(_output(message.get("reasoning"), message.get("content"),
+            done = response.finished(_output(message.get("reasoning"), message.get("content"),
                                              message.get("tool_calls") or []), choice["finish_reason"], reply["usage"])
-        return _events(response, reply)
+            if store is not None:
+                store(done, messages)
+            return done
+        return _events(response, reply, lambda done: store(done, messages) if store is not None else None)
 
 
 class _Response:
@@ -71,7 +102,8 @@ class _Response:
             "model": model, "output": [], "incomplete_details": None, "error": None,
             "instructions": request.instructions, "max_output_tokens": request.max_output_tokens,
             "metadata": request.metadata or {}, "parallel_tool_calls": request.parallel_tool_calls,
-            "previous_response_id": None, "reasoning": None, "store": False, "temperature": request.temperature,
+            "previous_response_id": request.previous_response_id, "reasoning": None, "store": request.store,
+            "temperature": request.temperature,
             "text": request.text or {"format": {"type": "text"}}, "tool_choice": request.tool_choice,
             "tools": request.tools, "top_p": request.top_p, "truncation": "disabled", "usage": None,
             "user": request.user}
@@ -95,9 +127,11 @@ _CHAT_TO_RESPONSES_FIELD = {"messages": "input", "max_completion_tokens": "max_o
                             "max_tokens": "max_output_tokens", "response_format": "text"}
 
 
-def _chat_request(request: ResponsesRequest) -> ChatCompletionRequest:
+def _chat_request(request: ResponsesRequest, conversation: list[dict[str, Any]]) -> ChatCompletionRequest:
+    """The chat request: the instructions as a system message, then `conversation` (the earlier responses' input
+    and output, then this request's input)."""
     messages = [{"role": "system", "content": request.instructions}] if request.instructions is not None else []
-    messages += _messages(request.input)
+    messages += conversation
     fields: dict[str, Any] = {
         "model": request.model, "messages": messages, "max_completion_tokens": request.max_output_tokens,
         "temperature": request.temperature, "top_p": request.top_p, "top_k": request.top_k, "min_p": request.min_p,
@@ -195,6 +229,17 @@ def _chat_tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
     return choice
 
 
+def _as_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A response's output as the chat's assistant message: its message text and its function calls (a reasoning
+    item is left out, as chat templates leave earlier turns' thinking out)."""
+    text = "".join(part["text"] for item in output if item["type"] == "message" for part in item["content"])
+    calls = [{"id": item["call_id"], "type": "function",
+              "function": {"name": item["name"], "arguments": item["arguments"]}}
+             for item in output if item["type"] == "function_call"]
+    return [{"role": "assistant", "content": text if text or not calls else None,
+             **({"tool_calls": calls} if calls else {})}]
+
+
 # ---- reply -> output ---------------------------------------------------------------------------------------------
 # the chat reply's text fields -> (item type, content part type, the events' prefix); reasoning comes first
 _TEXT_ITEMS = {"reasoning": ("reasoning", "reasoning_text", "response.reasoning_text"),
@@ -241,9 +286,11 @@ def _gather_calls(calls: dict[int, dict[str, Any]], pieces: list[dict[str, Any]]
         call["function"]["arguments"] += function.get("arguments") or ""
 
 
-async def _events(response: _Response, chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+async def _events(response: _Response, chunks: AsyncIterator[dict[str, Any]],
+                  on_done: Callable[[dict[str, Any]], None]) -> AsyncIterator[str]:
     """The chat's chunks as the Responses API's events: a text item (reasoning, then the message) opens with its
-    first delta and closes when the next begins or the reply ends; function calls come whole, at the end."""
+    first delta and closes when the next begins or the reply ends; function calls come whole, at the end. The
+    finished response goes to `on_done` (to be stored) before its last event."""
     sequence = 0
 
     def event(kind: str, **fields: Any) -> str:
@@ -314,6 +361,7 @@ async def _events(response: _Response, chunks: AsyncIterator[dict[str, Any]]) ->
     done = response.finished(output, finish_reason, usage or {"prompt_tokens": 0, "completion_tokens": 0,
                                                               "total_tokens": 0,
                                                               "prompt_tokens_details": {"cached_tokens": 0}})
+    on_done(done)
     # response.completed even for an incomplete response (its status says so), as vLLM does: the SDK's stream
     # helpers wait for that event alone
     yield event("response.completed", response=done)
