@@ -41,12 +41,10 @@ class LoRAAdapter:
     out]) with the scaling in B, both stored transposed and contiguous (the products' layout: ~5% of the mixed
     workload's time under an adapter against transposed views)."""
 
-    request: LoRARequest
-    rank: int
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 
 
-def part_sizes(model: Any) -> dict[str, tuple[int, int]]:
+def _part_sizes(model: Any) -> dict[str, tuple[int, int]]:
     """Each checkpoint module's (in features, out features) in the model."""
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
     hidden, inter = model.config.hidden_size, mlp.gate_up_proj.output_sizes[0]
@@ -72,7 +70,7 @@ def load_adapter(request: LoRARequest, model: Any, max_rank: int) -> LoRAAdapter
         raise ValueError(f"LoRA adapter {request.lora_name!r} has rank {rank}, over max_lora_rank={max_rank}")
     scaling = config.get("lora_alpha", rank) / (math.sqrt(rank) if config.get("use_rslora") else rank)
     parts = _read_parts(request, folder)
-    sizes = part_sizes(model)
+    sizes = _part_sizes(model)
     device = model.model.embed_tokens.weight.device
     weights = {}
     for (layer, fused), by_part in _group_by_fused(request, parts, model.num_layers).items():
@@ -94,7 +92,7 @@ def load_adapter(request: LoRARequest, model: Any, max_rank: int) -> LoRAAdapter
             row += out_size
         weights[(layer, fused)] = (torch.cat(a_rows).T.contiguous().to(device, model.dtype),
                                    torch.cat(b_blocks, dim=1).T.contiguous().to(device, model.dtype))
-    return LoRAAdapter(request, rank, weights)
+    return LoRAAdapter(weights)
 
 
 def _check_config(request: LoRARequest, config: dict[str, Any]) -> None:
@@ -161,10 +159,6 @@ class LoRARegistry:
     def drop(self, lora_int_id: int) -> None:
         """Forget an adapter (a request still naming it loads it again from its folder)."""
         self._adapters.pop(lora_int_id, None)
-
-    @property
-    def loaded_ids(self) -> list[int]:
-        return list(self._adapters)
 
 
 class LoRABatch:

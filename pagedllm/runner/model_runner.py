@@ -253,18 +253,16 @@ class ModelRunner:
         """The step's LoRA adapters and each one's rows; None when no request of the step has one."""
         if self.loras is None:
             return None
-        rows: dict[int, list[int]] = {}
-        requests: dict[int, LoRARequest] = {}
+        groups: dict[int, tuple[LoRARequest, list[int]]] = {}    # adapter id -> (its request, its rows)
         for s in scheduled:
             lora = self.requests[s.request_id].lora
             if lora is not None:
                 first = inputs.first_rows[s.request_id]
-                rows.setdefault(lora.lora_int_id, []).extend(range(first, first + len(s.token_ids)))
-                requests[lora.lora_int_id] = lora
-        if not rows:
+                groups.setdefault(lora.lora_int_id, (lora, []))[1].extend(range(first, first + len(s.token_ids)))
+        if not groups:
             return None
-        return LoRABatch([(self.load_lora(requests[i]), torch.tensor(r, device=self.device)) for i, r in rows.items()],
-                         len(inputs.input_ids))
+        return LoRABatch([(self.load_lora(lora), torch.tensor(rows, device=self.device))
+                          for lora, rows in groups.values()], len(inputs.input_ids))
 
     def _prompt_logprobs(self, hidden: torch.Tensor, inputs: ModelInputs, scheduled: list[ScheduledRequest]
                          ) -> tuple[dict[str, list], list[tuple[CachedRequestState, int]]]:

@@ -165,8 +165,9 @@ class Scheduler:
             num_kv_slots_filled=sum(r.num_computed_tokens for r in self.running),
             scheduled_request_ids=list(self._last_scheduled_request_ids),
             spec_decoding=self.spec_decoding_stats.copy() if self.propose is not None else None,
-            max_loras=self.max_loras, running_lora_adapters=_lora_names(self.running),
-            waiting_lora_adapters=_lora_names([*self.waiting, *self.swapped]))
+            max_loras=self.max_loras,      # with LoRA off, the queues are not walked for adapters
+            running_lora_adapters=_lora_names(self.running) if self.max_loras is not None else [],
+            waiting_lora_adapters=_lora_names([*self.waiting, *self.swapped]) if self.max_loras is not None else [])
 
     def make_block_map(self) -> BlockMap:
         """A snapshot of the KV pools and of the block tables of every unfinished request (for the dashboard;
@@ -331,22 +332,25 @@ class Scheduler:
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         passed_over: list[Request] = []      # of a LoRA adapter that would be one too many
+        running_loras = {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None} \
+            if self.max_loras is not None else set()
         while self.waiting and plan.token_budget > 0 and self._has_seat_for(self.waiting[0]):
             request = self.waiting[0]
-            if not self._lora_fits(request):
+            if not self._lora_fits(request, running_loras):
                 passed_over.append(self.waiting.pop(0))
             elif not self._fits_in_pool(request.num_tokens):
                 self._finish_unschedulable(request)
             elif not self._admit(request, plan):
                 break
+            elif request.lora_request is not None:
+                running_loras.add(request.lora_request.lora_int_id)
         self.waiting[:0] = passed_over       # they were first in line, and stay so
 
-    def _lora_fits(self, request: Request) -> bool:
+    def _lora_fits(self, request: Request, running_loras: set[int]) -> bool:
         """Whether the request's adapter runs already, or one more adapter fits under max_loras."""
         if self.max_loras is None or request.lora_request is None:
             return True
-        running = {r.lora_int_id for r in self.running if r.lora_request is not None}
-        return request.lora_int_id in running or len(running) < self.max_loras
+        return request.lora_request.lora_int_id in running_loras or len(running_loras) < self.max_loras
 
     def _admit(self, request: Request, plan: _StepPlan) -> bool:
         """Start (or restart) the first waiting request, after a prefix-cache lookup. False if out of blocks."""

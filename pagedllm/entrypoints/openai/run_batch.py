@@ -20,7 +20,7 @@ import asyncio
 import json
 import logging
 import sys
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any, Literal, TextIO
@@ -43,7 +43,6 @@ from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
-from pagedllm.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -72,13 +71,13 @@ Endpoint = tuple[type[BaseModel], Callable[[Any], Awaitable[Any]]]
 async def run_batch(engine: AsyncEngine | AsyncDataParallelEngine, lines: Iterable[str], write: Callable[[str], None],
                     *, max_in_flight: int, served_model_names: list[str] | None = None,
                     limits: ServerLimits | None = None, tool_call_parser: str | None = None,
-                    reasoning_parser: str | None = None, lora_modules: Sequence[LoRARequest] = ()) -> BatchCounts:
+                    reasoning_parser: str | None = None, lora_modules: LoRAModules | None = None) -> BatchCounts:
     """Answer every request of `lines` through the started `engine`, at most `max_in_flight` at once; `write` gets
     each output line (with its newline), in the input's order. `lora_modules`: adapters served by name, loaded
     (`load_lora_modules`) before the engine started."""
     names = list(served_model_names or [engine.model_name])
     limits = limits or ServerLimits()
-    chat = OpenAIServingChat(engine, names, limits, tool_call_parser, reasoning_parser, LoRAModules(lora_modules))
+    chat = OpenAIServingChat(engine, names, limits, tool_call_parser, reasoning_parser, lora_modules)
     endpoints: dict[str, Endpoint] = {
         "/v1/chat/completions": (ChatCompletionRequest, chat.create),
         "/v1/completions": (CompletionRequest,
@@ -183,8 +182,8 @@ def main(args: argparse.Namespace) -> None:
             config = engine_config_from_args(args)
             engine = build_async_engine(config, log_requests=args.enable_log_requests,
                                         log_stats=not args.disable_log_stats)
-            lora_modules = lora_modules_from_args(args)
-            load_lora_modules(engine, lora_modules, args.served_model_name or [engine.model_name])
+            lora_modules = load_lora_modules(engine, lora_modules_from_args(args),
+                                             args.served_model_name or [engine.model_name])
         except ValueError as exc:
             raise SystemExit(f"error: {exc}") from exc
         counts = asyncio.run(_run(engine, source, sink, 2 * config.scheduler.max_num_seqs, args,
@@ -195,7 +194,7 @@ def main(args: argparse.Namespace) -> None:
 
 
 async def _run(engine: AsyncEngine | AsyncDataParallelEngine, source: TextIO, sink: TextIO, max_in_flight: int,
-               args: argparse.Namespace, limits: ServerLimits, lora_modules: list[LoRARequest]) -> BatchCounts:
+               args: argparse.Namespace, limits: ServerLimits, lora_modules: LoRAModules) -> BatchCounts:
     engine.start(asyncio.get_running_loop())
     try:
         return await run_batch(engine, source, lambda text: (sink.write(text), sink.flush()),

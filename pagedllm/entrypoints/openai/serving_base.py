@@ -86,9 +86,6 @@ class LoRAModules:
     def __iter__(self) -> Iterator[LoRARequest]:
         return iter(list(self._by_name.values()))
 
-    def __len__(self) -> int:
-        return len(self._by_name)
-
     def get(self, name: str) -> LoRARequest | None:
         return self._by_name.get(name)
 
@@ -99,7 +96,6 @@ class LoRAModules:
 
     def add(self, lora: LoRARequest) -> None:
         self._by_name[lora.lora_name] = lora
-        self._next_id = max(self._next_id, lora.lora_int_id + 1)
 
     def remove(self, name: str) -> LoRARequest | None:
         return self._by_name.pop(name, None)
