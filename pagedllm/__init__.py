@@ -18,14 +18,15 @@ _EXPORTS = {
     "BeamSearchParams": "pagedllm.engine.beam_search",
     "PoolingParams": "pagedllm.pooling_params",
     "EmbeddingRequestOutput": "pagedllm.outputs",
+    "ScoringRequestOutput": "pagedllm.outputs",
 }
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput",
-           "BeamSearchParams", "PoolingParams", "EmbeddingRequestOutput"]
+           "BeamSearchParams", "PoolingParams", "EmbeddingRequestOutput", "ScoringRequestOutput"]
 
 if TYPE_CHECKING:
     from pagedllm.engine.beam_search import BeamSearchParams
     from pagedllm.entrypoints.llm import LLM
-    from pagedllm.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput
+    from pagedllm.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput, ScoringRequestOutput
     from pagedllm.pooling_params import PoolingParams
     from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 

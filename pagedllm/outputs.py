@@ -117,3 +117,31 @@ class EmbeddingRequestOutput:
     prompt_token_ids: list[int]
     num_cached_tokens: int = 0
     finished: bool = True
+
+
+@dataclass
+class ScoringOutput:
+    """One pair's score (vLLM's `ScoringOutput`): the cosine similarity of the two texts' embeddings.
+
+    Args:
+        score: in [-1, 1].
+    """
+
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """What `LLM.score` returns per pair (vLLM's `ScoringRequestOutput`).
+
+    Args:
+        request_id: the engine's id for the pair's second text.
+        outputs: the pair's score.
+        prompt_token_ids: the two texts' tokens, the first's then the second's.
+        finished: always True: a score comes whole.
+    """
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

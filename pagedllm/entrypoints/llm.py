@@ -29,9 +29,16 @@ from pagedllm.entrypoints.openai.tool_parsers import with_tools
 from pagedllm.inputs import PromptType, as_prompt_list
 from pagedllm.logger import init_logger
 from pagedllm.lora.request import LoRARequest
-from pagedllm.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from pagedllm.outputs import (
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
 from pagedllm.pooling_params import PoolingParams, check_runner
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.scoring import cosine_similarity, pair_up
 from pagedllm.tokenizer.chat_template import apply_chat_template
 
 logger = init_logger(__name__)
@@ -247,6 +254,29 @@ class LLM:
             raise RuntimeError(f"request {failed[0].request_id} failed: {failed[0].error}")
         return [EmbeddingRequestOutput(o.request_id, EmbeddingOutput(o.embedding), o.prompt_token_ids,
                                        o.num_cached_tokens) for o in outputs]
+
+    def score(self, data_1: PromptType | Sequence[PromptType], data_2: PromptType | Sequence[PromptType], /, *,
+              use_tqdm: bool = True, lora_request: LoRARequest | None = None) -> list[ScoringRequestOutput]:
+        """Score text pairs (vLLM's `LLM.score` for an embedding model): each text is embedded (`embed`, LAST
+        pooling) and a pair scores the cosine similarity of its two embeddings. One ScoringRequestOutput per pair,
+        in order.
+
+        Args:
+            data_1: one prompt (scored against each of data_2) or a list of them (paired with data_2's, one to
+                one); each prompt in any of `generate`'s forms.
+            data_2: one prompt or a list of them.
+            use_tqdm: show a progress bar when there is more than one text to embed.
+            lora_request: a LoRA adapter to embed every text with (`generate`'s).
+        """
+        first, second = as_prompt_list(data_1), as_prompt_list(data_2)
+        pairs = pair_up(first, second)
+        embedded = self.embed(first + second, use_tqdm=use_tqdm, lora_request=lora_request)
+        firsts, seconds = embedded[:len(first)], embedded[len(first):]
+        return [ScoringRequestOutput(seconds[j].request_id,
+                                     ScoringOutput(cosine_similarity(firsts[i].outputs.embedding,
+                                                                     seconds[j].outputs.embedding)),
+                                     firsts[i].prompt_token_ids + seconds[j].prompt_token_ids)
+                for i, j in pairs]
 
     def _add_and_run(self, prompt_list: list[PromptType], params_list: list[SamplingParams | PoolingParams],
                      priorities: list[int], use_tqdm: bool, loras: list[LoRARequest | None]) -> list[RequestOutput]:

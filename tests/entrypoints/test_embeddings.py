@@ -237,3 +237,70 @@ def test_vllm_runner_and_convert_switches_are_taken_and_others_refused(tiny):
     assert (args.runner, args.convert) == ("pooling", "embed")
     with pytest.raises(SystemExit):
         make_parser().parse_args(["--convert", "reward"])
+
+
+# ---- scores: vLLM's LLM.score, /score and /rerank for an embedding model ----------------------------------------
+def _hf_cosine(hf_model, first: list[int], second: list[int]) -> float:
+    return torch.nn.functional.cosine_similarity(_hf_last_hidden(hf_model, first),
+                                                 _hf_last_hidden(hf_model, second), dim=0).item()
+
+
+def test_score_is_the_cosine_of_transformers_embeddings(tiny, llm):
+    _, hf_model = tiny
+    query, docs = PROMPTS[0], PROMPTS
+    one_to_n = llm.score({"prompt_token_ids": query}, [{"prompt_token_ids": d} for d in docs], use_tqdm=False)
+    assert [o.prompt_token_ids for o in one_to_n] == [query + d for d in docs]
+    for output, doc in zip(one_to_n, docs):
+        assert output.finished and output.outputs.score == pytest.approx(_hf_cosine(hf_model, query, doc), abs=1e-5)
+    assert one_to_n[0].outputs.score == pytest.approx(1.0)     # the query against itself
+
+    firsts = [{"prompt_token_ids": p} for p in PROMPTS]
+    seconds = [{"prompt_token_ids": p} for p in reversed(PROMPTS)]
+    pairwise = llm.score(firsts, seconds, use_tqdm=False)
+    for output, first, second in zip(pairwise, PROMPTS, reversed(PROMPTS)):
+        assert output.outputs.score == pytest.approx(_hf_cosine(hf_model, first, second), abs=1e-5)
+    with pytest.raises(ValueError, match="1:1, 1:N or N:N, got 2:3"):
+        llm.score(firsts[:2], seconds, use_tqdm=False)
+
+
+def test_served_scores_and_reranks_equal_offline_scores(server, llm):
+    query = "paged attention"
+    docs = ["blocks of the KV cache", "paged attention kernels", "a recipe for bread"]
+    expected = [o.outputs.score for o in llm.score(query, docs, use_tqdm=False)]
+    num_tokens = sum(len(llm.engine.tokenizer.encode(query)) + len(llm.engine.tokenizer.encode(d)) for d in docs)
+    for path in ("/score", "/v1/score"):
+        body = httpx.post(f"{server.base_url}{path}", json={"text_1": query, "text_2": docs}, timeout=30).json()
+        assert body["object"] == "list" and body["model"] == server.model_name and body["id"].startswith("score-")
+        assert [d["index"] for d in body["data"]] == [0, 1, 2] and {d["object"] for d in body["data"]} == {"score"}
+        assert [d["score"] for d in body["data"]] == pytest.approx(expected, abs=1e-6)
+        assert body["usage"] == {"prompt_tokens": num_tokens, "total_tokens": num_tokens, "completion_tokens": 0}
+    pairwise = httpx.post(f"{server.base_url}/score", json={"text_1": docs, "text_2": docs[::-1]}, timeout=30)
+    assert [d["score"] for d in pairwise.json()["data"]] == pytest.approx(
+        [o.outputs.score for o in llm.score(docs, docs[::-1], use_tqdm=False)], abs=1e-6)
+
+    best_first = sorted(range(len(docs)), key=lambda i: expected[i], reverse=True)
+    for path, top_n in (("/rerank", 0), ("/v1/rerank", 2), ("/v2/rerank", 5)):
+        body = httpx.post(f"{server.base_url}{path}", json={"query": query, "documents": docs, "top_n": top_n},
+                          timeout=30).json()
+        kept = best_first[:top_n or None]
+        assert [r["index"] for r in body["results"]] == kept, path
+        assert [r["document"]["text"] for r in body["results"]] == [docs[i] for i in kept]
+        assert [r["relevance_score"] for r in body["results"]] == pytest.approx([expected[i] for i in kept],
+                                                                                 abs=1e-6)
+        assert body["usage"]["total_tokens"] == num_tokens and body["id"].startswith("rerank-")
+
+
+@pytest.mark.parametrize(("path", "body", "param", "status"), [
+    ("/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_2", 400),
+    ("/score", {"text_1": [], "text_2": ["c"]}, "text_1", 400),
+    ("/rerank", {"query": "q", "documents": []}, "documents", 400),
+    ("/rerank", {"query": "", "documents": ["d"]}, "query", 400),
+    ("/rerank", {"query": "q", "documents": ["d"], "model": "not-served"}, "model", 404),
+    ("/rerank", {"query": "q", "documents": ["d"], "truncate_prompt_tokens": 10 ** 6}, "truncate_prompt_tokens", 400),
+    ("/v1/score", {"text_1": "a", "text_2": ["b", 3]}, None, 400),
+])
+def test_bad_score_requests_get_openai_errors(server, path, body, param, status):
+    response = httpx.post(f"{server.base_url}{path}", json=body, timeout=30)
+    assert response.status_code == status, response.text
+    if param is not None:
+        assert response.json()["error"]["param"] == param

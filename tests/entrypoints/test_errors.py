@@ -99,11 +99,13 @@ def test_unknown_model_is_404(http):
     error_of(chat, 404, "model")
 
 
-def test_api_key_guards_v1_only(server):
+def test_api_key_guards_the_routes_that_run_the_model(server):
     url = server.base_url
     assert error_of(httpx.get(f"{url}/v1/models"), 401)["code"] == "invalid_api_key"
     error_of(httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer wrong"}), 401)
     error_of(httpx.post(f"{url}/v1/completions", json={"prompt": "x"}), 401)
+    for path in ("/score", "/rerank", "/v2/rerank"):     # vLLM's routes outside /v1
+        error_of(httpx.post(f"{url}{path}", json={"query": "x", "documents": ["y"]}), 401)
     assert httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 200
     for path in ("/health", "/ping", "/metrics", "/version"):
         assert httpx.get(f"{url}{path}").status_code == 200, path

@@ -67,15 +67,17 @@ def test_requests_are_answered_as_the_offline_api_answers_them_in_the_input_orde
              _line("short", "/v1/completions", {"prompt": ["a", "b"], "max_tokens": 2, "temperature": 0,
                                                 "ignore_eos": True}),
              _line("response", "/v1/responses", {"input": MESSAGES, "max_output_tokens": 4, "temperature": 0}),
-             _line("embedding", "/v1/embeddings", {"input": ["a", "b c"]})]
+             _line("embedding", "/v1/embeddings", {"input": ["a", "b c"]}),
+             _line("score", "/v1/score", {"text_1": "a", "text_2": ["b c", "a"]}),
+             _line("rerank", "/v1/rerank", {"query": "a", "documents": ["b c", "a"], "top_n": 1})]
     outputs, counts = _run(tiny_dir, lines)
-    assert [o["custom_id"] for o in outputs] == ["long", "chat", "short", "response", "embedding"]
-    assert (counts.succeeded, counts.failed) == (5, 0)
+    assert [o["custom_id"] for o in outputs] == ["long", "chat", "short", "response", "embedding", "score", "rerank"]
+    assert (counts.succeeded, counts.failed) == (7, 0)
     for output in outputs:
         response = output["response"]
         assert output["error"] is None and output["id"].startswith("batch_req")
         assert response["status_code"] == 200 and response["request_id"] == response["body"]["id"]
-    long, chat, short, response, embedding = (o["response"]["body"] for o in outputs)
+    long, chat, short, response, embedding, score, rerank = (o["response"]["body"] for o in outputs)
     assert long["choices"][0]["text"] == _greedy(reference, "Once upon a time", 48)
     assert long["usage"]["completion_tokens"] == 48
     assert chat["object"] == "chat.completion" and len(chat["choices"]) == 2
@@ -88,6 +90,9 @@ def test_requests_are_answered_as_the_offline_api_answers_them_in_the_input_orde
     assert [d["index"] for d in embedding["data"]] == [0, 1]
     for data, vector in zip(embedding["data"], expected):
         assert data["embedding"] == pytest.approx(vector, abs=1e-6)
+    scores = [o.outputs.score for o in reference.score("a", ["b c", "a"], use_tqdm=False)]
+    assert [d["score"] for d in score["data"]] == pytest.approx(scores, abs=1e-6)
+    assert [(r["index"], r["document"]["text"]) for r in rerank["results"]] == [(1, "a")]   # "a" matches itself
 
 
 @pytest.mark.parametrize("max_in_flight", [1, 3])

@@ -251,13 +251,22 @@ class DetokenizeRequest(_Request):
     tokens: list[int] = Field(default_factory=list)
 
 
-class EmbeddingRequest(_Request):
+class _PoolingRequest(_Request):
+    """What the requests that embed prompts share (vLLM's extras): truncate_prompt_tokens (-1: as many as the
+    context holds), truncation_side, priority."""
+
+    model: str | None = None
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    truncation_side: Literal["left", "right"] | None = None
+    priority: int = 0
+
+
+class EmbeddingRequest(_PoolingRequest):
     """POST /v1/embeddings. `input`: a string, a list of strings, token ids, or a list of token-id lists; or, as
     vLLM's chat form, `messages`, rendered by the chat template (with no generation prompt unless asked) into one
     prompt. `encoding_format` "base64" sends each vector as its little-endian float32 bytes (what OpenAI's SDK asks
-    for by default). vLLM's extras: normalize, truncate_prompt_tokens, truncation_side, priority."""
+    for by default). vLLM's extras: normalize, and _PoolingRequest's."""
 
-    model: str | None = None
     input: str | list[str] | list[int] | list[list[int]] | None = None
     messages: list[dict[str, Any]] | None = None
     chat_template: str | None = None
@@ -268,9 +277,22 @@ class EmbeddingRequest(_Request):
     dimensions: int | None = None
     user: str | None = None
     normalize: bool = True
-    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
-    truncation_side: Literal["left", "right"] | None = None
-    priority: int = 0
+
+
+class ScoreRequest(_PoolingRequest):
+    """POST /score (and /v1/score), vLLM's: scores of the pairs of `text_1` and `text_2`, 1:1, 1:N or N:N."""
+
+    text_1: str | list[str]
+    text_2: str | list[str]
+
+
+class RerankRequest(_PoolingRequest):
+    """POST /rerank (and /v1/rerank, /v2/rerank), vLLM's after Jina's and Cohere's: `documents` ordered by their
+    relevance to `query`, the best `top_n` (all when 0)."""
+
+    query: str
+    documents: list[str]
+    top_n: int = Field(default=0, ge=0)
 
 
 FinishReason = Literal["stop", "length", "abort", "tool_calls"]

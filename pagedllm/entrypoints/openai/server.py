@@ -32,7 +32,9 @@ from pagedllm.entrypoints.openai.protocol import (
     EmbeddingRequest,
     LoadLoRAAdapterRequest,
     OpenAIError,
+    RerankRequest,
     ResponsesRequest,
+    ScoreRequest,
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
     now,
@@ -43,6 +45,7 @@ from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
+from pagedllm.entrypoints.openai.serving_score import OpenAIServingScore
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagedllm.entrypoints.openai.transport import RequestGate, respond
 from pagedllm.lora.request import LoRARequest
@@ -108,8 +111,9 @@ def build_app(engine: AsyncEngine | AsyncDataParallelEngine, *, served_model_nam
                            allow_headers=list(cors.headers), allow_credentials=cors.credentials)
     chat = OpenAIServingChat(engine, names, limits, tool_call_parser if enable_auto_tool_choice else None,
                              reasoning_parser, loras)
-    app.include_router(_v1_router(OpenAIServingCompletion(engine, names, limits, loras), chat,
-                                  OpenAIServingEmbedding(chat)))
+    embedding = OpenAIServingEmbedding(chat)
+    app.include_router(_v1_router(OpenAIServingCompletion(engine, names, limits, loras), chat, embedding))
+    app.include_router(_score_router(OpenAIServingScore(embedding)))
     if isinstance(engine, AsyncEngine) and runtime_lora_updating():    # loading answers 400 with LoRA off
         app.include_router(_lora_router(engine, chat))
     app.include_router(_utility_router(OpenAIServingTokenization(chat), stat_logger))
@@ -169,6 +173,25 @@ def _v1_router(completion: OpenAIServingCompletion, chat: OpenAIServingChat,
     @router.post("/embeddings")
     async def embeddings(body: EmbeddingRequest, raw_request: Request) -> Response:
         return await respond(raw_request, embedding.create(body))
+
+    return router
+
+
+def _score_router(scoring: OpenAIServingScore) -> APIRouter:
+    """vLLM's score and rerank routes, at the root as vLLM puts them (they are not OpenAI's), and at the /v1 and /v2
+    paths its clients also call."""
+    router = APIRouter(dependencies=[Depends(_refuse_while_draining(scoring.engine))])
+
+    @router.post("/score")
+    @router.post("/v1/score")
+    async def score(body: ScoreRequest, raw_request: Request) -> Response:
+        return await respond(raw_request, scoring.score(body))
+
+    @router.post("/rerank")
+    @router.post("/v1/rerank")
+    @router.post("/v2/rerank")
+    async def rerank(body: RerankRequest, raw_request: Request) -> Response:
+        return await respond(raw_request, scoring.rerank(body))
 
     return router
 

@@ -15,7 +15,7 @@ from typing import Any, cast
 from pagedllm.engine.async_engine import AsyncEngine, EngineDeadError, EngineDrainingError, RequestFailedError
 from pagedllm.engine.data_parallel import AsyncDataParallelEngine
 from pagedllm.engine.llm_engine import PromptTooLongError
-from pagedllm.entrypoints.openai.protocol import EmbeddingRequest, OpenAIError, _SamplingFields
+from pagedllm.entrypoints.openai.protocol import OpenAIError, _PoolingRequest, _SamplingFields
 from pagedllm.entrypoints.openai.structured_outputs import structured_outputs_from
 from pagedllm.inputs import ParsedPrompt
 from pagedllm.lora.request import LoRARequest
@@ -172,14 +172,14 @@ class OpenAIServing:
         if request.stream and request.prompt_logprobs is not None:
             raise OpenAIError("prompt_logprobs are not available when stream is true", param="prompt_logprobs")
 
-    def truncation(self, request: _SamplingFields | EmbeddingRequest) -> slice | None:
+    def truncation(self, request: _SamplingFields | _PoolingRequest) -> slice | None:
         """The prompt tokens vLLM's truncate_prompt_tokens keeps: the last k (truncation_side "left", the
         default) or the first k; -1 keeps as many as fit: the whole context to embed, all but one token to
         generate. None: all of them."""
         keep = request.truncate_prompt_tokens
         if keep is None:
             return None
-        most = self.engine.max_model_len - (0 if isinstance(request, EmbeddingRequest) else 1)
+        most = self.engine.max_model_len - (0 if isinstance(request, _PoolingRequest) else 1)
         keep = most if keep == -1 else keep
         if not 1 <= keep <= most:
             raise OpenAIError(f"truncate_prompt_tokens must be -1 or in [1, {most}] (max_model_len is "

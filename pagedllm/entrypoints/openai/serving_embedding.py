@@ -14,7 +14,6 @@ from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, Embeddin
 from pagedllm.entrypoints.openai.serving_base import OpenAIServing, Prompt
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.lora.request import LoRARequest
-from pagedllm.outputs import RequestOutput
 from pagedllm.pooling_params import PoolingParams
 
 
@@ -43,30 +42,34 @@ class OpenAIServingEmbedding(OpenAIServing):
         else:
             prompts = await self.prompts(request.input, self.truncation(request), param="input", pooling=True)
         request_id = random_id("embd")
-        params = PoolingParams(normalize=request.normalize)
-        lora = self.lora_for(model)
-        outputs = await asyncio.gather(*(self._embed(f"{request_id}-{i}", prompt, params, request.priority, lora)
-                                         for i, prompt in enumerate(prompts)))
+        outputs = await self.embed(request_id, prompts, PoolingParams(normalize=request.normalize), request.priority,
+                                   self.lora_for(model))
         num_tokens = sum(len(p.token_ids) for p in prompts)
         return {"id": request_id, "object": "list", "created": now(), "model": model,
-                "data": [{"index": i, "object": "embedding", "embedding": _encode(o.embedding, request.encoding_format)}
-                         for i, o in enumerate(outputs)],
+                "data": [{"index": i, "object": "embedding", "embedding": _encode(vector, request.encoding_format)}
+                         for i, vector in enumerate(outputs)],
                 "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
 
+    async def embed(self, request_id: str, prompts: list[Prompt], params: PoolingParams, priority: int,
+                    lora: LoRARequest | None) -> list[list[float]]:
+        """Each prompt's embedding, in order: one engine request each (`{request_id}-{i}`), all at once."""
+        return await asyncio.gather(*(self._embed(f"{request_id}-{i}", prompt, params, priority, lora)
+                                      for i, prompt in enumerate(prompts)))
+
     async def _embed(self, request_id: str, prompt: Prompt, params: PoolingParams, priority: int,
-                     lora: LoRARequest | None) -> RequestOutput:
+                     lora: LoRARequest | None) -> list[float]:
         async with aclosing(self.engine.generate(request_id, prompt.token_ids, params, priority=priority,
                                                  prompt_token_ids=prompt.token_ids, lora_request=lora)) as stream:
             async for output in stream:
                 if output.finished:
-                    return output
+                    if output.embedding is None:
+                        raise RuntimeError(f"embedding request {request_id} finished without its embedding")
+                    return output.embedding
         raise RuntimeError(f"request {request_id} ended without an output")
 
 
-def _encode(vector: list[float] | None, encoding_format: str) -> list[float] | str:
+def _encode(vector: list[float], encoding_format: str) -> list[float] | str:
     """float: the values; base64: their little-endian float32 bytes (what OpenAI's SDK decodes by default)."""
-    if vector is None:
-        raise RuntimeError("an embedding request finished without its embedding")
     if encoding_format == "base64":
         return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
     return vector

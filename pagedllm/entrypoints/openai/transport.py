@@ -73,14 +73,19 @@ async def wait_for_disconnect(raw_request: Request) -> None:
         pass
 
 
+def _needs_key(path: str) -> bool:
+    """vLLM checks the key on /v1/*; the score and rerank routes it serves outside /v1 run the model too."""
+    return path.startswith(("/v1/", "/v2/")) or path in ("/score", "/rerank")
+
+
 class RequestGate:
     """Pure ASGI middleware (a BaseHTTPMiddleware would break disconnect detection) that reads each request's body
     before the app does, counting the bytes as they arrive whatever the headers declare: 413 as soon as it passes
     `max_bytes`, 400 for a request that declares both Content-Length and Transfer-Encoding (h11 would honour the
     chunked framing and read past the declared length). The app then reads the buffered body.
 
-    With `api_key`, a /v1 request without `Authorization: Bearer <api_key>` gets its 401 before any of its body
-    is read."""
+    With `api_key`, a request to a path that runs the model (/v1/*, /v2/*, /score, /rerank) without
+    `Authorization: Bearer <api_key>` gets its 401 before any of its body is read."""
 
     def __init__(self, app: ASGIApp, max_bytes: int, api_key: str | None = None) -> None:
         self.app = app
@@ -116,7 +121,7 @@ class RequestGate:
 
     def _refusal(self, scope: Scope, headers: dict[bytes, bytes]) -> OpenAIError | None:
         """The error to answer before reading the body, if any: bad key, conflicting framing, declared too big."""
-        if self.expected_authorization is not None and scope["path"].startswith("/v1/"):
+        if self.expected_authorization is not None and _needs_key(scope["path"]):
             given = headers.get(b"authorization", b"")
             if not secrets.compare_digest(given, self.expected_authorization):
                 return OpenAIError("Incorrect or missing API key: send 'Authorization: Bearer <key>'.", 401,

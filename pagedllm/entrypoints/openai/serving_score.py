@@ -1,0 +1,65 @@
+"""POST /score and /rerank (vLLM's, with /v1/score, /v1/rerank and /v2/rerank): text pairs scored by the cosine
+similarity of their embeddings (pagedllm/scoring.py), as vLLM scores with an embedding model. Not OpenAI's API: the
+score shape is vLLM's, the rerank shape Jina's and Cohere's."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagedllm.entrypoints.openai.protocol import OpenAIError, RerankRequest, ScoreRequest, now, random_id
+from pagedllm.entrypoints.openai.serving_base import OpenAIServing
+from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
+from pagedllm.pooling_params import PoolingParams
+from pagedllm.scoring import cosine_similarity, pair_up
+
+
+class OpenAIServingScore(OpenAIServing):
+    """Each distinct text of a request is embedded once (one engine request each, all at once, batched with
+    whatever else the engine runs), then every pair is scored."""
+
+    def __init__(self, embedding: OpenAIServingEmbedding) -> None:
+        super().__init__(embedding.engine, embedding.served_model_names, embedding.limits, embedding.lora_modules)
+        self.embedding = embedding
+
+    async def score(self, request: ScoreRequest) -> dict[str, Any]:
+        """vLLM's score response: one `{"index", "object": "score", "score"}` per pair, in order."""
+        model = self.check_model(request.model)
+        request_id = random_id("score")
+        scores, num_tokens = await self._scores(request, request_id, model, request.text_1, request.text_2,
+                                                ("text_1", "text_2"))
+        return {"id": request_id, "object": "list", "created": now(), "model": model,
+                "data": [{"index": i, "object": "score", "score": score} for i, score in enumerate(scores)],
+                "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens, "completion_tokens": 0}}
+
+    async def rerank(self, request: RerankRequest) -> dict[str, Any]:
+        """The documents with their `relevance_score`, best first, the first `top_n` of them (all for 0); each
+        keeps its `index` in the request."""
+        model = self.check_model(request.model)
+        request_id = random_id("rerank")
+        scores, num_tokens = await self._scores(request, request_id, model, request.query, request.documents,
+                                                ("query", "documents"))
+        order = sorted(range(len(scores)), key=lambda i: scores[i], reverse=True)
+        return {"id": request_id, "model": model,
+                "results": [{"index": i, "document": {"text": request.documents[i]}, "relevance_score": scores[i]}
+                            for i in order[:request.top_n or None]],
+                "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
+
+    async def _scores(self, request: ScoreRequest | RerankRequest, request_id: str, model: str,
+                      data_1: str | list[str], data_2: str | list[str], params: tuple[str, str]
+                      ) -> tuple[list[float], int]:
+        """Each pair's score, and the prompt tokens of the pairs (a text counts once per pair it is in, as vLLM
+        counts)."""
+        texts_1 = [data_1] if isinstance(data_1, str) else data_1
+        texts_2 = [data_2] if isinstance(data_2, str) else data_2
+        try:
+            pairs = pair_up(texts_1, texts_2)
+        except ValueError as exc:
+            raise OpenAIError(str(exc), param=params[0] if not texts_1 else params[1]) from exc
+        truncation = self.truncation(request)
+        first = await self.prompts(texts_1, truncation, params[0], pooling=True)
+        second = await self.prompts(texts_2, truncation, params[1], pooling=True)
+        vectors = await self.embedding.embed(request_id, first + second, PoolingParams(), request.priority,
+                                             self.lora_for(model))
+        firsts, seconds = vectors[:len(first)], vectors[len(first):]
+        scores = [cosine_similarity(firsts[i], seconds[j]) for i, j in pairs]
+        return scores, sum(len(first[i].token_ids) + len(second[j].token_ids) for i, j in pairs)
