@@ -19,14 +19,22 @@ _EXPORTS = {
     "PoolingParams": "pagedllm.pooling_params",
     "EmbeddingRequestOutput": "pagedllm.outputs",
     "ScoringRequestOutput": "pagedllm.outputs",
+    "ClassificationRequestOutput": "pagedllm.outputs",
 }
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput",
-           "BeamSearchParams", "PoolingParams", "EmbeddingRequestOutput", "ScoringRequestOutput"]
+           "BeamSearchParams", "PoolingParams", "EmbeddingRequestOutput", "ScoringRequestOutput",
+           "ClassificationRequestOutput"]
 
 if TYPE_CHECKING:
     from pagedllm.engine.beam_search import BeamSearchParams
     from pagedllm.entrypoints.llm import LLM
-    from pagedllm.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput, ScoringRequestOutput
+    from pagedllm.outputs import (
+        ClassificationRequestOutput,
+        CompletionOutput,
+        EmbeddingRequestOutput,
+        RequestOutput,
+        ScoringRequestOutput,
+    )
     from pagedllm.pooling_params import PoolingParams
     from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 

@@ -69,8 +69,8 @@ class RequestOutput:
         num_cached_tokens: prompt tokens served from the prefix cache.
         metrics: timing information, if the engine records it.
         error: set when the engine failed while running this request (it then finishes with "abort").
-        embedding: an embedding request's (`PoolingParams`) result, in its final output; such a request has no
-            completions (`outputs` is empty).
+        embedding: a pooling request's (`PoolingParams`) vector, in its final output: the embedding, or for task
+            "classify" the class probabilities (logits); such a request has no completions (`outputs` is empty).
     """
 
     request_id: str
@@ -120,11 +120,47 @@ class EmbeddingRequestOutput:
 
 
 @dataclass
-class ScoringOutput:
-    """One pair's score (vLLM's `ScoringOutput`): the cosine similarity of the two texts' embeddings.
+class ClassificationOutput:
+    """One prompt's classification (vLLM's `ClassificationOutput`).
 
     Args:
-        score: in [-1, 1].
+        probs: one value per class, in the head's order: probabilities, or the raw logits when
+            `PoolingParams(use_activation=False)` asked for them.
+    """
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """What `LLM.classify` returns per prompt (vLLM's `ClassificationRequestOutput`).
+
+    Args:
+        request_id: the engine's id for the request.
+        outputs: the prompt's classification.
+        prompt_token_ids: the tokenized prompt.
+        num_cached_tokens: prompt tokens served from the prefix cache.
+        finished: always True: a classification comes whole.
+    """
+
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    num_cached_tokens: int = 0
+    finished: bool = True
+
+
+@dataclass
+class ScoringOutput:
+    """One pair's score (vLLM's `ScoringOutput`).
+
+    Args:
+        score: the cosine similarity of the two texts' embeddings, in [-1, 1]; with a cross-encoder (a one-label
+            classifier), the probability it gives the pair, in [0, 1].
     """
 
     score: float
@@ -135,9 +171,10 @@ class ScoringRequestOutput:
     """What `LLM.score` returns per pair (vLLM's `ScoringRequestOutput`).
 
     Args:
-        request_id: the engine's id for the pair's second text.
+        request_id: the engine's id for the pair (for embeddings: for its second text).
         outputs: the pair's score.
-        prompt_token_ids: the two texts' tokens, the first's then the second's.
+        prompt_token_ids: the two texts' tokens, the first's then the second's (a cross-encoder's: the pair as the
+            tokenizer joins them).
         finished: always True: a score comes whole.
     """
 

@@ -1,5 +1,5 @@
-"""Pooling parameters: how a prompt becomes one embedding (vLLM's `PoolingParams` for its "embed" task). Pure
-Python: the core imports it."""
+"""Pooling parameters: how a prompt becomes one vector, an embedding or a classification (vLLM's `PoolingParams`
+for its "embed" and "classify" tasks). Pure Python: the core imports it."""
 
 from __future__ import annotations
 
@@ -7,31 +7,42 @@ from dataclasses import dataclass
 
 RUNNERS = ("auto", "generate", "pooling")     # vLLM's `runner` values one engine covers (vLLM also has "draft")
 CONVERTS = ("auto", "none", "embed")          # and `convert` (vLLM also has "classify" and "reward")
+TASKS = ("embed", "classify")
 
 
 @dataclass(frozen=True)
 class PoolingParams:
-    """An embedding request's parameters. The embedding is the model's final hidden state (after its last norm) at
-    the prompt's last token: vLLM's LAST pooling, its default for a causal LM served as an embedding model
-    (`--convert embed`). The prompt runs through the paged cache like any other (its prefix-cache hits count), and
-    the request ends there: no token is generated.
+    """A pooling request's parameters. Both tasks read the model's final hidden state (after its last norm) at the
+    prompt's last token: vLLM's LAST pooling, its default for a causal LM. The prompt runs through the paged cache
+    like any other (its prefix-cache hits count), and the request ends there: no token is generated.
 
     Args:
-        normalize: divide the embedding by its L2 norm (vLLM's default), so that dot products are cosines.
+        normalize: (embed) divide the embedding by its L2 norm (vLLM's default), so that dot products are cosines.
+        use_activation: (classify) give probabilities, vLLM's default: the softmax of the logits, or the sigmoid of
+            the one logit of a one-label head (a reranker's relevance); False gives the raw logits.
+        task: "embed": that hidden state is the embedding (vLLM's default for a causal LM served as an embedding
+            model, `--convert embed`). "classify": the checkpoint's classification head (a
+            `*ForSequenceClassification` model) turns it into one logit per class.
     """
 
     normalize: bool = True
+    use_activation: bool = True
+    task: str = "embed"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.normalize, bool):
-            raise ValueError(f"normalize must be a bool, got {self.normalize!r}")
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
+        for name in ("normalize", "use_activation"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
 
 def check_runner(runner: str, convert: str) -> None:
-    """vLLM's runner and convert values that one pagedllm engine serves as it is (it generates and embeds)."""
+    """vLLM's runner and convert values that one pagedllm engine serves as it is (it generates and pools)."""
     if runner not in RUNNERS:
         raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {runner!r}: pagedllm generates and embeds "
                          "with one engine, and has no draft runner")
     if convert not in CONVERTS:
         raise ValueError(f"convert must be one of {', '.join(CONVERTS)}, got {convert!r}: pagedllm embeds (LAST "
-                         "pooling) and has no classification or reward heads")
+                         "pooling), and classifies only with a checkpoint's own classification head "
+                         "(*ForSequenceClassification), which needs no conversion")

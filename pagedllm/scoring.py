@@ -1,12 +1,17 @@
-"""Scores of text pairs for an embedding model (vLLM's `LLM.score`, `/score` and `/rerank` when the model is not a
-cross-encoder): each text is embedded on its own and a pair's score is the cosine similarity of its two
-embeddings. Pure Python: the offline API and the server share it."""
+"""Scores of text pairs (vLLM's `LLM.score`, `/score` and `/rerank`), two ways, by the model:
+- an embedding model: each text is embedded on its own and a pair scores the cosine similarity of its two
+  embeddings;
+- a cross-encoder (a classifier checkpoint with one label, as rerankers are saved): the pair is one prompt, the two
+  texts joined by the tokenizer as a text pair, and scores the probability the classifier gives it.
+Pure Python: the offline API and the server share it."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
+
+from pagedllm.inputs import ParsedPrompt
 
 T = TypeVar("T")
 
@@ -29,3 +34,15 @@ def cosine_similarity(a: Sequence[float], b: Sequence[float], eps: float = 1e-8)
     """a.b / max(|a| |b|, eps), as torch's `CosineSimilarity` (what vLLM scores embeddings with)."""
     norms = math.sqrt(math.fsum(x * x for x in a) * math.fsum(y * y for y in b))
     return math.fsum(x * y for x, y in zip(a, b, strict=True)) / max(norms, eps)
+
+
+def cross_encoder_tokens(tokenizer: Any, first: ParsedPrompt, second: ParsedPrompt) -> list[int]:
+    """A pair's prompt for a cross-encoder: two texts as the tokenizer encodes a text pair (vLLM's, with its special
+    tokens); a prompt given as token ids joins as it is."""
+    if first.text is not None and second.text is not None:
+        return list(tokenizer(first.text, second.text)["input_ids"])
+    return _token_ids(tokenizer, first) + _token_ids(tokenizer, second)
+
+
+def _token_ids(tokenizer: Any, prompt: ParsedPrompt) -> list[int]:
+    return prompt.token_ids if prompt.token_ids is not None else tokenizer.encode(prompt.text)

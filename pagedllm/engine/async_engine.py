@@ -166,6 +166,11 @@ class AsyncEngine:
         return self.engine.vocab_size
 
     @property
+    def class_labels(self) -> list[str] | None:
+        """A classifier model's class names (PoolingParams task "classify"); None for a model that cannot classify."""
+        return self.engine.class_labels
+
+    @property
     def default_sampling(self) -> dict[str, Any]:
         return self.engine.default_sampling
 

@@ -153,7 +153,7 @@ class DataParallelEngine:
         self.config.parallel = copy.deepcopy(config.parallel)
         self.tokenizer, self.model_name = first.tokenizer, first.model_name
         self.vocab_size, self.max_model_len = first.vocab_size, first.max_model_len
-        self.default_sampling = first.default_sampling
+        self.default_sampling, self.class_labels = first.default_sampling, first.class_labels
         self.router = make_router(config, first.capacity.num_blocks)
         self._owner: dict[str, int] = {}    # unfinished request id -> its replica
 
@@ -275,6 +275,10 @@ class AsyncDataParallelEngine:
     @property
     def vocab_size(self) -> int:
         return self.replicas[0].vocab_size
+
+    @property
+    def class_labels(self) -> list[str] | None:
+        return self.replicas[0].class_labels
 
     @property
     def default_sampling(self) -> dict[str, Any]:

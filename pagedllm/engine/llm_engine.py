@@ -29,6 +29,7 @@ from pagedllm.loader.pooling_config import warn_unless_last_token_pooling
 from pagedllm.logger import init_logger
 from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics.stats import SchedulerStats
+from pagedllm.models.llama import class_labels
 from pagedllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.runner import kv_tensors
@@ -152,6 +153,7 @@ class LLMEngine:
         self.model_name = loaded.resolved.name
         self.tokenizer = load_tokenizer(loaded.resolved.path, loaded.resolved.gguf_file, config.model.chat_template)
         self.hf_config = loaded.hf_config
+        self.class_labels = class_labels(loaded.hf_config)     # a classifier's; None: the model cannot classify
         warn_unless_last_token_pooling(loaded.resolved.path)
         defaults = read_generation_config(config.model.generation_config, loaded.resolved, loaded.hf_config)
         self.default_sampling = defaults.sampling       # SamplingParams field -> the model's default
@@ -272,6 +274,10 @@ class LLMEngine:
         if lora_request is not None:
             self.runner.load_lora(lora_request)
         pooling = params if isinstance(params, PoolingParams) else None
+        if pooling is not None and pooling.task == "classify" and self.class_labels is None:
+            raise ValueError(f"{self.model_name} has no classification head: classify needs a checkpoint saved as a "
+                             "sequence classifier (LlamaForSequenceClassification, Qwen2ForSequenceClassification, "
+                             "MistralForSequenceClassification)")
         if pooling is not None:   # the prompt's forward pass, then one greedy token that nobody sees
             params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
         if request_id in self._tracked:

@@ -30,6 +30,8 @@ from pagedllm.inputs import PromptType, as_prompt_list
 from pagedllm.logger import init_logger
 from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
     EmbeddingOutput,
     EmbeddingRequestOutput,
     RequestOutput,
@@ -38,7 +40,7 @@ from pagedllm.outputs import (
 )
 from pagedllm.pooling_params import PoolingParams, check_runner
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.scoring import cosine_similarity, pair_up
+from pagedllm.scoring import cosine_similarity, cross_encoder_tokens, pair_up
 from pagedllm.tokenizer.chat_template import apply_chat_template
 
 logger = init_logger(__name__)
@@ -98,7 +100,8 @@ class LLM:
             adapters kept loaded (default max_loras; others load again from their folders when asked for).
         runner, convert: vLLM's switches to an embedding model (`runner="pooling"`, `convert="embed"`), taken so that
             code written for vLLM runs; they select nothing, since one pagedllm engine both generates and embeds
-            (`embed`). vLLM's other runners and conversions (draft, classify, reward) are refused.
+            (`embed`), and a checkpoint with a classification head also classifies (`classify`). vLLM's other
+            runners and conversions (draft, classify, reward) are refused.
     """
 
     def __init__(self, model: str | None = None, *, dtype: str = "auto", max_model_len: int | None = None,
@@ -245,38 +248,81 @@ class LLM:
             use_tqdm: show a progress bar when there is more than one prompt.
             lora_request: as `generate`'s.
         """
-        prompt_list = as_prompt_list(prompts)
-        params_list = _per_prompt(pooling_params or PoolingParams(), len(prompt_list), "pooling_params")
-        outputs = self._add_and_run(prompt_list, params_list, [0] * len(prompt_list), use_tqdm,
-                                    _per_prompt(lora_request, len(prompt_list), "lora_request"))
-        failed = [o for o in outputs if o.embedding is None]
-        if failed:
-            raise RuntimeError(f"request {failed[0].request_id} failed: {failed[0].error}")
+        outputs = self._pool(prompts, pooling_params or PoolingParams(), "embed", use_tqdm, lora_request)
         return [EmbeddingRequestOutput(o.request_id, EmbeddingOutput(o.embedding), o.prompt_token_ids,
                                        o.num_cached_tokens) for o in outputs]
 
+    def classify(self, prompts: PromptType | Sequence[PromptType],
+                 pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *, use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                 ) -> list[ClassificationRequestOutput]:
+        """Classify each prompt (vLLM's `LLM.classify`) with the checkpoint's classification head (a model saved
+        as `LlamaForSequenceClassification`, `Qwen2ForSequenceClassification` or
+        `MistralForSequenceClassification`; ValueError for another): the head reads the final hidden state at the
+        prompt's last token; `outputs.probs` are the softmax of its logits (the sigmoid of a one-label head's).
+        Batched as `embed`'s.
+
+        Args:
+            prompts: as `generate`'s.
+            pooling_params: one for all prompts, or one per prompt (default: `PoolingParams(task="classify")`;
+                `use_activation=False` gives the logits).
+            use_tqdm: show a progress bar when there is more than one prompt.
+            lora_request: as `generate`'s.
+        """
+        outputs = self._pool(prompts, pooling_params or PoolingParams(task="classify"), "classify", use_tqdm,
+                             lora_request)
+        return [ClassificationRequestOutput(o.request_id, ClassificationOutput(o.embedding), o.prompt_token_ids,
+                                            o.num_cached_tokens) for o in outputs]
+
     def score(self, data_1: PromptType | Sequence[PromptType], data_2: PromptType | Sequence[PromptType], /, *,
               use_tqdm: bool = True, lora_request: LoRARequest | None = None) -> list[ScoringRequestOutput]:
-        """Score text pairs (vLLM's `LLM.score` for an embedding model): each text is embedded (`embed`, LAST
-        pooling) and a pair scores the cosine similarity of its two embeddings. One ScoringRequestOutput per pair,
-        in order.
+        """Score text pairs (vLLM's `LLM.score`); one ScoringRequestOutput per pair, in order. With an embedding
+        model each text is embedded (`embed`) and a pair scores the cosine similarity of its two embeddings; with
+        a cross-encoder (a classifier with one label, as rerankers are saved) a pair is one prompt, the two texts
+        joined as the tokenizer joins a text pair, and scores the classifier's probability (`classify`).
 
         Args:
             data_1: one prompt (scored against each of data_2) or a list of them (paired with data_2's, one to
                 one); each prompt in any of `generate`'s forms.
             data_2: one prompt or a list of them.
-            use_tqdm: show a progress bar when there is more than one text to embed.
-            lora_request: a LoRA adapter to embed every text with (`generate`'s).
+            use_tqdm: show a progress bar when there is more than one prompt to run.
+            lora_request: a LoRA adapter to run every prompt with (`generate`'s).
         """
         first, second = as_prompt_list(data_1), as_prompt_list(data_2)
         pairs = pair_up(first, second)
-        embedded = self.embed(first + second, use_tqdm=use_tqdm, lora_request=lora_request)
-        firsts, seconds = embedded[:len(first)], embedded[len(first):]
-        return [ScoringRequestOutput(seconds[j].request_id,
-                                     ScoringOutput(cosine_similarity(firsts[i].outputs.embedding,
-                                                                     seconds[j].outputs.embedding)),
-                                     firsts[i].prompt_token_ids + seconds[j].prompt_token_ids)
-                for i, j in pairs]
+        labels = self.engine.class_labels
+        if labels is None:
+            embedded = self.embed(first + second, use_tqdm=use_tqdm, lora_request=lora_request)
+            firsts, seconds = embedded[:len(first)], embedded[len(first):]
+            return [ScoringRequestOutput(seconds[j].request_id,
+                                         ScoringOutput(cosine_similarity(firsts[i].outputs.embedding,
+                                                                         seconds[j].outputs.embedding)),
+                                         firsts[i].prompt_token_ids + seconds[j].prompt_token_ids)
+                    for i, j in pairs]
+        if len(labels) != 1:
+            raise ValueError(f"score needs an embedding model or a cross-encoder (a classifier with one label); "
+                             f"this classifier has {len(labels)} labels: use classify")
+        tokenizer = self.engine.tokenizer
+        classified = self.classify([{"prompt_token_ids": cross_encoder_tokens(tokenizer, first[i], second[j])}
+                                    for i, j in pairs], use_tqdm=use_tqdm, lora_request=lora_request)
+        return [ScoringRequestOutput(o.request_id, ScoringOutput(o.outputs.probs[0]), o.prompt_token_ids)
+                for o in classified]
+
+    def _pool(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | Sequence[PoolingParams],
+              task: str, use_tqdm: bool, lora_request: LoRARequest | Sequence[LoRARequest | None] | None
+              ) -> list[RequestOutput]:
+        """Run pooling requests of `task` to the end (RuntimeError if any failed); their outputs, in order."""
+        prompt_list = as_prompt_list(prompts)
+        params_list = _per_prompt(pooling_params, len(prompt_list), "pooling_params")
+        for params in params_list:
+            if not isinstance(params, PoolingParams) or params.task != task:
+                raise ValueError(f"pooling_params must be PoolingParams with task {task!r}, got {params!r}")
+        outputs = self._add_and_run(prompt_list, params_list, [0] * len(prompt_list), use_tqdm,
+                                    _per_prompt(lora_request, len(prompt_list), "lora_request"))
+        failed = [o for o in outputs if o.embedding is None]
+        if failed:
+            raise RuntimeError(f"request {failed[0].request_id} failed: {failed[0].error}")
+        return outputs
 
     def _add_and_run(self, prompt_list: list[PromptType], params_list: list[SamplingParams | PoolingParams],
                      priorities: list[int], use_tqdm: bool, loras: list[LoRARequest | None]) -> list[RequestOutput]:

@@ -210,6 +210,18 @@ class LlamaModel(nn.Module):
 # the LM head, so that the engine can still sample (the one token an embedding request samples, or a generation,
 # which such a model was not trained for).
 BARE_ARCHITECTURES = frozenset({"LlamaModel", "MistralModel", "Qwen2Model"})
+# Checkpoints of the decoder with a classification head (`score`: hidden -> num_labels logits) instead of the LM head,
+# as transformers saves sequence classifiers and rerankers: the head reads the final hidden state at the prompt's
+# last token (vLLM's LAST pooling). The embedding matrix stands in as the LM head, as for a bare decoder.
+CLASSIFIER_ARCHITECTURES = frozenset({"LlamaForSequenceClassification", "MistralForSequenceClassification",
+                                      "Qwen2ForSequenceClassification"})
+
+
+def class_labels(config: Any) -> list[str] | None:
+    """A classifier checkpoint's class names, in logit order (its config's id2label); None for any other model."""
+    if not CLASSIFIER_ARCHITECTURES & set(getattr(config, "architectures", None) or []):
+        return None
+    return [config.id2label.get(i, f"LABEL_{i}") for i in range(config.num_labels)]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -232,8 +244,13 @@ class LlamaForCausalLM(nn.Module):
         self.dtype = dtype
         tp = (tp_rank, tp_size)
         self.model = LlamaModel(config, dtype, attn_backend, tp)
-        self.bare = bool(BARE_ARCHITECTURES & set(getattr(config, "architectures", None) or []))
-        self.tie_word_embeddings = self.bare or bool(getattr(config, "tie_word_embeddings", False))
+        architectures = set(getattr(config, "architectures", None) or [])
+        self.bare = bool(BARE_ARCHITECTURES & architectures)
+        # float32, as the pooled rows it reads: a few thousand values, next to nothing to store or to multiply
+        self.score = (nn.Linear(config.hidden_size, config.num_labels, bias=False, dtype=torch.float32)
+                      if CLASSIFIER_ARCHITECTURES & architectures else None)
+        self.tie_word_embeddings = (self.bare or self.score is not None
+                                    or bool(getattr(config, "tie_word_embeddings", False)))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype, tp_rank, tp_size)
         if self.tie_word_embeddings:
             self.lm_head.tie(self.model.embed_tokens)
@@ -261,6 +278,13 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, H] -> logits [N, V] float32."""
         return self.lm_head(hidden)
+
+    def classify(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, H] -> the classification head's logits [N, num_labels] float32 (a classifier checkpoint's
+        only: CLASSIFIER_ARCHITECTURES)."""
+        if self.score is None:
+            raise ValueError("this model has no classification head")
+        return self.score(hidden.float())
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load (Hugging Face name, tensor) pairs; returns the names of the parameters loaded.

@@ -20,6 +20,10 @@ _MODELS: dict[str, type[nn.Module]] = {
     "LlamaModel": LlamaForCausalLM,
     "MistralModel": LlamaForCausalLM,
     "Qwen2Model": LlamaForCausalLM,
+    # With a classification head (rerankers, classifiers): see CLASSIFIER_ARCHITECTURES.
+    "LlamaForSequenceClassification": LlamaForCausalLM,
+    "MistralForSequenceClassification": LlamaForCausalLM,
+    "Qwen2ForSequenceClassification": LlamaForCausalLM,
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,

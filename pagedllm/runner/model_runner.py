@@ -229,15 +229,20 @@ class ModelRunner:
 
     def _embeddings(self, hidden: torch.Tensor, inputs: ModelInputs, scheduled: list[ScheduledRequest]
                     ) -> dict[str, list[float]]:
-        """Each embedding request whose prompt's last token ran this step: that token's final hidden state (LAST
-        pooling, `PoolingParams`), in float32, L2-normalised unless it asks otherwise."""
+        """Each pooling request whose prompt's last token ran this step: that token's final hidden state (LAST
+        pooling, `PoolingParams`), in float32. An embedding is L2-normalised unless it asks otherwise; a
+        classification is the head's logits, as probabilities unless it asks otherwise."""
         result = {}
         for s in scheduled:
             pooling = self.requests[s.request_id].pooling if s.sample else None
             if pooling is None:
                 continue
             vector = hidden[inputs.first_rows[s.request_id] + len(s.token_ids) - 1].float()
-            if pooling.normalize:
+            if pooling.task == "classify":
+                vector = self.model.classify(vector[None])[0]
+                if pooling.use_activation:
+                    vector = vector.sigmoid() if len(vector) == 1 else vector.softmax(0)
+            elif pooling.normalize:
                 vector = torch.nn.functional.normalize(vector, dim=0)
             result[s.request_id] = vector.tolist()
         return result

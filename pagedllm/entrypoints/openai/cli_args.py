@@ -184,7 +184,8 @@ def _add_engine_args(engine: argparse._ArgumentGroup) -> None:
                              "model code (Llama and Qwen2 architectures), never code from a checkpoint")
     engine.add_argument("--runner", choices=RUNNERS, default="auto",
                         help="taken so that vLLM command lines run (`--runner pooling` for an embedding model); it "
-                             "selects nothing: one engine both generates and embeds (/v1/embeddings)")
+                             "selects nothing: one engine both generates and embeds (/v1/embeddings), and classifies "
+                             "(/classify) when the checkpoint has a classification head")
     engine.add_argument("--convert", choices=CONVERTS, default="auto",
                         help="as --runner (`--convert embed`): embeddings are always served, by LAST pooling")
     engine.add_argument("--max-model-len", type=int, default=None,

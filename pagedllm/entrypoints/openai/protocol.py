@@ -261,11 +261,9 @@ class _PoolingRequest(_Request):
     priority: int = 0
 
 
-class EmbeddingRequest(_PoolingRequest):
-    """POST /v1/embeddings. `input`: a string, a list of strings, token ids, or a list of token-id lists; or, as
-    vLLM's chat form, `messages`, rendered by the chat template (with no generation prompt unless asked) into one
-    prompt. `encoding_format` "base64" sends each vector as its little-endian float32 bytes (what OpenAI's SDK asks
-    for by default). vLLM's extras: normalize, and _PoolingRequest's."""
+class _PromptsToPoolRequest(_PoolingRequest):
+    """`input`: a string, a list of strings, token ids, or a list of token-id lists; or, as vLLM's chat form,
+    `messages`, rendered by the chat template (with no generation prompt unless asked) into one prompt."""
 
     input: str | list[str] | list[int] | list[list[int]] | None = None
     messages: list[dict[str, Any]] | None = None
@@ -273,10 +271,23 @@ class EmbeddingRequest(_PoolingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = False
     continue_final_message: bool = False
+    user: str | None = None
+
+
+class EmbeddingRequest(_PromptsToPoolRequest):
+    """POST /v1/embeddings. `encoding_format` "base64" sends each vector as its little-endian float32 bytes (what
+    OpenAI's SDK asks for by default). vLLM's extras: normalize, and _PoolingRequest's."""
+
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
-    user: str | None = None
     normalize: bool = True
+
+
+class ClassificationRequest(_PromptsToPoolRequest):
+    """POST /classify (vLLM's; and /v1/classify): each prompt through the model's classification head.
+    `use_activation` false gives the logits instead of probabilities."""
+
+    use_activation: bool = True
 
 
 class ScoreRequest(_PoolingRequest):

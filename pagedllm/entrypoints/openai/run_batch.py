@@ -1,7 +1,7 @@
 """`pagedllm run-batch -i requests.jsonl -o results.jsonl [--model MODEL] [flags]` (vLLM's `vllm run-batch`): a
 file of requests in OpenAI's batch format, answered by the server's own /v1/chat/completions, /v1/completions,
-/v1/responses and /v1/embeddings, and vLLM's /v1/score and /v1/rerank (the same validation, defaults and response
-bodies) without HTTP, all in one engine's continuous batches.
+/v1/responses and /v1/embeddings, and vLLM's /v1/classify, /v1/score and /v1/rerank (the same validation, defaults
+and response bodies) without HTTP, all in one engine's continuous batches.
 
 Input, a JSON object a line (blank lines are skipped):
     {"custom_id": "request-1", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": [...], ...}}
@@ -32,6 +32,7 @@ from pagedllm.engine.data_parallel import AsyncDataParallelEngine
 from pagedllm.entrypoints.openai.cli_args import RUN_BATCH_DESCRIPTION, add_run_batch_args
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
+    ClassificationRequest,
     CompletionRequest,
     EmbeddingRequest,
     RerankRequest,
@@ -43,7 +44,7 @@ from pagedllm.entrypoints.openai.protocol import (
 from pagedllm.entrypoints.openai.serving_base import LoRAModules, ServerLimits, error_for, load_lora_modules
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
+from pagedllm.entrypoints.openai.serving_pooling import OpenAIServingPooling
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.serving_score import OpenAIServingScore
 
@@ -81,14 +82,15 @@ async def run_batch(engine: AsyncEngine | AsyncDataParallelEngine, lines: Iterab
     names = list(served_model_names or [engine.model_name])
     limits = limits or ServerLimits()
     chat = OpenAIServingChat(engine, names, limits, tool_call_parser, reasoning_parser, lora_modules)
-    embedding = OpenAIServingEmbedding(chat)
-    scoring = OpenAIServingScore(embedding)
+    pooling = OpenAIServingPooling(chat)
+    scoring = OpenAIServingScore(pooling)
     endpoints: dict[str, Endpoint] = {
         "/v1/chat/completions": (ChatCompletionRequest, chat.create),
         "/v1/completions": (CompletionRequest,
                             OpenAIServingCompletion(engine, names, limits, chat.lora_modules).create),
         "/v1/responses": (ResponsesRequest, OpenAIServingResponses(chat).create),
-        "/v1/embeddings": (EmbeddingRequest, embedding.create),
+        "/v1/embeddings": (EmbeddingRequest, pooling.embeddings),
+        "/v1/classify": (ClassificationRequest, pooling.classify),
         "/v1/score": (ScoreRequest, scoring.score),
         "/v1/rerank": (RerankRequest, scoring.rerank),
     }

@@ -27,6 +27,7 @@ from pagedllm.engine.data_parallel import AsyncDataParallelEngine
 from pagedllm.entrypoints.openai.dashboard import dashboard_router
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
+    ClassificationRequest,
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
@@ -43,7 +44,7 @@ from pagedllm.entrypoints.openai.protocol import (
 from pagedllm.entrypoints.openai.serving_base import ServerLimits, error_for, load_lora_modules
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
+from pagedllm.entrypoints.openai.serving_pooling import OpenAIServingPooling
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.serving_score import OpenAIServingScore
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
@@ -111,9 +112,9 @@ def build_app(engine: AsyncEngine | AsyncDataParallelEngine, *, served_model_nam
                            allow_headers=list(cors.headers), allow_credentials=cors.credentials)
     chat = OpenAIServingChat(engine, names, limits, tool_call_parser if enable_auto_tool_choice else None,
                              reasoning_parser, loras)
-    embedding = OpenAIServingEmbedding(chat)
-    app.include_router(_v1_router(OpenAIServingCompletion(engine, names, limits, loras), chat, embedding))
-    app.include_router(_score_router(OpenAIServingScore(embedding)))
+    pooling = OpenAIServingPooling(chat)
+    app.include_router(_v1_router(OpenAIServingCompletion(engine, names, limits, loras), chat, pooling))
+    app.include_router(_pooling_router(pooling, OpenAIServingScore(pooling)))
     if isinstance(engine, AsyncEngine) and runtime_lora_updating():    # loading answers 400 with LoRA off
         app.include_router(_lora_router(engine, chat))
     app.include_router(_utility_router(OpenAIServingTokenization(chat), stat_logger))
@@ -123,7 +124,7 @@ def build_app(engine: AsyncEngine | AsyncDataParallelEngine, *, served_model_nam
 
 # ---- routes -----------------------------------------------------------------------------------------------------
 def _v1_router(completion: OpenAIServingCompletion, chat: OpenAIServingChat,
-               embedding: OpenAIServingEmbedding) -> APIRouter:
+               pooling: OpenAIServingPooling) -> APIRouter:
     """/v1/*. The API key is checked by RequestGate, before the body is read."""
     engine, names = chat.engine, chat.served_model_names
     responses_api = OpenAIServingResponses(chat)
@@ -172,15 +173,20 @@ def _v1_router(completion: OpenAIServingCompletion, chat: OpenAIServingChat,
 
     @router.post("/embeddings")
     async def embeddings(body: EmbeddingRequest, raw_request: Request) -> Response:
-        return await respond(raw_request, embedding.create(body))
+        return await respond(raw_request, pooling.embeddings(body))
 
     return router
 
 
-def _score_router(scoring: OpenAIServingScore) -> APIRouter:
-    """vLLM's score and rerank routes, at the root as vLLM puts them (they are not OpenAI's), and at the /v1 and /v2
-    paths its clients also call."""
+def _pooling_router(pooling: OpenAIServingPooling, scoring: OpenAIServingScore) -> APIRouter:
+    """vLLM's classify, score and rerank routes, at the root as vLLM puts them (they are not OpenAI's), and at the
+    /v1 and /v2 paths its clients also call."""
     router = APIRouter(dependencies=[Depends(_refuse_while_draining(scoring.engine))])
+
+    @router.post("/classify")
+    @router.post("/v1/classify")
+    async def classify(body: ClassificationRequest, raw_request: Request) -> Response:
+        return await respond(raw_request, pooling.classify(body))
 
     @router.post("/score")
     @router.post("/v1/score")

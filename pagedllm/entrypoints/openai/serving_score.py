@@ -1,25 +1,27 @@
-"""POST /score and /rerank (vLLM's, with /v1/score, /v1/rerank and /v2/rerank): text pairs scored by the cosine
-similarity of their embeddings (pagedllm/scoring.py), as vLLM scores with an embedding model. Not OpenAI's API: the
-score shape is vLLM's, the rerank shape Jina's and Cohere's."""
+"""POST /score and /rerank (vLLM's, with /v1/score, /v1/rerank and /v2/rerank): text pairs scored as
+pagedllm/scoring.py says, by the cosine similarity of their embeddings, or by a cross-encoder. Not OpenAI's API:
+the score shape is vLLM's, the rerank shape Jina's and Cohere's."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from pagedllm.entrypoints.openai.protocol import OpenAIError, RerankRequest, ScoreRequest, now, random_id
-from pagedllm.entrypoints.openai.serving_base import OpenAIServing
-from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
+from pagedllm.entrypoints.openai.serving_base import OpenAIServing, Prompt
+from pagedllm.entrypoints.openai.serving_pooling import OpenAIServingPooling
+from pagedllm.inputs import ParsedPrompt
 from pagedllm.pooling_params import PoolingParams
-from pagedllm.scoring import cosine_similarity, pair_up
+from pagedllm.scoring import cosine_similarity, cross_encoder_tokens, pair_up
 
 
 class OpenAIServingScore(OpenAIServing):
-    """Each distinct text of a request is embedded once (one engine request each, all at once, batched with
-    whatever else the engine runs), then every pair is scored."""
+    """With an embedding model each distinct text of a request is embedded once, then every pair is scored; with a
+    cross-encoder each pair runs as one prompt. Either way all at once, batched with whatever else the engine
+    runs."""
 
-    def __init__(self, embedding: OpenAIServingEmbedding) -> None:
-        super().__init__(embedding.engine, embedding.served_model_names, embedding.limits, embedding.lora_modules)
-        self.embedding = embedding
+    def __init__(self, pooling: OpenAIServingPooling) -> None:
+        super().__init__(pooling.engine, pooling.served_model_names, pooling.limits, pooling.lora_modules)
+        self.pooling = pooling
 
     async def score(self, request: ScoreRequest) -> dict[str, Any]:
         """vLLM's score response: one `{"index", "object": "score", "score"}` per pair, in order."""
@@ -47,8 +49,8 @@ class OpenAIServingScore(OpenAIServing):
     async def _scores(self, request: ScoreRequest | RerankRequest, request_id: str, model: str,
                       data_1: str | list[str], data_2: str | list[str], params: tuple[str, str]
                       ) -> tuple[list[float], int]:
-        """Each pair's score, and the prompt tokens of the pairs (a text counts once per pair it is in, as vLLM
-        counts)."""
+        """Each pair's score, and the prompt tokens of the pairs (with embeddings a text counts once per pair it is
+        in, as vLLM counts)."""
         texts_1 = [data_1] if isinstance(data_1, str) else data_1
         texts_2 = [data_2] if isinstance(data_2, str) else data_2
         try:
@@ -56,10 +58,25 @@ class OpenAIServingScore(OpenAIServing):
         except ValueError as exc:
             raise OpenAIError(str(exc), param=params[0] if not texts_1 else params[1]) from exc
         truncation = self.truncation(request)
-        first = await self.prompts(texts_1, truncation, params[0], pooling=True)
-        second = await self.prompts(texts_2, truncation, params[1], pooling=True)
-        vectors = await self.embedding.embed(request_id, first + second, PoolingParams(), request.priority,
-                                             self.lora_for(model))
-        firsts, seconds = vectors[:len(first)], vectors[len(first):]
-        scores = [cosine_similarity(firsts[i], seconds[j]) for i, j in pairs]
-        return scores, sum(len(first[i].token_ids) + len(second[j].token_ids) for i, j in pairs)
+        lora = self.lora_for(model)
+        labels = self.engine.class_labels
+        if labels is None:
+            first = await self.prompts(texts_1, truncation, params[0], pooling=True)
+            second = await self.prompts(texts_2, truncation, params[1], pooling=True)
+            vectors = await self.pooling.pool(request_id, first + second, PoolingParams(), request.priority, lora)
+            firsts, seconds = vectors[:len(first)], vectors[len(first):]
+            return ([cosine_similarity(firsts[i], seconds[j]) for i, j in pairs],
+                    sum(len(first[i].token_ids) + len(second[j].token_ids) for i, j in pairs))
+        if len(labels) != 1:
+            raise OpenAIError(f"scores need an embedding model or a cross-encoder (a classifier with one label); "
+                              f"{self.engine.model_name} has {len(labels)} labels: use /classify", param="model")
+        if len(pairs) > self.limits.max_prompts:
+            raise OpenAIError(f"at most {self.limits.max_prompts} pairs per request", param=params[1])
+        tokenizer = self.engine.tokenizer
+        joined = await self.engine.run_on_tokenizer_thread(lambda: [
+            cross_encoder_tokens(tokenizer, ParsedPrompt(texts_1[i], None), ParsedPrompt(texts_2[j], None))
+            for i, j in pairs])
+        prompts = [Prompt(None, await self.prompt_token_ids(ids, params[1], truncation, pooling=True))
+                   for ids in joined]
+        probs = await self.pooling.pool(request_id, prompts, PoolingParams(task="classify"), request.priority, lora)
+        return [p[0] for p in probs], sum(len(p.token_ids) for p in prompts)

@@ -74,8 +74,9 @@ async def wait_for_disconnect(raw_request: Request) -> None:
 
 
 def _needs_key(path: str) -> bool:
-    """vLLM checks the key on /v1/*; the score and rerank routes it serves outside /v1 run the model too."""
-    return path.startswith(("/v1/", "/v2/")) or path in ("/score", "/rerank")
+    """vLLM checks the key on /v1/*; the classify, score and rerank routes it serves outside /v1 run the model
+    too."""
+    return path.startswith(("/v1/", "/v2/")) or path in ("/classify", "/score", "/rerank")
 
 
 class RequestGate:
@@ -84,7 +85,7 @@ class RequestGate:
     `max_bytes`, 400 for a request that declares both Content-Length and Transfer-Encoding (h11 would honour the
     chunked framing and read past the declared length). The app then reads the buffered body.
 
-    With `api_key`, a request to a path that runs the model (/v1/*, /v2/*, /score, /rerank) without
+    With `api_key`, a request to a path that runs the model (/v1/*, /v2/*, /classify, /score, /rerank) without
     `Authorization: Bearer <api_key>` gets its 401 before any of its body is read."""
 
     def __init__(self, app: ASGIApp, max_bytes: int, api_key: str | None = None) -> None:
