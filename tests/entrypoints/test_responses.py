@@ -115,6 +115,12 @@ def test_a_stored_response_is_retrieved_and_its_conversation_continued(client, s
             client.responses.retrieve(response_id)
     with pytest.raises(openai.NotFoundError):
         client.responses.create(input="hi", previous_response_id=unstored.id, **asked)
+    client.responses.delete(streamed.id)        # forgotten: neither retrieved nor continued, nor deleted again
+    for forgotten in (lambda: client.responses.retrieve(streamed.id), lambda: client.responses.delete(streamed.id),
+                      lambda: client.responses.create(input="hi", previous_response_id=streamed.id, **asked)):
+        with pytest.raises(openai.NotFoundError):
+            forgotten()
+    assert client.responses.retrieve(second.id).id == second.id     # the others are kept
 
     # a function call continued: the tool's output, sent alone, follows the stored call
     called = client.responses.create(model=server.model_name, input="Weather in Rome?", tools=[WEATHER],

@@ -171,6 +171,11 @@ def _v1_router(completion: OpenAIServingCompletion, chat: OpenAIServingChat,
         """OpenAI's retrieve (`client.responses.retrieve`): a response stored with `store` (the default)."""
         return responses_api.retrieve(response_id)
 
+    @router.delete("/responses/{response_id}")
+    async def delete_stored_response(response_id: str) -> dict[str, Any]:
+        """OpenAI's delete (`client.responses.delete`): the response is forgotten, and can no longer be continued."""
+        return responses_api.delete(response_id)
+
     @router.post("/embeddings")
     async def embeddings(body: EmbeddingRequest, raw_request: Request) -> Response:
         return await respond(raw_request, pooling.embeddings(body))

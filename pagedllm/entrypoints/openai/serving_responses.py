@@ -54,6 +54,12 @@ class OpenAIServingResponses:
             raise OpenAIError(f"Response with id '{response_id}' not found.", 404, "response_id", "not_found")
         return stored[0]
 
+    def delete(self, response_id: str) -> dict[str, Any]:
+        """Forget a stored response (DELETE /v1/responses/{id}, OpenAI's answer); 404 as retrieve's."""
+        self.retrieve(response_id)
+        del self._stored[response_id]
+        return {"id": response_id, "object": "response", "deleted": True}
+
     def _store(self, response: dict[str, Any], messages: list[dict[str, Any]]) -> None:
         conversation = messages + _as_messages(response["output"])
         self._stored[response["id"]] = response, conversation
