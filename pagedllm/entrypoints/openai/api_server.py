@@ -12,8 +12,8 @@ from pagedllm.heap import freeze_startup_heap, paused_gc
 logger = logging.getLogger(__name__)
 
 DESCRIPTION = ("Serve a model over an OpenAI-compatible HTTP API: /v1/models, /v1/completions, /v1/responses, "
-               "/v1/chat/completions (with streaming), /v1/embeddings, vLLM's /classify, /score and /rerank, "
-               "/tokenize, /detokenize, /health, /version and /metrics (Prometheus).")
+               "/v1/chat/completions (with streaming), /v1/embeddings, Anthropic's /v1/messages, vLLM's /classify, "
+               "/score and /rerank, /tokenize, /detokenize, /health, /version and /metrics (Prometheus).")
 
 
 def build_app_from_args(args: argparse.Namespace):

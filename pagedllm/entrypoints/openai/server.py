@@ -44,6 +44,12 @@ from pagedllm.entrypoints.openai.protocol import (
 from pagedllm.entrypoints.openai.serving_base import ServerLimits, error_for, load_lora_modules
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_messages import (
+    AnthropicCountTokensRequest,
+    AnthropicMessagesRequest,
+    OpenAIServingMessages,
+    anthropic_error,
+)
 from pagedllm.entrypoints.openai.serving_pooling import OpenAIServingPooling
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.serving_score import OpenAIServingScore
@@ -128,6 +134,7 @@ def _v1_router(completion: OpenAIServingCompletion, chat: OpenAIServingChat,
     """/v1/*. The API key is checked by RequestGate, before the body is read."""
     engine, names = chat.engine, chat.served_model_names
     responses_api = OpenAIServingResponses(chat)
+    messages_api = OpenAIServingMessages(chat)
     router = APIRouter(prefix="/v1", dependencies=[Depends(_refuse_while_draining(engine))])
 
     def card(name: str, root: str, parent: str | None) -> dict[str, Any]:
@@ -175,6 +182,15 @@ def _v1_router(completion: OpenAIServingCompletion, chat: OpenAIServingChat,
     async def delete_stored_response(response_id: str) -> dict[str, Any]:
         """OpenAI's delete (`client.responses.delete`): the response is forgotten, and can no longer be continued."""
         return responses_api.delete(response_id)
+
+    @router.post("/messages")
+    async def messages(body: AnthropicMessagesRequest, raw_request: Request) -> Response:
+        """Anthropic's Messages API (`anthropic.Anthropic(base_url=...).messages.create`), as vLLM serves it."""
+        return await respond(raw_request, messages_api.create(body))
+
+    @router.post("/messages/count_tokens")
+    async def count_message_tokens(body: AnthropicCountTokensRequest) -> dict[str, int]:
+        return await messages_api.count_tokens(body)
 
     @router.post("/embeddings")
     async def embeddings(body: EmbeddingRequest, raw_request: Request) -> Response:
@@ -284,27 +300,29 @@ def _refuse_while_draining(engine: AsyncEngine):
 
 
 # ---- errors -------------------------------------------------------------------------------------------------------
-def _error_response(error: OpenAIError) -> JSONResponse:
-    return JSONResponse(error.to_dict(), status_code=error.status_code)
+def _error_response(request: Request, error: OpenAIError) -> JSONResponse:
+    """OpenAI's error shape, or Anthropic's for Anthropic's Messages API (/v1/messages*)."""
+    body = anthropic_error(error) if request.url.path.startswith("/v1/messages") else error.to_dict()
+    return JSONResponse(body, status_code=error.status_code)
 
 
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OpenAIError)
-    async def openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
-        return _error_response(exc)
+    async def openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
+        return _error_response(request, exc)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid_body(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return _error_response(validation_error(exc.errors()))  # FastAPI's 422 as OpenAI's 400
+    async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error_response(request, validation_error(exc.errors()))  # FastAPI's 422 as OpenAI's 400
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return _error_response(OpenAIError(str(exc.detail), exc.status_code))
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error_response(request, OpenAIError(str(exc.detail), exc.status_code))
 
-    async def mapped_error(_: Request, exc: Exception) -> JSONResponse:
+    async def mapped_error(request: Request, exc: Exception) -> JSONResponse:
         # error_for maps each kind to its status; an unexpected Exception is a bug, not bad input, and is still
-        # answered in OpenAI's shape (error_for logs its traceback).
-        return _error_response(error_for(exc))
+        # answered in the API's error shape (error_for logs its traceback).
+        return _error_response(request, error_for(exc))
 
     for kind in (EngineDeadError, ValueError, RequestFailedError, Exception):
         app.add_exception_handler(kind, mapped_error)

@@ -35,6 +35,7 @@ from pagedllm.entrypoints.openai.protocol import (
     validation_error,
 )
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedllm.entrypoints.openai.tool_parsers import gather_call_deltas
 
 MAX_STORED_RESPONSES = 10_000     # in memory: the oldest stored response is forgotten first
 
@@ -281,17 +282,6 @@ def _output(reasoning: str | None, content: str | None, tool_calls: list[dict[st
 
 
 # ---- streaming ----------------------------------------------------------------------------------------------------
-def _gather_calls(calls: dict[int, dict[str, Any]], pieces: list[dict[str, Any]]) -> None:
-    """Add a chunk's streamed tool-call pieces (the first names a call, the rest add to its arguments) to `calls`,
-    by index, in the chat's shape."""
-    for piece in pieces:
-        call = calls.setdefault(piece["index"], {"id": None, "function": {"name": None, "arguments": ""}})
-        call["id"] = piece.get("id") or call["id"]
-        function = piece.get("function", {})
-        call["function"]["name"] = function.get("name") or call["function"]["name"]
-        call["function"]["arguments"] += function.get("arguments") or ""
-
-
 async def _events(response: _Response, chunks: AsyncIterator[dict[str, Any]],
                   on_done: Callable[[dict[str, Any]], None]) -> AsyncIterator[str]:
     """The chat's chunks as the Responses API's events: a text item (reasoning, then the message) opens with its
@@ -347,7 +337,7 @@ async def _events(response: _Response, chunks: AsyncIterator[dict[str, Any]],
                     text += delta[key]
                     yield event(f"{_TEXT_ITEMS[key][2]}.delta", item_id=output[-1]["id"], output_index=len(output) - 1,
                                 content_index=0, delta=delta[key], **({"logprobs": []} if key == "content" else {}))
-                _gather_calls(calls, delta.get("tool_calls") or [])
+                gather_call_deltas(calls, delta.get("tool_calls") or [])
     status = "incomplete" if finish_reason == "length" else "completed"
     if open_key is not None:
         for line in close(open_key, output[-1], len(output) - 1, text, status):

@@ -193,6 +193,17 @@ To call a function, reply with its name and arguments as a JSON object inside <t
 </tool_call>"""
 
 
+def gather_call_deltas(calls: dict[int, dict[str, Any]], pieces: list[dict[str, Any]]) -> None:
+    """Add a chat chunk's streamed tool-call pieces (the first names a call, the rest add to its arguments) to
+    `calls`, by index, in the chat's shape: how the Responses and Messages APIs gather calls to send them whole."""
+    for piece in pieces:
+        call = calls.setdefault(piece["index"], {"id": None, "function": {"name": None, "arguments": ""}})
+        call["id"] = piece.get("id") or call["id"]
+        function = piece.get("function", {})
+        call["function"]["name"] = function.get("name") or call["function"]["name"]
+        call["function"]["arguments"] += function.get("arguments") or ""
+
+
 def with_tools(messages: list[dict[str, Any]], tools: list[dict[str, Any]],
                template: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """How tools reach the model (the server's `tools`, `LLM.chat(tools=...)`): as the chat template's `tools`

@@ -86,12 +86,13 @@ class RequestGate:
     chunked framing and read past the declared length). The app then reads the buffered body.
 
     With `api_key`, a request to a path that runs the model (/v1/*, /v2/*, /classify, /score, /rerank) without
-    `Authorization: Bearer <api_key>` gets its 401 before any of its body is read."""
+    `Authorization: Bearer <api_key>` (or Anthropic's `x-api-key: <api_key>`) gets its 401 before any of its body
+    is read."""
 
     def __init__(self, app: ASGIApp, max_bytes: int, api_key: str | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
-        self.expected_authorization = None if api_key is None else f"Bearer {api_key}".encode()
+        self.api_key = None if api_key is None else api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -122,11 +123,11 @@ class RequestGate:
 
     def _refusal(self, scope: Scope, headers: dict[bytes, bytes]) -> OpenAIError | None:
         """The error to answer before reading the body, if any: bad key, conflicting framing, declared too big."""
-        if self.expected_authorization is not None and _needs_key(scope["path"]):
-            given = headers.get(b"authorization", b"")
-            if not secrets.compare_digest(given, self.expected_authorization):
-                return OpenAIError("Incorrect or missing API key: send 'Authorization: Bearer <key>'.", 401,
-                                   code="invalid_api_key")
+        if self.api_key is not None and _needs_key(scope["path"]):
+            bearer = secrets.compare_digest(headers.get(b"authorization", b""), b"Bearer " + self.api_key)
+            if not bearer and not secrets.compare_digest(headers.get(b"x-api-key", b""), self.api_key):
+                return OpenAIError("Incorrect or missing API key: send 'Authorization: Bearer <key>' (or "
+                                   "'x-api-key: <key>').", 401, code="invalid_api_key")
         declared = headers.get(b"content-length")
         if declared is not None and b"transfer-encoding" in headers:
             return OpenAIError("the request declares both Content-Length and Transfer-Encoding", 400,
