@@ -47,6 +47,7 @@ _BLOCK_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",      # Qwen3
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _SKIPPED = {"rope_freqs"}  # llama3 rope factors: the rope is rebuilt from the config instead
@@ -284,7 +285,8 @@ def gguf_hf_config(g: GGUFFile) -> Any:
         num_hidden_layers=int(g.arch_value("block_count")),
         num_attention_heads=num_heads,
         num_key_value_heads=int(g.arch_value("attention.head_count_kv", num_heads)),
-        head_dim=int(g.arch_value("rope.dimension_count", hidden // num_heads)),
+        # a head's width: Qwen3's converter writes key_length (its heads times head_dim is not the hidden size)
+        head_dim=int(g.arch_value("attention.key_length") or g.arch_value("rope.dimension_count", hidden // num_heads)),
         max_position_embeddings=int(g.arch_value("context_length", 2048)),
         rms_norm_eps=float(g.arch_value("attention.layer_norm_rms_epsilon", 1e-6)),
         tie_word_embeddings="output.weight" not in g.tensors,

@@ -1,4 +1,5 @@
-"""One Llama-family decoder: Llama 2/3, Mistral, Qwen2, SmolLM; MHA, GQA and MQA; tied or untied embeddings.
+"""One Llama-family decoder: Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM; MHA, GQA and MQA; tied or untied embeddings.
+Qwen3 adds an RMSNorm over each query and key head (`q_norm`, `k_norm`) before the rotary embedding.
 
 The model is format-agnostic: `load_weights` takes Hugging Face parameter names from any loader and maps the
 separate q/k/v and gate/up checkpoint tensors onto the fused parameters (`STACKED_PARAMS_MAPPING`).
@@ -63,6 +64,10 @@ def _has_qkv_bias(config: Any) -> bool:
     return bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
 
 
+def _has_qk_norm(config: Any) -> bool:
+    return config.model_type == "qwen3"
+
+
 class LayerLoRA:
     """The step's LoRA adapters (`LoRABatch`) at one decoder layer: `add(module, x, out)` adds their updates of
     the fused module's output `out` for input `x`, in place, and returns `out`."""
@@ -95,6 +100,9 @@ class LlamaAttention(nn.Module):
                                         tp_rank=tp[0], tp_size=tp[1],
                                         input_shard=(heads.q_start * self.head_dim, heads.num_heads * self.head_dim))
         self.rotary_emb = rotary_emb  # shared by all layers
+        # Qwen3's per-head norms of q and k (one weight of head_dim each, shared by the heads)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if _has_qk_norm(config) else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if _has_qk_norm(config) else None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata, lora: LayerLoRA | None = None) -> torch.Tensor:
@@ -107,6 +115,9 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, q_size // self.head_dim, self.head_dim)  # [T, Hq, D]
         k = k.view(-1, kv_size // self.head_dim, self.head_dim)  # [T, Hkv, D]
         v = v.view(-1, kv_size // self.head_dim, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:     # over each head's row of head_dim values
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
         q, k = self.rotary_emb(positions, q, k)
         k_cache, v_cache = kv_cache
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -209,12 +220,12 @@ class LlamaModel(nn.Module):
 # without the "model." prefix and no LM head. Such a model embeds (LAST pooling); its embedding matrix stands in as
 # the LM head, so that the engine can still sample (the one token an embedding request samples, or a generation,
 # which such a model was not trained for).
-BARE_ARCHITECTURES = frozenset({"LlamaModel", "MistralModel", "Qwen2Model"})
+BARE_ARCHITECTURES = frozenset({"LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model"})
 # Checkpoints of the decoder with a classification head (`score`: hidden -> num_labels logits) instead of the LM head,
 # as transformers saves sequence classifiers and rerankers: the head reads the final hidden state at the prompt's
 # last token (vLLM's LAST pooling). The embedding matrix stands in as the LM head, as for a bare decoder.
 CLASSIFIER_ARCHITECTURES = frozenset({"LlamaForSequenceClassification", "MistralForSequenceClassification",
-                                      "Qwen2ForSequenceClassification"})
+                                      "Qwen2ForSequenceClassification", "Qwen3ForSequenceClassification"})
 
 
 def class_labels(config: Any) -> list[str] | None:
@@ -266,7 +277,8 @@ class LlamaForCausalLM(nn.Module):
         backend: otherwise the modules run. The loader calls it once the weights are final, packed: a stack holds
         the weight tensors it was built with. `enforce_eager=True` keeps the modules."""
         layer = self.model.layers[0]
-        if layer.mlp.down_proj.tp_size == 1 and layer.self_attn.attn_backend is paged_attention:
+        if (layer.mlp.down_proj.tp_size == 1 and layer.self_attn.attn_backend is paged_attention
+                and layer.self_attn.q_norm is None):        # the stack has no per-head q/k norms (Qwen3)
             self.model.stacks = {}
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],

@@ -16,17 +16,21 @@ _MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
     # The bare decoders (no LM head), as embedding models are saved (gte-Qwen2, e5-mistral): see BARE_ARCHITECTURES.
     "LlamaModel": LlamaForCausalLM,
     "MistralModel": LlamaForCausalLM,
     "Qwen2Model": LlamaForCausalLM,
+    "Qwen3Model": LlamaForCausalLM,
     # With a classification head (rerankers, classifiers): see CLASSIFIER_ARCHITECTURES.
     "LlamaForSequenceClassification": LlamaForCausalLM,
     "MistralForSequenceClassification": LlamaForCausalLM,
     "Qwen2ForSequenceClassification": LlamaForCausalLM,
+    "Qwen3ForSequenceClassification": LlamaForCausalLM,
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
+    "qwen3": LlamaForCausalLM,
 }
 
 

@@ -87,7 +87,7 @@ def test_a_prompt_in_chunks_with_a_cache_hit_and_beside_generations_gives_the_sa
         torch.testing.assert_close(torch.tensor(vector), expected, atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("kind", ["llama-gqa", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama-gqa", "qwen2", "qwen3"])
 def test_a_bare_decoder_checkpoint_embeds_as_transformers_does(tmp_path, kind):
     """An embedding model saved as the decoder alone (architectures LlamaModel, Qwen2Model, MistralModel: names
     without "model.", no LM head), as gte-Qwen2 and e5-mistral are: it loads, embeds as transformers' model does, and

@@ -85,14 +85,16 @@ def test_name_mapping() -> None:
     assert gguf_to_hf_name("blk.1.attn_k.bias") == "model.layers.1.self_attn.k_proj.bias"
     assert gguf_to_hf_name("output.weight") == "lm_head.weight"
     assert gguf_to_hf_name("rope_freqs.weight") is None
-    with pytest.raises(KeyError, match="blk.0.attn_q_norm"):
-        gguf_to_hf_name("blk.0.attn_q_norm.weight")
+    assert gguf_to_hf_name("blk.0.attn_q_norm.weight") == "model.layers.0.self_attn.q_norm.weight"    # Qwen3
+    with pytest.raises(KeyError, match="blk.0.attn_sinks"):
+        gguf_to_hf_name("blk.0.attn_sinks.weight")
 
 
 _HF_TO_GGUF = {v: k for k, v in {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}.items()}
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}.items()}
 
 
 def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32) -> None:
@@ -107,7 +109,9 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32) -> None:
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w.add_rope_dimension_count(head_dim)
+    w.add_key_length(head_dim)
     w.add_vocab_size(cfg.vocab_size)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
@@ -136,7 +140,8 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32) -> None:
     w.close()
 
 
-@pytest.mark.parametrize("kind,arch", [("llama-gqa", "llama"), ("llama-untied", "llama"), ("qwen2", "qwen2")])
+@pytest.mark.parametrize("kind,arch", [("llama-gqa", "llama"), ("llama-untied", "llama"), ("qwen2", "qwen2"),
+                                       ("qwen3", "qwen3")])
 def test_tiny_gguf_model_matches_transformers(tmp_path: Path, kind: str, arch: str) -> None:
     hf_model = build_tiny_hf_model(kind)
     path = tmp_path / f"{kind}.gguf"

@@ -181,7 +181,7 @@ def _add_limit_args(limits: argparse._ArgumentGroup) -> None:
 def _add_engine_args(engine: argparse._ArgumentGroup) -> None:
     engine.add_argument("--trust-remote-code", action="store_true",
                         help="taken so that vLLM command lines run; it changes nothing: pagedllm runs its own "
-                             "model code (Llama and Qwen2 architectures), never code from a checkpoint")
+                             "model code (Llama, Mistral, Qwen2 and Qwen3 architectures), never code from a checkpoint")
     engine.add_argument("--runner", choices=RUNNERS, default="auto",
                         help="taken so that vLLM command lines run (`--runner pooling` for an embedding model); it "
                              "selects nothing: one engine both generates and embeds (/v1/embeddings), and classifies "
