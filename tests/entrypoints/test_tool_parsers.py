@@ -15,6 +15,8 @@ from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.tool_parsers import (
     HermesToolParser,
     Llama3JsonToolParser,
+    MistralToolParser,
+    PythonicToolParser,
     ToolCallStream,
     required_tools_schema,
 )
@@ -47,6 +49,39 @@ def test_llama3_json_reads_calls_separated_by_semicolons():
     assert _calls(Llama3JsonToolParser().extract(text)[1]) == [("a", {"x": 1}), ("b", {"y": "z"})]
     assert Llama3JsonToolParser().extract("Hello {there}") == ("Hello {there}", [])
     assert Llama3JsonToolParser().tool_start('  {"na') == 0 and Llama3JsonToolParser().tool_start("Hi") is None
+
+
+def test_mistral_reads_a_json_list_or_a_call_per_marker_after_the_content():
+    parser = MistralToolParser()
+    listed = 'Checking. [TOOL_CALLS] [{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {}}]'
+    content, calls = parser.extract(listed)
+    assert content == "Checking." and _calls(calls) == [("a", {"x": 1}), ("b", {})]
+    v11 = '[TOOL_CALLS]a[ARGS]{"x": 1}[TOOL_CALLS]b[ARGS]{}'        # Mistral's v11 tokenizer's form
+    assert parser.extract(v11)[0] is None and _calls(parser.extract(v11)[1]) == [("a", {"x": 1}), ("b", {})]
+    for broken in ("[TOOL_CALLS] not json", '[TOOL_CALLS]a[ARGS]["x"]', "[TOOL_CALLS][]", "no calls"):
+        assert parser.extract(broken) == (broken, [])
+    assert parser.tool_start("Sure [TOOL_") == 5 and parser.tool_start("Sure") is None
+
+
+def test_pythonic_reads_a_list_of_calls_with_literal_arguments_and_runs_none():
+    parser = PythonicToolParser()
+    text = '[get_weather(city="Rome", days=[1, 2]), get_time()]'
+    assert parser.extract(text)[0] is None
+    assert _calls(parser.extract(text)[1]) == [("get_weather", {"city": "Rome", "days": [1, 2]}), ("get_time", {})]
+    assert _calls(parser.extract('<|python_start|>[f(x=None)]<|python_end|>')[1]) == [("f", {"x": None})]
+    for not_calls in ("[1, 2]", "[f(1)]", "[f(x=open('/etc/passwd'))]", "[f(**kw)]", "[os.system(x=1)]", "[]",
+                      "Hello [f(x=1)]", "[f(x="):
+        assert parser.extract(not_calls) == (not_calls, []), not_calls
+    assert parser.tool_start(" [get") == 0 and parser.tool_start("<|python") == 0 and parser.tool_start("Hi") is None
+
+
+def test_a_parser_whose_marker_is_a_special_token_keeps_special_tokens_in_the_reply():
+    from pagedllm.sampling_params import SamplingParams
+
+    request = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=[TOOL])
+    for parser, kept in (("mistral", True), ("hermes", False), ("pythonic", False)):
+        params = _chat(build_byte_tokenizer(), parser)._force_tool_call(request, "auto", SamplingParams())
+        assert params.skip_special_tokens is not kept, parser
 
 
 def test_stream_sends_content_then_the_calls_at_the_end():

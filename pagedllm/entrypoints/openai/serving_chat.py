@@ -156,8 +156,12 @@ class OpenAIServingChat(GenerationServing):
 
     def _force_tool_call(self, request: ChatCompletionRequest, tool_choice: str | NamedToolChoice,
                          params: SamplingParams) -> SamplingParams:
-        """"required" and a named function: constrain the reply to the calls' JSON schema."""
+        """"required" and a named function: constrain the reply to the calls' JSON schema. "auto" with a parser
+        whose marker is a special token: keep special tokens in the reply's text (vLLM's mistral parser does)."""
         tools = [tool.model_dump(exclude_none=True) for tool in request.tools or []]
+        if tool_choice == "auto":
+            keeps = TOOL_PARSERS[cast(str, self.tool_call_parser)].keeps_special_tokens
+            return dataclasses.replace(params, skip_special_tokens=False) if keeps else params
         if tool_choice == "required":
             schema = required_tools_schema(tools, request.parallel_tool_calls)
         elif isinstance(tool_choice, NamedToolChoice):

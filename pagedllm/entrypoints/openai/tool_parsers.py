@@ -2,17 +2,22 @@
 (tool_choice "required" or a named function), and ToolCallStream, which turns a choice's text into OpenAI's
 `content` and `tool_calls`, whole or as streamed deltas.
 
-    hermes       <tool_call>{"name": ..., "arguments": {...}}</tool_call>, one block per call (Qwen2, Hermes)
+    hermes       <tool_call>{"name": ..., "arguments": {...}}</tool_call>, one block per call (Qwen2, Qwen3, Hermes)
     llama3_json  {"name": ..., "parameters": {...}}, calls separated by ";", optionally after <|python_tag|>
+    mistral      [TOOL_CALLS][{"name": ..., "arguments": {...}}, ...], or from Mistral's v11 tokenizer
+                 [TOOL_CALLS]name[ARGS]{...} per call (the marker is a special token: these replies keep theirs)
+    pythonic     [get_weather(city="Rome"), get_time()]: a Python list of calls with literal arguments (Llama 3.2
+                 and 4's pythonic format), read by `ast`, never evaluated
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 
 @dataclass(slots=True)
@@ -43,19 +48,31 @@ def partial_marker_start(text: str, marker: str) -> int | None:
     return None
 
 
-class HermesToolParser:
+class ToolParser:
+    """Finds the calls a model wrote in its reply (`tool_start` while it streams, `extract` once it is whole)."""
+
+    keeps_special_tokens = False    # True: the calls' marker is a special token, which the reply's text must keep
+
+    def tool_start(self, text: str) -> int | None:
+        """Where a tool call starts (or may be starting) in the text so far; None: it is all content."""
+        raise NotImplementedError
+
+    def extract(self, text: str) -> tuple[str | None, list[FunctionCall]]:
+        """(content, calls); a reply whose calls do not parse is all content."""
+        raise NotImplementedError
+
+
+class HermesToolParser(ToolParser):
     """Calls in <tool_call> blocks; the text before the first block is the content."""
 
     START = "<tool_call>"
     _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
     def tool_start(self, text: str) -> int | None:
-        """Where a tool call starts (or may be starting) in the text so far; None: it is all content."""
         index = text.find(self.START)
         return index if index >= 0 else partial_marker_start(text, self.START)
 
     def extract(self, text: str) -> tuple[str | None, list[FunctionCall]]:
-        """(content, calls); a reply whose blocks do not parse is all content."""
         start = text.find(self.START)
         if start < 0:
             return text, []
@@ -65,7 +82,7 @@ class HermesToolParser:
         return text[:start].strip() or None, calls
 
 
-class Llama3JsonToolParser:
+class Llama3JsonToolParser(ToolParser):
     """A reply that is one or more JSON calls (`name` and `parameters`), separated by ";"."""
 
     PYTHON_TAG = "<|python_tag|>"
@@ -91,7 +108,76 @@ class Llama3JsonToolParser:
         return None, calls
 
 
-TOOL_PARSERS = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser}
+class MistralToolParser(ToolParser):
+    """The content, then [TOOL_CALLS] and the calls: a JSON list (or object) of calls, or `name[ARGS]{arguments}`
+    after each [TOOL_CALLS] (Mistral's v11 tokenizer on)."""
+
+    START, ARGS = "[TOOL_CALLS]", "[ARGS]"
+    keeps_special_tokens = True         # [TOOL_CALLS] is one: a reply's text must keep it for the parser to see
+
+    def tool_start(self, text: str) -> int | None:
+        index = text.find(self.START)
+        return index if index >= 0 else partial_marker_start(text, self.START)
+
+    def extract(self, text: str) -> tuple[str | None, list[FunctionCall]]:
+        start = text.find(self.START)
+        if start < 0:
+            return text, []
+        calls: list[FunctionCall | None] = []
+        for piece in filter(None, (p.strip() for p in text[start:].split(self.START))):
+            if self.ARGS in piece:
+                name, _, arguments = piece.partition(self.ARGS)
+                value = _loads(arguments)
+                calls.append(FunctionCall(name.strip(), json.dumps(value))
+                             if name.strip() and isinstance(value, dict) else None)
+            else:
+                value = _loads(piece)
+                calls += [_call_from(v, "arguments") for v in (value if isinstance(value, list) else [value])]
+        if not calls or None in calls:
+            return text, []
+        return text[:start].strip() or None, cast(list[FunctionCall], calls)
+
+
+class PythonicToolParser(ToolParser):
+    """A reply that is a Python list of calls with keyword arguments, each a literal; the list is parsed (`ast`),
+    never run."""
+
+    TAGS = ("<|python_start|>", "<|python_end|>")      # Llama 4 may wrap the list in these
+
+    def tool_start(self, text: str) -> int | None:
+        stripped = text.lstrip()
+        if stripped.startswith(("[", self.TAGS[0])) or (stripped and self.TAGS[0].startswith(stripped)):
+            return 0
+        return None
+
+    def extract(self, text: str) -> tuple[str | None, list[FunctionCall]]:
+        body = text.strip().removeprefix(self.TAGS[0]).removesuffix(self.TAGS[1]).strip()
+        try:
+            tree = ast.parse(body, mode="eval").body
+        except SyntaxError:
+            return text, []
+        if not isinstance(tree, ast.List) or not tree.elts:
+            return text, []
+        calls = []
+        for node in tree.elts:
+            if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+                return text, []
+            try:
+                arguments = {_keyword(k): ast.literal_eval(k.value) for k in node.keywords}
+            except ValueError:      # not a literal (or **kwargs)
+                return text, []
+            calls.append(FunctionCall(node.func.id, json.dumps(arguments)))
+        return None, calls
+
+
+def _keyword(keyword: ast.keyword) -> str:
+    if keyword.arg is None:
+        raise ValueError("**kwargs in a call")
+    return keyword.arg
+
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser,
+                                              "mistral": MistralToolParser, "pythonic": PythonicToolParser}
 
 
 def _loads(text: str) -> Any:
@@ -131,7 +217,7 @@ class ToolCallStream:
             other modes make one call then).
     """
 
-    def __init__(self, parser: HermesToolParser | Llama3JsonToolParser | None = None,
+    def __init__(self, parser: ToolParser | None = None,
                  forced_name: str | None = None, required: bool = False, parallel: bool = True) -> None:
         self.parser, self.forced_name, self.required, self.parallel = parser, forced_name, required, parallel
         self.text = ""
