@@ -209,7 +209,8 @@ class LlamaModel(nn.Module):
         layers = [kernels.DecoderLayerWeights(
             layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
             layer.self_attn.qkv_proj.kernel_weights(kernels), layer.self_attn.o_proj.kernel_weights(kernels),
-            layer.mlp.gate_up_proj.kernel_weights(kernels), layer.mlp.down_proj.kernel_weights(kernels))
+            layer.mlp.gate_up_proj.kernel_weights(kernels), layer.mlp.down_proj.kernel_weights(kernels),
+            *[None if norm is None else norm.weight for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm)])
             for layer in self.layers]
         return kernels.DecoderStack(layers, self.norm.weight, self.norm.eps, attn.rotary_emb.cos_cache,
                                     attn.rotary_emb.sin_cache, attn.qkv_proj.q_size // attn.head_dim,
@@ -277,8 +278,7 @@ class LlamaForCausalLM(nn.Module):
         backend: otherwise the modules run. The loader calls it once the weights are final, packed: a stack holds
         the weight tensors it was built with. `enforce_eager=True` keeps the modules."""
         layer = self.model.layers[0]
-        if (layer.mlp.down_proj.tp_size == 1 and layer.self_attn.attn_backend is paged_attention
-                and layer.self_attn.q_norm is None):        # the stack has no per-head q/k norms (Qwen3)
+        if layer.mlp.down_proj.tp_size == 1 and layer.self_attn.attn_backend is paged_attention:
             self.model.stacks = {}
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],

@@ -31,6 +31,8 @@ CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "bfloat16": ("llama-gqa", {}, dict(dtype="bfloat16")),
     "float16, plain weights": ("llama-gqa", {}, dict(dtype="float16")),
     "qwen2, qkv bias": ("qwen2", {}, dict(dtype="float32")),
+    "qwen3, q/k norms": ("qwen3", {}, dict(dtype="float32")),
+    "qwen3 in bfloat16": ("qwen3", {}, dict(dtype="bfloat16")),
     "o_proj and mlp biases": ("llama-untied", dict(attention_bias=True, mlp_bias=True), dict(dtype="float32")),
     "mqa, head_dim 32": ("llama-mqa", {}, dict(dtype="float32")),
     "int8": ("llama-gqa", {}, dict(dtype="float32", quantization="int8")),

@@ -87,9 +87,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("ggml_type") = 0, py::arg("activation_bits") = 16);
   py::class_<pagedllm::DecoderLayerWeights>(m, "DecoderLayerWeights", py::module_local())
       .def(py::init<at::Tensor, at::Tensor, pagedllm::LinearWeights, pagedllm::LinearWeights, pagedllm::LinearWeights,
-                    pagedllm::LinearWeights>(),
+                    pagedllm::LinearWeights, c10::optional<at::Tensor>, c10::optional<at::Tensor>>(),
            py::arg("input_norm"), py::arg("post_attention_norm"), py::arg("qkv"), py::arg("o"), py::arg("gate_up"),
-           py::arg("down"));
+           py::arg("down"), py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none());
   py::class_<pagedllm::DecoderStack>(m, "DecoderStack", py::module_local(),
                                      "A Llama-family decoder's layers and final norm in one call (decoder.cpp)")
       .def(py::init<std::vector<pagedllm::DecoderLayerWeights>, at::Tensor, double, at::Tensor, at::Tensor, int64_t,

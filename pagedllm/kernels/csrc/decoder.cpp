@@ -110,14 +110,19 @@ at::Tensor DecoderStack::forward(at::Tensor x, const at::Tensor& positions, cons
   return out;
 }
 
-// LlamaAttention.forward with the CPU backend (pagedllm.attention.cpu): h [T, H] -> o_proj's output [T, H].
+// LlamaAttention.forward with the CPU backend (pagedllm.attention.cpu): h [T, H] -> o_proj's output [T, H]; Qwen3's
+// per-head norms of q and k before the rotary embedding, where the layer has them.
 at::Tensor DecoderStack::attention(const DecoderLayerWeights& layer, const at::Tensor& h, const at::Tensor& positions,
                                    const KVPair& kv_cache, const StepBatch& batch) const {
   const at::Tensor qkv = layer.qkv(h);  // [T, (Hq + 2 Hkv) D]
   const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
   at::Tensor q = qkv.narrow(1, 0, q_size).view({-1, num_heads_, head_dim_});
-  const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({-1, num_kv_heads_, head_dim_});
+  at::Tensor k = qkv.narrow(1, q_size, kv_size).view({-1, num_kv_heads_, head_dim_});
   const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({-1, num_kv_heads_, head_dim_});
+  if (layer.q_norm && layer.k_norm) {
+    q = head_norm(q, *layer.q_norm);
+    k = head_norm(k, *layer.k_norm);
+  }
   rotary_embedding(positions, q, k, cos_cache_, sin_cache_);
   const auto& [k_cache, v_cache] = kv_cache;
   write_kv(k, v, k_cache, v_cache, batch.slot_mapping);
@@ -126,6 +131,14 @@ at::Tensor DecoderStack::attention(const DecoderLayerWeights& layer, const at::T
   paged_attention(out, q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
                   batch.num_decodes, scale_, batch.cascade);
   return layer.o(out.flatten(1));
+}
+
+// LlamaAttention's Qwen3 norm: heads [T, heads, D] -> each head's row RMS-normed with `weight` [D], contiguous.
+at::Tensor DecoderStack::head_norm(const at::Tensor& heads, const at::Tensor& weight) const {
+  const at::Tensor rows = heads.reshape({-1, head_dim_});
+  at::Tensor out = at::empty_like(rows);
+  rms_norm(out, rows, weight, eps_);
+  return out.view(heads.sizes());
 }
 
 }  // namespace pagedllm

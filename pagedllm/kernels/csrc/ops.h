@@ -131,6 +131,7 @@ struct LinearWeights {
 struct DecoderLayerWeights {
   at::Tensor input_norm, post_attention_norm;
   LinearWeights qkv, o, gate_up, down;
+  c10::optional<at::Tensor> q_norm, k_norm;  // Qwen3's RMSNorm weights over each query and key head
 };
 
 using KVPair = std::tuple<at::Tensor, at::Tensor>;  // one layer's (k_cache, v_cache)
@@ -154,6 +155,7 @@ class DecoderStack {
   };
   at::Tensor attention(const DecoderLayerWeights& layer, const at::Tensor& h, const at::Tensor& positions,
                        const KVPair& kv_cache, const StepBatch& batch) const;
+  at::Tensor head_norm(const at::Tensor& heads, const at::Tensor& weight) const;
 
   std::vector<DecoderLayerWeights> layers_;
   at::Tensor norm_;
