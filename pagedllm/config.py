@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 PreemptionMode = Literal["recompute", "swap", "auto"]
 SchedulingPolicy = Literal["fcfs", "priority"]
@@ -154,6 +154,10 @@ class ModelConfig:
             enough keys to pay (`pagedllm/kernels/csrc/paged_attention.cpp`); its results differ from the
             sequence-by-sequence ones in the order of their float sums, so turning it off makes a request's
             attention independent of the batch it ran in.
+        hf_overrides: fields set on the model's transformers config after it is read (vLLM's), e.g.
+            `{"max_position_embeddings": 4096}`; or, to serve a causal LM as a classifier from its LM head's rows
+            (vLLM's way for Qwen3-Reranker), `{"architectures": ["Qwen3ForSequenceClassification"],
+            "classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true}` (`pagedllm.loader`).
     """
 
     model: str | None = None
@@ -166,8 +170,11 @@ class ModelConfig:
     enforce_eager: bool = False
     disable_cascade_attn: bool = False
     generation_config: str = "auto"
+    hf_overrides: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        _require(self.hf_overrides is None or isinstance(self.hf_overrides, dict), "hf_overrides",
+                 "a dict of config fields", self.hf_overrides)
         _require(self.dtype in ("auto", "bfloat16", "float16", "float32"), "dtype",
                  "one of 'auto', 'bfloat16', 'float16', 'float32'", self.dtype)
         _require(self.max_model_len is None or self.max_model_len > 0, "max_model_len", "> 0",

@@ -84,16 +84,49 @@ def _log_precision(requested: str, dtype: torch.dtype, device: str, quantization
         logger.info("CPU: %s; dtype %s", cpu_info().describe(), chosen)
 
 
-def load_hf_config(resolved: ResolvedModel, gguf_file: GGUFFile | None = None) -> Any:
+def load_hf_config(resolved: ResolvedModel, gguf_file: GGUFFile | None = None,
+                   overrides: dict[str, Any] | None = None) -> Any:
     """The transformers config of a folder, or one built from a GGUF's metadata (`gguf_file`: the file already
-    opened)."""
+    opened), with `overrides` (ModelConfig.hf_overrides) set on it."""
     if resolved.gguf_path is not None:
         from pagedllm.loader.gguf import GGUFFile, gguf_hf_config
 
-        return gguf_hf_config(gguf_file or GGUFFile(resolved.gguf_path))
-    from transformers import AutoConfig
+        config = gguf_hf_config(gguf_file or GGUFFile(resolved.gguf_path))
+    else:
+        from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(str(resolved.path))
+        config = AutoConfig.from_pretrained(str(resolved.path))
+    if overrides:
+        config.update(overrides)
+        if "classifier_from_token" in overrides:
+            _classifier_from_token(config, resolved)
+    return config
+
+
+def _classifier_from_token(config: Any, resolved: ResolvedModel) -> None:
+    """vLLM's classifier from an LM head's rows (`hf_overrides` `classifier_from_token`: token strings, one per
+    class): the tokens' ids go to `config.classifier_token_ids` (the model builds its head from those rows,
+    `LlamaForCausalLM.load_weights`) and the classes to id2label. With two tokens and `is_original_qwen3_reranker`
+    (or `method` "from_2_way_softmax") the head has one label, the second token's row less the first's: the sigmoid
+    of its logit is the second token's probability in a softmax over the two (Qwen3-Reranker's "yes" against
+    "no")."""
+    from pagedllm.tokenizer.tokenizer import load_tokenizer
+
+    tokens = config.classifier_from_token
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+        raise ValueError(f"classifier_from_token must be a list of token strings, got {tokens!r}")
+    tokenizer = load_tokenizer(resolved.path, resolved.gguf_file)
+    ids = tokenizer.convert_tokens_to_ids(tokens)
+    unknown = [t for t, i in zip(tokens, ids, strict=True) if i is None or i == tokenizer.unk_token_id]
+    if unknown:
+        raise ValueError(f"classifier_from_token names {unknown}, which are not tokens of this model's vocabulary")
+    two_way = getattr(config, "is_original_qwen3_reranker", False) or \
+        getattr(config, "method", None) == "from_2_way_softmax"
+    if two_way and len(tokens) != 2:
+        raise ValueError(f"a two-way classifier takes two tokens (false, true), got {tokens}")
+    config.classifier_token_ids = ids
+    config.id2label = {0: tokens[1]} if two_way else dict(enumerate(tokens))
+    config.label2id = {label: i for i, label in config.id2label.items()}
 
 
 def max_model_len_of(hf_config: Any, wanted: int | None) -> int:
@@ -219,7 +252,7 @@ def load_model(model_config: ModelConfig, tp_rank: int = 0, tp_size: int = 1) ->
         from pagedllm.loader.gguf import GGUFFile
 
         gguf_file = GGUFFile(resolved.gguf_path)
-    hf_config = load_hf_config(resolved, gguf_file)
+    hf_config = load_hf_config(resolved, gguf_file, model_config.hf_overrides)
     quantization = resolve_quantization(model_config.quantization, resolved, hf_config, tp_size, model_config.device,
                                         model_config.dtype)
     dtype = resolve_dtype(model_config.dtype, model_config.device)

@@ -261,8 +261,11 @@ class LlamaForCausalLM(nn.Module):
         # float32, as the pooled rows it reads: a few thousand values, next to nothing to store or to multiply
         self.score = (nn.Linear(config.hidden_size, config.num_labels, bias=False, dtype=torch.float32)
                       if CLASSIFIER_ARCHITECTURES & architectures else None)
-        self.tie_word_embeddings = (self.bare or self.score is not None
-                                    or bool(getattr(config, "tie_word_embeddings", False)))
+        # a causal LM served as a classifier from its LM head's rows (pagedllm.loader._classifier_from_token): the
+        # checkpoint has no head, which load_weights builds from those rows
+        self.classifier_token_ids: list[int] | None = getattr(config, "classifier_token_ids", None)
+        self.head_is_embedding = bool(getattr(config, "tie_word_embeddings", False))     # the checkpoint's LM head
+        self.tie_word_embeddings = self.bare or self.score is not None or self.head_is_embedding
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype, tp_rank, tp_size)
         if self.tie_word_embeddings:
             self.lm_head.tie(self.model.embed_tokens)
@@ -306,18 +309,29 @@ class LlamaForCausalLM(nn.Module):
         """
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
+        head_rows = None        # the classifier's tokens' rows of the checkpoint's LM head, if it is made of them
         for name, tensor in weights:
             if name.endswith(_IGNORED_SUFFIXES):
                 continue
             if self.bare and not name.startswith("model."):
                 name = "model." + name
+            if self.classifier_token_ids is not None and name == (
+                    "model.embed_tokens.weight" if self.head_is_embedding else "lm_head.weight"):
+                head_rows = tensor[self.classifier_token_ids].float()
             if self.tie_word_embeddings and name == "lm_head.weight":
                 continue  # some checkpoints store the tied head anyway; the embedding is the one used
             if name.endswith(".bias") and self._target(name)[0] not in params and not tensor.any():
                 continue  # a zero bias is no bias (AutoGPTQ stores one for every layer, biased or not)
             loaded.add(self._load_one(params, name, tensor))
+        if head_rows is not None:
+            loaded.add(self._load_one(params, "score.weight", self._classifier_head(head_rows)))
         self._check_all_loaded(params, loaded)
         return loaded
+
+    def _classifier_head(self, rows: torch.Tensor) -> torch.Tensor:
+        """The classification head made of the LM head's rows of the classifier's tokens: those rows, one class
+        each; or, for a one-label head of two tokens (false, true), the true row less the false one."""
+        return rows[1:] - rows[:1] if self.config.num_labels == 1 else rows
 
     @staticmethod
     def _target(name: str) -> tuple[str, str | int | None]:

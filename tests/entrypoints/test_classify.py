@@ -88,6 +88,40 @@ def test_cross_encoder_scores_are_the_pairs_probabilities(cross_encoder):
             assert output.outputs.score == pytest.approx(_hf_logits(hf_model, ids).sigmoid().item(), abs=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["qwen3", "llama-untied"])    # the LM head tied to the embedding, or its own
+def test_a_causal_lm_classifies_from_its_lm_heads_rows_as_vllm_serves_qwen3_reranker(tmp_path, kind):
+    """hf_overrides (vLLM's) make a causal LM a classifier whose head is its LM head's rows of the given tokens:
+    with two tokens and is_original_qwen3_reranker, one label whose probability is the second token's in a softmax
+    over the two (Qwen3-Reranker's "yes" against "no"); otherwise one class per token."""
+    folder, hf_model = save_tiny_model(tmp_path / "lm", kind, initializer_range=0.5)
+    tokenizer = build_byte_tokenizer()
+    no, yes = tokenizer.convert_tokens_to_ids(["n", "y"])
+    reranker = LLM(model=str(folder), dtype="float32", num_kv_blocks=64, runner="pooling", hf_overrides={
+        "architectures": [tiny_config(kind).model_type.capitalize() + "ForSequenceClassification"],
+        "classifier_from_token": ["n", "y"], "is_original_qwen3_reranker": True})
+    for output, (a, b) in zip(reranker.score("query", ["doc one", "doc two"], use_tqdm=False),
+                              [("query", "doc one"), ("query", "doc two")]):
+        logits = _hf_causal_logits(hf_model, tokenizer(a, b)["input_ids"])
+        assert output.outputs.score == pytest.approx(logits[[no, yes]].softmax(0)[1].item(), abs=1e-5)
+
+    three = LLM(model=str(folder), dtype="float32", num_kv_blocks=64, hf_overrides={
+        "architectures": [tiny_config(kind).model_type.capitalize() + "ForSequenceClassification"],
+        "classifier_from_token": ["a", "b", "c"]})
+    (output,) = three.classify({"prompt_token_ids": PROMPTS[1]}, use_tqdm=False)
+    ids = tokenizer.convert_tokens_to_ids(["a", "b", "c"])
+    torch.testing.assert_close(torch.tensor(output.outputs.probs), _hf_causal_logits(hf_model, PROMPTS[1])[ids]
+                               .softmax(0), atol=1e-5, rtol=1e-4)
+    assert three.engine.class_labels == ["a", "b", "c"]
+    with pytest.raises(ValueError, match="not tokens of this model's vocabulary"):
+        LLM(model=str(folder), dtype="float32", num_kv_blocks=64, hf_overrides={
+            "architectures": ["LlamaForSequenceClassification"], "classifier_from_token": ["n", "not a token"]})
+
+
+def _hf_causal_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf_model(torch.tensor([token_ids])).logits[0, -1]
+
+
 def test_served_classifications_and_cross_encoder_scores_equal_offline_ones(classifier, cross_encoder):
     texts = ["a fine day", "the worst step"]
     folder, _ = classifier
