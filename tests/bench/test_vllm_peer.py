@@ -41,10 +41,22 @@ class _Output:
     def __init__(self, n):
         self.outputs, self.num_cached_tokens = [_Completion(n)], 3
 
+class _Embedded:
+    def __init__(self, vector):
+        self.outputs = type("EmbeddingOutput", (), {"embedding": vector})()
+
 class LLM:
     def __init__(self, **kwargs):
         self.env = {k: v for k, v in os.environ.items() if k.startswith("VLLM_CPU")}
         self.kwargs, self.calls = kwargs, []
+
+    def embed(self, prompts, use_tqdm=True):     # the vectors the test put in FAKE_VLLM_VECTORS, in turn
+        self.calls.append([p["prompt_token_ids"] for p in prompts])
+        with open(os.environ["FAKE_VLLM_RECORD"], "w") as f:
+            json.dump({"kwargs": self.kwargs, "calls": self.calls}, f)
+        with open(os.environ["FAKE_VLLM_VECTORS"]) as f:
+            vectors = json.load(f)
+        return [_Embedded(vectors[i % len(vectors)]) for i in range(len(prompts))]
 
     def generate(self, prompts, params, use_tqdm=True):
         params = params if isinstance(params, list) else [params] * len(prompts)
@@ -64,6 +76,39 @@ def fake_vllm_python(tmp_path, monkeypatch) -> tuple[Path, Path]:
     record = tmp_path / "record.json"
     monkeypatch.setenv("FAKE_VLLM_RECORD", str(record))
     return python, record
+
+
+def test_embed_compares_vllm_embedding_the_same_token_ids(tiny_model_dir, fake_vllm_python, tmp_path, monkeypatch,
+                                                          capsys):
+    """The peer runs vLLM's pooling runner on the same prompts; the report compares the first vectors: the
+    stand-in sends back pagedllm's own, then the same with one negated (cosine -1)."""
+    from pagedllm import LLM
+    from pagedllm.bench.datasets import random_requests
+
+    python, record = fake_vllm_python
+    llm = LLM(model=tiny_model_dir, dtype="float32", num_kv_blocks=64)
+    requests = random_requests(llm.get_tokenizer(), 4, 10, 1, 0)
+    ours = [o.outputs.embedding for o in llm.embed([{"prompt_token_ids": r.prompt_token_ids} for r in requests],
+                                                   use_tqdm=False)]
+    llm.close()
+    vectors = tmp_path / "vectors.json"
+    monkeypatch.setenv("FAKE_VLLM_VECTORS", str(vectors))
+    argv = ["embed", "--model", tiny_model_dir, "--dataset", "random", "--num-prompts", "4", "--input-len", "10",
+            "--output-len", "1", "--compare", "vllm", "--vllm-python", str(python), "--kv-cache-memory", "16M",
+            "--dtype", "float32"]
+    for sent, expected in ((ours, 1.0), (ours[:3] + [[-x for x in ours[3]]], -1.0)):
+        vectors.write_text(json.dumps(sent))
+        result = main(argv)
+        assert result["min_cosine_vs_vllm"] == pytest.approx(expected, abs=1e-6)
+    seen = json.loads(record.read_text())
+    warmup, timed = seen["calls"]
+    assert timed == [r.prompt_token_ids for r in requests] and warmup == [requests[0].prompt_token_ids]
+    assert seen["kwargs"]["runner"] == "pooling" and seen["kwargs"]["convert"] == "embed"
+    ours_result, theirs = result["pagedllm"], result["vllm"]
+    assert ours_result["num_prompts"] == theirs["num_prompts"] == 4
+    assert ours_result["total_prompt_tokens"] == theirs["total_prompt_tokens"] == 40
+    assert result["vs_vllm"] == ours_result["prompts_per_second"] / theirs["prompts_per_second"]
+    assert "pagedllm over vLLM 0.0-stand-in" in capsys.readouterr().out
 
 
 def test_compare_vllm_runs_the_same_token_ids_in_the_peer(tiny_model_dir, fake_vllm_python, capsys):
