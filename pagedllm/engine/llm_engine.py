@@ -386,9 +386,13 @@ class LLMEngine:
         except TensorParallelError:
             raise
         except Exception as exc:  # noqa: BLE001 - the block moves may be half done: the whole step fails
+            self.kv_cache_manager.undo_blocks_ahead()     # its hits fail with the rest
             errors = dict.fromkeys(self._step_request_ids(scheduler_output), exc)
             return self._finish_step(scheduler_output, RunnerOutput(), errors)
-        runner_output, errors = self._execute(scheduler_output.scheduled)
+        runner_output, errors, requeued = self._run_step(scheduler_output.scheduled)
+        if requeued:
+            scheduler_output = dataclasses.replace(scheduler_output, scheduled=[
+                s for s in scheduler_output.scheduled if s.request_id not in requeued])
         if self._follow_costs and not errors:
             follow_step_costs(self.config.scheduler, self.runner.last_timings)
         return self._finish_step(scheduler_output, runner_output, errors)
@@ -399,27 +403,50 @@ class LLMEngine:
         return [s.request_id for s in scheduler_output.scheduled] + [
             r for r in scheduler_output.preempted_request_ids if live[r].status is RequestStatus.SWAPPED]
 
+    def _run_step(self, scheduled: list[ScheduledRequest]
+                  ) -> tuple[RunnerOutput, dict[str, Exception], set[str]]:
+        """Run the step's requests: (output, errors, requeued). When the run raises, the blocks the step cached
+        ahead are taken back first and the requests that hit them go back to wait (`undo_step_sharing`: those
+        blocks may hold nothing, should their writer fail again), then the others run again in halves (`_execute`).
+        """
+        try:
+            return self.runner.run(scheduled), {}, set()
+        except TensorParallelError:
+            raise   # the ranks are out of step: no rerun can help, the engine fails as a whole
+        except Exception as exc:  # noqa: BLE001 - a failed run fails its own requests, not the engine
+            requeued = self.scheduler.undo_step_sharing(scheduled)
+            if len(scheduled) == 1:
+                return RunnerOutput(), {scheduled[0].request_id: exc}, requeued
+            logger.warning("engine step failed for %d requests: %r; running them again in halves to find the "
+                           "failing ones%s", len(scheduled), exc,
+                           f" ({len(requeued)} that read blocks computed in the same step wait again)" if requeued
+                           else "")
+        output, errors = self._in_halves([s for s in scheduled if s.request_id not in requeued])
+        return output, errors, requeued
+
     def _execute(self, scheduled: list[ScheduledRequest]) -> tuple[RunnerOutput, dict[str, Exception]]:
-        """Run the step's requests. When the runner raises, each half is run again, recursively, down to single
-        requests, so that only a request whose own run raises fails (with its error) and one bad request cannot
-        fail a whole batch. A rerun is safe: `runner.run` writes only the K/V slots of these requests' new
+        """Run some of the step's requests. When the runner raises, each half is run again, recursively, down to
+        single requests, so that only a request whose own run raises fails (with its error) and one bad request
+        cannot fail a whole batch. A rerun is safe: `runner.run` writes only the K/V slots of these requests' new
         tokens (a rerun overwrites the same slots) and advances their sampling state only once it has sampled;
         the block moves ran once, in `prepare`, and the scheduler's counters move only in `update_from_output`.
         """
         try:
             return self.runner.run(scheduled), {}
         except TensorParallelError:
-            raise   # the ranks are out of step: no rerun can help, the engine fails as a whole
+            raise
         except Exception as exc:  # noqa: BLE001 - a failed run fails its own requests, not the engine
             if len(scheduled) == 1:
                 return RunnerOutput(), {scheduled[0].request_id: exc}
-            logger.warning("engine step failed for %d requests: %r; running them again in halves to find the "
-                           "failing ones", len(scheduled), exc)
+        return self._in_halves(scheduled)
+
+    def _in_halves(self, scheduled: list[ScheduledRequest]) -> tuple[RunnerOutput, dict[str, Exception]]:
+        if len(scheduled) <= 1:
+            return self._execute(scheduled)
         middle = len(scheduled) // 2
         first, first_errors = self._execute(scheduled[:middle])
         second, second_errors = self._execute(scheduled[middle:])
-        return (RunnerOutput({**first.sampled_token_ids, **second.sampled_token_ids},
-                             {**first.logprobs, **second.logprobs}), first_errors | second_errors)
+        return first.merged(second), first_errors | second_errors
 
     def _finish_step(self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput,
                      errors: dict[str, Exception]) -> list[RequestOutput]:

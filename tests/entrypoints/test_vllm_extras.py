@@ -367,7 +367,7 @@ def test_a_truncation_that_cannot_be_is_a_400(server, keep):
 
 
 def test_usage_says_how_many_prompt_tokens_the_prefix_cache_held(client, server):
-    prompts = [f"A prompt for the cached-tokens test, number {i}, long enough to fill a few blocks." for i in (1, 2)]
+    prompts = [f"{i}: a prompt for the cached-tokens test, long enough to fill a few blocks." for i in (1, 2)]
     first = client.completions.create(model=server.model_name, prompt=prompts, max_tokens=1, n=2)
     again = client.completions.create(model=server.model_name, prompt=prompts, max_tokens=1, n=2)
     assert first.usage.prompt_tokens_details.cached_tokens == 0

@@ -57,7 +57,7 @@ def test_scheduler_snapshot_reads_the_core():
     kv = KVCacheManager(num_blocks=11, block_size=4, enable_caching=True)
     scheduler = Scheduler(SchedulerConfig(max_model_len=64, max_num_batched_tokens=64), kv)
     for i in range(2):
-        scheduler.add_request(Request(f"r{i}", list(range(1, 10)), SamplingParams(max_tokens=4)))
+        scheduler.add_request(Request(f"r{i}", list(range(1 + 10 * i, 10 + 10 * i)), SamplingParams(max_tokens=4)))
     assert scheduler.make_stats().num_waiting == 2 and scheduler.make_stats().scheduled_request_ids == []
     scheduler.schedule()
     stats = scheduler.make_stats()

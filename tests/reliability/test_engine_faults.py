@@ -100,6 +100,45 @@ def test_a_failing_request_fails_alone(tiny_model_dir, caplog, num_tokens_before
     assert "injected fault" in caplog.text and SECRET not in caplog.text and POISON not in caplog.text
 
 
+def test_requests_that_read_a_failing_requests_blocks_in_its_step_recompute_them(tiny_model_dir, caplog):
+    """A prompt admitted beside another that shares its prefix hits the blocks that step computes (cached ahead).
+    When the writer's run raises, those blocks may hold nothing: their hashes are taken back and the readers wait
+    again and recompute, so they answer as alone; the writer fails alone, and nothing unsure stays cached."""
+    engine = build_tiny_engine(tiny_model_dir, num_blocks=64)
+    shared = "a system prompt long enough to fill three blocks of sixteen bytes, then "
+    prompts = {"writer": shared + "W", "reader-1": shared + "first", "reader-2": shared + "second"}
+    alone = served_alone(engine, list(prompts.values()) + [shared + "later"], 8)
+    assert engine.reset_prefix_cache()
+
+    class FailingWriter:
+        def __init__(self, runner):
+            self.runner = runner
+
+        def __getattr__(self, name):
+            return getattr(self.runner, name)
+
+        def run(self, scheduled):
+            if any(s.request_id == "writer" for s in scheduled):
+                raise RuntimeError("injected fault in the writer's run")
+            return self.runner.run(scheduled)
+
+    engine.runner = FailingWriter(engine.runner)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    for request_id, prompt in prompts.items():
+        engine.add_request(request_id, prompt, params)
+    with caplog.at_level(logging.WARNING):
+        results = _step_to_the_end(engine)
+    assert "2 that read blocks computed in the same step wait again" in caplog.text
+    writer = results.pop("writer")
+    assert writer.outputs[0].finish_reason == "abort" and "writer's run" in writer.error
+    for request_id, output in results.items():
+        assert output.error is None and output.outputs[0].token_ids == alone[prompts[request_id]]
+    engine.add_request("later", shared + "later", params)          # hits only blocks a step did compute
+    later = _step_to_the_end(engine)["later"]
+    assert later.num_cached_tokens > 0 and later.outputs[0].token_ids == alone[shared + "later"]
+    assert pool_is_whole(engine) and not engine._tracked
+
+
 def test_a_failing_prepare_fails_the_whole_step(tiny_model_dir):
     """The block moves run once, before any forward pass; when they fail, every request of the step fails."""
     engine = build_tiny_engine(tiny_model_dir, num_blocks=64)

@@ -82,6 +82,11 @@ class BlockPool:
             block.ref_cnt = 1
         return blocks
 
+    def uncache_block(self, block: KVCacheBlock) -> None:
+        """Take a block's hash out of the prefix-cache map (no-op for an unhashed block); the block stays as it is
+        otherwise (used or free)."""
+        self._evict(block)
+
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is not None:
             del self._cached[block.block_hash]

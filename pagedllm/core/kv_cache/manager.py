@@ -22,6 +22,13 @@ parent  [ 17 | 4 | 9:ab.. ]      fork       parent [ 17 | 4 | 9:ab.. ]   ref_cnt
 child writes token c at slot 2:  child [ 17 | 4 | 21:abc. ]  blocks_to_copy += (9, 21); ref_cnt 9: 1
 ```
 
+Blocks cached ahead. A block is offered to the prefix cache once it is full of computed tokens (`cache_full_blocks`,
+after the step that wrote it) or, for the requests a step schedules, as soon as that step is planned
+(`cache_blocks_ahead`): a request admitted later in the same step then hits it and reads its K/V in the same forward
+pass, which writes a layer's K/V before any of that layer's attention reads (vLLM caches at allocation too). Should
+the step fail, `undo_blocks_ahead` takes those hashes out again and names the requests that hit them, whose reads
+were not sure.
+
 Swap. A second, uncached `BlockPool` (`num_swap_blocks`, 0 for none) holds the computed blocks of swapped-out
 requests. `swap_out` moves a request's computed blocks there (a shared block is copied; the others keep
 using the device block), `swap_in` brings them back into fresh device blocks; both return `(src, dst)` pairs
@@ -78,6 +85,10 @@ class KVCacheManager:
         self._req_blocks: dict[str, list[KVCacheBlock]] = {}
         # request id -> how many leading blocks of its table were already offered to the prefix cache.
         self._num_cached_blocks: dict[str, int] = {}
+        # This step's blocks cached ahead (block id -> the block, its request, that request's count of cached
+        # blocks before), and the requests that hit one of them.
+        self._ahead: dict[int, tuple[KVCacheBlock, str, int]] = {}
+        self._ahead_readers: set[str] = set()
         # Swap traffic since start-up, in blocks (metrics).
         self.num_blocks_swapped_out = 0
         self.num_blocks_swapped_in = 0
@@ -178,6 +189,8 @@ class KVCacheManager:
         if copy_on_write:
             self._copy_on_write(request.request_id, table, write_index)
         self.pool.touch(hit)
+        if any(block.block_id in self._ahead for block in hit):
+            self._ahead_readers.add(request.request_id)
         if computed is not None and self.enable_caching and request.num_preemptions == 0:
             self.pool.record_prefix_query(request.num_tokens, computed.num_computed_tokens)
         new_blocks = self.pool.get_new_blocks(num_needed)
@@ -219,25 +232,53 @@ class KVCacheManager:
         self._num_cached_blocks[child.request_id] = self._num_cached_blocks.get(parent.request_id, 0)
 
     def cache_full_blocks(self, request: Request) -> None:
-        """Offer the request's blocks that are full of computed tokens to the prefix cache.
+        """Offer the request's blocks that are full of computed tokens to the prefix cache: after a step, once
+        `request.num_computed_tokens` advanced over the K/V it wrote. Covers blocks filled by generated tokens
+        too."""
+        self._cache_blocks(request, request.num_computed_tokens // self.block_size)
 
-        Call after `request.num_computed_tokens` advanced, i.e. once the step wrote their K/V, so that no
-        other request can hit a block whose K/V is still being computed. Covers blocks filled by generated
-        tokens too.
-        """
+    def cache_blocks_ahead(self, request: Request, num_new_tokens: int) -> None:
+        """Offer the blocks that the step being planned fills (with the request's next `num_new_tokens` tokens)
+        to the prefix cache now, so that a request admitted later in the same step can hit them (see the module
+        docstring); `undo_blocks_ahead` takes them back if the step fails."""
+        before = self._num_cached_blocks.get(request.request_id, 0)
+        for block in self._cache_blocks(request, (request.num_computed_tokens + num_new_tokens) // self.block_size):
+            self._ahead[block.block_id] = (block, request.request_id, before)
+
+    def _cache_blocks(self, request: Request, num_full: int) -> list[KVCacheBlock]:
+        """Enter the request's blocks before `num_full` in the prefix-cache map; returns those it entered."""
         table = self._req_blocks.get(request.request_id)
         if not self.enable_caching or table is None:
-            return
+            return []
         start = self._num_cached_blocks[request.request_id]
-        num_full = request.num_computed_tokens // self.block_size
         if num_full <= start:
-            return
+            return []
         hashes = self._block_hashes(request)
+        entered = []
         for index in range(start, num_full):
             parent = hashes[index - 1] if index > 0 else None
             key = block_key(request.all_token_ids, index, self.block_size, parent, request.block_extra_keys)
-            self.pool.cache_block(table[index], hashes[index], key)
+            if self.pool.cache_block(table[index], hashes[index], key):
+                entered.append(table[index])
         self._num_cached_blocks[request.request_id] = num_full
+        return entered
+
+    def start_step(self) -> None:
+        """A new step is being planned: the last one's blocks cached ahead were computed (or undone)."""
+        self._ahead.clear()
+        self._ahead_readers.clear()
+
+    def undo_blocks_ahead(self) -> set[str]:
+        """The step failed: its blocks cached ahead may hold no K/V, or part of it. Take their hashes out of the
+        prefix cache (their requests offer them again once computed) and return the ids of the requests that hit
+        them, whose reads are not sure."""
+        for block, request_id, before in self._ahead.values():
+            self.pool.uncache_block(block)
+            if request_id in self._num_cached_blocks:
+                self._num_cached_blocks[request_id] = min(self._num_cached_blocks[request_id], before)
+        readers, self._ahead_readers = self._ahead_readers, set()
+        self._ahead.clear()
+        return readers
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, so its last blocks are evicted before its first ones

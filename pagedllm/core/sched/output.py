@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from pagedllm.core.request import FinishReason
 from pagedllm.lora.request import LoRARequest
@@ -110,6 +110,10 @@ class RunnerOutput:
     prompt_logprobs: dict[str, list[object]] = field(default_factory=dict)
     num_accepted_draft_tokens: dict[str, int] = field(default_factory=dict)
     embeddings: dict[str, list[float]] = field(default_factory=dict)
+
+    def merged(self, other: RunnerOutput) -> RunnerOutput:
+        """The outputs of two runs of disjoint requests (one step run again in parts) as one."""
+        return RunnerOutput(**{f.name: getattr(self, f.name) | getattr(other, f.name) for f in fields(self)})
 
 
 @dataclass(slots=True)

@@ -231,6 +231,7 @@ class Scheduler:
     # ---- schedule ---------------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         plan = _StepPlan(self.config.max_num_batched_tokens)
+        self.kv_cache_manager.start_step()
         self._schedule_running(plan)
         # Admitting anyone right after a preemption would just take the blocks that were freed for others.
         if not plan.preempted_request_ids:
@@ -302,6 +303,21 @@ class Scheduler:
         self.num_preemptions += 1
         self.num_preemptions_by_mode[mode] += 1
 
+    def undo_step_sharing(self, scheduled: list[ScheduledRequest]) -> set[str]:
+        """The step planned last failed (raised): take back its blocks cached ahead
+        (`KVCacheManager.undo_blocks_ahead`), and send each request that hit one back to wait, to be recomputed
+        (the blocks it read may hold no K/V); returns their ids, which must not run in this step again. Their
+        counters are as schedule() left them: `update_from_output` must not see them."""
+        requeued = self.kv_cache_manager.undo_blocks_ahead() & {s.request_id for s in scheduled}
+        for request_id in requeued:
+            request = self.requests[request_id]
+            self._remove_running(request)
+            self.kv_cache_manager.free(request)
+            request.status = RequestStatus.PREEMPTED
+            request.num_computed_tokens = 0
+            bisect.insort(self.waiting, request, key=_waiting_order)
+        return requeued
+
     def _preemption_mode(self, request: Request) -> str:
         config = self.config
         if (config.preemption_mode == "recompute" or request.num_computed_tokens == request.num_tokens
@@ -334,6 +350,10 @@ class Scheduler:
         passed_over: list[Request] = []      # of a LoRA adapter that would be one too many
         running_loras = {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None} \
             if self.max_loras is not None else set()
+        if self.waiting:    # the blocks this step fills, for the admissions to hit (no preemption follows now)
+            for request_id, num_tokens in plan.num_scheduled_tokens.items():
+                self.kv_cache_manager.cache_blocks_ahead(
+                    self.requests[request_id], num_tokens - len(plan.spec_token_ids.get(request_id, ())))
         while self.waiting and plan.token_budget > 0 and self._has_seat_for(self.waiting[0]):
             request = self.waiting[0]
             if not self._lora_fits(request, running_loras):
@@ -362,6 +382,7 @@ class Scheduler:
         request.num_computed_tokens = computed.num_computed_tokens
         if request.num_preemptions == 0:
             request.num_cached_tokens = computed.num_computed_tokens
+        self.kv_cache_manager.cache_blocks_ahead(request, num_new_tokens)
         self._start(request, num_new_tokens, plan)
         return True
 

@@ -3,6 +3,8 @@ the beam-search hooks, on the model-free FakeRunner."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from pagedllm.config import SchedulerConfig
@@ -194,4 +196,58 @@ def test_beam_hooks_fork_append_and_finish() -> None:
     assert [(s.request_id, s.token_ids) for s in out.scheduled] == [("b0", [10]), ("b1", [11])]
     scheduler.update_from_output(out, RunnerOutput())
     scheduler.finish_requests(["b0", "b1"], FinishReason.ABORT)
+    assert _all_free(scheduler)
+
+
+def _shared_prefix_batch(scheduler: Scheduler) -> dict[str, list[int]]:
+    shared = list(range(100, 109))                  # 2 full blocks + 1 token
+    prompts = {"a": shared + [1, 2, 3], "b": shared + [4, 5], "c": shared + [6]}
+    for name, prompt in prompts.items():
+        scheduler.add_request(Request(name, prompt, SamplingParams(max_tokens=5, ignore_eos=True)))
+    return prompts
+
+
+def test_requests_admitted_in_one_step_hit_the_blocks_that_step_computes() -> None:
+    """A block is cached when its step is planned (as vLLM caches at allocation): b and c, admitted in a's step,
+    hit the shared prefix's full blocks that step computes, and read them in the same pass (the fake runner writes
+    a's slots before it reads theirs)."""
+    scheduler = _scheduler()
+    manager = scheduler.kv_cache_manager
+    prompts = _shared_prefix_batch(scheduler)
+    runner, results = FakeRunner(BLOCK_SIZE), dict[str, Result]()
+    out = scheduler.schedule()
+    check_step(scheduler, out)
+    tables = {name: manager.get_block_ids(name) for name in prompts}
+    assert tables["a"][:2] == tables["b"][:2] == tables["c"][:2]    # the prefix's two full blocks, held once
+    assert [(s.request_id, s.num_computed_tokens) for s in out.scheduled] == [("a", 0), ("b", 8), ("c", 8)]
+    assert manager.get_ref_counts("a")[:2] == [3, 3]
+    record(results, scheduler.update_from_output(out, runner.execute(out)))
+    run_steps(scheduler, runner, results)
+    for name, prompt in prompts.items():
+        assert results[name].token_ids == reference(prompt, 5, None)
+    assert [results[name].num_cached_tokens for name in prompts] == [0, 8, 8]
+    assert _all_free(scheduler)
+
+
+def test_a_failed_step_takes_back_its_blocks_cached_ahead_and_requeues_their_readers() -> None:
+    """When a step raises, the blocks it cached ahead may hold nothing: their hashes go, the requests that hit
+    them wait again and recompute, and the writers offer their blocks again once a step computed them."""
+    scheduler = _scheduler()
+    manager = scheduler.kv_cache_manager
+    prompts = _shared_prefix_batch(scheduler)
+    out = scheduler.schedule()
+    assert scheduler.undo_step_sharing(out.scheduled) == {"b", "c"}
+    assert [r.request_id for r in scheduler.waiting] == ["b", "c"] and scheduler.requests["b"].num_computed_tokens == 0
+    assert manager.get_ref_counts("a") == [1, 1, 1] and not manager.get_block_ids("b")
+    fresh = Request("probe", prompts["a"], SamplingParams(max_tokens=1))
+    assert manager.get_computed_blocks(fresh).num_computed_tokens == 0      # no hash of an unsure block is left
+    manager.check_integrity()
+    # the step's other requests run again (here: a alone) and a's blocks are cached once it computed them
+    runner, results = FakeRunner(BLOCK_SIZE), dict[str, Result]()
+    rerun = dataclasses.replace(out, scheduled=[s for s in out.scheduled if s.request_id == "a"])
+    record(results, scheduler.update_from_output(rerun, runner.execute(rerun)))
+    assert manager.get_computed_blocks(fresh).num_computed_tokens == 8
+    run_steps(scheduler, runner, results)
+    for name, prompt in prompts.items():
+        assert results[name].token_ids == reference(prompt, 5, None)
     assert _all_free(scheduler)
