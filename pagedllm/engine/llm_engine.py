@@ -29,7 +29,7 @@ from pagedllm.loader.pooling_config import warn_unless_last_token_pooling
 from pagedllm.logger import init_logger
 from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics.stats import SchedulerStats
-from pagedllm.models.llama import class_labels
+from pagedllm.models.llama import class_labels, generates
 from pagedllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.runner import kv_tensors
@@ -154,6 +154,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(loaded.resolved.path, loaded.resolved.gguf_file, config.model.chat_template)
         self.hf_config = loaded.hf_config
         self.class_labels = class_labels(loaded.hf_config)     # a classifier's; None: the model cannot classify
+        self.generates = generates(loaded.hf_config)            # False: no LM head, it only pools
         warn_unless_last_token_pooling(loaded.resolved.path)
         defaults = read_generation_config(config.model.generation_config, loaded.resolved, loaded.hf_config)
         self.default_sampling = defaults.sampling       # SamplingParams field -> the model's default
@@ -274,6 +275,8 @@ class LLMEngine:
         if lora_request is not None:
             self.runner.load_lora(lora_request)
         pooling = params if isinstance(params, PoolingParams) else None
+        if pooling is None:
+            self._check_generates()
         if pooling is not None and pooling.task == "classify" and self.class_labels is None:
             raise ValueError(f"{self.model_name} has no classification head: classify needs a checkpoint saved as a "
                              "sequence classifier (LlamaForSequenceClassification, Qwen2ForSequenceClassification, "
@@ -313,11 +316,18 @@ class LLMEngine:
         `pop_beam_search_output` once `step()` finished it."""
         if request_id in self._tracked or request_id in self.beam_search.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
+        self._check_generates()
         token_ids = self.tokenize_prompt(prompt)
         if lora_request is not None:
             self.runner.load_lora(lora_request)
         eos = frozenset(t for t in [self.tokenizer.eos_token_id, *self.eos_stop_token_ids] if t is not None)
         self.beam_search.add(request_id, token_ids, params, eos, self.max_model_len, lora_request)
+
+    def _check_generates(self) -> None:
+        if not self.generates:
+            raise ValueError(f"{self.model_name} was saved without an LM head (a bare decoder, or a classifier whose "
+                             "config does not tie its embeddings to one): it embeds or classifies, and cannot "
+                             "generate")
 
     def pop_beam_search_output(self, request_id: str) -> BeamSearchOutput | None:
         return self.beam_search.outputs.pop(request_id, None)

@@ -219,14 +219,23 @@ class LlamaModel(nn.Module):
 
 # Checkpoints of the decoder alone, as decoder embedding models are saved (gte-Qwen2, e5-mistral): tensor names
 # without the "model." prefix and no LM head. Such a model embeds (LAST pooling); its embedding matrix stands in as
-# the LM head, so that the engine can still sample (the one token an embedding request samples, or a generation,
-# which such a model was not trained for).
+# the LM head, so that the engine can still sample the one token an embedding request samples (and generate, where
+# the config ties the two: `generates`).
 BARE_ARCHITECTURES = frozenset({"LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model"})
 # Checkpoints of the decoder with a classification head (`score`: hidden -> num_labels logits) instead of the LM head,
 # as transformers saves sequence classifiers and rerankers: the head reads the final hidden state at the prompt's
 # last token (vLLM's LAST pooling). The embedding matrix stands in as the LM head, as for a bare decoder.
 CLASSIFIER_ARCHITECTURES = frozenset({"LlamaForSequenceClassification", "MistralForSequenceClassification",
                                       "Qwen2ForSequenceClassification", "Qwen3ForSequenceClassification"})
+
+
+def generates(config: Any) -> bool:
+    """Whether the checkpoint's model has an LM head to generate with: a causal LM's own, or the embedding matrix
+    of a bare decoder or a classifier whose config ties it to the head. A bare decoder or a classifier saved
+    untied has none (the embedding matrix stands in for the one token a pooling request samples, unseen)."""
+    architectures = set(getattr(config, "architectures", None) or [])
+    return not architectures & (BARE_ARCHITECTURES | CLASSIFIER_ARCHITECTURES) or \
+        bool(getattr(config, "tie_word_embeddings", False))
 
 
 def class_labels(config: Any) -> list[str] | None:

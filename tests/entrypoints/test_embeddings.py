@@ -90,8 +90,9 @@ def test_a_prompt_in_chunks_with_a_cache_hit_and_beside_generations_gives_the_sa
 @pytest.mark.parametrize("kind", ["llama-gqa", "qwen2", "qwen3"])
 def test_a_bare_decoder_checkpoint_embeds_as_transformers_does(tmp_path, kind):
     """An embedding model saved as the decoder alone (architectures LlamaModel, Qwen2Model, MistralModel: names
-    without "model.", no LM head), as gte-Qwen2 and e5-mistral are: it loads, embeds as transformers' model does, and
-    its embedding matrix stands in as the LM head, so that it can still sample."""
+    without "model.", no LM head), as gte-Qwen2 and e5-mistral are: it loads and embeds as transformers' model does;
+    it generates with its embedding matrix as the LM head where its config ties the two, and is refused otherwise
+    (qwen2 here), rather than write text from a head it never had."""
     hf_model = build_tiny_hf_model(kind, 0, initializer_range=0.5).model
     hf_model.save_pretrained(tmp_path / "bare")
     build_byte_tokenizer().save_pretrained(tmp_path / "bare")
@@ -102,8 +103,12 @@ def test_a_bare_decoder_checkpoint_embeds_as_transformers_does(tmp_path, kind):
             expected = hf_model(torch.tensor([prompt])).last_hidden_state[0, -1]
         torch.testing.assert_close(torch.tensor(output.outputs.embedding),
                                    torch.nn.functional.normalize(expected, dim=0), atol=1e-5, rtol=1e-4)
-    (generated,) = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
-                                use_tqdm=False)
+    greedy = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    if not hf_model.config.tie_word_embeddings:
+        with pytest.raises(ValueError, match="saved without an LM head"):
+            llm.generate([PROMPTS[0]], greedy, use_tqdm=False)
+        return
+    (generated,) = llm.generate([PROMPTS[0]], greedy, use_tqdm=False)
     with torch.no_grad():
         logits = hf_model(torch.tensor([PROMPTS[0]])).last_hidden_state[0, -1] @ hf_model.embed_tokens.weight.T
     assert generated.outputs[0].token_ids[0] == int(logits.argmax())

@@ -62,15 +62,21 @@ class ToolParser:
         raise NotImplementedError
 
 
-class HermesToolParser(ToolParser):
-    """Calls in <tool_call> blocks; the text before the first block is the content."""
+class _MarkedToolParser(ToolParser):
+    """Calls after a marker (START), the content before it."""
 
-    START = "<tool_call>"
-    _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+    START: str
 
     def tool_start(self, text: str) -> int | None:
         index = text.find(self.START)
         return index if index >= 0 else partial_marker_start(text, self.START)
+
+
+class HermesToolParser(_MarkedToolParser):
+    """Calls in <tool_call> blocks; the text before the first block is the content."""
+
+    START = "<tool_call>"
+    _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
     def extract(self, text: str) -> tuple[str | None, list[FunctionCall]]:
         start = text.find(self.START)
@@ -108,16 +114,12 @@ class Llama3JsonToolParser(ToolParser):
         return None, calls
 
 
-class MistralToolParser(ToolParser):
+class MistralToolParser(_MarkedToolParser):
     """The content, then [TOOL_CALLS] and the calls: a JSON list (or object) of calls, or `name[ARGS]{arguments}`
     after each [TOOL_CALLS] (Mistral's v11 tokenizer on)."""
 
     START, ARGS = "[TOOL_CALLS]", "[ARGS]"
     keeps_special_tokens = True         # [TOOL_CALLS] is one: a reply's text must keep it for the parser to see
-
-    def tool_start(self, text: str) -> int | None:
-        index = text.find(self.START)
-        return index if index >= 0 else partial_marker_start(text, self.START)
 
     def extract(self, text: str) -> tuple[str | None, list[FunctionCall]]:
         start = text.find(self.START)
