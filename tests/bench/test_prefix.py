@@ -14,3 +14,14 @@ def test_prefix_cache_on_and_off(tiny_model_dir, capsys):
     assert off["hit_rate"] == 0 and off["kv_manager_hit_rate"] == 0
     assert result["ratio"] == on["output_tokens_per_second"] / off["output_tokens_per_second"]
     assert "Speed-up with the prefix cache" in capsys.readouterr().out
+
+
+def test_a_cold_batch_shares_the_prefix_its_first_step_computes(tiny_model_dir):
+    """--cold: nothing cached before the batch; the first request computes the system prompt and every other
+    reuses its full blocks, the ones admitted in the same step too."""
+    result = main(["prefix", "--model", tiny_model_dir, "--num-prompts", "4", "--prefix-len", "96", "--cold",
+                   "--output-len", "3", "--kv-cache-memory", "16M", "--dtype", "float32"])
+    on = result["cache_on"]
+    assert 0 < on["hit_rate"] == on["ideal_hit_rate"] < main(
+        ["prefix", "--model", tiny_model_dir, "--num-prompts", "4", "--prefix-len", "96", "--output-len", "3",
+         "--kv-cache-memory", "16M", "--dtype", "float32"])["cache_on"]["hit_rate"]
