@@ -33,6 +33,20 @@ def test_a_whole_reply_splits_at_the_end_tag(text, parts):
     assert ReasoningStream().final(text) == parts
 
 
+@pytest.mark.parametrize(("text", "parts"), [
+    ("<think>a</think>b", ("a", "b")),
+    ("<think>still thinking", ("still thinking", None)),
+    ("a</think>b", (None, "a</think>b")),       # no <think> first: Qwen3 answered without thinking
+    ("just the answer", (None, "just the answer")),
+])
+def test_qwen3_reasons_only_in_a_reply_that_opens_with_think(text, parts):
+    assert ReasoningStream("qwen3").final(text) == parts
+    pieces = [text[i:i + 3] for i in range(0, len(text), 3)]
+    stream = ReasoningStream("qwen3")
+    deltas = [stream.delta(piece, i == len(pieces) - 1) for i, piece in enumerate(pieces)]
+    assert ("".join(r for r, _ in deltas) or None, "".join(c for _, c in deltas) or None) == parts
+
+
 text_chars = st.text(alphabet=st.sampled_from("ab </>thinkT"), max_size=12).filter(
     lambda s: "</think>" not in s and not s.startswith("<think>"))
 

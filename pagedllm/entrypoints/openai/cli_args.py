@@ -158,7 +158,8 @@ def _add_openai_args(server: argparse._ArgumentGroup) -> None:
                              "and Qwen3), llama3_json, mistral ([TOOL_CALLS]) or pythonic ([f(x=1)], Llama 3.2/4)")
     server.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                         help="how the model marks its thinking: deepseek_r1 (<think> ... </think>: DeepSeek-R1 and "
-                             "its Qwen2 distills, QwQ); replies then carry it in `reasoning`, apart from `content`")
+                             "its Qwen2 distills, QwQ) or qwen3 (only a reply that opens with <think> reasons); "
+                             "replies then carry it in `reasoning`, apart from `content`")
     server.add_argument("--enable-log-requests", action="store_true",
                         help="log each request's prompt and sampling parameters (off: prompts may be private)")
     server.add_argument("--disable-log-stats", action="store_true",

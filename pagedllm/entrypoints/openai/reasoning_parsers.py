@@ -3,27 +3,36 @@ ReasoningStream, which turns a choice's text into the chat API's `reasoning` and
 
     deepseek_r1  <think> ... </think> then the answer (DeepSeek-R1 and its Qwen2 distills, QwQ); the chat template
                  may open the <think> itself, so a reply without </think> is all reasoning, as in vLLM
+    qwen3        the same, but only a reply that opens with <think> reasons (Qwen3: with enable_thinking false its
+                 template closes an empty think block in the prompt, and the reply is all answer)
 """
 
 from __future__ import annotations
 
 from pagedllm.entrypoints.openai.tool_parsers import partial_marker_start
 
-REASONING_PARSERS = ("deepseek_r1",)
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
 
 
 class ReasoningStream:
-    """One choice's reasoning and content (`<think>` reasoning `</think>` content)."""
+    """One choice's reasoning and content (`<think>` reasoning `</think>` content).
+
+    Args:
+        parser: a name of REASONING_PARSERS; "qwen3" reasons only in a reply that opens with <think>.
+    """
 
     START, END = "<think>", "</think>"
 
-    def __init__(self) -> None:
+    def __init__(self, parser: str = "deepseek_r1") -> None:
+        self.must_open = parser == "qwen3"
         self.text = ""
         self.num_reasoning_sent = 0     # of the reasoning (the text less a leading <think>)
-        self.answering = False          # </think> seen: the rest is content
+        self.answering = False          # </think> seen (or, qwen3, no <think> first): the rest is content
 
     def final(self, text: str) -> tuple[str | None, str | None]:
         """(reasoning, content) of a whole reply; None for an empty part."""
+        if self.must_open and not text.startswith(self.START):
+            return None, text or None
         body = text.removeprefix(self.START)
         reasoning, ended, content = body.partition(self.END)
         return reasoning or None, (content or None) if ended else None
@@ -36,6 +45,9 @@ class ReasoningStream:
         self.text += text
         if not finished and self.START.startswith(self.text) and self.text != self.START:
             return "", ""           # maybe the opening tag, in the making
+        if self.must_open and not self.text.startswith(self.START):
+            self.answering = True   # no <think> first: all of it is the answer
+            return "", self.text
         body = self.text.removeprefix(self.START)
         end = body.find(self.END)
         if end >= 0:

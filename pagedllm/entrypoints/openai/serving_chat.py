@@ -109,7 +109,8 @@ class OpenAIServingChat(GenerationServing):
         head = {"id": request_id, "created": now(), "model": model,
                 "object": "chat.completion.chunk" if request.stream else "chat.completion"}
         states = [ChatChoiceState(self._tool_stream(tool_choice, request.parallel_tool_calls), _echo(request),
-                                  prompt.token_ids, ReasoningStream() if self.reasoning_parser else None,
+                                  prompt.token_ids,
+                                  ReasoningStream(self.reasoning_parser) if self.reasoning_parser else None,
                                   request.include_reasoning)
                   for _ in range(request.n)]
         response = await self.respond(request, outputs, states, head,
