@@ -26,7 +26,7 @@ from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedllm.engine.data_parallel import DataParallelEngine
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.openai.tool_parsers import with_tools
-from pagedllm.inputs import PromptType, as_prompt_list
+from pagedllm.inputs import ParsedPrompt, PromptType, as_prompt_list
 from pagedllm.logger import init_logger
 from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import (
@@ -238,8 +238,8 @@ class LLM:
 
     def embed(self, prompts: PromptType | Sequence[PromptType],
               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *, use_tqdm: bool = True,
-              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
-              ) -> list[EmbeddingRequestOutput]:
+              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+              truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
         """Embed each prompt (vLLM's `LLM.embed`): the model's final hidden state at the prompt's last token,
         L2-normalised (`PoolingParams`); the outputs come back in input order. The prompts batch with each other
         and with any generation, through the same paged cache and prefix cache; nothing is generated.
@@ -249,15 +249,18 @@ class LLM:
             pooling_params: one for all prompts, or one per prompt (default: `PoolingParams()`).
             use_tqdm: show a progress bar when there is more than one prompt.
             lora_request: as `generate`'s.
+            truncate_prompt_tokens: keep each prompt's last k tokens (vLLM's); -1 keeps as many as the context
+                holds.
         """
-        outputs = self._pool(prompts, pooling_params or PoolingParams(), "embed", use_tqdm, lora_request)
+        outputs = self._pool(prompts, pooling_params or PoolingParams(), "embed", use_tqdm, lora_request,
+                             truncate_prompt_tokens)
         return [EmbeddingRequestOutput(o.request_id, EmbeddingOutput(o.embedding), o.prompt_token_ids,
                                        o.num_cached_tokens) for o in outputs]
 
     def classify(self, prompts: PromptType | Sequence[PromptType],
                  pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *, use_tqdm: bool = True,
-                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
-                 ) -> list[ClassificationRequestOutput]:
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                 truncate_prompt_tokens: int | None = None) -> list[ClassificationRequestOutput]:
         """Classify each prompt (vLLM's `LLM.classify`) with the checkpoint's classification head (a model saved
         as `LlamaForSequenceClassification`, `Qwen2ForSequenceClassification` or
         `MistralForSequenceClassification`; ValueError for another): the head reads the final hidden state at the
@@ -270,14 +273,16 @@ class LLM:
                 `use_activation=False` gives the logits).
             use_tqdm: show a progress bar when there is more than one prompt.
             lora_request: as `generate`'s.
+            truncate_prompt_tokens: as `embed`'s.
         """
         outputs = self._pool(prompts, pooling_params or PoolingParams(task="classify"), "classify", use_tqdm,
-                             lora_request)
+                             lora_request, truncate_prompt_tokens)
         return [ClassificationRequestOutput(o.request_id, ClassificationOutput(o.embedding), o.prompt_token_ids,
                                             o.num_cached_tokens) for o in outputs]
 
     def score(self, data_1: PromptType | Sequence[PromptType], data_2: PromptType | Sequence[PromptType], /, *,
-              use_tqdm: bool = True, lora_request: LoRARequest | None = None) -> list[ScoringRequestOutput]:
+              use_tqdm: bool = True, lora_request: LoRARequest | None = None,
+              truncate_prompt_tokens: int | None = None) -> list[ScoringRequestOutput]:
         """Score text pairs (vLLM's `LLM.score`); one ScoringRequestOutput per pair, in order. With an embedding
         model each text is embedded (`embed`) and a pair scores the cosine similarity of its two embeddings; with
         a cross-encoder (a classifier with one label, as rerankers are saved) a pair is one prompt, the two texts
@@ -289,12 +294,14 @@ class LLM:
             data_2: one prompt or a list of them.
             use_tqdm: show a progress bar when there is more than one prompt to run.
             lora_request: a LoRA adapter to run every prompt with (`generate`'s).
+            truncate_prompt_tokens: as `embed`'s, for each text (a cross-encoder: each pair's prompt).
         """
         first, second = as_prompt_list(data_1), as_prompt_list(data_2)
         pairs = pair_up(first, second)
         labels = self.engine.class_labels
         if labels is None:
-            embedded = self.embed(first + second, use_tqdm=use_tqdm, lora_request=lora_request)
+            embedded = self.embed(first + second, use_tqdm=use_tqdm, lora_request=lora_request,
+                                  truncate_prompt_tokens=truncate_prompt_tokens)
             firsts, seconds = embedded[:len(first)], embedded[len(first):]
             return [ScoringRequestOutput(seconds[j].request_id,
                                          ScoringOutput(cosine_similarity(firsts[i].outputs.embedding,
@@ -306,15 +313,18 @@ class LLM:
                              f"this classifier has {len(labels)} labels: use classify")
         tokenizer = self.engine.tokenizer
         classified = self.classify([{"prompt_token_ids": cross_encoder_tokens(tokenizer, first[i], second[j])}
-                                    for i, j in pairs], use_tqdm=use_tqdm, lora_request=lora_request)
+                                    for i, j in pairs], use_tqdm=use_tqdm, lora_request=lora_request,
+                                   truncate_prompt_tokens=truncate_prompt_tokens)
         return [ScoringRequestOutput(o.request_id, ScoringOutput(o.outputs.probs[0]), o.prompt_token_ids)
                 for o in classified]
 
     def _pool(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | Sequence[PoolingParams],
-              task: str, use_tqdm: bool, lora_request: LoRARequest | Sequence[LoRARequest | None] | None
-              ) -> list[RequestOutput]:
+              task: str, use_tqdm: bool, lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+              truncate_prompt_tokens: int | None) -> list[RequestOutput]:
         """Run pooling requests of `task` to the end (RuntimeError if any failed); their outputs, in order."""
         prompt_list = as_prompt_list(prompts)
+        if truncate_prompt_tokens is not None:
+            prompt_list = self._truncated(prompt_list, truncate_prompt_tokens)
         params_list = _per_prompt(pooling_params, len(prompt_list), "pooling_params")
         for params in params_list:
             if not isinstance(params, PoolingParams) or params.task != task:
@@ -325,6 +335,16 @@ class LLM:
         if failed:
             raise RuntimeError(f"request {failed[0].request_id} failed: {failed[0].error}")
         return outputs
+
+    def _truncated(self, prompt_list: list[ParsedPrompt], keep: int) -> list[ParsedPrompt]:
+        """Each prompt's last `keep` tokens (-1: as many as the context holds), as token ids."""
+        max_model_len = self.engine.max_model_len
+        if keep != -1 and not 1 <= keep <= max_model_len:
+            raise ValueError(f"truncate_prompt_tokens must be -1 or in [1, {max_model_len}], got {keep}")
+        keep = max_model_len if keep == -1 else keep
+        tokenizer = self.engine.tokenizer
+        return [ParsedPrompt(None, (p.token_ids if p.token_ids is not None else tokenizer.encode(p.text))[-keep:],
+                             p.cache_salt) for p in prompt_list]
 
     def _add_and_run(self, prompt_list: list[PromptType], params_list: list[SamplingParams | PoolingParams],
                      priorities: list[int], use_tqdm: bool, loras: list[LoRARequest | None]) -> list[RequestOutput]:

@@ -159,6 +159,19 @@ def test_a_prompt_may_fill_the_context_to_embed_as_in_vllm(tiny):
         running.stop()
 
 
+def test_truncate_prompt_tokens_keeps_the_last_ones_as_vllm_does(llm):
+    long = list(range(20, 20 + llm.engine.max_model_len + 30))      # longer than the context
+    (kept,) = llm.embed({"prompt_token_ids": long}, use_tqdm=False, truncate_prompt_tokens=-1)
+    assert kept.prompt_token_ids == long[-llm.engine.max_model_len:]
+    (last,) = llm.embed({"prompt_token_ids": PROMPTS[1]}, use_tqdm=False, truncate_prompt_tokens=9)
+    (alone,) = llm.embed({"prompt_token_ids": PROMPTS[1][-9:]}, use_tqdm=False)
+    assert last.prompt_token_ids == PROMPTS[1][-9:] and last.outputs.embedding == alone.outputs.embedding
+    (scored,) = llm.score("abc", "xyzw", use_tqdm=False, truncate_prompt_tokens=2)
+    assert scored.prompt_token_ids == llm.engine.tokenizer.encode("abc")[-2:] + llm.engine.tokenizer.encode("xyzw")[-2:]
+    with pytest.raises(ValueError, match="truncate_prompt_tokens must be -1 or in"):
+        llm.embed("abc", use_tqdm=False, truncate_prompt_tokens=0)
+
+
 def test_embed_refuses_bad_prompts_before_running_any(llm):
     with pytest.raises(ValueError, match="empty"):
         llm.embed([{"prompt_token_ids": [1, 2]}, {"prompt_token_ids": []}], use_tqdm=False)
