@@ -9,6 +9,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from pagedllm.pooling_params import POOLING_TYPES
+
 PreemptionMode = Literal["recompute", "swap", "auto"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 DistributedExecutorBackend = Literal["mp", "ray"]
@@ -158,6 +160,8 @@ class ModelConfig:
             `{"max_position_embeddings": 4096}`; or, to serve a causal LM as a classifier from its LM head's rows
             (vLLM's way for Qwen3-Reranker), `{"architectures": ["Qwen3ForSequenceClassification"],
             "classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true}` (`pagedllm.loader`).
+        pooler_config: how embeddings pool (vLLM's): `{"pooling_type": "LAST" | "MEAN" | "CLS"}`; None takes the
+            model's sentence-transformers config, else LAST (`pagedllm.loader.pooling_config`).
     """
 
     model: str | None = None
@@ -171,10 +175,15 @@ class ModelConfig:
     disable_cascade_attn: bool = False
     generation_config: str = "auto"
     hf_overrides: dict[str, Any] | None = None
+    pooler_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         _require(self.hf_overrides is None or isinstance(self.hf_overrides, dict), "hf_overrides",
                  "a dict of config fields", self.hf_overrides)
+        pooler = self.pooler_config
+        _require(pooler is None or (isinstance(pooler, dict) and set(pooler) == {"pooling_type"}
+                                    and pooler["pooling_type"] in POOLING_TYPES),
+                 "pooler_config", f"{{'pooling_type': one of {', '.join(POOLING_TYPES)}}}", pooler)
         _require(self.dtype in ("auto", "bfloat16", "float16", "float32"), "dtype",
                  "one of 'auto', 'bfloat16', 'float16', 'float32'", self.dtype)
         _require(self.max_model_len is None or self.max_model_len > 0, "max_model_len", "> 0",

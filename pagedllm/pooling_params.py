@@ -8,18 +8,22 @@ from dataclasses import dataclass
 RUNNERS = ("auto", "generate", "pooling")     # vLLM's `runner` values one engine covers (vLLM also has "draft")
 CONVERTS = ("auto", "none", "embed")          # and `convert` (vLLM also has "classify" and "reward")
 TASKS = ("embed", "classify")
+POOLING_TYPES = ("LAST", "MEAN", "CLS")
 
 
 @dataclass(frozen=True)
 class PoolingParams:
-    """A pooling request's parameters. Both tasks read the model's final hidden state (after its last norm) at the
-    prompt's last token: vLLM's LAST pooling, its default for a causal LM. The prompt runs through the paged cache
-    like any other (its prefix-cache hits count), and the request ends there: no token is generated.
+    """A pooling request's parameters. Both tasks read the model's final hidden states (after its last norm): by
+    default the prompt's last token's, vLLM's LAST pooling, its default for a causal LM. The prompt runs through the
+    paged cache like any other (its prefix-cache hits count), and the request ends there: no token is generated.
 
     Args:
         normalize: (embed) divide the embedding by its L2 norm (vLLM's default), so that dot products are cosines.
         use_activation: (classify) give probabilities, vLLM's default: the softmax of the logits, or the sigmoid of
             the one logit of a one-label head (a reranker's relevance); False gives the raw logits.
+        pooling_type: (embed) "LAST", "MEAN" (the mean over the prompt's tokens) or "CLS" (its first token's); None
+            takes the model's (its sentence-transformers config's pooling, else LAST; vLLM's `pooler_config`). MEAN
+            and CLS need every prompt position computed: such a request reads nothing from the prefix cache.
         task: "embed": that hidden state is the embedding (vLLM's default for a causal LM served as an embedding
             model, `--convert embed`). "classify": the checkpoint's classification head (a
             `*ForSequenceClassification` model) turns it into one logit per class.
@@ -28,13 +32,23 @@ class PoolingParams:
     normalize: bool = True
     use_activation: bool = True
     task: str = "embed"
+    pooling_type: str | None = None
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
             raise ValueError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
+        if self.pooling_type not in (None, *POOLING_TYPES):
+            raise ValueError(f"pooling_type must be one of {', '.join(POOLING_TYPES)}, got {self.pooling_type!r}")
+        if self.task == "classify" and self.pooling_type not in (None, "LAST"):
+            raise ValueError("a classification reads the last token (LAST pooling)")
         for name in ("normalize", "use_activation"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+    @property
+    def needs_every_position(self) -> bool:
+        """MEAN and CLS pooling read the hidden states of positions a prefix-cache hit would skip."""
+        return self.pooling_type in ("MEAN", "CLS")
 
 
 def check_runner(runner: str, convert: str) -> None:

@@ -25,7 +25,7 @@ from pagedllm.heap import paused_gc
 from pagedllm.inputs import ParsedPrompt, PromptType, parse_prompt
 from pagedllm.loader import load_model, max_model_len_of
 from pagedllm.loader.generation_config import read_generation_config
-from pagedllm.loader.pooling_config import warn_unless_last_token_pooling
+from pagedllm.loader.pooling_config import model_pooling_type
 from pagedllm.logger import init_logger
 from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics.stats import SchedulerStats
@@ -155,7 +155,7 @@ class LLMEngine:
         self.hf_config = loaded.hf_config
         self.class_labels = class_labels(loaded.hf_config)     # a classifier's; None: the model cannot classify
         self.generates = generates(loaded.hf_config)            # False: no LM head, it only pools
-        warn_unless_last_token_pooling(loaded.resolved.path)
+        self.pooling_type = model_pooling_type(loaded.resolved.path, config.model.pooler_config)   # embeddings'
         defaults = read_generation_config(config.model.generation_config, loaded.resolved, loaded.hf_config)
         self.default_sampling = defaults.sampling       # SamplingParams field -> the model's default
         # the model's other EOS ids: stop ids of every request that does not ignore EOS (vLLM's
@@ -277,6 +277,9 @@ class LLMEngine:
         pooling = params if isinstance(params, PoolingParams) else None
         if pooling is None:
             self._check_generates()
+        elif pooling.pooling_type is None:      # the model's pooling for an embedding; a classifier reads the last
+            pooling = dataclasses.replace(pooling, pooling_type=self.pooling_type if pooling.task == "embed"
+                                          else "LAST")
         if pooling is not None and pooling.task == "classify" and self.class_labels is None:
             raise ValueError(f"{self.model_name} has no classification head: classify needs a checkpoint saved as a "
                              "sequence classifier (LlamaForSequenceClassification, Qwen2ForSequenceClassification, "

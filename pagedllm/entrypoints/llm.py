@@ -98,6 +98,8 @@ class LLM:
             requests batch with theirs (pagedllm.lora). On one engine of one rank.
         max_loras: most distinct adapters in one step; max_lora_rank: the largest rank taken; max_cpu_loras:
             adapters kept loaded (default max_loras; others load again from their folders when asked for).
+        pooler_config: how embeddings pool (vLLM's), `{"pooling_type": "LAST" | "MEAN" | "CLS"}`; by default the
+            model's sentence-transformers config says, else LAST.
         hf_overrides: fields set on the model's transformers config (vLLM's; see `ModelConfig.hf_overrides`), e.g.
             to serve Qwen3-Reranker as a classifier made of its LM head's "no" and "yes" rows.
         runner, convert: vLLM's switches to an embedding model (`runner="pooling"`, `convert="embed"`), taken so that
@@ -121,13 +123,15 @@ class LLM:
                  enforce_eager: bool = False, disable_cascade_attn: bool = False,
                  generation_config: str = "auto", trust_remote_code: bool = False, runner: str = "auto",
                  convert: str = "auto", enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16,
-                 max_cpu_loras: int | None = None, hf_overrides: dict[str, Any] | None = None) -> None:
+                 max_cpu_loras: int | None = None, hf_overrides: dict[str, Any] | None = None,
+                 pooler_config: dict[str, Any] | None = None) -> None:
         check_runner(runner, convert)
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
                               chat_template=chat_template, quantization=quantization, device=device,
                               enforce_eager=enforce_eager, disable_cascade_attn=disable_cascade_attn,
-                              generation_config=generation_config, hf_overrides=hf_overrides),
+                              generation_config=generation_config, hf_overrides=hf_overrides,
+                              pooler_config=pooler_config),
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
                               gpu_memory_utilization=gpu_memory_utilization, swap_space=swap_space,
                               swap_path=swap_path, enable_prefix_caching=enable_prefix_caching,

@@ -40,6 +40,9 @@ class CachedRequestState:
     grammar: LLMatcher | None = None     # structured outputs: the parse state after output_token_ids
     num_prompt_logprob_positions: int = 0    # prompt positions whose logprobs went out (a recompute skips them)
     pooling: PoolingParams | None = None     # an embedding request
+    # MEAN / CLS pooling: per prompt chunk (by its first position), the sum of its rows' hidden states or (CLS,
+    # the chunk at 0) the first row's; keyed so that a chunk run again (a failed step's rerun) replaces its own
+    pooled_chunks: dict[int, torch.Tensor] = field(default_factory=dict)
     lora: LoRARequest | None = None          # its LoRA adapter
 
 

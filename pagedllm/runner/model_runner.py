@@ -229,15 +229,32 @@ class ModelRunner:
 
     def _embeddings(self, hidden: torch.Tensor, inputs: ModelInputs, scheduled: list[ScheduledRequest]
                     ) -> dict[str, list[float]]:
-        """Each pooling request whose prompt's last token ran this step: that token's final hidden state (LAST
-        pooling, `PoolingParams`), in float32. An embedding is L2-normalised unless it asks otherwise; a
-        classification is the head's logits, as probabilities unless it asks otherwise."""
+        """Each pooling request whose prompt's last token ran this step: its pooled final hidden state
+        (`PoolingParams.pooling_type`: the last token's, the mean over the prompt's, or the first token's, gathered
+        chunk by chunk), in float32. An embedding is L2-normalised unless it asks otherwise; a classification is
+        the head's logits, as probabilities unless it asks otherwise."""
         result = {}
         for s in scheduled:
-            pooling = self.requests[s.request_id].pooling if s.sample else None
+            state = self.requests[s.request_id]
+            pooling = state.pooling
             if pooling is None:
                 continue
-            vector = hidden[inputs.first_rows[s.request_id] + len(s.token_ids) - 1].float()
+            rows = hidden[inputs.first_rows[s.request_id]:inputs.first_rows[s.request_id] + len(s.token_ids)]
+            if pooling.needs_every_position:
+                if s.num_computed_tokens == 0:      # the prompt's first chunk (again, after a recompute)
+                    state.pooled_chunks.clear()
+                if pooling.pooling_type == "MEAN":
+                    state.pooled_chunks[s.num_computed_tokens] = rows.float().sum(0)
+                elif s.num_computed_tokens == 0:
+                    state.pooled_chunks[0] = rows[0].float()
+            if not s.sample:
+                continue
+            if pooling.pooling_type == "MEAN":
+                vector = torch.stack(list(state.pooled_chunks.values())).sum(0) / len(state.prompt_token_ids)
+            elif pooling.pooling_type == "CLS":
+                vector = state.pooled_chunks[0]
+            else:
+                vector = rows[-1].float()
             if pooling.task == "classify":
                 vector = self.model.classify(vector[None])[0]
                 if pooling.use_activation:

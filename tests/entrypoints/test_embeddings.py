@@ -114,25 +114,83 @@ def test_a_bare_decoder_checkpoint_embeds_as_transformers_does(tmp_path, kind):
     assert generated.outputs[0].token_ids[0] == int(logits.argmax())
 
 
-@pytest.mark.parametrize(("modes", "warned"), [({"pooling_mode_lasttoken": True}, False),
-                                               ({"pooling_mode_mean_tokens": True, "pooling_mode_lasttoken": False},
-                                                True)])
-def test_a_sentence_transformers_pooling_other_than_the_last_token_is_warned_of(tiny, tmp_path, modes, warned,
-                                                                                caplog):
-    folder = tmp_path / "st"
+def _sentence_transformers_folder(tiny, folder, modes: dict) -> str:
     shutil.copytree(tiny[0], folder)
     (folder / "modules.json").write_text(json.dumps([
         {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
         {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
     (folder / "1_Pooling").mkdir()
     (folder / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 64, **modes}))
+    return str(folder)
+
+
+def _hf_pooled(hf_model, token_ids: list[int], pooling_type: str) -> torch.Tensor:
+    with torch.no_grad():
+        hidden = hf_model.model(torch.tensor([token_ids])).last_hidden_state[0].float()
+    pooled = {"MEAN": hidden.mean(0), "CLS": hidden[0], "LAST": hidden[-1]}[pooling_type]
+    return torch.nn.functional.normalize(pooled, dim=0)
+
+
+@pytest.mark.parametrize(("modes", "pooling_type"), [({"pooling_mode_mean_tokens": True}, "MEAN"),
+                                                      ({"pooling_mode_cls_token": True}, "CLS"),
+                                                      ({"pooling_mode_lasttoken": True}, "LAST")])
+def test_embeddings_pool_as_the_sentence_transformers_config_says(tiny, tmp_path, modes, pooling_type):
+    """vLLM reads a model's sentence-transformers pooling: MEAN over the prompt's tokens and CLS (its first token)
+    gather every position, chunk by chunk (a 24-token budget cuts the 70-token prompt), and read nothing from the
+    prefix cache; the same prompt twice gives the same vector."""
+    _, hf_model = tiny
+    llm = LLM(model=_sentence_transformers_folder(tiny, tmp_path / "st", modes), dtype="float32",
+              num_kv_blocks=64, block_size=16, max_num_batched_tokens=24)
+    assert llm.engine.pooling_type == pooling_type
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    for outputs in (llm.embed(prompts, use_tqdm=False), llm.embed(prompts, use_tqdm=False)):
+        for prompt, output in zip(PROMPTS, outputs):
+            torch.testing.assert_close(torch.tensor(output.outputs.embedding),
+                                       _hf_pooled(hf_model, prompt, pooling_type), atol=1e-5, rtol=1e-4)
+    assert (outputs[1].num_cached_tokens > 0) == (pooling_type == "LAST")
+
+
+def test_a_mean_pooled_prompt_preempted_midway_gathers_its_chunks_again(tiny):
+    """Two generations decode beside a 150-token prompt embedded in 22-token chunks, in a pool too small for all
+    three: the embedding, the latest, is preempted (recompute) while its chunks gather, and starts them again from
+    its first position."""
+    _, hf_model = tiny
+    llm = LLM(model=str(tiny[0]), dtype="float32", num_kv_blocks=11, block_size=16, max_num_batched_tokens=24,
+              pooler_config={"pooling_type": "MEAN"})      # 10 usable blocks: the embedding alone needs them all
+    engine = llm.engine
+    for i in range(2):
+        engine.add_request(f"gen{i}", {"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=60, ignore_eos=True))
+    prompt = list(range(20, 170))
+    engine.add_request("emb", {"prompt_token_ids": prompt}, PoolingParams())
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals |= {o.request_id: o for o in engine.step() if o.finished}
+    assert engine.scheduler.num_preemptions > 0
+    torch.testing.assert_close(torch.tensor(finals["emb"].embedding), _hf_pooled(hf_model, prompt, "MEAN"),
+                               atol=1e-5, rtol=1e-4)
+
+
+def test_a_pooling_the_config_asks_for_is_taken_per_model_and_per_request(tiny, tmp_path, caplog):
+    _, hf_model = tiny
+    llm = LLM(model=str(tiny[0]), dtype="float32", num_kv_blocks=64, pooler_config={"pooling_type": "MEAN"})
+    (mean,) = llm.embed({"prompt_token_ids": PROMPTS[1]}, use_tqdm=False)
+    (cls,) = llm.embed({"prompt_token_ids": PROMPTS[1]}, PoolingParams(pooling_type="CLS"), use_tqdm=False)
+    for output, pooling_type in ((mean, "MEAN"), (cls, "CLS")):
+        torch.testing.assert_close(torch.tensor(output.outputs.embedding),
+                                   _hf_pooled(hf_model, PROMPTS[1], pooling_type), atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="pooler_config"):
+        LLM(model=str(tiny[0]), pooler_config={"pooling_type": "MAX"})
+    with pytest.raises(ValueError, match="pooling_type must be one of"):
+        PoolingParams(pooling_type="max")
     logger = logging.getLogger("pagedllm")     # it does not propagate to the root, where caplog listens
     logger.addHandler(caplog.handler)
-    try:
-        LLM(model=str(folder), dtype="float32", num_kv_blocks=16)
+    try:        # a mode pagedllm does not run: warned of, and LAST taken
+        unrun = LLM(model=_sentence_transformers_folder(tiny, tmp_path / "max", {"pooling_mode_max_tokens": True}),
+                    dtype="float32", num_kv_blocks=16)
     finally:
         logger.removeHandler(caplog.handler)
-    assert any("pools by mean_tokens" in r.getMessage() for r in caplog.records) == warned
+    assert unrun.engine.pooling_type == "LAST"
+    assert any("pools by max_tokens, which pagedllm does not run" in r.getMessage() for r in caplog.records)
 
 
 def test_a_prompt_may_fill_the_context_to_embed_as_in_vllm(tiny):

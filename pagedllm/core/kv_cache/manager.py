@@ -137,9 +137,10 @@ class KVCacheManager:
         The hit never covers the last token: at least one token must be computed to get logits, so it stops
         at `num_tokens - 1` rounded down to a block. Takes no reference and counts no query (see `allocate_slots`).
         A request that wants prompt logprobs gets no hit (as in vLLM): the logits of every prompt position must be
-        computed.
+        computed; nor does an embedding that pools over every position (MEAN, CLS).
         """
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+        if (not self.enable_caching or request.sampling_params.prompt_logprobs is not None
+                or (request.pooling_params is not None and request.pooling_params.needs_every_position)):
             return ComputedBlocks()
         hashes = self._block_hashes(request)
         blocks: list[KVCacheBlock] = []

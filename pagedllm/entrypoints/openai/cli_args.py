@@ -207,6 +207,9 @@ def _add_engine_args(engine: argparse._ArgumentGroup) -> None:
                              "set none (temperature, top_p, top_k, min_p, repetition_penalty, max_tokens) and its "
                              "other EOS ids end replies; vllm: none of it; or a folder holding such a file "
                              "(default: %(default)s)")
+    engine.add_argument("--pooler-config", type=parse_json_object, default=None,
+                        help="how embeddings pool, as JSON (vLLM's): '{\"pooling_type\": \"MEAN\"}' (LAST, MEAN or "
+                             "CLS); by default the model's sentence-transformers config says, else LAST")
     engine.add_argument("--hf-overrides", type=parse_json_object, default=None,
                         help="JSON fields set on the model's transformers config (vLLM's), e.g. "
                              "'{\"architectures\": [\"Qwen3ForSequenceClassification\"], \"classifier_from_token\": "
@@ -305,7 +308,8 @@ def engine_config_from_args(args: argparse.Namespace):
         model=ModelConfig(model=model_of(args), dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed,
                           chat_template=args.chat_template, quantization=args.quantization, device=args.device,
                           enforce_eager=args.enforce_eager, disable_cascade_attn=args.disable_cascade_attn,
-                          generation_config=args.generation_config, hf_overrides=args.hf_overrides),
+                          generation_config=args.generation_config, hf_overrides=args.hf_overrides,
+                          pooler_config=args.pooler_config),
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                           gpu_memory_utilization=args.gpu_memory_utilization, swap_space=args.swap_space,
                           swap_path=args.swap_path, enable_prefix_caching=args.enable_prefix_caching,
