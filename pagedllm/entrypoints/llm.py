@@ -244,9 +244,10 @@ class LLM:
               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *, use_tqdm: bool = True,
               lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
               truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
-        """Embed each prompt (vLLM's `LLM.embed`): the model's final hidden state at the prompt's last token,
-        L2-normalised (`PoolingParams`); the outputs come back in input order. The prompts batch with each other
-        and with any generation, through the same paged cache and prefix cache; nothing is generated.
+        """Embed each prompt (vLLM's `LLM.embed`): the model's final hidden states pooled as the model says (its
+        last token's by default; `PoolingParams.pooling_type`), L2-normalised; the outputs come back in input
+        order. The prompts batch with each other and with any generation, through the same paged cache and prefix
+        cache; nothing is generated.
 
         Args:
             prompts: as `generate`'s.
@@ -266,10 +267,10 @@ class LLM:
                  lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
                  truncate_prompt_tokens: int | None = None) -> list[ClassificationRequestOutput]:
         """Classify each prompt (vLLM's `LLM.classify`) with the checkpoint's classification head (a model saved
-        as `LlamaForSequenceClassification`, `Qwen2ForSequenceClassification` or
-        `MistralForSequenceClassification`; ValueError for another): the head reads the final hidden state at the
-        prompt's last token; `outputs.probs` are the softmax of its logits (the sigmoid of a one-label head's).
-        Batched as `embed`'s.
+        as `LlamaForSequenceClassification`, `Qwen2ForSequenceClassification`, `Qwen3ForSequenceClassification`
+        or `MistralForSequenceClassification`, or made one by `hf_overrides`; ValueError for another): the head
+        reads the final hidden state at the prompt's last token; `outputs.probs` are the softmax of its logits (the
+        sigmoid of a one-label head's). Batched as `embed`'s.
 
         Args:
             prompts: as `generate`'s.

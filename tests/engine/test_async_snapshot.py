@@ -4,6 +4,7 @@ that ask together, and never a hang when the engine dies."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 
 import pytest
@@ -112,14 +113,17 @@ def test_a_call_runs_on_the_engine_thread_and_fails_when_the_engine_dies() -> No
             assert there != here
             with pytest.raises(ValueError, match="refused"):
                 await engine.call_in_engine(lambda _: (_ for _ in ()).throw(ValueError("refused")))
-            fake.steps_left, fake.hold_at, fake.fail = 5, 5, True
-            await engine.call_in_engine(lambda _: None)   # wakes the loop: it now holds in its failing step
+            fake.hold_at, fake.fail = 5, True
+            fake.steps_left = 5     # last: a loop still awake after the call above holds in its failing step too
+            wake = asyncio.ensure_future(engine.call_in_engine(lambda _: None))   # else this wakes it to step
             await asyncio.sleep(0.05)
             waiting = asyncio.ensure_future(engine.call_in_engine(lambda _: "never"))
             await asyncio.sleep(0.05)
             fake.release.set()
             with pytest.raises(EngineDeadError, match="injected engine failure"):
                 await asyncio.wait_for(waiting, 5)
+            with contextlib.suppress(EngineDeadError):     # answered before the step, or failed with it
+                await wake
         finally:
             await asyncio.to_thread(engine.shutdown)
     asyncio.run(run())
