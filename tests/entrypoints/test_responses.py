@@ -115,8 +115,19 @@ def test_a_stored_response_is_retrieved_and_its_conversation_continued(client, s
             client.responses.retrieve(response_id)
     with pytest.raises(openai.NotFoundError):
         client.responses.create(input="hi", previous_response_id=unstored.id, **asked)
+    listed = client.responses.input_items.list(whole.id, order="asc")
+    assert [(item.type, item.role, item.content[0].type, item.content[0].text) for item in listed.data] == [
+        ("message", "user", "input_text", "My name is Ada."),
+        ("message", "assistant", "output_text", first.output_text),
+        ("message", "user", "input_text", "What is my name?")]
+    newest = client.responses.input_items.list(whole.id, limit=2)     # desc by default, two a page
+    assert [item.id for item in newest.data] == [item.id for item in listed.data[::-1][:2]] and newest.has_more
+    rest = client.responses.input_items.list(whole.id, limit=2, after=newest.data[-1].id)
+    assert [item.id for item in rest.data] == [listed.data[0].id] and not rest.has_more
+    assert [i.content[0].text for i in client.responses.input_items.list(second.id).data] == ["What is my name?"]
     client.responses.delete(streamed.id)        # forgotten: neither retrieved nor continued, nor deleted again
     for forgotten in (lambda: client.responses.retrieve(streamed.id), lambda: client.responses.delete(streamed.id),
+                      lambda: client.responses.input_items.list(streamed.id),
                       lambda: client.responses.create(input="hi", previous_response_id=streamed.id, **asked)):
         with pytest.raises(openai.NotFoundError):
             forgotten()

@@ -178,6 +178,12 @@ def _v1_router(completion: OpenAIServingCompletion, chat: OpenAIServingChat,
         """OpenAI's retrieve (`client.responses.retrieve`): a response stored with `store` (the default)."""
         return responses_api.retrieve(response_id)
 
+    @router.get("/responses/{response_id}/input_items")
+    async def stored_response_input_items(response_id: str, limit: int = 20, order: str = "desc",
+                                          after: str | None = None, before: str | None = None) -> dict[str, Any]:
+        """OpenAI's input items list (`client.responses.input_items.list`): a stored response's input, paged."""
+        return responses_api.input_items(response_id, limit, order, after, before)
+
     @router.delete("/responses/{response_id}")
     async def delete_stored_response(response_id: str) -> dict[str, Any]:
         """OpenAI's delete (`client.responses.delete`): the response is forgotten, and can no longer be continued."""

@@ -13,7 +13,8 @@ be "incomplete", as vLLM sends it (or an `error` event).
 With `store` (true by default, as OpenAI's) a finished response is kept in memory (the most recent
 `MAX_STORED_RESPONSES`), for `GET /v1/responses/{id}` and for a later request's `previous_response_id`, which
 continues its conversation: the earlier input and output come before the new input (the earlier `instructions` do
-not carry over, as in OpenAI's API). `background` is refused.
+not carry over, as in OpenAI's API); `GET /v1/responses/{id}/input_items` lists its input items (ids given, message
+text as input_text parts), paged as OpenAI pages them. `background` is refused.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import json
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
-from typing import Any
+from typing import Any, NamedTuple
 
 from pydantic import ValidationError
 
@@ -40,20 +41,48 @@ from pagedllm.entrypoints.openai.tool_parsers import gather_call_deltas
 MAX_STORED_RESPONSES = 10_000     # in memory: the oldest stored response is forgotten first
 
 
+class _Stored(NamedTuple):
+    response: dict[str, Any]
+    conversation: list[dict[str, Any]]      # as chat messages: the earlier ones, this input, then its output
+    input_items: list[dict[str, Any]]       # this request's input, as the API lists it
+
+
 class OpenAIServingResponses:
     """The Responses API over a chat serving (its engine, names and limits), with the responses stored."""
 
     def __init__(self, chat: OpenAIServingChat) -> None:
         self.chat = chat
-        # response id -> (the response, its conversation as chat messages: input, then output)
-        self._stored: OrderedDict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = OrderedDict()
+        self._stored: OrderedDict[str, _Stored] = OrderedDict()
 
     def retrieve(self, response_id: str) -> dict[str, Any]:
         """A stored response (GET /v1/responses/{id}); 404 if it is not, or no longer, stored."""
+        return self._get(response_id).response
+
+    def input_items(self, response_id: str, limit: int = 20, order: str = "desc", after: str | None = None,
+                    before: str | None = None) -> dict[str, Any]:
+        """A stored response's input items (GET /v1/responses/{id}/input_items), OpenAI's page: `order` asc or
+        desc (the default), at most `limit` (1-100), after or before the item with that id."""
+        if not 1 <= limit <= 100:
+            raise OpenAIError(f"limit must be in [1, 100], got {limit}", param="limit")
+        if order not in ("asc", "desc"):
+            raise OpenAIError(f"order must be asc or desc, got {order!r}", param="order")
+        items = self._get(response_id).input_items
+        items = items if order == "asc" else items[::-1]
+        ids = [item["id"] for item in items]
+        for cursor, param in ((after, "after"), (before, "before")):
+            if cursor is not None and cursor not in ids:
+                raise OpenAIError(f"no input item {cursor!r} in response {response_id!r}", param=param)
+        start = ids.index(after) + 1 if after is not None else 0
+        end = ids.index(before) if before is not None else len(items)
+        page = items[start:end][:limit]
+        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None, "has_more": start + len(page) < end}
+
+    def _get(self, response_id: str) -> _Stored:
         stored = self._stored.get(response_id)
         if stored is None:
             raise OpenAIError(f"Response with id '{response_id}' not found.", 404, "response_id", "not_found")
-        return stored[0]
+        return stored
 
     def delete(self, response_id: str) -> dict[str, Any]:
         """Forget a stored response (DELETE /v1/responses/{id}, OpenAI's answer); 404 as retrieve's."""
@@ -61,9 +90,9 @@ class OpenAIServingResponses:
         del self._stored[response_id]
         return {"id": response_id, "object": "response", "deleted": True}
 
-    def _store(self, response: dict[str, Any], messages: list[dict[str, Any]]) -> None:
-        conversation = messages + _as_messages(response["output"])
-        self._stored[response["id"]] = response, conversation
+    def _store(self, response: dict[str, Any], messages: list[dict[str, Any]],
+               input_items: list[dict[str, Any]]) -> None:
+        self._stored[response["id"]] = _Stored(response, messages + _as_messages(response["output"]), input_items)
         while len(self._stored) > MAX_STORED_RESPONSES:
             self._stored.popitem(last=False)
 
@@ -75,7 +104,7 @@ class OpenAIServingResponses:
             if stored is None:
                 raise OpenAIError(f"Response with id '{request.previous_response_id}' not found.", 404,
                                   "previous_response_id", "not_found")
-            earlier = stored[1]
+            earlier = stored.conversation
         if request.background:
             raise OpenAIError("background responses are not supported", param="background")
         if request.top_logprobs:
@@ -83,7 +112,11 @@ class OpenAIServingResponses:
                               param="top_logprobs")
         response = _Response(request, self.chat.check_model(request.model))
         messages = earlier + _messages(request.input)     # the conversation, without this request's instructions
-        store = self._store if request.store else None
+        items = _input_items(request.input)
+
+        def store(done: dict[str, Any]) -> None:
+            if request.store:
+                self._store(done, messages, items)
         try:
             reply = await self.chat.create(_chat_request(request, messages), sse=False)
         except OpenAIError as exc:      # named as the chat request names it: name the Responses API's field
@@ -94,10 +127,9 @@ class OpenAIServingResponses:
             message = choice["message"]
             done = response.finished(_output(message.get("reasoning"), message.get("content"),
                                              message.get("tool_calls") or []), choice["finish_reason"], reply["usage"])
-            if store is not None:
-                store(done, messages)
+            store(done)
             return done
-        return _events(response, reply, lambda done: store(done, messages) if store is not None else None)
+        return _events(response, reply, store)
 
 
 class _Response:
@@ -186,6 +218,25 @@ def _messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             raise OpenAIError(f"input[{i}] has type {kind!r}; this server takes message, function_call and "
                               "function_call_output items", param="input")
     return messages
+
+
+def _input_items(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`input` as the API lists it: each item with an id, a message's text as input_text (output_text for the
+    assistant's) parts."""
+    if isinstance(items, str):
+        items = [{"role": "user", "content": items}]
+    listed = []
+    for item in items:
+        kind = item.get("type", "message")
+        item = {"type": kind, **item}
+        if kind == "message":
+            part = "output_text" if item.get("role") == "assistant" else "input_text"
+            content = item.get("content")
+            item["content"] = [{"type": part, "text": content}] if isinstance(content, str) else content
+            item.setdefault("status", "completed")
+        item.setdefault("id", random_id({"message": "msg", "function_call": "fc"}.get(kind, "item")))
+        listed.append(item)
+    return listed
 
 
 def _require_strings(index: int, item: dict[str, Any], *keys: str) -> None:
