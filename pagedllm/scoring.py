@@ -31,9 +31,9 @@ def pair_up(data_1: Sequence[T], data_2: Sequence[T]) -> list[tuple[int, int]]:
 
 
 def cosine_similarity(a: Sequence[float], b: Sequence[float], eps: float = 1e-8) -> float:
-    """a.b / max(|a| |b|, eps), as torch's `CosineSimilarity` (what vLLM scores embeddings with)."""
-    norms = math.sqrt(math.fsum(x * x for x in a) * math.fsum(y * y for y in b))
-    return math.fsum(x * y for x, y in zip(a, b, strict=True)) / max(norms, eps)
+    """a.b / (max(|a|, eps) max(|b|, eps)), as torch's `CosineSimilarity` (what vLLM scores embeddings with)."""
+    norm_a, norm_b = math.sqrt(math.fsum(x * x for x in a)), math.sqrt(math.fsum(y * y for y in b))
+    return math.fsum(x * y for x, y in zip(a, b, strict=True)) / (max(norm_a, eps) * max(norm_b, eps))
 
 
 def cross_encoder_tokens(tokenizer: Any, first: ParsedPrompt, second: ParsedPrompt) -> list[int]:

@@ -229,18 +229,21 @@ CLASSIFIER_ARCHITECTURES = frozenset({"LlamaForSequenceClassification", "Mistral
                                       "Qwen2ForSequenceClassification", "Qwen3ForSequenceClassification"})
 
 
+def _architectures(config: Any) -> set[str]:
+    return set(getattr(config, "architectures", None) or [])
+
+
 def generates(config: Any) -> bool:
     """Whether the checkpoint's model has an LM head to generate with: a causal LM's own, or the embedding matrix
     of a bare decoder or a classifier whose config ties it to the head. A bare decoder or a classifier saved
     untied has none (the embedding matrix stands in for the one token a pooling request samples, unseen)."""
-    architectures = set(getattr(config, "architectures", None) or [])
-    return not architectures & (BARE_ARCHITECTURES | CLASSIFIER_ARCHITECTURES) or \
+    return not _architectures(config) & (BARE_ARCHITECTURES | CLASSIFIER_ARCHITECTURES) or \
         bool(getattr(config, "tie_word_embeddings", False))
 
 
 def class_labels(config: Any) -> list[str] | None:
     """A classifier checkpoint's class names, in logit order (its config's id2label); None for any other model."""
-    if not CLASSIFIER_ARCHITECTURES & set(getattr(config, "architectures", None) or []):
+    if not CLASSIFIER_ARCHITECTURES & _architectures(config):
         return None
     return [config.id2label.get(i, f"LABEL_{i}") for i in range(config.num_labels)]
 
@@ -265,7 +268,7 @@ class LlamaForCausalLM(nn.Module):
         self.dtype = dtype
         tp = (tp_rank, tp_size)
         self.model = LlamaModel(config, dtype, attn_backend, tp)
-        architectures = set(getattr(config, "architectures", None) or [])
+        architectures = _architectures(config)
         self.bare = bool(BARE_ARCHITECTURES & architectures)
         # float32, as the pooled rows it reads: a few thousand values, next to nothing to store or to multiply
         self.score = (nn.Linear(config.hidden_size, config.num_labels, bias=False, dtype=torch.float32)

@@ -295,10 +295,7 @@ class Scheduler:
             request.status = RequestStatus.SWAPPED
             bisect.insort(self.swapped, request, key=_waiting_order)
         else:
-            self.kv_cache_manager.free(request)
-            request.status = RequestStatus.PREEMPTED
-            request.num_computed_tokens = 0
-            bisect.insort(self.waiting, request, key=_waiting_order)
+            self._wait_to_recompute(request)
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.num_preemptions_by_mode[mode] += 1
@@ -310,13 +307,17 @@ class Scheduler:
         counters are as schedule() left them: `update_from_output` must not see them."""
         requeued = self.kv_cache_manager.undo_blocks_ahead() & {s.request_id for s in scheduled}
         for request_id in requeued:
-            request = self.requests[request_id]
-            self._remove_running(request)
-            self.kv_cache_manager.free(request)
-            request.status = RequestStatus.PREEMPTED
-            request.num_computed_tokens = 0
-            bisect.insort(self.waiting, request, key=_waiting_order)
+            self._remove_running(self.requests[request_id])
+            self._wait_to_recompute(self.requests[request_id])
         return requeued
+
+    def _wait_to_recompute(self, request: Request) -> None:
+        """A request out of `running` drops its blocks (their hashes stay cached) and its computed tokens, and
+        waits again with its original priority and arrival time."""
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        bisect.insort(self.waiting, request, key=_waiting_order)
 
     def _preemption_mode(self, request: Request) -> str:
         config = self.config
