@@ -29,7 +29,7 @@ from pagedllm.loader.pooling_config import model_pooling_type
 from pagedllm.logger import init_logger
 from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics.stats import SchedulerStats
-from pagedllm.models.llama import class_labels, generates
+from pagedllm.models.llama import class_labels, generates, num_experts
 from pagedllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.runner import kv_tensors
@@ -173,8 +173,9 @@ class LLMEngine:
         self.runner.allocate_kv_cache(num_blocks)
         self._setup_swap()
         self._setup_costs()
+        # a mixture of experts sorts its tokens by expert on the host (run_experts), which a graph cannot capture
         if (self.runner.device.type == "cuda" and not config.model.enforce_eager and config.lora is None
-                and runs_in_cuda_graphs(self.runner.attn_backend)):
+                and runs_in_cuda_graphs(self.runner.attn_backend) and not num_experts(self.runner.model.config)):
             self._capture_decode_graphs()
         self.kv_cache_manager = KVCacheManager(num_blocks, config.cache.block_size,
                                                config.cache.enable_prefix_caching, config.cache.num_swap_blocks)

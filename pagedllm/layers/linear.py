@@ -582,11 +582,17 @@ class RowParallelLinear(nn.Module):
     packable_weight = True
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, dtype: torch.dtype = torch.float32,
-                 tp_rank: int = 0, tp_size: int = 1, input_shard: tuple[int, int] | None = None) -> None:
+                 tp_rank: int = 0, tp_size: int = 1, input_shard: tuple[int, int] | None = None,
+                 reduce_results: bool = True) -> None:
         """`input_shard`: (first column, columns) of this rank, when the split is not even (attention heads split
-        by `head_shard`); None splits the input columns evenly."""
+        by `head_shard`); None splits the input columns evenly. `reduce_results=False` returns this rank's partial
+        sums, for a caller that adds several layers' before one all-reduce (a mixture of experts); such a layer
+        has no bias, which would be added on every rank."""
         super().__init__()
+        if bias and not reduce_results:
+            raise ValueError("a row-parallel layer that leaves its reduce to the caller takes no bias")
         self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.reduce_results = reduce_results
         if input_shard is None:
             size = _divide(input_size, tp_size, "input_size")
             input_shard = (tp_rank * size, size)
@@ -602,7 +608,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(x, self.weight)
-        if self.tp_size > 1:
+        if self.tp_size > 1 and self.reduce_results:
             communicator().all_reduce(y)
         return y if self.bias is None else y + self.bias
 

@@ -176,6 +176,7 @@ def resolve_quantization(requested: str | None, resolved: ResolvedModel, hf_conf
     ValueError when they disagree, for a quant method pagedllm does not run, and for the modes that keep packed
     weights (gguf, awq, gptq) asked for off one CPU rank."""
     from pagedllm.loader.int4 import INT4_METHODS, checkpoint_quantization
+    from pagedllm.models.llama import num_experts
 
     method = None if resolved.is_gguf else checkpoint_quantization(hf_config)
     quantization = requested or method or implied_gguf(resolved, dtype, tp_size, device)
@@ -191,6 +192,9 @@ def resolve_quantization(requested: str | None, resolved: ResolvedModel, hf_conf
     if quantization == "gguf" and resolved.gguf_path is None:
         raise ValueError(f"quantization='gguf' keeps a GGUF file's blocks packed, but {resolved.name} is not a .gguf "
                          "file: use 'int8', 'w8a8' or None")
+    if quantization in INT4_METHODS and num_experts(hf_config):
+        raise ValueError(f"{resolved.name} is a mixture of experts: its {quantization!r} experts are not read yet "
+                         "(pagedllm runs a mixture of experts unquantized, or with quantization 'int8' or 'w8a8')")
     if quantization in ("gguf", *INT4_METHODS) and (tp_size > 1 or device != "cpu"):
         raise ValueError(f"quantization={quantization!r} runs on one rank (tensor_parallel_size=1), in pagedllm's CPU "
                          "kernels: the packed blocks are not split across ranks yet")

@@ -276,6 +276,10 @@ def gguf_hf_config(g: GGUFFile) -> Any:
     from transformers import PretrainedConfig
 
     arch = g.architecture
+    if g.arch_value("expert_count"):
+        raise ValueError(f"{g.metadata.get('general.name', 'this GGUF file')} is a mixture of experts "
+                         f"({g.arch_value('expert_count')} experts): pagedllm reads a mixture of experts from its "
+                         "Hugging Face folder (safetensors), not from GGUF yet")
     num_heads = int(g.arch_value("attention.head_count"))
     hidden = int(g.arch_value("embedding_length"))
     kwargs: dict[str, Any] = dict(

@@ -45,13 +45,25 @@ class LoRAAdapter:
 
 
 def _part_sizes(model: Any) -> dict[str, tuple[int, int]]:
-    """Each checkpoint module's (in features, out features) in the model."""
-    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
-    hidden, inter = model.config.hidden_size, mlp.gate_up_proj.output_sizes[0]
+    """Each checkpoint module's (in features, out features) in the model (the MLP's of its dense layers: a
+    mixture of experts takes no adapter)."""
+    attn, hidden = model.model.layers[0].self_attn, model.config.hidden_size
     q_size, kv_size = attn.qkv_proj.q_size, attn.qkv_proj.kv_size
-    return {"q_proj": (hidden, q_size), "k_proj": (hidden, kv_size), "v_proj": (hidden, kv_size),
-            "o_proj": (q_size, hidden), "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
-            "down_proj": (inter, hidden)}
+    sizes = {"q_proj": (hidden, q_size), "k_proj": (hidden, kv_size), "v_proj": (hidden, kv_size),
+             "o_proj": (q_size, hidden)}
+    dense = [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "gate_up_proj")]
+    if dense:
+        inter = dense[0].gate_up_proj.output_sizes[0]
+        sizes.update(gate_proj=(hidden, inter), up_proj=(hidden, inter), down_proj=(inter, hidden))
+    return sizes
+
+
+def _check_dense(request: LoRARequest, model: Any, layer: int, fused: str) -> None:
+    """ValueError unless layer `layer` has module `fused` to adapt: a mixture of experts' layer has no
+    gate_up_proj or down_proj of its own."""
+    if fused not in ("qkv_proj", "o_proj") and not hasattr(model.model.layers[layer].mlp, fused):
+        raise ValueError(f"LoRA adapter {request.lora_name!r}: layer {layer}'s MLP is a mixture of experts, whose "
+                         "experts take no adapter here (only the attention's q/k/v/o_proj)")
 
 
 def load_adapter(request: LoRARequest, model: Any, max_rank: int) -> LoRAAdapter:
@@ -74,6 +86,7 @@ def load_adapter(request: LoRARequest, model: Any, max_rank: int) -> LoRAAdapter
     device = model.model.embed_tokens.weight.device
     weights = {}
     for (layer, fused), by_part in _group_by_fused(request, parts, model.num_layers).items():
+        _check_dense(request, model, layer, fused)
         names = _FUSED_PARTS[fused]
         a_rows, b_blocks, out_total = [], [], sum(sizes[n][1] for n in names)
         row = 0

@@ -1,5 +1,6 @@
 """One Llama-family decoder: Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM; MHA, GQA and MQA; tied or untied embeddings.
-Qwen3 adds an RMSNorm over each query and key head (`q_norm`, `k_norm`) before the rotary embedding.
+Qwen3 adds an RMSNorm over each query and key head (`q_norm`, `k_norm`) before the rotary embedding. Mixtral,
+Qwen2-MoE and Qwen3-MoE replace the MLP with a mixture of experts (`LlamaSparseMoeBlock`).
 
 The model is format-agnostic: `load_weights` takes Hugging Face parameter names from any loader and maps the
 separate q/k/v and gate/up checkpoint tensors onto the fused parameters (`STACKED_PARAMS_MAPPING`).
@@ -16,6 +17,7 @@ from torch import nn
 
 from pagedllm.attention.cpu import paged_attention, write_kv
 from pagedllm.attention.metadata import AttentionBackend, AttentionMetadata, KVCache
+from pagedllm.distributed.communicator import communicator
 from pagedllm.kernels import kernels_for
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.embedding import ParallelLMHead, VocabEmbedding
@@ -27,6 +29,7 @@ from pagedllm.layers.linear import (
     is_block_packed,
     linear_silu_and_mul,
 )
+from pagedllm.layers.moe import route, run_experts
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, get_rope, rope_config
 
@@ -47,6 +50,9 @@ PACKED_MODULES_MAPPING: dict[str, list[str]] = {
     fused[1:]: [part[1:] for other, part, _ in STACKED_PARAMS_MAPPING if other == fused]
     for fused, _, _ in STACKED_PARAMS_MAPPING}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+# Mixtral's checkpoint names of its sparse MLP -> the names of Qwen-MoE's, which the model's modules take
+_MIXTRAL_NAMES = ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."), (".w3.", ".up_proj."),
+                  (".w2.", ".down_proj."))
 
 
 TPRank = tuple[int, int]   # (tp_rank, tp_size)
@@ -61,11 +67,23 @@ def _head_dim(config: Any) -> int:
 
 
 def _has_qkv_bias(config: Any) -> bool:
-    return bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
+    return bool(getattr(config, "attention_bias", False)) or config.model_type in ("qwen2", "qwen2_moe")
 
 
 def _has_qk_norm(config: Any) -> bool:
-    return config.model_type == "qwen3"
+    return config.model_type in ("qwen3", "qwen3_moe")
+
+
+def num_experts(config: Any) -> int:
+    """How many experts each sparse MLP of the model has; 0 for a dense model."""
+    return getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0
+
+
+def _is_sparse_layer(config: Any, index: int) -> bool:
+    """Whether decoder layer `index` has a mixture of experts for its MLP: every layer of Mixtral; Qwen-MoE's every
+    `decoder_sparse_step`-th, but those in `mlp_only_layers`."""
+    return num_experts(config) > 0 and index not in (getattr(config, "mlp_only_layers", None) or []) and \
+        (index + 1) % (getattr(config, "decoder_sparse_step", None) or 1) == 0
 
 
 class LayerLoRA:
@@ -126,16 +144,21 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: Any, dtype: torch.dtype, tp: TPRank) -> None:
+    """The gated MLP, down_proj(silu(gate_proj(x)) * up_proj(x)), of `intermediate_size` (the config's by default;
+    an expert's under a mixture of experts, whose block sums its experts' outputs before it all-reduces them:
+    `reduce_results=False`)."""
+
+    def __init__(self, config: Any, dtype: torch.dtype, tp: TPRank, intermediate_size: int | None = None,
+                 reduce_results: bool = True) -> None:
         super().__init__()
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only 'silu')")
         bias = bool(getattr(config, "mlp_bias", False))
-        inter = config.intermediate_size
+        inter = intermediate_size or config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias=bias, dtype=dtype,
                                                        tp_rank=tp[0], tp_size=tp[1])
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias, dtype=dtype,
-                                           tp_rank=tp[0], tp_size=tp[1])
+                                           tp_rank=tp[0], tp_size=tp[1], reduce_results=reduce_results)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor, lora: LayerLoRA | None = None) -> torch.Tensor:
@@ -148,12 +171,46 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act_fn(gate_up(x)))  # [T, H] -> [T, 2I] -> [T, I] -> [T, H]
 
 
+class LlamaSparseMoeBlock(nn.Module):
+    """A mixture of experts in place of the MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): the router (`gate`, kept in the
+    model's dtype and never quantized: a few thousand weights that decide everything after them) picks each token's
+    `num_experts_per_tok` experts, which run on their tokens alone (`pagedllm.layers.moe.run_experts`). Qwen2-MoE
+    adds a shared expert that every token runs, scaled by sigmoid(shared_expert_gate(x)).
+
+    Under tensor parallelism each rank holds a slice of every expert's intermediate size, as of a dense MLP, and the
+    block all-reduces its sum once."""
+
+    def __init__(self, config: Any, dtype: torch.dtype, tp: TPRank) -> None:
+        super().__init__()
+        self.tp_size = tp[1]
+        self.top_k = config.num_experts_per_tok
+        self.renormalize = config.model_type == "mixtral" or bool(getattr(config, "norm_topk_prob", False))
+        inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+        self.gate = nn.Linear(config.hidden_size, num_experts(config), bias=False, dtype=dtype)
+        self.experts = nn.ModuleList(LlamaMLP(config, dtype, tp, inter, reduce_results=False)
+                                     for _ in range(num_experts(config)))
+        shared = getattr(config, "shared_expert_intermediate_size", None)
+        self.shared_expert = LlamaMLP(config, dtype, tp, shared, reduce_results=False) if shared else None
+        self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False, dtype=dtype) if shared else None
+
+    def forward(self, x: torch.Tensor, lora: LayerLoRA | None = None) -> torch.Tensor:
+        # x: [T, H]; `lora` is taken for the dense MLP's signature: adapters reach the attention only here
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize)   # [T, top_k] each
+        out = run_experts(x, weights, ids, self.experts)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        if self.tp_size > 1:
+            communicator().all_reduce(out)
+        return out
+
+
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: Any, dtype: torch.dtype, attn_backend: AttentionBackend,
-                 rotary_emb: RotaryEmbedding, tp: TPRank) -> None:
+                 rotary_emb: RotaryEmbedding, tp: TPRank, index: int) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, dtype, attn_backend, rotary_emb, tp)
-        self.mlp = LlamaMLP(config, dtype, tp)
+        self.mlp: LlamaMLP | LlamaSparseMoeBlock = (
+            LlamaSparseMoeBlock(config, dtype, tp) if _is_sparse_layer(config, index) else LlamaMLP(config, dtype, tp))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
@@ -175,8 +232,8 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype, tp[0], tp[1])
         base, scaling = rope_config(config)
         rotary_emb = get_rope(_head_dim(config), config.max_position_embeddings, base, scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype, attn_backend, rotary_emb, tp)
-                                    for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype, attn_backend, rotary_emb, tp, index)
+                                    for index in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         # kernel module -> its DecoderStack of these layers; None: the modules run (see use_decoder_stack)
         self.stacks: dict[ModuleType, Any] | None = None
@@ -290,10 +347,12 @@ class LlamaForCausalLM(nn.Module):
         """Run the decoder layers in one C++ call a step (the kernels' DecoderStack, pagedllm/kernels/csrc/decoder.cpp)
         wherever the CPU kernels run, instead of ~15 module calls a layer: the same kernels in the same order, so the
         same bits, without ~3-5 ms of Python a step (SmolLM2, one stream). Only on one rank and with the CPU attention
-        backend: otherwise the modules run. The loader calls it once the weights are final, packed: a stack holds
-        the weight tensors it was built with. `enforce_eager=True` keeps the modules."""
+        backend, and with dense MLPs (a mixture of experts runs its modules): otherwise the modules run. The loader
+        calls it once the weights are final, packed: a stack holds the weight tensors it was built with.
+        `enforce_eager=True` keeps the modules."""
         layer = self.model.layers[0]
-        if layer.mlp.down_proj.tp_size == 1 and layer.self_attn.attn_backend is paged_attention:
+        if layer.self_attn.qkv_proj.tp_size == 1 and layer.self_attn.attn_backend is paged_attention and \
+                not num_experts(self.config):
             self.model.stacks = {}
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
@@ -325,6 +384,9 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if name.endswith(_IGNORED_SUFFIXES):
                 continue
+            if ".block_sparse_moe." in name:
+                for mixtral, qwen in _MIXTRAL_NAMES:
+                    name = name.replace(mixtral, qwen)
             if self.bare and not name.startswith("model."):
                 name = "model." + name
             if self.classifier_token_ids is not None and name == (

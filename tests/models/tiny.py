@@ -30,6 +30,15 @@ TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     # as Qwen3's real ones: heads x head_dim (4 x 32) is not the hidden size (64)
     "qwen3": ("qwen3", dict(num_key_value_heads=2, head_dim=32)),
     "mistral": ("mistral", dict(num_key_value_heads=2, sliding_window=None)),
+    # mixtures of experts: 4 experts, 2 a token (8 and 2 for Mixtral, 128 and 8 for Qwen3-30B-A3B)
+    "mixtral": ("mixtral", dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                                tie_word_embeddings=False)),
+    # a shared expert, a dense MLP in layer 1 (mlp_only_layers), the top-2 weights not renormalised
+    "qwen2-moe": ("qwen2_moe", dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                                    moe_intermediate_size=48, shared_expert_intermediate_size=96,
+                                    mlp_only_layers=[1], norm_topk_prob=False)),
+    "qwen3-moe": ("qwen3_moe", dict(num_key_value_heads=2, head_dim=32, num_experts=4, num_experts_per_tok=2,
+                                    moe_intermediate_size=48, norm_topk_prob=True)),
 }
 
 

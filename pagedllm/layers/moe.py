@@ -1,0 +1,64 @@
+"""Mixture-of-experts routing and expert dispatch (Mixtral, Qwen2-MoE, Qwen3-MoE).
+
+A sparse MLP sends each token to `top_k` of its experts, chosen by a router (a linear layer over the token's hidden
+state: one logit per expert), and sums their outputs weighted by the router's probabilities:
+
+    weights, ids = route(x W_router^T)          # [T, k] each: the k most probable experts of each token
+    out[t] = sum_j weights[t, j] * expert[ids[t, j]](x[t])
+
+`run_experts` computes that sum with each expert run once, on the rows routed to it (a decode step of 8 tokens with
+Qwen3-MoE's 8 of 128 experts runs at most 64 experts, not 128 x 8 rows), as vLLM's CPU path and transformers do;
+`experts_reference` is the plain dense reference: every expert on every row, mixed by a [T, E] weight matrix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+Expert = Callable[[torch.Tensor], torch.Tensor]     # x: [N, hidden] -> [N, hidden]
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> (weights float32 [T, top_k], expert ids int64 [T, top_k]): the softmax over all
+    experts, in float32, kept at its top_k largest (ties broken as torch.topk breaks them, so as transformers); with
+    `renormalize` (Mixtral; Qwen's `norm_topk_prob`) divided by their sum, so that each token's weights sum to 1."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def run_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: Sequence[Expert]) -> torch.Tensor:
+    """sum_j weights[t, j] * experts[ids[t, j]](x[t]) for every row t of x [T, H] -> [T, H] in x's dtype.
+
+    Each expert runs once, on the rows routed to it, experts in ascending id order; each row's terms are added in
+    that order too (a row's weights are rounded to x's dtype first, as transformers' Qwen-MoE rounds them), so a
+    row's sum is `experts_reference`'s wherever an expert gives a row the same bits alone as in a batch."""
+    num_tokens, top_k = ids.shape
+    flat = ids.flatten()
+    order = torch.argsort(flat, stable=True)                 # routed slots, grouped by expert
+    counts = torch.bincount(flat, minlength=len(experts)).tolist()
+    rows = order // top_k                                    # the token of each grouped slot
+    slot_weights = weights.flatten()[order].to(x.dtype)
+    out = torch.zeros_like(x)
+    start = 0
+    for expert, count in zip(experts, counts, strict=True):
+        if count:
+            tokens = rows[start:start + count]
+            out.index_add_(0, tokens, expert(x[tokens]) * slot_weights[start:start + count, None])
+            start += count
+    return out
+
+
+def experts_reference(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                      experts: Sequence[Expert]) -> torch.Tensor:
+    """`run_experts` in plain torch, densely: every expert on every row, times its column of the [T, E] routing
+    weights (zero where a token did not choose it), summed over the experts in id order."""
+    dense = torch.zeros(ids.shape[0], len(experts), dtype=weights.dtype).scatter_(1, ids, weights).to(x.dtype)
+    out = torch.zeros_like(x)
+    for index, expert in enumerate(experts):
+        out += expert(x) * dense[:, index, None]
+    return out

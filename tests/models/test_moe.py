@@ -1,0 +1,184 @@
+"""Mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE): the routing and the grouped expert dispatch against their
+plain references, and the models against transformers through the engine."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.layers.moe import experts_reference, route, run_experts
+from pagedllm.lora.request import LoRARequest
+from tests.models.tiny import save_tiny_model
+
+MOE_KINDS = ["mixtral", "qwen2-moe", "qwen3-moe"]
+PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [60, 61, 62, 63, 64], [200, 13, 9, 77, 150, 151, 40, 41, 42, 8] * 3,
+           [5, 17, 42, 99, 3, 250, 7, 8, 9, 10, 11, 12, 13, 14]]
+MAX_TOKENS = 12
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_route_keeps_each_tokens_top_k_softmax_probabilities(renormalize):
+    logits = torch.randn(9, 6, dtype=torch.bfloat16)
+    logits[0] = 0.0        # a six-way tie: two of them, as torch.topk picks them (and so transformers)
+    weights, ids = route(logits, 2, renormalize)
+    probs = torch.softmax(logits.float(), dim=-1)
+    assert weights.dtype == torch.float32 and ids.shape == (9, 2)
+    assert len(set(ids[0].tolist())) == 2
+    for t in range(1, 9):
+        expected = probs[t].sort(descending=True).values[:2]
+        if renormalize:
+            expected = expected / expected.sum()
+        torch.testing.assert_close(weights[t], expected)
+        assert set(ids[t].tolist()) == set(probs[t].topk(2).indices.tolist())
+
+
+def _elementwise_experts(num_experts: int) -> list:
+    """Experts that treat each row alone, by correctly rounded elementwise operations: a row's result cannot depend
+    on its batch."""
+    scales = torch.randn(num_experts, 16)
+    return [lambda x, s=scales[e]: x * s + s * s for e in range(num_experts)]
+
+
+@pytest.mark.parametrize("num_tokens", [0, 1, 7, 40])
+def test_run_experts_gives_the_dense_references_bits(num_tokens):
+    experts = _elementwise_experts(6)
+    x = torch.randn(num_tokens, 16)
+    logits = torch.randn(num_tokens, 6)
+    logits[:, 5] -= 4       # expert 5 gets few tokens, or none
+    weights, ids = route(logits, 3, renormalize=False)
+    assert torch.equal(run_experts(x, weights, ids, experts), experts_reference(x, weights, ids, experts))
+
+
+def test_run_experts_runs_each_expert_once_on_its_rows_alone():
+    calls: list[int] = []
+
+    def counting(e: int):
+        def expert(x: torch.Tensor) -> torch.Tensor:
+            calls.append(x.shape[0])
+            return x * (e + 1)
+        return expert
+
+    x = torch.arange(4.0).repeat(3, 1).T.contiguous()        # row t holds t
+    ids = torch.tensor([[0, 2], [2, 0], [2, 3], [0, 2]])
+    weights = torch.full((4, 2), 0.5)
+    out = run_experts(x, weights, ids, [counting(e) for e in range(4)])
+    assert calls == [3, 4, 1]               # expert 0 on rows 0, 1, 3; expert 2 on all four; expert 3 on row 2; 1 never
+    torch.testing.assert_close(out[:, 0], torch.tensor([0.0, 2.0, 7.0, 6.0]))    # 0.5 t (a + b)
+
+
+def test_bf16_experts_match_the_dense_reference_in_bf16():
+    experts = [torch.nn.Linear(16, 16, bias=False, dtype=torch.bfloat16) for _ in range(4)]
+    x = torch.randn(10, 16, dtype=torch.bfloat16)
+    weights, ids = route(torch.randn(10, 4), 2, renormalize=True)
+    out = run_experts(x, weights, ids, experts)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, experts_reference(x, weights, ids, experts), atol=2e-2, rtol=2e-2)
+
+
+def _hf_greedy(model, prompts=PROMPTS) -> list[list[int]]:
+    out = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            generated = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
+                                       min_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0)
+            out.append(generated[0, len(prompt):].tolist())
+    return out
+
+
+def _tokens(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.fixture(scope="module", params=MOE_KINDS)
+def moe(request, tmp_path_factory):
+    """(kind, folder, transformers model) of a tiny MoE checkpoint."""
+    folder, hf_model = save_tiny_model(tmp_path_factory.mktemp(request.param) / "m", request.param, seed=3)
+    return request.param, str(folder), hf_model
+
+
+def test_greedy_tokens_match_transformers_through_chunks_prefix_hits_and_preemption(moe):
+    """Four prompts (one a prefix of another) batched, in prefill chunks of 16 tokens, in a pool of 24 blocks of 4
+    tokens that must preempt: transformers' greedy tokens, one prompt at a time."""
+    _, folder, hf_model = moe
+    with LLM(folder, dtype="float32", block_size=4, num_kv_blocks=24, max_num_batched_tokens=16,
+             max_num_seqs=4) as llm:
+        assert _tokens(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)) == \
+            _hf_greedy(hf_model)
+        assert llm.engine.make_stats().num_preemptions_total, "the pool was meant to force preemption"
+        again = llm.generate([{"prompt_token_ids": PROMPTS[3]}], GREEDY, use_tqdm=False)[0]
+        assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == _hf_greedy(hf_model, PROMPTS[3:])[0]
+
+
+def test_bfloat16_and_int8_moe_models_run_close_to_float32(moe):
+    """bf16 weights and int8 weights (the experts quantized, the router kept in the dtype) run: the first greedy
+    token of each prompt is float32's, where float32's top two logits are not a near tie."""
+    kind, folder, hf_model = moe
+    with torch.inference_mode():
+        logits = [hf_model(torch.tensor([p])).logits[0, -1] for p in PROMPTS]
+    clear = [i for i, row in enumerate(logits) if float(row.topk(2).values.diff().abs()) > 0.05]
+    for options in (dict(dtype="bfloat16"), dict(dtype="float32", quantization="int8")):
+        with LLM(folder, num_kv_blocks=64, block_size=4, **options) as llm:
+            layer = llm.engine.runner.model.model.layers[0]
+            if "quantization" in options:
+                assert layer.mlp.experts[0].gate_up_proj.weight.scale is not None
+                assert layer.mlp.gate.weight.dtype == torch.float32 and layer.mlp.gate.weight.dim() == 2
+            outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                                SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+        for i in clear:
+            assert outs[i].outputs[0].token_ids == [int(logits[i].argmax())], (kind, options, i)
+
+
+def test_lora_adapts_the_attention_of_a_moe_model_and_refuses_its_experts(tmp_path):
+    peft = pytest.importorskip("peft", reason="peft is not installed (pip install -e '.[dev]')")
+    folder, hf_model = save_tiny_model(tmp_path / "m", "qwen3-moe", seed=5)
+    torch.manual_seed(1)
+    model = peft.get_peft_model(copy.deepcopy(hf_model), peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"], init_lora_weights=False))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.5)
+    model.save_pretrained(tmp_path / "attn")
+    expected = _hf_greedy(model.eval(), PROMPTS[:2])
+    # the same adapter with a dense MLP's module added, which a layer of experts does not have
+    (tmp_path / "mlp").mkdir()
+    config = json.loads((tmp_path / "attn" / "adapter_config.json").read_text())
+    (tmp_path / "mlp" / "adapter_config.json").write_text(json.dumps({**config, "target_modules": ["gate_proj"]}))
+    from safetensors.torch import save_file
+    save_file({"base_model.model.model.layers.0.mlp.gate_proj.lora_A.weight": torch.zeros(4, 64),
+               "base_model.model.model.layers.0.mlp.gate_proj.lora_B.weight": torch.zeros(48, 4)},
+              str(tmp_path / "mlp" / "adapter_model.safetensors"))
+    with LLM(str(folder), dtype="float32", num_kv_blocks=64, block_size=4, enable_lora=True) as llm:
+        attn = LoRARequest("attn", 1, str(tmp_path / "attn"))
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], GREEDY, lora_request=[attn, None],
+                            use_tqdm=False)
+        assert outs[0].outputs[0].token_ids == expected[0]
+        assert outs[1].outputs[0].token_ids == _hf_greedy(hf_model, PROMPTS[1:2])[0]
+        with pytest.raises(ValueError, match="mixture of experts"):
+            llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY, lora_request=LoRARequest("mlp", 2, str(
+                tmp_path / "mlp")), use_tqdm=False)
+
+
+def test_two_tensor_parallel_ranks_give_the_tokens_of_one(tmp_path):
+    """Each rank holds half of every expert (and of the shared one): the block's partial sums are all-reduced once."""
+    folder, hf_model = save_tiny_model(tmp_path / "m", "qwen2-moe", seed=3)
+    with LLM(str(folder), dtype="float32", block_size=4, num_kv_blocks=64, tensor_parallel_size=2) as llm:
+        assert llm.engine.runner.model.model.layers[0].mlp.experts[0].down_proj.input_size_per_partition == 24
+        assert _tokens(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)) == \
+            _hf_greedy(hf_model)
+
+
+def test_quantized_moe_checkpoints_are_refused_with_a_clear_error(tmp_path):
+    folder, _ = save_tiny_model(tmp_path / "m", "mixtral")
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemm",
+                                     "zero_point": True}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="mixture of experts"):
+        LLM(str(folder))
