@@ -14,6 +14,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.lora.request import LoRARequest
+from tests.models.tiny import hf_greedy
 
 peft = pytest.importorskip("peft", reason="peft is not installed (pip install -e '.[dev]')")
 
@@ -56,14 +57,7 @@ def adapters(tiny, tmp_path_factory) -> dict[str, tuple[LoRARequest, list[list[i
 
 
 def _hf_greedy(model) -> list[list[int]]:
-    out = []
-    with torch.inference_mode():
-        for prompt in PROMPTS:
-            ids = torch.tensor([prompt])
-            generated = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
-                                       min_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0)
-            out.append(generated[0, len(prompt):].tolist())
-    return out
+    return hf_greedy(model, PROMPTS, MAX_TOKENS)
 
 
 def _llm(tiny, **kw) -> LLM:

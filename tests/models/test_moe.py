@@ -12,7 +12,7 @@ import torch
 from pagedllm import LLM, SamplingParams
 from pagedllm.layers.moe import experts_reference, route, run_experts
 from pagedllm.lora.request import LoRARequest
-from tests.models.tiny import save_tiny_model
+from tests.models.tiny import hf_greedy, save_tiny_model
 
 MOE_KINDS = ["mixtral", "qwen2-moe", "qwen3-moe"]
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [60, 61, 62, 63, 64], [200, 13, 9, 77, 150, 151, 40, 41, 42, 8] * 3,
@@ -81,14 +81,7 @@ def test_bf16_experts_match_the_dense_reference_in_bf16():
 
 
 def _hf_greedy(model, prompts=PROMPTS) -> list[list[int]]:
-    out = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            generated = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
-                                       min_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0)
-            out.append(generated[0, len(prompt):].tolist())
-    return out
+    return hf_greedy(model, prompts, MAX_TOKENS)
 
 
 def _tokens(outputs) -> list[list[int]]:

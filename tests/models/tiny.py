@@ -90,6 +90,18 @@ def save_tiny_model(folder: Path, kind: str = "llama-gqa", seed: int = 0, max_sh
     return folder, model
 
 
+def hf_greedy(model: Any, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """transformers' greedy tokens for each prompt (token ids), one prompt at a time, exactly max_tokens each."""
+    out = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            generated = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                                       min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
+            out.append(generated[0, len(prompt):].tolist())
+    return out
+
+
 class SimplePagedRunner:
     """A minimal stand-in for the model runner: per-sequence block tables over a hand-allocated KV cache."""
 
