@@ -48,10 +48,22 @@ _BLOCK_NAMES = {
     "attn_output": "self_attn.o_proj",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
     "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",      # Qwen3
+    # a mixture of experts: the router, and Qwen2-MoE's shared expert and its gate (the experts: _EXPERT_RE)
+    "ffn_gate_inp": "mlp.gate", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _SKIPPED = {"rope_freqs"}  # llama3 rope factors: the rope is rebuilt from the config instead
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+# one expert's tensor: blk.{layer}.ffn_{gate,up,down}.{expert}.weight, as older Mixtral files store them and as
+# GGUFFile names its slices of the stacked ones (_STACKED_EXPERTS_RE)
+_EXPERT_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight$")
+_STACKED_EXPERTS_RE = re.compile(r"(blk\.\d+\.ffn_(?:gate|up|down))_exps\.weight$")
+# GGUF architectures of mixtures of experts -> transformers' model_type (a Mixtral file says "llama")
+_MOE_MODEL_TYPES = {"llama": "mixtral", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+# whether llama.cpp renormalises each token's top-k expert weights, by architecture (Qwen2-MoE does not)
+_MOE_RENORMALIZES = {"llama": True, "qwen2moe": False, "qwen3moe": True}
 
 
 @dataclass(frozen=True)
@@ -129,7 +141,8 @@ class GGUFFile:
         raw = [self._tensor_header(cur) for _ in range(num_tensors)]
         alignment = int(self.metadata.get("general.alignment", 32))
         data_start = -(-cur.pos // alignment) * alignment
-        self.tensors = {name: GGUFTensorInfo(name, shape, t, data_start + off) for name, shape, t, off in raw}
+        self.tensors = {info.name: info for name, shape, t, off in raw
+                        for info in _split_experts(GGUFTensorInfo(name, shape, t, data_start + off))}
 
     @staticmethod
     def _tensor_header(cur: _Cursor) -> tuple[str, tuple[int, ...], GGMLQuantizationType, int]:
@@ -166,6 +179,19 @@ class GGUFFile:
         return torch.from_numpy(dequantize(rows, info.ggml_type))
 
 
+def _split_experts(info: GGUFTensorInfo) -> list[GGUFTensorInfo]:
+    """A stacked experts tensor (blk.N.ffn_gate_exps.weight: [experts, rows, K]) as one [rows, K] tensor per
+    expert, each a contiguous run of the file's bytes, named as older files name an expert's (blk.N.ffn_gate.E.weight);
+    any other tensor as it is."""
+    match = _STACKED_EXPERTS_RE.match(info.name)
+    if match is None or len(info.shape) != 3:
+        return [info]
+    shape = info.shape[1:]
+    size = GGUFTensorInfo(info.name, shape, info.ggml_type, 0).num_bytes
+    return [GGUFTensorInfo(f"{match.group(1)}.{e}.weight", shape, info.ggml_type, info.offset + e * size)
+            for e in range(info.shape[0])]
+
+
 # Torch versions of the common 32-element block formats: the same float32 arithmetic as gguf.quants (so
 # results are bit-identical, which the tests check) but several times faster than its numpy code.
 def _f16_field(blocks: torch.Tensor, start: int) -> torch.Tensor:
@@ -198,6 +224,10 @@ _TORCH_DEQUANT = {GGMLQuantizationType.Q8_0: _dequant_q8_0, GGMLQuantizationType
 
 def gguf_to_hf_name(name: str) -> str | None:
     """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'; None for tensors to skip."""
+    expert = _EXPERT_RE.match(name)
+    if expert:
+        layer, part, index = expert.groups()
+        return f"model.layers.{layer}.mlp.experts.{index}.{part}_proj.weight"
     m = _BLOCK_RE.match(name)
     if m:
         layer, part, kind = m.groups()
@@ -236,6 +266,8 @@ def iterate_gguf(path: str | Path, dtype: torch.dtype = torch.float32, gguf_file
         if hf_name is None or hf_name in skip:
             continue
         tensor = g.read_tensor(info)
+        if hf_name.endswith("shared_expert_gate.weight") and tensor.dim() == 1:    # llama.cpp stores [H], not [1, H]
+            tensor = tensor[None]
         if permute and ".q_proj." in hf_name:
             tensor = unpermute_qk(tensor, num_heads)
         elif permute and ".k_proj." in hf_name:
@@ -276,16 +308,12 @@ def gguf_hf_config(g: GGUFFile) -> Any:
     from transformers import PretrainedConfig
 
     arch = g.architecture
-    if g.arch_value("expert_count"):
-        raise ValueError(f"{g.metadata.get('general.name', 'this GGUF file')} is a mixture of experts "
-                         f"({g.arch_value('expert_count')} experts): pagedllm reads a mixture of experts from its "
-                         "Hugging Face folder (safetensors), not from GGUF yet")
     num_heads = int(g.arch_value("attention.head_count"))
     hidden = int(g.arch_value("embedding_length"))
     kwargs: dict[str, Any] = dict(
         vocab_size=int(g.arch_value("vocab_size") or g.tensors["token_embd.weight"].shape[0]),
         hidden_size=hidden,
-        intermediate_size=int(g.arch_value("feed_forward_length")),
+        intermediate_size=int(g.arch_value("feed_forward_length") or g.arch_value("expert_feed_forward_length")),
         num_hidden_layers=int(g.arch_value("block_count")),
         num_attention_heads=num_heads,
         num_key_value_heads=int(g.arch_value("attention.head_count_kv", num_heads)),
@@ -302,12 +330,33 @@ def gguf_hf_config(g: GGUFFile) -> Any:
             kwargs[f"{field}_token_id"] = int(token_id)
     if arch == "llama":
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in g.tensors
+    kwargs.update(_gguf_experts(g, kwargs["num_hidden_layers"]))
     name = g.metadata.get("general.name")
     config = PretrainedConfig(**kwargs)
-    config.model_type = arch
+    config.model_type = _MOE_MODEL_TYPES[arch] if kwargs.get("num_local_experts") else arch
     if name:
         config._name_or_path = str(name)
     return config
+
+
+def _gguf_experts(g: GGUFFile, num_layers: int) -> dict[str, Any]:
+    """A mixture of experts' config fields from GGUF metadata, as transformers names them; {} for a dense model.
+    A layer without a router (ffn_gate_inp) has a dense MLP (`mlp_only_layers`)."""
+    num_experts = int(g.arch_value("expert_count") or 0)
+    if not num_experts:
+        return {}
+    if g.architecture not in _MOE_MODEL_TYPES:
+        raise ValueError(f"a {g.architecture!r} mixture of experts is not supported (GGUF mixtures of experts: "
+                         f"{', '.join(sorted(_MOE_MODEL_TYPES))})")
+    fields: dict[str, Any] = dict(
+        num_local_experts=num_experts, num_experts_per_tok=int(g.arch_value("expert_used_count")),
+        moe_intermediate_size=int(g.arch_value("expert_feed_forward_length") or g.arch_value("feed_forward_length")),
+        norm_topk_prob=_MOE_RENORMALIZES[g.architecture],
+        mlp_only_layers=[i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in g.tensors])
+    shared = g.arch_value("expert_shared_feed_forward_length")
+    if shared:
+        fields["shared_expert_intermediate_size"] = int(shared)
+    return fields
 
 
 def _gguf_rope_parameters(g: GGUFFile) -> dict[str, Any]:

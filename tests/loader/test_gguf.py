@@ -94,7 +94,32 @@ _HF_TO_GGUF = {v: k for k, v in {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}.items()}
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm", "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj"}.items()}
+
+
+def _gguf_tensors(hf_model):
+    """(GGUF name, tensor) of a transformers model's weights, as llama.cpp's converter names them: the experts of a
+    layer stacked [experts, rows, K] (transformers keeps gate and up stacked together), the shared expert's gate
+    flattened to [H]."""
+    for name, t in hf_model.state_dict().items():
+        if not name.startswith("model.layers."):
+            yield {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                   "lm_head.weight": "output.weight"}[name], t
+            continue
+        _, _, layer, rest = name.split(".", 3)
+        if rest == "mlp.experts.gate_up_proj":
+            gate, up = t.chunk(2, dim=1)
+            yield f"blk.{layer}.ffn_gate_exps.weight", gate.contiguous()
+            yield f"blk.{layer}.ffn_up_exps.weight", up.contiguous()
+        elif rest == "mlp.experts.down_proj":
+            yield f"blk.{layer}.ffn_down_exps.weight", t
+        elif rest == "mlp.shared_expert_gate.weight":
+            yield f"blk.{layer}.ffn_gate_inp_shexp.weight", t[0]
+        else:
+            module, kind = rest.rsplit(".", 1)
+            yield f"blk.{layer}.{_HF_TO_GGUF[module]}.{kind}", t
 
 
 def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32) -> None:
@@ -115,22 +140,22 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32) -> None:
     w.add_vocab_size(cfg.vocab_size)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
-    for name, t in hf_model.state_dict().items():
-        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+    if getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None):
+        w.add_expert_count(getattr(cfg, "num_local_experts", None) or cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        if getattr(cfg, "moe_intermediate_size", None):
+            w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        if getattr(cfg, "shared_expert_intermediate_size", None):
+            w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    for gname, t in _gguf_tensors(hf_model):
+        if gname == "output.weight" and cfg.tie_word_embeddings:
             continue
-        if name.startswith("model.layers."):
-            _, _, layer, rest = name.split(".", 3)
-            module, kind = rest.rsplit(".", 1)
-            gname = f"blk.{layer}.{_HF_TO_GGUF[module]}.{kind}"
-        else:
-            gname = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                     "lm_head.weight": "output.weight"}[name]
         if arch == "llama" and ".attn_q." in gname:
             t = _permute(t, cfg.num_attention_heads, cfg.num_attention_heads)
         elif arch == "llama" and ".attn_k." in gname:
             t = _permute(t, cfg.num_attention_heads, cfg.num_key_value_heads)
         data = t.numpy()
-        if qtype != Q.F32 and t.dim() == 2:
+        if qtype != Q.F32 and t.dim() >= 2 and ".ffn_gate_inp." not in gname:    # llama.cpp keeps routers as they are
             w.add_tensor(gname, _quantize_q4_k(data) if qtype == Q.Q4_K else quantize(data, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(gname, data)
@@ -141,13 +166,15 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32) -> None:
 
 
 @pytest.mark.parametrize("kind,arch", [("llama-gqa", "llama"), ("llama-untied", "llama"), ("qwen2", "qwen2"),
-                                       ("qwen3", "qwen3")])
+                                       ("qwen3", "qwen3"), ("mixtral", "llama"), ("qwen2-moe", "qwen2moe"),
+                                       ("qwen3-moe", "qwen3moe")])
 def test_tiny_gguf_model_matches_transformers(tmp_path: Path, kind: str, arch: str) -> None:
     hf_model = build_tiny_hf_model(kind)
     path = tmp_path / f"{kind}.gguf"
     write_model_gguf(hf_model, path, arch)
     config = gguf_hf_config(GGUFFile(path))
-    assert config.model_type == arch and config.tie_word_embeddings == hf_model.config.tie_word_embeddings
+    assert config.model_type == hf_model.config.model_type.replace("llama", arch) and \
+        config.tie_word_embeddings == hf_model.config.tie_word_embeddings
     assert config.num_key_value_heads == hf_model.config.num_key_value_heads
     model = load_model(ModelConfig(model=str(path), dtype="float32")).model
     prompt = [1, 17, 250, 9, 33, 70, 5, 80, 81]
@@ -238,6 +265,25 @@ def test_gguf_quantization_multiplies_its_blocks(tmp_path: Path, kind: str, qtyp
     qkv, head = packed.model.layers[0].self_attn.qkv_proj.weight, packed.lm_head.weight
     assert qkv.dtype == torch.uint8 and qkv.ggml_type == qtype and head.dtype == torch.uint8
     assert packed.model.embed_tokens.weight.dtype == torch.float32  # the lookup keeps a dequantised copy
+    _assert_gguf_reference_near_the_dense_model(packed, dense, [1, 17, 250, 9, 33, 70, 5, 80, 81], monkeypatch)
+
+
+@pytest.mark.parametrize(("kind", "arch"), [("mixtral", "llama"), ("qwen2-moe", "qwen2moe")])
+def test_a_mixture_of_experts_keeps_its_experts_blocks(tmp_path: Path, kind: str, arch: str, monkeypatch) -> None:
+    """Each expert's slice of a stacked experts tensor packs as its own weight's blocks (as do Qwen2-MoE's shared
+    expert and its dense layer); the router keeps its float32 weight, as llama.cpp's files keep it."""
+    path = tmp_path / f"{kind}.gguf"
+    overrides = {} if kind == "mixtral" else dict(moe_intermediate_size=64)   # GGUF blocks: rows of 32 k's
+    write_model_gguf(build_tiny_hf_model(kind, **overrides), path, arch, Q.Q4_1)
+    packed = load_model(ModelConfig(model=str(path), dtype="float32", quantization="gguf")).model
+    dense = load_model(ModelConfig(model=str(path), dtype="float32")).model
+    moe = packed.model.layers[0].mlp
+    for expert in moe.experts:
+        assert expert.gate_up_proj.weight.dtype == expert.down_proj.weight.dtype == torch.uint8
+    assert moe.gate.weight.dtype == torch.float32 and moe.gate.weight.shape == (4, 64)
+    if kind == "qwen2-moe":
+        assert moe.shared_expert.down_proj.weight.ggml_type == Q.Q4_1
+        assert packed.model.layers[1].mlp.gate_up_proj.weight.ggml_type == Q.Q4_1     # the dense layer
     _assert_gguf_reference_near_the_dense_model(packed, dense, [1, 17, 250, 9, 33, 70, 5, 80, 81], monkeypatch)
 
 
