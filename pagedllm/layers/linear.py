@@ -613,6 +613,7 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def kernel_weights(self, kernels: ModuleType) -> Any:
-        """This layer for the C++ kernels' DecoderStack (`linear_weights`), on one rank (it has no all-reduce)."""
-        assert self.tp_size == 1, "DecoderStack runs on one rank"
+        """This layer for the C++ kernels (`linear_weights`): on one rank (they have no all-reduce), or a layer that
+        leaves its reduce to the caller."""
+        assert self.tp_size == 1 or not self.reduce_results, "the kernels' layers do not all-reduce"
         return linear_weights(kernels, self.weight, row_bias=self.bias)

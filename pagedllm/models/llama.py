@@ -193,15 +193,38 @@ class LlamaSparseMoeBlock(nn.Module):
         self.shared_expert = LlamaMLP(config, dtype, tp, shared, reduce_results=False) if shared else None
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False, dtype=dtype) if shared else None
 
+        # kernel module -> this block for its MoEWeights (built on first use, once the weights are final, packed)
+        self.kernel_blocks: dict[ModuleType, Any] = {}
+
     def forward(self, x: torch.Tensor, lora: LayerLoRA | None = None) -> torch.Tensor:
         # x: [T, H]; `lora` is taken for the dense MLP's signature: adapters reach the attention only here
+        kernels = kernels_for(x)
+        out = self.forward_native(x) if kernels is None else self.kernel_weights(kernels)(x)
+        if self.tp_size > 1:
+            communicator().all_reduce(out)
+        return out
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+        """The block in torch (this rank's partial sums under tensor parallelism): where the CPU kernels do not run,
+        and the reference of their MoEWeights, which splits the experts between the threads."""
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)   # [T, top_k] each
         out = run_experts(x, weights, ids, self.experts)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        if self.tp_size > 1:
-            communicator().all_reduce(out)
         return out
+
+    def kernel_weights(self, kernels: ModuleType) -> Any:
+        """This block as the C++ kernels' MoEWeights (pagedllm/kernels/csrc/moe.cpp), built on first use."""
+        if kernels not in self.kernel_blocks:
+            shared = self.shared_expert
+            self.kernel_blocks[kernels] = kernels.MoEWeights(
+                self.gate.weight, self.top_k, self.renormalize,
+                [e.gate_up_proj.kernel_weights(kernels) for e in self.experts],
+                [e.down_proj.kernel_weights(kernels) for e in self.experts],
+                None if shared is None else shared.gate_up_proj.kernel_weights(kernels),
+                None if shared is None else shared.down_proj.kernel_weights(kernels),
+                None if self.shared_expert_gate is None else self.shared_expert_gate.weight)
+        return self.kernel_blocks[kernels]
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -266,8 +289,10 @@ class LlamaModel(nn.Module):
         layers = [kernels.DecoderLayerWeights(
             layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
             layer.self_attn.qkv_proj.kernel_weights(kernels), layer.self_attn.o_proj.kernel_weights(kernels),
-            layer.mlp.gate_up_proj.kernel_weights(kernels), layer.mlp.down_proj.kernel_weights(kernels),
-            *[None if norm is None else norm.weight for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm)])
+            *([layer.mlp.gate_up_proj.kernel_weights(kernels), layer.mlp.down_proj.kernel_weights(kernels)]
+              if isinstance(layer.mlp, LlamaMLP) else [None, None]),
+            *[None if norm is None else norm.weight for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm)],
+            None if isinstance(layer.mlp, LlamaMLP) else layer.mlp.kernel_weights(kernels))
             for layer in self.layers]
         return kernels.DecoderStack(layers, self.norm.weight, self.norm.eps, attn.rotary_emb.cos_cache,
                                     attn.rotary_emb.sin_cache, attn.qkv_proj.q_size // attn.head_dim,
@@ -347,12 +372,10 @@ class LlamaForCausalLM(nn.Module):
         """Run the decoder layers in one C++ call a step (the kernels' DecoderStack, pagedllm/kernels/csrc/decoder.cpp)
         wherever the CPU kernels run, instead of ~15 module calls a layer: the same kernels in the same order, so the
         same bits, without ~3-5 ms of Python a step (SmolLM2, one stream). Only on one rank and with the CPU attention
-        backend, and with dense MLPs (a mixture of experts runs its modules): otherwise the modules run. The loader
-        calls it once the weights are final, packed: a stack holds the weight tensors it was built with.
-        `enforce_eager=True` keeps the modules."""
+        backend: otherwise the modules run. The loader calls it once the weights are final, packed: a stack holds
+        the weight tensors it was built with. `enforce_eager=True` keeps the modules."""
         layer = self.model.layers[0]
-        if layer.self_attn.qkv_proj.tp_size == 1 and layer.self_attn.attn_backend is paged_attention and \
-                not num_experts(self.config):
+        if layer.self_attn.qkv_proj.tp_size == 1 and layer.self_attn.attn_backend is paged_attention:
             self.model.stacks = {}
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],

@@ -38,6 +38,8 @@ CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "int8": ("llama-gqa", {}, dict(dtype="float32", quantization="int8")),
     "w8a8": ("llama-gqa", {}, dict(dtype="bfloat16", quantization="w8a8")),
     "int8 kv cache": ("llama-gqa", {}, dict(dtype="float32", kv_cache_dtype="int8")),
+    "mixture of experts, shared expert, a dense layer": ("qwen2-moe", {}, dict(dtype="float32")),
+    "mixture of experts in bfloat16": ("qwen3-moe", {}, dict(dtype="bfloat16")),
 }
 
 

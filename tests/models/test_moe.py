@@ -10,7 +10,10 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.config import ModelConfig
+from pagedllm.kernels import cpu_kernels
 from pagedllm.layers.moe import experts_reference, route, run_experts
+from pagedllm.loader import load_model
 from pagedllm.lora.request import LoRARequest
 from tests.models.tiny import hf_greedy, save_tiny_model
 
@@ -175,3 +178,24 @@ def test_quantized_moe_checkpoints_are_refused_with_a_clear_error(tmp_path):
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="mixture of experts"):
         LLM(str(folder))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", [1, 37])
+def test_the_kernels_block_gives_the_torch_blocks_bits(tmp_path, dtype, num_tokens):
+    """The C++ block (MoEWeights: the experts split between the threads, each on one) against the same block in torch
+    (route, run_experts, the shared expert), on every expert's packed weights: the same bits where the experts'
+    kernels give a row the same bits on one thread as on two, as pagedllm's do (float32 weights, and bf16 ones
+    without oneDNN's bf16); oneDNN's bf16 kernels promise no such thing, and are held to bf16's rounding."""
+    if cpu_kernels() is None:
+        pytest.skip("pagedllm's CPU kernels are not built here")
+    folder, _ = save_tiny_model(tmp_path / "m", "qwen2-moe", seed=3)
+    model = load_model(ModelConfig(model=str(folder), dtype=str(dtype).removeprefix("torch."))).model
+    block = model.model.layers[0].mlp
+    x = torch.randn(num_tokens, 64, dtype=dtype)
+    with torch.inference_mode():
+        got, expected = block(x), block.forward_native(x)
+    if block.experts[0].down_proj.weight.is_mkldnn:
+        torch.testing.assert_close(got, expected, atol=1e-2, rtol=1e-2)
+    else:
+        assert torch.equal(got, expected)

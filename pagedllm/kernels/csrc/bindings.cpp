@@ -85,11 +85,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("weight"), py::arg("out_features"), py::arg("bias") = py::none(), py::arg("row_bias") = py::none(),
            py::arg("scale") = py::none(), py::arg("col_sums") = py::none(), py::arg("input_perm") = py::none(),
            py::arg("ggml_type") = 0, py::arg("activation_bits") = 16);
+  m.def("moe_experts", &pagedllm::moe_experts,
+        "sum_j weights[t, j] experts[ids[t, j]](x[t]), each expert down(silu_and_mul(gate_up(x))) on its tokens, the "
+        "experts split between the threads: (x, weights, ids, gate_up, down)",
+        NoGil());
+  py::class_<pagedllm::MoEWeights>(m, "MoEWeights", py::module_local(),
+                                   "A mixture of experts' MLP, routing included (moe.cpp)")
+      .def(py::init<at::Tensor, int64_t, bool, std::vector<pagedllm::LinearWeights>,
+                    std::vector<pagedllm::LinearWeights>, c10::optional<pagedllm::LinearWeights>,
+                    c10::optional<pagedllm::LinearWeights>, c10::optional<at::Tensor>>(),
+           py::arg("router"), py::arg("top_k"), py::arg("renormalize"), py::arg("gate_up"), py::arg("down"),
+           py::arg("shared_gate_up") = py::none(), py::arg("shared_down") = py::none(),
+           py::arg("shared_gate") = py::none())
+      .def("__call__", &pagedllm::MoEWeights::operator(), "h [T, H] -> the block's output [T, H]", NoGil());
   py::class_<pagedllm::DecoderLayerWeights>(m, "DecoderLayerWeights", py::module_local())
-      .def(py::init<at::Tensor, at::Tensor, pagedllm::LinearWeights, pagedllm::LinearWeights, pagedllm::LinearWeights,
-                    pagedllm::LinearWeights, c10::optional<at::Tensor>, c10::optional<at::Tensor>>(),
+      .def(py::init<at::Tensor, at::Tensor, pagedllm::LinearWeights, pagedllm::LinearWeights,
+                    c10::optional<pagedllm::LinearWeights>, c10::optional<pagedllm::LinearWeights>,
+                    c10::optional<at::Tensor>, c10::optional<at::Tensor>, c10::optional<pagedllm::MoEWeights>>(),
            py::arg("input_norm"), py::arg("post_attention_norm"), py::arg("qkv"), py::arg("o"), py::arg("gate_up"),
-           py::arg("down"), py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none());
+           py::arg("down"), py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none(),
+           py::arg("moe") = py::none());
   py::class_<pagedllm::DecoderStack>(m, "DecoderStack", py::module_local(),
                                      "A Llama-family decoder's layers and final norm in one call (decoder.cpp)")
       .def(py::init<std::vector<pagedllm::DecoderLayerWeights>, at::Tensor, double, at::Tensor, at::Tensor, int64_t,

@@ -102,7 +102,7 @@ at::Tensor DecoderStack::forward(at::Tensor x, const at::Tensor& positions, cons
     at::Tensor sum = at::empty_like(x);
     fused_add_rms_norm(h, sum, x, residual, layer.post_attention_norm, eps_);
     residual = sum;
-    x = layer.down(layer.gate_up.silu_and_mul(h));
+    x = layer.moe ? (*layer.moe)(h) : (*layer.down)(layer.gate_up->silu_and_mul(h));
   }
   at::Tensor out = at::empty_like(x);
   at::Tensor sum = at::empty_like(x);

@@ -128,10 +128,35 @@ struct LinearWeights {
   at::Tensor silu_and_mul(const at::Tensor& x) const;
 };
 
+// sum_j weights[t, j] experts[ids[t, j]](x[t]) for x [T, H], weights [T, top_k] float32, ids [T, top_k] int64, each
+// expert down(silu_and_mul(gate_up(x))): pagedllm.layers.moe.run_experts, the experts split between the threads
+// (moe.cpp).
+at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& ids,
+                       const std::vector<LinearWeights>& gate_up, const std::vector<LinearWeights>& down);
+
+// A mixture of experts' MLP (pagedllm.models.llama.LlamaSparseMoeBlock on one rank): the router's weight [E, H], its
+// top_k, whether it renormalises, the experts' projections, and a shared expert with its gate's [1, H] weight.
+struct MoEWeights {
+  at::Tensor router;
+  int64_t top_k;
+  bool renormalize;
+  std::vector<LinearWeights> gate_up, down;
+  c10::optional<LinearWeights> shared_gate_up, shared_down;
+  c10::optional<at::Tensor> shared_gate;
+
+  MoEWeights(at::Tensor router, int64_t top_k, bool renormalize, std::vector<LinearWeights> gate_up,
+             std::vector<LinearWeights> down, c10::optional<LinearWeights> shared_gate_up,
+             c10::optional<LinearWeights> shared_down, c10::optional<at::Tensor> shared_gate);
+  at::Tensor operator()(const at::Tensor& h) const;  // h [T, H] -> [T, H]
+};
+
+// A decoder layer's weights: its MLP's gate_up and down, or a mixture of experts (`moe`).
 struct DecoderLayerWeights {
   at::Tensor input_norm, post_attention_norm;
-  LinearWeights qkv, o, gate_up, down;
+  LinearWeights qkv, o;
+  c10::optional<LinearWeights> gate_up, down;
   c10::optional<at::Tensor> q_norm, k_norm;  // Qwen3's RMSNorm weights over each query and key head
+  c10::optional<MoEWeights> moe;
 };
 
 using KVPair = std::tuple<at::Tensor, at::Tensor>;  // one layer's (k_cache, v_cache)
