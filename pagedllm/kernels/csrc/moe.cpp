@@ -4,7 +4,8 @@
 // its few rows' work between the threads and joins them: at a decode step's two rows an expert, ~220 us an expert on
 // a 2-core VM, a third of it beside the weights' bytes. Here the experts are what the threads split: each thread
 // runs whole experts, their kernels on one thread (a kernel called inside a parallel region runs on its caller's
-// thread), taken as parallel_units deals them, so the threads stream weights without meeting between experts.
+// thread), taken as parallel_units deals them, so the threads stream weights without meeting between experts
+// (an expert with more than kUnitRows rows is split into several units).
 // Then each token's weighted rows are added in expert order, as pagedllm.layers.moe.run_experts adds them.
 #include "linear_common.h"
 #include "ops.h"
@@ -16,11 +17,25 @@ namespace pagedllm {
 
 namespace {
 
-// One routed slot of a token: row `row` of expert output `output`, times `weight`.
+// One routed slot of a token: row `row` of unit `output`'s output, times `weight`.
 struct Slot {
   int64_t output, row;
   float weight;
 };
+
+// Rows [first, first + count) of an expert's tokens.
+struct Unit {
+  int64_t expert, first, count;
+};
+
+constexpr int64_t kUnitRows = 512;
+
+// The rows an expert on oneDNN's weights runs: its count of rows past 16 rounded up to a multiple of 32 (zero rows
+// added), so that the experts' calls come in ~30 shapes. oneDNN builds a kernel for each shape it has not seen
+// (~1.3 ms on the AMX Xeon, for bf16 tiles), and every layer's experts see counts of their own: a 3,600-token
+// prefill of a random Qwen3-MoE (12 layers of 64 experts, 8 a token) spent 2.0 s in its experts with the exact
+// counts and whole experts, 1.05 s padded and in units of kUnitRows.
+int64_t onednn_rows(int64_t count) { return count <= 16 ? count : (count + 31) / 32 * 32; }
 
 // out[t] = sum over t's slots, in expert order, of round(outputs[slot][row] * round(weight)), each product and
 // each sum rounded to T: the bits of `y * weight` (weights cast to x's dtype) then `out.index_add_` expert by
@@ -71,22 +86,32 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weights, const at:
       row_weights[e].push_back(w[t][j]);
     }
   }
-  std::vector<int64_t> active;
+  // the units of work: runs of at most kUnitRows of an expert's rows, so that an expert most tokens chose does
+  // not keep one thread busy while the other waits
+  std::vector<Unit> units;
   std::vector<std::vector<Slot>> slots(x.size(0));  // each token's slots, in expert order
   for (int64_t e = 0; e < num_experts; ++e) {
-    if (rows[e].empty()) continue;
-    for (size_t r = 0; r < rows[e].size(); ++r) {
-      slots[rows[e][r]].push_back({static_cast<int64_t>(active.size()), static_cast<int64_t>(r), row_weights[e][r]});
+    const int64_t n = static_cast<int64_t>(rows[e].size());
+    for (int64_t first = 0; first < n; first += kUnitRows) {
+      const int64_t count = std::min(kUnitRows, n - first);
+      for (int64_t r = 0; r < count; ++r) {
+        slots[rows[e][first + r]].push_back({static_cast<int64_t>(units.size()), r, row_weights[e][first + r]});
+      }
+      units.push_back({e, first, count});
     }
-    active.push_back(e);
   }
-  std::vector<at::Tensor> outputs(active.size());
+  std::vector<at::Tensor> outputs(units.size());
   const at::Tensor rows_x = x.contiguous();
-  parallel_units(static_cast<int64_t>(active.size()), at::get_num_threads(), [&](const auto& take) {
+  parallel_units(static_cast<int64_t>(units.size()), at::get_num_threads(), [&](const auto& take) {
     for (int64_t u; (u = take()) >= 0;) {
-      const int64_t e = active[u];
-      const at::Tensor tokens = at::from_blob(rows[e].data(), {static_cast<int64_t>(rows[e].size())}, at::kLong);
-      outputs[u] = down[e](gate_up[e].silu_and_mul(rows_x.index_select(0, tokens))).contiguous();
+      const Unit& unit = units[u];
+      const at::Tensor tokens = at::from_blob(rows[unit.expert].data() + unit.first, {unit.count}, at::kLong);
+      const int64_t padded = gate_up[unit.expert].weight.is_mkldnn() ? onednn_rows(unit.count) : unit.count;
+      at::Tensor x_rows = at::empty({padded, rows_x.size(1)}, rows_x.options());
+      at::Tensor gathered = x_rows.narrow(0, 0, unit.count);
+      at::index_select_out(gathered, rows_x, 0, tokens);
+      x_rows.narrow(0, unit.count, padded - unit.count).zero_();
+      outputs[u] = down[unit.expert](gate_up[unit.expert].silu_and_mul(x_rows)).narrow(0, 0, unit.count).contiguous();
     }
   });
   at::Tensor out = at::zeros_like(rows_x);
