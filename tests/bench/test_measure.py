@@ -16,6 +16,17 @@ def test_useful_flops_counts_layers_lm_head_and_attention():
     assert useful_flops(dims, [BenchRequest([1, 2], 2)]) == expected
 
 
+def test_a_mixture_of_experts_counts_the_experts_a_token_runs():
+    from tests.models.tiny import tiny_config
+
+    dense = ModelDims.from_hf_config(tiny_config("qwen3"))
+    assert dense.intermediate_size == 128
+    # 2 of 4 experts of 48, and Qwen2-MoE's shared expert of 96
+    assert ModelDims.from_hf_config(tiny_config("qwen3-moe")).intermediate_size == 2 * 48
+    assert ModelDims.from_hf_config(tiny_config("qwen2-moe")).intermediate_size == 2 * 48 + 96
+    assert ModelDims.from_hf_config(tiny_config("mixtral")).intermediate_size == 2 * 128
+
+
 def test_static_batch_kv_waste_counts_padding_and_overrun():
     # One batch: prompts 3 and 1, outputs 2 and 1. Step 1: 2 x 4 slots hold 4 + 2; step 2: 2 x 5 hold 5 + 2.
     waste = static_batch_kv_waste([BenchRequest([1, 2, 3], 2), BenchRequest([1], 1)], batch_size=2)

@@ -1,0 +1,58 @@
+"""`pagedllm bench random-model`: a model folder of random weights in a named architecture's shape, for the benchmark
+commands' `--model` where no such checkpoint is at hand (no Hugging Face hub here).
+
+Its weights are transformers' random initialisation, saved as safetensors with the embedded model's tokenizer, so
+that every engine (pagedllm, vLLM, transformers) reads the same folder. Its text is noise, and it never stops on
+EOS by chance any more than a trained model: throughput figures are the workload's, not the model's. Time per token
+depends on the shapes alone (the routing of a mixture of experts aside: random routers spread tokens less evenly
+than trained ones, which costs pagedllm and vLLM alike).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+# name -> (transformers model_type, config fields)
+PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
+    # Qwen3-30B-A3B's layout scaled down to ~1.04B weights, ~0.2B a token: 64 experts of 384, 8 a token
+    "qwen3-moe-1b": ("qwen3_moe", dict(
+        hidden_size=1024, intermediate_size=3072, moe_intermediate_size=384, num_hidden_layers=12,
+        num_attention_heads=16, num_key_value_heads=4, head_dim=64, num_experts=64, num_experts_per_tok=8,
+        norm_topk_prob=True, tie_word_embeddings=False)),
+    # Mixtral's layout scaled down to ~0.59B weights, ~0.19B a token: 8 experts of 1536, 2 a token
+    "mixtral-1b": ("mixtral", dict(
+        hidden_size=1024, intermediate_size=1536, num_hidden_layers=12, num_attention_heads=16,
+        num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=2, tie_word_embeddings=False)),
+}
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("output", help="the folder to write")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="qwen3-moe-1b")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="the saved weights'")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from pagedllm.loader.resolve import default_model_gguf
+    from pagedllm.tokenizer.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(default_model_gguf())
+    model_type, fields = PRESETS[args.preset]
+    config = AutoConfig.for_model(model_type, vocab_size=len(tokenizer), max_position_embeddings=4096,
+                                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                                  initializer_range=0.02, **fields)
+    torch.manual_seed(args.seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, args.dtype))
+    output = Path(args.output)
+    model.save_pretrained(output)
+    tokenizer.save_pretrained(output)
+    num_params = sum(p.numel() for p in model.parameters())
+    print(f"{args.preset}: {num_params / 1e6:.0f}M random {args.dtype} weights in {output}")
+    return {"preset": args.preset, "num_params": num_params, "output": str(output)}
