@@ -50,6 +50,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     act-order) runs over its inputs in that order: x[:, input_perm]."""
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    if getattr(weight, "brgemm", False):  # bf16 in torch's brgemm blocks (`pack_linear_weights`, prefers_brgemm)
+        out = torch.empty(x.shape[0], weight.out_features, dtype=x.dtype)  # type: ignore[attr-defined]
+        cpu_kernels().linear_brgemm(out, x, weight, bias)  # type: ignore[union-attr]
+        return out
     if weight.dtype == torch.uint8:  # GGUF blocks, [ceil(out / 16), in / 32, group bytes] (pagedllm.layers.gguf)
         perm = getattr(weight, "input_perm", None)
         x = x if perm is None else x.index_select(1, perm)  # GPTQ act-order: K as the weight stores it
@@ -75,7 +79,7 @@ def linear_weights(kernels: ModuleType, weight: torch.Tensor, bias: torch.Tensor
     return kernels.LinearWeights(weight, getattr(weight, "out_features", weight.shape[0]), bias, row_bias,
                                  getattr(weight, "scale", None), getattr(weight, "col_sums", None),
                                  getattr(weight, "input_perm", None), getattr(weight, "ggml_type", 0),
-                                 getattr(weight, "activation_bits", 16))
+                                 getattr(weight, "activation_bits", 16), getattr(weight, "brgemm", False))
 
 
 def linear_packing(dtype: torch.dtype) -> str | None:
@@ -258,7 +262,13 @@ def pack_linear_weights(model: nn.Module, quantization: str | None = None) -> in
         if not getattr(type(layer), "packable_weight", False) or weight is None or weight.device.type != "cpu":
             continue
         packing = None if weight.is_mkldnn or weight.dim() != 2 else quantization or linear_packing(weight.dtype)
-        if packing == "onednn":
+        if packing == "onednn" and getattr(layer, "prefers_brgemm", False) and brgemm_packs(weight):
+            packing = "brgemm"
+        if packing == "brgemm":
+            layer.weight = nn.Parameter(cpu_kernels().pack_brgemm_weight(weight.detach()),  # type: ignore[union-attr]
+                                        requires_grad=False)
+            layer.weight.out_features, layer.weight.brgemm = weight.shape[0], True  # type: ignore[attr-defined]
+        elif packing == "onednn":
             layer.weight = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1),
                                         requires_grad=False)
         elif packing == "pagedllm":
@@ -267,6 +277,16 @@ def pack_linear_weights(model: nn.Module, quantization: str | None = None) -> in
             layer.weight = _packed(weight.detach(), packing)
         packed += packing is not None
     return packed
+
+
+def brgemm_packs(weight: torch.Tensor) -> bool:
+    """Whether `weight` can go to torch's brgemm blocks here (`linear_brgemm`): bf16 with an even K, pagedllm's
+    kernels built, and torch's brgemm packing bf16 on this CPU (AMX, AVX512-BF16). A layer whose class or instance
+    sets `prefers_brgemm` (a mixture of experts' experts) is packed so where oneDNN would take it: one thread
+    streams its blocks at the memory's speed, where oneDNN's small calls read ~25% slower."""
+    kernels = cpu_kernels()
+    return weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0 and kernels is not None and \
+        bool(kernels.brgemm_bf16_available())
 
 
 def _checkpoint_names(module_name: str, fused: dict[str, list[str]], tied: bool) -> list[str]:

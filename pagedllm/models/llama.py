@@ -189,6 +189,8 @@ class LlamaSparseMoeBlock(nn.Module):
         self.gate = nn.Linear(config.hidden_size, num_experts(config), bias=False, dtype=dtype)
         self.experts = nn.ModuleList(LlamaMLP(config, dtype, tp, inter, reduce_results=False)
                                      for _ in range(num_experts(config)))
+        for expert in self.experts:     # small calls, each on one thread (kernels/csrc/moe.cpp): see brgemm_packs
+            expert.gate_up_proj.prefers_brgemm = expert.down_proj.prefers_brgemm = True
         shared = getattr(config, "shared_expert_intermediate_size", None)
         self.shared_expert = LlamaMLP(config, dtype, tp, shared, reduce_results=False) if shared else None
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False, dtype=dtype) if shared else None

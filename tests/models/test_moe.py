@@ -12,6 +12,7 @@ import torch
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import ModelConfig
 from pagedllm.kernels import cpu_kernels
+from pagedllm.layers.linear import linear_packing
 from pagedllm.layers.moe import experts_reference, route, run_experts
 from pagedllm.loader import load_model
 from pagedllm.lora.request import LoRARequest
@@ -192,6 +193,8 @@ def test_the_kernels_block_gives_the_torch_blocks_bits(tmp_path, dtype, num_toke
     folder, _ = save_tiny_model(tmp_path / "m", "qwen2-moe", seed=3)
     model = load_model(ModelConfig(model=str(folder), dtype=str(dtype).removeprefix("torch."))).model
     block = model.model.layers[0].mlp
+    if dtype == torch.bfloat16 and linear_packing(dtype) == "onednn" and cpu_kernels().brgemm_bf16_available():
+        assert block.experts[0].gate_up_proj.weight.brgemm    # where oneDNN would take bf16: brgemm's blocks
     x = torch.randn(num_tokens, 64, dtype=dtype)
     with torch.inference_mode():
         got, expected = block(x), block.forward_native(x)

@@ -81,10 +81,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                       "takes it (pagedllm.layers.linear.linear_weights builds one)")
       .def(py::init<at::Tensor, int64_t, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
                     c10::optional<at::Tensor>, c10::optional<at::Tensor>, c10::optional<at::Tensor>, int64_t,
-                    int64_t>(),
+                    int64_t, bool>(),
            py::arg("weight"), py::arg("out_features"), py::arg("bias") = py::none(), py::arg("row_bias") = py::none(),
            py::arg("scale") = py::none(), py::arg("col_sums") = py::none(), py::arg("input_perm") = py::none(),
-           py::arg("ggml_type") = 0, py::arg("activation_bits") = 16);
+           py::arg("ggml_type") = 0, py::arg("activation_bits") = 16, py::arg("brgemm") = false);
+  m.def("brgemm_bf16_available", &pagedllm::brgemm_bf16_available,
+        "Whether torch's brgemm packs bf16 weights on this CPU (AMX, AVX512-BF16): pack_brgemm_weight runs");
+  m.def("pack_brgemm_weight", &pagedllm::pack_brgemm_weight,
+        "A bf16 [N, K] weight (K even) in brgemm's blocks of 32 columns, [ceil(N/32), K/2, 64]: (weight)", NoGil());
+  m.def("linear_brgemm", &pagedllm::linear_brgemm,
+        "out = x W^T + bias, bf16, for W packed by pack_brgemm_weight, N = out.size(1): (out, x, packed, bias)",
+        pybind11::arg("out"), pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("bias") = pybind11::none(),
+        NoGil());
   m.def("moe_experts", &pagedllm::moe_experts,
         "sum_j weights[t, j] experts[ids[t, j]](x[t]), each expert down(silu_and_mul(gate_up(x))) on its tokens, the "
         "experts split between the threads: (x, weights, ids, gate_up, down)",

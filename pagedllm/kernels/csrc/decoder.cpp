@@ -29,16 +29,19 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& weight, const c1
 LinearWeights::LinearWeights(at::Tensor weight, int64_t out_features, c10::optional<at::Tensor> bias,
                              c10::optional<at::Tensor> row_bias, c10::optional<at::Tensor> scale,
                              c10::optional<at::Tensor> col_sums, c10::optional<at::Tensor> input_perm,
-                             int64_t ggml_type, int64_t activation_bits)
+                             int64_t ggml_type, int64_t activation_bits, bool brgemm)
     : weight(std::move(weight)), out_features(out_features), bias(std::move(bias)), row_bias(std::move(row_bias)),
       scale(std::move(scale)), col_sums(std::move(col_sums)), input_perm(std::move(input_perm)),
-      ggml_type(ggml_type), activation_bits(activation_bits) {}
+      ggml_type(ggml_type), activation_bits(activation_bits), brgemm(brgemm) {}
 
 // The branches of pagedllm.layers.linear.linear, in its order.
 at::Tensor LinearWeights::operator()(at::Tensor x) const {
   at::Tensor y;
   if (weight.is_mkldnn()) {
     y = onednn_linear(x, weight, bias);
+  } else if (brgemm) {
+    y = at::empty({x.size(0), out_features}, x.options());
+    linear_brgemm(y, x, weight, bias);
   } else if (weight.scalar_type() == at::kByte) {
     if (input_perm) x = x.index_select(1, *input_perm);
     y = at::empty({x.size(0), out_features}, x.options());

@@ -111,6 +111,11 @@ std::tuple<at::Tensor, at::Tensor> pack_w8a8_weight(at::Tensor q);
 void linear_w8a8(at::Tensor out, at::Tensor x, at::Tensor packed, at::Tensor col_sums, at::Tensor w_scale,
                  c10::optional<at::Tensor> bias);
 
+// bf16 weights in torch's brgemm blocks times bf16 x (linear_brgemm.cpp), where torch's brgemm packs bf16.
+bool brgemm_bf16_available();
+at::Tensor pack_brgemm_weight(at::Tensor weight);
+void linear_brgemm(at::Tensor out, at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias);
+
 // A linear layer's weight as pagedllm.layers.linear.linear takes it (GGUF blocks, pagedllm's packed layouts, oneDNN's
 // or a plain [out, in] weight), with the bias the kernel adds and the one added after it (a row-parallel layer's).
 struct LinearWeights {
@@ -118,10 +123,11 @@ struct LinearWeights {
   int64_t out_features;
   c10::optional<at::Tensor> bias, row_bias, scale, col_sums, input_perm;
   int64_t ggml_type, activation_bits;
+  bool brgemm;  // weight from pack_brgemm_weight
 
   LinearWeights(at::Tensor weight, int64_t out_features, c10::optional<at::Tensor> bias,
                 c10::optional<at::Tensor> row_bias, c10::optional<at::Tensor> scale, c10::optional<at::Tensor> col_sums,
-                c10::optional<at::Tensor> input_perm, int64_t ggml_type, int64_t activation_bits);
+                c10::optional<at::Tensor> input_perm, int64_t ggml_type, int64_t activation_bits, bool brgemm);
   at::Tensor operator()(at::Tensor x) const;  // x [T, in] -> [T, out]
   // silu_and_mul of operator()(x) for a gate_up projection: x [T, in] -> [T, out / 2], in one kernel where
   // pagedllm.layers.linear.fuses_silu_and_mul says so (GGUF blocks in AMX tiles).

@@ -1,0 +1,88 @@
+// bf16 weights in oneDNN's brgemm blocks, multiplied by bf16 rows through torch's at::native::cpublas::brgemm (the
+// micro-kernel oneDNN builds its GEMMs from: AMX tiles, or AVX512-BF16 dot products), where torch has it
+// (`brgemm_bf16_available`).
+//
+// A weight [N, K] is stored as ceil(N / 32) blocks of 32 columns, each [K / 2, 32, 2] (k pairs, brgemm's VNNI
+// layout), one contiguous run of K x 32 values a block, the last block zero-padded. A call takes the blocks in
+// turns (`parallel_units`) and runs every row tile of x over each, so a block is read once from memory and streamed
+// in order. Against oneDNN's linear on a mixture of experts' 1024 x 768 weights on the AMX Xeon, one thread: 11.7
+// against 8.7 GB/s at a row, 437 against 496 us at 256 rows. pagedllm packs a mixture of experts' experts so
+// (`pack_linear_weights`, `prefers_brgemm`), whose small calls on one thread each read their weights at the memory's
+// speed.
+#include "ops.h"
+
+#include <ATen/native/CPUBlas.h>
+
+#include <vector>
+
+namespace pagedllm {
+namespace {
+
+constexpr int64_t kColumns = 32;  // a block's columns
+constexpr int64_t kRows = 64;     // x's rows a brgemm call multiplies
+
+}  // namespace
+
+bool brgemm_bf16_available() { return at::native::cpublas::could_pack(at::kBFloat16); }
+
+at::Tensor pack_brgemm_weight(at::Tensor weight) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2 && weight.scalar_type() == at::kBFloat16,
+              "weight must be a bf16 [N, K] CPU tensor");
+  TORCH_CHECK(weight.size(1) % 2 == 0, "brgemm's bf16 blocks take an even K, got ", weight.size(1));
+  TORCH_CHECK(brgemm_bf16_available(), "torch's brgemm does not pack bf16 on this CPU");
+  const int64_t n = weight.size(0), k = weight.size(1), blocks = (n + kColumns - 1) / kColumns;
+  at::Tensor columns = at::zeros({k, blocks * kColumns}, weight.options());  // W^T, padded to whole blocks
+  columns.narrow(1, 0, n).copy_(weight.t());
+  at::Tensor packed = at::empty({blocks, k / 2, 2 * kColumns}, weight.options());
+  const c10::BFloat16* src = columns.data_ptr<c10::BFloat16>();
+  c10::BFloat16* dst = packed.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      at::native::cpublas::pack(k, kColumns, blocks * kColumns, kColumns, at::kBFloat16, at::kBFloat16,
+                                src + b * kColumns, dst + b * k * kColumns);
+    }
+  });
+  return packed;
+}
+
+void linear_brgemm(at::Tensor out, at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias) {
+  TORCH_CHECK(x.device().is_cpu() && out.device().is_cpu() && packed.device().is_cpu(), "tensors must be on the CPU");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16 &&
+                  packed.scalar_type() == at::kBFloat16,
+              "linear_brgemm multiplies bf16 x by bf16 blocks into bf16 out");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == 2 * kColumns && packed.is_contiguous(),
+              "packed must come from pack_brgemm_weight");
+  const int64_t m = x.size(0), k = x.size(1), n = out.size(1), blocks = packed.size(0);
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && packed.size(1) * 2 == k, "x must be [M, K] with rows contiguous");
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == m && out.is_contiguous() && (n + kColumns - 1) / kColumns == blocks,
+              "out must be a contiguous [M, N]");
+  TORCH_CHECK(!bias || (bias->numel() == n && bias->is_contiguous() && bias->scalar_type() == at::kBFloat16),
+              "bias must be a contiguous bf16 [N]");
+  if (out.numel() == 0) return;
+  const c10::BFloat16* a = x.data_ptr<c10::BFloat16>();
+  const c10::BFloat16* b = packed.data_ptr<c10::BFloat16>();
+  const c10::BFloat16* bias_data = bias ? bias->data_ptr<c10::BFloat16>() : nullptr;
+  c10::BFloat16* y = out.data_ptr<c10::BFloat16>();
+  parallel_units(blocks, at::get_num_threads(), [&](const auto& take) {
+    std::vector<float> acc(kRows * kColumns);
+    for (int64_t block; (block = take()) >= 0;) {
+      const int64_t n0 = block * kColumns, columns = std::min(kColumns, n - n0);
+      for (int64_t m0 = 0; m0 < m; m0 += kRows) {
+        const int64_t rows = std::min(kRows, m - m0);
+        at::native::cpublas::brgemm(rows, kColumns, k, x.stride(0), kColumns, kColumns, false, a + m0 * x.stride(0),
+                                    b + block * k * kColumns, acc.data());
+        for (int64_t r = 0; r < rows; ++r) {
+          for (int64_t j = 0; j < columns; ++j) {
+            const float v = acc[r * kColumns + j];
+            y[(m0 + r) * n + n0 + j] = static_cast<c10::BFloat16>(bias_data ? v + static_cast<float>(bias_data[n0 + j])
+                                                                             : v);
+          }
+        }
+      }
+    }
+    // brgemm keeps its tile configuration between calls; pagedllm's own AMX kernels may load theirs in between
+    at::native::cpublas::brgemm_release();
+  });
+}
+
+}  // namespace pagedllm
