@@ -194,7 +194,6 @@ class LlamaSparseMoeBlock(nn.Module):
         shared = getattr(config, "shared_expert_intermediate_size", None)
         self.shared_expert = LlamaMLP(config, dtype, tp, shared, reduce_results=False) if shared else None
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False, dtype=dtype) if shared else None
-
         # kernel module -> this block for its MoEWeights (built on first use, once the weights are final, packed)
         self.kernel_blocks: dict[ModuleType, Any] = {}
 

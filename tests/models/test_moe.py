@@ -113,18 +113,20 @@ def test_greedy_tokens_match_transformers_through_chunks_prefix_hits_and_preempt
 
 
 def test_bfloat16_and_int8_moe_models_run_close_to_float32(moe):
-    """bf16 weights and int8 weights (the experts quantized, the router kept in the dtype) run: the first greedy
-    token of each prompt is float32's, where float32's top two logits are not a near tie."""
+    """bf16 weights, int8 weights and W8A8 (the experts quantized, the router kept in the dtype) run: the first
+    greedy token of each prompt is float32's, where float32's top two logits are not a near tie."""
     kind, folder, hf_model = moe
     with torch.inference_mode():
         logits = [hf_model(torch.tensor([p])).logits[0, -1] for p in PROMPTS]
     clear = [i for i, row in enumerate(logits) if float(row.topk(2).values.diff().abs()) > 0.05]
-    for options in (dict(dtype="bfloat16"), dict(dtype="float32", quantization="int8")):
+    for options in (dict(dtype="bfloat16"), dict(dtype="float32", quantization="int8"),
+                    dict(dtype="bfloat16", quantization="w8a8")):
         with LLM(folder, num_kv_blocks=64, block_size=4, **options) as llm:
             layer = llm.engine.runner.model.model.layers[0]
             if "quantization" in options:
                 assert layer.mlp.experts[0].gate_up_proj.weight.scale is not None
-                assert layer.mlp.gate.weight.dtype == torch.float32 and layer.mlp.gate.weight.dim() == 2
+                router = layer.mlp.gate.weight
+                assert router.dtype == getattr(torch, options["dtype"]) and router.dim() == 2
             outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                                 SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
         for i in clear:
