@@ -49,14 +49,13 @@ class ModelDims:
     def from_hf_config(cls, config) -> ModelDims:
         """The dims of a config; a mixture of experts' `intermediate_size` is what a token runs through: its top-k
         experts' and its shared expert's (every layer counted as sparse)."""
-        from pagedllm.models.llama import num_experts
+        from pagedllm.models.llama import expert_intermediate_size, num_experts
 
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         intermediate = config.intermediate_size
         if num_experts(config):
-            intermediate = config.num_experts_per_tok * (getattr(config, "moe_intermediate_size", None) or
-                                                         intermediate)
-            intermediate += getattr(config, "shared_expert_intermediate_size", None) or 0
+            intermediate = config.num_experts_per_tok * expert_intermediate_size(config) + \
+                (getattr(config, "shared_expert_intermediate_size", None) or 0)
         return cls(config.num_hidden_layers, config.hidden_size, config.num_attention_heads,
                    getattr(config, "num_key_value_heads", None) or config.num_attention_heads, head_dim,
                    intermediate, config.vocab_size)

@@ -37,7 +37,7 @@ def run_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, exper
     Each expert runs once, on the rows routed to it, experts in ascending id order; each row's terms are added in
     that order too (a row's weights are rounded to x's dtype first, as transformers' Qwen-MoE rounds them), so a
     row's sum is `experts_reference`'s wherever an expert gives a row the same bits alone as in a batch."""
-    num_tokens, top_k = ids.shape
+    top_k = ids.shape[1]
     flat = ids.flatten()
     order = torch.argsort(flat, stable=True)                 # routed slots, grouped by expert
     counts = torch.bincount(flat, minlength=len(experts)).tolist()

@@ -186,9 +186,8 @@ def _split_experts(info: GGUFTensorInfo) -> list[GGUFTensorInfo]:
     match = _STACKED_EXPERTS_RE.match(info.name)
     if match is None or len(info.shape) != 3:
         return [info]
-    shape = info.shape[1:]
-    size = GGUFTensorInfo(info.name, shape, info.ggml_type, 0).num_bytes
-    return [GGUFTensorInfo(f"{match.group(1)}.{e}.weight", shape, info.ggml_type, info.offset + e * size)
+    size = info.num_bytes // info.shape[0]
+    return [GGUFTensorInfo(f"{match.group(1)}.{e}.weight", info.shape[1:], info.ggml_type, info.offset + e * size)
             for e in range(info.shape[0])]
 
 

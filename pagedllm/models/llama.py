@@ -79,6 +79,11 @@ def num_experts(config: Any) -> int:
     return getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0
 
 
+def expert_intermediate_size(config: Any) -> int:
+    """One expert's intermediate size: Qwen-MoE's `moe_intermediate_size`, Mixtral's `intermediate_size`."""
+    return getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+
+
 def _is_sparse_layer(config: Any, index: int) -> bool:
     """Whether decoder layer `index` has a mixture of experts for its MLP: every layer of Mixtral; Qwen-MoE's every
     `decoder_sparse_step`-th, but those in `mlp_only_layers`."""
@@ -185,7 +190,7 @@ class LlamaSparseMoeBlock(nn.Module):
         self.tp_size = tp[1]
         self.top_k = config.num_experts_per_tok
         self.renormalize = config.model_type == "mixtral" or bool(getattr(config, "norm_topk_prob", False))
-        inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+        inter = expert_intermediate_size(config)
         self.gate = nn.Linear(config.hidden_size, num_experts(config), bias=False, dtype=dtype)
         self.experts = nn.ModuleList(LlamaMLP(config, dtype, tp, inter, reduce_results=False)
                                      for _ in range(num_experts(config)))

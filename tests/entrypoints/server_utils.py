@@ -13,6 +13,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 import openai
@@ -26,6 +27,7 @@ from pagedllm.entrypoints.llm import LLM
 from pagedllm.entrypoints.openai.server import CorsPolicy, build_app
 from pagedllm.entrypoints.openai.serving_base import ServerLimits
 from pagedllm.sampling_params import SamplingParams
+from tests.models.tiny import save_tiny_model
 
 API_KEY = "test-key"
 MAX_BODY_BYTES = 256 * 1024
@@ -72,6 +74,22 @@ def offline_reference(engine: LLMEngine, prompts: list[str], max_tokens: int) ->
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     return {p: (o.outputs[0].text, o.outputs[0].token_ids) for p, o in zip(prompts, outputs)}
+
+
+TOOL_CONTEXT = 1024  # the byte tokenizer spends ~450 tokens on a tool's system message
+
+
+def save_tool_model(folder: Path) -> Path:
+    """A tiny Llama for the tool-calling APIs' tests (Responses, Messages): weights large enough that a forced call
+    ends within a few tokens, and a context of TOOL_CONTEXT."""
+    folder, _ = save_tiny_model(folder, "llama-gqa", initializer_range=0.5, max_position_embeddings=TOOL_CONTEXT)
+    return folder
+
+
+def tool_model_engine(folder: Path) -> LLMEngine:
+    """An engine on `save_tool_model`'s folder, over its whole context."""
+    return LLMEngine(EngineConfig(model=ModelConfig(model=str(folder), dtype="float32", max_model_len=TOOL_CONTEXT),
+                                  cache=CacheConfig(block_size=16, num_blocks=512)))
 
 
 def start_server(engine, *, api_key: str | None = API_KEY, limits: ServerLimits | None = None,

@@ -10,10 +10,7 @@ import anthropic
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.config import CacheConfig, EngineConfig, ModelConfig
-from pagedllm.engine.llm_engine import LLMEngine
-from tests.entrypoints.server_utils import API_KEY, RunningServer, start_server
-from tests.models.tiny import save_tiny_model
+from tests.entrypoints.server_utils import API_KEY, RunningServer, save_tool_model, start_server, tool_model_engine
 
 # Anthropic's SDK has no sampling arguments (its models choose): vLLM's clients send them as extra fields
 GREEDY = {"temperature": 0}
@@ -25,17 +22,12 @@ WEATHER = {"name": "get_weather", "description": "The weather in a city.", "inpu
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    folder, _ = save_tiny_model(tmp_path_factory.mktemp("tiny") / "m", "llama-gqa", initializer_range=0.5,
-                                max_position_embeddings=1024)
-    return folder
+    return save_tool_model(tmp_path_factory.mktemp("tiny") / "m")
 
 
 @pytest.fixture(scope="module")
 def server(tiny_dir):
-    # a context of 1,024: the byte tokenizer spends ~450 tokens on a tool's system message
-    engine = LLMEngine(EngineConfig(model=ModelConfig(model=str(tiny_dir), dtype="float32", max_model_len=1024),
-                                    cache=CacheConfig(block_size=16, num_blocks=512)))
-    running = start_server(engine)          # with the API key, which Anthropic's SDK sends as x-api-key
+    running = start_server(tool_model_engine(tiny_dir))    # with the API key: Anthropic's SDK sends x-api-key
     yield running
     running.stop()
 

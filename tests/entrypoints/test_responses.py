@@ -12,12 +12,17 @@ import openai
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.config import CacheConfig, EngineConfig, ModelConfig
-from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.openai.protocol import ResponsesRequest
 from pagedllm.entrypoints.openai.serving_responses import _events, _output, _Response
-from tests.entrypoints.server_utils import RunningServer, metric, scrape, start_server, wait_until
-from tests.models.tiny import save_tiny_model
+from tests.entrypoints.server_utils import (
+    RunningServer,
+    metric,
+    save_tool_model,
+    scrape,
+    start_server,
+    tool_model_engine,
+    wait_until,
+)
 
 # an enum, so that the random model's forced call ends within a few tokens
 WEATHER = {"type": "function", "name": "get_weather", "parameters": {"type": "object", "properties": {
@@ -26,17 +31,12 @@ WEATHER = {"type": "function", "name": "get_weather", "parameters": {"type": "ob
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    folder, _ = save_tiny_model(tmp_path_factory.mktemp("tiny") / "m", "llama-gqa", initializer_range=0.5,
-                                max_position_embeddings=1024)
-    return folder
+    return save_tool_model(tmp_path_factory.mktemp("tiny") / "m")
 
 
 @pytest.fixture(scope="module")
 def server(tiny_dir):
-    # a context of 1,024: the byte tokenizer spends ~450 tokens on a tool's system message
-    engine = LLMEngine(EngineConfig(model=ModelConfig(model=str(tiny_dir), dtype="float32", max_model_len=1024),
-                                    cache=CacheConfig(block_size=16, num_blocks=512)))
-    running = start_server(engine, api_key=None)
+    running = start_server(tool_model_engine(tiny_dir), api_key=None)
     yield running
     running.stop()
 

@@ -12,6 +12,7 @@ import torch
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import ModelConfig
 from pagedllm.kernels import cpu_kernels
+from pagedllm.layers import linear as linear_module
 from pagedllm.layers.linear import linear_packing
 from pagedllm.layers.moe import experts_reference, route, run_experts
 from pagedllm.loader import load_model
@@ -183,20 +184,26 @@ def test_quantized_moe_checkpoints_are_refused_with_a_clear_error(tmp_path):
         LLM(str(folder))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("dtype", "brgemm"), [(torch.float32, True), (torch.bfloat16, True),
+                                              (torch.bfloat16, False)])
 @pytest.mark.parametrize("num_tokens", [1, 37])
-def test_the_kernels_block_gives_the_torch_blocks_bits(tmp_path, dtype, num_tokens):
+def test_the_kernels_block_gives_the_torch_blocks_bits(tmp_path, dtype, brgemm, num_tokens, monkeypatch):
     """The C++ block (MoEWeights: the experts split between the threads, each on one) against the same block in torch
     (route, run_experts, the shared expert), on every expert's packed weights: the same bits where the experts'
-    kernels give a row the same bits on one thread as on two, as pagedllm's do (float32 weights, and bf16 ones
-    without oneDNN's bf16); oneDNN's bf16 kernels promise no such thing, and are held to bf16's rounding."""
+    kernels give a row the same bits on one thread as on two, as pagedllm's and brgemm's do; oneDNN's bf16 kernels
+    (the experts' where torch's brgemm does not pack bf16, forced here with brgemm=False; their rows padded)
+    promise no such thing, and are held to bf16's rounding."""
     if cpu_kernels() is None:
         pytest.skip("pagedllm's CPU kernels are not built here")
+    if not brgemm:
+        monkeypatch.setattr(linear_module, "brgemm_packs", lambda weight: False)
     folder, _ = save_tiny_model(tmp_path / "m", "qwen2-moe", seed=3)
     model = load_model(ModelConfig(model=str(folder), dtype=str(dtype).removeprefix("torch."))).model
     block = model.model.layers[0].mlp
-    if dtype == torch.bfloat16 and linear_packing(dtype) == "onednn" and cpu_kernels().brgemm_bf16_available():
-        assert block.experts[0].gate_up_proj.weight.brgemm    # where oneDNN would take bf16: brgemm's blocks
+    if dtype == torch.bfloat16 and linear_packing(dtype) == "onednn":
+        expected_brgemm = brgemm and cpu_kernels().brgemm_bf16_available()
+        assert getattr(block.experts[0].gate_up_proj.weight, "brgemm", False) == expected_brgemm
+        assert block.experts[0].gate_up_proj.weight.is_mkldnn == (not expected_brgemm)
     x = torch.randn(num_tokens, 64, dtype=dtype)
     with torch.inference_mode():
         got, expected = block(x), block.forward_native(x)
