@@ -11,6 +11,9 @@ gathered context (plainly causal when the chunk is the whole context, with an of
 An int8 cache (kv_cache_dtype="int8", see `torch_ref.quantize_kv`) is dequantized where it is read: by the
 kernels row by row, by the torch paths after each gather. `write_kv` stores a step's new K/V through the C++
 `write_kv` (`cache_write.cpp`), which quantizes an int8 cache's rows as it goes.
+A layer with a sliding window (`window` keys) has each query read only its window: the kernels start each row's keys
+at the window's first (a step of such a layer never runs as cascade attention, its rows seeing different parts of a
+shared prefix); the torch paths mask the keys before it.
 """
 
 from __future__ import annotations
@@ -37,15 +40,16 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Causal paged attention; see `paged_attention_ref`. query: [T, Hq, D] -> [T, Hq, D]."""
+                    meta: AttentionMetadata, scale: float, window: int = 0) -> torch.Tensor:
+    """Causal paged attention, over a sliding `window` of keys if not 0; see `paged_attention_ref`.
+    query: [T, Hq, D] -> [T, Hq, D]."""
     kernels = kernels_for(query)
     if kernels is None:
-        return _paged_attention_torch(query, k_cache, v_cache, meta, scale)
+        return _paged_attention_torch(query, k_cache, v_cache, meta, scale, window)
     query = query.contiguous()
     out = torch.empty_like(query)
     kernels.paged_attention(out, query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                            meta.num_decodes, scale, meta.cascade)
+                            meta.num_decodes, scale, meta.cascade, window)
     return out
 
 
@@ -60,32 +64,34 @@ def cascade_prefix_len(query: torch.Tensor, k_cache: torch.Tensor, meta: Attenti
 
 
 def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """One query token per sequence. query: [B, Hq, D]; block_tables: [B, max_blocks]; seq_lens: [B]."""
+                     block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+    """One query token per sequence, over its last `window` keys if not 0. query: [B, Hq, D]; block_tables:
+    [B, max_blocks]; seq_lens: [B]."""
     kernels = kernels_for(query)
     if kernels is None:
-        return _decode_padded(query, k_cache, v_cache, block_tables, seq_lens, scale)
+        return _decode_padded(query, k_cache, v_cache, block_tables, seq_lens, scale, window)
     query = query.contiguous()
     out = torch.empty_like(query)
-    kernels.decode_attention(out, query, k_cache, v_cache, block_tables.contiguous(), seq_lens.contiguous(), scale)
+    kernels.decode_attention(out, query, k_cache, v_cache, block_tables.contiguous(), seq_lens.contiguous(), scale,
+                             window)
     return out
 
 
 def _paged_attention_torch(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                           meta: AttentionMetadata, scale: float, window: int) -> torch.Tensor:
     num_decodes = meta.num_decodes
     if num_decodes == meta.num_seqs:
-        return _decode_padded(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+        return _decode_padded(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, window)
     out = torch.empty_like(query)
     if num_decodes:
         out[:num_decodes] = _decode_padded(query[:num_decodes], k_cache, v_cache, meta.block_tables[:num_decodes],
-                                           meta.seq_lens[:num_decodes], scale)
-    _prefill_per_sequence(out, query, k_cache, v_cache, meta, scale, first_seq=num_decodes)
+                                           meta.seq_lens[:num_decodes], scale, window)
+    _prefill_per_sequence(out, query, k_cache, v_cache, meta, scale, window, first_seq=num_decodes)
     return out
 
 
 def _prefill_per_sequence(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          meta: AttentionMetadata, scale: float, first_seq: int) -> None:
+                          meta: AttentionMetadata, scale: float, window: int, first_seq: int) -> None:
     qsl = meta.query_start_loc_cpu
     for i in range(first_seq, meta.num_seqs):
         seq_len, start, end = meta.seq_lens_cpu[i], qsl[i], qsl[i + 1]
@@ -97,21 +103,23 @@ def _prefill_per_sequence(out: torch.Tensor, query: torch.Tensor, k_cache: torch
         v = _as_query(query, gather_kv(v_cache, meta.block_tables[i], seq_len)).transpose(0, 1)
         # Query j sits at position seq_len - q_len + j. SDPA's is_causal aligns the mask to the top-left, which is
         # right only when nothing was cached before this chunk; otherwise the mask is offset.
-        fresh = q_len == seq_len
-        mask = None if fresh or q_len == 1 else _offset_causal_mask(q_len, seq_len, query.device)
+        fresh = q_len == seq_len and not window
+        mask = None if fresh or (q_len == 1 and not window) else _visible(q_len, seq_len, window, query.device)
         o = F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask,
                                            is_causal=fresh and q_len > 1, scale=scale, enable_gqa=True)
         out[start:end] = o[0].transpose(0, 1)
 
 
-def _offset_causal_mask(q_len: int, seq_len: int, device: torch.device) -> torch.Tensor:
-    """[q_len, seq_len] bool, True where query row j may see key k (k <= seq_len - q_len + j)."""
+def _visible(q_len: int, seq_len: int, window: int, device: torch.device) -> torch.Tensor:
+    """[q_len, seq_len] bool, True where query row j, at q = seq_len - q_len + j, may see key k: k <= q, and with a
+    window k > q - window."""
     q_pos = torch.arange(seq_len - q_len, seq_len, device=device).unsqueeze(1)
-    return torch.arange(seq_len, device=device).unsqueeze(0) <= q_pos
+    k_pos = torch.arange(seq_len, device=device).unsqueeze(0)
+    return (k_pos <= q_pos) & (k_pos > q_pos - window) if window else k_pos <= q_pos
 
 
 def _decode_padded(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                   seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                   seq_lens: torch.Tensor, scale: float, window: int) -> torch.Tensor:
     """The torch fallback: one SDPA call for B single-token queries over contexts padded to the longest."""
     block_size = k_cache.shape[1]
     num_blocks = (int(seq_lens.max()) + block_size - 1) // block_size
@@ -119,7 +127,10 @@ def _decode_padded(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     k = _as_query(query, k_cache[tables]).flatten(1, 2).transpose(1, 2)  # [B, Hkv, nb*bs, D]
     v = _as_query(query, v_cache[tables]).flatten(1, 2).transpose(1, 2)
     positions = torch.arange(num_blocks * block_size, device=query.device)
-    mask = positions.unsqueeze(0) < seq_lens.to(query.device).unsqueeze(1)  # [B, nb*bs]
+    lens = seq_lens.to(query.device).unsqueeze(1)
+    mask = positions.unsqueeze(0) < lens  # [B, nb*bs]
+    if window:
+        mask &= positions.unsqueeze(0) >= lens - window
     o = F.scaled_dot_product_attention(query.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], scale=scale,
                                        enable_gqa=True)
     return o.squeeze(2)  # [B, H, D]

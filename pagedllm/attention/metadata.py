@@ -6,9 +6,9 @@ head_dim]`. The batch is flattened: the new tokens of all sequences are concaten
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Protocol
 
 import torch
 
@@ -82,5 +82,8 @@ class AttentionMetadata:
         )
 
 
-# (query, k_cache, v_cache, meta, scale) -> out; see pagedllm.attention.torch_ref.paged_attention_ref
-AttentionBackend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
+class AttentionBackend(Protocol):
+    """(query, k_cache, v_cache, meta, scale, window) -> out; see pagedllm.attention.torch_ref.paged_attention_ref."""
+
+    def __call__(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                 scale: float, window: int = 0) -> torch.Tensor: ...

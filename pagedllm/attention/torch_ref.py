@@ -68,11 +68,12 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> t
 
 
 def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                        meta: AttentionMetadata, scale: float, window: int = 0) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its cached context.
 
-    Query row j of seq i sits at position `seq_len_i - q_len_i + j` and sees positions <= it. The K/V of
-    the new tokens must already be written to the cache.
+    Query row j of seq i sits at position `q = seq_len_i - q_len_i + j` and sees positions <= q; with a sliding
+    `window` (0: none), only the last `window` of them, positions in (q - window, q] (transformers' and vLLM's
+    `sliding_window`). The K/V of the new tokens must already be written to the cache.
 
     Args:
         query: [num_tokens, num_heads, head_dim].
@@ -96,7 +97,8 @@ def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [H, q_len, seq_len]
         q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
         k_pos = torch.arange(seq_len).unsqueeze(0)
-        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+        hidden = (k_pos > q_pos) | (k_pos <= q_pos - window) if window else k_pos > q_pos
+        scores = scores.masked_fill(hidden, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
     return out

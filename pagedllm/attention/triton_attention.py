@@ -11,7 +11,8 @@ read each K/V tile once (GQA and MQA) and a decode's group fills the rows that a
 
 It walks the context in tiles of BLOCK_N keys, each key found through the block table
 (`block_tables[i][pos // block_size]`, slot `pos % block_size`), with an online softmax, and stops at the last
-key its rows may see (causal). Decodes (the runner puts them first) run as their own launch with small row
+key its rows may see (causal); with a sliding window it starts at the first key its first row's window holds, and
+masks the keys before each row's. Decodes (the runner puts them first) run as their own launch with small row
 tiles, prefill chunks as another.
 
 Matmul precision: float16 operands multiply as float16; bfloat16 and float32 ones as float32, in TF32 for
@@ -42,7 +43,7 @@ _PREFILL_BLOCK_M, _PREFILL_BLOCK_N = 64, 32
 @triton.jit
 def _paged_attention_kernel(
     out_ptr, q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr,       # scale pointers: float32 views of int8 caches
-    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, scale,
+    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, scale, window,       # window: 0, or the sliding window
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_ct, stride_ch,                               # the caches' block, slot and head strides
     stride_bt,
@@ -68,13 +69,14 @@ def _paged_attention_kernel(
     q_offsets = (q_start + tokens).to(tl.int64)[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :]
     q = tl.load(q_ptr + q_offsets, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)  # [BLOCK_M, D]
     q_pos = seq_len - q_len + tokens                                                      # [BLOCK_M]
-    # The last key any row of this tile may see.
+    # The last key any row of this tile may see, and the first (the first row's window's first).
     kv_end = tl.minimum(seq_len, seq_len - q_len + (first_row + BLOCK_M - 1) // GROUP + 1)
+    kv_start = tl.where(window > 0, tl.maximum(0, seq_len - q_len + first_row // GROUP - window + 1), 0)
 
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
-    for start in range(0, kv_end, BLOCK_N):
+    for start in range(kv_start, kv_end, BLOCK_N):
         k_pos = start + tl.arange(0, BLOCK_N)
         key_ok = k_pos < kv_end
         block_ids = tl.load(block_tables_ptr + seq.to(tl.int64) * stride_bt + k_pos // BLOCK_SIZE, mask=key_ok,
@@ -83,16 +85,19 @@ def _paged_attention_kernel(
         k = _load_kv(k_ptr, k_scale_ptr, row_offsets, dims, key_ok, dim_ok, HEAD_DIM, IS_INT8)  # [BLOCK_N, D]
         v = _load_kv(v_ptr, v_scale_ptr, row_offsets, dims, key_ok, dim_ok, HEAD_DIM, IS_INT8)
         scores = tl.dot(q.to(DOT_DTYPE), tl.trans(k.to(DOT_DTYPE)), input_precision=PRECISION) * scale
-        visible = (k_pos[None, :] <= q_pos[:, None]) & key_ok[None, :]                  # [BLOCK_M, BLOCK_N]
+        in_window = (k_pos[None, :] > q_pos[:, None] - window) | (window == 0)
+        visible = (k_pos[None, :] <= q_pos[:, None]) & in_window & key_ok[None, :]      # [BLOCK_M, BLOCK_N]
         scores = tl.where(visible, scores, float("-inf"))
-        # Online softmax. Key 0 is in the first tile and every row sees it, so m is finite from then on.
+        # Online softmax. A row that has seen no key yet (m = -inf: a window's later rows) takes its exps against
+        # 0, which leaves its p, sum and acc 0 where exp(-inf - -inf) would be NaN.
         m_new = tl.maximum(m, tl.max(scores, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(scores - m_new[:, None])
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)
+        p = tl.exp(scores - m_safe[:, None])
         denom = denom * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=PRECISION)
         m = m_new
-    out = acc / denom[:, None]
+    out = acc / tl.where(denom > 0, denom, 1.0)[:, None]    # 0: a padding row, past its window's keys; not stored
     o_offsets = (q_start + tokens).to(tl.int64)[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :]
     tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
 
@@ -110,37 +115,39 @@ def _load_kv(cache_ptr, scale_ptr, row_offsets, dims, key_ok, dim_ok, HEAD_DIM: 
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Causal paged attention; see `paged_attention_ref`. query: [T, Hq, D] -> [T, Hq, D].
+                    meta: AttentionMetadata, scale: float, window: int = 0) -> torch.Tensor:
+    """Causal paged attention, over a sliding `window` of keys if not 0; see `paged_attention_ref`.
+    query: [T, Hq, D] -> [T, Hq, D].
 
     Decodes (the leading sequences with one new token) run in one launch, the other sequences in a second.
     """
     out = torch.empty_like(query)
     num_decodes = meta.num_decodes
     if num_decodes:
-        _launch(out, query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
+        _launch(out, query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, window,
                 seqs=(0, num_decodes), max_query_len=1, tile=(_DECODE_BLOCK_M, _DECODE_BLOCK_N))
     if num_decodes < meta.num_seqs:
-        _launch(out, query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
+        _launch(out, query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, window,
                 seqs=(num_decodes, meta.num_seqs), max_query_len=meta.max_query_len,
                 tile=(_PREFILL_BLOCK_M, _PREFILL_BLOCK_N))
     return out
 
 
 def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """One query token per sequence. query: [B, Hq, D]; block_tables: [B, max_blocks]; seq_lens: [B]."""
+                     block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+    """One query token per sequence, over its last `window` keys if not 0. query: [B, Hq, D]; block_tables:
+    [B, max_blocks]; seq_lens: [B]."""
     out = torch.empty_like(query)
     num_seqs = query.shape[0]
     query_start_loc = torch.arange(num_seqs + 1, dtype=torch.int32, device=query.device)
-    _launch(out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, seqs=(0, num_seqs),
-            max_query_len=1, tile=(_DECODE_BLOCK_M, _DECODE_BLOCK_N))
+    _launch(out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, window,
+            seqs=(0, num_seqs), max_query_len=1, tile=(_DECODE_BLOCK_M, _DECODE_BLOCK_N))
     return out
 
 
 def _launch(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
-            seqs: tuple[int, int], max_query_len: int, tile: tuple[int, int]) -> None:
+            window: int, seqs: tuple[int, int], max_query_len: int, tile: tuple[int, int]) -> None:
     """Run the kernel for sequences seqs[0]..seqs[1]-1, writing their rows of `out`.
 
     query, out: [T, Hq, D] with unit stride along D; k_cache, v_cache: [num_blocks, block_size, Hkv, row] with
@@ -157,7 +164,7 @@ def _launch(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cac
     grid = (seqs[1] - seqs[0], num_kv_heads, triton.cdiv(max_query_len * group, block_m))
     _paged_attention_kernel[grid](
         out, query, k_cache, v_cache, _scales_view(k_cache), _scales_view(v_cache),
-        block_tables, seq_lens, query_start_loc, scale,
+        block_tables, seq_lens, query_start_loc, scale, window,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),

@@ -129,33 +129,11 @@ def _classifier_from_token(config: Any, resolved: ResolvedModel) -> None:
     config.label2id = {label: i for i, label in config.id2label.items()}
 
 
-def sliding_window_of(hf_config: Any) -> int | None:
-    """The window of a model whose layers, some or all, attend only to their last `sliding_window` tokens (Mistral
-    7B v0.1; Qwen2 with `use_sliding_window`); None where every layer attends to the whole context."""
-    window = getattr(hf_config, "sliding_window", None)
-    if not window or getattr(hf_config, "use_sliding_window", True) is False:
-        return None
-    layer_types = getattr(hf_config, "layer_types", None)
-    if layer_types is not None and "sliding_attention" not in layer_types:
-        return None
-    return int(window)
-
-
 def max_model_len_of(hf_config: Any, wanted: int | None) -> int:
-    """The model's context length (`max_position_embeddings`, else 2048), capped by `wanted` when given.
-
-    pagedllm's attention reads whole contexts, so a model with a sliding window runs up to its window, where the
-    two agree (as vLLM runs one with `disable_sliding_window`); ValueError for `wanted` past it."""
+    """The model's context length (`max_position_embeddings`, else 2048), capped by `wanted` when given. A model
+    whose layers attend over sliding windows (`sliding_window_of_layer`) runs its whole context too: each such layer
+    reads its window of the cache."""
     model_len = getattr(hf_config, "max_position_embeddings", None) or 2048
-    window = sliding_window_of(hf_config)
-    if window is not None and window < model_len:
-        if wanted is not None and wanted > window:
-            raise ValueError(f"max_model_len={wanted} is past the model's sliding attention window of {window} "
-                             "tokens: pagedllm attends over whole contexts, so it serves such a model up to its "
-                             f"window, where the two agree (max_model_len <= {window})")
-        logger.info("the model attends over a sliding window of %d tokens, which pagedllm's attention does not "
-                    "implement: contexts are capped at the window (max_model_len %d)", window, window)
-        model_len = window
     if wanted is not None and wanted > model_len:
         raise ValueError(f"max_model_len={wanted} is larger than the model's context length {model_len}")
     return wanted or model_len
@@ -305,4 +283,4 @@ def load_model(model_config: ModelConfig, tp_rank: int = 0, tp_size: int = 1) ->
 
 
 __all__ = ["LoadedModel", "ResolvedModel", "load_model", "load_hf_config", "max_model_len_of", "resolve_dtype",
-           "resolve_model", "sliding_window_of"]
+           "resolve_model"]

@@ -74,6 +74,20 @@ def _has_qk_norm(config: Any) -> bool:
     return config.model_type in ("qwen3", "qwen3_moe")
 
 
+def sliding_window_of_layer(config: Any, index: int) -> int:
+    """The sliding window decoder layer `index` attends over (its queries see their last that many keys), 0 where it
+    sees its whole context: the config's `sliding_window` in the layers transformers' `layer_types` marks
+    "sliding_attention" (Qwen2's and Qwen3's from `max_window_layers` on, with `use_sliding_window`), or in every
+    layer of a config without them (Mistral 7B v0.1); 0 for a window as long as the model's context."""
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return 0
+    if window >= (getattr(config, "max_position_embeddings", None) or float("inf")):
+        return 0
+    layer_types = getattr(config, "layer_types", None)
+    return int(window) if layer_types is None or layer_types[index] == "sliding_attention" else 0
+
+
 def num_experts(config: Any) -> int:
     """How many experts each sparse MLP of the model has; 0 for a dense model."""
     return getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0
@@ -108,9 +122,10 @@ class LlamaAttention(nn.Module):
     """Self-attention over this rank's heads (all of them at tp_size 1; see `head_shard`)."""
 
     def __init__(self, config: Any, dtype: torch.dtype, attn_backend: AttentionBackend,
-                 rotary_emb: RotaryEmbedding, tp: TPRank) -> None:
+                 rotary_emb: RotaryEmbedding, tp: TPRank, index: int) -> None:
         super().__init__()
         self.head_dim = _head_dim(config)
+        self.sliding_window = sliding_window_of_layer(config, index)
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = _num_kv_heads(config)
         self.scale = self.head_dim ** -0.5
@@ -144,7 +159,7 @@ class LlamaAttention(nn.Module):
         q, k = self.rotary_emb(positions, q, k)
         k_cache, v_cache = kv_cache
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = self.attn_backend(q, k_cache, v_cache, meta, self.scale).flatten(1)  # [T, Hq * D]
+        out = self.attn_backend(q, k_cache, v_cache, meta, self.scale, self.sliding_window).flatten(1)  # [T, Hq*D]
         return self.o_proj(out) if lora is None else lora.add("o_proj", out, self.o_proj(out))  # [T, hidden]
 
 
@@ -237,7 +252,7 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: Any, dtype: torch.dtype, attn_backend: AttentionBackend,
                  rotary_emb: RotaryEmbedding, tp: TPRank, index: int) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, dtype, attn_backend, rotary_emb, tp)
+        self.self_attn = LlamaAttention(config, dtype, attn_backend, rotary_emb, tp, index)
         self.mlp: LlamaMLP | LlamaSparseMoeBlock = (
             LlamaSparseMoeBlock(config, dtype, tp) if _is_sparse_layer(config, index) else LlamaMLP(config, dtype, tp))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
@@ -298,7 +313,8 @@ class LlamaModel(nn.Module):
             *([layer.mlp.gate_up_proj.kernel_weights(kernels), layer.mlp.down_proj.kernel_weights(kernels)]
               if isinstance(layer.mlp, LlamaMLP) else [None, None]),
             *[None if norm is None else norm.weight for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm)],
-            None if isinstance(layer.mlp, LlamaMLP) else layer.mlp.kernel_weights(kernels))
+            None if isinstance(layer.mlp, LlamaMLP) else layer.mlp.kernel_weights(kernels),
+            layer.self_attn.sliding_window)
             for layer in self.layers]
         return kernels.DecoderStack(layers, self.norm.weight, self.norm.eps, attn.rotary_emb.cos_cache,
                                     attn.rotary_emb.sin_cache, attn.qkv_proj.q_size // attn.head_dim,

@@ -243,6 +243,59 @@ def test_cascade_attention_over_an_int8_cache(heads: str, isa_level: str) -> Non
                                atol=2e-2, rtol=2e-2)
 
 
+# Sliding windows over decodes, fresh and cached-prefix prefill chunks and chunks long enough that their rows'
+# windows begin in different 64-key chunks: windows of one key, shorter than a block, not a multiple of one, and
+# longer than a key chunk.
+WINDOW_BATCH = ([40, 7, 0, 0, 100, 33, 150], [1, 1, 70, 1, 37, 18, 130])
+WINDOWS = [1, 5, 37, 100]
+
+
+def test_a_window_shows_each_query_its_last_keys_alone() -> None:
+    """The reference with a window is full attention over each query's last `window` keys: here the decodes'
+    (position 40 of sequence 0 over keys 36-40) against SDPA over those keys, and a window changes the output."""
+    query, k_cache, v_cache, meta, (q_full, k_full, v_full) = _random_batch(*WINDOW_BATCH, 4, 4, torch.float32)
+    windowed = paged_attention_ref(query, k_cache, v_cache, meta, HEAD_DIM ** -0.5, window=5)
+    keys, values = (x[0][36:41].transpose(0, 1) for x in (k_full, v_full))          # [H, 5, D]
+    expected = F.scaled_dot_product_attention(q_full[0][40].unsqueeze(1), keys, values, scale=HEAD_DIM ** -0.5)
+    torch.testing.assert_close(windowed[0], expected.squeeze(1), atol=1e-5, rtol=1e-5)
+    whole = paged_attention_ref(query, k_cache, v_cache, meta, HEAD_DIM ** -0.5)
+    assert not torch.allclose(windowed[0], whole[0], atol=1e-3)
+    torch.testing.assert_close(paged_attention_ref(query, k_cache, v_cache, meta, HEAD_DIM ** -0.5, window=1000),
+                               whole)                                                  # past every context: none
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("heads", ["mha", "gqa3", "gqa5"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [HEAD_DIM, 64])
+def test_sliding_window_kernels_and_torch_path_match_the_reference(window: int, heads: str, dtype: torch.dtype,
+                                                                    head_dim: int, isa_level: str,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    num_heads, num_kv_heads = HEADS[heads]
+    query, k_cache, v_cache, meta, _ = _random_batch(*WINDOW_BATCH, num_heads, num_kv_heads, dtype, seed=7,
+                                                     head_dim=head_dim, block_size=16)
+    scale = head_dim ** -0.5
+    expected = paged_attention_ref(query, k_cache, v_cache, meta, scale, window)
+    kernel = paged_attention(query, k_cache, v_cache, meta, scale, window)
+    decodes = decode_attention(query[:2], k_cache, v_cache, meta.block_tables[:2], meta.seq_lens[:2], scale, window)
+    monkeypatch.setenv("PAGEDLLM_DISABLE_KERNELS", "1")
+    torch_path = paged_attention(query, k_cache, v_cache, meta, scale, window)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for actual in (kernel, torch_path):
+        torch.testing.assert_close(actual.float(), expected.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(decodes.float(), expected[:2].float(), atol=tol, rtol=tol)
+
+
+def test_a_window_turns_cascade_attention_off(isa_level: str) -> None:
+    """Sequences sharing 256 keys, where a step without a window runs as a cascade: with one, each row sees its own
+    part of the shared prefix, as the reference has it."""
+    query, k_cache, v_cache, meta, _ = _cascade_batch("gqa3", torch.bfloat16, 64, 16, 256)
+    assert cpu.cascade_prefix_len(query, k_cache, meta) == 256
+    expected = paged_attention_ref(query, k_cache, v_cache, meta, 0.125, window=100)
+    torch.testing.assert_close(paged_attention(query, k_cache, v_cache, meta, 0.125, window=100).float(),
+                               expected.float(), atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_batch_without_cascades_gives_each_sequence_its_own_bits(dtype: torch.dtype, isa_level: str) -> None:
     """With `cascade` off (ModelConfig.disable_cascade_attn) a batch that would run as a cascade gives every

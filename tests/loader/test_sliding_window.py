@@ -1,35 +1,50 @@
-"""A model with a sliding attention window runs up to its window (pagedllm's attention reads whole contexts)."""
+"""Models whose layers attend over sliding windows (Mistral 7B v0.1; Qwen2 and Qwen3 with use_sliding_window) run
+their whole context, each such layer reading its window of the cache, and answer as transformers does."""
 
 from __future__ import annotations
 
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.loader import max_model_len_of, sliding_window_of
+from pagedllm.loader import max_model_len_of
+from pagedllm.models.llama import sliding_window_of_layer
 from tests.models.tiny import hf_greedy, save_tiny_model, tiny_config
 
 
-def test_the_window_caps_the_context_where_a_layer_slides():
-    mistral = tiny_config("mistral", sliding_window=64)          # max_position_embeddings 256
-    assert sliding_window_of(mistral) == 64
-    assert max_model_len_of(mistral, None) == 64 and max_model_len_of(mistral, 32) == 32
-    with pytest.raises(ValueError, match="sliding attention window of 64"):
-        max_model_len_of(mistral, 128)
-    assert max_model_len_of(tiny_config("mistral", sliding_window=None), None) == 256
-    assert max_model_len_of(tiny_config("mistral", sliding_window=1024), None) == 256    # past the context: no cap
-    # Qwen2 slides only with use_sliding_window, in its layers from max_window_layers on
-    assert max_model_len_of(tiny_config("qwen2", sliding_window=64, use_sliding_window=False), None) == 256
-    assert max_model_len_of(tiny_config("qwen2", sliding_window=64, use_sliding_window=True,
-                                        max_window_layers=1), None) == 64
+def test_each_layer_reads_its_window_from_the_config():
+    mistral = tiny_config("mistral", sliding_window=64, num_hidden_layers=3)     # max_position_embeddings 256
+    assert [sliding_window_of_layer(mistral, i) for i in range(3)] == [64, 64, 64]
+    assert max_model_len_of(mistral, None) == 256                               # the window caps nothing
+    assert sliding_window_of_layer(tiny_config("mistral", sliding_window=None), 0) == 0
+    assert sliding_window_of_layer(tiny_config("mistral", sliding_window=256), 0) == 0   # the whole context
+    # Qwen2 and Qwen3 slide only with use_sliding_window, in their layers from max_window_layers on
+    qwen2 = tiny_config("qwen2", sliding_window=64, use_sliding_window=True, max_window_layers=1, num_hidden_layers=3)
+    assert [sliding_window_of_layer(qwen2, i) for i in range(3)] == [0, 64, 64]
+    assert sliding_window_of_layer(tiny_config("qwen2", sliding_window=64, use_sliding_window=False), 1) == 0
+    qwen3 = tiny_config("qwen3", sliding_window=64, use_sliding_window=True, max_window_layers=1)
+    assert [sliding_window_of_layer(qwen3, i) for i in range(2)] == [0, 64]
 
 
-def test_a_sliding_window_model_answers_as_transformers_within_its_window(tmp_path):
-    folder, hf_model = save_tiny_model(tmp_path / "m", "mistral", sliding_window=48)
-    prompt = list(range(3, 33))
-    with LLM(str(folder), dtype="float32", num_kv_blocks=64) as llm:
-        assert llm.engine.max_model_len == 48
-        out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=12,
-                                                                           ignore_eos=True), use_tqdm=False)[0]
-        assert out.outputs[0].token_ids == hf_greedy(hf_model, [prompt], 12)[0]
-        with pytest.raises(ValueError, match="48"):
-            llm.generate([{"prompt_token_ids": list(range(3, 60))}], use_tqdm=False)
+@pytest.mark.parametrize(("kind", "overrides"), [
+    ("mistral", dict(sliding_window=16)),
+    ("qwen2", dict(sliding_window=12, use_sliding_window=True, max_window_layers=1)),   # layer 0 sees everything
+])
+@pytest.mark.parametrize("mode", ["kernels", "torch", "ngram"])
+def test_a_sliding_window_model_answers_as_transformers_past_its_window(tmp_path, kind, overrides, mode, monkeypatch):
+    """Prompts and answers several windows long, prefilled in chunks, the second prompt hitting the first's cached
+    blocks; through the C++ kernels, the torch paths, and the kernels verifying n-gram drafts: pagedllm's greedy
+    tokens are transformers' (whose masks hide the keys outside each window)."""
+    if mode == "torch":
+        monkeypatch.setenv("PAGEDLLM_DISABLE_KERNELS", "1")
+    speculative = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    folder, hf_model = save_tiny_model(tmp_path / "m", kind, **overrides)
+    first = [3 + (7 * i) % 200 for i in range(45)]
+    prompts = [first, first[:32] + [100, 101, 102, 103, 104]]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    with LLM(str(folder), dtype="float32", num_kv_blocks=64, block_size=4, max_num_batched_tokens=16,
+             enable_prefix_caching=True, speculative_config=speculative if mode == "ngram" else None) as llm:
+        outs = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0] for p in prompts]
+        assert outs[1].num_cached_tokens >= 32
+        if mode == "ngram":
+            assert llm.engine.make_stats().spec_decoding.num_accepted_tokens > 0
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(hf_model, prompts, 40)

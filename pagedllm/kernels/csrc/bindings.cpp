@@ -13,14 +13,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using NoGil = pybind11::call_guard<pybind11::gil_scoped_release>;
   m.def("decode_attention", &pagedllm::decode_attention,
         "Paged decode attention, one query token per sequence, over a float or int8 cache: (out, q, k_cache, "
-        "v_cache, block_tables, seq_lens, scale)", NoGil());
+        "v_cache, block_tables, seq_lens, scale, window)", NoGil());
   m.def("prefill_attention", &pagedllm::prefill_attention,
         "Paged causal attention of sequences first_seq.. of a flat batch: (out, q, k_cache, v_cache, block_tables, "
-        "seq_lens, query_start_loc, first_seq, scale)", NoGil());
+        "seq_lens, query_start_loc, first_seq, scale, window)", NoGil());
   m.def("paged_attention", &pagedllm::paged_attention,
         "A step's paged attention, decodes first, as cascade attention where every sequence's context starts with "
-        "the same blocks and `cascade` allows it: (out, q, k_cache, v_cache, block_tables, seq_lens, "
-        "query_start_loc, num_decodes, scale, cascade)",
+        "the same blocks and `cascade` allows it (never with a sliding window): (out, q, k_cache, v_cache, "
+        "block_tables, seq_lens, query_start_loc, num_decodes, scale, cascade, window)",
         NoGil());
   m.def("cascade_prefix_len", &pagedllm::cascade_prefix_len,
         "The shared prefix paged_attention runs as cascade attention, in positions (0: none): (q, k_cache, "
@@ -109,10 +109,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<pagedllm::DecoderLayerWeights>(m, "DecoderLayerWeights", py::module_local())
       .def(py::init<at::Tensor, at::Tensor, pagedllm::LinearWeights, pagedllm::LinearWeights,
                     c10::optional<pagedllm::LinearWeights>, c10::optional<pagedllm::LinearWeights>,
-                    c10::optional<at::Tensor>, c10::optional<at::Tensor>, c10::optional<pagedllm::MoEWeights>>(),
+                    c10::optional<at::Tensor>, c10::optional<at::Tensor>, c10::optional<pagedllm::MoEWeights>,
+                    int64_t>(),
            py::arg("input_norm"), py::arg("post_attention_norm"), py::arg("qkv"), py::arg("o"), py::arg("gate_up"),
            py::arg("down"), py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none(),
-           py::arg("moe") = py::none());
+           py::arg("moe") = py::none(), py::arg("sliding_window") = 0);
   py::class_<pagedllm::DecoderStack>(m, "DecoderStack", py::module_local(),
                                      "A Llama-family decoder's layers and final norm in one call (decoder.cpp)")
       .def(py::init<std::vector<pagedllm::DecoderLayerWeights>, at::Tensor, double, at::Tensor, at::Tensor, int64_t,

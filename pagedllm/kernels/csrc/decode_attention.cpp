@@ -9,6 +9,7 @@
 //                      int8: [..., head_dim + 4], each row dequantized as it is read (ops.h, load_row)
 //   block_tables:      [num_seqs, max_blocks] int32
 //   seq_lens:          [num_seqs] int32, context length including the query token
+//   window:            0, or a sliding window: the query (at position seq_len - 1) sees its last `window` keys
 //
 //   token t of sequence b lives at block_tables[b][t / block_size], offset t % block_size.
 #include "ops.h"
@@ -367,7 +368,7 @@ inline void weighted_value_pairs(const PagedCache<c10::BFloat16>& cache, const i
                          [&](const c10::BFloat16* value, int64_t start, int64_t stop) {
       value += col;
       int64_t t = start;
-      if ((t - first) % 2) {  // only with one-token blocks
+      if ((t - first) % 2) {  // a block after one of odd length from `first`
         add_value_pair<kGroup, kChunks, true>(value, value, words, word_stride, t - first, o);
         ++t;
         value += step;
@@ -391,13 +392,14 @@ inline void weighted_value_pairs(const PagedCache<c10::BFloat16>& cache, const i
 // kHeadDim > 0 and kGroup > 0 fix the head size and the query heads per kv head at compile time, so that the
 // per-key loops unroll into straight vector code; 0 takes the value from the tensors. cache_t is scalar_t, or
 // int8_t for an int8 cache.
+// With a sliding window, sequence b's row reads its keys from max(0, len - window) on.
 // With a prefix state (cascade attention), sequence b's row reads only its keys from prefix->prefix_len on, and its
 // softmax continues from that state: out = (e^(m' - M) acc' + e^(m - M) acc) / (e^(m' - M) l' + e^(m - M) l), M the
 // larger max.
 template <typename scalar_t, typename cache_t, int64_t kHeadDim, int64_t kGroup>
 void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& block_tables,
-                           const at::Tensor& seq_lens, double scale, const SoftmaxState* prefix) {
+                           const at::Tensor& seq_lens, double scale, int64_t window, const SoftmaxState* prefix) {
   const PagedCache<cache_t> cache(k_cache, v_cache, block_tables, seq_lens);
   const int64_t num_seqs = q.size(0), num_heads = q.size(1);
   const int64_t head_dim = kHeadDim > 0 ? kHeadDim : q.size(2);
@@ -405,7 +407,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
   const int64_t group = kGroup > 0 ? kGroup : num_heads / num_kv_heads;
   const scalar_t* q_ptr = q.data_ptr<scalar_t>();
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
-  const int64_t first = prefix ? prefix->prefix_len : 0;
+  const int64_t after_prefix = prefix ? prefix->prefix_len : 0;
 
   // The (sequence, kv head) tasks, dealt by parallel_units: a thread takes its own range's tasks in order (a
   // sequence's kv heads one after another, whose rows share cache lines' neighbours), then the others' from their
@@ -416,7 +418,8 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
     std::vector<c10::BFloat16> p_bf16;  // the pair path's weights
     for (int64_t task; (task = take()) >= 0;) {
       const int64_t b = task / num_kv_heads, h = task % num_kv_heads;
-      const int64_t len = cache.seq_lens[b], n = len - first;
+      const int64_t len = cache.seq_lens[b];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : after_prefix, n = len - first;
       const int32_t* table = cache.table(b);
       const int64_t row = b * num_heads + h * group;  // the group's first row of q, out and the prefix state
       const scalar_t* q_group = q_ptr + row * head_dim;
@@ -474,13 +477,13 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
 template <typename scalar_t, typename cache_t, int64_t kHeadDim>
 void dispatch_group(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                     const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                    double scale, const SoftmaxState* prefix) {
+                    double scale, int64_t window, const SoftmaxState* prefix) {
 #define PAGEDLLM_GROUP(G) \
-  case G: return decode_attention_impl<scalar_t, cache_t, kHeadDim, G>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, prefix);
+  case G: return decode_attention_impl<scalar_t, cache_t, kHeadDim, G>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, window, prefix);
   switch (q.size(1) / k_cache.size(2)) {
     PAGEDLLM_GROUP(1) PAGEDLLM_GROUP(2) PAGEDLLM_GROUP(3) PAGEDLLM_GROUP(4)
     PAGEDLLM_GROUP(6) PAGEDLLM_GROUP(7) PAGEDLLM_GROUP(8)
-    default: return decode_attention_impl<scalar_t, cache_t, kHeadDim, 0>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, prefix);
+    default: return decode_attention_impl<scalar_t, cache_t, kHeadDim, 0>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, window, prefix);
   }
 #undef PAGEDLLM_GROUP
 }
@@ -488,14 +491,17 @@ void dispatch_group(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
 }  // namespace
 
 void decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
-                      at::Tensor block_tables, at::Tensor seq_lens, double scale) {
-  decode_attention_after_prefix(out, q, k_cache, v_cache, block_tables, seq_lens, scale, nullptr);
+                      at::Tensor block_tables, at::Tensor seq_lens, double scale, int64_t window) {
+  decode_attention_after_prefix(out, q, k_cache, v_cache, block_tables, seq_lens, scale, window, nullptr);
 }
 
 void decode_attention_after_prefix(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
                                    const at::Tensor& v_cache, const at::Tensor& block_tables,
-                                   const at::Tensor& seq_lens, double scale, const SoftmaxState* prefix) {
+                                   const at::Tensor& seq_lens, double scale, int64_t window,
+                                   const SoftmaxState* prefix) {
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous(), "q and out must be contiguous");
+  TORCH_CHECK(window >= 0 && !(window > 0 && prefix), "a sliding window of ", window,
+              " keys (0: none), never with a cascade's prefix");
   TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "the head dim of the caches must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
               "block_tables and seq_lens must be int32");
@@ -505,13 +511,14 @@ void decode_attention_after_prefix(at::Tensor out, const at::Tensor& q, const at
     dispatch_cache<scalar_t>(q, k_cache, v_cache, [&]<typename cache_t>() {
       switch (q.size(2)) {
         case 64:
-          return dispatch_group<scalar_t, cache_t, 64>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, prefix);
+          return dispatch_group<scalar_t, cache_t, 64>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, window,
+                                                       prefix);
         case 128:
           return dispatch_group<scalar_t, cache_t, 128>(out, q, k_cache, v_cache, block_tables, seq_lens, scale,
-                                                        prefix);
+                                                        window, prefix);
         default:
           return decode_attention_impl<scalar_t, cache_t, 0, 0>(out, q, k_cache, v_cache, block_tables, seq_lens,
-                                                                scale, prefix);
+                                                                scale, window, prefix);
       }
     });
   });

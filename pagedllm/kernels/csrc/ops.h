@@ -27,18 +27,20 @@
 
 namespace pagedllm {
 
-// Attention (decode_attention.cpp, prefill_attention.cpp, paged_attention.cpp).
+// Attention (decode_attention.cpp, prefill_attention.cpp, paged_attention.cpp). `window`: 0, or a sliding window
+// of that many keys: a query at position p sees the keys at positions (p - window, p] (transformers' and vLLM's
+// sliding_window).
 void decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
-                      at::Tensor seq_lens, double scale);
+                      at::Tensor seq_lens, double scale, int64_t window);
 void prefill_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                        at::Tensor block_tables, at::Tensor seq_lens, at::Tensor query_start_loc, int64_t first_seq,
-                       double scale);
+                       double scale, int64_t window);
 // A step's attention as pagedllm.attention.cpu.paged_attention runs it: decodes (the first num_decodes sequences)
 // through decode_attention, the rest through prefill_attention; when every sequence's context starts with the same
-// blocks and `cascade` allows it, as cascade attention (paged_attention.cpp).
+// blocks and `cascade` allows it (never with a window), as cascade attention (paged_attention.cpp).
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
                      at::Tensor seq_lens, at::Tensor query_start_loc, int64_t num_decodes, double scale,
-                     bool cascade);
+                     bool cascade, int64_t window);
 // The prefix paged_attention runs as cascade attention for this batch: the positions at the start of every
 // sequence's context held in the same blocks of every table and seen by every query token, in whole blocks, rounded
 // down to a multiple of 64; 0 where a cascade would not pay (paged_attention.cpp).
@@ -64,17 +66,18 @@ struct SoftmaxState {
 bool prefill_attention_in_tiles(const at::Tensor& q, const at::Tensor& k_cache);
 // Cascade attention's parts (paged_attention.cpp runs them): every row of q over the first prefix_len keys of the
 // first sequence's blocks (whole kKeyChunks), then the decodes' and the other sequences' rows over the rest of their
-// contexts from that state (prefix = nullptr: from no keys, over the whole context).
+// contexts from that state (prefix = nullptr: from no keys, over the whole context, or its window).
 SoftmaxState prefix_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                               const at::Tensor& block_tables, const at::Tensor& seq_lens,
                               const at::Tensor& query_start_loc, int64_t prefix_len, double scale);
 void decode_attention_after_prefix(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
                                    const at::Tensor& v_cache, const at::Tensor& block_tables,
-                                   const at::Tensor& seq_lens, double scale, const SoftmaxState* prefix);
+                                   const at::Tensor& seq_lens, double scale, int64_t window,
+                                   const SoftmaxState* prefix);
 void prefill_attention_after_prefix(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
                                     const at::Tensor& v_cache, const at::Tensor& block_tables,
                                     const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t first_seq,
-                                    double scale, const SoftmaxState* prefix);
+                                    double scale, int64_t window, const SoftmaxState* prefix);
 
 // The new tokens' K and V into their cache slots, copied or quantized to int8 rows (cache_write.cpp).
 void write_kv(at::Tensor key, at::Tensor value, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slot_mapping);
@@ -156,13 +159,15 @@ struct MoEWeights {
   at::Tensor operator()(const at::Tensor& h) const;  // h [T, H] -> [T, H]
 };
 
-// A decoder layer's weights: its MLP's gate_up and down, or a mixture of experts (`moe`).
+// A decoder layer's weights: its MLP's gate_up and down, or a mixture of experts (`moe`); and its attention's sliding
+// window (0: none).
 struct DecoderLayerWeights {
   at::Tensor input_norm, post_attention_norm;
   LinearWeights qkv, o;
   c10::optional<LinearWeights> gate_up, down;
   c10::optional<at::Tensor> q_norm, k_norm;  // Qwen3's RMSNorm weights over each query and key head
   c10::optional<MoEWeights> moe;
+  int64_t sliding_window;
 };
 
 using KVPair = std::tuple<at::Tensor, at::Tensor>;  // one layer's (k_cache, v_cache)

@@ -7,7 +7,8 @@
 //                      int8: [..., head_dim + 4], dequantized by pass 1 as it packs them (ops.h, load_row)
 //   block_tables:      [num_seqs, max_blocks] int32;  seq_lens: [num_seqs] int32 (context after this step)
 //   query_start_loc:   [num_seqs + 1] int32
-//   Query j of seq i sits at position seq_len - q_len + j and sees the keys at positions <= its own.
+//   Query j of seq i sits at position seq_len - q_len + j and sees the keys at positions <= its own (with a
+//   sliding window of W keys, those past its own position - W too).
 //
 // Two passes:
 //   1. per (sequence, kv head): copy the context's keys into tiles of 16, transposed so that one vector
@@ -436,13 +437,15 @@ inline __m512 exp_for_bf16(__m512 x) {
 }
 #endif
 
-// Online softmax for one query row over the first `visible` scores s[kKeyChunk] of a key chunk: s becomes the
-// chunk's p (0 past `visible`), and o, the row's unnormalised output, is rescaled to the new max. m: the row's
+// Online softmax for one query row over scores [hidden, visible) of a key chunk s[kKeyChunk] (0 <= hidden <
+// visible; keys before `hidden` are out of a sliding window): s becomes the chunk's p (0 outside them), and o, the
+// row's unnormalised output, is rescaled to the new max. m: the row's
 // running max; l: its running sum of exp (of scaled scores), as kSumLanes partial sums. kBf16P: p is rounded to
 // bf16 next (the paths that weigh the values in bf16 pairs), so that exp_for_bf16 does (1.2-1.3x the chunk loop
 // of the AMX path on SmolLM2's shapes, whose exp was its largest part).
 template <int64_t kHeadDim, bool kBf16P>
-inline void softmax_chunk(float* s, int64_t visible, float scale, int64_t head_dim, float& m, float* l, float* o) {
+inline void softmax_chunk(float* s, int64_t hidden, int64_t visible, float scale, int64_t head_dim, float& m, float* l,
+                          float* o) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 #if defined(__AVX512F__)
   // The chunk's 64 scores stay in four registers from load to store: the mask is a lane mask, the scale goes into
@@ -455,10 +458,11 @@ inline void softmax_chunk(float* s, int64_t visible, float scale, int64_t head_d
   if (head_dim % 16 == 0) {
     const __m512 vscale = _mm512_set1_ps(scale);
     __m512 x[4], scaled[4];
-    __mmask16 seen[4], above = 0;  // seen: the lanes before `visible`
+    __mmask16 seen[4], above = 0;  // seen: the lanes in [hidden, visible)
+    const auto before = [](int64_t n) { return static_cast<__mmask16>((1u << std::clamp<int64_t>(n, 0, 16)) - 1); };
 #pragma GCC unroll 4
     for (int i = 0; i < 4; ++i) {
-      seen[i] = static_cast<__mmask16>((1u << std::clamp<int64_t>(visible - 16 * i, 0, 16)) - 1);
+      seen[i] = before(visible - 16 * i) & static_cast<__mmask16>(~before(hidden - 16 * i));
       x[i] = _mm512_mask_loadu_ps(_mm512_set1_ps(kNegInf), seen[i], s + 16 * i);
       scaled[i] = _mm512_fmsub_ps(x[i], vscale, _mm512_set1_ps(m));
       above |= _mm512_cmp_ps_mask(scaled[i], _mm512_set1_ps(kSlack), _CMP_GT_OQ);
@@ -491,6 +495,7 @@ inline void softmax_chunk(float* s, int64_t visible, float scale, int64_t head_d
 #pragma omp simd
   for (int64_t j = 0; j < kKeyChunk; ++j) s[j] *= scale;
   for (int64_t j = visible; j < kKeyChunk; ++j) s[j] = kNegInf;  // keys past the row's position
+  for (int64_t j = 0; j < hidden; ++j) s[j] = kNegInf;             // and before its window
   const float m_new = std::max(m, max_of(s, kKeyChunk));
 #pragma omp simd
   for (int64_t j = 0; j < kKeyChunk; ++j) s[j] = exp_approx(s[j] - m_new);  // exp(-inf) = 0
@@ -544,22 +549,31 @@ inline void accumulate_rows(const float* p, int64_t rows, int64_t visible, const
 struct Plan {
   std::vector<Packed> packed;
   std::vector<Task> tasks;
+  int64_t window = 0;  // 0, or the sliding window every query row sees
 };
 
+// The first key a task's rows see, its first row's first: from `first` on, or from its window's start.
+int64_t first_key(const Packed& pk, const Task& task, int64_t window) {
+  return window > 0 ? std::max(pk.first, task.first_pos - window + 1) : pk.first;
+}
+
 // Sequences first_seq.. of the batch, each query tile over its keys [first, seq_len): the whole context (first = 0),
-// or what follows a cascade's prefix.
+// what follows a cascade's prefix, or with a window what its queries' windows cover.
 Plan plan_sequences(const int32_t* qsl, const int32_t* lens, int64_t first_seq, int64_t num_seqs,
-                    int64_t num_kv_heads, int64_t first) {
+                    int64_t num_kv_heads, int64_t first, int64_t window) {
   Plan plan;
+  plan.window = window;
   for (int64_t i = first_seq; i < num_seqs; ++i) {
     const int64_t q_len = qsl[i + 1] - qsl[i], seq_len = lens[i];
     if (q_len == 0) continue;
+    const int64_t keys_from = window > 0 ? std::max<int64_t>(first, seq_len - q_len - window + 1) : first;
     for (int64_t h = 0; h < num_kv_heads; ++h) {
-      plan.packed.push_back({i, h, first, seq_len});
+      plan.packed.push_back({i, h, keys_from, seq_len});
       for (int64_t begin = 0; begin < q_len; begin += kQueryTile) {
         const int64_t end = std::min(q_len, begin + kQueryTile), first_pos = seq_len - q_len + begin;
-        plan.tasks.push_back({static_cast<int64_t>(plan.packed.size()) - 1, qsl[i] + begin, qsl[i] + end, first_pos,
-                              (end - begin) * (first_pos + end - begin - first)});
+        Task task{static_cast<int64_t>(plan.packed.size()) - 1, qsl[i] + begin, qsl[i] + end, first_pos, 0};
+        task.cost = (end - begin) * (first_pos + end - begin - first_key(plan.packed.back(), task, window));
+        plan.tasks.push_back(task);
       }
     }
   }
@@ -727,20 +741,24 @@ void run_plan(Plan& plan, at::Tensor& out, const at::Tensor& q, const at::Tensor
         std::fill(acc.begin(), acc.begin() + rows * head_dim, 0.f);
       }
       const int64_t key_end = std::min(pk.end, first_pos + tokens);  // past the last key any row sees
-      for (int64_t chunk_start = pk.first; chunk_start < key_end; chunk_start += kKeyChunk) {
+      // chunks from the one holding the first key the first row sees
+      const int64_t key_begin = pk.first + (first_key(pk, task, plan.window) - pk.first) / kKeyChunk * kKeyChunk;
+      for (int64_t chunk_start = key_begin; chunk_start < key_end; chunk_start += kKeyChunk) {
         const int64_t first_tile = (chunk_start - pk.first) / kKeyTile;
         const int64_t tiles = std::min(kKeyChunk / kKeyTile, (key_end - chunk_start + kKeyTile - 1) / kKeyTile);
         // The chunk's online softmax for rows [begin, end) of the task.
         const auto softmax_rows = [&](int64_t begin, int64_t end) {
           for (int64_t r = begin; r < end; ++r) {
             float* s = scores.data() + r * kKeyChunk;
-            const int64_t visible = std::min(tiles * kKeyTile, first_pos + r / group - chunk_start + 1);
-            if (visible <= 0) {  // the chunk is past this row's position: it adds nothing
+            const int64_t pos = first_pos + r / group;
+            const int64_t visible = std::min(tiles * kKeyTile, pos - chunk_start + 1);
+            const int64_t hidden = plan.window > 0 ? std::max<int64_t>(0, pos - plan.window + 1 - chunk_start) : 0;
+            if (hidden >= visible) {  // the chunk is past this row's position, or before its window: it adds nothing
               std::fill(s, s + kKeyChunk, 0.f);
               continue;
             }
-            softmax_chunk<kHeadDim, kPairs>(s, visible, scale, head_dim, row_max[r], row_sum.data() + r * kSumLanes,
-                                            acc.data() + r * head_dim);
+            softmax_chunk<kHeadDim, kPairs>(s, hidden, visible, scale, head_dim, row_max[r],
+                                            row_sum.data() + r * kSumLanes, acc.data() + r * head_dim);
           }
         };
 #if defined(__AVX512BF16__)
@@ -849,19 +867,21 @@ bool prefill_attention_in_tiles(const at::Tensor& q, const at::Tensor& k_cache) 
 
 void prefill_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                        at::Tensor block_tables, at::Tensor seq_lens, at::Tensor query_start_loc, int64_t first_seq,
-                       double scale) {
+                       double scale, int64_t window) {
   prefill_attention_after_prefix(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, first_seq, scale,
-                                 nullptr);
+                                 window, nullptr);
 }
 
 void prefill_attention_after_prefix(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
                                     const at::Tensor& v_cache, const at::Tensor& block_tables,
                                     const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t first_seq,
-                                    double scale, const SoftmaxState* prefix) {
+                                    double scale, int64_t window, const SoftmaxState* prefix) {
   check_prefill_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc);
   TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "out must be contiguous and of q's shape");
+  TORCH_CHECK(window >= 0 && !(window > 0 && prefix), "a sliding window of ", window,
+              " keys (0: none), never with a cascade's prefix");
   Plan plan = plan_sequences(query_start_loc.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), first_seq,
-                             seq_lens.size(0), k_cache.size(2), prefix ? prefix->prefix_len : 0);
+                             seq_lens.size(0), k_cache.size(2), prefix ? prefix->prefix_len : 0, window);
   dispatch_plan(q, k_cache, v_cache, [&]<typename scalar_t, typename cache_t, int64_t kHeadDim>() {
     run_plan<scalar_t, cache_t, kHeadDim>(plan, out, q, k_cache, v_cache, block_tables, seq_lens, scale, prefix,
                                           nullptr);
