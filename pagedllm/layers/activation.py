@@ -23,3 +23,12 @@ class SiluAndMul(nn.Module):
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+
+class GeluAndMul(nn.Module):
+    """x: [T, 2 * d] (gate, up) -> gelu(gate) * up: [T, d], GELU's tanh approximation (Gemma's
+    `gelu_pytorch_tanh`). Two torch ops: no C++ pass of its own."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up

@@ -15,9 +15,13 @@ from torch import nn
 from pagedllm.kernels import kernels_for
 
 
-def rope_config(config: Any) -> tuple[float, dict | None]:
-    """(base, scaling) from a Hugging Face config; scaling is None for the default rope type."""
+def rope_config(config: Any, layer_type: str | None = None) -> tuple[float, dict | None]:
+    """(base, scaling) from a Hugging Face config, for layers of `layer_type` where its `rope_parameters` has a
+    rope for each type (Gemma 3's "sliding_attention" and "full_attention" layers); scaling is None for the default
+    rope type."""
     params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict) and isinstance(params.get(layer_type), dict):
+        params = params[layer_type]
     if isinstance(params, dict) and "rope_theta" in params:
         base = float(params["rope_theta"])
         scaling = dict(params)

@@ -1,6 +1,10 @@
-"""One Llama-family decoder: Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM; MHA, GQA and MQA; tied or untied embeddings.
-Qwen3 adds an RMSNorm over each query and key head (`q_norm`, `k_norm`) before the rotary embedding. Mixtral,
-Qwen2-MoE and Qwen3-MoE replace the MLP with a mixture of experts (`LlamaSparseMoeBlock`).
+"""One Llama-family decoder: Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM, Gemma 3; MHA, GQA and MQA; tied or untied
+embeddings. Qwen3 adds an RMSNorm over each query and key head (`q_norm`, `k_norm`) before the rotary embedding.
+Mixtral, Qwen2-MoE and Qwen3-MoE replace the MLP with a mixture of experts (`LlamaSparseMoeBlock`). Gemma 3 (text)
+has those head norms too, and besides: its embeddings scaled by sqrt(hidden_size), a norm on each branch's output
+before it joins the residual stream (`pre_feedforward_layernorm`, `post_feedforward_layernorm`), RMSNorm weights
+stored as w - 1 (`load_weights` adds the 1 back), a GELU-gated MLP, `query_pre_attn_scalar` for its attention
+scale, and local layers (over a sliding window) with a rotary base of their own.
 
 The model is format-agnostic: `load_weights` takes Hugging Face parameter names from any loader and maps the
 separate q/k/v and gate/up checkpoint tensors onto the fused parameters (`STACKED_PARAMS_MAPPING`).
@@ -19,7 +23,7 @@ from pagedllm.attention.cpu import paged_attention, write_kv
 from pagedllm.attention.metadata import AttentionBackend, AttentionMetadata, KVCache
 from pagedllm.distributed.communicator import communicator
 from pagedllm.kernels import kernels_for
-from pagedllm.layers.activation import SiluAndMul
+from pagedllm.layers.activation import GeluAndMul, SiluAndMul
 from pagedllm.layers.embedding import ParallelLMHead, VocabEmbedding
 from pagedllm.layers.linear import (
     MergedColumnParallelLinear,
@@ -71,7 +75,17 @@ def _has_qkv_bias(config: Any) -> bool:
 
 
 def _has_qk_norm(config: Any) -> bool:
-    return config.model_type in ("qwen3", "qwen3_moe")
+    return config.model_type in ("qwen3", "qwen3_moe", "gemma3_text")
+
+
+def _is_gemma(config: Any) -> bool:
+    return config.model_type == "gemma3_text"
+
+
+def _layer_type(config: Any, index: int) -> str | None:
+    """Layer `index`'s entry in transformers' `layer_types` ("full_attention", "sliding_attention"), if any."""
+    layer_types = getattr(config, "layer_types", None)
+    return None if layer_types is None else layer_types[index]
 
 
 def sliding_window_of_layer(config: Any, index: int) -> int:
@@ -84,8 +98,7 @@ def sliding_window_of_layer(config: Any, index: int) -> int:
         return 0
     if window >= (getattr(config, "max_position_embeddings", None) or float("inf")):
         return 0
-    layer_types = getattr(config, "layer_types", None)
-    return int(window) if layer_types is None or layer_types[index] == "sliding_attention" else 0
+    return int(window) if _layer_type(config, index) in (None, "sliding_attention") else 0
 
 
 def num_experts(config: Any) -> int:
@@ -128,7 +141,7 @@ class LlamaAttention(nn.Module):
         self.sliding_window = sliding_window_of_layer(config, index)
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = _num_kv_heads(config)
-        self.scale = self.head_dim ** -0.5
+        self.scale = (getattr(config, "query_pre_attn_scalar", None) or self.head_dim) ** -0.5
         self.attn_backend = attn_backend
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads,
                                           bias=_has_qkv_bias(config), dtype=dtype, tp_rank=tp[0], tp_size=tp[1])
@@ -171,22 +184,24 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: Any, dtype: torch.dtype, tp: TPRank, intermediate_size: int | None = None,
                  reduce_results: bool = True) -> None:
         super().__init__()
-        if getattr(config, "hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only 'silu')")
+        act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
+        if act not in ("silu", "gelu_pytorch_tanh"):
+            raise ValueError(f"hidden activation {act!r} is not supported (only 'silu' and 'gelu_pytorch_tanh')")
         bias = bool(getattr(config, "mlp_bias", False))
         inter = intermediate_size or config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias=bias, dtype=dtype,
                                                        tp_rank=tp[0], tp_size=tp[1])
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias, dtype=dtype,
                                            tp_rank=tp[0], tp_size=tp[1], reduce_results=reduce_results)
-        self.act_fn = SiluAndMul()
+        self.act_fn: SiluAndMul | GeluAndMul = SiluAndMul() if act == "silu" else GeluAndMul()
 
     def forward(self, x: torch.Tensor, lora: LayerLoRA | None = None) -> torch.Tensor:
         gate_up = self.gate_up_proj
         if lora is not None:
             y = self.act_fn(lora.add("gate_up_proj", x, gate_up(x)))
             return lora.add("down_proj", y, self.down_proj(y))
-        if fuses_silu_and_mul(gate_up.weight):  # the same bits, the [T, 2I] product never stored
+        if isinstance(self.act_fn, SiluAndMul) and fuses_silu_and_mul(gate_up.weight):  # the same bits, the
+            # [T, 2I] product never stored
             return self.down_proj(linear_silu_and_mul(x, gate_up.weight, gate_up.bias))
         return self.down_proj(self.act_fn(gate_up(x)))  # [T, H] -> [T, 2I] -> [T, I] -> [T, H]
 
@@ -257,26 +272,45 @@ class LlamaDecoderLayer(nn.Module):
             LlamaSparseMoeBlock(config, dtype, tp) if _is_sparse_layer(config, index) else LlamaMLP(config, dtype, tp))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        # Gemma 3's: the attention's output normed by post_attention_layernorm before it joins the residual stream,
+        # the stream normed by pre_feedforward_layernorm for the MLP, the MLP's output by post_feedforward_layernorm
+        sandwich = _is_gemma(config)
+        self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if sandwich else None
+        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if sandwich else None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 kv_cache: KVCache, meta: AttentionMetadata, lora: LayerLoRA | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the layer's output, the residual stream before it is added): the next layer, or the final norm, adds
+        the two."""
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(positions, x, kv_cache, meta, lora)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x, lora), residual
+        if self.pre_feedforward_layernorm is None or self.post_feedforward_layernorm is None:
+            x, residual = self.post_attention_layernorm(x, residual)
+            return self.mlp(x, lora), residual
+        x, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(x), residual)
+        return self.post_feedforward_layernorm(self.mlp(x, lora)), residual
 
 
 class LlamaModel(nn.Module):
     def __init__(self, config: Any, dtype: torch.dtype, attn_backend: AttentionBackend, tp: TPRank) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype, tp[0], tp[1])
-        base, scaling = rope_config(config)
-        rotary_emb = get_rope(_head_dim(config), config.max_position_embeddings, base, scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype, attn_backend, rotary_emb, tp, index)
+        # Gemma's embeddings times sqrt(hidden_size), rounded to the model's dtype first, as transformers has it
+        self.embed_scale = config.hidden_size ** 0.5 if _is_gemma(config) else None
+        rotary: dict[str, RotaryEmbedding] = {}     # one for each rope of the layers (Gemma's local and global ones)
+
+        def rotary_of(index: int) -> RotaryEmbedding:
+            base, scaling = rope_config(config, _layer_type(config, index))
+            key = repr((base, scaling))
+            if key not in rotary:
+                rotary[key] = get_rope(_head_dim(config), config.max_position_embeddings, base, scaling)
+            return rotary[key]
+
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype, attn_backend, rotary_of(index), tp, index)
                                     for index in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         # kernel module -> its DecoderStack of these layers; None: the modules run (see use_decoder_stack)
@@ -285,6 +319,8 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata, lora: LoRABatch | None = None) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, H]
+        if self.embed_scale is not None:
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         stack = self.stack_for(x) if lora is None else None   # the C++ stack has no LoRA updates
         if stack is not None:
             return stack.forward(x, positions, kv_caches, meta.slot_mapping, meta.block_tables, meta.seq_lens,
@@ -368,6 +404,11 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: Any, dtype: torch.dtype = torch.float32,
                  attn_backend: AttentionBackend = paged_attention, tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__()
+        for option in ("attn_logit_softcapping", "final_logit_softcapping", "use_bidirectional_attention"):
+            if getattr(config, option, None):
+                raise ValueError(f"the config sets {option}={getattr(config, option)!r}, which pagedllm does not "
+                                 "implement: its attention is causal and neither its scores nor its logits are "
+                                 "soft-capped")
         self.config = config
         self.dtype = dtype
         tp = (tp_rank, tp_size)
@@ -397,7 +438,8 @@ class LlamaForCausalLM(nn.Module):
         backend: otherwise the modules run. The loader calls it once the weights are final, packed: a stack holds
         the weight tensors it was built with. `enforce_eager=True` keeps the modules."""
         layer = self.model.layers[0]
-        if layer.self_attn.qkv_proj.tp_size == 1 and layer.self_attn.attn_backend is paged_attention:
+        if layer.self_attn.qkv_proj.tp_size == 1 and layer.self_attn.attn_backend is paged_attention and \
+                not _is_gemma(self.config):     # the stack has neither Gemma's branch norms nor its GELU
             self.model.stacks = {}
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
@@ -439,6 +481,8 @@ class LlamaForCausalLM(nn.Module):
                 head_rows = tensor[self.classifier_token_ids].float()
             if self.tie_word_embeddings and name == "lm_head.weight":
                 continue  # some checkpoints store the tied head anyway; the embedding is the one used
+            if _is_gemma(self.config) and name.endswith("norm.weight"):
+                tensor = tensor.float() + 1     # Gemma's RMSNorm scales by 1 + w
             if name.endswith(".bias") and self._target(name)[0] not in params and not tensor.any():
                 continue  # a zero bias is no bias (AutoGPTQ stores one for every layer, biased or not)
             loaded.add(self._load_one(params, name, tensor))

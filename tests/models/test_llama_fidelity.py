@@ -40,6 +40,14 @@ def test_prefill_and_decode_match_transformers(tmp_path, kind: str) -> None:
         logits = runner.step({i: [seq[-1]] for i, seq in enumerate(seqs)})
 
 
+@pytest.mark.parametrize(("option", "value"), [("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0),
+                                             ("use_bidirectional_attention", True)])   # Gemma 2's; EmbeddingGemma's
+def test_a_config_asking_for_what_the_model_lacks_is_refused(tmp_path, option: str, value) -> None:
+    folder, _ = save_tiny_model(tmp_path / "m", "gemma3", with_tokenizer=False, **{option: value})
+    with pytest.raises(ValueError, match=option):
+        _load(folder)
+
+
 def test_sharded_checkpoint(tmp_path) -> None:
     folder, hf_model = save_tiny_model(tmp_path / "sharded", "llama-untied", max_shard_size="100KB",
                                        with_tokenizer=False)
@@ -49,8 +57,9 @@ def test_sharded_checkpoint(tmp_path) -> None:
     torch.testing.assert_close(logits[0], _hf_last_logits(hf_model, PROMPTS[0]), atol=ATOL, rtol=0)
 
 
-def test_bfloat16_close_to_float32(tmp_path) -> None:
-    folder, hf_model = save_tiny_model(tmp_path / "bf16", "llama-gqa", with_tokenizer=False)
+@pytest.mark.parametrize("kind", ["llama-gqa", "gemma3"])
+def test_bfloat16_close_to_float32(tmp_path, kind: str) -> None:
+    folder, hf_model = save_tiny_model(tmp_path / "bf16", kind, with_tokenizer=False)
     model = load_model(ModelConfig(model=str(folder), dtype="bfloat16")).model
     assert model.dtype == torch.bfloat16 and model.lm_head.weight.dtype == torch.bfloat16
     logits = SimplePagedRunner(model, dtype=torch.bfloat16).step({0: PROMPTS[0]})

@@ -30,6 +30,10 @@ TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     # as Qwen3's real ones: heads x head_dim (4 x 32) is not the hidden size (64)
     "qwen3": ("qwen3", dict(num_key_value_heads=2, head_dim=32)),
     "mistral": ("mistral", dict(num_key_value_heads=2, sliding_window=None)),
+    # as Gemma 3's: heads x head_dim past the hidden size, a local layer (a window of 12, rotary base 10,000) and a
+    # global one (1,000,000), an attention scale of its own
+    "gemma3": ("gemma3_text", dict(num_key_value_heads=2, head_dim=32, sliding_window=12, query_pre_attn_scalar=24,
+                                   layer_types=["sliding_attention", "full_attention"])),
     # mixtures of experts: 4 experts, 2 a token (8 and 2 for Mixtral, 128 and 8 for Qwen3-30B-A3B)
     "mixtral": ("mixtral", dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
                                 tie_word_embeddings=False)),
@@ -57,6 +61,11 @@ def build_tiny_hf_model(kind: str = "llama-gqa", seed: int = 0, **overrides: Any
     torch.manual_seed(seed)
     config = tiny_config(kind, **overrides)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
+    if config.model_type == "gemma3_text":     # its norms start at w = 0 (a scale of 1 + w): made random, seen
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.normal_(0, 0.2)
     return model.eval()
 
 
