@@ -25,6 +25,11 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "mixtral-1b": ("mixtral", dict(
         hidden_size=1024, intermediate_size=1536, num_hidden_layers=12, num_attention_heads=16,
         num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=2, tie_word_embeddings=False)),
+    # gemma-3-1b's layers (~0.70B weights): 26 of hidden 1152, 4 query heads of 256 over 1 kv head, 5 local layers
+    # (a sliding window of 512) to a global one; its vocabulary is the tokenizer's (49,152, not Gemma's 262,144)
+    "gemma3-1b": ("gemma3_text", dict(
+        hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256, sliding_window=512)),
 }
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -9,26 +12,36 @@ from torch import nn
 from pagedllm.kernels import kernels_for
 
 
-class SiluAndMul(nn.Module):
-    """x: [T, 2 * d] (gate, up) -> silu(gate) * up: [T, d]. One C++ pass on the CPU; `forward_native` is torch."""
+class _GatedAndMul(nn.Module):
+    """x: [T, 2 * d] (gate, up) -> activation(gate) * up: [T, d]. One C++ pass on the CPU (the kernel
+    `kernel_name`); `forward_native` is torch."""
+
+    kernel_name: str
+    activation: Callable[[torch.Tensor], torch.Tensor]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kernels = kernels_for(x)
         if kernels is None or x.dim() != 2:
             return self.forward_native(x)
         out = x.new_empty(x.shape[0], x.shape[1] // 2)
-        kernels.silu_and_mul(out, x)
+        getattr(kernels, self.kernel_name)(out, x)
         return out
 
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return type(self).activation(gate) * up
 
 
-class GeluAndMul(nn.Module):
-    """x: [T, 2 * d] (gate, up) -> gelu(gate) * up: [T, d], GELU's tanh approximation (Gemma's
-    `gelu_pytorch_tanh`). Two torch ops: no C++ pass of its own."""
+class SiluAndMul(_GatedAndMul):
+    """silu(gate) * up."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = x.chunk(2, dim=-1)
-        return F.gelu(gate, approximate="tanh") * up
+    kernel_name = "silu_and_mul"
+    activation = F.silu
+
+
+class GeluAndMul(_GatedAndMul):
+    """gelu(gate) * up, GELU's tanh approximation (Gemma's `gelu_pytorch_tanh`); the kernel computes it as
+    gate / (1 + exp(-2 y)), torch as gate (1 + tanh(y)) / 2: the same within float rounding."""
+
+    kernel_name = "gelu_and_mul"
+    activation = functools.partial(F.gelu, approximate="tanh")

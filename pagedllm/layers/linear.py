@@ -83,7 +83,7 @@ def linear_weights(kernels: ModuleType, weight: torch.Tensor, bias: torch.Tensor
 
 
 def linear_packing(dtype: torch.dtype) -> str | None:
-    """How `pack_linear_weights` stores CPU weights of `dtype` here: "onednn", "pagedllm" or None (plain).
+    """How `pack_linear_weights` stores CPU weights of `dtype` here: "brgemm", "onednn", "pagedllm" or None (plain).
 
     bf16 goes to oneDNN where it has bf16 instructions (torch is asked) and its bf16 dot products outrun float32
     FMAs (`bf16_kernel`); elsewhere (AVX2, ARM, plain x86-64) to pagedllm's packed kernel, which widens bf16 to float32
@@ -104,19 +104,28 @@ BF16_KERNEL_ENV = "PAGEDLLM_BF16_KERNEL"
 
 
 def bf16_kernel() -> str:
-    """Which kernel multiplies bf16 weights where oneDNN has bf16 instructions: "onednn" or "pagedllm".
+    """Which kernel multiplies bf16 weights where oneDNN has bf16 instructions: "brgemm", "onednn" or "pagedllm".
 
-    oneDNN where bf16 dot products outrun float32 FMAs (`CpuInfo.bf16_dot_outruns_fma`: AMX, AMD's AVX512-BF16),
-    pagedllm's kernel elsewhere; $PAGEDLLM_BF16_KERNEL names one. A rule, not a timing at start-up: timing one
-    matmul both ways picked the slower kernel in 2 of 6 starts on a 2-core VM (busy or not, the two came within
-    10% there while the whole workload differed by 27%), and the two round a bf16 matmul differently, so a
-    timed choice would make the same model's greedy tokens differ from one start to the next.
+    With AMX tiles, torch's brgemm blocks (`linear_brgemm`), where torch packs bf16 for them: each call streams its
+    weight's blocks in order, 1.1-1.5x the rate of oneDNN's matmuls at decode batches on the AMX Xeon (1.4x on
+    SmolLM2's small weights, whose oneDNN calls cost more than their bytes), the same at 2,048 rows on Gemma 3 1B's
+    shapes, 0.8-0.9x on SmolLM2's (docs/benchmarks.md). oneDNN where bf16 dot products otherwise outrun float32 FMAs
+    (`CpuInfo.bf16_dot_outruns_fma`: AMD's AVX512-BF16), pagedllm's kernel elsewhere; $PAGEDLLM_BF16_KERNEL names
+    one. A rule, not a timing at start-up: timing one matmul both ways picked the slower kernel in 2 of 6 starts on
+    a 2-core VM (busy or not, the two came within 10% there while the whole workload differed by 27%), and the
+    kernels round a bf16 matmul differently, so a timed choice would make the same model's greedy tokens differ
+    from one start to the next.
     """
     choice = os.environ.get(BF16_KERNEL_ENV)
+    brgemm = bool(getattr(cpu_kernels(), "brgemm_bf16_available", lambda: False)())
     if choice is None:
+        if "amx_bf16" in cpu_info().flags and brgemm:
+            return "brgemm"
         return "onednn" if cpu_info().bf16_dot_outruns_fma else "pagedllm"
-    if choice not in ("onednn", "pagedllm"):
-        raise ValueError(f"{BF16_KERNEL_ENV} must be 'onednn' or 'pagedllm', got {choice!r}")
+    if choice not in ("brgemm", "onednn", "pagedllm"):
+        raise ValueError(f"{BF16_KERNEL_ENV} must be 'brgemm', 'onednn' or 'pagedllm', got {choice!r}")
+    if choice == "brgemm" and not brgemm:
+        raise ValueError(f"{BF16_KERNEL_ENV}=brgemm: torch's brgemm does not pack bf16 on this CPU")
     return choice
 
 
@@ -264,6 +273,8 @@ def pack_linear_weights(model: nn.Module, quantization: str | None = None) -> in
         packing = None if weight.is_mkldnn or weight.dim() != 2 else quantization or linear_packing(weight.dtype)
         if packing == "onednn" and getattr(layer, "prefers_brgemm", False) and brgemm_packs(weight):
             packing = "brgemm"
+        elif packing == "brgemm" and not brgemm_packs(weight):   # an odd K
+            packing = "onednn"
         if packing == "brgemm":
             layer.weight = nn.Parameter(cpu_kernels().pack_brgemm_weight(weight.detach()),  # type: ignore[union-attr]
                                         requires_grad=False)

@@ -72,6 +72,7 @@ def _log_precision(requested: str, dtype: torch.dtype, device: str, quantization
                     cpu_info().describe(), chosen, quantization)
         return
     how = {"onednn": "bf16 weights and KV cache, bf16 matmuls in oneDNN",
+           "brgemm": "bf16 weights and KV cache, bf16 matmuls in torch's brgemm blocks (AMX tiles)",
            "pagedllm": ("bf16 weights and KV cache (half float32's bytes), float32 arithmetic in pagedllm's kernels"
                         if dtype == torch.bfloat16 else "float32 weights packed for pagedllm's kernels")}
     packing = linear_packing(dtype)

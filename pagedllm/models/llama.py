@@ -342,19 +342,26 @@ class LlamaModel(nn.Module):
         return self.stacks[kernels]
 
     def _build_stack(self, kernels: ModuleType) -> Any:
+        def weight(norm: RMSNorm | None) -> torch.Tensor | None:
+            return None if norm is None else norm.weight
+
+        def layer_weights(layer: LlamaDecoderLayer) -> Any:
+            attn, mlp = layer.self_attn, layer.mlp
+            dense = isinstance(mlp, LlamaMLP)
+            return kernels.DecoderLayerWeights(
+                layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                attn.qkv_proj.kernel_weights(kernels), attn.o_proj.kernel_weights(kernels),
+                mlp.gate_up_proj.kernel_weights(kernels) if dense else None,
+                mlp.down_proj.kernel_weights(kernels) if dense else None,
+                weight(attn.q_norm), weight(attn.k_norm), None if dense else mlp.kernel_weights(kernels),
+                attn.sliding_window, attn.rotary_emb.cos_cache, attn.rotary_emb.sin_cache,
+                weight(layer.pre_feedforward_layernorm), weight(layer.post_feedforward_layernorm),
+                dense and isinstance(mlp.act_fn, GeluAndMul))
+
         attn = self.layers[0].self_attn
-        layers = [kernels.DecoderLayerWeights(
-            layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-            layer.self_attn.qkv_proj.kernel_weights(kernels), layer.self_attn.o_proj.kernel_weights(kernels),
-            *([layer.mlp.gate_up_proj.kernel_weights(kernels), layer.mlp.down_proj.kernel_weights(kernels)]
-              if isinstance(layer.mlp, LlamaMLP) else [None, None]),
-            *[None if norm is None else norm.weight for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm)],
-            None if isinstance(layer.mlp, LlamaMLP) else layer.mlp.kernel_weights(kernels),
-            layer.self_attn.sliding_window)
-            for layer in self.layers]
-        return kernels.DecoderStack(layers, self.norm.weight, self.norm.eps, attn.rotary_emb.cos_cache,
-                                    attn.rotary_emb.sin_cache, attn.qkv_proj.q_size // attn.head_dim,
-                                    attn.qkv_proj.kv_size // attn.head_dim, attn.head_dim, attn.scale)
+        return kernels.DecoderStack([layer_weights(layer) for layer in self.layers], self.norm.weight, self.norm.eps,
+                                    attn.qkv_proj.q_size // attn.head_dim, attn.qkv_proj.kv_size // attn.head_dim,
+                                    attn.head_dim, attn.scale)
 
 
 # Checkpoints of the decoder alone, as decoder embedding models are saved (gte-Qwen2, e5-mistral): tensor names
@@ -438,8 +445,7 @@ class LlamaForCausalLM(nn.Module):
         backend: otherwise the modules run. The loader calls it once the weights are final, packed: a stack holds
         the weight tensors it was built with. `enforce_eager=True` keeps the modules."""
         layer = self.model.layers[0]
-        if layer.self_attn.qkv_proj.tp_size == 1 and layer.self_attn.attn_backend is paged_attention and \
-                not _is_gemma(self.config):     # the stack has neither Gemma's branch norms nor its GELU
+        if layer.self_attn.qkv_proj.tp_size == 1 and layer.self_attn.attn_backend is paged_attention:
             self.model.stacks = {}
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedllm.layers.activation import SiluAndMul
+from pagedllm.layers.activation import GeluAndMul, SiluAndMul
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import get_rope
 
@@ -50,9 +50,10 @@ def test_rms_norm_kernel_reads_strided_rows(isa_level: str) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
-def test_silu_and_mul_kernel_matches_torch(dtype: torch.dtype, shape: tuple[int, int], isa_level: str) -> None:
+@pytest.mark.parametrize("act", [SiluAndMul(), GeluAndMul()], ids=["silu", "gelu_tanh"])
+def test_gated_activation_kernels_match_torch(dtype: torch.dtype, shape: tuple[int, int], act: torch.nn.Module,
+                                              isa_level: str) -> None:
     x = torch.randn(shape[0], 2 * shape[1], generator=torch.Generator().manual_seed(1)).mul(4).to(dtype)
-    act = SiluAndMul()
     torch.testing.assert_close(act(x), act.forward_native(x), **_tol(dtype))
 
 
@@ -96,6 +97,7 @@ def test_layers_use_torch_when_kernels_are_disabled(monkeypatch: pytest.MonkeyPa
     norm = RMSNorm(8)
     assert torch.equal(norm(x), norm.forward_native(x))
     assert torch.equal(SiluAndMul()(x), SiluAndMul().forward_native(x))
+    assert torch.equal(GeluAndMul()(x), GeluAndMul().forward_native(x))
     rope = get_rope(8, 4, 10000.0)
     q, k, positions = torch.randn(2, 2, 8), torch.randn(2, 1, 8), torch.tensor([1, 3])
     expected = rope.forward_native(positions, q, k)

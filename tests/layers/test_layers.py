@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from pagedllm.cpu import MAX_ISA_ENV, cpu_info, onednn_bf16_ok
+from pagedllm.kernels import cpu_kernels
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.embedding import ParallelLMHead, VocabEmbedding
 from pagedllm.layers.linear import (
@@ -136,14 +137,22 @@ def _run(model: torch.nn.ModuleDict, x: torch.Tensor, y: torch.Tensor) -> tuple[
     return model["qkv"](x), model["down"](y), model["head"](x)
 
 
-@pytest.fixture(params=["onednn", "pagedllm"])
+def _brgemm_packs_bf16() -> bool:
+    kernels = cpu_kernels()
+    return kernels is not None and bool(kernels.brgemm_bf16_available())
+
+
+@pytest.fixture(params=["brgemm", "onednn", "pagedllm"])
 def packing(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Each packing this machine can run: oneDNN's where it has bf16 instructions, pagedllm's everywhere (an
-    AVX2 cap hides oneDNN's bf16 from pagedllm, as on a CPU without AVX-512)."""
-    if request.param == "onednn" and not onednn_bf16_ok():
+    """Each packing this machine can run: torch's brgemm blocks where it packs bf16, oneDNN's where it has bf16
+    instructions, pagedllm's everywhere (an AVX2 cap hides oneDNN's bf16 from pagedllm, as on a CPU without
+    AVX-512)."""
+    if request.param != "pagedllm" and not onednn_bf16_ok():
         pytest.skip("oneDNN has no bf16 path on this CPU (it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT)")
-    if request.param == "onednn":
-        monkeypatch.setenv(BF16_KERNEL_ENV, "onednn")  # whatever `bf16_kernel` picks on this CPU
+    if request.param == "brgemm" and not _brgemm_packs_bf16():
+        pytest.skip("torch's brgemm does not pack bf16 on this CPU (no AMX, no AVX512-BF16)")
+    if request.param != "pagedllm":
+        monkeypatch.setenv(BF16_KERNEL_ENV, request.param)  # whatever `bf16_kernel` picks on this CPU
     else:
         monkeypatch.setenv(MAX_ISA_ENV, "avx2")
     assert linear_packing(torch.bfloat16) == request.param and linear_packing(torch.float32) == "pagedllm"
@@ -152,8 +161,8 @@ def packing(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_packed_linear_weights_match_the_plain_ones(packing: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """oneDNN's packing gives F.linear's bits; pagedllm's is within one bf16 rounding of the float32 product and
-    gives a row the same bits whatever the batch around it."""
+    """oneDNN's packing gives F.linear's bits; pagedllm's and brgemm's are within one bf16 rounding of the float32
+    product and give a row the same bits whatever the batch around it."""
     g = torch.Generator().manual_seed(0)
     model = _packable_model(g)
     inputs = {m: (torch.randn(m, 64, generator=g).bfloat16(), torch.randn(m, 96, generator=g).bfloat16())
@@ -175,7 +184,7 @@ def test_packed_linear_weights_match_the_plain_ones(packing: str, monkeypatch: p
                 assert torch.equal(actual, plain)
             else:
                 torch.testing.assert_close(actual.float(), reference, atol=2e-2, rtol=8e-3)
-    if packing == "pagedllm":
+    if packing != "onednn":
         x, y = inputs[300]
         alone = _run(model, x[7:8], y[7:8])
         assert all(torch.equal(a[0], b[7]) for a, b in zip(alone, _run(model, x, y)))
@@ -197,16 +206,24 @@ def test_a_tied_lm_head_gets_its_own_packed_copy(packing: str) -> None:
 
 
 def test_bf16_kernel_follows_the_cpu_unless_named(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where oneDNN has bf16 instructions, it runs bf16 weights if bf16 dot products outrun float32 FMAs here, and
-    pagedllm's kernel otherwise, unless $PAGEDLLM_BF16_KERNEL names one; any other name is refused."""
+    """Where oneDNN has bf16 instructions, bf16 weights go to torch's brgemm blocks with AMX tiles (where torch packs
+    bf16 for them), to oneDNN if bf16 dot products otherwise outrun float32 FMAs here, and to pagedllm's kernel
+    elsewhere, unless $PAGEDLLM_BF16_KERNEL names one; any other name is refused."""
     if not onednn_bf16_ok():
         pytest.skip("oneDNN has no bf16 path on this CPU: pagedllm's kernel is the only packing for bf16")
     monkeypatch.delenv(BF16_KERNEL_ENV, raising=False)
-    expected = "onednn" if cpu_info().bf16_dot_outruns_fma else "pagedllm"
+    if "amx_bf16" in cpu_info().flags and _brgemm_packs_bf16():
+        expected = "brgemm"
+    else:
+        expected = "onednn" if cpu_info().bf16_dot_outruns_fma else "pagedllm"
     assert bf16_kernel() == expected == linear_packing(torch.bfloat16)
-    for name in ("onednn", "pagedllm"):
+    for name in ("brgemm", "onednn", "pagedllm") if _brgemm_packs_bf16() else ("onednn", "pagedllm"):
         monkeypatch.setenv(BF16_KERNEL_ENV, name)
         assert bf16_kernel() == name == linear_packing(torch.bfloat16)
+    if not _brgemm_packs_bf16():
+        monkeypatch.setenv(BF16_KERNEL_ENV, "brgemm")
+        with pytest.raises(ValueError, match="does not pack bf16 on this CPU"):
+            bf16_kernel()
     monkeypatch.setenv(BF16_KERNEL_ENV, "mkl")
-    with pytest.raises(ValueError, match="PAGEDLLM_BF16_KERNEL must be 'onednn' or 'pagedllm', got 'mkl'"):
+    with pytest.raises(ValueError, match="must be 'brgemm', 'onednn' or 'pagedllm', got 'mkl'"):
         bf16_kernel()

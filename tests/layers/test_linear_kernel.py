@@ -422,16 +422,16 @@ def test_a_kernel_call_lets_other_python_threads_run() -> None:
     assert end - begin > 0.05 and longest_pause < (end - begin) / 2, (longest_pause, end - begin)
 
 
-@pytest.mark.parametrize(("m", "n", "k"), [(1, 96, 64), (70, 100, 128), (3, 32, 2)])
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 96, 64), (70, 100, 128), (3, 32, 2), (150, 1000, 576)])
 def test_brgemm_blocks_multiply_as_float32_sums_rounded_once(kernels: ModuleType, m: int, n: int, k: int) -> None:
-    """bf16 weights in torch's brgemm blocks (a mixture of experts' experts, where torch's brgemm packs bf16): x W^T +
-    b within bf16's rounding of the float32 result, N past whole blocks and M past a call's 64 rows, and a row's
-    bits the same alone as in its batch."""
+    """bf16 weights in torch's brgemm blocks (where torch's brgemm packs bf16): x W^T + b within bf16's rounding of
+    the float32 result, N past whole blocks, M past a call's 64 rows, panels of several blocks over several row
+    tiles (the last case), and a row's bits the same alone as in its batch."""
     if not kernels.brgemm_bf16_available():
         pytest.skip("torch's brgemm does not pack bf16 on this CPU (no AMX, no AVX512-BF16)")
     w, x, b = (torch.randn(*shape).to(torch.bfloat16) for shape in ((n, k), (m, k), (n,)))
     packed = kernels.pack_brgemm_weight(w)
-    assert packed.shape == (-(-n // 32), k // 2, 64)
+    assert packed.shape == (-(-n // 64), k // 2, 128)
     out = torch.empty(m, n, dtype=torch.bfloat16)
     kernels.linear_brgemm(out, x, packed, b)
     expected = x.float() @ w.float().T + b.float()

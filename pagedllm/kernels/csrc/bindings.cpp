@@ -33,6 +33,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "residual_out = x + residual; out = RMSNorm(residual_out) * weight: "
         "(out, residual_out, x, residual, weight, eps)", NoGil());
   m.def("silu_and_mul", &pagedllm::silu_and_mul, "out = silu(x[:, :d]) * x[:, d:]: (out, x)", NoGil());
+  m.def("gelu_and_mul", &pagedllm::gelu_and_mul, "out = gelu(x[:, :d], tanh approximation) * x[:, d:]: (out, x)",
+        NoGil());
   m.def("rotary_embedding", &pagedllm::rotary_embedding,
         "Neox-style rotary embedding of q and k in place: (positions, q, k, cos_cache, sin_cache)", NoGil());
   m.def("pack_linear_weight", &pagedllm::pack_linear_weight,
@@ -110,16 +112,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<at::Tensor, at::Tensor, pagedllm::LinearWeights, pagedllm::LinearWeights,
                     c10::optional<pagedllm::LinearWeights>, c10::optional<pagedllm::LinearWeights>,
                     c10::optional<at::Tensor>, c10::optional<at::Tensor>, c10::optional<pagedllm::MoEWeights>,
-                    int64_t>(),
+                    int64_t, at::Tensor, at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>, bool>(),
            py::arg("input_norm"), py::arg("post_attention_norm"), py::arg("qkv"), py::arg("o"), py::arg("gate_up"),
-           py::arg("down"), py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none(),
-           py::arg("moe") = py::none(), py::arg("sliding_window") = 0);
+           py::arg("down"), py::arg("q_norm"), py::arg("k_norm"), py::arg("moe"), py::arg("sliding_window"),
+           py::arg("cos_cache"), py::arg("sin_cache"), py::arg("pre_feedforward_norm") = py::none(),
+           py::arg("post_feedforward_norm") = py::none(), py::arg("gelu") = false);
   py::class_<pagedllm::DecoderStack>(m, "DecoderStack", py::module_local(),
                                      "A Llama-family decoder's layers and final norm in one call (decoder.cpp)")
-      .def(py::init<std::vector<pagedllm::DecoderLayerWeights>, at::Tensor, double, at::Tensor, at::Tensor, int64_t,
-                    int64_t, int64_t, double>(),
-           py::arg("layers"), py::arg("norm"), py::arg("eps"), py::arg("cos_cache"), py::arg("sin_cache"),
-           py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("scale"))
+      .def(py::init<std::vector<pagedllm::DecoderLayerWeights>, at::Tensor, double, int64_t, int64_t, int64_t,
+                    double>(),
+           py::arg("layers"), py::arg("norm"), py::arg("eps"), py::arg("num_heads"), py::arg("num_kv_heads"),
+           py::arg("head_dim"), py::arg("scale"))
       .def("forward", &pagedllm::DecoderStack::forward,
            "The embedded tokens [T, H] through every layer and the final norm, reading and writing the paged KV "
            "cache: (x, positions, kv_caches, slot_mapping, block_tables, seq_lens, query_start_loc, num_decodes, "

@@ -72,12 +72,10 @@ at::Tensor LinearWeights::silu_and_mul(const at::Tensor& x) const {
   return out;
 }
 
-DecoderStack::DecoderStack(std::vector<DecoderLayerWeights> layers, at::Tensor norm, double eps,
-                           at::Tensor cos_cache, at::Tensor sin_cache, int64_t num_heads, int64_t num_kv_heads,
-                           int64_t head_dim, double scale)
-    : layers_(std::move(layers)), norm_(std::move(norm)), eps_(eps), cos_cache_(std::move(cos_cache)),
-      sin_cache_(std::move(sin_cache)), num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim),
-      scale_(scale) {}
+DecoderStack::DecoderStack(std::vector<DecoderLayerWeights> layers, at::Tensor norm, double eps, int64_t num_heads,
+                           int64_t num_kv_heads, int64_t head_dim, double scale)
+    : layers_(std::move(layers)), norm_(std::move(norm)), eps_(eps), num_heads_(num_heads),
+      num_kv_heads_(num_kv_heads), head_dim_(head_dim), scale_(scale) {}
 
 // LlamaModel.forward after the embedding: x [T, H] -> the final norm's output [T, H].
 at::Tensor DecoderStack::forward(at::Tensor x, const at::Tensor& positions, const std::vector<KVPair>& kv_caches,
@@ -91,21 +89,25 @@ at::Tensor DecoderStack::forward(at::Tensor x, const at::Tensor& positions, cons
   at::Tensor residual;
   for (size_t i = 0; i < layers_.size(); ++i) {
     const DecoderLayerWeights& layer = layers_[i];
-    at::Tensor h = at::empty_like(x);
+    at::Tensor h;
     if (residual.defined()) {
+      h = at::empty_like(x);
       at::Tensor sum = at::empty_like(x);
       fused_add_rms_norm(h, sum, x, residual, layer.input_norm, eps_);
       residual = sum;
     } else {
-      rms_norm(h, x, layer.input_norm, eps_);
+      h = norm(x, layer.input_norm);
       residual = x;
     }
     x = attention(layer, h, pos, kv_caches[i], batch);
+    const bool sandwich = layer.pre_feedforward_norm && layer.post_feedforward_norm;  // Gemma 3's branch norms
+    if (sandwich) x = norm(x, layer.post_attention_norm);
     h = at::empty_like(x);
     at::Tensor sum = at::empty_like(x);
-    fused_add_rms_norm(h, sum, x, residual, layer.post_attention_norm, eps_);
+    fused_add_rms_norm(h, sum, x, residual, sandwich ? *layer.pre_feedforward_norm : layer.post_attention_norm, eps_);
     residual = sum;
-    x = layer.moe ? (*layer.moe)(h) : (*layer.down)(layer.gate_up->silu_and_mul(h));
+    x = mlp(layer, h);
+    if (sandwich) x = norm(x, *layer.post_feedforward_norm);
   }
   at::Tensor out = at::empty_like(x);
   at::Tensor sum = at::empty_like(x);
@@ -126,7 +128,7 @@ at::Tensor DecoderStack::attention(const DecoderLayerWeights& layer, const at::T
     q = head_norm(q, *layer.q_norm);
     k = head_norm(k, *layer.k_norm);
   }
-  rotary_embedding(positions, q, k, cos_cache_, sin_cache_);
+  rotary_embedding(positions, q, k, layer.cos_cache, layer.sin_cache);
   const auto& [k_cache, v_cache] = kv_cache;
   write_kv(k, v, k_cache, v_cache, batch.slot_mapping);
   q = q.contiguous();
@@ -136,12 +138,26 @@ at::Tensor DecoderStack::attention(const DecoderLayerWeights& layer, const at::T
   return layer.o(out.flatten(1));
 }
 
+// LlamaMLP.forward (with Gemma's GELU, or SiLU), or LlamaSparseMoeBlock's: h [T, H] -> [T, H].
+at::Tensor DecoderStack::mlp(const DecoderLayerWeights& layer, const at::Tensor& h) const {
+  if (layer.moe) return (*layer.moe)(h);
+  if (!layer.gelu) return (*layer.down)(layer.gate_up->silu_and_mul(h));
+  const at::Tensor gate_up = (*layer.gate_up)(h);
+  at::Tensor out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  gelu_and_mul(out, gate_up);
+  return (*layer.down)(out);
+}
+
+// RMSNorm.forward without a residual: x [T, H] -> [T, H].
+at::Tensor DecoderStack::norm(const at::Tensor& x, const at::Tensor& weight) const {
+  at::Tensor out = at::empty_like(x);
+  rms_norm(out, x, weight, eps_);
+  return out;
+}
+
 // LlamaAttention's Qwen3 norm: heads [T, heads, D] -> each head's row RMS-normed with `weight` [D], contiguous.
 at::Tensor DecoderStack::head_norm(const at::Tensor& heads, const at::Tensor& weight) const {
-  const at::Tensor rows = heads.reshape({-1, head_dim_});
-  at::Tensor out = at::empty_like(rows);
-  rms_norm(out, rows, weight, eps_);
-  return out.view(heads.sizes());
+  return norm(heads.reshape({-1, head_dim_}), weight).view(heads.sizes());
 }
 
 }  // namespace pagedllm

@@ -1,5 +1,5 @@
 // The per-token layers of a decoder, one pass over memory each: RMSNorm (with the residual add fused in),
-// SiLU-and-mul, rotary embedding (in place, on the step's fresh q and k).
+// SiLU-and-mul and GELU-and-mul, rotary embedding (in place, on the step's fresh q and k).
 //
 // In torch each of these is five to fifteen separate ops (casts, a pow, a mean, an rsqrt, multiplies, a cat),
 // each a pass over the activations and ~5 us of dispatch: 30 layers of them cost a decode step more than its
@@ -68,8 +68,9 @@ void fused_add_rms_norm_impl(at::Tensor& out, at::Tensor& residual_out, const at
   });
 }
 
-template <typename scalar_t>
-void silu_and_mul_impl(at::Tensor& out, const at::Tensor& x) {
+// out = act(x[:, :d]) * x[:, d:], `times` one value's act(gate) * up.
+template <typename scalar_t, float (*times)(float, float)>
+void gated_mul_impl(at::Tensor& out, const at::Tensor& x) {
   const int64_t rows = x.size(0), d = out.size(1), x_stride = x.stride(0), out_stride = out.stride(0);
   const scalar_t* x_ptr = x.data_ptr<scalar_t>();
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
@@ -79,7 +80,7 @@ void silu_and_mul_impl(at::Tensor& out, const at::Tensor& x) {
       const scalar_t* up = gate + d;
       scalar_t* o = out_ptr + r * out_stride;
 #pragma omp simd
-      for (int64_t i = 0; i < d; ++i) o[i] = from_float<scalar_t>(silu_times<scalar_t>(to_float(gate[i]), to_float(up[i])));
+      for (int64_t i = 0; i < d; ++i) o[i] = from_float<scalar_t>(times(to_float(gate[i]), to_float(up[i])));
     }
   });
 }
@@ -152,13 +153,28 @@ void fused_add_rms_norm(at::Tensor out, at::Tensor residual_out, at::Tensor x, a
   });
 }
 
-void silu_and_mul(at::Tensor out, at::Tensor x) {
+namespace {
+
+void check_gated(const at::Tensor& out, const at::Tensor& x) {
   check_rows(x, "x");
   check_rows(out, "out");
   TORCH_CHECK(x.size(0) == out.size(0) && x.size(1) == 2 * out.size(1), "x must be [T, 2d] and out [T, d]");
   TORCH_CHECK(x.scalar_type() == out.scalar_type(), "dtype mismatch");
+}
+
+}  // namespace
+
+void silu_and_mul(at::Tensor out, at::Tensor x) {
+  check_gated(out, x);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul", [&] {
-    silu_and_mul_impl<scalar_t>(out, x);
+    gated_mul_impl<scalar_t, silu_times<scalar_t>>(out, x);
+  });
+}
+
+void gelu_and_mul(at::Tensor out, at::Tensor x) {
+  check_gated(out, x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "gelu_and_mul", [&] {
+    gated_mul_impl<scalar_t, gelu_tanh_times<scalar_t>>(out, x);
   });
 }
 

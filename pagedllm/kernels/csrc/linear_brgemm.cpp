@@ -2,14 +2,16 @@
 // micro-kernel oneDNN builds its GEMMs from: AMX tiles, or AVX512-BF16 dot products), where torch has it
 // (`brgemm_bf16_available`).
 //
-// A weight [N, K] is stored as ceil(N / 32) blocks of 32 columns, each [K / 2, 32, 2] (k pairs, brgemm's VNNI
-// layout), one contiguous run of K x 32 values a block, the last block zero-padded. A call takes the blocks in
-// turns (`parallel_units`) and runs every row tile of x over each, so a block is read once from memory and streamed
-// in order. Against oneDNN's linear on a mixture of experts' 1024 x 768 weights on the AMX Xeon, one thread: 11.7
-// against 8.7 GB/s at a row, 437 against 496 us at 256 rows. pagedllm packs a mixture of experts' experts so
-// (`pack_linear_weights`, `prefers_brgemm`), whose small calls on one thread each read their weights at the memory's
-// speed.
-#include "ops.h"
+// A weight [N, K] is stored as ceil(N / 64) blocks of 64 columns, each [K / 2, 64, 2] (k pairs, brgemm's VNNI
+// layout), one contiguous run of K x 64 values a block, the last block zero-padded. A call takes the blocks in
+// turns (`parallel_units`), a row tile of x over each, so a block is read once from memory and streamed in order;
+// with more rows, panels of blocks that stay in L2 while the row tiles pass. Against oneDNN's linear on a mixture of
+// experts' 1024 x 768 weights on the AMX Xeon, one thread: 11.7 against 8.7 GB/s at a row, 437 against 496 us at
+// 256 rows; on a dense model's, 1.1-1.5x oneDNN's rate at 1-64 rows (SmolLM2's small weights the most), 0.8-1.0x at
+// 2,048 (blocks of 64 columns: of 32, no faster). pagedllm packs bf16 weights
+// so where the CPU has AMX (`bf16_kernel`), and a mixture of experts' experts wherever torch packs bf16 for brgemm
+// (`prefers_brgemm`), whose small calls on one thread each read their weights at the memory's speed.
+#include "linear_common.h"
 
 #include <ATen/native/CPUBlas.h>
 
@@ -18,7 +20,7 @@
 namespace pagedllm {
 namespace {
 
-constexpr int64_t kColumns = 32;  // a block's columns
+constexpr int64_t kColumns = 64;  // a block's columns
 constexpr int64_t kRows = 64;     // x's rows a brgemm call multiplies
 
 }  // namespace
@@ -63,19 +65,29 @@ void linear_brgemm(at::Tensor out, at::Tensor x, at::Tensor packed, c10::optiona
   const c10::BFloat16* b = packed.data_ptr<c10::BFloat16>();
   const c10::BFloat16* bias_data = bias ? bias->data_ptr<c10::BFloat16>() : nullptr;
   c10::BFloat16* y = out.data_ptr<c10::BFloat16>();
-  parallel_units(blocks, at::get_num_threads(), [&](const auto& take) {
+  // The units: a panel of blocks times a tile of kRows rows. With one tile a panel is a block; with several, as
+  // many blocks as fill kPanelBytes, so that the panel stays in L2 while the thread takes its tiles one after
+  // another, and a tile of x while it runs over the panel's blocks.
+  const int64_t tiles = (m + kRows - 1) / kRows;
+  const int64_t panel = tiles == 1 ? 1 : std::max<int64_t>(1, kPanelBytes / (k * kColumns * 2));
+  const int64_t panels = (blocks + panel - 1) / panel;
+  parallel_units(panels * tiles, at::get_num_threads(), [&](const auto& take) {
     std::vector<float> acc(kRows * kColumns);
-    for (int64_t block; (block = take()) >= 0;) {
-      const int64_t n0 = block * kColumns, columns = std::min(kColumns, n - n0);
-      for (int64_t m0 = 0; m0 < m; m0 += kRows) {
-        const int64_t rows = std::min(kRows, m - m0);
+    for (int64_t unit; (unit = take()) >= 0;) {
+      const int64_t m0 = unit % tiles * kRows, rows = std::min(kRows, m - m0);
+      for (int64_t block = unit / tiles * panel; block < std::min(blocks, (unit / tiles + 1) * panel); ++block) {
+        const int64_t n0 = block * kColumns, columns = std::min(kColumns, n - n0);
         at::native::cpublas::brgemm(rows, kColumns, k, x.stride(0), kColumns, kColumns, false, a + m0 * x.stride(0),
                                     b + block * k * kColumns, acc.data());
-        for (int64_t r = 0; r < rows; ++r) {
-          for (int64_t j = 0; j < columns; ++j) {
-            const float v = acc[r * kColumns + j];
-            y[(m0 + r) * n + n0 + j] = static_cast<c10::BFloat16>(bias_data ? v + static_cast<float>(bias_data[n0 + j])
-                                                                             : v);
+        for (int64_t r = 0; r < rows; ++r) {  // in vectors (a scalar store took longer than a K of 576's products)
+          const float* sums = acc.data() + r * kColumns;
+          c10::BFloat16* dst = y + (m0 + r) * n + n0;
+          if (bias_data) {
+#pragma omp simd
+            for (int64_t j = 0; j < columns; ++j) dst[j] = from_float<c10::BFloat16>(sums[j] + to_float(bias_data[n0 + j]));
+          } else {
+#pragma omp simd
+            for (int64_t j = 0; j < columns; ++j) dst[j] = from_float<c10::BFloat16>(sums[j]);
           }
         }
       }

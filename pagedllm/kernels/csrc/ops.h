@@ -87,6 +87,7 @@ void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps);
 void fused_add_rms_norm(at::Tensor out, at::Tensor residual_out, at::Tensor x, at::Tensor residual,
                         at::Tensor weight, double eps);
 void silu_and_mul(at::Tensor out, at::Tensor x);
+void gelu_and_mul(at::Tensor out, at::Tensor x);  // GELU's tanh approximation (Gemma's gelu_pytorch_tanh)
 void rotary_embedding(at::Tensor positions, at::Tensor q, at::Tensor k, at::Tensor cos_cache, at::Tensor sin_cache);
 
 // Linear layers on a prepacked weight (linear.cpp).
@@ -159,8 +160,8 @@ struct MoEWeights {
   at::Tensor operator()(const at::Tensor& h) const;  // h [T, H] -> [T, H]
 };
 
-// A decoder layer's weights: its MLP's gate_up and down, or a mixture of experts (`moe`); and its attention's sliding
-// window (0: none).
+// A decoder layer's weights: its MLP's gate_up and down, or a mixture of experts (`moe`); its attention's sliding
+// window (0: none) and its rotary embedding's tables.
 struct DecoderLayerWeights {
   at::Tensor input_norm, post_attention_norm;
   LinearWeights qkv, o;
@@ -168,6 +169,11 @@ struct DecoderLayerWeights {
   c10::optional<at::Tensor> q_norm, k_norm;  // Qwen3's RMSNorm weights over each query and key head
   c10::optional<MoEWeights> moe;
   int64_t sliding_window;
+  at::Tensor cos_cache, sin_cache;
+  // Gemma 3's: post_attention_norm then norms the attention's output, pre_feedforward_norm the residual stream for
+  // the MLP, post_feedforward_norm the MLP's output; and its MLP's GELU (tanh) in place of SiLU
+  c10::optional<at::Tensor> pre_feedforward_norm, post_feedforward_norm;
+  bool gelu;
 };
 
 using KVPair = std::tuple<at::Tensor, at::Tensor>;  // one layer's (k_cache, v_cache)
@@ -176,8 +182,8 @@ using KVPair = std::tuple<at::Tensor, at::Tensor>;  // one layer's (k_cache, v_c
 // the CPU attention backend, on one rank.
 class DecoderStack {
  public:
-  DecoderStack(std::vector<DecoderLayerWeights> layers, at::Tensor norm, double eps, at::Tensor cos_cache,
-               at::Tensor sin_cache, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale);
+  DecoderStack(std::vector<DecoderLayerWeights> layers, at::Tensor norm, double eps, int64_t num_heads,
+               int64_t num_kv_heads, int64_t head_dim, double scale);
   // x: the embedded tokens [T, H]; the batch as pagedllm.attention.metadata.AttentionMetadata holds it, decodes first.
   at::Tensor forward(at::Tensor x, const at::Tensor& positions, const std::vector<KVPair>& kv_caches,
                      at::Tensor slot_mapping, at::Tensor block_tables, at::Tensor seq_lens,
@@ -192,11 +198,12 @@ class DecoderStack {
   at::Tensor attention(const DecoderLayerWeights& layer, const at::Tensor& h, const at::Tensor& positions,
                        const KVPair& kv_cache, const StepBatch& batch) const;
   at::Tensor head_norm(const at::Tensor& heads, const at::Tensor& weight) const;
+  at::Tensor mlp(const DecoderLayerWeights& layer, const at::Tensor& h) const;
+  at::Tensor norm(const at::Tensor& x, const at::Tensor& weight) const;
 
   std::vector<DecoderLayerWeights> layers_;
   at::Tensor norm_;
   double eps_;
-  at::Tensor cos_cache_, sin_cache_;
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double scale_;
 };
@@ -518,6 +525,16 @@ inline float round_to(float x) {
 template <typename scalar_t>
 inline float silu_times(float gate, float up) {
   return round_to<scalar_t>(gate / (1.f + exp_approx(-gate))) * up;
+}
+
+// GELU-and-mul, GELU's tanh approximation: gelu(g) = g (1 + tanh(y)) / 2 with y = sqrt(2 / pi) (g + 0.044715 g^3),
+// taken as g / (1 + exp(-2 y)) (the same value: (1 + tanh(y)) / 2 is the logistic of 2 y), rounded to the storage
+// type, times up. torch's tanh and its order of operations differ: its bits within a rounding or so.
+template <typename scalar_t>
+inline float gelu_tanh_times(float gate, float up) {
+  constexpr float kSqrt2OverPi = 0.7978845608028654f;
+  const float y = kSqrt2OverPi * (gate + 0.044715f * gate * gate * gate);
+  return round_to<scalar_t>(gate / (1.f + exp_approx(-2.f * y))) * up;
 }
 
 }  // namespace pagedllm
