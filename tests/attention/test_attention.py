@@ -118,7 +118,7 @@ def test_decode_kernel_over_long_contexts(heads: str, dtype: torch.dtype, head_d
 
 @pytest.mark.parametrize("heads", list(HEADS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("head_dim", [HEAD_DIM, 64, 128])
+@pytest.mark.parametrize("head_dim", [HEAD_DIM, 64, 128, 256])     # 64, 128 and 256 unrolled (256: Gemma's)
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_prefill_kernel_matches_the_torch_path_and_reference(heads: str, dtype: torch.dtype, head_dim: int,
                                                              block_size: int, isa_level: str,
@@ -267,7 +267,7 @@ def test_a_window_shows_each_query_its_last_keys_alone() -> None:
 @pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize("heads", ["mha", "gqa3", "gqa5"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("head_dim", [HEAD_DIM, 64])
+@pytest.mark.parametrize("head_dim", [HEAD_DIM, 64, 256])
 def test_sliding_window_kernels_and_torch_path_match_the_reference(window: int, heads: str, dtype: torch.dtype,
                                                                     head_dim: int, isa_level: str,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:

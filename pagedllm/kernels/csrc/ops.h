@@ -62,7 +62,7 @@ struct SoftmaxState {
   int64_t prefix_len;
   std::unique_ptr<float[]> max, sum, acc;  // [num_tokens, num_heads] (acc: [..., head_dim]), rows as in q
 };
-// Whether prefill_attention scores and weighs in AMX tiles for this query and cache (bf16, head size 64 or 128).
+// Whether prefill_attention scores and weighs in AMX tiles for this query and cache (bf16, head size 64, 128 or 256).
 bool prefill_attention_in_tiles(const at::Tensor& q, const at::Tensor& k_cache);
 // Cascade attention's parts (paged_attention.cpp runs them): every row of q over the first prefix_len keys of the
 // first sequence's blocks (whole kKeyChunks), then the decodes' and the other sequences' rows over the rest of their

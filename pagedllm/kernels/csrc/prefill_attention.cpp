@@ -17,7 +17,7 @@
 //   2. per (sequence, kv head, 16 query tokens): every query head of the group scores the keys up to the last
 //      query's position, 64 at a time, then an online softmax and the weighted values, in float. The tasks are
 //      dealt to the threads by cost.
-// With AVX512-BF16, a bf16 cache and a head size of 64 or 128, pass 1 packs the values in pairs of keys instead
+// With AVX512-BF16, a bf16 cache and a head size of 64, 128 or 256, pass 1 packs the values in pairs of keys instead
 // (`vdpbf16ps`'s and `tdpbf16ps`'s B operand) and the chunk's p, rounded to bf16, weighs them a pair of keys per
 // product: 1.5-2.2x the float values on a Zen 5, whose outputs differ by about an ulp of bf16 (p's rounding). With
 // AMX-BF16 tiles do both products: 16 rows by 16 keys are scored per `tdpbf16ps` and 32 dims, and the values are
@@ -616,7 +616,7 @@ void run_plan(Plan& plan, at::Tensor& out, const at::Tensor& q, const at::Tensor
   const float scale = static_cast<float>(scale_arg);
   // Words per key tile in the key buffer: bf16 pairs [D/2][16] as uint32, or floats [D][16].
   const int64_t k_tile_words = (kBf16Dot ? pairs : head_dim) * kKeyTile;
-  // With AVX512-BF16 and a head size of 64 or 128, p (rounded to bf16) weighs the values in pairs of keys: in AMX
+  // With AVX512-BF16 and a head size of 64, 128 or 256, p (rounded to bf16) weighs the values in pairs of keys: in AMX
   // tiles where Linux grants them, else with `vdpbf16ps`.
   constexpr bool kPairs = kBf16Dot && kHeadDim > 0;
 #if PAGEDLLM_ATTENTION_AMX
@@ -828,7 +828,8 @@ void run_plan(Plan& plan, at::Tensor& out, const at::Tensor& q, const at::Tensor
   });
 }
 
-// run_plan<scalar_t, cache_t, kHeadDim> for q's dtype, the cache's and the head size (64 and 128 unrolled).
+// run_plan<scalar_t, cache_t, kHeadDim> for q's dtype, the cache's and the head size (64, 128 and Gemma's 256
+// unrolled; 256 through the generic path ran Gemma 3 1B's prefill attention ~12x slower than 128 at equal FLOPs).
 template <typename Run>
 void dispatch_plan(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, Run&& run) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "prefill_attention", [&] {
@@ -836,6 +837,7 @@ void dispatch_plan(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
       switch (q.size(2)) {
         case 64: return run.template operator()<scalar_t, cache_t, 64>();
         case 128: return run.template operator()<scalar_t, cache_t, 128>();
+        case 256: return run.template operator()<scalar_t, cache_t, 256>();
         default: return run.template operator()<scalar_t, cache_t, 0>();
       }
     });
@@ -859,7 +861,7 @@ void check_prefill_args(const at::Tensor& q, const at::Tensor& k_cache, const at
 bool prefill_attention_in_tiles(const at::Tensor& q, const at::Tensor& k_cache) {
 #if PAGEDLLM_ATTENTION_AMX
   return q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
-         (q.size(2) == 64 || q.size(2) == 128) && amx_granted();
+         (q.size(2) == 64 || q.size(2) == 128 || q.size(2) == 256) && amx_granted();
 #else
   return false;
 #endif
