@@ -80,7 +80,7 @@ def test_cpu_backend_matches_reference(heads: str, batch: str, dtype: torch.dtyp
 
 @pytest.mark.parametrize("heads", list(HEADS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("head_dim", [HEAD_DIM, 64, 128])  # 64 and 128 take the kernel's unrolled paths
+@pytest.mark.parametrize("head_dim", [HEAD_DIM, 64, 128, 256])  # 64, 128 and 256 take the kernel's unrolled paths
 def test_decode_kernel_matches_the_torch_fallback_and_reference(heads: str, dtype: torch.dtype, head_dim: int,
                                                                  isa_level: str,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
@@ -99,7 +99,7 @@ def test_decode_kernel_matches_the_torch_fallback_and_reference(heads: str, dtyp
 
 @pytest.mark.parametrize("heads", ["gqa3", "mqa", "gqa5", *WIDE_GROUPS])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("block_size", [1, 8, 16])
 def test_decode_kernel_over_long_contexts(heads: str, dtype: torch.dtype, head_dim: int, block_size: int,
                                           isa_level: str) -> None:

@@ -516,6 +516,9 @@ void decode_attention_after_prefix(at::Tensor out, const at::Tensor& q, const at
         case 128:
           return dispatch_group<scalar_t, cache_t, 128>(out, q, k_cache, v_cache, block_tables, seq_lens, scale,
                                                         window, prefix);
+        case 256:  // Gemma's: through the generic path 2.2x the time of 128-wide heads over the same bytes
+          return dispatch_group<scalar_t, cache_t, 256>(out, q, k_cache, v_cache, block_tables, seq_lens, scale,
+                                                        window, prefix);
         default:
           return decode_attention_impl<scalar_t, cache_t, 0, 0>(out, q, k_cache, v_cache, block_tables, seq_lens,
                                                                 scale, window, prefix);
