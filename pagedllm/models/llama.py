@@ -200,8 +200,8 @@ class LlamaMLP(nn.Module):
         if lora is not None:
             y = self.act_fn(lora.add("gate_up_proj", x, gate_up(x)))
             return lora.add("down_proj", y, self.down_proj(y))
-        if isinstance(self.act_fn, SiluAndMul) and fuses_silu_and_mul(gate_up.weight):  # the same bits, the
-            # [T, 2I] product never stored
+        # GGUF blocks in AMX tiles with SiLU in their store: the same bits, the [T, 2I] product never stored
+        if isinstance(self.act_fn, SiluAndMul) and fuses_silu_and_mul(gate_up.weight):
             return self.down_proj(linear_silu_and_mul(x, gate_up.weight, gate_up.bias))
         return self.down_proj(self.act_fn(gate_up(x)))  # [T, H] -> [T, 2I] -> [T, I] -> [T, H]
 

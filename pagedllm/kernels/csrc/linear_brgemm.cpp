@@ -79,12 +79,14 @@ void linear_brgemm(at::Tensor out, at::Tensor x, at::Tensor packed, c10::optiona
         const int64_t n0 = block * kColumns, columns = std::min(kColumns, n - n0);
         at::native::cpublas::brgemm(rows, kColumns, k, x.stride(0), kColumns, kColumns, false, a + m0 * x.stride(0),
                                     b + block * k * kColumns, acc.data());
-        for (int64_t r = 0; r < rows; ++r) {  // in vectors (a scalar store took longer than a K of 576's products)
+        for (int64_t r = 0; r < rows; ++r) {  // each sum (+ bias) rounded once to bf16, as from_float rounds
           const float* sums = acc.data() + r * kColumns;
           c10::BFloat16* dst = y + (m0 + r) * n + n0;
           if (bias_data) {
 #pragma omp simd
-            for (int64_t j = 0; j < columns; ++j) dst[j] = from_float<c10::BFloat16>(sums[j] + to_float(bias_data[n0 + j]));
+            for (int64_t j = 0; j < columns; ++j) {
+              dst[j] = from_float<c10::BFloat16>(sums[j] + to_float(bias_data[n0 + j]));
+            }
           } else {
 #pragma omp simd
             for (int64_t j = 0; j < columns; ++j) dst[j] = from_float<c10::BFloat16>(sums[j]);
