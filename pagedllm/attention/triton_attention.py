@@ -87,19 +87,23 @@ def _paged_attention_kernel(
         scores = tl.dot(q.to(DOT_DTYPE), tl.trans(k.to(DOT_DTYPE)), input_precision=PRECISION) * scale
         in_window = (k_pos[None, :] > q_pos[:, None] - window) | (window == 0)
         visible = (k_pos[None, :] <= q_pos[:, None]) & in_window & key_ok[None, :]      # [BLOCK_M, BLOCK_N]
-        scores = tl.where(visible, scores, float("-inf"))
-        # Online softmax. A row that has seen no key yet (m = -inf: a window's later rows) takes its exps against
-        # 0, which leaves its p, sum and acc 0 where exp(-inf - -inf) would be NaN.
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_safe)
-        p = tl.exp(scores - m_safe[:, None])
-        denom = denom * alpha + tl.sum(p, axis=1)
+        p, alpha, m, denom = _online_softmax(tl.where(visible, scores, float("-inf")), m, denom)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=PRECISION)
-        m = m_new
     out = acc / tl.where(denom > 0, denom, 1.0)[:, None]    # 0: a padding row, past its window's keys; not stored
     o_offsets = (q_start + tokens).to(tl.int64)[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :]
     tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+
+
+@triton.jit
+def _online_softmax(scores, m, denom):
+    """One tile of the online softmax over [BLOCK_M, BLOCK_N] scores (-inf where hidden): (p, the factor that rescales
+    the sums so far, the new running max, the new sum). A row that has seen no key yet (m = -inf: a window's later
+    rows) takes its exps against 0, which leaves its p, sum and acc 0 where exp(-inf - -inf) would be NaN."""
+    m_new = tl.maximum(m, tl.max(scores, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m - m_safe)
+    p = tl.exp(scores - m_safe[:, None])
+    return p, alpha, m_new, denom * alpha + tl.sum(p, axis=1)
 
 
 @triton.jit

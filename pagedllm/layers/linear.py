@@ -85,9 +85,10 @@ def linear_weights(kernels: ModuleType, weight: torch.Tensor, bias: torch.Tensor
 def linear_packing(dtype: torch.dtype) -> str | None:
     """How `pack_linear_weights` stores CPU weights of `dtype` here: "brgemm", "onednn", "pagedllm" or None (plain).
 
-    bf16 goes to oneDNN where it has bf16 instructions (torch is asked) and its bf16 dot products outrun float32
-    FMAs (`bf16_kernel`); elsewhere (AVX2, ARM, plain x86-64) to pagedllm's packed kernel, which widens bf16 to float32
-    in registers: bf16 through `F.linear` is emulated there and several times slower than float32. float32 goes
+    bf16 goes to torch's brgemm blocks with AMX tiles, else to oneDNN where it has bf16 instructions (torch is asked)
+    and its bf16 dot products outrun float32 FMAs (`bf16_kernel`); elsewhere (AVX2, ARM, plain x86-64) to
+    pagedllm's packed kernel, which widens bf16 to float32 in registers: bf16 through `F.linear` is emulated there
+    and several times slower than float32. float32 goes
     to pagedllm's kernel everywhere: it reads each weight once per call at any batch size (MKL's small-batch GEMMs
     reach half the memory bandwidth) and gives a row the same bits in any batch. float16 stays plain.
     """
@@ -117,7 +118,7 @@ def bf16_kernel() -> str:
     from one start to the next.
     """
     choice = os.environ.get(BF16_KERNEL_ENV)
-    brgemm = bool(getattr(cpu_kernels(), "brgemm_bf16_available", lambda: False)())
+    brgemm = brgemm_bf16_available()
     if choice is None:
         if "amx_bf16" in cpu_info().flags and brgemm:
             return "brgemm"
@@ -290,14 +291,18 @@ def pack_linear_weights(model: nn.Module, quantization: str | None = None) -> in
     return packed
 
 
-def brgemm_packs(weight: torch.Tensor) -> bool:
-    """Whether `weight` can go to torch's brgemm blocks here (`linear_brgemm`): bf16 with an even K, pagedllm's
-    kernels built, and torch's brgemm packing bf16 on this CPU (AMX, AVX512-BF16). A layer whose class or instance
-    sets `prefers_brgemm` (a mixture of experts' experts) is packed so where oneDNN would take it: one thread
-    streams its blocks at the memory's speed, where oneDNN's small calls read ~25% slower."""
+def brgemm_bf16_available() -> bool:
+    """Whether pagedllm's kernels are built and torch's brgemm packs bf16 on this CPU (AMX, AVX512-BF16)."""
     kernels = cpu_kernels()
-    return weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0 and kernels is not None and \
-        bool(kernels.brgemm_bf16_available())
+    return kernels is not None and bool(kernels.brgemm_bf16_available())
+
+
+def brgemm_packs(weight: torch.Tensor) -> bool:
+    """Whether `weight` can go to torch's brgemm blocks here (`linear_brgemm`): bf16 with an even K, where
+    `brgemm_bf16_available`. A layer whose class or instance sets `prefers_brgemm` (a mixture of experts' experts) is
+    packed so where oneDNN would take it: one thread streams its blocks at the memory's speed, where oneDNN's small
+    calls read ~25% slower."""
+    return weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0 and brgemm_bf16_available()
 
 
 def _checkpoint_names(module_name: str, fused: dict[str, list[str]], tied: bool) -> list[str]:

@@ -300,7 +300,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype, tp[0], tp[1])
         # Gemma's embeddings times sqrt(hidden_size), rounded to the model's dtype first, as transformers has it
-        self.embed_scale = config.hidden_size ** 0.5 if _is_gemma(config) else None
+        self.embed_scale = torch.tensor(config.hidden_size ** 0.5, dtype=dtype) if _is_gemma(config) else None
         rotary: dict[str, RotaryEmbedding] = {}     # one for each rope of the layers (Gemma's local and global ones)
 
         def rotary_of(index: int) -> RotaryEmbedding:
@@ -320,7 +320,7 @@ class LlamaModel(nn.Module):
                 meta: AttentionMetadata, lora: LoRABatch | None = None) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, H]
         if self.embed_scale is not None:
-            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+            x = x * self.embed_scale
         stack = self.stack_for(x) if lora is None else None   # the C++ stack has no LoRA updates
         if stack is not None:
             return stack.forward(x, positions, kv_caches, meta.slot_mapping, meta.block_tables, meta.seq_lens,

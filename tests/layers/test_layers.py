@@ -10,7 +10,6 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from pagedllm.cpu import MAX_ISA_ENV, cpu_info, onednn_bf16_ok
-from pagedllm.kernels import cpu_kernels
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.embedding import ParallelLMHead, VocabEmbedding
 from pagedllm.layers.linear import (
@@ -20,6 +19,7 @@ from pagedllm.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
     bf16_kernel,
+    brgemm_bf16_available,
     linear_packing,
     pack_linear_weights,
 )
@@ -137,11 +137,6 @@ def _run(model: torch.nn.ModuleDict, x: torch.Tensor, y: torch.Tensor) -> tuple[
     return model["qkv"](x), model["down"](y), model["head"](x)
 
 
-def _brgemm_packs_bf16() -> bool:
-    kernels = cpu_kernels()
-    return kernels is not None and bool(kernels.brgemm_bf16_available())
-
-
 @pytest.fixture(params=["brgemm", "onednn", "pagedllm"])
 def packing(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Each packing this machine can run: torch's brgemm blocks where it packs bf16, oneDNN's where it has bf16
@@ -149,7 +144,7 @@ def packing(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     AVX-512)."""
     if request.param != "pagedllm" and not onednn_bf16_ok():
         pytest.skip("oneDNN has no bf16 path on this CPU (it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT)")
-    if request.param == "brgemm" and not _brgemm_packs_bf16():
+    if request.param == "brgemm" and not brgemm_bf16_available():
         pytest.skip("torch's brgemm does not pack bf16 on this CPU (no AMX, no AVX512-BF16)")
     if request.param != "pagedllm":
         monkeypatch.setenv(BF16_KERNEL_ENV, request.param)  # whatever `bf16_kernel` picks on this CPU
@@ -212,15 +207,15 @@ def test_bf16_kernel_follows_the_cpu_unless_named(monkeypatch: pytest.MonkeyPatc
     if not onednn_bf16_ok():
         pytest.skip("oneDNN has no bf16 path on this CPU: pagedllm's kernel is the only packing for bf16")
     monkeypatch.delenv(BF16_KERNEL_ENV, raising=False)
-    if "amx_bf16" in cpu_info().flags and _brgemm_packs_bf16():
+    if "amx_bf16" in cpu_info().flags and brgemm_bf16_available():
         expected = "brgemm"
     else:
         expected = "onednn" if cpu_info().bf16_dot_outruns_fma else "pagedllm"
     assert bf16_kernel() == expected == linear_packing(torch.bfloat16)
-    for name in ("brgemm", "onednn", "pagedllm") if _brgemm_packs_bf16() else ("onednn", "pagedllm"):
+    for name in ("brgemm", "onednn", "pagedllm") if brgemm_bf16_available() else ("onednn", "pagedllm"):
         monkeypatch.setenv(BF16_KERNEL_ENV, name)
         assert bf16_kernel() == name == linear_packing(torch.bfloat16)
-    if not _brgemm_packs_bf16():
+    if not brgemm_bf16_available():
         monkeypatch.setenv(BF16_KERNEL_ENV, "brgemm")
         with pytest.raises(ValueError, match="does not pack bf16 on this CPU"):
             bf16_kernel()

@@ -552,9 +552,9 @@ struct Plan {
   int64_t window = 0;  // 0, or the sliding window every query row sees
 };
 
-// The first key a task's rows see, its first row's first: from `first` on, or from its window's start.
-int64_t first_key(const Packed& pk, const Task& task, int64_t window) {
-  return window > 0 ? std::max(pk.first, task.first_pos - window + 1) : pk.first;
+// The first key a query at `pos` sees of the keys from `first` on: `first`, or its sliding window's first.
+int64_t first_key(int64_t first, int64_t pos, int64_t window) {
+  return window > 0 ? std::max(first, pos - window + 1) : first;
 }
 
 // Sequences first_seq.. of the batch, each query tile over its keys [first, seq_len): the whole context (first = 0),
@@ -566,14 +566,13 @@ Plan plan_sequences(const int32_t* qsl, const int32_t* lens, int64_t first_seq, 
   for (int64_t i = first_seq; i < num_seqs; ++i) {
     const int64_t q_len = qsl[i + 1] - qsl[i], seq_len = lens[i];
     if (q_len == 0) continue;
-    const int64_t keys_from = window > 0 ? std::max<int64_t>(first, seq_len - q_len - window + 1) : first;
+    const int64_t keys_from = first_key(first, seq_len - q_len, window);  // the first query's
     for (int64_t h = 0; h < num_kv_heads; ++h) {
       plan.packed.push_back({i, h, keys_from, seq_len});
       for (int64_t begin = 0; begin < q_len; begin += kQueryTile) {
         const int64_t end = std::min(q_len, begin + kQueryTile), first_pos = seq_len - q_len + begin;
-        Task task{static_cast<int64_t>(plan.packed.size()) - 1, qsl[i] + begin, qsl[i] + end, first_pos, 0};
-        task.cost = (end - begin) * (first_pos + end - begin - first_key(plan.packed.back(), task, window));
-        plan.tasks.push_back(task);
+        plan.tasks.push_back({static_cast<int64_t>(plan.packed.size()) - 1, qsl[i] + begin, qsl[i] + end, first_pos,
+                              (end - begin) * (first_pos + end - begin - first_key(keys_from, first_pos, window))});
       }
     }
   }
@@ -742,7 +741,8 @@ void run_plan(Plan& plan, at::Tensor& out, const at::Tensor& q, const at::Tensor
       }
       const int64_t key_end = std::min(pk.end, first_pos + tokens);  // past the last key any row sees
       // chunks from the one holding the first key the first row sees
-      const int64_t key_begin = pk.first + (first_key(pk, task, plan.window) - pk.first) / kKeyChunk * kKeyChunk;
+      const int64_t skipped = first_key(pk.first, first_pos, plan.window) - pk.first;
+      const int64_t key_begin = pk.first + skipped / kKeyChunk * kKeyChunk;
       for (int64_t chunk_start = key_begin; chunk_start < key_end; chunk_start += kKeyChunk) {
         const int64_t first_tile = (chunk_start - pk.first) / kKeyTile;
         const int64_t tiles = std::min(kKeyChunk / kKeyTile, (key_end - chunk_start + kKeyTile - 1) / kKeyTile);
@@ -752,7 +752,7 @@ void run_plan(Plan& plan, at::Tensor& out, const at::Tensor& q, const at::Tensor
             float* s = scores.data() + r * kKeyChunk;
             const int64_t pos = first_pos + r / group;
             const int64_t visible = std::min(tiles * kKeyTile, pos - chunk_start + 1);
-            const int64_t hidden = plan.window > 0 ? std::max<int64_t>(0, pos - plan.window + 1 - chunk_start) : 0;
+            const int64_t hidden = first_key(chunk_start, pos, plan.window) - chunk_start;
             if (hidden >= visible) {  // the chunk is past this row's position, or before its window: it adds nothing
               std::fill(s, s + kKeyChunk, 0.f);
               continue;
