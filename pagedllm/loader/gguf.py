@@ -53,6 +53,15 @@ _BLOCK_NAMES = {
     "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
+# Gemma 3's names where they differ: llama.cpp's ffn_norm is the norm before the MLP, which Gemma calls
+# pre_feedforward_layernorm (its post_attention_layernorm is the attention branch's output norm)
+_ARCH_BLOCK_NAMES = {"gemma3": {**_BLOCK_NAMES, "ffn_norm": "pre_feedforward_layernorm",
+                                "post_attention_norm": "post_attention_layernorm",
+                                "post_ffw_norm": "post_feedforward_layernorm"}}
+# Architectures whose RMSNorm scales by 1 + w, which llama.cpp's converter stores as the 1 + w it multiplies by
+_NORM_SHIFTED_ARCHS = {"gemma3"}
+# GGUF architecture -> transformers' model_type, where they differ (a mixture of experts: _MOE_MODEL_TYPES)
+_MODEL_TYPES = {"gemma3": "gemma3_text"}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _SKIPPED = {"rope_freqs"}  # llama3 rope factors: the rope is rebuilt from the config instead
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
@@ -221,8 +230,9 @@ _TORCH_DEQUANT = {GGMLQuantizationType.Q8_0: _dequant_q8_0, GGMLQuantizationType
                   GGMLQuantizationType.Q4_1: _dequant_q4_1}
 
 
-def gguf_to_hf_name(name: str) -> str | None:
-    """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'; None for tensors to skip."""
+def gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
+    """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight' (in a file of GGUF architecture `arch`);
+    None for tensors to skip."""
     expert = _EXPERT_RE.match(name)
     if expert:
         layer, part, index = expert.groups()
@@ -230,9 +240,10 @@ def gguf_to_hf_name(name: str) -> str | None:
     m = _BLOCK_RE.match(name)
     if m:
         layer, part, kind = m.groups()
-        if part not in _BLOCK_NAMES:
+        names = _ARCH_BLOCK_NAMES.get(arch, _BLOCK_NAMES)
+        if part not in names:
             raise KeyError(f"unknown GGUF tensor {name!r}")
-        return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
+        return f"model.layers.{layer}.{names[part]}.{kind}"
     base, _, kind = name.rpartition(".")
     if base in _SKIPPED:
         return None
@@ -255,16 +266,18 @@ def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 def iterate_gguf(path: str | Path, dtype: torch.dtype = torch.float32, gguf_file: GGUFFile | None = None,
                  skip: Container[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (Hugging Face name, tensor in `dtype`) for every weight of a llama-family GGUF but those named in
-    `skip`, which are never read."""
+    `skip`, which are never read; as the Hugging Face checkpoint holds it (Gemma's norms as w, not 1 + w)."""
     g = gguf_file or GGUFFile(path)
     permute = g.architecture in _PERMUTED_ARCHS
     num_heads = g.arch_value("attention.head_count")
     num_kv_heads = g.arch_value("attention.head_count_kv", num_heads)
     for info in g.tensors.values():
-        hf_name = gguf_to_hf_name(info.name)
+        hf_name = gguf_to_hf_name(info.name, g.architecture)
         if hf_name is None or hf_name in skip:
             continue
         tensor = g.read_tensor(info)
+        if g.architecture in _NORM_SHIFTED_ARCHS and hf_name.endswith("norm.weight"):
+            tensor = tensor.float() - 1
         if hf_name.endswith("shared_expert_gate.weight") and tensor.dim() == 1:    # llama.cpp stores [H], not [1, H]
             tensor = tensor[None]
         if permute and ".q_proj." in hf_name:
@@ -284,7 +297,7 @@ def gguf_block_rows(g: GGUFFile, ggml_types: tuple[GGMLQuantizationType, ...]
     heads[".k_proj."] = g.arch_value("attention.head_count_kv", heads[".q_proj."])
     rows: dict[str, tuple[GGMLQuantizationType, torch.Tensor]] = {}
     for info in g.tensors.values():
-        hf_name = gguf_to_hf_name(info.name)
+        hf_name = gguf_to_hf_name(info.name, g.architecture)
         if hf_name is None or info.ggml_type not in ggml_types or len(info.shape) != 2:
             continue
         raw = g._view(torch.uint8, info.num_bytes, info.offset).view(info.shape[0], -1)
@@ -327,15 +340,42 @@ def gguf_hf_config(g: GGUFFile) -> Any:
         token_id = g.metadata.get(f"tokenizer.ggml.{gguf_field}_token_id")
         if token_id is not None:
             kwargs[f"{field}_token_id"] = int(token_id)
+    # llama.cpp ends a reply on any end-of-generation token: the EOS, and the end of a turn or of a message where
+    # the file names them (Gemma's <end_of_turn>)
+    ends = [g.metadata.get(f"tokenizer.ggml.{kind}_token_id") for kind in ("eos", "eot", "eom")]
+    ends = list(dict.fromkeys(int(t) for t in ends if t is not None))
+    if len(ends) > 1:
+        kwargs["eos_token_id"] = ends
     if arch == "llama":
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in g.tensors
+    if arch == "gemma3":
+        kwargs.update(_gguf_gemma3(g, kwargs))
     kwargs.update(_gguf_experts(g, kwargs["num_hidden_layers"]))
     name = g.metadata.get("general.name")
     config = PretrainedConfig(**kwargs)
-    config.model_type = _MOE_MODEL_TYPES[arch] if kwargs.get("num_local_experts") else arch
+    config.model_type = _MOE_MODEL_TYPES[arch] if kwargs.get("num_local_experts") else _MODEL_TYPES.get(arch, arch)
     if name:
         config._name_or_path = str(name)
     return config
+
+
+def _gguf_gemma3(g: GGUFFile, fields: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's config fields as llama.cpp reads a `gemma3` file: what the file does not hold is fixed there, as
+    it is in every Gemma 3 checkpoint: every sixth layer global, the others local (over `attention.sliding_window`,
+    with a rotary base of 10,000 and no scaling; the file's rope is the global layers'), queries scaled by
+    head_dim ** -0.5 (hidden / heads for the 27B, the one of 62 layers), the MLP's GELU the tanh approximation.
+    Soft-capping, which the model refuses, is passed on where the file sets it."""
+    window = int(g.arch_value("attention.sliding_window") or 0)
+    num_layers, num_heads = fields["num_hidden_layers"], fields["num_attention_heads"]
+    return dict(
+        sliding_window=window or None,
+        layer_types=["sliding_attention" if window and (i + 1) % 6 else "full_attention" for i in range(num_layers)],
+        rope_parameters={"full_attention": fields["rope_parameters"],
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+        query_pre_attn_scalar=fields["hidden_size"] // num_heads if num_layers == 62 else fields["head_dim"],
+        hidden_activation="gelu_pytorch_tanh",
+        attn_logit_softcapping=g.arch_value("attn_logit_softcapping"),
+        final_logit_softcapping=g.arch_value("final_logit_softcapping"))
 
 
 def _gguf_experts(g: GGUFFile, num_layers: int) -> dict[str, Any]:

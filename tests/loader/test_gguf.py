@@ -16,6 +16,7 @@ from pagedllm.config import ModelConfig
 from pagedllm.layers.gguf import PACKED_GGUF_TYPES, dequantize_gguf_packed, pack_gguf_weight, packed_type
 from pagedllm.loader import load_model
 from pagedllm.loader.gguf import GGUFFile, gguf_block_rows, gguf_hf_config, gguf_to_hf_name, iterate_gguf, unpermute_qk
+from pagedllm.models.llama import LlamaForCausalLM
 from tests.models.tiny import SimplePagedRunner, build_tiny_hf_model, use_gguf_reference
 
 QUANTIZABLE = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1]
@@ -86,45 +87,48 @@ def test_name_mapping() -> None:
     assert gguf_to_hf_name("output.weight") == "lm_head.weight"
     assert gguf_to_hf_name("rope_freqs.weight") is None
     assert gguf_to_hf_name("blk.0.attn_q_norm.weight") == "model.layers.0.self_attn.q_norm.weight"    # Qwen3
+    assert gguf_to_hf_name("blk.2.ffn_norm.weight") == "model.layers.2.post_attention_layernorm.weight"
+    # Gemma 3's norm before the MLP and its branches' output norms
+    assert gguf_to_hf_name("blk.2.ffn_norm.weight", "gemma3") == "model.layers.2.pre_feedforward_layernorm.weight"
+    assert gguf_to_hf_name("blk.2.post_attention_norm.weight", "gemma3") == \
+        "model.layers.2.post_attention_layernorm.weight"
+    assert gguf_to_hf_name("blk.2.post_ffw_norm.weight", "gemma3") == "model.layers.2.post_feedforward_layernorm.weight"
+    with pytest.raises(KeyError, match="post_ffw_norm"):
+        gguf_to_hf_name("blk.2.post_ffw_norm.weight")
     with pytest.raises(KeyError, match="blk.0.attn_sinks"):
         gguf_to_hf_name("blk.0.attn_sinks.weight")
 
 
-_HF_TO_GGUF = {v: k for k, v in {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm", "ffn_gate_inp": "mlp.gate",
-    "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
-    "ffn_down_shexp": "mlp.shared_expert.down_proj"}.items()}
+def _gguf_tensors(hf_model, arch: str):
+    """(GGUF name, tensor) of a transformers model's weights, named by gguf's own tensor name map (llama.cpp's
+    converter's), the experts of a layer stacked [experts, rows, K] (transformers keeps gate and up stacked
+    together), the shared expert's gate flattened to [H]."""
+    model_arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
+    arch_names = gguf.get_tensor_name_map(model_arch, hf_model.config.num_hidden_layers)
+    llama_names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, hf_model.config.num_hidden_layers)
 
+    def gguf_name(hf_name: str) -> str:     # llama's for the tiny Qwen2-MoE's dense MLP, which real ones lack
+        return arch_names.get_name(hf_name) or llama_names.get_name(hf_name)
 
-def _gguf_tensors(hf_model):
-    """(GGUF name, tensor) of a transformers model's weights, as llama.cpp's converter names them: the experts of a
-    layer stacked [experts, rows, K] (transformers keeps gate and up stacked together), the shared expert's gate
-    flattened to [H]."""
     for name, t in hf_model.state_dict().items():
-        if not name.startswith("model.layers."):
-            yield {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                   "lm_head.weight": "output.weight"}[name], t
-            continue
-        _, _, layer, rest = name.split(".", 3)
-        if rest == "mlp.experts.gate_up_proj":
+        base, kind = name.rsplit(".", 1)
+        if name.endswith("mlp.experts.gate_up_proj"):      # stacked experts' names have no .weight
             gate, up = t.chunk(2, dim=1)
-            yield f"blk.{layer}.ffn_gate_exps.weight", gate.contiguous()
-            yield f"blk.{layer}.ffn_up_exps.weight", up.contiguous()
-        elif rest == "mlp.experts.down_proj":
-            yield f"blk.{layer}.ffn_down_exps.weight", t
-        elif rest == "mlp.shared_expert_gate.weight":
-            yield f"blk.{layer}.ffn_gate_inp_shexp.weight", t[0]
+            yield gguf_name(name.replace("gate_up", "gate")) + ".weight", gate.contiguous()
+            yield gguf_name(name.replace("gate_up", "up")) + ".weight", up.contiguous()
+        elif name.endswith("mlp.experts.down_proj"):
+            yield gguf_name(name) + ".weight", t
+        elif base.endswith("mlp.shared_expert_gate"):
+            yield f"{gguf_name(base)}.{kind}", t[0]
         else:
-            module, kind = rest.rsplit(".", 1)
-            yield f"blk.{layer}.{_HF_TO_GGUF[module]}.{kind}", t
+            yield f"{gguf_name(base)}.{kind}", t
 
 
-def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32) -> None:
-    """What llama.cpp's converter does, in miniature: metadata, renamed tensors, Q/K permuted for llama."""
+def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_token_id: int | None = None) -> None:
+    """What llama.cpp's converter does, in miniature: metadata, renamed tensors, Q/K permuted for llama, Gemma's
+    norms stored as the 1 + w they scale by, its global layers' rope and its window."""
     cfg = hf_model.config
+    rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
@@ -132,7 +136,12 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32) -> None:
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_rope_freq_base(rope["rope_theta"])
+    if rope["rope_type"] == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope["factor"])
+    if arch == "gemma3":
+        w.add_sliding_window(cfg.sliding_window)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     w.add_rope_dimension_count(head_dim)
@@ -140,6 +149,8 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32) -> None:
     w.add_vocab_size(cfg.vocab_size)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
+    if eot_token_id is not None:
+        w.add_eot_token_id(eot_token_id)
     if getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None):
         w.add_expert_count(getattr(cfg, "num_local_experts", None) or cfg.num_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
@@ -147,13 +158,15 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32) -> None:
             w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
         if getattr(cfg, "shared_expert_intermediate_size", None):
             w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
-    for gname, t in _gguf_tensors(hf_model):
+    for gname, t in _gguf_tensors(hf_model, arch):
         if gname == "output.weight" and cfg.tie_word_embeddings:
             continue
         if arch == "llama" and ".attn_q." in gname:
             t = _permute(t, cfg.num_attention_heads, cfg.num_attention_heads)
         elif arch == "llama" and ".attn_k." in gname:
             t = _permute(t, cfg.num_attention_heads, cfg.num_key_value_heads)
+        elif arch == "gemma3" and gname.endswith("norm.weight"):
+            t = t + 1
         data = t.numpy()
         if qtype != Q.F32 and t.dim() >= 2 and ".ffn_gate_inp." not in gname:    # llama.cpp keeps routers as they are
             w.add_tensor(gname, _quantize_q4_k(data) if qtype == Q.Q4_K else quantize(data, qtype), raw_dtype=qtype)
@@ -182,6 +195,47 @@ def test_tiny_gguf_model_matches_transformers(tmp_path: Path, kind: str, arch: s
     with torch.inference_mode():
         expected = hf_model(torch.tensor([prompt])).logits[0, -1]
     torch.testing.assert_close(logits[0], expected, atol=1e-4, rtol=0)
+
+
+# Gemma 3 as llama.cpp's files hold it: every sixth layer global (its fixed pattern), the local layers' rotary base
+# 10,000, queries scaled by head_dim ** -0.5; the global layers' rope plain (1B) or scaled (4B and up: linear, 8x)
+_GEMMA3_LAYERS = dict(num_hidden_layers=6, query_pre_attn_scalar=32,
+                      layer_types=["sliding_attention"] * 5 + ["full_attention"])
+_LOCAL_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
+
+
+@pytest.mark.parametrize("global_rope", [{"rope_type": "default", "rope_theta": 1e6},
+                                         {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0}],
+                         ids=["1b", "4b-rope-scaled"])
+def test_a_gemma3_gguf_matches_transformers_past_its_window(tmp_path: Path, global_rope: dict) -> None:
+    hf_model = build_tiny_hf_model("gemma3", **_GEMMA3_LAYERS,
+                                   rope_parameters={"full_attention": global_rope, "sliding_attention": _LOCAL_ROPE})
+    path = tmp_path / "gemma3.gguf"
+    write_model_gguf(hf_model, path, "gemma3", eot_token_id=5)
+    config = gguf_hf_config(GGUFFile(path))
+    assert config.model_type == "gemma3_text" and config.layer_types == hf_model.config.layer_types
+    assert config.sliding_window == 12 and config.eos_token_id == [2, 5]
+    norm = "model.layers.3.pre_feedforward_layernorm.weight"
+    torch.testing.assert_close(dict(iterate_gguf(path))[norm], hf_model.state_dict()[norm])    # w, not 1 + w
+    runner = SimplePagedRunner(load_model(ModelConfig(model=str(path), dtype="float32")).model)
+    tokens = [(7 * i + 3) % 300 for i in range(30)]   # past the window: the local layers see their last 12
+    logits = runner.step({0: tokens})
+    for _ in range(3):
+        with torch.inference_mode():
+            expected = hf_model(torch.tensor([tokens])).logits[0, -1]
+        torch.testing.assert_close(logits[0], expected, atol=1e-4, rtol=0)
+        tokens.append(int(expected.argmax()))
+        logits = runner.step({0: tokens[-1:]})
+
+
+def test_a_gemma3_gguf_with_soft_capping_is_refused(tmp_path: Path) -> None:
+    hf_model = build_tiny_hf_model("gemma3", **_GEMMA3_LAYERS)
+    path = tmp_path / "capped.gguf"
+    write_model_gguf(hf_model, path, "gemma3")
+    g = GGUFFile(path)
+    g.metadata["gemma3.final_logit_softcapping"] = 30.0
+    with pytest.raises(ValueError, match="final_logit_softcapping"):
+        LlamaForCausalLM(gguf_hf_config(g))
 
 
 def test_quantized_gguf_is_close(tmp_path: Path) -> None:
@@ -266,6 +320,15 @@ def test_gguf_quantization_multiplies_its_blocks(tmp_path: Path, kind: str, qtyp
     assert qkv.dtype == torch.uint8 and qkv.ggml_type == qtype and head.dtype == torch.uint8
     assert packed.model.embed_tokens.weight.dtype == torch.float32  # the lookup keeps a dequantised copy
     _assert_gguf_reference_near_the_dense_model(packed, dense, [1, 17, 250, 9, 33, 70, 5, 80, 81], monkeypatch)
+
+
+def test_a_quantized_gemma3_gguf_multiplies_its_blocks(tmp_path: Path, monkeypatch) -> None:
+    path = tmp_path / "gemma3-q8_0.gguf"
+    write_model_gguf(build_tiny_hf_model("gemma3", **_GEMMA3_LAYERS), path, "gemma3", Q.Q8_0)
+    packed = load_model(ModelConfig(model=str(path), dtype="float32", quantization="gguf")).model
+    dense = load_model(ModelConfig(model=str(path), dtype="float32")).model
+    assert packed.model.layers[5].mlp.gate_up_proj.weight.ggml_type == Q.Q8_0
+    _assert_gguf_reference_near_the_dense_model(packed, dense, [(7 * i + 3) % 300 for i in range(30)], monkeypatch)
 
 
 @pytest.mark.parametrize(("kind", "arch"), [("mixtral", "llama"), ("qwen2-moe", "qwen2moe")])
