@@ -85,10 +85,29 @@ def _log_precision(requested: str, dtype: torch.dtype, device: str, quantization
         logger.info("CPU: %s; dtype %s", cpu_info().describe(), chosen)
 
 
+# Multimodal checkpoints served for their text: architecture -> its language model's. The config is the language
+# model's (`text_config`), its weights come under the text model's names (`text_part_name`), and the vision tower's
+# and the projector's are never read.
+TEXT_PARTS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+# the language model's checkpoint names -> the text model's, in both layouts transformers has saved them in
+# (language_model.model.* before 4.52, model.language_model.* since; the LM head beside either)
+_TEXT_PART_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                       ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head."))
+
+
+def text_part_name(name: str) -> str | None:
+    """A multimodal checkpoint's tensor name as its text model names it; None for the other parts' tensors."""
+    for prefix, text_prefix in _TEXT_PART_PREFIXES:
+        if name.startswith(prefix):
+            return text_prefix + name.removeprefix(prefix)
+    return None
+
+
 def load_hf_config(resolved: ResolvedModel, gguf_file: GGUFFile | None = None,
                    overrides: dict[str, Any] | None = None) -> Any:
-    """The transformers config of a folder, or one built from a GGUF's metadata (`gguf_file`: the file already
-    opened), with `overrides` (ModelConfig.hf_overrides) set on it."""
+    """The transformers config of a folder (a multimodal checkpoint's language model's: TEXT_PARTS), or one built
+    from a GGUF's metadata (`gguf_file`: the file already opened), with `overrides` (ModelConfig.hf_overrides) set
+    on it."""
     if resolved.gguf_path is not None:
         from pagedllm.loader.gguf import GGUFFile, gguf_hf_config
 
@@ -97,6 +116,13 @@ def load_hf_config(resolved: ResolvedModel, gguf_file: GGUFFile | None = None,
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(str(resolved.path))
+        multimodal = next((a for a in getattr(config, "architectures", None) or [] if a in TEXT_PARTS), None)
+        if multimodal is not None and getattr(config, "quantization_config", None):
+            raise ValueError(f"{resolved.name} is a quantized {multimodal}, whose language model pagedllm does not "
+                             "read yet (it serves one's text from unquantized weights)")
+        if multimodal is not None:
+            config = config.get_text_config()
+            config.architectures, config.text_part_of = [TEXT_PARTS[multimodal]], multimodal
     if overrides:
         config.update(overrides)
         if "classifier_from_token" in overrides:
@@ -154,7 +180,7 @@ def _weights(resolved: ResolvedModel, dtype: torch.dtype, hf_config: Any, quanti
         return iterate_int4(resolved.path, dtype, int4_config(hf_config), skip)
     from pagedllm.loader.safetensors import iterate_safetensors
 
-    return iterate_safetensors(resolved.path, dtype)
+    return iterate_safetensors(resolved.path, dtype, text_part_name if hasattr(hf_config, "text_part_of") else None)
 
 
 def implied_gguf(resolved: ResolvedModel, dtype: str, tp_size: int = 1, device: str = "cpu") -> str | None:

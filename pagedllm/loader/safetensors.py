@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -28,10 +28,15 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def iterate_safetensors(folder: Path, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) for every tensor in the folder's checkpoint, cast to `dtype` if given."""
+def iterate_safetensors(folder: Path, dtype: torch.dtype | None = None,
+                        rename: Callable[[str], str | None] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) for every tensor in the folder's checkpoint, cast to `dtype` if given; with `rename`,
+    under the name it gives, and not at all, unread, where it gives None."""
     for file in safetensors_files(folder):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
+                new_name = name if rename is None else rename(name)
+                if new_name is None:
+                    continue
                 tensor = f.get_tensor(name)
-                yield name, (tensor if dtype is None or not tensor.is_floating_point() else tensor.to(dtype))
+                yield new_name, (tensor if dtype is None or not tensor.is_floating_point() else tensor.to(dtype))

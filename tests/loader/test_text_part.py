@@ -1,0 +1,80 @@
+"""A multimodal checkpoint served for its text (pagedllm.loader.TEXT_PARTS): Gemma 3 4B and up are
+Gemma3ForConditionalGeneration checkpoints, whose language model pagedllm runs as a Gemma3ForCausalLM, never reading
+the vision tower, and gives transformers' logits on text."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from pagedllm.config import ModelConfig
+from pagedllm.loader import load_hf_config, load_model, text_part_name
+from pagedllm.loader.resolve import resolve_model
+from tests.models.tiny import SimplePagedRunner, tiny_config
+
+# transformers before 4.52 saved the language model as language_model.model.*, the rest at the top
+_OLD_LAYOUT = (("model.language_model.", "language_model.model."), ("model.vision_tower.", "vision_tower."),
+               ("model.multi_modal_projector.", "multi_modal_projector."), ("lm_head.", "language_model.lm_head."))
+
+
+def _tiny_gemma3_multimodal(folder: Path, old_layout: bool):
+    """A tiny random Gemma3ForConditionalGeneration (its text model the tiny gemma3, a one-layer vision tower) saved
+    in `folder`, in the layout of transformers before 4.52 or since; returns the transformers model."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    config = Gemma3Config(text_config=tiny_config("gemma3").to_dict(), mm_tokens_per_image=4, image_token_index=300,
+                          boi_token_index=301, eoi_token_index=302,
+                          vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=28, patch_size=14))
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():       # Gemma's norms start at w = 0 (a scale of 1 + w): made random, to be seen
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.normal_(0, 0.2)
+    model.save_pretrained(folder)
+    if old_layout:
+        tensors = {}
+        for name, tensor in model.state_dict().items():
+            for new, old in _OLD_LAYOUT:
+                if name.startswith(new):
+                    name = old + name.removeprefix(new)
+            tensors[name] = tensor.contiguous()
+        (folder / "model.safetensors").unlink()
+        save_file({n: t for n, t in tensors.items() if n != "language_model.lm_head.weight"},
+                  str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return model
+
+
+def test_text_part_names() -> None:
+    assert text_part_name("model.language_model.layers.0.mlp.up_proj.weight") == "model.layers.0.mlp.up_proj.weight"
+    assert text_part_name("language_model.model.norm.weight") == "model.norm.weight"
+    assert text_part_name("language_model.lm_head.weight") == "lm_head.weight"
+    assert text_part_name("model.vision_tower.vision_model.embeddings.patch_embedding.weight") is None
+    assert text_part_name("multi_modal_projector.mm_input_projection_weight") is None
+
+
+@pytest.mark.parametrize("old_layout", [False, True], ids=["model.language_model", "language_model.model"])
+def test_gemma3_for_conditional_generation_serves_its_text(tmp_path: Path, old_layout: bool) -> None:
+    hf_model = _tiny_gemma3_multimodal(tmp_path, old_layout)
+    assert json.loads((tmp_path / "config.json").read_text())["architectures"] == ["Gemma3ForConditionalGeneration"]
+    config = load_hf_config(resolve_model(str(tmp_path)))
+    assert config.model_type == "gemma3_text" and config.architectures == ["Gemma3ForCausalLM"]
+    runner = SimplePagedRunner(load_model(ModelConfig(model=str(tmp_path), dtype="float32")).model)
+    tokens = [(7 * i + 3) % 300 for i in range(20)]      # past the local layer's window of 12
+    with torch.inference_mode():
+        expected = hf_model(input_ids=torch.tensor([tokens])).logits[0, -1]
+    torch.testing.assert_close(runner.step({0: tokens})[0], expected, atol=1e-4, rtol=0)
+
+
+def test_a_quantized_multimodal_checkpoint_is_refused(tmp_path: Path) -> None:
+    _tiny_gemma3_multimodal(tmp_path, old_layout=False)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="quantized Gemma3ForConditionalGeneration"):
+        load_hf_config(resolve_model(str(tmp_path)))
