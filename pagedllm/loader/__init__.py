@@ -295,7 +295,8 @@ def load_model(model_config: ModelConfig, tp_rank: int = 0, tp_size: int = 1) ->
     # Parameters are allocated with torch.empty (no random init), so building directly is cheap.
     attn_backend = attention_backend(model_config.device)
     with torch.device(model_config.device):
-        model = model_cls(hf_config, dtype=dtype, attn_backend=attn_backend, tp_rank=tp_rank, tp_size=tp_size)
+        model = model_cls(hf_config, dtype=dtype, attn_backend=attn_backend, tp_rank=tp_rank, tp_size=tp_size,
+                          max_positions=max_model_len_of(hf_config, model_config.max_model_len))
     parts = _pack_blocks(model, quantization, resolved, hf_config, dtype, gguf_file)
     model.load_weights(_weights(resolved, dtype, hf_config, quantization, packed_checkpoint_names(model), gguf_file))
     model.eval()

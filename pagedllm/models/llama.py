@@ -296,7 +296,8 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any, dtype: torch.dtype, attn_backend: AttentionBackend, tp: TPRank) -> None:
+    def __init__(self, config: Any, dtype: torch.dtype, attn_backend: AttentionBackend, tp: TPRank,
+                 max_positions: int) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype, tp[0], tp[1])
         # Gemma's embeddings times sqrt(hidden_size), rounded to the model's dtype first, as transformers has it
@@ -307,7 +308,7 @@ class LlamaModel(nn.Module):
             base, scaling = rope_config(config, _layer_type(config, index))
             key = repr((base, scaling))
             if key not in rotary:
-                rotary[key] = get_rope(_head_dim(config), config.max_position_embeddings, base, scaling)
+                rotary[key] = get_rope(_head_dim(config), max_positions, base, scaling)
             return rotary[key]
 
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype, attn_backend, rotary_of(index), tp, index)
@@ -404,12 +405,16 @@ class LlamaForCausalLM(nn.Module):
         attn_backend: paged attention function; the batched CPU backend by default.
         tp_rank, tp_size: this rank's slice of every layer under tensor parallelism (docs/scale-out.md); the
             row-parallel layers and the embedding all-reduce, and the LM head gathers to rank 0.
+        max_positions: the positions the rotary tables cover (the engine's max_model_len); None: the model's
+            whole context (`max_position_embeddings`), whose tables take 2 x 4 bytes x head_dim a position for each
+            rope (Gemma 3 4B's two at 128k positions: 0.5 GB).
     """
 
     packed_modules_mapping = PACKED_MODULES_MAPPING
 
     def __init__(self, config: Any, dtype: torch.dtype = torch.float32,
-                 attn_backend: AttentionBackend = paged_attention, tp_rank: int = 0, tp_size: int = 1) -> None:
+                 attn_backend: AttentionBackend = paged_attention, tp_rank: int = 0, tp_size: int = 1,
+                 max_positions: int | None = None) -> None:
         super().__init__()
         for option in ("attn_logit_softcapping", "final_logit_softcapping", "use_bidirectional_attention"):
             if getattr(config, option, None):
@@ -419,7 +424,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.dtype = dtype
         tp = (tp_rank, tp_size)
-        self.model = LlamaModel(config, dtype, attn_backend, tp)
+        self.model = LlamaModel(config, dtype, attn_backend, tp, max_positions or config.max_position_embeddings)
         architectures = _architectures(config)
         self.bare = bool(BARE_ARCHITECTURES & architectures)
         # float32, as the pooled rows it reads: a few thousand values, next to nothing to store or to multiply

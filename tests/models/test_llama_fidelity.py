@@ -48,6 +48,18 @@ def test_a_config_asking_for_what_the_model_lacks_is_refused(tmp_path, option: s
         _load(folder)
 
 
+def test_the_rotary_tables_cover_max_model_len(tmp_path) -> None:
+    """A model loaded for a shorter max_model_len than its context keeps rotary tables of that many positions (Gemma
+    3's two ropes: one table each), and the same logits."""
+    folder, hf_model = save_tiny_model(tmp_path / "m", "gemma3", with_tokenizer=False)
+    model = load_model(ModelConfig(model=str(folder), dtype="float32", max_model_len=24)).model
+    tables = {id(layer.self_attn.rotary_emb): layer.self_attn.rotary_emb.cos_cache for layer in model.model.layers}
+    assert len(tables) == 2 and {t.shape for t in tables.values()} == {(24, 32)}
+    prompt = PROMPTS[2] * 2     # 24 tokens: the last at position 23
+    logits = SimplePagedRunner(model).step({0: prompt})
+    torch.testing.assert_close(logits[0], _hf_last_logits(hf_model, prompt), atol=ATOL, rtol=0)
+
+
 def test_sharded_checkpoint(tmp_path) -> None:
     folder, hf_model = save_tiny_model(tmp_path / "sharded", "llama-untied", max_shard_size="100KB",
                                        with_tokenizer=False)
