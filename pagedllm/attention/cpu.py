@@ -13,7 +13,8 @@ kernels row by row, by the torch paths after each gather. `write_kv` stores a st
 `write_kv` (`cache_write.cpp`), which quantizes an int8 cache's rows as it goes.
 A layer with a sliding window (`window` keys) has each query read only its window: the kernels start each row's keys
 at the window's first (a step of such a layer never runs as cascade attention, its rows seeing different parts of a
-shared prefix); the torch paths mask the keys before it.
+shared prefix); the torch paths mask the keys before it. Soft-capped scores (`softcap`, Gemma 2's) are capped by the
+kernels as each chunk's scores are made; without them, by the reference (SDPA has no soft-capping).
 """
 
 from __future__ import annotations
@@ -40,16 +41,18 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, window: int = 0) -> torch.Tensor:
-    """Causal paged attention, over a sliding `window` of keys if not 0; see `paged_attention_ref`.
-    query: [T, Hq, D] -> [T, Hq, D]."""
+                    meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    """Causal paged attention, over a sliding `window` of keys if not 0, its scores soft-capped at `softcap` if not
+    0; see `paged_attention_ref`. query: [T, Hq, D] -> [T, Hq, D]."""
     kernels = kernels_for(query)
+    if kernels is None and softcap:
+        return torch_ref.paged_attention_ref(query, k_cache, v_cache, meta, scale, window, softcap)
     if kernels is None:
         return _paged_attention_torch(query, k_cache, v_cache, meta, scale, window)
     query = query.contiguous()
     out = torch.empty_like(query)
     kernels.paged_attention(out, query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                            meta.num_decodes, scale, meta.cascade, window)
+                            meta.num_decodes, scale, meta.cascade, window, softcap)
     return out
 
 
@@ -73,7 +76,7 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     query = query.contiguous()
     out = torch.empty_like(query)
     kernels.decode_attention(out, query, k_cache, v_cache, block_tables.contiguous(), seq_lens.contiguous(), scale,
-                             window)
+                             window, 0.0)
     return out
 
 

@@ -44,6 +44,7 @@ _PREFILL_BLOCK_M, _PREFILL_BLOCK_N = 64, 32
 def _paged_attention_kernel(
     out_ptr, q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr,       # scale pointers: float32 views of int8 caches
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, scale, window,       # window: 0, or the sliding window
+    softcap,                                                                  # 0, or the scores' soft cap
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_ct, stride_ch,                               # the caches' block, slot and head strides
     stride_bt,
@@ -85,6 +86,8 @@ def _paged_attention_kernel(
         k = _load_kv(k_ptr, k_scale_ptr, row_offsets, dims, key_ok, dim_ok, HEAD_DIM, IS_INT8)  # [BLOCK_N, D]
         v = _load_kv(v_ptr, v_scale_ptr, row_offsets, dims, key_ok, dim_ok, HEAD_DIM, IS_INT8)
         scores = tl.dot(q.to(DOT_DTYPE), tl.trans(k.to(DOT_DTYPE)), input_precision=PRECISION) * scale
+        if softcap > 0:     # softcap * tanh(scores / softcap), tanh(y) = 1 - 2 / (e^(2y) + 1)
+            scores = softcap - 2 * softcap / (tl.exp(2 * scores / softcap) + 1)
         in_window = (k_pos[None, :] > q_pos[:, None] - window) | (window == 0)
         visible = (k_pos[None, :] <= q_pos[:, None]) & in_window & key_ok[None, :]      # [BLOCK_M, BLOCK_N]
         p, alpha, m, denom = _online_softmax(tl.where(visible, scores, float("-inf")), m, denom)
@@ -119,8 +122,9 @@ def _load_kv(cache_ptr, scale_ptr, row_offsets, dims, key_ok, dim_ok, HEAD_DIM: 
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, window: int = 0) -> torch.Tensor:
-    """Causal paged attention, over a sliding `window` of keys if not 0; see `paged_attention_ref`.
+                    meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    """Causal paged attention, over a sliding `window` of keys if not 0, its scores soft-capped at `softcap` if not
+    0; see `paged_attention_ref`.
     query: [T, Hq, D] -> [T, Hq, D].
 
     Decodes (the leading sequences with one new token) run in one launch, the other sequences in a second.
@@ -129,10 +133,10 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     num_decodes = meta.num_decodes
     if num_decodes:
         _launch(out, query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, window,
-                seqs=(0, num_decodes), max_query_len=1, tile=(_DECODE_BLOCK_M, _DECODE_BLOCK_N))
+                softcap, seqs=(0, num_decodes), max_query_len=1, tile=(_DECODE_BLOCK_M, _DECODE_BLOCK_N))
     if num_decodes < meta.num_seqs:
         _launch(out, query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, window,
-                seqs=(num_decodes, meta.num_seqs), max_query_len=meta.max_query_len,
+                softcap, seqs=(num_decodes, meta.num_seqs), max_query_len=meta.max_query_len,
                 tile=(_PREFILL_BLOCK_M, _PREFILL_BLOCK_N))
     return out
 
@@ -144,14 +148,14 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     out = torch.empty_like(query)
     num_seqs = query.shape[0]
     query_start_loc = torch.arange(num_seqs + 1, dtype=torch.int32, device=query.device)
-    _launch(out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, window,
+    _launch(out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, window, 0.0,
             seqs=(0, num_seqs), max_query_len=1, tile=(_DECODE_BLOCK_M, _DECODE_BLOCK_N))
     return out
 
 
 def _launch(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
-            window: int, seqs: tuple[int, int], max_query_len: int, tile: tuple[int, int]) -> None:
+            window: int, softcap: float, seqs: tuple[int, int], max_query_len: int, tile: tuple[int, int]) -> None:
     """Run the kernel for sequences seqs[0]..seqs[1]-1, writing their rows of `out`.
 
     query, out: [T, Hq, D] with unit stride along D; k_cache, v_cache: [num_blocks, block_size, Hkv, row] with
@@ -168,7 +172,7 @@ def _launch(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cac
     grid = (seqs[1] - seqs[0], num_kv_heads, triton.cdiv(max_query_len * group, block_m))
     _paged_attention_kernel[grid](
         out, query, k_cache, v_cache, _scales_view(k_cache), _scales_view(v_cache),
-        block_tables, seq_lens, query_start_loc, scale, window,
+        block_tables, seq_lens, query_start_loc, scale, window, softcap,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),

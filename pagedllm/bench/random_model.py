@@ -30,6 +30,12 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "gemma3-1b": ("gemma3_text", dict(
         hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
         num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256, sliding_window=512)),
+    # gemma-2-2b's layers (~2.0B weights): 26 of hidden 2304, 8 query heads of 256 over 4 kv heads, every other layer
+    # local (a window of 4,096), attention scores soft-capped at 50 and logits at 30; the tokenizer's vocabulary
+    "gemma2-2b": ("gemma2", dict(
+        hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256, sliding_window=4096,
+        attn_logit_softcapping=50.0, final_logit_softcapping=30.0)),
 }
 
 

@@ -53,15 +53,18 @@ _BLOCK_NAMES = {
     "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
-# Gemma 3's names where they differ: llama.cpp's ffn_norm is the norm before the MLP, which Gemma calls
+# Gemma's names where they differ: llama.cpp's ffn_norm is the norm before the MLP, which Gemma calls
 # pre_feedforward_layernorm (its post_attention_layernorm is the attention branch's output norm)
-_ARCH_BLOCK_NAMES = {"gemma3": {**_BLOCK_NAMES, "ffn_norm": "pre_feedforward_layernorm",
-                                "post_attention_norm": "post_attention_layernorm",
-                                "post_ffw_norm": "post_feedforward_layernorm"}}
+_GEMMA_BLOCK_NAMES = {**_BLOCK_NAMES, "ffn_norm": "pre_feedforward_layernorm",
+                      "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+_ARCH_BLOCK_NAMES = {"gemma2": _GEMMA_BLOCK_NAMES, "gemma3": _GEMMA_BLOCK_NAMES}
 # Architectures whose RMSNorm scales by 1 + w, which llama.cpp's converter stores as the 1 + w it multiplies by
-_NORM_SHIFTED_ARCHS = {"gemma3"}
+_NORM_SHIFTED_ARCHS = {"gemma2", "gemma3"}
 # GGUF architecture -> transformers' model_type, where they differ (a mixture of experts: _MOE_MODEL_TYPES)
 _MODEL_TYPES = {"gemma3": "gemma3_text"}
+# What llama.cpp fixes for Gemma rather than read from the file: every how many layers one is global (the others
+# local, over the window), and the layer count of the 27B, whose queries are scaled by (hidden / heads) ** -0.5
+_GEMMA_LAYOUTS = {"gemma2": (2, 46), "gemma3": (6, 62)}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _SKIPPED = {"rope_freqs"}  # llama3 rope factors: the rope is rebuilt from the config instead
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
@@ -348,8 +351,8 @@ def gguf_hf_config(g: GGUFFile) -> Any:
         kwargs["eos_token_id"] = ends
     if arch == "llama":
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in g.tensors
-    if arch == "gemma3":
-        kwargs.update(_gguf_gemma3(g, kwargs))
+    if arch in _GEMMA_LAYOUTS:
+        kwargs.update(_gguf_gemma(g, kwargs))
     kwargs.update(_gguf_experts(g, kwargs["num_hidden_layers"]))
     name = g.metadata.get("general.name")
     config = PretrainedConfig(**kwargs)
@@ -359,23 +362,27 @@ def gguf_hf_config(g: GGUFFile) -> Any:
     return config
 
 
-def _gguf_gemma3(g: GGUFFile, fields: dict[str, Any]) -> dict[str, Any]:
-    """Gemma 3's config fields as llama.cpp reads a `gemma3` file: what the file does not hold is fixed there, as
-    it is in every Gemma 3 checkpoint: every sixth layer global, the others local (over `attention.sliding_window`,
-    with a rotary base of 10,000 and no scaling; the file's rope is the global layers'), queries scaled by
-    head_dim ** -0.5 (hidden / heads for the 27B, the one of 62 layers), the MLP's GELU the tanh approximation.
-    Soft-capping, which the model refuses, is passed on where the file sets it."""
+def _gguf_gemma(g: GGUFFile, fields: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 2's and 3's config fields as llama.cpp reads their files: what a file does not hold is fixed there, as
+    it is in every checkpoint of the family (`_GEMMA_LAYOUTS`): one layer in 2 (Gemma 2) or 6 (Gemma 3) global, the
+    others local over `attention.sliding_window`; queries scaled by head_dim ** -0.5 (hidden / heads for the 27B);
+    the MLP's GELU the tanh approximation. Gemma 3's local layers have a rotary base of 10,000 and no scaling, the
+    file's rope being its global layers'. Gemma 2's soft caps of its scores and logits are the file's."""
+    every, layers_27b = _GEMMA_LAYOUTS[g.architecture]
     window = int(g.arch_value("attention.sliding_window") or 0)
     num_layers, num_heads = fields["num_hidden_layers"], fields["num_attention_heads"]
-    return dict(
+    config = dict(
         sliding_window=window or None,
-        layer_types=["sliding_attention" if window and (i + 1) % 6 else "full_attention" for i in range(num_layers)],
-        rope_parameters={"full_attention": fields["rope_parameters"],
-                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
-        query_pre_attn_scalar=fields["hidden_size"] // num_heads if num_layers == 62 else fields["head_dim"],
+        layer_types=["sliding_attention" if window and (i + 1) % every else "full_attention"
+                     for i in range(num_layers)],
+        query_pre_attn_scalar=fields["hidden_size"] // num_heads if num_layers == layers_27b else fields["head_dim"],
         hidden_activation="gelu_pytorch_tanh",
         attn_logit_softcapping=g.arch_value("attn_logit_softcapping"),
         final_logit_softcapping=g.arch_value("final_logit_softcapping"))
+    if g.architecture == "gemma3":
+        config["rope_parameters"] = {"full_attention": fields["rope_parameters"],
+                                     "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+    return config
 
 
 def _gguf_experts(g: GGUFFile, num_layers: int) -> dict[str, Any]:

@@ -1,10 +1,12 @@
-"""One Llama-family decoder: Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM, Gemma 3; MHA, GQA and MQA; tied or untied
-embeddings. Qwen3 adds an RMSNorm over each query and key head (`q_norm`, `k_norm`) before the rotary embedding.
-Mixtral, Qwen2-MoE and Qwen3-MoE replace the MLP with a mixture of experts (`LlamaSparseMoeBlock`). Gemma 3 (text)
-has those head norms too, and besides: its embeddings scaled by sqrt(hidden_size), a norm on each branch's output
-before it joins the residual stream (`pre_feedforward_layernorm`, `post_feedforward_layernorm`), RMSNorm weights
-stored as w - 1 (`load_weights` adds the 1 back), a GELU-gated MLP, `query_pre_attn_scalar` for its attention
-scale, and local layers (over a sliding window) with a rotary base of their own.
+"""One Llama-family decoder: Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM, Gemma 2 and 3; MHA, GQA and MQA; tied or
+untied embeddings. Qwen3 adds an RMSNorm over each query and key head (`q_norm`, `k_norm`) before the rotary
+embedding. Mixtral, Qwen2-MoE and Qwen3-MoE replace the MLP with a mixture of experts (`LlamaSparseMoeBlock`).
+Gemma 2 and 3 have their embeddings scaled by sqrt(hidden_size), a norm on each branch's output before it joins the
+residual stream (`pre_feedforward_layernorm`, `post_feedforward_layernorm`), RMSNorm weights stored as w - 1
+(`load_weights` adds the 1 back), a GELU-gated MLP, `query_pre_attn_scalar` for their attention scale, and local
+layers (over a sliding window). Gemma 2 soft-caps its attention scores and its logits (`attn_logit_softcapping`,
+`final_logit_softcapping`: cap tanh(x / cap)); Gemma 3 (text) has Qwen3's head norms instead, and a rotary base of
+its own in its local layers.
 
 The model is format-agnostic: `load_weights` takes Hugging Face parameter names from any loader and maps the
 separate q/k/v and gate/up checkpoint tensors onto the fused parameters (`STACKED_PARAMS_MAPPING`).
@@ -79,7 +81,13 @@ def _has_qk_norm(config: Any) -> bool:
 
 
 def _is_gemma(config: Any) -> bool:
-    return config.model_type == "gemma3_text"
+    return config.model_type in ("gemma2", "gemma3_text")
+
+
+def _softcap(config: Any, option: str) -> float:
+    """Gemma 2's soft cap of its attention scores or its logits (`attn_logit_softcapping`,
+    `final_logit_softcapping`); 0.0 for none."""
+    return float(getattr(config, option, None) or 0.0)
 
 
 def _layer_type(config: Any, index: int) -> str | None:
@@ -142,6 +150,7 @@ class LlamaAttention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = _num_kv_heads(config)
         self.scale = (getattr(config, "query_pre_attn_scalar", None) or self.head_dim) ** -0.5
+        self.softcap = _softcap(config, "attn_logit_softcapping")
         self.attn_backend = attn_backend
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads,
                                           bias=_has_qkv_bias(config), dtype=dtype, tp_rank=tp[0], tp_size=tp[1])
@@ -172,7 +181,8 @@ class LlamaAttention(nn.Module):
         q, k = self.rotary_emb(positions, q, k)
         k_cache, v_cache = kv_cache
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = self.attn_backend(q, k_cache, v_cache, meta, self.scale, self.sliding_window).flatten(1)  # [T, Hq*D]
+        out = self.attn_backend(q, k_cache, v_cache, meta, self.scale, self.sliding_window, self.softcap)
+        out = out.flatten(1)    # [T, Hq*D]
         return self.o_proj(out) if lora is None else lora.add("o_proj", out, self.o_proj(out))  # [T, hidden]
 
 
@@ -272,7 +282,7 @@ class LlamaDecoderLayer(nn.Module):
             LlamaSparseMoeBlock(config, dtype, tp) if _is_sparse_layer(config, index) else LlamaMLP(config, dtype, tp))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        # Gemma 3's: the attention's output normed by post_attention_layernorm before it joins the residual stream,
+        # Gemma's: the attention's output normed by post_attention_layernorm before it joins the residual stream,
         # the stream normed by pre_feedforward_layernorm for the MLP, the MLP's output by post_feedforward_layernorm
         sandwich = _is_gemma(config)
         self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if sandwich else None
@@ -362,7 +372,7 @@ class LlamaModel(nn.Module):
         attn = self.layers[0].self_attn
         return kernels.DecoderStack([layer_weights(layer) for layer in self.layers], self.norm.weight, self.norm.eps,
                                     attn.qkv_proj.q_size // attn.head_dim, attn.qkv_proj.kv_size // attn.head_dim,
-                                    attn.head_dim, attn.scale)
+                                    attn.head_dim, attn.scale, attn.softcap)
 
 
 # Checkpoints of the decoder alone, as decoder embedding models are saved (gte-Qwen2, e5-mistral): tensor names
@@ -416,11 +426,9 @@ class LlamaForCausalLM(nn.Module):
                  attn_backend: AttentionBackend = paged_attention, tp_rank: int = 0, tp_size: int = 1,
                  max_positions: int | None = None) -> None:
         super().__init__()
-        for option in ("attn_logit_softcapping", "final_logit_softcapping", "use_bidirectional_attention"):
-            if getattr(config, option, None):
-                raise ValueError(f"the config sets {option}={getattr(config, option)!r}, which pagedllm does not "
-                                 "implement: its attention is causal and neither its scores nor its logits are "
-                                 "soft-capped")
+        if getattr(config, "use_bidirectional_attention", None):
+            raise ValueError("the config sets use_bidirectional_attention=True (EmbeddingGemma's), which pagedllm "
+                             "does not implement: its attention is causal")
         self.config = config
         self.dtype = dtype
         tp = (tp_rank, tp_size)
@@ -434,6 +442,7 @@ class LlamaForCausalLM(nn.Module):
         # checkpoint has no head, which load_weights builds from those rows
         self.classifier_token_ids: list[int] | None = getattr(config, "classifier_token_ids", None)
         self.head_is_embedding = bool(getattr(config, "tie_word_embeddings", False))     # the checkpoint's LM head
+        self.final_softcap = _softcap(config, "final_logit_softcapping")   # Gemma 2's: 30.0
         self.tie_word_embeddings = self.bare or self.score is not None or self.head_is_embedding
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype, tp_rank, tp_size)
         if self.tie_word_embeddings:
@@ -461,7 +470,10 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, H] -> logits [N, V] float32."""
-        return self.lm_head(hidden)
+        logits = self.lm_head(hidden)
+        if self.final_softcap:
+            logits = logits.div_(self.final_softcap).tanh_().mul_(self.final_softcap)
+        return logits
 
     def classify(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, H] -> the classification head's logits [N, num_labels] float32 (a classifier checkpoint's

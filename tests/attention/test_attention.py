@@ -296,6 +296,56 @@ def test_a_window_turns_cascade_attention_off(isa_level: str) -> None:
                                expected.float(), atol=2e-2, rtol=2e-2)
 
 
+# Gemma 2's soft cap (50) is far above these random scores' (about +-3): 1.5 bends them all.
+SOFTCAP = 1.5
+
+
+def test_a_softcap_bends_each_score_by_tanh() -> None:
+    """The reference with a soft cap is the softmax of cap * tanh(s / cap) over the scaled scores s: here the first
+    decode's, against its scores worked out by hand; a cap far above every score changes nothing."""
+    query, k_cache, v_cache, meta, (q_full, k_full, v_full) = _random_batch(*WINDOW_BATCH, 4, 4, torch.float32)
+    capped = paged_attention_ref(query, k_cache, v_cache, meta, 0.5, softcap=SOFTCAP)
+    scores = torch.einsum("hd,khd->hk", q_full[0][40], k_full[0][:41]) * 0.5
+    probs = torch.softmax(SOFTCAP * torch.tanh(scores / SOFTCAP), dim=-1)
+    torch.testing.assert_close(capped[0], torch.einsum("hk,khd->hd", probs, v_full[0][:41]), atol=1e-5, rtol=1e-5)
+    whole = paged_attention_ref(query, k_cache, v_cache, meta, 0.5)
+    assert not torch.allclose(capped, whole, atol=1e-2)
+    torch.testing.assert_close(paged_attention_ref(query, k_cache, v_cache, meta, 0.5, softcap=1e6), whole)
+
+
+@pytest.mark.parametrize("window", [0, 37])
+@pytest.mark.parametrize("heads", ["mha", "gqa3", "gqa5"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [HEAD_DIM, 64, 256])
+def test_soft_capped_kernels_and_torch_path_match_the_reference(window: int, heads: str, dtype: torch.dtype,
+                                                                head_dim: int, isa_level: str,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decodes, fresh and cached chunks, with and without a window: the kernels cap each chunk's scores as they
+    make them; without the kernels the reference runs (SDPA has no soft cap)."""
+    num_heads, num_kv_heads = HEADS[heads]
+    query, k_cache, v_cache, meta, _ = _random_batch(*WINDOW_BATCH, num_heads, num_kv_heads, dtype, seed=11,
+                                                     head_dim=head_dim, block_size=16)
+    scale = head_dim ** -0.5 * 2        # scores of about +-2 before the cap
+    expected = paged_attention_ref(query, k_cache, v_cache, meta, scale, window, SOFTCAP)
+    kernel = paged_attention(query, k_cache, v_cache, meta, scale, window, SOFTCAP)
+    monkeypatch.setenv("PAGEDLLM_DISABLE_KERNELS", "1")
+    torch_path = paged_attention(query, k_cache, v_cache, meta, scale, window, SOFTCAP)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for actual in (kernel, torch_path):
+        torch.testing.assert_close(actual.float(), expected.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_soft_capped_cascade_attention_matches_the_reference(dtype: torch.dtype, isa_level: str) -> None:
+    """A soft cap keeps cascade attention: the prefix pass and each sequence's own keys cap their scores alike."""
+    query, k_cache, v_cache, meta, _ = _cascade_batch("gqa3", dtype, 64, 16, 256)
+    assert cpu.cascade_prefix_len(query, k_cache, meta) == 256
+    expected = paged_attention_ref(query, k_cache, v_cache, meta, 0.25, softcap=SOFTCAP)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(paged_attention(query, k_cache, v_cache, meta, 0.25, softcap=SOFTCAP).float(),
+                               expected.float(), atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_batch_without_cascades_gives_each_sequence_its_own_bits(dtype: torch.dtype, isa_level: str) -> None:
     """With `cascade` off (ModelConfig.disable_cascade_attn) a batch that would run as a cascade gives every

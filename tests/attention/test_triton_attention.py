@@ -39,21 +39,21 @@ def backend() -> ModuleType:
 
 
 def _run(backend: ModuleType, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-         meta: AttentionMetadata, scale: float, window: int = 0) -> torch.Tensor:
+         meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """The backend's paged_attention on DEVICE copies of the inputs, its output back on the CPU."""
     on_device = dataclasses.replace(meta, **{f: getattr(meta, f).to(DEVICE) for f in
                                              ("slot_mapping", "query_start_loc", "seq_lens", "block_tables")})
     return backend.paged_attention(query.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), on_device,
-                                   scale, window).cpu()
+                                   scale, window, softcap).cpu()
 
 
 def _check(backend: ModuleType, heads: str, batch: tuple[list[int], list[int]], dtype: torch.dtype,
-           window: int = 0, **batch_options) -> None:
+           window: int = 0, softcap: float = 0.0, **batch_options) -> None:
     num_heads, num_kv_heads = TRITON_HEADS[heads]
     query, k_cache, v_cache, meta, _ = _random_batch(*batch, num_heads, num_kv_heads, dtype, **batch_options)
     scale = query.shape[-1] ** -0.5
-    actual = _run(backend, query, k_cache, v_cache, meta, scale, window)
-    expected = paged_attention_ref(query, k_cache, v_cache, meta, scale, window)
+    actual = _run(backend, query, k_cache, v_cache, meta, scale, window, softcap)
+    expected = paged_attention_ref(query, k_cache, v_cache, meta, scale, window, softcap)
     assert actual.dtype == query.dtype and actual.shape == query.shape
     tol = TOLERANCES[query.dtype]
     torch.testing.assert_close(actual.float(), expected.float(), atol=tol, rtol=tol)
@@ -83,6 +83,11 @@ def test_triton_backend_crosses_blocks_and_tiles(backend: ModuleType, heads: str
 def test_triton_backend_attends_over_sliding_windows(backend: ModuleType, window: int) -> None:
     """Windows shorter than a 32-key tile and longer: a tile's later rows see none of its first keys."""
     _check(backend, "gqa3", LONG_BATCH, torch.float32, window, seed=5, head_dim=64, block_size=16)
+
+
+@pytest.mark.parametrize("window", [0, 40])
+def test_triton_backend_soft_caps_the_scores(backend: ModuleType, window: int) -> None:
+    _check(backend, "gqa3", LONG_BATCH, torch.float32, window, softcap=0.5, seed=5, head_dim=64, block_size=16)
 
 
 def test_triton_decode_reads_a_cache_view_with_layer_strides(backend: ModuleType) -> None:

@@ -16,7 +16,6 @@ from pagedllm.config import ModelConfig
 from pagedllm.layers.gguf import PACKED_GGUF_TYPES, dequantize_gguf_packed, pack_gguf_weight, packed_type
 from pagedllm.loader import load_model
 from pagedllm.loader.gguf import GGUFFile, gguf_block_rows, gguf_hf_config, gguf_to_hf_name, iterate_gguf, unpermute_qk
-from pagedllm.models.llama import LlamaForCausalLM
 from tests.models.tiny import SimplePagedRunner, build_tiny_hf_model, use_gguf_reference
 
 QUANTIZABLE = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1]
@@ -140,8 +139,11 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
     if rope["rope_type"] == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rope["factor"])
-    if arch == "gemma3":
+    if arch in ("gemma2", "gemma3"):
         w.add_sliding_window(cfg.sliding_window)
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     w.add_rope_dimension_count(head_dim)
@@ -165,7 +167,7 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
             t = _permute(t, cfg.num_attention_heads, cfg.num_attention_heads)
         elif arch == "llama" and ".attn_k." in gname:
             t = _permute(t, cfg.num_attention_heads, cfg.num_key_value_heads)
-        elif arch == "gemma3" and gname.endswith("norm.weight"):
+        elif arch in ("gemma2", "gemma3") and gname.endswith("norm.weight"):
             t = t + 1
         data = t.numpy()
         if qtype != Q.F32 and t.dim() >= 2 and ".ffn_gate_inp." not in gname:    # llama.cpp keeps routers as they are
@@ -228,14 +230,20 @@ def test_a_gemma3_gguf_matches_transformers_past_its_window(tmp_path: Path, glob
         logits = runner.step({0: tokens[-1:]})
 
 
-def test_a_gemma3_gguf_with_soft_capping_is_refused(tmp_path: Path) -> None:
-    hf_model = build_tiny_hf_model("gemma3", **_GEMMA3_LAYERS)
-    path = tmp_path / "capped.gguf"
-    write_model_gguf(hf_model, path, "gemma3")
-    g = GGUFFile(path)
-    g.metadata["gemma3.final_logit_softcapping"] = 30.0
-    with pytest.raises(ValueError, match="final_logit_softcapping"):
-        LlamaForCausalLM(gguf_hf_config(g))
+def test_a_gemma2_gguf_matches_transformers_past_its_window(tmp_path: Path) -> None:
+    """Gemma 2 as llama.cpp's files hold it: every other layer global, queries scaled by head_dim ** -0.5, the soft
+    caps of its scores and logits in the metadata."""
+    hf_model = build_tiny_hf_model("gemma2", query_pre_attn_scalar=32)
+    path = tmp_path / "gemma2.gguf"
+    write_model_gguf(hf_model, path, "gemma2")
+    config = gguf_hf_config(GGUFFile(path))
+    assert config.model_type == "gemma2" and config.layer_types == ["sliding_attention", "full_attention"]
+    assert (config.attn_logit_softcapping, config.final_logit_softcapping) == (1.0, 3.0)
+    runner = SimplePagedRunner(load_model(ModelConfig(model=str(path), dtype="float32")).model)
+    tokens = [(7 * i + 3) % 300 for i in range(30)]
+    with torch.inference_mode():
+        expected = hf_model(torch.tensor([tokens])).logits[0, -1]
+    torch.testing.assert_close(runner.step({0: tokens})[0], expected, atol=1e-4, rtol=0)
 
 
 def test_quantized_gguf_is_close(tmp_path: Path) -> None:

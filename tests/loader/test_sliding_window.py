@@ -29,6 +29,7 @@ def test_each_layer_reads_its_window_from_the_config():
     ("mistral", dict(sliding_window=16)),
     ("qwen2", dict(sliding_window=12, use_sliding_window=True, max_window_layers=1)),   # layer 0 sees everything
     ("gemma3", dict()),                                 # a local layer over 12 keys, a global one
+    ("gemma2", dict()),                                 # the same, soft-capped scores and logits
 ])
 @pytest.mark.parametrize("mode", ["kernels", "torch", "ngram"])
 def test_a_sliding_window_model_answers_as_transformers_past_its_window(tmp_path, kind, overrides, mode, monkeypatch):

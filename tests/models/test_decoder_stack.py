@@ -43,6 +43,8 @@ CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     # branch norms, GELU, a local layer (its window shorter than the long prompts, its own rope) and a global one
     "gemma3": ("gemma3", {}, dict(dtype="float32")),
     "gemma3 in bfloat16": ("gemma3", {}, dict(dtype="bfloat16")),
+    # soft-capped attention scores, as the kernels cap them
+    "gemma2": ("gemma2", {}, dict(dtype="float32")),
 }
 
 

@@ -34,6 +34,11 @@ TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     # global one (1,000,000), an attention scale of its own
     "gemma3": ("gemma3_text", dict(num_key_value_heads=2, head_dim=32, sliding_window=12, query_pre_attn_scalar=24,
                                    layer_types=["sliding_attention", "full_attention"])),
+    # as Gemma 2's: soft-capped attention scores and logits (caps this small, 1 and 3 against 50 and 30, so that
+    # they bend a tiny model's scores and logits), a local layer and a global one, no head norms
+    "gemma2": ("gemma2", dict(num_key_value_heads=2, head_dim=32, sliding_window=12, query_pre_attn_scalar=24,
+                              attn_logit_softcapping=1.0, final_logit_softcapping=3.0,
+                              layer_types=["sliding_attention", "full_attention"])),
     # mixtures of experts: 4 experts, 2 a token (8 and 2 for Mixtral, 128 and 8 for Qwen3-30B-A3B)
     "mixtral": ("mixtral", dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
                                 tie_word_embeddings=False)),
@@ -61,7 +66,7 @@ def build_tiny_hf_model(kind: str = "llama-gqa", seed: int = 0, **overrides: Any
     torch.manual_seed(seed)
     config = tiny_config(kind, **overrides)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
-    if config.model_type == "gemma3_text":     # its norms start at w = 0 (a scale of 1 + w): made random, seen
+    if config.model_type in ("gemma2", "gemma3_text"):     # norms start at w = 0 (a scale of 1 + w): made random
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if name.endswith("norm.weight"):

@@ -399,7 +399,8 @@ inline void weighted_value_pairs(const PagedCache<c10::BFloat16>& cache, const i
 template <typename scalar_t, typename cache_t, int64_t kHeadDim, int64_t kGroup>
 void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& block_tables,
-                           const at::Tensor& seq_lens, double scale, int64_t window, const SoftmaxState* prefix) {
+                           const at::Tensor& seq_lens, double scale, int64_t window, double softcap,
+                           const SoftmaxState* prefix) {
   const PagedCache<cache_t> cache(k_cache, v_cache, block_tables, seq_lens);
   const int64_t num_seqs = q.size(0), num_heads = q.size(1);
   const int64_t head_dim = kHeadDim > 0 ? kHeadDim : q.size(2);
@@ -434,6 +435,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
                                                           scores.data() + start - first, n);
       });
       prefetch_first_blocks<true>(cache, table, h, first, len, head_dim);
+      if (softcap > 0) soft_cap(scores.data(), group * n, static_cast<float>(softcap));
       for (int64_t g = 0; g < group; ++g) {
         float m;
         const float sum = exp_and_sum(scores.data() + g * n, n, m);
@@ -477,13 +479,13 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
 template <typename scalar_t, typename cache_t, int64_t kHeadDim>
 void dispatch_group(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                     const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                    double scale, int64_t window, const SoftmaxState* prefix) {
+                    double scale, int64_t window, double softcap, const SoftmaxState* prefix) {
 #define PAGEDLLM_GROUP(G) \
-  case G: return decode_attention_impl<scalar_t, cache_t, kHeadDim, G>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, window, prefix);
+  case G: return decode_attention_impl<scalar_t, cache_t, kHeadDim, G>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap, prefix);
   switch (q.size(1) / k_cache.size(2)) {
     PAGEDLLM_GROUP(1) PAGEDLLM_GROUP(2) PAGEDLLM_GROUP(3) PAGEDLLM_GROUP(4)
     PAGEDLLM_GROUP(6) PAGEDLLM_GROUP(7) PAGEDLLM_GROUP(8)
-    default: return decode_attention_impl<scalar_t, cache_t, kHeadDim, 0>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, window, prefix);
+    default: return decode_attention_impl<scalar_t, cache_t, kHeadDim, 0>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap, prefix);
   }
 #undef PAGEDLLM_GROUP
 }
@@ -491,17 +493,18 @@ void dispatch_group(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
 }  // namespace
 
 void decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
-                      at::Tensor block_tables, at::Tensor seq_lens, double scale, int64_t window) {
-  decode_attention_after_prefix(out, q, k_cache, v_cache, block_tables, seq_lens, scale, window, nullptr);
+                      at::Tensor block_tables, at::Tensor seq_lens, double scale, int64_t window, double softcap) {
+  decode_attention_after_prefix(out, q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap, nullptr);
 }
 
 void decode_attention_after_prefix(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
                                    const at::Tensor& v_cache, const at::Tensor& block_tables,
-                                   const at::Tensor& seq_lens, double scale, int64_t window,
+                                   const at::Tensor& seq_lens, double scale, int64_t window, double softcap,
                                    const SoftmaxState* prefix) {
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous(), "q and out must be contiguous");
   TORCH_CHECK(window >= 0 && !(window > 0 && prefix), "a sliding window of ", window,
               " keys (0: none), never with a cascade's prefix");
+  TORCH_CHECK(softcap >= 0, "softcap must be 0 (none) or positive, not ", softcap);
   TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "the head dim of the caches must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
               "block_tables and seq_lens must be int32");
@@ -512,16 +515,16 @@ void decode_attention_after_prefix(at::Tensor out, const at::Tensor& q, const at
       switch (q.size(2)) {
         case 64:
           return dispatch_group<scalar_t, cache_t, 64>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, window,
-                                                       prefix);
+                                                       softcap, prefix);
         case 128:
           return dispatch_group<scalar_t, cache_t, 128>(out, q, k_cache, v_cache, block_tables, seq_lens, scale,
-                                                        window, prefix);
+                                                        window, softcap, prefix);
         case 256:  // Gemma's: through the generic path 2.2x the time of 128-wide heads over the same bytes
           return dispatch_group<scalar_t, cache_t, 256>(out, q, k_cache, v_cache, block_tables, seq_lens, scale,
-                                                        window, prefix);
+                                                        window, softcap, prefix);
         default:
           return decode_attention_impl<scalar_t, cache_t, 0, 0>(out, q, k_cache, v_cache, block_tables, seq_lens,
-                                                                scale, window, prefix);
+                                                                scale, window, softcap, prefix);
       }
     });
   });

@@ -29,18 +29,18 @@ namespace pagedllm {
 
 // Attention (decode_attention.cpp, prefill_attention.cpp, paged_attention.cpp). `window`: 0, or a sliding window
 // of that many keys: a query at position p sees the keys at positions (p - window, p] (transformers' and vLLM's
-// sliding_window).
+// sliding_window). `softcap`: 0, or Gemma 2's soft-capping of the scaled scores s, cap tanh(s / cap) (`soft_cap`).
 void decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
-                      at::Tensor seq_lens, double scale, int64_t window);
+                      at::Tensor seq_lens, double scale, int64_t window, double softcap);
 void prefill_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                        at::Tensor block_tables, at::Tensor seq_lens, at::Tensor query_start_loc, int64_t first_seq,
-                       double scale, int64_t window);
+                       double scale, int64_t window, double softcap);
 // A step's attention as pagedllm.attention.cpu.paged_attention runs it: decodes (the first num_decodes sequences)
 // through decode_attention, the rest through prefill_attention; when every sequence's context starts with the same
 // blocks and `cascade` allows it (never with a window), as cascade attention (paged_attention.cpp).
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
                      at::Tensor seq_lens, at::Tensor query_start_loc, int64_t num_decodes, double scale,
-                     bool cascade, int64_t window);
+                     bool cascade, int64_t window, double softcap);
 // The prefix paged_attention runs as cascade attention for this batch: the positions at the start of every
 // sequence's context held in the same blocks of every table and seen by every query token, in whole blocks, rounded
 // down to a multiple of 64; 0 where a cascade would not pay (paged_attention.cpp).
@@ -69,15 +69,15 @@ bool prefill_attention_in_tiles(const at::Tensor& q, const at::Tensor& k_cache);
 // contexts from that state (prefix = nullptr: from no keys, over the whole context, or its window).
 SoftmaxState prefix_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                               const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                              const at::Tensor& query_start_loc, int64_t prefix_len, double scale);
+                              const at::Tensor& query_start_loc, int64_t prefix_len, double scale, double softcap);
 void decode_attention_after_prefix(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
                                    const at::Tensor& v_cache, const at::Tensor& block_tables,
-                                   const at::Tensor& seq_lens, double scale, int64_t window,
+                                   const at::Tensor& seq_lens, double scale, int64_t window, double softcap,
                                    const SoftmaxState* prefix);
 void prefill_attention_after_prefix(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
                                     const at::Tensor& v_cache, const at::Tensor& block_tables,
                                     const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t first_seq,
-                                    double scale, int64_t window, const SoftmaxState* prefix);
+                                    double scale, int64_t window, double softcap, const SoftmaxState* prefix);
 
 // The new tokens' K and V into their cache slots, copied or quantized to int8 rows (cache_write.cpp).
 void write_kv(at::Tensor key, at::Tensor value, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slot_mapping);
@@ -182,8 +182,9 @@ using KVPair = std::tuple<at::Tensor, at::Tensor>;  // one layer's (k_cache, v_c
 // the CPU attention backend, on one rank.
 class DecoderStack {
  public:
+  // softcap: 0, or the soft cap of every layer's attention scores (Gemma 2's)
   DecoderStack(std::vector<DecoderLayerWeights> layers, at::Tensor norm, double eps, int64_t num_heads,
-               int64_t num_kv_heads, int64_t head_dim, double scale);
+               int64_t num_kv_heads, int64_t head_dim, double scale, double softcap);
   // x: the embedded tokens [T, H]; the batch as pagedllm.attention.metadata.AttentionMetadata holds it, decodes first.
   at::Tensor forward(at::Tensor x, const at::Tensor& positions, const std::vector<KVPair>& kv_caches,
                      at::Tensor slot_mapping, at::Tensor block_tables, at::Tensor seq_lens,
@@ -205,7 +206,7 @@ class DecoderStack {
   at::Tensor norm_;
   double eps_;
   int64_t num_heads_, num_kv_heads_, head_dim_;
-  double scale_;
+  double scale_, softcap_;
 };
 
 // shm.cpp: the collectives of tensor-parallel ranks on one machine; each returns the last round number it used.
@@ -475,6 +476,15 @@ inline float exp_approx(float x) {
   std::memcpy(&scale, &bits, sizeof(scale));
   const float value = p * scale;  // computed whatever x, so that the select below is branch-free (AVX2 has no masks)
   return x < kLowest ? 0.f : value;  // below that, exp underflows (and exp(-inf) = 0)
+}
+
+// Soft-capping (Gemma 2's attention scores) in place: s = cap tanh(s / cap) over n scores, cap > 0, tanh(y) taken
+// as 1 - 2 / (e^(2y) + 1) with exp_approx (whose clamp gives +-1 for a large |y|). torch's tanh differs: its bits
+// within a rounding or so of the cap.
+inline void soft_cap(float* s, int64_t n, float cap) {
+  const float two_over_cap = 2.f / cap, two_cap = 2.f * cap;
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) s[i] = cap - two_cap / (exp_approx(s[i] * two_over_cap) + 1.f);
 }
 
 #if defined(__AVX512F__)

@@ -438,15 +438,22 @@ inline __m512 exp_for_bf16(__m512 x) {
 #endif
 
 // Online softmax for one query row over scores [hidden, visible) of a key chunk s[kKeyChunk] (0 <= hidden <
-// visible; keys before `hidden` are out of a sliding window): s becomes the chunk's p (0 outside them), and o, the
-// row's unnormalised output, is rescaled to the new max. m: the row's
+// visible; keys before `hidden` are out of a sliding window), each times `scale` and then, with a `softcap`, capped
+// (`soft_cap`): s becomes the chunk's p (0 outside them), and o, the row's unnormalised output, is rescaled to the
+// new max. m: the row's
 // running max; l: its running sum of exp (of scaled scores), as kSumLanes partial sums. kBf16P: p is rounded to
 // bf16 next (the paths that weigh the values in bf16 pairs), so that exp_for_bf16 does (1.2-1.3x the chunk loop
 // of the AMX path on SmolLM2's shapes, whose exp was its largest part).
 template <int64_t kHeadDim, bool kBf16P>
-inline void softmax_chunk(float* s, int64_t hidden, int64_t visible, float scale, int64_t head_dim, float& m, float* l,
-                          float* o) {
+inline void softmax_chunk(float* s, int64_t hidden, int64_t visible, float scale, float softcap, int64_t head_dim,
+                          float& m, float* l, float* o) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  if (softcap > 0.f) {  // the capped scores are scaled already (cap tanh(s / cap) is not a multiple of s)
+#pragma omp simd
+    for (int64_t j = 0; j < kKeyChunk; ++j) s[j] *= scale;
+    soft_cap(s, kKeyChunk, softcap);
+    scale = 1.f;
+  }
 #if defined(__AVX512F__)
   // The chunk's 64 scores stay in four registers from load to store: the mask is a lane mask, the scale goes into
   // the max's subtraction (one FMA), and the row keeps its max m while no score passes it by more than kSlack
@@ -550,6 +557,7 @@ struct Plan {
   std::vector<Packed> packed;
   std::vector<Task> tasks;
   int64_t window = 0;  // 0, or the sliding window every query row sees
+  float softcap = 0.f;  // 0, or the soft cap of the scores (Gemma 2's)
 };
 
 // The first key a query at `pos` sees of the keys from `first` on: `first`, or its sliding window's first.
@@ -757,7 +765,7 @@ void run_plan(Plan& plan, at::Tensor& out, const at::Tensor& q, const at::Tensor
               std::fill(s, s + kKeyChunk, 0.f);
               continue;
             }
-            softmax_chunk<kHeadDim, kPairs>(s, hidden, visible, scale, head_dim, row_max[r],
+            softmax_chunk<kHeadDim, kPairs>(s, hidden, visible, scale, plan.softcap, head_dim, row_max[r],
                                             row_sum.data() + r * kSumLanes, acc.data() + r * head_dim);
           }
         };
@@ -869,21 +877,23 @@ bool prefill_attention_in_tiles(const at::Tensor& q, const at::Tensor& k_cache) 
 
 void prefill_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                        at::Tensor block_tables, at::Tensor seq_lens, at::Tensor query_start_loc, int64_t first_seq,
-                       double scale, int64_t window) {
+                       double scale, int64_t window, double softcap) {
   prefill_attention_after_prefix(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, first_seq, scale,
-                                 window, nullptr);
+                                 window, softcap, nullptr);
 }
 
 void prefill_attention_after_prefix(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
                                     const at::Tensor& v_cache, const at::Tensor& block_tables,
                                     const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t first_seq,
-                                    double scale, int64_t window, const SoftmaxState* prefix) {
+                                    double scale, int64_t window, double softcap, const SoftmaxState* prefix) {
   check_prefill_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc);
   TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "out must be contiguous and of q's shape");
   TORCH_CHECK(window >= 0 && !(window > 0 && prefix), "a sliding window of ", window,
               " keys (0: none), never with a cascade's prefix");
+  TORCH_CHECK(softcap >= 0, "softcap must be 0 (none) or positive, not ", softcap);
   Plan plan = plan_sequences(query_start_loc.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), first_seq,
                              seq_lens.size(0), k_cache.size(2), prefix ? prefix->prefix_len : 0, window);
+  plan.softcap = static_cast<float>(softcap);
   dispatch_plan(q, k_cache, v_cache, [&]<typename scalar_t, typename cache_t, int64_t kHeadDim>() {
     run_plan<scalar_t, cache_t, kHeadDim>(plan, out, q, k_cache, v_cache, block_tables, seq_lens, scale, prefix,
                                           nullptr);
@@ -892,12 +902,13 @@ void prefill_attention_after_prefix(at::Tensor out, const at::Tensor& q, const a
 
 SoftmaxState prefix_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                               const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                              const at::Tensor& query_start_loc, int64_t prefix_len, double scale) {
+                              const at::Tensor& query_start_loc, int64_t prefix_len, double scale, double softcap) {
   check_prefill_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc);
   TORCH_CHECK(prefix_len > 0 && prefix_len % kKeyChunk == 0, "a cascade's prefix is whole chunks of ", kKeyChunk,
               " keys, not ", prefix_len);
   SoftmaxState state(q.size(0), q.size(1), q.size(2), prefix_len);
   Plan plan = plan_prefix(q.size(0), 0, k_cache.size(2), prefix_len);
+  plan.softcap = static_cast<float>(softcap);
   at::Tensor unused;
   dispatch_plan(q, k_cache, v_cache, [&]<typename scalar_t, typename cache_t, int64_t kHeadDim>() {
     run_plan<scalar_t, cache_t, kHeadDim>(plan, unused, q, k_cache, v_cache, block_tables, seq_lens, scale, nullptr,
