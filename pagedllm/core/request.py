@@ -100,6 +100,8 @@ class Request:
     status: RequestStatus = field(init=False, default=RequestStatus.WAITING)
     num_cached_tokens: int = field(init=False, default=0)
     num_preemptions: int = field(init=False, default=0)
+    # whether its prefix-cache query was counted (at its first admission: KVCacheManager.allocate_slots)
+    prefix_query_counted: bool = field(init=False, default=False)
     finish_reason: FinishReason | None = field(init=False, default=None)
     stop_reason: int | str | None = field(init=False, default=None)
     # Chained hashes of the full blocks of all_token_ids, extended lazily by the KV cache manager.

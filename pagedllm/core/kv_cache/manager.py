@@ -161,10 +161,11 @@ class KVCacheManager:
             request: the request; its `num_computed_tokens` counts the tokens already in its blocks.
             num_new_tokens: tokens to compute this step.
             computed: a prefix hit from `get_computed_blocks`, for a request that has no blocks yet; its
-                blocks are referenced and become the head of the table. This admission is when the query
-                counts in `prefix_cache_stats`: once per request, since a failed attempt (None) counts
-                nothing and a re-admission after a recompute preemption (`num_preemptions > 0`), which
-                mostly finds its own freed blocks, is left out, as vLLM leaves it out of its hit rate.
+                blocks are referenced and become the head of the table. The first such admission is when the
+                query counts in `prefix_cache_stats`: once per request, since a failed attempt (None) counts
+                nothing, and a re-admission (after a recompute preemption, which mostly finds its own freed
+                blocks, or a failed step that sent it back to wait) is left out, as vLLM leaves the preempted
+                out of its hit rate.
 
         Returns:
             The ids of the newly allocated blocks (maybe none, and not counting a copy-on-write copy), or None
@@ -192,8 +193,9 @@ class KVCacheManager:
         self.pool.touch(hit)
         if any(block.block_id in self._ahead for block in hit):
             self._ahead_readers.add(request.request_id)
-        if computed is not None and self.enable_caching and request.num_preemptions == 0:
+        if computed is not None and self.enable_caching and not request.prefix_query_counted:
             self.pool.record_prefix_query(request.num_tokens, computed.num_computed_tokens)
+            request.prefix_query_counted = True
         new_blocks = self.pool.get_new_blocks(num_needed)
         if request.request_id not in self._req_blocks:
             self._req_blocks[request.request_id] = table

@@ -250,4 +250,5 @@ def test_a_failed_step_takes_back_its_blocks_cached_ahead_and_requeues_their_rea
     run_steps(scheduler, runner, results)
     for name, prompt in prompts.items():
         assert results[name].token_ids == reference(prompt, 5, None)
+    assert manager.prefix_cache_stats.num_queries == 3          # b and c counted once, not again when requeued
     assert _all_free(scheduler)
