@@ -52,9 +52,9 @@ int64_t cascade_prefix_len(at::Tensor q, at::Tensor k_cache, at::Tensor block_ta
 constexpr int64_t kKeyChunk = 64;
 
 // The online-softmax state of every query row (token, query head) of a flat batch over the keys at positions
-// [0, prefix_len) of its context: the running max m of its scaled scores, the sum l of their exp(s - m), and the
-// output row they weigh, not yet divided by l. Cascade attention's prefix part leaves it; its suffix parts start
-// from it, so that each row's softmax runs over all its keys as if in one pass.
+// [0, prefix_len) of its context: the running max m of its scaled (and capped) scores, the sum l of their
+// exp(s - m), and the output row they weigh, not yet divided by l. Cascade attention's prefix part leaves it; its
+// suffix parts start from it, so that each row's softmax runs over all its keys as if in one pass.
 struct SoftmaxState {
   SoftmaxState(int64_t num_tokens, int64_t num_heads, int64_t head_dim, int64_t prefix_len)
       : prefix_len(prefix_len), max(new float[num_tokens * num_heads]), sum(new float[num_tokens * num_heads]),
