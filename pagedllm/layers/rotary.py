@@ -1,7 +1,8 @@
-"""Rotary position embedding (neox style, `rotate_half`, as Hugging Face Llama applies it).
+"""Rotary position embedding (neox style, `rotate_half`, as Hugging Face Llama applies it), over a head's first
+`rotary_dim` values (all of them, or a part: Phi-4-mini's 3/4), the rest passed through.
 
-Supports rope types "default", "linear" and "llama3". `rope_config(hf_config)` reads transformers 5's
-`config.rope_parameters` and falls back to the older `rope_theta` / `rope_scaling` fields.
+Supports rope types "default", "linear", "llama3" and "longrope" (Phi-3's). `rope_config(hf_config)` reads
+transformers 5's `config.rope_parameters` and falls back to the older `rope_theta` / `rope_scaling` fields.
 """
 
 from __future__ import annotations
@@ -29,7 +30,20 @@ def rope_config(config: Any, layer_type: str | None = None) -> tuple[float, dict
         base = float(getattr(config, "rope_theta", 10000.0))
         scaling = dict(getattr(config, "rope_scaling", None) or {})
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "longrope":     # the context it was trained on, and how far past it the model reaches
+        original = scaling.get("original_max_position_embeddings") or config.original_max_position_embeddings
+        scaling["original_max_position_embeddings"] = original
+        if scaling.get("factor") is None:
+            scaling["factor"] = config.max_position_embeddings / original
     return base, (None if rope_type == "default" else {**scaling, "rope_type": rope_type})
+
+
+def rotary_dim(config: Any, head_dim: int) -> int:
+    """How many of a head's values the rotary embedding turns: head_dim x `partial_rotary_factor` (Phi-4-mini's
+    0.75), all of them without one."""
+    params = getattr(config, "rope_parameters", None)
+    factor = params.get("partial_rotary_factor") if isinstance(params, dict) else None
+    return int(head_dim * (factor or getattr(config, "partial_rotary_factor", None) or 1.0))
 
 
 def _default_inv_freq(head_dim: int, base: float) -> torch.Tensor:
@@ -51,8 +65,23 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _longrope_inv_freq(head_dim: int, base: float, factors: list[float]) -> torch.Tensor:
+    """Phi-3's: each frequency slowed by its own factor (transformers' expression, for its bits)."""
+    shape = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    return 1.0 / (torch.tensor(factors, dtype=torch.float32) * base ** shape)
+
+
+def _longrope_attention_factor(scaling: dict) -> float:
+    """The scale of longrope's cos and sin tables: the config's `attention_factor`, else sqrt(1 + ln(factor) /
+    ln(original context)) for a model reaching past its original context (1 otherwise)."""
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+    return math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1.0 else 1.0
+
+
 def compute_inv_freq(head_dim: int, base: float, scaling: dict | None) -> torch.Tensor:
-    """[head_dim / 2] float32 inverse frequencies."""
+    """[head_dim / 2] float32 inverse frequencies (longrope's short ones: `RotaryEmbedding` takes both)."""
     inv_freq = _default_inv_freq(head_dim, base)
     rope_type = (scaling or {}).get("rope_type", "default")
     if rope_type == "default":
@@ -61,7 +90,10 @@ def compute_inv_freq(head_dim: int, base: float, scaling: dict | None) -> torch.
         return inv_freq / scaling["factor"]  # type: ignore[index]
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)  # type: ignore[arg-type]
-    raise NotImplementedError(f"rope_type {rope_type!r} is not supported (supported: default, linear, llama3)")
+    if rope_type == "longrope":
+        return _longrope_inv_freq(head_dim, base, scaling["short_factor"])  # type: ignore[index]
+    raise NotImplementedError(f"rope_type {rope_type!r} is not supported (supported: default, linear, llama3, "
+                              "longrope)")
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -70,20 +102,42 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Applies rotary embeddings to q and k at the given positions; cos/sin precomputed for max_position."""
+    """Applies rotary embeddings to the first `rotary_dim` values of each head of q and k at the given positions;
+    cos/sin precomputed for max_position.
 
-    def __init__(self, head_dim: int, max_position: int, base: float, scaling: dict | None = None) -> None:
+    Longrope has two tables, rows [0, P) with its short factors and [P, 2P) with its long ones, both scaled by its
+    attention factor: a step reaching its original context's end takes the long rows for all its tokens
+    (`table_rows`), as transformers picks them for a whole forward pass and vLLM for a whole step. A prompt within
+    the original context runs as transformers runs it; one past it, prefilled in one step, too; a context that
+    grows past it keeps the short factors in the keys cached before (so does transformers' generate).
+    """
+
+    def __init__(self, rotary_dim: int, max_position: int, base: float, scaling: dict | None = None) -> None:
         super().__init__()
-        self.head_dim = head_dim
-        inv_freq = compute_inv_freq(head_dim, base, scaling)
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)  # [P, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
-        self.register_buffer("cos_cache", emb.cos(), persistent=False)
-        self.register_buffer("sin_cache", emb.sin(), persistent=False)
+        self.rotary_dim = rotary_dim
+        positions = torch.arange(max_position, dtype=torch.float32)
+        inv_freqs = [compute_inv_freq(rotary_dim, base, scaling)]
+        self.long_from, scale = 0, 1.0     # longrope's: the first position of the long rows, its tables' scale
+        if scaling is not None and scaling["rope_type"] == "longrope":
+            inv_freqs.append(_longrope_inv_freq(rotary_dim, base, scaling["long_factor"]))
+            self.long_from, scale = scaling["original_max_position_embeddings"], _longrope_attention_factor(scaling)
+        freqs = torch.cat([torch.outer(positions, inv_freq) for inv_freq in inv_freqs])  # [P or 2P, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [P or 2P, D]
+        self.max_position = max_position
+        self.register_buffer("cos_cache", emb.cos() * scale if scale != 1.0 else emb.cos(), persistent=False)
+        self.register_buffer("sin_cache", emb.sin() * scale if scale != 1.0 else emb.sin(), persistent=False)
+
+    def table_rows(self, positions: torch.Tensor) -> torch.Tensor:
+        """The tables' rows for a step's positions: the positions, but under longrope, where a step that reaches
+        its original context's end takes the long rows for all its tokens (in tensor ops: no host sync)."""
+        if not self.long_from or positions.numel() == 0:
+            return positions
+        return positions + (positions.max() >= self.long_from) * self.max_position
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [T]; q: [T, Hq, D]; k: [T, Hkv, D]. Rotates q and k in place and returns them.
+        """positions: [T], the tables' rows (`table_rows`); q: [T, Hq, D]; k: [T, Hkv, D]. Rotates q and k in
+        place and returns them.
 
         In place because they are views of the step's fresh qkv projection; on the CPU one C++ kernel does it,
         elsewhere `forward_native` (the torch reference, which returns new tensors) and a copy back.
@@ -99,11 +153,18 @@ class RotaryEmbedding(nn.Module):
 
     def forward_native(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                        ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
+        cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)  # [T, 1, rotary_dim]
         sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        d = self.rotary_dim
+
+        def rotate(x: torch.Tensor) -> torch.Tensor:
+            turned = x[..., :d] * cos + rotate_half(x[..., :d]) * sin
+            return turned if d == x.shape[-1] else torch.cat([turned, x[..., d:]], dim=-1)
+
+        return rotate(q), rotate(k)
 
 
-def get_rope(head_dim: int, max_position: int, base: float, rope_scaling: dict | None = None) -> RotaryEmbedding:
-    """A rotary embedding for `head_dim`, positions < `max_position`, rope type from `rope_scaling`."""
-    return RotaryEmbedding(head_dim, max_position, base, rope_scaling)
+def get_rope(rotary_dim: int, max_position: int, base: float, rope_scaling: dict | None = None) -> RotaryEmbedding:
+    """A rotary embedding over a head's first `rotary_dim` values, positions < `max_position`, rope type from
+    `rope_scaling`."""
+    return RotaryEmbedding(rotary_dim, max_position, base, rope_scaling)

@@ -1,6 +1,8 @@
-"""One Llama-family decoder: Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM, Gemma 2 and 3; MHA, GQA and MQA; tied or
-untied embeddings. Qwen3 adds an RMSNorm over each query and key head (`q_norm`, `k_norm`) before the rotary
-embedding. Mixtral, Qwen2-MoE and Qwen3-MoE replace the MLP with a mixture of experts (`LlamaSparseMoeBlock`).
+"""One Llama-family decoder: Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM, Phi-3, Gemma 2 and 3; MHA, GQA and MQA; tied
+or untied embeddings. Qwen3 adds an RMSNorm over each query and key head (`q_norm`, `k_norm`) before the rotary
+embedding. Phi-3 stores its q/k/v and gate/up weights fused (`_unfused` splits them) and may turn a part of each
+head (`partial_rotary_factor`) with longrope's two sets of frequencies (`RotaryEmbedding`). Mixtral, Qwen2-MoE and
+Qwen3-MoE replace the MLP with a mixture of experts (`LlamaSparseMoeBlock`).
 Gemma 2 and 3 have their embeddings scaled by sqrt(hidden_size), a norm on each branch's output before it joins the
 residual stream (`pre_feedforward_layernorm`, `post_feedforward_layernorm`), RMSNorm weights stored as w - 1
 (`load_weights` adds the 1 back), a GELU-gated MLP, `query_pre_attn_scalar` for their attention scale, and local
@@ -37,7 +39,7 @@ from pagedllm.layers.linear import (
 )
 from pagedllm.layers.moe import route, run_experts
 from pagedllm.layers.norm import RMSNorm
-from pagedllm.layers.rotary import RotaryEmbedding, get_rope, rope_config
+from pagedllm.layers.rotary import RotaryEmbedding, get_rope, rope_config, rotary_dim
 
 if TYPE_CHECKING:
     from pagedllm.lora.adapter import LoRABatch
@@ -318,11 +320,14 @@ class LlamaModel(nn.Module):
             base, scaling = rope_config(config, _layer_type(config, index))
             key = repr((base, scaling))
             if key not in rotary:
-                rotary[key] = get_rope(_head_dim(config), max_positions, base, scaling)
+                rotary[key] = get_rope(rotary_dim(config, _head_dim(config)), max_positions, base, scaling)
             return rotary[key]
 
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype, attn_backend, rotary_of(index), tp, index)
                                     for index in range(config.num_hidden_layers))
+        # longrope's (Phi-3's), whose step picks its tables' rows once for every layer (`table_rows`)
+        self.longrope = next((r for r in rotary.values() if r.long_from), None)
+        assert self.longrope is None or len(rotary) == 1, "longrope with ropes of other layer types"
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         # kernel module -> its DecoderStack of these layers; None: the modules run (see use_decoder_stack)
         self.stacks: dict[ModuleType, Any] | None = None
@@ -332,6 +337,8 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(input_ids)  # [T, H]
         if self.embed_scale is not None:
             x = x * self.embed_scale
+        if self.longrope is not None:
+            positions = self.longrope.table_rows(positions)
         stack = self.stack_for(x) if lora is None else None   # the C++ stack has no LoRA updates
         if stack is not None:
             return stack.forward(x, positions, kv_caches, meta.slot_mapping, meta.block_tables, meta.seq_lens,
@@ -508,7 +515,8 @@ class LlamaForCausalLM(nn.Module):
                 tensor = tensor.float() + 1     # Gemma's RMSNorm scales by 1 + w
             if name.endswith(".bias") and self._target(name)[0] not in params and not tensor.any():
                 continue  # a zero bias is no bias (AutoGPTQ stores one for every layer, biased or not)
-            loaded.add(self._load_one(params, name, tensor))
+            for part_name, part in self._unfused(name, tensor):
+                loaded.add(self._load_one(params, part_name, part))
         if head_rows is not None:
             loaded.add(self._load_one(params, "score.weight", self._classifier_head(head_rows)))
         self._check_all_loaded(params, loaded)
@@ -518,6 +526,21 @@ class LlamaForCausalLM(nn.Module):
         """The classification head made of the LM head's rows of the classifier's tokens: those rows, one class
         each; or, for a one-label head of two tokens (false, true), the true row less the false one."""
         return rows[1:] - rows[:1] if self.config.num_labels == 1 else rows
+
+    def _unfused(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """A checkpoint's fused q/k/v or gate/up tensor (Phi-3 stores qkv_proj and gate_up_proj) as its parts, each
+        under the name a separate checkpoint gives it, so that each loads as one (a tensor-parallel rank takes its
+        slice of each); any other tensor as it is."""
+        if ".qkv_proj." in name:
+            q_rows, kv_rows = (n * _head_dim(self.config) for n in (self.config.num_attention_heads,
+                                                                    _num_kv_heads(self.config)))
+            parts = tensor.split([q_rows, kv_rows, kv_rows])
+            return [(name.replace(".qkv_proj.", f".{p}_proj."), t) for p, t in zip("qkv", parts, strict=True)]
+        if ".gate_up_proj." in name:
+            gate, up = tensor.chunk(2)
+            return [(name.replace(".gate_up_proj.", ".gate_proj."), gate),
+                    (name.replace(".gate_up_proj.", ".up_proj."), up)]
+        return [(name, tensor)]
 
     @staticmethod
     def _target(name: str) -> tuple[str, str | int | None]:

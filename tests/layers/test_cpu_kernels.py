@@ -60,10 +60,13 @@ def test_gated_activation_kernels_match_torch(dtype: torch.dtype, shape: tuple[i
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_tokens", [1, 5, 200])
 @pytest.mark.parametrize("head_dim", [16, 64, 128])
-def test_rotary_kernel_matches_torch(dtype: torch.dtype, num_tokens: int, head_dim: int, isa_level: str) -> None:
-    """q and k are views into one qkv projection, as the attention layer hands them over."""
+@pytest.mark.parametrize("turned", [1.0, 0.75])
+def test_rotary_kernel_matches_torch(dtype: torch.dtype, num_tokens: int, head_dim: int, turned: float,
+                                     isa_level: str) -> None:
+    """q and k are views into one qkv projection, as the attention layer hands them over; all of each head turned,
+    or its first 3/4 (Phi-4-mini's partial_rotary_factor), the rest left as it was."""
     g = torch.Generator().manual_seed(2)
-    rope = get_rope(head_dim, 4096, 10000.0)
+    rope = get_rope(int(head_dim * turned), 4096, 10000.0)
     heads, kv_heads = 9, 3
     qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
     positions = torch.randint(0, 4096, (num_tokens,), generator=g)

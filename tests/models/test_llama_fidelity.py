@@ -58,6 +58,25 @@ def test_the_rotary_tables_cover_max_model_len(tmp_path) -> None:
     torch.testing.assert_close(logits[0], _hf_last_logits(hf_model, prompt), atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("kernels", [True, False])
+def test_longrope_takes_its_long_factors_for_a_step_past_the_original_context(tmp_path, kernels, monkeypatch) -> None:
+    """Phi-3's longrope with an original context of 16: a 30-token prompt prefilled in one step, and the decodes after
+    it, take the long factors for every token, as transformers does for a sequence past 16 tokens; through the
+    kernels (the C++ stack) and the torch modules."""
+    if not kernels:
+        monkeypatch.setenv("PAGEDLLM_DISABLE_KERNELS", "1")
+    rope = dict(TINY_MODELS["phi3-longrope"][1]["rope_parameters"], original_max_position_embeddings=16)
+    folder, hf_model = save_tiny_model(tmp_path / "m", "phi3-longrope", with_tokenizer=False, rope_parameters=rope)
+    runner = SimplePagedRunner(_load(folder))
+    tokens = [(7 * i + 3) % 300 for i in range(30)]
+    logits = runner.step({0: tokens})
+    for _ in range(3):
+        expected = _hf_last_logits(hf_model, tokens)
+        torch.testing.assert_close(logits[0], expected, atol=ATOL, rtol=0)
+        tokens.append(int(expected.argmax()))
+        logits = runner.step({0: tokens[-1:]})
+
+
 def test_sharded_checkpoint(tmp_path) -> None:
     folder, hf_model = save_tiny_model(tmp_path / "sharded", "llama-untied", max_shard_size="100KB",
                                        with_tokenizer=False)

@@ -39,6 +39,12 @@ TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "gemma2": ("gemma2", dict(num_key_value_heads=2, head_dim=32, sliding_window=12, query_pre_attn_scalar=24,
                               attn_logit_softcapping=1.0, final_logit_softcapping=3.0,
                               layer_types=["sliding_attention", "full_attention"])),
+    # as Phi-3's: q/k/v and gate/up stored fused; Phi-3.5's and Phi-4-mini's longrope (short and long factors, an
+    # original context of 64 of 256) over 3/4 of each head (12 of 16 values)
+    "phi3": ("phi3", dict(num_key_value_heads=2, tie_word_embeddings=False, pad_token_id=0)),
+    "phi3-longrope": ("phi3", dict(num_key_value_heads=2, pad_token_id=0, rope_parameters=dict(
+        rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.75, original_max_position_embeddings=64,
+        short_factor=[1.0, 1.1, 1.3, 1.6, 2.0, 2.5], long_factor=[1.5, 2.0, 3.0, 4.0, 6.0, 8.0]))),
     # mixtures of experts: 4 experts, 2 a token (8 and 2 for Mixtral, 128 and 8 for Qwen3-30B-A3B)
     "mixtral": ("mixtral", dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
                                 tie_word_embeddings=False)),

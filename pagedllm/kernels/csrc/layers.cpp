@@ -100,7 +100,8 @@ inline void rotate_head(scalar_t* x, const float* cos, const float* sin, int64_t
 template <typename scalar_t>
 void rotary_embedding_impl(const at::Tensor& positions, at::Tensor& q, at::Tensor& k, const at::Tensor& cos_cache,
                            const at::Tensor& sin_cache) {
-  const int64_t tokens = q.size(0), q_heads = q.size(1), k_heads = k.size(1), head_dim = q.size(2);
+  // head_dim: the values turned, each head's first (all of them, or Phi-4-mini's 3/4)
+  const int64_t tokens = q.size(0), q_heads = q.size(1), k_heads = k.size(1), head_dim = cos_cache.size(1);
   const int64_t half = head_dim / 2;
   const int64_t q_tok = q.stride(0), q_head = q.stride(1), k_tok = k.stride(0), k_head = k.stride(1);
   const int64_t* pos = positions.data_ptr<int64_t>();
@@ -190,8 +191,10 @@ void rotary_embedding(at::Tensor positions, at::Tensor q, at::Tensor k, at::Tens
     TORCH_CHECK(pos[t] >= 0 && pos[t] < cos_cache.size(0), "position ", pos[t], " is outside the rotary cache");
   }
   TORCH_CHECK(cos_cache.scalar_type() == at::kFloat && sin_cache.scalar_type() == at::kFloat &&
-                  cos_cache.is_contiguous() && sin_cache.is_contiguous() && cos_cache.size(1) == q.size(2),
-              "cos/sin caches must be contiguous float32 [max_position, head_dim]");
+                  cos_cache.is_contiguous() && sin_cache.is_contiguous() && cos_cache.size(1) <= q.size(2) &&
+                  cos_cache.size(1) % 2 == 0 && sin_cache.sizes() == cos_cache.sizes(),
+              "cos/sin caches must be contiguous float32 [max_position, rotary_dim], rotary_dim even and at most "
+              "head_dim");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "rotary_embedding", [&] {
     rotary_embedding_impl<scalar_t>(positions, q, k, cos_cache, sin_cache);
   });
