@@ -36,6 +36,14 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
         hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
         num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256, sliding_window=4096,
         attn_logit_softcapping=50.0, final_logit_softcapping=30.0)),
+    # Phi-4-mini's layers (~3.4B weights): 32 of hidden 3072, 24 query heads of 128 over 8 kv heads, an MLP of 8192,
+    # longrope (an original context of 4,096 of 131,072) over 3/4 of each head; the tokenizer's vocabulary
+    "phi4-mini": ("phi3", dict(
+        hidden_size=3072, intermediate_size=8192, num_hidden_layers=32, num_attention_heads=24,
+        num_key_value_heads=8, original_max_position_embeddings=4096, tie_word_embeddings=True,
+        rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.75,
+                             short_factor=[1.0 + i / 48 for i in range(24)],
+                             long_factor=[1.0 + i for i in range(24)]))),
 }
 
 

@@ -57,7 +57,9 @@ _BLOCK_NAMES = {
 # pre_feedforward_layernorm (its post_attention_layernorm is the attention branch's output norm)
 _GEMMA_BLOCK_NAMES = {**_BLOCK_NAMES, "ffn_norm": "pre_feedforward_layernorm",
                       "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
-_ARCH_BLOCK_NAMES = {"gemma2": _GEMMA_BLOCK_NAMES, "gemma3": _GEMMA_BLOCK_NAMES}
+# Phi-3's fused weights: its q/k/v in one tensor, and its gate and up in ffn_up (`unfused` splits them)
+_ARCH_BLOCK_NAMES = {"gemma2": _GEMMA_BLOCK_NAMES, "gemma3": _GEMMA_BLOCK_NAMES,
+                     "phi3": {**_BLOCK_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
 # Architectures whose RMSNorm scales by 1 + w, which llama.cpp's converter stores as the 1 + w it multiplies by
 _NORM_SHIFTED_ARCHS = {"gemma2", "gemma3"}
 # GGUF architecture -> transformers' model_type, where they differ (a mixture of experts: _MOE_MODEL_TYPES)
@@ -66,7 +68,8 @@ _MODEL_TYPES = {"gemma3": "gemma3_text"}
 # local, over the window), and the layer count of the 27B, whose queries are scaled by (hidden / heads) ** -0.5
 _GEMMA_LAYOUTS = {"gemma2": (2, 46), "gemma3": (6, 62)}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_SKIPPED = {"rope_freqs"}  # llama3 rope factors: the rope is rebuilt from the config instead
+# llama3's and longrope's rope factors: the rope is rebuilt from the config (longrope's factors go into it)
+_SKIPPED = {"rope_freqs", "rope_factors_long", "rope_factors_short"}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 # one expert's tensor: blk.{layer}.ffn_{gate,up,down}.{expert}.weight, as older Mixtral files store them and as
 # GGUFFile names its slices of the stacked ones (_STACKED_EXPERTS_RE)
@@ -270,13 +273,15 @@ def iterate_gguf(path: str | Path, dtype: torch.dtype = torch.float32, gguf_file
                  skip: Container[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (Hugging Face name, tensor in `dtype`) for every weight of a llama-family GGUF but those named in
     `skip`, which are never read; as the Hugging Face checkpoint holds it (Gemma's norms as w, not 1 + w)."""
+    from pagedllm.models.llama import fused_parts
+
     g = gguf_file or GGUFFile(path)
     permute = g.architecture in _PERMUTED_ARCHS
     num_heads = g.arch_value("attention.head_count")
     num_kv_heads = g.arch_value("attention.head_count_kv", num_heads)
     for info in g.tensors.values():
         hf_name = gguf_to_hf_name(info.name, g.architecture)
-        if hf_name is None or hf_name in skip:
+        if hf_name is None or all(part in skip for part in fused_parts(hf_name)):
             continue
         tensor = g.read_tensor(info)
         if g.architecture in _NORM_SHIFTED_ARCHS and hf_name.endswith("norm.weight"):
@@ -298,6 +303,9 @@ def gguf_block_rows(g: GGUFFile, ggml_types: tuple[GGMLQuantizationType, ...]
     permute = g.architecture in _PERMUTED_ARCHS
     heads = {".q_proj.": g.arch_value("attention.head_count")}
     heads[".k_proj."] = g.arch_value("attention.head_count_kv", heads[".q_proj."])
+    from pagedllm.models.llama import unfused
+
+    config = gguf_hf_config(g)
     rows: dict[str, tuple[GGMLQuantizationType, torch.Tensor]] = {}
     for info in g.tensors.values():
         hf_name = gguf_to_hf_name(info.name, g.architecture)
@@ -307,7 +315,8 @@ def gguf_block_rows(g: GGUFFile, ggml_types: tuple[GGMLQuantizationType, ...]
         for part, num_heads in heads.items():
             if permute and part in hf_name:
                 raw = unpermute_qk(raw, num_heads)
-        rows[hf_name] = (info.ggml_type, raw)
+        for part_name, part_rows in unfused(config, hf_name, raw):     # Phi-3's fused tensors, row by row
+            rows[part_name] = (info.ggml_type, part_rows)
     return rows
 
 
@@ -353,6 +362,8 @@ def gguf_hf_config(g: GGUFFile) -> Any:
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in g.tensors
     if arch in _GEMMA_LAYOUTS:
         kwargs.update(_gguf_gemma(g, kwargs))
+    if arch == "phi3":
+        kwargs.update(_gguf_phi3(g, kwargs))
     kwargs.update(_gguf_experts(g, kwargs["num_hidden_layers"]))
     name = g.metadata.get("general.name")
     config = PretrainedConfig(**kwargs)
@@ -382,6 +393,28 @@ def _gguf_gemma(g: GGUFFile, fields: dict[str, Any]) -> dict[str, Any]:
     if g.architecture == "gemma3":
         config["rope_parameters"] = {"full_attention": fields["rope_parameters"],
                                      "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+    return config
+
+
+def _gguf_phi3(g: GGUFFile, fields: dict[str, Any]) -> dict[str, Any]:
+    """Phi-3's config fields from a `phi3` file: its heads' width (hidden / heads: `rope.dimension_count` is the
+    part of each head its rope turns, Phi-4-mini's 3/4), its window (0 there for none), and longrope's factors,
+    stored as the rope_factors_short and rope_factors_long tensors, with the original context and the tables'
+    scale from the metadata."""
+    head_dim = fields["hidden_size"] // fields["num_attention_heads"]
+    window = int(g.arch_value("attention.sliding_window") or 0)
+    config: dict[str, Any] = dict(head_dim=head_dim, sliding_window=window or None, hidden_act="silu")
+    rope_dims = int(g.arch_value("rope.dimension_count") or head_dim)
+    rope = dict(fields["rope_parameters"], partial_rotary_factor=rope_dims / head_dim)
+    if "rope_factors_long.weight" in g.tensors:
+        rope.update(rope_type="longrope",
+                    original_max_position_embeddings=int(g.arch_value("rope.scaling.original_context_length")),
+                    short_factor=g.read_tensor(g.tensors["rope_factors_short.weight"]).float().tolist(),
+                    long_factor=g.read_tensor(g.tensors["rope_factors_long.weight"]).float().tolist())
+        attn_factor = g.arch_value("rope.scaling.attn_factor")
+        if attn_factor is not None:
+            rope["attention_factor"] = float(attn_factor)
+    config["rope_parameters"] = rope
     return config
 
 

@@ -1,6 +1,6 @@
 """One Llama-family decoder: Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM, Phi-3, Gemma 2 and 3; MHA, GQA and MQA; tied
 or untied embeddings. Qwen3 adds an RMSNorm over each query and key head (`q_norm`, `k_norm`) before the rotary
-embedding. Phi-3 stores its q/k/v and gate/up weights fused (`_unfused` splits them) and may turn a part of each
+embedding. Phi-3 stores its q/k/v and gate/up weights fused (`unfused` splits them) and may turn a part of each
 head (`partial_rotary_factor`) with longrope's two sets of frequencies (`RotaryEmbedding`). Mixtral, Qwen2-MoE and
 Qwen3-MoE replace the MLP with a mixture of experts (`LlamaSparseMoeBlock`).
 Gemma 2 and 3 have their embeddings scaled by sqrt(hidden_size), a norm on each branch's output before it joins the
@@ -114,6 +114,31 @@ def sliding_window_of_layer(config: Any, index: int) -> int:
 def num_experts(config: Any) -> int:
     """How many experts each sparse MLP of the model has; 0 for a dense model."""
     return getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0
+
+
+# a fused checkpoint tensor's name part -> its parts', in row order (Phi-3 stores its q/k/v and gate/up fused)
+_FUSED_CHECKPOINT_PARTS = {".qkv_proj.": (".q_proj.", ".k_proj.", ".v_proj."),
+                           ".gate_up_proj.": (".gate_proj.", ".up_proj.")}
+
+
+def fused_parts(name: str) -> list[str]:
+    """The checkpoint names of a fused tensor's parts, in row order; [name] for any other tensor."""
+    for fused, parts in _FUSED_CHECKPOINT_PARTS.items():
+        if fused in name:
+            return [name.replace(fused, part) for part in parts]
+    return [name]
+
+
+def unfused(config: Any, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """A checkpoint's fused q/k/v or gate/up tensor as its parts' rows, each under the name a separate checkpoint
+    gives it, so that each loads (a tensor-parallel rank taking its slice of each) or packs as one; any other tensor
+    as it is."""
+    names = fused_parts(name)
+    if len(names) == 1:
+        return [(name, tensor)]
+    q_rows, kv_rows = (n * _head_dim(config) for n in (config.num_attention_heads, _num_kv_heads(config)))
+    sizes = [q_rows, kv_rows, kv_rows] if len(names) == 3 else [tensor.shape[0] // 2] * 2
+    return list(zip(names, tensor.split(sizes), strict=True))
 
 
 def expert_intermediate_size(config: Any) -> int:
@@ -515,7 +540,7 @@ class LlamaForCausalLM(nn.Module):
                 tensor = tensor.float() + 1     # Gemma's RMSNorm scales by 1 + w
             if name.endswith(".bias") and self._target(name)[0] not in params and not tensor.any():
                 continue  # a zero bias is no bias (AutoGPTQ stores one for every layer, biased or not)
-            for part_name, part in self._unfused(name, tensor):
+            for part_name, part in unfused(self.config, name, tensor):
                 loaded.add(self._load_one(params, part_name, part))
         if head_rows is not None:
             loaded.add(self._load_one(params, "score.weight", self._classifier_head(head_rows)))
@@ -526,21 +551,6 @@ class LlamaForCausalLM(nn.Module):
         """The classification head made of the LM head's rows of the classifier's tokens: those rows, one class
         each; or, for a one-label head of two tokens (false, true), the true row less the false one."""
         return rows[1:] - rows[:1] if self.config.num_labels == 1 else rows
-
-    def _unfused(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        """A checkpoint's fused q/k/v or gate/up tensor (Phi-3 stores qkv_proj and gate_up_proj) as its parts, each
-        under the name a separate checkpoint gives it, so that each loads as one (a tensor-parallel rank takes its
-        slice of each); any other tensor as it is."""
-        if ".qkv_proj." in name:
-            q_rows, kv_rows = (n * _head_dim(self.config) for n in (self.config.num_attention_heads,
-                                                                    _num_kv_heads(self.config)))
-            parts = tensor.split([q_rows, kv_rows, kv_rows])
-            return [(name.replace(".qkv_proj.", f".{p}_proj."), t) for p, t in zip("qkv", parts, strict=True)]
-        if ".gate_up_proj." in name:
-            gate, up = tensor.chunk(2)
-            return [(name.replace(".gate_up_proj.", ".gate_proj."), gate),
-                    (name.replace(".gate_up_proj.", ".up_proj."), up)]
-        return [(name, tensor)]
 
     @staticmethod
     def _target(name: str) -> tuple[str, str | int | None]:

@@ -3,6 +3,7 @@ whole tiny models written as GGUF files compared with transformers."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import gguf
@@ -146,7 +147,14 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
         w.add_final_logit_softcapping(cfg.final_logit_softcapping)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    w.add_rope_dimension_count(head_dim)
+    w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+    if rope["rope_type"] == "longrope":     # Phi-3's: the factors as tensors, the original context and the scale
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        original = rope["original_max_position_embeddings"]
+        factor = cfg.max_position_embeddings / original
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0)
+        w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], np.float32))
+        w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], np.float32))
     w.add_key_length(head_dim)
     w.add_vocab_size(cfg.vocab_size)
     w.add_bos_token_id(1)
@@ -244,6 +252,35 @@ def test_a_gemma2_gguf_matches_transformers_past_its_window(tmp_path: Path) -> N
     with torch.inference_mode():
         expected = hf_model(torch.tensor([tokens])).logits[0, -1]
     torch.testing.assert_close(runner.step({0: tokens})[0], expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["phi3", "phi3-longrope"])
+def test_a_phi3_gguf_matches_transformers(tmp_path: Path, kind: str) -> None:
+    """Phi-3 as llama.cpp's files hold it: q/k/v fused in attn_qkv, gate and up in ffn_up, longrope's factors as
+    tensors; a 30-token prompt past an original context of 16 (long factors), over 3/4 of each head."""
+    overrides = {"original_max_position_embeddings": 16} if kind == "phi3-longrope" else {}
+    hf_model = build_tiny_hf_model(kind, **overrides)
+    assert kind == "phi3" or hf_model.config.rope_parameters["original_max_position_embeddings"] == 16
+    path = tmp_path / f"{kind}.gguf"
+    write_model_gguf(hf_model, path, "phi3")
+    config = gguf_hf_config(GGUFFile(path))
+    assert config.model_type == "phi3" and config.head_dim == 16
+    runner = SimplePagedRunner(load_model(ModelConfig(model=str(path), dtype="float32")).model)
+    tokens = [(7 * i + 3) % 300 for i in range(30)]
+    with torch.inference_mode():
+        expected = hf_model(torch.tensor([tokens])).logits[0, -1]
+    torch.testing.assert_close(runner.step({0: tokens})[0], expected, atol=1e-4, rtol=0)
+
+
+def test_a_quantized_phi3_gguf_packs_its_fused_tensors_by_part(tmp_path: Path, monkeypatch) -> None:
+    """attn_qkv's and ffn_up's blocks, split row by row into q/k/v and gate/up, pack as separate tensors' would."""
+    path = tmp_path / "phi3-q8_0.gguf"
+    write_model_gguf(build_tiny_hf_model("phi3-longrope"), path, "phi3", Q.Q8_0)
+    packed = load_model(ModelConfig(model=str(path), dtype="float32", quantization="gguf")).model
+    dense = load_model(ModelConfig(model=str(path), dtype="float32")).model
+    layer = packed.model.layers[1]
+    assert layer.self_attn.qkv_proj.weight.ggml_type == layer.mlp.gate_up_proj.weight.ggml_type == Q.Q8_0
+    _assert_gguf_reference_near_the_dense_model(packed, dense, [(7 * i + 3) % 300 for i in range(30)], monkeypatch)
 
 
 def test_quantized_gguf_is_close(tmp_path: Path) -> None:

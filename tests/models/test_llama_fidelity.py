@@ -65,8 +65,9 @@ def test_longrope_takes_its_long_factors_for_a_step_past_the_original_context(tm
     kernels (the C++ stack) and the torch modules."""
     if not kernels:
         monkeypatch.setenv("PAGEDLLM_DISABLE_KERNELS", "1")
-    rope = dict(TINY_MODELS["phi3-longrope"][1]["rope_parameters"], original_max_position_embeddings=16)
-    folder, hf_model = save_tiny_model(tmp_path / "m", "phi3-longrope", with_tokenizer=False, rope_parameters=rope)
+    folder, hf_model = save_tiny_model(tmp_path / "m", "phi3-longrope", with_tokenizer=False,
+                                       original_max_position_embeddings=16)
+    assert hf_model.config.rope_parameters["original_max_position_embeddings"] == 16
     runner = SimplePagedRunner(_load(folder))
     tokens = [(7 * i + 3) % 300 for i in range(30)]
     logits = runner.step({0: tokens})

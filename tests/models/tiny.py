@@ -42,9 +42,11 @@ TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     # as Phi-3's: q/k/v and gate/up stored fused; Phi-3.5's and Phi-4-mini's longrope (short and long factors, an
     # original context of 64 of 256) over 3/4 of each head (12 of 16 values)
     "phi3": ("phi3", dict(num_key_value_heads=2, tie_word_embeddings=False, pad_token_id=0)),
-    "phi3-longrope": ("phi3", dict(num_key_value_heads=2, pad_token_id=0, rope_parameters=dict(
-        rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.75, original_max_position_embeddings=64,
-        short_factor=[1.0, 1.1, 1.3, 1.6, 2.0, 2.5], long_factor=[1.5, 2.0, 3.0, 4.0, 6.0, 8.0]))),
+    "phi3-longrope": ("phi3", dict(num_key_value_heads=2, pad_token_id=0, original_max_position_embeddings=64,
+                                   rope_parameters=dict(rope_type="longrope", rope_theta=10000.0,
+                                                        partial_rotary_factor=0.75,
+                                                        short_factor=[1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                                                        long_factor=[1.5, 2.0, 3.0, 4.0, 6.0, 8.0]))),
     # mixtures of experts: 4 experts, 2 a token (8 and 2 for Mixtral, 128 and 8 for Qwen3-30B-A3B)
     "mixtral": ("mixtral", dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
                                 tie_word_embeddings=False)),
