@@ -42,8 +42,8 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
         hidden_size=3072, intermediate_size=8192, num_hidden_layers=32, num_attention_heads=24,
         num_key_value_heads=8, original_max_position_embeddings=4096, tie_word_embeddings=True,
         rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.75,
-                             short_factor=[1.0 + i / 48 for i in range(24)],
-                             long_factor=[1.0 + i for i in range(24)]))),
+                             short_factor=[1.0 + i / 48 for i in range(48)],
+                             long_factor=[1.0 + i for i in range(48)]))),
 }
 
 
