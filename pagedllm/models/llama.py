@@ -1,7 +1,8 @@
-"""One Llama-family decoder: Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM, Phi-3, Gemma 2 and 3; MHA, GQA and MQA; tied
-or untied embeddings. Qwen3 adds an RMSNorm over each query and key head (`q_norm`, `k_norm`) before the rotary
-embedding. Phi-3 stores its q/k/v and gate/up weights fused (`unfused` splits them) and may turn a part of each
-head (`partial_rotary_factor`) with longrope's two sets of frequencies (`RotaryEmbedding`). Mixtral, Qwen2-MoE and
+"""One Llama-family decoder: Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM 2 and 3, Phi-3, Gemma 2 and 3; MHA, GQA and
+MQA; tied or untied embeddings. SmolLM3 leaves the rotary embedding out of the layers its `no_rope_layers` marks
+0. Qwen3 adds an RMSNorm over each query and key head (`q_norm`, `k_norm`) before the rotary embedding. Phi-3
+stores its q/k/v and gate/up weights fused (`unfused` splits them) and may turn a part of each head
+(`partial_rotary_factor`) with longrope's two sets of frequencies (`RotaryEmbedding`). Mixtral, Qwen2-MoE and
 Qwen3-MoE replace the MLP with a mixture of experts (`LlamaSparseMoeBlock`).
 Gemma 2 and 3 have their embeddings scaled by sqrt(hidden_size), a norm on each branch's output before it joins the
 residual stream (`pre_feedforward_layernorm`, `post_feedforward_layernorm`), RMSNorm weights stored as w - 1
@@ -343,16 +344,19 @@ class LlamaModel(nn.Module):
 
         def rotary_of(index: int) -> RotaryEmbedding:
             base, scaling = rope_config(config, _layer_type(config, index))
-            key = repr((base, scaling))
+            # SmolLM3's every fourth layer has no rotary embedding (NoPE): one that turns none of a head's values
+            uses_rope = (getattr(config, "no_rope_layers", None) or [1] * (index + 1))[index]
+            dim = rotary_dim(config, _head_dim(config)) if uses_rope else 0
+            key = repr((base, scaling, dim))
             if key not in rotary:
-                rotary[key] = get_rope(rotary_dim(config, _head_dim(config)), max_positions, base, scaling)
+                rotary[key] = get_rope(dim, max_positions, base, scaling)
             return rotary[key]
 
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype, attn_backend, rotary_of(index), tp, index)
                                     for index in range(config.num_hidden_layers))
         # longrope's (Phi-3's), whose step picks its tables' rows once for every layer (`table_rows`)
         self.longrope = next((r for r in rotary.values() if r.long_from), None)
-        assert self.longrope is None or len(rotary) == 1, "longrope with ropes of other layer types"
+        assert self.longrope is None or len(rotary) == 1, "longrope beside other ropes"
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         # kernel module -> its DecoderStack of these layers; None: the modules run (see use_decoder_stack)
         self.stacks: dict[ModuleType, Any] | None = None

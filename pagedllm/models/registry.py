@@ -22,6 +22,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Qwen2MoeForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": LlamaForCausalLM,
     "Phi3ForCausalLM": LlamaForCausalLM,
+    "SmolLM3ForCausalLM": LlamaForCausalLM,
     "Gemma2ForCausalLM": LlamaForCausalLM,
     "Gemma3ForCausalLM": LlamaForCausalLM,
     # The bare decoders (no LM head), as embedding models are saved (gte-Qwen2, e5-mistral): see BARE_ARCHITECTURES.
@@ -42,6 +43,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "qwen2_moe": LlamaForCausalLM,
     "qwen3_moe": LlamaForCausalLM,
     "phi3": LlamaForCausalLM,
+    "smollm3": LlamaForCausalLM,
     "gemma2": LlamaForCausalLM,
     "gemma3_text": LlamaForCausalLM,
 }

@@ -47,6 +47,8 @@ CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "gemma2": ("gemma2", {}, dict(dtype="float32")),
     # fused checkpoint weights, longrope over 3/4 of each head, steps before and past an original context of 16
     "phi3, longrope": ("phi3-longrope", dict(original_max_position_embeddings=16), dict(dtype="float32")),
+    # a layer without a rotary embedding (NoPE): a rotary part of no values
+    "smollm3": ("smollm3", {}, dict(dtype="float32")),
 }
 
 

@@ -47,6 +47,8 @@ TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
                                                         partial_rotary_factor=0.75,
                                                         short_factor=[1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
                                                         long_factor=[1.5, 2.0, 3.0, 4.0, 6.0, 8.0]))),
+    # as SmolLM3's: no rotary embedding in every fourth layer (here the second of two: no_rope_layers [1, 0])
+    "smollm3": ("smollm3", dict(num_key_value_heads=2, no_rope_layer_interval=2, pad_token_id=0)),
     # mixtures of experts: 4 experts, 2 a token (8 and 2 for Mixtral, 128 and 8 for Qwen3-30B-A3B)
     "mixtral": ("mixtral", dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
                                 tie_word_embeddings=False)),
