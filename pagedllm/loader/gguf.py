@@ -39,7 +39,9 @@ _PLAIN_TYPES: dict[int, torch.dtype] = {
     GGMLQuantizationType.BF16: torch.bfloat16,
 }
 # Architectures whose Q/K rows llama.cpp's converter permutes (for its interleaved rope).
-_PERMUTED_ARCHS = {"llama"}
+_PERMUTED_ARCHS = {"llama", "smollm3"}
+# SmolLM3's layers without a rotary embedding: every how many one is (llama.cpp fixes it rather than store it)
+_SMOLLM3_NO_ROPE_EVERY = 4
 
 # GGUF tensor name -> Hugging Face name (llama family). {i} is the layer index.
 _BLOCK_NAMES = {
@@ -359,8 +361,11 @@ def gguf_hf_config(g: GGUFFile) -> Any:
     ends = list(dict.fromkeys(int(t) for t in ends if t is not None))
     if len(ends) > 1:
         kwargs["eos_token_id"] = ends
-    if arch == "llama":
+    if arch in _PERMUTED_ARCHS:
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in g.tensors
+    if arch == "smollm3":
+        kwargs["no_rope_layers"] = [int((i + 1) % _SMOLLM3_NO_ROPE_EVERY != 0)
+                                    for i in range(kwargs["num_hidden_layers"])]
     if arch in _GEMMA_LAYOUTS:
         kwargs.update(_gguf_gemma(g, kwargs))
     if arch == "phi3":
