@@ -124,8 +124,8 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.cat([torch.outer(positions, inv_freq) for inv_freq in inv_freqs])  # [P or 2P, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [P or 2P, D]
         self.max_position = max_position
-        self.register_buffer("cos_cache", emb.cos() * scale if scale != 1.0 else emb.cos(), persistent=False)
-        self.register_buffer("sin_cache", emb.sin() * scale if scale != 1.0 else emb.sin(), persistent=False)
+        self.register_buffer("cos_cache", emb.cos() * scale, persistent=False)    # x 1.0 leaves the bits as they are
+        self.register_buffer("sin_cache", emb.sin() * scale, persistent=False)
 
     def table_rows(self, positions: torch.Tensor) -> torch.Tensor:
         """The tables' rows for a step's positions: the positions, but under longrope, where a step that reaches

@@ -250,7 +250,7 @@ def _pack_blocks(model: nn.Module, quantization: str | None, resolved: ResolvedM
         from pagedllm.layers.gguf import PACKED_GGUF_TYPES
         from pagedllm.loader.gguf import gguf_block_rows
 
-        rows = gguf_block_rows(gguf_file, PACKED_GGUF_TYPES)  # type: ignore[arg-type]
+        rows = gguf_block_rows(gguf_file, PACKED_GGUF_TYPES, hf_config)  # type: ignore[arg-type]
         counts = pack_gguf_linear_weights(model, rows, activation_bits)
         parts = [f"{count} as GGUF {name}" for name, count in sorted(counts.items())]
     else:

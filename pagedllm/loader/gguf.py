@@ -297,18 +297,17 @@ def iterate_gguf(path: str | Path, dtype: torch.dtype = torch.float32, gguf_file
         yield hf_name, tensor.to(dtype)
 
 
-def gguf_block_rows(g: GGUFFile, ggml_types: tuple[GGMLQuantizationType, ...]
+def gguf_block_rows(g: GGUFFile, ggml_types: tuple[GGMLQuantizationType, ...], config: Any
                     ) -> dict[str, tuple[GGMLQuantizationType, torch.Tensor]]:
     """{Hugging Face name: (type, raw rows)} of the 2-D tensors stored as one of `ggml_types`: each row's blocks
     as stored (uint8 [N, K/32 * block bytes], over the memory map, never to be written), q/k rows unpermuted as
-    `iterate_gguf` unpermutes them, a fused tensor's rows split among its parts (rows are independent, so moving
-    whole rows of blocks is exact)."""
+    `iterate_gguf` unpermutes them, a fused tensor's rows split among its parts as `config` (the file's
+    `gguf_hf_config`) sizes them (rows are independent, so moving whole rows of blocks is exact)."""
     from pagedllm.models.llama import unfused
 
     permute = g.architecture in _PERMUTED_ARCHS
     heads = {".q_proj.": g.arch_value("attention.head_count")}
     heads[".k_proj."] = g.arch_value("attention.head_count_kv", heads[".q_proj."])
-    config = gguf_hf_config(g)
     rows: dict[str, tuple[GGMLQuantizationType, torch.Tensor]] = {}
     for info in g.tensors.values():
         hf_name = gguf_to_hf_name(info.name, g.architecture)

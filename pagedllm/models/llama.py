@@ -345,8 +345,8 @@ class LlamaModel(nn.Module):
         def rotary_of(index: int) -> RotaryEmbedding:
             base, scaling = rope_config(config, _layer_type(config, index))
             # SmolLM3's every fourth layer has no rotary embedding (NoPE): one that turns none of a head's values
-            uses_rope = (getattr(config, "no_rope_layers", None) or [1] * (index + 1))[index]
-            dim = rotary_dim(config, _head_dim(config)) if uses_rope else 0
+            no_rope = getattr(config, "no_rope_layers", None)
+            dim = rotary_dim(config, _head_dim(config)) if no_rope is None or no_rope[index] else 0
             key = repr((base, scaling, dim))
             if key not in rotary:
                 rotary[key] = get_rope(dim, max_positions, base, scaling)

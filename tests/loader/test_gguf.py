@@ -338,7 +338,8 @@ def test_packed_gguf_rows_are_the_dequantised_weights(tmp_path: Path, qtype: Q) 
     hf_model = build_tiny_hf_model("llama-gqa")
     path = tmp_path / f"{qtype.name}.gguf"
     write_model_gguf(hf_model, path, "llama", qtype)
-    rows = gguf_block_rows(GGUFFile(path), PACKED_GGUF_TYPES)
+    g = GGUFFile(path)
+    rows = gguf_block_rows(g, PACKED_GGUF_TYPES, gguf_hf_config(g))
     weights = dict(iterate_gguf(path, torch.float32))
     assert "model.layers.0.self_attn.q_proj.weight" in rows and "model.norm.weight" not in rows  # 1-D stays out
     for name, (ggml_type, raw) in rows.items():
@@ -500,8 +501,8 @@ def test_a_layer_with_a_part_not_in_a_packed_type_keeps_its_dequantised_weight(t
     path = tmp_path / "mixed.gguf"
     write_model_gguf(build_tiny_hf_model("llama-gqa"), path, "llama", Q.Q4_0)
 
-    def without_layer0_v(g: GGUFFile, types: tuple[Q, ...]) -> dict:
-        rows = gguf_block_rows(g, types)
+    def without_layer0_v(g: GGUFFile, types: tuple[Q, ...], config) -> dict:
+        rows = gguf_block_rows(g, types, config)
         del rows["model.layers.0.self_attn.v_proj.weight"]
         return rows
 
