@@ -84,6 +84,10 @@ class SchedulerConfig:
         max_num_seqs: most requests in one step.
         max_num_batched_tokens: the step's token budget (prefill chunks plus decodes).
         max_model_len: most tokens (prompt + output) one request may reach.
+        enable_chunked_prefill: a prompt longer than what is left of a step's budget runs in chunks over several
+            steps (vLLM's default); False: it waits for a step with room for all of it, so a prompt runs whole, and
+            max_num_batched_tokens must hold max_model_len tokens (`check_whole_prompts_fit`). An encoder model
+            (EmbeddingGemma's bidirectional attention) runs this way, whatever was asked.
         preemption_mode: "recompute", "swap" or "auto" when blocks run out.
         scheduling_policy: "fcfs" (the default: every request has priority 0, first come first served) or
             "priority" (a request's `priority` orders the queues, lower first). Under "fcfs" a non-zero priority
@@ -98,6 +102,7 @@ class SchedulerConfig:
     max_model_len: int = 2048
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
     preemption_mode: PreemptionMode = "recompute"
     scheduling_policy: SchedulingPolicy = "fcfs"
     swap_seconds_per_block: float = 0.0
@@ -112,6 +117,14 @@ class SchedulerConfig:
                  "one of 'recompute', 'swap', 'auto'", self.preemption_mode)
         _require(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy", "one of 'fcfs', 'priority'",
                  self.scheduling_policy)
+
+    def check_whole_prompts_fit(self) -> None:
+        """Without chunked prefill, a step must have room for a prompt of max_model_len tokens: ValueError
+        otherwise (as in vLLM), rather than a long prompt that would wait for ever."""
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(f"without chunked prefill a prompt runs in one step, so max_num_batched_tokens "
+                             f"({self.max_num_batched_tokens}) must be at least max_model_len ({self.max_model_len}): "
+                             "raise the one, lower the other, or enable chunked prefill")
 
     def check_priority(self, priority: int) -> None:
         """Raise ValueError for a non-zero priority unless scheduling_policy is "priority"."""

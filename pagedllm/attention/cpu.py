@@ -15,6 +15,8 @@ A layer with a sliding window (`window` keys) has each query read only its windo
 at the window's first (a step of such a layer never runs as cascade attention, its rows seeing different parts of a
 shared prefix); the torch paths mask the keys before it. Soft-capped scores (`softcap`, Gemma 2's) are capped by the
 kernels as each chunk's scores are made; without them, by the reference (SDPA has no soft-capping).
+An encoder's bidirectional attention (`bidirectional_attention`: each query sees the keys after it too) runs
+through the torch path, over the same cache.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.torch_ref import dequantize_kv, gather_kv
 from pagedllm.kernels import kernels_for
 
-__all__ = ["paged_attention", "decode_attention", "cascade_prefix_len", "write_kv"]
+__all__ = ["paged_attention", "bidirectional_attention", "decode_attention", "cascade_prefix_len", "write_kv"]
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -93,8 +95,24 @@ def _paged_attention_torch(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     return out
 
 
+def bidirectional_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0
+                            ) -> torch.Tensor:
+    """An encoder's attention (EmbeddingGemma's bidirectional layers): each query row sees every key of its
+    sequence's context, within `window` positions either side if not 0; `paged_attention_ref` with causal=False.
+    One SDPA call a sequence over its gathered context, on any device: such a model only embeds, each prompt in one
+    step, so its attention is all prefill, the part SDPA's own flash kernel does well. Soft-capped scores (no such
+    model has them) through the reference."""
+    if softcap:
+        return torch_ref.paged_attention_ref(query, k_cache, v_cache, meta, scale, window, softcap, causal=False)
+    out = torch.empty_like(query)
+    _prefill_per_sequence(out, query, k_cache, v_cache, meta, scale, window, first_seq=0, causal=False)
+    return out
+
+
 def _prefill_per_sequence(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          meta: AttentionMetadata, scale: float, window: int, first_seq: int) -> None:
+                          meta: AttentionMetadata, scale: float, window: int, first_seq: int,
+                          causal: bool = True) -> None:
     qsl = meta.query_start_loc_cpu
     for i in range(first_seq, meta.num_seqs):
         seq_len, start, end = meta.seq_lens_cpu[i], qsl[i], qsl[i + 1]
@@ -106,19 +124,23 @@ def _prefill_per_sequence(out: torch.Tensor, query: torch.Tensor, k_cache: torch
         v = _as_query(query, gather_kv(v_cache, meta.block_tables[i], seq_len)).transpose(0, 1)
         # Query j sits at position seq_len - q_len + j. SDPA's is_causal aligns the mask to the top-left, which is
         # right only when nothing was cached before this chunk; otherwise the mask is offset.
-        fresh = q_len == seq_len and not window
-        mask = None if fresh or (q_len == 1 and not window) else _visible(q_len, seq_len, window, query.device)
+        fresh = causal and q_len == seq_len and not window
+        masked = bool(window) or (causal and not fresh and q_len > 1)
+        mask = _visible(q_len, seq_len, window, query.device, causal) if masked else None
         o = F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask,
                                            is_causal=fresh and q_len > 1, scale=scale, enable_gqa=True)
         out[start:end] = o[0].transpose(0, 1)
 
 
-def _visible(q_len: int, seq_len: int, window: int, device: torch.device) -> torch.Tensor:
-    """[q_len, seq_len] bool, True where query row j, at q = seq_len - q_len + j, may see key k: k <= q, and with a
-    window k > q - window."""
-    q_pos = torch.arange(seq_len - q_len, seq_len, device=device).unsqueeze(1)
-    k_pos = torch.arange(seq_len, device=device).unsqueeze(0)
-    return (k_pos <= q_pos) & (k_pos > q_pos - window) if window else k_pos <= q_pos
+def _visible(q_len: int, seq_len: int, window: int, device: torch.device, causal: bool) -> torch.Tensor:
+    """[q_len, seq_len] bool, True where query row j, at q = seq_len - q_len + j, may see key k: k <= q if causal,
+    any k otherwise; with a window, only k within `window` positions of q (the reference's rule)."""
+    offset = (torch.arange(seq_len, device=device).unsqueeze(0)
+              - torch.arange(seq_len - q_len, seq_len, device=device).unsqueeze(1))   # k - q
+    visible = offset <= 0 if causal else offset < (window or seq_len)
+    if window:
+        visible &= offset > -window
+    return visible
 
 
 def _decode_padded(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

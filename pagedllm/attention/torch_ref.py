@@ -68,13 +68,16 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> t
 
 
 def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                        meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0,
+                        causal: bool = True) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its cached context.
 
     Query row j of seq i sits at position `q = seq_len_i - q_len_i + j` and sees positions <= q; with a sliding
     `window` (0: none), only the last `window` of them, positions in (q - window, q] (transformers' and vLLM's
-    `sliding_window`). With a `softcap` (0: none; Gemma 2's `attn_logit_softcapping`) the scaled scores s become
-    softcap * tanh(s / softcap) before the softmax. The K/V of the new tokens must already be written to the cache.
+    `sliding_window`). Not `causal` (an encoder's bidirectional attention, EmbeddingGemma's), it sees every position
+    of the context; with a window, those in (q - window, q + window). With a `softcap` (0: none; Gemma 2's
+    `attn_logit_softcapping`) the scaled scores s become softcap * tanh(s / softcap) before the softmax. The K/V of
+    the new tokens must already be written to the cache.
 
     Args:
         query: [num_tokens, num_heads, head_dim].
@@ -98,9 +101,11 @@ def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [H, q_len, seq_len]
         if softcap:
             scores = softcap * torch.tanh(scores / softcap)
-        q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
-        k_pos = torch.arange(seq_len).unsqueeze(0)
-        hidden = (k_pos > q_pos) | (k_pos <= q_pos - window) if window else k_pos > q_pos
+        # how far each key lies after each query row: [q_len, seq_len] (no key is seq_len after one)
+        offset = torch.arange(seq_len).unsqueeze(0) - torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
+        hidden = offset > 0 if causal else offset >= (window or seq_len)
+        if window:
+            hidden |= offset <= -window
         scores = scores.masked_fill(hidden, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)

@@ -29,7 +29,7 @@ from pagedllm.loader.pooling_config import model_pooling_type
 from pagedllm.logger import init_logger
 from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics.stats import SchedulerStats
-from pagedllm.models.llama import class_labels, generates, num_experts
+from pagedllm.models.llama import attends_both_ways, class_labels, generates, num_experts
 from pagedllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.runner import kv_tensors
@@ -130,6 +130,21 @@ def _ema(average: float, sample: float) -> float:
     return (1 - _COST_EMA_WEIGHT) * average + _COST_EMA_WEIGHT * sample
 
 
+def _run_prompts_whole(config: EngineConfig) -> None:
+    """An encoder's token attends to those after it, so its K/V depend on the whole prompt: each prompt runs in one
+    step (chunked prefill off, a step's budget holding max_model_len tokens) and no block of it is shared with
+    another prompt (prefix caching off), as vLLM runs encoder-only models."""
+    cache, sched = config.cache, config.scheduler
+    if cache.enable_prefix_caching or sched.enable_chunked_prefill:
+        logger.info("an encoder model (bidirectional attention): prefix caching and chunked prefill are off, each "
+                    "prompt runs in one step")
+    cache.enable_prefix_caching = sched.enable_chunked_prefill = False
+    if sched.max_num_batched_tokens < sched.max_model_len:
+        logger.info("max_num_batched_tokens raised from %d to max_model_len, %d, so that a step holds any prompt",
+                    sched.max_num_batched_tokens, sched.max_model_len)
+        sched.max_num_batched_tokens = sched.max_model_len
+
+
 class LLMEngine:
     """Loads a model, sizes the KV pool, and runs the scheduler/runner loop one step at a time."""
 
@@ -164,6 +179,9 @@ class LLMEngine:
                                    if t != self.tokenizer.eos_token_id]
         self.max_model_len = max_model_len_of(loaded.hf_config, config.model.max_model_len)
         config.scheduler.max_model_len = self.max_model_len
+        if attends_both_ways(loaded.hf_config):
+            _run_prompts_whole(config)
+        config.scheduler.check_whole_prompts_fit()
         self.structured_output = StructuredOutputManager(self.tokenizer, model_shape(loaded.hf_config).vocab_size)
         self.runner = ModelRunner(loaded, config.cache, self.tokenizer.eos_token_id, config.model.seed,
                                   self.structured_output, peers, config.lora)
@@ -328,6 +346,9 @@ class LLMEngine:
         self.beam_search.add(request_id, token_ids, params, eos, self.max_model_len, lora_request)
 
     def _check_generates(self) -> None:
+        if attends_both_ways(self.hf_config):
+            raise ValueError(f"{self.model_name} is an encoder (its attention is bidirectional): it embeds, and "
+                             "cannot generate")
         if not self.generates:
             raise ValueError(f"{self.model_name} was saved without an LM head (a bare decoder, or a classifier whose "
                              "config does not tie its embeddings to one): it embeds or classifies, and cannot "

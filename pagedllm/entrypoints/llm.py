@@ -59,6 +59,8 @@ class LLM:
         kv_cache_memory: bytes for the KV pool; overrides gpu_memory_utilization.
         max_num_seqs: most requests in one step.
         max_num_batched_tokens: token budget of one step.
+        enable_chunked_prefill: run a long prompt in chunks over several steps (False: each prompt in one step,
+            which then needs max_num_batched_tokens >= max_model_len).
         seed: seed of the global random stream.
         enable_prefix_caching: reuse the KV cache of shared prompt prefixes.
         kv_cache_dtype: "auto" (K/V in the model's dtype) or "int8" (int8 with a float32 scale per token and kv
@@ -111,7 +113,8 @@ class LLM:
     def __init__(self, model: str | None = None, *, dtype: str = "auto", max_model_len: int | None = None,
                  block_size: int = DEFAULT_BLOCK_SIZE, gpu_memory_utilization: float | None = None,
                  kv_cache_memory: int | None = None, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int = 2048, seed: int = 0, enable_prefix_caching: bool = True,
+                 max_num_batched_tokens: int = 2048, enable_chunked_prefill: bool = True, seed: int = 0,
+                 enable_prefix_caching: bool = True,
                  swap_space: float = 0.0, preemption_mode: PreemptionMode = "recompute",
                  chat_template: str | None = None, num_kv_blocks: int | None = None,
                  swap_path: str | None = None, scheduling_policy: SchedulingPolicy = "fcfs",
@@ -137,6 +140,7 @@ class LLM:
                               swap_path=swap_path, enable_prefix_caching=enable_prefix_caching,
                               kv_cache_dtype=kv_cache_dtype, num_blocks=num_kv_blocks),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                      enable_chunked_prefill=enable_chunked_prefill,
                                       preemption_mode=preemption_mode, scheduling_policy=scheduling_policy),
             speculative=SpeculativeConfig.from_dict(speculative_config),
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size,

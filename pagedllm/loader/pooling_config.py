@@ -1,11 +1,16 @@
 """The pooling an embedding model was trained with: vLLM's `pooler_config` when given, else the model folder's
-sentence-transformers config (modules.json and its Pooling module's config.json), else LAST (`PoolingParams`)."""
+sentence-transformers config (modules.json and its Pooling module's config.json), else LAST (`PoolingParams`); and the
+Dense layers that config puts after the pooling (`sentence_transformers_projector`: EmbeddingGemma's 768 -> 3072 ->
+768), which vLLM runs too."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 from typing import Any
+
+import torch
+from torch import nn
 
 from pagedllm.logger import init_logger
 
@@ -15,15 +20,28 @@ logger = init_logger(__name__)
 _MODES = {"lasttoken": "LAST", "mean_tokens": "MEAN", "cls_token": "CLS"}
 
 
+# sentence-transformers' Dense activations (their class's full name) -> the module; Tanh is its default
+_ACTIVATIONS = {f"torch.nn.modules.{name}": module for name, module in [
+    ("linear.Identity", nn.Identity), ("activation.Tanh", nn.Tanh), ("activation.ReLU", nn.ReLU),
+    ("activation.GELU", nn.GELU), ("activation.Sigmoid", nn.Sigmoid), ("activation.SiLU", nn.SiLU)]}
+
+
+def _modules(folder: Path, kind: str) -> list[Path]:
+    """The folders of the sentence-transformers modules of `kind` ("Pooling", "Dense") in the folder's modules.json,
+    in order; none for a folder without one."""
+    modules = folder / "modules.json"
+    if not modules.is_file():
+        return []
+    return [folder / module.get("path", "") for module in json.loads(modules.read_text())
+            if str(module.get("type", "")).split(".")[-1] == kind]
+
+
 def sentence_transformers_pooling(folder: Path) -> str | None:
     """The pooling modes a sentence-transformers folder turns on ("lasttoken", "mean_tokens", "cls_token", ...,
     joined by "+"), or None for a folder without such a config."""
-    modules = folder / "modules.json"
-    if not modules.is_file():
-        return None
-    for module in json.loads(modules.read_text()):
-        config = folder / module.get("path", "") / "config.json"
-        if str(module.get("type", "")).endswith("Pooling") and config.is_file():
+    for module in _modules(folder, "Pooling"):
+        config = module / "config.json"
+        if config.is_file():
             modes = [key.removeprefix("pooling_mode_") for key, on in json.loads(config.read_text()).items()
                      if key.startswith("pooling_mode_") and on is True]
             return "+".join(modes) or None
@@ -45,3 +63,29 @@ def model_pooling_type(folder: Path, pooler_config: dict[str, Any] | None = None
         return "LAST"
     logger.info("embeddings pool by %s, as the model's sentence-transformers config says", _MODES[modes])
     return _MODES[modes]
+
+
+def sentence_transformers_projector(folder: Path) -> nn.Sequential | None:
+    """The Dense modules a sentence-transformers folder runs after its pooling (each `activation(W x + b)`, from its
+    config.json and its model.safetensors or pytorch_model.bin), in float32 as the pooled vectors they take; None for
+    a folder without any. ValueError for an activation pagedllm does not know: its embeddings would be wrong."""
+    from safetensors.torch import load_file
+
+    layers: list[nn.Module] = []
+    for module in _modules(folder, "Dense") if folder.is_dir() else []:
+        config = json.loads((module / "config.json").read_text())
+        activation = config.get("activation_function", "torch.nn.modules.activation.Tanh")
+        if activation not in _ACTIVATIONS:
+            raise ValueError(f"{module}: the Dense activation {activation} is not supported (only "
+                             f"{', '.join(sorted(_ACTIVATIONS))})")
+        weights_file = module / "model.safetensors"
+        weights = load_file(weights_file) if weights_file.is_file() else \
+            torch.load(module / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        linear = nn.Linear(config["in_features"], config["out_features"], bias=config.get("bias", True))
+        linear.load_state_dict({name.removeprefix("linear."): tensor.float() for name, tensor in weights.items()})
+        layers += [linear, _ACTIVATIONS[activation]()]
+    if not layers:
+        return None
+    logger.info("embeddings pass through %d Dense layers after pooling, as the sentence-transformers config says",
+                len(layers) // 2)
+    return nn.Sequential(*layers).requires_grad_(False)

@@ -9,7 +9,8 @@ residual stream (`pre_feedforward_layernorm`, `post_feedforward_layernorm`), RMS
 (`load_weights` adds the 1 back), a GELU-gated MLP, `query_pre_attn_scalar` for their attention scale, and local
 layers (over a sliding window). Gemma 2 soft-caps its attention scores and its logits (`attn_logit_softcapping`,
 `final_logit_softcapping`: cap tanh(x / cap)); Gemma 3 (text) has Qwen3's head norms instead, and a rotary base of
-its own in its local layers.
+its own in its local layers. EmbeddingGemma is Gemma 3 as an encoder (`attends_both_ways`): each token attends to
+those after it too, through `bidirectional_attention`.
 
 The model is format-agnostic: `load_weights` takes Hugging Face parameter names from any loader and maps the
 separate q/k/v and gate/up checkpoint tensors onto the fused parameters (`STACKED_PARAMS_MAPPING`).
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from pagedllm.attention.cpu import paged_attention, write_kv
+from pagedllm.attention.cpu import bidirectional_attention, paged_attention, write_kv
 from pagedllm.attention.metadata import AttentionBackend, AttentionMetadata, KVCache
 from pagedllm.distributed.communicator import communicator
 from pagedllm.kernels import kernels_for
@@ -85,6 +86,12 @@ def _has_qk_norm(config: Any) -> bool:
 
 def _is_gemma(config: Any) -> bool:
     return config.model_type in ("gemma2", "gemma3_text")
+
+
+def attends_both_ways(config: Any) -> bool:
+    """Whether the model is an encoder: each token attends to those after it too (EmbeddingGemma's
+    `use_bidirectional_attention`), so it embeds, each prompt whole, and never generates."""
+    return bool(getattr(config, "use_bidirectional_attention", False))
 
 
 def _softcap(config: Any, option: str) -> float:
@@ -179,7 +186,8 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = _num_kv_heads(config)
         self.scale = (getattr(config, "query_pre_attn_scalar", None) or self.head_dim) ** -0.5
         self.softcap = _softcap(config, "attn_logit_softcapping")
-        self.attn_backend = attn_backend
+        # an encoder's attention runs through the torch path (`bidirectional_attention`), never the decoder stack
+        self.attn_backend = attn_backend if not attends_both_ways(config) else bidirectional_attention
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads,
                                           bias=_has_qkv_bias(config), dtype=dtype, tp_rank=tp[0], tp_size=tp[1])
         heads = self.qkv_proj.heads
@@ -415,7 +423,7 @@ class LlamaModel(nn.Module):
 # without the "model." prefix and no LM head. Such a model embeds (LAST pooling); its embedding matrix stands in as
 # the LM head, so that the engine can still sample the one token an embedding request samples (and generate, where
 # the config ties the two: `generates`).
-BARE_ARCHITECTURES = frozenset({"LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model"})
+BARE_ARCHITECTURES = frozenset({"LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model", "Gemma3TextModel"})
 # Checkpoints of the decoder with a classification head (`score`: hidden -> num_labels logits) instead of the LM head,
 # as transformers saves sequence classifiers and rerankers: the head reads the final hidden state at the prompt's
 # last token (vLLM's LAST pooling). The embedding matrix stands in as the LM head, as for a bare decoder.
@@ -430,7 +438,10 @@ def _architectures(config: Any) -> set[str]:
 def generates(config: Any) -> bool:
     """Whether the checkpoint's model has an LM head to generate with: a causal LM's own, or the embedding matrix
     of a bare decoder or a classifier whose config ties it to the head. A bare decoder or a classifier saved
-    untied has none (the embedding matrix stands in for the one token a pooling request samples, unseen)."""
+    untied has none (the embedding matrix stands in for the one token a pooling request samples, unseen). An
+    encoder (`attends_both_ways`) never generates."""
+    if attends_both_ways(config):
+        return False
     return not _architectures(config) & (BARE_ARCHITECTURES | CLASSIFIER_ARCHITECTURES) or \
         bool(getattr(config, "tie_word_embeddings", False))
 
@@ -462,9 +473,6 @@ class LlamaForCausalLM(nn.Module):
                  attn_backend: AttentionBackend = paged_attention, tp_rank: int = 0, tp_size: int = 1,
                  max_positions: int | None = None) -> None:
         super().__init__()
-        if getattr(config, "use_bidirectional_attention", None):
-            raise ValueError("the config sets use_bidirectional_attention=True (EmbeddingGemma's), which pagedllm "
-                             "does not implement: its attention is causal")
         self.config = config
         self.dtype = dtype
         tp = (tp_rank, tp_size)

@@ -30,6 +30,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "MistralModel": LlamaForCausalLM,
     "Qwen2Model": LlamaForCausalLM,
     "Qwen3Model": LlamaForCausalLM,
+    "Gemma3TextModel": LlamaForCausalLM,    # EmbeddingGemma's, whose attention is bidirectional
     # With a classification head (rerankers, classifiers): see CLASSIFIER_ARCHITECTURES.
     "LlamaForSequenceClassification": LlamaForCausalLM,
     "MistralForSequenceClassification": LlamaForCausalLM,

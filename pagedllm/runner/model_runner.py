@@ -24,6 +24,7 @@ from pagedllm.distributed import Peers
 from pagedllm.kernels import kernels_fixed
 from pagedllm.layers.linear import head_shard
 from pagedllm.loader import LoadedModel
+from pagedllm.loader.pooling_config import sentence_transformers_projector
 from pagedllm.lora.adapter import LoRAAdapter, LoRABatch, LoRARegistry
 from pagedllm.lora.request import LoRARequest
 from pagedllm.runner import kv_tensors
@@ -83,6 +84,9 @@ class ModelRunner:
         self.cascade = loaded.cascade
         self.peers = peers or Peers()
         self.device = next(self.model.parameters()).device
+        # the sentence-transformers Dense layers an embedding passes through after its pooling (EmbeddingGemma's)
+        projector = sentence_transformers_projector(loaded.resolved.path)
+        self.projector = projector.to(self.device) if projector is not None else None
         self.shape = model_shape(loaded.hf_config, loaded.tp_rank, loaded.tp_size)
         self.layout = kv_tensors.KVLayout(self.shape.num_layers, self.shape.num_kv_heads, self.shape.head_dim,
                                           loaded.dtype, cache_config.kv_cache_dtype)
@@ -231,8 +235,9 @@ class ModelRunner:
                     ) -> dict[str, list[float]]:
         """Each pooling request whose prompt's last token ran this step: its pooled final hidden state
         (`PoolingParams.pooling_type`: the last token's, the mean over the prompt's, or the first token's, gathered
-        chunk by chunk), in float32. An embedding is L2-normalised unless it asks otherwise; a classification is
-        the head's logits, as probabilities unless it asks otherwise."""
+        chunk by chunk), in float32. An embedding passes through the model's Dense layers, if it has any
+        (`projector`), and is L2-normalised unless it asks otherwise; a classification is the head's logits, as
+        probabilities unless it asks otherwise."""
         result = {}
         for s in scheduled:
             state = self.requests[s.request_id]
@@ -259,8 +264,11 @@ class ModelRunner:
                 vector = self.model.classify(vector[None])[0]
                 if pooling.use_activation:
                     vector = vector.sigmoid() if len(vector) == 1 else vector.softmax(0)
-            elif pooling.normalize:
-                vector = torch.nn.functional.normalize(vector, dim=0)
+            else:
+                if self.projector is not None:
+                    vector = self.projector(vector[None])[0]
+                if pooling.normalize:
+                    vector = torch.nn.functional.normalize(vector, dim=0)
             result[s.request_id] = vector.tolist()
         return result
 

@@ -46,8 +46,9 @@ def _random_batch(num_computed: list[int], query_lens: list[int], num_heads: int
     if int8_cache:
         k_cache, v_cache = quantize_kv(k_cache), quantize_kv(v_cache)
     prefix = AttentionMetadata.build(tables, [0] * len(seq_lens), num_computed, block_size)
-    write_kv(torch.cat([k[:c] for k, c in zip(k_full, num_computed)]),
-             torch.cat([v[:c] for v, c in zip(v_full, num_computed)]), k_cache, v_cache, prefix.slot_mapping)
+    if any(num_computed):   # (an int8 cache's rows cannot be made of no rows)
+        write_kv(torch.cat([k[:c] for k, c in zip(k_full, num_computed)]),
+                 torch.cat([v[:c] for v, c in zip(v_full, num_computed)]), k_cache, v_cache, prefix.slot_mapping)
     meta = AttentionMetadata.build(tables, num_computed, query_lens, block_size)
     new = lambda xs: torch.cat([x[c:] for x, c in zip(xs, num_computed)])  # noqa: E731
     write_kv(new(k_full), new(v_full), k_cache, v_cache, meta.slot_mapping)
@@ -514,3 +515,41 @@ def test_metadata_build_slots_cross_blocks() -> None:
     assert meta.query_start_loc_cpu == [0, 4, 6] and meta.seq_lens_cpu == [7, 2]
     assert meta.block_tables.tolist() == [[7, 2, 5], [1, 0, 0]]
     assert (meta.max_query_len, meta.max_seq_len) == (4, 7)
+
+
+# Whole prompts, as an encoder's steps hold them: a prompt shorter than a window, one across several blocks, one
+# of a single token.
+ENCODER_BATCH = ([0, 0, 0], [5, 41, 1])
+
+
+@pytest.mark.parametrize("window", [0, 3, 17])
+def test_bidirectional_reference_shows_each_query_the_keys_around_it(window: int) -> None:
+    """Without causality (an encoder's attention) each query row sees every key of its prompt, within `window`
+    positions either side where one is given: here row 20 of the 41-token prompt against SDPA over those keys."""
+    query, k_cache, v_cache, meta, (q_full, k_full, v_full) = _random_batch(*ENCODER_BATCH, 4, 2, torch.float32)
+    out = paged_attention_ref(query, k_cache, v_cache, meta, 0.5, window, causal=False)
+    seen = slice(20 - window + 1, 20 + window) if window else slice(0, 41)
+    keys, values = (x[1][seen].repeat_interleave(2, dim=1).transpose(0, 1) for x in (k_full, v_full))
+    expected = F.scaled_dot_product_attention(q_full[1][20].unsqueeze(1), keys, values, scale=0.5)
+    torch.testing.assert_close(out[5 + 20], expected.squeeze(1), atol=1e-5, rtol=1e-5)
+    causal = paged_attention_ref(query, k_cache, v_cache, meta, 0.5, window)
+    torch.testing.assert_close(out[-1], causal[-1])             # a one-token prompt sees itself either way
+    assert not torch.allclose(out[5:46], causal[5:46], atol=1e-3)
+
+
+@pytest.mark.parametrize("window", [0, 3, 17, 100])
+@pytest.mark.parametrize("heads", INT8_HEADS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("int8_cache", [False, True])
+def test_bidirectional_attention_matches_the_reference(window: int, heads: str, dtype: torch.dtype,
+                                                       int8_cache: bool) -> None:
+    num_heads, num_kv_heads = HEADS[heads]
+    query, k_cache, v_cache, meta, _ = _random_batch(*ENCODER_BATCH, num_heads, num_kv_heads, dtype, seed=5,
+                                                     head_dim=64, int8_cache=int8_cache)
+    expected = paged_attention_ref(query, k_cache, v_cache, meta, 0.125, window, causal=False)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(cpu.bidirectional_attention(query, k_cache, v_cache, meta, 0.125, window).float(),
+                               expected.float(), atol=tol, rtol=tol)
+    capped = paged_attention_ref(query, k_cache, v_cache, meta, 0.125, window, SOFTCAP, causal=False)
+    torch.testing.assert_close(cpu.bidirectional_attention(query, k_cache, v_cache, meta, 0.125, window, SOFTCAP),
+                               capped)

@@ -86,3 +86,31 @@ def test_detokenize_false_gives_the_same_tokens_without_text(folder: str) -> Non
         assert {t: (lp.logprob, lp.rank, lp.decoded_token) for t, lp in got.items()} == {
             t: (lp.logprob, lp.rank, None) for t, lp in expected.items()}
         assert all(lp.decoded_token is not None for lp in expected.values())
+
+
+def test_without_chunked_prefill_prompts_run_whole_and_give_the_same_tokens(folder: str) -> None:
+    """vLLM's enable_chunked_prefill=False: each prompt runs in one step (here 40- and 50-token prompts in a budget
+    of 64, one step each, never together), with the same greedy tokens as chunked in steps of 16; a budget that
+    cannot hold a whole context is refused at start-up."""
+    prompts = [{"prompt_token_ids": list(range(3, 43))}, {"prompt_token_ids": list(range(60, 110))}]
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    chunked = LLM(model=folder, dtype="float32", block_size=4, num_kv_blocks=64, max_model_len=64,
+                  max_num_batched_tokens=16)
+    whole = LLM(model=folder, dtype="float32", block_size=4, num_kv_blocks=64, max_model_len=64,
+                max_num_batched_tokens=64, enable_chunked_prefill=False)
+    steps = []
+    whole.engine.scheduler.schedule = _recording(whole.engine.scheduler.schedule, steps)
+    assert [o.outputs[0].token_ids for o in whole.generate(prompts, greedy, use_tqdm=False)] == \
+        [o.outputs[0].token_ids for o in chunked.generate(prompts, greedy, use_tqdm=False)]
+    prefills = [[s.num_new_tokens for s in out.scheduled if s.num_new_tokens > 1] for out in steps]
+    assert [p for p in prefills if p] == [[40], [50]]
+    with pytest.raises(ValueError, match="must be at least max_model_len"):
+        LLM(model=folder, dtype="float32", num_kv_blocks=64, max_model_len=64, max_num_batched_tokens=32,
+            enable_chunked_prefill=False)
+
+
+def _recording(schedule, outputs: list):
+    def recorded():
+        outputs.append(schedule())
+        return outputs[-1]
+    return recorded

@@ -1,5 +1,6 @@
 """The server's flags -> EngineConfig: --speculative-config takes vLLM's JSON; --enforce-eager,
---disable-cascade-attn, --generation-config; the CORS flags take JSON lists; uvicorn's access log."""
+--disable-cascade-attn, --generation-config, --[no-]enable-chunked-prefill; the CORS flags take JSON lists;
+uvicorn's access log."""
 
 from __future__ import annotations
 
@@ -44,6 +45,12 @@ def test_enforce_eager_reaches_the_model_config() -> None:
 def test_disable_cascade_attn_reaches_the_model_config() -> None:
     assert _config().model.disable_cascade_attn is False
     assert _config("--disable-cascade-attn").model.disable_cascade_attn is True
+
+
+def test_chunked_prefill_is_on_unless_turned_off_as_in_vllm() -> None:
+    assert _config().scheduler.enable_chunked_prefill is True
+    assert _config("--enable-chunked-prefill").scheduler.enable_chunked_prefill is True
+    assert _config("--no-enable-chunked-prefill").scheduler.enable_chunked_prefill is False
 
 
 def _args(*argv: str) -> argparse.Namespace:

@@ -40,12 +40,6 @@ def test_prefill_and_decode_match_transformers(tmp_path, kind: str) -> None:
         logits = runner.step({i: [seq[-1]] for i, seq in enumerate(seqs)})
 
 
-def test_bidirectional_attention_is_refused(tmp_path) -> None:     # EmbeddingGemma's
-    folder, _ = save_tiny_model(tmp_path / "m", "gemma3", with_tokenizer=False, use_bidirectional_attention=True)
-    with pytest.raises(ValueError, match="use_bidirectional_attention"):
-        _load(folder)
-
-
 def test_the_rotary_tables_cover_max_model_len(tmp_path) -> None:
     """A model loaded for a shorter max_model_len than its context keeps rotary tables of that many positions (Gemma
     3's two ropes: one table each), and the same logits."""

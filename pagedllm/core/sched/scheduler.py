@@ -374,9 +374,13 @@ class Scheduler:
         return request.lora_request.lora_int_id in running_loras or len(running_loras) < self.max_loras
 
     def _admit(self, request: Request, plan: _StepPlan) -> bool:
-        """Start (or restart) the first waiting request, after a prefix-cache lookup. False if out of blocks."""
+        """Start (or restart) the first waiting request, after a prefix-cache lookup. False if out of blocks, or,
+        without chunked prefill, if what is left of the step's budget cannot hold the rest of its tokens."""
         computed = self.kv_cache_manager.get_computed_blocks(request)
         num_new_tokens = self._num_new_tokens(request, computed.num_computed_tokens, plan.token_budget)
+        if not self.config.enable_chunked_prefill and \
+                computed.num_computed_tokens + num_new_tokens < request.num_tokens:
+            return False        # it runs whole, in a step with room for all of it
         if self.kv_cache_manager.allocate_slots(request, num_new_tokens, computed) is None:
             return False
         self.waiting.pop(0)

@@ -252,6 +252,9 @@ def _add_engine_args(engine: argparse._ArgumentGroup) -> None:
     engine.add_argument("--max-num-batched-tokens", type=int, default=2048,
                         help="token budget of one engine step; longer prompts are prefilled in chunks "
                              "(default: %(default)s)")
+    engine.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                        help="prefill a prompt longer than a step's budget in chunks; off: each prompt in one step, "
+                             "which needs --max-num-batched-tokens >= --max-model-len (default: on)")
     engine.add_argument("--seed", type=int, default=0, help="seed of the engine's random stream (default: 0)")
     engine.add_argument("--speculative-config", type=parse_json_object, default=None,
                         help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
@@ -315,6 +318,7 @@ def engine_config_from_args(args: argparse.Namespace):
                           swap_path=args.swap_path, enable_prefix_caching=args.enable_prefix_caching,
                           kv_cache_dtype=args.kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                                  enable_chunked_prefill=args.enable_chunked_prefill,
                                   preemption_mode=args.preemption_mode, scheduling_policy=args.scheduling_policy),
         speculative=SpeculativeConfig.from_dict(args.speculative_config),
         parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,

@@ -16,9 +16,9 @@ BLOCK_SIZE = 4
 
 
 def _scheduler(num_blocks: int = 64, max_num_batched_tokens: int = 64, max_num_seqs: int = 8,
-               max_model_len: int = 128, enable_caching: bool = True) -> Scheduler:
+               max_model_len: int = 128, enable_caching: bool = True, chunked: bool = True) -> Scheduler:
     config = SchedulerConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                             max_num_batched_tokens=max_num_batched_tokens)
+                             max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=chunked)
     return Scheduler(config, KVCacheManager(num_blocks, BLOCK_SIZE, enable_caching))
 
 
@@ -64,6 +64,31 @@ def test_chunked_prefill_follows_the_token_budget() -> None:
     assert results["a"].token_ids == reference(list(range(100, 120)), 3, None)
     assert results["a"].finish_reason is FinishReason.LENGTH and results["b"].finish_reason is FinishReason.LENGTH
     assert _all_free(scheduler) and scheduler.num_preemptions == 0
+
+
+def test_without_chunked_prefill_a_prompt_waits_for_a_step_with_room_for_all_of_it() -> None:
+    """Chunked prefill off, a budget of 20 (a whole 20-token context): "a" runs whole, and "b" waits for the next
+    step, where "c" (15 tokens) does not fit beside b's 6 and waits in turn: no prompt is ever cut."""
+    scheduler = _scheduler(max_num_batched_tokens=20, max_model_len=20, chunked=False)
+    scheduler.add_request(_request("a", 20, max_tokens=3, arrival_time=0))
+    scheduler.add_request(_request("b", list(range(200, 206)), max_tokens=2, arrival_time=1))
+    scheduler.add_request(_request("c", list(range(300, 315)), max_tokens=2, arrival_time=2))
+    results: dict[str, Result] = {}
+    outputs = run_steps(scheduler, FakeRunner(BLOCK_SIZE), results)
+    assert [_plan(out) for out in outputs][:3] == [
+        [("a", 20, True)],          # the whole budget: b waits
+        [("b", 6, True)],           # a ended at max_model_len (20 tokens), b runs whole; c's 15 do not fit beside
+        [("b", 1, True), ("c", 15, True)],
+    ]
+    assert results["b"].token_ids == reference(list(range(200, 206)), 2, None)
+    assert _all_free(scheduler) and all(n <= 20 for out in outputs for _, n, _ in _plan(out))
+
+
+def test_without_chunked_prefill_the_budget_must_hold_a_whole_context() -> None:
+    config = SchedulerConfig(max_model_len=64, max_num_batched_tokens=32, enable_chunked_prefill=False)
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(32\) must be at least max_model_len \(64\)"):
+        config.check_whole_prompts_fit()
+    SchedulerConfig(max_model_len=64, max_num_batched_tokens=32).check_whole_prompts_fit()    # chunked: any budget
 
 
 def test_finished_ids_reach_the_next_output() -> None:
