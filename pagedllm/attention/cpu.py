@@ -16,7 +16,7 @@ at the window's first (a step of such a layer never runs as cascade attention, i
 shared prefix); the torch paths mask the keys before it. Soft-capped scores (`softcap`, Gemma 2's) are capped by the
 kernels as each chunk's scores are made; without them, by the reference (SDPA has no soft-capping).
 An encoder's bidirectional attention (`bidirectional_attention`: each query sees the keys after it too) runs
-through the torch path, over the same cache.
+through SDPA over the step's own K/V.
 """
 
 from __future__ import annotations
@@ -95,24 +95,35 @@ def _paged_attention_torch(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     return out
 
 
-def bidirectional_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0
-                            ) -> torch.Tensor:
-    """An encoder's attention (EmbeddingGemma's bidirectional layers): each query row sees every key of its
-    sequence's context, within `window` positions either side if not 0; `paged_attention_ref` with causal=False.
-    One SDPA call a sequence over its gathered context, on any device: such a model only embeds, each prompt in one
-    step, so its attention is all prefill, the part SDPA's own flash kernel does well. Soft-capped scores (no such
-    model has them) through the reference."""
-    if softcap:
-        return torch_ref.paged_attention_ref(query, k_cache, v_cache, meta, scale, window, softcap, causal=False)
+def bidirectional_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, meta: AttentionMetadata,
+                            scale: float, window: int = 0) -> torch.Tensor:
+    """An encoder's attention (EmbeddingGemma's bidirectional layers): each query row sees every key of its prompt,
+    within `window` positions either side if not 0; `paged_attention_ref` with causal=False over a cache holding
+    these keys. An encoder's prompt runs whole in one step, so it reads the step's own K/V, [T, Hkv, D] as `query`'s
+    [T, Hq, D] rows (and no cache: nothing reads its K/V again). One SDPA call for each run of prompts of one length
+    side by side in the step (a batch of equal documents: one call), on any device: such a model only embeds, so its
+    attention is all prefill, which SDPA's flash kernel does well; masked only where the prompts are longer than the
+    window."""
     out = torch.empty_like(query)
-    _prefill_per_sequence(out, query, k_cache, v_cache, meta, scale, window, first_seq=0, causal=False)
+    qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+    i = 0
+    while i < meta.num_seqs:
+        length = lens[i]
+        j = i + 1
+        while j < meta.num_seqs and lens[j] == length:
+            j += 1
+        start, end = qsl[i], qsl[j]
+        assert end - start == (j - i) * length, "an encoder's prompt runs whole in one step"
+        q, k, v = (x[start:end].unflatten(0, (j - i, length)).transpose(1, 2) for x in (query, key, value))
+        mask = _visible(length, length, window, query.device, causal=False) if window and length > window else None
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)  # [n, H, len, D]
+        out[start:end] = o.transpose(1, 2).flatten(0, 1)
+        i = j
     return out
 
 
 def _prefill_per_sequence(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          meta: AttentionMetadata, scale: float, window: int, first_seq: int,
-                          causal: bool = True) -> None:
+                          meta: AttentionMetadata, scale: float, window: int, first_seq: int) -> None:
     qsl = meta.query_start_loc_cpu
     for i in range(first_seq, meta.num_seqs):
         seq_len, start, end = meta.seq_lens_cpu[i], qsl[i], qsl[i + 1]
@@ -124,15 +135,14 @@ def _prefill_per_sequence(out: torch.Tensor, query: torch.Tensor, k_cache: torch
         v = _as_query(query, gather_kv(v_cache, meta.block_tables[i], seq_len)).transpose(0, 1)
         # Query j sits at position seq_len - q_len + j. SDPA's is_causal aligns the mask to the top-left, which is
         # right only when nothing was cached before this chunk; otherwise the mask is offset.
-        fresh = causal and q_len == seq_len and not window
-        masked = bool(window) or (causal and not fresh and q_len > 1)
-        mask = _visible(q_len, seq_len, window, query.device, causal) if masked else None
+        fresh = q_len == seq_len and not window
+        mask = None if fresh or (q_len == 1 and not window) else _visible(q_len, seq_len, window, query.device)
         o = F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask,
                                            is_causal=fresh and q_len > 1, scale=scale, enable_gqa=True)
         out[start:end] = o[0].transpose(0, 1)
 
 
-def _visible(q_len: int, seq_len: int, window: int, device: torch.device, causal: bool) -> torch.Tensor:
+def _visible(q_len: int, seq_len: int, window: int, device: torch.device, causal: bool = True) -> torch.Tensor:
     """[q_len, seq_len] bool, True where query row j, at q = seq_len - q_len + j, may see key k: k <= q if causal,
     any k otherwise; with a window, only k within `window` positions of q (the reference's rule)."""
     offset = (torch.arange(seq_len, device=device).unsqueeze(0)

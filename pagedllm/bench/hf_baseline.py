@@ -10,11 +10,12 @@ import time
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedModel
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
 from pagedllm.bench.datasets import BenchRequest
 from pagedllm.cpu import torch_bf16_is_native
 from pagedllm.loader.resolve import ResolvedModel
+from pagedllm.models.llama import attends_both_ways
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -42,7 +43,10 @@ def load_hf_model(resolved: ResolvedModel, dtype: str = "auto", device: str = "c
     """
     torch_dtype = hf_dtype(dtype, device)
     if resolved.gguf_path is None:
-        return AutoModelForCausalLM.from_pretrained(str(resolved.path), dtype=torch_dtype).to(device).eval()
+        # an encoder (EmbeddingGemma) is saved as the bare model, and has no causal LM class
+        encoder = attends_both_ways(AutoConfig.from_pretrained(resolved.path))
+        model_class = AutoModel if encoder else AutoModelForCausalLM
+        return model_class.from_pretrained(str(resolved.path), dtype=torch_dtype).to(device).eval()
     from pagedllm.loader import load_hf_config
     from pagedllm.loader.gguf import iterate_gguf
 

@@ -11,6 +11,7 @@ than trained ones, which costs pagedllm and vLLM alike).
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,13 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
         hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
         num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256, sliding_window=4096,
         attn_logit_softcapping=50.0, final_logit_softcapping=30.0)),
+    # EmbeddingGemma's (embeddinggemma-300m, ~0.2B weights here): gemma-3's layers as an encoder (bidirectional
+    # attention), 24 of hidden 768, 3 query heads of 256 over 1 kv head, 5 local layers (512 keys) to a global one,
+    # 2,048 positions; mean-pooled, then Dense 768 -> 3072 -> 768 (ENCODER_DENSE); the tokenizer's vocabulary
+    "embeddinggemma-300m": ("gemma3_text", dict(
+        hidden_size=768, intermediate_size=1152, num_hidden_layers=24, num_attention_heads=3,
+        num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256, sliding_window=512,
+        max_position_embeddings=2048, use_bidirectional_attention=True)),
     # Phi-4-mini's layers (~3.4B weights): 32 of hidden 3072, 24 query heads of 128 over 8 kv heads, an MLP of 8192,
     # longrope (an original context of 4,096 of 131,072) over 3/4 of each head; the tokenizer's vocabulary
     "phi4-mini": ("phi3", dict(
@@ -45,6 +53,42 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
                              short_factor=[1.0 + i / 48 for i in range(48)],
                              long_factor=[1.0 + i for i in range(48)]))),
 }
+
+
+# EmbeddingGemma's sentence-transformers Dense modules after its mean pooling: (folder, out_features, bias, activation)
+ENCODER_DENSE = [("2_Dense", 3072, False, "torch.nn.modules.linear.Identity"),
+                 ("3_Dense", 768, False, "torch.nn.modules.linear.Identity")]
+
+
+def save_sentence_transformers_modules(folder: Path, hidden_size: int, dense: list[tuple[str, int, bool, str]],
+                                       seed: int = 0) -> list[dict[str, Any]]:
+    """Write a sentence-transformers config into a model folder: mean pooling, then the `dense` layers (random
+    weights, as their `linear.weight` / `linear.bias` in model.safetensors), then a norm, as EmbeddingGemma's folder
+    has them. Returns each Dense layer's weights."""
+    import torch
+    from safetensors.torch import save_file
+
+    modules = [{"path": "", "type": "sentence_transformers.models.Transformer"},
+               {"path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    (folder / "1_Pooling").mkdir()
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": hidden_size,
+                                                                   "pooling_mode_mean_tokens": True}))
+    generator = torch.Generator().manual_seed(seed)
+    layers, width = [], hidden_size
+    for path, out_features, bias, activation in dense:
+        modules.append({"path": path, "type": "sentence_transformers.models.Dense"})
+        (folder / path).mkdir()
+        (folder / path / "config.json").write_text(json.dumps({"in_features": width, "out_features": out_features,
+                                                                "bias": bias, "activation_function": activation}))
+        weights = {"linear.weight": torch.randn(out_features, width, generator=generator) / width ** 0.5}
+        if bias:
+            weights["linear.bias"] = torch.randn(out_features, generator=generator)
+        save_file(weights, folder / path / "model.safetensors")
+        layers.append(weights)
+        width = out_features
+    modules.append({"path": "4_Normalize", "type": "sentence_transformers.models.Normalize"})
+    (folder / "modules.json").write_text(json.dumps([{"idx": i, "name": str(i), **m} for i, m in enumerate(modules)]))
+    return layers
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -57,21 +101,24 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
     from pagedllm.loader.resolve import default_model_gguf
     from pagedllm.tokenizer.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(default_model_gguf())
     model_type, fields = PRESETS[args.preset]
-    config = AutoConfig.for_model(model_type, vocab_size=len(tokenizer), max_position_embeddings=4096,
-                                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                                  initializer_range=0.02, **fields)
+    config = AutoConfig.for_model(model_type, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                                  eos_token_id=tokenizer.eos_token_id, initializer_range=0.02,
+                                  **{"max_position_embeddings": 4096, **fields})
     torch.manual_seed(args.seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, args.dtype))
+    encoder = bool(fields.get("use_bidirectional_attention"))     # saved as the bare model, as EmbeddingGemma is
+    model = (AutoModel if encoder else AutoModelForCausalLM).from_config(config, dtype=getattr(torch, args.dtype))
     output = Path(args.output)
     model.save_pretrained(output)
     tokenizer.save_pretrained(output)
+    if encoder:
+        save_sentence_transformers_modules(output, config.hidden_size, ENCODER_DENSE, args.seed)
     num_params = sum(p.numel() for p in model.parameters())
     print(f"{args.preset}: {num_params / 1e6:.0f}M random {args.dtype} weights in {output}")
     return {"preset": args.preset, "num_params": num_params, "output": str(output)}

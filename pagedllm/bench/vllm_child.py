@@ -28,7 +28,7 @@ def main(job_path: str, result_path: str) -> None:
         with_lora = {"enable_lora": True, "max_loras": 1, "max_lora_rank": job["max_lora_rank"]}
         lora = {"lora_request": LoRARequest("bench", 1, job["lora_path"])}
     embed = job.get("task") == "embed"
-    pooling = {"runner": "pooling", "convert": "embed"} if embed else {}
+    pooling = {"runner": "pooling", "convert": job["convert"]} if embed else {}
     llm = LLM(model=job["model"], dtype=job["dtype"], max_model_len=job["max_model_len"],
               max_num_seqs=job["max_num_seqs"], max_num_batched_tokens=job["max_num_batched_tokens"],
               enable_prefix_caching=job["enable_prefix_caching"], seed=job["seed"], **with_lora, **pooling)

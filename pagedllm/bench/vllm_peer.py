@@ -64,8 +64,10 @@ def vllm_env(kv_cache_memory: int | None) -> dict[str, str]:
 
 
 def export_hf_folder(model: str | None, dtype: str, folder: Path) -> tuple[str, Any]:
-    """Write the model as an HF folder vLLM loads (a GGUF dequantised); returns the dtype written and the config."""
+    """Write the model as an HF folder vLLM loads (a GGUF dequantised), with the folder's sentence-transformers
+    modules if it has any; returns the dtype written and the config."""
     from pagedllm.bench.hf_baseline import load_hf_model
+    from pagedllm.loader.pooling_config import copy_sentence_transformers_modules
     from pagedllm.loader.resolve import resolve_model
     from pagedllm.tokenizer.tokenizer import load_tokenizer
 
@@ -73,6 +75,8 @@ def export_hf_folder(model: str | None, dtype: str, folder: Path) -> tuple[str, 
     hf_model = load_hf_model(resolved, dtype)
     hf_model.save_pretrained(folder)
     load_tokenizer(resolved.path, resolved.gguf_file).save_pretrained(folder)
+    if resolved.path.is_dir():
+        copy_sentence_transformers_modules(resolved.path, folder)
     return str(hf_model.dtype).removeprefix("torch."), hf_model.config
 
 
@@ -80,13 +84,18 @@ def run_vllm(args: argparse.Namespace, requests: list[BenchRequest], warmup_prom
              enable_prefix_caching: bool, embed: bool = False) -> tuple[dict[str, Any], Any]:
     """Time vLLM on `requests` (after one warm-up request), generating or (`embed`) embedding their prompts;
     returns its figures and the model's HF config."""
+    from pagedllm.models.llama import attends_both_ways
+
     python = vllm_python(args)
     with tempfile.TemporaryDirectory(prefix="pagedllm-vllm-") as tmp:
         folder = Path(tmp) / "model"
         dtype, hf_config = export_hf_folder(args.model, args.dtype, folder)
+        # an encoder (EmbeddingGemma) is a pooling model as it is, and shares no block, in vLLM as in pagedllm
+        encoder = attends_both_ways(hf_config)
         job = {"model": str(folder), "dtype": dtype, "max_model_len": args.max_model_len,
                "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-               "enable_prefix_caching": enable_prefix_caching, "seed": args.seed,
+               "enable_prefix_caching": enable_prefix_caching and not encoder, "seed": args.seed,
+               "convert": "auto" if encoder else "embed",
                "warmup_prompt_token_ids": warmup_prompt_token_ids,
                "prompt_token_ids": [r.prompt_token_ids for r in requests],
                "output_lens": [r.output_len for r in requests], "lora_path": getattr(args, "lora_path", None),

@@ -258,7 +258,12 @@ class LLMEngine:
                     ", ".join(map(str, self.runner.decode_graphs.sizes)), time.perf_counter() - start)
 
     def _num_blocks(self) -> int:
-        cache = self.config.cache
+        cache, sched = self.config.cache, self.config.scheduler
+        if attends_both_ways(self.hf_config):
+            # an encoder's layers read and write no K/V (`bidirectional_attention`), and its requests end with the
+            # step that runs them: the pool only counts the slots of one step's prompts (as vLLM gives an encoder no
+            # KV cache), not the 4 GiB a decoder's would take
+            return -(-sched.max_num_batched_tokens // cache.block_size) + sched.max_num_seqs + 1
         activation_bytes = 0
         if cache.kv_cache_memory is None and self.runner.device.type == "cuda":
             activation_bytes = self._profile_activation_bytes()

@@ -6,6 +6,7 @@ Dense layers that config puts after the pooling (`sentence_transformers_projecto
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,17 @@ def _modules(folder: Path, kind: str) -> list[Path]:
         return []
     return [folder / module.get("path", "") for module in json.loads(modules.read_text())
             if str(module.get("type", "")).split(".")[-1] == kind]
+
+
+def copy_sentence_transformers_modules(folder: Path, to: Path) -> None:
+    """Copy a model folder's sentence-transformers config (modules.json and the folders of its modules after the
+    model's own) into `to`, where a converted copy of the model is written; nothing for a folder without one."""
+    if not (folder / "modules.json").is_file():
+        return
+    shutil.copy(folder / "modules.json", to / "modules.json")
+    for module in json.loads((folder / "modules.json").read_text()):
+        if module.get("path") and (folder / module["path"]).is_dir():     # (a Normalize module has none)
+            shutil.copytree(folder / module["path"], to / module["path"], dirs_exist_ok=True)
 
 
 def sentence_transformers_pooling(folder: Path) -> str | None:

@@ -186,8 +186,11 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = _num_kv_heads(config)
         self.scale = (getattr(config, "query_pre_attn_scalar", None) or self.head_dim) ** -0.5
         self.softcap = _softcap(config, "attn_logit_softcapping")
-        # an encoder's attention runs through the torch path (`bidirectional_attention`), never the decoder stack
-        self.attn_backend = attn_backend if not attends_both_ways(config) else bidirectional_attention
+        self.attn_backend = attn_backend
+        # an encoder's layers (never the decoder stack) attend through `bidirectional_attention`, to the step's K/V
+        self.encoder = attends_both_ways(config)
+        if self.encoder and self.softcap:
+            raise ValueError("an encoder with soft-capped attention scores is not supported")
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads,
                                           bias=_has_qkv_bias(config), dtype=dtype, tp_rank=tp[0], tp_size=tp[1])
         heads = self.qkv_proj.heads
@@ -215,9 +218,12 @@ class LlamaAttention(nn.Module):
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
         q, k = self.rotary_emb(positions, q, k)
-        k_cache, v_cache = kv_cache
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = self.attn_backend(q, k_cache, v_cache, meta, self.scale, self.sliding_window, self.softcap)
+        if self.encoder:
+            out = bidirectional_attention(q, k, v, meta, self.scale, self.sliding_window)
+        else:
+            k_cache, v_cache = kv_cache
+            write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            out = self.attn_backend(q, k_cache, v_cache, meta, self.scale, self.sliding_window, self.softcap)
         out = out.flatten(1)    # [T, Hq*D]
         return self.o_proj(out) if lora is None else lora.add("o_proj", out, self.o_proj(out))  # [T, hidden]
 
@@ -499,11 +505,12 @@ class LlamaForCausalLM(nn.Module):
     def use_decoder_stack(self) -> None:
         """Run the decoder layers in one C++ call a step (the kernels' DecoderStack, pagedllm/kernels/csrc/decoder.cpp)
         wherever the CPU kernels run, instead of ~15 module calls a layer: the same kernels in the same order, so the
-        same bits, without ~3-5 ms of Python a step (SmolLM2, one stream). Only on one rank and with the CPU attention
-        backend: otherwise the modules run. The loader calls it once the weights are final, packed: a stack holds
-        the weight tensors it was built with. `enforce_eager=True` keeps the modules."""
-        layer = self.model.layers[0]
-        if layer.self_attn.qkv_proj.tp_size == 1 and layer.self_attn.attn_backend is paged_attention:
+        same bits, without ~3-5 ms of Python a step (SmolLM2, one stream). Only on one rank, with the CPU attention
+        backend, and for a decoder (an encoder's attention is SDPA's): otherwise the modules run. The loader calls it
+        once the weights are final, packed: a stack holds the weight tensors it was built with. `enforce_eager=True`
+        keeps the modules."""
+        attn = self.model.layers[0].self_attn
+        if attn.qkv_proj.tp_size == 1 and attn.attn_backend is paged_attention and not attn.encoder:
             self.model.stacks = {}
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],

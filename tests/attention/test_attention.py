@@ -46,9 +46,8 @@ def _random_batch(num_computed: list[int], query_lens: list[int], num_heads: int
     if int8_cache:
         k_cache, v_cache = quantize_kv(k_cache), quantize_kv(v_cache)
     prefix = AttentionMetadata.build(tables, [0] * len(seq_lens), num_computed, block_size)
-    if any(num_computed):   # (an int8 cache's rows cannot be made of no rows)
-        write_kv(torch.cat([k[:c] for k, c in zip(k_full, num_computed)]),
-                 torch.cat([v[:c] for v, c in zip(v_full, num_computed)]), k_cache, v_cache, prefix.slot_mapping)
+    write_kv(torch.cat([k[:c] for k, c in zip(k_full, num_computed)]),
+             torch.cat([v[:c] for v, c in zip(v_full, num_computed)]), k_cache, v_cache, prefix.slot_mapping)
     meta = AttentionMetadata.build(tables, num_computed, query_lens, block_size)
     new = lambda xs: torch.cat([x[c:] for x, c in zip(xs, num_computed)])  # noqa: E731
     write_kv(new(k_full), new(v_full), k_cache, v_cache, meta.slot_mapping)
@@ -518,8 +517,9 @@ def test_metadata_build_slots_cross_blocks() -> None:
 
 
 # Whole prompts, as an encoder's steps hold them: a prompt shorter than a window, one across several blocks, one
-# of a single token.
+# of a single token; and runs of prompts of one length (equal documents), which share an SDPA call.
 ENCODER_BATCH = ([0, 0, 0], [5, 41, 1])
+ENCODER_RUNS = ([0] * 6, [7, 7, 7, 41, 7, 7])
 
 
 @pytest.mark.parametrize("window", [0, 3, 17])
@@ -538,18 +538,18 @@ def test_bidirectional_reference_shows_each_query_the_keys_around_it(window: int
 
 
 @pytest.mark.parametrize("window", [0, 3, 17, 100])
-@pytest.mark.parametrize("heads", INT8_HEADS)
+@pytest.mark.parametrize("heads", ["mha", "gqa3", "mqa"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("int8_cache", [False, True])
+@pytest.mark.parametrize("batch", [ENCODER_BATCH, ENCODER_RUNS])
 def test_bidirectional_attention_matches_the_reference(window: int, heads: str, dtype: torch.dtype,
-                                                       int8_cache: bool) -> None:
+                                                       batch: tuple[list[int], list[int]]) -> None:
+    """The encoder's SDPA calls over the step's own K/V against the reference over a cache holding them: unmasked
+    where a prompt fits in the window (the 41-token one in 100), banded where it does not, runs of equal prompts in
+    one call."""
     num_heads, num_kv_heads = HEADS[heads]
-    query, k_cache, v_cache, meta, _ = _random_batch(*ENCODER_BATCH, num_heads, num_kv_heads, dtype, seed=5,
-                                                     head_dim=64, int8_cache=int8_cache)
+    query, k_cache, v_cache, meta, (_, k_full, v_full) = _random_batch(*batch, num_heads, num_kv_heads, dtype,
+                                                                       seed=5, head_dim=64)
     expected = paged_attention_ref(query, k_cache, v_cache, meta, 0.125, window, causal=False)
+    out = cpu.bidirectional_attention(query, torch.cat(k_full), torch.cat(v_full), meta, 0.125, window)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(cpu.bidirectional_attention(query, k_cache, v_cache, meta, 0.125, window).float(),
-                               expected.float(), atol=tol, rtol=tol)
-    capped = paged_attention_ref(query, k_cache, v_cache, meta, 0.125, window, SOFTCAP, causal=False)
-    torch.testing.assert_close(cpu.bidirectional_attention(query, k_cache, v_cache, meta, 0.125, window, SOFTCAP),
-                               capped)
+    torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)

