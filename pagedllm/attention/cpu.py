@@ -43,18 +43,20 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
-    """Causal paged attention, over a sliding `window` of keys if not 0, its scores soft-capped at `softcap` if not
-    0; see `paged_attention_ref`. query: [T, Hq, D] -> [T, Hq, D]."""
+                    meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0,
+                    causal: bool = True) -> torch.Tensor:
+    """Causal paged attention (or not: an encoder's, which the decoder stack runs through the kernels), over a
+    sliding `window` of keys if not 0, its scores soft-capped at `softcap` if not 0; see `paged_attention_ref`.
+    query: [T, Hq, D] -> [T, Hq, D]."""
     kernels = kernels_for(query)
-    if kernels is None and softcap:
-        return torch_ref.paged_attention_ref(query, k_cache, v_cache, meta, scale, window, softcap)
+    if kernels is None and (softcap or not causal):
+        return torch_ref.paged_attention_ref(query, k_cache, v_cache, meta, scale, window, softcap, causal)
     if kernels is None:
         return _paged_attention_torch(query, k_cache, v_cache, meta, scale, window)
     query = query.contiguous()
     out = torch.empty_like(query)
     kernels.paged_attention(out, query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                            meta.num_decodes, scale, meta.cascade, window, softcap)
+                            meta.num_decodes, scale, meta.cascade, window, softcap, causal)
     return out
 
 

@@ -422,7 +422,7 @@ class LlamaModel(nn.Module):
         attn = self.layers[0].self_attn
         return kernels.DecoderStack([layer_weights(layer) for layer in self.layers], self.norm.weight, self.norm.eps,
                                     attn.qkv_proj.q_size // attn.head_dim, attn.qkv_proj.kv_size // attn.head_dim,
-                                    attn.head_dim, attn.scale, attn.softcap)
+                                    attn.head_dim, attn.scale, attn.softcap, not attn.encoder)
 
 
 # Checkpoints of the decoder alone, as decoder embedding models are saved (gte-Qwen2, e5-mistral): tensor names
@@ -505,12 +505,13 @@ class LlamaForCausalLM(nn.Module):
     def use_decoder_stack(self) -> None:
         """Run the decoder layers in one C++ call a step (the kernels' DecoderStack, pagedllm/kernels/csrc/decoder.cpp)
         wherever the CPU kernels run, instead of ~15 module calls a layer: the same kernels in the same order, so the
-        same bits, without ~3-5 ms of Python a step (SmolLM2, one stream). Only on one rank, with the CPU attention
-        backend, and for a decoder (an encoder's attention is SDPA's): otherwise the modules run. The loader calls it
-        once the weights are final, packed: a stack holds the weight tensors it was built with. `enforce_eager=True`
-        keeps the modules."""
+        same bits, without ~3-5 ms of Python a step (SmolLM2, one stream); an encoder's layers attend through the
+        kernels' bidirectional mode there, to the K/V they write to the cache (the modules: SDPA's, to the step's
+        own). Only on one rank and with the CPU attention backend: otherwise the modules run. The loader calls it once
+        the weights are final, packed: a stack holds the weight tensors it was built with. `enforce_eager=True` keeps
+        the modules."""
         attn = self.model.layers[0].self_attn
-        if attn.qkv_proj.tp_size == 1 and attn.attn_backend is paged_attention and not attn.encoder:
+        if attn.qkv_proj.tp_size == 1 and attn.attn_backend is paged_attention:
             self.model.stacks = {}
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],

@@ -553,3 +553,23 @@ def test_bidirectional_attention_matches_the_reference(window: int, heads: str, 
     out = cpu.bidirectional_attention(query, torch.cat(k_full), torch.cat(v_full), meta, 0.125, window)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("window", [0, 3, 17, 100])
+@pytest.mark.parametrize("heads", ["mha", "gqa3", "gqa5"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [HEAD_DIM, 64, 256])
+@pytest.mark.parametrize("batch", [ENCODER_RUNS, WINDOW_BATCH])
+def test_bidirectional_kernels_match_the_reference(window: int, heads: str, dtype: torch.dtype, head_dim: int,
+                                                   batch: tuple[list[int], list[int]], isa_level: str) -> None:
+    """The kernels' bidirectional mode (the decoder stack's, for an encoder): each row over every key of its
+    context within the window either side, whole prompts as an encoder's steps hold them, and (beyond what an
+    encoder runs) decodes and chunks after a cached prefix, which see the whole context too."""
+    num_heads, num_kv_heads = HEADS[heads]
+    query, k_cache, v_cache, meta, _ = _random_batch(*batch, num_heads, num_kv_heads, dtype, seed=9,
+                                                     head_dim=head_dim, block_size=16)
+    scale = head_dim ** -0.5
+    expected = paged_attention_ref(query, k_cache, v_cache, meta, scale, window, causal=False)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(paged_attention(query, k_cache, v_cache, meta, scale, window, causal=False).float(),
+                               expected.float(), atol=tol, rtol=tol)

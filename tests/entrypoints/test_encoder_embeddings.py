@@ -80,6 +80,21 @@ def test_an_encoder_embeds_as_transformers_and_its_dense_layers_do(encoder, llm)
                                        _hf_embedding(hf_model, layers, prompt), atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_an_encoders_modules_embed_as_its_decoder_stack_does(encoder, dtype):
+    """With enforce_eager the layers run as modules, their attention SDPA's over each step's own K/V (equal prompts
+    in one call), not the kernels' bidirectional mode over the cache: transformers' vectors either way."""
+    _, hf_model, layers = encoder
+    prompts = PROMPTS + [list(range(100, 140))] * 3
+    tol = 1e-4 if dtype == "float32" else 2e-2
+    for enforce_eager in (True, False):
+        llm = LLM(model=str(encoder[0]), dtype=dtype, enforce_eager=enforce_eager)
+        assert (llm.engine.runner.model.model.stacks is None) == enforce_eager
+        for prompt, output in zip(prompts, llm.embed([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)):
+            torch.testing.assert_close(torch.tensor(output.outputs.embedding),
+                                       _hf_embedding(hf_model, layers, prompt), atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("pooling_type", ["LAST", "CLS"])
 def test_a_request_may_pool_otherwise_and_the_dense_layers_still_run(encoder, llm, pooling_type):
     _, hf_model, layers = encoder

@@ -15,12 +15,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Paged decode attention, one query token per sequence, over a float or int8 cache: (out, q, k_cache, "
         "v_cache, block_tables, seq_lens, scale, window, softcap)", NoGil());
   m.def("prefill_attention", &pagedllm::prefill_attention,
-        "Paged causal attention of sequences first_seq.. of a flat batch: (out, q, k_cache, v_cache, block_tables, "
-        "seq_lens, query_start_loc, first_seq, scale, window, softcap)", NoGil());
+        "Paged attention of sequences first_seq.. of a flat batch, causal or not: (out, q, k_cache, v_cache, "
+        "block_tables, seq_lens, query_start_loc, first_seq, scale, window, softcap, causal)", NoGil());
   m.def("paged_attention", &pagedllm::paged_attention,
         "A step's paged attention, decodes first, as cascade attention where every sequence's context starts with "
         "the same blocks and `cascade` allows it (never with a sliding window): (out, q, k_cache, v_cache, "
-        "block_tables, seq_lens, query_start_loc, num_decodes, scale, cascade, window, softcap)",
+        "block_tables, seq_lens, query_start_loc, num_decodes, scale, cascade, window, softcap, causal)",
         NoGil());
   m.def("cascade_prefix_len", &pagedllm::cascade_prefix_len,
         "The shared prefix paged_attention runs as cascade attention, in positions (0: none): (q, k_cache, "
@@ -120,9 +120,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<pagedllm::DecoderStack>(m, "DecoderStack", py::module_local(),
                                      "A Llama-family decoder's layers and final norm in one call (decoder.cpp)")
       .def(py::init<std::vector<pagedllm::DecoderLayerWeights>, at::Tensor, double, int64_t, int64_t, int64_t,
-                    double, double>(),
+                    double, double, bool>(),
            py::arg("layers"), py::arg("norm"), py::arg("eps"), py::arg("num_heads"), py::arg("num_kv_heads"),
-           py::arg("head_dim"), py::arg("scale"), py::arg("softcap") = 0.0)
+           py::arg("head_dim"), py::arg("scale"), py::arg("softcap") = 0.0, py::arg("causal") = true)
       .def("forward", &pagedllm::DecoderStack::forward,
            "The embedded tokens [T, H] through every layer and the final norm, reading and writing the paged KV "
            "cache: (x, positions, kv_caches, slot_mapping, block_tables, seq_lens, query_start_loc, num_decodes, "

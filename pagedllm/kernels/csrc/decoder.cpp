@@ -73,9 +73,10 @@ at::Tensor LinearWeights::silu_and_mul(const at::Tensor& x) const {
 }
 
 DecoderStack::DecoderStack(std::vector<DecoderLayerWeights> layers, at::Tensor norm, double eps, int64_t num_heads,
-                           int64_t num_kv_heads, int64_t head_dim, double scale, double softcap)
+                           int64_t num_kv_heads, int64_t head_dim, double scale, double softcap, bool causal)
     : layers_(std::move(layers)), norm_(std::move(norm)), eps_(eps), num_heads_(num_heads),
-      num_kv_heads_(num_kv_heads), head_dim_(head_dim), scale_(scale), softcap_(softcap) {}
+      num_kv_heads_(num_kv_heads), head_dim_(head_dim), scale_(scale), softcap_(softcap),
+      causal_(causal) {}
 
 // LlamaModel.forward after the embedding: x [T, H] -> the final norm's output [T, H].
 at::Tensor DecoderStack::forward(at::Tensor x, const at::Tensor& positions, const std::vector<KVPair>& kv_caches,
@@ -134,7 +135,7 @@ at::Tensor DecoderStack::attention(const DecoderLayerWeights& layer, const at::T
   q = q.contiguous();
   at::Tensor out = at::empty_like(q);
   paged_attention(out, q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
-                  batch.num_decodes, scale_, batch.cascade, layer.sliding_window, softcap_);
+                  batch.num_decodes, scale_, batch.cascade, layer.sliding_window, softcap_, causal_);
   return layer.o(out.flatten(1));
 }
 

@@ -30,17 +30,21 @@ namespace pagedllm {
 // Attention (decode_attention.cpp, prefill_attention.cpp, paged_attention.cpp). `window`: 0, or a sliding window
 // of that many keys: a query at position p sees the keys at positions (p - window, p] (transformers' and vLLM's
 // sliding_window). `softcap`: 0, or Gemma 2's soft-capping of the scaled scores s, cap tanh(s / cap) (`soft_cap`).
+// Not `causal` (an encoder's bidirectional attention, EmbeddingGemma's), a query sees the keys after it too: all of
+// its context, or with a window those at (p - window, p + window); a decode, the last position, sees the same keys
+// either way.
 void decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
                       at::Tensor seq_lens, double scale, int64_t window, double softcap);
 void prefill_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                        at::Tensor block_tables, at::Tensor seq_lens, at::Tensor query_start_loc, int64_t first_seq,
-                       double scale, int64_t window, double softcap);
+                       double scale, int64_t window, double softcap, bool causal);
 // A step's attention as pagedllm.attention.cpu.paged_attention runs it: decodes (the first num_decodes sequences)
 // through decode_attention, the rest through prefill_attention; when every sequence's context starts with the same
-// blocks and `cascade` allows it (never with a window), as cascade attention (paged_attention.cpp).
+// blocks and `cascade` allows it (never with a window, never without causality), as cascade attention
+// (paged_attention.cpp).
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
                      at::Tensor seq_lens, at::Tensor query_start_loc, int64_t num_decodes, double scale,
-                     bool cascade, int64_t window, double softcap);
+                     bool cascade, int64_t window, double softcap, bool causal);
 // The prefix paged_attention runs as cascade attention for this batch: the positions at the start of every
 // sequence's context held in the same blocks of every table and seen by every query token, in whole blocks, rounded
 // down to a multiple of 64; 0 where a cascade would not pay (paged_attention.cpp).
@@ -77,7 +81,8 @@ void decode_attention_after_prefix(at::Tensor out, const at::Tensor& q, const at
 void prefill_attention_after_prefix(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
                                     const at::Tensor& v_cache, const at::Tensor& block_tables,
                                     const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t first_seq,
-                                    double scale, int64_t window, double softcap, const SoftmaxState* prefix);
+                                    double scale, int64_t window, double softcap, const SoftmaxState* prefix,
+                                    bool causal = true);
 
 // The new tokens' K and V into their cache slots, copied or quantized to int8 rows (cache_write.cpp).
 void write_kv(at::Tensor key, at::Tensor value, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slot_mapping);
@@ -182,9 +187,9 @@ using KVPair = std::tuple<at::Tensor, at::Tensor>;  // one layer's (k_cache, v_c
 // the CPU attention backend, on one rank.
 class DecoderStack {
  public:
-  // softcap: 0, or the soft cap of every layer's attention scores (Gemma 2's)
+  // softcap: 0, or the soft cap of every layer's attention scores (Gemma 2's); causal: false for an encoder's layers
   DecoderStack(std::vector<DecoderLayerWeights> layers, at::Tensor norm, double eps, int64_t num_heads,
-               int64_t num_kv_heads, int64_t head_dim, double scale, double softcap);
+               int64_t num_kv_heads, int64_t head_dim, double scale, double softcap, bool causal);
   // x: the embedded tokens [T, H]; the batch as pagedllm.attention.metadata.AttentionMetadata holds it, decodes first.
   at::Tensor forward(at::Tensor x, const at::Tensor& positions, const std::vector<KVPair>& kv_caches,
                      at::Tensor slot_mapping, at::Tensor block_tables, at::Tensor seq_lens,
@@ -207,6 +212,7 @@ class DecoderStack {
   double eps_;
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double scale_, softcap_;
+  bool causal_;
 };
 
 // shm.cpp: the collectives of tensor-parallel ranks on one machine; each returns the last round number it used.

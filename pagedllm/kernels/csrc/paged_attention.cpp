@@ -61,10 +61,11 @@ int64_t cascade_prefix_len(at::Tensor q, at::Tensor k_cache, at::Tensor block_ta
 
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
                      at::Tensor seq_lens, at::Tensor query_start_loc, int64_t num_decodes, double scale,
-                     bool cascade, int64_t window, double softcap) {
+                     bool cascade, int64_t window, double softcap, bool causal) {
   const int64_t num_seqs = seq_lens.size(0);
-  // A window's rows see different keys of a shared prefix, as many as their positions leave them: no cascade.
-  const bool shared = cascade && window == 0;
+  // A window's rows see different keys of a shared prefix, as many as their positions leave them: no cascade; nor
+  // for an encoder's rows (which share no blocks).
+  const bool shared = cascade && window == 0 && causal;
   const int64_t prefix_len = shared ? cascade_prefix_len(q, k_cache, block_tables, seq_lens, query_start_loc) : 0;
   std::optional<SoftmaxState> prefix;
   if (prefix_len > 0) {
@@ -79,7 +80,7 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
   }
   if (num_decodes < num_seqs) {
     prefill_attention_after_prefix(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_decodes,
-                                   scale, window, softcap, state);
+                                   scale, window, softcap, state, causal);
   }
 }
 

@@ -8,7 +8,8 @@
 //   block_tables:      [num_seqs, max_blocks] int32;  seq_lens: [num_seqs] int32 (context after this step)
 //   query_start_loc:   [num_seqs + 1] int32
 //   Query j of seq i sits at position seq_len - q_len + j and sees the keys at positions <= its own (with a
-//   sliding window of W keys, those past its own position - W too).
+//   sliding window of W keys, those past its own position - W too). Not causal (an encoder's bidirectional
+//   attention), it sees every key of the context (with a window, those less than W positions from its own).
 //
 // Two passes:
 //   1. per (sequence, kv head): copy the context's keys into tiles of 16, transposed so that one vector
@@ -558,6 +559,12 @@ struct Plan {
   std::vector<Task> tasks;
   int64_t window = 0;  // 0, or the sliding window every query row sees
   float softcap = 0.f;  // 0, or the soft cap of the scores (Gemma 2's)
+  bool causal = true;   // false: a row sees the keys after its own too (within the window either side)
+
+  // Past the last key a query at `pos` sees of a context of `end` keys.
+  int64_t key_end(int64_t pos, int64_t end) const {
+    return causal ? std::min(end, pos + 1) : window > 0 ? std::min(end, pos + window) : end;
+  }
 };
 
 // The first key a query at `pos` sees of the keys from `first` on: `first`, or its sliding window's first.
@@ -568,9 +575,10 @@ int64_t first_key(int64_t first, int64_t pos, int64_t window) {
 // Sequences first_seq.. of the batch, each query tile over its keys [first, seq_len): the whole context (first = 0),
 // what follows a cascade's prefix, or with a window what its queries' windows cover.
 Plan plan_sequences(const int32_t* qsl, const int32_t* lens, int64_t first_seq, int64_t num_seqs,
-                    int64_t num_kv_heads, int64_t first, int64_t window) {
+                    int64_t num_kv_heads, int64_t first, int64_t window, bool causal) {
   Plan plan;
   plan.window = window;
+  plan.causal = causal;
   for (int64_t i = first_seq; i < num_seqs; ++i) {
     const int64_t q_len = qsl[i + 1] - qsl[i], seq_len = lens[i];
     if (q_len == 0) continue;
@@ -579,8 +587,9 @@ Plan plan_sequences(const int32_t* qsl, const int32_t* lens, int64_t first_seq, 
       plan.packed.push_back({i, h, keys_from, seq_len});
       for (int64_t begin = 0; begin < q_len; begin += kQueryTile) {
         const int64_t end = std::min(q_len, begin + kQueryTile), first_pos = seq_len - q_len + begin;
+        const int64_t keys = plan.key_end(first_pos + end - begin - 1, seq_len) - first_key(keys_from, first_pos, window);
         plan.tasks.push_back({static_cast<int64_t>(plan.packed.size()) - 1, qsl[i] + begin, qsl[i] + end, first_pos,
-                              (end - begin) * (first_pos + end - begin - first_key(keys_from, first_pos, window))});
+                              (end - begin) * keys});
       }
     }
   }
@@ -747,7 +756,7 @@ void run_plan(Plan& plan, at::Tensor& out, const at::Tensor& q, const at::Tensor
         std::fill(row_sum.begin(), row_sum.begin() + rows * kSumLanes, 0.f);
         std::fill(acc.begin(), acc.begin() + rows * head_dim, 0.f);
       }
-      const int64_t key_end = std::min(pk.end, first_pos + tokens);  // past the last key any row sees
+      const int64_t key_end = plan.key_end(first_pos + tokens - 1, pk.end);  // past the last key any row sees
       // chunks from the one holding the first key the first row sees
       const int64_t skipped = first_key(pk.first, first_pos, plan.window) - pk.first;
       const int64_t key_begin = pk.first + skipped / kKeyChunk * kKeyChunk;
@@ -759,7 +768,7 @@ void run_plan(Plan& plan, at::Tensor& out, const at::Tensor& q, const at::Tensor
           for (int64_t r = begin; r < end; ++r) {
             float* s = scores.data() + r * kKeyChunk;
             const int64_t pos = first_pos + r / group;
-            const int64_t visible = std::min(tiles * kKeyTile, pos - chunk_start + 1);
+            const int64_t visible = std::min(tiles * kKeyTile, plan.key_end(pos, pk.end) - chunk_start);
             const int64_t hidden = first_key(chunk_start, pos, plan.window) - chunk_start;
             if (hidden >= visible) {  // the chunk is past this row's position, or before its window: it adds nothing
               std::fill(s, s + kKeyChunk, 0.f);
@@ -805,8 +814,9 @@ void run_plan(Plan& plan, at::Tensor& out, const at::Tensor& q, const at::Tensor
                             tiles, scores.data(), kKeyChunk);
         }
         softmax_rows(0, rows);
-        // Every row's p is 0 past its own position, so all rows take the last row's keys (the most any sees).
-        const int64_t visible = std::min(tiles * kKeyTile, first_pos + (rows - 1) / group - chunk_start + 1);
+        // Every row's p is 0 past its last key, so all rows take the last row's keys (the most any sees).
+        const int64_t visible = std::min(tiles * kKeyTile, plan.key_end(first_pos + (rows - 1) / group, pk.end) -
+                                                               chunk_start);
 #if defined(__AVX512BF16__)
         if constexpr (kPairs) {
           round_rows_to_bf16(scores.data(), rows, kKeyChunk, kKeyChunk, p_bf16.data());
@@ -877,22 +887,24 @@ bool prefill_attention_in_tiles(const at::Tensor& q, const at::Tensor& k_cache) 
 
 void prefill_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                        at::Tensor block_tables, at::Tensor seq_lens, at::Tensor query_start_loc, int64_t first_seq,
-                       double scale, int64_t window, double softcap) {
+                       double scale, int64_t window, double softcap, bool causal) {
   prefill_attention_after_prefix(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, first_seq, scale,
-                                 window, softcap, nullptr);
+                                 window, softcap, nullptr, causal);
 }
 
 void prefill_attention_after_prefix(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
                                     const at::Tensor& v_cache, const at::Tensor& block_tables,
                                     const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t first_seq,
-                                    double scale, int64_t window, double softcap, const SoftmaxState* prefix) {
+                                    double scale, int64_t window, double softcap, const SoftmaxState* prefix,
+                                    bool causal) {
   check_prefill_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc);
   TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "out must be contiguous and of q's shape");
   TORCH_CHECK(window >= 0 && !(window > 0 && prefix), "a sliding window of ", window,
               " keys (0: none), never with a cascade's prefix");
   TORCH_CHECK(softcap >= 0, "softcap must be 0 (none) or positive, not ", softcap);
+  TORCH_CHECK(causal || !prefix, "a cascade's rows are causal");
   Plan plan = plan_sequences(query_start_loc.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), first_seq,
-                             seq_lens.size(0), k_cache.size(2), prefix ? prefix->prefix_len : 0, window);
+                             seq_lens.size(0), k_cache.size(2), prefix ? prefix->prefix_len : 0, window, causal);
   plan.softcap = static_cast<float>(softcap);
   dispatch_plan(q, k_cache, v_cache, [&]<typename scalar_t, typename cache_t, int64_t kHeadDim>() {
     run_plan<scalar_t, cache_t, kHeadDim>(plan, out, q, k_cache, v_cache, block_tables, seq_lens, scale, prefix,
