@@ -99,7 +99,11 @@ def build_kernels(march: str) -> ModuleType | None:
     sources = sorted(_CSRC.glob("*.cpp"))
     # -fno-trapping-math changes no result (pagedllm never reads the FP exception flags); without it GCC keeps a
     # select like `x < lo ? 0 : p * s` a branch where AVX2 has no masked ops, and the loop stays scalar.
-    cflags = ["-O3", f"-march={march}", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
+    # -mprefer-vector-width=512: where the CPU has AVX-512, GCC vectorizes the plain loops (layers.cpp's norms and
+    # gated activations) 16 floats wide instead of 8: 1.4-1.5x their bf16 rates on the AMX Xeon, ~7% of an encoder's
+    # prefill; elsewhere it changes nothing.
+    cflags = ["-O3", f"-march={march}", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
+              "-mprefer-vector-width=512"]
     # Keyed by the sources and their folder (ninja rebuilds when the command line, which names them, changes),
     # the flags, torch and, for native, the CPU: native code is only valid on this CPU.
     signature = _cpu_signature() if march == "native" else ""
