@@ -260,9 +260,9 @@ class LLMEngine:
     def _num_blocks(self) -> int:
         cache, sched = self.config.cache, self.config.scheduler
         if attends_both_ways(self.hf_config):
-            # an encoder's layers read and write no K/V (`bidirectional_attention`), and its requests end with the
-            # step that runs them: the pool only counts the slots of one step's prompts (as vLLM gives an encoder no
-            # KV cache), not the 4 GiB a decoder's would take
+            # an encoder's requests end with the step that runs them, and no later step reads their K/V (which its
+            # modules never write): the pool only holds one step's prompts (vLLM gives an encoder no KV cache at
+            # all), not the 4 GiB a decoder's would take
             return -(-sched.max_num_batched_tokens // cache.block_size) + sched.max_num_seqs + 1
         activation_bytes = 0
         if cache.kv_cache_memory is None and self.runner.device.type == "cuda":

@@ -187,7 +187,8 @@ class LlamaAttention(nn.Module):
         self.scale = (getattr(config, "query_pre_attn_scalar", None) or self.head_dim) ** -0.5
         self.softcap = _softcap(config, "attn_logit_softcapping")
         self.attn_backend = attn_backend
-        # an encoder's layers (never the decoder stack) attend through `bidirectional_attention`, to the step's K/V
+        # an encoder's modules attend through `bidirectional_attention`, to the step's own K/V (its decoder stack:
+        # through the kernels' bidirectional mode)
         self.encoder = attends_both_ways(config)
         if self.encoder and self.softcap:
             raise ValueError("an encoder with soft-capped attention scores is not supported")

@@ -239,6 +239,7 @@ class ModelRunner:
         (`projector`), and is L2-normalised unless it asks otherwise; a classification is the head's logits, as
         probabilities unless it asks otherwise."""
         result = {}
+        embeddings: dict[str, tuple[torch.Tensor, bool]] = {}     # request id -> (pooled vector, normalize)
         for s in scheduled:
             state = self.requests[s.request_id]
             pooling = state.pooling
@@ -264,12 +265,15 @@ class ModelRunner:
                 vector = self.model.classify(vector[None])[0]
                 if pooling.use_activation:
                     vector = vector.sigmoid() if len(vector) == 1 else vector.softmax(0)
+                result[s.request_id] = vector.tolist()
             else:
-                if self.projector is not None:
-                    vector = self.projector(vector[None])[0]
-                if pooling.normalize:
-                    vector = torch.nn.functional.normalize(vector, dim=0)
-            result[s.request_id] = vector.tolist()
+                embeddings[s.request_id] = (vector, pooling.normalize)
+        if embeddings:      # the step's embeddings through the Dense layers together: one product per layer
+            vectors = torch.stack([vector for vector, _ in embeddings.values()])
+            if self.projector is not None:
+                vectors = self.projector(vectors)
+            for (request_id, (_, normalize)), vector in zip(embeddings.items(), vectors):
+                result[request_id] = (torch.nn.functional.normalize(vector, dim=0) if normalize else vector).tolist()
         return result
 
     def _forward_step(self, inputs: ModelInputs, lora: LoRABatch | None) -> torch.Tensor:

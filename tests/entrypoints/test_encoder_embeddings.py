@@ -135,7 +135,7 @@ def test_a_dense_activation_pagedllm_does_not_know_is_refused_at_load(tmp_path):
 
 
 def test_an_encoder_takes_a_pool_of_one_steps_slots(encoder):
-    """Its layers keep no K/V: by default its pool holds one step's prompts (the default budget of 2,048 tokens in
+    """No step reads another's K/V: by default its pool holds one step's prompts (the default budget of 2,048 tokens in
     blocks of 8, a partly filled block for each of 256 sequences, and the null block), not gigabytes."""
     _, hf_model, layers = encoder
     llm = LLM(model=str(encoder[0]), dtype="float32")
