@@ -60,15 +60,17 @@ _BLOCK_NAMES = {
 _GEMMA_BLOCK_NAMES = {**_BLOCK_NAMES, "ffn_norm": "pre_feedforward_layernorm",
                       "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 # Phi-3's fused weights: its q/k/v in one tensor, and its gate and up in ffn_up (`unfused` splits them)
-_ARCH_BLOCK_NAMES = {"gemma2": _GEMMA_BLOCK_NAMES, "gemma3": _GEMMA_BLOCK_NAMES,
+_ARCH_BLOCK_NAMES = {"gemma2": _GEMMA_BLOCK_NAMES, "gemma3": _GEMMA_BLOCK_NAMES, "gemma-embedding": _GEMMA_BLOCK_NAMES,
                      "phi3": {**_BLOCK_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
 # Architectures whose RMSNorm scales by 1 + w, which llama.cpp's converter stores as the 1 + w it multiplies by
-_NORM_SHIFTED_ARCHS = {"gemma2", "gemma3"}
+_NORM_SHIFTED_ARCHS = {"gemma2", "gemma3", "gemma-embedding"}
 # GGUF architecture -> transformers' model_type, where they differ (a mixture of experts: _MOE_MODEL_TYPES)
-_MODEL_TYPES = {"gemma3": "gemma3_text"}
+_MODEL_TYPES = {"gemma3": "gemma3_text", "gemma-embedding": "gemma3_text"}
 # What llama.cpp fixes for Gemma rather than read from the file: every how many layers one is global (the others
 # local, over the window), and the layer count of the 27B, whose queries are scaled by (hidden / heads) ** -0.5
-_GEMMA_LAYOUTS = {"gemma2": (2, 46), "gemma3": (6, 62)}
+_GEMMA_LAYOUTS = {"gemma2": (2, 46), "gemma3": (6, 62), "gemma-embedding": (6, 62)}
+# EmbeddingGemma's sentence-transformers Dense layers, which its files hold beside the model (`dense_projection`)
+DENSE_TENSORS = ("dense_2.weight", "dense_3.weight")
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 # llama3's and longrope's rope factors: the rope is rebuilt from the config (longrope's factors go into it)
 _SKIPPED = {"rope_freqs", "rope_factors_long", "rope_factors_short"}
@@ -253,7 +255,7 @@ def gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
             raise KeyError(f"unknown GGUF tensor {name!r}")
         return f"model.layers.{layer}.{names[part]}.{kind}"
     base, _, kind = name.rpartition(".")
-    if base in _SKIPPED:
+    if base in _SKIPPED or name in DENSE_TENSORS:
         return None
     if base not in _TOP_NAMES:
         raise KeyError(f"unknown GGUF tensor {name!r}")
@@ -395,9 +397,14 @@ def _gguf_gemma(g: GGUFFile, fields: dict[str, Any]) -> dict[str, Any]:
         hidden_activation="gelu_pytorch_tanh",
         attn_logit_softcapping=g.arch_value("attn_logit_softcapping"),
         final_logit_softcapping=g.arch_value("final_logit_softcapping"))
-    if g.architecture == "gemma3":
+    if g.architecture in ("gemma3", "gemma-embedding"):
         config["rope_parameters"] = {"full_attention": fields["rope_parameters"],
                                      "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+    if g.architecture == "gemma-embedding":
+        # EmbeddingGemma, an encoder saved as the bare model: its file holds the checkpoint's window W, which
+        # llama.cpp reads as keys within W / 2 either side, and transformers as W // 2 + 1 exclusive: the same keys
+        config.update(use_bidirectional_attention=True, architectures=["Gemma3TextModel"],
+                      sliding_window=window // 2 + 1 if window else None)
     return config
 
 

@@ -1,7 +1,8 @@
 """The pooling an embedding model was trained with: vLLM's `pooler_config` when given, else the model folder's
-sentence-transformers config (modules.json and its Pooling module's config.json), else LAST (`PoolingParams`); and the
-Dense layers that config puts after the pooling (`sentence_transformers_projector`: EmbeddingGemma's 768 -> 3072 ->
-768), which vLLM runs too."""
+sentence-transformers config (modules.json and its Pooling module's config.json) or a GGUF file's `pooling_type`, else
+LAST (`PoolingParams`); and the Dense layers that config puts after the pooling (`sentence_transformers_projector`:
+EmbeddingGemma's 768 -> 3072 -> 768, which a GGUF file holds as its dense_2 and dense_3 tensors), which vLLM and
+llama.cpp run too."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedllm.loader.resolve import ResolvedModel
 from pagedllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -60,12 +62,21 @@ def sentence_transformers_pooling(folder: Path) -> str | None:
     return None
 
 
-def model_pooling_type(folder: Path, pooler_config: dict[str, Any] | None = None) -> str:
-    """LAST, MEAN or CLS: `pooler_config`'s pooling_type (vLLM's), else the sentence-transformers config's, else
-    LAST (vLLM's default for a causal LM). A mode pagedllm does not run is warned of, and LAST taken."""
+# llama.cpp's pooling types (a GGUF's `{arch}.pooling_type`) -> pagedllm's
+_GGUF_POOLING = {1: "MEAN", 2: "CLS", 3: "LAST"}
+
+
+def model_pooling_type(model: ResolvedModel, pooler_config: dict[str, Any] | None = None) -> str:
+    """LAST, MEAN or CLS: `pooler_config`'s pooling_type (vLLM's), else the sentence-transformers config's (a GGUF
+    file's pooling_type), else LAST (vLLM's default for a causal LM). A mode pagedllm does not run is warned of, and
+    LAST taken."""
     if pooler_config is not None:       # checked by ModelConfig
         return pooler_config["pooling_type"]
-    modes = sentence_transformers_pooling(folder) if folder.is_dir() else None
+    if model.gguf_path is not None:
+        from pagedllm.loader.gguf import GGUFFile
+
+        return _GGUF_POOLING.get(GGUFFile(model.gguf_path).arch_value("pooling_type"), "LAST")
+    modes = sentence_transformers_pooling(model.path)
     if modes is None:
         return "LAST"
     if modes not in _MODES:
@@ -77,14 +88,17 @@ def model_pooling_type(folder: Path, pooler_config: dict[str, Any] | None = None
     return _MODES[modes]
 
 
-def sentence_transformers_projector(folder: Path) -> nn.Sequential | None:
+def sentence_transformers_projector(model: ResolvedModel) -> nn.Sequential | None:
     """The Dense modules a sentence-transformers folder runs after its pooling (each `activation(W x + b)`, from its
     config.json and its model.safetensors or pytorch_model.bin), in float32 as the pooled vectors they take; None for
-    a folder without any. ValueError for an activation pagedllm does not know: its embeddings would be wrong."""
+    a folder without any. ValueError for an activation pagedllm does not know: its embeddings would be wrong. A GGUF
+    file's are its dense_2 and dense_3 weights, without biases or activations (as llama.cpp runs EmbeddingGemma's)."""
     from safetensors.torch import load_file
 
+    if model.gguf_path is not None:
+        return _gguf_projector(model.gguf_path)
     layers: list[nn.Module] = []
-    for module in _modules(folder, "Dense") if folder.is_dir() else []:
+    for module in _modules(model.path, "Dense"):
         config = json.loads((module / "config.json").read_text())
         activation = config.get("activation_function", "torch.nn.modules.activation.Tanh")
         if activation not in _ACTIVATIONS:
@@ -96,8 +110,26 @@ def sentence_transformers_projector(folder: Path) -> nn.Sequential | None:
         linear = nn.Linear(config["in_features"], config["out_features"], bias=config.get("bias", True))
         linear.load_state_dict({name.removeprefix("linear."): tensor.float() for name, tensor in weights.items()})
         layers += [linear, _ACTIVATIONS[activation]()]
+    return _projector(layers)
+
+
+def _gguf_projector(path: Path) -> nn.Sequential | None:
+    from pagedllm.loader.gguf import DENSE_TENSORS, GGUFFile
+
+    g = GGUFFile(path)
+    layers: list[nn.Module] = []
+    for name in DENSE_TENSORS:
+        if name in g.tensors:
+            weight = g.read_tensor(g.tensors[name]).float()
+            linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+            linear.weight.data.copy_(weight)
+            layers += [linear, nn.Identity()]
+    return _projector(layers)
+
+
+def _projector(layers: list[nn.Module]) -> nn.Sequential | None:
     if not layers:
         return None
-    logger.info("embeddings pass through %d Dense layers after pooling, as the sentence-transformers config says",
-                len(layers) // 2)
+    logger.info("embeddings pass through %d Dense layers after pooling, as the model's sentence-transformers config "
+                "says", len(layers) // 2)
     return nn.Sequential(*layers).requires_grad_(False)

@@ -17,6 +17,8 @@ from pagedllm.config import ModelConfig
 from pagedllm.layers.gguf import PACKED_GGUF_TYPES, dequantize_gguf_packed, pack_gguf_weight, packed_type
 from pagedllm.loader import load_model
 from pagedllm.loader.gguf import GGUFFile, gguf_block_rows, gguf_hf_config, gguf_to_hf_name, iterate_gguf, unpermute_qk
+from pagedllm.loader.pooling_config import model_pooling_type, sentence_transformers_projector
+from pagedllm.loader.resolve import resolve_model
 from tests.models.tiny import SimplePagedRunner, build_tiny_hf_model, use_gguf_reference
 
 QUANTIZABLE = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1]
@@ -124,9 +126,11 @@ def _gguf_tensors(hf_model, arch: str):
             yield f"{gguf_name(base)}.{kind}", t
 
 
-def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_token_id: int | None = None) -> None:
+def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_token_id: int | None = None,
+                     dense: tuple[torch.Tensor, ...] = ()) -> None:
     """What llama.cpp's converter does, in miniature: metadata, renamed tensors, Q/K permuted for llama, Gemma's
-    norms stored as the 1 + w they scale by, its global layers' rope and its window."""
+    norms stored as the 1 + w they scale by, its global layers' rope and its window (EmbeddingGemma's as its
+    config.json holds it, with its mean pooling and its `dense` layers' weights)."""
     cfg = hf_model.config
     rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)
     w = gguf.GGUFWriter(str(path), arch)
@@ -142,6 +146,11 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
         w.add_rope_scaling_factor(rope["factor"])
     if arch in ("gemma2", "gemma3"):
         w.add_sliding_window(cfg.sliding_window)
+    if arch == "gemma-embedding":      # transformers reads config.json's W as W // 2 + 1; the file holds W
+        w.add_sliding_window((cfg.sliding_window - 1) * 2)
+        w.add_pooling_type(gguf.PoolingType.MEAN)
+        for name, weight in zip(("dense_2.weight", "dense_3.weight"), dense):
+            w.add_tensor(name, weight.numpy())
     if arch == "gemma2":
         w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
         w.add_final_logit_softcapping(cfg.final_logit_softcapping)
@@ -175,7 +184,7 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
             t = _permute(t, cfg.num_attention_heads, cfg.num_attention_heads)
         elif arch in ("llama", "smollm3") and ".attn_k." in gname:
             t = _permute(t, cfg.num_attention_heads, cfg.num_key_value_heads)
-        elif arch in ("gemma2", "gemma3") and gname.endswith("norm.weight"):
+        elif arch in ("gemma2", "gemma3", "gemma-embedding") and gname.endswith("norm.weight"):
             t = t + 1
         data = t.numpy()
         if qtype != Q.F32 and t.dim() >= 2 and ".ffn_gate_inp." not in gname:    # llama.cpp keeps routers as they are
@@ -239,6 +248,29 @@ def test_a_gemma3_gguf_matches_transformers_past_its_window(tmp_path: Path, glob
         torch.testing.assert_close(logits[0], expected, atol=1e-4, rtol=0)
         tokens.append(int(expected.argmax()))
         logits = runner.step({0: tokens[-1:]})
+
+
+def test_an_embeddinggemma_gguf_is_the_encoder_with_its_pooling_and_dense_layers(tmp_path: Path) -> None:
+    """EmbeddingGemma as llama.cpp's converter writes it (`gemma-embedding`): Gemma 3's layers as an encoder, its
+    window as config.json holds it (12 here: keys within 6 either side for llama.cpp, within 7 exclusive for
+    transformers), mean pooling, and the Dense layers' weights as dense_2 and dense_3. Its hidden states (through
+    the tied head, past the window) are transformers' bidirectional model's."""
+    hf_model = build_tiny_hf_model("gemma3", **_GEMMA3_LAYERS, use_bidirectional_attention=True)
+    dense = (torch.randn(96, 64), torch.randn(48, 96))
+    path = tmp_path / "embeddinggemma.gguf"
+    write_model_gguf(hf_model, path, "gemma-embedding", dense=dense)
+    config = gguf_hf_config(GGUFFile(path))
+    assert config.model_type == "gemma3_text" and config.architectures == ["Gemma3TextModel"]
+    assert config.use_bidirectional_attention and config.sliding_window == hf_model.config.sliding_window == 7
+    resolved = resolve_model(str(path))
+    assert model_pooling_type(resolved) == "MEAN"
+    projector = sentence_transformers_projector(resolved)
+    torch.testing.assert_close([layer.weight for layer in projector if hasattr(layer, "weight")], list(dense))
+    runner = SimplePagedRunner(load_model(ModelConfig(model=str(path), dtype="float32")).model)
+    tokens = [(7 * i + 3) % 300 for i in range(30)]
+    with torch.inference_mode():
+        expected = hf_model(torch.tensor([tokens])).logits[0, -1]
+    torch.testing.assert_close(runner.step({0: tokens})[0], expected, atol=1e-4, rtol=0)
 
 
 def test_a_gemma2_gguf_matches_transformers_past_its_window(tmp_path: Path) -> None:
