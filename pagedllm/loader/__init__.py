@@ -160,7 +160,10 @@ def max_model_len_of(hf_config: Any, wanted: int | None) -> int:
     """The model's context length (`max_position_embeddings`, else 2048), capped by `wanted` when given. A model
     whose layers attend over sliding windows (`sliding_window_of_layer`) runs its whole context too: each such layer
     reads its window of the cache."""
-    model_len = getattr(hf_config, "max_position_embeddings", None) or 2048
+    from pagedllm.models.bert import position_offset
+
+    # RoBERTa's positions start after its padding id: two of its rows are not positions of the context
+    model_len = (getattr(hf_config, "max_position_embeddings", None) or 2048) - position_offset(hf_config)
     if wanted is not None and wanted > model_len:
         raise ValueError(f"max_model_len={wanted} is larger than the model's context length {model_len}")
     return wanted or model_len

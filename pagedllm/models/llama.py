@@ -88,10 +88,15 @@ def _is_gemma(config: Any) -> bool:
     return config.model_type in ("gemma2", "gemma3_text")
 
 
+# the BERT family's (pagedllm.models.bert), encoders all
+ENCODER_MODEL_TYPES = ("bert", "roberta", "xlm-roberta")
+
+
 def attends_both_ways(config: Any) -> bool:
     """Whether the model is an encoder: each token attends to those after it too (EmbeddingGemma's
-    `use_bidirectional_attention`), so it embeds, each prompt whole, and never generates."""
-    return bool(getattr(config, "use_bidirectional_attention", False))
+    `use_bidirectional_attention`, the BERT family), so it embeds, each prompt whole, and never generates."""
+    return bool(getattr(config, "use_bidirectional_attention", False)) or \
+        getattr(config, "model_type", None) in ENCODER_MODEL_TYPES
 
 
 def _softcap(config: Any, option: str) -> float:

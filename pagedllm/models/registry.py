@@ -10,6 +10,7 @@ from typing import Any
 
 from torch import nn
 
+from pagedllm.models.bert import BertModel
 from pagedllm.models.llama import LlamaForCausalLM
 
 _MODELS: dict[str, type[nn.Module]] = {
@@ -31,6 +32,10 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Qwen2Model": LlamaForCausalLM,
     "Qwen3Model": LlamaForCausalLM,
     "Gemma3TextModel": LlamaForCausalLM,    # EmbeddingGemma's, whose attention is bidirectional
+    # BERT-family encoders, embedding models (pagedllm.models.bert)
+    "BertModel": BertModel,
+    "RobertaModel": BertModel,
+    "XLMRobertaModel": BertModel,
     # With a classification head (rerankers, classifiers): see CLASSIFIER_ARCHITECTURES.
     "LlamaForSequenceClassification": LlamaForCausalLM,
     "MistralForSequenceClassification": LlamaForCausalLM,
@@ -47,6 +52,9 @@ _MODELS: dict[str, type[nn.Module]] = {
     "smollm3": LlamaForCausalLM,
     "gemma2": LlamaForCausalLM,
     "gemma3_text": LlamaForCausalLM,
+    "bert": BertModel,
+    "roberta": BertModel,
+    "xlm-roberta": BertModel,
 }
 
 
