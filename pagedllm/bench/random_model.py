@@ -44,6 +44,11 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
         hidden_size=768, intermediate_size=1152, num_hidden_layers=24, num_attention_heads=3,
         num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256, sliding_window=512,
         max_position_embeddings=2048, use_bidirectional_attention=True)),
+    # all-MiniLM-L6-v2's (30M weights here; 23M with BERT's 30,522-token vocabulary, not the tokenizer's 49,152): 6
+    # BERT layers of hidden 384, 12 heads, an MLP of 1,536, 512 positions; mean-pooled
+    "all-minilm-l6": ("bert", dict(
+        hidden_size=384, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=12,
+        max_position_embeddings=512)),
     # Phi-4-mini's layers (~3.4B weights): 32 of hidden 3072, 24 query heads of 128 over 8 kv heads, an MLP of 8192,
     # longrope (an original context of 4,096 of 131,072) over 3/4 of each head; the tokenizer's vocabulary
     "phi4-mini": ("phi3", dict(
@@ -104,6 +109,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
     from pagedllm.loader.resolve import default_model_gguf
+    from pagedllm.models.llama import attends_both_ways
     from pagedllm.tokenizer.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(default_model_gguf())
@@ -112,13 +118,14 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                                   eos_token_id=tokenizer.eos_token_id, initializer_range=0.02,
                                   **{"max_position_embeddings": 4096, **fields})
     torch.manual_seed(args.seed)
-    encoder = bool(fields.get("use_bidirectional_attention"))     # saved as the bare model, as EmbeddingGemma is
+    encoder = attends_both_ways(config)     # saved as the bare model with its sentence-transformers modules
     model = (AutoModel if encoder else AutoModelForCausalLM).from_config(config, dtype=getattr(torch, args.dtype))
     output = Path(args.output)
     model.save_pretrained(output)
     tokenizer.save_pretrained(output)
     if encoder:
-        save_sentence_transformers_modules(output, config.hidden_size, ENCODER_DENSE, args.seed)
+        dense = ENCODER_DENSE if args.preset == "embeddinggemma-300m" else []
+        save_sentence_transformers_modules(output, config.hidden_size, dense, args.seed)
     num_params = sum(p.numel() for p in model.parameters())
     print(f"{args.preset}: {num_params / 1e6:.0f}M random {args.dtype} weights in {output}")
     return {"preset": args.preset, "num_params": num_params, "output": str(output)}

@@ -40,3 +40,18 @@ def test_the_embeddinggemma_preset_is_an_encoder_with_its_dense_layers(tmp_path,
         assert llm.engine.pooling_type == "MEAN"
         (out,) = llm.embed(["The capital of France is"], use_tqdm=False)
     assert len(out.outputs.embedding) == 48 and abs(sum(x * x for x in out.outputs.embedding) - 1) < 1e-4
+
+
+def test_the_minilm_preset_is_a_bert_encoder_pooled_by_its_mean(tmp_path, monkeypatch):
+    model_type, fields = random_model.PRESETS["all-minilm-l6"]
+    monkeypatch.setitem(random_model.PRESETS, "all-minilm-l6",
+                        (model_type, {**fields, "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2}))
+    main(["random-model", str(tmp_path / "m"), "--preset", "all-minilm-l6", "--dtype", "float32"])
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert config["architectures"] == ["BertModel"]
+    assert [m["type"].rsplit(".", 1)[1] for m in json.loads((tmp_path / "m" / "modules.json").read_text())] == \
+        ["Transformer", "Pooling", "Normalize"]
+    with LLM(str(tmp_path / "m"), num_kv_blocks=64) as llm:
+        assert llm.engine.pooling_type == "MEAN"
+        (out,) = llm.embed(["The capital of France is"], use_tqdm=False)
+    assert len(out.outputs.embedding) == 64
