@@ -224,7 +224,7 @@ class ModelRunner:
             drafts = {s.request_id: s.spec_token_ids for s in scheduled if s.spec_token_ids}
             masks = _wait_token_bitmasks(pending_masks)
             output = (self._sample_with_drafts(hidden, inputs, children, drafts, masks) if drafts else
-                      self._sample(hidden[inputs.logits_indices], inputs.sample_request_ids, children, masks))
+                      self._sample_all_but_embeddings(hidden, inputs, children, masks))
         for state, end in reported:   # only once the group succeeded: a group that raised may run again
             state.num_prompt_logprob_positions = end
         output.prompt_logprobs = prompt_logprobs
@@ -420,6 +420,21 @@ class ModelRunner:
                 rows.append(row)
                 row_request_ids.append(child_id)
         return rows, row_request_ids
+
+    def _sample_all_but_embeddings(self, hidden: torch.Tensor, inputs: ModelInputs, children: dict[str, list[str]],
+                                   masks: dict[str, torch.Tensor]) -> RunnerOutput:
+        """`_sample` for the generating requests; a pooling request's one token, which nobody sees, is token 0,
+        without the LM head's product for its row (a [rows, vocab] product a step of short documents)."""
+        ids = inputs.sample_request_ids
+        keep = [i for i, request_id in enumerate(ids) if self.requests[request_id].pooling is None]
+        output = RunnerOutput() if not keep else self._sample(
+            hidden[inputs.logits_indices[keep] if len(keep) < len(ids) else inputs.logits_indices],
+            [ids[i] for i in keep], children, masks)
+        for request_id in ids:
+            if self.requests[request_id].pooling is not None:
+                self.requests[request_id].output_token_ids.append(0)
+                output.sampled_token_ids[request_id] = 0
+        return output
 
     def _sample(self, hidden: torch.Tensor, sample_request_ids: list[str], children: dict[str, list[str]],
                 masks: dict[str, torch.Tensor]) -> RunnerOutput:

@@ -65,6 +65,21 @@ def test_embed_is_the_normalised_last_hidden_state_of_transformers(tiny, llm):
         assert abs(torch.tensor(output.outputs.embedding).norm().item() - 1) < 1e-5
 
 
+def test_an_embedding_takes_no_product_with_the_lm_head(llm, monkeypatch):
+    """The one token an embedding request samples is never seen: its row skips the LM head (token 0), while a
+    generation beside it in the step still samples from its logits."""
+    runner, rows = llm.engine.runner, []
+    compute_logits = runner.compute_logits
+    monkeypatch.setattr(runner, "compute_logits", lambda hidden: rows.append(len(hidden)) or compute_logits(hidden))
+    llm.embed([{"prompt_token_ids": p} for p in PROMPTS], use_tqdm=False)
+    assert rows == []
+    llm.engine.add_request("gen", {"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=2, temperature=0))
+    llm.engine.add_request("emb", {"prompt_token_ids": PROMPTS[1]}, PoolingParams())
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    assert rows == [1, 1]       # the generation's two tokens, one row each step, none for the embedding
+
+
 def test_a_prompt_in_chunks_with_a_cache_hit_and_beside_generations_gives_the_same_vector(tiny):
     _, hf_model = tiny
     engine = build_tiny_engine(tiny[0], max_num_batched_tokens=24)     # a 70-token prompt runs in chunks
