@@ -170,7 +170,8 @@ class LLMEngine:
         self.hf_config = loaded.hf_config
         self.class_labels = class_labels(loaded.hf_config)     # a classifier's; None: the model cannot classify
         self.generates = generates(loaded.hf_config)            # False: no LM head, it only pools
-        self.pooling_type = model_pooling_type(loaded.resolved, config.model.pooler_config)   # embeddings'
+        # embeddings' pooling
+        self.pooling_type = model_pooling_type(loaded.resolved, config.model.pooler_config, loaded.gguf_file)
         defaults = read_generation_config(config.model.generation_config, loaded.resolved, loaded.hf_config)
         self.default_sampling = defaults.sampling       # SamplingParams field -> the model's default
         # the model's other EOS ids: stop ids of every request that does not ignore EOS (vLLM's

@@ -43,6 +43,7 @@ class LoadedModel:
     tp_size: int = 1
     attn_backend: AttentionBackend = cpu_paged_attention   # the one its layers attend through
     cascade: bool = True    # steps may run attention as cascade attention (not ModelConfig.disable_cascade_attn)
+    gguf_file: GGUFFile | None = None   # a GGUF's header, parsed once (the runner reads its Dense weights later)
 
 
 def resolve_dtype(dtype: str, device: str = "cpu") -> torch.dtype:
@@ -310,7 +311,7 @@ def load_model(model_config: ModelConfig, tp_rank: int = 0, tp_size: int = 1) ->
     rank = f", tensor-parallel rank {tp_rank} of {tp_size}" if tp_size > 1 else ""
     logger.info("loaded %s (%s%s%s) in %.2f s", resolved.name, dtype, how, rank, time.perf_counter() - start)
     return LoadedModel(model, hf_config, resolved, dtype, quantization, tp_rank, tp_size, attn_backend,
-                       not model_config.disable_cascade_attn)
+                       not model_config.disable_cascade_attn, gguf_file)
 
 
 __all__ = ["LoadedModel", "ResolvedModel", "load_model", "load_hf_config", "max_model_len_of", "resolve_dtype",

@@ -9,13 +9,16 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from pagedllm.loader.resolve import ResolvedModel
 from pagedllm.logger import init_logger
+
+if TYPE_CHECKING:
+    from pagedllm.loader.gguf import GGUFFile
 
 logger = init_logger(__name__)
 
@@ -66,16 +69,15 @@ def sentence_transformers_pooling(folder: Path) -> str | None:
 _GGUF_POOLING = {1: "MEAN", 2: "CLS", 3: "LAST"}
 
 
-def model_pooling_type(model: ResolvedModel, pooler_config: dict[str, Any] | None = None) -> str:
+def model_pooling_type(model: ResolvedModel, pooler_config: dict[str, Any] | None = None,
+                       gguf_file: GGUFFile | None = None) -> str:
     """LAST, MEAN or CLS: `pooler_config`'s pooling_type (vLLM's), else the sentence-transformers config's (a GGUF
-    file's pooling_type), else LAST (vLLM's default for a causal LM). A mode pagedllm does not run is warned of, and
-    LAST taken."""
+    file's pooling_type; `gguf_file`: the file already opened), else LAST (vLLM's default for a causal LM). A mode
+    pagedllm does not run is warned of, and LAST taken."""
     if pooler_config is not None:       # checked by ModelConfig
         return pooler_config["pooling_type"]
     if model.gguf_path is not None:
-        from pagedllm.loader.gguf import GGUFFile
-
-        return _GGUF_POOLING.get(GGUFFile(model.gguf_path).arch_value("pooling_type"), "LAST")
+        return _GGUF_POOLING.get(_opened(model, gguf_file).arch_value("pooling_type"), "LAST")
     modes = sentence_transformers_pooling(model.path)
     if modes is None:
         return "LAST"
@@ -88,15 +90,17 @@ def model_pooling_type(model: ResolvedModel, pooler_config: dict[str, Any] | Non
     return _MODES[modes]
 
 
-def sentence_transformers_projector(model: ResolvedModel) -> nn.Sequential | None:
+def sentence_transformers_projector(model: ResolvedModel, gguf_file: GGUFFile | None = None
+                                    ) -> nn.Sequential | None:
     """The Dense modules a sentence-transformers folder runs after its pooling (each `activation(W x + b)`, from its
     config.json and its model.safetensors or pytorch_model.bin), in float32 as the pooled vectors they take; None for
     a folder without any. ValueError for an activation pagedllm does not know: its embeddings would be wrong. A GGUF
-    file's are its dense_2 and dense_3 weights, without biases or activations (as llama.cpp runs EmbeddingGemma's)."""
+    file's are its dense_2 and dense_3 weights, without biases or activations (as llama.cpp runs EmbeddingGemma's);
+    `gguf_file`: the file already opened."""
     from safetensors.torch import load_file
 
     if model.gguf_path is not None:
-        return _gguf_projector(model.gguf_path)
+        return _gguf_projector(_opened(model, gguf_file))
     layers: list[nn.Module] = []
     for module in _modules(model.path, "Dense"):
         config = json.loads((module / "config.json").read_text())
@@ -113,10 +117,16 @@ def sentence_transformers_projector(model: ResolvedModel) -> nn.Sequential | Non
     return _projector(layers)
 
 
-def _gguf_projector(path: Path) -> nn.Sequential | None:
-    from pagedllm.loader.gguf import DENSE_TENSORS, GGUFFile
+def _opened(model: ResolvedModel, gguf_file: GGUFFile | None) -> GGUFFile:
+    from pagedllm.loader.gguf import GGUFFile
 
-    g = GGUFFile(path)
+    assert model.gguf_path is not None
+    return gguf_file or GGUFFile(model.gguf_path)
+
+
+def _gguf_projector(g: GGUFFile) -> nn.Sequential | None:
+    from pagedllm.loader.gguf import DENSE_TENSORS
+
     layers: list[nn.Module] = []
     for name in DENSE_TENSORS:
         if name in g.tensors:

@@ -84,8 +84,6 @@ class BertModel(nn.Module):
     tensor-parallel rank are taken for the loader's sake: the layers attend through `bidirectional_attention`, on one
     rank."""
 
-    packed_modules_mapping = {"qkv_proj": ["query", "key", "value"]}
-
     def __init__(self, config: Any, dtype: torch.dtype = torch.float32, attn_backend: AttentionBackend | None = None,
                  tp_rank: int = 0, tp_size: int = 1, max_positions: int | None = None) -> None:
         super().__init__()

@@ -85,7 +85,7 @@ class ModelRunner:
         self.peers = peers or Peers()
         self.device = next(self.model.parameters()).device
         # the sentence-transformers Dense layers an embedding passes through after its pooling (EmbeddingGemma's)
-        projector = sentence_transformers_projector(loaded.resolved)
+        projector = sentence_transformers_projector(loaded.resolved, loaded.gguf_file)
         self.projector = projector.to(self.device) if projector is not None else None
         self.shape = model_shape(loaded.hf_config, loaded.tp_rank, loaded.tp_size)
         self.layout = kv_tensors.KVLayout(self.shape.num_layers, self.shape.num_kv_heads, self.shape.head_dim,
