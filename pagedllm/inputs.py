@@ -1,6 +1,6 @@
 """The prompt forms vLLM takes: a string, a list of token ids, `{"prompt": str}` (TextPrompt) or
-`{"prompt_token_ids": [...]}` (TokensPrompt), each dict with an optional `cache_salt`. Pure Python: the core and
-the server may import it."""
+`{"prompt_token_ids": [...]}` (TokensPrompt), each dict with an optional `cache_salt`, and a TokensPrompt with
+optional `token_type_ids` (a cross-encoder's pair of texts). Pure Python: the core and the server may import it."""
 
 from __future__ import annotations
 
@@ -17,28 +17,33 @@ class TextPrompt(TypedDict):
 
 
 class TokensPrompt(TypedDict):
-    """A prompt as token ids; `prompt`, if given, is its text (reported back in RequestOutput.prompt)."""
+    """A prompt as token ids; `prompt`, if given, is its text (reported back in RequestOutput.prompt).
+    `token_type_ids`: one per token, for a model that adds token type embeddings (BERT's: 0 for a pair's first
+    text, 1 for its second), as vLLM takes them for cross-encoders."""
 
     prompt_token_ids: list[int]
     prompt: NotRequired[str]
     cache_salt: NotRequired[str]
+    token_type_ids: NotRequired[list[int]]
 
 
 PromptType = str | list[int] | TextPrompt | TokensPrompt
 
 # vLLM's keys for inputs a text-only engine has no use for: refused by name rather than as unknown keys.
 _UNSUPPORTED_KEYS = {"multi_modal_data": "multi-modal inputs", "mm_processor_kwargs": "multi-modal inputs",
-                     "prompt_embeds": "prompt embeddings", "token_type_ids": "token type ids"}
-_KEYS = {"prompt", "prompt_token_ids", "cache_salt"}
+                     "prompt_embeds": "prompt embeddings"}
+_KEYS = {"prompt", "prompt_token_ids", "cache_salt", "token_type_ids"}
 
 
 @dataclass(frozen=True, slots=True)
 class ParsedPrompt:
-    """One prompt, whatever its form: its text and/or token ids (at least one is set), and its cache salt."""
+    """One prompt, whatever its form: its text and/or token ids (at least one is set), its cache salt, and its
+    token type ids (only beside token ids, one each)."""
 
     text: str | None
     token_ids: list[int] | None
     cache_salt: str | None = None
+    token_type_ids: list[int] | None = None
 
 
 def parse_prompt(prompt: PromptType | ParsedPrompt, index: int = 0) -> ParsedPrompt:
@@ -62,7 +67,7 @@ def _parse_dict(prompt: dict, index: int) -> ParsedPrompt:
                              f"and takes no {_UNSUPPORTED_KEYS[key]}")
         if key not in _KEYS:
             raise ValueError(f"prompt {index}: unknown key {key!r}; a prompt dict takes 'prompt' or "
-                             "'prompt_token_ids', and 'cache_salt'")
+                             "'prompt_token_ids', and 'cache_salt' and 'token_type_ids'")
     if "prompt" not in prompt and "prompt_token_ids" not in prompt:
         raise ValueError(f"prompt {index}: a prompt dict needs 'prompt' (text) or 'prompt_token_ids'")
     text = prompt.get("prompt")
@@ -74,7 +79,12 @@ def _parse_dict(prompt: dict, index: int) -> ParsedPrompt:
     token_ids = prompt.get("prompt_token_ids")
     if token_ids is not None or "prompt_token_ids" in prompt:
         token_ids = _token_ids(token_ids, index, "key 'prompt_token_ids'")
-    return ParsedPrompt(text, token_ids, salt)
+    token_types = prompt.get("token_type_ids")
+    if token_types is not None or "token_type_ids" in prompt:
+        token_types = _token_ids(token_types, index, "key 'token_type_ids'")
+        if token_ids is None or len(token_types) != len(token_ids):
+            raise ValueError(f"prompt {index}: key 'token_type_ids' needs 'prompt_token_ids', one type per token")
+    return ParsedPrompt(text, token_ids, salt, token_types)
 
 
 def _token_ids(value: object, index: int, what: str) -> list[int]:

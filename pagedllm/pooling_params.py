@@ -14,7 +14,8 @@ POOLING_TYPES = ("LAST", "MEAN", "CLS")
 @dataclass(frozen=True)
 class PoolingParams:
     """A pooling request's parameters. Both tasks read the model's final hidden states (after its last norm): by
-    default the prompt's last token's, vLLM's LAST pooling, its default for a causal LM. The prompt runs through the
+    default a causal LM's at the prompt's last token, vLLM's LAST pooling, its default for one (an encoder's
+    classifier reads the first token's, CLS). The prompt runs through the
     paged cache like any other (its prefix-cache hits count), and the request ends there: no token is generated.
 
     Args:
@@ -24,6 +25,7 @@ class PoolingParams:
         pooling_type: (embed) "LAST", "MEAN" (the mean over the prompt's tokens) or "CLS" (its first token's); None
             takes the model's (its sentence-transformers config's pooling, else LAST; vLLM's `pooler_config`). MEAN
             and CLS need every prompt position computed: such a request reads nothing from the prefix cache.
+            (classify) None, or the token the model's head reads: "LAST" (a decoder's) or "CLS" (an encoder's).
         task: "embed": that hidden state is the embedding (vLLM's default for a causal LM served as an embedding
             model, `--convert embed`). "classify": the checkpoint's classification head (a
             `*ForSequenceClassification` model) turns it into one logit per class.
@@ -39,8 +41,8 @@ class PoolingParams:
             raise ValueError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
         if self.pooling_type not in (None, *POOLING_TYPES):
             raise ValueError(f"pooling_type must be one of {', '.join(POOLING_TYPES)}, got {self.pooling_type!r}")
-        if self.task == "classify" and self.pooling_type not in (None, "LAST"):
-            raise ValueError("a classification reads the last token (LAST pooling)")
+        if self.task == "classify" and self.pooling_type == "MEAN":
+            raise ValueError("a classification head reads one token (LAST or CLS pooling), not the mean")
         for name in ("normalize", "use_activation"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

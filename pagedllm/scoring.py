@@ -11,7 +11,7 @@ import math
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
-from pagedllm.inputs import ParsedPrompt
+from pagedllm.inputs import ParsedPrompt, TokensPrompt
 
 T = TypeVar("T")
 
@@ -36,12 +36,22 @@ def cosine_similarity(a: Sequence[float], b: Sequence[float], eps: float = 1e-8)
     return math.fsum(x * y for x, y in zip(a, b, strict=True)) / (max(norm_a, eps) * max(norm_b, eps))
 
 
-def cross_encoder_tokens(tokenizer: Any, first: ParsedPrompt, second: ParsedPrompt) -> list[int]:
+def cross_encoder_prompt(tokenizer: Any, first: ParsedPrompt, second: ParsedPrompt, token_types: bool
+                         ) -> TokensPrompt:
     """A pair's prompt for a cross-encoder: two texts as the tokenizer encodes a text pair (vLLM's, with its special
-    tokens); a prompt given as token ids joins as it is."""
+    tokens); a prompt given as token ids joins as it is. `token_types`: the model tells a pair's texts apart by token
+    type (BERT's), so the prompt carries the types the tokenizer gives, or 0 for the first's ids and 1 for the
+    second's."""
     if first.text is not None and second.text is not None:
-        return list(tokenizer(first.text, second.text)["input_ids"])
-    return _token_ids(tokenizer, first) + _token_ids(tokenizer, second)
+        encoded = tokenizer(first.text, second.text, return_token_type_ids=token_types)
+        ids, types = list(encoded["input_ids"]), encoded.get("token_type_ids")
+    else:
+        ids_1, ids_2 = _token_ids(tokenizer, first), _token_ids(tokenizer, second)
+        ids, types = ids_1 + ids_2, [0] * len(ids_1) + [1] * len(ids_2)
+    prompt = TokensPrompt(prompt_token_ids=ids)
+    if token_types:
+        prompt["token_type_ids"] = list(types)
+    return prompt
 
 
 def _token_ids(tokenizer: Any, prompt: ParsedPrompt) -> list[int]:

@@ -78,6 +78,8 @@ class Request:
         pooling_params: an embedding request: the runner reports the prompt's embedding with its first (and, as
             the engine sets max_tokens=1, only) sampled token.
         lora_request: the LoRA adapter it runs with; None: the base model.
+        token_type_ids: one per prompt token, for a model that adds token type embeddings (a BERT cross-encoder's
+            pair); None: all 0.
 
     Only `append_output_token_ids` may add output tokens: it keeps `all_token_ids` in step.
     """
@@ -95,6 +97,7 @@ class Request:
     engine_appends_tokens: bool = False
     pooling_params: PoolingParams | None = None
     lora_request: LoRARequest | None = None
+    token_type_ids: list[int] | None = None
     output_token_ids: list[int] = field(init=False, default_factory=list)
     num_computed_tokens: int = field(init=False, default=0)
     status: RequestStatus = field(init=False, default=RequestStatus.WAITING)

@@ -50,6 +50,7 @@ class _Facts:
     max_model_len: int
     default_sampling: dict[str, Any]
     class_labels: list[str] | None
+    token_type_vocab_size: int
     swap_space_bytes: int
     capacity: kv_tensors.CapacityReport
 
@@ -73,7 +74,7 @@ class _EngineActor:
         engine = self.engine
         return _Facts(os.getpid(), ray.get_runtime_context().get_node_id(), engine.config, engine.tokenizer,
                       engine.model_name, engine.vocab_size, engine.max_model_len, engine.default_sampling,
-                      engine.class_labels, engine.swap_space_bytes, engine.capacity)
+                      engine.class_labels, engine.token_type_vocab_size, engine.swap_space_bytes, engine.capacity)
 
     def call(self, method: str, *args, **kwargs) -> Any:
         return self._thread.call(functools.partial(getattr(self.engine, method), *args, **kwargs))
@@ -131,6 +132,7 @@ class RayReplica:
         self.config, self.tokenizer = facts.config, facts.tokenizer
         self.model_name, self.vocab_size, self.max_model_len = facts.model_name, facts.vocab_size, facts.max_model_len
         self.default_sampling, self.class_labels = facts.default_sampling, facts.class_labels
+        self.token_type_vocab_size = facts.token_type_vocab_size
         self.swap_space_bytes, self.capacity = facts.swap_space_bytes, facts.capacity
         self.structured_output = _RemoteStructuredOutput(self)
         logger.info("data parallel: replica %d in Ray actor pid %d", self.index, self.pid)

@@ -171,6 +171,11 @@ class AsyncEngine:
         return self.engine.class_labels
 
     @property
+    def token_type_vocab_size(self) -> int:
+        """How many token types the model's embedding adds (a BERT-family encoder's); 0: it takes no token type ids."""
+        return self.engine.token_type_vocab_size
+
+    @property
     def default_sampling(self) -> dict[str, Any]:
         return self.engine.default_sampling
 

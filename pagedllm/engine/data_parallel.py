@@ -154,6 +154,7 @@ class DataParallelEngine:
         self.tokenizer, self.model_name = first.tokenizer, first.model_name
         self.vocab_size, self.max_model_len = first.vocab_size, first.max_model_len
         self.default_sampling, self.class_labels = first.default_sampling, first.class_labels
+        self.token_type_vocab_size = first.token_type_vocab_size
         self.router = make_router(config, first.capacity.num_blocks)
         self._owner: dict[str, int] = {}    # unfinished request id -> its replica
 
@@ -279,6 +280,10 @@ class AsyncDataParallelEngine:
     @property
     def class_labels(self) -> list[str] | None:
         return self.replicas[0].class_labels
+
+    @property
+    def token_type_vocab_size(self) -> int:
+        return self.replicas[0].token_type_vocab_size
 
     @property
     def default_sampling(self) -> dict[str, Any]:

@@ -29,7 +29,14 @@ from pagedllm.loader.pooling_config import model_pooling_type
 from pagedllm.logger import init_logger
 from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics.stats import SchedulerStats
-from pagedllm.models.llama import attends_both_ways, class_labels, generates, num_experts
+from pagedllm.models.llama import (
+    attends_both_ways,
+    class_labels,
+    classifier_pooling,
+    generates,
+    num_experts,
+    token_type_vocab_size,
+)
 from pagedllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.runner import kv_tensors
@@ -169,6 +176,8 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(loaded.resolved.path, loaded.resolved.gguf_file, config.model.chat_template)
         self.hf_config = loaded.hf_config
         self.class_labels = class_labels(loaded.hf_config)     # a classifier's; None: the model cannot classify
+        self.classifier_pooling = classifier_pooling(loaded.hf_config)     # the token its classification head reads
+        self.token_type_vocab_size = token_type_vocab_size(loaded.hf_config)    # 0: it takes no token type ids
         self.generates = generates(loaded.hf_config)            # False: no LM head, it only pools
         # embeddings' pooling
         self.pooling_type = model_pooling_type(loaded.resolved, config.model.pooler_config, loaded.gguf_file)
@@ -302,13 +311,11 @@ class LLMEngine:
         pooling = params if isinstance(params, PoolingParams) else None
         if pooling is None:
             self._check_generates()
-        elif pooling.pooling_type is None:      # the model's pooling for an embedding; a classifier reads the last
+        elif pooling.pooling_type is None:      # the model's pooling for an embedding; its head's for a classifier
             pooling = dataclasses.replace(pooling, pooling_type=self.pooling_type if pooling.task == "embed"
-                                          else "LAST")
-        if pooling is not None and pooling.task == "classify" and self.class_labels is None:
-            raise ValueError(f"{self.model_name} has no classification head: classify needs a checkpoint saved as a "
-                             "sequence classifier (LlamaForSequenceClassification, Qwen2ForSequenceClassification, "
-                             "MistralForSequenceClassification)")
+                                          else self.classifier_pooling)
+        if pooling is not None and pooling.task == "classify":
+            self._check_classifies(pooling)
         if pooling is not None:   # the prompt's forward pass, then one greedy token that nobody sees
             params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
         if request_id in self._tracked:
@@ -317,6 +324,8 @@ class LLMEngine:
         token_ids = prompt_token_ids if prompt_token_ids is not None else \
             self.tokenize_prompt(parsed, pooling is not None)
         cache_salt = cache_salt if cache_salt is not None else parsed.cache_salt
+        if parsed.token_type_ids is not None:
+            self._check_token_types(parsed.token_type_ids, len(token_ids))
         if any(t >= self.vocab_size for t in [*(params.logit_bias or {}), *params.stop_token_ids,
                                               *(params.allowed_token_ids or [])]):
             raise ValueError(f"logit_bias, stop_token_ids and allowed_token_ids take token ids in [0, "
@@ -333,7 +342,8 @@ class LLMEngine:
             request_id=request_id, prompt_token_ids=token_ids, sampling_params=params,
             eos_token_id=self.tokenizer.eos_token_id,
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(), priority=priority,
-            cache_salt=cache_salt, pooling_params=pooling, lora_request=lora_request))
+            cache_salt=cache_salt, pooling_params=pooling, lora_request=lora_request,
+            token_type_ids=parsed.token_type_ids))
         self._tracked[request_id] = _Tracked(parsed.text, token_ids, params, completions,
                                              prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
                                              pooling=pooling)
@@ -350,6 +360,25 @@ class LLMEngine:
             self.runner.load_lora(lora_request)
         eos = frozenset(t for t in [self.tokenizer.eos_token_id, *self.eos_stop_token_ids] if t is not None)
         self.beam_search.add(request_id, token_ids, params, eos, self.max_model_len, lora_request)
+
+    def _check_classifies(self, pooling: PoolingParams) -> None:
+        if self.class_labels is None:
+            raise ValueError(f"{self.model_name} has no classification head: classify needs a checkpoint saved as a "
+                             "sequence classifier (LlamaForSequenceClassification, Qwen2ForSequenceClassification, "
+                             "MistralForSequenceClassification, BertForSequenceClassification, "
+                             "XLMRobertaForSequenceClassification, ...)")
+        if pooling.pooling_type != self.classifier_pooling:
+            raise ValueError(f"{self.model_name}'s classification head reads the {self.classifier_pooling} token "
+                             f"(pooling_type {self.classifier_pooling!r}), not {pooling.pooling_type!r}")
+
+    def _check_token_types(self, token_type_ids: list[int], num_tokens: int) -> None:
+        if not self.token_type_vocab_size:
+            raise ValueError(f"{self.model_name} takes no token_type_ids: only a BERT-family encoder adds token type "
+                             "embeddings")
+        if len(token_type_ids) != num_tokens:
+            raise ValueError(f"token_type_ids has {len(token_type_ids)} entries for {num_tokens} prompt tokens")
+        if not all(0 <= t < self.token_type_vocab_size for t in token_type_ids):
+            raise ValueError(f"token_type_ids of {self.model_name} are in [0, {self.token_type_vocab_size})")
 
     def _check_generates(self) -> None:
         if attends_both_ways(self.hf_config):

@@ -40,7 +40,7 @@ from pagedllm.outputs import (
 )
 from pagedllm.pooling_params import PoolingParams, check_runner
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.scoring import cosine_similarity, cross_encoder_tokens, pair_up
+from pagedllm.scoring import cosine_similarity, cross_encoder_prompt, pair_up
 from pagedllm.tokenizer.chat_template import apply_chat_template
 
 logger = init_logger(__name__)
@@ -320,8 +320,8 @@ class LLM:
         if len(labels) != 1:
             raise ValueError(f"score needs an embedding model or a cross-encoder (a classifier with one label); "
                              f"this classifier has {len(labels)} labels: use classify")
-        tokenizer = self.engine.tokenizer
-        classified = self.classify([{"prompt_token_ids": cross_encoder_tokens(tokenizer, first[i], second[j])}
+        tokenizer, token_types = self.engine.tokenizer, self.engine.token_type_vocab_size > 1
+        classified = self.classify([cross_encoder_prompt(tokenizer, first[i], second[j], token_types)
                                     for i, j in pairs], use_tqdm=use_tqdm, lora_request=lora_request,
                                    truncate_prompt_tokens=truncate_prompt_tokens)
         return [ScoringRequestOutput(o.request_id, ScoringOutput(o.outputs.probs[0]), o.prompt_token_ids)
@@ -346,14 +346,15 @@ class LLM:
         return outputs
 
     def _truncated(self, prompt_list: list[ParsedPrompt], keep: int) -> list[ParsedPrompt]:
-        """Each prompt's last `keep` tokens (-1: as many as the context holds), as token ids."""
+        """Each prompt's last `keep` tokens (-1: as many as the context holds), as token ids (with their types)."""
         max_model_len = self.engine.max_model_len
         if keep != -1 and not 1 <= keep <= max_model_len:
             raise ValueError(f"truncate_prompt_tokens must be -1 or in [1, {max_model_len}], got {keep}")
         keep = max_model_len if keep == -1 else keep
         tokenizer = self.engine.tokenizer
         return [ParsedPrompt(None, (p.token_ids if p.token_ids is not None else tokenizer.encode(p.text))[-keep:],
-                             p.cache_salt) for p in prompt_list]
+                             p.cache_salt, None if p.token_type_ids is None else p.token_type_ids[-keep:])
+                for p in prompt_list]
 
     def _add_and_run(self, prompt_list: list[PromptType], params_list: list[SamplingParams | PoolingParams],
                      priorities: list[int], use_tqdm: bool, loras: list[LoRARequest | None]) -> list[RequestOutput]:

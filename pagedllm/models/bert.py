@@ -1,16 +1,20 @@
 """BERT-family encoders as embedding models: BERT (all-MiniLM, bge-small/base/large-en, e5, gte-base) and RoBERTa /
 XLM-RoBERTa (bge-m3, multilingual-e5), from `BertModel`, `RobertaModel` and `XLMRobertaModel` checkpoints (with or
-without the `bert.` / `roberta.` prefix of their task heads' checkpoints, which are not read).
+without the `bert.` / `roberta.` prefix of their task heads' checkpoints, whose heads are not read); and as
+classifiers and cross-encoders (ms-marco-MiniLM, bge-reranker), from `*ForSequenceClassification` checkpoints, whose
+head reads the prompt's first token: BERT's pooler (dense, tanh) then its classifier, RoBERTa's classifier (dense,
+tanh, out_proj), run here as one `head`.
 
-An encoder of post-norm layers: the embedding is the token's, its absolute position's and its token type's (0) rows
-summed and layer-normed; each layer adds the attention's output, then the MLP's (GELU), to its input, each sum
-layer-normed (LayerNorm with biases). Every token attends to the whole prompt (`bidirectional_attention`), so, like
+An encoder of post-norm layers: the embedding is the token's, its absolute position's and its token type's rows
+summed and layer-normed (the token type is 0 unless the prompt gives its own: BERT's 1 for a pair's second text);
+each layer adds the attention's output, then the MLP's (GELU), to its input, each sum layer-normed (LayerNorm with
+biases). Every token attends to the whole prompt (`bidirectional_attention`), so, like
 EmbeddingGemma (`attends_both_ways`), it embeds whole prompts and never generates, and its K/V never outlive their
 step. RoBERTa's positions start after its padding id (`padding_idx + 1`), so its context is two positions short of
 `max_position_embeddings`.
 
 The same interface as `LlamaForCausalLM` for the runner: `forward` (the final hidden states), `compute_logits` (the
-word embeddings as the head, for the one token an embedding request samples, unseen), `load_weights`.
+word embeddings as the head, for the one token an embedding request samples, unseen), `classify`, `load_weights`.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from torch import nn
 from pagedllm.attention.cpu import bidirectional_attention
 from pagedllm.attention.metadata import AttentionBackend, AttentionMetadata, KVCache
 from pagedllm.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pagedllm.models.llama import ENCODER_CLASSIFIER_ARCHITECTURES
 
 # checkpoint name part -> this module's, in order (the q/k/v weights go to the fused qkv_proj: _QKV)
 _RENAMES = [("encoder.layer.", "layers."), ("attention.output.dense.", "o_proj."),
@@ -33,6 +38,9 @@ _RENAMES = [("encoder.layer.", "layers."), ("attention.output.dense.", "o_proj."
             ("embeddings.LayerNorm.", "embeddings.norm.")]
 _QKV = {"attention.self.query.": "q", "attention.self.key.": "k", "attention.self.value.": "v"}
 _ROBERTA_TYPES = ("roberta", "xlm-roberta")
+# a sequence classifier's head tensors -> `head`'s (RoBERTa's classifier.dense/out_proj before BERT's classifier)
+_HEAD_RENAMES = [("pooler.dense.", "head.0."), ("classifier.dense.", "head.0."), ("classifier.out_proj.", "head.2."),
+                 ("classifier.", "head.2.")]
 
 
 def position_offset(config: Any) -> int:
@@ -74,9 +82,12 @@ class BertEmbeddings(nn.Module):
         self.norm = nn.LayerNorm(config.hidden_size, config.layer_norm_eps, dtype=dtype)
         self.offset = position_offset(config)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, token_type_ids: torch.Tensor | None
+                ) -> torch.Tensor:
         x = self.word_embeddings(input_ids) + self.position_embeddings(positions + self.offset)
-        return self.norm(x + self.token_type_embeddings.weight[0])
+        types = self.token_type_embeddings.weight[0] if token_type_ids is None else \
+            self.token_type_embeddings(token_type_ids)
+        return self.norm(x + types)
 
 
 class BertModel(nn.Module):
@@ -93,6 +104,10 @@ class BertModel(nn.Module):
         self.dtype = dtype
         self.embeddings = BertEmbeddings(config, dtype)
         self.layers = nn.ModuleList(BertLayer(config, dtype) for _ in range(config.num_hidden_layers))
+        # a sequence classifier's head, in float32 as the pooled rows it reads; None for an embedding model
+        hidden = config.hidden_size
+        self.head = nn.Sequential(nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, config.num_labels)) \
+            if ENCODER_CLASSIFIER_ARCHITECTURES & set(config.architectures or []) else None
 
     @property
     def num_layers(self) -> int:
@@ -102,12 +117,12 @@ class BertModel(nn.Module):
         """The decoder stack runs Llama-family decoders only: the modules run."""
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                meta: AttentionMetadata, lora: Any = None) -> torch.Tensor:
-        """input_ids, positions: [T] (each prompt whole in the step) -> the last layer's hidden states [T, H]; the
-        K/V stay in the step (`kv_caches` unused)."""
+                meta: AttentionMetadata, lora: Any = None, token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions: [T] (each prompt whole in the step), token_type_ids [T] (None: all 0) -> the last
+        layer's hidden states [T, H]; the K/V stay in the step (`kv_caches` unused)."""
         if lora is not None:
             raise ValueError("a BERT-family encoder takes no LoRA adapter")
-        x = self.embeddings(input_ids, positions)
+        x = self.embeddings(input_ids, positions, token_type_ids)
         for layer in self.layers:
             x = layer(x, meta)
         return x
@@ -119,16 +134,23 @@ class BertModel(nn.Module):
         return F.linear(hidden.to(weight.dtype), weight).float()
 
     def classify(self, hidden: torch.Tensor) -> torch.Tensor:
-        raise ValueError("this model has no classification head")
+        """hidden: [N, H] (the prompts' first tokens') -> the classification head's logits [N, num_labels] float32
+        (a `*ForSequenceClassification` checkpoint's only)."""
+        if self.head is None:
+            raise ValueError("this model has no classification head")
+        return self.head(hidden.float())
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load checkpoint tensors (BERT's names, with or without a task head's `bert.`/`roberta.` prefix; its
-        pooler, position ids and any head skipped); ValueError if a parameter is left unloaded."""
+        """Load checkpoint tensors (BERT's names, with or without a task head's `bert.`/`roberta.` prefix; position
+        ids, and the pooler and any head but a sequence classifier's, skipped); ValueError if a parameter is left
+        unloaded."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
             name = name.removeprefix("bert.").removeprefix("roberta.")
-            if name.startswith(("pooler.", "cls.", "lm_head.", "classifier.")) or name.endswith("position_ids"):
+            if self.head is not None and name.startswith(("pooler.", "classifier.")):
+                name = next(name.replace(old, new, 1) for old, new in _HEAD_RENAMES if name.startswith(old))
+            elif name.startswith(("pooler.", "cls.", "lm_head.", "classifier.")) or name.endswith("position_ids"):
                 continue
             shard = next((shard for part, shard in _QKV.items() if part in name), None)
             for part in _QKV:

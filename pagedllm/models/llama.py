@@ -441,6 +441,10 @@ BARE_ARCHITECTURES = frozenset({"LlamaModel", "MistralModel", "Qwen2Model", "Qwe
 # last token (vLLM's LAST pooling). The embedding matrix stands in as the LM head, as for a bare decoder.
 CLASSIFIER_ARCHITECTURES = frozenset({"LlamaForSequenceClassification", "MistralForSequenceClassification",
                                       "Qwen2ForSequenceClassification", "Qwen3ForSequenceClassification"})
+# The BERT family's sequence classifiers (pagedllm.models.bert), as cross-encoders are saved (ms-marco-MiniLM,
+# bge-reranker): the head reads the prompt's first token ([CLS], <s>), vLLM's CLS pooling.
+ENCODER_CLASSIFIER_ARCHITECTURES = frozenset({"BertForSequenceClassification", "RobertaForSequenceClassification",
+                                              "XLMRobertaForSequenceClassification"})
 
 
 def _architectures(config: Any) -> set[str]:
@@ -460,9 +464,20 @@ def generates(config: Any) -> bool:
 
 def class_labels(config: Any) -> list[str] | None:
     """A classifier checkpoint's class names, in logit order (its config's id2label); None for any other model."""
-    if not CLASSIFIER_ARCHITECTURES & _architectures(config):
+    if not (CLASSIFIER_ARCHITECTURES | ENCODER_CLASSIFIER_ARCHITECTURES) & _architectures(config):
         return None
     return [config.id2label.get(i, f"LABEL_{i}") for i in range(config.num_labels)]
+
+
+def classifier_pooling(config: Any) -> str:
+    """The token a classification head reads: an encoder's first (CLS), a decoder's last (LAST)."""
+    return "CLS" if attends_both_ways(config) else "LAST"
+
+
+def token_type_vocab_size(config: Any) -> int:
+    """How many token types the model's embedding adds (a BERT-family encoder's `type_vocab_size`: BERT's 2, for the
+    two texts of a pair; RoBERTa's 1); 0 for a model that takes no token type ids."""
+    return int(getattr(config, "type_vocab_size", 0)) if config.model_type in ENCODER_MODEL_TYPES else 0
 
 
 class LlamaForCausalLM(nn.Module):

@@ -41,6 +41,9 @@ _MODELS: dict[str, type[nn.Module]] = {
     "MistralForSequenceClassification": LlamaForCausalLM,
     "Qwen2ForSequenceClassification": LlamaForCausalLM,
     "Qwen3ForSequenceClassification": LlamaForCausalLM,
+    "BertForSequenceClassification": BertModel,     # and ENCODER_CLASSIFIER_ARCHITECTURES
+    "RobertaForSequenceClassification": BertModel,
+    "XLMRobertaForSequenceClassification": BertModel,
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,

@@ -44,6 +44,7 @@ class CachedRequestState:
     # the chunk at 0) the first row's; keyed so that a chunk run again (a failed step's rerun) replaces its own
     pooled_chunks: dict[int, torch.Tensor] = field(default_factory=dict)
     lora: LoRARequest | None = None          # its LoRA adapter
+    token_type_ids: list[int] | None = None  # its prompt's token types (a BERT cross-encoder's pair); None: all 0
 
 
 @dataclass(slots=True)

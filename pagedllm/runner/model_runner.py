@@ -150,11 +150,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                lora: LoRABatch | None = None) -> torch.Tensor:
+                lora: LoRABatch | None = None, token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
         """The model over the paged KV cache: [T] ids and positions -> hidden states [T, H] (on every rank), with
-        `lora`'s adapters on their rows (one rank only)."""
+        `lora`'s adapters on their rows and `token_type_ids` [T] (a BERT-family encoder's) added (one rank only)."""
+        extra = {} if token_type_ids is None else {"token_type_ids": token_type_ids}
         with self.peers.run("forward", input_ids, positions, meta), kernels_fixed():
-            return self.model(input_ids, positions, self.kv_caches, meta, lora)
+            return self.model(input_ids, positions, self.kv_caches, meta, lora, **extra)
 
     def load_lora(self, request: LoRARequest) -> LoRAAdapter:
         """The adapter, loaded now if it is not (ValueError for one that cannot be, or with LoRA off)."""
@@ -211,7 +212,8 @@ class ModelRunner:
         pending_masks = self._start_token_bitmasks(inputs.sample_request_ids)
         start = time.perf_counter()
         try:
-            hidden = self._forward_step(inputs, self._lora_batch(inputs, scheduled))
+            hidden = self._forward_step(inputs, self._lora_batch(inputs, scheduled),
+                                        self._token_types(inputs, scheduled))
             prompt_logprobs, reported = self._prompt_logprobs(hidden, inputs, scheduled)
         except BaseException:
             _wait_token_bitmasks(pending_masks)   # the fill reads the matchers: done before any rerun touches them
@@ -276,12 +278,25 @@ class ModelRunner:
                 result[request_id] = (torch.nn.functional.normalize(vector, dim=0) if normalize else vector).tolist()
         return result
 
-    def _forward_step(self, inputs: ModelInputs, lora: LoRABatch | None) -> torch.Tensor:
+    def _forward_step(self, inputs: ModelInputs, lora: LoRABatch | None, token_types: torch.Tensor | None
+                      ) -> torch.Tensor:
         """The step's forward pass: a captured graph's replay when one covers it, else eager."""
         graphs = self.decode_graphs
-        if graphs is not None and lora is None and graphs.covers(inputs.meta):
+        if graphs is not None and lora is None and token_types is None and graphs.covers(inputs.meta):
             return graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
-        return self.forward(inputs.input_ids, inputs.positions, inputs.meta, lora)
+        return self.forward(inputs.input_ids, inputs.positions, inputs.meta, lora, token_types)
+
+    def _token_types(self, inputs: ModelInputs, scheduled: list[ScheduledRequest]) -> torch.Tensor | None:
+        """The step's token type ids [T] when a request of it has its own (a cross-encoder's pair: the engine takes
+        them for an encoder's prompts only); None when all are 0."""
+        typed = [(s, types) for s in scheduled if (types := self.requests[s.request_id].token_type_ids) is not None]
+        if not typed:
+            return None
+        result = torch.zeros(len(inputs.input_ids), dtype=torch.long)
+        for s, types in typed:
+            first, start = inputs.first_rows[s.request_id], s.num_computed_tokens
+            result[first:first + len(s.token_ids)] = torch.tensor(types[start:start + len(s.token_ids)])
+        return result.to(self.device)
 
     def _lora_batch(self, inputs: ModelInputs, scheduled: list[ScheduledRequest]) -> LoRABatch | None:
         """The step's LoRA adapters and each one's rows; None when no request of the step has one."""
@@ -385,7 +400,8 @@ class ModelRunner:
             grammar = self.structured_output.new_matcher(params.structured_outputs)
         self.requests[new.request_id] = CachedRequestState(new.request_id, list(new.prompt_token_ids), params,
                                                            self._generator(params.seed), grammar=grammar,
-                                                           pooling=new.pooling_params, lora=new.lora_request)
+                                                           pooling=new.pooling_params, lora=new.lora_request,
+                                                           token_type_ids=new.token_type_ids)
 
     def _start_token_bitmasks(self, request_ids: list[str]) -> tuple[list[str], Future] | None:
         """Start filling the bitmask of each constrained request about to sample, beside the forward pass:

@@ -16,7 +16,8 @@ class NewRequestData:
 
     `output_token_ids` is empty for a fresh request; after a preemption it holds the tokens generated so far
     (the runner needs them for penalties; their K/V is recomputed from `ScheduledRequest.token_ids`).
-    `pooling_params` marks an embedding request (`Request.pooling_params`); `lora_request` names its LoRA adapter.
+    `pooling_params` marks an embedding request (`Request.pooling_params`); `lora_request` names its LoRA adapter;
+    `token_type_ids` are its prompt's (`Request.token_type_ids`).
     """
 
     request_id: str
@@ -25,6 +26,7 @@ class NewRequestData:
     output_token_ids: list[int] = field(default_factory=list)
     pooling_params: PoolingParams | None = None
     lora_request: LoRARequest | None = None
+    token_type_ids: list[int] | None = None
 
 
 @dataclass(slots=True)

@@ -17,7 +17,7 @@ from pagedllm.engine.data_parallel import AsyncDataParallelEngine
 from pagedllm.engine.llm_engine import PromptTooLongError
 from pagedllm.entrypoints.openai.protocol import OpenAIError, _PoolingRequest, _SamplingFields
 from pagedllm.entrypoints.openai.structured_outputs import structured_outputs_from
-from pagedllm.inputs import ParsedPrompt
+from pagedllm.inputs import ParsedPrompt, TokensPrompt
 from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import CompletionOutput, PromptLogprobs, RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -70,6 +70,13 @@ class ChoiceDelta:
 class Prompt:
     text: str | None
     token_ids: list[int]
+    token_type_ids: list[int] | None = None     # a cross-encoder's pair (BERT's); None: all 0
+
+    def engine_prompt(self) -> list[int] | TokensPrompt:
+        """What the engine takes: the token ids, with their types if any."""
+        if self.token_type_ids is None:
+            return self.token_ids
+        return TokensPrompt(prompt_token_ids=self.token_ids, token_type_ids=self.token_type_ids)
 
 
 OutputStream = AsyncGenerator[ChoiceDelta, None]

@@ -92,7 +92,7 @@ class OpenAIServingPooling(OpenAIServing):
 
     async def _pool_one(self, request_id: str, prompt: Prompt, params: PoolingParams, priority: int,
                         lora: LoRARequest | None) -> list[float]:
-        async with aclosing(self.engine.generate(request_id, prompt.token_ids, params, priority=priority,
+        async with aclosing(self.engine.generate(request_id, prompt.engine_prompt(), params, priority=priority,
                                                  prompt_token_ids=prompt.token_ids, lora_request=lora)) as stream:
             async for output in stream:
                 if output.finished:

@@ -11,7 +11,7 @@ from pagedllm.entrypoints.openai.serving_base import OpenAIServing, Prompt
 from pagedllm.entrypoints.openai.serving_pooling import OpenAIServingPooling
 from pagedllm.inputs import ParsedPrompt
 from pagedllm.pooling_params import PoolingParams
-from pagedllm.scoring import cosine_similarity, cross_encoder_tokens, pair_up
+from pagedllm.scoring import cosine_similarity, cross_encoder_prompt, pair_up
 
 
 class OpenAIServingScore(OpenAIServing):
@@ -72,11 +72,15 @@ class OpenAIServingScore(OpenAIServing):
                               f"{self.engine.model_name} has {len(labels)} labels: use /classify", param="model")
         if len(pairs) > self.limits.max_prompts:
             raise OpenAIError(f"at most {self.limits.max_prompts} pairs per request", param=params[1])
-        tokenizer = self.engine.tokenizer
+        tokenizer, token_types = self.engine.tokenizer, self.engine.token_type_vocab_size > 1
         joined = await self.engine.run_on_tokenizer_thread(lambda: [
-            cross_encoder_tokens(tokenizer, ParsedPrompt(texts_1[i], None), ParsedPrompt(texts_2[j], None))
+            cross_encoder_prompt(tokenizer, ParsedPrompt(texts_1[i], None), ParsedPrompt(texts_2[j], None), token_types)
             for i, j in pairs])
-        prompts = [Prompt(None, await self.prompt_token_ids(ids, params[1], truncation, pooling=True))
-                   for ids in joined]
+        prompts = []
+        for pair in joined:     # cut to the truncation as prompt_token_ids cuts the ids
+            types = pair.get("token_type_ids")
+            prompts.append(Prompt(None, await self.prompt_token_ids(pair["prompt_token_ids"], params[1], truncation,
+                                                                    pooling=True),
+                                  types if types is None or truncation is None else types[truncation]))
         probs = await self.pooling.pool(request_id, prompts, PoolingParams(task="classify"), request.priority, lora)
         return [p[0] for p in probs], sum(len(p.token_ids) for p in prompts)
