@@ -643,8 +643,10 @@ class RowParallelLinear(nn.Module):
         _copy(param, loaded.narrow(1, self.input_offset, self.input_size_per_partition))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:   # the bias in the product (rounded once, as torch's addmm): no pass of its own
+            return linear(x, self.weight, self.bias)
         y = linear(x, self.weight)
-        if self.tp_size > 1 and self.reduce_results:
+        if self.reduce_results:
             communicator().all_reduce(y)
         return y if self.bias is None else y + self.bias
 

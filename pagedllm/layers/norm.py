@@ -1,8 +1,10 @@
-"""RMSNorm, with the residual add fused in as vLLM does."""
+"""RMSNorm, with the residual add fused in as vLLM does; LayerNorm with biases, the add fused in, for BERT's
+post-norm layers."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.kernels import kernels_for
@@ -45,3 +47,29 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
+
+
+class LayerNorm(nn.Module):
+    """y = LayerNorm(x + residual) * weight + bias (BERT's post-norm: the residual is the sublayer's input), the
+    sum in the model dtype as torch adds it, normalised in float32. `residual` may be a row broadcast to x's shape
+    (an embedding's token type row). One C++ pass per row on the CPU (`kernels/csrc/layers.cpp`); `forward_native`
+    is torch's."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-12, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(hidden_size, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        kernels = kernels_for(x)
+        if kernels is None or x.dim() != 2:
+            return self.forward_native(x, residual)
+        out = torch.empty_like(x)
+        kernels.add_layer_norm(out, x, None if residual is None else residual.expand_as(x), self.weight, self.bias,
+                               self.eps)
+        return out
+
+    def forward_native(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        return F.layer_norm(x if residual is None else x + residual, self.weight.shape, self.weight, self.bias,
+                            self.eps)

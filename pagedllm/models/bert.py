@@ -29,6 +29,7 @@ from torch import nn
 from pagedllm.attention.cpu import bidirectional_attention
 from pagedllm.attention.metadata import AttentionBackend, AttentionMetadata, KVCache
 from pagedllm.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pagedllm.layers.norm import LayerNorm
 from pagedllm.models.llama import ENCODER_CLASSIFIER_ARCHITECTURES
 
 # checkpoint name part -> this module's, in order (the q/k/v weights go to the fused qkv_proj: _QKV)
@@ -56,10 +57,10 @@ class BertLayer(nn.Module):
         eps = config.layer_norm_eps
         self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, heads, heads, bias=True, dtype=dtype)
         self.o_proj = RowParallelLinear(hidden, hidden, bias=True, dtype=dtype)
-        self.attention_norm = nn.LayerNorm(hidden, eps, dtype=dtype)
+        self.attention_norm = LayerNorm(hidden, eps, dtype=dtype)
         self.up_proj = ColumnParallelLinear(hidden, config.intermediate_size, bias=True, dtype=dtype)
         self.down_proj = RowParallelLinear(config.intermediate_size, hidden, bias=True, dtype=dtype)
-        self.mlp_norm = nn.LayerNorm(hidden, eps, dtype=dtype)
+        self.mlp_norm = LayerNorm(hidden, eps, dtype=dtype)
         act = config.hidden_act
         if act not in ("gelu", "gelu_new", "gelu_pytorch_tanh"):
             raise ValueError(f"hidden activation {act!r} is not supported (only 'gelu' and its tanh approximation)")
@@ -69,8 +70,9 @@ class BertLayer(nn.Module):
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.q_size, dim=-1)
         heads = (-1, self.qkv_proj.q_size // self.head_dim, self.head_dim)
         out = bidirectional_attention(q.view(heads), k.view(heads), v.view(heads), meta, self.head_dim ** -0.5)
-        x = self.attention_norm(x + self.o_proj(out.flatten(1)))
-        return self.mlp_norm(x + self.down_proj(F.gelu(self.up_proj(x), approximate=self.approximate)))
+        x = self.attention_norm(self.o_proj(out.flatten(1)), x)
+        # GELU in place: a fresh [T, intermediate] output would cost its page faults (~20% of the GELU)
+        return self.mlp_norm(self.down_proj(torch.ops.aten.gelu_(self.up_proj(x), approximate=self.approximate)), x)
 
 
 class BertEmbeddings(nn.Module):
@@ -79,7 +81,7 @@ class BertEmbeddings(nn.Module):
         self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
         self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size, dtype=dtype)
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size, dtype=dtype)
-        self.norm = nn.LayerNorm(config.hidden_size, config.layer_norm_eps, dtype=dtype)
+        self.norm = LayerNorm(config.hidden_size, config.layer_norm_eps, dtype=dtype)
         self.offset = position_offset(config)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, token_type_ids: torch.Tensor | None
@@ -87,7 +89,7 @@ class BertEmbeddings(nn.Module):
         x = self.word_embeddings(input_ids) + self.position_embeddings(positions + self.offset)
         types = self.token_type_embeddings.weight[0] if token_type_ids is None else \
             self.token_type_embeddings(token_type_ids)
-        return self.norm(x + types)
+        return self.norm(x, types)
 
 
 class BertModel(nn.Module):

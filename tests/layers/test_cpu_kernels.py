@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pagedllm.layers.activation import GeluAndMul, SiluAndMul
-from pagedllm.layers.norm import RMSNorm
+from pagedllm.layers.norm import LayerNorm, RMSNorm
 from pagedllm.layers.rotary import get_rope
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -58,6 +58,21 @@ def test_gated_activation_kernels_match_torch(dtype: torch.dtype, shape: tuple[i
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_layer_norm_kernel_matches_torch(dtype: torch.dtype, shape: tuple[int, int], isa_level: str) -> None:
+    """Alone, with the residual added first, and with a row broadcast as the residual (BERT's token type row)."""
+    g = torch.Generator().manual_seed(3)
+    x, residual = (torch.randn(*shape, generator=g).mul(3).add(1).to(dtype) for _ in range(2))
+    norm = LayerNorm(shape[1], eps=1e-12, dtype=dtype)
+    norm.weight.data.copy_(torch.randn(shape[1], generator=g))
+    norm.bias.data.copy_(torch.randn(shape[1], generator=g))
+    x_before = x.clone()
+    for extra in (None, residual, residual[0]):
+        torch.testing.assert_close(norm(x, extra), norm.forward_native(x, extra), **_tol(dtype))
+    assert torch.equal(x, x_before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_tokens", [1, 5, 200])
 @pytest.mark.parametrize("head_dim", [16, 64, 128])
 @pytest.mark.parametrize("turned", [1.0, 0.75])
@@ -101,6 +116,8 @@ def test_layers_use_torch_when_kernels_are_disabled(monkeypatch: pytest.MonkeyPa
     assert torch.equal(norm(x), norm.forward_native(x))
     assert torch.equal(SiluAndMul()(x), SiluAndMul().forward_native(x))
     assert torch.equal(GeluAndMul()(x), GeluAndMul().forward_native(x))
+    layer_norm = LayerNorm(8)
+    assert torch.equal(layer_norm(x, x), layer_norm.forward_native(x, x))
     rope = get_rope(8, 4, 10000.0)
     q, k, positions = torch.randn(2, 2, 8), torch.randn(2, 1, 8), torch.tensor([1, 3])
     expected = rope.forward_native(positions, q, k)

@@ -35,6 +35,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &pagedllm::silu_and_mul, "out = silu(x[:, :d]) * x[:, d:]: (out, x)", NoGil());
   m.def("gelu_and_mul", &pagedllm::gelu_and_mul, "out = gelu(x[:, :d], tanh approximation) * x[:, d:]: (out, x)",
         NoGil());
+  m.def("add_layer_norm", &pagedllm::add_layer_norm,
+        "out = LayerNorm(x + residual) * weight + bias, residual optional: (out, x, residual, weight, bias, eps)",
+        NoGil());
   m.def("rotary_embedding", &pagedllm::rotary_embedding,
         "Neox-style rotary embedding of q and k in place: (positions, q, k, cos_cache, sin_cache)", NoGil());
   m.def("pack_linear_weight", &pagedllm::pack_linear_weight,

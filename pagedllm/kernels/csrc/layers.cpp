@@ -1,5 +1,6 @@
 // The per-token layers of a decoder, one pass over memory each: RMSNorm (with the residual add fused in),
-// SiLU-and-mul and GELU-and-mul, rotary embedding (in place, on the step's fresh q and k).
+// SiLU-and-mul and GELU-and-mul, rotary embedding (in place, on the step's fresh q and k); and a BERT encoder's
+// LayerNorm (the residual add fused in).
 //
 // In torch each of these is five to fifteen separate ops (casts, a pow, a mean, an rsqrt, multiplies, a cat),
 // each a pass over the activations and ~5 us of dispatch: 30 layers of them cost a decode step more than its
@@ -81,6 +82,47 @@ void gated_mul_impl(at::Tensor& out, const at::Tensor& x) {
       scalar_t* o = out_ptr + r * out_stride;
 #pragma omp simd
       for (int64_t i = 0; i < d; ++i) o[i] = from_float<scalar_t>(times(to_float(gate[i]), to_float(up[i])));
+    }
+  });
+}
+
+// One row of LayerNorm(x + residual): the sum rounded to the storage type (torch adds before it normalises), its
+// mean and variance in float (two passes over the row, kept in float), then (v - mean) * rstd * w + b, rounded once.
+template <typename scalar_t>
+void add_layer_norm_row(const scalar_t* x, const scalar_t* residual, const scalar_t* w, const scalar_t* b,
+                        scalar_t* out, float* v, int64_t n, float eps) {
+  float sum = 0.f;
+  if (residual == nullptr) {
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < n; ++i) sum += v[i] = to_float(x[i]);
+  } else {
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < n; ++i) sum += v[i] = round_to<scalar_t>(to_float(x[i]) + to_float(residual[i]));
+  }
+  const float mean = sum / static_cast<float>(n);
+  float sum_sq = 0.f;
+#pragma omp simd reduction(+ : sum_sq)
+  for (int64_t i = 0; i < n; ++i) sum_sq += (v[i] - mean) * (v[i] - mean);
+  const float rstd = 1.f / std::sqrt(sum_sq / static_cast<float>(n) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = from_float<scalar_t>((v[i] - mean) * rstd * to_float(w[i]) + to_float(b[i]));
+}
+
+template <typename scalar_t>
+void add_layer_norm_impl(at::Tensor& out, const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+                         const at::Tensor& weight, const at::Tensor& bias, float eps) {
+  const int64_t rows = x.size(0), n = x.size(1), x_stride = x.stride(0), out_stride = out.stride(0);
+  const int64_t r_stride = residual ? residual->stride(0) : 0;
+  const scalar_t* x_ptr = x.data_ptr<scalar_t>();
+  const scalar_t* r_ptr = residual ? residual->data_ptr<scalar_t>() : nullptr;
+  const scalar_t* w = weight.data_ptr<scalar_t>();
+  const scalar_t* b = bias.data_ptr<scalar_t>();
+  scalar_t* out_ptr = out.data_ptr<scalar_t>();
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+    std::vector<float> v(n);
+    for (int64_t r = begin; r < end; ++r) {
+      add_layer_norm_row(x_ptr + r * x_stride, r_ptr ? r_ptr + r * r_stride : nullptr, w, b,
+                         out_ptr + r * out_stride, v.data(), n, eps);
     }
   });
 }
@@ -176,6 +218,25 @@ void gelu_and_mul(at::Tensor out, at::Tensor x) {
   check_gated(out, x);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "gelu_and_mul", [&] {
     gated_mul_impl<scalar_t, gelu_tanh_times<scalar_t>>(out, x);
+  });
+}
+
+void add_layer_norm(at::Tensor out, at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor weight,
+                    at::Tensor bias, double eps) {
+  check_rows(x, "x");
+  check_rows(out, "out");
+  TORCH_CHECK(out.sizes() == x.sizes() && x.scalar_type() == out.scalar_type(), "out must be x's shape and dtype");
+  if (residual) {
+    TORCH_CHECK(residual->dim() == 2 && residual->stride(1) == 1 && residual->sizes() == x.sizes() &&
+                    residual->scalar_type() == x.scalar_type(),
+                "residual must be x's shape and dtype, with contiguous rows");
+  }
+  for (const auto& [t, name] : {std::pair{&weight, "weight"}, {&bias, "bias"}}) {
+    TORCH_CHECK(t->is_contiguous() && t->numel() == x.size(1) && t->scalar_type() == x.scalar_type(), name,
+                " must be a contiguous [H] of x's dtype");
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_layer_norm", [&] {
+    add_layer_norm_impl<scalar_t>(out, x, residual, weight, bias, static_cast<float>(eps));
   });
 }
 

@@ -93,6 +93,10 @@ void fused_add_rms_norm(at::Tensor out, at::Tensor residual_out, at::Tensor x, a
                         at::Tensor weight, double eps);
 void silu_and_mul(at::Tensor out, at::Tensor x);
 void gelu_and_mul(at::Tensor out, at::Tensor x);  // GELU's tanh approximation (Gemma's gelu_pytorch_tanh)
+// out = LayerNorm(x + residual) (BERT's post-norm; residual may be a row broadcast, stride 0): the sum rounded to
+// x's type, as torch adds, then normalised in float
+void add_layer_norm(at::Tensor out, at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor weight,
+                    at::Tensor bias, double eps);
 void rotary_embedding(at::Tensor positions, at::Tensor q, at::Tensor k, at::Tensor cos_cache, at::Tensor sin_cache);
 
 // Linear layers on a prepacked weight (linear.cpp).
