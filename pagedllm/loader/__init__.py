@@ -86,14 +86,25 @@ def _log_precision(requested: str, dtype: torch.dtype, device: str, quantization
         logger.info("CPU: %s; dtype %s", cpu_info().describe(), chosen)
 
 
-# Multimodal checkpoints served for their text: architecture -> its language model's. The config is the language
-# model's (`text_config`), its weights come under the text model's names (`text_part_name`), and the vision tower's
-# and the projector's are never read.
-TEXT_PARTS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
-# the language model's checkpoint names -> the text model's, in both layouts transformers has saved them in
-# (language_model.model.* before 4.52, model.language_model.* since; the LM head beside either)
+# Multimodal checkpoints served for their text: architecture -> (its language model's, and the model_type pagedllm
+# knows that model by where the text config names its own). The config is the language model's (`text_config`), its
+# weights come under the text model's names (`text_part_name`), and the vision tower's and the projector's are never
+# read. Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's language models are Qwen2's and Qwen3's with M-RoPE, which rotates
+# by three position ids (time, height, width) that are one and the same on text: their plain rotary embedding.
+TEXT_PARTS: dict[str, tuple[str, str | None]] = {
+    "Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", None),
+    "Mistral3ForConditionalGeneration": ("MistralForCausalLM", None),
+    "Qwen2VLForConditionalGeneration": ("Qwen2ForCausalLM", "qwen2"),
+    "Qwen2_5_VLForConditionalGeneration": ("Qwen2ForCausalLM", "qwen2"),
+    "Qwen3VLForConditionalGeneration": ("Qwen3ForCausalLM", "qwen3"),
+}
+# the language model's checkpoint names -> the text model's, in the layouts transformers has saved them in
+# (language_model.model.* before 4.52, model.language_model.* since; the LM head beside either), and Qwen2-VL's and
+# Qwen2.5-VL's, whose language model's names are a text model's own (model.layers.*, beside visual.*)
 _TEXT_PART_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
-                       ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head."))
+                       ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head."),
+                       ("model.layers.", "model.layers."), ("model.embed_tokens.", "model.embed_tokens."),
+                       ("model.norm.", "model.norm."))
 
 
 def text_part_name(name: str) -> str | None:
@@ -122,13 +133,25 @@ def load_hf_config(resolved: ResolvedModel, gguf_file: GGUFFile | None = None,
             raise ValueError(f"{resolved.name} is a quantized {multimodal}, whose language model pagedllm does not "
                              "read yet (it serves one's text from unquantized weights)")
         if multimodal is not None:
-            config = config.get_text_config()
-            config.architectures, config.text_part_of = [TEXT_PARTS[multimodal]], multimodal
+            config = _text_config(config, multimodal)
     if overrides:
         config.update(overrides)
         if "classifier_from_token" in overrides:
             _classifier_from_token(config, resolved)
     return config
+
+
+def _text_config(config: Any, multimodal: str) -> Any:
+    """A multimodal config's language model's, as the text model it is (TEXT_PARTS). Whether the LM head is tied to
+    the embedding is the whole config's to say, as transformers ties them (Mistral 3's text config says untied, its
+    whole config tied)."""
+    text = config.get_text_config()
+    architecture, model_type = TEXT_PARTS[multimodal]
+    text.architectures, text.text_part_of = [architecture], multimodal
+    if model_type is not None:
+        text.model_type = model_type
+    text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+    return text
 
 
 def _classifier_from_token(config: Any, resolved: ResolvedModel) -> None:
