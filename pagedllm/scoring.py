@@ -40,16 +40,18 @@ def cross_encoder_prompt(tokenizer: Any, first: ParsedPrompt, second: ParsedProm
                          ) -> TokensPrompt:
     """A pair's prompt for a cross-encoder: two texts as the tokenizer encodes a text pair (vLLM's, with its special
     tokens); a prompt given as token ids joins as it is. `token_types`: the model tells a pair's texts apart by token
-    type (BERT's), so the prompt carries the types the tokenizer gives, or 0 for the first's ids and 1 for the
-    second's."""
+    type (BERT's), so the prompt carries the types where the tokenizer gives them (BERT's does, 1 for the second
+    text; one that gives none leaves them all 0, as vLLM and sentence-transformers run it), for two prompts of token
+    ids 0 for the first's and 1 for the second's."""
+    token_types = token_types and "token_type_ids" in tokenizer.model_input_names
     if first.text is not None and second.text is not None:
-        encoded = tokenizer(first.text, second.text, return_token_type_ids=token_types)
+        encoded = tokenizer(first.text, second.text)
         ids, types = list(encoded["input_ids"]), encoded.get("token_type_ids")
     else:
         ids_1, ids_2 = _token_ids(tokenizer, first), _token_ids(tokenizer, second)
         ids, types = ids_1 + ids_2, [0] * len(ids_1) + [1] * len(ids_2)
     prompt = TokensPrompt(prompt_token_ids=ids)
-    if token_types:
+    if token_types and types is not None:
         prompt["token_type_ids"] = list(types)
     return prompt
 

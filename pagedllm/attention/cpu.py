@@ -105,9 +105,15 @@ def bidirectional_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     [T, Hq, D] rows (and no cache: nothing reads its K/V again). One SDPA call for each run of prompts of one length
     side by side in the step (a batch of equal documents: one call), on any device: such a model only embeds, so its
     attention is all prefill, which SDPA's flash kernel does well; masked only where the prompts are longer than the
-    window."""
+    window. Prompts of lengths near one another (a cross-encoder's pairs), where padding each to the longest costs at
+    most twice their own work, run padded in one call, the padding masked: a call per prompt cost ~0.3 ms each."""
+    lens = meta.seq_lens_cpu
+    longest = max(lens)
+    if meta.num_seqs > 1 and meta.num_seqs * longest * longest <= 2 * sum(n * n for n in lens) and \
+            any(n != longest for n in lens):
+        return _bidirectional_padded(query, key, value, lens, scale, window)
     out = torch.empty_like(query)
-    qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+    qsl = meta.query_start_loc_cpu
     i = 0
     while i < meta.num_seqs:
         length = lens[i]
@@ -122,6 +128,23 @@ def bidirectional_attention(query: torch.Tensor, key: torch.Tensor, value: torch
         out[start:end] = o.transpose(1, 2).flatten(0, 1)
         i = j
     return out
+
+
+def _bidirectional_padded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lens: list[int], scale: float,
+                          window: int) -> torch.Tensor:
+    """`bidirectional_attention` in one SDPA call over the prompts padded to the longest, [n, H, longest, D], each
+    row seeing its own prompt's keys alone (and within `window` of it)."""
+    longest = max(lens)
+    valid = torch.arange(longest).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)             # [n, longest]
+    starts = torch.tensor([0, *lens[:-1]]).cumsum(0).unsqueeze(1)
+    rows = (starts + torch.arange(longest)).where(valid, 0).to(query.device)                 # padding reads row 0
+    valid = valid.to(query.device)
+    mask = valid[:, None, None, :]                                                            # [n, 1, 1, keys]
+    if window and longest > window:
+        mask = mask & _visible(longest, longest, window, query.device, causal=False)
+    q, k, v = (x[rows].transpose(1, 2) for x in (query, key, value))                         # [n, H, longest, D]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.transpose(1, 2)[valid]                                                         # the prompts' rows
 
 
 def _prefill_per_sequence(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -8,9 +8,17 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, GenerationConfig, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    GenerationConfig,
+    PreTrainedModel,
+)
 
 from pagedllm.bench.datasets import BenchRequest
 from pagedllm.cpu import torch_bf16_is_native
@@ -35,6 +43,14 @@ class HFRun:
     num_generated_tokens: int   # batch rows x the batch's longest output, summed over batches
 
 
+def auto_model_class(config: Any) -> Any:
+    """The transformers auto class a config's model is saved as: a sequence classifier (a cross-encoder), an encoder
+    (EmbeddingGemma, BERT: the bare model, with no causal LM class), or a causal LM."""
+    if any(a.endswith("ForSequenceClassification") for a in getattr(config, "architectures", None) or []):
+        return AutoModelForSequenceClassification
+    return AutoModel if attends_both_ways(config) else AutoModelForCausalLM
+
+
 def load_hf_model(resolved: ResolvedModel, dtype: str = "auto", device: str = "cpu") -> PreTrainedModel:
     """The model in `dtype` (see `hf_dtype`) on `device`, from an HF folder or a GGUF file (dequantised).
 
@@ -43,9 +59,7 @@ def load_hf_model(resolved: ResolvedModel, dtype: str = "auto", device: str = "c
     """
     torch_dtype = hf_dtype(dtype, device)
     if resolved.gguf_path is None:
-        # an encoder (EmbeddingGemma) is saved as the bare model, and has no causal LM class
-        encoder = attends_both_ways(AutoConfig.from_pretrained(resolved.path))
-        model_class = AutoModel if encoder else AutoModelForCausalLM
+        model_class = auto_model_class(AutoConfig.from_pretrained(resolved.path))
         return model_class.from_pretrained(str(resolved.path), dtype=torch_dtype).to(device).eval()
     from pagedllm.loader import load_hf_config
     from pagedllm.loader.gguf import iterate_gguf

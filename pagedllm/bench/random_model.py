@@ -49,6 +49,11 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "all-minilm-l6": ("bert", dict(
         hidden_size=384, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=12,
         max_position_embeddings=512)),
+    # ms-marco-MiniLM-L-6-v2's, a cross-encoder (a reranker): all-MiniLM-L6's encoder with BERT's pooler and a one-label
+    # classifier on the first token (BertForSequenceClassification)
+    "ms-marco-minilm-l6": ("bert", dict(
+        hidden_size=384, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=12,
+        max_position_embeddings=512, architectures=["BertForSequenceClassification"], num_labels=1)),
     # Phi-4-mini's layers (~3.4B weights): 32 of hidden 3072, 24 query heads of 128 over 8 kv heads, an MLP of 8192,
     # longrope (an original context of 4,096 of 131,072) over 3/4 of each head; the tokenizer's vocabulary
     "phi4-mini": ("phi3", dict(
@@ -106,10 +111,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
     import torch
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModel
 
+    from pagedllm.bench.hf_baseline import auto_model_class
     from pagedllm.loader.resolve import default_model_gguf
-    from pagedllm.models.llama import attends_both_ways
     from pagedllm.tokenizer.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(default_model_gguf())
@@ -118,8 +123,9 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                                   eos_token_id=tokenizer.eos_token_id, initializer_range=0.02,
                                   **{"max_position_embeddings": 4096, **fields})
     torch.manual_seed(args.seed)
-    encoder = attends_both_ways(config)     # saved as the bare model with its sentence-transformers modules
-    model = (AutoModel if encoder else AutoModelForCausalLM).from_config(config, dtype=getattr(torch, args.dtype))
+    auto = auto_model_class(config)
+    model = auto.from_config(config, dtype=getattr(torch, args.dtype))
+    encoder = auto is AutoModel     # saved as the bare model with its sentence-transformers modules
     output = Path(args.output)
     model.save_pretrained(output)
     tokenizer.save_pretrained(output)

@@ -3,8 +3,10 @@
 It imports only the standard library and vllm, so it runs as a file: `python vllm_child.py JOB.json RESULT.json`.
 JOB.json holds the model folder, the dtype, the engine sizes, the prompts as token ids with their output lengths,
 an optional warm-up prompt (the prefix bench's system prompt), an optional LoRA adapter every request runs with,
-and the task: "generate", or "embed" (vLLM's pooling runner, the model converted to embed). RESULT.json gets the
-timings and token counts (and, to embed, the first prompts' vectors, to check both sides agree).
+and the task: "generate", "embed" (vLLM's pooling runner, the model converted to embed unless it is an encoder) or
+"score" (the pooling runner on a cross-encoder, scoring the job's text pairs, as `LLM.score` takes only text).
+RESULT.json gets the timings and token counts (and, to embed or score, the first prompts' vectors or scores, to check
+both sides agree).
 Every request is greedy with ignore_eos, as on pagedllm's side, so both generate exactly the same number of tokens.
 """
 
@@ -27,23 +29,29 @@ def main(job_path: str, result_path: str) -> None:
 
         with_lora = {"enable_lora": True, "max_loras": 1, "max_lora_rank": job["max_lora_rank"]}
         lora = {"lora_request": LoRARequest("bench", 1, job["lora_path"])}
-    embed = job.get("task") == "embed"
-    pooling = {"runner": "pooling", "convert": job["convert"]} if embed else {}
+    task = job.get("task", "generate")
+    pooling = {"runner": "pooling", "convert": job["convert"]} if task != "generate" else {}
     llm = LLM(model=job["model"], dtype=job["dtype"], max_model_len=job["max_model_len"],
               max_num_seqs=job["max_num_seqs"], max_num_batched_tokens=job["max_num_batched_tokens"],
               enable_prefix_caching=job["enable_prefix_caching"], seed=job["seed"], **with_lora, **pooling)
     startup_s = time.perf_counter() - start
     prompts = [{"prompt_token_ids": ids} for ids in job["prompt_token_ids"]]
-    if embed:
+    if task != "generate":
         start = time.perf_counter()
-        llm.embed([{"prompt_token_ids": job["warmup_prompt_token_ids"]}], use_tqdm=False)
+        if task == "embed":
+            llm.embed([{"prompt_token_ids": job["warmup_prompt_token_ids"]}], use_tqdm=False)
+        else:
+            llm.score(*job["text_pairs"][0], use_tqdm=False)
         first_token_s = time.perf_counter() - start
         start = time.perf_counter()
-        outputs = llm.embed(prompts, use_tqdm=False)
+        if task == "embed":
+            vectors = [list(o.outputs.embedding) for o in llm.embed(prompts, use_tqdm=False)]
+        else:
+            firsts, seconds = zip(*job["text_pairs"])
+            vectors = [[o.outputs.score] for o in llm.score(list(firsts), list(seconds), use_tqdm=False)]
         elapsed = time.perf_counter() - start
         result = {"elapsed_time": elapsed, "startup_s": startup_s, "first_token_s": first_token_s,
-                  "embeddings": [list(o.outputs.embedding) for o in outputs[:job["num_vectors_back"]]],
-                  "vllm_version": sys.modules["vllm"].__version__}
+                  "vectors": vectors[:job["num_vectors_back"]], "vllm_version": sys.modules["vllm"].__version__}
         with open(result_path, "w", encoding="utf-8") as f:
             json.dump(result, f)
         return

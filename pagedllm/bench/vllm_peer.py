@@ -33,7 +33,7 @@ _CAPPED_SITE = Path(__file__).with_name("vllm_capped")
 AVX2_CAPS = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 
 
-EMBEDDINGS_CHECKED = 8      # the first prompts' vectors an embed run sends back, to compare with pagedllm's
+VECTORS_CHECKED = 8      # the first vectors (or scores) an embed or score run sends back, to compare with pagedllm's
 
 
 def add_vllm_args(parser: argparse.ArgumentParser) -> None:
@@ -81,25 +81,27 @@ def export_hf_folder(model: str | None, dtype: str, folder: Path) -> tuple[str, 
 
 
 def run_vllm(args: argparse.Namespace, requests: list[BenchRequest], warmup_prompt_token_ids: list[int],
-             enable_prefix_caching: bool, embed: bool = False) -> tuple[dict[str, Any], Any]:
-    """Time vLLM on `requests` (after one warm-up request), generating or (`embed`) embedding their prompts;
-    returns its figures and the model's HF config."""
+             enable_prefix_caching: bool, task: str = "generate", text_pairs: list[tuple[str, str]] | None = None
+             ) -> tuple[dict[str, Any], Any]:
+    """Time vLLM on `requests` (after one warm-up request), generating from their prompts or embedding them, or
+    scoring `text_pairs` with a cross-encoder (`task`); returns its figures and the model's HF config."""
     from pagedllm.models.llama import attends_both_ways
 
     python = vllm_python(args)
     with tempfile.TemporaryDirectory(prefix="pagedllm-vllm-") as tmp:
         folder = Path(tmp) / "model"
         dtype, hf_config = export_hf_folder(args.model, args.dtype, folder)
-        # an encoder (EmbeddingGemma) is a pooling model as it is, and shares no block, in vLLM as in pagedllm
+        # an encoder (EmbeddingGemma) is a pooling model as it is, and shares no block, in vLLM as in pagedllm; so is
+        # a cross-encoder
         encoder = attends_both_ways(hf_config)
         job = {"model": str(folder), "dtype": dtype, "max_model_len": args.max_model_len,
                "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
                "enable_prefix_caching": enable_prefix_caching and not encoder, "seed": args.seed,
-               "convert": "auto" if encoder else "embed",
+               "convert": "auto" if encoder or task == "score" else "embed", "text_pairs": text_pairs,
                "warmup_prompt_token_ids": warmup_prompt_token_ids,
                "prompt_token_ids": [r.prompt_token_ids for r in requests],
                "output_lens": [r.output_len for r in requests], "lora_path": getattr(args, "lora_path", None),
-               "task": "embed" if embed else "generate", "num_vectors_back": EMBEDDINGS_CHECKED}
+               "task": task, "num_vectors_back": VECTORS_CHECKED}
         if job["lora_path"]:
             job["max_lora_rank"] = lora_rank(job["lora_path"])
         print(f"Running the vLLM peer ({python}, {dtype}): this starts in about 3 minutes on 2 cores", flush=True)

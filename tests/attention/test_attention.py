@@ -520,6 +520,7 @@ def test_metadata_build_slots_cross_blocks() -> None:
 # of a single token; and runs of prompts of one length (equal documents), which share an SDPA call.
 ENCODER_BATCH = ([0, 0, 0], [5, 41, 1])
 ENCODER_RUNS = ([0] * 6, [7, 7, 7, 41, 7, 7])
+ENCODER_NEAR = ([0] * 5, [30, 33, 27, 33, 31])      # lengths near one another: padded to the longest, in one call
 
 
 @pytest.mark.parametrize("window", [0, 3, 17])
@@ -540,12 +541,12 @@ def test_bidirectional_reference_shows_each_query_the_keys_around_it(window: int
 @pytest.mark.parametrize("window", [0, 3, 17, 100])
 @pytest.mark.parametrize("heads", ["mha", "gqa3", "mqa"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("batch", [ENCODER_BATCH, ENCODER_RUNS])
+@pytest.mark.parametrize("batch", [ENCODER_BATCH, ENCODER_RUNS, ENCODER_NEAR])
 def test_bidirectional_attention_matches_the_reference(window: int, heads: str, dtype: torch.dtype,
                                                        batch: tuple[list[int], list[int]]) -> None:
     """The encoder's SDPA calls over the step's own K/V against the reference over a cache holding them: unmasked
     where a prompt fits in the window (the 41-token one in 100), banded where it does not, runs of equal prompts in
-    one call."""
+    one call, prompts of near lengths padded in one call."""
     num_heads, num_kv_heads = HEADS[heads]
     query, k_cache, v_cache, meta, (_, k_full, v_full) = _random_batch(*batch, num_heads, num_kv_heads, dtype,
                                                                        seed=5, head_dim=64)

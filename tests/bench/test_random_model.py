@@ -55,3 +55,17 @@ def test_the_minilm_preset_is_a_bert_encoder_pooled_by_its_mean(tmp_path, monkey
         assert llm.engine.pooling_type == "MEAN"
         (out,) = llm.embed(["The capital of France is"], use_tqdm=False)
     assert len(out.outputs.embedding) == 64
+
+
+def test_the_cross_encoder_preset_is_a_bert_classifier_with_one_label(tmp_path, monkeypatch):
+    model_type, fields = random_model.PRESETS["ms-marco-minilm-l6"]
+    monkeypatch.setitem(random_model.PRESETS, "ms-marco-minilm-l6",
+                        (model_type, {**fields, "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2}))
+    main(["random-model", str(tmp_path / "m"), "--preset", "ms-marco-minilm-l6", "--dtype", "float32"])
+    assert json.loads((tmp_path / "m" / "config.json").read_text())["architectures"] == \
+        ["BertForSequenceClassification"]
+    assert not (tmp_path / "m" / "modules.json").exists()
+    with LLM(str(tmp_path / "m"), num_kv_blocks=64) as llm:
+        assert llm.engine.class_labels == ["LABEL_0"]
+        (score,) = llm.score("a query", ["a document"], use_tqdm=False)
+    assert 0.0 < score.outputs.score < 1.0

@@ -59,6 +59,16 @@ class LLM:
             vectors = json.load(f)
         return [_Embedded(vectors[i % len(vectors)]) for i in range(len(prompts))]
 
+    def score(self, firsts, seconds, use_tqdm=True):     # the first of each vector the test put in FAKE_VLLM_VECTORS
+        self.calls.append([list(pair) for pair in zip(firsts if isinstance(firsts, list) else [firsts],
+                                                      seconds if isinstance(seconds, list) else [seconds])])
+        with open(os.environ["FAKE_VLLM_RECORD"], "w") as f:
+            json.dump({"kwargs": self.kwargs, "calls": self.calls}, f)
+        with open(os.environ["FAKE_VLLM_VECTORS"]) as f:
+            vectors = json.load(f)
+        return [type("Scored", (), {"outputs": type("ScoringOutput", (), {"score": vectors[i % len(vectors)][0]})()})()
+                for i in range(len(self.calls[-1]))]
+
     def generate(self, prompts, params, use_tqdm=True):
         params = params if isinstance(params, list) else [params] * len(prompts)
         self.calls.append([p["prompt_token_ids"] for p in prompts])
@@ -128,6 +138,39 @@ def test_an_encoder_runs_in_vllm_as_the_pooling_model_it_is(fake_vllm_python, tm
     seen = json.loads(record.read_text())
     assert seen["kwargs"]["convert"] == "auto" and seen["kwargs"]["enable_prefix_caching"] is False
     assert {"modules.json", "1_Pooling", "2_Dense", "3_Dense", "config.json"} <= set(seen["files"])
+
+
+def test_score_compares_vllm_scoring_the_same_text_pairs(fake_vllm_python, tmp_path, monkeypatch, capsys):
+    """`--task score` on the cross-encoder preset: each prompt is a pair of texts (its first quarter, the rest),
+    vLLM runs the cross-encoder as it is on the same texts, and the report gives the largest difference between the
+    two sides' scores (the stand-in sends back pagedllm's, one moved by 0.25)."""
+    from pagedllm import LLM
+    from pagedllm.bench import random_model
+    from pagedllm.bench.datasets import random_requests
+    from pagedllm.bench.embed import text_pairs
+
+    python, record = fake_vllm_python
+    model_type, fields = random_model.PRESETS["ms-marco-minilm-l6"]
+    monkeypatch.setitem(random_model.PRESETS, "ms-marco-minilm-l6",
+                        (model_type, {**fields, "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2}))
+    folder = str(tmp_path / "m")
+    main(["random-model", folder, "--preset", "ms-marco-minilm-l6", "--dtype", "float32"])
+    with LLM(folder, dtype="float32") as llm:
+        pairs = text_pairs(llm.get_tokenizer(), random_requests(llm.get_tokenizer(), 3, 12, 1, 0))
+        ours = [o.outputs.score for o in llm.score([q for q, _ in pairs], [d for _, d in pairs], use_tqdm=False)]
+    assert all(query and document for query, document in pairs)
+    vectors = tmp_path / "vectors.json"
+    vectors.write_text(json.dumps([[ours[0]], [ours[1]], [ours[2] + 0.25]]))
+    monkeypatch.setenv("FAKE_VLLM_VECTORS", str(vectors))
+    result = main(["embed", "--task", "score", "--model", folder, "--dataset", "random", "--num-prompts", "3",
+                   "--input-len", "12", "--output-len", "1", "--compare", "vllm", "--vllm-python", str(python),
+                   "--kv-cache-memory", "16M", "--dtype", "float32"])
+    assert result["max_score_diff_vs_vllm"] == pytest.approx(0.25, abs=1e-6)
+    seen = json.loads(record.read_text())
+    assert seen["calls"][1] == [list(pair) for pair in pairs]
+    assert seen["kwargs"]["runner"] == "pooling" and seen["kwargs"]["convert"] == "auto"
+    assert result["pagedllm"]["num_prompts"] == result["vllm"]["num_prompts"] == 3
+    assert "largest difference of a score" in capsys.readouterr().out
 
 
 def test_compare_vllm_runs_the_same_token_ids_in_the_peer(tiny_model_dir, fake_vllm_python, capsys):

@@ -28,10 +28,13 @@ PROMPTS = [[5, 17, 99], list(range(20, 90)), list(range(3, 3 + CONTEXT))]
 
 
 def _pair_tokenizer():
-    """The byte tokenizer, joining a pair as BERT's does: <s> A </s> B </s>, B and its </s> of token type 1."""
+    """The byte tokenizer, joining a pair as BERT's does: <s> A </s> B </s>, B and its </s> of token type 1, which
+    it gives as BERT's does (token_type_ids among its model inputs)."""
     tokenizer = build_byte_tokenizer()
     tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
         single="<s> $A </s>", pair="<s> $A </s> $B:1 </s>:1", special_tokens=[("<s>", 1), ("</s>", 2)])
+    tokenizer.model_input_names = tokenizer.init_kwargs["model_input_names"] = \
+        ["input_ids", "token_type_ids", "attention_mask"]
     return tokenizer
 
 
@@ -102,7 +105,7 @@ def test_a_cross_encoder_scores_pairs_with_the_tokenizers_token_types(cross_enco
     llm = LLM(model=str(folder), dtype="float32")
     docs = ["paged blocks", "a kv cache", "bread"]
     for output, doc in zip(llm.score("query", docs, use_tqdm=False), docs):
-        encoded = tokenizer("query", doc, return_token_type_ids=True)
+        encoded = tokenizer("query", doc)
         assert 1 in encoded["token_type_ids"] and output.prompt_token_ids == encoded["input_ids"]
         expected = _hf_logits(model, encoded["input_ids"], encoded["token_type_ids"]).sigmoid().item()
         assert output.outputs.score == pytest.approx(expected, abs=1e-5)
@@ -110,6 +113,15 @@ def test_a_cross_encoder_scores_pairs_with_the_tokenizers_token_types(cross_enco
     (output,) = llm.score({"prompt_token_ids": [1, 50, 51, 2]}, {"prompt_token_ids": [60, 61, 2]}, use_tqdm=False)
     expected = _hf_logits(model, [1, 50, 51, 2, 60, 61, 2], [0, 0, 0, 0, 1, 1, 1]).sigmoid().item()
     assert output.outputs.score == pytest.approx(expected, abs=1e-5)
+
+
+def test_a_tokenizer_that_gives_no_token_types_leaves_them_0(tmp_path):
+    """As vLLM and sentence-transformers run such a cross-encoder: the model's types are all 0."""
+    model = _save(tmp_path / "m", "bert", 1)
+    build_byte_tokenizer().save_pretrained(tmp_path / "m")      # no token_type_ids among its model inputs
+    (output,) = LLM(model=str(tmp_path / "m"), dtype="float32").score("query", "a document", use_tqdm=False)
+    ids = build_byte_tokenizer()("query", "a document")["input_ids"]
+    assert output.outputs.score == pytest.approx(_hf_logits(model, ids).sigmoid().item(), abs=1e-5)
 
 
 def test_served_cross_encoder_scores_equal_offline_ones(cross_encoder):
