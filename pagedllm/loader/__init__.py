@@ -98,6 +98,11 @@ TEXT_PARTS: dict[str, tuple[str, str | None]] = {
     "Qwen2_5_VLForConditionalGeneration": ("Qwen2ForCausalLM", "qwen2"),
     "Qwen3VLForConditionalGeneration": ("Qwen3ForCausalLM", "qwen3"),
 }
+# And any other vision-language checkpoint of the Llava kind (a vision tower and a projector beside a language model
+# of a family pagedllm runs, unchanged: Llava, LlavaNext, InternVL, Idefics3, ...): its text config's model_type ->
+# the language model's architecture
+_TEXT_MODEL_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                             "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 # the language model's checkpoint names -> the text model's, in the layouts transformers has saved them in
 # (language_model.model.* before 4.52, model.language_model.* since; the LM head beside either), and Qwen2-VL's and
 # Qwen2.5-VL's, whose language model's names are a text model's own (model.layers.*, beside visual.*)
@@ -128,7 +133,7 @@ def load_hf_config(resolved: ResolvedModel, gguf_file: GGUFFile | None = None,
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(str(resolved.path))
-        multimodal = next((a for a in getattr(config, "architectures", None) or [] if a in TEXT_PARTS), None)
+        multimodal = next((a for a in getattr(config, "architectures", None) or [] if _text_part(config, a)), None)
         if multimodal is not None and getattr(config, "quantization_config", None):
             raise ValueError(f"{resolved.name} is a quantized {multimodal}, whose language model pagedllm does not "
                              "read yet (it serves one's text from unquantized weights)")
@@ -141,12 +146,25 @@ def load_hf_config(resolved: ResolvedModel, gguf_file: GGUFFile | None = None,
     return config
 
 
+def _text_part(config: Any, architecture: str) -> tuple[str, str | None] | None:
+    """A multimodal architecture's language model's architecture and the model_type pagedllm knows it by (None: the
+    text config's own), if pagedllm serves its text (TEXT_PARTS, or one of the Llava kind); None otherwise."""
+    if architecture in TEXT_PARTS:
+        return TEXT_PARTS[architecture]
+    if not architecture.endswith("ForConditionalGeneration") or not hasattr(config, "text_config"):
+        return None     # an encoder-decoder (T5, BART) is no vision-language model
+    text_model = _TEXT_MODEL_ARCHITECTURES.get(config.get_text_config().model_type)
+    return None if text_model is None else (text_model, None)
+
+
 def _text_config(config: Any, multimodal: str) -> Any:
-    """A multimodal config's language model's, as the text model it is (TEXT_PARTS). Whether the LM head is tied to
+    """A multimodal config's language model's, as the text model it is (`_text_part`). Whether the LM head is tied to
     the embedding is the whole config's to say, as transformers ties them (Mistral 3's text config says untied, its
     whole config tied)."""
     text = config.get_text_config()
-    architecture, model_type = TEXT_PARTS[multimodal]
+    part = _text_part(config, multimodal)
+    assert part is not None, f"{multimodal} has no text part pagedllm serves"
+    architecture, model_type = part
     text.architectures, text.text_part_of = [architecture], multimodal
     if model_type is not None:
         text.model_type = model_type

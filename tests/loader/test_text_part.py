@@ -2,7 +2,8 @@
 Gemma3ForConditionalGeneration checkpoints, whose language model pagedllm runs as a Gemma3ForCausalLM, never reading
 the vision tower, and gives transformers' logits on text; so are Mistral 3's (Mistral-Small-3.1) and Qwen2-VL's,
 Qwen2.5-VL's and Qwen3-VL's (M-RoPE, which is the plain rotary embedding on text), in transformers' layouts, with
-the LM head tied as the whole config says."""
+the LM head tied as the whole config says; and any checkpoint of the Llava kind whose language model is one of the
+Llama family's (Llava, InternVL)."""
 
 from __future__ import annotations
 
@@ -82,6 +83,14 @@ def _tiny_text_part(folder: Path, architecture: str):
         "Qwen2_5_VLForConditionalGeneration": lambda: transformers.Qwen2_5_VLConfig(
             text_config={**tiny_config("qwen2").to_dict(), "rope_scaling": mrope}, vision_config=vision,
             tie_word_embeddings=True),
+        "LlavaForConditionalGeneration": lambda: transformers.LlavaConfig(
+            text_config=tiny_config("llama-gqa").to_dict(), image_token_index=300, vision_config=dict(
+                hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                patch_size=14, projection_dim=32)),
+        "InternVLForConditionalGeneration": lambda: transformers.InternVLConfig(
+            text_config=tiny_config("qwen2").to_dict(), image_token_id=300, vision_config=dict(
+                hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=[28, 28],
+                patch_size=[14, 14])),
         "Qwen3VLForConditionalGeneration": lambda: transformers.Qwen3VLConfig(
             text_config={**tiny_config("qwen3").to_dict(), "rope_scaling": {**mrope, "mrope_section": [4, 6, 6],
                                                                             "mrope_interleaved": True}},
@@ -95,7 +104,8 @@ def _tiny_text_part(folder: Path, architecture: str):
 
 
 @pytest.mark.parametrize("architecture", ["Mistral3ForConditionalGeneration", "Qwen2VLForConditionalGeneration",
-                                          "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration"])
+                                          "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",
+                                          "LlavaForConditionalGeneration", "InternVLForConditionalGeneration"])
 def test_a_vision_language_checkpoint_serves_its_text(tmp_path: Path, architecture: str) -> None:
     hf_model = _tiny_text_part(tmp_path, architecture)
     config = load_hf_config(resolve_model(str(tmp_path)))
@@ -129,3 +139,13 @@ def test_a_quantized_multimodal_checkpoint_is_refused(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="quantized Gemma3ForConditionalGeneration"):
         load_hf_config(resolve_model(str(tmp_path)))
+
+
+def test_an_encoder_decoder_is_no_text_part(tmp_path: Path) -> None:
+    """T5ForConditionalGeneration has no text config: it stays what it is, and is refused as unsupported."""
+    from transformers import T5Config
+
+    T5Config(vocab_size=300, d_model=32, d_ff=64, num_layers=1, num_heads=2,
+             architectures=["T5ForConditionalGeneration"]).save_pretrained(tmp_path)
+    config = load_hf_config(resolve_model(str(tmp_path)))
+    assert config.architectures == ["T5ForConditionalGeneration"] and not hasattr(config, "text_part_of")
