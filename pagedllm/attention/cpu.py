@@ -111,7 +111,7 @@ def bidirectional_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     longest = max(lens)
     if meta.num_seqs > 1 and meta.num_seqs * longest * longest <= 2 * sum(n * n for n in lens) and \
             any(n != longest for n in lens):
-        return _bidirectional_padded(query, key, value, lens, scale, window)
+        return _bidirectional_padded(query, key, value, lens, longest, scale, window)
     out = torch.empty_like(query)
     qsl = meta.query_start_loc_cpu
     i = 0
@@ -130,11 +130,10 @@ def bidirectional_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     return out
 
 
-def _bidirectional_padded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lens: list[int], scale: float,
-                          window: int) -> torch.Tensor:
-    """`bidirectional_attention` in one SDPA call over the prompts padded to the longest, [n, H, longest, D], each
+def _bidirectional_padded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lens: list[int], longest: int,
+                          scale: float, window: int) -> torch.Tensor:
+    """`bidirectional_attention` in one SDPA call over the prompts padded to the `longest`, [n, H, longest, D], each
     row seeing its own prompt's keys alone (and within `window` of it)."""
-    longest = max(lens)
     valid = torch.arange(longest).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)             # [n, longest]
     starts = torch.tensor([0, *lens[:-1]]).cumsum(0).unsqueeze(1)
     rows = (starts + torch.arange(longest)).where(valid, 0).to(query.device)                 # padding reads row 0

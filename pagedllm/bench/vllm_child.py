@@ -36,43 +36,45 @@ def main(job_path: str, result_path: str) -> None:
               enable_prefix_caching=job["enable_prefix_caching"], seed=job["seed"], **with_lora, **pooling)
     startup_s = time.perf_counter() - start
     prompts = [{"prompt_token_ids": ids} for ids in job["prompt_token_ids"]]
-    if task != "generate":
-        start = time.perf_counter()
-        if task == "embed":
-            llm.embed([{"prompt_token_ids": job["warmup_prompt_token_ids"]}], use_tqdm=False)
-        else:
-            llm.score(*job["text_pairs"][0], use_tqdm=False)
-        first_token_s = time.perf_counter() - start
-        start = time.perf_counter()
-        if task == "embed":
-            vectors = [list(o.outputs.embedding) for o in llm.embed(prompts, use_tqdm=False)]
-        else:
-            firsts, seconds = zip(*job["text_pairs"])
-            vectors = [[o.outputs.score] for o in llm.score(list(firsts), list(seconds), use_tqdm=False)]
-        elapsed = time.perf_counter() - start
-        result = {"elapsed_time": elapsed, "startup_s": startup_s, "first_token_s": first_token_s,
-                  "vectors": vectors[:job["num_vectors_back"]], "vllm_version": sys.modules["vllm"].__version__}
-        with open(result_path, "w", encoding="utf-8") as f:
-            json.dump(result, f)
-        return
-    start = time.perf_counter()
-    llm.generate([{"prompt_token_ids": job["warmup_prompt_token_ids"]}], SamplingParams(temperature=0, max_tokens=1),
-                 use_tqdm=False, **lora)
-    first_token_s = time.perf_counter() - start
-
-    params = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=n) for n in job["output_lens"]]
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False, **lora)
-    elapsed = time.perf_counter() - start
-    result = {
-        "elapsed_time": elapsed, "startup_s": startup_s, "first_token_s": first_token_s,
-        "num_output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
-        "prefix_cache_hit_tokens": sum(o.num_cached_tokens or 0 for o in outputs),
-        "vllm_version": sys.modules["vllm"].__version__,
-    }
+    result = _generate(llm, job, prompts, lora, SamplingParams) if task == "generate" else _pool(llm, job, prompts)
+    result.update(startup_s=startup_s, vllm_version=sys.modules["vllm"].__version__)
     with open(result_path, "w", encoding="utf-8") as f:
         json.dump(result, f)
 
+
+def _generate(llm, job: dict, prompts: list[dict], lora: dict, sampling_params) -> dict:
+    """Time one warm-up request, then every prompt greedy to its output length."""
+    start = time.perf_counter()
+    llm.generate([{"prompt_token_ids": job["warmup_prompt_token_ids"]}], sampling_params(temperature=0, max_tokens=1),
+                 use_tqdm=False, **lora)
+    first_token_s = time.perf_counter() - start
+    params = [sampling_params(temperature=0, ignore_eos=True, max_tokens=n) for n in job["output_lens"]]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False, **lora)
+    return {"elapsed_time": time.perf_counter() - start, "first_token_s": first_token_s,
+            "num_output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
+            "prefix_cache_hit_tokens": sum(o.num_cached_tokens or 0 for o in outputs)}
+
+
+def _pool(llm, job: dict, prompts: list[dict]) -> dict:
+    """Time one warm-up, then embedding every prompt (task "embed") or scoring every text pair (task "score");
+    the first vectors (or scores, one each) come back."""
+    if job["task"] == "embed":
+        def run(batch: list) -> list:
+            return [list(o.outputs.embedding) for o in llm.embed(batch, use_tqdm=False)]
+        warmup, timed = [{"prompt_token_ids": job["warmup_prompt_token_ids"]}], prompts
+    else:
+        def run(batch: list) -> list:
+            firsts, seconds = zip(*batch)
+            return [[o.outputs.score] for o in llm.score(list(firsts), list(seconds), use_tqdm=False)]
+        warmup, timed = job["text_pairs"][:1], job["text_pairs"]
+    start = time.perf_counter()
+    run(warmup)
+    first_token_s = time.perf_counter() - start
+    start = time.perf_counter()
+    vectors = run(timed)
+    return {"elapsed_time": time.perf_counter() - start, "first_token_s": first_token_s,
+            "vectors": vectors[:job["num_vectors_back"]]}
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])

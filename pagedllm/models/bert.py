@@ -14,7 +14,7 @@ step. RoBERTa's positions start after its padding id (`padding_idx + 1`), so its
 `max_position_embeddings`.
 
 The same interface as `LlamaForCausalLM` for the runner: `forward` (the final hidden states), `compute_logits` (the
-word embeddings as the head, for the one token an embedding request samples, unseen), `classify`, `load_weights`.
+word embeddings standing in as the head), `classify`, `load_weights`.
 """
 
 from __future__ import annotations
@@ -130,8 +130,9 @@ class BertModel(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] -> [N, V] float32 through the word embeddings: only for the one token an embedding request
-        samples, which nobody sees (an encoder has no LM head)."""
+        """hidden [N, H] -> [N, V] float32 through the word embeddings: the runner's LM-head interface (its profile
+        step on a GPU); an encoder has no LM head, and a pooling request's one token skips it
+        (`ModelRunner._sample_all_but_embeddings`)."""
         weight = self.embeddings.word_embeddings.weight       # in its dtype: widening it took 20 ms a step
         return F.linear(hidden.to(weight.dtype), weight).float()
 
