@@ -211,27 +211,41 @@ class ModelConfig:
 
 @dataclass
 class SpeculativeConfig:
-    """Speculative decoding, as vLLM's `speculative_config` (only the n-gram prompt-lookup method so far).
+    """Speculative decoding, as vLLM's `speculative_config`: n-gram prompt lookup, or a smaller draft model.
 
     Args:
         method: "ngram": drafts come from the request's own tokens (the longest suffix n-gram seen before).
+            "draft_model": a smaller model of the same tokenizer proposes them (`pagedllm.spec_decode.draft_model`).
+            None: "draft_model" when `model` is given, else "ngram" (vLLM's inference).
+        model: the draft model (a Hugging Face folder or a `.gguf` file) for "draft_model"; it runs in the target's
+            dtype, on its device, one rank.
+        quantization: the draft model's `quantization` (`ModelConfig.quantization`); None: its checkpoint's own.
         num_speculative_tokens: most draft tokens verified per request and step (k).
-        prompt_lookup_max: longest suffix n-gram looked up.
-        prompt_lookup_min: shortest suffix n-gram that may give a draft.
+        prompt_lookup_max: longest suffix n-gram looked up ("ngram").
+        prompt_lookup_min: shortest suffix n-gram that may give a draft ("ngram").
         disable_by_batch_size: no drafts in a step while more requests than this are running (vLLM's name); None:
             drafts at any batch size. Verifying k drafts computes k more tokens per request: at small batches a
             step is bound by reading the weights and they come nearly free, at large ones a CPU step is bound by
             arithmetic and they cost their full price (docs/benchmarks.md).
     """
 
-    method: str = "ngram"
+    method: str | None = None
+    model: str | None = None
+    quantization: str | None = None
     num_speculative_tokens: int = 3
     prompt_lookup_max: int = 3
     prompt_lookup_min: int = 1
     disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
-        _require(self.method == "ngram", "speculative_config.method", "'ngram'", self.method)
+        if self.method is None:
+            self.method = "draft_model" if self.model is not None else "ngram"
+        _require(self.method in ("ngram", "draft_model"), "speculative_config.method", "'ngram' or 'draft_model'",
+                 self.method)
+        _require((self.model is not None) == (self.method == "draft_model"), "speculative_config.model",
+                 "a draft model's folder or .gguf file with method 'draft_model', and None with 'ngram'", self.model)
+        _require(self.quantization in QUANTIZATIONS, "speculative_config.quantization",
+                 "None, 'int8', 'w8a8', 'gguf', 'awq' or 'gptq'", self.quantization)
         _require(self.num_speculative_tokens > 0, "speculative_config.num_speculative_tokens", "> 0",
                  self.num_speculative_tokens)
         _require(self.prompt_lookup_min > 0, "speculative_config.prompt_lookup_min", "> 0", self.prompt_lookup_min)
@@ -239,6 +253,12 @@ class SpeculativeConfig:
                  f">= prompt_lookup_min ({self.prompt_lookup_min})", self.prompt_lookup_max)
         _require(self.disable_by_batch_size is None or self.disable_by_batch_size > 0,
                  "speculative_config.disable_by_batch_size", "None or > 0", self.disable_by_batch_size)
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """K/V slots a request needs past its step's tokens for the drafts proposed after the step: k for a draft
+        model (which writes its drafts' K/V), 0 for n-gram lookup (which writes none)."""
+        return self.num_speculative_tokens if self.method == "draft_model" else 0
 
     @classmethod
     def from_dict(cls, values: dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
@@ -326,6 +346,9 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         parallel = self.parallel
+        _require(self.speculative is None or self.speculative.method != "draft_model"
+                 or parallel.tensor_parallel_size == 1, "speculative_config",
+                 "n-gram lookup with tensor_parallel_size > 1 (a draft model runs on one rank)", self.speculative)
         _require(self.lora is None or parallel.tensor_parallel_size == parallel.data_parallel_size == 1,
                  "enable_lora", "False with tensor_parallel_size or data_parallel_size > 1 (LoRA adapters run on "
                  "one engine of one rank)", self.lora is not None)

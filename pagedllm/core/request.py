@@ -107,6 +107,8 @@ class Request:
     prefix_query_counted: bool = field(init=False, default=False)
     finish_reason: FinishReason | None = field(init=False, default=None)
     stop_reason: int | str | None = field(init=False, default=None)
+    # draft-model speculative decoding: the tokens the runner's draft model proposed to follow all_token_ids
+    draft_token_ids: list[int] = field(init=False, default_factory=list, repr=False)
     # Chained hashes of the full blocks of all_token_ids, extended lazily by the KV cache manager.
     block_hashes: list[BlockHash] = field(init=False, default_factory=list, repr=False)
     _all_token_ids: list[int] = field(init=False, default_factory=list, repr=False)

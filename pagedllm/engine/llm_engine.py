@@ -42,6 +42,7 @@ from pagedllm.pooling_params import PoolingParams
 from pagedllm.runner import kv_tensors
 from pagedllm.runner.model_runner import ModelRunner, StepTimings, model_shape
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.spec_decode.draft_model import DraftModel
 from pagedllm.spec_decode.ngram_proposer import NgramProposer
 from pagedllm.structured_output import StructuredOutputManager
 from pagedllm.tokenizer.tokenizer import load_tokenizer
@@ -194,7 +195,7 @@ class LLMEngine:
         config.scheduler.check_whole_prompts_fit()
         self.structured_output = StructuredOutputManager(self.tokenizer, model_shape(loaded.hf_config).vocab_size)
         self.runner = ModelRunner(loaded, config.cache, self.tokenizer.eos_token_id, config.model.seed,
-                                  self.structured_output, peers, config.lora)
+                                  self.structured_output, peers, config.lora, self._load_draft(config))
         self.vocab_size = self.runner.shape.vocab_size
         num_blocks = config.cache.num_blocks or self._num_blocks()
         config.cache.num_blocks = num_blocks
@@ -207,16 +208,43 @@ class LLMEngine:
             self._capture_decode_graphs()
         self.kv_cache_manager = KVCacheManager(num_blocks, config.cache.block_size,
                                                config.cache.enable_prefix_caching, config.cache.num_swap_blocks)
-        proposer = NgramProposer(config.speculative) if config.speculative is not None else None
+        spec = config.speculative
+        proposer = NgramProposer(spec) if spec is not None and spec.method == "ngram" else None
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager,
                                    proposer.propose if proposer is not None else None,
-                                   config.speculative.disable_by_batch_size if config.speculative else None,
-                                   config.lora.max_loras if config.lora is not None else None)
+                                   spec.disable_by_batch_size if spec else None,
+                                   config.lora.max_loras if config.lora is not None else None,
+                                   spec.num_lookahead_tokens if spec else 0)
         self.beam_search = BeamSearchDriver(self.scheduler, self.tokenizer)
         self.capacity = kv_tensors.CapacityReport(num_blocks, config.cache.block_size,
-                                                  self.runner.layout.bytes_per_token, self.max_model_len)
+                                                  self.runner.kv_bytes_per_token, self.max_model_len)
         logger.info("device %s; %s", describe_device(self.runner.device), self.capacity)
         self._tracked: dict[str, _Tracked] = {}
+
+    def _load_draft(self, config: EngineConfig) -> DraftModel | None:
+        """The draft model of `speculative_config` (method "draft_model"), in the model's dtype and on its device;
+        None for another method. It must generate and hold the whole context (max_model_len)."""
+        spec = config.speculative
+        if spec is None or spec.method != "draft_model":
+            return None
+        draft_config = dataclasses.replace(config.model, model=spec.model, quantization=spec.quantization,
+                                           max_model_len=None, chat_template=None, hf_overrides=None,
+                                           pooler_config=None)
+        try:
+            loaded = load_model(draft_config)
+        except (ValueError, OSError) as e:
+            raise ValueError(f"speculative_config.model {spec.model!r}: {e}") from e
+        if not generates(loaded.hf_config) or attends_both_ways(loaded.hf_config):
+            raise ValueError(f"speculative_config.model {spec.model!r} is not a generative (decoder) model")
+        draft_len = max_model_len_of(loaded.hf_config, None)
+        if draft_len < self.max_model_len:
+            raise ValueError(f"speculative_config.model {spec.model!r} holds {draft_len} tokens of context, fewer "
+                             f"than the model's max_model_len {self.max_model_len}: set max_model_len <= {draft_len}")
+        draft_vocab, vocab = model_shape(loaded.hf_config).vocab_size, model_shape(self.hf_config).vocab_size
+        if draft_vocab != vocab:
+            logger.warning("the draft model's vocabulary (%d) is not the model's (%d): it must share the model's "
+                           "tokenizer; it drafts among the ids both have", draft_vocab, vocab)
+        return DraftModel(loaded, config.cache.block_size, config.cache.kv_cache_dtype, self.max_model_len, vocab)
 
     def _setup_swap(self) -> None:
         """Size the swap pool from swap_space GiB, and allocate it."""
@@ -279,7 +307,7 @@ class LLMEngine:
             activation_bytes = self._profile_activation_bytes()
         budget = kv_tensors.kv_budget_bytes(cache.kv_cache_memory, cache.gpu_memory_utilization,
                                             self.runner.weight_bytes(), self.runner.device, activation_bytes)
-        return kv_tensors.num_blocks_for(budget, self.runner.layout, cache.block_size)
+        return kv_tensors.num_blocks_for(budget, self.runner.kv_bytes_per_token, cache.block_size)
 
     def _profile_activation_bytes(self) -> int:
         """The activation peak of the largest step the scheduler may run: a full token budget (one sequence, so at

@@ -80,7 +80,8 @@ class LLM:
             blocks, times activations quantized to 16 bits), "awq" or "gptq" (an AutoAWQ or AutoGPTQ checkpoint's
             4-bit weights kept in 4 bits; one rank only).
         speculative_config: speculative decoding as vLLM takes it, e.g. `{"method": "ngram",
-            "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}`; None: off.
+            "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}` or, with a smaller draft
+            model of the same tokenizer, `{"model": PATH, "num_speculative_tokens": 4}`; None: off.
         tensor_parallel_size: worker processes sharing each layer (docs/scale-out.md).
         data_parallel_size: engines (replicas), each with its own KV pool of the configured size, the prompts
             routed among them and the replicas stepped in parallel threads (docs/scale-out.md).

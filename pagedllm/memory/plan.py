@@ -84,8 +84,8 @@ def make_plan(model: str | None, budget_bytes: int | None = None, block_size: in
         raise ValueError(f"context_len must be in [1, max_model_len={model_len}], got {context_len}")
     num_heads = hf_config.num_attention_heads
     layout = kv_tensors.KVLayout(shape.num_layers, shape.num_kv_heads, shape.head_dim, torch_dtype, kv_cache_dtype)
-    capacity = kv_tensors.CapacityReport(kv_tensors.num_blocks_for(budget_bytes, layout, block_size), block_size,
-                                         layout.bytes_per_token, model_len)
+    capacity = kv_tensors.CapacityReport(kv_tensors.num_blocks_for(budget_bytes, layout.bytes_per_token, block_size),
+                                         block_size, layout.bytes_per_token, model_len)
     kv_heads = {"MHA": num_heads, attention_kind(num_heads, shape.num_kv_heads): shape.num_kv_heads, "MQA": 1}
     variants = [_variant(name, layout, heads, budget_bytes, block_size, context_len, model_len)
                 for name, heads in sorted(kv_heads.items(), key=lambda item: -item[1])]
@@ -97,7 +97,7 @@ def make_plan(model: str | None, budget_bytes: int | None = None, block_size: in
 def _variant(name: str, layout: kv_tensors.KVLayout, num_kv_heads: int, budget_bytes: int, block_size: int,
              context_len: int, max_model_len: int) -> AttentionVariant:
     layout = replace(layout, num_kv_heads=num_kv_heads)
-    num_blocks = kv_tensors.num_blocks_for(budget_bytes, layout, block_size)
+    num_blocks = kv_tensors.num_blocks_for(budget_bytes, layout.bytes_per_token, block_size)
     num_slots = (num_blocks - 1) * block_size   # block 0 is the null block
     return AttentionVariant(name, num_kv_heads, layout.bytes_per_token, num_blocks,
                             (num_blocks - 1) // -(-context_len // block_size), num_slots // max_model_len)

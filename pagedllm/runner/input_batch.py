@@ -45,6 +45,7 @@ class CachedRequestState:
     pooled_chunks: dict[int, torch.Tensor] = field(default_factory=dict)
     lora: LoRARequest | None = None          # its LoRA adapter
     token_type_ids: list[int] | None = None  # its prompt's token types (a BERT cross-encoder's pair); None: all 0
+    num_draft_computed_tokens: int = 0       # tokens whose K/V the draft model wrote (pagedllm.spec_decode.draft_model)
 
 
 @dataclass(slots=True)

@@ -139,11 +139,13 @@ def gpu_kv_budget_bytes(total_bytes: int, free_bytes: int, memory_utilization: f
     return min(int(total_bytes * utilization) - weight_bytes, free_bytes) - activation_bytes
 
 
-def num_blocks_for(budget_bytes: int, layout: KVLayout, block_size: int) -> int:
-    num_blocks = budget_bytes // (layout.bytes_per_token * block_size)
+def num_blocks_for(budget_bytes: int, bytes_per_token: int, block_size: int) -> int:
+    """Blocks of `block_size` tokens of `bytes_per_token` (a layout's, or several pools' of the same blocks) that
+    `budget_bytes` holds; ValueError under 2."""
+    num_blocks = budget_bytes // (bytes_per_token * block_size)
     if num_blocks < 2:
         raise ValueError(f"the KV cache budget of {budget_bytes} bytes holds fewer than 2 blocks of "
-                         f"{block_size} tokens ({layout.bytes_per_token} bytes per token); raise "
+                         f"{block_size} tokens ({bytes_per_token} bytes per token); raise "
                          "kv_cache_memory or gpu_memory_utilization")
     return int(num_blocks)
 

@@ -8,11 +8,13 @@ them. It never decides policy.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -34,6 +36,11 @@ from pagedllm.sample.metadata import SamplingMetadata, SamplingRow, make_generat
 from pagedllm.sample.sampler import Sampler, position_logprobs
 from pagedllm.spec_decode.rejection_sampler import verify_drafts
 from pagedllm.structured_output import StructuredOutputManager
+
+if TYPE_CHECKING:
+    from pagedllm.spec_decode.draft_model import DraftModel
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -70,12 +77,17 @@ class ModelRunner:
     Under tensor parallelism every rank has one, over its slice of the model and its KV heads; rank 0's sends
     each rank-wide operation (KV and swap allocation, block moves, forward passes, logits) to the others through
     `peers` before doing its own part (pagedllm/distributed), and alone holds requests and samples.
+
+    With a `draft` model (draft-model speculative decoding, one rank), it also proposes each step's drafts for
+    the next (`pagedllm.spec_decode.draft_model`).
     """
 
     def __init__(self, loaded: LoadedModel, cache_config: CacheConfig, eos_token_id: int | None,
                  seed: int = 0, structured_output: StructuredOutputManager | None = None,
-                 peers: Peers | None = None, lora_config: LoRAConfig | None = None) -> None:
+                 peers: Peers | None = None, lora_config: LoRAConfig | None = None,
+                 draft: DraftModel | None = None) -> None:
         self.model = loaded.model
+        self.draft = draft
         self.loras = (LoRARegistry(self.model, lora_config.max_lora_rank, lora_config.capacity)
                       if lora_config is not None else None)
         self.tp_rank = loaded.tp_rank
@@ -103,13 +115,23 @@ class ModelRunner:
         self.last_timings = StepTimings()
 
     def weight_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        """The model's weights, and the draft model's."""
+        draft = self.draft.weight_bytes() if self.draft is not None else 0
+        return sum(p.numel() * p.element_size() for p in self.model.parameters()) + draft
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """A token's K/V in the pool: the model's, and the draft model's beside it."""
+        draft = self.draft.layout.bytes_per_token if self.draft is not None else 0
+        return self.layout.bytes_per_token + draft
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.decode_graphs = None   # they read the old pool
         with self.peers.run("allocate_kv_cache", num_blocks, wait=True):
             self.kv = kv_tensors.allocate_kv(self.layout, num_blocks, self.block_size, self.device)
             self.kv_caches = kv_tensors.layer_caches(self.kv)
+            if self.draft is not None:
+                self.draft.allocate_kv_cache(num_blocks)
 
     def allocate_swap_space(self, num_blocks: int, path: str | None = None) -> None:
         """The swap pool: pinned host memory beside a GPU, a memory-mapped file on a CPU device (rank r > 0 of a
@@ -147,6 +169,8 @@ class ModelRunner:
                 self.last_timings.swap_seconds = time.perf_counter() - start
                 self.last_timings.num_swapped_blocks = len(swap_out) + len(swap_in)
             kv_tensors.copy_blocks(self.kv, copies)
+            if self.draft is not None:
+                self.draft.copy_blocks(copies)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -231,7 +255,22 @@ class ModelRunner:
             state.num_prompt_logprob_positions = end
         output.prompt_logprobs = prompt_logprobs
         output.embeddings = self._embeddings(hidden, inputs, scheduled)
+        output.draft_token_ids = self._propose_drafts(scheduled)
         return output
+
+    def _propose_drafts(self, scheduled: list[ScheduledRequest]) -> dict[str, list[int]]:
+        """The draft model's drafts for the next step of each request scheduled with lookahead slots. Drafts only
+        ever speed a request up: a draft model that raises is logged and turned off, and the step goes on."""
+        wanted = [(self.requests[s.request_id], s.block_ids, s.num_lookahead_tokens)
+                  for s in scheduled if s.num_lookahead_tokens]
+        if self.draft is None or not wanted:
+            return {}
+        try:
+            return self.draft.propose(wanted)
+        except Exception:
+            logger.exception("the draft model %s failed: speculative decoding is off from now on", self.draft.name)
+            self.draft = None
+            return {}
 
     def _embeddings(self, hidden: torch.Tensor, inputs: ModelInputs, scheduled: list[ScheduledRequest]
                     ) -> dict[str, list[float]]:
@@ -391,7 +430,8 @@ class ModelRunner:
         return min(times[1:])
 
     def _add_request(self, new: NewRequestData) -> None:
-        if new.request_id in self.requests:
+        if new.request_id in self.requests:     # back after a preemption: the draft's K/V is gone with its blocks
+            self.requests[new.request_id].num_draft_computed_tokens = 0
             return
         params = new.sampling_params
         grammar = None

@@ -24,6 +24,9 @@ def test_speculative_config_json() -> None:
     spec = config.speculative
     assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min) == \
         ("ngram", 5, 4, 2)
+    draft = _config("--speculative-config", '{"model": "/models/draft", "num_speculative_tokens": 4}').speculative
+    assert (draft.method, draft.model, draft.num_speculative_tokens, draft.num_lookahead_tokens) == \
+        ("draft_model", "/models/draft", 4, 4)
 
 
 @pytest.mark.parametrize("text", ["{not json", "[1, 2]"])

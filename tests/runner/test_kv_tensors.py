@@ -14,7 +14,7 @@ def test_bytes_per_token_counts_k_and_v_of_every_layer():
 
 
 def test_pool_is_sized_from_the_budget_and_zeroed():
-    num_blocks = kv_tensors.num_blocks_for(10 * LAYOUT.bytes_per_token * 16 + 5, LAYOUT, block_size=16)
+    num_blocks = kv_tensors.num_blocks_for(10 * LAYOUT.bytes_per_token * 16 + 5, LAYOUT.bytes_per_token, block_size=16)
     assert num_blocks == 10
     kv = kv_tensors.allocate_kv(LAYOUT, num_blocks, 16, torch.device("cpu"))
     assert kv.shape == (3, 2, 10, 16, 2, 8) and kv.dtype == torch.bfloat16
@@ -68,7 +68,7 @@ def test_the_pool_is_not_advised_for_huge_pages():
 
 def test_a_budget_under_two_blocks_is_a_clear_error():
     with pytest.raises(ValueError, match="fewer than 2 blocks"):
-        kv_tensors.num_blocks_for(LAYOUT.bytes_per_token * 16, LAYOUT, block_size=16)
+        kv_tensors.num_blocks_for(LAYOUT.bytes_per_token * 16, LAYOUT.bytes_per_token, block_size=16)
 
 
 def test_copy_blocks_copies_every_layer_bit_for_bit():
@@ -150,7 +150,7 @@ def test_an_int8_row_is_head_dim_bytes_and_a_float32_scale(dtype, ratio):
     assert int8.bytes_per_token == 2 * 30 * 3 * 68
     assert plain.bytes_per_token / int8.bytes_per_token == pytest.approx(ratio)  # 3.76x float32, 1.88x bf16
     budget = 1 << 30
-    assert kv_tensors.num_blocks_for(budget, int8, 16) == budget // (16 * 2 * 30 * 3 * 68)
+    assert kv_tensors.num_blocks_for(budget, int8.bytes_per_token, 16) == budget // (16 * 2 * 30 * 3 * 68)
 
 
 def test_an_int8_head_dim_must_keep_the_scales_aligned():

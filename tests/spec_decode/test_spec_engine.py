@@ -7,6 +7,7 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 from tests.models.tiny import save_tiny_model
+from tests.spec_decode.stepping import assert_same_tokens_and_logprobs, generate_checked
 
 BLOCK_SIZE = 4
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
@@ -25,17 +26,6 @@ def _llm(tiny: str, spec: bool, **kw) -> LLM:
     return LLM(model=tiny, dtype="float32", block_size=BLOCK_SIZE, speculative_config=SPEC if spec else None, **kw)
 
 
-def _generate(llm: LLM, prompts, params) -> list[list[list[int]]]:
-    engine, outputs = llm.engine, []
-    for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, params)
-    while engine.has_unfinished_requests():
-        outputs += [o for o in engine.step() if o.finished]
-        engine.kv_cache_manager.check_integrity()
-    outputs.sort(key=lambda o: int(o.request_id))
-    return [[c.token_ids for c in o.outputs] for o in outputs]
-
-
 @pytest.fixture(scope="module")
 def plain(tiny: str) -> LLM:
     return _llm(tiny, spec=False)
@@ -48,14 +38,7 @@ def spec(tiny: str) -> LLM:
 
 def test_greedy_tokens_and_logprobs_are_identical(plain: LLM, spec: LLM) -> None:
     params = SamplingParams(temperature=0, max_tokens=25, ignore_eos=True, logprobs=2)
-    expected = plain.generate(PROMPTS, params, use_tqdm=False)
-    got = spec.generate(PROMPTS, params, use_tqdm=False)
-    for e, g in zip(expected, got):
-        assert g.outputs[0].token_ids == e.outputs[0].token_ids
-        for e_pos, g_pos in zip(e.outputs[0].logprobs, g.outputs[0].logprobs):
-            assert e_pos.keys() == g_pos.keys()
-            assert all(abs(e_pos[t].logprob - g_pos[t].logprob) < 1e-4 and e_pos[t].rank == g_pos[t].rank
-                       for t in e_pos)
+    assert_same_tokens_and_logprobs(plain, spec, PROMPTS, params)
     stats = spec.engine.make_stats().spec_decoding
     assert stats is not None and 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
 
@@ -64,9 +47,9 @@ def test_greedy_identical_under_preemption_prefix_hits_and_n(tiny: str, plain: L
     shared = "abcabcabcabcabcabcabc "                               # 5 full blocks shared by every prompt
     prompts = [shared + p for p in PROMPTS]
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, n=2)
-    expected = _generate(plain, prompts, params)
+    expected = generate_checked(plain, prompts, params)
     small = _llm(tiny, spec=True, num_kv_blocks=30, max_num_seqs=4)
-    assert _generate(small, prompts, params) == expected
+    assert generate_checked(small, prompts, params) == expected
     assert small.engine.scheduler.num_preemptions > 0
     assert small.engine.prefix_cache_stats.num_hit_tokens > 0
     assert small.engine.make_stats().spec_decoding.num_accepted_tokens > 0

@@ -42,6 +42,11 @@ class ScheduledRequest:
     in the same forward pass (logits at each of the last `1 + len(spec_token_ids)` positions), and reports how
     many it accepted in `RunnerOutput.num_accepted_draft_tokens`.
 
+    `num_lookahead_tokens` (draft-model speculative decoding; 0 otherwise) is set on a request that samples: the
+    runner's draft model then proposes up to that many drafts to follow the step's accepted tokens
+    (`RunnerOutput.draft_token_ids`), writing their K/V into slots past the step's tokens, for which `block_ids`
+    has room too.
+
     `child_request_ids` is set only on the first sampled token of a parallel-sampling request (n > 1): the runner
     samples that row once more for each child, child i (1-based) with its own seed stream
     (`pagedllm.core.request.child_seed`), creates their sampling state, and returns one token per id; the
@@ -55,6 +60,7 @@ class ScheduledRequest:
     sample: bool
     child_request_ids: list[str] = field(default_factory=list)
     spec_token_ids: list[int] = field(default_factory=list)
+    num_lookahead_tokens: int = 0
 
     @property
     def num_new_tokens(self) -> int:
@@ -104,6 +110,9 @@ class RunnerOutput:
     accepted, and the sampled token comes after those: the request's new tokens are
     `spec_token_ids[:num_accepted] + [sampled]`, and its logprobs hold one entry per new token.
 
+    `draft_token_ids` holds the drafts the draft model proposed for each request scheduled with
+    `num_lookahead_tokens` (after its new tokens; maybe fewer than asked, maybe none).
+
     `embeddings` holds, for each embedding request that sampled (its prompt's last token ran this step), its
     prompt's embedding (`PoolingParams`)."""
 
@@ -111,6 +120,7 @@ class RunnerOutput:
     logprobs: dict[str, list[object]] = field(default_factory=dict)   # one entry per new token
     prompt_logprobs: dict[str, list[object]] = field(default_factory=dict)
     num_accepted_draft_tokens: dict[str, int] = field(default_factory=dict)
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     embeddings: dict[str, list[float]] = field(default_factory=dict)
 
     def merged(self, other: RunnerOutput) -> RunnerOutput:

@@ -27,9 +27,13 @@ for n samples of its last row (`ScheduledRequest.child_request_ids`); `update_fr
 children off it (`KVCacheManager.fork`: shared blocks), and each sequence goes on by itself. A group reserves
 `group_size` (n, or the beam width) of the `max_num_seqs` seats when its first request is admitted.
 
-Speculative decoding (with a `propose` function): a running request whose only token left to compute is its last
-one is scheduled with that token plus up to k draft tokens (`ScheduledRequest.spec_token_ids`), and the KV
-manager allocates slots for all of them. The runner verifies the drafts; `update_from_output` appends the
+Speculative decoding (with a `propose` function, or drafts from the runner): a running request whose only token
+left to compute is its last one is scheduled with that token plus up to k draft tokens
+(`ScheduledRequest.spec_token_ids`), and the KV manager allocates slots for all of them. With a draft model
+(`num_lookahead_tokens` k > 0) the runner proposes the drafts after a step in which a request sampled, writing
+their K/V into k slots past the step's tokens, which the scheduler allocated with the step
+(`ScheduledRequest.num_lookahead_tokens`); `update_from_output` keeps them on the request (`draft_token_ids`)
+for its next step. The runner verifies the drafts; `update_from_output` appends the
 accepted ones and the token sampled after them, and advances `num_computed_tokens` only over the accepted
 tokens. The rejected drafts' slots stay allocated and are overwritten by the next step's tokens; since block
 hashes are computed from `all_token_ids` and `cache_full_blocks` stops at `num_computed_tokens`, the prefix cache
@@ -82,6 +86,7 @@ class _StepPlan:
     token_budget: int
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)   # draft tokens included
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    num_lookahead_tokens: dict[str, int] = field(default_factory=dict)   # draft slots past the step's tokens
     new_request_ids: list[str] = field(default_factory=list)
     preempted_request_ids: set[str] = field(default_factory=set)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
@@ -96,6 +101,7 @@ class _StepPlan:
     def remove(self, request: Request) -> None:
         self.token_budget += self.num_scheduled_tokens.pop(request.request_id, 0)
         self.spec_token_ids.pop(request.request_id, None)
+        self.num_lookahead_tokens.pop(request.request_id, None)
 
 
 class Scheduler:
@@ -104,9 +110,13 @@ class Scheduler:
     Args:
         config: max_num_seqs, max_num_batched_tokens, max_model_len, the preemption mode and its costs.
         kv_cache_manager: the block tables; the scheduler is its only writer.
-        propose: speculative decoding's draft proposer (e.g. `NgramProposer.propose`); None: no drafts.
+        propose: speculative decoding's draft proposer (e.g. `NgramProposer.propose`); None: no drafts, unless
+            num_lookahead_tokens > 0.
+        max_batch_for_drafts: no drafts while more requests than this run; None: no limit.
         max_loras: most distinct LoRA adapters among the running requests; a waiting request of another adapter is
             passed over (those after it may start) until one of theirs finishes. None: LoRA off.
+        num_lookahead_tokens: draft-model speculative decoding: the runner's draft model proposes up to this many
+            drafts after each step in which a request samples, into slots allocated past the step's tokens; 0: off.
 
     Each `schedule()` must be followed by `update_from_output()` with the runner's result, even when the
     output is empty: that is where updates for requests finished inside `schedule()` are delivered.
@@ -114,12 +124,13 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
                  propose: DraftProposer | None = None, max_batch_for_drafts: int | None = None,
-                 max_loras: int | None = None) -> None:
+                 max_loras: int | None = None, num_lookahead_tokens: int = 0) -> None:
         self.config = config
         self.max_loras = max_loras
         self.kv_cache_manager = kv_cache_manager
         self.propose = propose
-        self.max_batch_for_drafts = max_batch_for_drafts   # no drafts while more requests run; None: no limit
+        self.max_batch_for_drafts = max_batch_for_drafts
+        self.num_lookahead_tokens = num_lookahead_tokens
         self.spec_decoding_stats = SpecDecodingStats()
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting: list[Request] = []  # sorted by (priority, arrival_time); new and preempted
@@ -164,7 +175,7 @@ class Scheduler:
             num_kv_slots_running=num_slots,
             num_kv_slots_filled=sum(r.num_computed_tokens for r in self.running),
             scheduled_request_ids=list(self._last_scheduled_request_ids),
-            spec_decoding=self.spec_decoding_stats.copy() if self.propose is not None else None,
+            spec_decoding=self.spec_decoding_stats.copy() if self.speculates else None,
             max_loras=self.max_loras,      # with LoRA off, the queues are not walked for adapters
             running_lora_adapters=_lora_names(self.running) if self.max_loras is not None else [],
             waiting_lora_adapters=_lora_names([*self.waiting, *self.swapped]) if self.max_loras is not None else [])
@@ -238,6 +249,8 @@ class Scheduler:
             self._schedule_swapped(plan)
             if not self.swapped:
                 self._schedule_waiting(plan)
+        if self.num_lookahead_tokens:
+            self._allocate_lookahead(plan)
         return self._make_output(plan)
 
     def _schedule_running(self, plan: _StepPlan) -> None:
@@ -257,21 +270,49 @@ class Scheduler:
             if spec_token_ids or self._allocate_or_preempt(request, num_new_tokens, plan):
                 plan.add(request, num_new_tokens + len(spec_token_ids), spec_token_ids)
 
+    @property
+    def speculates(self) -> bool:
+        return self.propose is not None or self.num_lookahead_tokens > 0
+
+    def _may_draft(self, request: Request, num_output_tokens: int) -> bool:
+        """Whether a request may get drafts at a step after which it has `num_output_tokens`: not a beam, a
+        parallel-sampling request before its fork, an embedding, or a structured-output request (its grammar
+        decides which tokens may follow; verifying drafts under a grammar is not built); not while more than
+        `max_batch_for_drafts` requests run; and only with room for a draft before max_tokens."""
+        max_tokens = request.sampling_params.max_tokens
+        return (self.speculates and not request.engine_appends_tokens and not request.num_pending_children
+                and request.pooling_params is None and request.sampling_params.structured_outputs is None
+                and (self.max_batch_for_drafts is None or len(self.running) <= self.max_batch_for_drafts)
+                and (max_tokens is None or num_output_tokens < max_tokens - 1))
+
     def _propose_drafts(self, request: Request, token_budget: int) -> list[int]:
-        """Draft tokens for a request about to compute its last token, so many that the drafts and the token
-        sampled after them stay within the budget, max_tokens and max_model_len. None for a structured-output
-        request (its grammar decides which tokens may follow; verifying drafts under a grammar is not built), and
-        none while more than `max_batch_for_drafts` requests run."""
-        if (self.propose is None or request.num_computed_tokens != request.num_tokens - 1
-                or request.engine_appends_tokens or request.num_pending_children
-                or request.sampling_params.structured_outputs is not None
-                or (self.max_batch_for_drafts is not None and len(self.running) > self.max_batch_for_drafts)):
+        """Draft tokens for a request about to compute its last token (`_may_draft`), so many that the drafts and
+        the token sampled after them stay within the budget, max_tokens and max_model_len: from `propose`, or those
+        the runner's draft model proposed after the request's last step."""
+        drafts, request.draft_token_ids = request.draft_token_ids, []
+        if request.num_computed_tokens != request.num_tokens - 1 or not self._may_draft(request,
+                                                                                         request.num_output_tokens):
             return []
         max_num_tokens = min(token_budget, self.config.max_model_len - request.num_tokens)
         max_tokens = request.sampling_params.max_tokens
         if max_tokens is not None:
             max_num_tokens = min(max_num_tokens, max_tokens - request.num_output_tokens - 1)
-        return self.propose(request.all_token_ids, max_num_tokens) if max_num_tokens > 0 else []
+        if max_num_tokens <= 0:
+            return []
+        return self.propose(request.all_token_ids, max_num_tokens) if self.propose else drafts[:max_num_tokens]
+
+    def _allocate_lookahead(self, plan: _StepPlan) -> None:
+        """With a draft model, slots for the drafts it proposes after this step for each request that samples in
+        it: k past the step's tokens, from the blocks the step left free (never at the cost of a preemption or
+        an admission); the step then asks the runner for drafts (`ScheduledRequest.num_lookahead_tokens`)."""
+        k = self.num_lookahead_tokens
+        for request_id, num_tokens in plan.num_scheduled_tokens.items():
+            request = self.requests[request_id]
+            num_new_tokens = num_tokens - len(plan.spec_token_ids.get(request_id, ()))
+            if (request.num_computed_tokens + num_new_tokens == request.num_tokens
+                    and self._may_draft(request, request.num_output_tokens + 1)
+                    and self.kv_cache_manager.allocate_slots(request, num_tokens + k) is not None):
+                plan.num_lookahead_tokens[request_id] = k
 
     def _allocate_or_preempt(self, request: Request, num_new_tokens: int, plan: _StepPlan) -> bool:
         """Get blocks for a running request, preempting others (or itself) until they fit.
@@ -437,7 +478,8 @@ class Scheduler:
 
     def _make_output(self, plan: _StepPlan) -> SchedulerOutput:
         scheduled = [self._scheduled_request(self.requests[request_id], num_tokens,
-                                             plan.spec_token_ids.get(request_id, []))
+                                             plan.spec_token_ids.get(request_id, []),
+                                             plan.num_lookahead_tokens.get(request_id, 0))
                      for request_id, num_tokens in plan.num_scheduled_tokens.items()]
         new_request_ids = plan.new_request_ids + [request_id for request_id in plan.num_scheduled_tokens
                                           if request_id in self._unannounced_request_ids
@@ -459,7 +501,8 @@ class Scheduler:
                                blocks_to_swap_out=plan.blocks_to_swap_out,
                                blocks_to_swap_in=plan.blocks_to_swap_in)
 
-    def _scheduled_request(self, request: Request, num_tokens: int, spec_token_ids: list[int]) -> ScheduledRequest:
+    def _scheduled_request(self, request: Request, num_tokens: int, spec_token_ids: list[int],
+                           num_lookahead_tokens: int) -> ScheduledRequest:
         start = request.num_computed_tokens
         end = start + num_tokens - len(spec_token_ids)
         sample = end == request.num_tokens
@@ -469,7 +512,8 @@ class Scheduler:
                                 block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
                                 num_computed_tokens=start,
                                 token_ids=request.all_token_ids[start:end] + spec_token_ids,
-                                sample=sample, child_request_ids=child_request_ids, spec_token_ids=spec_token_ids)
+                                sample=sample, child_request_ids=child_request_ids, spec_token_ids=spec_token_ids,
+                                num_lookahead_tokens=num_lookahead_tokens)
 
     # ---- update -----------------------------------------------------------------------------------------------
     def update_from_output(self, scheduler_output: SchedulerOutput,
@@ -496,6 +540,7 @@ class Scheduler:
             return [RequestUpdate(request.request_id, [], num_cached_tokens=request.num_cached_tokens,
                                   parent_request_id=request.parent_id, index=request.index,
                                   new_prompt_logprobs=prompt_logprobs)] if prompt_logprobs else []
+        request.draft_token_ids = runner_output.draft_token_ids.get(request.request_id, [])
         if request.engine_appends_tokens:
             return [RequestUpdate(request.request_id, [], runner_output.logprobs.get(request.request_id),
                                   num_cached_tokens=request.num_cached_tokens, parent_request_id=request.parent_id)]

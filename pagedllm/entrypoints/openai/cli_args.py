@@ -258,7 +258,8 @@ def _add_engine_args(engine: argparse._ArgumentGroup) -> None:
     engine.add_argument("--seed", type=int, default=0, help="seed of the engine's random stream (default: 0)")
     engine.add_argument("--speculative-config", type=parse_json_object, default=None,
                         help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
-                             '"prompt_lookup_max": 3, "prompt_lookup_min": 1}\' (default: off)')
+                             '"prompt_lookup_max": 3, "prompt_lookup_min": 1}\', or with a draft model '
+                             '\'{"model": PATH, "num_speculative_tokens": 4}\' (default: off)')
     engine.add_argument("--enable-lora", action="store_true",
                         help="serve LoRA adapters (PEFT's format) beside the base model (default: off)")
     engine.add_argument("--lora-modules", nargs="+", type=parse_lora_module, default=None, metavar="NAME=PATH",

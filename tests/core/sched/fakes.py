@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from pagedllm.core.request import FinishReason
 from pagedllm.core.sched.output import RequestUpdate, RunnerOutput, ScheduledRequest, SchedulerOutput
-from pagedllm.core.sched.scheduler import Scheduler
+from pagedllm.core.sched.scheduler import DraftProposer, Scheduler
 
 VOCAB = 50
 
@@ -22,13 +22,19 @@ class FakeRunner:
     """Writes each scheduled token id into its KV slot, then reads the whole context back through the block
     table to 'attend': a wrong block table, a bad prefix hit, a lost block, a missing copy or swap changes the
     sampled tokens (or raises KeyError for a slot never written). Swaps and copies move slot contents, in the
-    runner's order: swap-out, swap-in, copy."""
+    runner's order: swap-out, swap-in, copy.
 
-    def __init__(self, block_size: int, script: dict[str, list[int]] | None = None) -> None:
+    With a `drafter`, it stands in for a draft model too: after a step in which a request with lookahead slots
+    sampled, it proposes that many drafts to follow and writes all but the last into the slots past the
+    request's tokens, as a draft model writes their K/V (a table without room for them raises IndexError)."""
+
+    def __init__(self, block_size: int, script: dict[str, list[int]] | None = None,
+                 drafter: DraftProposer | None = None) -> None:
         self.block_size = block_size
         self.slots: dict[int, int] = {}
         self.swap_slots: dict[int, int] = {}
         self.script = script  # request id -> tokens to return instead of the fake model's
+        self.drafter = drafter
 
     def _slot(self, block_ids: list[int], pos: int) -> int:
         return block_ids[pos // self.block_size] * self.block_size + pos % self.block_size
@@ -50,6 +56,7 @@ class FakeRunner:
         self._move(self.slots, self.slots, out.blocks_to_copy)
         sampled: dict[str, int] = {}
         accepted: dict[str, int] = {}
+        drafts: dict[str, list[int]] = {}
         for scheduled in out.scheduled:
             for offset, token_id in enumerate(scheduled.token_ids):
                 self.slots[self._slot(scheduled.block_ids, scheduled.num_computed_tokens + offset)] = token_id
@@ -62,7 +69,16 @@ class FakeRunner:
                                              else next_token(context))
                 for index, child_id in enumerate(scheduled.child_request_ids, start=1):
                     sampled[child_id] = next_token(context, index)
-        return RunnerOutput(sampled, num_accepted_draft_tokens=accepted)
+                if scheduled.num_lookahead_tokens:
+                    drafts[scheduled.request_id] = self._propose(scheduled, context + (sampled[scheduled.request_id],))
+        return RunnerOutput(sampled, num_accepted_draft_tokens=accepted, draft_token_ids=drafts)
+
+    def _propose(self, scheduled: ScheduledRequest, context: tuple[int, ...]) -> list[int]:
+        assert self.drafter is not None, "lookahead slots without a drafter"
+        proposed = self.drafter(list(context), scheduled.num_lookahead_tokens)
+        for offset, token_id in enumerate(proposed[:-1]):
+            self.slots[self._slot(scheduled.block_ids, len(context) + offset)] = token_id
+        return proposed
 
     def _verify(self, scheduled: ScheduledRequest, context: tuple[int, ...],
                 accepted: dict[str, int]) -> tuple[int, ...]:
@@ -101,6 +117,8 @@ def check_step(scheduler: Scheduler, out: SchedulerOutput) -> None:
         num_known = s.num_new_tokens - len(s.spec_token_ids)
         assert s.sample == (s.num_computed_tokens + num_known == request.num_tokens)
         assert not s.spec_token_ids or (s.sample and num_known == 1), "drafts only after the last known token"
+        assert not s.num_lookahead_tokens or (s.sample and len(s.block_ids) * manager.block_size
+                                              >= s.num_computed_tokens + s.num_new_tokens + s.num_lookahead_tokens)
     for pairs in (out.blocks_to_copy, out.blocks_to_swap_in, out.blocks_to_swap_out):
         destinations = [dst for _, dst in pairs]
         assert len(set(destinations)) == len(destinations) and 0 not in destinations

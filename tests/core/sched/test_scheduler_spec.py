@@ -10,7 +10,7 @@ from pagedllm.config import SchedulerConfig
 from pagedllm.core.kv_cache.manager import KVCacheManager
 from pagedllm.core.request import FinishReason, Request
 from pagedllm.core.sched.scheduler import Scheduler
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 from tests.core.sched.fakes import FakeRunner, Result, next_token, reference, run_steps
 
 BLOCK_SIZE = 4
@@ -33,10 +33,15 @@ def oracle_drafts(token_ids: list[int], max_num_tokens: int) -> list[int]:
 
 
 def _scheduler(num_blocks: int = 64, caching: bool = True, max_num_batched_tokens: int = 64,
-               max_model_len: int = 128) -> Scheduler:
+               max_model_len: int = 128, draft_model: bool = False) -> Scheduler:
+    """n-gram-like drafts from `oracle_drafts` at scheduling time; with `draft_model`, from the runner (a
+    `FakeRunner(drafter=oracle_drafts)`) after each sampled step, into K lookahead slots."""
     config = SchedulerConfig(max_model_len=max_model_len, max_num_seqs=8,
                              max_num_batched_tokens=max_num_batched_tokens)
-    return Scheduler(config, KVCacheManager(num_blocks, BLOCK_SIZE, enable_caching=caching), oracle_drafts)
+    kv = KVCacheManager(num_blocks, BLOCK_SIZE, enable_caching=caching)
+    if draft_model:
+        return Scheduler(config, kv, num_lookahead_tokens=K)
+    return Scheduler(config, kv, oracle_drafts)
 
 
 def _prompt(seed: int, length: int) -> list[int]:
@@ -153,3 +158,50 @@ def test_parallel_sampling_children_speculate_after_the_fork() -> None:
     for index, request_id in enumerate(["p", "p#1", "p#2"]):
         assert results[request_id].token_ids == reference(prompt, 12, None, index)
     assert {s.request_id for out in outputs for s in out.scheduled if s.spec_token_ids} >= {"p#1", "p#2"}
+
+
+@pytest.mark.parametrize("num_blocks,caching,max_num_batched_tokens",
+                         [(64, True, 64), (64, False, 64), (12, True, 64), (12, False, 64), (64, True, 8)])
+def test_draft_model_drafts_give_the_reference_tokens(num_blocks: int, caching: bool,
+                                                      max_num_batched_tokens: int) -> None:
+    """Drafts from the runner: each sampled step asks for K of them, with room for their K/V past the step's
+    tokens (checked each step, and written there by the fake drafter); the next step verifies them. The tokens
+    are the reference's through preemptions, prefix hits and chunked prompts."""
+    scheduler = _scheduler(num_blocks, caching, max_num_batched_tokens, draft_model=True)
+    prompts = {f"r{i}": _prompt(i, 5 + 3 * i) for i in range(5)}
+    for request_id, prompt in prompts.items():
+        scheduler.add_request(Request(request_id, prompt, SamplingParams(max_tokens=17, ignore_eos=True)))
+    results: dict[str, Result] = {}
+    outputs = run_steps(scheduler, FakeRunner(BLOCK_SIZE, drafter=oracle_drafts), results)
+    for request_id, prompt in prompts.items():
+        assert results[request_id].token_ids == reference(prompt, 17, None)
+    assert any(s.num_lookahead_tokens == K for out in outputs for s in out.scheduled)
+    stats = scheduler.spec_decoding_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    if num_blocks == 12:
+        assert scheduler.num_preemptions > 0
+
+
+def test_draft_model_lookahead_only_from_free_blocks() -> None:
+    """A request that fills the pool gets no lookahead slots (and so no drafts) rather than a preemption: it is
+    preempted once, only when its next token no longer fits."""
+    scheduler = _scheduler(num_blocks=5, draft_model=True)                 # 4 usable blocks: 16 slots
+    prompt = _prompt(6, 14)
+    scheduler.add_request(Request("a", prompt, SamplingParams(max_tokens=None, ignore_eos=True)))
+    results: dict[str, Result] = {}
+    outputs = run_steps(scheduler, FakeRunner(BLOCK_SIZE, drafter=oracle_drafts), results, max_steps=20)
+    assert results["a"].token_ids == reference(prompt, 3, None)
+    assert not any(s.num_lookahead_tokens for out in outputs for s in out.scheduled)
+    assert scheduler.num_preemptions == 1
+
+
+def test_no_lookahead_for_structured_outputs_beams_or_the_last_token() -> None:
+    scheduler = _scheduler(draft_model=True)
+    scheduler.add_request(Request("json", _prompt(1, 5), SamplingParams(max_tokens=9, structured_outputs=
+                                                                        StructuredOutputsParams(json={}))))
+    scheduler.add_request(Request("beam", _prompt(2, 5), SamplingParams(max_tokens=9), engine_appends_tokens=True))
+    scheduler.add_request(Request("one", _prompt(3, 5), SamplingParams(max_tokens=1)))
+    scheduler.add_request(Request("two", _prompt(4, 5), SamplingParams(max_tokens=3)))
+    out = scheduler.schedule()
+    assert {s.request_id: s.num_lookahead_tokens for s in out.scheduled} == {"json": 0, "beam": 0, "one": 0,
+                                                                              "two": K}
