@@ -521,6 +521,7 @@ def test_metadata_build_slots_cross_blocks() -> None:
 ENCODER_BATCH = ([0, 0, 0], [5, 41, 1])
 ENCODER_RUNS = ([0] * 6, [7, 7, 7, 41, 7, 7])
 ENCODER_NEAR = ([0] * 5, [30, 33, 27, 33, 31])      # lengths near one another: padded to the longest, in one call
+ENCODER_EQUAL = ([0] * 4, [21] * 4)                  # one length, not a multiple of 16: its keys padded to 32
 
 
 @pytest.mark.parametrize("window", [0, 3, 17])
@@ -541,12 +542,13 @@ def test_bidirectional_reference_shows_each_query_the_keys_around_it(window: int
 @pytest.mark.parametrize("window", [0, 3, 17, 100])
 @pytest.mark.parametrize("heads", ["mha", "gqa3", "mqa"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("batch", [ENCODER_BATCH, ENCODER_RUNS, ENCODER_NEAR])
+@pytest.mark.parametrize("batch", [ENCODER_BATCH, ENCODER_RUNS, ENCODER_NEAR, ENCODER_EQUAL])
 def test_bidirectional_attention_matches_the_reference(window: int, heads: str, dtype: torch.dtype,
                                                        batch: tuple[list[int], list[int]]) -> None:
     """The encoder's SDPA calls over the step's own K/V against the reference over a cache holding them: unmasked
     where a prompt fits in the window (the 41-token one in 100), banded where it does not, runs of equal prompts in
-    one call, prompts of near lengths padded in one call."""
+    one call, prompts of near lengths padded in one call (their keys to a multiple of 16), and so prompts of one
+    length that is not such a multiple."""
     num_heads, num_kv_heads = HEADS[heads]
     query, k_cache, v_cache, meta, (_, k_full, v_full) = _random_batch(*batch, num_heads, num_kv_heads, dtype,
                                                                        seed=5, head_dim=64)
