@@ -250,7 +250,8 @@ class ModelRunner:
             drafts = {s.request_id: s.spec_token_ids for s in scheduled if s.spec_token_ids}
             masks = _wait_token_bitmasks(pending_masks)
             output = (self._sample_with_drafts(hidden, inputs, children, drafts, masks) if drafts else
-                      self._sample_all_but_embeddings(hidden, inputs, children, masks))
+                      self._sample_all_but_embeddings(hidden, inputs.logits_indices.tolist(),
+                                                      inputs.sample_request_ids, children, masks))
         for state, end in reported:   # only once the group succeeded: a group that raised may run again
             state.num_prompt_logprob_positions = end
         output.prompt_logprobs = prompt_logprobs
@@ -477,16 +478,15 @@ class ModelRunner:
                 row_request_ids.append(child_id)
         return rows, row_request_ids
 
-    def _sample_all_but_embeddings(self, hidden: torch.Tensor, inputs: ModelInputs, children: dict[str, list[str]],
-                                   masks: dict[str, torch.Tensor]) -> RunnerOutput:
-        """`_sample` for the generating requests; a pooling request's one token, which nobody sees, is token 0,
-        without the LM head's product for its row (a [rows, vocab] product a step of short documents)."""
-        ids = inputs.sample_request_ids
-        keep = [i for i, request_id in enumerate(ids) if self.requests[request_id].pooling is None]
+    def _sample_all_but_embeddings(self, hidden: torch.Tensor, rows: list[int], request_ids: list[str],
+                                   children: dict[str, list[str]], masks: dict[str, torch.Tensor]) -> RunnerOutput:
+        """`_sample` for the generating requests among `request_ids` (each at its row of `hidden`); a pooling
+        request's one token, which nobody sees, is token 0, without the LM head's product for its row (a [rows,
+        vocab] product a step of short documents)."""
+        keep = [i for i, request_id in enumerate(request_ids) if self.requests[request_id].pooling is None]
         output = RunnerOutput() if not keep else self._sample(
-            hidden[inputs.logits_indices[keep] if len(keep) < len(ids) else inputs.logits_indices],
-            [ids[i] for i in keep], children, masks)
-        for request_id in ids:
+            hidden[[rows[i] for i in keep]], [request_ids[i] for i in keep], children, masks)
+        for request_id in request_ids:
             if self.requests[request_id].pooling is not None:
                 self.requests[request_id].output_token_ids.append(0)
                 output.sampled_token_ids[request_id] = 0
@@ -539,8 +539,8 @@ class ModelRunner:
         meta = SamplingMetadata.build(sampling_rows, self.shape.vocab_size, self.device, self.global_generator)
         verified = verify_drafts(logits, meta, request_ids, [drafts[r] for r in request_ids])
         plain = [(row, r) for row, r in zip(last_rows, inputs.sample_request_ids) if r not in drafts]
-        output = (self._sample(hidden[[row for row, _ in plain]], [r for _, r in plain], children, masks) if plain
-                  else RunnerOutput())
+        output = self._sample_all_but_embeddings(hidden, [row for row, _ in plain], [r for _, r in plain], children,
+                                                 masks)
         for state, request_id, num_accepted, token_id in zip(states, request_ids, verified.num_accepted,
                                                              verified.token_ids):
             state.output_token_ids += drafts[request_id][:num_accepted] + [token_id]

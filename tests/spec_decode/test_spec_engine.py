@@ -4,8 +4,9 @@ it, under preemption, prefix-cache hits, n > 1, stop strings and max_tokens land
 from __future__ import annotations
 
 import pytest
+import torch
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM, PoolingParams, SamplingParams
 from tests.models.tiny import save_tiny_model
 from tests.spec_decode.stepping import assert_same_tokens_and_logprobs, generate_checked
 
@@ -84,3 +85,27 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(spec: LLM) -> None:
     alone = spec.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0].token_ids
     batched = spec.generate(PROMPTS, params, use_tqdm=False)[0].outputs[0].token_ids
     assert alone == batched
+
+
+def test_embeddings_in_steps_with_drafts(plain: LLM, spec: LLM) -> None:
+    """Pooling requests beside requests verifying drafts (one added at every step): each embedding is the one it
+    gets alone, and the drafting requests' tokens are unchanged (a pooling row skips the LM head there too)."""
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params, use_tqdm=False)]
+    embedding = torch.tensor(plain.embed([PROMPTS[0]], use_tqdm=False)[0].outputs.embedding)
+    engine, stats, finished, beside_drafts = spec.engine, spec.engine.scheduler.spec_decoding_stats, {}, 0
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), prompt, params)
+    for step in range(100):
+        if not engine.has_unfinished_requests():
+            break
+        engine.add_request(f"embed{step}", PROMPTS[0], PoolingParams())
+        drafts_before = stats.num_drafts
+        done = {o.request_id: o for o in engine.step() if o.finished}
+        beside_drafts += f"embed{step}" in done and stats.num_drafts > drafts_before
+        finished |= done
+    assert beside_drafts > 0
+    assert [finished[str(i)].outputs[0].token_ids for i in range(len(PROMPTS))] == expected
+    for request_id, output in finished.items():
+        if request_id.startswith("embed"):
+            torch.testing.assert_close(torch.tensor(output.embedding), embedding)
