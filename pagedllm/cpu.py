@@ -71,9 +71,13 @@ class CpuInfo:
         """AMD's AVX512-BF16 (Zen 4 and later): VDPBF16PS at the FMA's rate, two products each (oneDNN measured ~3x
         the float32 FMA peak there). An Intel CPU with AVX512-BF16 (Cooper Lake, Sapphire Rapids, a VM that hides
         AMX) issues it at half its FMA's rate: pagedllm's kernel ran the mixed workload 1.27x faster than oneDNN on
-        one, and value rows weighed with VDPBF16PS in decode attention 0.85-0.9x as fast as widened ones. AMD's
-        model names all start with "AMD"."""
-        return "avx512_bf16" in self.flags and self.model_name.startswith("AMD")
+        one, and value rows weighed with VDPBF16PS in decode attention 0.85-0.9x as fast as widened ones."""
+        return "avx512_bf16" in self.flags and self.is_amd
+
+    @property
+    def is_amd(self) -> bool:
+        """AMD's model names all start with "AMD"."""
+        return self.model_name.startswith("AMD")
 
     @property
     def march(self) -> str:

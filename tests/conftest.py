@@ -14,6 +14,7 @@ import torch
 
 from pagedllm.cpu import MAX_ISA_ENV, runnable_levels
 from pagedllm.kernels import cpu_kernels
+from pagedllm.loader.huge_pages import HUGE_PAGES_ENV
 
 MiB = 1 << 20
 
@@ -22,6 +23,11 @@ MiB = 1 << 20
 # functions are decorated then), so it is set here, before anything can import triton; nothing else uses Triton.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# The suite's engines keep their weights in 4 KiB pages: each of its hundreds of engines would otherwise fault its
+# weights into 2 MiB pages at start-up (+20% of the suite's time on the AMX Xeon). tests/loader/test_huge_pages.py
+# turns the placement back on, and checks that it changes no token.
+os.environ.setdefault(HUGE_PAGES_ENV, "0")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

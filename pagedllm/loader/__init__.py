@@ -320,6 +320,7 @@ def load_model(model_config: ModelConfig, tp_rank: int = 0, tp_size: int = 1) ->
     """Resolve, build and load the model of `model_config`, in eval mode on `model_config.device`; under tensor
     parallelism, rank `tp_rank`'s slice of it (each rank reads the checkpoint and keeps its own slice)."""
     from pagedllm.layers.linear import packed_checkpoint_names
+    from pagedllm.loader.huge_pages import place_in_huge_pages
     from pagedllm.models.registry import model_class_for_config
 
     start = time.perf_counter()
@@ -347,6 +348,8 @@ def load_model(model_config: ModelConfig, tp_rank: int = 0, tp_size: int = 1) ->
     model.eval()
     parts += _pack(model, quantization)
     how = f", weights packed: {', '.join(parts)}" if parts else ""
+    if model_config.device == "cpu" and place_in_huge_pages(model):
+        how += ", in 2 MiB pages"
     if not model_config.enforce_eager:
         model.use_decoder_stack()
     rank = f", tensor-parallel rank {tp_rank} of {tp_size}" if tp_size > 1 else ""
