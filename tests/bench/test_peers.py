@@ -73,8 +73,10 @@ def test_what_a_peer_leaves_running_goes_when_it_exits(tmp_path):
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
 def test_stopping_the_benchmark_stops_the_peer_and_what_it_started(tmp_path, stop):
     peer, pid_file = _peer(tmp_path, 0, 600)
-    # A Python started from a non-interactive shell's background job ignores SIGINT: restore the default, Ctrl-C's.
-    bench = _benchmark(peer, "signal.signal(signal.SIGINT, signal.default_int_handler)")
+    # A Python started from a non-interactive shell's background job ignores SIGINT, and one under nohup SIGHUP:
+    # restore the defaults, Ctrl-C's and a closing terminal's.
+    bench = _benchmark(peer, "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+                             "signal.signal(signal.SIGHUP, signal.SIG_DFL)")
     grandchild = _read_pid(pid_file)
     bench.send_signal(stop)
     returncode = bench.wait(timeout=30)
