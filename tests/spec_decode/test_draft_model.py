@@ -112,3 +112,18 @@ def test_bad_draft_configs_are_clear_errors(models) -> None:
         _llm(models, "short")
     with pytest.raises(ValueError, match="speculative_config.model '/nonexistent'"):
         LLM(model=models["target"], speculative_config={"model": "/nonexistent"})
+
+
+def test_a_draft_model_that_raises_is_turned_off_and_the_requests_go_on(models, plain: LLM,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params, use_tqdm=False)]
+    llm = _llm(models, "target")
+
+    def broken(requests):
+        raise RuntimeError("out of memory in the draft")
+
+    llm.engine.runner.draft.propose = broken
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)] == expected
+    assert llm.engine.runner.draft is None
+    assert any("speculative decoding is off from now on" in r.getMessage() for r in caplog.records)
