@@ -276,10 +276,11 @@ def resolve_quantization(requested: str | None, resolved: ResolvedModel, hf_conf
 
 
 def _pack_blocks(model: nn.Module, quantization: str | None, resolved: ResolvedModel, hf_config: Any,
-                 dtype: torch.dtype, gguf_file: GGUFFile | None) -> list[str]:
+                 dtype: torch.dtype, gguf_file: GGUFFile | None, activation_bits: int | None) -> list[str]:
     """Before loading: pack the GGUF kernel's blocks (quantization "gguf", "awq" or "gptq") in place of the linear
-    weights they hold, so that loading never reads, or dequantises, those weights (`packed_checkpoint_names`).
-    Returns what was packed, for the start-up line."""
+    weights they hold, so that loading never reads, or dequantises, those weights (`packed_checkpoint_names`), to
+    multiply activations as `activation_bits` says (None: `gguf_activation_bits`, the CPU's default). Returns what
+    was packed, for the start-up line."""
     from pagedllm.layers.linear import (
         gguf_activation_bits,
         gguf_arithmetic,
@@ -290,7 +291,8 @@ def _pack_blocks(model: nn.Module, quantization: str | None, resolved: ResolvedM
 
     if quantization not in ("gguf", *INT4_METHODS):
         return []
-    activation_bits = gguf_activation_bits(dtype)
+    if activation_bits is None:
+        activation_bits = gguf_activation_bits(dtype)
     if quantization == "gguf":
         from pagedllm.layers.gguf import PACKED_GGUF_TYPES
         from pagedllm.loader.gguf import gguf_block_rows
@@ -316,9 +318,11 @@ def _pack(model: nn.Module, quantization: str | None) -> list[str]:
     return [f"{packed}{f' as {at_load}' if at_load else ''}"] if packed else []
 
 
-def load_model(model_config: ModelConfig, tp_rank: int = 0, tp_size: int = 1) -> LoadedModel:
+def load_model(model_config: ModelConfig, tp_rank: int = 0, tp_size: int = 1,
+               gguf_activation_bits: int | None = None) -> LoadedModel:
     """Resolve, build and load the model of `model_config`, in eval mode on `model_config.device`; under tensor
-    parallelism, rank `tp_rank`'s slice of it (each rank reads the checkpoint and keeps its own slice)."""
+    parallelism, rank `tp_rank`'s slice of it (each rank reads the checkpoint and keeps its own slice).
+    `gguf_activation_bits` sets how GGUF/AWQ/GPTQ blocks multiply (16, 8 or `GGUF_BF16`); None: the CPU's default."""
     from pagedllm.layers.linear import packed_checkpoint_names
     from pagedllm.loader.huge_pages import place_in_huge_pages
     from pagedllm.models.registry import model_class_for_config
@@ -343,7 +347,7 @@ def load_model(model_config: ModelConfig, tp_rank: int = 0, tp_size: int = 1) ->
     with torch.device(model_config.device):
         model = model_cls(hf_config, dtype=dtype, attn_backend=attn_backend, tp_rank=tp_rank, tp_size=tp_size,
                           max_positions=max_model_len_of(hf_config, model_config.max_model_len))
-    parts = _pack_blocks(model, quantization, resolved, hf_config, dtype, gguf_file)
+    parts = _pack_blocks(model, quantization, resolved, hf_config, dtype, gguf_file, gguf_activation_bits)
     model.load_weights(_weights(resolved, dtype, hf_config, quantization, packed_checkpoint_names(model), gguf_file))
     model.eval()
     parts += _pack(model, quantization)
