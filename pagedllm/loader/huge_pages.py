@@ -64,13 +64,15 @@ def place_in_huge_pages(model: nn.Module) -> int:
     the bytes moved (0 where nothing was)."""
     from pagedllm.layers.embedding import ParallelLMHead, VocabEmbedding
 
+    if not sys.platform.startswith("linux") or not wanted():
+        return 0
     # an embedding table is read a row per token, not streamed: it stays (unless it is a tied LM head's too)
     lookups = {id(m.weight) for m in model.modules()
                if isinstance(m, (nn.Embedding, VocabEmbedding)) and not isinstance(m, ParallelLMHead)}
     lookups -= {id(m.weight) for m in model.modules() if isinstance(m, ParallelLMHead)}
     params = [p for p in model.parameters() if p.device.type == "cpu" and p.layout == torch.strided
               and p.is_contiguous() and id(p) not in lookups and p.numel() * p.element_size() >= MIN_BYTES]
-    if not sys.platform.startswith("linux") or not params or not wanted():
+    if not params:
         return 0
     offsets, total = [], 0
     for p in params:

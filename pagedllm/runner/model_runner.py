@@ -59,6 +59,10 @@ def model_shape(hf_config, tp_rank: int = 0, tp_size: int = 1) -> ModelShape:
     return ModelShape(hf_config.num_hidden_layers, heads.num_kv_heads, head_dim, hf_config.vocab_size)
 
 
+def parameter_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
 @dataclass(slots=True)
 class StepTimings:
     """What the last `execute()` took, for the swap-or-recompute costs. On a CPU the clock reads true times; on a
@@ -116,8 +120,7 @@ class ModelRunner:
 
     def weight_bytes(self) -> int:
         """The model's weights, and the draft model's."""
-        draft = self.draft.weight_bytes() if self.draft is not None else 0
-        return sum(p.numel() * p.element_size() for p in self.model.parameters()) + draft
+        return parameter_bytes(self.model) + (parameter_bytes(self.draft.model) if self.draft is not None else 0)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -250,8 +253,8 @@ class ModelRunner:
             drafts = {s.request_id: s.spec_token_ids for s in scheduled if s.spec_token_ids}
             masks = _wait_token_bitmasks(pending_masks)
             output = (self._sample_with_drafts(hidden, inputs, children, drafts, masks) if drafts else
-                      self._sample_all_but_embeddings(hidden, inputs.logits_indices.tolist(),
-                                                      inputs.sample_request_ids, children, masks))
+                      self._sample_all_but_embeddings(hidden, inputs.logits_indices, inputs.sample_request_ids,
+                                                      children, masks))
         for state, end in reported:   # only once the group succeeded: a group that raised may run again
             state.num_prompt_logprob_positions = end
         output.prompt_logprobs = prompt_logprobs
@@ -478,14 +481,15 @@ class ModelRunner:
                 row_request_ids.append(child_id)
         return rows, row_request_ids
 
-    def _sample_all_but_embeddings(self, hidden: torch.Tensor, rows: list[int], request_ids: list[str],
+    def _sample_all_but_embeddings(self, hidden: torch.Tensor, rows: torch.Tensor, request_ids: list[str],
                                    children: dict[str, list[str]], masks: dict[str, torch.Tensor]) -> RunnerOutput:
-        """`_sample` for the generating requests among `request_ids` (each at its row of `hidden`); a pooling
-        request's one token, which nobody sees, is token 0, without the LM head's product for its row (a [rows,
-        vocab] product a step of short documents)."""
+        """`_sample` for the generating requests among `request_ids` (each at its row of `hidden`, `rows` [n]); a
+        pooling request's one token, which nobody sees, is token 0, without the LM head's product for its row (a
+        [rows, vocab] product a step of short documents)."""
         keep = [i for i, request_id in enumerate(request_ids) if self.requests[request_id].pooling is None]
         output = RunnerOutput() if not keep else self._sample(
-            hidden[[rows[i] for i in keep]], [request_ids[i] for i in keep], children, masks)
+            hidden[rows[keep] if len(keep) < len(request_ids) else rows], [request_ids[i] for i in keep], children,
+            masks)
         for request_id in request_ids:
             if self.requests[request_id].pooling is not None:
                 self.requests[request_id].output_token_ids.append(0)
@@ -539,8 +543,9 @@ class ModelRunner:
         meta = SamplingMetadata.build(sampling_rows, self.shape.vocab_size, self.device, self.global_generator)
         verified = verify_drafts(logits, meta, request_ids, [drafts[r] for r in request_ids])
         plain = [(row, r) for row, r in zip(last_rows, inputs.sample_request_ids) if r not in drafts]
-        output = self._sample_all_but_embeddings(hidden, [row for row, _ in plain], [r for _, r in plain], children,
-                                                 masks)
+        output = self._sample_all_but_embeddings(hidden, torch.tensor([row for row, _ in plain], dtype=torch.long,
+                                                                      device=hidden.device),
+                                                 [r for _, r in plain], children, masks)
         for state, request_id, num_accepted, token_id in zip(states, request_ids, verified.num_accepted,
                                                              verified.token_ids):
             state.output_token_ids += drafts[request_id][:num_accepted] + [token_id]

@@ -56,9 +56,6 @@ class DraftModel:
         self.kv: torch.Tensor | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def weight_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
-
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.kv = kv_tensors.allocate_kv(self.layout, num_blocks, self.block_size, self.device)
         self.kv_caches = kv_tensors.layer_caches(self.kv)

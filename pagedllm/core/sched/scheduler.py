@@ -289,7 +289,6 @@ class Scheduler:
         """Draft tokens for a request about to compute its last token (`_may_draft`), so many that the drafts and
         the token sampled after them stay within the budget, max_tokens and max_model_len: from `propose`, or those
         the runner's draft model proposed after the request's last step."""
-        drafts, request.draft_token_ids = request.draft_token_ids, []
         if request.num_computed_tokens != request.num_tokens - 1 or not self._may_draft(request,
                                                                                          request.num_output_tokens):
             return []
@@ -299,7 +298,9 @@ class Scheduler:
             max_num_tokens = min(max_num_tokens, max_tokens - request.num_output_tokens - 1)
         if max_num_tokens <= 0:
             return []
-        return self.propose(request.all_token_ids, max_num_tokens) if self.propose else drafts[:max_num_tokens]
+        if self.propose is not None:
+            return self.propose(request.all_token_ids, max_num_tokens)
+        return request.draft_token_ids[:max_num_tokens]     # set by every update in which the request sampled
 
     def _allocate_lookahead(self, plan: _StepPlan) -> None:
         """With a draft model, slots for the drafts it proposes after this step for each request that samples in
