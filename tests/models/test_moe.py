@@ -186,11 +186,12 @@ def test_quantized_moe_checkpoints_are_refused_with_a_clear_error(tmp_path):
 
 @pytest.mark.parametrize(("dtype", "brgemm"), [(torch.float32, True), (torch.bfloat16, True),
                                               (torch.bfloat16, False)])
-@pytest.mark.parametrize("num_tokens", [1, 37])
+@pytest.mark.parametrize("num_tokens", [1, 37, 1100])
 def test_the_kernels_block_gives_the_torch_blocks_bits(tmp_path, dtype, brgemm, num_tokens, monkeypatch):
     """The C++ block (MoEWeights: the experts split between the threads, each on one) against the same block in torch
     (route, run_experts, the shared expert), on every expert's packed weights: the same bits where the experts'
-    kernels give a row the same bits on one thread as on two, as pagedllm's and brgemm's do; oneDNN's bf16 kernels
+    kernels give a row the same bits on one thread as on two, as pagedllm's and brgemm's do (1,100 tokens: ~550 rows
+    an expert, which the block splits into units of 512 rows, run in tiles of 64 rows); oneDNN's bf16 kernels
     (the experts' where torch's brgemm does not pack bf16, forced here with brgemm=False; their rows padded)
     promise no such thing, and are held to bf16's rounding."""
     if cpu_kernels() is None:

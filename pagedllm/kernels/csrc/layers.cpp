@@ -69,7 +69,14 @@ void fused_add_rms_norm_impl(at::Tensor& out, at::Tensor& residual_out, const at
   });
 }
 
-// out = act(x[:, :d]) * x[:, d:], `times` one value's act(gate) * up.
+// One row of out = act(x[:, :d]) * x[:, d:], `times` one value's act(gate) * up.
+template <typename scalar_t, float (*times)(float, float)>
+void gated_mul_row(scalar_t* o, const scalar_t* gate, int64_t d) {
+  const scalar_t* up = gate + d;
+#pragma omp simd
+  for (int64_t i = 0; i < d; ++i) o[i] = from_float<scalar_t>(times(to_float(gate[i]), to_float(up[i])));
+}
+
 template <typename scalar_t, float (*times)(float, float)>
 void gated_mul_impl(at::Tensor& out, const at::Tensor& x) {
   const int64_t rows = x.size(0), d = out.size(1), x_stride = x.stride(0), out_stride = out.stride(0);
@@ -77,11 +84,7 @@ void gated_mul_impl(at::Tensor& out, const at::Tensor& x) {
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
   at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const scalar_t* gate = x_ptr + r * x_stride;
-      const scalar_t* up = gate + d;
-      scalar_t* o = out_ptr + r * out_stride;
-#pragma omp simd
-      for (int64_t i = 0; i < d; ++i) o[i] = from_float<scalar_t>(times(to_float(gate[i]), to_float(up[i])));
+      gated_mul_row<scalar_t, times>(out_ptr + r * out_stride, x_ptr + r * x_stride, d);
     }
   });
 }
@@ -212,6 +215,12 @@ void silu_and_mul(at::Tensor out, at::Tensor x) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul", [&] {
     gated_mul_impl<scalar_t, silu_times<scalar_t>>(out, x);
   });
+}
+
+void silu_and_mul_rows(c10::BFloat16* out, const c10::BFloat16* x, int64_t rows, int64_t d) {
+  for (int64_t r = 0; r < rows; ++r) {
+    gated_mul_row<c10::BFloat16, silu_times<c10::BFloat16>>(out + r * d, x + r * 2 * d, d);
+  }
 }
 
 void gelu_and_mul(at::Tensor out, at::Tensor x) {

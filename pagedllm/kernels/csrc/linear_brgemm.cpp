@@ -22,6 +22,29 @@ namespace {
 
 constexpr int64_t kColumns = 64;  // a block's columns
 constexpr int64_t kRows = 64;     // x's rows a brgemm call multiplies
+static_assert(kBrgemmAccFloats == kRows * kColumns);
+
+// x's `rows` rows (at most kRows) times the weight's column block `block` into out's columns of that block, each sum
+// (+ bias) rounded once to bf16, as from_float rounds: the unit of work of linear_brgemm and of
+// linear_brgemm_on_thread.
+void brgemm_tile(c10::BFloat16* out, int64_t out_stride, int64_t n, const c10::BFloat16* x, int64_t x_stride,
+                 int64_t rows, int64_t k, const c10::BFloat16* packed, int64_t block, const c10::BFloat16* bias,
+                 float* acc) {
+  const int64_t n0 = block * kColumns, columns = std::min(kColumns, n - n0);
+  at::native::cpublas::brgemm(rows, kColumns, k, x_stride, kColumns, kColumns, false, x, packed + block * k * kColumns,
+                              acc);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* sums = acc + r * kColumns;
+    c10::BFloat16* dst = out + r * out_stride + n0;
+    if (bias) {
+#pragma omp simd
+      for (int64_t j = 0; j < columns; ++j) dst[j] = from_float<c10::BFloat16>(sums[j] + to_float(bias[n0 + j]));
+    } else {
+#pragma omp simd
+      for (int64_t j = 0; j < columns; ++j) dst[j] = from_float<c10::BFloat16>(sums[j]);
+    }
+  }
+}
 
 }  // namespace
 
@@ -72,31 +95,28 @@ void linear_brgemm(at::Tensor out, at::Tensor x, at::Tensor packed, c10::optiona
   const int64_t panel = tiles == 1 ? 1 : std::max<int64_t>(1, kPanelBytes / (k * kColumns * 2));
   const int64_t panels = (blocks + panel - 1) / panel;
   parallel_units(panels * tiles, at::get_num_threads(), [&](const auto& take) {
-    std::vector<float> acc(kRows * kColumns);
+    std::vector<float> acc(kBrgemmAccFloats);
     for (int64_t unit; (unit = take()) >= 0;) {
       const int64_t m0 = unit % tiles * kRows, rows = std::min(kRows, m - m0);
       for (int64_t block = unit / tiles * panel; block < std::min(blocks, (unit / tiles + 1) * panel); ++block) {
-        const int64_t n0 = block * kColumns, columns = std::min(kColumns, n - n0);
-        at::native::cpublas::brgemm(rows, kColumns, k, x.stride(0), kColumns, kColumns, false, a + m0 * x.stride(0),
-                                    b + block * k * kColumns, acc.data());
-        for (int64_t r = 0; r < rows; ++r) {  // each sum (+ bias) rounded once to bf16, as from_float rounds
-          const float* sums = acc.data() + r * kColumns;
-          c10::BFloat16* dst = y + (m0 + r) * n + n0;
-          if (bias_data) {
-#pragma omp simd
-            for (int64_t j = 0; j < columns; ++j) {
-              dst[j] = from_float<c10::BFloat16>(sums[j] + to_float(bias_data[n0 + j]));
-            }
-          } else {
-#pragma omp simd
-            for (int64_t j = 0; j < columns; ++j) dst[j] = from_float<c10::BFloat16>(sums[j]);
-          }
-        }
+        brgemm_tile(y + m0 * n, n, n, a + m0 * x.stride(0), x.stride(0), rows, k, b, block, bias_data, acc.data());
       }
     }
     // brgemm keeps its tile configuration between calls; pagedllm's own AMX kernels may load theirs in between
     at::native::cpublas::brgemm_release();
   });
 }
+
+void linear_brgemm_on_thread(c10::BFloat16* out, int64_t out_stride, int64_t n, const c10::BFloat16* x,
+                             int64_t x_stride, int64_t m, int64_t k, const c10::BFloat16* packed, float* acc) {
+  for (int64_t m0 = 0; m0 < m; m0 += kRows) {
+    for (int64_t block = 0; block < (n + kColumns - 1) / kColumns; ++block) {
+      brgemm_tile(out + m0 * out_stride, out_stride, n, x + m0 * x_stride, x_stride, std::min(kRows, m - m0), k,
+                  packed, block, nullptr, acc);
+    }
+  }
+}
+
+void brgemm_release() { at::native::cpublas::brgemm_release(); }
 
 }  // namespace pagedllm

@@ -92,6 +92,8 @@ void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps);
 void fused_add_rms_norm(at::Tensor out, at::Tensor residual_out, at::Tensor x, at::Tensor residual,
                         at::Tensor weight, double eps);
 void silu_and_mul(at::Tensor out, at::Tensor x);
+// silu_and_mul's bits for `rows` bf16 rows of x [rows, 2 d] into out [rows, d], contiguous, on the calling thread
+void silu_and_mul_rows(c10::BFloat16* out, const c10::BFloat16* x, int64_t rows, int64_t d);
 void gelu_and_mul(at::Tensor out, at::Tensor x);  // GELU's tanh approximation (Gemma's gelu_pytorch_tanh)
 // out = LayerNorm(x + residual) (BERT's post-norm; residual may be a row broadcast, stride 0): the sum rounded to
 // x's type, as torch adds, then normalised in float
@@ -128,6 +130,13 @@ void linear_w8a8(at::Tensor out, at::Tensor x, at::Tensor packed, at::Tensor col
 bool brgemm_bf16_available();
 at::Tensor pack_brgemm_weight(at::Tensor weight);
 void linear_brgemm(at::Tensor out, at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias);
+// linear_brgemm's bits for x [m, k] (rows `x_stride` apart) into out [m, n] (rows `out_stride` apart), no bias, all
+// on the calling thread, which owns `acc` (kBrgemmAccFloats floats) and calls brgemm_release once it is done with
+// brgemm: a mixture of experts' units (moe.cpp), without a tensor or a fork a call.
+constexpr int64_t kBrgemmAccFloats = 64 * 64;
+void linear_brgemm_on_thread(c10::BFloat16* out, int64_t out_stride, int64_t n, const c10::BFloat16* x,
+                             int64_t x_stride, int64_t m, int64_t k, const c10::BFloat16* packed, float* acc);
+void brgemm_release();
 
 // A linear layer's weight as pagedllm.layers.linear.linear takes it (GGUF blocks, pagedllm's packed layouts, oneDNN's
 // or a plain [out, in] weight), with the bias the kernel adds and the one added after it (a row-parallel layer's).
