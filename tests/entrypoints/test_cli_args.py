@@ -1,6 +1,6 @@
 """The server's flags -> EngineConfig: --speculative-config takes vLLM's JSON; --enforce-eager,
 --disable-cascade-attn, --generation-config, --[no-]enable-chunked-prefill; the CORS flags take JSON lists;
-uvicorn's access log."""
+uvicorn's access log; --help's groups."""
 
 from __future__ import annotations
 
@@ -86,3 +86,14 @@ def test_a_vllm_command_line_parses() -> None:
                  "4096", "--gpu-memory-utilization", "0.5", "--served-model-name", "smol", "--enable-prefix-caching",
                  "--generation-config", "vllm", "--allowed-origins", '["*"]')
     assert args.trust_remote_code and args.max_model_len == 4096 and args.served_model_name == ["smol"]
+
+
+def test_help_groups_the_engine_flags_as_vllm_does() -> None:
+    parser = add_server_args(argparse.ArgumentParser(), positional_model=True)
+    groups = {group.title: {option for action in group._group_actions for option in action.option_strings}
+              for group in parser._action_groups}
+    assert {"--dtype", "--quantization", "--max-model-len", "--enforce-eager"} <= groups["model"]
+    assert {"--block-size", "--kv-cache-dtype", "--enable-prefix-caching", "--swap-space"} <= groups["KV cache"]
+    assert {"--max-num-seqs", "--max-num-batched-tokens", "--preemption-mode"} <= groups["scheduler"]
+    assert {"--enable-lora", "--max-loras", "--max-lora-rank"} <= groups["LoRA adapters"]
+    assert "engine" not in groups

@@ -112,10 +112,14 @@ def add_run_batch_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
 
 def add_request_handling_args(parser: argparse.ArgumentParser, group: argparse._ArgumentGroup) -> None:
     """The flags of how requests are answered, shared by `serve` and `run-batch`: into `group` those of the
-    OpenAI layer, then the request limits, engine and parallelism groups."""
+    OpenAI layer, then the request limits, model, KV cache, scheduler, LoRA and parallelism groups (vLLM's
+    --help groups its engine flags so too)."""
     _add_openai_args(group)
     _add_limit_args(parser.add_argument_group("request limits"))
-    _add_engine_args(parser.add_argument_group("engine"))
+    _add_model_args(parser.add_argument_group("model"))
+    _add_cache_args(parser.add_argument_group("KV cache"))
+    _add_scheduler_args(parser.add_argument_group("scheduler"))
+    _add_lora_args(parser.add_argument_group("LoRA adapters"))
     _add_parallel_args(parser.add_argument_group("parallelism (docs/scale-out.md)"))
 
 
@@ -179,98 +183,107 @@ def _add_limit_args(limits: argparse._ArgumentGroup) -> None:
                         help="most completions one request may start, prompts x n (default: %(default)s)")
 
 
-def _add_engine_args(engine: argparse._ArgumentGroup) -> None:
-    engine.add_argument("--trust-remote-code", action="store_true",
-                        help="taken so that vLLM command lines run; it changes nothing: pagedllm runs its own "
-                             "model code (Llama, Mistral, Qwen2 and Qwen3 architectures), never code from a checkpoint")
-    engine.add_argument("--runner", choices=RUNNERS, default="auto",
-                        help="taken so that vLLM command lines run (`--runner pooling` for an embedding model); it "
-                             "selects nothing: one engine both generates and embeds (/v1/embeddings), and classifies "
-                             "(/classify) when the checkpoint has a classification head")
-    engine.add_argument("--convert", choices=CONVERTS, default="auto",
-                        help="as --runner (`--convert embed`): embeddings are always served, by LAST pooling")
-    engine.add_argument("--max-model-len", type=int, default=None,
-                        help="context length cap, prompt + output tokens (default: the model's own)")
-    engine.add_argument("--device", default="auto",
-                        help="auto (CUDA when torch sees a CUDA device, else the CPU), cpu, cuda or cuda:N "
-                             "(default: %(default)s)")
-    engine.add_argument("--enforce-eager", action="store_true",
-                        help="run the model's modules one by one from Python: on a GPU instead of replaying CUDA "
-                             "graphs captured at start-up, on a CPU instead of running the decoder layers in one C++ "
-                             "call")
-    engine.add_argument("--disable-cascade-attn", action="store_true",
-                        help="never run a step's attention as cascade attention over a prefix all its sequences "
-                             "share (the kernels do where it pays): a request's attention then does not depend on "
-                             "its batch")
-    engine.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
-                        help="auto: the model's generation_config.json gives the sampling defaults of requests that "
-                             "set none (temperature, top_p, top_k, min_p, repetition_penalty, max_tokens) and its "
-                             "other EOS ids end replies; vllm: none of it; or a folder holding such a file "
-                             "(default: %(default)s)")
-    engine.add_argument("--pooler-config", type=parse_json_object, default=None,
-                        help="how embeddings pool, as JSON (vLLM's): '{\"pooling_type\": \"MEAN\"}' (LAST, MEAN or "
-                             "CLS); by default the model's sentence-transformers config says, else LAST")
-    engine.add_argument("--hf-overrides", type=parse_json_object, default=None,
-                        help="JSON fields set on the model's transformers config (vLLM's), e.g. "
-                             "'{\"architectures\": [\"Qwen3ForSequenceClassification\"], \"classifier_from_token\": "
-                             "[\"no\", \"yes\"], \"is_original_qwen3_reranker\": true}' serves Qwen3-Reranker")
-    engine.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
-                        help="weight and activation precision; auto is bfloat16 on a GPU and where the CPU supports "
-                             "it, float32 otherwise (default: %(default)s)")
-    engine.add_argument("--quantization", "-q", default=None, choices=["int8", "w8a8", "gguf", "awq", "gptq"],
-                        help="int8: linear weights stored as int8 with one scale per output row, quantized at load; "
-                             "w8a8: those int8 weights times activations quantized to int8, a scale per 64 values; "
-                             "gguf: a .gguf file's Q4_0, Q4_1, Q8_0 and Q4_K linear weights kept in their blocks; "
-                             "awq, gptq: an AWQ or GPTQ checkpoint's 4-bit weights kept in 4 bits (default: the "
-                             "checkpoint's own: its quantization_config, gguf for a .gguf file under --dtype auto "
-                             "on one CPU rank; else none: the dtype's weights, so --dtype bfloat16 or float32 "
-                             "dequantises a .gguf file)")
-    engine.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
-                        help="tokens per KV-cache block, a power of two (default: %(default)s)")
-    engine.add_argument("--gpu-memory-utilization", type=float, default=None,
-                        help="fraction of device memory for weights, activations and the KV cache; on a CPU, the "
-                             "fraction of RAM (default: on a GPU 0.9, on a CPU a 4 GiB KV pool)")
-    engine.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
-                        help="size of the KV pool, e.g. 512MiB or 2GiB; overrides --gpu-memory-utilization")
-    engine.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
-                        help="K/V storage: auto is the model's dtype; int8 stores int8 with a float32 scale per token "
-                             "and kv head, ~1.9x the blocks of bfloat16, ~3.8x those of float32 (default: %(default)s)")
-    engine.add_argument("--swap-space", type=float, default=0.0,
-                        help="GiB of the second KV pool that swap preemption moves blocks to (default: 0)")
-    engine.add_argument("--swap-path", default=None,
-                        help="file backing the swap pool on a CPU, deleted on shutdown; refused on a RAM-backed "
-                             "filesystem such as /dev/shm (default: an anonymous file in a disk-backed directory)")
-    engine.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap", "auto"],
-                        help="what to do with a request when KV blocks run out (default: %(default)s)")
-    engine.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
-                        help="fcfs: first come first served, a request with a non-zero `priority` gets 400; "
-                             "priority: a request's `priority` orders the queue, lower first (default: %(default)s)")
-    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                        help="reuse the KV cache of shared prompt prefixes (default: on)")
-    engine.add_argument("--max-num-seqs", type=int, default=256,
-                        help="most requests in one engine step (default: %(default)s)")
-    engine.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                        help="token budget of one engine step; longer prompts are prefilled in chunks "
-                             "(default: %(default)s)")
-    engine.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
-                        help="prefill a prompt longer than a step's budget in chunks; off: each prompt in one step, "
-                             "which needs --max-num-batched-tokens >= --max-model-len (default: on)")
-    engine.add_argument("--seed", type=int, default=0, help="seed of the engine's random stream (default: 0)")
-    engine.add_argument("--speculative-config", type=parse_json_object, default=None,
-                        help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
-                             '"prompt_lookup_max": 3, "prompt_lookup_min": 1}\', or with a draft model '
-                             '\'{"model": PATH, "num_speculative_tokens": 4}\' (default: off)')
-    engine.add_argument("--enable-lora", action="store_true",
-                        help="serve LoRA adapters (PEFT's format) beside the base model (default: off)")
-    engine.add_argument("--lora-modules", nargs="+", type=parse_lora_module, default=None, metavar="NAME=PATH",
-                        help='the adapters served, each under its name as `model`: NAME=PATH or \'{"name": ..., '
-                             '"path": ..., "base_model_name": ...}\'; needs --enable-lora')
-    engine.add_argument("--max-loras", type=int, default=1,
-                        help="most distinct adapters in one engine step (default: %(default)s)")
-    engine.add_argument("--max-lora-rank", type=int, default=16,
-                        help="the largest adapter rank taken (default: %(default)s)")
-    engine.add_argument("--max-cpu-loras", type=int, default=None,
-                        help="adapters kept loaded; others load again when asked for (default: --max-loras)")
+def _add_model_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--trust-remote-code", action="store_true",
+                       help="taken so that vLLM command lines run; it changes nothing: pagedllm runs its own "
+                            "model code for every architecture it takes, never code from a checkpoint")
+    group.add_argument("--runner", choices=RUNNERS, default="auto",
+                       help="taken so that vLLM command lines run (`--runner pooling` for an embedding model); it "
+                            "selects nothing: one engine both generates and embeds (/v1/embeddings), and classifies "
+                            "(/classify) when the checkpoint has a classification head")
+    group.add_argument("--convert", choices=CONVERTS, default="auto",
+                       help="as --runner (`--convert embed`): embeddings are always served, by LAST pooling")
+    group.add_argument("--max-model-len", type=int, default=None,
+                       help="context length cap, prompt + output tokens (default: the model's own)")
+    group.add_argument("--device", default="auto",
+                       help="auto (CUDA when torch sees a CUDA device, else the CPU), cpu, cuda or cuda:N "
+                            "(default: %(default)s)")
+    group.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                       help="weight and activation precision; auto is bfloat16 on a GPU and where the CPU supports "
+                            "it, float32 otherwise (default: %(default)s)")
+    group.add_argument("--quantization", "-q", default=None, choices=["int8", "w8a8", "gguf", "awq", "gptq"],
+                       help="int8: linear weights stored as int8 with one scale per output row, quantized at load; "
+                            "w8a8: those int8 weights times activations quantized to int8, a scale per 64 values; "
+                            "gguf: a .gguf file's Q4_0, Q4_1, Q8_0 and Q4_K linear weights kept in their blocks; "
+                            "awq, gptq: an AWQ or GPTQ checkpoint's 4-bit weights kept in 4 bits (default: the "
+                            "checkpoint's own: its quantization_config, gguf for a .gguf file under --dtype auto "
+                            "on one CPU rank; else none: the dtype's weights, so --dtype bfloat16 or float32 "
+                            "dequantises a .gguf file)")
+    group.add_argument("--enforce-eager", action="store_true",
+                       help="run the model's modules one by one from Python: on a GPU instead of replaying CUDA "
+                            "graphs captured at start-up, on a CPU instead of running the decoder layers in one C++ "
+                            "call")
+    group.add_argument("--disable-cascade-attn", action="store_true",
+                       help="never run a step's attention as cascade attention over a prefix all its sequences "
+                            "share (the kernels do where it pays): a request's attention then does not depend on "
+                            "its batch")
+    group.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
+                       help="auto: the model's generation_config.json gives the sampling defaults of requests that "
+                            "set none (temperature, top_p, top_k, min_p, repetition_penalty, max_tokens) and its "
+                            "other EOS ids end replies; vllm: none of it; or a folder holding such a file "
+                            "(default: %(default)s)")
+    group.add_argument("--pooler-config", type=parse_json_object, default=None,
+                       help="how embeddings pool, as JSON (vLLM's): '{\"pooling_type\": \"MEAN\"}' (LAST, MEAN or "
+                            "CLS); by default the model's sentence-transformers config says, else LAST")
+    group.add_argument("--hf-overrides", type=parse_json_object, default=None,
+                       help="JSON fields set on the model's transformers config (vLLM's), e.g. "
+                            "'{\"architectures\": [\"Qwen3ForSequenceClassification\"], \"classifier_from_token\": "
+                            "[\"no\", \"yes\"], \"is_original_qwen3_reranker\": true}' serves Qwen3-Reranker")
+    group.add_argument("--seed", type=int, default=0, help="seed of the engine's random stream (default: 0)")
+
+
+def _add_cache_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
+                       help="tokens per KV-cache block, a power of two (default: %(default)s)")
+    group.add_argument("--gpu-memory-utilization", type=float, default=None,
+                       help="fraction of device memory for weights, activations and the KV cache; on a CPU, the "
+                            "fraction of RAM (default: on a GPU 0.9, on a CPU a 4 GiB KV pool)")
+    group.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
+                       help="size of the KV pool, e.g. 512MiB or 2GiB; overrides --gpu-memory-utilization")
+    group.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
+                       help="K/V storage: auto is the model's dtype; int8 stores int8 with a float32 scale per token "
+                            "and kv head, ~1.9x the blocks of bfloat16, ~3.8x those of float32 (default: %(default)s)")
+    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                       help="reuse the KV cache of shared prompt prefixes (default: on)")
+    group.add_argument("--swap-space", type=float, default=0.0,
+                       help="GiB of the second KV pool that swap preemption moves blocks to (default: 0)")
+    group.add_argument("--swap-path", default=None,
+                       help="file backing the swap pool on a CPU, deleted on shutdown; refused on a RAM-backed "
+                            "filesystem such as /dev/shm (default: an anonymous file in a disk-backed directory)")
+
+
+def _add_scheduler_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--max-num-seqs", type=int, default=256,
+                       help="most requests in one engine step (default: %(default)s)")
+    group.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                       help="token budget of one engine step; longer prompts are prefilled in chunks "
+                            "(default: %(default)s)")
+    group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                       help="prefill a prompt longer than a step's budget in chunks; off: each prompt in one step, "
+                            "which needs --max-num-batched-tokens >= --max-model-len (default: on)")
+    group.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap", "auto"],
+                       help="what to do with a request when KV blocks run out (default: %(default)s)")
+    group.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                       help="fcfs: first come first served, a request with a non-zero `priority` gets 400; "
+                            "priority: a request's `priority` orders the queue, lower first (default: %(default)s)")
+    group.add_argument("--speculative-config", type=parse_json_object, default=None,
+                       help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
+                            '"prompt_lookup_max": 3, "prompt_lookup_min": 1}\', or with a draft model '
+                            '\'{"model": PATH, "num_speculative_tokens": 4}\' (default: off)')
+
+
+def _add_lora_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--enable-lora", action="store_true",
+                       help="serve LoRA adapters (PEFT's format) beside the base model (default: off)")
+    group.add_argument("--lora-modules", nargs="+", type=parse_lora_module, default=None, metavar="NAME=PATH",
+                       help='the adapters served, each under its name as `model`: NAME=PATH or \'{"name": ..., '
+                            '"path": ..., "base_model_name": ...}\'; needs --enable-lora')
+    group.add_argument("--max-loras", type=int, default=1,
+                       help="most distinct adapters in one engine step (default: %(default)s)")
+    group.add_argument("--max-lora-rank", type=int, default=16,
+                       help="the largest adapter rank taken (default: %(default)s)")
+    group.add_argument("--max-cpu-loras", type=int, default=None,
+                       help="adapters kept loaded; others load again when asked for (default: --max-loras)")
 
 
 def _add_parallel_args(parallel: argparse._ArgumentGroup) -> None:
