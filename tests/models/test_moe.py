@@ -184,10 +184,12 @@ def test_quantized_moe_checkpoints_are_refused_with_a_clear_error(tmp_path):
         LLM(str(folder))
 
 
-@pytest.mark.parametrize(("dtype", "brgemm"), [(torch.float32, True), (torch.bfloat16, True),
-                                              (torch.bfloat16, False)])
+@pytest.mark.parametrize(("dtype", "brgemm", "quantization"), [
+    (torch.float32, True, None), (torch.bfloat16, True, None), (torch.bfloat16, False, None),
+    (torch.float32, True, "int8"), (torch.bfloat16, True, "int8")])
 @pytest.mark.parametrize("num_tokens", [1, 37, 1100])
-def test_the_kernels_block_gives_the_torch_blocks_bits(tmp_path, dtype, brgemm, num_tokens, monkeypatch):
+def test_the_kernels_block_gives_the_torch_blocks_bits(tmp_path, dtype, brgemm, quantization, num_tokens,
+                                                       monkeypatch):
     """The C++ block (MoEWeights: the experts split between the threads, each on one) against the same block in torch
     (route, run_experts, the shared expert), on every expert's packed weights: the same bits where the experts'
     kernels give a row the same bits on one thread as on two, as pagedllm's and brgemm's do (1,100 tokens: ~550 rows
@@ -199,7 +201,8 @@ def test_the_kernels_block_gives_the_torch_blocks_bits(tmp_path, dtype, brgemm, 
     if not brgemm:
         monkeypatch.setattr(linear_module, "brgemm_packs", lambda weight: False)
     folder, _ = save_tiny_model(tmp_path / "m", "qwen2-moe", seed=3)
-    model = load_model(ModelConfig(model=str(folder), dtype=str(dtype).removeprefix("torch."))).model
+    model = load_model(ModelConfig(model=str(folder), dtype=str(dtype).removeprefix("torch."),
+                                   quantization=quantization)).model
     block = model.model.layers[0].mlp
     if dtype == torch.bfloat16 and linear_packing(dtype) == "onednn":
         expected_brgemm = brgemm and cpu_kernels().brgemm_bf16_available()

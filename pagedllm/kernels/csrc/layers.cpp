@@ -217,11 +217,12 @@ void silu_and_mul(at::Tensor out, at::Tensor x) {
   });
 }
 
-void silu_and_mul_rows(c10::BFloat16* out, const c10::BFloat16* x, int64_t rows, int64_t d) {
-  for (int64_t r = 0; r < rows; ++r) {
-    gated_mul_row<c10::BFloat16, silu_times<c10::BFloat16>>(out + r * d, x + r * 2 * d, d);
-  }
+template <typename T>
+void silu_and_mul_rows(T* out, const T* x, int64_t rows, int64_t d) {
+  for (int64_t r = 0; r < rows; ++r) gated_mul_row<T, silu_times<T>>(out + r * d, x + r * 2 * d, d);
 }
+template void silu_and_mul_rows<float>(float*, const float*, int64_t, int64_t);
+template void silu_and_mul_rows<c10::BFloat16>(c10::BFloat16*, const c10::BFloat16*, int64_t, int64_t);
 
 void gelu_and_mul(at::Tensor out, at::Tensor x) {
   check_gated(out, x);

@@ -445,7 +445,34 @@ void linear_for_weight(at::Tensor& out, const at::Tensor& x, const at::Tensor& p
 
 bool is_weight_dtype(const at::Tensor& t) { return is_float_or_bf16(t) || t.scalar_type() == at::kChar; }
 
+template <typename T>
+void packed_on_thread(T* out, int64_t out_stride, int64_t n, const float* x, int64_t ld, int64_t m, int64_t k,
+                      const at::Tensor& packed, const float* scale) {
+  const int64_t blocks = (n + kBlock - 1) / kBlock, tiles = (m + kMaxRows - 1) / kMaxRows;
+  switch (packed.scalar_type()) {
+    case at::kBFloat16:
+      return LinearProblem<T, c10::BFloat16>{x, ld, packed.data_ptr<c10::BFloat16>(), scale, nullptr, out, m, n, k,
+                                             out_stride}.run(0, blocks, 0, tiles);
+    case at::kChar:
+      return LinearProblem<T, int8_t>{x, ld, packed.data_ptr<int8_t>(), scale, nullptr, out, m, n, k, out_stride}
+          .run(0, blocks, 0, tiles);
+    default:
+      return LinearProblem<T, float>{x, ld, packed.data_ptr<float>(), scale, nullptr, out, m, n, k, out_stride}
+          .run(0, blocks, 0, tiles);
+  }
+}
+
 }  // namespace
+
+void linear_packed_on_thread(c10::BFloat16* out, int64_t out_stride, int64_t n, const float* x, int64_t ld,
+                             int64_t m, int64_t k, const at::Tensor& packed, const float* scale) {
+  packed_on_thread(out, out_stride, n, x, ld, m, k, packed, scale);
+}
+
+void linear_packed_on_thread(float* out, int64_t out_stride, int64_t n, const float* x, int64_t ld, int64_t m,
+                             int64_t k, const at::Tensor& packed, const float* scale) {
+  packed_on_thread(out, out_stride, n, x, ld, m, k, packed, scale);
+}
 
 at::Tensor pack_linear_weight(at::Tensor weight) {
   TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2 && weight.is_contiguous(),

@@ -6,17 +6,19 @@
 // runs whole experts, their kernels on one thread (a kernel called inside a parallel region runs on its caller's
 // thread), taken as parallel_units deals them, so the threads stream weights without meeting between experts
 // (an expert with more than kUnitRows rows is split into several units).
-// Experts in brgemm blocks (bf16, `prefers_brgemm`) run on raw rows in each thread's own buffers, with no tensor made
-// or op dispatched a unit (run_units_raw): at a decode step's two or three rows an expert, such calls (~12 an
-// expert: a gather, empties, narrows, a copy) and their allocations took ~28% of the threads' time on the AMX Xeon
-// beside the brgemm kernels that stream the weights; a random Qwen3-MoE's experts at 16 tokens, 12 layers: 88.6 ->
-// 66.3 ms (18.0 -> 24.0 GB/s of weights, where two threads stream at most ~26-27). Then each token's weighted rows
-// are added in expert order, as pagedllm.layers.moe.run_experts adds them.
+// Experts in brgemm blocks (bf16, `prefers_brgemm`) or in pagedllm's packed float32, bf16 and int8 layouts run on
+// raw rows in each thread's own buffers, with no tensor made or op dispatched a unit (run_units_raw): at a decode
+// step's two or three rows an expert, such calls (~12 an expert: a gather, empties, narrows, a copy) and their
+// allocations took ~28% of the threads' time on the AMX Xeon beside the brgemm kernels that stream the weights. A
+// random Qwen3-MoE's experts at 16 tokens, 12 layers: bf16 in brgemm blocks 88.6 -> 66.3 ms (18.0 -> 24.0 GB/s of
+// weights, where two threads stream at most ~26-27), int8 51.1 -> 42.0 ms, bf16 packed (capped to AVX2) 78.0 ->
+// 62-65 ms. Then each token's weighted rows are added in expert order, as pagedllm.layers.moe.run_experts adds them.
 #include "linear_common.h"
 #include "ops.h"
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -95,39 +97,74 @@ void run_units(at::Tensor& outputs, const at::Tensor& x, const std::vector<std::
   });
 }
 
-// A projection run_units_raw can take: bf16 brgemm blocks with no bias of either kind.
-bool on_raw_rows(const LinearWeights& w) { return w.brgemm && !w.bias && !w.row_bias; }
+// A projection run_units_raw can take on rows of `dtype`: bf16 brgemm blocks (bf16 rows), or pagedllm's packed
+// float32, bf16 or int8 weights (linear_packed's; not W8A8's), with no bias of either kind and no input permutation.
+bool on_raw_rows(const LinearWeights& w, at::ScalarType dtype) {
+  const bool packed = !w.brgemm && w.weight.dim() == 3 && !w.weight.is_mkldnn() &&
+                      w.weight.scalar_type() != at::kByte && !w.col_sums;
+  return ((w.brgemm && dtype == at::kBFloat16) || packed) && !w.bias && !w.row_bias && !w.input_perm;
+}
+
+// A thread's buffers for run_units_raw, grown as its units need.
+template <typename T>
+struct UnitBuffers {
+  std::vector<float> acc = std::vector<float>(kBrgemmAccFloats), wide;
+  std::vector<T> x_rows, gated, mid;
+  bool brgemm = false;  // brgemm ran on this thread: its tile configuration is to release
+};
+
+// out [rows, w.out_features] (rows `out_stride` apart) = x [rows, k] (contiguous) times w, on this thread, with the
+// bits of w's own call: brgemm's, or linear_packed's on x widened to float32 (exactly, as it widens x itself).
+template <typename T>
+void project_on_thread(const LinearWeights& w, T* out, int64_t out_stride, const T* x, int64_t rows, int64_t k,
+                       UnitBuffers<T>& buffers) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (w.brgemm) {
+      buffers.brgemm = true;
+      linear_brgemm_on_thread(out, out_stride, w.out_features, x, k, rows, k, w.weight.data_ptr<T>(),
+                              buffers.acc.data());
+      return;
+    }
+  }
+  const float* x32 = reinterpret_cast<const float*>(x);
+  if constexpr (!std::is_same_v<T, float>) {
+    buffers.wide.resize(rows * k);
+    for (int64_t i = 0; i < rows * k; ++i) buffers.wide[i] = to_float(x[i]);
+    x32 = buffers.wide.data();
+  }
+  linear_packed_on_thread(out, out_stride, w.out_features, x32, k, rows, k, w.weight,
+                          w.scale ? w.scale->data_ptr<float>() : nullptr);
+}
 
 // run_units' bits where every projection is on_raw_rows: each thread gathers a unit's tokens into its own buffer,
-// runs gate_up, SiLU-and-mul and down on them with linear_brgemm's and silu_and_mul's bits, and writes the unit's
-// rows of `outputs` itself.
+// runs gate_up, SiLU-and-mul and down on them on raw rows (project_on_thread, silu_and_mul_rows), and writes the
+// unit's rows of `outputs` itself.
+template <typename T>
 void run_units_raw(at::Tensor& outputs, const at::Tensor& x, const std::vector<std::vector<int64_t>>& rows,
                    const std::vector<Unit>& units, const std::vector<LinearWeights>& gate_up,
                    const std::vector<LinearWeights>& down) {
-  using bf16 = c10::BFloat16;
   const int64_t hidden = x.size(1);
-  const bf16* x_data = x.data_ptr<bf16>();
-  bf16* out_data = outputs.data_ptr<bf16>();
+  const T* x_data = x.data_ptr<T>();
+  T* out_data = outputs.data_ptr<T>();
   parallel_units(static_cast<int64_t>(units.size()), at::get_num_threads(), [&](const auto& take) {
-    std::vector<float> acc(kBrgemmAccFloats);
-    std::vector<bf16> x_rows, gated, mid;
+    UnitBuffers<T> buffers;
     for (int64_t u; (u = take()) >= 0;) {
       const Unit& unit = units[u];
       const int64_t wide = gate_up[unit.expert].out_features, inter = wide / 2;
-      x_rows.resize(unit.count * hidden);
-      gated.resize(unit.count * wide);
-      mid.resize(unit.count * inter);
+      buffers.x_rows.resize(unit.count * hidden);
+      buffers.gated.resize(unit.count * wide);
+      buffers.mid.resize(unit.count * inter);
       for (int64_t r = 0; r < unit.count; ++r) {
-        std::memcpy(x_rows.data() + r * hidden, x_data + rows[unit.expert][unit.first + r] * hidden,
-                    hidden * sizeof(bf16));
+        std::memcpy(buffers.x_rows.data() + r * hidden, x_data + rows[unit.expert][unit.first + r] * hidden,
+                    hidden * sizeof(T));
       }
-      linear_brgemm_on_thread(gated.data(), wide, wide, x_rows.data(), hidden, unit.count, hidden,
-                              gate_up[unit.expert].weight.data_ptr<bf16>(), acc.data());
-      silu_and_mul_rows(mid.data(), gated.data(), unit.count, inter);
-      linear_brgemm_on_thread(out_data + unit.output * hidden, hidden, hidden, mid.data(), inter, unit.count, inter,
-                              down[unit.expert].weight.data_ptr<bf16>(), acc.data());
+      project_on_thread(gate_up[unit.expert], buffers.gated.data(), wide, buffers.x_rows.data(), unit.count, hidden,
+                        buffers);
+      silu_and_mul_rows(buffers.mid.data(), buffers.gated.data(), unit.count, inter);
+      project_on_thread(down[unit.expert], out_data + unit.output * hidden, hidden, buffers.mid.data(), unit.count,
+                        inter, buffers);
     }
-    brgemm_release();
+    if (buffers.brgemm) brgemm_release();
   });
 }
 
@@ -173,11 +210,15 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weights, const at:
   }
   const at::Tensor rows_x = x.contiguous();
   at::Tensor outputs = at::empty({num_rows, rows_x.size(1)}, rows_x.options());
-  const bool raw = rows_x.scalar_type() == at::kBFloat16 &&
-                   std::all_of(gate_up.begin(), gate_up.end(), on_raw_rows) &&
-                   std::all_of(down.begin(), down.end(), on_raw_rows);
-  if (raw) {
-    run_units_raw(outputs, rows_x, rows, units, gate_up, down);
+  const at::ScalarType dtype = rows_x.scalar_type();
+  const auto raw_rows = [dtype](const LinearWeights& w) { return on_raw_rows(w, dtype); };
+  const bool raw = (dtype == at::kBFloat16 || dtype == at::kFloat) &&
+                   std::all_of(gate_up.begin(), gate_up.end(), raw_rows) &&
+                   std::all_of(down.begin(), down.end(), raw_rows);
+  if (raw && dtype == at::kBFloat16) {
+    run_units_raw<c10::BFloat16>(outputs, rows_x, rows, units, gate_up, down);
+  } else if (raw) {
+    run_units_raw<float>(outputs, rows_x, rows, units, gate_up, down);
   } else {
     run_units(outputs, rows_x, rows, units, gate_up, down);
   }

@@ -92,8 +92,10 @@ void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps);
 void fused_add_rms_norm(at::Tensor out, at::Tensor residual_out, at::Tensor x, at::Tensor residual,
                         at::Tensor weight, double eps);
 void silu_and_mul(at::Tensor out, at::Tensor x);
-// silu_and_mul's bits for `rows` bf16 rows of x [rows, 2 d] into out [rows, d], contiguous, on the calling thread
-void silu_and_mul_rows(c10::BFloat16* out, const c10::BFloat16* x, int64_t rows, int64_t d);
+// silu_and_mul's bits for `rows` rows of x [rows, 2 d] into out [rows, d], contiguous, on the calling thread (T:
+// float or bf16)
+template <typename T>
+void silu_and_mul_rows(T* out, const T* x, int64_t rows, int64_t d);
 void gelu_and_mul(at::Tensor out, at::Tensor x);  // GELU's tanh approximation (Gemma's gelu_pytorch_tanh)
 // out = LayerNorm(x + residual) (BERT's post-norm; residual may be a row broadcast, stride 0): the sum rounded to
 // x's type, as torch adds, then normalised in float
@@ -105,6 +107,12 @@ void rotary_embedding(at::Tensor positions, at::Tensor q, at::Tensor k, at::Tens
 at::Tensor pack_linear_weight(at::Tensor weight);
 void linear_packed(at::Tensor out, at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias,
                    c10::optional<at::Tensor> scale);
+// linear_packed's bits for float32 rows x [m, k] (`ld` apart) into out [m, n] (rows `out_stride` apart), no bias,
+// all on the calling thread: a mixture of experts' units (moe.cpp). `scale`: an int8 weight's [N] row scales.
+void linear_packed_on_thread(c10::BFloat16* out, int64_t out_stride, int64_t n, const float* x, int64_t ld,
+                             int64_t m, int64_t k, const at::Tensor& packed, const float* scale);
+void linear_packed_on_thread(float* out, int64_t out_stride, int64_t n, const float* x, int64_t ld, int64_t m,
+                             int64_t k, const at::Tensor& packed, const float* scale);
 
 // GGUF's Q8_0, Q4_0 and Q4_1 blocks times activations quantized to 16 (or 8) bits per 32 k's (linear_gguf.cpp),
 // or (activation_bits = 0) times x in bf16, the blocks dequantised to bf16, in AMX tiles (linear_gguf_amx.cpp) where
