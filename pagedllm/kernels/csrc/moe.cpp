@@ -126,8 +126,10 @@ void project_on_thread(const LinearWeights& w, T* out, int64_t out_stride, const
       return;
     }
   }
-  const float* x32 = reinterpret_cast<const float*>(x);
-  if constexpr (!std::is_same_v<T, float>) {
+  const float* x32;
+  if constexpr (std::is_same_v<T, float>) {
+    x32 = x;
+  } else {
     buffers.wide.resize(rows * k);
     for (int64_t i = 0; i < rows * k; ++i) buffers.wide[i] = to_float(x[i]);
     x32 = buffers.wide.data();
