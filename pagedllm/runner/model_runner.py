@@ -265,9 +265,11 @@ class ModelRunner:
     def _propose_drafts(self, scheduled: list[ScheduledRequest]) -> dict[str, list[int]]:
         """The draft model's drafts for the next step of each request scheduled with lookahead slots. Drafts only
         ever speed a request up: a draft model that raises is logged and turned off, and the step goes on."""
+        if self.draft is None:
+            return {}
         wanted = [(self.requests[s.request_id], s.block_ids, s.num_lookahead_tokens)
                   for s in scheduled if s.num_lookahead_tokens]
-        if self.draft is None or not wanted:
+        if not wanted:
             return {}
         try:
             return self.draft.propose(wanted)
