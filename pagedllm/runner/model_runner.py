@@ -259,24 +259,25 @@ class ModelRunner:
             state.num_prompt_logprob_positions = end
         output.prompt_logprobs = prompt_logprobs
         output.embeddings = self._embeddings(hidden, inputs, scheduled)
-        output.draft_token_ids = self._propose_drafts(scheduled)
+        self._propose_drafts(scheduled, output)
         return output
 
-    def _propose_drafts(self, scheduled: list[ScheduledRequest]) -> dict[str, list[int]]:
+    def _propose_drafts(self, scheduled: list[ScheduledRequest], output: RunnerOutput) -> None:
         """The draft model's drafts for the next step of each request scheduled with lookahead slots. Drafts only
-        ever speed a request up: a draft model that raises is logged and turned off, and the step goes on."""
+        ever speed a request up: a draft model that raises is logged and turned off (`draft_model_off` tells the
+        scheduler to stop reserving its slots), and the step goes on."""
         if self.draft is None:
-            return {}
+            return
         wanted = [(self.requests[s.request_id], s.block_ids, s.num_lookahead_tokens)
                   for s in scheduled if s.num_lookahead_tokens]
         if not wanted:
-            return {}
+            return
         try:
-            return self.draft.propose(wanted)
+            output.draft_token_ids = self.draft.propose(wanted)
         except Exception:
             logger.exception("the draft model %s failed: speculative decoding is off from now on", self.draft.name)
             self.draft = None
-            return {}
+            output.draft_model_off = True
 
     def _embeddings(self, hidden: torch.Tensor, inputs: ModelInputs, scheduled: list[ScheduledRequest]
                     ) -> dict[str, list[float]]:

@@ -127,3 +127,15 @@ def test_a_draft_model_that_raises_is_turned_off_and_the_requests_go_on(models, 
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)] == expected
     assert llm.engine.runner.draft is None
     assert any("speculative decoding is off from now on" in r.getMessage() for r in caplog.records)
+    # and the scheduler no longer holds KV slots for drafts that will never come
+    scheduled = []
+    schedule = llm.engine.scheduler.schedule
+
+    def recording():
+        output = schedule()
+        scheduled.extend(output.scheduled)
+        return output
+
+    llm.engine.scheduler.schedule = recording
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)] == expected
+    assert scheduled and not any(s.num_lookahead_tokens for s in scheduled)

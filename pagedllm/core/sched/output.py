@@ -111,7 +111,8 @@ class RunnerOutput:
     `spec_token_ids[:num_accepted] + [sampled]`, and its logprobs hold one entry per new token.
 
     `draft_token_ids` holds the drafts the draft model proposed for each request scheduled with
-    `num_lookahead_tokens` (after its new tokens; maybe fewer than asked, maybe none).
+    `num_lookahead_tokens` (after its new tokens; maybe fewer than asked, maybe none); `draft_model_off` says
+    that the draft model failed in this step and is off from now on (the scheduler stops reserving its slots).
 
     `embeddings` holds, for each embedding request that sampled (its prompt's last token ran this step), its
     prompt's embedding (`PoolingParams`)."""
@@ -121,6 +122,7 @@ class RunnerOutput:
     prompt_logprobs: dict[str, list[object]] = field(default_factory=dict)
     num_accepted_draft_tokens: dict[str, int] = field(default_factory=dict)
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    draft_model_off: bool = False
     embeddings: dict[str, list[float]] = field(default_factory=dict)
 
     def merged(self, other: RunnerOutput) -> RunnerOutput:

@@ -523,6 +523,8 @@ class Scheduler:
         tokens, cache newly full blocks, check stop conditions and free finished requests. Returns an update
         per sequence that got a token (or, for beams, logprobs) or finished."""
         updates, self._pending_updates = self._pending_updates, []
+        if runner_output.draft_model_off:
+            self.num_lookahead_tokens = 0
         for scheduled in scheduler_output.scheduled:
             request = self.requests.get(scheduled.request_id)
             if request is None:  # finished (aborted) after schedule()
