@@ -50,7 +50,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     act-order) runs over its inputs in that order: x[:, input_perm]."""
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    if getattr(weight, "brgemm", False):  # bf16 in torch's brgemm blocks (`pack_linear_weights`, prefers_brgemm)
+    if getattr(weight, "brgemm", False):  # bf16 in torch's brgemm blocks (`pack_linear_weights`, small_calls)
         out = torch.empty(x.shape[0], weight.out_features, dtype=x.dtype)  # type: ignore[attr-defined]
         cpu_kernels().linear_brgemm(out, x, weight, bias)  # type: ignore[union-attr]
         return out
@@ -59,7 +59,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         x = x if perm is None else x.index_select(1, perm)  # GPTQ act-order: K as the weight stores it
         out = torch.empty(x.shape[0], weight.out_features, dtype=x.dtype)  # type: ignore[attr-defined]
         cpu_kernels().linear_gguf(out, x, weight, weight.ggml_type, bias,  # type: ignore[union-attr,attr-defined]
-                                  weight.activation_bits)  # type: ignore[attr-defined]
+                                  gguf_call_bits(weight, x.shape[0]))
         return out
     if weight.dim() == 3:  # pagedllm's blocked layouts
         out = torch.empty(x.shape[0], weight.out_features, dtype=x.dtype)  # type: ignore[attr-defined]
@@ -79,7 +79,8 @@ def linear_weights(kernels: ModuleType, weight: torch.Tensor, bias: torch.Tensor
     return kernels.LinearWeights(weight, getattr(weight, "out_features", weight.shape[0]), bias, row_bias,
                                  getattr(weight, "scale", None), getattr(weight, "col_sums", None),
                                  getattr(weight, "input_perm", None), getattr(weight, "ggml_type", 0),
-                                 getattr(weight, "activation_bits", 16), getattr(weight, "brgemm", False))
+                                 getattr(weight, "activation_bits", 16), getattr(weight, "brgemm", False),
+                                 getattr(weight, "few_rows_activation_bits", None))
 
 
 def linear_packing(dtype: torch.dtype) -> str | None:
@@ -272,7 +273,7 @@ def pack_linear_weights(model: nn.Module, quantization: str | None = None) -> in
         if not getattr(type(layer), "packable_weight", False) or weight is None or weight.device.type != "cpu":
             continue
         packing = None if weight.is_mkldnn or weight.dim() != 2 else quantization or linear_packing(weight.dtype)
-        if packing == "onednn" and getattr(layer, "prefers_brgemm", False) and brgemm_packs(weight):
+        if packing == "onednn" and getattr(layer, "small_calls", False) and brgemm_packs(weight):
             packing = "brgemm"
         elif packing == "brgemm" and not brgemm_packs(weight):   # an odd K
             packing = "onednn"
@@ -299,7 +300,7 @@ def brgemm_bf16_available() -> bool:
 
 def brgemm_packs(weight: torch.Tensor) -> bool:
     """Whether `weight` can go to torch's brgemm blocks here (`linear_brgemm`): bf16 with an even K, where
-    `brgemm_bf16_available`. A layer whose class or instance sets `prefers_brgemm` (a mixture of experts' experts) is
+    `brgemm_bf16_available`. A layer whose class or instance sets `small_calls` (a mixture of experts' experts) is
     packed so where oneDNN would take it: one thread streams its blocks at the memory's speed, where oneDNN's small
     calls read ~25% slower."""
     return weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0 and brgemm_bf16_available()
@@ -384,10 +385,36 @@ def gguf_activation_bits(dtype: torch.dtype) -> int:
     return GGUF_BF16 if value == "bf16" else int(value)
 
 
-def fuses_silu_and_mul(weight: torch.Tensor) -> bool:
+FEW_ROWS = 8  # kFewRows in pagedllm/kernels/csrc/decoder.cpp
+
+
+def few_rows_activation_bits(layer: nn.Module, activation_bits: int) -> int | None:
+    """How a call of at most FEW_ROWS rows multiplies `layer`'s GGUF blocks, where it differs from `activation_bits`
+    (None elsewhere): 16-bit integers for a mixture of experts' expert (`small_calls`) whose blocks multiply bf16 by
+    the CPU's default (`gguf_activation_bits`, no PAGEDLLM_GGUF_ACTIVATION_BITS). bf16 dequantises the expert's
+    whole weight in every call, at any row count, where the integer arithmetic multiplies the blocks as they are: one
+    thread's call on one of a random Qwen3-MoE's gate_up weights (768 x 1024, Q4_1) in AMX tiles 85-88 us at 1-8
+    rows, in 16-bit integers 45 us at one row, 58 at four, 74 at eight, 110 at twelve (docs/benchmarks.md), and a
+    decode step routes a few rows to each expert. An expert's rows then get the bits of one arithmetic or the other
+    by how many rows its call has, which depends on the batch: a request's greedy tokens can differ by the batch it
+    ran in, as with cascade attention; naming an arithmetic in PAGEDLLM_GGUF_ACTIVATION_BITS keeps them to one."""
+    if (activation_bits == GGUF_BF16 and getattr(layer, "small_calls", False)
+            and os.environ.get(GGUF_ACTIVATION_BITS_ENV) is None):
+        return 16
+    return None
+
+
+def gguf_call_bits(weight: torch.Tensor, num_rows: int) -> int:
+    """The activation bits `linear` multiplies a GGUF weight's blocks with in a call of `num_rows` rows."""
+    few_rows = getattr(weight, "few_rows_activation_bits", None)
+    return few_rows if few_rows is not None and num_rows <= FEW_ROWS else weight.activation_bits  # type: ignore[attr-defined]
+
+
+def fuses_silu_and_mul(weight: torch.Tensor, num_rows: int) -> bool:
     """Whether a gate_up projection's `weight` (gate's rows, then up's) runs with its SiLU-and-mul in one kernel,
-    `linear_silu_and_mul`: GGUF blocks times x in bf16, each half whole blocks of 16 columns."""
-    return (weight.dtype == torch.uint8 and getattr(weight, "activation_bits", None) == GGUF_BF16
+    `linear_silu_and_mul`, in a call of `num_rows` rows: GGUF blocks times x in bf16, each half whole blocks of 16
+    columns."""
+    return (weight.dtype == torch.uint8 and gguf_call_bits(weight, num_rows) == GGUF_BF16
             and getattr(weight, "input_perm", None) is None
             and weight.out_features % 32 == 0)  # type: ignore[attr-defined]
 
@@ -419,6 +446,7 @@ def _set_packed(layer: nn.Module, name: str, num_rows: int, packed: torch.Tensor
     layer.weight.out_features = n
     layer.weight.ggml_type = int(ggml_type)
     layer.weight.activation_bits = activation_bits
+    layer.weight.few_rows_activation_bits = few_rows_activation_bits(layer, activation_bits)
     layer.weight.input_perm = input_perm
 
 

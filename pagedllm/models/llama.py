@@ -259,7 +259,7 @@ class LlamaMLP(nn.Module):
             y = self.act_fn(lora.add("gate_up_proj", x, gate_up(x)))
             return lora.add("down_proj", y, self.down_proj(y))
         # GGUF blocks in AMX tiles with SiLU in their store: the same bits, the [T, 2I] product never stored
-        if isinstance(self.act_fn, SiluAndMul) and fuses_silu_and_mul(gate_up.weight):
+        if isinstance(self.act_fn, SiluAndMul) and fuses_silu_and_mul(gate_up.weight, x.shape[0]):
             return self.down_proj(linear_silu_and_mul(x, gate_up.weight, gate_up.bias))
         return self.down_proj(self.act_fn(gate_up(x)))  # [T, H] -> [T, 2I] -> [T, I] -> [T, H]
 
@@ -282,8 +282,8 @@ class LlamaSparseMoeBlock(nn.Module):
         self.gate = nn.Linear(config.hidden_size, num_experts(config), bias=False, dtype=dtype)
         self.experts = nn.ModuleList(LlamaMLP(config, dtype, tp, inter, reduce_results=False)
                                      for _ in range(num_experts(config)))
-        for expert in self.experts:     # small calls, each on one thread (kernels/csrc/moe.cpp): see brgemm_packs
-            expert.gate_up_proj.prefers_brgemm = expert.down_proj.prefers_brgemm = True
+        for expert in self.experts:     # small calls, each on one thread (kernels/csrc/moe.cpp): see brgemm_packs and
+            expert.gate_up_proj.small_calls = expert.down_proj.small_calls = True   # few_rows_activation_bits
         shared = getattr(config, "shared_expert_intermediate_size", None)
         self.shared_expert = LlamaMLP(config, dtype, tp, shared, reduce_results=False) if shared else None
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False, dtype=dtype) if shared else None

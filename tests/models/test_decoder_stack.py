@@ -91,7 +91,7 @@ def test_stack_gives_the_modules_bits_on_gguf_blocks(tmp_path: Path, qtype: Q, d
                                        enforce_eager=enforce_eager)).model
         assert model.model.layers[0].mlp.down_proj.weight.dtype == torch.uint8
         in_bf16 = gguf_activation_bits(getattr(torch, dtype)) == GGUF_BF16
-        assert fuses_silu_and_mul(model.model.layers[0].mlp.gate_up_proj.weight) == in_bf16
+        assert fuses_silu_and_mul(model.model.layers[0].mlp.gate_up_proj.weight, 1) == in_bf16
         runner = SimplePagedRunner(model, dtype=getattr(torch, dtype))
         logits.append([runner.step({0: PROMPTS[0], 1: PROMPTS[1]}), runner.step({0: [40], 1: [41]}),
                        runner.step({1: [42], 2: PROMPTS[2]})])

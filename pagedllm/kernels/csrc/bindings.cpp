@@ -86,10 +86,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                       "takes it (pagedllm.layers.linear.linear_weights builds one)")
       .def(py::init<at::Tensor, int64_t, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
                     c10::optional<at::Tensor>, c10::optional<at::Tensor>, c10::optional<at::Tensor>, int64_t,
-                    int64_t, bool>(),
+                    int64_t, bool, c10::optional<int64_t>>(),
            py::arg("weight"), py::arg("out_features"), py::arg("bias") = py::none(), py::arg("row_bias") = py::none(),
            py::arg("scale") = py::none(), py::arg("col_sums") = py::none(), py::arg("input_perm") = py::none(),
-           py::arg("ggml_type") = 0, py::arg("activation_bits") = 16, py::arg("brgemm") = false);
+           py::arg("ggml_type") = 0, py::arg("activation_bits") = 16, py::arg("brgemm") = false,
+           py::arg("few_rows_activation_bits") = py::none());
   m.def("brgemm_bf16_available", &pagedllm::brgemm_bf16_available,
         "Whether torch's brgemm packs bf16 weights on this CPU (AMX, AVX512-BF16): pack_brgemm_weight runs");
   m.def("pack_brgemm_weight", &pagedllm::pack_brgemm_weight,

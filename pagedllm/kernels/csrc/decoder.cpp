@@ -29,10 +29,18 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& weight, const c1
 LinearWeights::LinearWeights(at::Tensor weight, int64_t out_features, c10::optional<at::Tensor> bias,
                              c10::optional<at::Tensor> row_bias, c10::optional<at::Tensor> scale,
                              c10::optional<at::Tensor> col_sums, c10::optional<at::Tensor> input_perm,
-                             int64_t ggml_type, int64_t activation_bits, bool brgemm)
+                             int64_t ggml_type, int64_t activation_bits, bool brgemm,
+                             c10::optional<int64_t> few_rows_activation_bits)
     : weight(std::move(weight)), out_features(out_features), bias(std::move(bias)), row_bias(std::move(row_bias)),
       scale(std::move(scale)), col_sums(std::move(col_sums)), input_perm(std::move(input_perm)),
-      ggml_type(ggml_type), activation_bits(activation_bits), brgemm(brgemm) {}
+      ggml_type(ggml_type), activation_bits(activation_bits), brgemm(brgemm),
+      few_rows_activation_bits(few_rows_activation_bits) {}
+
+constexpr int64_t kFewRows = 8;  // pagedllm.layers.linear.FEW_ROWS
+
+int64_t LinearWeights::call_bits(int64_t rows) const {
+  return few_rows_activation_bits && rows <= kFewRows ? *few_rows_activation_bits : activation_bits;
+}
 
 // The branches of pagedllm.layers.linear.linear, in its order.
 at::Tensor LinearWeights::operator()(at::Tensor x) const {
@@ -45,7 +53,7 @@ at::Tensor LinearWeights::operator()(at::Tensor x) const {
   } else if (weight.scalar_type() == at::kByte) {
     if (input_perm) x = x.index_select(1, *input_perm);
     y = at::empty({x.size(0), out_features}, x.options());
-    linear_gguf(y, x, weight, ggml_type, bias, activation_bits);
+    linear_gguf(y, x, weight, ggml_type, bias, call_bits(x.size(0)));
   } else if (weight.dim() == 3) {
     y = at::empty({x.size(0), out_features}, x.options());
     if (col_sums) {
@@ -61,7 +69,8 @@ at::Tensor LinearWeights::operator()(at::Tensor x) const {
 
 // pagedllm.models.llama.LlamaMLP's gate_up projection and SiLU-and-mul (fuses_silu_and_mul's test, in its order).
 at::Tensor LinearWeights::silu_and_mul(const at::Tensor& x) const {
-  if (weight.scalar_type() == at::kByte && activation_bits == 0 && !input_perm && out_features % 32 == 0 && !row_bias) {
+  if (weight.scalar_type() == at::kByte && call_bits(x.size(0)) == 0 && !input_perm && out_features % 32 == 0 &&
+      !row_bias) {
     at::Tensor out = at::empty({x.size(0), out_features / 2}, x.options());
     linear_gguf_silu_and_mul(out, x, weight, ggml_type, bias);
     return out;

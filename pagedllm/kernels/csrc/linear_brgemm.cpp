@@ -10,7 +10,7 @@
 // 256 rows; on a dense model's, 1.1-1.5x oneDNN's rate at 1-64 rows (SmolLM2's small weights the most), 0.8-1.0x at
 // 2,048 (blocks of 64 columns: of 32, no faster). pagedllm packs bf16 weights
 // so where the CPU has AMX (`bf16_kernel`), and a mixture of experts' experts wherever torch packs bf16 for brgemm
-// (`prefers_brgemm`), whose small calls on one thread each read their weights at the memory's speed.
+// (`small_calls`), whose small calls on one thread each read their weights at the memory's speed.
 #include "linear_common.h"
 
 #include <ATen/native/CPUBlas.h>

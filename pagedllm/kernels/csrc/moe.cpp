@@ -6,7 +6,7 @@
 // runs whole experts, their kernels on one thread (a kernel called inside a parallel region runs on its caller's
 // thread), taken as parallel_units deals them, so the threads stream weights without meeting between experts
 // (an expert with more than kUnitRows rows is split into several units).
-// Experts in brgemm blocks (bf16, `prefers_brgemm`) or in pagedllm's packed float32, bf16 and int8 layouts run on
+// Experts in brgemm blocks (bf16, `small_calls`) or in pagedllm's packed float32, bf16 and int8 layouts run on
 // raw rows in each thread's own buffers, with no tensor made or op dispatched a unit (run_units_raw): at a decode
 // step's two or three rows an expert, such calls (~12 an expert: a gather, empties, narrows, a copy) and their
 // allocations took ~28% of the threads' time on the AMX Xeon beside the brgemm kernels that stream the weights. A

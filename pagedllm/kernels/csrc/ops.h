@@ -154,10 +154,16 @@ struct LinearWeights {
   c10::optional<at::Tensor> bias, row_bias, scale, col_sums, input_perm;
   int64_t ggml_type, activation_bits;
   bool brgemm;  // weight from pack_brgemm_weight
+  // GGUF blocks: the activation bits of a call of at most kFewRows rows, where they differ (an expert's:
+  // pagedllm.layers.linear.few_rows_activation_bits)
+  c10::optional<int64_t> few_rows_activation_bits;
 
   LinearWeights(at::Tensor weight, int64_t out_features, c10::optional<at::Tensor> bias,
                 c10::optional<at::Tensor> row_bias, c10::optional<at::Tensor> scale, c10::optional<at::Tensor> col_sums,
-                c10::optional<at::Tensor> input_perm, int64_t ggml_type, int64_t activation_bits, bool brgemm);
+                c10::optional<at::Tensor> input_perm, int64_t ggml_type, int64_t activation_bits, bool brgemm,
+                c10::optional<int64_t> few_rows_activation_bits);
+  // pagedllm.layers.linear.gguf_call_bits: the activation bits of a call of `rows` rows on GGUF blocks
+  int64_t call_bits(int64_t rows) const;
   at::Tensor operator()(at::Tensor x) const;  // x [T, in] -> [T, out]
   // silu_and_mul of operator()(x) for a gate_up projection: x [T, in] -> [T, out / 2], in one kernel where
   // pagedllm.layers.linear.fuses_silu_and_mul says so (GGUF blocks in AMX tiles).
