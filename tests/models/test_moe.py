@@ -219,30 +219,34 @@ def test_the_kernels_block_gives_the_torch_blocks_bits(tmp_path, dtype, brgemm, 
         assert torch.equal(got, expected)
 
 
-@pytest.mark.parametrize("pinned", [False, True])
-def test_gguf_experts_take_16_bit_integers_for_a_few_rows_where_bf16_is_the_default(tmp_path, pinned, monkeypatch):
+@pytest.mark.parametrize(("dtype", "pinned"), [(torch.bfloat16, None), (torch.bfloat16, "16"), (torch.bfloat16, "8"),
+                                               (torch.float32, None)])
+def test_gguf_experts_take_16_bit_integers_for_a_few_rows_where_bf16_is_the_default(tmp_path, dtype, pinned,
+                                                                                    monkeypatch):
     """A GGUF model's experts whose blocks multiply bf16 by default run a call of at most 8 rows in 16-bit integers
     (`few_rows_activation_bits`), the dense layers never, and nothing switches once PAGEDLLM_GGUF_ACTIVATION_BITS
-    names an arithmetic. The C++ block (its experts split between the threads, in units) gives the torch block's
-    bits at 1 token (every expert's call a few rows), 37 (a few and more) and 300, where each expert's call takes
-    the arithmetic of its own row count in both."""
+    names an arithmetic (nor in a float32 model). The C++ block (its experts split between the threads, in units,
+    those in integer arithmetic on raw rows) gives the torch block's bits at 1 token (every expert's call a few
+    rows), 37 (a few and more) and 300, where each expert's call takes the arithmetic of its own row count in
+    both."""
     if cpu_kernels() is None:
         pytest.skip("pagedllm's CPU kernels are not built here")
     if pinned:
-        monkeypatch.setenv(GGUF_ACTIVATION_BITS_ENV, "16")
+        monkeypatch.setenv(GGUF_ACTIVATION_BITS_ENV, pinned)
     path = tmp_path / "moe.gguf"
     write_model_gguf(build_tiny_hf_model("qwen2-moe", moe_intermediate_size=64), path, "qwen2moe", Q.Q4_1)
-    model = load_model(ModelConfig(model=str(path), dtype="bfloat16", quantization="gguf")).model
+    model = load_model(ModelConfig(model=str(path), dtype=str(dtype).removeprefix("torch."),
+                                   quantization="gguf")).model
     block = model.model.layers[0].mlp
-    switches = not pinned and gguf_activation_bits(torch.bfloat16) == GGUF_BF16
+    switches = not pinned and gguf_activation_bits(dtype) == GGUF_BF16
     expert = block.experts[0].gate_up_proj.weight
     assert expert.few_rows_activation_bits == (16 if switches else None)
     assert block.shared_expert.gate_up_proj.weight.few_rows_activation_bits is None
     assert model.model.layers[1].mlp.gate_up_proj.weight.few_rows_activation_bits is None   # the dense layer
-    x = torch.randn(300, 64, dtype=torch.bfloat16)
-    few = torch.empty(3, expert.out_features, dtype=torch.bfloat16)
-    cpu_kernels().linear_gguf(few, x[:3], expert, expert.ggml_type, None, 16)
-    many = torch.empty(9, expert.out_features, dtype=torch.bfloat16)
+    x = torch.randn(300, 64, dtype=dtype)
+    few = torch.empty(3, expert.out_features, dtype=dtype)
+    cpu_kernels().linear_gguf(few, x[:3], expert, expert.ggml_type, None, 16 if switches else expert.activation_bits)
+    many = torch.empty(9, expert.out_features, dtype=dtype)
     cpu_kernels().linear_gguf(many, x[:9], expert, expert.ggml_type, None, expert.activation_bits)
     assert torch.equal(linear_module.linear(x[:3], expert), few)
     assert torch.equal(linear_module.linear(x[:9], expert), many)

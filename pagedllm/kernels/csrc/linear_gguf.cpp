@@ -444,49 +444,90 @@ void store_group(const float* v, uint8_t* stored, float& s, float& sm) {
 #endif
 }
 
+// Rows [begin, end) of x (`ld` apart) quantized into `scratch` (sized for all of x's rows), with `v` (k floats) to
+// work in.
 template <typename T, int64_t type, int halves>
-void run_gguf(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
-  const int64_t m = x.size(0), k = x.size(1), groups = k / kGroupK;
+void quantize_rows(const T* x, int64_t ld, int64_t begin, int64_t end, int64_t k, GgufScratch& scratch, float* v) {
+  const int64_t groups = k / kGroupK;
   constexpr int64_t stride = x_group_bytes(type, halves);
-  std::vector<uint8_t> quantized_x(m * groups * stride);
-  std::vector<float> scale(m * groups), scaled_sum(m * groups);
-  const T* src = x.data_ptr<T>();
-  at::parallel_for(0, m, std::max<int64_t>(1, kQuantizeGrain / std::max<int64_t>(1, k)), [&](int64_t begin, int64_t end) {
-    std::vector<float> v(k);
-    for (int64_t r = begin; r < end; ++r) {
-      quantize_spans(src + r * x.stride(0), k, kGroupK, scale.data() + r * groups, v.data());
-      for (int64_t g = 0; g < groups; ++g) {
-        store_group<type, halves>(v.data() + g * kGroupK, quantized_x.data() + (r * groups + g) * stride,
-                                  scale[r * groups + g], scaled_sum[r * groups + g]);
-      }
+  for (int64_t r = begin; r < end; ++r) {
+    quantize_spans(x + r * ld, k, kGroupK, scratch.scale.data() + r * groups, v);
+    for (int64_t g = 0; g < groups; ++g) {
+      store_group<type, halves>(v + g * kGroupK, scratch.quantized_x.data() + (r * groups + g) * stride,
+                                scratch.scale[r * groups + g], scratch.scaled_sum[r * groups + g]);
     }
-  });
+  }
+}
+
+// out [m, n] (rows `out_stride` apart) = x [m, k] (rows `ld` apart) times the packed blocks, plus bias: x quantized by
+// the threads together (or on this one, `on_thread`) into `scratch`, then the column blocks and row tiles split.
+template <typename T, int64_t type, int halves>
+void run_gguf(T* out, int64_t out_stride, int64_t n, const T* x, int64_t ld, int64_t m, int64_t k,
+              const uint8_t* packed, const T* bias, GgufScratch& scratch, bool on_thread) {
+  const int64_t groups = k / kGroupK;
+  constexpr int64_t stride = x_group_bytes(type, halves);
+  scratch.quantized_x.resize(m * groups * stride);
+  scratch.scale.resize(m * groups);
+  scratch.scaled_sum.resize(m * groups);
+  if (on_thread) {
+    scratch.v.resize(k);
+    quantize_rows<T, type, halves>(x, ld, 0, m, k, scratch, scratch.v.data());
+  } else {
+    at::parallel_for(0, m, std::max<int64_t>(1, kQuantizeGrain / std::max<int64_t>(1, k)),
+                     [&](int64_t begin, int64_t end) {
+                       std::vector<float> v(k);
+                       quantize_rows<T, type, halves>(x, ld, begin, end, k, scratch, v.data());
+                     });
+  }
   const GgufProblem<T, type, halves> problem{
-      {quantized_x.data(), stride, scale.data(), scaled_sum.data(), groups},
-      packed.data_ptr<uint8_t>(), bias ? bias->data_ptr<T>() : nullptr, out.data_ptr<T>(), m, out.size(1), groups,
-      out.stride(0)};
-  split_blocks_and_tiles(packed.size(0), (m + kTileRows - 1) / kTileRows, m * out.size(1) * k,
+      {scratch.quantized_x.data(), stride, scratch.scale.data(), scratch.scaled_sum.data(), groups},
+      packed, bias, out, m, n, groups, out_stride};
+  const int64_t blocks = (n + kBlock - 1) / kBlock, tiles = (m + kTileRows - 1) / kTileRows;
+  if (on_thread) return problem.run(0, blocks, 0, tiles);
+  split_blocks_and_tiles(blocks, tiles, m * n * k,
                          [&](int64_t b0, int64_t b1, int64_t t0, int64_t t1) { problem.run(b0, b1, t0, t1); });
 }
 
 template <typename T, int halves>
-void linear_gguf_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, int64_t type,
-                      const c10::optional<at::Tensor>& bias) {
+void run_gguf_type(T* out, int64_t out_stride, int64_t n, const T* x, int64_t ld, int64_t m, int64_t k,
+                   const uint8_t* packed, int64_t type, const T* bias, GgufScratch& scratch, bool on_thread) {
   switch (type) {
-    case kQ4_0: return run_gguf<T, kQ4_0, halves>(out, x, packed, bias);
-    case kQ4_1: return run_gguf<T, kQ4_1, halves>(out, x, packed, bias);
-    default: return run_gguf<T, kQ8_0, halves>(out, x, packed, bias);
+    case kQ4_0: return run_gguf<T, kQ4_0, halves>(out, out_stride, n, x, ld, m, k, packed, bias, scratch, on_thread);
+    case kQ4_1: return run_gguf<T, kQ4_1, halves>(out, out_stride, n, x, ld, m, k, packed, bias, scratch, on_thread);
+    default: return run_gguf<T, kQ8_0, halves>(out, out_stride, n, x, ld, m, k, packed, bias, scratch, on_thread);
   }
+}
+
+template <typename T>
+void run_gguf_bits(T* out, int64_t out_stride, int64_t n, const T* x, int64_t ld, int64_t m, int64_t k,
+                   const uint8_t* packed, int64_t type, const T* bias, int64_t activation_bits, GgufScratch& scratch,
+                   bool on_thread) {
+  if (activation_bits == 8) {
+    return run_gguf_type<T, 1>(out, out_stride, n, x, ld, m, k, packed, type, bias, scratch, on_thread);
+  }
+  run_gguf_type<T, 2>(out, out_stride, n, x, ld, m, k, packed, type, bias, scratch, on_thread);
 }
 
 template <typename T>
 void linear_gguf_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, int64_t type,
                       const c10::optional<at::Tensor>& bias, int64_t activation_bits) {
-  if (activation_bits == 8) return linear_gguf_impl<T, 1>(out, x, packed, type, bias);
-  linear_gguf_impl<T, 2>(out, x, packed, type, bias);
+  GgufScratch scratch;
+  run_gguf_bits<T>(out.data_ptr<T>(), out.stride(0), out.size(1), x.data_ptr<T>(), x.stride(0), x.size(0), x.size(1),
+                   packed.data_ptr<uint8_t>(), type, bias ? bias->data_ptr<T>() : nullptr, activation_bits, scratch,
+                   false);
 }
 
 }  // namespace
+
+template <typename T>
+void linear_gguf_on_thread(T* out, int64_t out_stride, int64_t n, const T* x, int64_t m, int64_t k,
+                           const uint8_t* packed, int64_t ggml_type, int64_t activation_bits, GgufScratch& scratch) {
+  run_gguf_bits<T>(out, out_stride, n, x, k, m, k, packed, ggml_type, nullptr, activation_bits, scratch, true);
+}
+template void linear_gguf_on_thread(float*, int64_t, int64_t, const float*, int64_t, int64_t, const uint8_t*, int64_t,
+                                    int64_t, GgufScratch&);
+template void linear_gguf_on_thread(c10::BFloat16*, int64_t, int64_t, const c10::BFloat16*, int64_t, int64_t,
+                                    const uint8_t*, int64_t, int64_t, GgufScratch&);
 
 void linear_gguf(at::Tensor out, at::Tensor x, at::Tensor packed, int64_t ggml_type,
                  c10::optional<at::Tensor> bias, int64_t activation_bits) {

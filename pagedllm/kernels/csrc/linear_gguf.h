@@ -4,6 +4,8 @@
 
 #include "linear_common.h"
 
+#include <vector>
+
 namespace pagedllm {
 
 enum GgufType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };  // ggml's type numbers
@@ -25,6 +27,19 @@ inline void check_gguf_packed(const at::Tensor& x, const at::Tensor& out, const 
               "packed must come from pack_gguf_weight: a contiguous uint8 [ceil(N/16), K/32, ", group_bytes(type),
               "] for this type, got ", packed.sizes());
 }
+
+// The buffers a call quantizes x into: one thread's own, for linear_gguf_on_thread's calls.
+struct GgufScratch {
+  std::vector<uint8_t> quantized_x;
+  std::vector<float> scale, scaled_sum, v;
+};
+
+// linear_gguf's bits in its integer arithmetic (activation_bits 16 or 8) for x [m, k] (contiguous) into out [m, n]
+// (rows `out_stride` apart), no bias, all on the calling thread: a mixture of experts' units (moe.cpp), without a
+// tensor or a fork a call. T: float or bf16.
+template <typename T>
+void linear_gguf_on_thread(T* out, int64_t out_stride, int64_t n, const T* x, int64_t m, int64_t k,
+                           const uint8_t* packed, int64_t ggml_type, int64_t activation_bits, GgufScratch& scratch);
 
 // out = x W^T + bias with x rounded to bf16 and W's blocks dequantised to bf16 (d q + m, rounded once), in AMX-BF16
 // tiles or AVX512-BF16 vectors (linear_gguf_bf16.cpp); the operands checked by linear_gguf, which calls it for

@@ -6,14 +6,19 @@
 // runs whole experts, their kernels on one thread (a kernel called inside a parallel region runs on its caller's
 // thread), taken as parallel_units deals them, so the threads stream weights without meeting between experts
 // (an expert with more than kUnitRows rows is split into several units).
-// Experts in brgemm blocks (bf16, `small_calls`) or in pagedllm's packed float32, bf16 and int8 layouts run on
-// raw rows in each thread's own buffers, with no tensor made or op dispatched a unit (run_units_raw): at a decode
-// step's two or three rows an expert, such calls (~12 an expert: a gather, empties, narrows, a copy) and their
-// allocations took ~28% of the threads' time on the AMX Xeon beside the brgemm kernels that stream the weights. A
-// random Qwen3-MoE's experts at 16 tokens, 12 layers: bf16 in brgemm blocks 88.6 -> 66.3 ms (18.0 -> 24.0 GB/s of
-// weights, where two threads stream at most ~26-27), int8 51.1 -> 42.0 ms, bf16 packed (capped to AVX2) 78.0 ->
-// 62-65 ms. Then each token's weighted rows are added in expert order, as pagedllm.layers.moe.run_experts adds them.
+// Experts in brgemm blocks (bf16, `small_calls`), in pagedllm's packed float32, bf16 and int8 layouts, or in GGUF
+// blocks in a call that takes their integer arithmetic (every call of a float32 model, and of a few rows in a bf16
+// one: LinearWeights::call_bits) run on raw rows in each thread's own buffers, with no tensor made or op dispatched
+// a unit (run_unit_raw): at a decode step's two or three rows an expert, such calls (~12 an expert: a gather,
+// empties, narrows, a copy) and their allocations took ~28% of the threads' time on the AMX Xeon beside the brgemm
+// kernels that stream the weights. A random Qwen3-MoE's experts at 16 tokens, 12 layers: bf16 in brgemm blocks
+// 88.6 -> 66.3 ms (18.0 -> 24.0 GB/s of weights, where two threads stream at most ~26-27), int8 51.1 -> 42.0 ms,
+// bf16 packed (capped to AVX2) 78.0 -> 62-65 ms, GGUF Q4_1 in 16-bit integers 32.9 -> 27.2 ms. Other units (oneDNN's
+// weights, GGUF blocks in bf16 tiles or vectors: a prefill's many rows an expert) go through LinearWeights' calls
+// (run_unit_tensors). Then each token's weighted rows are added in expert order, as
+// pagedllm.layers.moe.run_experts adds them.
 #include "linear_common.h"
+#include "linear_gguf.h"
 #include "ops.h"
 
 #include <algorithm>
@@ -72,52 +77,38 @@ void add_slots(at::Tensor& out, const at::Tensor& outputs, const std::vector<std
   });
 }
 
-// The units through LinearWeights' calls, whatever their weights: each thread gathers a unit's tokens (padded with
-// zero rows for oneDNN's weights) and copies its rows of the result into `outputs`.
-void run_units(at::Tensor& outputs, const at::Tensor& x, const std::vector<std::vector<int64_t>>& rows,
-               const std::vector<Unit>& units, const std::vector<LinearWeights>& gate_up,
-               const std::vector<LinearWeights>& down) {
-  const int64_t row_bytes = x.size(1) * x.element_size();
-  parallel_units(static_cast<int64_t>(units.size()), at::get_num_threads(), [&](const auto& take) {
-    for (int64_t u; (u = take()) >= 0;) {
-      const Unit& unit = units[u];
-      // index_select only reads the ids
-      const at::Tensor tokens =
-          at::from_blob(const_cast<int64_t*>(rows[unit.expert].data()) + unit.first, {unit.count}, at::kLong);
-      const int64_t padded = gate_up[unit.expert].weight.is_mkldnn() ? onednn_rows(unit.count) : unit.count;
-      at::Tensor x_rows = at::empty({padded, x.size(1)}, x.options());
-      at::Tensor gathered = x_rows.narrow(0, 0, unit.count);
-      at::index_select_out(gathered, x, 0, tokens);
-      x_rows.narrow(0, unit.count, padded - unit.count).zero_();
-      // copied, not copy_: a worker thread runs outside the caller's inference mode, in which `outputs` was made
-      const at::Tensor y = down[unit.expert](gate_up[unit.expert].silu_and_mul(x_rows)).narrow(0, 0, unit.count);
-      std::memcpy(static_cast<char*>(outputs.data_ptr()) + unit.output * row_bytes, y.contiguous().data_ptr(),
-                  unit.count * row_bytes);
-    }
-  });
-}
-
-// A projection run_units_raw can take on rows of `dtype`: bf16 brgemm blocks (bf16 rows), or pagedllm's packed
-// float32, bf16 or int8 weights (linear_packed's; not W8A8's), with no bias of either kind and no input permutation.
-bool on_raw_rows(const LinearWeights& w, at::ScalarType dtype) {
+// A projection a unit of `rows` rows of `dtype` can run on raw rows: bf16 brgemm blocks (bf16 rows), pagedllm's
+// packed float32, bf16 or int8 weights (linear_packed's; not W8A8's), or GGUF blocks in a call that takes their
+// integer arithmetic (LinearWeights::call_bits; not bf16's tiles or vectors), with no bias of any kind and no input
+// permutation.
+bool on_raw_rows(const LinearWeights& w, at::ScalarType dtype, int64_t rows) {
+  const bool gguf = w.weight.scalar_type() == at::kByte && !w.brgemm && w.call_bits(rows) != 0;
   const bool packed = !w.brgemm && w.weight.dim() == 3 && !w.weight.is_mkldnn() &&
                       w.weight.scalar_type() != at::kByte && !w.col_sums;
-  return ((w.brgemm && dtype == at::kBFloat16) || packed) && !w.bias && !w.row_bias && !w.input_perm;
+  return (dtype == at::kBFloat16 || dtype == at::kFloat) && ((w.brgemm && dtype == at::kBFloat16) || packed || gguf) &&
+         !w.bias && !w.row_bias && !w.input_perm;
 }
 
-// A thread's buffers for run_units_raw, grown as its units need.
+// A thread's buffers for its units, grown as they need.
 template <typename T>
 struct UnitBuffers {
   std::vector<float> acc = std::vector<float>(kBrgemmAccFloats), wide;
   std::vector<T> x_rows, gated, mid;
+  GgufScratch gguf;
   bool brgemm = false;  // brgemm ran on this thread: its tile configuration is to release
 };
 
 // out [rows, w.out_features] (rows `out_stride` apart) = x [rows, k] (contiguous) times w, on this thread, with the
-// bits of w's own call: brgemm's, or linear_packed's on x widened to float32 (exactly, as it widens x itself).
+// bits of w's own call: brgemm's, linear_gguf's, or linear_packed's on x widened to float32 (exactly, as it widens
+// x itself).
 template <typename T>
 void project_on_thread(const LinearWeights& w, T* out, int64_t out_stride, const T* x, int64_t rows, int64_t k,
                        UnitBuffers<T>& buffers) {
+  if (w.weight.scalar_type() == at::kByte) {
+    linear_gguf_on_thread(out, out_stride, w.out_features, x, rows, k, w.weight.data_ptr<uint8_t>(), w.ggml_type,
+                          w.call_bits(rows), buffers.gguf);
+    return;
+  }
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     if (w.brgemm) {
       buffers.brgemm = true;
@@ -138,33 +129,61 @@ void project_on_thread(const LinearWeights& w, T* out, int64_t out_stride, const
                           w.scale ? w.scale->data_ptr<float>() : nullptr);
 }
 
-// run_units' bits where every projection is on_raw_rows: each thread gathers a unit's tokens into its own buffer,
-// runs gate_up, SiLU-and-mul and down on them on raw rows (project_on_thread, silu_and_mul_rows), and writes the
-// unit's rows of `outputs` itself.
+// A unit whose projections are on_raw_rows, on this thread: its tokens gathered into the thread's own buffer,
+// gate_up, SiLU-and-mul and down on raw rows (project_on_thread, silu_and_mul_rows), its rows of `outputs` written
+// in place.
 template <typename T>
-void run_units_raw(at::Tensor& outputs, const at::Tensor& x, const std::vector<std::vector<int64_t>>& rows,
-                   const std::vector<Unit>& units, const std::vector<LinearWeights>& gate_up,
-                   const std::vector<LinearWeights>& down) {
-  const int64_t hidden = x.size(1);
-  const T* x_data = x.data_ptr<T>();
-  T* out_data = outputs.data_ptr<T>();
+void run_unit_raw(T* outputs, const T* x, int64_t hidden, const std::vector<int64_t>& rows, const Unit& unit,
+                  const LinearWeights& gate_up, const LinearWeights& down, UnitBuffers<T>& buffers) {
+  const int64_t wide = gate_up.out_features, inter = wide / 2;
+  buffers.x_rows.resize(unit.count * hidden);
+  buffers.gated.resize(unit.count * wide);
+  buffers.mid.resize(unit.count * inter);
+  for (int64_t r = 0; r < unit.count; ++r) {
+    std::memcpy(buffers.x_rows.data() + r * hidden, x + rows[unit.first + r] * hidden, hidden * sizeof(T));
+  }
+  project_on_thread(gate_up, buffers.gated.data(), wide, buffers.x_rows.data(), unit.count, hidden, buffers);
+  silu_and_mul_rows(buffers.mid.data(), buffers.gated.data(), unit.count, inter);
+  project_on_thread(down, outputs + unit.output * hidden, hidden, buffers.mid.data(), unit.count, inter, buffers);
+}
+
+// A unit through LinearWeights' calls, whatever its weights: its tokens gathered (padded with zero rows for
+// oneDNN's weights), its rows of the result copied into `outputs`.
+void run_unit_tensors(at::Tensor& outputs, const at::Tensor& x, const std::vector<int64_t>& rows, const Unit& unit,
+                      const LinearWeights& gate_up, const LinearWeights& down) {
+  const int64_t row_bytes = x.size(1) * x.element_size();
+  // index_select only reads the ids
+  const at::Tensor tokens = at::from_blob(const_cast<int64_t*>(rows.data()) + unit.first, {unit.count}, at::kLong);
+  const int64_t padded = gate_up.weight.is_mkldnn() ? onednn_rows(unit.count) : unit.count;
+  at::Tensor x_rows = at::empty({padded, x.size(1)}, x.options());
+  at::Tensor gathered = x_rows.narrow(0, 0, unit.count);
+  at::index_select_out(gathered, x, 0, tokens);
+  x_rows.narrow(0, unit.count, padded - unit.count).zero_();
+  // copied, not copy_: a worker thread runs outside the caller's inference mode, in which `outputs` was made
+  const at::Tensor y = down(gate_up.silu_and_mul(x_rows)).narrow(0, 0, unit.count);
+  std::memcpy(static_cast<char*>(outputs.data_ptr()) + unit.output * row_bytes, y.contiguous().data_ptr(),
+              unit.count * row_bytes);
+}
+
+// The units split between the threads (parallel_units), each on raw rows where its projections allow
+// (on_raw_rows: at a decode step's two or three rows an expert, a unit's ~12 tensor calls and their allocations
+// took ~28% of the threads' time beside brgemm's kernels on the AMX Xeon), else through the tensor calls.
+template <typename T>
+void run_units(at::Tensor& outputs, const at::Tensor& x, const std::vector<std::vector<int64_t>>& rows,
+               const std::vector<Unit>& units, const std::vector<LinearWeights>& gate_up,
+               const std::vector<LinearWeights>& down) {
   parallel_units(static_cast<int64_t>(units.size()), at::get_num_threads(), [&](const auto& take) {
     UnitBuffers<T> buffers;
     for (int64_t u; (u = take()) >= 0;) {
       const Unit& unit = units[u];
-      const int64_t wide = gate_up[unit.expert].out_features, inter = wide / 2;
-      buffers.x_rows.resize(unit.count * hidden);
-      buffers.gated.resize(unit.count * wide);
-      buffers.mid.resize(unit.count * inter);
-      for (int64_t r = 0; r < unit.count; ++r) {
-        std::memcpy(buffers.x_rows.data() + r * hidden, x_data + rows[unit.expert][unit.first + r] * hidden,
-                    hidden * sizeof(T));
+      const LinearWeights &g = gate_up[unit.expert], &d = down[unit.expert];
+      if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
+        if (on_raw_rows(g, x.scalar_type(), unit.count) && on_raw_rows(d, x.scalar_type(), unit.count)) {
+          run_unit_raw(outputs.data_ptr<T>(), x.data_ptr<T>(), x.size(1), rows[unit.expert], unit, g, d, buffers);
+          continue;
+        }
       }
-      project_on_thread(gate_up[unit.expert], buffers.gated.data(), wide, buffers.x_rows.data(), unit.count, hidden,
-                        buffers);
-      silu_and_mul_rows(buffers.mid.data(), buffers.gated.data(), unit.count, inter);
-      project_on_thread(down[unit.expert], out_data + unit.output * hidden, hidden, buffers.mid.data(), unit.count,
-                        inter, buffers);
+      run_unit_tensors(outputs, x, rows[unit.expert], unit, g, d);
     }
     if (buffers.brgemm) brgemm_release();
   });
@@ -212,21 +231,11 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weights, const at:
   }
   const at::Tensor rows_x = x.contiguous();
   at::Tensor outputs = at::empty({num_rows, rows_x.size(1)}, rows_x.options());
-  const at::ScalarType dtype = rows_x.scalar_type();
-  const auto raw_rows = [dtype](const LinearWeights& w) { return on_raw_rows(w, dtype); };
-  const bool raw = (dtype == at::kBFloat16 || dtype == at::kFloat) &&
-                   std::all_of(gate_up.begin(), gate_up.end(), raw_rows) &&
-                   std::all_of(down.begin(), down.end(), raw_rows);
-  if (raw && dtype == at::kBFloat16) {
-    run_units_raw<c10::BFloat16>(outputs, rows_x, rows, units, gate_up, down);
-  } else if (raw) {
-    run_units_raw<float>(outputs, rows_x, rows, units, gate_up, down);
-  } else {
-    run_units(outputs, rows_x, rows, units, gate_up, down);
-  }
   at::Tensor out = at::zeros_like(rows_x);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "moe_experts",
-                                  [&] { add_slots<scalar_t>(out, outputs, slots); });
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "moe_experts", [&] {
+    run_units<scalar_t>(outputs, rows_x, rows, units, gate_up, down);
+    add_slots<scalar_t>(out, outputs, slots);
+  });
   return out;
 }
 
