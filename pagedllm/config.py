@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from pagedllm.pooling_params import POOLING_TYPES
@@ -144,6 +145,8 @@ class ModelConfig:
         max_model_len: caps the model's own context length; None keeps it.
         seed: seed of the engine's global random stream.
         chat_template: a Jinja template that replaces the model's own.
+        tokenizer: a tokenizer (or model) folder, or a .gguf file, whose tokenizer replaces the model's own (vLLM's
+            `tokenizer`: for a GGUF file without a vocabulary, or one that converts badly); None: the model's.
         quantization: how linear weights are stored, all multiplied in pagedllm's CPU kernels. None: the
             checkpoint's own, as vLLM: an AWQ or GPTQ folder (its config.json's quantization_config) runs as such, a
             .gguf file as "gguf" under dtype "auto" where that can run (the CPU kernels, one rank); otherwise the
@@ -182,6 +185,7 @@ class ModelConfig:
     max_model_len: int | None = None
     seed: int = 0
     chat_template: str | None = None
+    tokenizer: str | None = None
     device: str = "auto"
     quantization: str | None = None
     enforce_eager: bool = False
@@ -197,6 +201,8 @@ class ModelConfig:
         _require(pooler is None or (isinstance(pooler, dict) and set(pooler) == {"pooling_type"}
                                     and pooler["pooling_type"] in POOLING_TYPES),
                  "pooler_config", f"{{'pooling_type': one of {', '.join(POOLING_TYPES)}}}", pooler)
+        _require(self.tokenizer is None or Path(self.tokenizer).expanduser().exists(), "tokenizer",
+                 "a local tokenizer or model folder, or a .gguf file (models are not downloaded)", self.tokenizer)
         _require(self.dtype in ("auto", "bfloat16", "float16", "float32"), "dtype",
                  "one of 'auto', 'bfloat16', 'float16', 'float32'", self.dtype)
         _require(self.max_model_len is None or self.max_model_len > 0, "max_model_len", "> 0",

@@ -37,7 +37,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pagedllm.bench.args import add_dataset_args, add_engine_args, engine_kwargs, requests_from_args
+from pagedllm.bench.args import (
+    add_dataset_args,
+    add_engine_args,
+    bench_tokenizer,
+    engine_kwargs,
+    requests_from_args,
+)
 from pagedllm.cpu import cpu_info
 
 if TYPE_CHECKING:   # both are slow to import; the CLI imports this module to build its parser
@@ -233,7 +239,6 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> dict[str, Any]:
     from pagedllm.loader import resolve_dtype
     from pagedllm.loader.resolve import resolve_model
-    from pagedllm.tokenizer.tokenizer import load_tokenizer
 
     resolved = resolve_model(args.model)
     # "none" is the checkpoint's weights in a dtype named outright: under "auto" a .gguf file would keep its blocks.
@@ -246,7 +251,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     if args.num_text_tokens is not None and args.num_text_tokens < 2:
         raise ValueError(f"--num-text-tokens must be at least 2 (one token of context, one scored), got "
                          f"{args.num_text_tokens}")
-    tokenizer = load_tokenizer(resolved.path, resolved.gguf_file)
+    tokenizer = bench_tokenizer(args)
     text_bytes = Path(args.text_path).read_bytes()
     token_ids = tokenizer.encode(text_bytes.decode("utf-8"), add_special_tokens=False)[:args.num_text_tokens]
     windows = plan_windows(len(token_ids), args.window, args.stride)

@@ -29,6 +29,9 @@ def add_engine_args(parser: argparse.ArgumentParser, prefix_caching_flag: bool =
     group = parser.add_argument_group("engine")
     group.add_argument("--model", default=None,
                        help="HF model folder, .gguf file, or the embedded default (SmolLM2-135M-Instruct) if unset")
+    group.add_argument("--tokenizer", default=None,
+                       help="a tokenizer (or model) folder, or a .gguf file, whose tokenizer builds the requests "
+                            "and runs in every engine, in place of the model's own")
     group.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     group.add_argument("--device", default="auto",
                        help="auto (CUDA when torch sees a device, else the CPU), cpu, cuda or cuda:N")
@@ -65,7 +68,8 @@ def add_engine_args(parser: argparse.ArgumentParser, prefix_caching_flag: bool =
 
 def engine_kwargs(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
     """The `LLM(...)` keyword arguments named by the engine flags, then `overrides`."""
-    kwargs = dict(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+    kwargs = dict(model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
+                  max_model_len=args.max_model_len,
                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                   kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
                   enable_prefix_caching=getattr(args, "enable_prefix_caching", True), seed=args.seed,
@@ -113,10 +117,18 @@ def dataset_argv(args: argparse.Namespace) -> list[str]:
     argv = ["--dataset", args.dataset, "--input-len", str(args.input_len), "--output-len", str(args.output_len),
             "--seed", str(args.seed), "--dtype", args.dtype, "--device", args.device]
     for flag, value in (("--dataset-path", args.dataset_path), ("--num-prompts", args.num_prompts),
-                        ("--model", args.model)):
+                        ("--model", args.model), ("--tokenizer", args.tokenizer)):
         if value is not None:
             argv += [flag, str(value)]
     return argv
+
+
+def bench_tokenizer(args: argparse.Namespace):
+    """The tokenizer the requests are built with, pagedllm's and its peers' alike: --tokenizer's, else the model's."""
+    from pagedllm.loader.resolve import resolve_model
+    from pagedllm.tokenizer.tokenizer import model_tokenizer
+
+    return model_tokenizer(resolve_model(args.model), args.tokenizer)
 
 
 def requests_from_args(tokenizer, args: argparse.Namespace) -> list[BenchRequest]:

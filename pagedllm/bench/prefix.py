@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pagedllm.bench.args import add_engine_args, engine_kwargs
+from pagedllm.bench.args import add_engine_args, bench_tokenizer, engine_kwargs
 from pagedllm.bench.datasets import BenchRequest, shared_prefix_requests
 from pagedllm.bench.vllm_peer import add_vllm_args, run_vllm, vllm_python
 
@@ -93,11 +93,7 @@ def run_once(args: argparse.Namespace, enable_prefix_caching: bool) -> dict[str,
 
 
 def run_vllm_peer(args: argparse.Namespace) -> dict[str, Any]:
-    from pagedllm.loader.resolve import resolve_model
-    from pagedllm.tokenizer.tokenizer import load_tokenizer
-
-    resolved = resolve_model(args.model)
-    requests = shared_prefix_requests(load_tokenizer(resolved.path, resolved.gguf_file), args.num_prompts,
+    requests = shared_prefix_requests(bench_tokenizer(args), args.num_prompts,
                                       args.prefix_len, args.output_len, args.seed)
     run, _ = run_vllm(args, requests, warmup_prompt(args, requests), True)
     num_prompt_tokens = sum(r.prompt_len for r in requests)

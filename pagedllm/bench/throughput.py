@@ -23,6 +23,7 @@ from pagedllm.bench.args import (
     add_dataset_args,
     add_engine_args,
     bench_lora_request,
+    bench_tokenizer,
     dataset_argv,
     engine_kwargs,
     requests_from_args,
@@ -133,13 +134,12 @@ def run_hf(args: argparse.Namespace) -> dict[str, Any]:
     from pagedllm.bench.hf_baseline import run_hf as run_batches
     from pagedllm.device import resolve_device
     from pagedllm.loader.resolve import resolve_model
-    from pagedllm.tokenizer.tokenizer import load_tokenizer
 
     resolved = resolve_model(args.model)
     init_start = time.perf_counter()
     device = resolve_device(args.device)
     model = load_hf_model(resolved, args.dtype, device)
-    tokenizer = load_tokenizer(resolved.path, resolved.gguf_file)
+    tokenizer = bench_tokenizer(args)
     engine_init_s = time.perf_counter() - init_start
     startup_s = seconds_since_process_start()
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -170,10 +170,9 @@ def _run_hf_child(args: argparse.Namespace) -> dict[str, Any]:
 
 def _run_vllm_child(args: argparse.Namespace) -> dict[str, Any]:
     from pagedllm.loader.resolve import resolve_model
-    from pagedllm.tokenizer.tokenizer import load_tokenizer
 
     resolved = resolve_model(args.model)
-    tokenizer = load_tokenizer(resolved.path, resolved.gguf_file)
+    tokenizer = bench_tokenizer(args)
     requests = requests_from_args(tokenizer, args)
     run, hf_config = run_vllm(args, requests, tokenizer.encode("Hello"), args.enable_prefix_caching)
     result = _summarise("vllm", resolved.name, args, requests, run["elapsed_time"],
@@ -187,10 +186,9 @@ def _run_vllm_child(args: argparse.Namespace) -> dict[str, Any]:
 def _run_llamacpp_child(args: argparse.Namespace) -> dict[str, Any]:
     from pagedllm.loader import load_hf_config
     from pagedllm.loader.resolve import resolve_model
-    from pagedllm.tokenizer.tokenizer import load_tokenizer
 
     resolved = resolve_model(args.model)
-    tokenizer = load_tokenizer(resolved.path, resolved.gguf_file)
+    tokenizer = bench_tokenizer(args)
     requests = requests_from_args(tokenizer, args)
     run = run_llamacpp(args, requests, tokenizer.encode("Hello"))
     result = _summarise("llamacpp", resolved.name, args, requests, run["elapsed_time"],

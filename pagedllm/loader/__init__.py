@@ -121,10 +121,10 @@ def text_part_name(name: str) -> str | None:
 
 
 def load_hf_config(resolved: ResolvedModel, gguf_file: GGUFFile | None = None,
-                   overrides: dict[str, Any] | None = None) -> Any:
+                   overrides: dict[str, Any] | None = None, tokenizer: str | None = None) -> Any:
     """The transformers config of a folder (a multimodal checkpoint's language model's: TEXT_PARTS), or one built
     from a GGUF's metadata (`gguf_file`: the file already opened), with `overrides` (ModelConfig.hf_overrides) set
-    on it."""
+    on it (tokens they name are looked up in `tokenizer`'s vocabulary: ModelConfig.tokenizer)."""
     if resolved.gguf_path is not None:
         from pagedllm.loader.gguf import GGUFFile, gguf_hf_config
 
@@ -142,7 +142,7 @@ def load_hf_config(resolved: ResolvedModel, gguf_file: GGUFFile | None = None,
     if overrides:
         config.update(overrides)
         if "classifier_from_token" in overrides:
-            _classifier_from_token(config, resolved)
+            _classifier_from_token(config, resolved, tokenizer)
     return config
 
 
@@ -172,19 +172,19 @@ def _text_config(config: Any, multimodal: str) -> Any:
     return text
 
 
-def _classifier_from_token(config: Any, resolved: ResolvedModel) -> None:
+def _classifier_from_token(config: Any, resolved: ResolvedModel, tokenizer_path: str | None) -> None:
     """vLLM's classifier from an LM head's rows (`hf_overrides` `classifier_from_token`: token strings, one per
     class): the tokens' ids go to `config.classifier_token_ids` (the model builds its head from those rows,
     `LlamaForCausalLM.load_weights`) and the classes to id2label. With two tokens and `is_original_qwen3_reranker`
     (or `method` "from_2_way_softmax") the head has one label, the second token's row less the first's: the sigmoid
     of its logit is the second token's probability in a softmax over the two (Qwen3-Reranker's "yes" against
     "no")."""
-    from pagedllm.tokenizer.tokenizer import load_tokenizer
+    from pagedllm.tokenizer.tokenizer import model_tokenizer
 
     tokens = config.classifier_from_token
     if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
         raise ValueError(f"classifier_from_token must be a list of token strings, got {tokens!r}")
-    tokenizer = load_tokenizer(resolved.path, resolved.gguf_file)
+    tokenizer = model_tokenizer(resolved, tokenizer_path)
     ids = tokenizer.convert_tokens_to_ids(tokens)
     unknown = [t for t, i in zip(tokens, ids, strict=True) if i is None or i == tokenizer.unk_token_id]
     if unknown:
@@ -335,7 +335,7 @@ def load_model(model_config: ModelConfig, tp_rank: int = 0, tp_size: int = 1,
         from pagedllm.loader.gguf import GGUFFile
 
         gguf_file = GGUFFile(resolved.gguf_path)
-    hf_config = load_hf_config(resolved, gguf_file, model_config.hf_overrides)
+    hf_config = load_hf_config(resolved, gguf_file, model_config.hf_overrides, model_config.tokenizer)
     quantization = resolve_quantization(model_config.quantization, resolved, hf_config, tp_size, model_config.device,
                                         model_config.dtype)
     dtype = resolve_dtype(model_config.dtype, model_config.device)

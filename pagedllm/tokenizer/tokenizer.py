@@ -13,11 +13,15 @@ import logging
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import transformers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from pagedllm.paths import cache_dir
+
+if TYPE_CHECKING:
+    from pagedllm.loader.resolve import ResolvedModel
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +49,15 @@ def load_tokenizer(path: str | Path, gguf_file: str | None = None,
     return tokenizer
 
 
+def model_tokenizer(resolved: ResolvedModel, tokenizer: str | None = None,
+                    chat_template: str | None = None) -> PreTrainedTokenizerBase:
+    """The tokenizer a model runs with: `tokenizer`'s (a tokenizer or model folder, or a .gguf file: vLLM's
+    `tokenizer`, for a GGUF file whose vocabulary is missing or converts badly) if given, else the model's own."""
+    if tokenizer is not None:
+        return load_tokenizer(Path(tokenizer).expanduser(), chat_template=chat_template)
+    return load_tokenizer(resolved.path, resolved.gguf_file, chat_template)
+
+
 def _read_chat_template(chat_template: str) -> str:
     """vLLM's --chat-template takes either the template or a file holding it."""
     if "{" not in chat_template and len(chat_template) < 4096:
@@ -62,9 +75,18 @@ def _load_gguf_tokenizer(gguf_path: Path) -> PreTrainedTokenizerBase:
             return AutoTokenizer.from_pretrained(str(cached))
         except Exception as exc:  # a damaged cache entry: rebuild it
             logger.warning("ignoring unreadable tokenizer cache %s: %s", cached, exc)
+    if not _has_vocabulary(gguf_path):
+        raise ValueError(f"{gguf_path} holds no tokenizer (no tokenizer.ggml.tokens): name one with tokenizer= "
+                         "(--tokenizer), a folder holding the model's tokenizer.json")
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     _save_to_cache(tokenizer, cached)
     return tokenizer
+
+
+def _has_vocabulary(gguf_path: Path) -> bool:
+    from gguf import GGUFReader
+
+    return "tokenizer.ggml.tokens" in GGUFReader(str(gguf_path)).fields
 
 
 def _gguf_cache_path(gguf_path: Path) -> Path:

@@ -4,6 +4,8 @@ ones a real run uses. The stand-in records what it was given and generates exact
 
 from __future__ import annotations
 
+import argparse
+
 import json
 import os
 import stat
@@ -222,7 +224,8 @@ def test_vllm_serve_serves_the_exported_model_under_pagedllms_name(tiny_model_di
 def test_the_exported_folder_is_the_model(tiny_model_dir, tmp_path):
     from pagedllm.bench.vllm_peer import export_hf_folder
 
-    dtype, config = export_hf_folder(tiny_model_dir, "float32", tmp_path / "out")
+    args = argparse.Namespace(model=tiny_model_dir, tokenizer=None, dtype="float32")
+    dtype, config = export_hf_folder(args, tmp_path / "out")
     assert dtype == "float32"
     assert config.num_hidden_layers == AutoConfig.from_pretrained(tiny_model_dir).num_hidden_layers
     original = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()

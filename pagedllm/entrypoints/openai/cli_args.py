@@ -193,6 +193,10 @@ def _add_model_args(group: argparse._ArgumentGroup) -> None:
                             "(/classify) when the checkpoint has a classification head")
     group.add_argument("--convert", choices=CONVERTS, default="auto",
                        help="as --runner (`--convert embed`): embeddings are always served, by LAST pooling")
+    group.add_argument("--tokenizer", default=None,
+                       help="a tokenizer (or model) folder, or a .gguf file, whose tokenizer replaces the model's "
+                            "own: for a .gguf file without a vocabulary, or one that converts badly (default: the "
+                            "model's)")
     group.add_argument("--max-model-len", type=int, default=None,
                        help="context length cap, prompt + output tokens (default: the model's own)")
     group.add_argument("--device", default="auto",
@@ -323,8 +327,9 @@ def engine_config_from_args(args: argparse.Namespace):
         raise ValueError("--lora-modules needs --enable-lora")
     return EngineConfig(
         model=ModelConfig(model=model_of(args), dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed,
-                          chat_template=args.chat_template, quantization=args.quantization, device=args.device,
-                          enforce_eager=args.enforce_eager, disable_cascade_attn=args.disable_cascade_attn,
+                          chat_template=args.chat_template, tokenizer=args.tokenizer, quantization=args.quantization,
+                          device=args.device, enforce_eager=args.enforce_eager,
+                          disable_cascade_attn=args.disable_cascade_attn,
                           generation_config=args.generation_config, hf_overrides=args.hf_overrides,
                           pooler_config=args.pooler_config),
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,

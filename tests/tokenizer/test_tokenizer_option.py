@@ -1,0 +1,56 @@
+"""`tokenizer` (vLLM's `--tokenizer`): another tokenizer in place of the model's own, for a GGUF file without a
+vocabulary (or one that converts badly), offline, on the server's command line and in the benches."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.bench.args import add_engine_args, engine_kwargs
+from pagedllm.entrypoints.openai.cli_args import add_server_args, engine_config_from_args
+from tests.loader.test_gguf import write_model_gguf
+from tests.models.tiny import save_tiny_model
+
+PROMPTS = ["hello there", "the cat sat on"]
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> tuple[str, str]:
+    """A tiny Llama as a folder with its byte tokenizer, and the same weights as a GGUF file without a vocabulary."""
+    folder = tmp_path_factory.mktemp("tok")
+    hf_folder, hf_model = save_tiny_model(folder / "hf", "llama-gqa", seed=4)
+    gguf_path = folder / "bare.gguf"
+    write_model_gguf(hf_model, gguf_path, "llama")
+    return str(hf_folder), str(gguf_path)
+
+
+def test_a_gguf_file_without_a_vocabulary_runs_with_a_named_tokenizer(models) -> None:
+    hf_folder, gguf_path = models
+    with pytest.raises(ValueError, match="holds no tokenizer.*tokenizer="):
+        LLM(gguf_path, dtype="float32")
+    named = LLM(gguf_path, dtype="float32", tokenizer=hf_folder)
+    own = LLM(hf_folder, dtype="float32")
+    got, expected = named.generate(PROMPTS, GREEDY, use_tqdm=False), own.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.prompt_token_ids for o in got] == [o.prompt_token_ids for o in expected]
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+    assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in expected]
+    assert named.get_tokenizer().get_vocab() == own.get_tokenizer().get_vocab()
+
+
+def test_a_tokenizer_that_is_not_there_is_refused_naming_the_option(tmp_path) -> None:
+    with pytest.raises(ValueError, match="tokenizer"):
+        LLM(tokenizer=str(tmp_path / "missing"))
+
+
+def test_the_flag_reaches_the_model_config_on_the_server_and_in_the_benches(models) -> None:
+    hf_folder, gguf_path = models
+    parser = add_server_args(argparse.ArgumentParser(), positional_model=True)
+    config = engine_config_from_args(parser.parse_args([gguf_path, "--tokenizer", hf_folder]))
+    assert (config.model.model, config.model.tokenizer) == (gguf_path, hf_folder)
+    bench = argparse.ArgumentParser()
+    add_engine_args(bench)
+    bench.add_argument("--seed", type=int, default=0)
+    assert engine_kwargs(bench.parse_args(["--model", gguf_path, "--tokenizer", hf_folder]))["tokenizer"] == hf_folder
