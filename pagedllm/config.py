@@ -147,6 +147,9 @@ class ModelConfig:
         chat_template: a Jinja template that replaces the model's own.
         tokenizer: a tokenizer (or model) folder, or a .gguf file, whose tokenizer replaces the model's own (vLLM's
             `tokenizer`: for a GGUF file without a vocabulary, or one that converts badly); None: the model's.
+        skip_tokenizer_init: load no tokenizer (vLLM's): prompts must be token ids, and completions carry token ids
+            and no text (as `detokenize=False`); stop strings, bad words, structured outputs and chat are refused.
+            The EOS id is then the model config's.
         quantization: how linear weights are stored, all multiplied in pagedllm's CPU kernels. None: the
             checkpoint's own, as vLLM: an AWQ or GPTQ folder (its config.json's quantization_config) runs as such, a
             .gguf file as "gguf" under dtype "auto" where that can run (the CPU kernels, one rank); otherwise the
@@ -186,6 +189,7 @@ class ModelConfig:
     seed: int = 0
     chat_template: str | None = None
     tokenizer: str | None = None
+    skip_tokenizer_init: bool = False
     device: str = "auto"
     quantization: str | None = None
     enforce_eager: bool = False

@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -106,12 +107,28 @@ class PromptTooLongError(ValueError):
         self.num_tokens, self.max_model_len = num_tokens, max_model_len
 
 
+NO_TOKENIZER = "the engine has no tokenizer (skip_tokenizer_init=True)"
+
+
+def model_eos_token_id(tokenizer, hf_config: Any) -> int | None:
+    """The EOS id replies end at: the tokenizer's, or without one (skip_tokenizer_init) the model config's (the
+    first of a list; the generation config's others stop replies too, as `eos_stop_token_ids`)."""
+    if tokenizer is not None:
+        return tokenizer.eos_token_id
+    eos = getattr(hf_config, "eos_token_id", None)
+    if isinstance(eos, (list, tuple)):
+        return eos[0] if eos else None
+    return eos if isinstance(eos, int) else None
+
+
 def tokenize_prompt(tokenizer, prompt: PromptInput, vocab_size: int, max_model_len: int,
                     pooling: bool = False) -> list[int]:
     """Token ids of a prompt (any form of `pagedllm.inputs`), validated: not empty, inside the vocabulary and the
     context, which a prompt to embed (`pooling`) may fill, as in vLLM, and one to generate from must leave a token
     of. Reads nothing but its arguments, so any thread may call it (the tokenizer's `encode` is thread-safe)."""
     parsed = parse_prompt(prompt)
+    if parsed.token_ids is None and tokenizer is None:
+        raise ValueError(NO_TOKENIZER + ": give prompts as token ids")
     token_ids = parsed.token_ids if parsed.token_ids is not None else tokenizer.encode(parsed.text)
     if not token_ids:
         raise ValueError("the prompt is empty: give at least one token")
@@ -174,7 +191,9 @@ class LLMEngine:
     def _start(self, config: EngineConfig, peers: Peers) -> None:
         loaded = load_model(config.model, 0, config.parallel.tensor_parallel_size)
         self.model_name = loaded.resolved.name
-        self.tokenizer = model_tokenizer(loaded.resolved, config.model.tokenizer, config.model.chat_template)
+        self.tokenizer = None if config.model.skip_tokenizer_init else \
+            model_tokenizer(loaded.resolved, config.model.tokenizer, config.model.chat_template)
+        self.eos_token_id = model_eos_token_id(self.tokenizer, loaded.hf_config)
         self.hf_config = loaded.hf_config
         self.class_labels = class_labels(loaded.hf_config)     # a classifier's; None: the model cannot classify
         self.classifier_pooling = classifier_pooling(loaded.hf_config)     # the token its classification head reads
@@ -187,14 +206,14 @@ class LLMEngine:
         # the model's other EOS ids: stop ids of every request that does not ignore EOS (vLLM's
         # update_from_generation_config), e.g. Llama 3's <|eot_id|> and <|eom_id|> beside <|end_of_text|>
         self.eos_stop_token_ids = [t for t in dict.fromkeys(defaults.eos_token_ids)
-                                   if t != self.tokenizer.eos_token_id]
+                                   if t != self.eos_token_id]
         self.max_model_len = max_model_len_of(loaded.hf_config, config.model.max_model_len)
         config.scheduler.max_model_len = self.max_model_len
         if attends_both_ways(loaded.hf_config):
             _run_prompts_whole(config)
         config.scheduler.check_whole_prompts_fit()
         self.structured_output = StructuredOutputManager(self.tokenizer, model_shape(loaded.hf_config).vocab_size)
-        self.runner = ModelRunner(loaded, config.cache, self.tokenizer.eos_token_id, config.model.seed,
+        self.runner = ModelRunner(loaded, config.cache, self.eos_token_id, config.model.seed,
                                   self.structured_output, peers, config.lora, self._load_draft(config))
         self.vocab_size = self.runner.shape.vocab_size
         num_blocks = config.cache.num_blocks or self._num_blocks()
@@ -365,18 +384,35 @@ class LLMEngine:
         missing = [t for t in self.eos_stop_token_ids if t not in params.stop_token_ids]
         if missing and not params.ignore_eos:
             params = dataclasses.replace(params, stop_token_ids=params.stop_token_ids + missing)
-        params.resolve_bad_words(lambda text: self.tokenizer.encode(text, add_special_tokens=False))
+        if self.tokenizer is None:
+            params = self._tokens_only(params)
+        params.resolve_bad_words(lambda text: self.require_tokenizer().encode(text, add_special_tokens=False))
         completions = [_Completion(i, IncrementalDetokenizer(self.tokenizer, params, token_ids),
                                    logprobs=[] if params.logprobs is not None else None) for i in range(params.n)]
         self.scheduler.add_request(Request(
             request_id=request_id, prompt_token_ids=token_ids, sampling_params=params,
-            eos_token_id=self.tokenizer.eos_token_id,
+            eos_token_id=self.eos_token_id,
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(), priority=priority,
             cache_salt=cache_salt, pooling_params=pooling, lora_request=lora_request,
             token_type_ids=parsed.token_type_ids))
         self._tracked[request_id] = _Tracked(parsed.text, token_ids, params, completions,
                                              prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
                                              pooling=pooling)
+
+    def require_tokenizer(self):
+        """The tokenizer (ValueError when the engine runs without one: skip_tokenizer_init)."""
+        if self.tokenizer is None:
+            raise ValueError(NO_TOKENIZER)
+        return self.tokenizer
+
+    @staticmethod
+    def _tokens_only(params: SamplingParams) -> SamplingParams:
+        """`params` for an engine without a tokenizer: no text (detokenize=False); what needs the tokenizer refused."""
+        for name, needs in (("stop", params.stop), ("bad_words", params.bad_words),
+                            ("structured_outputs", params.structured_outputs)):
+            if needs:
+                raise ValueError(f"{name} needs a tokenizer, and {NO_TOKENIZER}")
+        return dataclasses.replace(params, detokenize=False) if params.detokenize else params
 
     def add_beam_search(self, request_id: str, prompt: PromptInput, params: BeamSearchParams,
                         lora_request: LoRARequest | None = None) -> None:
@@ -388,7 +424,7 @@ class LLMEngine:
         token_ids = self.tokenize_prompt(prompt)
         if lora_request is not None:
             self.runner.load_lora(lora_request)
-        eos = frozenset(t for t in [self.tokenizer.eos_token_id, *self.eos_stop_token_ids] if t is not None)
+        eos = frozenset(t for t in [self.eos_token_id, *self.eos_stop_token_ids] if t is not None)
         self.beam_search.add(request_id, token_ids, params, eos, self.max_model_len, lora_request)
 
     def _check_classifies(self, pooling: PoolingParams) -> None:

@@ -74,6 +74,8 @@ class LLM:
         chat_template: a Jinja template replacing the model's own.
         tokenizer: a tokenizer (or model) folder, or a .gguf file, whose tokenizer replaces the model's own (for a
             GGUF file without a vocabulary, or one that converts badly).
+        skip_tokenizer_init: load no tokenizer: prompts must be token ids, and outputs carry token ids and no
+            text; stop strings, bad words, structured outputs and `chat` are refused (vLLM's).
         quantization: None (the checkpoint's own: an AWQ/GPTQ folder's 4-bit weights, a .gguf file's blocks
             under dtype "auto" on one CPU rank; otherwise the dtype's weights, so a dtype named outright
             dequantises a .gguf), "int8" (linear weights as int8 with per-row scales, quantized at load), "w8a8"
@@ -119,7 +121,8 @@ class LLM:
                  max_num_batched_tokens: int = 2048, enable_chunked_prefill: bool = True, seed: int = 0,
                  enable_prefix_caching: bool = True,
                  swap_space: float = 0.0, preemption_mode: PreemptionMode = "recompute",
-                 chat_template: str | None = None, tokenizer: str | None = None, num_kv_blocks: int | None = None,
+                 chat_template: str | None = None, tokenizer: str | None = None, skip_tokenizer_init: bool = False,
+                 num_kv_blocks: int | None = None,
                  swap_path: str | None = None, scheduling_policy: SchedulingPolicy = "fcfs",
                  quantization: str | None = None, kv_cache_dtype: str = "auto",
                  speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
@@ -134,7 +137,8 @@ class LLM:
         check_runner(runner, convert)
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
-                              chat_template=chat_template, tokenizer=tokenizer, quantization=quantization,
+                              chat_template=chat_template, tokenizer=tokenizer,
+                              skip_tokenizer_init=skip_tokenizer_init, quantization=quantization,
                               device=device, enforce_eager=enforce_eager, disable_cascade_attn=disable_cascade_attn,
                               generation_config=generation_config, hf_overrides=hf_overrides,
                               pooler_config=pooler_config),
@@ -177,7 +181,8 @@ class LLM:
         self.close()
 
     def get_tokenizer(self):
-        return self.engine.tokenizer
+        """The engine's tokenizer (ValueError with skip_tokenizer_init, which loads none)."""
+        return self.engine.require_tokenizer()
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` and `chat` use when given no SamplingParams: SamplingParams() with the sampling defaults
@@ -323,7 +328,7 @@ class LLM:
         if len(labels) != 1:
             raise ValueError(f"score needs an embedding model or a cross-encoder (a classifier with one label); "
                              f"this classifier has {len(labels)} labels: use classify")
-        tokenizer, token_types = self.engine.tokenizer, self.engine.token_type_vocab_size > 1
+        tokenizer, token_types = self.get_tokenizer(), self.engine.token_type_vocab_size > 1
         classified = self.classify([cross_encoder_prompt(tokenizer, first[i], second[j], token_types)
                                     for i, j in pairs], use_tqdm=use_tqdm, lora_request=lora_request,
                                    truncate_prompt_tokens=truncate_prompt_tokens)
@@ -354,8 +359,8 @@ class LLM:
         if keep != -1 and not 1 <= keep <= max_model_len:
             raise ValueError(f"truncate_prompt_tokens must be -1 or in [1, {max_model_len}], got {keep}")
         keep = max_model_len if keep == -1 else keep
-        tokenizer = self.engine.tokenizer
-        return [ParsedPrompt(None, (p.token_ids if p.token_ids is not None else tokenizer.encode(p.text))[-keep:],
+        return [ParsedPrompt(None, (p.token_ids if p.token_ids is not None else
+                                    self.get_tokenizer().encode(p.text))[-keep:],
                              p.cache_salt, None if p.token_type_ids is None else p.token_type_ids[-keep:])
                 for p in prompt_list]
 
@@ -409,14 +414,15 @@ class LLM:
         """
         conversations = _as_conversations(messages)
         template = chat_template or self.engine.config.model.chat_template
+        tokenizer = self.get_tokenizer()
         prompts = []
         for conversation in conversations:
             kwargs: dict[str, Any] = dict(chat_template_kwargs or {})
             if tools:
-                used = template or getattr(self.engine.tokenizer, "chat_template", None) or ""
+                used = template or getattr(tokenizer, "chat_template", None) or ""
                 conversation, tool_kwargs = with_tools(list(conversation), tools, used)
                 kwargs |= tool_kwargs
-            prompts.append(apply_chat_template(self.engine.tokenizer, conversation, template, add_generation_prompt,
+            prompts.append(apply_chat_template(tokenizer, conversation, template, add_generation_prompt,
                                                continue_final_message, **kwargs))
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 

@@ -5,7 +5,6 @@ ones a real run uses. The stand-in records what it was given and generates exact
 from __future__ import annotations
 
 import argparse
-
 import json
 import os
 import stat

@@ -97,3 +97,17 @@ def test_each_replica_is_built_and_stepped_on_one_thread_of_its_own(tiny_dir, th
         llm.generate(random_prompts(6, seed=1), SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
         seen = [threads_seen(replica) for replica in llm.engine.replicas]
     assert seen == [("pagedllm-dp-0", {"pagedllm-dp-0"}), ("pagedllm-dp-1", {"pagedllm-dp-1"})]
+
+
+def test_replicas_without_a_tokenizer_run_on_token_ids(tiny_dir):
+    """skip_tokenizer_init across replicas: token ids in and out, and the tokenizer refused as one engine refuses
+    it."""
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [5 + i, 17, 42, 99]} for i in range(4)]
+    with _llm(tiny_dir, 1) as one:
+        expected = [o.outputs[0].token_ids for o in one.generate(prompts, params, use_tqdm=False)]
+    with _llm(tiny_dir, 2, skip_tokenizer_init=True) as two:
+        outputs = two.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == expected and all(o.outputs[0].text == "" for o in outputs)
+        with pytest.raises(ValueError, match="skip_tokenizer_init"):
+            two.get_tokenizer()

@@ -1,5 +1,6 @@
 """`tokenizer` (vLLM's `--tokenizer`): another tokenizer in place of the model's own, for a GGUF file without a
-vocabulary (or one that converts badly), offline, on the server's command line and in the benches."""
+vocabulary (or one that converts badly), offline, on the server's command line and in the benches; and
+`skip_tokenizer_init`: none at all, token ids in and out."""
 
 from __future__ import annotations
 
@@ -27,12 +28,16 @@ def models(tmp_path_factory) -> tuple[str, str]:
     return str(hf_folder), str(gguf_path)
 
 
-def test_a_gguf_file_without_a_vocabulary_runs_with_a_named_tokenizer(models) -> None:
+@pytest.fixture(scope="module")
+def own(models) -> LLM:
+    return LLM(models[0], dtype="float32")
+
+
+def test_a_gguf_file_without_a_vocabulary_runs_with_a_named_tokenizer(models, own: LLM) -> None:
     hf_folder, gguf_path = models
     with pytest.raises(ValueError, match="holds no tokenizer.*tokenizer="):
         LLM(gguf_path, dtype="float32")
     named = LLM(gguf_path, dtype="float32", tokenizer=hf_folder)
-    own = LLM(hf_folder, dtype="float32")
     got, expected = named.generate(PROMPTS, GREEDY, use_tqdm=False), own.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.prompt_token_ids for o in got] == [o.prompt_token_ids for o in expected]
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
@@ -54,3 +59,25 @@ def test_the_flag_reaches_the_model_config_on_the_server_and_in_the_benches(mode
     add_engine_args(bench)
     bench.add_argument("--seed", type=int, default=0)
     assert engine_kwargs(bench.parse_args(["--model", gguf_path, "--tokenizer", hf_folder]))["tokenizer"] == hf_folder
+
+
+def test_skip_tokenizer_init_runs_on_token_ids_alone(models, own: LLM) -> None:
+    """No tokenizer at all (a GGUF file without a vocabulary needs none then): token ids in, the same greedy
+    token ids out with no text, the EOS id from the model config; what needs the tokenizer is refused, saying
+    why."""
+    bare = LLM(models[1], dtype="float32", skip_tokenizer_init=True)
+    assert bare.engine.tokenizer is None and bare.engine.eos_token_id == own.engine.eos_token_id is not None
+    prompts = [{"prompt_token_ids": own.get_tokenizer().encode(p)} for p in PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
+    got, expected = bare.generate(prompts, params, use_tqdm=False), own.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+    assert all(o.outputs[0].text == "" for o in got)
+    assert all(entry.decoded_token is None for o in got for position in o.outputs[0].logprobs
+               for entry in position.values())
+    for refused in (lambda: bare.generate("hello", GREEDY, use_tqdm=False),
+                    lambda: bare.generate(prompts[0], SamplingParams(stop=["x"]), use_tqdm=False),
+                    lambda: bare.generate(prompts[0], SamplingParams(bad_words=["x"]), use_tqdm=False),
+                    lambda: bare.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False),
+                    bare.get_tokenizer):
+        with pytest.raises(ValueError, match="skip_tokenizer_init"):
+            refused()
