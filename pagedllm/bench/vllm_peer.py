@@ -46,16 +46,19 @@ def vllm_python(args: argparse.Namespace) -> Path:
     return peer_python(args.vllm_python, "--vllm-python", "vLLM")
 
 
-def vllm_env(kv_cache_memory: int | None) -> dict[str, str]:
+def vllm_env(kv_cache_memory: int | None, rpc_dir: Path) -> dict[str, str]:
     """vLLM-CPU's settings for a fair run: its threads on all our CPUs, none reserved, and the KV budget given
-    (whole GiB, at least 1; 4 GiB by default, pagedllm's own default budget on these machines).
+    (whole GiB, at least 1; 4 GiB by default, pagedllm's own default budget on these machines). Its ZMQ sockets go
+    in `rpc_dir`, a folder of the run's own that is deleted after it (in the temporary folder they piled up, one
+    set a run).
 
     Under PAGEDLLM_MAX_CPU_ISA=avx2 (or baseline) vLLM runs capped too: its AVX2 kernels (vllm_capped's
     sitecustomize), and torch's, oneDNN's and MKL's AVX2 code (their own caps, unless the caller set them)."""
     cpus = ",".join(str(cpu) for cpu in sorted(os.sched_getaffinity(0)))
     kv_gib = max(1, round((kv_cache_memory or 4 << 30) / (1 << 30)))
     env = os.environ | {"VLLM_CPU_OMP_THREADS_BIND": cpus, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-                        "VLLM_CPU_KVCACHE_SPACE": str(kv_gib), "VLLM_LOGGING_LEVEL": "WARNING"}
+                        "VLLM_CPU_KVCACHE_SPACE": str(kv_gib), "VLLM_LOGGING_LEVEL": "WARNING",
+                        "VLLM_RPC_BASE_PATH": str(rpc_dir)}
     cpu = cpu_info()
     if cpu.capped and cpu.isa_level != "avx512":
         env = AVX2_CAPS | env
@@ -105,7 +108,7 @@ def run_vllm(args: argparse.Namespace, requests: list[BenchRequest], warmup_prom
         if job["lora_path"]:
             job["max_lora_rank"] = lora_rank(job["lora_path"])
         print(f"Running the vLLM peer ({python}, {dtype}): this starts in about 3 minutes on 2 cores", flush=True)
-        result = run_child(python, _CHILD, job, vllm_env(args.kv_cache_memory), "vLLM")
+        result = run_child(python, _CHILD, job, vllm_env(args.kv_cache_memory, Path(tmp)), "vLLM")
     result["dtype"] = dtype
     return result, hf_config
 
@@ -140,7 +143,7 @@ def serve_main(args: argparse.Namespace) -> dict[str, Any]:
             command.append("--no-enable-prefix-caching")
         print("Starting:", " ".join(command), flush=True)
         try:
-            returncode = run_in_own_group(command, env=vllm_env(args.kv_cache_memory))
+            returncode = run_in_own_group(command, env=vllm_env(args.kv_cache_memory, Path(tmp)))
         except KeyboardInterrupt:
             returncode = 0
     return {"returncode": returncode}

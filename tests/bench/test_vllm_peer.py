@@ -48,7 +48,8 @@ class _Embedded:
 
 class LLM:
     def __init__(self, **kwargs):
-        self.env = {k: v for k, v in os.environ.items() if k.startswith("VLLM_CPU")}
+        self.env = {k: v for k, v in os.environ.items() if k.startswith("VLLM_CPU") or k == "VLLM_RPC_BASE_PATH"}
+        self.env["rpc_dir_exists"] = os.path.isdir(os.environ.get("VLLM_RPC_BASE_PATH", ""))
         self.kwargs, self.calls = kwargs, []
 
     def embed(self, prompts, use_tqdm=True):     # the vectors the test put in FAKE_VLLM_VECTORS, in turn
@@ -186,6 +187,8 @@ def test_compare_vllm_runs_the_same_token_ids_in_the_peer(tiny_model_dir, fake_v
     assert seen["kwargs"]["max_num_seqs"] == 256 and seen["kwargs"]["max_num_batched_tokens"] == 2048
     assert seen["env"]["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0" and seen["env"]["VLLM_CPU_KVCACHE_SPACE"] == "1"
     assert seen["env"]["VLLM_CPU_OMP_THREADS_BIND"] == ",".join(map(str, sorted(os.sched_getaffinity(0))))
+    # its sockets in a folder of the run's own, there while it ran and gone after
+    assert seen["env"]["rpc_dir_exists"] and not Path(seen["env"]["VLLM_RPC_BASE_PATH"]).exists()
     vllm = result["vllm"]
     assert (vllm["backend"], vllm["total_output_tokens"], vllm["dtype"]) == ("vllm", 20, "float32")
     assert result["ratio"]["vllm"]["output_tokens_per_second"] == (result["output_tokens_per_second"]
@@ -266,14 +269,14 @@ def test_a_capped_run_caps_the_peer_too(monkeypatch, level):
     monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "SSE4_2")
     monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)  # as `make test` capped by hand would set them
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
-    plain = vllm_peer.vllm_env(None)
+    plain = vllm_peer.vllm_env(None, Path("/tmp"))
     assert plain["PYTHONPATH"] == "/elsewhere" and "ATEN_CPU_CAPABILITY" not in plain
 
     capped_flags = flags & {"avx2", "fma", "f16c"} if level == "avx2" else frozenset()
     capped = CpuInfo("x86_64", "test", capped_flags, capped=True)
     assert capped.isa_level == level
     monkeypatch.setattr(vllm_peer, "cpu_info", lambda: capped)
-    env = vllm_peer.vllm_env(None)
+    env = vllm_peer.vllm_env(None, Path("/tmp"))
     site = Path(vllm_peer.__file__).with_name("vllm_capped")
     assert env["PYTHONPATH"] == f"{site}{os.pathsep}/elsewhere"
     assert (env["ATEN_CPU_CAPABILITY"], env["ONEDNN_MAX_CPU_ISA"]) == ("avx2", "AVX2")
