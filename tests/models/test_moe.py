@@ -188,7 +188,8 @@ def test_quantized_moe_checkpoints_are_refused_with_a_clear_error(tmp_path):
 
 @pytest.mark.parametrize(("dtype", "brgemm", "quantization"), [
     (torch.float32, True, None), (torch.bfloat16, True, None), (torch.bfloat16, False, None),
-    (torch.float32, True, "int8"), (torch.bfloat16, True, "int8")])
+    (torch.float32, True, "int8"), (torch.bfloat16, True, "int8"), (torch.float32, True, "w8a8"),
+    (torch.bfloat16, True, "w8a8")])
 @pytest.mark.parametrize("num_tokens", [1, 37, 1100])
 def test_the_kernels_block_gives_the_torch_blocks_bits(tmp_path, dtype, brgemm, quantization, num_tokens,
                                                        monkeypatch):

@@ -396,34 +396,64 @@ struct W8A8Problem {
 #endif
 };
 
+// out [m, n] (rows `out_stride` apart) = x [m, k] (rows `x_stride` apart) times the packed weight, plus bias: x
+// quantized by the threads together (or on this one, `on_thread`) into `scratch`, then the column blocks and row
+// tiles split.
 template <typename T>
-void linear_w8a8_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& col_sums,
-                      const at::Tensor& w_scale, const c10::optional<at::Tensor>& bias) {
-  const int64_t m = x.size(0), k = x.size(1), groups = packed.size(1), spans = col_sums.size(1);
+void run_w8a8(T* out, int64_t out_stride, int64_t n, const T* x, int64_t x_stride, int64_t m, int64_t k,
+              const int8_t* packed, const int32_t* col_sums, const float* w_scale, const T* bias,
+              W8A8Scratch& scratch, bool on_thread) {
+  const int64_t groups = (k + kGroupK - 1) / kGroupK, spans = (k + kSpanK - 1) / kSpanK;
   const bool amx = m >= kAmxMinRows && amx_granted();
   // x's rows: whole groups, or whole spans for the tiles; whole tiles of rows (an AMX tile loads all 16).
   const int64_t k_padded = amx ? spans * kSpanK : groups * kGroupK, ld = kXPlanes * k_padded;
   const int64_t tile_rows = amx ? kAmxRows : kTileRows, tiles = (m + tile_rows - 1) / tile_rows;
-  std::vector<uint8_t> quantized(tiles * tile_rows * ld);
-  std::vector<float> x_scale(tiles * tile_rows * spans);
-  const T* src = x.data_ptr<T>();
-  const int64_t grain = std::max<int64_t>(1, kConvertGrain / std::max<int64_t>(1, k));
-  at::parallel_for(0, m, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> v(k);
+  scratch.quantized.assign(tiles * tile_rows * ld, 0);
+  scratch.x_scale.assign(tiles * tile_rows * spans, 0.f);
+  const auto quantize = [&](int64_t begin, int64_t end, float* v) {
     for (int64_t r = begin; r < end; ++r) {
-      quantize_row(src + r * x.stride(0), k, k_padded, quantized.data() + r * ld, x_scale.data() + r * spans,
-                   v.data());
+      quantize_row(x + r * x_stride, k, k_padded, scratch.quantized.data() + r * ld,
+                   scratch.x_scale.data() + r * spans, v);
     }
-  });
-  const W8A8Problem<T> problem{quantized.data(), x_scale.data(), packed.data_ptr<int8_t>(),
-                               col_sums.data_ptr<int32_t>(), w_scale.data_ptr<float>(),
-                               bias ? bias->data_ptr<T>() : nullptr, out.data_ptr<T>(), m, out.size(1), groups,
-                               spans, ld, out.stride(0), amx};
-  split_blocks_and_tiles(packed.size(0), tiles, m * out.size(1) * k,
+  };
+  if (on_thread) {
+    scratch.v.resize(k);
+    quantize(0, m, scratch.v.data());
+  } else {
+    at::parallel_for(0, m, std::max<int64_t>(1, kConvertGrain / std::max<int64_t>(1, k)),
+                     [&](int64_t begin, int64_t end) {
+                       std::vector<float> v(k);
+                       quantize(begin, end, v.data());
+                     });
+  }
+  const W8A8Problem<T> problem{scratch.quantized.data(), scratch.x_scale.data(), packed, col_sums, w_scale, bias,
+                               out, m, n, groups, spans, ld, out_stride, amx};
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+  if (on_thread) return problem.run(0, blocks, 0, tiles);
+  split_blocks_and_tiles(blocks, tiles, m * n * k,
                          [&](int64_t b0, int64_t b1, int64_t t0, int64_t t1) { problem.run(b0, b1, t0, t1); });
 }
 
+template <typename T>
+void linear_w8a8_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& col_sums,
+                      const at::Tensor& w_scale, const c10::optional<at::Tensor>& bias) {
+  W8A8Scratch scratch;
+  run_w8a8<T>(out.data_ptr<T>(), out.stride(0), out.size(1), x.data_ptr<T>(), x.stride(0), x.size(0), x.size(1),
+              packed.data_ptr<int8_t>(), col_sums.data_ptr<int32_t>(), w_scale.data_ptr<float>(),
+              bias ? bias->data_ptr<T>() : nullptr, scratch, false);
+}
+
 }  // namespace
+
+template <typename T>
+void linear_w8a8_on_thread(T* out, int64_t out_stride, int64_t n, const T* x, int64_t m, int64_t k,
+                           const int8_t* packed, const int32_t* col_sums, const float* w_scale, W8A8Scratch& scratch) {
+  run_w8a8<T>(out, out_stride, n, x, k, m, k, packed, col_sums, w_scale, nullptr, scratch, true);
+}
+template void linear_w8a8_on_thread(float*, int64_t, int64_t, const float*, int64_t, int64_t, const int8_t*,
+                                    const int32_t*, const float*, W8A8Scratch&);
+template void linear_w8a8_on_thread(c10::BFloat16*, int64_t, int64_t, const c10::BFloat16*, int64_t, int64_t,
+                                    const int8_t*, const int32_t*, const float*, W8A8Scratch&);
 
 std::tuple<at::Tensor, at::Tensor> pack_w8a8_weight(at::Tensor q) {
   TORCH_CHECK(q.device().is_cpu() && q.dim() == 2 && q.is_contiguous() && q.scalar_type() == at::kChar,

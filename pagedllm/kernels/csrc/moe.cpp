@@ -6,14 +6,15 @@
 // runs whole experts, their kernels on one thread (a kernel called inside a parallel region runs on its caller's
 // thread), taken as parallel_units deals them, so the threads stream weights without meeting between experts
 // (an expert with more than kUnitRows rows is split into several units).
-// Experts in brgemm blocks (bf16, `small_calls`), in pagedllm's packed float32, bf16 and int8 layouts, or in GGUF
-// blocks in a call that takes their integer arithmetic (every call of a float32 model, and of a few rows in a bf16
+// Experts in brgemm blocks (bf16, `small_calls`), in pagedllm's packed float32, bf16, int8 and W8A8 layouts, or in
+// GGUF blocks in a call that takes their integer arithmetic (every call of a float32 model, and of a few rows in a bf16
 // one: LinearWeights::call_bits) run on raw rows in each thread's own buffers, with no tensor made or op dispatched
 // a unit (run_unit_raw): at a decode step's two or three rows an expert, such calls (~12 an expert: a gather,
 // empties, narrows, a copy) and their allocations took ~28% of the threads' time on the AMX Xeon beside the brgemm
 // kernels that stream the weights. A random Qwen3-MoE's experts at 16 tokens, 12 layers: bf16 in brgemm blocks
 // 88.6 -> 66.3 ms (18.0 -> 24.0 GB/s of weights, where two threads stream at most ~26-27), int8 51.1 -> 42.0 ms,
-// bf16 packed (capped to AVX2) 78.0 -> 62-65 ms, GGUF Q4_1 in 16-bit integers 32.9 -> 27.2 ms. Other units (oneDNN's
+// bf16 packed (capped to AVX2) 78.0 -> 62-65 ms, GGUF Q4_1 in 16-bit integers 32.9 -> 27.2 ms, W8A8 at 1 and 4
+// tokens 8.5 -> 6.9 and 23 -> 19.3 ms (at 16 level: its weights already streamed at ~19.5 GB/s). Other units (oneDNN's
 // weights, GGUF blocks in bf16 tiles or vectors: a prefill's many rows an expert) go through LinearWeights' calls
 // (run_unit_tensors). Then each token's weighted rows are added in expert order, as
 // pagedllm.layers.moe.run_experts adds them.
@@ -78,13 +79,12 @@ void add_slots(at::Tensor& out, const at::Tensor& outputs, const std::vector<std
 }
 
 // A projection a unit of `rows` rows of `dtype` can run on raw rows: bf16 brgemm blocks (bf16 rows), pagedllm's
-// packed float32, bf16 or int8 weights (linear_packed's; not W8A8's), or GGUF blocks in a call that takes their
+// packed float32, bf16 or int8 weights (linear_packed's) or W8A8's, or GGUF blocks in a call that takes their
 // integer arithmetic (LinearWeights::call_bits; not bf16's tiles or vectors), with no bias of any kind and no input
 // permutation.
 bool on_raw_rows(const LinearWeights& w, at::ScalarType dtype, int64_t rows) {
   const bool gguf = w.weight.scalar_type() == at::kByte && !w.brgemm && w.call_bits(rows) != 0;
-  const bool packed = !w.brgemm && w.weight.dim() == 3 && !w.weight.is_mkldnn() &&
-                      w.weight.scalar_type() != at::kByte && !w.col_sums;
+  const bool packed = !w.brgemm && w.weight.dim() == 3 && !w.weight.is_mkldnn() && w.weight.scalar_type() != at::kByte;
   return (dtype == at::kBFloat16 || dtype == at::kFloat) && ((w.brgemm && dtype == at::kBFloat16) || packed || gguf) &&
          !w.bias && !w.row_bias && !w.input_perm;
 }
@@ -95,18 +95,24 @@ struct UnitBuffers {
   std::vector<float> acc = std::vector<float>(kBrgemmAccFloats), wide;
   std::vector<T> x_rows, gated, mid;
   GgufScratch gguf;
+  W8A8Scratch w8a8;
   bool brgemm = false;  // brgemm ran on this thread: its tile configuration is to release
 };
 
 // out [rows, w.out_features] (rows `out_stride` apart) = x [rows, k] (contiguous) times w, on this thread, with the
-// bits of w's own call: brgemm's, linear_gguf's, or linear_packed's on x widened to float32 (exactly, as it widens
-// x itself).
+// bits of w's own call: brgemm's, linear_gguf's, linear_w8a8's, or linear_packed's on x widened to float32
+// (exactly, as it widens x itself).
 template <typename T>
 void project_on_thread(const LinearWeights& w, T* out, int64_t out_stride, const T* x, int64_t rows, int64_t k,
                        UnitBuffers<T>& buffers) {
   if (w.weight.scalar_type() == at::kByte) {
     linear_gguf_on_thread(out, out_stride, w.out_features, x, rows, k, w.weight.data_ptr<uint8_t>(), w.ggml_type,
                           w.call_bits(rows), buffers.gguf);
+    return;
+  }
+  if (w.col_sums) {
+    linear_w8a8_on_thread(out, out_stride, w.out_features, x, rows, k, w.weight.data_ptr<int8_t>(),
+                          w.col_sums->data_ptr<int32_t>(), w.scale->data_ptr<float>(), buffers.w8a8);
     return;
   }
   if constexpr (std::is_same_v<T, c10::BFloat16>) {

@@ -133,6 +133,16 @@ void linear_gguf_silu_and_mul(at::Tensor out, at::Tensor x, at::Tensor packed, i
 std::tuple<at::Tensor, at::Tensor> pack_w8a8_weight(at::Tensor q);
 void linear_w8a8(at::Tensor out, at::Tensor x, at::Tensor packed, at::Tensor col_sums, at::Tensor w_scale,
                  c10::optional<at::Tensor> bias);
+// The buffers a W8A8 call quantizes x into: one thread's own, for linear_w8a8_on_thread's calls.
+struct W8A8Scratch {
+  std::vector<uint8_t> quantized;
+  std::vector<float> x_scale, v;
+};
+// linear_w8a8's bits for x [m, k] (contiguous) into out [m, n] (rows `out_stride` apart), no bias, all on the
+// calling thread: a mixture of experts' units (moe.cpp). T: float or bf16.
+template <typename T>
+void linear_w8a8_on_thread(T* out, int64_t out_stride, int64_t n, const T* x, int64_t m, int64_t k,
+                           const int8_t* packed, const int32_t* col_sums, const float* w_scale, W8A8Scratch& scratch);
 
 // bf16 weights in torch's brgemm blocks times bf16 x (linear_brgemm.cpp), where torch's brgemm packs bf16.
 bool brgemm_bf16_available();
