@@ -67,13 +67,35 @@ def load_hf_model(resolved: ResolvedModel, dtype: str = "auto", device: str = "c
     config = load_hf_config(resolved)  # a GGUF's is generic (see gguf_hf_config): the model's own class
     config = AutoConfig.for_model(config.model_type, **{k: v for k, v in config.to_dict().items() if k != "model_type"})
     model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
-    missing, unexpected = model.load_state_dict(dict(iterate_gguf(resolved.gguf_path, torch_dtype)),
-                                                strict=False)
+    weights = _stacked_experts(dict(iterate_gguf(resolved.gguf_path, torch_dtype)), model)
+    missing, unexpected = model.load_state_dict(weights, strict=False)
     if unexpected or set(missing) - {"lm_head.weight"}:
-        raise RuntimeError(f"the GGUF does not fit the transformers model: missing {missing}, "
-                           f"unexpected {unexpected}")
+        raise RuntimeError(f"the GGUF does not fit the transformers model: missing {_some(missing)}, "
+                           f"unexpected {_some(unexpected)}")
     model.tie_weights()
     return model.to(device).eval()
+
+
+def _stacked_experts(weights: dict[str, torch.Tensor], model: PreTrainedModel) -> dict[str, torch.Tensor]:
+    """`weights` with each mixture of experts' per-expert projections (gate_proj, up_proj and down_proj of
+    experts.{e}, as pagedllm's GGUF reader names them) stacked as transformers keeps them: experts.gate_up_proj
+    [E, 2 I, H] (each expert's gate rows, then its up rows) and experts.down_proj [E, H, I]."""
+    for name, param in model.state_dict().items():
+        if not name.endswith("experts.gate_up_proj") or name in weights:
+            continue
+        prefix = name.removesuffix("gate_up_proj")
+        experts = range(param.shape[0])
+        if f"{prefix}0.gate_proj.weight" not in weights:
+            continue
+        weights[name] = torch.stack([torch.cat([weights.pop(f"{prefix}{e}.gate_proj.weight"),
+                                                weights.pop(f"{prefix}{e}.up_proj.weight")]) for e in experts])
+        weights[f"{prefix}down_proj"] = torch.stack([weights.pop(f"{prefix}{e}.down_proj.weight") for e in experts])
+    return weights
+
+
+def _some(names: list[str], shown: int = 8) -> str:
+    """A few of `names`, and how many more."""
+    return str(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
 def _left_padded(batch: list[BenchRequest], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -439,8 +439,9 @@ def _gguf_experts(g: GGUFFile, num_layers: int) -> dict[str, Any]:
     if g.architecture not in _MOE_MODEL_TYPES:
         raise ValueError(f"a {g.architecture!r} mixture of experts is not supported (GGUF mixtures of experts: "
                          f"{', '.join(sorted(_MOE_MODEL_TYPES))})")
-    fields: dict[str, Any] = dict(
-        num_local_experts=num_experts, num_experts_per_tok=int(g.arch_value("expert_used_count")),
+    fields: dict[str, Any] = dict(   # Mixtral's config names the count num_local_experts, Qwen2-MoE's num_experts
+        num_local_experts=num_experts, num_experts=num_experts,
+        num_experts_per_tok=int(g.arch_value("expert_used_count")),
         moe_intermediate_size=int(g.arch_value("expert_feed_forward_length") or g.arch_value("feed_forward_length")),
         norm_topk_prob=_MOE_RENORMALIZES[g.architecture],
         mlp_only_layers=[i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in g.tensors])
