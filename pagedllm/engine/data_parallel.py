@@ -155,7 +155,6 @@ class DataParallelEngine:
         self.vocab_size, self.max_model_len = first.vocab_size, first.max_model_len
         self.default_sampling, self.class_labels = first.default_sampling, first.class_labels
         self.token_type_vocab_size = first.token_type_vocab_size
-        self.require_tokenizer = first.require_tokenizer
         self.router = make_router(config, first.capacity.num_blocks)
         self._owner: dict[str, int] = {}    # unfinished request id -> its replica
 

@@ -110,6 +110,13 @@ class PromptTooLongError(ValueError):
 NO_TOKENIZER = "the engine has no tokenizer (skip_tokenizer_init=True)"
 
 
+def require_tokenizer(tokenizer):
+    """`tokenizer`, an engine's (ValueError when it runs without one: skip_tokenizer_init)."""
+    if tokenizer is None:
+        raise ValueError(NO_TOKENIZER)
+    return tokenizer
+
+
 def model_eos_token_id(tokenizer, hf_config: Any) -> int | None:
     """The EOS id replies end at: the tokenizer's, or without one (skip_tokenizer_init) the model config's (the
     first of a list; the generation config's others stop replies too, as `eos_stop_token_ids`)."""
@@ -193,7 +200,6 @@ class LLMEngine:
         self.model_name = loaded.resolved.name
         self.tokenizer = None if config.model.skip_tokenizer_init else \
             model_tokenizer(loaded.resolved, config.model.tokenizer, config.model.chat_template)
-        self.eos_token_id = model_eos_token_id(self.tokenizer, loaded.hf_config)
         self.hf_config = loaded.hf_config
         self.class_labels = class_labels(loaded.hf_config)     # a classifier's; None: the model cannot classify
         self.classifier_pooling = classifier_pooling(loaded.hf_config)     # the token its classification head reads
@@ -341,6 +347,11 @@ class LLMEngine:
         return peak
 
     # ---- requests ---------------------------------------------------------------------------------------------
+    @property
+    def eos_token_id(self) -> int | None:
+        """The EOS id replies end at (`model_eos_token_id`), read when asked: a caller may set the tokenizer's."""
+        return model_eos_token_id(self.tokenizer, self.hf_config)
+
     def tokenize_prompt(self, prompt: PromptInput, pooling: bool = False) -> list[int]:
         """Token ids of a prompt, validated: not empty, inside the vocabulary and the context (see
         `tokenize_prompt`)."""
@@ -386,7 +397,7 @@ class LLMEngine:
             params = dataclasses.replace(params, stop_token_ids=params.stop_token_ids + missing)
         if self.tokenizer is None:
             params = self._tokens_only(params)
-        params.resolve_bad_words(lambda text: self.require_tokenizer().encode(text, add_special_tokens=False))
+        params.resolve_bad_words(lambda text: require_tokenizer(self.tokenizer).encode(text, add_special_tokens=False))
         completions = [_Completion(i, IncrementalDetokenizer(self.tokenizer, params, token_ids),
                                    logprobs=[] if params.logprobs is not None else None) for i in range(params.n)]
         self.scheduler.add_request(Request(
@@ -398,12 +409,6 @@ class LLMEngine:
         self._tracked[request_id] = _Tracked(parsed.text, token_ids, params, completions,
                                              prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
                                              pooling=pooling)
-
-    def require_tokenizer(self):
-        """The tokenizer (ValueError when the engine runs without one: skip_tokenizer_init)."""
-        if self.tokenizer is None:
-            raise ValueError(NO_TOKENIZER)
-        return self.tokenizer
 
     @staticmethod
     def _tokens_only(params: SamplingParams) -> SamplingParams:

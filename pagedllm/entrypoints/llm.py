@@ -24,7 +24,7 @@ from pagedllm.config import (
 )
 from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedllm.engine.data_parallel import DataParallelEngine
-from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.llm_engine import LLMEngine, require_tokenizer
 from pagedllm.entrypoints.openai.tool_parsers import with_tools
 from pagedllm.inputs import ParsedPrompt, PromptType, as_prompt_list
 from pagedllm.logger import init_logger
@@ -182,7 +182,7 @@ class LLM:
 
     def get_tokenizer(self):
         """The engine's tokenizer (ValueError with skip_tokenizer_init, which loads none)."""
-        return self.engine.require_tokenizer()
+        return require_tokenizer(self.engine.tokenizer)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` and `chat` use when given no SamplingParams: SamplingParams() with the sampling defaults
