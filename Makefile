@@ -55,7 +55,7 @@ serve: $(BASE)
 # torch), and llama-cpp-python, which pip compiles for this CPU (-march=native: ~10 minutes on 2 cores). On a CPU
 # with AMX, without its AMX path: built with it, 0.3.36 segfaults on any batch of two tokens or more (a prompt) on the
 # AMX Xeon of docs/benchmarks.md, dense or mixture of experts; every AMX CPU has the AVX-512 extensions named here.
-LLAMACPP_CMAKE_ARGS := $(shell grep -q amx_tile /proc/cpuinfo 2>/dev/null && echo "-DGGML_NATIVE=OFF -DGGML_AVX=ON \
+LLAMACPP_CMAKE_ARGS = $(shell grep -q amx_tile /proc/cpuinfo 2>/dev/null && echo "-DGGML_NATIVE=OFF -DGGML_AVX=ON \
 	-DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX_VNNI=ON -DGGML_AVX512=ON \
 	-DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON")
 bench-peers: .peers/vllm/.installed .peers/llamacpp/.installed

@@ -390,14 +390,14 @@ class LLMEngine:
                                               *(params.allowed_token_ids or [])]):
             raise ValueError(f"logit_bias, stop_token_ids and allowed_token_ids take token ids in [0, "
                              f"{self.vocab_size})")
+        if self.tokenizer is None:
+            params = self._tokens_only(params)
         if params.structured_outputs is not None:
             self.structured_output.compile(params.structured_outputs)   # a cache hit when the caller compiled it
         missing = [t for t in self.eos_stop_token_ids if t not in params.stop_token_ids]
         if missing and not params.ignore_eos:
             params = dataclasses.replace(params, stop_token_ids=params.stop_token_ids + missing)
-        if self.tokenizer is None:
-            params = self._tokens_only(params)
-        params.resolve_bad_words(lambda text: require_tokenizer(self.tokenizer).encode(text, add_special_tokens=False))
+        params.resolve_bad_words(lambda text: self.tokenizer.encode(text, add_special_tokens=False))
         completions = [_Completion(i, IncrementalDetokenizer(self.tokenizer, params, token_ids),
                                    logprobs=[] if params.logprobs is not None else None) for i in range(params.n)]
         self.scheduler.add_request(Request(

@@ -11,6 +11,7 @@ import pytest
 from pagedllm import LLM, SamplingParams
 from pagedllm.bench.args import add_engine_args, engine_kwargs
 from pagedllm.entrypoints.openai.cli_args import add_server_args, engine_config_from_args
+from pagedllm.sampling_params import StructuredOutputsParams
 from tests.loader.test_gguf import write_model_gguf
 from tests.models.tiny import save_tiny_model
 
@@ -77,6 +78,8 @@ def test_skip_tokenizer_init_runs_on_token_ids_alone(models, own: LLM) -> None:
     for refused in (lambda: bare.generate("hello", GREEDY, use_tqdm=False),
                     lambda: bare.generate(prompts[0], SamplingParams(stop=["x"]), use_tqdm=False),
                     lambda: bare.generate(prompts[0], SamplingParams(bad_words=["x"]), use_tqdm=False),
+                    lambda: bare.generate(prompts[0], SamplingParams(structured_outputs=StructuredOutputsParams(
+                        choice=["a", "b"])), use_tqdm=False),
                     lambda: bare.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False),
                     bare.get_tokenizer):
         with pytest.raises(ValueError, match="skip_tokenizer_init"):
