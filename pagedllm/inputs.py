@@ -1,12 +1,15 @@
 """The prompt forms vLLM takes: a string, a list of token ids, `{"prompt": str}` (TextPrompt) or
-`{"prompt_token_ids": [...]}` (TokensPrompt), each dict with an optional `cache_salt`, and a TokensPrompt with
-optional `token_type_ids` (a cross-encoder's pair of texts). Pure Python: the core and the server may import it."""
+`{"prompt_token_ids": [...]}` (TokensPrompt), each dict with an optional `cache_salt`, a TokensPrompt with
+optional `token_type_ids` (a cross-encoder's pair of texts), and a TextPrompt with images in `multi_modal_data`
+(`pagedllm.multimodal`). Pure Python: the core and the server may import it."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NotRequired, TypedDict
+from typing import Any, NotRequired, TypedDict
+
+from pagedllm.multimodal import ImageInput, is_image
 
 
 class TextPrompt(TypedDict):
@@ -14,6 +17,7 @@ class TextPrompt(TypedDict):
 
     prompt: str
     cache_salt: NotRequired[str]
+    multi_modal_data: NotRequired[dict[str, Any]]    # {"image": a PIL image or a list of them}
 
 
 class TokensPrompt(TypedDict):
@@ -29,21 +33,23 @@ class TokensPrompt(TypedDict):
 
 PromptType = str | list[int] | TextPrompt | TokensPrompt
 
-# vLLM's keys for inputs a text-only engine has no use for: refused by name rather than as unknown keys.
-_UNSUPPORTED_KEYS = {"multi_modal_data": "multi-modal inputs", "mm_processor_kwargs": "multi-modal inputs",
-                     "prompt_embeds": "prompt embeddings"}
-_KEYS = {"prompt", "prompt_token_ids", "cache_salt", "token_type_ids"}
+# vLLM's keys for inputs pagedllm has no use for: refused by name rather than as unknown keys.
+_UNSUPPORTED_KEYS = {"mm_processor_kwargs": "processor arguments", "prompt_embeds": "prompt embeddings"}
+_KEYS = {"prompt", "prompt_token_ids", "cache_salt", "token_type_ids", "multi_modal_data"}
 
 
 @dataclass(frozen=True, slots=True)
 class ParsedPrompt:
-    """One prompt, whatever its form: its text and/or token ids (at least one is set), its cache salt, and its
-    token type ids (only beside token ids, one each)."""
+    """One prompt, whatever its form: its text and/or token ids (at least one is set), its cache salt, its token
+    type ids (only beside token ids, one each), and its images: as given (`images`, beside text), or, once the
+    model's processor has made token ids of text and images (`LLMEngine.process_images`), as `image_inputs`."""
 
     text: str | None
     token_ids: list[int] | None
     cache_salt: str | None = None
     token_type_ids: list[int] | None = None
+    images: tuple[Any, ...] = ()
+    image_inputs: tuple[ImageInput, ...] = ()
 
 
 def parse_prompt(prompt: PromptType | ParsedPrompt, index: int = 0) -> ParsedPrompt:
@@ -63,11 +69,11 @@ def parse_prompt(prompt: PromptType | ParsedPrompt, index: int = 0) -> ParsedPro
 def _parse_dict(prompt: dict, index: int) -> ParsedPrompt:
     for key in prompt:
         if key in _UNSUPPORTED_KEYS:
-            raise ValueError(f"prompt {index}: key {key!r} is not supported: this engine serves text-only models "
-                             f"and takes no {_UNSUPPORTED_KEYS[key]}")
+            raise ValueError(f"prompt {index}: key {key!r} is not supported: pagedllm takes no "
+                             f"{_UNSUPPORTED_KEYS[key]}")
         if key not in _KEYS:
             raise ValueError(f"prompt {index}: unknown key {key!r}; a prompt dict takes 'prompt' or "
-                             "'prompt_token_ids', and 'cache_salt' and 'token_type_ids'")
+                             "'prompt_token_ids', and 'cache_salt', 'token_type_ids' and 'multi_modal_data'")
     if "prompt" not in prompt and "prompt_token_ids" not in prompt:
         raise ValueError(f"prompt {index}: a prompt dict needs 'prompt' (text) or 'prompt_token_ids'")
     text = prompt.get("prompt")
@@ -84,7 +90,21 @@ def _parse_dict(prompt: dict, index: int) -> ParsedPrompt:
         token_types = _token_ids(token_types, index, "key 'token_type_ids'")
         if token_ids is None or len(token_types) != len(token_ids):
             raise ValueError(f"prompt {index}: key 'token_type_ids' needs 'prompt_token_ids', one type per token")
-    return ParsedPrompt(text, token_ids, salt, token_types)
+    images = _images(prompt["multi_modal_data"], index) if "multi_modal_data" in prompt else ()
+    if images and (text is None or token_ids is not None):
+        raise ValueError(f"prompt {index}: images go with a text prompt ('prompt', with an <image> marker for each), "
+                         "not with 'prompt_token_ids'")
+    return ParsedPrompt(text, token_ids, salt, token_types, images)
+
+
+def _images(data: object, index: int) -> tuple[Any, ...]:
+    if not isinstance(data, dict) or set(data) - {"image"}:
+        keys = sorted(data) if isinstance(data, dict) else type(data).__name__
+        raise ValueError(f"prompt {index}: 'multi_modal_data' takes {{'image': ...}} (images only), got {keys}")
+    images = data["image"] if isinstance(data["image"], list | tuple) else [data["image"]]
+    if not images or not all(map(is_image, images)):
+        raise ValueError(f"prompt {index}: 'multi_modal_data' image must be a PIL image or a non-empty list of them")
+    return tuple(images)
 
 
 def _token_ids(value: object, index: int, what: str) -> list[int]:

@@ -11,8 +11,9 @@ import hashlib
 import time
 from dataclasses import dataclass, field
 
-from pagedllm.core.kv_cache.hashing import BlockHash, ExtraKey, request_extra_keys
+from pagedllm.core.kv_cache.hashing import BlockHash, ExtraKey, ImageKey, request_extra_keys
 from pagedllm.lora.request import LoRARequest
+from pagedllm.multimodal import ImageInput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
@@ -80,6 +81,8 @@ class Request:
         lora_request: the LoRA adapter it runs with; None: the base model.
         token_type_ids: one per prompt token, for a model that adds token type embeddings (a BERT cross-encoder's
             pair); None: all 0.
+        images: its prompt's images (`pagedllm.multimodal.ImageInput`), whose placeholders' rows the runner's
+            image encoder gives.
 
     Only `append_output_token_ids` may add output tokens: it keeps `all_token_ids` in step.
     """
@@ -98,6 +101,7 @@ class Request:
     pooling_params: PoolingParams | None = None
     lora_request: LoRARequest | None = None
     token_type_ids: list[int] | None = None
+    images: tuple[ImageInput, ...] = ()
     output_token_ids: list[int] = field(init=False, default_factory=list)
     num_computed_tokens: int = field(init=False, default=0)
     status: RequestStatus = field(init=False, default=RequestStatus.WAITING)
@@ -125,6 +129,11 @@ class Request:
     def block_extra_keys(self) -> tuple[ExtraKey, ...]:
         """What its blocks' hashes carry beside the tokens: the cache salt and the LoRA adapter."""
         return request_extra_keys(self.cache_salt, self.lora_int_id)
+
+    @property
+    def image_keys(self) -> tuple[ImageKey, ...]:
+        """Where each image's placeholders start, and its pixels' hash: what its blocks' hashes carry too."""
+        return tuple((image.offset, image.content_hash) for image in self.images)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -166,7 +175,7 @@ class Request:
         child = Request(child_id, self.prompt_token_ids, self.sampling_params, self.eos_token_id,
                         self.arrival_time, self.priority, self.cache_salt, parent_id=self.group_id, index=index,
                         group_size=self.group_size, engine_appends_tokens=self.engine_appends_tokens,
-                        lora_request=self.lora_request)
+                        lora_request=self.lora_request, images=self.images)
         child.output_token_ids = list(self.output_token_ids)
         child._all_token_ids = list(self._all_token_ids)
         child.num_computed_tokens = self.num_computed_tokens

@@ -45,8 +45,10 @@ from pagedllm.core.kv_cache.block_map import BlockMap
 from pagedllm.distributed import TensorParallelError
 from pagedllm.engine.engine_thread import EngineThread
 from pagedllm.engine.llm_engine import LLMEngine, PromptInput, tokenize_prompt
+from pagedllm.inputs import parse_prompt
 from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics.stats import IterationStats, RequestStatsTracker, SchedulerStats
+from pagedllm.multimodal import ImageProcessor
 from pagedllm.outputs import RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
@@ -152,6 +154,11 @@ class AsyncEngine:
     @property
     def tokenizer(self):
         return self.engine.tokenizer
+
+    @property
+    def image_processor(self) -> ImageProcessor | None:
+        """The model's processor of prompts with images (`LLMEngine.image_processor`); None: it takes none."""
+        return self.engine.image_processor
 
     @property
     def max_model_len(self) -> int:
@@ -297,6 +304,10 @@ class AsyncEngine:
             # Compile (or find in the cache) here, in a worker thread, so that the step loop only copies it.
             await asyncio.get_running_loop().run_in_executor(None, self.engine.structured_output.compile,
                                                              params.structured_outputs)
+        parsed = parse_prompt(prompt)
+        if parsed.images:   # resized and hashed here, in a worker thread, so that the step loop only queues it
+            prompt = await self.run_on_tokenizer_thread(self.engine.process_images, parsed)
+            prompt_token_ids = None
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
         if self.log_requests:

@@ -42,6 +42,7 @@ from pagedllm.inputs import parse_prompt
 from pagedllm.logger import init_logger
 from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics.log_stats import LoggingStatLogger
+from pagedllm.multimodal import ImageProcessor
 from pagedllm.outputs import RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.runner import kv_tensors
@@ -264,6 +265,10 @@ class AsyncDataParallelEngine:
     @property
     def tokenizer(self):
         return self.replicas[0].tokenizer
+
+    @property
+    def image_processor(self) -> ImageProcessor | None:
+        return self.replicas[0].image_processor
 
     @property
     def max_model_len(self) -> int:

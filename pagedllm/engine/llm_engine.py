@@ -24,7 +24,7 @@ from pagedllm.engine.beam_search import BeamSearchDriver, BeamSearchOutput, Beam
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.heap import paused_gc
 from pagedllm.inputs import ParsedPrompt, PromptType, parse_prompt
-from pagedllm.loader import load_model, max_model_len_of
+from pagedllm.loader import IMAGE_ENCODERS, LoadedModel, load_model, max_model_len_of
 from pagedllm.loader.generation_config import read_generation_config
 from pagedllm.loader.pooling_config import model_pooling_type
 from pagedllm.logger import init_logger
@@ -38,6 +38,7 @@ from pagedllm.models.llama import (
     num_experts,
     token_type_vocab_size,
 )
+from pagedllm.multimodal import ImageProcessor
 from pagedllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.runner import kv_tensors
@@ -134,6 +135,9 @@ def tokenize_prompt(tokenizer, prompt: PromptInput, vocab_size: int, max_model_l
     context, which a prompt to embed (`pooling`) may fill, as in vLLM, and one to generate from must leave a token
     of. Reads nothing but its arguments, so any thread may call it (the tokenizer's `encode` is thread-safe)."""
     parsed = parse_prompt(prompt)
+    if parsed.images:
+        raise ValueError("pagedllm takes images in generate and chat, on one engine (its processor makes their "
+                         "tokens): not in beam search, embeddings or data-parallel replicas")
     if parsed.token_ids is None and tokenizer is None:
         raise ValueError(NO_TOKENIZER + ": give prompts as token ids")
     token_ids = parsed.token_ids if parsed.token_ids is not None else tokenizer.encode(parsed.text)
@@ -201,6 +205,7 @@ class LLMEngine:
         self.tokenizer = None if config.model.skip_tokenizer_init else \
             model_tokenizer(loaded.resolved, config.model.tokenizer, config.model.chat_template)
         self.hf_config = loaded.hf_config
+        self.image_processor = self._image_processor(loaded)
         self.class_labels = class_labels(loaded.hf_config)     # a classifier's; None: the model cannot classify
         self.classifier_pooling = classifier_pooling(loaded.hf_config)     # the token its classification head reads
         self.token_type_vocab_size = token_type_vocab_size(loaded.hf_config)    # 0: it takes no token type ids
@@ -357,6 +362,31 @@ class LLMEngine:
         `tokenize_prompt`)."""
         return tokenize_prompt(self.tokenizer, prompt, self.vocab_size, self.max_model_len, pooling)
 
+    def _image_processor(self, loaded: LoadedModel) -> ImageProcessor | None:
+        """A Llava-kind model's processor, which makes token ids and pixels of a prompt's text and images; None for
+        a model that takes no images (the loader loaded no image encoder), or an engine without a tokenizer."""
+        if getattr(loaded.model, "image_encoder", None) is None or self.tokenizer is None:
+            return None
+        return ImageProcessor(loaded.resolved.path, loaded.hf_config.image_token_id)
+
+    @property
+    def image_marker(self) -> str | None:
+        """What marks an image's place in a prompt's text (Llava's `<image>`); None: the model takes no images."""
+        return None if self.image_processor is None else self.image_processor.image_token
+
+    def process_images(self, parsed: ParsedPrompt, add_special_tokens: bool = True) -> ParsedPrompt:
+        """A prompt with images (`parsed.images`) as the model's processor makes it: token ids, each image's
+        `<image>` expanded into its placeholders, and `image_inputs` (`add_special_tokens` False for a chat
+        template's text). ValueError for a model that takes no images, or a prompt whose markers do not match its
+        images. Thread-safe."""
+        if self.image_processor is None:
+            raise ValueError(f"{self.model_name} takes no images: pagedllm reads the images of "
+                             f"{', '.join(sorted(IMAGE_ENCODERS))} checkpoints that have their processor config and "
+                             "tokenizer")
+        assert parsed.text is not None, "parse_prompt gives images beside text only"
+        token_ids, images = self.image_processor(parsed.text, list(parsed.images), add_special_tokens)
+        return ParsedPrompt(parsed.text, token_ids, parsed.cache_salt, image_inputs=images)
+
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | PoolingParams,
                     priority: int = 0, cache_salt: str | None = None, arrival_time: float | None = None,
                     prompt_token_ids: list[int] | None = None, lora_request: LoRARequest | None = None) -> None:
@@ -381,6 +411,10 @@ class LLMEngine:
         if request_id in self._tracked:
             raise ValueError(f"request id {request_id!r} is already in use")
         parsed = parse_prompt(prompt)
+        if parsed.images:   # token ids are the processor's: each image's marker expanded into its placeholders
+            parsed, prompt_token_ids = self.process_images(parsed), None
+        if parsed.image_inputs:
+            self._check_takes_images(pooling)
         token_ids = prompt_token_ids if prompt_token_ids is not None else \
             self.tokenize_prompt(parsed, pooling is not None)
         cache_salt = cache_salt if cache_salt is not None else parsed.cache_salt
@@ -405,7 +439,7 @@ class LLMEngine:
             eos_token_id=self.eos_token_id,
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(), priority=priority,
             cache_salt=cache_salt, pooling_params=pooling, lora_request=lora_request,
-            token_type_ids=parsed.token_type_ids))
+            token_type_ids=parsed.token_type_ids, images=parsed.image_inputs))
         self._tracked[request_id] = _Tracked(parsed.text, token_ids, params, completions,
                                              prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
                                              pooling=pooling)
@@ -441,6 +475,12 @@ class LLMEngine:
         if pooling.pooling_type != self.classifier_pooling:
             raise ValueError(f"{self.model_name}'s classification head reads the {self.classifier_pooling} token "
                              f"(pooling_type {self.classifier_pooling!r}), not {pooling.pooling_type!r}")
+
+    def _check_takes_images(self, pooling: PoolingParams | None) -> None:
+        if pooling is not None:
+            raise ValueError("a prompt with images is for generation: pagedllm embeds and classifies text only")
+        if self.config.parallel.tensor_parallel_size > 1:
+            raise ValueError("a prompt with images runs on one rank: tensor parallelism takes text prompts only")
 
     def _check_token_types(self, token_type_ids: list[int], num_tokens: int) -> None:
         if not self.token_type_vocab_size:

@@ -26,7 +26,7 @@ from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedllm.engine.data_parallel import DataParallelEngine
 from pagedllm.engine.llm_engine import LLMEngine, require_tokenizer
 from pagedllm.entrypoints.openai.tool_parsers import with_tools
-from pagedllm.inputs import ParsedPrompt, PromptType, as_prompt_list
+from pagedllm.inputs import ParsedPrompt, PromptType, as_prompt_list, parse_prompt
 from pagedllm.logger import init_logger
 from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import (
@@ -41,7 +41,7 @@ from pagedllm.outputs import (
 from pagedllm.pooling_params import PoolingParams, check_runner
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.scoring import cosine_similarity, cross_encoder_prompt, pair_up
-from pagedllm.tokenizer.chat_template import apply_chat_template
+from pagedllm.tokenizer.chat_template import apply_chat_template, conversation_images, render_chat_template
 
 logger = init_logger(__name__)
 Conversation = list[dict[str, Any]]
@@ -359,6 +359,8 @@ class LLM:
         if keep != -1 and not 1 <= keep <= max_model_len:
             raise ValueError(f"truncate_prompt_tokens must be -1 or in [1, {max_model_len}], got {keep}")
         keep = max_model_len if keep == -1 else keep
+        if any(p.images for p in prompt_list):
+            raise ValueError("truncate_prompt_tokens cuts text prompts: a prompt with images cannot be cut")
         return [ParsedPrompt(None, (p.token_ids if p.token_ids is not None else
                                     self.get_tokenizer().encode(p.text))[-keep:],
                              p.cache_salt, None if p.token_type_ids is None else p.token_type_ids[-keep:])
@@ -369,6 +371,8 @@ class LLM:
         """Validate every prompt (and load every adapter) before any runs, queue them, and run them to the end."""
         for prio in priorities:
             self.engine.config.scheduler.check_priority(prio)
+        prompt_list = [self.engine.process_images(parsed) if (parsed := parse_prompt(p)).images else p
+                       for p in prompt_list]
         token_ids = [self.engine.tokenize_prompt(p, isinstance(params, PoolingParams))
                      for p, params in zip(prompt_list, params_list)]
         self._load_loras(loras)
@@ -422,9 +426,20 @@ class LLM:
                 used = template or getattr(tokenizer, "chat_template", None) or ""
                 conversation, tool_kwargs = with_tools(list(conversation), tools, used)
                 kwargs |= tool_kwargs
-            prompts.append(apply_chat_template(tokenizer, conversation, template, add_generation_prompt,
-                                               continue_final_message, **kwargs))
+            prompts.append(self._chat_prompt(conversation, template, add_generation_prompt, continue_final_message,
+                                             kwargs))
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+
+    def _chat_prompt(self, conversation: Conversation, template: str | None, add_generation_prompt: bool,
+                     continue_final_message: bool, kwargs: dict[str, Any]) -> ParsedPrompt:
+        """A conversation's prompt: its token ids, and, where it holds images, those (`process_images`)."""
+        tokenizer, images = self.get_tokenizer(), conversation_images(conversation)
+        if not images:
+            return ParsedPrompt(None, apply_chat_template(tokenizer, conversation, template, add_generation_prompt,
+                                                          continue_final_message, **kwargs))
+        text = render_chat_template(tokenizer, conversation, template, add_generation_prompt, continue_final_message,
+                                    self.engine.image_marker, **kwargs)
+        return self.engine.process_images(ParsedPrompt(text, None, images=tuple(images)), add_special_tokens=False)
 
     def _warn_if_on_another_thread(self) -> None:
         if self._warned_of_thread or threading.get_ident() == self._built_on:

@@ -23,6 +23,7 @@ from pagedllm.config import ModelConfig
 from pagedllm.cpu import cpu_info, onednn_bf16_ok
 from pagedllm.device import model_device
 from pagedllm.loader.resolve import ResolvedModel, resolve_model
+from pagedllm.multimodal import has_processor
 
 if TYPE_CHECKING:   # gguf (numpy and the gguf package) loads only for a .gguf model
     from pagedllm.loader.gguf import GGUFFile
@@ -112,6 +113,24 @@ _TEXT_PART_PREFIXES = (("model.language_model.", "model."), ("language_model.mod
                        ("model.norm.", "model.norm."))
 
 
+# Multimodal architectures whose images pagedllm reads too, through its own image encoder (pagedllm.models.vision);
+# the others' prompts are text only
+IMAGE_ENCODERS = {"LlavaForConditionalGeneration"}
+
+
+def _image_encoder(resolved: ResolvedModel, dtype: torch.dtype, device: str) -> nn.Module:
+    """A Llava-kind checkpoint's tower and projector, loaded (in `dtype`, on `device`)."""
+    from transformers import AutoConfig
+
+    from pagedllm.loader.safetensors import iterate_safetensors
+    from pagedllm.models.vision import ImageEncoder, image_part_name
+
+    with torch.device(device):
+        encoder = ImageEncoder(AutoConfig.from_pretrained(str(resolved.path)), dtype)
+    encoder.load_weights(iterate_safetensors(resolved.path, dtype, image_part_name))
+    return encoder.eval()
+
+
 def text_part_name(name: str) -> str | None:
     """A multimodal checkpoint's tensor name as its text model names it; None for the other parts' tensors."""
     for prefix, text_prefix in _TEXT_PART_PREFIXES:
@@ -166,6 +185,8 @@ def _text_config(config: Any, multimodal: str) -> Any:
     assert part is not None, f"{multimodal} has no text part pagedllm serves"
     architecture, model_type = part
     text.architectures, text.text_part_of = [architecture], multimodal
+    if multimodal in IMAGE_ENCODERS:    # the token whose runs stand for images (pagedllm.multimodal)
+        text.image_token_id = config.image_token_id
     if model_type is not None:
         text.model_type = model_type
     text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
@@ -351,6 +372,13 @@ def load_model(model_config: ModelConfig, tp_rank: int = 0, tp_size: int = 1,
     model.load_weights(_weights(resolved, dtype, hf_config, quantization, packed_checkpoint_names(model), gguf_file))
     model.eval()
     parts += _pack(model, quantization)
+    if getattr(hf_config, "text_part_of", None) in IMAGE_ENCODERS:
+        if has_processor(resolved.path):
+            model.image_encoder = _image_encoder(resolved, dtype, model_config.device)
+            parts.append("the image encoder in plain torch")
+        elif tp_rank == 0:
+            logger.warning("%s has no processor config (preprocessor_config.json): it takes text prompts only",
+                           resolved.name)
     how = f", weights packed: {', '.join(parts)}" if parts else ""
     if model_config.device == "cpu" and place_in_huge_pages(model):
         how += ", in 2 MiB pages"

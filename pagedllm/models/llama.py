@@ -382,10 +382,14 @@ class LlamaModel(nn.Module):
         self.stacks: dict[ModuleType, Any] | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                meta: AttentionMetadata, lora: LoRABatch | None = None) -> torch.Tensor:
+                meta: AttentionMetadata, lora: LoRABatch | None = None,
+                image_rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, H]
         if self.embed_scale is not None:
             x = x * self.embed_scale
+        if image_rows is not None:      # image placeholders' rows: the image encoder's, not the token's embedding
+            index, rows = image_rows
+            x[index] = rows.to(x.dtype)
         if self.longrope is not None:
             positions = self.longrope.table_rows(positions)
         stack = self.stack_for(x) if lora is None else None   # the C++ stack has no LoRA updates
@@ -514,6 +518,8 @@ class LlamaForCausalLM(nn.Module):
         self.classifier_token_ids: list[int] | None = getattr(config, "classifier_token_ids", None)
         self.head_is_embedding = bool(getattr(config, "tie_word_embeddings", False))     # the checkpoint's LM head
         self.final_softcap = _softcap(config, "final_logit_softcapping")   # Gemma 2's: 30.0
+        # a Llava-kind model's tower and projector (pagedllm.models.vision), set by the loader after the weights
+        self.image_encoder: nn.Module | None = None
         self.tie_word_embeddings = self.bare or self.score is not None or self.head_is_embedding
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype, tp_rank, tp_size)
         if self.tie_word_embeddings:
@@ -536,10 +542,19 @@ class LlamaForCausalLM(nn.Module):
             self.model.stacks = {}
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                meta: AttentionMetadata, lora: LoRABatch | None = None) -> torch.Tensor:
+                meta: AttentionMetadata, lora: LoRABatch | None = None,
+                image_rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """input_ids, positions: [T] -> hidden states [T, H]; writes the new tokens' K/V to kv_caches. `lora`: the
-        step's LoRA adapters and their rows."""
-        return self.model(input_ids, positions, kv_caches, meta, lora)
+        step's LoRA adapters and their rows; `image_rows`: (rows of the step [R], what stands in for their token
+        embeddings [R, H]), where the step reaches image placeholders (`encode_image`)."""
+        return self.model(input_ids, positions, kv_caches, meta, lora, image_rows)
+
+    def encode_image(self, pixels: torch.Tensor) -> torch.Tensor:
+        """An image's pixels [3, S, S] (its processor's) -> the rows of its placeholders [tokens, H]; a Llava-kind
+        model's only (the loader sets `image_encoder`)."""
+        if self.image_encoder is None:
+            raise ValueError("this model takes no images")
+        return self.image_encoder(pixels[None])[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, H] -> logits [N, V] float32."""

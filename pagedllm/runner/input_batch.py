@@ -21,6 +21,7 @@ import torch
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.core.sched.output import ScheduledRequest
 from pagedllm.lora.request import LoRARequest
+from pagedllm.multimodal import ImageInput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
@@ -46,6 +47,10 @@ class CachedRequestState:
     lora: LoRARequest | None = None          # its LoRA adapter
     token_type_ids: list[int] | None = None  # its prompt's token types (a BERT cross-encoder's pair); None: all 0
     num_draft_computed_tokens: int = 0       # tokens whose K/V the draft model wrote (pagedllm.spec_decode.draft_model)
+    images: tuple[ImageInput, ...] = ()      # its prompt's images
+    # image index -> the image encoder's rows for its placeholders, from the first step that reaches them until
+    # the request ends (a recompute after a preemption reads them again)
+    image_rows: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

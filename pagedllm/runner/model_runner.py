@@ -177,10 +177,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                lora: LoRABatch | None = None, token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+                lora: LoRABatch | None = None, token_type_ids: torch.Tensor | None = None,
+                image_rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """The model over the paged KV cache: [T] ids and positions -> hidden states [T, H] (on every rank), with
-        `lora`'s adapters on their rows and `token_type_ids` [T] (a BERT-family encoder's) added (one rank only)."""
-        extra = {} if token_type_ids is None else {"token_type_ids": token_type_ids}
+        `lora`'s adapters on their rows, `token_type_ids` [T] (a BERT-family encoder's) added and `image_rows`
+        standing in for image placeholders' embeddings (one rank only)."""
+        extra: dict[str, object] = {} if token_type_ids is None else {"token_type_ids": token_type_ids}
+        if image_rows is not None:
+            extra["image_rows"] = image_rows
         with self.peers.run("forward", input_ids, positions, meta), kernels_fixed():
             return self.model(input_ids, positions, self.kv_caches, meta, lora, **extra)
 
@@ -240,7 +244,7 @@ class ModelRunner:
         start = time.perf_counter()
         try:
             hidden = self._forward_step(inputs, self._lora_batch(inputs, scheduled),
-                                        self._token_types(inputs, scheduled))
+                                        self._token_types(inputs, scheduled), self._image_rows(inputs, scheduled))
             prompt_logprobs, reported = self._prompt_logprobs(hidden, inputs, scheduled)
         except BaseException:
             _wait_token_bitmasks(pending_masks)   # the fill reads the matchers: done before any rerun touches them
@@ -324,13 +328,35 @@ class ModelRunner:
                 result[request_id] = (torch.nn.functional.normalize(vector, dim=0) if normalize else vector).tolist()
         return result
 
-    def _forward_step(self, inputs: ModelInputs, lora: LoRABatch | None, token_types: torch.Tensor | None
-                      ) -> torch.Tensor:
+    def _forward_step(self, inputs: ModelInputs, lora: LoRABatch | None, token_types: torch.Tensor | None,
+                      image_rows: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         """The step's forward pass: a captured graph's replay when one covers it, else eager."""
         graphs = self.decode_graphs
-        if graphs is not None and lora is None and token_types is None and graphs.covers(inputs.meta):
+        if graphs is not None and lora is None and token_types is None and image_rows is None and \
+                graphs.covers(inputs.meta):
             return graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
-        return self.forward(inputs.input_ids, inputs.positions, inputs.meta, lora, token_types)
+        return self.forward(inputs.input_ids, inputs.positions, inputs.meta, lora, token_types, image_rows)
+
+    def _image_rows(self, inputs: ModelInputs, scheduled: list[ScheduledRequest]
+                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Where the step's tokens reach image placeholders: (those rows of the step [R], the image encoder's rows
+        for them [R, H]), each image encoded at the first step that reaches it; None when no token is an image's."""
+        indices, rows = [], []
+        for s in scheduled:
+            state = self.requests[s.request_id]
+            start, end = s.num_computed_tokens, s.num_computed_tokens + len(s.token_ids)
+            for index, image in enumerate(state.images):
+                first, last = max(start, image.offset), min(end, image.offset + image.length)
+                if first >= last:
+                    continue
+                if index not in state.image_rows:
+                    state.image_rows[index] = self.model.encode_image(image.pixels.to(self.device))
+                row = inputs.first_rows[s.request_id] + first - start
+                indices.append(torch.arange(row, row + last - first))
+                rows.append(state.image_rows[index][first - image.offset:last - image.offset])
+        if not rows:
+            return None
+        return torch.cat(indices).to(self.device), torch.cat(rows)
 
     def _token_types(self, inputs: ModelInputs, scheduled: list[ScheduledRequest]) -> torch.Tensor | None:
         """The step's token type ids [T] when a request of it has its own (a cross-encoder's pair: the engine takes
@@ -448,7 +474,7 @@ class ModelRunner:
         self.requests[new.request_id] = CachedRequestState(new.request_id, list(new.prompt_token_ids), params,
                                                            self._generator(params.seed), grammar=grammar,
                                                            pooling=new.pooling_params, lora=new.lora_request,
-                                                           token_type_ids=new.token_type_ids)
+                                                           token_type_ids=new.token_type_ids, images=new.images)
 
     def _start_token_bitmasks(self, request_ids: list[str]) -> tuple[list[str], Future] | None:
         """Start filling the bitmask of each constrained request about to sample, beside the forward pass:
@@ -466,7 +492,8 @@ class ModelRunner:
         grammar = parent.grammar.deep_copy() if parent.grammar is not None else None
         self.requests[child_id] = CachedRequestState(child_id, parent.prompt_token_ids, parent.params, generator,
                                                      list(parent.output_token_ids), grammar,
-                                                     parent.num_prompt_logprob_positions, lora=parent.lora)
+                                                     parent.num_prompt_logprob_positions, lora=parent.lora,
+                                                     images=parent.images, image_rows=parent.image_rows)
 
     def _generator(self, seed: int | None) -> torch.Generator | None:
         """A seeded request's own random stream; None draws from the engine's global one."""

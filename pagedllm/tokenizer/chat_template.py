@@ -1,7 +1,17 @@
-"""Chat messages -> prompt, through the model's (or a given) Jinja chat template, with clear errors."""
+"""Chat messages -> prompt, through the model's (or a given) Jinja chat template, with clear errors.
+
+A message's content may hold images too, as OpenAI's and vLLM's do: `{"type": "image_url", "image_url": {"url":
+"data:image/png;base64,..."}}` (a data URL; vLLM's offline `{"type": "image_pil", "image_pil": image}` too).
+`conversation_images` gives them in order, and the template renders each where it stands as the model's image
+marker (`<image>`): a template that reads typed parts (`{"type": "image"}`, as Llava's do) gets the content as such
+parts, any other the marker in the text. The processor then expands each marker (pagedllm.multimodal).
+"""
 
 from __future__ import annotations
 
+import base64
+import binascii
+import io
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -12,7 +22,8 @@ ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 
 def render_chat_template(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, Any]],
                          chat_template: str | None = None, add_generation_prompt: bool = True,
-                         continue_final_message: bool = False, **template_kwargs: Any) -> str:
+                         continue_final_message: bool = False, image_marker: str | None = None,
+                         **template_kwargs: Any) -> str:
     """The conversation as prompt text.
 
     Args:
@@ -22,9 +33,11 @@ def render_chat_template(tokenizer: PreTrainedTokenizerBase, messages: Sequence[
         add_generation_prompt: end with the header of an assistant turn.
         continue_final_message: end with the last message left open (no end-of-turn after it), for the model to
             continue: a reply whose start is given ("prefill"). Not with add_generation_prompt.
+        image_marker: the model's image marker, where it takes images (`conversation_images`); None: image parts
+            are refused.
         template_kwargs: extra variables for the template (e.g. tools).
     """
-    conversation = validate_messages(messages)
+    conversation = validate_messages(messages, image_marker)
     if continue_final_message and add_generation_prompt:
         raise ValueError("continue_final_message and add_generation_prompt cannot both be true: set "
                          "add_generation_prompt to false to continue the last message")
@@ -32,6 +45,8 @@ def render_chat_template(tokenizer: PreTrainedTokenizerBase, messages: Sequence[
     if not template:
         raise ValueError("this model's tokenizer has no chat template; pass chat_template= "
                          "(or --chat-template) to use chat messages, or send a plain prompt")
+    if image_marker is not None and _reads_typed_parts(template):
+        conversation = [{**m, "content": _typed_parts(m["content"], image_marker)} for m in conversation]
     return tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=False,
                                          add_generation_prompt=add_generation_prompt,
                                          continue_final_message=continue_final_message, **template_kwargs)
@@ -49,20 +64,77 @@ def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: Sequence[M
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def validate_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Check each message and return copies whose content is a plain string (text parts joined by newlines).
+def validate_messages(messages: Sequence[Mapping[str, Any]], image_marker: str | None = None
+                      ) -> list[dict[str, Any]]:
+    """Check each message and return copies whose content is a plain string (text parts joined by newlines, an
+    image part as `image_marker`).
 
     Raises ValueError on an empty conversation, a message that is not a dict, an unknown role, missing content,
-    or content that is neither a string nor a list of text parts.
+    or content that is neither a string nor a list of text parts (and, with an `image_marker`, image parts).
     """
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise ValueError(f"messages must be a list of {{'role', 'content'}} dicts, got {type(messages).__name__}")
     if not messages:
         raise ValueError("messages must not be empty")
-    return [_validate_message(i, message) for i, message in enumerate(messages)]
+    return [_validate_message(i, message, image_marker) for i, message in enumerate(messages)]
 
 
-def _validate_message(index: int, message: Mapping[str, Any]) -> dict[str, Any]:
+def conversation_images(messages: Sequence[Mapping[str, Any]]) -> list[Any]:
+    """The images of the conversation's image parts, in order, as PIL images; ValueError naming a part whose image
+    cannot be read (a URL other than a data: URL, bad base64, not an image)."""
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        return []   # validate_messages says what is wrong with it
+    images = []
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, Mapping) else None
+        for j, part in enumerate(content if isinstance(content, list) else []):
+            if isinstance(part, Mapping) and part.get("type") in IMAGE_PARTS:
+                images.append(_image(f"messages[{i}].content[{j}]", part))
+    return images
+
+
+IMAGE_PARTS = frozenset({"image_url", "image_pil"})
+
+
+def _image(where: str, part: Mapping[str, Any]) -> Any:
+    from PIL import Image, UnidentifiedImageError
+
+    if part["type"] == "image_pil":
+        if not isinstance(part.get("image_pil"), Image.Image):
+            raise ValueError(f"{where}.image_pil must be a PIL image")
+        return part["image_pil"]
+    url = part.get("image_url")
+    url = url.get("url") if isinstance(url, Mapping) else url
+    if not isinstance(url, str) or not url.startswith("data:") or "," not in url:
+        raise ValueError(f"{where}.image_url must be a data: URL (data:image/png;base64,...): pagedllm fetches no "
+                         "image from the network")
+    header, data = url.split(",", 1)
+    try:
+        raw = base64.b64decode(data, validate=True) if header.endswith(";base64") else data.encode()
+        image = Image.open(io.BytesIO(raw))
+        image.load()
+    except (binascii.Error, UnidentifiedImageError, OSError) as exc:
+        raise ValueError(f"{where}.image_url is not a readable image: {exc}") from exc
+    return image
+
+
+def _reads_typed_parts(template: str) -> bool:
+    """Whether a template renders images from typed content parts (`{"type": "image"}`), as Llava's do."""
+    return "'image'" in template or '"image"' in template
+
+
+def _typed_parts(content: str, image_marker: str) -> list[dict[str, str]]:
+    """Validated content (markers in text) as typed parts: text, then an image for each marker, in order."""
+    parts: list[dict[str, str]] = []
+    for index, text in enumerate(content.split(image_marker)):
+        if index:
+            parts.append({"type": "image"})
+        if text.strip("\n"):
+            parts.append({"type": "text", "text": text.strip("\n")})
+    return parts
+
+
+def _validate_message(index: int, message: Mapping[str, Any], image_marker: str | None) -> dict[str, Any]:
     where = f"messages[{index}]"
     if not isinstance(message, Mapping):
         raise ValueError(f"{where} must be a dict with 'role' and 'content', got {type(message).__name__}")
@@ -77,11 +149,11 @@ def _validate_message(index: int, message: Mapping[str, Any]) -> dict[str, Any]:
             out["content"] = ""
             return out
         raise ValueError(f"{where} ({role}) has no 'content'")
-    out["content"] = _content_text(where, content)
+    out["content"] = _content_text(where, content, image_marker)
     return out
 
 
-def _content_text(where: str, content: Any) -> str:
+def _content_text(where: str, content: Any, image_marker: str | None) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -92,6 +164,11 @@ def _content_text(where: str, content: Any) -> str:
             texts.append(part)
         elif isinstance(part, Mapping) and part.get("type", "text") == "text" and isinstance(part.get("text"), str):
             texts.append(part["text"])
+        elif isinstance(part, Mapping) and part.get("type") in IMAGE_PARTS:
+            if image_marker is None:
+                raise ValueError(f"{where}.content[{j}] is an image, and this model takes no images (pagedllm reads "
+                                 "the images of Llava checkpoints)")
+            texts.append(image_marker)
         else:
             kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
             raise ValueError(f"{where}.content[{j}] must be a text part {{'type': 'text', 'text': str}}, "

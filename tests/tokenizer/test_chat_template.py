@@ -61,7 +61,8 @@ def test_missing_template_is_a_clear_error(tokenizer, monkeypatch) -> None:
     ([{"content": "x"}], "role None"),
     ([{"role": "user"}], "no 'content'"),
     ([{"role": "user", "content": 3}], "string or a list"),
-    ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "text part"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "takes no images"),
+    ([{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}], "text part"),
 ])
 def test_invalid_messages(messages, match: str) -> None:
     with pytest.raises(ValueError, match=match):

@@ -1,8 +1,8 @@
 """Chained hashes of full KV blocks, for prefix caching.
 
 Block i of a request is identified by its `BlockKey`: the hash of block i-1, its own tokens and extra keys (the
-cache salt and the LoRA adapter's id, in block 0 only: the chain carries them into every later block). Only full
-blocks are hashed.
+cache salt and the LoRA adapter's id, in block 0 only, and the pixel hash of each image whose placeholders start in
+block i: the chain carries them into every later block). Only full blocks are hashed.
 
 ```
 tokens:  [t0 t1 t2 t3][t4 t5 t6 t7][t8 t9]        block_size = 4
@@ -26,6 +26,7 @@ import xxhash
 
 BlockHash = NewType("BlockHash", bytes)  # 16-byte xxh3_128 digest of a BlockKey
 ExtraKey = str | int
+ImageKey = tuple[int, str]  # an image's first placeholder position and its pixels' hash (`Request.image_keys`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,18 +64,21 @@ def request_extra_keys(cache_salt: str | None, lora_int_id: int | None = None) -
 
 
 def block_key(token_ids: Sequence[int], block_index: int, block_size: int, parent_hash: BlockHash | None,
-              extra_keys: tuple[ExtraKey, ...]) -> BlockKey:
+              extra_keys: tuple[ExtraKey, ...], image_keys: tuple[ImageKey, ...] = ()) -> BlockKey:
     """The key of full block `block_index` of `token_ids`, given the hash of the block before it; the request's
-    `extra_keys` (`Request.block_extra_keys`) go into block 0's."""
+    `extra_keys` (`Request.block_extra_keys`) go into block 0's, the hash of each of its images
+    (`Request.image_keys`) into the block its placeholders start in."""
     start = block_index * block_size
     block_tokens = tuple(token_ids[start:start + block_size])
     assert len(block_tokens) == block_size, "only full blocks are hashed"
-    return BlockKey(parent_hash, block_tokens, extra_keys if block_index == 0 else ())
+    images = tuple(content_hash for offset, content_hash in image_keys if start <= offset < start + block_size)
+    return BlockKey(parent_hash, block_tokens, (extra_keys if block_index == 0 else ()) + images)
 
 
 def extend_block_hashes(block_hashes: list[BlockHash], token_ids: Sequence[int], block_size: int,
-                        extra_keys: tuple[ExtraKey, ...]) -> None:
+                        extra_keys: tuple[ExtraKey, ...], image_keys: tuple[ImageKey, ...] = ()) -> None:
     """Append the hashes of the full blocks of `token_ids` that `block_hashes` does not have yet."""
     for index in range(len(block_hashes), len(token_ids) // block_size):
         parent = block_hashes[index - 1] if index > 0 else None
-        block_hashes.append(hash_block_key(block_key(token_ids, index, block_size, parent, extra_keys)))
+        block_hashes.append(hash_block_key(block_key(token_ids, index, block_size, parent, extra_keys,
+                                                     image_keys)))

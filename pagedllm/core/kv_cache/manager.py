@@ -146,7 +146,8 @@ class KVCacheManager:
         blocks: list[KVCacheBlock] = []
         for index in range((request.num_tokens - 1) // self.block_size):
             parent = hashes[index - 1] if index > 0 else None
-            key = block_key(request.all_token_ids, index, self.block_size, parent, request.block_extra_keys)
+            key = block_key(request.all_token_ids, index, self.block_size, parent, request.block_extra_keys,
+                            request.image_keys)
             block = self.pool.get_cached_block(hashes[index], key)
             if block is None:
                 break
@@ -260,7 +261,8 @@ class KVCacheManager:
         entered = []
         for index in range(start, num_full):
             parent = hashes[index - 1] if index > 0 else None
-            key = block_key(request.all_token_ids, index, self.block_size, parent, request.block_extra_keys)
+            key = block_key(request.all_token_ids, index, self.block_size, parent, request.block_extra_keys,
+                            request.image_keys)
             if self.pool.cache_block(table[index], hashes[index], key):
                 entered.append(table[index])
         self._num_cached_blocks[request.request_id] = num_full
@@ -368,7 +370,8 @@ class KVCacheManager:
             assert not self._swapped_blocks
 
     def _block_hashes(self, request: Request) -> list[BlockHash]:
-        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.block_extra_keys)
+        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size,
+                            request.block_extra_keys, request.image_keys)
         return request.block_hashes
 
 

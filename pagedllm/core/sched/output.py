@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, fields
 
 from pagedllm.core.request import FinishReason
 from pagedllm.lora.request import LoRARequest
+from pagedllm.multimodal import ImageInput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
@@ -17,7 +18,7 @@ class NewRequestData:
     `output_token_ids` is empty for a fresh request; after a preemption it holds the tokens generated so far
     (the runner needs them for penalties; their K/V is recomputed from `ScheduledRequest.token_ids`).
     `pooling_params` marks an embedding request (`Request.pooling_params`); `lora_request` names its LoRA adapter;
-    `token_type_ids` are its prompt's (`Request.token_type_ids`).
+    `token_type_ids` and `images` are its prompt's (`Request.token_type_ids`, `Request.images`).
     """
 
     request_id: str
@@ -27,6 +28,7 @@ class NewRequestData:
     pooling_params: PoolingParams | None = None
     lora_request: LoRARequest | None = None
     token_type_ids: list[int] | None = None
+    images: tuple[ImageInput, ...] = ()
 
 
 @dataclass(slots=True)

@@ -492,7 +492,7 @@ class Scheduler:
             request = self.requests[request_id]
             new_requests.append(NewRequestData(request_id, request.prompt_token_ids, request.sampling_params,
                                                list(request.output_token_ids), request.pooling_params,
-                                               request.lora_request, request.token_type_ids))
+                                               request.lora_request, request.token_type_ids, request.images))
         finished_request_ids, self._finished_request_ids = self._finished_request_ids, set()
         return SchedulerOutput(new_requests=new_requests, scheduled=scheduled,
                                num_batched_tokens=sum(plan.num_scheduled_tokens.values()),

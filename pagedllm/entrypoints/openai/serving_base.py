@@ -19,6 +19,7 @@ from pagedllm.entrypoints.openai.protocol import OpenAIError, _PoolingRequest, _
 from pagedllm.entrypoints.openai.structured_outputs import structured_outputs_from
 from pagedllm.inputs import ParsedPrompt, TokensPrompt
 from pagedllm.lora.request import LoRARequest
+from pagedllm.multimodal import ImageInput
 from pagedllm.outputs import CompletionOutput, PromptLogprobs, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -71,9 +72,12 @@ class Prompt:
     text: str | None
     token_ids: list[int]
     token_type_ids: list[int] | None = None     # a cross-encoder's pair (BERT's); None: all 0
+    images: tuple[ImageInput, ...] = ()         # a chat's images, their placeholders in token_ids
 
-    def engine_prompt(self) -> list[int] | TokensPrompt:
-        """What the engine takes: the token ids, with their types if any."""
+    def engine_prompt(self) -> list[int] | TokensPrompt | ParsedPrompt:
+        """What the engine takes: the token ids, with their types or images if any."""
+        if self.images:
+            return ParsedPrompt(self.text, self.token_ids, image_inputs=self.images)
         if self.token_type_ids is None:
             return self.token_ids
         return TokensPrompt(prompt_token_ids=self.token_ids, token_type_ids=self.token_type_ids)
@@ -292,7 +296,7 @@ class OpenAIServing:
         Closing this iterator (or cancelling its consumer) aborts every request still running, with all its
         completions.
         """
-        streams = [self.engine.generate(f"{request_id}-{i}", prompt.token_ids, params,
+        streams = [self.engine.generate(f"{request_id}-{i}", prompt.engine_prompt(), params,
                                         prompt_token_ids=prompt.token_ids, priority=priority, cache_salt=cache_salt,
                                         lora_request=lora_request)
                    for i, (prompt, params) in enumerate(zip(prompts, params_per_prompt))]

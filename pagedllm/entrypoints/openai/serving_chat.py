@@ -45,7 +45,12 @@ from pagedllm.entrypoints.openai.tool_parsers import (
 )
 from pagedllm.outputs import PromptLogprobs
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
-from pagedllm.tokenizer.chat_template import apply_chat_template, validate_messages
+from pagedllm.tokenizer.chat_template import (
+    apply_chat_template,
+    conversation_images,
+    render_chat_template,
+    validate_messages,
+)
 
 
 class ChatChoiceState(ChoiceState):
@@ -93,7 +98,7 @@ class OpenAIServingChat(GenerationServing):
         self.check_prompt_logprobs(request)
         num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
         truncation = self.truncation(request)
-        prompt = Prompt(None, await self.prompt_token_ids(await self.render(request), "messages", truncation))
+        prompt = await self.render_prompt(request, truncation)
         max_tokens, param = request.max_tokens, "max_tokens"
         if request.max_completion_tokens is not None:
             max_tokens, param = request.max_completion_tokens, "max_completion_tokens"
@@ -122,18 +127,49 @@ class OpenAIServingChat(GenerationServing):
     async def render(self, request: ChatCompletionRequest) -> list[int]:
         """The conversation's prompt token ids, templated off the event loop; 400 naming `messages` on a bad
         message or template."""
-        messages, kwargs = request.messages, dict(request.chat_template_kwargs or {})
-        if request.tools:
-            template = request.chat_template or getattr(self.engine.tokenizer, "chat_template", None) or ""
-            messages, tool_kwargs = with_tools(messages, [t.model_dump(exclude_none=True) for t in request.tools],
-                                               template)
-            kwargs |= tool_kwargs
+        messages, kwargs = self._with_tools(request)
         try:
             return await self.engine.run_on_tokenizer_thread(
                 apply_chat_template, self.engine.tokenizer, messages, request.chat_template,
                 request.add_generation_prompt, request.continue_final_message, **kwargs)
         except (ValueError, TypeError, jinja2.TemplateError) as exc:
             raise OpenAIError(str(exc), param="messages") from exc
+
+    async def render_prompt(self, request: ChatCompletionRequest, truncation: slice | None) -> Prompt:
+        """The conversation's prompt, checked as the engine will: its token ids, and its images where its messages
+        hold some (made by the model's processor, off the event loop); 400 naming `messages` on a bad message,
+        image or template, or a model that takes no images."""
+        try:
+            images = await self.engine.run_on_tokenizer_thread(conversation_images, request.messages)
+        except ValueError as exc:
+            raise OpenAIError(str(exc), param="messages") from exc
+        if not images:
+            return Prompt(None, await self.prompt_token_ids(await self.render(request), "messages", truncation))
+        if truncation is not None:
+            raise OpenAIError("truncate_prompt_tokens cuts text prompts: a conversation with images cannot be cut",
+                              param="truncate_prompt_tokens")
+        processor = self.engine.image_processor
+        messages, kwargs = self._with_tools(request)
+        try:
+            text = await self.engine.run_on_tokenizer_thread(
+                render_chat_template, self.engine.tokenizer, messages, request.chat_template,
+                request.add_generation_prompt, request.continue_final_message,
+                None if processor is None else processor.image_token, **kwargs)
+            assert processor is not None, "render_chat_template refuses images without a marker"
+            token_ids, inputs = await self.engine.run_on_tokenizer_thread(processor, text, images, False)
+        except (ValueError, TypeError, jinja2.TemplateError) as exc:
+            raise OpenAIError(str(exc), param="messages") from exc
+        return Prompt(text, await self.prompt_token_ids(token_ids, "messages"), images=inputs)
+
+    def _with_tools(self, request: ChatCompletionRequest) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """The request's messages and template variables, its tools put where the template takes them."""
+        messages, kwargs = request.messages, dict(request.chat_template_kwargs or {})
+        if request.tools:
+            template = request.chat_template or getattr(self.engine.tokenizer, "chat_template", None) or ""
+            messages, tool_kwargs = with_tools(messages, [t.model_dump(exclude_none=True) for t in request.tools],
+                                               template)
+            kwargs |= tool_kwargs
+        return messages, kwargs
 
     # ---- tools --------------------------------------------------------------------------------------------------
     def _tool_choice(self, request: ChatCompletionRequest) -> str | NamedToolChoice:

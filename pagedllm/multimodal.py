@@ -1,0 +1,91 @@
+"""Images in prompts, for a Llava-kind model (`pagedllm.models.vision`).
+
+A prompt takes images as vLLM's do: `{"prompt": "USER: <image>\\nWhat is this? ASSISTANT:", "multi_modal_data":
+{"image": image}}` (a PIL image, or a list of them, one per `<image>` of the text in order). The model's own
+transformers processor (`ImageProcessor`) turns text and images into token ids, where each image's `<image>` has
+become as many placeholder tokens as its encoder gives rows, and into pixels; `image_inputs` then finds each
+image's run of placeholders. An `ImageInput` is what the core carries: where the image sits in the prompt, a hash of
+its pixels (its prefix-cache key: `pagedllm.core.kv_cache.hashing`) and the pixels themselves, which only the
+runner reads. Pure Python at import: the core imports this module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class ImageInput:
+    """One image of a prompt: placeholder positions `offset : offset + length`, a hash of its pixels, and the
+    pixels (a [3, S, S] tensor, the processor's), which the runner's image encoder turns into `length` rows."""
+
+    offset: int
+    length: int
+    content_hash: str
+    pixels: Any = field(repr=False)
+
+
+def is_image(value: object) -> bool:
+    """Whether `value` is an image a prompt takes (a PIL image)."""
+    try:
+        from PIL import Image
+    except ImportError:     # pragma: no cover - Pillow comes with the server's dependencies
+        return False
+    return isinstance(value, Image.Image)
+
+
+def pixels_hash(pixels: Any) -> str:
+    """A hash of an image's pixels, the same on every run: two prompts with the same text and different images
+    share no prefix-cache block from the first image on."""
+    import xxhash
+
+    return xxhash.xxh3_128_hexdigest(pixels.float().contiguous().numpy().tobytes())
+
+
+def image_inputs(token_ids: list[int], pixels: Any, image_token_id: int) -> tuple[ImageInput, ...]:
+    """Each image's run of placeholders in `token_ids`, with its pixels ([N, 3, S, S]): the placeholders split
+    evenly among the N images, each image's contiguous. ValueError when they are not."""
+    positions = [i for i, t in enumerate(token_ids) if t == image_token_id]
+    count = len(pixels)
+    if count == 0 or len(positions) % count:
+        raise ValueError(f"the prompt has {len(positions)} image placeholder tokens for {count} images")
+    length = len(positions) // count
+    result = []
+    for index in range(count):
+        run = positions[index * length:(index + 1) * length]
+        if run[-1] - run[0] != length - 1:
+            raise ValueError(f"image {index}'s placeholder tokens are not one run")
+        result.append(ImageInput(run[0], length, pixels_hash(pixels[index]), pixels[index]))
+    return tuple(result)
+
+
+def has_processor(path: Path) -> bool:
+    """Whether a model folder holds a processor's config: without one a Llava checkpoint serves text only."""
+    return any((path / name).is_file() for name in ("processor_config.json", "preprocessor_config.json"))
+
+
+class ImageProcessor:
+    """The model's transformers processor (its `processor_config.json` or `preprocessor_config.json`): text with
+    `<image>` markers and images -> token ids and `ImageInput`s. Thread-safe (the server calls it off its loop)."""
+
+    def __init__(self, path: Path, image_token_id: int) -> None:
+        from transformers import AutoProcessor
+
+        self.processor = AutoProcessor.from_pretrained(str(path))
+        self.image_token_id = image_token_id
+        self.image_token = self.processor.tokenizer.convert_ids_to_tokens(image_token_id)
+
+    def __call__(self, text: str, images: list[Any], add_special_tokens: bool = True
+                 ) -> tuple[list[int], tuple[ImageInput, ...]]:
+        """Token ids and images of a prompt; `add_special_tokens` False for a chat template's text, which holds its
+        own BOS."""
+        markers = text.count(self.image_token)
+        if markers != len(images):
+            raise ValueError(f"the prompt has {markers} {self.image_token} markers for {len(images)} images: put one "
+                             "where each image goes")
+        encoded = self.processor(text=text, images=[image.convert("RGB") for image in images], return_tensors="pt",
+                                 add_special_tokens=add_special_tokens)
+        token_ids = encoded["input_ids"][0].tolist()
+        return token_ids, image_inputs(token_ids, encoded["pixel_values"], self.image_token_id)

@@ -1,0 +1,238 @@
+"""Images in prompts (pagedllm.multimodal, pagedllm.models.vision): tiny random Llava checkpoints (a CLIP tower that
+reads its next-to-last layer and drops the class token, a SigLIP tower that reads its last layer whole) and their
+transformers processors, against transformers' LlavaForConditionalGeneration on the same weights and pixels:
+the image encoder's rows, greedy tokens offline and served, prefix caching that tells images apart, chunked
+prefills and preemption through an image, chat templates of both kinds, and bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from PIL import Image
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.core.kv_cache.hashing import block_key
+from pagedllm.engine.async_engine import AsyncEngine
+from pagedllm.engine.beam_search import BeamSearchParams
+from pagedllm.models.vision import ImageEncoder, image_part_name
+from pagedllm.pooling_params import PoolingParams
+from tests.entrypoints.server_utils import start_server
+from tests.models.tiny import build_byte_tokenizer, save_tiny_model, tiny_config
+
+SIZE = 56       # pixels a side: 4 x 4 patches of 14, so 16 placeholders an image (CLIP drops its class token)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+# a template that renders typed content parts, as Llava's own do
+TYPED_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {% for c in m['content'] %}{% if c['type'] == 'image' %}"
+                  "<image>\n{% else %}{{ c['text'] }}{% endif %}{% endfor %}\n{% endfor %}"
+                  "{% if add_generation_prompt %}assistant: {% endif %}")
+
+
+def _save_llava(folder: Path, vision: str, feature_layer: int | list[int] | None = None) -> Any:
+    """A tiny random Llava (the tiny Llama, a two-layer `vision` tower of SIZE pixels) and its processor, saved in
+    `folder`; returns transformers' model."""
+    tokenizer = build_byte_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", "<image>"]})
+    clip = vision == "clip"
+    tower = dict(model_type="clip_vision_model" if clip else "siglip_vision_model", hidden_size=32,
+                 intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=SIZE, patch_size=14)
+    config = transformers.LlavaConfig(
+        text_config=tiny_config("llama-gqa", initializer_range=0.5).to_dict(), vision_config=tower,
+        image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
+        vision_feature_select_strategy="default" if clip else "full",
+        vision_feature_layer=feature_layer if feature_layer is not None else -2 if clip else -1)
+    torch.manual_seed(0)
+    model = transformers.LlavaForConditionalGeneration(config).eval()
+    model.save_pretrained(folder)
+    images = (transformers.CLIPImageProcessor(size={"shortest_edge": SIZE}, crop_size={"height": SIZE, "width": SIZE})
+              if clip else transformers.SiglipImageProcessor(size={"height": SIZE, "width": SIZE}))
+    transformers.LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=14, image_token="<image>",
+                                vision_feature_select_strategy=config.vision_feature_select_strategy,
+                                num_additional_image_tokens=1 if clip else 0).save_pretrained(folder)
+    return model
+
+
+def _image(seed: int, height: int = 40, width: int = 50) -> Image.Image:
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+def _data_url(image: Image.Image) -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+@pytest.fixture(scope="module", params=["clip", "siglip"])
+def llava(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, LLM]:
+    folder = tmp_path_factory.mktemp(f"llava-{request.param}")
+    model = _save_llava(folder, request.param)
+    return folder, model, LLM(model=str(folder), dtype="float32", num_kv_blocks=128)
+
+
+def _hf_greedy(folder: Path, model: Any, text: str, images: list[Image.Image], max_tokens: int = 8,
+               add_special_tokens: bool = True) -> tuple[list[int], list[int]]:
+    """transformers' prompt token ids and greedy tokens for `text` with `images`."""
+    processor = transformers.AutoProcessor.from_pretrained(folder)
+    inputs = processor(text=text, images=images, return_tensors="pt", add_special_tokens=add_special_tokens)
+    with torch.inference_mode():
+        out = model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False)
+    prompt = inputs["input_ids"][0].tolist()
+    return prompt, out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("vision,feature_layer", [("clip", None), ("siglip", None), ("clip", [-3, -1])])
+def test_the_image_encoder_gives_transformers_rows(tmp_path: Path, vision: str, feature_layer: Any) -> None:
+    model = _save_llava(tmp_path, vision, feature_layer)
+    config = transformers.AutoConfig.from_pretrained(tmp_path)
+    encoder = ImageEncoder(config, torch.float32)
+    encoder.load_weights((ours, tensor) for name, tensor in model.state_dict().items()
+                         if (ours := image_part_name(name)) is not None)
+    pixels = torch.randn(2, 3, SIZE, SIZE)
+    with torch.inference_mode():
+        expected = model.model.get_image_features(pixel_values=pixels, vision_feature_layer=feature_layer or
+                                                  config.vision_feature_layer,
+                                                  vision_feature_select_strategy=config.vision_feature_select_strategy)
+    expected = torch.stack(list(expected.pooler_output))
+    assert encoder(pixels).shape == (2, 16, 64)
+    torch.testing.assert_close(encoder(pixels), expected.reshape(2, 16, 64), atol=1e-5, rtol=1e-5)
+
+
+def test_greedy_tokens_match_transformers_with_images(llava: tuple[Path, Any, LLM]) -> None:
+    folder, model, llm = llava
+    cases = [("Look: <image> what is it?", [_image(0)]), ("<image> and <image>, side by side", [_image(1), _image(2)]),
+             ("Look: <image> what is it?", [_image(3, 70, 30)])]
+    outputs = llm.generate([{"prompt": text, "multi_modal_data": {"image": images}} for text, images in cases],
+                           GREEDY, use_tqdm=False)
+    expected = [_hf_greedy(folder, model, text, images) for text, images in cases]
+    for output, (prompt, tokens) in zip(outputs, expected):
+        assert output.prompt_token_ids == prompt
+        assert output.outputs[0].token_ids == tokens
+    assert expected[0][1] != expected[2][1], "the same text with another image must read otherwise"
+
+
+def test_the_prefix_cache_tells_images_apart(llava: tuple[Path, Any, LLM]) -> None:
+    """Three requests one after another, the same text and image A, B, then A: B reuses only the blocks before the
+    image; A's second run reuses its image's blocks too. Each gives transformers' tokens."""
+    folder, model, llm = llava
+    text = "a long shared preamble before the picture: <image> now describe it"
+    offset = text.index("<image>")      # bytes are tokens here, one BOS first
+    outputs = [llm.generate({"prompt": text, "multi_modal_data": {"image": image}}, GREEDY, use_tqdm=False)[0]
+               for image in (_image(4), _image(5), _image(4))]
+    block_size = llm.engine.config.cache.block_size
+    assert outputs[1].num_cached_tokens == (offset + 1) // block_size * block_size
+    assert outputs[2].num_cached_tokens > offset + 1 + 16
+    for output, image in zip(outputs, (_image(4), _image(5), _image(4))):
+        assert output.outputs[0].token_ids == _hf_greedy(folder, model, text, [image])[1]
+
+
+def test_an_images_hash_goes_into_the_block_its_placeholders_start_in() -> None:
+    tokens = list(range(12))
+    plain = [block_key(tokens, i, 4, None, ()) for i in range(3)]
+    with_image = [block_key(tokens, i, 4, None, (), ((5, "abc"),)) for i in range(3)]
+    assert [k.extra_keys for k in with_image] == [(), ("abc",), ()]
+    assert with_image[0] == plain[0] and with_image[1] != plain[1]
+
+
+def test_chunked_prefills_and_preemption_through_an_image_change_no_token(llava: tuple[Path, Any, LLM]) -> None:
+    folder, _, llm = llava
+    prompts = [{"prompt": f"request {i}: <image> tell", "multi_modal_data": {"image": _image(10 + i)}}
+               for i in range(6)]
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    # chunks of 8 tokens cut each image's 16 placeholders; 8 blocks of 8 cannot hold 6 prompts of ~30 tokens
+    squeezed = LLM(model=str(folder), dtype="float32", num_kv_blocks=8, max_num_batched_tokens=8,
+                   enable_prefix_caching=False)
+    twice = SamplingParams(n=2, temperature=0.0, max_tokens=8, ignore_eos=True)    # its child carries the images
+    outputs = squeezed.generate(prompts, [twice] + [GREEDY] * 5, use_tqdm=False)
+    assert squeezed.engine.scheduler.num_preemptions > 0
+    assert [o.outputs[-1].token_ids for o in outputs] == expected
+    assert outputs[0].outputs[0].token_ids == expected[0]
+
+
+def test_the_async_engine_takes_a_prompt_with_images(llava: tuple[Path, Any, LLM]) -> None:
+    folder, model, llm = llava
+    text, image = "Look: <image> what is it?", _image(50)
+
+    async def serve() -> Any:
+        engine = AsyncEngine(llm.engine)
+        engine.start()
+        try:
+            return [o async for o in engine.generate("raw", {"prompt": text, "multi_modal_data": {"image": image}},
+                                                     GREEDY)][-1]
+        finally:
+            engine.shutdown()
+
+    output = asyncio.run(asyncio.wait_for(serve(), 30))
+    assert output.outputs[0].token_ids == _hf_greedy(folder, model, text, [image])[1]
+
+
+def test_chat_renders_images_in_string_and_typed_templates(llava: tuple[Path, Any, LLM]) -> None:
+    folder, model, llm = llava
+    image = _image(20)
+    conversation = [{"role": "user", "content": [{"type": "text", "text": "What is it?"},
+                                                 {"type": "image_url", "image_url": {"url": _data_url(image)}}]}]
+    chatml = "<|im_start|>user\nWhat is it?\n<image><|im_end|>\n<|im_start|>assistant\n"
+    typed = "user: What is it?<image>\nassistant: "     # the newline after {% endfor %} trimmed, as transformers does
+    for template, text in ((None, chatml), (TYPED_TEMPLATE, typed)):
+        output = llm.chat(conversation, GREEDY, chat_template=template, use_tqdm=False)[0]
+        prompt, tokens = _hf_greedy(folder, model, text, [image], add_special_tokens=False)
+        assert output.prompt_token_ids == prompt
+        assert output.outputs[0].token_ids == tokens
+    pil = [{"role": "user", "content": [{"type": "text", "text": "What is it?"},
+                                        {"type": "image_pil", "image_pil": image}]}]
+    assert llm.chat(pil, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == \
+        _hf_greedy(folder, model, chatml, [image], add_special_tokens=False)[1]
+
+
+def test_the_server_reads_a_chats_images(llava: tuple[Path, Any, LLM]) -> None:
+    folder, _, llm = llava
+    image = _image(30)
+    content = [{"type": "image_url", "image_url": {"url": _data_url(image)}}, {"type": "text", "text": "Describe."}]
+    offline = llm.chat([{"role": "user", "content": content}], GREEDY, use_tqdm=False)[0].outputs[0]
+    running = start_server(llm.engine, api_key=None)
+    try:
+        client = running.client()
+        reply = client.chat.completions.create(model=running.model_name, temperature=0.0, max_tokens=8,
+                                               messages=[{"role": "user", "content": content}],
+                                               extra_body={"ignore_eos": True})
+        assert reply.choices[0].message.content == offline.text
+        broken = [{"type": "image_url", "image_url": {"url": "data:image/png;base64,bm90IGFuIGltYWdl"}}]
+        with pytest.raises(Exception, match="not a readable image"):
+            client.chat.completions.create(model=running.model_name, max_tokens=4,
+                                           messages=[{"role": "user", "content": broken}])
+    finally:
+        running.stop()
+
+
+def test_bad_image_input_is_a_clear_error(llava: tuple[Path, Any, LLM], tmp_path: Path) -> None:
+    _, _, llm = llava
+    image = _image(40)
+    with pytest.raises(ValueError, match="1 <image> markers for 2 images"):
+        llm.generate({"prompt": "one <image>", "multi_modal_data": {"image": [image, image]}}, GREEDY)
+    with pytest.raises(ValueError, match="PIL image"):
+        llm.generate({"prompt": "one <image>", "multi_modal_data": {"image": "cat.png"}}, GREEDY)
+    with pytest.raises(ValueError, match="images only"):
+        llm.generate({"prompt": "one", "multi_modal_data": {"video": image}}, GREEDY)
+    with pytest.raises(ValueError, match="not with 'prompt_token_ids'"):
+        llm.generate({"prompt_token_ids": [5, 6], "multi_modal_data": {"image": image}}, GREEDY)
+    with pytest.raises(ValueError, match="embeds and classifies text only"):
+        llm.engine.add_request("embed", {"prompt": "<image>", "multi_modal_data": {"image": image}},
+                               PoolingParams())
+    with pytest.raises(ValueError, match="not in beam search"):
+        llm.beam_search([{"prompt": "<image>", "multi_modal_data": {"image": image}}], BeamSearchParams(2, 4))
+    remote = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x.org/cat.png"}}]}]
+    with pytest.raises(ValueError, match="data: URL"):
+        llm.chat(remote, GREEDY)
+    assert not llm.engine.has_unfinished_requests()
+    text_only = LLM(model=str(save_tiny_model(tmp_path)[0]), dtype="float32", num_kv_blocks=16)
+    with pytest.raises(ValueError, match="takes no images"):
+        text_only.generate({"prompt": "<image>", "multi_modal_data": {"image": image}}, GREEDY)
+    with pytest.raises(ValueError, match="takes no images"):
+        text_only.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": image}]}], GREEDY)
