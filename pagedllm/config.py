@@ -181,6 +181,8 @@ class ModelConfig:
             "classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true}` (`pagedllm.loader`).
         pooler_config: how embeddings pool (vLLM's): `{"pooling_type": "LAST" | "MEAN" | "CLS"}`; None takes the
             model's sentence-transformers config, else LAST (`pagedllm.loader.pooling_config`).
+        mm_processor_kwargs: arguments for the model's processor on every prompt with images (vLLM's), e.g.
+            Idefics3's `{"do_image_splitting": false}`; a prompt's own `mm_processor_kwargs` add to them.
     """
 
     model: str | None = None
@@ -197,10 +199,13 @@ class ModelConfig:
     generation_config: str = "auto"
     hf_overrides: dict[str, Any] | None = None
     pooler_config: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         _require(self.hf_overrides is None or isinstance(self.hf_overrides, dict), "hf_overrides",
                  "a dict of config fields", self.hf_overrides)
+        _require(self.mm_processor_kwargs is None or isinstance(self.mm_processor_kwargs, dict),
+                 "mm_processor_kwargs", "a dict of the processor's arguments", self.mm_processor_kwargs)
         pooler = self.pooler_config
         _require(pooler is None or (isinstance(pooler, dict) and set(pooler) == {"pooling_type"}
                                     and pooler["pooling_type"] in POOLING_TYPES),

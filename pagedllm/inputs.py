@@ -18,6 +18,7 @@ class TextPrompt(TypedDict):
     prompt: str
     cache_salt: NotRequired[str]
     multi_modal_data: NotRequired[dict[str, Any]]    # {"image": a PIL image or a list of them}
+    mm_processor_kwargs: NotRequired[dict[str, Any]]     # arguments for the model's processor on these images
 
 
 class TokensPrompt(TypedDict):
@@ -34,21 +35,23 @@ class TokensPrompt(TypedDict):
 PromptType = str | list[int] | TextPrompt | TokensPrompt
 
 # vLLM's keys for inputs pagedllm has no use for: refused by name rather than as unknown keys.
-_UNSUPPORTED_KEYS = {"mm_processor_kwargs": "processor arguments", "prompt_embeds": "prompt embeddings"}
-_KEYS = {"prompt", "prompt_token_ids", "cache_salt", "token_type_ids", "multi_modal_data"}
+_UNSUPPORTED_KEYS = {"prompt_embeds": "prompt embeddings"}
+_KEYS = {"prompt", "prompt_token_ids", "cache_salt", "token_type_ids", "multi_modal_data", "mm_processor_kwargs"}
 
 
 @dataclass(frozen=True, slots=True)
 class ParsedPrompt:
     """One prompt, whatever its form: its text and/or token ids (at least one is set), its cache salt, its token
-    type ids (only beside token ids, one each), and its images: as given (`images`, beside text), or, once the
-    model's processor has made token ids of text and images (`LLMEngine.process_images`), as `image_inputs`."""
+    type ids (only beside token ids, one each), and its images: as given (`images`, beside text, with arguments for
+    the processor), or, once the model's processor has made token ids of text and images
+    (`LLMEngine.process_images`), as `image_inputs`."""
 
     text: str | None
     token_ids: list[int] | None
     cache_salt: str | None = None
     token_type_ids: list[int] | None = None
     images: tuple[Any, ...] = ()
+    processor_kwargs: dict[str, Any] | None = None
     image_inputs: tuple[ImageInput, ...] = ()
 
 
@@ -94,7 +97,11 @@ def _parse_dict(prompt: dict, index: int) -> ParsedPrompt:
     if images and (text is None or token_ids is not None):
         raise ValueError(f"prompt {index}: images go with a text prompt ('prompt', with an <image> marker for each), "
                          "not with 'prompt_token_ids'")
-    return ParsedPrompt(text, token_ids, salt, token_types, images)
+    processor_kwargs = prompt.get("mm_processor_kwargs")
+    if processor_kwargs is not None and (not isinstance(processor_kwargs, dict) or not images):
+        raise ValueError(f"prompt {index}: 'mm_processor_kwargs' is a dict of the processor's arguments, beside "
+                         "'multi_modal_data'")
+    return ParsedPrompt(text, token_ids, salt, token_types, images, processor_kwargs)
 
 
 def _images(data: object, index: int) -> tuple[Any, ...]:

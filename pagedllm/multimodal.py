@@ -3,10 +3,12 @@
 A prompt takes images as vLLM's do: `{"prompt": "USER: <image>\\nWhat is this? ASSISTANT:", "multi_modal_data":
 {"image": image}}` (a PIL image, or a list of them, one per `<image>` of the text in order). The model's own
 transformers processor (`ImageProcessor`) turns text and images into token ids, where each image's `<image>` has
-become as many placeholder tokens as its encoder gives rows, and into pixels; `image_inputs` then finds each
-image's run of placeholders. An `ImageInput` is what the core carries: where the image sits in the prompt, a hash of
-its pixels (its prefix-cache key: `pagedllm.core.kv_cache.hashing`) and the pixels themselves, which only the
-runner reads. Pure Python at import: the core imports this module.
+become as many placeholder tokens as its encoder gives rows, and into pixels: one picture an image for Llava, for
+Idefics3 and SmolVLM a grid of tiles and the whole image shrunk, each tile its own run of placeholders between
+the processor's markers. `image_inputs` then finds each picture's run. An `ImageInput` (one picture) is what the
+core carries: where its placeholders sit in the prompt, a hash of its pixels (its prefix-cache key:
+`pagedllm.core.kv_cache.hashing`) and the pixels themselves, which only the runner reads. Pure Python at import:
+the core imports this module.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from typing import Any
 
 @dataclass(frozen=True, slots=True)
 class ImageInput:
-    """One image of a prompt: placeholder positions `offset : offset + length`, a hash of its pixels, and the
-    pixels (a [3, S, S] tensor, the processor's), which the runner's image encoder turns into `length` rows."""
+    """One picture of a prompt (an image, or a tile of one): placeholder positions `offset : offset + length`, a
+    hash of its pixels, and the pixels (a [3, S, S] tensor, the processor's), which the runner's image encoder turns
+    into `length` rows."""
 
     offset: int
     length: int
@@ -45,12 +48,12 @@ def pixels_hash(pixels: Any) -> str:
 
 
 def image_inputs(token_ids: list[int], pixels: Any, image_token_id: int) -> tuple[ImageInput, ...]:
-    """Each image's run of placeholders in `token_ids`, with its pixels ([N, 3, S, S]): the placeholders split
-    evenly among the N images, each image's contiguous. ValueError when they are not."""
+    """Each picture's run of placeholders in `token_ids`, with its pixels ([N, 3, S, S]): the placeholders split
+    evenly among the N pictures, each one's contiguous. ValueError when they are not."""
     positions = [i for i, t in enumerate(token_ids) if t == image_token_id]
     count = len(pixels)
     if count == 0 or len(positions) % count:
-        raise ValueError(f"the prompt has {len(positions)} image placeholder tokens for {count} images")
+        raise ValueError(f"the prompt has {len(positions)} image placeholder tokens for {count} pictures")
     length = len(positions) // count
     result = []
     for index in range(count):
@@ -70,22 +73,27 @@ class ImageProcessor:
     """The model's transformers processor (its `processor_config.json` or `preprocessor_config.json`): text with
     `<image>` markers and images -> token ids and `ImageInput`s. Thread-safe (the server calls it off its loop)."""
 
-    def __init__(self, path: Path, image_token_id: int) -> None:
+    def __init__(self, path: Path, image_token_id: int, kwargs: dict[str, Any] | None = None) -> None:
         from transformers import AutoProcessor
 
         self.processor = AutoProcessor.from_pretrained(str(path))
         self.image_token_id = image_token_id
+        self.kwargs = dict(kwargs or {})     # ModelConfig.mm_processor_kwargs
         self.image_token = self.processor.tokenizer.convert_ids_to_tokens(image_token_id)
 
-    def __call__(self, text: str, images: list[Any], add_special_tokens: bool = True
-                 ) -> tuple[list[int], tuple[ImageInput, ...]]:
+    def __call__(self, text: str, images: list[Any], add_special_tokens: bool = True,
+                 kwargs: dict[str, Any] | None = None) -> tuple[list[int], tuple[ImageInput, ...]]:
         """Token ids and images of a prompt; `add_special_tokens` False for a chat template's text, which holds its
-        own BOS."""
+        own BOS; `kwargs` (a prompt's mm_processor_kwargs) over the engine's."""
         markers = text.count(self.image_token)
         if markers != len(images):
             raise ValueError(f"the prompt has {markers} {self.image_token} markers for {len(images)} images: put one "
                              "where each image goes")
-        encoded = self.processor(text=text, images=[image.convert("RGB") for image in images], return_tensors="pt",
-                                 add_special_tokens=add_special_tokens)
-        token_ids = encoded["input_ids"][0].tolist()
-        return token_ids, image_inputs(token_ids, encoded["pixel_values"], self.image_token_id)
+        encoded = self.processor(text=text, images=[[image.convert("RGB") for image in images]],
+                                 return_tensors="pt", add_special_tokens=add_special_tokens,
+                                 **(self.kwargs | (kwargs or {})))     # one it does not know: warned of, ignored
+        token_ids, pixels = encoded["input_ids"][0].tolist(), encoded["pixel_values"]
+        if pixels.dim() == 5:   # Idefics3's [1, tiles, 3, S, S], each tile whole (one prompt pads none)
+            pixels = pixels[0]
+            assert bool(encoded["pixel_attention_mask"].all()), "a tile of one prompt is never padded"
+        return token_ids, image_inputs(token_ids, pixels, self.image_token_id)

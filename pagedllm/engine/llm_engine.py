@@ -367,7 +367,8 @@ class LLMEngine:
         a model that takes no images (the loader loaded no image encoder), or an engine without a tokenizer."""
         if getattr(loaded.model, "image_encoder", None) is None or self.tokenizer is None:
             return None
-        return ImageProcessor(loaded.resolved.path, loaded.hf_config.image_token_id)
+        return ImageProcessor(loaded.resolved.path, loaded.hf_config.image_token_id,
+                              self.config.model.mm_processor_kwargs)
 
     @property
     def image_marker(self) -> str | None:
@@ -384,7 +385,8 @@ class LLMEngine:
                              f"{', '.join(sorted(IMAGE_ENCODERS))} checkpoints that have their processor config and "
                              "tokenizer")
         assert parsed.text is not None, "parse_prompt gives images beside text only"
-        token_ids, images = self.image_processor(parsed.text, list(parsed.images), add_special_tokens)
+        token_ids, images = self.image_processor(parsed.text, list(parsed.images), add_special_tokens,
+                                                 parsed.processor_kwargs)
         return ParsedPrompt(parsed.text, token_ids, parsed.cache_salt, image_inputs=images)
 
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | PoolingParams,

@@ -109,6 +109,8 @@ class LLM:
             model's sentence-transformers config says, else LAST.
         hf_overrides: fields set on the model's transformers config (vLLM's; see `ModelConfig.hf_overrides`), e.g.
             to serve Qwen3-Reranker as a classifier made of its LM head's "no" and "yes" rows.
+        mm_processor_kwargs: arguments for the model's processor on every prompt with images (vLLM's), e.g.
+            `{"do_image_splitting": False}` for Idefics3 (SmolVLM): one tile an image.
         runner, convert: vLLM's switches to an embedding model (`runner="pooling"`, `convert="embed"`), taken so that
             code written for vLLM runs; they select nothing, since one pagedllm engine both generates and embeds
             (`embed`), and a checkpoint with a classification head also classifies (`classify`). vLLM's other
@@ -133,7 +135,8 @@ class LLM:
                  generation_config: str = "auto", trust_remote_code: bool = False, runner: str = "auto",
                  convert: str = "auto", enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16,
                  max_cpu_loras: int | None = None, hf_overrides: dict[str, Any] | None = None,
-                 pooler_config: dict[str, Any] | None = None) -> None:
+                 pooler_config: dict[str, Any] | None = None,
+                 mm_processor_kwargs: dict[str, Any] | None = None) -> None:
         check_runner(runner, convert)
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
@@ -141,7 +144,7 @@ class LLM:
                               skip_tokenizer_init=skip_tokenizer_init, quantization=quantization,
                               device=device, enforce_eager=enforce_eager, disable_cascade_attn=disable_cascade_attn,
                               generation_config=generation_config, hf_overrides=hf_overrides,
-                              pooler_config=pooler_config),
+                              pooler_config=pooler_config, mm_processor_kwargs=mm_processor_kwargs),
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
                               gpu_memory_utilization=gpu_memory_utilization, swap_space=swap_space,
                               swap_path=swap_path, enable_prefix_caching=enable_prefix_caching,
@@ -399,7 +402,8 @@ class LLM:
              chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
              chat_template_kwargs: dict[str, Any] | None = None,
-             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+             mm_processor_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """Generate a reply to a conversation, or to each of a list of conversations; one RequestOutput per
         conversation, in order.
 
@@ -415,6 +419,8 @@ class LLM:
                 (parse them with a tool parser, e.g. `HermesToolParser`).
             chat_template_kwargs: extra variables for the template (e.g. a model's `enable_thinking`).
             lora_request: as `generate`'s, per conversation.
+            mm_processor_kwargs: arguments for the model's processor on the conversations' images (over the
+                engine's `mm_processor_kwargs`).
         """
         conversations = _as_conversations(messages)
         template = chat_template or self.engine.config.model.chat_template
@@ -427,11 +433,12 @@ class LLM:
                 conversation, tool_kwargs = with_tools(list(conversation), tools, used)
                 kwargs |= tool_kwargs
             prompts.append(self._chat_prompt(conversation, template, add_generation_prompt, continue_final_message,
-                                             kwargs))
+                                             kwargs, mm_processor_kwargs))
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def _chat_prompt(self, conversation: Conversation, template: str | None, add_generation_prompt: bool,
-                     continue_final_message: bool, kwargs: dict[str, Any]) -> ParsedPrompt:
+                     continue_final_message: bool, kwargs: dict[str, Any],
+                     processor_kwargs: dict[str, Any] | None) -> ParsedPrompt:
         """A conversation's prompt: its token ids, and, where it holds images, those (`process_images`)."""
         tokenizer, images = self.get_tokenizer(), conversation_images(conversation)
         if not images:
@@ -439,7 +446,8 @@ class LLM:
                                                           continue_final_message, **kwargs))
         text = render_chat_template(tokenizer, conversation, template, add_generation_prompt, continue_final_message,
                                     self.engine.image_marker, **kwargs)
-        return self.engine.process_images(ParsedPrompt(text, None, images=tuple(images)), add_special_tokens=False)
+        return self.engine.process_images(ParsedPrompt(text, None, images=tuple(images),
+                                                       processor_kwargs=processor_kwargs), add_special_tokens=False)
 
     def _warn_if_on_another_thread(self) -> None:
         if self._warned_of_thread or threading.get_ident() == self._built_on:

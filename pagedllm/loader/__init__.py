@@ -23,6 +23,7 @@ from pagedllm.config import ModelConfig
 from pagedllm.cpu import cpu_info, onednn_bf16_ok
 from pagedllm.device import model_device
 from pagedllm.loader.resolve import ResolvedModel, resolve_model
+from pagedllm.models.vision import IMAGE_ENCODERS, image_part_name
 from pagedllm.multimodal import has_processor
 
 if TYPE_CHECKING:   # gguf (numpy and the gguf package) loads only for a .gguf model
@@ -105,28 +106,25 @@ TEXT_PARTS: dict[str, tuple[str, str | None]] = {
 _TEXT_MODEL_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                              "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 # the language model's checkpoint names -> the text model's, in the layouts transformers has saved them in
-# (language_model.model.* before 4.52, model.language_model.* since; the LM head beside either), and Qwen2-VL's and
-# Qwen2.5-VL's, whose language model's names are a text model's own (model.layers.*, beside visual.*)
+# (language_model.model.* before 4.52, model.language_model.* since, Idefics3's and SmolVLM's model.text_model.*; the
+# LM head beside either), and Qwen2-VL's and Qwen2.5-VL's, whose language model's names are a text model's own
+# (model.layers.*, beside visual.*)
 _TEXT_PART_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                       ("model.text_model.", "model."),
                        ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head."),
                        ("model.layers.", "model.layers."), ("model.embed_tokens.", "model.embed_tokens."),
                        ("model.norm.", "model.norm."))
 
 
-# Multimodal architectures whose images pagedllm reads too, through its own image encoder (pagedllm.models.vision);
-# the others' prompts are text only
-IMAGE_ENCODERS = {"LlavaForConditionalGeneration"}
-
-
-def _image_encoder(resolved: ResolvedModel, dtype: torch.dtype, device: str) -> nn.Module:
-    """A Llava-kind checkpoint's tower and projector, loaded (in `dtype`, on `device`)."""
+def _image_encoder(resolved: ResolvedModel, dtype: torch.dtype, device: str, architecture: str) -> nn.Module:
+    """A multimodal checkpoint's image encoder (IMAGE_ENCODERS: the tower and the projector), loaded (in `dtype`,
+    on `device`)."""
     from transformers import AutoConfig
 
     from pagedllm.loader.safetensors import iterate_safetensors
-    from pagedllm.models.vision import ImageEncoder, image_part_name
 
     with torch.device(device):
-        encoder = ImageEncoder(AutoConfig.from_pretrained(str(resolved.path)), dtype)
+        encoder = IMAGE_ENCODERS[architecture](AutoConfig.from_pretrained(str(resolved.path)), dtype)
     encoder.load_weights(iterate_safetensors(resolved.path, dtype, image_part_name))
     return encoder.eval()
 
@@ -374,7 +372,7 @@ def load_model(model_config: ModelConfig, tp_rank: int = 0, tp_size: int = 1,
     parts += _pack(model, quantization)
     if getattr(hf_config, "text_part_of", None) in IMAGE_ENCODERS:
         if has_processor(resolved.path):
-            model.image_encoder = _image_encoder(resolved, dtype, model_config.device)
+            model.image_encoder = _image_encoder(resolved, dtype, model_config.device, hf_config.text_part_of)
             parts.append("the image encoder in plain torch")
         elif tp_rank == 0:
             logger.warning("%s has no processor config (preprocessor_config.json): it takes text prompts only",

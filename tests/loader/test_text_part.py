@@ -3,7 +3,7 @@ Gemma3ForConditionalGeneration checkpoints, whose language model pagedllm runs a
 the vision tower, and gives transformers' logits on text; so are Mistral 3's (Mistral-Small-3.1) and Qwen2-VL's,
 Qwen2.5-VL's and Qwen3-VL's (M-RoPE, which is the plain rotary embedding on text), in transformers' layouts, with
 the LM head tied as the whole config says; and any checkpoint of the Llava kind whose language model is one of the
-Llama family's (Llava, InternVL)."""
+Llama family's (Llava, InternVL, Idefics3: SmolVLM's model.text_model.*)."""
 
 from __future__ import annotations
 
@@ -91,6 +91,10 @@ def _tiny_text_part(folder: Path, architecture: str):
             text_config=tiny_config("qwen2").to_dict(), image_token_id=300, vision_config=dict(
                 hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=[28, 28],
                 patch_size=[14, 14])),
+        "Idefics3ForConditionalGeneration": lambda: transformers.Idefics3Config(
+            text_config=tiny_config("llama-gqa").to_dict(), image_token_id=300, vision_config=dict(
+                hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                patch_size=14)),
         "Qwen3VLForConditionalGeneration": lambda: transformers.Qwen3VLConfig(
             text_config={**tiny_config("qwen3").to_dict(), "rope_scaling": {**mrope, "mrope_section": [4, 6, 6],
                                                                             "mrope_interleaved": True}},
@@ -105,7 +109,8 @@ def _tiny_text_part(folder: Path, architecture: str):
 
 @pytest.mark.parametrize("architecture", ["Mistral3ForConditionalGeneration", "Qwen2VLForConditionalGeneration",
                                           "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",
-                                          "LlavaForConditionalGeneration", "InternVLForConditionalGeneration"])
+                                          "LlavaForConditionalGeneration", "InternVLForConditionalGeneration",
+                                          "Idefics3ForConditionalGeneration"])
 def test_a_vision_language_checkpoint_serves_its_text(tmp_path: Path, architecture: str) -> None:
     hf_model = _tiny_text_part(tmp_path, architecture)
     config = load_hf_config(resolve_model(str(tmp_path)))

@@ -233,6 +233,9 @@ def _add_model_args(group: argparse._ArgumentGroup) -> None:
                        help="JSON fields set on the model's transformers config (vLLM's), e.g. "
                             "'{\"architectures\": [\"Qwen3ForSequenceClassification\"], \"classifier_from_token\": "
                             "[\"no\", \"yes\"], \"is_original_qwen3_reranker\": true}' serves Qwen3-Reranker")
+    group.add_argument("--mm-processor-kwargs", type=parse_json_object, default=None,
+                       help="JSON arguments for the model's processor on every prompt with images (vLLM's), e.g. "
+                            "'{\"do_image_splitting\": false}' for Idefics3 (SmolVLM)")
     group.add_argument("--seed", type=int, default=0, help="seed of the engine's random stream (default: 0)")
 
 
@@ -331,7 +334,7 @@ def engine_config_from_args(args: argparse.Namespace):
                           device=args.device, enforce_eager=args.enforce_eager,
                           disable_cascade_attn=args.disable_cascade_attn,
                           generation_config=args.generation_config, hf_overrides=args.hf_overrides,
-                          pooler_config=args.pooler_config),
+                          pooler_config=args.pooler_config, mm_processor_kwargs=args.mm_processor_kwargs),
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                           gpu_memory_utilization=args.gpu_memory_utilization, swap_space=args.swap_space,
                           swap_path=args.swap_path, enable_prefix_caching=args.enable_prefix_caching,

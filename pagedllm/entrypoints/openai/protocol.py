@@ -196,6 +196,7 @@ class ChatCompletionRequest(_SamplingFields):
     echo: bool = False                      # vLLM's: the reply starts with the last message, if it is the assistant's
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None     # vLLM's: arguments for the model's image processor
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True    # false: at most one call (vLLM's)

@@ -156,7 +156,8 @@ class OpenAIServingChat(GenerationServing):
                 request.add_generation_prompt, request.continue_final_message,
                 None if processor is None else processor.image_token, **kwargs)
             assert processor is not None, "render_chat_template refuses images without a marker"
-            token_ids, inputs = await self.engine.run_on_tokenizer_thread(processor, text, images, False)
+            token_ids, inputs = await self.engine.run_on_tokenizer_thread(processor, text, images, False,
+                                                                          request.mm_processor_kwargs)
         except (ValueError, TypeError, jinja2.TemplateError) as exc:
             raise OpenAIError(str(exc), param="messages") from exc
         return Prompt(text, await self.prompt_token_ids(token_ids, "messages"), images=inputs)

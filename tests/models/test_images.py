@@ -1,8 +1,9 @@
 """Images in prompts (pagedllm.multimodal, pagedllm.models.vision): tiny random Llava checkpoints (a CLIP tower that
-reads its next-to-last layer and drops the class token, a SigLIP tower that reads its last layer whole) and their
-transformers processors, against transformers' LlavaForConditionalGeneration on the same weights and pixels:
-the image encoder's rows, greedy tokens offline and served, prefix caching that tells images apart, chunked
-prefills and preemption through an image, chat templates of both kinds, and bad input."""
+reads its next-to-last layer and drops the class token, a SigLIP tower that reads its last layer whole) and a tiny
+Idefics3 (SmolVLM's architecture: each image a 2 x 2 grid of tiles and the whole, pixel-shuffled), with their
+transformers processors, against transformers' models on the same weights and pixels: the image encoder's rows,
+greedy tokens offline and served, prefix caching that tells images apart, chunked prefills and preemption through an
+image, chat templates of both kinds, and bad input."""
 
 from __future__ import annotations
 
@@ -22,12 +23,13 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.core.kv_cache.hashing import block_key
 from pagedllm.engine.async_engine import AsyncEngine
 from pagedllm.engine.beam_search import BeamSearchParams
-from pagedllm.models.vision import ImageEncoder, image_part_name
+from pagedllm.models.vision import IMAGE_ENCODERS, image_part_name, tile_positions
 from pagedllm.pooling_params import PoolingParams
 from tests.entrypoints.server_utils import start_server
 from tests.models.tiny import build_byte_tokenizer, save_tiny_model, tiny_config
 
-SIZE = 56       # pixels a side: 4 x 4 patches of 14, so 16 placeholders an image (CLIP drops its class token)
+SIZE = 56       # pixels a side: 4 x 4 patches of 14, so 16 placeholders an image (CLIP drops its class token), 4 a
+#               tile for Idefics3 (2 x 2 patches a row), whose processor tiles an image 2 x 2 and adds the whole
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 # a template that renders typed content parts, as Llava's own do
 TYPED_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {% for c in m['content'] %}{% if c['type'] == 'image' %}"
@@ -35,11 +37,14 @@ TYPED_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {% for c in m['conten
                   "{% if add_generation_prompt %}assistant: {% endif %}")
 
 
-def _save_llava(folder: Path, vision: str, feature_layer: int | list[int] | None = None) -> Any:
-    """A tiny random Llava (the tiny Llama, a two-layer `vision` tower of SIZE pixels) and its processor, saved in
-    `folder`; returns transformers' model."""
+def _save_model(folder: Path, vision: str, feature_layer: int | list[int] | None = None) -> Any:
+    """A tiny random Llava (the tiny Llama, a two-layer `vision` tower of SIZE pixels: "clip" or "siglip") or
+    Idefics3 (`vision` "idefics3") and its processor, saved in `folder`; returns transformers' model."""
     tokenizer = build_byte_tokenizer()
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", "<image>"]})
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", "<image>",
+                                                                "<fake_token_around_image>", "<global-img>"]})
+    if vision == "idefics3":
+        return _save_idefics3(folder, tokenizer)
     clip = vision == "clip"
     tower = dict(model_type="clip_vision_model" if clip else "siglip_vision_model", hidden_size=32,
                  intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=SIZE, patch_size=14)
@@ -59,6 +64,20 @@ def _save_llava(folder: Path, vision: str, feature_layer: int | list[int] | None
     return model
 
 
+def _save_idefics3(folder: Path, tokenizer: Any) -> Any:
+    config = transformers.Idefics3Config(
+        text_config=tiny_config("llama-gqa", initializer_range=0.5).to_dict(), scale_factor=2,
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                           image_size=SIZE, patch_size=14))
+    torch.manual_seed(0)
+    model = transformers.Idefics3ForConditionalGeneration(config).eval()
+    model.save_pretrained(folder)
+    images = transformers.Idefics3ImageProcessor(size={"longest_edge": 2 * SIZE}, max_image_size={"longest_edge": SIZE})
+    transformers.Idefics3Processor(image_processor=images, tokenizer=tokenizer, image_seq_len=4).save_pretrained(folder)
+    return model
+
+
 def _image(seed: int, height: int = 40, width: int = 50) -> Image.Image:
     pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
     return Image.fromarray(pixels)
@@ -70,39 +89,44 @@ def _data_url(image: Image.Image) -> str:
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
-@pytest.fixture(scope="module", params=["clip", "siglip"])
+@pytest.fixture(scope="module", params=["clip", "siglip", "idefics3"])
 def llava(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, LLM]:
     folder = tmp_path_factory.mktemp(f"llava-{request.param}")
-    model = _save_llava(folder, request.param)
+    model = _save_model(folder, request.param)
     return folder, model, LLM(model=str(folder), dtype="float32", num_kv_blocks=128)
 
 
 def _hf_greedy(folder: Path, model: Any, text: str, images: list[Image.Image], max_tokens: int = 8,
-               add_special_tokens: bool = True) -> tuple[list[int], list[int]]:
+               add_special_tokens: bool = True, **processor_kwargs: Any) -> tuple[list[int], list[int]]:
     """transformers' prompt token ids and greedy tokens for `text` with `images`."""
     processor = transformers.AutoProcessor.from_pretrained(folder)
-    inputs = processor(text=text, images=images, return_tensors="pt", add_special_tokens=add_special_tokens)
+    inputs = processor(text=text, images=[images], return_tensors="pt", add_special_tokens=add_special_tokens,
+                       **processor_kwargs)
     with torch.inference_mode():
         out = model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False)
     prompt = inputs["input_ids"][0].tolist()
     return prompt, out[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("vision,feature_layer", [("clip", None), ("siglip", None), ("clip", [-3, -1])])
-def test_the_image_encoder_gives_transformers_rows(tmp_path: Path, vision: str, feature_layer: Any) -> None:
-    model = _save_llava(tmp_path, vision, feature_layer)
+@pytest.mark.parametrize("vision,feature_layer,rows", [("clip", None, 16), ("siglip", None, 16),
+                                                       ("clip", [-3, -1], 16), ("idefics3", None, 4)])
+def test_the_image_encoder_gives_transformers_rows(tmp_path: Path, vision: str, feature_layer: Any,
+                                                   rows: int) -> None:
+    model = _save_model(tmp_path, vision, feature_layer)
     config = transformers.AutoConfig.from_pretrained(tmp_path)
-    encoder = ImageEncoder(config, torch.float32)
+    encoder = IMAGE_ENCODERS[config.architectures[0]](config, torch.float32)
     encoder.load_weights((ours, tensor) for name, tensor in model.state_dict().items()
                          if (ours := image_part_name(name)) is not None)
     pixels = torch.randn(2, 3, SIZE, SIZE)
     with torch.inference_mode():
-        expected = model.model.get_image_features(pixel_values=pixels, vision_feature_layer=feature_layer or
-                                                  config.vision_feature_layer,
-                                                  vision_feature_select_strategy=config.vision_feature_select_strategy)
-    expected = torch.stack(list(expected.pooler_output))
-    assert encoder(pixels).shape == (2, 16, 64)
-    torch.testing.assert_close(encoder(pixels), expected.reshape(2, 16, 64), atol=1e-5, rtol=1e-5)
+        if vision == "idefics3":
+            expected = model.model.get_image_features(pixel_values=pixels[None])
+        else:
+            expected = model.model.get_image_features(
+                pixel_values=pixels, vision_feature_layer=feature_layer or config.vision_feature_layer,
+                vision_feature_select_strategy=config.vision_feature_select_strategy)
+    expected = torch.cat(list(expected.pooler_output)).reshape(2, rows, 64)
+    torch.testing.assert_close(encoder(pixels), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_greedy_tokens_match_transformers_with_images(llava: tuple[Path, Any, LLM]) -> None:
@@ -123,12 +147,12 @@ def test_the_prefix_cache_tells_images_apart(llava: tuple[Path, Any, LLM]) -> No
     image; A's second run reuses its image's blocks too. Each gives transformers' tokens."""
     folder, model, llm = llava
     text = "a long shared preamble before the picture: <image> now describe it"
-    offset = text.index("<image>")      # bytes are tokens here, one BOS first
     outputs = [llm.generate({"prompt": text, "multi_modal_data": {"image": image}}, GREEDY, use_tqdm=False)[0]
                for image in (_image(4), _image(5), _image(4))]
+    placeholders = [i for i, t in enumerate(outputs[0].prompt_token_ids) if t == llm.engine.hf_config.image_token_id]
     block_size = llm.engine.config.cache.block_size
-    assert outputs[1].num_cached_tokens == (offset + 1) // block_size * block_size
-    assert outputs[2].num_cached_tokens > offset + 1 + 16
+    assert outputs[1].num_cached_tokens == placeholders[0] // block_size * block_size
+    assert outputs[2].num_cached_tokens > placeholders[-1]
     for output, image in zip(outputs, (_image(4), _image(5), _image(4))):
         assert output.outputs[0].token_ids == _hf_greedy(folder, model, text, [image])[1]
 
@@ -145,9 +169,11 @@ def test_chunked_prefills_and_preemption_through_an_image_change_no_token(llava:
     folder, _, llm = llava
     prompts = [{"prompt": f"request {i}: <image> tell", "multi_modal_data": {"image": _image(10 + i)}}
                for i in range(6)]
-    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
-    # chunks of 8 tokens cut each image's 16 placeholders; 8 blocks of 8 cannot hold 6 prompts of ~30 tokens
-    squeezed = LLM(model=str(folder), dtype="float32", num_kv_blocks=8, max_num_batched_tokens=8,
+    alone = llm.generate(prompts, GREEDY, use_tqdm=False)
+    expected = [o.outputs[0].token_ids for o in alone]
+    # chunks of 8 tokens cut each image's (and tile's) placeholders; a pool with room for one request at a time
+    blocks = -(-(max(len(o.prompt_token_ids) for o in alone) + 8) // 8) + 2
+    squeezed = LLM(model=str(folder), dtype="float32", num_kv_blocks=blocks, max_num_batched_tokens=8,
                    enable_prefix_caching=False)
     twice = SamplingParams(n=2, temperature=0.0, max_tokens=8, ignore_eos=True)    # its child carries the images
     outputs = squeezed.generate(prompts, [twice] + [GREEDY] * 5, use_tqdm=False)
@@ -236,3 +262,42 @@ def test_bad_image_input_is_a_clear_error(llava: tuple[Path, Any, LLM], tmp_path
         text_only.generate({"prompt": "<image>", "multi_modal_data": {"image": image}}, GREEDY)
     with pytest.raises(ValueError, match="takes no images"):
         text_only.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": image}]}], GREEDY)
+
+
+def test_a_tiles_positions_are_transformers_buckets() -> None:
+    """Idefics3 buckets each patch's fractional coordinates in float32, which is not always the row-major order: a
+    side of 25 patches is one where it is not."""
+    from transformers.models.idefics3.modeling_idefics3 import Idefics3VisionEmbeddings
+
+    side = 25
+    embeddings = Idefics3VisionEmbeddings(transformers.Idefics3VisionConfig(hidden_size=1, image_size=side * 14,
+                                                                            patch_size=14))
+    with torch.no_grad():   # each patch's embedding: its position id
+        embeddings.patch_embedding.weight.zero_()
+        embeddings.patch_embedding.bias.zero_()
+        embeddings.position_embedding.weight.copy_(torch.arange(side * side, dtype=torch.float32)[:, None])
+        rows = embeddings(torch.zeros(1, 3, side * 14, side * 14), torch.ones(1, side, side, dtype=torch.bool))
+    assert torch.equal(rows[0, :, 0].long(), tile_positions(side))
+    assert not torch.equal(tile_positions(side), torch.arange(side * side))
+
+
+def test_processor_arguments_for_the_engine_and_for_a_prompt(tmp_path: Path) -> None:
+    """Idefics3 without image splitting (the engine's mm_processor_kwargs): one tile an image, 4 placeholders; a
+    prompt's own arguments over the engine's: the 2 x 2 tiles and the whole again, 20."""
+    model = _save_model(tmp_path, "idefics3")
+    text, image = "Look: <image> what is it?", _image(60)
+    llm = LLM(model=str(tmp_path), dtype="float32", num_kv_blocks=64,
+              mm_processor_kwargs={"do_image_splitting": False})
+    whole, tiled = llm.generate([{"prompt": text, "multi_modal_data": {"image": image}},
+                                 {"prompt": text, "multi_modal_data": {"image": image},
+                                  "mm_processor_kwargs": {"do_image_splitting": True}}], GREEDY, use_tqdm=False)
+    image_token = llm.engine.hf_config.image_token_id
+    assert [o.prompt_token_ids.count(image_token) for o in (whole, tiled)] == [4, 20]
+    for output, splitting in ((whole, False), (tiled, True)):
+        prompt, tokens = _hf_greedy(tmp_path, model, text, [image], do_image_splitting=splitting)
+        assert output.prompt_token_ids == prompt and output.outputs[0].token_ids == tokens
+    conversation = [{"role": "user", "content": [{"type": "image_pil", "image_pil": image}]}]
+    chatted = llm.chat(conversation, GREEDY, mm_processor_kwargs={"do_image_splitting": True}, use_tqdm=False)[0]
+    assert chatted.prompt_token_ids.count(image_token) == 20
+    with pytest.raises(ValueError, match="beside 'multi_modal_data'"):
+        llm.generate({"prompt": text, "mm_processor_kwargs": {"do_image_splitting": True}}, GREEDY)
