@@ -3,8 +3,9 @@
 A message's content may hold images too, as OpenAI's and vLLM's do: `{"type": "image_url", "image_url": {"url":
 "data:image/png;base64,..."}}` (a data URL; vLLM's offline `{"type": "image_pil", "image_pil": image}` too).
 `conversation_images` gives them in order, and the template renders each where it stands as the model's image
-marker (`<image>`): a template that reads typed parts (`{"type": "image"}`, as Llava's do) gets the content as such
-parts, any other the marker in the text. The processor then expands each marker (pagedllm.multimodal).
+marker (`<image>`): a template that reads typed parts (`{"type": "image"}`, as Llava's and SmolVLM's do, which
+render nothing of a plain string) gets every message's content as such parts, images or not, any other template the
+text with the marker in it. The processor then expands each marker (pagedllm.multimodal).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def render_chat_template(tokenizer: PreTrainedTokenizerBase, messages: Sequence[
     if not template:
         raise ValueError("this model's tokenizer has no chat template; pass chat_template= "
                          "(or --chat-template) to use chat messages, or send a plain prompt")
-    if image_marker is not None and _reads_typed_parts(template):
+    if _reads_typed_parts(template):
         conversation = [{**m, "content": _typed_parts(m["content"], image_marker)} for m in conversation]
     return tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=False,
                                          add_generation_prompt=add_generation_prompt,
@@ -123,10 +124,11 @@ def _reads_typed_parts(template: str) -> bool:
     return "'image'" in template or '"image"' in template
 
 
-def _typed_parts(content: str, image_marker: str) -> list[dict[str, str]]:
-    """Validated content (markers in text) as typed parts: text, then an image for each marker, in order."""
+def _typed_parts(content: str, image_marker: str | None) -> list[dict[str, str]]:
+    """Validated content (image markers in its text) as typed parts: text, and an image for each marker, in
+    order."""
     parts: list[dict[str, str]] = []
-    for index, text in enumerate(content.split(image_marker)):
+    for index, text in enumerate(content.split(image_marker) if image_marker else [content]):
         if index:
             parts.append({"type": "image"})
         if text.strip("\n"):

@@ -211,6 +211,9 @@ def test_chat_renders_images_in_string_and_typed_templates(llava: tuple[Path, An
         prompt, tokens = _hf_greedy(folder, model, text, [image], add_special_tokens=False)
         assert output.prompt_token_ids == prompt
         assert output.outputs[0].token_ids == tokens
+    text_only = [{"role": "user", "content": "What is it?"}]   # a typed template gets a text part, not a string
+    assert llm.chat(text_only, GREEDY, chat_template=TYPED_TEMPLATE, use_tqdm=False)[0].prompt_token_ids == \
+        llm.get_tokenizer().encode("user: What is it?assistant: ", add_special_tokens=False)
     pil = [{"role": "user", "content": [{"type": "text", "text": "What is it?"},
                                         {"type": "image_pil", "image_pil": image}]}]
     assert llm.chat(pil, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == \
