@@ -117,11 +117,15 @@ _TEXT_PART_PREFIXES = (("model.language_model.", "model."), ("language_model.mod
 
 
 def _image_encoder(resolved: ResolvedModel, dtype: torch.dtype, device: str, architecture: str) -> nn.Module:
-    """A multimodal checkpoint's image encoder (IMAGE_ENCODERS: the tower and the projector), loaded (in `dtype`,
-    on `device`)."""
+    """A multimodal checkpoint's image encoder (IMAGE_ENCODERS: the tower and the projector), loaded on `device`,
+    in `dtype`; in float32 where that is bf16 on a CPU that does not multiply bf16 itself: its plain torch linears
+    would be emulated there, several times slower than float32's (the language model's run pagedllm's kernels)."""
     from transformers import AutoConfig
 
     from pagedllm.loader.safetensors import iterate_safetensors
+
+    if device == "cpu" and dtype == torch.bfloat16 and not onednn_bf16_ok():
+        dtype = torch.float32
 
     with torch.device(device):
         encoder = IMAGE_ENCODERS[architecture](AutoConfig.from_pretrained(str(resolved.path)), dtype)

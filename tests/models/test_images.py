@@ -21,6 +21,7 @@ from PIL import Image
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.core.kv_cache.hashing import block_key
+from pagedllm.cpu import MAX_ISA_ENV
 from pagedllm.engine.async_engine import AsyncEngine
 from pagedllm.engine.beam_search import BeamSearchParams
 from pagedllm.models.vision import IMAGE_ENCODERS, image_part_name, tile_positions
@@ -304,3 +305,14 @@ def test_processor_arguments_for_the_engine_and_for_a_prompt(tmp_path: Path) -> 
     assert chatted.prompt_token_ids.count(image_token) == 20
     with pytest.raises(ValueError, match="beside 'multi_modal_data'"):
         llm.generate({"prompt": text, "mm_processor_kwargs": {"do_image_splitting": True}}, GREEDY)
+
+
+def test_the_image_encoder_runs_float32_where_bf16_would_be_emulated(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    _save_model(tmp_path, "siglip")
+    monkeypatch.setenv(MAX_ISA_ENV, "avx2")     # as on an AVX2 CPU: no bf16 linears in oneDNN
+    llm = LLM(model=str(tmp_path), dtype="bfloat16", num_kv_blocks=64)
+    assert llm.engine.runner.model.image_encoder.tower.patch_embedding.weight.dtype == torch.float32
+    output = llm.generate({"prompt": "Look: <image>", "multi_modal_data": {"image": _image(70)}}, GREEDY,
+                          use_tqdm=False)[0]
+    assert len(output.outputs[0].token_ids) == GREEDY.max_tokens
