@@ -62,7 +62,18 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
         rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.75,
                              short_factor=[1.0 + i / 48 for i in range(48)],
                              long_factor=[1.0 + i for i in range(48)]))),
+    # SmolVLM-256M-Instruct's (an Idefics3, ~0.26B weights): SmolLM2-135M's layers over a SigLIP of 12 layers of
+    # hidden 768 on tiles of 512 pixels (patches of 16), each tile pixel-shuffled by 4 into 64 rows; its processor
+    # scales an image to 2,048 pixels a side at most and tiles it by 512, then adds the whole at 512
+    "smolvlm-256m": ("idefics3", dict(
+        scale_factor=4, text_config=dict(
+            model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+            num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0, tie_word_embeddings=True),
+        vision_config=dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+                           image_size=512, patch_size=16))),
 }
+# the tokens an Idefics3 processor needs in its tokenizer (transformers' Idefics3Processor)
+IDEFICS3_TOKENS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"]
 
 
 # EmbeddingGemma's sentence-transformers Dense modules after its mean pooling: (folder, out_features, bias, activation)
@@ -119,6 +130,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
 
     tokenizer = load_tokenizer(default_model_gguf())
     model_type, fields = PRESETS[args.preset]
+    if model_type == "idefics3":
+        return _save_idefics3(args, tokenizer, fields)
     config = AutoConfig.for_model(model_type, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
                                   eos_token_id=tokenizer.eos_token_id, initializer_range=0.02,
                                   **{"max_position_embeddings": 4096, **fields})
@@ -132,6 +145,36 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     if encoder:
         dense = ENCODER_DENSE if args.preset == "embeddinggemma-300m" else []
         save_sentence_transformers_modules(output, config.hidden_size, dense, args.seed)
+    num_params = sum(p.numel() for p in model.parameters())
+    print(f"{args.preset}: {num_params / 1e6:.0f}M random {args.dtype} weights in {output}")
+    return {"preset": args.preset, "num_params": num_params, "output": str(output)}
+
+
+def _save_idefics3(args: argparse.Namespace, tokenizer: Any, fields: dict[str, Any]) -> dict[str, Any]:
+    """An Idefics3 preset: the model, and its processor over the tokenizer with Idefics3's tokens added."""
+    import torch
+    from transformers import (
+        AutoConfig,
+        Idefics3Config,
+        Idefics3ForConditionalGeneration,
+        Idefics3ImageProcessor,
+        Idefics3Processor,
+    )
+
+    tokenizer.add_special_tokens({"additional_special_tokens": IDEFICS3_TOKENS})
+    text = AutoConfig.for_model(**fields["text_config"], vocab_size=len(tokenizer), initializer_range=0.02,
+                                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    config = Idefics3Config(text_config=text.to_dict(), vision_config=fields["vision_config"],
+                            scale_factor=fields["scale_factor"], tie_word_embeddings=text.tie_word_embeddings,
+                            image_token_id=tokenizer.convert_tokens_to_ids("<image>"))
+    torch.manual_seed(args.seed)
+    model = Idefics3ForConditionalGeneration(config).to(getattr(torch, args.dtype))
+    output = Path(args.output)
+    model.save_pretrained(output)
+    tile = fields["vision_config"]["image_size"]
+    rows = (tile // fields["vision_config"]["patch_size"] // fields["scale_factor"]) ** 2
+    images = Idefics3ImageProcessor(size={"longest_edge": 4 * tile}, max_image_size={"longest_edge": tile})
+    Idefics3Processor(image_processor=images, tokenizer=tokenizer, image_seq_len=rows).save_pretrained(output)
     num_params = sum(p.numel() for p in model.parameters())
     print(f"{args.preset}: {num_params / 1e6:.0f}M random {args.dtype} weights in {output}")
     return {"preset": args.preset, "num_params": num_params, "output": str(output)}

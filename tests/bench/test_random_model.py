@@ -69,3 +69,29 @@ def test_the_cross_encoder_preset_is_a_bert_classifier_with_one_label(tmp_path, 
         assert llm.engine.class_labels == ["LABEL_0"]
         (score,) = llm.score("a query", ["a document"], use_tqdm=False)
     assert 0.0 < score.outputs.score < 1.0
+
+
+def test_the_smolvlm_preset_is_an_idefics3_with_its_processor(tmp_path, monkeypatch):
+    """The vision-language preset saves an Idefics3 and its processor (the tokenizer with Idefics3's tokens): an
+    image's tiles each become their placeholders, and pagedllm generates from them."""
+    import numpy as np
+    from PIL import Image
+
+    model_type, fields = random_model.PRESETS["smolvlm-256m"]
+    small = {**fields, "scale_factor": 2,
+             "text_config": {**fields["text_config"], "hidden_size": 64, "intermediate_size": 64,
+                             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2},
+             "vision_config": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                   image_size=56, patch_size=14)}
+    monkeypatch.setitem(random_model.PRESETS, "smolvlm-256m", (model_type, small))
+    main(["random-model", str(tmp_path / "m"), "--preset", "smolvlm-256m", "--dtype", "float32"])
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert config["architectures"] == ["Idefics3ForConditionalGeneration"] and config["scale_factor"] == 2
+    image = Image.fromarray(np.zeros((60, 100, 3), dtype=np.uint8))
+    with LLM(str(tmp_path / "m"), num_kv_blocks=64) as llm:
+        out = llm.generate({"prompt": "<image>Describe it.", "multi_modal_data": {"image": image}},
+                           SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
+    # 100 x 60 pixels scaled to 224 x 168 (4 tiles of 56 a side at most): 3 rows of 4 tiles, then the whole, each
+    # tile 4 placeholders
+    assert out.prompt_token_ids.count(config["image_token_id"]) == 13 * 4
+    assert len(out.outputs[0].token_ids) == 4

@@ -40,7 +40,7 @@ class _Completion:
 
 class _Output:
     def __init__(self, n):
-        self.outputs, self.num_cached_tokens = [_Completion(n)], 3
+        self.outputs, self.num_cached_tokens, self.prompt_token_ids = [_Completion(n)], 3, [1, 2, 3]
 
 class _Embedded:
     def __init__(self, vector):
@@ -73,7 +73,8 @@ class LLM:
 
     def generate(self, prompts, params, use_tqdm=True):
         params = params if isinstance(params, list) else [params] * len(prompts)
-        self.calls.append([p["prompt_token_ids"] for p in prompts])
+        self.calls.append([p["prompt_token_ids"] if "prompt_token_ids" in p else  # or text and an image's size
+                           [p["prompt"], list(p["multi_modal_data"]["image"].size)] for p in prompts])
         with open(os.environ["FAKE_VLLM_RECORD"], "w") as f:
             json.dump({"kwargs": self.kwargs, "env": self.env, "calls": self.calls}, f)
         return [_Output(p.max_tokens) for p in params]
@@ -295,3 +296,25 @@ def test_the_capped_peers_torch_reports_an_avx2_cpu():
     out = subprocess.run([sys.executable, "-c", code], env=os.environ | {"PYTHONPATH": str(site)},
                          capture_output=True, text=True, check=True).stdout
     assert out.strip() == str([False] * len(checks))
+
+
+def test_images_compares_vllm_and_transformers_on_the_same_images(fake_vllm_python, tmp_path, capsys):
+    """`bench images`: each engine one warm-up request, then the others, each the same text with its own image; the
+    vLLM peer gets the images' files and the processor's arguments, transformers runs them in batches."""
+    from tests.models.test_images import _save_model
+
+    python, record = fake_vllm_python
+    folder = tmp_path / "llava"
+    _save_model(folder, "clip")
+    result = main(["images", "--model", str(folder), "--dtype", "float32", "--num-prompts", "3", "--output-len", "2",
+                   "--image-size", "40", "30", "--prompt", "Look: <image>", "--compare", "vllm", "--compare", "hf",
+                   "--mm-processor-kwargs", '{"do_resize": true}', "--vllm-python", str(python)])
+    assert [result[e]["num_output_tokens"] for e in ("pagedllm", "vllm", "hf")] == [4, 4, 4]
+    # two timed requests of "Look: " and 16 placeholders
+    assert result["pagedllm"]["num_prompt_tokens"] == result["hf"]["num_prompt_tokens"] == 2 * (6 + 16)
+    assert result["vs_vllm"] > 0 and result["vs_hf"] > 0
+    peer = json.loads(record.read_text())
+    assert peer["kwargs"]["limit_mm_per_prompt"] == {"image": 1}
+    assert peer["kwargs"]["mm_processor_kwargs"] == {"do_resize": True}
+    assert peer["calls"] == [[["Look: <image>", [40, 30]]], [["Look: <image>", [40, 30]]] * 2]
+    assert "pagedllm vs vllm" in capsys.readouterr().out
