@@ -130,6 +130,7 @@ def _image_encoder(resolved: ResolvedModel, dtype: torch.dtype, device: str, arc
     with torch.device(device):
         encoder = IMAGE_ENCODERS[architecture](AutoConfig.from_pretrained(str(resolved.path)), dtype)
     encoder.load_weights(iterate_safetensors(resolved.path, dtype, image_part_name))
+    encoder.prepack()
     return encoder.eval()
 
 

@@ -30,10 +30,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.cpu import onednn_bf16_ok
+from pagedllm.layers.linear import linear
+
 # transformers' activations by config name, as these towers and projectors use them
 _ACTIVATIONS = {"gelu": F.gelu, "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
                 "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
                 "gelu_new": lambda x: F.gelu(x, approximate="tanh")}
+# the GELUs oneDNN applies inside a linear (its `_linear_pointwise` "gelu" and the approximation)
+_ONEDNN_GELUS = {"gelu": "none", "gelu_pytorch_tanh": "tanh", "gelu_new": "tanh"}
 # the tower's and the projector's checkpoint prefixes, in transformers' layouts (Llava's before 4.52 at the top;
 # since, under model.; CLIPVisionModel's and SiglipVisionModel's own vision_model. inside, where saved; Idefics3's
 # vision_model and connector) -> the encoder's names
@@ -58,6 +63,32 @@ def activation(name: str) -> Any:
     return _ACTIVATIONS[name]
 
 
+class _Linear(nn.Linear):
+    """A linear layer over any leading dimensions whose weight `prepack` may hand to oneDNN (`linear`), with a GELU
+    that oneDNN then applies in the same call (`gelu`)."""
+
+    def reset_parameters(self) -> None:
+        """None: the checkpoint's weights replace them (a random start would cost seconds for CLIP-L's 0.3B)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x.flatten(0, -2), self.weight, self.bias).unflatten(0, x.shape[:-1])
+
+    def gelu(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """activation(name)(self(x)), in one oneDNN call where the weight is oneDNN's and the GELU one it has."""
+        if not self.weight.is_mkldnn or name not in _ONEDNN_GELUS:
+            return activation(name)(self(x))
+        out = torch.ops.mkldnn._linear_pointwise(x.flatten(0, -2), self.weight, self.bias, "gelu", [],
+                                                 _ONEDNN_GELUS[name])
+        return out.unflatten(0, x.shape[:-1])
+
+    def prepack(self) -> None:
+        """Hand a bf16 weight to oneDNN, reordered once, where oneDNN multiplies bf16 itself: an encoder's calls are
+        hundreds of rows, where its blocked weights beat re-blocking them each call 1.1-1.9x (docs/benchmarks.md)."""
+        if self.weight.dtype == torch.bfloat16 and self.weight.device.type == "cpu" and onednn_bf16_ok():
+            self.weight = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1),
+                                       requires_grad=False)
+
+
 class _EncoderLayer(nn.Module):
     def __init__(self, config: Any, dtype: torch.dtype) -> None:
         super().__init__()
@@ -65,11 +96,12 @@ class _EncoderLayer(nn.Module):
         self.num_heads = config.num_attention_heads
         self.layer_norm1 = nn.LayerNorm(width, eps, dtype=dtype)
         self.layer_norm2 = nn.LayerNorm(width, eps, dtype=dtype)
-        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (nn.Linear(width, width, dtype=dtype)
+        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (_Linear(width, width, dtype=dtype)
                                                                 for _ in range(4))
-        self.fc1 = nn.Linear(width, config.intermediate_size, dtype=dtype)
-        self.fc2 = nn.Linear(config.intermediate_size, width, dtype=dtype)
-        self.act = activation(config.hidden_act)
+        self.fc1 = _Linear(width, config.intermediate_size, dtype=dtype)
+        self.fc2 = _Linear(config.intermediate_size, width, dtype=dtype)
+        self.act = config.hidden_act
+        activation(self.act)    # one pagedllm runs
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:   # x: [N, rows, D]
         h = self.layer_norm1(x)
@@ -77,7 +109,7 @@ class _EncoderLayer(nn.Module):
                    for proj in (self.q_proj, self.k_proj, self.v_proj))     # [N, heads, rows, head_dim]
         attn = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2)
         x = x + self.out_proj(attn)
-        return x + self.fc2(self.act(self.fc1(self.layer_norm2(x))))
+        return x + self.fc2(self.fc1.gelu(self.layer_norm2(x), self.act))
 
 
 def tile_positions(per_side: int) -> torch.Tensor:
@@ -138,6 +170,12 @@ class ImageEncoder(nn.Module):
 
     tower: VisionTower
 
+    def prepack(self) -> None:
+        """Each linear's weight handed to oneDNN where that is faster (`_Linear.prepack`); after `load_weights`."""
+        for module in self.modules():
+            if isinstance(module, _Linear):
+                module.prepack()
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load (encoder name, tensor) pairs (`image_part_name`'s); a ValueError names any parameter left unset.
         The tower's layers past the last feature layer are never run, and their tensors are skipped."""
@@ -174,9 +212,10 @@ class LlavaEncoder(ImageEncoder):
         layers = config.vision_feature_layer
         features = config.vision_config.hidden_size * (1 if isinstance(layers, int) else len(layers))
         hidden, bias = config.text_config.hidden_size, getattr(config, "multimodal_projector_bias", True)
-        self.projector = nn.ModuleDict(dict(linear_1=nn.Linear(features, hidden, bias, dtype=dtype),
-                                            linear_2=nn.Linear(hidden, hidden, bias, dtype=dtype)))
-        self.projector_act = activation(config.projector_hidden_act)
+        self.projector = nn.ModuleDict(dict(linear_1=_Linear(features, hidden, bias, dtype=dtype),
+                                            linear_2=_Linear(hidden, hidden, bias, dtype=dtype)))
+        self.projector_act = config.projector_hidden_act
+        activation(self.projector_act)
 
     @torch.inference_mode()
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
@@ -184,7 +223,7 @@ class LlavaEncoder(ImageEncoder):
         features = self.tower(pixels)
         if self.skip_class_token:
             features = features[:, 1:]
-        return self.projector["linear_2"](self.projector_act(self.projector["linear_1"](features)))
+        return self.projector["linear_2"](self.projector["linear_1"].gelu(features, self.projector_act))
 
 
 class Idefics3Encoder(ImageEncoder):
@@ -195,8 +234,8 @@ class Idefics3Encoder(ImageEncoder):
         self.scale = config.scale_factor
         self.tower = VisionTower(config.vision_config, -1, dtype)
         features = config.vision_config.hidden_size * self.scale ** 2
-        self.projector = nn.ModuleDict(dict(proj=nn.Linear(features, config.text_config.hidden_size, bias=False,
-                                                           dtype=dtype)))
+        self.projector = nn.ModuleDict(dict(proj=_Linear(features, config.text_config.hidden_size, bias=False,
+                                                         dtype=dtype)))
 
     @torch.inference_mode()
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:

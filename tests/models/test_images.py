@@ -21,7 +21,7 @@ from PIL import Image
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.core.kv_cache.hashing import block_key
-from pagedllm.cpu import MAX_ISA_ENV
+from pagedllm.cpu import MAX_ISA_ENV, onednn_bf16_ok
 from pagedllm.engine.async_engine import AsyncEngine
 from pagedllm.engine.beam_search import BeamSearchParams
 from pagedllm.models.vision import IMAGE_ENCODERS, image_part_name, tile_positions
@@ -316,3 +316,22 @@ def test_the_image_encoder_runs_float32_where_bf16_would_be_emulated(tmp_path: P
     output = llm.generate({"prompt": "Look: <image>", "multi_modal_data": {"image": _image(70)}}, GREEDY,
                           use_tqdm=False)[0]
     assert len(output.outputs[0].token_ids) == GREEDY.max_tokens
+
+
+@pytest.mark.skipif(not onednn_bf16_ok(), reason="needs oneDNN's bf16 linears (AVX-512 BF16 or AMX), the only CPUs "
+                                                 "where the encoder prepacks: elsewhere the plain linears run, as the "
+                                                 "float32 tests above run them")
+@pytest.mark.parametrize("vision", ["clip", "siglip", "idefics3"])
+def test_the_prepacked_encoder_gives_the_plain_encoders_rows(tmp_path: Path, vision: str) -> None:
+    """bf16 weights reordered for oneDNN once, SigLIP's GELU inside fc1's call (CLIP's quick GELU apart)."""
+    model = _save_model(tmp_path, vision)
+    config = transformers.AutoConfig.from_pretrained(tmp_path)
+    plain, packed = (IMAGE_ENCODERS[config.architectures[0]](config, torch.bfloat16) for _ in range(2))
+    for encoder in (plain, packed):
+        encoder.load_weights((ours, tensor.bfloat16()) for name, tensor in model.state_dict().items()
+                             if (ours := image_part_name(name)) is not None)
+    packed.prepack()
+    assert packed.tower.layers[0].fc1.weight.is_mkldnn and not plain.tower.layers[0].fc1.weight.is_mkldnn
+    pixels = torch.randn(2, 3, SIZE, SIZE)
+    expected = plain(pixels).float()
+    torch.testing.assert_close(packed(pixels).float(), expected, atol=0.03 * expected.abs().max().item(), rtol=0.03)
