@@ -50,7 +50,7 @@ _TOWERS = {"clip_vision_model": "clip", "siglip_vision_model": "siglip", "idefic
 
 
 def image_part_name(name: str) -> str | None:
-    """A Llava-kind checkpoint's tensor name as `ImageEncoder` names it; None for the language model's tensors."""
+    """A vision-language checkpoint's tensor name as `ImageEncoder` names it; None for the language model's."""
     for prefix, ours in _PREFIXES:
         if name.startswith(prefix):
             return ours + name.removeprefix(prefix)
