@@ -32,10 +32,8 @@ class ImageInput:
 
 def is_image(value: object) -> bool:
     """Whether `value` is an image a prompt takes (a PIL image)."""
-    try:
-        from PIL import Image
-    except ImportError:     # pragma: no cover - Pillow comes with the server's dependencies
-        return False
+    from PIL import Image
+
     return isinstance(value, Image.Image)
 
 

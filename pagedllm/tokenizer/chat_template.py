@@ -1,7 +1,9 @@
 """Chat messages -> prompt, through the model's (or a given) Jinja chat template, with clear errors.
 
 A message's content may hold images too, as OpenAI's and vLLM's do: `{"type": "image_url", "image_url": {"url":
-"data:image/png;base64,..."}}` (a data URL; vLLM's offline `{"type": "image_pil", "image_pil": image}` too).
+...}}`, a data: URL (`data:image/png;base64,...`) or an http(s) one, fetched (within
+$PAGEDLLM_IMAGE_FETCH_TIMEOUT seconds, 5 by default, as vLLM's VLLM_IMAGE_FETCH_TIMEOUT; at most 64 MiB); vLLM's
+offline `{"type": "image_pil", "image_pil": image}` too.
 `conversation_images` gives them in order, and the template renders each where it stands as the model's image
 marker (`<image>`): a template that reads typed parts (`{"type": "image"}`, as Llava's and SmolVLM's do, which
 render nothing of a plain string) gets every message's content as such parts, images or not, any other template the
@@ -13,6 +15,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -106,17 +109,42 @@ def _image(where: str, part: Mapping[str, Any]) -> Any:
         return part["image_pil"]
     url = part.get("image_url")
     url = url.get("url") if isinstance(url, Mapping) else url
-    if not isinstance(url, str) or not url.startswith("data:") or "," not in url:
-        raise ValueError(f"{where}.image_url must be a data: URL (data:image/png;base64,...): pagedllm fetches no "
-                         "image from the network")
-    header, data = url.split(",", 1)
+    if isinstance(url, str) and url.startswith(("http://", "https://")):
+        raw = _fetch(where, url)
+    elif isinstance(url, str) and url.startswith("data:") and "," in url:
+        header, data = url.split(",", 1)
+        try:
+            raw = base64.b64decode(data, validate=True) if header.endswith(";base64") else data.encode()
+        except binascii.Error as exc:
+            raise ValueError(f"{where}.image_url is not a readable image: {exc}") from exc
+    else:
+        raise ValueError(f"{where}.image_url must be a data: URL (data:image/png;base64,...) or an http(s) URL")
     try:
-        raw = base64.b64decode(data, validate=True) if header.endswith(";base64") else data.encode()
         image = Image.open(io.BytesIO(raw))
         image.load()
-    except (binascii.Error, UnidentifiedImageError, OSError) as exc:
+    except (UnidentifiedImageError, OSError) as exc:
         raise ValueError(f"{where}.image_url is not a readable image: {exc}") from exc
     return image
+
+
+FETCH_TIMEOUT_ENV = "PAGEDLLM_IMAGE_FETCH_TIMEOUT"
+_MAX_IMAGE_BYTES = 64 << 20
+
+
+def _fetch(where: str, url: str) -> bytes:
+    """An http(s) image's bytes; ValueError naming the part when it cannot be had in time, or is too large."""
+    import http.client
+    import urllib.request
+
+    timeout = float(os.environ.get(FETCH_TIMEOUT_ENV, "5"))
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            raw = response.read(_MAX_IMAGE_BYTES + 1)
+    except (OSError, ValueError, http.client.HTTPException) as exc:     # URLError and timeouts are OSErrors
+        raise ValueError(f"{where}.image_url could not be fetched from {url}: {exc}") from exc
+    if len(raw) > _MAX_IMAGE_BYTES:
+        raise ValueError(f"{where}.image_url at {url} is over {_MAX_IMAGE_BYTES >> 20} MiB")
+    return raw
 
 
 def _reads_typed_parts(template: str) -> bool:

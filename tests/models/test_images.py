@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
+import http.server
 import io
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -257,9 +260,9 @@ def test_bad_image_input_is_a_clear_error(llava: tuple[Path, Any, LLM], tmp_path
                                PoolingParams())
     with pytest.raises(ValueError, match="not in beam search"):
         llm.beam_search([{"prompt": "<image>", "multi_modal_data": {"image": image}}], BeamSearchParams(2, 4))
-    remote = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x.org/cat.png"}}]}]
-    with pytest.raises(ValueError, match="data: URL"):
-        llm.chat(remote, GREEDY)
+    local = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "file:///tmp/cat.png"}}]}]
+    with pytest.raises(ValueError, match="data: URL .* or an http"):
+        llm.chat(local, GREEDY)
     assert not llm.engine.has_unfinished_requests()
     text_only = LLM(model=str(save_tiny_model(tmp_path)[0]), dtype="float32", num_kv_blocks=16)
     with pytest.raises(ValueError, match="takes no images"):
@@ -335,3 +338,25 @@ def test_the_prepacked_encoder_gives_the_plain_encoders_rows(tmp_path: Path, vis
     pixels = torch.randn(2, 3, SIZE, SIZE)
     expected = plain(pixels).float()
     torch.testing.assert_close(packed(pixels).float(), expected, atol=0.03 * expected.abs().max().item(), rtol=0.03)
+
+
+def test_an_image_url_over_http_is_fetched(llava: tuple[Path, Any, LLM], tmp_path: Path) -> None:
+    """An http(s) image URL gives the same reply as the same image in a data: URL; one that cannot be fetched is a
+    clear error."""
+    _, _, llm = llava
+    image = _image(80)
+    image.save(tmp_path / "cat.png")
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        def chat(url: str) -> list[int]:
+            content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "Describe."}]
+            return llm.chat([{"role": "user", "content": content}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+        assert chat(f"{base}/cat.png") == chat(_data_url(image))
+        with pytest.raises(ValueError, match="could not be fetched"):
+            chat(f"{base}/missing.png")
+    finally:
+        server.shutdown()
