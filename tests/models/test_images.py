@@ -236,6 +236,13 @@ def test_the_server_reads_a_chats_images(llava: tuple[Path, Any, LLM]) -> None:
                                                messages=[{"role": "user", "content": content}],
                                                extra_body={"ignore_eos": True})
         assert reply.choices[0].message.content == offline.text
+        # the Responses API's input_image, as chat's image_url
+        response = client.responses.create(model=running.model_name, temperature=0.0, max_output_tokens=8, input=[
+            {"role": "user", "content": [{"type": "input_image", "image_url": _data_url(image)},
+                                         {"type": "input_text", "text": "Describe."}]}])
+        chat = client.chat.completions.create(model=running.model_name, temperature=0.0, max_tokens=8,
+                                              messages=[{"role": "user", "content": content}])
+        assert response.output_text == chat.choices[0].message.content
         broken = [{"type": "image_url", "image_url": {"url": "data:image/png;base64,bm90IGFuIGltYWdl"}}]
         with pytest.raises(Exception, match="not a readable image"):
             client.chat.completions.create(model=running.model_name, max_tokens=4,

@@ -1,7 +1,8 @@
 """POST /v1/responses: OpenAI's Responses API, the part a text model serves, answered by the chat serving.
 
 The request becomes a chat completion: `instructions` a system message, `input` (a string, or message,
-function_call and function_call_output items) the conversation, `text.format` the response_format, function `tools`
+function_call and function_call_output items; a message's input_image parts by URL chat's image_url parts) the
+conversation, `text.format` the response_format, function `tools`
 and `tool_choice` the chat's, `max_output_tokens` max_completion_tokens. The reply becomes the response's `output`:
 a reasoning item (under --reasoning-parser), a message item with one output_text part, then a function_call item
 per tool call; a reply cut by the token limit leaves the response "incomplete". Streamed, the chat's chunks become
@@ -246,7 +247,8 @@ def _require_strings(index: int, item: dict[str, Any], *keys: str) -> None:
 
 
 def _text(index: int, content: Any) -> str | list[dict[str, Any]]:
-    """A message's content: a string, or its text parts (input_text, output_text) as chat text parts."""
+    """A message's content: a string, or its parts as chat parts: text (input_text, output_text) and images
+    (input_image by URL, as chat's image_url)."""
     if isinstance(content, str) or content is None:
         return content
     if not isinstance(content, list):
@@ -254,10 +256,13 @@ def _text(index: int, content: Any) -> str | list[dict[str, Any]]:
     parts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
-            raise OpenAIError(f"input[{index}].content[{j}] must be a text part (input_text or output_text), got "
-                              f"{kind!r}: this server serves text only", param="input")
-        parts.append({"type": "text", "text": part["text"]})
+        if kind == "input_image" and isinstance(part.get("image_url"), str):
+            parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
+        elif kind in ("input_text", "output_text", "text") and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        else:
+            raise OpenAIError(f"input[{index}].content[{j}] must be a text part (input_text or output_text) or an "
+                              f"input_image with an image_url, got {kind!r}", param="input")
     return parts
 
 
