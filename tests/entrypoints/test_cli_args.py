@@ -1,6 +1,6 @@
 """The server's flags -> EngineConfig: --speculative-config takes vLLM's JSON; --enforce-eager,
---disable-cascade-attn, --generation-config, --[no-]enable-chunked-prefill; the CORS flags take JSON lists;
-uvicorn's access log; --help's groups."""
+--disable-cascade-attn, --generation-config, --mm-processor-kwargs, --[no-]enable-chunked-prefill; the CORS flags
+take JSON lists; uvicorn's access log; --help's groups."""
 
 from __future__ import annotations
 
@@ -73,6 +73,12 @@ def test_cors_flags_take_json_lists_as_vllms_do() -> None:
 def test_generation_config_reaches_the_model_config() -> None:
     assert _config().model.generation_config == "auto"
     assert _config("--generation-config", "vllm").model.generation_config == "vllm"
+
+
+def test_mm_processor_kwargs_reach_the_model_config() -> None:
+    assert _config().model.mm_processor_kwargs is None
+    assert _config("--mm-processor-kwargs", '{"do_image_splitting": false}').model.mm_processor_kwargs == \
+        {"do_image_splitting": False}
 
 
 @pytest.mark.parametrize(("flags", "access_log"), [((), True), (("--disable-uvicorn-access-log",), False)])
