@@ -38,7 +38,7 @@ from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedllm.engine.dp_router import DataParallelRouter
 from pagedllm.engine.engine_thread import EngineThread
 from pagedllm.engine.llm_engine import LLMEngine, PromptInput
-from pagedllm.inputs import parse_prompt
+from pagedllm.inputs import ParsedPrompt, parse_prompt
 from pagedllm.logger import init_logger
 from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics.log_stats import LoggingStatLogger
@@ -140,6 +140,9 @@ def make_router(config: EngineConfig, num_blocks_per_replica: int) -> DataParall
                               max_blocks=parallel.data_parallel_size * num_blocks_per_replica)
 
 
+_ONE_ENGINE_IMAGES = "images run on one engine: with data_parallel_size > 1, LLM takes text prompts only"
+
+
 class DataParallelEngine:
     """The offline front: N LLMEngine replicas with LLMEngine's request and step methods (those `LLM` uses).
 
@@ -161,6 +164,14 @@ class DataParallelEngine:
 
     def tokenize_prompt(self, prompt: PromptInput, pooling: bool = False) -> list[int]:
         return self.replicas[0].tokenize_prompt(prompt, pooling)
+
+    @property
+    def image_marker(self) -> str | None:
+        raise ValueError(_ONE_ENGINE_IMAGES)
+
+    def process_images(self, parsed: ParsedPrompt, add_special_tokens: bool = True) -> ParsedPrompt:
+        """Refused: offline, images run on one engine (`LLMEngine.process_images`)."""
+        raise ValueError(_ONE_ENGINE_IMAGES)
 
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | PoolingParams,
                     priority: int = 0, cache_salt: str | None = None, arrival_time: float | None = None,

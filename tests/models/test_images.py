@@ -367,3 +367,38 @@ def test_an_image_url_over_http_is_fetched(llava: tuple[Path, Any, LLM], tmp_pat
             chat(f"{base}/missing.png")
     finally:
         server.shutdown()
+
+
+def test_data_parallel_replicas_refuse_images_offline(tmp_path: Path) -> None:
+    _save_model(tmp_path, "siglip")
+    llm = LLM(model=str(tmp_path), dtype="float32", num_kv_blocks=32, data_parallel_size=2)
+    image = _image(90)
+    with pytest.raises(ValueError, match="one engine"):
+        llm.generate({"prompt": "Look: <image>", "multi_modal_data": {"image": image}}, GREEDY)
+    with pytest.raises(ValueError, match="one engine"):
+        llm.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": image}]}], GREEDY)
+    assert llm.generate("Look:", GREEDY, use_tqdm=False)[0].outputs[0].token_ids     # text still runs
+
+
+def test_the_servers_data_parallel_replicas_take_a_chats_images(tmp_path: Path) -> None:
+    """Served, the chat's images are processed once, in front of the replicas; the replica the router picks runs
+    them, with the tokens one engine gives."""
+    from pagedllm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
+    from pagedllm.engine.data_parallel import build_async_engine
+
+    _save_model(tmp_path, "siglip")
+    image = _image(95)
+    content = [{"type": "image_url", "image_url": {"url": _data_url(image)}}, {"type": "text", "text": "Describe."}]
+    one = LLM(model=str(tmp_path), dtype="float32", num_kv_blocks=64)
+    offline = one.chat([{"role": "user", "content": content}], GREEDY, use_tqdm=False)[0].outputs[0]
+    engine = build_async_engine(EngineConfig(model=ModelConfig(model=str(tmp_path), dtype="float32"),
+                                             cache=CacheConfig(num_blocks=64),
+                                             parallel=ParallelConfig(data_parallel_size=2)))
+    running = start_server(engine, api_key=None)
+    try:
+        reply = running.client().chat.completions.create(
+            model=running.model_name, temperature=0.0, max_tokens=8, extra_body={"ignore_eos": True},
+            messages=[{"role": "user", "content": content}])
+        assert reply.choices[0].message.content == offline.text
+    finally:
+        running.stop()
