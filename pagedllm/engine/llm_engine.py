@@ -367,7 +367,7 @@ class LLMEngine:
         a model that takes no images (the loader loaded no image encoder), or an engine without a tokenizer."""
         if getattr(loaded.model, "image_encoder", None) is None or self.tokenizer is None:
             return None
-        return ImageProcessor(loaded.resolved.path, loaded.hf_config.image_token_id,
+        return ImageProcessor(loaded.resolved.path, loaded.hf_config.image_token_id, loaded.dtype,
                               self.config.model.mm_processor_kwargs)
 
     @property

@@ -27,6 +27,7 @@ from pagedllm.core.kv_cache.hashing import block_key
 from pagedllm.cpu import MAX_ISA_ENV, onednn_bf16_ok
 from pagedllm.engine.async_engine import AsyncEngine
 from pagedllm.engine.beam_search import BeamSearchParams
+from pagedllm.inputs import parse_prompt
 from pagedllm.models.vision import IMAGE_ENCODERS, image_part_name, tile_positions
 from pagedllm.pooling_params import PoolingParams
 from tests.entrypoints.server_utils import start_server
@@ -323,6 +324,8 @@ def test_the_image_encoder_runs_float32_where_bf16_would_be_emulated(tmp_path: P
     monkeypatch.setenv(MAX_ISA_ENV, "avx2")     # as on an AVX2 CPU: no bf16 linears in oneDNN
     llm = LLM(model=str(tmp_path), dtype="bfloat16", num_kv_blocks=64)
     assert llm.engine.runner.model.image_encoder.tower.patch_embedding.weight.dtype == torch.float32
+    processed = llm.engine.process_images(parse_prompt({"prompt": "<image>", "multi_modal_data": {"image": _image(1)}}))
+    assert processed.image_inputs[0].pixels.dtype == torch.bfloat16      # held in the model's dtype
     output = llm.generate({"prompt": "Look: <image>", "multi_modal_data": {"image": _image(70)}}, GREEDY,
                           use_tqdm=False)[0]
     assert len(output.outputs[0].token_ids) == GREEDY.max_tokens
