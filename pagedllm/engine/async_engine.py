@@ -197,6 +197,20 @@ class AsyncEngine:
         return await self.run_on_tokenizer_thread(tokenize_prompt, self.tokenizer, prompt, self.vocab_size,
                                                   self.max_model_len, pooling)
 
+    async def _prepared(self, prompt: PromptInput, params: SamplingParams | PoolingParams,
+                        prompt_token_ids: list[int] | None) -> tuple[PromptInput, list[int] | None]:
+        """What the step loop would do slowly, done here in worker threads, so that it only queues the request: a
+        structured-output constraint compiled (or found in the cache), a prompt's images processed (resized and
+        hashed; its token ids then the processor's)."""
+        if isinstance(params, SamplingParams) and params.structured_outputs is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.engine.structured_output.compile,
+                                                             params.structured_outputs)
+        if isinstance(prompt, dict) and "multi_modal_data" in prompt:    # only a dict holds images as given
+            parsed = parse_prompt(prompt)
+            if parsed.images:
+                return await self.run_on_tokenizer_thread(self.engine.process_images, parsed), None
+        return prompt, prompt_token_ids
+
     async def run_on_tokenizer_thread(self, fn: Callable[..., T], *args, **kwargs) -> T:
         """`fn(*args, **kwargs)` on the tokenizer thread, off the event loop; for tokenizing, templating and
         decoding, which take time in proportion to the text. Safe from any coroutine on the event loop."""
@@ -300,14 +314,7 @@ class AsyncEngine:
             raise EngineDrainingError("the server is shutting down and takes no new requests")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if isinstance(params, SamplingParams) and params.structured_outputs is not None:
-            # Compile (or find in the cache) here, in a worker thread, so that the step loop only copies it.
-            await asyncio.get_running_loop().run_in_executor(None, self.engine.structured_output.compile,
-                                                             params.structured_outputs)
-        parsed = parse_prompt(prompt)
-        if parsed.images:   # resized and hashed here, in a worker thread, so that the step loop only queues it
-            prompt = await self.run_on_tokenizer_thread(self.engine.process_images, parsed)
-            prompt_token_ids = None
+        prompt, prompt_token_ids = await self._prepared(prompt, params, prompt_token_ids)
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
         if self.log_requests:

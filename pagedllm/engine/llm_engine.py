@@ -412,16 +412,8 @@ class LLMEngine:
             params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
         if request_id in self._tracked:
             raise ValueError(f"request id {request_id!r} is already in use")
-        parsed = parse_prompt(prompt)
-        if parsed.images:   # token ids are the processor's: each image's marker expanded into its placeholders
-            parsed, prompt_token_ids = self.process_images(parsed), None
-        if parsed.image_inputs:
-            self._check_takes_images(pooling)
-        token_ids = prompt_token_ids if prompt_token_ids is not None else \
-            self.tokenize_prompt(parsed, pooling is not None)
+        parsed, token_ids = self._prompt(prompt, prompt_token_ids, pooling)
         cache_salt = cache_salt if cache_salt is not None else parsed.cache_salt
-        if parsed.token_type_ids is not None:
-            self._check_token_types(parsed.token_type_ids, len(token_ids))
         if any(t >= self.vocab_size for t in [*(params.logit_bias or {}), *params.stop_token_ids,
                                               *(params.allowed_token_ids or [])]):
             raise ValueError(f"logit_bias, stop_token_ids and allowed_token_ids take token ids in [0, "
@@ -445,6 +437,20 @@ class LLMEngine:
         self._tracked[request_id] = _Tracked(parsed.text, token_ids, params, completions,
                                              prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
                                              pooling=pooling)
+
+    def _prompt(self, prompt: PromptInput, prompt_token_ids: list[int] | None, pooling: PoolingParams | None
+                ) -> tuple[ParsedPrompt, list[int]]:
+        """A request's prompt, parsed (its images through the processor), and its token ids, checked."""
+        parsed = parse_prompt(prompt)
+        if parsed.images:   # token ids are the processor's: each image's marker expanded into its placeholders
+            parsed, prompt_token_ids = self.process_images(parsed), None
+        if parsed.image_inputs:
+            self._check_takes_images(pooling)
+        token_ids = prompt_token_ids if prompt_token_ids is not None else \
+            self.tokenize_prompt(parsed, pooling is not None)
+        if parsed.token_type_ids is not None:
+            self._check_token_types(parsed.token_type_ids, len(token_ids))
+        return parsed, token_ids
 
     @staticmethod
     def _tokens_only(params: SamplingParams) -> SamplingParams:

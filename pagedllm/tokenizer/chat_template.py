@@ -84,17 +84,24 @@ def validate_messages(messages: Sequence[Mapping[str, Any]], image_marker: str |
 
 
 def conversation_images(messages: Sequence[Mapping[str, Any]]) -> list[Any]:
-    """The images of the conversation's image parts, in order, as PIL images; ValueError naming a part whose image
-    cannot be read (a URL other than a data: URL, bad base64, not an image)."""
+    """The images of the conversation's image parts (`image_parts`), in order, as PIL images; ValueError naming a
+    part whose image cannot be read (another URL than a data: or http(s) one, bad base64, not an image, a fetch
+    that failed). Decoding and fetching take time: the server calls it off its loop, and only when `image_parts`
+    found some."""
+    return [_image(where, part) for where, part in image_parts(messages)]
+
+
+def image_parts(messages: Sequence[Mapping[str, Any]]) -> list[tuple[str, Mapping[str, Any]]]:
+    """The conversation's image parts, in order, each with where it is (`messages[i].content[j]`); none read."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         return []   # validate_messages says what is wrong with it
-    images = []
+    parts = []
     for i, message in enumerate(messages):
         content = message.get("content") if isinstance(message, Mapping) else None
         for j, part in enumerate(content if isinstance(content, list) else []):
             if isinstance(part, Mapping) and part.get("type") in IMAGE_PARTS:
-                images.append(_image(f"messages[{i}].content[{j}]", part))
-    return images
+                parts.append((f"messages[{i}].content[{j}]", part))
+    return parts
 
 
 IMAGE_PARTS = frozenset({"image_url", "image_pil"})

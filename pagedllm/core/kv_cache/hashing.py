@@ -71,7 +71,7 @@ def block_key(token_ids: Sequence[int], block_index: int, block_size: int, paren
     start = block_index * block_size
     block_tokens = tuple(token_ids[start:start + block_size])
     assert len(block_tokens) == block_size, "only full blocks are hashed"
-    images = tuple(content_hash for offset, content_hash in image_keys if start <= offset < start + block_size)
+    images = tuple(h for offset, h in image_keys if start <= offset < start + block_size) if image_keys else ()
     return BlockKey(parent_hash, block_tokens, (extra_keys if block_index == 0 else ()) + images)
 
 

@@ -143,11 +143,11 @@ class KVCacheManager:
                 or (request.pooling_params is not None and request.pooling_params.needs_every_position)):
             return ComputedBlocks()
         hashes = self._block_hashes(request)
+        extra_keys, image_keys = request.block_extra_keys, request.image_keys
         blocks: list[KVCacheBlock] = []
         for index in range((request.num_tokens - 1) // self.block_size):
             parent = hashes[index - 1] if index > 0 else None
-            key = block_key(request.all_token_ids, index, self.block_size, parent, request.block_extra_keys,
-                            request.image_keys)
+            key = block_key(request.all_token_ids, index, self.block_size, parent, extra_keys, image_keys)
             block = self.pool.get_cached_block(hashes[index], key)
             if block is None:
                 break
@@ -258,11 +258,11 @@ class KVCacheManager:
         if num_full <= start:
             return []
         hashes = self._block_hashes(request)
+        extra_keys, image_keys = request.block_extra_keys, request.image_keys
         entered = []
         for index in range(start, num_full):
             parent = hashes[index - 1] if index > 0 else None
-            key = block_key(request.all_token_ids, index, self.block_size, parent, request.block_extra_keys,
-                            request.image_keys)
+            key = block_key(request.all_token_ids, index, self.block_size, parent, extra_keys, image_keys)
             if self.pool.cache_block(table[index], hashes[index], key):
                 entered.append(table[index])
         self._num_cached_blocks[request.request_id] = num_full

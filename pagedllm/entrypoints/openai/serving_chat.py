@@ -48,6 +48,7 @@ from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedllm.tokenizer.chat_template import (
     apply_chat_template,
     conversation_images,
+    image_parts,
     render_chat_template,
     validate_messages,
 )
@@ -139,12 +140,12 @@ class OpenAIServingChat(GenerationServing):
         """The conversation's prompt, checked as the engine will: its token ids, and its images where its messages
         hold some (made by the model's processor, off the event loop); 400 naming `messages` on a bad message,
         image or template, or a model that takes no images."""
+        if not image_parts(request.messages):     # a text chat: no thread hop to look for images
+            return Prompt(None, await self.prompt_token_ids(await self.render(request), "messages", truncation))
         try:
             images = await self.engine.run_on_tokenizer_thread(conversation_images, request.messages)
         except ValueError as exc:
             raise OpenAIError(str(exc), param="messages") from exc
-        if not images:
-            return Prompt(None, await self.prompt_token_ids(await self.render(request), "messages", truncation))
         if truncation is not None:
             raise OpenAIError("truncate_prompt_tokens cuts text prompts: a conversation with images cannot be cut",
                               param="truncate_prompt_tokens")
