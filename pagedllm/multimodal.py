@@ -5,14 +5,19 @@ A prompt takes images as vLLM's do: `{"prompt": "USER: <image>\\nWhat is this? A
 transformers processor (`ImageProcessor`) turns text and images into token ids, where each image's `<image>` has
 become as many placeholder tokens as its encoder gives rows, and into pixels: one picture an image for Llava, for
 Idefics3 and SmolVLM a grid of tiles and the whole image shrunk, each tile its own run of placeholders between
-the processor's markers. `image_inputs` then finds each picture's run. An `ImageInput` (one picture) is what the
-core carries: where its placeholders sit in the prompt, a hash of its pixels (its prefix-cache key:
-`pagedllm.core.kv_cache.hashing`) and the pixels themselves, which only the runner reads. Pure Python at import:
-the core imports this module.
+the processor's markers. `image_inputs` then finds each picture's run. Qwen2-VL's and Qwen2.5-VL's images keep
+their aspect: each becomes a grid of patches of its own size (`GridImageProcessor`), and as many placeholders as the
+grid has 2 x 2 squares; their language model places those tokens by M-RoPE (`MRopeLayout`). An `ImageInput` (one
+picture) is what the core carries: where its placeholders sit in the prompt, a hash of its pixels (its prefix-cache
+key: `pagedllm.core.kv_cache.hashing`), the pixels themselves, which only the runner reads, and a grid's shape.
+Pure Python at import: the core imports this module.
 """
 
 from __future__ import annotations
 
+import bisect
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,13 +26,15 @@ from typing import Any
 @dataclass(frozen=True, slots=True)
 class ImageInput:
     """One picture of a prompt (an image, or a tile of one): placeholder positions `offset : offset + length`, a
-    hash of its pixels, and the pixels (a [3, S, S] tensor, the processor's), which the runner's image encoder turns
-    into `length` rows."""
+    hash of its pixels, and the pixels (a [3, S, S] tensor, the processor's; a grid's [patches, values]), which the
+    runner's image encoder turns into `length` rows. `grid`: a grid image's placeholders as (frames, rows, columns),
+    one placeholder a 2 x 2 square of patches (`GridImageProcessor`); None for a square picture."""
 
     offset: int
     length: int
     content_hash: str
     pixels: Any = field(repr=False)
+    grid: tuple[int, int, int] | None = None
 
 
 def is_image(value: object) -> bool:
@@ -37,29 +44,83 @@ def is_image(value: object) -> bool:
     return isinstance(value, Image.Image)
 
 
-def pixels_hash(pixels: Any) -> str:
-    """A hash of an image's pixels, the same on every run: two prompts with the same text and different images
-    share no prefix-cache block from the first image on."""
+def pixels_hash(pixels: Any, grid: tuple[int, int, int] | None = None) -> str:
+    """A hash of an image's pixels (and its grid's shape: the same patches in another shape are another image), the
+    same on every run: two prompts with the same text and different images share no prefix-cache block from the
+    first image on."""
     import xxhash
 
-    return xxhash.xxh3_128_hexdigest(pixels.float().contiguous().numpy().tobytes())
+    digest = xxhash.xxh3_128(pixels.float().contiguous().numpy().tobytes())
+    if grid is not None:
+        digest.update(repr(grid).encode())
+    return digest.hexdigest()
 
 
-def image_inputs(token_ids: list[int], pixels: Any, image_token_id: int) -> tuple[ImageInput, ...]:
-    """Each picture's run of placeholders in `token_ids`, with its pixels ([N, 3, S, S]): the placeholders split
-    evenly among the N pictures, each one's contiguous. ValueError when they are not."""
+def image_inputs(token_ids: list[int], pictures: Sequence[Any], image_token_id: int,
+                 grids: Sequence[tuple[int, int, int]] | None = None) -> tuple[ImageInput, ...]:
+    """Each picture's run of placeholders in `token_ids`, with its pixels (`pictures`, in order): as long as its grid
+    has placeholders (`grids`), or, without grids, the placeholders split evenly among the pictures; each run
+    contiguous. ValueError when they are not."""
     positions = [i for i, t in enumerate(token_ids) if t == image_token_id]
-    count = len(pixels)
-    if count == 0 or len(positions) % count:
+    count = len(pictures)
+    if grids is not None:
+        lengths = [math.prod(grid) for grid in grids]
+    elif count and len(positions) % count == 0:
+        lengths = [len(positions) // count] * count
+    else:
+        lengths = []
+    if not count or sum(lengths) != len(positions):
         raise ValueError(f"the prompt has {len(positions)} image placeholder tokens for {count} pictures")
-    length = len(positions) // count
-    result = []
-    for index in range(count):
-        run = positions[index * length:(index + 1) * length]
+    result, start = [], 0
+    for index, length in enumerate(lengths):
+        run = positions[start:start + length]
+        start += length
         if run[-1] - run[0] != length - 1:
             raise ValueError(f"image {index}'s placeholder tokens are not one run")
-        result.append(ImageInput(run[0], length, pixels_hash(pixels[index]), pixels[index]))
+        grid = None if grids is None else grids[index]
+        result.append(ImageInput(run[0], length, pixels_hash(pictures[index], grid), pictures[index], grid))
     return tuple(result)
+
+
+@dataclass(frozen=True, slots=True)
+class MRopeLayout:
+    """Where M-RoPE (Qwen2-VL's and Qwen2.5-VL's language model) puts a prompt's tokens with grid images: a token's
+    rotary position is three, (frame, row, column). A text token's three are its index plus a shift; an image's
+    placeholders' are its start (its first placeholder's index plus the shift there) plus their place in its grid.
+    An image of R x C placeholders advances the positions by max(R, C), not by R x C: every token after it, text
+    and generated alike, is shifted by the difference (transformers' `get_rope_index`)."""
+
+    ends: tuple[int, ...]       # each grid image's end in the prompt (offset + length), in order
+    shifts: tuple[int, ...]     # the shift of every token from that end on (0 before the first)
+
+    @classmethod
+    def of(cls, images: Sequence[ImageInput]) -> MRopeLayout | None:
+        """The layout of a prompt's images; None when none of them is a grid image (positions are the indices)."""
+        grids = [image for image in images if image.grid is not None]
+        if not grids:
+            return None
+        ends, shifts, shift = [], [], 0
+        for image in grids:
+            _, rows, columns = image.grid    # type: ignore[misc]
+            shift += max(rows, columns) - image.length
+            ends.append(image.offset + image.length)
+            shifts.append(shift)
+        return cls(tuple(ends), tuple(shifts))
+
+    def shift(self, index: int) -> int:
+        """What is added to token `index`'s position."""
+        at = bisect.bisect_right(self.ends, index)
+        return self.shifts[at - 1] if at else 0
+
+    def image_positions(self, image: ImageInput, first: int, last: int) -> list[list[int]]:
+        """The (frame, row, column) positions of `image`'s placeholders at prompt indices [first, last): three
+        lists."""
+        assert image.grid is not None
+        _, rows, columns = image.grid
+        start = image.offset + self.shift(image.offset)
+        places = range(first - image.offset, last - image.offset)
+        return [[start + j // (rows * columns) for j in places], [start + j // columns % rows for j in places],
+                [start + j % columns for j in places]]
 
 
 def has_processor(path: Path) -> bool:
@@ -74,12 +135,17 @@ class ImageProcessor:
     calls it off its loop)."""
 
     def __init__(self, path: Path, image_token_id: int, dtype: Any, kwargs: dict[str, Any] | None = None) -> None:
+        self.image_token_id, self.dtype = image_token_id, dtype
+        self.kwargs = dict(kwargs or {})     # ModelConfig.mm_processor_kwargs
+        self.tokenizer = self._load(path)
+        self.image_token = self.tokenizer.convert_ids_to_tokens(image_token_id)
+
+    def _load(self, path: Path) -> Any:
+        """Load the processor; returns its tokenizer."""
         from transformers import AutoProcessor
 
         self.processor = AutoProcessor.from_pretrained(str(path))
-        self.image_token_id, self.dtype = image_token_id, dtype
-        self.kwargs = dict(kwargs or {})     # ModelConfig.mm_processor_kwargs
-        self.image_token = self.processor.tokenizer.convert_ids_to_tokens(image_token_id)
+        return self.processor.tokenizer
 
     def __call__(self, text: str, images: list[Any], add_special_tokens: bool = True,
                  kwargs: dict[str, Any] | None = None) -> tuple[list[int], tuple[ImageInput, ...]]:
@@ -89,11 +155,46 @@ class ImageProcessor:
         if markers != len(images):
             raise ValueError(f"the prompt has {markers} {self.image_token} markers for {len(images)} images: put one "
                              "where each image goes")
-        encoded = self.processor(text=text, images=[[image.convert("RGB") for image in images]],
-                                 return_tensors="pt", add_special_tokens=add_special_tokens,
-                                 **(self.kwargs | (kwargs or {})))     # one it does not know: warned of, ignored
+        return self._process(text, [image.convert("RGB") for image in images], add_special_tokens,
+                             self.kwargs | (kwargs or {}))     # one the processor does not know: warned of, ignored
+
+    def _process(self, text: str, images: list[Any], add_special_tokens: bool, kwargs: dict[str, Any]
+                 ) -> tuple[list[int], tuple[ImageInput, ...]]:
+        encoded = self.processor(text=text, images=[images], return_tensors="pt",
+                                 add_special_tokens=add_special_tokens, **kwargs)
         token_ids, pixels = encoded["input_ids"][0].tolist(), encoded["pixel_values"].to(self.dtype)
         if pixels.dim() == 5:   # Idefics3's [1, tiles, 3, S, S], each tile whole (one prompt pads none)
             pixels = pixels[0]
             assert bool(encoded["pixel_attention_mask"].all()), "a tile of one prompt is never padded"
         return token_ids, image_inputs(token_ids, pixels, self.image_token_id)
+
+
+class GridImageProcessor(ImageProcessor):
+    """Qwen2-VL's and Qwen2.5-VL's: their image processor (transformers': an image resized to whole 28-pixel
+    squares within its pixel bounds, cut into 14 x 14 patches, two frames deep) and their tokenizer; each image's
+    `<|image_pad|>` becomes one placeholder a 2 x 2 square of patches (`merge_size`) here, as their transformers
+    processor does (which needs torchvision, which pagedllm does not install)."""
+
+    def _load(self, path: Path) -> Any:
+        from transformers import AutoImageProcessor, AutoTokenizer
+
+        self.images = AutoImageProcessor.from_pretrained(str(path))
+        return AutoTokenizer.from_pretrained(str(path))
+
+    def _process(self, text: str, images: list[Any], add_special_tokens: bool, kwargs: dict[str, Any]
+                 ) -> tuple[list[int], tuple[ImageInput, ...]]:
+        if "min_pixels" in kwargs or "max_pixels" in kwargs:    # vLLM's names of the size bounds, as a size
+            bounds = {"shortest_edge": kwargs.pop("min_pixels", None), "longest_edge": kwargs.pop("max_pixels", None)}
+            kwargs["size"] = dict(kwargs.get("size") or self.images.size) | {k: v for k, v in bounds.items() if v}
+        try:
+            encoded = self.images(images=images, return_tensors="pt", **kwargs)
+        except TypeError as exc:    # an argument it does not take
+            raise ValueError(f"mm_processor_kwargs {sorted(kwargs)}: {exc}") from exc
+        merge = self.images.merge_size
+        grids = [(t, h // merge, w // merge) for t, h, w in encoded["image_grid_thw"].tolist()]
+        pieces = text.split(self.image_token)
+        text = pieces[0] + "".join(self.image_token * math.prod(grid) + piece
+                                   for grid, piece in zip(grids, pieces[1:], strict=True))
+        token_ids = self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+        pixels = encoded["pixel_values"].to(self.dtype).split([math.prod(grid) * merge ** 2 for grid in grids])
+        return token_ids, image_inputs(token_ids, pixels, self.image_token_id, grids)

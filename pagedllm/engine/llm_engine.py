@@ -363,12 +363,13 @@ class LLMEngine:
         return tokenize_prompt(self.tokenizer, prompt, self.vocab_size, self.max_model_len, pooling)
 
     def _image_processor(self, loaded: LoadedModel) -> ImageProcessor | None:
-        """A Llava-kind model's processor, which makes token ids and pixels of a prompt's text and images; None for
+        """A multimodal model's processor, which makes token ids and pixels of a prompt's text and images; None for
         a model that takes no images (the loader loaded no image encoder), or an engine without a tokenizer."""
-        if getattr(loaded.model, "image_encoder", None) is None or self.tokenizer is None:
+        encoder = getattr(loaded.model, "image_encoder", None)
+        if encoder is None or self.tokenizer is None:
             return None
-        return ImageProcessor(loaded.resolved.path, loaded.hf_config.image_token_id, loaded.dtype,
-                              self.config.model.mm_processor_kwargs)
+        return encoder.processor(loaded.resolved.path, loaded.hf_config.image_token_id, loaded.dtype,
+                                 self.config.model.mm_processor_kwargs)
 
     @property
     def image_marker(self) -> str | None:

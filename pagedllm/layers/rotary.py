@@ -1,8 +1,9 @@
 """Rotary position embedding (neox style, `rotate_half`, as Hugging Face Llama applies it), over a head's first
 `rotary_dim` values (all of them, or a part: Phi-4-mini's 3/4), the rest passed through.
 
-Supports rope types "default", "linear", "llama3" and "longrope" (Phi-3's). `rope_config(hf_config)` reads
-transformers 5's `config.rope_parameters` and falls back to the older `rope_theta` / `rope_scaling` fields.
+Supports rope types "default", "linear", "llama3" and "longrope" (Phi-3's), and M-RoPE (Qwen2-VL's: `mrope_section`),
+whose image tokens sit at three positions. `rope_config(hf_config)` reads transformers 5's `config.rope_parameters`
+and falls back to the older `rope_theta` / `rope_scaling` fields.
 """
 
 from __future__ import annotations
@@ -30,12 +31,23 @@ def rope_config(config: Any, layer_type: str | None = None) -> tuple[float, dict
         base = float(getattr(config, "rope_theta", 10000.0))
         scaling = dict(getattr(config, "rope_scaling", None) or {})
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "mrope":    # older Qwen2-VL configs' name for M-RoPE, whose frequencies are the default ones
+        rope_type = "default"
     if rope_type == "longrope":     # the context it was trained on, and how far past it the model reaches
         original = scaling.get("original_max_position_embeddings") or config.original_max_position_embeddings
         scaling["original_max_position_embeddings"] = original
         if scaling.get("factor") is None:
             scaling["factor"] = config.max_position_embeddings / original
     return base, (None if rope_type == "default" else {**scaling, "rope_type": rope_type})
+
+
+def mrope_section(config: Any) -> list[int] | None:
+    """M-RoPE's split of a head's rotary frequencies among the (frame, row, column) positions (Qwen2-VL's [16, 24,
+    24]: half a head of 128); None for any other rope."""
+    for params in (getattr(config, "rope_parameters", None), getattr(config, "rope_scaling", None)):
+        if isinstance(params, dict) and params.get("mrope_section"):
+            return list(params["mrope_section"])
+    return None
 
 
 def rotary_dim(config: Any, head_dim: int) -> int:
@@ -110,11 +122,17 @@ class RotaryEmbedding(nn.Module):
     (`table_rows`), as transformers picks them for a whole forward pass and vLLM for a whole step. A prompt within
     the original context runs as transformers runs it; one past it, prefilled in one step, too; a context that
     grows past it keeps the short factors in the keys cached before (so does transformers' generate).
+
+    M-RoPE (`mrope_section`) turns each section of a head's frequencies by one of a token's three positions. A text
+    token's three are equal: its table row is its position, as for any rope. An image token's rows are written for
+    its step past the tables' own (`spatial_rows`), so that the kernels take them as any other.
     """
 
-    def __init__(self, rotary_dim: int, max_position: int, base: float, scaling: dict | None = None) -> None:
+    def __init__(self, rotary_dim: int, max_position: int, base: float, scaling: dict | None = None,
+                 mrope_section: list[int] | None = None) -> None:
         super().__init__()
         self.rotary_dim = rotary_dim
+        self.mrope_section = mrope_section
         positions = torch.arange(max_position, dtype=torch.float32)
         inv_freqs = [compute_inv_freq(rotary_dim, base, scaling)]
         self.long_from, scale = 0, 1.0     # longrope's: the first position of the long rows, its tables' scale
@@ -126,6 +144,28 @@ class RotaryEmbedding(nn.Module):
         self.max_position = max_position
         self.register_buffer("cos_cache", emb.cos() * scale, persistent=False)    # x 1.0 leaves the bits as they are
         self.register_buffer("sin_cache", emb.sin() * scale, persistent=False)
+        self.spare_rows = 0     # M-RoPE's rows past the tables' own, for a step's image tokens
+
+    def spatial_rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """M-RoPE: table rows for tokens at (frame, row, column) positions [3, R]: each section of a row's values
+        taken from the row of its axis's position, written past the tables' own rows (more room made where R is
+        more than there is: then the tables are new tensors). Returns the rows [R] and whether the tables are
+        new."""
+        assert self.mrope_section is not None, "spatial rows are M-RoPE's"
+        count, grown = positions.shape[1], positions.shape[1] > self.spare_rows
+        if grown:
+            self.spare_rows = max(count, 2 * self.spare_rows, 256)
+            for name in ("cos_cache", "sin_cache"):
+                table = getattr(self, name)
+                bigger = table.new_empty(self.max_position + self.spare_rows, table.shape[1])
+                bigger[:self.max_position] = table[:self.max_position]
+                setattr(self, name, bigger)
+        half = torch.repeat_interleave(torch.arange(3), torch.tensor(self.mrope_section))
+        axis = torch.cat([half, half]).to(positions.device)     # [D]: the axis of each value
+        rows = torch.arange(self.max_position, self.max_position + count, device=positions.device)
+        for table in (self.cos_cache, self.sin_cache):
+            table[rows] = table[positions].gather(0, axis.expand(1, count, -1))[0]   # [3, R, D] -> [R, D]
+        return rows, grown
 
     def table_rows(self, positions: torch.Tensor) -> torch.Tensor:
         """The tables' rows for a step's positions: the positions, but under longrope, where a step that reaches
@@ -164,7 +204,8 @@ class RotaryEmbedding(nn.Module):
         return rotate(q), rotate(k)
 
 
-def get_rope(rotary_dim: int, max_position: int, base: float, rope_scaling: dict | None = None) -> RotaryEmbedding:
+def get_rope(rotary_dim: int, max_position: int, base: float, rope_scaling: dict | None = None,
+             mrope_section: list[int] | None = None) -> RotaryEmbedding:
     """A rotary embedding over a head's first `rotary_dim` values, positions < `max_position`, rope type from
-    `rope_scaling`."""
-    return RotaryEmbedding(rotary_dim, max_position, base, rope_scaling)
+    `rope_scaling`; M-RoPE's with an `mrope_section`."""
+    return RotaryEmbedding(rotary_dim, max_position, base, rope_scaling, mrope_section)

@@ -41,7 +41,9 @@ from pagedllm.layers.linear import (
 )
 from pagedllm.layers.moe import route, run_experts
 from pagedllm.layers.norm import RMSNorm
-from pagedllm.layers.rotary import RotaryEmbedding, get_rope, rope_config, rotary_dim
+from pagedllm.layers.rotary import RotaryEmbedding, get_rope, mrope_section, rope_config, rotary_dim
+from pagedllm.models.vision import ImageEncoder, ImageRows
+from pagedllm.multimodal import ImageInput
 
 if TYPE_CHECKING:
     from pagedllm.lora.adapter import LoRABatch
@@ -369,7 +371,7 @@ class LlamaModel(nn.Module):
             dim = rotary_dim(config, _head_dim(config)) if no_rope is None or no_rope[index] else 0
             key = repr((base, scaling, dim))
             if key not in rotary:
-                rotary[key] = get_rope(dim, max_positions, base, scaling)
+                rotary[key] = get_rope(dim, max_positions, base, scaling, mrope_section(config))
             return rotary[key]
 
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype, attn_backend, rotary_of(index), tp, index)
@@ -377,19 +379,26 @@ class LlamaModel(nn.Module):
         # longrope's (Phi-3's), whose step picks its tables' rows once for every layer (`table_rows`)
         self.longrope = next((r for r in rotary.values() if r.long_from), None)
         assert self.longrope is None or len(rotary) == 1, "longrope beside other ropes"
+        # M-RoPE's (Qwen2-VL's), whose image tokens' table rows are written for their step (`spatial_rows`)
+        self.mrope = next((r for r in rotary.values() if r.mrope_section), None)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         # kernel module -> its DecoderStack of these layers; None: the modules run (see use_decoder_stack)
         self.stacks: dict[ModuleType, Any] | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata, lora: LoRABatch | None = None,
-                image_rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                image_rows: ImageRows | None = None) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, H]
         if self.embed_scale is not None:
             x = x * self.embed_scale
         if image_rows is not None:      # image placeholders' rows: the image encoder's, not the token's embedding
-            index, rows = image_rows
-            x[index] = rows.to(x.dtype)
+            x[image_rows.index] = image_rows.rows.to(x.dtype)
+            if image_rows.positions is not None:    # and their M-RoPE table rows
+                assert self.mrope is not None, "(frame, row, column) positions for a model without M-RoPE"
+                positions = positions.clone()
+                positions[image_rows.index], grown = self.mrope.spatial_rows(image_rows.positions)
+                if grown and self.stacks:   # the stacks hold the tables they were built with
+                    self.stacks = {}
         if self.longrope is not None:
             positions = self.longrope.table_rows(positions)
         stack = self.stack_for(x) if lora is None else None   # the C++ stack has no LoRA updates
@@ -519,7 +528,7 @@ class LlamaForCausalLM(nn.Module):
         self.head_is_embedding = bool(getattr(config, "tie_word_embeddings", False))     # the checkpoint's LM head
         self.final_softcap = _softcap(config, "final_logit_softcapping")   # Gemma 2's: 30.0
         # a Llava-kind model's tower and projector (pagedllm.models.vision), set by the loader after the weights
-        self.image_encoder: nn.Module | None = None
+        self.image_encoder: ImageEncoder | None = None
         self.tie_word_embeddings = self.bare or self.score is not None or self.head_is_embedding
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype, tp_rank, tp_size)
         if self.tie_word_embeddings:
@@ -543,18 +552,18 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata, lora: LoRABatch | None = None,
-                image_rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                image_rows: ImageRows | None = None) -> torch.Tensor:
         """input_ids, positions: [T] -> hidden states [T, H]; writes the new tokens' K/V to kv_caches. `lora`: the
-        step's LoRA adapters and their rows; `image_rows`: (rows of the step [R], what stands in for their token
-        embeddings [R, H]), where the step reaches image placeholders (`encode_image`)."""
+        step's LoRA adapters and their rows; `image_rows`: what stands in for the token embeddings of the step's
+        image placeholders (`encode_image`), and their M-RoPE positions."""
         return self.model(input_ids, positions, kv_caches, meta, lora, image_rows)
 
-    def encode_image(self, pixels: torch.Tensor) -> torch.Tensor:
-        """An image's pixels [3, S, S] (its processor's) -> the rows of its placeholders [tokens, H]; a Llava-kind
-        model's only (the loader sets `image_encoder`)."""
+    def encode_image(self, image: ImageInput) -> torch.Tensor:
+        """An image's pixels (its processor's) -> the rows of its placeholders [tokens, H]; a multimodal model's
+        only (the loader sets `image_encoder`)."""
         if self.image_encoder is None:
             raise ValueError("this model takes no images")
-        return self.image_encoder(pixels[None])[0]
+        return self.image_encoder.encode(image)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, H] -> logits [N, V] float32."""

@@ -13,6 +13,13 @@ Idefics3 and SmolVLM (`Idefics3Encoder`), whose images come as tiles of S x S (a
     -> the last layer's features, post-LayerNorm
     -> pixel shuffle: each r x r square of patches becomes one row of r^2 x D values (r: `scale_factor`)
     -> projector: linear  [N, (S/P)^2 / r^2, hidden of the language model]
+Qwen2-VL and Qwen2.5-VL (`QwenVLEncoder`), whose images keep their aspect: one image of h x w patches (14 pixels,
+two frames deep, the processor's, in 2 x 2 squares of patches) is the encoder's sequence
+    -> patches: a linear [h w, D]; each patch's (row, column) turns its queries and keys (a 2-D rotary embedding)
+    -> encoder layers over the whole image (Qwen2-VL: LayerNorm, a GELU MLP), or (Qwen2.5-VL: RMSNorm, a SiLU-gated
+       MLP) over windows of 112 pixels a side but in `fullatt_block_indexes`' layers
+    -> merger: each 2 x 2 square's patches normed and joined into one row, then linear, GELU, linear
+       [h w / 4, hidden of the language model]; their language model places these rows by M-RoPE
 ```
 
 The model's processor (transformers') resizes (and tiles) each image and expands its `<image>` into as many
@@ -24,7 +31,7 @@ worth), in the step that first reaches its placeholders (`ModelRunner._image_row
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +39,7 @@ from torch import nn
 
 from pagedllm.cpu import onednn_bf16_ok
 from pagedllm.layers.linear import linear
+from pagedllm.multimodal import GridImageProcessor, ImageInput, ImageProcessor
 
 # transformers' activations by config name, as these towers and projectors use them
 _ACTIVATIONS = {"gelu": F.gelu, "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
@@ -45,8 +53,18 @@ _ONEDNN_GELUS = {"gelu": "none", "gelu_pytorch_tanh": "tanh", "gelu_new": "tanh"
 _PREFIXES = (("model.vision_tower.vision_model.", "tower."), ("vision_tower.vision_model.", "tower."),
              ("model.vision_tower.", "tower."), ("vision_tower.", "tower."), ("model.vision_model.", "tower."),
              ("model.multi_modal_projector.", "projector."), ("multi_modal_projector.", "projector."),
-             ("model.connector.modality_projection.", "projector."))
+             ("model.connector.modality_projection.", "projector."), ("model.visual.", "visual."),
+             ("visual.", "visual."))
 _TOWERS = {"clip_vision_model": "clip", "siglip_vision_model": "siglip", "idefics3_vision": "idefics3"}
+
+
+class ImageRows(NamedTuple):
+    """What stands in for a step's image placeholders: their rows of the step [R], the image encoder's rows for them
+    [R, H], and their M-RoPE positions [3, R] (grid images': `pagedllm.multimodal.MRopeLayout`; else None)."""
+
+    index: torch.Tensor
+    rows: torch.Tensor
+    positions: torch.Tensor | None
 
 
 def image_part_name(name: str) -> str | None:
@@ -166,9 +184,14 @@ class VisionTower(nn.Module):
 
 class ImageEncoder(nn.Module):
     """A tower and what maps its features to the language model's rows: images -> the rows that stand in for
-    their placeholder tokens. `load_weights` takes `image_part_name`'s names."""
+    their placeholder tokens. `load_weights` takes `image_part_name`'s names; `processor` makes its prompts."""
 
+    processor: type[ImageProcessor] = ImageProcessor
     tower: VisionTower
+
+    def encode(self, image: ImageInput) -> torch.Tensor:
+        """One picture's rows for its placeholders [image.length, H]."""
+        return self(image.pixels.to(next(self.parameters()).device)[None])[0]
 
     def prepack(self) -> None:
         """Each linear's weight handed to oneDNN where that is faster (`_Linear.prepack`); after `load_weights`."""
@@ -182,13 +205,9 @@ class ImageEncoder(nn.Module):
         params = dict(self.named_parameters())
         loaded = set()
         for name, tensor in weights:
-            name = name.replace("embeddings.", "").replace("encoder.layers.", "layers.") \
-                .replace("self_attn.", "").replace("mlp.", "")
-            if name.startswith("tower.layers.") and int(name.split(".")[2]) >= len(self.tower.layers):
+            name = self._parameter_name(name)
+            if name is None:
                 continue
-            if name.startswith("tower.head.") or name.endswith("position_ids") or \
-                    name.startswith("tower.post_layernorm.") and self.tower.post_layernorm is None:
-                continue    # after the last layer, which Llava reads the features before; older CLIPs' arange
             if name not in params:
                 raise KeyError(f"unexpected image encoder tensor {name!r}")
             with torch.no_grad():
@@ -197,6 +216,19 @@ class ImageEncoder(nn.Module):
         missing = sorted(set(params) - loaded)
         if missing:
             raise ValueError(f"the checkpoint leaves these image encoder weights unset: {missing[:8]}")
+
+    def _parameter_name(self, name: str) -> str | None:
+        """An `image_part_name` as this module names its parameter; None for a tensor it never reads: the tower's
+        layers past the last feature layer, CLIP's and SigLIP's head and post-norm after it, which Llava reads the
+        features before, older CLIPs' saved position ids."""
+        name = name.replace("embeddings.", "").replace("encoder.layers.", "layers.") \
+            .replace("self_attn.", "").replace("mlp.", "")
+        if name.startswith("tower.layers.") and int(name.split(".")[2]) >= len(self.tower.layers):
+            return None
+        if name.startswith("tower.head.") or name.endswith("position_ids") or \
+                name.startswith("tower.post_layernorm.") and self.tower.post_layernorm is None:
+            return None
+        return name
 
 
 class LlavaEncoder(ImageEncoder):
@@ -249,8 +281,154 @@ class Idefics3Encoder(ImageEncoder):
         return self.projector["proj"](x.reshape(n, rows // r ** 2, width * r ** 2))
 
 
+class _RMSNorm(nn.Module):
+    """Qwen2.5-VL's RMSNorm, as transformers computes it (float32 inside)."""
+
+    def __init__(self, width: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.empty(width, dtype=dtype)), eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [N, heads, head_dim] turned by the patches' angles ([N, 1, head_dim]), neox style, in float32."""
+    h = x.float()
+    half = torch.cat([-h[..., h.shape[-1] // 2:], h[..., :h.shape[-1] // 2]], dim=-1)
+    return (h * cos + half * sin).to(x.dtype)
+
+
+def _windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: list[int]) -> torch.Tensor:
+    """Attention of [N, heads, head_dim] rows within each window [bounds[i], bounds[i + 1]) (one: all of them), the
+    windows batched, each padded to the longest with its padding masked out -> [N, heads x head_dim]."""
+    n, heads, _ = q.shape
+    if len(bounds) == 2:
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))
+        return out.transpose(0, 1).reshape(n, -1)
+    starts, lengths = torch.tensor(bounds[:-1]), torch.tensor(bounds[1:]) - torch.tensor(bounds[:-1])
+    offsets = torch.arange(int(lengths.max()))
+    valid = offsets[None] < lengths[:, None]                              # [W, L]
+    index = torch.where(valid, starts[:, None] + offsets[None], 0).to(q.device)
+    mask = valid.to(q.device)[:, None, None, :]                           # keys a window's rows see
+    out = F.scaled_dot_product_attention(*(t[index].transpose(1, 2) for t in (q, k, v)), attn_mask=mask)
+    return out.transpose(1, 2)[valid.to(q.device)].reshape(n, -1)       # [W, L, heads, hd] -> the valid rows
+
+
+class _QwenVisionBlock(nn.Module):
+    """Qwen2-VL's encoder layer (LayerNorm, a GELU MLP) or Qwen2.5-VL's (RMSNorm, a SiLU-gated MLP with biases)."""
+
+    def __init__(self, config: Any, width: int, gated: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads, self.act = config.num_heads, config.hidden_act
+        if not gated:
+            activation(self.act)    # one pagedllm runs
+        self.norm1, self.norm2 = ((_RMSNorm(width, 1e-6, dtype) for _ in range(2)) if gated else
+                                  (nn.LayerNorm(width, 1e-6, dtype=dtype) for _ in range(2)))
+        self.attn = nn.ModuleDict(dict(qkv=_Linear(width, 3 * width, dtype=dtype), proj=_Linear(width, width,
+                                                                                                 dtype=dtype)))
+        if gated:
+            inner = config.intermediate_size
+            self.mlp = nn.ModuleDict(dict(gate_proj=_Linear(width, inner, dtype=dtype),
+                                          up_proj=_Linear(width, inner, dtype=dtype),
+                                          down_proj=_Linear(inner, width, dtype=dtype)))
+        else:
+            inner = int(width * config.mlp_ratio)
+            self.mlp = nn.ModuleDict(dict(fc1=_Linear(width, inner, dtype=dtype), fc2=_Linear(inner, width,
+                                                                                               dtype=dtype)))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bounds: list[int]) -> torch.Tensor:
+        q, k, v = self.attn["qkv"](self.norm1(x)).unflatten(-1, (3, self.num_heads, -1)).unbind(1)
+        x = x + self.attn["proj"](_windowed_attention(_rotate(q, cos, sin), _rotate(k, cos, sin), v, bounds))
+        h, mlp = self.norm2(x), self.mlp
+        if "fc1" in mlp:
+            return x + mlp["fc2"](mlp["fc1"].gelu(h, self.act))
+        return x + mlp["down_proj"](F.silu(mlp["gate_proj"](h)) * mlp["up_proj"](h))
+
+
+class QwenVLEncoder(ImageEncoder):
+    """Qwen2-VL's and Qwen2.5-VL's vision transformer and merger (`Qwen2VLForConditionalGeneration`'s and
+    `Qwen2_5_VLForConditionalGeneration`'s configs), one image at a time."""
+
+    processor = GridImageProcessor
+
+    def __init__(self, config: Any, dtype: torch.dtype) -> None:
+        super().__init__()
+        vision = config.vision_config
+        self.windowed = vision.model_type == "qwen2_5_vl_vision"
+        width = vision.hidden_size if self.windowed else vision.embed_dim
+        out = vision.out_hidden_size if self.windowed else vision.hidden_size
+        self.merge, self.patch_size = vision.spatial_merge_size, vision.patch_size
+        self.window = getattr(vision, "window_size", 0) // self.merge // self.patch_size    # merged rows a side
+        self.full_layers = set(getattr(vision, "fullatt_block_indexes", None) or [])
+        head_dim = width // vision.num_heads
+        theta = (getattr(vision, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+        self.register_buffer("inv_freq", 1.0 / theta ** (torch.arange(0, head_dim // 2, 2).float() / (head_dim // 2)),
+                             persistent=False)
+        values = vision.in_channels * vision.temporal_patch_size * self.patch_size ** 2
+        joined = width * self.merge ** 2
+        self.visual = nn.ModuleDict(dict(
+            patch_embed=nn.ModuleDict(dict(proj=_Linear(values, width, bias=False, dtype=dtype))),
+            blocks=nn.ModuleList(_QwenVisionBlock(vision, width, self.windowed, dtype) for _ in range(vision.depth)),
+            merger=nn.ModuleDict(dict(
+                ln_q=_RMSNorm(width, 1e-6, dtype) if self.windowed else nn.LayerNorm(width, 1e-6, dtype=dtype),
+                mlp=nn.ModuleList([_Linear(joined, joined, dtype=dtype), nn.GELU(), _Linear(joined, out,
+                                                                                            dtype=dtype)])))))
+
+    def encode(self, image: ImageInput) -> torch.Tensor:
+        assert image.grid is not None, "a Qwen2-VL image is a grid"
+        frames, rows, columns = image.grid
+        return self(image.pixels.to(self.inv_freq.device), (frames, rows * self.merge, columns * self.merge))
+
+    def _parameter_name(self, name: str) -> str | None:
+        return name
+
+    def _angles(self, rows: int, columns: int, frames: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [patches, 1, head_dim] of each patch's (row, column), patches in the processor's order: 2 x
+        2 squares, row-major within and among them."""
+        m = self.merge
+        places = torch.stack(torch.meshgrid(torch.arange(rows), torch.arange(columns), indexing="ij"))  # [2, h, w]
+        places = places.reshape(2, rows // m, m, columns // m, m).transpose(2, 3).reshape(2, -1).repeat(1, frames)
+        freqs = (places[..., None].to(self.inv_freq) * self.inv_freq).permute(1, 0, 2).flatten(1)  # [N, hd / 2]
+        angles = torch.cat([freqs, freqs], dim=-1)[:, None]
+        return angles.cos(), angles.sin()
+
+    def _windows(self, frames: int, rows: int, columns: int) -> tuple[torch.Tensor, list[int]]:
+        """Qwen2.5-VL's windows: the order that puts each window's 2 x 2 squares together [squares], and the
+        windows' bounds in patches (transformers' `get_vision_window_index`, for one image)."""
+        size, rows, columns = self.window, rows // self.merge, columns // self.merge
+        grid = torch.arange(frames * rows * columns).reshape(frames, rows, columns)
+        pad_rows, pad_columns = -rows % size, -columns % size
+        grid = F.pad(grid, (0, pad_columns, 0, pad_rows), value=-1)
+        windows = grid.reshape(frames, (rows + pad_rows) // size, size, (columns + pad_columns) // size, size)
+        windows = windows.permute(0, 1, 3, 2, 4).reshape(-1, size * size)
+        counts = (windows >= 0).sum(1)
+        bounds = [0] + [int(b) * self.merge ** 2 for b in counts[counts > 0].cumsum(0)]
+        return windows[windows >= 0], bounds
+
+    @torch.inference_mode()
+    def forward(self, pixels: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
+        """One image's patches [t h w, values] (grid (t, h, w) patches) -> its rows [t h w / 4, hidden]."""
+        frames, rows, columns = grid
+        visual, unit = self.visual, self.merge ** 2
+        x = visual["patch_embed"]["proj"](pixels.to(self.inv_freq.device, visual["merger"]["ln_q"].weight.dtype))
+        cos, sin = self._angles(rows, columns, frames)
+        full = [i * rows * columns for i in range(frames + 1)]     # each frame attends to itself
+        order, windows = None, full
+        if self.windowed:
+            order, windows = self._windows(frames, rows, columns)
+            x, cos, sin = (t.unflatten(0, (-1, unit))[order].flatten(0, 1) for t in (x, cos, sin))
+        for index, block in enumerate(visual["blocks"]):
+            x = block(x, cos, sin, full if not self.windowed or index in self.full_layers else windows)
+        merger = visual["merger"]
+        x = merger["mlp"][2](merger["mlp"][0].gelu(merger["ln_q"](x).reshape(-1, x.shape[-1] * unit), "gelu"))
+        return x if order is None else x[torch.argsort(order)]
+
+
 # multimodal architectures -> their image encoder. SmolVLM-256M, 500M and 2.2B-Instruct are Idefics3 checkpoints;
 # SmolVLM2's (SmolVLMForConditionalGeneration) processor needs torchvision, which pagedllm does not install: their text
 # only.
 IMAGE_ENCODERS: dict[str, type[ImageEncoder]] = {
-    "LlavaForConditionalGeneration": LlavaEncoder, "Idefics3ForConditionalGeneration": Idefics3Encoder}
+    "LlavaForConditionalGeneration": LlavaEncoder, "Idefics3ForConditionalGeneration": Idefics3Encoder,
+    "Qwen2VLForConditionalGeneration": QwenVLEncoder, "Qwen2_5_VLForConditionalGeneration": QwenVLEncoder}

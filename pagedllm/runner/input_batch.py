@@ -21,7 +21,7 @@ import torch
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.core.sched.output import ScheduledRequest
 from pagedllm.lora.request import LoRARequest
-from pagedllm.multimodal import ImageInput
+from pagedllm.multimodal import ImageInput, MRopeLayout
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
@@ -51,6 +51,7 @@ class CachedRequestState:
     # image index -> the image encoder's rows for its placeholders, from the first step that reaches them until
     # the request ends (a recompute after a preemption reads them again)
     image_rows: dict[int, torch.Tensor] = field(default_factory=dict)
+    mrope: MRopeLayout | None = None         # where M-RoPE puts its tokens, when its prompt has grid images
 
 
 @dataclass(slots=True)

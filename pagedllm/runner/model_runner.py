@@ -29,6 +29,8 @@ from pagedllm.loader import LoadedModel
 from pagedllm.loader.pooling_config import sentence_transformers_projector
 from pagedllm.lora.adapter import LoRAAdapter, LoRABatch, LoRARegistry
 from pagedllm.lora.request import LoRARequest
+from pagedllm.models.vision import ImageRows
+from pagedllm.multimodal import MRopeLayout
 from pagedllm.runner import kv_tensors
 from pagedllm.runner.cuda_graphs import Capture, DecodeGraphs, capture_sizes, cuda_capture
 from pagedllm.runner.input_batch import CachedRequestState, ModelInputs, build_model_inputs
@@ -178,7 +180,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 lora: LoRABatch | None = None, token_type_ids: torch.Tensor | None = None,
-                image_rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                image_rows: ImageRows | None = None) -> torch.Tensor:
         """The model over the paged KV cache: [T] ids and positions -> hidden states [T, H] (on every rank), with
         `lora`'s adapters on their rows, `token_type_ids` [T] (a BERT-family encoder's) added and `image_rows`
         standing in for image placeholders' embeddings (one rank only)."""
@@ -240,6 +242,7 @@ class ModelRunner:
         if not scheduled:
             return RunnerOutput()
         inputs = build_model_inputs(scheduled, self.block_size, self.device, self.cascade)
+        self._shift_positions(inputs, scheduled)
         pending_masks = self._start_token_bitmasks(inputs.sample_request_ids)
         start = time.perf_counter()
         try:
@@ -329,7 +332,7 @@ class ModelRunner:
         return result
 
     def _forward_step(self, inputs: ModelInputs, lora: LoRABatch | None, token_types: torch.Tensor | None,
-                      image_rows: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+                      image_rows: ImageRows | None) -> torch.Tensor:
         """The step's forward pass: a captured graph's replay when one covers it, else eager."""
         graphs = self.decode_graphs
         if graphs is not None and lora is None and token_types is None and image_rows is None and \
@@ -337,11 +340,20 @@ class ModelRunner:
             return graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
         return self.forward(inputs.input_ids, inputs.positions, inputs.meta, lora, token_types, image_rows)
 
-    def _image_rows(self, inputs: ModelInputs, scheduled: list[ScheduledRequest]
-                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Where the step's tokens reach image placeholders: (those rows of the step [R], the image encoder's rows
-        for them [R, H]), each image encoded at the first step that reaches it; None when no token is an image's."""
-        indices, rows = [], []
+    def _shift_positions(self, inputs: ModelInputs, scheduled: list[ScheduledRequest]) -> None:
+        """M-RoPE: the positions of the tokens after a grid image, shifted as its layout says (`MRopeLayout`)."""
+        for s in scheduled:
+            layout = self.requests[s.request_id].mrope
+            if layout is not None:
+                row, start = inputs.first_rows[s.request_id], s.num_computed_tokens
+                shifts = [layout.shift(index) for index in range(start, start + len(s.token_ids))]
+                inputs.positions[row:row + len(shifts)] += torch.tensor(shifts, device=inputs.positions.device)
+
+    def _image_rows(self, inputs: ModelInputs, scheduled: list[ScheduledRequest]) -> ImageRows | None:
+        """Where the step's tokens reach image placeholders: those rows of the step, the image encoder's rows for
+        them (each image encoded at the first step that reaches it) and, for grid images, their M-RoPE positions;
+        None when no token is an image's."""
+        indices, rows, positions = [], [], []
         for s in scheduled:
             state = self.requests[s.request_id]
             start, end = s.num_computed_tokens, s.num_computed_tokens + len(s.token_ids)
@@ -350,13 +362,16 @@ class ModelRunner:
                 if first >= last:
                     continue
                 if index not in state.image_rows:
-                    state.image_rows[index] = self.model.encode_image(image.pixels.to(self.device))
+                    state.image_rows[index] = self.model.encode_image(image)
                 row = inputs.first_rows[s.request_id] + first - start
                 indices.append(torch.arange(row, row + last - first))
                 rows.append(state.image_rows[index][first - image.offset:last - image.offset])
+                if state.mrope is not None:
+                    positions.append(torch.tensor(state.mrope.image_positions(image, first, last)))
         if not rows:
             return None
-        return torch.cat(indices).to(self.device), torch.cat(rows)
+        return ImageRows(torch.cat(indices).to(self.device), torch.cat(rows),
+                         torch.cat(positions, dim=1).to(self.device) if positions else None)
 
     def _token_types(self, inputs: ModelInputs, scheduled: list[ScheduledRequest]) -> torch.Tensor | None:
         """The step's token type ids [T] when a request of it has its own (a cross-encoder's pair: the engine takes
@@ -474,7 +489,8 @@ class ModelRunner:
         self.requests[new.request_id] = CachedRequestState(new.request_id, list(new.prompt_token_ids), params,
                                                            self._generator(params.seed), grammar=grammar,
                                                            pooling=new.pooling_params, lora=new.lora_request,
-                                                           token_type_ids=new.token_type_ids, images=new.images)
+                                                           token_type_ids=new.token_type_ids, images=new.images,
+                                                           mrope=MRopeLayout.of(new.images))
 
     def _start_token_bitmasks(self, request_ids: list[str]) -> tuple[list[str], Future] | None:
         """Start filling the bitmask of each constrained request about to sample, beside the forward pass:
@@ -493,7 +509,8 @@ class ModelRunner:
         self.requests[child_id] = CachedRequestState(child_id, parent.prompt_token_ids, parent.params, generator,
                                                      list(parent.output_token_ids), grammar,
                                                      parent.num_prompt_logprob_positions, lora=parent.lora,
-                                                     images=parent.images, image_rows=parent.image_rows)
+                                                     images=parent.images, image_rows=parent.image_rows,
+                                                     mrope=parent.mrope)
 
     def _generator(self, seed: int | None) -> torch.Generator | None:
         """A seeded request's own random stream; None draws from the engine's global one."""
