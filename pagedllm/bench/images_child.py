@@ -54,9 +54,11 @@ def _hf(job: dict, images: list) -> dict:
     import torch
     import transformers
 
-    processor = transformers.AutoProcessor.from_pretrained(job["model"])
     model = transformers.AutoModelForImageTextToText.from_pretrained(job["model"],
                                                                      dtype=getattr(torch, job["dtype"])).eval()
+    grids = model.config.model_type in ("qwen2_vl", "qwen2_5_vl")
+    processor = (_QwenInputs(job["model"], model.config.image_token_id) if grids else
+                 transformers.AutoProcessor.from_pretrained(job["model"]))
     startup_s = time.perf_counter() - start
 
     def run(batch: list) -> tuple[int, int]:
@@ -76,6 +78,27 @@ def _hf(job: dict, images: list) -> dict:
     return {"startup_s": startup_s, "first_request_s": first_s, "elapsed_time": time.perf_counter() - start,
             "num_output_tokens": sum(c[0] for c in counts), "num_prompt_tokens": sum(c[1] for c in counts),
             "version": transformers.__version__}
+
+
+class _QwenInputs:
+    """Qwen2-VL's and Qwen2.5-VL's processor, which transformers builds only with torchvision (not installed): their
+    image processor and tokenizer, each `<|image_pad|>` expanded into one per 2 x 2 square of the image's patches."""
+
+    def __init__(self, model: str, image_token_id: int) -> None:
+        import transformers
+
+        self.images = transformers.AutoImageProcessor.from_pretrained(model)
+        self.tokenizer = transformers.AutoTokenizer.from_pretrained(model)
+        self.image_token_id = image_token_id
+
+    def __call__(self, text: list, images: list, return_tensors: str, **kwargs: object) -> dict:
+        pixels = dict(self.images(images=[image for group in images for image in group], return_tensors=return_tensors,
+                                  **kwargs))
+        counts = iter([int(grid.prod()) // self.images.merge_size ** 2 for grid in pixels["image_grid_thw"]])
+        expanded = ["".join(piece if i == 0 else "<|image_pad|>" * next(counts) + piece
+                            for i, piece in enumerate(prompt.split("<|image_pad|>"))) for prompt in text]
+        ids = self.tokenizer(expanded, return_tensors=return_tensors)["input_ids"]
+        return pixels | {"input_ids": ids, "mm_token_type_ids": (ids == self.image_token_id).int()}
 
 
 if __name__ == "__main__":

@@ -71,9 +71,24 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
             num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0, tie_word_embeddings=True),
         vision_config=dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
                            image_size=512, patch_size=16))),
+    # Qwen2.5-VL-3B-Instruct's (~3.6B weights here, with the tokenizer's vocabulary, not Qwen's 151,936): Qwen2.5-3B's
+    # layers (36 of hidden 2048, 16 query heads over 2 kv heads, M-RoPE) over a ViT of 32 layers of hidden 1280 on
+    # 14-pixel patches, windows of 112 pixels but in 4 layers; each 2 x 2 square of patches one row
+    "qwen2.5-vl-3b": ("qwen2_5_vl", dict(
+        text_config=dict(
+            hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+            num_key_value_heads=2, max_position_embeddings=32768, tie_word_embeddings=True,
+            rope_parameters=dict(rope_type="default", rope_theta=1000000.0, mrope_section=[16, 24, 24])),
+        vision_config=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=2048,
+                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                           fullatt_block_indexes=[7, 15, 23, 31]))),
 }
 # the tokens an Idefics3 processor needs in its tokenizer (transformers' Idefics3Processor)
 IDEFICS3_TOKENS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"]
+
+
+# the tokens Qwen2-VL's and Qwen2.5-VL's prompts take images with
+QWEN_VL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
 
 # EmbeddingGemma's sentence-transformers Dense modules after its mean pooling: (folder, out_features, bias, activation)
@@ -132,6 +147,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     model_type, fields = PRESETS[args.preset]
     if model_type == "idefics3":
         return _save_idefics3(args, tokenizer, fields)
+    if model_type == "qwen2_5_vl":
+        return _save_qwen_vl(args, tokenizer, fields)
     config = AutoConfig.for_model(model_type, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
                                   eos_token_id=tokenizer.eos_token_id, initializer_range=0.02,
                                   **{"max_position_embeddings": 4096, **fields})
@@ -175,6 +192,32 @@ def _save_idefics3(args: argparse.Namespace, tokenizer: Any, fields: dict[str, A
     rows = (tile // fields["vision_config"]["patch_size"] // fields["scale_factor"]) ** 2
     images = Idefics3ImageProcessor(size={"longest_edge": 4 * tile}, max_image_size={"longest_edge": tile})
     Idefics3Processor(image_processor=images, tokenizer=tokenizer, image_seq_len=rows).save_pretrained(output)
+    num_params = sum(p.numel() for p in model.parameters())
+    print(f"{args.preset}: {num_params / 1e6:.0f}M random {args.dtype} weights in {output}")
+    return {"preset": args.preset, "num_params": num_params, "output": str(output)}
+
+
+def _save_qwen_vl(args: argparse.Namespace, tokenizer: Any, fields: dict[str, Any]) -> dict[str, Any]:
+    """A Qwen2.5-VL preset: the model, its image processor (Qwen's pixel bounds: 56 x 56 to 28 x 28 x 1280) and the
+    tokenizer with Qwen's image tokens added."""
+    import torch
+    from transformers import AutoConfig, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessor
+
+    tokenizer.add_special_tokens({"additional_special_tokens": QWEN_VL_TOKENS})
+    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in zip(
+        ("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"), QWEN_VL_TOKENS)}
+    *plain, rope = fields["text_config"].items()   # M-RoPE's fields, which Qwen2's config does not know
+    text = AutoConfig.for_model("qwen2", **dict(plain), vocab_size=len(tokenizer), initializer_range=0.02,
+                                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    text_fields = text.to_dict() | dict([rope])
+    config = Qwen2_5_VLConfig(text_config=text_fields, vision_config=fields["vision_config"],
+                              tie_word_embeddings=text.tie_word_embeddings, **ids)
+    torch.manual_seed(args.seed)
+    model = Qwen2_5_VLForConditionalGeneration(config).to(getattr(torch, args.dtype))
+    output = Path(args.output)
+    model.save_pretrained(output)
+    Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=28 * 28 * 1280).save_pretrained(output)
+    tokenizer.save_pretrained(output)
     num_params = sum(p.numel() for p in model.parameters())
     print(f"{args.preset}: {num_params / 1e6:.0f}M random {args.dtype} weights in {output}")
     return {"preset": args.preset, "num_params": num_params, "output": str(output)}

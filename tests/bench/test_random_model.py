@@ -95,3 +95,30 @@ def test_the_smolvlm_preset_is_an_idefics3_with_its_processor(tmp_path, monkeypa
     # tile 4 placeholders
     assert out.prompt_token_ids.count(config["image_token_id"]) == 13 * 4
     assert len(out.outputs[0].token_ids) == 4
+
+
+def test_the_qwen_vl_preset_is_a_qwen2_5_vl_with_its_image_processor(tmp_path, monkeypatch):
+    """The Qwen2.5-VL preset saves the model, its image processor and the tokenizer with Qwen's image tokens: an
+    image becomes one placeholder a 2 x 2 square of its patches, and pagedllm generates from them."""
+    import numpy as np
+    from PIL import Image
+
+    model_type, fields = random_model.PRESETS["qwen2.5-vl-3b"]
+    small = {"text_config": {**fields["text_config"], "hidden_size": 64, "intermediate_size": 64,
+                             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2},
+             "vision_config": {**fields["vision_config"], "depth": 2, "hidden_size": 32, "intermediate_size": 48,
+                               "num_heads": 2, "out_hidden_size": 64, "fullatt_block_indexes": [1]}}
+    small["text_config"]["rope_parameters"] = {**fields["text_config"]["rope_parameters"], "mrope_section": [2, 3, 3]}
+    monkeypatch.setitem(random_model.PRESETS, "qwen2.5-vl-3b", (model_type, small))
+    main(["random-model", str(tmp_path / "m"), "--preset", "qwen2.5-vl-3b", "--dtype", "float32"])
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2_5_VLForConditionalGeneration"]
+    assert config["text_config"]["rope_parameters"]["mrope_section"] == [2, 3, 3]
+    image = Image.fromarray(np.zeros((60, 100, 3), dtype=np.uint8))
+    with LLM(str(tmp_path / "m"), num_kv_blocks=64) as llm:
+        out = llm.generate({"prompt": "<|vision_start|><|image_pad|><|vision_end|>Describe it.",
+                            "multi_modal_data": {"image": image}},
+                           SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
+    # 100 x 60 pixels to whole 28-pixel squares: 112 x 56, 4 x 2 squares
+    assert out.prompt_token_ids.count(config["image_token_id"]) == 8
+    assert len(out.outputs[0].token_ids) == 4

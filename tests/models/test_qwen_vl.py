@@ -15,6 +15,7 @@ import transformers
 from PIL import Image
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.cpu import onednn_bf16_ok
 from pagedllm.inputs import parse_prompt
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.models.vision import IMAGE_ENCODERS, image_part_name
@@ -237,3 +238,24 @@ def test_processor_size_bounds_and_bad_arguments(qwen: tuple[Path, Any, LLM]) ->
                      GREEDY)
     with pytest.raises(ValueError, match="1 <\\|image_pad\\|> markers for 2 images"):
         llm.generate({"prompt": text, "multi_modal_data": {"image": [image, image]}}, GREEDY)
+
+
+@pytest.mark.skipif(not onednn_bf16_ok(), reason="needs oneDNN's bf16 linears (AVX-512 BF16 or AMX), the only CPUs "
+                                                 "where the encoder prepacks: elsewhere the plain linears run, as the "
+                                                 "float32 tests above run them")
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_prepacked_encoder_gives_the_plain_encoders_rows(tmp_path: Path, kind: str) -> None:
+    """bf16 weights reordered for oneDNN once, the merger's GELU inside its first linear's call."""
+    model = _save_model(tmp_path, kind)
+    config = transformers.AutoConfig.from_pretrained(tmp_path)
+    plain, packed = (IMAGE_ENCODERS[config.architectures[0]](config, torch.bfloat16) for _ in range(2))
+    for encoder in (plain, packed):
+        encoder.load_weights((ours, tensor.bfloat16()) for name, tensor in model.state_dict().items()
+                             if (ours := image_part_name(name)) is not None)
+    packed.prepack()
+    assert packed.visual["merger"]["mlp"][0].weight.is_mkldnn and \
+        not plain.visual["merger"]["mlp"][0].weight.is_mkldnn
+    pixels, grid = torch.randn(80, 1176), (1, 8, 10)
+    expected = plain(pixels, grid).float()
+    torch.testing.assert_close(packed(pixels, grid).float(), expected, atol=0.03 * expected.abs().max().item(),
+                               rtol=0.03)
