@@ -304,9 +304,9 @@ def _windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bound
     """Attention of [N, heads, head_dim] rows within each window [bounds[i], bounds[i + 1]) (one: all of them), the
     windows batched, each padded to the longest with its padding masked out -> [N, heads x head_dim]."""
     n, heads, _ = q.shape
-    if len(bounds) == 2:
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))
-        return out.transpose(0, 1).reshape(n, -1)
+    if len(bounds) == 2:    # [1, heads, N, head_dim]: SDPA's flash kernel (3-D inputs take its math path, 8x slower)
+        out = F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in (q, k, v)))
+        return out[0].transpose(0, 1).reshape(n, -1)
     starts, lengths = torch.tensor(bounds[:-1]), torch.tensor(bounds[1:]) - torch.tensor(bounds[:-1])
     offsets = torch.arange(int(lengths.max()))
     valid = offsets[None] < lengths[:, None]                              # [W, L]

@@ -432,6 +432,7 @@ def test_brgemm_blocks_multiply_as_float32_sums_rounded_once(kernels: ModuleType
     w, x, b = (torch.randn(*shape).to(torch.bfloat16) for shape in ((n, k), (m, k), (n,)))
     packed = kernels.pack_brgemm_weight(w)
     assert packed.shape == (-(-n // 64), k // 2, 128)
+    assert torch.equal(kernels.pack_brgemm_weight(w.T.contiguous().T), packed)   # a strided weight: the same blocks
     out = torch.empty(m, n, dtype=torch.bfloat16)
     kernels.linear_brgemm(out, x, packed, b)
     expected = x.float() @ w.float().T + b.float()
