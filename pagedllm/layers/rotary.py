@@ -1,9 +1,9 @@
 """Rotary position embedding (neox style, `rotate_half`, as Hugging Face Llama applies it), over a head's first
 `rotary_dim` values (all of them, or a part: Phi-4-mini's 3/4), the rest passed through.
 
-Supports rope types "default", "linear", "llama3" and "longrope" (Phi-3's), and M-RoPE (Qwen2-VL's: `mrope_section`),
-whose image tokens sit at three positions. `rope_config(hf_config)` reads transformers 5's `config.rope_parameters`
-and falls back to the older `rope_theta` / `rope_scaling` fields.
+Supports rope types "default", "linear", "llama3" and "longrope" (Phi-3's), and M-RoPE (Qwen2-VL's and Qwen3-VL's:
+`mrope_axes`), whose image tokens sit at three positions. `rope_config(hf_config)` reads transformers 5's
+`config.rope_parameters` and falls back to the older `rope_theta` / `rope_scaling` fields.
 """
 
 from __future__ import annotations
@@ -41,12 +41,20 @@ def rope_config(config: Any, layer_type: str | None = None) -> tuple[float, dict
     return base, (None if rope_type == "default" else {**scaling, "rope_type": rope_type})
 
 
-def mrope_section(config: Any) -> list[int] | None:
-    """M-RoPE's split of a head's rotary frequencies among the (frame, row, column) positions (Qwen2-VL's [16, 24,
-    24]: half a head of 128); None for any other rope."""
+def mrope_axes(config: Any) -> list[int] | None:
+    """M-RoPE: the position, of a token's (frame, row, column), that turns each of a head's rotary frequencies (0, 1
+    or 2, one per frequency): Qwen2-VL's sections ([16, 24, 24] of half a head of 128: the first 16 by the frame,
+    ...), or Qwen3-VL's interleaving of them (`mrope_interleaved`: frame, row, column, frame, ..., the frame's after
+    the others run out); None for any other rope."""
     for params in (getattr(config, "rope_parameters", None), getattr(config, "rope_scaling", None)):
         if isinstance(params, dict) and params.get("mrope_section"):
-            return list(params["mrope_section"])
+            section = list(params["mrope_section"])
+            if not params.get("mrope_interleaved"):
+                return [axis for axis, count in enumerate(section) for _ in range(count)]
+            axes = [0] * sum(section)
+            for axis in (1, 2):
+                axes[axis:3 * section[axis]:3] = [axis] * section[axis]
+            return axes
     return None
 
 
@@ -123,16 +131,16 @@ class RotaryEmbedding(nn.Module):
     the original context runs as transformers runs it; one past it, prefilled in one step, too; a context that
     grows past it keeps the short factors in the keys cached before (so does transformers' generate).
 
-    M-RoPE (`mrope_section`) turns each section of a head's frequencies by one of a token's three positions. A text
-    token's three are equal: its table row is its position, as for any rope. An image token's rows are written for
-    its step past the tables' own (`spatial_rows`), so that the kernels take them as any other.
+    M-RoPE (`mrope_axes`) turns each of a head's frequencies by one of a token's three positions. A text token's
+    three are equal: its table row is its position, as for any rope. An image token's rows are written for its step
+    past the tables' own (`spatial_rows`), so that the kernels take them as any other.
     """
 
     def __init__(self, rotary_dim: int, max_position: int, base: float, scaling: dict | None = None,
-                 mrope_section: list[int] | None = None) -> None:
+                 mrope_axes: list[int] | None = None) -> None:
         super().__init__()
         self.rotary_dim = rotary_dim
-        self.mrope_section = mrope_section
+        self.mrope_axes = mrope_axes
         positions = torch.arange(max_position, dtype=torch.float32)
         inv_freqs = [compute_inv_freq(rotary_dim, base, scaling)]
         self.long_from, scale = 0, 1.0     # longrope's: the first position of the long rows, its tables' scale
@@ -147,11 +155,10 @@ class RotaryEmbedding(nn.Module):
         self.spare_rows = 0     # M-RoPE's rows past the tables' own, for a step's image tokens
 
     def spatial_rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, bool]:
-        """M-RoPE: table rows for tokens at (frame, row, column) positions [3, R]: each section of a row's values
-        taken from the row of its axis's position, written past the tables' own rows (more room made where R is
-        more than there is: then the tables are new tensors). Returns the rows [R] and whether the tables are
-        new."""
-        assert self.mrope_section is not None, "spatial rows are M-RoPE's"
+        """M-RoPE: table rows for tokens at (frame, row, column) positions [3, R]: each of a row's values taken from
+        the row of its axis's position, written past the tables' own rows (more room made where R is more than
+        there is: then the tables are new tensors). Returns the rows [R] and whether the tables are new."""
+        assert self.mrope_axes is not None, "spatial rows are M-RoPE's"
         count, grown = positions.shape[1], positions.shape[1] > self.spare_rows
         if grown:
             self.spare_rows = max(count, 2 * self.spare_rows, 256)
@@ -160,8 +167,7 @@ class RotaryEmbedding(nn.Module):
                 bigger = table.new_empty(self.max_position + self.spare_rows, table.shape[1])
                 bigger[:self.max_position] = table[:self.max_position]
                 setattr(self, name, bigger)
-        half = torch.repeat_interleave(torch.arange(3), torch.tensor(self.mrope_section))
-        axis = torch.cat([half, half]).to(positions.device)     # [D]: the axis of each value
+        axis = torch.tensor(self.mrope_axes * 2, device=positions.device)     # [D]: the axis of each value
         rows = torch.arange(self.max_position, self.max_position + count, device=positions.device)
         for table in (self.cos_cache, self.sin_cache):
             table[rows] = table[positions].gather(0, axis.expand(1, count, -1))[0]   # [3, R, D] -> [R, D]
@@ -205,7 +211,7 @@ class RotaryEmbedding(nn.Module):
 
 
 def get_rope(rotary_dim: int, max_position: int, base: float, rope_scaling: dict | None = None,
-             mrope_section: list[int] | None = None) -> RotaryEmbedding:
+             mrope_axes: list[int] | None = None) -> RotaryEmbedding:
     """A rotary embedding over a head's first `rotary_dim` values, positions < `max_position`, rope type from
-    `rope_scaling`; M-RoPE's with an `mrope_section`."""
-    return RotaryEmbedding(rotary_dim, max_position, base, rope_scaling, mrope_section)
+    `rope_scaling`; M-RoPE's with its `mrope_axes`."""
+    return RotaryEmbedding(rotary_dim, max_position, base, rope_scaling, mrope_axes)

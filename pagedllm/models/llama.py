@@ -41,7 +41,7 @@ from pagedllm.layers.linear import (
 )
 from pagedllm.layers.moe import route, run_experts
 from pagedllm.layers.norm import RMSNorm
-from pagedllm.layers.rotary import RotaryEmbedding, get_rope, mrope_section, rope_config, rotary_dim
+from pagedllm.layers.rotary import RotaryEmbedding, get_rope, mrope_axes, rope_config, rotary_dim
 from pagedllm.models.vision import ImageEncoder, ImageRows
 from pagedllm.multimodal import ImageInput
 
@@ -371,7 +371,7 @@ class LlamaModel(nn.Module):
             dim = rotary_dim(config, _head_dim(config)) if no_rope is None or no_rope[index] else 0
             key = repr((base, scaling, dim))
             if key not in rotary:
-                rotary[key] = get_rope(dim, max_positions, base, scaling, mrope_section(config))
+                rotary[key] = get_rope(dim, max_positions, base, scaling, mrope_axes(config))
             return rotary[key]
 
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype, attn_backend, rotary_of(index), tp, index)
@@ -380,7 +380,7 @@ class LlamaModel(nn.Module):
         self.longrope = next((r for r in rotary.values() if r.long_from), None)
         assert self.longrope is None or len(rotary) == 1, "longrope beside other ropes"
         # M-RoPE's (Qwen2-VL's), whose image tokens' table rows are written for their step (`spatial_rows`)
-        self.mrope = next((r for r in rotary.values() if r.mrope_section), None)
+        self.mrope = next((r for r in rotary.values() if r.mrope_axes), None)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         # kernel module -> its DecoderStack of these layers; None: the modules run (see use_decoder_stack)
         self.stacks: dict[ModuleType, Any] | None = None
@@ -391,8 +391,11 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(input_ids)  # [T, H]
         if self.embed_scale is not None:
             x = x * self.embed_scale
+        deepstack = None    # Qwen3-VL's: [R, layers, H], added to the first layers' outputs at the image rows
         if image_rows is not None:      # image placeholders' rows: the image encoder's, not the token's embedding
-            x[image_rows.index] = image_rows.rows.to(x.dtype)
+            x[image_rows.index] = image_rows.rows[:, :x.shape[1]].to(x.dtype)
+            if image_rows.rows.shape[1] > x.shape[1]:
+                deepstack = image_rows.rows[:, x.shape[1]:].unflatten(1, (-1, x.shape[1])).to(x.dtype)
             if image_rows.positions is not None:    # and their M-RoPE table rows
                 assert self.mrope is not None, "(frame, row, column) positions for a model without M-RoPE"
                 positions = positions.clone()
@@ -401,7 +404,8 @@ class LlamaModel(nn.Module):
                     self.stacks = {}
         if self.longrope is not None:
             positions = self.longrope.table_rows(positions)
-        stack = self.stack_for(x) if lora is None else None   # the C++ stack has no LoRA updates
+        # the C++ stack has no LoRA updates, nor DeepStack's
+        stack = self.stack_for(x) if lora is None and deepstack is None else None
         if stack is not None:
             return stack.forward(x, positions, kv_caches, meta.slot_mapping, meta.block_tables, meta.seq_lens,
                                  meta.query_start_loc, meta.num_decodes, meta.cascade)
@@ -409,6 +413,8 @@ class LlamaModel(nn.Module):
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             x, residual = layer(positions, x, residual, kv_cache, meta,
                                 None if lora is None else LayerLoRA(lora, index))
+            if deepstack is not None and index < deepstack.shape[1]:    # the layer's output is x + residual
+                x[image_rows.index] += deepstack[:, index]  # type: ignore[union-attr]
         x, _ = self.norm(x, residual)
         return x
 

@@ -30,6 +30,7 @@ worth), in the step that first reaches its placeholders (`ModelRunner._image_row
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
@@ -317,9 +318,10 @@ def _windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bound
 
 
 class _QwenVisionBlock(nn.Module):
-    """Qwen2-VL's encoder layer (LayerNorm, a GELU MLP) or Qwen2.5-VL's (RMSNorm, a SiLU-gated MLP with biases)."""
+    """A Qwen VL encoder layer: Qwen2-VL's and Qwen3-VL's (LayerNorm, a GELU MLP) or Qwen2.5-VL's (RMSNorm, a
+    SiLU-gated MLP with biases)."""
 
-    def __init__(self, config: Any, width: int, gated: bool, dtype: torch.dtype) -> None:
+    def __init__(self, config: Any, width: int, inner: int, gated: bool, dtype: torch.dtype) -> None:
         super().__init__()
         self.num_heads, self.act = config.num_heads, config.hidden_act
         if not gated:
@@ -329,12 +331,10 @@ class _QwenVisionBlock(nn.Module):
         self.attn = nn.ModuleDict(dict(qkv=_Linear(width, 3 * width, dtype=dtype), proj=_Linear(width, width,
                                                                                                  dtype=dtype)))
         if gated:
-            inner = config.intermediate_size
             self.mlp = nn.ModuleDict(dict(gate_proj=_Linear(width, inner, dtype=dtype),
                                           up_proj=_Linear(width, inner, dtype=dtype),
                                           down_proj=_Linear(inner, width, dtype=dtype)))
         else:
-            inner = int(width * config.mlp_ratio)
             self.mlp = nn.ModuleDict(dict(fc1=_Linear(width, inner, dtype=dtype), fc2=_Linear(inner, width,
                                                                                                dtype=dtype)))
 
@@ -347,34 +347,61 @@ class _QwenVisionBlock(nn.Module):
         return x + mlp["down_proj"](F.silu(mlp["gate_proj"](h)) * mlp["up_proj"](h))
 
 
+class _Merger(nn.Module):
+    """Each 2 x 2 square of patches joined into one row: normed (each patch; Qwen3-VL's DeepStack mergers: the
+    joined row), then linear, GELU, linear."""
+
+    def __init__(self, width: int, unit: int, out: int, rms: bool, joined_norm: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        joined, self.unit, self.joined_norm = width * unit, unit, joined_norm
+        normed = joined if joined_norm else width
+        self.ln_q = _RMSNorm(normed, 1e-6, dtype) if rms else nn.LayerNorm(normed, 1e-6, dtype=dtype)
+        self.mlp = nn.ModuleList([_Linear(joined, joined, dtype=dtype), nn.GELU(), _Linear(joined, out, dtype=dtype)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:     # [patches, width] -> [patches / unit, out]
+        joined = self.ln_q(x.reshape(-1, x.shape[-1] * self.unit)) if self.joined_norm else \
+            self.ln_q(x).reshape(-1, x.shape[-1] * self.unit)
+        return self.mlp[2](self.mlp[0].gelu(joined, "gelu"))
+
+
 class QwenVLEncoder(ImageEncoder):
-    """Qwen2-VL's and Qwen2.5-VL's vision transformer and merger (`Qwen2VLForConditionalGeneration`'s and
-    `Qwen2_5_VLForConditionalGeneration`'s configs), one image at a time."""
+    """Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's vision transformer and merger (their
+    `Qwen2VLForConditionalGeneration`, `Qwen2_5_VLForConditionalGeneration` and `Qwen3VLForConditionalGeneration`
+    configs), one image at a time. Qwen3-VL's adds learned position embeddings (a square grid, resampled to each
+    image's) and DeepStack: the merged features of some layers (`deepstack_visual_indexes`) besides the last's,
+    which its language model adds to its first layers' hidden states at the image's rows; `forward`'s rows carry
+    them after the last layer's: [tokens, hidden x (1 + DeepStack layers)]."""
 
     processor = GridImageProcessor
 
     def __init__(self, config: Any, dtype: torch.dtype) -> None:
         super().__init__()
-        vision = config.vision_config
-        self.windowed = vision.model_type == "qwen2_5_vl_vision"
-        width = vision.hidden_size if self.windowed else vision.embed_dim
-        out = vision.out_hidden_size if self.windowed else vision.hidden_size
+        vision, kind = config.vision_config, config.model_type
+        self.windowed = kind == "qwen2_5_vl"
+        qwen2 = kind == "qwen2_vl"
+        width = vision.embed_dim if qwen2 else vision.hidden_size
+        out = vision.hidden_size if qwen2 else vision.out_hidden_size
+        inner = int(width * vision.mlp_ratio) if qwen2 else vision.intermediate_size
         self.merge, self.patch_size = vision.spatial_merge_size, vision.patch_size
         self.window = getattr(vision, "window_size", 0) // self.merge // self.patch_size    # merged rows a side
         self.full_layers = set(getattr(vision, "fullatt_block_indexes", None) or [])
+        self.deepstack_layers = list(getattr(vision, "deepstack_visual_indexes", None) or [])
         head_dim = width // vision.num_heads
         theta = (getattr(vision, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
         self.register_buffer("inv_freq", 1.0 / theta ** (torch.arange(0, head_dim // 2, 2).float() / (head_dim // 2)),
                              persistent=False)
         values = vision.in_channels * vision.temporal_patch_size * self.patch_size ** 2
-        joined = width * self.merge ** 2
-        self.visual = nn.ModuleDict(dict(
-            patch_embed=nn.ModuleDict(dict(proj=_Linear(values, width, bias=False, dtype=dtype))),
-            blocks=nn.ModuleList(_QwenVisionBlock(vision, width, self.windowed, dtype) for _ in range(vision.depth)),
-            merger=nn.ModuleDict(dict(
-                ln_q=_RMSNorm(width, 1e-6, dtype) if self.windowed else nn.LayerNorm(width, 1e-6, dtype=dtype),
-                mlp=nn.ModuleList([_Linear(joined, joined, dtype=dtype), nn.GELU(), _Linear(joined, out,
-                                                                                            dtype=dtype)])))))
+        unit = self.merge ** 2
+        parts: dict[str, nn.Module] = dict(
+            patch_embed=nn.ModuleDict(dict(proj=_Linear(values, width, bias=kind == "qwen3_vl", dtype=dtype))),
+            blocks=nn.ModuleList(_QwenVisionBlock(vision, width, inner, self.windowed, dtype)
+                                 for _ in range(vision.depth)),
+            merger=_Merger(width, unit, out, self.windowed, False, dtype))
+        if kind == "qwen3_vl":
+            parts["pos_embed"] = nn.Embedding(vision.num_position_embeddings, width, dtype=dtype)
+            parts["deepstack_merger_list"] = nn.ModuleList(_Merger(width, unit, out, False, True, dtype)
+                                                           for _ in self.deepstack_layers)
+        self.visual = nn.ModuleDict(parts)
 
     def encode(self, image: ImageInput) -> torch.Tensor:
         assert image.grid is not None, "a Qwen2-VL image is a grid"
@@ -382,7 +409,35 @@ class QwenVLEncoder(ImageEncoder):
         return self(image.pixels.to(self.inv_freq.device), (frames, rows * self.merge, columns * self.merge))
 
     def _parameter_name(self, name: str) -> str | None:
-        return name
+        """Qwen3-VL's names as Qwen2-VL's: a merger's norm, linear_fc1 and linear_fc2 as ln_q, mlp.0 and mlp.2, a
+        layer's MLP's linear_fc1 and linear_fc2 as fc1 and fc2."""
+        name = re.sub(r"(merger|merger_list\.\d+)\.norm\.", r"\1.ln_q.", name)
+        name = re.sub(r"(merger|merger_list\.\d+)\.linear_fc([12])\.", lambda m: f"{m[1]}.mlp.{2 * int(m[2]) - 2}.",
+                      name)
+        return name.replace("mlp.linear_fc", "mlp.fc")
+
+    def _position_rows(self, frames: int, rows: int, columns: int) -> torch.Tensor:
+        """Qwen3-VL's learned position embeddings, their square grid resampled (bilinear, corners aligned) to the
+        image's rows x columns patches, in the processor's order of patches [patches, width]: each patch's four
+        nearest rows of the table weighed, as transformers weighs them (float32 sums, in its order)."""
+        table = self.visual["pos_embed"].weight
+        side, m = int(len(table) ** 0.5), self.merge
+
+        def taps(size: int) -> tuple[torch.Tensor, torch.Tensor]:   # each place's two table rows and their weights
+            place = torch.arange(size, dtype=torch.float32) * (side - 1) / max(size - 1, 1)
+            floor, offsets = place.floor(), torch.arange(2)
+            weights = (1 - (place[:, None] - floor[:, None] - offsets).abs()).clamp(min=0)
+            return (floor.long()[:, None] + offsets).clamp(0, side - 1), weights
+
+        (row_taps, row_weights), (column_taps, column_weights) = taps(rows), taps(columns)
+        indices = row_taps[:, None, :, None] * side + column_taps[None, :, None, :]      # [h, w, 2, 2]
+        weights = row_weights[:, None, :, None] * column_weights[None, :, None, :]
+
+        def ordered(t: torch.Tensor) -> torch.Tensor:  # [h, w, 2, 2] -> [patches, 4], 2 x 2 squares row-major
+            return t.reshape(rows // m, m, columns // m, m, 4).transpose(1, 2).reshape(rows * columns, 4)
+
+        weights = ordered(weights).to(table.device)
+        return (table[ordered(indices).to(table.device)] * weights[..., None]).sum(1).repeat(frames, 1)
 
     def _angles(self, rows: int, columns: int, frames: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [patches, 1, head_dim] of each patch's (row, column), patches in the processor's order: 2 x
@@ -409,20 +464,25 @@ class QwenVLEncoder(ImageEncoder):
 
     @torch.inference_mode()
     def forward(self, pixels: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
-        """One image's patches [t h w, values] (grid (t, h, w) patches) -> its rows [t h w / 4, hidden]."""
+        """One image's patches [t h w, values] (grid (t, h, w) patches) -> its rows [t h w / 4, hidden], Qwen3-VL's
+        DeepStack rows after them."""
         frames, rows, columns = grid
         visual, unit = self.visual, self.merge ** 2
-        x = visual["patch_embed"]["proj"](pixels.to(self.inv_freq.device, visual["merger"]["ln_q"].weight.dtype))
+        x = visual["patch_embed"]["proj"](pixels.to(self.inv_freq.device, visual["merger"].ln_q.weight.dtype))
+        if "pos_embed" in visual:
+            x = x + self._position_rows(frames, rows, columns).to(x.dtype)
         cos, sin = self._angles(rows, columns, frames)
         full = [i * rows * columns for i in range(frames + 1)]     # each frame attends to itself
         order, windows = None, full
         if self.windowed:
             order, windows = self._windows(frames, rows, columns)
             x, cos, sin = (t.unflatten(0, (-1, unit))[order].flatten(0, 1) for t in (x, cos, sin))
+        deepstack = []
         for index, block in enumerate(visual["blocks"]):
             x = block(x, cos, sin, full if not self.windowed or index in self.full_layers else windows)
-        merger = visual["merger"]
-        x = merger["mlp"][2](merger["mlp"][0].gelu(merger["ln_q"](x).reshape(-1, x.shape[-1] * unit), "gelu"))
+            if index in self.deepstack_layers:
+                deepstack.append(visual["deepstack_merger_list"][self.deepstack_layers.index(index)](x))
+        x = torch.cat([visual["merger"](x), *deepstack], dim=-1)
         return x if order is None else x[torch.argsort(order)]
 
 
@@ -431,4 +491,5 @@ class QwenVLEncoder(ImageEncoder):
 # only.
 IMAGE_ENCODERS: dict[str, type[ImageEncoder]] = {
     "LlavaForConditionalGeneration": LlavaEncoder, "Idefics3ForConditionalGeneration": Idefics3Encoder,
-    "Qwen2VLForConditionalGeneration": QwenVLEncoder, "Qwen2_5_VLForConditionalGeneration": QwenVLEncoder}
+    "Qwen2VLForConditionalGeneration": QwenVLEncoder, "Qwen2_5_VLForConditionalGeneration": QwenVLEncoder,
+    "Qwen3VLForConditionalGeneration": QwenVLEncoder}

@@ -17,7 +17,7 @@ from PIL import Image
 from pagedllm import LLM, SamplingParams
 from pagedllm.cpu import onednn_bf16_ok
 from pagedllm.inputs import parse_prompt
-from pagedllm.layers.rotary import RotaryEmbedding
+from pagedllm.layers.rotary import RotaryEmbedding, mrope_axes
 from pagedllm.models.vision import IMAGE_ENCODERS, image_part_name
 from pagedllm.multimodal import ImageInput, MRopeLayout, pixels_hash
 from tests.entrypoints.server_utils import start_server
@@ -31,38 +31,50 @@ TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['conten
             "{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}" + IMAGE +
             "{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-KINDS = ["qwen2_vl", "qwen2_5_vl"]
+KINDS = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
 
 
 def _save_model(folder: Path, kind: str) -> Any:
-    """A tiny random Qwen2-VL or Qwen2.5-VL (the tiny Qwen2 with M-RoPE sections [2, 3, 3] of its 16-value heads, a
-    two- or three-layer vision encoder; Qwen2.5-VL's windows 4 x 4 patches, its second layer over the whole image),
-    its image processor (images of 4 to 64 placeholders) and tokenizer, saved in `folder`; returns transformers'
-    model."""
+    """A tiny random Qwen2-VL, Qwen2.5-VL or Qwen3-VL, its image processor (images of 4 to 64 placeholders) and
+    tokenizer, saved in `folder`; returns transformers' model. Qwen2-VL and Qwen2.5-VL: the tiny Qwen2 with M-RoPE
+    sections [2, 3, 3] of its 16-value heads, a two- or three-layer encoder of 14-pixel patches (Qwen2.5-VL's windows
+    4 x 4 patches, its second layer over the whole image). Qwen3-VL: the tiny Qwen3 (32-value heads) with M-RoPE's
+    sections [6, 5, 5] interleaved, an encoder of 16-pixel patches whose learned positions are a 4 x 4 grid, DeepStack
+    from its first two layers."""
     tokenizer = build_byte_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": [
         "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]})
     tokenizer.chat_template = TEMPLATE
-    text = tiny_config("qwen2", initializer_range=0.5).to_dict()
-    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+    qwen3 = kind == "qwen3_vl"
+    text = tiny_config("qwen3" if qwen3 else "qwen2", initializer_range=0.5).to_dict()
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0,
+                               "mrope_section": [6, 5, 5] if qwen3 else [2, 3, 3], "mrope_interleaved": qwen3}
     ids = dict(image_token_id=tokenizer.convert_tokens_to_ids("<|image_pad|>"),
                video_token_id=tokenizer.convert_tokens_to_ids("<|video_pad|>"),
                vision_start_token_id=tokenizer.convert_tokens_to_ids("<|vision_start|>"),
                vision_end_token_id=tokenizer.convert_tokens_to_ids("<|vision_end|>"))
-    common = dict(num_heads=2, patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
+    patch = 16 if qwen3 else 14
+    common = dict(num_heads=2, patch_size=patch, spatial_merge_size=2, temporal_patch_size=2)
     if kind == "qwen2_vl":
         vision = dict(depth=2, embed_dim=32, hidden_size=text["hidden_size"], mlp_ratio=2, **common)
         config: Any = transformers.Qwen2VLConfig(text_config=text, vision_config=vision, **ids)
         architecture: Any = transformers.Qwen2VLForConditionalGeneration
-    else:
+    elif kind == "qwen2_5_vl":
         vision = dict(depth=3, hidden_size=32, out_hidden_size=text["hidden_size"], intermediate_size=48,
                       window_size=56, fullatt_block_indexes=[1], **common)
         config = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids)
         architecture = transformers.Qwen2_5_VLForConditionalGeneration
+    else:
+        vision = dict(depth=3, hidden_size=32, out_hidden_size=text["hidden_size"], intermediate_size=48,
+                      num_position_embeddings=16, deepstack_visual_indexes=[0, 1], initializer_range=0.5, **common)
+        config = transformers.Qwen3VLConfig(text_config=text, vision_config=vision, **ids)
+        architecture = transformers.Qwen3VLForConditionalGeneration
     torch.manual_seed(0)
     model = architecture(config).eval()
     model.save_pretrained(folder)
-    transformers.Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=28 * 28 * 64).save_pretrained(folder)
+    square = 2 * patch      # pixels a placeholder's side
+    transformers.Qwen2VLImageProcessor(patch_size=patch, min_pixels=4 * square ** 2,
+                                       max_pixels=64 * square ** 2).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return model
 
@@ -103,11 +115,14 @@ def test_the_encoder_gives_transformers_rows(tmp_path: Path, kind: str) -> None:
                          if (ours := image_part_name(name)) is not None)
     # square, wide and tall grids of patches; Qwen2.5-VL's 4 x 4 windows cut each, padded at its edges
     for grid in [(1, 8, 8), (1, 6, 10), (1, 14, 4)]:
-        pixels = torch.randn(grid[0] * grid[1] * grid[2], 1176)
+        pixels = torch.randn(grid[0] * grid[1] * grid[2], 3 * 2 * config.vision_config.patch_size ** 2)
         with torch.inference_mode():
             expected = model.model.get_image_features(pixel_values=pixels, image_grid_thw=torch.tensor([grid]))
-        torch.testing.assert_close(encoder(pixels, grid), torch.cat(list(expected.pooler_output)),
-                                   atol=1e-5, rtol=1e-5)
+        # Qwen3-VL's DeepStack rows (each layer's split by image), after the last layer's
+        deepstack = [torch.cat(list(rows)) for rows in getattr(expected, "deepstack_features", None) or []]
+        assert len(deepstack) == (2 if kind == "qwen3_vl" else 0)
+        rows = torch.cat([*expected.pooler_output, *deepstack], dim=-1)
+        torch.testing.assert_close(encoder(pixels, grid), rows, atol=1e-5 * rows.abs().max().item(), rtol=1e-5)
 
 
 def test_the_layouts_positions_are_transformers_rope_index(qwen: tuple[Path, Any, LLM]) -> None:
@@ -131,13 +146,20 @@ def test_the_layouts_positions_are_transformers_rope_index(qwen: tuple[Path, Any
     assert layout.shift(len(parsed.token_ids)) == int(delta)      # every generated token's
 
 
-def test_spatial_rows_are_transformers_mrope_angles() -> None:
-    """The table rows M-RoPE writes for (frame, row, column) positions, against transformers' rotary embedding; more
-    positions than there is room for make bigger tables, the text rows kept."""
-    config = transformers.Qwen2VLTextConfig(hidden_size=64, num_attention_heads=4, rope_parameters={
-        "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
-    reference = transformers.models.qwen2_vl.modeling_qwen2_vl.Qwen2VLRotaryEmbedding(config)
-    rope = RotaryEmbedding(16, 512, 10000.0, None, [2, 3, 3])
+@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen3_vl"])
+def test_spatial_rows_are_transformers_mrope_angles(kind: str) -> None:
+    """The table rows M-RoPE writes for (frame, row, column) positions, sectioned (Qwen2-VL) or interleaved
+    (Qwen3-VL), against transformers' rotary embeddings; more positions than there is room for make bigger tables,
+    the text rows kept."""
+    qwen3 = kind == "qwen3_vl"
+    config = (transformers.Qwen3VLTextConfig if qwen3 else transformers.Qwen2VLTextConfig)(
+        hidden_size=64, num_attention_heads=2 if qwen3 else 4, head_dim=32 if qwen3 else None,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [6, 5, 5] if qwen3 else
+                         [2, 3, 3], "mrope_interleaved": qwen3})
+    models = transformers.models
+    reference = (models.qwen3_vl.modeling_qwen3_vl.Qwen3VLTextRotaryEmbedding if qwen3 else
+                 models.qwen2_vl.modeling_qwen2_vl.Qwen2VLRotaryEmbedding)(config)
+    rope = RotaryEmbedding(32 if qwen3 else 16, 512, 10000.0, None, mrope_axes(config))
     text_rows = rope.cos_cache[:512].clone()
     for count in (5, 300):
         positions = torch.randint(0, 512, (3, count))
@@ -159,7 +181,7 @@ def test_greedy_tokens_match_transformers_with_grid_images(qwen: tuple[Path, Any
                                                                                                    _image(2, 210, 70)]),
              (f"Look: {IMAGE} what is it?", [_image(3, 224, 200)]), (f"{IMAGE} wide", [_image(4, 100, 230)]),
              (f"tall {IMAGE}", [_image(5, 230, 110)]), (f"{IMAGE}{IMAGE}", [_image(6, 230, 200), _image(7, 160, 160)]),
-             ("no image at all", [])]
+             (f"{IMAGE} last", [_image(8, 256, 256)]), ("no image at all", [])]
     prompts = [{"prompt": text, "multi_modal_data": {"image": images}} if images else text for text, images in cases]
     small = {"prompt": IMAGE, "multi_modal_data": {"image": _image(9, 60, 60)}}
     llm.generate(small, GREEDY, use_tqdm=False)     # room made for 256 rows; the stack built with those tables
@@ -230,7 +252,8 @@ def test_processor_size_bounds_and_bad_arguments(qwen: tuple[Path, Any, LLM]) ->
     text, image = f"Look: {IMAGE} what is it?", _image(60, 230, 230)
     small = llm.generate({"prompt": text, "multi_modal_data": {"image": image},
                           "mm_processor_kwargs": {"max_pixels": 56 * 56 * 2}}, GREEDY, use_tqdm=False)[0]
-    size = {"size": {"shortest_edge": 56 * 56, "longest_edge": 56 * 56 * 2}}
+    bounds = dict(transformers.AutoImageProcessor.from_pretrained(folder).size)
+    size = {"size": bounds | {"longest_edge": 56 * 56 * 2}}
     assert (small.prompt_token_ids, small.outputs[0].token_ids) == _hf_greedy(folder, model, text, [image], **size)
     assert small.prompt_token_ids.count(model.config.image_token_id) < 16
     with pytest.raises(ValueError, match="mm_processor_kwargs"):
@@ -253,9 +276,9 @@ def test_the_prepacked_encoder_gives_the_plain_encoders_rows(tmp_path: Path, kin
         encoder.load_weights((ours, tensor.bfloat16()) for name, tensor in model.state_dict().items()
                              if (ours := image_part_name(name)) is not None)
     packed.prepack()
-    assert packed.visual["merger"]["mlp"][0].weight.is_mkldnn and \
-        not plain.visual["merger"]["mlp"][0].weight.is_mkldnn
-    pixels, grid = torch.randn(80, 1176), (1, 8, 10)
+    assert packed.visual["merger"].mlp[0].weight.is_mkldnn and \
+        not plain.visual["merger"].mlp[0].weight.is_mkldnn
+    pixels, grid = torch.randn(80, 3 * 2 * config.vision_config.patch_size ** 2), (1, 8, 10)
     expected = plain(pixels, grid).float()
     torch.testing.assert_close(packed(pixels, grid).float(), expected, atol=0.03 * expected.abs().max().item(),
                                rtol=0.03)
