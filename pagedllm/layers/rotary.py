@@ -52,8 +52,9 @@ def mrope_axes(config: Any) -> list[int] | None:
             if not params.get("mrope_interleaved"):
                 return [axis for axis, count in enumerate(section) for _ in range(count)]
             axes = [0] * sum(section)
-            for axis in (1, 2):
-                axes[axis:3 * section[axis]:3] = [axis] * section[axis]
+            for axis in (1, 2):     # every third from its own, as far as its count reaches (or the head ends)
+                for index in range(axis, min(3 * section[axis], len(axes)), 3):
+                    axes[index] = axis
             return axes
     return None
 
