@@ -169,6 +169,43 @@ class ImageProcessor:
         return token_ids, image_inputs(token_ids, pixels, self.image_token_id)
 
 
+class TiledImageProcessor(ImageProcessor):
+    """SmolVLM2's (`SmolVLMForConditionalGeneration`, Idefics3's architecture): its image processor (transformers':
+    the image cut into tiles, then shrunk whole) and its tokenizer; each `<image>` becomes transformers' prompt
+    string for its grid of tiles (`get_image_prompt_string`: a tile's run of placeholders between its row and column
+    markers, the whole's after `<global-img>`), as its transformers processor does (which needs torchvision, for
+    videos). A tile's placeholders: its encoder's rows, (tile side / patch side)^2 / scale_factor^2."""
+
+    def _load(self, path: Path) -> Any:
+        from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
+
+        config = AutoConfig.from_pretrained(str(path))
+        vision = config.vision_config
+        self.tile_tokens = (vision.image_size // vision.patch_size) ** 2 // config.scale_factor ** 2
+        self.images = AutoImageProcessor.from_pretrained(str(path))
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        self.markers = (getattr(tokenizer, "fake_image_token", None) or "<fake_token_around_image>",
+                        getattr(tokenizer, "global_image_token", None) or "<global-img>")
+        return tokenizer
+
+    def _process(self, text: str, images: list[Any], add_special_tokens: bool, kwargs: dict[str, Any]
+                 ) -> tuple[list[int], tuple[ImageInput, ...]]:
+        from transformers.models.smolvlm.processing_smolvlm import get_image_prompt_string
+
+        try:
+            encoded = self.images(images=[images], return_tensors="pt", return_row_col_info=True, **kwargs)
+        except TypeError as exc:    # an argument it does not take
+            raise ValueError(f"mm_processor_kwargs {sorted(kwargs)}: {exc}") from exc
+        pieces = text.split(self.image_token)
+        text = pieces[0] + "".join(
+            get_image_prompt_string(rows, columns, self.tile_tokens, self.markers[0], self.image_token,
+                                    self.markers[1]) + piece
+            for rows, columns, piece in zip(encoded["rows"][0], encoded["cols"][0], pieces[1:], strict=True))
+        token_ids = self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+        assert bool(encoded["pixel_attention_mask"].all()), "a tile of one prompt is never padded"
+        return token_ids, image_inputs(token_ids, encoded["pixel_values"][0].to(self.dtype), self.image_token_id)
+
+
 class GridImageProcessor(ImageProcessor):
     """Qwen2-VL's and Qwen2.5-VL's: their image processor (transformers': an image resized to whole 28-pixel
     squares within its pixel bounds, cut into 14 x 14 patches, two frames deep) and their tokenizer; each image's

@@ -40,7 +40,7 @@ from torch import nn
 
 from pagedllm.cpu import onednn_bf16_ok
 from pagedllm.layers.linear import linear
-from pagedllm.multimodal import GridImageProcessor, ImageInput, ImageProcessor
+from pagedllm.multimodal import GridImageProcessor, ImageInput, ImageProcessor, TiledImageProcessor
 
 # transformers' activations by config name, as these towers and projectors use them
 _ACTIVATIONS = {"gelu": F.gelu, "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
@@ -56,7 +56,8 @@ _PREFIXES = (("model.vision_tower.vision_model.", "tower."), ("vision_tower.visi
              ("model.multi_modal_projector.", "projector."), ("multi_modal_projector.", "projector."),
              ("model.connector.modality_projection.", "projector."), ("model.visual.", "visual."),
              ("visual.", "visual."))
-_TOWERS = {"clip_vision_model": "clip", "siglip_vision_model": "siglip", "idefics3_vision": "idefics3"}
+_TOWERS = {"clip_vision_model": "clip", "siglip_vision_model": "siglip", "idefics3_vision": "idefics3",
+           "smolvlm_vision": "idefics3"}
 
 
 class ImageRows(NamedTuple):
@@ -486,10 +487,16 @@ class QwenVLEncoder(ImageEncoder):
         return x if order is None else x[torch.argsort(order)]
 
 
-# multimodal architectures -> their image encoder. SmolVLM-256M, 500M and 2.2B-Instruct are Idefics3 checkpoints;
-# SmolVLM2's (SmolVLMForConditionalGeneration) processor needs torchvision, which pagedllm does not install: their text
-# only.
+class SmolVLMEncoder(Idefics3Encoder):
+    """SmolVLM2's (`SmolVLMForConditionalGeneration`'s config): Idefics3's tower and connector, its prompts made
+    without its transformers processor, which needs torchvision."""
+
+    processor = TiledImageProcessor
+
+
+# multimodal architectures -> their image encoder. SmolVLM-256M, 500M and 2.2B-Instruct are Idefics3 checkpoints,
+# SmolVLM2's SmolVLM ones.
 IMAGE_ENCODERS: dict[str, type[ImageEncoder]] = {
     "LlavaForConditionalGeneration": LlavaEncoder, "Idefics3ForConditionalGeneration": Idefics3Encoder,
     "Qwen2VLForConditionalGeneration": QwenVLEncoder, "Qwen2_5_VLForConditionalGeneration": QwenVLEncoder,
-    "Qwen3VLForConditionalGeneration": QwenVLEncoder}
+    "Qwen3VLForConditionalGeneration": QwenVLEncoder, "SmolVLMForConditionalGeneration": SmolVLMEncoder}

@@ -83,6 +83,57 @@ def _save_idefics3(folder: Path, tokenizer: Any) -> Any:
     return model
 
 
+def _save_smolvlm(folder: Path) -> Any:
+    """A tiny random SmolVLM2 (Idefics3's architecture under SmolVLM's names: the tiny Llama, a two-layer tower of
+    SIZE-pixel tiles, 4 placeholders a tile), its image processor (a 2 x 2 grid of tiles and the whole) and its
+    tokenizer, saved in `folder` without a processor (SmolVLM's needs torchvision); returns transformers' model."""
+    tokenizer = build_byte_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": [
+        "<|im_start|>", "<|im_end|>", "<image>", "<fake_token_around_image>", "<global-img>",
+        *(f"<row_{r}_col_{c}>" for r in (1, 2) for c in (1, 2))]})
+    config = transformers.SmolVLMConfig(
+        text_config=tiny_config("llama-gqa", initializer_range=0.5).to_dict(), scale_factor=2,
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                           image_size=SIZE, patch_size=14))
+    torch.manual_seed(0)
+    model = transformers.SmolVLMForConditionalGeneration(config).eval()
+    model.save_pretrained(folder)
+    transformers.SmolVLMImageProcessor(size={"longest_edge": 2 * SIZE},
+                                       max_image_size={"longest_edge": SIZE}).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return model
+
+
+def test_smolvlm2_reads_images_without_its_transformers_processor(tmp_path: Path) -> None:
+    """SmolVLM2: each `<image>` expanded into its tiles' placeholders between their markers, as transformers'
+    processor would (`get_image_prompt_string`), Idefics3's encoder on the tiles; greedy tokens as transformers'
+    model gives them, offline and in a chat."""
+    from transformers.models.smolvlm.processing_smolvlm import get_image_prompt_string
+
+    model = _save_smolvlm(tmp_path)
+    llm = LLM(model=str(tmp_path), dtype="float32", num_kv_blocks=128)
+    images, text = [_image(80), _image(81, 70, 30)], "Look: <image> and <image>, what are they?"
+    output = llm.generate({"prompt": text, "multi_modal_data": {"image": images}}, GREEDY, use_tqdm=False)[0]
+    pixels = transformers.AutoImageProcessor.from_pretrained(tmp_path)(images=[images], return_tensors="pt",
+                                                                       return_row_col_info=True)
+    pieces = text.split("<image>")
+    expanded = pieces[0] + "".join(
+        get_image_prompt_string(rows, columns, 4, "<fake_token_around_image>", "<image>", "<global-img>") + piece
+        for rows, columns, piece in zip(pixels["rows"][0], pixels["cols"][0], pieces[1:]))
+    ids = transformers.AutoTokenizer.from_pretrained(tmp_path)(expanded, return_tensors="pt")["input_ids"]
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, pixel_values=pixels["pixel_values"],
+                             pixel_attention_mask=pixels["pixel_attention_mask"], max_new_tokens=8, do_sample=False)
+    assert output.prompt_token_ids == ids[0].tolist()
+    tiles = [rows * columns + 1 for rows, columns in zip(pixels["rows"][0], pixels["cols"][0])]   # and the whole
+    assert tiles == [5, 3] and output.prompt_token_ids.count(model.config.image_token_id) == 8 * 4
+    assert output.outputs[0].token_ids == out[0, ids.shape[1]:].tolist()
+    chat = [{"role": "user", "content": [{"type": "image_pil", "image_pil": images[0]}, {"type": "text", "text": "?"}]}]
+    chatted = llm.chat(chat, GREEDY, use_tqdm=False)[0]
+    assert chatted.prompt_token_ids.count(model.config.image_token_id) == 5 * 4
+
+
 def _image(seed: int, height: int = 40, width: int = 50) -> Image.Image:
     pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
     return Image.fromarray(pixels)
