@@ -206,6 +206,36 @@ class TiledImageProcessor(ImageProcessor):
         return token_ids, image_inputs(token_ids, encoded["pixel_values"][0].to(self.dtype), self.image_token_id)
 
 
+class CroppedImageProcessor(ImageProcessor):
+    """InternVL's (`InternVLForConditionalGeneration`, the -hf checkpoints): its image processor (transformers':
+    an image cropped into up to `max_patches` tiles of 448 pixels, and a thumbnail) and its tokenizer; each
+    `<IMG_CONTEXT>` marker becomes `<img>`, `image_seq_length` placeholders a tile in one run, `</img>`, as its
+    transformers processor does (which needs torchvision, for videos)."""
+
+    def _load(self, path: Path) -> Any:
+        from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
+
+        self.tile_tokens = AutoConfig.from_pretrained(str(path)).image_seq_length
+        self.images = AutoImageProcessor.from_pretrained(str(path))
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        self.markers = (getattr(tokenizer, "start_image_token", None) or "<img>",
+                        getattr(tokenizer, "end_image_token", None) or "</img>")
+        return tokenizer
+
+    def _process(self, text: str, images: list[Any], add_special_tokens: bool, kwargs: dict[str, Any]
+                 ) -> tuple[list[int], tuple[ImageInput, ...]]:
+        try:
+            encoded = self.images(images=images, return_tensors="pt", **kwargs)
+        except TypeError as exc:    # an argument it does not take
+            raise ValueError(f"mm_processor_kwargs {sorted(kwargs)}: {exc}") from exc
+        start, end = self.markers
+        pieces = text.split(self.image_token)
+        text = pieces[0] + "".join(f"{start}{self.image_token * (self.tile_tokens * tiles)}{end}{piece}"
+                                   for tiles, piece in zip(encoded["num_patches"].tolist(), pieces[1:], strict=True))
+        token_ids = self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+        return token_ids, image_inputs(token_ids, encoded["pixel_values"].to(self.dtype), self.image_token_id)
+
+
 class GridImageProcessor(ImageProcessor):
     """Qwen2-VL's and Qwen2.5-VL's: their image processor (transformers': an image resized to whole 28-pixel
     squares within its pixel bounds, cut into 14 x 14 patches, two frames deep) and their tokenizer; each image's

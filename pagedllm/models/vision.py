@@ -40,7 +40,13 @@ from torch import nn
 
 from pagedllm.cpu import onednn_bf16_ok
 from pagedllm.layers.linear import linear
-from pagedllm.multimodal import GridImageProcessor, ImageInput, ImageProcessor, TiledImageProcessor
+from pagedllm.multimodal import (
+    CroppedImageProcessor,
+    GridImageProcessor,
+    ImageInput,
+    ImageProcessor,
+    TiledImageProcessor,
+)
 
 # transformers' activations by config name, as these towers and projectors use them
 _ACTIVATIONS = {"gelu": F.gelu, "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
@@ -274,17 +280,20 @@ class Idefics3Encoder(ImageEncoder):
     @torch.inference_mode()
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         """pixels [N, 3, S, S] (tiles, the processor's) -> [N, tokens, hidden]: tile i's rows for its placeholders."""
-        x = self.tower(pixels)      # [N, side x side, D], row-major patches
-        n, rows, width = x.shape
-        side, r = int(rows ** 0.5), self.scale
-        # each r x r square of patches -> one row, its patches row-major: [N, side/r, r, side/r, r, D] ->
-        # [N, side/r, side/r, r (row), r (column), D]
-        x = x.view(n, side // r, r, side // r, r, width).permute(0, 1, 3, 2, 4, 5)
-        return self.projector["proj"](x.reshape(n, rows // r ** 2, width * r ** 2))
+        return self.projector["proj"](_pixel_shuffle(self.tower(pixels), self.scale))
+
+
+def _pixel_shuffle(x: torch.Tensor, r: int) -> torch.Tensor:
+    """[N, side x side, D] row-major patches -> [N, (side / r)^2, D r^2]: each r x r square of patches one row, its
+    patches row-major ([N, side/r, r, side/r, r, D] -> [N, side/r, side/r, r (row), r (column), D])."""
+    n, rows, width = x.shape
+    side = int(rows ** 0.5)
+    x = x.view(n, side // r, r, side // r, r, width).permute(0, 1, 3, 2, 4, 5)
+    return x.reshape(n, rows // r ** 2, width * r ** 2)
 
 
 class _RMSNorm(nn.Module):
-    """Qwen2.5-VL's RMSNorm, as transformers computes it (float32 inside)."""
+    """Qwen2.5-VL's and InternViT's RMSNorm, as transformers computes it (float32 inside)."""
 
     def __init__(self, width: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
@@ -487,6 +496,94 @@ class QwenVLEncoder(ImageEncoder):
         return x if order is None else x[torch.argsort(order)]
 
 
+class _InternVitLayer(nn.Module):
+    """InternViT's encoder layer: pre-norm attention (q and k RMS-normed over all heads where `use_qk_norm`) and
+    MLP, each scaled by its learned `lambda` before it is added back."""
+
+    def __init__(self, config: Any, dtype: torch.dtype) -> None:
+        super().__init__()
+        width, eps = config.hidden_size, config.layer_norm_eps
+        self.num_heads, self.act = config.num_attention_heads, config.hidden_act
+        activation(self.act)
+        rms = config.norm_type == "rms_norm"
+        self.layernorm_before, self.layernorm_after = (
+            _RMSNorm(width, eps, dtype) if rms else nn.LayerNorm(width, eps, dtype=dtype) for _ in range(2))
+        bias = config.attention_bias
+        attention: dict[str, nn.Module] = dict(
+            q_proj=_Linear(width, width, bias, dtype=dtype), k_proj=_Linear(width, width, bias, dtype=dtype),
+            v_proj=_Linear(width, width, bias, dtype=dtype), projection_layer=_Linear(width, width, dtype=dtype))
+        if config.use_qk_norm:
+            attention |= dict(q_norm=_RMSNorm(width, 1e-6, dtype), k_norm=_RMSNorm(width, 1e-6, dtype))
+        self.attention = nn.ModuleDict(attention)
+        self.mlp = nn.ModuleDict(dict(fc1=_Linear(width, config.intermediate_size, dtype=dtype),
+                                      fc2=_Linear(config.intermediate_size, width, dtype=dtype)))
+        self.lambda_1, self.lambda_2 = (nn.Parameter(torch.empty(width, dtype=dtype)) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:     # [N, rows, D]
+        h, attention = self.layernorm_before(x), self.attention
+        q, k, v = (attention[name](h) for name in ("q_proj", "k_proj", "v_proj"))
+        if "q_norm" in attention:
+            q, k = attention["q_norm"](q), attention["k_norm"](k)
+        q, k, v = (t.unflatten(-1, (self.num_heads, -1)).transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2)
+        x = x + self.lambda_1 * attention["projection_layer"](out)
+        return x + self.lambda_2 * self.mlp["fc2"](self.mlp["fc1"].gelu(self.layernorm_after(x), self.act))
+
+
+class InternVLEncoder(ImageEncoder):
+    """InternVL's (`InternVLForConditionalGeneration`'s config, the -hf checkpoints): InternViT over each 448-pixel
+    tile (a class token and learned positions, the tile at the size they were learned for), its last layer's
+    features post-normed, the class token dropped, pixel-shuffled (2 x 2 patches a row), then the projector:
+    LayerNorm, linear, GELU, linear."""
+
+    processor = CroppedImageProcessor
+
+    def __init__(self, config: Any, dtype: torch.dtype) -> None:
+        super().__init__()
+        vision = config.vision_config
+        if config.vision_feature_layer != -1 or config.vision_feature_select_strategy != "default":
+            raise ValueError("pagedllm reads an InternVL tower's last layer without its class token "
+                             f"(vision_feature_layer -1, 'default'), not {config.vision_feature_layer}, "
+                             f"{config.vision_feature_select_strategy!r}")
+        width, patch = vision.hidden_size, vision.patch_size
+        patch = patch[0] if isinstance(patch, (list, tuple)) else patch
+        size = vision.image_size[0] if isinstance(vision.image_size, (list, tuple)) else vision.image_size
+        self.scale = round(1 / config.downsample_ratio)
+        embeddings = nn.Module()
+        embeddings.cls_token = nn.Parameter(torch.empty(1, 1, width, dtype=dtype))
+        embeddings.position_embeddings = nn.Parameter(torch.empty(1, (size // patch) ** 2 + 1, width, dtype=dtype))
+        embeddings.patch_embeddings = nn.ModuleDict(dict(projection=nn.Conv2d(vision.num_channels, width, patch, patch,
+                                                                              dtype=dtype)))
+        self.tower = nn.ModuleDict(dict(
+            embeddings=embeddings,
+            encoder=nn.ModuleDict(dict(layer=nn.ModuleList(_InternVitLayer(vision, dtype)
+                                                           for _ in range(vision.num_hidden_layers)))),
+            layernorm=nn.Identity() if vision.use_mean_pooling else nn.LayerNorm(width, vision.layer_norm_eps,
+                                                                                  dtype=dtype)))
+        joined, hidden = width * self.scale ** 2, config.text_config.hidden_size
+        self.projector = nn.ModuleDict(dict(layer_norm=nn.LayerNorm(joined, dtype=dtype),
+                                            linear_1=_Linear(joined, hidden, dtype=dtype),
+                                            linear_2=_Linear(hidden, hidden, dtype=dtype)))
+        self.projector_act = config.projector_hidden_act
+        activation(self.projector_act)
+
+    def _parameter_name(self, name: str) -> str | None:
+        return name
+
+    @torch.inference_mode()
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        """pixels [N, 3, S, S] (tiles, the processor's) -> [N, tokens, hidden]: tile i's rows for its placeholders."""
+        embeddings = self.tower["embeddings"]
+        projection = embeddings.patch_embeddings["projection"]
+        x = projection(pixels.to(projection.weight.dtype)).flatten(2).transpose(1, 2)
+        x = torch.cat([embeddings.cls_token.expand(len(x), 1, -1), x], dim=1) + embeddings.position_embeddings
+        for layer in self.tower["encoder"]["layer"]:
+            x = layer(x)
+        x = _pixel_shuffle(self.tower["layernorm"](x)[:, 1:], self.scale)
+        projector = self.projector
+        return projector["linear_2"](projector["linear_1"].gelu(projector["layer_norm"](x), self.projector_act))
+
+
 class SmolVLMEncoder(Idefics3Encoder):
     """SmolVLM2's (`SmolVLMForConditionalGeneration`'s config): Idefics3's tower and connector, its prompts made
     without its transformers processor, which needs torchvision."""
@@ -499,4 +596,5 @@ class SmolVLMEncoder(Idefics3Encoder):
 IMAGE_ENCODERS: dict[str, type[ImageEncoder]] = {
     "LlavaForConditionalGeneration": LlavaEncoder, "Idefics3ForConditionalGeneration": Idefics3Encoder,
     "Qwen2VLForConditionalGeneration": QwenVLEncoder, "Qwen2_5_VLForConditionalGeneration": QwenVLEncoder,
-    "Qwen3VLForConditionalGeneration": QwenVLEncoder, "SmolVLMForConditionalGeneration": SmolVLMEncoder}
+    "Qwen3VLForConditionalGeneration": QwenVLEncoder, "SmolVLMForConditionalGeneration": SmolVLMEncoder,
+    "InternVLForConditionalGeneration": InternVLEncoder}

@@ -134,6 +134,61 @@ def test_smolvlm2_reads_images_without_its_transformers_processor(tmp_path: Path
     assert chatted.prompt_token_ids.count(model.config.image_token_id) == 5 * 4
 
 
+def _save_internvl(folder: Path, rms: bool = False) -> Any:
+    """A tiny random InternVL (-hf layout: the tiny Qwen2, a two-layer InternViT of SIZE-pixel tiles with layer scales,
+    q/k norms and LayerNorms or (`rms`) RMSNorms, 4 placeholders a tile), its image processor (up to 4 tiles and a
+    thumbnail) and tokenizer, saved in `folder` without a processor (InternVL's needs torchvision); returns
+    transformers' model."""
+    tokenizer = build_byte_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", "<img>", "</img>",
+                                                                "<IMG_CONTEXT>"]})
+    config = transformers.InternVLConfig(
+        text_config=tiny_config("qwen2", initializer_range=0.5).to_dict(),
+        image_token_id=tokenizer.convert_tokens_to_ids("<IMG_CONTEXT>"), image_seq_length=4,
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                           image_size=SIZE, patch_size=14, use_qk_norm=True, layer_scale_init_value=0.5,
+                           norm_type="rms_norm" if rms else "layer_norm", initializer_range=0.5))
+    torch.manual_seed(0)
+    model = transformers.InternVLForConditionalGeneration(config).eval()
+    model.save_pretrained(folder)
+    transformers.GotOcr2ImageProcessor(size={"height": SIZE, "width": SIZE}, crop_to_patches=True,
+                                       max_patches=4).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return model
+
+
+@pytest.mark.parametrize("rms", [False, True])
+def test_internvl_encoder_gives_transformers_rows(tmp_path: Path, rms: bool) -> None:
+    model = _save_internvl(tmp_path, rms)
+    config = transformers.AutoConfig.from_pretrained(tmp_path)
+    encoder = IMAGE_ENCODERS[config.architectures[0]](config, torch.float32)
+    encoder.load_weights((ours, tensor) for name, tensor in model.state_dict().items()
+                         if (ours := image_part_name(name)) is not None)
+    pixels = torch.randn(3, 3, SIZE, SIZE)
+    with torch.inference_mode():
+        expected = model.model.get_image_features(pixel_values=pixels).pooler_output
+    torch.testing.assert_close(encoder(pixels), expected, atol=1e-5 * expected.abs().max().item(), rtol=1e-5)
+
+
+def test_internvl_reads_images_without_its_transformers_processor(tmp_path: Path) -> None:
+    """InternVL: each `<IMG_CONTEXT>` expanded into `<img>`, its tiles' placeholders, `</img>`, as transformers'
+    processor would; greedy tokens as transformers' model gives them."""
+    model = _save_internvl(tmp_path)
+    llm = LLM(model=str(tmp_path), dtype="float32", num_kv_blocks=128)
+    images, text = [_image(90), _image(91, 70, 30)], "Look: <IMG_CONTEXT> and <IMG_CONTEXT>, what are they?"
+    output = llm.generate({"prompt": text, "multi_modal_data": {"image": images}}, GREEDY, use_tqdm=False)[0]
+    pixels = transformers.AutoImageProcessor.from_pretrained(tmp_path)(images=images, return_tensors="pt")
+    pieces = text.split("<IMG_CONTEXT>")
+    expanded = pieces[0] + "".join(f"<img>{'<IMG_CONTEXT>' * 4 * tiles}</img>{piece}"
+                                   for tiles, piece in zip(pixels["num_patches"].tolist(), pieces[1:]))
+    ids = transformers.AutoTokenizer.from_pretrained(tmp_path)(expanded, return_tensors="pt")["input_ids"]
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, pixel_values=pixels["pixel_values"], max_new_tokens=8, do_sample=False)
+    assert output.prompt_token_ids == ids[0].tolist()
+    assert pixels["num_patches"].tolist() == [1, 3]      # one tile; 2 tiles and the thumbnail
+    assert output.outputs[0].token_ids == out[0, ids.shape[1]:].tolist()
+
+
 def _image(seed: int, height: int = 40, width: int = 50) -> Image.Image:
     pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
     return Image.fromarray(pixels)
