@@ -204,7 +204,7 @@ def _content_text(where: str, content: Any, image_marker: str | None) -> str:
         elif isinstance(part, Mapping) and part.get("type") in IMAGE_PARTS:
             if image_marker is None:
                 raise ValueError(f"{where}.content[{j}] is an image, and this model takes no images (pagedllm reads "
-                                 "the images of Llava checkpoints)")
+                                 "the images of the vision-language checkpoints README.md names)")
             texts.append(image_marker)
         else:
             kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__

@@ -137,7 +137,11 @@ def test_an_output_format_makes_the_reply_follow_its_schema(client, server):
 @pytest.mark.parametrize(("kwargs", "error", "message"), [
     (dict(messages=[{"role": "system", "content": "x"}]), anthropic.BadRequestError, "must be user or assistant"),
     (dict(messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}]), anthropic.BadRequestError,
-     "text only"),
+     "source must be"),
+    (dict(messages=[{"role": "user", "content": [{"type": "image", "source": {
+        "type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}]}]), anthropic.BadRequestError,
+     "takes no images"),
+    (dict(system=[{"type": "image", "source": {}}]), anthropic.BadRequestError, "images only in a user's message"),
     (dict(model="claude-9"), anthropic.NotFoundError, "does not exist"),
     (dict(max_tokens=0), anthropic.BadRequestError, "max_tokens"),
     (dict(tool_choice={"type": "any"}), anthropic.BadRequestError, "tool_choice needs tools"),
@@ -157,3 +161,14 @@ def test_the_api_key_is_taken_as_anthropic_sends_it(server):
     wrong = anthropic.Anthropic(base_url=server.base_url, api_key="wrong", max_retries=0)
     with pytest.raises(anthropic.AuthenticationError):
         wrong.messages.create(model=server.model_name, max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+
+
+def test_a_users_image_blocks_become_image_url_parts_in_order():
+    from pagedllm.entrypoints.openai.serving_messages import _chat_messages
+
+    content = [{"type": "text", "text": "a"}, {"type": "image", "source": {"type": "url", "url": "http://x/1.png"}},
+               {"type": "image", "source": {"type": "base64", "media_type": "image/jpeg", "data": "QUJD"}}]
+    (message,) = _chat_messages(0, {"role": "user", "content": content})
+    assert message["content"] == [{"type": "text", "text": "a"},
+                                  {"type": "image_url", "image_url": {"url": "http://x/1.png"}},
+                                  {"type": "image_url", "image_url": {"url": "data:image/jpeg;base64,QUJD"}}]

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from anthropic import Anthropic
 from PIL import Image
 
 from pagedllm import LLM, SamplingParams
@@ -350,6 +351,14 @@ def test_the_server_reads_a_chats_images(llava: tuple[Path, Any, LLM]) -> None:
         chat = client.chat.completions.create(model=running.model_name, temperature=0.0, max_tokens=8,
                                               messages=[{"role": "user", "content": content}])
         assert response.output_text == chat.choices[0].message.content
+        # the Messages API's image blocks as chat's image_url
+        data = _data_url(image).removeprefix("data:image/png;base64,")
+        anthropic = Anthropic(base_url=running.base_url, api_key="none", max_retries=0, timeout=60)
+        blocks = [{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}},
+                  {"type": "text", "text": "Describe."}]
+        message = anthropic.messages.create(model=running.model_name, max_tokens=8, extra_body={"temperature": 0.0},
+                                            messages=[{"role": "user", "content": blocks}])
+        assert message.content[0].text == chat.choices[0].message.content
         broken = [{"type": "image_url", "image_url": {"url": "data:image/png;base64,bm90IGFuIGltYWdl"}}]
         with pytest.raises(Exception, match="not a readable image"):
             client.chat.completions.create(model=running.model_name, max_tokens=4,

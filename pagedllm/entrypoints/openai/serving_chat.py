@@ -142,14 +142,16 @@ class OpenAIServingChat(GenerationServing):
         image or template, or a model that takes no images."""
         if not image_parts(request.messages):     # a text chat: no thread hop to look for images
             return Prompt(None, await self.prompt_token_ids(await self.render(request), "messages", truncation))
+        processor = self.engine.image_processor
         try:
+            if processor is None:   # refused, naming the first image, before any image is read
+                validate_messages(request.messages)
             images = await self.engine.run_on_tokenizer_thread(conversation_images, request.messages)
         except ValueError as exc:
             raise OpenAIError(str(exc), param="messages") from exc
         if truncation is not None:
             raise OpenAIError("truncate_prompt_tokens cuts text prompts: a conversation with images cannot be cut",
                               param="truncate_prompt_tokens")
-        processor = self.engine.image_processor
         messages, kwargs = self._with_tools(request)
         try:
             text = await self.engine.run_on_tokenizer_thread(

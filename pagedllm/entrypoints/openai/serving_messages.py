@@ -2,7 +2,8 @@
 answered by the chat serving; and POST /v1/messages/count_tokens.
 
 The request becomes a chat completion: `system` a system message, each message's content blocks the chat's
-(text; an assistant's tool_use blocks its tool calls; a user's tool_result blocks tool messages, before its text),
+(text; a user's image blocks, base64 or by URL, image_url parts, for a model that takes images; an assistant's
+tool_use blocks its tool calls; a user's tool_result blocks tool messages, before its text),
 `max_tokens`, `stop_sequences`, `temperature`, `top_p`, `top_k` the sampling fields, `tools` (`input_schema`) and
 `tool_choice` (auto, any, tool, none; `disable_parallel_tool_use`) the chat's, `output_config.format` (a JSON
 schema) the response_format. The reply becomes the message's
@@ -150,8 +151,8 @@ def _system(system: str | list[dict[str, Any]]) -> str:
 def _block_text(where: str, block: Any) -> str:
     if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
         kind = block.get("type") if isinstance(block, dict) else type(block).__name__
-        raise OpenAIError(f"{where} must hold text blocks ({{\"type\": \"text\", \"text\": ...}}), got {kind!r}: "
-                          "this server serves text only", param=where.split("[")[0].split(".")[0])
+        raise OpenAIError(f"{where} must hold text blocks ({{\"type\": \"text\", \"text\": ...}}; images only in a "
+                          f"user's message), got {kind!r}", param=where.split("[")[0].split(".")[0])
     return block["text"]
 
 
@@ -168,11 +169,14 @@ def _chat_messages(index: int, message: dict[str, Any]) -> list[dict[str, Any]]:
     if not isinstance(content, list):
         raise OpenAIError(f"{where}.content must be a string or a list of content blocks", param="messages")
     texts: list[str] = []
+    parts: list[dict[str, Any]] = []    # the text and images in order, where a user's message has an image
     tool_messages: list[dict[str, Any]] = []
     calls: list[dict[str, Any]] = []
     for j, block in enumerate(content):
         kind = block.get("type") if isinstance(block, dict) else None
-        if kind == "tool_result" and role == "user":
+        if kind == "image" and role == "user":
+            parts.append({"type": "image_url", "image_url": {"url": _image_url(f"{where}.content[{j}]", block)}})
+        elif kind == "tool_result" and role == "user":
             if not isinstance(block.get("tool_use_id"), str):
                 raise OpenAIError(f"{where}.content[{j}] (tool_result) needs tool_use_id, a string", param="messages")
             result = block.get("content", "")
@@ -186,11 +190,26 @@ def _chat_messages(index: int, message: dict[str, Any]) -> list[dict[str, Any]]:
                           "function": {"name": block["name"], "arguments": json.dumps(block.get("input") or {})}})
         elif kind not in ("thinking", "redacted_thinking"):
             texts.append(_block_text(f"{where}.content[{j}]", block))
+            parts.append({"type": "text", "text": texts[-1]})
     chat = tool_messages
-    if texts or calls or not tool_messages:
+    if any(part["type"] == "image_url" for part in parts):
+        chat.append({"role": role, "content": parts})
+    elif texts or calls or not tool_messages:
         chat.append({"role": role, "content": "".join(texts) if texts or not calls else None,
                      **({"tool_calls": calls} if calls else {})})
     return chat
+
+
+def _image_url(where: str, block: dict[str, Any]) -> str:
+    """An image block's source as a chat image_url's: base64 data as a data: URL, or the URL."""
+    source = block.get("source")
+    if isinstance(source, dict) and source.get("type") == "base64" and isinstance(source.get("data"), str) and \
+            isinstance(source.get("media_type"), str):
+        return f"data:{source['media_type']};base64,{source['data']}"
+    if isinstance(source, dict) and source.get("type") == "url" and isinstance(source.get("url"), str):
+        return source["url"]
+    raise OpenAIError(f"{where}.source must be {{\"type\": \"base64\", \"media_type\": ..., \"data\": ...}} or "
+                      "{\"type\": \"url\", \"url\": ...}", param="messages")
 
 
 def _chat_tool(index: int, tool: dict[str, Any]) -> dict[str, Any]:
