@@ -16,6 +16,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -359,6 +360,11 @@ def test_the_server_reads_a_chats_images(llava: tuple[Path, Any, LLM]) -> None:
         message = anthropic.messages.create(model=running.model_name, max_tokens=8, extra_body={"temperature": 0.0},
                                             messages=[{"role": "user", "content": blocks}])
         assert message.content[0].text == chat.choices[0].message.content
+        # /tokenize counts the image's placeholders, as the chat's prompt holds them
+        tokenized = httpx.post(f"{running.base_url}/tokenize", json={
+            "model": running.model_name, "messages": [{"role": "user", "content": content}]}, timeout=30).json()
+        assert tokenized["count"] == chat.usage.prompt_tokens and \
+            tokenized["tokens"].count(llm.engine.hf_config.image_token_id) > 0
         broken = [{"type": "image_url", "image_url": {"url": "data:image/png;base64,bm90IGFuIGltYWdl"}}]
         with pytest.raises(Exception, match="not a readable image"):
             client.chat.completions.create(model=running.model_name, max_tokens=4,

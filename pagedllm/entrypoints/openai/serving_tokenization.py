@@ -1,4 +1,5 @@
-"""POST /tokenize and /detokenize (vLLM's extras): text or chat messages -> token ids, and back."""
+"""POST /tokenize and /detokenize (vLLM's extras): text or chat messages (with their images' placeholders, for a model
+that takes images) -> token ids, and back."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Any
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, DetokenizeRequest, OpenAIError, TokenizeRequest
 from pagedllm.entrypoints.openai.serving_base import OpenAIServing
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedllm.tokenizer.chat_template import image_parts
 
 
 class OpenAIServingTokenization(OpenAIServing):
@@ -21,9 +23,11 @@ class OpenAIServingTokenization(OpenAIServing):
         if (body.prompt is None) == (body.messages is None):
             raise OpenAIError("give exactly one of prompt and messages", param="prompt")
         if body.messages is not None:
-            tokens = await self.chat.render(ChatCompletionRequest(
-                messages=body.messages, add_generation_prompt=body.add_generation_prompt,
-                continue_final_message=body.continue_final_message))
+            request = ChatCompletionRequest(messages=body.messages, add_generation_prompt=body.add_generation_prompt,
+                                            continue_final_message=body.continue_final_message)
+            # a chat with images: its images' placeholders counted, as the model's processor expands them
+            tokens = (await self.chat.render_prompt(request, None)).token_ids if image_parts(body.messages) else \
+                await self.chat.render(request)
         else:
             tokens = await self.engine.run_on_tokenizer_thread(self.engine.tokenizer.encode, body.prompt,
                                                                add_special_tokens=body.add_special_tokens)
