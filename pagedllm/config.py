@@ -93,6 +93,10 @@ class SchedulerConfig:
         scheduling_policy: "fcfs" (the default: every request has priority 0, first come first served) or
             "priority" (a request's `priority` orders the queues, lower first). Under "fcfs" a non-zero priority
             is refused, as in vLLM, so that no client can jump the queue unless the operator allows it.
+        max_num_encoder_input_tokens: the step's budget of image placeholders whose images it encodes (vLLM's):
+            a prompt's chunk stops before an image that would go past what is left of it, so that the image
+            encoder's work (seconds an image on a CPU) is spread over steps rather than stalling every stream's
+            decode in one; the step's first image runs whatever its size. None: max_num_batched_tokens.
         swap_seconds_per_block: estimated time to copy one KV block between the device and the swap pool.
         recompute_seconds_per_token: estimated time to recompute one token's K/V (a prefill token).
             "auto" swaps a victim when 2 x blocks x swap_seconds_per_block (out and back in) is less than
@@ -106,6 +110,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     preemption_mode: PreemptionMode = "recompute"
     scheduling_policy: SchedulingPolicy = "fcfs"
+    max_num_encoder_input_tokens: int | None = None
     swap_seconds_per_block: float = 0.0
     recompute_seconds_per_token: float = 0.0
 
@@ -114,6 +119,8 @@ class SchedulerConfig:
         _require(self.max_num_seqs > 0, "max_num_seqs", "> 0", self.max_num_seqs)
         _require(self.max_num_batched_tokens > 0, "max_num_batched_tokens", "> 0",
                  self.max_num_batched_tokens)
+        _require(self.max_num_encoder_input_tokens is None or self.max_num_encoder_input_tokens > 0,
+                 "max_num_encoder_input_tokens", "> 0", self.max_num_encoder_input_tokens)
         _require(self.preemption_mode in ("recompute", "swap", "auto"), "preemption_mode",
                  "one of 'recompute', 'swap', 'auto'", self.preemption_mode)
         _require(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy", "one of 'fcfs', 'priority'",

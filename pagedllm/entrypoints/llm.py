@@ -61,6 +61,8 @@ class LLM:
         max_num_batched_tokens: token budget of one step.
         enable_chunked_prefill: run a long prompt in chunks over several steps (False: each prompt in one step,
             which then needs max_num_batched_tokens >= max_model_len).
+        max_num_encoder_input_tokens: image placeholders a step may encode the images of (a prompt's chunk stops
+            before an image past it; the step's first runs whatever its size); None: max_num_batched_tokens.
         seed: seed of the global random stream.
         enable_prefix_caching: reuse the KV cache of shared prompt prefixes.
         kv_cache_dtype: "auto" (K/V in the model's dtype) or "int8" (int8 with a float32 scale per token and kv
@@ -120,7 +122,8 @@ class LLM:
     def __init__(self, model: str | None = None, *, dtype: str = "auto", max_model_len: int | None = None,
                  block_size: int = DEFAULT_BLOCK_SIZE, gpu_memory_utilization: float | None = None,
                  kv_cache_memory: int | None = None, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int = 2048, enable_chunked_prefill: bool = True, seed: int = 0,
+                 max_num_batched_tokens: int = 2048, enable_chunked_prefill: bool = True,
+                 max_num_encoder_input_tokens: int | None = None, seed: int = 0,
                  enable_prefix_caching: bool = True,
                  swap_space: float = 0.0, preemption_mode: PreemptionMode = "recompute",
                  chat_template: str | None = None, tokenizer: str | None = None, skip_tokenizer_init: bool = False,
@@ -151,6 +154,7 @@ class LLM:
                               kv_cache_dtype=kv_cache_dtype, num_blocks=num_kv_blocks),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       enable_chunked_prefill=enable_chunked_prefill,
+                                      max_num_encoder_input_tokens=max_num_encoder_input_tokens,
                                       preemption_mode=preemption_mode, scheduling_policy=scheduling_policy),
             speculative=SpeculativeConfig.from_dict(speculative_config),
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size,

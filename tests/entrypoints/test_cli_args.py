@@ -103,3 +103,10 @@ def test_help_groups_the_engine_flags_as_vllm_does() -> None:
     assert {"--max-num-seqs", "--max-num-batched-tokens", "--preemption-mode"} <= groups["scheduler"]
     assert {"--enable-lora", "--max-loras", "--max-lora-rank"} <= groups["LoRA adapters"]
     assert "engine" not in groups
+
+
+def test_the_encoder_budget_reaches_the_scheduler_config() -> None:
+    assert _config().scheduler.max_num_encoder_input_tokens is None
+    assert _config("--max-num-encoder-input-tokens", "512").scheduler.max_num_encoder_input_tokens == 512
+    with pytest.raises(ValueError, match="max_num_encoder_input_tokens"):
+        _config("--max-num-encoder-input-tokens", "0")

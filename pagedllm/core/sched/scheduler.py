@@ -43,6 +43,10 @@ request before its fork.
 Beam search: beams are requests with `engine_appends_tokens`. Their updates carry logprobs but no token; the
 engine picks the continuations and calls `append_token`, `fork_request` and `finish_requests`.
 
+Images: a prompt's chunk stops before an image whose encoding the step's encoder budget has no room left for
+(`max_num_encoder_input_tokens`, in placeholders; the step's first image runs whatever its size), so that the
+encoder's work is spread over steps.
+
 A request that needs more blocks than the whole pool holds can never run. `schedule()` finishes it instead of
 waiting forever: with `FinishReason.ABORT` when its prompt alone is too long, with `FinishReason.LENGTH` when
 its generated tokens made it too long. Its `RequestUpdate` comes with the next `update_from_output`.
@@ -61,6 +65,7 @@ from pagedllm.core.kv_cache.manager import KVCacheManager, cdiv
 from pagedllm.core.request import FinishReason, Request, RequestStatus, child_request_id
 from pagedllm.core.sched.output import NewRequestData, RequestUpdate, RunnerOutput, ScheduledRequest, SchedulerOutput
 from pagedllm.metrics.stats import SchedulerStats, SpecDecodingStats
+from pagedllm.multimodal import ImageInput
 
 # (token_ids, max_num_tokens) -> draft tokens to follow token_ids, at most max_num_tokens of them.
 DraftProposer = Callable[[list[int], int], list[int]]
@@ -79,12 +84,20 @@ def _group_seats(group_size: int, num_running: int) -> int:
     return max(group_size, num_running) if num_running else 0
 
 
+def _images_reached(request: Request, start: int, num_tokens: int) -> list[ImageInput]:
+    """The request's images whose first placeholder is among tokens [start, start + num_tokens): the step that
+    computes it encodes the image (the runner keeps its rows until the request ends)."""
+    return [image for image in request.images if start <= image.offset < start + num_tokens]
+
+
 @dataclass(slots=True)
 class _StepPlan:
     """The step being built: tokens per scheduled request id, in batch order, and the blocks to move."""
 
     token_budget: int
+    encoder_budget: int     # image placeholders whose images the step may still encode
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)   # draft tokens included
+    num_encoder_tokens: dict[str, int] = field(default_factory=dict)     # those each request's chunk encodes
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     num_lookahead_tokens: dict[str, int] = field(default_factory=dict)   # draft slots past the step's tokens
     new_request_ids: list[str] = field(default_factory=list)
@@ -95,11 +108,16 @@ class _StepPlan:
     def add(self, request: Request, num_tokens: int, spec_token_ids: list[int] | None = None) -> None:
         self.num_scheduled_tokens[request.request_id] = num_tokens
         self.token_budget -= num_tokens
+        if request.images:
+            encoded = sum(image.length for image in _images_reached(request, request.num_computed_tokens, num_tokens))
+            self.num_encoder_tokens[request.request_id] = encoded
+            self.encoder_budget -= encoded
         if spec_token_ids:
             self.spec_token_ids[request.request_id] = spec_token_ids
 
     def remove(self, request: Request) -> None:
         self.token_budget += self.num_scheduled_tokens.pop(request.request_id, 0)
+        self.encoder_budget += self.num_encoder_tokens.pop(request.request_id, 0)
         self.spec_token_ids.pop(request.request_id, None)
         self.num_lookahead_tokens.pop(request.request_id, None)
 
@@ -126,6 +144,8 @@ class Scheduler:
                  propose: DraftProposer | None = None, max_batch_for_drafts: int | None = None,
                  max_loras: int | None = None, num_lookahead_tokens: int = 0) -> None:
         self.config = config
+        # image placeholders a step may encode the images of (`_num_new_tokens`)
+        self.encoder_budget = config.max_num_encoder_input_tokens or config.max_num_batched_tokens
         self.max_loras = max_loras
         self.kv_cache_manager = kv_cache_manager
         self.propose = propose
@@ -241,7 +261,7 @@ class Scheduler:
 
     # ---- schedule ---------------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        plan = _StepPlan(self.config.max_num_batched_tokens)
+        plan = _StepPlan(self.config.max_num_batched_tokens, self.encoder_budget)
         self.kv_cache_manager.start_step()
         self._schedule_running(plan)
         # Admitting anyone right after a preemption would just take the blocks that were freed for others.
@@ -261,7 +281,9 @@ class Scheduler:
                 continue
             if request.num_computed_tokens == request.num_tokens:  # a beam waiting for the engine's token
                 continue
-            num_new_tokens = self._num_new_tokens(request, request.num_computed_tokens, plan.token_budget)
+            num_new_tokens = self._num_new_tokens(request, request.num_computed_tokens, plan)
+            if num_new_tokens == 0:     # its next image waits for a step with room to encode it
+                continue
             spec_token_ids = self._propose_drafts(request, plan.token_budget - num_new_tokens)
             # Drafts never cost a preemption: without free blocks for them, the request runs without drafts.
             if spec_token_ids and self.kv_cache_manager.allocate_slots(
@@ -380,8 +402,9 @@ class Scheduler:
             if not self._fits_in_pool(request.num_tokens):
                 self._finish_unschedulable(request)
                 continue
-            num_new_tokens = self._num_new_tokens(request, request.num_computed_tokens, plan.token_budget)
-            if not self._has_seat_for(request) or not self.kv_cache_manager.can_swap_in(request, num_new_tokens):
+            num_new_tokens = self._num_new_tokens(request, request.num_computed_tokens, plan)
+            if num_new_tokens == 0 or not self._has_seat_for(request) or \
+                    not self.kv_cache_manager.can_swap_in(request, num_new_tokens):
                 return
             self.swapped.pop(0)
             plan.blocks_to_swap_in += self.kv_cache_manager.swap_in(request)
@@ -419,10 +442,10 @@ class Scheduler:
         """Start (or restart) the first waiting request, after a prefix-cache lookup. False if out of blocks, or,
         without chunked prefill, if what is left of the step's budget cannot hold the rest of its tokens."""
         computed = self.kv_cache_manager.get_computed_blocks(request)
-        num_new_tokens = self._num_new_tokens(request, computed.num_computed_tokens, plan.token_budget)
-        if not self.config.enable_chunked_prefill and \
+        num_new_tokens = self._num_new_tokens(request, computed.num_computed_tokens, plan)
+        if num_new_tokens == 0 or not self.config.enable_chunked_prefill and \
                 computed.num_computed_tokens + num_new_tokens < request.num_tokens:
-            return False        # it runs whole, in a step with room for all of it
+            return False        # it runs whole, in a step with room for all of it (and its images)
         if self.kv_cache_manager.allocate_slots(request, num_new_tokens, computed) is None:
             return False
         self.waiting.pop(0)
@@ -471,10 +494,18 @@ class Scheduler:
                                                    num_cached_tokens=request.num_cached_tokens,
                                                    parent_request_id=request.parent_id, index=request.index))
 
-    def _num_new_tokens(self, request: Request, num_computed_tokens: int, token_budget: int) -> int:
-        num_new_tokens = min(request.num_tokens - num_computed_tokens, token_budget,
+    def _num_new_tokens(self, request: Request, num_computed_tokens: int, plan: _StepPlan) -> int:
+        """The tokens the request computes this step: what it has left, within the step's token budget, and cut
+        before the first image its chunk reaches that the encoder budget has no room left for (the step's first
+        image runs whatever its size). 0: none this step."""
+        num_new_tokens = min(request.num_tokens - num_computed_tokens, plan.token_budget,
                              self.config.max_model_len - num_computed_tokens)
         assert num_new_tokens > 0, f"request {request.request_id} has nothing to compute"
+        left, fresh = plan.encoder_budget, plan.encoder_budget == self.encoder_budget
+        for image in _images_reached(request, num_computed_tokens, num_new_tokens) if request.images else ():
+            if image.length > left and not fresh:
+                return image.offset - num_computed_tokens
+            left, fresh = left - image.length, False
         return num_new_tokens
 
     def _make_output(self, plan: _StepPlan) -> SchedulerOutput:

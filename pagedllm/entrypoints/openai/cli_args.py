@@ -268,6 +268,9 @@ def _add_scheduler_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                        help="prefill a prompt longer than a step's budget in chunks; off: each prompt in one step, "
                             "which needs --max-num-batched-tokens >= --max-model-len (default: on)")
+    group.add_argument("--max-num-encoder-input-tokens", type=int, default=None,
+                       help="image placeholders one engine step may encode the images of; a prompt's chunk stops "
+                            "before an image past them (default: --max-num-batched-tokens)")
     group.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap", "auto"],
                        help="what to do with a request when KV blocks run out (default: %(default)s)")
     group.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
@@ -341,6 +344,7 @@ def engine_config_from_args(args: argparse.Namespace):
                           kv_cache_dtype=args.kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   enable_chunked_prefill=args.enable_chunked_prefill,
+                                  max_num_encoder_input_tokens=args.max_num_encoder_input_tokens,
                                   preemption_mode=args.preemption_mode, scheduling_policy=args.scheduling_policy),
         speculative=SpeculativeConfig.from_dict(args.speculative_config),
         parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,

@@ -9,6 +9,7 @@ from pagedllm.core.kv_cache.manager import KVCacheManager
 from pagedllm.core.request import FinishReason, Request, RequestStatus
 from pagedllm.core.sched.output import RunnerOutput, SchedulerOutput
 from pagedllm.core.sched.scheduler import Scheduler
+from pagedllm.multimodal import ImageInput
 from pagedllm.sampling_params import SamplingParams
 from tests.core.sched.fakes import FakeRunner, Result, check_step, record, reference, run_steps
 
@@ -278,3 +279,28 @@ def test_prefix_cache_queries_count_once_per_request_under_memory_pressure() -> 
     stats = manager.prefix_cache_stats
     assert stats.num_queries == len(prompts) and stats.num_query_tokens == 7 * len(prompts)
     assert stats.num_hit_tokens == sum(results[r].num_cached_tokens for r in prompts) > 0
+
+
+def test_a_chunk_stops_before_an_image_the_encoder_budget_has_no_room_for() -> None:
+    """Encoder budget 10 placeholders a step: a's chunk takes image 1 (8) and stops before image 2, b's before its
+    image (6); b's image waits while a's images fill the budget; a's 16-placeholder image, bigger than the budget,
+    runs as its step's first. Outputs as without a budget."""
+    config = SchedulerConfig(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64,
+                             max_num_encoder_input_tokens=10)
+    scheduler = Scheduler(config, KVCacheManager(64, BLOCK_SIZE, True))
+    a_images = (ImageInput(2, 8, "1", None), ImageInput(12, 8, "2", None), ImageInput(30, 16, "3", None))
+    scheduler.add_request(Request("a", list(range(100, 150)), SamplingParams(max_tokens=2), arrival_time=0,
+                                  images=a_images))
+    scheduler.add_request(Request("b", list(range(200, 220)), SamplingParams(max_tokens=2), arrival_time=1,
+                                  images=(ImageInput(4, 6, "4", None),)))
+    results: dict[str, Result] = {}
+    outputs = run_steps(scheduler, FakeRunner(BLOCK_SIZE), results)
+    assert [_plan(out) for out in outputs] == [
+        [("a", 12, False), ("b", 4, False)],    # image 1; image 2 would make 16, b's 14
+        [("a", 18, False)],                     # image 2 first; image 3 would make 16, b's 14
+        [("a", 20, True)],                      # image 3 alone, over the budget
+        [("a", 1, True), ("b", 16, True)],
+        [("b", 1, True)],
+    ]
+    assert results["a"].token_ids == reference(list(range(100, 150)), 2, None)
+    assert results["b"].token_ids == reference(list(range(200, 220)), 2, None)
