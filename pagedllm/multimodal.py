@@ -169,7 +169,26 @@ class ImageProcessor:
         return token_ids, image_inputs(token_ids, pixels, self.image_token_id)
 
 
-class TiledImageProcessor(ImageProcessor):
+class _ExpandingProcessor(ImageProcessor):
+    """A model whose transformers processor needs torchvision (for videos), which pagedllm does not install: its
+    image processor (transformers', PIL's backend) and its tokenizer, each image's marker expanded here as that
+    processor expands it."""
+
+    def _load(self, path: Path) -> Any:
+        from transformers import AutoImageProcessor, AutoTokenizer
+
+        self.images = AutoImageProcessor.from_pretrained(str(path))
+        return AutoTokenizer.from_pretrained(str(path))
+
+    def _pixels(self, images: Any, kwargs: dict[str, Any], **fixed: Any) -> Any:
+        """The image processor's output for `images`, with a ValueError for an argument it does not take."""
+        try:
+            return self.images(images=images, return_tensors="pt", **fixed, **kwargs)
+        except TypeError as exc:
+            raise ValueError(f"mm_processor_kwargs {sorted(kwargs)}: {exc}") from exc
+
+
+class TiledImageProcessor(_ExpandingProcessor):
     """SmolVLM2's (`SmolVLMForConditionalGeneration`, Idefics3's architecture): its image processor (transformers':
     the image cut into tiles, then shrunk whole) and its tokenizer; each `<image>` becomes transformers' prompt
     string for its grid of tiles (`get_image_prompt_string`: a tile's run of placeholders between its row and column
@@ -177,13 +196,12 @@ class TiledImageProcessor(ImageProcessor):
     videos). A tile's placeholders: its encoder's rows, (tile side / patch side)^2 / scale_factor^2."""
 
     def _load(self, path: Path) -> Any:
-        from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
+        from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(str(path))
         vision = config.vision_config
         self.tile_tokens = (vision.image_size // vision.patch_size) ** 2 // config.scale_factor ** 2
-        self.images = AutoImageProcessor.from_pretrained(str(path))
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        tokenizer = super()._load(path)
         self.markers = (getattr(tokenizer, "fake_image_token", None) or "<fake_token_around_image>",
                         getattr(tokenizer, "global_image_token", None) or "<global-img>")
         return tokenizer
@@ -192,10 +210,7 @@ class TiledImageProcessor(ImageProcessor):
                  ) -> tuple[list[int], tuple[ImageInput, ...]]:
         from transformers.models.smolvlm.processing_smolvlm import get_image_prompt_string
 
-        try:
-            encoded = self.images(images=[images], return_tensors="pt", return_row_col_info=True, **kwargs)
-        except TypeError as exc:    # an argument it does not take
-            raise ValueError(f"mm_processor_kwargs {sorted(kwargs)}: {exc}") from exc
+        encoded = self._pixels([images], kwargs, return_row_col_info=True)
         pieces = text.split(self.image_token)
         text = pieces[0] + "".join(
             get_image_prompt_string(rows, columns, self.tile_tokens, self.markers[0], self.image_token,
@@ -206,28 +221,24 @@ class TiledImageProcessor(ImageProcessor):
         return token_ids, image_inputs(token_ids, encoded["pixel_values"][0].to(self.dtype), self.image_token_id)
 
 
-class CroppedImageProcessor(ImageProcessor):
+class CroppedImageProcessor(_ExpandingProcessor):
     """InternVL's (`InternVLForConditionalGeneration`, the -hf checkpoints): its image processor (transformers':
     an image cropped into up to `max_patches` tiles of 448 pixels, and a thumbnail) and its tokenizer; each
     `<IMG_CONTEXT>` marker becomes `<img>`, `image_seq_length` placeholders a tile in one run, `</img>`, as its
     transformers processor does (which needs torchvision, for videos)."""
 
     def _load(self, path: Path) -> Any:
-        from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
+        from transformers import AutoConfig
 
         self.tile_tokens = AutoConfig.from_pretrained(str(path)).image_seq_length
-        self.images = AutoImageProcessor.from_pretrained(str(path))
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        tokenizer = super()._load(path)
         self.markers = (getattr(tokenizer, "start_image_token", None) or "<img>",
                         getattr(tokenizer, "end_image_token", None) or "</img>")
         return tokenizer
 
     def _process(self, text: str, images: list[Any], add_special_tokens: bool, kwargs: dict[str, Any]
                  ) -> tuple[list[int], tuple[ImageInput, ...]]:
-        try:
-            encoded = self.images(images=images, return_tensors="pt", **kwargs)
-        except TypeError as exc:    # an argument it does not take
-            raise ValueError(f"mm_processor_kwargs {sorted(kwargs)}: {exc}") from exc
+        encoded = self._pixels(images, kwargs)
         start, end = self.markers
         pieces = text.split(self.image_token)
         text = pieces[0] + "".join(f"{start}{self.image_token * (self.tile_tokens * tiles)}{end}{piece}"
@@ -236,27 +247,18 @@ class CroppedImageProcessor(ImageProcessor):
         return token_ids, image_inputs(token_ids, encoded["pixel_values"].to(self.dtype), self.image_token_id)
 
 
-class GridImageProcessor(ImageProcessor):
+class GridImageProcessor(_ExpandingProcessor):
     """Qwen2-VL's and Qwen2.5-VL's: their image processor (transformers': an image resized to whole 28-pixel
     squares within its pixel bounds, cut into 14 x 14 patches, two frames deep) and their tokenizer; each image's
     `<|image_pad|>` becomes one placeholder a 2 x 2 square of patches (`merge_size`) here, as their transformers
     processor does (which needs torchvision, which pagedllm does not install)."""
-
-    def _load(self, path: Path) -> Any:
-        from transformers import AutoImageProcessor, AutoTokenizer
-
-        self.images = AutoImageProcessor.from_pretrained(str(path))
-        return AutoTokenizer.from_pretrained(str(path))
 
     def _process(self, text: str, images: list[Any], add_special_tokens: bool, kwargs: dict[str, Any]
                  ) -> tuple[list[int], tuple[ImageInput, ...]]:
         if "min_pixels" in kwargs or "max_pixels" in kwargs:    # vLLM's names of the size bounds, as a size
             bounds = {"shortest_edge": kwargs.pop("min_pixels", None), "longest_edge": kwargs.pop("max_pixels", None)}
             kwargs["size"] = dict(kwargs.get("size") or self.images.size) | {k: v for k, v in bounds.items() if v}
-        try:
-            encoded = self.images(images=images, return_tensors="pt", **kwargs)
-        except TypeError as exc:    # an argument it does not take
-            raise ValueError(f"mm_processor_kwargs {sorted(kwargs)}: {exc}") from exc
+        encoded = self._pixels(images, kwargs)
         merge = self.images.merge_size
         grids = [(t, h // merge, w // merge) for t, h, w in encoded["image_grid_thw"].tolist()]
         pieces = text.split(self.image_token)

@@ -44,14 +44,30 @@ TYPED_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {% for c in m['conten
                   "{% if add_generation_prompt %}assistant: {% endif %}")
 
 
+def load_encoder(model: Any, folder: Path, dtype: torch.dtype = torch.float32) -> Any:
+    """pagedllm's image encoder for the checkpoint in `folder`, with transformers' `model`'s weights in `dtype`."""
+    config = transformers.AutoConfig.from_pretrained(folder)
+    encoder = IMAGE_ENCODERS[config.architectures[0]](config, dtype)
+    encoder.load_weights((ours, tensor.to(dtype)) for name, tensor in model.state_dict().items()
+                         if (ours := image_part_name(name)) is not None)
+    return encoder
+
+
+# where the encoder prepacks its bf16 linears for oneDNN
+NEEDS_ONEDNN_BF16 = pytest.mark.skipif(
+    not onednn_bf16_ok(), reason="needs oneDNN's bf16 linears (AVX-512 BF16 or AMX), the only CPUs where the encoder "
+                                 "prepacks: elsewhere the plain linears run, as the float32 tests run them")
+
+
 def _save_model(folder: Path, vision: str, feature_layer: int | list[int] | None = None) -> Any:
-    """A tiny random Llava (the tiny Llama, a two-layer `vision` tower of SIZE pixels: "clip" or "siglip") or
-    Idefics3 (`vision` "idefics3") and its processor, saved in `folder`; returns transformers' model."""
+    """A tiny random Llava (the tiny Llama, a two-layer `vision` tower of SIZE pixels: "clip" or "siglip"), Idefics3
+    (`vision` "idefics3") or SmolVLM2 ("smolvlm") and its processor, saved in `folder`; returns transformers'
+    model."""
     tokenizer = build_byte_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", "<image>",
                                                                 "<fake_token_around_image>", "<global-img>"]})
-    if vision == "idefics3":
-        return _save_idefics3(folder, tokenizer)
+    if vision in ("idefics3", "smolvlm"):
+        return _save_idefics3(folder, tokenizer, vision == "smolvlm")
     clip = vision == "clip"
     tower = dict(model_type="clip_vision_model" if clip else "siglip_vision_model", hidden_size=32,
                  intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=SIZE, patch_size=14)
@@ -71,69 +87,28 @@ def _save_model(folder: Path, vision: str, feature_layer: int | list[int] | None
     return model
 
 
-def _save_idefics3(folder: Path, tokenizer: Any) -> Any:
-    config = transformers.Idefics3Config(
+def _save_idefics3(folder: Path, tokenizer: Any, smolvlm: bool = False) -> Any:
+    """A tiny random Idefics3 and its processor, or (`smolvlm`) SmolVLM2, Idefics3's architecture under SmolVLM's
+    names, with its image processor and tokenizer but no processor (SmolVLM's needs torchvision): the tiny Llama, a
+    two-layer tower of SIZE-pixel tiles, 4 placeholders a tile, each image a 2 x 2 grid of tiles and the whole."""
+    config = (transformers.SmolVLMConfig if smolvlm else transformers.Idefics3Config)(
         text_config=tiny_config("llama-gqa", initializer_range=0.5).to_dict(), scale_factor=2,
         image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
         vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                            image_size=SIZE, patch_size=14))
     torch.manual_seed(0)
-    model = transformers.Idefics3ForConditionalGeneration(config).eval()
+    architecture = transformers.SmolVLMForConditionalGeneration if smolvlm else \
+        transformers.Idefics3ForConditionalGeneration
+    model = architecture(config).eval()
     model.save_pretrained(folder)
-    images = transformers.Idefics3ImageProcessor(size={"longest_edge": 2 * SIZE}, max_image_size={"longest_edge": SIZE})
-    transformers.Idefics3Processor(image_processor=images, tokenizer=tokenizer, image_seq_len=4).save_pretrained(folder)
+    size = dict(size={"longest_edge": 2 * SIZE}, max_image_size={"longest_edge": SIZE})
+    if smolvlm:
+        transformers.SmolVLMImageProcessor(**size).save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+    else:
+        transformers.Idefics3Processor(image_processor=transformers.Idefics3ImageProcessor(**size),
+                                       tokenizer=tokenizer, image_seq_len=4).save_pretrained(folder)
     return model
-
-
-def _save_smolvlm(folder: Path) -> Any:
-    """A tiny random SmolVLM2 (Idefics3's architecture under SmolVLM's names: the tiny Llama, a two-layer tower of
-    SIZE-pixel tiles, 4 placeholders a tile), its image processor (a 2 x 2 grid of tiles and the whole) and its
-    tokenizer, saved in `folder` without a processor (SmolVLM's needs torchvision); returns transformers' model."""
-    tokenizer = build_byte_tokenizer()
-    tokenizer.add_special_tokens({"additional_special_tokens": [
-        "<|im_start|>", "<|im_end|>", "<image>", "<fake_token_around_image>", "<global-img>",
-        *(f"<row_{r}_col_{c}>" for r in (1, 2) for c in (1, 2))]})
-    config = transformers.SmolVLMConfig(
-        text_config=tiny_config("llama-gqa", initializer_range=0.5).to_dict(), scale_factor=2,
-        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                           image_size=SIZE, patch_size=14))
-    torch.manual_seed(0)
-    model = transformers.SmolVLMForConditionalGeneration(config).eval()
-    model.save_pretrained(folder)
-    transformers.SmolVLMImageProcessor(size={"longest_edge": 2 * SIZE},
-                                       max_image_size={"longest_edge": SIZE}).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return model
-
-
-def test_smolvlm2_reads_images_without_its_transformers_processor(tmp_path: Path) -> None:
-    """SmolVLM2: each `<image>` expanded into its tiles' placeholders between their markers, as transformers'
-    processor would (`get_image_prompt_string`), Idefics3's encoder on the tiles; greedy tokens as transformers'
-    model gives them, offline and in a chat."""
-    from transformers.models.smolvlm.processing_smolvlm import get_image_prompt_string
-
-    model = _save_smolvlm(tmp_path)
-    llm = LLM(model=str(tmp_path), dtype="float32", num_kv_blocks=128)
-    images, text = [_image(80), _image(81, 70, 30)], "Look: <image> and <image>, what are they?"
-    output = llm.generate({"prompt": text, "multi_modal_data": {"image": images}}, GREEDY, use_tqdm=False)[0]
-    pixels = transformers.AutoImageProcessor.from_pretrained(tmp_path)(images=[images], return_tensors="pt",
-                                                                       return_row_col_info=True)
-    pieces = text.split("<image>")
-    expanded = pieces[0] + "".join(
-        get_image_prompt_string(rows, columns, 4, "<fake_token_around_image>", "<image>", "<global-img>") + piece
-        for rows, columns, piece in zip(pixels["rows"][0], pixels["cols"][0], pieces[1:]))
-    ids = transformers.AutoTokenizer.from_pretrained(tmp_path)(expanded, return_tensors="pt")["input_ids"]
-    with torch.inference_mode():
-        out = model.generate(input_ids=ids, pixel_values=pixels["pixel_values"],
-                             pixel_attention_mask=pixels["pixel_attention_mask"], max_new_tokens=8, do_sample=False)
-    assert output.prompt_token_ids == ids[0].tolist()
-    tiles = [rows * columns + 1 for rows, columns in zip(pixels["rows"][0], pixels["cols"][0])]   # and the whole
-    assert tiles == [5, 3] and output.prompt_token_ids.count(model.config.image_token_id) == 8 * 4
-    assert output.outputs[0].token_ids == out[0, ids.shape[1]:].tolist()
-    chat = [{"role": "user", "content": [{"type": "image_pil", "image_pil": images[0]}, {"type": "text", "text": "?"}]}]
-    chatted = llm.chat(chat, GREEDY, use_tqdm=False)[0]
-    assert chatted.prompt_token_ids.count(model.config.image_token_id) == 5 * 4
 
 
 def _save_internvl(folder: Path, rms: bool = False) -> Any:
@@ -162,10 +137,7 @@ def _save_internvl(folder: Path, rms: bool = False) -> Any:
 @pytest.mark.parametrize("rms", [False, True])
 def test_internvl_encoder_gives_transformers_rows(tmp_path: Path, rms: bool) -> None:
     model = _save_internvl(tmp_path, rms)
-    config = transformers.AutoConfig.from_pretrained(tmp_path)
-    encoder = IMAGE_ENCODERS[config.architectures[0]](config, torch.float32)
-    encoder.load_weights((ours, tensor) for name, tensor in model.state_dict().items()
-                         if (ours := image_part_name(name)) is not None)
+    encoder = load_encoder(model, tmp_path)
     pixels = torch.randn(3, 3, SIZE, SIZE)
     with torch.inference_mode():
         expected = model.model.get_image_features(pixel_values=pixels).pooler_output
@@ -227,9 +199,7 @@ def test_the_image_encoder_gives_transformers_rows(tmp_path: Path, vision: str, 
                                                    rows: int) -> None:
     model = _save_model(tmp_path, vision, feature_layer)
     config = transformers.AutoConfig.from_pretrained(tmp_path)
-    encoder = IMAGE_ENCODERS[config.architectures[0]](config, torch.float32)
-    encoder.load_weights((ours, tensor) for name, tensor in model.state_dict().items()
-                         if (ours := image_part_name(name)) is not None)
+    encoder = load_encoder(model, tmp_path)
     pixels = torch.randn(2, 3, SIZE, SIZE)
     with torch.inference_mode():
         if vision == "idefics3":
@@ -333,6 +303,14 @@ def test_chat_renders_images_in_string_and_typed_templates(llava: tuple[Path, An
         _hf_greedy(folder, model, chatml, [image], add_special_tokens=False)[1]
 
 
+def served_chat(running: Any, content: list[dict[str, Any]]) -> str:
+    """The server's greedy reply, 8 tokens, to a user message of `content`."""
+    reply = running.client().chat.completions.create(model=running.model_name, temperature=0.0, max_tokens=8,
+                                                     messages=[{"role": "user", "content": content}],
+                                                     extra_body={"ignore_eos": True})
+    return reply.choices[0].message.content
+
+
 def test_the_server_reads_a_chats_images(llava: tuple[Path, Any, LLM]) -> None:
     folder, _, llm = llava
     image = _image(30)
@@ -341,10 +319,7 @@ def test_the_server_reads_a_chats_images(llava: tuple[Path, Any, LLM]) -> None:
     running = start_server(llm.engine, api_key=None)
     try:
         client = running.client()
-        reply = client.chat.completions.create(model=running.model_name, temperature=0.0, max_tokens=8,
-                                               messages=[{"role": "user", "content": content}],
-                                               extra_body={"ignore_eos": True})
-        assert reply.choices[0].message.content == offline.text
+        assert served_chat(running, content) == offline.text
         # the Responses API's input_image, as chat's image_url
         response = client.responses.create(model=running.model_name, temperature=0.0, max_output_tokens=8, input=[
             {"role": "user", "content": [{"type": "input_image", "image_url": _data_url(image)},
@@ -452,18 +427,12 @@ def test_the_image_encoder_runs_float32_where_bf16_would_be_emulated(tmp_path: P
     assert len(output.outputs[0].token_ids) == GREEDY.max_tokens
 
 
-@pytest.mark.skipif(not onednn_bf16_ok(), reason="needs oneDNN's bf16 linears (AVX-512 BF16 or AMX), the only CPUs "
-                                                 "where the encoder prepacks: elsewhere the plain linears run, as the "
-                                                 "float32 tests above run them")
+@NEEDS_ONEDNN_BF16
 @pytest.mark.parametrize("vision", ["clip", "siglip", "idefics3"])
 def test_the_prepacked_encoder_gives_the_plain_encoders_rows(tmp_path: Path, vision: str) -> None:
     """bf16 weights reordered for oneDNN once, SigLIP's GELU inside fc1's call (CLIP's quick GELU apart)."""
     model = _save_model(tmp_path, vision)
-    config = transformers.AutoConfig.from_pretrained(tmp_path)
-    plain, packed = (IMAGE_ENCODERS[config.architectures[0]](config, torch.bfloat16) for _ in range(2))
-    for encoder in (plain, packed):
-        encoder.load_weights((ours, tensor.bfloat16()) for name, tensor in model.state_dict().items()
-                             if (ours := image_part_name(name)) is not None)
+    plain, packed = (load_encoder(model, tmp_path, torch.bfloat16) for _ in range(2))
     packed.prepack()
     assert packed.tower.layers[0].fc1.weight.is_mkldnn and not plain.tower.layers[0].fc1.weight.is_mkldnn
     pixels = torch.randn(2, 3, SIZE, SIZE)

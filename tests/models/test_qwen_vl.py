@@ -15,13 +15,11 @@ import transformers
 from PIL import Image
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.cpu import onednn_bf16_ok
 from pagedllm.inputs import parse_prompt
 from pagedllm.layers.rotary import RotaryEmbedding, mrope_axes
-from pagedllm.models.vision import IMAGE_ENCODERS, image_part_name
 from pagedllm.multimodal import ImageInput, MRopeLayout, pixels_hash
 from tests.entrypoints.server_utils import start_server
-from tests.models.test_images import _data_url, _image
+from tests.models.test_images import NEEDS_ONEDNN_BF16, _data_url, _image, load_encoder, served_chat
 from tests.models.tiny import build_byte_tokenizer, tiny_config
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -110,9 +108,7 @@ def _hf_greedy(folder: Path, model: Any, text: str, images: list[Image.Image], a
 def test_the_encoder_gives_transformers_rows(tmp_path: Path, kind: str) -> None:
     model = _save_model(tmp_path, kind)
     config = transformers.AutoConfig.from_pretrained(tmp_path)
-    encoder = IMAGE_ENCODERS[config.architectures[0]](config, torch.float32)
-    encoder.load_weights((ours, tensor) for name, tensor in model.state_dict().items()
-                         if (ours := image_part_name(name)) is not None)
+    encoder = load_encoder(model, tmp_path)
     # square, wide and tall grids of patches; Qwen2.5-VL's 4 x 4 windows cut each, padded at its edges
     for grid in [(1, 8, 8), (1, 6, 10), (1, 14, 4)]:
         pixels = torch.randn(grid[0] * grid[1] * grid[2], 3 * 2 * config.vision_config.patch_size ** 2)
@@ -236,11 +232,7 @@ def test_chat_and_the_server_with_grid_images(qwen: tuple[Path, Any, LLM]) -> No
         _hf_greedy(folder, model, text, [image], add_special_tokens=False)
     running = start_server(llm.engine, api_key=None)
     try:
-        client = running.client()
-        reply = client.chat.completions.create(model=running.model_name, temperature=0.0, max_tokens=8,
-                                               messages=[{"role": "user", "content": content}],
-                                               extra_body={"ignore_eos": True})
-        assert reply.choices[0].message.content == output.outputs[0].text
+        assert served_chat(running, content) == output.outputs[0].text
     finally:
         running.stop()
 
@@ -263,18 +255,13 @@ def test_processor_size_bounds_and_bad_arguments(qwen: tuple[Path, Any, LLM]) ->
         llm.generate({"prompt": text, "multi_modal_data": {"image": [image, image]}}, GREEDY)
 
 
-@pytest.mark.skipif(not onednn_bf16_ok(), reason="needs oneDNN's bf16 linears (AVX-512 BF16 or AMX), the only CPUs "
-                                                 "where the encoder prepacks: elsewhere the plain linears run, as the "
-                                                 "float32 tests above run them")
+@NEEDS_ONEDNN_BF16
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_prepacked_encoder_gives_the_plain_encoders_rows(tmp_path: Path, kind: str) -> None:
     """bf16 weights reordered for oneDNN once, the merger's GELU inside its first linear's call."""
     model = _save_model(tmp_path, kind)
     config = transformers.AutoConfig.from_pretrained(tmp_path)
-    plain, packed = (IMAGE_ENCODERS[config.architectures[0]](config, torch.bfloat16) for _ in range(2))
-    for encoder in (plain, packed):
-        encoder.load_weights((ours, tensor.bfloat16()) for name, tensor in model.state_dict().items()
-                             if (ours := image_part_name(name)) is not None)
+    plain, packed = (load_encoder(model, tmp_path, torch.bfloat16) for _ in range(2))
     packed.prepack()
     assert packed.visual["merger"].mlp[0].weight.is_mkldnn and \
         not plain.visual["merger"].mlp[0].weight.is_mkldnn
