@@ -90,9 +90,11 @@ def _log_precision(requested: str, dtype: torch.dtype, device: str, quantization
 
 # Multimodal checkpoints served for their text: architecture -> (its language model's, and the model_type pagedllm
 # knows that model by where the text config names its own). The config is the language model's (`text_config`), its
-# weights come under the text model's names (`text_part_name`), and the vision tower's and the projector's are never
-# read. Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's language models are Qwen2's and Qwen3's with M-RoPE, which rotates
-# by three position ids (time, height, width) that are one and the same on text: their plain rotary embedding.
+# weights come under the text model's names (`text_part_name`); the vision tower's and the projector's are read only
+# for an architecture IMAGE_ENCODERS names, whose checkpoint has its processor config (its images, then). Qwen2-VL's,
+# Qwen2.5-VL's and Qwen3-VL's language models are Qwen2's and Qwen3's with M-RoPE, which rotates by three position
+# ids (time, height, width) that are one and the same on text: their plain rotary embedding (an image's placeholders
+# are turned by their own three: `pagedllm.multimodal.MRopeLayout`).
 TEXT_PARTS: dict[str, tuple[str, str | None]] = {
     "Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", None),
     "Mistral3ForConditionalGeneration": ("MistralForCausalLM", None),
