@@ -28,13 +28,15 @@ class ImageInput:
     """One picture of a prompt (an image, or a tile of one): placeholder positions `offset : offset + length`, a
     hash of its pixels, and the pixels (a [3, S, S] tensor, the processor's; a grid's [patches, values]), which the
     runner's image encoder turns into `length` rows. `grid`: a grid image's placeholders as (frames, rows, columns),
-    one placeholder a 2 x 2 square of patches (`GridImageProcessor`); None for a square picture."""
+    one placeholder a 2 x 2 square of patches (`GridImageProcessor`); None for any other picture. `size`: an anyres
+    image's own (height, width), which its encoder unpads its tiles' rows to (`AnyresImageProcessor`); else None."""
 
     offset: int
     length: int
     content_hash: str
     pixels: Any = field(repr=False)
     grid: tuple[int, int, int] | None = None
+    size: tuple[int, int] | None = None
 
 
 def is_image(value: object) -> bool:
@@ -44,31 +46,30 @@ def is_image(value: object) -> bool:
     return isinstance(value, Image.Image)
 
 
-def pixels_hash(pixels: Any, grid: tuple[int, int, int] | None = None) -> str:
-    """A hash of an image's pixels (and its grid's shape: the same patches in another shape are another image), the
-    same on every run: two prompts with the same text and different images share no prefix-cache block from the
-    first image on."""
+def pixels_hash(pixels: Any, shape: tuple[int, ...] | None = None) -> str:
+    """A hash of an image's pixels (and its shape, a grid's or an anyres image's size: the same patches in another
+    shape are another image), the same on every run: two prompts with the same text and different images share no
+    prefix-cache block from the first image on."""
     import xxhash
 
     digest = xxhash.xxh3_128(pixels.float().contiguous().numpy().tobytes())
-    if grid is not None:
-        digest.update(repr(grid).encode())
+    if shape is not None:
+        digest.update(repr(shape).encode())
     return digest.hexdigest()
 
 
 def image_inputs(token_ids: list[int], pictures: Sequence[Any], image_token_id: int,
-                 grids: Sequence[tuple[int, int, int]] | None = None) -> tuple[ImageInput, ...]:
-    """Each picture's run of placeholders in `token_ids`, with its pixels (`pictures`, in order): as long as its grid
-    has placeholders (`grids`), or, without grids, the placeholders split evenly among the pictures; each run
-    contiguous. ValueError when they are not."""
+                 grids: Sequence[tuple[int, int, int]] | None = None, sizes: Sequence[tuple[int, int]] | None = None,
+                 lengths: Sequence[int] | None = None) -> tuple[ImageInput, ...]:
+    """Each picture's run of placeholders in `token_ids`, with its pixels (`pictures`, in order): `lengths` long, or
+    as long as its grid has placeholders (`grids`), or else the placeholders split evenly among the pictures; each
+    run contiguous. ValueError when they are not. `sizes`: anyres images' own sizes."""
     positions = [i for i, t in enumerate(token_ids) if t == image_token_id]
     count = len(pictures)
-    if grids is not None:
+    if lengths is None and grids is not None:
         lengths = [math.prod(grid) for grid in grids]
-    elif count and len(positions) % count == 0:
-        lengths = [len(positions) // count] * count
-    else:
-        lengths = []
+    elif lengths is None:
+        lengths = [len(positions) // count] * count if count and len(positions) % count == 0 else []
     if not count or sum(lengths) != len(positions):
         raise ValueError(f"the prompt has {len(positions)} image placeholder tokens for {count} pictures")
     result, start = [], 0
@@ -77,8 +78,9 @@ def image_inputs(token_ids: list[int], pictures: Sequence[Any], image_token_id: 
         start += length
         if run[-1] - run[0] != length - 1:
             raise ValueError(f"image {index}'s placeholder tokens are not one run")
-        grid = None if grids is None else grids[index]
-        result.append(ImageInput(run[0], length, pixels_hash(pictures[index], grid), pictures[index], grid))
+        grid, size = None if grids is None else grids[index], None if sizes is None else sizes[index]
+        result.append(ImageInput(run[0], length, pixels_hash(pictures[index], grid or size), pictures[index], grid,
+                                 size))
     return tuple(result)
 
 
@@ -167,6 +169,29 @@ class ImageProcessor:
             pixels = pixels[0]
             assert bool(encoded["pixel_attention_mask"].all()), "a tile of one prompt is never padded"
         return token_ids, image_inputs(token_ids, pixels, self.image_token_id)
+
+
+class AnyresImageProcessor(ImageProcessor):
+    """LLaVA-NeXT's (`LlavaNextForConditionalGeneration`): its transformers processor, which cuts each image into the
+    tiles of the grid that best fits its aspect (`image_grid_pinpoints`) after a shrunk whole, and expands its
+    `<image>` into as many placeholders as its encoder keeps of them once unpadded to the image's own aspect (a row
+    break after each row); each image one `ImageInput`, with its size."""
+
+    def _process(self, text: str, images: list[Any], add_special_tokens: bool, kwargs: dict[str, Any]
+                 ) -> tuple[list[int], tuple[ImageInput, ...]]:
+        from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
+
+        encoded = self.processor(text=text, images=[images], return_tensors="pt",
+                                 add_special_tokens=add_special_tokens, **kwargs)
+        token_ids, pixels = encoded["input_ids"][0].tolist(), encoded["pixel_values"].to(self.dtype)
+        sizes = [tuple(size) for size in encoded["image_sizes"].tolist()]
+        tile = pixels.shape[-1]
+        pinpoints = self.processor.image_processor.image_grid_pinpoints
+        tiles = [image_size_to_num_patches(size, pinpoints, tile) for size in sizes]   # the whole's among them
+        drop = self.processor.vision_feature_select_strategy == "default"
+        lengths = [self.processor._get_number_of_features(*size, tile, tile) - drop for size in sizes]
+        return token_ids, image_inputs(token_ids, [p[:n] for p, n in zip(pixels, tiles, strict=True)],
+                                       self.image_token_id, sizes=sizes, lengths=lengths)
 
 
 class _ExpandingProcessor(ImageProcessor):

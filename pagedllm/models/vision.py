@@ -41,6 +41,7 @@ from torch import nn
 from pagedllm.cpu import onednn_bf16_ok
 from pagedllm.layers.linear import linear
 from pagedllm.multimodal import (
+    AnyresImageProcessor,
     CroppedImageProcessor,
     GridImageProcessor,
     ImageInput,
@@ -61,7 +62,7 @@ _PREFIXES = (("model.vision_tower.vision_model.", "tower."), ("vision_tower.visi
              ("model.vision_tower.", "tower."), ("vision_tower.", "tower."), ("model.vision_model.", "tower."),
              ("model.multi_modal_projector.", "projector."), ("multi_modal_projector.", "projector."),
              ("model.connector.modality_projection.", "projector."), ("model.visual.", "visual."),
-             ("visual.", "visual."))
+             ("visual.", "visual."), ("model.image_newline", "image_newline"), ("image_newline", "image_newline"))
 _TOWERS = {"clip_vision_model": "clip", "siglip_vision_model": "siglip", "idefics3_vision": "idefics3",
            "smolvlm_vision": "idefics3"}
 
@@ -264,6 +265,35 @@ class LlavaEncoder(ImageEncoder):
         if self.skip_class_token:
             features = features[:, 1:]
         return self.projector["linear_2"](self.projector["linear_1"].gelu(features, self.projector_act))
+
+
+class LlavaNextEncoder(LlavaEncoder):
+    """LLaVA-NeXT's (`LlavaNextForConditionalGeneration`'s config): Llava's tower and projector over each of an
+    image's tiles (a shrunk whole first, then its grid of tiles), the grid's rows laid out as the image, unpadded to
+    its own aspect, a learned row break (`image_newline`) after each row, after the whole's rows (transformers'
+    `pack_image_features`, "spatial_unpad")."""
+
+    processor = AnyresImageProcessor
+
+    def __init__(self, config: Any, dtype: torch.dtype) -> None:
+        super().__init__(config, dtype)
+        self.image_newline = nn.Parameter(torch.empty(config.text_config.hidden_size, dtype=dtype))
+        self.pinpoints, self.tile = config.image_grid_pinpoints, config.vision_config.image_size
+        self.side = self.tile // config.vision_config.patch_size
+
+    def encode(self, image: ImageInput) -> torch.Tensor:
+        from transformers.models.llava_next.modeling_llava_next import get_anyres_image_grid_shape, unpad_image
+
+        rows = self(image.pixels.to(self.image_newline.device))      # [tiles, side x side, H]
+        whole, tiles = rows[0], rows[1:]
+        if not len(tiles):
+            return torch.cat([whole, self.image_newline[None]])
+        grid_rows, grid_columns = get_anyres_image_grid_shape(image.size, self.pinpoints, self.tile)
+        side = self.side    # [grid rows, grid columns, side, side, H] -> [H, grid rows x side, grid columns x side]
+        tiles = tiles.view(grid_rows, grid_columns, side, side, -1).permute(4, 0, 2, 1, 3).flatten(1, 2).flatten(2, 3)
+        tiles = unpad_image(tiles, torch.tensor(image.size))
+        newline = self.image_newline[:, None, None].expand(*tiles.shape[:-1], 1)
+        return torch.cat([whole, torch.cat([tiles, newline], dim=-1).flatten(1, 2).T])
 
 
 class Idefics3Encoder(ImageEncoder):
@@ -597,4 +627,4 @@ IMAGE_ENCODERS: dict[str, type[ImageEncoder]] = {
     "LlavaForConditionalGeneration": LlavaEncoder, "Idefics3ForConditionalGeneration": Idefics3Encoder,
     "Qwen2VLForConditionalGeneration": QwenVLEncoder, "Qwen2_5_VLForConditionalGeneration": QwenVLEncoder,
     "Qwen3VLForConditionalGeneration": QwenVLEncoder, "SmolVLMForConditionalGeneration": SmolVLMEncoder,
-    "InternVLForConditionalGeneration": InternVLEncoder}
+    "InternVLForConditionalGeneration": InternVLEncoder, "LlavaNextForConditionalGeneration": LlavaNextEncoder}

@@ -111,6 +111,57 @@ def _save_idefics3(folder: Path, tokenizer: Any, smolvlm: bool = False) -> Any:
     return model
 
 
+def _save_llava_next(folder: Path) -> Any:
+    """A tiny random LLaVA-NeXT (the tiny Llama, a two-layer CLIP tower of SIZE-pixel tiles read at its next-to-last
+    layer without the class token, 16 placeholders a tile; grids of 1 x 2, 2 x 1 and 2 x 2 tiles) and its processor,
+    saved in `folder`; returns transformers' model."""
+    tokenizer = build_byte_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", "<image>"]})
+    pinpoints = [[SIZE, 2 * SIZE], [2 * SIZE, SIZE], [2 * SIZE, 2 * SIZE]]
+    config = transformers.LlavaNextConfig(
+        text_config=tiny_config("llama-gqa", initializer_range=0.5).to_dict(), image_grid_pinpoints=pinpoints,
+        vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=2, image_size=SIZE, patch_size=14),
+        image_token_index=tokenizer.convert_tokens_to_ids("<image>"))
+    torch.manual_seed(0)
+    model = transformers.LlavaNextForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        model.model.image_newline.normal_()     # transformers leaves it at 0 until trained
+    model.save_pretrained(folder)
+    images = transformers.LlavaNextImageProcessor(size={"shortest_edge": SIZE}, image_grid_pinpoints=pinpoints,
+                                                  crop_size={"height": SIZE, "width": SIZE})
+    transformers.LlavaNextProcessor(image_processor=images, tokenizer=tokenizer, patch_size=14, image_token="<image>",
+                                    vision_feature_select_strategy="default",
+                                    num_additional_image_tokens=1).save_pretrained(folder)
+    return model
+
+
+def test_llava_next_unpads_each_images_tiles_as_transformers_does(tmp_path: Path) -> None:
+    """LLaVA-NeXT: wide, tall, square and small images, two in one prompt, each its tiles' rows unpadded to its
+    aspect with a row break after each row: the prompt, the encoder's rows and greedy tokens as transformers'."""
+    model = _save_llava_next(tmp_path)
+    llm = LLM(model=str(tmp_path), dtype="float32", num_kv_blocks=256)
+    cases = [("Look: <image> what?", [_image(100, 40, 110)]), ("<image> and <image>", [_image(101, 110, 40),
+                                                                                         _image(102, 100, 90)]),
+             ("small: <image>", [_image(103, 20, 20)])]
+    outputs = llm.generate([{"prompt": text, "multi_modal_data": {"image": images}} for text, images in cases],
+                           GREEDY, use_tqdm=False)
+    for output, (text, images) in zip(outputs, cases):
+        prompt, tokens = _hf_greedy(tmp_path, model, text, images)
+        assert output.prompt_token_ids == prompt
+        assert output.outputs[0].token_ids == tokens
+    processed = llm.engine.process_images(parse_prompt(
+        {"prompt": cases[1][0], "multi_modal_data": {"image": cases[1][1]}}))
+    encoder = llm.engine.runner.model.image_encoder
+    processor = transformers.AutoProcessor.from_pretrained(tmp_path)
+    inputs = processor(text=cases[1][0], images=[cases[1][1]], return_tensors="pt")
+    with torch.inference_mode():
+        expected = model.model.get_image_features(pixel_values=inputs["pixel_values"],
+                                                  image_sizes=inputs["image_sizes"]).pooler_output
+        for image, rows in zip(processed.image_inputs, expected):
+            torch.testing.assert_close(encoder.encode(image), rows, atol=1e-5, rtol=1e-5)
+
+
 def _save_internvl(folder: Path, rms: bool = False) -> Any:
     """A tiny random InternVL (-hf layout: the tiny Qwen2, a two-layer InternViT of SIZE-pixel tiles with layer scales,
     q/k norms and LayerNorms or (`rms`) RMSNorms, 4 placeholders a tile), its image processor (up to 4 tiles and a
