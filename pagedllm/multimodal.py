@@ -142,6 +142,12 @@ class ImageProcessor:
         self.tokenizer = self._load(path)
         self.image_token = self.tokenizer.convert_ids_to_tokens(image_token_id)
 
+    @property
+    def prompt_marker(self) -> str:
+        """What marks an image's place in a prompt as the model was trained to see it (its chat template's): the
+        image token, which the processor expands."""
+        return self.image_token
+
     def _load(self, path: Path) -> Any:
         """Load the processor; returns its tokenizer."""
         from transformers import AutoProcessor
@@ -277,6 +283,10 @@ class GridImageProcessor(_ExpandingProcessor):
     squares within its pixel bounds, cut into 14 x 14 patches, two frames deep) and their tokenizer; each image's
     `<|image_pad|>` becomes one placeholder a 2 x 2 square of patches (`merge_size`) here, as their transformers
     processor does (which needs torchvision, which pagedllm does not install)."""
+
+    @property
+    def prompt_marker(self) -> str:
+        return f"<|vision_start|>{self.image_token}<|vision_end|>"
 
     def _process(self, text: str, images: list[Any], add_special_tokens: bool, kwargs: dict[str, Any]
                  ) -> tuple[list[int], tuple[ImageInput, ...]]:

@@ -31,8 +31,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prompts", type=int, default=8, help="requests, one image each (the first a warm-up)")
     parser.add_argument("--image-size", type=int, nargs=2, default=[512, 512], metavar=("WIDTH", "HEIGHT"))
     parser.add_argument("--output-len", type=int, default=32)
-    parser.add_argument("--prompt", default="<image>Describe this picture.",
-                        help="every request's text, with the model's image marker where the image goes")
+    parser.add_argument("--prompt", default=None,
+                        help="every request's text, with the model's image marker where the image goes (default: "
+                             "the model's marker, then 'Describe this picture.')")
     parser.add_argument("--mm-processor-kwargs", type=parse_json_object, default=None,
                         help="JSON arguments for the model's processor, in every engine, e.g. "
                              "'{\"do_image_splitting\": false}'")
@@ -96,6 +97,11 @@ def run_pagedllm(args: argparse.Namespace, paths: list[Path]) -> dict[str, Any]:
     start = time.perf_counter()
     llm = LLM(**engine_kwargs(args, mm_processor_kwargs=args.mm_processor_kwargs))
     startup_s = time.perf_counter() - start
+    if args.prompt is None:     # the peers' too
+        processor = llm.engine.image_processor
+        if processor is None:
+            raise SystemExit(f"{args.model} takes no images")
+        args.prompt = f"{processor.prompt_marker}Describe this picture."
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.output_len)
     prompts = [{"prompt": args.prompt, "multi_modal_data": {"image": Image.open(p).convert("RGB")}} for p in paths]
     start = time.perf_counter()

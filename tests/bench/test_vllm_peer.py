@@ -322,12 +322,13 @@ def test_images_compares_vllm_and_transformers_on_the_same_images(fake_vllm_pyth
 
 def test_images_runs_transformers_on_a_qwen_vl_without_its_processor(tmp_path):
     """Qwen2.5-VL's transformers processor needs torchvision: the transformers peer expands each image's marker itself,
-    into as many placeholders as pagedllm's."""
-    from tests.models.test_qwen_vl import IMAGE, _save_model
+    into as many placeholders as pagedllm's. Without --prompt, the model's own marker starts it."""
+    from tests.models.test_qwen_vl import _save_model
 
     _save_model(tmp_path / "qwen", "qwen2_5_vl")
     result = main(["images", "--model", str(tmp_path / "qwen"), "--dtype", "float32", "--num-prompts", "3",
-                   "--output-len", "2", "--image-size", "100", "60", "--prompt", f"Look: {IMAGE}", "--compare", "hf"])
+                   "--output-len", "2", "--image-size", "100", "60", "--compare", "hf"])
     assert result["pagedllm"]["num_output_tokens"] == result["hf"]["num_output_tokens"] == 4
-    # two timed requests of "Look: ", the image's markers and 8 placeholders (112 x 56 pixels: 4 x 2 squares)
-    assert result["pagedllm"]["num_prompt_tokens"] == result["hf"]["num_prompt_tokens"] == 2 * (6 + 2 + 8)
+    # two timed requests of <|vision_start|>, 8 placeholders (112 x 56 pixels: 4 x 2 squares), <|vision_end|> and
+    # "Describe this picture." (22 bytes)
+    assert result["pagedllm"]["num_prompt_tokens"] == result["hf"]["num_prompt_tokens"] == 2 * (1 + 8 + 1 + 22)
