@@ -97,6 +97,8 @@ class SchedulerConfig:
             a prompt's chunk stops before an image that would go past what is left of it, so that the image
             encoder's work (seconds an image on a CPU) is spread over steps rather than stalling every stream's
             decode in one; the step's first image runs whatever its size. None: max_num_batched_tokens.
+        whole_images: each image's placeholders computed in one step (a chunk stops before an image it would
+            cut): the engine sets it for a model whose images see themselves whole (Gemma 3's).
         swap_seconds_per_block: estimated time to copy one KV block between the device and the swap pool.
         recompute_seconds_per_token: estimated time to recompute one token's K/V (a prefill token).
             "auto" swaps a victim when 2 x blocks x swap_seconds_per_block (out and back in) is less than
@@ -111,6 +113,7 @@ class SchedulerConfig:
     preemption_mode: PreemptionMode = "recompute"
     scheduling_policy: SchedulingPolicy = "fcfs"
     max_num_encoder_input_tokens: int | None = None
+    whole_images: bool = False
     swap_seconds_per_block: float = 0.0
     recompute_seconds_per_token: float = 0.0
 

@@ -140,7 +140,7 @@ class ImageProcessor:
         self.image_token_id, self.dtype = image_token_id, dtype
         self.kwargs = dict(kwargs or {})     # ModelConfig.mm_processor_kwargs
         self.tokenizer = self._load(path)
-        self.image_token = self.tokenizer.convert_ids_to_tokens(image_token_id)
+        self.image_token = self._marker()
 
     @property
     def prompt_marker(self) -> str:
@@ -154,6 +154,12 @@ class ImageProcessor:
 
         self.processor = AutoProcessor.from_pretrained(str(path))
         return self.processor.tokenizer
+
+    def _marker(self) -> str:
+        """What marks an image in a prompt's text, which the processor expands: its `image_token` (Gemma 3's
+        `<start_of_image>`, not the placeholder it expands into), else the placeholder's."""
+        marker = getattr(getattr(self, "processor", None), "image_token", None)
+        return marker if isinstance(marker, str) else self.tokenizer.convert_ids_to_tokens(self.image_token_id)
 
     def __call__(self, text: str, images: list[Any], add_special_tokens: bool = True,
                  kwargs: dict[str, Any] | None = None) -> tuple[list[int], tuple[ImageInput, ...]]:

@@ -34,6 +34,9 @@ class AttentionMetadata:
     seq_lens_cpu: list[int] = field(default_factory=list)
     # Whether the CPU kernels may run the step's attention as cascade attention where it pays (a shared prefix).
     cascade: bool = True
+    # Gemma 3's images: (the step's rows of an image's placeholders, up to its last; the metadata of those rows as
+    # queries of their sequence up to the image's end), rows that see their whole image, not only what precedes them
+    image_spans: list[tuple[slice, AttentionMetadata]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.query_start_loc_cpu:

@@ -206,6 +206,13 @@ class LLMEngine:
             model_tokenizer(loaded.resolved, config.model.tokenizer, config.model.chat_template)
         self.hf_config = loaded.hf_config
         self.image_processor = self._image_processor(loaded)
+        encoder = getattr(loaded.model, "image_encoder", None)
+        if encoder is not None and encoder.attends_whole_image:    # an image's placeholders in one step
+            if config.scheduler.max_num_batched_tokens < encoder.image_tokens:
+                raise ValueError(f"{self.model_name}'s image placeholders see each other, so a step computes an "
+                                 f"image's {encoder.image_tokens} whole: max_num_batched_tokens "
+                                 f"({config.scheduler.max_num_batched_tokens}) must hold them")
+            config.scheduler.whole_images = True
         self.class_labels = class_labels(loaded.hf_config)     # a classifier's; None: the model cannot classify
         self.classifier_pooling = classifier_pooling(loaded.hf_config)     # the token its classification head reads
         self.token_type_vocab_size = token_type_vocab_size(loaded.hf_config)    # 0: it takes no token type ids

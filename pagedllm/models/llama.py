@@ -27,6 +27,7 @@ from torch import nn
 
 from pagedllm.attention.cpu import bidirectional_attention, paged_attention, write_kv
 from pagedllm.attention.metadata import AttentionBackend, AttentionMetadata, KVCache
+from pagedllm.attention.torch_ref import paged_attention_ref
 from pagedllm.distributed.communicator import communicator
 from pagedllm.kernels import kernels_for
 from pagedllm.layers.activation import GeluAndMul, SiluAndMul
@@ -232,6 +233,9 @@ class LlamaAttention(nn.Module):
             k_cache, v_cache = kv_cache
             write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             out = self.attn_backend(q, k_cache, v_cache, meta, self.scale, self.sliding_window, self.softcap)
+            for rows, span in meta.image_spans:     # an image's placeholders see all of it (Gemma 3's)
+                out[rows] = paged_attention_ref(q[rows], k_cache, v_cache, span, self.scale, self.sliding_window,
+                                                self.softcap, causal=False)
         out = out.flatten(1)    # [T, Hq*D]
         return self.o_proj(out) if lora is None else lora.add("o_proj", out, self.o_proj(out))  # [T, hidden]
 
@@ -404,8 +408,8 @@ class LlamaModel(nn.Module):
                     self.stacks = {}
         if self.longrope is not None:
             positions = self.longrope.table_rows(positions)
-        # the C++ stack has no LoRA updates, nor DeepStack's
-        stack = self.stack_for(x) if lora is None and deepstack is None else None
+        # the C++ stack has no LoRA updates, nor DeepStack's, nor images seen whole
+        stack = self.stack_for(x) if lora is None and deepstack is None and not meta.image_spans else None
         if stack is not None:
             return stack.forward(x, positions, kv_caches, meta.slot_mapping, meta.block_tables, meta.seq_lens,
                                  meta.query_start_loc, meta.num_decodes, meta.cascade)

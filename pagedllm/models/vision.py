@@ -150,10 +150,11 @@ def tile_positions(per_side: int) -> torch.Tensor:
 
 class VisionTower(nn.Module):
     """CLIP's, SigLIP's or Idefics3's ViT (config.model_type in _TOWERS) up to the features of layer
-    `feature_layer` (a negative index counts from the last; a list concatenates layers' features); Idefics3's
-    post-normed."""
+    `feature_layer` (a negative index counts from the last; a list concatenates layers' features); Idefics3's, and
+    with `post_norm` any, post-normed."""
 
-    def __init__(self, config: Any, feature_layer: int | list[int], dtype: torch.dtype) -> None:
+    def __init__(self, config: Any, feature_layer: int | list[int], dtype: torch.dtype,
+                 post_norm: bool = False) -> None:
         super().__init__()
         kind = _TOWERS.get(config.model_type)
         if kind is None:
@@ -169,7 +170,7 @@ class VisionTower(nn.Module):
                              torch.arange(per_side ** 2 + clip), persistent=False)
         self.pre_layrnorm = nn.LayerNorm(width, config.layer_norm_eps, dtype=dtype) if clip else None
         self.post_layernorm = nn.LayerNorm(width, config.layer_norm_eps, dtype=dtype) \
-            if kind == "idefics3" else None
+            if kind == "idefics3" or post_norm else None
         layers = [feature_layer] if isinstance(feature_layer, int) else list(feature_layer)
         # hidden state i is the input of layer i (0: the embeddings), -1 the last layer's output
         self.feature_states = [i % (config.num_hidden_layers + 1) for i in layers]
@@ -196,6 +197,9 @@ class ImageEncoder(nn.Module):
     their placeholder tokens. `load_weights` takes `image_part_name`'s names; `processor` makes its prompts."""
 
     processor: type[ImageProcessor] = ImageProcessor
+    # whether the language model lets an image's placeholders see each other both ways (Gemma 3's): each image's
+    # placeholders are then computed in one step (`SchedulerConfig.whole_images`)
+    attends_whole_image = False
     tower: VisionTower
 
     def encode(self, image: ImageInput) -> torch.Tensor:
@@ -614,6 +618,40 @@ class InternVLEncoder(ImageEncoder):
         return projector["linear_2"](projector["linear_1"].gelu(projector["layer_norm"](x), self.projector_act))
 
 
+class Gemma3Encoder(ImageEncoder):
+    """Gemma 3's (`Gemma3ForConditionalGeneration`'s config): SigLIP's last layer, post-normed, each image's patches
+    average-pooled into `mm_tokens_per_image` rows (16 x 16 of 64 x 64 at 896 pixels), RMS-normed (Gemma's 1 + w)
+    and projected. Its language model lets an image's placeholders see each other both ways
+    (`attends_whole_image`)."""
+
+    attends_whole_image = True
+
+    def __init__(self, config: Any, dtype: torch.dtype) -> None:
+        super().__init__()
+        vision = config.vision_config
+        self.tower = VisionTower(vision, -1, dtype, post_norm=True)
+        self.patches = vision.image_size // vision.patch_size
+        self.image_tokens = config.mm_tokens_per_image    # an image's placeholders, computed in one step
+        self.pool = self.patches // round(self.image_tokens ** 0.5)
+        self.eps = vision.layer_norm_eps
+        self.projector = nn.Module()
+        self.projector.mm_input_projection_weight = nn.Parameter(
+            torch.empty(vision.hidden_size, config.text_config.hidden_size, dtype=dtype))
+        self.projector.mm_soft_emb_norm = nn.Module()
+        self.projector.mm_soft_emb_norm.weight = nn.Parameter(torch.empty(vision.hidden_size, dtype=dtype))
+
+    @torch.inference_mode()
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        """pixels [N, 3, S, S] (the processor's) -> [N, tokens, hidden]: image i's rows for its placeholders."""
+        x = self.tower(pixels)      # [N, patches^2, D]
+        n, _, width = x.shape
+        x = F.avg_pool2d(x.transpose(1, 2).reshape(n, width, self.patches, self.patches), self.pool)
+        h = x.flatten(2).transpose(1, 2).float()
+        weight = self.projector.mm_soft_emb_norm.weight
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + weight.float())
+        return h.to(x.dtype) @ self.projector.mm_input_projection_weight
+
+
 class SmolVLMEncoder(Idefics3Encoder):
     """SmolVLM2's (`SmolVLMForConditionalGeneration`'s config): Idefics3's tower and connector, its prompts made
     without its transformers processor, which needs torchvision."""
@@ -627,4 +665,5 @@ IMAGE_ENCODERS: dict[str, type[ImageEncoder]] = {
     "LlavaForConditionalGeneration": LlavaEncoder, "Idefics3ForConditionalGeneration": Idefics3Encoder,
     "Qwen2VLForConditionalGeneration": QwenVLEncoder, "Qwen2_5_VLForConditionalGeneration": QwenVLEncoder,
     "Qwen3VLForConditionalGeneration": QwenVLEncoder, "SmolVLMForConditionalGeneration": SmolVLMEncoder,
-    "InternVLForConditionalGeneration": InternVLEncoder, "LlavaNextForConditionalGeneration": LlavaNextEncoder}
+    "InternVLForConditionalGeneration": InternVLEncoder, "LlavaNextForConditionalGeneration": LlavaNextEncoder,
+    "Gemma3ForConditionalGeneration": Gemma3Encoder}

@@ -366,6 +366,13 @@ class ModelRunner:
                 row = inputs.first_rows[s.request_id] + first - start
                 indices.append(torch.arange(row, row + last - first))
                 rows.append(state.image_rows[index][first - image.offset:last - image.offset])
+                if self.model.image_encoder.attends_whole_image:    # its rows see all of it
+                    if last != image.offset + image.length:
+                        raise RuntimeError(f"a step cut image {index} of {s.request_id}: the scheduler keeps an "
+                                           "image whole for this model")
+                    span = AttentionMetadata.build([s.block_ids], [first], [last - first], self.block_size,
+                                                   self.device)
+                    inputs.meta.image_spans.append((slice(row, row + last - first), span))
                 if state.mrope is not None:
                     positions.append(torch.tensor(state.mrope.image_positions(image, first, last)))
         if not rows:

@@ -33,7 +33,7 @@ from pagedllm.inputs import parse_prompt
 from pagedllm.models.vision import IMAGE_ENCODERS, image_part_name, tile_positions
 from pagedllm.pooling_params import PoolingParams
 from tests.entrypoints.server_utils import start_server
-from tests.models.tiny import build_byte_tokenizer, save_tiny_model, tiny_config
+from tests.models.tiny import build_byte_tokenizer, randomize_norms, save_tiny_model, tiny_config
 
 SIZE = 56       # pixels a side: 4 x 4 patches of 14, so 16 placeholders an image (CLIP drops its class token), 4 a
 #               tile for Idefics3 (2 x 2 patches a row), whose processor tiles an image 2 x 2 and adds the whole
@@ -160,6 +160,65 @@ def test_llava_next_unpads_each_images_tiles_as_transformers_does(tmp_path: Path
                                                   image_sizes=inputs["image_sizes"]).pooler_output
         for image, rows in zip(processed.image_inputs, expected):
             torch.testing.assert_close(encoder.encode(image), rows, atol=1e-5, rtol=1e-5)
+
+
+def _save_gemma3(folder: Path) -> Any:
+    """A tiny random Gemma 3 (the tiny Gemma 3 text model: a local layer with a window of 12 and a global one; a
+    two-layer SigLIP of SIZE pixels, its 4 x 4 patches pooled into 4 placeholders an image; the norms random) and its
+    processor (`<start_of_image>` marks an image), saved in `folder`; returns transformers' model."""
+    from transformers import PreTrainedTokenizerFast
+
+    build_byte_tokenizer().save_pretrained(folder)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(folder, extra_special_tokens={
+        "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"})
+    tokenizer.add_special_tokens({"additional_special_tokens": [
+        "<|im_start|>", "<|im_end|>", "<start_of_image>", "<end_of_image>", "<image_soft_token>"]})
+    ids = tokenizer.convert_tokens_to_ids(["<start_of_image>", "<end_of_image>", "<image_soft_token>"])
+    config = transformers.Gemma3Config(
+        text_config=tiny_config("gemma3", initializer_range=0.5).to_dict(), mm_tokens_per_image=4,
+        vision_config=dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64,
+                           num_hidden_layers=2, num_attention_heads=2, image_size=SIZE, patch_size=14),
+        boi_token_index=ids[0], eoi_token_index=ids[1], image_token_index=ids[2])
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    randomize_norms(model)
+    model.save_pretrained(folder)
+    images = transformers.Gemma3ImageProcessor(size={"height": SIZE, "width": SIZE})
+    processor = transformers.Gemma3Processor(image_processor=images, tokenizer=tokenizer, image_seq_length=4)
+    processor.save_pretrained(folder)
+    return model
+
+
+def test_gemma3s_image_placeholders_see_each_other_as_in_transformers(tmp_path: Path) -> None:
+    """Gemma 3: an image's placeholders attend to each other both ways (the rest causally), so a step computes each
+    image whole: greedy tokens as transformers' model gives them, whole prompts and in chunks of 5 tokens (which the
+    scheduler stops before each image of 4 they would cut); the encoder's rows too; a step too small for an image is
+    refused at start."""
+    model = _save_gemma3(tmp_path)
+    cases = [("Look: <start_of_image> what?", [_image(110)]), ("<start_of_image> and <start_of_image>!",
+                                                               [_image(111, 70, 30), _image(112)])]
+    expected = [_hf_greedy(tmp_path, model, text, images) for text, images in cases]
+    prompts = [{"prompt": text, "multi_modal_data": {"image": images}} for text, images in cases]
+    for chunk in (2048, 5):
+        llm = LLM(model=str(tmp_path), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=chunk)
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert [(o.prompt_token_ids, o.outputs[0].token_ids) for o in outputs] == expected
+    # the prompt's logprobs, which the image's rows' attention moves (its greedy tokens are too few to tell)
+    processor = transformers.AutoProcessor.from_pretrained(tmp_path)
+    inputs = processor(text=cases[1][0], images=[cases[1][1]], return_tensors="pt")
+    with torch.inference_mode():
+        logits = model(**inputs).logits[0].float()
+    ids = inputs["input_ids"][0]
+    theirs = torch.log_softmax(logits[:-1], -1).gather(1, ids[1:, None])[:, 0]
+    scored = llm.generate(prompts[1], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    ours = torch.tensor([d[t].logprob for d, t in zip(scored.prompt_logprobs[1:], scored.prompt_token_ids[1:])])
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+    pixels = torch.randn(2, 3, SIZE, SIZE)
+    with torch.inference_mode():
+        rows = model.model.get_image_features(pixel_values=pixels).pooler_output
+    torch.testing.assert_close(load_encoder(model, tmp_path)(pixels), rows, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="must hold them"):
+        LLM(model=str(tmp_path), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=3)
 
 
 def _save_internvl(folder: Path, rms: bool = False) -> Any:

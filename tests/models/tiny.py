@@ -76,12 +76,17 @@ def build_tiny_hf_model(kind: str = "llama-gqa", seed: int = 0, **overrides: Any
     torch.manual_seed(seed)
     config = tiny_config(kind, **overrides)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
-    if config.model_type in ("gemma2", "gemma3_text"):     # norms start at w = 0 (a scale of 1 + w): made random
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if name.endswith("norm.weight"):
-                    param.normal_(0, 0.2)
+    if config.model_type in ("gemma2", "gemma3_text"):
+        randomize_norms(model)
     return model.eval()
+
+
+def randomize_norms(model: Any) -> None:
+    """Gemma's norms start at w = 0 (a scale of 1 + w): made random, so that a wrong norm shows."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.normal_(0, 0.2)
 
 
 def build_byte_tokenizer() -> Any:

@@ -501,11 +501,18 @@ class Scheduler:
         num_new_tokens = min(request.num_tokens - num_computed_tokens, plan.token_budget,
                              self.config.max_model_len - num_computed_tokens)
         assert num_new_tokens > 0, f"request {request.request_id} has nothing to compute"
+        if not request.images:
+            return num_new_tokens
         left, fresh = plan.encoder_budget, plan.encoder_budget == self.encoder_budget
-        for image in _images_reached(request, num_computed_tokens, num_new_tokens) if request.images else ():
+        for image in _images_reached(request, num_computed_tokens, num_new_tokens):
             if image.length > left and not fresh:
                 return image.offset - num_computed_tokens
             left, fresh = left - image.length, False
+        if self.config.whole_images:    # and no chunk ends inside an image (none begins in one but where it hit)
+            end = num_computed_tokens + num_new_tokens
+            cut = [image.offset for image in request.images if image.offset < end < image.offset + image.length]
+            if cut:
+                return max(cut[0] - num_computed_tokens, 0)
         return num_new_tokens
 
     def _make_output(self, plan: _StepPlan) -> SchedulerOutput:
