@@ -217,6 +217,10 @@ def test_gemma3s_image_placeholders_see_each_other_as_in_transformers(tmp_path: 
     with torch.inference_mode():
         rows = model.model.get_image_features(pixel_values=pixels).pooler_output
     torch.testing.assert_close(load_encoder(model, tmp_path)(pixels), rows, atol=1e-5, rtol=1e-5)
+    chat = [{"role": "user", "content": [{"type": "image_pil", "image_pil": cases[0][1][0]},
+                                         {"type": "text", "text": "What?"}]}]
+    chatted = llm.chat(chat, GREEDY, use_tqdm=False)[0]      # the processor's marker, expanded into 4 placeholders
+    assert chatted.prompt_token_ids.count(model.config.image_token_id) == 4
     with pytest.raises(ValueError, match="must hold them"):
         LLM(model=str(tmp_path), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=3)
 
