@@ -82,6 +82,16 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
         vision_config=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=2048,
                            patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
                            fullatt_block_indexes=[7, 15, 23, 31]))),
+    # gemma-3-4b-it's (~4.3B weights here, with the tokenizer's vocabulary, not Gemma's 262,144): 34 layers of hidden
+    # 2560, 8 query heads of 256 over 4 kv heads, 5 local layers (a window of 1,024) to a global one, over SigLIP-So400m
+    # (27 layers of hidden 1152) on 896-pixel images, each pooled into 256 placeholders
+    "gemma3-4b": ("gemma3", dict(
+        mm_tokens_per_image=256, text_config=dict(
+            model_type="gemma3_text", hidden_size=2560, intermediate_size=10240, num_hidden_layers=34,
+            num_attention_heads=8, num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256,
+            sliding_window=1024, max_position_embeddings=32768),
+        vision_config=dict(model_type="siglip_vision_model", hidden_size=1152, intermediate_size=4304,
+                           num_hidden_layers=27, num_attention_heads=16, image_size=896, patch_size=14))),
 }
 # the tokens an Idefics3 processor needs in its tokenizer (transformers' Idefics3Processor)
 IDEFICS3_TOKENS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"]
@@ -149,6 +159,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         return _save_idefics3(args, tokenizer, fields)
     if model_type == "qwen2_5_vl":
         return _save_qwen_vl(args, tokenizer, fields)
+    if model_type == "gemma3":
+        return _save_gemma3(args, tokenizer, fields)
     config = AutoConfig.for_model(model_type, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
                                   eos_token_id=tokenizer.eos_token_id, initializer_range=0.02,
                                   **{"max_position_embeddings": 4096, **fields})
@@ -218,6 +230,44 @@ def _save_qwen_vl(args: argparse.Namespace, tokenizer: Any, fields: dict[str, An
     model.save_pretrained(output)
     Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=28 * 28 * 1280).save_pretrained(output)
     tokenizer.save_pretrained(output)
+    num_params = sum(p.numel() for p in model.parameters())
+    print(f"{args.preset}: {num_params / 1e6:.0f}M random {args.dtype} weights in {output}")
+    return {"preset": args.preset, "num_params": num_params, "output": str(output)}
+
+
+def _save_gemma3(args: argparse.Namespace, tokenizer: Any, fields: dict[str, Any]) -> dict[str, Any]:
+    """A Gemma 3 preset: the model, and its processor over the tokenizer with Gemma's image tokens added (and named
+    as Gemma3Processor reads them)."""
+    import tempfile
+
+    import torch
+    from transformers import (
+        AutoConfig,
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+        Gemma3ImageProcessor,
+        Gemma3Processor,
+        PreTrainedTokenizerFast,
+    )
+
+    tokens = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+    tokenizer.add_special_tokens({"additional_special_tokens": list(tokens.values())})
+    with tempfile.TemporaryDirectory() as folder:     # reloaded, to name its image tokens
+        tokenizer.save_pretrained(folder)
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(folder, extra_special_tokens=tokens)
+    ids = tokenizer.convert_tokens_to_ids(list(tokens.values()))
+    text = AutoConfig.for_model(**fields["text_config"], vocab_size=len(tokenizer), initializer_range=0.02,
+                                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    config = Gemma3Config(text_config=text.to_dict(), vision_config=fields["vision_config"],
+                          mm_tokens_per_image=fields["mm_tokens_per_image"], boi_token_index=ids[0],
+                          eoi_token_index=ids[1], image_token_index=ids[2])
+    torch.manual_seed(args.seed)
+    model = Gemma3ForConditionalGeneration(config).to(getattr(torch, args.dtype))
+    output = Path(args.output)
+    model.save_pretrained(output)
+    size = fields["vision_config"]["image_size"]
+    Gemma3Processor(image_processor=Gemma3ImageProcessor(size={"height": size, "width": size}), tokenizer=tokenizer,
+                    image_seq_length=fields["mm_tokens_per_image"]).save_pretrained(output)
     num_params = sum(p.numel() for p in model.parameters())
     print(f"{args.preset}: {num_params / 1e6:.0f}M random {args.dtype} weights in {output}")
     return {"preset": args.preset, "num_params": num_params, "output": str(output)}

@@ -122,3 +122,28 @@ def test_the_qwen_vl_preset_is_a_qwen2_5_vl_with_its_image_processor(tmp_path, m
     # 100 x 60 pixels to whole 28-pixel squares: 112 x 56, 4 x 2 squares
     assert out.prompt_token_ids.count(config["image_token_id"]) == 8
     assert len(out.outputs[0].token_ids) == 4
+
+
+def test_the_gemma3_preset_is_a_gemma3_with_its_processor(tmp_path, monkeypatch):
+    """The Gemma 3 preset saves the model and its processor (the tokenizer with Gemma's image tokens, named as its
+    processor reads them): `<start_of_image>` becomes the image's placeholders, and pagedllm generates from them."""
+    import numpy as np
+    from PIL import Image
+
+    model_type, fields = random_model.PRESETS["gemma3-4b"]
+    small = {"mm_tokens_per_image": 4,
+             "text_config": {**fields["text_config"], "hidden_size": 64, "intermediate_size": 64,
+                             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                             "head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 8},
+             "vision_config": {**fields["vision_config"], "hidden_size": 32, "intermediate_size": 64,
+                               "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": 56}}
+    monkeypatch.setitem(random_model.PRESETS, "gemma3-4b", (model_type, small))
+    main(["random-model", str(tmp_path / "m"), "--preset", "gemma3-4b", "--dtype", "float32"])
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert config["architectures"] == ["Gemma3ForConditionalGeneration"]
+    image = Image.fromarray(np.zeros((60, 100, 3), dtype=np.uint8))
+    with LLM(str(tmp_path / "m"), num_kv_blocks=64) as llm:
+        out = llm.generate({"prompt": "<start_of_image>Describe it.", "multi_modal_data": {"image": image}},
+                           SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
+    assert out.prompt_token_ids.count(config["image_token_index"]) == 4
+    assert len(out.outputs[0].token_ids) == 4
