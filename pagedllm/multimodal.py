@@ -1,16 +1,18 @@
-"""Images in prompts, for a Llava-kind model (`pagedllm.models.vision`).
+"""Images in prompts, for a vision-language model (`pagedllm.models.vision`).
 
 A prompt takes images as vLLM's do: `{"prompt": "USER: <image>\\nWhat is this? ASSISTANT:", "multi_modal_data":
-{"image": image}}` (a PIL image, or a list of them, one per `<image>` of the text in order). The model's own
-transformers processor (`ImageProcessor`) turns text and images into token ids, where each image's `<image>` has
-become as many placeholder tokens as its encoder gives rows, and into pixels: one picture an image for Llava, for
-Idefics3 and SmolVLM a grid of tiles and the whole image shrunk, each tile its own run of placeholders between
-the processor's markers. `image_inputs` then finds each picture's run. Qwen2-VL's and Qwen2.5-VL's images keep
-their aspect: each becomes a grid of patches of its own size (`GridImageProcessor`), and as many placeholders as the
-grid has 2 x 2 squares; their language model places those tokens by M-RoPE (`MRopeLayout`). An `ImageInput` (one
-picture) is what the core carries: where its placeholders sit in the prompt, a hash of its pixels (its prefix-cache
-key: `pagedllm.core.kv_cache.hashing`), the pixels themselves, which only the runner reads, and a grid's shape.
-Pure Python at import: the core imports this module.
+{"image": image}}` (a PIL image, or a list of them, one per marker of the text in order). The model's own
+transformers processor (`ImageProcessor`) turns text and images into token ids, where each image's marker has
+become as many placeholder tokens as its encoder gives rows, and into pixels: one picture an image for Llava and
+Gemma 3, for Idefics3 a grid of tiles and the whole image shrunk, each tile its own run of placeholders between the
+processor's markers, for LLaVA-NeXT its tiles in one run (`AnyresImageProcessor`). `image_inputs` then finds each
+picture's run. Where that processor needs torchvision (SmolVLM2's, InternVL's, the Qwen-VLs'), the markers are
+expanded here, with the model's image processor (`_ExpandingProcessor`). The Qwen-VLs' images keep their aspect:
+each becomes a grid of patches of its own size (`GridImageProcessor`), and as many placeholders as the grid has 2 x 2
+squares; their language model places those tokens by M-RoPE (`MRopeLayout`). An `ImageInput` (one picture) is what
+the core carries: where its placeholders sit in the prompt, a hash of its pixels (its prefix-cache key:
+`pagedllm.core.kv_cache.hashing`), the pixels themselves, which only the runner reads, and its shape where the
+encoder needs it. Pure Python at import: the core imports this module.
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ def image_inputs(token_ids: list[int], pictures: Sequence[Any], image_token_id: 
 
 @dataclass(frozen=True, slots=True)
 class MRopeLayout:
-    """Where M-RoPE (Qwen2-VL's and Qwen2.5-VL's language model) puts a prompt's tokens with grid images: a token's
+    """Where M-RoPE (the Qwen-VLs' language models) puts a prompt's tokens with grid images: a token's
     rotary position is three, (frame, row, column). A text token's three are its index plus a shift; an image's
     placeholders' are its start (its first placeholder's index plus the shift there) plus their place in its grid.
     An image of R x C placeholders advances the positions by max(R, C), not by R x C: every token after it, text
@@ -126,7 +128,8 @@ class MRopeLayout:
 
 
 def has_processor(path: Path) -> bool:
-    """Whether a model folder holds a processor's config: without one a Llava checkpoint serves text only."""
+    """Whether a model folder holds a processor's config: without one a vision-language checkpoint serves text
+    only."""
     return any((path / name).is_file() for name in ("processor_config.json", "preprocessor_config.json"))
 
 
@@ -224,6 +227,12 @@ class _ExpandingProcessor(ImageProcessor):
         except TypeError as exc:
             raise ValueError(f"mm_processor_kwargs {sorted(kwargs)}: {exc}") from exc
 
+    def _token_ids(self, text: str, expansions: Sequence[str], add_special_tokens: bool) -> list[int]:
+        """The token ids of `text` with its i-th marker replaced by `expansions[i]`."""
+        pieces = text.split(self.image_token)
+        text = pieces[0] + "".join(expansion + piece for expansion, piece in zip(expansions, pieces[1:], strict=True))
+        return self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+
 
 class TiledImageProcessor(_ExpandingProcessor):
     """SmolVLM2's (`SmolVLMForConditionalGeneration`, Idefics3's architecture): its image processor (transformers':
@@ -248,12 +257,9 @@ class TiledImageProcessor(_ExpandingProcessor):
         from transformers.models.smolvlm.processing_smolvlm import get_image_prompt_string
 
         encoded = self._pixels([images], kwargs, return_row_col_info=True)
-        pieces = text.split(self.image_token)
-        text = pieces[0] + "".join(
-            get_image_prompt_string(rows, columns, self.tile_tokens, self.markers[0], self.image_token,
-                                    self.markers[1]) + piece
-            for rows, columns, piece in zip(encoded["rows"][0], encoded["cols"][0], pieces[1:], strict=True))
-        token_ids = self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+        token_ids = self._token_ids(text, [
+            get_image_prompt_string(rows, columns, self.tile_tokens, self.markers[0], self.image_token, self.markers[1])
+            for rows, columns in zip(encoded["rows"][0], encoded["cols"][0], strict=True)], add_special_tokens)
         assert bool(encoded["pixel_attention_mask"].all()), "a tile of one prompt is never padded"
         return token_ids, image_inputs(token_ids, encoded["pixel_values"][0].to(self.dtype), self.image_token_id)
 
@@ -277,10 +283,8 @@ class CroppedImageProcessor(_ExpandingProcessor):
                  ) -> tuple[list[int], tuple[ImageInput, ...]]:
         encoded = self._pixels(images, kwargs)
         start, end = self.markers
-        pieces = text.split(self.image_token)
-        text = pieces[0] + "".join(f"{start}{self.image_token * (self.tile_tokens * tiles)}{end}{piece}"
-                                   for tiles, piece in zip(encoded["num_patches"].tolist(), pieces[1:], strict=True))
-        token_ids = self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+        token_ids = self._token_ids(text, [f"{start}{self.image_token * (self.tile_tokens * tiles)}{end}"
+                                           for tiles in encoded["num_patches"].tolist()], add_special_tokens)
         return token_ids, image_inputs(token_ids, encoded["pixel_values"].to(self.dtype), self.image_token_id)
 
 
@@ -302,9 +306,6 @@ class GridImageProcessor(_ExpandingProcessor):
         encoded = self._pixels(images, kwargs)
         merge = self.images.merge_size
         grids = [(t, h // merge, w // merge) for t, h, w in encoded["image_grid_thw"].tolist()]
-        pieces = text.split(self.image_token)
-        text = pieces[0] + "".join(self.image_token * math.prod(grid) + piece
-                                   for grid, piece in zip(grids, pieces[1:], strict=True))
-        token_ids = self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+        token_ids = self._token_ids(text, [self.image_token * math.prod(grid) for grid in grids], add_special_tokens)
         pixels = encoded["pixel_values"].to(self.dtype).split([math.prod(grid) * merge ** 2 for grid in grids])
         return token_ids, image_inputs(token_ids, pixels, self.image_token_id, grids)

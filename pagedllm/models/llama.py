@@ -383,7 +383,7 @@ class LlamaModel(nn.Module):
         # longrope's (Phi-3's), whose step picks its tables' rows once for every layer (`table_rows`)
         self.longrope = next((r for r in rotary.values() if r.long_from), None)
         assert self.longrope is None or len(rotary) == 1, "longrope beside other ropes"
-        # M-RoPE's (Qwen2-VL's), whose image tokens' table rows are written for their step (`spatial_rows`)
+        # M-RoPE's (the Qwen-VLs'), whose image tokens' table rows are written for their step (`spatial_rows`)
         self.mrope = next((r for r in rotary.values() if r.mrope_axes), None)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         # kernel module -> its DecoderStack of these layers; None: the modules run (see use_decoder_stack)
@@ -537,7 +537,7 @@ class LlamaForCausalLM(nn.Module):
         self.classifier_token_ids: list[int] | None = getattr(config, "classifier_token_ids", None)
         self.head_is_embedding = bool(getattr(config, "tie_word_embeddings", False))     # the checkpoint's LM head
         self.final_softcap = _softcap(config, "final_logit_softcapping")   # Gemma 2's: 30.0
-        # a Llava-kind model's tower and projector (pagedllm.models.vision), set by the loader after the weights
+        # a vision-language model's image encoder (pagedllm.models.vision), set by the loader after the weights
         self.image_encoder: ImageEncoder | None = None
         self.tie_word_embeddings = self.bare or self.score is not None or self.head_is_embedding
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype, tp_rank, tp_size)

@@ -93,6 +93,8 @@ class ModelRunner:
                  peers: Peers | None = None, lora_config: LoRAConfig | None = None,
                  draft: DraftModel | None = None) -> None:
         self.model = loaded.model
+        # whether the model places image tokens by M-RoPE (the Qwen-VLs'): their requests' positions are shifted
+        self.mrope = getattr(getattr(self.model, "model", None), "mrope", None) is not None
         self.draft = draft
         self.loras = (LoRARegistry(self.model, lora_config.max_lora_rank, lora_config.capacity)
                       if lora_config is not None else None)
@@ -242,7 +244,8 @@ class ModelRunner:
         if not scheduled:
             return RunnerOutput()
         inputs = build_model_inputs(scheduled, self.block_size, self.device, self.cascade)
-        self._shift_positions(inputs, scheduled)
+        if self.mrope:
+            self._shift_positions(inputs, scheduled)
         pending_masks = self._start_token_bitmasks(inputs.sample_request_ids)
         start = time.perf_counter()
         try:
