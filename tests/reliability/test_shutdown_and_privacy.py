@@ -71,22 +71,25 @@ async def _stream(client: httpx.AsyncClient, i: int) -> dict:
 
 
 def _metric(text: str, name: str) -> float:
-    """The value of pagedllm:`name` in a /metrics text, 0 before it is first set."""
-    match = re.search(rf"^pagedllm:{name}\{{[^}}]*\}} (\S+)$", text, re.MULTILINE)
-    return 0.0 if match is None else float(match.group(1))
+    """The sum of pagedllm:`name` over its labels in a /metrics text, 0 before it is first set."""
+    return sum(float(value) for value in re.findall(rf"^pagedllm:{name}\{{[^}}]*\}} (\S+)$", text, re.MULTILINE))
 
 
 async def _load_then_sigterm(url: str, process: subprocess.Popen) -> tuple[list, list]:
     async with httpx.AsyncClient(base_url=url, timeout=60) as client:
         streams = [asyncio.ensure_future(_stream(client, i)) for i in range(NUM_CLIENTS)]
-        for _ in range(1200):             # wait (up to a minute) until all the requests are in and generating
+        # Wait (up to a minute) until all the requests are in and some still wait. The ones that already finished
+        # count as in: a loaded machine can take longer to send the last request than the server takes for the first.
+        for _ in range(1200):
             await asyncio.sleep(0.05)
             metrics = (await client.get("/metrics")).text
-            if _metric(metrics, "generation_tokens_total") > 3 and (    # more than the first request's 3
-                    _metric(metrics, "num_requests_running") + _metric(metrics, "num_requests_waiting") == NUM_CLIENTS):
+            waiting = _metric(metrics, "num_requests_waiting")
+            finished = _metric(metrics, "request_success_total") - 1           # less the first, plain request
+            if waiting + _metric(metrics, "num_requests_running") + finished == NUM_CLIENTS:
                 break
         else:
             raise AssertionError(f"the {NUM_CLIENTS} requests were not all in after a minute:\n{metrics}")
+        assert waiting > 0, f"the queue ran dry before SIGTERM: nothing left to abort\n{metrics}"
         process.send_signal(signal.SIGTERM)
         await asyncio.sleep(0.3)
         during = [await client.get("/health"),
