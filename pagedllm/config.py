@@ -16,6 +16,7 @@ PreemptionMode = Literal["recompute", "swap", "auto"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 DistributedExecutorBackend = Literal["mp", "ray"]
 QUANTIZATIONS = (None, "int8", "w8a8", "gguf", "awq", "gptq")
+MODALITIES = ("image", "video", "audio")    # limit_mm_per_prompt's keys (vLLM's); pagedllm reads images
 DataParallelRouterPolicy = Literal["prefix_aware", "round_robin"]
 
 
@@ -193,6 +194,11 @@ class ModelConfig:
             model's sentence-transformers config, else LAST (`pagedllm.loader.pooling_config`).
         mm_processor_kwargs: arguments for the model's processor on every prompt with images (vLLM's), e.g.
             Idefics3's `{"do_image_splitting": false}`; a prompt's own `mm_processor_kwargs` add to them.
+        limit_mm_per_prompt: the most images one prompt may hold (vLLM's), `{"image": 2}`: a prompt with more is
+            refused before any of its images is read. `{"image": 0}` turns images off: the image encoder is not
+            loaded, and a vision-language checkpoint serves text in the memory of its language model. A limit may
+            also be vLLM's `{"count": N, ...}` (its other fields size vLLM's memory profiling: unused here);
+            "video" and "audio" limits are taken and change nothing (pagedllm reads images only). None: no limit.
     """
 
     model: str | None = None
@@ -210,8 +216,14 @@ class ModelConfig:
     hf_overrides: dict[str, Any] | None = None
     pooler_config: dict[str, Any] | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
+    limit_mm_per_prompt: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        limits = self.limit_mm_per_prompt
+        _require(limits is None or (isinstance(limits, dict) and set(limits) <= set(MODALITIES)
+                                    and all(_item_limit(v) is not None for v in limits.values())),
+                 "limit_mm_per_prompt", f"a dict of {', '.join(MODALITIES)} to a count >= 0 (or to {{'count': N, "
+                 "...})", limits)
         _require(self.hf_overrides is None or isinstance(self.hf_overrides, dict), "hf_overrides",
                  "a dict of config fields", self.hf_overrides)
         _require(self.mm_processor_kwargs is None or isinstance(self.mm_processor_kwargs, dict),
@@ -232,6 +244,18 @@ class ModelConfig:
                  "'auto', 'cpu', 'cuda' or 'cuda:N'", self.device)
         _require(self.quantization is None or not self.device.startswith("cuda"), "quantization",
                  "None on a GPU (the quantized kernels are CPU kernels)", self.quantization)
+
+    @property
+    def image_limit(self) -> int | None:
+        """The most images a prompt may hold (`limit_mm_per_prompt`); None: no limit."""
+        limits = self.limit_mm_per_prompt or {}
+        return _item_limit(limits["image"]) if "image" in limits else None
+
+
+def _item_limit(value: Any) -> int | None:
+    """A limit_mm_per_prompt value's count (an int, or vLLM's {"count": N, ...}); None if it is neither."""
+    count = value.get("count") if isinstance(value, dict) else value
+    return count if isinstance(count, int) and not isinstance(count, bool) and count >= 0 else None
 
 
 @dataclass

@@ -127,6 +127,13 @@ class MRopeLayout:
                 [start + j % columns for j in places]]
 
 
+def check_image_count(count: int, limit: int | None) -> None:
+    """ValueError for a prompt of `count` images past `limit` (`ModelConfig.image_limit`; None: no limit)."""
+    if limit is not None and count > limit:
+        raise ValueError(f"the prompt has {count} images, and a prompt may hold at most {limit} (limit_mm_per_prompt"
+                         f"{': images are off' if limit == 0 else ''})")
+
+
 def has_processor(path: Path) -> bool:
     """Whether a model folder holds a processor's config: without one a vision-language checkpoint serves text
     only."""

@@ -161,6 +161,10 @@ class AsyncEngine:
         return self.engine.image_processor
 
     @property
+    def image_limit(self) -> int | None:
+        return self.engine.image_limit
+
+    @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 

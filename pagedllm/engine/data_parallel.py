@@ -282,6 +282,10 @@ class AsyncDataParallelEngine:
         return self.replicas[0].image_processor
 
     @property
+    def image_limit(self) -> int | None:
+        return self.replicas[0].image_limit
+
+    @property
     def max_model_len(self) -> int:
         return self.replicas[0].max_model_len
 

@@ -38,7 +38,7 @@ from pagedllm.models.llama import (
     num_experts,
     token_type_vocab_size,
 )
-from pagedllm.multimodal import ImageProcessor
+from pagedllm.multimodal import ImageProcessor, check_image_count
 from pagedllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.runner import kv_tensors
@@ -379,6 +379,11 @@ class LLMEngine:
                                  self.config.model.mm_processor_kwargs)
 
     @property
+    def image_limit(self) -> int | None:
+        """The most images a prompt may hold (`ModelConfig.image_limit`); None: no limit."""
+        return self.config.model.image_limit
+
+    @property
     def image_marker(self) -> str | None:
         """What marks an image's place in a prompt's text (Llava's `<image>`); None: the model takes no images."""
         return None if self.image_processor is None else self.image_processor.image_token
@@ -386,8 +391,9 @@ class LLMEngine:
     def process_images(self, parsed: ParsedPrompt, add_special_tokens: bool = True) -> ParsedPrompt:
         """A prompt with images (`parsed.images`) as the model's processor makes it: token ids, each image's
         `<image>` expanded into its placeholders, and `image_inputs` (`add_special_tokens` False for a chat
-        template's text). ValueError for a model that takes no images, or a prompt whose markers do not match its
-        images. Thread-safe."""
+        template's text). ValueError for a model that takes no images, a prompt with more than `image_limit`, or
+        one whose markers do not match its images. Thread-safe."""
+        check_image_count(len(parsed.images), self.image_limit)
         if self.image_processor is None:
             raise ValueError(f"{self.model_name} takes no images: pagedllm reads the images of "
                              f"{', '.join(sorted(IMAGE_ENCODERS))} checkpoints that have their processor config and "

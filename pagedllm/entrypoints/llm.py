@@ -29,6 +29,7 @@ from pagedllm.entrypoints.openai.tool_parsers import with_tools
 from pagedllm.inputs import ParsedPrompt, PromptType, as_prompt_list, parse_prompt
 from pagedllm.logger import init_logger
 from pagedllm.lora.request import LoRARequest
+from pagedllm.multimodal import check_image_count
 from pagedllm.outputs import (
     ClassificationOutput,
     ClassificationRequestOutput,
@@ -41,7 +42,12 @@ from pagedllm.outputs import (
 from pagedllm.pooling_params import PoolingParams, check_runner
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.scoring import cosine_similarity, cross_encoder_prompt, pair_up
-from pagedllm.tokenizer.chat_template import apply_chat_template, conversation_images, render_chat_template
+from pagedllm.tokenizer.chat_template import (
+    apply_chat_template,
+    conversation_images,
+    image_parts,
+    render_chat_template,
+)
 
 logger = init_logger(__name__)
 Conversation = list[dict[str, Any]]
@@ -113,6 +119,8 @@ class LLM:
             to serve Qwen3-Reranker as a classifier made of its LM head's "no" and "yes" rows.
         mm_processor_kwargs: arguments for the model's processor on every prompt with images (vLLM's), e.g.
             `{"do_image_splitting": False}` for Idefics3 (SmolVLM): one tile an image.
+        limit_mm_per_prompt: the most images a prompt may hold (vLLM's), e.g. `{"image": 2}`; `{"image": 0}` loads
+            no image encoder: a vision-language checkpoint runs as its language model (`ModelConfig`).
         runner, convert: vLLM's switches to an embedding model (`runner="pooling"`, `convert="embed"`), taken so that
             code written for vLLM runs; they select nothing, since one pagedllm engine both generates and embeds
             (`embed`), and a checkpoint with a classification head also classifies (`classify`). vLLM's other
@@ -139,7 +147,8 @@ class LLM:
                  convert: str = "auto", enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16,
                  max_cpu_loras: int | None = None, hf_overrides: dict[str, Any] | None = None,
                  pooler_config: dict[str, Any] | None = None,
-                 mm_processor_kwargs: dict[str, Any] | None = None) -> None:
+                 mm_processor_kwargs: dict[str, Any] | None = None,
+                 limit_mm_per_prompt: dict[str, Any] | None = None) -> None:
         check_runner(runner, convert)
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
@@ -147,7 +156,8 @@ class LLM:
                               skip_tokenizer_init=skip_tokenizer_init, quantization=quantization,
                               device=device, enforce_eager=enforce_eager, disable_cascade_attn=disable_cascade_attn,
                               generation_config=generation_config, hf_overrides=hf_overrides,
-                              pooler_config=pooler_config, mm_processor_kwargs=mm_processor_kwargs),
+                              pooler_config=pooler_config, mm_processor_kwargs=mm_processor_kwargs,
+                              limit_mm_per_prompt=limit_mm_per_prompt),
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
                               gpu_memory_utilization=gpu_memory_utilization, swap_space=swap_space,
                               swap_path=swap_path, enable_prefix_caching=enable_prefix_caching,
@@ -444,6 +454,7 @@ class LLM:
                      continue_final_message: bool, kwargs: dict[str, Any],
                      processor_kwargs: dict[str, Any] | None) -> ParsedPrompt:
         """A conversation's prompt: its token ids, and, where it holds images, those (`process_images`)."""
+        check_image_count(len(image_parts(conversation)), self.engine.config.model.image_limit)   # none read yet
         tokenizer, images = self.get_tokenizer(), conversation_images(conversation)
         if not images:
             return ParsedPrompt(None, apply_chat_template(tokenizer, conversation, template, add_generation_prompt,

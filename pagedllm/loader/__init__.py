@@ -378,7 +378,9 @@ def load_model(model_config: ModelConfig, tp_rank: int = 0, tp_size: int = 1,
     model.eval()
     parts += _pack(model, quantization)
     if getattr(hf_config, "text_part_of", None) in IMAGE_ENCODERS:
-        if has_processor(resolved.path):
+        if model_config.image_limit == 0:
+            parts.append("no image encoder (limit_mm_per_prompt: images off)")
+        elif has_processor(resolved.path):
             model.image_encoder = _image_encoder(resolved, dtype, model_config.device, hf_config.text_part_of)
             parts.append("the image encoder in plain torch")
         elif tp_rank == 0:

@@ -1,6 +1,6 @@
 """The server's flags -> EngineConfig: --speculative-config takes vLLM's JSON; --enforce-eager,
---disable-cascade-attn, --generation-config, --mm-processor-kwargs, --[no-]enable-chunked-prefill; the CORS flags
-take JSON lists; uvicorn's access log; --help's groups."""
+--disable-cascade-attn, --generation-config, --mm-processor-kwargs, --limit-mm-per-prompt,
+--[no-]enable-chunked-prefill; the CORS flags take JSON lists; uvicorn's access log; --help's groups."""
 
 from __future__ import annotations
 
@@ -79,6 +79,18 @@ def test_mm_processor_kwargs_reach_the_model_config() -> None:
     assert _config().model.mm_processor_kwargs is None
     assert _config("--mm-processor-kwargs", '{"do_image_splitting": false}').model.mm_processor_kwargs == \
         {"do_image_splitting": False}
+
+
+def test_limit_mm_per_prompt_takes_vllms_two_forms() -> None:
+    assert _config().model.image_limit is None
+    for text in ('{"image": 2, "video": 0}', "image=2,video=0", '{"image": {"count": 2, "width": 512}}'):
+        assert _config("--limit-mm-per-prompt", text).model.image_limit == 2, text
+    for text in ("image", "image=two", "{not json"):
+        with pytest.raises(SystemExit):
+            _config("--limit-mm-per-prompt", text)
+    for text in ('{"image": -1}', '{"picture": 1}', "image=1,smell=2"):
+        with pytest.raises(ValueError, match="limit_mm_per_prompt"):
+            _config("--limit-mm-per-prompt", text)
 
 
 @pytest.mark.parametrize(("flags", "access_log"), [((), True), (("--disable-uvicorn-access-log",), False)])

@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+import openai
 import pytest
 import torch
 import transformers
@@ -609,3 +610,35 @@ def test_the_servers_data_parallel_replicas_take_a_chats_images(tmp_path: Path) 
         assert reply.choices[0].message.content == offline.text
     finally:
         running.stop()
+
+
+def test_limit_mm_per_prompt_refuses_more_images_and_zero_serves_text_only(tmp_path: Path) -> None:
+    """vLLM's limit_mm_per_prompt: a prompt past the image limit is refused before any of its images is read
+    (offline, in a chat, on the server); image 0 loads no encoder, and the checkpoint generates text as before."""
+    _save_model(tmp_path, "clip")
+    image = _image(70)
+    limited = LLM(model=str(tmp_path), dtype="float32", num_kv_blocks=64, limit_mm_per_prompt={"image": 1})
+    one = limited.generate({"prompt": "look: <image>", "multi_modal_data": {"image": image}}, GREEDY)[0]
+    assert one.prompt_token_ids.count(limited.engine.hf_config.image_token_id) == 16
+    with pytest.raises(ValueError, match="2 images, and a prompt may hold at most 1 "):
+        limited.generate({"prompt": "<image> <image>", "multi_modal_data": {"image": [image, image]}}, GREEDY)
+    broken = {"type": "image_url", "image_url": {"url": "data:image/png;base64,bm90IGFuIGltYWdl"}}  # never read
+    with pytest.raises(ValueError, match="at most 1 "):
+        limited.chat([{"role": "user", "content": [broken, broken]}], GREEDY)
+    running = start_server(limited.engine, api_key=None)
+    try:
+        with pytest.raises(openai.BadRequestError, match="at most 1 ") as refused:
+            served_chat(running, [broken, broken])
+        assert refused.value.body["param"] == "messages"
+    finally:
+        running.stop()
+    text = limited.generate("Hello there", GREEDY)[0].outputs[0].token_ids
+    limited.close()
+    off = LLM(model=str(tmp_path), dtype="float32", num_kv_blocks=64, limit_mm_per_prompt={"image": 0})
+    assert off.engine.image_processor is None
+    assert getattr(off.engine.runner.model, "image_encoder", None) is None
+    assert off.generate("Hello there", GREEDY)[0].outputs[0].token_ids == text
+    with pytest.raises(ValueError, match="images are off"):
+        off.generate({"prompt": "look: <image>", "multi_modal_data": {"image": image}}, GREEDY)
+    with pytest.raises(ValueError, match="images are off"):
+        off.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": image}]}], GREEDY)

@@ -50,6 +50,17 @@ def parse_json_list(text: str) -> list[str]:
                      "a JSON list of strings")
 
 
+def parse_mm_limits(text: str) -> dict:
+    """--limit-mm-per-prompt: a JSON object, '{"image": 2}', or vLLM's older form, image=2,video=1 (ModelConfig
+    checks the counts)."""
+    if text.lstrip().startswith("{"):
+        return parse_json_object(text)
+    pairs = [item.partition("=") for item in text.split(",")]
+    if not all(sep and key.strip() and count.strip().isdigit() for key, sep, count in pairs):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object or MODALITY=COUNT,... (e.g. image=2)")
+    return {key.strip(): int(count) for key, _, count in pairs}
+
+
 def parse_lora_module(text: str) -> dict[str, str]:
     """One --lora-modules entry, in vLLM's two forms: NAME=PATH, or a JSON object {"name": ..., "path": ...,
     "base_model_name": ...} (the last optional)."""
@@ -236,6 +247,11 @@ def _add_model_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--mm-processor-kwargs", type=parse_json_object, default=None,
                        help="JSON arguments for the model's processor on every prompt with images (vLLM's), e.g. "
                             "'{\"do_image_splitting\": false}' for Idefics3 (SmolVLM)")
+    group.add_argument("--limit-mm-per-prompt", type=parse_mm_limits, default=None, metavar="JSON",
+                       help="the most images one prompt may hold (vLLM's), '{\"image\": 2}' (or image=2); a prompt "
+                            "with more gets 400. '{\"image\": 0}' loads no image encoder: a vision-language model "
+                            "then serves text only, in less memory. video and audio limits are taken and unused "
+                            "(default: no limit)")
     group.add_argument("--seed", type=int, default=0, help="seed of the engine's random stream (default: 0)")
 
 
@@ -337,7 +353,8 @@ def engine_config_from_args(args: argparse.Namespace):
                           device=args.device, enforce_eager=args.enforce_eager,
                           disable_cascade_attn=args.disable_cascade_attn,
                           generation_config=args.generation_config, hf_overrides=args.hf_overrides,
-                          pooler_config=args.pooler_config, mm_processor_kwargs=args.mm_processor_kwargs),
+                          pooler_config=args.pooler_config, mm_processor_kwargs=args.mm_processor_kwargs,
+                          limit_mm_per_prompt=args.limit_mm_per_prompt),
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                           gpu_memory_utilization=args.gpu_memory_utilization, swap_space=args.swap_space,
                           swap_path=args.swap_path, enable_prefix_caching=args.enable_prefix_caching,

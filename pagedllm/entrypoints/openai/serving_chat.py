@@ -43,6 +43,7 @@ from pagedllm.entrypoints.openai.tool_parsers import (
     required_tools_schema,
     with_tools,
 )
+from pagedllm.multimodal import check_image_count
 from pagedllm.outputs import PromptLogprobs
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedllm.tokenizer.chat_template import (
@@ -139,11 +140,13 @@ class OpenAIServingChat(GenerationServing):
     async def render_prompt(self, request: ChatCompletionRequest, truncation: slice | None) -> Prompt:
         """The conversation's prompt, checked as the engine will: its token ids, and its images where its messages
         hold some (made by the model's processor, off the event loop); 400 naming `messages` on a bad message,
-        image or template, or a model that takes no images."""
-        if not image_parts(request.messages):     # a text chat: no thread hop to look for images
+        image or template, more images than the engine's limit, or a model that takes no images."""
+        parts = image_parts(request.messages)
+        if not parts:     # a text chat: no thread hop to look for images
             return Prompt(None, await self.prompt_token_ids(await self.render(request), "messages", truncation))
         processor = self.engine.image_processor
         try:
+            check_image_count(len(parts), self.engine.image_limit)
             if processor is None:   # refused, naming the first image, before any image is read
                 validate_messages(request.messages)
             images = await self.engine.run_on_tokenizer_thread(conversation_images, request.messages)
