@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
 from pagedllm.entrypoints.openai.cli_args import add_server_args, engine_config_from_args
 from pagedllm.heap import freeze_startup_heap, paused_gc
@@ -28,7 +29,8 @@ def build_app_from_args(args: argparse.Namespace):
                      limits=limits_from_args(args), enable_auto_tool_choice=args.enable_auto_tool_choice,
                      tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                      cors=CorsPolicy(args.allowed_origins, args.allowed_methods, args.allowed_headers,
-                                     args.allow_credentials), lora_modules=lora_modules_from_args(args))
+                                     args.allow_credentials), lora_modules=lora_modules_from_args(args),
+                     root_path=args.root_path, docs=not args.disable_fastapi_docs)
 
 
 def limits_from_args(args: argparse.Namespace):
@@ -44,6 +46,7 @@ def run_server(args: argparse.Namespace) -> None:
     from pagedllm.entrypoints.openai.graceful import GracefulServer
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    check_http_args(args)     # before the model loads, which takes a while
     try:
         with paused_gc():
             app = build_app_from_args(args)
@@ -51,8 +54,7 @@ def run_server(args: argparse.Namespace) -> None:
         raise SystemExit(f"error: {exc}") from exc
     freeze_startup_heap()        # the engine and the app live as long as the process: pagedllm.heap
     names = ", ".join(args.served_model_name or [app.state.engine.model_name])
-    logger.info("serving %s on http://%s:%d (API key %s)", names, args.host, args.port,
-                "required" if args.api_key else "not required")
+    logger.info("serving %s on %s (API key %s)", names, address(args), "required" if args.api_key else "not required")
     try:
         GracefulServer(uvicorn_config(app, args), app.state.engine, args.shutdown_timeout).run()
     finally:
@@ -61,12 +63,34 @@ def run_server(args: argparse.Namespace) -> None:
 
 
 def uvicorn_config(app, args: argparse.Namespace):
-    """How uvicorn serves `app` under the flags."""
+    """How uvicorn serves `app` under the flags: on a TCP port or a Unix socket (--uds), HTTPS with a key and a
+    certificate."""
     import uvicorn
 
-    return uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+    return uvicorn.Config(app, host=args.host, port=args.port, uds=args.uds, log_level=args.uvicorn_log_level,
                           access_log=not args.disable_uvicorn_access_log, timeout_keep_alive=5,
-                          timeout_graceful_shutdown=5)
+                          timeout_graceful_shutdown=5, ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
+                          ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs)
+
+
+def check_http_args(args: argparse.Namespace) -> None:
+    """SystemExit for HTTPS flags that cannot serve: a key without a certificate or the reverse, a file missing, a
+    --root-path that is not a path."""
+    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
+        raise SystemExit("error: HTTPS needs both --ssl-keyfile and --ssl-certfile")
+    for flag, path in (("--ssl-keyfile", args.ssl_keyfile), ("--ssl-certfile", args.ssl_certfile),
+                       ("--ssl-ca-certs", args.ssl_ca_certs)):
+        if path is not None and not os.path.isfile(path):
+            raise SystemExit(f"error: {flag} {path}: no such file")
+    if args.root_path and (not args.root_path.startswith("/") or args.root_path.endswith("/")):
+        raise SystemExit(f"error: --root-path {args.root_path!r} must start with '/' and not end with one (e.g. /llm)")
+
+
+def address(args: argparse.Namespace) -> str:
+    """Where the flags have the server listen, for its log: an http(s) URL, or a Unix socket's path."""
+    if args.uds is not None:
+        return f"the Unix socket {args.uds}"
+    return f"{'https' if args.ssl_certfile else 'http'}://{args.host}:{args.port}{args.root_path}"
 
 
 def make_parser() -> argparse.ArgumentParser:

@@ -138,6 +138,18 @@ def _add_http_args(server: argparse._ArgumentGroup) -> None:
     server.add_argument("--host", default="127.0.0.1",
                         help="address to bind; 0.0.0.0 exposes the server to the network (default: %(default)s)")
     server.add_argument("--port", type=int, default=8000, help="TCP port (default: %(default)s)")
+    server.add_argument("--uds", default=None, metavar="PATH",
+                        help="serve on this Unix domain socket instead of --host and --port")
+    server.add_argument("--root-path", default="",
+                        help="the path prefix a proxy in front serves the API under (e.g. /llm); requests are "
+                             "routed with or without it (default: none)")
+    server.add_argument("--ssl-keyfile", default=None, help="serve HTTPS: the server's private key (PEM)")
+    server.add_argument("--ssl-certfile", default=None, help="serve HTTPS: the server's certificate (PEM)")
+    server.add_argument("--ssl-ca-certs", default=None,
+                        help="the CA certificates that client certificates are checked against (PEM)")
+    server.add_argument("--ssl-cert-reqs", type=int, default=0, choices=[0, 1, 2],
+                        help="client certificates: 0 not asked for, 1 checked when sent, 2 required (Python's "
+                             "ssl.CERT_NONE, CERT_OPTIONAL, CERT_REQUIRED; default: %(default)s)")
     server.add_argument("--api-key", default=os.environ.get("PAGEDLLM_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on /v1/* (default: $PAGEDLLM_API_KEY; unset "
                              "means no key)")
@@ -155,6 +167,8 @@ def _add_http_args(server: argparse._ArgumentGroup) -> None:
                              "(new requests get 503 meanwhile); a second Ctrl-C quits at once (default: %(default)s)")
     server.add_argument("--disable-uvicorn-access-log", action="store_true",
                         help="no uvicorn log line per HTTP request")
+    server.add_argument("--disable-fastapi-docs", action="store_true",
+                        help="no API schema or docs pages (/openapi.json, /docs, /redoc answer 404)")
     server.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"],
                         help="uvicorn's log level (default: %(default)s)")

@@ -54,7 +54,7 @@ from pagedllm.entrypoints.openai.serving_pooling import OpenAIServingPooling
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.serving_score import OpenAIServingScore
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
-from pagedllm.entrypoints.openai.transport import RequestGate, respond
+from pagedllm.entrypoints.openai.transport import RequestGate, RootPath, respond
 from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics.prometheus import PrometheusStatLogger
 
@@ -73,7 +73,8 @@ class CorsPolicy:
 def build_app(engine: AsyncEngine | AsyncDataParallelEngine, *, served_model_names: Sequence[str] | None = None,
               api_key: str | None = None, limits: ServerLimits | None = None, enable_auto_tool_choice: bool = False,
               tool_call_parser: str | None = None, reasoning_parser: str | None = None,
-              cors: CorsPolicy | None = None, lora_modules: Sequence[LoRARequest] = ()) -> FastAPI:
+              cors: CorsPolicy | None = None, lora_modules: Sequence[LoRARequest] = (), root_path: str = "",
+              docs: bool = True) -> FastAPI:
     """An OpenAI-compatible app serving `engine`.
 
     Args:
@@ -89,6 +90,9 @@ def build_app(engine: AsyncEngine | AsyncDataParallelEngine, *, served_model_nam
         cors: the origins whose pages may call the server (default: none).
         lora_modules: LoRA adapters served beside the base model, each under its `lora_name` as `model` (the engine
             needs LoRA on); each is loaded now, so that a bad one stops the start.
+        root_path: the path prefix a proxy in front serves the app under (vLLM's --root-path): requests are routed
+            with or without it, and the API docs link through it.
+        docs: serve the API's OpenAPI schema and its pages (/openapi.json, /docs, /redoc); False: 404.
     """
     if enable_auto_tool_choice and tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
@@ -107,7 +111,8 @@ def build_app(engine: AsyncEngine | AsyncDataParallelEngine, *, served_model_nam
         finally:
             await asyncio.to_thread(engine.shutdown)
 
-    app = FastAPI(title="pagedllm", version=pagedllm.__version__, lifespan=lifespan)
+    app = FastAPI(title="pagedllm", version=pagedllm.__version__, lifespan=lifespan,
+                  **({} if docs else {"openapi_url": None, "docs_url": None, "redoc_url": None}))
     app.state.engine = engine
     app.state.registry = stat_logger.registry
     _add_error_handlers(app)
@@ -116,6 +121,8 @@ def build_app(engine: AsyncEngine | AsyncDataParallelEngine, *, served_model_nam
         # outside the gate: a browser's preflight (OPTIONS, which carries no API key) is answered here
         app.add_middleware(CORSMiddleware, allow_origins=list(cors.origins), allow_methods=list(cors.methods),
                            allow_headers=list(cors.headers), allow_credentials=cors.credentials)
+    if root_path:
+        app.add_middleware(RootPath, root_path=root_path)     # outermost: the gate checks the path less it
     chat = OpenAIServingChat(engine, names, limits, tool_call_parser if enable_auto_tool_choice else None,
                              reasoning_parser, loras)
     pooling = OpenAIServingPooling(chat)

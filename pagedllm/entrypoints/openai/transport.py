@@ -13,6 +13,7 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette._utils import get_route_path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedllm.entrypoints.openai.protocol import OpenAIError
@@ -123,7 +124,7 @@ class RequestGate:
 
     def _refusal(self, scope: Scope, headers: dict[bytes, bytes]) -> OpenAIError | None:
         """The error to answer before reading the body, if any: bad key, conflicting framing, declared too big."""
-        if self.api_key is not None and _needs_key(scope["path"]):
+        if self.api_key is not None and _needs_key(get_route_path(scope)):   # the path less --root-path
             bearer = secrets.compare_digest(headers.get(b"authorization", b""), b"Bearer " + self.api_key)
             if not bearer and not secrets.compare_digest(headers.get(b"x-api-key", b""), self.api_key):
                 return OpenAIError("Incorrect or missing API key: send 'Authorization: Bearer <key>' (or "
@@ -138,6 +139,20 @@ class RequestGate:
 
     def _too_large(self) -> OpenAIError:
         return OpenAIError(f"the request body is larger than {self.max_bytes} bytes", 413, code="request_too_large")
+
+
+class RootPath:
+    """Pure ASGI middleware for an app served under a proxy's path prefix (--root-path): it sets the requests'
+    ASGI root_path, as FastAPI's (deprecated) root_path argument did, so that a path routes with or without the
+    prefix (a proxy may strip it or pass it on) and the API docs link through it."""
+
+    def __init__(self, app: ASGIApp, root_path: str) -> None:
+        self.app, self.root_path = app, root_path
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] in ("http", "websocket"):
+            scope = {**scope, "root_path": self.root_path}
+        await self.app(scope, receive, send)
 
 
 async def send_error(send: Send, error: OpenAIError) -> None:

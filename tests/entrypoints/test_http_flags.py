@@ -1,0 +1,129 @@
+"""How the server listens, under vLLM's flags, each served by uvicorn as `serve` configures it: HTTPS
+(--ssl-keyfile, --ssl-certfile; client certificates with --ssl-ca-certs and --ssl-cert-reqs), a Unix socket (--uds),
+a proxy's path prefix (--root-path, the API key still checked behind it) and no API docs (--disable-fastapi-docs).
+Flags that cannot serve stop the start before the model loads."""
+
+from __future__ import annotations
+
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import trustme
+import uvicorn
+
+from pagedllm.entrypoints.openai.api_server import (
+    address,
+    build_app_from_args,
+    check_http_args,
+    make_parser,
+    uvicorn_config,
+)
+from tests.models.tiny import save_tiny_model
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("http-flags") / "llama")[0]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def _serving(model_dir: Path, *flags: str) -> Iterator[object]:
+    """`serve`'s app and uvicorn config for the flags (a tiny model, a free port), running in a thread."""
+    args = make_parser().parse_args(["--model", str(model_dir), "--dtype", "float32", "--kv-cache-memory", "4MiB",
+                                     "--port", str(_free_port()), "--uvicorn-log-level", "warning", *flags])
+    check_http_args(args)
+    server = uvicorn.Server(uvicorn_config(build_app_from_args(args), args))
+    thread = threading.Thread(target=server.run, daemon=True, name="test-uvicorn")
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.05)
+    try:
+        yield args
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+def test_https_with_a_certificate_and_client_certificates(model_dir: Path, tmp_path: Path) -> None:
+    ca = trustme.CA()
+    served = ca.issue_cert("127.0.0.1")
+    key, cert, ca_file = tmp_path / "key.pem", tmp_path / "cert.pem", tmp_path / "ca.pem"
+    served.private_key_pem.write_to_path(str(key))
+    served.cert_chain_pems[0].write_to_path(str(cert))
+    ca.cert_pem.write_to_path(str(ca_file))
+    with _serving(model_dir, "--ssl-keyfile", str(key), "--ssl-certfile", str(cert)) as args:
+        url = address(args)
+        assert url.startswith("https://127.0.0.1:")
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0,
+                               http_client=httpx.Client(verify=ssl.create_default_context(cafile=str(ca_file))))
+        completion = client.completions.create(model=client.models.list().data[0].id, prompt="hi", max_tokens=3,
+                                               extra_body={"ignore_eos": True})
+        assert completion.usage.completion_tokens == 3
+        with pytest.raises(httpx.HTTPError):           # plain HTTP on the HTTPS port gets no answer
+            httpx.get(url.replace("https", "http") + "/health", timeout=5)
+        with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):   # nor a client that checks
+            httpx.get(f"{url}/health", timeout=5)
+    # client certificates required: one the CA signed gets in, none does not
+    with _serving(model_dir, "--ssl-keyfile", str(key), "--ssl-certfile", str(cert), "--ssl-ca-certs", str(ca_file),
+                  "--ssl-cert-reqs", "2") as args:
+        trusted = ssl.create_default_context(cafile=str(ca_file))
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"{address(args)}/health", verify=trusted, timeout=5)
+        ca.issue_cert("client@example.com").configure_cert(trusted)
+        assert httpx.get(f"{address(args)}/health", verify=trusted, timeout=5).status_code == 200
+
+
+def test_a_unix_socket(model_dir: Path, tmp_path: Path) -> None:
+    path = tmp_path / "pagedllm.sock"
+    with _serving(model_dir, "--uds", str(path)) as args:
+        assert address(args) == f"the Unix socket {path}"
+        client = httpx.Client(transport=httpx.HTTPTransport(uds=str(path)), base_url="http://localhost")
+        models = client.get("/v1/models").json()["data"]
+        reply = client.post("/v1/completions", json={"model": models[0]["id"], "prompt": "hi", "max_tokens": 2,
+                                                     "ignore_eos": True}, timeout=60)
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 2
+
+
+def test_a_root_path_routes_with_or_without_it_and_keeps_the_key(model_dir: Path) -> None:
+    with _serving(model_dir, "--root-path", "/llm", "--api-key", "sesame", "--disable-fastapi-docs") as args:
+        base = address(args).removesuffix("/llm")
+        assert address(args).endswith("/llm")
+        key = {"Authorization": "Bearer sesame"}
+        for prefix in ("/llm", ""):      # a proxy that strips the prefix, and one that passes it on
+            assert httpx.get(f"{base}{prefix}/v1/models", timeout=5).status_code == 401, prefix
+            assert httpx.get(f"{base}{prefix}/v1/models", headers=key, timeout=5).status_code == 200, prefix
+            assert httpx.get(f"{base}{prefix}/health", timeout=5).status_code == 200, prefix
+        for page in ("/openapi.json", "/docs", "/redoc"):
+            assert httpx.get(f"{base}{page}", timeout=5).status_code == 404, page
+    with _serving(model_dir, "--root-path", "/llm") as args:
+        base = address(args).removesuffix("/llm")
+        schema = httpx.get(f"{base}/openapi.json", timeout=5).json()
+        assert schema["servers"] == [{"url": "/llm"}] and "/v1/chat/completions" in schema["paths"]
+        assert httpx.get(f"{base}/llm/docs", timeout=5).status_code == 200
+
+
+@pytest.mark.parametrize(("flags", "error"), [
+    (("--ssl-keyfile", "key.pem"), "needs both --ssl-keyfile and --ssl-certfile"),
+    (("--ssl-keyfile", "/nonexistent/key.pem", "--ssl-certfile", "/nonexistent/cert.pem"), "no such file"),
+    (("--root-path", "llm"), "must start with '/'"),
+    (("--root-path", "/llm/"), "must start with '/'"),
+])
+def test_flags_that_cannot_serve_stop_the_start(flags: tuple[str, ...], error: str) -> None:
+    with pytest.raises(SystemExit, match=error):
+        check_http_args(make_parser().parse_args(list(flags)))
