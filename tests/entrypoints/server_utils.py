@@ -25,7 +25,7 @@ from pagedllm.engine.data_parallel import AsyncDataParallelEngine
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.llm import LLM
 from pagedllm.entrypoints.openai.server import CorsPolicy, build_app
-from pagedllm.entrypoints.openai.serving_base import ServerLimits
+from pagedllm.entrypoints.openai.serving_base import FrontendOptions, ServerLimits
 from pagedllm.sampling_params import SamplingParams
 from tests.models.tiny import save_tiny_model
 
@@ -95,14 +95,15 @@ def tool_model_engine(folder: Path) -> LLMEngine:
 def start_server(engine, *, api_key: str | None = API_KEY, limits: ServerLimits | None = None,
                  served_model_names: list[str] | None = None, timeout: float = 60.0,
                  tool_call_parser: str | None = None, reasoning_parser: str | None = None,
-                 cors: CorsPolicy | None = None, lora_modules: list | tuple = ()) -> RunningServer:
+                 cors: CorsPolicy | None = None, lora_modules: list | tuple = (),
+                 options: FrontendOptions | None = None) -> RunningServer:
     """Serve an (LLM or fake) engine, or data-parallel replicas (an AsyncDataParallelEngine), on a free 127.0.0.1
     port; returns once /health answers. `tool_call_parser` turns on tool_choice "auto" with that parser."""
     async_engine = engine if isinstance(engine, AsyncDataParallelEngine) else AsyncEngine(engine)
     limits = limits or ServerLimits(max_request_body_bytes=MAX_BODY_BYTES)
     app = build_app(async_engine, served_model_names=served_model_names, api_key=api_key, limits=limits,
                     enable_auto_tool_choice=tool_call_parser is not None, tool_call_parser=tool_call_parser,
-                    reasoning_parser=reasoning_parser, cors=cors, lora_modules=lora_modules)
+                    reasoning_parser=reasoning_parser, cors=cors, lora_modules=lora_modules, options=options)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))

@@ -13,7 +13,8 @@ import pytest
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.async_engine import AsyncEngine
 from pagedllm.entrypoints.openai.run_batch import run_batch
-from tests.models.tiny import save_tiny_model
+from pagedllm.entrypoints.openai.serving_base import FrontendOptions
+from tests.models.tiny import build_byte_tokenizer, save_tiny_model
 from tests.reliability.tiny_server import build_tiny_engine, offline
 
 MESSAGES = [{"role": "user", "content": "Say something."}]
@@ -34,7 +35,8 @@ def _line(custom_id: str, url: str, body: dict) -> str:
     return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body})
 
 
-def _run(tiny_dir, lines: list[str], max_in_flight: int = 8) -> tuple[list[dict], object]:
+def _run(tiny_dir, lines: list[str], max_in_flight: int = 8,
+         options: FrontendOptions | None = None) -> tuple[list[dict], object]:
     """run_batch on a tiny engine of its own, started and shut down here; the output lines, parsed."""
     written: list[str] = []
 
@@ -42,7 +44,7 @@ def _run(tiny_dir, lines: list[str], max_in_flight: int = 8) -> tuple[list[dict]
         served = AsyncEngine(build_tiny_engine(tiny_dir))
         served.start(asyncio.get_running_loop())
         try:
-            return await run_batch(served, lines, written.append, max_in_flight=max_in_flight)
+            return await run_batch(served, lines, written.append, max_in_flight=max_in_flight, options=options)
         finally:
             await asyncio.to_thread(served.shutdown)
 
@@ -132,13 +134,26 @@ def test_the_command_reads_and_writes_files(tiny_dir, tmp_path):
     requests = tmp_path / "in.jsonl"
     requests.write_text("\n".join([
         _line("a", "/v1/completions", {"prompt": "Once", "max_tokens": 3, "temperature": 0, "ignore_eos": True}),
-        _line("b", "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 3, "temperature": 0})]) + "\n")
+        _line("b", "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 3, "temperature": 0}),
+        _line("c", "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 3, "chat_template": "x"})]) + "\n")
     results = tmp_path / "out.jsonl"
     done = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "run-batch", "-i", str(requests),
                            "-o", str(results), "--model", str(tiny_dir), "--dtype", "float32",
-                           "--kv-cache-memory", "16MiB"], capture_output=True, text=True, timeout=120)
+                           "--kv-cache-memory", "16MiB", "--response-role", "bot"], capture_output=True, text=True,
+                          timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     outputs = [json.loads(line) for line in results.read_text().splitlines()]
-    assert [(o["custom_id"], o["response"]["status_code"]) for o in outputs] == [("a", 200), ("b", 200)]
+    assert [(o["custom_id"], o["response"]["status_code"]) for o in outputs] == [("a", 200), ("b", 200), ("c", 400)]
     assert outputs[0]["response"]["body"]["usage"]["completion_tokens"] == 3
-    assert "batch done: 2 requests answered, 0 failed" in done.stderr
+    assert outputs[1]["response"]["body"]["choices"][0]["message"]["role"] == "bot"       # the serving flags hold
+    assert "--trust-request-chat-template" in outputs[2]["response"]["body"]["error"]["message"]
+    assert "batch done: 2 requests answered, 1 failed" in done.stderr
+
+
+def test_a_trusted_batch_takes_its_own_chat_template(tiny_dir):
+    line = _line("t", "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 1, "return_token_ids": True,
+                                               "chat_template": "{{ messages[0]['content'] }}"})
+    (output,), _ = _run(tiny_dir, [line], options=FrontendOptions(trust_request_chat_template=True))
+    body = output["response"]["body"]
+    assert output["response"]["status_code"] == 200 and body["prompt_token_ids"] == \
+        build_byte_tokenizer().encode(MESSAGES[0]["content"], add_special_tokens=False)

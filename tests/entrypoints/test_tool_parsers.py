@@ -147,8 +147,8 @@ def test_a_template_that_knows_tools_gets_them():
     template = ("{% for t in tools %}TOOL {{ t.function.name }}\n{% endfor %}"
                 "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}")
     tokenizer = build_byte_tokenizer()
-    request = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=[TOOL],
-                                    chat_template=template)
+    tokenizer.chat_template = template
+    request = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=[TOOL])
     assert _render(tokenizer, request) == "TOOL get_weather\nuser: hi\n"
 
 

@@ -30,7 +30,8 @@ def build_app_from_args(args: argparse.Namespace):
                      tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                      cors=CorsPolicy(args.allowed_origins, args.allowed_methods, args.allowed_headers,
                                      args.allow_credentials), lora_modules=lora_modules_from_args(args),
-                     root_path=args.root_path, docs=not args.disable_fastapi_docs)
+                     root_path=args.root_path, docs=not args.disable_fastapi_docs,
+                     options=frontend_options_from_args(args))
 
 
 def limits_from_args(args: argparse.Namespace):
@@ -40,6 +41,19 @@ def limits_from_args(args: argparse.Namespace):
     return ServerLimits(max_request_body_bytes=args.max_request_body_bytes, max_n=args.max_n,
                         max_stop_strings=args.max_stop_strings, max_logprobs=args.max_logprobs,
                         max_choices=args.max_choices)
+
+
+def frontend_options_from_args(args: argparse.Namespace):
+    """The FrontendOptions the flags describe."""
+    from pagedllm.entrypoints.openai.serving_base import FrontendOptions
+
+    return FrontendOptions(response_role=args.response_role,
+                           default_chat_template_kwargs=args.default_chat_template_kwargs,
+                           return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                           force_include_usage=args.enable_force_include_usage,
+                           trust_request_chat_template=args.trust_request_chat_template,
+                           trust_request_mm_kwargs=args.trust_request_mm_kwargs,
+                           exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none)
 
 
 def run_server(args: argparse.Namespace) -> None:

@@ -189,6 +189,27 @@ def _add_openai_args(server: argparse._ArgumentGroup) -> None:
                         help="how the model marks its thinking: deepseek_r1 (<think> ... </think>: DeepSeek-R1 and "
                              "its Qwen2 distills, QwQ) or qwen3 (only a reply that opens with <think> reasons); "
                              "replies then carry it in `reasoning`, apart from `content`")
+    server.add_argument("--trust-request-chat-template", action="store_true",
+                        help="take a chat request's own chat_template (Jinja a client wrote); by default such a "
+                             "request gets 400, as in vLLM")
+    server.add_argument("--trust-request-mm-kwargs", action="store_true",
+                        help="take a chat request's own mm_processor_kwargs (they change what an image costs); by "
+                             "default such a request gets 400, as in vLLM")
+    server.add_argument("--default-chat-template-kwargs", type=parse_json_object, default=None, metavar="JSON",
+                        help="template variables every chat is rendered with, under a request's own "
+                             "chat_template_kwargs, e.g. '{\"enable_thinking\": false}' for Qwen3")
+    server.add_argument("--response-role", default="assistant",
+                        help="the role of a chat reply that follows the generation prompt (default: %(default)s)")
+    server.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                        help='render a chat whose tool_choice is "none" without its tools')
+    server.add_argument("--return-tokens-as-token-ids", action="store_true",
+                        help="log-probabilities name tokens 'token_id:{id}' unless a request says otherwise (for "
+                             "tokens whose text is not valid UTF-8 on its own)")
+    server.add_argument("--enable-force-include-usage", action="store_true",
+                        help="a streamed response ends with its usage whether or not stream_options asks")
+    server.add_argument("--enable-prompt-tokens-details", action="store_true",
+                        help="taken so that vLLM command lines run: usage always carries "
+                             "prompt_tokens_details.cached_tokens (the prompt's tokens the prefix cache held)")
     server.add_argument("--enable-log-requests", action="store_true",
                         help="log each request's prompt and sampling parameters (off: prompts may be private)")
     server.add_argument("--disable-log-stats", action="store_true",

@@ -41,7 +41,13 @@ from pagedllm.entrypoints.openai.protocol import (
     random_id,
     validation_error,
 )
-from pagedllm.entrypoints.openai.serving_base import LoRAModules, ServerLimits, error_for, load_lora_modules
+from pagedllm.entrypoints.openai.serving_base import (
+    FrontendOptions,
+    LoRAModules,
+    ServerLimits,
+    error_for,
+    load_lora_modules,
+)
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_pooling import OpenAIServingPooling
@@ -75,19 +81,20 @@ Endpoint = tuple[type[BaseModel], Callable[[Any], Awaitable[Any]]]
 async def run_batch(engine: AsyncEngine | AsyncDataParallelEngine, lines: Iterable[str], write: Callable[[str], None],
                     *, max_in_flight: int, served_model_names: list[str] | None = None,
                     limits: ServerLimits | None = None, tool_call_parser: str | None = None,
-                    reasoning_parser: str | None = None, lora_modules: LoRAModules | None = None) -> BatchCounts:
+                    reasoning_parser: str | None = None, lora_modules: LoRAModules | None = None,
+                    options: FrontendOptions | None = None) -> BatchCounts:
     """Answer every request of `lines` through the started `engine`, at most `max_in_flight` at once; `write` gets
     each output line (with its newline), in the input's order. `lora_modules`: adapters served by name, loaded
-    (`load_lora_modules`) before the engine started."""
+    (`load_lora_modules`) before the engine started; `options` as the server's (`FrontendOptions`)."""
     names = list(served_model_names or [engine.model_name])
     limits = limits or ServerLimits()
-    chat = OpenAIServingChat(engine, names, limits, tool_call_parser, reasoning_parser, lora_modules)
+    chat = OpenAIServingChat(engine, names, limits, tool_call_parser, reasoning_parser, lora_modules, options)
     pooling = OpenAIServingPooling(chat)
     scoring = OpenAIServingScore(pooling)
     endpoints: dict[str, Endpoint] = {
         "/v1/chat/completions": (ChatCompletionRequest, chat.create),
         "/v1/completions": (CompletionRequest,
-                            OpenAIServingCompletion(engine, names, limits, chat.lora_modules).create),
+                            OpenAIServingCompletion(engine, names, limits, chat.lora_modules, chat.options).create),
         "/v1/responses": (ResponsesRequest, OpenAIServingResponses(chat).create),
         "/v1/embeddings": (EmbeddingRequest, pooling.embeddings),
         "/v1/classify": (ClassificationRequest, pooling.classify),
@@ -177,7 +184,7 @@ def make_parser() -> argparse.ArgumentParser:
 
 def main(args: argparse.Namespace) -> None:
     from pagedllm.engine.data_parallel import build_async_engine
-    from pagedllm.entrypoints.openai.api_server import limits_from_args
+    from pagedllm.entrypoints.openai.api_server import frontend_options_from_args, limits_from_args
     from pagedllm.entrypoints.openai.cli_args import engine_config_from_args, lora_modules_from_args
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -196,21 +203,22 @@ def main(args: argparse.Namespace) -> None:
         except ValueError as exc:
             raise SystemExit(f"error: {exc}") from exc
         counts = asyncio.run(_run(engine, source, sink, 2 * config.scheduler.max_num_seqs, args,
-                                  limits_from_args(args), lora_modules))
+                                  limits_from_args(args), lora_modules, frontend_options_from_args(args)))
     more = ", ..." if counts.failed > len(counts.failed_lines) else ""
     logger.info("batch done: %d requests answered, %d failed%s", counts.succeeded, counts.failed,
                 f": {', '.join(counts.failed_lines)}{more}" if counts.failed else "")
 
 
 async def _run(engine: AsyncEngine | AsyncDataParallelEngine, source: TextIO, sink: TextIO, max_in_flight: int,
-               args: argparse.Namespace, limits: ServerLimits, lora_modules: LoRAModules) -> BatchCounts:
+               args: argparse.Namespace, limits: ServerLimits, lora_modules: LoRAModules,
+               options: FrontendOptions) -> BatchCounts:
     engine.start(asyncio.get_running_loop())
     try:
         return await run_batch(engine, source, lambda text: (sink.write(text), sink.flush()),
                                max_in_flight=max_in_flight, served_model_names=args.served_model_name,
                                limits=limits,
                                tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
-                               reasoning_parser=args.reasoning_parser, lora_modules=lora_modules)
+                               reasoning_parser=args.reasoning_parser, lora_modules=lora_modules, options=options)
     finally:
         await asyncio.to_thread(engine.shutdown)
 

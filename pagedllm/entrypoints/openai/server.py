@@ -41,7 +41,7 @@ from pagedllm.entrypoints.openai.protocol import (
     now,
     validation_error,
 )
-from pagedllm.entrypoints.openai.serving_base import ServerLimits, error_for, load_lora_modules
+from pagedllm.entrypoints.openai.serving_base import FrontendOptions, ServerLimits, error_for, load_lora_modules
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_messages import (
@@ -74,7 +74,7 @@ def build_app(engine: AsyncEngine | AsyncDataParallelEngine, *, served_model_nam
               api_key: str | None = None, limits: ServerLimits | None = None, enable_auto_tool_choice: bool = False,
               tool_call_parser: str | None = None, reasoning_parser: str | None = None,
               cors: CorsPolicy | None = None, lora_modules: Sequence[LoRARequest] = (), root_path: str = "",
-              docs: bool = True) -> FastAPI:
+              docs: bool = True, options: FrontendOptions | None = None) -> FastAPI:
     """An OpenAI-compatible app serving `engine`.
 
     Args:
@@ -93,6 +93,7 @@ def build_app(engine: AsyncEngine | AsyncDataParallelEngine, *, served_model_nam
         root_path: the path prefix a proxy in front serves the app under (vLLM's --root-path): requests are routed
             with or without it, and the API docs link through it.
         docs: serve the API's OpenAPI schema and its pages (/openapi.json, /docs, /redoc); False: 404.
+        options: how requests are answered beyond the limits (default: vLLM's defaults, `FrontendOptions`).
     """
     if enable_auto_tool_choice and tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
@@ -124,9 +125,9 @@ def build_app(engine: AsyncEngine | AsyncDataParallelEngine, *, served_model_nam
     if root_path:
         app.add_middleware(RootPath, root_path=root_path)     # outermost: the gate checks the path less it
     chat = OpenAIServingChat(engine, names, limits, tool_call_parser if enable_auto_tool_choice else None,
-                             reasoning_parser, loras)
+                             reasoning_parser, loras, options)
     pooling = OpenAIServingPooling(chat)
-    app.include_router(_v1_router(OpenAIServingCompletion(engine, names, limits, loras), chat, pooling))
+    app.include_router(_v1_router(OpenAIServingCompletion(engine, names, limits, loras, chat.options), chat, pooling))
     app.include_router(_pooling_router(pooling, OpenAIServingScore(pooling)))
     if isinstance(engine, AsyncEngine) and runtime_lora_updating():    # loading answers 400 with LoRA off
         app.include_router(_lora_router(engine, chat))

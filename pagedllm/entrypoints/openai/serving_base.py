@@ -47,6 +47,33 @@ class ServerLimits:
     max_choices: int = 1024
 
 
+@dataclass(frozen=True)
+class FrontendOptions:
+    """How the server answers, beyond its limits: vLLM's frontend flags, with its defaults.
+
+    Args:
+        response_role: the role of a chat reply that follows the generation prompt (--response-role); a reply
+            that continues the last message (add_generation_prompt false) takes that message's role.
+        default_chat_template_kwargs: template variables every chat is rendered with, under a request's own
+            chat_template_kwargs, e.g. `{"enable_thinking": False}` for Qwen3.
+        return_tokens_as_token_ids: log-probabilities name tokens "token_id:{id}" unless a request says otherwise.
+        force_include_usage: a streamed response ends with its usage whether or not stream_options asks.
+        trust_request_chat_template: take a chat request's own `chat_template`; off (vLLM's default), 400: the
+            template is Jinja the client wrote.
+        trust_request_mm_kwargs: take a chat request's own `mm_processor_kwargs`; off (vLLM's default), 400: they
+            change what an image costs to process.
+        exclude_tools_when_tool_choice_none: a chat with tool_choice "none" is rendered without its tools.
+    """
+
+    response_role: str = "assistant"
+    default_chat_template_kwargs: dict[str, Any] | None = None
+    return_tokens_as_token_ids: bool = False
+    force_include_usage: bool = False
+    trust_request_chat_template: bool = False
+    trust_request_mm_kwargs: bool = False
+    exclude_tools_when_tool_choice_none: bool = False
+
+
 @dataclass(slots=True)
 class ChoiceDelta:
     """What one response choice produced in one engine output.
@@ -138,13 +165,15 @@ class OpenAIServing:
         lora_modules: LoRA adapters served beside the base model, each under its `lora_name` as `model` (one
             LoRAModules shared by the server's serving objects).
         limits: per-request limits.
+        options: how requests are answered beyond the limits (default: vLLM's defaults).
     """
 
     def __init__(self, engine: AsyncEngine, served_model_names: Sequence[str], limits: ServerLimits,
-                 lora_modules: LoRAModules | None = None) -> None:
+                 lora_modules: LoRAModules | None = None, options: FrontendOptions | None = None) -> None:
         self.engine = engine
         self.served_model_names = list(served_model_names)
         self.limits = limits
+        self.options = options or FrontendOptions()
         self.lora_modules = lora_modules if lora_modules is not None else LoRAModules()
 
     # ---- validation ---------------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from pagedllm.entrypoints.openai.protocol import (
     random_id,
 )
 from pagedllm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS, ReasoningStream
-from pagedllm.entrypoints.openai.serving_base import LoRAModules, Prompt, ServerLimits
+from pagedllm.entrypoints.openai.serving_base import FrontendOptions, LoRAModules, Prompt, ServerLimits
 from pagedllm.entrypoints.openai.serving_choices import (
     ChoiceState,
     GenerationServing,
@@ -56,13 +56,13 @@ from pagedllm.tokenizer.chat_template import (
 
 
 class ChatChoiceState(ChoiceState):
-    """A chat choice, with its tool calls when the request has tools, and its reasoning split from its answer
-    under a reasoning parser (`show_reasoning`: the request's include_reasoning)."""
+    """A chat choice, with its message's `role`, its tool calls when the request has tools, and its reasoning split
+    from its answer under a reasoning parser (`show_reasoning`: the request's include_reasoning)."""
 
-    def __init__(self, tools: ToolCallStream | None, echo: str, prompt_token_ids: list[int],
+    def __init__(self, role: str, tools: ToolCallStream | None, echo: str, prompt_token_ids: list[int],
                  reasoning: ReasoningStream | None = None, show_reasoning: bool = True) -> None:
         super().__init__(echo, prompt_token_ids)
-        self.tools = tools
+        self.role, self.tools = role, tools
         self.reasoning, self.show_reasoning = reasoning, show_reasoning
 
 
@@ -79,8 +79,8 @@ class OpenAIServingChat(GenerationServing):
 
     def __init__(self, engine: AsyncEngine, served_model_names: Sequence[str], limits: ServerLimits,
                  tool_call_parser: str | None = None, reasoning_parser: str | None = None,
-                 lora_modules: LoRAModules | None = None) -> None:
-        super().__init__(engine, served_model_names, limits, lora_modules)
+                 lora_modules: LoRAModules | None = None, options: FrontendOptions | None = None) -> None:
+        super().__init__(engine, served_model_names, limits, lora_modules, options)
         if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"unknown reasoning parser {reasoning_parser!r}; pagedllm has {REASONING_PARSERS}")
         self.tool_call_parser, self.reasoning_parser = tool_call_parser, reasoning_parser
@@ -115,13 +115,15 @@ class OpenAIServingChat(GenerationServing):
             prompt_logprobs))
         head = {"id": request_id, "created": now(), "model": model,
                 "object": "chat.completion.chunk" if request.stream else "chat.completion"}
-        states = [ChatChoiceState(self._tool_stream(tool_choice, request.parallel_tool_calls), _echo(request),
+        role = self.options.response_role if request.add_generation_prompt else request.messages[-1].get("role")
+        states = [ChatChoiceState(role, self._tool_stream(tool_choice, request.parallel_tool_calls), _echo(request),
                                   prompt.token_ids,
                                   ReasoningStream(self.reasoning_parser) if self.reasoning_parser else None,
                                   request.include_reasoning)
                   for _ in range(request.n)]
         response = await self.respond(request, outputs, states, head,
-                                      ResponseOptions.of(request, len(prompt.token_ids), num_logprobs), sse)
+                                      ResponseOptions.of(request, len(prompt.token_ids), num_logprobs, self.options),
+                                      sse)
         if request.prompt_logprobs is not None:     # never streamed (refused above): a whole response
             cast(dict[str, Any], response)["prompt_logprobs"] = prompt_logprobs_json(prompt_logprobs.get(0))
         return response
@@ -140,7 +142,12 @@ class OpenAIServingChat(GenerationServing):
     async def render_prompt(self, request: ChatCompletionRequest, truncation: slice | None) -> Prompt:
         """The conversation's prompt, checked as the engine will: its token ids, and its images where its messages
         hold some (made by the model's processor, off the event loop); 400 naming `messages` on a bad message,
-        image or template, more images than the engine's limit, or a model that takes no images."""
+        image or template, more images than the engine's limit, or a model that takes no images; on
+        mm_processor_kwargs unless the server trusts a request's."""
+        if request.mm_processor_kwargs and not self.options.trust_request_mm_kwargs:
+            raise OpenAIError("the request passes mm_processor_kwargs, and the server processes images with its own "
+                              "only (start it with --trust-request-mm-kwargs to take a request's)",
+                              param="mm_processor_kwargs")
         parts = image_parts(request.messages)
         if not parts:     # a text chat: no thread hop to look for images
             return Prompt(None, await self.prompt_token_ids(await self.render(request), "messages", truncation))
@@ -169,9 +176,16 @@ class OpenAIServingChat(GenerationServing):
         return Prompt(text, await self.prompt_token_ids(token_ids, "messages"), images=inputs)
 
     def _with_tools(self, request: ChatCompletionRequest) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-        """The request's messages and template variables, its tools put where the template takes them."""
-        messages, kwargs = request.messages, dict(request.chat_template_kwargs or {})
-        if request.tools:
+        """The request's messages and template variables (its own over the server's defaults), its tools put where
+        the template takes them; 400 for a template of the request's own unless the server trusts them."""
+        own = request.chat_template_kwargs or {}
+        if not self.options.trust_request_chat_template and (request.chat_template is not None
+                                                             or own.get("chat_template") is not None):
+            raise OpenAIError("the request passes a chat template, and the server renders chats with its own only "
+                              "(start it with --trust-request-chat-template to take a request's)",
+                              param="chat_template")
+        messages, kwargs = request.messages, {**(self.options.default_chat_template_kwargs or {}), **own}
+        if request.tools and not (self.options.exclude_tools_when_tool_choice_none and request.tool_choice == "none"):
             template = request.chat_template or getattr(self.engine.tokenizer, "chat_template", None) or ""
             messages, tool_kwargs = with_tools(messages, [t.model_dump(exclude_none=True) for t in request.tools],
                                                template)
@@ -224,12 +238,13 @@ class OpenAIServingChat(GenerationServing):
         return ToolCallStream(forced_name=tool_choice.function.name)
 
     # ---- response shape -----------------------------------------------------------------------------------------
-    def _opening(self) -> dict[str, Any]:
-        return {"delta": {"role": "assistant", "content": ""}}
+    def _opening(self, state: ChoiceState) -> dict[str, Any]:
+        assert isinstance(state, ChatChoiceState)
+        return {"delta": {"role": state.role, "content": ""}}
 
     def _message(self, state: ChoiceState) -> dict[str, Any]:
         assert isinstance(state, ChatChoiceState)
-        message: dict[str, Any] = {"role": "assistant"}
+        message: dict[str, Any] = {"role": state.role}
         text: str | None = state.text
         if state.reasoning is not None:
             reasoning, text = state.reasoning.final(state.text)

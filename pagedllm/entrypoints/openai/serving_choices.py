@@ -15,7 +15,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedllm.entrypoints.openai.protocol import _SamplingFields
-from pagedllm.entrypoints.openai.serving_base import ChoiceDelta, OpenAIServing, OutputStream, error_for
+from pagedllm.entrypoints.openai.serving_base import (
+    ChoiceDelta,
+    FrontendOptions,
+    OpenAIServing,
+    OutputStream,
+    error_for,
+)
 from pagedllm.outputs import CompletionOutput, Logprob, PromptLogprobs
 
 # JSON has no -inf; vLLM sends this instead.
@@ -61,13 +67,18 @@ class ResponseOptions:
     tokens_as_ids: bool = False
 
     @classmethod
-    def of(cls, request: _SamplingFields, num_prompt_tokens: int, num_logprobs: int | None) -> ResponseOptions:
+    def of(cls, request: _SamplingFields, num_prompt_tokens: int, num_logprobs: int | None,
+           frontend: FrontendOptions) -> ResponseOptions:
+        """The request's options, the server's `frontend` options where it sets none."""
         options = request.stream_options
         usage = None
         if request.stream and options is not None and options.include_usage:
             usage = "continuous" if options.continuous_usage_stats else "final"
+        elif request.stream and frontend.force_include_usage:
+            usage = "final"
+        as_ids = request.return_tokens_as_token_ids
         return cls(num_prompt_tokens, num_logprobs, usage, bool(request.return_token_ids),
-                   bool(request.return_tokens_as_token_ids))
+                   frontend.return_tokens_as_token_ids if as_ids is None else as_ids)
 
 
 class ChoiceState:
@@ -127,8 +138,8 @@ class GenerationServing(OpenAIServing, ABC):
     def _logprobs_json(self, tokens: list[TokenLogprob]) -> dict[str, Any]:
         """The `logprobs` of a choice."""
 
-    def _opening(self) -> dict[str, Any] | None:
-        """The body of a chunk streamed before a choice's first delta, if any."""
+    def _opening(self, state: ChoiceState) -> dict[str, Any] | None:
+        """The body of a chunk streamed before the first delta of `state`'s choice, if any."""
         return None
 
     # ---- the shared loop ----------------------------------------------------------------------------------------
@@ -172,7 +183,7 @@ class GenerationServing(OpenAIServing, ABC):
         if first:
             state.started = True
             text = state.echo + text
-            opening = self._opening()
+            opening = self._opening(state)
             if opening is not None:
                 yield self._choice(index, opening, None, None, None)
         tokens = self._absorb(state, delta, options)

@@ -49,7 +49,7 @@ class OpenAIServingCompletion(GenerationServing):
         echoes = [self._echo(p) if request.echo else "" for p in prompts]
         states = [ChoiceState(echo, p.token_ids) for echo, p in zip(echoes, prompts) for _ in range(request.n)]
         head = {"id": request_id, "object": "text_completion", "created": now(), "model": model}
-        options = ResponseOptions.of(request, sum(len(p.token_ids) for p in prompts), request.logprobs)
+        options = ResponseOptions.of(request, sum(len(p.token_ids) for p in prompts), request.logprobs, self.options)
         response = await self.respond(request, outputs, states, head, options)
         if echo_logprobs:                           # never streamed (refused above): a whole response
             self._add_echo_logprobs(cast(dict[str, Any], response), prompts, prompt_logprobs, request.n,

@@ -31,7 +31,7 @@ class OpenAIServingPooling(OpenAIServing):
     serving's template."""
 
     def __init__(self, chat: OpenAIServingChat) -> None:
-        super().__init__(chat.engine, chat.served_model_names, chat.limits, chat.lora_modules)
+        super().__init__(chat.engine, chat.served_model_names, chat.limits, chat.lora_modules, chat.options)
         self.chat = chat
 
     async def embeddings(self, request: EmbeddingRequest) -> dict[str, Any]:

@@ -20,7 +20,8 @@ class OpenAIServingScore(OpenAIServing):
     runs."""
 
     def __init__(self, pooling: OpenAIServingPooling) -> None:
-        super().__init__(pooling.engine, pooling.served_model_names, pooling.limits, pooling.lora_modules)
+        super().__init__(pooling.engine, pooling.served_model_names, pooling.limits, pooling.lora_modules,
+                         pooling.options)
         self.pooling = pooling
 
     async def score(self, request: ScoreRequest) -> dict[str, Any]:

@@ -15,7 +15,7 @@ class OpenAIServingTokenization(OpenAIServing):
     """Tokenization with the server's own names and limits; chat messages go through the chat serving's template."""
 
     def __init__(self, chat: OpenAIServingChat) -> None:
-        super().__init__(chat.engine, chat.served_model_names, chat.limits, chat.lora_modules)
+        super().__init__(chat.engine, chat.served_model_names, chat.limits, chat.lora_modules, chat.options)
         self.chat = chat
 
     async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:

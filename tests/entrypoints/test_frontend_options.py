@@ -1,0 +1,132 @@
+"""vLLM's frontend flags (FrontendOptions), on a server with vLLM's defaults and on one with each set: a request's own
+chat template and processor arguments refused unless trusted, default template variables under a request's own,
+the reply's role, tokens named by id in log-probabilities, usage forced onto streams, and tools left out of a chat
+whose tool_choice is "none"."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from pagedllm.config import CacheConfig, EngineConfig, ModelConfig
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.entrypoints.openai.serving_base import FrontendOptions
+from tests.entrypoints.server_utils import RunningServer, start_server
+from tests.models.tiny import save_tiny_model
+
+# The server's own template: `shout` and `tools` show in the prompt.
+TEMPLATE = ("{% if shout %}LOUD {% endif %}{% if tools %}TOOLS {% endif %}"
+            "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}reply: {% endif %}")
+OPTIONS = FrontendOptions(response_role="bot", default_chat_template_kwargs={"shout": True},
+                          return_tokens_as_token_ids=True, force_include_usage=True,
+                          trust_request_chat_template=True, trust_request_mm_kwargs=True,
+                          exclude_tools_when_tool_choice_none=True)
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module", params=["defaults", "options"])
+def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    folder, _ = save_tiny_model(tmp_path_factory.mktemp("frontend") / "llama")
+    engine = LLMEngine(EngineConfig(model=ModelConfig(model=str(folder), dtype="float32", chat_template=TEMPLATE),
+                                    cache=CacheConfig(block_size=16, num_blocks=128)))
+    running = start_server(engine, api_key=None, options=OPTIONS if request.param == "options" else None)
+    yield running, request.param == "options"
+    running.stop()
+
+
+def _chat(running: RunningServer, **body: Any) -> httpx.Response:
+    body = {"model": running.model_name, "messages": HI, "max_tokens": 2, "ignore_eos": True, **body}
+    return httpx.post(f"{running.base_url}/v1/chat/completions", json=body, timeout=60)
+
+
+def _prompt(running: RunningServer, **body: Any) -> str:
+    """The text of the prompt the server rendered for a chat request."""
+    reply = _chat(running, return_token_ids=True, **body)
+    assert reply.status_code == 200, reply.text
+    return running.engine.tokenizer.decode(reply.json()["prompt_token_ids"])
+
+
+def test_a_requests_own_template_and_processor_arguments_need_trust(server: Any) -> None:
+    running, trusted = server
+    own = {"chat_template": "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"}
+    in_kwargs = {"chat_template_kwargs": {"chat_template": "x"}}
+    processor = {"mm_processor_kwargs": {"do_resize": False}}
+    if trusted:
+        assert _prompt(running, **own) == "[hi]"
+        assert _chat(running, **processor).status_code == 200
+        return
+    for body, param in ((own, "chat_template"), (in_kwargs, "chat_template"), (processor, "mm_processor_kwargs")):
+        refused = _chat(running, **body)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text
+        assert "--trust-request-" in refused.json()["error"]["message"]
+
+
+def test_default_template_variables_go_under_the_requests_own(server: Any) -> None:
+    running, options = server
+    assert _prompt(running).startswith("LOUD ") == options
+    assert not _prompt(running, chat_template_kwargs={"shout": False}).startswith("LOUD ")
+    assert _prompt(running, chat_template_kwargs={"shout": True}).startswith("LOUD ")
+
+
+def test_the_replys_role(server: Any) -> None:
+    running, options = server
+    role = "bot" if options else "assistant"
+    assert _chat(running).json()["choices"][0]["message"]["role"] == role
+    first = _stream(running)[0]
+    assert first["choices"][0]["delta"]["role"] == role
+    # continuing the last message: its role, whatever --response-role says
+    continued = _chat(running, messages=[*HI, {"role": "assistant", "content": "he"}], add_generation_prompt=False,
+                      continue_final_message=True)
+    assert continued.json()["choices"][0]["message"]["role"] == "assistant"
+
+
+def _stream(running: RunningServer, **body: Any) -> list[dict[str, Any]]:
+    with httpx.stream("POST", f"{running.base_url}/v1/chat/completions", timeout=60, json={
+            "model": running.model_name, "messages": HI, "max_tokens": 2, "ignore_eos": True, "stream": True,
+            **body}) as response:
+        return [json.loads(line[6:]) for line in response.iter_lines()
+                if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+def test_usage_on_every_stream_when_forced(server: Any) -> None:
+    running, options = server
+    chunks = _stream(running)
+    assert (chunks[-1].get("usage") is not None) == options
+    if options:
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 2
+    asked = _stream(running, stream_options={"include_usage": True})
+    assert asked[-1]["usage"]["completion_tokens"] == 2
+
+
+def test_tokens_named_by_id_unless_the_request_says(server: Any) -> None:
+    running, options = server
+    for asked, by_id in ((None, options), (False, False), (True, True)):
+        extra = {} if asked is None else {"return_tokens_as_token_ids": asked}
+        content = _chat(running, logprobs=True, top_logprobs=1, **extra).json()["choices"][0]["logprobs"]["content"]
+        assert all(entry["token"].startswith("token_id:") == by_id for entry in content), (asked, content)
+        completion = httpx.post(f"{running.base_url}/v1/completions", timeout=60, json={
+            "model": running.model_name, "prompt": "hi", "max_tokens": 2, "logprobs": 1, **extra}).json()
+        assert all(t.startswith("token_id:") == by_id for t in completion["choices"][0]["logprobs"]["tokens"])
+
+
+def test_tools_left_out_when_tool_choice_is_none(server: Any) -> None:
+    running, options = server
+    assert _prompt(running, tools=[TOOL], tool_choice="none").find("TOOLS ") == (-1 if options else 0)
+    assert "TOOLS " in _prompt(running, tools=[TOOL], tool_choice="required", ignore_eos=False)
+
+
+def test_the_flags_make_the_options() -> None:
+    from pagedllm.entrypoints.openai.api_server import frontend_options_from_args, make_parser
+
+    assert frontend_options_from_args(make_parser().parse_args([])) == FrontendOptions()
+    args = make_parser().parse_args([
+        "--response-role", "bot", "--default-chat-template-kwargs", '{"shout": true}', "--return-tokens-as-token-ids",
+        "--enable-force-include-usage", "--trust-request-chat-template", "--trust-request-mm-kwargs",
+        "--exclude-tools-when-tool-choice-none", "--enable-prompt-tokens-details"])
+    assert frontend_options_from_args(args) == OPTIONS
+
