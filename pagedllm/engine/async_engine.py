@@ -124,13 +124,15 @@ class AsyncEngine:
         engine: the engine; from `start()` on, only the engine thread may touch it.
         log_requests: log each request's prompt and parameters (off by default: prompts may be private).
         thread: the thread that built the engine, to step it on (default: a new one).
+        max_log_len: the most characters of a prompt's text (or of its token ids, written out) logged; None: all.
     """
 
     data_parallel_size = 1      # one engine; AsyncDataParallelEngine stands for several with this interface
 
-    def __init__(self, engine: LLMEngine, log_requests: bool = False, thread: EngineThread | None = None) -> None:
+    def __init__(self, engine: LLMEngine, log_requests: bool = False, thread: EngineThread | None = None,
+                 max_log_len: int | None = None) -> None:
         self.engine = engine
-        self.log_requests = log_requests
+        self.log_requests, self.max_log_len = log_requests, max_log_len
         self.error: BaseException | None = None
         self.latest_stats = SchedulerStats()
         self._stat_loggers: list[StatLogger] = []
@@ -322,7 +324,10 @@ class AsyncEngine:
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
         if self.log_requests:
-            logger.info("request %s: prompt=%r params=%s", request_id, prompt, params)
+            shown = repr(prompt)
+            if self.max_log_len is not None and len(shown) > self.max_log_len:
+                shown = f"{shown[:self.max_log_len]}... ({len(shown) - self.max_log_len} more characters)"
+            logger.info("request %s: prompt=%s params=%s", request_id, shown, params)
         self._post(_Add(request_id, prompt, params, prompt_token_ids, priority, cache_salt, time.monotonic(),
                         lora_request))
         done = False

@@ -399,13 +399,14 @@ class AsyncDataParallelEngine:
             self.replicas[index].abort(request_id)
 
 
-def build_async_engine(config: EngineConfig, log_requests: bool = False,
-                       log_stats: bool = False) -> AsyncEngine | AsyncDataParallelEngine:
+def build_async_engine(config: EngineConfig, log_requests: bool = False, log_stats: bool = False,
+                       max_log_len: int | None = None) -> AsyncEngine | AsyncDataParallelEngine:
     """The server's engine: one AsyncEngine, or with data_parallel_size > 1 the replicas behind the router; each
     engine built on the thread that steps it. `log_stats`: vLLM's log line of throughput and load every 10 s of
-    activity (pagedllm.metrics.log_stats)."""
+    activity (pagedllm.metrics.log_stats); `log_requests` and `max_log_len` as AsyncEngine's."""
     replicas, threads = build_replicas(config, "pagedllm-engine")
-    engines = [AsyncEngine(replica, log_requests, thread) for replica, thread in zip(replicas, threads, strict=True)]
+    engines = [AsyncEngine(replica, log_requests, thread, max_log_len)
+               for replica, thread in zip(replicas, threads, strict=True)]
     engine = engines[0] if len(engines) == 1 else AsyncDataParallelEngine(
         engines, make_router(config, replicas[0].capacity.num_blocks))
     if log_stats:

@@ -1,10 +1,14 @@
 """How the server listens, under vLLM's flags, each served by uvicorn as `serve` configures it: HTTPS
 (--ssl-keyfile, --ssl-certfile; client certificates with --ssl-ca-certs and --ssl-cert-reqs), a Unix socket (--uds),
-a proxy's path prefix (--root-path, the API key still checked behind it) and no API docs (--disable-fastapi-docs).
-Flags that cannot serve stop the start before the model loads."""
+a proxy's path prefix (--root-path, the API key still checked behind it), no API docs (--disable-fastapi-docs),
+several API keys, X-Request-Id headers, /load, prompts logged no longer than --max-log-len, access-log lines left
+out. Flags that cannot serve stop the start before the model loads."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import re
 import socket
 import ssl
 import threading
@@ -20,12 +24,14 @@ import trustme
 import uvicorn
 
 from pagedllm.entrypoints.openai.api_server import (
+    AccessLogFilter,
     address,
     build_app_from_args,
     check_http_args,
     make_parser,
     uvicorn_config,
 )
+from pagedllm.entrypoints.openai.transport import Load, ServerLoad
 from tests.models.tiny import save_tiny_model
 
 
@@ -127,3 +133,77 @@ def test_a_root_path_routes_with_or_without_it_and_keeps_the_key(model_dir: Path
 def test_flags_that_cannot_serve_stop_the_start(flags: tuple[str, ...], error: str) -> None:
     with pytest.raises(SystemExit, match=error):
         check_http_args(make_parser().parse_args(list(flags)))
+
+
+def test_several_api_keys_each_open_the_api(model_dir: Path) -> None:
+    with _serving(model_dir, "--api-key", "first", "second") as args:
+        url = address(args)
+        for key, status in (("first", 200), ("second", 200), ("third", 401), ("firstsecond", 401)):
+            assert httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {key}"},
+                             timeout=5).status_code == status, key
+        assert httpx.get(f"{url}/v1/models", headers={"x-api-key": "second"}, timeout=5).status_code == 200
+        assert httpx.get(f"{url}/dashboard?key=second", timeout=5).status_code == 200
+        assert httpx.get(f"{url}/dashboard?key=third", timeout=5).status_code == 401
+
+
+def test_request_id_headers_and_the_server_load(model_dir: Path) -> None:
+    with _serving(model_dir) as args:
+        plain = httpx.get(f"{address(args)}/health", headers={"X-Request-Id": "abc"}, timeout=5)
+        assert "x-request-id" not in plain.headers
+        assert httpx.get(f"{address(args)}/load", timeout=5).status_code == 404
+    with _serving(model_dir, "--enable-request-id-headers", "--enable-server-load-tracking") as args:
+        url = address(args)
+        assert httpx.get(f"{url}/health", headers={"X-Request-Id": "abc"}, timeout=5).headers["x-request-id"] == "abc"
+        made = {httpx.get(f"{url}/health", timeout=5).headers["x-request-id"] for _ in range(2)}
+        assert len(made) == 2 and all(len(request_id) == 32 for request_id in made)
+        model = httpx.get(f"{url}/v1/models", timeout=5).json()["data"][0]["id"]
+        body = {"model": model, "prompt": "hi", "max_tokens": 8, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as streaming:
+            assert streaming.headers["x-request-id"] and len(list(streaming.iter_lines())) > 8
+        assert httpx.get(f"{url}/load", timeout=5).json() == {"server_load": 0}     # each counted out again
+
+
+def test_the_server_load_counts_model_requests_until_their_last_byte() -> None:
+    load, gate = Load(), asyncio.Event()
+
+    async def app(scope, receive, send) -> None:     # answers once the test opens the gate
+        await gate.wait()
+
+    async def main() -> list[int]:
+        tracked = ServerLoad(app, load)
+        requests = [asyncio.create_task(tracked({"type": "http", "path": path}, None, None))
+                    for path in ("/v1/completions", "/v1/chat/completions", "/score", "/health", "/metrics")]
+        await asyncio.sleep(0.01)
+        seen = [load.count]
+        gate.set()
+        await asyncio.gather(*requests)
+        return [*seen, load.count]
+    assert asyncio.run(main()) == [3, 0]
+
+
+def test_prompts_logged_no_longer_than_max_log_len(model_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="pagedllm.engine.async_engine"), \
+            _serving(model_dir, "--enable-log-requests", "--max-log-len", "12") as args:
+        url = address(args)
+        model = httpx.get(f"{url}/v1/models", timeout=5).json()["data"][0]["id"]
+        httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": "abcdefghijklmnopqrstuvwxyz",
+                                                   "max_tokens": 1}, timeout=60).raise_for_status()
+    logged = [r.getMessage() for r in caplog.records if "prompt=" in r.getMessage()]
+    assert len(logged) == 1, logged
+    shown = re.search(r"prompt=(.*)\.\.\. \((\d+) more characters\) params=", logged[0])    # its token ids, clipped
+    assert shown is not None and len(shown.group(1)) == 12 and int(shown.group(2)) > 50, logged
+
+
+def test_access_log_lines_dropped_for_the_named_paths() -> None:
+    quiet = AccessLogFilter("/health, /metrics")
+
+    def line(path: str) -> logging.LogRecord:    # as uvicorn's access logger makes them
+        return logging.LogRecord("uvicorn.access", logging.INFO, "h11_impl.py", 1, '%s - "%s %s HTTP/%s" %d',
+                                 ("127.0.0.1:5", "GET", path, "1.1", 200), None)
+    assert [quiet.filter(line(p)) for p in ("/health", "/metrics?x=1", "/v1/models", "/healthz")] == \
+        [False, False, True, True]
+    args = make_parser().parse_args(["--disable-access-log-for-endpoints", "/ping", "--h11-max-incomplete-event-size",
+                                     "1MiB"])
+    assert uvicorn_config(object(), args).h11_max_incomplete_event_size == 1 << 20
+    assert any(isinstance(f, AccessLogFilter) and f.paths == {"/ping"}
+               for f in logging.getLogger("uvicorn.access").filters)

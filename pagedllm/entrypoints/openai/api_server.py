@@ -24,14 +24,15 @@ def build_app_from_args(args: argparse.Namespace):
     from pagedllm.entrypoints.openai.server import CorsPolicy, build_app
 
     engine = build_async_engine(engine_config_from_args(args), log_requests=args.enable_log_requests,
-                                log_stats=not args.disable_log_stats)
+                                log_stats=not args.disable_log_stats, max_log_len=args.max_log_len)
     return build_app(engine, served_model_names=args.served_model_name, api_key=args.api_key,
                      limits=limits_from_args(args), enable_auto_tool_choice=args.enable_auto_tool_choice,
                      tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                      cors=CorsPolicy(args.allowed_origins, args.allowed_methods, args.allowed_headers,
                                      args.allow_credentials), lora_modules=lora_modules_from_args(args),
                      root_path=args.root_path, docs=not args.disable_fastapi_docs,
-                     options=frontend_options_from_args(args))
+                     options=frontend_options_from_args(args), request_id_headers=args.enable_request_id_headers,
+                     server_load_tracking=args.enable_server_load_tracking)
 
 
 def limits_from_args(args: argparse.Namespace):
@@ -81,10 +82,28 @@ def uvicorn_config(app, args: argparse.Namespace):
     certificate."""
     import uvicorn
 
-    return uvicorn.Config(app, host=args.host, port=args.port, uds=args.uds, log_level=args.uvicorn_log_level,
-                          access_log=not args.disable_uvicorn_access_log, timeout_keep_alive=5,
-                          timeout_graceful_shutdown=5, ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
-                          ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs)
+    config = uvicorn.Config(app, host=args.host, port=args.port, uds=args.uds, log_level=args.uvicorn_log_level,
+                            access_log=not args.disable_uvicorn_access_log, timeout_keep_alive=5,
+                            timeout_graceful_shutdown=5, ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
+                            ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
+                            h11_max_incomplete_event_size=args.h11_max_incomplete_event_size)
+    if args.disable_access_log_for_endpoints:    # after uvicorn configured its loggers
+        logging.getLogger("uvicorn.access").addFilter(AccessLogFilter(args.disable_access_log_for_endpoints))
+    return config
+
+
+class AccessLogFilter(logging.Filter):
+    """Drops uvicorn's access-log lines for the paths of a comma-separated list (--disable-access-log-for-endpoints);
+    a path matches with any query string."""
+
+    def __init__(self, paths: str) -> None:
+        super().__init__()
+        self.paths = {path.strip() for path in paths.split(",") if path.strip()}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        # uvicorn's access record: args (client, method, path with its query, HTTP version, status)
+        args = record.args
+        return not (isinstance(args, tuple) and len(args) > 2 and str(args[2]).split("?")[0] in self.paths)
 
 
 def check_http_args(args: argparse.Namespace) -> None:

@@ -39,6 +39,13 @@ def _json_arg(text: str, fits, what: str):
     return value
 
 
+def _non_negative(text: str) -> int:
+    """An integer >= 0 given on the command line."""
+    if not text.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 0")
+    return int(text)
+
+
 def parse_json_object(text: str) -> dict:
     """A JSON object given on the command line, e.g. --speculative-config '{"method": "ngram", ...}'."""
     return _json_arg(text, lambda value: isinstance(value, dict), "a JSON object")
@@ -150,9 +157,10 @@ def _add_http_args(server: argparse._ArgumentGroup) -> None:
     server.add_argument("--ssl-cert-reqs", type=int, default=0, choices=[0, 1, 2],
                         help="client certificates: 0 not asked for, 1 checked when sent, 2 required (Python's "
                              "ssl.CERT_NONE, CERT_OPTIONAL, CERT_REQUIRED; default: %(default)s)")
-    server.add_argument("--api-key", default=os.environ.get("PAGEDLLM_API_KEY"),
-                        help="require 'Authorization: Bearer KEY' on /v1/* (default: $PAGEDLLM_API_KEY; unset "
-                             "means no key)")
+    env_key = os.environ.get("PAGEDLLM_API_KEY")
+    server.add_argument("--api-key", nargs="+", default=None if env_key is None else [env_key], metavar="KEY",
+                        help="require 'Authorization: Bearer KEY' on /v1/* for one of these keys (default: "
+                             "$PAGEDLLM_API_KEY; unset means no key)")
     server.add_argument("--allowed-origins", type=parse_json_list, default=[], metavar="JSON",
                         help='origins whose web pages may call the server from a browser (CORS), e.g. '
                              '\'["http://localhost:3000"]\' or \'["*"]\' (default: none, as vLLM)')
@@ -167,6 +175,15 @@ def _add_http_args(server: argparse._ArgumentGroup) -> None:
                              "(new requests get 503 meanwhile); a second Ctrl-C quits at once (default: %(default)s)")
     server.add_argument("--disable-uvicorn-access-log", action="store_true",
                         help="no uvicorn log line per HTTP request")
+    server.add_argument("--enable-request-id-headers", action="store_true",
+                        help="every response carries X-Request-Id: the request's own, else a new one")
+    server.add_argument("--enable-server-load-tracking", action="store_true",
+                        help='serve /load: {"server_load": N}, the requests running the model now')
+    server.add_argument("--disable-access-log-for-endpoints", default=None, metavar="PATHS",
+                        help="paths whose requests uvicorn does not log, comma-separated, e.g. /health,/metrics")
+    server.add_argument("--h11-max-incomplete-event-size", type=parse_bytes, default=4 * 1024 * 1024,
+                        help="most bytes of a request's head (and of a body chunk) not yet parsed; more is refused "
+                             "(default: 4MiB)")
     server.add_argument("--disable-fastapi-docs", action="store_true",
                         help="no API schema or docs pages (/openapi.json, /docs, /redoc answer 404)")
     server.add_argument("--uvicorn-log-level", default="info",
@@ -212,6 +229,9 @@ def _add_openai_args(server: argparse._ArgumentGroup) -> None:
                              "prompt_tokens_details.cached_tokens (the prompt's tokens the prefix cache held)")
     server.add_argument("--enable-log-requests", action="store_true",
                         help="log each request's prompt and sampling parameters (off: prompts may be private)")
+    server.add_argument("--max-log-len", type=_non_negative, default=None,
+                        help="with --enable-log-requests, the most characters of a request's prompt logged "
+                             "(default: all)")
     server.add_argument("--disable-log-stats", action="store_true",
                         help="no log line every 10 s of the throughput, the running and waiting requests, KV "
                              "cache usage and prefix cache hit rate")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import secrets
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,14 +28,14 @@ from pagedllm.entrypoints.openai.protocol import OpenAIError
 DASHBOARD_HTML = Path(__file__).parent / "static" / "dashboard.html"
 
 
-def dashboard_router(engine: AsyncEngine, api_key: str | None) -> APIRouter:
-    """/dashboard and /v1/kv_cache for `engine`; `api_key` as given to build_app."""
+def dashboard_router(engine: AsyncEngine, api_keys: Sequence[str]) -> APIRouter:
+    """/dashboard and /v1/kv_cache for `engine`; `api_keys` the server's (none: no key asked for)."""
     router = APIRouter()
     page = DASHBOARD_HTML.read_text(encoding="utf-8")
 
     @router.get("/dashboard")
     async def dashboard(key: str = "") -> HTMLResponse:
-        if api_key is not None and not secrets.compare_digest(key.encode(), api_key.encode()):
+        if api_keys and not any(secrets.compare_digest(key.encode(), api_key.encode()) for api_key in api_keys):
             raise OpenAIError("Incorrect or missing API key: open /dashboard?key=<key>.", 401, code="invalid_api_key")
         # no-referrer: the key in this page's address must not leak to anything it links to.
         return HTMLResponse(page, headers={"Cache-Control": "no-store", "Referrer-Policy": "no-referrer"})

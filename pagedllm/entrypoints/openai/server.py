@@ -54,7 +54,14 @@ from pagedllm.entrypoints.openai.serving_pooling import OpenAIServingPooling
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.serving_score import OpenAIServingScore
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
-from pagedllm.entrypoints.openai.transport import RequestGate, RootPath, respond
+from pagedllm.entrypoints.openai.transport import (
+    Load,
+    RequestGate,
+    RequestIdHeader,
+    RootPath,
+    ServerLoad,
+    respond,
+)
 from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics.prometheus import PrometheusStatLogger
 
@@ -71,17 +78,20 @@ class CorsPolicy:
 
 
 def build_app(engine: AsyncEngine | AsyncDataParallelEngine, *, served_model_names: Sequence[str] | None = None,
-              api_key: str | None = None, limits: ServerLimits | None = None, enable_auto_tool_choice: bool = False,
+              api_key: str | Sequence[str] | None = None, limits: ServerLimits | None = None,
+              enable_auto_tool_choice: bool = False,
               tool_call_parser: str | None = None, reasoning_parser: str | None = None,
               cors: CorsPolicy | None = None, lora_modules: Sequence[LoRARequest] = (), root_path: str = "",
-              docs: bool = True, options: FrontendOptions | None = None) -> FastAPI:
+              docs: bool = True, options: FrontendOptions | None = None, request_id_headers: bool = False,
+              server_load_tracking: bool = False) -> FastAPI:
     """An OpenAI-compatible app serving `engine`.
 
     Args:
         engine: an AsyncEngine not yet started, or data-parallel replicas behind one (AsyncDataParallelEngine);
             the app's lifespan starts and stops it.
         served_model_names: names accepted in `model` (default: the engine's model name).
-        api_key: when set, /v1/* requires `Authorization: Bearer <api_key>`, and /dashboard `?key=<api_key>`.
+        api_key: a key, or several (vLLM's --api-key takes a list): /v1/* then requires `Authorization: Bearer
+            <key>` for one of them, and /dashboard `?key=<key>`.
         limits: per-request limits (default: ServerLimits()).
         enable_auto_tool_choice: allow tool_choice "auto" (the model decides whether to call a tool).
         tool_call_parser: how the model writes tool calls (a name of TOOL_PARSERS); needed by the above.
@@ -94,10 +104,13 @@ def build_app(engine: AsyncEngine | AsyncDataParallelEngine, *, served_model_nam
             with or without it, and the API docs link through it.
         docs: serve the API's OpenAPI schema and its pages (/openapi.json, /docs, /redoc); False: 404.
         options: how requests are answered beyond the limits (default: vLLM's defaults, `FrontendOptions`).
+        request_id_headers: every response carries `X-Request-Id` (the request's own, else a new one).
+        server_load_tracking: serve vLLM's /load: `{"server_load": N}`, the requests running the model now.
     """
     if enable_auto_tool_choice and tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
     names = list(served_model_names or [engine.model_name])
+    api_keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
     loras = load_lora_modules(engine, lora_modules, names)
     limits = limits or ServerLimits()
     stat_logger = PrometheusStatLogger(names[0], swap_space_bytes=engine.swap_space_bytes,
@@ -117,7 +130,12 @@ def build_app(engine: AsyncEngine | AsyncDataParallelEngine, *, served_model_nam
     app.state.engine = engine
     app.state.registry = stat_logger.registry
     _add_error_handlers(app)
-    app.add_middleware(RequestGate, max_bytes=limits.max_request_body_bytes, api_key=api_key)
+    app.add_middleware(RequestGate, max_bytes=limits.max_request_body_bytes, api_keys=api_keys)
+    load = Load()
+    if server_load_tracking:
+        app.add_middleware(ServerLoad, load=load)
+    if request_id_headers:
+        app.add_middleware(RequestIdHeader)
     if cors is not None and cors.origins:
         # outside the gate: a browser's preflight (OPTIONS, which carries no API key) is answered here
         app.add_middleware(CORSMiddleware, allow_origins=list(cors.origins), allow_methods=list(cors.methods),
@@ -131,8 +149,9 @@ def build_app(engine: AsyncEngine | AsyncDataParallelEngine, *, served_model_nam
     app.include_router(_pooling_router(pooling, OpenAIServingScore(pooling)))
     if isinstance(engine, AsyncEngine) and runtime_lora_updating():    # loading answers 400 with LoRA off
         app.include_router(_lora_router(engine, chat))
-    app.include_router(_utility_router(OpenAIServingTokenization(chat), stat_logger))
-    app.include_router(dashboard_router(engine, api_key))
+    app.include_router(_utility_router(OpenAIServingTokenization(chat), stat_logger,
+                                       load if server_load_tracking else None))
+    app.include_router(dashboard_router(engine, api_keys))
     return app
 
 
@@ -273,9 +292,15 @@ def _lora_router(engine: AsyncEngine, chat: OpenAIServingChat) -> APIRouter:
     return router
 
 
-def _utility_router(tokenization: OpenAIServingTokenization, stat_logger: PrometheusStatLogger) -> APIRouter:
+def _utility_router(tokenization: OpenAIServingTokenization, stat_logger: PrometheusStatLogger,
+                    load: Load | None) -> APIRouter:
+    """/health, /version, /metrics, /tokenize, /detokenize; /load where the server tracks its `load`."""
     engine = tokenization.engine
     router = APIRouter()
+    if load is not None:
+        @router.get("/load")
+        async def server_load() -> dict[str, int]:
+            return {"server_load": load.count}
 
     @router.get("/health")
     @router.get("/ping")            # vLLM's (and SageMaker's) name for the same check

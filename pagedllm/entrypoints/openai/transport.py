@@ -7,8 +7,10 @@ import asyncio
 import json
 import logging
 import secrets
-from collections.abc import AsyncIterator, Awaitable
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from contextlib import suppress
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -74,9 +76,10 @@ async def wait_for_disconnect(raw_request: Request) -> None:
         pass
 
 
-def _needs_key(path: str) -> bool:
-    """vLLM checks the key on /v1/*; the classify, score and rerank routes it serves outside /v1 run the model
-    too."""
+def needs_key(scope: Scope) -> bool:
+    """Whether a request runs the model, and so needs the API key: vLLM checks it on /v1/*; the classify, score and
+    rerank routes it serves outside /v1 run the model too. The path is taken less any --root-path."""
+    path = get_route_path(scope)
     return path.startswith(("/v1/", "/v2/")) or path in ("/classify", "/score", "/rerank")
 
 
@@ -86,14 +89,14 @@ class RequestGate:
     `max_bytes`, 400 for a request that declares both Content-Length and Transfer-Encoding (h11 would honour the
     chunked framing and read past the declared length). The app then reads the buffered body.
 
-    With `api_key`, a request to a path that runs the model (/v1/*, /v2/*, /classify, /score, /rerank) without
-    `Authorization: Bearer <api_key>` (or Anthropic's `x-api-key: <api_key>`) gets its 401 before any of its body
-    is read."""
+    With `api_keys`, a request to a path that runs the model (/v1/*, /v2/*, /classify, /score, /rerank) without
+    `Authorization: Bearer <key>` (or Anthropic's `x-api-key: <key>`) for one of them gets its 401 before any of
+    its body is read."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int, api_key: str | None = None) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, api_keys: Sequence[str] = ()) -> None:
         self.app = app
         self.max_bytes = max_bytes
-        self.api_key = None if api_key is None else api_key.encode()
+        self.api_keys = [key.encode() for key in api_keys]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -124,9 +127,10 @@ class RequestGate:
 
     def _refusal(self, scope: Scope, headers: dict[bytes, bytes]) -> OpenAIError | None:
         """The error to answer before reading the body, if any: bad key, conflicting framing, declared too big."""
-        if self.api_key is not None and _needs_key(get_route_path(scope)):   # the path less --root-path
-            bearer = secrets.compare_digest(headers.get(b"authorization", b""), b"Bearer " + self.api_key)
-            if not bearer and not secrets.compare_digest(headers.get(b"x-api-key", b""), self.api_key):
+        if self.api_keys and needs_key(scope):
+            bearer, anthropic = headers.get(b"authorization", b""), headers.get(b"x-api-key", b"")
+            if not any(secrets.compare_digest(bearer, b"Bearer " + key) | secrets.compare_digest(anthropic, key)
+                       for key in self.api_keys):     # each comparison in constant time
                 return OpenAIError("Incorrect or missing API key: send 'Authorization: Bearer <key>' (or "
                                    "'x-api-key: <key>').", 401, code="invalid_api_key")
         declared = headers.get(b"content-length")
@@ -139,6 +143,51 @@ class RequestGate:
 
     def _too_large(self) -> OpenAIError:
         return OpenAIError(f"the request body is larger than {self.max_bytes} bytes", 413, code="request_too_large")
+
+
+class RequestIdHeader:
+    """Pure ASGI middleware (--enable-request-id-headers, vLLM's): every response carries `X-Request-Id`, the
+    request's own if it sent one, else a new one."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = dict(scope.get("headers") or []).get(b"x-request-id") or uuid.uuid4().hex.encode()
+
+        async def with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", request_id)]}
+            await send(message)
+        await self.app(scope, receive, with_id)
+
+
+@dataclass
+class Load:
+    """The requests that run the model (`needs_key`'s paths) now in the server, from their arrival to their
+    response's last byte: what vLLM's /load reports."""
+
+    count: int = 0
+
+
+class ServerLoad:
+    """Pure ASGI middleware (--enable-server-load-tracking) that keeps `load` (event loop only)."""
+
+    def __init__(self, app: ASGIApp, load: Load) -> None:
+        self.app, self.load = app, load
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not needs_key(scope):
+            await self.app(scope, receive, send)
+            return
+        self.load.count += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.load.count -= 1
 
 
 class RootPath:
