@@ -181,6 +181,8 @@ class ModelConfig:
         generation_config: "auto" (the model's generation_config.json: its sampling defaults for requests that set
             none, and its other EOS ids as stop ids), "vllm" (none of it) or a folder holding such a file; vLLM's
             `--generation-config` (pagedllm.loader.generation_config).
+        override_generation_config: sampling defaults set over `generation_config`'s (vLLM's), by
+            generation_config.json's names, e.g. `{"temperature": 0.5, "max_new_tokens": 256}`.
         disable_cascade_attn: never run a step's attention as cascade attention (vLLM's key). By default the CPU
             kernels do where every sequence of a step starts with the same cached blocks and enough of them share
             enough keys to pay (`pagedllm/kernels/csrc/paged_attention.cpp`); its results differ from the
@@ -213,6 +215,7 @@ class ModelConfig:
     enforce_eager: bool = False
     disable_cascade_attn: bool = False
     generation_config: str = "auto"
+    override_generation_config: dict[str, Any] | None = None
     hf_overrides: dict[str, Any] | None = None
     pooler_config: dict[str, Any] | None = None
     mm_processor_kwargs: dict[str, Any] | None = None

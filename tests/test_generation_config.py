@@ -44,6 +44,24 @@ def test_reading_takes_the_fields_vllm_takes(tmp_path):
         read_generation_config(str(without), resolved, config)
 
 
+def test_overrides_set_defaults_over_the_source(tmp_path):
+    resolved = ResolvedModel(tmp_path, None, "m")
+    _write(tmp_path, eos_token_id=3, **DEFAULTS)
+    over = {"temperature": 0.2, "presence_penalty": 0.5, "max_new_tokens": 99}
+    read = read_generation_config("auto", resolved, None, over)
+    assert read.sampling == {"temperature": 0.2, "top_p": 0.9, "presence_penalty": 0.5, "max_tokens": 99}
+    assert read.eos_token_ids == (3,)
+    assert read_generation_config("vllm", resolved, None, over).sampling == {
+        "temperature": 0.2, "presence_penalty": 0.5, "max_tokens": 99}        # alone under "vllm"
+    with pytest.raises(ValueError, match=r"sets \['num_beams'\]"):
+        read_generation_config("auto", resolved, None, {"num_beams": 4})
+    llm = LLM(model=str(save_tiny_model(tmp_path / "m")[0]), dtype="float32", num_kv_blocks=16,
+              generation_config="vllm", override_generation_config={"top_k": 5, "max_new_tokens": 3})
+    assert llm.engine.default_sampling == {"top_k": 5, "max_tokens": 3}
+    params = llm.get_default_sampling_params()
+    assert (params.top_k, params.max_tokens) == (5, 3)
+
+
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> Path:
     return save_tiny_model(tmp_path_factory.mktemp("tiny") / "m", "llama-gqa", initializer_range=0.5)[0]

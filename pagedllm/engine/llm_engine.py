@@ -219,7 +219,8 @@ class LLMEngine:
         self.generates = generates(loaded.hf_config)            # False: no LM head, it only pools
         # embeddings' pooling
         self.pooling_type = model_pooling_type(loaded.resolved, config.model.pooler_config, loaded.gguf_file)
-        defaults = read_generation_config(config.model.generation_config, loaded.resolved, loaded.hf_config)
+        defaults = read_generation_config(config.model.generation_config, loaded.resolved, loaded.hf_config,
+                                          config.model.override_generation_config)
         self.default_sampling = defaults.sampling       # SamplingParams field -> the model's default
         # the model's other EOS ids: stop ids of every request that does not ignore EOS (vLLM's
         # update_from_generation_config), e.g. Llama 3's <|eot_id|> and <|eom_id|> beside <|end_of_text|>

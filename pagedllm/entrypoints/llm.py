@@ -106,7 +106,8 @@ class LLM:
         disable_cascade_attn: never run a step's attention as cascade attention over a shared prefix (see
             `ModelConfig.disable_cascade_attn`).
         generation_config: "auto" (the model's generation_config.json: its sampling defaults for calls given no
-            SamplingParams, its other EOS ids as stop ids), "vllm" (none of it) or a folder holding such a file.
+            SamplingParams, its other EOS ids as stop ids), "vllm" (none of it) or a folder holding such a file;
+            `override_generation_config` sets some of those defaults over it (vLLM's), e.g. `{"temperature": 0.5}`.
         trust_remote_code: taken so that code written for vLLM's LLM runs; it changes nothing: pagedllm runs its own
             model code (Llama and Qwen2 architectures), never code from a checkpoint.
         enable_lora: serve LoRA adapters (PEFT's format) named per request by `lora_request`; the base model's
@@ -143,7 +144,8 @@ class LLM:
                  distributed_executor_backend: str | None = None,
                  data_parallel_router: DataParallelRouterPolicy = "prefix_aware", device: str = "auto",
                  enforce_eager: bool = False, disable_cascade_attn: bool = False,
-                 generation_config: str = "auto", trust_remote_code: bool = False, runner: str = "auto",
+                 generation_config: str = "auto", override_generation_config: dict[str, Any] | None = None,
+                 trust_remote_code: bool = False, runner: str = "auto",
                  convert: str = "auto", enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16,
                  max_cpu_loras: int | None = None, hf_overrides: dict[str, Any] | None = None,
                  pooler_config: dict[str, Any] | None = None,
@@ -155,7 +157,8 @@ class LLM:
                               chat_template=chat_template, tokenizer=tokenizer,
                               skip_tokenizer_init=skip_tokenizer_init, quantization=quantization,
                               device=device, enforce_eager=enforce_eager, disable_cascade_attn=disable_cascade_attn,
-                              generation_config=generation_config, hf_overrides=hf_overrides,
+                              generation_config=generation_config,
+                              override_generation_config=override_generation_config, hf_overrides=hf_overrides,
                               pooler_config=pooler_config, mm_processor_kwargs=mm_processor_kwargs,
                               limit_mm_per_prompt=limit_mm_per_prompt),
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,

@@ -81,6 +81,12 @@ def test_mm_processor_kwargs_reach_the_model_config() -> None:
         {"do_image_splitting": False}
 
 
+def test_override_generation_config_reaches_the_model_config() -> None:
+    assert _config().model.override_generation_config is None
+    assert _config("--override-generation-config", '{"temperature": 0.5}').model.override_generation_config == \
+        {"temperature": 0.5}
+
+
 def test_limit_mm_per_prompt_takes_vllms_two_forms() -> None:
     assert _config().model.image_limit is None
     for text in ('{"image": 2, "video": 0}', "image=2,video=0", '{"image": {"count": 2, "width": 512}}'):

@@ -292,6 +292,9 @@ def _add_model_args(group: argparse._ArgumentGroup) -> None:
                             "set none (temperature, top_p, top_k, min_p, repetition_penalty, max_tokens) and its "
                             "other EOS ids end replies; vllm: none of it; or a folder holding such a file "
                             "(default: %(default)s)")
+    group.add_argument("--override-generation-config", type=parse_json_object, default=None, metavar="JSON",
+                       help="sampling defaults set over --generation-config's (vLLM's), by generation_config.json's "
+                            "names, e.g. '{\"temperature\": 0.5, \"max_new_tokens\": 256}'")
     group.add_argument("--pooler-config", type=parse_json_object, default=None,
                        help="how embeddings pool, as JSON (vLLM's): '{\"pooling_type\": \"MEAN\"}' (LAST, MEAN or "
                             "CLS); by default the model's sentence-transformers config says, else LAST")
@@ -407,7 +410,8 @@ def engine_config_from_args(args: argparse.Namespace):
                           chat_template=args.chat_template, tokenizer=args.tokenizer, quantization=args.quantization,
                           device=args.device, enforce_eager=args.enforce_eager,
                           disable_cascade_attn=args.disable_cascade_attn,
-                          generation_config=args.generation_config, hf_overrides=args.hf_overrides,
+                          generation_config=args.generation_config,
+                          override_generation_config=args.override_generation_config, hf_overrides=args.hf_overrides,
                           pooler_config=args.pooler_config, mm_processor_kwargs=args.mm_processor_kwargs,
                           limit_mm_per_prompt=args.limit_mm_per_prompt),
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
