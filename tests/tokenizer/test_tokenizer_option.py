@@ -1,17 +1,20 @@
 """`tokenizer` (vLLM's `--tokenizer`): another tokenizer in place of the model's own, for a GGUF file without a
 vocabulary (or one that converts badly), offline, on the server's command line and in the benches; and
-`skip_tokenizer_init`: none at all, token ids in and out."""
+`skip_tokenizer_init`: none at all, token ids in and out, offline and served."""
 
 from __future__ import annotations
 
 import argparse
 
+import httpx
 import pytest
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.bench.args import add_engine_args, engine_kwargs
+from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.openai.cli_args import add_server_args, engine_config_from_args
 from pagedllm.sampling_params import StructuredOutputsParams
+from tests.entrypoints.server_utils import start_server
 from tests.loader.test_gguf import write_model_gguf
 from tests.models.tiny import save_tiny_model
 
@@ -84,3 +87,31 @@ def test_skip_tokenizer_init_runs_on_token_ids_alone(models, own: LLM) -> None:
                     bare.get_tokenizer):
         with pytest.raises(ValueError, match="skip_tokenizer_init"):
             refused()
+
+
+def test_a_server_without_a_tokenizer_takes_and_gives_token_ids(models, own: LLM) -> None:
+    """`serve --skip-tokenizer-init`: completions of token-id prompts give the offline greedy ids (logprobs name
+    tokens by id); whatever needs text gets 400 naming its field."""
+    args = add_server_args(argparse.ArgumentParser(), positional_model=True).parse_args(
+        [models[1], "--dtype", "float32", "--skip-tokenizer-init"])
+    bare = LLMEngine(engine_config_from_args(args))
+    running = start_server(bare, api_key=None)
+    try:
+        ids = own.get_tokenizer().encode(PROMPTS[0])
+        expected = own.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        body = {"model": running.model_name, "prompt": ids, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True, "logprobs": 1}
+        choice = httpx.post(f"{running.base_url}/v1/completions", json=body, timeout=60).json()["choices"][0]
+        assert choice["token_ids"] == expected and choice["text"] == ""
+        assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in expected]
+        for path, extra, param in (("/v1/completions", {"prompt": "hello"}, "prompt"),
+                                   ("/v1/completions", {"prompt": ids, "echo": True}, "echo"),
+                                   ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]},
+                                    "messages"),
+                                   ("/tokenize", {"prompt": "hi"}, "prompt"),
+                                   ("/detokenize", {"tokens": ids}, "tokens")):
+            refused = httpx.post(f"{running.base_url}{path}", json={"model": running.model_name, **extra}, timeout=60)
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == param, (path, refused.text)
+            assert "skip_tokenizer_init" in refused.json()["error"]["message"]
+    finally:
+        running.stop()

@@ -263,6 +263,9 @@ def _add_model_args(group: argparse._ArgumentGroup) -> None:
                        help="a tokenizer (or model) folder, or a .gguf file, whose tokenizer replaces the model's "
                             "own: for a .gguf file without a vocabulary, or one that converts badly (default: the "
                             "model's)")
+    group.add_argument("--skip-tokenizer-init", action="store_true",
+                       help="load no tokenizer: prompts must be token ids, and completions carry token ids "
+                            "(return_token_ids) and no text; chat, /tokenize, stop strings and echo get 400")
     group.add_argument("--max-model-len", type=int, default=None,
                        help="context length cap, prompt + output tokens (default: the model's own)")
     group.add_argument("--device", default="auto",
@@ -407,7 +410,8 @@ def engine_config_from_args(args: argparse.Namespace):
         raise ValueError("--lora-modules needs --enable-lora")
     return EngineConfig(
         model=ModelConfig(model=model_of(args), dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed,
-                          chat_template=args.chat_template, tokenizer=args.tokenizer, quantization=args.quantization,
+                          chat_template=args.chat_template, tokenizer=args.tokenizer,
+                          skip_tokenizer_init=args.skip_tokenizer_init, quantization=args.quantization,
                           device=args.device, enforce_eager=args.enforce_eager,
                           disable_cascade_attn=args.disable_cascade_attn,
                           generation_config=args.generation_config,

@@ -14,7 +14,7 @@ from typing import Any, cast
 
 from pagedllm.engine.async_engine import AsyncEngine, EngineDeadError, EngineDrainingError, RequestFailedError
 from pagedllm.engine.data_parallel import AsyncDataParallelEngine
-from pagedllm.engine.llm_engine import PromptTooLongError
+from pagedllm.engine.llm_engine import PromptTooLongError, require_tokenizer
 from pagedllm.entrypoints.openai.protocol import OpenAIError, _PoolingRequest, _SamplingFields
 from pagedllm.entrypoints.openai.structured_outputs import structured_outputs_from
 from pagedllm.inputs import ParsedPrompt, TokensPrompt
@@ -177,6 +177,13 @@ class OpenAIServing:
         self.lora_modules = lora_modules if lora_modules is not None else LoRAModules()
 
     # ---- validation ---------------------------------------------------------------------------------------------
+    def tokenizer_for(self, param: str) -> Any:
+        """The engine's tokenizer; 400 naming `param` when the server runs without one (--skip-tokenizer-init)."""
+        try:
+            return require_tokenizer(self.engine.tokenizer)
+        except ValueError as exc:
+            raise OpenAIError(f"{exc}: only token ids come in and go out", param=param) from None
+
     def check_model(self, model: str | None) -> str:
         """The name to report; 404 for a model this server does not serve (a base name or a LoRA adapter's)."""
         if model is None or model == "":

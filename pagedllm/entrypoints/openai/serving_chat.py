@@ -131,6 +131,7 @@ class OpenAIServingChat(GenerationServing):
     async def render(self, request: ChatCompletionRequest) -> list[int]:
         """The conversation's prompt token ids, templated off the event loop; 400 naming `messages` on a bad
         message or template."""
+        self.tokenizer_for("messages")
         messages, kwargs = self._with_tools(request)
         try:
             return await self.engine.run_on_tokenizer_thread(
@@ -144,6 +145,7 @@ class OpenAIServingChat(GenerationServing):
         hold some (made by the model's processor, off the event loop); 400 naming `messages` on a bad message,
         image or template, more images than the engine's limit, or a model that takes no images; on
         mm_processor_kwargs unless the server trusts a request's."""
+        self.tokenizer_for("messages")
         if request.mm_processor_kwargs and not self.options.trust_request_mm_kwargs:
             raise OpenAIError("the request passes mm_processor_kwargs, and the server processes images with its own "
                               "only (start it with --trust-request-mm-kwargs to take a request's)",

@@ -232,10 +232,12 @@ class GenerationServing(OpenAIServing, ABC):
 
     def _token_logprob(self, state: ChoiceState, token_id: int, position: dict[int, Logprob],
                        num_logprobs: int, as_ids: bool) -> TokenLogprob:
-        """One token's entry; `as_ids`: tokens named "token_id:{id}" (their text offsets still count text)."""
+        """One token's entry; `as_ids` (or a server without a tokenizer): tokens named "token_id:{id}" (their text
+        offsets still count text, where there is some)."""
         tokenizer = self.engine.tokenizer
+        as_ids = as_ids or tokenizer is None
         entry = position.get(token_id)
-        text = _token_text(tokenizer, token_id, entry)
+        text = "" if tokenizer is None else _token_text(tokenizer, token_id, entry)
         top = [(f"token_id:{top_id}" if as_ids else _token_text(tokenizer, top_id, lp), clean_logprob(lp.logprob))
                for top_id, lp in _top_entries(position, num_logprobs)]
         token = TokenLogprob(f"token_id:{token_id}" if as_ids else text,

@@ -33,6 +33,8 @@ class OpenAIServingCompletion(GenerationServing):
             raise OpenAIError("echo with logprobs is not available when stream is true", param="echo")
         num_prompt_logprobs = (max(request.prompt_logprobs or 0, cast(int, request.logprobs)) if echo_logprobs
                                else request.prompt_logprobs)
+        if request.echo:     # the prompt's text
+            self.tokenizer_for("echo")
         if request.suffix:
             raise OpenAIError("suffix is not supported", param="suffix")
         if request.best_of is not None and request.best_of != request.n:

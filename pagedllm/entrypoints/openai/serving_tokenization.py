@@ -22,6 +22,7 @@ class OpenAIServingTokenization(OpenAIServing):
         self.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise OpenAIError("give exactly one of prompt and messages", param="prompt")
+        tokenizer = self.tokenizer_for("prompt" if body.prompt is not None else "messages")
         if body.messages is not None:
             request = ChatCompletionRequest(messages=body.messages, add_generation_prompt=body.add_generation_prompt,
                                             continue_final_message=body.continue_final_message)
@@ -29,13 +30,14 @@ class OpenAIServingTokenization(OpenAIServing):
             tokens = (await self.chat.render_prompt(request, None)).token_ids if image_parts(body.messages) else \
                 await self.chat.render(request)
         else:
-            tokens = await self.engine.run_on_tokenizer_thread(self.engine.tokenizer.encode, body.prompt,
+            tokens = await self.engine.run_on_tokenizer_thread(tokenizer.encode, body.prompt,
                                                                add_special_tokens=body.add_special_tokens)
         return {"count": len(tokens), "max_model_len": self.engine.max_model_len, "tokens": tokens}
 
     async def detokenize(self, body: DetokenizeRequest) -> dict[str, str]:
         self.check_model(body.model)
+        tokenizer = self.tokenizer_for("tokens")
         vocab_size = self.engine.vocab_size
         if any(not 0 <= t < vocab_size for t in body.tokens):
             raise OpenAIError(f"tokens must be in [0, {vocab_size})", param="tokens")
-        return {"prompt": await self.engine.run_on_tokenizer_thread(self.engine.tokenizer.decode, body.tokens)}
+        return {"prompt": await self.engine.run_on_tokenizer_thread(tokenizer.decode, body.tokens)}
