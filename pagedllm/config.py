@@ -98,6 +98,11 @@ class SchedulerConfig:
             a prompt's chunk stops before an image that would go past what is left of it, so that the image
             encoder's work (seconds an image on a CPU) is spread over steps rather than stalling every stream's
             decode in one; the step's first image runs whatever its size. None: max_num_batched_tokens.
+        long_prefill_token_threshold: the most tokens one request computes in a step while others wait or run
+            (vLLM's), so that a long prompt's chunks leave room for the others' decodes and prompts; 0: no cap
+            (the default). Not for a request alone, nor without chunked prefill.
+        long_prefill_token_threshold_adaptive: raise that cap to a fair share of the step's budget,
+            max_num_batched_tokens / the requests running and waiting, where that is more (vLLM's).
         whole_images: each image's placeholders computed in one step (a chunk stops before an image it would
             cut): the engine sets it for a model whose images see themselves whole (Gemma 3's).
         swap_seconds_per_block: estimated time to copy one KV block between the device and the swap pool.
@@ -114,6 +119,8 @@ class SchedulerConfig:
     preemption_mode: PreemptionMode = "recompute"
     scheduling_policy: SchedulingPolicy = "fcfs"
     max_num_encoder_input_tokens: int | None = None
+    long_prefill_token_threshold: int = 0
+    long_prefill_token_threshold_adaptive: bool = False
     whole_images: bool = False
     swap_seconds_per_block: float = 0.0
     recompute_seconds_per_token: float = 0.0
@@ -125,6 +132,8 @@ class SchedulerConfig:
                  self.max_num_batched_tokens)
         _require(self.max_num_encoder_input_tokens is None or self.max_num_encoder_input_tokens > 0,
                  "max_num_encoder_input_tokens", "> 0", self.max_num_encoder_input_tokens)
+        _require(self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold", ">= 0 (0: no cap)",
+                 self.long_prefill_token_threshold)
         _require(self.preemption_mode in ("recompute", "swap", "auto"), "preemption_mode",
                  "one of 'recompute', 'swap', 'auto'", self.preemption_mode)
         _require(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy", "one of 'fcfs', 'priority'",

@@ -43,6 +43,7 @@ from typing import Any, TypeVar
 
 from pagedllm.core.kv_cache.block_map import BlockMap
 from pagedllm.distributed import TensorParallelError
+from pagedllm.engine.admission import Admission
 from pagedllm.engine.engine_thread import EngineThread
 from pagedllm.engine.llm_engine import LLMEngine, PromptInput, tokenize_prompt
 from pagedllm.inputs import parse_prompt
@@ -125,13 +126,16 @@ class AsyncEngine:
         log_requests: log each request's prompt and parameters (off by default: prompts may be private).
         thread: the thread that built the engine, to step it on (default: a new one).
         max_log_len: the most characters of a prompt's text (or of its token ids, written out) logged; None: all.
+        admission: the server's queue limits, held by its front (this engine, unless it is a data-parallel
+            replica); None: none.
     """
 
     data_parallel_size = 1      # one engine; AsyncDataParallelEngine stands for several with this interface
 
     def __init__(self, engine: LLMEngine, log_requests: bool = False, thread: EngineThread | None = None,
-                 max_log_len: int | None = None) -> None:
+                 max_log_len: int | None = None, admission: Admission | None = None) -> None:
         self.engine = engine
+        self.admission = admission
         self.log_requests, self.max_log_len = log_requests, max_log_len
         self.error: BaseException | None = None
         self.latest_stats = SchedulerStats()
@@ -298,10 +302,10 @@ class AsyncEngine:
         return len(left)
 
     # ---- the asyncio side ---------------------------------------------------------------------------------------
-    async def generate(self, request_id: str, prompt: PromptInput, params: SamplingParams | PoolingParams, *,
-                       prompt_token_ids: list[int] | None = None, priority: int = 0,
-                       cache_salt: str | None = None, lora_request: LoRARequest | None = None
-                       ) -> AsyncGenerator[RequestOutput, None]:
+    def generate(self, request_id: str, prompt: PromptInput, params: SamplingParams | PoolingParams, *,
+                 prompt_token_ids: list[int] | None = None, priority: int = 0,
+                 cache_salt: str | None = None, lora_request: LoRARequest | None = None
+                 ) -> AsyncGenerator[RequestOutput, None]:
         """Run one request and yield its outputs until the last (`finished`) one. With PoolingParams, the request
         embeds the prompt: one output, whose `embedding` holds it. `lora_request` runs it with that adapter.
 
@@ -314,7 +318,15 @@ class AsyncEngine:
             EngineDeadError: the engine loop has failed (now or while this request waited).
             ValueError: the engine refused the request (this request alone fails), e.g. a non-zero priority
                 without scheduling_policy "priority", or a structured-output constraint that does not compile.
+            QueueFullError: a queue limit of the engine's `admission` is reached (pagedllm.engine.admission).
         """
+        stream = self._generate(request_id, prompt, params, prompt_token_ids, priority, cache_salt, lora_request)
+        return stream if self.admission is None else self.admission.through(
+            stream, getattr(params, "n", 1), len(prompt_token_ids or ()))
+
+    async def _generate(self, request_id: str, prompt: PromptInput, params: SamplingParams | PoolingParams,
+                        prompt_token_ids: list[int] | None, priority: int, cache_salt: str | None,
+                        lora_request: LoRARequest | None) -> AsyncGenerator[RequestOutput, None]:
         self._raise_if_dead()
         if self._draining:
             raise EngineDrainingError("the server is shutting down and takes no new requests")

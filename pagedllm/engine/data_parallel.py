@@ -33,6 +33,7 @@ import torch
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache.block_pool import PrefixCacheStats
 from pagedllm.device import resolve_engine_device
+from pagedllm.engine.admission import Admission
 from pagedllm.engine.async_engine import AsyncEngine, KVCacheSnapshot
 from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedllm.engine.dp_router import DataParallelRouter
@@ -262,10 +263,12 @@ class AsyncDataParallelEngine:
     Args:
         replicas: AsyncEngines not yet started.
         router: picks a replica for each request, given the requests each one is running.
+        admission: the server's queue limits over all the replicas' requests; None: none.
     """
 
-    def __init__(self, replicas: list[AsyncEngine], router: DataParallelRouter) -> None:
-        self.replicas, self.router = replicas, router
+    def __init__(self, replicas: list[AsyncEngine], router: DataParallelRouter,
+                 admission: Admission | None = None) -> None:
+        self.replicas, self.router, self.admission = replicas, router, admission
         self._owner: dict[str, int] = {}    # event loop thread only
 
     # ---- read-only facts ------------------------------------------------------------------------------------------
@@ -366,12 +369,19 @@ class AsyncDataParallelEngine:
         return sum(await asyncio.gather(*(replica.drain(timeout, poll_interval) for replica in self.replicas)))
 
     # ---- requests -------------------------------------------------------------------------------------------------
-    async def generate(self, request_id: str, prompt: PromptInput, params: SamplingParams, *,
-                       prompt_token_ids: list[int] | None = None, priority: int = 0,
-                       cache_salt: str | None = None, lora_request: LoRARequest | None = None
-                       ) -> AsyncGenerator[RequestOutput, None]:
+    def generate(self, request_id: str, prompt: PromptInput, params: SamplingParams, *,
+                 prompt_token_ids: list[int] | None = None, priority: int = 0,
+                 cache_salt: str | None = None, lora_request: LoRARequest | None = None
+                 ) -> AsyncGenerator[RequestOutput, None]:
         """Route the request to a replica and yield its outputs (see `AsyncEngine.generate`; no LoRA adapters:
         they run on one engine)."""
+        stream = self._generate(request_id, prompt, params, prompt_token_ids, priority, cache_salt, lora_request)
+        return stream if self.admission is None else self.admission.through(
+            stream, getattr(params, "n", 1), len(prompt_token_ids or ()))
+
+    async def _generate(self, request_id: str, prompt: PromptInput, params: SamplingParams,
+                        prompt_token_ids: list[int] | None, priority: int, cache_salt: str | None,
+                        lora_request: LoRARequest | None) -> AsyncGenerator[RequestOutput, None]:
         _no_lora(lora_request)
         if request_id in self._owner:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -400,15 +410,17 @@ class AsyncDataParallelEngine:
 
 
 def build_async_engine(config: EngineConfig, log_requests: bool = False, log_stats: bool = False,
-                       max_log_len: int | None = None) -> AsyncEngine | AsyncDataParallelEngine:
+                       max_log_len: int | None = None,
+                       admission: Admission | None = None) -> AsyncEngine | AsyncDataParallelEngine:
     """The server's engine: one AsyncEngine, or with data_parallel_size > 1 the replicas behind the router; each
     engine built on the thread that steps it. `log_stats`: vLLM's log line of throughput and load every 10 s of
-    activity (pagedllm.metrics.log_stats); `log_requests` and `max_log_len` as AsyncEngine's."""
+    activity (pagedllm.metrics.log_stats); `log_requests` and `max_log_len` as AsyncEngine's; `admission`: the
+    queue limits, held by the front (the one engine, or the replicas' router)."""
     replicas, threads = build_replicas(config, "pagedllm-engine")
-    engines = [AsyncEngine(replica, log_requests, thread, max_log_len)
+    engines = [AsyncEngine(replica, log_requests, thread, max_log_len, admission if len(replicas) == 1 else None)
                for replica, thread in zip(replicas, threads, strict=True)]
     engine = engines[0] if len(engines) == 1 else AsyncDataParallelEngine(
-        engines, make_router(config, replicas[0].capacity.num_blocks))
+        engines, make_router(config, replicas[0].capacity.num_blocks), admission)
     if log_stats:
         engine.add_stat_logger(LoggingStatLogger().record)
     return engine

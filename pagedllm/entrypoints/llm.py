@@ -69,6 +69,9 @@ class LLM:
             which then needs max_num_batched_tokens >= max_model_len).
         max_num_encoder_input_tokens: image placeholders a step may encode the images of (a prompt's chunk stops
             before an image past it; the step's first runs whatever its size); None: max_num_batched_tokens.
+        long_prefill_token_threshold: the most tokens one request computes in a step while others wait or run
+            (vLLM's; 0: no cap); long_prefill_token_threshold_adaptive: at least a fair share of the step's budget
+            (`SchedulerConfig`).
         seed: seed of the global random stream.
         enable_prefix_caching: reuse the KV cache of shared prompt prefixes.
         kv_cache_dtype: "auto" (K/V in the model's dtype) or "int8" (int8 with a float32 scale per token and kv
@@ -132,7 +135,8 @@ class LLM:
                  block_size: int = DEFAULT_BLOCK_SIZE, gpu_memory_utilization: float | None = None,
                  kv_cache_memory: int | None = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, enable_chunked_prefill: bool = True,
-                 max_num_encoder_input_tokens: int | None = None, seed: int = 0,
+                 max_num_encoder_input_tokens: int | None = None, long_prefill_token_threshold: int = 0,
+                 long_prefill_token_threshold_adaptive: bool = False, seed: int = 0,
                  enable_prefix_caching: bool = True,
                  swap_space: float = 0.0, preemption_mode: PreemptionMode = "recompute",
                  chat_template: str | None = None, tokenizer: str | None = None, skip_tokenizer_init: bool = False,
@@ -168,6 +172,8 @@ class LLM:
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       enable_chunked_prefill=enable_chunked_prefill,
                                       max_num_encoder_input_tokens=max_num_encoder_input_tokens,
+                                      long_prefill_token_threshold=long_prefill_token_threshold,
+                                      long_prefill_token_threshold_adaptive=long_prefill_token_threshold_adaptive,
                                       preemption_mode=preemption_mode, scheduling_policy=scheduling_policy),
             speculative=SpeculativeConfig.from_dict(speculative_config),
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
+from pagedllm.engine.admission import REASONS
 from pagedllm.metrics.stats import IterationStats, SchedulerStats, SpecDecodingStats
 
 PREFIX = "pagedllm:"
@@ -45,11 +46,18 @@ class PrometheusStatLogger:
         label_values = [[model_name]] if data_parallel_size == 1 else \
             [[model_name, str(index)] for index in range(data_parallel_size)]
         self._replicas = [_ReplicaMetrics(families, values, swap_space_bytes) for values in label_values]
+        refusals = Counter(PREFIX + "admission_rejections", "Requests refused by a queue limit, by limit.",
+                           ["model_name", "reason"], registry=self.registry)
+        self._refusals = {reason: refusals.labels(model_name, reason) for reason in REASONS}
 
     def record(self, scheduler_stats: SchedulerStats | None, iteration: IterationStats | None,
                replica: int = 0) -> None:
         """Record one step of one replica (the only one without data parallelism)."""
         self._replicas[replica].record(scheduler_stats, iteration)
+
+    def record_admission_rejection(self, reason: str) -> None:
+        """Count a request the server's front refused (`reason`: the queue limit, pagedllm.engine.admission)."""
+        self._refusals[reason].inc()
 
 
 class _Families:

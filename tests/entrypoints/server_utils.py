@@ -99,7 +99,7 @@ def start_server(engine, *, api_key: str | None = API_KEY, limits: ServerLimits 
                  options: FrontendOptions | None = None) -> RunningServer:
     """Serve an (LLM or fake) engine, or data-parallel replicas (an AsyncDataParallelEngine), on a free 127.0.0.1
     port; returns once /health answers. `tool_call_parser` turns on tool_choice "auto" with that parser."""
-    async_engine = engine if isinstance(engine, AsyncDataParallelEngine) else AsyncEngine(engine)
+    async_engine = engine if isinstance(engine, (AsyncEngine, AsyncDataParallelEngine)) else AsyncEngine(engine)
     limits = limits or ServerLimits(max_request_body_bytes=MAX_BODY_BYTES)
     app = build_app(async_engine, served_model_names=served_model_names, api_key=api_key, limits=limits,
                     enable_auto_tool_choice=tool_call_parser is not None, tool_call_parser=tool_call_parser,

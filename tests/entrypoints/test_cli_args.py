@@ -87,6 +87,12 @@ def test_override_generation_config_reaches_the_model_config() -> None:
         {"temperature": 0.5}
 
 
+def test_the_long_prefill_cap_reaches_the_scheduler_config() -> None:
+    assert _config().scheduler.long_prefill_token_threshold == 0
+    scheduler = _config("--long-prefill-token-threshold", "512", "--long-prefill-token-threshold-adaptive").scheduler
+    assert (scheduler.long_prefill_token_threshold, scheduler.long_prefill_token_threshold_adaptive) == (512, True)
+
+
 def test_limit_mm_per_prompt_takes_vllms_two_forms() -> None:
     assert _config().model.image_limit is None
     for text in ('{"image": 2, "video": 0}', "image=2,video=0", '{"image": {"count": 2, "width": 512}}'):

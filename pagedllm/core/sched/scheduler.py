@@ -96,6 +96,7 @@ class _StepPlan:
 
     token_budget: int
     encoder_budget: int     # image placeholders whose images the step may still encode
+    prefill_cap: int = 0    # the most tokens one request's prefill chunk takes (0: no cap): `_prefill_cap`
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)   # draft tokens included
     num_encoder_tokens: dict[str, int] = field(default_factory=dict)     # those each request's chunk encodes
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
@@ -261,7 +262,7 @@ class Scheduler:
 
     # ---- schedule ---------------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        plan = _StepPlan(self.config.max_num_batched_tokens, self.encoder_budget)
+        plan = _StepPlan(self.config.max_num_batched_tokens, self.encoder_budget, self._prefill_cap())
         self.kv_cache_manager.start_step()
         self._schedule_running(plan)
         # Admitting anyone right after a preemption would just take the blocks that were freed for others.
@@ -494,13 +495,27 @@ class Scheduler:
                                                    num_cached_tokens=request.num_cached_tokens,
                                                    parent_request_id=request.parent_id, index=request.index))
 
+    def _prefill_cap(self) -> int:
+        """The most tokens one request computes in a step (vLLM's long_prefill_token_threshold; 0: no cap), so
+        that one long prompt does not take a whole step's budget from the others: none for a request alone, which
+        starves nobody, nor without chunked prefill; adaptive, at least a fair share of the step's budget."""
+        threshold, num_requests = self.config.long_prefill_token_threshold, len(self.running) + len(self.waiting)
+        if not threshold or num_requests < 2 or not self.config.enable_chunked_prefill:
+            return 0
+        if self.config.long_prefill_token_threshold_adaptive:
+            return max(threshold, self.config.max_num_batched_tokens // num_requests)
+        return threshold
+
     def _num_new_tokens(self, request: Request, num_computed_tokens: int, plan: _StepPlan) -> int:
-        """The tokens the request computes this step: what it has left, within the step's token budget, and cut
-        before the first image its chunk reaches that the encoder budget has no room left for (the step's first
-        image runs whatever its size). 0: none this step."""
+        """The tokens the request computes this step: what it has left, within the step's token budget and its
+        prefill cap (not for an image that must be computed whole), and cut before the first image its chunk
+        reaches that the encoder budget has no room left for (the step's first image runs whatever its size). 0:
+        none this step."""
         num_new_tokens = min(request.num_tokens - num_computed_tokens, plan.token_budget,
                              self.config.max_model_len - num_computed_tokens)
         assert num_new_tokens > 0, f"request {request.request_id} has nothing to compute"
+        if plan.prefill_cap and not (self.config.whole_images and request.images):
+            num_new_tokens = min(num_new_tokens, plan.prefill_cap)
         if not request.images:
             return num_new_tokens
         left, fresh = plan.encoder_budget, plan.encoder_budget == self.encoder_budget

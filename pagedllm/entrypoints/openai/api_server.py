@@ -19,12 +19,15 @@ DESCRIPTION = ("Serve a model over an OpenAI-compatible HTTP API: /v1/models, /v
 
 def build_app_from_args(args: argparse.Namespace):
     """Load the engine the flags describe and wrap it in the app (the engine thread starts with the server)."""
+    from pagedllm.engine.admission import Admission
     from pagedllm.engine.data_parallel import build_async_engine
     from pagedllm.entrypoints.openai.cli_args import lora_modules_from_args
     from pagedllm.entrypoints.openai.server import CorsPolicy, build_app
 
+    queue_limits = (args.max_num_queued_reqs, args.max_num_queued_tokens)
     engine = build_async_engine(engine_config_from_args(args), log_requests=args.enable_log_requests,
-                                log_stats=not args.disable_log_stats, max_log_len=args.max_log_len)
+                                log_stats=not args.disable_log_stats, max_log_len=args.max_log_len,
+                                admission=None if queue_limits == (None, None) else Admission(*queue_limits))
     return build_app(engine, served_model_names=args.served_model_name, api_key=args.api_key,
                      limits=limits_from_args(args), enable_auto_tool_choice=args.enable_auto_tool_choice,
                      tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,

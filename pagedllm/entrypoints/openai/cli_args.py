@@ -348,6 +348,19 @@ def _add_scheduler_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--max-num-encoder-input-tokens", type=int, default=None,
                        help="image placeholders one engine step may encode the images of; a prompt's chunk stops "
                             "before an image past them (default: --max-num-batched-tokens)")
+    group.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                       help="the most tokens one request computes in a step while others wait or run, so that a "
+                            "long prompt's chunks leave room for the others (default: 0, no cap)")
+    group.add_argument("--long-prefill-token-threshold-adaptive", action="store_true",
+                       help="raise that cap to a fair share of the step's budget where that is more")
+    group.add_argument("--max-num-queued-reqs", type=int, default=None,
+                       help="the most requests the server holds, waiting or running (n completions count n); more "
+                            "get 503 at once, for a load balancer or the client's retry to send elsewhere "
+                            "(default: no limit)")
+    group.add_argument("--max-num-queued-tokens", type=int, default=None,
+                       help="the most prompt tokens waiting for their prefill; while the backlog is there, new "
+                            "requests get 503: a time-to-first-token budget, its target times the prefill rate "
+                            "(default: no limit)")
     group.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap", "auto"],
                        help="what to do with a request when KV blocks run out (default: %(default)s)")
     group.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
@@ -425,6 +438,8 @@ def engine_config_from_args(args: argparse.Namespace):
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   enable_chunked_prefill=args.enable_chunked_prefill,
                                   max_num_encoder_input_tokens=args.max_num_encoder_input_tokens,
+                                  long_prefill_token_threshold=args.long_prefill_token_threshold,
+                                  long_prefill_token_threshold_adaptive=args.long_prefill_token_threshold_adaptive,
                                   preemption_mode=args.preemption_mode, scheduling_policy=args.scheduling_policy),
         speculative=SpeculativeConfig.from_dict(args.speculative_config),
         parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,

@@ -116,6 +116,8 @@ def build_app(engine: AsyncEngine | AsyncDataParallelEngine, *, served_model_nam
     stat_logger = PrometheusStatLogger(names[0], swap_space_bytes=engine.swap_space_bytes,
                                        data_parallel_size=engine.data_parallel_size)
     engine.add_stat_logger(stat_logger.record)
+    if getattr(engine, "admission", None) is not None:
+        engine.admission.on_refusal.append(stat_logger.record_admission_rejection)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -12,6 +12,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, cast
 
+from pagedllm.engine.admission import QueueFullError
 from pagedllm.engine.async_engine import AsyncEngine, EngineDeadError, EngineDrainingError, RequestFailedError
 from pagedllm.engine.data_parallel import AsyncDataParallelEngine
 from pagedllm.engine.llm_engine import PromptTooLongError, require_tokenizer
@@ -415,6 +416,8 @@ def error_for(exc: BaseException) -> OpenAIError:
         return exc
     if isinstance(exc, EngineDrainingError):
         return OpenAIError(str(exc), 503, code="server_shutting_down")
+    if isinstance(exc, QueueFullError):      # a load balancer or the client's retry sends it elsewhere
+        return OpenAIError(str(exc), 503, code=exc.reason)
     if isinstance(exc, EngineDeadError):
         return OpenAIError(str(exc), 503, code="engine_dead")
     if isinstance(exc, RequestFailedError):

@@ -304,3 +304,38 @@ def test_a_chunk_stops_before_an_image_the_encoder_budget_has_no_room_for() -> N
     ]
     assert results["a"].token_ids == reference(list(range(100, 150)), 2, None)
     assert results["b"].token_ids == reference(list(range(200, 220)), 2, None)
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_a_long_prompt_takes_at_most_the_threshold_while_others_wait(adaptive: bool) -> None:
+    """long_prefill_token_threshold 12 (vLLM's): while b waits, a's chunks stop at 12 and b's prompt starts in the
+    first step; alone, a request takes the whole budget. Adaptive: at least budget / requests (64 / 2 = 32).
+    Outputs as without a cap."""
+    config = SchedulerConfig(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64,
+                             long_prefill_token_threshold=12, long_prefill_token_threshold_adaptive=adaptive)
+    scheduler = Scheduler(config, KVCacheManager(64, BLOCK_SIZE, True))
+    scheduler.add_request(_request("a", 50, max_tokens=2, arrival_time=0))
+    scheduler.add_request(_request("b", list(range(300, 320)), max_tokens=2, arrival_time=1))
+    results: dict[str, Result] = {}
+    outputs = run_steps(scheduler, FakeRunner(BLOCK_SIZE), results)
+    if adaptive:
+        assert [_plan(out) for out in outputs] == [
+            [("a", 32, False), ("b", 20, True)],
+            [("a", 18, True), ("b", 1, True)],
+            [("a", 1, True)],
+        ]
+    else:
+        assert [_plan(out) for out in outputs] == [
+            [("a", 12, False), ("b", 12, False)],
+            [("a", 12, False), ("b", 8, True)],
+            [("a", 12, False), ("b", 1, True)],
+            [("a", 14, True)],                  # alone now: no cap
+            [("a", 1, True)],
+        ]
+    assert results["a"].token_ids == reference(list(range(100, 150)), 2, None)
+    assert results["b"].token_ids == reference(list(range(300, 320)), 2, None)
+    alone = Scheduler(config, KVCacheManager(64, BLOCK_SIZE, True))
+    alone.add_request(_request("a", 50, max_tokens=1))
+    assert _plan(alone.schedule()) == [("a", 50, True)]
+    with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+        SchedulerConfig(long_prefill_token_threshold=-1)
