@@ -93,6 +93,14 @@ def test_the_long_prefill_cap_reaches_the_scheduler_config() -> None:
     assert (scheduler.long_prefill_token_threshold, scheduler.long_prefill_token_threshold_adaptive) == (512, True)
 
 
+def test_a_block_count_overrides_the_kv_pools_size() -> None:
+    assert _config().cache.num_blocks is None
+    assert _config("--num-gpu-blocks-override", "64").cache.num_blocks == 64
+    assert _args("-pp", "1").pipeline_parallel_size == 1
+    with pytest.raises(SystemExit):          # pipeline parallelism: not taken, said at once
+        _args("--pipeline-parallel-size", "2")
+
+
 def test_limit_mm_per_prompt_takes_vllms_two_forms() -> None:
     assert _config().model.image_limit is None
     for text in ('{"image": 2, "video": 0}', "image=2,video=0", '{"image": {"count": 2, "width": 512}}'):

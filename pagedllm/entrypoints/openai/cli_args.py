@@ -322,6 +322,9 @@ def _add_cache_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--gpu-memory-utilization", type=float, default=None,
                        help="fraction of device memory for weights, activations and the KV cache; on a CPU, the "
                             "fraction of RAM (default: on a GPU 0.9, on a CPU a 4 GiB KV pool)")
+    group.add_argument("--num-gpu-blocks-override", type=int, default=None, metavar="N",
+                       help="the KV pool's size in blocks, over what memory would give (vLLM's name; on a CPU as on "
+                            "a GPU), e.g. to see preemption with a small pool")
     group.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
                        help="size of the KV pool, e.g. 512MiB or 2GiB; overrides --gpu-memory-utilization")
     group.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
@@ -389,6 +392,9 @@ def _add_lora_args(group: argparse._ArgumentGroup) -> None:
 def _add_parallel_args(parallel: argparse._ArgumentGroup) -> None:
     parallel.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                           help="worker processes sharing each layer, joined by torch.distributed (default: 1)")
+    parallel.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, choices=[1],
+                          help="taken so that vLLM command lines run: 1 only (pagedllm splits a model by tensor "
+                               "parallelism; -tp)")
     parallel.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                           help="engines behind a prefix-aware router, each with its own KV pool of the configured "
                                "size (default: 1)")
@@ -434,7 +440,7 @@ def engine_config_from_args(args: argparse.Namespace):
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                           gpu_memory_utilization=args.gpu_memory_utilization, swap_space=args.swap_space,
                           swap_path=args.swap_path, enable_prefix_caching=args.enable_prefix_caching,
-                          kv_cache_dtype=args.kv_cache_dtype),
+                          kv_cache_dtype=args.kv_cache_dtype, num_blocks=args.num_gpu_blocks_override),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   enable_chunked_prefill=args.enable_chunked_prefill,
                                   max_num_encoder_input_tokens=args.max_num_encoder_input_tokens,
