@@ -142,6 +142,7 @@ def test_several_api_keys_each_open_the_api(model_dir: Path) -> None:
             assert httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {key}"},
                              timeout=5).status_code == status, key
         assert httpx.get(f"{url}/v1/models", headers={"x-api-key": "second"}, timeout=5).status_code == 200
+        assert httpx.post(f"{url}/invocations", json={"prompt": "hi"}, timeout=5).status_code == 401
         assert httpx.get(f"{url}/dashboard?key=second", timeout=5).status_code == 200
         assert httpx.get(f"{url}/dashboard?key=third", timeout=5).status_code == 401
 

@@ -2,7 +2,8 @@
 driven with the `openai` SDK: `n` goes through the engine's forks, as offline (the children share the prompt's KV
 blocks, the same request and seed give the same completions both ways, a client that leaves aborts every child);
 `prompt_logprobs` on /v1/completions equal the offline ones; a chat's last message continued
-(`continue_final_message`) and echoed; `bad_words` and `allowed_token_ids`, offline and served alike."""
+(`continue_final_message`) and echoed; `bad_words` and `allowed_token_ids`, offline and served alike; SageMaker's
+/invocations."""
 
 from __future__ import annotations
 
@@ -381,3 +382,27 @@ def test_usage_says_how_many_prompt_tokens_the_prefix_cache_held(client, server)
     response = client.responses.create(model=server.model_name, input=prompts[1], max_output_tokens=1)
     repeated = client.responses.create(model=server.model_name, input=prompts[1], max_output_tokens=1)
     assert repeated.usage.input_tokens_details.cached_tokens > response.usage.input_tokens_details.cached_tokens
+
+
+def test_invocations_answers_a_body_as_the_api_whose_fields_it_has(server: RunningServer) -> None:
+    """SageMaker's /invocations: each body gets what its own route gives it; a body of none of theirs, 400."""
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    bodies = [("/v1/chat/completions", chat),
+              ("/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "ignore_eos": True}),
+              ("/v1/embeddings", {"input": PROMPT}),
+              ("/rerank", {"query": "a", "documents": ["a", "b"]}),
+              ("/score", {"text_1": "a", "text_2": ["a", "b"]})]
+
+    def same_part(answer: dict) -> dict:    # less its id and time, and the prefix cache's hits (the second hits)
+        usage = {k: v for k, v in answer.get("usage", {}).items() if k != "prompt_tokens_details"}
+        return {k: v for k, v in answer.items() if k not in ("id", "created")} | {"usage": usage}
+    for path, body in bodies:
+        direct = httpx.post(f"{server.base_url}{path}", json={"model": server.model_name, **body}, timeout=60)
+        routed = httpx.post(f"{server.base_url}/invocations", json={"model": server.model_name, **body}, timeout=60)
+        assert routed.status_code == direct.status_code == 200, (path, routed.text)
+        assert same_part(routed.json()) == same_part(direct.json()), path
+    for body, message in (({"model": server.model_name}, "has none of them"),
+                          ({"messages": "not a list"}, "messages")):
+        refused = httpx.post(f"{server.base_url}/invocations", json=body, timeout=60)
+        assert refused.status_code == 400 and message in refused.text, refused.text
+    assert httpx.post(f"{server.base_url}/invocations", content=b"{not json", timeout=60).status_code == 400

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedllm
@@ -146,9 +147,12 @@ def build_app(engine: AsyncEngine | AsyncDataParallelEngine, *, served_model_nam
         app.add_middleware(RootPath, root_path=root_path)     # outermost: the gate checks the path less it
     chat = OpenAIServingChat(engine, names, limits, tool_call_parser if enable_auto_tool_choice else None,
                              reasoning_parser, loras, options)
+    completion = OpenAIServingCompletion(engine, names, limits, loras, chat.options)
     pooling = OpenAIServingPooling(chat)
-    app.include_router(_v1_router(OpenAIServingCompletion(engine, names, limits, loras, chat.options), chat, pooling))
-    app.include_router(_pooling_router(pooling, OpenAIServingScore(pooling)))
+    scoring = OpenAIServingScore(pooling)
+    app.include_router(_v1_router(completion, chat, pooling))
+    app.include_router(_pooling_router(pooling, scoring))
+    app.include_router(_invocations_router(completion, chat, pooling, scoring))
     if isinstance(engine, AsyncEngine) and runtime_lora_updating():    # loading answers 400 with LoRA off
         app.include_router(_lora_router(engine, chat))
     app.include_router(_utility_router(OpenAIServingTokenization(chat), stat_logger,
@@ -158,6 +162,37 @@ def build_app(engine: AsyncEngine | AsyncDataParallelEngine, *, served_model_nam
 
 
 # ---- routes -----------------------------------------------------------------------------------------------------
+def _invocations_router(completion: OpenAIServingCompletion, chat: OpenAIServingChat, pooling: OpenAIServingPooling,
+                        scoring: OpenAIServingScore) -> APIRouter:
+    """SageMaker's /invocations, as vLLM serves it: one route that answers a body as the API whose fields it has
+    (behind the API key, unlike vLLM's)."""
+    router = APIRouter(dependencies=[Depends(_refuse_while_draining(chat.engine))])
+    apis: list[tuple[str, type[BaseModel], Callable[[Any], Any]]] = [
+        ("messages", ChatCompletionRequest, chat.create), ("prompt", CompletionRequest, completion.create),
+        ("input", EmbeddingRequest, pooling.embeddings), ("documents", RerankRequest, scoring.rerank),
+        ("text_1", ScoreRequest, scoring.score)]
+
+    @router.post("/invocations")
+    async def invocations(raw_request: Request) -> Response:
+        try:
+            body = await raw_request.json()
+        except ValueError as exc:
+            raise OpenAIError(f"the body is not JSON: {exc}", 400) from None
+        for field, request_type, create in apis:
+            if isinstance(body, dict) and field in body:
+                try:
+                    request = request_type.model_validate(body)
+                except ValidationError as exc:
+                    raise RequestValidationError(exc.errors()) from None
+                return await respond(raw_request, create(request))
+        raise OpenAIError("/invocations answers a body by its fields: messages (chat completions), prompt "
+                          "(completions), input (embeddings), query and documents (rerank), text_1 and text_2 "
+                          "(score); this one has none of them", 400)
+
+    return router
+
+
+
 def _v1_router(completion: OpenAIServingCompletion, chat: OpenAIServingChat,
                pooling: OpenAIServingPooling) -> APIRouter:
     """/v1/*. The API key is checked by RequestGate, before the body is read."""

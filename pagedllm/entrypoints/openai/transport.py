@@ -77,10 +77,11 @@ async def wait_for_disconnect(raw_request: Request) -> None:
 
 
 def needs_key(scope: Scope) -> bool:
-    """Whether a request runs the model, and so needs the API key: vLLM checks it on /v1/*; the classify, score and
-    rerank routes it serves outside /v1 run the model too. The path is taken less any --root-path."""
+    """Whether a request runs the model, and so needs the API key: vLLM checks it on /v1/*; the classify, score,
+    rerank and invocations routes it serves outside /v1 run the model too. The path is taken less any
+    --root-path."""
     path = get_route_path(scope)
-    return path.startswith(("/v1/", "/v2/")) or path in ("/classify", "/score", "/rerank")
+    return path.startswith(("/v1/", "/v2/")) or path in ("/classify", "/score", "/rerank", "/invocations")
 
 
 class RequestGate:
