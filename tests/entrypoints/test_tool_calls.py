@@ -140,3 +140,26 @@ def test_bad_tool_requests_are_a_clear_400(client, server, kwargs, message):
     with pytest.raises(openai.BadRequestError, match="tool_choice needs tools"):
         client.chat.completions.create(model=server.model_name, messages=MESSAGES, tool_choice="required",
                                        max_tokens=5)
+
+
+def test_qwen3_coder_calls_are_typed_by_the_requests_tools(tmp_path):
+    """--tool-call-parser qwen3_coder: the XML call the model writes comes back with its arguments typed by the
+    request's tool (the parser is given the request's tools)."""
+    folder = save_tiny_model(tmp_path / "m", "llama-gqa", max_position_embeddings=2048)[0]
+    engine = LLMEngine(EngineConfig(model=ModelConfig(model=str(folder), dtype="float32", max_model_len=2048),
+                                    cache=CacheConfig(block_size=16, num_blocks=256)))
+    running = start_server(engine, tool_call_parser="qwen3_coder")
+    try:
+        client = openai.OpenAI(base_url=f"{running.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+        book = {"type": "function", "function": {"name": "book", "parameters": {"type": "object", "properties": {
+            "city": {"type": "string"}, "nights": {"type": "integer"}}}}}
+        reply = ("<tool_call>\n<function=book>\n<parameter=city>\nParis\n</parameter>\n<parameter=nights>\n3\n"
+                 "</parameter>\n</function>\n</tool_call>")
+        out = client.chat.completions.create(model=running.model_name, messages=MESSAGES, tools=[book],
+                                             max_tokens=200, temperature=0,
+                                             extra_body={"structured_outputs": {"regex": _literal(reply)}})
+        [call] = out.choices[0].message.tool_calls
+        assert call.function.name == "book" and json.loads(call.function.arguments) == {"city": "Paris", "nights": 3}
+        assert out.choices[0].finish_reason == "tool_calls" and out.choices[0].message.content is None
+    finally:
+        running.stop()

@@ -13,10 +13,16 @@ from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, OpenAIEr
 from pagedllm.entrypoints.openai.serving_base import ServerLimits
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.tool_parsers import (
+    TOOL_PARSERS,
+    FunctionGemmaToolParser,
+    GraniteToolParser,
     HermesToolParser,
+    Lfm2ToolParser,
     Llama3JsonToolParser,
     MistralToolParser,
+    Phi4MiniJsonToolParser,
     PythonicToolParser,
+    Qwen3CoderToolParser,
     ToolCallStream,
     required_tools_schema,
 )
@@ -75,11 +81,61 @@ def test_pythonic_reads_a_list_of_calls_with_literal_arguments_and_runs_none():
     assert parser.tool_start(" [get") == 0 and parser.tool_start("<|python") == 0 and parser.tool_start("Hi") is None
 
 
+def test_qwen3_coder_reads_xml_calls_typed_by_the_tools_schemas():
+    tools = [{"type": "function", "function": {"name": "book", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "nights": {"type": "integer"}, "pets": {"type": "boolean"},
+        "room": {"type": "object"}, "note": {"type": ["string", "null"]}}}}}]
+    text = ("I'll book it.\n<tool_call>\n<function=book>\n<parameter=city>\n42\n</parameter>\n"
+            "<parameter=nights>\n3\n</parameter>\n<parameter=pets>\ntrue\n</parameter>\n"
+            '<parameter=room>\n{"beds": 2}\n</parameter>\n<parameter=note>\nnull\n</parameter>\n</function>\n'
+            "</tool_call>\n<tool_call>\n<function=other>\n<parameter=n>\n7\n</parameter>\n</function>\n</tool_call>")
+    content, calls = Qwen3CoderToolParser(tools).extract(text)
+    assert content == "I'll book it." and _calls(calls) == [
+        ("book", {"city": "42", "nights": 3, "pets": True, "room": {"beds": 2}, "note": "null"}),
+        ("other", {"n": "7"})]          # a tool the request does not have: its values stay text
+    assert _calls(Qwen3CoderToolParser(tools).extract("<tool_call><function=book><parameter=nights>x")[1]) == [
+        ("book", {"nights": "x"})]      # cut off, and not a number: the text
+    assert Qwen3CoderToolParser().extract("no call") == ("no call", [])
+    assert Qwen3CoderToolParser().tool_start("Sure <tool_") == 5
+
+
+def test_granite_phi4_mini_lfm2_and_functiongemma_read_their_formats():
+    granite = GraniteToolParser()
+    for marker in ("<|tool_call|>", "<tool_call>"):
+        text = f'Checking.{marker}[{{"name": "a", "arguments": {{"x": 1}}}}, {{"name": "b", "arguments": {{}}}}]'
+        assert granite.extract(text)[0] == "Checking." and _calls(granite.extract(text)[1]) == [("a", {"x": 1}),
+                                                                                               ("b", {})]
+    assert granite.extract("<|tool_call|>not json") == ("<|tool_call|>not json", [])
+    assert granite.tool_start("Hi <|tool") == 3 and granite.tool_start("Hi") is None
+    phi = Phi4MiniJsonToolParser()
+    text = 'functools[{"name": "a", "arguments": {"x": 1}}, {"name": "b", "parameters": {"y": 2}}]'
+    assert phi.extract(text)[0] is None and _calls(phi.extract(text)[1]) == [("a", {"x": 1}), ("b", {"y": 2})]
+    assert phi.extract("functools[oops]") == ("functools[oops]", [])
+    lfm2 = Lfm2ToolParser()
+    text = 'Sure.<|tool_call_start|>[get_weather(location="Paris"), f()]<|tool_call_end|>It is sunny.'
+    assert lfm2.extract(text)[0] == "Sure.\nIt is sunny."
+    assert _calls(lfm2.extract(text)[1]) == [("get_weather", {"location": "Paris"}), ("f", {})]
+    assert lfm2.extract("<|tool_call_start|>[os.system(x=1)]<|tool_call_end|>")[1] == []
+    gemma = FunctionGemmaToolParser()
+    text = ("<start_function_call>call:get_weather{city:<escape>Rome<escape>,days:<escape>3<escape>}"
+            "<end_function_call><start_function_call>call:now{}<end_function_call>")
+    assert gemma.extract(text)[0] is None
+    assert _calls(gemma.extract(text)[1]) == [("get_weather", {"city": "Rome", "days": 3}), ("now", {})]
+    assert gemma.extract("plain") == ("plain", [])
+
+
+def test_vllms_other_parser_names_read_the_same_formats():
+    assert TOOL_PARSERS["llama4_pythonic"] is PythonicToolParser and TOOL_PARSERS["llama4_json"] is \
+        Llama3JsonToolParser and TOOL_PARSERS["qwen3_json"] is TOOL_PARSERS["granite4"] is HermesToolParser
+    assert TOOL_PARSERS["qwen3_xml"] is Qwen3CoderToolParser
+
+
 def test_a_parser_whose_marker_is_a_special_token_keeps_special_tokens_in_the_reply():
     from pagedllm.sampling_params import SamplingParams
 
     request = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=[TOOL])
-    for parser, kept in (("mistral", True), ("hermes", False), ("pythonic", False)):
+    for parser, kept in (("mistral", True), ("hermes", False), ("pythonic", False), ("granite", True),
+                         ("lfm2", True), ("functiongemma", True), ("qwen3_coder", False)):
         params = _chat(build_byte_tokenizer(), parser)._force_tool_call(request, "auto", SamplingParams())
         assert params.skip_special_tokens is not kept, parser
 

@@ -201,7 +201,9 @@ def _add_openai_args(server: argparse._ArgumentGroup) -> None:
                         help='let the model call tools on its own (tool_choice "auto"); needs --tool-call-parser')
     server.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                         help="how tool calls are written in the model's replies: hermes (<tool_call> JSON, Qwen2 "
-                             "and Qwen3), llama3_json, mistral ([TOOL_CALLS]) or pythonic ([f(x=1)], Llama 3.2/4)")
+                             "and Qwen3), llama3_json, mistral ([TOOL_CALLS]), pythonic ([f(x=1)], Llama 3.2/4), "
+                             "qwen3_coder (XML), granite, phi4_mini_json, lfm2, functiongemma, and vLLM's other "
+                             "names for these formats")
     server.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                         help="how the model marks its thinking: deepseek_r1 (<think> ... </think>: DeepSeek-R1 and "
                              "its Qwen2 distills, QwQ) or qwen3 (only a reply that opens with <think> reasons); "

@@ -116,8 +116,7 @@ class OpenAIServingChat(GenerationServing):
         head = {"id": request_id, "created": now(), "model": model,
                 "object": "chat.completion.chunk" if request.stream else "chat.completion"}
         role = self.options.response_role if request.add_generation_prompt else request.messages[-1].get("role")
-        states = [ChatChoiceState(role, self._tool_stream(tool_choice, request.parallel_tool_calls), _echo(request),
-                                  prompt.token_ids,
+        states = [ChatChoiceState(role, self._tool_stream(tool_choice, request), _echo(request), prompt.token_ids,
                                   ReasoningStream(self.reasoning_parser) if self.reasoning_parser else None,
                                   request.include_reasoning)
                   for _ in range(request.n)]
@@ -230,11 +229,13 @@ class OpenAIServingChat(GenerationServing):
             return params
         return dataclasses.replace(params, structured_outputs=StructuredOutputsParams(json=schema))
 
-    def _tool_stream(self, tool_choice: str | NamedToolChoice, parallel: bool) -> ToolCallStream | None:
+    def _tool_stream(self, tool_choice: str | NamedToolChoice, request: ChatCompletionRequest) -> ToolCallStream | None:
         if tool_choice == "none":
             return None
         if tool_choice == "auto":
-            return ToolCallStream(parser=TOOL_PARSERS[self.tool_call_parser](), parallel=parallel)
+            tools = [tool.model_dump(exclude_none=True) for tool in request.tools or []]
+            return ToolCallStream(parser=TOOL_PARSERS[cast(str, self.tool_call_parser)](tools),
+                                  parallel=request.parallel_tool_calls)
         if tool_choice == "required":
             return ToolCallStream(required=True)
         return ToolCallStream(forced_name=tool_choice.function.name)

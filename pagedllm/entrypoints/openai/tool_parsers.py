@@ -8,6 +8,15 @@
                  [TOOL_CALLS]name[ARGS]{...} per call (the marker is a special token: these replies keep theirs)
     pythonic     [get_weather(city="Rome"), get_time()]: a Python list of calls with literal arguments (Llama 3.2
                  and 4's pythonic format), read by `ast`, never evaluated
+    qwen3_coder  <tool_call><function=NAME><parameter=KEY>VALUE</parameter>...</function></tool_call> (Qwen3-Coder,
+                 Qwen3-Next): each value text, read as its schema's type (number, boolean, object...) where the
+                 request's tool says one
+    granite      <|tool_call|> (a special token: kept) or <tool_call>, then a JSON list of calls (Granite 3.x)
+    phi4_mini_json  functools[{"name": ..., "arguments": {...}}, ...] (Phi-4-mini)
+    lfm2         <|tool_call_start|>[pythonic calls]<|tool_call_end|>, content around it (LiquidAI's LFM2)
+    functiongemma   <start_function_call>call:NAME{key:<escape>value<escape>,...}<end_function_call>
+                 (FunctionGemma; each value JSON where it reads as such)
+and vLLM's other names for these formats: llama4_json, llama4_pythonic, qwen3_json and granite4 (hermes).
 """
 
 from __future__ import annotations
@@ -49,9 +58,13 @@ def partial_marker_start(text: str, marker: str) -> int | None:
 
 
 class ToolParser:
-    """Finds the calls a model wrote in its reply (`tool_start` while it streams, `extract` once it is whole)."""
+    """Finds the calls a model wrote in its reply (`tool_start` while it streams, `extract` once it is whole);
+    `tools`: the request's (OpenAI's shape), for a format whose arguments are typed by their schemas."""
 
     keeps_special_tokens = False    # True: the calls' marker is a special token, which the reply's text must keep
+
+    def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
+        self.tools = tools or []
 
     def tool_start(self, text: str) -> int | None:
         """Where a tool call starts (or may be starting) in the text so far; None: it is all content."""
@@ -153,23 +166,149 @@ class PythonicToolParser(ToolParser):
         return None
 
     def extract(self, text: str) -> tuple[str | None, list[FunctionCall]]:
-        body = text.strip().removeprefix(self.TAGS[0]).removesuffix(self.TAGS[1]).strip()
+        calls = _pythonic_calls(text.strip().removeprefix(self.TAGS[0]).removesuffix(self.TAGS[1]).strip())
+        return (None, calls) if calls else (text, [])
+
+
+def _pythonic_calls(body: str) -> list[FunctionCall]:
+    """The calls of a Python list of calls with literal keyword arguments; [] if `body` is not one."""
+    try:
+        tree = ast.parse(body, mode="eval").body
+    except SyntaxError:
+        return []
+    if not isinstance(tree, ast.List) or not tree.elts:
+        return []
+    calls = []
+    for node in tree.elts:
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+            return []
         try:
-            tree = ast.parse(body, mode="eval").body
-        except SyntaxError:
+            arguments = {_keyword(k): ast.literal_eval(k.value) for k in node.keywords}
+        except ValueError:      # not a literal (or **kwargs)
+            return []
+        calls.append(FunctionCall(node.func.id, json.dumps(arguments)))
+    return calls
+
+
+class Qwen3CoderToolParser(_MarkedToolParser):
+    """Qwen3-Coder's XML calls: <tool_call><function=NAME> and a <parameter=KEY>VALUE</parameter> per argument;
+    the text before the first call is the content. A value is text unless the tool's schema gives that
+    parameter another type, as which it is read (vLLM's schema-aware coercion)."""
+
+    START = "<tool_call>"
+    _CALL = re.compile(r"<tool_call>\s*<function=([^>\n]+)>(.*?)(?:</function>|$)", re.DOTALL)
+    _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.DOTALL)
+
+    def extract(self, text: str) -> tuple[str | None, list[FunctionCall]]:
+        start = text.find(self.START)
+        calls = [FunctionCall(name.strip(), json.dumps(self._arguments(name.strip(), body)))
+                 for name, body in self._CALL.findall(text, start)] if start >= 0 else []
+        return (text[:start].strip() or None, calls) if calls else (text, [])
+
+    def _arguments(self, name: str, body: str) -> dict[str, Any]:
+        properties = next((_parameters(t).get("properties", {}) for t in self.tools
+                           if t.get("function", {}).get("name") == name), {})
+        return {key.strip(): _typed(_one_newline_off(value), properties.get(key.strip()))
+                for key, value in self._PARAMETER.findall(body)}
+
+
+def _one_newline_off(value: str) -> str:
+    """A parameter's text less the newline its template puts on each side."""
+    return value.removeprefix("\n").removesuffix("\n")
+
+
+def _typed(value: str, schema: Any) -> Any:
+    """`value` read as its schema's type where that is not text (and it reads as JSON), else the text itself."""
+    kinds = schema.get("type") if isinstance(schema, dict) else None
+    kinds = set(kinds) if isinstance(kinds, list) else {kinds}
+    if kinds & {"integer", "number", "boolean", "object", "array", "null"} and "string" not in kinds:
+        read = _loads(value)
+        return value if read is None and value.strip() != "null" else read
+    return value
+
+
+class GraniteToolParser(ToolParser):
+    """Granite 3.x: a marker, <|tool_call|> (3.0; a special token, which the reply keeps) or <tool_call> (3.1), then
+    a JSON list of calls; the text before the marker is the content."""
+
+    MARKERS = ("<|tool_call|>", "<tool_call>")
+    keeps_special_tokens = True
+
+    def tool_start(self, text: str) -> int | None:
+        found = [i for i in (text.find(m) for m in self.MARKERS) if i >= 0]
+        if found:
+            return min(found)
+        partial = [i for i in (partial_marker_start(text, m) for m in self.MARKERS) if i is not None]
+        return min(partial) if partial else None
+
+    def extract(self, text: str) -> tuple[str | None, list[FunctionCall]]:
+        start = self.tool_start(text)
+        if start is None:
             return text, []
-        if not isinstance(tree, ast.List) or not tree.elts:
+        marker = next(m for m in self.MARKERS if text.startswith(m, start))
+        calls = _json_list_calls(text[start + len(marker):], "arguments")
+        return (text[:start].strip() or None, calls) if calls else (text, [])
+
+
+class Phi4MiniJsonToolParser(_MarkedToolParser):
+    """Phi-4-mini: `functools` and a JSON list of calls (`arguments`, or `parameters`); the text before is the
+    content."""
+
+    START = "functools["
+
+    def extract(self, text: str) -> tuple[str | None, list[FunctionCall]]:
+        start = text.find(self.START)
+        calls = _json_list_calls(text[start + len("functools"):], "parameters") if start >= 0 else []
+        return (text[:start].strip() or None, calls) if calls else (text, [])
+
+
+def _json_list_calls(text: str, arguments_key: str) -> list[FunctionCall]:
+    """The calls of the JSON list `text` starts with (what follows it is ignored); [] if it is not one."""
+    try:
+        value, _ = json.JSONDecoder().raw_decode(text.lstrip())
+    except ValueError:
+        return []
+    calls = [_call_from(v, arguments_key) for v in value] if isinstance(value, list) else [None]
+    return [] if None in calls else cast(list[FunctionCall], calls)
+
+
+class Lfm2ToolParser(_MarkedToolParser):
+    """LiquidAI's LFM2: pythonic calls between <|tool_call_start|> and <|tool_call_end|> (special tokens, which the
+    reply keeps); the text around them is the content."""
+
+    START, END = "<|tool_call_start|>", "<|tool_call_end|>"
+    keeps_special_tokens = True
+
+    def extract(self, text: str) -> tuple[str | None, list[FunctionCall]]:
+        start = text.find(self.START)
+        if start < 0:
             return text, []
-        calls = []
-        for node in tree.elts:
-            if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
-                return text, []
-            try:
-                arguments = {_keyword(k): ast.literal_eval(k.value) for k in node.keywords}
-            except ValueError:      # not a literal (or **kwargs)
-                return text, []
-            calls.append(FunctionCall(node.func.id, json.dumps(arguments)))
-        return None, calls
+        body, _, after = text[start + len(self.START):].partition(self.END)
+        calls = _pythonic_calls(body.strip())
+        content = "\n".join(part for part in (text[:start].strip(), after.strip()) if part)
+        return (content or None, calls) if calls else (text, [])
+
+
+class FunctionGemmaToolParser(_MarkedToolParser):
+    """FunctionGemma: <start_function_call>call:NAME{key:<escape>value<escape>,...}<end_function_call> per call
+    (special tokens, which the reply keeps); each value JSON where it reads as such, else text."""
+
+    START = "<start_function_call>"
+    keeps_special_tokens = True
+    _CALL = re.compile(r"<start_function_call>call:(\w+)\{(.*?)\}(?:<end_function_call>|$)", re.DOTALL)
+    _ARGUMENT = re.compile(r"(\w+):<escape>(.*?)<escape>", re.DOTALL)
+
+    def extract(self, text: str) -> tuple[str | None, list[FunctionCall]]:
+        start = text.find(self.START)
+        calls = [FunctionCall(name, json.dumps({key: _json_or_text(value)
+                                                for key, value in self._ARGUMENT.findall(arguments)}))
+                 for name, arguments in self._CALL.findall(text, start)] if start >= 0 else []
+        return (text[:start].strip() or None, calls) if calls else (text, [])
+
+
+def _json_or_text(value: str) -> Any:
+    read = _loads(value)
+    return value if read is None and value != "null" else read
 
 
 def _keyword(keyword: ast.keyword) -> str:
@@ -178,8 +317,13 @@ def _keyword(keyword: ast.keyword) -> str:
     return keyword.arg
 
 
-TOOL_PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser,
-                                              "mistral": MistralToolParser, "pythonic": PythonicToolParser}
+TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    "hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser, "mistral": MistralToolParser,
+    "pythonic": PythonicToolParser, "qwen3_coder": Qwen3CoderToolParser, "granite": GraniteToolParser,
+    "phi4_mini_json": Phi4MiniJsonToolParser, "lfm2": Lfm2ToolParser, "functiongemma": FunctionGemmaToolParser,
+    # vLLM's other names for these formats
+    "llama4_json": Llama3JsonToolParser, "llama4_pythonic": PythonicToolParser, "qwen3_json": HermesToolParser,
+    "qwen3_xml": Qwen3CoderToolParser, "granite4": HermesToolParser}
 
 
 def _loads(text: str) -> Any:
