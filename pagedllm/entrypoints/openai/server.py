@@ -173,13 +173,9 @@ def _invocations_router(completion: OpenAIServingCompletion, chat: OpenAIServing
         ("text_1", ScoreRequest, scoring.score)]
 
     @router.post("/invocations")
-    async def invocations(raw_request: Request) -> Response:
-        try:
-            body = await raw_request.json()
-        except ValueError as exc:
-            raise OpenAIError(f"the body is not JSON: {exc}", 400) from None
+    async def invocations(body: dict[str, Any], raw_request: Request) -> Response:
         for field, request_type, create in apis:
-            if isinstance(body, dict) and field in body:
+            if field in body:
                 try:
                     request = request_type.model_validate(body)
                 except ValidationError as exc:
