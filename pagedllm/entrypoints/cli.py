@@ -1,5 +1,5 @@
 """The `pagedllm` command: `pagedllm serve [MODEL]`, `pagedllm run-batch -i IN -o OUT`, `pagedllm chat` and
-`pagedllm complete` (clients of a running server), `pagedllm bench COMMAND`
+`pagedllm complete` (clients of a running server), `pagedllm collect-env` (for a bug report), `pagedllm bench COMMAND`
 (throughput, accuracy, ...: see pagedllm/bench/cli.py), `pagedllm plan [MODEL]` and `pagedllm simulate`.
 
 `serve` leaves OpenMP's wait policy as it finds it: with the default, idle workers spin a while before they sleep,
@@ -32,6 +32,10 @@ def make_parser() -> argparse.ArgumentParser:
     add_run_batch_args(run_batch)
     run_batch.set_defaults(func=_run_batch)
     add_client_parsers(subparsers)
+    collect_env = subparsers.add_parser("collect-env", help="print what a bug report needs: versions, CPU, memory",
+                                        description="Print the versions, CPU features, kernels, cores, memory, GPU, "
+                                                    "embedded model and pagedllm's environment variables.")
+    collect_env.set_defaults(func=_collect_env)
     add_bench_parser(subparsers)
     add_memory_parsers(subparsers)
     return parser
@@ -40,6 +44,11 @@ def make_parser() -> argparse.ArgumentParser:
 def _run_batch(args: argparse.Namespace) -> None:
     from pagedllm.entrypoints.openai.run_batch import main as run_batch_main  # torch: only when it runs
     run_batch_main(args)
+
+
+def _collect_env(args: argparse.Namespace) -> None:
+    from pagedllm.entrypoints.collect_env import run  # torch: only when it runs
+    run(args)
 
 
 def _version() -> str:
