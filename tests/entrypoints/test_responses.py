@@ -1,6 +1,7 @@
 """/v1/responses (OpenAI's Responses API) on a tiny random Llama behind the real server, driven with the `openai`
 SDK: the reply is the chat endpoint's for the same conversation, whole or as the Responses events; text.format and
-function tools as the chat's response_format and tools; what a text-only server without storage cannot do is a 400."""
+function tools as the chat's response_format and tools; background responses polled and cancelled; what a text-only
+server cannot do is a 400."""
 
 from __future__ import annotations
 
@@ -207,7 +208,8 @@ def test_a_client_that_leaves_a_stream_aborts_its_request(server):
 
 @pytest.mark.parametrize(("fields", "param"), [
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
-    ({"background": True}, "background"),
+    ({"background": True, "store": False}, "background"),
+    ({"background": True, "stream": True}, "background"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"tools": [{"type": "web_search"}]}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),
@@ -280,3 +282,65 @@ def test_reasoning_streams_as_its_own_item_before_the_message(cut):
                                                                    "length" if cut else "stop", usage)
     assert [(item["type"], item["status"]) for item in whole["output"]] == [
         ("reasoning", "completed"), ("message", "incomplete" if cut else "completed")]
+
+
+def _polled(client, response_id: str) -> object:
+    """The response once it stops running (its status neither queued nor in_progress)."""
+    done = {}
+
+    def finished() -> bool:
+        done["response"] = client.responses.retrieve(response_id)
+        return done["response"].status not in ("queued", "in_progress")
+    assert wait_until(finished, timeout=60)
+    return done["response"]
+
+
+def test_a_background_response_is_polled_until_done(client, server):
+    fields = {"model": server.model_name, "instructions": "Be brief.", "input": "Say something.",
+              "max_output_tokens": 12, "temperature": 0}
+    queued = client.responses.create(background=True, **fields)
+    assert queued.status == "queued" and queued.background is True and queued.output == []
+    done = _polled(client, queued.id)
+    direct = client.responses.create(**fields)
+    assert done.status == direct.status and done.output_text == direct.output_text and done.background
+    assert done.usage.output_tokens == direct.usage.output_tokens
+    continued = client.responses.create(model=server.model_name, input="And then?", max_output_tokens=4,
+                                        previous_response_id=done.id)
+    assert continued.usage.input_tokens > done.usage.input_tokens    # the background answer was carried on
+    with pytest.raises(openai.BadRequestError, match="synchronous"):
+        client.responses.cancel(direct.id)
+    assert client.responses.cancel(done.id).status == done.status    # done already: as it stands
+
+
+def test_a_cancelled_background_response_aborts_its_request(tiny_dir):
+    """The engine is held still, so that the response is running when it is cancelled: it ends "cancelled", its
+    engine request aborted and its blocks back in the pool; a failed one says why."""
+    import threading
+
+    engine = tool_model_engine(tiny_dir)
+    held, step = threading.Event(), engine.step
+    engine.step = lambda: (held.wait(30), step())[1]
+    running = start_server(engine, api_key=None)
+    try:
+        client = running.client()
+        queued = client.responses.create(model=running.model_name, input="Say something.", background=True,
+                                         max_output_tokens=200)
+        assert wait_until(lambda: client.responses.retrieve(queued.id).status == "in_progress")
+        with pytest.raises(openai.BadRequestError, match="in_progress"):
+            client.responses.create(model=running.model_name, input="more", previous_response_id=queued.id)
+        assert wait_until(lambda: bool(engine.scheduler.requests))
+        cancelled = client.responses.cancel(queued.id)
+        held.set()
+        assert cancelled.status == "cancelled" and client.responses.retrieve(queued.id).status == "cancelled"
+        assert wait_until(lambda: not engine.scheduler.requests)
+        failed = client.responses.create(model=running.model_name, input="x" * 5000, background=True)
+        failed = _polled(client, failed.id)      # a prompt past the context: the response fails, saying so
+        assert failed.status == "failed" and "context" in failed.error.message
+        deleted = client.responses.create(model=running.model_name, input="Say something.", background=True,
+                                          max_output_tokens=50)
+        client.responses.delete(deleted.id)
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(deleted.id)
+    finally:
+        held.set()
+        running.stop()

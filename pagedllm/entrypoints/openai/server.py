@@ -247,7 +247,12 @@ def _v1_router(completion: OpenAIServingCompletion, chat: OpenAIServingChat,
     @router.delete("/responses/{response_id}")
     async def delete_stored_response(response_id: str) -> dict[str, Any]:
         """OpenAI's delete (`client.responses.delete`): the response is forgotten, and can no longer be continued."""
-        return responses_api.delete(response_id)
+        return await responses_api.delete(response_id)
+
+    @router.post("/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str) -> dict[str, Any]:
+        """OpenAI's cancel (`client.responses.cancel`): a background response stops, "cancelled"."""
+        return await responses_api.cancel(response_id)
 
     @router.post("/messages")
     async def messages(body: AnthropicMessagesRequest, raw_request: Request) -> Response:

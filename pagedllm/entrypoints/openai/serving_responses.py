@@ -15,16 +15,22 @@ With `store` (true by default, as OpenAI's) a finished response is kept in memor
 `MAX_STORED_RESPONSES`), for `GET /v1/responses/{id}` and for a later request's `previous_response_id`, which
 continues its conversation: the earlier input and output come before the new input (the earlier `instructions` do
 not carry over, as in OpenAI's API); `GET /v1/responses/{id}/input_items` lists its input items (ids given, message
-text as input_text parts), paged as OpenAI pages them. `background` is refused.
+text as input_text parts), paged as OpenAI pages them.
+
+With `background` (and `store`), the answer is the response "queued" at once; it runs in the server's event loop,
+and `GET /v1/responses/{id}` shows it "in_progress", then "completed" (or "incomplete", or "failed" with its
+`error`); `POST /v1/responses/{id}/cancel` stops it, its engine request aborted, and leaves it "cancelled".
+Background responses are not streamed (poll them).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 from pydantic import ValidationError
 
@@ -36,6 +42,7 @@ from pagedllm.entrypoints.openai.protocol import (
     random_id,
     validation_error,
 )
+from pagedllm.entrypoints.openai.serving_base import error_for
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.tool_parsers import gather_call_deltas
 
@@ -54,6 +61,7 @@ class OpenAIServingResponses:
     def __init__(self, chat: OpenAIServingChat) -> None:
         self.chat = chat
         self._stored: OrderedDict[str, _Stored] = OrderedDict()
+        self._running: dict[str, asyncio.Task] = {}     # background responses not yet done, by id
 
     def retrieve(self, response_id: str) -> dict[str, Any]:
         """A stored response (GET /v1/responses/{id}); 404 if it is not, or no longer, stored."""
@@ -85,11 +93,28 @@ class OpenAIServingResponses:
             raise OpenAIError(f"Response with id '{response_id}' not found.", 404, "response_id", "not_found")
         return stored
 
-    def delete(self, response_id: str) -> dict[str, Any]:
-        """Forget a stored response (DELETE /v1/responses/{id}, OpenAI's answer); 404 as retrieve's."""
+    async def delete(self, response_id: str) -> dict[str, Any]:
+        """Forget a stored response, stopping it if it runs in the background (DELETE /v1/responses/{id}, OpenAI's
+        answer); 404 as retrieve's."""
         self.retrieve(response_id)
+        await self._stop(response_id)
         del self._stored[response_id]
         return {"id": response_id, "object": "response", "deleted": True}
+
+    async def cancel(self, response_id: str) -> dict[str, Any]:
+        """Stop a background response (POST /v1/responses/{id}/cancel): "cancelled" if it was still running, as it
+        stands if it had ended; 400 for one that did not run in the background, 404 as retrieve's."""
+        if not self.retrieve(response_id).get("background"):
+            raise OpenAIError("Cannot cancel a synchronous response: only a background response can be cancelled.",
+                              param="response_id")
+        await self._stop(response_id)
+        return self.retrieve(response_id)
+
+    async def _stop(self, response_id: str) -> None:
+        task = self._running.get(response_id)
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)     # its engine request aborted, its state stored
 
     def _store(self, response: dict[str, Any], messages: list[dict[str, Any]],
                input_items: list[dict[str, Any]]) -> None:
@@ -105,9 +130,14 @@ class OpenAIServingResponses:
             if stored is None:
                 raise OpenAIError(f"Response with id '{request.previous_response_id}' not found.", 404,
                                   "previous_response_id", "not_found")
+            if stored.response["status"] not in ("completed", "incomplete"):     # a background one not done
+                raise OpenAIError(f"Response with id '{request.previous_response_id}' is "
+                                  f"{stored.response['status']}: only a finished response can be continued",
+                                  param="previous_response_id")
             earlier = stored.conversation
-        if request.background:
-            raise OpenAIError("background responses are not supported", param="background")
+        if request.background and (request.stream or not request.store):
+            raise OpenAIError("a background response must be stored (store: true) and is not streamed: poll "
+                              "GET /v1/responses/{id}", param="background")
         if request.top_logprobs:
             raise OpenAIError("top_logprobs is not supported on /v1/responses (use /v1/chat/completions)",
                               param="top_logprobs")
@@ -118,19 +148,47 @@ class OpenAIServingResponses:
         def store(done: dict[str, Any]) -> None:
             if request.store:
                 self._store(done, messages, items)
-        try:
-            reply = await self.chat.create(_chat_request(request, messages), sse=False)
-        except OpenAIError as exc:      # named as the chat request names it: name the Responses API's field
-            exc.param = _CHAT_TO_RESPONSES_FIELD.get(exc.param, exc.param)
-            raise
+        chat_request = _chat_request(request, messages)
+        if request.background:
+            return self._start_in_background(response, chat_request, store, items)
+        reply = await self._chat(chat_request)
         if isinstance(reply, dict):
-            (choice,) = reply["choices"]
-            message = choice["message"]
-            done = response.finished(_output(message.get("reasoning"), message.get("content"),
-                                             message.get("tool_calls") or []), choice["finish_reason"], reply["usage"])
+            done = response.answered(reply)
             store(done)
             return done
         return _events(response, reply, store)
+
+    async def _chat(self, request: ChatCompletionRequest) -> dict[str, Any] | AsyncIterator[str]:
+        try:
+            return await self.chat.create(request, sse=False)
+        except OpenAIError as exc:      # named as the chat request names it: name the Responses API's field
+            exc.param = _CHAT_TO_RESPONSES_FIELD.get(exc.param, exc.param)
+            raise
+
+    def _start_in_background(self, response: _Response, request: ChatCompletionRequest,
+                             store: Callable[[dict[str, Any]], None], items: list[dict[str, Any]]) -> dict[str, Any]:
+        """Store the response "queued" and run it in a task of the event loop; returns it queued."""
+        response_id = response.fields["id"]
+
+        def stand(fields: dict[str, Any]) -> None:       # a state before the end: no conversation to continue yet
+            self._stored[response_id] = _Stored(fields, [], items)
+
+        async def run() -> None:
+            stand(response.fields)
+            try:
+                store(response.answered(cast(dict[str, Any], await self._chat(request))))
+            except asyncio.CancelledError:
+                stand(response.fields | {"status": "cancelled"})
+            except Exception as exc:  # noqa: BLE001 - the response fails, the server goes on
+                error = error_for(exc)
+                stand(response.fields | {"status": "failed", "error": {"code": error.code or error.type,
+                                                                       "message": error.message}})
+            finally:
+                self._running.pop(response_id, None)
+        queued = response.fields | {"status": "queued"}
+        stand(queued)
+        self._running[response_id] = asyncio.get_running_loop().create_task(run())
+        return queued
 
 
 class _Response:
@@ -146,7 +204,14 @@ class _Response:
             "temperature": request.temperature,
             "text": request.text or {"format": {"type": "text"}}, "tool_choice": request.tool_choice,
             "tools": request.tools, "top_p": request.top_p, "truncation": "disabled", "usage": None,
-            "user": request.user}
+            "user": request.user, "background": request.background}
+
+    def answered(self, reply: dict[str, Any]) -> dict[str, Any]:
+        """The response a whole chat completion makes."""
+        (choice,) = reply["choices"]
+        message = choice["message"]
+        return self.finished(_output(message.get("reasoning"), message.get("content"), message.get("tool_calls") or []),
+                             choice["finish_reason"], reply["usage"])
 
     def finished(self, output: list[dict[str, Any]], finish_reason: str | None,
                  usage: dict[str, int]) -> dict[str, Any]:
