@@ -150,6 +150,13 @@ def test_the_command_reads_and_writes_files(tiny_dir, tmp_path):
     assert "batch done: 2 requests answered, 1 failed" in done.stderr
 
 
+def test_a_background_response_in_a_batch_is_refused(tiny_dir):
+    line = _line("bg", "/v1/responses", {"input": "hi", "max_output_tokens": 2, "background": True})
+    (output,), _ = _run(tiny_dir, [line])
+    assert output["response"]["status_code"] == 400, output
+    assert output["response"]["body"]["error"]["param"] == "background", output
+
+
 def test_a_trusted_batch_takes_its_own_chat_template(tiny_dir):
     line = _line("t", "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 1, "return_token_ids": True,
                                                "chat_template": "{{ messages[0]['content'] }}"})

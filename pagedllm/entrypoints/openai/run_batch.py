@@ -35,6 +35,7 @@ from pagedllm.entrypoints.openai.protocol import (
     ClassificationRequest,
     CompletionRequest,
     EmbeddingRequest,
+    OpenAIError,
     RerankRequest,
     ResponsesRequest,
     ScoreRequest,
@@ -78,6 +79,16 @@ class BatchCounts:
 Endpoint = tuple[type[BaseModel], Callable[[Any], Awaitable[Any]]]
 
 
+def _in_the_batch(create: Callable[[ResponsesRequest], Awaitable[Any]]) -> Callable[[ResponsesRequest], Awaitable[Any]]:
+    """The Responses API for a batch line: answered in the batch's output, so not in the background."""
+    async def answer(request: ResponsesRequest) -> Any:
+        if request.background:
+            raise OpenAIError("a batch answers each line in its output file: background is not taken here",
+                              param="background")
+        return await create(request)
+    return answer
+
+
 async def run_batch(engine: AsyncEngine | AsyncDataParallelEngine, lines: Iterable[str], write: Callable[[str], None],
                     *, max_in_flight: int, served_model_names: list[str] | None = None,
                     limits: ServerLimits | None = None, tool_call_parser: str | None = None,
@@ -95,7 +106,7 @@ async def run_batch(engine: AsyncEngine | AsyncDataParallelEngine, lines: Iterab
         "/v1/chat/completions": (ChatCompletionRequest, chat.create),
         "/v1/completions": (CompletionRequest,
                             OpenAIServingCompletion(engine, names, limits, chat.lora_modules, chat.options).create),
-        "/v1/responses": (ResponsesRequest, OpenAIServingResponses(chat).create),
+        "/v1/responses": (ResponsesRequest, _in_the_batch(OpenAIServingResponses(chat).create)),
         "/v1/embeddings": (EmbeddingRequest, pooling.embeddings),
         "/v1/classify": (ClassificationRequest, pooling.classify),
         "/v1/score": (ScoreRequest, scoring.score),
