@@ -454,8 +454,9 @@ class AsyncEngine:
             while (batch := self._wait_for_work()) is not None:
                 iteration = IterationStats()
                 wants_snapshot = self._handle_inbox(batch, iteration)
-                outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
-                self._publish(outputs, iteration)
+                stepped = self.engine.has_unfinished_requests()
+                outputs = self.engine.step() if stepped else []
+                self._publish(outputs, iteration, stepped)
                 if wants_snapshot:
                     snapshot = KVCacheSnapshot(time.time(), self.latest_stats, self.engine.make_block_map())
                     self._call_in_loop(self._deliver_snapshot, snapshot)
@@ -504,7 +505,10 @@ class AsyncEngine:
             self._call_in_loop(self._dispatch_error, item.request_id, exc)
             return
         num_prompt_tokens = len(item.prompt_token_ids) if item.prompt_token_ids is not None else 0
-        self._request_stats.on_added(item.request_id, item.arrival, num_prompt_tokens)
+        sampling = item.params if isinstance(item.params, SamplingParams) else None
+        self._request_stats.on_added(item.request_id, item.arrival, num_prompt_tokens,
+                                     None if sampling is None else sampling.max_tokens,
+                                     None if sampling is None else sampling.n)
 
     def _abort(self, request_ids: list[str], iteration: IterationStats, stop_reason: str | None = None) -> None:
         live = [r for r in request_ids if r in self._request_stats]
@@ -515,8 +519,10 @@ class AsyncEngine:
         if stop_reason is not None:     # someone is still listening: tell them how it ended
             self._call_in_loop(self._dispatch, ends)
 
-    def _publish(self, outputs: list[RequestOutput], iteration: IterationStats) -> None:
+    def _publish(self, outputs: list[RequestOutput], iteration: IterationStats, stepped: bool = False) -> None:
         self.latest_stats = self.engine.make_stats()
+        if stepped:
+            iteration.num_step_tokens = self.latest_stats.num_scheduled_tokens
         self._request_stats.on_step(outputs, self.latest_stats.scheduled_request_ids, iteration, time.monotonic())
         for stat_logger in self._stat_loggers:
             try:

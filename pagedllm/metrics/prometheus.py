@@ -24,6 +24,18 @@ _ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
                 40.0, 80.0]
 _REQUEST_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                     240.0, 480.0, 960.0, 1920.0, 7680.0]
+_STEP_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+
+
+def _one_two_five(limit: int) -> list[int]:
+    """vLLM's buckets of token counts: 1, 2, 5, 10, 20, 50, ... up to `limit`."""
+    buckets, scale = [], 1
+    while True:
+        for step in (1, 2, 5):
+            if step * scale > limit:
+                return buckets
+            buckets.append(step * scale)
+        scale *= 10
 
 
 class PrometheusStatLogger:
@@ -35,14 +47,15 @@ class PrometheusStatLogger:
         swap_space_bytes: the size of the swap pool (0: none), a fixed gauge (per replica).
         data_parallel_size: replicas behind the server; above 1 every metric also has a `replica` label ("0",
             "1", ...) and `record` takes the replica's index.
+        max_model_len: the largest token count the token histograms' buckets (1, 2, 5, 10, ...) reach.
     """
 
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None, swap_space_bytes: int = 0,
-                 data_parallel_size: int = 1) -> None:
+                 data_parallel_size: int = 1, max_model_len: int = 8192) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.model_name = model_name
         label_names = ["model_name"] + (["replica"] if data_parallel_size > 1 else [])
-        families = _Families(self.registry, label_names)
+        families = _Families(self.registry, label_names, max_model_len)
         label_values = [[model_name]] if data_parallel_size == 1 else \
             [[model_name, str(index)] for index in range(data_parallel_size)]
         self._replicas = [_ReplicaMetrics(families, values, swap_space_bytes) for values in label_values]
@@ -63,7 +76,7 @@ class PrometheusStatLogger:
 class _Families:
     """The metric families, each registered once, labelled `label_names`; `_ReplicaMetrics` takes their children."""
 
-    def __init__(self, registry: CollectorRegistry, label_names: list[str]) -> None:
+    def __init__(self, registry: CollectorRegistry, label_names: list[str], max_model_len: int) -> None:
         self.registry, self.label_names = registry, label_names
 
         def gauge(name: str, doc: str) -> Gauge:
@@ -96,6 +109,22 @@ class _Families:
         self.itl = histogram("inter_token_latency_seconds", "Time between two tokens of a request.", _ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token.", _REQUEST_BUCKETS)
         self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.", _REQUEST_BUCKETS)
+        # vLLM's per-request histograms: its phases, its sizes, and each step's tokens
+        self.prefill_time = histogram("request_prefill_time_seconds", "First scheduled to first token.",
+                                      _REQUEST_BUCKETS)
+        self.decode_time = histogram("request_decode_time_seconds", "First token to last.", _REQUEST_BUCKETS)
+        self.inference_time = histogram("request_inference_time_seconds", "First scheduled to finished.",
+                                        _REQUEST_BUCKETS)
+        self.tpot = histogram("request_time_per_output_token_seconds",
+                              "A request's decode time per output token after its first.", _ITL_BUCKETS)
+        sizes = _one_two_five(max_model_len)
+        self.prompt_length = histogram("request_prompt_tokens", "A request's prompt tokens.", sizes)
+        self.generation_length = histogram("request_generation_tokens", "A request's generated tokens.", sizes)
+        self.max_generation_length = histogram("request_max_num_generation_tokens",
+                                               "A request's longest completion, in tokens.", sizes)
+        self.max_tokens_param = histogram("request_params_max_tokens", "A request's max_tokens.", sizes)
+        self.n_param = histogram("request_params_n", "A request's n.", [1, 2, 5, 10, 20])
+        self.iteration_tokens = histogram("iteration_tokens_total", "Tokens an engine step ran.", _STEP_BUCKETS)
         self._spec: _SpecDecodingFamilies | None = None
         self._lora_info: Gauge | None = None
 
@@ -135,6 +164,12 @@ class _ReplicaMetrics:
         self.prompt_tokens, self.generation_tokens = series(f.prompt_tokens), series(f.generation_tokens)
         self.ttft, self.itl = series(f.ttft), series(f.itl)
         self.e2e, self.queue_time = series(f.e2e), series(f.queue_time)
+        self.prefill_time, self.decode_time = series(f.prefill_time), series(f.decode_time)
+        self.inference_time, self.tpot = series(f.inference_time), series(f.tpot)
+        self.prompt_length, self.generation_length = series(f.prompt_length), series(f.generation_length)
+        self.max_generation_length = series(f.max_generation_length)
+        self.max_tokens_param, self.n_param = series(f.max_tokens_param), series(f.n_param)
+        self.iteration_tokens = series(f.iteration_tokens)
         series(f.swap_space_bytes).set(swap_space_bytes)
         for reason in ("stop", "length", "abort"):
             f.request_success.labels(*label_values, reason)
@@ -174,6 +209,8 @@ class _ReplicaMetrics:
         self._last = stats
 
     def _record_iteration(self, it: IterationStats) -> None:
+        if it.num_step_tokens:
+            self.iteration_tokens.observe(it.num_step_tokens)
         _inc(self.prompt_tokens, it.num_prompt_tokens)
         _inc(self.generation_tokens, it.num_generation_tokens)
         for value in it.time_to_first_tokens:
@@ -185,6 +222,16 @@ class _ReplicaMetrics:
         for finished in it.finished:
             self.families.request_success.labels(*self.label_values, finished.finish_reason).inc()
             self.e2e.observe(finished.e2e_latency)
+            for histogram, value in ((self.prefill_time, finished.prefill_time),
+                                     (self.decode_time, finished.decode_time),
+                                     (self.inference_time, finished.inference_time),
+                                     (self.tpot, finished.time_per_output_token),
+                                     (self.max_tokens_param, finished.max_tokens), (self.n_param, finished.n)):
+                if value is not None:
+                    histogram.observe(value)
+            self.prompt_length.observe(finished.num_prompt_tokens)
+            self.generation_length.observe(finished.num_generation_tokens)
+            self.max_generation_length.observe(finished.max_num_generation_tokens)
 
 
 class _SpecDecodingFamilies:

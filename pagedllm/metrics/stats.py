@@ -68,6 +68,7 @@ class SchedulerStats:
     num_kv_slots_running: int = 0           # token slots of the blocks the running requests hold
     num_kv_slots_filled: int = 0            # of those, slots holding a computed token (the rest is tail waste)
     scheduled_request_ids: list[str] = field(default_factory=list)   # the requests the last step ran
+    num_scheduled_tokens: int = 0           # the tokens the last step ran (drafts included)
     spec_decoding: SpecDecodingStats | None = None   # None without speculative decoding
     max_loras: int | None = None            # None: LoRA off
     running_lora_adapters: list[str] = field(default_factory=list)   # the adapters' names, each once, sorted
@@ -90,13 +91,29 @@ class SchedulerStats:
 
 @dataclass(slots=True)
 class FinishedRequestStats:
-    """One request's life, recorded when it finishes (or is aborted)."""
+    """One request's life, recorded when it finishes (or is aborted), in vLLM's phases: queued (arrival to first
+    scheduled), prefill (to its first token), decode (to its last), inference (scheduled to finished); None for a
+    phase it never reached. `max_num_generation_tokens`: its longest completion's (of n); `max_tokens`, `n`: its
+    sampling parameters (None for an embedding's)."""
 
     finish_reason: str
     e2e_latency: float
     queue_time: float | None
     num_prompt_tokens: int
     num_generation_tokens: int
+    prefill_time: float | None = None
+    decode_time: float | None = None
+    inference_time: float | None = None
+    max_num_generation_tokens: int = 0
+    max_tokens: int | None = None
+    n: int | None = None
+
+    @property
+    def time_per_output_token(self) -> float | None:
+        """The decode phase over the tokens after the first of its longest completion (vLLM's TPOT)."""
+        if self.decode_time is None or self.max_num_generation_tokens < 2:
+            return None
+        return self.decode_time / (self.max_num_generation_tokens - 1)
 
 
 @dataclass(slots=True)
@@ -109,6 +126,7 @@ class IterationStats:
     inter_token_latencies: list[float] = field(default_factory=list)
     queue_times: list[float] = field(default_factory=list)
     finished: list[FinishedRequestStats] = field(default_factory=list)
+    num_step_tokens: int = 0            # the tokens the engine step ran (0: no step ran)
 
 
 @dataclass(slots=True)
@@ -117,13 +135,19 @@ class RequestTimes:
 
     arrival: float
     num_prompt_tokens: int
+    max_tokens: int | None = None
+    n: int | None = None
     scheduled: float | None = None
     first_token: float | None = None
     last_token: float | None = None
     num_generation_tokens: int = 0
+    per_completion: dict[int, int] = field(default_factory=dict)   # completion index -> its tokens so far
 
-    def on_tokens(self, stats: IterationStats, num_new_tokens: int, now: float) -> None:
-        """Record `num_new_tokens` arriving at `now`."""
+    def on_tokens(self, stats: IterationStats, num_new_tokens: int, now: float,
+                  per_completion: Iterable[tuple[int, int]] = ()) -> None:
+        """Record `num_new_tokens` arriving at `now` (`per_completion`: (index, tokens) of each completion's)."""
+        for index, count in per_completion:
+            self.per_completion[index] = self.per_completion.get(index, 0) + count
         if num_new_tokens <= 0:
             return
         if self.first_token is None:
@@ -142,9 +166,15 @@ class RequestTimes:
             stats.queue_times.append(now - self.arrival)
 
     def on_finished(self, stats: IterationStats, finish_reason: str, now: float) -> None:
-        queue_time = None if self.scheduled is None else self.scheduled - self.arrival
-        stats.finished.append(FinishedRequestStats(finish_reason, now - self.arrival, queue_time,
-                                                   self.num_prompt_tokens, self.num_generation_tokens))
+        scheduled, first, last = self.scheduled, self.first_token, self.last_token
+        stats.finished.append(FinishedRequestStats(
+            finish_reason, now - self.arrival, None if scheduled is None else scheduled - self.arrival,
+            self.num_prompt_tokens, self.num_generation_tokens,
+            prefill_time=None if scheduled is None or first is None else first - scheduled,
+            decode_time=None if first is None or last is None else last - first,
+            inference_time=None if scheduled is None else now - scheduled,
+            max_num_generation_tokens=max(self.per_completion.values(), default=self.num_generation_tokens),
+            max_tokens=self.max_tokens, n=self.n))
 
 
 class RequestStatsTracker:
@@ -158,8 +188,9 @@ class RequestStatsTracker:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._times
 
-    def on_added(self, request_id: str, arrival: float, num_prompt_tokens: int) -> None:
-        self._times[request_id] = RequestTimes(arrival, num_prompt_tokens)
+    def on_added(self, request_id: str, arrival: float, num_prompt_tokens: int, max_tokens: int | None = None,
+                 n: int | None = None) -> None:
+        self._times[request_id] = RequestTimes(arrival, num_prompt_tokens, max_tokens, n)
 
     def on_step(self, outputs: Iterable[RequestOutput], scheduled_request_ids: Iterable[str], iteration: IterationStats,
                 now: float) -> None:
@@ -177,7 +208,8 @@ class RequestStatsTracker:
             times.on_scheduled(iteration, now)
             if output.embedding is not None:    # an embedding: its prompt ran, and nothing is generated
                 iteration.num_prompt_tokens += times.num_prompt_tokens
-            times.on_tokens(iteration, sum(len(c.token_ids) for c in output.outputs), now)
+            times.on_tokens(iteration, sum(len(c.token_ids) for c in output.outputs), now,
+                            [(c.index, len(c.token_ids)) for c in output.outputs])
             if output.finished:
                 reason = output.outputs[0].finish_reason if output.outputs else None
                 self._times.pop(output.request_id).on_finished(iteration, reason or "stop", now)

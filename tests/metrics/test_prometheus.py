@@ -53,6 +53,39 @@ def test_two_loggers_do_not_clash_and_counters_take_increments():
     assert metric(_values(second), "pagedllm:prompt_tokens_total", model_name="b") == 0
 
 
+def test_vllms_request_histograms_take_each_phase_and_size():
+    stat_logger = PrometheusStatLogger("m", max_model_len=100)
+    iteration, idle = IterationStats(num_step_tokens=24), IterationStats()
+    times = RequestTimes(arrival=0.0, num_prompt_tokens=20, max_tokens=30, n=2)
+    times.on_scheduled(iteration, 0.5)
+    times.on_tokens(iteration, 2, 1.0, [(0, 1), (1, 1)])        # the first token of each completion
+    times.on_tokens(iteration, 3, 2.0, [(0, 2), (1, 1)])
+    times.on_tokens(iteration, 1, 2.5, [(0, 1)])                # completion 0: 4 tokens, completion 1: 2
+    times.on_finished(iteration, "length", 3.0)
+    never = RequestTimes(arrival=0.0, num_prompt_tokens=7)      # aborted in the queue: no phase but its queue
+    never.on_finished(iteration, "abort", 1.0)
+    stat_logger.record(SchedulerStats(), iteration)
+    stat_logger.record(SchedulerStats(), idle)                  # a loop without a step: no step observed
+    values = _values(stat_logger)
+    assert metric(values, "pagedllm:request_prefill_time_seconds_sum") == pytest.approx(0.5)
+    assert metric(values, "pagedllm:request_decode_time_seconds_sum") == pytest.approx(1.5)
+    assert metric(values, "pagedllm:request_inference_time_seconds_sum") == pytest.approx(2.5)
+    assert metric(values, "pagedllm:request_time_per_output_token_seconds_sum") == pytest.approx(1.5 / 3)
+    assert metric(values, "pagedllm:request_prefill_time_seconds_count") == 1       # the aborted one had none
+    assert metric(values, "pagedllm:request_prompt_tokens_sum") == 27
+    assert metric(values, "pagedllm:request_prompt_tokens_count") == 2
+    assert metric(values, "pagedllm:request_generation_tokens_sum") == 6
+    assert metric(values, "pagedllm:request_max_num_generation_tokens_sum") == 4
+    assert metric(values, "pagedllm:request_params_max_tokens_sum") == 30
+    assert metric(values, "pagedllm:request_params_n_sum") == 2
+    assert metric(values, "pagedllm:request_params_n_count") == 1              # an embedding's has none
+    assert metric(values, "pagedllm:iteration_tokens_total_sum") == 24
+    assert metric(values, "pagedllm:iteration_tokens_total_count") == 1
+    buckets = [key for key in values if key.startswith("pagedllm:request_prompt_tokens_bucket")]
+    assert [key.split('le="')[1].split('"')[0] for key in buckets] == ["1.0", "2.0", "5.0", "10.0", "20.0", "50.0",
+                                                                      "100.0", "+Inf"]
+
+
 def test_scheduler_snapshot_reads_the_core():
     kv = KVCacheManager(num_blocks=11, block_size=4, enable_caching=True)
     scheduler = Scheduler(SchedulerConfig(max_model_len=64, max_num_batched_tokens=64), kv)
@@ -64,7 +97,7 @@ def test_scheduler_snapshot_reads_the_core():
     assert (stats.num_running, stats.num_waiting, stats.num_blocks_total) == (2, 0, 10)
     assert stats.num_blocks_free == 10 - 2 * 3
     assert stats.prefix_cache_queries_total == kv.prefix_cache_stats.num_query_tokens > 0
-    assert stats.scheduled_request_ids == ["r0", "r1"]
+    assert stats.scheduled_request_ids == ["r0", "r1"] and stats.num_scheduled_tokens == 18
     # 9 prompt tokens each in 3 blocks of 4 slots: 12 slots held, 9 filled once the step's tokens are computed
     assert stats.num_kv_slots_running == 2 * 12 and stats.num_kv_slots_filled == 0
 
@@ -101,6 +134,11 @@ def test_live_figures_move(server: RunningServer):
     assert grew("pagedllm:request_queue_time_seconds_count") == 1
     assert grew("pagedllm:e2e_request_latency_seconds_count") == 1
     assert grew("pagedllm:inter_token_latency_seconds_count") == 39
+    assert grew("pagedllm:request_prompt_tokens_sum") == num_prompt_tokens
+    assert grew("pagedllm:request_generation_tokens_sum") == 40
+    assert grew("pagedllm:request_params_max_tokens_sum") == 40
+    assert grew("pagedllm:request_decode_time_seconds_count") == 1
+    assert grew("pagedllm:iteration_tokens_total_sum") >= num_prompt_tokens + 39
     assert grew("pagedllm:prefix_cache_queries_total") >= num_prompt_tokens
     assert metric(after, "pagedllm:num_blocks_free") == total
 

@@ -161,6 +161,7 @@ class Scheduler:
         self.num_preemptions_by_mode: dict[str, int] = {"recompute": 0, "swap": 0}
         self._finished_request_ids: set[str] = set()
         self._last_scheduled_request_ids: list[str] = []  # the requests of the last schedule(), for make_stats
+        self._last_num_scheduled_tokens = 0  # and their tokens
         self._pending_updates: list[RequestUpdate] = []
         self._unannounced_request_ids: set[str] = set()  # forked beams the runner has not seen yet
         # Seats (of max_num_seqs) held by the running requests: each group holds max(group_size, its count).
@@ -196,6 +197,7 @@ class Scheduler:
             num_kv_slots_running=num_slots,
             num_kv_slots_filled=sum(r.num_computed_tokens for r in self.running),
             scheduled_request_ids=list(self._last_scheduled_request_ids),
+            num_scheduled_tokens=self._last_num_scheduled_tokens,
             spec_decoding=self.spec_decoding_stats.copy() if self.speculates else None,
             max_loras=self.max_loras,      # with LoRA off, the queues are not walked for adapters
             running_lora_adapters=_lora_names(self.running) if self.max_loras is not None else [],
@@ -540,6 +542,7 @@ class Scheduler:
                                           and request_id not in plan.new_request_ids]
         self._unannounced_request_ids.difference_update(plan.num_scheduled_tokens)
         self._last_scheduled_request_ids = list(plan.num_scheduled_tokens)
+        self._last_num_scheduled_tokens = sum(plan.num_scheduled_tokens.values())
         new_requests = []
         for request_id in new_request_ids:
             request = self.requests[request_id]

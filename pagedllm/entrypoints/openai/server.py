@@ -115,7 +115,8 @@ def build_app(engine: AsyncEngine | AsyncDataParallelEngine, *, served_model_nam
     loras = load_lora_modules(engine, lora_modules, names)
     limits = limits or ServerLimits()
     stat_logger = PrometheusStatLogger(names[0], swap_space_bytes=engine.swap_space_bytes,
-                                       data_parallel_size=engine.data_parallel_size)
+                                       data_parallel_size=engine.data_parallel_size,
+                                       max_model_len=engine.max_model_len)
     engine.add_stat_logger(stat_logger.record)
     if getattr(engine, "admission", None) is not None:
         engine.admission.on_refusal.append(stat_logger.record_admission_rejection)
