@@ -121,6 +121,10 @@ class SamplingParams:
             everywhere), as in vLLM. The engine resolves them with its tokenizer (resolve_bad_words).
         structured_outputs: a constraint every output follows (JSON schema, regex, choice, grammar); not with
             allowed_token_ids or bad_words, which could leave a grammar no token it allows.
+        thinking_token_budget: the most tokens a reasoning model may think (vLLM's): once a completion has thought
+            this many since its `<think>` (its own, or the one its chat template opened), its next token is
+            `</think>` and it answers. None (or -1): no budget. The engine finds the model's think tokens
+            (resolve_thinking); not with structured_outputs.
     """
 
     n: int = 1
@@ -147,9 +151,12 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    thinking_token_budget: int | None = None
     output_kind: str = field(default="final", repr=False)
     # bad_words as token sequences, from resolve_bad_words
     bad_words_token_ids: list[list[int]] = field(default_factory=list, init=False, repr=False, compare=False)
+    # the model's (<think>, </think>) token ids, from resolve_thinking
+    thinking_token_ids: tuple[int, int] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -163,6 +170,8 @@ class SamplingParams:
         self.bad_words = list(self.bad_words or [])
         if self.logit_bias:
             self.logit_bias = _normalise_logit_bias(self.logit_bias)
+        if self.thinking_token_budget == -1:     # vLLM's "unlimited"
+            self.thinking_token_budget = None
         self._validate()
         if self.temperature < _GREEDY_EPS:
             # Greedy: the filters have no effect, so normalise them away.
@@ -206,6 +215,9 @@ class SamplingParams:
             "None or a non-empty list of non-negative integers", self.allowed_token_ids)
         _check(all(isinstance(w, str) and w.strip() for w in self.bad_words), "bad_words",
                "a list of strings that are not blank", self.bad_words)
+        _check(self.thinking_token_budget is None or (_is_int(self.thinking_token_budget)
+                                                      and self.thinking_token_budget >= 0),
+               "thinking_token_budget", "an integer >= 0, or -1 (or None) for no budget", self.thinking_token_budget)
         self._validate_structured_outputs()
 
     def _validate_structured_outputs(self) -> None:
@@ -222,6 +234,8 @@ class SamplingParams:
                "None with structured_outputs (the grammar decides the tokens allowed)", self.allowed_token_ids)
         _check(not self.bad_words, "bad_words", "empty with structured_outputs (the grammar decides the tokens "
                "allowed)", self.bad_words)
+        _check(self.thinking_token_budget is None, "thinking_token_budget", "None with structured_outputs (the "
+               "grammar decides the tokens allowed, </think> among them)", self.thinking_token_budget)
 
     def resolve_bad_words(self, encode: Callable[[str], list[int]]) -> None:
         """Set bad_words_token_ids from bad_words with `encode` (text -> token ids, no special tokens), as vLLM's
@@ -235,6 +249,17 @@ class SamplingParams:
             if after_space[0] != alone[0] and len(after_space) == len(alone):
                 sequences.append(after_space)
         self.bad_words_token_ids = sequences
+
+    def resolve_thinking(self, vocabulary: Callable[[str], int | None]) -> None:
+        """Set thinking_token_ids for a thinking_token_budget, `vocabulary` giving a token's id (None if it has
+        none): ValueError for a model without <think> and </think> tokens."""
+        if self.thinking_token_budget is None:
+            return
+        start, end = vocabulary("<think>"), vocabulary("</think>")
+        if start is None or end is None:
+            raise ValueError("thinking_token_budget needs a model that thinks between <think> and </think> tokens "
+                             "(Qwen3, DeepSeek-R1's distills, SmolLM3, ...); this model's vocabulary has none")
+        self.thinking_token_ids = (start, end)
 
     @property
     def greedy(self) -> bool:

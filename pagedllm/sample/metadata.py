@@ -235,13 +235,40 @@ def _build_banned(rows: list[SamplingRow], vocab_size: int, device: torch.device
     return _sparse(entries, device)
 
 
+def thinking_end_due(row: SamplingRow) -> int | None:
+    """The </think> id this row must take now: it thinks (its output's last think token is <think>, or it has none
+    and its prompt's is: the chat template opened the thought) and has thought thinking_token_budget tokens since;
+    None otherwise."""
+    params = row.params
+    if params.thinking_token_budget is None or params.thinking_token_ids is None:
+        return None
+    start, end = params.thinking_token_ids
+    output = row.output_token_ids
+    last_start, last_end = _last_index(output, start), _last_index(output, end)
+    if last_start < 0 and last_end < 0:         # no marker of its own: thinking if the prompt left it so
+        thinking = _last_index(row.prompt_token_ids, start) > _last_index(row.prompt_token_ids, end)
+    else:
+        thinking = last_start > last_end
+    return end if thinking and len(output) - last_start - 1 >= params.thinking_token_budget else None
+
+
+def _last_index(tokens: list[int], token: int) -> int:
+    """Where `token` last stands in `tokens`; -1 if nowhere."""
+    try:
+        return len(tokens) - 1 - tokens[::-1].index(token)
+    except ValueError:
+        return -1
+
+
 def _build_allowed(rows: list[SamplingRow], vocab_size: int, device: torch.device | str) -> AllowedTokens | None:
-    limited = [i for i, row in enumerate(rows) if row.params.allowed_token_ids is not None]
+    """The rows' allowed_token_ids, and the row whose thinking budget is spent: its </think> alone."""
+    allowed = [[end] if (end := thinking_end_due(row)) is not None else row.params.allowed_token_ids for row in rows]
+    limited = [i for i, ids in enumerate(allowed) if ids is not None]
     if not limited:
         return None
     mask = torch.zeros(len(limited), vocab_size, dtype=torch.bool)
     for j, i in enumerate(limited):
-        mask[j, [t for t in rows[i].params.allowed_token_ids if t < vocab_size]] = True
+        mask[j, [t for t in allowed[i] if t < vocab_size]] = True
     return AllowedTokens(rows=torch.tensor(limited, dtype=torch.long, device=device), mask=mask.to(device))
 
 

@@ -133,6 +133,7 @@ class _SamplingFields(_Request):
     stop_token_ids: list[int] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    thinking_token_budget: int | None = None     # the most tokens a reasoning model thinks (-1: no budget)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
