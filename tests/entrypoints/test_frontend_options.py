@@ -19,6 +19,7 @@ from tests.models.tiny import save_tiny_model
 
 # The server's own template: `shout` and `tools` show in the prompt.
 TEMPLATE = ("{% if shout %}LOUD {% endif %}{% if tools %}TOOLS {% endif %}"
+            "{% if reasoning_effort %}EFFORT={{ reasoning_effort }} {% endif %}"
             "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}reply: {% endif %}")
 OPTIONS = FrontendOptions(response_role="bot", default_chat_template_kwargs={"shout": True},
@@ -130,3 +131,21 @@ def test_the_flags_make_the_options() -> None:
         "--exclude-tools-when-tool-choice-none", "--enable-prompt-tokens-details"])
     assert frontend_options_from_args(args) == OPTIONS
 
+
+
+def test_reasoning_effort_reaches_the_template_and_a_request_id_names_the_response(server: Any) -> None:
+    running, _ = server
+    assert "EFFORT=low " in _prompt(running, reasoning_effort="low")
+    assert "EFFORT=high " in _prompt(running, reasoning_effort="low", chat_template_kwargs={"reasoning_effort": "high"})
+    assert _chat(running, reasoning_effort="extreme").status_code == 400
+    answered = httpx.post(f"{running.base_url}/v1/responses", timeout=60, json={
+        "model": running.model_name, "input": "hi", "max_output_tokens": 2, "reasoning": {"effort": "medium"}})
+    assert answered.status_code == 200 and answered.json()["reasoning"] == {"effort": "medium"}
+    bad = httpx.post(f"{running.base_url}/v1/responses", timeout=60, json={
+        "model": running.model_name, "input": "hi", "reasoning": {"effort": "extreme"}})
+    assert bad.status_code == 400, bad.text
+    assert _chat(running, request_id="order-42").json()["id"] == "chatcmpl-order-42"
+    completion = httpx.post(f"{running.base_url}/v1/completions", timeout=60, json={
+        "model": running.model_name, "prompt": "hi", "max_tokens": 1, "request_id": "order-43"}).json()
+    assert completion["id"] == "cmpl-order-43"
+    assert _chat(running, request_id="has space").status_code == 400

@@ -147,6 +147,8 @@ class _SamplingFields(_Request):
     truncation_side: Literal["left", "right"] | None = None
     return_token_ids: bool | None = None    # the choices' token ids (streamed: each chunk's) and the prompt's
     return_tokens_as_token_ids: bool | None = None    # logprobs name tokens "token_id:{id}"
+    # vLLM's: the request's id (the response's, after its prefix), else a random one
+    request_id: str | None = Field(default=None, min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")
 
 
 class CompletionRequest(_SamplingFields):
@@ -202,6 +204,8 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True    # false: at most one call (vLLM's)
     include_reasoning: bool = True      # with --reasoning-parser: false leaves the reasoning out (vLLM's)
+    # OpenAI's: how hard a reasoning model thinks, given to the chat template as `reasoning_effort` (as vLLM does)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
 
 
 class ResponsesRequest(_Request):
@@ -219,6 +223,7 @@ class ResponsesRequest(_Request):
     tool_choice: str | dict[str, Any] = "auto"
     parallel_tool_calls: bool = True
     include_reasoning: bool = True          # vLLM's: with --reasoning-parser, false leaves the reasoning item out
+    reasoning: dict[str, Any] | None = None     # OpenAI's {"effort": ...}: the chat's reasoning_effort
     metadata: dict[str, str] | None = None
     user: str | None = None
     store: bool = True

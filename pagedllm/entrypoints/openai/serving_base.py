@@ -16,7 +16,7 @@ from pagedllm.engine.admission import QueueFullError
 from pagedllm.engine.async_engine import AsyncEngine, EngineDeadError, EngineDrainingError, RequestFailedError
 from pagedllm.engine.data_parallel import AsyncDataParallelEngine
 from pagedllm.engine.llm_engine import PromptTooLongError, require_tokenizer
-from pagedllm.entrypoints.openai.protocol import OpenAIError, _PoolingRequest, _SamplingFields
+from pagedllm.entrypoints.openai.protocol import OpenAIError, _PoolingRequest, _SamplingFields, random_id
 from pagedllm.entrypoints.openai.structured_outputs import structured_outputs_from
 from pagedllm.inputs import ParsedPrompt, TokensPrompt
 from pagedllm.lora.request import LoRARequest
@@ -184,6 +184,11 @@ class OpenAIServing:
             return require_tokenizer(self.engine.tokenizer)
         except ValueError as exc:
             raise OpenAIError(f"{exc}: only token ids come in and go out", param=param) from None
+
+    @staticmethod
+    def request_id_for(prefix: str, given: str | None) -> str:
+        """A response's id: the request's own `request_id` after `prefix` (vLLM's), else a random one."""
+        return random_id(prefix) if given is None else f"{prefix}-{given}"
 
     def check_model(self, model: str | None) -> str:
         """The name to report; 404 for a model this server does not serve (a base name or a LoRA adapter's)."""

@@ -24,7 +24,6 @@ from pagedllm.entrypoints.openai.protocol import (
     NamedToolChoice,
     OpenAIError,
     now,
-    random_id,
 )
 from pagedllm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS, ReasoningStream
 from pagedllm.entrypoints.openai.serving_base import FrontendOptions, LoRAModules, Prompt, ServerLimits
@@ -107,7 +106,7 @@ class OpenAIServingChat(GenerationServing):
         params = self._force_tool_call(request, tool_choice, self.sampling_params(
             request, self.resolve_max_tokens(max_tokens, len(prompt.token_ids), param), num_logprobs,
             request.prompt_logprobs))
-        request_id = random_id("chatcmpl")
+        request_id = self.request_id_for("chatcmpl", request.request_id)
         self.check_num_choices(1, request.n)
         prompt_logprobs: dict[int, PromptLogprobs] = {}
         outputs = await self.first_then_rest(keep_prompt_logprobs(self.run_prompts(
@@ -185,7 +184,8 @@ class OpenAIServingChat(GenerationServing):
             raise OpenAIError("the request passes a chat template, and the server renders chats with its own only "
                               "(start it with --trust-request-chat-template to take a request's)",
                               param="chat_template")
-        messages, kwargs = request.messages, {**(self.options.default_chat_template_kwargs or {}), **own}
+        effort = {} if request.reasoning_effort is None else {"reasoning_effort": request.reasoning_effort}
+        messages, kwargs = request.messages, {**(self.options.default_chat_template_kwargs or {}), **effort, **own}
         if request.tools and not (self.options.exclude_tools_when_tool_choice_none and request.tool_choice == "none"):
             template = request.chat_template or getattr(self.engine.tokenizer, "chat_template", None) or ""
             messages, tool_kwargs = with_tools(messages, [t.model_dump(exclude_none=True) for t in request.tools],

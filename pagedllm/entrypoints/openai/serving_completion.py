@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any, cast
 
-from pagedllm.entrypoints.openai.protocol import CompletionRequest, OpenAIError, now, random_id
+from pagedllm.entrypoints.openai.protocol import CompletionRequest, OpenAIError, now
 from pagedllm.entrypoints.openai.serving_base import Prompt
 from pagedllm.entrypoints.openai.serving_choices import (
     ChoiceState,
@@ -43,7 +43,7 @@ class OpenAIServingCompletion(GenerationServing):
         params = [self.sampling_params(request, self.resolve_max_tokens(request.max_tokens, len(p.token_ids)),
                                        request.logprobs, num_prompt_logprobs) for p in prompts]
         self.check_num_choices(len(prompts), request.n)
-        request_id = random_id("cmpl")
+        request_id = self.request_id_for("cmpl", request.request_id)
         prompt_logprobs: dict[int, PromptLogprobs] = {}
         outputs = keep_prompt_logprobs(self.run_prompts(request_id, prompts, params, request.priority,
                                                          request.cache_salt, self.lora_for(model)), prompt_logprobs)

@@ -200,7 +200,8 @@ class _Response:
             "model": model, "output": [], "incomplete_details": None, "error": None,
             "instructions": request.instructions, "max_output_tokens": request.max_output_tokens,
             "metadata": request.metadata or {}, "parallel_tool_calls": request.parallel_tool_calls,
-            "previous_response_id": request.previous_response_id, "reasoning": None, "store": request.store,
+            "previous_response_id": request.previous_response_id, "reasoning": request.reasoning,
+            "store": request.store,
             "temperature": request.temperature,
             "text": request.text or {"format": {"type": "text"}}, "tool_choice": request.tool_choice,
             "tools": request.tools, "top_p": request.top_p, "truncation": "disabled", "usage": None,
@@ -243,6 +244,7 @@ def _chat_request(request: ResponsesRequest, conversation: list[dict[str, Any]])
         "presence_penalty": request.presence_penalty, "frequency_penalty": request.frequency_penalty,
         "repetition_penalty": request.repetition_penalty, "logit_bias": request.logit_bias, "seed": request.seed,
         "user": request.user, "include_reasoning": request.include_reasoning,
+        "reasoning_effort": (request.reasoning or {}).get("effort"),
         "priority": request.priority, "cache_salt": request.cache_salt, "stream": request.stream,
         "stream_options": {"include_usage": True} if request.stream else None,
         "response_format": _response_format(request.text)}
