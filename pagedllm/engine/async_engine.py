@@ -44,6 +44,7 @@ from typing import Any, TypeVar
 from pagedllm.core.kv_cache.block_map import BlockMap
 from pagedllm.distributed import TensorParallelError
 from pagedllm.engine.admission import Admission
+from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedllm.engine.engine_thread import EngineThread
 from pagedllm.engine.llm_engine import LLMEngine, PromptInput, tokenize_prompt
 from pagedllm.inputs import parse_prompt
@@ -149,6 +150,7 @@ class AsyncEngine:
         self._loop_done: Future[None] | None = None       # the step loop, once started
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, asyncio.Queue] = {}        # event loop thread only
+        self._beam_waiters: dict[str, asyncio.Future] = {}  # event loop thread only: beam searches unanswered
         self._snapshot_waiter: asyncio.Future[KVCacheSnapshot] | None = None     # event loop thread only
         self._request_stats = RequestStatsTracker()         # engine thread only
         # One worker, as vLLM's serving layer has: tokenizer calls run one at a time and in order (a fast
@@ -361,6 +363,38 @@ class AsyncEngine:
             if not done:
                 self.abort(request_id)
 
+    async def beam_search(self, request_id: str, prompt: PromptInput, params: BeamSearchParams,
+                          lora_request: LoRARequest | None = None) -> BeamSearchOutput:
+        """Run a beam search in the engine (its beams batch with the other requests and share KV blocks) and
+        return its sequences, best first. Cancelling the caller aborts it.
+
+        Raises:
+            EngineDeadError: the engine loop has failed or stopped.
+            ValueError: the engine refused it (a bad prompt, an id in use).
+        """
+        self._raise_if_dead()
+        if self._draining:
+            raise EngineDrainingError("the server is shutting down and takes no new requests")
+        if request_id in self._beam_waiters or request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        assert self._loop is not None
+        answer = self._loop.create_future()
+        self._beam_waiters[request_id] = answer     # before it is added: its answer cannot come first
+        try:
+            await self.call_in_engine(lambda engine: engine.add_beam_search(request_id, prompt, params,
+                                                                            lora_request))
+            return await answer
+        finally:
+            self._beam_waiters.pop(request_id, None)
+            if not answer.done() or answer.cancelled():     # the caller went away (which cancels `answer`
+                # too), or the add failed: nothing may stay running
+                self.abort(request_id)
+
+    def _deliver_beam_searches(self, outputs: dict[str, BeamSearchOutput]) -> None:
+        """On the event loop: each finished beam search's sequences to whoever waits for them."""
+        for request_id, output in outputs.items():
+            _settle(self._beam_waiters.get(request_id), output, None)
+
     async def call_in_engine(self, fn: Callable[[LLMEngine], T]) -> T:
         """`fn(engine)`'s result, run on the engine thread between two steps (what changes the engine outside a
         request, such as loading a LoRA adapter); its exception is raised here.
@@ -437,7 +471,7 @@ class AsyncEngine:
         for queue in self._streams.values():
             queue.put_nowait(dead)
         self._deliver_snapshot(dead)
-        for future in self._calls:
+        for future in [*self._calls, *self._beam_waiters.values()]:
             _settle(future, None, dead)
 
     def _call_in_loop(self, callback: Callable, *args) -> None:
@@ -511,6 +545,9 @@ class AsyncEngine:
                                      None if sampling is None else sampling.n)
 
     def _abort(self, request_ids: list[str], iteration: IterationStats, stop_reason: str | None = None) -> None:
+        beams = [r for r in request_ids if self.engine.runs_beam_search(r)]
+        if beams:
+            self.engine.abort_request(beams)
         live = [r for r in request_ids if r in self._request_stats]
         if not live:
             return      # finished (or refused) before the abort arrived
@@ -531,11 +568,15 @@ class AsyncEngine:
                 logger.exception("stat logger failed")
         if outputs:
             self._call_in_loop(self._dispatch, outputs)
+        beams = self.engine.pop_beam_search_outputs()
+        if beams:
+            self._call_in_loop(self._deliver_beam_searches, beams)
 
 
-def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
-    """On the event loop: give `future` its result or exception, unless it is done (its caller went away)."""
-    if future.done():
+def _settle(future: asyncio.Future | None, result: Any, error: BaseException | None) -> None:
+    """On the event loop: give `future` its result or exception, unless it is done or gone (its caller went
+    away)."""
+    if future is None or future.done():
         return
     if error is not None:
         future.set_exception(error)

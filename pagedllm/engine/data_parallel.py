@@ -399,6 +399,15 @@ class AsyncDataParallelEngine:
         finally:
             self._owner.pop(request_id, None)
 
+    async def beam_search(self, request_id: str, prompt: PromptInput, params: BeamSearchParams,
+                          lora_request: LoRARequest | None = None) -> BeamSearchOutput:
+        """A beam search on the replica the router picks (see `AsyncEngine.beam_search`; no LoRA adapters)."""
+        _no_lora(lora_request)
+        token_ids = await self.tokenize_prompt(prompt)
+        index = self.router.route(token_ids, parse_prompt(prompt).cache_salt,
+                                  [r.num_active_requests for r in self.replicas])
+        return await self.replicas[index].beam_search(request_id, prompt, params)
+
     async def kv_cache_snapshot(self) -> KVCacheSnapshot:
         """Replica 0's block map and stats (the dashboard shows one pool)."""
         return await self.replicas[0].kv_cache_snapshot()

@@ -534,6 +534,14 @@ class LLMEngine:
     def pop_beam_search_output(self, request_id: str) -> BeamSearchOutput | None:
         return self.beam_search.outputs.pop(request_id, None)
 
+    def pop_beam_search_outputs(self) -> dict[str, BeamSearchOutput]:
+        """Every finished beam search's output, by request id, taken."""
+        outputs, self.beam_search.outputs = self.beam_search.outputs, {}
+        return outputs
+
+    def runs_beam_search(self, request_id: str) -> bool:
+        return request_id in self.beam_search.groups
+
     def abort_request(self, request_ids: list[str], stop_reason: str | None = None) -> list[RequestOutput]:
         """Abort requests (ids that already finished are skipped). Returns each aborted request's last output:
         every completion still running ends with finish_reason "abort" and `stop_reason`."""

@@ -406,3 +406,54 @@ def test_invocations_answers_a_body_as_the_api_whose_fields_it_has(server: Runni
         refused = httpx.post(f"{server.base_url}/invocations", json=body, timeout=60)
         assert refused.status_code == 400 and message in refused.text, refused.text
     assert httpx.post(f"{server.base_url}/invocations", content=b"{not json", timeout=60).status_code == 400
+
+
+def test_beam_search_over_http_answers_the_offline_beams(server: RunningServer, offline: LLM) -> None:
+    """vLLM's use_beam_search: n beams, the n best sequences as choices, best first, as LLM.beam_search gives
+    them; a chat's for its templated prompt; what beam search does not take is a 400."""
+    from pagedllm.engine.beam_search import BeamSearchParams
+
+    url, model = server.base_url, server.model_name
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 6, "n": 3, "use_beam_search": True,
+            "length_penalty": 0.5}
+    answer = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+    expected = offline.beam_search([PROMPT], BeamSearchParams(3, 6, length_penalty=0.5))[0].sequences
+    assert [c["text"] for c in answer["choices"]] == [s.text for s in expected]
+    assert [c["index"] for c in answer["choices"]] == [0, 1, 2]
+    assert answer["usage"]["completion_tokens"] == sum(len(s.output_token_ids) for s in expected)
+    messages = [{"role": "user", "content": "Say something."}]
+    chat = httpx.post(f"{url}/v1/chat/completions", json={"model": model, "messages": messages, "max_tokens": 5,
+                                                         "n": 2, "use_beam_search": True}, timeout=60).json()
+    tokenizer = offline.get_tokenizer()
+    templated = tokenizer.encode(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                                 add_special_tokens=False)
+    beams = offline.beam_search([{"prompt_token_ids": templated}], BeamSearchParams(2, 5))[0].sequences
+    assert [c["message"]["content"] for c in chat["choices"]] == [s.text for s in beams]
+    assert all(c["message"]["role"] == "assistant" for c in chat["choices"])
+    for extra, param in (({"stream": True}, "stream"), ({"stop": ["x"]}, "stop"), ({"logprobs": 1}, "logprobs")):
+        refused = httpx.post(f"{url}/v1/completions", json={**body, **extra}, timeout=60)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text
+    assert not server.engine.engine.beam_search.groups
+
+
+def test_a_cancelled_beam_search_is_aborted(server: RunningServer) -> None:
+    """Its beams stop within a step or two of the cancel, rather than running their 200 tokens out."""
+    from pagedllm.engine.beam_search import BeamSearchParams
+
+    engine = server.engine
+    steps, step = [], engine.engine.step
+    engine.engine.step = lambda: (steps.append(1), step())[1]
+
+    async def cancel_one() -> None:
+        search = asyncio.ensure_future(engine.beam_search("beam-cancelled", PROMPT, BeamSearchParams(4, 200)))
+        while not steps:
+            await asyncio.sleep(0.001)
+        search.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await search
+    try:
+        asyncio.run_coroutine_threadsafe(cancel_one(), engine._loop).result(timeout=60)
+        assert wait_until(lambda: not engine.engine.has_unfinished_requests())
+    finally:
+        engine.engine.step = step
+    assert not engine.engine.beam_search.groups and len(steps) < 50, len(steps)

@@ -103,18 +103,22 @@ class OpenAIServingChat(GenerationServing):
         max_tokens, param = request.max_tokens, "max_tokens"
         if request.max_completion_tokens is not None:
             max_tokens, param = request.max_completion_tokens, "max_completion_tokens"
-        params = self._force_tool_call(request, tool_choice, self.sampling_params(
-            request, self.resolve_max_tokens(max_tokens, len(prompt.token_ids), param), num_logprobs,
-            request.prompt_logprobs))
+        max_tokens = self.resolve_max_tokens(max_tokens, len(prompt.token_ids), param)
         request_id = self.request_id_for("chatcmpl", request.request_id)
         self.check_num_choices(1, request.n)
+        role = self.options.response_role if request.add_generation_prompt else request.messages[-1].get("role")
+        if request.use_beam_search:
+            return await self.beam_search(request, request_id, [prompt], [max_tokens], {
+                "id": request_id, "object": "chat.completion", "created": now(), "model": model},
+                self.lora_for(model), role)
+        params = self._force_tool_call(request, tool_choice, self.sampling_params(
+            request, max_tokens, num_logprobs, request.prompt_logprobs))
         prompt_logprobs: dict[int, PromptLogprobs] = {}
         outputs = await self.first_then_rest(keep_prompt_logprobs(self.run_prompts(
             request_id, [prompt], [params], request.priority, request.cache_salt, self.lora_for(model)),
             prompt_logprobs))
         head = {"id": request_id, "created": now(), "model": model,
                 "object": "chat.completion.chunk" if request.stream else "chat.completion"}
-        role = self.options.response_role if request.add_generation_prompt else request.messages[-1].get("role")
         states = [ChatChoiceState(role, self._tool_stream(tool_choice, request), _echo(request), prompt.token_ids,
                                   ReasoningStream(self.reasoning_parser) if self.reasoning_parser else None,
                                   request.include_reasoning)

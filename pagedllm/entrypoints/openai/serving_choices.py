@@ -6,6 +6,7 @@ vLLM's `return_token_ids` puts the prompt's ids (on each choice, or once on the 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 from abc import ABC, abstractmethod
@@ -14,14 +15,17 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
-from pagedllm.entrypoints.openai.protocol import _SamplingFields
+from pagedllm.engine.beam_search import BeamSearchParams
+from pagedllm.entrypoints.openai.protocol import OpenAIError, _SamplingFields
 from pagedllm.entrypoints.openai.serving_base import (
     ChoiceDelta,
     FrontendOptions,
     OpenAIServing,
     OutputStream,
+    Prompt,
     error_for,
 )
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import CompletionOutput, Logprob, PromptLogprobs
 
 # JSON has no -inf; vLLM sends this instead.
@@ -122,6 +126,42 @@ class GenerationServing(OpenAIServing, ABC):
             chunks = self._stream(outputs, states, head, options)
             return _as_sse(chunks) if sse else chunks
         return await self._collect(outputs, states, head, options)
+
+    async def beam_search(self, request: _SamplingFields, request_id: str, prompts: list[Prompt],
+                          max_tokens: list[int], head: dict[str, Any], lora: LoRARequest | None,
+                          role: str | None = None) -> dict[str, Any]:
+        """vLLM's use_beam_search: each prompt's `n` best sequences of a beam search `n` wide, whole (choices
+        prompt by prompt, best first); as a chat's messages under `role`, else as completions' texts. 400 for what
+        beam search does not take."""
+        refused = [name for name, given in (
+            ("stream", request.stream), ("logprobs", request.logprobs not in (None, False)),
+            ("prompt_logprobs", request.prompt_logprobs is not None), ("stop", bool(request.stop)),
+            ("response_format", request.response_format is not None),
+            ("structured_outputs", request.structured_outputs is not None),
+            ("tools", bool(getattr(request, "tools", None))), ("echo", bool(getattr(request, "echo", False))),
+            ("images", any(p.images for p in prompts))) if given]
+        if refused:
+            raise OpenAIError(f"use_beam_search answers whole texts: not with {refused[0]}", param=refused[0])
+        if request.length_penalty != request.length_penalty or abs(request.length_penalty) > 100:
+            raise OpenAIError("length_penalty must be a number in [-100, 100]", param="length_penalty")
+        searches = [self.engine.beam_search(f"{request_id}-{i}", {"prompt_token_ids": prompt.token_ids},
+                                            BeamSearchParams(request.n, tokens, request.ignore_eos,
+                                                             request.temperature or 0.0, request.length_penalty),
+                                            lora)
+                    for i, (prompt, tokens) in enumerate(zip(prompts, max_tokens))]
+        outputs = await asyncio.gather(*searches)
+        choices = []
+        for output in outputs:
+            for sequence in output.sequences:
+                body = {"text": sequence.text} if role is None else \
+                    {"message": {"role": role, "content": sequence.text}}
+                choices.append({"index": len(choices), **body, "logprobs": None,
+                                "finish_reason": sequence.finish_reason, "stop_reason": None})
+        num_prompt_tokens = sum(len(p.token_ids) for p in prompts)
+        num_generated = sum(len(s.output_token_ids) for output in outputs for s in output.sequences)
+        return {**head, "choices": choices, "usage": {"prompt_tokens": num_prompt_tokens,
+                                                      "completion_tokens": num_generated,
+                                                      "total_tokens": num_prompt_tokens + num_generated}}
 
     # ---- what differs between the APIs --------------------------------------------------------------------------
     @abstractmethod

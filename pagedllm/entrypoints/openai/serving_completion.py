@@ -40,10 +40,13 @@ class OpenAIServingCompletion(GenerationServing):
         if request.best_of is not None and request.best_of != request.n:
             raise OpenAIError("best_of is not supported (it must be absent or equal to n)", param="best_of")
         prompts = await self.prompts(request.prompt, self.truncation(request))
-        params = [self.sampling_params(request, self.resolve_max_tokens(request.max_tokens, len(p.token_ids)),
-                                       request.logprobs, num_prompt_logprobs) for p in prompts]
+        max_tokens = [self.resolve_max_tokens(request.max_tokens, len(p.token_ids)) for p in prompts]
         self.check_num_choices(len(prompts), request.n)
         request_id = self.request_id_for("cmpl", request.request_id)
+        if request.use_beam_search:
+            return await self.beam_search(request, request_id, prompts, max_tokens, {
+                "id": request_id, "object": "text_completion", "created": now(), "model": model}, self.lora_for(model))
+        params = [self.sampling_params(request, tokens, request.logprobs, num_prompt_logprobs) for tokens in max_tokens]
         prompt_logprobs: dict[int, PromptLogprobs] = {}
         outputs = keep_prompt_logprobs(self.run_prompts(request_id, prompts, params, request.priority,
                                                          request.cache_salt, self.lora_for(model)), prompt_logprobs)
