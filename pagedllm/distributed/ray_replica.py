@@ -167,6 +167,9 @@ class RayReplica:
                         lora_request: LoRARequest | None = None) -> None:
         self._call_and_report("add_beam_search", request_id, prompt, params, lora_request)
 
+    def pop_beam_search_outputs(self) -> dict[str, BeamSearchOutput]:
+        return self._call("pop_beam_search_outputs")
+
     def pop_beam_search_output(self, request_id: str) -> BeamSearchOutput | None:
         return self._call("pop_beam_search_output", request_id)
 

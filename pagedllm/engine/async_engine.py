@@ -153,6 +153,7 @@ class AsyncEngine:
         self._beam_waiters: dict[str, asyncio.Future] = {}  # event loop thread only: beam searches unanswered
         self._snapshot_waiter: asyncio.Future[KVCacheSnapshot] | None = None     # event loop thread only
         self._request_stats = RequestStatsTracker()         # engine thread only
+        self._beam_search_ids: set[str] = set()             # engine thread only: beam searches added, not done
         # One worker, as vLLM's serving layer has: tokenizer calls run one at a time and in order (a fast
         # tokenizer raises "Already borrowed" if one thread changes its settings while another encodes), and a
         # flood of huge prompts takes one core, not all of them.
@@ -381,14 +382,20 @@ class AsyncEngine:
         answer = self._loop.create_future()
         self._beam_waiters[request_id] = answer     # before it is added: its answer cannot come first
         try:
-            await self.call_in_engine(lambda engine: engine.add_beam_search(request_id, prompt, params,
-                                                                            lora_request))
+            await self.call_in_engine(lambda engine: self._add_beam_search(engine, request_id, prompt, params,
+                                                                           lora_request))
             return await answer
         finally:
             self._beam_waiters.pop(request_id, None)
             if not answer.done() or answer.cancelled():     # the caller went away (which cancels `answer`
                 # too), or the add failed: nothing may stay running
                 self.abort(request_id)
+
+    def _add_beam_search(self, engine: LLMEngine, request_id: str, prompt: PromptInput, params: BeamSearchParams,
+                         lora_request: LoRARequest | None) -> None:
+        """On the engine thread: add it, and look for its answer after each step from now on."""
+        engine.add_beam_search(request_id, prompt, params, lora_request)
+        self._beam_search_ids.add(request_id)
 
     def _deliver_beam_searches(self, outputs: dict[str, BeamSearchOutput]) -> None:
         """On the event loop: each finished beam search's sequences to whoever waits for them."""
@@ -545,9 +552,10 @@ class AsyncEngine:
                                      None if sampling is None else sampling.n)
 
     def _abort(self, request_ids: list[str], iteration: IterationStats, stop_reason: str | None = None) -> None:
-        beams = [r for r in request_ids if self.engine.runs_beam_search(r)]
+        beams = [r for r in request_ids if r in self._beam_search_ids]
         if beams:
             self.engine.abort_request(beams)
+            self._beam_search_ids.difference_update(beams)
         live = [r for r in request_ids if r in self._request_stats]
         if not live:
             return      # finished (or refused) before the abort arrived
@@ -568,9 +576,11 @@ class AsyncEngine:
                 logger.exception("stat logger failed")
         if outputs:
             self._call_in_loop(self._dispatch, outputs)
-        beams = self.engine.pop_beam_search_outputs()
-        if beams:
-            self._call_in_loop(self._deliver_beam_searches, beams)
+        if self._beam_search_ids:       # (an engine without beam searches is not asked: a Ray replica's is remote)
+            beams = self.engine.pop_beam_search_outputs()
+            self._beam_search_ids.difference_update(beams)
+            if beams:
+                self._call_in_loop(self._deliver_beam_searches, beams)
 
 
 def _settle(future: asyncio.Future | None, result: Any, error: BaseException | None) -> None:

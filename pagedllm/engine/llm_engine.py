@@ -539,9 +539,6 @@ class LLMEngine:
         outputs, self.beam_search.outputs = self.beam_search.outputs, {}
         return outputs
 
-    def runs_beam_search(self, request_id: str) -> bool:
-        return request_id in self.beam_search.groups
-
     def abort_request(self, request_ids: list[str], stop_reason: str | None = None) -> list[RequestOutput]:
         """Abort requests (ids that already finished are skipped). Returns each aborted request's last output:
         every completion still running ends with finish_reason "abort" and `stop_reason`."""
