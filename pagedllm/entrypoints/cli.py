@@ -11,11 +11,17 @@ processes, export PASSIVE: spinning workers then compete with them for the cores
 from __future__ import annotations
 
 import argparse
+import sys
 
 from pagedllm.bench.cli import add_bench_parser
 from pagedllm.entrypoints.client import add_client_parsers
 from pagedllm.entrypoints.openai.api_server import DESCRIPTION, run_server
-from pagedllm.entrypoints.openai.cli_args import RUN_BATCH_DESCRIPTION, add_run_batch_args, add_server_args
+from pagedllm.entrypoints.openai.cli_args import (
+    RUN_BATCH_DESCRIPTION,
+    add_run_batch_args,
+    add_server_args,
+    with_config_file,
+)
 from pagedllm.memory.cli import add_memory_parsers
 
 
@@ -57,6 +63,11 @@ def _version() -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    flags = {"serve": lambda: add_server_args(argparse.ArgumentParser(), positional_model=True),
+             "run-batch": lambda: add_run_batch_args(argparse.ArgumentParser())}
+    if argv and argv[0] in flags:        # --config FILE: its flags, under the command line's own
+        argv = [argv[0], *with_config_file(argv[1:], flags[argv[0]]())]
     args = make_parser().parse_args(argv)
     args.func(args)
 

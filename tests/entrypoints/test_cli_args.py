@@ -142,3 +142,33 @@ def test_the_encoder_budget_reaches_the_scheduler_config() -> None:
     assert _config("--max-num-encoder-input-tokens", "512").scheduler.max_num_encoder_input_tokens == 512
     with pytest.raises(ValueError, match="max_num_encoder_input_tokens"):
         _config("--max-num-encoder-input-tokens", "0")
+
+
+def test_a_yaml_config_file_gives_flags_under_the_command_lines(tmp_path, monkeypatch) -> None:
+    """vLLM's --config: keys with dashes or underscores, booleans, lists and mappings; the command line wins, and
+    the file's model gives way to one given on the command line."""
+    from pagedllm.entrypoints.cli import main as cli_main
+    from pagedllm.entrypoints.openai.cli_args import with_config_file
+
+    config = tmp_path / "serve.yaml"
+    config.write_text("model: /models/a\nport: 9000\nmax_model_len: 1024\nenable-prefix-caching: false\n"
+                      "trust-remote-code: true\nserved-model-name: [x, y]\n"
+                      "speculative-config:\n  method: ngram\n  num_speculative_tokens: 2\n")
+    parser = add_server_args(argparse.ArgumentParser(), positional_model=True)
+    args = parser.parse_args(with_config_file(["--config", str(config), "--port", "9001"], parser))
+    assert (args.model, args.port, args.max_model_len, args.served_model_name) == ("/models/a", 9001, 1024, ["x", "y"])
+    assert args.enable_prefix_caching is False and args.trust_remote_code is True
+    assert engine_config_from_args(args).speculative.num_speculative_tokens == 2
+    positional = parser.parse_args(with_config_file(["/models/b", f"--config={config}"], parser))
+    assert (positional.model_tag, positional.model) == ("/models/b", None)      # the command line's model wins
+    for text, error in (("port: [", "--config"), ("- a list", "not a YAML mapping"), ("colour: blue", "'colour'")):
+        config.write_text(text)
+        with pytest.raises(SystemExit, match=error):
+            with_config_file(["--config", str(config)], parser)
+    with pytest.raises(SystemExit, match="needs a YAML file"):
+        with_config_file(["--config"], parser)
+    config.write_text("input-file: in.jsonl\noutput-file: out.jsonl\n")
+    seen = {}
+    monkeypatch.setattr("pagedllm.entrypoints.cli._run_batch", lambda args: seen.update(vars(args)))
+    cli_main(["run-batch", "--config", str(config), "--max-num-seqs", "4"])
+    assert (seen["input_file"], seen["output_file"], seen["max_num_seqs"]) == ("in.jsonl", "out.jsonl", 4)

@@ -6,8 +6,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 
-from pagedllm.entrypoints.openai.cli_args import add_server_args, engine_config_from_args
+from pagedllm.entrypoints.openai.cli_args import add_server_args, engine_config_from_args, with_config_file
 from pagedllm.heap import freeze_startup_heap, paused_gc
 
 logger = logging.getLogger(__name__)
@@ -136,7 +137,8 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    run_server(make_parser().parse_args(argv))
+    parser = make_parser()
+    run_server(parser.parse_args(with_config_file(sys.argv[1:] if argv is None else list(argv), parser)))
 
 
 if __name__ == "__main__":

@@ -82,6 +82,61 @@ def parse_lora_module(text: str) -> dict[str, str]:
     return {"name": name, "path": path}
 
 
+CONFIG_HELP = ("a YAML file of flags (vLLM's --config): each key a flag's name (port, max-model-len or "
+               "max_model_len), each value its value (true for a flag alone, a list or mapping as vLLM takes them); "
+               "the command line's flags win")
+
+
+def with_config_file(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """`argv` (a command's arguments, after its name) with `--config FILE` replaced by the file's flags, put first
+    so that the command line's own win; SystemExit naming the file for one that cannot be read, or a key that is not
+    a flag of `parser`. The file's `model` gives way to a model on the command line."""
+    where = [i for i, arg in enumerate(argv) if arg == "--config" or arg.startswith("--config=")]
+    if not where:
+        return argv
+    if len(where) > 1:
+        raise SystemExit("error: --config given twice")
+    index = where[0]
+    if argv[index] == "--config":
+        if index + 1 == len(argv):
+            raise SystemExit("error: --config needs a YAML file")
+        path, rest = argv[index + 1], argv[:index] + argv[index + 2:]
+    else:
+        path, rest = argv[index].partition("=")[2], argv[:index] + argv[index + 1:]
+    given_model = any(a == "--model" or a.startswith("--model=") for a in rest) or bool(rest and rest[0][:1] != "-")
+    return _config_flags(path, parser, skip={"model"} if given_model else set()) + rest
+
+
+def _config_flags(path: str, parser: argparse.ArgumentParser, skip: set[str]) -> list[str]:
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as file:
+            config = yaml.safe_load(file)
+    except (OSError, yaml.YAMLError) as exc:
+        raise SystemExit(f"error: --config {path}: {exc}") from None
+    if not isinstance(config, dict):
+        raise SystemExit(f"error: --config {path}: not a YAML mapping of flags to their values")
+    known = parser._option_string_actions     # argparse keeps its flags only there
+    flags: list[str] = []
+    for key, value in config.items():
+        name = str(key).replace("_", "-")
+        flag = f"--{name}"
+        if flag not in known:
+            raise SystemExit(f"error: --config {path}: {key!r} is not a flag of this command (see --help)")
+        if name in skip or value is None:
+            continue
+        if isinstance(value, bool):
+            flags += [flag] if value else [f"--no-{name}"] if f"--no-{name}" in known else []
+        elif isinstance(value, list):
+            flags += [flag, *(v if isinstance(v, str) else json.dumps(v) for v in value)] if value else []
+        elif isinstance(value, dict):
+            flags += [flag, json.dumps(value)]
+        else:
+            flags += [flag, str(value)]
+    return flags
+
+
 def lora_modules_from_args(args: argparse.Namespace) -> list:
     """The LoRARequests --lora-modules names, with ids 1, 2, ... in order."""
     from pagedllm.lora.request import LoRARequest
@@ -102,6 +157,7 @@ def add_server_args(parser: argparse.ArgumentParser, *, positional_model: bool) 
     if positional_model:
         parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help=model_help)
     parser.add_argument("--model", default=None, help=model_help)
+    parser.add_argument("--config", metavar="FILE", help=CONFIG_HELP)
 
     server = parser.add_argument_group("server")
     _add_http_args(server)
@@ -116,6 +172,7 @@ RUN_BATCH_DESCRIPTION = ("Answer a file of requests in OpenAI's batch format (a 
 
 def add_run_batch_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add `run-batch`'s flags to `parser`: the files, the model, and how requests are answered (as `serve`)."""
+    parser.add_argument("--config", metavar="FILE", help=CONFIG_HELP)
     batch = parser.add_argument_group("batch")
     batch.add_argument("-i", "--input-file", required=True,
                        help="the requests, a JSON object a line ('-': standard input)")

@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from pagedllm.engine.async_engine import AsyncEngine
 from pagedllm.engine.data_parallel import AsyncDataParallelEngine
-from pagedllm.entrypoints.openai.cli_args import RUN_BATCH_DESCRIPTION, add_run_batch_args
+from pagedllm.entrypoints.openai.cli_args import RUN_BATCH_DESCRIPTION, add_run_batch_args, with_config_file
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ClassificationRequest,
@@ -235,4 +235,5 @@ async def _run(engine: AsyncEngine | AsyncDataParallelEngine, source: TextIO, si
 
 
 if __name__ == "__main__":
-    main(make_parser().parse_args())
+    batch_parser = make_parser()
+    main(batch_parser.parse_args(with_config_file(sys.argv[1:], batch_parser)))
