@@ -269,6 +269,8 @@ class Scheduler:
         self._schedule_running(plan)
         # Admitting anyone right after a preemption would just take the blocks that were freed for others.
         if not plan.preempted_request_ids:
+            if self.swapped:    # the swapped go first, but for waiting requests of a strictly higher priority
+                self._schedule_waiting(plan, better_than=self.swapped[0].priority)
             self._schedule_swapped(plan)
             if not self.swapped:
                 self._schedule_waiting(plan)
@@ -415,7 +417,9 @@ class Scheduler:
             assert allocated is not None, "can_swap_in promised room"
             self._start(request, num_new_tokens, plan)
 
-    def _schedule_waiting(self, plan: _StepPlan) -> None:
+    def _schedule_waiting(self, plan: _StepPlan, better_than: int | None = None) -> None:
+        """Admit waiting requests, first in line first, while they fit (`better_than`: only those of a priority
+        below it, which go before the swapped requests)."""
         passed_over: list[Request] = []      # of a LoRA adapter that would be one too many
         running_loras = {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None} \
             if self.max_loras is not None else set()
@@ -423,7 +427,8 @@ class Scheduler:
             for request_id, num_tokens in plan.num_scheduled_tokens.items():
                 self.kv_cache_manager.cache_blocks_ahead(
                     self.requests[request_id], num_tokens - len(plan.spec_token_ids.get(request_id, ())))
-        while self.waiting and plan.token_budget > 0 and self._has_seat_for(self.waiting[0]):
+        while self.waiting and plan.token_budget > 0 and self._has_seat_for(self.waiting[0]) and \
+                (better_than is None or self.waiting[0].priority < better_than):
             request = self.waiting[0]
             if not self._lora_fits(request, running_loras):
                 passed_over.append(self.waiting.pop(0))

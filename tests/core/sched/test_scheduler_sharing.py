@@ -139,7 +139,8 @@ def test_a_full_swap_pool_falls_back_to_recompute() -> None:
     assert all(results[r].token_ids == reference(p, 10, None) for r, p in prompts.items()) and _all_free(scheduler)
 
 
-def test_swapped_requests_come_back_before_waiting_ones_and_by_priority() -> None:
+@pytest.mark.parametrize("new_priority", [2, -5])
+def test_swapped_requests_come_back_before_waiting_ones_of_no_higher_priority(new_priority: int) -> None:
     scheduler = _scheduler(num_blocks=7, num_swap_blocks=16, mode="swap", max_num_batched_tokens=64)
     runner, results = FakeRunner(BLOCK_SIZE), dict[str, Result]()
     # Three requests of 8 prompt tokens (2 blocks each) fill 6 blocks; each needs a 3rd block at its 9th token.
@@ -153,11 +154,15 @@ def test_swapped_requests_come_back_before_waiting_ones_and_by_priority() -> Non
     assert out.preempted_request_ids == {"r1"} and scheduler.requests["r1"].status is RequestStatus.SWAPPED
     assert len(out.blocks_to_swap_out) == 2
     record(results, scheduler.update_from_output(out, runner.execute(out)))
-    scheduler.add_request(Request("new", [1, 2], SamplingParams(max_tokens=1), arrival_time=9, priority=-5))
+    scheduler.add_request(Request("new", [1, 2], SamplingParams(max_tokens=1), arrival_time=9,
+                                  priority=new_priority))
     outputs = run_steps(scheduler, runner, results)
     first_step = {r: min(i for i, o in enumerate(outputs) if r in {n.request_id for n in o.new_requests})
                   for r in ("r1", "new")}
-    assert first_step["r1"] <= first_step["new"]                   # swapped back in first, despite priority
+    # (step, place in the step's batch) at which each starts: r1 is swapped back in first unless "new" has a
+    # strictly higher priority, which skips the swapped requests as it skips the waiting ones
+    starts = {r: (step, [s.request_id for s in outputs[step].scheduled].index(r)) for r, step in first_step.items()}
+    assert (starts["r1"] < starts["new"]) == (new_priority >= 2), starts
     assert outputs[first_step["r1"]].blocks_to_swap_in
     for i in range(3):
         assert results[f"r{i}"].token_ids == reference(list(range(10 * i, 10 * i + 8)), 3, None)
