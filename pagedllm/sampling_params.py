@@ -250,16 +250,15 @@ class SamplingParams:
                 sequences.append(after_space)
         self.bad_words_token_ids = sequences
 
-    def resolve_thinking(self, vocabulary: Callable[[str], int | None]) -> None:
-        """Set thinking_token_ids for a thinking_token_budget, `vocabulary` giving a token's id (None if it has
-        none): ValueError for a model without <think> and </think> tokens."""
+    def resolve_thinking(self, think_token_ids: tuple[int, int] | None) -> None:
+        """Set thinking_token_ids for a thinking_token_budget from the model's (<think>, </think>) ids
+        (`pagedllm.tokenizer.think_token_ids`): ValueError for a model without them."""
         if self.thinking_token_budget is None:
             return
-        start, end = vocabulary("<think>"), vocabulary("</think>")
-        if start is None or end is None:
+        if think_token_ids is None:
             raise ValueError("thinking_token_budget needs a model that thinks between <think> and </think> tokens "
                              "(Qwen3, DeepSeek-R1's distills, SmolLM3, ...); this model's vocabulary has none")
-        self.thinking_token_ids = (start, end)
+        self.thinking_token_ids = think_token_ids
 
     @property
     def greedy(self) -> bool:

@@ -47,7 +47,7 @@ from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec_decode.draft_model import DraftModel
 from pagedllm.spec_decode.ngram_proposer import NgramProposer
 from pagedllm.structured_output import StructuredOutputManager
-from pagedllm.tokenizer.tokenizer import model_tokenizer
+from pagedllm.tokenizer.tokenizer import model_tokenizer, think_token_ids
 
 logger = init_logger(__name__)
 
@@ -441,7 +441,7 @@ class LLMEngine:
         if missing and not params.ignore_eos:
             params = dataclasses.replace(params, stop_token_ids=params.stop_token_ids + missing)
         params.resolve_bad_words(lambda text: self.tokenizer.encode(text, add_special_tokens=False))
-        params.resolve_thinking(self._token_id)
+        params.resolve_thinking(think_token_ids(self.tokenizer))
         completions = [_Completion(i, IncrementalDetokenizer(self.tokenizer, params, token_ids),
                                    logprobs=[] if params.logprobs is not None else None) for i in range(params.n)]
         self.scheduler.add_request(Request(
@@ -514,13 +514,6 @@ class LLMEngine:
             raise ValueError(f"token_type_ids has {len(token_type_ids)} entries for {num_tokens} prompt tokens")
         if not all(0 <= t < self.token_type_vocab_size for t in token_type_ids):
             raise ValueError(f"token_type_ids of {self.model_name} are in [0, {self.token_type_vocab_size})")
-
-    def _token_id(self, token: str) -> int | None:
-        """The id of `token` as one token of the vocabulary; None if it is not one (or there is no tokenizer)."""
-        if self.tokenizer is None:
-            return None
-        token_id = self.tokenizer.convert_tokens_to_ids(token)
-        return None if token_id is None or self.tokenizer.convert_ids_to_tokens(token_id) != token else token_id
 
     def _check_generates(self) -> None:
         if attends_both_ways(self.hf_config):

@@ -28,6 +28,20 @@ logger = logging.getLogger(__name__)
 _COMPLETE_MARKER = ".pagedllm-complete"
 
 
+def think_token_ids(tokenizer: PreTrainedTokenizerBase | None) -> tuple[int, int] | None:
+    """The ids of <think> and </think> where each is one token of the vocabulary (a reasoning model's: Qwen3,
+    DeepSeek-R1's distills, SmolLM3); None otherwise, or without a tokenizer."""
+    if tokenizer is None:
+        return None
+    ids = []
+    for token in ("<think>", "</think>"):
+        token_id = tokenizer.convert_tokens_to_ids(token)
+        if token_id is None or tokenizer.convert_ids_to_tokens(token_id) != token:
+            return None
+        ids.append(token_id)
+    return ids[0], ids[1]
+
+
 def load_tokenizer(path: str | Path, gguf_file: str | None = None,
                    chat_template: str | None = None) -> PreTrainedTokenizerBase:
     """Load the tokenizer of a model.

@@ -74,6 +74,10 @@ def test_the_server_takes_a_budget_and_a_model_without_think_tokens_refuses_it(t
             "model": running.model_name, "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
             "thinking_token_budget": 3, "return_token_ids": True}).json()
         assert reply["choices"][0]["token_ids"][3] == tokenizer.convert_tokens_to_ids("</think>")
+        message = httpx.post(f"{running.base_url}/v1/messages", timeout=60, json={
+            "model": running.model_name, "max_tokens": 6, "thinking": {"type": "enabled", "budget_tokens": 2},
+            "messages": [{"role": "user", "content": "Question?"}]})
+        assert message.status_code == 200, message.text
     finally:
         running.stop()
     plain = LLM(model=str(save_tiny_model(tmp_path / "plain")[0]), dtype="float32", num_kv_blocks=16)
@@ -81,3 +85,16 @@ def test_the_server_takes_a_budget_and_a_model_without_think_tokens_refuses_it(t
         plain.generate("hi", SamplingParams(thinking_token_budget=4), use_tqdm=False)
     with pytest.raises(ValueError, match="thinking_token_budget"):
         SamplingParams(thinking_token_budget=4, structured_outputs=StructuredOutputsParams(choice=["a"]))
+
+
+def test_anthropics_thinking_budget_applies_to_a_model_that_thinks():
+    """Messages' `thinking` enabled with budget_tokens: the chat request's thinking_token_budget where the model
+    thinks between <think> tokens (vLLM's mapping); nothing where it does not, so that such a request still runs."""
+    from pagedllm.entrypoints.openai.serving_messages import AnthropicMessagesRequest, _chat_request
+
+    request = AnthropicMessagesRequest(model="m", max_tokens=8, messages=[{"role": "user", "content": "hi"}],
+                                       thinking={"type": "enabled", "budget_tokens": 1024})
+    assert _chat_request(request, thinks=True).thinking_token_budget == 1024
+    assert _chat_request(request, thinks=False).thinking_token_budget is None
+    disabled = request.model_copy(update={"thinking": {"type": "disabled"}})
+    assert _chat_request(disabled, thinks=True).thinking_token_budget is None

@@ -32,12 +32,15 @@ from pagedllm.entrypoints.openai.protocol import (
 )
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.tool_parsers import gather_call_deltas
+from pagedllm.tokenizer.tokenizer import think_token_ids
 
 
 class AnthropicMessagesRequest(_Request):
-    """The Messages API request (the fields a text model serves; `metadata`, `thinking` and `output_config`'s
-    `effort` are taken and change nothing; `output_config.format` a JSON schema the reply follows). The sampling
-    fields, which Anthropic's SDK sends only as extra fields, and vLLM's chat_template_kwargs and priority."""
+    """The Messages API request (the fields a text model serves; `metadata` and `output_config`'s `effort` are
+    taken and change nothing; `output_config.format` a JSON schema the reply follows; `thinking` enabled with
+    `budget_tokens`: the thinking_token_budget of a model that thinks between <think> tokens, as vLLM maps it, and
+    nothing for one that does not). The sampling fields, which Anthropic's SDK sends only as extra fields, and
+    vLLM's chat_template_kwargs and priority."""
 
     model: str
     messages: list[dict[str, Any]] = Field(min_length=1)
@@ -88,7 +91,8 @@ class OpenAIServingMessages:
     async def create(self, request: AnthropicMessagesRequest) -> dict[str, Any] | AsyncIterator[str]:
         """A message dict, or (stream=True) an iterator of SSE lines. Raises OpenAIError on bad input."""
         model = self.chat.check_model(request.model)
-        reply = await self.chat.create(_chat_request(request), sse=False)
+        thinks = think_token_ids(self.chat.engine.tokenizer) is not None
+        reply = await self.chat.create(_chat_request(request, thinks), sse=False)
         if isinstance(reply, dict):
             (choice,) = reply["choices"]
             message = choice["message"]
@@ -107,7 +111,8 @@ class OpenAIServingMessages:
 
 
 # ---- request -> chat ----------------------------------------------------------------------------------------------
-def _chat_request(request: AnthropicMessagesRequest) -> ChatCompletionRequest:
+def _chat_request(request: AnthropicMessagesRequest, thinks: bool = False) -> ChatCompletionRequest:
+    """The chat request; `thinks`: the model thinks between <think> tokens, so `thinking`'s budget applies."""
     messages = [] if request.system is None else [{"role": "system", "content": _system(request.system)}]
     for i, message in enumerate(request.messages):
         messages += _chat_messages(i, message)
@@ -118,6 +123,9 @@ def _chat_request(request: AnthropicMessagesRequest) -> ChatCompletionRequest:
         "stream": request.stream, "response_format": _response_format(request.output_config),
         # continuous usage: the first chunk carries the prompt's tokens, which message_start reports
         "stream_options": {"include_usage": True, "continuous_usage_stats": True} if request.stream else None}
+    thinking = request.thinking or {}
+    if thinks and thinking.get("type") == "enabled" and isinstance(thinking.get("budget_tokens"), int):
+        fields["thinking_token_budget"] = thinking["budget_tokens"]
     if request.tools:
         fields["tools"] = [_chat_tool(i, tool) for i, tool in enumerate(request.tools)]
         choice = request.tool_choice or {"type": "auto"}
