@@ -47,6 +47,35 @@ def test_qwen3_reasons_only_in_a_reply_that_opens_with_think(text, parts):
     assert ("".join(r for r, _ in deltas) or None, "".join(c for _, c in deltas) or None) == parts
 
 
+@pytest.mark.parametrize(("text", "parts"), [
+    ("[THINK]a[/THINK]b", ("a", "b")),
+    ("[THINK]still thinking", ("still thinking", None)),
+    ("just the answer", (None, "just the answer")),     # no [THINK] first: an answer without thinking
+])
+def test_mistral_reasons_between_its_think_tokens(text, parts):
+    assert ReasoningStream("mistral").final(text) == parts
+    pieces = [text[i:i + 2] for i in range(0, len(text), 2)]
+    stream = ReasoningStream("mistral")
+    deltas = [stream.delta(piece, i == len(pieces) - 1) for i, piece in enumerate(pieces)]
+    assert ("".join(r for r, _ in deltas) or None, "".join(c for _, c in deltas) or None) == parts
+
+
+@pytest.mark.parametrize(("parser", "kept"), [("mistral", True), ("deepseek_r1", False)])
+def test_a_parser_whose_markers_are_special_tokens_keeps_them_in_the_reply(tmp_path, parser, kept):
+    folder = save_tiny_model(tmp_path / "m", "llama-gqa")[0]
+    engine = LLMEngine(EngineConfig(model=ModelConfig(model=str(folder), dtype="float32"),
+                                    cache=CacheConfig(block_size=16, num_blocks=64)))
+    seen, add = [], engine.add_request
+    engine.add_request = lambda request_id, prompt, params, **kwargs: (seen.append(params.skip_special_tokens),
+                                                                       add(request_id, prompt, params, **kwargs))
+    running = start_server(engine, api_key=None, reasoning_parser=parser)
+    try:
+        running.client().chat.completions.create(model=running.model_name, messages=MESSAGES, max_tokens=2)
+    finally:
+        running.stop()
+    assert seen == [not kept]
+
+
 text_chars = st.text(alphabet=st.sampled_from("ab </>thinkT"), max_size=12).filter(
     lambda s: "</think>" not in s and not s.startswith("<think>"))
 

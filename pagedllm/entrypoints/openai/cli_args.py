@@ -263,7 +263,8 @@ def _add_openai_args(server: argparse._ArgumentGroup) -> None:
                              "names for these formats")
     server.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                         help="how the model marks its thinking: deepseek_r1 (<think> ... </think>: DeepSeek-R1 and "
-                             "its Qwen2 distills, QwQ) or qwen3 (only a reply that opens with <think> reasons); "
+                             "its Qwen2 distills, QwQ), qwen3 (only a reply that opens with <think> reasons) or "
+                             "mistral ([THINK] ... [/THINK]: Magistral, Ministral 3's reasoning models); "
                              "replies then carry it in `reasoning`, apart from `content`")
     server.add_argument("--trust-request-chat-template", action="store_true",
                         help="take a chat request's own chat_template (Jinja a client wrote); by default such a "

@@ -5,26 +5,43 @@ ReasoningStream, which turns a choice's text into the chat API's `reasoning` and
                  may open the <think> itself, so a reply without </think> is all reasoning, as in vLLM
     qwen3        the same, but only a reply that opens with <think> reasons (Qwen3: with enable_thinking false its
                  template closes an empty think block in the prompt, and the reply is all answer)
+    mistral      [THINK] ... [/THINK] then the answer (Magistral, Ministral 3's reasoning models); only a reply that
+                 opens with [THINK] reasons; the markers are special tokens, which such replies keep
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from pagedllm.entrypoints.openai.tool_parsers import partial_marker_start
 
-REASONING_PARSERS = ("deepseek_r1", "qwen3")
+
+class ReasoningFormat(NamedTuple):
+    """How a model marks its thinking: between `start` and `end`; `must_open`: only a reply that opens with `start`
+    reasons (else the chat template may have opened it); `keeps_special_tokens`: the markers are special tokens,
+    which the reply's text must keep for the parser to see."""
+
+    start: str
+    end: str
+    must_open: bool = False
+    keeps_special_tokens: bool = False
+
+
+REASONING_FORMATS = {"deepseek_r1": ReasoningFormat("<think>", "</think>"),
+                     "qwen3": ReasoningFormat("<think>", "</think>", must_open=True),
+                     "mistral": ReasoningFormat("[THINK]", "[/THINK]", must_open=True, keeps_special_tokens=True)}
+REASONING_PARSERS = tuple(REASONING_FORMATS)
 
 
 class ReasoningStream:
-    """One choice's reasoning and content (`<think>` reasoning `</think>` content).
+    """One choice's reasoning and content (START reasoning END content).
 
     Args:
-        parser: a name of REASONING_PARSERS; "qwen3" reasons only in a reply that opens with <think>.
+        parser: a name of REASONING_PARSERS.
     """
 
-    START, END = "<think>", "</think>"
-
     def __init__(self, parser: str = "deepseek_r1") -> None:
-        self.must_open = parser == "qwen3"
+        self.START, self.END, self.must_open, _ = REASONING_FORMATS[parser]
         self.text = ""
         self.num_reasoning_sent = 0     # of the reasoning (the text less a leading <think>)
         self.answering = False          # </think> seen (or, qwen3, no <think> first): the rest is content

@@ -25,7 +25,7 @@ from pagedllm.entrypoints.openai.protocol import (
     OpenAIError,
     now,
 )
-from pagedllm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS, ReasoningStream
+from pagedllm.entrypoints.openai.reasoning_parsers import REASONING_FORMATS, REASONING_PARSERS, ReasoningStream
 from pagedllm.entrypoints.openai.serving_base import FrontendOptions, LoRAModules, Prompt, ServerLimits
 from pagedllm.entrypoints.openai.serving_choices import (
     ChoiceState,
@@ -113,6 +113,8 @@ class OpenAIServingChat(GenerationServing):
                 self.lora_for(model), role)
         params = self._force_tool_call(request, tool_choice, self.sampling_params(
             request, max_tokens, num_logprobs, request.prompt_logprobs))
+        if self.reasoning_parser is not None and REASONING_FORMATS[self.reasoning_parser].keeps_special_tokens:
+            params = dataclasses.replace(params, skip_special_tokens=False)    # its markers are special tokens
         prompt_logprobs: dict[int, PromptLogprobs] = {}
         outputs = await self.first_then_rest(keep_prompt_logprobs(self.run_prompts(
             request_id, [prompt], [params], request.priority, request.cache_salt, self.lora_for(model)),
