@@ -251,10 +251,8 @@ class SamplingParams:
         self.bad_words_token_ids = sequences
 
     def resolve_thinking(self, think_token_ids: tuple[int, int] | None) -> None:
-        """Set thinking_token_ids for a thinking_token_budget from the model's (<think>, </think>) ids
+        """Set thinking_token_ids for the thinking_token_budget from the model's (<think>, </think>) ids
         (`pagedllm.tokenizer.think_token_ids`): ValueError for a model without them."""
-        if self.thinking_token_budget is None:
-            return
         if think_token_ids is None:
             raise ValueError("thinking_token_budget needs a model that thinks between <think> and </think> tokens "
                              "(Qwen3, DeepSeek-R1's distills, SmolLM3, ...); this model's vocabulary has none")

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -46,13 +46,10 @@ class Admission:
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be None or >= 1, got {value}")
 
-    def through(self, stream: AsyncGenerator[T, None], n: int, num_prompt_tokens: int) -> AsyncGenerator[T, None]:
+    async def through(self, stream: AsyncGenerator[T, None], n: int, num_prompt_tokens: int
+                      ) -> AsyncGenerator[T, None]:
         """`stream` (a request's outputs, not yet started), admitted when first iterated: QueueFullError then if a
         limit is reached, else counted until it ends (its prompt's tokens until its first output)."""
-        return self._through(stream, n, num_prompt_tokens)
-
-    async def _through(self, stream: AsyncGenerator[T, None], n: int, num_prompt_tokens: int
-                       ) -> AsyncGenerator[T, None]:
         async with aclosing(stream):
             self._admit(n)
             self.num_requests += n
@@ -80,3 +77,12 @@ class Admission:
         for listener in self.on_refusal:
             listener(reason)
         raise QueueFullError(reason, message)
+
+
+def admitted(admission: Admission | None, stream: AsyncGenerator[T, None], params: Any,
+             prompt_token_ids: list[int] | None) -> AsyncGenerator[T, None]:
+    """A front's request `stream` under its `admission` (None: as it is), counting `params.n` requests (1 for an
+    embedding's) and the given prompt's tokens."""
+    if admission is None:
+        return stream
+    return admission.through(stream, getattr(params, "n", 1), len(prompt_token_ids or ()))

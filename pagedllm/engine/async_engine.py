@@ -43,7 +43,7 @@ from typing import Any, TypeVar
 
 from pagedllm.core.kv_cache.block_map import BlockMap
 from pagedllm.distributed import TensorParallelError
-from pagedllm.engine.admission import Admission
+from pagedllm.engine.admission import Admission, admitted
 from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedllm.engine.engine_thread import EngineThread
 from pagedllm.engine.llm_engine import LLMEngine, PromptInput, tokenize_prompt
@@ -323,9 +323,8 @@ class AsyncEngine:
                 without scheduling_policy "priority", or a structured-output constraint that does not compile.
             QueueFullError: a queue limit of the engine's `admission` is reached (pagedllm.engine.admission).
         """
-        stream = self._generate(request_id, prompt, params, prompt_token_ids, priority, cache_salt, lora_request)
-        return stream if self.admission is None else self.admission.through(
-            stream, getattr(params, "n", 1), len(prompt_token_ids or ()))
+        return admitted(self.admission, self._generate(request_id, prompt, params, prompt_token_ids, priority,
+                                                       cache_salt, lora_request), params, prompt_token_ids)
 
     async def _generate(self, request_id: str, prompt: PromptInput, params: SamplingParams | PoolingParams,
                         prompt_token_ids: list[int] | None, priority: int, cache_salt: str | None,

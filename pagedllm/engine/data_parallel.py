@@ -33,7 +33,7 @@ import torch
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache.block_pool import PrefixCacheStats
 from pagedllm.device import resolve_engine_device
-from pagedllm.engine.admission import Admission
+from pagedllm.engine.admission import Admission, admitted
 from pagedllm.engine.async_engine import AsyncEngine, KVCacheSnapshot
 from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedllm.engine.dp_router import DataParallelRouter
@@ -375,9 +375,8 @@ class AsyncDataParallelEngine:
                  ) -> AsyncGenerator[RequestOutput, None]:
         """Route the request to a replica and yield its outputs (see `AsyncEngine.generate`; no LoRA adapters:
         they run on one engine)."""
-        stream = self._generate(request_id, prompt, params, prompt_token_ids, priority, cache_salt, lora_request)
-        return stream if self.admission is None else self.admission.through(
-            stream, getattr(params, "n", 1), len(prompt_token_ids or ()))
+        return admitted(self.admission, self._generate(request_id, prompt, params, prompt_token_ids, priority,
+                                                       cache_salt, lora_request), params, prompt_token_ids)
 
     async def _generate(self, request_id: str, prompt: PromptInput, params: SamplingParams,
                         prompt_token_ids: list[int] | None, priority: int, cache_salt: str | None,

@@ -441,7 +441,8 @@ class LLMEngine:
         if missing and not params.ignore_eos:
             params = dataclasses.replace(params, stop_token_ids=params.stop_token_ids + missing)
         params.resolve_bad_words(lambda text: self.tokenizer.encode(text, add_special_tokens=False))
-        params.resolve_thinking(think_token_ids(self.tokenizer))
+        if params.thinking_token_budget is not None:
+            params.resolve_thinking(think_token_ids(self.tokenizer))
         completions = [_Completion(i, IncrementalDetokenizer(self.tokenizer, params, token_ids),
                                    logprobs=[] if params.logprobs is not None else None) for i in range(params.n)]
         self.scheduler.add_request(Request(

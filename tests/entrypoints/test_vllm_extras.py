@@ -430,7 +430,8 @@ def test_beam_search_over_http_answers_the_offline_beams(server: RunningServer, 
     beams = offline.beam_search([{"prompt_token_ids": templated}], BeamSearchParams(2, 5))[0].sequences
     assert [c["message"]["content"] for c in chat["choices"]] == [s.text for s in beams]
     assert all(c["message"]["role"] == "assistant" for c in chat["choices"])
-    for extra, param in (({"stream": True}, "stream"), ({"stop": ["x"]}, "stop"), ({"logprobs": 1}, "logprobs")):
+    for extra, param in (({"stream": True}, "stream"), ({"stop": ["x"]}, "stop"), ({"logprobs": 1}, "logprobs"),
+                         ({"length_penalty": 1000}, "length_penalty")):
         refused = httpx.post(f"{url}/v1/completions", json={**body, **extra}, timeout=60)
         assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text
     assert not server.engine.engine.beam_search.groups

@@ -547,7 +547,7 @@ class Scheduler:
                                           and request_id not in plan.new_request_ids]
         self._unannounced_request_ids.difference_update(plan.num_scheduled_tokens)
         self._last_scheduled_request_ids = list(plan.num_scheduled_tokens)
-        self._last_num_scheduled_tokens = sum(plan.num_scheduled_tokens.values())
+        self._last_num_scheduled_tokens = num_batched_tokens = sum(plan.num_scheduled_tokens.values())
         new_requests = []
         for request_id in new_request_ids:
             request = self.requests[request_id]
@@ -556,7 +556,7 @@ class Scheduler:
                                                request.lora_request, request.token_type_ids, request.images))
         finished_request_ids, self._finished_request_ids = self._finished_request_ids, set()
         return SchedulerOutput(new_requests=new_requests, scheduled=scheduled,
-                               num_batched_tokens=sum(plan.num_scheduled_tokens.values()),
+                               num_batched_tokens=num_batched_tokens,
                                finished_request_ids=finished_request_ids,
                                preempted_request_ids=plan.preempted_request_ids,
                                blocks_to_copy=self.kv_cache_manager.take_blocks_to_copy(),

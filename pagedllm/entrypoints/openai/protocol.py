@@ -135,7 +135,8 @@ class _SamplingFields(_Request):
     bad_words: list[str] | None = None
     thinking_token_budget: int | None = None     # the most tokens a reasoning model thinks (-1: no budget)
     use_beam_search: bool = False       # vLLM's: n beams kept, the n best sequences answered (not streamed)
-    length_penalty: float = 1.0         # beam search's: a sequence scores cum_logprob / length ** length_penalty
+    # beam search's: a sequence scores cum_logprob / length ** length_penalty
+    length_penalty: float = Field(default=1.0, ge=-100, le=100)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False

@@ -149,7 +149,6 @@ class OpenAIServingChat(GenerationServing):
         hold some (made by the model's processor, off the event loop); 400 naming `messages` on a bad message,
         image or template, more images than the engine's limit, or a model that takes no images; on
         mm_processor_kwargs unless the server trusts a request's."""
-        self.tokenizer_for("messages")
         if request.mm_processor_kwargs and not self.options.trust_request_mm_kwargs:
             raise OpenAIError("the request passes mm_processor_kwargs, and the server processes images with its own "
                               "only (start it with --trust-request-mm-kwargs to take a request's)",
@@ -157,6 +156,7 @@ class OpenAIServingChat(GenerationServing):
         parts = image_parts(request.messages)
         if not parts:     # a text chat: no thread hop to look for images
             return Prompt(None, await self.prompt_token_ids(await self.render(request), "messages", truncation))
+        self.tokenizer_for("messages")      # (render checks it for a text chat)
         processor = self.engine.image_processor
         try:
             check_image_count(len(parts), self.engine.image_limit)

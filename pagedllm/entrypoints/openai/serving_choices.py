@@ -142,8 +142,6 @@ class GenerationServing(OpenAIServing, ABC):
             ("images", any(p.images for p in prompts))) if given]
         if refused:
             raise OpenAIError(f"use_beam_search answers whole texts: not with {refused[0]}", param=refused[0])
-        if request.length_penalty != request.length_penalty or abs(request.length_penalty) > 100:
-            raise OpenAIError("length_penalty must be a number in [-100, 100]", param="length_penalty")
         searches = [self.engine.beam_search(f"{request_id}-{i}", {"prompt_token_ids": prompt.token_ids},
                                             BeamSearchParams(request.n, tokens, request.ignore_eos,
                                                              request.temperature or 0.0, request.length_penalty),

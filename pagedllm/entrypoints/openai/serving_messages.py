@@ -91,7 +91,7 @@ class OpenAIServingMessages:
     async def create(self, request: AnthropicMessagesRequest) -> dict[str, Any] | AsyncIterator[str]:
         """A message dict, or (stream=True) an iterator of SSE lines. Raises OpenAIError on bad input."""
         model = self.chat.check_model(request.model)
-        thinks = think_token_ids(self.chat.engine.tokenizer) is not None
+        thinks = request.thinking is not None and think_token_ids(self.chat.engine.tokenizer) is not None
         reply = await self.chat.create(_chat_request(request, thinks), sse=False)
         if isinstance(reply, dict):
             (choice,) = reply["choices"]

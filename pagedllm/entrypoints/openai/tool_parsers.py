@@ -222,8 +222,7 @@ def _typed(value: str, schema: Any) -> Any:
     kinds = schema.get("type") if isinstance(schema, dict) else None
     kinds = set(kinds) if isinstance(kinds, list) else {kinds}
     if kinds & {"integer", "number", "boolean", "object", "array", "null"} and "string" not in kinds:
-        read = _loads(value)
-        return value if read is None and value.strip() != "null" else read
+        return _json_or_text(value)
     return value
 
 
@@ -307,8 +306,9 @@ class FunctionGemmaToolParser(_MarkedToolParser):
 
 
 def _json_or_text(value: str) -> Any:
+    """`value` read as JSON where it is JSON (null included), else the text itself."""
     read = _loads(value)
-    return value if read is None and value != "null" else read
+    return value if read is None and value.strip() != "null" else read
 
 
 def _keyword(keyword: ast.keyword) -> str:
