@@ -103,6 +103,9 @@ class SchedulerConfig:
             (the default). Not for a request alone, nor without chunked prefill.
         long_prefill_token_threshold_adaptive: raise that cap to a fair share of the step's budget,
             max_num_batched_tokens / the requests running and waiting, where that is more (vLLM's).
+        stream_interval: a streamed request's outputs go out once this many tokens are new, its first and last at
+            once (vLLM's `--stream-interval`); 1, the default: every step's. A request's own `stream_interval`
+            raises it. More than 1 spares the server an SSE chunk (and its detokenizing and JSON) a token.
         whole_images: each image's placeholders computed in one step (a chunk stops before an image it would
             cut): the engine sets it for a model whose images see themselves whole (Gemma 3's).
         swap_seconds_per_block: estimated time to copy one KV block between the device and the swap pool.
@@ -121,6 +124,7 @@ class SchedulerConfig:
     max_num_encoder_input_tokens: int | None = None
     long_prefill_token_threshold: int = 0
     long_prefill_token_threshold_adaptive: bool = False
+    stream_interval: int = 1
     whole_images: bool = False
     swap_seconds_per_block: float = 0.0
     recompute_seconds_per_token: float = 0.0
@@ -134,6 +138,7 @@ class SchedulerConfig:
                  "max_num_encoder_input_tokens", "> 0", self.max_num_encoder_input_tokens)
         _require(self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold", ">= 0 (0: no cap)",
                  self.long_prefill_token_threshold)
+        _require(self.stream_interval >= 1, "stream_interval", ">= 1", self.stream_interval)
         _require(self.preemption_mode in ("recompute", "swap", "auto"), "preemption_mode",
                  "one of 'recompute', 'swap', 'auto'", self.preemption_mode)
         _require(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy", "one of 'fcfs', 'priority'",

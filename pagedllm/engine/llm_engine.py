@@ -728,6 +728,10 @@ class LLMEngine:
             if not tracked.finished:
                 return None
             return self._make_output(request_id, tracked, tracked.completions)
+        interval = max(tracked.params.stream_interval or 1, self.config.scheduler.stream_interval)
+        if finish_reason is None and completion.sent_tokens and \
+                len(completion.token_ids) - completion.sent_tokens < interval:
+            return None     # streamed every `interval` tokens, the first and the last at once
         return self._make_output(request_id, tracked, changed)
 
     @staticmethod

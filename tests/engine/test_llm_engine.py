@@ -1,5 +1,5 @@
-"""LLMEngine's contract with the async engine: aborts return the requests' last outputs, the stats snapshot, and
-prompt validation that any thread may call."""
+"""LLMEngine's contract with the async engine: aborts return the requests' last outputs, streamed outputs go out
+every stream_interval tokens, the stats snapshot, and prompt validation that any thread may call."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import copy
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.config import CacheConfig, EngineConfig, ModelConfig
+from pagedllm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pagedllm.engine.llm_engine import LLMEngine, PromptTooLongError, tokenize_prompt
 from tests.models.tiny import save_tiny_model
 
@@ -48,6 +48,25 @@ def test_abort_returns_the_last_output_of_each_live_request(engine) -> None:
     assert not engine.has_unfinished_requests()
     stats = engine.make_stats()
     assert stats.num_running == 0 and stats.num_blocks_free == stats.num_blocks_total
+
+
+@pytest.mark.parametrize("engine_interval, request_interval, kind", [(1, 4, "delta"), (4, None, "delta"),
+                                                                     (3, 2, "cumulative")])
+def test_a_stream_goes_out_every_interval_tokens_its_first_and_last_at_once(
+        folder: str, engine_interval: int, request_interval: int | None, kind: str) -> None:
+    config = EngineConfig(model=ModelConfig(model=folder, dtype="float32"), cache=CacheConfig(block_size=4, num_blocks=64),
+                          scheduler=SchedulerConfig(max_model_len=64, stream_interval=engine_interval))
+    engine = LLMEngine(config)
+    params = SamplingParams(max_tokens=11, ignore_eos=True, output_kind=kind, stream_interval=request_interval)
+    engine.add_request("s", [5, 6, 7], params)
+    sent = []
+    while engine.has_unfinished_requests():
+        sent += [len(o.outputs[0].token_ids) for o in engine.step()]
+    interval = max(engine_interval, request_interval or 1)
+    if kind == "delta":
+        assert sent == [1, interval, interval, 10 - 2 * interval]   # 11 tokens: the first, two full chunks, the rest
+    else:
+        assert sent == [1, 1 + interval, 1 + 2 * interval, 1 + 3 * interval, 11]
 
 
 def test_stats_snapshot_names_the_step_and_its_kv_slots(engine) -> None:

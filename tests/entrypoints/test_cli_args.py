@@ -1,4 +1,5 @@
-"""The server's flags -> EngineConfig: --speculative-config takes vLLM's JSON; --enforce-eager,
+"""The server's flags -> EngineConfig: --speculative-config takes vLLM's JSON (and its --spec-* shortcuts);
+--stream-interval; --enforce-eager,
 --disable-cascade-attn, --generation-config, --mm-processor-kwargs, --limit-mm-per-prompt,
 --[no-]enable-chunked-prefill; the CORS flags take JSON lists; uvicorn's access log; --help's groups."""
 
@@ -27,6 +28,22 @@ def test_speculative_config_json() -> None:
     draft = _config("--speculative-config", '{"model": "/models/draft", "num_speculative_tokens": 4}').speculative
     assert (draft.method, draft.model, draft.num_speculative_tokens, draft.num_lookahead_tokens) == \
         ("draft_model", "/models/draft", 4, 4)
+
+
+def test_the_spec_shortcuts_fill_the_speculative_config_as_in_vllm() -> None:
+    spec = _config("--spec-method", "ngram", "--spec-tokens", "5").speculative
+    assert (spec.method, spec.num_speculative_tokens) == ("ngram", 5)
+    draft = _config("--spec-model", "/models/draft", "--speculative-config", '{"num_speculative_tokens": 2}').speculative
+    assert (draft.method, draft.model, draft.num_speculative_tokens) == ("draft_model", "/models/draft", 2)
+    with pytest.raises(ValueError, match="--spec-tokens and --speculative-config's 'num_speculative_tokens'"):
+        _config("--spec-tokens", "4", "--speculative-config", '{"num_speculative_tokens": 2}')
+
+
+def test_the_stream_interval_reaches_the_scheduler_config() -> None:
+    assert _config().scheduler.stream_interval == 1
+    assert _config("--stream-interval", "8").scheduler.stream_interval == 8
+    with pytest.raises(ValueError, match="stream_interval"):
+        _config("--stream-interval", "0")
 
 
 @pytest.mark.parametrize("text", ["{not json", "[1, 2]"])

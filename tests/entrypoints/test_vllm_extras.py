@@ -322,6 +322,18 @@ def test_return_token_ids_give_each_choices_tokens_and_its_prompts(client, serve
     assert "token_ids" not in plain.choices[0].model_extra and "prompt_token_ids" not in plain.model_extra
 
 
+def test_a_stream_interval_sends_a_chunk_every_that_many_tokens(client, server, offline):
+    (expected,) = offline.generate(PROMPT, SamplingParams(**GREEDY), use_tqdm=False)
+    sizes, tokens = [], []
+    for chunk in client.completions.create(model=server.model_name, prompt=PROMPT, max_tokens=24, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True, "return_token_ids": True,
+                                                                    "stream_interval": 5}):
+        sizes.append(len(chunk.choices[0].model_extra["token_ids"]))
+        tokens += chunk.choices[0].model_extra["token_ids"]
+    assert tokens == expected.outputs[0].token_ids
+    assert sizes == [1, 5, 5, 5, 5, 3], sizes
+
+
 def test_return_tokens_as_token_ids_name_logprobs_tokens_by_id(client, server):
     asked = dict(model=server.model_name, prompt="Once upon", max_tokens=4, temperature=0, logprobs=2)
     by_text = client.completions.create(**asked).choices[0].logprobs

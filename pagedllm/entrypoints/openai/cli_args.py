@@ -424,6 +424,9 @@ def _add_scheduler_args(group: argparse._ArgumentGroup) -> None:
                        help="the most prompt tokens waiting for their prefill; while the backlog is there, new "
                             "requests get 503: a time-to-first-token budget, its target times the prefill rate "
                             "(default: no limit)")
+    group.add_argument("--stream-interval", type=int, default=1, metavar="N",
+                       help="a streamed request's chunk once N tokens are new, its first and last at once; more "
+                            "than 1 spares the server a chunk a token under heavy load (default: %(default)s)")
     group.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap", "auto"],
                        help="what to do with a request when KV blocks run out (default: %(default)s)")
     group.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
@@ -433,6 +436,12 @@ def _add_scheduler_args(group: argparse._ArgumentGroup) -> None:
                        help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
                             '"prompt_lookup_max": 3, "prompt_lookup_min": 1}\', or with a draft model '
                             '\'{"model": PATH, "num_speculative_tokens": 4}\' (default: off)')
+    group.add_argument("--spec-method", default=None, choices=["ngram", "draft_model"],
+                       help="shortcut for --speculative-config's method")
+    group.add_argument("--spec-model", default=None, metavar="PATH",
+                       help="shortcut for --speculative-config's model (the draft model)")
+    group.add_argument("--spec-tokens", type=int, default=None, metavar="K",
+                       help="shortcut for --speculative-config's num_speculative_tokens")
 
 
 def _add_lora_args(group: argparse._ArgumentGroup) -> None:
@@ -506,11 +515,26 @@ def engine_config_from_args(args: argparse.Namespace):
                                   max_num_encoder_input_tokens=args.max_num_encoder_input_tokens,
                                   long_prefill_token_threshold=args.long_prefill_token_threshold,
                                   long_prefill_token_threshold_adaptive=args.long_prefill_token_threshold_adaptive,
+                                  stream_interval=args.stream_interval,
                                   preemption_mode=args.preemption_mode, scheduling_policy=args.scheduling_policy),
-        speculative=SpeculativeConfig.from_dict(args.speculative_config),
+        speculative=SpeculativeConfig.from_dict(_speculative_config(args)),
         parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
                                 data_parallel_size=args.data_parallel_size,
                                 distributed_executor_backend=args.distributed_executor_backend,
                                 data_parallel_router=args.data_parallel_router),
         lora=LoRAConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras) if args.enable_lora else None,
     )
+
+
+def _speculative_config(args: argparse.Namespace) -> dict | None:
+    """--speculative-config with the --spec-* shortcuts' fields in it (vLLM's: a field given both ways is an
+    error)."""
+    config = dict(args.speculative_config or {})
+    for flag, key, value in (("--spec-method", "method", args.spec_method), ("--spec-model", "model", args.spec_model),
+                             ("--spec-tokens", "num_speculative_tokens", args.spec_tokens)):
+        if value is None:
+            continue
+        if key in config:
+            raise ValueError(f"{flag} and --speculative-config's {key!r} are both given: give one")
+        config[key] = value
+    return config or None

@@ -134,6 +134,8 @@ class _SamplingFields(_Request):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     thinking_token_budget: int | None = None     # the most tokens a reasoning model thinks (-1: no budget)
+    # a streamed chunk every that many tokens, the first and last at once; raises the server's --stream-interval
+    stream_interval: int | None = Field(default=None, ge=1)
     use_beam_search: bool = False       # vLLM's: n beams kept, the n best sequences answered (not streamed)
     # beam search's: a sequence scores cum_logprob / length ** length_penalty
     length_penalty: float = Field(default=1.0, ge=-100, le=100)

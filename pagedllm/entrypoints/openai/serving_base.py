@@ -308,7 +308,7 @@ class OpenAIServing:
             prompt_logprobs=prompt_logprobs,
             presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
             logit_bias=logit_bias or None, allowed_token_ids=request.allowed_token_ids, bad_words=request.bad_words,
-            thinking_token_budget=request.thinking_token_budget,
+            thinking_token_budget=request.thinking_token_budget, stream_interval=request.stream_interval,
             ignore_eos=request.ignore_eos, min_tokens=request.min_tokens,
             stop_token_ids=request.stop_token_ids, skip_special_tokens=request.skip_special_tokens,
             spaces_between_special_tokens=request.spaces_between_special_tokens,
