@@ -54,7 +54,8 @@ def test_abort_returns_the_last_output_of_each_live_request(engine) -> None:
                                                                      (3, 2, "cumulative")])
 def test_a_stream_goes_out_every_interval_tokens_its_first_and_last_at_once(
         folder: str, engine_interval: int, request_interval: int | None, kind: str) -> None:
-    config = EngineConfig(model=ModelConfig(model=folder, dtype="float32"), cache=CacheConfig(block_size=4, num_blocks=64),
+    config = EngineConfig(model=ModelConfig(model=folder, dtype="float32"),
+                          cache=CacheConfig(block_size=4, num_blocks=64),
                           scheduler=SchedulerConfig(max_model_len=64, stream_interval=engine_interval))
     engine = LLMEngine(config)
     params = SamplingParams(max_tokens=11, ignore_eos=True, output_kind=kind, stream_interval=request_interval)

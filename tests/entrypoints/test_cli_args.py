@@ -33,7 +33,8 @@ def test_speculative_config_json() -> None:
 def test_the_spec_shortcuts_fill_the_speculative_config_as_in_vllm() -> None:
     spec = _config("--spec-method", "ngram", "--spec-tokens", "5").speculative
     assert (spec.method, spec.num_speculative_tokens) == ("ngram", 5)
-    draft = _config("--spec-model", "/models/draft", "--speculative-config", '{"num_speculative_tokens": 2}').speculative
+    draft = _config("--spec-model", "/models/draft",
+                    "--speculative-config", '{"num_speculative_tokens": 2}').speculative
     assert (draft.method, draft.model, draft.num_speculative_tokens) == ("draft_model", "/models/draft", 2)
     with pytest.raises(ValueError, match="--spec-tokens and --speculative-config's 'num_speculative_tokens'"):
         _config("--spec-tokens", "4", "--speculative-config", '{"num_speculative_tokens": 2}')
