@@ -16,6 +16,8 @@ PreemptionMode = Literal["recompute", "swap", "auto"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 DistributedExecutorBackend = Literal["mp", "ray"]
 QUANTIZATIONS = (None, "int8", "w8a8", "gguf", "awq", "gptq")
+# what logprobs hold (vLLM's logprobs_mode; pagedllm.sample.sampler)
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
 MODALITIES = ("image", "video", "audio")    # limit_mm_per_prompt's keys (vLLM's); pagedllm reads images
 DataParallelRouterPolicy = Literal["prefix_aware", "round_robin"]
 
@@ -215,6 +217,10 @@ class ModelConfig:
             loaded, and a vision-language checkpoint serves text in the memory of its language model. A limit may
             also be vLLM's `{"count": N, ...}` (its other fields size vLLM's memory profiling: unused here);
             "video" and "audio" limits are taken and change nothing (pagedllm reads images only). None: no limit.
+        logprobs_mode: what the logprobs of generated tokens hold (vLLM's): "raw_logprobs" (the default: the
+            log_softmax of the model's logits), "processed_logprobs" (those of the distribution a token is sampled
+            from: after logit_bias, bad words, penalties, temperature, top-k, top-p, min-p), "raw_logits" or
+            "processed_logits" (the logits at those two points); a prompt's are raw either way.
     """
 
     model: str | None = None
@@ -234,8 +240,11 @@ class ModelConfig:
     pooler_config: dict[str, Any] | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
     limit_mm_per_prompt: dict[str, Any] | None = None
+    logprobs_mode: str = "raw_logprobs"
 
     def __post_init__(self) -> None:
+        _require(self.logprobs_mode in LOGPROBS_MODES, "logprobs_mode", f"one of {', '.join(LOGPROBS_MODES)}",
+                 self.logprobs_mode)
         limits = self.limit_mm_per_prompt
         _require(limits is None or (isinstance(limits, dict) and set(limits) <= set(MODALITIES)
                                     and all(_item_limit(v) is not None for v in limits.values())),

@@ -1,5 +1,6 @@
 """SamplingParams.prompt_logprobs on a tiny random Llama, against log_softmax of Hugging Face transformers' logits:
-whole prompts, chunked prefill, a prompt whose blocks sit in the prefix cache, preemption, n > 1, streaming."""
+whole prompts, chunked prefill, a prompt whose blocks sit in the prefix cache, preemption, n > 1, streaming; and
+against the logits themselves with logprobs_mode "raw_logits"."""
 
 from __future__ import annotations
 
@@ -32,9 +33,13 @@ def _params(**kw) -> SamplingParams:
     return SamplingParams(**{"temperature": 0, "max_tokens": 3, "ignore_eos": True, "prompt_logprobs": NUM_TOP, **kw})
 
 
-def _check_against_hf(hf_model, prompt: list[int], got: PromptLogprobs | None) -> None:
+def _check_against_hf(hf_model, prompt: list[int], got: PromptLogprobs | None, logits: bool = False) -> None:
+    """`got` holds the log_softmax of transformers' logits at each prompt position (the logits themselves with
+    `logits`, logprobs_mode "raw_logits")."""
     with torch.inference_mode():
-        reference = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0].float(), dim=-1)   # [P, V]
+        reference = hf_model(torch.tensor([prompt])).logits[0].float()     # [P, V]
+    if not logits:
+        reference = torch.log_softmax(reference, dim=-1)
     assert got is not None and len(got) == len(prompt) and got[0] is None
     for position, token_id in enumerate(prompt[1:]):
         row, entry = reference[position], got[position + 1]
@@ -56,6 +61,18 @@ def test_prompt_logprobs_match_transformers(tiny):
     for prompt, output in zip(prompts, outputs):
         _check_against_hf(tiny[1], prompt, output.prompt_logprobs)
     assert llm.generate(prompts[0], SamplingParams(max_tokens=2), use_tqdm=False)[0].prompt_logprobs is None
+
+
+def test_raw_logits_mode_reports_the_models_logits_for_the_prompt_and_the_output(tiny):
+    llm = _llm(tiny, logprobs_mode="raw_logits")
+    prompt = _prompt(4, 11)
+    (output,) = llm.generate([prompt], _params(logprobs=2, max_tokens=1), use_tqdm=False)
+    _check_against_hf(tiny[1], prompt, output.prompt_logprobs, logits=True)
+    with torch.inference_mode():
+        last = tiny[1](torch.tensor([prompt])).logits[0, -1].float()
+    (token_id,) = output.outputs[0].token_ids
+    (entries,) = output.outputs[0].logprobs
+    assert entries[token_id].logprob == pytest.approx(last.max().item(), abs=1e-4) and entries[token_id].rank == 1
 
 
 def test_chunked_prefill_gives_every_position_once(tiny):

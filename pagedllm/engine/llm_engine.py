@@ -233,7 +233,8 @@ class LLMEngine:
         config.scheduler.check_whole_prompts_fit()
         self.structured_output = StructuredOutputManager(self.tokenizer, model_shape(loaded.hf_config).vocab_size)
         self.runner = ModelRunner(loaded, config.cache, self.eos_token_id, config.model.seed,
-                                  self.structured_output, peers, config.lora, self._load_draft(config))
+                                  self.structured_output, peers, config.lora, self._load_draft(config),
+                                  config.model.logprobs_mode)
         self.vocab_size = self.runner.shape.vocab_size
         num_blocks = config.cache.num_blocks or self._num_blocks()
         config.cache.num_blocks = num_blocks

@@ -91,7 +91,7 @@ class ModelRunner:
     def __init__(self, loaded: LoadedModel, cache_config: CacheConfig, eos_token_id: int | None,
                  seed: int = 0, structured_output: StructuredOutputManager | None = None,
                  peers: Peers | None = None, lora_config: LoRAConfig | None = None,
-                 draft: DraftModel | None = None) -> None:
+                 draft: DraftModel | None = None, logprobs_mode: str = "raw_logprobs") -> None:
         self.model = loaded.model
         # whether the model places image tokens by M-RoPE (the Qwen-VLs'): their requests' positions are shifted
         self.mrope = getattr(getattr(self.model, "model", None), "mrope", None) is not None
@@ -112,7 +112,7 @@ class ModelRunner:
                                           loaded.dtype, cache_config.kv_cache_dtype)
         self.block_size = cache_config.block_size
         self.eos_token_id = eos_token_id
-        self.sampler = Sampler()
+        self.sampler = Sampler(logprobs_mode)
         self.structured_output = structured_output
         self.requests: dict[str, CachedRequestState] = {}
         self.global_generator = make_generator(seed, self.device)
@@ -426,7 +426,7 @@ class ModelRunner:
             row = inputs.first_rows[s.request_id] + start - s.num_computed_tokens
             logits = self.compute_logits(hidden[row:row + end - start])             # [end - start, vocab]
             targets = torch.tensor(state.prompt_token_ids[start + 1:end + 1], device=logits.device)
-            result[s.request_id] = position_logprobs(logits, targets, num)
+            result[s.request_id] = position_logprobs(logits, targets, num, self.sampler.logprobs_mode)
             reported.append((state, end))
         return result, reported
 
@@ -598,7 +598,8 @@ class ModelRunner:
         sampling_rows = [self._sampling_row(s, drafts[r][:j]) for s, r in zip(states, request_ids)
                          for j in range(len(drafts[r]) + 1)]
         meta = SamplingMetadata.build(sampling_rows, self.shape.vocab_size, self.device, self.global_generator)
-        verified = verify_drafts(logits, meta, request_ids, [drafts[r] for r in request_ids])
+        verified = verify_drafts(logits, meta, request_ids, [drafts[r] for r in request_ids],
+                                 self.sampler.logprobs_mode)
         plain = [(row, r) for row, r in zip(last_rows, inputs.sample_request_ids) if r not in drafts]
         output = self._sample_all_but_embeddings(hidden, torch.tensor([row for row, _ in plain], dtype=torch.long,
                                                                       device=hidden.device),

@@ -8,6 +8,12 @@ Order of operations (as in vLLM):
     -> greedy rows: argmax
     -> random rows: temperature -> top-k -> top-p -> softmax -> min-p -> inverse-CDF sampling
 
+Log-probabilities (vLLM's `logprobs_mode`): "raw_logprobs" (the default) are the log_softmax of the model's logits,
+before any processing; "processed_logprobs" are those of the distribution each row samples from (after the
+processing and, for a random row, its temperature, top-k, top-p and min-p: the tokens they filter out at -inf);
+"raw_logits" and "processed_logits" are the logits themselves at those two points. A prompt position's are raw
+either way (they go through no processing).
+
 Random rows draw one uniform number each and take the first token whose cumulative probability passes it
 (see ops.inverse_cdf_sample for why not vLLM's exponential race). A row with a per-request seed draws from its own
 `torch.Generator`, exactly one number per step, so its tokens do not depend on which other requests share the
@@ -36,7 +42,7 @@ from pagedllm.sample.ops import (
 
 @dataclass
 class LogprobsTensors:
-    """Log-probabilities of a batch, from the raw logits.
+    """Log-probabilities of a batch (or logits, as `logprobs_mode` says).
 
     token_ids, logprobs: [B, 1 + max_num_logprobs]; column 0 is the sampled token, then the top tokens in order.
     ranks: [B] 1-based rank of the sampled token (1 = most likely).
@@ -62,11 +68,32 @@ def _entries(token_ids: list[int], logprobs: list[float], rank: int, num: int) -
     return [(token_ids[0], logprobs[0], rank)] + [(token_ids[j], logprobs[j], j) for j in range(1, num + 1)]
 
 
-def position_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num: int) -> list[list[tuple[int, float, int]]]:
+def position_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num: int,
+                      logprobs_mode: str = "raw_logprobs") -> list[list[tuple[int, float, int]]]:
     """Per row of raw `logits` [P, V]: the (token_id, logprob, rank) entries of `token_ids` [P] (the prompt token
-    each row predicts) and of the row's top `num` tokens, the given token first."""
-    ids, values, ranks = gather_logprobs(torch.log_softmax(logits.float(), dim=-1), num, token_ids)
+    each row predicts) and of the row's top `num` tokens, the given token first (their logits in a *_logits mode)."""
+    ids, values, ranks = gather_logprobs(raw_scores(logits.float(), logprobs_mode), num, token_ids)
     return [_entries(*row, num) for row in zip(ids.tolist(), values.tolist(), ranks.tolist())]
+
+
+def raw_scores(logits: torch.Tensor, logprobs_mode: str) -> torch.Tensor:
+    """What a raw mode reports of float32 `logits`: their log_softmax, or the logits in "raw_logits"."""
+    return logits if logprobs_mode == "raw_logits" else torch.log_softmax(logits, dim=-1)
+
+
+def processed_scores(processed: torch.Tensor, probs: torch.Tensor | None, meta: SamplingMetadata,
+                     logprobs_mode: str) -> torch.Tensor:
+    """What a processed mode reports: per row, the log-probabilities of the distribution it samples from (a greedy
+    row: of its `processed` logits, whose argmax it takes; a random row: log `probs`), or in "processed_logits" the
+    logits behind them (a random row's after its temperature, -inf where its filters zeroed `probs`)."""
+    greedy = processed if logprobs_mode == "processed_logits" else torch.log_softmax(processed, dim=-1)
+    if probs is None:
+        return greedy
+    if logprobs_mode == "processed_logits":
+        random = torch.where(probs > 0, processed / meta.temperature.unsqueeze(1), float("-inf"))
+    else:
+        random = torch.log(probs)
+    return random if meta.all_random else torch.where(meta.greedy_mask.unsqueeze(1), greedy, random)
 
 
 @dataclass
@@ -76,22 +103,33 @@ class SamplerOutput:
 
 
 class Sampler(nn.Module):
-    """Samples one token per row: `Sampler()(logits [B, V] float32, meta) -> SamplerOutput`."""
+    """Samples one token per row: `Sampler()(logits [B, V] float32, meta) -> SamplerOutput`; its logprobs are as
+    `logprobs_mode` says (pagedllm.config.LOGPROBS_MODES; see the module docstring)."""
+
+    def __init__(self, logprobs_mode: str = "raw_logprobs") -> None:
+        super().__init__()
+        self.logprobs_mode = logprobs_mode
 
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         # logits: [B, V]
         logits = logits.float()
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if meta.max_num_logprobs is not None else None
+        wants_logprobs = meta.max_num_logprobs is not None
+        scores = raw_scores(logits, self.logprobs_mode) if wants_logprobs and self.logprobs_mode.startswith("raw") \
+            else None
         logits = self.process_logits(logits, meta)
+        probs = None
         if meta.all_greedy:
             token_ids = argmax_rows(logits)
         else:
-            token_ids = self._sample_random(self.compute_probs(logits, meta), meta)
+            probs = self.compute_probs(logits, meta)
+            token_ids = self._sample_random(probs, meta)
             if not meta.all_random:
                 token_ids = torch.where(meta.greedy_mask, argmax_rows(logits), token_ids)
+        if wants_logprobs and scores is None:
+            scores = processed_scores(logits, probs, meta, self.logprobs_mode)
         logprobs = None
-        if raw_logprobs is not None:
-            ids, values, ranks = gather_logprobs(raw_logprobs, meta.max_num_logprobs, token_ids)
+        if scores is not None:
+            ids, values, ranks = gather_logprobs(scores, meta.max_num_logprobs, token_ids)
             logprobs = LogprobsTensors(token_ids=ids, logprobs=values, ranks=ranks, num_logprobs=meta.num_logprobs)
         return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
 

@@ -22,7 +22,7 @@ import torch
 
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.ops import argmax_rows, gather_logprobs, inverse_cdf_sample
-from pagedllm.sample.sampler import LogprobsTensors, Sampler
+from pagedllm.sample.sampler import LogprobsTensors, Sampler, processed_scores, raw_scores
 
 TokenLogprobs = list[tuple[int, float, int]]   # (token_id, logprob, rank) entries of one position
 
@@ -38,7 +38,7 @@ class VerifiedTokens:
 
 
 def verify_drafts(logits: torch.Tensor, meta: SamplingMetadata, request_ids: list[str],
-                  spec_token_ids: list[list[int]]) -> VerifiedTokens:
+                  spec_token_ids: list[list[int]], logprobs_mode: str = "raw_logprobs") -> VerifiedTokens:
     """Verify each request's drafts.
 
     Args:
@@ -46,9 +46,13 @@ def verify_drafts(logits: torch.Tensor, meta: SamplingMetadata, request_ids: lis
         meta: the rows' sampling metadata (row j of request i: its output tokens extended by its first j drafts).
         request_ids: the requests, in row order.
         spec_token_ids: each request's drafts.
+        logprobs_mode: what the logprobs hold, as the sampler's (pagedllm.sample.sampler).
     """
     draft_ids = torch.tensor([t for drafts in spec_token_ids for t in drafts + [-1]], device=logits.device)
-    probs = target_probs(logits, meta)
+    logits = logits.float()
+    processed = Sampler.process_logits(logits, meta)
+    sampled = None if meta.all_greedy else Sampler.compute_probs(processed, meta)
+    probs = target_probs(processed, sampled, meta)
     accepted, recovered = rejection_sample(probs, draft_ids, draw_uniforms(meta, len(draft_ids), logits.device))
     accepted_list, recovered_list = accepted.tolist(), recovered.tolist()
     # Each row's token for the logprobs: its draft, then the sampled one where the run stops (later rows unused).
@@ -62,18 +66,21 @@ def verify_drafts(logits: torch.Tensor, meta: SamplingMetadata, request_ids: lis
         token_ids.append(recovered_list[start + count])
         row_tokens[start + count] = token_ids[-1]
         start += len(drafts) + 1
-    logprobs = _logprobs(logits, meta, row_tokens, request_ids, spec_token_ids, num_accepted)
+    logprobs = {}
+    if meta.max_num_logprobs is not None:
+        scores = raw_scores(logits, logprobs_mode) if logprobs_mode.startswith("raw") else \
+            processed_scores(processed, sampled, meta, logprobs_mode)
+        logprobs = _logprobs(scores, meta, row_tokens, request_ids, spec_token_ids, num_accepted)
     return VerifiedTokens(num_accepted, token_ids, logprobs)
 
 
-def target_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """[R, V]: the distribution each row samples from; one-hot at the argmax for greedy rows."""
-    processed = Sampler.process_logits(logits.float(), meta)
+def target_probs(processed: torch.Tensor, sampled: torch.Tensor | None, meta: SamplingMetadata) -> torch.Tensor:
+    """[R, V]: the distribution each row samples from, `sampled` (the sampler's `compute_probs` of the `processed`
+    logits; None when every row is greedy), one-hot at the argmax for greedy rows."""
     greedy = torch.zeros_like(processed).scatter_(1, argmax_rows(processed).unsqueeze(1), 1.0)
-    if meta.all_greedy:
+    if sampled is None:
         return greedy
-    probs = Sampler.compute_probs(processed, meta)
-    return probs if meta.all_random else torch.where(meta.greedy_mask.unsqueeze(1), greedy, probs)
+    return sampled if meta.all_random else torch.where(meta.greedy_mask.unsqueeze(1), greedy, sampled)
 
 
 def draw_uniforms(meta: SamplingMetadata, num_rows: int, device: torch.device) -> torch.Tensor:
@@ -112,14 +119,13 @@ def rejection_sample(probs: torch.Tensor, draft_ids: torch.Tensor,
     return accepted, inverse_cdf_sample(residual, uniform[:, 1])
 
 
-def _logprobs(logits: torch.Tensor, meta: SamplingMetadata, row_tokens: list[int], request_ids: list[str],
+def _logprobs(scores: torch.Tensor, meta: SamplingMetadata, row_tokens: list[int], request_ids: list[str],
               spec_token_ids: list[list[int]], num_accepted: list[int]) -> dict[str, list[TokenLogprobs]]:
-    """The raw logprobs of each request's new tokens (the accepted drafts, then the sampled one), as the
-    sampler's `LogprobsTensors.to_lists` gives them for one token."""
-    if meta.max_num_logprobs is None:
-        return {}
-    token_ids = torch.tensor(row_tokens, device=logits.device)
-    ids, values, ranks = gather_logprobs(torch.log_softmax(logits.float(), dim=-1), meta.max_num_logprobs, token_ids)
+    """The logprobs (`scores`, [R, V]) of each request's new tokens (the accepted drafts, then the sampled one), as
+    the sampler's `LogprobsTensors.to_lists` gives them for one token."""
+    assert meta.max_num_logprobs is not None
+    token_ids = torch.tensor(row_tokens, device=scores.device)
+    ids, values, ranks = gather_logprobs(scores, meta.max_num_logprobs, token_ids)
     per_row = LogprobsTensors(ids, values, ranks, meta.num_logprobs).to_lists([str(r) for r in range(len(row_tokens))])
     result, start = {}, 0
     for request_id, drafts, count in zip(request_ids, spec_token_ids, num_accepted):

@@ -1,5 +1,5 @@
 """The server's flags -> EngineConfig: --speculative-config takes vLLM's JSON (and its --spec-* shortcuts);
---stream-interval; --enforce-eager,
+--stream-interval; --logprobs-mode; --enforce-eager,
 --disable-cascade-attn, --generation-config, --mm-processor-kwargs, --limit-mm-per-prompt,
 --[no-]enable-chunked-prefill; the CORS flags take JSON lists; uvicorn's access log; --help's groups."""
 
@@ -38,6 +38,13 @@ def test_the_spec_shortcuts_fill_the_speculative_config_as_in_vllm() -> None:
     assert (draft.method, draft.model, draft.num_speculative_tokens) == ("draft_model", "/models/draft", 2)
     with pytest.raises(ValueError, match="--spec-tokens and --speculative-config's 'num_speculative_tokens'"):
         _config("--spec-tokens", "4", "--speculative-config", '{"num_speculative_tokens": 2}')
+
+
+def test_the_logprobs_mode_reaches_the_model_config() -> None:
+    assert _config().model.logprobs_mode == "raw_logprobs"
+    assert _config("--logprobs-mode", "processed_logits").model.logprobs_mode == "processed_logits"
+    with pytest.raises(SystemExit):
+        _config("--logprobs-mode", "cooked")
 
 
 def test_the_stream_interval_reaches_the_scheduler_config() -> None:

@@ -127,6 +127,31 @@ def _check_logprobs(out, i: int, raw_logprobs: torch.Tensor, num: int) -> None:
     assert int(out.logprobs.ranks[i]) == int((raw_logprobs > raw_logprobs[sampled]).sum()) + 1
 
 
+@pytest.mark.parametrize("mode", ["raw_logits", "processed_logprobs", "processed_logits"])
+@pytest.mark.parametrize("case", range(4))
+def test_each_logprobs_mode_reports_its_point_of_the_processing(mode: str, case: int) -> None:
+    """vLLM's logprobs_mode against the reference: the raw logits, or the distribution each row is sampled from
+    (a greedy row's processed logits; a random row's after temperature and filters, -inf where they cut)."""
+    rng = random.Random(case)
+    rows = _random_rows(rng, 6)
+    for row in rows:
+        row.params.logprobs = rng.choice([0, 3])
+    ref_rows = _clone_rows(rows)
+    logits = torch.randn(len(rows), VOCAB) * 3
+    out = Sampler(mode)(logits, SamplingMetadata.build(rows, VOCAB, "cpu"))
+    for i, (row, ref_row) in enumerate(zip(rows, ref_rows)):
+        ref = sample_reference(logits[i], ref_row)
+        if mode == "raw_logits":
+            expected = logits[i]
+        elif ref.probs is None:     # greedy: it takes the argmax of its processed logits
+            expected = ref.logits if mode == "processed_logits" else torch.log_softmax(ref.logits, dim=-1)
+        elif mode == "processed_logits":
+            expected = torch.where(ref.probs > 0, ref.logits / row.params.temperature, float("-inf"))
+        else:
+            expected = torch.log(ref.probs)
+        _check_logprobs(out, i, expected, row.params.logprobs)
+
+
 def test_logprobs_are_log_softmax_of_raw_logits() -> None:
     logits = torch.randn(3, VOCAB)
     rows = [_row(SamplingParams(temperature=0, logprobs=4, repetition_penalty=2.0), prompt=[1, 2]),

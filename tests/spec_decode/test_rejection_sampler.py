@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedllm.sample.metadata import SamplingMetadata, SamplingRow
+from pagedllm.sample.metadata import SamplingMetadata, SamplingRow, make_generator
+from pagedllm.sample.sampler import Sampler
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec_decode.rejection_sampler import rejection_sample, verify_drafts
 
@@ -97,6 +98,21 @@ def test_verify_greedy_accepts_the_argmax_run_and_reports_logprobs() -> None:
     assert (out.num_accepted, out.token_ids) == ([2], [0])
     assert [entries[0][0] for entries in out.logprobs["a"]] == [1, 2, 0]
     assert all(entries[0][2] == 1 for entries in out.logprobs["a"])      # every new token was the argmax
+
+
+@pytest.mark.parametrize("mode", ["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"])
+def test_verified_tokens_logprobs_are_the_samplers_in_each_mode(mode: str) -> None:
+    """A bonus row (no drafts) is sampled from the distribution the sampler samples from: its logprobs are the
+    sampler's, whatever the logprobs_mode; here with a penalty and a temperature that tell the raw from the
+    processed values. (The random row's token may differ: the two draw their numbers differently.)"""
+    logits = torch.randn(2, 7, generator=torch.Generator().manual_seed(0)) * 2
+    rows = [SamplingRow(SamplingParams(temperature=0, logprobs=2, presence_penalty=1.5), [0], [3]),
+            SamplingRow(SamplingParams(temperature=0.5, top_k=2, logprobs=2, seed=1), [0], [3], make_generator(1))]
+    sampled = Sampler(mode)(logits, SamplingMetadata.build(rows, 7)).logprobs.to_lists(["g", "r"])
+    verified = verify_drafts(logits, SamplingMetadata.build(rows, 7), ["g", "r"], [[], []], mode).logprobs
+    assert verified["g"] == sampled["g"]
+    (token, value, rank), *top = verified["r"][0]
+    assert top == sampled["r"][0][1:] and (token, value) in [(t, v) for t, v, _ in top]
 
 
 def test_verify_applies_penalties_over_the_drafts_before_each_position() -> None:

@@ -11,7 +11,7 @@ import os
 import re
 from typing import cast
 
-from pagedllm.config import DEFAULT_BLOCK_SIZE
+from pagedllm.config import DEFAULT_BLOCK_SIZE, LOGPROBS_MODES
 from pagedllm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from pagedllm.pooling_params import CONVERTS, RUNNERS
@@ -373,6 +373,10 @@ def _add_model_args(group: argparse._ArgumentGroup) -> None:
                             "with more gets 400. '{\"image\": 0}' loads no image encoder: a vision-language model "
                             "then serves text only, in less memory. video and audio limits are taken and unused "
                             "(default: no limit)")
+    group.add_argument("--logprobs-mode", default="raw_logprobs", choices=LOGPROBS_MODES,
+                       help="what logprobs hold: the model's (raw_*) or the sampled distribution's, after penalties, "
+                            "temperature and filters (processed_*), as log-probabilities or logits "
+                            "(default: %(default)s)")
     group.add_argument("--seed", type=int, default=0, help="seed of the engine's random stream (default: 0)")
 
 
@@ -505,7 +509,7 @@ def engine_config_from_args(args: argparse.Namespace):
                           generation_config=args.generation_config,
                           override_generation_config=args.override_generation_config, hf_overrides=args.hf_overrides,
                           pooler_config=args.pooler_config, mm_processor_kwargs=args.mm_processor_kwargs,
-                          limit_mm_per_prompt=args.limit_mm_per_prompt),
+                          limit_mm_per_prompt=args.limit_mm_per_prompt, logprobs_mode=args.logprobs_mode),
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                           gpu_memory_utilization=args.gpu_memory_utilization, swap_space=args.swap_space,
                           swap_path=args.swap_path, enable_prefix_caching=args.enable_prefix_caching,
