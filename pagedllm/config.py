@@ -217,6 +217,10 @@ class ModelConfig:
             loaded, and a vision-language checkpoint serves text in the memory of its language model. A limit may
             also be vLLM's `{"count": N, ...}` (its other fields size vLLM's memory profiling: unused here);
             "video" and "audio" limits are taken and change nothing (pagedllm reads images only). None: no limit.
+        language_model_only: images off, as `limit_mm_per_prompt` `{"image": 0}` (vLLM's switch for every modality):
+            a vision-language checkpoint serves text, without its image encoder.
+        disable_sliding_window: the context is capped at the model's smallest sliding window, and every layer
+            attends over all of it (vLLM's); a model without one is left as it is.
         logprobs_mode: what the logprobs of generated tokens hold (vLLM's): "raw_logprobs" (the default: the
             log_softmax of the model's logits), "processed_logprobs" (those of the distribution a token is sampled
             from: after logit_bias, bad words, penalties, temperature, top-k, top-p, min-p), "raw_logits" or
@@ -240,6 +244,8 @@ class ModelConfig:
     pooler_config: dict[str, Any] | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
     limit_mm_per_prompt: dict[str, Any] | None = None
+    language_model_only: bool = False
+    disable_sliding_window: bool = False
     logprobs_mode: str = "raw_logprobs"
 
     def __post_init__(self) -> None:
@@ -273,7 +279,10 @@ class ModelConfig:
 
     @property
     def image_limit(self) -> int | None:
-        """The most images a prompt may hold (`limit_mm_per_prompt`); None: no limit."""
+        """The most images a prompt may hold (`limit_mm_per_prompt`, 0 with `language_model_only`); None: no
+        limit."""
+        if self.language_model_only:
+            return 0
         limits = self.limit_mm_per_prompt or {}
         return _item_limit(limits["image"]) if "image" in limits else None
 

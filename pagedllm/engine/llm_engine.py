@@ -24,7 +24,7 @@ from pagedllm.engine.beam_search import BeamSearchDriver, BeamSearchOutput, Beam
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.heap import paused_gc
 from pagedllm.inputs import ParsedPrompt, PromptType, parse_prompt
-from pagedllm.loader import IMAGE_ENCODERS, LoadedModel, load_model, max_model_len_of
+from pagedllm.loader import IMAGE_ENCODERS, LoadedModel, load_model
 from pagedllm.loader.generation_config import read_generation_config
 from pagedllm.loader.pooling_config import model_pooling_type
 from pagedllm.logger import init_logger
@@ -226,7 +226,7 @@ class LLMEngine:
         # update_from_generation_config), e.g. Llama 3's <|eot_id|> and <|eom_id|> beside <|end_of_text|>
         self.eos_stop_token_ids = [t for t in dict.fromkeys(defaults.eos_token_ids)
                                    if t != self.eos_token_id]
-        self.max_model_len = max_model_len_of(loaded.hf_config, config.model.max_model_len)
+        self.max_model_len = loaded.max_model_len
         config.scheduler.max_model_len = self.max_model_len
         if attends_both_ways(loaded.hf_config):
             _run_prompts_whole(config)
@@ -277,7 +277,7 @@ class LLMEngine:
             raise ValueError(f"speculative_config.model {spec.model!r}: {e}") from e
         if not generates(loaded.hf_config) or attends_both_ways(loaded.hf_config):
             raise ValueError(f"speculative_config.model {spec.model!r} is not a generative (decoder) model")
-        draft_len = max_model_len_of(loaded.hf_config, None)
+        draft_len = loaded.max_model_len
         if draft_len < self.max_model_len:
             raise ValueError(f"speculative_config.model {spec.model!r} holds {draft_len} tokens of context, fewer "
                              f"than the model's max_model_len {self.max_model_len}: set max_model_len <= {draft_len}")

@@ -125,6 +125,9 @@ class LLM:
             `{"do_image_splitting": False}` for Idefics3 (SmolVLM): one tile an image.
         limit_mm_per_prompt: the most images a prompt may hold (vLLM's), e.g. `{"image": 2}`; `{"image": 0}` loads
             no image encoder: a vision-language checkpoint runs as its language model (`ModelConfig`).
+        language_model_only: images off, as limit_mm_per_prompt `{"image": 0}` (vLLM's).
+        disable_sliding_window: cap the context at the model's sliding window, every layer attending over all of
+            it (vLLM's; `ModelConfig.disable_sliding_window`).
         logprobs_mode: what logprobs hold (vLLM's): "raw_logprobs" (the model's), "processed_logprobs" (those of
             the distribution sampled from, after penalties, temperature and filters), "raw_logits" or
             "processed_logits" (`ModelConfig.logprobs_mode`).
@@ -157,7 +160,8 @@ class LLM:
                  max_cpu_loras: int | None = None, hf_overrides: dict[str, Any] | None = None,
                  pooler_config: dict[str, Any] | None = None,
                  mm_processor_kwargs: dict[str, Any] | None = None,
-                 limit_mm_per_prompt: dict[str, Any] | None = None, logprobs_mode: str = "raw_logprobs") -> None:
+                 limit_mm_per_prompt: dict[str, Any] | None = None, language_model_only: bool = False,
+                 disable_sliding_window: bool = False, logprobs_mode: str = "raw_logprobs") -> None:
         check_runner(runner, convert)
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
@@ -167,7 +171,8 @@ class LLM:
                               generation_config=generation_config,
                               override_generation_config=override_generation_config, hf_overrides=hf_overrides,
                               pooler_config=pooler_config, mm_processor_kwargs=mm_processor_kwargs,
-                              limit_mm_per_prompt=limit_mm_per_prompt, logprobs_mode=logprobs_mode),
+                              limit_mm_per_prompt=limit_mm_per_prompt, language_model_only=language_model_only,
+                              disable_sliding_window=disable_sliding_window, logprobs_mode=logprobs_mode),
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
                               gpu_memory_utilization=gpu_memory_utilization, swap_space=swap_space,
                               swap_path=swap_path, enable_prefix_caching=enable_prefix_caching,

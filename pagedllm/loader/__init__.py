@@ -40,6 +40,7 @@ class LoadedModel:
     hf_config: Any  # transformers.PretrainedConfig
     resolved: ResolvedModel
     dtype: torch.dtype
+    max_model_len: int      # the context it runs (`max_model_len_of` its config and ModelConfig)
     quantization: str | None = None  # as resolved (`resolve_quantization`): None, the dtype's own weights
     tp_rank: int = 0        # this process's slice of the model under tensor parallelism
     tp_size: int = 1
@@ -224,17 +225,36 @@ def _classifier_from_token(config: Any, resolved: ResolvedModel, tokenizer_path:
     config.label2id = {label: i for i, label in config.id2label.items()}
 
 
-def max_model_len_of(hf_config: Any, wanted: int | None) -> int:
+def max_model_len_of(hf_config: Any, wanted: int | None, disable_sliding_window: bool = False) -> int:
     """The model's context length (`max_position_embeddings`, else 2048), capped by `wanted` when given. A model
     whose layers attend over sliding windows (`sliding_window_of_layer`) runs its whole context too: each such layer
-    reads its window of the cache."""
+    reads its window of the cache; with `disable_sliding_window` (vLLM's), its context is capped at its smallest
+    window instead, within which every layer may attend over all of it (`without_sliding_window`)."""
     from pagedllm.models.bert import position_offset
 
     # RoBERTa's positions start after its padding id: two of its rows are not positions of the context
     model_len = (getattr(hf_config, "max_position_embeddings", None) or 2048) - position_offset(hf_config)
+    what = "the model's context length"
+    window = min(_sliding_windows(hf_config), default=0) if disable_sliding_window else 0
+    if 0 < window < model_len:
+        model_len, what = window, "the model's sliding window (disable_sliding_window caps the context there)"
     if wanted is not None and wanted > model_len:
-        raise ValueError(f"max_model_len={wanted} is larger than the model's context length {model_len}")
+        raise ValueError(f"max_model_len={wanted} is larger than {what} {model_len}")
     return wanted or model_len
+
+
+def _sliding_windows(hf_config: Any) -> set[int]:
+    from pagedllm.models.llama import sliding_window_of_layer
+
+    num_layers = getattr(hf_config, "num_hidden_layers", 0) or 0
+    return {window for i in range(num_layers) if (window := sliding_window_of_layer(hf_config, i))}
+
+
+def without_sliding_window(hf_config: Any) -> None:
+    """Make every layer of `hf_config` attend over its whole context (vLLM's disable_sliding_window): after its
+    context was capped at its window by `max_model_len_of`, the same attention."""
+    if _sliding_windows(hf_config):
+        hf_config.sliding_window = None
 
 
 def _weights(resolved: ResolvedModel, dtype: torch.dtype, hf_config: Any, quantization: str | None,
@@ -368,11 +388,14 @@ def load_model(model_config: ModelConfig, tp_rank: int = 0, tp_size: int = 1,
     if tp_rank == 0:
         _log_precision(model_config.dtype, dtype, model_config.device, quantization)
     model_cls = model_class_for_config(hf_config)
+    max_model_len = max_model_len_of(hf_config, model_config.max_model_len, model_config.disable_sliding_window)
+    if model_config.disable_sliding_window:
+        without_sliding_window(hf_config)
     # Parameters are allocated with torch.empty (no random init), so building directly is cheap.
     attn_backend = attention_backend(model_config.device)
     with torch.device(model_config.device):
         model = model_cls(hf_config, dtype=dtype, attn_backend=attn_backend, tp_rank=tp_rank, tp_size=tp_size,
-                          max_positions=max_model_len_of(hf_config, model_config.max_model_len))
+                          max_positions=max_model_len)
     parts = _pack_blocks(model, quantization, resolved, hf_config, dtype, gguf_file, gguf_activation_bits)
     model.load_weights(_weights(resolved, dtype, hf_config, quantization, packed_checkpoint_names(model), gguf_file))
     model.eval()
@@ -393,7 +416,7 @@ def load_model(model_config: ModelConfig, tp_rank: int = 0, tp_size: int = 1,
         model.use_decoder_stack()
     rank = f", tensor-parallel rank {tp_rank} of {tp_size}" if tp_size > 1 else ""
     logger.info("loaded %s (%s%s%s) in %.2f s", resolved.name, dtype, how, rank, time.perf_counter() - start)
-    return LoadedModel(model, hf_config, resolved, dtype, quantization, tp_rank, tp_size, attn_backend,
+    return LoadedModel(model, hf_config, resolved, dtype, max_model_len, quantization, tp_rank, tp_size, attn_backend,
                        not model_config.disable_cascade_attn, gguf_file)
 
 

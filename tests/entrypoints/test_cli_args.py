@@ -118,6 +118,12 @@ def test_the_long_prefill_cap_reaches_the_scheduler_config() -> None:
     assert (scheduler.long_prefill_token_threshold, scheduler.long_prefill_token_threshold_adaptive) == (512, True)
 
 
+def test_language_model_only_turns_images_off_and_the_sliding_window_flag_reaches_the_model_config() -> None:
+    assert (_config().model.image_limit, _config().model.disable_sliding_window) == (None, False)
+    assert _config("--language-model-only").model.image_limit == 0
+    assert _config("--disable-sliding-window").model.disable_sliding_window is True
+
+
 def test_a_block_count_overrides_the_kv_pools_size() -> None:
     assert _config().cache.num_blocks is None
     assert _config("--num-gpu-blocks-override", "64").cache.num_blocks == 64

@@ -1,5 +1,6 @@
 """Models whose layers attend over sliding windows (Mistral 7B v0.1; Qwen2 and Qwen3 with use_sliding_window) run
-their whole context, each such layer reading its window of the cache, and answer as transformers does."""
+their whole context, each such layer reading its window of the cache, and answer as transformers does; with
+disable_sliding_window, their context is the window and every layer attends over all of it."""
 
 from __future__ import annotations
 
@@ -23,6 +24,12 @@ def test_each_layer_reads_its_window_from_the_config():
     assert sliding_window_of_layer(tiny_config("qwen2", sliding_window=64, use_sliding_window=False), 1) == 0
     qwen3 = tiny_config("qwen3", sliding_window=64, use_sliding_window=True, max_window_layers=1)
     assert [sliding_window_of_layer(qwen3, i) for i in range(2)] == [0, 64]
+    # disable_sliding_window caps the context at the smallest window; one without a window is left as it is
+    assert max_model_len_of(mistral, None, disable_sliding_window=True) == 64
+    assert max_model_len_of(qwen2, 32, disable_sliding_window=True) == 32
+    with pytest.raises(ValueError, match="larger than the model's sliding window"):
+        max_model_len_of(mistral, 100, disable_sliding_window=True)
+    assert max_model_len_of(tiny_config("mistral", sliding_window=None), None, disable_sliding_window=True) == 256
 
 
 @pytest.mark.parametrize(("kind", "overrides"), [
@@ -50,3 +57,18 @@ def test_a_sliding_window_model_answers_as_transformers_past_its_window(tmp_path
         if mode == "ngram":
             assert llm.engine.make_stats().spec_decoding.num_accepted_tokens > 0
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(hf_model, prompts, 40)
+
+
+@pytest.mark.parametrize("kind", ["mistral", "gemma2"])
+def test_disable_sliding_window_runs_the_window_with_every_layer_attending_over_it(tmp_path, kind):
+    """vLLM's disable_sliding_window: the context is the window, every layer sees all of it, and the answers within
+    it are transformers' (whose windows hide nothing there)."""
+    folder, hf_model = save_tiny_model(tmp_path / "m", kind, **(dict(sliding_window=16) if kind == "mistral" else {}))
+    window = 16 if kind == "mistral" else 12
+    prompt = [3 + (7 * i) % 200 for i in range(window - 6)]
+    with LLM(str(folder), dtype="float32", num_kv_blocks=64, block_size=4, disable_sliding_window=True) as llm:
+        assert llm.engine.max_model_len == window
+        assert all(getattr(m, "sliding_window", 0) == 0 for m in llm.engine.runner.model.modules())
+        out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=6,
+                                                                          ignore_eos=True), use_tqdm=False)[0]
+    assert [out.outputs[0].token_ids] == hf_greedy(hf_model, [prompt], 6)

@@ -614,7 +614,8 @@ def test_the_servers_data_parallel_replicas_take_a_chats_images(tmp_path: Path) 
 
 def test_limit_mm_per_prompt_refuses_more_images_and_zero_serves_text_only(tmp_path: Path) -> None:
     """vLLM's limit_mm_per_prompt: a prompt past the image limit is refused before any of its images is read
-    (offline, in a chat, on the server); image 0 loads no encoder, and the checkpoint generates text as before."""
+    (offline, in a chat, on the server); image 0 (language_model_only) loads no encoder, and the checkpoint generates
+    text as before."""
     _save_model(tmp_path, "clip")
     image = _image(70)
     limited = LLM(model=str(tmp_path), dtype="float32", num_kv_blocks=64, limit_mm_per_prompt={"image": 1})
@@ -634,7 +635,7 @@ def test_limit_mm_per_prompt_refuses_more_images_and_zero_serves_text_only(tmp_p
         running.stop()
     text = limited.generate("Hello there", GREEDY)[0].outputs[0].token_ids
     limited.close()
-    off = LLM(model=str(tmp_path), dtype="float32", num_kv_blocks=64, limit_mm_per_prompt={"image": 0})
+    off = LLM(model=str(tmp_path), dtype="float32", num_kv_blocks=64, language_model_only=True)  # {"image": 0}
     assert off.engine.image_processor is None
     assert getattr(off.engine.runner.model, "image_encoder", None) is None
     assert off.generate("Hello there", GREEDY)[0].outputs[0].token_ids == text

@@ -373,6 +373,11 @@ def _add_model_args(group: argparse._ArgumentGroup) -> None:
                             "with more gets 400. '{\"image\": 0}' loads no image encoder: a vision-language model "
                             "then serves text only, in less memory. video and audio limits are taken and unused "
                             "(default: no limit)")
+    group.add_argument("--language-model-only", action="store_true",
+                       help="images off (--limit-mm-per-prompt image=0): a vision-language checkpoint serves text, "
+                            "without loading its image encoder")
+    group.add_argument("--disable-sliding-window", action="store_true",
+                       help="cap the context at the model's sliding window, every layer attending over all of it")
     group.add_argument("--logprobs-mode", default="raw_logprobs", choices=LOGPROBS_MODES,
                        help="what logprobs hold: the model's (raw_*) or the sampled distribution's, after penalties, "
                             "temperature and filters (processed_*), as log-probabilities or logits "
@@ -509,7 +514,9 @@ def engine_config_from_args(args: argparse.Namespace):
                           generation_config=args.generation_config,
                           override_generation_config=args.override_generation_config, hf_overrides=args.hf_overrides,
                           pooler_config=args.pooler_config, mm_processor_kwargs=args.mm_processor_kwargs,
-                          limit_mm_per_prompt=args.limit_mm_per_prompt, logprobs_mode=args.logprobs_mode),
+                          limit_mm_per_prompt=args.limit_mm_per_prompt, logprobs_mode=args.logprobs_mode,
+                          language_model_only=args.language_model_only,
+                          disable_sliding_window=args.disable_sliding_window),
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                           gpu_memory_utilization=args.gpu_memory_utilization, swap_space=args.swap_space,
                           swap_path=args.swap_path, enable_prefix_caching=args.enable_prefix_caching,
