@@ -75,7 +75,8 @@ def test_the_pool_holds_the_blocks_the_int8_row_size_gives(folder, dtype):
     against 2 x 2 x 2 x 16 x 4 = 512 in float32 (3.2x the blocks) and 256 in bfloat16 (1.6x)."""
     budget = 1 << 20
     plain = LLM(folder, dtype=dtype, block_size=BLOCK_SIZE, kv_cache_memory=budget)
-    int8 = LLM(folder, dtype=dtype, block_size=BLOCK_SIZE, kv_cache_memory=budget, kv_cache_dtype="int8")
+    # (vLLM's name for the budget, kv_cache_memory_bytes)
+    int8 = LLM(folder, dtype=dtype, block_size=BLOCK_SIZE, kv_cache_memory_bytes=budget, kv_cache_dtype="int8")
     element_size = 4 if dtype == "float32" else 2
     assert plain.engine.config.cache.num_blocks == budget // (BLOCK_SIZE * 2 * 2 * 2 * 16 * element_size)
     assert int8.engine.config.cache.num_blocks == budget // (BLOCK_SIZE * 2 * 2 * 2 * (16 + 4))
@@ -94,3 +95,8 @@ def test_serve_takes_kv_cache_dtype():
     assert engine_config_from_args(parser.parse_args(["--kv-cache-dtype", "int8"])).cache.kv_cache_dtype == "int8"
     with pytest.raises(SystemExit):
         parser.parse_args(["--kv-cache-dtype", "fp8"])
+
+
+def test_the_budget_given_under_both_names_must_agree(folder):
+    with pytest.raises(ValueError, match="one setting"):
+        LLM(folder, kv_cache_memory=1 << 20, kv_cache_memory_bytes=2 << 20)

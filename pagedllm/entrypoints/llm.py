@@ -62,7 +62,8 @@ class LLM:
         max_model_len: context length cap (prompt + output).
         block_size: tokens per KV block.
         gpu_memory_utilization: fraction of device memory (of RAM on a CPU) for the engine.
-        kv_cache_memory: bytes for the KV pool; overrides gpu_memory_utilization.
+        kv_cache_memory: bytes for the KV pool; overrides gpu_memory_utilization. kv_cache_memory_bytes: vLLM's
+            name for it.
         max_num_seqs: most requests in one step.
         max_num_batched_tokens: token budget of one step.
         enable_chunked_prefill: run a long prompt in chunks over several steps (False: each prompt in one step,
@@ -139,7 +140,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, *, dtype: str = "auto", max_model_len: int | None = None,
                  block_size: int = DEFAULT_BLOCK_SIZE, gpu_memory_utilization: float | None = None,
-                 kv_cache_memory: int | None = None, max_num_seqs: int = 256,
+                 kv_cache_memory: int | None = None, kv_cache_memory_bytes: int | None = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, enable_chunked_prefill: bool = True,
                  max_num_encoder_input_tokens: int | None = None, long_prefill_token_threshold: int = 0,
                  long_prefill_token_threshold_adaptive: bool = False, seed: int = 0,
@@ -163,6 +164,10 @@ class LLM:
                  limit_mm_per_prompt: dict[str, Any] | None = None, language_model_only: bool = False,
                  disable_sliding_window: bool = False, logprobs_mode: str = "raw_logprobs") -> None:
         check_runner(runner, convert)
+        if kv_cache_memory_bytes is not None:
+            if kv_cache_memory not in (None, kv_cache_memory_bytes):
+                raise ValueError("kv_cache_memory and kv_cache_memory_bytes are one setting: give one")
+            kv_cache_memory = kv_cache_memory_bytes
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
                               chat_template=chat_template, tokenizer=tokenizer,

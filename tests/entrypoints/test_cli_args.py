@@ -124,6 +124,20 @@ def test_language_model_only_turns_images_off_and_the_sliding_window_flag_reache
     assert _config("--disable-sliding-window").model.disable_sliding_window is True
 
 
+def test_the_kv_budget_takes_vllms_flag_and_the_log_level_sets_pagedllms(monkeypatch) -> None:
+    import logging
+
+    from pagedllm.entrypoints.openai.cli_args import configure_logging
+
+    assert _config("--kv-cache-memory-bytes", "64MiB").cache.kv_cache_memory == 64 << 20
+    root = logging.getLogger("pagedllm")
+    monkeypatch.setattr(root, "level", root.level)       # put back after the test
+    configure_logging(_args("--log-level", "debug"))
+    assert root.level == logging.DEBUG
+    with pytest.raises(SystemExit):
+        _args("--log-level", "chatty")
+
+
 def test_a_block_count_overrides_the_kv_pools_size() -> None:
     assert _config().cache.num_blocks is None
     assert _config("--num-gpu-blocks-override", "64").cache.num_blocks == 64

@@ -8,7 +8,12 @@ import logging
 import os
 import sys
 
-from pagedllm.entrypoints.openai.cli_args import add_server_args, engine_config_from_args, with_config_file
+from pagedllm.entrypoints.openai.cli_args import (
+    add_server_args,
+    configure_logging,
+    engine_config_from_args,
+    with_config_file,
+)
 from pagedllm.heap import freeze_startup_heap, paused_gc
 
 logger = logging.getLogger(__name__)
@@ -64,7 +69,7 @@ def frontend_options_from_args(args: argparse.Namespace):
 def run_server(args: argparse.Namespace) -> None:
     from pagedllm.entrypoints.openai.graceful import GracefulServer
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args)
     check_http_args(args)     # before the model loads, which takes a while
     try:
         with paused_gc():

@@ -16,6 +16,7 @@ from pagedllm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from pagedllm.pooling_params import CONVERTS, RUNNERS
 
+LOG_LEVELS = ["CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG", "NOTSET"]     # vLLM's --log-level
 _SIZE_UNITS = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "ki": 1024, "mi": 1024**2, "gi": 1024**3}
 
 
@@ -292,6 +293,8 @@ def _add_openai_args(server: argparse._ArgumentGroup) -> None:
     server.add_argument("--max-log-len", type=_non_negative, default=None,
                         help="with --enable-log-requests, the most characters of a request's prompt logged "
                              "(default: all)")
+    server.add_argument("--log-level", type=str.upper, default=None, choices=LOG_LEVELS,
+                        help="the level of pagedllm's log (default: INFO, or PAGEDLLM_LOGGING_LEVEL)")
     server.add_argument("--disable-log-stats", action="store_true",
                         help="no log line every 10 s of the throughput, the running and waiting requests, KV "
                              "cache usage and prefix cache hit rate")
@@ -394,7 +397,7 @@ def _add_cache_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--num-gpu-blocks-override", type=int, default=None, metavar="N",
                        help="the KV pool's size in blocks, over what memory would give (vLLM's name; on a CPU as on "
                             "a GPU), e.g. to see preemption with a small pool")
-    group.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
+    group.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", type=parse_bytes, default=None,
                        help="size of the KV pool, e.g. 512MiB or 2GiB; overrides --gpu-memory-utilization")
     group.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
                        help="K/V storage: auto is the model's dtype; int8 stores int8 with a float32 scale per token "
@@ -482,6 +485,15 @@ def _add_parallel_args(parallel: argparse._ArgumentGroup) -> None:
     parallel.add_argument("--distributed-executor-backend", default=None, choices=["mp", "ray"],
                           help="start the tensor-parallel workers as local processes (mp, the default) or Ray "
                                "actors; with ray, the data-parallel replicas run in Ray actors too")
+
+
+def configure_logging(args: argparse.Namespace) -> None:
+    """The log of `serve` and `run-batch`: INFO from every library, and pagedllm's at --log-level if given."""
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.log_level is not None:
+        logging.getLogger("pagedllm").setLevel(args.log_level)
 
 
 def model_of(args: argparse.Namespace) -> str | None:

@@ -196,9 +196,9 @@ def make_parser() -> argparse.ArgumentParser:
 def main(args: argparse.Namespace) -> None:
     from pagedllm.engine.data_parallel import build_async_engine
     from pagedllm.entrypoints.openai.api_server import frontend_options_from_args, limits_from_args
-    from pagedllm.entrypoints.openai.cli_args import engine_config_from_args, lora_modules_from_args
+    from pagedllm.entrypoints.openai.cli_args import configure_logging, engine_config_from_args, lora_modules_from_args
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args)
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise SystemExit("error: --enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
     with ExitStack() as files:
