@@ -18,6 +18,8 @@ DistributedExecutorBackend = Literal["mp", "ray"]
 QUANTIZATIONS = (None, "int8", "w8a8", "gguf", "awq", "gptq")
 # what logprobs hold (vLLM's logprobs_mode; pagedllm.sample.sampler)
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
+# how a chat message's content reaches the template (vLLM's chat_template_content_format; pagedllm.tokenizer)
+CHAT_CONTENT_FORMATS = ("auto", "string", "openai")
 MODALITIES = ("image", "video", "audio")    # limit_mm_per_prompt's keys (vLLM's); pagedllm reads images
 DataParallelRouterPolicy = Literal["prefix_aware", "round_robin"]
 

@@ -42,6 +42,17 @@ def test_greedy_tokens_match_transformers_on_chat_prompts(smol_llm, smol_hf):
         assert out.outputs[0].token_ids == hf_out[0, ids.shape[1]:].tolist(), conversation
 
 
+def test_chat_gives_the_template_typed_parts_with_the_openai_content_format(smol_llm):
+    template = "{% for m in messages %}{% if m['content'] is string %}S:{{ m['content'] }}{% else %}" \
+               "P:{{ m['content'][0]['text'] }}{% endif %}{% endfor %}"
+    messages = [{"role": "user", "content": "hi"}]
+    tokenizer = smol_llm.get_tokenizer()
+    for content_format, text in (("auto", "S:hi"), ("string", "S:hi"), ("openai", "P:hi")):
+        (out,) = smol_llm.chat(messages, _greedy(1), chat_template=template,
+                               chat_template_content_format=content_format)
+        assert tokenizer.decode(out.prompt_token_ids) == text
+
+
 def test_outputs_come_back_in_input_order_with_their_prompts(smol_llm):
     prompts = _mixed_prompts(5)
     outs = smol_llm.generate(prompts, _greedy(4), use_tqdm=False)

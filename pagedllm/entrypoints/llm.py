@@ -439,7 +439,8 @@ class LLM:
              continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
              chat_template_kwargs: dict[str, Any] | None = None,
              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
-             mm_processor_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+             mm_processor_kwargs: dict[str, Any] | None = None,
+             chat_template_content_format: str = "auto") -> list[RequestOutput]:
         """Generate a reply to a conversation, or to each of a list of conversations; one RequestOutput per
         conversation, in order.
 
@@ -457,6 +458,8 @@ class LLM:
             lora_request: as `generate`'s, per conversation.
             mm_processor_kwargs: arguments for the model's processor on the conversations' images (over the
                 engine's `mm_processor_kwargs`).
+            chat_template_content_format: how a message's content reaches the template (vLLM's): "auto", "string"
+                or "openai" (`render_chat_template`).
         """
         conversations = _as_conversations(messages)
         template = chat_template or self.engine.config.model.chat_template
@@ -469,20 +472,20 @@ class LLM:
                 conversation, tool_kwargs = with_tools(list(conversation), tools, used)
                 kwargs |= tool_kwargs
             prompts.append(self._chat_prompt(conversation, template, add_generation_prompt, continue_final_message,
-                                             kwargs, mm_processor_kwargs))
+                                             chat_template_content_format, kwargs, mm_processor_kwargs))
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def _chat_prompt(self, conversation: Conversation, template: str | None, add_generation_prompt: bool,
-                     continue_final_message: bool, kwargs: dict[str, Any],
+                     continue_final_message: bool, content_format: str, kwargs: dict[str, Any],
                      processor_kwargs: dict[str, Any] | None) -> ParsedPrompt:
         """A conversation's prompt: its token ids, and, where it holds images, those (`process_images`)."""
         check_image_count(len(image_parts(conversation)), self.engine.config.model.image_limit)   # none read yet
         tokenizer, images = self.get_tokenizer(), conversation_images(conversation)
         if not images:
             return ParsedPrompt(None, apply_chat_template(tokenizer, conversation, template, add_generation_prompt,
-                                                          continue_final_message, **kwargs))
+                                                          continue_final_message, content_format, **kwargs))
         text = render_chat_template(tokenizer, conversation, template, add_generation_prompt, continue_final_message,
-                                    self.engine.image_marker, **kwargs)
+                                    self.engine.image_marker, content_format, **kwargs)
         return self.engine.process_images(ParsedPrompt(text, None, images=tuple(images),
                                                        processor_kwargs=processor_kwargs), add_special_tokens=False)
 

@@ -7,7 +7,9 @@ offline `{"type": "image_pil", "image_pil": image}` too.
 `conversation_images` gives them in order, and the template renders each where it stands as the model's image
 marker (`<image>`): a template that reads typed parts (`{"type": "image"}`, as Llava's and SmolVLM's do, which
 render nothing of a plain string) gets every message's content as such parts, images or not, any other template the
-text with the marker in it. The processor then expands each marker (pagedllm.multimodal).
+text with the marker in it. The processor then expands each marker (pagedllm.multimodal). That choice is the content
+format "auto"; as vLLM's `chat_template_content_format`, "openai" gives every template the typed parts and "string"
+the text.
 """
 
 from __future__ import annotations
@@ -21,13 +23,15 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from pagedllm.config import CHAT_CONTENT_FORMATS
+
 ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 
 
 def render_chat_template(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, Any]],
                          chat_template: str | None = None, add_generation_prompt: bool = True,
                          continue_final_message: bool = False, image_marker: str | None = None,
-                         **template_kwargs: Any) -> str:
+                         content_format: str = "auto", **template_kwargs: Any) -> str:
     """The conversation as prompt text.
 
     Args:
@@ -39,8 +43,14 @@ def render_chat_template(tokenizer: PreTrainedTokenizerBase, messages: Sequence[
             continue: a reply whose start is given ("prefill"). Not with add_generation_prompt.
         image_marker: the model's image marker, where it takes images (`conversation_images`); None: image parts
             are refused.
+        content_format: how each message's content reaches the template: "string" (its text, image markers in
+            it), "openai" (a list of typed parts, `{"type": "text", "text": ...}` and `{"type": "image"}`) or "auto"
+            (typed parts for a template that renders typed images, the text for any other).
         template_kwargs: extra variables for the template (e.g. tools).
     """
+    if content_format not in CHAT_CONTENT_FORMATS:
+        raise ValueError(f"chat_template_content_format must be one of {', '.join(CHAT_CONTENT_FORMATS)}, got "
+                         f"{content_format!r}")
     conversation = validate_messages(messages, image_marker)
     if continue_final_message and add_generation_prompt:
         raise ValueError("continue_final_message and add_generation_prompt cannot both be true: set "
@@ -49,7 +59,7 @@ def render_chat_template(tokenizer: PreTrainedTokenizerBase, messages: Sequence[
     if not template:
         raise ValueError("this model's tokenizer has no chat template; pass chat_template= "
                          "(or --chat-template) to use chat messages, or send a plain prompt")
-    if _reads_typed_parts(template):
+    if content_format == "openai" or (content_format == "auto" and _reads_typed_parts(template)):
         conversation = [{**m, "content": _typed_parts(m["content"], image_marker)} for m in conversation]
     return tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=False,
                                          add_generation_prompt=add_generation_prompt,
@@ -58,13 +68,14 @@ def render_chat_template(tokenizer: PreTrainedTokenizerBase, messages: Sequence[
 
 def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, Any]],
                         chat_template: str | None = None, add_generation_prompt: bool = True,
-                        continue_final_message: bool = False, **template_kwargs: Any) -> list[int]:
+                        continue_final_message: bool = False, content_format: str = "auto",
+                        **template_kwargs: Any) -> list[int]:
     """The conversation as prompt token ids. See render_chat_template for the arguments.
 
     The template writes any BOS token itself, so the text is encoded without adding special tokens again.
     """
     text = render_chat_template(tokenizer, messages, chat_template, add_generation_prompt, continue_final_message,
-                                **template_kwargs)
+                                content_format=content_format, **template_kwargs)
     return tokenizer.encode(text, add_special_tokens=False)
 
 

@@ -1,7 +1,7 @@
 """vLLM's frontend flags (FrontendOptions), on a server with vLLM's defaults and on one with each set: a request's own
 chat template and processor arguments refused unless trusted, default template variables under a request's own,
-the reply's role, tokens named by id in log-probabilities, usage forced onto streams, and tools left out of a chat
-whose tool_choice is "none"."""
+the reply's role, tokens named by id in log-probabilities, usage forced onto streams, tools left out of a chat
+whose tool_choice is "none", and a message's content given to the template as typed parts."""
 
 from __future__ import annotations
 
@@ -20,12 +20,13 @@ from tests.models.tiny import save_tiny_model
 # The server's own template: `shout` and `tools` show in the prompt.
 TEMPLATE = ("{% if shout %}LOUD {% endif %}{% if tools %}TOOLS {% endif %}"
             "{% if reasoning_effort %}EFFORT={{ reasoning_effort }} {% endif %}"
-            "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+            "{% for m in messages %}{{ m['role'] }}: {% if m['content'] is string %}{{ m['content'] }}"
+            "{% else %}{% for part in m['content'] %}<{{ part['text'] }}>{% endfor %}{% endif %}\n{% endfor %}"
             "{% if add_generation_prompt %}reply: {% endif %}")
 OPTIONS = FrontendOptions(response_role="bot", default_chat_template_kwargs={"shout": True},
                           return_tokens_as_token_ids=True, force_include_usage=True,
                           trust_request_chat_template=True, trust_request_mm_kwargs=True,
-                          exclude_tools_when_tool_choice_none=True)
+                          exclude_tools_when_tool_choice_none=True, chat_template_content_format="openai")
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
 HI = [{"role": "user", "content": "hi"}]
 
@@ -54,7 +55,8 @@ def _prompt(running: RunningServer, **body: Any) -> str:
 
 def test_a_requests_own_template_and_processor_arguments_need_trust(server: Any) -> None:
     running, trusted = server
-    own = {"chat_template": "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"}
+    own = {"chat_template": "{% for m in messages %}[{{ m['content'] if m['content'] is string "
+                            "else m['content'][0]['text'] }}]{% endfor %}"}
     in_kwargs = {"chat_template_kwargs": {"chat_template": "x"}}
     processor = {"mm_processor_kwargs": {"do_resize": False}}
     if trusted:
@@ -72,6 +74,12 @@ def test_default_template_variables_go_under_the_requests_own(server: Any) -> No
     assert _prompt(running).startswith("LOUD ") == options
     assert not _prompt(running, chat_template_kwargs={"shout": False}).startswith("LOUD ")
     assert _prompt(running, chat_template_kwargs={"shout": True}).startswith("LOUD ")
+
+
+def test_the_content_format_gives_the_template_text_or_typed_parts(server: Any) -> None:
+    running, options = server
+    prompt = _prompt(running)
+    assert prompt.endswith("user: <hi>reply: " if options else "user: hireply: "), prompt
 
 
 def test_the_replys_role(server: Any) -> None:
@@ -128,7 +136,8 @@ def test_the_flags_make_the_options() -> None:
     args = make_parser().parse_args([
         "--response-role", "bot", "--default-chat-template-kwargs", '{"shout": true}', "--return-tokens-as-token-ids",
         "--enable-force-include-usage", "--trust-request-chat-template", "--trust-request-mm-kwargs",
-        "--exclude-tools-when-tool-choice-none", "--enable-prompt-tokens-details"])
+        "--exclude-tools-when-tool-choice-none", "--enable-prompt-tokens-details",
+        "--chat-template-content-format", "openai"])
     assert frontend_options_from_args(args) == OPTIONS
 
 

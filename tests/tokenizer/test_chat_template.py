@@ -1,4 +1,4 @@
-"""apply_chat_template: the SmolLM2 template, message validation and clear errors."""
+"""apply_chat_template: the SmolLM2 template, message validation, the content formats and clear errors."""
 
 from __future__ import annotations
 
@@ -45,6 +45,23 @@ def test_custom_template(tokenizer) -> None:
     template = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
     messages = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
     assert render_chat_template(tokenizer, messages, chat_template=template) == "[user]x[assistant]y"
+
+
+def test_the_content_format_gives_a_template_the_text_or_typed_parts(tokenizer) -> None:
+    template = ("{% for m in messages %}{% if m['content'] is string %}S[{{ m['content'] }}]{% else %}"
+                "{% for part in m['content'] %}{{ part['type'] }}[{{ part.get('text', '') }}]{% endfor %}"
+                "{% endif %}{% endfor %}")
+    messages = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    assert render_chat_template(tokenizer, messages, chat_template=template) == "S[a\nb]"     # auto: no typed images
+    assert render_chat_template(tokenizer, messages, chat_template=template, content_format="string") == "S[a\nb]"
+    assert render_chat_template(tokenizer, messages, chat_template=template, content_format="openai") == \
+        "text[a\nb]"
+    # with an image marker, "openai" gives the image its own part where it stood
+    pictured = [{"role": "user", "content": "look <image> here"}]
+    assert render_chat_template(tokenizer, pictured, chat_template=template, image_marker="<image>",
+                                content_format="openai") == "text[look ]image[]text[ here]"
+    with pytest.raises(ValueError, match="chat_template_content_format must be one of auto, string, openai"):
+        render_chat_template(tokenizer, messages, content_format="markdown")
 
 
 def test_missing_template_is_a_clear_error(tokenizer, monkeypatch) -> None:

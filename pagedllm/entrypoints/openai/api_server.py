@@ -63,7 +63,8 @@ def frontend_options_from_args(args: argparse.Namespace):
                            force_include_usage=args.enable_force_include_usage,
                            trust_request_chat_template=args.trust_request_chat_template,
                            trust_request_mm_kwargs=args.trust_request_mm_kwargs,
-                           exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none)
+                           exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
+                           chat_template_content_format=args.chat_template_content_format)
 
 
 def run_server(args: argparse.Namespace) -> None:

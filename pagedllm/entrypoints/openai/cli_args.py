@@ -11,7 +11,7 @@ import os
 import re
 from typing import cast
 
-from pagedllm.config import DEFAULT_BLOCK_SIZE, LOGPROBS_MODES
+from pagedllm.config import CHAT_CONTENT_FORMATS, DEFAULT_BLOCK_SIZE, LOGPROBS_MODES
 from pagedllm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from pagedllm.pooling_params import CONVERTS, RUNNERS
@@ -255,6 +255,9 @@ def _add_openai_args(server: argparse._ArgumentGroup) -> None:
                              "(default: the model's own name)")
     server.add_argument("--chat-template", default=None,
                         help="a Jinja chat template, or the path of a file holding one, replacing the model's own")
+    server.add_argument("--chat-template-content-format", default="auto", choices=CHAT_CONTENT_FORMATS,
+                        help="how a message's content reaches the chat template: its text (string), a list of typed "
+                             "parts (openai), or as the template reads it (default: %(default)s)")
     server.add_argument("--enable-auto-tool-choice", action="store_true",
                         help='let the model call tools on its own (tool_choice "auto"); needs --tool-call-parser')
     server.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),

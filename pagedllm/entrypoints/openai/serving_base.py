@@ -64,6 +64,8 @@ class FrontendOptions:
         trust_request_mm_kwargs: take a chat request's own `mm_processor_kwargs`; off (vLLM's default), 400: they
             change what an image costs to process.
         exclude_tools_when_tool_choice_none: a chat with tool_choice "none" is rendered without its tools.
+        chat_template_content_format: how a message's content reaches the chat template: "auto", "string" or
+            "openai" (pagedllm.tokenizer.chat_template).
     """
 
     response_role: str = "assistant"
@@ -73,6 +75,7 @@ class FrontendOptions:
     trust_request_chat_template: bool = False
     trust_request_mm_kwargs: bool = False
     exclude_tools_when_tool_choice_none: bool = False
+    chat_template_content_format: str = "auto"
 
 
 @dataclass(slots=True)

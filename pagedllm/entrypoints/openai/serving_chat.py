@@ -140,7 +140,8 @@ class OpenAIServingChat(GenerationServing):
         try:
             return await self.engine.run_on_tokenizer_thread(
                 apply_chat_template, self.engine.tokenizer, messages, request.chat_template,
-                request.add_generation_prompt, request.continue_final_message, **kwargs)
+                request.add_generation_prompt, request.continue_final_message,
+                self.options.chat_template_content_format, **kwargs)
         except (ValueError, TypeError, jinja2.TemplateError) as exc:
             raise OpenAIError(str(exc), param="messages") from exc
 
@@ -173,7 +174,8 @@ class OpenAIServingChat(GenerationServing):
             text = await self.engine.run_on_tokenizer_thread(
                 render_chat_template, self.engine.tokenizer, messages, request.chat_template,
                 request.add_generation_prompt, request.continue_final_message,
-                None if processor is None else processor.image_token, **kwargs)
+                None if processor is None else processor.image_token, self.options.chat_template_content_format,
+                **kwargs)
             assert processor is not None, "render_chat_template refuses images without a marker"
             token_ids, inputs = await self.engine.run_on_tokenizer_thread(processor, text, images, False,
                                                                           request.mm_processor_kwargs)
