@@ -126,18 +126,21 @@ class AsyncEngine:
         engine: the engine; from `start()` on, only the engine thread may touch it.
         log_requests: log each request's prompt and parameters (off by default: prompts may be private).
         thread: the thread that built the engine, to step it on (default: a new one).
-        max_log_len: the most characters of a prompt's text (or of its token ids, written out) logged; None: all.
+        max_log_len: the most characters of a prompt's text (or of its token ids, written out), or of an output's
+            text, logged; None: all.
         admission: the server's queue limits, held by its front (this engine, unless it is a data-parallel
             replica); None: none.
+        log_outputs: also log each completion's text and finish reason once it ends (vLLM's --enable-log-outputs).
     """
 
     data_parallel_size = 1      # one engine; AsyncDataParallelEngine stands for several with this interface
 
     def __init__(self, engine: LLMEngine, log_requests: bool = False, thread: EngineThread | None = None,
-                 max_log_len: int | None = None, admission: Admission | None = None) -> None:
+                 max_log_len: int | None = None, admission: Admission | None = None,
+                 log_outputs: bool = False) -> None:
         self.engine = engine
         self.admission = admission
-        self.log_requests, self.max_log_len = log_requests, max_log_len
+        self.log_requests, self.max_log_len, self.log_outputs = log_requests, max_log_len, log_outputs
         self.error: BaseException | None = None
         self.latest_stats = SchedulerStats()
         self._stat_loggers: list[StatLogger] = []
@@ -338,13 +341,11 @@ class AsyncEngine:
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
         if self.log_requests:
-            shown = repr(prompt)
-            if self.max_log_len is not None and len(shown) > self.max_log_len:
-                shown = f"{shown[:self.max_log_len]}... ({len(shown) - self.max_log_len} more characters)"
-            logger.info("request %s: prompt=%s params=%s", request_id, shown, params)
+            logger.info("request %s: prompt=%s params=%s", request_id, self._clipped(repr(prompt)), params)
         self._post(_Add(request_id, prompt, params, prompt_token_ids, priority, cache_salt, time.monotonic(),
                         lora_request))
         done = False
+        texts: dict[int, str] = {}      # with log_outputs: each completion's text so far
         try:
             while True:
                 item = await queue.get()
@@ -355,6 +356,8 @@ class AsyncEngine:
                     done = True     # the engine failed this request's step and has already finished it
                     raise RequestFailedError(item.error)
                 done = item.finished
+                if self.log_outputs:
+                    self._log_outputs(request_id, item, texts, getattr(params, "output_kind", "final") == "delta")
                 yield item
                 if done:
                     return
@@ -362,6 +365,19 @@ class AsyncEngine:
             self._streams.pop(request_id, None)
             if not done:
                 self.abort(request_id)
+
+    def _clipped(self, text: str) -> str:
+        if self.max_log_len is None or len(text) <= self.max_log_len:
+            return text
+        return f"{text[:self.max_log_len]}... ({len(text) - self.max_log_len} more characters)"
+
+    def _log_outputs(self, request_id: str, output: RequestOutput, texts: dict[int, str], delta: bool) -> None:
+        """Log each of the output's completions that ended, with its whole text (a stream's deltas gathered)."""
+        for completion in output.outputs:
+            texts[completion.index] = texts.get(completion.index, "") + completion.text if delta else completion.text
+            if completion.finish_reason is not None:
+                logger.info("response %s (completion %d): output=%s finish_reason=%s", request_id, completion.index,
+                            self._clipped(repr(texts.pop(completion.index))), completion.finish_reason)
 
     async def beam_search(self, request_id: str, prompt: PromptInput, params: BeamSearchParams,
                           lora_request: LoRARequest | None = None) -> BeamSearchOutput:

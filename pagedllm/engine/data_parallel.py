@@ -418,15 +418,15 @@ class AsyncDataParallelEngine:
 
 
 def build_async_engine(config: EngineConfig, log_requests: bool = False, log_stats: bool = False,
-                       max_log_len: int | None = None,
-                       admission: Admission | None = None) -> AsyncEngine | AsyncDataParallelEngine:
+                       max_log_len: int | None = None, admission: Admission | None = None,
+                       log_outputs: bool = False) -> AsyncEngine | AsyncDataParallelEngine:
     """The server's engine: one AsyncEngine, or with data_parallel_size > 1 the replicas behind the router; each
     engine built on the thread that steps it. `log_stats`: vLLM's log line of throughput and load every 10 s of
-    activity (pagedllm.metrics.log_stats); `log_requests` and `max_log_len` as AsyncEngine's; `admission`: the
-    queue limits, held by the front (the one engine, or the replicas' router)."""
+    activity (pagedllm.metrics.log_stats); `log_requests`, `max_log_len` and `log_outputs` as AsyncEngine's;
+    `admission`: the queue limits, held by the front (the one engine, or the replicas' router)."""
     replicas, threads = build_replicas(config, "pagedllm-engine")
-    engines = [AsyncEngine(replica, log_requests, thread, max_log_len, admission if len(replicas) == 1 else None)
-               for replica, thread in zip(replicas, threads, strict=True)]
+    engines = [AsyncEngine(replica, log_requests, thread, max_log_len, admission if len(replicas) == 1 else None,
+                           log_outputs) for replica, thread in zip(replicas, threads, strict=True)]
     engine = engines[0] if len(engines) == 1 else AsyncDataParallelEngine(
         engines, make_router(config, replicas[0].capacity.num_blocks), admission)
     if log_stats:

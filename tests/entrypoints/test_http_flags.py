@@ -7,6 +7,7 @@ out. Flags that cannot serve stop the start before the model loads."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
 import socket
@@ -31,6 +32,7 @@ from pagedllm.entrypoints.openai.api_server import (
     make_parser,
     uvicorn_config,
 )
+from pagedllm.entrypoints.openai.cli_args import configure_logging
 from pagedllm.entrypoints.openai.transport import Load, ServerLoad
 from tests.models.tiny import save_tiny_model
 
@@ -182,17 +184,34 @@ def test_the_server_load_counts_model_requests_until_their_last_byte() -> None:
     assert asyncio.run(main()) == [3, 0]
 
 
-def test_prompts_logged_no_longer_than_max_log_len(model_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_prompts_and_outputs_logged_no_longer_than_max_log_len(model_dir: Path,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="pagedllm.engine.async_engine"), \
-            _serving(model_dir, "--enable-log-requests", "--max-log-len", "12") as args:
+            _serving(model_dir, "--enable-log-requests", "--enable-log-outputs", "--max-log-len", "12") as args:
         url = address(args)
         model = httpx.get(f"{url}/v1/models", timeout=5).json()["data"][0]["id"]
-        httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": "abcdefghijklmnopqrstuvwxyz",
-                                                   "max_tokens": 1}, timeout=60).raise_for_status()
+        body = {"model": model, "prompt": "abcdefghijklmnopqrstuvwxyz", "max_tokens": 1}
+        httpx.post(f"{url}/v1/completions", json=body, timeout=60).raise_for_status()
+        streamed = {**body, "max_tokens": 3, "n": 2, "stream": True, "ignore_eos": True, "prompt": "a"}
+        chunks = httpx.post(f"{url}/v1/completions", json=streamed, timeout=60).text.splitlines()
     logged = [r.getMessage() for r in caplog.records if "prompt=" in r.getMessage()]
-    assert len(logged) == 1, logged
+    assert len(logged) == 2, logged
     shown = re.search(r"prompt=(.*)\.\.\. \((\d+) more characters\) params=", logged[0])    # its token ids, clipped
     assert shown is not None and len(shown.group(1)) == 12 and int(shown.group(2)) > 50, logged
+    outputs = [r.getMessage() for r in caplog.records if r.getMessage().startswith("response ")]
+    assert len(outputs) == 3 and all("finish_reason=length" in line for line in outputs), outputs   # 1 + n=2
+    texts = {0: "", 1: ""}      # the stream's deltas, gathered, are what the log shows of each completion
+    for line in chunks:
+        if line.startswith("data: {"):
+            choice = json.loads(line[6:])["choices"][0]
+            texts[choice["index"]] += choice["text"]
+    for index, text in texts.items():
+        assert any(f"(completion {index}): output={repr(text)[:12]}" in line for line in outputs[1:]), (texts, outputs)
+
+
+def test_log_outputs_needs_log_requests() -> None:
+    with pytest.raises(SystemExit, match="--enable-log-outputs needs --enable-log-requests"):
+        configure_logging(make_parser().parse_args(["--enable-log-outputs"]))
 
 
 def test_access_log_lines_dropped_for_the_named_paths() -> None:

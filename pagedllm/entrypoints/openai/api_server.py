@@ -33,7 +33,8 @@ def build_app_from_args(args: argparse.Namespace):
     queue_limits = (args.max_num_queued_reqs, args.max_num_queued_tokens)
     engine = build_async_engine(engine_config_from_args(args), log_requests=args.enable_log_requests,
                                 log_stats=not args.disable_log_stats, max_log_len=args.max_log_len,
-                                admission=None if queue_limits == (None, None) else Admission(*queue_limits))
+                                admission=None if queue_limits == (None, None) else Admission(*queue_limits),
+                                log_outputs=args.enable_log_outputs)
     return build_app(engine, served_model_names=args.served_model_name, api_key=args.api_key,
                      limits=limits_from_args(args), enable_auto_tool_choice=args.enable_auto_tool_choice,
                      tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,

@@ -293,6 +293,8 @@ def _add_openai_args(server: argparse._ArgumentGroup) -> None:
                              "prompt_tokens_details.cached_tokens (the prompt's tokens the prefix cache held)")
     server.add_argument("--enable-log-requests", action="store_true",
                         help="log each request's prompt and sampling parameters (off: prompts may be private)")
+    server.add_argument("--enable-log-outputs", action="store_true",
+                        help="with --enable-log-requests, also log each completion's text once it ends")
     server.add_argument("--max-log-len", type=_non_negative, default=None,
                         help="with --enable-log-requests, the most characters of a request's prompt logged "
                              "(default: all)")
@@ -491,8 +493,12 @@ def _add_parallel_args(parallel: argparse._ArgumentGroup) -> None:
 
 
 def configure_logging(args: argparse.Namespace) -> None:
-    """The log of `serve` and `run-batch`: INFO from every library, and pagedllm's at --log-level if given."""
+    """The log of `serve` and `run-batch`: INFO from every library, and pagedllm's at --log-level if given. Exits on
+    --enable-log-outputs without --enable-log-requests (vLLM's rule)."""
     import logging
+
+    if args.enable_log_outputs and not args.enable_log_requests:
+        raise SystemExit("error: --enable-log-outputs needs --enable-log-requests")
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.log_level is not None:

@@ -208,7 +208,8 @@ def main(args: argparse.Namespace) -> None:
         try:
             config = engine_config_from_args(args)
             engine = build_async_engine(config, log_requests=args.enable_log_requests,
-                                        log_stats=not args.disable_log_stats, max_log_len=args.max_log_len)
+                                        log_stats=not args.disable_log_stats, max_log_len=args.max_log_len,
+                                        log_outputs=args.enable_log_outputs)
             lora_modules = load_lora_modules(engine, lora_modules_from_args(args),
                                              args.served_model_name or [engine.model_name])
         except ValueError as exc:
