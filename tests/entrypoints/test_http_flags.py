@@ -34,6 +34,7 @@ from pagedllm.entrypoints.openai.api_server import (
 )
 from pagedllm.entrypoints.openai.cli_args import configure_logging
 from pagedllm.entrypoints.openai.transport import Load, ServerLoad
+from pagedllm.tokenizer.tokenizer import load_tokenizer
 from tests.models.tiny import save_tiny_model
 
 
@@ -95,6 +96,49 @@ def test_https_with_a_certificate_and_client_certificates(model_dir: Path, tmp_p
             httpx.get(f"{address(args)}/health", verify=trusted, timeout=5)
         ca.issue_cert("client@example.com").configure_cert(trusted)
         assert httpx.get(f"{address(args)}/health", verify=trusted, timeout=5).status_code == 200
+
+
+class StampMiddleware:
+    """An ASGI middleware class, as --middleware takes one: stamps every response."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        async def stamped(message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), (b"x-stamp", b"class")]
+            await send(message)
+
+        await self.app(scope, receive, send if scope["type"] != "http" else stamped)
+
+
+async def timing_middleware(request, call_next):
+    """An HTTP middleware coroutine function, as --middleware takes one."""
+    response = await call_next(request)
+    response.headers["x-timed"] = "yes"
+    return response
+
+
+def test_middleware_by_import_path_the_tokenizer_info_endpoint_and_ciphers(model_dir: Path) -> None:
+    here = __name__
+    with _serving(model_dir, "--middleware", f"{here}.StampMiddleware", "--middleware", f"{here}.timing_middleware",
+                  "--enable-tokenizer-info-endpoint", "--api-key", "k") as args:
+        url = address(args)
+        refused = httpx.get(f"{url}/v1/models", timeout=5)     # outside the key check: stamped all the same
+        assert refused.status_code == 401 and refused.headers["x-stamp"] == "class"
+        info = httpx.get(f"{url}/tokenizer_info", timeout=5)
+        assert info.status_code == 200 and (info.headers["x-stamp"], info.headers["x-timed"]) == ("class", "yes")
+        tokenizer = load_tokenizer(str(model_dir))
+        assert info.json()["tokenizer_class"] == type(tokenizer).__name__ and "vocab_file" not in info.json()
+        assert info.json()["model_max_length"] == tokenizer.init_kwargs["model_max_length"]
+    with _serving(model_dir) as args:
+        assert httpx.get(f"{address(args)}/tokenizer_info", timeout=5).status_code == 404    # not asked for
+    with pytest.raises(ValueError, match="--middleware 'no.such.Thing'"):
+        build_app_from_args(make_parser().parse_args(["--model", str(model_dir), "--kv-cache-memory", "4MiB",
+                                                      "--middleware", "no.such.Thing"]))
+    args = make_parser().parse_args(["--ssl-ciphers", "ECDHE+AESGCM"])
+    assert uvicorn_config(object(), args).ssl_ciphers == "ECDHE+AESGCM"
 
 
 def test_a_unix_socket(model_dir: Path, tmp_path: Path) -> None:

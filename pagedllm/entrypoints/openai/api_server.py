@@ -42,7 +42,8 @@ def build_app_from_args(args: argparse.Namespace):
                                      args.allow_credentials), lora_modules=lora_modules_from_args(args),
                      root_path=args.root_path, docs=not args.disable_fastapi_docs,
                      options=frontend_options_from_args(args), request_id_headers=args.enable_request_id_headers,
-                     server_load_tracking=args.enable_server_load_tracking)
+                     server_load_tracking=args.enable_server_load_tracking,
+                     tokenizer_info=args.enable_tokenizer_info_endpoint, middleware=args.middleware)
 
 
 def limits_from_args(args: argparse.Namespace):
@@ -97,7 +98,8 @@ def uvicorn_config(app, args: argparse.Namespace):
                             access_log=not args.disable_uvicorn_access_log, timeout_keep_alive=5,
                             timeout_graceful_shutdown=5, ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
                             ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
-                            h11_max_incomplete_event_size=args.h11_max_incomplete_event_size)
+                            h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
+                            **({} if args.ssl_ciphers is None else {"ssl_ciphers": args.ssl_ciphers}))
     if args.disable_access_log_for_endpoints:    # after uvicorn configured its loggers
         logging.getLogger("uvicorn.access").addFilter(AccessLogFilter(args.disable_access_log_for_endpoints))
     return config

@@ -242,6 +242,13 @@ def _add_http_args(server: argparse._ArgumentGroup) -> None:
     server.add_argument("--h11-max-incomplete-event-size", type=parse_bytes, default=4 * 1024 * 1024,
                         help="most bytes of a request's head (and of a body chunk) not yet parsed; more is refused "
                              "(default: 4MiB)")
+    server.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                        help="serve /tokenizer_info: the tokenizer's settings and the chat template")
+    server.add_argument("--middleware", action="append", default=[], metavar="IMPORT.PATH",
+                        help="an ASGI middleware class, or an HTTP middleware coroutine function, to add (repeat "
+                             "for several)")
+    server.add_argument("--ssl-ciphers", default=None,
+                        help="the TLS ciphers HTTPS offers (OpenSSL's cipher list format)")
     server.add_argument("--disable-fastapi-docs", action="store_true",
                         help="no API schema or docs pages (/openapi.json, /docs, /redoc answer 404)")
     server.add_argument("--uvicorn-log-level", default="info",

@@ -8,6 +8,8 @@ server's event loop and stops it on shutdown. Each app has its own Prometheus re
 from __future__ import annotations
 
 import asyncio
+import importlib
+import inspect
 import os
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -84,7 +86,8 @@ def build_app(engine: AsyncEngine | AsyncDataParallelEngine, *, served_model_nam
               tool_call_parser: str | None = None, reasoning_parser: str | None = None,
               cors: CorsPolicy | None = None, lora_modules: Sequence[LoRARequest] = (), root_path: str = "",
               docs: bool = True, options: FrontendOptions | None = None, request_id_headers: bool = False,
-              server_load_tracking: bool = False) -> FastAPI:
+              server_load_tracking: bool = False, tokenizer_info: bool = False,
+              middleware: Sequence[str] = ()) -> FastAPI:
     """An OpenAI-compatible app serving `engine`.
 
     Args:
@@ -107,6 +110,10 @@ def build_app(engine: AsyncEngine | AsyncDataParallelEngine, *, served_model_nam
         options: how requests are answered beyond the limits (default: vLLM's defaults, `FrontendOptions`).
         request_id_headers: every response carries `X-Request-Id` (the request's own, else a new one).
         server_load_tracking: serve vLLM's /load: `{"server_load": N}`, the requests running the model now.
+        tokenizer_info: serve vLLM's /tokenizer_info (the tokenizer's settings and the chat template).
+        middleware: ASGI middleware to add, by import path (vLLM's --middleware): a class is added around the app,
+            a coroutine function as an HTTP middleware (`@app.middleware("http")`); inside the root path, outside
+            the API key check.
     """
     if enable_auto_tool_choice and tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
@@ -144,6 +151,8 @@ def build_app(engine: AsyncEngine | AsyncDataParallelEngine, *, served_model_nam
         # outside the gate: a browser's preflight (OPTIONS, which carries no API key) is answered here
         app.add_middleware(CORSMiddleware, allow_origins=list(cors.origins), allow_methods=list(cors.methods),
                            allow_headers=list(cors.headers), allow_credentials=cors.credentials)
+    for path in middleware:
+        _add_middleware(app, path)
     if root_path:
         app.add_middleware(RootPath, root_path=root_path)     # outermost: the gate checks the path less it
     chat = OpenAIServingChat(engine, names, limits, tool_call_parser if enable_auto_tool_choice else None,
@@ -157,7 +166,7 @@ def build_app(engine: AsyncEngine | AsyncDataParallelEngine, *, served_model_nam
     if isinstance(engine, AsyncEngine) and runtime_lora_updating():    # loading answers 400 with LoRA off
         app.include_router(_lora_router(engine, chat))
     app.include_router(_utility_router(OpenAIServingTokenization(chat), stat_logger,
-                                       load if server_load_tracking else None))
+                                       load if server_load_tracking else None, tokenizer_info))
     app.include_router(dashboard_router(engine, api_keys))
     return app
 
@@ -331,11 +340,31 @@ def _lora_router(engine: AsyncEngine, chat: OpenAIServingChat) -> APIRouter:
     return router
 
 
+def _add_middleware(app: FastAPI, path: str) -> None:
+    """--middleware PATH: the class or coroutine function at import path `module.name`, added to `app`."""
+    module_name, _, name = path.rpartition(".")
+    try:
+        found = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise ValueError(f"--middleware {path!r}: {exc}") from exc
+    if inspect.isclass(found):
+        app.add_middleware(found)
+    elif inspect.iscoroutinefunction(found):
+        app.middleware("http")(found)
+    else:
+        raise ValueError(f"--middleware {path!r} is neither a class nor a coroutine function")
+
+
 def _utility_router(tokenization: OpenAIServingTokenization, stat_logger: PrometheusStatLogger,
-                    load: Load | None) -> APIRouter:
-    """/health, /version, /metrics, /tokenize, /detokenize; /load where the server tracks its `load`."""
+                    load: Load | None, tokenizer_info: bool) -> APIRouter:
+    """/health, /version, /metrics, /tokenize, /detokenize; /load where the server tracks its `load`,
+    /tokenizer_info where it is asked to serve it."""
     engine = tokenization.engine
     router = APIRouter()
+    if tokenizer_info:
+        @router.get("/tokenizer_info")
+        async def get_tokenizer_info() -> dict[str, Any]:
+            return tokenization.tokenizer_info()
     if load is not None:
         @router.get("/load")
         async def server_load() -> dict[str, int]:

@@ -34,6 +34,18 @@ class OpenAIServingTokenization(OpenAIServing):
                                                                add_special_tokens=body.add_special_tokens)
         return {"count": len(tokens), "max_model_len": self.engine.max_model_len, "tokens": tokens}
 
+    def tokenizer_info(self) -> dict[str, Any]:
+        """vLLM's /tokenizer_info: the tokenizer's settings (its init arguments less its files' paths), its class
+        and the chat template the server renders with."""
+        tokenizer = self.tokenizer_for("tokenizer")
+        info = {key: _jsonable(value) for key, value in getattr(tokenizer, "init_kwargs", {}).items()
+                if key not in ("vocab_file", "merges_file", "tokenizer_file", "name_or_path")}
+        info["tokenizer_class"] = type(tokenizer).__name__
+        template = getattr(tokenizer, "chat_template", None)
+        if template:
+            info["chat_template"] = template
+        return info
+
     async def detokenize(self, body: DetokenizeRequest) -> dict[str, str]:
         self.check_model(body.model)
         tokenizer = self.tokenizer_for("tokens")
@@ -41,3 +53,15 @@ class OpenAIServingTokenization(OpenAIServing):
         if any(not 0 <= t < vocab_size for t in body.tokens):
             raise OpenAIError(f"tokens must be in [0, {vocab_size})", param="tokens")
         return {"prompt": await self.engine.run_on_tokenizer_thread(tokenizer.decode, body.tokens)}
+
+
+def _jsonable(value: Any) -> Any:
+    """A tokenizer setting as JSON: an added token by its text, containers item by item, anything else JSON cannot
+    hold by its str."""
+    if hasattr(value, "content"):
+        return value.content
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    return value if value is None or isinstance(value, str | int | float | bool) else str(value)
