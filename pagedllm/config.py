@@ -163,6 +163,14 @@ class SchedulerConfig:
                              "with --scheduling-policy priority (LLM(scheduling_policy='priority'))")
 
 
+@dataclass(frozen=True)
+class MediaAccess:
+    """Where a chat's image URLs may be read from, besides data: URLs (pagedllm.tokenizer.chat_template)."""
+
+    local_path: str = ""                    # file:// URLs of files under this folder; "": none
+    domains: tuple[str, ...] | None = None  # the hosts of http(s) URLs; None: any
+
+
 @dataclass
 class ModelConfig:
     """Which model to run and in what precision.
@@ -223,6 +231,10 @@ class ModelConfig:
             a vision-language checkpoint serves text, without its image encoder.
         disable_sliding_window: the context is capped at the model's smallest sliding window, and every layer
             attends over all of it (vLLM's); a model without one is left as it is.
+        allowed_local_media_path: a folder whose files a chat's images may name by `file://` URL (vLLM's; a
+            security risk: any client may read the images there); "": file URLs are refused.
+        allowed_media_domains: the hosts whose http(s) image URLs a chat may name (vLLM's), e.g. `["example.com"]`;
+            None: any host.
         logprobs_mode: what the logprobs of generated tokens hold (vLLM's): "raw_logprobs" (the default: the
             log_softmax of the model's logits), "processed_logprobs" (those of the distribution a token is sampled
             from: after logit_bias, bad words, penalties, temperature, top-k, top-p, min-p), "raw_logits" or
@@ -248,9 +260,16 @@ class ModelConfig:
     limit_mm_per_prompt: dict[str, Any] | None = None
     language_model_only: bool = False
     disable_sliding_window: bool = False
+    allowed_local_media_path: str = ""
+    allowed_media_domains: list[str] | None = None
     logprobs_mode: str = "raw_logprobs"
 
     def __post_init__(self) -> None:
+        _require(not self.allowed_local_media_path or Path(self.allowed_local_media_path).is_dir(),
+                 "allowed_local_media_path", "an existing folder, or '' for none", self.allowed_local_media_path)
+        _require(self.allowed_media_domains is None or (isinstance(self.allowed_media_domains, list) and all(
+            isinstance(domain, str) for domain in self.allowed_media_domains)), "allowed_media_domains",
+            "a list of host names, or None for any", self.allowed_media_domains)
         _require(self.logprobs_mode in LOGPROBS_MODES, "logprobs_mode", f"one of {', '.join(LOGPROBS_MODES)}",
                  self.logprobs_mode)
         limits = self.limit_mm_per_prompt
@@ -278,6 +297,12 @@ class ModelConfig:
                  "'auto', 'cpu', 'cuda' or 'cuda:N'", self.device)
         _require(self.quantization is None or not self.device.startswith("cuda"), "quantization",
                  "None on a GPU (the quantized kernels are CPU kernels)", self.quantization)
+
+    @property
+    def media_access(self) -> MediaAccess:
+        """Where a chat's image URLs may be read from (`allowed_local_media_path`, `allowed_media_domains`)."""
+        domains = None if self.allowed_media_domains is None else tuple(self.allowed_media_domains)
+        return MediaAccess(self.allowed_local_media_path, domains)
 
     @property
     def image_limit(self) -> int | None:

@@ -41,6 +41,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from pagedllm.config import MediaAccess
 from pagedllm.core.kv_cache.block_map import BlockMap
 from pagedllm.distributed import TensorParallelError
 from pagedllm.engine.admission import Admission, admitted
@@ -175,6 +176,10 @@ class AsyncEngine:
     @property
     def image_limit(self) -> int | None:
         return self.engine.image_limit
+
+    @property
+    def media_access(self) -> MediaAccess:
+        return self.engine.config.model.media_access
 
     @property
     def max_model_len(self) -> int:

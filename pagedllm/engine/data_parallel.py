@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from pagedllm.config import EngineConfig
+from pagedllm.config import EngineConfig, MediaAccess
 from pagedllm.core.kv_cache.block_pool import PrefixCacheStats
 from pagedllm.device import resolve_engine_device
 from pagedllm.engine.admission import Admission, admitted
@@ -287,6 +287,10 @@ class AsyncDataParallelEngine:
     @property
     def image_limit(self) -> int | None:
         return self.replicas[0].image_limit
+
+    @property
+    def media_access(self) -> MediaAccess:
+        return self.replicas[0].media_access
 
     @property
     def max_model_len(self) -> int:

@@ -129,6 +129,8 @@ class LLM:
         language_model_only: images off, as limit_mm_per_prompt `{"image": 0}` (vLLM's).
         disable_sliding_window: cap the context at the model's sliding window, every layer attending over all of
             it (vLLM's; `ModelConfig.disable_sliding_window`).
+        allowed_local_media_path: a folder whose images `chat` may name by file:// URL (vLLM's); "": none.
+        allowed_media_domains: the hosts of the http(s) image URLs `chat` reads (vLLM's); None: any.
         logprobs_mode: what logprobs hold (vLLM's): "raw_logprobs" (the model's), "processed_logprobs" (those of
             the distribution sampled from, after penalties, temperature and filters), "raw_logits" or
             "processed_logits" (`ModelConfig.logprobs_mode`).
@@ -162,7 +164,8 @@ class LLM:
                  pooler_config: dict[str, Any] | None = None,
                  mm_processor_kwargs: dict[str, Any] | None = None,
                  limit_mm_per_prompt: dict[str, Any] | None = None, language_model_only: bool = False,
-                 disable_sliding_window: bool = False, logprobs_mode: str = "raw_logprobs") -> None:
+                 disable_sliding_window: bool = False, allowed_local_media_path: str = "",
+                 allowed_media_domains: list[str] | None = None, logprobs_mode: str = "raw_logprobs") -> None:
         check_runner(runner, convert)
         if kv_cache_memory_bytes is not None:
             if kv_cache_memory not in (None, kv_cache_memory_bytes):
@@ -177,7 +180,9 @@ class LLM:
                               override_generation_config=override_generation_config, hf_overrides=hf_overrides,
                               pooler_config=pooler_config, mm_processor_kwargs=mm_processor_kwargs,
                               limit_mm_per_prompt=limit_mm_per_prompt, language_model_only=language_model_only,
-                              disable_sliding_window=disable_sliding_window, logprobs_mode=logprobs_mode),
+                              disable_sliding_window=disable_sliding_window,
+                              allowed_local_media_path=allowed_local_media_path,
+                              allowed_media_domains=allowed_media_domains, logprobs_mode=logprobs_mode),
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
                               gpu_memory_utilization=gpu_memory_utilization, swap_space=swap_space,
                               swap_path=swap_path, enable_prefix_caching=enable_prefix_caching,
@@ -480,7 +485,8 @@ class LLM:
                      processor_kwargs: dict[str, Any] | None) -> ParsedPrompt:
         """A conversation's prompt: its token ids, and, where it holds images, those (`process_images`)."""
         check_image_count(len(image_parts(conversation)), self.engine.config.model.image_limit)   # none read yet
-        tokenizer, images = self.get_tokenizer(), conversation_images(conversation)
+        tokenizer, images = self.get_tokenizer(), conversation_images(conversation,
+                                                                      self.engine.config.model.media_access)
         if not images:
             return ParsedPrompt(None, apply_chat_template(tokenizer, conversation, template, add_generation_prompt,
                                                           continue_final_message, content_format, **kwargs))

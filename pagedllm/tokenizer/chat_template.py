@@ -2,8 +2,10 @@
 
 A message's content may hold images too, as OpenAI's and vLLM's do: `{"type": "image_url", "image_url": {"url":
 ...}}`, a data: URL (`data:image/png;base64,...`) or an http(s) one, fetched (within
-$PAGEDLLM_IMAGE_FETCH_TIMEOUT seconds, 5 by default, as vLLM's VLLM_IMAGE_FETCH_TIMEOUT; at most 64 MiB); vLLM's
-offline `{"type": "image_pil", "image_pil": image}` too.
+$PAGEDLLM_IMAGE_FETCH_TIMEOUT seconds, 5 by default, as vLLM's VLLM_IMAGE_FETCH_TIMEOUT; at most 64 MiB), from the
+hosts `MediaAccess.domains` allows (any by default), or a file:// one, under `MediaAccess.local_path` (none by
+default: vLLM's --allowed-media-domains and --allowed-local-media-path); vLLM's offline `{"type": "image_pil",
+"image_pil": image}` too.
 `conversation_images` gives them in order, and the template renders each where it stands as the model's image
 marker (`<image>`): a template that reads typed parts (`{"type": "image"}`, as Llava's and SmolVLM's do, which
 render nothing of a plain string) gets every message's content as such parts, images or not, any other template the
@@ -19,12 +21,14 @@ import binascii
 import io
 import os
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from pagedllm.config import CHAT_CONTENT_FORMATS
+from pagedllm.config import CHAT_CONTENT_FORMATS, MediaAccess
 
+DEFAULT_ACCESS = MediaAccess()     # data: and http(s) URLs of any host; no file:// URL
 ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 
 
@@ -94,12 +98,12 @@ def validate_messages(messages: Sequence[Mapping[str, Any]], image_marker: str |
     return [_validate_message(i, message, image_marker) for i, message in enumerate(messages)]
 
 
-def conversation_images(messages: Sequence[Mapping[str, Any]]) -> list[Any]:
+def conversation_images(messages: Sequence[Mapping[str, Any]], access: MediaAccess = DEFAULT_ACCESS) -> list[Any]:
     """The images of the conversation's image parts (`image_parts`), in order, as PIL images; ValueError naming a
-    part whose image cannot be read (another URL than a data: or http(s) one, bad base64, not an image, a fetch
-    that failed). Decoding and fetching take time: the server calls it off its loop, and only when `image_parts`
-    found some."""
-    return [_image(where, part) for where, part in image_parts(messages)]
+    part whose image cannot be read (another URL than a data:, http(s) or file:// one, a host or file `access`
+    does not allow, bad base64, not an image, a fetch that failed). Decoding and fetching take time: the server
+    calls it off its loop, and only when `image_parts` found some."""
+    return [_image(where, part, access) for where, part in image_parts(messages)]
 
 
 def image_parts(messages: Sequence[Mapping[str, Any]]) -> list[tuple[str, Mapping[str, Any]]]:
@@ -118,7 +122,7 @@ def image_parts(messages: Sequence[Mapping[str, Any]]) -> list[tuple[str, Mappin
 IMAGE_PARTS = frozenset({"image_url", "image_pil"})
 
 
-def _image(where: str, part: Mapping[str, Any]) -> Any:
+def _image(where: str, part: Mapping[str, Any], access: MediaAccess) -> Any:
     from PIL import Image, UnidentifiedImageError
 
     if part["type"] == "image_pil":
@@ -128,15 +132,18 @@ def _image(where: str, part: Mapping[str, Any]) -> Any:
     url = part.get("image_url")
     url = url.get("url") if isinstance(url, Mapping) else url
     if isinstance(url, str) and url.startswith(("http://", "https://")):
-        raw = _fetch(where, url)
+        raw = _fetch(where, url, access.domains)
     elif isinstance(url, str) and url.startswith("data:") and "," in url:
         header, data = url.split(",", 1)
         try:
             raw = base64.b64decode(data, validate=True) if header.endswith(";base64") else data.encode()
         except binascii.Error as exc:
             raise ValueError(f"{where}.image_url is not a readable image: {exc}") from exc
+    elif isinstance(url, str) and url.startswith("file://"):
+        raw = _read_file(where, url, access.local_path)
     else:
-        raise ValueError(f"{where}.image_url must be a data: URL (data:image/png;base64,...) or an http(s) URL")
+        raise ValueError(f"{where}.image_url must be a data: URL (data:image/png;base64,...), an http(s) URL or a "
+                         "file:// URL")
     try:
         image = Image.open(io.BytesIO(raw))
         image.load()
@@ -149,17 +156,21 @@ FETCH_TIMEOUT_ENV = "PAGEDLLM_IMAGE_FETCH_TIMEOUT"
 _MAX_IMAGE_BYTES = 64 << 20
 
 
-def _fetch(where: str, url: str) -> bytes:
-    """An http(s) image's bytes; ValueError naming the part when it cannot be had in time, or is too large."""
+def _fetch(where: str, url: str, domains: tuple[str, ...] | None) -> bytes:
+    """An http(s) image's bytes; ValueError naming the part when its host (or the host it redirects to) is not one
+    of `domains` (None: any), or it cannot be had in time, or is too large."""
     import http.client
     import urllib.request
 
+    _check_host(where, url, domains)
     timeout = float(os.environ.get(FETCH_TIMEOUT_ENV, "5"))
     try:
         with urllib.request.urlopen(url, timeout=timeout) as response:
-            raw = response.read(_MAX_IMAGE_BYTES + 1)
+            landed = response.geturl()      # where redirects led
+            raw = response.read(_MAX_IMAGE_BYTES + 1) if _host_allowed(landed, domains) else b""
     except (OSError, ValueError, http.client.HTTPException) as exc:     # URLError and timeouts are OSErrors
         raise ValueError(f"{where}.image_url could not be fetched from {url}: {exc}") from exc
+    _check_host(where, landed, domains)
     if len(raw) > _MAX_IMAGE_BYTES:
         raise ValueError(f"{where}.image_url at {url} is over {_MAX_IMAGE_BYTES >> 20} MiB")
     return raw
@@ -180,6 +191,44 @@ def _typed_parts(content: str, image_marker: str | None) -> list[dict[str, str]]
         if text.strip("\n"):
             parts.append({"type": "text", "text": text.strip("\n")})
     return parts
+
+
+def _host_allowed(url: str, domains: tuple[str, ...] | None) -> bool:
+    from urllib.parse import urlsplit
+
+    return domains is None or urlsplit(url).hostname in domains
+
+
+def _check_host(where: str, url: str, domains: tuple[str, ...] | None) -> None:
+    if not _host_allowed(url, domains):
+        from urllib.parse import urlsplit
+
+        raise ValueError(f"{where}.image_url is on {urlsplit(url).hostname}, and the server reads images from "
+                         f"{', '.join(domains or ())} only (--allowed-media-domains)")
+
+
+def _read_file(where: str, url: str, local_path: str) -> bytes:
+    """A file:// image's bytes: a file under `local_path`, which must be given; ValueError naming the part
+    otherwise, or when the file cannot be read or is too large."""
+    from urllib.parse import urlsplit
+    from urllib.request import url2pathname
+
+    if not local_path:
+        raise ValueError(f"{where}.image_url is a file:// URL, and the server reads no local files (start it with "
+                         "--allowed-local-media-path FOLDER to allow those under FOLDER)")
+    parts = urlsplit(url)
+    path, folder = Path(url2pathname(parts.netloc + parts.path)).resolve(), Path(local_path).resolve()
+    if folder not in path.parents:
+        raise ValueError(f"{where}.image_url names {path}, which is not under the folder the server reads images "
+                         f"from ({folder}, --allowed-local-media-path)")
+    try:
+        with path.open("rb") as file:
+            raw = file.read(_MAX_IMAGE_BYTES + 1)
+    except OSError as exc:
+        raise ValueError(f"{where}.image_url could not be read: {exc}") from exc
+    if len(raw) > _MAX_IMAGE_BYTES:
+        raise ValueError(f"{where}.image_url at {path} is over {_MAX_IMAGE_BYTES >> 20} MiB")
+    return raw
 
 
 def _validate_message(index: int, message: Mapping[str, Any], image_marker: str | None) -> dict[str, Any]:

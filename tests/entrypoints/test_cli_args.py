@@ -138,6 +138,15 @@ def test_the_kv_budget_takes_vllms_flag_and_the_log_level_sets_pagedllms(monkeyp
         _args("--log-level", "chatty")
 
 
+def test_the_media_flags_make_the_models_media_access(tmp_path) -> None:
+    access = _config("--allowed-local-media-path", str(tmp_path), "--allowed-media-domains", "a.com", "b.org"
+                     ).model.media_access
+    assert (access.local_path, access.domains) == (str(tmp_path), ("a.com", "b.org"))
+    assert (_config().model.media_access.local_path, _config().model.media_access.domains) == ("", None)
+    with pytest.raises(ValueError, match="allowed_local_media_path must be an existing folder"):
+        _config("--allowed-local-media-path", str(tmp_path / "nowhere"))
+
+
 def test_a_block_count_overrides_the_kv_pools_size() -> None:
     assert _config().cache.num_blocks is None
     assert _config("--num-gpu-blocks-override", "64").cache.num_blocks == 64

@@ -480,8 +480,11 @@ def test_bad_image_input_is_a_clear_error(llava: tuple[Path, Any, LLM], tmp_path
     with pytest.raises(ValueError, match="not in beam search"):
         llm.beam_search([{"prompt": "<image>", "multi_modal_data": {"image": image}}], BeamSearchParams(2, 4))
     local = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "file:///tmp/cat.png"}}]}]
-    with pytest.raises(ValueError, match="data: URL .* or an http"):
+    with pytest.raises(ValueError, match="the server reads no local files .*--allowed-local-media-path"):
         llm.chat(local, GREEDY)
+    with pytest.raises(ValueError, match="data: URL .* an http.* or a file:// URL"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "ftp://x/cat.png"}}]}],
+                 GREEDY)
     assert not llm.engine.has_unfinished_requests()
     text_only = LLM(model=str(save_tiny_model(tmp_path)[0]), dtype="float32", num_kv_blocks=16)
     with pytest.raises(ValueError, match="takes no images"):
@@ -555,9 +558,9 @@ def test_the_prepacked_encoder_gives_the_plain_encoders_rows(tmp_path: Path, vis
     torch.testing.assert_close(packed(pixels).float(), expected, atol=0.03 * expected.abs().max().item(), rtol=0.03)
 
 
-def test_an_image_url_over_http_is_fetched(llava: tuple[Path, Any, LLM], tmp_path: Path) -> None:
-    """An http(s) image URL gives the same reply as the same image in a data: URL; one that cannot be fetched is a
-    clear error."""
+def test_an_image_url_over_http_is_fetched(llava: tuple[Path, Any, LLM], tmp_path: Path, monkeypatch) -> None:
+    """An http(s) image URL gives the same reply as the same image in a data: URL, as does a file:// URL under the
+    allowed folder; one that cannot be fetched, or is on a host not allowed, is a clear error."""
     _, _, llm = llava
     image = _image(80)
     image.save(tmp_path / "cat.png")
@@ -573,6 +576,13 @@ def test_an_image_url_over_http_is_fetched(llava: tuple[Path, Any, LLM], tmp_pat
         assert chat(f"{base}/cat.png") == chat(_data_url(image))
         with pytest.raises(ValueError, match="could not be fetched"):
             chat(f"{base}/missing.png")
+        # vLLM's allowed_local_media_path: file:// URLs of the files under that folder give the same reply
+        monkeypatch.setattr(llm.engine.config.model, "allowed_local_media_path", str(tmp_path))
+        assert chat((tmp_path / "cat.png").as_uri()) == chat(_data_url(image))
+        # and allowed_media_domains: another host's URL is refused before it is fetched
+        monkeypatch.setattr(llm.engine.config.model, "allowed_media_domains", ["images.example.com"])
+        with pytest.raises(ValueError, match="is on 127.0.0.1, and the server reads images from images.example.com"):
+            chat(f"{base}/cat.png")
     finally:
         server.shutdown()
 

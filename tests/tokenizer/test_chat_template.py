@@ -92,3 +92,53 @@ def test_valid_messages_are_copied_not_changed() -> None:
     out = validate_messages(messages)
     assert out[1] == {"role": "tool", "content": "t", "tool_call_id": "1"}
     assert out[2]["content"] == "" and messages[2]["content"] is None
+
+
+def test_file_urls_are_read_under_the_allowed_folder_only_and_hosts_as_allowed(tmp_path) -> None:
+    """vLLM's --allowed-local-media-path and --allowed-media-domains, redirects included."""
+    import functools
+    import http.server
+    import threading
+
+    from PIL import Image
+
+    from pagedllm.config import MediaAccess
+    from pagedllm.tokenizer.chat_template import conversation_images
+
+    folder = tmp_path / "images"
+    folder.mkdir()
+    Image.new("RGB", (3, 2), (255, 0, 0)).save(folder / "red.png")
+    Image.new("RGB", (3, 2), (0, 0, 255)).save(tmp_path / "secret.png")
+
+    def image_of(url: str, access: MediaAccess):
+        (image,) = conversation_images([{"role": "user", "content": [{"type": "image_url",
+                                                                      "image_url": {"url": url}}]}], access)
+        return image
+
+    allowed = MediaAccess(local_path=str(folder))
+    assert image_of((folder / "red.png").as_uri(), allowed).getpixel((0, 0)) == (255, 0, 0)
+    for outside in (tmp_path / "secret.png", folder / ".." / "secret.png"):
+        with pytest.raises(ValueError, match="not under the folder the server reads images from"):
+            image_of(outside.as_uri(), allowed)
+    with pytest.raises(ValueError, match="reads no local files"):
+        image_of((folder / "red.png").as_uri(), MediaAccess())
+
+    class Redirect(http.server.SimpleHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path == "/away.png":     # to the same server under another host name
+                self.send_response(302)
+                self.send_header("Location", f"http://localhost:{self.server.server_address[1]}/red.png")
+                self.end_headers()
+            else:
+                super().do_GET()
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Redirect, directory=str(folder)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        assert image_of(f"{base}/red.png", MediaAccess(domains=("127.0.0.1",))).getpixel((0, 0)) == (255, 0, 0)
+        assert image_of(f"{base}/away.png", MediaAccess()).getpixel((0, 0)) == (255, 0, 0)
+        with pytest.raises(ValueError, match="is on localhost, and the server reads images from 127.0.0.1 only"):
+            image_of(f"{base}/away.png", MediaAccess(domains=("127.0.0.1",)))
+    finally:
+        server.shutdown()

@@ -391,6 +391,10 @@ def _add_model_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--language-model-only", action="store_true",
                        help="images off (--limit-mm-per-prompt image=0): a vision-language checkpoint serves text, "
                             "without loading its image encoder")
+    group.add_argument("--allowed-local-media-path", default="", metavar="FOLDER",
+                       help="let chats name images under FOLDER by file:// URL (any client may then read them)")
+    group.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
+                       help="read http(s) image URLs of these hosts only (default: any)")
     group.add_argument("--disable-sliding-window", action="store_true",
                        help="cap the context at the model's sliding window, every layer attending over all of it")
     group.add_argument("--logprobs-mode", default="raw_logprobs", choices=LOGPROBS_MODES,
@@ -544,7 +548,9 @@ def engine_config_from_args(args: argparse.Namespace):
                           pooler_config=args.pooler_config, mm_processor_kwargs=args.mm_processor_kwargs,
                           limit_mm_per_prompt=args.limit_mm_per_prompt, logprobs_mode=args.logprobs_mode,
                           language_model_only=args.language_model_only,
-                          disable_sliding_window=args.disable_sliding_window),
+                          disable_sliding_window=args.disable_sliding_window,
+                          allowed_local_media_path=args.allowed_local_media_path,
+                          allowed_media_domains=args.allowed_media_domains),
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                           gpu_memory_utilization=args.gpu_memory_utilization, swap_space=args.swap_space,
                           swap_path=args.swap_path, enable_prefix_caching=args.enable_prefix_caching,

@@ -163,7 +163,8 @@ class OpenAIServingChat(GenerationServing):
             check_image_count(len(parts), self.engine.image_limit)
             if processor is None:   # refused, naming the first image, before any image is read
                 validate_messages(request.messages)
-            images = await self.engine.run_on_tokenizer_thread(conversation_images, request.messages)
+            images = await self.engine.run_on_tokenizer_thread(conversation_images, request.messages,
+                                                                self.engine.media_access)
         except ValueError as exc:
             raise OpenAIError(str(exc), param="messages") from exc
         if truncation is not None:
