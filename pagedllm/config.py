@@ -235,6 +235,9 @@ class ModelConfig:
             security risk: any client may read the images there); "": file URLs are refused.
         allowed_media_domains: the hosts whose http(s) image URLs a chat may name (vLLM's), e.g. `["example.com"]`;
             None: any host.
+        logits_processors: custom logits processors (vLLM's), classes or their import paths
+            ("package.module.Class"): subclasses of `pagedllm.sample.logits_processor.LogitsProcessor`, built once
+            and run on every sampling step's logits. Not with speculative decoding.
         logprobs_mode: what the logprobs of generated tokens hold (vLLM's): "raw_logprobs" (the default: the
             log_softmax of the model's logits), "processed_logprobs" (those of the distribution a token is sampled
             from: after logit_bias, bad words, penalties, temperature, top-k, top-p, min-p), "raw_logits" or
@@ -262,6 +265,7 @@ class ModelConfig:
     disable_sliding_window: bool = False
     allowed_local_media_path: str = ""
     allowed_media_domains: list[str] | None = None
+    logits_processors: list[str | type] | None = None
     logprobs_mode: str = "raw_logprobs"
 
     def __post_init__(self) -> None:

@@ -6,6 +6,7 @@ import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 _GREEDY_EPS = 1e-5
 
@@ -125,6 +126,8 @@ class SamplingParams:
             this many since its `<think>` (its own, or the one its chat template opened), its next token is
             `</think>` and it answers. None (or -1): no budget. The engine finds the model's think tokens
             (resolve_thinking); not with structured_outputs.
+        extra_args: arguments for custom logits processors (vLLM's; pagedllm.sample.logits_processor), which read
+            them from the params; pagedllm itself reads none.
         stream_interval: the most new tokens a streamed output waits for (vLLM's): with output_kind "delta" or
             "cumulative", an output goes out once that many tokens are new, the first and the last at once; raised
             to the engine's `SchedulerConfig.stream_interval`. None: the engine's.
@@ -156,6 +159,7 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     thinking_token_budget: int | None = None
     stream_interval: int | None = None
+    extra_args: dict[str, Any] | None = None
     output_kind: str = field(default="final", repr=False)
     # bad_words as token sequences, from resolve_bad_words
     bad_words_token_ids: list[list[int]] = field(default_factory=list, init=False, repr=False, compare=False)
@@ -222,6 +226,8 @@ class SamplingParams:
         _check(self.thinking_token_budget is None or (_is_int(self.thinking_token_budget)
                                                       and self.thinking_token_budget >= 0),
                "thinking_token_budget", "an integer >= 0, or -1 (or None) for no budget", self.thinking_token_budget)
+        _check(self.extra_args is None or isinstance(self.extra_args, dict), "extra_args", "a dict or None",
+               self.extra_args)
         _check(self.stream_interval is None or (_is_int(self.stream_interval) and self.stream_interval >= 1),
                "stream_interval", "an integer >= 1 or None", self.stream_interval)
         self._validate_structured_outputs()

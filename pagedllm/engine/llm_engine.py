@@ -43,6 +43,7 @@ from pagedllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestO
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.runner import kv_tensors
 from pagedllm.runner.model_runner import ModelRunner, StepTimings, model_shape
+from pagedllm.sample.logits_processor import CustomLogits, load_logits_processors
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec_decode.draft_model import DraftModel
 from pagedllm.spec_decode.ngram_proposer import NgramProposer
@@ -232,9 +233,15 @@ class LLMEngine:
             _run_prompts_whole(config)
         config.scheduler.check_whole_prompts_fit()
         self.structured_output = StructuredOutputManager(self.tokenizer, model_shape(loaded.hf_config).vocab_size)
+        self.logits_processors = load_logits_processors(config.model.logits_processors or [])
+        if self.logits_processors and config.speculative is not None:
+            raise ValueError("custom logits processors see one row a request and step: not with speculative decoding")
+        device = torch.device(config.model.device)
+        custom = CustomLogits([cls(config, device, False) for cls in self.logits_processors]) \
+            if self.logits_processors else None
         self.runner = ModelRunner(loaded, config.cache, self.eos_token_id, config.model.seed,
                                   self.structured_output, peers, config.lora, self._load_draft(config),
-                                  config.model.logprobs_mode)
+                                  config.model.logprobs_mode, custom)
         self.vocab_size = self.runner.shape.vocab_size
         num_blocks = config.cache.num_blocks or self._num_blocks()
         config.cache.num_blocks = num_blocks
@@ -444,6 +451,8 @@ class LLMEngine:
         params.resolve_bad_words(lambda text: self.tokenizer.encode(text, add_special_tokens=False))
         if params.thinking_token_budget is not None:
             params.resolve_thinking(think_token_ids(self.tokenizer))
+        for processor in self.logits_processors:
+            processor.validate_params(params)
         completions = [_Completion(i, IncrementalDetokenizer(self.tokenizer, params, token_ids),
                                    logprobs=[] if params.logprobs is not None else None) for i in range(params.n)]
         self.scheduler.add_request(Request(

@@ -131,6 +131,8 @@ class LLM:
             it (vLLM's; `ModelConfig.disable_sliding_window`).
         allowed_local_media_path: a folder whose images `chat` may name by file:// URL (vLLM's); "": none.
         allowed_media_domains: the hosts of the http(s) image URLs `chat` reads (vLLM's); None: any.
+        logits_processors: custom logits processors (vLLM's interface, pagedllm.sample.logits_processor): classes
+            or import paths; a request's `SamplingParams(extra_args=...)` reach them.
         logprobs_mode: what logprobs hold (vLLM's): "raw_logprobs" (the model's), "processed_logprobs" (those of
             the distribution sampled from, after penalties, temperature and filters), "raw_logits" or
             "processed_logits" (`ModelConfig.logprobs_mode`).
@@ -165,7 +167,8 @@ class LLM:
                  mm_processor_kwargs: dict[str, Any] | None = None,
                  limit_mm_per_prompt: dict[str, Any] | None = None, language_model_only: bool = False,
                  disable_sliding_window: bool = False, allowed_local_media_path: str = "",
-                 allowed_media_domains: list[str] | None = None, logprobs_mode: str = "raw_logprobs") -> None:
+                 allowed_media_domains: list[str] | None = None, logits_processors: list[str | type] | None = None,
+                 logprobs_mode: str = "raw_logprobs") -> None:
         check_runner(runner, convert)
         if kv_cache_memory_bytes is not None:
             if kv_cache_memory not in (None, kv_cache_memory_bytes):
@@ -182,7 +185,8 @@ class LLM:
                               limit_mm_per_prompt=limit_mm_per_prompt, language_model_only=language_model_only,
                               disable_sliding_window=disable_sliding_window,
                               allowed_local_media_path=allowed_local_media_path,
-                              allowed_media_domains=allowed_media_domains, logprobs_mode=logprobs_mode),
+                              allowed_media_domains=allowed_media_domains, logits_processors=logits_processors,
+                              logprobs_mode=logprobs_mode),
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
                               gpu_memory_utilization=gpu_memory_utilization, swap_space=swap_space,
                               swap_path=swap_path, enable_prefix_caching=enable_prefix_caching,

@@ -34,6 +34,7 @@ from pagedllm.multimodal import MRopeLayout
 from pagedllm.runner import kv_tensors
 from pagedllm.runner.cuda_graphs import Capture, DecodeGraphs, capture_sizes, cuda_capture
 from pagedllm.runner.input_batch import CachedRequestState, ModelInputs, build_model_inputs
+from pagedllm.sample.logits_processor import CustomLogits
 from pagedllm.sample.metadata import SamplingMetadata, SamplingRow, make_generator
 from pagedllm.sample.sampler import Sampler, position_logprobs
 from pagedllm.spec_decode.rejection_sampler import verify_drafts
@@ -91,7 +92,8 @@ class ModelRunner:
     def __init__(self, loaded: LoadedModel, cache_config: CacheConfig, eos_token_id: int | None,
                  seed: int = 0, structured_output: StructuredOutputManager | None = None,
                  peers: Peers | None = None, lora_config: LoRAConfig | None = None,
-                 draft: DraftModel | None = None, logprobs_mode: str = "raw_logprobs") -> None:
+                 draft: DraftModel | None = None, logprobs_mode: str = "raw_logprobs",
+                 custom_logits: CustomLogits | None = None) -> None:
         self.model = loaded.model
         # whether the model places image tokens by M-RoPE (the Qwen-VLs'): their requests' positions are shifted
         self.mrope = getattr(getattr(self.model, "model", None), "mrope", None) is not None
@@ -112,7 +114,7 @@ class ModelRunner:
                                           loaded.dtype, cache_config.kv_cache_dtype)
         self.block_size = cache_config.block_size
         self.eos_token_id = eos_token_id
-        self.sampler = Sampler(logprobs_mode)
+        self.sampler = Sampler(logprobs_mode, custom_logits)
         self.structured_output = structured_output
         self.requests: dict[str, CachedRequestState] = {}
         self.global_generator = make_generator(seed, self.device)
@@ -564,6 +566,12 @@ class ModelRunner:
             rows, sample_request_ids = self._fork_rows(sample_request_ids, children)
             parent_ids = [parent_ids[row] for row in rows]
             logits = logits[torch.tensor(rows, device=logits.device)]       # [num_sampled + children, vocab]
+        custom = self.sampler.custom
+        if custom is not None:      # the rows in the order of the processors' batch indices
+            order = custom.arrange(sample_request_ids, [(state.params, state.prompt_token_ids, state.output_token_ids)
+                                                        for state in map(self.requests.get, sample_request_ids)])
+            logits = logits[torch.tensor(order, device=logits.device)]
+            sample_request_ids, parent_ids = [sample_request_ids[i] for i in order], [parent_ids[i] for i in order]
         states = [self.requests[request_id] for request_id in sample_request_ids]
         rows = [self._sampling_row(s, mask=masks.get(parent_id)) for s, parent_id in zip(states, parent_ids)]
         meta = SamplingMetadata.build(rows, self.shape.vocab_size, self.device, self.global_generator)

@@ -14,6 +14,9 @@ processing and, for a random row, its temperature, top-k, top-p and min-p: the t
 "raw_logits" and "processed_logits" are the logits themselves at those two points. A prompt position's are raw
 either way (they go through no processing).
 
+Custom logits processors (pagedllm.sample.logits_processor) run after the built-in processing, those that leave the
+argmax alone after a random row's temperature.
+
 Random rows draw one uniform number each and take the first token whose cumulative probability passes it
 (see ops.inverse_cdf_sample for why not vLLM's exponential race). A row with a per-request seed draws from its own
 `torch.Generator`, exactly one number per step, so its tokens do not depend on which other requests share the
@@ -27,6 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from pagedllm.sample.logits_processor import CustomLogits
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.ops import (
     apply_min_p,
@@ -106,9 +110,10 @@ class Sampler(nn.Module):
     """Samples one token per row: `Sampler()(logits [B, V] float32, meta) -> SamplerOutput`; its logprobs are as
     `logprobs_mode` says (pagedllm.config.LOGPROBS_MODES; see the module docstring)."""
 
-    def __init__(self, logprobs_mode: str = "raw_logprobs") -> None:
+    def __init__(self, logprobs_mode: str = "raw_logprobs", custom: CustomLogits | None = None) -> None:
         super().__init__()
         self.logprobs_mode = logprobs_mode
+        self.custom = custom    # custom logits processors, the rows in their batch order (the runner's to arrange)
 
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         # logits: [B, V]
@@ -117,11 +122,13 @@ class Sampler(nn.Module):
         scores = raw_scores(logits, self.logprobs_mode) if wants_logprobs and self.logprobs_mode.startswith("raw") \
             else None
         logits = self.process_logits(logits, meta)
+        if self.custom is not None:
+            logits = self.custom.apply_full(logits.clone())     # (a processor may change it in place)
         probs = None
         if meta.all_greedy:
             token_ids = argmax_rows(logits)
         else:
-            probs = self.compute_probs(logits, meta)
+            probs = self.compute_probs(logits, meta, self.custom)
             token_ids = self._sample_random(probs, meta)
             if not meta.all_random:
                 token_ids = torch.where(meta.greedy_mask, argmax_rows(logits), token_ids)
@@ -157,9 +164,13 @@ class Sampler(nn.Module):
         return logits
 
     @staticmethod
-    def compute_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """Processed logits -> the distribution random rows sample from: temperature, top-k, top-p, min-p."""
+    def compute_probs(logits: torch.Tensor, meta: SamplingMetadata, custom: CustomLogits | None = None
+                      ) -> torch.Tensor:
+        """Processed logits -> the distribution random rows sample from: temperature, the `custom` processors that
+        leave the argmax alone, top-k, top-p, min-p."""
         logits = logits / meta.temperature.unsqueeze(1)
+        if custom is not None:
+            logits = custom.apply_invariant(logits)
         if meta.top_p is not None:
             logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
         elif meta.top_k is not None:

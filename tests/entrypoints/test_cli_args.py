@@ -40,6 +40,11 @@ def test_the_spec_shortcuts_fill_the_speculative_config_as_in_vllm() -> None:
         _config("--spec-tokens", "4", "--speculative-config", '{"num_speculative_tokens": 2}')
 
 
+def test_the_logits_processors_reach_the_model_config_by_import_path() -> None:
+    assert _config().model.logits_processors is None
+    assert _config("--logits-processors", "a.b.C", "d.E").model.logits_processors == ["a.b.C", "d.E"]
+
+
 def test_the_logprobs_mode_reaches_the_model_config() -> None:
     assert _config().model.logprobs_mode == "raw_logprobs"
     assert _config("--logprobs-mode", "processed_logits").model.logprobs_mode == "processed_logits"

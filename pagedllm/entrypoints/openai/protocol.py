@@ -136,6 +136,8 @@ class _SamplingFields(_Request):
     thinking_token_budget: int | None = None     # the most tokens a reasoning model thinks (-1: no budget)
     # a streamed chunk every that many tokens, the first and last at once; raises the server's --stream-interval
     stream_interval: int | None = Field(default=None, ge=1)
+    # vLLM's arguments for custom extensions: the SamplingParams' extra_args, which custom logits processors read
+    vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = None
     use_beam_search: bool = False       # vLLM's: n beams kept, the n best sequences answered (not streamed)
     # beam search's: a sequence scores cum_logprob / length ** length_penalty
     length_penalty: float = Field(default=1.0, ge=-100, le=100)

@@ -312,6 +312,7 @@ class OpenAIServing:
             presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
             logit_bias=logit_bias or None, allowed_token_ids=request.allowed_token_ids, bad_words=request.bad_words,
             thinking_token_budget=request.thinking_token_budget, stream_interval=request.stream_interval,
+            extra_args=request.vllm_xargs,
             ignore_eos=request.ignore_eos, min_tokens=request.min_tokens,
             stop_token_ids=request.stop_token_ids, skip_special_tokens=request.skip_special_tokens,
             spaces_between_special_tokens=request.spaces_between_special_tokens,
