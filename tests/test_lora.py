@@ -250,3 +250,27 @@ def test_lora_requests_are_checked_with_clear_errors(tiny, adapters, tmp_path):
     # what failed loaded nothing and queued nothing: the engine still serves
     assert _tokens(llm.generate({"prompt_token_ids": PROMPTS[0]}, GREEDY, use_tqdm=False)) == \
         [adapters["base"][1][0]]
+
+
+def test_an_adapter_on_granite_scales_its_branch_updates_as_the_model(tmp_path):
+    """Granite's residual multiplier, folded into o_proj's and down_proj's weights, scales their adapters' updates
+    too: PEFT's tokens."""
+    from peft import LoraConfig, get_peft_model
+
+    from tests.models.tiny import save_tiny_model
+
+    folder, hf_model = save_tiny_model(tmp_path / "granite", "granite", seed=4, tie_word_embeddings=False)
+    torch.manual_seed(5)
+    model = get_peft_model(copy.deepcopy(hf_model), LoraConfig(init_lora_weights=False, lora_dropout=0.0, r=4,
+                                                               target_modules=["o_proj", "down_proj"]))
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if "lora_B" in param_name:
+                param.normal_(0, 2.0)
+    model.save_pretrained(tmp_path / "adapter")
+    expected = _hf_greedy(model.eval())
+    assert expected != _hf_greedy(hf_model)
+    llm = _llm((str(folder), hf_model))
+    tokens = _tokens(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False,
+                                  lora_request=LoRARequest("g", 1, str(tmp_path / "adapter"))))
+    assert tokens == expected

@@ -83,6 +83,9 @@ def load_adapter(request: LoRARequest, model: Any, max_rank: int) -> LoRAAdapter
     scaling = config.get("lora_alpha", rank) / (math.sqrt(rank) if config.get("use_rslora") else rank)
     parts = _read_parts(request, folder)
     sizes = _part_sizes(model)
+    # Granite's residual_multiplier, which the model folded into o_proj's and down_proj's weights, scales their
+    # updates too (pagedllm.models.llama)
+    residual = float(getattr(model.config, "residual_multiplier", None) or 1.0)
     device = model.model.embed_tokens.weight.device
     weights = {}
     for (layer, fused), by_part in _group_by_fused(request, parts, model.num_layers).items():
@@ -99,7 +102,7 @@ def load_adapter(request: LoRARequest, model: Any, max_rank: int) -> LoRAAdapter
                                      f"{tuple(a.shape)} and B {tuple(b.shape)}, expected ({rank}, {in_size}) "
                                      f"and ({out_size}, {rank}) for this model")
                 block = torch.zeros(out_total, rank, dtype=torch.float32)
-                block[row:row + out_size] = b.float() * scaling
+                block[row:row + out_size] = b.float() * scaling * (residual if name in ("o_proj", "down_proj") else 1)
                 a_rows.append(a.float())
                 b_blocks.append(block)
             row += out_size

@@ -11,6 +11,10 @@ layers (over a sliding window). Gemma 2 soft-caps its attention scores and its l
 `final_logit_softcapping`: cap tanh(x / cap)); Gemma 3 (text) has Qwen3's head norms instead, and a rotary base of
 its own in its local layers. EmbeddingGemma is Gemma 3 as an encoder (`attends_both_ways`): each token attends to
 those after it too, through `bidirectional_attention`.
+Granite (IBM's Granite 3) scales four things by its config's multipliers: the embeddings (`embedding_multiplier`),
+the attention scores (`attention_multiplier`, in place of head_dim ** -0.5), each branch's output before it joins
+the residual stream (`residual_multiplier`: `load_weights` folds it into o_proj's and down_proj's weights, so that
+the layers and the C++ stack run as Llama's) and the logits (divided by `logits_scaling`).
 
 The model is format-agnostic: `load_weights` takes Hugging Face parameter names from any loader and maps the
 separate q/k/v and gate/up checkpoint tensors onto the fused parameters (`STACKED_PARAMS_MAPPING`).
@@ -192,7 +196,8 @@ class LlamaAttention(nn.Module):
         self.sliding_window = sliding_window_of_layer(config, index)
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = _num_kv_heads(config)
-        self.scale = (getattr(config, "query_pre_attn_scalar", None) or self.head_dim) ** -0.5
+        self.scale = getattr(config, "attention_multiplier", None) or \
+            (getattr(config, "query_pre_attn_scalar", None) or self.head_dim) ** -0.5
         self.softcap = _softcap(config, "attn_logit_softcapping")
         self.attn_backend = attn_backend
         # an encoder's modules attend through `bidirectional_attention`, to the step's own K/V (its decoder stack:
@@ -364,8 +369,11 @@ class LlamaModel(nn.Module):
                  max_positions: int) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype, tp[0], tp[1])
-        # Gemma's embeddings times sqrt(hidden_size), rounded to the model's dtype first, as transformers has it
-        self.embed_scale = torch.tensor(config.hidden_size ** 0.5, dtype=dtype) if _is_gemma(config) else None
+        # Gemma's embeddings times sqrt(hidden_size), rounded to the model's dtype first, as transformers has it;
+        # Granite's times its embedding_multiplier (a float, as transformers multiplies)
+        self.embed_scale: torch.Tensor | float | None = \
+            torch.tensor(config.hidden_size ** 0.5, dtype=dtype) if _is_gemma(config) else \
+            getattr(config, "embedding_multiplier", None)
         rotary: dict[str, RotaryEmbedding] = {}     # one for each rope of the layers (Gemma's local and global ones)
 
         def rotary_of(index: int) -> RotaryEmbedding:
@@ -537,6 +545,7 @@ class LlamaForCausalLM(nn.Module):
         self.classifier_token_ids: list[int] | None = getattr(config, "classifier_token_ids", None)
         self.head_is_embedding = bool(getattr(config, "tie_word_embeddings", False))     # the checkpoint's LM head
         self.final_softcap = _softcap(config, "final_logit_softcapping")   # Gemma 2's: 30.0
+        self.logits_scaling = float(getattr(config, "logits_scaling", None) or 1.0)     # Granite's divisor
         # a vision-language model's image encoder (pagedllm.models.vision), set by the loader after the weights
         self.image_encoder: ImageEncoder | None = None
         self.tie_word_embeddings = self.bare or self.score is not None or self.head_is_embedding
@@ -578,6 +587,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, H] -> logits [N, V] float32."""
         logits = self.lm_head(hidden)
+        if self.logits_scaling != 1.0:
+            logits = logits.div_(self.logits_scaling)
         if self.final_softcap:
             logits = logits.div_(self.final_softcap).tanh_().mul_(self.final_softcap)
         return logits
@@ -596,6 +607,11 @@ class LlamaForCausalLM(nn.Module):
         checkpoint tensor filled.
         """
         params = dict(self.named_parameters(remove_duplicate=False))
+        residual_multiplier = float(getattr(self.config, "residual_multiplier", None) or 1.0)
+        if residual_multiplier != 1.0 and any(is_block_packed(p) for n, p in params.items()
+                                              if n.endswith((".o_proj.weight", ".down_proj.weight"))):
+            raise ValueError("Granite's residual_multiplier is folded into the o_proj and down_proj weights, which "
+                             "pagedllm cannot do to a checkpoint's 4-bit blocks (AWQ, GPTQ)")
         loaded: set[str] = set()
         head_rows = None        # the classifier's tokens' rows of the checkpoint's LM head, if it is made of them
         for name, tensor in weights:
@@ -613,6 +629,8 @@ class LlamaForCausalLM(nn.Module):
                 continue  # some checkpoints store the tied head anyway; the embedding is the one used
             if _is_gemma(self.config) and name.endswith("norm.weight"):
                 tensor = tensor.float() + 1     # Gemma's RMSNorm scales by 1 + w
+            if residual_multiplier != 1.0 and name.endswith((".o_proj.weight", ".down_proj.weight")):
+                tensor = (tensor.float() * residual_multiplier).to(tensor.dtype)     # Granite's (module docstring)
             if name.endswith(".bias") and self._target(name)[0] not in params and not tensor.any():
                 continue  # a zero bias is no bias (AutoGPTQ stores one for every layer, biased or not)
             for part_name, part in unfused(self.config, name, tensor):

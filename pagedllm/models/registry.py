@@ -26,6 +26,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "SmolLM3ForCausalLM": LlamaForCausalLM,
     "Gemma2ForCausalLM": LlamaForCausalLM,
     "Gemma3ForCausalLM": LlamaForCausalLM,
+    "GraniteForCausalLM": LlamaForCausalLM,
     # The bare decoders (no LM head), as embedding models are saved (gte-Qwen2, e5-mistral): see BARE_ARCHITECTURES.
     "LlamaModel": LlamaForCausalLM,
     "MistralModel": LlamaForCausalLM,
@@ -55,6 +56,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "smollm3": LlamaForCausalLM,
     "gemma2": LlamaForCausalLM,
     "gemma3_text": LlamaForCausalLM,
+    "granite": LlamaForCausalLM,
     "bert": BertModel,
     "roberta": BertModel,
     "xlm-roberta": BertModel,

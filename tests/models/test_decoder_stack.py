@@ -49,6 +49,8 @@ CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "phi3, longrope": ("phi3-longrope", dict(original_max_position_embeddings=16), dict(dtype="float32")),
     # a layer without a rotary embedding (NoPE): a rotary part of no values
     "smollm3": ("smollm3", {}, dict(dtype="float32")),
+    # Granite's multipliers: the residual's folded into o_proj and down_proj, the scores' as the attention scale
+    "granite": ("granite", {}, dict(dtype="bfloat16")),
 }
 
 

@@ -89,3 +89,14 @@ def test_bfloat16_close_to_float32(tmp_path, kind: str) -> None:
     logits = SimplePagedRunner(model, dtype=torch.bfloat16).step({0: PROMPTS[0]})
     assert logits.dtype == torch.float32
     torch.testing.assert_close(logits[0], _hf_last_logits(hf_model, PROMPTS[0]), atol=0.1, rtol=0.05)
+
+
+def test_granites_multipliers_refuse_4_bit_blocks(tmp_path) -> None:
+    """Granite's residual multiplier is folded into two weights at load: not into an AWQ checkpoint's blocks."""
+    from tests.models.int4_checkpoints import save_int4_checkpoint
+    from tests.models.tiny import build_tiny_hf_model
+
+    model = build_tiny_hf_model("granite", tie_word_embeddings=False)
+    folder, _ = save_int4_checkpoint(tmp_path / "awq", model, "awq", group_size=64)
+    with pytest.raises(ValueError, match="residual_multiplier .* 4-bit blocks"):
+        load_model(ModelConfig(model=str(folder)))

@@ -49,6 +49,10 @@ TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
                                                         long_factor=[1.5, 2.0, 3.0, 4.0, 6.0, 8.0]))),
     # as SmolLM3's: no rotary embedding in every fourth layer (here the second of two: no_rope_layers [1, 0])
     "smollm3": ("smollm3", dict(num_key_value_heads=2, no_rope_layer_interval=2, pad_token_id=0)),
+    # as Granite 3's: embeddings, attention scores, branch outputs and logits scaled by its multipliers
+    # (granite-3.3-2b's 12.0, 0.015625, 0.22 and 8.0; here the scores' this far from Llama's to tell them apart)
+    "granite": ("granite", dict(num_key_value_heads=2, embedding_multiplier=12.0, attention_multiplier=0.05,
+                                residual_multiplier=0.22, logits_scaling=8.0)),
     # mixtures of experts: 4 experts, 2 a token (8 and 2 for Mixtral, 128 and 8 for Qwen3-30B-A3B)
     "mixtral": ("mixtral", dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
                                 tie_word_embeddings=False)),
