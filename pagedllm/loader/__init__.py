@@ -274,13 +274,18 @@ def _weights(resolved: ResolvedModel, dtype: torch.dtype, hf_config: Any, quanti
     return iterate_safetensors(resolved.path, dtype, text_part_name if hasattr(hf_config, "text_part_of") else None)
 
 
-def implied_gguf(resolved: ResolvedModel, dtype: str, tp_size: int = 1, device: str = "cpu") -> str | None:
+def implied_gguf(resolved: ResolvedModel, hf_config: Any, dtype: str, tp_size: int = 1,
+                 device: str = "cpu") -> str | None:
     """"gguf" when a .gguf file runs under dtype "auto" where its blocks can stay packed (pagedllm's CPU kernels,
     one rank); None otherwise: the file is dequantised into the dtype (a dtype named outright asks for that;
-    quantization="gguf" keeps the blocks)."""
+    quantization="gguf" keeps the blocks), as is Granite's, whose residual multiplier folds into its weights."""
     from pagedllm.layers.linear import quantized_kernels_available
 
     if not resolved.is_gguf or dtype != "auto":
+        return None
+    if float(getattr(hf_config, "residual_multiplier", None) or 1.0) != 1.0:
+        logger.info("%s: GGUF weights dequantised (Granite's residual multiplier folds into them, not into their "
+                    "blocks)", resolved.name)
         return None
     if tp_size > 1 or device != "cpu" or not quantized_kernels_available():
         logger.info("%s: GGUF weights dequantised (their blocks stay packed only on one CPU rank, in pagedllm's "
@@ -299,7 +304,7 @@ def resolve_quantization(requested: str | None, resolved: ResolvedModel, hf_conf
     from pagedllm.models.llama import num_experts
 
     method = None if resolved.is_gguf else checkpoint_quantization(hf_config)
-    quantization = requested or method or implied_gguf(resolved, dtype, tp_size, device)
+    quantization = requested or method or implied_gguf(resolved, hf_config, dtype, tp_size, device)
     if method is not None and quantization != method:
         raise ValueError(f"{resolved.name} is a {method!r} checkpoint (its quantization_config), which runs as "
                          f"quantization={method!r} or None, not {requested!r}")

@@ -39,7 +39,7 @@ _PLAIN_TYPES: dict[int, torch.dtype] = {
     GGMLQuantizationType.BF16: torch.bfloat16,
 }
 # Architectures whose Q/K rows llama.cpp's converter permutes (for its interleaved rope).
-_PERMUTED_ARCHS = {"llama", "smollm3"}
+_PERMUTED_ARCHS = {"llama", "smollm3", "granite"}
 # SmolLM3's layers without a rotary embedding: every how many one is (llama.cpp fixes it rather than store it)
 _SMOLLM3_NO_ROPE_EVERY = 4
 
@@ -65,6 +65,9 @@ _ARCH_BLOCK_NAMES = {"gemma2": _GEMMA_BLOCK_NAMES, "gemma3": _GEMMA_BLOCK_NAMES,
 # Architectures whose RMSNorm scales by 1 + w, which llama.cpp's converter stores as the 1 + w it multiplies by
 _NORM_SHIFTED_ARCHS = {"gemma2", "gemma3", "gemma-embedding"}
 # GGUF architecture -> transformers' model_type, where they differ (a mixture of experts: _MOE_MODEL_TYPES)
+# Granite's config fields -> llama.cpp's keys
+_GRANITE_MULTIPLIERS = (("embedding_multiplier", "embedding_scale"), ("attention_multiplier", "attention.scale"),
+                        ("residual_multiplier", "residual_scale"), ("logits_scaling", "logit_scale"))
 _MODEL_TYPES = {"gemma3": "gemma3_text", "gemma-embedding": "gemma3_text"}
 # What llama.cpp fixes for Gemma rather than read from the file: every how many layers one is global (the others
 # local, over the window), and the layer count of the 27B, whose queries are scaled by (hidden / heads) ** -0.5
@@ -371,6 +374,9 @@ def gguf_hf_config(g: GGUFFile) -> Any:
         kwargs.update(_gguf_gemma(g, kwargs))
     if arch == "phi3":
         kwargs.update(_gguf_phi3(g, kwargs))
+    if arch == "granite":   # its four multipliers (pagedllm.models.llama), under llama.cpp's names
+        kwargs.update({field: float(g.arch_value(key)) for field, key in _GRANITE_MULTIPLIERS
+                       if g.arch_value(key) is not None})
     kwargs.update(_gguf_experts(g, kwargs["num_hidden_layers"]))
     name = g.metadata.get("general.name")
     config = PretrainedConfig(**kwargs)

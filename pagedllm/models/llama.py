@@ -611,7 +611,8 @@ class LlamaForCausalLM(nn.Module):
         if residual_multiplier != 1.0 and any(is_block_packed(p) for n, p in params.items()
                                               if n.endswith((".o_proj.weight", ".down_proj.weight"))):
             raise ValueError("Granite's residual_multiplier is folded into the o_proj and down_proj weights, which "
-                             "pagedllm cannot do to a checkpoint's 4-bit blocks (AWQ, GPTQ)")
+                             "pagedllm cannot do to blocks it keeps packed (AWQ, GPTQ, a GGUF file's): load a GGUF "
+                             "file with a dtype named (dtype='bfloat16' or 'float32', its weights dequantised)")
         loaded: set[str] = set()
         head_rows = None        # the classifier's tokens' rows of the checkpoint's LM head, if it is made of them
         for name, tensor in weights:

@@ -151,6 +151,11 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
         w.add_pooling_type(gguf.PoolingType.MEAN)
         for name, weight in zip(("dense_2.weight", "dense_3.weight"), dense):
             w.add_tensor(name, weight.numpy())
+    if arch == "granite":
+        w.add_embedding_scale(cfg.embedding_multiplier)
+        w.add_attention_scale(cfg.attention_multiplier)
+        w.add_residual_scale(cfg.residual_multiplier)
+        w.add_logit_scale(cfg.logits_scaling)
     if arch == "gemma2":
         w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
         w.add_final_logit_softcapping(cfg.final_logit_softcapping)
@@ -180,9 +185,9 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
     for gname, t in _gguf_tensors(hf_model, arch):
         if gname == "output.weight" and cfg.tie_word_embeddings:
             continue
-        if arch in ("llama", "smollm3") and ".attn_q." in gname:
+        if arch in ("llama", "smollm3", "granite") and ".attn_q." in gname:
             t = _permute(t, cfg.num_attention_heads, cfg.num_attention_heads)
-        elif arch in ("llama", "smollm3") and ".attn_k." in gname:
+        elif arch in ("llama", "smollm3", "granite") and ".attn_k." in gname:
             t = _permute(t, cfg.num_attention_heads, cfg.num_key_value_heads)
         elif arch in ("gemma2", "gemma3", "gemma-embedding") and gname.endswith("norm.weight"):
             t = t + 1
@@ -199,7 +204,7 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
 
 @pytest.mark.parametrize("kind,arch", [("llama-gqa", "llama"), ("llama-untied", "llama"), ("qwen2", "qwen2"),
                                        ("qwen3", "qwen3"), ("mixtral", "llama"), ("qwen2-moe", "qwen2moe"),
-                                       ("qwen3-moe", "qwen3moe"), ("smollm3", "smollm3")])
+                                       ("qwen3-moe", "qwen3moe"), ("smollm3", "smollm3"), ("granite", "granite")])
 def test_tiny_gguf_model_matches_transformers(tmp_path: Path, kind: str, arch: str) -> None:
     # SmolLM3's files leave every fourth layer without a rotary embedding (llama.cpp's fixed step): four layers here
     hf_model = build_tiny_hf_model(kind, **({"no_rope_layer_interval": 4, "num_hidden_layers": 4}
@@ -316,6 +321,16 @@ def test_a_quantized_phi3_gguf_packs_its_fused_tensors_by_part(tmp_path: Path, m
     layer = packed.model.layers[1]
     assert layer.self_attn.qkv_proj.weight.ggml_type == layer.mlp.gate_up_proj.weight.ggml_type == Q.Q8_0
     _assert_gguf_reference_near_the_dense_model(packed, dense, [(7 * i + 3) % 300 for i in range(30)], monkeypatch)
+
+
+def test_a_quantized_granite_gguf_is_dequantised(tmp_path: Path) -> None:
+    """Granite's residual multiplier folds into dequantised weights, not into the blocks pagedllm keeps: dtype
+    "auto" dequantises them, quantization="gguf" is refused."""
+    path = tmp_path / "granite-q8.gguf"
+    write_model_gguf(build_tiny_hf_model("granite"), path, "granite", Q.Q8_0)
+    with pytest.raises(ValueError, match="residual_multiplier .* a dtype named"):
+        load_model(ModelConfig(model=str(path), quantization="gguf"))
+    assert load_model(ModelConfig(model=str(path))).quantization is None     # dtype "auto": dequantised
 
 
 def test_quantized_gguf_is_close(tmp_path: Path) -> None:
