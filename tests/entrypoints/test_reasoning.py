@@ -60,6 +60,24 @@ def test_mistral_reasons_between_its_think_tokens(text, parts):
     assert ("".join(r for r, _ in deltas) or None, "".join(c for _, c in deltas) or None) == parts
 
 
+@pytest.mark.parametrize(("parser", "text", "parts"), [
+    ("granite", "Here is my thought process: a Here is my response: b", (" a ", " b")),
+    ("granite", "Here's my thought process:a\nHere's my response:b", ("a\n", "b")),       # the other spelling
+    ("granite", "Here is my thought process: still", (" still", None)),
+    ("granite", "Here is the answer", (None, "Here is the answer")),     # no thought process first: all answer
+    ("seed_oss", "<seed:think>a</seed:think>b", ("a", "b")),
+    ("seed_oss", "just the answer", (None, "just the answer")),
+    ("olmo3", "a</think>b", ("a", "b")),                                 # its template opened <think>
+])
+def test_each_format_splits_whole_and_streamed_alike(parser, text, parts):
+    assert ReasoningStream(parser).final(text) == parts
+    for size in (1, 2, 5):     # cut anywhere, markers included
+        pieces = [text[i:i + size] for i in range(0, len(text), size)]
+        stream = ReasoningStream(parser)
+        deltas = [stream.delta(piece, i == len(pieces) - 1) for i, piece in enumerate(pieces)]
+        assert ("".join(r for r, _ in deltas) or None, "".join(c for _, c in deltas) or None) == parts, size
+
+
 @pytest.mark.parametrize(("parser", "kept"), [("mistral", True), ("deepseek_r1", False)])
 def test_a_parser_whose_markers_are_special_tokens_keeps_them_in_the_reply(tmp_path, parser, kept):
     folder = save_tiny_model(tmp_path / "m", "llama-gqa")[0]

@@ -7,6 +7,10 @@ ReasoningStream, which turns a choice's text into the chat API's `reasoning` and
                  template closes an empty think block in the prompt, and the reply is all answer)
     mistral      [THINK] ... [/THINK] then the answer (Magistral, Ministral 3's reasoning models); only a reply that
                  opens with [THINK] reasons; the markers are special tokens, which such replies keep
+    olmo3        as deepseek_r1 (OLMo 3 Think, whose template opens the <think>; its markers are plain text)
+    seed_oss     <seed:think> ... </seed:think> then the answer (Seed-OSS); only a reply that opens with it reasons
+    granite      "Here is my thought process:" ... "Here is my response:" (or "Here's"), plain text (Granite 3.2 and
+                 3.3 with thinking on); only a reply that opens with the first reasons
 """
 
 from __future__ import annotations
@@ -17,20 +21,40 @@ from pagedllm.entrypoints.openai.tool_parsers import partial_marker_start
 
 
 class ReasoningFormat(NamedTuple):
-    """How a model marks its thinking: between `start` and `end`; `must_open`: only a reply that opens with `start`
-    reasons (else the chat template may have opened it); `keeps_special_tokens`: the markers are special tokens,
-    which the reply's text must keep for the parser to see."""
+    """How a model marks its thinking: between one of `starts` and one of `ends` (a marker's spellings);
+    `must_open`: only a reply that opens with a start reasons (else the chat template may have opened it);
+    `keeps_special_tokens`: the markers are special tokens, which the reply's text must keep for the parser to
+    see."""
 
-    start: str
-    end: str
+    starts: tuple[str, ...]
+    ends: tuple[str, ...]
     must_open: bool = False
     keeps_special_tokens: bool = False
 
 
-REASONING_FORMATS = {"deepseek_r1": ReasoningFormat("<think>", "</think>"),
-                     "qwen3": ReasoningFormat("<think>", "</think>", must_open=True),
-                     "mistral": ReasoningFormat("[THINK]", "[/THINK]", must_open=True, keeps_special_tokens=True)}
+_THINK = (("<think>",), ("</think>",))
+_GRANITE = (("Here is my thought process:", "Here's my thought process:"),
+            ("Here is my response:", "Here's my response:"))
+REASONING_FORMATS = {"deepseek_r1": ReasoningFormat(*_THINK),
+                     "qwen3": ReasoningFormat(*_THINK, must_open=True),
+                     "olmo3": ReasoningFormat(*_THINK),
+                     "mistral": ReasoningFormat(("[THINK]",), ("[/THINK]",), must_open=True,
+                                                keeps_special_tokens=True),
+                     "seed_oss": ReasoningFormat(("<seed:think>",), ("</seed:think>",), must_open=True,
+                                                 keeps_special_tokens=True),
+                     "granite": ReasoningFormat(*_GRANITE, must_open=True)}
 REASONING_PARSERS = tuple(REASONING_FORMATS)
+
+
+def _opening(text: str, markers: tuple[str, ...]) -> str:
+    """The marker `text` opens with ("" for none)."""
+    return next((marker for marker in markers if text.startswith(marker)), "")
+
+
+def _first(text: str, markers: tuple[str, ...]) -> tuple[int, str]:
+    """(where, which) of the first of `markers` in `text`; (-1, "") when none is."""
+    found = [(index, marker) for marker in markers if (index := text.find(marker)) >= 0]
+    return min(found) if found else (-1, "")
 
 
 class ReasoningStream:
@@ -41,18 +65,21 @@ class ReasoningStream:
     """
 
     def __init__(self, parser: str = "deepseek_r1") -> None:
-        self.START, self.END, self.must_open, _ = REASONING_FORMATS[parser]
+        self.starts, self.ends, self.must_open, _ = REASONING_FORMATS[parser]
         self.text = ""
         self.num_reasoning_sent = 0     # of the reasoning (the text less a leading <think>)
         self.answering = False          # </think> seen (or, qwen3, no <think> first): the rest is content
 
     def final(self, text: str) -> tuple[str | None, str | None]:
         """(reasoning, content) of a whole reply; None for an empty part."""
-        if self.must_open and not text.startswith(self.START):
+        start = _opening(text, self.starts)
+        if self.must_open and not start:
             return None, text or None
-        body = text.removeprefix(self.START)
-        reasoning, ended, content = body.partition(self.END)
-        return reasoning or None, (content or None) if ended else None
+        body = text[len(start):]
+        end, marker = _first(body, self.ends)
+        if end < 0:
+            return body or None, None
+        return body[:end] or None, body[end + len(marker):] or None
 
     def delta(self, text: str, finished: bool) -> tuple[str, str]:
         """(reasoning, content) of this much new text (`finished`: the reply's last). A part of a tag that may be
@@ -60,18 +87,20 @@ class ReasoningStream:
         if self.answering:
             return "", text
         self.text += text
-        if not finished and self.START.startswith(self.text) and self.text != self.START:
+        start = _opening(self.text, self.starts)
+        if not finished and not start and any(marker.startswith(self.text) for marker in self.starts):
             return "", ""           # maybe the opening tag, in the making
-        if self.must_open and not self.text.startswith(self.START):
+        if self.must_open and not start:
             self.answering = True   # no <think> first: all of it is the answer
             return "", self.text
-        body = self.text.removeprefix(self.START)
-        end = body.find(self.END)
+        body = self.text[len(start):]
+        end, marker = _first(body, self.ends)
         if end >= 0:
             self.answering = True
             reasoning, self.num_reasoning_sent = body[self.num_reasoning_sent:end], end
-            return reasoning, body[end + len(self.END):]
-        held = None if finished else partial_marker_start(body, self.END)
+            return reasoning, body[end + len(marker):]
+        held = None if finished else min((index for marker in self.ends
+                                          if (index := partial_marker_start(body, marker)) is not None), default=None)
         upto = len(body) if held is None else held
         reasoning = body[self.num_reasoning_sent:upto]
         self.num_reasoning_sent = max(upto, self.num_reasoning_sent)
