@@ -6,9 +6,9 @@ Each config validates itself in `__post_init__` and raises `ValueError` naming t
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pagedllm.pooling_params import POOLING_TYPES
 
@@ -22,6 +22,7 @@ LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed
 CHAT_CONTENT_FORMATS = ("auto", "string", "openai")
 MODALITIES = ("image", "video", "audio")    # limit_mm_per_prompt's keys (vLLM's); pagedllm reads images
 DataParallelRouterPolicy = Literal["prefix_aware", "round_robin"]
+T = TypeVar("T")
 
 
 def _require(ok: bool, name: str, allowed: str, value: object) -> None:
@@ -381,13 +382,7 @@ class SpeculativeConfig:
         Unknown keys are a ValueError naming them."""
         if values is None or isinstance(values, SpeculativeConfig):
             return values
-        if not isinstance(values, dict):
-            raise ValueError(f"speculative_config must be a dict, got {values!r}")
-        unknown = sorted(set(values) - set(cls.__dataclass_fields__))
-        if unknown:
-            raise ValueError(f"speculative_config has unknown keys {unknown}; known: "
-                             f"{sorted(cls.__dataclass_fields__)}")
-        return cls(**values)
+        return _from_dict(cls, values, "speculative_config")
 
 
 @dataclass
@@ -450,6 +445,58 @@ class LoRAConfig:
         return self.max_cpu_loras or self.max_loras
 
 
+# vLLM's structured-output backends; pagedllm compiles every constraint with llguidance (vLLM's "guidance")
+STRUCTURED_OUTPUT_BACKENDS = ("auto", "guidance", "xgrammar", "outlines", "lm-format-enforcer")
+
+
+@dataclass
+class StructuredOutputsConfig:
+    """How structured outputs are compiled and when they apply (vLLM's `structured_outputs_config`).
+
+    Args:
+        backend: vLLM's choice of grammar library, taken by name: pagedllm compiles every constraint with
+            llguidance (vLLM's "guidance"), whatever is named; a constraint allows the same outputs either way.
+        disable_any_whitespace: JSON without optional whitespace (compact) when True, with it when False; None,
+            pagedllm's default: compact, so that a model cannot spend its tokens on blank space.
+        disable_additional_properties: a JSON schema's objects that leave `additionalProperties` unsaid get False
+            (no keys but the schema's), as vLLM's guidance backend does with it.
+        reasoning_parser: the reasoning format of the model's replies (`--reasoning-parser`'s names): with it, a
+            constraint applies once the reply's thought is over (its end marker generated, or already in the prompt,
+            as a template that turns thinking off writes it), unless `enable_in_reasoning`. Formats whose markers
+            are tokens of the vocabulary only (not granite's plain text).
+        enable_in_reasoning: constrain the thought too (from the reply's first token).
+    """
+
+    backend: str = "auto"
+    disable_any_whitespace: bool | None = None
+    disable_additional_properties: bool = False
+    reasoning_parser: str = ""
+    enable_in_reasoning: bool = False
+
+    def __post_init__(self) -> None:
+        _require(self.backend in STRUCTURED_OUTPUT_BACKENDS, "structured_outputs_config.backend",
+                 f"one of {', '.join(STRUCTURED_OUTPUT_BACKENDS)}", self.backend)
+
+    @classmethod
+    def from_dict(cls, values: dict | StructuredOutputsConfig | None) -> StructuredOutputsConfig:
+        """vLLM's dict form; None: the defaults. Unknown keys are a ValueError naming them (vLLM's
+        `reasoning_parser_plugin` among them: pagedllm loads no plugin)."""
+        if values is None or isinstance(values, StructuredOutputsConfig):
+            return values or cls()
+        return _from_dict(cls, values, "structured_outputs_config")
+
+
+def _from_dict(cls: type[T], values: Any, name: str) -> T:
+    """A config from vLLM's dict form of it (`name`); ValueError for another value, or naming unknown keys."""
+    if not isinstance(values, dict):
+        raise ValueError(f"{name} must be a dict, got {values!r}")
+    known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"{name} has unknown keys {unknown}; known: {sorted(known)}")
+    return cls(**values)
+
+
 @dataclass
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -458,6 +505,7 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     lora: LoRAConfig | None = None     # None: LoRA adapters off
+    structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
     def __post_init__(self) -> None:
         parallel = self.parallel

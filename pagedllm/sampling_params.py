@@ -165,6 +165,9 @@ class SamplingParams:
     bad_words_token_ids: list[list[int]] = field(default_factory=list, init=False, repr=False, compare=False)
     # the model's (<think>, </think>) token ids, from resolve_thinking
     thinking_token_ids: tuple[int, int] | None = field(default=None, init=False, repr=False, compare=False)
+    # the (start, end) ids of the thought after which structured_outputs applies, from the engine (its
+    # StructuredOutputsConfig.reasoning_parser); None: from the first token
+    constrained_after: tuple[int, int] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from pagedllm.attention.selector import runs_in_cuda_graphs
-from pagedllm.config import EngineConfig, SchedulerConfig
+from pagedllm.config import EngineConfig, SchedulerConfig, StructuredOutputsConfig
 from pagedllm.core.kv_cache.block_map import BlockMap
 from pagedllm.core.kv_cache.block_pool import PrefixCacheStats
 from pagedllm.core.kv_cache.manager import KVCacheManager
@@ -48,6 +48,7 @@ from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec_decode.draft_model import DraftModel
 from pagedllm.spec_decode.ngram_proposer import NgramProposer
 from pagedllm.structured_output import StructuredOutputManager
+from pagedllm.tokenizer.reasoning import REASONING_FORMATS, marker_token_ids
 from pagedllm.tokenizer.tokenizer import model_tokenizer, think_token_ids
 
 logger = init_logger(__name__)
@@ -232,7 +233,9 @@ class LLMEngine:
         if attends_both_ways(loaded.hf_config):
             _run_prompts_whole(config)
         config.scheduler.check_whole_prompts_fit()
-        self.structured_output = StructuredOutputManager(self.tokenizer, model_shape(loaded.hf_config).vocab_size)
+        self.structured_output = StructuredOutputManager(self.tokenizer, model_shape(loaded.hf_config).vocab_size,
+                                                         config.structured_outputs)
+        self.constrained_after = self._thought_markers(config.structured_outputs)
         self.logits_processors = load_logits_processors(config.model.logits_processors or [])
         if self.logits_processors and config.speculative is not None:
             raise ValueError("custom logits processors see one row a request and step: not with speculative decoding")
@@ -266,6 +269,21 @@ class LLMEngine:
                                                   self.runner.kv_bytes_per_token, self.max_model_len)
         logger.info("device %s; %s", describe_device(self.runner.device), self.capacity)
         self._tracked: dict[str, _Tracked] = {}
+
+    def _thought_markers(self, config: StructuredOutputsConfig) -> tuple[int, int] | None:
+        """The (start, end) token ids of the reasoning format after whose thought a constraint applies; None where
+        it applies from the first token (no reasoning parser, enable_in_reasoning, or markers that are no tokens
+        of the vocabulary, said once)."""
+        if not config.reasoning_parser or config.enable_in_reasoning:
+            return None
+        if config.reasoning_parser not in REASONING_FORMATS:
+            raise ValueError(f"structured_outputs_config.reasoning_parser must be one of "
+                             f"{', '.join(REASONING_FORMATS)}, got {config.reasoning_parser!r}")
+        markers = marker_token_ids(self.tokenizer, config.reasoning_parser)
+        if markers is None:
+            logger.warning("the %s reasoning format's markers are no tokens of %s's vocabulary: structured outputs "
+                           "constrain the thought too", config.reasoning_parser, self.model_name)
+        return markers
 
     def _load_draft(self, config: EngineConfig) -> DraftModel | None:
         """The draft model of `speculative_config` (method "draft_model"), in the model's dtype and on its device;
@@ -445,6 +463,7 @@ class LLMEngine:
             params = self._tokens_only(params)
         if params.structured_outputs is not None:
             self.structured_output.compile(params.structured_outputs)   # a cache hit when the caller compiled it
+            params.constrained_after = self.constrained_after
         missing = [t for t in self.eos_stop_token_ids if t not in params.stop_token_ids]
         if missing and not params.ignore_eos:
             params = dataclasses.replace(params, stop_token_ids=params.stop_token_ids + missing)

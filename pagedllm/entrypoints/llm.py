@@ -21,6 +21,7 @@ from pagedllm.config import (
     SchedulerConfig,
     SchedulingPolicy,
     SpeculativeConfig,
+    StructuredOutputsConfig,
 )
 from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedllm.engine.data_parallel import DataParallelEngine
@@ -136,6 +137,9 @@ class LLM:
         logprobs_mode: what logprobs hold (vLLM's): "raw_logprobs" (the model's), "processed_logprobs" (those of
             the distribution sampled from, after penalties, temperature and filters), "raw_logits" or
             "processed_logits" (`ModelConfig.logprobs_mode`).
+        structured_outputs_config: how structured outputs compile and when they apply (vLLM's), e.g.
+            `{"disable_any_whitespace": False}` for JSON with whitespace, or `{"reasoning_parser": "qwen3"}` for a
+            constraint that applies once the thought is over (`StructuredOutputsConfig`).
         runner, convert: vLLM's switches to an embedding model (`runner="pooling"`, `convert="embed"`), taken so that
             code written for vLLM runs; they select nothing, since one pagedllm engine both generates and embeds
             (`embed`), and a checkpoint with a classification head also classifies (`classify`). vLLM's other
@@ -168,7 +172,8 @@ class LLM:
                  limit_mm_per_prompt: dict[str, Any] | None = None, language_model_only: bool = False,
                  disable_sliding_window: bool = False, allowed_local_media_path: str = "",
                  allowed_media_domains: list[str] | None = None, logits_processors: list[str | type] | None = None,
-                 logprobs_mode: str = "raw_logprobs") -> None:
+                 logprobs_mode: str = "raw_logprobs",
+                 structured_outputs_config: dict[str, Any] | StructuredOutputsConfig | None = None) -> None:
         check_runner(runner, convert)
         if kv_cache_memory_bytes is not None:
             if kv_cache_memory not in (None, kv_cache_memory_bytes):
@@ -202,6 +207,7 @@ class LLM:
                                     distributed_executor_backend=distributed_executor_backend,
                                     data_parallel_router=data_parallel_router),
             lora=LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None,
+            structured_outputs=StructuredOutputsConfig.from_dict(structured_outputs_config),
         )
         self._attach(LLMEngine(config) if data_parallel_size == 1 else DataParallelEngine(config))
 

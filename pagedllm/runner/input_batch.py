@@ -52,6 +52,7 @@ class CachedRequestState:
     # the request ends (a recompute after a preemption reads them again)
     image_rows: dict[int, torch.Tensor] = field(default_factory=dict)
     mrope: MRopeLayout | None = None         # where M-RoPE puts its tokens, when its prompt has grid images
+    thinking: bool = False                   # in a thought its structured-output constraint waits out
 
 
 @dataclass(slots=True)

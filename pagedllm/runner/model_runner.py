@@ -41,6 +41,7 @@ from pagedllm.spec_decode.rejection_sampler import verify_drafts
 from pagedllm.structured_output import StructuredOutputManager
 
 if TYPE_CHECKING:
+    from pagedllm.sampling_params import SamplingParams
     from pagedllm.spec_decode.draft_model import DraftModel
 
 logger = logging.getLogger(__name__)
@@ -502,12 +503,13 @@ class ModelRunner:
                                                            self._generator(params.seed), grammar=grammar,
                                                            pooling=new.pooling_params, lora=new.lora_request,
                                                            token_type_ids=new.token_type_ids, images=new.images,
-                                                           mrope=MRopeLayout.of(new.images))
+                                                           mrope=MRopeLayout.of(new.images),
+                                                           thinking=_thinking(new.prompt_token_ids, params))
 
     def _start_token_bitmasks(self, request_ids: list[str]) -> tuple[list[str], Future] | None:
         """Start filling the bitmask of each constrained request about to sample, beside the forward pass:
         (their ids, the future [len(ids), ceil(V / 32)] bitmask); None when no request is constrained."""
-        constrained = [r for r in request_ids if self.requests[r].grammar is not None]
+        constrained = [r for r in request_ids if self.requests[r].grammar is not None and not self.requests[r].thinking]
         if not constrained:
             return None
         assert self.structured_output is not None
@@ -522,7 +524,7 @@ class ModelRunner:
                                                      list(parent.output_token_ids), grammar,
                                                      parent.num_prompt_logprob_positions, lora=parent.lora,
                                                      images=parent.images, image_rows=parent.image_rows,
-                                                     mrope=parent.mrope)
+                                                     mrope=parent.mrope, thinking=parent.thinking)
 
     def _generator(self, seed: int | None) -> torch.Generator | None:
         """A seeded request's own random stream; None draws from the engine's global one."""
@@ -620,13 +622,29 @@ class ModelRunner:
         output.logprobs.update(verified.logprobs)
         return output
 
+def _thinking(prompt_token_ids: list[int], params: SamplingParams) -> bool:
+    """Whether a constrained request's reply opens in a thought its constraint waits out: it has `constrained_after`
+    markers, and its prompt does not close a thought after the last it opened (a template that turns thinking off
+    writes an empty one)."""
+    if params.structured_outputs is None or params.constrained_after is None:
+        return False
+    start, end = params.constrained_after
+    last_end = max((i for i, t in enumerate(prompt_token_ids) if t == end), default=-1)
+    return last_end < 0 or last_end < max((i for i, t in enumerate(prompt_token_ids) if t == start), default=-1)
+
+
 def _consume_in_grammars(states: list[CachedRequestState], token_ids: list[int]) -> None:
     """Advance each constrained request's matcher by its sampled token, all or none: when a grammar refuses its
     token (which its mask allowed), the matchers already advanced are rolled back before the error is raised, so
-    that the group may run again (in parts) from the same state."""
-    advanced = []
+    that the group may run again (in parts) from the same state. A request still thinking consumes nothing; its
+    thought's end marker starts its constraint from the next token."""
+    advanced, thought_over = [], []
     for state, token_id in zip(states, token_ids):
         if state.grammar is None:
+            continue
+        if state.thinking:      # its constraint waits for the thought's end marker (`constrained_after`)
+            if token_id == state.params.constrained_after[1]:     # type: ignore[index]
+                thought_over.append(state)
             continue
         if not state.grammar.consume_token(token_id):
             for grammar in advanced:
@@ -634,6 +652,8 @@ def _consume_in_grammars(states: list[CachedRequestState], token_ids: list[int])
             raise RuntimeError(f"request {state.request_id}: the grammar refused token {token_id}, which its "
                                f"mask allowed: {state.grammar.get_error()}")
         advanced.append(state.grammar)
+    for state in thought_over:
+        state.thinking = False
 
 
 def _wait_token_bitmasks(pending: tuple[list[str], Future] | None) -> dict[str, torch.Tensor]:

@@ -14,30 +14,49 @@ the step loop (the async engine in its executor, the offline engine at add_reque
 
 from __future__ import annotations
 
+import json
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import llguidance
 import llguidance.hf
 import torch
 
+from pagedllm.config import StructuredOutputsConfig
 from pagedllm.sampling_params import StructuredOutputsParams
 
-# Compact JSON: no optional whitespace between tokens, so that a model cannot spend its tokens on blank space (a
-# schema's "x-guidance" options can turn it back on).
-_JSON_DEFAULTS = {"whitespace_flexible": False}
 _MAX_CACHED_GRAMMARS = 256
 
 
-def grammar_text(constraint: StructuredOutputsParams) -> str:
-    """The llguidance grammar of a constraint (not yet checked: LLMatcher does that)."""
+def grammar_text(constraint: StructuredOutputsParams, config: StructuredOutputsConfig | None = None) -> str:
+    """The llguidance grammar of a constraint (not yet checked: LLMatcher does that), JSON as `config` says:
+    compact unless its disable_any_whitespace is False (so that a model cannot spend its tokens on blank space; a
+    schema's "x-guidance" options can turn whitespace back on), and without additional properties where its
+    disable_additional_properties asks."""
+    config = config or StructuredOutputsConfig()
+    defaults = {"whitespace_flexible": config.disable_any_whitespace is False}
     kind, text = constraint.key()
     if kind == "json":
-        return llguidance.LLMatcher.grammar_from_json_schema(text, defaults=_JSON_DEFAULTS)
+        if config.disable_additional_properties:
+            text = json.dumps(_closed_objects(json.loads(text)))
+        return llguidance.LLMatcher.grammar_from_json_schema(text, defaults=defaults)
     if kind == "json_object":
-        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_DEFAULTS)
+        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=defaults)
     return llguidance.grammar_from(kind, text)
+
+
+def _closed_objects(schema: Any) -> Any:
+    """The schema with `additionalProperties: false` on each object schema in it that leaves it unsaid."""
+    if isinstance(schema, list):
+        return [_closed_objects(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    closed = {key: _closed_objects(value) for key, value in schema.items()}
+    if (schema.get("type") == "object" or "properties" in schema) and "additionalProperties" not in schema:
+        closed["additionalProperties"] = False
+    return closed
 
 
 class StructuredOutputManager:
@@ -46,11 +65,13 @@ class StructuredOutputManager:
     Args:
         tokenizer: a fast Hugging Face tokenizer (llguidance reads its vocabulary).
         vocab_size: the model's vocabulary (logits width); ids past the tokenizer's are never allowed.
+        config: how JSON compiles (`grammar_text`); None: the defaults.
     """
 
-    def __init__(self, tokenizer, vocab_size: int) -> None:
+    def __init__(self, tokenizer, vocab_size: int, config: StructuredOutputsConfig | None = None) -> None:
         self._hf_tokenizer = tokenizer
         self.vocab_size = vocab_size
+        self.config = config
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
@@ -77,7 +98,7 @@ class StructuredOutputManager:
                 return matcher
             tokenizer = self._tokenizer()
         try:
-            matcher = llguidance.LLMatcher(tokenizer, grammar_text(constraint), log_level=0)
+            matcher = llguidance.LLMatcher(tokenizer, grammar_text(constraint, self.config), log_level=0)
         except ValueError as exc:     # llguidance raises for text that is not JSON at all
             raise ValueError(f"invalid structured_outputs.{key[0]}: {exc}") from None
         if matcher.is_error():

@@ -19,6 +19,7 @@ import transformers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from pagedllm.paths import cache_dir
+from pagedllm.tokenizer.reasoning import marker_token_ids
 
 if TYPE_CHECKING:
     from pagedllm.loader.resolve import ResolvedModel
@@ -31,15 +32,7 @@ _COMPLETE_MARKER = ".pagedllm-complete"
 def think_token_ids(tokenizer: PreTrainedTokenizerBase | None) -> tuple[int, int] | None:
     """The ids of <think> and </think> where each is one token of the vocabulary (a reasoning model's: Qwen3,
     DeepSeek-R1's distills, SmolLM3); None otherwise, or without a tokenizer."""
-    if tokenizer is None:
-        return None
-    ids = []
-    for token in ("<think>", "</think>"):
-        token_id = tokenizer.convert_tokens_to_ids(token)
-        if token_id is None or tokenizer.convert_ids_to_tokens(token_id) != token:
-            return None
-        ids.append(token_id)
-    return ids[0], ids[1]
+    return marker_token_ids(tokenizer, "deepseek_r1")
 
 
 def load_tokenizer(path: str | Path, gguf_file: str | None = None,

@@ -40,6 +40,17 @@ def test_the_spec_shortcuts_fill_the_speculative_config_as_in_vllm() -> None:
         _config("--spec-tokens", "4", "--speculative-config", '{"num_speculative_tokens": 2}')
 
 
+def test_the_structured_outputs_config_takes_the_reasoning_parser_as_vllm_does() -> None:
+    assert _config().structured_outputs.reasoning_parser == ""
+    config = _config("--structured-outputs-config", '{"disable_any_whitespace": false, "backend": "guidance"}',
+                     "--reasoning-parser", "qwen3").structured_outputs
+    assert (config.disable_any_whitespace, config.backend, config.reasoning_parser) == (False, "guidance", "qwen3")
+    assert _config("--structured-outputs-config", '{"reasoning_parser": "qwen3"}').structured_outputs \
+        .reasoning_parser == "qwen3"
+    with pytest.raises(ValueError, match="differ: give one"):
+        _config("--structured-outputs-config", '{"reasoning_parser": "qwen3"}', "--reasoning-parser", "mistral")
+
+
 def test_the_logits_processors_reach_the_model_config_by_import_path() -> None:
     assert _config().model.logits_processors is None
     assert _config("--logits-processors", "a.b.C", "d.E").model.logits_processors == ["a.b.C", "d.E"]

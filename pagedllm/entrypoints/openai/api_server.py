@@ -31,13 +31,15 @@ def build_app_from_args(args: argparse.Namespace):
     from pagedllm.entrypoints.openai.server import CorsPolicy, build_app
 
     queue_limits = (args.max_num_queued_reqs, args.max_num_queued_tokens)
-    engine = build_async_engine(engine_config_from_args(args), log_requests=args.enable_log_requests,
+    config = engine_config_from_args(args)
+    engine = build_async_engine(config, log_requests=args.enable_log_requests,
                                 log_stats=not args.disable_log_stats, max_log_len=args.max_log_len,
                                 admission=None if queue_limits == (None, None) else Admission(*queue_limits),
                                 log_outputs=args.enable_log_outputs)
     return build_app(engine, served_model_names=args.served_model_name, api_key=args.api_key,
                      limits=limits_from_args(args), enable_auto_tool_choice=args.enable_auto_tool_choice,
-                     tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                     tool_call_parser=args.tool_call_parser,
+                     reasoning_parser=config.structured_outputs.reasoning_parser or None,
                      cors=CorsPolicy(args.allowed_origins, args.allowed_methods, args.allowed_headers,
                                      args.allow_credentials), lora_modules=lora_modules_from_args(args),
                      root_path=args.root_path, docs=not args.disable_fastapi_docs,

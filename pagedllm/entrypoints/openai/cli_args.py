@@ -467,6 +467,11 @@ def _add_scheduler_args(group: argparse._ArgumentGroup) -> None:
                        help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
                             '"prompt_lookup_max": 3, "prompt_lookup_min": 1}\', or with a draft model '
                             '\'{"model": PATH, "num_speculative_tokens": 4}\' (default: off)')
+    group.add_argument("--structured-outputs-config", type=parse_json_object, default=None, metavar="JSON",
+                       help='structured outputs as vLLM configures them, e.g. \'{"disable_any_whitespace": false, '
+                            '"enable_in_reasoning": true}\': "backend" is taken by name (pagedllm compiles with '
+                            'llguidance), JSON is compact unless disable_any_whitespace is false, and with a '
+                            'reasoning parser a constraint applies after the thought unless enable_in_reasoning')
     group.add_argument("--spec-method", default=None, choices=["ngram", "draft_model"],
                        help="shortcut for --speculative-config's method")
     group.add_argument("--spec-model", default=None, metavar="PATH",
@@ -567,6 +572,7 @@ def engine_config_from_args(args: argparse.Namespace):
                                   stream_interval=args.stream_interval,
                                   preemption_mode=args.preemption_mode, scheduling_policy=args.scheduling_policy),
         speculative=SpeculativeConfig.from_dict(_speculative_config(args)),
+        structured_outputs=_structured_outputs_config(args),
         parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
                                 data_parallel_size=args.data_parallel_size,
                                 distributed_executor_backend=args.distributed_executor_backend,
@@ -587,3 +593,17 @@ def _speculative_config(args: argparse.Namespace) -> dict | None:
             raise ValueError(f"{flag} and --speculative-config's {key!r} are both given: give one")
         config[key] = value
     return config or None
+
+
+def _structured_outputs_config(args: argparse.Namespace):
+    """--structured-outputs-config with --reasoning-parser as its reasoning_parser (as vLLM sets it); the two naming
+    different parsers is an error."""
+    from pagedllm.config import StructuredOutputsConfig
+
+    config = StructuredOutputsConfig.from_dict(args.structured_outputs_config)
+    if args.reasoning_parser is not None:
+        if config.reasoning_parser not in ("", args.reasoning_parser):
+            raise ValueError(f"--reasoning-parser {args.reasoning_parser} and --structured-outputs-config's "
+                             f"reasoning_parser {config.reasoning_parser!r} differ: give one")
+        config.reasoning_parser = args.reasoning_parser
+    return config

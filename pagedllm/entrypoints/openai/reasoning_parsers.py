@@ -15,35 +15,10 @@ ReasoningStream, which turns a choice's text into the chat API's `reasoning` and
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 from pagedllm.entrypoints.openai.tool_parsers import partial_marker_start
+from pagedllm.tokenizer.reasoning import REASONING_FORMATS, REASONING_PARSERS
 
-
-class ReasoningFormat(NamedTuple):
-    """How a model marks its thinking: between one of `starts` and one of `ends` (a marker's spellings);
-    `must_open`: only a reply that opens with a start reasons (else the chat template may have opened it);
-    `keeps_special_tokens`: the markers are special tokens, which the reply's text must keep for the parser to
-    see."""
-
-    starts: tuple[str, ...]
-    ends: tuple[str, ...]
-    must_open: bool = False
-    keeps_special_tokens: bool = False
-
-
-_THINK = (("<think>",), ("</think>",))
-_GRANITE = (("Here is my thought process:", "Here's my thought process:"),
-            ("Here is my response:", "Here's my response:"))
-REASONING_FORMATS = {"deepseek_r1": ReasoningFormat(*_THINK),
-                     "qwen3": ReasoningFormat(*_THINK, must_open=True),
-                     "olmo3": ReasoningFormat(*_THINK),
-                     "mistral": ReasoningFormat(("[THINK]",), ("[/THINK]",), must_open=True,
-                                                keeps_special_tokens=True),
-                     "seed_oss": ReasoningFormat(("<seed:think>",), ("</seed:think>",), must_open=True,
-                                                 keeps_special_tokens=True),
-                     "granite": ReasoningFormat(*_GRANITE, must_open=True)}
-REASONING_PARSERS = tuple(REASONING_FORMATS)
+__all__ = ["REASONING_FORMATS", "REASONING_PARSERS", "ReasoningStream"]
 
 
 def _opening(text: str, markers: tuple[str, ...]) -> str:

@@ -215,7 +215,8 @@ def main(args: argparse.Namespace) -> None:
         except ValueError as exc:
             raise SystemExit(f"error: {exc}") from exc
         counts = asyncio.run(_run(engine, source, sink, 2 * config.scheduler.max_num_seqs, args,
-                                  limits_from_args(args), lora_modules, frontend_options_from_args(args)))
+                                  limits_from_args(args), lora_modules, frontend_options_from_args(args),
+                                  config.structured_outputs.reasoning_parser or None))
     more = ", ..." if counts.failed > len(counts.failed_lines) else ""
     logger.info("batch done: %d requests answered, %d failed%s", counts.succeeded, counts.failed,
                 f": {', '.join(counts.failed_lines)}{more}" if counts.failed else "")
@@ -223,14 +224,14 @@ def main(args: argparse.Namespace) -> None:
 
 async def _run(engine: AsyncEngine | AsyncDataParallelEngine, source: TextIO, sink: TextIO, max_in_flight: int,
                args: argparse.Namespace, limits: ServerLimits, lora_modules: LoRAModules,
-               options: FrontendOptions) -> BatchCounts:
+               options: FrontendOptions, reasoning_parser: str | None) -> BatchCounts:
     engine.start(asyncio.get_running_loop())
     try:
         return await run_batch(engine, source, lambda text: (sink.write(text), sink.flush()),
                                max_in_flight=max_in_flight, served_model_names=args.served_model_name,
                                limits=limits,
                                tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
-                               reasoning_parser=args.reasoning_parser, lora_modules=lora_modules, options=options)
+                               reasoning_parser=reasoning_parser, lora_modules=lora_modules, options=options)
     finally:
         await asyncio.to_thread(engine.shutdown)
 
