@@ -124,7 +124,8 @@ class SamplingParams:
             allowed_token_ids or bad_words, which could leave a grammar no token it allows.
         thinking_token_budget: the most tokens a reasoning model may think (vLLM's): once a completion has thought
             this many since its `<think>` (its own, or the one its chat template opened), its next token is
-            `</think>` and it answers. None (or -1): no budget. The engine finds the model's think tokens
+            `</think>` (or [/THINK], </seed:think>: `pagedllm.tokenizer.think_token_ids`) and it answers. None (or
+            -1): no budget. The engine finds the model's think tokens
             (resolve_thinking); not with structured_outputs.
         extra_args: arguments for custom logits processors (vLLM's; pagedllm.sample.logits_processor), which read
             them from the params; pagedllm itself reads none.
@@ -270,7 +271,8 @@ class SamplingParams:
         (`pagedllm.tokenizer.think_token_ids`): ValueError for a model without them."""
         if think_token_ids is None:
             raise ValueError("thinking_token_budget needs a model that thinks between <think> and </think> tokens "
-                             "(Qwen3, DeepSeek-R1's distills, SmolLM3, ...); this model's vocabulary has none")
+                             "(Qwen3, DeepSeek-R1's distills, SmolLM3, ...), or [THINK] and [/THINK] (Magistral), "
+                             "or <seed:think> and </seed:think> (Seed-OSS); this model's vocabulary has none")
         self.thinking_token_ids = think_token_ids
 
     @property

@@ -30,9 +30,11 @@ _COMPLETE_MARKER = ".pagedllm-complete"
 
 
 def think_token_ids(tokenizer: PreTrainedTokenizerBase | None) -> tuple[int, int] | None:
-    """The ids of <think> and </think> where each is one token of the vocabulary (a reasoning model's: Qwen3,
-    DeepSeek-R1's distills, SmolLM3); None otherwise, or without a tokenizer."""
-    return marker_token_ids(tokenizer, "deepseek_r1")
+    """The ids of a reasoning model's thought markers, where each is one token of the vocabulary: <think> and
+    </think> (Qwen3, DeepSeek-R1's distills, SmolLM3), else [THINK] and [/THINK] (Magistral), else <seed:think> and
+    </seed:think> (Seed-OSS); None otherwise, or without a tokenizer."""
+    return next(filter(None, (marker_token_ids(tokenizer, parser) for parser in ("deepseek_r1", "mistral",
+                                                                                "seed_oss"))), None)
 
 
 def load_tokenizer(path: str | Path, gguf_file: str | None = None,

@@ -98,3 +98,18 @@ def test_anthropics_thinking_budget_applies_to_a_model_that_thinks():
     assert _chat_request(request, thinks=False).thinking_token_budget is None
     disabled = request.model_copy(update={"thinking": {"type": "disabled"}})
     assert _chat_request(disabled, thinks=True).thinking_token_budget is None
+
+
+def test_magistrals_think_tokens_take_a_budget_too(tmp_path: Path):
+    """A model that thinks between [THINK] and [/THINK] (Magistral's special tokens): the budget closes its thought
+    with [/THINK]."""
+    folder, _ = save_tiny_model(tmp_path / "llama", "llama-gqa", initializer_range=0.5)
+    tokenizer = build_byte_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["[THINK]", "[/THINK]"]})
+    tokenizer.save_pretrained(folder)
+    llm = LLM(model=str(folder), dtype="float32", num_kv_blocks=64)
+    start, end = tokenizer.convert_tokens_to_ids(["[THINK]", "[/THINK]"])
+    prompt = {"prompt_token_ids": tokenizer.encode("Question?") + [start]}
+    (output,) = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                                                    thinking_token_budget=3), use_tqdm=False)
+    assert output.outputs[0].token_ids[3] == end and end not in output.outputs[0].token_ids[:3]
