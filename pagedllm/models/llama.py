@@ -11,6 +11,9 @@ layers (over a sliding window). Gemma 2 soft-caps its attention scores and its l
 `final_logit_softcapping`: cap tanh(x / cap)); Gemma 3 (text) has Qwen3's head norms instead, and a rotary base of
 its own in its local layers. EmbeddingGemma is Gemma 3 as an encoder (`attends_both_ways`): each token attends to
 those after it too, through `bidirectional_attention`.
+OLMo 2 norms each branch's output rather than its input (`post_attention_layernorm`, `post_feedforward_layernorm`,
+no `input_layernorm`), and its queries and keys over all their heads at once (`q_norm`, `k_norm` of heads x
+head_dim): its layers run as modules (the C++ stack has neither), on one rank.
 Granite (IBM's Granite 3) scales four things by its config's multipliers: the embeddings (`embedding_multiplier`),
 the attention scores (`attention_multiplier`, in place of head_dim ** -0.5), each branch's output before it joins
 the residual stream (`residual_multiplier`: `load_weights` folds it into o_proj's and down_proj's weights, so that
@@ -93,6 +96,10 @@ def _has_qk_norm(config: Any) -> bool:
 
 def _is_gemma(config: Any) -> bool:
     return config.model_type in ("gemma2", "gemma3_text")
+
+
+def _is_olmo2(config: Any) -> bool:
+    return config.model_type == "olmo2"
 
 
 # the BERT family's (pagedllm.models.bert), encoders all
@@ -213,9 +220,17 @@ class LlamaAttention(nn.Module):
                                         tp_rank=tp[0], tp_size=tp[1],
                                         input_shard=(heads.q_start * self.head_dim, heads.num_heads * self.head_dim))
         self.rotary_emb = rotary_emb  # shared by all layers
-        # Qwen3's per-head norms of q and k (one weight of head_dim each, shared by the heads)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if _has_qk_norm(config) else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if _has_qk_norm(config) else None
+        # Qwen3's per-head norms of q and k (one weight of head_dim each, shared by the heads); OLMo 2's over all
+        # of a token's query (key) values at once (`norms_all_heads`)
+        self.norms_all_heads = _is_olmo2(config)
+        if self.norms_all_heads and tp[1] > 1:
+            raise ValueError("OLMo 2 norms its queries and keys over all heads at once: it runs on one rank "
+                             "(tensor_parallel_size=1)")
+        q_width, k_width = ((self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim)
+                            if self.norms_all_heads else (self.head_dim, self.head_dim))
+        has_norms = _has_qk_norm(config) or self.norms_all_heads
+        self.q_norm = RMSNorm(q_width, config.rms_norm_eps, dtype) if has_norms else None
+        self.k_norm = RMSNorm(k_width, config.rms_norm_eps, dtype) if has_norms else None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata, lora: LayerLoRA | None = None) -> torch.Tensor:
@@ -225,10 +240,12 @@ class LlamaAttention(nn.Module):
             lora.add("qkv_proj", x, qkv)
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        if self.norms_all_heads:    # OLMo 2's, over all of a token's query (key) values
+            q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
         q = q.view(-1, q_size // self.head_dim, self.head_dim)  # [T, Hq, D]
         k = k.view(-1, kv_size // self.head_dim, self.head_dim)  # [T, Hkv, D]
         v = v.view(-1, kv_size // self.head_dim, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:     # over each head's row of head_dim values
+        if not self.norms_all_heads and self.q_norm is not None and self.k_norm is not None:  # each head's values
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
         q, k = self.rotary_emb(positions, q, k)
@@ -339,19 +356,26 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(config, dtype, attn_backend, rotary_emb, tp, index)
         self.mlp: LlamaMLP | LlamaSparseMoeBlock = (
             LlamaSparseMoeBlock(config, dtype, tp) if _is_sparse_layer(config, index) else LlamaMLP(config, dtype, tp))
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        # OLMo 2's layers norm their branches' outputs only (post_attention_layernorm, post_feedforward_layernorm)
+        self.input_layernorm = None if _is_olmo2(config) else RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         # Gemma's: the attention's output normed by post_attention_layernorm before it joins the residual stream,
         # the stream normed by pre_feedforward_layernorm for the MLP, the MLP's output by post_feedforward_layernorm
         sandwich = _is_gemma(config)
         self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if sandwich else None
-        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if sandwich else None
+        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) \
+            if sandwich or _is_olmo2(config) else None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 kv_cache: KVCache, meta: AttentionMetadata, lora: LayerLoRA | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the layer's output, the residual stream before it is added): the next layer, or the final norm, adds
         the two."""
+        if self.input_layernorm is None:    # OLMo 2's: the stream itself into the attention, the branches normed
+            residual = x if residual is None else x + residual
+            residual = residual + self.post_attention_layernorm(self.self_attn(positions, residual, kv_cache, meta,
+                                                                                lora))
+            return self.post_feedforward_layernorm(self.mlp(residual, lora)), residual
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
@@ -566,7 +590,7 @@ class LlamaForCausalLM(nn.Module):
         the weights are final, packed: a stack holds the weight tensors it was built with. `enforce_eager=True` keeps
         the modules."""
         attn = self.model.layers[0].self_attn
-        if attn.qkv_proj.tp_size == 1 and attn.attn_backend is paged_attention:
+        if attn.qkv_proj.tp_size == 1 and attn.attn_backend is paged_attention and not attn.norms_all_heads:
             self.model.stacks = {}
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],

@@ -100,3 +100,16 @@ def test_granites_multipliers_refuse_4_bit_blocks(tmp_path) -> None:
     folder, _ = save_int4_checkpoint(tmp_path / "awq", model, "awq", group_size=64)
     with pytest.raises(ValueError, match="residual_multiplier .* blocks it keeps packed \\(AWQ"):
         load_model(ModelConfig(model=str(folder)))
+
+
+def test_olmo2_runs_its_modules_through_the_engine_as_transformers(tmp_path) -> None:
+    """OLMo 2's norms are not the C++ stack's: the engine runs its modules, and generates transformers' tokens."""
+    from pagedllm import LLM, SamplingParams
+    from tests.models.tiny import hf_greedy
+
+    folder, hf_model = save_tiny_model(tmp_path / "olmo2", "olmo2", initializer_range=0.5)
+    llm = LLM(str(folder), dtype="float32", block_size=4, num_kv_blocks=64, max_num_batched_tokens=8)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                           SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert llm.engine.runner.model.model.stacks is None
+    assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(hf_model, PROMPTS, 8)

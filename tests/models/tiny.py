@@ -53,6 +53,8 @@ TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     # (granite-3.3-2b's 12.0, 0.015625, 0.22 and 8.0; here the scores' this far from Llama's to tell them apart)
     "granite": ("granite", dict(num_key_value_heads=2, embedding_multiplier=12.0, attention_multiplier=0.05,
                                 residual_multiplier=0.22, logits_scaling=8.0)),
+    # as OLMo 2's: the branches' outputs normed, not their inputs; queries and keys normed over all their heads
+    "olmo2": ("olmo2", dict(num_key_value_heads=2)),
     # mixtures of experts: 4 experts, 2 a token (8 and 2 for Mixtral, 128 and 8 for Qwen3-30B-A3B)
     "mixtral": ("mixtral", dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
                                 tie_word_embeddings=False)),
