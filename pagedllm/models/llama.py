@@ -11,9 +11,12 @@ layers (over a sliding window). Gemma 2 soft-caps its attention scores and its l
 `final_logit_softcapping`: cap tanh(x / cap)); Gemma 3 (text) has Qwen3's head norms instead, and a rotary base of
 its own in its local layers. EmbeddingGemma is Gemma 3 as an encoder (`attends_both_ways`): each token attends to
 those after it too, through `bidirectional_attention`.
-OLMo 2 norms each branch's output rather than its input (`post_attention_layernorm`, `post_feedforward_layernorm`,
-no `input_layernorm`), and its queries and keys over all their heads at once (`q_norm`, `k_norm` of heads x
-head_dim): its layers run as modules (the C++ stack has neither), on one rank.
+OLMo 2 and 3 and EXAONE 4 norm each branch's output rather than its input (`post_attention_layernorm`,
+`post_feedforward_layernorm`, no `input_layernorm`: `_norms_outputs`); OLMo's norm their queries and keys over all
+their heads at once (`q_norm`, `k_norm` of heads x head_dim), EXAONE 4's each head's, as Qwen3's. Their layers run as
+modules (the C++ stack has no such norms), on one rank. OLMo 3 and EXAONE 4 have local layers (over a sliding window)
+among their global ones, as Gemma's; EXAONE 4's global layers turn no values (NoPE). InternLM3 is Llama's layout;
+Seed-OSS has a bias of its own on o_proj (`attention_out_bias`).
 Granite (IBM's Granite 3) scales four things by its config's multipliers: the embeddings (`embedding_multiplier`),
 the attention scores (`attention_multiplier`, in place of head_dim ** -0.5), each branch's output before it joins
 the residual stream (`residual_multiplier`: `load_weights` folds it into o_proj's and down_proj's weights, so that
@@ -91,15 +94,25 @@ def _has_qkv_bias(config: Any) -> bool:
 
 
 def _has_qk_norm(config: Any) -> bool:
-    return config.model_type in ("qwen3", "qwen3_moe", "gemma3_text")
+    return config.model_type in ("qwen3", "qwen3_moe", "gemma3_text", "exaone4")
 
 
 def _is_gemma(config: Any) -> bool:
     return config.model_type in ("gemma2", "gemma3_text")
 
 
-def _is_olmo2(config: Any) -> bool:
-    return config.model_type == "olmo2"
+def _is_olmo(config: Any) -> bool:
+    return config.model_type in ("olmo2", "olmo3")
+
+
+def _norms_outputs(config: Any) -> bool:
+    """Whether the layers norm their branches' outputs, not their inputs (OLMo 2 and 3, EXAONE 4)."""
+    return _is_olmo(config) or config.model_type == "exaone4"
+
+
+def _has_nope_globals(config: Any) -> bool:
+    """EXAONE 4's: its global layers turn none of their values where it has local ones."""
+    return config.model_type == "exaone4" and bool(getattr(config, "sliding_window", None))
 
 
 # the BERT family's (pagedllm.models.bert), encoders all
@@ -216,16 +229,16 @@ class LlamaAttention(nn.Module):
                                           bias=_has_qkv_bias(config), dtype=dtype, tp_rank=tp[0], tp_size=tp[1])
         heads = self.qkv_proj.heads
         self.o_proj = RowParallelLinear(self.num_heads * self.head_dim, config.hidden_size,
-                                        bias=bool(getattr(config, "attention_bias", False)), dtype=dtype,
+                                        bias=bool(getattr(config, "attention_out_bias",
+                                                          getattr(config, "attention_bias", False))), dtype=dtype,
                                         tp_rank=tp[0], tp_size=tp[1],
                                         input_shard=(heads.q_start * self.head_dim, heads.num_heads * self.head_dim))
         self.rotary_emb = rotary_emb  # shared by all layers
         # Qwen3's per-head norms of q and k (one weight of head_dim each, shared by the heads); OLMo 2's over all
         # of a token's query (key) values at once (`norms_all_heads`)
-        self.norms_all_heads = _is_olmo2(config)
-        if self.norms_all_heads and tp[1] > 1:
-            raise ValueError("OLMo 2 norms its queries and keys over all heads at once: it runs on one rank "
-                             "(tensor_parallel_size=1)")
+        self.norms_all_heads = _is_olmo(config)
+        if _norms_outputs(config) and tp[1] > 1:
+            raise ValueError(f"{config.model_type}'s layers run as modules, on one rank (tensor_parallel_size=1)")
         q_width, k_width = ((self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim)
                             if self.norms_all_heads else (self.head_dim, self.head_dim))
         has_norms = _has_qk_norm(config) or self.norms_all_heads
@@ -356,22 +369,24 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(config, dtype, attn_backend, rotary_emb, tp, index)
         self.mlp: LlamaMLP | LlamaSparseMoeBlock = (
             LlamaSparseMoeBlock(config, dtype, tp) if _is_sparse_layer(config, index) else LlamaMLP(config, dtype, tp))
-        # OLMo 2's layers norm their branches' outputs only (post_attention_layernorm, post_feedforward_layernorm)
-        self.input_layernorm = None if _is_olmo2(config) else RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        # OLMo's and EXAONE 4's layers norm their branches' outputs only (post_attention_layernorm and
+        # post_feedforward_layernorm)
+        self.input_layernorm = None if _norms_outputs(config) else \
+            RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         # Gemma's: the attention's output normed by post_attention_layernorm before it joins the residual stream,
         # the stream normed by pre_feedforward_layernorm for the MLP, the MLP's output by post_feedforward_layernorm
         sandwich = _is_gemma(config)
         self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if sandwich else None
         self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) \
-            if sandwich or _is_olmo2(config) else None
+            if sandwich or _norms_outputs(config) else None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 kv_cache: KVCache, meta: AttentionMetadata, lora: LayerLoRA | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the layer's output, the residual stream before it is added): the next layer, or the final norm, adds
         the two."""
-        if self.input_layernorm is None:    # OLMo 2's: the stream itself into the attention, the branches normed
+        if self.input_layernorm is None:    # OLMo's, EXAONE 4's: the stream itself in, the branches' outputs normed
             residual = x if residual is None else x + residual
             residual = residual + self.post_attention_layernorm(self.self_attn(positions, residual, kv_cache, meta,
                                                                                 lora))
@@ -404,7 +419,9 @@ class LlamaModel(nn.Module):
             base, scaling = rope_config(config, _layer_type(config, index))
             # SmolLM3's every fourth layer has no rotary embedding (NoPE): one that turns none of a head's values
             no_rope = getattr(config, "no_rope_layers", None)
-            dim = rotary_dim(config, _head_dim(config)) if no_rope is None or no_rope[index] else 0
+            nope = (no_rope is not None and not no_rope[index]) or \
+                (_has_nope_globals(config) and _layer_type(config, index) == "full_attention")
+            dim = 0 if nope else rotary_dim(config, _head_dim(config))
             key = repr((base, scaling, dim))
             if key not in rotary:
                 rotary[key] = get_rope(dim, max_positions, base, scaling, mrope_axes(config))
@@ -589,8 +606,9 @@ class LlamaForCausalLM(nn.Module):
         own). Only on one rank and with the CPU attention backend: otherwise the modules run. The loader calls it once
         the weights are final, packed: a stack holds the weight tensors it was built with. `enforce_eager=True` keeps
         the modules."""
-        attn = self.model.layers[0].self_attn
-        if attn.qkv_proj.tp_size == 1 and attn.attn_backend is paged_attention and not attn.norms_all_heads:
+        layer = self.model.layers[0]
+        attn = layer.self_attn
+        if attn.qkv_proj.tp_size == 1 and attn.attn_backend is paged_attention and layer.input_layernorm is not None:
             self.model.stacks = {}
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],

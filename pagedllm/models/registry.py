@@ -27,7 +27,12 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Gemma2ForCausalLM": LlamaForCausalLM,
     "Gemma3ForCausalLM": LlamaForCausalLM,
     "GraniteForCausalLM": LlamaForCausalLM,
-    "Olmo2ForCausalLM": LlamaForCausalLM,     # (not its model_type: llama.cpp's olmo2 files are not read)
+    # (not by their model_types: llama.cpp's files of these are not read)
+    "Olmo2ForCausalLM": LlamaForCausalLM,
+    "Olmo3ForCausalLM": LlamaForCausalLM,
+    "Exaone4ForCausalLM": LlamaForCausalLM,
+    "InternLM3ForCausalLM": LlamaForCausalLM,
+    "SeedOssForCausalLM": LlamaForCausalLM,
     # The bare decoders (no LM head), as embedding models are saved (gte-Qwen2, e5-mistral): see BARE_ARCHITECTURES.
     "LlamaModel": LlamaForCausalLM,
     "MistralModel": LlamaForCausalLM,

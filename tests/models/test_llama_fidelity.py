@@ -102,12 +102,14 @@ def test_granites_multipliers_refuse_4_bit_blocks(tmp_path) -> None:
         load_model(ModelConfig(model=str(folder)))
 
 
-def test_olmo2_runs_its_modules_through_the_engine_as_transformers(tmp_path) -> None:
-    """OLMo 2's norms are not the C++ stack's: the engine runs its modules, and generates transformers' tokens."""
+@pytest.mark.parametrize("kind", ["olmo2", "olmo3", "exaone4"])
+def test_branch_output_norms_run_as_modules_through_the_engine_as_transformers(tmp_path, kind: str) -> None:
+    """OLMo's and EXAONE 4's norms are not the C++ stack's: the engine runs their modules, and generates
+    transformers' tokens, past the local layers' window (12) with prompts prefilled in chunks."""
     from pagedllm import LLM, SamplingParams
     from tests.models.tiny import hf_greedy
 
-    folder, hf_model = save_tiny_model(tmp_path / "olmo2", "olmo2", initializer_range=0.5)
+    folder, hf_model = save_tiny_model(tmp_path / kind, kind, initializer_range=0.5)
     llm = LLM(str(folder), dtype="float32", block_size=4, num_kv_blocks=64, max_num_batched_tokens=8)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                            SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)

@@ -55,6 +55,14 @@ TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
                                 residual_multiplier=0.22, logits_scaling=8.0)),
     # as OLMo 2's: the branches' outputs normed, not their inputs; queries and keys normed over all their heads
     "olmo2": ("olmo2", dict(num_key_value_heads=2)),
+    # OLMo 2's layers with a local one (a window of 12) before a global one, as OLMo 3's 3 in 4
+    "olmo3": ("olmo3", dict(num_key_value_heads=2, sliding_window=12,
+                            layer_types=["sliding_attention", "full_attention"])),
+    # EXAONE 4's: OLMo's branch norms, Qwen3's head norms, a local layer and a global one without rotary embedding
+    "exaone4": ("exaone4", dict(num_key_value_heads=2, sliding_window=12, sliding_window_pattern=2)),
+    # InternLM3's (Llama's layout, its biases named qkv_bias and bias) and Seed-OSS's (q/k/v biased, o_proj not)
+    "internlm3": ("internlm3", dict(num_key_value_heads=2, qkv_bias=True, bias=True)),
+    "seed-oss": ("seed_oss", dict(num_key_value_heads=2, attention_bias=True, attention_out_bias=False)),
     # mixtures of experts: 4 experts, 2 a token (8 and 2 for Mixtral, 128 and 8 for Qwen3-30B-A3B)
     "mixtral": ("mixtral", dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
                                 tie_word_embeddings=False)),
