@@ -13,10 +13,9 @@ its own in its local layers. EmbeddingGemma is Gemma 3 as an encoder (`attends_b
 those after it too, through `bidirectional_attention`.
 OLMo 2 and 3 and EXAONE 4 norm each branch's output rather than its input (`post_attention_layernorm`,
 `post_feedforward_layernorm`, no `input_layernorm`: `_norms_outputs`); OLMo's norm their queries and keys over all
-their heads at once (`q_norm`, `k_norm` of heads x head_dim), EXAONE 4's each head's, as Qwen3's. Their layers run as
-modules (the C++ stack has no such norms), on one rank. OLMo 3 and EXAONE 4 have local layers (over a sliding window)
-among their global ones, as Gemma's; EXAONE 4's global layers turn no values (NoPE). InternLM3 is Llama's layout;
-Seed-OSS has a bias of its own on o_proj (`attention_out_bias`).
+their heads at once (`q_norm`, `k_norm` of heads x head_dim: on one rank), EXAONE 4's each head's, as Qwen3's. OLMo 3
+and EXAONE 4 have local layers (over a sliding window) among their global ones, as Gemma's; EXAONE 4's global layers
+turn no values (NoPE). InternLM3 is Llama's layout; Seed-OSS has a bias of its own on o_proj (`attention_out_bias`).
 Granite (IBM's Granite 3) scales four things by its config's multipliers: the embeddings (`embedding_multiplier`),
 the attention scores (`attention_multiplier`, in place of head_dim ** -0.5), each branch's output before it joins
 the residual stream (`residual_multiplier`: `load_weights` folds it into o_proj's and down_proj's weights, so that
@@ -237,8 +236,9 @@ class LlamaAttention(nn.Module):
         # Qwen3's per-head norms of q and k (one weight of head_dim each, shared by the heads); OLMo 2's over all
         # of a token's query (key) values at once (`norms_all_heads`)
         self.norms_all_heads = _is_olmo(config)
-        if _norms_outputs(config) and tp[1] > 1:
-            raise ValueError(f"{config.model_type}'s layers run as modules, on one rank (tensor_parallel_size=1)")
+        if self.norms_all_heads and tp[1] > 1:
+            raise ValueError("OLMo norms its queries and keys over all heads at once: it runs on one rank "
+                             "(tensor_parallel_size=1)")
         q_width, k_width = ((self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim)
                             if self.norms_all_heads else (self.head_dim, self.head_dim))
         has_norms = _has_qk_norm(config) or self.norms_all_heads
@@ -488,7 +488,7 @@ class LlamaModel(nn.Module):
             attn, mlp = layer.self_attn, layer.mlp
             dense = isinstance(mlp, LlamaMLP)
             return kernels.DecoderLayerWeights(
-                layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                weight(layer.input_layernorm), layer.post_attention_layernorm.weight,
                 attn.qkv_proj.kernel_weights(kernels), attn.o_proj.kernel_weights(kernels),
                 mlp.gate_up_proj.kernel_weights(kernels) if dense else None,
                 mlp.down_proj.kernel_weights(kernels) if dense else None,
@@ -606,9 +606,8 @@ class LlamaForCausalLM(nn.Module):
         own). Only on one rank and with the CPU attention backend: otherwise the modules run. The loader calls it once
         the weights are final, packed: a stack holds the weight tensors it was built with. `enforce_eager=True` keeps
         the modules."""
-        layer = self.model.layers[0]
-        attn = layer.self_attn
-        if attn.qkv_proj.tp_size == 1 and attn.attn_backend is paged_attention and layer.input_layernorm is not None:
+        attn = self.model.layers[0].self_attn
+        if attn.qkv_proj.tp_size == 1 and attn.attn_backend is paged_attention:
             self.model.stacks = {}
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],

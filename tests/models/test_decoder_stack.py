@@ -51,6 +51,11 @@ CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "smollm3": ("smollm3", {}, dict(dtype="float32")),
     # Granite's multipliers: the residual's folded into o_proj and down_proj, the scores' as the attention scale
     "granite": ("granite", {}, dict(dtype="bfloat16")),
+    # the branches' outputs normed, not their inputs: OLMo's q/k norms over all the heads, EXAONE 4's per head and
+    # its global layer without a rotary embedding
+    "olmo2": ("olmo2", {}, dict(dtype="float32")),
+    "olmo3 in bfloat16": ("olmo3", {}, dict(dtype="bfloat16")),
+    "exaone4": ("exaone4", {}, dict(dtype="float32")),
 }
 
 

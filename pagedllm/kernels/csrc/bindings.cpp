@@ -113,7 +113,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("shared_gate") = py::none())
       .def("__call__", &pagedllm::MoEWeights::operator(), "h [T, H] -> the block's output [T, H]", NoGil());
   py::class_<pagedllm::DecoderLayerWeights>(m, "DecoderLayerWeights", py::module_local())
-      .def(py::init<at::Tensor, at::Tensor, pagedllm::LinearWeights, pagedllm::LinearWeights,
+      .def(py::init<c10::optional<at::Tensor>, at::Tensor, pagedllm::LinearWeights, pagedllm::LinearWeights,
                     c10::optional<pagedllm::LinearWeights>, c10::optional<pagedllm::LinearWeights>,
                     c10::optional<at::Tensor>, c10::optional<at::Tensor>, c10::optional<pagedllm::MoEWeights>,
                     int64_t, at::Tensor, at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>, bool>(),

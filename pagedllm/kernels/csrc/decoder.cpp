@@ -99,14 +99,18 @@ at::Tensor DecoderStack::forward(at::Tensor x, const at::Tensor& positions, cons
   at::Tensor residual;
   for (size_t i = 0; i < layers_.size(); ++i) {
     const DecoderLayerWeights& layer = layers_[i];
+    if (!layer.input_norm) {
+      x = output_norm_layer(layer, x, residual, pos, kv_caches[i], batch);
+      continue;
+    }
     at::Tensor h;
     if (residual.defined()) {
       h = at::empty_like(x);
       at::Tensor sum = at::empty_like(x);
-      fused_add_rms_norm(h, sum, x, residual, layer.input_norm, eps_);
+      fused_add_rms_norm(h, sum, x, residual, *layer.input_norm, eps_);
       residual = sum;
     } else {
-      h = norm(x, layer.input_norm);
+      h = norm(x, *layer.input_norm);
       residual = x;
     }
     x = attention(layer, h, pos, kv_caches[i], batch);
@@ -125,16 +129,34 @@ at::Tensor DecoderStack::forward(at::Tensor x, const at::Tensor& positions, cons
   return out;
 }
 
+// LlamaDecoderLayer.forward of a layer that norms its branches' outputs (OLMo's, EXAONE 4's): the stream itself into
+// the attention, each branch's output normed before it joins the stream. Returns the MLP's normed output; `residual`
+// becomes the stream before it is added.
+at::Tensor DecoderStack::output_norm_layer(const DecoderLayerWeights& layer, const at::Tensor& x, at::Tensor& residual,
+                                           const at::Tensor& positions, const KVPair& kv_cache,
+                                           const StepBatch& batch) const {
+  residual = residual.defined() ? x + residual : x;
+  residual = residual + norm(attention(layer, residual, positions, kv_cache, batch), layer.post_attention_norm);
+  return norm(mlp(layer, residual), *layer.post_feedforward_norm);
+}
+
 // LlamaAttention.forward with the CPU backend (pagedllm.attention.cpu): h [T, H] -> o_proj's output [T, H]; Qwen3's
-// per-head norms of q and k before the rotary embedding, where the layer has them.
+// per-head norms of q and k (or OLMo's over all the heads) before the rotary embedding, where the layer has them.
 at::Tensor DecoderStack::attention(const DecoderLayerWeights& layer, const at::Tensor& h, const at::Tensor& positions,
                                    const KVPair& kv_cache, const StepBatch& batch) const {
   const at::Tensor qkv = layer.qkv(h);  // [T, (Hq + 2 Hkv) D]
   const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
-  at::Tensor q = qkv.narrow(1, 0, q_size).view({-1, num_heads_, head_dim_});
-  at::Tensor k = qkv.narrow(1, q_size, kv_size).view({-1, num_kv_heads_, head_dim_});
+  at::Tensor q = qkv.narrow(1, 0, q_size);
+  at::Tensor k = qkv.narrow(1, q_size, kv_size);
+  const bool all_heads = layer.q_norm && layer.q_norm->numel() == q_size;  // OLMo's norms over all the heads
+  if (all_heads) {
+    q = norm(q.contiguous(), *layer.q_norm);
+    k = norm(k.contiguous(), *layer.k_norm);
+  }
+  q = q.view({-1, num_heads_, head_dim_});
+  k = k.view({-1, num_kv_heads_, head_dim_});
   const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({-1, num_kv_heads_, head_dim_});
-  if (layer.q_norm && layer.k_norm) {
+  if (layer.q_norm && layer.k_norm && !all_heads) {
     q = head_norm(q, *layer.q_norm);
     k = head_norm(k, *layer.k_norm);
   }

@@ -205,10 +205,15 @@ struct MoEWeights {
 // A decoder layer's weights: its MLP's gate_up and down, or a mixture of experts (`moe`); its attention's sliding
 // window (0: none) and its rotary embedding's tables.
 struct DecoderLayerWeights {
-  at::Tensor input_norm, post_attention_norm;
+  // input_norm: none for a layer that norms its branches' outputs instead (OLMo's, EXAONE 4's: post_attention_norm
+  // the attention's, post_feedforward_norm the MLP's)
+  c10::optional<at::Tensor> input_norm;
+  at::Tensor post_attention_norm;
   LinearWeights qkv, o;
   c10::optional<LinearWeights> gate_up, down;
-  c10::optional<at::Tensor> q_norm, k_norm;  // Qwen3's RMSNorm weights over each query and key head
+  // RMSNorm weights over each query and key head (Qwen3's: [head_dim]) or over all of them at once (OLMo's:
+  // [heads x head_dim])
+  c10::optional<at::Tensor> q_norm, k_norm;
   c10::optional<MoEWeights> moe;
   int64_t sliding_window;
   at::Tensor cos_cache, sin_cache;
@@ -241,6 +246,8 @@ class DecoderStack {
   at::Tensor attention(const DecoderLayerWeights& layer, const at::Tensor& h, const at::Tensor& positions,
                        const KVPair& kv_cache, const StepBatch& batch) const;
   at::Tensor head_norm(const at::Tensor& heads, const at::Tensor& weight) const;
+  at::Tensor output_norm_layer(const DecoderLayerWeights& layer, const at::Tensor& x, at::Tensor& residual,
+                               const at::Tensor& positions, const KVPair& kv_cache, const StepBatch& batch) const;
   at::Tensor mlp(const DecoderLayerWeights& layer, const at::Tensor& h) const;
   at::Tensor norm(const at::Tensor& x, const at::Tensor& weight) const;
 
