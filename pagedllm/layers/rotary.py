@@ -67,6 +67,17 @@ def rotary_dim(config: Any, head_dim: int) -> int:
     return int(head_dim * (factor or getattr(config, "partial_rotary_factor", None) or 1.0))
 
 
+def interleaved_to_halves(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """q or k projection rows (weight or bias) of `num_heads` heads, each head's rows from interleaved pairs
+    [x0, y0, x1, y1, ...] (the GPT-J rotary layout: ERNIE 4.5's and Helium's checkpoints, llama.cpp's files) to
+    halves [x0, x1, ..., y0, y1, ...] (the NeoX layout pagedllm's rotary embedding turns): a permutation of each head's
+    values, which leaves q . k as it was. The inverse of convert_hf_to_gguf's `permute`: reshape(H, d/2, 2, ...)
+    swapped to (H, 2, d/2, ...)."""
+    rest = weight.shape[1:]
+    return weight.reshape(num_heads, weight.shape[0] // num_heads // 2, 2, *rest).transpose(1, 2).reshape(
+        weight.shape)
+
+
 def _default_inv_freq(head_dim: int, base: float) -> torch.Tensor:
     # The same expression as transformers' default rope init, so float32 results match bit for bit.
     return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))

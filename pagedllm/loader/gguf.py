@@ -29,6 +29,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from gguf.quants import dequantize
 
+from pagedllm.layers.rotary import interleaved_to_halves
+
 _SCALARS: dict[int, str] = {
     GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H", GGUFValueType.INT16: "<h",
     GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i", GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<?",
@@ -265,17 +267,6 @@ def gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
     return f"{_TOP_NAMES[base]}.{kind}"
 
 
-def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Undo convert_hf_to_gguf's `permute(w, n_head, n_head_kv)` for one of q (num_heads) or k (num_kv_heads).
-
-    llama.cpp reorders each head's rows from halves [x0..x(d/2-1), y0..] to interleaved pairs [x0, y0, x1, ...]:
-    forward is reshape(H, 2, d/2, ...).swapaxes(1, 2); the inverse is reshape(H, d/2, 2, ...).swapaxes(1, 2).
-    """
-    rest = weight.shape[1:]
-    return weight.reshape(num_heads, weight.shape[0] // num_heads // 2, 2, *rest).transpose(1, 2).reshape(
-        weight.shape)
-
-
 def iterate_gguf(path: str | Path, dtype: torch.dtype = torch.float32, gguf_file: GGUFFile | None = None,
                  skip: Container[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (Hugging Face name, tensor in `dtype`) for every weight of a llama-family GGUF but those named in
@@ -296,9 +287,9 @@ def iterate_gguf(path: str | Path, dtype: torch.dtype = torch.float32, gguf_file
         if hf_name.endswith("shared_expert_gate.weight") and tensor.dim() == 1:    # llama.cpp stores [H], not [1, H]
             tensor = tensor[None]
         if permute and ".q_proj." in hf_name:
-            tensor = unpermute_qk(tensor, num_heads)
+            tensor = interleaved_to_halves(tensor, num_heads)
         elif permute and ".k_proj." in hf_name:
-            tensor = unpermute_qk(tensor, num_kv_heads)
+            tensor = interleaved_to_halves(tensor, num_kv_heads)
         yield hf_name, tensor.to(dtype)
 
 
@@ -321,7 +312,7 @@ def gguf_block_rows(g: GGUFFile, ggml_types: tuple[GGMLQuantizationType, ...], c
         raw = g._view(torch.uint8, info.num_bytes, info.offset).view(info.shape[0], -1)
         for part, num_heads in heads.items():
             if permute and part in hf_name:
-                raw = unpermute_qk(raw, num_heads)
+                raw = interleaved_to_halves(raw, num_heads)
         for part_name, part_rows in unfused(config, hf_name, raw):     # Phi-3's fused tensors, row by row
             rows[part_name] = (info.ggml_type, part_rows)
     return rows

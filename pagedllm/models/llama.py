@@ -16,6 +16,8 @@ OLMo 2 and 3 and EXAONE 4 norm each branch's output rather than its input (`post
 their heads at once (`q_norm`, `k_norm` of heads x head_dim: on one rank), EXAONE 4's each head's, as Qwen3's. OLMo 3
 and EXAONE 4 have local layers (over a sliding window) among their global ones, as Gemma's; EXAONE 4's global layers
 turn no values (NoPE). InternLM3 is Llama's layout; Seed-OSS has a bias of its own on o_proj (`attention_out_bias`).
+ERNIE 4.5 and Helium turn interleaved pairs of a head's values (the GPT-J rotary layout): `load_weights` reorders
+their q and k rows into the halves the rotary embedding turns (`interleaved_to_halves`, which leaves q . k as it was).
 Granite (IBM's Granite 3) scales four things by its config's multipliers: the embeddings (`embedding_multiplier`),
 the attention scores (`attention_multiplier`, in place of head_dim ** -0.5), each branch's output before it joins
 the residual stream (`residual_multiplier`: `load_weights` folds it into o_proj's and down_proj's weights, so that
@@ -51,7 +53,14 @@ from pagedllm.layers.linear import (
 )
 from pagedllm.layers.moe import route, run_experts
 from pagedllm.layers.norm import RMSNorm
-from pagedllm.layers.rotary import RotaryEmbedding, get_rope, mrope_axes, rope_config, rotary_dim
+from pagedllm.layers.rotary import (
+    RotaryEmbedding,
+    get_rope,
+    interleaved_to_halves,
+    mrope_axes,
+    rope_config,
+    rotary_dim,
+)
 from pagedllm.models.vision import ImageEncoder, ImageRows
 from pagedllm.multimodal import ImageInput
 
@@ -88,8 +97,22 @@ def _head_dim(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def _has_qkv_bias(config: Any) -> bool:
+def _has_bias(config: Any, part: str) -> bool:
+    """Whether a layer's "qkv", "o" or "mlp" projections have biases: attention_bias (q/k/v and o; Qwen2's q/k/v
+    always), Seed-OSS's attention_out_bias for o, mlp_bias, and ERNIE 4.5's use_bias for all."""
+    if getattr(config, "use_bias", False):
+        return True
+    if part == "mlp":
+        return bool(getattr(config, "mlp_bias", False))
+    if part == "o":
+        return bool(getattr(config, "attention_out_bias", getattr(config, "attention_bias", False)))
     return bool(getattr(config, "attention_bias", False)) or config.model_type in ("qwen2", "qwen2_moe")
+
+
+def _interleaved_rope(config: Any) -> bool:
+    """Whether the checkpoint's rotary embedding turns interleaved pairs of a head's values (the GPT-J layout: ERNIE
+    4.5's, Helium's), which `load_weights` reorders into the halves pagedllm's turns."""
+    return config.model_type in ("ernie4_5", "helium")
 
 
 def _has_qk_norm(config: Any) -> bool:
@@ -225,11 +248,10 @@ class LlamaAttention(nn.Module):
         if self.encoder and self.softcap:
             raise ValueError("an encoder with soft-capped attention scores is not supported")
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads,
-                                          bias=_has_qkv_bias(config), dtype=dtype, tp_rank=tp[0], tp_size=tp[1])
+                                          bias=_has_bias(config, "qkv"), dtype=dtype, tp_rank=tp[0], tp_size=tp[1])
         heads = self.qkv_proj.heads
         self.o_proj = RowParallelLinear(self.num_heads * self.head_dim, config.hidden_size,
-                                        bias=bool(getattr(config, "attention_out_bias",
-                                                          getattr(config, "attention_bias", False))), dtype=dtype,
+                                        bias=_has_bias(config, "o"), dtype=dtype,
                                         tp_rank=tp[0], tp_size=tp[1],
                                         input_shard=(heads.q_start * self.head_dim, heads.num_heads * self.head_dim))
         self.rotary_emb = rotary_emb  # shared by all layers
@@ -286,7 +308,7 @@ class LlamaMLP(nn.Module):
         act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
         if act not in ("silu", "gelu_pytorch_tanh"):
             raise ValueError(f"hidden activation {act!r} is not supported (only 'silu' and 'gelu_pytorch_tanh')")
-        bias = bool(getattr(config, "mlp_bias", False))
+        bias = _has_bias(config, "mlp")
         inter = intermediate_size or config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias=bias, dtype=dtype,
                                                        tp_rank=tp[0], tp_size=tp[1])
@@ -671,6 +693,10 @@ class LlamaForCausalLM(nn.Module):
                 continue  # some checkpoints store the tied head anyway; the embedding is the one used
             if _is_gemma(self.config) and name.endswith("norm.weight"):
                 tensor = tensor.float() + 1     # Gemma's RMSNorm scales by 1 + w
+            if _interleaved_rope(self.config) and name.endswith((".q_proj.weight", ".q_proj.bias", ".k_proj.weight",
+                                                                 ".k_proj.bias")):
+                heads = self.config.num_attention_heads if ".q_proj." in name else _num_kv_heads(self.config)
+                tensor = interleaved_to_halves(tensor, heads)
             if residual_multiplier != 1.0 and name.endswith((".o_proj.weight", ".down_proj.weight")):
                 tensor = (tensor.float() * residual_multiplier).to(tensor.dtype)     # Granite's (module docstring)
             if name.endswith(".bias") and self._target(name)[0] not in params and not tensor.any():

@@ -33,6 +33,8 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Exaone4ForCausalLM": LlamaForCausalLM,
     "InternLM3ForCausalLM": LlamaForCausalLM,
     "SeedOssForCausalLM": LlamaForCausalLM,
+    "Ernie4_5ForCausalLM": LlamaForCausalLM,
+    "HeliumForCausalLM": LlamaForCausalLM,
     # The bare decoders (no LM head), as embedding models are saved (gte-Qwen2, e5-mistral): see BARE_ARCHITECTURES.
     "LlamaModel": LlamaForCausalLM,
     "MistralModel": LlamaForCausalLM,

@@ -15,8 +15,9 @@ from gguf.quants import dequantize, quantize
 
 from pagedllm.config import ModelConfig
 from pagedllm.layers.gguf import PACKED_GGUF_TYPES, dequantize_gguf_packed, pack_gguf_weight, packed_type
+from pagedllm.layers.rotary import interleaved_to_halves
 from pagedllm.loader import load_model
-from pagedllm.loader.gguf import GGUFFile, gguf_block_rows, gguf_hf_config, gguf_to_hf_name, iterate_gguf, unpermute_qk
+from pagedllm.loader.gguf import GGUFFile, gguf_block_rows, gguf_hf_config, gguf_to_hf_name, iterate_gguf
 from pagedllm.loader.pooling_config import model_pooling_type, sentence_transformers_projector
 from pagedllm.loader.resolve import resolve_model
 from tests.models.tiny import SimplePagedRunner, build_tiny_hf_model, use_gguf_reference
@@ -77,8 +78,8 @@ def _permute(w: torch.Tensor, n_head: int, n_head_kv: int | None) -> torch.Tenso
 
 def test_unpermute_inverts_llama_cpp_permute() -> None:
     q, k = torch.randn(4 * 8, 16), torch.randn(2 * 8, 16)
-    assert torch.equal(unpermute_qk(_permute(q, 4, 4), 4), q)
-    assert torch.equal(unpermute_qk(_permute(k, 4, 2), 2), k)
+    assert torch.equal(interleaved_to_halves(_permute(q, 4, 4), 4), q)
+    assert torch.equal(interleaved_to_halves(_permute(k, 4, 2), 2), k)
     assert not torch.equal(_permute(q, 4, 4), q)
 
 

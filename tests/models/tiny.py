@@ -63,6 +63,9 @@ TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     # InternLM3's (Llama's layout, its biases named qkv_bias and bias) and Seed-OSS's (q/k/v biased, o_proj not)
     "internlm3": ("internlm3", dict(num_key_value_heads=2, qkv_bias=True, bias=True)),
     "seed-oss": ("seed_oss", dict(num_key_value_heads=2, attention_bias=True, attention_out_bias=False)),
+    # the GPT-J rotary layout (interleaved pairs): ERNIE 4.5's (with its use_bias) and Helium's
+    "ernie4_5": ("ernie4_5", dict(num_key_value_heads=2, head_dim=16, use_bias=True)),
+    "helium": ("helium", dict(num_key_value_heads=2, head_dim=16)),
     # mixtures of experts: 4 experts, 2 a token (8 and 2 for Mixtral, 128 and 8 for Qwen3-30B-A3B)
     "mixtral": ("mixtral", dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
                                 tie_word_embeddings=False)),
