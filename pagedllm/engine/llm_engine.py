@@ -35,6 +35,7 @@ from pagedllm.models.llama import (
     class_labels,
     classifier_pooling,
     generates,
+    has_conv_layers,
     num_experts,
     token_type_vocab_size,
 )
@@ -251,9 +252,12 @@ class LLMEngine:
         self.runner.allocate_kv_cache(num_blocks)
         self._setup_swap()
         self._setup_costs()
-        # a mixture of experts sorts its tokens by expert on the host (run_experts), which a graph cannot capture
+        # a mixture of experts sorts its tokens by expert on the host (run_experts), and a short convolution finds
+        # its tokens' earlier ones by their sequences' lengths, which a graph cannot capture
+        model_config = self.runner.model.config
         if (self.runner.device.type == "cuda" and not config.model.enforce_eager and config.lora is None
-                and runs_in_cuda_graphs(self.runner.attn_backend) and not num_experts(self.runner.model.config)):
+                and runs_in_cuda_graphs(self.runner.attn_backend) and not num_experts(model_config)
+                and not has_conv_layers(model_config)):
             self._capture_decode_graphs()
         self.kv_cache_manager = KVCacheManager(num_blocks, config.cache.block_size,
                                                config.cache.enable_prefix_caching, config.cache.num_swap_blocks)

@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file
 
 from pagedllm.lora.request import LoRARequest
-from pagedllm.models.llama import PACKED_MODULES_MAPPING
+from pagedllm.models.llama import PACKED_MODULES_MAPPING, has_conv_layers
 
 # fused module -> the checkpoint modules whose output rows it stacks, in row order
 _FUSED_PARTS: dict[str, list[str]] = {**PACKED_MODULES_MAPPING, "o_proj": ["o_proj"], "down_proj": ["down_proj"]}
@@ -159,6 +159,8 @@ class LoRARegistry:
     from their folders when a request needs them)."""
 
     def __init__(self, model: Any, max_lora_rank: int, capacity: int) -> None:
+        if has_conv_layers(model.config):
+            raise ValueError("LoRA adapters on a model with short convolution layers (LFM2) are not supported")
         self.model, self.max_lora_rank, self.capacity = model, max_lora_rank, capacity
         self._adapters: OrderedDict[int, LoRAAdapter] = OrderedDict()
 

@@ -84,6 +84,13 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb
 # Mixtral's checkpoint names of its sparse MLP -> the names of Qwen-MoE's, which the model's modules take
 _MIXTRAL_NAMES = ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."), (".w3.", ".up_proj."),
                   (".w2.", ".down_proj."))
+# LFM2's checkpoint names -> the modules' (its convolution is the layer's `self_attn`, a ShortConv)
+_LFM2_NAMES = ((".operator_norm.", ".input_layernorm."), (".ffn_norm.", ".post_attention_layernorm."),
+               (".feed_forward.w1.", ".mlp.gate_proj."), (".feed_forward.w3.", ".mlp.up_proj."),
+               (".feed_forward.w2.", ".mlp.down_proj."), (".self_attn.out_proj.", ".self_attn.o_proj."),
+               (".q_layernorm.", ".q_norm."), (".k_layernorm.", ".k_norm."), (".conv.in_proj.", ".self_attn.in_proj."),
+               (".conv.out_proj.", ".self_attn.out_proj."), (".conv.conv.", ".self_attn.conv."),
+               ("model.embedding_norm.", "model.norm."))
 
 
 TPRank = tuple[int, int]   # (tp_rank, tp_size)
@@ -116,7 +123,47 @@ def _interleaved_rope(config: Any) -> bool:
 
 
 def _has_qk_norm(config: Any) -> bool:
-    return config.model_type in ("qwen3", "qwen3_moe", "gemma3_text", "exaone4")
+    return config.model_type in ("qwen3", "qwen3_moe", "gemma3_text", "exaone4", "lfm2")
+
+
+def _eps(config: Any) -> float:
+    """The RMSNorms' epsilon (LFM2's config calls it norm_eps)."""
+    return config.norm_eps if config.model_type == "lfm2" else config.rms_norm_eps
+
+
+def _intermediate_size(config: Any) -> int:
+    """The MLP's width: the config's, but for LFM2's, cut to 2/3, times its multiplier, rounded up to its multiple
+    (`block_auto_adjust_ff_dim`), as transformers does."""
+    size = config.intermediate_size
+    if config.model_type != "lfm2" or not config.block_auto_adjust_ff_dim:
+        return size
+    size = int(2 * size / 3)
+    if config.block_ffn_dim_multiplier is not None:
+        multiple = config.block_multiple_of
+        size = multiple * ((int(config.block_ffn_dim_multiplier * size) + multiple - 1) // multiple)
+    return size
+
+
+def is_conv_layer(config: Any, index: int) -> bool:
+    """Whether decoder layer `index` is a short convolution (LFM2's "conv" layers), not an attention."""
+    return _layer_type(config, index) == "conv"
+
+
+def has_conv_layers(config: Any) -> bool:
+    """Whether any decoder layer is a short convolution (LFM2's)."""
+    return any(is_conv_layer(config, index) for index in range(config.num_hidden_layers))
+
+
+def cache_layers(config: Any) -> list[slice]:
+    """Each decoder layer's layers of the KV pool: one for an attention layer; for a short convolution (LFM2's), as
+    many as hold a token's convolution input (hidden_size values) in their K and V rows (`ShortConv`)."""
+    row = 2 * _num_kv_heads(config) * _head_dim(config)     # a pool layer's values a token
+    slices, start = [], 0
+    for index in range(config.num_hidden_layers):
+        width = -(-config.hidden_size // row) if is_conv_layer(config, index) else 1
+        slices.append(slice(start, start + width))
+        start += width
+    return slices
 
 
 def _is_gemma(config: Any) -> bool:
@@ -264,8 +311,8 @@ class LlamaAttention(nn.Module):
         q_width, k_width = ((self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim)
                             if self.norms_all_heads else (self.head_dim, self.head_dim))
         has_norms = _has_qk_norm(config) or self.norms_all_heads
-        self.q_norm = RMSNorm(q_width, config.rms_norm_eps, dtype) if has_norms else None
-        self.k_norm = RMSNorm(k_width, config.rms_norm_eps, dtype) if has_norms else None
+        self.q_norm = RMSNorm(q_width, _eps(config), dtype) if has_norms else None
+        self.k_norm = RMSNorm(k_width, _eps(config), dtype) if has_norms else None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata, lora: LayerLoRA | None = None) -> torch.Tensor:
@@ -297,6 +344,60 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out) if lora is None else lora.add("o_proj", out, self.o_proj(out))  # [T, hidden]
 
 
+class ShortConv(nn.Module):
+    """LFM2's short convolution in place of an attention: in_proj gives B, C and x; each channel of B * x is convolved
+    over the token and the `conv_L_cache - 1` before it (causal, depthwise), times C, through out_proj.
+
+    The tokens' B * x live in the paged KV pool, as the attention layers' K/V do: this layer's pool layers
+    (`cache_layers`) hold a token's hidden_size values in their K and V rows, written at its slot, and the tokens
+    before it are read at theirs (through the block table). So prefix caching, chunked prefill, preemption, swap,
+    copy-on-write and rejected drafts need nothing of their own: a block holds its tokens' inputs."""
+
+    def __init__(self, config: Any, dtype: torch.dtype, tp: TPRank) -> None:
+        super().__init__()
+        if tp[1] > 1:
+            raise ValueError("LFM2's convolution layers run on one rank (tensor_parallel_size=1)")
+        hidden, self.kernel_size = config.hidden_size, config.conv_L_cache
+        self.in_proj = MergedColumnParallelLinear(hidden, [hidden] * 3, bias=config.conv_bias, dtype=dtype)
+        self.out_proj = RowParallelLinear(hidden, hidden, bias=config.conv_bias, dtype=dtype)
+        self.conv = nn.Conv1d(hidden, hidden, self.kernel_size, groups=hidden, bias=config.conv_bias, dtype=dtype)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: list[KVCache],
+                meta: AttentionMetadata, lora: LayerLoRA | None = None) -> torch.Tensor:
+        b, c, h = self.in_proj(x).chunk(3, dim=-1)
+        bx = b * h                                                          # [T, H]
+        k_cache = kv_cache[0][0]
+        num_kv_heads, head_dim = k_cache.shape[-2:]
+        padded = torch.zeros(bx.shape[0], len(kv_cache) * 2 * num_kv_heads * head_dim, dtype=bx.dtype,
+                             device=bx.device)
+        padded[:, :bx.shape[1]] = bx
+        parts = padded.view(bx.shape[0], len(kv_cache), 2, num_kv_heads, head_dim)
+        for index, (k, v) in enumerate(kv_cache):
+            write_kv(parts[:, index, 0], parts[:, index, 1], k, v, meta.slot_mapping)
+        window = [self._earlier(kv_cache, positions, meta, back, bx.shape[1]) for back in
+                  range(self.kernel_size - 1, 0, -1)] + [bx]               # oldest first, as the kernel's taps
+        weight = self.conv.weight.squeeze(1)                                # [H, L]
+        out = sum(tap * weight[:, j] for j, tap in enumerate(window))
+        if self.conv.bias is not None:
+            out = out + self.conv.bias
+        return self.out_proj(c * out)
+
+    @staticmethod
+    def _earlier(kv_cache: list[KVCache], positions: torch.Tensor, meta: AttentionMetadata, back: int,
+                 hidden: int) -> torch.Tensor:
+        """[T, H]: each token's convolution input `back` positions before it, read from the pool (0 before its
+        sequence's start)."""
+        counts = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
+        seqs = torch.repeat_interleave(torch.arange(len(counts), device=positions.device), counts)
+        earlier = positions.long() - back
+        block_size = kv_cache[0][0].shape[1]
+        blocks = meta.block_tables[seqs, earlier.clamp(min=0) // block_size].long()
+        offsets = earlier.clamp(min=0) % block_size
+        rows = torch.cat([torch.cat([k[blocks, offsets], v[blocks, offsets]], dim=1).flatten(1)
+                          for k, v in kv_cache], dim=1)[:, :hidden]
+        return rows.masked_fill((earlier < 0).unsqueeze(1), 0)
+
+
 class LlamaMLP(nn.Module):
     """The gated MLP, down_proj(silu(gate_proj(x)) * up_proj(x)), of `intermediate_size` (the config's by default;
     an expert's under a mixture of experts, whose block sums its experts' outputs before it all-reduces them:
@@ -309,7 +410,7 @@ class LlamaMLP(nn.Module):
         if act not in ("silu", "gelu_pytorch_tanh"):
             raise ValueError(f"hidden activation {act!r} is not supported (only 'silu' and 'gelu_pytorch_tanh')")
         bias = _has_bias(config, "mlp")
-        inter = intermediate_size or config.intermediate_size
+        inter = intermediate_size or _intermediate_size(config)
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias=bias, dtype=dtype,
                                                        tp_rank=tp[0], tp_size=tp[1])
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias, dtype=dtype,
@@ -388,19 +489,21 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: Any, dtype: torch.dtype, attn_backend: AttentionBackend,
                  rotary_emb: RotaryEmbedding, tp: TPRank, index: int) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, dtype, attn_backend, rotary_emb, tp, index)
+        # the token mixer: an attention, or LFM2's short convolution
+        self.self_attn: LlamaAttention | ShortConv = ShortConv(config, dtype, tp) if is_conv_layer(config, index) \
+            else LlamaAttention(config, dtype, attn_backend, rotary_emb, tp, index)
         self.mlp: LlamaMLP | LlamaSparseMoeBlock = (
             LlamaSparseMoeBlock(config, dtype, tp) if _is_sparse_layer(config, index) else LlamaMLP(config, dtype, tp))
         # OLMo's and EXAONE 4's layers norm their branches' outputs only (post_attention_layernorm and
         # post_feedforward_layernorm)
         self.input_layernorm = None if _norms_outputs(config) else \
-            RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+            RMSNorm(config.hidden_size, _eps(config), dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, _eps(config), dtype)
         # Gemma's: the attention's output normed by post_attention_layernorm before it joins the residual stream,
         # the stream normed by pre_feedforward_layernorm for the MLP, the MLP's output by post_feedforward_layernorm
         sandwich = _is_gemma(config)
-        self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if sandwich else None
-        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) \
+        self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, _eps(config), dtype) if sandwich else None
+        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, _eps(config), dtype) \
             if sandwich or _norms_outputs(config) else None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
@@ -456,7 +559,8 @@ class LlamaModel(nn.Module):
         assert self.longrope is None or len(rotary) == 1, "longrope beside other ropes"
         # M-RoPE's (the Qwen-VLs'), whose image tokens' table rows are written for their step (`spatial_rows`)
         self.mrope = next((r for r in rotary.values() if r.mrope_axes), None)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.norm = RMSNorm(config.hidden_size, _eps(config), dtype)
+        self.cache_layers = cache_layers(config)    # each layer's layers of the KV pool
         # kernel module -> its DecoderStack of these layers; None: the modules run (see use_decoder_stack)
         self.stacks: dict[ModuleType, Any] | None = None
 
@@ -485,7 +589,9 @@ class LlamaModel(nn.Module):
             return stack.forward(x, positions, kv_caches, meta.slot_mapping, meta.block_tables, meta.seq_lens,
                                  meta.query_start_loc, meta.num_decodes, meta.cascade)
         residual = None
-        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+        for index, (layer, pool_layers) in enumerate(zip(self.layers, self.cache_layers, strict=True)):
+            kv_cache = kv_caches[pool_layers] if isinstance(layer.self_attn, ShortConv) else \
+                kv_caches[pool_layers.start]
             x, residual = layer(positions, x, residual, kv_cache, meta,
                                 None if lora is None else LayerLoRA(lora, index))
             if deepstack is not None and index < deepstack.shape[1]:    # the layer's output is x + residual
@@ -629,7 +735,8 @@ class LlamaForCausalLM(nn.Module):
         the weights are final, packed: a stack holds the weight tensors it was built with. `enforce_eager=True` keeps
         the modules."""
         attn = self.model.layers[0].self_attn
-        if attn.qkv_proj.tp_size == 1 and attn.attn_backend is paged_attention:
+        if isinstance(attn, LlamaAttention) and attn.qkv_proj.tp_size == 1 and attn.attn_backend is paged_attention \
+                and len(self.model.cache_layers) == self.model.cache_layers[-1].stop:    # (no LFM2 convolutions)
             self.model.stacks = {}
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
@@ -684,6 +791,9 @@ class LlamaForCausalLM(nn.Module):
             if ".block_sparse_moe." in name:
                 for mixtral, qwen in _MIXTRAL_NAMES:
                     name = name.replace(mixtral, qwen)
+            if self.config.model_type == "lfm2":
+                for lfm2, ours in _LFM2_NAMES:
+                    name = name.replace(lfm2, ours)
             if self.bare and not name.startswith("model."):
                 name = "model." + name
             if self.classifier_token_ids is not None and name == (

@@ -35,6 +35,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "SeedOssForCausalLM": LlamaForCausalLM,
     "Ernie4_5ForCausalLM": LlamaForCausalLM,
     "HeliumForCausalLM": LlamaForCausalLM,
+    "Lfm2ForCausalLM": LlamaForCausalLM,      # short convolutions among its attention layers (ShortConv)
     # The bare decoders (no LM head), as embedding models are saved (gte-Qwen2, e5-mistral): see BARE_ARCHITECTURES.
     "LlamaModel": LlamaForCausalLM,
     "MistralModel": LlamaForCausalLM,

@@ -29,6 +29,7 @@ from pagedllm.loader import LoadedModel
 from pagedllm.loader.pooling_config import sentence_transformers_projector
 from pagedllm.lora.adapter import LoRAAdapter, LoRABatch, LoRARegistry
 from pagedllm.lora.request import LoRARequest
+from pagedllm.models.llama import cache_layers, has_conv_layers
 from pagedllm.models.vision import ImageRows
 from pagedllm.multimodal import MRopeLayout
 from pagedllm.runner import kv_tensors
@@ -60,7 +61,8 @@ def model_shape(hf_config, tp_rank: int = 0, tp_size: int = 1) -> ModelShape:
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
     heads = head_shard(hf_config.num_attention_heads, num_kv_heads, tp_rank, tp_size)
-    return ModelShape(hf_config.num_hidden_layers, heads.num_kv_heads, head_dim, hf_config.vocab_size)
+    num_layers = cache_layers(hf_config)[-1].stop     # the KV pool's layers (LFM2's convolutions may take more)
+    return ModelShape(num_layers, heads.num_kv_heads, head_dim, hf_config.vocab_size)
 
 
 def parameter_bytes(model: torch.nn.Module) -> int:
@@ -111,6 +113,9 @@ class ModelRunner:
         projector = sentence_transformers_projector(loaded.resolved, loaded.gguf_file)
         self.projector = projector.to(self.device) if projector is not None else None
         self.shape = model_shape(loaded.hf_config, loaded.tp_rank, loaded.tp_size)
+        if cache_config.kv_cache_dtype == "int8" and has_conv_layers(loaded.hf_config):
+            raise ValueError("kv_cache_dtype 'int8' stores attention K/V rows, not the convolution inputs an LFM2 "
+                             "model keeps in the pool: use 'auto'")
         self.layout = kv_tensors.KVLayout(self.shape.num_layers, self.shape.num_kv_heads, self.shape.head_dim,
                                           loaded.dtype, cache_config.kv_cache_dtype)
         self.block_size = cache_config.block_size

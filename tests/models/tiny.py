@@ -66,6 +66,10 @@ TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     # the GPT-J rotary layout (interleaved pairs): ERNIE 4.5's (with its use_bias) and Helium's
     "ernie4_5": ("ernie4_5", dict(num_key_value_heads=2, head_dim=16, use_bias=True)),
     "helium": ("helium", dict(num_key_value_heads=2, head_dim=16)),
+    # as LFM2's: a short convolution (its input of 64 values a token in two of the pool's layers of 2 x 1 x 16) and
+    # an attention with Qwen3's head norms; the MLP's width adjusted as LFM2's (2/3 of 192, to a multiple of 32)
+    "lfm2": ("lfm2", dict(num_key_value_heads=1, layer_types=["conv", "full_attention"], intermediate_size=192,
+                          block_multiple_of=32, norm_eps=1e-5)),
     # mixtures of experts: 4 experts, 2 a token (8 and 2 for Mixtral, 128 and 8 for Qwen3-30B-A3B)
     "mixtral": ("mixtral", dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
                                 tie_word_embeddings=False)),
@@ -154,6 +158,7 @@ class SimplePagedRunner:
     def __init__(self, model: Any, block_size: int = 4, num_blocks: int = 64,
                  dtype: torch.dtype = torch.float32) -> None:
         from pagedllm.attention.metadata import AttentionMetadata
+        from pagedllm.models.llama import cache_layers
 
         self._meta_cls = AttentionMetadata
         cfg = model.config
@@ -161,7 +166,7 @@ class SimplePagedRunner:
         num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
-                          for _ in range(cfg.num_hidden_layers)]
+                          for _ in range(cache_layers(cfg)[-1].stop)]     # (LFM2's convolutions may take more)
         self.model, self.block_size = model, block_size
         # Hand out blocks in a scrambled order (block 0 reserved) so tables are not contiguous.
         self._free = list(range(num_blocks - 1, 0, -1))[::2] + list(range(num_blocks - 1, 0, -1))[1::2]
