@@ -37,6 +37,9 @@ class AttentionMetadata:
     # Gemma 3's images: (the step's rows of an image's placeholders, up to its last; the metadata of those rows as
     # queries of their sequence up to the image's end), rows that see their whole image, not only what precedes them
     image_spans: list[tuple[slice, AttentionMetadata]] = field(default_factory=list)
+    # earlier_slots' answers, by how far back: the same for every layer of the step
+    _earlier: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.query_start_loc_cpu:
@@ -47,6 +50,20 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
+
+    def earlier_slots(self, positions: torch.Tensor, back: int, block_size: int
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Where each new token's sequence holds its token `back` positions earlier: (block ids, offsets in them,
+        whether it is before the sequence's start, where the first two read position 0), each [num_tokens]; for
+        LFM2's convolutions (pagedllm.models.llama.ShortConv), worked out once a step."""
+        if back not in self._earlier:
+            counts = self.query_start_loc[1:] - self.query_start_loc[:-1]
+            seqs = torch.repeat_interleave(torch.arange(len(counts), device=positions.device), counts)
+            earlier = positions.long() - back
+            clamped = earlier.clamp(min=0)
+            self._earlier[back] = (self.block_tables[seqs, clamped // block_size].long(), clamped % block_size,
+                                   earlier < 0)
+        return self._earlier[back]
 
     @cached_property
     def num_decodes(self) -> int:

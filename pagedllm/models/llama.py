@@ -387,15 +387,10 @@ class ShortConv(nn.Module):
                  hidden: int) -> torch.Tensor:
         """[T, H]: each token's convolution input `back` positions before it, read from the pool (0 before its
         sequence's start)."""
-        counts = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
-        seqs = torch.repeat_interleave(torch.arange(len(counts), device=positions.device), counts)
-        earlier = positions.long() - back
-        block_size = kv_cache[0][0].shape[1]
-        blocks = meta.block_tables[seqs, earlier.clamp(min=0) // block_size].long()
-        offsets = earlier.clamp(min=0) % block_size
+        blocks, offsets, before_start = meta.earlier_slots(positions, back, kv_cache[0][0].shape[1])
         rows = torch.cat([torch.cat([k[blocks, offsets], v[blocks, offsets]], dim=1).flatten(1)
                           for k, v in kv_cache], dim=1)[:, :hidden]
-        return rows.masked_fill((earlier < 0).unsqueeze(1), 0)
+        return rows.masked_fill(before_start.unsqueeze(1), 0)
 
 
 class LlamaMLP(nn.Module):
