@@ -287,6 +287,10 @@ def implied_gguf(resolved: ResolvedModel, hf_config: Any, dtype: str, tp_size: i
         logger.info("%s: GGUF weights dequantised (Granite's residual multiplier folds into them, not into their "
                     "blocks)", resolved.name)
         return None
+    if hf_config.model_type == "lfm2":
+        logger.info("%s: GGUF weights dequantised (LFM2's convolutions' projections are not packed in blocks yet)",
+                    resolved.name)
+        return None
     if tp_size > 1 or device != "cpu" or not quantized_kernels_available():
         logger.info("%s: GGUF weights dequantised (their blocks stay packed only on one CPU rank, in pagedllm's "
                     "kernels)", resolved.name)
@@ -320,6 +324,9 @@ def resolve_quantization(requested: str | None, resolved: ResolvedModel, hf_conf
     if quantization in INT4_METHODS and num_experts(hf_config):
         raise ValueError(f"{resolved.name} is a mixture of experts: its {quantization!r} experts are not read yet "
                          "(pagedllm runs a mixture of experts unquantized, or with quantization 'int8' or 'w8a8')")
+    if quantization == "gguf" and hf_config.model_type == "lfm2":
+        raise ValueError(f"{resolved.name}: LFM2's GGUF blocks are not kept packed yet: load it with dtype 'auto' "
+                         "(or one named), which dequantises its weights")
     if quantization in ("gguf", *INT4_METHODS) and (tp_size > 1 or device != "cpu"):
         raise ValueError(f"quantization={quantization!r} runs on one rank (tensor_parallel_size=1), in pagedllm's CPU "
                          "kernels: the packed blocks are not split across ranks yet")

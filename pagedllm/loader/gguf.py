@@ -63,7 +63,10 @@ _GEMMA_BLOCK_NAMES = {**_BLOCK_NAMES, "ffn_norm": "pre_feedforward_layernorm",
                       "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 # Phi-3's fused weights: its q/k/v in one tensor, and its gate and up in ffn_up (`unfused` splits them)
 _ARCH_BLOCK_NAMES = {"gemma2": _GEMMA_BLOCK_NAMES, "gemma3": _GEMMA_BLOCK_NAMES, "gemma-embedding": _GEMMA_BLOCK_NAMES,
-                     "phi3": {**_BLOCK_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
+                     "phi3": {**_BLOCK_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+                     # LFM2's short convolutions, under transformers' names (pagedllm.models.llama maps them)
+                     "lfm2": {**_BLOCK_NAMES, "shortconv.in_proj": "conv.in_proj",
+                              "shortconv.out_proj": "conv.out_proj", "shortconv.conv": "conv.conv"}}
 # Architectures whose RMSNorm scales by 1 + w, which llama.cpp's converter stores as the 1 + w it multiplies by
 _NORM_SHIFTED_ARCHS = {"gemma2", "gemma3", "gemma-embedding"}
 # GGUF architecture -> transformers' model_type, where they differ (a mixture of experts: _MOE_MODEL_TYPES)
@@ -76,10 +79,11 @@ _MODEL_TYPES = {"gemma3": "gemma3_text", "gemma-embedding": "gemma3_text"}
 _GEMMA_LAYOUTS = {"gemma2": (2, 46), "gemma3": (6, 62), "gemma-embedding": (6, 62)}
 # EmbeddingGemma's sentence-transformers Dense layers, which its files hold beside the model (`dense_projection`)
 DENSE_TENSORS = ("dense_2.weight", "dense_3.weight")
-_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
+              "token_embd_norm": "model.embedding_norm"}   # (LFM2's final norm, under transformers' name for it)
 # llama3's and longrope's rope factors: the rope is rebuilt from the config (longrope's factors go into it)
 _SKIPPED = {"rope_freqs", "rope_factors_long", "rope_factors_short"}
-_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.([\w.]+)\.(weight|bias)$")
 # one expert's tensor: blk.{layer}.ffn_{gate,up,down}.{expert}.weight, as older Mixtral files store them and as
 # GGUFFile names its slices of the stacked ones (_STACKED_EXPERTS_RE)
 _EXPERT_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight$")
@@ -338,7 +342,7 @@ def gguf_hf_config(g: GGUFFile) -> Any:
         intermediate_size=int(g.arch_value("feed_forward_length") or g.arch_value("expert_feed_forward_length")),
         num_hidden_layers=int(g.arch_value("block_count")),
         num_attention_heads=num_heads,
-        num_key_value_heads=int(g.arch_value("attention.head_count_kv", num_heads)),
+        num_key_value_heads=max(_per_layer(g.arch_value("attention.head_count_kv", num_heads))),
         # a head's width: Qwen3's converter writes key_length (its heads times head_dim is not the hidden size)
         head_dim=int(g.arch_value("attention.key_length") or g.arch_value("rope.dimension_count", hidden // num_heads)),
         max_position_embeddings=int(g.arch_value("context_length", 2048)),
@@ -365,6 +369,11 @@ def gguf_hf_config(g: GGUFFile) -> Any:
         kwargs.update(_gguf_gemma(g, kwargs))
     if arch == "phi3":
         kwargs.update(_gguf_phi3(g, kwargs))
+    if arch == "lfm2":      # its convolution layers: those with no KV heads; the MLP's width as it is
+        kv_heads = _per_layer(g.arch_value("attention.head_count_kv"))
+        kwargs.update(layer_types=["conv" if heads == 0 else "full_attention" for heads in kv_heads],
+                      conv_L_cache=int(g.arch_value("shortconv.l_cache")), conv_bias=False,
+                      norm_eps=kwargs["rms_norm_eps"], block_auto_adjust_ff_dim=False)
     if arch == "granite":   # its four multipliers (pagedllm.models.llama), under llama.cpp's names
         kwargs.update({field: float(g.arch_value(key)) for field, key in _GRANITE_MULTIPLIERS
                        if g.arch_value(key) is not None})
@@ -375,6 +384,11 @@ def gguf_hf_config(g: GGUFFile) -> Any:
     if name:
         config._name_or_path = str(name)
     return config
+
+
+def _per_layer(value: Any) -> list[int]:
+    """A metadata value that llama.cpp stores once or once a layer (LFM2's KV heads), as a list of ints."""
+    return np.atleast_1d(np.asarray(value)).astype(int).tolist()
 
 
 def _gguf_gemma(g: GGUFFile, fields: dict[str, Any]) -> dict[str, Any]:

@@ -789,6 +789,8 @@ class LlamaForCausalLM(nn.Module):
             if self.config.model_type == "lfm2":
                 for lfm2, ours in _LFM2_NAMES:
                     name = name.replace(lfm2, ours)
+                if name.endswith(".conv.weight") and tensor.dim() == 2:   # llama.cpp's files squeeze it
+                    tensor = tensor.unsqueeze(1)
             if self.bare and not name.startswith("model."):
                 name = "model." + name
             if self.classifier_token_ids is not None and name == (

@@ -66,6 +66,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "gemma2": LlamaForCausalLM,
     "gemma3_text": LlamaForCausalLM,
     "granite": LlamaForCausalLM,
+    "lfm2": LlamaForCausalLM,
     "bert": BertModel,
     "roberta": BertModel,
     "xlm-roberta": BertModel,

@@ -138,9 +138,16 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    if arch == "lfm2":      # its MLP's width adjusted, its convolution layers with no KV heads
+        from pagedllm.models.llama import _intermediate_size
+
+        w.add_feed_forward_length(_intermediate_size(cfg))
+        w.add_head_count_kv([0 if t == "conv" else cfg.num_key_value_heads for t in cfg.layer_types])
+        w.add_shortconv_l_cache(cfg.conv_L_cache)
+    else:
+        w.add_feed_forward_length(cfg.intermediate_size)
+        w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_rope_freq_base(rope["rope_theta"])
     if rope["rope_type"] == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
@@ -160,7 +167,7 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
     if arch == "gemma2":
         w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
         w.add_final_logit_softcapping(cfg.final_logit_softcapping)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_layer_norm_rms_eps(cfg.norm_eps if arch == "lfm2" else cfg.rms_norm_eps)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
     if rope["rope_type"] == "longrope":     # Phi-3's: the factors as tensors, the original context and the scale
@@ -192,8 +199,11 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
             t = _permute(t, cfg.num_attention_heads, cfg.num_key_value_heads)
         elif arch in ("gemma2", "gemma3", "gemma-embedding") and gname.endswith("norm.weight"):
             t = t + 1
+        elif arch == "lfm2" and gname.endswith("shortconv.conv.weight"):
+            t = t.squeeze(1)
         data = t.numpy()
-        if qtype != Q.F32 and t.dim() >= 2 and ".ffn_gate_inp." not in gname:    # llama.cpp keeps routers as they are
+        # llama.cpp keeps routers, and rows too short for a block (LFM2's convolution taps), as they are
+        if qtype != Q.F32 and t.dim() >= 2 and ".ffn_gate_inp." not in gname and t.shape[-1] % 32 == 0:
             w.add_tensor(gname, _quantize_q4_k(data) if qtype == Q.Q4_K else quantize(data, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(gname, data)
@@ -205,7 +215,8 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
 
 @pytest.mark.parametrize("kind,arch", [("llama-gqa", "llama"), ("llama-untied", "llama"), ("qwen2", "qwen2"),
                                        ("qwen3", "qwen3"), ("mixtral", "llama"), ("qwen2-moe", "qwen2moe"),
-                                       ("qwen3-moe", "qwen3moe"), ("smollm3", "smollm3"), ("granite", "granite")])
+                                       ("qwen3-moe", "qwen3moe"), ("smollm3", "smollm3"), ("granite", "granite"),
+                                       ("lfm2", "lfm2")])
 def test_tiny_gguf_model_matches_transformers(tmp_path: Path, kind: str, arch: str) -> None:
     # SmolLM3's files leave every fourth layer without a rotary embedding (llama.cpp's fixed step): four layers here
     hf_model = build_tiny_hf_model(kind, **({"no_rope_layer_interval": 4, "num_hidden_layers": 4}
@@ -332,6 +343,18 @@ def test_a_quantized_granite_gguf_is_dequantised(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="residual_multiplier .* a dtype named"):
         load_model(ModelConfig(model=str(path), quantization="gguf"))
     assert load_model(ModelConfig(model=str(path))).quantization is None     # dtype "auto": dequantised
+
+
+def test_a_quantized_lfm2_gguf_is_dequantised_and_its_layers_typed_by_their_kv_heads(tmp_path: Path) -> None:
+    path = tmp_path / "lfm2-q8.gguf"
+    write_model_gguf(build_tiny_hf_model("lfm2", num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"]),
+                     path, "lfm2", Q.Q8_0)
+    config = gguf_hf_config(GGUFFile(path))
+    assert (config.layer_types, config.conv_L_cache, config.num_key_value_heads) == \
+        (["conv", "full_attention", "conv"], 3, 1)
+    assert load_model(ModelConfig(model=str(path))).quantization is None     # dtype "auto": dequantised
+    with pytest.raises(ValueError, match="LFM2's GGUF blocks are not kept packed"):
+        load_model(ModelConfig(model=str(path), quantization="gguf"))
 
 
 def test_quantized_gguf_is_close(tmp_path: Path) -> None:
