@@ -278,18 +278,15 @@ def implied_gguf(resolved: ResolvedModel, hf_config: Any, dtype: str, tp_size: i
                  device: str = "cpu") -> str | None:
     """"gguf" when a .gguf file runs under dtype "auto" where its blocks can stay packed (pagedllm's CPU kernels,
     one rank); None otherwise: the file is dequantised into the dtype (a dtype named outright asks for that;
-    quantization="gguf" keeps the blocks), as is Granite's, whose residual multiplier folds into its weights."""
+    quantization="gguf" keeps the blocks), as is one whose weights change at load (`load_time_change`)."""
     from pagedllm.layers.linear import quantized_kernels_available
+    from pagedllm.models.llama import load_time_change
 
     if not resolved.is_gguf or dtype != "auto":
         return None
-    if float(getattr(hf_config, "residual_multiplier", None) or 1.0) != 1.0:
-        logger.info("%s: GGUF weights dequantised (Granite's residual multiplier folds into them, not into their "
-                    "blocks)", resolved.name)
-        return None
-    if hf_config.model_type == "lfm2":
-        logger.info("%s: GGUF weights dequantised (LFM2's convolutions' projections are not packed in blocks yet)",
-                    resolved.name)
+    change = load_time_change(hf_config)
+    if change is not None:
+        logger.info("%s: GGUF weights dequantised (%s at load)", resolved.name, change)
         return None
     if tp_size > 1 or device != "cpu" or not quantized_kernels_available():
         logger.info("%s: GGUF weights dequantised (their blocks stay packed only on one CPU rank, in pagedllm's "
@@ -305,7 +302,7 @@ def resolve_quantization(requested: str | None, resolved: ResolvedModel, hf_conf
     ValueError when they disagree, for a quant method pagedllm does not run, and for the modes that keep packed
     weights (gguf, awq, gptq) asked for off one CPU rank."""
     from pagedllm.loader.int4 import INT4_METHODS, checkpoint_quantization
-    from pagedllm.models.llama import num_experts
+    from pagedllm.models.llama import load_time_change, num_experts
 
     method = None if resolved.is_gguf else checkpoint_quantization(hf_config)
     quantization = requested or method or implied_gguf(resolved, hf_config, dtype, tp_size, device)
@@ -324,9 +321,12 @@ def resolve_quantization(requested: str | None, resolved: ResolvedModel, hf_conf
     if quantization in INT4_METHODS and num_experts(hf_config):
         raise ValueError(f"{resolved.name} is a mixture of experts: its {quantization!r} experts are not read yet "
                          "(pagedllm runs a mixture of experts unquantized, or with quantization 'int8' or 'w8a8')")
-    if quantization == "gguf" and hf_config.model_type == "lfm2":
-        raise ValueError(f"{resolved.name}: LFM2's GGUF blocks are not kept packed yet: load it with dtype 'auto' "
-                         "(or one named), which dequantises its weights")
+    change = load_time_change(hf_config)
+    if quantization in ("gguf", *INT4_METHODS) and change is not None:
+        how = "load it with dtype 'auto' (or one named), which dequantises its weights" if quantization == "gguf" \
+            else f"pagedllm does not run {quantization!r} checkpoints of it"
+        raise ValueError(f"{resolved.name}: {change} at load, which its {quantization!r} blocks, kept packed, "
+                         f"cannot take: {how}")
     if quantization in ("gguf", *INT4_METHODS) and (tp_size > 1 or device != "cpu"):
         raise ValueError(f"quantization={quantization!r} runs on one rank (tensor_parallel_size=1), in pagedllm's CPU "
                          "kernels: the packed blocks are not split across ranks yet")

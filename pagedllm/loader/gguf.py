@@ -61,9 +61,13 @@ _BLOCK_NAMES = {
 # pre_feedforward_layernorm (its post_attention_layernorm is the attention branch's output norm)
 _GEMMA_BLOCK_NAMES = {**_BLOCK_NAMES, "ffn_norm": "pre_feedforward_layernorm",
                       "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+_OUTPUT_NORMED_BLOCK_NAMES = {**_BLOCK_NAMES, "post_attention_norm": "post_attention_layernorm",
+                              "post_ffw_norm": "post_feedforward_layernorm"}
 # Phi-3's fused weights: its q/k/v in one tensor, and its gate and up in ffn_up (`unfused` splits them)
 _ARCH_BLOCK_NAMES = {"gemma2": _GEMMA_BLOCK_NAMES, "gemma3": _GEMMA_BLOCK_NAMES, "gemma-embedding": _GEMMA_BLOCK_NAMES,
                      "phi3": {**_BLOCK_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+                     # OLMo 2's and EXAONE 4's norms of their branches' outputs
+                     "olmo2": _OUTPUT_NORMED_BLOCK_NAMES, "exaone4": _OUTPUT_NORMED_BLOCK_NAMES,
                      # LFM2's short convolutions, under transformers' names (pagedllm.models.llama maps them)
                      "lfm2": {**_BLOCK_NAMES, "shortconv.in_proj": "conv.in_proj",
                               "shortconv.out_proj": "conv.out_proj", "shortconv.conv": "conv.conv"}}
@@ -374,6 +378,11 @@ def gguf_hf_config(g: GGUFFile) -> Any:
         kwargs.update(layer_types=["conv" if heads == 0 else "full_attention" for heads in kv_heads],
                       conv_L_cache=int(g.arch_value("shortconv.l_cache")), conv_bias=False,
                       norm_eps=kwargs["rms_norm_eps"], block_auto_adjust_ff_dim=False)
+    window = g.arch_value("attention.sliding_window")
+    if arch == "exaone4" and window:    # its local layers, as the file marks them (the others global, NoPE)
+        kwargs.update(sliding_window=int(window), layer_types=[
+            "sliding_attention" if local else "full_attention"
+            for local in _per_layer(g.arch_value("attention.sliding_window_pattern"))])
     if arch == "granite":   # its four multipliers (pagedllm.models.llama), under llama.cpp's names
         kwargs.update({field: float(g.arch_value(key)) for field, key in _GRANITE_MULTIPLIERS
                        if g.arch_value(key) is not None})

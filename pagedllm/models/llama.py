@@ -144,6 +144,18 @@ def _intermediate_size(config: Any) -> int:
     return size
 
 
+def load_time_change(config: Any) -> str | None:
+    """What `load_weights` does to the checkpoint's weights, which blocks kept packed (GGUF, AWQ, GPTQ: never
+    loaded as weights) cannot take; None where it changes none."""
+    if float(getattr(config, "residual_multiplier", None) or 1.0) != 1.0:
+        return "Granite's residual_multiplier is folded into its o_proj and down_proj weights"
+    if _interleaved_rope(config):
+        return f"{config.model_type}'s q and k rows are reordered for the rotary embedding"
+    if has_conv_layers(config):
+        return "LFM2's convolution projections are not packed in blocks yet"
+    return None
+
+
 def is_conv_layer(config: Any, index: int) -> bool:
     """Whether decoder layer `index` is a short convolution (LFM2's "conv" layers), not an attention."""
     return _layer_type(config, index) == "conv"
@@ -773,11 +785,6 @@ class LlamaForCausalLM(nn.Module):
         """
         params = dict(self.named_parameters(remove_duplicate=False))
         residual_multiplier = float(getattr(self.config, "residual_multiplier", None) or 1.0)
-        if residual_multiplier != 1.0 and any(is_block_packed(p) for n, p in params.items()
-                                              if n.endswith((".o_proj.weight", ".down_proj.weight"))):
-            raise ValueError("Granite's residual_multiplier is folded into the o_proj and down_proj weights, which "
-                             "pagedllm cannot do to blocks it keeps packed (AWQ, GPTQ, a GGUF file's): load a GGUF "
-                             "file with a dtype named (dtype='bfloat16' or 'float32', its weights dequantised)")
         loaded: set[str] = set()
         head_rows = None        # the classifier's tokens' rows of the checkpoint's LM head, if it is made of them
         for name, tensor in weights:

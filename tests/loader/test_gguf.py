@@ -159,6 +159,9 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
         w.add_pooling_type(gguf.PoolingType.MEAN)
         for name, weight in zip(("dense_2.weight", "dense_3.weight"), dense):
             w.add_tensor(name, weight.numpy())
+    if arch == "exaone4":
+        w.add_sliding_window(cfg.sliding_window)
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
     if arch == "granite":
         w.add_embedding_scale(cfg.embedding_multiplier)
         w.add_attention_scale(cfg.attention_multiplier)
@@ -216,7 +219,8 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
 @pytest.mark.parametrize("kind,arch", [("llama-gqa", "llama"), ("llama-untied", "llama"), ("qwen2", "qwen2"),
                                        ("qwen3", "qwen3"), ("mixtral", "llama"), ("qwen2-moe", "qwen2moe"),
                                        ("qwen3-moe", "qwen3moe"), ("smollm3", "smollm3"), ("granite", "granite"),
-                                       ("lfm2", "lfm2")])
+                                       ("lfm2", "lfm2"), ("olmo2", "olmo2"), ("exaone4", "exaone4"),
+                                       ("ernie4_5", "ernie4_5")])
 def test_tiny_gguf_model_matches_transformers(tmp_path: Path, kind: str, arch: str) -> None:
     # SmolLM3's files leave every fourth layer without a rotary embedding (llama.cpp's fixed step): four layers here
     hf_model = build_tiny_hf_model(kind, **({"no_rope_layer_interval": 4, "num_hidden_layers": 4}
@@ -340,7 +344,7 @@ def test_a_quantized_granite_gguf_is_dequantised(tmp_path: Path) -> None:
     "auto" dequantises them, quantization="gguf" is refused."""
     path = tmp_path / "granite-q8.gguf"
     write_model_gguf(build_tiny_hf_model("granite"), path, "granite", Q.Q8_0)
-    with pytest.raises(ValueError, match="residual_multiplier .* a dtype named"):
+    with pytest.raises(ValueError, match="residual_multiplier is folded .* load it with dtype 'auto'"):
         load_model(ModelConfig(model=str(path), quantization="gguf"))
     assert load_model(ModelConfig(model=str(path))).quantization is None     # dtype "auto": dequantised
 
@@ -353,7 +357,15 @@ def test_a_quantized_lfm2_gguf_is_dequantised_and_its_layers_typed_by_their_kv_h
     assert (config.layer_types, config.conv_L_cache, config.num_key_value_heads) == \
         (["conv", "full_attention", "conv"], 3, 1)
     assert load_model(ModelConfig(model=str(path))).quantization is None     # dtype "auto": dequantised
-    with pytest.raises(ValueError, match="LFM2's GGUF blocks are not kept packed"):
+    with pytest.raises(ValueError, match="LFM2's convolution projections are not packed .* load it with dtype"):
+        load_model(ModelConfig(model=str(path), quantization="gguf"))
+
+
+def test_an_ernie_gguf_whose_rows_are_reordered_at_load_is_dequantised(tmp_path: Path) -> None:
+    path = tmp_path / "ernie-q8.gguf"
+    write_model_gguf(build_tiny_hf_model("ernie4_5"), path, "ernie4_5", Q.Q8_0)
+    assert load_model(ModelConfig(model=str(path))).quantization is None
+    with pytest.raises(ValueError, match="q and k rows are reordered .* load it with dtype 'auto'"):
         load_model(ModelConfig(model=str(path), quantization="gguf"))
 
 

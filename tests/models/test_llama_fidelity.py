@@ -98,7 +98,7 @@ def test_granites_multipliers_refuse_4_bit_blocks(tmp_path) -> None:
 
     model = build_tiny_hf_model("granite", tie_word_embeddings=False)
     folder, _ = save_int4_checkpoint(tmp_path / "awq", model, "awq", group_size=64)
-    with pytest.raises(ValueError, match="residual_multiplier .* blocks it keeps packed \\(AWQ"):
+    with pytest.raises(ValueError, match="residual_multiplier is folded .* 'awq' blocks, kept packed, cannot take"):
         load_model(ModelConfig(model=str(folder)))
 
 
