@@ -236,6 +236,8 @@ class ModelConfig:
             security risk: any client may read the images there); "": file URLs are refused.
         allowed_media_domains: the hosts whose http(s) image URLs a chat may name (vLLM's), e.g. `["example.com"]`;
             None: any host.
+        enable_prompt_embeds: take prompts given as embeddings (vLLM's `{"prompt_embeds": tensor}`, [tokens,
+            hidden_size]: what the model's embedding layer would give), off by default as in vLLM.
         logits_processors: custom logits processors (vLLM's), classes or their import paths
             ("package.module.Class"): subclasses of `pagedllm.sample.logits_processor.LogitsProcessor`, built once
             and run on every sampling step's logits. Not with speculative decoding.
@@ -267,6 +269,7 @@ class ModelConfig:
     allowed_local_media_path: str = ""
     allowed_media_domains: list[str] | None = None
     logits_processors: list[str | type] | None = None
+    enable_prompt_embeds: bool = False
     logprobs_mode: str = "raw_logprobs"
 
     def __post_init__(self) -> None:

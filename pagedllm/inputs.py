@@ -1,5 +1,6 @@
-"""The prompt forms vLLM takes: a string, a list of token ids, `{"prompt": str}` (TextPrompt) or
-`{"prompt_token_ids": [...]}` (TokensPrompt), each dict with an optional `cache_salt`, a TokensPrompt with
+"""The prompt forms vLLM takes: a string, a list of token ids, `{"prompt": str}` (TextPrompt),
+`{"prompt_token_ids": [...]}` (TokensPrompt) or `{"prompt_embeds": tensor}` (EmbedsPrompt), each dict with an optional
+`cache_salt`, a TokensPrompt with
 optional `token_type_ids` (a cross-encoder's pair of texts), and a TextPrompt with images in `multi_modal_data`
 (`pagedllm.multimodal`). Pure Python: the core and the server may import it."""
 
@@ -32,11 +33,18 @@ class TokensPrompt(TypedDict):
     token_type_ids: NotRequired[list[int]]
 
 
-PromptType = str | list[int] | TextPrompt | TokensPrompt
+class EmbedsPrompt(TypedDict):
+    """A prompt as embeddings (vLLM's): [num_tokens, hidden_size] rows standing for its tokens' embeddings (what the
+    model's embedding layer would give), taken where the engine has enable_prompt_embeds."""
 
-# vLLM's keys for inputs pagedllm has no use for: refused by name rather than as unknown keys.
-_UNSUPPORTED_KEYS = {"prompt_embeds": "prompt embeddings"}
-_KEYS = {"prompt", "prompt_token_ids", "cache_salt", "token_type_ids", "multi_modal_data", "mm_processor_kwargs"}
+    prompt_embeds: Any      # a torch tensor
+    cache_salt: NotRequired[str]
+
+
+PromptType = str | list[int] | TextPrompt | TokensPrompt | EmbedsPrompt
+
+_KEYS = {"prompt", "prompt_token_ids", "cache_salt", "token_type_ids", "multi_modal_data", "mm_processor_kwargs",
+         "prompt_embeds"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +61,7 @@ class ParsedPrompt:
     images: tuple[Any, ...] = ()
     processor_kwargs: dict[str, Any] | None = None
     image_inputs: tuple[ImageInput, ...] = ()
+    prompt_embeds: Any = None       # an EmbedsPrompt's tensor, as given (the engine checks it)
 
 
 def parse_prompt(prompt: PromptType | ParsedPrompt, index: int = 0) -> ParsedPrompt:
@@ -71,14 +80,20 @@ def parse_prompt(prompt: PromptType | ParsedPrompt, index: int = 0) -> ParsedPro
 
 def _parse_dict(prompt: dict, index: int) -> ParsedPrompt:
     for key in prompt:
-        if key in _UNSUPPORTED_KEYS:
-            raise ValueError(f"prompt {index}: key {key!r} is not supported: pagedllm takes no "
-                             f"{_UNSUPPORTED_KEYS[key]}")
         if key not in _KEYS:
-            raise ValueError(f"prompt {index}: unknown key {key!r}; a prompt dict takes 'prompt' or "
-                             "'prompt_token_ids', and 'cache_salt', 'token_type_ids' and 'multi_modal_data'")
+            raise ValueError(f"prompt {index}: unknown key {key!r}; a prompt dict takes 'prompt', "
+                             "'prompt_token_ids' or 'prompt_embeds', and 'cache_salt', 'token_type_ids' and "
+                             "'multi_modal_data'")
+    if "prompt_embeds" in prompt:
+        if set(prompt) - {"prompt_embeds", "cache_salt"}:
+            raise ValueError(f"prompt {index}: 'prompt_embeds' goes alone (with a 'cache_salt' at most)")
+        salt = prompt.get("cache_salt")
+        if salt is not None and not isinstance(salt, str):
+            raise ValueError(f"prompt {index}: key 'cache_salt' must be a string, got {type(salt).__name__}")
+        return ParsedPrompt(None, None, salt, prompt_embeds=prompt["prompt_embeds"])
     if "prompt" not in prompt and "prompt_token_ids" not in prompt:
-        raise ValueError(f"prompt {index}: a prompt dict needs 'prompt' (text) or 'prompt_token_ids'")
+        raise ValueError(f"prompt {index}: a prompt dict needs 'prompt' (text), 'prompt_token_ids' or "
+                         "'prompt_embeds'")
     text = prompt.get("prompt")
     if text is not None and not isinstance(text, str):
         raise ValueError(f"prompt {index}: key 'prompt' must be a string, got {type(text).__name__}")

@@ -39,6 +39,7 @@ class ImageInput:
     pixels: Any = field(repr=False)
     grid: tuple[int, int, int] | None = None
     size: tuple[int, int] | None = None
+    embeds: bool = False    # prompt embeddings (vLLM's prompt_embeds): `pixels` are the rows themselves [length, H]
 
 
 def is_image(value: object) -> bool:

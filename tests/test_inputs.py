@@ -32,7 +32,7 @@ def test_one_prompt_or_a_list_of_any_forms():
 @pytest.mark.parametrize(("prompts", "words"), [
     (["ok", {"prompt": "x", "temperature": 1}], ["prompt 1", "unknown key 'temperature'"]),
     ([{"prompt": "x", "multi_modal_data": {"image": 1}}], ["prompt 0", "'multi_modal_data'", "PIL image"]),
-    (["a", "b", {"prompt_embeds": [0.1]}], ["prompt 2", "'prompt_embeds'", "not supported"]),
+    (["a", "b", {"prompt_embeds": [0.1], "prompt": "x"}], ["prompt 2", "'prompt_embeds' goes alone"]),
     ([{"prompt": 5}], ["prompt 0", "key 'prompt'", "string"]),
     (["a", {"prompt_token_ids": "12"}], ["prompt 1", "key 'prompt_token_ids'"]),
     ([{"prompt_token_ids": [1, 2.5]}], ["prompt 0", "key 'prompt_token_ids'"]),

@@ -48,7 +48,7 @@ from pagedllm.engine.admission import Admission, admitted
 from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedllm.engine.engine_thread import EngineThread
 from pagedllm.engine.llm_engine import LLMEngine, PromptInput, tokenize_prompt
-from pagedllm.inputs import parse_prompt
+from pagedllm.inputs import ParsedPrompt, parse_prompt
 from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics.stats import IterationStats, RequestStatsTracker, SchedulerStats
 from pagedllm.multimodal import ImageProcessor
@@ -180,6 +180,10 @@ class AsyncEngine:
     @property
     def media_access(self) -> MediaAccess:
         return self.engine.config.model.media_access
+
+    def embeds_prompt(self, parsed: ParsedPrompt) -> ParsedPrompt:
+        """A prompt of embeddings checked and made the engine's (`LLMEngine.embeds_prompt`); thread-safe."""
+        return self.engine.embeds_prompt(parsed)
 
     @property
     def max_model_len(self) -> int:

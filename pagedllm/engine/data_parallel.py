@@ -174,6 +174,11 @@ class DataParallelEngine:
         """Refused: offline, images run on one engine (`LLMEngine.process_images`)."""
         raise ValueError(_ONE_ENGINE_IMAGES)
 
+    def embeds_prompt(self, parsed: ParsedPrompt) -> ParsedPrompt:
+        """Refused: offline, prompt embeddings run on one engine (`LLMEngine.embeds_prompt`)."""
+        raise ValueError("offline data-parallel replicas take no prompt_embeds: they run on one engine "
+                         "(data_parallel_size=1)")
+
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | PoolingParams,
                     priority: int = 0, cache_salt: str | None = None, arrival_time: float | None = None,
                     prompt_token_ids: list[int] | None = None, lora_request: LoRARequest | None = None) -> None:
@@ -291,6 +296,9 @@ class AsyncDataParallelEngine:
     @property
     def media_access(self) -> MediaAccess:
         return self.replicas[0].media_access
+
+    def embeds_prompt(self, parsed: ParsedPrompt) -> ParsedPrompt:
+        return self.replicas[0].embeds_prompt(parsed)
 
     @property
     def max_model_len(self) -> int:

@@ -39,7 +39,7 @@ from pagedllm.models.llama import (
     num_experts,
     token_type_vocab_size,
 )
-from pagedllm.multimodal import ImageProcessor, check_image_count
+from pagedllm.multimodal import ImageInput, ImageProcessor, check_image_count, pixels_hash
 from pagedllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.runner import kv_tensors
@@ -138,9 +138,9 @@ def tokenize_prompt(tokenizer, prompt: PromptInput, vocab_size: int, max_model_l
     context, which a prompt to embed (`pooling`) may fill, as in vLLM, and one to generate from must leave a token
     of. Reads nothing but its arguments, so any thread may call it (the tokenizer's `encode` is thread-safe)."""
     parsed = parse_prompt(prompt)
-    if parsed.images:
-        raise ValueError("pagedllm takes images in generate and chat, on one engine (its processor makes their "
-                         "tokens): not in beam search, embeddings or data-parallel replicas")
+    if parsed.images or parsed.prompt_embeds is not None:
+        raise ValueError("pagedllm takes images and prompt_embeds in generate (and images in chat), on one engine: "
+                         "not in beam search, embeddings or data-parallel replicas")
     if parsed.token_ids is None and tokenizer is None:
         raise ValueError(NO_TOKENIZER + ": give prompts as token ids")
     token_ids = parsed.token_ids if parsed.token_ids is not None else tokenizer.encode(parsed.text)
@@ -476,7 +476,9 @@ class LLMEngine:
             params.resolve_thinking(think_token_ids(self.tokenizer))
         for processor in self.logits_processors:
             processor.validate_params(params)
-        completions = [_Completion(i, IncrementalDetokenizer(self.tokenizer, params, token_ids),
+        # (prompt embeddings' placeholder ids are no text for the detokenizer to go on from)
+        context = [] if any(image.embeds for image in parsed.image_inputs) else token_ids
+        completions = [_Completion(i, IncrementalDetokenizer(self.tokenizer, params, context),
                                    logprobs=[] if params.logprobs is not None else None) for i in range(params.n)]
         self.scheduler.add_request(Request(
             request_id=request_id, prompt_token_ids=token_ids, sampling_params=params,
@@ -492,6 +494,8 @@ class LLMEngine:
                 ) -> tuple[ParsedPrompt, list[int]]:
         """A request's prompt, parsed (its images through the processor), and its token ids, checked."""
         parsed = parse_prompt(prompt)
+        if parsed.prompt_embeds is not None:
+            parsed, prompt_token_ids = self.embeds_prompt(parsed), None
         if parsed.images:   # token ids are the processor's: each image's marker expanded into its placeholders
             parsed, prompt_token_ids = self.process_images(parsed), None
         if parsed.image_inputs:
@@ -501,6 +505,29 @@ class LLMEngine:
         if parsed.token_type_ids is not None:
             self._check_token_types(parsed.token_type_ids, len(token_ids))
         return parsed, token_ids
+
+    def embeds_prompt(self, parsed: ParsedPrompt) -> ParsedPrompt:
+        """A prompt given as embeddings (`parsed.prompt_embeds`), checked, as one image of its whole length
+        (`ImageInput.embeds`: its rows stand for its tokens) with a placeholder token id 0 for each row. Thread-safe
+        (as `process_images`, which it stands beside)."""
+        embeds = parsed.prompt_embeds
+        if not self.config.model.enable_prompt_embeds:
+            raise ValueError("prompt_embeds needs an engine started with enable_prompt_embeds=True "
+                             "(--enable-prompt-embeds)")
+        if getattr(self.runner.model.model, "embed_scale", None) is not None:
+            raise ValueError(f"{self.model_name} scales its embeddings (Gemma, Granite): its prompt_embeds are not "
+                             "taken yet")
+        if not torch.is_tensor(embeds) or not embeds.is_floating_point():
+            raise ValueError("prompt_embeds must be a floating-point torch tensor")
+        if embeds.dim() == 3 and embeds.shape[0] == 1:
+            embeds = embeds[0]
+        hidden = self.hf_config.hidden_size
+        if embeds.dim() != 2 or embeds.shape[1] != hidden or embeds.shape[0] == 0:
+            raise ValueError(f"prompt_embeds must be [tokens, hidden_size {hidden}], got {tuple(embeds.shape)}")
+        embeds = embeds.detach().to("cpu", self.runner.model.dtype).contiguous()
+        length = embeds.shape[0]
+        image = ImageInput(0, length, pixels_hash(embeds, tuple(embeds.shape)), embeds, embeds=True)
+        return dataclasses.replace(parsed, token_ids=[0] * length, image_inputs=(image,), prompt_embeds=None)
 
     @staticmethod
     def _tokens_only(params: SamplingParams) -> SamplingParams:
@@ -536,9 +563,11 @@ class LLMEngine:
 
     def _check_takes_images(self, pooling: PoolingParams | None) -> None:
         if pooling is not None:
-            raise ValueError("a prompt with images is for generation: pagedllm embeds and classifies text only")
+            raise ValueError("a prompt with images or embeddings is for generation: pagedllm embeds and classifies "
+                             "text only")
         if self.config.parallel.tensor_parallel_size > 1:
-            raise ValueError("a prompt with images runs on one rank: tensor parallelism takes text prompts only")
+            raise ValueError("a prompt with images or embeddings runs on one rank: tensor parallelism takes text "
+                             "prompts only")
 
     def _check_token_types(self, token_type_ids: list[int], num_tokens: int) -> None:
         if not self.token_type_vocab_size:

@@ -137,6 +137,8 @@ class LLM:
         logprobs_mode: what logprobs hold (vLLM's): "raw_logprobs" (the model's), "processed_logprobs" (those of
             the distribution sampled from, after penalties, temperature and filters), "raw_logits" or
             "processed_logits" (`ModelConfig.logprobs_mode`).
+        enable_prompt_embeds: take prompts given as embeddings, `{"prompt_embeds": tensor}` ([tokens, hidden_size],
+            as the model's embedding layer gives them), as vLLM does with it.
         structured_outputs_config: how structured outputs compile and when they apply (vLLM's), e.g.
             `{"disable_any_whitespace": False}` for JSON with whitespace, or `{"reasoning_parser": "qwen3"}` for a
             constraint that applies once the thought is over (`StructuredOutputsConfig`).
@@ -173,7 +175,8 @@ class LLM:
                  disable_sliding_window: bool = False, allowed_local_media_path: str = "",
                  allowed_media_domains: list[str] | None = None, logits_processors: list[str | type] | None = None,
                  logprobs_mode: str = "raw_logprobs",
-                 structured_outputs_config: dict[str, Any] | StructuredOutputsConfig | None = None) -> None:
+                 structured_outputs_config: dict[str, Any] | StructuredOutputsConfig | None = None,
+                 enable_prompt_embeds: bool = False) -> None:
         check_runner(runner, convert)
         if kv_cache_memory_bytes is not None:
             if kv_cache_memory not in (None, kv_cache_memory_bytes):
@@ -191,7 +194,7 @@ class LLM:
                               disable_sliding_window=disable_sliding_window,
                               allowed_local_media_path=allowed_local_media_path,
                               allowed_media_domains=allowed_media_domains, logits_processors=logits_processors,
-                              logprobs_mode=logprobs_mode),
+                              logprobs_mode=logprobs_mode, enable_prompt_embeds=enable_prompt_embeds),
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
                               gpu_memory_utilization=gpu_memory_utilization, swap_space=swap_space,
                               swap_path=swap_path, enable_prefix_caching=enable_prefix_caching,
@@ -425,7 +428,8 @@ class LLM:
         """Validate every prompt (and load every adapter) before any runs, queue them, and run them to the end."""
         for prio in priorities:
             self.engine.config.scheduler.check_priority(prio)
-        prompt_list = [self.engine.process_images(parsed) if (parsed := parse_prompt(p)).images else p
+        prompt_list = [self.engine.process_images(parsed) if (parsed := parse_prompt(p)).images else
+                       self.engine.embeds_prompt(parsed) if parsed.prompt_embeds is not None else p
                        for p in prompt_list]
         token_ids = [self.engine.tokenize_prompt(p, isinstance(params, PoolingParams))
                      for p, params in zip(prompt_list, params_list)]

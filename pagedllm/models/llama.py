@@ -756,7 +756,9 @@ class LlamaForCausalLM(nn.Module):
 
     def encode_image(self, image: ImageInput) -> torch.Tensor:
         """An image's pixels (its processor's) -> the rows of its placeholders [tokens, H]; a multimodal model's
-        only (the loader sets `image_encoder`)."""
+        only (the loader sets `image_encoder`). Prompt embeddings (`image.embeds`) are their rows already."""
+        if image.embeds:
+            return image.pixels.to(self.lm_head.weight.device, self.dtype)
         if self.image_encoder is None:
             raise ValueError("this model takes no images")
         return self.image_encoder.encode(image)

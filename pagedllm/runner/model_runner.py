@@ -377,7 +377,7 @@ class ModelRunner:
                 row = inputs.first_rows[s.request_id] + first - start
                 indices.append(torch.arange(row, row + last - first))
                 rows.append(state.image_rows[index][first - image.offset:last - image.offset])
-                if self.model.image_encoder.attends_whole_image:    # its rows see all of it
+                if not image.embeds and self.model.image_encoder.attends_whole_image:   # its rows see all of it
                     if last != image.offset + image.length:
                         raise RuntimeError(f"a step cut image {index} of {s.request_id}: the scheduler keeps an "
                                            "image whole for this model")

@@ -51,6 +51,11 @@ def test_the_structured_outputs_config_takes_the_reasoning_parser_as_vllm_does()
         _config("--structured-outputs-config", '{"reasoning_parser": "qwen3"}', "--reasoning-parser", "mistral")
 
 
+def test_prompt_embeds_are_taken_where_the_flag_says() -> None:
+    assert (_config().model.enable_prompt_embeds, _config("--enable-prompt-embeds").model.enable_prompt_embeds) == \
+        (False, True)
+
+
 def test_the_logits_processors_reach_the_model_config_by_import_path() -> None:
     assert _config().model.logits_processors is None
     assert _config("--logits-processors", "a.b.C", "d.E").model.logits_processors == ["a.b.C", "d.E"]

@@ -86,8 +86,9 @@ def _group_seats(group_size: int, num_running: int) -> int:
 
 def _images_reached(request: Request, start: int, num_tokens: int) -> list[ImageInput]:
     """The request's images whose first placeholder is among tokens [start, start + num_tokens): the step that
-    computes it encodes the image (the runner keeps its rows until the request ends)."""
-    return [image for image in request.images if start <= image.offset < start + num_tokens]
+    computes it encodes the image (the runner keeps its rows until the request ends). Prompt embeddings, which
+    take no encoder, are none."""
+    return [image for image in request.images if start <= image.offset < start + num_tokens and not image.embeds]
 
 
 @dataclass(slots=True)

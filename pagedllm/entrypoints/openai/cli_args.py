@@ -397,6 +397,8 @@ def _add_model_args(group: argparse._ArgumentGroup) -> None:
                        help="read http(s) image URLs of these hosts only (default: any)")
     group.add_argument("--disable-sliding-window", action="store_true",
                        help="cap the context at the model's sliding window, every layer attending over all of it")
+    group.add_argument("--enable-prompt-embeds", action="store_true",
+                       help="take /v1/completions' prompt_embeds: base64 of torch.save'd [tokens, hidden_size] tensors")
     group.add_argument("--logits-processors", nargs="+", default=None, metavar="IMPORT.PATH",
                        help="custom logits processors by import path (package.module.Class), subclasses of "
                             "pagedllm.sample.logits_processor.LogitsProcessor; a request's vllm_xargs reach them")
@@ -559,7 +561,7 @@ def engine_config_from_args(args: argparse.Namespace):
                           disable_sliding_window=args.disable_sliding_window,
                           allowed_local_media_path=args.allowed_local_media_path,
                           allowed_media_domains=args.allowed_media_domains,
-                          logits_processors=args.logits_processors),
+                          logits_processors=args.logits_processors, enable_prompt_embeds=args.enable_prompt_embeds),
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                           gpu_memory_utilization=args.gpu_memory_utilization, swap_space=args.swap_space,
                           swap_path=args.swap_path, enable_prefix_caching=args.enable_prefix_caching,

@@ -159,9 +159,12 @@ class _SamplingFields(_Request):
 
 
 class CompletionRequest(_SamplingFields):
-    """POST /v1/completions. `prompt`: a string, a list of strings, token ids, or a list of token-id lists."""
+    """POST /v1/completions. `prompt`: a string, a list of strings, token ids, or a list of token-id lists;
+    `prompt_embeds` (vLLM's, with --enable-prompt-embeds): base64 of a torch.save'd [tokens, hidden_size] tensor, or
+    a list of them, prompts after `prompt`'s (which may then be left out)."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[int] | list[list[int]] | None = None
+    prompt_embeds: str | list[str] | None = None
     max_tokens: int | None = 16
     echo: bool = False
     logprobs: int | None = None

@@ -1,9 +1,13 @@
-"""POST /v1/completions: prompts (text or token ids) -> completions, whole or streamed."""
+"""POST /v1/completions: prompts (text, token ids, or vLLM's prompt_embeds) -> completions, whole or streamed."""
 
 from __future__ import annotations
 
+import base64
+import io
 from collections.abc import AsyncIterator
 from typing import Any, cast
+
+import torch
 
 from pagedllm.entrypoints.openai.protocol import CompletionRequest, OpenAIError, now
 from pagedllm.entrypoints.openai.serving_base import Prompt
@@ -15,6 +19,7 @@ from pagedllm.entrypoints.openai.serving_choices import (
     keep_prompt_logprobs,
     prompt_logprobs_json,
 )
+from pagedllm.inputs import ParsedPrompt
 from pagedllm.outputs import PromptLogprobs
 
 
@@ -39,7 +44,14 @@ class OpenAIServingCompletion(GenerationServing):
             raise OpenAIError("suffix is not supported", param="suffix")
         if request.best_of is not None and request.best_of != request.n:
             raise OpenAIError("best_of is not supported (it must be absent or equal to n)", param="best_of")
-        prompts = await self.prompts(request.prompt, self.truncation(request))
+        prompts = [] if request.prompt is None else await self.prompts(request.prompt, self.truncation(request))
+        if request.prompt_embeds is not None:
+            if request.echo or request.prompt_logprobs is not None or request.truncate_prompt_tokens is not None:
+                raise OpenAIError("prompt_embeds have no tokens to echo, to give log-probabilities of, or to cut",
+                                  param="prompt_embeds")
+            prompts += await self._embeds_prompts(request.prompt_embeds)
+        if not prompts:
+            raise OpenAIError("give a prompt (or prompt_embeds)", param="prompt")
         max_tokens = [self.resolve_max_tokens(request.max_tokens, len(p.token_ids)) for p in prompts]
         self.check_num_choices(len(prompts), request.n)
         request_id = self.request_id_for("cmpl", request.request_id)
@@ -63,6 +75,27 @@ class OpenAIServingCompletion(GenerationServing):
             for choice in cast(dict[str, Any], response)["choices"]:    # on each choice, after stop_reason (vLLM)
                 choice["prompt_logprobs"] = prompt_logprobs_json(prompt_logprobs.get(choice["index"] // request.n))
         return response
+
+    async def _embeds_prompts(self, encoded: str | list[str]) -> list[Prompt]:
+        """Each base64 torch.save'd tensor of `prompt_embeds` as a prompt (`LLMEngine.embeds_prompt`), read off the
+        event loop (tensors only: weights_only); 400 naming prompt_embeds for one that is not such a tensor."""
+        def read(text: str) -> Prompt:
+            try:
+                tensor = torch.load(io.BytesIO(base64.b64decode(text, validate=True)), weights_only=True,
+                                    map_location="cpu")
+            except Exception as exc:    # noqa: BLE001 - torch has no one error for bytes that are no tensor file
+                raise OpenAIError(f"prompt_embeds could not be read as a torch.save'd tensor: {str(exc)[:200]}",
+                                  param="prompt_embeds") from None
+            try:
+                parsed = self.engine.embeds_prompt(ParsedPrompt(None, None, prompt_embeds=tensor))
+            except ValueError as exc:
+                raise OpenAIError(str(exc), param="prompt_embeds") from exc
+            return Prompt(None, cast(list[int], parsed.token_ids), images=parsed.image_inputs)
+
+        items = [encoded] if isinstance(encoded, str) else encoded
+        if not items or len(items) > self.limits.max_prompts:
+            raise OpenAIError(f"prompt_embeds takes 1 to {self.limits.max_prompts} tensors", param="prompt_embeds")
+        return [await self.engine.run_on_tokenizer_thread(read, text) for text in items]
 
     def _add_echo_logprobs(self, response: dict[str, Any], prompts: list[Prompt], kept: dict[int, PromptLogprobs],
                            n: int, num_logprobs: int, as_ids: bool) -> None:
