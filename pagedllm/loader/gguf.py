@@ -41,7 +41,7 @@ _PLAIN_TYPES: dict[int, torch.dtype] = {
     GGMLQuantizationType.BF16: torch.bfloat16,
 }
 # Architectures whose Q/K rows llama.cpp's converter permutes (for its interleaved rope).
-_PERMUTED_ARCHS = {"llama", "smollm3", "granite"}
+_PERMUTED_ARCHS = {"llama", "smollm3", "granite", "ernie4_5"}   # ERNIE 4.5's rows as its checkpoint: interleaved
 # SmolLM3's layers without a rotary embedding: every how many one is (llama.cpp fixes it rather than store it)
 _SMOLLM3_NO_ROPE_EVERY = 4
 
@@ -373,6 +373,8 @@ def gguf_hf_config(g: GGUFFile) -> Any:
         kwargs.update(_gguf_gemma(g, kwargs))
     if arch == "phi3":
         kwargs.update(_gguf_phi3(g, kwargs))
+    if arch == "ernie4_5":  # its q/k rows come out of the file in halves already (_PERMUTED_ARCHS)
+        kwargs["rotary_rows_in_halves"] = True
     if arch == "lfm2":      # its convolution layers: those with no KV heads; the MLP's width as it is
         kv_heads = _per_layer(g.arch_value("attention.head_count_kv"))
         kwargs.update(layer_types=["conv" if heads == 0 else "full_attention" for heads in kv_heads],

@@ -118,8 +118,9 @@ def _has_bias(config: Any, part: str) -> bool:
 
 def _interleaved_rope(config: Any) -> bool:
     """Whether the checkpoint's rotary embedding turns interleaved pairs of a head's values (the GPT-J layout: ERNIE
-    4.5's, Helium's), which `load_weights` reorders into the halves pagedllm's turns."""
-    return config.model_type in ("ernie4_5", "helium")
+    4.5's, Helium's), which `load_weights` reorders into the halves pagedllm's turns; not where the loader gives
+    them in halves already (`rotary_rows_in_halves`: a GGUF file's, reordered as llama.cpp's Llama files are)."""
+    return config.model_type in ("ernie4_5", "helium") and not getattr(config, "rotary_rows_in_halves", False)
 
 
 def _has_qk_norm(config: Any) -> bool:

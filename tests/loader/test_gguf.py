@@ -361,12 +361,15 @@ def test_a_quantized_lfm2_gguf_is_dequantised_and_its_layers_typed_by_their_kv_h
         load_model(ModelConfig(model=str(path), quantization="gguf"))
 
 
-def test_an_ernie_gguf_whose_rows_are_reordered_at_load_is_dequantised(tmp_path: Path) -> None:
+def test_a_quantized_ernie_gguf_keeps_its_blocks_reordered_by_row(tmp_path: Path, monkeypatch) -> None:
+    """ERNIE 4.5's interleaved q/k rows, reordered into halves as llama's files' are (whole rows of blocks), stay
+    packed: the dequantised model within the 16-bit activations' noise."""
     path = tmp_path / "ernie-q8.gguf"
     write_model_gguf(build_tiny_hf_model("ernie4_5"), path, "ernie4_5", Q.Q8_0)
-    assert load_model(ModelConfig(model=str(path))).quantization is None
-    with pytest.raises(ValueError, match="q and k rows are reordered .* load it with dtype 'auto'"):
-        load_model(ModelConfig(model=str(path), quantization="gguf"))
+    packed = load_model(ModelConfig(model=str(path), dtype="float32", quantization="gguf")).model
+    dense = load_model(ModelConfig(model=str(path), dtype="float32")).model
+    assert packed.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.uint8
+    _assert_gguf_reference_near_the_dense_model(packed, dense, [1, 17, 250, 9, 33, 70, 5, 80, 81], monkeypatch)
 
 
 def test_quantized_gguf_is_close(tmp_path: Path) -> None:
