@@ -68,9 +68,9 @@ _ARCH_BLOCK_NAMES = {"gemma2": _GEMMA_BLOCK_NAMES, "gemma3": _GEMMA_BLOCK_NAMES,
                      "phi3": {**_BLOCK_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
                      # OLMo 2's and EXAONE 4's norms of their branches' outputs
                      "olmo2": _OUTPUT_NORMED_BLOCK_NAMES, "exaone4": _OUTPUT_NORMED_BLOCK_NAMES,
-                     # LFM2's short convolutions, under transformers' names (pagedllm.models.llama maps them)
-                     "lfm2": {**_BLOCK_NAMES, "shortconv.in_proj": "conv.in_proj",
-                              "shortconv.out_proj": "conv.out_proj", "shortconv.conv": "conv.conv"}}
+                     # LFM2's short convolutions, as the model's modules name them (its `self_attn`, a ShortConv)
+                     "lfm2": {**_BLOCK_NAMES, "shortconv.in_proj": "self_attn.in_proj",
+                              "shortconv.out_proj": "self_attn.o_proj", "shortconv.conv": "self_attn.conv"}}
 # Architectures whose RMSNorm scales by 1 + w, which llama.cpp's converter stores as the 1 + w it multiplies by
 _NORM_SHIFTED_ARCHS = {"gemma2", "gemma3", "gemma-embedding"}
 # GGUF architecture -> transformers' model_type, where they differ (a mixture of experts: _MOE_MODEL_TYPES)

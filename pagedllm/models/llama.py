@@ -84,12 +84,13 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb
 # Mixtral's checkpoint names of its sparse MLP -> the names of Qwen-MoE's, which the model's modules take
 _MIXTRAL_NAMES = ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."), (".w3.", ".up_proj."),
                   (".w2.", ".down_proj."))
-# LFM2's checkpoint names -> the modules' (its convolution is the layer's `self_attn`, a ShortConv)
+# LFM2's checkpoint names -> the modules' (its convolution is the layer's `self_attn`, a ShortConv, whose out_proj
+# is its o_proj as an attention's is)
 _LFM2_NAMES = ((".operator_norm.", ".input_layernorm."), (".ffn_norm.", ".post_attention_layernorm."),
                (".feed_forward.w1.", ".mlp.gate_proj."), (".feed_forward.w3.", ".mlp.up_proj."),
                (".feed_forward.w2.", ".mlp.down_proj."), (".self_attn.out_proj.", ".self_attn.o_proj."),
                (".q_layernorm.", ".q_norm."), (".k_layernorm.", ".k_norm."), (".conv.in_proj.", ".self_attn.in_proj."),
-               (".conv.out_proj.", ".self_attn.out_proj."), (".conv.conv.", ".self_attn.conv."),
+               (".conv.out_proj.", ".self_attn.o_proj."), (".conv.conv.", ".self_attn.conv."),
                ("model.embedding_norm.", "model.norm."))
 
 
@@ -152,8 +153,6 @@ def load_time_change(config: Any) -> str | None:
         return "Granite's residual_multiplier is folded into its o_proj and down_proj weights"
     if _interleaved_rope(config):
         return f"{config.model_type}'s q and k rows are reordered for the rotary embedding"
-    if has_conv_layers(config):
-        return "LFM2's convolution projections are not packed in blocks yet"
     return None
 
 
@@ -372,7 +371,7 @@ class ShortConv(nn.Module):
             raise ValueError("LFM2's convolution layers run on one rank (tensor_parallel_size=1)")
         hidden, self.kernel_size = config.hidden_size, config.conv_L_cache
         self.in_proj = MergedColumnParallelLinear(hidden, [hidden] * 3, bias=config.conv_bias, dtype=dtype)
-        self.out_proj = RowParallelLinear(hidden, hidden, bias=config.conv_bias, dtype=dtype)
+        self.o_proj = RowParallelLinear(hidden, hidden, bias=config.conv_bias, dtype=dtype)   # (its out_proj)
         self.conv = nn.Conv1d(hidden, hidden, self.kernel_size, groups=hidden, bias=config.conv_bias, dtype=dtype)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: list[KVCache],
@@ -393,7 +392,7 @@ class ShortConv(nn.Module):
         out = sum(tap * weight[:, j] for j, tap in enumerate(window))
         if self.conv.bias is not None:
             out = out + self.conv.bias
-        return self.out_proj(c * out)
+        return self.o_proj(c * out)
 
     @staticmethod
     def _earlier(kv_cache: list[KVCache], positions: torch.Tensor, meta: AttentionMetadata, back: int,

@@ -349,16 +349,20 @@ def test_a_quantized_granite_gguf_is_dequantised(tmp_path: Path) -> None:
     assert load_model(ModelConfig(model=str(path))).quantization is None     # dtype "auto": dequantised
 
 
-def test_a_quantized_lfm2_gguf_is_dequantised_and_its_layers_typed_by_their_kv_heads(tmp_path: Path) -> None:
+def test_a_quantized_lfm2_gguf_packs_its_convolutions_projections(tmp_path: Path, monkeypatch) -> None:
+    """LFM2's layers typed by their KV-head counts, and its convolutions' in and out projections multiplying their
+    blocks (the dequantised model within the 16-bit activations' noise)."""
     path = tmp_path / "lfm2-q8.gguf"
     write_model_gguf(build_tiny_hf_model("lfm2", num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"]),
                      path, "lfm2", Q.Q8_0)
     config = gguf_hf_config(GGUFFile(path))
     assert (config.layer_types, config.conv_L_cache, config.num_key_value_heads) == \
         (["conv", "full_attention", "conv"], 3, 1)
-    assert load_model(ModelConfig(model=str(path))).quantization is None     # dtype "auto": dequantised
-    with pytest.raises(ValueError, match="LFM2's convolution projections are not packed .* load it with dtype"):
-        load_model(ModelConfig(model=str(path), quantization="gguf"))
+    packed = load_model(ModelConfig(model=str(path), dtype="float32", quantization="gguf")).model
+    dense = load_model(ModelConfig(model=str(path), dtype="float32")).model
+    conv = packed.model.layers[0].self_attn
+    assert conv.in_proj.weight.dtype == conv.o_proj.weight.dtype == torch.uint8
+    _assert_gguf_reference_near_the_dense_model(packed, dense, [1, 17, 250, 9, 33, 70, 5, 80, 81], monkeypatch)
 
 
 def test_a_quantized_ernie_gguf_keeps_its_blocks_reordered_by_row(tmp_path: Path, monkeypatch) -> None:
