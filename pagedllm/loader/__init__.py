@@ -284,7 +284,7 @@ def implied_gguf(resolved: ResolvedModel, hf_config: Any, dtype: str, tp_size: i
 
     if not resolved.is_gguf or dtype != "auto":
         return None
-    change = load_time_change(hf_config)
+    change = load_time_change(hf_config, "gguf")
     if change is not None:
         logger.info("%s: GGUF weights dequantised (%s at load)", resolved.name, change)
         return None
@@ -321,8 +321,8 @@ def resolve_quantization(requested: str | None, resolved: ResolvedModel, hf_conf
     if quantization in INT4_METHODS and num_experts(hf_config):
         raise ValueError(f"{resolved.name} is a mixture of experts: its {quantization!r} experts are not read yet "
                          "(pagedllm runs a mixture of experts unquantized, or with quantization 'int8' or 'w8a8')")
-    change = load_time_change(hf_config)
-    if quantization in ("gguf", *INT4_METHODS) and change is not None:
+    change = load_time_change(hf_config, quantization) if quantization in ("gguf", *INT4_METHODS) else None
+    if change is not None:
         how = "load it with dtype 'auto' (or one named), which dequantises its weights" if quantization == "gguf" \
             else f"pagedllm does not run {quantization!r} checkpoints of it"
         raise ValueError(f"{resolved.name}: {change} at load, which its {quantization!r} blocks, kept packed, "

@@ -310,6 +310,7 @@ def gguf_block_rows(g: GGUFFile, ggml_types: tuple[GGMLQuantizationType, ...], c
     from pagedllm.models.llama import unfused
 
     permute = g.architecture in _PERMUTED_ARCHS
+    residual = float(getattr(config, "residual_multiplier", None) or 1.0)    # Granite's, into its blocks' scales
     heads = {".q_proj.": g.arch_value("attention.head_count")}
     heads[".k_proj."] = g.arch_value("attention.head_count_kv", heads[".q_proj."])
     rows: dict[str, tuple[GGMLQuantizationType, torch.Tensor]] = {}
@@ -321,9 +322,28 @@ def gguf_block_rows(g: GGUFFile, ggml_types: tuple[GGMLQuantizationType, ...], c
         for part, num_heads in heads.items():
             if permute and part in hf_name:
                 raw = interleaved_to_halves(raw, num_heads)
+        if residual != 1.0 and hf_name.endswith((".o_proj.weight", ".down_proj.weight")):
+            raw = scaled_blocks(raw, info.ggml_type, residual)
         for part_name, part_rows in unfused(config, hf_name, raw):     # Phi-3's fused tensors, row by row
             rows[part_name] = (info.ggml_type, part_rows)
     return rows
+
+
+# the float16 scales at the head of each block, which multiply all its values: (how many, of which block types)
+_BLOCK_SCALES = {GGMLQuantizationType.Q4_0: 1, GGMLQuantizationType.Q8_0: 1, GGMLQuantizationType.Q4_1: 2,
+                 GGMLQuantizationType.Q4_K: 2}
+
+
+def scaled_blocks(raw: torch.Tensor, ggml_type: GGMLQuantizationType, factor: float) -> torch.Tensor:
+    """Rows of blocks (uint8 [N, blocks x block bytes]) whose values are `factor` times these': a copy with each
+    block's float16 scales multiplied (Q4_0's and Q8_0's d; Q4_1's d and m; Q4_K's d and dmin, which scale its
+    sub-blocks' scales and mins), rounded to float16 as the file's were (Granite's residual multiplier)."""
+    block_bytes = GGML_QUANT_SIZES[ggml_type][1]
+    blocks = raw.clone().view(raw.shape[0], -1, block_bytes)
+    count = _BLOCK_SCALES[ggml_type]
+    scales = blocks[:, :, :2 * count].contiguous().view(torch.float16)
+    blocks[:, :, :2 * count] = (scales.float() * factor).to(torch.float16).view(torch.uint8)
+    return blocks.view(raw.shape)
 
 
 def gguf_hf_config(g: GGUFFile) -> Any:

@@ -146,10 +146,11 @@ def _intermediate_size(config: Any) -> int:
     return size
 
 
-def load_time_change(config: Any) -> str | None:
-    """What `load_weights` does to the checkpoint's weights, which blocks kept packed (GGUF, AWQ, GPTQ: never
-    loaded as weights) cannot take; None where it changes none."""
-    if float(getattr(config, "residual_multiplier", None) or 1.0) != 1.0:
+def load_time_change(config: Any, quantization: str) -> str | None:
+    """What `load_weights` does to the checkpoint's weights, which blocks kept packed (`quantization` "gguf",
+    "awq" or "gptq": never loaded as weights) cannot take; None where it changes none that they cannot. (A GGUF
+    file's blocks take Granite's residual multiplier in their scales: `pagedllm.loader.gguf.scaled_blocks`.)"""
+    if float(getattr(config, "residual_multiplier", None) or 1.0) != 1.0 and quantization != "gguf":
         return "Granite's residual_multiplier is folded into its o_proj and down_proj weights"
     if _interleaved_rope(config):
         return f"{config.model_type}'s q and k rows are reordered for the rotary embedding"

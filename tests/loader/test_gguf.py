@@ -17,7 +17,14 @@ from pagedllm.config import ModelConfig
 from pagedllm.layers.gguf import PACKED_GGUF_TYPES, dequantize_gguf_packed, pack_gguf_weight, packed_type
 from pagedllm.layers.rotary import interleaved_to_halves
 from pagedllm.loader import load_model
-from pagedllm.loader.gguf import GGUFFile, gguf_block_rows, gguf_hf_config, gguf_to_hf_name, iterate_gguf
+from pagedllm.loader.gguf import (
+    GGUFFile,
+    gguf_block_rows,
+    gguf_hf_config,
+    gguf_to_hf_name,
+    iterate_gguf,
+    scaled_blocks,
+)
 from pagedllm.loader.pooling_config import model_pooling_type, sentence_transformers_projector
 from pagedllm.loader.resolve import resolve_model
 from tests.models.tiny import SimplePagedRunner, build_tiny_hf_model, use_gguf_reference
@@ -339,14 +346,28 @@ def test_a_quantized_phi3_gguf_packs_its_fused_tensors_by_part(tmp_path: Path, m
     _assert_gguf_reference_near_the_dense_model(packed, dense, [(7 * i + 3) % 300 for i in range(30)], monkeypatch)
 
 
-def test_a_quantized_granite_gguf_is_dequantised(tmp_path: Path) -> None:
-    """Granite's residual multiplier folds into dequantised weights, not into the blocks pagedllm keeps: dtype
-    "auto" dequantises them, quantization="gguf" is refused."""
-    path = tmp_path / "granite-q8.gguf"
-    write_model_gguf(build_tiny_hf_model("granite"), path, "granite", Q.Q8_0)
-    with pytest.raises(ValueError, match="residual_multiplier is folded .* load it with dtype 'auto'"):
-        load_model(ModelConfig(model=str(path), quantization="gguf"))
-    assert load_model(ModelConfig(model=str(path))).quantization is None     # dtype "auto": dequantised
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_1, Q.Q4_K])
+def test_a_quantized_granite_gguf_takes_its_residual_multiplier_in_its_blocks_scales(tmp_path: Path, qtype: Q,
+                                                                                   monkeypatch) -> None:
+    """Granite's residual multiplier, folded into its o_proj's and down_proj's blocks' float16 scales (and mins):
+    the packed model is the dequantised one (which folds it into the weights) within the activations' noise."""
+    path = tmp_path / "granite.gguf"
+    write_model_gguf(build_tiny_hf_model("granite", intermediate_size=256, hidden_size=256), path, "granite", qtype)
+    packed = load_model(ModelConfig(model=str(path), dtype="float32", quantization="gguf")).model
+    dense = load_model(ModelConfig(model=str(path), dtype="float32")).model
+    layer = packed.model.layers[0]
+    assert layer.self_attn.o_proj.weight.dtype == layer.mlp.down_proj.weight.dtype == torch.uint8
+    _assert_gguf_reference_near_the_dense_model(packed, dense, [1, 17, 250, 9, 33, 70, 5, 80, 81], monkeypatch)
+
+
+def test_scaled_blocks_scale_every_value() -> None:
+    rows = torch.randn(4, 256)
+    for qtype in (Q.Q4_0, Q.Q8_0, Q.Q4_1, Q.Q4_K):
+        raw = torch.from_numpy(_quantize_q4_k(rows.numpy()) if qtype == Q.Q4_K else quantize(rows.numpy(), qtype))
+        before = torch.from_numpy(dequantize(raw.numpy(), qtype))
+        after = torch.from_numpy(dequantize(scaled_blocks(raw, qtype, 0.22).numpy(), qtype))
+        torch.testing.assert_close(after, before * 0.22, atol=1e-3 * float(before.abs().max()), rtol=2e-3)
+        assert torch.equal(torch.from_numpy(dequantize(raw.numpy(), qtype)), before)     # the rows left as they were
 
 
 def test_a_quantized_lfm2_gguf_packs_its_convolutions_projections(tmp_path: Path, monkeypatch) -> None:
