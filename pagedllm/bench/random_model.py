@@ -54,6 +54,17 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "ms-marco-minilm-l6": ("bert", dict(
         hidden_size=384, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=12,
         max_position_embeddings=512, architectures=["BertForSequenceClassification"], num_labels=1)),
+    # LFM2-350M's layers (~0.35B weights here, with the tokenizer's vocabulary): 16 of hidden 1024, 10 short
+    # convolutions (3 taps) and 6 attention layers (16 query heads of 64 over 8 kv heads) at its indices, an MLP of
+    # 4,608 (its 6,656 adjusted as LFM2 adjusts it)
+    "lfm2-350m": ("lfm2", dict(
+        hidden_size=1024, intermediate_size=6656, num_hidden_layers=16, num_attention_heads=16,
+        num_key_value_heads=8, full_attn_idxs=[2, 5, 8, 10, 12, 14], conv_L_cache=3, norm_eps=1e-5,
+        block_multiple_of=256, block_ffn_dim_multiplier=1.0, block_auto_adjust_ff_dim=True,
+        max_position_embeddings=128000,
+        # (fields its config.json holds beside transformers' own, which vLLM reads)
+        conv_dim=1024, conv_dim_out=1024, block_dim=1024, block_ff_dim=6656, block_use_swiglu=True,
+        block_norm_eps=1e-5, num_heads=16)),
     # Phi-4-mini's layers (~3.4B weights): 32 of hidden 3072, 24 query heads of 128 over 8 kv heads, an MLP of 8192,
     # longrope (an original context of 4,096 of 131,072) over 3/4 of each head; the tokenizer's vocabulary
     "phi4-mini": ("phi3", dict(

@@ -24,6 +24,21 @@ def test_a_random_model_folder_loads_and_generates_in_its_presets_shape(tmp_path
     assert len(out.outputs[0].token_ids) == 4
 
 
+def test_the_lfm2_preset_has_its_convolutions_where_its_config_says(tmp_path, monkeypatch):
+    model_type, fields = random_model.PRESETS["lfm2-350m"]
+    small = {**fields, "hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 4, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "full_attn_idxs": [2], "block_multiple_of": 32}
+    monkeypatch.setitem(random_model.PRESETS, "lfm2-350m", (model_type, small))
+    main(["random-model", str(tmp_path / "m"), "--preset", "lfm2-350m", "--dtype", "float32"])
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert config["architectures"] == ["Lfm2ForCausalLM"] and config["layer_types"] == \
+        ["conv", "conv", "full_attention", "conv"]
+    with LLM(str(tmp_path / "m"), num_kv_blocks=64) as llm:
+        out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=4, ignore_eos=True),
+                           use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 4
+
+
 def test_the_embeddinggemma_preset_is_an_encoder_with_its_dense_layers(tmp_path, monkeypatch):
     """The encoder preset saves the bare Gemma 3 model with a sentence-transformers config (mean pooling, two Dense
     layers, a norm), which pagedllm embeds with: vectors of the last Dense layer's width, of norm 1."""
