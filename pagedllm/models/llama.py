@@ -620,23 +620,35 @@ class LlamaModel(nn.Module):
         def weight(norm: RMSNorm | None) -> torch.Tensor | None:
             return None if norm is None else norm.weight
 
-        def layer_weights(layer: LlamaDecoderLayer) -> Any:
-            attn, mlp = layer.self_attn, layer.mlp
+        def layer_weights(layer: LlamaDecoderLayer, pool_layers: slice) -> Any:
+            mixer, mlp = layer.self_attn, layer.mlp
             dense = isinstance(mlp, LlamaMLP)
+            shared = dict(input_norm=weight(layer.input_layernorm),
+                          post_attention_norm=layer.post_attention_layernorm.weight,
+                          o=mixer.o_proj.kernel_weights(kernels),
+                          gate_up=mlp.gate_up_proj.kernel_weights(kernels) if dense else None,
+                          down=mlp.down_proj.kernel_weights(kernels) if dense else None,
+                          moe=None if dense else mlp.kernel_weights(kernels),
+                          pre_feedforward_norm=weight(layer.pre_feedforward_layernorm),
+                          post_feedforward_norm=weight(layer.post_feedforward_layernorm),
+                          gelu=dense and isinstance(mlp.act_fn, GeluAndMul))
+            if isinstance(mixer, ShortConv):    # its in_proj where an attention's qkv goes, no rotary tables
+                none = torch.empty(0)
+                return kernels.DecoderLayerWeights(
+                    qkv=mixer.in_proj.kernel_weights(kernels), q_norm=None, k_norm=None, sliding_window=0,
+                    cos_cache=none, sin_cache=none, conv=mixer.conv.weight,
+                    pool_layers=pool_layers.stop - pool_layers.start, **shared)
             return kernels.DecoderLayerWeights(
-                weight(layer.input_layernorm), layer.post_attention_layernorm.weight,
-                attn.qkv_proj.kernel_weights(kernels), attn.o_proj.kernel_weights(kernels),
-                mlp.gate_up_proj.kernel_weights(kernels) if dense else None,
-                mlp.down_proj.kernel_weights(kernels) if dense else None,
-                weight(attn.q_norm), weight(attn.k_norm), None if dense else mlp.kernel_weights(kernels),
-                attn.sliding_window, attn.rotary_emb.cos_cache, attn.rotary_emb.sin_cache,
-                weight(layer.pre_feedforward_layernorm), weight(layer.post_feedforward_layernorm),
-                dense and isinstance(mlp.act_fn, GeluAndMul))
+                qkv=mixer.qkv_proj.kernel_weights(kernels), q_norm=weight(mixer.q_norm), k_norm=weight(mixer.k_norm),
+                sliding_window=mixer.sliding_window, cos_cache=mixer.rotary_emb.cos_cache,
+                sin_cache=mixer.rotary_emb.sin_cache, **shared)
 
-        attn = self.layers[0].self_attn
-        return kernels.DecoderStack([layer_weights(layer) for layer in self.layers], self.norm.weight, self.norm.eps,
-                                    attn.qkv_proj.q_size // attn.head_dim, attn.qkv_proj.kv_size // attn.head_dim,
-                                    attn.head_dim, attn.scale, attn.softcap, not attn.encoder)
+        attn = next(layer.self_attn for layer in self.layers if isinstance(layer.self_attn, LlamaAttention))
+        return kernels.DecoderStack([layer_weights(layer, pool_layers) for layer, pool_layers
+                                     in zip(self.layers, self.cache_layers, strict=True)], self.norm.weight,
+                                    self.norm.eps, attn.qkv_proj.q_size // attn.head_dim,
+                                    attn.qkv_proj.kv_size // attn.head_dim, attn.head_dim, attn.scale, attn.softcap,
+                                    not attn.encoder)
 
 
 # Checkpoints of the decoder alone, as decoder embedding models are saved (gte-Qwen2, e5-mistral): tensor names
@@ -742,9 +754,10 @@ class LlamaForCausalLM(nn.Module):
         own). Only on one rank and with the CPU attention backend: otherwise the modules run. The loader calls it once
         the weights are final, packed: a stack holds the weight tensors it was built with. `enforce_eager=True` keeps
         the modules."""
-        attn = self.model.layers[0].self_attn
-        if isinstance(attn, LlamaAttention) and attn.qkv_proj.tp_size == 1 and attn.attn_backend is paged_attention \
-                and len(self.model.cache_layers) == self.model.cache_layers[-1].stop:    # (no LFM2 convolutions)
+        attn = next(layer.self_attn for layer in self.model.layers if isinstance(layer.self_attn, LlamaAttention))
+        convolutions = [layer.self_attn for layer in self.model.layers if isinstance(layer.self_attn, ShortConv)]
+        if attn.qkv_proj.tp_size == 1 and attn.attn_backend is paged_attention and \
+                not any(conv.conv.bias is not None for conv in convolutions):   # (the stack's take no bias)
             self.model.stacks = {}
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],

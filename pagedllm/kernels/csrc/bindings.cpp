@@ -116,11 +116,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<c10::optional<at::Tensor>, at::Tensor, pagedllm::LinearWeights, pagedllm::LinearWeights,
                     c10::optional<pagedllm::LinearWeights>, c10::optional<pagedllm::LinearWeights>,
                     c10::optional<at::Tensor>, c10::optional<at::Tensor>, c10::optional<pagedllm::MoEWeights>,
-                    int64_t, at::Tensor, at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>, bool>(),
+                    int64_t, at::Tensor, at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>, bool,
+                    c10::optional<at::Tensor>, int64_t>(),
            py::arg("input_norm"), py::arg("post_attention_norm"), py::arg("qkv"), py::arg("o"), py::arg("gate_up"),
            py::arg("down"), py::arg("q_norm"), py::arg("k_norm"), py::arg("moe"), py::arg("sliding_window"),
            py::arg("cos_cache"), py::arg("sin_cache"), py::arg("pre_feedforward_norm") = py::none(),
-           py::arg("post_feedforward_norm") = py::none(), py::arg("gelu") = false);
+           py::arg("post_feedforward_norm") = py::none(), py::arg("gelu") = false, py::arg("conv") = py::none(),
+           py::arg("pool_layers") = 1);
   py::class_<pagedllm::DecoderStack>(m, "DecoderStack", py::module_local(),
                                      "A Llama-family decoder's layers and final norm in one call (decoder.cpp)")
       .def(py::init<std::vector<pagedllm::DecoderLayerWeights>, at::Tensor, double, int64_t, int64_t, int64_t,

@@ -91,16 +91,22 @@ DecoderStack::DecoderStack(std::vector<DecoderLayerWeights> layers, at::Tensor n
 at::Tensor DecoderStack::forward(at::Tensor x, const at::Tensor& positions, const std::vector<KVPair>& kv_caches,
                                  at::Tensor slot_mapping, at::Tensor block_tables, at::Tensor seq_lens,
                                  at::Tensor query_start_loc, int64_t num_decodes, bool cascade) const {
-  TORCH_CHECK(kv_caches.size() == layers_.size(), "one KV cache per layer: ", layers_.size(), " layers, ",
-              kv_caches.size(), " caches");
+  int64_t num_pool_layers = 0;
+  for (const DecoderLayerWeights& layer : layers_) num_pool_layers += layer.pool_layers;
+  TORCH_CHECK(static_cast<int64_t>(kv_caches.size()) == num_pool_layers, "the layers take ", num_pool_layers,
+              " layers of the KV pool, given ", kv_caches.size());
   const at::Tensor pos = positions.to(at::kLong);
   const StepBatch batch{std::move(slot_mapping), std::move(block_tables), std::move(seq_lens),
                         std::move(query_start_loc), num_decodes, cascade};
+  EarlierSlots earlier;
   at::Tensor residual;
+  auto pool = kv_caches.begin();
   for (size_t i = 0; i < layers_.size(); ++i) {
     const DecoderLayerWeights& layer = layers_[i];
+    const std::vector<KVPair> caches(pool, pool + layer.pool_layers);
+    pool += layer.pool_layers;
     if (!layer.input_norm) {
-      x = output_norm_layer(layer, x, residual, pos, kv_caches[i], batch);
+      x = output_norm_layer(layer, x, residual, pos, caches, batch, earlier);
       continue;
     }
     at::Tensor h;
@@ -113,7 +119,7 @@ at::Tensor DecoderStack::forward(at::Tensor x, const at::Tensor& positions, cons
       h = norm(x, *layer.input_norm);
       residual = x;
     }
-    x = attention(layer, h, pos, kv_caches[i], batch);
+    x = mixer(layer, h, pos, caches, batch, earlier);
     const bool sandwich = layer.pre_feedforward_norm && layer.post_feedforward_norm;  // Gemma 3's branch norms
     if (sandwich) x = norm(x, layer.post_attention_norm);
     h = at::empty_like(x);
@@ -133,11 +139,65 @@ at::Tensor DecoderStack::forward(at::Tensor x, const at::Tensor& positions, cons
 // the attention, each branch's output normed before it joins the stream. Returns the MLP's normed output; `residual`
 // becomes the stream before it is added.
 at::Tensor DecoderStack::output_norm_layer(const DecoderLayerWeights& layer, const at::Tensor& x, at::Tensor& residual,
-                                           const at::Tensor& positions, const KVPair& kv_cache,
-                                           const StepBatch& batch) const {
+                                           const at::Tensor& positions, const std::vector<KVPair>& caches,
+                                           const StepBatch& batch, EarlierSlots& earlier) const {
   residual = residual.defined() ? x + residual : x;
-  residual = residual + norm(attention(layer, residual, positions, kv_cache, batch), layer.post_attention_norm);
+  residual = residual + norm(mixer(layer, residual, positions, caches, batch, earlier), layer.post_attention_norm);
   return norm(mlp(layer, residual), *layer.post_feedforward_norm);
+}
+
+// The layer's token mixer: its attention over its one layer of the pool, or LFM2's short convolution.
+at::Tensor DecoderStack::mixer(const DecoderLayerWeights& layer, const at::Tensor& h, const at::Tensor& positions,
+                               const std::vector<KVPair>& caches, const StepBatch& batch, EarlierSlots& earlier) const {
+  return layer.conv ? short_conv(layer, h, positions, caches, batch, earlier)
+                    : attention(layer, h, positions, caches[0], batch);
+}
+
+// pagedllm.models.llama.ShortConv.forward: h [T, H] -> out_proj's output [T, H]; each token's B * x written to its
+// slot in the layer's layers of the pool (K and V rows, padded), the taps over the tokens before it read there.
+at::Tensor DecoderStack::short_conv(const DecoderLayerWeights& layer, const at::Tensor& h, const at::Tensor& positions,
+                                    const std::vector<KVPair>& caches, const StepBatch& batch,
+                                    EarlierSlots& earlier) const {
+  const std::vector<at::Tensor> bcx = layer.qkv(h).chunk(3, -1);
+  const at::Tensor bx = bcx[0] * bcx[2];  // [T, H]
+  const int64_t tokens = bx.size(0), hidden = bx.size(1);
+  const at::Tensor& k0 = std::get<0>(caches[0]);
+  const int64_t kv_heads = k0.size(2), head_dim = k0.size(3), block_size = k0.size(1);
+  const int64_t num_layers = static_cast<int64_t>(caches.size());
+  at::Tensor padded = at::zeros({tokens, num_layers * 2 * kv_heads * head_dim}, bx.options());
+  padded.narrow(1, 0, hidden).copy_(bx);
+  const at::Tensor parts = padded.view({tokens, num_layers, 2, kv_heads, head_dim});
+  for (int64_t i = 0; i < num_layers; ++i) {
+    const auto& [k, v] = caches[i];
+    write_kv(parts.select(1, i).select(1, 0), parts.select(1, i).select(1, 1), k, v, batch.slot_mapping);
+  }
+  const at::Tensor weight = layer.conv->squeeze(1);  // [H, L]
+  const int64_t taps = weight.size(1);
+  at::Tensor out;
+  for (int64_t j = 0; j < taps; ++j) {
+    const int64_t back = taps - 1 - j;
+    at::Tensor tap = bx;
+    if (back > 0) {
+      if (!earlier.count(back)) {  // AttentionMetadata.earlier_slots
+        const at::Tensor counts = batch.query_start_loc.slice(0, 1) - batch.query_start_loc.slice(0, 0, -1);
+        const at::Tensor seqs =
+            at::repeat_interleave(at::arange(counts.size(0), positions.options().dtype(at::kLong)), counts);
+        const at::Tensor back_positions = positions - back;
+        const at::Tensor clamped = back_positions.clamp_min(0);
+        earlier[back] = {batch.block_tables.index({seqs, clamped.div(block_size, "floor")}).to(at::kLong),
+                         clamped.remainder(block_size), back_positions.lt(0)};
+      }
+      const auto& [blocks, offsets, before_start] = earlier.at(back);
+      std::vector<at::Tensor> rows;
+      for (const auto& [k, v] : caches) {
+        rows.push_back(at::cat({k.index({blocks, offsets}), v.index({blocks, offsets})}, 1).flatten(1));
+      }
+      tap = at::cat(rows, 1).narrow(1, 0, hidden).masked_fill(before_start.unsqueeze(1), 0);
+    }
+    const at::Tensor term = tap * weight.select(1, j);
+    out = out.defined() ? out + term : term;
+  }
+  return layer.o(bcx[1] * out);
 }
 
 // LlamaAttention.forward with the CPU backend (pagedllm.attention.cpu): h [T, H] -> o_proj's output [T, H]; Qwen3's

@@ -14,6 +14,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <map>
 #include <tuple>
 #include <vector>
 
@@ -221,6 +222,10 @@ struct DecoderLayerWeights {
   // the MLP, post_feedforward_norm the MLP's output; and its MLP's GELU (tanh) in place of SiLU
   c10::optional<at::Tensor> pre_feedforward_norm, post_feedforward_norm;
   bool gelu;
+  // LFM2's short convolution in place of the attention: its taps [H, L] (qkv then holds its in_proj, o its out_proj),
+  // its tokens' inputs in `pool_layers` layers of the KV pool (an attention's K/V: one)
+  c10::optional<at::Tensor> conv;
+  int64_t pool_layers;
 };
 
 using KVPair = std::tuple<at::Tensor, at::Tensor>;  // one layer's (k_cache, v_cache)
@@ -245,9 +250,16 @@ class DecoderStack {
   };
   at::Tensor attention(const DecoderLayerWeights& layer, const at::Tensor& h, const at::Tensor& positions,
                        const KVPair& kv_cache, const StepBatch& batch) const;
+  // each token's block and offset `back` positions earlier, and whether that is before its sequence (LFM2's)
+  using EarlierSlots = std::map<int64_t, std::tuple<at::Tensor, at::Tensor, at::Tensor>>;
+  at::Tensor mixer(const DecoderLayerWeights& layer, const at::Tensor& h, const at::Tensor& positions,
+                   const std::vector<KVPair>& caches, const StepBatch& batch, EarlierSlots& earlier) const;
+  at::Tensor short_conv(const DecoderLayerWeights& layer, const at::Tensor& h, const at::Tensor& positions,
+                        const std::vector<KVPair>& caches, const StepBatch& batch, EarlierSlots& earlier) const;
   at::Tensor head_norm(const at::Tensor& heads, const at::Tensor& weight) const;
   at::Tensor output_norm_layer(const DecoderLayerWeights& layer, const at::Tensor& x, at::Tensor& residual,
-                               const at::Tensor& positions, const KVPair& kv_cache, const StepBatch& batch) const;
+                               const at::Tensor& positions, const std::vector<KVPair>& caches,
+                               const StepBatch& batch, EarlierSlots& earlier) const;
   at::Tensor mlp(const DecoderLayerWeights& layer, const at::Tensor& h) const;
   at::Tensor norm(const at::Tensor& x, const at::Tensor& weight) const;
 
