@@ -125,6 +125,6 @@ def test_a_stack_refuses_caches_that_do_not_match_its_layers(tmp_path: Path) -> 
     x = torch.zeros(1, runner.model.config.hidden_size)
     stack = runner.model.model.stack_for(x)
     one = torch.zeros(1, dtype=torch.int32)
-    with pytest.raises(RuntimeError, match="one KV cache per layer: 2 layers, 1 caches"):
+    with pytest.raises(RuntimeError, match="the layers take 2 layers of the KV pool, given 1"):
         stack.forward(x, torch.zeros(1, dtype=torch.int64), runner.kv_caches[:1], torch.zeros(1, dtype=torch.int64),
                       one.view(1, 1), one, torch.tensor([0, 1], dtype=torch.int32), 1, True)
