@@ -648,7 +648,7 @@ def _consume_in_grammars(states: list[CachedRequestState], token_ids: list[int])
         if state.grammar is None:
             continue
         if state.thinking:      # its constraint waits for the thought's end marker (`constrained_after`)
-            if token_id == state.params.constrained_after[1]:     # type: ignore[index]
+            if token_id == state.params.constrained_after[1]:
                 thought_over.append(state)
             continue
         if not state.grammar.consume_token(token_id):

@@ -85,6 +85,15 @@ def raw_scores(logits: torch.Tensor, logprobs_mode: str) -> torch.Tensor:
     return logits if logprobs_mode == "raw_logits" else torch.log_softmax(logits, dim=-1)
 
 
+def logprob_scores(raw: torch.Tensor, processed: torch.Tensor, probs: torch.Tensor | None, meta: SamplingMetadata,
+                   logprobs_mode: str) -> torch.Tensor:
+    """[B, V]: what a batch's logprobs report in `logprobs_mode` (the module docstring), from its `raw` float32
+    logits, its `processed` ones and the distribution its random rows sample from (`probs`; None: all greedy)."""
+    if logprobs_mode.startswith("raw"):
+        return raw_scores(raw, logprobs_mode)
+    return processed_scores(processed, probs, meta, logprobs_mode)
+
+
 def processed_scores(processed: torch.Tensor, probs: torch.Tensor | None, meta: SamplingMetadata,
                      logprobs_mode: str) -> torch.Tensor:
     """What a processed mode reports: per row, the log-probabilities of the distribution it samples from (a greedy
@@ -117,11 +126,8 @@ class Sampler(nn.Module):
 
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         # logits: [B, V]
-        logits = logits.float()
-        wants_logprobs = meta.max_num_logprobs is not None
-        scores = raw_scores(logits, self.logprobs_mode) if wants_logprobs and self.logprobs_mode.startswith("raw") \
-            else None
-        logits = self.process_logits(logits, meta)
+        raw = logits.float()
+        logits = self.process_logits(raw, meta)
         if self.custom is not None:
             logits = self.custom.apply_full(logits.clone())     # (a processor may change it in place)
         probs = None
@@ -132,10 +138,9 @@ class Sampler(nn.Module):
             token_ids = self._sample_random(probs, meta)
             if not meta.all_random:
                 token_ids = torch.where(meta.greedy_mask, argmax_rows(logits), token_ids)
-        if wants_logprobs and scores is None:
-            scores = processed_scores(logits, probs, meta, self.logprobs_mode)
         logprobs = None
-        if scores is not None:
+        if meta.max_num_logprobs is not None:
+            scores = logprob_scores(raw, logits, probs, meta, self.logprobs_mode)
             ids, values, ranks = gather_logprobs(scores, meta.max_num_logprobs, token_ids)
             logprobs = LogprobsTensors(token_ids=ids, logprobs=values, ranks=ranks, num_logprobs=meta.num_logprobs)
         return SamplerOutput(token_ids=token_ids, logprobs=logprobs)

@@ -22,7 +22,7 @@ import torch
 
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.ops import argmax_rows, gather_logprobs, inverse_cdf_sample
-from pagedllm.sample.sampler import LogprobsTensors, Sampler, processed_scores, raw_scores
+from pagedllm.sample.sampler import LogprobsTensors, Sampler, logprob_scores
 
 TokenLogprobs = list[tuple[int, float, int]]   # (token_id, logprob, rank) entries of one position
 
@@ -68,8 +68,7 @@ def verify_drafts(logits: torch.Tensor, meta: SamplingMetadata, request_ids: lis
         start += len(drafts) + 1
     logprobs = {}
     if meta.max_num_logprobs is not None:
-        scores = raw_scores(logits, logprobs_mode) if logprobs_mode.startswith("raw") else \
-            processed_scores(processed, sampled, meta, logprobs_mode)
+        scores = logprob_scores(logits, processed, sampled, meta, logprobs_mode)
         logprobs = _logprobs(scores, meta, row_tokens, request_ids, spec_token_ids, num_accepted)
     return VerifiedTokens(num_accepted, token_ids, logprobs)
 
