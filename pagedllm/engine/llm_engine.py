@@ -36,6 +36,7 @@ from pagedllm.models.llama import (
     classifier_pooling,
     generates,
     has_conv_layers,
+    kv_window,
     num_experts,
     token_type_vocab_size,
 )
@@ -259,8 +260,12 @@ class LLMEngine:
                 and runs_in_cuda_graphs(self.runner.attn_backend) and not num_experts(model_config)
                 and not has_conv_layers(model_config)):
             self._capture_decode_graphs()
+        # blocks behind a window every layer attends within are freed; not with a draft model, which runs a whole
+        # context again after a preemption or a prefix hit
+        window = kv_window(loaded.hf_config) if self.runner.draft is None else 0
         self.kv_cache_manager = KVCacheManager(num_blocks, config.cache.block_size,
-                                               config.cache.enable_prefix_caching, config.cache.num_swap_blocks)
+                                               config.cache.enable_prefix_caching, config.cache.num_swap_blocks,
+                                               window)
         spec = config.speculative
         proposer = NgramProposer(spec) if spec is not None and spec.method == "ngram" else None
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager,
@@ -270,7 +275,7 @@ class LLMEngine:
                                    spec.num_lookahead_tokens if spec else 0)
         self.beam_search = BeamSearchDriver(self.scheduler, self.tokenizer)
         self.capacity = kv_tensors.CapacityReport(num_blocks, config.cache.block_size,
-                                                  self.runner.kv_bytes_per_token, self.max_model_len)
+                                                  self.runner.kv_bytes_per_token, self.max_model_len, window)
         logger.info("device %s; %s", describe_device(self.runner.device), self.capacity)
         self._tracked: dict[str, _Tracked] = {}
 

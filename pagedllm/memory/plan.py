@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from pagedllm.models.llama import kv_window
 from pagedllm.runner import kv_tensors
 from pagedllm.runner.model_runner import model_shape
 
@@ -85,7 +86,7 @@ def make_plan(model: str | None, budget_bytes: int | None = None, block_size: in
     num_heads = hf_config.num_attention_heads
     layout = kv_tensors.KVLayout(shape.num_layers, shape.num_kv_heads, shape.head_dim, torch_dtype, kv_cache_dtype)
     capacity = kv_tensors.CapacityReport(kv_tensors.num_blocks_for(budget_bytes, layout.bytes_per_token, block_size),
-                                         block_size, layout.bytes_per_token, model_len)
+                                         block_size, layout.bytes_per_token, model_len, kv_window(hf_config))
     kv_heads = {"MHA": num_heads, attention_kind(num_heads, shape.num_kv_heads): shape.num_kv_heads, "MQA": 1}
     variants = [_variant(name, layout, heads, budget_bytes, block_size, context_len, model_len)
                 for name, heads in sorted(kv_heads.items(), key=lambda item: -item[1])]

@@ -233,6 +233,17 @@ def sliding_window_of_layer(config: Any, index: int) -> int:
     return int(window) if _layer_type(config, index) in (None, "sliding_attention") else 0
 
 
+def kv_window(config: Any) -> int:
+    """The sliding window the whole model reads its cache within, where every layer has one (Mistral 7B v0.1's, Phi-3
+    mini 4k's): no query reads a key more than its window - 1 positions back, so a sequence's blocks wholly behind
+    the window of its next token can be freed (`KVCacheManager`'s `window`, vLLM's sliding-window manager); 0 where a
+    layer reads its whole context (a global layer, an encoder's, a short convolution's cache)."""
+    if has_conv_layers(config) or attends_both_ways(config):
+        return 0
+    windows = [sliding_window_of_layer(config, index) for index in range(config.num_hidden_layers)]
+    return max(windows) if windows and all(windows) else 0
+
+
 def num_experts(config: Any) -> int:
     """How many experts each sparse MLP of the model has; 0 for a dense model."""
     return getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0

@@ -94,17 +94,23 @@ class CapacityReport:
     block_size: int
     bytes_per_token: int
     max_model_len: int
+    window: int = 0     # the sliding window behind which a sequence's blocks are freed (KVCacheManager's), 0: none
 
     @property
     def max_concurrent_seqs(self) -> float:
-        """How many requests at full context fit in the pool at once."""
-        return (self.num_blocks - 1) * self.block_size / self.max_model_len
+        """How many requests at full context fit in the pool at once: each holds the blocks of max_model_len tokens,
+        or, with a window, at most those its window's keys span (cdiv(window, block_size) + 1)."""
+        held = self.max_model_len
+        if self.window:
+            held = min(held, (-(-self.window // self.block_size) + 1) * self.block_size)
+        return (self.num_blocks - 1) * self.block_size / held
 
     def __str__(self) -> str:
         pool_gib = self.num_blocks * self.block_size * self.bytes_per_token / GiB
+        window = f" (blocks behind the {self.window}-token sliding window freed)" if self.window else ""
         return (f"KV cache: {self.num_blocks} blocks of {self.block_size} tokens ({pool_gib:.2f} GiB), "
                 f"{self.bytes_per_token} bytes per token, "
-                f"{self.max_concurrent_seqs:.1f}x concurrency at max_model_len={self.max_model_len}")
+                f"{self.max_concurrent_seqs:.1f}x concurrency at max_model_len={self.max_model_len}{window}")
 
 
 def kv_budget_bytes(kv_cache_memory: int | None, memory_utilization: float | None, weight_bytes: int,

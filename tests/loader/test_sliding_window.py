@@ -1,6 +1,7 @@
 """Models whose layers attend over sliding windows (Mistral 7B v0.1; Qwen2 and Qwen3 with use_sliding_window) run
-their whole context, each such layer reading its window of the cache, and answer as transformers does; with
-disable_sliding_window, their context is the window and every layer attends over all of it."""
+their whole context, each such layer reading its window of the cache, and answer as transformers does; a model whose
+every layer has one frees each sequence's blocks behind it; with disable_sliding_window, their context is the window
+and every layer attends over all of it."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.loader import max_model_len_of
-from pagedllm.models.llama import sliding_window_of_layer
+from pagedllm.models.llama import kv_window, sliding_window_of_layer
 from tests.models.tiny import hf_greedy, save_tiny_model, tiny_config
 
 
@@ -24,6 +25,11 @@ def test_each_layer_reads_its_window_from_the_config():
     assert sliding_window_of_layer(tiny_config("qwen2", sliding_window=64, use_sliding_window=False), 1) == 0
     qwen3 = tiny_config("qwen3", sliding_window=64, use_sliding_window=True, max_window_layers=1)
     assert [sliding_window_of_layer(qwen3, i) for i in range(2)] == [0, 64]
+    # the cache frees blocks behind a window only where every layer has one
+    assert kv_window(mistral) == 64
+    assert kv_window(tiny_config("qwen2", sliding_window=64, use_sliding_window=True, max_window_layers=0)) == 64
+    assert kv_window(qwen2) == kv_window(qwen3) == kv_window(tiny_config("gemma3")) == 0
+    assert kv_window(tiny_config("mistral", sliding_window=None)) == 0
     # disable_sliding_window caps the context at the smallest window; one without a window is left as it is
     assert max_model_len_of(mistral, None, disable_sliding_window=True) == 64
     assert max_model_len_of(qwen2, 32, disable_sliding_window=True) == 32
@@ -72,3 +78,29 @@ def test_disable_sliding_window_runs_the_window_with_every_layer_attending_over_
         out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=6,
                                                                           ignore_eos=True), use_tqdm=False)[0]
     assert [out.outputs[0].token_ids] == hf_greedy(hf_model, [prompt], 6)
+
+
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+def test_every_layer_sliding_frees_the_blocks_behind_the_window(tmp_path, preemption_mode):
+    """Mistral over a 16-token window holds at most the blocks its window spans: four 60-token sequences, 60 blocks
+    of context in all, run side by side in a pool of 23 with room to spare (a full-attention model's would be
+    preempted), and answer as transformers does; in a pool of 13, where they must be preempted (by recompute or by
+    swap, the freed blocks left behind), they still do."""
+    folder, hf_model = save_tiny_model(tmp_path / "m", "mistral", sliding_window=16)
+    prompts = [[3 + (7 * i + j) % 200 for i in range(20)] for j in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    expected = hf_greedy(hf_model, prompts, 40)
+    for num_blocks, preempted in [(24, False), (14, True)]:
+        with LLM(str(folder), dtype="float32", num_kv_blocks=num_blocks, block_size=4, max_num_batched_tokens=16,
+                 preemption_mode=preemption_mode, swap_space=0.001) as llm:
+            # a sequence holds at most the 5 blocks that 16 keys span
+            assert llm.engine.kv_cache_manager.window == 16
+            assert llm.engine.capacity.max_concurrent_seqs == (num_blocks - 1) / 5
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            stats = llm.engine.make_stats()
+            assert bool(sum(stats.num_preemptions_total.values())) == preempted, stats.num_preemptions_total
+            if preempted and preemption_mode == "swap":
+                assert stats.num_preemptions_total.get("swap"), stats.num_preemptions_total
+            llm.engine.kv_cache_manager.check_integrity()
+            assert llm.engine.kv_cache_manager.num_free_blocks == num_blocks - 1
+        assert [o.outputs[0].token_ids for o in outs] == expected

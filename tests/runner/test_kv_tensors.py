@@ -83,6 +83,10 @@ def test_capacity_report_states_blocks_bytes_and_concurrency():
     report = kv_tensors.CapacityReport(num_blocks=129, block_size=16, bytes_per_token=100, max_model_len=512)
     assert report.max_concurrent_seqs == 4.0
     assert "129 blocks" in str(report) and "100 bytes per token" in str(report) and "4.0x" in str(report)
+    # with a sliding window a sequence holds at most the 5 blocks that 64 keys span
+    windowed = kv_tensors.CapacityReport(num_blocks=129, block_size=16, bytes_per_token=100, max_model_len=512,
+                                         window=64)
+    assert windowed.max_concurrent_seqs == 25.6 and "64-token sliding window" in str(windowed)
 
 
 def test_swap_space_on_a_cpu_is_a_memory_mapped_file_deleted_on_close(disk_tmp_path):

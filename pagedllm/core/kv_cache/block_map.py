@@ -78,5 +78,7 @@ def encode_states(num_blocks: int, cached_blocks: Iterable[KVCacheBlock],
         states[block.block_id] = BlockState.CACHED     # a used one is overwritten below
     for table in tables:
         for block in table:
+            if block.block_id == 0:
+                continue    # freed behind a sliding window
             states[block.block_id] = BlockState.USED if block.ref_cnt == 1 else BlockState.SHARED
     return bytes(states)

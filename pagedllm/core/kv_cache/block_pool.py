@@ -31,7 +31,8 @@ class BlockPool:
       - used:   ref_cnt > 0, not in the free queue (hashed or not).
 
     Block 0 is the null block: never handed out, never freed. It gives padded block tables a valid block id to
-    point at (the runner pads with 0), so nothing real is ever read or overwritten through padding.
+    point at (the runner pads with 0), so nothing real is ever read or overwritten through padding, and stands in a
+    table for the blocks freed behind a sliding window; `touch` and `free_blocks` pass it over.
 
     New blocks come from the head of the free queue and freed blocks join its tail, so cached blocks are
     evicted least recently freed first. Evicting a cached block drops its hash from the map.
@@ -100,6 +101,8 @@ class BlockPool:
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference to each block (a prefix hit); a free cached block leaves the free queue."""
         for block in blocks:
+            if block is self.null_block:
+                continue
             if block.ref_cnt == 0:
                 self._free_queue.remove(block)
             block.ref_cnt += 1
@@ -118,6 +121,8 @@ class BlockPool:
         """Drop one reference to each block; blocks reaching 0 join the free queue's tail in the given order,
         so the first ones given are evicted first."""
         for block in ordered_blocks:
+            if block is self.null_block:
+                continue
             assert block.ref_cnt > 0, f"block {block.block_id} freed more often than taken"
             block.ref_cnt -= 1
             if block.ref_cnt == 0:

@@ -29,6 +29,18 @@ pass, which writes a layer's K/V before any of that layer's attention reads (vLL
 the step fail, `undo_blocks_ahead` takes those hashes out again and names the requests that hit them, whose reads
 were not sure.
 
+A sliding window (`window`: a model whose every layer attends within one, `kv_window`). No query reads a key more
+than `window - 1` positions behind it, so before a step computes a request's tokens from `num_computed_tokens` on, the
+blocks wholly before `num_computed_tokens - window + 1` are freed (their hashes stay cached until evicted) and the
+null block stands in their place, as in vLLM's sliding-window manager; the null entries are always a leading run:
+
+```
+window = 6, block_size = 4, num_computed_tokens = 13: keys 8.. are still read
+table:   [  17   ,    4    ,   9   ,  21 ]   ->   [ 0 | 0 | 9 | 21 ]    17 and 4 freed, tail first
+```
+
+A prefix hit still needs every block of its chain cached, and takes no reference on those behind its window.
+
 Swap. A second, uncached `BlockPool` (`num_swap_blocks`, 0 for none) holds the computed blocks of swapped-out
 requests. `swap_out` moves a request's computed blocks there (a shared block is copied; the others keep
 using the device block), `swap_in` brings them back into fresh device blocks; both return `(src, dst)` pairs
@@ -67,12 +79,15 @@ class KVCacheManager:
         num_blocks: blocks in the pool, the null block 0 included.
         block_size: tokens per block.
         enable_caching: reuse full blocks whose token chains match (prefix caching).
+        num_swap_blocks: blocks in the swap pool, its null block included (0: no swap pool).
+        window: the sliding window every layer of the model attends within (0: none); blocks behind it are freed.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 num_swap_blocks: int = 0) -> None:
+                 num_swap_blocks: int = 0, window: int = 0) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.window = window
         self.pool = BlockPool(num_blocks, enable_caching)
         # The swap pool's block 0 is a null block too, so that block ids mean the same in both pools' tensors.
         self.swap_pool = BlockPool(num_swap_blocks, enable_caching=False) if num_swap_blocks >= 2 else None
@@ -170,7 +185,8 @@ class KVCacheManager:
 
         Returns:
             The ids of the newly allocated blocks (maybe none, and not counting a copy-on-write copy), or None
-            when there are not enough free blocks, in which case nothing changed.
+            when there are not enough free blocks, in which case nothing changed but that blocks behind a sliding
+            window were freed (as they would be in any case).
 
         When the first new token lands in a block shared with another table (after a fork), that block is
         copied first: the request gets a fresh block in its place, the pair is recorded for
@@ -181,12 +197,17 @@ class KVCacheManager:
         assert not (hit and table), "a prefix hit is only for a request without blocks"
         assert request.request_id not in self._swapped_blocks, "swap the request in first"
         num_computed = computed.num_computed_tokens if computed is not None else request.num_computed_tokens
+        if self.window:
+            num_behind = max(0, num_computed - self.window + 1) // self.block_size
+            self._free_behind_window(table, num_behind)
+            hit = [self.pool.null_block] * min(num_behind, len(hit)) + hit[num_behind:]
         num_needed = max(0, cdiv(num_computed + num_new_tokens, self.block_size) - len(table) - len(hit))
         write_index = num_computed // self.block_size
         copy_on_write = num_new_tokens > 0 and write_index < len(table) and table[write_index].ref_cnt > 1
         assert all(block.ref_cnt == 1 for block in table[write_index + 1:]), "a shared block past the write point"
         # Free cached hit blocks sit in the free queue; touching them takes them out of it.
-        num_free_after_touch = self.pool.num_free_blocks - sum(1 for block in hit if block.ref_cnt == 0)
+        num_free_after_touch = self.pool.num_free_blocks - sum(
+            1 for block in hit if block.ref_cnt == 0 and block is not self.pool.null_block)
         if num_needed + copy_on_write > num_free_after_touch:
             return None
         if copy_on_write:
@@ -204,6 +225,16 @@ class KVCacheManager:
         table.extend(hit)
         table.extend(new_blocks)
         return [block.block_id for block in new_blocks]
+
+    def _free_behind_window(self, table: list[KVCacheBlock], num_behind: int) -> None:
+        """Free the table's blocks before index `num_behind` that it still holds, the null block in their place."""
+        end = min(num_behind, len(table))
+        start = end
+        while start > 0 and table[start - 1] is not self.pool.null_block:
+            start -= 1
+        if start < end:
+            self.pool.free_blocks(reversed(table[start:end]))
+            table[start:end] = [self.pool.null_block] * (end - start)
 
     def _copy_on_write(self, request_id: str, table: list[KVCacheBlock], index: int) -> None:
         shared = table[index]
@@ -261,6 +292,8 @@ class KVCacheManager:
         extra_keys, image_keys = request.block_extra_keys, request.image_keys
         entered = []
         for index in range(start, num_full):
+            if table[index] is self.pool.null_block:
+                continue    # freed behind the window, offered before it was
             parent = hashes[index - 1] if index > 0 else None
             key = block_key(request.all_token_ids, index, self.block_size, parent, extra_keys, image_keys)
             if self.pool.cache_block(table[index], hashes[index], key):
@@ -301,42 +334,48 @@ class KVCacheManager:
     def can_swap_out(self, request: Request) -> bool:
         """True if the swap pool has room for the request's computed blocks, and none of them is a copy
         made this step (its K/V would only be there after the step's copies, which run after swap-outs)."""
+        table = self._req_blocks.get(request.request_id)
         num_blocks = cdiv(request.num_computed_tokens, self.block_size)
-        return (self.swap_pool is not None and request.request_id in self._req_blocks and num_blocks > 0
-                and num_blocks <= self.swap_pool.num_free_blocks and not self.has_pending_copy(request.request_id))
+        return (self.swap_pool is not None and table is not None and num_blocks > 0
+                and num_blocks - _num_behind_window(table) <= self.swap_pool.num_free_blocks
+                and not self.has_pending_copy(request.request_id))
 
     def swap_out(self, request: Request) -> list[tuple[int, int]]:
         """Move the request's computed blocks to the swap pool; returns (device id, swap id) pairs to copy.
 
         Blocks past the computed tokens (allocated for this step) are just freed. The device blocks are freed
-        tail first and keep their hashes; a shared one stays in use by its other tables.
+        tail first and keep their hashes; a shared one stays in use by its other tables. Those behind a sliding
+        window are the swap pool's null block in the swapped table.
         """
         assert self.can_swap_out(request) and self.swap_pool is not None
         table = self._req_blocks.pop(request.request_id)
         self._num_cached_blocks.pop(request.request_id)
-        swap_blocks = self.swap_pool.get_new_blocks(cdiv(request.num_computed_tokens, self.block_size))
+        behind = _num_behind_window(table)
+        swap_blocks = [self.swap_pool.null_block] * behind + self.swap_pool.get_new_blocks(
+            cdiv(request.num_computed_tokens, self.block_size) - behind)
         self._swapped_blocks[request.request_id] = swap_blocks
         self.pool.free_blocks(reversed(table))
-        self.num_blocks_swapped_out += len(swap_blocks)
-        return [(device.block_id, swap.block_id) for device, swap in zip(table, swap_blocks)]
+        self.num_blocks_swapped_out += len(swap_blocks) - behind
+        return [(device.block_id, swap.block_id) for device, swap in zip(table[behind:], swap_blocks[behind:])]
 
     def can_swap_in(self, request: Request, num_new_tokens: int) -> bool:
         """True if the device pool has room for the swapped blocks and the next `num_new_tokens` tokens."""
-        num_swapped = len(self._swapped_blocks[request.request_id])
-        num_needed = max(num_swapped, cdiv(request.num_computed_tokens + num_new_tokens, self.block_size))
-        return num_needed <= self.pool.num_free_blocks
+        swapped = self._swapped_blocks[request.request_id]
+        num_needed = max(len(swapped), cdiv(request.num_computed_tokens + num_new_tokens, self.block_size))
+        return num_needed - _num_behind_window(swapped) <= self.pool.num_free_blocks
 
     def swap_in(self, request: Request) -> list[tuple[int, int]]:
         """Bring a swapped-out request's blocks back into fresh device blocks; returns (swap id, device id)
         pairs to copy. Its full blocks are offered to the prefix cache again after the step."""
         assert self.swap_pool is not None
         swap_blocks = self._swapped_blocks.pop(request.request_id)
-        device_blocks = self.pool.get_new_blocks(len(swap_blocks))
+        behind = _num_behind_window(swap_blocks)
+        device_blocks = [self.pool.null_block] * behind + self.pool.get_new_blocks(len(swap_blocks) - behind)
         self._req_blocks[request.request_id] = device_blocks
         self._num_cached_blocks[request.request_id] = 0
         self.swap_pool.free_blocks(reversed(swap_blocks))
-        self.num_blocks_swapped_in += len(swap_blocks)
-        return [(swap.block_id, device.block_id) for swap, device in zip(swap_blocks, device_blocks)]
+        self.num_blocks_swapped_in += len(swap_blocks) - behind
+        return [(swap.block_id, device.block_id) for swap, device in zip(swap_blocks[behind:], device_blocks[behind:])]
 
     def make_block_map(self, requests: Iterable[Request]) -> BlockMap:
         """A snapshot of both pools, with the tables of those of `requests` that hold blocks (the dashboard)."""
@@ -375,13 +414,22 @@ class KVCacheManager:
         return request.block_hashes
 
 
+def _num_behind_window(table: list[KVCacheBlock]) -> int:
+    """How many of the table's blocks were freed behind a sliding window: its leading null blocks (block id 0)."""
+    count = 0
+    while count < len(table) and table[count].block_id == 0:
+        count += 1
+    return count
+
+
 def _check_tables(pool: BlockPool, tables: dict[str, list[KVCacheBlock]]) -> None:
     pool.check_integrity()
     refs: Counter[int] = Counter()
-    for request_id, table in tables.items():
+    for request_id, full_table in tables.items():
+        table = full_table[_num_behind_window(full_table):]
         ids = [block.block_id for block in table]
         assert len(set(ids)) == len(ids), f"request {request_id} holds a block twice"
-        assert 0 not in ids, f"request {request_id} holds the null block"
+        assert 0 not in ids, f"request {request_id} holds the null block past its window's start"
         assert all(pool.blocks[i] is block for i, block in zip(ids, table)), f"{request_id}: block of another pool"
         refs.update(ids)
     for block in pool.blocks[1:]:

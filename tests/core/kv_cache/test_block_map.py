@@ -43,3 +43,20 @@ def test_a_pool_without_swap_and_a_cached_block_in_use() -> None:
     block_map = manager.make_block_map([a])
     assert block_map.states == bytes([N, U, U, F]) and block_map.swap_states == b""
     assert encode_states(0, (), ()) == b""
+
+
+def test_blocks_freed_behind_a_sliding_window() -> None:
+    """The null block stands in a table for those freed behind the window: they show as cached (or free), and a
+    swap moves only the others."""
+    manager = KVCacheManager(6, BLOCK_SIZE, num_swap_blocks=4, window=6)
+    a = _request("a", list(range(10)))
+    _start(manager, a)                  # 1, 2 (full: cached) and 3
+    _decode(manager, a, 10)             # token 10 reads keys 5 on: block 1 (tokens 0-3) is freed, still cached
+    block_map = manager.make_block_map([a])
+    assert block_map.states == bytes([N, C, U, U, F, F]) and block_map.requests[0].block_ids == (0, 2, 3)
+    assert manager.swap_out(a) == [(2, 1), (3, 2)]
+    block_map = manager.make_block_map([a])
+    assert block_map.swap_states == bytes([N, U, U, F]) and block_map.requests[0].swap_block_ids == (0, 1, 2)
+    assert block_map.num_blocks_swapped_out == 2
+    assert manager.swap_in(a) == [(1, 4), (2, 5)] and manager.get_block_ids("a") == [0, 4, 5]
+    manager.check_integrity()

@@ -3,7 +3,8 @@
 A model of the KV contents rides along: for each block (of both pools), the token prefix whose K/V it holds;
 copy-on-write copies and swaps move it as the runner would. A prefix hit must return blocks whose recorded
 prefix equals the request's, and every live request's blocks must hold its own tokens, so a wrong hit, a
-missed copy or a lost swap is caught, not just a broken count.
+missed copy or a lost swap is caught, not just a broken count. The same machine runs with a sliding window, where
+each request's blocks wholly behind its window must be freed, and every block a query may still read kept.
 """
 
 from __future__ import annotations
@@ -26,18 +27,27 @@ tokens_strategy = st.lists(st.integers(0, 2), min_size=1, max_size=24)
 
 class ManagerMachine(RuleBasedStateMachine):
     requests = Bundle("requests")
+    WINDOW = 0
 
     def __init__(self) -> None:
         super().__init__()
-        self.manager = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, num_swap_blocks=NUM_SWAP_BLOCKS)
+        self.manager = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, num_swap_blocks=NUM_SWAP_BLOCKS, window=self.WINDOW)
         self.contents: dict[int, tuple[int, ...]] = {}  # block id -> token prefix whose K/V it holds
         self.swap_contents: dict[int, tuple[int, ...]] = {}
         self.live: dict[str, Request] = {}
         self.swapped: set[str] = set()
         self.next_id = 0
 
-    def _snapshot(self) -> tuple[list[int], list[int]]:
+    def _snapshot(self) -> tuple[list[int], list[int]] | None:
+        """The pool's state, which a failed allocation leaves as it was (None with a window: it frees what fell
+        behind the window in any case)."""
+        if self.WINDOW:
+            return None
         return self.manager.pool.free_block_ids(), [b.ref_cnt for b in self.manager.pool.blocks]
+
+    def _num_behind(self, num_computed: int) -> int:
+        """The blocks wholly behind the window of a query at position `num_computed`: no query reads them again."""
+        return max(0, num_computed - self.WINDOW + 1) // BLOCK_SIZE if self.WINDOW else 0
 
     def _compute(self, request: Request, num_new_tokens: int) -> None:
         """Play the runner: apply the copies, write the new tokens' K/V, advance the counter, cache full blocks."""
@@ -45,7 +55,10 @@ class ManagerMachine(RuleBasedStateMachine):
             self.contents[dst] = self.contents[src]
         table = self.manager.get_block_ids(request.request_id)
         end = request.num_computed_tokens + num_new_tokens
+        assert table[:self._num_behind(request.num_computed_tokens)] == [0] * self._num_behind(
+            request.num_computed_tokens), "a block behind the window kept"
         for pos in range(request.num_computed_tokens, end):
+            assert table[pos // BLOCK_SIZE] != 0, "a write into the null block"
             self.contents[table[pos // BLOCK_SIZE]] = tuple(request.all_token_ids[:pos + 1])
         request.num_computed_tokens = end
         self.manager.cache_full_blocks(request)
@@ -126,7 +139,7 @@ class ManagerMachine(RuleBasedStateMachine):
     @invariant()
     def integrity(self) -> None:
         self.manager.check_integrity()
-        used = {i for r in self.live.values() for i in self.manager.get_block_ids(r.request_id)}
+        used = {i for r in self.live.values() for i in self.manager.get_block_ids(r.request_id)} - {0}
         assert self.manager.num_free_blocks == NUM_BLOCKS - 1 - len(used)
         for request in self.live.values():
             request_id = request.request_id
@@ -136,10 +149,20 @@ class ManagerMachine(RuleBasedStateMachine):
             else:
                 table, contents = self.manager.get_block_ids(request_id), self.contents
                 assert len(table) == -(-request.num_tokens // BLOCK_SIZE)
-            for index, block_id in enumerate(table[:-(-request.num_computed_tokens // BLOCK_SIZE)]):
+            num_computed = request.num_computed_tokens
+            # those behind the window, freed at the latest allocation: never one whose keys a query still reads
+            behind = [i for i, block_id in enumerate(table) if block_id == 0]
+            assert behind == list(range(len(behind))) and len(behind) <= self._num_behind(num_computed)
+            for index, block_id in enumerate(table[len(behind):-(-num_computed // BLOCK_SIZE)], len(behind)):
                 end = min((index + 1) * BLOCK_SIZE, request.num_computed_tokens)
                 assert contents[block_id][:end] == tuple(request.all_token_ids[:end]), "a block lost its K/V"
 
 
+class WindowMachine(ManagerMachine):
+    WINDOW = 6
+
+
 ManagerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+WindowMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 TestManagerMachine = ManagerMachine.TestCase
+TestWindowMachine = WindowMachine.TestCase
