@@ -67,15 +67,18 @@ def rotary_dim(config: Any, head_dim: int) -> int:
     return int(head_dim * (factor or getattr(config, "partial_rotary_factor", None) or 1.0))
 
 
-def interleaved_to_halves(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+def interleaved_to_halves(weight: torch.Tensor, num_heads: int, rotary_dim: int | None = None) -> torch.Tensor:
     """q or k projection rows (weight or bias) of `num_heads` heads, each head's rows from interleaved pairs
-    [x0, y0, x1, y1, ...] (the GPT-J rotary layout: ERNIE 4.5's and Helium's checkpoints, llama.cpp's files) to
+    [x0, y0, x1, y1, ...] (the GPT-J rotary layout: ERNIE 4.5's, Helium's and GLM's checkpoints, llama.cpp's files) to
     halves [x0, x1, ..., y0, y1, ...] (the NeoX layout pagedllm's rotary embedding turns): a permutation of each head's
     values, which leaves q . k as it was. The inverse of convert_hf_to_gguf's `permute`: reshape(H, d/2, 2, ...)
-    swapped to (H, 2, d/2, ...)."""
+    swapped to (H, 2, d/2, ...). Only a head's first `rotary_dim` rows (all by default) are turned, and reordered;
+    the rest stay where they are (GLM's half)."""
     rest = weight.shape[1:]
-    return weight.reshape(num_heads, weight.shape[0] // num_heads // 2, 2, *rest).transpose(1, 2).reshape(
-        weight.shape)
+    heads = weight.reshape(num_heads, weight.shape[0] // num_heads, *rest)
+    dim = rotary_dim or heads.shape[1]
+    turned = heads[:, :dim].reshape(num_heads, dim // 2, 2, *rest).transpose(1, 2).reshape(num_heads, dim, *rest)
+    return torch.cat([turned, heads[:, dim:]], dim=1).reshape(weight.shape)
 
 
 def _default_inv_freq(head_dim: int, base: float) -> torch.Tensor:

@@ -41,7 +41,8 @@ _PLAIN_TYPES: dict[int, torch.dtype] = {
     GGMLQuantizationType.BF16: torch.bfloat16,
 }
 # Architectures whose Q/K rows llama.cpp's converter permutes (for its interleaved rope).
-_PERMUTED_ARCHS = {"llama", "smollm3", "granite", "ernie4_5"}   # ERNIE 4.5's rows as its checkpoint: interleaved
+# ERNIE 4.5's and GLM-4's rows as their checkpoints hold them: interleaved (GLM-4's in the rotary half of each head)
+_PERMUTED_ARCHS = {"llama", "smollm3", "granite", "ernie4_5", "glm4"}
 # SmolLM3's layers without a rotary embedding: every how many one is (llama.cpp fixes it rather than store it)
 _SMOLLM3_NO_ROPE_EVERY = 4
 
@@ -68,6 +69,9 @@ _ARCH_BLOCK_NAMES = {"gemma2": _GEMMA_BLOCK_NAMES, "gemma3": _GEMMA_BLOCK_NAMES,
                      "phi3": {**_BLOCK_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
                      # OLMo 2's and EXAONE 4's norms of their branches' outputs
                      "olmo2": _OUTPUT_NORMED_BLOCK_NAMES, "exaone4": _OUTPUT_NORMED_BLOCK_NAMES,
+                     # GLM-4's gate and up in ffn_up, its norms of the branches' outputs as its checkpoint names them
+                     "glm4": {**_BLOCK_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj",
+                              "post_attention_norm": "post_self_attn_layernorm", "post_ffw_norm": "post_mlp_layernorm"},
                      # LFM2's short convolutions, as the model's modules name them (its `self_attn`, a ShortConv)
                      "lfm2": {**_BLOCK_NAMES, "shortconv.in_proj": "self_attn.in_proj",
                               "shortconv.out_proj": "self_attn.o_proj", "shortconv.conv": "self_attn.conv"}}
@@ -285,6 +289,7 @@ def iterate_gguf(path: str | Path, dtype: torch.dtype = torch.float32, gguf_file
     permute = g.architecture in _PERMUTED_ARCHS
     num_heads = g.arch_value("attention.head_count")
     num_kv_heads = g.arch_value("attention.head_count_kv", num_heads)
+    rope_dims = g.arch_value("rope.dimension_count")    # a head's values its rope turns (GLM-4's half)
     for info in g.tensors.values():
         hf_name = gguf_to_hf_name(info.name, g.architecture)
         if hf_name is None or all(part in skip for part in fused_parts(hf_name)):
@@ -295,9 +300,9 @@ def iterate_gguf(path: str | Path, dtype: torch.dtype = torch.float32, gguf_file
         if hf_name.endswith("shared_expert_gate.weight") and tensor.dim() == 1:    # llama.cpp stores [H], not [1, H]
             tensor = tensor[None]
         if permute and ".q_proj." in hf_name:
-            tensor = interleaved_to_halves(tensor, num_heads)
+            tensor = interleaved_to_halves(tensor, num_heads, rope_dims)
         elif permute and ".k_proj." in hf_name:
-            tensor = interleaved_to_halves(tensor, num_kv_heads)
+            tensor = interleaved_to_halves(tensor, num_kv_heads, rope_dims)
         yield hf_name, tensor.to(dtype)
 
 
@@ -313,6 +318,7 @@ def gguf_block_rows(g: GGUFFile, ggml_types: tuple[GGMLQuantizationType, ...], c
     residual = float(getattr(config, "residual_multiplier", None) or 1.0)    # Granite's, into its blocks' scales
     heads = {".q_proj.": g.arch_value("attention.head_count")}
     heads[".k_proj."] = g.arch_value("attention.head_count_kv", heads[".q_proj."])
+    rope_dims = g.arch_value("rope.dimension_count")
     rows: dict[str, tuple[GGMLQuantizationType, torch.Tensor]] = {}
     for info in g.tensors.values():
         hf_name = gguf_to_hf_name(info.name, g.architecture)
@@ -321,7 +327,7 @@ def gguf_block_rows(g: GGUFFile, ggml_types: tuple[GGMLQuantizationType, ...], c
         raw = g._view(torch.uint8, info.num_bytes, info.offset).view(info.shape[0], -1)
         for part, num_heads in heads.items():
             if permute and part in hf_name:
-                raw = interleaved_to_halves(raw, num_heads)
+                raw = interleaved_to_halves(raw, num_heads, rope_dims)
         if residual != 1.0 and hf_name.endswith((".o_proj.weight", ".down_proj.weight")):
             raw = scaled_blocks(raw, info.ggml_type, residual)
         for part_name, part_rows in unfused(config, hf_name, raw):     # Phi-3's fused tensors, row by row
@@ -393,8 +399,12 @@ def gguf_hf_config(g: GGUFFile) -> Any:
         kwargs.update(_gguf_gemma(g, kwargs))
     if arch == "phi3":
         kwargs.update(_gguf_phi3(g, kwargs))
-    if arch == "ernie4_5":  # its q/k rows come out of the file in halves already (_PERMUTED_ARCHS)
+    if arch in ("ernie4_5", "glm4"):    # its q/k rows come out of the file in halves already (_PERMUTED_ARCHS)
         kwargs["rotary_rows_in_halves"] = True
+    if arch == "glm4":      # its rope over `rope.dimension_count` of each head's values (half)
+        kwargs["head_dim"] = int(g.arch_value("attention.key_length") or hidden // num_heads)
+        kwargs["rope_parameters"] = dict(kwargs["rope_parameters"], partial_rotary_factor=int(
+            g.arch_value("rope.dimension_count")) / kwargs["head_dim"])
     if arch == "lfm2":      # its convolution layers: those with no KV heads; the MLP's width as it is
         kv_heads = _per_layer(g.arch_value("attention.head_count_kv"))
         kwargs.update(layer_types=["conv" if heads == 0 else "full_attention" for heads in kv_heads],

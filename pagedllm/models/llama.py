@@ -18,6 +18,9 @@ and EXAONE 4 have local layers (over a sliding window) among their global ones, 
 turn no values (NoPE). InternLM3 is Llama's layout; Seed-OSS has a bias of its own on o_proj (`attention_out_bias`).
 ERNIE 4.5 and Helium turn interleaved pairs of a head's values (the GPT-J rotary layout): `load_weights` reorders
 their q and k rows into the halves the rotary embedding turns (`interleaved_to_halves`, which leaves q . k as it was).
+GLM (GLM-4-9B-0414's `glm4`, and the older `glm`) turns interleaved pairs of half of each head's values, stores its
+gate/up weights fused (as Phi-3's), biases q/k/v but not o_proj; GLM-4's layers norm each branch's output too, as
+Gemma's (`_GLM4_NAMES` gives its norms Gemma's names), with plain RMSNorm weights.
 Granite (IBM's Granite 3) scales four things by its config's multipliers: the embeddings (`embedding_multiplier`),
 the attention scores (`attention_multiplier`, in place of head_dim ** -0.5), each branch's output before it joins
 the residual stream (`residual_multiplier`: `load_weights` folds it into o_proj's and down_proj's weights, so that
@@ -86,6 +89,10 @@ _MIXTRAL_NAMES = ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."), (".w
                   (".w2.", ".down_proj."))
 # LFM2's checkpoint names -> the modules' (its convolution is the layer's `self_attn`, a ShortConv, whose out_proj
 # is its o_proj as an attention's is)
+# GLM-4's norms under Gemma's names (in this order: its post_attention_layernorm is Gemma's pre_feedforward_layernorm)
+_GLM4_NAMES = ((".post_attention_layernorm.", ".pre_feedforward_layernorm."),
+               (".post_self_attn_layernorm.", ".post_attention_layernorm."),
+               (".post_mlp_layernorm.", ".post_feedforward_layernorm."))
 _LFM2_NAMES = ((".operator_norm.", ".input_layernorm."), (".ffn_norm.", ".post_attention_layernorm."),
                (".feed_forward.w1.", ".mlp.gate_proj."), (".feed_forward.w3.", ".mlp.up_proj."),
                (".feed_forward.w2.", ".mlp.down_proj."), (".self_attn.out_proj.", ".self_attn.o_proj."),
@@ -107,21 +114,23 @@ def _head_dim(config: Any) -> int:
 
 def _has_bias(config: Any, part: str) -> bool:
     """Whether a layer's "qkv", "o" or "mlp" projections have biases: attention_bias (q/k/v and o; Qwen2's q/k/v
-    always), Seed-OSS's attention_out_bias for o, mlp_bias, and ERNIE 4.5's use_bias for all."""
+    always; GLM's q/k/v only), Seed-OSS's attention_out_bias for o, mlp_bias, and ERNIE 4.5's use_bias for all."""
     if getattr(config, "use_bias", False):
         return True
     if part == "mlp":
         return bool(getattr(config, "mlp_bias", False))
     if part == "o":
-        return bool(getattr(config, "attention_out_bias", getattr(config, "attention_bias", False)))
+        return config.model_type not in ("glm", "glm4") and \
+            bool(getattr(config, "attention_out_bias", getattr(config, "attention_bias", False)))
     return bool(getattr(config, "attention_bias", False)) or config.model_type in ("qwen2", "qwen2_moe")
 
 
 def _interleaved_rope(config: Any) -> bool:
     """Whether the checkpoint's rotary embedding turns interleaved pairs of a head's values (the GPT-J layout: ERNIE
-    4.5's, Helium's), which `load_weights` reorders into the halves pagedllm's turns; not where the loader gives
-    them in halves already (`rotary_rows_in_halves`: a GGUF file's, reordered as llama.cpp's Llama files are)."""
-    return config.model_type in ("ernie4_5", "helium") and not getattr(config, "rotary_rows_in_halves", False)
+    4.5's, Helium's, GLM's), which `load_weights` reorders into the halves pagedllm's turns; not where the loader
+    gives them in halves already (`rotary_rows_in_halves`: a GGUF file's, reordered as llama.cpp's Llama files are)."""
+    return config.model_type in ("ernie4_5", "helium", "glm", "glm4") and \
+        not getattr(config, "rotary_rows_in_halves", False)
 
 
 def _has_qk_norm(config: Any) -> bool:
@@ -181,6 +190,11 @@ def cache_layers(config: Any) -> list[slice]:
 
 def _is_gemma(config: Any) -> bool:
     return config.model_type in ("gemma2", "gemma3_text")
+
+
+def _norms_both_sides(config: Any) -> bool:
+    """Whether the layers norm their branches' inputs and outputs (Gemma's and GLM-4's sandwich)."""
+    return _is_gemma(config) or config.model_type == "glm4"
 
 
 def _is_olmo(config: Any) -> bool:
@@ -518,9 +532,10 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = None if _norms_outputs(config) else \
             RMSNorm(config.hidden_size, _eps(config), dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, _eps(config), dtype)
-        # Gemma's: the attention's output normed by post_attention_layernorm before it joins the residual stream,
-        # the stream normed by pre_feedforward_layernorm for the MLP, the MLP's output by post_feedforward_layernorm
-        sandwich = _is_gemma(config)
+        # Gemma's and GLM-4's: the attention's output normed by post_attention_layernorm before it joins the
+        # residual stream, the stream normed by pre_feedforward_layernorm for the MLP, the MLP's output by
+        # post_feedforward_layernorm
+        sandwich = _norms_both_sides(config)
         self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, _eps(config), dtype) if sandwich else None
         self.post_feedforward_layernorm = RMSNorm(config.hidden_size, _eps(config), dtype) \
             if sandwich or _norms_outputs(config) else None
@@ -825,6 +840,9 @@ class LlamaForCausalLM(nn.Module):
                     name = name.replace(lfm2, ours)
                 if name.endswith(".conv.weight") and tensor.dim() == 2:   # llama.cpp's files squeeze it
                     tensor = tensor.unsqueeze(1)
+            if self.config.model_type == "glm4":
+                for glm4, ours in _GLM4_NAMES:
+                    name = name.replace(glm4, ours)
             if self.bare and not name.startswith("model."):
                 name = "model." + name
             if self.classifier_token_ids is not None and name == (
@@ -837,7 +855,7 @@ class LlamaForCausalLM(nn.Module):
             if _interleaved_rope(self.config) and name.endswith((".q_proj.weight", ".q_proj.bias", ".k_proj.weight",
                                                                  ".k_proj.bias")):
                 heads = self.config.num_attention_heads if ".q_proj." in name else _num_kv_heads(self.config)
-                tensor = interleaved_to_halves(tensor, heads)
+                tensor = interleaved_to_halves(tensor, heads, rotary_dim(self.config, _head_dim(self.config)))
             if residual_multiplier != 1.0 and name.endswith((".o_proj.weight", ".down_proj.weight")):
                 tensor = (tensor.float() * residual_multiplier).to(tensor.dtype)     # Granite's (module docstring)
             if name.endswith(".bias") and self._target(name)[0] not in params and not tensor.any():

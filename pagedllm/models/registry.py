@@ -35,6 +35,8 @@ _MODELS: dict[str, type[nn.Module]] = {
     "SeedOssForCausalLM": LlamaForCausalLM,
     "Ernie4_5ForCausalLM": LlamaForCausalLM,
     "HeliumForCausalLM": LlamaForCausalLM,
+    "GlmForCausalLM": LlamaForCausalLM,
+    "Glm4ForCausalLM": LlamaForCausalLM,
     "Lfm2ForCausalLM": LlamaForCausalLM,      # short convolutions among its attention layers (ShortConv)
     # The bare decoders (no LM head), as embedding models are saved (gte-Qwen2, e5-mistral): see BARE_ARCHITECTURES.
     "LlamaModel": LlamaForCausalLM,
@@ -70,6 +72,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "olmo2": LlamaForCausalLM,
     "exaone4": LlamaForCausalLM,
     "ernie4_5": LlamaForCausalLM,
+    "glm4": LlamaForCausalLM,
     "bert": BertModel,
     "roberta": BertModel,
     "xlm-roberta": BertModel,

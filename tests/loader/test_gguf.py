@@ -227,7 +227,7 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
                                        ("qwen3", "qwen3"), ("mixtral", "llama"), ("qwen2-moe", "qwen2moe"),
                                        ("qwen3-moe", "qwen3moe"), ("smollm3", "smollm3"), ("granite", "granite"),
                                        ("lfm2", "lfm2"), ("olmo2", "olmo2"), ("exaone4", "exaone4"),
-                                       ("ernie4_5", "ernie4_5")])
+                                       ("ernie4_5", "ernie4_5"), ("glm4", "glm4")])
 def test_tiny_gguf_model_matches_transformers(tmp_path: Path, kind: str, arch: str) -> None:
     # SmolLM3's files leave every fourth layer without a rotary embedding (llama.cpp's fixed step): four layers here
     hf_model = build_tiny_hf_model(kind, **({"no_rope_layer_interval": 4, "num_hidden_layers": 4}
@@ -386,11 +386,12 @@ def test_a_quantized_lfm2_gguf_packs_its_convolutions_projections(tmp_path: Path
     _assert_gguf_reference_near_the_dense_model(packed, dense, [1, 17, 250, 9, 33, 70, 5, 80, 81], monkeypatch)
 
 
-def test_a_quantized_ernie_gguf_keeps_its_blocks_reordered_by_row(tmp_path: Path, monkeypatch) -> None:
-    """ERNIE 4.5's interleaved q/k rows, reordered into halves as llama's files' are (whole rows of blocks), stay
-    packed: the dequantised model within the 16-bit activations' noise."""
-    path = tmp_path / "ernie-q8.gguf"
-    write_model_gguf(build_tiny_hf_model("ernie4_5"), path, "ernie4_5", Q.Q8_0)
+@pytest.mark.parametrize("kind", ["ernie4_5", "glm4"])
+def test_a_quantized_interleaved_gguf_keeps_its_blocks_reordered_by_row(tmp_path: Path, kind: str, monkeypatch) -> None:
+    """ERNIE 4.5's interleaved q/k rows (GLM-4's in the rotary half of each head), reordered into halves as llama's
+    files' are (whole rows of blocks), stay packed: the dequantised model within the 16-bit activations' noise."""
+    path = tmp_path / f"{kind}-q8.gguf"
+    write_model_gguf(build_tiny_hf_model(kind), path, kind, Q.Q8_0)
     packed = load_model(ModelConfig(model=str(path), dtype="float32", quantization="gguf")).model
     dense = load_model(ModelConfig(model=str(path), dtype="float32")).model
     assert packed.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.uint8

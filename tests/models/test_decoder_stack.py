@@ -56,6 +56,8 @@ CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "olmo2": ("olmo2", {}, dict(dtype="float32")),
     "olmo3 in bfloat16": ("olmo3", {}, dict(dtype="bfloat16")),
     "exaone4": ("exaone4", {}, dict(dtype="float32")),
+    # GLM-4's: norms on both sides of each branch (plain weights), biased q/k/v, half of each head turned
+    "glm4": ("glm4", {}, dict(dtype="float32")),
     # LFM2's short convolutions: their inputs written to and read from two of the pool's layers
     "lfm2": ("lfm2", {}, dict(dtype="float32")),
     "lfm2 in bfloat16": ("lfm2", {}, dict(dtype="bfloat16")),

@@ -66,6 +66,10 @@ TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     # the GPT-J rotary layout (interleaved pairs): ERNIE 4.5's (with its use_bias) and Helium's
     "ernie4_5": ("ernie4_5", dict(num_key_value_heads=2, head_dim=16, use_bias=True)),
     "helium": ("helium", dict(num_key_value_heads=2, head_dim=16)),
+    # GLM's: interleaved pairs of half of each head's values turned, gate/up stored fused, q/k/v biased and o_proj
+    # not; GLM-4's with norms on each branch's output too (made random: GLM-4's start at 1)
+    "glm": ("glm", dict(num_key_value_heads=2, head_dim=32, pad_token_id=0)),
+    "glm4": ("glm4", dict(num_key_value_heads=2, head_dim=32, pad_token_id=0)),
     # as LFM2's: a short convolution (its input of 64 values a token in two of the pool's layers of 2 x 1 x 16) and
     # an attention with Qwen3's head norms; the MLP's width adjusted as LFM2's (2/3 of 192, to a multiple of 32)
     "lfm2": ("lfm2", dict(num_key_value_heads=1, layer_types=["conv", "full_attention"], intermediate_size=192,
@@ -97,17 +101,18 @@ def build_tiny_hf_model(kind: str = "llama-gqa", seed: int = 0, **overrides: Any
     torch.manual_seed(seed)
     config = tiny_config(kind, **overrides)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
-    if config.model_type in ("gemma2", "gemma3_text"):
-        randomize_norms(model)
+    if config.model_type in ("gemma2", "gemma3_text", "glm4"):
+        randomize_norms(model, mean=1.0 if config.model_type == "glm4" else 0.0)
     return model.eval()
 
 
-def randomize_norms(model: Any) -> None:
-    """Gemma's norms start at w = 0 (a scale of 1 + w): made random, so that a wrong norm shows."""
+def randomize_norms(model: Any, mean: float = 0.0) -> None:
+    """Gemma's norms start at w = 0 (a scale of 1 + w), GLM-4's at 1 (`mean`): made random, so that a wrong or
+    misplaced norm shows."""
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
-                param.normal_(0, 0.2)
+                param.normal_(mean, 0.2)
 
 
 def build_byte_tokenizer() -> Any:
