@@ -104,3 +104,19 @@ def test_every_layer_sliding_frees_the_blocks_behind_the_window(tmp_path, preemp
             llm.engine.kv_cache_manager.check_integrity()
             assert llm.engine.kv_cache_manager.num_free_blocks == num_blocks - 1
         assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+def test_a_sequence_longer_than_the_pool_runs_within_its_window(tmp_path):
+    """A 48-token prompt needs 12 blocks of 4, more than a pool of 9 holds; over a 16-token window, computing at most
+    16 tokens a step, it holds at most 9 at once, so it runs (vLLM sizes a sliding window's pool so) and answers as
+    transformers does, where a model without a window is refused it."""
+    prompt = [3 + (7 * i) % 200 for i in range(48)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    for window in (16, None):
+        folder, hf_model = save_tiny_model(tmp_path / f"m{window}", "mistral", sliding_window=window)
+        with LLM(str(folder), dtype="float32", num_kv_blocks=10, block_size=4, max_num_batched_tokens=16) as llm:
+            out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
+        if window:
+            assert [out.token_ids] == hf_greedy(hf_model, [prompt], 16)
+        else:
+            assert out.finish_reason == "abort" and not out.token_ids

@@ -132,6 +132,14 @@ class KVCacheManager:
     def num_usable_swap_blocks(self) -> int:
         return self.swap_pool.num_usable_blocks if self.swap_pool is not None else 0
 
+    def most_blocks_held(self, num_tokens: int, num_step_tokens: int) -> int:
+        """The most blocks a request of `num_tokens` tokens holds at once, computing at most `num_step_tokens` in a
+        step: all of its blocks, or, with a window, at most those the window's keys and a step's tokens span."""
+        num_blocks = cdiv(num_tokens, self.block_size)
+        if not self.window:
+            return num_blocks
+        return min(num_blocks, cdiv(self.window - 1 + num_step_tokens, self.block_size) + 1)
+
     def get_block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self._req_blocks.get(request_id, ())]
 

@@ -494,7 +494,10 @@ class Scheduler:
             del self._num_running_in_group[request.group_id]
 
     def _fits_in_pool(self, num_tokens: int) -> bool:
-        return cdiv(num_tokens, self.kv_cache_manager.block_size) <= self.kv_cache_manager.num_usable_blocks
+        """Whether a request of `num_tokens` tokens, run alone, fits in the pool (with a sliding window, one longer
+        than the pool may: it holds only its window's blocks)."""
+        kv = self.kv_cache_manager
+        return kv.most_blocks_held(num_tokens, self.config.max_num_batched_tokens) <= kv.num_usable_blocks
 
     def _finish_unschedulable(self, request: Request) -> None:
         reason = FinishReason.LENGTH if self._fits_in_pool(request.num_prompt_tokens) else FinishReason.ABORT
