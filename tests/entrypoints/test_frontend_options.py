@@ -1,19 +1,24 @@
 """vLLM's frontend flags (FrontendOptions), on a server with vLLM's defaults and on one with each set: a request's own
 chat template and processor arguments refused unless trusted, default template variables under a request's own,
 the reply's role, tokens named by id in log-probabilities, usage forced onto streams, tools left out of a chat
-whose tool_choice is "none", and a message's content given to the template as typed parts."""
+whose tool_choice is "none", a message's content given to the template as typed parts, and keep-alive comments in an
+idle stream."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
+import openai
 import pytest
 
 from pagedllm.config import CacheConfig, EngineConfig, ModelConfig
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.openai.serving_base import FrontendOptions
+from pagedllm.entrypoints.openai.transport import SSE_KEEP_ALIVE, with_keep_alive
 from tests.entrypoints.server_utils import RunningServer, start_server
 from tests.models.tiny import save_tiny_model
 
@@ -26,7 +31,8 @@ TEMPLATE = ("{% if shout %}LOUD {% endif %}{% if tools %}TOOLS {% endif %}"
 OPTIONS = FrontendOptions(response_role="bot", default_chat_template_kwargs={"shout": True},
                           return_tokens_as_token_ids=True, force_include_usage=True,
                           trust_request_chat_template=True, trust_request_mm_kwargs=True,
-                          exclude_tools_when_tool_choice_none=True, chat_template_content_format="openai")
+                          exclude_tools_when_tool_choice_none=True, chat_template_content_format="openai",
+                          sse_keep_alive_interval=0.001)
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
 HI = [{"role": "user", "content": "hi"}]
 
@@ -137,8 +143,55 @@ def test_the_flags_make_the_options() -> None:
         "--response-role", "bot", "--default-chat-template-kwargs", '{"shout": true}', "--return-tokens-as-token-ids",
         "--enable-force-include-usage", "--trust-request-chat-template", "--trust-request-mm-kwargs",
         "--exclude-tools-when-tool-choice-none", "--enable-prompt-tokens-details",
-        "--chat-template-content-format", "openai"])
+        "--chat-template-content-format", "openai", "--sse-keep-alive-interval", "0.001"])
     assert frontend_options_from_args(args) == OPTIONS
+    for bad in ("-1", "inf", "nan", "soon"):
+        with pytest.raises(SystemExit):
+            make_parser().parse_args(["--sse-keep-alive-interval", bad])
+
+
+def test_an_idle_stream_gets_keep_alive_comments_and_closes_through_them() -> None:
+    """A comment after each interval without an event, the events as they were; closing the stream closes the
+    events' generator (which aborts the engine's requests), even while it waits for its next event."""
+    closed = []
+
+    async def events() -> AsyncIterator[str]:
+        try:
+            yield "data: 1\n\n"
+            await asyncio.sleep(0.25)
+            yield "data: 2\n\n"
+            await asyncio.sleep(10)
+            yield "data: never\n\n"
+        finally:
+            closed.append(True)
+
+    async def main() -> list[str]:
+        stream = with_keep_alive(events(), 0.1)
+        seen = [await anext(stream)]
+        while seen[-1] != "data: 2\n\n":
+            seen.append(await anext(stream))
+        seen.append(await anext(stream))        # a keep-alive while the events wait 10 s
+        await stream.aclose()
+        return seen
+
+    seen = asyncio.run(main())
+    assert seen[0] == "data: 1\n\n" and seen[-2:] == ["data: 2\n\n", SSE_KEEP_ALIVE]
+    assert len(seen) >= 4 and set(seen[1:-2]) == {SSE_KEEP_ALIVE}      # at least one in the 0.25 s pause
+    assert closed == [True]
+
+
+def test_clients_read_a_stream_with_keep_alive_comments(server: Any) -> None:
+    """The OpenAI SDK skips the comments (an interval of 1 ms puts some between the tokens): the same text."""
+    running, _ = server
+    client = openai.OpenAI(base_url=f"{running.base_url}/v1", api_key="none")
+    body = dict(model=running.model_name, messages=HI, max_tokens=6, temperature=0.0)
+    whole = client.chat.completions.create(**body).choices[0].message.content
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in client.chat.completions.create(
+        stream=True, **body) if chunk.choices)
+    assert streamed == whole
+    text = httpx.post(f"{running.base_url}/v1/completions", timeout=60, json={
+        "model": running.model_name, "prompt": "hi", "max_tokens": 6, "stream": True}).text
+    assert text.endswith("data: [DONE]\n\n")
 
 
 

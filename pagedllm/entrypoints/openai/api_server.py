@@ -68,7 +68,8 @@ def frontend_options_from_args(args: argparse.Namespace):
                            trust_request_chat_template=args.trust_request_chat_template,
                            trust_request_mm_kwargs=args.trust_request_mm_kwargs,
                            exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
-                           chat_template_content_format=args.chat_template_content_format)
+                           chat_template_content_format=args.chat_template_content_format,
+                           sse_keep_alive_interval=args.sse_keep_alive_interval)
 
 
 def run_server(args: argparse.Namespace) -> None:

@@ -47,6 +47,14 @@ def _non_negative(text: str) -> int:
     return int(text)
 
 
+def _non_negative_seconds(text: str) -> float:
+    """A finite number of seconds >= 0 given on the command line."""
+    value = float(text)
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {text}")
+    return value
+
+
 def parse_json_object(text: str) -> dict:
     """A JSON object given on the command line, e.g. --speculative-config '{"method": "ngram", ...}'."""
     return _json_arg(text, lambda value: isinstance(value, dict), "a JSON object")
@@ -293,6 +301,10 @@ def _add_openai_args(server: argparse._ArgumentGroup) -> None:
     server.add_argument("--return-tokens-as-token-ids", action="store_true",
                         help="log-probabilities name tokens 'token_id:{id}' unless a request says otherwise (for "
                              "tokens whose text is not valid UTF-8 on its own)")
+    server.add_argument("--sse-keep-alive-interval", type=_non_negative_seconds, default=0.0, metavar="SECONDS",
+                        help="a streamed response idle this many seconds (queued, prefilling, thinking between "
+                             "tokens) gets an SSE comment line, so that a proxy's read timeout does not close it "
+                             "(default: 0, never)")
     server.add_argument("--enable-force-include-usage", action="store_true",
                         help="a streamed response ends with its usage whether or not stream_options asks")
     server.add_argument("--enable-prompt-tokens-details", action="store_true",

@@ -190,7 +190,7 @@ def _invocations_router(completion: OpenAIServingCompletion, chat: OpenAIServing
                     request = request_type.model_validate(body)
                 except ValidationError as exc:
                     raise RequestValidationError(exc.errors()) from None
-                return await respond(raw_request, create(request))
+                return await respond(raw_request, create(request), chat.options.sse_keep_alive_interval)
         raise OpenAIError("/invocations answers a body by its fields: messages (chat completions), prompt "
                           "(completions), input (embeddings), query and documents (rerank), text_1 and text_2 "
                           "(score); this one has none of them", 400)
@@ -205,6 +205,7 @@ def _v1_router(completion: OpenAIServingCompletion, chat: OpenAIServingChat,
     engine, names = chat.engine, chat.served_model_names
     responses_api = OpenAIServingResponses(chat)
     messages_api = OpenAIServingMessages(chat)
+    keep_alive = chat.options.sse_keep_alive_interval
     router = APIRouter(prefix="/v1", dependencies=[Depends(_refuse_while_draining(engine))])
 
     def card(name: str, root: str, parent: str | None) -> dict[str, Any]:
@@ -233,15 +234,15 @@ def _v1_router(completion: OpenAIServingCompletion, chat: OpenAIServingChat,
 
     @router.post("/completions")
     async def completions(body: CompletionRequest, raw_request: Request) -> Response:
-        return await respond(raw_request, completion.create(body))
+        return await respond(raw_request, completion.create(body), keep_alive)
 
     @router.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw_request: Request) -> Response:
-        return await respond(raw_request, chat.create(body))
+        return await respond(raw_request, chat.create(body), keep_alive)
 
     @router.post("/responses")
     async def responses(body: ResponsesRequest, raw_request: Request) -> Response:
-        return await respond(raw_request, responses_api.create(body))
+        return await respond(raw_request, responses_api.create(body), keep_alive)
 
     @router.get("/responses/{response_id}")
     async def stored_response(response_id: str) -> dict[str, Any]:
@@ -267,7 +268,7 @@ def _v1_router(completion: OpenAIServingCompletion, chat: OpenAIServingChat,
     @router.post("/messages")
     async def messages(body: AnthropicMessagesRequest, raw_request: Request) -> Response:
         """Anthropic's Messages API (`anthropic.Anthropic(base_url=...).messages.create`), as vLLM serves it."""
-        return await respond(raw_request, messages_api.create(body))
+        return await respond(raw_request, messages_api.create(body), keep_alive)
 
     @router.post("/messages/count_tokens")
     async def count_message_tokens(body: AnthropicCountTokensRequest) -> dict[str, int]:

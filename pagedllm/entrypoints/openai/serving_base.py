@@ -66,6 +66,8 @@ class FrontendOptions:
         exclude_tools_when_tool_choice_none: a chat with tool_choice "none" is rendered without its tools.
         chat_template_content_format: how a message's content reaches the chat template: "auto", "string" or
             "openai" (pagedllm.tokenizer.chat_template).
+        sse_keep_alive_interval: a stream idle this many seconds gets an SSE comment line (0: never), so that a
+            proxy's read timeout does not close it.
     """
 
     response_role: str = "assistant"
@@ -76,6 +78,7 @@ class FrontendOptions:
     trust_request_mm_kwargs: bool = False
     exclude_tools_when_tool_choice_none: bool = False
     chat_template_content_format: str = "auto"
+    sse_keep_alive_interval: float = 0.0
 
 
 @dataclass(slots=True)

@@ -41,14 +41,46 @@ class SSEResponse(StreamingResponse):
                 await aclose()
 
 
-async def respond(raw_request: Request, work: Awaitable[dict[str, Any] | AsyncIterator[str]]) -> Response:
-    """Run a handler until it answers or the client disconnects (which cancels it and so aborts its requests)."""
+# an SSE comment line, which clients skip (vLLM's keep-alive)
+SSE_KEEP_ALIVE = ": keep-alive\n\n"
+
+
+async def with_keep_alive(events: AsyncIterator[str], interval: float) -> AsyncIterator[str]:
+    """`events`, with an SSE comment whenever none came for `interval` seconds (vLLM's --sse-keep-alive-interval), so
+    that a proxy with a read timeout keeps the stream open through a long queue, prefill or pause between tokens.
+    One task advances `events` at a time (never cancelled by a timeout); closing this closes `events`."""
+    pending = asyncio.ensure_future(anext(events))
+    try:
+        while True:
+            done, _ = await asyncio.wait({pending}, timeout=interval)
+            if not done:
+                yield SSE_KEEP_ALIVE
+                continue
+            try:
+                event = pending.result()
+            except StopAsyncIteration:
+                return
+            yield event
+            pending = asyncio.ensure_future(anext(events))
+    finally:
+        pending.cancel()
+        with suppress(BaseException):
+            await pending
+        aclose = getattr(events, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+async def respond(raw_request: Request, work: Awaitable[dict[str, Any] | AsyncIterator[str]],
+                  keep_alive: float = 0.0) -> Response:
+    """Run a handler until it answers or the client disconnects (which cancels it and so aborts its requests); a
+    stream gets a keep-alive comment after each `keep_alive` seconds without an event, if not 0."""
     result = await cancel_on_disconnect(raw_request, work)
     if result is None:
         return Response(status_code=499)    # nobody is listening
     if isinstance(result, dict):
         return JSONResponse(result)
-    return SSEResponse(result)
+    return SSEResponse(with_keep_alive(result, keep_alive) if keep_alive > 0 else result)
 
 
 async def cancel_on_disconnect(raw_request: Request, work: Awaitable) -> Any:
