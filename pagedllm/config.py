@@ -18,6 +18,8 @@ DistributedExecutorBackend = Literal["mp", "ray"]
 QUANTIZATIONS = (None, "int8", "w8a8", "gguf", "awq", "gptq")
 # what logprobs hold (vLLM's logprobs_mode; pagedllm.sample.sampler)
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
+# where the weights come from (vLLM's load_format; pagedllm.loader.load_model)
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 # how a chat message's content reaches the template (vLLM's chat_template_content_format; pagedllm.tokenizer)
 CHAT_CONTENT_FORMATS = ("auto", "string", "openai")
 MODALITIES = ("image", "video", "audio")    # limit_mm_per_prompt's keys (vLLM's); pagedllm reads images
@@ -245,6 +247,10 @@ class ModelConfig:
             log_softmax of the model's logits), "processed_logprobs" (those of the distribution a token is sampled
             from: after logit_bias, bad words, penalties, temperature, top-k, top-p, min-p), "raw_logits" or
             "processed_logits" (the logits at those two points); a prompt's are raw either way.
+        load_format: where the weights come from (vLLM's): "auto" (a folder's safetensors, or the .gguf file),
+            "safetensors" or "gguf" (the same, refusing the other kind), or "dummy": random weights in the shapes of
+            a folder's config.json (uniform in [-0.001, 0.001], vLLM's), no checkpoint read, to measure a model's
+            speed and memory before its weights are at hand.
     """
 
     model: str | None = None
@@ -271,6 +277,7 @@ class ModelConfig:
     logits_processors: list[str | type] | None = None
     enable_prompt_embeds: bool = False
     logprobs_mode: str = "raw_logprobs"
+    load_format: str = "auto"
 
     def __post_init__(self) -> None:
         _require(not self.allowed_local_media_path or Path(self.allowed_local_media_path).is_dir(),
@@ -278,6 +285,8 @@ class ModelConfig:
         _require(self.allowed_media_domains is None or (isinstance(self.allowed_media_domains, list) and all(
             isinstance(domain, str) for domain in self.allowed_media_domains)), "allowed_media_domains",
             "a list of host names, or None for any", self.allowed_media_domains)
+        _require(self.load_format in LOAD_FORMATS, "load_format", f"one of {', '.join(LOAD_FORMATS)} (pagedllm reads "
+                 "safetensors and GGUF files)", self.load_format)
         _require(self.logprobs_mode in LOGPROBS_MODES, "logprobs_mode", f"one of {', '.join(LOGPROBS_MODES)}",
                  self.logprobs_mode)
         limits = self.limit_mm_per_prompt

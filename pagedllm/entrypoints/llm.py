@@ -139,6 +139,8 @@ class LLM:
             "processed_logits" (`ModelConfig.logprobs_mode`).
         enable_prompt_embeds: take prompts given as embeddings, `{"prompt_embeds": tensor}` ([tokens, hidden_size],
             as the model's embedding layer gives them), as vLLM does with it.
+        load_format: "auto", "safetensors", "gguf", or "dummy": random weights in the shapes of a folder's config,
+            no checkpoint read, to measure a model before its weights are at hand (`ModelConfig.load_format`).
         structured_outputs_config: how structured outputs compile and when they apply (vLLM's), e.g.
             `{"disable_any_whitespace": False}` for JSON with whitespace, or `{"reasoning_parser": "qwen3"}` for a
             constraint that applies once the thought is over (`StructuredOutputsConfig`).
@@ -176,7 +178,7 @@ class LLM:
                  allowed_media_domains: list[str] | None = None, logits_processors: list[str | type] | None = None,
                  logprobs_mode: str = "raw_logprobs",
                  structured_outputs_config: dict[str, Any] | StructuredOutputsConfig | None = None,
-                 enable_prompt_embeds: bool = False) -> None:
+                 enable_prompt_embeds: bool = False, load_format: str = "auto") -> None:
         check_runner(runner, convert)
         if kv_cache_memory_bytes is not None:
             if kv_cache_memory not in (None, kv_cache_memory_bytes):
@@ -194,7 +196,8 @@ class LLM:
                               disable_sliding_window=disable_sliding_window,
                               allowed_local_media_path=allowed_local_media_path,
                               allowed_media_domains=allowed_media_domains, logits_processors=logits_processors,
-                              logprobs_mode=logprobs_mode, enable_prompt_embeds=enable_prompt_embeds),
+                              logprobs_mode=logprobs_mode, enable_prompt_embeds=enable_prompt_embeds,
+                              load_format=load_format),
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
                               gpu_memory_utilization=gpu_memory_utilization, swap_space=swap_space,
                               swap_path=swap_path, enable_prefix_caching=enable_prefix_caching,

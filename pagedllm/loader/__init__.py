@@ -333,6 +333,23 @@ def resolve_quantization(requested: str | None, resolved: ResolvedModel, hf_conf
     return quantization
 
 
+def _check_load_format(load_format: str, resolved: ResolvedModel) -> None:
+    """ValueError where the model is not of the kind `load_format` reads (ModelConfig.load_format)."""
+    if load_format == "gguf" and not resolved.is_gguf:
+        raise ValueError(f"load_format 'gguf' reads a .gguf file; {resolved.name} is a model folder")
+    if load_format in ("safetensors", "dummy") and resolved.is_gguf:
+        raise ValueError(f"load_format {load_format!r} takes a model folder (its config.json"
+                         f"{'' if load_format == 'dummy' else ' and safetensors'}); {resolved.name} is a .gguf file")
+
+
+def dummy_weights(model: nn.Module, seed: int = 1234) -> None:
+    """Every floating-point parameter uniform in [-0.001, 0.001] (vLLM's dummy weights), from a fixed seed."""
+    with torch.no_grad():
+        for index, param in enumerate(model.parameters()):
+            if param.is_floating_point():
+                param.uniform_(-1e-3, 1e-3, generator=torch.Generator(param.device).manual_seed(seed + index))
+
+
 def _pack_blocks(model: nn.Module, quantization: str | None, resolved: ResolvedModel, hf_config: Any,
                  dtype: torch.dtype, gguf_file: GGUFFile | None, activation_bits: int | None) -> list[str]:
     """Before loading: pack the GGUF kernel's blocks (quantization "gguf", "awq" or "gptq") in place of the linear
@@ -388,6 +405,8 @@ def load_model(model_config: ModelConfig, tp_rank: int = 0, tp_size: int = 1,
     start = time.perf_counter()
     model_config = dataclasses.replace(model_config, device=model_device(model_config, tp_size))
     resolved = resolve_model(model_config.model)
+    dummy = model_config.load_format == "dummy"
+    _check_load_format(model_config.load_format, resolved)
     gguf_file = None
     if resolved.gguf_path is not None:   # its header parsed once, for the config, the packing and the tensors
         from pagedllm.loader.gguf import GGUFFile
@@ -396,6 +415,9 @@ def load_model(model_config: ModelConfig, tp_rank: int = 0, tp_size: int = 1,
     hf_config = load_hf_config(resolved, gguf_file, model_config.hf_overrides, model_config.tokenizer)
     quantization = resolve_quantization(model_config.quantization, resolved, hf_config, tp_size, model_config.device,
                                         model_config.dtype)
+    if dummy and quantization not in (None, "int8", "w8a8"):
+        raise ValueError(f"load_format 'dummy' makes weights in the dtype, to run as such or quantized at load (int8, "
+                         f"w8a8); {resolved.name} is a {quantization!r} checkpoint")
     dtype = resolve_dtype(model_config.dtype, model_config.device)
     if tp_rank == 0:
         _log_precision(model_config.dtype, dtype, model_config.device, quantization)
@@ -409,12 +431,19 @@ def load_model(model_config: ModelConfig, tp_rank: int = 0, tp_size: int = 1,
         model = model_cls(hf_config, dtype=dtype, attn_backend=attn_backend, tp_rank=tp_rank, tp_size=tp_size,
                           max_positions=max_model_len)
     parts = _pack_blocks(model, quantization, resolved, hf_config, dtype, gguf_file, gguf_activation_bits)
-    model.load_weights(_weights(resolved, dtype, hf_config, quantization, packed_checkpoint_names(model), gguf_file))
+    if dummy:
+        dummy_weights(model)
+        parts.append("random (load_format dummy)")
+    else:
+        model.load_weights(_weights(resolved, dtype, hf_config, quantization, packed_checkpoint_names(model),
+                                    gguf_file))
     model.eval()
     parts += _pack(model, quantization)
     if getattr(hf_config, "text_part_of", None) in IMAGE_ENCODERS:
         if model_config.image_limit == 0:
             parts.append("no image encoder (limit_mm_per_prompt: images off)")
+        elif dummy:
+            parts.append("no image encoder (load_format dummy: text only)")
         elif has_processor(resolved.path):
             model.image_encoder = _image_encoder(resolved, dtype, model_config.device, hf_config.text_part_of)
             parts.append("the image encoder in plain torch")

@@ -11,7 +11,7 @@ import os
 import re
 from typing import cast
 
-from pagedllm.config import CHAT_CONTENT_FORMATS, DEFAULT_BLOCK_SIZE, LOGPROBS_MODES
+from pagedllm.config import CHAT_CONTENT_FORMATS, DEFAULT_BLOCK_SIZE, LOAD_FORMATS, LOGPROBS_MODES
 from pagedllm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from pagedllm.pooling_params import CONVERTS, RUNNERS
@@ -419,6 +419,10 @@ def _add_model_args(group: argparse._ArgumentGroup) -> None:
                             "temperature and filters (processed_*), as log-probabilities or logits "
                             "(default: %(default)s)")
     group.add_argument("--seed", type=int, default=0, help="seed of the engine's random stream (default: 0)")
+    group.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
+                       help="where the weights come from: the folder's safetensors or the .gguf file (auto, "
+                            "safetensors, gguf), or random ones in the shapes of the folder's config.json (dummy: "
+                            "no checkpoint read, to measure a model's speed before its weights are at hand)")
 
 
 def _add_cache_args(group: argparse._ArgumentGroup) -> None:
@@ -569,6 +573,7 @@ def engine_config_from_args(args: argparse.Namespace):
                           override_generation_config=args.override_generation_config, hf_overrides=args.hf_overrides,
                           pooler_config=args.pooler_config, mm_processor_kwargs=args.mm_processor_kwargs,
                           limit_mm_per_prompt=args.limit_mm_per_prompt, logprobs_mode=args.logprobs_mode,
+                          load_format=args.load_format,
                           language_model_only=args.language_model_only,
                           disable_sliding_window=args.disable_sliding_window,
                           allowed_local_media_path=args.allowed_local_media_path,
