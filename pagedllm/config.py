@@ -57,6 +57,9 @@ class CacheConfig:
             more precise.
         num_blocks: filled in at start-up from the memory budget (tests may set it directly).
         num_swap_blocks: filled in at start-up from `swap_space`.
+        kv_cache_metrics: track a sample of the pool's blocks from allocation to reuse (vLLM's KV cache residency
+            metrics: their lifetimes, idle times before reuse and gaps between reads; `core.kv_cache.residency`).
+        kv_cache_metrics_sample: the fraction of allocated blocks tracked, in (0, 1].
     """
 
     block_size: int = DEFAULT_BLOCK_SIZE
@@ -68,8 +71,12 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"
     num_blocks: int | None = None
     num_swap_blocks: int = 0
+    kv_cache_metrics: bool = False
+    kv_cache_metrics_sample: float = 0.01
 
     def __post_init__(self) -> None:
+        _require(0.0 < self.kv_cache_metrics_sample <= 1.0, "kv_cache_metrics_sample", "in (0, 1]",
+                 self.kv_cache_metrics_sample)
         _require(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0, "block_size",
                  "a positive power of two", self.block_size)
         _require(self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory",

@@ -15,6 +15,7 @@ from pagedllm.config import EngineConfig, SchedulerConfig, StructuredOutputsConf
 from pagedllm.core.kv_cache.block_map import BlockMap
 from pagedllm.core.kv_cache.block_pool import PrefixCacheStats
 from pagedllm.core.kv_cache.manager import KVCacheManager
+from pagedllm.core.kv_cache.residency import ResidencyTracker
 from pagedllm.core.request import FinishReason, Request, RequestStatus, child_request_id
 from pagedllm.core.sched.output import RequestUpdate, RunnerOutput, ScheduledRequest, SchedulerOutput
 from pagedllm.core.sched.scheduler import Scheduler
@@ -263,9 +264,11 @@ class LLMEngine:
         # blocks behind a window every layer attends within are freed; not with a draft model, which runs a whole
         # context again after a preemption or a prefix hit
         window = kv_window(loaded.hf_config) if self.runner.draft is None else 0
+        residency = ResidencyTracker(config.cache.kv_cache_metrics_sample, config.model.seed) \
+            if config.cache.kv_cache_metrics else None
         self.kv_cache_manager = KVCacheManager(num_blocks, config.cache.block_size,
                                                config.cache.enable_prefix_caching, config.cache.num_swap_blocks,
-                                               window)
+                                               window, residency)
         spec = config.speculative
         proposer = NgramProposer(spec) if spec is not None and spec.method == "ngram" else None
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager,

@@ -141,6 +141,8 @@ class LLM:
             as the model's embedding layer gives them), as vLLM does with it.
         load_format: "auto", "safetensors", "gguf", or "dummy": random weights in the shapes of a folder's config,
             no checkpoint read, to measure a model before its weights are at hand (`ModelConfig.load_format`).
+        kv_cache_metrics, kv_cache_metrics_sample: follow that fraction of the KV blocks from allocation to reuse
+            (vLLM's residency metrics: `llm.engine.make_stats().kv_block_residencies`; `CacheConfig`).
         structured_outputs_config: how structured outputs compile and when they apply (vLLM's), e.g.
             `{"disable_any_whitespace": False}` for JSON with whitespace, or `{"reasoning_parser": "qwen3"}` for a
             constraint that applies once the thought is over (`StructuredOutputsConfig`).
@@ -178,7 +180,8 @@ class LLM:
                  allowed_media_domains: list[str] | None = None, logits_processors: list[str | type] | None = None,
                  logprobs_mode: str = "raw_logprobs",
                  structured_outputs_config: dict[str, Any] | StructuredOutputsConfig | None = None,
-                 enable_prompt_embeds: bool = False, load_format: str = "auto") -> None:
+                 enable_prompt_embeds: bool = False, load_format: str = "auto", kv_cache_metrics: bool = False,
+                 kv_cache_metrics_sample: float = 0.01) -> None:
         check_runner(runner, convert)
         if kv_cache_memory_bytes is not None:
             if kv_cache_memory not in (None, kv_cache_memory_bytes):
@@ -201,7 +204,8 @@ class LLM:
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
                               gpu_memory_utilization=gpu_memory_utilization, swap_space=swap_space,
                               swap_path=swap_path, enable_prefix_caching=enable_prefix_caching,
-                              kv_cache_dtype=kv_cache_dtype, num_blocks=num_kv_blocks),
+                              kv_cache_dtype=kv_cache_dtype, num_blocks=num_kv_blocks,
+                              kv_cache_metrics=kv_cache_metrics, kv_cache_metrics_sample=kv_cache_metrics_sample),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       enable_chunked_prefill=enable_chunked_prefill,
                                       max_num_encoder_input_tokens=max_num_encoder_input_tokens,

@@ -24,6 +24,9 @@ _ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
                 40.0, 80.0]
 _REQUEST_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                     240.0, 480.0, 960.0, 1920.0, 7680.0]
+# KV block residency, vLLM's: millisecond reuse gaps up to half-hour lifetimes
+_RESIDENCY_BUCKETS = [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600,
+                      1200, 1800]
 _STEP_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 
 
@@ -127,6 +130,20 @@ class _Families:
         self.iteration_tokens = histogram("iteration_tokens_total", "Tokens an engine step ran.", _STEP_BUCKETS)
         self._spec: _SpecDecodingFamilies | None = None
         self._lora_info: Gauge | None = None
+        self._residency: tuple[Histogram, Histogram, Histogram] | None = None
+
+    @property
+    def residency(self) -> tuple[Histogram, Histogram, Histogram]:
+        """vLLM's KV block residency histograms (lifetime, idle before reuse, reuse gaps), made at the first stats
+        with `--kv-cache-metrics` on: without it, no such series."""
+        if self._residency is None:
+            sampled = " Of a sample of the blocks (--kv-cache-metrics-sample)."
+            self._residency = tuple(Histogram(PREFIX + name, doc + sampled, self.label_names,
+                                              buckets=_RESIDENCY_BUCKETS, registry=self.registry) for name, doc in (
+                ("kv_block_lifetime_seconds", "A KV block's life, from its allocation to its memory's reuse."),
+                ("kv_block_idle_before_evict_seconds", "How long a KV block went unread before its memory's reuse."),
+                ("kv_block_reuse_gap_seconds", "Time between two reads of a KV block (prefix-cache hits).")))
+        return self._residency
 
     @property
     def lora_info(self) -> Gauge:
@@ -202,6 +219,13 @@ class _ReplicaMetrics:
             self.families.lora_info.labels(*self.label_values, str(stats.max_loras),
                                            ",".join(stats.waiting_lora_adapters),
                                            ",".join(stats.running_lora_adapters)).set_to_current_time()
+        if stats.kv_block_residencies is not None:
+            lifetime, idle, gap = (family.labels(*self.label_values) for family in self.families.residency)
+            for residency in stats.kv_block_residencies:
+                lifetime.observe(residency.lifetime)
+                idle.observe(residency.idle)
+                for value in residency.reuse_gaps:
+                    gap.observe(value)
         if stats.spec_decoding is not None:
             if self._spec is None:
                 self._spec = _SpecDecodingMetrics(self.families.spec, self.label_values)

@@ -51,6 +51,17 @@ class SpecDecodingStats:
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class BlockResidency:
+    """One sampled KV block's life, ended when its memory was handed out again (vLLM's KV cache eviction event):
+    seconds from its allocation, seconds since its last read (or its allocation), and the gaps between its last few
+    reads (a prefix-cache hit or a fork takes a reference to it: a read)."""
+
+    lifetime: float
+    idle: float
+    reuse_gaps: tuple[float, ...] = ()
+
+
 @dataclass(slots=True)
 class SchedulerStats:
     """The scheduler and KV pool after one engine step. Counters (`*_total`) are cumulative since start-up."""
@@ -73,6 +84,8 @@ class SchedulerStats:
     max_loras: int | None = None            # None: LoRA off
     running_lora_adapters: list[str] = field(default_factory=list)   # the adapters' names, each once, sorted
     waiting_lora_adapters: list[str] = field(default_factory=list)
+    # the sampled blocks whose lives ended since the last snapshot (None: CacheConfig.kv_cache_metrics off)
+    kv_block_residencies: list[BlockResidency] | None = None
 
     @property
     def kv_cache_usage(self) -> float:

@@ -8,7 +8,7 @@ import textwrap
 
 CORE_MODULES = ["pagedllm.core.request", "pagedllm.core.kv_cache.block", "pagedllm.core.kv_cache.hashing",
                 "pagedllm.core.kv_cache.block_pool", "pagedllm.core.kv_cache.manager",
-                "pagedllm.core.sched.output", "pagedllm.core.sched.scheduler"]
+                "pagedllm.core.kv_cache.residency", "pagedllm.core.sched.output", "pagedllm.core.sched.scheduler"]
 
 
 def test_import_pagedllm_core_without_torch() -> None:

@@ -169,3 +169,41 @@ def test_spec_decode_counters_appear_only_with_speculation_and_take_increments()
     per_pos = 'pagedllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="%d"}'
     assert (values[per_pos % 0], values[per_pos % 1]) == (2, 2)
     assert (spec.acceptance_rate, spec.mean_acceptance_length) == (0.5, 1 + 4 / 3)
+
+
+def test_kv_block_residency_histograms_appear_only_with_the_metrics_on():
+    from pagedllm.metrics.stats import BlockResidency
+
+    stat_logger = PrometheusStatLogger("m")
+    stat_logger.record(SchedulerStats(), None)
+    assert not any("kv_block" in key for key in _values(stat_logger))
+    stat_logger.record(SchedulerStats(kv_block_residencies=[BlockResidency(3.0, 0.3, (0.01, 40.0)),
+                                                            BlockResidency(0.5, 0.5)]), None)
+    stat_logger.record(SchedulerStats(kv_block_residencies=[]), None)
+    values = _values(stat_logger)
+    assert values['pagedllm:kv_block_lifetime_seconds_count{model_name="m"}'] == 2
+    assert values['pagedllm:kv_block_lifetime_seconds_sum{model_name="m"}'] == 3.5
+    assert values['pagedllm:kv_block_idle_before_evict_seconds_bucket{le="0.5",model_name="m"}'] == 2
+    assert values['pagedllm:kv_block_reuse_gap_seconds_count{model_name="m"}'] == 2
+    assert values['pagedllm:kv_block_reuse_gap_seconds_bucket{le="0.01",model_name="m"}'] == 1
+
+
+def test_the_engine_reports_its_blocks_residency_when_asked(tmp_path):
+    """A full sample on a small pool: the blocks' memory is reused, and their lives reach the snapshots, each once."""
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.entrypoints.openai.api_server import make_parser
+    from pagedllm.entrypoints.openai.cli_args import engine_config_from_args
+    from tests.models.tiny import save_tiny_model
+
+    folder, _ = save_tiny_model(tmp_path / "m")
+    args = make_parser().parse_args(["--model", str(folder), "--kv-cache-metrics", "--kv-cache-metrics-sample", "1"])
+    assert (engine_config_from_args(args).cache.kv_cache_metrics, args.kv_cache_metrics_sample) == (True, 1.0)
+    with LLM(str(folder), dtype="float32", num_kv_blocks=16, block_size=4) as llm:
+        assert llm.engine.make_stats().kv_block_residencies is None      # off by default
+    with LLM(str(folder), dtype="float32", num_kv_blocks=16, block_size=4, kv_cache_metrics=True,
+             kv_cache_metrics_sample=1.0) as llm:
+        prompts = [{"prompt_token_ids": [3 + i + 7 * j for j in range(20)]} for i in range(4)]
+        llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+        ended = llm.engine.make_stats().kv_block_residencies
+        assert ended and all(r.lifetime >= r.idle >= 0 for r in ended)
+        assert llm.engine.make_stats().kv_block_residencies == []

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from pagedllm.core.kv_cache.block import FreeBlockQueue, KVCacheBlock
 from pagedllm.core.kv_cache.hashing import BlockHash, BlockKey
+from pagedllm.core.kv_cache.residency import ResidencyTracker
 
 
 @dataclass(slots=True)
@@ -36,9 +37,11 @@ class BlockPool:
 
     New blocks come from the head of the free queue and freed blocks join its tail, so cached blocks are
     evicted least recently freed first. Evicting a cached block drops its hash from the map.
+
+    With a `residency` tracker, it hears of each block handed out and each reference taken (`touch`).
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool, residency: ResidencyTracker | None = None) -> None:
         assert num_blocks >= 2, "need the null block and at least one usable block"
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
@@ -47,6 +50,7 @@ class BlockPool:
         self._free_queue = FreeBlockQueue(self.blocks[1:])
         self._cached: dict[BlockHash, KVCacheBlock] = {}
         self.prefix_cache_stats = PrefixCacheStats()
+        self.residency = residency
 
     @property
     def num_usable_blocks(self) -> int:
@@ -81,6 +85,8 @@ class BlockPool:
         for block in blocks:
             self._evict(block)
             block.ref_cnt = 1
+            if self.residency is not None:
+                self.residency.allocated(block.block_id)
         return blocks
 
     def uncache_block(self, block: KVCacheBlock) -> None:
@@ -106,6 +112,8 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self._free_queue.remove(block)
             block.ref_cnt += 1
+            if self.residency is not None:
+                self.residency.read(block.block_id)
 
     def cache_block(self, block: KVCacheBlock, block_hash: BlockHash, key: BlockKey) -> bool:
         """Enter a full, used block in the prefix-cache map. False if its hash is already there (another block
@@ -142,6 +150,8 @@ class BlockPool:
         for block in self._cached.values():
             block.reset_hash()
         self._cached.clear()
+        if self.residency is not None:
+            self.residency.reset()
         return True
 
     def check_integrity(self) -> None:

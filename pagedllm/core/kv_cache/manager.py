@@ -57,7 +57,9 @@ from pagedllm.core.kv_cache.block import KVCacheBlock
 from pagedllm.core.kv_cache.block_map import BlockMap, RequestBlocks, encode_states
 from pagedllm.core.kv_cache.block_pool import BlockPool, PrefixCacheStats
 from pagedllm.core.kv_cache.hashing import BlockHash, block_key, extend_block_hashes
+from pagedllm.core.kv_cache.residency import ResidencyTracker
 from pagedllm.core.request import Request
+from pagedllm.metrics.stats import BlockResidency
 
 
 def cdiv(a: int, b: int) -> int:
@@ -81,14 +83,15 @@ class KVCacheManager:
         enable_caching: reuse full blocks whose token chains match (prefix caching).
         num_swap_blocks: blocks in the swap pool, its null block included (0: no swap pool).
         window: the sliding window every layer of the model attends within (0: none); blocks behind it are freed.
+        residency: follows a sample of the device pool's blocks (KV cache residency metrics); None: none.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 num_swap_blocks: int = 0, window: int = 0) -> None:
+                 num_swap_blocks: int = 0, window: int = 0, residency: ResidencyTracker | None = None) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.window = window
-        self.pool = BlockPool(num_blocks, enable_caching)
+        self.pool = BlockPool(num_blocks, enable_caching, residency)
         # The swap pool's block 0 is a null block too, so that block ids mean the same in both pools' tensors.
         self.swap_pool = BlockPool(num_swap_blocks, enable_caching=False) if num_swap_blocks >= 2 else None
         # request id -> its blocks in the swap pool, while it is swapped out.
@@ -119,6 +122,10 @@ class KVCacheManager:
     @property
     def usage(self) -> float:
         return self.pool.usage
+
+    def take_residencies(self) -> list[BlockResidency] | None:
+        """The sampled blocks' lives ended since the last call; None without residency metrics."""
+        return None if self.pool.residency is None else self.pool.residency.take_ended()
 
     @property
     def prefix_cache_stats(self) -> PrefixCacheStats:

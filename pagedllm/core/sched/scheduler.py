@@ -202,7 +202,8 @@ class Scheduler:
             spec_decoding=self.spec_decoding_stats.copy() if self.speculates else None,
             max_loras=self.max_loras,      # with LoRA off, the queues are not walked for adapters
             running_lora_adapters=_lora_names(self.running) if self.max_loras is not None else [],
-            waiting_lora_adapters=_lora_names([*self.waiting, *self.swapped]) if self.max_loras is not None else [])
+            waiting_lora_adapters=_lora_names([*self.waiting, *self.swapped]) if self.max_loras is not None else [],
+            kv_block_residencies=kv.take_residencies())
 
     def make_block_map(self) -> BlockMap:
         """A snapshot of the KV pools and of the block tables of every unfinished request (for the dashboard;

@@ -446,6 +446,12 @@ def _add_cache_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--swap-path", default=None,
                        help="file backing the swap pool on a CPU, deleted on shutdown; refused on a RAM-backed "
                             "filesystem such as /dev/shm (default: an anonymous file in a disk-backed directory)")
+    group.add_argument("--kv-cache-metrics", action=argparse.BooleanOptionalAction, default=False,
+                       help="KV cache residency metrics on /metrics: how long a sample of the blocks live from "
+                            "allocation to reuse, sit unread before it, and go between reads (default: off)")
+    group.add_argument("--kv-cache-metrics-sample", type=float, default=0.01, metavar="FRACTION",
+                       help="with --kv-cache-metrics, the fraction of allocated blocks followed, in (0, 1] "
+                            "(default: %(default)s)")
 
 
 def _add_scheduler_args(group: argparse._ArgumentGroup) -> None:
@@ -582,7 +588,9 @@ def engine_config_from_args(args: argparse.Namespace):
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                           gpu_memory_utilization=args.gpu_memory_utilization, swap_space=args.swap_space,
                           swap_path=args.swap_path, enable_prefix_caching=args.enable_prefix_caching,
-                          kv_cache_dtype=args.kv_cache_dtype, num_blocks=args.num_gpu_blocks_override),
+                          kv_cache_dtype=args.kv_cache_dtype, num_blocks=args.num_gpu_blocks_override,
+                          kv_cache_metrics=args.kv_cache_metrics,
+                          kv_cache_metrics_sample=args.kv_cache_metrics_sample),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   enable_chunked_prefill=args.enable_chunked_prefill,
                                   max_num_encoder_input_tokens=args.max_num_encoder_input_tokens,
