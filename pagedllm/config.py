@@ -122,6 +122,12 @@ class SchedulerConfig:
             raises it. More than 1 spares the server an SSE chunk (and its detokenizing and JSON) a token.
         whole_images: each image's placeholders computed in one step (a chunk stops before an image it would
             cut): the engine sets it for a model whose images see themselves whole (Gemma 3's).
+        scheduler_reserve_full_isl: admit a waiting request only while the free blocks hold its whole sequence
+            (after its prefix-cache hit; with a sliding window, what the window keeps), not only its first chunk
+            (vLLM's, on by default): a long prompt admitted on its first chunk would take its later chunks' blocks
+            from the running requests, preempting them.
+        watermark: the fraction of the pool's blocks an admission leaves free while other requests run (vLLM's;
+            0.0, the default: none), headroom for the running ones to grow into without preemption.
         swap_seconds_per_block: estimated time to copy one KV block between the device and the swap pool.
         recompute_seconds_per_token: estimated time to recompute one token's K/V (a prefill token).
             "auto" swaps a victim when 2 x blocks x swap_seconds_per_block (out and back in) is less than
@@ -140,6 +146,8 @@ class SchedulerConfig:
     long_prefill_token_threshold_adaptive: bool = False
     stream_interval: int = 1
     whole_images: bool = False
+    scheduler_reserve_full_isl: bool = True
+    watermark: float = 0.0
     swap_seconds_per_block: float = 0.0
     recompute_seconds_per_token: float = 0.0
 
@@ -153,6 +161,7 @@ class SchedulerConfig:
         _require(self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold", ">= 0 (0: no cap)",
                  self.long_prefill_token_threshold)
         _require(self.stream_interval >= 1, "stream_interval", ">= 1", self.stream_interval)
+        _require(0.0 <= self.watermark < 1.0, "watermark", "in [0, 1)", self.watermark)
         _require(self.preemption_mode in ("recompute", "swap", "auto"), "preemption_mode",
                  "one of 'recompute', 'swap', 'auto'", self.preemption_mode)
         _require(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy", "one of 'fcfs', 'priority'",

@@ -143,6 +143,9 @@ class LLM:
             no checkpoint read, to measure a model before its weights are at hand (`ModelConfig.load_format`).
         kv_cache_metrics, kv_cache_metrics_sample: follow that fraction of the KV blocks from allocation to reuse
             (vLLM's residency metrics: `llm.engine.make_stats().kv_block_residencies`; `CacheConfig`).
+        scheduler_reserve_full_isl, watermark: admit a request only while the free blocks hold its whole prompt (on
+            by default, as vLLM's), and leave that fraction of the pool free at an admission while others run
+            (`SchedulerConfig`).
         structured_outputs_config: how structured outputs compile and when they apply (vLLM's), e.g.
             `{"disable_any_whitespace": False}` for JSON with whitespace, or `{"reasoning_parser": "qwen3"}` for a
             constraint that applies once the thought is over (`StructuredOutputsConfig`).
@@ -181,7 +184,8 @@ class LLM:
                  logprobs_mode: str = "raw_logprobs",
                  structured_outputs_config: dict[str, Any] | StructuredOutputsConfig | None = None,
                  enable_prompt_embeds: bool = False, load_format: str = "auto", kv_cache_metrics: bool = False,
-                 kv_cache_metrics_sample: float = 0.01) -> None:
+                 kv_cache_metrics_sample: float = 0.01, scheduler_reserve_full_isl: bool = True,
+                 watermark: float = 0.0) -> None:
         check_runner(runner, convert)
         if kv_cache_memory_bytes is not None:
             if kv_cache_memory not in (None, kv_cache_memory_bytes):
@@ -211,7 +215,8 @@ class LLM:
                                       max_num_encoder_input_tokens=max_num_encoder_input_tokens,
                                       long_prefill_token_threshold=long_prefill_token_threshold,
                                       long_prefill_token_threshold_adaptive=long_prefill_token_threshold_adaptive,
-                                      preemption_mode=preemption_mode, scheduling_policy=scheduling_policy),
+                                      preemption_mode=preemption_mode, scheduling_policy=scheduling_policy,
+                                      scheduler_reserve_full_isl=scheduler_reserve_full_isl, watermark=watermark),
             speculative=SpeculativeConfig.from_dict(speculative_config),
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size,
                                     distributed_executor_backend=distributed_executor_backend,

@@ -171,7 +171,8 @@ def test_a_mean_pooled_prompt_preempted_midway_gathers_its_chunks_again(tiny):
     its first position."""
     _, hf_model = tiny
     llm = LLM(model=str(tiny[0]), dtype="float32", num_kv_blocks=11, block_size=16, max_num_batched_tokens=24,
-              pooler_config={"pooling_type": "MEAN"})      # 10 usable blocks: the embedding alone needs them all
+              pooler_config={"pooling_type": "MEAN"},      # 10 usable blocks: the embedding alone needs them all
+              scheduler_reserve_full_isl=False)     # admitted on its first chunk, not once all of it fits
     engine = llm.engine
     for i in range(2):
         engine.add_request(f"gen{i}", {"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=60, ignore_eos=True))

@@ -85,14 +85,14 @@ def test_every_layer_sliding_frees_the_blocks_behind_the_window(tmp_path, preemp
     """Mistral over a 16-token window holds at most the blocks its window spans: four 60-token sequences, 60 blocks
     of context in all, run side by side in a pool of 23 with room to spare (a full-attention model's would be
     preempted), and answer as transformers does; in a pool of 13, where they must be preempted (by recompute or by
-    swap, the freed blocks left behind), they still do."""
+    swap, the freed blocks left behind; each admitted on its first chunk, not once all of it fits), they still do."""
     folder, hf_model = save_tiny_model(tmp_path / "m", "mistral", sliding_window=16)
     prompts = [[3 + (7 * i + j) % 200 for i in range(20)] for j in range(4)]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     expected = hf_greedy(hf_model, prompts, 40)
     for num_blocks, preempted in [(24, False), (14, True)]:
         with LLM(str(folder), dtype="float32", num_kv_blocks=num_blocks, block_size=4, max_num_batched_tokens=16,
-                 preemption_mode=preemption_mode, swap_space=0.001) as llm:
+                 preemption_mode=preemption_mode, swap_space=0.001, scheduler_reserve_full_isl=False) as llm:
             # a sequence holds at most the 5 blocks that 16 keys span
             assert llm.engine.kv_cache_manager.window == 16
             assert llm.engine.capacity.max_concurrent_seqs == (num_blocks - 1) / 5

@@ -371,8 +371,10 @@ def test_chunked_prefills_and_preemption_through_an_image_change_no_token(llava:
     expected = [o.outputs[0].token_ids for o in alone]
     # chunks of 8 tokens cut each image's (and tile's) placeholders; a pool with room for one request at a time
     blocks = -(-(max(len(o.prompt_token_ids) for o in alone) + 8) // 8) + 2
+    # (each admitted on its first chunk, not once its whole prompt fits: so that they preempt each other)
     squeezed = LLM(model=str(folder), dtype="float32", num_kv_blocks=blocks, max_num_batched_tokens=8,
-                   enable_prefix_caching=False, max_num_encoder_input_tokens=4)     # an image (a tile) a step
+                   enable_prefix_caching=False, max_num_encoder_input_tokens=4,     # an image (a tile) a step
+                   scheduler_reserve_full_isl=False)
     twice = SamplingParams(n=2, temperature=0.0, max_tokens=8, ignore_eos=True)    # its child carries the images
     outputs = squeezed.generate(prompts, [twice] + [GREEDY] * 5, use_tqdm=False)
     assert squeezed.engine.scheduler.num_preemptions > 0

@@ -200,7 +200,9 @@ def test_chunks_preemption_and_prefix_hits_through_a_grid_image(qwen: tuple[Path
     # chunks of 8 tokens cut each image's placeholders; a pool with room for one request at a time
     longest = max(len(o.prompt_token_ids) for o in llm.generate(prompts, GREEDY, use_tqdm=False))
     blocks = -(-(longest + 8) // 8) + 2
-    squeezed = LLM(model=str(folder), dtype="float32", num_kv_blocks=blocks, max_num_batched_tokens=8)
+    # (each admitted on its first chunk, not once its whole prompt fits: so that they preempt each other)
+    squeezed = LLM(model=str(folder), dtype="float32", num_kv_blocks=blocks, max_num_batched_tokens=8,
+                   scheduler_reserve_full_isl=False)
     twice = SamplingParams(n=2, temperature=0.0, max_tokens=8, ignore_eos=True)    # its child carries the layout
     outputs = squeezed.generate(prompts, [twice] + [GREEDY] * 3, use_tqdm=False)
     assert squeezed.engine.scheduler.num_preemptions > 0

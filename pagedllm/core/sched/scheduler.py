@@ -61,7 +61,7 @@ from dataclasses import dataclass, field
 
 from pagedllm.config import SchedulerConfig
 from pagedllm.core.kv_cache.block_map import BlockMap
-from pagedllm.core.kv_cache.manager import KVCacheManager, cdiv
+from pagedllm.core.kv_cache.manager import ComputedBlocks, KVCacheManager, cdiv
 from pagedllm.core.request import FinishReason, Request, RequestStatus, child_request_id
 from pagedllm.core.sched.output import NewRequestData, RequestUpdate, RunnerOutput, ScheduledRequest, SchedulerOutput
 from pagedllm.metrics.stats import SchedulerStats, SpecDecodingStats
@@ -449,14 +449,16 @@ class Scheduler:
         return request.lora_request.lora_int_id in running_loras or len(running_loras) < self.max_loras
 
     def _admit(self, request: Request, plan: _StepPlan) -> bool:
-        """Start (or restart) the first waiting request, after a prefix-cache lookup. False if out of blocks, or,
-        without chunked prefill, if what is left of the step's budget cannot hold the rest of its tokens."""
+        """Start (or restart) the first waiting request, after a prefix-cache lookup. False if out of blocks (for its
+        whole sequence, with scheduler_reserve_full_isl, and the watermark), or, without chunked prefill, if what is
+        left of the step's budget cannot hold the rest of its tokens."""
         computed = self.kv_cache_manager.get_computed_blocks(request)
         num_new_tokens = self._num_new_tokens(request, computed.num_computed_tokens, plan)
         if num_new_tokens == 0 or not self.config.enable_chunked_prefill and \
                 computed.num_computed_tokens + num_new_tokens < request.num_tokens:
             return False        # it runs whole, in a step with room for all of it (and its images)
-        if self.kv_cache_manager.allocate_slots(request, num_new_tokens, computed) is None:
+        if not self._room_to_admit(request, computed, num_new_tokens) or \
+                self.kv_cache_manager.allocate_slots(request, num_new_tokens, computed) is None:
             return False
         self.waiting.pop(0)
         request.num_computed_tokens = computed.num_computed_tokens
@@ -465,6 +467,18 @@ class Scheduler:
         self.kv_cache_manager.cache_blocks_ahead(request, num_new_tokens)
         self._start(request, num_new_tokens, plan)
         return True
+
+    def _room_to_admit(self, request: Request, computed: ComputedBlocks, num_new_tokens: int) -> bool:
+        """vLLM's admission gate: the free blocks hold, beyond the watermark (while others run), the blocks the
+        request takes: for its whole sequence with scheduler_reserve_full_isl, else for this step's tokens; less the
+        hit's blocks that other requests hold (those cost no free block)."""
+        kv, config = self.kv_cache_manager, self.config
+        num_tokens = request.num_tokens if config.scheduler_reserve_full_isl else \
+            computed.num_computed_tokens + num_new_tokens
+        num_needed = kv.most_blocks_held(num_tokens, config.max_num_batched_tokens) - sum(
+            1 for block in computed.blocks if block.ref_cnt > 0)
+        watermark = int(config.watermark * kv.num_usable_blocks) if self.running else 0
+        return num_needed + watermark <= kv.num_free_blocks
 
     def _start(self, request: Request, num_new_tokens: int, plan: _StepPlan) -> None:
         request.status = RequestStatus.RUNNING

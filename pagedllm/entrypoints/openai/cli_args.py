@@ -482,6 +482,12 @@ def _add_scheduler_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--stream-interval", type=int, default=1, metavar="N",
                        help="a streamed request's chunk once N tokens are new, its first and last at once; more "
                             "than 1 spares the server a chunk a token under heavy load (default: %(default)s)")
+    group.add_argument("--scheduler-reserve-full-isl", action=argparse.BooleanOptionalAction, default=True,
+                       help="admit a waiting request only while the free KV blocks hold its whole prompt, not only "
+                            "its first chunk, so that its later chunks preempt nobody (default: on, as vLLM's)")
+    group.add_argument("--watermark", type=float, default=0.0, metavar="FRACTION",
+                       help="the fraction of the KV pool an admission leaves free while others run, room for them "
+                            "to grow without preemption, in [0, 1) (default: %(default)s)")
     group.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap", "auto"],
                        help="what to do with a request when KV blocks run out (default: %(default)s)")
     group.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
@@ -597,6 +603,8 @@ def engine_config_from_args(args: argparse.Namespace):
                                   long_prefill_token_threshold=args.long_prefill_token_threshold,
                                   long_prefill_token_threshold_adaptive=args.long_prefill_token_threshold_adaptive,
                                   stream_interval=args.stream_interval,
+                                  scheduler_reserve_full_isl=args.scheduler_reserve_full_isl,
+                                  watermark=args.watermark,
                                   preemption_mode=args.preemption_mode, scheduling_policy=args.scheduling_policy),
         speculative=SpeculativeConfig.from_dict(_speculative_config(args)),
         structured_outputs=_structured_outputs_config(args),

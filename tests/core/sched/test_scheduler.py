@@ -339,3 +339,50 @@ def test_a_long_prompt_takes_at_most_the_threshold_while_others_wait(adaptive: b
     assert _plan(alone.schedule()) == [("a", 50, True)]
     with pytest.raises(ValueError, match="long_prefill_token_threshold"):
         SchedulerConfig(long_prefill_token_threshold=-1)
+
+
+@pytest.mark.parametrize("reserve_full", [True, False])
+def test_a_long_prompt_waits_for_room_for_all_of_it(reserve_full: bool) -> None:
+    """vLLM's scheduler_reserve_full_isl: a 32-token prompt (8 blocks) is admitted only once the free blocks hold
+    all of it, not on its first chunk's one block while another request's blocks leave 7 free; off, it starts at
+    once and its later chunks preempt the running request for their blocks."""
+    config = SchedulerConfig(max_model_len=64, max_num_batched_tokens=8, scheduler_reserve_full_isl=reserve_full)
+    scheduler = Scheduler(config, KVCacheManager(11, BLOCK_SIZE))      # 10 usable blocks
+    scheduler.add_request(_request("a", 12, max_tokens=12, arrival_time=0))
+    scheduler.add_request(_request("b", list(range(300, 332)), max_tokens=2, arrival_time=1))    # no prefix of a's
+    runner, results = FakeRunner(BLOCK_SIZE), dict[str, Result]()
+    assert _plan(_step(scheduler, runner, results)) == [("a", 8, False)]
+    second = _step(scheduler, runner, results)
+    assert _plan(second) == ([("a", 4, True)] if reserve_full else [("a", 4, True), ("b", 4, False)])
+    outputs = run_steps(scheduler, runner, results)
+    assert (scheduler.num_preemptions == 0) == reserve_full
+    assert results["a"].token_ids == reference(list(range(100, 112)), 12, None)
+    assert results["b"].token_ids == reference(list(range(300, 332)), 2, None)
+    assert _all_free(scheduler) and outputs
+
+
+def test_an_admission_leaves_the_watermark_free_while_others_run() -> None:
+    config = SchedulerConfig(max_model_len=64, max_num_batched_tokens=64, watermark=0.5)
+    scheduler = Scheduler(config, KVCacheManager(11, BLOCK_SIZE))      # 10 usable blocks, 5 kept free
+    scheduler.add_request(_request("a", 24, max_tokens=4, arrival_time=0))  # alone: 6 blocks, past the watermark
+    runner, results = FakeRunner(BLOCK_SIZE), dict[str, Result]()
+    assert _plan(_step(scheduler, runner, results)) == [("a", 24, True)]
+    scheduler.add_request(_request("big", 8, max_tokens=1, arrival_time=1))     # 2 blocks: 4 free, 2 + 5 > 4
+    assert _plan(_step(scheduler, runner, results)) == [("a", 1, True)]
+    run_steps(scheduler, runner, results)
+    assert results["big"].token_ids == reference(list(range(100, 108)), 1, None)
+    with pytest.raises(ValueError, match="watermark"):
+        SchedulerConfig(watermark=1.0)
+
+
+def test_the_whole_prompt_gate_counts_no_block_for_a_hit_on_running_blocks() -> None:
+    """The 32-token prompt that starts with the running request's 12-token prompt (its last block cached as the step
+    fills it) needs 5 more blocks, not 8: it fits in the 7 free ones and starts at once."""
+    config = SchedulerConfig(max_model_len=64, max_num_batched_tokens=8)
+    scheduler = Scheduler(config, KVCacheManager(11, BLOCK_SIZE))      # 10 usable blocks
+    scheduler.add_request(_request("a", 12, max_tokens=12, arrival_time=0))
+    scheduler.add_request(_request("b", 32, max_tokens=2, arrival_time=1))     # a's first 12 tokens, then more
+    runner, results = FakeRunner(BLOCK_SIZE), dict[str, Result]()
+    _step(scheduler, runner, results)
+    second = _step(scheduler, runner, results)
+    assert _plan(second) == [("a", 4, True), ("b", 4, False)] and scheduler.requests["b"].num_cached_tokens == 12
