@@ -80,11 +80,22 @@ def test_bad_embeddings_are_refused(tiny, tmp_path) -> None:
         from pagedllm import BeamSearchParams
 
         llm.beam_search([{"prompt_embeds": embeds}], BeamSearchParams(2, 4))
-    gemma = save_tiny_model(tmp_path / "g", "gemma3")[0]
-    with pytest.raises(ValueError, match="scales its embeddings"):
-        LLM(str(gemma), dtype="float32", num_kv_blocks=16, enable_prompt_embeds=True).generate(
-            {"prompt_embeds": torch.zeros(3, 64)}, use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "granite"])
+def test_models_that_scale_their_embeddings_take_them_as_transformers_does(tmp_path, kind) -> None:
+    """Gemma's embedding layer scales its rows (the normalizer is the layer's: its rows come scaled and are taken as
+    they are); Granite's embedding_multiplier scales every input embedding, given ones too: either way, the rows of
+    the embedding layer generate what their tokens do and what transformers generates from them."""
+    folder, hf_model = save_tiny_model(tmp_path / "m", kind, initializer_range=0.5)
+    llm = LLM(str(folder), dtype="float32", block_size=4, num_kv_blocks=32, enable_prompt_embeds=True)
+    by_tokens = llm.generate({"prompt_token_ids": PROMPTS[0]}, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    by_embeds = llm.generate({"prompt_embeds": _embeds(hf_model, PROMPTS[0])}, GREEDY, use_tqdm=False)[0]
+    with torch.inference_mode():
+        expected = hf_model.generate(inputs_embeds=_embeds(hf_model, PROMPTS[0])[None], max_new_tokens=10,
+                                     do_sample=False, attention_mask=torch.ones(1, len(PROMPTS[0]), dtype=torch.long))
+    assert by_embeds.outputs[0].token_ids == by_tokens == expected[0, -10:].tolist()
 
 
 def _encoded(tensor: torch.Tensor) -> str:

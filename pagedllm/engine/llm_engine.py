@@ -522,9 +522,6 @@ class LLMEngine:
         if not self.config.model.enable_prompt_embeds:
             raise ValueError("prompt_embeds needs an engine started with enable_prompt_embeds=True "
                              "(--enable-prompt-embeds)")
-        if getattr(self.runner.model.model, "embed_scale", None) is not None:
-            raise ValueError(f"{self.model_name} scales its embeddings (Gemma, Granite): its prompt_embeds are not "
-                             "taken yet")
         if not torch.is_tensor(embeds) or not embeds.is_floating_point():
             raise ValueError("prompt_embeds must be a floating-point torch tensor")
         if embeds.dim() == 3 and embeds.shape[0] == 1:

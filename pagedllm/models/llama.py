@@ -796,9 +796,13 @@ class LlamaForCausalLM(nn.Module):
 
     def encode_image(self, image: ImageInput) -> torch.Tensor:
         """An image's pixels (its processor's) -> the rows of its placeholders [tokens, H]; a multimodal model's
-        only (the loader sets `image_encoder`). Prompt embeddings (`image.embeds`) are their rows already."""
+        only (the loader sets `image_encoder`). Prompt embeddings (`image.embeds`) are their rows already, as the
+        embedding layer gives them (Gemma's scaled by its normalizer, which belongs to the layer), times Granite's
+        embedding_multiplier, which scales every input embedding (as in transformers and vLLM)."""
         if image.embeds:
-            return image.pixels.to(self.lm_head.weight.device, self.dtype)
+            rows = image.pixels.to(self.lm_head.weight.device, self.dtype)
+            multiplier = getattr(self.config, "embedding_multiplier", None)
+            return rows * multiplier if multiplier else rows
         if self.image_encoder is None:
             raise ValueError("this model takes no images")
         return self.image_encoder.encode(image)
