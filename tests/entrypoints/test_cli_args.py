@@ -159,6 +159,62 @@ def test_the_kv_budget_takes_vllms_flag_and_the_log_level_sets_pagedllms(monkeyp
         _args("--log-level", "chatty")
 
 
+@pytest.fixture
+def logging_restored():
+    """The root and pagedllm loggers' handlers, levels and formatters put back after the test."""
+    import logging
+
+    loggers = [logging.getLogger(), logging.getLogger("pagedllm")]
+    saved = [(lg, list(lg.handlers), lg.level, [h.formatter for h in lg.handlers]) for lg in loggers]
+    yield
+    for lg, handlers, level, formatters in saved:
+        lg.handlers[:] = handlers
+        lg.setLevel(level)
+        for handler, formatter in zip(handlers, formatters):
+            handler.setFormatter(formatter)
+
+
+def test_logging_config_json_lines_a_dictconfig_file_or_none(tmp_path, logging_restored) -> None:
+    """vLLM's --logging-config: its formatter "json" writes one JSON object a line; a dictConfig file
+    (pylogging_config_file, or --log-config-file) decides everything; configure_logging false leaves logging alone;
+    a bad config is refused before the model loads."""
+    import io
+    import json
+    import logging
+
+    from pagedllm.entrypoints.openai.cli_args import configure_logging
+
+    pagedllm_log = logging.getLogger("pagedllm")
+    configure_logging(_args("--logging-config", '{"formatter": "json", "log_level": "debug"}'))
+    stream = io.StringIO()
+    pagedllm_log.handlers[0].stream = stream
+    logging.getLogger("pagedllm.test").debug("a %s", "line")
+    entry = json.loads(stream.getvalue())
+    assert (entry["level"], entry["logger"], entry["message"]) == ("DEBUG", "pagedllm.test", "a line")
+    assert pagedllm_log.level == logging.DEBUG
+
+    log_file = tmp_path / "out.log"
+    config = {"version": 1, "disable_existing_loggers": False,
+              "handlers": {"file": {"class": "logging.FileHandler", "filename": str(log_file)}},
+              "loggers": {"pagedllm": {"handlers": ["file"], "level": "WARNING", "propagate": False}}}
+    (tmp_path / "logging.json").write_text(json.dumps(config))
+    for flags in (["--log-config-file", str(tmp_path / "logging.json")],
+                  ["--logging-config", json.dumps({"pylogging_config_file": str(tmp_path / "logging.json")})]):
+        configure_logging(_args(*flags))
+        logging.getLogger("pagedllm.x").warning("to the file")
+        logging.getLogger("pagedllm.x").info("not at INFO")
+    assert log_file.read_text().splitlines() == ["to the file", "to the file"]
+    handlers = list(pagedllm_log.handlers)
+    configure_logging(_args("--logging-config", '{"configure_logging": false, "formatter": "json"}'))
+    assert pagedllm_log.handlers == handlers and handlers[0].formatter is None      # not made JSON
+    assert pagedllm_log.level == logging.WARNING
+    with pytest.raises(SystemExit, match="does not load"):
+        configure_logging(_args("--log-config-file", str(tmp_path / "missing.json")))
+    for bad in ('{"formatter": "xml"}', '{"log_level": "chatty"}', '{"colour": true}', '{"configure_logging": 1}'):
+        with pytest.raises(SystemExit):
+            _args("--logging-config", bad)
+
+
 def test_the_media_flags_make_the_models_media_access(tmp_path) -> None:
     access = _config("--allowed-local-media-path", str(tmp_path), "--allowed-media-domains", "a.com", "b.org"
                      ).model.media_access

@@ -9,7 +9,8 @@ import argparse
 import json
 import os
 import re
-from typing import cast
+from pathlib import Path
+from typing import Any, cast
 
 from pagedllm.config import CHAT_CONTENT_FORMATS, DEFAULT_BLOCK_SIZE, LOAD_FORMATS, LOGPROBS_MODES
 from pagedllm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
@@ -319,6 +320,13 @@ def _add_openai_args(server: argparse._ArgumentGroup) -> None:
                              "(default: all)")
     server.add_argument("--log-level", type=str.upper, default=None, choices=LOG_LEVELS,
                         help="the level of pagedllm's log (default: INFO, or PAGEDLLM_LOGGING_LEVEL)")
+    server.add_argument("--logging-config", type=parse_logging_config, default={}, metavar="JSON",
+                        help='how the server logs, as vLLM\'s: \'{"formatter": "json"}\' (one JSON object a line), '
+                             '"log_level", "pylogging_config_file" (a logging.config.dictConfig JSON file, which then '
+                             'decides everything), "configure_logging": false (leave logging as it is)')
+    server.add_argument("--log-config-file", default=None, metavar="PATH",
+                        help="a logging.config.dictConfig JSON file (vLLM's older flag: --logging-config's "
+                             "pylogging_config_file)")
     server.add_argument("--disable-log-stats", action="store_true",
                         help="no log line every 10 s of the throughput, the running and waiting requests, KV "
                              "cache usage and prefix cache hit rate")
@@ -541,17 +549,54 @@ def _add_parallel_args(parallel: argparse._ArgumentGroup) -> None:
                                "actors; with ray, the data-parallel replicas run in Ray actors too")
 
 
+def parse_logging_config(text: str) -> dict[str, Any]:
+    """--logging-config's JSON: vLLM's LoggingConfig fields, checked."""
+    config = parse_json_object(text)
+    known = {"log_level": str, "formatter": str, "configure_logging": bool, "pylogging_config_file": str}
+    for key, value in config.items():
+        if key not in known or not isinstance(value, known[key]):
+            raise argparse.ArgumentTypeError(f"--logging-config takes {', '.join(known)} (log_level, formatter and "
+                                             f"pylogging_config_file strings, configure_logging a boolean); got "
+                                             f"{key!r}: {value!r}")
+    if config.get("formatter", "text") not in ("text", "json"):
+        raise argparse.ArgumentTypeError(f"--logging-config's formatter is 'text' or 'json', got "
+                                         f"{config['formatter']!r}")
+    if str(config.get("log_level", "INFO")).upper() not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"--logging-config's log_level is one of {', '.join(LOG_LEVELS)}, got "
+                                         f"{config['log_level']!r}")
+    return config
+
+
 def configure_logging(args: argparse.Namespace) -> None:
-    """The log of `serve` and `run-batch`: INFO from every library, and pagedllm's at --log-level if given. Exits on
-    --enable-log-outputs without --enable-log-requests (vLLM's rule)."""
+    """The log of `serve` and `run-batch`: INFO from every library, and pagedllm's at --log-level if given, as text or
+    one JSON object a line (--logging-config's formatter); or as a dictConfig file says (--log-config-file, or
+    --logging-config's pylogging_config_file), which then decides everything; nothing with configure_logging false.
+    Exits on --enable-log-outputs without --enable-log-requests (vLLM's rule), and on a config file that does not
+    load."""
     import logging
+    import logging.config
+
+    from pagedllm.logger import JsonFormatter
 
     if args.enable_log_outputs and not args.enable_log_requests:
         raise SystemExit("error: --enable-log-outputs needs --enable-log-requests")
-
+    config = args.logging_config
+    if not config.get("configure_logging", True):
+        return
+    path = args.log_config_file or config.get("pylogging_config_file")
+    if path:
+        try:
+            logging.config.dictConfig(json.loads(Path(path).read_text()))
+        except (OSError, ValueError, TypeError, AttributeError, ImportError) as e:
+            raise SystemExit(f"error: the logging config file {path} does not load: {e}") from e
+        return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.log_level is not None:
-        logging.getLogger("pagedllm").setLevel(args.log_level)
+    if config.get("formatter") == "json":
+        for handler in (*logging.getLogger().handlers, *logging.getLogger("pagedllm").handlers):
+            handler.setFormatter(JsonFormatter())
+    level = args.log_level or config.get("log_level")
+    if level is not None:
+        logging.getLogger("pagedllm").setLevel(level.upper())
 
 
 def model_of(args: argparse.Namespace) -> str | None:
