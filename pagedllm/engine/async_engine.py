@@ -520,6 +520,7 @@ class AsyncEngine:
                 iteration = IterationStats()
                 wants_snapshot = self._handle_inbox(batch, iteration)
                 stepped = self.engine.has_unfinished_requests()
+                iteration.started = time.monotonic()
                 outputs = self.engine.step() if stepped else []
                 self._publish(outputs, iteration, stepped)
                 if wants_snapshot:

@@ -140,6 +140,7 @@ class IterationStats:
     queue_times: list[float] = field(default_factory=list)
     finished: list[FinishedRequestStats] = field(default_factory=list)
     num_step_tokens: int = 0            # the tokens the engine step ran (0: no step ran)
+    started: float | None = None        # time.monotonic() as the step began: when it scheduled its requests
 
 
 @dataclass(slots=True)
@@ -178,6 +179,22 @@ class RequestTimes:
             self.scheduled = now
             stats.queue_times.append(now - self.arrival)
 
+    def response_metrics(self) -> dict[str, float | None]:
+        """vLLM's per-request metrics of a response (`--enable-per-request-metrics`), in milliseconds: first token
+        after scheduling, decode time (first to last token), queue time, mean inter-token latency, and tokens a
+        second over the inference (scheduled to last token); None where a timestamp is missing."""
+        scheduled, first, last, count = self.scheduled, self.first_token, self.last_token, self.num_generation_tokens
+
+        def ms(start: float | None, end: float | None) -> float | None:
+            return None if start is None or end is None else (end - start) * 1000
+
+        inference = ms(scheduled, last)
+        return {"time_to_first_token_ms": ms(scheduled, first), "generation_time_ms": ms(first, last),
+                "queue_time_ms": ms(self.arrival, scheduled),
+                "mean_itl_ms": ms(first, last) / (count - 1) if first is not None and last is not None and count > 1
+                else None,
+                "tokens_per_second": count / inference * 1000 if inference else None}
+
     def on_finished(self, stats: IterationStats, finish_reason: str, now: float) -> None:
         scheduled, first, last = self.scheduled, self.first_token, self.last_token
         stats.finished.append(FinishedRequestStats(
@@ -207,25 +224,27 @@ class RequestStatsTracker:
 
     def on_step(self, outputs: Iterable[RequestOutput], scheduled_request_ids: Iterable[str], iteration: IterationStats,
                 now: float) -> None:
-        """A step ran `scheduled_request_ids` (their queue time ends) and produced `outputs`."""
+        """A step ran `scheduled_request_ids` (their queue time ends as it began) and produced `outputs`."""
+        scheduled_at = now if iteration.started is None else iteration.started
         for request_id in scheduled_request_ids:
             times = self._times.get(request_id)
             if times is not None:
-                times.on_scheduled(iteration, now)
+                times.on_scheduled(iteration, scheduled_at)
         for output in outputs:
             times = self._times.get(output.request_id)
             if times is None:
                 continue
             if not times.num_prompt_tokens:
                 times.num_prompt_tokens = len(output.prompt_token_ids)
-            times.on_scheduled(iteration, now)
+            times.on_scheduled(iteration, scheduled_at)
             if output.embedding is not None:    # an embedding: its prompt ran, and nothing is generated
                 iteration.num_prompt_tokens += times.num_prompt_tokens
             times.on_tokens(iteration, sum(len(c.token_ids) for c in output.outputs), now,
                             [(c.index, len(c.token_ids)) for c in output.outputs])
             if output.finished:
                 reason = output.outputs[0].finish_reason if output.outputs else None
-                self._times.pop(output.request_id).on_finished(iteration, reason or "stop", now)
+                output.metrics = self._times.pop(output.request_id)     # the response's per-request metrics
+                output.metrics.on_finished(iteration, reason or "stop", now)
 
     def on_aborted(self, request_ids: Iterable[str], iteration: IterationStats, now: float) -> None:
         for request_id in request_ids:

@@ -2,7 +2,7 @@
 chat template and processor arguments refused unless trusted, default template variables under a request's own,
 the reply's role, tokens named by id in log-probabilities, usage forced onto streams, tools left out of a chat
 whose tool_choice is "none", a message's content given to the template as typed parts, and keep-alive comments in an
-idle stream."""
+idle stream, and per-request metrics on the responses."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ OPTIONS = FrontendOptions(response_role="bot", default_chat_template_kwargs={"sh
                           return_tokens_as_token_ids=True, force_include_usage=True,
                           trust_request_chat_template=True, trust_request_mm_kwargs=True,
                           exclude_tools_when_tool_choice_none=True, chat_template_content_format="openai",
-                          sse_keep_alive_interval=0.001)
+                          sse_keep_alive_interval=0.001, enable_per_request_metrics=True)
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
 HI = [{"role": "user", "content": "hi"}]
 
@@ -143,7 +143,8 @@ def test_the_flags_make_the_options() -> None:
         "--response-role", "bot", "--default-chat-template-kwargs", '{"shout": true}', "--return-tokens-as-token-ids",
         "--enable-force-include-usage", "--trust-request-chat-template", "--trust-request-mm-kwargs",
         "--exclude-tools-when-tool-choice-none", "--enable-prompt-tokens-details",
-        "--chat-template-content-format", "openai", "--sse-keep-alive-interval", "0.001"])
+        "--chat-template-content-format", "openai", "--sse-keep-alive-interval", "0.001",
+        "--enable-per-request-metrics"])
     assert frontend_options_from_args(args) == OPTIONS
     for bad in ("-1", "inf", "nan", "soon"):
         with pytest.raises(SystemExit):
@@ -211,3 +212,24 @@ def test_reasoning_effort_reaches_the_template_and_a_request_id_names_the_respon
         "model": running.model_name, "prompt": "hi", "max_tokens": 1, "request_id": "order-43"}).json()
     assert completion["id"] == "cmpl-order-43"
     assert _chat(running, request_id="has space").status_code == 400
+
+
+def test_per_request_metrics_on_a_response_of_one_choice(server: Any) -> None:
+    """vLLM's --enable-per-request-metrics: a response of one choice carries its timings, streamed on the usage chunk;
+    one of several choices, null; without the flag, no field."""
+    running, options = server
+    reply = _chat(running, max_tokens=5).json()
+    if not options:
+        assert "metrics" not in reply and "metrics" not in _stream(running, stream_options={"include_usage": True})[-1]
+        return
+    metrics = reply["metrics"]
+    assert set(metrics) == {"time_to_first_token_ms", "generation_time_ms", "queue_time_ms", "mean_itl_ms",
+                            "tokens_per_second"}
+    assert metrics["time_to_first_token_ms"] > 0 and metrics["queue_time_ms"] >= 0 and metrics["tokens_per_second"] > 0
+    assert metrics["mean_itl_ms"] == pytest.approx(metrics["generation_time_ms"] / 4)     # 5 tokens: 4 gaps
+    assert _chat(running, n=2).json()["metrics"] is None
+    last = _stream(running, stream_options={"include_usage": True})[-1]
+    assert last["choices"] == [] and last["metrics"]["tokens_per_second"] > 0
+    completion = httpx.post(f"{running.base_url}/v1/completions", timeout=60, json={
+        "model": running.model_name, "prompt": "hi", "max_tokens": 3}).json()
+    assert completion["metrics"]["generation_time_ms"] >= 0

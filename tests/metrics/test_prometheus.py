@@ -207,3 +207,22 @@ def test_the_engine_reports_its_blocks_residency_when_asked(tmp_path):
         ended = llm.engine.make_stats().kv_block_residencies
         assert ended and all(r.lifetime >= r.idle >= 0 for r in ended)
         assert llm.engine.make_stats().kv_block_residencies == []
+
+
+def test_a_request_is_scheduled_when_its_first_step_began_and_its_response_metrics_follow():
+    """The tracker dates a request's scheduling at the start of the step that first ran it (vLLM's scheduled_ts),
+    not at its end; the response's per-request metrics (--enable-per-request-metrics) come from those times."""
+    from pagedllm.metrics.stats import RequestStatsTracker
+    from pagedllm.outputs import CompletionOutput, RequestOutput
+
+    tracker = RequestStatsTracker()
+    tracker.on_added("r", arrival=1.0, num_prompt_tokens=4)
+    output = RequestOutput("r", None, [1, 2, 3, 4], [CompletionOutput(0, "", [7], None, None)])
+    first = IterationStats(started=3.0)
+    tracker.on_step([output], ["r"], first, now=5.0)       # queued 2 s, its prefill step took 2 s
+    assert first.queue_times == [2.0] and output.metrics is None
+    last = RequestOutput("r", None, [1, 2, 3, 4], [CompletionOutput(0, "", [8, 9], None, "length")], finished=True)
+    tracker.on_step([last], ["r"], IterationStats(started=5.5), now=6.0)
+    assert last.metrics.response_metrics() == pytest.approx({
+        "time_to_first_token_ms": 2000.0, "generation_time_ms": 1000.0, "queue_time_ms": 2000.0,
+        "mean_itl_ms": 500.0, "tokens_per_second": 1.0})

@@ -69,7 +69,8 @@ def frontend_options_from_args(args: argparse.Namespace):
                            trust_request_mm_kwargs=args.trust_request_mm_kwargs,
                            exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
                            chat_template_content_format=args.chat_template_content_format,
-                           sse_keep_alive_interval=args.sse_keep_alive_interval)
+                           sse_keep_alive_interval=args.sse_keep_alive_interval,
+                           enable_per_request_metrics=args.enable_per_request_metrics)
 
 
 def run_server(args: argparse.Namespace) -> None:

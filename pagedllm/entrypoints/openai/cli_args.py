@@ -306,6 +306,10 @@ def _add_openai_args(server: argparse._ArgumentGroup) -> None:
                         help="a streamed response idle this many seconds (queued, prefilling, thinking between "
                              "tokens) gets an SSE comment line, so that a proxy's read timeout does not close it "
                              "(default: 0, never)")
+    server.add_argument("--enable-per-request-metrics", action="store_true",
+                        help="a chat or completion response of one choice carries its timings in `metrics` (time to "
+                             "first token, queue time, decode time, mean inter-token latency, tokens a second; "
+                             "streamed, on the usage chunk), as vLLM's")
     server.add_argument("--enable-force-include-usage", action="store_true",
                         help="a streamed response ends with its usage whether or not stream_options asks")
     server.add_argument("--enable-prompt-tokens-details", action="store_true",

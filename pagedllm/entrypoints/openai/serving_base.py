@@ -68,6 +68,8 @@ class FrontendOptions:
             "openai" (pagedllm.tokenizer.chat_template).
         sse_keep_alive_interval: a stream idle this many seconds gets an SSE comment line (0: never), so that a
             proxy's read timeout does not close it.
+        enable_per_request_metrics: a chat or completion response of one choice carries vLLM's `metrics` (its
+            timings: `RequestTimes.response_metrics`), streamed on the usage chunk.
     """
 
     response_role: str = "assistant"
@@ -79,6 +81,7 @@ class FrontendOptions:
     exclude_tools_when_tool_choice_none: bool = False
     chat_template_content_format: str = "auto"
     sse_keep_alive_interval: float = 0.0
+    enable_per_request_metrics: bool = False
 
 
 @dataclass(slots=True)
@@ -92,6 +95,7 @@ class ChoiceDelta:
         prompt_logprobs: the prompt's log-probabilities, if asked for; they come once per prompt, with the first
             delta of one of its choices.
         num_cached_tokens: of the prompt's tokens, those the prefix cache held.
+        metrics: the request's timings, with its last output (`RequestOutput.metrics`), where the engine keeps them.
     """
 
     index: int
@@ -99,6 +103,7 @@ class ChoiceDelta:
     prompt_index: int = 0
     prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
+    metrics: Any = None
 
 
 @dataclass
@@ -377,7 +382,7 @@ class OpenAIServing:
 def _choice_deltas(prompt_index: int, n: int, output: RequestOutput) -> list[ChoiceDelta]:
     """An engine output carries the completion that changed (all n of them when the request is aborted)."""
     return [ChoiceDelta(prompt_index * n + completion.index, completion, prompt_index, output.prompt_logprobs,
-                        output.num_cached_tokens) for completion in output.outputs]
+                        output.num_cached_tokens, output.metrics) for completion in output.outputs]
 
 
 async def _merge(streams: list[AsyncGenerator[RequestOutput, None]]) -> AsyncGenerator[tuple[int, RequestOutput], None]:

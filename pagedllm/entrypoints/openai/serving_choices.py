@@ -26,6 +26,7 @@ from pagedllm.entrypoints.openai.serving_base import (
     error_for,
 )
 from pagedllm.lora.request import LoRARequest
+from pagedllm.metrics.stats import RequestTimes
 from pagedllm.outputs import CompletionOutput, Logprob, PromptLogprobs
 
 # JSON has no -inf; vLLM sends this instead.
@@ -62,6 +63,7 @@ class ResponseOptions:
             (vLLM's continuous_usage_stats: each chunk also carries its choice's usage so far).
         return_token_ids: vLLM's: each choice's token ids (streamed: each chunk's), and the prompt's.
         tokens_as_ids: vLLM's return_tokens_as_token_ids: log-probabilities name tokens "token_id:{id}".
+        metrics: vLLM's per-request `metrics` on the response (streamed: on its usage chunk).
     """
 
     num_prompt_tokens: int
@@ -69,6 +71,7 @@ class ResponseOptions:
     usage: str | None = None
     return_token_ids: bool = False
     tokens_as_ids: bool = False
+    metrics: bool = False
 
     @classmethod
     def of(cls, request: _SamplingFields, num_prompt_tokens: int, num_logprobs: int | None,
@@ -82,7 +85,8 @@ class ResponseOptions:
             usage = "final"
         as_ids = request.return_tokens_as_token_ids
         return cls(num_prompt_tokens, num_logprobs, usage, bool(request.return_token_ids),
-                   frontend.return_tokens_as_token_ids if as_ids is None else as_ids)
+                   frontend.return_tokens_as_token_ids if as_ids is None else as_ids,
+                   frontend.enable_per_request_metrics)
 
 
 class ChoiceState:
@@ -105,6 +109,7 @@ class ChoiceState:
         self.stop_reason: int | str | None = None
         self.started = False               # streamed: the choice's first delta went out
         self.text_offset = len(echo)       # where the next token's text starts
+        self.metrics: RequestTimes | None = None    # its request's timings, with the last output
 
 
 class GenerationServing(OpenAIServing, ABC):
@@ -191,7 +196,7 @@ class GenerationServing(OpenAIServing, ABC):
                                 self._token_ids(s, s.token_ids, options, with_prompt=True))
                    for i, (body, s) in enumerate(zip(bodies, states))]
         response = {**head, "choices": choices, "usage": _usage(states, options.num_prompt_tokens)}
-        return response | self._prompt_token_ids(states, options)
+        return response | self._prompt_token_ids(states, options) | _metrics(states, options)
 
     async def _stream(self, outputs: OutputStream, states: list[ChoiceState], head: dict[str, Any],
                       options: ResponseOptions) -> AsyncIterator[dict[str, Any]]:
@@ -208,7 +213,8 @@ class GenerationServing(OpenAIServing, ABC):
                         yield {**head, "choices": [part], **extra, **first}
                         first = {}
                 if options.usage is not None:
-                    yield {**head, "choices": [], "usage": _usage(states, options.num_prompt_tokens)}
+                    yield {**head, "choices": [], "usage": _usage(states, options.num_prompt_tokens),
+                           **_metrics(states, options)}
             except Exception as exc:  # noqa: BLE001 - the status line is sent: report the error in the stream
                 yield error_for(exc).to_dict()
 
@@ -315,9 +321,20 @@ async def _as_sse(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
 
 
 def _noted(state: ChoiceState, choice: ChoiceDelta) -> ChoiceState:
-    """The choice's state, told which prompt it completes and how much of that the prefix cache held."""
+    """The choice's state, told which prompt it completes, how much of that the prefix cache held, and its request's
+    timings once they come."""
     state.prompt_index, state.num_cached_tokens = choice.prompt_index, choice.num_cached_tokens
+    state.metrics = choice.metrics or state.metrics
     return state
+
+
+def _metrics(states: list[ChoiceState], options: ResponseOptions) -> dict[str, Any]:
+    """vLLM's per-request `metrics`, where asked for: a response of one choice's timings; None for several (each
+    prompt and completion has its own)."""
+    if not options.metrics:
+        return {}
+    times = states[0].metrics if len(states) == 1 else None
+    return {"metrics": None if times is None else times.response_metrics()}
 
 
 def _usage(states: list[ChoiceState], num_prompt_tokens: int) -> dict[str, Any]:
