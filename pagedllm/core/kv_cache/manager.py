@@ -139,13 +139,27 @@ class KVCacheManager:
     def num_usable_swap_blocks(self) -> int:
         return self.swap_pool.num_usable_blocks if self.swap_pool is not None else 0
 
-    def most_blocks_held(self, num_tokens: int, num_step_tokens: int) -> int:
+    def _most_blocks_held(self, num_tokens: int, num_step_tokens: int) -> int:
         """The most blocks a request of `num_tokens` tokens holds at once, computing at most `num_step_tokens` in a
         step: all of its blocks, or, with a window, at most those the window's keys and a step's tokens span."""
         num_blocks = cdiv(num_tokens, self.block_size)
         if not self.window:
             return num_blocks
         return min(num_blocks, cdiv(self.window - 1 + num_step_tokens, self.block_size) + 1)
+
+    def fits(self, num_tokens: int, num_step_tokens: int) -> bool:
+        """Whether a request of `num_tokens` tokens, computing at most `num_step_tokens` a step, fits in the pool
+        run alone (with a window, one longer than the pool may: it holds only its window's blocks)."""
+        return self._most_blocks_held(num_tokens, num_step_tokens) <= self.num_usable_blocks
+
+    def has_room_to_admit(self, computed: ComputedBlocks, num_tokens: int, num_step_tokens: int,
+                          num_reserved: int = 0) -> bool:
+        """Whether the free blocks hold, beyond `num_reserved` (a watermark), what a request of `num_tokens` tokens
+        takes after its prefix hit `computed`: the blocks it holds at once (`fits`), less the hit's blocks that other
+        requests hold, which cost no free block."""
+        num_needed = self._most_blocks_held(num_tokens, num_step_tokens) - sum(
+            1 for block in computed.blocks if block.ref_cnt > 0)
+        return num_needed + num_reserved <= self.num_free_blocks
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self._req_blocks.get(request_id, ())]

@@ -470,15 +470,13 @@ class Scheduler:
 
     def _room_to_admit(self, request: Request, computed: ComputedBlocks, num_new_tokens: int) -> bool:
         """vLLM's admission gate: the free blocks hold, beyond the watermark (while others run), the blocks the
-        request takes: for its whole sequence with scheduler_reserve_full_isl, else for this step's tokens; less the
-        hit's blocks that other requests hold (those cost no free block)."""
+        request takes (`KVCacheManager.has_room_to_admit`): for its whole sequence with scheduler_reserve_full_isl,
+        else for this step's tokens."""
         kv, config = self.kv_cache_manager, self.config
         num_tokens = request.num_tokens if config.scheduler_reserve_full_isl else \
             computed.num_computed_tokens + num_new_tokens
-        num_needed = kv.most_blocks_held(num_tokens, config.max_num_batched_tokens) - sum(
-            1 for block in computed.blocks if block.ref_cnt > 0)
         watermark = int(config.watermark * kv.num_usable_blocks) if self.running else 0
-        return num_needed + watermark <= kv.num_free_blocks
+        return kv.has_room_to_admit(computed, num_tokens, config.max_num_batched_tokens, watermark)
 
     def _start(self, request: Request, num_new_tokens: int, plan: _StepPlan) -> None:
         request.status = RequestStatus.RUNNING
@@ -509,10 +507,8 @@ class Scheduler:
             del self._num_running_in_group[request.group_id]
 
     def _fits_in_pool(self, num_tokens: int) -> bool:
-        """Whether a request of `num_tokens` tokens, run alone, fits in the pool (with a sliding window, one longer
-        than the pool may: it holds only its window's blocks)."""
-        kv = self.kv_cache_manager
-        return kv.most_blocks_held(num_tokens, self.config.max_num_batched_tokens) <= kv.num_usable_blocks
+        """Whether a request of `num_tokens` tokens, run alone, fits in the pool (`KVCacheManager.fits`)."""
+        return self.kv_cache_manager.fits(num_tokens, self.config.max_num_batched_tokens)
 
     def _finish_unschedulable(self, request: Request) -> None:
         reason = FinishReason.LENGTH if self._fits_in_pool(request.num_prompt_tokens) else FinishReason.ABORT

@@ -175,3 +175,19 @@ def test_caching_disabled() -> None:
     assert manager.get_computed_blocks(_request("b", list(range(9)))).num_computed_tokens == 0
     assert all(block.block_hash is None for block in manager.pool.blocks)
     assert manager.prefix_cache_stats.num_queries == 0
+
+
+def test_what_fits_and_what_an_admission_takes() -> None:
+    """A 60-token request needs 15 blocks of 4; over a 16-token window, computing 16 tokens a step, it holds at most 9
+    at once. An admission takes the blocks it holds, less its hit's blocks another request holds, beyond a
+    reserve."""
+    plain, windowed = KVCacheManager(11, BLOCK_SIZE), KVCacheManager(11, BLOCK_SIZE, window=16)
+    assert (plain.fits(40, 16), plain.fits(60, 16), windowed.fits(60, 16)) == (True, False, True)
+    a = _request("a", list(range(9)))
+    _start(plain, a)                                    # blocks 1, 2 (full: cached and held) and 3
+    b = _request("b", list(range(20)))                  # hits 1 and 2: 5 blocks, 3 of them new
+    hit = plain.get_computed_blocks(b)
+    assert len(hit.blocks) == 2 and plain.num_free_blocks == 7
+    assert plain.has_room_to_admit(hit, 20, 16, num_reserved=4)
+    assert not plain.has_room_to_admit(hit, 20, 16, num_reserved=5)
+    assert not plain.has_room_to_admit(plain.get_computed_blocks(_request("c", list(range(100, 130)))), 30, 16)
