@@ -128,6 +128,9 @@ class SchedulerConfig:
             from the running requests, preempting them.
         watermark: the fraction of the pool's blocks an admission leaves free while other requests run (vLLM's;
             0.0, the default: none), headroom for the running ones to grow into without preemption.
+        max_num_active_seqs: the most sequences running at once, below max_num_seqs (vLLM's; None: max_num_seqs),
+            which still sizes what is made for a step (a GPU's decode graphs): smaller decode batches, each token
+            sooner.
         swap_seconds_per_block: estimated time to copy one KV block between the device and the swap pool.
         recompute_seconds_per_token: estimated time to recompute one token's K/V (a prefill token).
             "auto" swaps a victim when 2 x blocks x swap_seconds_per_block (out and back in) is less than
@@ -148,8 +151,14 @@ class SchedulerConfig:
     whole_images: bool = False
     scheduler_reserve_full_isl: bool = True
     watermark: float = 0.0
+    max_num_active_seqs: int | None = None
     swap_seconds_per_block: float = 0.0
     recompute_seconds_per_token: float = 0.0
+
+    @property
+    def max_running_seqs(self) -> int:
+        """The most sequences running at once: max_num_active_seqs, else max_num_seqs."""
+        return self.max_num_active_seqs or self.max_num_seqs
 
     def __post_init__(self) -> None:
         _require(self.max_model_len > 0, "max_model_len", "> 0", self.max_model_len)
@@ -162,6 +171,9 @@ class SchedulerConfig:
                  self.long_prefill_token_threshold)
         _require(self.stream_interval >= 1, "stream_interval", ">= 1", self.stream_interval)
         _require(0.0 <= self.watermark < 1.0, "watermark", "in [0, 1)", self.watermark)
+        _require(self.max_num_active_seqs is None or 0 < self.max_num_active_seqs <= self.max_num_seqs,
+                 "max_num_active_seqs", f"None or in [1, max_num_seqs ({self.max_num_seqs})]",
+                 self.max_num_active_seqs)
         _require(self.preemption_mode in ("recompute", "swap", "auto"), "preemption_mode",
                  "one of 'recompute', 'swap', 'auto'", self.preemption_mode)
         _require(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy", "one of 'fcfs', 'priority'",

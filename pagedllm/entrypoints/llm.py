@@ -146,6 +146,7 @@ class LLM:
         scheduler_reserve_full_isl, watermark: admit a request only while the free blocks hold its whole prompt (on
             by default, as vLLM's), and leave that fraction of the pool free at an admission while others run
             (`SchedulerConfig`).
+        max_num_active_seqs: the most sequences running at once, below max_num_seqs (vLLM's).
         structured_outputs_config: how structured outputs compile and when they apply (vLLM's), e.g.
             `{"disable_any_whitespace": False}` for JSON with whitespace, or `{"reasoning_parser": "qwen3"}` for a
             constraint that applies once the thought is over (`StructuredOutputsConfig`).
@@ -185,7 +186,7 @@ class LLM:
                  structured_outputs_config: dict[str, Any] | StructuredOutputsConfig | None = None,
                  enable_prompt_embeds: bool = False, load_format: str = "auto", kv_cache_metrics: bool = False,
                  kv_cache_metrics_sample: float = 0.01, scheduler_reserve_full_isl: bool = True,
-                 watermark: float = 0.0) -> None:
+                 watermark: float = 0.0, max_num_active_seqs: int | None = None) -> None:
         check_runner(runner, convert)
         if kv_cache_memory_bytes is not None:
             if kv_cache_memory not in (None, kv_cache_memory_bytes):
@@ -216,7 +217,8 @@ class LLM:
                                       long_prefill_token_threshold=long_prefill_token_threshold,
                                       long_prefill_token_threshold_adaptive=long_prefill_token_threshold_adaptive,
                                       preemption_mode=preemption_mode, scheduling_policy=scheduling_policy,
-                                      scheduler_reserve_full_isl=scheduler_reserve_full_isl, watermark=watermark),
+                                      scheduler_reserve_full_isl=scheduler_reserve_full_isl, watermark=watermark,
+                                      max_num_active_seqs=max_num_active_seqs),
             speculative=SpeculativeConfig.from_dict(speculative_config),
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size,
                                     distributed_executor_backend=distributed_executor_backend,

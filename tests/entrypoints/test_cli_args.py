@@ -303,3 +303,11 @@ def test_a_yaml_config_file_gives_flags_under_the_command_lines(tmp_path, monkey
     monkeypatch.setattr("pagedllm.entrypoints.cli._run_batch", lambda args: seen.update(vars(args)))
     cli_main(["run-batch", "--config", str(config), "--max-num-seqs", "4"])
     assert (seen["input_file"], seen["output_file"], seen["max_num_seqs"]) == ("in.jsonl", "out.jsonl", 4)
+
+
+def test_the_admission_flags_make_the_scheduler_config() -> None:
+    scheduler = _config("--max-num-active-seqs", "2", "--watermark", "0.05", "--no-scheduler-reserve-full-isl"
+                        ).scheduler
+    assert (scheduler.max_num_active_seqs, scheduler.watermark, scheduler.scheduler_reserve_full_isl) == \
+        (2, 0.05, False)
+    assert _config().scheduler.scheduler_reserve_full_isl is True and _config().scheduler.max_running_seqs == 256

@@ -212,7 +212,7 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         """Queue a new request. Raises ValueError for a duplicate id, an empty prompt, a prompt longer than
-        max_model_len, or a group (n or beam width) larger than max_num_seqs."""
+        max_model_len, or a group (n or beam width) larger than max_num_seqs (or max_num_active_seqs)."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         if not 0 < request.num_prompt_tokens <= self.config.max_model_len:
@@ -220,9 +220,9 @@ class Scheduler:
                              f"max_model_len ({self.config.max_model_len})")
         if request.num_pending_children:
             request.group_size = max(request.group_size, request.sampling_params.n)
-        if request.group_size > self.config.max_num_seqs:
-            raise ValueError(f"n (or the beam width) is {request.group_size}, more than max_num_seqs "
-                             f"({self.config.max_num_seqs})")
+        if request.group_size > self.config.max_running_seqs:
+            raise ValueError(f"n (or the beam width) is {request.group_size}, more than the sequences that may run "
+                             f"at once (max_num_seqs, max_num_active_seqs: {self.config.max_running_seqs})")
         self.requests[request.request_id] = request
         bisect.insort(self.waiting, request, key=_waiting_order)
 
@@ -492,7 +492,7 @@ class Scheduler:
             _group_seats(request.group_size, count + change)
 
     def _has_seat_for(self, request: Request) -> bool:
-        return self._seats_after(request, +1) <= self.config.max_num_seqs
+        return self._seats_after(request, +1) <= self.config.max_running_seqs
 
     def _add_running(self, request: Request) -> None:
         self._num_seats = self._seats_after(request, +1)

@@ -469,6 +469,9 @@ def _add_cache_args(group: argparse._ArgumentGroup) -> None:
 def _add_scheduler_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--max-num-seqs", type=int, default=256,
                        help="most requests in one engine step (default: %(default)s)")
+    group.add_argument("--max-num-active-seqs", type=int, default=None, metavar="N",
+                       help="the most sequences running at once, below --max-num-seqs: smaller decode batches, each "
+                            "token sooner (default: --max-num-seqs)")
     group.add_argument("--max-num-batched-tokens", type=int, default=2048,
                        help="token budget of one engine step; longer prompts are prefilled in chunks "
                             "(default: %(default)s)")
@@ -653,7 +656,7 @@ def engine_config_from_args(args: argparse.Namespace):
                                   long_prefill_token_threshold_adaptive=args.long_prefill_token_threshold_adaptive,
                                   stream_interval=args.stream_interval,
                                   scheduler_reserve_full_isl=args.scheduler_reserve_full_isl,
-                                  watermark=args.watermark,
+                                  watermark=args.watermark, max_num_active_seqs=args.max_num_active_seqs,
                                   preemption_mode=args.preemption_mode, scheduling_policy=args.scheduling_policy),
         speculative=SpeculativeConfig.from_dict(_speculative_config(args)),
         structured_outputs=_structured_outputs_config(args),

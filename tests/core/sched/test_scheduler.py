@@ -386,3 +386,17 @@ def test_the_whole_prompt_gate_counts_no_block_for_a_hit_on_running_blocks() -> 
     _step(scheduler, runner, results)
     second = _step(scheduler, runner, results)
     assert _plan(second) == [("a", 4, True), ("b", 4, False)] and scheduler.requests["b"].num_cached_tokens == 12
+
+
+def test_max_num_active_seqs_caps_the_running_below_max_num_seqs() -> None:
+    config = SchedulerConfig(max_model_len=64, max_num_seqs=8, max_num_active_seqs=2)
+    scheduler = Scheduler(config, KVCacheManager(64, BLOCK_SIZE))
+    for i in range(4):
+        scheduler.add_request(_request(f"r{i}", 4, max_tokens=2, arrival_time=i))
+    runner, results = FakeRunner(BLOCK_SIZE), dict[str, Result]()
+    outputs = run_steps(scheduler, runner, results)
+    assert max(len(out.scheduled) for out in outputs) == 2 and len(results) == 4
+    with pytest.raises(ValueError, match="more than the sequences that may run at once"):
+        scheduler.add_request(_request("wide", 4, n=3))
+    with pytest.raises(ValueError, match="max_num_active_seqs"):
+        SchedulerConfig(max_num_seqs=4, max_num_active_seqs=5)
