@@ -403,8 +403,7 @@ def gguf_hf_config(g: GGUFFile) -> Any:
         kwargs["rotary_rows_in_halves"] = True
     if arch == "glm4":      # its rope over `rope.dimension_count` of each head's values (half)
         kwargs["head_dim"] = int(g.arch_value("attention.key_length") or hidden // num_heads)
-        kwargs["rope_parameters"] = dict(kwargs["rope_parameters"], partial_rotary_factor=int(
-            g.arch_value("rope.dimension_count")) / kwargs["head_dim"])
+        kwargs["rope_parameters"] = _partial_rope(g, kwargs["rope_parameters"], kwargs["head_dim"])
     if arch == "lfm2":      # its convolution layers: those with no KV heads; the MLP's width as it is
         kv_heads = _per_layer(g.arch_value("attention.head_count_kv"))
         kwargs.update(layer_types=["conv" if heads == 0 else "full_attention" for heads in kv_heads],
@@ -460,6 +459,13 @@ def _gguf_gemma(g: GGUFFile, fields: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
+def _partial_rope(g: GGUFFile, rope: dict[str, Any], head_dim: int) -> dict[str, Any]:
+    """`rope` turning the part of each head `rope.dimension_count` says (Phi-4-mini's 3/4, GLM-4's half; all of it
+    where the file says nothing)."""
+    rope_dims = int(g.arch_value("rope.dimension_count") or head_dim)
+    return dict(rope, partial_rotary_factor=rope_dims / head_dim)
+
+
 def _gguf_phi3(g: GGUFFile, fields: dict[str, Any]) -> dict[str, Any]:
     """Phi-3's config fields from a `phi3` file: its heads' width (hidden / heads: `rope.dimension_count` is the
     part of each head its rope turns, Phi-4-mini's 3/4), its window (0 there for none), and longrope's factors,
@@ -468,8 +474,7 @@ def _gguf_phi3(g: GGUFFile, fields: dict[str, Any]) -> dict[str, Any]:
     head_dim = fields["hidden_size"] // fields["num_attention_heads"]
     window = int(g.arch_value("attention.sliding_window") or 0)
     config: dict[str, Any] = dict(head_dim=head_dim, sliding_window=window or None, hidden_act="silu")
-    rope_dims = int(g.arch_value("rope.dimension_count") or head_dim)
-    rope = dict(fields["rope_parameters"], partial_rotary_factor=rope_dims / head_dim)
+    rope = _partial_rope(g, fields["rope_parameters"], head_dim)
     if "rope_factors_long.weight" in g.tensors:
         rope.update(rope_type="longrope",
                     original_max_position_embeddings=int(g.arch_value("rope.scaling.original_context_length")),

@@ -188,11 +188,10 @@ class RequestTimes:
         def ms(start: float | None, end: float | None) -> float | None:
             return None if start is None or end is None else (end - start) * 1000
 
-        inference = ms(scheduled, last)
-        return {"time_to_first_token_ms": ms(scheduled, first), "generation_time_ms": ms(first, last),
+        inference, decode = ms(scheduled, last), ms(first, last)
+        return {"time_to_first_token_ms": ms(scheduled, first), "generation_time_ms": decode,
                 "queue_time_ms": ms(self.arrival, scheduled),
-                "mean_itl_ms": ms(first, last) / (count - 1) if first is not None and last is not None and count > 1
-                else None,
+                "mean_itl_ms": decode / (count - 1) if decode is not None and count > 1 else None,
                 "tokens_per_second": count / inference * 1000 if inference else None}
 
     def on_finished(self, stats: IterationStats, finish_reason: str, now: float) -> None:

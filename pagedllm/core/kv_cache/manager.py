@@ -156,10 +156,14 @@ class KVCacheManager:
                           num_reserved: int = 0) -> bool:
         """Whether the free blocks hold, beyond `num_reserved` (a watermark), what a request of `num_tokens` tokens
         takes after its prefix hit `computed`: the blocks it holds at once (`fits`), less the hit's blocks that other
-        requests hold, which cost no free block."""
-        num_needed = self._most_blocks_held(num_tokens, num_step_tokens) - sum(
-            1 for block in computed.blocks if block.ref_cnt > 0)
+        requests hold and it keeps (not those behind its window), which cost no free block."""
+        kept = computed.blocks[self._num_behind(computed.num_computed_tokens):]
+        num_needed = self._most_blocks_held(num_tokens, num_step_tokens) - sum(1 for block in kept if block.ref_cnt > 0)
         return num_needed + num_reserved <= self.num_free_blocks
+
+    def _num_behind(self, num_computed: int) -> int:
+        """The leading blocks no query from `num_computed` on reads: those wholly behind the window (0 without)."""
+        return max(0, num_computed - self.window + 1) // self.block_size if self.window else 0
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self._req_blocks.get(request_id, ())]
@@ -227,7 +231,7 @@ class KVCacheManager:
         assert request.request_id not in self._swapped_blocks, "swap the request in first"
         num_computed = computed.num_computed_tokens if computed is not None else request.num_computed_tokens
         if self.window:
-            num_behind = max(0, num_computed - self.window + 1) // self.block_size
+            num_behind = self._num_behind(num_computed)
             self._free_behind_window(table, num_behind)
             hit = [self.pool.null_block] * min(num_behind, len(hit)) + hit[num_behind:]
         num_needed = max(0, cdiv(num_computed + num_new_tokens, self.block_size) - len(table) - len(hit))

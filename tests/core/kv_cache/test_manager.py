@@ -191,3 +191,17 @@ def test_what_fits_and_what_an_admission_takes() -> None:
     assert plain.has_room_to_admit(hit, 20, 16, num_reserved=4)
     assert not plain.has_room_to_admit(hit, 20, 16, num_reserved=5)
     assert not plain.has_room_to_admit(plain.get_computed_blocks(_request("c", list(range(100, 130)))), 30, 16)
+
+
+def test_an_admission_behind_a_window_counts_only_the_hit_blocks_it_keeps() -> None:
+    """A 44-token request hits 6 blocks of another's 24 tokens over a 16-token window: it keeps only the last 4 (the
+    first 2, which a third request holds, are behind its window), so it takes 9 - 4 = 5 free blocks, not 9 - 6."""
+    manager = KVCacheManager(12, BLOCK_SIZE, window=16)
+    tokens = list(range(44))
+    _start(manager, _request("a", tokens[:24]))         # 6 blocks
+    _start(manager, _request("c", tokens[:9]))          # hits a's first 2 (now held twice), 1 more block
+    hit = manager.get_computed_blocks(_request("b", tokens))
+    assert len(hit.blocks) == 6 and manager.num_free_blocks == 4
+    assert all(block.ref_cnt > 0 for block in hit.blocks)
+    assert not manager.has_room_to_admit(hit, 44, 16)
+    assert manager.has_room_to_admit(hit, 40, 16) is False and manager.fits(44, 16)
