@@ -274,3 +274,32 @@ def test_an_adapter_on_granite_scales_its_branch_updates_as_the_model(tmp_path):
     tokens = _tokens(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False,
                                   lora_request=LoRARequest("g", 1, str(tmp_path / "adapter"))))
     assert tokens == expected
+
+
+def test_an_adapter_on_phis_attention_gives_pefts_tokens_and_one_on_its_ungated_mlp_is_refused(tmp_path):
+    """Phi's layers run as modules (LayerNorms, parallel branches): an adapter on its q/k/v_proj gives PEFT's tokens;
+    one on its ungated MLP's fc1 names a module the engine's LoRA layers do not take, and is refused saying so."""
+    from peft import LoraConfig, get_peft_model
+
+    from tests.models.tiny import save_tiny_model
+
+    folder, hf_model = save_tiny_model(tmp_path / "phi", "phi", seed=6)
+    llm = _llm((str(folder), hf_model))
+    for name, modules in (("qkv", ["q_proj", "k_proj", "v_proj"]), ("fc1", ["fc1"])):
+        torch.manual_seed(7)
+        model = get_peft_model(copy.deepcopy(hf_model), LoraConfig(init_lora_weights=False, lora_dropout=0.0, r=4,
+                                                                   target_modules=modules))
+        with torch.no_grad():
+            for param_name, param in model.named_parameters():
+                if "lora_B" in param_name:
+                    param.normal_(0, 2.0)
+        model.save_pretrained(tmp_path / name)
+        request = LoRARequest(name, 1 if name == "qkv" else 2, str(tmp_path / name))
+        if name == "fc1":
+            with pytest.raises(ValueError, match="targets nothing this model's LoRA layers take"):
+                llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY, use_tqdm=False, lora_request=request)
+            continue
+        expected = _hf_greedy(model.eval())
+        assert expected != _hf_greedy(hf_model)
+        assert _tokens(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False,
+                                    lora_request=request)) == expected

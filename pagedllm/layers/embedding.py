@@ -42,13 +42,18 @@ class VocabEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabEmbedding):
-    """hidden [N, H] -> logits [N, V] float32. Shares the embedding's weight when embeddings are tied."""
+    """hidden [N, H] -> logits [N, V] float32. Shares the embedding's weight when embeddings are tied; `bias`: a
+    logit bias of each token (Phi's), split across the ranks as the rows are."""
 
     packable_weight = True  # see pagedllm.layers.linear.pack_linear_weights
 
     def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype = torch.float32,
-                 tp_rank: int = 0, tp_size: int = 1) -> None:
+                 tp_rank: int = 0, tp_size: int = 1, bias: bool = False) -> None:
         super().__init__(num_embeddings, embedding_dim, dtype, tp_rank, tp_size)
+        self.bias = nn.Parameter(torch.empty(self.num_per_partition, dtype=dtype), requires_grad=False) \
+            if bias else None
+        if self.bias is not None:
+            self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
     def tie(self, embedding: VocabEmbedding) -> None:
         self.weight = embedding.weight
@@ -56,7 +61,7 @@ class ParallelLMHead(VocabEmbedding):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         """Rank 0 (the only one that samples) gets the whole vocabulary's logits, gathered from every rank's
         slice; another rank gets its own slice [N, V / tp]."""
-        logits = linear(hidden, self.weight).float()  # [N, V / tp]
+        logits = linear(hidden, self.weight, self.bias).float()  # [N, V / tp]
         if self.tp_size > 1:
             parts = communicator().gather_to_first(logits)     # [tp, N, V / tp] on rank 0
             if parts is None:

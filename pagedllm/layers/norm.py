@@ -1,7 +1,9 @@
 """RMSNorm, with the residual add fused in as vLLM does; LayerNorm with biases, the add fused in, for BERT's
-post-norm layers."""
+post-norm layers; PreLayerNorm, a LayerNorm called as RMSNorm is, for the pre-norm decoders that norm with one."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -62,14 +64,51 @@ class LayerNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(hidden_size, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        kernels = kernels_for(x)
-        if kernels is None or x.dim() != 2:
-            return self.forward_native(x, residual)
-        out = torch.empty_like(x)
-        kernels.add_layer_norm(out, x, None if residual is None else residual.expand_as(x), self.weight, self.bias,
-                               self.eps)
-        return out
+        return _layer_norm(self, x, residual)
 
     def forward_native(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        return F.layer_norm(x if residual is None else x + residual, self.weight.shape, self.weight, self.bias,
-                            self.eps)
+        return _layer_norm_native(self, x, residual)
+
+
+class PreLayerNorm(nn.Module):
+    """LayerNorm with RMSNorm's calling convention, for the decoders that norm each branch's input with a LayerNorm
+    (StableLM, Phi, GPT-NeoX): with `residual`, returns (norm(x + residual), x + residual), the sum in the model dtype
+    as transformers adds it; normalised as `LayerNorm` does."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(hidden_size, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, H]. With `residual`, returns (norm(x + residual), x + residual)."""
+        return self._add_and_norm(_layer_norm, x, residual)
+
+    def forward_native(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                       ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return self._add_and_norm(_layer_norm_native, x, residual)
+
+    def _add_and_norm(self, norm: Callable[[PreLayerNorm, torch.Tensor, None], torch.Tensor], x: torch.Tensor,
+                      residual: torch.Tensor | None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return norm(self, x, None)
+        x = x + residual
+        return norm(self, x, None), x
+
+
+def _layer_norm(norm: LayerNorm | PreLayerNorm, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    """LayerNorm(x + residual) with `norm`'s weight, bias and eps: the kernel's one pass per row where it runs."""
+    kernels = kernels_for(x)
+    if kernels is None or x.dim() != 2:
+        return _layer_norm_native(norm, x, residual)
+    out = torch.empty_like(x)
+    kernels.add_layer_norm(out, x, None if residual is None else residual.expand_as(x), norm.weight, norm.bias,
+                           norm.eps)
+    return out
+
+
+def _layer_norm_native(norm: LayerNorm | PreLayerNorm, x: torch.Tensor, residual: torch.Tensor | None
+                       ) -> torch.Tensor:
+    return F.layer_norm(x if residual is None else x + residual, norm.weight.shape, norm.weight, norm.bias, norm.eps)

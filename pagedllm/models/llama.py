@@ -25,6 +25,11 @@ Granite (IBM's Granite 3) scales four things by its config's multipliers: the em
 the attention scores (`attention_multiplier`, in place of head_dim ** -0.5), each branch's output before it joins
 the residual stream (`residual_multiplier`: `load_weights` folds it into o_proj's and down_proj's weights, so that
 the layers and the C++ stack run as Llama's) and the logits (divided by `logits_scaling`).
+StableLM, Phi and GPT-NeoX norm with LayerNorm (`PreLayerNorm`: weights and biases) and turn a part of each head.
+Phi's and GPT-NeoX's attention and MLP read the same stream and their outputs join it together (`_parallel_branches`;
+StableLM 2 12B's too): Phi's MLP reads the input norm's output, GPT-NeoX's a norm of its own. Their MLP is ungated
+(`PlainMLP`, biased), Phi's LM head has biases, GPT-NeoX stores q/k/v fused head by head (`unfused` splits them) under
+names of its own (`_GPT_NEOX_NAMES`). Their modules run, not the C++ stack (`use_decoder_stack`).
 
 The model is format-agnostic: `load_weights` takes Hugging Face parameter names from any loader and maps the
 separate q/k/v and gate/up checkpoint tensors onto the fused parameters (`STACKED_PARAMS_MAPPING`).
@@ -37,6 +42,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.attention.cpu import bidirectional_attention, paged_attention, write_kv
@@ -47,6 +53,7 @@ from pagedllm.kernels import kernels_for
 from pagedllm.layers.activation import GeluAndMul, SiluAndMul
 from pagedllm.layers.embedding import ParallelLMHead, VocabEmbedding
 from pagedllm.layers.linear import (
+    ColumnParallelLinear,
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
@@ -55,7 +62,7 @@ from pagedllm.layers.linear import (
     linear_silu_and_mul,
 )
 from pagedllm.layers.moe import route, run_experts
-from pagedllm.layers.norm import RMSNorm
+from pagedllm.layers.norm import PreLayerNorm, RMSNorm
 from pagedllm.layers.rotary import (
     RotaryEmbedding,
     get_rope,
@@ -83,13 +90,16 @@ STACKED_PARAMS_MAPPING: list[tuple[str, str, str | int]] = [
 PACKED_MODULES_MAPPING: dict[str, list[str]] = {
     fused[1:]: [part[1:] for other, part, _ in STACKED_PARAMS_MAPPING if other == fused]
     for fused, _, _ in STACKED_PARAMS_MAPPING}
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+# (and older GPT-NeoX checkpoints' causal masks)
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached", ".attention.bias",
+                     ".attention.masked_bias")
 # Mixtral's checkpoint names of its sparse MLP -> the names of Qwen-MoE's, which the model's modules take
 _MIXTRAL_NAMES = ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."), (".w3.", ".up_proj."),
                   (".w2.", ".down_proj."))
-# LFM2's checkpoint names -> the modules' (its convolution is the layer's `self_attn`, a ShortConv, whose out_proj
-# is its o_proj as an attention's is)
-# GLM-4's norms under Gemma's names (in this order: its post_attention_layernorm is Gemma's pre_feedforward_layernorm)
+# A model type's checkpoint names -> the modules', replaced in this order:
+# GLM-4's norms under Gemma's names (in this order: its post_attention_layernorm is Gemma's pre_feedforward_layernorm);
+# LFM2's (its convolution is the layer's `self_attn`, a ShortConv, whose out_proj is its o_proj as an attention's is);
+# Phi's; GPT-NeoX's (its MLP under Phi's names; embed_out: older checkpoints' LM head)
 _GLM4_NAMES = ((".post_attention_layernorm.", ".pre_feedforward_layernorm."),
                (".post_self_attn_layernorm.", ".post_attention_layernorm."),
                (".post_mlp_layernorm.", ".post_feedforward_layernorm."))
@@ -99,6 +109,12 @@ _LFM2_NAMES = ((".operator_norm.", ".input_layernorm."), (".ffn_norm.", ".post_a
                (".q_layernorm.", ".q_norm."), (".k_layernorm.", ".k_norm."), (".conv.in_proj.", ".self_attn.in_proj."),
                (".conv.out_proj.", ".self_attn.o_proj."), (".conv.conv.", ".self_attn.conv."),
                ("model.embedding_norm.", "model.norm."))
+_PHI_NAMES = ((".self_attn.dense.", ".self_attn.o_proj."), ("model.final_layernorm.", "model.norm."))
+_GPT_NEOX_NAMES = (("gpt_neox.embed_in.", "model.embed_tokens."), ("gpt_neox.final_layer_norm.", "model.norm."),
+                   ("gpt_neox.layers.", "model.layers."), (".attention.dense.", ".self_attn.o_proj."),
+                   (".attention.", ".self_attn."), (".mlp.dense_h_to_4h.", ".mlp.fc1."),
+                   (".mlp.dense_4h_to_h.", ".mlp.fc2."), ("embed_out.", "lm_head."))
+_CHECKPOINT_NAMES = {"glm4": _GLM4_NAMES, "lfm2": _LFM2_NAMES, "phi": _PHI_NAMES, "gpt_neox": _GPT_NEOX_NAMES}
 
 
 TPRank = tuple[int, int]   # (tp_rank, tp_size)
@@ -114,9 +130,12 @@ def _head_dim(config: Any) -> int:
 
 def _has_bias(config: Any, part: str) -> bool:
     """Whether a layer's "qkv", "o" or "mlp" projections have biases: attention_bias (q/k/v and o; Qwen2's q/k/v
-    always; GLM's q/k/v only), Seed-OSS's attention_out_bias for o, mlp_bias, and ERNIE 4.5's use_bias for all."""
-    if getattr(config, "use_bias", False):
+    always; GLM's q/k/v only), Seed-OSS's attention_out_bias for o, mlp_bias, ERNIE 4.5's use_bias and Phi's for all,
+    StableLM's use_qkv_bias for q/k/v. (Phi's and GPT-NeoX's ungated MLP, `PlainMLP`, always has biases.)"""
+    if getattr(config, "use_bias", False) or config.model_type == "phi":
         return True
+    if config.model_type == "stablelm":
+        return part == "qkv" and bool(config.use_qkv_bias)
     if part == "mlp":
         return bool(getattr(config, "mlp_bias", False))
     if part == "o":
@@ -138,8 +157,36 @@ def _has_qk_norm(config: Any) -> bool:
 
 
 def _eps(config: Any) -> float:
-    """The RMSNorms' epsilon (LFM2's config calls it norm_eps)."""
+    """The norms' epsilon (LFM2's config calls it norm_eps; a LayerNorm model's, layer_norm_eps)."""
+    if _norms_with_layer_norm(config):
+        return config.layer_norm_eps
     return config.norm_eps if config.model_type == "lfm2" else config.rms_norm_eps
+
+
+def _norms_with_layer_norm(config: Any) -> bool:
+    """Whether the model norms with LayerNorm (mean and variance, weight and bias: StableLM's, Phi's, GPT-NeoX's)
+    rather than RMSNorm."""
+    return config.model_type in ("stablelm", "phi", "gpt_neox")
+
+
+def _norm(config: Any, dtype: torch.dtype) -> RMSNorm | PreLayerNorm:
+    """A norm over the hidden size, of the model's kind (`_norms_with_layer_norm`)."""
+    if _norms_with_layer_norm(config):
+        return PreLayerNorm(config.hidden_size, _eps(config), dtype)
+    return RMSNorm(config.hidden_size, _eps(config), dtype)
+
+
+def _parallel_branches(config: Any) -> bool:
+    """Whether a layer's attention and MLP both read the stream the layer takes, their outputs added to it together
+    (Phi's, GPT-NeoX's `use_parallel_residual`, StableLM 2 12B's), rather than the MLP reading the stream after the
+    attention's output joined it."""
+    return config.model_type == "phi" or (config.model_type in ("stablelm", "gpt_neox")
+                                          and bool(config.use_parallel_residual))
+
+
+def _gated_mlp(config: Any) -> bool:
+    """Whether the MLP is gated (down(act(gate(x)) * up(x))); Phi's and GPT-NeoX's are not (fc2(act(fc1(x))))."""
+    return config.model_type not in ("phi", "gpt_neox")
 
 
 def _intermediate_size(config: Any) -> int:
@@ -280,6 +327,10 @@ def unfused(config: Any, name: str, tensor: torch.Tensor) -> list[tuple[str, tor
     """A checkpoint's fused q/k/v or gate/up tensor as its parts' rows, each under the name a separate checkpoint
     gives it, so that each loads (a tensor-parallel rank taking its slice of each) or packs as one; any other tensor
     as it is."""
+    if ".query_key_value." in name:     # GPT-NeoX's: each head's q, k and v rows in turn
+        parts = tensor.unflatten(0, (config.num_attention_heads, 3, -1)).unbind(1)
+        return [(name.replace(".query_key_value.", part_name), part.flatten(0, 1))
+                for part_name, part in zip((".q_proj.", ".k_proj.", ".v_proj."), parts, strict=True)]
     names = fused_parts(name)
     if len(names) == 1:
         return [(name, tensor)]
@@ -330,6 +381,9 @@ class LlamaAttention(nn.Module):
         # an encoder's modules attend through `bidirectional_attention`, to the step's own K/V (its decoder stack:
         # through the kernels' bidirectional mode)
         self.encoder = attends_both_ways(config)
+        if getattr(config, "qk_layernorm", False):
+            raise ValueError(f"{config.model_type}'s LayerNorms of each query and key head (qk_layernorm) are not "
+                             "supported")
         if self.encoder and self.softcap:
             raise ValueError("an encoder with soft-capped attention scores is not supported")
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads,
@@ -461,6 +515,28 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act_fn(gate_up(x)))  # [T, H] -> [T, 2I] -> [T, I] -> [T, H]
 
 
+class PlainMLP(nn.Module):
+    """The ungated MLP of Phi and GPT-NeoX, fc2(act(fc1(x))), both with biases: GELU, exact (GPT-NeoX's "gelu") or
+    its tanh approximation (Phi's "gelu_new"). Its modules keep Phi's names (GPT-NeoX's dense_h_to_4h and
+    dense_4h_to_h load into them); a LoRA adapter reaches the attention only (fc1 and fc2 are not its modules)."""
+
+    _APPROXIMATION = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh"}
+
+    def __init__(self, config: Any, dtype: torch.dtype, tp: TPRank) -> None:
+        super().__init__()
+        if config.hidden_act not in self._APPROXIMATION:
+            raise ValueError(f"hidden activation {config.hidden_act!r} is not supported here (only "
+                             f"{', '.join(map(repr, self._APPROXIMATION))})")
+        self.approximate = self._APPROXIMATION[config.hidden_act]
+        self.fc1 = ColumnParallelLinear(config.hidden_size, config.intermediate_size, bias=True, dtype=dtype,
+                                        tp_rank=tp[0], tp_size=tp[1])
+        self.fc2 = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=True, dtype=dtype,
+                                     tp_rank=tp[0], tp_size=tp[1])
+
+    def forward(self, x: torch.Tensor, lora: LayerLoRA | None = None) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x), approximate=self.approximate))
+
+
 class LlamaSparseMoeBlock(nn.Module):
     """A mixture of experts in place of the MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): the router (`gate`, kept in the
     model's dtype and never quantized: a few thousand weights that decide everything after them) picks each token's
@@ -525,20 +601,23 @@ class LlamaDecoderLayer(nn.Module):
         # the token mixer: an attention, or LFM2's short convolution
         self.self_attn: LlamaAttention | ShortConv = ShortConv(config, dtype, tp) if is_conv_layer(config, index) \
             else LlamaAttention(config, dtype, attn_backend, rotary_emb, tp, index)
-        self.mlp: LlamaMLP | LlamaSparseMoeBlock = (
-            LlamaSparseMoeBlock(config, dtype, tp) if _is_sparse_layer(config, index) else LlamaMLP(config, dtype, tp))
+        self.mlp: LlamaMLP | LlamaSparseMoeBlock | PlainMLP = (
+            LlamaSparseMoeBlock(config, dtype, tp) if _is_sparse_layer(config, index) else
+            LlamaMLP(config, dtype, tp) if _gated_mlp(config) else PlainMLP(config, dtype, tp))
         # OLMo's and EXAONE 4's layers norm their branches' outputs only (post_attention_layernorm and
         # post_feedforward_layernorm)
-        self.input_layernorm = None if _norms_outputs(config) else \
-            RMSNorm(config.hidden_size, _eps(config), dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, _eps(config), dtype)
+        self.input_layernorm = None if _norms_outputs(config) else _norm(config, dtype)
+        # parallel branches (`_parallel_branches`): the MLP reads the stream normed by input_layernorm as the
+        # attention does (Phi's, StableLM's), or by post_attention_layernorm (GPT-NeoX's)
+        self.parallel = _parallel_branches(config)
+        self.post_attention_layernorm = None if self.parallel and config.model_type != "gpt_neox" else \
+            _norm(config, dtype)
         # Gemma's and GLM-4's: the attention's output normed by post_attention_layernorm before it joins the
         # residual stream, the stream normed by pre_feedforward_layernorm for the MLP, the MLP's output by
         # post_feedforward_layernorm
         sandwich = _norms_both_sides(config)
-        self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, _eps(config), dtype) if sandwich else None
-        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, _eps(config), dtype) \
-            if sandwich or _norms_outputs(config) else None
+        self.pre_feedforward_layernorm = _norm(config, dtype) if sandwich else None
+        self.post_feedforward_layernorm = _norm(config, dtype) if sandwich or _norms_outputs(config) else None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 kv_cache: KVCache, meta: AttentionMetadata, lora: LayerLoRA | None = None
@@ -554,6 +633,9 @@ class LlamaDecoderLayer(nn.Module):
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
+        if self.parallel:   # both branches read the stream the layer took; their outputs join it together
+            mlp_in = x if self.post_attention_layernorm is None else self.post_attention_layernorm(residual)
+            return self.self_attn(positions, x, kv_cache, meta, lora) + self.mlp(mlp_in, lora), residual
         x = self.self_attn(positions, x, kv_cache, meta, lora)
         if self.pre_feedforward_layernorm is None or self.post_feedforward_layernorm is None:
             x, residual = self.post_attention_layernorm(x, residual)
@@ -593,7 +675,7 @@ class LlamaModel(nn.Module):
         assert self.longrope is None or len(rotary) == 1, "longrope beside other ropes"
         # M-RoPE's (the Qwen-VLs'), whose image tokens' table rows are written for their step (`spatial_rows`)
         self.mrope = next((r for r in rotary.values() if r.mrope_axes), None)
-        self.norm = RMSNorm(config.hidden_size, _eps(config), dtype)
+        self.norm = _norm(config, dtype)
         self.cache_layers = cache_layers(config)    # each layer's layers of the KV pool
         # kernel module -> its DecoderStack of these layers; None: the modules run (see use_decoder_stack)
         self.stacks: dict[ModuleType, Any] | None = None
@@ -643,14 +725,14 @@ class LlamaModel(nn.Module):
         return self.stacks[kernels]
 
     def _build_stack(self, kernels: ModuleType) -> Any:
-        def weight(norm: RMSNorm | None) -> torch.Tensor | None:
+        def weight(norm: RMSNorm | PreLayerNorm | None) -> torch.Tensor | None:
             return None if norm is None else norm.weight
 
         def layer_weights(layer: LlamaDecoderLayer, pool_layers: slice) -> Any:
             mixer, mlp = layer.self_attn, layer.mlp
             dense = isinstance(mlp, LlamaMLP)
             shared = dict(input_norm=weight(layer.input_layernorm),
-                          post_attention_norm=layer.post_attention_layernorm.weight,
+                          post_attention_norm=weight(layer.post_attention_layernorm),
                           o=mixer.o_proj.kernel_weights(kernels),
                           gate_up=mlp.gate_up_proj.kernel_weights(kernels) if dense else None,
                           down=mlp.down_proj.kernel_weights(kernels) if dense else None,
@@ -764,7 +846,8 @@ class LlamaForCausalLM(nn.Module):
         # a vision-language model's image encoder (pagedllm.models.vision), set by the loader after the weights
         self.image_encoder: ImageEncoder | None = None
         self.tie_word_embeddings = self.bare or self.score is not None or self.head_is_embedding
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype, tp_rank, tp_size)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype, tp_rank, tp_size,
+                                      bias=config.model_type == "phi")    # (Phi's LM head has biases)
         if self.tie_word_embeddings:
             self.lm_head.tie(self.model.embed_tokens)
 
@@ -777,12 +860,14 @@ class LlamaForCausalLM(nn.Module):
         wherever the CPU kernels run, instead of ~15 module calls a layer: the same kernels in the same order, so the
         same bits, without ~3-5 ms of Python a step (SmolLM2, one stream); an encoder's layers attend through the
         kernels' bidirectional mode there, to the K/V they write to the cache (the modules: SDPA's, to the step's
-        own). Only on one rank and with the CPU attention backend: otherwise the modules run. The loader calls it once
+        own). Only on one rank, with the CPU attention backend and RMSNorms (the stack's norms: a LayerNorm model's
+        modules run, StableLM's, Phi's, GPT-NeoX's), otherwise the modules run. The loader calls it once
         the weights are final, packed: a stack holds the weight tensors it was built with. `enforce_eager=True` keeps
         the modules."""
         attn = next(layer.self_attn for layer in self.model.layers if isinstance(layer.self_attn, LlamaAttention))
         convolutions = [layer.self_attn for layer in self.model.layers if isinstance(layer.self_attn, ShortConv)]
         if attn.qkv_proj.tp_size == 1 and attn.attn_backend is paged_attention and \
+                not _norms_with_layer_norm(self.config) and \
                 not any(conv.conv.bias is not None for conv in convolutions):   # (the stack's take no bias)
             self.model.stacks = {}
 
@@ -839,14 +924,10 @@ class LlamaForCausalLM(nn.Module):
             if ".block_sparse_moe." in name:
                 for mixtral, qwen in _MIXTRAL_NAMES:
                     name = name.replace(mixtral, qwen)
-            if self.config.model_type == "lfm2":
-                for lfm2, ours in _LFM2_NAMES:
-                    name = name.replace(lfm2, ours)
-                if name.endswith(".conv.weight") and tensor.dim() == 2:   # llama.cpp's files squeeze it
-                    tensor = tensor.unsqueeze(1)
-            if self.config.model_type == "glm4":
-                for glm4, ours in _GLM4_NAMES:
-                    name = name.replace(glm4, ours)
+            for theirs, ours in _CHECKPOINT_NAMES.get(self.config.model_type, ()):
+                name = name.replace(theirs, ours)
+            if self.config.model_type == "lfm2" and name.endswith(".conv.weight") and tensor.dim() == 2:
+                tensor = tensor.unsqueeze(1)    # llama.cpp's files squeeze it
             if self.bare and not name.startswith("model."):
                 name = "model." + name
             if self.classifier_token_ids is not None and name == (

@@ -37,6 +37,9 @@ _MODELS: dict[str, type[nn.Module]] = {
     "HeliumForCausalLM": LlamaForCausalLM,
     "GlmForCausalLM": LlamaForCausalLM,
     "Glm4ForCausalLM": LlamaForCausalLM,
+    "StableLmForCausalLM": LlamaForCausalLM,
+    "PhiForCausalLM": LlamaForCausalLM,
+    "GPTNeoXForCausalLM": LlamaForCausalLM,
     "Lfm2ForCausalLM": LlamaForCausalLM,      # short convolutions among its attention layers (ShortConv)
     # The bare decoders (no LM head), as embedding models are saved (gte-Qwen2, e5-mistral): see BARE_ARCHITECTURES.
     "LlamaModel": LlamaForCausalLM,

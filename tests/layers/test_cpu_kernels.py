@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pagedllm.layers.activation import GeluAndMul, SiluAndMul
-from pagedllm.layers.norm import LayerNorm, RMSNorm
+from pagedllm.layers.norm import LayerNorm, PreLayerNorm, RMSNorm
 from pagedllm.layers.rotary import get_rope
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -70,6 +70,13 @@ def test_layer_norm_kernel_matches_torch(dtype: torch.dtype, shape: tuple[int, i
     for extra in (None, residual, residual[0]):
         torch.testing.assert_close(norm(x, extra), norm.forward_native(x, extra), **_tol(dtype))
     assert torch.equal(x, x_before)
+    # as a pre-norm decoder's (PreLayerNorm): the norm of the sum, and the sum in the model dtype
+    pre = PreLayerNorm(shape[1], eps=1e-5, dtype=dtype)
+    pre.load_state_dict(norm.state_dict())
+    torch.testing.assert_close(pre(x), pre.forward_native(x), **_tol(dtype))
+    (out, total), (out_ref, total_ref) = pre(x, residual), pre.forward_native(x, residual)
+    torch.testing.assert_close(out, out_ref, **_tol(dtype))
+    assert torch.equal(total, x + residual) and torch.equal(total_ref, x + residual)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -81,7 +81,7 @@ def test_sharded_checkpoint(tmp_path) -> None:
     torch.testing.assert_close(logits[0], _hf_last_logits(hf_model, PROMPTS[0]), atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("kind", ["llama-gqa", "gemma3"])
+@pytest.mark.parametrize("kind", ["llama-gqa", "gemma3", "phi", "gpt-neox"])
 def test_bfloat16_close_to_float32(tmp_path, kind: str) -> None:
     folder, hf_model = save_tiny_model(tmp_path / "bf16", kind, with_tokenizer=False)
     model = load_model(ModelConfig(model=str(folder), dtype="bfloat16")).model
@@ -115,3 +115,20 @@ def test_branch_output_norms_through_the_engine_as_transformers(tmp_path, kind: 
                            SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert len(llm.engine.runner.model.model.stacks) == 1
     assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(hf_model, PROMPTS, 8)
+
+
+@pytest.mark.parametrize("kind", ["stablelm", "phi", "gpt-neox"])
+def test_layer_norm_models_through_the_engine_as_transformers(tmp_path, kind: str) -> None:
+    """StableLM's, Phi's and GPT-NeoX's LayerNorm layers in the engine (their modules: the C++ stack norms with
+    RMSNorm only) generate transformers' tokens, with prompts prefilled in chunks and a prefix cached."""
+    from pagedllm import LLM, SamplingParams
+    from tests.models.tiny import hf_greedy
+
+    folder, hf_model = save_tiny_model(tmp_path / kind, kind, initializer_range=0.5)
+    llm = LLM(str(folder), dtype="float32", block_size=4, num_kv_blocks=64, max_num_batched_tokens=8)
+    prompts = PROMPTS + [PROMPTS[2] + [7, 8]]       # the last one hits the third one's blocks
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert llm.engine.runner.model.model.stacks is None
+    assert outputs[-1].num_cached_tokens > 0
+    assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(hf_model, prompts, 8)

@@ -70,6 +70,15 @@ TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     # not; GLM-4's with norms on each branch's output too (made random: GLM-4's start at 1)
     "glm": ("glm", dict(num_key_value_heads=2, head_dim=32, pad_token_id=0)),
     "glm4": ("glm4", dict(num_key_value_heads=2, head_dim=32, pad_token_id=0)),
+    # LayerNorm models: StableLM's (Llama's layers, q/k/v biased, a quarter of each head turned), with its
+    # use_parallel_residual (StableLM 2 12B's) too; Phi's (both branches reading one norm's output, an ungated GELU
+    # MLP, biases everywhere, the LM head's too); GPT-NeoX's (Pythia's: q/k/v fused head by head, parallel branches
+    # with a norm each, exact GELU), and with sequential ones
+    "stablelm": ("stablelm", dict(num_key_value_heads=2, use_qkv_bias=True, tie_word_embeddings=False)),
+    "stablelm-parallel": ("stablelm", dict(num_key_value_heads=2, use_parallel_residual=True)),
+    "phi": ("phi", dict(num_key_value_heads=2, tie_word_embeddings=False)),
+    "gpt-neox": ("gpt_neox", dict(tie_word_embeddings=False)),
+    "gpt-neox-sequential": ("gpt_neox", dict(use_parallel_residual=False)),
     # as LFM2's: a short convolution (its input of 64 values a token in two of the pool's layers of 2 x 1 x 16) and
     # an attention with Qwen3's head norms; the MLP's width adjusted as LFM2's (2/3 of 192, to a multiple of 32)
     "lfm2": ("lfm2", dict(num_key_value_heads=1, layer_types=["conv", "full_attention"], intermediate_size=192,
@@ -101,18 +110,20 @@ def build_tiny_hf_model(kind: str = "llama-gqa", seed: int = 0, **overrides: Any
     torch.manual_seed(seed)
     config = tiny_config(kind, **overrides)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
-    if config.model_type in ("gemma2", "gemma3_text", "glm4"):
-        randomize_norms(model, mean=1.0 if config.model_type == "glm4" else 0.0)
+    if config.model_type in ("gemma2", "gemma3_text", "glm4", "stablelm", "phi", "gpt_neox"):
+        randomize_norms(model, mean=0.0 if config.model_type.startswith("gemma") else 1.0)
     return model.eval()
 
 
 def randomize_norms(model: Any, mean: float = 0.0) -> None:
-    """Gemma's norms start at w = 0 (a scale of 1 + w), GLM-4's at 1 (`mean`): made random, so that a wrong or
-    misplaced norm shows."""
+    """Gemma's norms start at w = 0 (a scale of 1 + w), the others' at 1 (`mean`), LayerNorms' and linear layers'
+    biases at 0: made random, so that a wrong or misplaced norm or bias shows."""
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.normal_(mean, 0.2)
+            elif name.endswith(".bias"):
+                param.normal_(0.0, 0.2)
 
 
 def build_byte_tokenizer() -> Any:
