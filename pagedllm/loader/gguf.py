@@ -74,7 +74,9 @@ _ARCH_BLOCK_NAMES = {"gemma2": _GEMMA_BLOCK_NAMES, "gemma3": _GEMMA_BLOCK_NAMES,
                               "post_attention_norm": "post_self_attn_layernorm", "post_ffw_norm": "post_mlp_layernorm"},
                      # LFM2's short convolutions, as the model's modules name them (its `self_attn`, a ShortConv)
                      "lfm2": {**_BLOCK_NAMES, "shortconv.in_proj": "self_attn.in_proj",
-                              "shortconv.out_proj": "self_attn.o_proj", "shortconv.conv": "self_attn.conv"}}
+                              "shortconv.out_proj": "self_attn.o_proj", "shortconv.conv": "self_attn.conv"},
+                     # StarCoder2's ungated MLP, under the names the model gives it (`PlainMLP`)
+                     "starcoder2": {**_BLOCK_NAMES, "ffn_up": "mlp.fc1", "ffn_down": "mlp.fc2"}}
 # Architectures whose RMSNorm scales by 1 + w, which llama.cpp's converter stores as the 1 + w it multiplies by
 _NORM_SHIFTED_ARCHS = {"gemma2", "gemma3", "gemma-embedding"}
 # GGUF architecture -> transformers' model_type, where they differ (a mixture of experts: _MOE_MODEL_TYPES)
@@ -401,9 +403,11 @@ def gguf_hf_config(g: GGUFFile) -> Any:
         kwargs.update(_gguf_phi3(g, kwargs))
     if arch in ("ernie4_5", "glm4"):    # its q/k rows come out of the file in halves already (_PERMUTED_ARCHS)
         kwargs["rotary_rows_in_halves"] = True
-    if arch == "glm4":      # its rope over `rope.dimension_count` of each head's values (half)
+    if arch in ("glm4", "stablelm"):    # a rope over `rope.dimension_count` of each head's values (GLM-4's half)
         kwargs["head_dim"] = int(g.arch_value("attention.key_length") or hidden // num_heads)
         kwargs["rope_parameters"] = _partial_rope(g, kwargs["rope_parameters"], kwargs["head_dim"])
+    if arch in ("stablelm", "starcoder2"):
+        kwargs.update(_gguf_layer_norm_model(g, arch))
     if arch == "lfm2":      # its convolution layers: those with no KV heads; the MLP's width as it is
         kv_heads = _per_layer(g.arch_value("attention.head_count_kv"))
         kwargs.update(layer_types=["conv" if heads == 0 else "full_attention" for heads in kv_heads],
@@ -464,6 +468,21 @@ def _partial_rope(g: GGUFFile, rope: dict[str, Any], head_dim: int) -> dict[str,
     where the file says nothing)."""
     rope_dims = int(g.arch_value("rope.dimension_count") or head_dim)
     return dict(rope, partial_rotary_factor=rope_dims / head_dim)
+
+
+def _gguf_layer_norm_model(g: GGUFFile, arch: str) -> dict[str, Any]:
+    """StableLM's and StarCoder2's config fields, read as transformers reads them from their files: their LayerNorms'
+    epsilon; StableLM's q/k/v biases and per-head q/k LayerNorms where the file holds them, its branches parallel
+    where its layers have no norm before the MLP; StarCoder2's biases where the file holds them, and its window."""
+    q_bias = "blk.0.attn_q.bias" in g.tensors
+    eps = float(g.arch_value("attention.layer_norm_epsilon", 1e-5))
+    if arch == "stablelm":
+        return dict(layer_norm_eps=eps, use_qkv_bias=q_bias, hidden_act="silu",
+                    use_parallel_residual="blk.0.ffn_norm.weight" not in g.tensors,
+                    qk_layernorm="blk.0.attn_q_norm.weight" in g.tensors)
+    window = g.arch_value("attention.sliding_window")
+    return dict(norm_epsilon=eps, use_bias=q_bias, hidden_act="gelu_pytorch_tanh",
+                sliding_window=int(window) if window else None)
 
 
 def _gguf_phi3(g: GGUFFile, fields: dict[str, Any]) -> dict[str, Any]:

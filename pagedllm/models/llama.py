@@ -25,10 +25,12 @@ Granite (IBM's Granite 3) scales four things by its config's multipliers: the em
 the attention scores (`attention_multiplier`, in place of head_dim ** -0.5), each branch's output before it joins
 the residual stream (`residual_multiplier`: `load_weights` folds it into o_proj's and down_proj's weights, so that
 the layers and the C++ stack run as Llama's) and the logits (divided by `logits_scaling`).
-StableLM, Phi and GPT-NeoX norm with LayerNorm (`PreLayerNorm`: weights and biases) and turn a part of each head.
+StableLM, Phi, GPT-NeoX and StarCoder2 norm with LayerNorm (`PreLayerNorm`: weights and biases); all but StarCoder2
+turn a part of each head.
 Phi's and GPT-NeoX's attention and MLP read the same stream and their outputs join it together (`_parallel_branches`;
 StableLM 2 12B's too): Phi's MLP reads the input norm's output, GPT-NeoX's a norm of its own. Their MLP is ungated
-(`PlainMLP`, biased), Phi's LM head has biases, GPT-NeoX stores q/k/v fused head by head (`unfused` splits them) under
+(`PlainMLP`, biased; StarCoder2's too, its layers otherwise Llama's, biased, over a sliding window), Phi's LM
+head has biases, GPT-NeoX stores q/k/v fused head by head (`unfused` splits them) under
 names of its own (`_GPT_NEOX_NAMES`). Their modules run, not the C++ stack (`use_decoder_stack`).
 
 The model is format-agnostic: `load_weights` takes Hugging Face parameter names from any loader and maps the
@@ -99,7 +101,7 @@ _MIXTRAL_NAMES = ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."), (".w
 # A model type's checkpoint names -> the modules', replaced in this order:
 # GLM-4's norms under Gemma's names (in this order: its post_attention_layernorm is Gemma's pre_feedforward_layernorm);
 # LFM2's (its convolution is the layer's `self_attn`, a ShortConv, whose out_proj is its o_proj as an attention's is);
-# Phi's; GPT-NeoX's (its MLP under Phi's names; embed_out: older checkpoints' LM head)
+# Phi's; GPT-NeoX's (its MLP under Phi's names; embed_out: older checkpoints' LM head); StarCoder2's MLP's
 _GLM4_NAMES = ((".post_attention_layernorm.", ".pre_feedforward_layernorm."),
                (".post_self_attn_layernorm.", ".post_attention_layernorm."),
                (".post_mlp_layernorm.", ".post_feedforward_layernorm."))
@@ -114,7 +116,9 @@ _GPT_NEOX_NAMES = (("gpt_neox.embed_in.", "model.embed_tokens."), ("gpt_neox.fin
                    ("gpt_neox.layers.", "model.layers."), (".attention.dense.", ".self_attn.o_proj."),
                    (".attention.", ".self_attn."), (".mlp.dense_h_to_4h.", ".mlp.fc1."),
                    (".mlp.dense_4h_to_h.", ".mlp.fc2."), ("embed_out.", "lm_head."))
-_CHECKPOINT_NAMES = {"glm4": _GLM4_NAMES, "lfm2": _LFM2_NAMES, "phi": _PHI_NAMES, "gpt_neox": _GPT_NEOX_NAMES}
+_STARCODER2_NAMES = ((".mlp.c_fc.", ".mlp.fc1."), (".mlp.c_proj.", ".mlp.fc2."))
+_CHECKPOINT_NAMES = {"glm4": _GLM4_NAMES, "lfm2": _LFM2_NAMES, "phi": _PHI_NAMES, "gpt_neox": _GPT_NEOX_NAMES,
+                     "starcoder2": _STARCODER2_NAMES}
 
 
 TPRank = tuple[int, int]   # (tp_rank, tp_size)
@@ -130,9 +134,10 @@ def _head_dim(config: Any) -> int:
 
 def _has_bias(config: Any, part: str) -> bool:
     """Whether a layer's "qkv", "o" or "mlp" projections have biases: attention_bias (q/k/v and o; Qwen2's q/k/v
-    always; GLM's q/k/v only), Seed-OSS's attention_out_bias for o, mlp_bias, ERNIE 4.5's use_bias and Phi's for all,
-    StableLM's use_qkv_bias for q/k/v. (Phi's and GPT-NeoX's ungated MLP, `PlainMLP`, always has biases.)"""
-    if getattr(config, "use_bias", False) or config.model_type == "phi":
+    always; GLM's q/k/v only), Seed-OSS's attention_out_bias for o, mlp_bias, ERNIE 4.5's and StarCoder2's use_bias and
+    Phi's for all, StableLM's use_qkv_bias for q/k/v; GPT-NeoX's MLP's always."""
+    if getattr(config, "use_bias", False) or config.model_type == "phi" or \
+            (part == "mlp" and config.model_type == "gpt_neox"):
         return True
     if config.model_type == "stablelm":
         return part == "qkv" and bool(config.use_qkv_bias)
@@ -157,16 +162,17 @@ def _has_qk_norm(config: Any) -> bool:
 
 
 def _eps(config: Any) -> float:
-    """The norms' epsilon (LFM2's config calls it norm_eps; a LayerNorm model's, layer_norm_eps)."""
+    """The norms' epsilon (LFM2's config calls it norm_eps; a LayerNorm model's, layer_norm_eps, StarCoder2's
+    norm_epsilon)."""
     if _norms_with_layer_norm(config):
-        return config.layer_norm_eps
+        return config.norm_epsilon if config.model_type == "starcoder2" else config.layer_norm_eps
     return config.norm_eps if config.model_type == "lfm2" else config.rms_norm_eps
 
 
 def _norms_with_layer_norm(config: Any) -> bool:
-    """Whether the model norms with LayerNorm (mean and variance, weight and bias: StableLM's, Phi's, GPT-NeoX's)
-    rather than RMSNorm."""
-    return config.model_type in ("stablelm", "phi", "gpt_neox")
+    """Whether the model norms with LayerNorm (mean and variance, weight and bias: StableLM's, Phi's, GPT-NeoX's,
+    StarCoder2's) rather than RMSNorm."""
+    return config.model_type in ("stablelm", "phi", "gpt_neox", "starcoder2")
 
 
 def _norm(config: Any, dtype: torch.dtype) -> RMSNorm | PreLayerNorm:
@@ -185,8 +191,9 @@ def _parallel_branches(config: Any) -> bool:
 
 
 def _gated_mlp(config: Any) -> bool:
-    """Whether the MLP is gated (down(act(gate(x)) * up(x))); Phi's and GPT-NeoX's are not (fc2(act(fc1(x))))."""
-    return config.model_type not in ("phi", "gpt_neox")
+    """Whether the MLP is gated (down(act(gate(x)) * up(x))); Phi's, GPT-NeoX's and StarCoder2's are not
+    (fc2(act(fc1(x))))."""
+    return config.model_type not in ("phi", "gpt_neox", "starcoder2")
 
 
 def _intermediate_size(config: Any) -> int:
@@ -516,9 +523,10 @@ class LlamaMLP(nn.Module):
 
 
 class PlainMLP(nn.Module):
-    """The ungated MLP of Phi and GPT-NeoX, fc2(act(fc1(x))), both with biases: GELU, exact (GPT-NeoX's "gelu") or
-    its tanh approximation (Phi's "gelu_new"). Its modules keep Phi's names (GPT-NeoX's dense_h_to_4h and
-    dense_4h_to_h load into them); a LoRA adapter reaches the attention only (fc1 and fc2 are not its modules)."""
+    """The ungated MLP of Phi, GPT-NeoX and StarCoder2, fc2(act(fc1(x))), with biases (`_has_bias`): GELU, exact
+    (GPT-NeoX's "gelu") or its tanh approximation (Phi's "gelu_new", StarCoder2's "gelu_pytorch_tanh"). Its modules
+    keep Phi's names (GPT-NeoX's dense_h_to_4h and dense_4h_to_h, StarCoder2's c_fc and c_proj load into them); a LoRA
+    adapter reaches the attention only (fc1 and fc2 are not its modules)."""
 
     _APPROXIMATION = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh"}
 
@@ -528,9 +536,10 @@ class PlainMLP(nn.Module):
             raise ValueError(f"hidden activation {config.hidden_act!r} is not supported here (only "
                              f"{', '.join(map(repr, self._APPROXIMATION))})")
         self.approximate = self._APPROXIMATION[config.hidden_act]
-        self.fc1 = ColumnParallelLinear(config.hidden_size, config.intermediate_size, bias=True, dtype=dtype,
+        bias = _has_bias(config, "mlp")
+        self.fc1 = ColumnParallelLinear(config.hidden_size, config.intermediate_size, bias=bias, dtype=dtype,
                                         tp_rank=tp[0], tp_size=tp[1])
-        self.fc2 = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=True, dtype=dtype,
+        self.fc2 = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias, dtype=dtype,
                                      tp_rank=tp[0], tp_size=tp[1])
 
     def forward(self, x: torch.Tensor, lora: LayerLoRA | None = None) -> torch.Tensor:

@@ -40,6 +40,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "StableLmForCausalLM": LlamaForCausalLM,
     "PhiForCausalLM": LlamaForCausalLM,
     "GPTNeoXForCausalLM": LlamaForCausalLM,
+    "Starcoder2ForCausalLM": LlamaForCausalLM,
     "Lfm2ForCausalLM": LlamaForCausalLM,      # short convolutions among its attention layers (ShortConv)
     # The bare decoders (no LM head), as embedding models are saved (gte-Qwen2, e5-mistral): see BARE_ARCHITECTURES.
     "LlamaModel": LlamaForCausalLM,
@@ -76,6 +77,8 @@ _MODELS: dict[str, type[nn.Module]] = {
     "exaone4": LlamaForCausalLM,
     "ernie4_5": LlamaForCausalLM,
     "glm4": LlamaForCausalLM,
+    "stablelm": LlamaForCausalLM,
+    "starcoder2": LlamaForCausalLM,
     "bert": BertModel,
     "roberta": BertModel,
     "xlm-roberta": BertModel,

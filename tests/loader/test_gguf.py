@@ -174,6 +174,10 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
         w.add_attention_scale(cfg.attention_multiplier)
         w.add_residual_scale(cfg.residual_multiplier)
         w.add_logit_scale(cfg.logits_scaling)
+    if arch == "stablelm":
+        w.add_parallel_residual(cfg.use_parallel_residual)
+    if arch in ("stablelm", "starcoder2"):
+        w.add_layer_norm_eps(cfg.layer_norm_eps if arch == "stablelm" else cfg.norm_epsilon)
     if arch == "gemma2":
         w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
         w.add_final_logit_softcapping(cfg.final_logit_softcapping)
@@ -227,7 +231,8 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
                                        ("qwen3", "qwen3"), ("mixtral", "llama"), ("qwen2-moe", "qwen2moe"),
                                        ("qwen3-moe", "qwen3moe"), ("smollm3", "smollm3"), ("granite", "granite"),
                                        ("lfm2", "lfm2"), ("olmo2", "olmo2"), ("exaone4", "exaone4"),
-                                       ("ernie4_5", "ernie4_5"), ("glm4", "glm4")])
+                                       ("ernie4_5", "ernie4_5"), ("glm4", "glm4"), ("stablelm", "stablelm"),
+                                       ("stablelm-parallel", "stablelm"), ("starcoder2", "starcoder2")])
 def test_tiny_gguf_model_matches_transformers(tmp_path: Path, kind: str, arch: str) -> None:
     # SmolLM3's files leave every fourth layer without a rotary embedding (llama.cpp's fixed step): four layers here
     hf_model = build_tiny_hf_model(kind, **({"no_rope_layer_interval": 4, "num_hidden_layers": 4}
@@ -395,6 +400,21 @@ def test_a_quantized_interleaved_gguf_keeps_its_blocks_reordered_by_row(tmp_path
     packed = load_model(ModelConfig(model=str(path), dtype="float32", quantization="gguf")).model
     dense = load_model(ModelConfig(model=str(path), dtype="float32")).model
     assert packed.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.uint8
+    _assert_gguf_reference_near_the_dense_model(packed, dense, [1, 17, 250, 9, 33, 70, 5, 80, 81], monkeypatch)
+
+
+@pytest.mark.parametrize("kind", ["stablelm", "starcoder2"])
+def test_a_quantized_layer_norm_gguf_multiplies_its_blocks(tmp_path: Path, kind: str, monkeypatch) -> None:
+    """StableLM's and StarCoder2's layers (LayerNorms, biases; StarCoder2's ungated MLP, fc1 and fc2) keep their Q8_0
+    blocks packed: the dequantised model within the 16-bit activations' noise."""
+    path = tmp_path / f"{kind}-q8.gguf"
+    write_model_gguf(build_tiny_hf_model(kind), path, kind, Q.Q8_0)
+    packed = load_model(ModelConfig(model=str(path), dtype="float32", quantization="gguf")).model
+    dense = load_model(ModelConfig(model=str(path), dtype="float32")).model
+    layer = packed.model.layers[0]
+    mlp_weights = (layer.mlp.fc1.weight, layer.mlp.fc2.weight) if kind == "starcoder2" else \
+        (layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight)
+    assert all(w.dtype == torch.uint8 for w in (layer.self_attn.qkv_proj.weight, *mlp_weights))
     _assert_gguf_reference_near_the_dense_model(packed, dense, [1, 17, 250, 9, 33, 70, 5, 80, 81], monkeypatch)
 
 

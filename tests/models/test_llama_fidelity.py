@@ -117,10 +117,11 @@ def test_branch_output_norms_through_the_engine_as_transformers(tmp_path, kind: 
     assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(hf_model, PROMPTS, 8)
 
 
-@pytest.mark.parametrize("kind", ["stablelm", "phi", "gpt-neox"])
+@pytest.mark.parametrize("kind", ["stablelm", "phi", "gpt-neox", "starcoder2"])
 def test_layer_norm_models_through_the_engine_as_transformers(tmp_path, kind: str) -> None:
-    """StableLM's, Phi's and GPT-NeoX's LayerNorm layers in the engine (their modules: the C++ stack norms with
-    RMSNorm only) generate transformers' tokens, with prompts prefilled in chunks and a prefix cached."""
+    """StableLM's, Phi's, GPT-NeoX's and StarCoder2's LayerNorm layers in the engine (their modules: the C++ stack
+    norms with RMSNorm only) generate transformers' tokens, with prompts prefilled in chunks and a prefix cached
+    (StarCoder2's past its window of 12, the blocks behind it freed)."""
     from pagedllm import LLM, SamplingParams
     from tests.models.tiny import hf_greedy
 
