@@ -25,13 +25,15 @@ Granite (IBM's Granite 3) scales four things by its config's multipliers: the em
 the attention scores (`attention_multiplier`, in place of head_dim ** -0.5), each branch's output before it joins
 the residual stream (`residual_multiplier`: `load_weights` folds it into o_proj's and down_proj's weights, so that
 the layers and the C++ stack run as Llama's) and the logits (divided by `logits_scaling`).
-StableLM, Phi, GPT-NeoX and StarCoder2 norm with LayerNorm (`PreLayerNorm`: weights and biases); all but StarCoder2
-turn a part of each head.
+StableLM, Phi, GPT-NeoX and StarCoder2 norm with LayerNorm (`PreLayerNorm`: weights and biases; Cohere's, weights
+only); StableLM, Phi and GPT-NeoX turn a part of each head.
 Phi's and GPT-NeoX's attention and MLP read the same stream and their outputs join it together (`_parallel_branches`;
 StableLM 2 12B's too): Phi's MLP reads the input norm's output, GPT-NeoX's a norm of its own. Their MLP is ungated
 (`PlainMLP`, biased; StarCoder2's too, its layers otherwise Llama's, biased, over a sliding window), Phi's LM
 head has biases, GPT-NeoX stores q/k/v fused head by head (`unfused` splits them) under
-names of its own (`_GPT_NEOX_NAMES`). Their modules run, not the C++ stack (`use_decoder_stack`).
+names of its own (`_GPT_NEOX_NAMES`). Cohere's (Command R, Aya) layers are parallel too, with one norm; its rope turns
+interleaved pairs (reordered at load), its logits are multiplied by `logit_scale`; Cohere2's global layers turn no
+values (as EXAONE 4's). Their modules run, not the C++ stack (`use_decoder_stack`).
 
 The model is format-agnostic: `load_weights` takes Hugging Face parameter names from any loader and maps the
 separate q/k/v and gate/up checkpoint tensors onto the fused parameters (`STACKED_PARAMS_MAPPING`).
@@ -151,9 +153,10 @@ def _has_bias(config: Any, part: str) -> bool:
 
 def _interleaved_rope(config: Any) -> bool:
     """Whether the checkpoint's rotary embedding turns interleaved pairs of a head's values (the GPT-J layout: ERNIE
-    4.5's, Helium's, GLM's), which `load_weights` reorders into the halves pagedllm's turns; not where the loader
-    gives them in halves already (`rotary_rows_in_halves`: a GGUF file's, reordered as llama.cpp's Llama files are)."""
-    return config.model_type in ("ernie4_5", "helium", "glm", "glm4") and \
+    4.5's, Helium's, GLM's, Cohere's), which `load_weights` reorders into the halves pagedllm's turns; not where the
+    loader gives them in halves already (`rotary_rows_in_halves`: a GGUF file's, reordered as llama.cpp's Llama files
+    are)."""
+    return config.model_type in ("ernie4_5", "helium", "glm", "glm4", "cohere", "cohere2") and \
         not getattr(config, "rotary_rows_in_halves", False)
 
 
@@ -171,22 +174,26 @@ def _eps(config: Any) -> float:
 
 def _norms_with_layer_norm(config: Any) -> bool:
     """Whether the model norms with LayerNorm (mean and variance, weight and bias: StableLM's, Phi's, GPT-NeoX's,
-    StarCoder2's) rather than RMSNorm."""
-    return config.model_type in ("stablelm", "phi", "gpt_neox", "starcoder2")
+    StarCoder2's; weight only: Cohere's) rather than RMSNorm."""
+    return config.model_type in ("stablelm", "phi", "gpt_neox", "starcoder2", "cohere", "cohere2")
+
+
+def _is_cohere(config: Any) -> bool:
+    return config.model_type in ("cohere", "cohere2")
 
 
 def _norm(config: Any, dtype: torch.dtype) -> RMSNorm | PreLayerNorm:
     """A norm over the hidden size, of the model's kind (`_norms_with_layer_norm`)."""
     if _norms_with_layer_norm(config):
-        return PreLayerNorm(config.hidden_size, _eps(config), dtype)
+        return PreLayerNorm(config.hidden_size, _eps(config), dtype, bias=not _is_cohere(config))
     return RMSNorm(config.hidden_size, _eps(config), dtype)
 
 
 def _parallel_branches(config: Any) -> bool:
     """Whether a layer's attention and MLP both read the stream the layer takes, their outputs added to it together
-    (Phi's, GPT-NeoX's `use_parallel_residual`, StableLM 2 12B's), rather than the MLP reading the stream after the
-    attention's output joined it."""
-    return config.model_type == "phi" or (config.model_type in ("stablelm", "gpt_neox")
+    (Phi's, Cohere's, GPT-NeoX's `use_parallel_residual`, StableLM 2 12B's), rather than the MLP reading the stream
+    after the attention's output joined it."""
+    return config.model_type == "phi" or _is_cohere(config) or (config.model_type in ("stablelm", "gpt_neox")
                                           and bool(config.use_parallel_residual))
 
 
@@ -261,8 +268,8 @@ def _norms_outputs(config: Any) -> bool:
 
 
 def _has_nope_globals(config: Any) -> bool:
-    """EXAONE 4's: its global layers turn none of their values where it has local ones."""
-    return config.model_type == "exaone4" and bool(getattr(config, "sliding_window", None))
+    """EXAONE 4's and Cohere2's: their global layers turn none of their values where they have local ones."""
+    return config.model_type in ("exaone4", "cohere2") and bool(getattr(config, "sliding_window", None))
 
 
 # the BERT family's (pagedllm.models.bert), encoders all
@@ -388,9 +395,9 @@ class LlamaAttention(nn.Module):
         # an encoder's modules attend through `bidirectional_attention`, to the step's own K/V (its decoder stack:
         # through the kernels' bidirectional mode)
         self.encoder = attends_both_ways(config)
-        if getattr(config, "qk_layernorm", False):
-            raise ValueError(f"{config.model_type}'s LayerNorms of each query and key head (qk_layernorm) are not "
-                             "supported")
+        if getattr(config, "qk_layernorm", False) or (_is_cohere(config) and getattr(config, "use_qk_norm", False)):
+            raise ValueError(f"{config.model_type}'s LayerNorms of each query and key head (qk_layernorm, "
+                             "use_qk_norm) are not supported")
         if self.encoder and self.softcap:
             raise ValueError("an encoder with soft-capped attention scores is not supported")
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads,
@@ -852,6 +859,7 @@ class LlamaForCausalLM(nn.Module):
         self.head_is_embedding = bool(getattr(config, "tie_word_embeddings", False))     # the checkpoint's LM head
         self.final_softcap = _softcap(config, "final_logit_softcapping")   # Gemma 2's: 30.0
         self.logits_scaling = float(getattr(config, "logits_scaling", None) or 1.0)     # Granite's divisor
+        self.logit_scale = float(config.logit_scale) if _is_cohere(config) else 1.0     # Cohere's multiplier
         # a vision-language model's image encoder (pagedllm.models.vision), set by the loader after the weights
         self.image_encoder: ImageEncoder | None = None
         self.tie_word_embeddings = self.bare or self.score is not None or self.head_is_embedding
@@ -906,6 +914,8 @@ class LlamaForCausalLM(nn.Module):
         logits = self.lm_head(hidden)
         if self.logits_scaling != 1.0:
             logits = logits.div_(self.logits_scaling)
+        if self.logit_scale != 1.0:
+            logits = logits.mul_(self.logit_scale)
         if self.final_softcap:
             logits = logits.div_(self.final_softcap).tanh_().mul_(self.final_softcap)
         return logits

@@ -81,7 +81,7 @@ def test_sharded_checkpoint(tmp_path) -> None:
     torch.testing.assert_close(logits[0], _hf_last_logits(hf_model, PROMPTS[0]), atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("kind", ["llama-gqa", "gemma3", "phi", "gpt-neox"])
+@pytest.mark.parametrize("kind", ["llama-gqa", "gemma3", "phi", "gpt-neox", "cohere"])
 def test_bfloat16_close_to_float32(tmp_path, kind: str) -> None:
     folder, hf_model = save_tiny_model(tmp_path / "bf16", kind, with_tokenizer=False)
     model = load_model(ModelConfig(model=str(folder), dtype="bfloat16")).model
@@ -117,11 +117,11 @@ def test_branch_output_norms_through_the_engine_as_transformers(tmp_path, kind: 
     assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(hf_model, PROMPTS, 8)
 
 
-@pytest.mark.parametrize("kind", ["stablelm", "phi", "gpt-neox", "starcoder2"])
+@pytest.mark.parametrize("kind", ["stablelm", "phi", "gpt-neox", "starcoder2", "cohere2"])
 def test_layer_norm_models_through_the_engine_as_transformers(tmp_path, kind: str) -> None:
-    """StableLM's, Phi's, GPT-NeoX's and StarCoder2's LayerNorm layers in the engine (their modules: the C++ stack
-    norms with RMSNorm only) generate transformers' tokens, with prompts prefilled in chunks and a prefix cached
-    (StarCoder2's past its window of 12, the blocks behind it freed)."""
+    """StableLM's, Phi's, GPT-NeoX's, StarCoder2's and Cohere2's LayerNorm layers in the engine (their modules: the
+    C++ stack norms with RMSNorm only) generate transformers' tokens, with prompts prefilled in chunks and a prefix
+    cached (StarCoder2's and Cohere2's past their window of 12; StarCoder2's blocks behind it freed)."""
     from pagedllm import LLM, SamplingParams
     from tests.models.tiny import hf_greedy
 
@@ -133,3 +133,11 @@ def test_layer_norm_models_through_the_engine_as_transformers(tmp_path, kind: st
     assert llm.engine.runner.model.model.stacks is None
     assert outputs[-1].num_cached_tokens > 0
     assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(hf_model, prompts, 8)
+
+
+@pytest.mark.parametrize(("kind", "option"), [("stablelm", "qk_layernorm"), ("phi", "qk_layernorm"),
+                                              ("cohere", "use_qk_norm")])
+def test_per_head_layer_norms_of_queries_and_keys_are_refused(tmp_path, kind: str, option: str) -> None:
+    folder, _ = save_tiny_model(tmp_path / kind, kind, with_tokenizer=False, **{option: True})
+    with pytest.raises(ValueError, match=f"LayerNorms of each query and key head .*{option}.* are not supported"):
+        _load(folder)

@@ -81,6 +81,11 @@ TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "gpt-neox-sequential": ("gpt_neox", dict(use_parallel_residual=False)),
     # StarCoder2's: Llama's layers with LayerNorms, biases everywhere, an ungated MLP, every layer over a window of 12
     "starcoder2": ("starcoder2", dict(num_key_value_heads=2, sliding_window=12, norm_epsilon=1e-5)),
+    # Cohere's: one LayerNorm without biases before parallel branches, interleaved rope, logits times logit_scale;
+    # Cohere2's local layer (a window of 12) and global one without a rotary embedding
+    "cohere": ("cohere", dict(num_key_value_heads=2, logit_scale=0.5)),
+    "cohere2": ("cohere2", dict(num_key_value_heads=2, logit_scale=0.5, sliding_window=12,
+                                layer_types=["sliding_attention", "full_attention"])),
     # as LFM2's: a short convolution (its input of 64 values a token in two of the pool's layers of 2 x 1 x 16) and
     # an attention with Qwen3's head norms; the MLP's width adjusted as LFM2's (2/3 of 192, to a multiple of 32)
     "lfm2": ("lfm2", dict(num_key_value_heads=1, layer_types=["conv", "full_attention"], intermediate_size=192,
@@ -112,7 +117,8 @@ def build_tiny_hf_model(kind: str = "llama-gqa", seed: int = 0, **overrides: Any
     torch.manual_seed(seed)
     config = tiny_config(kind, **overrides)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
-    if config.model_type in ("gemma2", "gemma3_text", "glm4", "stablelm", "phi", "gpt_neox", "starcoder2"):
+    if config.model_type in ("gemma2", "gemma3_text", "glm4", "stablelm", "phi", "gpt_neox", "starcoder2", "cohere",
+                             "cohere2"):
         randomize_norms(model, mean=0.0 if config.model_type.startswith("gemma") else 1.0)
     return model.eval()
 
