@@ -33,7 +33,9 @@ StableLM 2 12B's too): Phi's MLP reads the input norm's output, GPT-NeoX's a nor
 head has biases, GPT-NeoX stores q/k/v fused head by head (`unfused` splits them) under
 names of its own (`_GPT_NEOX_NAMES`). Cohere's (Command R, Aya) layers are parallel too, with one norm; its rope turns
 interleaved pairs (reordered at load), its logits are multiplied by `logit_scale`; Cohere2's global layers turn no
-values (as EXAONE 4's). Their modules run, not the C++ stack (`use_decoder_stack`).
+values (as EXAONE 4's). GPT-2 and GPT-BigCode (StarCoder 1, SantaCoder: one KV head) add a learned embedding of each
+token's position to its token's (`embed_positions`) and turn no values; GPT-2 stores its weights [in, out] (Conv1D:
+transposed at load). Their modules run, not the C++ stack (`use_decoder_stack`).
 
 The model is format-agnostic: `load_weights` takes Hugging Face parameter names from any loader and maps the
 separate q/k/v and gate/up checkpoint tensors onto the fused parameters (`STACKED_PARAMS_MAPPING`).
@@ -94,16 +96,17 @@ STACKED_PARAMS_MAPPING: list[tuple[str, str, str | int]] = [
 PACKED_MODULES_MAPPING: dict[str, list[str]] = {
     fused[1:]: [part[1:] for other, part, _ in STACKED_PARAMS_MAPPING if other == fused]
     for fused, _, _ in STACKED_PARAMS_MAPPING}
-# (and older GPT-NeoX checkpoints' causal masks)
+# (and older GPT-NeoX and GPT-2 checkpoints' causal masks)
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached", ".attention.bias",
-                     ".attention.masked_bias")
+                     ".attention.masked_bias", ".attn.bias", ".attn.masked_bias")
 # Mixtral's checkpoint names of its sparse MLP -> the names of Qwen-MoE's, which the model's modules take
 _MIXTRAL_NAMES = ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."), (".w3.", ".up_proj."),
                   (".w2.", ".down_proj."))
 # A model type's checkpoint names -> the modules', replaced in this order:
 # GLM-4's norms under Gemma's names (in this order: its post_attention_layernorm is Gemma's pre_feedforward_layernorm);
 # LFM2's (its convolution is the layer's `self_attn`, a ShortConv, whose out_proj is its o_proj as an attention's is);
-# Phi's; GPT-NeoX's (its MLP under Phi's names; embed_out: older checkpoints' LM head); StarCoder2's MLP's
+# Phi's; GPT-NeoX's (its MLP under Phi's names; embed_out: older checkpoints' LM head); StarCoder2's MLP's; GPT-2's
+# and GPT-BigCode's (c_attn: q/k/v fused, q's rows then k's then v's)
 _GLM4_NAMES = ((".post_attention_layernorm.", ".pre_feedforward_layernorm."),
                (".post_self_attn_layernorm.", ".post_attention_layernorm."),
                (".post_mlp_layernorm.", ".post_feedforward_layernorm."))
@@ -119,8 +122,12 @@ _GPT_NEOX_NAMES = (("gpt_neox.embed_in.", "model.embed_tokens."), ("gpt_neox.fin
                    (".attention.", ".self_attn."), (".mlp.dense_h_to_4h.", ".mlp.fc1."),
                    (".mlp.dense_4h_to_h.", ".mlp.fc2."), ("embed_out.", "lm_head."))
 _STARCODER2_NAMES = ((".mlp.c_fc.", ".mlp.fc1."), (".mlp.c_proj.", ".mlp.fc2."))
+_GPT2_NAMES = (("transformer.wte.", "model.embed_tokens."), ("transformer.wpe.", "model.embed_positions."),
+               ("transformer.h.", "model.layers."), ("transformer.ln_f.", "model.norm."),
+               (".ln_1.", ".input_layernorm."), (".ln_2.", ".post_attention_layernorm."),
+               (".attn.c_attn.", ".self_attn.qkv_proj."), (".attn.c_proj.", ".self_attn.o_proj.")) + _STARCODER2_NAMES
 _CHECKPOINT_NAMES = {"glm4": _GLM4_NAMES, "lfm2": _LFM2_NAMES, "phi": _PHI_NAMES, "gpt_neox": _GPT_NEOX_NAMES,
-                     "starcoder2": _STARCODER2_NAMES}
+                     "starcoder2": _STARCODER2_NAMES, "gpt2": _GPT2_NAMES, "gpt_bigcode": _GPT2_NAMES}
 
 
 TPRank = tuple[int, int]   # (tp_rank, tp_size)
@@ -137,8 +144,8 @@ def _head_dim(config: Any) -> int:
 def _has_bias(config: Any, part: str) -> bool:
     """Whether a layer's "qkv", "o" or "mlp" projections have biases: attention_bias (q/k/v and o; Qwen2's q/k/v
     always; GLM's q/k/v only), Seed-OSS's attention_out_bias for o, mlp_bias, ERNIE 4.5's and StarCoder2's use_bias and
-    Phi's for all, StableLM's use_qkv_bias for q/k/v; GPT-NeoX's MLP's always."""
-    if getattr(config, "use_bias", False) or config.model_type == "phi" or \
+    Phi's, GPT-2's and GPT-BigCode's for all, StableLM's use_qkv_bias for q/k/v; GPT-NeoX's MLP's always."""
+    if getattr(config, "use_bias", False) or config.model_type == "phi" or _learns_positions(config) or \
             (part == "mlp" and config.model_type == "gpt_neox"):
         return True
     if config.model_type == "stablelm":
@@ -165,17 +172,28 @@ def _has_qk_norm(config: Any) -> bool:
 
 
 def _eps(config: Any) -> float:
-    """The norms' epsilon (LFM2's config calls it norm_eps; a LayerNorm model's, layer_norm_eps, StarCoder2's
-    norm_epsilon)."""
+    """The norms' epsilon (LFM2's config calls it norm_eps; a LayerNorm model's, layer_norm_eps, or as
+    `_LAYER_NORM_EPS` names it)."""
     if _norms_with_layer_norm(config):
-        return config.norm_epsilon if config.model_type == "starcoder2" else config.layer_norm_eps
+        return getattr(config, _LAYER_NORM_EPS.get(config.model_type, "layer_norm_eps"))
     return config.norm_eps if config.model_type == "lfm2" else config.rms_norm_eps
+
+
+# the LayerNorms' epsilon's name in a config, where it is not layer_norm_eps
+_LAYER_NORM_EPS = {"starcoder2": "norm_epsilon", "gpt2": "layer_norm_epsilon", "gpt_bigcode": "layer_norm_epsilon"}
 
 
 def _norms_with_layer_norm(config: Any) -> bool:
     """Whether the model norms with LayerNorm (mean and variance, weight and bias: StableLM's, Phi's, GPT-NeoX's,
-    StarCoder2's; weight only: Cohere's) rather than RMSNorm."""
-    return config.model_type in ("stablelm", "phi", "gpt_neox", "starcoder2", "cohere", "cohere2")
+    StarCoder2's, GPT-2's, GPT-BigCode's; weight only: Cohere's) rather than RMSNorm."""
+    return config.model_type in ("stablelm", "phi", "gpt_neox", "starcoder2", "cohere", "cohere2") or \
+        _learns_positions(config)
+
+
+def _learns_positions(config: Any) -> bool:
+    """Whether the model adds a learned embedding of each token's position to its token's (GPT-2's `wpe`, GPT-BigCode's)
+    rather than turn its queries and keys (it has no rotary embedding)."""
+    return config.model_type in ("gpt2", "gpt_bigcode")
 
 
 def _is_cohere(config: Any) -> bool:
@@ -198,14 +216,16 @@ def _parallel_branches(config: Any) -> bool:
 
 
 def _gated_mlp(config: Any) -> bool:
-    """Whether the MLP is gated (down(act(gate(x)) * up(x))); Phi's, GPT-NeoX's and StarCoder2's are not
-    (fc2(act(fc1(x))))."""
-    return config.model_type not in ("phi", "gpt_neox", "starcoder2")
+    """Whether the MLP is gated (down(act(gate(x)) * up(x))); Phi's, GPT-NeoX's, StarCoder2's, GPT-2's and
+    GPT-BigCode's are not (fc2(act(fc1(x))))."""
+    return config.model_type not in ("phi", "gpt_neox", "starcoder2") and not _learns_positions(config)
 
 
 def _intermediate_size(config: Any) -> int:
     """The MLP's width: the config's, but for LFM2's, cut to 2/3, times its multiplier, rounded up to its multiple
-    (`block_auto_adjust_ff_dim`), as transformers does."""
+    (`block_auto_adjust_ff_dim`), as transformers does; GPT-2's and GPT-BigCode's n_inner (4 x hidden_size without)."""
+    if _learns_positions(config):
+        return config.n_inner or 4 * config.hidden_size
     size = config.intermediate_size
     if config.model_type != "lfm2" or not config.block_auto_adjust_ff_dim:
         return size
@@ -390,6 +410,11 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = _num_kv_heads(config)
         self.scale = getattr(config, "attention_multiplier", None) or \
             (getattr(config, "query_pre_attn_scalar", None) or self.head_dim) ** -0.5
+        if not getattr(config, "scale_attn_weights", True):     # (GPT-2's and GPT-BigCode's option)
+            self.scale = 1.0
+        if getattr(config, "scale_attn_by_inverse_layer_idx", False):
+            raise ValueError("GPT-2's attention scores scaled by each layer's inverse index "
+                             "(scale_attn_by_inverse_layer_idx) are not supported")
         self.softcap = _softcap(config, "attn_logit_softcapping")
         self.attn_backend = attn_backend
         # an encoder's modules attend through `bidirectional_attention`, to the step's own K/V (its decoder stack:
@@ -539,15 +564,16 @@ class PlainMLP(nn.Module):
 
     def __init__(self, config: Any, dtype: torch.dtype, tp: TPRank) -> None:
         super().__init__()
-        if config.hidden_act not in self._APPROXIMATION:
-            raise ValueError(f"hidden activation {config.hidden_act!r} is not supported here (only "
+        act = getattr(config, "hidden_act", None) or config.activation_function     # (GPT-2's name for it)
+        if act not in self._APPROXIMATION:
+            raise ValueError(f"hidden activation {act!r} is not supported here (only "
                              f"{', '.join(map(repr, self._APPROXIMATION))})")
-        self.approximate = self._APPROXIMATION[config.hidden_act]
+        self.approximate = self._APPROXIMATION[act]
+        inter = _intermediate_size(config)
         bias = _has_bias(config, "mlp")
-        self.fc1 = ColumnParallelLinear(config.hidden_size, config.intermediate_size, bias=bias, dtype=dtype,
-                                        tp_rank=tp[0], tp_size=tp[1])
-        self.fc2 = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias, dtype=dtype,
-                                     tp_rank=tp[0], tp_size=tp[1])
+        self.fc1 = ColumnParallelLinear(config.hidden_size, inter, bias=bias, dtype=dtype, tp_rank=tp[0],
+                                        tp_size=tp[1])
+        self.fc2 = RowParallelLinear(inter, config.hidden_size, bias=bias, dtype=dtype, tp_rank=tp[0], tp_size=tp[1])
 
     def forward(self, x: torch.Tensor, lora: LayerLoRA | None = None) -> torch.Tensor:
         return self.fc2(F.gelu(self.fc1(x), approximate=self.approximate))
@@ -670,13 +696,17 @@ class LlamaModel(nn.Module):
         self.embed_scale: torch.Tensor | float | None = \
             torch.tensor(config.hidden_size ** 0.5, dtype=dtype) if _is_gemma(config) else \
             getattr(config, "embedding_multiplier", None)
+        # GPT-2's and GPT-BigCode's learned position embeddings (`_learns_positions`), split across ranks as the
+        # vocabulary is
+        self.embed_positions = VocabEmbedding(config.max_position_embeddings, config.hidden_size, dtype, tp[0], tp[1]) \
+            if _learns_positions(config) else None
         rotary: dict[str, RotaryEmbedding] = {}     # one for each rope of the layers (Gemma's local and global ones)
 
         def rotary_of(index: int) -> RotaryEmbedding:
             base, scaling = rope_config(config, _layer_type(config, index))
             # SmolLM3's every fourth layer has no rotary embedding (NoPE): one that turns none of a head's values
             no_rope = getattr(config, "no_rope_layers", None)
-            nope = (no_rope is not None and not no_rope[index]) or \
+            nope = (no_rope is not None and not no_rope[index]) or _learns_positions(config) or \
                 (_has_nope_globals(config) and _layer_type(config, index) == "full_attention")
             dim = 0 if nope else rotary_dim(config, _head_dim(config))
             key = repr((base, scaling, dim))
@@ -713,6 +743,8 @@ class LlamaModel(nn.Module):
                 positions[image_rows.index], grown = self.mrope.spatial_rows(image_rows.positions)
                 if grown and self.stacks:   # the stacks hold the tables they were built with
                     self.stacks = {}
+        if self.embed_positions is not None:    # (after the image rows: prompt embeddings take them too)
+            x = x + self.embed_positions(positions)
         if self.longrope is not None:
             positions = self.longrope.table_rows(positions)
         # the C++ stack has no LoRA updates, nor DeepStack's, nor images seen whole
@@ -947,6 +979,10 @@ class LlamaForCausalLM(nn.Module):
                 name = name.replace(theirs, ours)
             if self.config.model_type == "lfm2" and name.endswith(".conv.weight") and tensor.dim() == 2:
                 tensor = tensor.unsqueeze(1)    # llama.cpp's files squeeze it
+            if self.config.model_type == "gpt2" and ".layers." in name and tensor.dim() == 2:
+                tensor = tensor.t()     # GPT-2's Conv1D layers store their weights [in, out]
+            if self.config.model_type == "gpt_bigcode" and not self.config.multi_query:
+                name = name.replace(".qkv_proj.", ".query_key_value.")  # each head's q, k and v rows in turn
             if self.bare and not name.startswith("model."):
                 name = "model." + name
             if self.classifier_token_ids is not None and name == (

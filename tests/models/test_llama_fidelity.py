@@ -117,11 +117,12 @@ def test_branch_output_norms_through_the_engine_as_transformers(tmp_path, kind: 
     assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(hf_model, PROMPTS, 8)
 
 
-@pytest.mark.parametrize("kind", ["stablelm", "phi", "gpt-neox", "starcoder2", "cohere2"])
+@pytest.mark.parametrize("kind", ["stablelm", "phi", "gpt-neox", "starcoder2", "cohere2", "gpt2", "gpt-bigcode"])
 def test_layer_norm_models_through_the_engine_as_transformers(tmp_path, kind: str) -> None:
-    """StableLM's, Phi's, GPT-NeoX's, StarCoder2's and Cohere2's LayerNorm layers in the engine (their modules: the
-    C++ stack norms with RMSNorm only) generate transformers' tokens, with prompts prefilled in chunks and a prefix
-    cached (StarCoder2's and Cohere2's past their window of 12; StarCoder2's blocks behind it freed)."""
+    """StableLM's, Phi's, GPT-NeoX's, StarCoder2's, Cohere2's, GPT-2's and GPT-BigCode's LayerNorm layers in the engine
+    (their modules: the C++ stack norms with RMSNorm only) generate transformers' tokens, with prompts prefilled in
+    chunks and a prefix cached (StarCoder2's and Cohere2's past their window of 12; StarCoder2's blocks behind it
+    freed; GPT-2's and GPT-BigCode's positions embedded)."""
     from pagedllm import LLM, SamplingParams
     from tests.models.tiny import hf_greedy
 

@@ -86,6 +86,12 @@ TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "cohere": ("cohere", dict(num_key_value_heads=2, logit_scale=0.5)),
     "cohere2": ("cohere2", dict(num_key_value_heads=2, logit_scale=0.5, sliding_window=12,
                                 layer_types=["sliding_attention", "full_attention"])),
+    # learned position embeddings, no rotary one: GPT-2's (Conv1D weights, [in, out]); GPT-BigCode's with one KV head
+    # (StarCoder 1's, SantaCoder's) and with a KV head for each query head (q/k/v fused head by head)
+    "gpt2": ("gpt2", dict()),
+    # (n_head as a config.json names it: GPTBigCodeConfig works out num_key_value_heads from it)
+    "gpt-bigcode": ("gpt_bigcode", dict(n_head=4, multi_query=True, tie_word_embeddings=False)),
+    "gpt-bigcode-mha": ("gpt_bigcode", dict(n_head=4, multi_query=False)),
     # as LFM2's: a short convolution (its input of 64 values a token in two of the pool's layers of 2 x 1 x 16) and
     # an attention with Qwen3's head norms; the MLP's width adjusted as LFM2's (2/3 of 192, to a multiple of 32)
     "lfm2": ("lfm2", dict(num_key_value_heads=1, layer_types=["conv", "full_attention"], intermediate_size=192,
@@ -118,7 +124,7 @@ def build_tiny_hf_model(kind: str = "llama-gqa", seed: int = 0, **overrides: Any
     config = tiny_config(kind, **overrides)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
     if config.model_type in ("gemma2", "gemma3_text", "glm4", "stablelm", "phi", "gpt_neox", "starcoder2", "cohere",
-                             "cohere2"):
+                             "cohere2", "gpt2", "gpt_bigcode"):
         randomize_norms(model, mean=0.0 if config.model_type.startswith("gemma") else 1.0)
     return model.eval()
 
@@ -128,7 +134,7 @@ def randomize_norms(model: Any, mean: float = 0.0) -> None:
     biases at 0: made random, so that a wrong or misplaced norm or bias shows."""
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith("norm.weight") or ".ln_" in name and name.endswith(".weight"):
                 param.normal_(mean, 0.2)
             elif name.endswith(".bias"):
                 param.normal_(0.0, 0.2)
