@@ -67,8 +67,9 @@ def test_shape_mismatch_is_an_error() -> None:
 
 
 def test_registry() -> None:
-    for name in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "llama", "mistral", "qwen2"):
+    for name in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "llama", "mistral", "qwen2",
+                 "GPT2LMHeadModel", "PhiForCausalLM", "starcoder2"):
         assert get_model_class(name) is LlamaForCausalLM
     assert model_class_for_config(tiny_config("qwen2")) is LlamaForCausalLM
     with pytest.raises(ValueError, match="supported: .*LlamaForCausalLM"):
-        get_model_class("GPT2LMHeadModel")
+        get_model_class("OPTForCausalLM")
