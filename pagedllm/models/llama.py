@@ -35,7 +35,8 @@ names of its own (`_GPT_NEOX_NAMES`). Cohere's (Command R, Aya) layers are paral
 interleaved pairs (reordered at load), its logits are multiplied by `logit_scale`; Cohere2's global layers turn no
 values (as EXAONE 4's). GPT-2 and GPT-BigCode (StarCoder 1, SantaCoder: one KV head) add a learned embedding of each
 token's position to its token's (`embed_positions`) and turn no values; GPT-2 stores its weights [in, out] (Conv1D:
-transposed at load). Their modules run, not the C++ stack (`use_decoder_stack`).
+transposed at load). OPT's (vLLM's first example, opt-125m) too, its table of positions starting 2 rows in, its MLP a
+ReLU one. Their modules run, not the C++ stack (`use_decoder_stack`).
 
 The model is format-agnostic: `load_weights` takes Hugging Face parameter names from any loader and maps the
 separate q/k/v and gate/up checkpoint tensors onto the fused parameters (`STACKED_PARAMS_MAPPING`).
@@ -43,7 +44,8 @@ separate q/k/v and gate/up checkpoint tensors onto the fused parameters (`STACKE
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import functools
+from collections.abc import Callable, Iterable
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -106,7 +108,8 @@ _MIXTRAL_NAMES = ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."), (".w
 # GLM-4's norms under Gemma's names (in this order: its post_attention_layernorm is Gemma's pre_feedforward_layernorm);
 # LFM2's (its convolution is the layer's `self_attn`, a ShortConv, whose out_proj is its o_proj as an attention's is);
 # Phi's; GPT-NeoX's (its MLP under Phi's names; embed_out: older checkpoints' LM head); StarCoder2's MLP's; GPT-2's
-# and GPT-BigCode's (c_attn: q/k/v fused, q's rows then k's then v's)
+# and GPT-BigCode's (c_attn: q/k/v fused, q's rows then k's then v's); OPT's (its MLP's norm is the layer's
+# final_layer_norm, the decoder's own the model's norm; older checkpoints' names start at "decoder.")
 _GLM4_NAMES = ((".post_attention_layernorm.", ".pre_feedforward_layernorm."),
                (".post_self_attn_layernorm.", ".post_attention_layernorm."),
                (".post_mlp_layernorm.", ".post_feedforward_layernorm."))
@@ -126,8 +129,12 @@ _GPT2_NAMES = (("transformer.wte.", "model.embed_tokens."), ("transformer.wpe.",
                ("transformer.h.", "model.layers."), ("transformer.ln_f.", "model.norm."),
                (".ln_1.", ".input_layernorm."), (".ln_2.", ".post_attention_layernorm."),
                (".attn.c_attn.", ".self_attn.qkv_proj."), (".attn.c_proj.", ".self_attn.o_proj.")) + _STARCODER2_NAMES
+_OPT_NAMES = (("model.decoder.final_layer_norm.", "model.norm."), ("model.decoder.", "model."),
+              (".self_attn_layer_norm.", ".input_layernorm."), (".final_layer_norm.", ".post_attention_layernorm."),
+              (".self_attn.out_proj.", ".self_attn.o_proj."), (".fc1.", ".mlp.fc1."), (".fc2.", ".mlp.fc2."))
 _CHECKPOINT_NAMES = {"glm4": _GLM4_NAMES, "lfm2": _LFM2_NAMES, "phi": _PHI_NAMES, "gpt_neox": _GPT_NEOX_NAMES,
-                     "starcoder2": _STARCODER2_NAMES, "gpt2": _GPT2_NAMES, "gpt_bigcode": _GPT2_NAMES}
+                     "starcoder2": _STARCODER2_NAMES, "gpt2": _GPT2_NAMES, "gpt_bigcode": _GPT2_NAMES,
+                     "opt": _OPT_NAMES}
 
 
 TPRank = tuple[int, int]   # (tp_rank, tp_size)
@@ -144,7 +151,10 @@ def _head_dim(config: Any) -> int:
 def _has_bias(config: Any, part: str) -> bool:
     """Whether a layer's "qkv", "o" or "mlp" projections have biases: attention_bias (q/k/v and o; Qwen2's q/k/v
     always; GLM's q/k/v only), Seed-OSS's attention_out_bias for o, mlp_bias, ERNIE 4.5's and StarCoder2's use_bias and
-    Phi's, GPT-2's and GPT-BigCode's for all, StableLM's use_qkv_bias for q/k/v; GPT-NeoX's MLP's always."""
+    Phi's, GPT-2's and GPT-BigCode's for all, OPT's enable_bias, StableLM's use_qkv_bias for q/k/v; GPT-NeoX's MLP's
+    always."""
+    if config.model_type == "opt":
+        return bool(config.enable_bias)
     if getattr(config, "use_bias", False) or config.model_type == "phi" or _learns_positions(config) or \
             (part == "mlp" and config.model_type == "gpt_neox"):
         return True
@@ -175,11 +185,11 @@ def _eps(config: Any) -> float:
     """The norms' epsilon (LFM2's config calls it norm_eps; a LayerNorm model's, layer_norm_eps, or as
     `_LAYER_NORM_EPS` names it)."""
     if _norms_with_layer_norm(config):
-        return getattr(config, _LAYER_NORM_EPS.get(config.model_type, "layer_norm_eps"))
+        return getattr(config, _LAYER_NORM_EPS.get(config.model_type, "layer_norm_eps"), 1e-5)
     return config.norm_eps if config.model_type == "lfm2" else config.rms_norm_eps
 
 
-# the LayerNorms' epsilon's name in a config, where it is not layer_norm_eps
+# the LayerNorms' epsilon's name in a config, where it is not layer_norm_eps (OPT's config has none: torch's 1e-5)
 _LAYER_NORM_EPS = {"starcoder2": "norm_epsilon", "gpt2": "layer_norm_epsilon", "gpt_bigcode": "layer_norm_epsilon"}
 
 
@@ -191,9 +201,19 @@ def _norms_with_layer_norm(config: Any) -> bool:
 
 
 def _learns_positions(config: Any) -> bool:
-    """Whether the model adds a learned embedding of each token's position to its token's (GPT-2's `wpe`, GPT-BigCode's)
-    rather than turn its queries and keys (it has no rotary embedding)."""
-    return config.model_type in ("gpt2", "gpt_bigcode")
+    """Whether the model adds a learned embedding of each token's position to its token's (GPT-2's `wpe`, GPT-BigCode's,
+    OPT's) rather than turn its queries and keys (it has no rotary embedding)."""
+    return config.model_type in ("gpt2", "gpt_bigcode", "opt")
+
+
+def _check_opt(config: Any) -> None:
+    """ValueError for what of OPT's options the layers do not take: opt-350m's (its norms after each branch, its
+    embeddings narrower than the layers), norms without weights."""
+    if not config.do_layer_norm_before or config.word_embed_proj_dim != config.hidden_size:
+        raise ValueError("OPT with its norms after each branch or embeddings projected in and out (opt-350m's: "
+                         "do_layer_norm_before=False, word_embed_proj_dim) is not supported")
+    if not config.layer_norm_elementwise_affine:
+        raise ValueError("OPT's norms without weights (layer_norm_elementwise_affine=False) are not supported")
 
 
 def _is_cohere(config: Any) -> bool:
@@ -223,7 +243,10 @@ def _gated_mlp(config: Any) -> bool:
 
 def _intermediate_size(config: Any) -> int:
     """The MLP's width: the config's, but for LFM2's, cut to 2/3, times its multiplier, rounded up to its multiple
-    (`block_auto_adjust_ff_dim`), as transformers does; GPT-2's and GPT-BigCode's n_inner (4 x hidden_size without)."""
+    (`block_auto_adjust_ff_dim`), as transformers does; GPT-2's and GPT-BigCode's n_inner (4 x hidden_size without),
+    OPT's ffn_dim."""
+    if config.model_type == "opt":
+        return config.ffn_dim
     if _learns_positions(config):
         return config.n_inner or 4 * config.hidden_size
     size = config.intermediate_size
@@ -555,20 +578,24 @@ class LlamaMLP(nn.Module):
 
 
 class PlainMLP(nn.Module):
-    """The ungated MLP of Phi, GPT-NeoX and StarCoder2, fc2(act(fc1(x))), with biases (`_has_bias`): GELU, exact
-    (GPT-NeoX's "gelu") or its tanh approximation (Phi's "gelu_new", StarCoder2's "gelu_pytorch_tanh"). Its modules
-    keep Phi's names (GPT-NeoX's dense_h_to_4h and dense_4h_to_h, StarCoder2's c_fc and c_proj load into them); a LoRA
-    adapter reaches the attention only (fc1 and fc2 are not its modules)."""
+    """The ungated MLP of Phi, GPT-NeoX, StarCoder2, GPT-2, GPT-BigCode and OPT, fc2(act(fc1(x))), with biases
+    (`_has_bias`): GELU, exact (GPT-NeoX's "gelu") or its tanh approximation (Phi's "gelu_new", StarCoder2's
+    "gelu_pytorch_tanh"), or ReLU (OPT's). Its modules keep Phi's names (GPT-NeoX's dense_h_to_4h and dense_4h_to_h,
+    StarCoder2's c_fc and c_proj load into them); a LoRA adapter reaches the attention only (fc1 and fc2 are not its
+    modules)."""
 
-    _APPROXIMATION = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh"}
+    _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+        "gelu": F.gelu, "gelu_new": functools.partial(F.gelu, approximate="tanh"),
+        "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
+        "gelu_fast": functools.partial(F.gelu, approximate="tanh"), "relu": F.relu}
 
     def __init__(self, config: Any, dtype: torch.dtype, tp: TPRank) -> None:
         super().__init__()
         act = getattr(config, "hidden_act", None) or config.activation_function     # (GPT-2's name for it)
-        if act not in self._APPROXIMATION:
+        if act not in self._ACTIVATIONS:
             raise ValueError(f"hidden activation {act!r} is not supported here (only "
-                             f"{', '.join(map(repr, self._APPROXIMATION))})")
-        self.approximate = self._APPROXIMATION[act]
+                             f"{', '.join(map(repr, self._ACTIVATIONS))})")
+        self.act_fn = self._ACTIVATIONS[act]
         inter = _intermediate_size(config)
         bias = _has_bias(config, "mlp")
         self.fc1 = ColumnParallelLinear(config.hidden_size, inter, bias=bias, dtype=dtype, tp_rank=tp[0],
@@ -576,7 +603,7 @@ class PlainMLP(nn.Module):
         self.fc2 = RowParallelLinear(inter, config.hidden_size, bias=bias, dtype=dtype, tp_rank=tp[0], tp_size=tp[1])
 
     def forward(self, x: torch.Tensor, lora: LayerLoRA | None = None) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x), approximate=self.approximate))
+        return self.fc2(self.act_fn(self.fc1(x)))
 
 
 class LlamaSparseMoeBlock(nn.Module):
@@ -696,9 +723,13 @@ class LlamaModel(nn.Module):
         self.embed_scale: torch.Tensor | float | None = \
             torch.tensor(config.hidden_size ** 0.5, dtype=dtype) if _is_gemma(config) else \
             getattr(config, "embedding_multiplier", None)
-        # GPT-2's and GPT-BigCode's learned position embeddings (`_learns_positions`), split across ranks as the
-        # vocabulary is
-        self.embed_positions = VocabEmbedding(config.max_position_embeddings, config.hidden_size, dtype, tp[0], tp[1]) \
+        # GPT-2's, GPT-BigCode's and OPT's learned position embeddings (`_learns_positions`), split across ranks as the
+        # vocabulary is; OPT's table starts 2 rows in (`position_offset`)
+        if config.model_type == "opt":
+            _check_opt(config)
+        self.position_offset = 2 if config.model_type == "opt" else 0
+        self.embed_positions = VocabEmbedding(config.max_position_embeddings + self.position_offset,
+                                              config.hidden_size, dtype, tp[0], tp[1]) \
             if _learns_positions(config) else None
         rotary: dict[str, RotaryEmbedding] = {}     # one for each rope of the layers (Gemma's local and global ones)
 
@@ -744,7 +775,7 @@ class LlamaModel(nn.Module):
                 if grown and self.stacks:   # the stacks hold the tables they were built with
                     self.stacks = {}
         if self.embed_positions is not None:    # (after the image rows: prompt embeddings take them too)
-            x = x + self.embed_positions(positions)
+            x = x + self.embed_positions(positions + self.position_offset)
         if self.longrope is not None:
             positions = self.longrope.table_rows(positions)
         # the C++ stack has no LoRA updates, nor DeepStack's, nor images seen whole
@@ -975,6 +1006,8 @@ class LlamaForCausalLM(nn.Module):
             if ".block_sparse_moe." in name:
                 for mixtral, qwen in _MIXTRAL_NAMES:
                     name = name.replace(mixtral, qwen)
+            if self.config.model_type == "opt" and name.startswith("decoder."):
+                name = "model." + name
             for theirs, ours in _CHECKPOINT_NAMES.get(self.config.model_type, ()):
                 name = name.replace(theirs, ours)
             if self.config.model_type == "lfm2" and name.endswith(".conv.weight") and tensor.dim() == 2:

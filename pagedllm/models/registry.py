@@ -45,6 +45,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Cohere2ForCausalLM": LlamaForCausalLM,
     "GPT2LMHeadModel": LlamaForCausalLM,
     "GPTBigCodeForCausalLM": LlamaForCausalLM,
+    "OPTForCausalLM": LlamaForCausalLM,
     "Lfm2ForCausalLM": LlamaForCausalLM,      # short convolutions among its attention layers (ShortConv)
     # The bare decoders (no LM head), as embedding models are saved (gte-Qwen2, e5-mistral): see BARE_ARCHITECTURES.
     "LlamaModel": LlamaForCausalLM,

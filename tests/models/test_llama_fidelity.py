@@ -117,12 +117,13 @@ def test_branch_output_norms_through_the_engine_as_transformers(tmp_path, kind: 
     assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(hf_model, PROMPTS, 8)
 
 
-@pytest.mark.parametrize("kind", ["stablelm", "phi", "gpt-neox", "starcoder2", "cohere2", "gpt2", "gpt-bigcode"])
+@pytest.mark.parametrize("kind", ["stablelm", "phi", "gpt-neox", "starcoder2", "cohere2", "gpt2", "gpt-bigcode",
+                                  "opt"])
 def test_layer_norm_models_through_the_engine_as_transformers(tmp_path, kind: str) -> None:
     """StableLM's, Phi's, GPT-NeoX's, StarCoder2's, Cohere2's, GPT-2's and GPT-BigCode's LayerNorm layers in the engine
     (their modules: the C++ stack norms with RMSNorm only) generate transformers' tokens, with prompts prefilled in
     chunks and a prefix cached (StarCoder2's and Cohere2's past their window of 12; StarCoder2's blocks behind it
-    freed; GPT-2's and GPT-BigCode's positions embedded)."""
+    freed; GPT-2's, GPT-BigCode's and OPT's positions embedded)."""
     from pagedllm import LLM, SamplingParams
     from tests.models.tiny import hf_greedy
 
@@ -141,4 +142,25 @@ def test_layer_norm_models_through_the_engine_as_transformers(tmp_path, kind: st
 def test_per_head_layer_norms_of_queries_and_keys_are_refused(tmp_path, kind: str, option: str) -> None:
     folder, _ = save_tiny_model(tmp_path / kind, kind, with_tokenizer=False, **{option: True})
     with pytest.raises(ValueError, match=f"LayerNorms of each query and key head .*{option}.* are not supported"):
+        _load(folder)
+
+
+def test_opt_checkpoints_named_from_the_decoder_load(tmp_path) -> None:
+    """OPT checkpoints saved from its decoder model (opt-125m's: "decoder.layers.0.fc1.weight", no "model." prefix, no
+    LM head) load as transformers' own saves do."""
+    from safetensors.torch import load_file, save_file
+
+    folder, hf_model = save_tiny_model(tmp_path / "opt", "opt", with_tokenizer=False)
+    weights = load_file(folder / "model.safetensors")
+    save_file({name.removeprefix("model."): tensor for name, tensor in weights.items() if name != "lm_head.weight"},
+              folder / "model.safetensors", metadata={"format": "pt"})
+    assert "decoder.layers.0.fc1.weight" in load_file(folder / "model.safetensors")
+    logits = SimplePagedRunner(_load(folder)).step({0: PROMPTS[0]})
+    torch.testing.assert_close(logits[0], _hf_last_logits(hf_model, PROMPTS[0]), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("overrides", [dict(do_layer_norm_before=False), dict(word_embed_proj_dim=32)])
+def test_opt_350ms_layout_is_refused(tmp_path, overrides: dict) -> None:
+    folder, _ = save_tiny_model(tmp_path / "opt", "opt", with_tokenizer=False, **overrides)
+    with pytest.raises(ValueError, match="opt-350m's"):
         _load(folder)

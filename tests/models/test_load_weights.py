@@ -72,4 +72,4 @@ def test_registry() -> None:
         assert get_model_class(name) is LlamaForCausalLM
     assert model_class_for_config(tiny_config("qwen2")) is LlamaForCausalLM
     with pytest.raises(ValueError, match="supported: .*LlamaForCausalLM"):
-        get_model_class("OPTForCausalLM")
+        get_model_class("BloomForCausalLM")

@@ -92,6 +92,8 @@ TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     # (n_head as a config.json names it: GPTBigCodeConfig works out num_key_value_heads from it)
     "gpt-bigcode": ("gpt_bigcode", dict(n_head=4, multi_query=True, tie_word_embeddings=False)),
     "gpt-bigcode-mha": ("gpt_bigcode", dict(n_head=4, multi_query=False)),
+    # OPT's (opt-125m's layout): positions from row 2 of their table, a ReLU MLP of ffn_dim
+    "opt": ("opt", dict(ffn_dim=128, word_embed_proj_dim=64)),
     # as LFM2's: a short convolution (its input of 64 values a token in two of the pool's layers of 2 x 1 x 16) and
     # an attention with Qwen3's head norms; the MLP's width adjusted as LFM2's (2/3 of 192, to a multiple of 32)
     "lfm2": ("lfm2", dict(num_key_value_heads=1, layer_types=["conv", "full_attention"], intermediate_size=192,
@@ -124,7 +126,7 @@ def build_tiny_hf_model(kind: str = "llama-gqa", seed: int = 0, **overrides: Any
     config = tiny_config(kind, **overrides)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
     if config.model_type in ("gemma2", "gemma3_text", "glm4", "stablelm", "phi", "gpt_neox", "starcoder2", "cohere",
-                             "cohere2", "gpt2", "gpt_bigcode"):
+                             "cohere2", "gpt2", "gpt_bigcode", "opt"):
         randomize_norms(model, mean=0.0 if config.model_type.startswith("gemma") else 1.0)
     return model.eval()
 
