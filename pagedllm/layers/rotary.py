@@ -61,7 +61,9 @@ def mrope_axes(config: Any) -> list[int] | None:
 
 def rotary_dim(config: Any, head_dim: int) -> int:
     """How many of a head's values the rotary embedding turns: head_dim x `partial_rotary_factor` (Phi-4-mini's
-    0.75), all of them without one."""
+    0.75), GPT-J's `rotary_dim`, all of them without either."""
+    if getattr(config, "model_type", None) == "gptj" and config.rotary_dim:
+        return int(config.rotary_dim)
     params = getattr(config, "rope_parameters", None)
     factor = params.get("partial_rotary_factor") if isinstance(params, dict) else None
     return int(head_dim * (factor or getattr(config, "partial_rotary_factor", None) or 1.0))

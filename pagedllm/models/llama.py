@@ -36,7 +36,9 @@ interleaved pairs (reordered at load), its logits are multiplied by `logit_scale
 values (as EXAONE 4's). GPT-2 and GPT-BigCode (StarCoder 1, SantaCoder: one KV head) add a learned embedding of each
 token's position to its token's (`embed_positions`) and turn no values; GPT-2 stores its weights [in, out] (Conv1D:
 transposed at load). OPT's (vLLM's first example, opt-125m) too, its table of positions starting 2 rows in, its MLP a
-ReLU one. Their modules run, not the C++ stack (`use_decoder_stack`).
+ReLU one. GPT-J's layers are parallel under one norm, its rope interleaved over `rotary_dim` of each head's values,
+its LM head biased. Falcon's branches are parallel (7B's under one norm, 40B's and 180B's under one each), its q/k/v
+fused by KV-head group (`unfused`). Their modules run, not the C++ stack (`use_decoder_stack`).
 
 The model is format-agnostic: `load_weights` takes Hugging Face parameter names from any loader and maps the
 separate q/k/v and gate/up checkpoint tensors onto the fused parameters (`STACKED_PARAMS_MAPPING`).
@@ -109,7 +111,8 @@ _MIXTRAL_NAMES = ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."), (".w
 # LFM2's (its convolution is the layer's `self_attn`, a ShortConv, whose out_proj is its o_proj as an attention's is);
 # Phi's; GPT-NeoX's (its MLP under Phi's names; embed_out: older checkpoints' LM head); StarCoder2's MLP's; GPT-2's
 # and GPT-BigCode's (c_attn: q/k/v fused, q's rows then k's then v's); OPT's (its MLP's norm is the layer's
-# final_layer_norm, the decoder's own the model's norm; older checkpoints' names start at "decoder.")
+# final_layer_norm, the decoder's own the model's norm; older checkpoints' names start at "decoder."); GPT-J's;
+# Falcon's (its new decoder architecture's ln_attn and ln_mlp: the two norms of GPT-NeoX's parallel branches)
 _GLM4_NAMES = ((".post_attention_layernorm.", ".pre_feedforward_layernorm."),
                (".post_self_attn_layernorm.", ".post_attention_layernorm."),
                (".post_mlp_layernorm.", ".post_feedforward_layernorm."))
@@ -132,9 +135,18 @@ _GPT2_NAMES = (("transformer.wte.", "model.embed_tokens."), ("transformer.wpe.",
 _OPT_NAMES = (("model.decoder.final_layer_norm.", "model.norm."), ("model.decoder.", "model."),
               (".self_attn_layer_norm.", ".input_layernorm."), (".final_layer_norm.", ".post_attention_layernorm."),
               (".self_attn.out_proj.", ".self_attn.o_proj."), (".fc1.", ".mlp.fc1."), (".fc2.", ".mlp.fc2."))
+_GPTJ_NAMES = (("transformer.wte.", "model.embed_tokens."), ("transformer.h.", "model.layers."),
+               ("transformer.ln_f.", "model.norm."), (".ln_1.", ".input_layernorm."), (".attn.", ".self_attn."),
+               (".self_attn.out_proj.", ".self_attn.o_proj."), (".mlp.fc_in.", ".mlp.fc1."),
+               (".mlp.fc_out.", ".mlp.fc2."))
+_FALCON_NAMES = (("transformer.word_embeddings.", "model.embed_tokens."), ("transformer.h.", "model.layers."),
+                 ("transformer.ln_f.", "model.norm."), (".ln_attn.", ".input_layernorm."),
+                 (".ln_mlp.", ".post_attention_layernorm."), (".self_attention.dense.", ".self_attn.o_proj."),
+                 (".self_attention.", ".self_attn."), (".mlp.dense_h_to_4h.", ".mlp.fc1."),
+                 (".mlp.dense_4h_to_h.", ".mlp.fc2."))
 _CHECKPOINT_NAMES = {"glm4": _GLM4_NAMES, "lfm2": _LFM2_NAMES, "phi": _PHI_NAMES, "gpt_neox": _GPT_NEOX_NAMES,
                      "starcoder2": _STARCODER2_NAMES, "gpt2": _GPT2_NAMES, "gpt_bigcode": _GPT2_NAMES,
-                     "opt": _OPT_NAMES}
+                     "opt": _OPT_NAMES, "gptj": _GPTJ_NAMES, "falcon": _FALCON_NAMES}
 
 
 TPRank = tuple[int, int]   # (tp_rank, tp_size)
@@ -151,10 +163,14 @@ def _head_dim(config: Any) -> int:
 def _has_bias(config: Any, part: str) -> bool:
     """Whether a layer's "qkv", "o" or "mlp" projections have biases: attention_bias (q/k/v and o; Qwen2's q/k/v
     always; GLM's q/k/v only), Seed-OSS's attention_out_bias for o, mlp_bias, ERNIE 4.5's and StarCoder2's use_bias and
-    Phi's, GPT-2's and GPT-BigCode's for all, OPT's enable_bias, StableLM's use_qkv_bias for q/k/v; GPT-NeoX's MLP's
-    always."""
+    Phi's, GPT-2's and GPT-BigCode's for all, OPT's enable_bias and Falcon's bias, StableLM's use_qkv_bias for q/k/v;
+    GPT-NeoX's and GPT-J's MLP's always."""
     if config.model_type == "opt":
         return bool(config.enable_bias)
+    if config.model_type == "gptj":
+        return part == "mlp"
+    if config.model_type == "falcon":
+        return bool(config.bias)
     if getattr(config, "use_bias", False) or config.model_type == "phi" or _learns_positions(config) or \
             (part == "mlp" and config.model_type == "gpt_neox"):
         return True
@@ -170,10 +186,10 @@ def _has_bias(config: Any, part: str) -> bool:
 
 def _interleaved_rope(config: Any) -> bool:
     """Whether the checkpoint's rotary embedding turns interleaved pairs of a head's values (the GPT-J layout: ERNIE
-    4.5's, Helium's, GLM's, Cohere's), which `load_weights` reorders into the halves pagedllm's turns; not where the
-    loader gives them in halves already (`rotary_rows_in_halves`: a GGUF file's, reordered as llama.cpp's Llama files
-    are)."""
-    return config.model_type in ("ernie4_5", "helium", "glm", "glm4", "cohere", "cohere2") and \
+    4.5's, Helium's, GLM's, Cohere's, GPT-J's), which `load_weights` reorders into the halves pagedllm's turns; not
+    where the loader gives them in halves already (`rotary_rows_in_halves`: a GGUF file's, reordered as llama.cpp's
+    Llama files are)."""
+    return config.model_type in ("ernie4_5", "helium", "glm", "glm4", "cohere", "cohere2", "gptj") and \
         not getattr(config, "rotary_rows_in_halves", False)
 
 
@@ -190,14 +206,32 @@ def _eps(config: Any) -> float:
 
 
 # the LayerNorms' epsilon's name in a config, where it is not layer_norm_eps (OPT's config has none: torch's 1e-5)
-_LAYER_NORM_EPS = {"starcoder2": "norm_epsilon", "gpt2": "layer_norm_epsilon", "gpt_bigcode": "layer_norm_epsilon"}
+_LAYER_NORM_EPS = {"starcoder2": "norm_epsilon", "gpt2": "layer_norm_epsilon", "gpt_bigcode": "layer_norm_epsilon",
+                   "gptj": "layer_norm_epsilon", "falcon": "layer_norm_epsilon"}
 
 
 def _norms_with_layer_norm(config: Any) -> bool:
     """Whether the model norms with LayerNorm (mean and variance, weight and bias: StableLM's, Phi's, GPT-NeoX's,
     StarCoder2's, GPT-2's, GPT-BigCode's; weight only: Cohere's) rather than RMSNorm."""
-    return config.model_type in ("stablelm", "phi", "gpt_neox", "starcoder2", "cohere", "cohere2") or \
-        _learns_positions(config)
+    return config.model_type in ("stablelm", "phi", "gpt_neox", "starcoder2", "cohere", "cohere2", "gptj",
+                                 "falcon") or _learns_positions(config)
+
+
+def _falcon_parallel(config: Any) -> bool:
+    """Whether Falcon's layers' branches are parallel (`parallel_attn`, or its new decoder architecture's)."""
+    return config.model_type == "falcon" and bool(config.parallel_attn or config.new_decoder_architecture)
+
+
+def _falcon_two_norms(config: Any) -> bool:
+    """Whether Falcon's layers norm each branch's input with a norm of its own (its new decoder architecture's
+    ln_attn and ln_mlp: `num_ln_in_parallel_attn`, 2 where unset)."""
+    return config.model_type == "falcon" and bool(config.new_decoder_architecture) and \
+        (config.num_ln_in_parallel_attn or 2) == 2
+
+
+def _plain_mlp(config: Any) -> bool:
+    """Whether the MLP is ungated (fc2(act(fc1(x))): `PlainMLP`)."""
+    return config.model_type in ("phi", "gpt_neox", "starcoder2", "gptj", "falcon") or _learns_positions(config)
 
 
 def _learns_positions(config: Any) -> bool:
@@ -229,25 +263,23 @@ def _norm(config: Any, dtype: torch.dtype) -> RMSNorm | PreLayerNorm:
 
 def _parallel_branches(config: Any) -> bool:
     """Whether a layer's attention and MLP both read the stream the layer takes, their outputs added to it together
-    (Phi's, Cohere's, GPT-NeoX's `use_parallel_residual`, StableLM 2 12B's), rather than the MLP reading the stream
-    after the attention's output joined it."""
-    return config.model_type == "phi" or _is_cohere(config) or (config.model_type in ("stablelm", "gpt_neox")
+    (Phi's, GPT-J's, Cohere's, Falcon's, GPT-NeoX's `use_parallel_residual`, StableLM 2 12B's), rather than the MLP
+    reading the stream after the attention's output joined it."""
+    return config.model_type in ("phi", "gptj") or _is_cohere(config) or _falcon_parallel(config) or \
+        (config.model_type in ("stablelm", "gpt_neox")
                                           and bool(config.use_parallel_residual))
-
-
-def _gated_mlp(config: Any) -> bool:
-    """Whether the MLP is gated (down(act(gate(x)) * up(x))); Phi's, GPT-NeoX's, StarCoder2's, GPT-2's and
-    GPT-BigCode's are not (fc2(act(fc1(x))))."""
-    return config.model_type not in ("phi", "gpt_neox", "starcoder2") and not _learns_positions(config)
 
 
 def _intermediate_size(config: Any) -> int:
     """The MLP's width: the config's, but for LFM2's, cut to 2/3, times its multiplier, rounded up to its multiple
-    (`block_auto_adjust_ff_dim`), as transformers does; GPT-2's and GPT-BigCode's n_inner (4 x hidden_size without),
-    OPT's ffn_dim."""
+    (`block_auto_adjust_ff_dim`), as transformers does; GPT-2's, GPT-BigCode's and GPT-J's n_inner (4 x hidden_size
+    without),
+    OPT's ffn_dim, Falcon's ffn_hidden_size."""
     if config.model_type == "opt":
         return config.ffn_dim
-    if _learns_positions(config):
+    if config.model_type == "falcon":
+        return config.ffn_hidden_size or 4 * config.hidden_size
+    if _learns_positions(config) or config.model_type == "gptj":
         return config.n_inner or 4 * config.hidden_size
     size = config.intermediate_size
     if config.model_type != "lfm2" or not config.block_auto_adjust_ff_dim:
@@ -384,9 +416,11 @@ def unfused(config: Any, name: str, tensor: torch.Tensor) -> list[tuple[str, tor
     """A checkpoint's fused q/k/v or gate/up tensor as its parts' rows, each under the name a separate checkpoint
     gives it, so that each loads (a tensor-parallel rank taking its slice of each) or packs as one; any other tensor
     as it is."""
-    if ".query_key_value." in name:     # GPT-NeoX's: each head's q, k and v rows in turn
-        parts = tensor.unflatten(0, (config.num_attention_heads, 3, -1)).unbind(1)
-        return [(name.replace(".query_key_value.", part_name), part.flatten(0, 1))
+    if ".query_key_value." in name:     # each KV head's group: its queries' rows, then its key's, then its value's
+        kv_heads = _num_kv_heads(config)    # (GPT-NeoX's one query a group; Falcon 7B's one group of all)
+        groups = tensor.unflatten(0, (kv_heads, config.num_attention_heads // kv_heads + 2, -1))
+        parts = (groups[:, :-2].flatten(0, 2), groups[:, -2].flatten(0, 1), groups[:, -1].flatten(0, 1))
+        return [(name.replace(".query_key_value.", part_name), part)
                 for part_name, part in zip((".q_proj.", ".k_proj.", ".v_proj."), parts, strict=True)]
     names = fused_parts(name)
     if len(names) == 1:
@@ -435,6 +469,8 @@ class LlamaAttention(nn.Module):
             (getattr(config, "query_pre_attn_scalar", None) or self.head_dim) ** -0.5
         if not getattr(config, "scale_attn_weights", True):     # (GPT-2's and GPT-BigCode's option)
             self.scale = 1.0
+        if getattr(config, "alibi", False):
+            raise ValueError("Falcon with ALiBi position biases (alibi=True: falcon-rw-1b's) is not supported")
         if getattr(config, "scale_attn_by_inverse_layer_idx", False):
             raise ValueError("GPT-2's attention scores scaled by each layer's inverse index "
                              "(scale_attn_by_inverse_layer_idx) are not supported")
@@ -591,7 +627,8 @@ class PlainMLP(nn.Module):
 
     def __init__(self, config: Any, dtype: torch.dtype, tp: TPRank) -> None:
         super().__init__()
-        act = getattr(config, "hidden_act", None) or config.activation_function     # (GPT-2's name for it)
+        act = getattr(config, "hidden_act", None) or getattr(config, "activation_function", None) or \
+            config.activation   # (GPT-2's name for it, Falcon's)
         if act not in self._ACTIVATIONS:
             raise ValueError(f"hidden activation {act!r} is not supported here (only "
                              f"{', '.join(map(repr, self._ACTIVATIONS))})")
@@ -672,15 +709,15 @@ class LlamaDecoderLayer(nn.Module):
             else LlamaAttention(config, dtype, attn_backend, rotary_emb, tp, index)
         self.mlp: LlamaMLP | LlamaSparseMoeBlock | PlainMLP = (
             LlamaSparseMoeBlock(config, dtype, tp) if _is_sparse_layer(config, index) else
-            LlamaMLP(config, dtype, tp) if _gated_mlp(config) else PlainMLP(config, dtype, tp))
+            PlainMLP(config, dtype, tp) if _plain_mlp(config) else LlamaMLP(config, dtype, tp))
         # OLMo's and EXAONE 4's layers norm their branches' outputs only (post_attention_layernorm and
         # post_feedforward_layernorm)
         self.input_layernorm = None if _norms_outputs(config) else _norm(config, dtype)
         # parallel branches (`_parallel_branches`): the MLP reads the stream normed by input_layernorm as the
-        # attention does (Phi's, StableLM's), or by post_attention_layernorm (GPT-NeoX's)
+        # attention does (Phi's, StableLM's), or by post_attention_layernorm (GPT-NeoX's, Falcon 40B's ln_mlp)
         self.parallel = _parallel_branches(config)
-        self.post_attention_layernorm = None if self.parallel and config.model_type != "gpt_neox" else \
-            _norm(config, dtype)
+        self.post_attention_layernorm = None if self.parallel and config.model_type != "gpt_neox" and \
+            not _falcon_two_norms(config) else _norm(config, dtype)
         # Gemma's and GLM-4's: the attention's output normed by post_attention_layernorm before it joins the
         # residual stream, the stream normed by pre_feedforward_layernorm for the MLP, the MLP's output by
         # post_feedforward_layernorm
@@ -927,7 +964,7 @@ class LlamaForCausalLM(nn.Module):
         self.image_encoder: ImageEncoder | None = None
         self.tie_word_embeddings = self.bare or self.score is not None or self.head_is_embedding
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype, tp_rank, tp_size,
-                                      bias=config.model_type == "phi")    # (Phi's LM head has biases)
+                                      bias=config.model_type in ("phi", "gptj"))    # (their LM heads have biases)
         if self.tie_word_embeddings:
             self.lm_head.tie(self.model.embed_tokens)
 

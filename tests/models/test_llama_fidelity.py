@@ -118,12 +118,12 @@ def test_branch_output_norms_through_the_engine_as_transformers(tmp_path, kind: 
 
 
 @pytest.mark.parametrize("kind", ["stablelm", "phi", "gpt-neox", "starcoder2", "cohere2", "gpt2", "gpt-bigcode",
-                                  "opt"])
+                                  "opt", "gptj", "falcon-new"])
 def test_layer_norm_models_through_the_engine_as_transformers(tmp_path, kind: str) -> None:
-    """StableLM's, Phi's, GPT-NeoX's, StarCoder2's, Cohere2's, GPT-2's and GPT-BigCode's LayerNorm layers in the engine
-    (their modules: the C++ stack norms with RMSNorm only) generate transformers' tokens, with prompts prefilled in
-    chunks and a prefix cached (StarCoder2's and Cohere2's past their window of 12; StarCoder2's blocks behind it
-    freed; GPT-2's, GPT-BigCode's and OPT's positions embedded)."""
+    """StableLM's, Phi's, GPT-NeoX's, StarCoder2's, Cohere2's, GPT-2's, GPT-BigCode's, OPT's, GPT-J's and Falcon's
+    LayerNorm layers in the engine (their modules: the C++ stack norms with RMSNorm only) generate transformers'
+    tokens, with prompts prefilled in chunks and a prefix cached (StarCoder2's and Cohere2's past their window of 12;
+    StarCoder2's blocks behind it freed; GPT-2's, GPT-BigCode's and OPT's positions embedded)."""
     from pagedllm import LLM, SamplingParams
     from tests.models.tiny import hf_greedy
 
@@ -163,4 +163,10 @@ def test_opt_checkpoints_named_from_the_decoder_load(tmp_path) -> None:
 def test_opt_350ms_layout_is_refused(tmp_path, overrides: dict) -> None:
     folder, _ = save_tiny_model(tmp_path / "opt", "opt", with_tokenizer=False, **overrides)
     with pytest.raises(ValueError, match="opt-350m's"):
+        _load(folder)
+
+
+def test_falcon_with_alibi_is_refused(tmp_path) -> None:
+    folder, _ = save_tiny_model(tmp_path / "falcon", "falcon", with_tokenizer=False, alibi=True)
+    with pytest.raises(ValueError, match="ALiBi position biases .* not supported"):
         _load(folder)

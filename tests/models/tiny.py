@@ -94,6 +94,12 @@ TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "gpt-bigcode-mha": ("gpt_bigcode", dict(n_head=4, multi_query=False)),
     # OPT's (opt-125m's layout): positions from row 2 of their table, a ReLU MLP of ffn_dim
     "opt": ("opt", dict(ffn_dim=128, word_embed_proj_dim=64)),
+    # GPT-J's: parallel branches under one norm, interleaved rope over rotary_dim (8 of 16) values, a biased LM head
+    "gptj": ("gptj", dict(rotary_dim=8, tie_word_embeddings=False)),
+    # Falcon's: 7B's (one KV head, parallel branches under one norm, no biases) and 40B's new decoder architecture (a
+    # group of queries a KV head, a norm for each branch), with biases (num_kv_heads as a config.json names it)
+    "falcon": ("falcon", dict(multi_query=True, num_kv_heads=1, parallel_attn=True, bias=False)),
+    "falcon-new": ("falcon", dict(new_decoder_architecture=True, num_kv_heads=2, bias=True)),
     # as LFM2's: a short convolution (its input of 64 values a token in two of the pool's layers of 2 x 1 x 16) and
     # an attention with Qwen3's head norms; the MLP's width adjusted as LFM2's (2/3 of 192, to a multiple of 32)
     "lfm2": ("lfm2", dict(num_key_value_heads=1, layer_types=["conv", "full_attention"], intermediate_size=192,
@@ -126,7 +132,7 @@ def build_tiny_hf_model(kind: str = "llama-gqa", seed: int = 0, **overrides: Any
     config = tiny_config(kind, **overrides)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
     if config.model_type in ("gemma2", "gemma3_text", "glm4", "stablelm", "phi", "gpt_neox", "starcoder2", "cohere",
-                             "cohere2", "gpt2", "gpt_bigcode", "opt"):
+                             "cohere2", "gpt2", "gpt_bigcode", "opt", "gptj", "falcon"):
         randomize_norms(model, mean=0.0 if config.model_type.startswith("gemma") else 1.0)
     return model.eval()
 
