@@ -679,7 +679,9 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def kernel_weights(self, kernels: ModuleType) -> Any:
-        """This layer for the C++ kernels (`linear_weights`): on one rank (they have no all-reduce), or a layer that
-        leaves its reduce to the caller."""
+        """This layer for the C++ kernels (`linear_weights`): on one rank (they have no all-reduce), its bias in the
+        product as `forward` has it; or a layer that leaves its reduce to the caller, its bias added after."""
         assert self.tp_size == 1 or not self.reduce_results, "the kernels' layers do not all-reduce"
+        if self.tp_size == 1:
+            return linear_weights(kernels, self.weight, self.bias)
         return linear_weights(kernels, self.weight, row_bias=self.bias)

@@ -38,7 +38,8 @@ token's position to its token's (`embed_positions`) and turn no values; GPT-2 st
 transposed at load). OPT's (vLLM's first example, opt-125m) too, its table of positions starting 2 rows in, its MLP a
 ReLU one. GPT-J's layers are parallel under one norm, its rope interleaved over `rotary_dim` of each head's values,
 its LM head biased. Falcon's branches are parallel (7B's under one norm, 40B's and 180B's under one each), its q/k/v
-fused by KV-head group (`unfused`). Their modules run, not the C++ stack (`use_decoder_stack`).
+fused by KV-head group (`unfused`). The C++ stack runs their layers as it runs the others' (LayerNorms where a norm
+has a bias, parallel branches, the ungated MLP's activation as torch computes it).
 
 The model is format-agnostic: `load_weights` takes Hugging Face parameter names from any loader and maps the
 separate q/k/v and gate/up checkpoint tensors onto the fused parameters (`STACKED_PARAMS_MAPPING`).
@@ -620,19 +621,20 @@ class PlainMLP(nn.Module):
     StarCoder2's c_fc and c_proj load into them); a LoRA adapter reaches the attention only (fc1 and fc2 are not its
     modules)."""
 
-    _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-        "gelu": F.gelu, "gelu_new": functools.partial(F.gelu, approximate="tanh"),
-        "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
-        "gelu_fast": functools.partial(F.gelu, approximate="tanh"), "relu": F.relu}
+    # a config's activation -> its kind (the C++ stack's name for it), and the kind's function
+    _KINDS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
+              "relu": "relu"}
+    _FUNCTIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+        "gelu": F.gelu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh"), "relu": F.relu}
 
     def __init__(self, config: Any, dtype: torch.dtype, tp: TPRank) -> None:
         super().__init__()
         act = getattr(config, "hidden_act", None) or getattr(config, "activation_function", None) or \
             config.activation   # (GPT-2's name for it, Falcon's)
-        if act not in self._ACTIVATIONS:
+        if act not in self._KINDS:
             raise ValueError(f"hidden activation {act!r} is not supported here (only "
-                             f"{', '.join(map(repr, self._ACTIVATIONS))})")
-        self.act_fn = self._ACTIVATIONS[act]
+                             f"{', '.join(map(repr, self._KINDS))})")
+        self.activation = self._KINDS[act]
         inter = _intermediate_size(config)
         bias = _has_bias(config, "mlp")
         self.fc1 = ColumnParallelLinear(config.hidden_size, inter, bias=bias, dtype=dtype, tp_rank=tp[0],
@@ -640,7 +642,7 @@ class PlainMLP(nn.Module):
         self.fc2 = RowParallelLinear(inter, config.hidden_size, bias=bias, dtype=dtype, tp_rank=tp[0], tp_size=tp[1])
 
     def forward(self, x: torch.Tensor, lora: LayerLoRA | None = None) -> torch.Tensor:
-        return self.fc2(self.act_fn(self.fc1(x)))
+        return self.fc2(self._FUNCTIONS[self.activation](self.fc1(x)))
 
 
 class LlamaSparseMoeBlock(nn.Module):
@@ -844,18 +846,28 @@ class LlamaModel(nn.Module):
         def weight(norm: RMSNorm | PreLayerNorm | None) -> torch.Tensor | None:
             return None if norm is None else norm.weight
 
+        def bias(norm: RMSNorm | PreLayerNorm | None) -> torch.Tensor | None:     # a LayerNorm's (the stack's cue)
+            return norm.bias if isinstance(norm, PreLayerNorm) else None
+
+        def mlp_weights(mlp: LlamaMLP | LlamaSparseMoeBlock | PlainMLP) -> dict[str, Any]:
+            if isinstance(mlp, LlamaSparseMoeBlock):
+                return dict(gate_up=None, down=None, moe=mlp.kernel_weights(kernels))
+            if isinstance(mlp, PlainMLP):   # fc1 and fc2 where gate_up and down go
+                return dict(gate_up=mlp.fc1.kernel_weights(kernels), down=mlp.fc2.kernel_weights(kernels), moe=None,
+                            activation=mlp.activation)
+            return dict(gate_up=mlp.gate_up_proj.kernel_weights(kernels), down=mlp.down_proj.kernel_weights(kernels),
+                        moe=None, activation="gelu_and_mul" if isinstance(mlp.act_fn, GeluAndMul) else "silu_and_mul")
+
         def layer_weights(layer: LlamaDecoderLayer, pool_layers: slice) -> Any:
-            mixer, mlp = layer.self_attn, layer.mlp
-            dense = isinstance(mlp, LlamaMLP)
+            mixer = layer.self_attn
             shared = dict(input_norm=weight(layer.input_layernorm),
                           post_attention_norm=weight(layer.post_attention_layernorm),
                           o=mixer.o_proj.kernel_weights(kernels),
-                          gate_up=mlp.gate_up_proj.kernel_weights(kernels) if dense else None,
-                          down=mlp.down_proj.kernel_weights(kernels) if dense else None,
-                          moe=None if dense else mlp.kernel_weights(kernels),
                           pre_feedforward_norm=weight(layer.pre_feedforward_layernorm),
                           post_feedforward_norm=weight(layer.post_feedforward_layernorm),
-                          gelu=dense and isinstance(mlp.act_fn, GeluAndMul))
+                          input_norm_bias=bias(layer.input_layernorm),
+                          post_attention_norm_bias=bias(layer.post_attention_layernorm), parallel=layer.parallel,
+                          **mlp_weights(layer.mlp))
             if isinstance(mixer, ShortConv):    # its in_proj where an attention's qkv goes, no rotary tables
                 none = torch.empty(0)
                 return kernels.DecoderLayerWeights(
@@ -872,7 +884,7 @@ class LlamaModel(nn.Module):
                                      in zip(self.layers, self.cache_layers, strict=True)], self.norm.weight,
                                     self.norm.eps, attn.qkv_proj.q_size // attn.head_dim,
                                     attn.qkv_proj.kv_size // attn.head_dim, attn.head_dim, attn.scale, attn.softcap,
-                                    not attn.encoder)
+                                    not attn.encoder, bias(self.norm))
 
 
 # Checkpoints of the decoder alone, as decoder embedding models are saved (gte-Qwen2, e5-mistral): tensor names
@@ -977,14 +989,12 @@ class LlamaForCausalLM(nn.Module):
         wherever the CPU kernels run, instead of ~15 module calls a layer: the same kernels in the same order, so the
         same bits, without ~3-5 ms of Python a step (SmolLM2, one stream); an encoder's layers attend through the
         kernels' bidirectional mode there, to the K/V they write to the cache (the modules: SDPA's, to the step's
-        own). Only on one rank, with the CPU attention backend and RMSNorms (the stack's norms: a LayerNorm model's
-        modules run, StableLM's, Phi's, GPT-NeoX's), otherwise the modules run. The loader calls it once
+        own). Only on one rank and with the CPU attention backend: otherwise the modules run. The loader calls it once
         the weights are final, packed: a stack holds the weight tensors it was built with. `enforce_eager=True` keeps
         the modules."""
         attn = next(layer.self_attn for layer in self.model.layers if isinstance(layer.self_attn, LlamaAttention))
         convolutions = [layer.self_attn for layer in self.model.layers if isinstance(layer.self_attn, ShortConv)]
         if attn.qkv_proj.tp_size == 1 and attn.attn_backend is paged_attention and \
-                not _norms_with_layer_norm(self.config) and \
                 not any(conv.conv.bias is not None for conv in convolutions):   # (the stack's take no bias)
             self.model.stacks = {}
 

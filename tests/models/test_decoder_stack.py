@@ -61,6 +61,18 @@ CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     # LFM2's short convolutions: their inputs written to and read from two of the pool's layers
     "lfm2": ("lfm2", {}, dict(dtype="float32")),
     "lfm2 in bfloat16": ("lfm2", {}, dict(dtype="bfloat16")),
+    # LayerNorm models: StableLM's (Llama's layers otherwise, q/k/v biased, a quarter of each head turned); Phi's
+    # parallel branches under one norm, its ungated tanh-GELU MLP; GPT-NeoX's under a norm each, exact GELU;
+    # StarCoder2's biased layers over a window; Cohere2's norms without biases, its NoPE global layer; OPT's learned
+    # positions and ReLU MLP; Falcon 40B's groups of queries
+    "stablelm": ("stablelm", {}, dict(dtype="float32")),
+    "phi": ("phi", {}, dict(dtype="float32")),
+    "phi in bfloat16": ("phi", {}, dict(dtype="bfloat16")),
+    "gpt-neox": ("gpt-neox", {}, dict(dtype="float32")),
+    "starcoder2": ("starcoder2", {}, dict(dtype="float32")),
+    "cohere2": ("cohere2", {}, dict(dtype="float32")),
+    "opt": ("opt", {}, dict(dtype="float32")),
+    "falcon 40b": ("falcon-new", {}, dict(dtype="bfloat16")),
 }
 
 

@@ -113,22 +113,25 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("shared_gate") = py::none())
       .def("__call__", &pagedllm::MoEWeights::operator(), "h [T, H] -> the block's output [T, H]", NoGil());
   py::class_<pagedllm::DecoderLayerWeights>(m, "DecoderLayerWeights", py::module_local())
-      .def(py::init<c10::optional<at::Tensor>, at::Tensor, pagedllm::LinearWeights, pagedllm::LinearWeights,
-                    c10::optional<pagedllm::LinearWeights>, c10::optional<pagedllm::LinearWeights>,
-                    c10::optional<at::Tensor>, c10::optional<at::Tensor>, c10::optional<pagedllm::MoEWeights>,
-                    int64_t, at::Tensor, at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>, bool,
-                    c10::optional<at::Tensor>, int64_t>(),
+      .def(py::init<c10::optional<at::Tensor>, c10::optional<at::Tensor>, pagedllm::LinearWeights,
+                    pagedllm::LinearWeights, c10::optional<pagedllm::LinearWeights>,
+                    c10::optional<pagedllm::LinearWeights>, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
+                    c10::optional<pagedllm::MoEWeights>, int64_t, at::Tensor, at::Tensor, c10::optional<at::Tensor>,
+                    c10::optional<at::Tensor>, std::string, c10::optional<at::Tensor>, int64_t,
+                    c10::optional<at::Tensor>, c10::optional<at::Tensor>, bool>(),
            py::arg("input_norm"), py::arg("post_attention_norm"), py::arg("qkv"), py::arg("o"), py::arg("gate_up"),
            py::arg("down"), py::arg("q_norm"), py::arg("k_norm"), py::arg("moe"), py::arg("sliding_window"),
            py::arg("cos_cache"), py::arg("sin_cache"), py::arg("pre_feedforward_norm") = py::none(),
-           py::arg("post_feedforward_norm") = py::none(), py::arg("gelu") = false, py::arg("conv") = py::none(),
-           py::arg("pool_layers") = 1);
+           py::arg("post_feedforward_norm") = py::none(), py::arg("activation") = "silu_and_mul",
+           py::arg("conv") = py::none(), py::arg("pool_layers") = 1, py::arg("input_norm_bias") = py::none(),
+           py::arg("post_attention_norm_bias") = py::none(), py::arg("parallel") = false);
   py::class_<pagedllm::DecoderStack>(m, "DecoderStack", py::module_local(),
                                      "A Llama-family decoder's layers and final norm in one call (decoder.cpp)")
       .def(py::init<std::vector<pagedllm::DecoderLayerWeights>, at::Tensor, double, int64_t, int64_t, int64_t,
-                    double, double, bool>(),
+                    double, double, bool, c10::optional<at::Tensor>>(),
            py::arg("layers"), py::arg("norm"), py::arg("eps"), py::arg("num_heads"), py::arg("num_kv_heads"),
-           py::arg("head_dim"), py::arg("scale"), py::arg("softcap") = 0.0, py::arg("causal") = true)
+           py::arg("head_dim"), py::arg("scale"), py::arg("softcap") = 0.0, py::arg("causal") = true,
+           py::arg("norm_bias") = py::none())
       .def("forward", &pagedllm::DecoderStack::forward,
            "The embedded tokens [T, H] through every layer and the final norm, reading and writing the paged KV "
            "cache: (x, positions, kv_caches, slot_mapping, block_tables, seq_lens, query_start_loc, num_decodes, "

@@ -82,9 +82,10 @@ at::Tensor LinearWeights::silu_and_mul(const at::Tensor& x) const {
 }
 
 DecoderStack::DecoderStack(std::vector<DecoderLayerWeights> layers, at::Tensor norm, double eps, int64_t num_heads,
-                           int64_t num_kv_heads, int64_t head_dim, double scale, double softcap, bool causal)
-    : layers_(std::move(layers)), norm_(std::move(norm)), eps_(eps), num_heads_(num_heads),
-      num_kv_heads_(num_kv_heads), head_dim_(head_dim), scale_(scale), softcap_(softcap),
+                           int64_t num_kv_heads, int64_t head_dim, double scale, double softcap, bool causal,
+                           c10::optional<at::Tensor> norm_bias)
+    : layers_(std::move(layers)), norm_(std::move(norm)), norm_bias_(std::move(norm_bias)), eps_(eps),
+      num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), scale_(scale), softcap_(softcap),
       causal_(causal) {}
 
 // LlamaModel.forward after the embedding: x [T, H] -> the final norm's output [T, H].
@@ -111,28 +112,26 @@ at::Tensor DecoderStack::forward(at::Tensor x, const at::Tensor& positions, cons
     }
     at::Tensor h;
     if (residual.defined()) {
-      h = at::empty_like(x);
-      at::Tensor sum = at::empty_like(x);
-      fused_add_rms_norm(h, sum, x, residual, *layer.input_norm, eps_);
-      residual = sum;
+      std::tie(h, residual) = add_norm(x, residual, *layer.input_norm, layer.input_norm_bias);
     } else {
-      h = norm(x, *layer.input_norm);
+      h = norm(x, *layer.input_norm, layer.input_norm_bias);
       residual = x;
+    }
+    if (layer.parallel) {  // both branches read the layer's input stream; their outputs join it together
+      const at::Tensor mlp_in =
+          layer.post_attention_norm ? norm(residual, *layer.post_attention_norm, layer.post_attention_norm_bias) : h;
+      x = mixer(layer, h, pos, caches, batch, earlier) + mlp(layer, mlp_in);
+      continue;
     }
     x = mixer(layer, h, pos, caches, batch, earlier);
     const bool sandwich = layer.pre_feedforward_norm && layer.post_feedforward_norm;  // Gemma 3's branch norms
-    if (sandwich) x = norm(x, layer.post_attention_norm);
-    h = at::empty_like(x);
-    at::Tensor sum = at::empty_like(x);
-    fused_add_rms_norm(h, sum, x, residual, sandwich ? *layer.pre_feedforward_norm : layer.post_attention_norm, eps_);
-    residual = sum;
+    if (sandwich) x = norm(x, *layer.post_attention_norm);
+    std::tie(h, residual) = add_norm(x, residual, sandwich ? *layer.pre_feedforward_norm : *layer.post_attention_norm,
+                                     sandwich ? c10::nullopt : layer.post_attention_norm_bias);
     x = mlp(layer, h);
     if (sandwich) x = norm(x, *layer.post_feedforward_norm);
   }
-  at::Tensor out = at::empty_like(x);
-  at::Tensor sum = at::empty_like(x);
-  fused_add_rms_norm(out, sum, x, residual, norm_, eps_);
-  return out;
+  return add_norm(x, residual, norm_, norm_bias_).first;
 }
 
 // LlamaDecoderLayer.forward of a layer that norms its branches' outputs (OLMo's, EXAONE 4's): the stream itself into
@@ -142,7 +141,7 @@ at::Tensor DecoderStack::output_norm_layer(const DecoderLayerWeights& layer, con
                                            const at::Tensor& positions, const std::vector<KVPair>& caches,
                                            const StepBatch& batch, EarlierSlots& earlier) const {
   residual = residual.defined() ? x + residual : x;
-  residual = residual + norm(mixer(layer, residual, positions, caches, batch, earlier), layer.post_attention_norm);
+  residual = residual + norm(mixer(layer, residual, positions, caches, batch, earlier), *layer.post_attention_norm);
   return norm(mlp(layer, residual), *layer.post_feedforward_norm);
 }
 
@@ -230,21 +229,51 @@ at::Tensor DecoderStack::attention(const DecoderLayerWeights& layer, const at::T
   return layer.o(out.flatten(1));
 }
 
-// LlamaMLP.forward (with Gemma's GELU, or SiLU), or LlamaSparseMoeBlock's: h [T, H] -> [T, H].
+// LlamaMLP.forward (with Gemma's GELU, or SiLU), LlamaSparseMoeBlock's, or PlainMLP's (fc1 and fc2 in gate_up's and
+// down's places, its activation as torch computes it there): h [T, H] -> [T, H].
 at::Tensor DecoderStack::mlp(const DecoderLayerWeights& layer, const at::Tensor& h) const {
   if (layer.moe) return (*layer.moe)(h);
-  if (!layer.gelu) return (*layer.down)(layer.gate_up->silu_and_mul(h));
-  const at::Tensor gate_up = (*layer.gate_up)(h);
-  at::Tensor out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
-  gelu_and_mul(out, gate_up);
+  if (layer.activation == "silu_and_mul") return (*layer.down)(layer.gate_up->silu_and_mul(h));
+  const at::Tensor up = (*layer.gate_up)(h);
+  at::Tensor out;
+  if (layer.activation == "gelu_and_mul") {
+    out = at::empty({up.size(0), up.size(1) / 2}, up.options());
+    gelu_and_mul(out, up);
+  } else if (layer.activation == "relu") {
+    out = at::relu(up);
+  } else {
+    TORCH_CHECK(layer.activation == "gelu" || layer.activation == "gelu_tanh", "unknown MLP activation ",
+                layer.activation);
+    out = at::gelu(up, layer.activation == "gelu" ? "none" : "tanh");
+  }
   return (*layer.down)(out);
 }
 
-// RMSNorm.forward without a residual: x [T, H] -> [T, H].
-at::Tensor DecoderStack::norm(const at::Tensor& x, const at::Tensor& weight) const {
+// RMSNorm.forward without a residual (PreLayerNorm's where `bias` is given): x [T, H] -> [T, H].
+at::Tensor DecoderStack::norm(const at::Tensor& x, const at::Tensor& weight,
+                              const c10::optional<at::Tensor>& bias) const {
   at::Tensor out = at::empty_like(x);
-  rms_norm(out, x, weight, eps_);
+  if (bias) {
+    add_layer_norm(out, x, c10::nullopt, weight, *bias, eps_);
+  } else {
+    rms_norm(out, x, weight, eps_);
+  }
   return out;
+}
+
+// RMSNorm.forward with a residual (PreLayerNorm's where `bias` is given: the sum as torch adds it, then normed):
+// (the norm of x + residual, x + residual).
+std::pair<at::Tensor, at::Tensor> DecoderStack::add_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                         const at::Tensor& weight,
+                                                         const c10::optional<at::Tensor>& bias) const {
+  if (bias) {
+    at::Tensor sum = x + residual;
+    return {norm(sum, weight, bias), sum};
+  }
+  at::Tensor out = at::empty_like(x);
+  at::Tensor sum = at::empty_like(x);
+  fused_add_rms_norm(out, sum, x, residual, weight, eps_);
+  return {out, sum};
 }
 
 // LlamaAttention's Qwen3 norm: heads [T, heads, D] -> each head's row RMS-normed with `weight` [D], contiguous.

@@ -15,7 +15,9 @@
 #include <limits>
 #include <memory>
 #include <map>
+#include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -203,13 +205,13 @@ struct MoEWeights {
   at::Tensor operator()(const at::Tensor& h) const;  // h [T, H] -> [T, H]
 };
 
-// A decoder layer's weights: its MLP's gate_up and down, or a mixture of experts (`moe`); its attention's sliding
-// window (0: none) and its rotary embedding's tables.
+// A decoder layer's weights: its MLP's gate_up and down (an ungated MLP's fc1 and fc2), or a mixture of experts
+// (`moe`); its attention's sliding window (0: none) and its rotary embedding's tables.
 struct DecoderLayerWeights {
   // input_norm: none for a layer that norms its branches' outputs instead (OLMo's, EXAONE 4's: post_attention_norm
-  // the attention's, post_feedforward_norm the MLP's)
-  c10::optional<at::Tensor> input_norm;
-  at::Tensor post_attention_norm;
+  // the attention's, post_feedforward_norm the MLP's). post_attention_norm: none for parallel branches under one norm
+  // (Phi's); with parallel branches, the MLP's norm of the layer's input stream (GPT-NeoX's)
+  c10::optional<at::Tensor> input_norm, post_attention_norm;
   LinearWeights qkv, o;
   c10::optional<LinearWeights> gate_up, down;
   // RMSNorm weights over each query and key head (Qwen3's: [head_dim]) or over all of them at once (OLMo's:
@@ -221,11 +223,18 @@ struct DecoderLayerWeights {
   // Gemma 3's: post_attention_norm then norms the attention's output, pre_feedforward_norm the residual stream for
   // the MLP, post_feedforward_norm the MLP's output; and its MLP's GELU (tanh) in place of SiLU
   c10::optional<at::Tensor> pre_feedforward_norm, post_feedforward_norm;
-  bool gelu;
+  // the MLP's activation: gated ("silu_and_mul", Gemma's "gelu_and_mul") or of an ungated MLP ("gelu", "gelu_tanh",
+  // "relu")
+  std::string activation;
   // LFM2's short convolution in place of the attention: its taps [H, L] (qkv then holds its in_proj, o its out_proj),
   // its tokens' inputs in `pool_layers` layers of the KV pool (an attention's K/V: one)
   c10::optional<at::Tensor> conv;
   int64_t pool_layers;
+  // a LayerNorm model's (StableLM's, Phi's, GPT-NeoX's, ...): the biases of input_norm and post_attention_norm, which
+  // are then LayerNorms; and whether the attention and the MLP both read the layer's input stream, their outputs
+  // joining it together
+  c10::optional<at::Tensor> input_norm_bias, post_attention_norm_bias;
+  bool parallel;
 };
 
 using KVPair = std::tuple<at::Tensor, at::Tensor>;  // one layer's (k_cache, v_cache)
@@ -234,9 +243,11 @@ using KVPair = std::tuple<at::Tensor, at::Tensor>;  // one layer's (k_cache, v_c
 // the CPU attention backend, on one rank.
 class DecoderStack {
  public:
-  // softcap: 0, or the soft cap of every layer's attention scores (Gemma 2's); causal: false for an encoder's layers
+  // softcap: 0, or the soft cap of every layer's attention scores (Gemma 2's); causal: false for an encoder's layers;
+  // norm_bias: the final norm's bias, a LayerNorm model's (its final norm then a LayerNorm)
   DecoderStack(std::vector<DecoderLayerWeights> layers, at::Tensor norm, double eps, int64_t num_heads,
-               int64_t num_kv_heads, int64_t head_dim, double scale, double softcap, bool causal);
+               int64_t num_kv_heads, int64_t head_dim, double scale, double softcap, bool causal,
+               c10::optional<at::Tensor> norm_bias);
   // x: the embedded tokens [T, H]; the batch as pagedllm.attention.metadata.AttentionMetadata holds it, decodes first.
   at::Tensor forward(at::Tensor x, const at::Tensor& positions, const std::vector<KVPair>& kv_caches,
                      at::Tensor slot_mapping, at::Tensor block_tables, at::Tensor seq_lens,
@@ -261,10 +272,15 @@ class DecoderStack {
                                const at::Tensor& positions, const std::vector<KVPair>& caches,
                                const StepBatch& batch, EarlierSlots& earlier) const;
   at::Tensor mlp(const DecoderLayerWeights& layer, const at::Tensor& h) const;
-  at::Tensor norm(const at::Tensor& x, const at::Tensor& weight) const;
+  // RMSNorm, or LayerNorm where a bias is given; add_norm: of x + residual, returning (the norm, the sum)
+  at::Tensor norm(const at::Tensor& x, const at::Tensor& weight,
+                  const c10::optional<at::Tensor>& bias = c10::nullopt) const;
+  std::pair<at::Tensor, at::Tensor> add_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
+                                             const c10::optional<at::Tensor>& bias) const;
 
   std::vector<DecoderLayerWeights> layers_;
   at::Tensor norm_;
+  c10::optional<at::Tensor> norm_bias_;
   double eps_;
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double scale_, softcap_;
