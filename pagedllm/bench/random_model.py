@@ -65,6 +65,11 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
         # (fields its config.json holds beside transformers' own, which vLLM reads)
         conv_dim=1024, conv_dim_out=1024, block_dim=1024, block_ff_dim=6656, block_use_swiglu=True,
         block_norm_eps=1e-5, num_heads=16)),
+    # opt-125m's layers (vLLM's first example; ~0.16B weights here, with the tokenizer's vocabulary, not OPT's 50,272):
+    # 12 of hidden 768, 12 heads, a ReLU MLP of 3,072, learned positions (2,048)
+    "opt-125m": ("opt", dict(
+        hidden_size=768, ffn_dim=3072, num_hidden_layers=12, num_attention_heads=12, word_embed_proj_dim=768,
+        max_position_embeddings=2048)),
     # Phi-4-mini's layers (~3.4B weights): 32 of hidden 3072, 24 query heads of 128 over 8 kv heads, an MLP of 8192,
     # longrope (an original context of 4,096 of 131,072) over 3/4 of each head; the tokenizer's vocabulary
     "phi4-mini": ("phi3", dict(
