@@ -44,28 +44,29 @@ class ModelDims:
     head_dim: int
     intermediate_size: int
     vocab_size: int
+    mlp_matrices: int = 3   # a gated MLP's gate, up and down; an ungated one's 2
 
     @classmethod
     def from_hf_config(cls, config) -> ModelDims:
         """The dims of a config; a mixture of experts' `intermediate_size` is what a token runs through: its top-k
         experts' and its shared expert's (every layer counted as sparse)."""
-        from pagedllm.models.llama import expert_intermediate_size, num_experts
+        from pagedllm.models.llama import dense_mlp_shape, expert_intermediate_size, num_experts
 
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        intermediate = config.intermediate_size
+        intermediate, matrices = dense_mlp_shape(config)
         if num_experts(config):
             intermediate = config.num_experts_per_tok * expert_intermediate_size(config) + \
                 (getattr(config, "shared_expert_intermediate_size", None) or 0)
         return cls(config.num_hidden_layers, config.hidden_size, config.num_attention_heads,
                    getattr(config, "num_key_value_heads", None) or config.num_attention_heads, head_dim,
-                   intermediate, config.vocab_size)
+                   intermediate, config.vocab_size, matrices)
 
     @property
     def num_layer_params(self) -> int:
         """Weights of the transformer layers a token runs through (q, k, v, o, gate, up, down; a mixture of experts'
         chosen experts); no embedding, no lm_head, no norms."""
         attention = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
-        mlp = 3 * self.hidden_size * self.intermediate_size
+        mlp = self.mlp_matrices * self.hidden_size * self.intermediate_size
         return self.num_layers * (attention + mlp)
 
 

@@ -235,6 +235,11 @@ def _plain_mlp(config: Any) -> bool:
     return config.model_type in ("phi", "gpt_neox", "starcoder2", "gptj", "falcon") or _learns_positions(config)
 
 
+def dense_mlp_shape(config: Any) -> tuple[int, int]:
+    """A dense layer's MLP: (its intermediate size, its weight matrices: 3 gated, 2 ungated)."""
+    return _intermediate_size(config), 2 if _plain_mlp(config) else 3
+
+
 def _learns_positions(config: Any) -> bool:
     """Whether the model adds a learned embedding of each token's position to its token's (GPT-2's `wpe`, GPT-BigCode's,
     OPT's) rather than turn its queries and keys (it has no rotary embedding)."""

@@ -27,6 +27,15 @@ def test_a_mixture_of_experts_counts_the_experts_a_token_runs():
     assert ModelDims.from_hf_config(tiny_config("mixtral")).intermediate_size == 2 * 128
 
 
+def test_an_ungated_mlp_counts_two_matrices():
+    from tests.models.tiny import tiny_config
+
+    gated, opt = ModelDims.from_hf_config(tiny_config("llama-gqa")), ModelDims.from_hf_config(tiny_config("opt"))
+    assert (gated.intermediate_size, gated.mlp_matrices) == (opt.intermediate_size, opt.mlp_matrices + 1) == (128, 3)
+    # 2 layers of q/k/v/o (4 heads of 16 each) and fc1/fc2 (64 x 128)
+    assert opt.num_layer_params == 2 * (4 * 64 * 64 + 2 * 64 * 128)
+
+
 def test_static_batch_kv_waste_counts_padding_and_overrun():
     # One batch: prompts 3 and 1, outputs 2 and 1. Step 1: 2 x 4 slots hold 4 + 2; step 2: 2 x 5 hold 5 + 2.
     waste = static_batch_kv_waste([BenchRequest([1, 2, 3], 2), BenchRequest([1], 1)], batch_size=2)
