@@ -3,7 +3,8 @@ MQA; tied or untied embeddings. SmolLM3 leaves the rotary embedding out of the l
 0. Qwen3 adds an RMSNorm over each query and key head (`q_norm`, `k_norm`) before the rotary embedding. Phi-3
 stores its q/k/v and gate/up weights fused (`unfused` splits them) and may turn a part of each head
 (`partial_rotary_factor`) with longrope's two sets of frequencies (`RotaryEmbedding`). Mixtral, Qwen2-MoE and
-Qwen3-MoE replace the MLP with a mixture of experts (`LlamaSparseMoeBlock`).
+Qwen3-MoE replace the MLP with a mixture of experts (`LlamaSparseMoeBlock`), as do Granite MoE (its experts stacked in
+its checkpoints: `_granite_experts`) and OLMoE (OLMo's q/k norms over all the heads, before Llama's layers).
 Gemma 2 and 3 have their embeddings scaled by sqrt(hidden_size), a norm on each branch's output before it joins the
 residual stream (`pre_feedforward_layernorm`, `post_feedforward_layernorm`), RMSNorm weights stored as w - 1
 (`load_weights` adds the 1 back), a GELU-gated MLP, `query_pre_attn_scalar` for their attention scale, and local
@@ -110,7 +111,8 @@ _MIXTRAL_NAMES = ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."), (".w
 # A model type's checkpoint names -> the modules', replaced in this order:
 # GLM-4's norms under Gemma's names (in this order: its post_attention_layernorm is Gemma's pre_feedforward_layernorm);
 # LFM2's (its convolution is the layer's `self_attn`, a ShortConv, whose out_proj is its o_proj as an attention's is);
-# Phi's; GPT-NeoX's (its MLP under Phi's names; embed_out: older checkpoints' LM head); StarCoder2's MLP's; GPT-2's
+# Granite MoE's router (its block_sparse_moe already the mlp: _MIXTRAL_NAMES); Phi's; GPT-NeoX's (its MLP under
+# Phi's names; embed_out: older checkpoints' LM head); StarCoder2's MLP's; GPT-2's
 # and GPT-BigCode's (c_attn: q/k/v fused, q's rows then k's then v's); OPT's (its MLP's norm is the layer's
 # final_layer_norm, the decoder's own the model's norm; older checkpoints' names start at "decoder."); GPT-J's;
 # Falcon's (its new decoder architecture's ln_attn and ln_mlp: the two norms of GPT-NeoX's parallel branches)
@@ -145,7 +147,7 @@ _FALCON_NAMES = (("transformer.word_embeddings.", "model.embed_tokens."), ("tran
                  (".ln_mlp.", ".post_attention_layernorm."), (".self_attention.dense.", ".self_attn.o_proj."),
                  (".self_attention.", ".self_attn."), (".mlp.dense_h_to_4h.", ".mlp.fc1."),
                  (".mlp.dense_4h_to_h.", ".mlp.fc2."))
-_CHECKPOINT_NAMES = {"glm4": _GLM4_NAMES, "lfm2": _LFM2_NAMES, "phi": _PHI_NAMES, "gpt_neox": _GPT_NEOX_NAMES,
+_CHECKPOINT_NAMES = {"granitemoe": ((".mlp.router.layer.", ".mlp.gate."),), "glm4": _GLM4_NAMES, "lfm2": _LFM2_NAMES, "phi": _PHI_NAMES, "gpt_neox": _GPT_NEOX_NAMES,
                      "starcoder2": _STARCODER2_NAMES, "gpt2": _GPT2_NAMES, "gpt_bigcode": _GPT2_NAMES,
                      "opt": _OPT_NAMES, "gptj": _GPTJ_NAMES, "falcon": _FALCON_NAMES}
 
@@ -422,6 +424,8 @@ def unfused(config: Any, name: str, tensor: torch.Tensor) -> list[tuple[str, tor
     """A checkpoint's fused q/k/v or gate/up tensor as its parts' rows, each under the name a separate checkpoint
     gives it, so that each loads (a tensor-parallel rank taking its slice of each) or packs as one; any other tensor
     as it is."""
+    if ".mlp.input_linear." in name or ".mlp.output_linear." in name:   # Granite MoE's experts, stacked
+        return _granite_experts(name, tensor)
     if ".query_key_value." in name:     # each KV head's group: its queries' rows, then its key's, then its value's
         kv_heads = _num_kv_heads(config)    # (GPT-NeoX's one query a group; Falcon 7B's one group of all)
         groups = tensor.unflatten(0, (kv_heads, config.num_attention_heads // kv_heads + 2, -1))
@@ -434,6 +438,17 @@ def unfused(config: Any, name: str, tensor: torch.Tensor) -> list[tuple[str, tor
     q_rows, kv_rows = (n * _head_dim(config) for n in (config.num_attention_heads, _num_kv_heads(config)))
     sizes = [q_rows, kv_rows, kv_rows] if len(names) == 3 else [tensor.shape[0] // 2] * 2
     return list(zip(names, tensor.split(sizes), strict=True))
+
+
+def _granite_experts(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """Granite MoE's stacked experts as each expert's tensors under Qwen-MoE's names: input_linear [E, 2I, H], each
+    expert's gate rows then its up rows; output_linear [E, H, I], its down."""
+    if ".mlp.input_linear." in name:
+        return [(name.replace(".mlp.input_linear.", f".mlp.experts.{index}.{part}."), rows)
+                for index, expert in enumerate(tensor)
+                for part, rows in zip(("gate_proj", "up_proj"), expert.chunk(2), strict=True)]
+    return [(name.replace(".mlp.output_linear.", f".mlp.experts.{index}.down_proj."), expert)
+            for index, expert in enumerate(tensor)]
 
 
 def expert_intermediate_size(config: Any) -> int:
@@ -498,9 +513,9 @@ class LlamaAttention(nn.Module):
                                         tp_rank=tp[0], tp_size=tp[1],
                                         input_shard=(heads.q_start * self.head_dim, heads.num_heads * self.head_dim))
         self.rotary_emb = rotary_emb  # shared by all layers
-        # Qwen3's per-head norms of q and k (one weight of head_dim each, shared by the heads); OLMo 2's over all
-        # of a token's query (key) values at once (`norms_all_heads`)
-        self.norms_all_heads = _is_olmo(config)
+        # Qwen3's per-head norms of q and k (one weight of head_dim each, shared by the heads); OLMo 2's and OLMoE's
+        # over all of a token's query (key) values at once (`norms_all_heads`)
+        self.norms_all_heads = _is_olmo(config) or config.model_type == "olmoe"
         if self.norms_all_heads and tp[1] > 1:
             raise ValueError("OLMo norms its queries and keys over all heads at once: it runs on one rank "
                              "(tensor_parallel_size=1)")
@@ -663,7 +678,9 @@ class LlamaSparseMoeBlock(nn.Module):
         super().__init__()
         self.tp_size = tp[1]
         self.top_k = config.num_experts_per_tok
-        self.renormalize = config.model_type == "mixtral" or bool(getattr(config, "norm_topk_prob", False))
+        # (Granite MoE's softmax over its top-k logits is the renormalised top-k of the softmax over all)
+        self.renormalize = config.model_type in ("mixtral", "granitemoe") or \
+            bool(getattr(config, "norm_topk_prob", False))
         inter = expert_intermediate_size(config)
         self.gate = nn.Linear(config.hidden_size, num_experts(config), bias=False, dtype=dtype)
         self.experts = nn.ModuleList(LlamaMLP(config, dtype, tp, inter, reduce_results=False)
@@ -1081,7 +1098,8 @@ class LlamaForCausalLM(nn.Module):
                                                                  ".k_proj.bias")):
                 heads = self.config.num_attention_heads if ".q_proj." in name else _num_kv_heads(self.config)
                 tensor = interleaved_to_halves(tensor, heads, rotary_dim(self.config, _head_dim(self.config)))
-            if residual_multiplier != 1.0 and name.endswith((".o_proj.weight", ".down_proj.weight")):
+            if residual_multiplier != 1.0 and name.endswith((".o_proj.weight", ".down_proj.weight",
+                                                             ".output_linear.weight")):
                 tensor = (tensor.float() * residual_multiplier).to(tensor.dtype)     # Granite's (module docstring)
             if name.endswith(".bias") and self._target(name)[0] not in params and not tensor.any():
                 continue  # a zero bias is no bias (AutoGPTQ stores one for every layer, biased or not)

@@ -47,6 +47,8 @@ _MODELS: dict[str, type[nn.Module]] = {
     "GPTBigCodeForCausalLM": LlamaForCausalLM,
     "OPTForCausalLM": LlamaForCausalLM,
     "GPTJForCausalLM": LlamaForCausalLM,
+    "GraniteMoeForCausalLM": LlamaForCausalLM,
+    "OlmoeForCausalLM": LlamaForCausalLM,
     "FalconForCausalLM": LlamaForCausalLM,
     "Lfm2ForCausalLM": LlamaForCausalLM,      # short convolutions among its attention layers (ShortConv)
     # The bare decoders (no LM head), as embedding models are saved (gte-Qwen2, e5-mistral): see BARE_ARCHITECTURES.

@@ -40,6 +40,9 @@ CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "int8 kv cache": ("llama-gqa", {}, dict(dtype="float32", kv_cache_dtype="int8")),
     "mixture of experts, shared expert, a dense layer": ("qwen2-moe", {}, dict(dtype="float32")),
     "mixture of experts in bfloat16": ("qwen3-moe", {}, dict(dtype="bfloat16")),
+    # Granite MoE's stacked experts and multipliers; OLMoE's q/k norms over all the heads
+    "granite moe": ("granitemoe", {}, dict(dtype="bfloat16")),
+    "olmoe": ("olmoe", {}, dict(dtype="float32")),
     # branch norms, GELU, a local layer (its window shorter than the long prompts, its own rope) and a global one
     "gemma3": ("gemma3", {}, dict(dtype="float32")),
     "gemma3 in bfloat16": ("gemma3", {}, dict(dtype="bfloat16")),

@@ -104,7 +104,13 @@ TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     # an attention with Qwen3's head norms; the MLP's width adjusted as LFM2's (2/3 of 192, to a multiple of 32)
     "lfm2": ("lfm2", dict(num_key_value_heads=1, layer_types=["conv", "full_attention"], intermediate_size=192,
                           block_multiple_of=32, norm_eps=1e-5)),
-    # mixtures of experts: 4 experts, 2 a token (8 and 2 for Mixtral, 128 and 8 for Qwen3-30B-A3B)
+    # mixtures of experts: 4 experts, 2 a token (8 and 2 for Mixtral, 128 and 8 for Qwen3-30B-A3B); Granite MoE's
+    # (granite-3.1-1b-a400m's layout: stacked experts, Granite's multipliers); OLMoE's (OLMo's q/k norms over all the
+    # heads, the top-2 weights not renormalised)
+    "granitemoe": ("granitemoe", dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                                      intermediate_size=48, embedding_multiplier=12.0, attention_multiplier=0.05,
+                                      residual_multiplier=0.22, logits_scaling=8.0)),
+    "olmoe": ("olmoe", dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, intermediate_size=48)),
     "mixtral": ("mixtral", dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
                                 tie_word_embeddings=False)),
     # a shared expert, a dense MLP in layer 1 (mlp_only_layers), the top-2 weights not renormalised
