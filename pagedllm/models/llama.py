@@ -147,9 +147,10 @@ _FALCON_NAMES = (("transformer.word_embeddings.", "model.embed_tokens."), ("tran
                  (".ln_mlp.", ".post_attention_layernorm."), (".self_attention.dense.", ".self_attn.o_proj."),
                  (".self_attention.", ".self_attn."), (".mlp.dense_h_to_4h.", ".mlp.fc1."),
                  (".mlp.dense_4h_to_h.", ".mlp.fc2."))
-_CHECKPOINT_NAMES = {"granitemoe": ((".mlp.router.layer.", ".mlp.gate."),), "glm4": _GLM4_NAMES, "lfm2": _LFM2_NAMES, "phi": _PHI_NAMES, "gpt_neox": _GPT_NEOX_NAMES,
-                     "starcoder2": _STARCODER2_NAMES, "gpt2": _GPT2_NAMES, "gpt_bigcode": _GPT2_NAMES,
-                     "opt": _OPT_NAMES, "gptj": _GPTJ_NAMES, "falcon": _FALCON_NAMES}
+_CHECKPOINT_NAMES = {"granitemoe": ((".mlp.router.layer.", ".mlp.gate."),), "glm4": _GLM4_NAMES, "lfm2": _LFM2_NAMES,
+                     "phi": _PHI_NAMES, "gpt_neox": _GPT_NEOX_NAMES, "starcoder2": _STARCODER2_NAMES,
+                     "gpt2": _GPT2_NAMES, "gpt_bigcode": _GPT2_NAMES, "opt": _OPT_NAMES, "gptj": _GPTJ_NAMES,
+                     "falcon": _FALCON_NAMES}
 
 
 TPRank = tuple[int, int]   # (tp_rank, tp_size)
