@@ -74,18 +74,20 @@ class PreLayerNorm(nn.Module):
     """LayerNorm with RMSNorm's calling convention, for the decoders that norm each branch's input with a LayerNorm
     (StableLM, Phi, GPT-NeoX, StarCoder2, Cohere): with `residual`, returns (norm(x + residual), x + residual), the sum
     in the model dtype as transformers adds it; normalised as `LayerNorm` does. `bias=False` (Cohere's): no bias
-    parameter, a zero buffer in its place for the kernel."""
+    parameter, a zero buffer in its place for the kernel; `weight=False` too (OLMo's, which learns neither): a buffer
+    of ones."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-5, dtype: torch.dtype = torch.float32,
-                 bias: bool = True) -> None:
+                 bias: bool = True, weight: bool = True) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
+        self.weight: torch.Tensor
         self.bias: torch.Tensor
-        if bias:
-            self.bias = nn.Parameter(torch.zeros(hidden_size, dtype=dtype), requires_grad=False)
-        else:
-            self.register_buffer("bias", torch.zeros(hidden_size, dtype=dtype), persistent=False)
+        for name, learned, fill in (("weight", weight, torch.ones), ("bias", bias, torch.zeros)):
+            if learned:
+                setattr(self, name, nn.Parameter(fill(hidden_size, dtype=dtype), requires_grad=False))
+            else:
+                self.register_buffer(name, fill(hidden_size, dtype=dtype), persistent=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:

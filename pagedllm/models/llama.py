@@ -39,8 +39,10 @@ token's position to its token's (`embed_positions`) and turn no values; GPT-2 st
 transposed at load). OPT's (vLLM's first example, opt-125m) too, its table of positions starting 2 rows in, its MLP a
 ReLU one. GPT-J's layers are parallel under one norm, its rope interleaved over `rotary_dim` of each head's values,
 its LM head biased. Falcon's branches are parallel (7B's under one norm, 40B's and 180B's under one each), its q/k/v
-fused by KV-head group (`unfused`). The C++ stack runs their layers as it runs the others' (LayerNorms where a norm
-has a bias, parallel branches, the ungated MLP's activation as torch computes it).
+fused by KV-head group (`unfused`). OLMo's (the first) LayerNorms learn no weight nor bias, its q/k/v may be clamped
+(`clip_qkv`); Nemotron's LayerNorms scale by 1 + w, its MLP squares a ReLU. The C++ stack runs their layers as it
+runs the others' (LayerNorms where a norm has a bias, parallel branches, the ungated MLP's activation as torch computes
+it).
 
 The model is format-agnostic: `load_weights` takes Hugging Face parameter names from any loader and maps the
 separate q/k/v and gate/up checkpoint tensors onto the fused parameters (`STACKED_PARAMS_MAPPING`).
@@ -150,7 +152,8 @@ _FALCON_NAMES = (("transformer.word_embeddings.", "model.embed_tokens."), ("tran
 _CHECKPOINT_NAMES = {"granitemoe": ((".mlp.router.layer.", ".mlp.gate."),), "glm4": _GLM4_NAMES, "lfm2": _LFM2_NAMES,
                      "phi": _PHI_NAMES, "gpt_neox": _GPT_NEOX_NAMES, "starcoder2": _STARCODER2_NAMES,
                      "gpt2": _GPT2_NAMES, "gpt_bigcode": _GPT2_NAMES, "opt": _OPT_NAMES, "gptj": _GPTJ_NAMES,
-                     "falcon": _FALCON_NAMES}
+                     "falcon": _FALCON_NAMES, "nemotron": ((".mlp.up_proj.", ".mlp.fc1."),
+                                                           (".mlp.down_proj.", ".mlp.fc2."))}
 
 
 TPRank = tuple[int, int]   # (tp_rank, tp_size)
@@ -211,14 +214,14 @@ def _eps(config: Any) -> float:
 
 # the LayerNorms' epsilon's name in a config, where it is not layer_norm_eps (OPT's config has none: torch's 1e-5)
 _LAYER_NORM_EPS = {"starcoder2": "norm_epsilon", "gpt2": "layer_norm_epsilon", "gpt_bigcode": "layer_norm_epsilon",
-                   "gptj": "layer_norm_epsilon", "falcon": "layer_norm_epsilon"}
+                   "gptj": "layer_norm_epsilon", "falcon": "layer_norm_epsilon", "nemotron": "norm_eps"}
 
 
 def _norms_with_layer_norm(config: Any) -> bool:
     """Whether the model norms with LayerNorm (mean and variance, weight and bias: StableLM's, Phi's, GPT-NeoX's,
-    StarCoder2's, GPT-2's, GPT-BigCode's; weight only: Cohere's) rather than RMSNorm."""
+    StarCoder2's, GPT-2's, GPT-BigCode's, Nemotron's; weight only: Cohere's; neither: OLMo's) rather than RMSNorm."""
     return config.model_type in ("stablelm", "phi", "gpt_neox", "starcoder2", "cohere", "cohere2", "gptj",
-                                 "falcon") or _learns_positions(config)
+                                 "falcon", "olmo", "nemotron") or _learns_positions(config)
 
 
 def _falcon_parallel(config: Any) -> bool:
@@ -235,7 +238,8 @@ def _falcon_two_norms(config: Any) -> bool:
 
 def _plain_mlp(config: Any) -> bool:
     """Whether the MLP is ungated (fc2(act(fc1(x))): `PlainMLP`)."""
-    return config.model_type in ("phi", "gpt_neox", "starcoder2", "gptj", "falcon") or _learns_positions(config)
+    return config.model_type in ("phi", "gpt_neox", "starcoder2", "gptj", "falcon", "nemotron") or \
+        _learns_positions(config)
 
 
 def dense_mlp_shape(config: Any) -> tuple[int, int]:
@@ -266,7 +270,9 @@ def _is_cohere(config: Any) -> bool:
 def _norm(config: Any, dtype: torch.dtype) -> RMSNorm | PreLayerNorm:
     """A norm over the hidden size, of the model's kind (`_norms_with_layer_norm`)."""
     if _norms_with_layer_norm(config):
-        return PreLayerNorm(config.hidden_size, _eps(config), dtype, bias=not _is_cohere(config))
+        learned = config.model_type != "olmo"   # (OLMo's learn no weight nor bias; Cohere's no bias)
+        return PreLayerNorm(config.hidden_size, _eps(config), dtype, bias=learned and not _is_cohere(config),
+                            weight=learned)
     return RMSNorm(config.hidden_size, _eps(config), dtype)
 
 
@@ -491,6 +497,7 @@ class LlamaAttention(nn.Module):
             (getattr(config, "query_pre_attn_scalar", None) or self.head_dim) ** -0.5
         if not getattr(config, "scale_attn_weights", True):     # (GPT-2's and GPT-BigCode's option)
             self.scale = 1.0
+        self.clip_qkv = float(getattr(config, "clip_qkv", None) or 0.0)    # OLMo's: q, k and v clamped to +-it
         if getattr(config, "alibi", False):
             raise ValueError("Falcon with ALiBi position biases (alibi=True: falcon-rw-1b's) is not supported")
         if getattr(config, "scale_attn_by_inverse_layer_idx", False):
@@ -532,6 +539,8 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) * D]
         if lora is not None:
             lora.add("qkv_proj", x, qkv)
+        if self.clip_qkv:
+            qkv = qkv.clamp(-self.clip_qkv, self.clip_qkv)
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         if self.norms_all_heads:    # OLMo 2's, over all of a token's query (key) values
@@ -636,17 +645,18 @@ class LlamaMLP(nn.Module):
 
 
 class PlainMLP(nn.Module):
-    """The ungated MLP of Phi, GPT-NeoX, StarCoder2, GPT-2, GPT-BigCode and OPT, fc2(act(fc1(x))), with biases
-    (`_has_bias`): GELU, exact (GPT-NeoX's "gelu") or its tanh approximation (Phi's "gelu_new", StarCoder2's
-    "gelu_pytorch_tanh"), or ReLU (OPT's). Its modules keep Phi's names (GPT-NeoX's dense_h_to_4h and dense_4h_to_h,
-    StarCoder2's c_fc and c_proj load into them); a LoRA adapter reaches the attention only (fc1 and fc2 are not its
-    modules)."""
+    """The ungated MLP of Phi, GPT-NeoX, StarCoder2, GPT-2, GPT-BigCode, OPT, GPT-J, Falcon and Nemotron,
+    fc2(act(fc1(x))), with biases (`_has_bias`): GELU, exact (GPT-NeoX's "gelu") or its tanh approximation (Phi's
+    "gelu_new", StarCoder2's "gelu_pytorch_tanh"), ReLU (OPT's) or its square (Nemotron's "relu2"). Its modules keep
+    Phi's names (GPT-NeoX's dense_h_to_4h and dense_4h_to_h, StarCoder2's c_fc and c_proj, Nemotron's up_proj and
+    down_proj load into them); a LoRA adapter reaches the attention only (fc1 and fc2 are not its modules)."""
 
     # a config's activation -> its kind (the C++ stack's name for it), and the kind's function
     _KINDS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
-              "relu": "relu"}
+              "relu": "relu", "relu2": "relu2"}
     _FUNCTIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-        "gelu": F.gelu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh"), "relu": F.relu}
+        "gelu": F.gelu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh"), "relu": F.relu,
+        "relu2": lambda x: torch.square(F.relu(x))}
 
     def __init__(self, config: Any, dtype: torch.dtype, tp: TPRank) -> None:
         super().__init__()
@@ -907,7 +917,7 @@ class LlamaModel(nn.Module):
                                      in zip(self.layers, self.cache_layers, strict=True)], self.norm.weight,
                                     self.norm.eps, attn.qkv_proj.q_size // attn.head_dim,
                                     attn.qkv_proj.kv_size // attn.head_dim, attn.head_dim, attn.scale, attn.softcap,
-                                    not attn.encoder, bias(self.norm))
+                                    not attn.encoder, bias(self.norm), attn.clip_qkv)
 
 
 # Checkpoints of the decoder alone, as decoder embedding models are saved (gte-Qwen2, e5-mistral): tensor names
@@ -1093,8 +1103,8 @@ class LlamaForCausalLM(nn.Module):
                 head_rows = tensor[self.classifier_token_ids].float()
             if self.tie_word_embeddings and name == "lm_head.weight":
                 continue  # some checkpoints store the tied head anyway; the embedding is the one used
-            if _is_gemma(self.config) and name.endswith("norm.weight"):
-                tensor = tensor.float() + 1     # Gemma's RMSNorm scales by 1 + w
+            if (_is_gemma(self.config) or self.config.model_type == "nemotron") and name.endswith("norm.weight"):
+                tensor = tensor.float() + 1     # Gemma's RMSNorm scales by 1 + w, Nemotron's LayerNorm too
             if _interleaved_rope(self.config) and name.endswith((".q_proj.weight", ".q_proj.bias", ".k_proj.weight",
                                                                  ".k_proj.bias")):
                 heads = self.config.num_attention_heads if ".q_proj." in name else _num_kv_heads(self.config)

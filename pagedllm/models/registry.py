@@ -48,6 +48,8 @@ _MODELS: dict[str, type[nn.Module]] = {
     "OPTForCausalLM": LlamaForCausalLM,
     "GPTJForCausalLM": LlamaForCausalLM,
     "GraniteMoeForCausalLM": LlamaForCausalLM,
+    "OlmoForCausalLM": LlamaForCausalLM,
+    "NemotronForCausalLM": LlamaForCausalLM,
     "OlmoeForCausalLM": LlamaForCausalLM,
     "FalconForCausalLM": LlamaForCausalLM,
     "Lfm2ForCausalLM": LlamaForCausalLM,      # short convolutions among its attention layers (ShortConv)

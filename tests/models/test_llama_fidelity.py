@@ -118,12 +118,12 @@ def test_branch_output_norms_through_the_engine_as_transformers(tmp_path, kind: 
 
 
 @pytest.mark.parametrize("kind", ["stablelm", "phi", "gpt-neox", "starcoder2", "cohere2", "gpt2", "gpt-bigcode",
-                                  "opt", "gptj", "falcon-new"])
+                                  "opt", "gptj", "falcon-new", "olmo", "nemotron"])
 def test_layer_norm_models_through_the_engine_as_transformers(tmp_path, kind: str) -> None:
-    """StableLM's, Phi's, GPT-NeoX's, StarCoder2's, Cohere2's, GPT-2's, GPT-BigCode's, OPT's, GPT-J's and Falcon's
-    LayerNorm layers in the engine (its C++ stack) generate transformers' tokens, with prompts prefilled in chunks and
-    a prefix cached (StarCoder2's and Cohere2's past their window of 12; StarCoder2's blocks behind it freed; GPT-2's,
-    GPT-BigCode's and OPT's positions embedded)."""
+    """StableLM's, Phi's, GPT-NeoX's, StarCoder2's, Cohere2's, GPT-2's, GPT-BigCode's, OPT's, GPT-J's, Falcon's, OLMo's
+    and Nemotron's LayerNorm layers in the engine (its C++ stack) generate transformers' tokens, with prompts prefilled
+    in chunks and a prefix cached (StarCoder2's and Cohere2's past their window of 12; StarCoder2's blocks behind it
+    freed; GPT-2's, GPT-BigCode's and OPT's positions embedded)."""
     from pagedllm import LLM, SamplingParams
     from tests.models.tiny import hf_greedy
 

@@ -96,6 +96,10 @@ TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "opt": ("opt", dict(ffn_dim=128, word_embed_proj_dim=64)),
     # GPT-J's: parallel branches under one norm, interleaved rope over rotary_dim (8 of 16) values, a biased LM head
     "gptj": ("gptj", dict(rotary_dim=8, tie_word_embeddings=False)),
+    # OLMo's (the first): LayerNorms without weights or biases, q/k/v clamped (clip_qkv, at a bound this small, 0.3,
+    # so that it bites); Nemotron's: LayerNorms scaling by 1 + w, half of each head turned, a squared-ReLU MLP
+    "olmo": ("olmo", dict(num_key_value_heads=2, clip_qkv=0.3)),
+    "nemotron": ("nemotron", dict(num_key_value_heads=2, head_dim=16, norm_eps=1e-5)),
     # Falcon's: 7B's (one KV head, parallel branches under one norm, no biases) and 40B's new decoder architecture (a
     # group of queries a KV head, a norm for each branch), with biases (num_kv_heads as a config.json names it)
     "falcon": ("falcon", dict(multi_query=True, num_kv_heads=1, parallel_attn=True, bias=False)),
@@ -138,7 +142,7 @@ def build_tiny_hf_model(kind: str = "llama-gqa", seed: int = 0, **overrides: Any
     config = tiny_config(kind, **overrides)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
     if config.model_type in ("gemma2", "gemma3_text", "glm4", "stablelm", "phi", "gpt_neox", "starcoder2", "cohere",
-                             "cohere2", "gpt2", "gpt_bigcode", "opt", "gptj", "falcon"):
+                             "cohere2", "gpt2", "gpt_bigcode", "opt", "gptj", "falcon", "nemotron"):
         randomize_norms(model, mean=0.0 if config.model_type.startswith("gemma") else 1.0)
     return model.eval()
 

@@ -83,10 +83,10 @@ at::Tensor LinearWeights::silu_and_mul(const at::Tensor& x) const {
 
 DecoderStack::DecoderStack(std::vector<DecoderLayerWeights> layers, at::Tensor norm, double eps, int64_t num_heads,
                            int64_t num_kv_heads, int64_t head_dim, double scale, double softcap, bool causal,
-                           c10::optional<at::Tensor> norm_bias)
+                           c10::optional<at::Tensor> norm_bias, double clip_qkv)
     : layers_(std::move(layers)), norm_(std::move(norm)), norm_bias_(std::move(norm_bias)), eps_(eps),
       num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), scale_(scale), softcap_(softcap),
-      causal_(causal) {}
+      clip_qkv_(clip_qkv), causal_(causal) {}
 
 // LlamaModel.forward after the embedding: x [T, H] -> the final norm's output [T, H].
 at::Tensor DecoderStack::forward(at::Tensor x, const at::Tensor& positions, const std::vector<KVPair>& kv_caches,
@@ -203,7 +203,8 @@ at::Tensor DecoderStack::short_conv(const DecoderLayerWeights& layer, const at::
 // per-head norms of q and k (or OLMo's over all the heads) before the rotary embedding, where the layer has them.
 at::Tensor DecoderStack::attention(const DecoderLayerWeights& layer, const at::Tensor& h, const at::Tensor& positions,
                                    const KVPair& kv_cache, const StepBatch& batch) const {
-  const at::Tensor qkv = layer.qkv(h);  // [T, (Hq + 2 Hkv) D]
+  at::Tensor qkv = layer.qkv(h);  // [T, (Hq + 2 Hkv) D]
+  if (clip_qkv_ > 0) qkv = qkv.clamp(-clip_qkv_, clip_qkv_);
   const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
   at::Tensor q = qkv.narrow(1, 0, q_size);
   at::Tensor k = qkv.narrow(1, q_size, kv_size);
@@ -241,6 +242,8 @@ at::Tensor DecoderStack::mlp(const DecoderLayerWeights& layer, const at::Tensor&
     gelu_and_mul(out, up);
   } else if (layer.activation == "relu") {
     out = at::relu(up);
+  } else if (layer.activation == "relu2") {
+    out = at::square(at::relu(up));
   } else {
     TORCH_CHECK(layer.activation == "gelu" || layer.activation == "gelu_tanh", "unknown MLP activation ",
                 layer.activation);

@@ -224,7 +224,7 @@ struct DecoderLayerWeights {
   // the MLP, post_feedforward_norm the MLP's output; and its MLP's GELU (tanh) in place of SiLU
   c10::optional<at::Tensor> pre_feedforward_norm, post_feedforward_norm;
   // the MLP's activation: gated ("silu_and_mul", Gemma's "gelu_and_mul") or of an ungated MLP ("gelu", "gelu_tanh",
-  // "relu")
+  // "relu", "relu2")
   std::string activation;
   // LFM2's short convolution in place of the attention: its taps [H, L] (qkv then holds its in_proj, o its out_proj),
   // its tokens' inputs in `pool_layers` layers of the KV pool (an attention's K/V: one)
@@ -244,10 +244,11 @@ using KVPair = std::tuple<at::Tensor, at::Tensor>;  // one layer's (k_cache, v_c
 class DecoderStack {
  public:
   // softcap: 0, or the soft cap of every layer's attention scores (Gemma 2's); causal: false for an encoder's layers;
-  // norm_bias: the final norm's bias, a LayerNorm model's (its final norm then a LayerNorm)
+  // norm_bias: the final norm's bias, a LayerNorm model's (its final norm then a LayerNorm); clip_qkv: 0, or the bound
+  // each layer's q, k and v are clamped to (OLMo's)
   DecoderStack(std::vector<DecoderLayerWeights> layers, at::Tensor norm, double eps, int64_t num_heads,
                int64_t num_kv_heads, int64_t head_dim, double scale, double softcap, bool causal,
-               c10::optional<at::Tensor> norm_bias);
+               c10::optional<at::Tensor> norm_bias, double clip_qkv);
   // x: the embedded tokens [T, H]; the batch as pagedllm.attention.metadata.AttentionMetadata holds it, decodes first.
   at::Tensor forward(at::Tensor x, const at::Tensor& positions, const std::vector<KVPair>& kv_caches,
                      at::Tensor slot_mapping, at::Tensor block_tables, at::Tensor seq_lens,
@@ -283,7 +284,7 @@ class DecoderStack {
   c10::optional<at::Tensor> norm_bias_;
   double eps_;
   int64_t num_heads_, num_kv_heads_, head_dim_;
-  double scale_, softcap_;
+  double scale_, softcap_, clip_qkv_;
   bool causal_;
 };
 
