@@ -64,6 +64,7 @@ _GEMMA_BLOCK_NAMES = {**_BLOCK_NAMES, "ffn_norm": "pre_feedforward_layernorm",
                       "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 _OUTPUT_NORMED_BLOCK_NAMES = {**_BLOCK_NAMES, "post_attention_norm": "post_attention_layernorm",
                               "post_ffw_norm": "post_feedforward_layernorm"}
+_PLAIN_MLP_BLOCK_NAMES = {**_BLOCK_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.fc1", "ffn_down": "mlp.fc2"}
 # Phi-3's fused weights: its q/k/v in one tensor, and its gate and up in ffn_up (`unfused` splits them)
 _ARCH_BLOCK_NAMES = {"gemma2": _GEMMA_BLOCK_NAMES, "gemma3": _GEMMA_BLOCK_NAMES, "gemma-embedding": _GEMMA_BLOCK_NAMES,
                      "phi3": {**_BLOCK_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
@@ -75,15 +76,18 @@ _ARCH_BLOCK_NAMES = {"gemma2": _GEMMA_BLOCK_NAMES, "gemma3": _GEMMA_BLOCK_NAMES,
                      # LFM2's short convolutions, as the model's modules name them (its `self_attn`, a ShortConv)
                      "lfm2": {**_BLOCK_NAMES, "shortconv.in_proj": "self_attn.in_proj",
                               "shortconv.out_proj": "self_attn.o_proj", "shortconv.conv": "self_attn.conv"},
-                     # StarCoder2's ungated MLP, under the names the model gives it (`PlainMLP`)
-                     "starcoder2": {**_BLOCK_NAMES, "ffn_up": "mlp.fc1", "ffn_down": "mlp.fc2"}}
+                     # the ungated MLPs of StarCoder2, Phi-2 and GPT-NeoX, under the names the model gives them
+                     # (`PlainMLP`); Phi-2's and GPT-NeoX's q/k/v fused (q's rows, then k's, then v's: llama.cpp's
+                     # converter reorders GPT-NeoX's from head by head)
+                     "starcoder2": _PLAIN_MLP_BLOCK_NAMES, "phi2": _PLAIN_MLP_BLOCK_NAMES,
+                     "gptneox": _PLAIN_MLP_BLOCK_NAMES}
 # Architectures whose RMSNorm scales by 1 + w, which llama.cpp's converter stores as the 1 + w it multiplies by
 _NORM_SHIFTED_ARCHS = {"gemma2", "gemma3", "gemma-embedding"}
 # GGUF architecture -> transformers' model_type, where they differ (a mixture of experts: _MOE_MODEL_TYPES)
 # Granite's config fields -> llama.cpp's keys
 _GRANITE_MULTIPLIERS = (("embedding_multiplier", "embedding_scale"), ("attention_multiplier", "attention.scale"),
                         ("residual_multiplier", "residual_scale"), ("logits_scaling", "logit_scale"))
-_MODEL_TYPES = {"gemma3": "gemma3_text", "gemma-embedding": "gemma3_text"}
+_MODEL_TYPES = {"gemma3": "gemma3_text", "gemma-embedding": "gemma3_text", "phi2": "phi", "gptneox": "gpt_neox"}
 # What llama.cpp fixes for Gemma rather than read from the file: every how many layers one is global (the others
 # local, over the window), and the layer count of the 27B, whose queries are scaled by (hidden / heads) ** -0.5
 _GEMMA_LAYOUTS = {"gemma2": (2, 46), "gemma3": (6, 62), "gemma-embedding": (6, 62)}
@@ -403,10 +407,10 @@ def gguf_hf_config(g: GGUFFile) -> Any:
         kwargs.update(_gguf_phi3(g, kwargs))
     if arch in ("ernie4_5", "glm4"):    # its q/k rows come out of the file in halves already (_PERMUTED_ARCHS)
         kwargs["rotary_rows_in_halves"] = True
-    if arch in ("glm4", "stablelm"):    # a rope over `rope.dimension_count` of each head's values (GLM-4's half)
+    if arch in ("glm4", "stablelm", "phi2", "gptneox"):     # a rope over `rope.dimension_count` of each head's values
         kwargs["head_dim"] = int(g.arch_value("attention.key_length") or hidden // num_heads)
         kwargs["rope_parameters"] = _partial_rope(g, kwargs["rope_parameters"], kwargs["head_dim"])
-    if arch in ("stablelm", "starcoder2"):
+    if arch in ("stablelm", "starcoder2", "phi2", "gptneox"):
         kwargs.update(_gguf_layer_norm_model(g, arch))
     if arch == "lfm2":      # its convolution layers: those with no KV heads; the MLP's width as it is
         kv_heads = _per_layer(g.arch_value("attention.head_count_kv"))
@@ -471,11 +475,17 @@ def _partial_rope(g: GGUFFile, rope: dict[str, Any], head_dim: int) -> dict[str,
 
 
 def _gguf_layer_norm_model(g: GGUFFile, arch: str) -> dict[str, Any]:
-    """StableLM's and StarCoder2's config fields, read as transformers reads them from their files: their LayerNorms'
-    epsilon; StableLM's q/k/v biases and per-head q/k LayerNorms where the file holds them, its branches parallel
-    where its layers have no norm before the MLP; StarCoder2's biases where the file holds them, and its window."""
+    """StableLM's, StarCoder2's, Phi-2's and GPT-NeoX's config fields, read as transformers reads them from their
+    files: their LayerNorms' epsilon; StableLM's q/k/v biases and per-head q/k LayerNorms where the file holds them, its
+    branches parallel where its layers have no norm before the MLP; StarCoder2's biases where the file holds them, and
+    its window; Phi-2's tanh GELU; GPT-NeoX's exact one, its biases and parallel branches as the file says."""
     q_bias = "blk.0.attn_q.bias" in g.tensors
     eps = float(g.arch_value("attention.layer_norm_epsilon", 1e-5))
+    if arch == "phi2":
+        return dict(layer_norm_eps=eps, hidden_act="gelu_new", qk_layernorm=False)
+    if arch == "gptneox":
+        return dict(layer_norm_eps=eps, hidden_act="gelu", attention_bias="blk.0.attn_qkv.bias" in g.tensors,
+                    use_parallel_residual=bool(g.arch_value("use_parallel_residual", True)))
     if arch == "stablelm":
         return dict(layer_norm_eps=eps, use_qkv_bias=q_bias, hidden_act="silu",
                     use_parallel_residual="blk.0.ffn_norm.weight" not in g.tensors,

@@ -90,6 +90,8 @@ _MODELS: dict[str, type[nn.Module]] = {
     "glm4": LlamaForCausalLM,
     "stablelm": LlamaForCausalLM,
     "starcoder2": LlamaForCausalLM,
+    "phi": LlamaForCausalLM,
+    "gpt_neox": LlamaForCausalLM,
     "bert": BertModel,
     "roberta": BertModel,
     "xlm-roberta": BertModel,

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import transformers
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from pagedllm.paths import cache_dir
 from pagedllm.tokenizer.reasoning import marker_token_ids
@@ -84,18 +84,20 @@ def _load_gguf_tokenizer(gguf_path: Path) -> PreTrainedTokenizerBase:
             return AutoTokenizer.from_pretrained(str(cached))
         except Exception as exc:  # a damaged cache entry: rebuild it
             logger.warning("ignoring unreadable tokenizer cache %s: %s", cached, exc)
-    if not _has_vocabulary(gguf_path):
+    from pagedllm.loader.gguf import GGUFFile
+
+    gguf = GGUFFile(gguf_path)
+    if "tokenizer.ggml.tokens" not in gguf.metadata:
         raise ValueError(f"{gguf_path} holds no tokenizer (no tokenizer.ggml.tokens): name one with tokenizer= "
                          "(--tokenizer), a folder holding the model's tokenizer.json")
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    # AutoTokenizer reads the file's config first, which transformers does not for every architecture (Phi-2's,
+    # GPT-NeoX's): their tokenizers are built from the vocabulary alone, as transformers builds any file's
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    loader = AutoTokenizer if gguf.architecture in GGUF_SUPPORTED_ARCHITECTURES else PreTrainedTokenizerFast
+    tokenizer = loader.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     _save_to_cache(tokenizer, cached)
     return tokenizer
-
-
-def _has_vocabulary(gguf_path: Path) -> bool:
-    from gguf import GGUFReader
-
-    return "tokenizer.ggml.tokens" in GGUFReader(str(gguf_path)).fields
 
 
 def _gguf_cache_path(gguf_path: Path) -> Path:

@@ -135,7 +135,8 @@ def _gguf_tensors(hf_model, arch: str):
 
 
 def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_token_id: int | None = None,
-                     dense: tuple[torch.Tensor, ...] = ()) -> None:
+                     dense: tuple[torch.Tensor, ...] = (), tokens: list[str] | None = None,
+                     merges: list[str] | None = None) -> None:
     """What llama.cpp's converter does, in miniature: metadata, renamed tensors, Q/K permuted for llama, Gemma's
     norms stored as the 1 + w they scale by, its global layers' rope and its window (EmbeddingGemma's as its
     config.json holds it, with its mean pooling and its `dense` layers' weights)."""
@@ -154,7 +155,7 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
         w.add_shortconv_l_cache(cfg.conv_L_cache)
     else:
         w.add_feed_forward_length(cfg.intermediate_size)
-        w.add_head_count_kv(cfg.num_key_value_heads)
+        w.add_head_count_kv(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
     w.add_rope_freq_base(rope["rope_theta"])
     if rope["rope_type"] == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
@@ -174,10 +175,10 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
         w.add_attention_scale(cfg.attention_multiplier)
         w.add_residual_scale(cfg.residual_multiplier)
         w.add_logit_scale(cfg.logits_scaling)
-    if arch == "stablelm":
+    if arch in ("stablelm", "gptneox"):
         w.add_parallel_residual(cfg.use_parallel_residual)
-    if arch in ("stablelm", "starcoder2"):
-        w.add_layer_norm_eps(cfg.layer_norm_eps if arch == "stablelm" else cfg.norm_epsilon)
+    if arch in ("stablelm", "starcoder2", "phi2", "gptneox"):
+        w.add_layer_norm_eps(cfg.norm_epsilon if arch == "starcoder2" else cfg.layer_norm_eps)
     if arch == "gemma2":
         w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
         w.add_final_logit_softcapping(cfg.final_logit_softcapping)
@@ -195,6 +196,11 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
     w.add_vocab_size(cfg.vocab_size)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
+    if tokens is not None:     # a byte-level BPE vocabulary (`tokens`: each id's) and its merges
+        w.add_tokenizer_model("gpt2")
+        w.add_token_list(tokens)
+        w.add_token_types([gguf.TokenType.CONTROL if t.startswith("<") else gguf.TokenType.NORMAL for t in tokens])
+        w.add_token_merges(merges or [])
     if eot_token_id is not None:
         w.add_eot_token_id(eot_token_id)
     if getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None):
@@ -215,6 +221,8 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
             t = t + 1
         elif arch == "lfm2" and gname.endswith("shortconv.conv.weight"):
             t = t.squeeze(1)
+        elif arch == "gptneox" and ".attn_qkv." in gname:   # head by head -> q's rows, k's, v's (llama.cpp's)
+            t = t.unflatten(0, (cfg.num_attention_heads, 3, -1)).transpose(0, 1).flatten(0, 2)
         data = t.numpy()
         # llama.cpp keeps routers, and rows too short for a block (LFM2's convolution taps), as they are
         if qtype != Q.F32 and t.dim() >= 2 and ".ffn_gate_inp." not in gname and t.shape[-1] % 32 == 0:
@@ -232,7 +240,8 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
                                        ("qwen3-moe", "qwen3moe"), ("smollm3", "smollm3"), ("granite", "granite"),
                                        ("lfm2", "lfm2"), ("olmo2", "olmo2"), ("exaone4", "exaone4"),
                                        ("ernie4_5", "ernie4_5"), ("glm4", "glm4"), ("stablelm", "stablelm"),
-                                       ("stablelm-parallel", "stablelm"), ("starcoder2", "starcoder2")])
+                                       ("stablelm-parallel", "stablelm"), ("starcoder2", "starcoder2"),
+                                       ("phi", "phi2"), ("gpt-neox", "gptneox"), ("gpt-neox-sequential", "gptneox")])
 def test_tiny_gguf_model_matches_transformers(tmp_path: Path, kind: str, arch: str) -> None:
     # SmolLM3's files leave every fourth layer without a rotary embedding (llama.cpp's fixed step): four layers here
     hf_model = build_tiny_hf_model(kind, **({"no_rope_layer_interval": 4, "num_hidden_layers": 4}
@@ -242,7 +251,8 @@ def test_tiny_gguf_model_matches_transformers(tmp_path: Path, kind: str, arch: s
     config = gguf_hf_config(GGUFFile(path))
     assert config.model_type == hf_model.config.model_type.replace("llama", arch) and \
         config.tie_word_embeddings == hf_model.config.tie_word_embeddings
-    assert config.num_key_value_heads == hf_model.config.num_key_value_heads
+    assert config.num_key_value_heads == \
+        (getattr(hf_model.config, "num_key_value_heads", None) or hf_model.config.num_attention_heads)
     assert getattr(config, "no_rope_layers", None) == getattr(hf_model.config, "no_rope_layers", None)
     model = load_model(ModelConfig(model=str(path), dtype="float32")).model
     prompt = [1, 17, 250, 9, 33, 70, 5, 80, 81]
@@ -401,6 +411,29 @@ def test_a_quantized_interleaved_gguf_keeps_its_blocks_reordered_by_row(tmp_path
     dense = load_model(ModelConfig(model=str(path), dtype="float32")).model
     assert packed.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.uint8
     _assert_gguf_reference_near_the_dense_model(packed, dense, [1, 17, 250, 9, 33, 70, 5, 80, 81], monkeypatch)
+
+
+@pytest.mark.parametrize(("kind", "arch"), [("phi", "phi2"), ("gpt-neox", "gptneox")])
+def test_a_gguf_of_an_architecture_transformers_reads_no_config_of_serves_with_its_own_tokenizer(
+        tmp_path: Path, kind: str, arch: str) -> None:
+    """Phi-2's and GPT-NeoX's files: transformers builds their byte-level BPE tokenizer from the vocabulary, though it
+    reads no config of theirs; the engine encodes a prompt as the folder's tokenizer does and generates transformers'
+    tokens."""
+    from pagedllm import LLM, SamplingParams
+    from tests.models.tiny import VOCAB_SIZE, build_byte_tokenizer, hf_greedy
+
+    byte_tokenizer = build_byte_tokenizer()
+    by_id = {index: token for token, index in byte_tokenizer.get_vocab().items()}
+    tokens = [by_id.get(index, f"<unused{index}>") for index in range(VOCAB_SIZE - 1)] + ["~~"]
+    hf_model = build_tiny_hf_model(kind)
+    path = tmp_path / f"{arch}.gguf"
+    write_model_gguf(hf_model, path, arch, tokens=tokens, merges=["~ ~"])     # (a merge the prompt never meets)
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=32)
+    prompt_ids = llm.get_tokenizer()("hello, world")["input_ids"]
+    assert prompt_ids == byte_tokenizer("hello, world")["input_ids"]
+    output = llm.generate(["hello, world"], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                          use_tqdm=False)[0]
+    assert output.outputs[0].token_ids == hf_greedy(hf_model, [prompt_ids], 6)[0]
 
 
 @pytest.mark.parametrize("kind", ["stablelm", "starcoder2"])
