@@ -26,23 +26,19 @@ Granite (IBM's Granite 3) scales four things by its config's multipliers: the em
 the attention scores (`attention_multiplier`, in place of head_dim ** -0.5), each branch's output before it joins
 the residual stream (`residual_multiplier`: `load_weights` folds it into o_proj's and down_proj's weights, so that
 the layers and the C++ stack run as Llama's) and the logits (divided by `logits_scaling`).
-StableLM, Phi, GPT-NeoX and StarCoder2 norm with LayerNorm (`PreLayerNorm`: weights and biases; Cohere's, weights
-only); StableLM, Phi and GPT-NeoX turn a part of each head.
-Phi's and GPT-NeoX's attention and MLP read the same stream and their outputs join it together (`_parallel_branches`;
-StableLM 2 12B's too): Phi's MLP reads the input norm's output, GPT-NeoX's a norm of its own. Their MLP is ungated
-(`PlainMLP`, biased; StarCoder2's too, its layers otherwise Llama's, biased, over a sliding window), Phi's LM
-head has biases, GPT-NeoX stores q/k/v fused head by head (`unfused` splits them) under
-names of its own (`_GPT_NEOX_NAMES`). Cohere's (Command R, Aya) layers are parallel too, with one norm; its rope turns
-interleaved pairs (reordered at load), its logits are multiplied by `logit_scale`; Cohere2's global layers turn no
-values (as EXAONE 4's). GPT-2 and GPT-BigCode (StarCoder 1, SantaCoder: one KV head) add a learned embedding of each
-token's position to its token's (`embed_positions`) and turn no values; GPT-2 stores its weights [in, out] (Conv1D:
-transposed at load). OPT's (vLLM's first example, opt-125m) too, its table of positions starting 2 rows in, its MLP a
-ReLU one. GPT-J's layers are parallel under one norm, its rope interleaved over `rotary_dim` of each head's values,
-its LM head biased. Falcon's branches are parallel (7B's under one norm, 40B's and 180B's under one each), its q/k/v
-fused by KV-head group (`unfused`). OLMo's (the first) LayerNorms learn no weight nor bias, its q/k/v may be clamped
-(`clip_qkv`); Nemotron's LayerNorms scale by 1 + w, its MLP squares a ReLU. The C++ stack runs their layers as it
-runs the others' (LayerNorms where a norm has a bias, parallel branches, the ungated MLP's activation as torch computes
-it).
+LayerNorm models norm with `PreLayerNorm` (weights and biases; Cohere's weights only, OLMo's neither; Nemotron's
+scaling by 1 + w): StableLM (Llama's layers otherwise), Phi, GPT-NeoX, StarCoder2 (biased, over a sliding window),
+Cohere and Cohere2, GPT-2, GPT-BigCode, OPT, GPT-J, Falcon, OLMo (the first; q/k/v clamped to `clip_qkv`), Nemotron.
+Phi's, GPT-J's, Cohere's, Falcon's and GPT-NeoX's attention and MLP read the same stream, their outputs joining it
+together (`_parallel_branches`): under one norm, or (GPT-NeoX's, Falcon 40B's) the MLP under a norm of its own. Most
+of their MLPs are ungated (`PlainMLP`: GELU, its tanh approximation, ReLU, Nemotron's squared ReLU), Phi's and GPT-J's
+LM heads biased. GPT-NeoX, GPT-BigCode and Falcon store q/k/v fused by KV-head group, and GPT-2 its weights [in, out]
+(Conv1D): `unfused` splits the one, `load_weights` transposes the other; each family's checkpoint names map onto the
+modules' (`_CHECKPOINT_NAMES`). GPT-2, GPT-BigCode and OPT add a learned embedding of each position to its token's
+(`embed_positions`; OPT's table starts 2 rows in) and turn no values; Cohere's and GPT-J's ropes turn interleaved pairs
+(reordered at load), Cohere's logits are multiplied by `logit_scale`, Cohere2's global layers turn no values (as EXAONE
+4's). The C++ stack runs their layers as it runs the others' (a LayerNorm where a norm has a bias, parallel branches,
+the ungated MLP's activation as torch computes it).
 
 The model is format-agnostic: `load_weights` takes Hugging Face parameter names from any loader and maps the
 separate q/k/v and gate/up checkpoint tensors onto the fused parameters (`STACKED_PARAMS_MAPPING`).
