@@ -33,6 +33,9 @@ def rope_config(config: Any, layer_type: str | None = None) -> tuple[float, dict
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type == "mrope":    # older Qwen2-VL configs' name for M-RoPE, whose frequencies are the default ones
         rope_type = "default"
+    if rope_type == "yarn":     # the context it was trained on (the model's own where the config names none)
+        scaling.setdefault("original_max_position_embeddings", getattr(config, "original_max_position_embeddings", None)
+                           or config.max_position_embeddings)
     if rope_type == "longrope":     # the context it was trained on, and how far past it the model reaches
         original = scaling.get("original_max_position_embeddings") or config.original_max_position_embeddings
         scaling["original_max_position_embeddings"] = original
@@ -117,6 +120,42 @@ def _longrope_attention_factor(scaling: dict) -> float:
     return math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1.0 else 1.0
 
 
+def _yarn_inv_freq(head_dim: int, base: float, scaling: dict) -> torch.Tensor:
+    """YaRN's (Qwen2.5's and Qwen3's long contexts, DeepSeek's): each frequency between its own (extrapolated) and
+    slowed by `factor` (interpolated), by a linear ramp over the dimensions whose wavelengths fit within
+    `beta_fast`..`beta_slow` rotations of the original context (transformers' expressions, for its bits)."""
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (head_dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    pos_freqs = base ** (torch.arange(0, head_dim, 2).to(dtype=torch.float) / head_dim)
+    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32) - low) / ((high + 0.001 if low == high
+                                                                                       else high) - low), 0, 1)
+    extrapolation = 1 - ramp
+    return 1.0 / (factor * pos_freqs) * (1 - extrapolation) + 1.0 / pos_freqs * extrapolation
+
+
+def _yarn_attention_factor(scaling: dict) -> float:
+    """The scale of YaRN's cos and sin tables: the config's `attention_factor`, else 0.1 ln(factor) + 1 (DeepSeek's:
+    its ratio at `mscale` and `mscale_all_dim`)."""
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    factor = scaling["factor"]
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return float(mscale(factor, scaling["mscale"]) / mscale(factor, scaling["mscale_all_dim"]))
+    return mscale(factor)
+
+
 def compute_inv_freq(head_dim: int, base: float, scaling: dict | None) -> torch.Tensor:
     """[head_dim / 2] float32 inverse frequencies (longrope's short ones: `RotaryEmbedding` takes both)."""
     inv_freq = _default_inv_freq(head_dim, base)
@@ -129,8 +168,10 @@ def compute_inv_freq(head_dim: int, base: float, scaling: dict | None) -> torch.
         return _llama3_inv_freq(inv_freq, scaling)  # type: ignore[arg-type]
     if rope_type == "longrope":
         return _longrope_inv_freq(head_dim, base, scaling["short_factor"])  # type: ignore[index]
+    if rope_type == "yarn":
+        return _yarn_inv_freq(head_dim, base, scaling)  # type: ignore[arg-type]
     raise NotImplementedError(f"rope_type {rope_type!r} is not supported (supported: default, linear, llama3, "
-                              "longrope)")
+                              "longrope, yarn)")
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -164,6 +205,8 @@ class RotaryEmbedding(nn.Module):
         if scaling is not None and scaling["rope_type"] == "longrope":
             inv_freqs.append(_longrope_inv_freq(rotary_dim, base, scaling["long_factor"]))
             self.long_from, scale = scaling["original_max_position_embeddings"], _longrope_attention_factor(scaling)
+        if scaling is not None and scaling["rope_type"] == "yarn":     # YaRN's tables scaled too
+            scale = _yarn_attention_factor(scaling)
         freqs = torch.cat([torch.outer(positions, inv_freq) for inv_freq in inv_freqs])  # [P or 2P, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [P or 2P, D]
         self.max_position = max_position

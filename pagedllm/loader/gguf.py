@@ -542,6 +542,12 @@ def _gguf_rope_parameters(g: GGUFFile) -> dict[str, Any]:
     scaling = g.arch_value("rope.scaling.type")
     if scaling in ("linear",):
         params.update(rope_type="linear", factor=float(g.arch_value("rope.scaling.factor")))
+    elif scaling == "yarn" and g.arch_value("rope.scaling.yarn_log_mul") is None:   # (DeepSeek's scales: not read)
+        params.update(rope_type="yarn", factor=float(g.arch_value("rope.scaling.factor")),
+                      original_max_position_embeddings=int(g.arch_value("rope.scaling.original_context_length")))
+        for key in ("beta_fast", "beta_slow"):
+            if g.arch_value(f"rope.scaling.yarn_{key}") is not None:
+                params[key] = float(g.arch_value(f"rope.scaling.yarn_{key}"))
     elif scaling not in (None, "none"):
         raise NotImplementedError(f"GGUF rope scaling {scaling!r} is not supported")
     return params

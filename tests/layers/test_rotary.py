@@ -29,6 +29,24 @@ def test_llama3_inv_freq_matches_transformers() -> None:
     assert not torch.allclose(compute_inv_freq(128, base, None), expected)  # the scaling does something
 
 
+@pytest.mark.parametrize("yarn", [dict(factor=4.0, original_max_position_embeddings=32768),   # Qwen's
+                                  dict(factor=40.0, original_max_position_embeddings=4096, mscale=1.0,
+                                       mscale_all_dim=0.707, beta_fast=32, beta_slow=1),  # DeepSeek's
+                                  dict(factor=8.0, original_max_position_embeddings=8192, truncate=False,
+                                       attention_factor=1.2)])
+def test_yarn_inv_freq_and_attention_factor_match_transformers(yarn: dict) -> None:
+    from pagedllm.layers.rotary import _yarn_attention_factor
+
+    config = _config(rope_type="yarn", rope_theta=1000000.0, **yarn)
+    base, scaling = rope_config(config)
+    assert scaling is not None and scaling["rope_type"] == "yarn"
+    expected, attention_scaling = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
+    assert torch.equal(compute_inv_freq(128, base, scaling), expected)
+    assert _yarn_attention_factor(scaling) == attention_scaling
+    rope = get_rope(128, 64, base, scaling)
+    assert torch.equal(rope.cos_cache, LlamaRotaryEmbedding(config)(torch.zeros(1), torch.arange(64)[None])[0][0])
+
+
 def test_default_inv_freq_matches_transformers() -> None:
     config = _config(rope_type="default", rope_theta=10000.0)
     base, scaling = rope_config(config)

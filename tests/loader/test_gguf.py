@@ -160,6 +160,10 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
     if rope["rope_type"] == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rope["factor"])
+    if rope["rope_type"] == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     if arch in ("gemma2", "gemma3"):
         w.add_sliding_window(cfg.sliding_window)
     if arch == "gemma-embedding":      # transformers reads config.json's W as W // 2 + 1; the file holds W
@@ -236,6 +240,7 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
 
 
 @pytest.mark.parametrize("kind,arch", [("llama-gqa", "llama"), ("llama-untied", "llama"), ("qwen2", "qwen2"),
+                                       ("qwen2-yarn", "qwen2"),
                                        ("qwen3", "qwen3"), ("mixtral", "llama"), ("qwen2-moe", "qwen2moe"),
                                        ("qwen3-moe", "qwen3moe"), ("smollm3", "smollm3"), ("granite", "granite"),
                                        ("lfm2", "lfm2"), ("olmo2", "olmo2"), ("exaone4", "exaone4"),

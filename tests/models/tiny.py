@@ -27,6 +27,9 @@ TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
         rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
         original_max_position_embeddings=16))),
     "qwen2": ("qwen2", dict(num_key_value_heads=2, tie_word_embeddings=False)),
+    # Qwen's long context: YaRN over an original context of 64 of 256 (factor 4), its tables scaled by 0.1 ln 4 + 1
+    "qwen2-yarn": ("qwen2", dict(num_key_value_heads=2, rope_parameters=dict(
+        rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64))),
     # as Qwen3's real ones: heads x head_dim (4 x 32) is not the hidden size (64)
     "qwen3": ("qwen3", dict(num_key_value_heads=2, head_dim=32)),
     "mistral": ("mistral", dict(num_key_value_heads=2, sliding_window=None)),
