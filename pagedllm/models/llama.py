@@ -31,14 +31,15 @@ scaling by 1 + w): StableLM (Llama's layers otherwise), Phi, GPT-NeoX, StarCoder
 Cohere and Cohere2, GPT-2, GPT-BigCode, OPT, GPT-J, Falcon, OLMo (the first; q/k/v clamped to `clip_qkv`), Nemotron.
 Phi's, GPT-J's, Cohere's, Falcon's and GPT-NeoX's attention and MLP read the same stream, their outputs joining it
 together (`_parallel_branches`): under one norm, or (GPT-NeoX's, Falcon 40B's) the MLP under a norm of its own. Most
-of their MLPs are ungated (`PlainMLP`: GELU, its tanh approximation, ReLU, Nemotron's squared ReLU), Phi's and GPT-J's
-LM heads biased. GPT-NeoX, GPT-BigCode and Falcon store q/k/v fused by KV-head group, and GPT-2 its weights [in, out]
-(Conv1D): `unfused` splits the one, `load_weights` transposes the other; each family's checkpoint names map onto the
-modules' (`_CHECKPOINT_NAMES`). GPT-2, GPT-BigCode and OPT add a learned embedding of each position to its token's
-(`embed_positions`; OPT's table starts 2 rows in) and turn no values; Cohere's and GPT-J's ropes turn interleaved pairs
-(reordered at load), Cohere's logits are multiplied by `logit_scale`, Cohere2's global layers turn no values (as EXAONE
-4's). The C++ stack runs their layers as it runs the others' (a LayerNorm where a norm has a bias, parallel branches,
-the ungated MLP's activation as torch computes it).
+of their MLPs are ungated (`PlainMLP`: GELU, its tanh approximation, ReLU, Nemotron's squared ReLU), Phi's and
+GPT-J's LM heads biased; Arcee's layers are Llama's with Nemotron's MLP. GPT-NeoX, GPT-BigCode and Falcon store
+q/k/v fused by KV-head group, and GPT-2 its weights [in, out] (Conv1D): `unfused` splits the one, `load_weights`
+transposes the other; each family's checkpoint names map onto the modules' (`_CHECKPOINT_NAMES`). GPT-2, GPT-BigCode
+and OPT add a learned embedding of each position to its token's (`embed_positions`; OPT's table starts 2 rows in)
+and turn no values; Cohere's and GPT-J's ropes turn interleaved pairs (reordered at load), Cohere's logits are
+multiplied by `logit_scale`, Cohere2's global layers turn no values (as EXAONE 4's). The C++ stack runs their layers
+as it runs the others' (a LayerNorm where a norm has a bias, parallel branches, the ungated MLP's activation as
+torch computes it).
 
 The model is format-agnostic: `load_weights` takes Hugging Face parameter names from any loader and maps the
 separate q/k/v and gate/up checkpoint tensors onto the fused parameters (`STACKED_PARAMS_MAPPING`).
@@ -145,11 +146,11 @@ _FALCON_NAMES = (("transformer.word_embeddings.", "model.embed_tokens."), ("tran
                  (".ln_mlp.", ".post_attention_layernorm."), (".self_attention.dense.", ".self_attn.o_proj."),
                  (".self_attention.", ".self_attn."), (".mlp.dense_h_to_4h.", ".mlp.fc1."),
                  (".mlp.dense_4h_to_h.", ".mlp.fc2."))
+_UP_DOWN_NAMES = ((".mlp.up_proj.", ".mlp.fc1."), (".mlp.down_proj.", ".mlp.fc2."))    # Nemotron's, Arcee's
 _CHECKPOINT_NAMES = {"granitemoe": ((".mlp.router.layer.", ".mlp.gate."),), "glm4": _GLM4_NAMES, "lfm2": _LFM2_NAMES,
                      "phi": _PHI_NAMES, "gpt_neox": _GPT_NEOX_NAMES, "starcoder2": _STARCODER2_NAMES,
                      "gpt2": _GPT2_NAMES, "gpt_bigcode": _GPT2_NAMES, "opt": _OPT_NAMES, "gptj": _GPTJ_NAMES,
-                     "falcon": _FALCON_NAMES, "nemotron": ((".mlp.up_proj.", ".mlp.fc1."),
-                                                           (".mlp.down_proj.", ".mlp.fc2."))}
+                     "falcon": _FALCON_NAMES, "nemotron": _UP_DOWN_NAMES, "arcee": _UP_DOWN_NAMES}
 
 
 TPRank = tuple[int, int]   # (tp_rank, tp_size)
@@ -234,7 +235,7 @@ def _falcon_two_norms(config: Any) -> bool:
 
 def _plain_mlp(config: Any) -> bool:
     """Whether the MLP is ungated (fc2(act(fc1(x))): `PlainMLP`)."""
-    return config.model_type in ("phi", "gpt_neox", "starcoder2", "gptj", "falcon", "nemotron") or \
+    return config.model_type in ("phi", "gpt_neox", "starcoder2", "gptj", "falcon", "nemotron", "arcee") or \
         _learns_positions(config)
 
 
@@ -641,11 +642,12 @@ class LlamaMLP(nn.Module):
 
 
 class PlainMLP(nn.Module):
-    """The ungated MLP of Phi, GPT-NeoX, StarCoder2, GPT-2, GPT-BigCode, OPT, GPT-J, Falcon and Nemotron,
+    """The ungated MLP of Phi, GPT-NeoX, StarCoder2, GPT-2, GPT-BigCode, OPT, GPT-J, Falcon, Nemotron and Arcee,
     fc2(act(fc1(x))), with biases (`_has_bias`): GELU, exact (GPT-NeoX's "gelu") or its tanh approximation (Phi's
-    "gelu_new", StarCoder2's "gelu_pytorch_tanh"), ReLU (OPT's) or its square (Nemotron's "relu2"). Its modules keep
-    Phi's names (GPT-NeoX's dense_h_to_4h and dense_4h_to_h, StarCoder2's c_fc and c_proj, Nemotron's up_proj and
-    down_proj load into them); a LoRA adapter reaches the attention only (fc1 and fc2 are not its modules)."""
+    "gelu_new", StarCoder2's "gelu_pytorch_tanh"), ReLU (OPT's) or its square (Nemotron's and Arcee's "relu2"). Its
+    modules keep Phi's names (GPT-NeoX's dense_h_to_4h and dense_4h_to_h, StarCoder2's c_fc and c_proj, Nemotron's
+    and Arcee's up_proj and down_proj load into them); a LoRA adapter reaches the attention only (fc1 and fc2 are
+    not its modules)."""
 
     # a config's activation -> its kind (the C++ stack's name for it), and the kind's function
     _KINDS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
