@@ -50,6 +50,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "GraniteMoeForCausalLM": LlamaForCausalLM,
     "OlmoForCausalLM": LlamaForCausalLM,
     "NemotronForCausalLM": LlamaForCausalLM,
+    "ArceeForCausalLM": LlamaForCausalLM,
     "OlmoeForCausalLM": LlamaForCausalLM,
     "FalconForCausalLM": LlamaForCausalLM,
     "Lfm2ForCausalLM": LlamaForCausalLM,      # short convolutions among its attention layers (ShortConv)

@@ -103,6 +103,9 @@ TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     # so that it bites); Nemotron's: LayerNorms scaling by 1 + w, half of each head turned, a squared-ReLU MLP
     "olmo": ("olmo", dict(num_key_value_heads=2, clip_qkv=0.3)),
     "nemotron": ("nemotron", dict(num_key_value_heads=2, head_dim=16, norm_eps=1e-5)),
+    # Arcee's (AFM-4.5B): Llama's layers with an ungated squared-ReLU MLP, YaRN
+    "arcee": ("arcee", dict(num_key_value_heads=2, head_dim=16, rope_parameters=dict(
+        rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64))),
     # Falcon's: 7B's (one KV head, parallel branches under one norm, no biases) and 40B's new decoder architecture (a
     # group of queries a KV head, a norm for each branch), with biases (num_kv_heads as a config.json names it)
     "falcon": ("falcon", dict(multi_query=True, num_kv_heads=1, parallel_attn=True, bias=False)),
