@@ -33,6 +33,8 @@ def rope_config(config: Any, layer_type: str | None = None) -> tuple[float, dict
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type == "mrope":    # older Qwen2-VL configs' name for M-RoPE, whose frequencies are the default ones
         rope_type = "default"
+    if rope_type == "dynamic" and scaling.get("alpha"):     # Hunyuan's: a fixed alpha, whatever the length
+        rope_type = "ntk_alpha"
     if rope_type == "yarn":     # the context it was trained on (the model's own where the config names none)
         scaling.setdefault("original_max_position_embeddings", getattr(config, "original_max_position_embeddings", None)
                            or config.max_position_embeddings)
@@ -170,8 +172,10 @@ def compute_inv_freq(head_dim: int, base: float, scaling: dict | None) -> torch.
         return _longrope_inv_freq(head_dim, base, scaling["short_factor"])  # type: ignore[index]
     if rope_type == "yarn":
         return _yarn_inv_freq(head_dim, base, scaling)  # type: ignore[arg-type]
+    if rope_type == "ntk_alpha":    # Hunyuan's fixed NTK: the base stretched by alpha ** (D / (D - 2))
+        return _default_inv_freq(head_dim, base * scaling["alpha"] ** (head_dim / (head_dim - 2)))  # type: ignore
     raise NotImplementedError(f"rope_type {rope_type!r} is not supported (supported: default, linear, llama3, "
-                              "longrope, yarn)")
+                              "longrope, yarn, dynamic with a fixed alpha)")
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """One Llama-family decoder: Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM 2 and 3, Phi-3, Gemma 2 and 3; MHA, GQA and
 MQA; tied or untied embeddings. SmolLM3 leaves the rotary embedding out of the layers its `no_rope_layers` marks
-0. Qwen3 adds an RMSNorm over each query and key head (`q_norm`, `k_norm`) before the rotary embedding. Phi-3
+0. Qwen3 adds an RMSNorm over each query and key head (`q_norm`, `k_norm`) before the rotary embedding (Hunyuan's
+after it: `norms_after_rope`). Phi-3
 stores its q/k/v and gate/up weights fused (`unfused` splits them) and may turn a part of each head
 (`partial_rotary_factor`) with longrope's two sets of frequencies (`RotaryEmbedding`). Mixtral, Qwen2-MoE and
 Qwen3-MoE replace the MLP with a mixture of experts (`LlamaSparseMoeBlock`), as do Granite MoE (its experts stacked in
@@ -147,10 +148,13 @@ _FALCON_NAMES = (("transformer.word_embeddings.", "model.embed_tokens."), ("tran
                  (".self_attention.", ".self_attn."), (".mlp.dense_h_to_4h.", ".mlp.fc1."),
                  (".mlp.dense_4h_to_h.", ".mlp.fc2."))
 _UP_DOWN_NAMES = ((".mlp.up_proj.", ".mlp.fc1."), (".mlp.down_proj.", ".mlp.fc2."))    # Nemotron's, Arcee's
-_CHECKPOINT_NAMES = {"granitemoe": ((".mlp.router.layer.", ".mlp.gate."),), "glm4": _GLM4_NAMES, "lfm2": _LFM2_NAMES,
-                     "phi": _PHI_NAMES, "gpt_neox": _GPT_NEOX_NAMES, "starcoder2": _STARCODER2_NAMES,
-                     "gpt2": _GPT2_NAMES, "gpt_bigcode": _GPT2_NAMES, "opt": _OPT_NAMES, "gptj": _GPTJ_NAMES,
-                     "falcon": _FALCON_NAMES, "nemotron": _UP_DOWN_NAMES, "arcee": _UP_DOWN_NAMES}
+_CHECKPOINT_NAMES = {"granitemoe": ((".mlp.router.layer.", ".mlp.gate."),),
+                     "hunyuan_v1_dense": ((".self_attn.query_layernorm.", ".self_attn.q_norm."),
+                                          (".self_attn.key_layernorm.", ".self_attn.k_norm.")),
+                     "glm4": _GLM4_NAMES, "lfm2": _LFM2_NAMES, "phi": _PHI_NAMES, "gpt_neox": _GPT_NEOX_NAMES,
+                     "starcoder2": _STARCODER2_NAMES, "gpt2": _GPT2_NAMES, "gpt_bigcode": _GPT2_NAMES,
+                     "opt": _OPT_NAMES, "gptj": _GPTJ_NAMES, "falcon": _FALCON_NAMES, "nemotron": _UP_DOWN_NAMES,
+                     "arcee": _UP_DOWN_NAMES}
 
 
 TPRank = tuple[int, int]   # (tp_rank, tp_size)
@@ -198,7 +202,12 @@ def _interleaved_rope(config: Any) -> bool:
 
 
 def _has_qk_norm(config: Any) -> bool:
-    return config.model_type in ("qwen3", "qwen3_moe", "gemma3_text", "exaone4", "lfm2")
+    return config.model_type in ("qwen3", "qwen3_moe", "gemma3_text", "exaone4", "lfm2", "hunyuan_v1_dense")
+
+
+def _norms_qk_after_rope(config: Any) -> bool:
+    """Whether each query and key head is normed after the rotary embedding turns it (Hunyuan's), not before."""
+    return config.model_type == "hunyuan_v1_dense"
 
 
 def _eps(config: Any) -> float:
@@ -529,6 +538,15 @@ class LlamaAttention(nn.Module):
         has_norms = _has_qk_norm(config) or self.norms_all_heads
         self.q_norm = RMSNorm(q_width, _eps(config), dtype) if has_norms else None
         self.k_norm = RMSNorm(k_width, _eps(config), dtype) if has_norms else None
+        self.norms_after_rope = _norms_qk_after_rope(config)
+
+    def head_norms(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k [T, Hkv, D] with each head's values normed (Qwen3's q_norm and k_norm), where the layer
+        has those norms; as they are where it has none."""
+        if self.q_norm is None or self.k_norm is None:
+            return q, k
+        return (self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape),
+                self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape))
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata, lora: LayerLoRA | None = None) -> torch.Tensor:
@@ -545,10 +563,11 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, q_size // self.head_dim, self.head_dim)  # [T, Hq, D]
         k = k.view(-1, kv_size // self.head_dim, self.head_dim)  # [T, Hkv, D]
         v = v.view(-1, kv_size // self.head_dim, self.head_dim)
-        if not self.norms_all_heads and self.q_norm is not None and self.k_norm is not None:  # each head's values
-            q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
-            k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
+        if not self.norms_all_heads and not self.norms_after_rope:  # each head's values
+            q, k = self.head_norms(q, k)
         q, k = self.rotary_emb(positions, q, k)
+        if self.norms_after_rope:   # (Hunyuan's)
+            q, k = self.head_norms(q, k)
         if self.encoder:
             out = bidirectional_attention(q, k, v, meta, self.scale, self.sliding_window)
         else:
@@ -915,7 +934,7 @@ class LlamaModel(nn.Module):
                                      in zip(self.layers, self.cache_layers, strict=True)], self.norm.weight,
                                     self.norm.eps, attn.qkv_proj.q_size // attn.head_dim,
                                     attn.qkv_proj.kv_size // attn.head_dim, attn.head_dim, attn.scale, attn.softcap,
-                                    not attn.encoder, bias(self.norm), attn.clip_qkv)
+                                    not attn.encoder, bias(self.norm), attn.clip_qkv, attn.norms_after_rope)
 
 
 # Checkpoints of the decoder alone, as decoder embedding models are saved (gte-Qwen2, e5-mistral): tensor names

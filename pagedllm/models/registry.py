@@ -51,6 +51,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "OlmoForCausalLM": LlamaForCausalLM,
     "NemotronForCausalLM": LlamaForCausalLM,
     "ArceeForCausalLM": LlamaForCausalLM,
+    "HunYuanDenseV1ForCausalLM": LlamaForCausalLM,
     "OlmoeForCausalLM": LlamaForCausalLM,
     "FalconForCausalLM": LlamaForCausalLM,
     "Lfm2ForCausalLM": LlamaForCausalLM,      # short convolutions among its attention layers (ShortConv)

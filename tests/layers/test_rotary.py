@@ -47,6 +47,20 @@ def test_yarn_inv_freq_and_attention_factor_match_transformers(yarn: dict) -> No
     assert torch.equal(rope.cos_cache, LlamaRotaryEmbedding(config)(torch.zeros(1), torch.arange(64)[None])[0][0])
 
 
+def test_hunyuans_fixed_alpha_ntk_inv_freq_matches_transformers() -> None:
+    from transformers import AutoConfig
+    from transformers.models.hunyuan_v1_dense.modeling_hunyuan_v1_dense import HunYuanDenseV1RotaryEmbedding
+
+    config = AutoConfig.for_model("hunyuan_v1_dense", hidden_size=512, num_attention_heads=4, head_dim=128,
+                                  rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, alpha=1000.0,
+                                                       factor=1.0))
+    base, scaling = rope_config(config)
+    assert scaling is not None and scaling["rope_type"] == "ntk_alpha"
+    expected = HunYuanDenseV1RotaryEmbedding(config).inv_freq
+    assert torch.equal(compute_inv_freq(128, base, scaling), expected)
+    assert not torch.equal(compute_inv_freq(128, base, None), expected)
+
+
 def test_default_inv_freq_matches_transformers() -> None:
     config = _config(rope_type="default", rope_theta=10000.0)
     base, scaling = rope_config(config)
@@ -65,8 +79,10 @@ def test_old_style_config_fields() -> None:
 
 
 def test_unknown_rope_type_is_an_error() -> None:
-    with pytest.raises(NotImplementedError, match="yarn"):
-        get_rope(64, 16, 10000.0, {"rope_type": "yarn", "factor": 4.0})
+    """Dynamic NTK that grows with the sequence (no fixed alpha) is not supported: an error naming it."""
+    base, scaling = rope_config(_config(rope_type="dynamic", rope_theta=10000.0, factor=4.0))
+    with pytest.raises(NotImplementedError, match="rope_type 'dynamic' is not supported"):
+        get_rope(64, 16, base, scaling)
 
 
 @pytest.mark.parametrize("scaling", [None, LLAMA3])

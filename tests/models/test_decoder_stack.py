@@ -79,6 +79,8 @@ CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     # OLMo's LayerNorms without weights or biases and its q/k/v clamped; Nemotron's 1 + w norms and squared ReLU
     "olmo": ("olmo", {}, dict(dtype="float32")),
     "nemotron in bfloat16": ("nemotron", {}, dict(dtype="bfloat16")),
+    # each head's q/k norms after the rotary embedding (Hunyuan's)
+    "hunyuan": ("hunyuan", {}, dict(dtype="float32")),
     # RMSNorms before an ungated MLP (Arcee's)
     "arcee": ("arcee", {}, dict(dtype="float32")),
 }

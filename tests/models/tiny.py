@@ -103,6 +103,9 @@ TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     # so that it bites); Nemotron's: LayerNorms scaling by 1 + w, half of each head turned, a squared-ReLU MLP
     "olmo": ("olmo", dict(num_key_value_heads=2, clip_qkv=0.3)),
     "nemotron": ("nemotron", dict(num_key_value_heads=2, head_dim=16, norm_eps=1e-5)),
+    # Hunyuan's (Hunyuan-0.5B..7B-Instruct): Qwen3's head norms after the rotary embedding, its fixed-alpha NTK rope
+    "hunyuan": ("hunyuan_v1_dense", dict(num_key_value_heads=2, head_dim=16, rope_parameters=dict(
+        rope_type="dynamic", rope_theta=10000.0, alpha=1000.0, factor=1.0))),
     # Arcee's (AFM-4.5B): Llama's layers with an ungated squared-ReLU MLP, YaRN
     "arcee": ("arcee", dict(num_key_value_heads=2, head_dim=16, rope_parameters=dict(
         rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64))),

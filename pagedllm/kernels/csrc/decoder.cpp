@@ -83,10 +83,10 @@ at::Tensor LinearWeights::silu_and_mul(const at::Tensor& x) const {
 
 DecoderStack::DecoderStack(std::vector<DecoderLayerWeights> layers, at::Tensor norm, double eps, int64_t num_heads,
                            int64_t num_kv_heads, int64_t head_dim, double scale, double softcap, bool causal,
-                           c10::optional<at::Tensor> norm_bias, double clip_qkv)
+                           c10::optional<at::Tensor> norm_bias, double clip_qkv, bool qk_norm_after_rope)
     : layers_(std::move(layers)), norm_(std::move(norm)), norm_bias_(std::move(norm_bias)), eps_(eps),
       num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), scale_(scale), softcap_(softcap),
-      clip_qkv_(clip_qkv), causal_(causal) {}
+      clip_qkv_(clip_qkv), causal_(causal), qk_norm_after_rope_(qk_norm_after_rope) {}
 
 // LlamaModel.forward after the embedding: x [T, H] -> the final norm's output [T, H].
 at::Tensor DecoderStack::forward(at::Tensor x, const at::Tensor& positions, const std::vector<KVPair>& kv_caches,
@@ -216,11 +216,16 @@ at::Tensor DecoderStack::attention(const DecoderLayerWeights& layer, const at::T
   q = q.view({-1, num_heads_, head_dim_});
   k = k.view({-1, num_kv_heads_, head_dim_});
   const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({-1, num_kv_heads_, head_dim_});
-  if (layer.q_norm && layer.k_norm && !all_heads) {
+  const bool head_norms = layer.q_norm && layer.k_norm && !all_heads;
+  if (head_norms && !qk_norm_after_rope_) {
     q = head_norm(q, *layer.q_norm);
     k = head_norm(k, *layer.k_norm);
   }
   rotary_embedding(positions, q, k, layer.cos_cache, layer.sin_cache);
+  if (head_norms && qk_norm_after_rope_) {  // (Hunyuan's)
+    q = head_norm(q, *layer.q_norm);
+    k = head_norm(k, *layer.k_norm);
+  }
   const auto& [k_cache, v_cache] = kv_cache;
   write_kv(k, v, k_cache, v_cache, batch.slot_mapping);
   q = q.contiguous();

@@ -245,10 +245,11 @@ class DecoderStack {
  public:
   // softcap: 0, or the soft cap of every layer's attention scores (Gemma 2's); causal: false for an encoder's layers;
   // norm_bias: the final norm's bias, a LayerNorm model's (its final norm then a LayerNorm); clip_qkv: 0, or the bound
-  // each layer's q, k and v are clamped to (OLMo's)
+  // each layer's q, k and v are clamped to (OLMo's); qk_norm_after_rope: each head's q/k norms after the rotary
+  // embedding (Hunyuan's), not before
   DecoderStack(std::vector<DecoderLayerWeights> layers, at::Tensor norm, double eps, int64_t num_heads,
                int64_t num_kv_heads, int64_t head_dim, double scale, double softcap, bool causal,
-               c10::optional<at::Tensor> norm_bias, double clip_qkv);
+               c10::optional<at::Tensor> norm_bias, double clip_qkv, bool qk_norm_after_rope);
   // x: the embedded tokens [T, H]; the batch as pagedllm.attention.metadata.AttentionMetadata holds it, decodes first.
   at::Tensor forward(at::Tensor x, const at::Tensor& positions, const std::vector<KVPair>& kv_caches,
                      at::Tensor slot_mapping, at::Tensor block_tables, at::Tensor seq_lens,
@@ -285,7 +286,7 @@ class DecoderStack {
   double eps_;
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double scale_, softcap_, clip_qkv_;
-  bool causal_;
+  bool causal_, qk_norm_after_rope_;
 };
 
 // shm.cpp: the collectives of tensor-parallel ranks on one machine; each returns the last round number it used.
