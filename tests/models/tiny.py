@@ -103,7 +103,8 @@ TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     # so that it bites); Nemotron's: LayerNorms scaling by 1 + w, half of each head turned, a squared-ReLU MLP
     "olmo": ("olmo", dict(num_key_value_heads=2, clip_qkv=0.3)),
     "nemotron": ("nemotron", dict(num_key_value_heads=2, head_dim=16, norm_eps=1e-5)),
-    # Hunyuan's (Hunyuan-0.5B..7B-Instruct): Qwen3's head norms after the rotary embedding, its fixed-alpha NTK rope
+    # Hunyuan's (Hunyuan-0.5B..7B-Instruct): Qwen3's head norms after the rotary embedding (made random: a norm of
+    # weights all 1 gives the same before the rotation as after it), its fixed-alpha NTK rope
     "hunyuan": ("hunyuan_v1_dense", dict(num_key_value_heads=2, head_dim=16, rope_parameters=dict(
         rope_type="dynamic", rope_theta=10000.0, alpha=1000.0, factor=1.0))),
     # Arcee's (AFM-4.5B): Llama's layers with an ungated squared-ReLU MLP, YaRN
@@ -151,7 +152,8 @@ def build_tiny_hf_model(kind: str = "llama-gqa", seed: int = 0, **overrides: Any
     config = tiny_config(kind, **overrides)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
     if config.model_type in ("gemma2", "gemma3_text", "glm4", "stablelm", "phi", "gpt_neox", "starcoder2", "cohere",
-                             "cohere2", "gpt2", "gpt_bigcode", "opt", "gptj", "falcon", "nemotron"):
+                             "cohere2", "gpt2", "gpt_bigcode", "opt", "gptj", "falcon", "nemotron",
+                             "hunyuan_v1_dense"):
         randomize_norms(model, mean=0.0 if config.model_type.startswith("gemma") else 1.0)
     return model.eval()
 
