@@ -136,9 +136,10 @@ def _yarn_inv_freq(head_dim: int, base: float, scaling: dict) -> torch.Tensor:
     if scaling.get("truncate", True):
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001   # (as transformers widens a ramp of no width)
     pos_freqs = base ** (torch.arange(0, head_dim, 2).to(dtype=torch.float) / head_dim)
-    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32) - low) / ((high + 0.001 if low == high
-                                                                                       else high) - low), 0, 1)
+    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
     extrapolation = 1 - ramp
     return 1.0 / (factor * pos_freqs) * (1 - extrapolation) + 1.0 / pos_freqs * extrapolation
 

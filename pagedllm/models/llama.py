@@ -113,7 +113,8 @@ _MIXTRAL_NAMES = ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."), (".w
 # LFM2's (its convolution is the layer's `self_attn`, a ShortConv, whose out_proj is its o_proj as an attention's is);
 # Granite MoE's router (its block_sparse_moe already the mlp: _MIXTRAL_NAMES); Phi's; GPT-NeoX's (its MLP under
 # Phi's names; embed_out: older checkpoints' LM head); StarCoder2's MLP's; GPT-2's
-# and GPT-BigCode's (c_attn: q/k/v fused, q's rows then k's then v's); OPT's (its MLP's norm is the layer's
+# (c_attn: q/k/v fused, q's rows then k's then v's) and GPT-BigCode's (c_attn: fused by KV-head group, its one group
+# of all the queries a multi-query model's); OPT's (its MLP's norm is the layer's
 # final_layer_norm, the decoder's own the model's norm; older checkpoints' names start at "decoder."); GPT-J's;
 # Falcon's (its new decoder architecture's ln_attn and ln_mlp: the two norms of GPT-NeoX's parallel branches)
 _GLM4_NAMES = ((".post_attention_layernorm.", ".pre_feedforward_layernorm."),
@@ -131,10 +132,12 @@ _GPT_NEOX_NAMES = (("gpt_neox.embed_in.", "model.embed_tokens."), ("gpt_neox.fin
                    (".attention.", ".self_attn."), (".mlp.dense_h_to_4h.", ".mlp.fc1."),
                    (".mlp.dense_4h_to_h.", ".mlp.fc2."), ("embed_out.", "lm_head."))
 _STARCODER2_NAMES = ((".mlp.c_fc.", ".mlp.fc1."), (".mlp.c_proj.", ".mlp.fc2."))
-_GPT2_NAMES = (("transformer.wte.", "model.embed_tokens."), ("transformer.wpe.", "model.embed_positions."),
-               ("transformer.h.", "model.layers."), ("transformer.ln_f.", "model.norm."),
-               (".ln_1.", ".input_layernorm."), (".ln_2.", ".post_attention_layernorm."),
-               (".attn.c_attn.", ".self_attn.qkv_proj."), (".attn.c_proj.", ".self_attn.o_proj.")) + _STARCODER2_NAMES
+_GPT2_BODY_NAMES = (("transformer.wte.", "model.embed_tokens."), ("transformer.wpe.", "model.embed_positions."),
+                    ("transformer.h.", "model.layers."), ("transformer.ln_f.", "model.norm."),
+                    (".ln_1.", ".input_layernorm."), (".ln_2.", ".post_attention_layernorm."),
+                    (".attn.c_proj.", ".self_attn.o_proj.")) + _STARCODER2_NAMES
+_GPT2_NAMES = _GPT2_BODY_NAMES + ((".attn.c_attn.", ".self_attn.qkv_proj."),)
+_GPT_BIGCODE_NAMES = _GPT2_BODY_NAMES + ((".attn.c_attn.", ".self_attn.query_key_value."),)
 _OPT_NAMES = (("model.decoder.final_layer_norm.", "model.norm."), ("model.decoder.", "model."),
               (".self_attn_layer_norm.", ".input_layernorm."), (".final_layer_norm.", ".post_attention_layernorm."),
               (".self_attn.out_proj.", ".self_attn.o_proj."), (".fc1.", ".mlp.fc1."), (".fc2.", ".mlp.fc2."))
@@ -152,7 +155,7 @@ _CHECKPOINT_NAMES = {"granitemoe": ((".mlp.router.layer.", ".mlp.gate."),),
                      "hunyuan_v1_dense": ((".self_attn.query_layernorm.", ".self_attn.q_norm."),
                                           (".self_attn.key_layernorm.", ".self_attn.k_norm.")),
                      "glm4": _GLM4_NAMES, "lfm2": _LFM2_NAMES, "phi": _PHI_NAMES, "gpt_neox": _GPT_NEOX_NAMES,
-                     "starcoder2": _STARCODER2_NAMES, "gpt2": _GPT2_NAMES, "gpt_bigcode": _GPT2_NAMES,
+                     "starcoder2": _STARCODER2_NAMES, "gpt2": _GPT2_NAMES, "gpt_bigcode": _GPT_BIGCODE_NAMES,
                      "opt": _OPT_NAMES, "gptj": _GPTJ_NAMES, "falcon": _FALCON_NAMES, "nemotron": _UP_DOWN_NAMES,
                      "arcee": _UP_DOWN_NAMES}
 
@@ -1111,8 +1114,6 @@ class LlamaForCausalLM(nn.Module):
                 tensor = tensor.unsqueeze(1)    # llama.cpp's files squeeze it
             if self.config.model_type == "gpt2" and ".layers." in name and tensor.dim() == 2:
                 tensor = tensor.t()     # GPT-2's Conv1D layers store their weights [in, out]
-            if self.config.model_type == "gpt_bigcode" and not self.config.multi_query:
-                name = name.replace(".qkv_proj.", ".query_key_value.")  # each head's q, k and v rows in turn
             if self.bare and not name.startswith("model."):
                 name = "model." + name
             if self.classifier_token_ids is not None and name == (
