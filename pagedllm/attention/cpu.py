@@ -14,7 +14,9 @@ kernels row by row, by the torch paths after each gather. `write_kv` stores a st
 A layer with a sliding window (`window` keys) has each query read only its window: the kernels start each row's keys
 at the window's first (a step of such a layer never runs as cascade attention, its rows seeing different parts of a
 shared prefix); the torch paths mask the keys before it. Soft-capped scores (`softcap`, Gemma 2's) are capped by the
-kernels as each chunk's scores are made; without them, by the reference (SDPA has no soft-capping).
+kernels as each chunk's scores are made, and ALiBi's biases (`alibi_slopes`, BLOOM's and MPT's) added to them there
+(such a step never runs as cascade attention either: each row's biases run from its own position); without the
+kernels, both through the reference (SDPA has no soft-capping).
 An encoder's bidirectional attention (`bidirectional_attention`: each query sees the keys after it too) runs
 through SDPA over the step's own K/V.
 """
@@ -44,19 +46,20 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0,
-                    causal: bool = True) -> torch.Tensor:
+                    causal: bool = True, alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     """Causal paged attention (or not: an encoder's, which the decoder stack runs through the kernels), over a
-    sliding `window` of keys if not 0, its scores soft-capped at `softcap` if not 0; see `paged_attention_ref`.
-    query: [T, Hq, D] -> [T, Hq, D]."""
+    sliding `window` of keys if not 0, its scores soft-capped at `softcap` if not 0 and biased by ALiBi's
+    `alibi_slopes` if given; see `paged_attention_ref`. query: [T, Hq, D] -> [T, Hq, D]."""
     kernels = kernels_for(query)
-    if kernels is None and (softcap or not causal):
-        return torch_ref.paged_attention_ref(query, k_cache, v_cache, meta, scale, window, softcap, causal)
+    if kernels is None and (softcap or not causal or alibi_slopes is not None):
+        return torch_ref.paged_attention_ref(query, k_cache, v_cache, meta, scale, window, softcap, causal,
+                                             alibi_slopes)
     if kernels is None:
         return _paged_attention_torch(query, k_cache, v_cache, meta, scale, window)
     query = query.contiguous()
     out = torch.empty_like(query)
     kernels.paged_attention(out, query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                            meta.num_decodes, scale, meta.cascade, window, softcap, causal)
+                            meta.num_decodes, scale, meta.cascade, window, softcap, causal, alibi_slopes)
     return out
 
 
@@ -80,7 +83,7 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     query = query.contiguous()
     out = torch.empty_like(query)
     kernels.decode_attention(out, query, k_cache, v_cache, block_tables.contiguous(), seq_lens.contiguous(), scale,
-                             window, 0.0)
+                             window, 0.0, None)
     return out
 
 

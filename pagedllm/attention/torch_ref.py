@@ -69,15 +69,17 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> t
 
 def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0,
-                        causal: bool = True) -> torch.Tensor:
+                        causal: bool = True, alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its cached context.
 
     Query row j of seq i sits at position `q = seq_len_i - q_len_i + j` and sees positions <= q; with a sliding
     `window` (0: none), only the last `window` of them, positions in (q - window, q] (transformers' and vLLM's
     `sliding_window`). Not `causal` (an encoder's bidirectional attention, EmbeddingGemma's), it sees every position
     of the context; with a window, those in (q - window, q + window). With a `softcap` (0: none; Gemma 2's
-    `attn_logit_softcapping`) the scaled scores s become softcap * tanh(s / softcap) before the softmax. The K/V of
-    the new tokens must already be written to the cache.
+    `attn_logit_softcapping`) the scaled scores s become softcap * tanh(s / softcap) before the softmax. With
+    `alibi_slopes` ([num_heads] float32: ALiBi's, BLOOM's and MPT's position bias in place of a rotary embedding), head
+    h's score of the key at k for the query at q then gains slopes[h] * (k - q): the further back, the lower (a
+    causal layer's). The K/V of the new tokens must already be written to the cache.
 
     Args:
         query: [num_tokens, num_heads, head_dim].
@@ -103,6 +105,8 @@ def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             scores = softcap * torch.tanh(scores / softcap)
         # how far each key lies after each query row: [q_len, seq_len] (no key is seq_len after one)
         offset = torch.arange(seq_len).unsqueeze(0) - torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
+        if alibi_slopes is not None:
+            scores = scores + alibi_slopes.float().cpu()[:, None, None] * offset
         hidden = offset > 0 if causal else offset >= (window or seq_len)
         if window:
             hidden |= offset <= -window

@@ -12,7 +12,8 @@ read each K/V tile once (GQA and MQA) and a decode's group fills the rows that a
 It walks the context in tiles of BLOCK_N keys, each key found through the block table
 (`block_tables[i][pos // block_size]`, slot `pos % block_size`), with an online softmax, and stops at the last
 key its rows may see (causal); with a sliding window it starts at the first key its first row's window holds, and
-masks the keys before each row's. Decodes (the runner puts them first) run as their own launch with small row
+masks the keys before each row's. ALiBi's slopes (`alibi_slopes`) bias each row's scores by its head's slope times
+how far each key lies after it. Decodes (the runner puts them first) run as their own launch with small row
 tiles, prefill chunks as another.
 
 Matmul precision: float16 operands multiply as float16; bfloat16 and float32 ones as float32, in TF32 for
@@ -45,12 +46,13 @@ def _paged_attention_kernel(
     out_ptr, q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr,       # scale pointers: float32 views of int8 caches
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, scale, window,       # window: 0, or the sliding window
     softcap,                                                                  # 0, or the scores' soft cap
+    alibi_ptr,                                                                # ALiBi's slopes (read if HAS_ALIBI)
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_ct, stride_ch,                               # the caches' block, slot and head strides
     stride_bt,
     first_seq,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_INT8: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_INT8: tl.constexpr, HAS_ALIBI: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     seq = first_seq + tl.program_id(0)
@@ -88,6 +90,9 @@ def _paged_attention_kernel(
         scores = tl.dot(q.to(DOT_DTYPE), tl.trans(k.to(DOT_DTYPE)), input_precision=PRECISION) * scale
         if softcap > 0:     # softcap * tanh(scores / softcap), tanh(y) = 1 - 2 / (e^(2y) + 1)
             scores = softcap - 2 * softcap / (tl.exp(2 * scores / softcap) + 1)
+        if HAS_ALIBI:
+            slopes = tl.load(alibi_ptr + heads)                                          # [BLOCK_M]
+            scores += slopes[:, None] * (k_pos[None, :] - q_pos[:, None]).to(tl.float32)
         in_window = (k_pos[None, :] > q_pos[:, None] - window) | (window == 0)
         visible = (k_pos[None, :] <= q_pos[:, None]) & in_window & key_ok[None, :]      # [BLOCK_M, BLOCK_N]
         p, alpha, m, denom = _online_softmax(tl.where(visible, scores, float("-inf")), m, denom)
@@ -122,9 +127,10 @@ def _load_kv(cache_ptr, scale_ptr, row_offsets, dims, key_ok, dim_ok, HEAD_DIM: 
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0,
+                    alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     """Causal paged attention, over a sliding `window` of keys if not 0, its scores soft-capped at `softcap` if not
-    0; see `paged_attention_ref`.
+    0 and biased by ALiBi's `alibi_slopes` ([Hq] float32, on query's device) if given; see `paged_attention_ref`.
     query: [T, Hq, D] -> [T, Hq, D].
 
     Decodes (the leading sequences with one new token) run in one launch, the other sequences in a second.
@@ -133,10 +139,10 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     num_decodes = meta.num_decodes
     if num_decodes:
         _launch(out, query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, window,
-                softcap, seqs=(0, num_decodes), max_query_len=1, tile=(_DECODE_BLOCK_M, _DECODE_BLOCK_N))
+                softcap, alibi_slopes, seqs=(0, num_decodes), max_query_len=1, tile=(_DECODE_BLOCK_M, _DECODE_BLOCK_N))
     if num_decodes < meta.num_seqs:
         _launch(out, query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, window,
-                softcap, seqs=(num_decodes, meta.num_seqs), max_query_len=meta.max_query_len,
+                softcap, alibi_slopes, seqs=(num_decodes, meta.num_seqs), max_query_len=meta.max_query_len,
                 tile=(_PREFILL_BLOCK_M, _PREFILL_BLOCK_N))
     return out
 
@@ -148,14 +154,15 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     out = torch.empty_like(query)
     num_seqs = query.shape[0]
     query_start_loc = torch.arange(num_seqs + 1, dtype=torch.int32, device=query.device)
-    _launch(out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, window, 0.0,
+    _launch(out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, window, 0.0, None,
             seqs=(0, num_seqs), max_query_len=1, tile=(_DECODE_BLOCK_M, _DECODE_BLOCK_N))
     return out
 
 
 def _launch(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
-            window: int, softcap: float, seqs: tuple[int, int], max_query_len: int, tile: tuple[int, int]) -> None:
+            window: int, softcap: float, alibi_slopes: torch.Tensor | None, seqs: tuple[int, int], max_query_len: int,
+            tile: tuple[int, int]) -> None:
     """Run the kernel for sequences seqs[0]..seqs[1]-1, writing their rows of `out`.
 
     query, out: [T, Hq, D] with unit stride along D; k_cache, v_cache: [num_blocks, block_size, Hkv, row] with
@@ -173,12 +180,13 @@ def _launch(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cac
     _paged_attention_kernel[grid](
         out, query, k_cache, v_cache, _scales_view(k_cache), _scales_view(v_cache),
         block_tables, seq_lens, query_start_loc, scale, window, softcap,
+        query if alibi_slopes is None else alibi_slopes,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         seqs[0],
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=tile[1], IS_INT8=is_int8,
+        BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=tile[1], IS_INT8=is_int8, HAS_ALIBI=alibi_slopes is not None,
         DOT_DTYPE=dot_dtype, PRECISION=precision,
     )
 

@@ -10,6 +10,7 @@ from pagedllm.attention import cpu, torch_ref
 from pagedllm.attention.cpu import decode_attention, paged_attention
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.torch_ref import dequantize_kv, paged_attention_ref, quantize_kv, write_kv
+from pagedllm.layers.alibi import geometric_slopes
 from pagedllm.runner.kv_tensors import pool_view
 
 BLOCK_SIZE = 4
@@ -344,6 +345,61 @@ def test_soft_capped_cascade_attention_matches_the_reference(dtype: torch.dtype,
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(paged_attention(query, k_cache, v_cache, meta, 0.25, softcap=SOFTCAP).float(),
                                expected.float(), atol=tol, rtol=tol)
+
+
+def test_alibi_lowers_each_score_by_its_heads_slope_times_the_keys_distance() -> None:
+    """The reference with ALiBi's slopes is the softmax of s + slope_h (k - q) over the scaled scores s: here the
+    first decode's, against its scores worked out by hand; slopes of 0 change nothing."""
+    query, k_cache, v_cache, meta, (q_full, k_full, v_full) = _random_batch(*WINDOW_BATCH, 4, 4, torch.float32)
+    slopes = geometric_slopes(4)     # 1/4, 1/16, 1/64, 1/256
+    biased = paged_attention_ref(query, k_cache, v_cache, meta, 0.5, alibi_slopes=slopes)
+    scores = torch.einsum("hd,khd->hk", q_full[0][40], k_full[0][:41]) * 0.5
+    probs = torch.softmax(scores + slopes[:, None] * (torch.arange(41) - 40), dim=-1)
+    torch.testing.assert_close(biased[0], torch.einsum("hk,khd->hd", probs, v_full[0][:41]), atol=1e-5, rtol=1e-5)
+    whole = paged_attention_ref(query, k_cache, v_cache, meta, 0.5)
+    assert not torch.allclose(biased, whole, atol=1e-2)
+    torch.testing.assert_close(paged_attention_ref(query, k_cache, v_cache, meta, 0.5,
+                                                   alibi_slopes=torch.zeros(4)), whole)
+
+
+@pytest.mark.parametrize("window", [0, 37])
+@pytest.mark.parametrize("heads", ["mha", "gqa3", "gqa5"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [HEAD_DIM, 64, 128])
+def test_alibi_kernels_and_torch_path_match_the_reference(window: int, heads: str, dtype: torch.dtype, head_dim: int,
+                                                          isa_level: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decodes, fresh and cached chunks (up to 280 keys: distant keys matter with the small slopes of many heads),
+    with and without a window: the kernels bias each chunk's scores as they make them, each row from its own
+    position and head; without the kernels the reference runs (SDPA takes no per-head bias here)."""
+    num_heads, num_kv_heads = HEADS[heads]
+    query, k_cache, v_cache, meta, _ = _random_batch(*WINDOW_BATCH, num_heads, num_kv_heads, dtype, seed=13,
+                                                     head_dim=head_dim, block_size=16)
+    slopes = geometric_slopes(num_heads) / 4     # keys up to ~100 back still count for every head
+    scale = head_dim ** -0.5
+    expected = paged_attention_ref(query, k_cache, v_cache, meta, scale, window, alibi_slopes=slopes)
+    kernel = paged_attention(query, k_cache, v_cache, meta, scale, window, alibi_slopes=slopes)
+    monkeypatch.setenv("PAGEDLLM_DISABLE_KERNELS", "1")
+    torch_path = paged_attention(query, k_cache, v_cache, meta, scale, window, alibi_slopes=slopes)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for actual in (kernel, torch_path):
+        torch.testing.assert_close(actual.float(), expected.float(), atol=tol, rtol=tol)
+
+
+def test_alibi_turns_cascade_attention_off(isa_level: str) -> None:
+    """Sequences sharing 256 keys, where a step without ALiBi runs as a cascade: with it, each row's biases run from
+    its own position, as the reference has them (a cascade's prefix pass would see its rows as one)."""
+    query, k_cache, v_cache, meta, _ = _cascade_batch("gqa3", torch.bfloat16, 64, 16, 256)
+    assert cpu.cascade_prefix_len(query, k_cache, meta) == 256
+    slopes = geometric_slopes(9)
+    expected = paged_attention_ref(query, k_cache, v_cache, meta, 0.125, alibi_slopes=slopes)
+    torch.testing.assert_close(paged_attention(query, k_cache, v_cache, meta, 0.125, alibi_slopes=slopes).float(),
+                               expected.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_the_kernels_refuse_slopes_of_another_head_count(isa_level: str) -> None:
+    query, k_cache, v_cache, meta, _ = _random_batch(*WINDOW_BATCH, 4, 2, torch.float32)
+    with pytest.raises(RuntimeError, match="one a query head"):
+        paged_attention(query, k_cache, v_cache, meta, 0.5, alibi_slopes=geometric_slopes(2))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

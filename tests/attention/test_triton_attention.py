@@ -13,6 +13,7 @@ import torch
 
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.torch_ref import paged_attention_ref
+from pagedllm.layers.alibi import geometric_slopes
 from tests.attention.test_attention import BATCHES, _random_batch
 
 pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[dev]')")
@@ -39,21 +40,24 @@ def backend() -> ModuleType:
 
 
 def _run(backend: ModuleType, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-         meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+         meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0,
+         alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     """The backend's paged_attention on DEVICE copies of the inputs, its output back on the CPU."""
     on_device = dataclasses.replace(meta, **{f: getattr(meta, f).to(DEVICE) for f in
                                              ("slot_mapping", "query_start_loc", "seq_lens", "block_tables")})
+    slopes = None if alibi_slopes is None else alibi_slopes.to(DEVICE)
     return backend.paged_attention(query.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), on_device,
-                                   scale, window, softcap).cpu()
+                                   scale, window, softcap, slopes).cpu()
 
 
 def _check(backend: ModuleType, heads: str, batch: tuple[list[int], list[int]], dtype: torch.dtype,
-           window: int = 0, softcap: float = 0.0, **batch_options) -> None:
+           window: int = 0, softcap: float = 0.0, alibi: bool = False, **batch_options) -> None:
     num_heads, num_kv_heads = TRITON_HEADS[heads]
     query, k_cache, v_cache, meta, _ = _random_batch(*batch, num_heads, num_kv_heads, dtype, **batch_options)
     scale = query.shape[-1] ** -0.5
-    actual = _run(backend, query, k_cache, v_cache, meta, scale, window, softcap)
-    expected = paged_attention_ref(query, k_cache, v_cache, meta, scale, window, softcap)
+    slopes = geometric_slopes(num_heads) if alibi else None
+    actual = _run(backend, query, k_cache, v_cache, meta, scale, window, softcap, slopes)
+    expected = paged_attention_ref(query, k_cache, v_cache, meta, scale, window, softcap, alibi_slopes=slopes)
     assert actual.dtype == query.dtype and actual.shape == query.shape
     tol = TOLERANCES[query.dtype]
     torch.testing.assert_close(actual.float(), expected.float(), atol=tol, rtol=tol)
@@ -88,6 +92,12 @@ def test_triton_backend_attends_over_sliding_windows(backend: ModuleType, window
 @pytest.mark.parametrize("window", [0, 40])
 def test_triton_backend_soft_caps_the_scores(backend: ModuleType, window: int) -> None:
     _check(backend, "gqa3", LONG_BATCH, torch.float32, window, softcap=0.5, seed=5, head_dim=64, block_size=16)
+
+
+@pytest.mark.parametrize("heads", ["gqa3", "mqa"])
+def test_triton_backend_biases_the_scores_by_alibi(backend: ModuleType, heads: str) -> None:
+    """Each row's head's slope, each key's distance from the row: decodes and chunks, across tiles."""
+    _check(backend, heads, LONG_BATCH, torch.float32, alibi=True, seed=5, head_dim=64, block_size=16)
 
 
 def test_triton_decode_reads_a_cache_view_with_layer_strides(backend: ModuleType) -> None:

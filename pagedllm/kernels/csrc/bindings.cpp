@@ -13,14 +13,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using NoGil = pybind11::call_guard<pybind11::gil_scoped_release>;
   m.def("decode_attention", &pagedllm::decode_attention,
         "Paged decode attention, one query token per sequence, over a float or int8 cache: (out, q, k_cache, "
-        "v_cache, block_tables, seq_lens, scale, window, softcap)", NoGil());
+        "v_cache, block_tables, seq_lens, scale, window, softcap, alibi_slopes)", NoGil());
   m.def("prefill_attention", &pagedllm::prefill_attention,
         "Paged attention of sequences first_seq.. of a flat batch, causal or not: (out, q, k_cache, v_cache, "
-        "block_tables, seq_lens, query_start_loc, first_seq, scale, window, softcap, causal)", NoGil());
+        "block_tables, seq_lens, query_start_loc, first_seq, scale, window, softcap, causal, alibi_slopes)", NoGil());
   m.def("paged_attention", &pagedllm::paged_attention,
         "A step's paged attention, decodes first, as cascade attention where every sequence's context starts with "
-        "the same blocks and `cascade` allows it (never with a sliding window): (out, q, k_cache, v_cache, "
-        "block_tables, seq_lens, query_start_loc, num_decodes, scale, cascade, window, softcap, causal)",
+        "the same blocks and `cascade` allows it (never with a sliding window or ALiBi): (out, q, k_cache, "
+        "v_cache, block_tables, seq_lens, query_start_loc, num_decodes, scale, cascade, window, softcap, causal, "
+        "alibi_slopes)",
         NoGil());
   m.def("cascade_prefix_len", &pagedllm::cascade_prefix_len,
         "The shared prefix paged_attention runs as cascade attention, in positions (0: none): (q, k_cache, "
@@ -128,10 +129,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<pagedllm::DecoderStack>(m, "DecoderStack", py::module_local(),
                                      "A Llama-family decoder's layers and final norm in one call (decoder.cpp)")
       .def(py::init<std::vector<pagedllm::DecoderLayerWeights>, at::Tensor, double, int64_t, int64_t, int64_t,
-                    double, double, bool, c10::optional<at::Tensor>, double, bool>(),
+                    double, double, bool, c10::optional<at::Tensor>, double, bool, c10::optional<at::Tensor>>(),
            py::arg("layers"), py::arg("norm"), py::arg("eps"), py::arg("num_heads"), py::arg("num_kv_heads"),
            py::arg("head_dim"), py::arg("scale"), py::arg("softcap") = 0.0, py::arg("causal") = true,
-           py::arg("norm_bias") = py::none(), py::arg("clip_qkv") = 0.0, py::arg("qk_norm_after_rope") = false)
+           py::arg("norm_bias") = py::none(), py::arg("clip_qkv") = 0.0, py::arg("qk_norm_after_rope") = false,
+           py::arg("alibi_slopes") = py::none())
       .def("forward", &pagedllm::DecoderStack::forward,
            "The embedded tokens [T, H] through every layer and the final norm, reading and writing the paged KV "
            "cache: (x, positions, kv_caches, slot_mapping, block_tables, seq_lens, query_start_loc, num_decodes, "

@@ -400,7 +400,7 @@ template <typename scalar_t, typename cache_t, int64_t kHeadDim, int64_t kGroup>
 void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& block_tables,
                            const at::Tensor& seq_lens, double scale, int64_t window, double softcap,
-                           const SoftmaxState* prefix) {
+                           const float* alibi, const SoftmaxState* prefix) {
   const PagedCache<cache_t> cache(k_cache, v_cache, block_tables, seq_lens);
   const int64_t num_seqs = q.size(0), num_heads = q.size(1);
   const int64_t head_dim = kHeadDim > 0 ? kHeadDim : q.size(2);
@@ -436,6 +436,14 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
       });
       prefetch_first_blocks<true>(cache, table, h, first, len, head_dim);
       if (softcap > 0) soft_cap(scores.data(), group * n, static_cast<float>(softcap));
+      if (alibi) {  // key first + j sits first + j - (len - 1) after the row
+        for (int64_t g = 0; g < group; ++g) {
+          const float slope = alibi[h * group + g];
+          float* s = scores.data() + g * n;
+#pragma omp simd
+          for (int64_t j = 0; j < n; ++j) s[j] += slope * static_cast<float>(first + j - (len - 1));
+        }
+      }
       for (int64_t g = 0; g < group; ++g) {
         float m;
         const float sum = exp_and_sum(scores.data() + g * n, n, m);
@@ -479,13 +487,13 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
 template <typename scalar_t, typename cache_t, int64_t kHeadDim>
 void dispatch_group(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                     const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                    double scale, int64_t window, double softcap, const SoftmaxState* prefix) {
+                    double scale, int64_t window, double softcap, const float* alibi, const SoftmaxState* prefix) {
 #define PAGEDLLM_GROUP(G) \
-  case G: return decode_attention_impl<scalar_t, cache_t, kHeadDim, G>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap, prefix);
+  case G: return decode_attention_impl<scalar_t, cache_t, kHeadDim, G>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap, alibi, prefix);
   switch (q.size(1) / k_cache.size(2)) {
     PAGEDLLM_GROUP(1) PAGEDLLM_GROUP(2) PAGEDLLM_GROUP(3) PAGEDLLM_GROUP(4)
     PAGEDLLM_GROUP(6) PAGEDLLM_GROUP(7) PAGEDLLM_GROUP(8)
-    default: return decode_attention_impl<scalar_t, cache_t, kHeadDim, 0>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap, prefix);
+    default: return decode_attention_impl<scalar_t, cache_t, kHeadDim, 0>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap, alibi, prefix);
   }
 #undef PAGEDLLM_GROUP
 }
@@ -493,14 +501,17 @@ void dispatch_group(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
 }  // namespace
 
 void decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
-                      at::Tensor block_tables, at::Tensor seq_lens, double scale, int64_t window, double softcap) {
-  decode_attention_after_prefix(out, q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap, nullptr);
+                      at::Tensor block_tables, at::Tensor seq_lens, double scale, int64_t window, double softcap,
+                      const c10::optional<at::Tensor>& alibi_slopes) {
+  decode_attention_after_prefix(out, q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap,
+                                alibi_data(alibi_slopes, q), nullptr);
 }
 
 void decode_attention_after_prefix(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
                                    const at::Tensor& v_cache, const at::Tensor& block_tables,
                                    const at::Tensor& seq_lens, double scale, int64_t window, double softcap,
-                                   const SoftmaxState* prefix) {
+                                   const float* alibi, const SoftmaxState* prefix) {
+  TORCH_CHECK(!(alibi && prefix), "ALiBi never runs with a cascade's prefix");
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous(), "q and out must be contiguous");
   TORCH_CHECK(window >= 0 && !(window > 0 && prefix), "a sliding window of ", window,
               " keys (0: none), never with a cascade's prefix");
@@ -515,16 +526,16 @@ void decode_attention_after_prefix(at::Tensor out, const at::Tensor& q, const at
       switch (q.size(2)) {
         case 64:
           return dispatch_group<scalar_t, cache_t, 64>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, window,
-                                                       softcap, prefix);
+                                                       softcap, alibi, prefix);
         case 128:
           return dispatch_group<scalar_t, cache_t, 128>(out, q, k_cache, v_cache, block_tables, seq_lens, scale,
-                                                        window, softcap, prefix);
+                                                        window, softcap, alibi, prefix);
         case 256:  // Gemma's: through the generic path 2.2x the time of 128-wide heads over the same bytes
           return dispatch_group<scalar_t, cache_t, 256>(out, q, k_cache, v_cache, block_tables, seq_lens, scale,
-                                                        window, softcap, prefix);
+                                                        window, softcap, alibi, prefix);
         default:
           return decode_attention_impl<scalar_t, cache_t, 0, 0>(out, q, k_cache, v_cache, block_tables, seq_lens,
-                                                                scale, window, softcap, prefix);
+                                                                scale, window, softcap, alibi, prefix);
       }
     });
   });

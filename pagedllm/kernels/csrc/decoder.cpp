@@ -83,8 +83,10 @@ at::Tensor LinearWeights::silu_and_mul(const at::Tensor& x) const {
 
 DecoderStack::DecoderStack(std::vector<DecoderLayerWeights> layers, at::Tensor norm, double eps, int64_t num_heads,
                            int64_t num_kv_heads, int64_t head_dim, double scale, double softcap, bool causal,
-                           c10::optional<at::Tensor> norm_bias, double clip_qkv, bool qk_norm_after_rope)
-    : layers_(std::move(layers)), norm_(std::move(norm)), norm_bias_(std::move(norm_bias)), eps_(eps),
+                           c10::optional<at::Tensor> norm_bias, double clip_qkv, bool qk_norm_after_rope,
+                           c10::optional<at::Tensor> alibi_slopes)
+    : layers_(std::move(layers)), norm_(std::move(norm)), norm_bias_(std::move(norm_bias)),
+      alibi_slopes_(std::move(alibi_slopes)), eps_(eps),
       num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), scale_(scale), softcap_(softcap),
       clip_qkv_(clip_qkv), causal_(causal), qk_norm_after_rope_(qk_norm_after_rope) {}
 
@@ -231,7 +233,7 @@ at::Tensor DecoderStack::attention(const DecoderLayerWeights& layer, const at::T
   q = q.contiguous();
   at::Tensor out = at::empty_like(q);
   paged_attention(out, q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
-                  batch.num_decodes, scale_, batch.cascade, layer.sliding_window, softcap_, causal_);
+                  batch.num_decodes, scale_, batch.cascade, layer.sliding_window, softcap_, causal_, alibi_slopes_);
   return layer.o(out.flatten(1));
 }
 

@@ -35,19 +35,25 @@ namespace pagedllm {
 // sliding_window). `softcap`: 0, or Gemma 2's soft-capping of the scaled scores s, cap tanh(s / cap) (`soft_cap`).
 // Not `causal` (an encoder's bidirectional attention, EmbeddingGemma's), a query sees the keys after it too: all of
 // its context, or with a window those at (p - window, p + window); a decode, the last position, sees the same keys
-// either way.
+// either way. `alibi_slopes`: none, or ALiBi's slope of each query head (float32 [num_heads]; BLOOM's, MPT's): the
+// scaled (and capped) score of a query at p and a key at k gains slope (k - p), a causal layer's only.
 void decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
-                      at::Tensor seq_lens, double scale, int64_t window, double softcap);
+                      at::Tensor seq_lens, double scale, int64_t window, double softcap,
+                      const c10::optional<at::Tensor>& alibi_slopes);
 void prefill_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                        at::Tensor block_tables, at::Tensor seq_lens, at::Tensor query_start_loc, int64_t first_seq,
-                       double scale, int64_t window, double softcap, bool causal);
+                       double scale, int64_t window, double softcap, bool causal,
+                       const c10::optional<at::Tensor>& alibi_slopes);
 // A step's attention as pagedllm.attention.cpu.paged_attention runs it: decodes (the first num_decodes sequences)
 // through decode_attention, the rest through prefill_attention; when every sequence's context starts with the same
-// blocks and `cascade` allows it (never with a window, never without causality), as cascade attention
+// blocks and `cascade` allows it (never with a window or ALiBi, never without causality), as cascade attention
 // (paged_attention.cpp).
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
                      at::Tensor seq_lens, at::Tensor query_start_loc, int64_t num_decodes, double scale,
-                     bool cascade, int64_t window, double softcap, bool causal);
+                     bool cascade, int64_t window, double softcap, bool causal,
+                     const c10::optional<at::Tensor>& alibi_slopes);
+// The slopes' floats, checked against q's heads (nullptr for none): the kernels' `alibi`.
+const float* alibi_data(const c10::optional<at::Tensor>& alibi_slopes, const at::Tensor& q);
 // The prefix paged_attention runs as cascade attention for this batch: the positions at the start of every
 // sequence's context held in the same blocks of every table and seen by every query token, in whole blocks, rounded
 // down to a multiple of 64; 0 where a cascade would not pay (paged_attention.cpp).
@@ -73,19 +79,20 @@ struct SoftmaxState {
 bool prefill_attention_in_tiles(const at::Tensor& q, const at::Tensor& k_cache);
 // Cascade attention's parts (paged_attention.cpp runs them): every row of q over the first prefix_len keys of the
 // first sequence's blocks (whole kKeyChunks), then the decodes' and the other sequences' rows over the rest of their
-// contexts from that state (prefix = nullptr: from no keys, over the whole context, or its window).
+// contexts from that state (prefix = nullptr: from no keys, over the whole context, or its window). `alibi`: nullptr, or
+// the slopes (`alibi_data`), never with a prefix.
 SoftmaxState prefix_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                               const at::Tensor& block_tables, const at::Tensor& seq_lens,
                               const at::Tensor& query_start_loc, int64_t prefix_len, double scale, double softcap);
 void decode_attention_after_prefix(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
                                    const at::Tensor& v_cache, const at::Tensor& block_tables,
                                    const at::Tensor& seq_lens, double scale, int64_t window, double softcap,
-                                   const SoftmaxState* prefix);
+                                   const float* alibi, const SoftmaxState* prefix);
 void prefill_attention_after_prefix(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
                                     const at::Tensor& v_cache, const at::Tensor& block_tables,
                                     const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t first_seq,
-                                    double scale, int64_t window, double softcap, const SoftmaxState* prefix,
-                                    bool causal = true);
+                                    double scale, int64_t window, double softcap, const float* alibi,
+                                    const SoftmaxState* prefix, bool causal = true);
 
 // The new tokens' K and V into their cache slots, copied or quantized to int8 rows (cache_write.cpp).
 void write_kv(at::Tensor key, at::Tensor value, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slot_mapping);
@@ -246,10 +253,11 @@ class DecoderStack {
   // softcap: 0, or the soft cap of every layer's attention scores (Gemma 2's); causal: false for an encoder's layers;
   // norm_bias: the final norm's bias, a LayerNorm model's (its final norm then a LayerNorm); clip_qkv: 0, or the bound
   // each layer's q, k and v are clamped to (OLMo's); qk_norm_after_rope: each head's q/k norms after the rotary
-  // embedding (Hunyuan's), not before
+  // embedding (Hunyuan's), not before; alibi_slopes: ALiBi's slope of each query head, every layer's (BLOOM's, MPT's)
   DecoderStack(std::vector<DecoderLayerWeights> layers, at::Tensor norm, double eps, int64_t num_heads,
                int64_t num_kv_heads, int64_t head_dim, double scale, double softcap, bool causal,
-               c10::optional<at::Tensor> norm_bias, double clip_qkv, bool qk_norm_after_rope);
+               c10::optional<at::Tensor> norm_bias, double clip_qkv, bool qk_norm_after_rope,
+               c10::optional<at::Tensor> alibi_slopes);
   // x: the embedded tokens [T, H]; the batch as pagedllm.attention.metadata.AttentionMetadata holds it, decodes first.
   at::Tensor forward(at::Tensor x, const at::Tensor& positions, const std::vector<KVPair>& kv_caches,
                      at::Tensor slot_mapping, at::Tensor block_tables, at::Tensor seq_lens,
@@ -282,7 +290,7 @@ class DecoderStack {
 
   std::vector<DecoderLayerWeights> layers_;
   at::Tensor norm_;
-  c10::optional<at::Tensor> norm_bias_;
+  c10::optional<at::Tensor> norm_bias_, alibi_slopes_;
   double eps_;
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double scale_, softcap_, clip_qkv_;

@@ -59,13 +59,23 @@ int64_t cascade_prefix_len(at::Tensor q, at::Tensor k_cache, at::Tensor block_ta
   return prefix_len * num_seqs >= least.keys ? prefix_len : 0;
 }
 
+const float* alibi_data(const c10::optional<at::Tensor>& alibi_slopes, const at::Tensor& q) {
+  if (!alibi_slopes) return nullptr;
+  TORCH_CHECK(alibi_slopes->scalar_type() == at::kFloat && alibi_slopes->is_contiguous() &&
+              alibi_slopes->numel() == q.size(1), "ALiBi's slopes must be contiguous float32, one a query head (",
+              q.size(1), "), not ", alibi_slopes->sizes());
+  return alibi_slopes->data_ptr<float>();
+}
+
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
                      at::Tensor seq_lens, at::Tensor query_start_loc, int64_t num_decodes, double scale,
-                     bool cascade, int64_t window, double softcap, bool causal) {
+                     bool cascade, int64_t window, double softcap, bool causal,
+                     const c10::optional<at::Tensor>& alibi_slopes) {
   const int64_t num_seqs = seq_lens.size(0);
+  const float* alibi = alibi_data(alibi_slopes, q);
   // A window's rows see different keys of a shared prefix, as many as their positions leave them: no cascade; nor
-  // for an encoder's rows (which share no blocks).
-  const bool shared = cascade && window == 0 && causal;
+  // for an encoder's rows (which share no blocks), nor with ALiBi (each row's biases run from its own position).
+  const bool shared = cascade && window == 0 && causal && !alibi;
   const int64_t prefix_len = shared ? cascade_prefix_len(q, k_cache, block_tables, seq_lens, query_start_loc) : 0;
   std::optional<SoftmaxState> prefix;
   if (prefix_len > 0) {
@@ -76,11 +86,11 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
   if (num_decodes > 0) {
     decode_attention_after_prefix(out.narrow(0, 0, num_decodes), q.narrow(0, 0, num_decodes), k_cache, v_cache,
                                   block_tables.narrow(0, 0, num_decodes), seq_lens.narrow(0, 0, num_decodes), scale,
-                                  window, softcap, state);
+                                  window, softcap, alibi, state);
   }
   if (num_decodes < num_seqs) {
     prefill_attention_after_prefix(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_decodes,
-                                   scale, window, softcap, state, causal);
+                                   scale, window, softcap, alibi, state, causal);
   }
 }
 

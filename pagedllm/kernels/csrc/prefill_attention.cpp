@@ -440,19 +440,24 @@ inline __m512 exp_for_bf16(__m512 x) {
 
 // Online softmax for one query row over scores [hidden, visible) of a key chunk s[kKeyChunk] (0 <= hidden <
 // visible; keys before `hidden` are out of a sliding window), each times `scale` and then, with a `softcap`, capped
-// (`soft_cap`): s becomes the chunk's p (0 outside them), and o, the row's unnormalised output, is rescaled to the
-// new max. m: the row's
+// (`soft_cap`), and with an ALiBi `slope`, the key at j biased by slope (j + offset), offset being how far the chunk's
+// first key lies after the row: s becomes the chunk's p (0 outside them), and o, the row's unnormalised output, is
+// rescaled to the new max. m: the row's
 // running max; l: its running sum of exp (of scaled scores), as kSumLanes partial sums. kBf16P: p is rounded to
 // bf16 next (the paths that weigh the values in bf16 pairs), so that exp_for_bf16 does (1.2-1.3x the chunk loop
 // of the AMX path on SmolLM2's shapes, whose exp was its largest part).
 template <int64_t kHeadDim, bool kBf16P>
-inline void softmax_chunk(float* s, int64_t hidden, int64_t visible, float scale, float softcap, int64_t head_dim,
-                          float& m, float* l, float* o) {
+inline void softmax_chunk(float* s, int64_t hidden, int64_t visible, float scale, float softcap, float slope,
+                          int64_t offset, int64_t head_dim, float& m, float* l, float* o) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  if (softcap > 0.f) {  // the capped scores are scaled already (cap tanh(s / cap) is not a multiple of s)
+  if (softcap > 0.f || slope != 0.f) {  // then the scores are scaled here (cap tanh(s / cap) + bias is no multiple of s)
 #pragma omp simd
     for (int64_t j = 0; j < kKeyChunk; ++j) s[j] *= scale;
-    soft_cap(s, kKeyChunk, softcap);
+    if (softcap > 0.f) soft_cap(s, kKeyChunk, softcap);
+    if (slope != 0.f) {
+#pragma omp simd
+      for (int64_t j = 0; j < kKeyChunk; ++j) s[j] += slope * static_cast<float>(j + offset);
+    }
     scale = 1.f;
   }
 #if defined(__AVX512F__)
@@ -559,6 +564,7 @@ struct Plan {
   std::vector<Task> tasks;
   int64_t window = 0;  // 0, or the sliding window every query row sees
   float softcap = 0.f;  // 0, or the soft cap of the scores (Gemma 2's)
+  const float* alibi = nullptr;  // nullptr, or ALiBi's slope of each query head
   bool causal = true;   // false: a row sees the keys after its own too (within the window either side)
 
   // Past the last key a query at `pos` sees of a context of `end` keys.
@@ -774,8 +780,10 @@ void run_plan(Plan& plan, at::Tensor& out, const at::Tensor& q, const at::Tensor
               std::fill(s, s + kKeyChunk, 0.f);
               continue;
             }
-            softmax_chunk<kHeadDim, kPairs>(s, hidden, visible, scale, plan.softcap, head_dim, row_max[r],
-                                            row_sum.data() + r * kSumLanes, acc.data() + r * head_dim);
+            const float slope = plan.alibi ? plan.alibi[pk.head * group + r % group] : 0.f;
+            softmax_chunk<kHeadDim, kPairs>(s, hidden, visible, scale, plan.softcap, slope, chunk_start - pos,
+                                            head_dim, row_max[r], row_sum.data() + r * kSumLanes,
+                                            acc.data() + r * head_dim);
           }
         };
 #if defined(__AVX512BF16__)
@@ -887,25 +895,28 @@ bool prefill_attention_in_tiles(const at::Tensor& q, const at::Tensor& k_cache) 
 
 void prefill_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                        at::Tensor block_tables, at::Tensor seq_lens, at::Tensor query_start_loc, int64_t first_seq,
-                       double scale, int64_t window, double softcap, bool causal) {
+                       double scale, int64_t window, double softcap, bool causal,
+                       const c10::optional<at::Tensor>& alibi_slopes) {
   prefill_attention_after_prefix(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, first_seq, scale,
-                                 window, softcap, nullptr, causal);
+                                 window, softcap, alibi_data(alibi_slopes, q), nullptr, causal);
 }
 
 void prefill_attention_after_prefix(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
                                     const at::Tensor& v_cache, const at::Tensor& block_tables,
                                     const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t first_seq,
-                                    double scale, int64_t window, double softcap, const SoftmaxState* prefix,
-                                    bool causal) {
+                                    double scale, int64_t window, double softcap, const float* alibi,
+                                    const SoftmaxState* prefix, bool causal) {
   check_prefill_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc);
   TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "out must be contiguous and of q's shape");
   TORCH_CHECK(window >= 0 && !(window > 0 && prefix), "a sliding window of ", window,
               " keys (0: none), never with a cascade's prefix");
   TORCH_CHECK(softcap >= 0, "softcap must be 0 (none) or positive, not ", softcap);
   TORCH_CHECK(causal || !prefix, "a cascade's rows are causal");
+  TORCH_CHECK(!(alibi && (prefix || !causal)), "ALiBi biases a causal layer's scores, never with a cascade's prefix");
   Plan plan = plan_sequences(query_start_loc.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), first_seq,
                              seq_lens.size(0), k_cache.size(2), prefix ? prefix->prefix_len : 0, window, causal);
   plan.softcap = static_cast<float>(softcap);
+  plan.alibi = alibi;
   dispatch_plan(q, k_cache, v_cache, [&]<typename scalar_t, typename cache_t, int64_t kHeadDim>() {
     run_plan<scalar_t, cache_t, kHeadDim>(plan, out, q, k_cache, v_cache, block_tables, seq_lens, scale, prefix,
                                           nullptr);
