@@ -70,6 +70,9 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "opt-125m": ("opt", dict(
         hidden_size=768, ffn_dim=3072, num_hidden_layers=12, num_attention_heads=12, word_embed_proj_dim=768,
         max_position_embeddings=2048)),
+    # bloom-560m's layers (~0.35B weights here, with the tokenizer's vocabulary, not BLOOM's 250,880): 24 of hidden
+    # 1024, 16 heads, ALiBi, a tanh-GELU MLP of 4,096, its embeddings normed
+    "bloom-560m": ("bloom", dict(hidden_size=1024, n_layer=24, n_head=16)),
     # Phi-4-mini's layers (~3.4B weights): 32 of hidden 3072, 24 query heads of 128 over 8 kv heads, an MLP of 8192,
     # longrope (an original context of 4,096 of 131,072) over 3/4 of each head; the tokenizer's vocabulary
     "phi4-mini": ("phi3", dict(

@@ -226,14 +226,15 @@ def _classifier_from_token(config: Any, resolved: ResolvedModel, tokenizer_path:
 
 
 def max_model_len_of(hf_config: Any, wanted: int | None, disable_sliding_window: bool = False) -> int:
-    """The model's context length (`max_position_embeddings`, else 2048), capped by `wanted` when given. A model
+    """The model's context length (`context_length`), capped by `wanted` when given. A model
     whose layers attend over sliding windows (`sliding_window_of_layer`) runs its whole context too: each such layer
     reads its window of the cache; with `disable_sliding_window` (vLLM's), its context is capped at its smallest
     window instead, within which every layer may attend over all of it (`without_sliding_window`)."""
     from pagedllm.models.bert import position_offset
+    from pagedllm.models.llama import context_length
 
     # RoBERTa's positions start after its padding id: two of its rows are not positions of the context
-    model_len = (getattr(hf_config, "max_position_embeddings", None) or 2048) - position_offset(hf_config)
+    model_len = context_length(hf_config) - position_offset(hf_config)
     what = "the model's context length"
     window = min(_sliding_windows(hf_config), default=0) if disable_sliding_window else 0
     if 0 < window < model_len:

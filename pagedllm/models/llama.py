@@ -38,9 +38,12 @@ q/k/v fused by KV-head group, and GPT-2 its weights [in, out] (Conv1D): `unfused
 transposes the other; each family's checkpoint names map onto the modules' (`_CHECKPOINT_NAMES`). GPT-2, GPT-BigCode
 and OPT add a learned embedding of each position to its token's (`embed_positions`; OPT's table starts 2 rows in)
 and turn no values; Cohere's and GPT-J's ropes turn interleaved pairs (reordered at load), Cohere's logits are
-multiplied by `logit_scale`, Cohere2's global layers turn no values (as EXAONE 4's). The C++ stack runs their layers
-as it runs the others' (a LayerNorm where a norm has a bias, parallel branches, the ungated MLP's activation as
-torch computes it).
+multiplied by `logit_scale`, Cohere2's global layers turn no values (as EXAONE 4's). BLOOM, MPT and Falcon-RW (Falcon's
+`alibi`) turn no values either: ALiBi biases their attention scores by each key's distance from its query, a slope for
+each head (`alibi_slopes_of`; BLOOM's layers are GPT-NeoX's sequential ones, its embeddings normed first: `embed_norm`;
+MPT's unbiased, under LayerNorms without biases, q/k/v fused q's rows first). The C++ stack runs their layers as it
+runs the others' (a LayerNorm where a norm has a bias, parallel branches, the ungated MLP's activation as torch
+computes it, ALiBi's slopes).
 
 The model is format-agnostic: `load_weights` takes Hugging Face parameter names from any loader and maps the
 separate q/k/v and gate/up checkpoint tensors onto the fused parameters (`STACKED_PARAMS_MAPPING`).
@@ -63,6 +66,7 @@ from pagedllm.attention.torch_ref import paged_attention_ref
 from pagedllm.distributed.communicator import communicator
 from pagedllm.kernels import kernels_for
 from pagedllm.layers.activation import GeluAndMul, SiluAndMul
+from pagedllm.layers.alibi import geometric_slopes, mpt_slopes
 from pagedllm.layers.embedding import ParallelLMHead, VocabEmbedding
 from pagedllm.layers.linear import (
     ColumnParallelLinear,
@@ -151,13 +155,22 @@ _FALCON_NAMES = (("transformer.word_embeddings.", "model.embed_tokens."), ("tran
                  (".self_attention.", ".self_attn."), (".mlp.dense_h_to_4h.", ".mlp.fc1."),
                  (".mlp.dense_4h_to_h.", ".mlp.fc2."))
 _UP_DOWN_NAMES = ((".mlp.up_proj.", ".mlp.fc1."), (".mlp.down_proj.", ".mlp.fc2."))    # Nemotron's, Arcee's
+_BLOOM_NAMES = (("transformer.word_embeddings_layernorm.", "model.embed_norm."),) + _FALCON_NAMES
+_MPT_NAMES = (("transformer.wte.", "model.embed_tokens."), ("transformer.blocks.", "model.layers."),
+              ("transformer.norm_f.", "model.norm."), (".norm_1.", ".input_layernorm."),
+              (".norm_2.", ".post_attention_layernorm."), (".attn.Wqkv.", ".self_attn.qkv_proj."),
+              (".attn.out_proj.", ".self_attn.o_proj."), (".ffn.up_proj.", ".mlp.fc1."),
+              (".ffn.down_proj.", ".mlp.fc2."))
 _CHECKPOINT_NAMES = {"granitemoe": ((".mlp.router.layer.", ".mlp.gate."),),
                      "hunyuan_v1_dense": ((".self_attn.query_layernorm.", ".self_attn.q_norm."),
                                           (".self_attn.key_layernorm.", ".self_attn.k_norm.")),
                      "glm4": _GLM4_NAMES, "lfm2": _LFM2_NAMES, "phi": _PHI_NAMES, "gpt_neox": _GPT_NEOX_NAMES,
                      "starcoder2": _STARCODER2_NAMES, "gpt2": _GPT2_NAMES, "gpt_bigcode": _GPT_BIGCODE_NAMES,
                      "opt": _OPT_NAMES, "gptj": _GPTJ_NAMES, "falcon": _FALCON_NAMES, "nemotron": _UP_DOWN_NAMES,
-                     "arcee": _UP_DOWN_NAMES}
+                     "arcee": _UP_DOWN_NAMES, "bloom": _BLOOM_NAMES, "mpt": _MPT_NAMES}
+# A model type's prefix of the names its causal LM's checkpoints give its body, which checkpoints saved from the body
+# alone leave out (opt-125m's "decoder.layers.0...", bloom-560m's "h.0..."): `load_weights` puts it back
+_BODY_PREFIXES = {"opt": "model.", "bloom": "transformer."}
 
 
 TPRank = tuple[int, int]   # (tp_rank, tp_size)
@@ -174,15 +187,17 @@ def _head_dim(config: Any) -> int:
 def _has_bias(config: Any, part: str) -> bool:
     """Whether a layer's "qkv", "o" or "mlp" projections have biases: attention_bias (q/k/v and o; Qwen2's q/k/v
     always; GLM's q/k/v only), Seed-OSS's attention_out_bias for o, mlp_bias, ERNIE 4.5's and StarCoder2's use_bias and
-    Phi's, GPT-2's and GPT-BigCode's for all, OPT's enable_bias and Falcon's bias, StableLM's use_qkv_bias for q/k/v;
-    GPT-NeoX's and GPT-J's MLP's always."""
+    Phi's, GPT-2's, GPT-BigCode's and BLOOM's for all, OPT's enable_bias and Falcon's bias, StableLM's use_qkv_bias
+    for q/k/v; GPT-NeoX's and GPT-J's MLP's always; MPT's never."""
     if config.model_type == "opt":
         return bool(config.enable_bias)
     if config.model_type == "gptj":
         return part == "mlp"
     if config.model_type == "falcon":
         return bool(config.bias)
-    if getattr(config, "use_bias", False) or config.model_type == "phi" or _learns_positions(config) or \
+    if config.model_type == "mpt":
+        return False    # (`_check_mpt`: its no_bias)
+    if getattr(config, "use_bias", False) or config.model_type in ("phi", "bloom") or _learns_positions(config) or \
             (part == "mlp" and config.model_type == "gpt_neox"):
         return True
     if config.model_type == "stablelm":
@@ -223,14 +238,16 @@ def _eps(config: Any) -> float:
 
 # the LayerNorms' epsilon's name in a config, where it is not layer_norm_eps (OPT's config has none: torch's 1e-5)
 _LAYER_NORM_EPS = {"starcoder2": "norm_epsilon", "gpt2": "layer_norm_epsilon", "gpt_bigcode": "layer_norm_epsilon",
-                   "gptj": "layer_norm_epsilon", "falcon": "layer_norm_epsilon", "nemotron": "norm_eps"}
+                   "gptj": "layer_norm_epsilon", "falcon": "layer_norm_epsilon", "nemotron": "norm_eps",
+                   "bloom": "layer_norm_epsilon", "mpt": "layer_norm_epsilon"}
 
 
 def _norms_with_layer_norm(config: Any) -> bool:
     """Whether the model norms with LayerNorm (mean and variance, weight and bias: StableLM's, Phi's, GPT-NeoX's,
-    StarCoder2's, GPT-2's, GPT-BigCode's, Nemotron's; weight only: Cohere's; neither: OLMo's) rather than RMSNorm."""
+    StarCoder2's, GPT-2's, GPT-BigCode's, Nemotron's, BLOOM's; weight only: Cohere's, MPT's; neither: OLMo's) rather
+    than RMSNorm."""
     return config.model_type in ("stablelm", "phi", "gpt_neox", "starcoder2", "cohere", "cohere2", "gptj",
-                                 "falcon", "olmo", "nemotron") or _learns_positions(config)
+                                 "falcon", "olmo", "nemotron", "bloom", "mpt") or _learns_positions(config)
 
 
 def _falcon_parallel(config: Any) -> bool:
@@ -247,8 +264,8 @@ def _falcon_two_norms(config: Any) -> bool:
 
 def _plain_mlp(config: Any) -> bool:
     """Whether the MLP is ungated (fc2(act(fc1(x))): `PlainMLP`)."""
-    return config.model_type in ("phi", "gpt_neox", "starcoder2", "gptj", "falcon", "nemotron", "arcee") or \
-        _learns_positions(config)
+    return config.model_type in ("phi", "gpt_neox", "starcoder2", "gptj", "falcon", "nemotron", "arcee", "bloom",
+                                 "mpt") or _learns_positions(config)
 
 
 def dense_mlp_shape(config: Any) -> tuple[int, int]:
@@ -260,6 +277,51 @@ def _learns_positions(config: Any) -> bool:
     """Whether the model adds a learned embedding of each token's position to its token's (GPT-2's `wpe`, GPT-BigCode's,
     OPT's) rather than turn its queries and keys (it has no rotary embedding)."""
     return config.model_type in ("gpt2", "gpt_bigcode", "opt")
+
+
+def context_length(config: Any) -> int:
+    """The context the model was made for: its config's max_position_embeddings (MPT's max_seq_len), else 2048 (BLOOM's
+    config names none: ALiBi sets no bound), as vLLM takes it."""
+    return getattr(config, "max_position_embeddings", None) or getattr(config, "max_seq_len", None) or 2048
+
+
+def _has_alibi(config: Any) -> bool:
+    """Whether the model biases its attention scores by ALiBi (`alibi_slopes_of`) rather than turn its values."""
+    return config.model_type in ("bloom", "mpt") or (config.model_type == "falcon" and bool(config.alibi))
+
+
+def alibi_slopes_of(config: Any) -> torch.Tensor | None:
+    """ALiBi's slope of each query head ([num_heads] float32), for a model that biases its attention scores by each
+    key's distance from its query rather than turn its queries and keys: BLOOM's and Falcon-RW's (`alibi`: transformers
+    divides its biases by sqrt(head_dim), as the slopes are here) the paper's, MPT's its own (`alibi_bias_max`); None
+    for any other model."""
+    heads = config.num_attention_heads
+    if config.model_type == "bloom":
+        return geometric_slopes(heads)
+    if config.model_type == "mpt":
+        _check_mpt(config)
+        return mpt_slopes(heads, config.attn_config.alibi_bias_max)
+    if config.model_type == "falcon" and config.alibi:
+        return geometric_slopes(heads) / _head_dim(config) ** 0.5
+    return None
+
+
+def _mpt_attention(config: Any, option: str) -> Any:
+    """One of MPT's attention options (`attn_config`: softmax_scale, clip_qkv); None for another model."""
+    return getattr(config.attn_config, option) if config.model_type == "mpt" else None
+
+
+def _check_mpt(config: Any) -> None:
+    """ValueError for what of MPT's options transformers' MPT (the oracle) leaves out: biases, its norms of queries and
+    keys, a prefix LM, multi-query attention, positions learned instead of ALiBi, a logit scale."""
+    attn = config.attn_config
+    unsupported = [name for name, value in (("no_bias=False", not config.no_bias), ("qk_ln", attn.qk_ln),
+                                            ("prefix_lm", attn.prefix_lm), ("alibi=False", not attn.alibi),
+                                            ("logit_scale", config.logit_scale is not None),
+                                            ("attn_type=" + attn.attn_type, attn.attn_type != "multihead_attention"))
+                   if value]
+    if unsupported:
+        raise ValueError(f"MPT with {', '.join(unsupported)} is not supported")
 
 
 def _check_opt(config: Any) -> None:
@@ -279,9 +341,9 @@ def _is_cohere(config: Any) -> bool:
 def _norm(config: Any, dtype: torch.dtype) -> RMSNorm | PreLayerNorm:
     """A norm over the hidden size, of the model's kind (`_norms_with_layer_norm`)."""
     if _norms_with_layer_norm(config):
-        learned = config.model_type != "olmo"   # (OLMo's learn no weight nor bias; Cohere's no bias)
-        return PreLayerNorm(config.hidden_size, _eps(config), dtype, bias=learned and not _is_cohere(config),
-                            weight=learned)
+        learned = config.model_type != "olmo"   # (OLMo's learn no weight nor bias; Cohere's and MPT's no bias)
+        return PreLayerNorm(config.hidden_size, _eps(config), dtype,
+                            bias=learned and not _is_cohere(config) and config.model_type != "mpt", weight=learned)
     return RMSNorm(config.hidden_size, _eps(config), dtype)
 
 
@@ -298,9 +360,11 @@ def _intermediate_size(config: Any) -> int:
     """The MLP's width: the config's, but for LFM2's, cut to 2/3, times its multiplier, rounded up to its multiple
     (`block_auto_adjust_ff_dim`), as transformers does; GPT-2's, GPT-BigCode's and GPT-J's n_inner (4 x hidden_size
     without),
-    OPT's ffn_dim, Falcon's ffn_hidden_size."""
+    OPT's ffn_dim, Falcon's ffn_hidden_size, BLOOM's 4 x hidden_size, MPT's expansion_ratio x hidden_size."""
     if config.model_type == "opt":
         return config.ffn_dim
+    if config.model_type in ("bloom", "mpt"):
+        return int(getattr(config, "expansion_ratio", 4) * config.hidden_size)
     if config.model_type == "falcon":
         return config.ffn_hidden_size or 4 * config.hidden_size
     if _learns_positions(config) or config.model_type == "gptj":
@@ -502,13 +566,12 @@ class LlamaAttention(nn.Module):
         self.sliding_window = sliding_window_of_layer(config, index)
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = _num_kv_heads(config)
-        self.scale = getattr(config, "attention_multiplier", None) or \
+        self.scale = getattr(config, "attention_multiplier", None) or _mpt_attention(config, "softmax_scale") or \
             (getattr(config, "query_pre_attn_scalar", None) or self.head_dim) ** -0.5
         if not getattr(config, "scale_attn_weights", True):     # (GPT-2's and GPT-BigCode's option)
             self.scale = 1.0
-        self.clip_qkv = float(getattr(config, "clip_qkv", None) or 0.0)    # OLMo's: q, k and v clamped to +-it
-        if getattr(config, "alibi", False):
-            raise ValueError("Falcon with ALiBi position biases (alibi=True: falcon-rw-1b's) is not supported")
+        # OLMo's and MPT's: q, k and v clamped to +-it
+        self.clip_qkv = float(getattr(config, "clip_qkv", None) or _mpt_attention(config, "clip_qkv") or 0.0)
         if getattr(config, "scale_attn_by_inverse_layer_idx", False):
             raise ValueError("GPT-2's attention scores scaled by each layer's inverse index "
                              "(scale_attn_by_inverse_layer_idx) are not supported")
@@ -530,6 +593,11 @@ class LlamaAttention(nn.Module):
                                         tp_rank=tp[0], tp_size=tp[1],
                                         input_shard=(heads.q_start * self.head_dim, heads.num_heads * self.head_dim))
         self.rotary_emb = rotary_emb  # shared by all layers
+        # ALiBi's slopes of this rank's heads (`alibi_slopes_of`), a buffer so that they go to the model's device
+        slopes = alibi_slopes_of(config)
+        self.alibi_slopes: torch.Tensor | None
+        self.register_buffer("alibi_slopes", None if slopes is None else
+                             slopes[heads.q_start:heads.q_start + heads.num_heads].contiguous(), persistent=False)
         # Qwen3's per-head norms of q and k (one weight of head_dim each, shared by the heads); OLMo 2's and OLMoE's
         # over all of a token's query (key) values at once (`norms_all_heads`)
         self.norms_all_heads = _is_olmo(config) or config.model_type == "olmoe"
@@ -576,7 +644,8 @@ class LlamaAttention(nn.Module):
         else:
             k_cache, v_cache = kv_cache
             write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-            out = self.attn_backend(q, k_cache, v_cache, meta, self.scale, self.sliding_window, self.softcap)
+            out = self.attn_backend(q, k_cache, v_cache, meta, self.scale, self.sliding_window, self.softcap,
+                                    alibi_slopes=self.alibi_slopes)
             for rows, span in meta.image_spans:     # an image's placeholders see all of it (Gemma 3's)
                 out[rows] = paged_attention_ref(q[rows], k_cache, v_cache, span, self.scale, self.sliding_window,
                                                 self.softcap, causal=False)
@@ -664,7 +733,8 @@ class LlamaMLP(nn.Module):
 
 
 class PlainMLP(nn.Module):
-    """The ungated MLP of Phi, GPT-NeoX, StarCoder2, GPT-2, GPT-BigCode, OPT, GPT-J, Falcon, Nemotron and Arcee,
+    """The ungated MLP of Phi, GPT-NeoX, StarCoder2, GPT-2, GPT-BigCode, OPT, GPT-J, Falcon, Nemotron, Arcee, BLOOM and
+    MPT,
     fc2(act(fc1(x))), with biases (`_has_bias`): GELU, exact (GPT-NeoX's "gelu") or its tanh approximation (Phi's
     "gelu_new", StarCoder2's "gelu_pytorch_tanh"), ReLU (OPT's) or its square (Nemotron's and Arcee's "relu2"). Its
     modules keep Phi's names (GPT-NeoX's dense_h_to_4h and dense_4h_to_h, StarCoder2's c_fc and c_proj, Nemotron's
@@ -677,11 +747,13 @@ class PlainMLP(nn.Module):
     _FUNCTIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
         "gelu": F.gelu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh"), "relu": F.relu,
         "relu2": lambda x: torch.square(F.relu(x))}
+    # the activation of a model whose config names none: BLOOM's (its bloom_gelu: GELU's tanh approximation), MPT's
+    _FIXED = {"bloom": "gelu_new", "mpt": "gelu"}
 
     def __init__(self, config: Any, dtype: torch.dtype, tp: TPRank) -> None:
         super().__init__()
-        act = getattr(config, "hidden_act", None) or getattr(config, "activation_function", None) or \
-            config.activation   # (GPT-2's name for it, Falcon's)
+        act = self._FIXED.get(config.model_type) or getattr(config, "hidden_act", None) or \
+            getattr(config, "activation_function", None) or config.activation   # (GPT-2's name for it, Falcon's)
         if act not in self._KINDS:
             raise ValueError(f"hidden activation {act!r} is not supported here (only "
                              f"{', '.join(map(repr, self._KINDS))})")
@@ -819,6 +891,11 @@ class LlamaModel(nn.Module):
         # vocabulary is; OPT's table starts 2 rows in (`position_offset`)
         if config.model_type == "opt":
             _check_opt(config)
+        if config.model_type == "bloom" and config.apply_residual_connection_post_layernorm:
+            raise ValueError("BLOOM with its residual stream taken after each norm "
+                             "(apply_residual_connection_post_layernorm=True) is not supported")
+        # BLOOM's norm of the embeddings before the first layer (word_embeddings_layernorm)
+        self.embed_norm = _norm(config, dtype) if config.model_type == "bloom" else None
         self.position_offset = 2 if config.model_type == "opt" else 0
         self.embed_positions = VocabEmbedding(config.max_position_embeddings + self.position_offset,
                                               config.hidden_size, dtype, tp[0], tp[1]) \
@@ -829,7 +906,7 @@ class LlamaModel(nn.Module):
             base, scaling = rope_config(config, _layer_type(config, index))
             # SmolLM3's every fourth layer has no rotary embedding (NoPE): one that turns none of a head's values
             no_rope = getattr(config, "no_rope_layers", None)
-            nope = (no_rope is not None and not no_rope[index]) or _learns_positions(config) or \
+            nope = (no_rope is not None and not no_rope[index]) or _learns_positions(config) or _has_alibi(config) or \
                 (_has_nope_globals(config) and _layer_type(config, index) == "full_attention")
             dim = 0 if nope else rotary_dim(config, _head_dim(config))
             key = repr((base, scaling, dim))
@@ -855,6 +932,8 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(input_ids)  # [T, H]
         if self.embed_scale is not None:
             x = x * self.embed_scale
+        if self.embed_norm is not None:
+            x = self.embed_norm(x)
         deepstack = None    # Qwen3-VL's: [R, layers, H], added to the first layers' outputs at the image rows
         if image_rows is not None:      # image placeholders' rows: the image encoder's, not the token's embedding
             x[image_rows.index] = image_rows.rows[:, :x.shape[1]].to(x.dtype)
@@ -937,7 +1016,8 @@ class LlamaModel(nn.Module):
                                      in zip(self.layers, self.cache_layers, strict=True)], self.norm.weight,
                                     self.norm.eps, attn.qkv_proj.q_size // attn.head_dim,
                                     attn.qkv_proj.kv_size // attn.head_dim, attn.head_dim, attn.scale, attn.softcap,
-                                    not attn.encoder, bias(self.norm), attn.clip_qkv, attn.norms_after_rope)
+                                    not attn.encoder, bias(self.norm), attn.clip_qkv, attn.norms_after_rope,
+                                    attn.alibi_slopes)
 
 
 # Checkpoints of the decoder alone, as decoder embedding models are saved (gte-Qwen2, e5-mistral): tensor names
@@ -1012,7 +1092,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.dtype = dtype
         tp = (tp_rank, tp_size)
-        self.model = LlamaModel(config, dtype, attn_backend, tp, max_positions or config.max_position_embeddings)
+        self.model = LlamaModel(config, dtype, attn_backend, tp, max_positions or context_length(config))
         architectures = _architectures(config)
         self.bare = bool(BARE_ARCHITECTURES & architectures)
         # float32, as the pooled rows it reads: a few thousand values, next to nothing to store or to multiply
@@ -1106,8 +1186,9 @@ class LlamaForCausalLM(nn.Module):
             if ".block_sparse_moe." in name:
                 for mixtral, qwen in _MIXTRAL_NAMES:
                     name = name.replace(mixtral, qwen)
-            if self.config.model_type == "opt" and name.startswith("decoder."):
-                name = "model." + name
+            body = _BODY_PREFIXES.get(self.config.model_type)
+            if body is not None and not name.startswith((body, "lm_head.")):
+                name = body + name
             for theirs, ours in _CHECKPOINT_NAMES.get(self.config.model_type, ()):
                 name = name.replace(theirs, ours)
             if self.config.model_type == "lfm2" and name.endswith(".conv.weight") and tensor.dim() == 2:

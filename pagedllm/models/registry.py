@@ -53,7 +53,10 @@ _MODELS: dict[str, type[nn.Module]] = {
     "ArceeForCausalLM": LlamaForCausalLM,
     "HunYuanDenseV1ForCausalLM": LlamaForCausalLM,
     "OlmoeForCausalLM": LlamaForCausalLM,
-    "FalconForCausalLM": LlamaForCausalLM,
+    "FalconForCausalLM": LlamaForCausalLM,     # Falcon-RW's too (ALiBi)
+    "BloomForCausalLM": LlamaForCausalLM,      # ALiBi
+    "MptForCausalLM": LlamaForCausalLM,        # ALiBi
+    "MPTForCausalLM": LlamaForCausalLM,        # (MosaicML's checkpoints name it so)
     "Lfm2ForCausalLM": LlamaForCausalLM,      # short convolutions among its attention layers (ShortConv)
     # The bare decoders (no LM head), as embedding models are saved (gte-Qwen2, e5-mistral): see BARE_ARCHITECTURES.
     "LlamaModel": LlamaForCausalLM,

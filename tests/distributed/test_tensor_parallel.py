@@ -56,14 +56,16 @@ def _prefix_hits(llm: LLM) -> list[tuple[int, list[int]]]:
 # by swap; Qwen2 (q/k/v biases, untied head) with one KV head replicated on both ranks, preempting by recompute;
 # Gemma 3 (branch norms, GELU, a local layer over a sliding window and a global one), by recompute; Phi (LayerNorms,
 # parallel branches, an ungated MLP split by columns and rows, the LM head's biases split as its rows), by recompute;
-# GPT-BigCode (learned position embeddings, split as the vocabulary is; one KV head), by swap.
+# GPT-BigCode (learned position embeddings, split as the vocabulary is; one KV head), by swap; BLOOM (ALiBi: each
+# rank its heads' slopes), by recompute.
 TINY_CASES = [("llama-gqa", dict(num_attention_heads=6, num_key_value_heads=3, hidden_size=96), "swap"),
               ("qwen2", dict(num_key_value_heads=1), "recompute"), ("gemma3", dict(), "recompute"),
-              ("phi", dict(vocab_size=383), "recompute"), ("gpt-bigcode", dict(), "swap")]
+              ("phi", dict(vocab_size=383), "recompute"), ("gpt-bigcode", dict(), "swap"),
+              ("bloom", dict(), "recompute")]
 
 
 @pytest.mark.parametrize(("kind", "overrides", "mode"), TINY_CASES,
-                         ids=["llama-uneven-gqa", "qwen2-mqa", "gemma3", "phi", "gpt-bigcode"])
+                         ids=["llama-uneven-gqa", "qwen2-mqa", "gemma3", "phi", "gpt-bigcode", "bloom"])
 def test_two_ranks_give_the_tokens_of_one(tmp_path, disk_tmp_path, kind: str, overrides: dict, mode: str) -> None:
     folder, _ = save_tiny_model(tmp_path / kind, kind, **overrides)
     swap_dir = disk_tmp_path / "swap"

@@ -76,6 +76,9 @@ CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "cohere2": ("cohere2", {}, dict(dtype="float32")),
     "opt": ("opt", {}, dict(dtype="float32")),
     "falcon 40b": ("falcon-new", {}, dict(dtype="bfloat16")),
+    # ALiBi's slopes: BLOOM's in bfloat16 (its embeddings normed), MPT's (its clamp and scale)
+    "bloom in bfloat16": ("bloom", {}, dict(dtype="bfloat16")),
+    "mpt": ("mpt", {}, dict(dtype="float32")),
     # OLMo's LayerNorms without weights or biases and its q/k/v clamped; Nemotron's 1 + w norms and squared ReLU
     "olmo": ("olmo", {}, dict(dtype="float32")),
     "nemotron in bfloat16": ("nemotron", {}, dict(dtype="bfloat16")),

@@ -118,12 +118,13 @@ def test_branch_output_norms_through_the_engine_as_transformers(tmp_path, kind: 
 
 
 @pytest.mark.parametrize("kind", ["stablelm", "phi", "gpt-neox", "starcoder2", "cohere2", "gpt2", "gpt-bigcode",
-                                  "opt", "gptj", "falcon-new", "olmo", "nemotron"])
+                                  "opt", "gptj", "falcon-new", "olmo", "nemotron", "falcon-rw", "bloom", "mpt"])
 def test_layer_norm_models_through_the_engine_as_transformers(tmp_path, kind: str) -> None:
-    """StableLM's, Phi's, GPT-NeoX's, StarCoder2's, Cohere2's, GPT-2's, GPT-BigCode's, OPT's, GPT-J's, Falcon's, OLMo's
-    and Nemotron's LayerNorm layers in the engine (its C++ stack) generate transformers' tokens, with prompts prefilled
-    in chunks and a prefix cached (StarCoder2's and Cohere2's past their window of 12; StarCoder2's blocks behind it
-    freed; GPT-2's, GPT-BigCode's and OPT's positions embedded)."""
+    """StableLM's, Phi's, GPT-NeoX's, StarCoder2's, Cohere2's, GPT-2's, GPT-BigCode's, OPT's, GPT-J's, Falcon's, OLMo's,
+    Nemotron's, BLOOM's and MPT's LayerNorm layers in the engine (its C++ stack) generate transformers' tokens, with
+    prompts prefilled in chunks and a prefix cached (StarCoder2's and Cohere2's past their window of 12; StarCoder2's
+    blocks behind it freed; GPT-2's, GPT-BigCode's and OPT's positions embedded; Falcon-RW's, BLOOM's and MPT's
+    scores biased by ALiBi)."""
     from pagedllm import LLM, SamplingParams
     from tests.models.tiny import hf_greedy
 
@@ -166,7 +167,41 @@ def test_opt_350ms_layout_is_refused(tmp_path, overrides: dict) -> None:
         _load(folder)
 
 
-def test_falcon_with_alibi_is_refused(tmp_path) -> None:
-    folder, _ = save_tiny_model(tmp_path / "falcon", "falcon", with_tokenizer=False, alibi=True)
-    with pytest.raises(ValueError, match="ALiBi position biases .* not supported"):
+def test_alibi_models_turn_no_values_and_bias_by_their_own_slopes(tmp_path) -> None:
+    """BLOOM's, MPT's and Falcon-RW's layers have no rotary embedding; each attention holds its model's slopes:
+    the paper's, MPT's of its alibi_bias_max (4 here: 2^-1, 2^-2, ... for 4 heads; transformers' MPT, the oracle of
+    the other tests, takes 8 whatever the config says, as every MPT checkpoint has it, where MosaicML's code and vLLM
+    read it), Falcon's divided by sqrt(head_dim)."""
+    expected = {"bloom": [2 ** -2, 2 ** -4, 2 ** -6, 2 ** -8], "mpt": [2 ** -1, 2 ** -2, 2 ** -3, 2 ** -4],
+                "falcon-rw": [2 ** -4, 2 ** -6, 2 ** -8, 2 ** -10]}
+    for kind, slopes in expected.items():
+        overrides = dict(attn_config=dict(alibi_bias_max=4)) if kind == "mpt" else {}
+        model = _load(save_tiny_model(tmp_path / kind, kind, with_tokenizer=False, **overrides)[0])
+        for layer in model.model.layers:
+            assert layer.self_attn.rotary_emb.rotary_dim == 0
+            assert layer.self_attn.alibi_slopes.tolist() == slopes
+
+
+def test_bloom_checkpoints_named_from_its_body_load(tmp_path) -> None:
+    """BLOOM checkpoints saved from its body (bloom-560m's: "h.0.input_layernorm.weight", "word_embeddings.weight",
+    no "transformer." prefix) load as transformers' own saves do."""
+    from safetensors.torch import load_file, save_file
+
+    folder, hf_model = save_tiny_model(tmp_path / "bloom", "bloom", with_tokenizer=False)
+    weights = load_file(folder / "model.safetensors")
+    save_file({name.removeprefix("transformer."): tensor for name, tensor in weights.items()},
+              folder / "model.safetensors", metadata={"format": "pt"})
+    assert "word_embeddings_layernorm.weight" in load_file(folder / "model.safetensors")
+    logits = SimplePagedRunner(_load(folder)).step({0: PROMPTS[0]})
+    torch.testing.assert_close(logits[0], _hf_last_logits(hf_model, PROMPTS[0]), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize(("kind", "overrides", "refused"), [
+    ("mpt", dict(attn_config=dict(qk_ln=True)), "MPT with qk_ln"),
+    ("mpt", dict(no_bias=False), "MPT with no_bias=False"),
+    ("bloom", dict(apply_residual_connection_post_layernorm=True), "apply_residual_connection_post_layernorm")])
+def test_alibi_models_options_the_layers_do_not_take_are_refused(tmp_path, kind: str, overrides: dict,
+                                                                 refused: str) -> None:
+    folder, _ = save_tiny_model(tmp_path / kind, kind, with_tokenizer=False, **overrides)
+    with pytest.raises(ValueError, match=f"{refused}.* not supported"):
         _load(folder)

@@ -68,8 +68,8 @@ def test_shape_mismatch_is_an_error() -> None:
 
 def test_registry() -> None:
     for name in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "llama", "mistral", "qwen2",
-                 "GPT2LMHeadModel", "PhiForCausalLM", "starcoder2"):
+                 "GPT2LMHeadModel", "PhiForCausalLM", "starcoder2", "BloomForCausalLM", "MPTForCausalLM"):
         assert get_model_class(name) is LlamaForCausalLM
     assert model_class_for_config(tiny_config("qwen2")) is LlamaForCausalLM
     with pytest.raises(ValueError, match="supported: .*LlamaForCausalLM"):
-        get_model_class("BloomForCausalLM")
+        get_model_class("RwkvForCausalLM")

@@ -114,6 +114,13 @@ TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     # group of queries a KV head, a norm for each branch), with biases (num_kv_heads as a config.json names it)
     "falcon": ("falcon", dict(multi_query=True, num_kv_heads=1, parallel_attn=True, bias=False)),
     "falcon-new": ("falcon", dict(new_decoder_architecture=True, num_kv_heads=2, bias=True)),
+    # ALiBi in place of a rotary embedding: Falcon-RW's (falcon-rw-1b's layout: biased, sequential branches, a KV head
+    # for each query head); BLOOM's (its embeddings normed, q/k/v fused head by head, biases everywhere, tanh GELU);
+    # MPT's (no biases, LayerNorms without them, q/k/v fused q's rows first, exact GELU), with a scale of its scores
+    # and a clamp of q/k/v
+    "falcon-rw": ("falcon", dict(alibi=True, multi_query=False, parallel_attn=False, bias=True)),
+    "bloom": ("bloom", dict()),
+    "mpt": ("mpt", dict(attn_config=dict(softmax_scale=0.2, clip_qkv=0.3))),
     # as LFM2's: a short convolution (its input of 64 values a token in two of the pool's layers of 2 x 1 x 16) and
     # an attention with Qwen3's head norms; the MLP's width adjusted as LFM2's (2/3 of 192, to a multiple of 32)
     "lfm2": ("lfm2", dict(num_key_value_heads=1, layer_types=["conv", "full_attention"], intermediate_size=192,
@@ -153,7 +160,7 @@ def build_tiny_hf_model(kind: str = "llama-gqa", seed: int = 0, **overrides: Any
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
     if config.model_type in ("gemma2", "gemma3_text", "glm4", "stablelm", "phi", "gpt_neox", "starcoder2", "cohere",
                              "cohere2", "gpt2", "gpt_bigcode", "opt", "gptj", "falcon", "nemotron",
-                             "hunyuan_v1_dense"):
+                             "hunyuan_v1_dense", "bloom", "mpt"):
         randomize_norms(model, mean=0.0 if config.model_type.startswith("gemma") else 1.0)
     return model.eval()
 
@@ -163,7 +170,7 @@ def randomize_norms(model: Any, mean: float = 0.0) -> None:
     biases at 0: made random, so that a wrong or misplaced norm or bias shows."""
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("norm.weight") or ".ln_" in name and name.endswith(".weight"):
+            if name.endswith("norm.weight") or (".ln_" in name or ".norm_" in name) and name.endswith(".weight"):
                 param.normal_(mean, 0.2)
             elif name.endswith(".bias"):
                 param.normal_(0.0, 0.2)
