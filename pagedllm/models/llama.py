@@ -1211,9 +1211,9 @@ class LlamaForCausalLM(nn.Module):
             if residual_multiplier != 1.0 and name.endswith((".o_proj.weight", ".down_proj.weight",
                                                              ".output_linear.weight")):
                 tensor = (tensor.float() * residual_multiplier).to(tensor.dtype)     # Granite's (module docstring)
-            if name.endswith(".bias") and self._target(name)[0] not in params and not tensor.any():
-                continue  # a zero bias is no bias (AutoGPTQ stores one for every layer, biased or not)
             for part_name, part in unfused(self.config, name, tensor):
+                if part_name.endswith(".bias") and self._target(part_name)[0] not in params and not part.any():
+                    continue  # a zero bias is no bias (AutoGPTQ stores one for every layer, biased or not)
                 loaded.add(self._load_one(params, part_name, part))
         if head_rows is not None:
             loaded.add(self._load_one(params, "score.weight", self._classifier_head(head_rows)))

@@ -196,6 +196,22 @@ def test_bloom_checkpoints_named_from_its_body_load(tmp_path) -> None:
     torch.testing.assert_close(logits[0], _hf_last_logits(hf_model, PROMPTS[0]), atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("kind", ["bloom", "gpt-neox", "falcon-new"])
+def test_zero_biases_of_fused_qkv_load(tmp_path, kind: str) -> None:
+    """A fused query_key_value bias of zeros (a random initialisation's: `pagedllm bench random-model`) is the biased
+    model's bias, split into q/k/v's like any other, not the zero bias a checkpoint stores for an unbiased module."""
+    from tests.models.tiny import build_tiny_hf_model
+
+    model = build_tiny_hf_model(kind)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("query_key_value.bias"):
+                param.zero_()
+    model.save_pretrained(tmp_path / kind)
+    logits = SimplePagedRunner(_load(tmp_path / kind)).step({0: PROMPTS[0]})
+    torch.testing.assert_close(logits[0], _hf_last_logits(model, PROMPTS[0]), atol=ATOL, rtol=0)
+
+
 @pytest.mark.parametrize(("kind", "overrides", "refused"), [
     ("mpt", dict(attn_config=dict(qk_ln=True)), "MPT with qk_ln"),
     ("mpt", dict(no_bias=False), "MPT with no_bias=False"),
