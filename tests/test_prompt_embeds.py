@@ -51,6 +51,32 @@ def test_embeddings_generate_what_their_tokens_do_and_transformers_does(tiny) ->
     assert other.num_cached_tokens == 0
 
 
+def test_the_repetition_penalty_counts_no_placeholder_as_seen(tiny) -> None:
+    """A prompt of embeddings has no tokens for the penalties to count: its placeholder ids (0) are not seen, as
+    transformers' generate from inputs_embeds sees none (the oracle); the tokens generated are. The tiny model's
+    first greedy token after this prompt is token 0 itself, which a penalised placeholder would push down."""
+    folder, hf_model = tiny
+    prompt, penalty = [151, 147, 269, 71, 296, 270, 324, 110, 275], 3.0
+    llm = LLM(folder, dtype="float32", block_size=4, num_kv_blocks=64, enable_prompt_embeds=True)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, repetition_penalty=penalty)
+    embeds = _embeds(hf_model, prompt)
+    with torch.inference_mode():
+        expected = hf_model.generate(inputs_embeds=embeds[None], max_new_tokens=20, do_sample=False,
+                                     attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                     repetition_penalty=penalty)[0].tolist()
+    assert expected[0] == 0, "the prompt was meant to make token 0 the first greedy token"
+    assert llm.generate({"prompt_embeds": embeds}, params, use_tqdm=False)[0].outputs[0].token_ids == expected
+
+
+def test_prompt_logprobs_of_embeddings_are_refused(tiny) -> None:
+    folder, hf_model = tiny
+    llm = LLM(folder, dtype="float32", num_kv_blocks=16, enable_prompt_embeds=True)
+    with pytest.raises(ValueError, match="prompt_logprobs .* prompt_embeds"):
+        llm.generate({"prompt_embeds": _embeds(hf_model, PROMPTS[1])}, SamplingParams(prompt_logprobs=1),
+                     use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
 def test_preempted_embeddings_are_recomputed_from_themselves(tiny) -> None:
     folder, hf_model = tiny
     small = LLM(folder, dtype="float32", block_size=4, num_kv_blocks=12, enable_prompt_embeds=True)

@@ -466,6 +466,9 @@ class LLMEngine:
         if request_id in self._tracked:
             raise ValueError(f"request id {request_id!r} is already in use")
         parsed, token_ids = self._prompt(prompt, prompt_token_ids, pooling)
+        embeds = any(image.embeds for image in parsed.image_inputs)
+        if embeds and params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs are not computed for prompt_embeds: their positions hold no tokens")
         cache_salt = cache_salt if cache_salt is not None else parsed.cache_salt
         if any(t >= self.vocab_size for t in [*(params.logit_bias or {}), *params.stop_token_ids,
                                               *(params.allowed_token_ids or [])]):
@@ -485,7 +488,7 @@ class LLMEngine:
         for processor in self.logits_processors:
             processor.validate_params(params)
         # (prompt embeddings' placeholder ids are no text for the detokenizer to go on from)
-        context = [] if any(image.embeds for image in parsed.image_inputs) else token_ids
+        context = [] if embeds else token_ids
         completions = [_Completion(i, IncrementalDetokenizer(self.tokenizer, params, context),
                                    logprobs=[] if params.logprobs is not None else None) for i in range(params.n)]
         self.scheduler.add_request(Request(

@@ -54,6 +54,12 @@ class CachedRequestState:
     mrope: MRopeLayout | None = None         # where M-RoPE puts its tokens, when its prompt has grid images
     thinking: bool = False                   # in a thought its structured-output constraint waits out
 
+    @property
+    def seen_prompt_token_ids(self) -> list[int]:
+        """The prompt's tokens the penalties count as seen: none for a prompt of embeddings, whose ids are placeholders
+        (transformers' generate from inputs_embeds counts none either)."""
+        return [] if any(image.embeds for image in self.images) else self.prompt_token_ids
+
 
 @dataclass(slots=True)
 class ModelInputs:

@@ -596,8 +596,8 @@ class ModelRunner:
         """The sampler's view of a request, after its output tokens and then `draft_ids`, under its token
         bitmask (structured outputs), if any."""
         output_token_ids = state.output_token_ids + draft_ids if draft_ids else state.output_token_ids
-        return SamplingRow(state.params, state.prompt_token_ids, output_token_ids, state.generator, self.eos_token_id,
-                           mask)
+        return SamplingRow(state.params, state.seen_prompt_token_ids, output_token_ids, state.generator,
+                           self.eos_token_id, mask)
 
     def _sample_with_drafts(self, hidden: torch.Tensor, inputs: ModelInputs, children: dict[str, list[str]],
                             drafts: dict[str, list[int]], masks: dict[str, torch.Tensor]) -> RunnerOutput:
