@@ -138,6 +138,23 @@ def test_layer_norm_models_through_the_engine_as_transformers(tmp_path, kind: st
     assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(hf_model, prompts, 8)
 
 
+def test_a_prompt_hits_the_cache_through_its_window_after_its_first_blocks_were_evicted(tmp_path) -> None:
+    """StarCoder2's every layer attends over a window of 12: a 40-token prompt's first blocks, freed behind the window
+    as it ran, are evicted by the next request's; the same prompt and two more tokens still hits its last blocks
+    (the null block for those behind its next token's window) and generates transformers' tokens."""
+    from pagedllm import LLM, SamplingParams
+    from tests.models.tiny import hf_greedy
+
+    folder, hf_model = save_tiny_model(tmp_path / "starcoder2", "starcoder2", initializer_range=0.5)
+    llm = LLM(str(folder), dtype="float32", block_size=4, num_kv_blocks=24, max_num_batched_tokens=8)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    long = [(11 * i + 5) % 300 + 3 for i in range(40)]
+    prompts = [long, [(7 * i + 2) % 300 + 3 for i in range(60)], long + [7, 8]]
+    outputs = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0] for p in prompts]
+    assert outputs[2].num_cached_tokens >= 32
+    assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(hf_model, prompts, 8)
+
+
 @pytest.mark.parametrize(("kind", "option"), [("stablelm", "qk_layernorm"), ("phi", "qk_layernorm"),
                                               ("cohere", "use_qk_norm")])
 def test_per_head_layer_norms_of_queries_and_keys_are_refused(tmp_path, kind: str, option: str) -> None:

@@ -39,7 +39,9 @@ window = 6, block_size = 4, num_computed_tokens = 13: keys 8.. are still read
 table:   [  17   ,    4    ,   9   ,  21 ]   ->   [ 0 | 0 | 9 | 21 ]    17 and 4 freed, tail first
 ```
 
-A prefix hit still needs every block of its chain cached, and takes no reference on those behind its window.
+A prefix hit needs only the blocks its next token's window reads cached (vLLM's sliding-window hit): the longest
+hit is found from the right, the null block standing in for its blocks behind the window, cached or evicted; it takes
+no reference on those behind its window either way.
 
 Swap. A second, uncached `BlockPool` (`num_swap_blocks`, 0 for none) holds the computed blocks of swapped-out
 requests. `swap_out` moves a request's computed blocks there (a shared block is copied; the others keep
@@ -50,7 +52,7 @@ for the runner. A swapped-out request holds no device block.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from pagedllm.core.kv_cache.block import KVCacheBlock
@@ -192,15 +194,40 @@ class KVCacheManager:
             return ComputedBlocks()
         hashes = self._block_hashes(request)
         extra_keys, image_keys = request.block_extra_keys, request.image_keys
-        blocks: list[KVCacheBlock] = []
-        for index in range((request.num_tokens - 1) // self.block_size):
+
+        def cached(index: int) -> KVCacheBlock | None:
             parent = hashes[index - 1] if index > 0 else None
             key = block_key(request.all_token_ids, index, self.block_size, parent, extra_keys, image_keys)
-            block = self.pool.get_cached_block(hashes[index], key)
+            return self.pool.get_cached_block(hashes[index], key)
+
+        num_full = (request.num_tokens - 1) // self.block_size
+        if self.window:
+            return self._window_hit(num_full, cached)
+        blocks: list[KVCacheBlock] = []
+        for index in range(num_full):
+            block = cached(index)
             if block is None:
                 break
             blocks.append(block)
         return ComputedBlocks(blocks, len(blocks) * self.block_size)
+
+    def _window_hit(self, num_full: int, cached: Callable[[int], KVCacheBlock | None]) -> ComputedBlocks:
+        """The longest hit of at most `num_full` blocks whose blocks the next token's window reads are all cached:
+        from the right, each candidate end checked down to its window's first block, a miss at block j leaving ends
+        at j or before (so each block is looked up once at most); the null block for those behind the window."""
+        end = num_full
+        while end > 0:
+            behind = self._num_behind(end * self.block_size)
+            blocks = []
+            for index in range(end - 1, behind - 1, -1):
+                block = cached(index)
+                if block is None:
+                    end = index
+                    break
+                blocks.append(block)
+            else:
+                return ComputedBlocks([self.pool.null_block] * behind + blocks[::-1], end * self.block_size)
+        return ComputedBlocks()
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        computed: ComputedBlocks | None = None) -> list[int] | None:

@@ -193,6 +193,47 @@ def test_what_fits_and_what_an_admission_takes() -> None:
     assert not plain.has_room_to_admit(plain.get_computed_blocks(_request("c", list(range(100, 130)))), 30, 16)
 
 
+def test_a_window_hit_needs_only_the_blocks_its_window_reads() -> None:
+    """Over an 8-token window, a 32-token request's first blocks were freed as it decoded, and another request's
+    allocation then evicted the first two: a request of those 32 tokens and one more still hits all 8 blocks (32
+    tokens), its next token reading keys 25.. alone (blocks 6 and 7, still cached), the null block for the 6 behind
+    its window; without a window the same pool's hit would stop at the evicted first block."""
+    manager = KVCacheManager(12, BLOCK_SIZE, window=8)
+    tokens = list(range(100, 132))
+    a = _request("a", tokens[:8])
+    _start(manager, a)
+    for token in tokens[8:]:
+        assert _decode(manager, a, token) is not None
+    manager.free(a)
+    assert _start(manager, _request("c", list(range(20)))) is not None     # 5 blocks: evicts a's first two
+    b = _request("b", tokens + [7])
+    hit = manager.get_computed_blocks(b)
+    assert hit.num_computed_tokens == 32
+    assert [block.block_id == 0 for block in hit.blocks] == [True] * 6 + [False] * 2
+    assert manager.allocate_slots(b, 1, hit) is not None
+    manager.check_integrity()
+    assert manager.get_ref_counts("b")[6:] == [1, 1, 1]
+    evicted = KVCacheManager(12, BLOCK_SIZE)
+    a = _request("a", tokens)
+    _start(evicted, a)
+    evicted.free(a)
+    _start(evicted, _request("c", list(range(44))))     # 11 blocks: every block of a's evicted, the first too
+    assert evicted.get_computed_blocks(_request("b", tokens + [7])).num_computed_tokens == 0
+
+
+def test_a_window_hit_ends_before_a_miss_inside_its_window() -> None:
+    """The longest hit whose window's blocks are all cached: with block 6 of 8 evicted, a hit of 8 blocks would read
+    it; a hit of 6 blocks reads blocks 4 and 5 (keys 17..), cached."""
+    manager = KVCacheManager(20, BLOCK_SIZE, window=8)
+    tokens = list(range(100, 132))
+    _start(manager, _request("a", tokens))
+    block_6 = manager.get_computed_blocks(_request("probe", tokens + [7])).blocks[6]
+    manager.pool.uncache_block(block_6)
+    hit = manager.get_computed_blocks(_request("b", tokens + [7]))
+    assert hit.num_computed_tokens == 24
+    assert [block.block_id == 0 for block in hit.blocks] == [True] * 4 + [False] * 2
+
+
 def test_an_admission_behind_a_window_counts_only_the_hit_blocks_it_keeps() -> None:
     """A 44-token request hits 6 blocks of another's 24 tokens over a 16-token window: it keeps only the last 4 (the
     first 2, which a third request holds, are behind its window), so it takes 9 - 4 = 5 free blocks, not 9 - 6."""
@@ -202,6 +243,7 @@ def test_an_admission_behind_a_window_counts_only_the_hit_blocks_it_keeps() -> N
     _start(manager, _request("c", tokens[:9]))          # hits a's first 2 (now held twice), 1 more block
     hit = manager.get_computed_blocks(_request("b", tokens))
     assert len(hit.blocks) == 6 and manager.num_free_blocks == 4
-    assert all(block.ref_cnt > 0 for block in hit.blocks)
+    assert [block.block_id == 0 for block in hit.blocks] == [True] * 2 + [False] * 4     # (behind: not looked up)
+    assert all(block.ref_cnt > 0 for block in hit.blocks[2:])
     assert not manager.has_room_to_admit(hit, 44, 16)
     assert manager.has_room_to_admit(hit, 40, 16) is False and manager.fits(44, 16)
