@@ -650,11 +650,9 @@ class RowParallelLinear(nn.Module):
                  reduce_results: bool = True) -> None:
         """`input_shard`: (first column, columns) of this rank, when the split is not even (attention heads split
         by `head_shard`); None splits the input columns evenly. `reduce_results=False` returns this rank's partial
-        sums, for a caller that adds several layers' before one all-reduce (a mixture of experts); such a layer
-        has no bias, which would be added on every rank."""
+        sums, for a caller that adds several layers' before one all-reduce (a mixture of experts); rank 0's have
+        the bias in them, as vLLM's, so that the sum has it once."""
         super().__init__()
-        if bias and not reduce_results:
-            raise ValueError("a row-parallel layer that leaves its reduce to the caller takes no bias")
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.reduce_results = reduce_results
         if input_shard is None:
@@ -670,18 +668,25 @@ class RowParallelLinear(nn.Module):
             return _copy(param, loaded)
         _copy(param, loaded.narrow(1, self.input_offset, self.input_size_per_partition))
 
+    @property
+    def _bias_after(self) -> torch.Tensor | None:
+        """The bias this rank adds after its product under tensor parallelism: after the all-reduce; rank 0's
+        alone where the caller reduces."""
+        return self.bias if self.reduce_results or self.tp_rank == 0 else None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:   # the bias in the product (rounded once, as torch's addmm): no pass of its own
             return linear(x, self.weight, self.bias)
         y = linear(x, self.weight)
         if self.reduce_results:
             communicator().all_reduce(y)
-        return y if self.bias is None else y + self.bias
+        bias = self._bias_after
+        return y if bias is None else y + bias
 
     def kernel_weights(self, kernels: ModuleType) -> Any:
         """This layer for the C++ kernels (`linear_weights`): on one rank (they have no all-reduce), its bias in the
-        product as `forward` has it; or a layer that leaves its reduce to the caller, its bias added after."""
+        product as `forward` has it; or a layer that leaves its reduce to the caller, rank 0's bias added after."""
         assert self.tp_size == 1 or not self.reduce_results, "the kernels' layers do not all-reduce"
         if self.tp_size == 1:
             return linear_weights(kernels, self.weight, self.bias)
-        return linear_weights(kernels, self.weight, row_bias=self.bias)
+        return linear_weights(kernels, self.weight, row_bias=self._bias_after)

@@ -20,6 +20,8 @@ and EXAONE 4 have local layers (over a sliding window) among their global ones, 
 turn no values (NoPE). InternLM3 is Llama's layout; Seed-OSS has a bias of its own on o_proj (`attention_out_bias`).
 ERNIE 4.5 and Helium turn interleaved pairs of a head's values (the GPT-J rotary layout): `load_weights` reorders
 their q and k rows into the halves the rotary embedding turns (`interleaved_to_halves`, which leaves q . k as it was).
+ERNIE 4.5 MoE (its 21B-A3B) adds experts chosen with a bias of the router's (`selection_bias`), an ungated shared
+expert, and dense layers around its sparse ones (`_is_sparse_layer`).
 GLM (GLM-4-9B-0414's `glm4`, and the older `glm`) turns interleaved pairs of half of each head's values, stores its
 gate/up weights fused (as Phi-3's), biases q/k/v but not o_proj; GLM-4's layers norm each branch's output too, as
 Gemma's (`_GLM4_NAMES` gives its norms Gemma's names), with plain RMSNorm weights.
@@ -161,13 +163,20 @@ _MPT_NAMES = (("transformer.wte.", "model.embed_tokens."), ("transformer.blocks.
               (".norm_2.", ".post_attention_layernorm."), (".attn.Wqkv.", ".self_attn.qkv_proj."),
               (".attn.out_proj.", ".self_attn.o_proj."), (".ffn.up_proj.", ".mlp.fc1."),
               (".ffn.down_proj.", ".mlp.fc2."))
+# ERNIE 4.5 MoE's shared experts (one ungated MLP) and its router's selection bias
+_ERNIE_MOE_NAMES = ((".mlp.shared_experts.", ".mlp.shared_expert."),
+                    (".mlp.moe_statics.e_score_correction_bias", ".mlp.selection_bias"))
+# A model type's checkpoint tensors the model does not use, by a part of their names: ERNIE 4.5 MoE's multi-token
+# prediction layers (transformers ignores them too)
+_UNUSED_NAME_PARTS = {"ernie4_5_moe": "mtp"}
 _CHECKPOINT_NAMES = {"granitemoe": ((".mlp.router.layer.", ".mlp.gate."),),
                      "hunyuan_v1_dense": ((".self_attn.query_layernorm.", ".self_attn.q_norm."),
                                           (".self_attn.key_layernorm.", ".self_attn.k_norm.")),
                      "glm4": _GLM4_NAMES, "lfm2": _LFM2_NAMES, "phi": _PHI_NAMES, "gpt_neox": _GPT_NEOX_NAMES,
                      "starcoder2": _STARCODER2_NAMES, "gpt2": _GPT2_NAMES, "gpt_bigcode": _GPT_BIGCODE_NAMES,
                      "opt": _OPT_NAMES, "gptj": _GPTJ_NAMES, "falcon": _FALCON_NAMES, "nemotron": _UP_DOWN_NAMES,
-                     "arcee": _UP_DOWN_NAMES, "bloom": _BLOOM_NAMES, "mpt": _MPT_NAMES}
+                     "arcee": _UP_DOWN_NAMES, "bloom": _BLOOM_NAMES, "mpt": _MPT_NAMES,
+                     "ernie4_5_moe": _ERNIE_MOE_NAMES}
 # A model type's prefix of the names its causal LM's checkpoints give its body, which checkpoints saved from the body
 # alone leave out (opt-125m's "decoder.layers.0...", bloom-560m's "h.0..."): `load_weights` puts it back
 _BODY_PREFIXES = {"opt": "model.", "bloom": "transformer."}
@@ -215,8 +224,8 @@ def _interleaved_rope(config: Any) -> bool:
     4.5's, Helium's, GLM's, Cohere's, GPT-J's), which `load_weights` reorders into the halves pagedllm's turns; not
     where the loader gives them in halves already (`rotary_rows_in_halves`: a GGUF file's, reordered as llama.cpp's
     Llama files are)."""
-    return config.model_type in ("ernie4_5", "helium", "glm", "glm4", "cohere", "cohere2", "gptj") and \
-        not getattr(config, "rotary_rows_in_halves", False)
+    return config.model_type in ("ernie4_5", "ernie4_5_moe", "helium", "glm", "glm4", "cohere", "cohere2",
+                                 "gptj") and not getattr(config, "rotary_rows_in_halves", False)
 
 
 def _has_qk_norm(config: Any) -> bool:
@@ -538,7 +547,11 @@ def expert_intermediate_size(config: Any) -> int:
 
 def _is_sparse_layer(config: Any, index: int) -> bool:
     """Whether decoder layer `index` has a mixture of experts for its MLP: every layer of Mixtral; Qwen-MoE's every
-    `decoder_sparse_step`-th, but those in `mlp_only_layers`."""
+    `decoder_sparse_step`-th, but those in `mlp_only_layers`; ERNIE 4.5's every `moe_layer_interval`-th from
+    `moe_layer_start_index` to `moe_layer_end_index`."""
+    if config.model_type == "ernie4_5_moe":
+        return (index + 1) % config.moe_layer_interval == 0 and \
+            config.moe_layer_start_index <= index <= config.moe_layer_end_index
     return num_experts(config) > 0 and index not in (getattr(config, "mlp_only_layers", None) or []) and \
         (index + 1) % (getattr(config, "decoder_sparse_step", None) or 1) == 0
 
@@ -705,15 +718,15 @@ class ShortConv(nn.Module):
 class LlamaMLP(nn.Module):
     """The gated MLP, down_proj(silu(gate_proj(x)) * up_proj(x)), of `intermediate_size` (the config's by default;
     an expert's under a mixture of experts, whose block sums its experts' outputs before it all-reduces them:
-    `reduce_results=False`)."""
+    `reduce_results=False`), with biases where `_has_bias` says (or `bias` does: an expert has none)."""
 
     def __init__(self, config: Any, dtype: torch.dtype, tp: TPRank, intermediate_size: int | None = None,
-                 reduce_results: bool = True) -> None:
+                 reduce_results: bool = True, bias: bool | None = None) -> None:
         super().__init__()
         act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
         if act not in ("silu", "gelu_pytorch_tanh"):
             raise ValueError(f"hidden activation {act!r} is not supported (only 'silu' and 'gelu_pytorch_tanh')")
-        bias = _has_bias(config, "mlp")
+        bias = _has_bias(config, "mlp") if bias is None else bias
         inter = intermediate_size or _intermediate_size(config)
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias=bias, dtype=dtype,
                                                        tp_rank=tp[0], tp_size=tp[1])
@@ -769,10 +782,13 @@ class PlainMLP(nn.Module):
 
 
 class LlamaSparseMoeBlock(nn.Module):
-    """A mixture of experts in place of the MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): the router (`gate`, kept in the
-    model's dtype and never quantized: a few thousand weights that decide everything after them) picks each token's
-    `num_experts_per_tok` experts, which run on their tokens alone (`pagedllm.layers.moe.run_experts`). Qwen2-MoE
-    adds a shared expert that every token runs, scaled by sigmoid(shared_expert_gate(x)).
+    """A mixture of experts in place of the MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, ERNIE 4.5 MoE): the router (`gate`,
+    never quantized: a few thousand weights that decide everything after them; in the model's dtype, ERNIE's in
+    float32 as its checkpoints keep it) picks each token's `num_experts_per_tok` experts, which run on their tokens
+    alone (`pagedllm.layers.moe.run_experts`); ERNIE's choice is biased (`selection_bias`: its
+    e_score_correction_bias) and its weights' sum bounded below (moe_norm_min). Qwen2-MoE adds a shared expert that
+    every token runs, scaled by sigmoid(shared_expert_gate(x)); ERNIE adds its moe_num_shared_experts as one
+    ungated expert of their summed width.
 
     Under tensor parallelism each rank holds a slice of every expert's intermediate size, as of a dense MLP, and the
     block all-reduces its sum once."""
@@ -782,17 +798,24 @@ class LlamaSparseMoeBlock(nn.Module):
         self.tp_size = tp[1]
         self.top_k = config.num_experts_per_tok
         # (Granite MoE's softmax over its top-k logits is the renormalised top-k of the softmax over all)
-        self.renormalize = config.model_type in ("mixtral", "granitemoe") or \
+        ernie = config.model_type == "ernie4_5_moe"
+        self.renormalize = config.model_type in ("mixtral", "granitemoe") or ernie or \
             bool(getattr(config, "norm_topk_prob", False))
+        self.norm_min = float(config.moe_norm_min) if ernie else 0.0
         inter = expert_intermediate_size(config)
-        self.gate = nn.Linear(config.hidden_size, num_experts(config), bias=False, dtype=dtype)
-        self.experts = nn.ModuleList(LlamaMLP(config, dtype, tp, inter, reduce_results=False)
+        self.gate = nn.Linear(config.hidden_size, num_experts(config), bias=False,
+                              dtype=torch.float32 if ernie else dtype)
+        # ([1, E] as its checkpoints hold it; never trained here)
+        self.selection_bias = nn.Parameter(torch.zeros(1, num_experts(config)), requires_grad=False) if ernie else None
+        self.experts = nn.ModuleList(LlamaMLP(config, dtype, tp, inter, reduce_results=False, bias=False)
                                      for _ in range(num_experts(config)))
         for expert in self.experts:     # small calls, each on one thread (kernels/csrc/moe.cpp): see brgemm_packs and
             expert.gate_up_proj.small_calls = expert.down_proj.small_calls = True   # few_rows_activation_bits
-        shared = getattr(config, "shared_expert_intermediate_size", None)
+        shared = getattr(config, "shared_expert_intermediate_size", None) or \
+            (ernie and config.moe_num_shared_experts * config.moe_intermediate_size)
         self.shared_expert = LlamaMLP(config, dtype, tp, shared, reduce_results=False) if shared else None
-        self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False, dtype=dtype) if shared else None
+        self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False, dtype=dtype) \
+            if shared and not ernie else None
         # kernel module -> this block for its MoEWeights (built on first use, once the weights are final, packed)
         self.kernel_blocks: dict[ModuleType, Any] = {}
 
@@ -807,10 +830,13 @@ class LlamaSparseMoeBlock(nn.Module):
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         """The block in torch (this rank's partial sums under tensor parallelism): where the CPU kernels do not run,
         and the reference of their MoEWeights, which splits the experts between the threads."""
-        weights, ids = route(self.gate(x), self.top_k, self.renormalize)   # [T, top_k] each
+        weights, ids = route(self.gate(x.to(self.gate.weight.dtype)), self.top_k, self.renormalize,
+                             self.selection_bias, self.norm_min)   # [T, top_k] each
         out = run_experts(x, weights, ids, self.experts)
-        if self.shared_expert is not None and self.shared_expert_gate is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            gate = self.shared_expert_gate
+            out = out + (shared if gate is None else torch.sigmoid(gate(x)) * shared)
         return out
 
     def kernel_weights(self, kernels: ModuleType) -> Any:
@@ -823,7 +849,8 @@ class LlamaSparseMoeBlock(nn.Module):
                 [e.down_proj.kernel_weights(kernels) for e in self.experts],
                 None if shared is None else shared.gate_up_proj.kernel_weights(kernels),
                 None if shared is None else shared.down_proj.kernel_weights(kernels),
-                None if self.shared_expert_gate is None else self.shared_expert_gate.weight)
+                None if self.shared_expert_gate is None else self.shared_expert_gate.weight,
+                self.selection_bias, self.norm_min)
         return self.kernel_blocks[kernels]
 
 
@@ -1108,8 +1135,10 @@ class LlamaForCausalLM(nn.Module):
         # a vision-language model's image encoder (pagedllm.models.vision), set by the loader after the weights
         self.image_encoder: ImageEncoder | None = None
         self.tie_word_embeddings = self.bare or self.score is not None or self.head_is_embedding
+        # (Phi's, GPT-J's and ERNIE 4.5 MoE's with its use_bias LM heads have biases)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype, tp_rank, tp_size,
-                                      bias=config.model_type in ("phi", "gptj"))    # (their LM heads have biases)
+                                      bias=config.model_type in ("phi", "gptj") or
+                                      (config.model_type == "ernie4_5_moe" and bool(config.use_bias)))
         if self.tie_word_embeddings:
             self.lm_head.tie(self.model.embed_tokens)
 
@@ -1180,8 +1209,9 @@ class LlamaForCausalLM(nn.Module):
         residual_multiplier = float(getattr(self.config, "residual_multiplier", None) or 1.0)
         loaded: set[str] = set()
         head_rows = None        # the classifier's tokens' rows of the checkpoint's LM head, if it is made of them
+        unused = _UNUSED_NAME_PARTS.get(self.config.model_type)
         for name, tensor in weights:
-            if name.endswith(_IGNORED_SUFFIXES):
+            if name.endswith(_IGNORED_SUFFIXES) or (unused is not None and unused in name):
                 continue
             if ".block_sparse_moe." in name:
                 for mixtral, qwen in _MIXTRAL_NAMES:

@@ -43,6 +43,8 @@ CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     # Granite MoE's stacked experts and multipliers; OLMoE's q/k norms over all the heads
     "granite moe": ("granitemoe", {}, dict(dtype="bfloat16")),
     "olmoe": ("olmoe", {}, dict(dtype="float32")),
+    # ERNIE 4.5 MoE's float32 router for bf16 rows, its selection bias and ungated shared experts
+    "ernie 4.5 moe in bfloat16": ("ernie4_5-moe", {}, dict(dtype="bfloat16")),
     # branch norms, GELU, a local layer (its window shorter than the long prompts, its own rope) and a global one
     "gemma3": ("gemma3", {}, dict(dtype="float32")),
     "gemma3 in bfloat16": ("gemma3", {}, dict(dtype="bfloat16")),

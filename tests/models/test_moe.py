@@ -1,5 +1,5 @@
-"""Mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE): the routing and the grouped expert dispatch against their
-plain references, and the models against transformers through the engine."""
+"""Mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, Granite MoE, OLMoE, ERNIE 4.5 MoE): the routing and the
+grouped expert dispatch against their plain references, and the models against transformers through the engine."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from pagedllm.lora.request import LoRARequest
 from tests.loader.test_gguf import write_model_gguf
 from tests.models.tiny import build_tiny_hf_model, hf_greedy, save_tiny_model
 
-MOE_KINDS = ["mixtral", "qwen2-moe", "qwen3-moe", "granitemoe", "olmoe"]
+MOE_KINDS = ["mixtral", "qwen2-moe", "qwen3-moe", "granitemoe", "olmoe", "ernie4_5-moe"]
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [60, 61, 62, 63, 64], [200, 13, 9, 77, 150, 151, 40, 41, 42, 8] * 3,
            [5, 17, 42, 99, 3, 250, 7, 8, 9, 10, 11, 12, 13, 14]]
 MAX_TOKENS = 12
@@ -42,6 +42,22 @@ def test_route_keeps_each_tokens_top_k_softmax_probabilities(renormalize):
             expected = expected / expected.sum()
         torch.testing.assert_close(weights[t], expected)
         assert set(ids[t].tolist()) == set(probs[t].topk(2).indices.tolist())
+
+
+def test_a_selection_bias_chooses_the_experts_and_leaves_their_weights_unbiased():
+    """ERNIE 4.5's e_score_correction_bias: the top_k of probs + bias are the experts, weighted by their probs alone,
+    renormalised by a sum bounded below by norm_min."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.0, 0.0, 0.0, 0.0]])
+    bias = torch.tensor([[0.0, -1.0, 0.5, 0.6]])
+    weights, ids = route(logits, 2, renormalize=False, selection_bias=bias)
+    probs = torch.softmax(logits, dim=-1)
+    assert ids[0].tolist() == [0, 3] and ids[1].tolist() == [3, 2]      # without the bias: [0, 1], and a tie
+    torch.testing.assert_close(weights, probs.gather(1, ids))
+    weights, _ = route(logits, 2, renormalize=True, selection_bias=bias)
+    torch.testing.assert_close(weights.sum(-1), torch.ones(2))
+    weights, _ = route(logits, 2, renormalize=True, selection_bias=bias, norm_min=0.6)    # row 1's sum is 0.5
+    torch.testing.assert_close(weights[1], probs[1, [3, 2]] / 0.6)
+    torch.testing.assert_close(weights[0].sum(), torch.tensor(1.0))         # row 0's is 0.68
 
 
 def _elementwise_experts(num_experts: int) -> list:
@@ -125,11 +141,13 @@ def test_bfloat16_and_int8_moe_models_run_close_to_float32(moe):
     for options in (dict(dtype="bfloat16"), dict(dtype="float32", quantization="int8"),
                     dict(dtype="bfloat16", quantization="w8a8")):
         with LLM(folder, num_kv_blocks=64, block_size=4, **options) as llm:
-            layer = llm.engine.runner.model.model.layers[0]
+            sparse = next(layer.mlp for layer in llm.engine.runner.model.model.layers
+                          if hasattr(layer.mlp, "experts"))
             if "quantization" in options:
-                assert layer.mlp.experts[0].gate_up_proj.weight.scale is not None
-                router = layer.mlp.gate.weight
-                assert router.dtype == getattr(torch, options["dtype"]) and router.dim() == 2
+                assert sparse.experts[0].gate_up_proj.weight.scale is not None
+                router = sparse.gate.weight     # (ERNIE's in float32, as its checkpoints keep it)
+                expected = torch.float32 if kind == "ernie4_5-moe" else getattr(torch, options["dtype"])
+                assert router.dtype == expected and router.dim() == 2
             outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                                 SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
         for i in clear:
@@ -167,11 +185,14 @@ def test_lora_adapts_the_attention_of_a_moe_model_and_refuses_its_experts(tmp_pa
                 tmp_path / "mlp")), use_tqdm=False)
 
 
-def test_two_tensor_parallel_ranks_give_the_tokens_of_one(tmp_path):
-    """Each rank holds half of every expert (and of the shared one): the block's partial sums are all-reduced once."""
-    folder, hf_model = save_tiny_model(tmp_path / "m", "qwen2-moe", seed=3)
+@pytest.mark.parametrize("kind", ["qwen2-moe", "ernie4_5-moe"])
+def test_two_tensor_parallel_ranks_give_the_tokens_of_one(tmp_path, kind):
+    """Each rank holds half of every expert (and of the shared one): the block's partial sums are all-reduced once
+    (ERNIE's shared experts' biases in rank 0's alone)."""
+    folder, hf_model = save_tiny_model(tmp_path / "m", kind, seed=3)
     with LLM(str(folder), dtype="float32", block_size=4, num_kv_blocks=64, tensor_parallel_size=2) as llm:
-        assert llm.engine.runner.model.model.layers[0].mlp.experts[0].down_proj.input_size_per_partition == 24
+        block = next(layer.mlp for layer in llm.engine.runner.model.model.layers if hasattr(layer.mlp, "experts"))
+        assert block.experts[0].down_proj.input_size_per_partition == 24
         assert _tokens(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)) == \
             _hf_greedy(hf_model)
 
@@ -207,7 +228,7 @@ def test_the_kernels_block_gives_the_torch_blocks_bits(tmp_path, dtype, brgemm, 
     model = load_model(ModelConfig(model=str(folder), dtype=str(dtype).removeprefix("torch."),
                                    quantization=quantization)).model
     block = model.model.layers[0].mlp
-    if dtype == torch.bfloat16 and linear_packing(dtype) == "onednn":
+    if dtype == torch.bfloat16 and quantization is None and linear_packing(dtype) == "onednn":
         expected_brgemm = brgemm and cpu_kernels().brgemm_bf16_available()
         assert getattr(block.experts[0].gate_up_proj.weight, "brgemm", False) == expected_brgemm
         assert block.experts[0].gate_up_proj.weight.is_mkldnn == (not expected_brgemm)
@@ -215,6 +236,26 @@ def test_the_kernels_block_gives_the_torch_blocks_bits(tmp_path, dtype, brgemm, 
     with torch.inference_mode():
         got, expected = block(x), block.forward_native(x)
     if block.experts[0].down_proj.weight.is_mkldnn:
+        torch.testing.assert_close(got, expected, atol=1e-2, rtol=1e-2)
+    else:
+        assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernels_block_gives_the_torch_blocks_bits_with_ernies_router_and_shared_experts(tmp_path, dtype):
+    """ERNIE 4.5 MoE's block in C++ (a float32 router for bf16 rows, the selection bias, norm_min, an ungated
+    shared expert with biases) against the same block in torch: the same bits."""
+    if cpu_kernels() is None:
+        pytest.skip("pagedllm's CPU kernels are not built here")
+    folder, _ = save_tiny_model(tmp_path / "m", "ernie4_5-moe", seed=3, moe_norm_min=0.7)
+    model = load_model(ModelConfig(model=str(folder), dtype=str(dtype).removeprefix("torch."))).model
+    dense, block = (layer.mlp for layer in model.model.layers)
+    assert not hasattr(dense, "experts") and block.shared_expert_gate is None and block.norm_min == 0.7
+    assert block.selection_bias.abs().min() > 0 and block.shared_expert.gate_up_proj.bias is not None
+    x = torch.randn(37, 64, dtype=dtype)
+    with torch.inference_mode():
+        got, expected = block(x), block.forward_native(x)
+    if block.experts[0].down_proj.weight.is_mkldnn:    # (oneDNN's bf16 kernels: see the test above)
         torch.testing.assert_close(got, expected, atol=1e-2, rtol=1e-2)
     else:
         assert torch.equal(got, expected)

@@ -138,6 +138,11 @@ TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2-moe": ("qwen2_moe", dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
                                     moe_intermediate_size=48, shared_expert_intermediate_size=96,
                                     mlp_only_layers=[1], norm_topk_prob=False)),
+    # ERNIE 4.5 MoE's layout: a dense layer 0, then experts chosen with a bias of the router's (made random in
+    # build_tiny_hf_model) and two shared experts as one ungated MLP; the GPT-J rotary layout; biases (use_bias)
+    "ernie4_5-moe": ("ernie4_5_moe", dict(num_key_value_heads=2, head_dim=16, use_bias=True, moe_num_experts=4,
+                                          moe_k=2, moe_intermediate_size=48, moe_num_shared_experts=2,
+                                          moe_layer_start_index=1)),
     "qwen3-moe": ("qwen3_moe", dict(num_key_value_heads=2, head_dim=32, num_experts=4, num_experts_per_tok=2,
                                     moe_intermediate_size=48, norm_topk_prob=True)),
 }
@@ -160,8 +165,13 @@ def build_tiny_hf_model(kind: str = "llama-gqa", seed: int = 0, **overrides: Any
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
     if config.model_type in ("gemma2", "gemma3_text", "glm4", "stablelm", "phi", "gpt_neox", "starcoder2", "cohere",
                              "cohere2", "gpt2", "gpt_bigcode", "opt", "gptj", "falcon", "nemotron",
-                             "hunyuan_v1_dense", "bloom", "mpt"):
+                             "hunyuan_v1_dense", "bloom", "mpt", "ernie4_5_moe"):
         randomize_norms(model, mean=0.0 if config.model_type.startswith("gemma") else 1.0)
+    if config.model_type == "ernie4_5_moe":     # its experts' selection bias starts at 0: made random, so that it
+        with torch.no_grad():                   # changes which experts the tokens get
+            for name, param in model.named_parameters():
+                if name.endswith("e_score_correction_bias"):
+                    param.uniform_(-0.3, 0.3)
     return model.eval()
 
 

@@ -24,6 +24,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -247,26 +248,34 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weights, const at:
 
 MoEWeights::MoEWeights(at::Tensor router, int64_t top_k, bool renormalize, std::vector<LinearWeights> gate_up,
                        std::vector<LinearWeights> down, c10::optional<LinearWeights> shared_gate_up,
-                       c10::optional<LinearWeights> shared_down, c10::optional<at::Tensor> shared_gate)
+                       c10::optional<LinearWeights> shared_down, c10::optional<at::Tensor> shared_gate,
+                       c10::optional<at::Tensor> selection_bias, double norm_min)
     : router(std::move(router)), top_k(top_k), renormalize(renormalize), gate_up(std::move(gate_up)),
       down(std::move(down)), shared_gate_up(std::move(shared_gate_up)), shared_down(std::move(shared_down)),
-      shared_gate(std::move(shared_gate)) {
+      shared_gate(std::move(shared_gate)), selection_bias(std::move(selection_bias)), norm_min(norm_min) {
   TORCH_CHECK(this->shared_gate_up.has_value() == this->shared_down.has_value() &&
-                  this->shared_down.has_value() == this->shared_gate.has_value(),
-              "a shared expert takes its gate_up, its down and its gate");
+                  (this->shared_down.has_value() || !this->shared_gate.has_value()),
+              "a shared expert takes its gate_up and its down (and may take a gate)");
   TORCH_CHECK(this->gate_up.size() == this->down.size() && this->router.size(0) ==
                   static_cast<int64_t>(this->gate_up.size()),
               "one router row, one gate_up and one down projection an expert");
 }
 
-// LlamaSparseMoeBlock.forward with pagedllm.layers.moe.route's ops, in its order: h [T, H] -> [T, H].
+// LlamaSparseMoeBlock.forward_native with pagedllm.layers.moe.route's ops, in their order: h [T, H] -> [T, H].
 at::Tensor MoEWeights::operator()(const at::Tensor& h) const {
-  const at::Tensor probs = at::softmax(at::linear(h, router).to(at::kFloat), -1);
-  auto [top, ids] = at::topk(probs, top_k, -1);
-  if (renormalize) top = top / top.sum(-1, true);
+  const at::Tensor probs = at::softmax(at::linear(h.to(router.scalar_type()), router).to(at::kFloat), -1);
+  at::Tensor top, ids;
+  if (selection_bias) {  // the experts chosen with the bias, weighted without it
+    ids = std::get<1>(at::topk(probs + *selection_bias, top_k, -1));
+    top = probs.gather(-1, ids);
+  } else {
+    std::tie(top, ids) = at::topk(probs, top_k, -1);
+  }
+  if (renormalize) top = top / top.sum(-1, true).clamp_min(norm_min);
   at::Tensor out = moe_experts(h, top, ids, gate_up, down);
   if (shared_gate_up) {
-    out = out + at::sigmoid(at::linear(h, *shared_gate)) * (*shared_down)(shared_gate_up->silu_and_mul(h));
+    const at::Tensor shared = (*shared_down)(shared_gate_up->silu_and_mul(h));
+    out = out + (shared_gate ? at::sigmoid(at::linear(h, *shared_gate)) * shared : shared);
   }
   return out;
 }
