@@ -304,15 +304,15 @@ def alibi_slopes_of(config: Any) -> torch.Tensor | None:
     key's distance from its query rather than turn its queries and keys: BLOOM's and Falcon-RW's (`alibi`: transformers
     divides its biases by sqrt(head_dim), as the slopes are here) the paper's, MPT's its own (`alibi_bias_max`); None
     for any other model."""
+    if not _has_alibi(config):
+        return None
     heads = config.num_attention_heads
-    if config.model_type == "bloom":
-        return geometric_slopes(heads)
     if config.model_type == "mpt":
         _check_mpt(config)
         return mpt_slopes(heads, config.attn_config.alibi_bias_max)
-    if config.model_type == "falcon" and config.alibi:
+    if config.model_type == "falcon":
         return geometric_slopes(heads) / _head_dim(config) ** 0.5
-    return None
+    return geometric_slopes(heads)     # BLOOM's
 
 
 def _mpt_attention(config: Any, option: str) -> Any:
