@@ -42,7 +42,8 @@ _PLAIN_TYPES: dict[int, torch.dtype] = {
 }
 # Architectures whose Q/K rows llama.cpp's converter permutes (for its interleaved rope).
 # ERNIE 4.5's and GLM-4's rows as their checkpoints hold them: interleaved (GLM-4's in the rotary half of each head)
-_PERMUTED_ARCHS = {"llama", "smollm3", "granite", "ernie4_5", "glm4"}
+_PERMUTED_ARCHS = {"llama", "smollm3", "granite", "ernie4_5", "ernie4_5-moe", "glm4"}
+_HALVES_ARCHS = {"ernie4_5", "ernie4_5-moe", "glm4"}    # (those whose rows the loader reorders into halves)
 # SmolLM3's layers without a rotary embedding: every how many one is (llama.cpp fixes it rather than store it)
 _SMOLLM3_NO_ROPE_EVERY = 4
 
@@ -57,6 +58,9 @@ _BLOCK_NAMES = {
     "ffn_gate_inp": "mlp.gate", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
     "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    # ERNIE 4.5 MoE's bias of its experts' choice (its checkpoints' e_score_correction_bias, as llama.cpp's converter
+    # renames it)
+    "exp_probs_b": "mlp.moe_statics.e_score_correction",
 }
 # Gemma's names where they differ: llama.cpp's ffn_norm is the norm before the MLP, which Gemma calls
 # pre_feedforward_layernorm (its post_attention_layernorm is the attention branch's output norm)
@@ -103,9 +107,10 @@ _BLOCK_RE = re.compile(r"blk\.(\d+)\.([\w.]+)\.(weight|bias)$")
 _EXPERT_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight$")
 _STACKED_EXPERTS_RE = re.compile(r"(blk\.\d+\.ffn_(?:gate|up|down))_exps\.weight$")
 # GGUF architectures of mixtures of experts -> transformers' model_type (a Mixtral file says "llama")
-_MOE_MODEL_TYPES = {"llama": "mixtral", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+_MOE_MODEL_TYPES = {"llama": "mixtral", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe",
+                    "ernie4_5-moe": "ernie4_5_moe"}
 # whether llama.cpp renormalises each token's top-k expert weights, by architecture (Qwen2-MoE does not)
-_MOE_RENORMALIZES = {"llama": True, "qwen2moe": False, "qwen3moe": True}
+_MOE_RENORMALIZES = {"llama": True, "qwen2moe": False, "qwen3moe": True, "ernie4_5-moe": True}
 
 
 @dataclass(frozen=True)
@@ -303,8 +308,8 @@ def iterate_gguf(path: str | Path, dtype: torch.dtype = torch.float32, gguf_file
         tensor = g.read_tensor(info)
         if g.architecture in _NORM_SHIFTED_ARCHS and hf_name.endswith("norm.weight"):
             tensor = tensor.float() - 1
-        if hf_name.endswith("shared_expert_gate.weight") and tensor.dim() == 1:    # llama.cpp stores [H], not [1, H]
-            tensor = tensor[None]
+        if hf_name.endswith(("shared_expert_gate.weight", "e_score_correction.bias")) and tensor.dim() == 1:
+            tensor = tensor[None]   # llama.cpp may store [H] (or [E]), the checkpoints [1, H] ([1, E])
         if permute and ".q_proj." in hf_name:
             tensor = interleaved_to_halves(tensor, num_heads, rope_dims)
         elif permute and ".k_proj." in hf_name:
@@ -405,7 +410,7 @@ def gguf_hf_config(g: GGUFFile) -> Any:
         kwargs.update(_gguf_gemma(g, kwargs))
     if arch == "phi3":
         kwargs.update(_gguf_phi3(g, kwargs))
-    if arch in ("ernie4_5", "glm4"):    # its q/k rows come out of the file in halves already (_PERMUTED_ARCHS)
+    if arch in _HALVES_ARCHS:    # its q/k rows come out of the file in halves already (_PERMUTED_ARCHS)
         kwargs["rotary_rows_in_halves"] = True
     if arch in ("glm4", "stablelm", "phi2", "gptneox"):     # a rope over `rope.dimension_count` of each head's values
         kwargs["head_dim"] = int(g.arch_value("attention.key_length") or hidden // num_heads)
@@ -531,9 +536,15 @@ def _gguf_experts(g: GGUFFile, num_layers: int) -> dict[str, Any]:
         moe_intermediate_size=int(g.arch_value("expert_feed_forward_length") or g.arch_value("feed_forward_length")),
         norm_topk_prob=_MOE_RENORMALIZES[g.architecture],
         mlp_only_layers=[i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in g.tensors])
-    shared = g.arch_value("expert_shared_feed_forward_length")
+    # the shared expert's width, as its tensor has it (ERNIE's converter writes a width of its own reckoning)
+    shared = next((info.shape[0] for name, info in g.tensors.items() if name.endswith(".ffn_up_shexp.weight")), 0)
     if shared:
         fields["shared_expert_intermediate_size"] = int(shared)
+    if g.architecture == "ernie4_5-moe":    # its dense layers first, then one in `interleave_moe_layer_step` sparse
+        fields.update(moe_layer_start_index=int(g.arch_value("leading_dense_block_count") or 0),
+                      moe_layer_interval=int(g.arch_value("interleave_moe_layer_step") or 1),
+                      moe_layer_end_index=num_layers - 1, moe_norm_min=1e-12,
+                      moe_num_shared_experts=int(g.arch_value("expert_shared_count") or 0))
     return fields
 
 

@@ -165,7 +165,8 @@ _MPT_NAMES = (("transformer.wte.", "model.embed_tokens."), ("transformer.blocks.
               (".ffn.down_proj.", ".mlp.fc2."))
 # ERNIE 4.5 MoE's shared experts (one ungated MLP) and its router's selection bias
 _ERNIE_MOE_NAMES = ((".mlp.shared_experts.", ".mlp.shared_expert."),
-                    (".mlp.moe_statics.e_score_correction_bias", ".mlp.selection_bias"))
+                    (".mlp.moe_statics.e_score_correction_bias", ".mlp.selection_bias"),
+                    (".mlp.moe_statics.e_score_correction.bias", ".mlp.selection_bias"))    # (a GGUF file's)
 # A model type's checkpoint tensors the model does not use, by a part of their names: ERNIE 4.5 MoE's multi-token
 # prediction layers (transformers ignores them too)
 _UNUSED_NAME_PARTS = {"ernie4_5_moe": "mtp"}
@@ -1136,9 +1137,9 @@ class LlamaForCausalLM(nn.Module):
         self.image_encoder: ImageEncoder | None = None
         self.tie_word_embeddings = self.bare or self.score is not None or self.head_is_embedding
         # (Phi's, GPT-J's and ERNIE 4.5 MoE's with its use_bias LM heads have biases)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype, tp_rank, tp_size,
-                                      bias=config.model_type in ("phi", "gptj") or
-                                      (config.model_type == "ernie4_5_moe" and bool(config.use_bias)))
+        head_bias = config.model_type in ("phi", "gptj") or \
+            (config.model_type == "ernie4_5_moe" and bool(getattr(config, "use_bias", False)))
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype, tp_rank, tp_size, bias=head_bias)
         if self.tie_word_embeddings:
             self.lm_head.tie(self.model.embed_tokens)
 

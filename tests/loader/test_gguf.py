@@ -112,7 +112,7 @@ def test_name_mapping() -> None:
 def _gguf_tensors(hf_model, arch: str):
     """(GGUF name, tensor) of a transformers model's weights, named by gguf's own tensor name map (llama.cpp's
     converter's), the experts of a layer stacked [experts, rows, K] (transformers keeps gate and up stacked
-    together), the shared expert's gate flattened to [H]."""
+    together), the shared expert's gate flattened to [H], ERNIE's selection bias to [E] as `exp_probs_b.bias`."""
     model_arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
     arch_names = gguf.get_tensor_name_map(model_arch, hf_model.config.num_hidden_layers)
     llama_names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, hf_model.config.num_hidden_layers)
@@ -130,6 +130,8 @@ def _gguf_tensors(hf_model, arch: str):
             yield gguf_name(name) + ".weight", t
         elif base.endswith("mlp.shared_expert_gate"):
             yield f"{gguf_name(base)}.{kind}", t[0]
+        elif kind == "e_score_correction_bias":      # (its module is the router's in transformers, not in gguf's map)
+            yield gguf_name(base.replace(".gate.moe_statics", ".moe_statics.e_score_correction")) + ".bias", t[0]
         else:
             yield f"{gguf_name(base)}.{kind}", t
 
@@ -214,6 +216,11 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
             w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
         if getattr(cfg, "shared_expert_intermediate_size", None):
             w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    if arch == "ernie4_5-moe":      # as llama.cpp's converter writes it (its shared experts' width its own reckoning)
+        w.add_interleave_moe_layer_step(cfg.moe_layer_interval)
+        w.add_leading_dense_block_count(cfg.moe_layer_start_index)
+        w.add_expert_shared_count(cfg.moe_num_shared_experts)
+        w.add_expert_shared_feed_forward_length(cfg.intermediate_size // cfg.num_key_value_heads)
     for gname, t in _gguf_tensors(hf_model, arch):
         if gname == "output.weight" and cfg.tie_word_embeddings:
             continue
@@ -244,13 +251,15 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
                                        ("qwen3", "qwen3"), ("mixtral", "llama"), ("qwen2-moe", "qwen2moe"),
                                        ("qwen3-moe", "qwen3moe"), ("smollm3", "smollm3"), ("granite", "granite"),
                                        ("lfm2", "lfm2"), ("olmo2", "olmo2"), ("exaone4", "exaone4"),
-                                       ("ernie4_5", "ernie4_5"), ("glm4", "glm4"), ("stablelm", "stablelm"),
+                                       ("ernie4_5", "ernie4_5"), ("ernie4_5-moe", "ernie4_5-moe"), ("glm4", "glm4"),
+                                       ("stablelm", "stablelm"),
                                        ("stablelm-parallel", "stablelm"), ("starcoder2", "starcoder2"),
                                        ("phi", "phi2"), ("gpt-neox", "gptneox"), ("gpt-neox-sequential", "gptneox")])
 def test_tiny_gguf_model_matches_transformers(tmp_path: Path, kind: str, arch: str) -> None:
-    # SmolLM3's files leave every fourth layer without a rotary embedding (llama.cpp's fixed step): four layers here
-    hf_model = build_tiny_hf_model(kind, **({"no_rope_layer_interval": 4, "num_hidden_layers": 4}
-                                            if kind == "smollm3" else {}))
+    # SmolLM3's files leave every fourth layer without a rotary embedding (llama.cpp's fixed step): four layers here;
+    # ERNIE 4.5 MoE's without biases, as llama.cpp reads its files
+    overrides = {"smollm3": {"no_rope_layer_interval": 4, "num_hidden_layers": 4}, "ernie4_5-moe": {"use_bias": False}}
+    hf_model = build_tiny_hf_model(kind, **overrides.get(kind, {}))
     path = tmp_path / f"{kind}.gguf"
     write_model_gguf(hf_model, path, arch)
     config = gguf_hf_config(GGUFFile(path))
@@ -550,22 +559,25 @@ def test_a_quantized_gemma3_gguf_multiplies_its_blocks(tmp_path: Path, monkeypat
     _assert_gguf_reference_near_the_dense_model(packed, dense, [(7 * i + 3) % 300 for i in range(30)], monkeypatch)
 
 
-@pytest.mark.parametrize(("kind", "arch"), [("mixtral", "llama"), ("qwen2-moe", "qwen2moe")])
+@pytest.mark.parametrize(("kind", "arch"), [("mixtral", "llama"), ("qwen2-moe", "qwen2moe"),
+                                           ("ernie4_5-moe", "ernie4_5-moe")])
 def test_a_mixture_of_experts_keeps_its_experts_blocks(tmp_path: Path, kind: str, arch: str, monkeypatch) -> None:
-    """Each expert's slice of a stacked experts tensor packs as its own weight's blocks (as do Qwen2-MoE's shared
-    expert and its dense layer); the router keeps its float32 weight, as llama.cpp's files keep it."""
+    """Each expert's slice of a stacked experts tensor packs as its own weight's blocks (as do Qwen2-MoE's and ERNIE's
+    shared experts and their dense layers); the router keeps its float32 weight, as llama.cpp's files keep it."""
     path = tmp_path / f"{kind}.gguf"
-    overrides = {} if kind == "mixtral" else dict(moe_intermediate_size=64)   # GGUF blocks: rows of 32 k's
+    overrides = {"qwen2-moe": dict(moe_intermediate_size=64),      # GGUF blocks: rows of 32 k's
+                 "ernie4_5-moe": dict(moe_intermediate_size=64, use_bias=False)}.get(kind, {})
     write_model_gguf(build_tiny_hf_model(kind, **overrides), path, arch, Q.Q4_1)
     packed = load_model(ModelConfig(model=str(path), dtype="float32", quantization="gguf")).model
     dense = load_model(ModelConfig(model=str(path), dtype="float32")).model
-    moe = packed.model.layers[0].mlp
+    sparse, other = (1, 0) if kind == "ernie4_5-moe" else (0, 1)
+    moe = packed.model.layers[sparse].mlp
     for expert in moe.experts:
         assert expert.gate_up_proj.weight.dtype == expert.down_proj.weight.dtype == torch.uint8
     assert moe.gate.weight.dtype == torch.float32 and moe.gate.weight.shape == (4, 64)
-    if kind == "qwen2-moe":
+    if kind != "mixtral":
         assert moe.shared_expert.down_proj.weight.ggml_type == Q.Q4_1
-        assert packed.model.layers[1].mlp.gate_up_proj.weight.ggml_type == Q.Q4_1     # the dense layer
+        assert packed.model.layers[other].mlp.gate_up_proj.weight.ggml_type == Q.Q4_1     # the dense layer
     _assert_gguf_reference_near_the_dense_model(packed, dense, [1, 17, 250, 9, 33, 70, 5, 80, 81], monkeypatch)
 
 
