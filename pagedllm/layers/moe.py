@@ -1,4 +1,4 @@
-"""Mixture-of-experts routing and expert dispatch (Mixtral, Qwen2-MoE, Qwen3-MoE, ERNIE 4.5 MoE).
+"""Mixture-of-experts routing and expert dispatch (Mixtral, Qwen2-MoE, Qwen3-MoE, ERNIE 4.5 MoE, LFM2-MoE).
 
 A sparse MLP sends each token to `top_k` of its experts, chosen by a router (a linear layer over the token's hidden
 state: one logit per expert), and sums their outputs weighted by the router's probabilities:
@@ -21,22 +21,26 @@ Expert = Callable[[torch.Tensor], torch.Tensor]     # x: [N, hidden] -> [N, hidd
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool, selection_bias: torch.Tensor | None = None,
-          norm_min: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+          norm_min: float = 0.0, sigmoid: bool = False, norm_eps: float = 0.0,
+          scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [T, E] -> (weights float32 [T, top_k], expert ids int64 [T, top_k]): the softmax over all
-    experts, in float32, kept at its top_k largest (ties broken as torch.topk breaks them, so as transformers); with
-    `renormalize` (Mixtral; Qwen's `norm_topk_prob`) divided by their sum, or by `norm_min` where the sum is smaller
-    (ERNIE 4.5's moe_norm_min), so that each token's weights sum to 1.
+    experts (each logit's sigmoid with `sigmoid`: LFM2-MoE's), in float32, kept at its top_k largest (ties broken as
+    torch.topk breaks them, so as transformers); with `renormalize` (Mixtral; Qwen's `norm_topk_prob`) divided by
+    their sum, or by `norm_min` where the sum is smaller (ERNIE 4.5's moe_norm_min), plus `norm_eps` (LFM2-MoE's
+    1e-6), so that each token's weights sum to 1; times `scale` (a routed_scaling_factor).
 
-    `selection_bias` [E] (ERNIE 4.5's e_score_correction_bias, float32) is added to the probabilities to choose the
-    experts only: the weights are the chosen experts' probabilities without it."""
-    probs = torch.softmax(logits.float(), dim=-1)
+    `selection_bias` [E] (ERNIE 4.5's e_score_correction_bias, LFM2-MoE's expert_bias, float32) is added to the
+    probabilities to choose the experts only: the weights are the chosen experts' probabilities without it."""
+    probs = torch.sigmoid(logits.float()) if sigmoid else torch.softmax(logits.float(), dim=-1)
     if selection_bias is None:
         weights, ids = torch.topk(probs, top_k, dim=-1)
     else:
         ids = torch.topk(probs + selection_bias, top_k, dim=-1).indices
         weights = probs.gather(-1, ids)
     if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True).clamp(min=norm_min)
+        weights = weights / (weights.sum(dim=-1, keepdim=True).clamp(min=norm_min) + norm_eps)
+    if scale != 1.0:
+        weights = weights * scale
     return weights, ids
 
 

@@ -163,6 +163,10 @@ _MPT_NAMES = (("transformer.wte.", "model.embed_tokens."), ("transformer.blocks.
               (".norm_2.", ".post_attention_layernorm."), (".attn.Wqkv.", ".self_attn.qkv_proj."),
               (".attn.out_proj.", ".self_attn.o_proj."), (".ffn.up_proj.", ".mlp.fc1."),
               (".ffn.down_proj.", ".mlp.fc2."))
+# LFM2-MoE's: LFM2's, its sparse layers' feed_forward the mlp, each expert's w1/w3/w2 a gated MLP's
+_LFM2_MOE_NAMES = _LFM2_NAMES + ((".feed_forward.experts.", ".mlp.experts."), (".feed_forward.gate.", ".mlp.gate."),
+                                 (".feed_forward.expert_bias", ".mlp.selection_bias"), (".w1.", ".gate_proj."),
+                                 (".w3.", ".up_proj."), (".w2.", ".down_proj."))
 # ERNIE 4.5 MoE's shared experts (one ungated MLP) and its router's selection bias
 _ERNIE_MOE_NAMES = ((".mlp.shared_experts.", ".mlp.shared_expert."),
                     (".mlp.moe_statics.e_score_correction_bias", ".mlp.selection_bias"),
@@ -173,7 +177,8 @@ _UNUSED_NAME_PARTS = {"ernie4_5_moe": "mtp"}
 _CHECKPOINT_NAMES = {"granitemoe": ((".mlp.router.layer.", ".mlp.gate."),),
                      "hunyuan_v1_dense": ((".self_attn.query_layernorm.", ".self_attn.q_norm."),
                                           (".self_attn.key_layernorm.", ".self_attn.k_norm.")),
-                     "glm4": _GLM4_NAMES, "lfm2": _LFM2_NAMES, "phi": _PHI_NAMES, "gpt_neox": _GPT_NEOX_NAMES,
+                     "glm4": _GLM4_NAMES, "lfm2": _LFM2_NAMES, "lfm2_moe": _LFM2_MOE_NAMES, "phi": _PHI_NAMES,
+                     "gpt_neox": _GPT_NEOX_NAMES,
                      "starcoder2": _STARCODER2_NAMES, "gpt2": _GPT2_NAMES, "gpt_bigcode": _GPT_BIGCODE_NAMES,
                      "opt": _OPT_NAMES, "gptj": _GPTJ_NAMES, "falcon": _FALCON_NAMES, "nemotron": _UP_DOWN_NAMES,
                      "arcee": _UP_DOWN_NAMES, "bloom": _BLOOM_NAMES, "mpt": _MPT_NAMES,
@@ -230,7 +235,8 @@ def _interleaved_rope(config: Any) -> bool:
 
 
 def _has_qk_norm(config: Any) -> bool:
-    return config.model_type in ("qwen3", "qwen3_moe", "gemma3_text", "exaone4", "lfm2", "hunyuan_v1_dense")
+    return config.model_type in ("qwen3", "qwen3_moe", "gemma3_text", "exaone4", "lfm2", "lfm2_moe",
+                                 "hunyuan_v1_dense")
 
 
 def _norms_qk_after_rope(config: Any) -> bool:
@@ -243,7 +249,7 @@ def _eps(config: Any) -> float:
     `_LAYER_NORM_EPS` names it)."""
     if _norms_with_layer_norm(config):
         return getattr(config, _LAYER_NORM_EPS.get(config.model_type, "layer_norm_eps"), 1e-5)
-    return config.norm_eps if config.model_type == "lfm2" else config.rms_norm_eps
+    return config.norm_eps if config.model_type in ("lfm2", "lfm2_moe") else config.rms_norm_eps
 
 
 # the LayerNorms' epsilon's name in a config, where it is not layer_norm_eps (OPT's config has none: torch's 1e-5)
@@ -549,10 +555,12 @@ def expert_intermediate_size(config: Any) -> int:
 def _is_sparse_layer(config: Any, index: int) -> bool:
     """Whether decoder layer `index` has a mixture of experts for its MLP: every layer of Mixtral; Qwen-MoE's every
     `decoder_sparse_step`-th, but those in `mlp_only_layers`; ERNIE 4.5's every `moe_layer_interval`-th from
-    `moe_layer_start_index` to `moe_layer_end_index`."""
+    `moe_layer_start_index` to `moe_layer_end_index`; LFM2-MoE's after its `num_dense_layers`."""
     if config.model_type == "ernie4_5_moe":
         return (index + 1) % config.moe_layer_interval == 0 and \
             config.moe_layer_start_index <= index <= config.moe_layer_end_index
+    if config.model_type == "lfm2_moe":
+        return index >= config.num_dense_layers
     return num_experts(config) > 0 and index not in (getattr(config, "mlp_only_layers", None) or []) and \
         (index + 1) % (getattr(config, "decoder_sparse_step", None) or 1) == 0
 
@@ -787,9 +795,10 @@ class LlamaSparseMoeBlock(nn.Module):
     never quantized: a few thousand weights that decide everything after them; in the model's dtype, ERNIE's in
     float32 as its checkpoints keep it) picks each token's `num_experts_per_tok` experts, which run on their tokens
     alone (`pagedllm.layers.moe.run_experts`); ERNIE's choice is biased (`selection_bias`: its
-    e_score_correction_bias) and its weights' sum bounded below (moe_norm_min). Qwen2-MoE adds a shared expert that
-    every token runs, scaled by sigmoid(shared_expert_gate(x)); ERNIE adds its moe_num_shared_experts as one
-    ungated expert of their summed width.
+    e_score_correction_bias) and its weights' sum bounded below (moe_norm_min); LFM2-MoE's scores are sigmoids,
+    biased in the choice too (its expert_bias), their sum plus 1e-6, times its routed_scaling_factor. Qwen2-MoE adds
+    a shared expert that every token runs, scaled by sigmoid(shared_expert_gate(x)); ERNIE adds its
+    moe_num_shared_experts as one ungated expert of their summed width.
 
     Under tensor parallelism each rank holds a slice of every expert's intermediate size, as of a dense MLP, and the
     block all-reduces its sum once."""
@@ -799,15 +808,20 @@ class LlamaSparseMoeBlock(nn.Module):
         self.tp_size = tp[1]
         self.top_k = config.num_experts_per_tok
         # (Granite MoE's softmax over its top-k logits is the renormalised top-k of the softmax over all)
-        ernie = config.model_type == "ernie4_5_moe"
+        ernie, lfm2 = config.model_type == "ernie4_5_moe", config.model_type == "lfm2_moe"
         self.renormalize = config.model_type in ("mixtral", "granitemoe") or ernie or \
             bool(getattr(config, "norm_topk_prob", False))
         self.norm_min = float(config.moe_norm_min) if ernie else 0.0
+        self.sigmoid, self.norm_eps = lfm2, 1e-6 if lfm2 else 0.0
+        self.scale = float(getattr(config, "routed_scaling_factor", None) or 1.0)
         inter = expert_intermediate_size(config)
         self.gate = nn.Linear(config.hidden_size, num_experts(config), bias=False,
                               dtype=torch.float32 if ernie else dtype)
-        # ([1, E] as its checkpoints hold it; never trained here)
-        self.selection_bias = nn.Parameter(torch.zeros(1, num_experts(config)), requires_grad=False) if ernie else None
+        # (ERNIE's [1, E] and LFM2's [E] as their checkpoints hold them; never trained here)
+        bias_shape = (1, num_experts(config)) if ernie else \
+            (num_experts(config),) if lfm2 and config.use_expert_bias else None
+        self.selection_bias = None if bias_shape is None else \
+            nn.Parameter(torch.zeros(bias_shape), requires_grad=False)
         self.experts = nn.ModuleList(LlamaMLP(config, dtype, tp, inter, reduce_results=False, bias=False)
                                      for _ in range(num_experts(config)))
         for expert in self.experts:     # small calls, each on one thread (kernels/csrc/moe.cpp): see brgemm_packs and
@@ -832,7 +846,8 @@ class LlamaSparseMoeBlock(nn.Module):
         """The block in torch (this rank's partial sums under tensor parallelism): where the CPU kernels do not run,
         and the reference of their MoEWeights, which splits the experts between the threads."""
         weights, ids = route(self.gate(x.to(self.gate.weight.dtype)), self.top_k, self.renormalize,
-                             self.selection_bias, self.norm_min)   # [T, top_k] each
+                             self.selection_bias, self.norm_min, self.sigmoid, self.norm_eps,
+                             self.scale)   # [T, top_k] each
         out = run_experts(x, weights, ids, self.experts)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
@@ -851,7 +866,7 @@ class LlamaSparseMoeBlock(nn.Module):
                 None if shared is None else shared.gate_up_proj.kernel_weights(kernels),
                 None if shared is None else shared.down_proj.kernel_weights(kernels),
                 None if self.shared_expert_gate is None else self.shared_expert_gate.weight,
-                self.selection_bias, self.norm_min)
+                self.selection_bias, self.norm_min, self.sigmoid, self.norm_eps, self.scale)
         return self.kernel_blocks[kernels]
 
 
@@ -1222,7 +1237,7 @@ class LlamaForCausalLM(nn.Module):
                 name = body + name
             for theirs, ours in _CHECKPOINT_NAMES.get(self.config.model_type, ()):
                 name = name.replace(theirs, ours)
-            if self.config.model_type == "lfm2" and name.endswith(".conv.weight") and tensor.dim() == 2:
+            if self.config.model_type in ("lfm2", "lfm2_moe") and name.endswith(".conv.weight") and tensor.dim() == 2:
                 tensor = tensor.unsqueeze(1)    # llama.cpp's files squeeze it
             if self.config.model_type == "gpt2" and ".layers." in name and tensor.dim() == 2:
                 tensor = tensor.t()     # GPT-2's Conv1D layers store their weights [in, out]

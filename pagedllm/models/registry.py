@@ -59,6 +59,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "MptForCausalLM": LlamaForCausalLM,        # ALiBi
     "MPTForCausalLM": LlamaForCausalLM,        # (MosaicML's checkpoints name it so)
     "Lfm2ForCausalLM": LlamaForCausalLM,      # short convolutions among its attention layers (ShortConv)
+    "Lfm2MoeForCausalLM": LlamaForCausalLM,   # and experts in its later layers
     # The bare decoders (no LM head), as embedding models are saved (gte-Qwen2, e5-mistral): see BARE_ARCHITECTURES.
     "LlamaModel": LlamaForCausalLM,
     "MistralModel": LlamaForCausalLM,
@@ -90,6 +91,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "gemma3_text": LlamaForCausalLM,
     "granite": LlamaForCausalLM,
     "lfm2": LlamaForCausalLM,
+    "lfm2_moe": LlamaForCausalLM,
     "olmo2": LlamaForCausalLM,
     "exaone4": LlamaForCausalLM,
     "ernie4_5": LlamaForCausalLM,

@@ -45,6 +45,8 @@ CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "olmoe": ("olmoe", {}, dict(dtype="float32")),
     # ERNIE 4.5 MoE's float32 router for bf16 rows, its selection bias and ungated shared experts
     "ernie 4.5 moe in bfloat16": ("ernie4_5-moe", {}, dict(dtype="bfloat16")),
+    # LFM2-MoE's short convolutions beside experts with sigmoid scores
+    "lfm2 moe": ("lfm2-moe", {}, dict(dtype="float32")),
     # branch norms, GELU, a local layer (its window shorter than the long prompts, its own rope) and a global one
     "gemma3": ("gemma3", {}, dict(dtype="float32")),
     "gemma3 in bfloat16": ("gemma3", {}, dict(dtype="bfloat16")),

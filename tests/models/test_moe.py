@@ -1,4 +1,4 @@
-"""Mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, Granite MoE, OLMoE, ERNIE 4.5 MoE): the routing and the
+"""Mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, Granite MoE, OLMoE, ERNIE 4.5 MoE, LFM2-MoE): the routing and the
 grouped expert dispatch against their plain references, and the models against transformers through the engine."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pagedllm.lora.request import LoRARequest
 from tests.loader.test_gguf import write_model_gguf
 from tests.models.tiny import build_tiny_hf_model, hf_greedy, save_tiny_model
 
-MOE_KINDS = ["mixtral", "qwen2-moe", "qwen3-moe", "granitemoe", "olmoe", "ernie4_5-moe"]
+MOE_KINDS = ["mixtral", "qwen2-moe", "qwen3-moe", "granitemoe", "olmoe", "ernie4_5-moe", "lfm2-moe"]
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [60, 61, 62, 63, 64], [200, 13, 9, 77, 150, 151, 40, 41, 42, 8] * 3,
            [5, 17, 42, 99, 3, 250, 7, 8, 9, 10, 11, 12, 13, 14]]
 MAX_TOKENS = 12
@@ -58,6 +58,18 @@ def test_a_selection_bias_chooses_the_experts_and_leaves_their_weights_unbiased(
     weights, _ = route(logits, 2, renormalize=True, selection_bias=bias, norm_min=0.6)    # row 1's sum is 0.5
     torch.testing.assert_close(weights[1], probs[1, [3, 2]] / 0.6)
     torch.testing.assert_close(weights[0].sum(), torch.tensor(1.0))         # row 0's is 0.68
+
+
+def test_sigmoid_scores_renormalised_with_an_epsilon_and_scaled():
+    """LFM2-MoE's router: each logit's sigmoid (not a softmax), the chosen ones divided by their sum plus 1e-6, then
+    times the routed_scaling_factor."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    bias = torch.tensor([0.0, -1.0, 0.5, 0.6])
+    weights, ids = route(logits, 2, renormalize=True, selection_bias=bias, sigmoid=True, norm_eps=1e-6, scale=1.5)
+    scores = torch.sigmoid(logits)
+    assert ids[0].tolist() == [2, 0]        # sigmoids + bias: 0.88, -0.27, 1.0, 0.87 (without it: 0 and 1)
+    chosen = scores[0, [2, 0]]
+    torch.testing.assert_close(weights[0], chosen / (chosen.sum() + 1e-6) * 1.5)
 
 
 def _elementwise_experts(num_experts: int) -> list:
@@ -133,11 +145,17 @@ def test_greedy_tokens_match_transformers_through_chunks_prefix_hits_and_preempt
 
 def test_bfloat16_and_int8_moe_models_run_close_to_float32(moe):
     """bf16 weights, int8 weights and W8A8 (the experts quantized, the router kept in the dtype) run: the first
-    greedy token of each prompt is float32's, where float32's top two logits are not a near tie."""
+    greedy token of each prompt is float32's, where float32's top two logits are not a near tie and transformers'
+    own model in bf16 keeps float32's token (a tiny random model's experts' choice can flip in bf16: LFM2-MoE's
+    sigmoid scores, near 0.5, beside its bias)."""
     kind, folder, hf_model = moe
     with torch.inference_mode():
         logits = [hf_model(torch.tensor([p])).logits[0, -1] for p in PROMPTS]
-    clear = [i for i, row in enumerate(logits) if float(row.topk(2).values.diff().abs()) > 0.05]
+        hf_bf16 = copy.deepcopy(hf_model).bfloat16()
+        bf16_tokens = [int(hf_bf16(torch.tensor([p])).logits[0, -1].argmax()) for p in PROMPTS]
+    clear = [i for i, row in enumerate(logits)
+             if float(row.topk(2).values.diff().abs()) > 0.05 and bf16_tokens[i] == int(row.argmax())]
+    assert clear, "no prompt's first token is clear enough to compare"
     for options in (dict(dtype="bfloat16"), dict(dtype="float32", quantization="int8"),
                     dict(dtype="bfloat16", quantization="w8a8")):
         with LLM(folder, num_kv_blocks=64, block_size=4, **options) as llm:
@@ -242,16 +260,23 @@ def test_the_kernels_block_gives_the_torch_blocks_bits(tmp_path, dtype, brgemm, 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_kernels_block_gives_the_torch_blocks_bits_with_ernies_router_and_shared_experts(tmp_path, dtype):
-    """ERNIE 4.5 MoE's block in C++ (a float32 router for bf16 rows, the selection bias, norm_min, an ungated
-    shared expert with biases) against the same block in torch: the same bits."""
+@pytest.mark.parametrize("kind", ["ernie4_5-moe", "lfm2-moe"])
+def test_the_kernels_block_gives_the_torch_blocks_bits_with_other_routers(tmp_path, dtype, kind):
+    """ERNIE 4.5 MoE's block in C++ (a float32 router for bf16 rows, the selection bias, norm_min, an ungated shared
+    expert with biases) and LFM2-MoE's (sigmoid scores, their bias, norm_eps, the scale) against the same blocks in
+    torch: the same bits."""
     if cpu_kernels() is None:
         pytest.skip("pagedllm's CPU kernels are not built here")
-    folder, _ = save_tiny_model(tmp_path / "m", "ernie4_5-moe", seed=3, moe_norm_min=0.7)
+    folder, _ = save_tiny_model(tmp_path / "m", kind, seed=3, **({"moe_norm_min": 0.7} if kind == "ernie4_5-moe"
+                                                                 else {}))
     model = load_model(ModelConfig(model=str(folder), dtype=str(dtype).removeprefix("torch."))).model
-    dense, block = (layer.mlp for layer in model.model.layers)
-    assert not hasattr(dense, "experts") and block.shared_expert_gate is None and block.norm_min == 0.7
-    assert block.selection_bias.abs().min() > 0 and block.shared_expert.gate_up_proj.bias is not None
+    dense, block = (layer.mlp for layer in model.model.layers[:2])
+    assert not hasattr(dense, "experts") and block.selection_bias.abs().min() > 0
+    if kind == "ernie4_5-moe":
+        assert block.shared_expert_gate is None and block.norm_min == 0.7
+        assert block.shared_expert.gate_up_proj.bias is not None
+    else:
+        assert block.sigmoid and block.norm_eps == 1e-6 and block.scale == 1.5 and block.shared_expert is None
     x = torch.randn(37, 64, dtype=dtype)
     with torch.inference_mode():
         got, expected = block(x), block.forward_native(x)

@@ -143,6 +143,11 @@ TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "ernie4_5-moe": ("ernie4_5_moe", dict(num_key_value_heads=2, head_dim=16, use_bias=True, moe_num_experts=4,
                                           moe_k=2, moe_intermediate_size=48, moe_num_shared_experts=2,
                                           moe_layer_start_index=1)),
+    # LFM2-MoE's (LFM2-8B-A1B's layout): LFM2's layers, a dense MLP in layer 0, experts after it, scored by sigmoids,
+    # chosen with a bias (made random in build_tiny_hf_model), renormalised and scaled
+    "lfm2-moe": ("lfm2_moe", dict(num_key_value_heads=1, layer_types=["conv", "full_attention", "conv"],
+                                  num_hidden_layers=3, norm_eps=1e-5, num_experts=4, num_experts_per_tok=2,
+                                  moe_intermediate_size=48, num_dense_layers=1, routed_scaling_factor=1.5)),
     "qwen3-moe": ("qwen3_moe", dict(num_key_value_heads=2, head_dim=32, num_experts=4, num_experts_per_tok=2,
                                     moe_intermediate_size=48, norm_topk_prob=True)),
 }
@@ -167,11 +172,11 @@ def build_tiny_hf_model(kind: str = "llama-gqa", seed: int = 0, **overrides: Any
                              "cohere2", "gpt2", "gpt_bigcode", "opt", "gptj", "falcon", "nemotron",
                              "hunyuan_v1_dense", "bloom", "mpt", "ernie4_5_moe"):
         randomize_norms(model, mean=0.0 if config.model_type.startswith("gemma") else 1.0)
-    if config.model_type == "ernie4_5_moe":     # its experts' selection bias starts at 0: made random, so that it
-        with torch.no_grad():                   # changes which experts the tokens get
-            for name, param in model.named_parameters():
-                if name.endswith("e_score_correction_bias"):
-                    param.uniform_(-0.3, 0.3)
+    if config.model_type in ("ernie4_5_moe", "lfm2_moe"):     # their experts' selection bias starts at 0: made
+        with torch.no_grad():                               # random, so that it changes which experts tokens get
+            for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+                if name.endswith(("e_score_correction_bias", "expert_bias")):
+                    tensor.uniform_(-0.3, 0.3)
     return model.eval()
 
 

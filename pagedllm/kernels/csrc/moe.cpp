@@ -249,10 +249,12 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weights, const at:
 MoEWeights::MoEWeights(at::Tensor router, int64_t top_k, bool renormalize, std::vector<LinearWeights> gate_up,
                        std::vector<LinearWeights> down, c10::optional<LinearWeights> shared_gate_up,
                        c10::optional<LinearWeights> shared_down, c10::optional<at::Tensor> shared_gate,
-                       c10::optional<at::Tensor> selection_bias, double norm_min)
+                       c10::optional<at::Tensor> selection_bias, double norm_min, bool sigmoid, double norm_eps,
+                       double scale)
     : router(std::move(router)), top_k(top_k), renormalize(renormalize), gate_up(std::move(gate_up)),
       down(std::move(down)), shared_gate_up(std::move(shared_gate_up)), shared_down(std::move(shared_down)),
-      shared_gate(std::move(shared_gate)), selection_bias(std::move(selection_bias)), norm_min(norm_min) {
+      shared_gate(std::move(shared_gate)), selection_bias(std::move(selection_bias)), norm_min(norm_min),
+      sigmoid(sigmoid), norm_eps(norm_eps), scale(scale) {
   TORCH_CHECK(this->shared_gate_up.has_value() == this->shared_down.has_value() &&
                   (this->shared_down.has_value() || !this->shared_gate.has_value()),
               "a shared expert takes its gate_up and its down (and may take a gate)");
@@ -263,7 +265,8 @@ MoEWeights::MoEWeights(at::Tensor router, int64_t top_k, bool renormalize, std::
 
 // LlamaSparseMoeBlock.forward_native with pagedllm.layers.moe.route's ops, in their order: h [T, H] -> [T, H].
 at::Tensor MoEWeights::operator()(const at::Tensor& h) const {
-  const at::Tensor probs = at::softmax(at::linear(h.to(router.scalar_type()), router).to(at::kFloat), -1);
+  const at::Tensor logits = at::linear(h.to(router.scalar_type()), router).to(at::kFloat);
+  const at::Tensor probs = sigmoid ? at::sigmoid(logits) : at::softmax(logits, -1);
   at::Tensor top, ids;
   if (selection_bias) {  // the experts chosen with the bias, weighted without it
     ids = std::get<1>(at::topk(probs + *selection_bias, top_k, -1));
@@ -271,7 +274,8 @@ at::Tensor MoEWeights::operator()(const at::Tensor& h) const {
   } else {
     std::tie(top, ids) = at::topk(probs, top_k, -1);
   }
-  if (renormalize) top = top / top.sum(-1, true).clamp_min(norm_min);
+  if (renormalize) top = top / (top.sum(-1, true).clamp_min(norm_min) + norm_eps);
+  if (scale != 1.0) top = top * scale;
   at::Tensor out = moe_experts(h, top, ids, gate_up, down);
   if (shared_gate_up) {
     const at::Tensor shared = (*shared_down)(shared_gate_up->silu_and_mul(h));

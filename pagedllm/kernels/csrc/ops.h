@@ -197,8 +197,9 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weights, const at:
                        const std::vector<LinearWeights>& gate_up, const std::vector<LinearWeights>& down);
 
 // A mixture of experts' MLP (pagedllm.models.llama.LlamaSparseMoeBlock on one rank): the router's weight [E, H] (the
-// rows cast to its dtype), its top_k, whether it renormalises (by a sum of at least norm_min), the experts'
-// projections, a shared expert with its gate's [1, H] weight or ungated, and a bias [1, E] of the experts' choice.
+// rows cast to its dtype), its top_k, whether it renormalises (by a sum of at least norm_min, plus norm_eps), the
+// experts' projections, a shared expert with its gate's [1, H] weight or ungated, a bias ([E] or [1, E]) of the
+// experts' choice, whether the scores are sigmoids (not a softmax), and a scale of the weights.
 struct MoEWeights {
   at::Tensor router;
   int64_t top_k;
@@ -207,11 +208,14 @@ struct MoEWeights {
   c10::optional<LinearWeights> shared_gate_up, shared_down;
   c10::optional<at::Tensor> shared_gate, selection_bias;
   double norm_min;
+  bool sigmoid;
+  double norm_eps, scale;
 
   MoEWeights(at::Tensor router, int64_t top_k, bool renormalize, std::vector<LinearWeights> gate_up,
              std::vector<LinearWeights> down, c10::optional<LinearWeights> shared_gate_up,
              c10::optional<LinearWeights> shared_down, c10::optional<at::Tensor> shared_gate,
-             c10::optional<at::Tensor> selection_bias, double norm_min);
+             c10::optional<at::Tensor> selection_bias, double norm_min, bool sigmoid, double norm_eps,
+             double scale);
   at::Tensor operator()(const at::Tensor& h) const;  // h [T, H] -> [T, H]
 };
 
