@@ -65,6 +65,15 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
         # (fields its config.json holds beside transformers' own, which vLLM reads)
         conv_dim=1024, conv_dim_out=1024, block_dim=1024, block_ff_dim=6656, block_use_swiglu=True,
         block_norm_eps=1e-5, num_heads=16)),
+    # LFM2-8B-A1B's layout scaled down to ~1.4B weights, ~0.3B a token (with the tokenizer's vocabulary): 16 layers of
+    # hidden 1024, 12 short convolutions and 4 attention layers (16 query heads of 64 over 8 kv heads), 2 dense MLPs
+    # of 3,584, then 32 experts of 896 a layer, 4 a token, chosen by their sigmoid scores plus a bias
+    "lfm2-moe-1b": ("lfm2_moe", dict(
+        hidden_size=1024, intermediate_size=3584, moe_intermediate_size=896, num_hidden_layers=16,
+        num_attention_heads=16, num_key_value_heads=8, conv_L_cache=3, norm_eps=1e-5, num_dense_layers=2,
+        layer_types=["full_attention" if i in (2, 6, 10, 14) else "conv" for i in range(16)],
+        num_experts=32, num_experts_per_tok=4, use_expert_bias=True, norm_topk_prob=True, routed_scaling_factor=1.0,
+        max_position_embeddings=128000)),
     # opt-125m's layers (vLLM's first example; ~0.16B weights here, with the tokenizer's vocabulary, not OPT's 50,272):
     # 12 of hidden 768, 12 heads, a ReLU MLP of 3,072, learned positions (2,048)
     "opt-125m": ("opt", dict(
