@@ -235,8 +235,8 @@ def _interleaved_rope(config: Any) -> bool:
 
 
 def _has_qk_norm(config: Any) -> bool:
-    return config.model_type in ("qwen3", "qwen3_moe", "gemma3_text", "exaone4", "lfm2", "lfm2_moe",
-                                 "hunyuan_v1_dense")
+    return _is_lfm2(config) or config.model_type in ("qwen3", "qwen3_moe", "gemma3_text", "exaone4",
+                                                     "hunyuan_v1_dense")
 
 
 def _norms_qk_after_rope(config: Any) -> bool:
@@ -249,7 +249,7 @@ def _eps(config: Any) -> float:
     `_LAYER_NORM_EPS` names it)."""
     if _norms_with_layer_norm(config):
         return getattr(config, _LAYER_NORM_EPS.get(config.model_type, "layer_norm_eps"), 1e-5)
-    return config.norm_eps if config.model_type in ("lfm2", "lfm2_moe") else config.rms_norm_eps
+    return config.norm_eps if _is_lfm2(config) else config.rms_norm_eps
 
 
 # the LayerNorms' epsilon's name in a config, where it is not layer_norm_eps (OPT's config has none: torch's 1e-5)
@@ -352,6 +352,10 @@ def _check_opt(config: Any) -> None:
 
 def _is_cohere(config: Any) -> bool:
     return config.model_type in ("cohere", "cohere2")
+
+
+def _is_lfm2(config: Any) -> bool:
+    return config.model_type in ("lfm2", "lfm2_moe")
 
 
 def _norm(config: Any, dtype: torch.dtype) -> RMSNorm | PreLayerNorm:
@@ -812,7 +816,8 @@ class LlamaSparseMoeBlock(nn.Module):
         self.renormalize = config.model_type in ("mixtral", "granitemoe") or ernie or \
             bool(getattr(config, "norm_topk_prob", False))
         self.norm_min = float(config.moe_norm_min) if ernie else 0.0
-        self.sigmoid, self.norm_eps = lfm2, 1e-6 if lfm2 else 0.0
+        self.sigmoid = lfm2
+        self.norm_eps = 1e-6 if lfm2 else 0.0
         self.scale = float(getattr(config, "routed_scaling_factor", None) or 1.0)
         inter = expert_intermediate_size(config)
         self.gate = nn.Linear(config.hidden_size, num_experts(config), bias=False,
@@ -1237,7 +1242,7 @@ class LlamaForCausalLM(nn.Module):
                 name = body + name
             for theirs, ours in _CHECKPOINT_NAMES.get(self.config.model_type, ()):
                 name = name.replace(theirs, ours)
-            if self.config.model_type in ("lfm2", "lfm2_moe") and name.endswith(".conv.weight") and tensor.dim() == 2:
+            if _is_lfm2(self.config) and name.endswith(".conv.weight") and tensor.dim() == 2:
                 tensor = tensor.unsqueeze(1)    # llama.cpp's files squeeze it
             if self.config.model_type == "gpt2" and ".layers." in name and tensor.dim() == 2:
                 tensor = tensor.t()     # GPT-2's Conv1D layers store their weights [in, out]
