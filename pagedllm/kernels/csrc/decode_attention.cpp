@@ -244,9 +244,9 @@ inline void block_scores(const cache_t* key, int64_t key_stride, int64_t n, cons
 
 // exp(s - m) in place over a row of scores, m their max; returns their sum.
 inline float exp_and_sum(float* s, int64_t n, float& m) {
-  m = max_of(s, n);
-#pragma omp simd
-  for (int64_t t = 0; t < n; ++t) s[t] = exp_approx(s[t] - m);
+  const float max = m = max_of(s, n);  // a local: GCC left the loop over `m`, which s might alias, scalar (a third
+#pragma omp simd                       // of the kernel's time on SmolLM2's shapes)
+  for (int64_t t = 0; t < n; ++t) s[t] = exp_approx(s[t] - max);
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t t = 0; t < n; ++t) sum += s[t];
