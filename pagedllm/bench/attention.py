@@ -1,0 +1,103 @@
+"""`pagedllm bench attention`: the decode attention kernel alone, over a model's shapes, in the engine's KV pool.
+
+A decode step runs `pagedllm.attention.cpu.decode_attention` once a layer, one query row a sequence, reading each
+sequence's K and V through its block table: a step of B sequences of L tokens reads B x L x the pool's bytes a
+token, from memory (a real pool is far larger than the caches). This times that alone: a pool laid out as the
+engine's (`allocate_kv`, the model's layers, KV heads, head size and dtype, --block-size), each sequence's blocks
+next to each other as a fresh engine hands them out, or scattered over the pool (--scatter, as after a long run),
+then every layer's call for each (sequences, context) of the grid, medians over --repeats. The rate is the K/V
+bytes read over the time: what bounds the kernel is memory, so set it against the machine's read bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+_SEQUENCES = [1, 4, 16, 32, 48]
+_CONTEXTS = [350, 1000]
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="whose shapes (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"])
+    parser.add_argument("--block-size", type=int, default=8)
+    parser.add_argument("--num-seqs", type=int, nargs="+", default=_SEQUENCES, help="sequences a step")
+    parser.add_argument("--context-len", type=int, nargs="+", default=_CONTEXTS, help="tokens each sequence reads")
+    parser.add_argument("--pool-gib", type=float, default=4.0, help="the KV pool's size, as the engine's default")
+    parser.add_argument("--scatter", action="store_true", help="blocks scattered over the pool, not in runs")
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output-json", default=None, help="write the results to this file")
+    parser.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from pagedllm.attention.cpu import decode_attention
+    from pagedllm.bench.measure import ModelDims
+    from pagedllm.cpu import cpu_info
+    from pagedllm.loader import load_hf_config, resolve_dtype, resolve_model
+    from pagedllm.runner.kv_tensors import KVLayout, allocate_kv, layer_caches
+
+    resolved = resolve_model(args.model)
+    dims = ModelDims.from_hf_config(load_hf_config(resolved))
+    layout = KVLayout(dims.num_layers, dims.num_kv_heads, dims.head_dim, resolve_dtype(args.dtype),
+                      args.kv_cache_dtype)
+    bytes_per_block = layout.bytes_per_token * args.block_size
+    needed = max(-(-context // args.block_size) for context in args.context_len) * max(args.num_seqs)
+    num_blocks = max(needed, int(args.pool_gib * 2**30) // bytes_per_block)
+    caches = layer_caches(allocate_kv(layout, num_blocks, args.block_size, torch.device("cpu")))
+    generator = torch.Generator().manual_seed(args.seed)
+    scale = dims.head_dim ** -0.5
+    rows = []
+    for context in args.context_len:
+        per_seq = -(-context // args.block_size)
+        for num_seqs in args.num_seqs:
+            used = num_seqs * per_seq
+            ids = torch.randperm(num_blocks, generator=generator)[:used] if args.scatter else torch.arange(used)
+            for k_cache, v_cache in caches:   # written: pages a kernel reads unwritten are one shared zero page
+                k_cache[ids] = torch.randn(k_cache[ids].shape, generator=generator).to(k_cache.dtype)
+                v_cache[ids] = torch.randn(v_cache[ids].shape, generator=generator).to(v_cache.dtype)
+            block_tables = ids.to(torch.int32).view(num_seqs, per_seq)
+            seq_lens = torch.full((num_seqs,), context, dtype=torch.int32)
+            query = torch.randn(num_seqs, dims.num_heads, dims.head_dim, generator=generator).to(layout.dtype)
+            steps = [_time_step(decode_attention, caches, query, block_tables, seq_lens, scale)
+                     for _ in range(1 + args.repeats)]   # the first pays for the blocks' pages in cache and TLB
+            seconds = statistics.median(steps[1:])
+            read = num_seqs * context * layout.bytes_per_token
+            rows.append(dict(num_seqs=num_seqs, context_len=context, ms_per_step=1e3 * seconds,
+                             gb_per_s=read / seconds / 1e9))
+    result = {"model": resolved.name, "cpu": cpu_info().describe(), "dtype": str(layout.dtype).removeprefix("torch."),
+              "kv_cache_dtype": args.kv_cache_dtype, "block_size": args.block_size, "layers": dims.num_layers,
+              "kv_bytes_per_token": layout.bytes_per_token,
+              "scatter": args.scatter, "steps": rows}
+    print_report(result)
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    return result
+
+
+def _time_step(decode_attention: Callable[..., Any], caches: list[tuple[Any, Any]], query: Any, block_tables: Any,
+               seq_lens: Any, scale: float) -> float:
+    """Seconds a decode step's attention takes: every layer's call, one after another."""
+    start = time.perf_counter()
+    for k_cache, v_cache in caches:
+        decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale)
+    return time.perf_counter() - start
+
+
+def print_report(result: dict[str, Any]) -> None:
+    print(f"CPU: {result['cpu']}")
+    print(f"{result['model']} ({result['dtype']}, KV {result['kv_cache_dtype']}, blocks of {result['block_size']}"
+          f"{', scattered' if result['scatter'] else ''}): decode attention over {result['layers']} layers a step")
+    print(f"{'sequences':>10} {'context':>8} {'ms/step':>9} {'K/V GB/s':>9}")
+    for row in result["steps"]:
+        print(f"{row['num_seqs']:>10} {row['context_len']:>8} {row['ms_per_step']:>9.2f} {row['gb_per_s']:>9.1f}")
