@@ -68,6 +68,9 @@ _GEMMA_BLOCK_NAMES = {**_BLOCK_NAMES, "ffn_norm": "pre_feedforward_layernorm",
                       "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 _OUTPUT_NORMED_BLOCK_NAMES = {**_BLOCK_NAMES, "post_attention_norm": "post_attention_layernorm",
                               "post_ffw_norm": "post_feedforward_layernorm"}
+# LFM2's short convolutions, as the model's modules name them (its `self_attn`, a ShortConv); LFM2-MoE's the same
+_LFM2_BLOCK_NAMES = {**_BLOCK_NAMES, "shortconv.in_proj": "self_attn.in_proj", "shortconv.out_proj": "self_attn.o_proj",
+                     "shortconv.conv": "self_attn.conv"}
 _PLAIN_MLP_BLOCK_NAMES = {**_BLOCK_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.fc1", "ffn_down": "mlp.fc2"}
 # Phi-3's fused weights: its q/k/v in one tensor, and its gate and up in ffn_up (`unfused` splits them)
 _ARCH_BLOCK_NAMES = {"gemma2": _GEMMA_BLOCK_NAMES, "gemma3": _GEMMA_BLOCK_NAMES, "gemma-embedding": _GEMMA_BLOCK_NAMES,
@@ -77,9 +80,7 @@ _ARCH_BLOCK_NAMES = {"gemma2": _GEMMA_BLOCK_NAMES, "gemma3": _GEMMA_BLOCK_NAMES,
                      # GLM-4's gate and up in ffn_up, its norms of the branches' outputs as its checkpoint names them
                      "glm4": {**_BLOCK_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj",
                               "post_attention_norm": "post_self_attn_layernorm", "post_ffw_norm": "post_mlp_layernorm"},
-                     # LFM2's short convolutions, as the model's modules name them (its `self_attn`, a ShortConv)
-                     "lfm2": {**_BLOCK_NAMES, "shortconv.in_proj": "self_attn.in_proj",
-                              "shortconv.out_proj": "self_attn.o_proj", "shortconv.conv": "self_attn.conv"},
+                     "lfm2": _LFM2_BLOCK_NAMES, "lfm2moe": _LFM2_BLOCK_NAMES,
                      # the ungated MLPs of StarCoder2, Phi-2 and GPT-NeoX, under the names the model gives them
                      # (`PlainMLP`); Phi-2's and GPT-NeoX's q/k/v fused (q's rows, then k's, then v's: llama.cpp's
                      # converter reorders GPT-NeoX's from head by head)
@@ -108,9 +109,9 @@ _EXPERT_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight$")
 _STACKED_EXPERTS_RE = re.compile(r"(blk\.\d+\.ffn_(?:gate|up|down))_exps\.weight$")
 # GGUF architectures of mixtures of experts -> transformers' model_type (a Mixtral file says "llama")
 _MOE_MODEL_TYPES = {"llama": "mixtral", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe",
-                    "ernie4_5-moe": "ernie4_5_moe"}
+                    "ernie4_5-moe": "ernie4_5_moe", "lfm2moe": "lfm2_moe"}
 # whether llama.cpp renormalises each token's top-k expert weights, by architecture (Qwen2-MoE does not)
-_MOE_RENORMALIZES = {"llama": True, "qwen2moe": False, "qwen3moe": True, "ernie4_5-moe": True}
+_MOE_RENORMALIZES = {"llama": True, "qwen2moe": False, "qwen3moe": True, "ernie4_5-moe": True, "lfm2moe": True}
 
 
 @dataclass(frozen=True)
@@ -308,8 +309,11 @@ def iterate_gguf(path: str | Path, dtype: torch.dtype = torch.float32, gguf_file
         tensor = g.read_tensor(info)
         if g.architecture in _NORM_SHIFTED_ARCHS and hf_name.endswith("norm.weight"):
             tensor = tensor.float() - 1
-        if hf_name.endswith(("shared_expert_gate.weight", "e_score_correction.bias")) and tensor.dim() == 1:
-            tensor = tensor[None]   # llama.cpp may store [H] (or [E]), the checkpoints [1, H] ([1, E])
+        # llama.cpp may store [H] (or [E]) where the checkpoints hold [1, H]: Qwen2-MoE's shared expert's gate, ERNIE's
+        # selection bias ([1, E]; LFM2-MoE's checkpoints hold theirs as [E])
+        if tensor.dim() == 1 and (hf_name.endswith("shared_expert_gate.weight") or (
+                g.architecture == "ernie4_5-moe" and hf_name.endswith("e_score_correction.bias"))):
+            tensor = tensor[None]
         if permute and ".q_proj." in hf_name:
             tensor = interleaved_to_halves(tensor, num_heads, rope_dims)
         elif permute and ".k_proj." in hf_name:
@@ -417,7 +421,7 @@ def gguf_hf_config(g: GGUFFile) -> Any:
         kwargs["rope_parameters"] = _partial_rope(g, kwargs["rope_parameters"], kwargs["head_dim"])
     if arch in ("stablelm", "starcoder2", "phi2", "gptneox"):
         kwargs.update(_gguf_layer_norm_model(g, arch))
-    if arch == "lfm2":      # its convolution layers: those with no KV heads; the MLP's width as it is
+    if arch in ("lfm2", "lfm2moe"):     # its convolution layers: those with no KV heads; the MLP's width as it is
         kv_heads = _per_layer(g.arch_value("attention.head_count_kv"))
         kwargs.update(layer_types=["conv" if heads == 0 else "full_attention" for heads in kv_heads],
                       conv_L_cache=int(g.arch_value("shortconv.l_cache")), conv_bias=False,
@@ -545,6 +549,9 @@ def _gguf_experts(g: GGUFFile, num_layers: int) -> dict[str, Any]:
                       moe_layer_interval=int(g.arch_value("interleave_moe_layer_step") or 1),
                       moe_layer_end_index=num_layers - 1, moe_norm_min=1e-12,
                       moe_num_shared_experts=int(g.arch_value("expert_shared_count") or 0))
+    if g.architecture == "lfm2moe":     # its dense layers first; experts chosen with exp_probs_b, never scaled
+        fields.update(num_dense_layers=int(g.arch_value("leading_dense_block_count") or 0), routed_scaling_factor=1.0,
+                      use_expert_bias=any(name.endswith(".exp_probs_b.bias") for name in g.tensors))
     return fields
 
 

@@ -163,14 +163,15 @@ _MPT_NAMES = (("transformer.wte.", "model.embed_tokens."), ("transformer.blocks.
               (".norm_2.", ".post_attention_layernorm."), (".attn.Wqkv.", ".self_attn.qkv_proj."),
               (".attn.out_proj.", ".self_attn.o_proj."), (".ffn.up_proj.", ".mlp.fc1."),
               (".ffn.down_proj.", ".mlp.fc2."))
+# the bias of a router's choice as a GGUF file's exp_probs_b loads (pagedllm.loader.gguf)
+_GGUF_SELECTION_BIAS = (".mlp.moe_statics.e_score_correction.bias", ".mlp.selection_bias")
 # LFM2-MoE's: LFM2's, its sparse layers' feed_forward the mlp, each expert's w1/w3/w2 a gated MLP's
 _LFM2_MOE_NAMES = _LFM2_NAMES + ((".feed_forward.experts.", ".mlp.experts."), (".feed_forward.gate.", ".mlp.gate."),
                                  (".feed_forward.expert_bias", ".mlp.selection_bias"), (".w1.", ".gate_proj."),
-                                 (".w3.", ".up_proj."), (".w2.", ".down_proj."))
+                                 (".w3.", ".up_proj."), (".w2.", ".down_proj."), _GGUF_SELECTION_BIAS)
 # ERNIE 4.5 MoE's shared experts (one ungated MLP) and its router's selection bias
 _ERNIE_MOE_NAMES = ((".mlp.shared_experts.", ".mlp.shared_expert."),
-                    (".mlp.moe_statics.e_score_correction_bias", ".mlp.selection_bias"),
-                    (".mlp.moe_statics.e_score_correction.bias", ".mlp.selection_bias"))    # (a GGUF file's)
+                    (".mlp.moe_statics.e_score_correction_bias", ".mlp.selection_bias"), _GGUF_SELECTION_BIAS)
 # A model type's checkpoint tensors the model does not use, by a part of their names: ERNIE 4.5 MoE's multi-token
 # prediction layers (transformers ignores them too)
 _UNUSED_NAME_PARTS = {"ernie4_5_moe": "mtp"}

@@ -112,7 +112,8 @@ def test_name_mapping() -> None:
 def _gguf_tensors(hf_model, arch: str):
     """(GGUF name, tensor) of a transformers model's weights, named by gguf's own tensor name map (llama.cpp's
     converter's), the experts of a layer stacked [experts, rows, K] (transformers keeps gate and up stacked
-    together), the shared expert's gate flattened to [H], ERNIE's selection bias to [E] as `exp_probs_b.bias`."""
+    together), the shared expert's gate flattened to [H], ERNIE's and LFM2-MoE's selection biases to [E] as
+    `exp_probs_b.bias`."""
     model_arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
     arch_names = gguf.get_tensor_name_map(model_arch, hf_model.config.num_hidden_layers)
     llama_names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, hf_model.config.num_hidden_layers)
@@ -122,16 +123,18 @@ def _gguf_tensors(hf_model, arch: str):
 
     for name, t in hf_model.state_dict().items():
         base, kind = name.rsplit(".", 1)
-        if name.endswith("mlp.experts.gate_up_proj"):      # stacked experts' names have no .weight
+        if name.endswith("experts.gate_up_proj"):      # stacked experts' names have no .weight
             gate, up = t.chunk(2, dim=1)
             yield gguf_name(name.replace("gate_up", "gate")) + ".weight", gate.contiguous()
             yield gguf_name(name.replace("gate_up", "up")) + ".weight", up.contiguous()
-        elif name.endswith("mlp.experts.down_proj"):
+        elif name.endswith("experts.down_proj"):
             yield gguf_name(name) + ".weight", t
         elif base.endswith("mlp.shared_expert_gate"):
             yield f"{gguf_name(base)}.{kind}", t[0]
         elif kind == "e_score_correction_bias":      # (its module is the router's in transformers, not in gguf's map)
             yield gguf_name(base.replace(".gate.moe_statics", ".moe_statics.e_score_correction")) + ".bias", t[0]
+        elif kind == "expert_bias":     # LFM2-MoE's, a parameter of its MoE block
+            yield f"{gguf_name(name)}.bias", t
         else:
             yield f"{gguf_name(base)}.{kind}", t
 
@@ -149,7 +152,7 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_head_count(cfg.num_attention_heads)
-    if arch == "lfm2":      # its MLP's width adjusted, its convolution layers with no KV heads
+    if arch in ("lfm2", "lfm2moe"):     # its MLP's width adjusted, its convolution layers with no KV heads
         from pagedllm.models.llama import _intermediate_size
 
         w.add_feed_forward_length(_intermediate_size(cfg))
@@ -188,7 +191,7 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
     if arch == "gemma2":
         w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
         w.add_final_logit_softcapping(cfg.final_logit_softcapping)
-    w.add_layer_norm_rms_eps(cfg.norm_eps if arch == "lfm2" else cfg.rms_norm_eps)
+    w.add_layer_norm_rms_eps(cfg.norm_eps if arch in ("lfm2", "lfm2moe") else cfg.rms_norm_eps)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
     if rope["rope_type"] == "longrope":     # Phi-3's: the factors as tensors, the original context and the scale
@@ -221,6 +224,9 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
         w.add_leading_dense_block_count(cfg.moe_layer_start_index)
         w.add_expert_shared_count(cfg.moe_num_shared_experts)
         w.add_expert_shared_feed_forward_length(cfg.intermediate_size // cfg.num_key_value_heads)
+    if arch == "lfm2moe":       # its dense layers first, its experts scored by sigmoids
+        w.add_leading_dense_block_count(cfg.num_dense_layers)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
     for gname, t in _gguf_tensors(hf_model, arch):
         if gname == "output.weight" and cfg.tie_word_embeddings:
             continue
@@ -230,7 +236,7 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
             t = _permute(t, cfg.num_attention_heads, cfg.num_key_value_heads)
         elif arch in ("gemma2", "gemma3", "gemma-embedding") and gname.endswith("norm.weight"):
             t = t + 1
-        elif arch == "lfm2" and gname.endswith("shortconv.conv.weight"):
+        elif arch in ("lfm2", "lfm2moe") and gname.endswith("shortconv.conv.weight"):
             t = t.squeeze(1)
         elif arch == "gptneox" and ".attn_qkv." in gname:   # head by head -> q's rows, k's, v's (llama.cpp's)
             t = t.unflatten(0, (cfg.num_attention_heads, 3, -1)).transpose(0, 1).flatten(0, 2)
@@ -250,15 +256,17 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
                                        ("qwen2-yarn", "qwen2"),
                                        ("qwen3", "qwen3"), ("mixtral", "llama"), ("qwen2-moe", "qwen2moe"),
                                        ("qwen3-moe", "qwen3moe"), ("smollm3", "smollm3"), ("granite", "granite"),
-                                       ("lfm2", "lfm2"), ("olmo2", "olmo2"), ("exaone4", "exaone4"),
+                                       ("lfm2", "lfm2"), ("lfm2-moe", "lfm2moe"), ("olmo2", "olmo2"),
+                                       ("exaone4", "exaone4"),
                                        ("ernie4_5", "ernie4_5"), ("ernie4_5-moe", "ernie4_5-moe"), ("glm4", "glm4"),
                                        ("stablelm", "stablelm"),
                                        ("stablelm-parallel", "stablelm"), ("starcoder2", "starcoder2"),
                                        ("phi", "phi2"), ("gpt-neox", "gptneox"), ("gpt-neox-sequential", "gptneox")])
 def test_tiny_gguf_model_matches_transformers(tmp_path: Path, kind: str, arch: str) -> None:
     # SmolLM3's files leave every fourth layer without a rotary embedding (llama.cpp's fixed step): four layers here;
-    # ERNIE 4.5 MoE's without biases, as llama.cpp reads its files
-    overrides = {"smollm3": {"no_rope_layer_interval": 4, "num_hidden_layers": 4}, "ernie4_5-moe": {"use_bias": False}}
+    # ERNIE 4.5 MoE's without biases, as llama.cpp reads its files; LFM2-MoE's experts unscaled, as llama.cpp runs them
+    overrides = {"smollm3": {"no_rope_layer_interval": 4, "num_hidden_layers": 4}, "ernie4_5-moe": {"use_bias": False},
+                 "lfm2-moe": {"routed_scaling_factor": 1.0}}
     hf_model = build_tiny_hf_model(kind, **overrides.get(kind, {}))
     path = tmp_path / f"{kind}.gguf"
     write_model_gguf(hf_model, path, arch)
@@ -560,23 +568,26 @@ def test_a_quantized_gemma3_gguf_multiplies_its_blocks(tmp_path: Path, monkeypat
 
 
 @pytest.mark.parametrize(("kind", "arch"), [("mixtral", "llama"), ("qwen2-moe", "qwen2moe"),
-                                           ("ernie4_5-moe", "ernie4_5-moe")])
+                                           ("ernie4_5-moe", "ernie4_5-moe"), ("lfm2-moe", "lfm2moe")])
 def test_a_mixture_of_experts_keeps_its_experts_blocks(tmp_path: Path, kind: str, arch: str, monkeypatch) -> None:
     """Each expert's slice of a stacked experts tensor packs as its own weight's blocks (as do Qwen2-MoE's and ERNIE's
-    shared experts and their dense layers); the router keeps its float32 weight, as llama.cpp's files keep it."""
+    shared experts and their dense layers, and LFM2-MoE's dense layer); the router keeps its float32 weight, as
+    llama.cpp's files keep it."""
     path = tmp_path / f"{kind}.gguf"
     overrides = {"qwen2-moe": dict(moe_intermediate_size=64),      # GGUF blocks: rows of 32 k's
-                 "ernie4_5-moe": dict(moe_intermediate_size=64, use_bias=False)}.get(kind, {})
+                 "ernie4_5-moe": dict(moe_intermediate_size=64, use_bias=False),
+                 "lfm2-moe": dict(moe_intermediate_size=64, routed_scaling_factor=1.0)}.get(kind, {})
     write_model_gguf(build_tiny_hf_model(kind, **overrides), path, arch, Q.Q4_1)
     packed = load_model(ModelConfig(model=str(path), dtype="float32", quantization="gguf")).model
     dense = load_model(ModelConfig(model=str(path), dtype="float32")).model
-    sparse, other = (1, 0) if kind == "ernie4_5-moe" else (0, 1)
+    sparse, other = (1, 0) if kind in ("ernie4_5-moe", "lfm2-moe") else (0, 1)
     moe = packed.model.layers[sparse].mlp
     for expert in moe.experts:
         assert expert.gate_up_proj.weight.dtype == expert.down_proj.weight.dtype == torch.uint8
     assert moe.gate.weight.dtype == torch.float32 and moe.gate.weight.shape == (4, 64)
-    if kind != "mixtral":
+    if kind in ("qwen2-moe", "ernie4_5-moe"):
         assert moe.shared_expert.down_proj.weight.ggml_type == Q.Q4_1
+    if kind != "mixtral":
         assert packed.model.layers[other].mlp.gate_up_proj.weight.ggml_type == Q.Q4_1     # the dense layer
     _assert_gguf_reference_near_the_dense_model(packed, dense, [1, 17, 250, 9, 33, 70, 5, 80, 81], monkeypatch)
 
