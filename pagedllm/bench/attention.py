@@ -64,8 +64,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             used = num_seqs * per_seq
             ids = torch.randperm(num_blocks, generator=generator)[:used] if args.scatter else torch.arange(used)
             for k_cache, v_cache in caches:   # written: pages a kernel reads unwritten are one shared zero page
-                k_cache[ids] = torch.randn(k_cache[ids].shape, generator=generator).to(k_cache.dtype)
-                v_cache[ids] = torch.randn(v_cache[ids].shape, generator=generator).to(v_cache.dtype)
+                k_cache[ids] = _random_rows(k_cache[ids].shape, layout, generator)
+                v_cache[ids] = _random_rows(v_cache[ids].shape, layout, generator)
             block_tables = ids.to(torch.int32).view(num_seqs, per_seq)
             seq_lens = torch.full((num_seqs,), context, dtype=torch.int32)
             query = torch.randn(num_seqs, dims.num_heads, dims.head_dim, generator=generator).to(layout.dtype)
@@ -83,6 +83,18 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     return result
+
+
+def _random_rows(shape: Any, layout: Any, generator: Any) -> Any:
+    """Random K or V rows of `shape` as the pool stores them: values in the model's dtype, or int8 values each row
+    followed by its float32 scale (pagedllm.runner.kv_tensors.KVLayout)."""
+    import torch
+
+    if layout.kv_cache_dtype != "int8":
+        return torch.randn(shape, generator=generator).to(layout.dtype)
+    rows = torch.randint(-127, 128, shape, generator=generator, dtype=torch.int8)
+    rows[..., layout.head_dim:] = torch.full((*shape[:-1], 1), 0.01).view(torch.int8)
+    return rows
 
 
 def _time_step(decode_attention: Callable[..., Any], caches: list[tuple[Any, Any]], query: Any, block_tables: Any,

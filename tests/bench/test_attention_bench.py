@@ -1,30 +1,38 @@
 """`pagedllm bench attention`: every layer's decode attention timed at each point of the grid, over block tables
-that hold each sequence's own blocks of the pool, and the rate it reports is the K/V bytes read over that time."""
+that hold each sequence's own blocks of the pool (an int8 pool's rows with their scales), and the rate it reports
+is the K/V bytes read over that time."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pagedllm.attention import cpu as attention_cpu
 from pagedllm.bench.cli import main
 
 
-@pytest.mark.parametrize("scatter", [False, True])
-def test_each_point_times_every_layer_over_its_own_blocks(tiny_model_dir, monkeypatch, scatter):
+@pytest.mark.parametrize("scatter,kv_cache_dtype", [(False, "auto"), (True, "auto"), (False, "int8")])
+def test_each_point_times_every_layer_over_its_own_blocks(tiny_model_dir, monkeypatch, scatter, kv_cache_dtype):
     calls = []
     real = attention_cpu.decode_attention
 
     def counted(query, k_cache, v_cache, block_tables, seq_lens, scale, window=0):
-        calls.append((query.shape[0], block_tables.clone(), seq_lens.clone(), k_cache.shape[0]))
+        calls.append((query.shape[0], block_tables.clone(), seq_lens.clone(), k_cache))
         return real(query, k_cache, v_cache, block_tables, seq_lens, scale, window)
 
     monkeypatch.setattr(attention_cpu, "decode_attention", counted)
     result = main(["attention", "--model", tiny_model_dir, "--dtype", "float32", "--num-seqs", "1", "3",
-                   "--context-len", "20", "--pool-gib", "0.001", "--repeats", "2"] + (["--scatter"] if scatter else []))
+                   "--context-len", "20", "--pool-gib", "0.001", "--repeats", "2", "--kv-cache-dtype", kv_cache_dtype]
+                  + (["--scatter"] if scatter else []))
     layers, repeats = result["layers"], 2
+    if kv_cache_dtype == "int8":      # each int8 row the kernel reads carries its float32 scale after its values
+        _, block_tables, _, k_cache = calls[-1]
+        rows = k_cache[block_tables.flatten().long()]
+        assert (rows[..., -4:].contiguous().view(torch.float32) == 0.01).all() and rows[..., :-4].any()
     assert [(row["num_seqs"], row["context_len"]) for row in result["steps"]] == [(1, 20), (3, 20)]
     assert [c[0] for c in calls] == [1] * layers * (1 + repeats) + [3] * layers * (1 + repeats)
-    for num_seqs, block_tables, seq_lens, num_blocks in calls:
+    for num_seqs, block_tables, seq_lens, k_cache in calls:
+        num_blocks = k_cache.shape[0]
         assert block_tables.shape == (num_seqs, 3) and seq_lens.tolist() == [20] * num_seqs   # 20 tokens in 8s
         ids = block_tables.flatten().tolist()
         assert len(set(ids)) == len(ids) and all(0 <= i < num_blocks for i in ids)
