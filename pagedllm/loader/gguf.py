@@ -395,16 +395,37 @@ def gguf_hf_config(g: GGUFFile) -> Any:
         tie_word_embeddings="output.weight" not in g.tensors,
         rope_parameters=_gguf_rope_parameters(g),
     )
+    kwargs.update(_gguf_token_ids(g))
+    _add_architecture_fields(g, kwargs)
+    kwargs.update(_gguf_experts(g, kwargs["num_hidden_layers"]))
+    name = g.metadata.get("general.name")
+    config = PretrainedConfig(**kwargs)
+    config.model_type = _MOE_MODEL_TYPES[arch] if kwargs.get("num_local_experts") else _MODEL_TYPES.get(arch, arch)
+    if name:
+        config._name_or_path = str(name)
+    return config
+
+
+def _gguf_token_ids(g: GGUFFile) -> dict[str, Any]:
+    """The special tokens' ids a file names, under transformers' config fields."""
+    ids: dict[str, Any] = {}
     for field, gguf_field in (("bos", "bos"), ("eos", "eos"), ("pad", "padding"), ("unk", "unknown")):
         token_id = g.metadata.get(f"tokenizer.ggml.{gguf_field}_token_id")
         if token_id is not None:
-            kwargs[f"{field}_token_id"] = int(token_id)
+            ids[f"{field}_token_id"] = int(token_id)
     # llama.cpp ends a reply on any end-of-generation token: the EOS, and the end of a turn or of a message where
     # the file names them (Gemma's <end_of_turn>)
     ends = [g.metadata.get(f"tokenizer.ggml.{kind}_token_id") for kind in ("eos", "eot", "eom")]
     ends = list(dict.fromkeys(int(t) for t in ends if t is not None))
     if len(ends) > 1:
-        kwargs["eos_token_id"] = ends
+        ids["eos_token_id"] = ends
+    return ids
+
+
+def _add_architecture_fields(g: GGUFFile, kwargs: dict[str, Any]) -> None:
+    """Add to `kwargs` (gguf_hf_config's fields so far) what the file's architecture adds or changes."""
+    arch = g.architecture
+    num_heads, hidden = kwargs["num_attention_heads"], kwargs["hidden_size"]
     if arch in _PERMUTED_ARCHS:
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in g.tensors
     if arch == "smollm3":
@@ -434,13 +455,6 @@ def gguf_hf_config(g: GGUFFile) -> Any:
     if arch == "granite":   # its four multipliers (pagedllm.models.llama), under llama.cpp's names
         kwargs.update({field: float(g.arch_value(key)) for field, key in _GRANITE_MULTIPLIERS
                        if g.arch_value(key) is not None})
-    kwargs.update(_gguf_experts(g, kwargs["num_hidden_layers"]))
-    name = g.metadata.get("general.name")
-    config = PretrainedConfig(**kwargs)
-    config.model_type = _MOE_MODEL_TYPES[arch] if kwargs.get("num_local_experts") else _MODEL_TYPES.get(arch, arch)
-    if name:
-        config._name_or_path = str(name)
-    return config
 
 
 def _per_layer(value: Any) -> list[int]:
