@@ -6,7 +6,7 @@
 //
 //   q, out:            [num_seqs, num_heads, head_dim]
 //   k_cache, v_cache:  [num_blocks, block_size, num_kv_heads, head_dim]   (any strides in the first three dims);
-//                      int8: [..., head_dim + 4], each row dequantized as it is read (ops.h, load_row)
+//                      int8: [..., head_dim + 4], each row's values q then its float32 scale s, read as s q
 //   block_tables:      [num_seqs, max_blocks] int32
 //   seq_lens:          [num_seqs] int32, context length including the query token
 //   window:            0, or a sliding window: the query (at position seq_len - 1) sees its last `window` keys
@@ -36,8 +36,9 @@ inline float dot(const float* a, const float* b, int64_t n) {
 }
 
 // The vector paths below keep key and value rows, and the group's sums, in registers: for a fixed head size and
-// group, over a bf16 or float cache (an int8 one takes the plain path). Their vectors: 16 float lanes in a zmm with
-// AVX-512 (32 registers), 8 in a ymm with AVX2 and FMA (16 registers).
+// group, over a bf16, float or int8 cache. Their vectors: 16 float lanes in a zmm with AVX-512 (32 registers), 8 in
+// a ymm with AVX2 and FMA (16 registers). An int8 row's scale s multiplies its score (s q.k for q.(s k)) and its
+// value's weight (p s for p times s v): one multiply a row rather than one a value.
 #if defined(__AVX512F__)
 using vfloat = __m512;
 constexpr int64_t kLanes = 16;
@@ -52,7 +53,15 @@ constexpr int64_t kLanes = 0;  // no vector path
 
 template <typename cache_t, int64_t kHeadDim, int64_t kGroup>
 constexpr bool kVectorPath = kLanes > 0 && kHeadDim > 0 && kHeadDim % kLanes == 0 && kGroup > 0 &&
-                             (std::is_same_v<cache_t, float> || std::is_same_v<cache_t, c10::BFloat16>);
+                             (std::is_same_v<cache_t, float> || std::is_same_v<cache_t, c10::BFloat16> ||
+                              std::is_same_v<cache_t, int8_t>);
+
+// The bytes of one cached row of head_dim values: an int8 row's float32 scale follows its values.
+template <typename cache_t>
+constexpr int64_t row_bytes_of(int64_t head_dim) {
+  return head_dim * static_cast<int64_t>(sizeof(cache_t)) + (std::is_same_v<cache_t, int8_t> ? 4 : 0);
+}
+
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 // Keys scored together before their sums are reduced: four (one tree of adds per query head) while their
@@ -92,8 +101,7 @@ inline void for_each_block(const PagedCache<cache_t>& cache, const int32_t* tabl
                            int64_t len, int64_t head_dim, Body&& body) {
   const auto first_row = [&](int64_t pos) { return kValues ? cache.value(table, pos, h) : cache.key(table, pos, h); };
   const int64_t stride = kValues ? cache.v_token : cache.k_token;
-  const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(cache_t));
-  const int64_t bs = cache.block_size;
+  const int64_t row_bytes = row_bytes_of<cache_t>(head_dim), bs = cache.block_size;
   for (int64_t start = first, stop; start < len; start = stop) {
     stop = std::min(len, (start / bs + 1) * bs);
     const int64_t ahead = start + kPrefetchBlocks * bs;
@@ -108,7 +116,7 @@ template <bool kValues, typename cache_t>
 inline void prefetch_first_blocks(const PagedCache<cache_t>& cache, const int32_t* table, int64_t h, int64_t first,
                                   int64_t len, int64_t head_dim) {
   const int64_t stride = kValues ? cache.v_token : cache.k_token, bs = cache.block_size;
-  const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(cache_t));
+  const int64_t row_bytes = row_bytes_of<cache_t>(head_dim);
   const int64_t end = std::min(len, (first / bs + kPrefetchBlocks) * bs);
   for (int64_t start = first, stop; start < end; start = stop) {
     stop = std::min(end, (start / bs + 1) * bs);
@@ -122,11 +130,14 @@ inline vfloat vset1(float x) { return _mm512_set1_ps(x); }
 inline vfloat vfma(vfloat a, vfloat b, vfloat c) { return _mm512_fmadd_ps(a, b, c); }
 inline void vstore(float* p, vfloat v) { _mm512_storeu_ps(p, v); }
 inline float vsum(vfloat v) { return _mm512_reduce_add_ps(v); }
-// A vector of cached values as floats: bf16 widened by a shift.
+// A vector of cached values as floats: bf16 widened by a shift, int8 sign-extended and converted (unscaled).
 inline vfloat vload(const float* p) { return _mm512_loadu_ps(p); }
 inline vfloat vload(const c10::BFloat16* p) {
   const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+inline vfloat vload(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 // The low and high eight lanes added.
 inline __m256 halves(vfloat v) {
@@ -141,6 +152,9 @@ inline vfloat vload(const float* p) { return _mm256_loadu_ps(p); }
 inline vfloat vload(const c10::BFloat16* p) {
   const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+inline vfloat vload(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 inline float vsum(vfloat v) {
   const __m128 quad = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -216,21 +230,27 @@ inline void block_scores(const cache_t* key, int64_t key_stride, int64_t n, cons
       const __m128 scale4 = _mm_set1_ps(scale);
       for (; t + 4 <= n; t += 4) {  // four keys, then one tree of adds per query head
         vfloat acc[4][kGroup];
+        float row_scales[4];
 #pragma GCC unroll 4
         for (int i = 0; i < 4; ++i) {
-          key_products<cache_t, kHeadDim, kGroup>(key + (t + i) * key_stride, qf, q_bf16, acc[i]);
+          const cache_t* row = key + (t + i) * key_stride;
+          key_products<cache_t, kHeadDim, kGroup>(row, qf, q_bf16, acc[i]);
+          row_scales[i] = row_scale(row, kHeadDim);
         }
+        const __m128 scales = _mm_mul_ps(scale4, _mm_loadu_ps(row_scales));
 #pragma GCC unroll 8
         for (int64_t g = 0; g < kGroup; ++g) {
-          _mm_storeu_ps(scores + g * len + t, _mm_mul_ps(sum4(acc[0][g], acc[1][g], acc[2][g], acc[3][g]), scale4));
+          _mm_storeu_ps(scores + g * len + t, _mm_mul_ps(sum4(acc[0][g], acc[1][g], acc[2][g], acc[3][g]), scales));
         }
       }
     }
     for (; t < n; ++t) {
       vfloat acc[kGroup];
-      key_products<cache_t, kHeadDim, kGroup>(key + t * key_stride, qf, q_bf16, acc);
+      const cache_t* row = key + t * key_stride;
+      key_products<cache_t, kHeadDim, kGroup>(row, qf, q_bf16, acc);
+      const float row_scaled = scale * row_scale(row, kHeadDim);
 #pragma GCC unroll 8
-      for (int64_t g = 0; g < kGroup; ++g) scores[g * len + t] = vsum(acc[g]) * scale;
+      for (int64_t g = 0; g < kGroup; ++g) scores[g * len + t] = vsum(acc[g]) * row_scaled;
     }
     return;
   }
@@ -270,8 +290,9 @@ inline void weighted_values(const PagedCache<cache_t>& cache, const int32_t* tab
       for_each_block<true>(cache, table, h, first, len, head_dim, [&](const cache_t* value, int64_t start, int64_t stop) {
         for (int64_t t = start; t < stop; ++t, value += cache.v_token) {
           vfloat pg[kGroup];  // the group's weights of this value, then its vectors one at a time
+          const float s = row_scale(value, kHeadDim);
 #pragma GCC unroll 8
-          for (int64_t g = 0; g < kGroup; ++g) pg[g] = vset1(p[g * n + t - first]);
+          for (int64_t g = 0; g < kGroup; ++g) pg[g] = vset1(p[g * n + t - first] * s);
 #pragma GCC unroll 8
           for (int64_t c = 0; c < kVecs; ++c) {
             const vfloat v = vload(value + col + kLanes * c);

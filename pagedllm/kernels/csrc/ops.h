@@ -17,6 +17,7 @@
 #include <map>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -508,6 +509,18 @@ inline c10::BFloat16 from_float<c10::BFloat16>(float x) {
   return out;
 }
 
+// The scale of a cached K or V row of n values: an int8 row's float32 after its values, 1 for a float type's.
+template <typename cache_t>
+inline float row_scale(const cache_t* row, int64_t n) {
+  if constexpr (std::is_same_v<cache_t, int8_t>) {
+    float scale;
+    std::memcpy(&scale, row + n, sizeof(scale));
+    return scale;
+  } else {
+    return 1.f;
+  }
+}
+
 // Widen one cached K or V row of n values to float: a float type by conversion, an int8 row (n values, then its
 // float32 scale) by q * s, the product torch's dequantization computes, so both give the same floats.
 template <typename cache_t>
@@ -516,8 +529,7 @@ inline void load_row(const cache_t* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
 }
 inline void load_row(const int8_t* src, float* dst, int64_t n) {
-  float scale;
-  std::memcpy(&scale, src + n, sizeof(scale));
+  const float scale = row_scale(src, n);
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]) * scale;
 }

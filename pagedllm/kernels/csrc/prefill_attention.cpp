@@ -4,7 +4,9 @@
 //
 //   q, out:            [num_tokens, num_heads, head_dim]; seq i's queries are rows qsl[i]:qsl[i+1]
 //   k_cache, v_cache:  [num_blocks, block_size, num_kv_heads, head_dim]   (any strides in the first three dims);
-//                      int8: [..., head_dim + 4], dequantized by pass 1 as it packs them (ops.h, load_row)
+//                      int8: [..., head_dim + 4], dequantized by pass 1 as it packs them (ops.h, load_row); in a
+//                      bf16 model with a head size of 64, 128 or 256 rounded to bf16 (bf16_rows) and packed as a
+//                      bf16 cache's, for the bf16 products
 //   block_tables:      [num_seqs, max_blocks] int32;  seq_lens: [num_seqs] int32 (context after this step)
 //   query_start_loc:   [num_seqs + 1] int32
 //   Query j of seq i sits at position seq_len - q_len + j and sees the keys at positions <= its own (with a
@@ -332,10 +334,11 @@ inline void accumulate_pairs(const c10::BFloat16* p_bf16, int64_t rows, int64_t 
   });
 }
 
-// Keys [first, first + keys) of kv head h's values as `tdpbf16ps`'s B operand: dst[i][d] = (v_t[d], v_t+1[d]) for
-// t = first + 2 i, zero from `end` on.
-inline void pack_value_pairs(const PagedCache<c10::BFloat16>& cache, const int32_t* table, int64_t h, int64_t first,
-                             int64_t end, int64_t keys, int64_t head_dim, uint32_t* dst) {
+// Keys [first, first + keys) of a kv head's values as `tdpbf16ps`'s B operand: dst[i][d] = (v_t[d], v_t+1[d]) for
+// t = first + 2 i (v_t = value(t), a bf16 row), zero from `end` on.
+template <typename Rows>
+inline void pack_value_pairs(const Rows& value, int64_t first, int64_t end, int64_t keys, int64_t head_dim,
+                             uint32_t* dst) {
   alignas(64) static const struct Interleave {
     uint16_t words[32];  // word i: a's i / 2 (even i) or b's (odd i); the second 16 of each are 16 further on
     Interleave() {
@@ -345,11 +348,41 @@ inline void pack_value_pairs(const PagedCache<c10::BFloat16>& cache, const int32
   const __m512i low = _mm512_load_si512(interleave.words), high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
   for (int64_t t = first; t < first + keys; t += 2, dst += head_dim) {
     for (int64_t d = 0; d < head_dim; d += 32) {
-      const __m512i a = t < end ? _mm512_loadu_si512(cache.value(table, t, h) + d) : _mm512_setzero_si512();
-      const __m512i b = t + 1 < end ? _mm512_loadu_si512(cache.value(table, t + 1, h) + d) : _mm512_setzero_si512();
+      const __m512i a = t < end ? _mm512_loadu_si512(value(t) + d) : _mm512_setzero_si512();
+      const __m512i b = t + 1 < end ? _mm512_loadu_si512(value(t + 1) + d) : _mm512_setzero_si512();
       _mm512_storeu_si512(dst + d, _mm512_permutex2var_epi16(a, low, b));
       _mm512_storeu_si512(dst + d + 16, _mm512_permutex2var_epi16(a, high, b));
     }
+  }
+}
+
+// kv head h's key (kValues: value) rows at positions [first, end) as bf16, a function of the position: a bf16
+// cache's in place; an int8 cache's widened (q s) and rounded to bf16 into `scratch`, the rows the torch path reads
+// in a bf16 model (its dequantisation to the query's dtype), so that pass 1 packs them as a bf16 cache's.
+template <bool kValues, typename cache_t>
+inline auto bf16_rows(const PagedCache<cache_t>& cache, const int32_t* table, int64_t h, int64_t first, int64_t end,
+                      int64_t head_dim, std::vector<c10::BFloat16>& scratch) {
+  const auto row = [&cache, table, h](int64_t pos) {
+    return kValues ? cache.value(table, pos, h) : cache.key(table, pos, h);
+  };
+  if constexpr (std::is_same_v<cache_t, c10::BFloat16>) {
+    return row;
+  } else {
+    static_assert(std::is_same_v<cache_t, int8_t>);
+    scratch.resize((end - first) * head_dim);
+    for (int64_t pos = first; pos < end; ++pos) {
+      const int8_t* src = row(pos);
+      const __m512 scale = _mm512_set1_ps(row_scale(src, head_dim));
+      c10::BFloat16* dst = scratch.data() + (pos - first) * head_dim;
+      for (int64_t d = 0; d < head_dim; d += 16) {  // head_dim: 64, 128 or 256
+        const __m512 x = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d))));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d),
+                            reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_mul_ps(x, scale))));
+      }
+    }
+    return [data = scratch.data(), first, head_dim](int64_t pos) -> const c10::BFloat16* {
+      return data + (pos - first) * head_dim;
+    };
   }
 }
 #endif
@@ -625,7 +658,11 @@ void run_plan(Plan& plan, at::Tensor& out, const at::Tensor& q, const at::Tensor
               const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale_arg,
               const SoftmaxState* init, SoftmaxState* keep) {
 #if defined(__AVX512BF16__)
-  constexpr bool kBf16Dot = std::is_same_v<cache_t, c10::BFloat16>;  // then scalar_t is bf16 too
+  // bf16 products over a bf16 cache (then scalar_t is bf16 too), or an int8 one in a bf16 model whose head size
+  // takes the pair path (its rows rounded to bf16 as pass 1 packs them: bf16_rows).
+  constexpr bool kBf16Dot = std::is_same_v<cache_t, c10::BFloat16> ||
+                            (std::is_same_v<cache_t, int8_t> && std::is_same_v<scalar_t, c10::BFloat16> &&
+                             kHeadDim > 0);
 #else
   constexpr bool kBf16Dot = false;
 #endif
@@ -665,20 +702,23 @@ void run_plan(Plan& plan, at::Tensor& out, const at::Tensor& q, const at::Tensor
   // Pass 1: pack keys and values.
   at::parallel_for(0, static_cast<int64_t>(plan.packed.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> krow(head_dim);
+    std::vector<c10::BFloat16> k_scratch, v_scratch;  // an int8 cache's rows in bf16 (bf16_rows)
     for (int64_t w = begin; w < end; ++w) {
       const Packed& pk = plan.packed[w];
       const int32_t* table = cache.table(pk.seq);
 #if defined(__AVX512BF16__)
       // The values in pairs of keys, and the keys 16 at a time: their bf16 pairs transposed into a tile's rows.
       if constexpr (kPairs) {
-        pack_value_pairs(cache, table, pk.head, pk.first, pk.end, chunk_keys(pk.end - pk.first), head_dim,
+        const auto key = bf16_rows<false>(cache, table, pk.head, pk.first, pk.end, head_dim, k_scratch);
+        const auto value = bf16_rows<true>(cache, table, pk.head, pk.first, pk.end, head_dim, v_scratch);
+        pack_value_pairs(value, pk.first, pk.end, chunk_keys(pk.end - pk.first), head_dim,
                          value_pairs.get() + pk.v_offset);
         alignas(64) static const uint8_t zeros[2 * kHeadDim] = {};
         for (int64_t tile = 0; tile < pk.num_tiles; ++tile) {
           const uint8_t* rows[kKeyTile];
           for (int64_t j = 0; j < kKeyTile; ++j) {
             const int64_t pos = pk.first + tile * kKeyTile + j;
-            rows[j] = pos < pk.end ? reinterpret_cast<const uint8_t*>(cache.key(table, pos, pk.head)) : zeros;
+            rows[j] = pos < pk.end ? reinterpret_cast<const uint8_t*>(key(pos)) : zeros;
           }
           uint8_t* dst = reinterpret_cast<uint8_t*>(k_bits.get() + pk.k_offset + tile * k_tile_words);
           for (int64_t offset = 0; offset < head_dim * 2; offset += 64) transpose_pairs(rows, offset, dst + offset * 16);
@@ -886,7 +926,8 @@ void check_prefill_args(const at::Tensor& q, const at::Tensor& k_cache, const at
 
 bool prefill_attention_in_tiles(const at::Tensor& q, const at::Tensor& k_cache) {
 #if PAGEDLLM_ATTENTION_AMX
-  return q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
+  return q.scalar_type() == at::kBFloat16 &&
+         (k_cache.scalar_type() == at::kBFloat16 || k_cache.scalar_type() == at::kChar) &&
          (q.size(2) == 64 || q.size(2) == 128 || q.size(2) == 256) && amx_granted();
 #else
   return false;
