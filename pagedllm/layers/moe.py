@@ -3,7 +3,7 @@
 A sparse MLP sends each token to `top_k` of its experts, chosen by a router (a linear layer over the token's hidden
 state: one logit per expert), and sums their outputs weighted by the router's probabilities:
 
-    weights, ids = route(x W_router^T)          # [T, k] each: the k most probable experts of each token
+    weights, ids = route(x W_router^T, routing)     # [T, k] each: the k most probable experts of each token
     out[t] = sum_j weights[t, j] * expert[ids[t, j]](x[t])
 
 `run_experts` computes that sum with each expert run once, on the rows routed to it (a decode step of 8 tokens with
@@ -14,33 +14,59 @@ Qwen3-MoE's 8 of 128 experts runs at most 64 experts, not 128 x 8 rows), as vLLM
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 Expert = Callable[[torch.Tensor], torch.Tensor]     # x: [N, hidden] -> [N, hidden]
 
 
-def route(logits: torch.Tensor, top_k: int, renormalize: bool, selection_bias: torch.Tensor | None = None,
-          norm_min: float = 0.0, sigmoid: bool = False, norm_eps: float = 0.0,
-          scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits [T, E] -> (weights float32 [T, top_k], expert ids int64 [T, top_k]): the softmax over all
-    experts (each logit's sigmoid with `sigmoid`: LFM2-MoE's), in float32, kept at its top_k largest (ties broken as
-    torch.topk breaks them, so as transformers); with `renormalize` (Mixtral; Qwen's `norm_topk_prob`) divided by
-    their sum, or by `norm_min` where the sum is smaller (ERNIE 4.5's moe_norm_min), plus `norm_eps` (LFM2-MoE's
-    1e-6), so that each token's weights sum to 1; times `scale` (a routed_scaling_factor).
+@dataclass(frozen=True)
+class Routing:
+    """How a router's logits [T, E] choose and weigh each token's experts (`route`): the softmax over all experts
+    (each logit's sigmoid with `sigmoid`: LFM2-MoE's), kept at its `top_k` largest; with `renormalize` (Mixtral;
+    Qwen's `norm_topk_prob`) divided by their sum, or by `norm_min` where the sum is smaller (ERNIE 4.5's
+    moe_norm_min), plus `norm_eps` (LFM2-MoE's 1e-6), so that each token's weights sum to 1; times `scale` (a
+    routed_scaling_factor)."""
+
+    top_k: int
+    renormalize: bool = False
+    norm_min: float = 0.0
+    sigmoid: bool = False
+    norm_eps: float = 0.0
+    scale: float = 1.0
+
+    @classmethod
+    def of(cls, config: Any) -> Routing:
+        """A model's routing, from its config (Granite MoE's softmax over its top-k logits is the renormalised top-k
+        of the softmax over all)."""
+        ernie, lfm2 = config.model_type == "ernie4_5_moe", config.model_type == "lfm2_moe"
+        renormalize = config.model_type in ("mixtral", "granitemoe") or ernie or \
+            bool(getattr(config, "norm_topk_prob", False))
+        return cls(config.num_experts_per_tok, renormalize, norm_min=float(config.moe_norm_min) if ernie else 0.0,
+                   sigmoid=lfm2, norm_eps=1e-6 if lfm2 else 0.0,
+                   scale=float(getattr(config, "routed_scaling_factor", None) or 1.0))
+
+
+def route(logits: torch.Tensor, routing: Routing,
+          selection_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> (weights float32 [T, top_k], expert ids int64 [T, top_k]), as `routing` says, in
+    float32 (ties broken as torch.topk breaks them, so as transformers).
 
     `selection_bias` [E] (ERNIE 4.5's e_score_correction_bias, LFM2-MoE's expert_bias, float32) is added to the
     probabilities to choose the experts only: the weights are the chosen experts' probabilities without it."""
-    probs = torch.sigmoid(logits.float()) if sigmoid else torch.softmax(logits.float(), dim=-1)
+    r = routing
+    probs = torch.sigmoid(logits.float()) if r.sigmoid else torch.softmax(logits.float(), dim=-1)
     if selection_bias is None:
-        weights, ids = torch.topk(probs, top_k, dim=-1)
+        weights, ids = torch.topk(probs, r.top_k, dim=-1)
     else:
-        ids = torch.topk(probs + selection_bias, top_k, dim=-1).indices
+        ids = torch.topk(probs + selection_bias, r.top_k, dim=-1).indices
         weights = probs.gather(-1, ids)
-    if renormalize:
-        weights = weights / (weights.sum(dim=-1, keepdim=True).clamp(min=norm_min) + norm_eps)
-    if scale != 1.0:
-        weights = weights * scale
+    if r.renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True).clamp(min=r.norm_min) + r.norm_eps)
+    if r.scale != 1.0:
+        weights = weights * r.scale
     return weights, ids
 
 

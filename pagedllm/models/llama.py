@@ -79,7 +79,7 @@ from pagedllm.layers.linear import (
     is_block_packed,
     linear_silu_and_mul,
 )
-from pagedllm.layers.moe import route, run_experts
+from pagedllm.layers.moe import Routing, route, run_experts
 from pagedllm.layers.norm import PreLayerNorm, RMSNorm
 from pagedllm.layers.rotary import (
     RotaryEmbedding,
@@ -811,15 +811,8 @@ class LlamaSparseMoeBlock(nn.Module):
     def __init__(self, config: Any, dtype: torch.dtype, tp: TPRank) -> None:
         super().__init__()
         self.tp_size = tp[1]
-        self.top_k = config.num_experts_per_tok
-        # (Granite MoE's softmax over its top-k logits is the renormalised top-k of the softmax over all)
+        self.routing = Routing.of(config)
         ernie, lfm2 = config.model_type == "ernie4_5_moe", config.model_type == "lfm2_moe"
-        self.renormalize = config.model_type in ("mixtral", "granitemoe") or ernie or \
-            bool(getattr(config, "norm_topk_prob", False))
-        self.norm_min = float(config.moe_norm_min) if ernie else 0.0
-        self.sigmoid = lfm2
-        self.norm_eps = 1e-6 if lfm2 else 0.0
-        self.scale = float(getattr(config, "routed_scaling_factor", None) or 1.0)
         inter = expert_intermediate_size(config)
         self.gate = nn.Linear(config.hidden_size, num_experts(config), bias=False,
                               dtype=torch.float32 if ernie else dtype)
@@ -851,9 +844,8 @@ class LlamaSparseMoeBlock(nn.Module):
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         """The block in torch (this rank's partial sums under tensor parallelism): where the CPU kernels do not run,
         and the reference of their MoEWeights, which splits the experts between the threads."""
-        weights, ids = route(self.gate(x.to(self.gate.weight.dtype)), self.top_k, self.renormalize,
-                             self.selection_bias, self.norm_min, self.sigmoid, self.norm_eps,
-                             self.scale)   # [T, top_k] each
+        weights, ids = route(self.gate(x.to(self.gate.weight.dtype)), self.routing,
+                             self.selection_bias)   # [T, top_k] each
         out = run_experts(x, weights, ids, self.experts)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
@@ -864,15 +856,15 @@ class LlamaSparseMoeBlock(nn.Module):
     def kernel_weights(self, kernels: ModuleType) -> Any:
         """This block as the C++ kernels' MoEWeights (pagedllm/kernels/csrc/moe.cpp), built on first use."""
         if kernels not in self.kernel_blocks:
-            shared = self.shared_expert
+            shared, r = self.shared_expert, self.routing
             self.kernel_blocks[kernels] = kernels.MoEWeights(
-                self.gate.weight, self.top_k, self.renormalize,
+                self.gate.weight, r.top_k, r.renormalize,
                 [e.gate_up_proj.kernel_weights(kernels) for e in self.experts],
                 [e.down_proj.kernel_weights(kernels) for e in self.experts],
                 None if shared is None else shared.gate_up_proj.kernel_weights(kernels),
                 None if shared is None else shared.down_proj.kernel_weights(kernels),
                 None if self.shared_expert_gate is None else self.shared_expert_gate.weight,
-                self.selection_bias, self.norm_min, self.sigmoid, self.norm_eps, self.scale)
+                self.selection_bias, r.norm_min, r.sigmoid, r.norm_eps, r.scale)
         return self.kernel_blocks[kernels]
 
 

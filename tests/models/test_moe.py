@@ -15,7 +15,7 @@ from pagedllm.config import ModelConfig
 from pagedllm.kernels import cpu_kernels
 from pagedllm.layers import linear as linear_module
 from pagedllm.layers.linear import GGUF_ACTIVATION_BITS_ENV, GGUF_BF16, gguf_activation_bits, linear_packing
-from pagedllm.layers.moe import experts_reference, route, run_experts
+from pagedllm.layers.moe import Routing, experts_reference, route, run_experts
 from pagedllm.loader import load_model
 from pagedllm.lora.request import LoRARequest
 from tests.loader.test_gguf import write_model_gguf
@@ -32,7 +32,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 def test_route_keeps_each_tokens_top_k_softmax_probabilities(renormalize):
     logits = torch.randn(9, 6, dtype=torch.bfloat16)
     logits[0] = 0.0        # a six-way tie: two of them, as torch.topk picks them (and so transformers)
-    weights, ids = route(logits, 2, renormalize)
+    weights, ids = route(logits, Routing(2, renormalize))
     probs = torch.softmax(logits.float(), dim=-1)
     assert weights.dtype == torch.float32 and ids.shape == (9, 2)
     assert len(set(ids[0].tolist())) == 2
@@ -49,13 +49,13 @@ def test_a_selection_bias_chooses_the_experts_and_leaves_their_weights_unbiased(
     renormalised by a sum bounded below by norm_min."""
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.0, 0.0, 0.0, 0.0]])
     bias = torch.tensor([[0.0, -1.0, 0.5, 0.6]])
-    weights, ids = route(logits, 2, renormalize=False, selection_bias=bias)
+    weights, ids = route(logits, Routing(2), selection_bias=bias)
     probs = torch.softmax(logits, dim=-1)
     assert ids[0].tolist() == [0, 3] and ids[1].tolist() == [3, 2]      # without the bias: [0, 1], and a tie
     torch.testing.assert_close(weights, probs.gather(1, ids))
-    weights, _ = route(logits, 2, renormalize=True, selection_bias=bias)
+    weights, _ = route(logits, Routing(2, renormalize=True), selection_bias=bias)
     torch.testing.assert_close(weights.sum(-1), torch.ones(2))
-    weights, _ = route(logits, 2, renormalize=True, selection_bias=bias, norm_min=0.6)    # row 1's sum is 0.5
+    weights, _ = route(logits, Routing(2, renormalize=True, norm_min=0.6), selection_bias=bias)    # row 1's sum is 0.5
     torch.testing.assert_close(weights[1], probs[1, [3, 2]] / 0.6)
     torch.testing.assert_close(weights[0].sum(), torch.tensor(1.0))         # row 0's is 0.68
 
@@ -65,7 +65,7 @@ def test_sigmoid_scores_renormalised_with_an_epsilon_and_scaled():
     times the routed_scaling_factor."""
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
     bias = torch.tensor([0.0, -1.0, 0.5, 0.6])
-    weights, ids = route(logits, 2, renormalize=True, selection_bias=bias, sigmoid=True, norm_eps=1e-6, scale=1.5)
+    weights, ids = route(logits, Routing(2, renormalize=True, sigmoid=True, norm_eps=1e-6, scale=1.5), bias)
     scores = torch.sigmoid(logits)
     assert ids[0].tolist() == [2, 0]        # sigmoids + bias: 0.88, -0.27, 1.0, 0.87 (without it: 0 and 1)
     chosen = scores[0, [2, 0]]
@@ -85,7 +85,7 @@ def test_run_experts_gives_the_dense_references_bits(num_tokens):
     x = torch.randn(num_tokens, 16)
     logits = torch.randn(num_tokens, 6)
     logits[:, 5] -= 4       # expert 5 gets few tokens, or none
-    weights, ids = route(logits, 3, renormalize=False)
+    weights, ids = route(logits, Routing(3))
     assert torch.equal(run_experts(x, weights, ids, experts), experts_reference(x, weights, ids, experts))
 
 
@@ -109,7 +109,7 @@ def test_run_experts_runs_each_expert_once_on_its_rows_alone():
 def test_bf16_experts_match_the_dense_reference_in_bf16():
     experts = [torch.nn.Linear(16, 16, bias=False, dtype=torch.bfloat16) for _ in range(4)]
     x = torch.randn(10, 16, dtype=torch.bfloat16)
-    weights, ids = route(torch.randn(10, 4), 2, renormalize=True)
+    weights, ids = route(torch.randn(10, 4), Routing(2, renormalize=True))
     out = run_experts(x, weights, ids, experts)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out, experts_reference(x, weights, ids, experts), atol=2e-2, rtol=2e-2)
@@ -273,10 +273,11 @@ def test_the_kernels_block_gives_the_torch_blocks_bits_with_other_routers(tmp_pa
     dense, block = (layer.mlp for layer in model.model.layers[:2])
     assert not hasattr(dense, "experts") and block.selection_bias.abs().min() > 0
     if kind == "ernie4_5-moe":
-        assert block.shared_expert_gate is None and block.norm_min == 0.7
+        assert block.shared_expert_gate is None and block.routing.norm_min == 0.7
         assert block.shared_expert.gate_up_proj.bias is not None
     else:
-        assert block.sigmoid and block.norm_eps == 1e-6 and block.scale == 1.5 and block.shared_expert is None
+        assert block.routing == Routing(2, renormalize=True, sigmoid=True, norm_eps=1e-6, scale=1.5)
+        assert block.shared_expert is None
     x = torch.randn(37, 64, dtype=dtype)
     with torch.inference_mode():
         got, expected = block(x), block.forward_native(x)
