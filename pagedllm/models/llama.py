@@ -583,6 +583,27 @@ class LayerLoRA:
         return self.batch.add(self.layer, module, x, out)
 
 
+def _attention_scale(config: Any, head_dim: int) -> float:
+    """The scores' scale: 1 where GPT-2 and GPT-BigCode turn scaling off (scale_attn_weights), else Granite's
+    attention_multiplier, MPT's softmax_scale, or 1 / sqrt(Gemma's query_pre_attn_scalar, else the head size)."""
+    if not getattr(config, "scale_attn_weights", True):
+        return 1.0
+    return getattr(config, "attention_multiplier", None) or _mpt_attention(config, "softmax_scale") or \
+        (getattr(config, "query_pre_attn_scalar", None) or head_dim) ** -0.5
+
+
+def _refuse_unsupported_attention(config: Any, encoder: bool, softcap: float) -> None:
+    """A clear error for the attention variants pagedllm does not run."""
+    if getattr(config, "scale_attn_by_inverse_layer_idx", False):
+        raise ValueError("GPT-2's attention scores scaled by each layer's inverse index "
+                         "(scale_attn_by_inverse_layer_idx) are not supported")
+    if getattr(config, "qk_layernorm", False) or (_is_cohere(config) and getattr(config, "use_qk_norm", False)):
+        raise ValueError(f"{config.model_type}'s LayerNorms of each query and key head (qk_layernorm, "
+                         "use_qk_norm) are not supported")
+    if encoder and softcap:
+        raise ValueError("an encoder with soft-capped attention scores is not supported")
+
+
 class LlamaAttention(nn.Module):
     """Self-attention over this rank's heads (all of them at tp_size 1; see `head_shard`)."""
 
@@ -593,25 +614,15 @@ class LlamaAttention(nn.Module):
         self.sliding_window = sliding_window_of_layer(config, index)
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = _num_kv_heads(config)
-        self.scale = getattr(config, "attention_multiplier", None) or _mpt_attention(config, "softmax_scale") or \
-            (getattr(config, "query_pre_attn_scalar", None) or self.head_dim) ** -0.5
-        if not getattr(config, "scale_attn_weights", True):     # (GPT-2's and GPT-BigCode's option)
-            self.scale = 1.0
+        self.scale = _attention_scale(config, self.head_dim)
         # OLMo's and MPT's: q, k and v clamped to +-it
         self.clip_qkv = float(getattr(config, "clip_qkv", None) or _mpt_attention(config, "clip_qkv") or 0.0)
-        if getattr(config, "scale_attn_by_inverse_layer_idx", False):
-            raise ValueError("GPT-2's attention scores scaled by each layer's inverse index "
-                             "(scale_attn_by_inverse_layer_idx) are not supported")
         self.softcap = _softcap(config, "attn_logit_softcapping")
         self.attn_backend = attn_backend
         # an encoder's modules attend through `bidirectional_attention`, to the step's own K/V (its decoder stack:
         # through the kernels' bidirectional mode)
         self.encoder = attends_both_ways(config)
-        if getattr(config, "qk_layernorm", False) or (_is_cohere(config) and getattr(config, "use_qk_norm", False)):
-            raise ValueError(f"{config.model_type}'s LayerNorms of each query and key head (qk_layernorm, "
-                             "use_qk_norm) are not supported")
-        if self.encoder and self.softcap:
-            raise ValueError("an encoder with soft-capped attention scores is not supported")
+        _refuse_unsupported_attention(config, self.encoder, self.softcap)
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads,
                                           bias=_has_bias(config, "qkv"), dtype=dtype, tp_rank=tp[0], tp_size=tp[1])
         heads = self.qkv_proj.heads
@@ -625,8 +636,12 @@ class LlamaAttention(nn.Module):
         self.alibi_slopes: torch.Tensor | None
         self.register_buffer("alibi_slopes", None if slopes is None else
                              slopes[heads.q_start:heads.q_start + heads.num_heads].contiguous(), persistent=False)
-        # Qwen3's per-head norms of q and k (one weight of head_dim each, shared by the heads); OLMo 2's and OLMoE's
-        # over all of a token's query (key) values at once (`norms_all_heads`)
+        self._add_qk_norms(config, dtype, tp)
+
+    def _add_qk_norms(self, config: Any, dtype: torch.dtype, tp: TPRank) -> None:
+        """Qwen3's per-head norms of q and k (one weight of head_dim each, shared by the heads; Hunyuan's after the
+        rotary embedding); OLMo 2's and OLMoE's over all of a token's query (key) values at once
+        (`norms_all_heads`); or none."""
         self.norms_all_heads = _is_olmo(config) or config.model_type == "olmoe"
         if self.norms_all_heads and tp[1] > 1:
             raise ValueError("OLMo norms its queries and keys over all heads at once: it runs on one rank "
