@@ -42,7 +42,7 @@ _PLAIN_TYPES: dict[int, torch.dtype] = {
 }
 # Architectures whose Q/K rows llama.cpp's converter permutes (for its interleaved rope).
 # ERNIE 4.5's and GLM-4's rows as their checkpoints hold them: interleaved (GLM-4's in the rotary half of each head)
-_PERMUTED_ARCHS = {"llama", "smollm3", "granite", "ernie4_5", "ernie4_5-moe", "glm4"}
+_PERMUTED_ARCHS = {"llama", "smollm3", "granite", "granitemoe", "ernie4_5", "ernie4_5-moe", "glm4"}
 _HALVES_ARCHS = {"ernie4_5", "ernie4_5-moe", "glm4"}    # (those whose rows the loader reorders into halves)
 # SmolLM3's layers without a rotary embedding: every how many one is (llama.cpp fixes it rather than store it)
 _SMOLLM3_NO_ROPE_EVERY = 4
@@ -109,9 +109,10 @@ _EXPERT_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight$")
 _STACKED_EXPERTS_RE = re.compile(r"(blk\.\d+\.ffn_(?:gate|up|down))_exps\.weight$")
 # GGUF architectures of mixtures of experts -> transformers' model_type (a Mixtral file says "llama")
 _MOE_MODEL_TYPES = {"llama": "mixtral", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe",
-                    "ernie4_5-moe": "ernie4_5_moe", "lfm2moe": "lfm2_moe"}
+                    "ernie4_5-moe": "ernie4_5_moe", "lfm2moe": "lfm2_moe", "granitemoe": "granitemoe"}
 # whether llama.cpp renormalises each token's top-k expert weights, by architecture (Qwen2-MoE does not)
-_MOE_RENORMALIZES = {"llama": True, "qwen2moe": False, "qwen3moe": True, "ernie4_5-moe": True, "lfm2moe": True}
+_MOE_RENORMALIZES = {"llama": True, "qwen2moe": False, "qwen3moe": True, "ernie4_5-moe": True, "lfm2moe": True,
+                     "granitemoe": True}
 
 
 @dataclass(frozen=True)
@@ -452,7 +453,7 @@ def _add_architecture_fields(g: GGUFFile, kwargs: dict[str, Any]) -> None:
         kwargs.update(sliding_window=int(window), layer_types=[
             "sliding_attention" if local else "full_attention"
             for local in _per_layer(g.arch_value("attention.sliding_window_pattern"))])
-    if arch == "granite":   # its four multipliers (pagedllm.models.llama), under llama.cpp's names
+    if arch in ("granite", "granitemoe"):   # its four multipliers (pagedllm.models.llama), under llama.cpp's names
         kwargs.update({field: float(g.arch_value(key)) for field, key in _GRANITE_MULTIPLIERS
                        if g.arch_value(key) is not None})
 
@@ -556,6 +557,8 @@ def _gguf_experts(g: GGUFFile, num_layers: int) -> dict[str, Any]:
         mlp_only_layers=[i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in g.tensors])
     # the shared expert's width, as its tensor has it (ERNIE's converter writes a width of its own reckoning)
     shared = next((info.shape[0] for name, info in g.tensors.items() if name.endswith(".ffn_up_shexp.weight")), 0)
+    if shared and g.architecture == "granitemoe":
+        raise ValueError("Granite MoE's shared expert (GraniteMoeShared, Granite 4's) is not supported")
     if shared:
         fields["shared_expert_intermediate_size"] = int(shared)
     if g.architecture == "ernie4_5-moe":    # its dense layers first, then one in `interleave_moe_layer_step` sparse

@@ -90,6 +90,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "gemma2": LlamaForCausalLM,
     "gemma3_text": LlamaForCausalLM,
     "granite": LlamaForCausalLM,
+    "granitemoe": LlamaForCausalLM,
     "lfm2": LlamaForCausalLM,
     "lfm2_moe": LlamaForCausalLM,
     "olmo2": LlamaForCausalLM,

@@ -76,6 +76,9 @@ def test_every_tensor_type_matches_gguf_reader(tmp_path: Path) -> None:
             assert err < 0.35, (t.name, err)
 
 
+_PERMUTED = ("llama", "smollm3", "granite", "granitemoe")    # the architectures whose Q/K rows the converter permutes
+
+
 def _permute(w: torch.Tensor, n_head: int, n_head_kv: int | None) -> torch.Tensor:
     """convert_hf_to_gguf.LlamaModel.permute, verbatim in torch."""
     if n_head_kv is not None and n_head != n_head_kv:
@@ -123,12 +126,15 @@ def _gguf_tensors(hf_model, arch: str):
 
     for name, t in hf_model.state_dict().items():
         base, kind = name.rsplit(".", 1)
-        if name.endswith("experts.gate_up_proj"):      # stacked experts' names have no .weight
+        if name.endswith("experts.gate_up_proj"):      # stacked experts' names have no .weight (nor a map entry)
+            layer = name.split(".")[2]      # (of model.layers.{layer}. names)
             gate, up = t.chunk(2, dim=1)
-            yield gguf_name(name.replace("gate_up", "gate")) + ".weight", gate.contiguous()
-            yield gguf_name(name.replace("gate_up", "up")) + ".weight", up.contiguous()
+            yield f"blk.{layer}.ffn_gate_exps.weight", gate.contiguous()
+            yield f"blk.{layer}.ffn_up_exps.weight", up.contiguous()
         elif name.endswith("experts.down_proj"):
-            yield gguf_name(name) + ".weight", t
+            yield f"blk.{name.split('.')[2]}.ffn_down_exps.weight", t
+        elif base.endswith("block_sparse_moe.router"):     # Granite MoE's, router.layer in its checkpoints
+            yield f"{gguf_name(base + '.layer')}.{kind}", t
         elif base.endswith("mlp.shared_expert_gate"):
             yield f"{gguf_name(base)}.{kind}", t[0]
         elif kind == "e_score_correction_bias":      # (its module is the router's in transformers, not in gguf's map)
@@ -179,7 +185,7 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
     if arch == "exaone4":
         w.add_sliding_window(cfg.sliding_window)
         w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
-    if arch == "granite":
+    if arch in ("granite", "granitemoe"):
         w.add_embedding_scale(cfg.embedding_multiplier)
         w.add_attention_scale(cfg.attention_multiplier)
         w.add_residual_scale(cfg.residual_multiplier)
@@ -230,9 +236,9 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
     for gname, t in _gguf_tensors(hf_model, arch):
         if gname == "output.weight" and cfg.tie_word_embeddings:
             continue
-        if arch in ("llama", "smollm3", "granite") and ".attn_q." in gname:
+        if arch in _PERMUTED and ".attn_q." in gname:
             t = _permute(t, cfg.num_attention_heads, cfg.num_attention_heads)
-        elif arch in ("llama", "smollm3", "granite") and ".attn_k." in gname:
+        elif arch in _PERMUTED and ".attn_k." in gname:
             t = _permute(t, cfg.num_attention_heads, cfg.num_key_value_heads)
         elif arch in ("gemma2", "gemma3", "gemma-embedding") and gname.endswith("norm.weight"):
             t = t + 1
@@ -256,6 +262,7 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
                                        ("qwen2-yarn", "qwen2"),
                                        ("qwen3", "qwen3"), ("mixtral", "llama"), ("qwen2-moe", "qwen2moe"),
                                        ("qwen3-moe", "qwen3moe"), ("smollm3", "smollm3"), ("granite", "granite"),
+                                       ("granitemoe", "granitemoe"),
                                        ("lfm2", "lfm2"), ("lfm2-moe", "lfm2moe"), ("olmo2", "olmo2"),
                                        ("exaone4", "exaone4"),
                                        ("ernie4_5", "ernie4_5"), ("ernie4_5-moe", "ernie4_5-moe"), ("glm4", "glm4"),
@@ -568,15 +575,17 @@ def test_a_quantized_gemma3_gguf_multiplies_its_blocks(tmp_path: Path, monkeypat
 
 
 @pytest.mark.parametrize(("kind", "arch"), [("mixtral", "llama"), ("qwen2-moe", "qwen2moe"),
-                                           ("ernie4_5-moe", "ernie4_5-moe"), ("lfm2-moe", "lfm2moe")])
+                                           ("ernie4_5-moe", "ernie4_5-moe"), ("lfm2-moe", "lfm2moe"),
+                                           ("granitemoe", "granitemoe")])
 def test_a_mixture_of_experts_keeps_its_experts_blocks(tmp_path: Path, kind: str, arch: str, monkeypatch) -> None:
     """Each expert's slice of a stacked experts tensor packs as its own weight's blocks (as do Qwen2-MoE's and ERNIE's
-    shared experts and their dense layers, and LFM2-MoE's dense layer); the router keeps its float32 weight, as
-    llama.cpp's files keep it."""
+    shared experts and their dense layers, and LFM2-MoE's dense layer; Granite MoE's experts' down blocks with its
+    residual multiplier in their scales); the router keeps its float32 weight, as llama.cpp's files keep it."""
     path = tmp_path / f"{kind}.gguf"
     overrides = {"qwen2-moe": dict(moe_intermediate_size=64),      # GGUF blocks: rows of 32 k's
                  "ernie4_5-moe": dict(moe_intermediate_size=64, use_bias=False),
-                 "lfm2-moe": dict(moe_intermediate_size=64, routed_scaling_factor=1.0)}.get(kind, {})
+                 "lfm2-moe": dict(moe_intermediate_size=64, routed_scaling_factor=1.0),
+                 "granitemoe": dict(intermediate_size=64)}.get(kind, {})
     write_model_gguf(build_tiny_hf_model(kind, **overrides), path, arch, Q.Q4_1)
     packed = load_model(ModelConfig(model=str(path), dtype="float32", quantization="gguf")).model
     dense = load_model(ModelConfig(model=str(path), dtype="float32")).model
@@ -587,9 +596,29 @@ def test_a_mixture_of_experts_keeps_its_experts_blocks(tmp_path: Path, kind: str
     assert moe.gate.weight.dtype == torch.float32 and moe.gate.weight.shape == (4, 64)
     if kind in ("qwen2-moe", "ernie4_5-moe"):
         assert moe.shared_expert.down_proj.weight.ggml_type == Q.Q4_1
-    if kind != "mixtral":
+    if kind not in ("mixtral", "granitemoe"):
         assert packed.model.layers[other].mlp.gate_up_proj.weight.ggml_type == Q.Q4_1     # the dense layer
     _assert_gguf_reference_near_the_dense_model(packed, dense, [1, 17, 250, 9, 33, 70, 5, 80, 81], monkeypatch)
+
+
+def test_a_granite_moe_gguf_with_a_shared_expert_is_refused_by_name(tmp_path: Path) -> None:
+    """GraniteMoeShared's files (Granite 4's) say `granitemoe` too, with a shared expert no Granite MoE has here."""
+    path = tmp_path / "granitemoe-shared.gguf"
+    w = gguf.GGUFWriter(str(path), "granitemoe")
+    w.add_block_count(1)
+    w.add_embedding_length(64)
+    w.add_head_count(4)
+    w.add_feed_forward_length(32)
+    w.add_vocab_size(128)
+    w.add_expert_count(4)
+    w.add_expert_used_count(2)
+    w.add_tensor("blk.0.ffn_up_shexp.weight", np.zeros((32, 64), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="Granite MoE's shared expert"):
+        gguf_hf_config(GGUFFile(path))
 
 
 def test_8_bit_activations_are_a_switch_read_at_load(tmp_path: Path, monkeypatch) -> None:
