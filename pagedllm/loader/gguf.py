@@ -400,8 +400,9 @@ def gguf_hf_config(g: GGUFFile) -> Any:
     _add_architecture_fields(g, kwargs)
     kwargs.update(_gguf_experts(g, kwargs["num_hidden_layers"]))
     name = g.metadata.get("general.name")
+    model_type = kwargs.pop("model_type", None) or _MODEL_TYPES.get(arch, arch)     # (OLMo 3's: olmo3)
     config = PretrainedConfig(**kwargs)
-    config.model_type = _MOE_MODEL_TYPES[arch] if kwargs.get("num_local_experts") else _MODEL_TYPES.get(arch, arch)
+    config.model_type = _MOE_MODEL_TYPES[arch] if kwargs.get("num_local_experts") else model_type
     if name:
         config._name_or_path = str(name)
     return config
@@ -449,10 +450,16 @@ def _add_architecture_fields(g: GGUFFile, kwargs: dict[str, Any]) -> None:
                       conv_L_cache=int(g.arch_value("shortconv.l_cache")), conv_bias=False,
                       norm_eps=kwargs["rms_norm_eps"], block_auto_adjust_ff_dim=False)
     window = g.arch_value("attention.sliding_window")
-    if arch == "exaone4" and window:    # its local layers, as the file marks them (the others global, NoPE)
+    # EXAONE 4's and OLMo 3's local layers, as the file marks them (EXAONE's others global and NoPE; OLMo 3's files
+    # say `olmo2`, with a window)
+    if arch in ("exaone4", "olmo2") and window:
         kwargs.update(sliding_window=int(window), layer_types=[
             "sliding_attention" if local else "full_attention"
             for local in _per_layer(g.arch_value("attention.sliding_window_pattern"))])
+    if arch == "olmo2" and window:  # OLMo 3: the file's rope is its global layers' (a YaRN's), the local ones' plain
+        rope = kwargs["rope_parameters"]
+        kwargs.update(model_type="olmo3", rope_parameters={
+            "full_attention": rope, "sliding_attention": {"rope_type": "default", "rope_theta": rope["rope_theta"]}})
     if arch in ("granite", "granitemoe"):   # its four multipliers (pagedllm.models.llama), under llama.cpp's names
         kwargs.update({field: float(g.arch_value(key)) for field, key in _GRANITE_MULTIPLIERS
                        if g.arch_value(key) is not None})

@@ -94,6 +94,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "lfm2": LlamaForCausalLM,
     "lfm2_moe": LlamaForCausalLM,
     "olmo2": LlamaForCausalLM,
+    "olmo3": LlamaForCausalLM,
     "exaone4": LlamaForCausalLM,
     "ernie4_5": LlamaForCausalLM,
     "ernie4_5_moe": LlamaForCausalLM,

@@ -182,7 +182,7 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
         w.add_pooling_type(gguf.PoolingType.MEAN)
         for name, weight in zip(("dense_2.weight", "dense_3.weight"), dense):
             w.add_tensor(name, weight.numpy())
-    if arch == "exaone4":
+    if arch == "exaone4" or (arch == "olmo2" and getattr(cfg, "sliding_window", None)):     # (OLMo 3's)
         w.add_sliding_window(cfg.sliding_window)
         w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
     if arch in ("granite", "granitemoe"):
@@ -313,6 +313,30 @@ def test_a_gemma3_gguf_matches_transformers_past_its_window(tmp_path: Path, glob
     torch.testing.assert_close(dict(iterate_gguf(path))[norm], hf_model.state_dict()[norm])    # w, not 1 + w
     runner = SimplePagedRunner(load_model(ModelConfig(model=str(path), dtype="float32")).model)
     tokens = [(7 * i + 3) % 300 for i in range(30)]   # past the window: the local layers see their last 12
+    logits = runner.step({0: tokens})
+    for _ in range(3):
+        with torch.inference_mode():
+            expected = hf_model(torch.tensor([tokens])).logits[0, -1]
+        torch.testing.assert_close(logits[0], expected, atol=1e-4, rtol=0)
+        tokens.append(int(expected.argmax()))
+        logits = runner.step({0: tokens[-1:]})
+
+
+@pytest.mark.parametrize("rope", [None, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}],
+                         ids=["7b", "32b-yarn"])
+def test_an_olmo3_gguf_matches_transformers_past_its_window(tmp_path: Path, rope: dict | None) -> None:
+    """OLMo 3 as llama.cpp's converter writes it: an `olmo2` file with a window and the layers it covers; its rope
+    (a YaRN's in the 32B) its global layers', the local ones' plain, as transformers runs them."""
+    hf_model = build_tiny_hf_model("olmo3", **({} if rope is None else {"rope_scaling": rope}))
+    path = tmp_path / "olmo3.gguf"
+    write_model_gguf(hf_model, path, "olmo2")
+    config = gguf_hf_config(GGUFFile(path))
+    assert config.model_type == "olmo3" and config.layer_types == hf_model.config.layer_types
+    assert config.sliding_window == 12
+    assert config.rope_parameters["sliding_attention"]["rope_type"] == "default"
+    assert config.rope_parameters["full_attention"]["rope_type"] == ("default" if rope is None else "yarn")
+    runner = SimplePagedRunner(load_model(ModelConfig(model=str(path), dtype="float32")).model)
+    tokens = [(7 * i + 3) % 300 for i in range(30)]   # past the window: the local layer sees its last 12
     logits = runner.step({0: tokens})
     for _ in range(3):
         with torch.inference_mode():
