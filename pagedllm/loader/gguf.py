@@ -109,10 +109,10 @@ _EXPERT_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight$")
 _STACKED_EXPERTS_RE = re.compile(r"(blk\.\d+\.ffn_(?:gate|up|down))_exps\.weight$")
 # GGUF architectures of mixtures of experts -> transformers' model_type (a Mixtral file says "llama")
 _MOE_MODEL_TYPES = {"llama": "mixtral", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe",
-                    "ernie4_5-moe": "ernie4_5_moe", "lfm2moe": "lfm2_moe", "granitemoe": "granitemoe"}
+                    "ernie4_5-moe": "ernie4_5_moe", "lfm2moe": "lfm2_moe", "granitemoe": "granitemoe", "olmoe": "olmoe"}
 # whether llama.cpp renormalises each token's top-k expert weights, by architecture (Qwen2-MoE does not)
 _MOE_RENORMALIZES = {"llama": True, "qwen2moe": False, "qwen3moe": True, "ernie4_5-moe": True, "lfm2moe": True,
-                     "granitemoe": True}
+                     "granitemoe": True, "olmoe": False}
 
 
 @dataclass(frozen=True)

@@ -95,6 +95,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "lfm2_moe": LlamaForCausalLM,
     "olmo2": LlamaForCausalLM,
     "olmo3": LlamaForCausalLM,
+    "olmoe": LlamaForCausalLM,
     "exaone4": LlamaForCausalLM,
     "ernie4_5": LlamaForCausalLM,
     "ernie4_5_moe": LlamaForCausalLM,

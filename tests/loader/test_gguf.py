@@ -262,7 +262,7 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
                                        ("qwen2-yarn", "qwen2"),
                                        ("qwen3", "qwen3"), ("mixtral", "llama"), ("qwen2-moe", "qwen2moe"),
                                        ("qwen3-moe", "qwen3moe"), ("smollm3", "smollm3"), ("granite", "granite"),
-                                       ("granitemoe", "granitemoe"),
+                                       ("granitemoe", "granitemoe"), ("olmoe", "olmoe"),
                                        ("lfm2", "lfm2"), ("lfm2-moe", "lfm2moe"), ("olmo2", "olmo2"),
                                        ("exaone4", "exaone4"),
                                        ("ernie4_5", "ernie4_5"), ("ernie4_5-moe", "ernie4_5-moe"), ("glm4", "glm4"),
@@ -600,7 +600,7 @@ def test_a_quantized_gemma3_gguf_multiplies_its_blocks(tmp_path: Path, monkeypat
 
 @pytest.mark.parametrize(("kind", "arch"), [("mixtral", "llama"), ("qwen2-moe", "qwen2moe"),
                                            ("ernie4_5-moe", "ernie4_5-moe"), ("lfm2-moe", "lfm2moe"),
-                                           ("granitemoe", "granitemoe")])
+                                           ("granitemoe", "granitemoe"), ("olmoe", "olmoe")])
 def test_a_mixture_of_experts_keeps_its_experts_blocks(tmp_path: Path, kind: str, arch: str, monkeypatch) -> None:
     """Each expert's slice of a stacked experts tensor packs as its own weight's blocks (as do Qwen2-MoE's and ERNIE's
     shared experts and their dense layers, and LFM2-MoE's dense layer; Granite MoE's experts' down blocks with its
@@ -609,7 +609,7 @@ def test_a_mixture_of_experts_keeps_its_experts_blocks(tmp_path: Path, kind: str
     overrides = {"qwen2-moe": dict(moe_intermediate_size=64),      # GGUF blocks: rows of 32 k's
                  "ernie4_5-moe": dict(moe_intermediate_size=64, use_bias=False),
                  "lfm2-moe": dict(moe_intermediate_size=64, routed_scaling_factor=1.0),
-                 "granitemoe": dict(intermediate_size=64)}.get(kind, {})
+                 "granitemoe": dict(intermediate_size=64), "olmoe": dict(intermediate_size=64)}.get(kind, {})
     write_model_gguf(build_tiny_hf_model(kind, **overrides), path, arch, Q.Q4_1)
     packed = load_model(ModelConfig(model=str(path), dtype="float32", quantization="gguf")).model
     dense = load_model(ModelConfig(model=str(path), dtype="float32")).model
@@ -620,7 +620,7 @@ def test_a_mixture_of_experts_keeps_its_experts_blocks(tmp_path: Path, kind: str
     assert moe.gate.weight.dtype == torch.float32 and moe.gate.weight.shape == (4, 64)
     if kind in ("qwen2-moe", "ernie4_5-moe"):
         assert moe.shared_expert.down_proj.weight.ggml_type == Q.Q4_1
-    if kind not in ("mixtral", "granitemoe"):
+    if kind not in ("mixtral", "granitemoe", "olmoe"):
         assert packed.model.layers[other].mlp.gate_up_proj.weight.ggml_type == Q.Q4_1     # the dense layer
     _assert_gguf_reference_near_the_dense_model(packed, dense, [1, 17, 250, 9, 33, 70, 5, 80, 81], monkeypatch)
 
