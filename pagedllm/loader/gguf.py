@@ -41,9 +41,10 @@ _PLAIN_TYPES: dict[int, torch.dtype] = {
     GGMLQuantizationType.BF16: torch.bfloat16,
 }
 # Architectures whose Q/K rows llama.cpp's converter permutes (for its interleaved rope).
-# ERNIE 4.5's and GLM-4's rows as their checkpoints hold them: interleaved (GLM-4's in the rotary half of each head)
-_PERMUTED_ARCHS = {"llama", "smollm3", "granite", "granitemoe", "ernie4_5", "ernie4_5-moe", "glm4"}
-_HALVES_ARCHS = {"ernie4_5", "ernie4_5-moe", "glm4"}    # (those whose rows the loader reorders into halves)
+# ERNIE 4.5's, GLM-4's and Command R's rows as their checkpoints hold them: interleaved (GLM-4's in the rotary half
+# of each head)
+_PERMUTED_ARCHS = {"llama", "smollm3", "granite", "granitemoe", "ernie4_5", "ernie4_5-moe", "glm4", "command-r"}
+_HALVES_ARCHS = {"ernie4_5", "ernie4_5-moe", "glm4", "command-r"}    # (those whose rows the loader reorders into halves)
 # SmolLM3's layers without a rotary embedding: every how many one is (llama.cpp fixes it rather than store it)
 _SMOLLM3_NO_ROPE_EVERY = 4
 
@@ -92,7 +93,8 @@ _NORM_SHIFTED_ARCHS = {"gemma2", "gemma3", "gemma-embedding"}
 # Granite's config fields -> llama.cpp's keys
 _GRANITE_MULTIPLIERS = (("embedding_multiplier", "embedding_scale"), ("attention_multiplier", "attention.scale"),
                         ("residual_multiplier", "residual_scale"), ("logits_scaling", "logit_scale"))
-_MODEL_TYPES = {"gemma3": "gemma3_text", "gemma-embedding": "gemma3_text", "phi2": "phi", "gptneox": "gpt_neox"}
+_MODEL_TYPES = {"gemma3": "gemma3_text", "gemma-embedding": "gemma3_text", "phi2": "phi", "gptneox": "gpt_neox",
+                "command-r": "cohere"}
 # What llama.cpp fixes for Gemma rather than read from the file: every how many layers one is global (the others
 # local, over the window), and the layer count of the 27B, whose queries are scaled by (hidden / heads) ** -0.5
 _GEMMA_LAYOUTS = {"gemma2": (2, 46), "gemma3": (6, 62), "gemma-embedding": (6, 62)}
@@ -460,6 +462,10 @@ def _add_architecture_fields(g: GGUFFile, kwargs: dict[str, Any]) -> None:
         rope = kwargs["rope_parameters"]
         kwargs.update(model_type="olmo3", rope_parameters={
             "full_attention": rope, "sliding_attention": {"rope_type": "default", "rope_theta": rope["rope_theta"]}})
+    if arch == "command-r":     # Cohere's LayerNorm (no bias), its logits' scale; Command R+'s q/k norms (refused)
+        kwargs.update(layer_norm_eps=float(g.arch_value("attention.layer_norm_epsilon", 1e-5)),
+                      logit_scale=float(g.arch_value("logit_scale", 1.0)),
+                      use_qk_norm="blk.0.attn_q_norm.weight" in g.tensors)
     if arch in ("granite", "granitemoe"):   # its four multipliers (pagedllm.models.llama), under llama.cpp's names
         kwargs.update({field: float(g.arch_value(key)) for field, key in _GRANITE_MULTIPLIERS
                        if g.arch_value(key) is not None})

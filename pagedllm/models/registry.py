@@ -104,6 +104,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "starcoder2": LlamaForCausalLM,
     "phi": LlamaForCausalLM,
     "gpt_neox": LlamaForCausalLM,
+    "cohere": LlamaForCausalLM,
     "bert": BertModel,
     "roberta": BertModel,
     "xlm-roberta": BertModel,

@@ -192,12 +192,15 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
         w.add_logit_scale(cfg.logits_scaling)
     if arch in ("stablelm", "gptneox"):
         w.add_parallel_residual(cfg.use_parallel_residual)
-    if arch in ("stablelm", "starcoder2", "phi2", "gptneox"):
+    if arch in ("stablelm", "starcoder2", "phi2", "gptneox", "command-r"):
         w.add_layer_norm_eps(cfg.norm_epsilon if arch == "starcoder2" else cfg.layer_norm_eps)
+    if arch == "command-r":
+        w.add_logit_scale(cfg.logit_scale)
     if arch == "gemma2":
         w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
         w.add_final_logit_softcapping(cfg.final_logit_softcapping)
-    w.add_layer_norm_rms_eps(cfg.norm_eps if arch in ("lfm2", "lfm2moe") else cfg.rms_norm_eps)
+    if arch != "command-r":     # (a LayerNorm model)
+        w.add_layer_norm_rms_eps(cfg.norm_eps if arch in ("lfm2", "lfm2moe") else cfg.rms_norm_eps)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
     if rope["rope_type"] == "longrope":     # Phi-3's: the factors as tensors, the original context and the scale
@@ -262,7 +265,7 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
                                        ("qwen2-yarn", "qwen2"),
                                        ("qwen3", "qwen3"), ("mixtral", "llama"), ("qwen2-moe", "qwen2moe"),
                                        ("qwen3-moe", "qwen3moe"), ("smollm3", "smollm3"), ("granite", "granite"),
-                                       ("granitemoe", "granitemoe"), ("olmoe", "olmoe"),
+                                       ("granitemoe", "granitemoe"), ("olmoe", "olmoe"), ("cohere", "command-r"),
                                        ("lfm2", "lfm2"), ("lfm2-moe", "lfm2moe"), ("olmo2", "olmo2"),
                                        ("exaone4", "exaone4"),
                                        ("ernie4_5", "ernie4_5"), ("ernie4_5-moe", "ernie4_5-moe"), ("glm4", "glm4"),
@@ -454,12 +457,14 @@ def test_a_quantized_lfm2_gguf_packs_its_convolutions_projections(tmp_path: Path
     _assert_gguf_reference_near_the_dense_model(packed, dense, [1, 17, 250, 9, 33, 70, 5, 80, 81], monkeypatch)
 
 
-@pytest.mark.parametrize("kind", ["ernie4_5", "glm4"])
-def test_a_quantized_interleaved_gguf_keeps_its_blocks_reordered_by_row(tmp_path: Path, kind: str, monkeypatch) -> None:
-    """ERNIE 4.5's interleaved q/k rows (GLM-4's in the rotary half of each head), reordered into halves as llama's
-    files' are (whole rows of blocks), stay packed: the dequantised model within the 16-bit activations' noise."""
+@pytest.mark.parametrize(("kind", "arch"), [("ernie4_5", "ernie4_5"), ("glm4", "glm4"), ("cohere", "command-r")])
+def test_a_quantized_interleaved_gguf_keeps_its_blocks_reordered_by_row(tmp_path: Path, kind: str, arch: str,
+                                                                        monkeypatch) -> None:
+    """ERNIE 4.5's and Command R's interleaved q/k rows (GLM-4's in the rotary half of each head), reordered into
+    halves as llama's files' are (whole rows of blocks), stay packed: the dequantised model within the 16-bit
+    activations' noise."""
     path = tmp_path / f"{kind}-q8.gguf"
-    write_model_gguf(build_tiny_hf_model(kind), path, kind, Q.Q8_0)
+    write_model_gguf(build_tiny_hf_model(kind), path, arch, Q.Q8_0)
     packed = load_model(ModelConfig(model=str(path), dtype="float32", quantization="gguf")).model
     dense = load_model(ModelConfig(model=str(path), dtype="float32")).model
     assert packed.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.uint8
