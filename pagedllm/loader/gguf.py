@@ -44,7 +44,7 @@ _PLAIN_TYPES: dict[int, torch.dtype] = {
 # ERNIE 4.5's, GLM-4's and Command R's rows as their checkpoints hold them: interleaved (GLM-4's in the rotary half
 # of each head)
 _PERMUTED_ARCHS = {"llama", "smollm3", "granite", "granitemoe", "ernie4_5", "ernie4_5-moe", "glm4", "command-r"}
-_HALVES_ARCHS = {"ernie4_5", "ernie4_5-moe", "glm4", "command-r"}    # (those whose rows the loader reorders into halves)
+_HALVES_ARCHS = {"ernie4_5", "ernie4_5-moe", "glm4", "command-r"}    # (whose rows the loader reorders into halves)
 # SmolLM3's layers without a rotary embedding: every how many one is (llama.cpp fixes it rather than store it)
 _SMOLLM3_NO_ROPE_EVERY = 4
 
