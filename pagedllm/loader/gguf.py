@@ -41,10 +41,10 @@ _PLAIN_TYPES: dict[int, torch.dtype] = {
     GGMLQuantizationType.BF16: torch.bfloat16,
 }
 # Architectures whose Q/K rows llama.cpp's converter permutes (for its interleaved rope).
-# ERNIE 4.5's, GLM-4's and Command R's rows as their checkpoints hold them: interleaved (GLM-4's in the rotary half
-# of each head)
-_PERMUTED_ARCHS = {"llama", "smollm3", "granite", "granitemoe", "ernie4_5", "ernie4_5-moe", "glm4", "command-r"}
-_HALVES_ARCHS = {"ernie4_5", "ernie4_5-moe", "glm4", "command-r"}    # (whose rows the loader reorders into halves)
+# ERNIE 4.5's, GLM-4's and Cohere's (Command R's) rows as their checkpoints hold them: interleaved (GLM-4's in the
+# rotary half of each head)
+_HALVES_ARCHS = {"ernie4_5", "ernie4_5-moe", "glm4", "command-r", "cohere2"}    # (whose rows the loader reorders)
+_PERMUTED_ARCHS = {"llama", "smollm3", "granite", "granitemoe", *_HALVES_ARCHS}
 # SmolLM3's layers without a rotary embedding: every how many one is (llama.cpp fixes it rather than store it)
 _SMOLLM3_NO_ROPE_EVERY = 4
 
@@ -95,6 +95,9 @@ _GRANITE_MULTIPLIERS = (("embedding_multiplier", "embedding_scale"), ("attention
                         ("residual_multiplier", "residual_scale"), ("logits_scaling", "logit_scale"))
 _MODEL_TYPES = {"gemma3": "gemma3_text", "gemma-embedding": "gemma3_text", "phi2": "phi", "gptneox": "gpt_neox",
                 "command-r": "cohere"}
+# Cohere2's layers: every how many one is global (NoPE), the others local over the window, where a file does not
+# mark them (llama.cpp fixes it rather than store it)
+_COHERE2_GLOBAL_EVERY = 4
 # What llama.cpp fixes for Gemma rather than read from the file: every how many layers one is global (the others
 # local, over the window), and the layer count of the 27B, whose queries are scaled by (hidden / heads) ** -0.5
 _GEMMA_LAYOUTS = {"gemma2": (2, 46), "gemma3": (6, 62), "gemma-embedding": (6, 62)}
@@ -458,12 +461,18 @@ def _add_architecture_fields(g: GGUFFile, kwargs: dict[str, Any]) -> None:
         kwargs.update(sliding_window=int(window), layer_types=[
             "sliding_attention" if local else "full_attention"
             for local in _per_layer(g.arch_value("attention.sliding_window_pattern"))])
+    if arch == "cohere2" and window:    # its local layers as the file marks them, else llama.cpp's fixed pattern
+        pattern = g.arch_value("attention.sliding_window_pattern")
+        local = _per_layer(pattern) if pattern is not None else \
+            [(i + 1) % _COHERE2_GLOBAL_EVERY != 0 for i in range(kwargs["num_hidden_layers"])]
+        kwargs.update(sliding_window=int(window), layer_types=[
+            "sliding_attention" if is_local else "full_attention" for is_local in local])
     if arch == "olmo2" and window:  # OLMo 3: the file's rope is its global layers' (a YaRN's), the local ones' plain
         rope = kwargs["rope_parameters"]
         kwargs.update(model_type="olmo3", rope_parameters={
             "full_attention": rope, "sliding_attention": {"rope_type": "default", "rope_theta": rope["rope_theta"]}})
-    if arch == "command-r":     # Cohere's LayerNorm (no bias), its logits' scale; Command R+'s q/k norms (refused)
-        kwargs.update(layer_norm_eps=float(g.arch_value("attention.layer_norm_epsilon", 1e-5)),
+    if arch in ("command-r", "cohere2"):    # Cohere's LayerNorm (no bias), its logits' scale; Command R+'s q/k norms
+        kwargs.update(layer_norm_eps=float(g.arch_value("attention.layer_norm_epsilon", 1e-5)),     # (refused)
                       logit_scale=float(g.arch_value("logit_scale", 1.0)),
                       use_qk_norm="blk.0.attn_q_norm.weight" in g.tensors)
     if arch in ("granite", "granitemoe"):   # its four multipliers (pagedllm.models.llama), under llama.cpp's names

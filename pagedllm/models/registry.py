@@ -105,6 +105,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "phi": LlamaForCausalLM,
     "gpt_neox": LlamaForCausalLM,
     "cohere": LlamaForCausalLM,
+    "cohere2": LlamaForCausalLM,
     "bert": BertModel,
     "roberta": BertModel,
     "xlm-roberta": BertModel,

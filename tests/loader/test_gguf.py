@@ -192,14 +192,16 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
         w.add_logit_scale(cfg.logits_scaling)
     if arch in ("stablelm", "gptneox"):
         w.add_parallel_residual(cfg.use_parallel_residual)
-    if arch in ("stablelm", "starcoder2", "phi2", "gptneox", "command-r"):
+    if arch in ("stablelm", "starcoder2", "phi2", "gptneox", "command-r", "cohere2"):
         w.add_layer_norm_eps(cfg.norm_epsilon if arch == "starcoder2" else cfg.layer_norm_eps)
-    if arch == "command-r":
+    if arch in ("command-r", "cohere2"):
         w.add_logit_scale(cfg.logit_scale)
+    if arch == "cohere2":   # its window; its layers' pattern llama.cpp's fixed one (every fourth global), unwritten
+        w.add_sliding_window(cfg.sliding_window)
     if arch == "gemma2":
         w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
         w.add_final_logit_softcapping(cfg.final_logit_softcapping)
-    if arch != "command-r":     # (a LayerNorm model)
+    if arch not in ("command-r", "cohere2"):     # (LayerNorm models)
         w.add_layer_norm_rms_eps(cfg.norm_eps if arch in ("lfm2", "lfm2moe") else cfg.rms_norm_eps)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
@@ -340,6 +342,27 @@ def test_an_olmo3_gguf_matches_transformers_past_its_window(tmp_path: Path, rope
     assert config.rope_parameters["full_attention"]["rope_type"] == ("default" if rope is None else "yarn")
     runner = SimplePagedRunner(load_model(ModelConfig(model=str(path), dtype="float32")).model)
     tokens = [(7 * i + 3) % 300 for i in range(30)]   # past the window: the local layer sees its last 12
+    logits = runner.step({0: tokens})
+    for _ in range(3):
+        with torch.inference_mode():
+            expected = hf_model(torch.tensor([tokens])).logits[0, -1]
+        torch.testing.assert_close(logits[0], expected, atol=1e-4, rtol=0)
+        tokens.append(int(expected.argmax()))
+        logits = runner.step({0: tokens[-1:]})
+
+
+def test_a_cohere2_gguf_matches_transformers_past_its_window(tmp_path: Path) -> None:
+    """Command R7B as llama.cpp's converter writes it (`cohere2`): its window, and no pattern of its layers, which
+    llama.cpp fixes (three local layers, then a global one without a rotary embedding)."""
+    hf_model = build_tiny_hf_model("cohere2", num_hidden_layers=4, layer_types=["sliding_attention"] * 3 +
+                                   ["full_attention"])
+    path = tmp_path / "cohere2.gguf"
+    write_model_gguf(hf_model, path, "cohere2")
+    config = gguf_hf_config(GGUFFile(path))
+    assert config.model_type == "cohere2" and config.layer_types == hf_model.config.layer_types
+    assert config.sliding_window == 12 and config.logit_scale == 0.5
+    runner = SimplePagedRunner(load_model(ModelConfig(model=str(path), dtype="float32")).model)
+    tokens = [(7 * i + 3) % 300 for i in range(30)]   # past the window: the local layers see their last 12
     logits = runner.step({0: tokens})
     for _ in range(3):
         with torch.inference_mode():
