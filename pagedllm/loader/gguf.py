@@ -44,7 +44,7 @@ _PLAIN_TYPES: dict[int, torch.dtype] = {
 # ERNIE 4.5's, GLM-4's and Cohere's (Command R's) rows as their checkpoints hold them: interleaved (GLM-4's in the
 # rotary half of each head)
 _HALVES_ARCHS = {"ernie4_5", "ernie4_5-moe", "glm4", "command-r", "cohere2"}    # (whose rows the loader reorders)
-_PERMUTED_ARCHS = {"llama", "smollm3", "granite", "granitemoe", *_HALVES_ARCHS}
+_PERMUTED_ARCHS = {"llama", "smollm3", "granite", "granitemoe", "arcee", *_HALVES_ARCHS}
 # SmolLM3's layers without a rotary embedding: every how many one is (llama.cpp fixes it rather than store it)
 _SMOLLM3_NO_ROPE_EVERY = 4
 
@@ -475,6 +475,8 @@ def _add_architecture_fields(g: GGUFFile, kwargs: dict[str, Any]) -> None:
         kwargs.update(layer_norm_eps=float(g.arch_value("attention.layer_norm_epsilon", 1e-5)),     # (refused)
                       logit_scale=float(g.arch_value("logit_scale", 1.0)),
                       use_qk_norm="blk.0.attn_q_norm.weight" in g.tensors)
+    if arch == "arcee":     # AFM's ungated MLP, as llama.cpp runs it
+        kwargs["hidden_act"] = "relu2"
     if arch in ("granite", "granitemoe"):   # its four multipliers (pagedllm.models.llama), under llama.cpp's names
         kwargs.update({field: float(g.arch_value(key)) for field, key in _GRANITE_MULTIPLIERS
                        if g.arch_value(key) is not None})

@@ -106,6 +106,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "gpt_neox": LlamaForCausalLM,
     "cohere": LlamaForCausalLM,
     "cohere2": LlamaForCausalLM,
+    "arcee": LlamaForCausalLM,
     "bert": BertModel,
     "roberta": BertModel,
     "xlm-roberta": BertModel,

@@ -76,7 +76,7 @@ def test_every_tensor_type_matches_gguf_reader(tmp_path: Path) -> None:
             assert err < 0.35, (t.name, err)
 
 
-_PERMUTED = ("llama", "smollm3", "granite", "granitemoe")    # the architectures whose Q/K rows the converter permutes
+_PERMUTED = ("llama", "smollm3", "granite", "granitemoe", "arcee")    # those whose Q/K rows the converter permutes
 
 
 def _permute(w: torch.Tensor, n_head: int, n_head_kv: int | None) -> torch.Tensor:
@@ -268,6 +268,7 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
                                        ("qwen3", "qwen3"), ("mixtral", "llama"), ("qwen2-moe", "qwen2moe"),
                                        ("qwen3-moe", "qwen3moe"), ("smollm3", "smollm3"), ("granite", "granite"),
                                        ("granitemoe", "granitemoe"), ("olmoe", "olmoe"), ("cohere", "command-r"),
+                                       ("arcee", "arcee"),
                                        ("lfm2", "lfm2"), ("lfm2-moe", "lfm2moe"), ("olmo2", "olmo2"),
                                        ("exaone4", "exaone4"),
                                        ("ernie4_5", "ernie4_5"), ("ernie4_5-moe", "ernie4_5-moe"), ("glm4", "glm4"),
