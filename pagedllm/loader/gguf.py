@@ -94,7 +94,7 @@ _NORM_SHIFTED_ARCHS = {"gemma2", "gemma3", "gemma-embedding"}
 _GRANITE_MULTIPLIERS = (("embedding_multiplier", "embedding_scale"), ("attention_multiplier", "attention.scale"),
                         ("residual_multiplier", "residual_scale"), ("logits_scaling", "logit_scale"))
 _MODEL_TYPES = {"gemma3": "gemma3_text", "gemma-embedding": "gemma3_text", "phi2": "phi", "gptneox": "gpt_neox",
-                "command-r": "cohere"}
+                "command-r": "cohere", "hunyuan-dense": "hunyuan_v1_dense"}
 # Cohere2's layers: every how many one is global (NoPE), the others local over the window, where a file does not
 # mark them (llama.cpp fixes it rather than store it)
 _COHERE2_GLOBAL_EVERY = 4

@@ -107,6 +107,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "cohere": LlamaForCausalLM,
     "cohere2": LlamaForCausalLM,
     "arcee": LlamaForCausalLM,
+    "hunyuan_v1_dense": LlamaForCausalLM,
     "bert": BertModel,
     "roberta": BertModel,
     "xlm-roberta": BertModel,

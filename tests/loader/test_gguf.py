@@ -167,7 +167,11 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
     else:
         w.add_feed_forward_length(cfg.intermediate_size)
         w.add_head_count_kv(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
-    w.add_rope_freq_base(rope["rope_theta"])
+    if rope["rope_type"] == "dynamic":   # Hunyuan's fixed NTK alpha: its base stretched, as the converter writes it
+        head_dim = cfg.head_dim
+        w.add_rope_freq_base(rope["rope_theta"] * rope["alpha"] ** (head_dim / (head_dim - 2)))
+    else:
+        w.add_rope_freq_base(rope["rope_theta"])
     if rope["rope_type"] == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rope["factor"])
@@ -268,7 +272,7 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
                                        ("qwen3", "qwen3"), ("mixtral", "llama"), ("qwen2-moe", "qwen2moe"),
                                        ("qwen3-moe", "qwen3moe"), ("smollm3", "smollm3"), ("granite", "granite"),
                                        ("granitemoe", "granitemoe"), ("olmoe", "olmoe"), ("cohere", "command-r"),
-                                       ("arcee", "arcee"),
+                                       ("arcee", "arcee"), ("hunyuan", "hunyuan-dense"),
                                        ("lfm2", "lfm2"), ("lfm2-moe", "lfm2moe"), ("olmo2", "olmo2"),
                                        ("exaone4", "exaone4"),
                                        ("ernie4_5", "ernie4_5"), ("ernie4_5-moe", "ernie4_5-moe"), ("glm4", "glm4"),
