@@ -82,6 +82,8 @@ _ARCH_BLOCK_NAMES = {"gemma2": _GEMMA_BLOCK_NAMES, "gemma3": _GEMMA_BLOCK_NAMES,
                      "glm4": {**_BLOCK_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj",
                               "post_attention_norm": "post_self_attn_layernorm", "post_ffw_norm": "post_mlp_layernorm"},
                      "lfm2": _LFM2_BLOCK_NAMES, "lfm2moe": _LFM2_BLOCK_NAMES,
+                     # Seed-OSS's norm before the MLP, under llama.cpp's name for a norm after the attention
+                     "seed_oss": {**_BLOCK_NAMES, "post_attention_norm": "post_attention_layernorm"},
                      # the ungated MLPs of StarCoder2, Phi-2 and GPT-NeoX, under the names the model gives them
                      # (`PlainMLP`); Phi-2's and GPT-NeoX's q/k/v fused (q's rows, then k's, then v's: llama.cpp's
                      # converter reorders GPT-NeoX's from head by head)
@@ -475,6 +477,9 @@ def _add_architecture_fields(g: GGUFFile, kwargs: dict[str, Any]) -> None:
         kwargs.update(layer_norm_eps=float(g.arch_value("attention.layer_norm_epsilon", 1e-5)),     # (refused)
                       logit_scale=float(g.arch_value("logit_scale", 1.0)),
                       use_qk_norm="blk.0.attn_q_norm.weight" in g.tensors)
+    if arch == "seed_oss":  # its q/k/v's biases and o's, as the file holds them
+        kwargs.update(attention_bias="blk.0.attn_q.bias" in g.tensors,
+                      attention_out_bias="blk.0.attn_output.bias" in g.tensors)
     if arch == "arcee":     # AFM's ungated MLP, as llama.cpp runs it
         kwargs["hidden_act"] = "relu2"
     if arch in ("granite", "granitemoe"):   # its four multipliers (pagedllm.models.llama), under llama.cpp's names

@@ -108,6 +108,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "cohere2": LlamaForCausalLM,
     "arcee": LlamaForCausalLM,
     "hunyuan_v1_dense": LlamaForCausalLM,
+    "seed_oss": LlamaForCausalLM,
     "bert": BertModel,
     "roberta": BertModel,
     "xlm-roberta": BertModel,

@@ -273,6 +273,7 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
                                        ("qwen3-moe", "qwen3moe"), ("smollm3", "smollm3"), ("granite", "granite"),
                                        ("granitemoe", "granitemoe"), ("olmoe", "olmoe"), ("cohere", "command-r"),
                                        ("arcee", "arcee"), ("hunyuan", "hunyuan-dense"),
+                                       ("seed-oss", "seed_oss"),
                                        ("lfm2", "lfm2"), ("lfm2-moe", "lfm2moe"), ("olmo2", "olmo2"),
                                        ("exaone4", "exaone4"),
                                        ("ernie4_5", "ernie4_5"), ("ernie4_5-moe", "ernie4_5-moe"), ("glm4", "glm4"),
