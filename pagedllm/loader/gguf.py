@@ -89,12 +89,13 @@ _ARCH_BLOCK_NAMES = {"gemma2": _GEMMA_BLOCK_NAMES, "gemma3": _GEMMA_BLOCK_NAMES,
                      # converter reorders GPT-NeoX's from head by head)
                      "starcoder2": _PLAIN_MLP_BLOCK_NAMES, "phi2": _PLAIN_MLP_BLOCK_NAMES,
                      "gptneox": _PLAIN_MLP_BLOCK_NAMES}
-# Architectures whose RMSNorm scales by 1 + w, which llama.cpp's converter stores as the 1 + w it multiplies by
-_NORM_SHIFTED_ARCHS = {"gemma2", "gemma3", "gemma-embedding"}
-# GGUF architecture -> transformers' model_type, where they differ (a mixture of experts: _MOE_MODEL_TYPES)
+# Architectures whose norm scales by 1 + w (Gemma's RMSNorm, Nemotron's LayerNorm1P), which llama.cpp's converter
+# stores as the 1 + w it multiplies by
+_NORM_SHIFTED_ARCHS = {"gemma2", "gemma3", "gemma-embedding", "nemotron"}
 # Granite's config fields -> llama.cpp's keys
 _GRANITE_MULTIPLIERS = (("embedding_multiplier", "embedding_scale"), ("attention_multiplier", "attention.scale"),
                         ("residual_multiplier", "residual_scale"), ("logits_scaling", "logit_scale"))
+# GGUF architecture -> transformers' model_type, where they differ (a mixture of experts: _MOE_MODEL_TYPES)
 _MODEL_TYPES = {"gemma3": "gemma3_text", "gemma-embedding": "gemma3_text", "phi2": "phi", "gptneox": "gpt_neox",
                 "command-r": "cohere", "hunyuan-dense": "hunyuan_v1_dense"}
 # Cohere2's layers: every how many one is global (NoPE), the others local over the window, where a file does not
@@ -446,7 +447,7 @@ def _add_architecture_fields(g: GGUFFile, kwargs: dict[str, Any]) -> None:
         kwargs.update(_gguf_phi3(g, kwargs))
     if arch in _HALVES_ARCHS:    # its q/k rows come out of the file in halves already (_PERMUTED_ARCHS)
         kwargs["rotary_rows_in_halves"] = True
-    if arch in ("glm4", "stablelm", "phi2", "gptneox"):     # a rope over `rope.dimension_count` of each head's values
+    if arch in ("glm4", "stablelm", "phi2", "gptneox", "nemotron"):     # a rope over `rope.dimension_count` of a head
         kwargs["head_dim"] = int(g.arch_value("attention.key_length") or hidden // num_heads)
         kwargs["rope_parameters"] = _partial_rope(g, kwargs["rope_parameters"], kwargs["head_dim"])
     if arch in ("stablelm", "starcoder2", "phi2", "gptneox"):
@@ -480,8 +481,10 @@ def _add_architecture_fields(g: GGUFFile, kwargs: dict[str, Any]) -> None:
     if arch == "seed_oss":  # its q/k/v's biases and o's, as the file holds them
         kwargs.update(attention_bias="blk.0.attn_q.bias" in g.tensors,
                       attention_out_bias="blk.0.attn_output.bias" in g.tensors)
-    if arch == "arcee":     # AFM's ungated MLP, as llama.cpp runs it
+    if arch in ("arcee", "nemotron"):   # their ungated MLPs, as llama.cpp runs them
         kwargs["hidden_act"] = "relu2"
+    if arch == "nemotron":  # its LayerNorm1P's epsilon
+        kwargs["norm_eps"] = float(g.arch_value("attention.layer_norm_epsilon", 1e-5))
     if arch in ("granite", "granitemoe"):   # its four multipliers (pagedllm.models.llama), under llama.cpp's names
         kwargs.update({field: float(g.arch_value(key)) for field, key in _GRANITE_MULTIPLIERS
                        if g.arch_value(key) is not None})

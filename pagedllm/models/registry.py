@@ -109,6 +109,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "arcee": LlamaForCausalLM,
     "hunyuan_v1_dense": LlamaForCausalLM,
     "seed_oss": LlamaForCausalLM,
+    "nemotron": LlamaForCausalLM,
     "bert": BertModel,
     "roberta": BertModel,
     "xlm-roberta": BertModel,

@@ -196,8 +196,9 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
         w.add_logit_scale(cfg.logits_scaling)
     if arch in ("stablelm", "gptneox"):
         w.add_parallel_residual(cfg.use_parallel_residual)
-    if arch in ("stablelm", "starcoder2", "phi2", "gptneox", "command-r", "cohere2"):
-        w.add_layer_norm_eps(cfg.norm_epsilon if arch == "starcoder2" else cfg.layer_norm_eps)
+    if arch in ("stablelm", "starcoder2", "phi2", "gptneox", "command-r", "cohere2", "nemotron"):
+        w.add_layer_norm_eps(cfg.norm_epsilon if arch == "starcoder2" else
+                             cfg.norm_eps if arch == "nemotron" else cfg.layer_norm_eps)
     if arch in ("command-r", "cohere2"):
         w.add_logit_scale(cfg.logit_scale)
     if arch == "cohere2":   # its window; its layers' pattern llama.cpp's fixed one (every fourth global), unwritten
@@ -205,7 +206,7 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
     if arch == "gemma2":
         w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
         w.add_final_logit_softcapping(cfg.final_logit_softcapping)
-    if arch not in ("command-r", "cohere2"):     # (LayerNorm models)
+    if arch not in ("command-r", "cohere2", "nemotron"):     # (LayerNorm models)
         w.add_layer_norm_rms_eps(cfg.norm_eps if arch in ("lfm2", "lfm2moe") else cfg.rms_norm_eps)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
@@ -249,7 +250,7 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
             t = _permute(t, cfg.num_attention_heads, cfg.num_attention_heads)
         elif arch in _PERMUTED and ".attn_k." in gname:
             t = _permute(t, cfg.num_attention_heads, cfg.num_key_value_heads)
-        elif arch in ("gemma2", "gemma3", "gemma-embedding") and gname.endswith("norm.weight"):
+        elif arch in ("gemma2", "gemma3", "gemma-embedding", "nemotron") and gname.endswith("norm.weight"):
             t = t + 1
         elif arch in ("lfm2", "lfm2moe") and gname.endswith("shortconv.conv.weight"):
             t = t.squeeze(1)
@@ -273,7 +274,7 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
                                        ("qwen3-moe", "qwen3moe"), ("smollm3", "smollm3"), ("granite", "granite"),
                                        ("granitemoe", "granitemoe"), ("olmoe", "olmoe"), ("cohere", "command-r"),
                                        ("arcee", "arcee"), ("hunyuan", "hunyuan-dense"),
-                                       ("seed-oss", "seed_oss"),
+                                       ("seed-oss", "seed_oss"), ("nemotron", "nemotron"),
                                        ("lfm2", "lfm2"), ("lfm2-moe", "lfm2moe"), ("olmo2", "olmo2"),
                                        ("exaone4", "exaone4"),
                                        ("ernie4_5", "ernie4_5"), ("ernie4_5-moe", "ernie4_5-moe"), ("glm4", "glm4"),
