@@ -88,7 +88,10 @@ _ARCH_BLOCK_NAMES = {"gemma2": _GEMMA_BLOCK_NAMES, "gemma3": _GEMMA_BLOCK_NAMES,
                      # (`PlainMLP`); Phi-2's and GPT-NeoX's q/k/v fused (q's rows, then k's, then v's: llama.cpp's
                      # converter reorders GPT-NeoX's from head by head)
                      "starcoder2": _PLAIN_MLP_BLOCK_NAMES, "phi2": _PLAIN_MLP_BLOCK_NAMES,
-                     "gptneox": _PLAIN_MLP_BLOCK_NAMES}
+                     "gptneox": _PLAIN_MLP_BLOCK_NAMES,
+                     # StarCoder's (GPT-BigCode's) q/k/v fused as its checkpoints hold them: its queries' rows, then
+                     # its one KV head's key and value (`unfused`)
+                     "starcoder": {**_PLAIN_MLP_BLOCK_NAMES, "attn_qkv": "self_attn.query_key_value"}}
 # Architectures whose norm scales by 1 + w (Gemma's RMSNorm, Nemotron's LayerNorm1P), which llama.cpp's converter
 # stores as the 1 + w it multiplies by
 _NORM_SHIFTED_ARCHS = {"gemma2", "gemma3", "gemma-embedding", "nemotron"}
@@ -97,7 +100,7 @@ _GRANITE_MULTIPLIERS = (("embedding_multiplier", "embedding_scale"), ("attention
                         ("residual_multiplier", "residual_scale"), ("logits_scaling", "logit_scale"))
 # GGUF architecture -> transformers' model_type, where they differ (a mixture of experts: _MOE_MODEL_TYPES)
 _MODEL_TYPES = {"gemma3": "gemma3_text", "gemma-embedding": "gemma3_text", "phi2": "phi", "gptneox": "gpt_neox",
-                "command-r": "cohere", "hunyuan-dense": "hunyuan_v1_dense"}
+                "command-r": "cohere", "hunyuan-dense": "hunyuan_v1_dense", "starcoder": "gpt_bigcode"}
 # Cohere2's layers: every how many one is global (NoPE), the others local over the window, where a file does not
 # mark them (llama.cpp fixes it rather than store it)
 _COHERE2_GLOBAL_EVERY = 4
@@ -107,7 +110,8 @@ _GEMMA_LAYOUTS = {"gemma2": (2, 46), "gemma3": (6, 62), "gemma-embedding": (6, 6
 # EmbeddingGemma's sentence-transformers Dense layers, which its files hold beside the model (`dense_projection`)
 DENSE_TENSORS = ("dense_2.weight", "dense_3.weight")
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
-              "token_embd_norm": "model.embedding_norm"}   # (LFM2's final norm, under transformers' name for it)
+              "token_embd_norm": "model.embedding_norm",   # (LFM2's final norm, under transformers' name for it)
+              "position_embd": "model.embed_positions"}    # (StarCoder's learned positions)
 # llama3's and longrope's rope factors: the rope is rebuilt from the config (longrope's factors go into it)
 _SKIPPED = {"rope_freqs", "rope_factors_long", "rope_factors_short"}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.([\w.]+)\.(weight|bias)$")
@@ -481,6 +485,9 @@ def _add_architecture_fields(g: GGUFFile, kwargs: dict[str, Any]) -> None:
     if arch == "seed_oss":  # its q/k/v's biases and o's, as the file holds them
         kwargs.update(attention_bias="blk.0.attn_q.bias" in g.tensors,
                       attention_out_bias="blk.0.attn_output.bias" in g.tensors)
+    if arch == "starcoder":     # GPT-BigCode's LayerNorms, its MLP's width and GELU (learned positions: its table)
+        kwargs.update(layer_norm_epsilon=float(g.arch_value("attention.layer_norm_epsilon", 1e-5)),
+                      n_inner=kwargs["intermediate_size"], activation_function="gelu_pytorch_tanh")
     if arch in ("arcee", "nemotron"):   # their ungated MLPs, as llama.cpp runs them
         kwargs["hidden_act"] = "relu2"
     if arch == "nemotron":  # its LayerNorm1P's epsilon

@@ -510,6 +510,7 @@ def num_experts(config: Any) -> int:
 
 # a fused checkpoint tensor's name part -> its parts', in row order (Phi-3 stores its q/k/v and gate/up fused)
 _FUSED_CHECKPOINT_PARTS = {".qkv_proj.": (".q_proj.", ".k_proj.", ".v_proj."),
+                           ".query_key_value.": (".q_proj.", ".k_proj.", ".v_proj."),   # (split by `unfused`)
                            ".gate_up_proj.": (".gate_proj.", ".up_proj.")}
 
 

@@ -110,6 +110,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "hunyuan_v1_dense": LlamaForCausalLM,
     "seed_oss": LlamaForCausalLM,
     "nemotron": LlamaForCausalLM,
+    "gpt_bigcode": LlamaForCausalLM,
     "bert": BertModel,
     "roberta": BertModel,
     "xlm-roberta": BertModel,

@@ -152,7 +152,9 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
     norms stored as the 1 + w they scale by, its global layers' rope and its window (EmbeddingGemma's as its
     config.json holds it, with its mean pooling and its `dense` layers' weights)."""
     cfg = hf_model.config
-    rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)
+    # (StarCoder's learned positions: no rope, whose base the converter writes anyway)
+    rope_parameters = getattr(cfg, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0}
+    rope = rope_parameters.get("full_attention", rope_parameters)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
@@ -164,6 +166,9 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
         w.add_feed_forward_length(_intermediate_size(cfg))
         w.add_head_count_kv([0 if t == "conv" else cfg.num_key_value_heads for t in cfg.layer_types])
         w.add_shortconv_l_cache(cfg.conv_L_cache)
+    elif arch == "starcoder":   # GPT-BigCode's MLP width (n_inner) and its one KV head, or one a query head
+        w.add_feed_forward_length(cfg.n_inner or 4 * cfg.hidden_size)
+        w.add_head_count_kv(1 if cfg.multi_query else cfg.num_attention_heads)
     else:
         w.add_feed_forward_length(cfg.intermediate_size)
         w.add_head_count_kv(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
@@ -196,9 +201,9 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
         w.add_logit_scale(cfg.logits_scaling)
     if arch in ("stablelm", "gptneox"):
         w.add_parallel_residual(cfg.use_parallel_residual)
-    if arch in ("stablelm", "starcoder2", "phi2", "gptneox", "command-r", "cohere2", "nemotron"):
-        w.add_layer_norm_eps(cfg.norm_epsilon if arch == "starcoder2" else
-                             cfg.norm_eps if arch == "nemotron" else cfg.layer_norm_eps)
+    if arch in ("stablelm", "starcoder2", "phi2", "gptneox", "command-r", "cohere2", "nemotron", "starcoder"):
+        w.add_layer_norm_eps(cfg.norm_epsilon if arch == "starcoder2" else cfg.norm_eps if arch == "nemotron" else
+                             cfg.layer_norm_epsilon if arch == "starcoder" else cfg.layer_norm_eps)
     if arch in ("command-r", "cohere2"):
         w.add_logit_scale(cfg.logit_scale)
     if arch == "cohere2":   # its window; its layers' pattern llama.cpp's fixed one (every fourth global), unwritten
@@ -206,7 +211,7 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
     if arch == "gemma2":
         w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
         w.add_final_logit_softcapping(cfg.final_logit_softcapping)
-    if arch not in ("command-r", "cohere2", "nemotron"):     # (LayerNorm models)
+    if arch not in ("command-r", "cohere2", "nemotron", "starcoder"):     # (LayerNorm models)
         w.add_layer_norm_rms_eps(cfg.norm_eps if arch in ("lfm2", "lfm2moe") else cfg.rms_norm_eps)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
@@ -275,6 +280,7 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
                                        ("granitemoe", "granitemoe"), ("olmoe", "olmoe"), ("cohere", "command-r"),
                                        ("arcee", "arcee"), ("hunyuan", "hunyuan-dense"),
                                        ("seed-oss", "seed_oss"), ("nemotron", "nemotron"),
+                                       ("gpt-bigcode", "starcoder"), ("gpt-bigcode-mha", "starcoder"),
                                        ("lfm2", "lfm2"), ("lfm2-moe", "lfm2moe"), ("olmo2", "olmo2"),
                                        ("exaone4", "exaone4"),
                                        ("ernie4_5", "ernie4_5"), ("ernie4_5-moe", "ernie4_5-moe"), ("glm4", "glm4"),
@@ -495,6 +501,18 @@ def test_a_quantized_interleaved_gguf_keeps_its_blocks_reordered_by_row(tmp_path
     activations' noise."""
     path = tmp_path / f"{kind}-q8.gguf"
     write_model_gguf(build_tiny_hf_model(kind), path, arch, Q.Q8_0)
+    packed = load_model(ModelConfig(model=str(path), dtype="float32", quantization="gguf")).model
+    dense = load_model(ModelConfig(model=str(path), dtype="float32")).model
+    assert packed.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.uint8
+    _assert_gguf_reference_near_the_dense_model(packed, dense, [1, 17, 250, 9, 33, 70, 5, 80, 81], monkeypatch)
+
+
+def test_a_quantized_starcoder_gguf_splits_its_fused_qkv_blocks_by_row(tmp_path: Path, monkeypatch) -> None:
+    """StarCoder's attn_qkv (its queries' rows, then its one KV head's key and value) splits into q, k and v rows of
+    blocks, which stay packed, its learned positions beside them: the dequantised model within the 16-bit
+    activations' noise."""
+    path = tmp_path / "starcoder-q8.gguf"
+    write_model_gguf(build_tiny_hf_model("gpt-bigcode"), path, "starcoder", Q.Q8_0)
     packed = load_model(ModelConfig(model=str(path), dtype="float32", quantization="gguf")).model
     dense = load_model(ModelConfig(model=str(path), dtype="float32")).model
     assert packed.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.uint8
