@@ -91,7 +91,8 @@ _ARCH_BLOCK_NAMES = {"gemma2": _GEMMA_BLOCK_NAMES, "gemma3": _GEMMA_BLOCK_NAMES,
                      "gptneox": _PLAIN_MLP_BLOCK_NAMES,
                      # StarCoder's (GPT-BigCode's) q/k/v fused as its checkpoints hold them: its queries' rows, then
                      # its one KV head's key and value (`unfused`)
-                     "starcoder": {**_PLAIN_MLP_BLOCK_NAMES, "attn_qkv": "self_attn.query_key_value"}}
+                     "starcoder": {**_PLAIN_MLP_BLOCK_NAMES, "attn_qkv": "self_attn.query_key_value"},
+                     "gpt2": _PLAIN_MLP_BLOCK_NAMES}   # (GPT-2's q/k/v fused: q's rows, then k's, then v's)
 # Architectures whose norm scales by 1 + w (Gemma's RMSNorm, Nemotron's LayerNorm1P), which llama.cpp's converter
 # stores as the 1 + w it multiplies by
 _NORM_SHIFTED_ARCHS = {"gemma2", "gemma3", "gemma-embedding", "nemotron"}
@@ -331,6 +332,8 @@ def iterate_gguf(path: str | Path, dtype: torch.dtype = torch.float32, gguf_file
             tensor = interleaved_to_halves(tensor, num_heads, rope_dims)
         elif permute and ".k_proj." in hf_name:
             tensor = interleaved_to_halves(tensor, num_kv_heads, rope_dims)
+        if g.architecture == "gpt2" and ".layers." in hf_name and tensor.dim() == 2:
+            tensor = tensor.t()     # GPT-2's Conv1D weights [in, out], as its checkpoints hold them
         yield hf_name, tensor.to(dtype)
 
 
@@ -485,9 +488,10 @@ def _add_architecture_fields(g: GGUFFile, kwargs: dict[str, Any]) -> None:
     if arch == "seed_oss":  # its q/k/v's biases and o's, as the file holds them
         kwargs.update(attention_bias="blk.0.attn_q.bias" in g.tensors,
                       attention_out_bias="blk.0.attn_output.bias" in g.tensors)
-    if arch == "starcoder":     # GPT-BigCode's LayerNorms, its MLP's width and GELU (learned positions: its table)
+    if arch in ("starcoder", "gpt2"):   # their LayerNorms, their MLPs' width and GELU (learned positions: a table)
         kwargs.update(layer_norm_epsilon=float(g.arch_value("attention.layer_norm_epsilon", 1e-5)),
-                      n_inner=kwargs["intermediate_size"], activation_function="gelu_pytorch_tanh")
+                      n_inner=kwargs["intermediate_size"],
+                      activation_function="gelu_pytorch_tanh" if arch == "starcoder" else "gelu_new")
     if arch in ("arcee", "nemotron"):   # their ungated MLPs, as llama.cpp runs them
         kwargs["hidden_act"] = "relu2"
     if arch == "nemotron":  # its LayerNorm1P's epsilon

@@ -111,6 +111,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "seed_oss": LlamaForCausalLM,
     "nemotron": LlamaForCausalLM,
     "gpt_bigcode": LlamaForCausalLM,
+    "gpt2": LlamaForCausalLM,
     "bert": BertModel,
     "roberta": BertModel,
     "xlm-roberta": BertModel,

@@ -79,6 +79,12 @@ def test_every_tensor_type_matches_gguf_reader(tmp_path: Path) -> None:
 _PERMUTED = ("llama", "smollm3", "granite", "granitemoe", "arcee")    # those whose Q/K rows the converter permutes
 
 
+# The LayerNorm models' architectures -> their configs' field for its epsilon (the others' RMSNorms: rms_norm_eps)
+_LAYER_NORM_EPS = {"stablelm": "layer_norm_eps", "phi2": "layer_norm_eps", "gptneox": "layer_norm_eps",
+                   "command-r": "layer_norm_eps", "cohere2": "layer_norm_eps", "starcoder2": "norm_epsilon",
+                   "nemotron": "norm_eps", "starcoder": "layer_norm_epsilon", "gpt2": "layer_norm_epsilon"}
+
+
 def _permute(w: torch.Tensor, n_head: int, n_head_kv: int | None) -> torch.Tensor:
     """convert_hf_to_gguf.LlamaModel.permute, verbatim in torch."""
     if n_head_kv is not None and n_head != n_head_kv:
@@ -166,9 +172,9 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
         w.add_feed_forward_length(_intermediate_size(cfg))
         w.add_head_count_kv([0 if t == "conv" else cfg.num_key_value_heads for t in cfg.layer_types])
         w.add_shortconv_l_cache(cfg.conv_L_cache)
-    elif arch == "starcoder":   # GPT-BigCode's MLP width (n_inner) and its one KV head, or one a query head
+    elif arch in ("starcoder", "gpt2"):     # their MLPs' width (n_inner); GPT-BigCode's one KV head, or one a query
         w.add_feed_forward_length(cfg.n_inner or 4 * cfg.hidden_size)
-        w.add_head_count_kv(1 if cfg.multi_query else cfg.num_attention_heads)
+        w.add_head_count_kv(1 if getattr(cfg, "multi_query", False) else cfg.num_attention_heads)
     else:
         w.add_feed_forward_length(cfg.intermediate_size)
         w.add_head_count_kv(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
@@ -201,9 +207,6 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
         w.add_logit_scale(cfg.logits_scaling)
     if arch in ("stablelm", "gptneox"):
         w.add_parallel_residual(cfg.use_parallel_residual)
-    if arch in ("stablelm", "starcoder2", "phi2", "gptneox", "command-r", "cohere2", "nemotron", "starcoder"):
-        w.add_layer_norm_eps(cfg.norm_epsilon if arch == "starcoder2" else cfg.norm_eps if arch == "nemotron" else
-                             cfg.layer_norm_epsilon if arch == "starcoder" else cfg.layer_norm_eps)
     if arch in ("command-r", "cohere2"):
         w.add_logit_scale(cfg.logit_scale)
     if arch == "cohere2":   # its window; its layers' pattern llama.cpp's fixed one (every fourth global), unwritten
@@ -211,7 +214,9 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
     if arch == "gemma2":
         w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
         w.add_final_logit_softcapping(cfg.final_logit_softcapping)
-    if arch not in ("command-r", "cohere2", "nemotron", "starcoder"):     # (LayerNorm models)
+    if arch in _LAYER_NORM_EPS:
+        w.add_layer_norm_eps(getattr(cfg, _LAYER_NORM_EPS[arch]))
+    else:
         w.add_layer_norm_rms_eps(cfg.norm_eps if arch in ("lfm2", "lfm2moe") else cfg.rms_norm_eps)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
@@ -259,6 +264,8 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
             t = t + 1
         elif arch in ("lfm2", "lfm2moe") and gname.endswith("shortconv.conv.weight"):
             t = t.squeeze(1)
+        elif arch == "gpt2" and gname.startswith("blk.") and gname.endswith(".weight") and t.dim() == 2:
+            t = t.t().contiguous()     # Conv1D's [in, out] as nn.Linear's [out, in], as the converter writes it
         elif arch == "gptneox" and ".attn_qkv." in gname:   # head by head -> q's rows, k's, v's (llama.cpp's)
             t = t.unflatten(0, (cfg.num_attention_heads, 3, -1)).transpose(0, 1).flatten(0, 2)
         data = t.numpy()
@@ -280,7 +287,7 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
                                        ("granitemoe", "granitemoe"), ("olmoe", "olmoe"), ("cohere", "command-r"),
                                        ("arcee", "arcee"), ("hunyuan", "hunyuan-dense"),
                                        ("seed-oss", "seed_oss"), ("nemotron", "nemotron"),
-                                       ("gpt-bigcode", "starcoder"), ("gpt-bigcode-mha", "starcoder"),
+                                       ("gpt-bigcode", "starcoder"), ("gpt-bigcode-mha", "starcoder"), ("gpt2", "gpt2"),
                                        ("lfm2", "lfm2"), ("lfm2-moe", "lfm2moe"), ("olmo2", "olmo2"),
                                        ("exaone4", "exaone4"),
                                        ("ernie4_5", "ernie4_5"), ("ernie4_5-moe", "ernie4_5-moe"), ("glm4", "glm4"),
@@ -507,12 +514,14 @@ def test_a_quantized_interleaved_gguf_keeps_its_blocks_reordered_by_row(tmp_path
     _assert_gguf_reference_near_the_dense_model(packed, dense, [1, 17, 250, 9, 33, 70, 5, 80, 81], monkeypatch)
 
 
-def test_a_quantized_starcoder_gguf_splits_its_fused_qkv_blocks_by_row(tmp_path: Path, monkeypatch) -> None:
-    """StarCoder's attn_qkv (its queries' rows, then its one KV head's key and value) splits into q, k and v rows of
-    blocks, which stay packed, its learned positions beside them: the dequantised model within the 16-bit
-    activations' noise."""
-    path = tmp_path / "starcoder-q8.gguf"
-    write_model_gguf(build_tiny_hf_model("gpt-bigcode"), path, "starcoder", Q.Q8_0)
+@pytest.mark.parametrize(("kind", "arch"), [("gpt-bigcode", "starcoder"), ("gpt2", "gpt2")])
+def test_a_quantized_learned_positions_gguf_splits_its_fused_qkv_blocks_by_row(tmp_path: Path, kind: str, arch: str,
+                                                                               monkeypatch) -> None:
+    """StarCoder's attn_qkv (its queries' rows, then its one KV head's key and value) and GPT-2's (stored as
+    nn.Linear's [out, in], its checkpoints' Conv1D transposed) split into q, k and v rows of blocks, which stay packed,
+    their learned positions beside them: the dequantised model within the 16-bit activations' noise."""
+    path = tmp_path / f"{arch}-q8.gguf"
+    write_model_gguf(build_tiny_hf_model(kind), path, arch, Q.Q8_0)
     packed = load_model(ModelConfig(model=str(path), dtype="float32", quantization="gguf")).model
     dense = load_model(ModelConfig(model=str(path), dtype="float32")).model
     assert packed.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.uint8
