@@ -92,7 +92,9 @@ _ARCH_BLOCK_NAMES = {"gemma2": _GEMMA_BLOCK_NAMES, "gemma3": _GEMMA_BLOCK_NAMES,
                      # StarCoder's (GPT-BigCode's) q/k/v fused as its checkpoints hold them: its queries' rows, then
                      # its one KV head's key and value (`unfused`)
                      "starcoder": {**_PLAIN_MLP_BLOCK_NAMES, "attn_qkv": "self_attn.query_key_value"},
-                     "gpt2": _PLAIN_MLP_BLOCK_NAMES}   # (GPT-2's q/k/v fused: q's rows, then k's, then v's)
+                     # GPT-2's q/k/v fused: q's rows, then k's, then v's; BLOOM's the same, as llama.cpp's converter
+                     # reorders them from head by head
+                     "gpt2": _PLAIN_MLP_BLOCK_NAMES, "bloom": _PLAIN_MLP_BLOCK_NAMES}
 # Architectures whose norm scales by 1 + w (Gemma's RMSNorm, Nemotron's LayerNorm1P), which llama.cpp's converter
 # stores as the 1 + w it multiplies by
 _NORM_SHIFTED_ARCHS = {"gemma2", "gemma3", "gemma-embedding", "nemotron"}
@@ -113,6 +115,7 @@ DENSE_TENSORS = ("dense_2.weight", "dense_3.weight")
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
               "token_embd_norm": "model.embedding_norm",   # (LFM2's final norm, under transformers' name for it)
               "position_embd": "model.embed_positions"}    # (StarCoder's learned positions)
+_ARCH_TOP_NAMES = {"bloom": {**_TOP_NAMES, "token_embd_norm": "model.embed_norm"}}    # (BLOOM's norm of its embedding)
 # llama3's and longrope's rope factors: the rope is rebuilt from the config (longrope's factors go into it)
 _SKIPPED = {"rope_freqs", "rope_factors_long", "rope_factors_short"}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.([\w.]+)\.(weight|bias)$")
@@ -300,9 +303,10 @@ def gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
     base, _, kind = name.rpartition(".")
     if base in _SKIPPED or name in DENSE_TENSORS:
         return None
-    if base not in _TOP_NAMES:
+    top_names = _ARCH_TOP_NAMES.get(arch, _TOP_NAMES)
+    if base not in top_names:
         raise KeyError(f"unknown GGUF tensor {name!r}")
-    return f"{_TOP_NAMES[base]}.{kind}"
+    return f"{top_names[base]}.{kind}"
 
 
 def iterate_gguf(path: str | Path, dtype: torch.dtype = torch.float32, gguf_file: GGUFFile | None = None,
@@ -488,6 +492,9 @@ def _add_architecture_fields(g: GGUFFile, kwargs: dict[str, Any]) -> None:
     if arch == "seed_oss":  # its q/k/v's biases and o's, as the file holds them
         kwargs.update(attention_bias="blk.0.attn_q.bias" in g.tensors,
                       attention_out_bias="blk.0.attn_output.bias" in g.tensors)
+    if arch == "bloom":     # its LayerNorms, its residual stream before them (ALiBi, its MLP's width: its model_type's)
+        kwargs.update(layer_norm_epsilon=float(g.arch_value("attention.layer_norm_epsilon", 1e-5)),
+                      apply_residual_connection_post_layernorm=False)
     if arch in ("starcoder", "gpt2"):   # their LayerNorms, their MLPs' width and GELU (learned positions: a table)
         kwargs.update(layer_norm_epsilon=float(g.arch_value("attention.layer_norm_epsilon", 1e-5)),
                       n_inner=kwargs["intermediate_size"],

@@ -1247,7 +1247,7 @@ class LlamaForCausalLM(nn.Module):
                 for mixtral, qwen in _MIXTRAL_NAMES:
                     name = name.replace(mixtral, qwen)
             body = _BODY_PREFIXES.get(self.config.model_type)
-            if body is not None and not name.startswith((body, "lm_head.")):
+            if body is not None and not name.startswith((body, "lm_head.", "model.")):     # (a GGUF's: ours already)
                 name = body + name
             for theirs, ours in _CHECKPOINT_NAMES.get(self.config.model_type, ()):
                 name = name.replace(theirs, ours)

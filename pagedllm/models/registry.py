@@ -112,6 +112,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "nemotron": LlamaForCausalLM,
     "gpt_bigcode": LlamaForCausalLM,
     "gpt2": LlamaForCausalLM,
+    "bloom": LlamaForCausalLM,
     "bert": BertModel,
     "roberta": BertModel,
     "xlm-roberta": BertModel,

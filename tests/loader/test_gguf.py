@@ -27,6 +27,7 @@ from pagedllm.loader.gguf import (
 )
 from pagedllm.loader.pooling_config import model_pooling_type, sentence_transformers_projector
 from pagedllm.loader.resolve import resolve_model
+from pagedllm.models.llama import _intermediate_size
 from tests.models.tiny import SimplePagedRunner, build_tiny_hf_model, use_gguf_reference
 
 QUANTIZABLE = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1]
@@ -82,7 +83,8 @@ _PERMUTED = ("llama", "smollm3", "granite", "granitemoe", "arcee")    # those wh
 # The LayerNorm models' architectures -> their configs' field for its epsilon (the others' RMSNorms: rms_norm_eps)
 _LAYER_NORM_EPS = {"stablelm": "layer_norm_eps", "phi2": "layer_norm_eps", "gptneox": "layer_norm_eps",
                    "command-r": "layer_norm_eps", "cohere2": "layer_norm_eps", "starcoder2": "norm_epsilon",
-                   "nemotron": "norm_eps", "starcoder": "layer_norm_epsilon", "gpt2": "layer_norm_epsilon"}
+                   "nemotron": "norm_eps", "starcoder": "layer_norm_epsilon", "gpt2": "layer_norm_epsilon",
+                   "bloom": "layer_norm_epsilon"}
 
 
 def _permute(w: torch.Tensor, n_head: int, n_head_kv: int | None) -> torch.Tensor:
@@ -127,8 +129,9 @@ def _gguf_tensors(hf_model, arch: str):
     arch_names = gguf.get_tensor_name_map(model_arch, hf_model.config.num_hidden_layers)
     llama_names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, hf_model.config.num_hidden_layers)
 
-    def gguf_name(hf_name: str) -> str:     # llama's for the tiny Qwen2-MoE's dense MLP, which real ones lack
-        return arch_names.get_name(hf_name) or llama_names.get_name(hf_name)
+    def gguf_name(hf_name: str) -> str:     # llama's for the tiny Qwen2-MoE's dense MLP, which real ones lack; some
+        return (arch_names.get_name(hf_name) or llama_names.get_name(hf_name) or    # of BLOOM's without their prefix
+                arch_names.get_name(hf_name.removeprefix("transformer.")))
 
     for name, t in hf_model.state_dict().items():
         base, kind = name.rsplit(".", 1)
@@ -166,18 +169,13 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_head_count(cfg.num_attention_heads)
-    if arch in ("lfm2", "lfm2moe"):     # its MLP's width adjusted, its convolution layers with no KV heads
-        from pagedllm.models.llama import _intermediate_size
-
-        w.add_feed_forward_length(_intermediate_size(cfg))
+    w.add_feed_forward_length(_intermediate_size(cfg))     # (LFM2's adjusted, GPT-2's n_inner, BLOOM's 4 x hidden)
+    if arch in ("lfm2", "lfm2moe"):     # its convolution layers with no KV heads
         w.add_head_count_kv([0 if t == "conv" else cfg.num_key_value_heads for t in cfg.layer_types])
         w.add_shortconv_l_cache(cfg.conv_L_cache)
-    elif arch in ("starcoder", "gpt2"):     # their MLPs' width (n_inner); GPT-BigCode's one KV head, or one a query
-        w.add_feed_forward_length(cfg.n_inner or 4 * cfg.hidden_size)
-        w.add_head_count_kv(1 if getattr(cfg, "multi_query", False) else cfg.num_attention_heads)
-    else:
-        w.add_feed_forward_length(cfg.intermediate_size)
-        w.add_head_count_kv(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+    else:   # (GPT-BigCode's one KV head, or one a query head)
+        w.add_head_count_kv(1 if getattr(cfg, "multi_query", False) else
+                            getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
     if rope["rope_type"] == "dynamic":   # Hunyuan's fixed NTK alpha: its base stretched, as the converter writes it
         head_dim = cfg.head_dim
         w.add_rope_freq_base(rope["rope_theta"] * rope["alpha"] ** (head_dim / (head_dim - 2)))
@@ -266,7 +264,7 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
             t = t.squeeze(1)
         elif arch == "gpt2" and gname.startswith("blk.") and gname.endswith(".weight") and t.dim() == 2:
             t = t.t().contiguous()     # Conv1D's [in, out] as nn.Linear's [out, in], as the converter writes it
-        elif arch == "gptneox" and ".attn_qkv." in gname:   # head by head -> q's rows, k's, v's (llama.cpp's)
+        elif arch in ("gptneox", "bloom") and ".attn_qkv." in gname:    # head by head -> q's rows, k's, v's
             t = t.unflatten(0, (cfg.num_attention_heads, 3, -1)).transpose(0, 1).flatten(0, 2)
         data = t.numpy()
         # llama.cpp keeps routers, and rows too short for a block (LFM2's convolution taps), as they are
@@ -288,6 +286,7 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
                                        ("arcee", "arcee"), ("hunyuan", "hunyuan-dense"),
                                        ("seed-oss", "seed_oss"), ("nemotron", "nemotron"),
                                        ("gpt-bigcode", "starcoder"), ("gpt-bigcode-mha", "starcoder"), ("gpt2", "gpt2"),
+                                       ("bloom", "bloom"),
                                        ("lfm2", "lfm2"), ("lfm2-moe", "lfm2moe"), ("olmo2", "olmo2"),
                                        ("exaone4", "exaone4"),
                                        ("ernie4_5", "ernie4_5"), ("ernie4_5-moe", "ernie4_5-moe"), ("glm4", "glm4"),
@@ -514,12 +513,13 @@ def test_a_quantized_interleaved_gguf_keeps_its_blocks_reordered_by_row(tmp_path
     _assert_gguf_reference_near_the_dense_model(packed, dense, [1, 17, 250, 9, 33, 70, 5, 80, 81], monkeypatch)
 
 
-@pytest.mark.parametrize(("kind", "arch"), [("gpt-bigcode", "starcoder"), ("gpt2", "gpt2")])
-def test_a_quantized_learned_positions_gguf_splits_its_fused_qkv_blocks_by_row(tmp_path: Path, kind: str, arch: str,
-                                                                               monkeypatch) -> None:
-    """StarCoder's attn_qkv (its queries' rows, then its one KV head's key and value) and GPT-2's (stored as
-    nn.Linear's [out, in], its checkpoints' Conv1D transposed) split into q, k and v rows of blocks, which stay packed,
-    their learned positions beside them: the dequantised model within the 16-bit activations' noise."""
+@pytest.mark.parametrize(("kind", "arch"), [("gpt-bigcode", "starcoder"), ("gpt2", "gpt2"), ("bloom", "bloom")])
+def test_a_quantized_gguf_splits_its_fused_qkv_blocks_by_row(tmp_path: Path, kind: str, arch: str,
+                                                             monkeypatch) -> None:
+    """StarCoder's attn_qkv (its queries' rows, then its one KV head's key and value), GPT-2's (stored as nn.Linear's
+    [out, in], its checkpoints' Conv1D transposed) and BLOOM's (q's rows, k's, v's, as the converter reorders them)
+    split into q, k and v rows of blocks, which stay packed: the dequantised model within the 16-bit activations'
+    noise."""
     path = tmp_path / f"{arch}-q8.gguf"
     write_model_gguf(build_tiny_hf_model(kind), path, arch, Q.Q8_0)
     packed = load_model(ModelConfig(model=str(path), dtype="float32", quantization="gguf")).model
