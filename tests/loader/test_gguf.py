@@ -322,6 +322,20 @@ _GEMMA3_LAYERS = dict(num_hidden_layers=6, query_pre_attn_scalar=32,
 _LOCAL_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
 
 
+def _assert_greedy_steps_follow_transformers(path: Path, hf_model) -> None:
+    """The file's model over a 30-token prompt, past a window of 12 (its local layers see their last 12), then three
+    greedy steps: each step's logits transformers', within float32's noise."""
+    runner = SimplePagedRunner(load_model(ModelConfig(model=str(path), dtype="float32")).model)
+    tokens = [(7 * i + 3) % 300 for i in range(30)]
+    logits = runner.step({0: tokens})
+    for _ in range(3):
+        with torch.inference_mode():
+            expected = hf_model(torch.tensor([tokens])).logits[0, -1]
+        torch.testing.assert_close(logits[0], expected, atol=1e-4, rtol=0)
+        tokens.append(int(expected.argmax()))
+        logits = runner.step({0: tokens[-1:]})
+
+
 @pytest.mark.parametrize("global_rope", [{"rope_type": "default", "rope_theta": 1e6},
                                          {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0}],
                          ids=["1b", "4b-rope-scaled"])
@@ -335,15 +349,7 @@ def test_a_gemma3_gguf_matches_transformers_past_its_window(tmp_path: Path, glob
     assert config.sliding_window == 12 and config.eos_token_id == [2, 5]
     norm = "model.layers.3.pre_feedforward_layernorm.weight"
     torch.testing.assert_close(dict(iterate_gguf(path))[norm], hf_model.state_dict()[norm])    # w, not 1 + w
-    runner = SimplePagedRunner(load_model(ModelConfig(model=str(path), dtype="float32")).model)
-    tokens = [(7 * i + 3) % 300 for i in range(30)]   # past the window: the local layers see their last 12
-    logits = runner.step({0: tokens})
-    for _ in range(3):
-        with torch.inference_mode():
-            expected = hf_model(torch.tensor([tokens])).logits[0, -1]
-        torch.testing.assert_close(logits[0], expected, atol=1e-4, rtol=0)
-        tokens.append(int(expected.argmax()))
-        logits = runner.step({0: tokens[-1:]})
+    _assert_greedy_steps_follow_transformers(path, hf_model)
 
 
 @pytest.mark.parametrize("rope", [None, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}],
@@ -359,15 +365,7 @@ def test_an_olmo3_gguf_matches_transformers_past_its_window(tmp_path: Path, rope
     assert config.sliding_window == 12
     assert config.rope_parameters["sliding_attention"]["rope_type"] == "default"
     assert config.rope_parameters["full_attention"]["rope_type"] == ("default" if rope is None else "yarn")
-    runner = SimplePagedRunner(load_model(ModelConfig(model=str(path), dtype="float32")).model)
-    tokens = [(7 * i + 3) % 300 for i in range(30)]   # past the window: the local layer sees its last 12
-    logits = runner.step({0: tokens})
-    for _ in range(3):
-        with torch.inference_mode():
-            expected = hf_model(torch.tensor([tokens])).logits[0, -1]
-        torch.testing.assert_close(logits[0], expected, atol=1e-4, rtol=0)
-        tokens.append(int(expected.argmax()))
-        logits = runner.step({0: tokens[-1:]})
+    _assert_greedy_steps_follow_transformers(path, hf_model)
 
 
 def test_a_cohere2_gguf_matches_transformers_past_its_window(tmp_path: Path) -> None:
@@ -380,15 +378,7 @@ def test_a_cohere2_gguf_matches_transformers_past_its_window(tmp_path: Path) -> 
     config = gguf_hf_config(GGUFFile(path))
     assert config.model_type == "cohere2" and config.layer_types == hf_model.config.layer_types
     assert config.sliding_window == 12 and config.logit_scale == 0.5
-    runner = SimplePagedRunner(load_model(ModelConfig(model=str(path), dtype="float32")).model)
-    tokens = [(7 * i + 3) % 300 for i in range(30)]   # past the window: the local layers see their last 12
-    logits = runner.step({0: tokens})
-    for _ in range(3):
-        with torch.inference_mode():
-            expected = hf_model(torch.tensor([tokens])).logits[0, -1]
-        torch.testing.assert_close(logits[0], expected, atol=1e-4, rtol=0)
-        tokens.append(int(expected.argmax()))
-        logits = runner.step({0: tokens[-1:]})
+    _assert_greedy_steps_follow_transformers(path, hf_model)
 
 
 def test_an_embeddinggemma_gguf_is_the_encoder_with_its_pooling_and_dense_layers(tmp_path: Path) -> None:
