@@ -104,9 +104,9 @@ _GRANITE_MULTIPLIERS = (("embedding_multiplier", "embedding_scale"), ("attention
 # GGUF architecture -> transformers' model_type, where they differ (a mixture of experts: _MOE_MODEL_TYPES)
 _MODEL_TYPES = {"gemma3": "gemma3_text", "gemma-embedding": "gemma3_text", "phi2": "phi", "gptneox": "gpt_neox",
                 "command-r": "cohere", "hunyuan-dense": "hunyuan_v1_dense", "starcoder": "gpt_bigcode"}
-# Cohere2's layers: every how many one is global (NoPE), the others local over the window, where a file does not
-# mark them (llama.cpp fixes it rather than store it)
-_COHERE2_GLOBAL_EVERY = 4
+# Every how many layers one is global, the others local over the window, where a file does not mark them (Cohere2's:
+# llama.cpp fixes it rather than store it)
+_GLOBAL_LAYER_EVERY = 4
 # What llama.cpp fixes for Gemma rather than read from the file: every how many layers one is global (the others
 # local, over the window), and the layer count of the 27B, whose queries are scaled by (hidden / heads) ** -0.5
 _GEMMA_LAYOUTS = {"gemma2": (2, 46), "gemma3": (6, 62), "gemma-embedding": (6, 62)}
@@ -468,44 +468,56 @@ def _add_architecture_fields(g: GGUFFile, kwargs: dict[str, Any]) -> None:
         kwargs.update(layer_types=["conv" if heads == 0 else "full_attention" for heads in kv_heads],
                       conv_L_cache=int(g.arch_value("shortconv.l_cache")), conv_bias=False,
                       norm_eps=kwargs["rms_norm_eps"], block_auto_adjust_ff_dim=False)
-    window = g.arch_value("attention.sliding_window")
-    # EXAONE 4's and OLMo 3's local layers, as the file marks them (EXAONE's others global and NoPE; OLMo 3's files
-    # say `olmo2`, with a window)
-    if arch in ("exaone4", "olmo2") and window:
-        kwargs.update(sliding_window=int(window), layer_types=[
-            "sliding_attention" if local else "full_attention"
-            for local in _per_layer(g.arch_value("attention.sliding_window_pattern"))])
-    if arch == "cohere2" and window:    # its local layers as the file marks them, else llama.cpp's fixed pattern
-        pattern = g.arch_value("attention.sliding_window_pattern")
-        local = _per_layer(pattern) if pattern is not None else \
-            [(i + 1) % _COHERE2_GLOBAL_EVERY != 0 for i in range(kwargs["num_hidden_layers"])]
-        kwargs.update(sliding_window=int(window), layer_types=[
-            "sliding_attention" if is_local else "full_attention" for is_local in local])
-    if arch == "olmo2" and window:  # OLMo 3: the file's rope is its global layers' (a YaRN's), the local ones' plain
-        rope = kwargs["rope_parameters"]
-        kwargs.update(model_type="olmo3", rope_parameters={
-            "full_attention": rope, "sliding_attention": {"rope_type": "default", "rope_theta": rope["rope_theta"]}})
-    if arch in ("command-r", "cohere2"):    # Cohere's LayerNorm (no bias), its logits' scale; Command R+'s q/k norms
-        kwargs.update(layer_norm_eps=float(g.arch_value("attention.layer_norm_epsilon", 1e-5)),     # (refused)
-                      logit_scale=float(g.arch_value("logit_scale", 1.0)),
-                      use_qk_norm="blk.0.attn_q_norm.weight" in g.tensors)
-    if arch == "seed_oss":  # its q/k/v's biases and o's, as the file holds them
-        kwargs.update(attention_bias="blk.0.attn_q.bias" in g.tensors,
-                      attention_out_bias="blk.0.attn_output.bias" in g.tensors)
-    if arch == "bloom":     # its LayerNorms, its residual stream before them (ALiBi, its MLP's width: its model_type's)
-        kwargs.update(layer_norm_epsilon=float(g.arch_value("attention.layer_norm_epsilon", 1e-5)),
-                      apply_residual_connection_post_layernorm=False)
-    if arch in ("starcoder", "gpt2"):   # their LayerNorms, their MLPs' width and GELU (learned positions: a table)
-        kwargs.update(layer_norm_epsilon=float(g.arch_value("attention.layer_norm_epsilon", 1e-5)),
-                      n_inner=kwargs["intermediate_size"],
-                      activation_function="gelu_pytorch_tanh" if arch == "starcoder" else "gelu_new")
-    if arch in ("arcee", "nemotron"):   # their ungated MLPs, as llama.cpp runs them
-        kwargs["hidden_act"] = "relu2"
-    if arch == "nemotron":  # its LayerNorm1P's epsilon
-        kwargs["norm_eps"] = float(g.arch_value("attention.layer_norm_epsilon", 1e-5))
+    kwargs.update(_gguf_windows(g, kwargs))
+    kwargs.update(_gguf_norms_and_mlps(g, kwargs))
     if arch in ("granite", "granitemoe"):   # its four multipliers (pagedllm.models.llama), under llama.cpp's names
         kwargs.update({field: float(g.arch_value(key)) for field, key in _GRANITE_MULTIPLIERS
                        if g.arch_value(key) is not None})
+
+
+def _gguf_windows(g: GGUFFile, fields: dict[str, Any]) -> dict[str, Any]:
+    """The local layers of EXAONE 4, OLMo 3 and Cohere2 files, over `attention.sliding_window`: as the file marks them
+    (OLMo 3's files say `olmo2`, with a window), or where it marks none three in four, the fourth global (as llama.cpp
+    fixes Cohere2's, and as the three's configs default to); EXAONE 4's and Cohere2's global layers are NoPE (their
+    model types'). OLMo 3's rope, the file's, is its global layers' (a YaRN's in the 32B), its local ones' plain."""
+    arch, window = g.architecture, g.arch_value("attention.sliding_window")
+    if arch not in ("exaone4", "olmo2", "cohere2") or not window:
+        return {}
+    pattern = g.arch_value("attention.sliding_window_pattern")
+    local = _per_layer(pattern) if pattern is not None else \
+        [(i + 1) % _GLOBAL_LAYER_EVERY != 0 for i in range(fields["num_hidden_layers"])]
+    config: dict[str, Any] = dict(sliding_window=int(window), layer_types=[
+        "sliding_attention" if is_local else "full_attention" for is_local in local])
+    if arch == "olmo2":
+        rope = fields["rope_parameters"]
+        config.update(model_type="olmo3", rope_parameters={
+            "full_attention": rope, "sliding_attention": {"rope_type": "default", "rope_theta": rope["rope_theta"]}})
+    return config
+
+
+def _gguf_norms_and_mlps(g: GGUFFile, fields: dict[str, Any]) -> dict[str, Any]:
+    """The config fields of the architectures whose norms are LayerNorms (their epsilon under the name their configs
+    give it) or whose MLPs or biases differ from Llama's: Cohere's (its logits' scale; Command R+'s q/k norms, which
+    are refused), BLOOM's, GPT-BigCode's and GPT-2's (their MLPs' width and GELU; learned positions: a table of
+    them), Nemotron's LayerNorm1P, Arcee's and Nemotron's squared-ReLU MLPs, Seed-OSS's biases."""
+    arch = g.architecture
+    eps = float(g.arch_value("attention.layer_norm_epsilon", 1e-5))
+    if arch in ("command-r", "cohere2"):
+        return dict(layer_norm_eps=eps, logit_scale=float(g.arch_value("logit_scale", 1.0)),
+                    use_qk_norm="blk.0.attn_q_norm.weight" in g.tensors)
+    if arch == "bloom":     # (its ALiBi and its MLP's width: its model_type's)
+        return dict(layer_norm_epsilon=eps, apply_residual_connection_post_layernorm=False)
+    if arch in ("starcoder", "gpt2"):
+        return dict(layer_norm_epsilon=eps, n_inner=fields["intermediate_size"],
+                    activation_function="gelu_pytorch_tanh" if arch == "starcoder" else "gelu_new")
+    if arch == "nemotron":
+        return dict(norm_eps=eps, hidden_act="relu2")
+    if arch == "arcee":
+        return dict(hidden_act="relu2")
+    if arch == "seed_oss":
+        return dict(attention_bias="blk.0.attn_q.bias" in g.tensors,
+                    attention_out_bias="blk.0.attn_output.bias" in g.tensors)
+    return {}
 
 
 def _per_layer(value: Any) -> list[int]:
