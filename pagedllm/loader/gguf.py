@@ -94,7 +94,12 @@ _ARCH_BLOCK_NAMES = {"gemma2": _GEMMA_BLOCK_NAMES, "gemma3": _GEMMA_BLOCK_NAMES,
                      "starcoder": {**_PLAIN_MLP_BLOCK_NAMES, "attn_qkv": "self_attn.query_key_value"},
                      # GPT-2's q/k/v fused: q's rows, then k's, then v's; BLOOM's the same, as llama.cpp's converter
                      # reorders them from head by head
-                     "gpt2": _PLAIN_MLP_BLOCK_NAMES, "bloom": _PLAIN_MLP_BLOCK_NAMES}
+                     "gpt2": _PLAIN_MLP_BLOCK_NAMES, "bloom": _PLAIN_MLP_BLOCK_NAMES,
+                     # Falcon's q/k/v the same (the converter reorders them from its KV heads' groups); Falcon 7B's
+                     # one norm for both branches, 40B's attn_norm_2 the attention's and attn_norm the MLP's
+                     "falcon": _PLAIN_MLP_BLOCK_NAMES,
+                     "falcon-40b": {**_PLAIN_MLP_BLOCK_NAMES, "attn_norm_2": "input_layernorm",
+                                    "attn_norm": "post_attention_layernorm"}}
 # Architectures whose norm scales by 1 + w (Gemma's RMSNorm, Nemotron's LayerNorm1P), which llama.cpp's converter
 # stores as the 1 + w it multiplies by
 _NORM_SHIFTED_ARCHS = {"gemma2", "gemma3", "gemma-embedding", "nemotron"}
@@ -309,6 +314,12 @@ def gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
     return f"{top_names[base]}.{kind}"
 
 
+def _names_of(g: GGUFFile) -> str:
+    """The key of `_ARCH_BLOCK_NAMES` that names a file's tensors: its architecture's, but Falcon 40B's (a norm for
+    each branch: attn_norm_2) for a `falcon` file that has them."""
+    return "falcon-40b" if g.architecture == "falcon" and "blk.0.attn_norm_2.weight" in g.tensors else g.architecture
+
+
 def iterate_gguf(path: str | Path, dtype: torch.dtype = torch.float32, gguf_file: GGUFFile | None = None,
                  skip: Container[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (Hugging Face name, tensor in `dtype`) for every weight of a llama-family GGUF but those named in
@@ -321,7 +332,7 @@ def iterate_gguf(path: str | Path, dtype: torch.dtype = torch.float32, gguf_file
     num_kv_heads = g.arch_value("attention.head_count_kv", num_heads)
     rope_dims = g.arch_value("rope.dimension_count")    # a head's values its rope turns (GLM-4's half)
     for info in g.tensors.values():
-        hf_name = gguf_to_hf_name(info.name, g.architecture)
+        hf_name = gguf_to_hf_name(info.name, _names_of(g))
         if hf_name is None or all(part in skip for part in fused_parts(hf_name)):
             continue
         tensor = g.read_tensor(info)
@@ -356,7 +367,7 @@ def gguf_block_rows(g: GGUFFile, ggml_types: tuple[GGMLQuantizationType, ...], c
     rope_dims = g.arch_value("rope.dimension_count")
     rows: dict[str, tuple[GGMLQuantizationType, torch.Tensor]] = {}
     for info in g.tensors.values():
-        hf_name = gguf_to_hf_name(info.name, g.architecture)
+        hf_name = gguf_to_hf_name(info.name, _names_of(g))
         if hf_name is None or info.ggml_type not in ggml_types or len(info.shape) != 2:
             continue
         raw = g._view(torch.uint8, info.num_bytes, info.offset).view(info.shape[0], -1)
@@ -499,7 +510,7 @@ def _gguf_norms_and_mlps(g: GGUFFile, fields: dict[str, Any]) -> dict[str, Any]:
     """The config fields of the architectures whose norms are LayerNorms (their epsilon under the name their configs
     give it) or whose MLPs or biases differ from Llama's: Cohere's (its logits' scale; Command R+'s q/k norms, which
     are refused), BLOOM's, GPT-BigCode's and GPT-2's (their MLPs' width and GELU; learned positions: a table of
-    them), Nemotron's LayerNorm1P, Arcee's and Nemotron's squared-ReLU MLPs, Seed-OSS's biases."""
+    them), Falcon's, Nemotron's LayerNorm1P, Arcee's and Nemotron's squared-ReLU MLPs, Seed-OSS's biases."""
     arch = g.architecture
     eps = float(g.arch_value("attention.layer_norm_epsilon", 1e-5))
     if arch in ("command-r", "cohere2"):
@@ -514,6 +525,12 @@ def _gguf_norms_and_mlps(g: GGUFFile, fields: dict[str, Any]) -> dict[str, Any]:
         return dict(norm_eps=eps, hidden_act="relu2")
     if arch == "arcee":
         return dict(hidden_act="relu2")
+    if arch == "falcon":    # 7B's one KV head and one norm, 40B's KV heads and a norm each branch; parallel branches
+        new = "blk.0.attn_norm_2.weight" in g.tensors
+        return dict(layer_norm_epsilon=eps, new_decoder_architecture=new, parallel_attn=True,
+                    num_ln_in_parallel_attn=2 if new else None, multi_query=fields["num_key_value_heads"] == 1,
+                    num_kv_heads=fields["num_key_value_heads"], bias="blk.0.attn_qkv.bias" in g.tensors, alibi=False,
+                    ffn_hidden_size=fields["intermediate_size"], activation="gelu")
     if arch == "seed_oss":
         return dict(attention_bias="blk.0.attn_q.bias" in g.tensors,
                     attention_out_bias="blk.0.attn_output.bias" in g.tensors)

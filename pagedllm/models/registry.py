@@ -113,6 +113,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "gpt_bigcode": LlamaForCausalLM,
     "gpt2": LlamaForCausalLM,
     "bloom": LlamaForCausalLM,
+    "falcon": LlamaForCausalLM,
     "bert": BertModel,
     "roberta": BertModel,
     "xlm-roberta": BertModel,

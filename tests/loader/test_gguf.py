@@ -84,7 +84,7 @@ _PERMUTED = ("llama", "smollm3", "granite", "granitemoe", "arcee")    # those wh
 _LAYER_NORM_EPS = {"stablelm": "layer_norm_eps", "phi2": "layer_norm_eps", "gptneox": "layer_norm_eps",
                    "command-r": "layer_norm_eps", "cohere2": "layer_norm_eps", "starcoder2": "norm_epsilon",
                    "nemotron": "norm_eps", "starcoder": "layer_norm_epsilon", "gpt2": "layer_norm_epsilon",
-                   "bloom": "layer_norm_epsilon"}
+                   "bloom": "layer_norm_epsilon", "falcon": "layer_norm_epsilon"}
 
 
 def _permute(w: torch.Tensor, n_head: int, n_head_kv: int | None) -> torch.Tensor:
@@ -174,8 +174,8 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
         w.add_head_count_kv([0 if t == "conv" else cfg.num_key_value_heads for t in cfg.layer_types])
         w.add_shortconv_l_cache(cfg.conv_L_cache)
     else:   # (GPT-BigCode's one KV head, or one a query head)
-        w.add_head_count_kv(1 if getattr(cfg, "multi_query", False) else
-                            getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+        w.add_head_count_kv(getattr(cfg, "num_key_value_heads", None) or
+                            (1 if getattr(cfg, "multi_query", False) else cfg.num_attention_heads))
     if rope["rope_type"] == "dynamic":   # Hunyuan's fixed NTK alpha: its base stretched, as the converter writes it
         head_dim = cfg.head_dim
         w.add_rope_freq_base(rope["rope_theta"] * rope["alpha"] ** (head_dim / (head_dim - 2)))
@@ -264,6 +264,10 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
             t = t.squeeze(1)
         elif arch == "gpt2" and gname.startswith("blk.") and gname.endswith(".weight") and t.dim() == 2:
             t = t.t().contiguous()     # Conv1D's [in, out] as nn.Linear's [out, in], as the converter writes it
+        elif arch == "falcon" and ".attn_qkv." in gname:   # each KV head's group -> q's rows, k's, v's
+            kv_heads = cfg.num_key_value_heads
+            groups = t.unflatten(0, (kv_heads, cfg.num_attention_heads // kv_heads + 2, -1))
+            t = torch.cat([groups[:, :-2].flatten(0, 2), groups[:, -2].flatten(0, 1), groups[:, -1].flatten(0, 1)])
         elif arch in ("gptneox", "bloom") and ".attn_qkv." in gname:    # head by head -> q's rows, k's, v's
             t = t.unflatten(0, (cfg.num_attention_heads, 3, -1)).transpose(0, 1).flatten(0, 2)
         data = t.numpy()
@@ -286,7 +290,7 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
                                        ("arcee", "arcee"), ("hunyuan", "hunyuan-dense"),
                                        ("seed-oss", "seed_oss"), ("nemotron", "nemotron"),
                                        ("gpt-bigcode", "starcoder"), ("gpt-bigcode-mha", "starcoder"), ("gpt2", "gpt2"),
-                                       ("bloom", "bloom"),
+                                       ("bloom", "bloom"), ("falcon", "falcon"), ("falcon-new", "falcon"),
                                        ("lfm2", "lfm2"), ("lfm2-moe", "lfm2moe"), ("olmo2", "olmo2"),
                                        ("exaone4", "exaone4"),
                                        ("ernie4_5", "ernie4_5"), ("ernie4_5-moe", "ernie4_5-moe"), ("glm4", "glm4"),
@@ -295,9 +299,10 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
                                        ("phi", "phi2"), ("gpt-neox", "gptneox"), ("gpt-neox-sequential", "gptneox")])
 def test_tiny_gguf_model_matches_transformers(tmp_path: Path, kind: str, arch: str) -> None:
     # SmolLM3's files leave every fourth layer without a rotary embedding (llama.cpp's fixed step): four layers here;
-    # ERNIE 4.5 MoE's without biases, as llama.cpp reads its files; LFM2-MoE's experts unscaled, as llama.cpp runs them
+    # ERNIE 4.5 MoE's (and Falcon 40B's) without biases, as llama.cpp reads their files; LFM2-MoE's experts unscaled, as
+    # llama.cpp runs them
     overrides = {"smollm3": {"no_rope_layer_interval": 4, "num_hidden_layers": 4}, "ernie4_5-moe": {"use_bias": False},
-                 "lfm2-moe": {"routed_scaling_factor": 1.0}}
+                 "lfm2-moe": {"routed_scaling_factor": 1.0}, "falcon-new": {"bias": False}}
     hf_model = build_tiny_hf_model(kind, **overrides.get(kind, {}))
     path = tmp_path / f"{kind}.gguf"
     write_model_gguf(hf_model, path, arch)
@@ -503,11 +508,13 @@ def test_a_quantized_interleaved_gguf_keeps_its_blocks_reordered_by_row(tmp_path
     _assert_gguf_reference_near_the_dense_model(packed, dense, [1, 17, 250, 9, 33, 70, 5, 80, 81], monkeypatch)
 
 
-@pytest.mark.parametrize(("kind", "arch"), [("gpt-bigcode", "starcoder"), ("gpt2", "gpt2"), ("bloom", "bloom")])
+@pytest.mark.parametrize(("kind", "arch"), [("gpt-bigcode", "starcoder"), ("gpt2", "gpt2"), ("bloom", "bloom"),
+                                           ("falcon-new", "falcon")])
 def test_a_quantized_gguf_splits_its_fused_qkv_blocks_by_row(tmp_path: Path, kind: str, arch: str,
                                                              monkeypatch) -> None:
     """StarCoder's attn_qkv (its queries' rows, then its one KV head's key and value), GPT-2's (stored as nn.Linear's
-    [out, in], its checkpoints' Conv1D transposed) and BLOOM's (q's rows, k's, v's, as the converter reorders them)
+    [out, in], its checkpoints' Conv1D transposed), BLOOM's and Falcon 40B's (q's rows, k's, v's, as the converter
+    reorders them)
     split into q, k and v rows of blocks, which stay packed: the dequantised model within the 16-bit activations'
     noise."""
     path = tmp_path / f"{arch}-q8.gguf"
