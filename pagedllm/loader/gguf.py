@@ -97,7 +97,7 @@ _ARCH_BLOCK_NAMES = {"gemma2": _GEMMA_BLOCK_NAMES, "gemma3": _GEMMA_BLOCK_NAMES,
                      "gpt2": _PLAIN_MLP_BLOCK_NAMES, "bloom": _PLAIN_MLP_BLOCK_NAMES,
                      # Falcon's q/k/v the same (the converter reorders them from its KV heads' groups); Falcon 7B's
                      # one norm for both branches, 40B's attn_norm_2 the attention's and attn_norm the MLP's
-                     "falcon": _PLAIN_MLP_BLOCK_NAMES,
+                     "falcon": _PLAIN_MLP_BLOCK_NAMES, "mpt": _PLAIN_MLP_BLOCK_NAMES,
                      "falcon-40b": {**_PLAIN_MLP_BLOCK_NAMES, "attn_norm_2": "input_layernorm",
                                     "attn_norm": "post_attention_layernorm"}}
 # Architectures whose norm scales by 1 + w (Gemma's RMSNorm, Nemotron's LayerNorm1P), which llama.cpp's converter
@@ -510,7 +510,7 @@ def _gguf_norms_and_mlps(g: GGUFFile, fields: dict[str, Any]) -> dict[str, Any]:
     """The config fields of the architectures whose norms are LayerNorms (their epsilon under the name their configs
     give it) or whose MLPs or biases differ from Llama's: Cohere's (its logits' scale; Command R+'s q/k norms, which
     are refused), BLOOM's, GPT-BigCode's and GPT-2's (their MLPs' width and GELU; learned positions: a table of
-    them), Falcon's, Nemotron's LayerNorm1P, Arcee's and Nemotron's squared-ReLU MLPs, Seed-OSS's biases."""
+    them), Falcon's, MPT's, Nemotron's LayerNorm1P, Arcee's and Nemotron's squared-ReLU MLPs, Seed-OSS's biases."""
     arch = g.architecture
     eps = float(g.arch_value("attention.layer_norm_epsilon", 1e-5))
     if arch in ("command-r", "cohere2"):
@@ -531,10 +531,26 @@ def _gguf_norms_and_mlps(g: GGUFFile, fields: dict[str, Any]) -> dict[str, Any]:
                     num_ln_in_parallel_attn=2 if new else None, multi_query=fields["num_key_value_heads"] == 1,
                     num_kv_heads=fields["num_key_value_heads"], bias="blk.0.attn_qkv.bias" in g.tensors, alibi=False,
                     ffn_hidden_size=fields["intermediate_size"], activation="gelu")
+    if arch == "mpt":
+        return _gguf_mpt(g, fields, eps)
     if arch == "seed_oss":
         return dict(attention_bias="blk.0.attn_q.bias" in g.tensors,
                     attention_out_bias="blk.0.attn_output.bias" in g.tensors)
     return {}
+
+
+def _gguf_mpt(g: GGUFFile, fields: dict[str, Any], eps: float) -> dict[str, Any]:
+    """MPT's config fields as llama.cpp reads its files: no biases, ALiBi up to `max_alibi_bias` (none at 0: refused
+    by the model, as from a folder), q/k/v clamped to `clamp_kqv`, the MLP `feed_forward_length` wide; its scores
+    scaled by head_dim ** -0.5 (a file holds no softmax_scale)."""
+    from transformers.models.mpt.configuration_mpt import MptAttentionConfig  # (~2 s: MPT's alone)
+
+    bias_max = int(g.arch_value("attention.max_alibi_bias") or 0)     # (8 in every MPT)
+    clip = g.arch_value("attention.clamp_kqv")
+    return dict(layer_norm_epsilon=eps, no_bias=True, logit_scale=None,
+                expansion_ratio=fields["intermediate_size"] / fields["hidden_size"],
+                attn_config=MptAttentionConfig(alibi=bias_max > 0, alibi_bias_max=bias_max or 8,
+                                               clip_qkv=None if clip is None else float(clip)))
 
 
 def _per_layer(value: Any) -> list[int]:

@@ -114,6 +114,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "gpt2": LlamaForCausalLM,
     "bloom": LlamaForCausalLM,
     "falcon": LlamaForCausalLM,
+    "mpt": LlamaForCausalLM,
     "bert": BertModel,
     "roberta": BertModel,
     "xlm-roberta": BertModel,

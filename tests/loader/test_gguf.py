@@ -84,7 +84,7 @@ _PERMUTED = ("llama", "smollm3", "granite", "granitemoe", "arcee")    # those wh
 _LAYER_NORM_EPS = {"stablelm": "layer_norm_eps", "phi2": "layer_norm_eps", "gptneox": "layer_norm_eps",
                    "command-r": "layer_norm_eps", "cohere2": "layer_norm_eps", "starcoder2": "norm_epsilon",
                    "nemotron": "norm_eps", "starcoder": "layer_norm_epsilon", "gpt2": "layer_norm_epsilon",
-                   "bloom": "layer_norm_epsilon", "falcon": "layer_norm_epsilon"}
+                   "bloom": "layer_norm_epsilon", "falcon": "layer_norm_epsilon", "mpt": "layer_norm_epsilon"}
 
 
 def _permute(w: torch.Tensor, n_head: int, n_head_kv: int | None) -> torch.Tensor:
@@ -207,6 +207,10 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
         w.add_parallel_residual(cfg.use_parallel_residual)
     if arch in ("command-r", "cohere2"):
         w.add_logit_scale(cfg.logit_scale)
+    if arch == "mpt":   # its ALiBi's bias bound and its q/k/v's clamp
+        w.add_max_alibi_bias(cfg.attn_config.alibi_bias_max)
+        if cfg.attn_config.clip_qkv is not None:
+            w.add_clamp_kqv(cfg.attn_config.clip_qkv)
     if arch == "cohere2":   # its window; its layers' pattern llama.cpp's fixed one (every fourth global), unwritten
         w.add_sliding_window(cfg.sliding_window)
     if arch == "gemma2":
@@ -291,6 +295,7 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
                                        ("seed-oss", "seed_oss"), ("nemotron", "nemotron"),
                                        ("gpt-bigcode", "starcoder"), ("gpt-bigcode-mha", "starcoder"), ("gpt2", "gpt2"),
                                        ("bloom", "bloom"), ("falcon", "falcon"), ("falcon-new", "falcon"),
+                                       ("mpt", "mpt"),
                                        ("lfm2", "lfm2"), ("lfm2-moe", "lfm2moe"), ("olmo2", "olmo2"),
                                        ("exaone4", "exaone4"),
                                        ("ernie4_5", "ernie4_5"), ("ernie4_5-moe", "ernie4_5-moe"), ("glm4", "glm4"),
@@ -300,9 +305,10 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
 def test_tiny_gguf_model_matches_transformers(tmp_path: Path, kind: str, arch: str) -> None:
     # SmolLM3's files leave every fourth layer without a rotary embedding (llama.cpp's fixed step): four layers here;
     # ERNIE 4.5 MoE's (and Falcon 40B's) without biases, as llama.cpp reads their files; LFM2-MoE's experts unscaled, as
-    # llama.cpp runs them
+    # llama.cpp runs them; MPT's scores scaled by head_dim ** -0.5 (its files hold no softmax_scale)
     overrides = {"smollm3": {"no_rope_layer_interval": 4, "num_hidden_layers": 4}, "ernie4_5-moe": {"use_bias": False},
-                 "lfm2-moe": {"routed_scaling_factor": 1.0}, "falcon-new": {"bias": False}}
+                 "lfm2-moe": {"routed_scaling_factor": 1.0}, "falcon-new": {"bias": False},
+                 "mpt": {"attn_config": {"clip_qkv": 0.3}}}
     hf_model = build_tiny_hf_model(kind, **overrides.get(kind, {}))
     path = tmp_path / f"{kind}.gguf"
     write_model_gguf(hf_model, path, arch)
@@ -509,12 +515,12 @@ def test_a_quantized_interleaved_gguf_keeps_its_blocks_reordered_by_row(tmp_path
 
 
 @pytest.mark.parametrize(("kind", "arch"), [("gpt-bigcode", "starcoder"), ("gpt2", "gpt2"), ("bloom", "bloom"),
-                                           ("falcon-new", "falcon")])
+                                           ("falcon-new", "falcon"), ("mpt", "mpt")])
 def test_a_quantized_gguf_splits_its_fused_qkv_blocks_by_row(tmp_path: Path, kind: str, arch: str,
                                                              monkeypatch) -> None:
     """StarCoder's attn_qkv (its queries' rows, then its one KV head's key and value), GPT-2's (stored as nn.Linear's
     [out, in], its checkpoints' Conv1D transposed), BLOOM's and Falcon 40B's (q's rows, k's, v's, as the converter
-    reorders them)
+    reorders them) and MPT's (its Wqkv as it is)
     split into q, k and v rows of blocks, which stay packed: the dequantised model within the 16-bit activations'
     noise."""
     path = tmp_path / f"{arch}-q8.gguf"
