@@ -44,7 +44,7 @@ _PLAIN_TYPES: dict[int, torch.dtype] = {
 # ERNIE 4.5's, GLM-4's and Cohere's (Command R's) rows as their checkpoints hold them: interleaved (GLM-4's in the
 # rotary half of each head)
 _HALVES_ARCHS = {"ernie4_5", "ernie4_5-moe", "glm4", "command-r", "cohere2"}    # (whose rows the loader reorders)
-_PERMUTED_ARCHS = {"llama", "smollm3", "granite", "granitemoe", "arcee", *_HALVES_ARCHS}
+_PERMUTED_ARCHS = {"llama", "smollm3", "granite", "granitemoe", "arcee", "olmo", *_HALVES_ARCHS}
 # SmolLM3's layers without a rotary embedding: every how many one is (llama.cpp fixes it rather than store it)
 _SMOLLM3_NO_ROPE_EVERY = 4
 
@@ -510,7 +510,8 @@ def _gguf_norms_and_mlps(g: GGUFFile, fields: dict[str, Any]) -> dict[str, Any]:
     """The config fields of the architectures whose norms are LayerNorms (their epsilon under the name their configs
     give it) or whose MLPs or biases differ from Llama's: Cohere's (its logits' scale; Command R+'s q/k norms, which
     are refused), BLOOM's, GPT-BigCode's and GPT-2's (their MLPs' width and GELU; learned positions: a table of
-    them), Falcon's, MPT's, Nemotron's LayerNorm1P, Arcee's and Nemotron's squared-ReLU MLPs, Seed-OSS's biases."""
+    them), Falcon's, MPT's, OLMo 1's, Nemotron's LayerNorm1P, Arcee's and Nemotron's squared-ReLU MLPs, Seed-OSS's
+    biases."""
     arch = g.architecture
     eps = float(g.arch_value("attention.layer_norm_epsilon", 1e-5))
     if arch in ("command-r", "cohere2"):
@@ -533,6 +534,9 @@ def _gguf_norms_and_mlps(g: GGUFFile, fields: dict[str, Any]) -> dict[str, Any]:
                     ffn_hidden_size=fields["intermediate_size"], activation="gelu")
     if arch == "mpt":
         return _gguf_mpt(g, fields, eps)
+    if arch == "olmo":  # OLMo 1's LayerNorms without weights (none in the file), its q/k/v's clamp
+        clip = g.arch_value("attention.clamp_kqv")
+        return dict(clip_qkv=None if clip is None else float(clip))
     if arch == "seed_oss":
         return dict(attention_bias="blk.0.attn_q.bias" in g.tensors,
                     attention_out_bias="blk.0.attn_output.bias" in g.tensors)

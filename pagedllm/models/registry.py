@@ -115,6 +115,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "bloom": LlamaForCausalLM,
     "falcon": LlamaForCausalLM,
     "mpt": LlamaForCausalLM,
+    "olmo": LlamaForCausalLM,
     "bert": BertModel,
     "roberta": BertModel,
     "xlm-roberta": BertModel,

@@ -77,7 +77,7 @@ def test_every_tensor_type_matches_gguf_reader(tmp_path: Path) -> None:
             assert err < 0.35, (t.name, err)
 
 
-_PERMUTED = ("llama", "smollm3", "granite", "granitemoe", "arcee")    # those whose Q/K rows the converter permutes
+_PERMUTED = ("llama", "smollm3", "granite", "granitemoe", "arcee", "olmo")    # whose Q/K rows the converter permutes
 
 
 # The LayerNorm models' architectures -> their configs' field for its epsilon (the others' RMSNorms: rms_norm_eps)
@@ -207,6 +207,8 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
         w.add_parallel_residual(cfg.use_parallel_residual)
     if arch in ("command-r", "cohere2"):
         w.add_logit_scale(cfg.logit_scale)
+    if arch == "olmo" and cfg.clip_qkv is not None:
+        w.add_clamp_kqv(cfg.clip_qkv)
     if arch == "mpt":   # its ALiBi's bias bound and its q/k/v's clamp
         w.add_max_alibi_bias(cfg.attn_config.alibi_bias_max)
         if cfg.attn_config.clip_qkv is not None:
@@ -295,7 +297,7 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
                                        ("seed-oss", "seed_oss"), ("nemotron", "nemotron"),
                                        ("gpt-bigcode", "starcoder"), ("gpt-bigcode-mha", "starcoder"), ("gpt2", "gpt2"),
                                        ("bloom", "bloom"), ("falcon", "falcon"), ("falcon-new", "falcon"),
-                                       ("mpt", "mpt"),
+                                       ("mpt", "mpt"), ("olmo", "olmo"),
                                        ("lfm2", "lfm2"), ("lfm2-moe", "lfm2moe"), ("olmo2", "olmo2"),
                                        ("exaone4", "exaone4"),
                                        ("ernie4_5", "ernie4_5"), ("ernie4_5-moe", "ernie4_5-moe"), ("glm4", "glm4"),
