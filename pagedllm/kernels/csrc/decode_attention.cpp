@@ -230,14 +230,15 @@ inline void block_scores(const cache_t* key, int64_t key_stride, int64_t n, cons
       const __m128 scale4 = _mm_set1_ps(scale);
       for (; t + 4 <= n; t += 4) {  // four keys, then one tree of adds per query head
         vfloat acc[4][kGroup];
-        float row_scales[4];
 #pragma GCC unroll 4
         for (int i = 0; i < 4; ++i) {
-          const cache_t* row = key + (t + i) * key_stride;
-          key_products<cache_t, kHeadDim, kGroup>(row, qf, q_bf16, acc[i]);
-          row_scales[i] = row_scale(row, kHeadDim);
+          key_products<cache_t, kHeadDim, kGroup>(key + (t + i) * key_stride, qf, q_bf16, acc[i]);
         }
-        const __m128 scales = _mm_mul_ps(scale4, _mm_loadu_ps(row_scales));
+        __m128 scales = scale4;
+        if constexpr (std::is_same_v<cache_t, int8_t>) {  // each key's own scale too
+          const auto row_scale_at = [&](int i) { return row_scale(key + (t + i) * key_stride, kHeadDim); };
+          scales = _mm_mul_ps(scales, _mm_setr_ps(row_scale_at(0), row_scale_at(1), row_scale_at(2), row_scale_at(3)));
+        }
 #pragma GCC unroll 8
         for (int64_t g = 0; g < kGroup; ++g) {
           _mm_storeu_ps(scores + g * len + t, _mm_mul_ps(sum4(acc[0][g], acc[1][g], acc[2][g], acc[3][g]), scales));
