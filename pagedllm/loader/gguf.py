@@ -331,8 +331,9 @@ def iterate_gguf(path: str | Path, dtype: torch.dtype = torch.float32, gguf_file
     num_heads = g.arch_value("attention.head_count")
     num_kv_heads = g.arch_value("attention.head_count_kv", num_heads)
     rope_dims = g.arch_value("rope.dimension_count")    # a head's values its rope turns (GLM-4's half)
+    names = _names_of(g)
     for info in g.tensors.values():
-        hf_name = gguf_to_hf_name(info.name, _names_of(g))
+        hf_name = gguf_to_hf_name(info.name, names)
         if hf_name is None or all(part in skip for part in fused_parts(hf_name)):
             continue
         tensor = g.read_tensor(info)
@@ -365,9 +366,10 @@ def gguf_block_rows(g: GGUFFile, ggml_types: tuple[GGMLQuantizationType, ...], c
     heads = {".q_proj.": g.arch_value("attention.head_count")}
     heads[".k_proj."] = g.arch_value("attention.head_count_kv", heads[".q_proj."])
     rope_dims = g.arch_value("rope.dimension_count")
+    names = _names_of(g)
     rows: dict[str, tuple[GGMLQuantizationType, torch.Tensor]] = {}
     for info in g.tensors.values():
-        hf_name = gguf_to_hf_name(info.name, _names_of(g))
+        hf_name = gguf_to_hf_name(info.name, names)
         if hf_name is None or info.ggml_type not in ggml_types or len(info.shape) != 2:
             continue
         raw = g._view(torch.uint8, info.num_bytes, info.offset).view(info.shape[0], -1)

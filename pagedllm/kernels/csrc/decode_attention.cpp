@@ -62,7 +62,6 @@ constexpr int64_t row_bytes_of(int64_t head_dim) {
   return head_dim * static_cast<int64_t>(sizeof(cache_t)) + (std::is_same_v<cache_t, int8_t> ? 4 : 0);
 }
 
-
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 // Keys scored together before their sums are reduced: four (one tree of adds per query head) while their
 // 4 x kGroup accumulators fit in registers, else one.
@@ -78,8 +77,8 @@ constexpr int64_t vectors_per_pass(int64_t head_dim, int64_t group) {
 #endif
 
 // Blocks ahead of the reads whose rows are asked for: the block table scatters blocks where no hardware
-// prefetcher looks, and a block's rows of one kv head (8 of 128 bytes, 384 apart, for SmolLM2) take a few hundred
-// cycles to use. Towards L2, eight blocks ahead: on the AMX Xeon four ahead ran ~1.07x faster than towards L1 two
+// prefetcher looks, and a block's rows of one kv head (8 of 128 bytes for SmolLM2, together in the engine's
+// head-major pool: pool_view) take a few hundred cycles to use. Towards L2, eight blocks ahead: on the AMX Xeon four ahead ran ~1.07x faster than towards L1 two
 // ahead over SmolLM2's 30 layers at 50 sequences (L1's fill buffers are few), two ahead ~1.2x faster than one, six
 // or eight no better than four; on a Zen 4, 32 sequences of 350 tokens 10.8 ms against four ahead's 11.8 (medians
 // of three), four sequences 1.1-1.2 against 1.3-1.4, sixteen ahead no better.
