@@ -93,15 +93,16 @@ def _log_precision(requested: str, dtype: torch.dtype, device: str, quantization
 # knows that model by where the text config names its own). The config is the language model's (`text_config`), its
 # weights come under the text model's names (`text_part_name`); the vision tower's and the projector's are read only
 # for an architecture IMAGE_ENCODERS names, whose checkpoint has its processor config (its images, then). Qwen2-VL's,
-# Qwen2.5-VL's and Qwen3-VL's language models are Qwen2's and Qwen3's with M-RoPE, which rotates by three position
-# ids (time, height, width) that are one and the same on text: their plain rotary embedding (an image's placeholders
-# are turned by their own three: `pagedllm.multimodal.MRopeLayout`).
+# Qwen2.5-VL's, Qwen3-VL's and Qwen3-VL-MoE's language models are Qwen2's, Qwen3's and Qwen3-MoE's with M-RoPE,
+# which rotates by three position ids (time, height, width) that are one and the same on text: their plain rotary
+# embedding (an image's placeholders are turned by their own three: `pagedllm.multimodal.MRopeLayout`).
 TEXT_PARTS: dict[str, tuple[str, str | None]] = {
     "Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", None),
     "Mistral3ForConditionalGeneration": ("MistralForCausalLM", None),
     "Qwen2VLForConditionalGeneration": ("Qwen2ForCausalLM", "qwen2"),
     "Qwen2_5_VLForConditionalGeneration": ("Qwen2ForCausalLM", "qwen2"),
     "Qwen3VLForConditionalGeneration": ("Qwen3ForCausalLM", "qwen3"),
+    "Qwen3VLMoeForConditionalGeneration": ("Qwen3MoeForCausalLM", "qwen3_moe"),
 }
 # And any other vision-language checkpoint of the Llava kind (a vision tower and a projector beside a language model
 # of a family pagedllm runs, unchanged: Llava, LlavaNext, InternVL, Idefics3, ...): its text config's model_type ->

@@ -3,9 +3,10 @@ MQA; tied or untied embeddings. SmolLM3 leaves the rotary embedding out of the l
 0. Qwen3 adds an RMSNorm over each query and key head (`q_norm`, `k_norm`) before the rotary embedding (Hunyuan's
 after it: `norms_after_rope`). Phi-3
 stores its q/k/v and gate/up weights fused (`unfused` splits them) and may turn a part of each head
-(`partial_rotary_factor`) with longrope's two sets of frequencies (`RotaryEmbedding`). Mixtral, Qwen2-MoE and
-Qwen3-MoE replace the MLP with a mixture of experts (`LlamaSparseMoeBlock`), as do Granite MoE (its experts stacked in
-its checkpoints: `_granite_experts`) and OLMoE (OLMo's q/k norms over all the heads, before Llama's layers).
+(`partial_rotary_factor`) with longrope's two sets of frequencies (`RotaryEmbedding`). Mixtral, Qwen2-MoE and Qwen3-MoE
+replace the MLP with a mixture of experts (`LlamaSparseMoeBlock`), as do Granite MoE and Qwen3-VL-MoE's language model
+(their experts stacked in their checkpoints: `_stacked_experts`) and OLMoE (OLMo's q/k norms over all the heads, before
+Llama's layers).
 Gemma 2 and 3 have their embeddings scaled by sqrt(hidden_size), a norm on each branch's output before it joins the
 residual stream (`pre_feedforward_layernorm`, `post_feedforward_layernorm`), RMSNorm weights stored as w - 1
 (`load_weights` adds the 1 back), a GELU-gated MLP, `query_pre_attn_scalar` for their attention scale, and local
@@ -526,8 +527,8 @@ def unfused(config: Any, name: str, tensor: torch.Tensor) -> list[tuple[str, tor
     """A checkpoint's fused q/k/v or gate/up tensor as its parts' rows, each under the name a separate checkpoint
     gives it, so that each loads (a tensor-parallel rank taking its slice of each) or packs as one; any other tensor
     as it is."""
-    if ".mlp.input_linear." in name or ".mlp.output_linear." in name:   # Granite MoE's experts, stacked
-        return _granite_experts(name, tensor)
+    if any(part in name for part in _STACKED_EXPERTS):    # Granite MoE's and Qwen3-VL-MoE's experts
+        return _stacked_experts(config, name, tensor)
     if ".query_key_value." in name:     # each KV head's group: its queries' rows, then its key's, then its value's
         kv_heads = _num_kv_heads(config)    # (GPT-NeoX's one query a group; Falcon 7B's one group of all)
         groups = tensor.unflatten(0, (kv_heads, config.num_attention_heads // kv_heads + 2, -1))
@@ -542,15 +543,29 @@ def unfused(config: Any, name: str, tensor: torch.Tensor) -> list[tuple[str, tor
     return list(zip(names, tensor.split(sizes), strict=True))
 
 
-def _granite_experts(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    """Granite MoE's stacked experts as each expert's tensors under Qwen-MoE's names: input_linear [E, 2I, H], each
-    expert's gate rows then its up rows; output_linear [E, H, I], its down."""
-    if ".mlp.input_linear." in name:
-        return [(name.replace(".mlp.input_linear.", f".mlp.experts.{index}.{part}."), rows)
-                for index, expert in enumerate(tensor)
-                for part, rows in zip(("gate_proj", "up_proj"), expert.chunk(2), strict=True)]
-    return [(name.replace(".mlp.output_linear.", f".mlp.experts.{index}.down_proj."), expert)
-            for index, expert in enumerate(tensor)]
+# a stacked experts tensor's name part -> whether it holds the gate and up rows (else down's), and whether each
+# expert's matrix is stored transposed ([in, out]), as transformers' original checkpoints store Qwen3-VL-MoE's
+_STACKED_EXPERTS = {".mlp.input_linear.": (True, False), ".mlp.output_linear.": (False, False),
+                    ".mlp.experts.gate_up_proj": (True, True), ".mlp.experts.down_proj": (False, True)}
+
+
+def _stacked_experts(config: Any, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """Experts stacked in one tensor as each expert's tensors under Qwen-MoE's names (`model.layers.i.mlp.experts.e.
+    gate_proj.weight` ...): Granite MoE's input_linear [E, 2I, H], each expert's gate rows then its up rows, and
+    output_linear [E, H, I], its down; Qwen3-VL-MoE's gate_up_proj [E, H, 2I] and down_proj [E, I, H], as its
+    checkpoints store them (transformers 5 holds them as Granite's, and a checkpoint saved in that layout, whose
+    shapes tell it apart where H is not 2I (gate/up) or I (down), is read as it is)."""
+    part = next(p for p in _STACKED_EXPERTS if p in name)
+    gate_up, transposed = _STACKED_EXPERTS[part]
+    if transposed and tensor.shape[1 if gate_up else 2] != config.hidden_size:
+        transposed = False      # not [E, H, 2I] or [E, I, H]: the layout transformers 5 holds
+    if transposed:
+        tensor = tensor.transpose(1, 2)
+    layer = name[:name.index(part)] + ".mlp.experts."
+    if gate_up:
+        return [(f"{layer}{index}.{half}.weight", rows) for index, expert in enumerate(tensor)
+                for half, rows in zip(("gate_proj", "up_proj"), expert.chunk(2), strict=True)]
+    return [(f"{layer}{index}.down_proj.weight", expert) for index, expert in enumerate(tensor)]
 
 
 def expert_intermediate_size(config: Any) -> int:

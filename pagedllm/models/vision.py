@@ -411,18 +411,17 @@ class _Merger(nn.Module):
 class QwenVLEncoder(ImageEncoder):
     """Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's vision transformer and merger (their
     `Qwen2VLForConditionalGeneration`, `Qwen2_5_VLForConditionalGeneration` and `Qwen3VLForConditionalGeneration`
-    configs), one image at a time. Qwen3-VL's adds learned position embeddings (a square grid, resampled to each
-    image's) and DeepStack: the merged features of some layers (`deepstack_visual_indexes`) besides the last's,
-    which its language model adds to its first layers' hidden states at the image's rows; `forward`'s rows carry
-    them after the last layer's: [tokens, hidden x (1 + DeepStack layers)]."""
+    configs; Qwen3-VL-MoE's is Qwen3-VL's), one image at a time. Qwen3-VL's adds learned position embeddings (a square
+    grid, resampled to each image's) and DeepStack: the merged features of some layers (`deepstack_visual_indexes`)
+    besides the last's, which its language model adds to its first layers' hidden states at the image's rows;
+    `forward`'s rows carry them after the last layer's: [tokens, hidden x (1 + DeepStack layers)]."""
 
     processor = GridImageProcessor
 
     def __init__(self, config: Any, dtype: torch.dtype) -> None:
         super().__init__()
         vision, kind = config.vision_config, config.model_type
-        self.windowed = kind == "qwen2_5_vl"
-        qwen2 = kind == "qwen2_vl"
+        self.windowed, qwen2, qwen3 = kind == "qwen2_5_vl", kind == "qwen2_vl", kind in ("qwen3_vl", "qwen3_vl_moe")
         width = vision.embed_dim if qwen2 else vision.hidden_size
         out = vision.hidden_size if qwen2 else vision.out_hidden_size
         inner = int(width * vision.mlp_ratio) if qwen2 else vision.intermediate_size
@@ -437,11 +436,11 @@ class QwenVLEncoder(ImageEncoder):
         values = vision.in_channels * vision.temporal_patch_size * self.patch_size ** 2
         unit = self.merge ** 2
         parts: dict[str, nn.Module] = dict(
-            patch_embed=nn.ModuleDict(dict(proj=_Linear(values, width, bias=kind == "qwen3_vl", dtype=dtype))),
+            patch_embed=nn.ModuleDict(dict(proj=_Linear(values, width, bias=qwen3, dtype=dtype))),
             blocks=nn.ModuleList(_QwenVisionBlock(vision, width, inner, self.windowed, dtype)
                                  for _ in range(vision.depth)),
             merger=_Merger(width, unit, out, self.windowed, False, dtype))
-        if kind == "qwen3_vl":
+        if qwen3:
             parts["pos_embed"] = nn.Embedding(vision.num_position_embeddings, width, dtype=dtype)
             parts["deepstack_merger_list"] = nn.ModuleList(_Merger(width, unit, out, False, True, dtype)
                                                            for _ in self.deepstack_layers)
@@ -664,6 +663,7 @@ class SmolVLMEncoder(Idefics3Encoder):
 IMAGE_ENCODERS: dict[str, type[ImageEncoder]] = {
     "LlavaForConditionalGeneration": LlavaEncoder, "Idefics3ForConditionalGeneration": Idefics3Encoder,
     "Qwen2VLForConditionalGeneration": QwenVLEncoder, "Qwen2_5_VLForConditionalGeneration": QwenVLEncoder,
-    "Qwen3VLForConditionalGeneration": QwenVLEncoder, "SmolVLMForConditionalGeneration": SmolVLMEncoder,
+    "Qwen3VLForConditionalGeneration": QwenVLEncoder, "Qwen3VLMoeForConditionalGeneration": QwenVLEncoder,
+    "SmolVLMForConditionalGeneration": SmolVLMEncoder,
     "InternVLForConditionalGeneration": InternVLEncoder, "LlavaNextForConditionalGeneration": LlavaNextEncoder,
     "Gemma3ForConditionalGeneration": Gemma3Encoder}

@@ -1,4 +1,5 @@
-"""Grid images (Qwen2-VL, Qwen2.5-VL: pagedllm.multimodal.GridImageProcessor, pagedllm.models.vision.QwenVLEncoder):
+"""Grid images (Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE: pagedllm.multimodal.GridImageProcessor,
+pagedllm.models.vision.QwenVLEncoder):
 tiny random checkpoints with their image processor, against transformers' models on the same weights and pixels:
 the encoder's rows (Qwen2.5-VL's windows padded at the image's edge), M-RoPE positions and table rows, greedy tokens
 for images of several shapes in one batch, chunked prefills and preemption through an image, prefix hits, chat and
@@ -10,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import safetensors.torch
 import torch
 import transformers
 from PIL import Image
@@ -17,6 +19,7 @@ from PIL import Image
 from pagedllm import LLM, SamplingParams
 from pagedllm.inputs import parse_prompt
 from pagedllm.layers.rotary import RotaryEmbedding, mrope_axes
+from pagedllm.models.llama import unfused
 from pagedllm.multimodal import ImageInput, MRopeLayout, pixels_hash
 from tests.entrypoints.server_utils import start_server
 from tests.models.test_images import NEEDS_ONEDNN_BF16, _data_url, _image, load_encoder, served_chat
@@ -29,22 +32,24 @@ TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['conten
             "{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}" + IMAGE +
             "{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-KINDS = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
+KINDS = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"]
 
 
 def _save_model(folder: Path, kind: str) -> Any:
-    """A tiny random Qwen2-VL, Qwen2.5-VL or Qwen3-VL, its image processor (images of 4 to 64 placeholders) and
-    tokenizer, saved in `folder`; returns transformers' model. Qwen2-VL and Qwen2.5-VL: the tiny Qwen2 with M-RoPE
-    sections [2, 3, 3] of its 16-value heads, a two- or three-layer encoder of 14-pixel patches (Qwen2.5-VL's windows
-    4 x 4 patches, its second layer over the whole image). Qwen3-VL: the tiny Qwen3 (32-value heads) with M-RoPE's
-    sections [6, 5, 5] interleaved, an encoder of 16-pixel patches whose learned positions are a 4 x 4 grid, DeepStack
-    from its first two layers."""
+    """A tiny random Qwen2-VL, Qwen2.5-VL, Qwen3-VL or Qwen3-VL-MoE, its image processor (images of 4 to 64
+    placeholders) and tokenizer, saved in `folder`; returns transformers' model. Qwen2-VL and Qwen2.5-VL: the tiny Qwen2
+    with M-RoPE sections [2, 3, 3] of its 16-value heads, a two- or three-layer encoder of 14-pixel patches
+    (Qwen2.5-VL's windows 4 x 4 patches, its second layer over the whole image). Qwen3-VL: the tiny Qwen3 (32-value
+    heads) with M-RoPE's sections [6, 5, 5] interleaved, an encoder of 16-pixel patches whose learned positions are a 4
+    x 4 grid, DeepStack from its first two layers. Qwen3-VL-MoE: Qwen3-VL's with the tiny Qwen3-MoE (4 experts, 2 a
+    token) for its language model, saved as its released checkpoints are (`_save_as_released`)."""
     tokenizer = build_byte_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": [
         "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]})
     tokenizer.chat_template = TEMPLATE
-    qwen3 = kind == "qwen3_vl"
-    text = tiny_config("qwen3" if qwen3 else "qwen2", initializer_range=0.5).to_dict()
+    qwen3 = kind.startswith("qwen3_vl")
+    text = tiny_config({"qwen3_vl": "qwen3", "qwen3_vl_moe": "qwen3-moe"}.get(kind, "qwen2"),
+                       initializer_range=0.5).to_dict()
     text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0,
                                "mrope_section": [6, 5, 5] if qwen3 else [2, 3, 3], "mrope_interleaved": qwen3}
     ids = dict(image_token_id=tokenizer.convert_tokens_to_ids("<|image_pad|>"),
@@ -65,16 +70,33 @@ def _save_model(folder: Path, kind: str) -> Any:
     else:
         vision = dict(depth=3, hidden_size=32, out_hidden_size=text["hidden_size"], intermediate_size=48,
                       num_position_embeddings=16, deepstack_visual_indexes=[0, 1], initializer_range=0.5, **common)
-        config = transformers.Qwen3VLConfig(text_config=text, vision_config=vision, **ids)
-        architecture = transformers.Qwen3VLForConditionalGeneration
+        moe = kind == "qwen3_vl_moe"
+        config = (transformers.Qwen3VLMoeConfig if moe else transformers.Qwen3VLConfig)(
+            text_config=text, vision_config=vision, **ids)
+        architecture = transformers.Qwen3VLMoeForConditionalGeneration if moe else \
+            transformers.Qwen3VLForConditionalGeneration
     torch.manual_seed(0)
     model = architecture(config).eval()
-    model.save_pretrained(folder)
+    if kind == "qwen3_vl_moe":
+        _save_as_released(model, folder)
+    else:
+        model.save_pretrained(folder)
     square = 2 * patch      # pixels a placeholder's side
     transformers.Qwen2VLImageProcessor(patch_size=patch, min_pixels=4 * square ** 2,
                                        max_pixels=64 * square ** 2).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return model
+
+
+def _save_as_released(model: Any, folder: Path) -> None:
+    """A Qwen3-VL-MoE saved as its released checkpoints are: each layer's experts stacked, gate_up_proj [E, H, 2I]
+    and down_proj [E, I, H] (transformers holds them transposed, and its save_pretrained fails to turn them back)."""
+    model.save_pretrained(folder, save_original_format=False)
+    path = folder / "model.safetensors"
+    tensors = safetensors.torch.load_file(path)
+    for name in [n for n in tensors if n.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"))]:
+        tensors[name] = tensors[name].transpose(1, 2).contiguous()
+    safetensors.torch.save_file(tensors, path, metadata={"format": "pt"})
 
 
 @pytest.fixture(scope="module", params=KINDS)
@@ -116,7 +138,7 @@ def test_the_encoder_gives_transformers_rows(tmp_path: Path, kind: str) -> None:
             expected = model.model.get_image_features(pixel_values=pixels, image_grid_thw=torch.tensor([grid]))
         # Qwen3-VL's DeepStack rows (each layer's split by image), after the last layer's
         deepstack = [torch.cat(list(rows)) for rows in getattr(expected, "deepstack_features", None) or []]
-        assert len(deepstack) == (2 if kind == "qwen3_vl" else 0)
+        assert len(deepstack) == (2 if kind.startswith("qwen3_vl") else 0)
         rows = torch.cat([*expected.pooler_output, *deepstack], dim=-1)
         torch.testing.assert_close(encoder(pixels, grid), rows, atol=1e-5 * rows.abs().max().item(), rtol=1e-5)
 
@@ -213,6 +235,22 @@ def test_chunks_preemption_and_prefix_hits_through_a_grid_image(qwen: tuple[Path
     other = llm.generate({**prompts[1], "multi_modal_data": {"image": _image(10 + 1, 150, 90)}}, GREEDY,
                          use_tqdm=False)[0]     # another image after the same text: no hit from it on
     assert other.num_cached_tokens <= other.prompt_token_ids.index(image_token)
+
+
+def test_stacked_experts_load_from_either_layout() -> None:
+    """Qwen3-VL-MoE's experts as its checkpoints store them ([E, H, 2I] and [E, I, H]) and as transformers 5 holds
+    them ([E, 2I, H] and [E, H, I]) become the same experts' gate, up and down weights."""
+    config = tiny_config("qwen3-moe")
+    experts, hidden, inner = 4, config.hidden_size, 48
+    gate_up, down = torch.randn(experts, 2 * inner, hidden), torch.randn(experts, hidden, inner)
+    layer = "model.layers.1.mlp.experts."
+    expected = {f"{layer}{e}.{part}.weight": rows for e in range(experts)
+                for part, rows in (("gate_proj", gate_up[e, :inner]), ("up_proj", gate_up[e, inner:]),
+                                   ("down_proj", down[e]))}
+    for held in (gate_up, down), (gate_up.transpose(1, 2), down.transpose(1, 2)):
+        parts = dict(unfused(config, layer + "gate_up_proj", held[0]) + unfused(config, layer + "down_proj", held[1]))
+        assert parts.keys() == expected.keys()
+        assert all(torch.equal(parts[name], rows) for name, rows in expected.items())
 
 
 def test_an_images_grid_goes_into_its_hash() -> None:
