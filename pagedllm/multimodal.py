@@ -2,17 +2,18 @@
 
 A prompt takes images as vLLM's do: `{"prompt": "USER: <image>\\nWhat is this? ASSISTANT:", "multi_modal_data":
 {"image": image}}` (a PIL image, or a list of them, one per marker of the text in order). The model's own
-transformers processor (`ImageProcessor`) turns text and images into token ids, where each image's marker has
-become as many placeholder tokens as its encoder gives rows, and into pixels: one picture an image for Llava and
-Gemma 3, for Idefics3 a grid of tiles and the whole image shrunk, each tile its own run of placeholders between the
+transformers processor (`ImageProcessor`) turns text and images into token ids, where each image's marker has become
+as many placeholder tokens as its encoder gives rows, and into pixels: one picture an image for Llava and Gemma 3,
+for Idefics3 a grid of tiles and the whole image shrunk, each tile its own run of placeholders between the
 processor's markers, for LLaVA-NeXT its tiles in one run (`AnyresImageProcessor`). `image_inputs` then finds each
-picture's run. Where that processor needs torchvision (SmolVLM2's, InternVL's, the Qwen-VLs'), the markers are
-expanded here, with the model's image processor (`_ExpandingProcessor`). The Qwen-VLs' images keep their aspect:
+picture's run. Where that processor needs torchvision (SmolVLM2's, InternVL's, the Qwen-VLs', Pixtral's), the markers
+are expanded here, with the model's image processor (`_ExpandingProcessor`). The Qwen-VLs' images keep their aspect:
 each becomes a grid of patches of its own size (`GridImageProcessor`), and as many placeholders as the grid has 2 x 2
-squares; their language model places those tokens by M-RoPE (`MRopeLayout`). An `ImageInput` (one picture) is what
-the core carries: where its placeholders sit in the prompt, a hash of its pixels (its prefix-cache key:
-`pagedllm.core.kv_cache.hashing`), the pixels themselves, which only the runner reads, and its shape where the
-encoder needs it. Pure Python at import: the core imports this module.
+squares; their language model places those tokens by M-RoPE (`MRopeLayout`). Mistral 3's and Pixtral-12B's keep their
+aspect as well, a row of placeholders a row of the image's squares, each row ended by a token of the prompt's own
+(`RowBreakImageProcessor`). An `ImageInput` (one picture) is what the core carries: where its placeholders sit in the
+prompt, a hash of its pixels (its prefix-cache key: `pagedllm.core.kv_cache.hashing`), the pixels themselves, which
+only the runner reads, and its shape where the encoder needs it. Pure Python at import: the core imports this module.
 """
 
 from __future__ import annotations
@@ -31,7 +32,10 @@ class ImageInput:
     hash of its pixels, and the pixels (a [3, S, S] tensor, the processor's; a grid's [patches, values]), which the
     runner's image encoder turns into `length` rows. `grid`: a grid image's placeholders as (frames, rows, columns),
     one placeholder a 2 x 2 square of patches (`GridImageProcessor`); None for any other picture. `size`: an anyres
-    image's own (height, width), which its encoder unpads its tiles' rows to (`AnyresImageProcessor`); else None."""
+    image's own (height, width), which its encoder unpads its tiles' rows to (`AnyresImageProcessor`), or a Pixtral
+    image's; else None. `row_width`: a Pixtral image's placeholders a row: its run is rows of that many, each
+    followed by a token of the prompt's own ([IMG_BREAK], the last [IMG_END]: `RowBreakImageProcessor`), which
+    keeps its embedding; the encoder gives rows for the placeholders alone."""
 
     offset: int
     length: int
@@ -39,6 +43,7 @@ class ImageInput:
     pixels: Any = field(repr=False)
     grid: tuple[int, int, int] | None = None
     size: tuple[int, int] | None = None
+    row_width: int | None = None
     embeds: bool = False    # prompt embeddings (vLLM's prompt_embeds): `pixels` are the rows themselves [length, H]
 
 
@@ -63,11 +68,13 @@ def pixels_hash(pixels: Any, shape: tuple[int, ...] | None = None) -> str:
 
 def image_inputs(token_ids: list[int], pictures: Sequence[Any], image_token_id: int,
                  grids: Sequence[tuple[int, int, int]] | None = None, sizes: Sequence[tuple[int, int]] | None = None,
-                 lengths: Sequence[int] | None = None) -> tuple[ImageInput, ...]:
+                 lengths: Sequence[int] | None = None, row_widths: Sequence[int] | None = None,
+                 row_ends: frozenset[int] = frozenset()) -> tuple[ImageInput, ...]:
     """Each picture's run of placeholders in `token_ids`, with its pixels (`pictures`, in order): `lengths` long, or
     as long as its grid has placeholders (`grids`), or else the placeholders split evenly among the pictures; each
-    run contiguous. ValueError when they are not. `sizes`: anyres images' own sizes."""
-    positions = [i for i, t in enumerate(token_ids) if t == image_token_id]
+    run contiguous. ValueError when they are not. `sizes`: anyres images' own sizes. `row_widths`: Pixtral images'
+    placeholders a row, each row ended by one of the `row_ends` tokens, which the runs hold too."""
+    positions = [i for i, t in enumerate(token_ids) if t == image_token_id or t in row_ends]
     count = len(pictures)
     if lengths is None and grids is not None:
         lengths = [math.prod(grid) for grid in grids]
@@ -83,7 +90,7 @@ def image_inputs(token_ids: list[int], pictures: Sequence[Any], image_token_id: 
             raise ValueError(f"image {index}'s placeholder tokens are not one run")
         grid, size = None if grids is None else grids[index], None if sizes is None else sizes[index]
         result.append(ImageInput(run[0], length, pixels_hash(pictures[index], grid or size), pictures[index], grid,
-                                 size))
+                                 size, None if row_widths is None else row_widths[index]))
     return tuple(result)
 
 
@@ -317,3 +324,41 @@ class GridImageProcessor(_ExpandingProcessor):
         token_ids = self._token_ids(text, [self.image_token * math.prod(grid) for grid in grids], add_special_tokens)
         pixels = encoded["pixel_values"].to(self.dtype).split([math.prod(grid) * merge ** 2 for grid in grids])
         return token_ids, image_inputs(token_ids, pixels, self.image_token_id, grids)
+
+
+class RowBreakImageProcessor(_ExpandingProcessor):
+    """Mistral 3's and Pixtral-12B's (Pixtral's tower): its image processor (transformers': an image shrunk to fit
+    `longest_edge`, its sides whole squares of `patch_size` x `spatial_merge_size` pixels) and its tokenizer; each
+    `[IMG]` becomes a row of placeholders a row of squares, each row followed by `[IMG_BREAK]` and the last by
+    `[IMG_END]`, as its transformers processor does (which needs torchvision). Those two lie within the image's run
+    and keep their own embeddings (`ImageInput.row_width`)."""
+
+    def _load(self, path: Path) -> Any:
+        import json
+
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(str(path))
+        self.square = config.vision_config.patch_size * getattr(config, "spatial_merge_size", 1)   # Llava's: 1
+        saved = path / "processor_config.json"
+        settings = json.loads(saved.read_text()) if saved.is_file() else {}
+        tokenizer = super()._load(path)
+        self.row_markers = (settings.get("image_break_token", "[IMG_BREAK]"),
+                            settings.get("image_end_token", "[IMG_END]"))
+        self.row_ends = frozenset(tokenizer.convert_tokens_to_ids(list(self.row_markers)))
+        return tokenizer
+
+    def _process(self, text: str, images: list[Any], add_special_tokens: bool, kwargs: dict[str, Any]
+                 ) -> tuple[list[int], tuple[ImageInput, ...]]:
+        encoded = self._pixels(images, kwargs, patch_size={"height": self.square, "width": self.square})
+        sizes = [(height, width) for height, width in encoded["image_sizes"].tolist()]
+        shapes = [(height // self.square, width // self.square) for height, width in sizes]
+        row_break, end = self.row_markers
+        token_ids = self._token_ids(text, [(self.image_token * columns + row_break) * (rows - 1) +
+                                           self.image_token * columns + end for rows, columns in shapes],
+                                    add_special_tokens)
+        pixels = [p[:, :height, :width] for p, (height, width) in zip(encoded["pixel_values"].to(self.dtype), sizes,
+                                                                      strict=True)]
+        return token_ids, image_inputs(token_ids, pixels, self.image_token_id, sizes=sizes,
+                                       lengths=[rows * (columns + 1) for rows, columns in shapes],
+                                       row_widths=[columns for _, columns in shapes], row_ends=self.row_ends)

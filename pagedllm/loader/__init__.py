@@ -23,7 +23,7 @@ from pagedllm.config import ModelConfig
 from pagedllm.cpu import cpu_info, onednn_bf16_ok
 from pagedllm.device import model_device
 from pagedllm.loader.resolve import ResolvedModel, resolve_model
-from pagedllm.models.vision import IMAGE_ENCODERS, image_part_name
+from pagedllm.models.vision import IMAGE_ENCODERS, image_encoder_class, image_part_name
 from pagedllm.multimodal import has_processor
 
 if TYPE_CHECKING:   # gguf (numpy and the gguf package) loads only for a .gguf model
@@ -121,9 +121,10 @@ _TEXT_PART_PREFIXES = (("model.language_model.", "model."), ("language_model.mod
 
 
 def _image_encoder(resolved: ResolvedModel, dtype: torch.dtype, device: str, architecture: str) -> nn.Module:
-    """A multimodal checkpoint's image encoder (IMAGE_ENCODERS: the tower and the projector), loaded on `device`,
-    in `dtype`; in float32 where that is bf16 on a CPU that does not multiply bf16 itself: its plain torch linears
-    would be emulated there, several times slower than float32's (the language model's run pagedllm's kernels)."""
+    """A multimodal checkpoint's image encoder (`image_encoder_class`: the tower and the projector), loaded on
+    `device`, in `dtype`; in float32 where that is bf16 on a CPU that does not multiply bf16 itself: its plain torch
+    linears would be emulated there, several times slower than float32's (the language model's run pagedllm's
+    kernels)."""
     from transformers import AutoConfig
 
     from pagedllm.loader.safetensors import iterate_safetensors
@@ -132,7 +133,8 @@ def _image_encoder(resolved: ResolvedModel, dtype: torch.dtype, device: str, arc
         dtype = torch.float32
 
     with torch.device(device):
-        encoder = IMAGE_ENCODERS[architecture](AutoConfig.from_pretrained(str(resolved.path)), dtype)
+        config = AutoConfig.from_pretrained(str(resolved.path))
+        encoder = image_encoder_class(config, architecture)(config, dtype)
     encoder.load_weights(iterate_safetensors(resolved.path, dtype, image_part_name))
     encoder.prepack()
     return encoder.eval()

@@ -20,6 +20,13 @@ two frames deep, the processor's, in 2 x 2 squares of patches) is the encoder's 
        MLP) over windows of 112 pixels a side but in `fullatt_block_indexes`' layers
     -> merger: each 2 x 2 square's patches normed and joined into one row, then linear, GELU, linear
        [h w / 4, hidden of the language model]; their language model places these rows by M-RoPE
+Mistral 3 and Pixtral-12B (`PixtralEncoder`), whose images keep their aspect too: one image of h x w patches (14 or
+16 pixels) is the encoder's sequence
+    -> patches: a linear, RMSNorm; each patch's (row, column) turns its queries and keys (a 2-D rotary embedding)
+    -> encoder layers over the whole image (RMSNorm, a SiLU-gated MLP), up to `vision_feature_layer`
+    -> Mistral 3's: RMSNorm, each 2 x 2 square's patches joined into one row and merged by a linear
+    -> projector: linear, GELU, linear  [h w / 4 (Pixtral-12B's: h w), hidden of the language model]; in the prompt
+       each row of placeholders is ended by [IMG_BREAK] ([IMG_END] the last), which keep their own embeddings
 ```
 
 The model's processor (transformers') resizes (and tiles) each image and expands its `<image>` into as many
@@ -46,13 +53,14 @@ from pagedllm.multimodal import (
     GridImageProcessor,
     ImageInput,
     ImageProcessor,
+    RowBreakImageProcessor,
     TiledImageProcessor,
 )
 
 # transformers' activations by config name, as these towers and projectors use them
 _ACTIVATIONS = {"gelu": F.gelu, "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
                 "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-                "gelu_new": lambda x: F.gelu(x, approximate="tanh")}
+                "gelu_new": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu}
 # the GELUs oneDNN applies inside a linear (its `_linear_pointwise` "gelu" and the approximation)
 _ONEDNN_GELUS = {"gelu": "none", "gelu_pytorch_tanh": "tanh", "gelu_new": "tanh"}
 # the tower's and the projector's checkpoint prefixes, in transformers' layouts (Llava's before 4.52 at the top;
@@ -203,7 +211,8 @@ class ImageEncoder(nn.Module):
     tower: VisionTower
 
     def encode(self, image: ImageInput) -> torch.Tensor:
-        """One picture's rows for its placeholders [image.length, H]."""
+        """One picture's rows for its placeholders [placeholders, H] (image.length of them, but for the tokens of
+        the prompt's own within its run: `ImageInput.row_width`)."""
         return self(image.pixels.to(next(self.parameters()).device)[None])[0]
 
     def prepack(self) -> None:
@@ -651,11 +660,113 @@ class Gemma3Encoder(ImageEncoder):
         return h.to(x.dtype) @ self.projector.mm_input_projection_weight
 
 
+class _PixtralLayer(nn.Module):
+    """A Pixtral encoder layer: RMSNorm, attention over the image's patches (each query and key turned by its
+    patch's row and column), RMSNorm, a gated MLP; no biases."""
+
+    def __init__(self, config: Any, dtype: torch.dtype) -> None:
+        super().__init__()
+        width, inner = config.hidden_size, config.intermediate_size
+        self.num_heads, self.act = config.num_attention_heads, activation(config.hidden_act)
+        self.attention_norm, self.ffn_norm = (_RMSNorm(width, 1e-5, dtype) for _ in range(2))
+        self.attention = nn.ModuleDict({name: _Linear(width, width, bias=False, dtype=dtype)
+                                        for name in ("q_proj", "k_proj", "v_proj", "o_proj")})
+        self.feed_forward = nn.ModuleDict(dict(gate_proj=_Linear(width, inner, bias=False, dtype=dtype),
+                                               up_proj=_Linear(width, inner, bias=False, dtype=dtype),
+                                               down_proj=_Linear(inner, width, bias=False, dtype=dtype)))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # x: [patches, D]
+        h, attention = self.attention_norm(x), self.attention
+        q, k, v = (attention[name](h).unflatten(-1, (self.num_heads, -1)) for name in ("q_proj", "k_proj", "v_proj"))
+        x = x + attention["o_proj"](_windowed_attention(_rotate(q, cos, sin), _rotate(k, cos, sin), v, [0, len(x)]))
+        h, mlp = self.ffn_norm(x), self.feed_forward
+        return x + mlp["down_proj"](self.act(mlp["gate_proj"](h)) * mlp["up_proj"](h))
+
+
+class PixtralEncoder(ImageEncoder):
+    """Pixtral's tower and Mistral 3's projector (`Mistral3ForConditionalGeneration`'s config: Mistral-Small-3.1 and
+    3.2), or Llava's (a `LlavaForConditionalGeneration` of a Pixtral tower: Pixtral-12B): Pixtral's ViT over an
+    image of its own size (14- or 16-pixel patches, each turned by its row and column: a 2-D rotary embedding over
+    the head's values, rows' angles then columns'), up to `vision_feature_layer`, then Mistral 3's projector:
+    RMSNorm, each s x s square of patches joined into one row (`spatial_merge_size`, channel-major as torch's
+    unfold joins them) and merged by a linear, linear, GELU, linear; or Llava's: linear, GELU, linear, a row a
+    patch. Its prompt holds a row of placeholders a row of squares (patches), each row followed by [IMG_BREAK], the
+    last by [IMG_END] (`RowBreakImageProcessor`)."""
+
+    processor = RowBreakImageProcessor
+
+    def __init__(self, config: Any, dtype: torch.dtype) -> None:
+        super().__init__()
+        vision, layer = config.vision_config, config.vision_feature_layer
+        if not isinstance(layer, int) or getattr(config, "vision_feature_select_strategy", "full") != "full":
+            raise ValueError(f"vision_feature_layer {layer}, vision_feature_select_strategy "
+                             f"{config.vision_feature_select_strategy!r}: pagedllm reads one layer of a Pixtral "
+                             "tower, every row of it ('full')")
+        width, self.patch = vision.hidden_size, vision.patch_size
+        self.merge = getattr(config, "spatial_merge_size", 1)     # Llava's: none, a row a patch
+        head_dim = width // vision.num_attention_heads
+        every = 1.0 / vision.rope_parameters["rope_theta"] ** (torch.arange(0, head_dim, 2).float() / head_dim)
+        self.register_buffer("inv_freq", torch.cat([every[0::2], every[1::2]]), persistent=False)  # rows', columns'
+        self.tower = nn.ModuleDict(dict(
+            patch_conv=_Linear(vision.num_channels * self.patch ** 2, width, bias=False, dtype=dtype),
+            ln_pre=_RMSNorm(width, 1e-5, dtype),
+            transformer=nn.ModuleDict(dict(layers=nn.ModuleList(
+                _PixtralLayer(vision, dtype) for _ in range(layer % (vision.num_hidden_layers + 1)))))))
+        hidden, bias = config.text_config.hidden_size, config.multimodal_projector_bias
+        projector: dict[str, nn.Module] = dict(linear_1=_Linear(width, hidden, bias=bias, dtype=dtype),
+                                               linear_2=_Linear(hidden, hidden, bias=bias, dtype=dtype))
+        if config.model_type == "mistral3":
+            projector |= dict(norm=_RMSNorm(width, config.text_config.rms_norm_eps, dtype),
+                              patch_merger=nn.ModuleDict(dict(merging_layer=_Linear(width * self.merge ** 2, width,
+                                                                                    bias=False, dtype=dtype))))
+        self.projector = nn.ModuleDict(projector)
+        self.projector_act = config.projector_hidden_act
+        activation(self.projector_act)
+
+    def encode(self, image: ImageInput) -> torch.Tensor:
+        return self(image.pixels.to(self.inv_freq.device))
+
+    def _parameter_name(self, name: str) -> str | None:
+        """None for the tower's layers past the feature layer."""
+        parts = name.split(".")
+        if name.startswith("tower.transformer.layers.") and int(parts[3]) >= len(self.tower["transformer"]["layers"]):
+            return None
+        return name
+
+    @torch.inference_mode()
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        """One image [3, H, W] (the processor's, sides whole squares) -> its placeholders' rows [H W / (P s)^2,
+        hidden], row-major."""
+        tower, projector, p, s = self.tower, self.projector, self.patch, self.merge
+        rows, columns = pixels.shape[1] // p, pixels.shape[2] // p
+        patches = pixels.reshape(-1, rows, p, columns, p).permute(1, 3, 0, 2, 4).reshape(rows * columns, -1)
+        x = tower["ln_pre"](tower["patch_conv"](patches.to(tower["ln_pre"].weight.dtype)))
+        places = torch.stack(torch.meshgrid(torch.arange(rows), torch.arange(columns), indexing="ij")).flatten(1)
+        half = len(self.inv_freq) // 2
+        freqs = torch.cat([places[0, :, None] * self.inv_freq[:half], places[1, :, None] * self.inv_freq[half:]], -1)
+        angles = torch.cat([freqs, freqs], dim=-1)[:, None]     # [patches, 1, head_dim]
+        cos, sin = angles.cos(), angles.sin()
+        for layer in tower["transformer"]["layers"]:
+            x = layer(x, cos, sin)
+        if "patch_merger" in projector:
+            x = projector["norm"](x).reshape(rows // s, s, columns // s, s, -1).permute(0, 2, 4, 1, 3).flatten(2)
+            x = projector["patch_merger"]["merging_layer"](x.flatten(0, 1))
+        return projector["linear_2"](projector["linear_1"].gelu(x, self.projector_act))
+
+
 class SmolVLMEncoder(Idefics3Encoder):
     """SmolVLM2's (`SmolVLMForConditionalGeneration`'s config): Idefics3's tower and connector, its prompts made
     without its transformers processor, which needs torchvision."""
 
     processor = TiledImageProcessor
+
+
+def image_encoder_class(config: Any, architecture: str) -> type[ImageEncoder]:
+    """The image encoder of a multimodal checkpoint's `config` (its `architecture`): IMAGE_ENCODERS' for the
+    architecture, Pixtral's for a Llava of a Pixtral tower (Pixtral-12B)."""
+    if architecture == "LlavaForConditionalGeneration" and config.vision_config.model_type == "pixtral":
+        return PixtralEncoder
+    return IMAGE_ENCODERS[architecture]
 
 
 # multimodal architectures -> their image encoder. SmolVLM-256M, 500M and 2.2B-Instruct are Idefics3 checkpoints,
@@ -666,4 +777,4 @@ IMAGE_ENCODERS: dict[str, type[ImageEncoder]] = {
     "Qwen3VLForConditionalGeneration": QwenVLEncoder, "Qwen3VLMoeForConditionalGeneration": QwenVLEncoder,
     "SmolVLMForConditionalGeneration": SmolVLMEncoder,
     "InternVLForConditionalGeneration": InternVLEncoder, "LlavaNextForConditionalGeneration": LlavaNextEncoder,
-    "Gemma3ForConditionalGeneration": Gemma3Encoder}
+    "Gemma3ForConditionalGeneration": Gemma3Encoder, "Mistral3ForConditionalGeneration": PixtralEncoder}

@@ -375,8 +375,13 @@ class ModelRunner:
                 if index not in state.image_rows:
                     state.image_rows[index] = self.model.encode_image(image)
                 row = inputs.first_rows[s.request_id] + first - start
-                indices.append(torch.arange(row, row + last - first))
-                rows.append(state.image_rows[index][first - image.offset:last - image.offset])
+                places = torch.arange(first - image.offset, last - image.offset)    # in the image's run
+                step_rows = places + (row - places[0])
+                if image.row_width is not None:     # the rows' ends ([IMG_BREAK]) keep their own embeddings
+                    keep = places % (image.row_width + 1) != image.row_width
+                    places, step_rows = places[keep] - places[keep] // (image.row_width + 1), step_rows[keep]
+                indices.append(step_rows)
+                rows.append(state.image_rows[index][places])
                 if not image.embeds and self.model.image_encoder.attends_whole_image:   # its rows see all of it
                     if last != image.offset + image.length:
                         raise RuntimeError(f"a step cut image {index} of {s.request_id}: the scheduler keeps an "

@@ -31,7 +31,7 @@ from pagedllm.cpu import MAX_ISA_ENV, onednn_bf16_ok
 from pagedllm.engine.async_engine import AsyncEngine
 from pagedllm.engine.beam_search import BeamSearchParams
 from pagedllm.inputs import parse_prompt
-from pagedllm.models.vision import IMAGE_ENCODERS, image_part_name, tile_positions
+from pagedllm.models.vision import image_encoder_class, image_part_name, tile_positions
 from pagedllm.pooling_params import PoolingParams
 from tests.entrypoints.server_utils import start_server
 from tests.models.tiny import build_byte_tokenizer, randomize_norms, save_tiny_model, tiny_config
@@ -48,7 +48,7 @@ TYPED_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {% for c in m['conten
 def load_encoder(model: Any, folder: Path, dtype: torch.dtype = torch.float32) -> Any:
     """pagedllm's image encoder for the checkpoint in `folder`, with transformers' `model`'s weights in `dtype`."""
     config = transformers.AutoConfig.from_pretrained(folder)
-    encoder = IMAGE_ENCODERS[config.architectures[0]](config, dtype)
+    encoder = image_encoder_class(config, config.architectures[0])(config, dtype)
     encoder.load_weights((ours, tensor.to(dtype)) for name, tensor in model.state_dict().items()
                          if (ours := image_part_name(name)) is not None)
     return encoder
