@@ -15,7 +15,7 @@ from pagedllm.pooling_params import POOLING_TYPES
 PreemptionMode = Literal["recompute", "swap", "auto"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 DistributedExecutorBackend = Literal["mp", "ray"]
-QUANTIZATIONS = (None, "int8", "w8a8", "gguf", "awq", "gptq")
+QUANTIZATIONS = (None, "int8", "w8a8", "gguf", "awq", "gptq", "fp8", "compressed-tensors")
 # what logprobs hold (vLLM's logprobs_mode; pagedllm.sample.sampler)
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
 # where the weights come from (vLLM's load_format; pagedllm.loader.load_model)
@@ -229,7 +229,10 @@ class ModelConfig:
             quantized to 16 bits in each matmul (other types are dequantised to `dtype`). "awq" / "gptq": an
             AutoAWQ (GEMM) or AutoGPTQ/GPTQModel 4-bit checkpoint's weights kept in 4 bits, repacked for the Q4_1
             kernel (group_size a multiple of 32; GPTQ act-order gathers the activations in the weight's input
-            order). gguf, awq and gptq run on one rank.
+            order). gguf, awq and gptq run on one rank. "fp8" / "compressed-tensors": a checkpoint saved in 8 bits
+            (transformers' and DeepSeek's FP8 blocks; compressed-tensors' FP8 or int8 weights, llm-compressor's), read
+            dequantised into `dtype` (`pagedllm.loader.fp8`), as None reads it; "int8" and "w8a8" quantize those
+            weights at load as any others.
         device: "auto" (CUDA when torch sees a CUDA device, else the CPU), "cpu", "cuda" or "cuda:N"; the engine
             resolves it at start-up (`pagedllm.device.resolve_device`).
         enforce_eager: run the model's modules one by one, from Python: on a GPU, instead of replaying the decode
@@ -336,12 +339,12 @@ class ModelConfig:
                  "one of 'auto', 'bfloat16', 'float16', 'float32'", self.dtype)
         _require(self.max_model_len is None or self.max_model_len > 0, "max_model_len", "> 0",
                  self.max_model_len)
-        _require(self.quantization in QUANTIZATIONS, "quantization", "None, 'int8', 'w8a8', 'gguf', 'awq' or 'gptq'",
-                 self.quantization)
+        _require(self.quantization in QUANTIZATIONS, "quantization",
+                 "None, 'int8', 'w8a8', 'gguf', 'awq', 'gptq', 'fp8' or 'compressed-tensors'", self.quantization)
         _require(re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None, "device",
                  "'auto', 'cpu', 'cuda' or 'cuda:N'", self.device)
-        _require(self.quantization is None or not self.device.startswith("cuda"), "quantization",
-                 "None on a GPU (the quantized kernels are CPU kernels)", self.quantization)
+        _require(self.quantization in (None, "fp8", "compressed-tensors") or not self.device.startswith("cuda"),
+                 "quantization", "None on a GPU (the quantized kernels are CPU kernels)", self.quantization)
 
     @property
     def media_access(self) -> MediaAccess:
@@ -401,7 +404,7 @@ class SpeculativeConfig:
         _require((self.model is not None) == (self.method == "draft_model"), "speculative_config.model",
                  "a draft model's folder or .gguf file with method 'draft_model', and None with 'ngram'", self.model)
         _require(self.quantization in QUANTIZATIONS, "speculative_config.quantization",
-                 "None, 'int8', 'w8a8', 'gguf', 'awq' or 'gptq'", self.quantization)
+                 "None, 'int8', 'w8a8', 'gguf', 'awq', 'gptq', 'fp8' or 'compressed-tensors'", self.quantization)
         _require(self.num_speculative_tokens > 0, "speculative_config.num_speculative_tokens", "> 0",
                  self.num_speculative_tokens)
         _require(self.prompt_lookup_min > 0, "speculative_config.prompt_lookup_min", "> 0", self.prompt_lookup_min)

@@ -9,8 +9,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -127,15 +128,13 @@ def _image_encoder(resolved: ResolvedModel, dtype: torch.dtype, device: str, arc
     kernels)."""
     from transformers import AutoConfig
 
-    from pagedllm.loader.safetensors import iterate_safetensors
-
     if device == "cpu" and dtype == torch.bfloat16 and not onednn_bf16_ok():
         dtype = torch.float32
 
     with torch.device(device):
         config = AutoConfig.from_pretrained(str(resolved.path))
         encoder = image_encoder_class(config, architecture)(config, dtype)
-    encoder.load_weights(iterate_safetensors(resolved.path, dtype, image_part_name))
+    encoder.load_weights(_checkpoint_tensors(resolved.path, dtype, config, image_part_name))
     encoder.prepack()
     return encoder.eval()
 
@@ -160,13 +159,19 @@ def load_hf_config(resolved: ResolvedModel, gguf_file: GGUFFile | None = None,
     else:
         from transformers import AutoConfig
 
+        from pagedllm.loader.fp8 import EIGHT_BIT_METHODS
+        from pagedllm.loader.int4 import checkpoint_quantization
+
         config = AutoConfig.from_pretrained(str(resolved.path))
         multimodal = next((a for a in getattr(config, "architectures", None) or [] if _text_part(config, a)), None)
-        if multimodal is not None and getattr(config, "quantization_config", None):
+        quantized = getattr(config, "quantization_config", None)
+        if multimodal is not None and quantized and checkpoint_quantization(config) not in EIGHT_BIT_METHODS:
             raise ValueError(f"{resolved.name} is a quantized {multimodal}, whose language model pagedllm does not "
-                             "read yet (it serves one's text from unquantized weights)")
+                             "read yet (it serves one's text from unquantized weights, or 8-bit ones dequantised)")
         if multimodal is not None:
             config = _text_config(config, multimodal)
+            if quantized:   # the text model's weights are read as the whole checkpoint's config says
+                config.quantization_config = quantized
     if overrides:
         config.update(overrides)
         if "classifier_from_token" in overrides:
@@ -273,9 +278,21 @@ def _weights(resolved: ResolvedModel, dtype: torch.dtype, hf_config: Any, quanti
         return iterate_gguf(resolved.gguf_path, dtype, gguf_file, skip)
     if quantization in INT4_METHODS:
         return iterate_int4(resolved.path, dtype, int4_config(hf_config), skip)
+    return _checkpoint_tensors(resolved.path, dtype, hf_config,
+                               text_part_name if hasattr(hf_config, "text_part_of") else None)
+
+
+def _checkpoint_tensors(folder: Path, dtype: torch.dtype, hf_config: Any, rename: Callable[[str], str | None] | None
+                        ) -> Iterator[tuple[str, torch.Tensor]]:
+    """A folder's tensors in `dtype`, under `rename`'s names: an 8-bit checkpoint's (FP8, compressed-tensors')
+    weights dequantised (`pagedllm.loader.fp8`)."""
+    from pagedllm.loader.fp8 import EIGHT_BIT_METHODS, eight_bit_layout, iterate_eight_bit
+    from pagedllm.loader.int4 import checkpoint_quantization
     from pagedllm.loader.safetensors import iterate_safetensors
 
-    return iterate_safetensors(resolved.path, dtype, text_part_name if hasattr(hf_config, "text_part_of") else None)
+    if checkpoint_quantization(hf_config) in EIGHT_BIT_METHODS:
+        return iterate_eight_bit(folder, dtype, eight_bit_layout(hf_config), rename)
+    return iterate_safetensors(folder, dtype, rename)
 
 
 def implied_gguf(resolved: ResolvedModel, hf_config: Any, dtype: str, tp_size: int = 1,
@@ -305,17 +322,28 @@ def resolve_quantization(requested: str | None, resolved: ResolvedModel, hf_conf
     folder's `quantization_config.quant_method`, or "gguf" for a .gguf file under dtype "auto" (`implied_gguf`).
     ValueError when they disagree, for a quant method pagedllm does not run, and for the modes that keep packed
     weights (gguf, awq, gptq) asked for off one CPU rank."""
+    from pagedllm.loader.fp8 import EIGHT_BIT_METHODS, eight_bit_layout
     from pagedllm.loader.int4 import INT4_METHODS, checkpoint_quantization
     from pagedllm.models.llama import load_time_change, num_experts
 
     method = None if resolved.is_gguf else checkpoint_quantization(hf_config)
+    if method in EIGHT_BIT_METHODS:     # read dequantised: runs as an unquantized checkpoint, or quantized at load
+        eight_bit_layout(hf_config)
+        if requested not in (None, "int8", "w8a8", method):
+            raise ValueError(f"{resolved.name} is a {method!r} checkpoint, read dequantised into the dtype: it runs "
+                             f"as quantization {method!r} (or None), 'int8' or 'w8a8', not {requested!r}")
+        return requested if requested in ("int8", "w8a8") else None
+    if requested in EIGHT_BIT_METHODS:
+        raise ValueError(f"quantization={requested!r} reads a checkpoint saved so (its config.json's "
+                         f"quantization_config), dequantised; {resolved.name} is none (pagedllm quantizes weights at "
+                         "load to 'int8' or 'w8a8')")
     quantization = requested or method or implied_gguf(resolved, hf_config, dtype, tp_size, device)
     if method is not None and quantization != method:
         raise ValueError(f"{resolved.name} is a {method!r} checkpoint (its quantization_config), which runs as "
                          f"quantization={method!r} or None, not {requested!r}")
     if quantization not in (None, "int8", "w8a8", "gguf", *INT4_METHODS):
-        raise ValueError(f"{resolved.name} is a {quantization!r} checkpoint: pagedllm runs unquantized, GGUF, AWQ "
-                         "and GPTQ checkpoints")
+        raise ValueError(f"{resolved.name} is a {quantization!r} checkpoint: pagedllm runs unquantized, GGUF, AWQ, "
+                         "GPTQ, FP8 and compressed-tensors 8-bit checkpoints")
     if quantization in INT4_METHODS and method is None:
         raise ValueError(f"quantization={quantization!r} needs a checkpoint whose config.json has "
                          f"quantization_config.quant_method={quantization!r}; {resolved.name} has none")
@@ -403,7 +431,9 @@ def load_model(model_config: ModelConfig, tp_rank: int = 0, tp_size: int = 1,
     parallelism, rank `tp_rank`'s slice of it (each rank reads the checkpoint and keeps its own slice).
     `gguf_activation_bits` sets how GGUF/AWQ/GPTQ blocks multiply (16, 8 or `GGUF_BF16`); None: the CPU's default."""
     from pagedllm.layers.linear import packed_checkpoint_names
+    from pagedllm.loader.fp8 import EIGHT_BIT_METHODS
     from pagedllm.loader.huge_pages import place_in_huge_pages
+    from pagedllm.loader.int4 import checkpoint_quantization
     from pagedllm.models.registry import model_class_for_config
 
     start = time.perf_counter()
@@ -441,6 +471,8 @@ def load_model(model_config: ModelConfig, tp_rank: int = 0, tp_size: int = 1,
     else:
         model.load_weights(_weights(resolved, dtype, hf_config, quantization, packed_checkpoint_names(model),
                                     gguf_file))
+        if checkpoint_quantization(hf_config) in EIGHT_BIT_METHODS:
+            parts.append(f"the checkpoint's 8-bit weights dequantised into {str(dtype).removeprefix('torch.')}")
     model.eval()
     parts += _pack(model, quantization)
     if getattr(hf_config, "text_part_of", None) in IMAGE_ENCODERS:

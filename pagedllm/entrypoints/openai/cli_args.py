@@ -373,14 +373,16 @@ def _add_model_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                        help="weight and activation precision; auto is bfloat16 on a GPU and where the CPU supports "
                             "it, float32 otherwise (default: %(default)s)")
-    group.add_argument("--quantization", "-q", default=None, choices=["int8", "w8a8", "gguf", "awq", "gptq"],
+    group.add_argument("--quantization", "-q", default=None,
+                       choices=["int8", "w8a8", "gguf", "awq", "gptq", "fp8", "compressed-tensors"],
                        help="int8: linear weights stored as int8 with one scale per output row, quantized at load; "
                             "w8a8: those int8 weights times activations quantized to int8, a scale per 64 values; "
                             "gguf: a .gguf file's Q4_0, Q4_1, Q8_0 and Q4_K linear weights kept in their blocks; "
-                            "awq, gptq: an AWQ or GPTQ checkpoint's 4-bit weights kept in 4 bits (default: the "
-                            "checkpoint's own: its quantization_config, gguf for a .gguf file under --dtype auto "
-                            "on one CPU rank; else none: the dtype's weights, so --dtype bfloat16 or float32 "
-                            "dequantises a .gguf file)")
+                            "awq, gptq: an AWQ or GPTQ checkpoint's 4-bit weights kept in 4 bits; fp8, "
+                            "compressed-tensors: an 8-bit checkpoint's weights, dequantised into the dtype "
+                            "(default: the checkpoint's own: its quantization_config, gguf for a .gguf file under "
+                            "--dtype auto on one CPU rank; else none: the dtype's weights, so --dtype bfloat16 or "
+                            "float32 dequantises a .gguf file)")
     group.add_argument("--enforce-eager", action="store_true",
                        help="run the model's modules one by one from Python: on a GPU instead of replaying CUDA "
                             "graphs captured at start-up, on a CPU instead of running the decoder layers in one C++ "
