@@ -141,8 +141,9 @@ def test_serve_and_bench_take_quantization():
     assert engine_config_from_args(parser.parse_args(["-q", "gguf"])).model.quantization == "gguf"
     assert engine_config_from_args(parser.parse_args(["-q", "w8a8"])).model.quantization == "w8a8"
     assert engine_config_from_args(parser.parse_args(["-q", "gptq"])).model.quantization == "gptq"
+    assert engine_config_from_args(parser.parse_args(["-q", "fp8"])).model.quantization == "fp8"
     with pytest.raises(SystemExit):
-        parser.parse_args(["--quantization", "fp8"])
+        parser.parse_args(["--quantization", "bitsandbytes"])
 
 
 def test_gguf_mode_gives_smollm2s_dequantised_models_tokens(smol_llm):
