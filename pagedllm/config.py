@@ -229,7 +229,8 @@ class ModelConfig:
             quantized to 16 bits in each matmul (other types are dequantised to `dtype`). "awq" / "gptq": an
             AutoAWQ (GEMM) or AutoGPTQ/GPTQModel 4-bit checkpoint's weights kept in 4 bits, repacked for the Q4_1
             kernel (group_size a multiple of 32; GPTQ act-order gathers the activations in the weight's input
-            order). gguf, awq and gptq run on one rank. "fp8" / "compressed-tensors": a checkpoint saved in 8 bits
+            order); "compressed-tensors" with its pack-quantized (W4A16) format the same. gguf, awq, gptq and
+            4-bit compressed-tensors run on one rank. "fp8" / "compressed-tensors": a checkpoint saved in 8 bits
             (transformers' and DeepSeek's FP8 blocks; compressed-tensors' FP8 or int8 weights, llm-compressor's), read
             dequantised into `dtype` (`pagedllm.loader.fp8`), as None reads it; "int8" and "w8a8" quantize those
             weights at load as any others.

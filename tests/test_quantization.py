@@ -240,6 +240,8 @@ INT4_CHECKPOINTS = {  # name: (method, group_size, act_order, GPTQ v1)
     "awq-g64": ("awq", 64, False, True),
     "gptq-g32-act-order": ("gptq", 32, True, True),
     "gptq_v2-g64": ("gptq", 64, False, False),
+    "compressed-tensors-g64": ("compressed-tensors", 64, False, True),
+    "compressed-tensors-g32-act-order": ("compressed-tensors", 32, True, True),
 }
 
 
@@ -284,9 +286,10 @@ def test_int4_checkpoint_computes_w4a16_on_its_weights(int4_checkpoints, name, m
         assert torch.equal(got, reference.step({0: step})[0])
 
 
-def test_awq_checkpoint_runs_in_the_engine(int4_checkpoints):
-    folder, dequantised = int4_checkpoints["awq-g64"]
-    llm = LLM(str(folder), dtype="float32", quantization="awq", kv_cache_memory=16 << 20)
+@pytest.mark.parametrize("name", ["awq-g64", "compressed-tensors-g32-act-order"])
+def test_int4_checkpoints_run_in_the_engine(int4_checkpoints, name):
+    folder, dequantised = int4_checkpoints[name]
+    llm = LLM(str(folder), dtype="float32", quantization=INT4_CHECKPOINTS[name][0], kv_cache_memory=16 << 20)
     prompt = [1, 44, 45, 46, 47]
     tokens = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
                           use_tqdm=False)[0].outputs[0].token_ids

@@ -18,7 +18,8 @@ the kernel reads one group of 32 k's for 16 columns in 64-byte rows of 16 lanes 
                    | k 8 o + 4 + t << 4
 
 Other 4-bit formats whose groups of 32 k's are each an affine map of 4-bit values pack as Q4_1 through `Q4Rows`
-(W = d q + m per row and group, d and m float32): GGUF's Q4_K here, AWQ and GPTQ in `pagedllm.layers.int4`.
+(W = d q + m per row and group, d and m float32): GGUF's Q4_K here, AWQ, GPTQ and compressed-tensors' in
+`pagedllm.layers.int4`.
 A Q4_K super-block of 256 values is 8 such groups, with d = d_super * sc_j and m = -dmin * m_j (exact in float32:
 an f16 times a 6-bit integer), so it runs in the Q4_1 kernel with no kernel of its own:
 

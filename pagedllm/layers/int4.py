@@ -1,9 +1,9 @@
-"""AWQ and GPTQ 4-bit weights as `Q4Rows`, so that they run in the Q4_1 `linear_gguf` kernel with no kernel of
-their own (quantization="awq" / "gptq").
+"""AWQ, GPTQ and compressed-tensors 4-bit weights as `Q4Rows`, so that they run in the Q4_1 `linear_gguf` kernel
+with no kernel of their own (quantization="awq" / "gptq" / "compressed-tensors").
 
-Both formats store W [out, in] as 4-bit values q, with an fp16 scale s and a 4-bit zero z per output column and
-group of inputs: W[n, k] = s[g, n] (q[k, n] - z[g, n]), g the group of input k. Eight values go in an int32,
-value i in bits 4i..4i+3:
+Each stores W [out, in] as 4-bit values q, with an fp16 (compressed-tensors: or bf16) scale s and a 4-bit zero z per
+output column and group of inputs: W[n, k] = s[g, n] (q[k, n] - z[g, n]), g the group of input k. Eight values go in
+an int32, value i in bits 4i..4i+3:
 
     AWQ (AutoAWQ GEMM)  qweight int32 [in, out/8]        value i of column c: output 8c + AWQ_ORDER[i]
                         qzeros  int32 [in/group, out/8]  the same order
@@ -13,11 +13,17 @@ value i in bits 4i..4i+3:
                                                          z - 1, "gptq_v2" z
                         scales  fp16  [in/group, out]
                         g_idx   int32 [in]               g = g_idx[k], not sorted in act-order (desc_act) ones
+    compressed-tensors  weight_packed int32 [out, in/8]  value i of column c: input 8c + i, stored as q, the
+      (pack-quantized,                                   signed value + 8: z = 8 (symmetric, no zeros stored)
+      llm-compressor's  weight_scale  [out, in/group]    g = k // group_size
+      W4A16)            weight_shape  int [2]            [out, in]
+                        weight_g_idx  int32 [in]         act-order's groups, where saved
 
-As `Q4Rows`, d = s and m = -s z: both exact in float32 (an fp16 times a 4-bit integer), and so is d q + m =
-s (q - z). A Q4Rows group is 32 consecutive inputs with one (d, m), so AWQ's group_size must be a multiple of 32.
-GPTQ's inputs are first sorted by group (stably: the identity unless act-order), and `linear` gathers the
-activations in that order (`Int4Weight.input_perm`); each 32 sorted inputs must then share a group.
+As `Q4Rows`, d = s and m = -s z: both exact in float32 (a 16-bit float times a 4-bit integer), and so is d q + m = s
+(q - z). A Q4Rows group is 32 consecutive inputs with one (d, m), so AWQ's group_size must be a multiple of 32.
+GPTQ's (and compressed-tensors') inputs are first sorted by group (stably: the identity unless act-order), and
+`linear` gathers the activations in that order (`Int4Weight.input_perm`); each 32 sorted inputs must then share a
+group.
 """
 
 from __future__ import annotations
@@ -66,11 +72,28 @@ def gptq_int4_weight(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.
                      zero_offset: int) -> Int4Weight:
     """A GPTQ layer's tensors (above) as an `Int4Weight`, inputs sorted by group; `zero_offset` is added to the
     stored zeros (1 for v1 checkpoints). ValueError if 32 sorted inputs in a row span two groups."""
-    q = unpack_int32(qweight.t())  # [N, K]
-    perm = torch.sort(g_idx.long(), stable=True).indices
+    return _sorted_by_group(unpack_int32(qweight.t()), scales, unpack_int32(qzeros) + zero_offset, g_idx.long())
+
+
+def packed_int4_weight(packed: torch.Tensor, scales: torch.Tensor, shape: tuple[int, int], group_size: int,
+                       g_idx: torch.Tensor | None) -> Int4Weight:
+    """A compressed-tensors pack-quantized layer's tensors (above) as an `Int4Weight`: `shape` its weight's [N, K]
+    (the packing pads K to 8), `g_idx` its act-order groups (None: input k's group is k // group_size; -1: one
+    group a row). ValueError if 32 sorted inputs in a row span two groups."""
+    rows, inputs = shape
+    q = unpack_int32(packed)[:rows, :inputs]
+    groups = g_idx.long() if g_idx is not None else torch.arange(inputs) // (inputs if group_size < 0 else group_size)
+    return _sorted_by_group(q, scales.t(), torch.full_like(scales.t(), 8, dtype=torch.int64), groups)
+
+
+def _sorted_by_group(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, groups: torch.Tensor
+                     ) -> Int4Weight:
+    """q uint8 [N, K], scales and zeros [num groups, N], input k's group `groups[k]` -> an `Int4Weight` over the
+    inputs sorted by group (stably: none moves but in act-order checkpoints), with that order where they moved."""
+    perm = torch.sort(groups, stable=True).indices
     if torch.equal(perm, torch.arange(len(perm))):
-        return Int4Weight(_q4_rows(q, scales, unpack_int32(qzeros) + zero_offset, g_idx.long()), None)
-    return Int4Weight(_q4_rows(q[:, perm], scales, unpack_int32(qzeros) + zero_offset, g_idx.long()[perm]), perm)
+        return Int4Weight(_q4_rows(q, scales, zeros, groups), None)
+    return Int4Weight(_q4_rows(q[:, perm], scales, zeros, groups[perm]), perm)
 
 
 def _q4_rows(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, groups: torch.Tensor) -> Q4Rows:

@@ -492,7 +492,7 @@ def pack_int4_linear_weights(model: nn.Module, weights: dict[str, Callable[[], I
     layers the checkpoint left unquantized. Activations are quantized to `activation_bits`, as in
     `pack_gguf_linear_weights`. Returns how many weights were packed.
     """
-    _check_kernels("quantization='awq' or 'gptq'")
+    _check_kernels("quantization='awq', 'gptq' or 'compressed-tensors' (4-bit)")
     packed = 0
     for name, layer, names in _quantizable_layers(model):
         if not all(part in weights for part in names):

@@ -159,13 +159,12 @@ def load_hf_config(resolved: ResolvedModel, gguf_file: GGUFFile | None = None,
     else:
         from transformers import AutoConfig
 
-        from pagedllm.loader.fp8 import EIGHT_BIT_METHODS
-        from pagedllm.loader.int4 import checkpoint_quantization
+        from pagedllm.loader.fp8 import is_eight_bit
 
         config = AutoConfig.from_pretrained(str(resolved.path))
         multimodal = next((a for a in getattr(config, "architectures", None) or [] if _text_part(config, a)), None)
         quantized = getattr(config, "quantization_config", None)
-        if multimodal is not None and quantized and checkpoint_quantization(config) not in EIGHT_BIT_METHODS:
+        if multimodal is not None and quantized and not is_eight_bit(config):
             raise ValueError(f"{resolved.name} is a quantized {multimodal}, whose language model pagedllm does not "
                              "read yet (it serves one's text from unquantized weights, or 8-bit ones dequantised)")
         if multimodal is not None:
@@ -286,11 +285,10 @@ def _checkpoint_tensors(folder: Path, dtype: torch.dtype, hf_config: Any, rename
                         ) -> Iterator[tuple[str, torch.Tensor]]:
     """A folder's tensors in `dtype`, under `rename`'s names: an 8-bit checkpoint's (FP8, compressed-tensors')
     weights dequantised (`pagedllm.loader.fp8`)."""
-    from pagedllm.loader.fp8 import EIGHT_BIT_METHODS, eight_bit_layout, iterate_eight_bit
-    from pagedllm.loader.int4 import checkpoint_quantization
+    from pagedllm.loader.fp8 import eight_bit_layout, is_eight_bit, iterate_eight_bit
     from pagedllm.loader.safetensors import iterate_safetensors
 
-    if checkpoint_quantization(hf_config) in EIGHT_BIT_METHODS:
+    if is_eight_bit(hf_config):
         return iterate_eight_bit(folder, dtype, eight_bit_layout(hf_config), rename)
     return iterate_safetensors(folder, dtype, rename)
 
@@ -322,18 +320,18 @@ def resolve_quantization(requested: str | None, resolved: ResolvedModel, hf_conf
     folder's `quantization_config.quant_method`, or "gguf" for a .gguf file under dtype "auto" (`implied_gguf`).
     ValueError when they disagree, for a quant method pagedllm does not run, and for the modes that keep packed
     weights (gguf, awq, gptq) asked for off one CPU rank."""
-    from pagedllm.loader.fp8 import EIGHT_BIT_METHODS, eight_bit_layout
+    from pagedllm.loader.fp8 import eight_bit_layout, is_eight_bit
     from pagedllm.loader.int4 import INT4_METHODS, checkpoint_quantization
     from pagedllm.models.llama import load_time_change, num_experts
 
     method = None if resolved.is_gguf else checkpoint_quantization(hf_config)
-    if method in EIGHT_BIT_METHODS:     # read dequantised: runs as an unquantized checkpoint, or quantized at load
+    if method is not None and is_eight_bit(hf_config):  # read dequantised: runs as unquantized, or quantized here
         eight_bit_layout(hf_config)
         if requested not in (None, "int8", "w8a8", method):
             raise ValueError(f"{resolved.name} is a {method!r} checkpoint, read dequantised into the dtype: it runs "
                              f"as quantization {method!r} (or None), 'int8' or 'w8a8', not {requested!r}")
         return requested if requested in ("int8", "w8a8") else None
-    if requested in EIGHT_BIT_METHODS:
+    if requested in ("fp8", "compressed-tensors") and requested != method:
         raise ValueError(f"quantization={requested!r} reads a checkpoint saved so (its config.json's "
                          f"quantization_config), dequantised; {resolved.name} is none (pagedllm quantizes weights at "
                          "load to 'int8' or 'w8a8')")
@@ -431,9 +429,8 @@ def load_model(model_config: ModelConfig, tp_rank: int = 0, tp_size: int = 1,
     parallelism, rank `tp_rank`'s slice of it (each rank reads the checkpoint and keeps its own slice).
     `gguf_activation_bits` sets how GGUF/AWQ/GPTQ blocks multiply (16, 8 or `GGUF_BF16`); None: the CPU's default."""
     from pagedllm.layers.linear import packed_checkpoint_names
-    from pagedllm.loader.fp8 import EIGHT_BIT_METHODS
+    from pagedllm.loader.fp8 import is_eight_bit
     from pagedllm.loader.huge_pages import place_in_huge_pages
-    from pagedllm.loader.int4 import checkpoint_quantization
     from pagedllm.models.registry import model_class_for_config
 
     start = time.perf_counter()
@@ -471,7 +468,7 @@ def load_model(model_config: ModelConfig, tp_rank: int = 0, tp_size: int = 1,
     else:
         model.load_weights(_weights(resolved, dtype, hf_config, quantization, packed_checkpoint_names(model),
                                     gguf_file))
-        if checkpoint_quantization(hf_config) in EIGHT_BIT_METHODS:
+        if is_eight_bit(hf_config):
             parts.append(f"the checkpoint's 8-bit weights dequantised into {str(dtype).removeprefix('torch.')}")
     model.eval()
     parts += _pack(model, quantization)

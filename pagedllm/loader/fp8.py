@@ -24,30 +24,46 @@ from safetensors import safe_open
 
 from pagedllm.loader.safetensors import INDEX_FILE, safetensors_files
 
-EIGHT_BIT_METHODS = ("fp8", "compressed-tensors")
 _SCALES = ("weight_scale_inv", "weight_scale")     # a weight's, as "fp8" and compressed-tensors name them
 _UNREAD = ("input_scale", "output_scale", "k_scale", "v_scale")     # activations' and the KV cache's
+
+
+def is_eight_bit(hf_config: Any) -> bool:
+    """Whether a config's checkpoint is one this module reads: an "fp8" one, or a compressed-tensors one but in its
+    4-bit "pack-quantized" format (`pagedllm.loader.int4`'s)."""
+    from pagedllm.loader.int4 import checkpoint_quantization
+
+    method = checkpoint_quantization(hf_config)
+    if method == "compressed-tensors":
+        return "pack-quantized" not in _formats(_as_dict(hf_config.quantization_config))
+    return method == "fp8"
+
+
+def _as_dict(config: Any) -> dict[str, Any]:
+    return config if isinstance(config, dict) else config.to_dict()
+
+
+def _formats(config: dict[str, Any]) -> set[str]:
+    """A compressed-tensors config's formats: its own and its weight groups'."""
+    groups = (config.get("config_groups") or {}).values()
+    return {str(config.get("format"))} | {str(group["format"]) for group in groups if group.get("format")}
 
 
 def eight_bit_layout(hf_config: Any) -> tuple[int, int] | None:
     """The weights' block (rows, columns) a scale of an 8-bit checkpoint (its quantization_config), None where a
     scale is a row's or a tensor's; ValueError for one that pagedllm does not read: compressed-tensors' other
-    formats (4-bit "pack-quantized", sparse ones, asymmetric integers) and any weights not of 8 bits."""
-    config = hf_config.quantization_config
-    config = config if isinstance(config, dict) else config.to_dict()
+    formats (sparse ones, asymmetric integers) and any weights not of 8 bits."""
+    config = _as_dict(hf_config.quantization_config)
     if str(config.get("quant_method")).lower() == "fp8":
         block = config.get("weight_block_size")
         return None if block is None else (int(block[0]), int(block[1]))
-    groups = config.get("config_groups") or {}
-    formats = {str(config.get("format"))} | {str(group.get("format")) for group in groups.values()
-                                             if group.get("format")}
-    weights = [group.get("weights") or {} for group in groups.values()]
+    weights = [group.get("weights") or {} for group in (config.get("config_groups") or {}).values()]
     for spec in weights:
         if spec.get("num_bits") != 8 or spec.get("type") not in ("float", "int") or not spec.get("symmetric", True):
             raise ValueError(f"pagedllm reads compressed-tensors' symmetric 8-bit weights (FP8 or int8); this "
                              f"checkpoint's are {spec.get('num_bits')}-bit {spec.get('type')}"
                              f"{'' if spec.get('symmetric', True) else ', asymmetric'}")
-    unread = formats - {"float-quantized", "int-quantized", "naive-quantized", "None"}
+    unread = _formats(config) - {"float-quantized", "int-quantized", "naive-quantized", "None"}
     if unread or not weights:
         raise ValueError(f"pagedllm reads compressed-tensors' float-quantized and int-quantized checkpoints, not "
                          f"{sorted(unread) or 'one without config_groups'}")

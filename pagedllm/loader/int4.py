@@ -1,6 +1,7 @@
-"""AWQ and GPTQ checkpoints: Hugging Face folders whose config.json has a `quantization_config` and whose
-quantized linear layers are stored as `{layer}.qweight`, `.qzeros`, `.scales` (and GPTQ's `.g_idx`) in place of
-`{layer}.weight` (layouts in `pagedllm.layers.int4`).
+"""AWQ, GPTQ and compressed-tensors' 4-bit checkpoints: Hugging Face folders whose config.json has a
+`quantization_config` and whose quantized linear layers are stored as `{layer}.qweight`, `.qzeros`, `.scales` (and
+GPTQ's `.g_idx`), or compressed-tensors' `{layer}.weight_packed`, `.weight_scale`, `.weight_shape` (and
+`.weight_g_idx`), in place of `{layer}.weight` (layouts in `pagedllm.layers.int4`).
 
 `int4_weights` gives the 4-bit weights, which `pack_int4_linear_weights` packs in their layers' place before
 the model loads the rest (`iterate_int4`: a layer left unpacked loads its dequantised weight, as from a GGUF).
@@ -18,11 +19,12 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from pagedllm.layers.int4 import Int4Weight, awq_int4_weight, dequantize_int4, gptq_int4_weight
+from pagedllm.layers.int4 import Int4Weight, awq_int4_weight, dequantize_int4, gptq_int4_weight, packed_int4_weight
 from pagedllm.loader.safetensors import iterate_safetensors, safetensors_files
 
-INT4_METHODS = ("awq", "gptq")
-_QUANTIZED_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
+INT4_METHODS = ("awq", "gptq", "compressed-tensors")
+_QUANTIZED_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx",
+                       "weight_packed", "weight_scale", "weight_shape", "weight_g_idx")     # compressed-tensors'
 _GPTQ_ZERO_OFFSETS = {"gptq": 1, "gptq_v2": 0}  # v1 stores each zero minus 1
 
 
@@ -46,11 +48,14 @@ def checkpoint_quantization(hf_config: Any) -> str | None:
 
 
 def int4_config(hf_config: Any) -> Int4Config:
-    """The `Int4Config` of an AWQ or GPTQ checkpoint's config; ValueError for a layout pagedllm does not run
-    (other than 4 bits, AWQ's GEMV layout or no zero point, GPTQ's Marlin or other formats)."""
+    """The `Int4Config` of an AWQ, GPTQ or compressed-tensors pack-quantized checkpoint's config; ValueError for a
+    layout pagedllm does not run (other than 4 bits, AWQ's GEMV layout or no zero point, GPTQ's Marlin or other
+    formats, compressed-tensors' asymmetric ones)."""
     config = hf_config.quantization_config
     config = config if isinstance(config, dict) else config.to_dict()
     method = checkpoint_quantization(hf_config)
+    if method == "compressed-tensors":
+        return _packed_int4_config(config)
     bits = config.get("bits", config.get("w_bit"))
     group_size = int(config.get("group_size", config.get("q_group_size", -1)))
     if method not in INT4_METHODS or bits != 4:
@@ -67,6 +72,25 @@ def int4_config(hf_config: Any) -> Int4Config:
     return Int4Config(method, group_size, _GPTQ_ZERO_OFFSETS[checkpoint_format])
 
 
+def _packed_int4_config(config: dict[str, Any]) -> Int4Config:
+    """A compressed-tensors pack-quantized config's `Int4Config`: every group's weights symmetric 4-bit integers,
+    a scale a group of inputs (or a row), all of one group size; ValueError otherwise."""
+    specs = [group.get("weights") or {} for group in (config.get("config_groups") or {}).values()]
+    sizes = set()
+    for spec in specs:
+        strategy = spec.get("strategy")
+        if spec.get("num_bits") != 4 or spec.get("type") != "int" or not spec.get("symmetric", True) or \
+                strategy not in ("group", "channel"):
+            raise ValueError(f"pagedllm runs compressed-tensors' pack-quantized weights as symmetric 4-bit integers "
+                             f"with a scale a group or a row; this checkpoint has {spec.get('num_bits')}-bit "
+                             f"{spec.get('type')}, symmetric={spec.get('symmetric', True)}, strategy {strategy!r}")
+        sizes.add(int(spec.get("group_size") or -1) if strategy == "group" else -1)
+    if len(sizes) != 1:
+        raise ValueError(f"the checkpoint's weight groups have {'no' if not sizes else 'several'} group sizes: "
+                         f"{sorted(sizes)}")
+    return Int4Config("compressed-tensors", sizes.pop())
+
+
 def int4_weights(folder: Path, config: Int4Config) -> dict[str, Callable[[], Int4Weight]]:
     """{Hugging Face weight name ("...q_proj.weight"): its `Int4Weight`, made when called} for every quantized
     layer of the checkpoint; only the quantized tensors are read (a few bits a weight)."""
@@ -81,6 +105,10 @@ def int4_weights(folder: Path, config: Int4Config) -> dict[str, Callable[[], Int
 
 
 def _int4_weight(tensors: dict[str, torch.Tensor], config: Int4Config) -> Int4Weight:
+    if config.method == "compressed-tensors":
+        rows, inputs = tensors["weight_shape"].tolist()
+        return packed_int4_weight(tensors["weight_packed"], tensors["weight_scale"], (rows, inputs),
+                                  config.group_size, tensors.get("weight_g_idx"))
     if config.method == "awq":
         return awq_int4_weight(tensors["qweight"], tensors["qzeros"], tensors["scales"], config.group_size)
     g_idx = tensors.get("g_idx")

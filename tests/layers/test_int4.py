@@ -1,5 +1,5 @@
-"""AWQ and GPTQ weights repacked for the Q4_1 kernel (pagedllm.layers.int4) against each format's own
-dequantisation (tests.models.int4_checkpoints, which reads the published layouts value by value)."""
+"""AWQ, GPTQ and compressed-tensors weights repacked for the Q4_1 kernel (pagedllm.layers.int4) against each format's
+own dequantisation (tests.models.int4_checkpoints, which reads the published layouts value by value)."""
 
 from __future__ import annotations
 
@@ -8,14 +8,17 @@ import torch
 from gguf import GGMLQuantizationType
 
 from pagedllm.layers.gguf import dequantize_gguf_packed, pack_q4_rows
-from pagedllm.layers.int4 import Int4Weight, awq_int4_weight, dequantize_int4, gptq_int4_weight
+from pagedllm.layers.int4 import Int4Weight, awq_int4_weight, dequantize_int4, gptq_int4_weight, packed_int4_weight
 from tests.models.int4_checkpoints import (
     act_order_g_idx,
     dequantize_awq,
+    dequantize_compressed,
     dequantize_gptq,
     pack_awq,
+    pack_compressed,
     pack_gptq,
     quantize_groups,
+    quantize_symmetric,
 )
 
 N, K = 40, 256  # N: two blocks of 16 rows and a partial one
@@ -53,6 +56,20 @@ def test_gptq_repacks_to_its_own_dequantisation(group_size: int, act_order: bool
     expected = dequantize_gptq(**tensors, v1=v1)
     weight = gptq_int4_weight(**tensors, zero_offset=int(v1))
     assert (weight.input_perm is not None) == act_order
+    assert torch.equal(_kernel_weight(weight), expected) and torch.equal(dequantize_int4(weight), expected)
+
+
+@pytest.mark.parametrize("group_size", [32, 128, -1])
+@pytest.mark.parametrize("act_order", [False, True])
+def test_compressed_tensors_repacks_to_its_own_dequantisation(group_size: int, act_order: bool) -> None:
+    size = K if group_size < 0 else group_size
+    g_idx = act_order_g_idx(K, size, seed=size) if act_order else torch.arange(K) // size
+    q, scales, _ = quantize_symmetric(_random_weight(size), g_idx)
+    tensors = pack_compressed(q, scales, g_idx, act_order)
+    expected = dequantize_compressed(**tensors, group_size=size)
+    weight = packed_int4_weight(tensors["weight_packed"], tensors["weight_scale"], (N, K), group_size,
+                                tensors.get("weight_g_idx"))
+    assert (weight.input_perm is not None) == (act_order and group_size > 0)   # one group: nothing to sort
     assert torch.equal(_kernel_weight(weight), expected) and torch.equal(dequantize_int4(weight), expected)
 
 

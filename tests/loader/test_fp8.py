@@ -111,7 +111,7 @@ def test_eight_bit_layouts_pagedllm_does_not_read_are_refused(tmp_path: Path) ->
     with pytest.raises(ValueError, match="runs as quantization 'compressed-tensors'.*not 'gptq'"):
         LLM(model=str(tmp_path), quantization="gptq")
     group = config["quantization_config"]["config_groups"]["group_0"]
-    for change, message in [({"format": "pack-quantized"}, "not \\['pack-quantized'\\]"),
+    for change, message in [({"format": "sparse-bitmask"}, "not \\['sparse-bitmask'\\]"),
                             ({"weights": {**group["weights"], "num_bits": 4, "type": "int"}}, "4-bit int"),
                             ({"weights": {**group["weights"], "symmetric": False}}, "asymmetric")]:
         quantization = dict(config["quantization_config"])

@@ -1,9 +1,11 @@
-"""AWQ and GPTQ checkpoints of tiny models, written from the published layouts, for tests. Nothing is downloaded.
+"""AWQ, GPTQ and compressed-tensors (pack-quantized) checkpoints of tiny models, written from the published layouts,
+for tests. Nothing is downloaded.
 
-The packers transcribe AutoAWQ's `WQLinear_GEMM.from_linear` and AutoGPTQ's `QuantLinear.pack` loops; the
-dequantisers read the tensors back as those projects define them, value by value, independently of pagedllm's
-unpacking. Quantization itself is plain asymmetric min-max per group (what AWQ and GPTQ add is how they choose the
-values, which does not change the layout).
+The packers transcribe AutoAWQ's `WQLinear_GEMM.from_linear`, AutoGPTQ's `QuantLinear.pack` loops and
+compressed-tensors' `pack_to_int32`; the dequantisers read the tensors back as those projects define them, value by
+value, independently of pagedllm's unpacking. Quantization itself is plain asymmetric min-max per group (symmetric
+absolute max for compressed-tensors; what AWQ and GPTQ add is how they choose the values, which does not change the
+layout).
 
     folder, dequantised = save_int4_checkpoint(tmp_path / "awq", hf_model, "awq", group_size=64)
     # folder: safetensors + config.json with quantization_config; dequantised: hf_model with W = s (q - z)
@@ -38,6 +40,40 @@ def quantize_groups(weight: torch.Tensor, g_idx: torch.Tensor, min_zero: int = 0
     zeros = torch.round(-lo / scales.float()).clamp(min_zero, 15).long()
     q = torch.round(w / scales.float()[g_idx].t() + zeros[g_idx].t()).clamp(0, 15).long()
     return q, scales, zeros
+
+
+def quantize_symmetric(weight: torch.Tensor, g_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Symmetric 4-bit absolute max per output row and group, as compressed-tensors' W4A16: (q int64 [N, K], the
+    signed value + 8; scales bf16 [G, N]; zeros, all 8) with weight ~= scales[g_idx].T (q - 8)."""
+    num_groups = int(g_idx.max()) + 1
+    w = weight.detach().float()
+    scales = (torch.stack([w[:, g_idx == g].abs().amax(1) for g in range(num_groups)]) / 7).clamp(min=1e-4)
+    scales = scales.bfloat16()
+    q = (torch.round(w / scales.float()[g_idx].t()).clamp(-8, 7) + 8).long()
+    return q, scales, torch.full((num_groups, q.shape[0]), 8)
+
+
+def pack_compressed(q: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor, act_order: bool
+                    ) -> dict[str, torch.Tensor]:
+    """compressed-tensors pack-quantized: weight_packed int32 [N, K/8] (value i of column c is input 8c + i, already
+    + 8), weight_scale [N, G], weight_shape [N, K], and act-order's weight_g_idx."""
+    packed = torch.zeros(q.shape[0], q.shape[1] // 8, dtype=torch.int64)
+    for i in range(8):
+        packed |= q[:, i::8] << (4 * i)
+    tensors = {"weight_packed": _int32(packed), "weight_scale": scales.t().contiguous(),
+               "weight_shape": torch.tensor(list(q.shape), dtype=torch.int64)}
+    return tensors | ({"weight_g_idx": g_idx.int()} if act_order else {})
+
+
+def dequantize_compressed(weight_packed: torch.Tensor, weight_scale: torch.Tensor, weight_shape: torch.Tensor,
+                          weight_g_idx: torch.Tensor | None = None, group_size: int = 32) -> torch.Tensor:
+    """A compressed-tensors pack-quantized layer's float32 [N, K] weight, read value by value."""
+    n, k = weight_shape.tolist()
+    q = torch.empty(n, k, dtype=torch.int64)
+    for i in range(8):
+        q[:, i::8] = _nibble(weight_packed, i)
+    g_idx = torch.arange(k) // group_size if weight_g_idx is None else weight_g_idx.long()
+    return weight_scale.float()[:, g_idx] * (q - 8).float()
 
 
 def dequantize_groups(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, g_idx: torch.Tensor
@@ -117,6 +153,11 @@ def act_order_g_idx(num_inputs: int, group_size: int, seed: int) -> torch.Tensor
 
 
 def quantization_config(method: str, group_size: int, act_order: bool = False, v1: bool = True) -> dict[str, Any]:
+    if method == "compressed-tensors":
+        return {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
+                "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                    "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": group_size,
+                    "actorder": "group" if act_order else None}}}}
     if method == "awq":
         return {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True, "version": "gemm"}
     return {"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": act_order, "sym": False,
@@ -125,9 +166,10 @@ def quantization_config(method: str, group_size: int, act_order: bool = False, v
 
 def save_int4_checkpoint(folder: Path, hf_model: Any, method: str, group_size: int, act_order: bool = False,
                          v1: bool = True) -> tuple[Path, Any]:
-    """Quantize `hf_model`'s linear layers (not the LM head) into an AWQ or GPTQ checkpoint in `folder` (with a
-    byte tokenizer); returns (folder, a copy of `hf_model` holding the dequantised weights). With act_order, the
-    layers that share an input (q/k/v, gate/up) share a permutation, as GPTQ's shared Hessian gives them."""
+    """Quantize `hf_model`'s linear layers (not the LM head) into an AWQ, GPTQ or compressed-tensors checkpoint in
+    `folder` (with a byte tokenizer); returns (folder, a copy of `hf_model` holding the dequantised weights). With
+    act_order, the layers that share an input (q/k/v, gate/up) share a permutation, as GPTQ's shared Hessian gives
+    them."""
     folder, dequantised = Path(folder), copy.deepcopy(hf_model)
     tensors = {name: t.contiguous() for name, t in hf_model.state_dict().items()}
     for name, module in dequantised.named_modules():
@@ -138,10 +180,12 @@ def save_int4_checkpoint(folder: Path, hf_model: Any, method: str, group_size: i
         shared_input = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}.get(leaf, leaf)
         seed = zlib.crc32(f"{name.rpartition('.')[0]}.{shared_input}".encode())
         g_idx = act_order_g_idx(k, group_size, seed) if act_order else torch.arange(k) // group_size
-        q, scales, zeros = quantize_groups(module.weight, g_idx, min_zero=int(method == "gptq" and v1))
+        q, scales, zeros = quantize_symmetric(module.weight, g_idx) if method == "compressed-tensors" else \
+            quantize_groups(module.weight, g_idx, min_zero=int(method == "gptq" and v1))
         with torch.no_grad():
             module.weight.copy_(dequantize_groups(q, scales, zeros, g_idx))
-        packed = pack_awq(q, scales, zeros) if method == "awq" else pack_gptq(q, scales, zeros, g_idx, v1)
+        packed = pack_awq(q, scales, zeros) if method == "awq" else pack_gptq(q, scales, zeros, g_idx, v1) \
+            if method == "gptq" else pack_compressed(q, scales, g_idx, act_order)
         del tensors[f"{name}.weight"]
         tensors.update({f"{name}.{suffix}": t for suffix, t in packed.items()})
         if method == "gptq" and module.bias is None:  # AutoGPTQ stores a zero bias for every layer
