@@ -322,7 +322,7 @@ def resolve_quantization(requested: str | None, resolved: ResolvedModel, hf_conf
     weights (gguf, awq, gptq) asked for off one CPU rank."""
     from pagedllm.loader.fp8 import eight_bit_layout, is_eight_bit
     from pagedllm.loader.int4 import INT4_METHODS, checkpoint_quantization
-    from pagedllm.models.llama import load_time_change, num_experts
+    from pagedllm.models.llama import load_time_change
 
     method = None if resolved.is_gguf else checkpoint_quantization(hf_config)
     if method is not None and is_eight_bit(hf_config):  # read dequantised: runs as unquantized, or quantized here
@@ -348,9 +348,6 @@ def resolve_quantization(requested: str | None, resolved: ResolvedModel, hf_conf
     if quantization == "gguf" and resolved.gguf_path is None:
         raise ValueError(f"quantization='gguf' keeps a GGUF file's blocks packed, but {resolved.name} is not a .gguf "
                          "file: use 'int8', 'w8a8' or None")
-    if quantization in INT4_METHODS and num_experts(hf_config):
-        raise ValueError(f"{resolved.name} is a mixture of experts: its {quantization!r} experts are not read yet "
-                         "(pagedllm runs a mixture of experts unquantized, or with quantization 'int8' or 'w8a8')")
     change = load_time_change(hf_config, quantization) if quantization in ("gguf", *INT4_METHODS) else None
     if change is not None:
         how = "load it with dtype 'auto' (or one named), which dequantises its weights" if quantization == "gguf" \

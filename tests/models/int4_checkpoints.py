@@ -8,7 +8,7 @@ absolute max for compressed-tensors; what AWQ and GPTQ add is how they choose th
 layout).
 
     folder, dequantised = save_int4_checkpoint(tmp_path / "awq", hf_model, "awq", group_size=64)
-    # folder: safetensors + config.json with quantization_config; dequantised: hf_model with W = s (q - z)
+    # folder: safetensors + config.json with quantization_config; dequantised: transformers' model with W = s (q - z)
 """
 
 from __future__ import annotations
@@ -19,12 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from tests.models.tiny import build_byte_tokenizer
 
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ: value i of an int32 holds output column 8c + AWQ_ORDER[i]
-QUANTIZED_LAYERS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+QUANTIZED_LAYERS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                    "w1", "w2", "w3")   # (Mixtral's experts: gate, down, up)
 
 
 def quantize_groups(weight: torch.Tensor, g_idx: torch.Tensor, min_zero: int = 0
@@ -167,33 +168,40 @@ def quantization_config(method: str, group_size: int, act_order: bool = False, v
 def save_int4_checkpoint(folder: Path, hf_model: Any, method: str, group_size: int, act_order: bool = False,
                          v1: bool = True) -> tuple[Path, Any]:
     """Quantize `hf_model`'s linear layers (not the LM head) into an AWQ, GPTQ or compressed-tensors checkpoint in
-    `folder` (with a byte tokenizer); returns (folder, a copy of `hf_model` holding the dequantised weights). With
-    act_order, the layers that share an input (q/k/v, gate/up) share a permutation, as GPTQ's shared Hessian gives
-    them."""
-    folder, dequantised = Path(folder), copy.deepcopy(hf_model)
-    tensors = {name: t.contiguous() for name, t in hf_model.state_dict().items()}
-    for name, module in dequantised.named_modules():
-        leaf = name.rpartition(".")[2]
-        if leaf not in QUANTIZED_LAYERS:
+    `folder` (with a byte tokenizer), under the names transformers saves them by (a mixture of experts' experts one
+    by one, as released checkpoints hold them); returns (folder, transformers' model loaded from the dequantised
+    weights, saved beside it). With act_order, the layers that share an input (q/k/v, gate/up) share a permutation,
+    as GPTQ's shared Hessian gives them."""
+    from transformers import AutoModelForCausalLM
+
+    folder = Path(folder)
+    plain = folder.with_name(folder.name + "-dequantised")
+    hf_model.save_pretrained(plain)
+    tensors, quantized = load_file(plain / "model.safetensors"), {}
+    for name, weight in list(tensors.items()):
+        layer, _, suffix = name.rpartition(".")
+        leaf = layer.rpartition(".")[2]
+        if suffix != "weight" or leaf not in QUANTIZED_LAYERS:
             continue
-        k = module.weight.shape[1]
-        shared_input = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}.get(leaf, leaf)
-        seed = zlib.crc32(f"{name.rpartition('.')[0]}.{shared_input}".encode())
+        k = weight.shape[1]
+        shared_input = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj", "w3": "w1"}.get(leaf, leaf)
+        seed = zlib.crc32(f"{layer.rpartition('.')[0]}.{shared_input}".encode())
         g_idx = act_order_g_idx(k, group_size, seed) if act_order else torch.arange(k) // group_size
-        q, scales, zeros = quantize_symmetric(module.weight, g_idx) if method == "compressed-tensors" else \
-            quantize_groups(module.weight, g_idx, min_zero=int(method == "gptq" and v1))
-        with torch.no_grad():
-            module.weight.copy_(dequantize_groups(q, scales, zeros, g_idx))
+        q, scales, zeros = quantize_symmetric(weight, g_idx) if method == "compressed-tensors" else \
+            quantize_groups(weight, g_idx, min_zero=int(method == "gptq" and v1))
+        tensors[name] = dequantize_groups(q, scales, zeros, g_idx).to(weight.dtype).contiguous()
         packed = pack_awq(q, scales, zeros) if method == "awq" else pack_gptq(q, scales, zeros, g_idx, v1) \
             if method == "gptq" else pack_compressed(q, scales, g_idx, act_order)
-        del tensors[f"{name}.weight"]
-        tensors.update({f"{name}.{suffix}": t for suffix, t in packed.items()})
-        if method == "gptq" and module.bias is None:  # AutoGPTQ stores a zero bias for every layer
-            tensors[f"{name}.bias"] = torch.zeros(module.weight.shape[0], dtype=torch.float16)
+        quantized.update({f"{layer}.{part}": t for part, t in packed.items()})
+        if method == "gptq" and f"{layer}.bias" not in tensors:  # AutoGPTQ stores a zero bias for every layer
+            quantized[f"{layer}.bias"] = torch.zeros(weight.shape[0], dtype=torch.float16)
+    save_file(tensors, str(plain / "model.safetensors"), metadata={"format": "pt"})
+    layers = {name.rpartition(".")[0] for name in quantized}
     folder.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(folder / "model.safetensors"))
+    save_file({name: t for name, t in tensors.items() if name.removesuffix(".weight") not in layers} | quantized,
+              str(folder / "model.safetensors"))
     config = copy.deepcopy(hf_model.config)
     config.quantization_config = quantization_config(method, group_size, act_order, v1)
     config.save_pretrained(folder)
     build_byte_tokenizer().save_pretrained(folder)
-    return folder, dequantised
+    return folder, AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32, attn_implementation="eager").eval()
