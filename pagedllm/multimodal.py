@@ -5,15 +5,16 @@ A prompt takes images as vLLM's do: `{"prompt": "USER: <image>\\nWhat is this? A
 transformers processor (`ImageProcessor`) turns text and images into token ids, where each image's marker has become
 as many placeholder tokens as its encoder gives rows, and into pixels: one picture an image for Llava and Gemma 3,
 for Idefics3 a grid of tiles and the whole image shrunk, each tile its own run of placeholders between the
-processor's markers, for LLaVA-NeXT its tiles in one run (`AnyresImageProcessor`). `image_inputs` then finds each
-picture's run. Where that processor needs torchvision (SmolVLM2's, InternVL's, the Qwen-VLs', Pixtral's), the markers
-are expanded here, with the model's image processor (`_ExpandingProcessor`). The Qwen-VLs' images keep their aspect:
-each becomes a grid of patches of its own size (`GridImageProcessor`), and as many placeholders as the grid has 2 x 2
-squares; their language model places those tokens by M-RoPE (`MRopeLayout`). Mistral 3's and Pixtral-12B's keep their
-aspect as well, a row of placeholders a row of the image's squares, each row ended by a token of the prompt's own
-(`RowBreakImageProcessor`). An `ImageInput` (one picture) is what the core carries: where its placeholders sit in the
-prompt, a hash of its pixels (its prefix-cache key: `pagedllm.core.kv_cache.hashing`), the pixels themselves, which
-only the runner reads, and its shape where the encoder needs it. Pure Python at import: the core imports this module.
+processor's markers, for LLaVA-NeXT its tiles in one run (`AnyresImageProcessor`; LLaVA-OneVision's the same, counted
+here: `OneVisionImageProcessor`). `image_inputs` then finds each picture's run. Where that processor needs
+torchvision (SmolVLM2's, InternVL's, the Qwen-VLs', Pixtral's), the markers are expanded here, with the model's image
+processor (`_ExpandingProcessor`). The Qwen-VLs' images keep their aspect: each becomes a grid of patches of its own
+size (`GridImageProcessor`), and as many placeholders as the grid has 2 x 2 squares; their language model places
+those tokens by M-RoPE (`MRopeLayout`). Mistral 3's and Pixtral-12B's keep their aspect as well, a row of
+placeholders a row of the image's squares, each row ended by a token of the prompt's own (`RowBreakImageProcessor`).
+An `ImageInput` (one picture) is what the core carries: where its placeholders sit in the prompt, a hash of its
+pixels (its prefix-cache key: `pagedllm.core.kv_cache.hashing`), the pixels themselves, which only the runner reads,
+and its shape where the encoder needs it. Pure Python at import: the core imports this module.
 """
 
 from __future__ import annotations
@@ -362,3 +363,52 @@ class RowBreakImageProcessor(_ExpandingProcessor):
         return token_ids, image_inputs(token_ids, pixels, self.image_token_id, sizes=sizes,
                                        lengths=[rows * (columns + 1) for rows, columns in shapes],
                                        row_widths=[columns for _, columns in shapes], row_ends=self.row_ends)
+
+
+class OneVisionImageProcessor(_ExpandingProcessor):
+    """LLaVA-OneVision's (`LlavaOnevisionForConditionalGeneration`): its image processor (transformers': a shrunk
+    whole, then the grid of tiles that best fits the image's aspect) and its tokenizer; each `<image>` expanded here
+    as its transformers processor would (which needs torchvision, for videos): alone in its prompt, an image's
+    placeholders are the whole's rows, then its tiles' rows laid out as the image, unpadded to its aspect, shrunk to
+    at most `anyres_max_N` tiles' worth where they pass that by a tenth, with a row break after each row; one of
+    several images in a prompt is padded square and shrunk whole into one tile: its rows and one break."""
+
+    def _load(self, path: Path) -> Any:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(str(path))
+        vision = config.vision_config
+        self.tile, self.pinpoints = vision.image_size, config.image_grid_pinpoints
+        self.side = vision.image_size // vision.patch_size     # patches a tile's side
+        self.most_tiles = int(config.vision_aspect_ratio.removeprefix("anyres_max_"))
+        self.drop = int(config.vision_feature_select_strategy == "default")
+        return super()._load(path)
+
+    def placeholders(self, height: int, width: int) -> int:
+        """An image alone in its prompt: its placeholders (transformers' `_get_number_of_features`)."""
+        from transformers.image_processing_utils import select_best_resolution
+
+        best_height, best_width = select_best_resolution([height, width], self.pinpoints)
+        rows, columns = self.side * (best_height // self.tile), self.side * (best_width // self.tile)
+        if width / height > columns / rows:     # unpadded to the image's aspect
+            rows -= (rows - int(round(height * (columns / width), 7))) // 2 * 2
+        else:
+            columns -= (columns - int(round(width * (rows / height), 7))) // 2 * 2
+        ratio = math.sqrt(rows * columns / (self.most_tiles * self.side ** 2))
+        if ratio > 1.1:
+            rows, columns = int(rows // ratio), int(columns // ratio)
+        return self.side ** 2 + rows * (columns + 1) - self.drop
+
+    def _process(self, text: str, images: list[Any], add_special_tokens: bool, kwargs: dict[str, Any]
+                 ) -> tuple[list[int], tuple[ImageInput, ...]]:
+        from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
+
+        encoded = self._pixels([images], kwargs)    # one prompt's: several are padded square, each one tile
+        sizes = [(height, width) for height, width in encoded["image_sizes"].tolist()]
+        alone = len(images) == 1
+        tiles = [image_size_to_num_patches(size, self.pinpoints, self.tile) if alone else 1 for size in sizes]
+        lengths = [self.placeholders(*size) if alone else self.side ** 2 + 1 - self.drop for size in sizes]
+        token_ids = self._token_ids(text, [self.image_token * n for n in lengths], add_special_tokens)
+        pixels = encoded["pixel_values"].to(self.dtype)
+        return token_ids, image_inputs(token_ids, [p[:n] for p, n in zip(pixels, tiles, strict=True)],
+                                       self.image_token_id, sizes=sizes, lengths=lengths)

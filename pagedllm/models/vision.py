@@ -37,6 +37,7 @@ worth), in the step that first reaches its placeholders (`ModelRunner._image_row
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable
 from typing import Any, NamedTuple
@@ -53,6 +54,7 @@ from pagedllm.multimodal import (
     GridImageProcessor,
     ImageInput,
     ImageProcessor,
+    OneVisionImageProcessor,
     RowBreakImageProcessor,
     TiledImageProcessor,
 )
@@ -304,9 +306,32 @@ class LlavaNextEncoder(LlavaEncoder):
         grid_rows, grid_columns = get_anyres_image_grid_shape(image.size, self.pinpoints, self.tile)
         side = self.side    # [grid rows, grid columns, side, side, H] -> [H, grid rows x side, grid columns x side]
         tiles = tiles.view(grid_rows, grid_columns, side, side, -1).permute(4, 0, 2, 1, 3).flatten(1, 2).flatten(2, 3)
-        tiles = unpad_image(tiles, torch.tensor(image.size))
+        tiles = self._shrunk(unpad_image(tiles, torch.tensor(image.size)))
         newline = self.image_newline[:, None, None].expand(*tiles.shape[:-1], 1)
         return torch.cat([whole, torch.cat([tiles, newline], dim=-1).flatten(1, 2).T])
+
+    def _shrunk(self, tiles: torch.Tensor) -> torch.Tensor:
+        """The unpadded tiles' rows [H, rows, columns] as the model reads them: LLaVA-NeXT's, all of them."""
+        return tiles
+
+
+class OneVisionEncoder(LlavaNextEncoder):
+    """LLaVA-OneVision's (`LlavaOnevisionForConditionalGeneration`'s config): LLaVA-NeXT's, but that an image's
+    unpadded tiles' rows are shrunk (bilinear) to at most `anyres_max_N` tiles' worth where they pass it by a tenth,
+    and that one of several images in a prompt comes as its whole alone (`OneVisionImageProcessor`)."""
+
+    processor = OneVisionImageProcessor
+
+    def __init__(self, config: Any, dtype: torch.dtype) -> None:
+        super().__init__(config, dtype)
+        self.most_tiles = int(config.vision_aspect_ratio.removeprefix("anyres_max_"))
+
+    def _shrunk(self, tiles: torch.Tensor) -> torch.Tensor:
+        _, rows, columns = tiles.shape
+        ratio = math.sqrt(rows * columns / (self.most_tiles * self.side ** 2))
+        if ratio <= 1.1:
+            return tiles
+        return F.interpolate(tiles[None], [int(rows // ratio), int(columns // ratio)], mode="bilinear")[0]
 
 
 class Idefics3Encoder(ImageEncoder):
@@ -777,4 +802,5 @@ IMAGE_ENCODERS: dict[str, type[ImageEncoder]] = {
     "Qwen3VLForConditionalGeneration": QwenVLEncoder, "Qwen3VLMoeForConditionalGeneration": QwenVLEncoder,
     "SmolVLMForConditionalGeneration": SmolVLMEncoder,
     "InternVLForConditionalGeneration": InternVLEncoder, "LlavaNextForConditionalGeneration": LlavaNextEncoder,
-    "Gemma3ForConditionalGeneration": Gemma3Encoder, "Mistral3ForConditionalGeneration": PixtralEncoder}
+    "Gemma3ForConditionalGeneration": Gemma3Encoder, "Mistral3ForConditionalGeneration": PixtralEncoder,
+    "LlavaOnevisionForConditionalGeneration": OneVisionEncoder}
