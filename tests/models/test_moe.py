@@ -215,16 +215,6 @@ def test_two_tensor_parallel_ranks_give_the_tokens_of_one(tmp_path, kind):
             _hf_greedy(hf_model)
 
 
-def test_quantized_moe_checkpoints_are_refused_with_a_clear_error(tmp_path):
-    folder, _ = save_tiny_model(tmp_path / "m", "mixtral")
-    config = json.loads((folder / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemm",
-                                     "zero_point": True}
-    (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="mixture of experts"):
-        LLM(str(folder))
-
-
 @pytest.mark.parametrize(("dtype", "brgemm", "quantization"), [
     (torch.float32, True, None), (torch.bfloat16, True, None), (torch.bfloat16, False, None),
     (torch.float32, True, "int8"), (torch.bfloat16, True, "int8"), (torch.float32, True, "w8a8"),
