@@ -599,6 +599,18 @@ class LayerLoRA:
         return self.batch.add(self.layer, module, x, out)
 
 
+def _query_temperature(config: Any, max_position: int) -> tuple[float, int] | None:
+    """Ministral 3's (Llama 4's) temperature of the queries: each scaled by 1 + beta ln(1 + floor(position /
+    original)) after the rope, beta its rope's `llama_4_scaling_beta`, original its `original_max_position_embeddings`;
+    (beta, original) where a position the tables cover (`max_position`) reaches past `original`, None where none does
+    (every scale is 1 there)."""
+    params = getattr(config, "rope_parameters", None) or {}
+    beta, original = params.get("llama_4_scaling_beta"), params.get("original_max_position_embeddings")
+    if not beta or not original or max_position <= original:
+        return None
+    return float(beta), int(original)
+
+
 def _attention_scale(config: Any, head_dim: int) -> float:
     """The scores' scale: 1 where GPT-2 and GPT-BigCode turn scaling off (scale_attn_weights), else Granite's
     attention_multiplier, MPT's softmax_scale, or 1 / sqrt(Gemma's query_pre_attn_scalar, else the head size)."""
@@ -647,6 +659,7 @@ class LlamaAttention(nn.Module):
                                         tp_rank=tp[0], tp_size=tp[1],
                                         input_shard=(heads.q_start * self.head_dim, heads.num_heads * self.head_dim))
         self.rotary_emb = rotary_emb  # shared by all layers
+        self.query_temperature = _query_temperature(config, rotary_emb.max_position)
         # ALiBi's slopes of this rank's heads (`alibi_slopes_of`), a buffer so that they go to the model's device
         slopes = alibi_slopes_of(config)
         self.alibi_slopes: torch.Tensor | None
@@ -697,6 +710,9 @@ class LlamaAttention(nn.Module):
         q, k = self.rotary_emb(positions, q, k)
         if self.norms_after_rope:   # (Hunyuan's)
             q, k = self.head_norms(q, k)
+        if self.query_temperature is not None:
+            beta, original = self.query_temperature
+            q = q * (1 + beta * torch.log(1 + torch.floor(positions / original)))[:, None, None].to(q.dtype)
         if self.encoder:
             out = bidirectional_attention(q, k, v, meta, self.scale, self.sliding_window)
         else:
@@ -1196,13 +1212,14 @@ class LlamaForCausalLM(nn.Module):
         wherever the CPU kernels run, instead of ~15 module calls a layer: the same kernels in the same order, so the
         same bits, without ~3-5 ms of Python a step (SmolLM2, one stream); an encoder's layers attend through the
         kernels' bidirectional mode there, to the K/V they write to the cache (the modules: SDPA's, to the step's
-        own). Only on one rank and with the CPU attention backend: otherwise the modules run. The loader calls it once
+        own). Only on one rank, with the CPU attention backend and without Ministral 3's query temperature (a
+        max_model_len past its original context): otherwise the modules run. The loader calls it once
         the weights are final, packed: a stack holds the weight tensors it was built with. `enforce_eager=True` keeps
         the modules."""
         attn = next(layer.self_attn for layer in self.model.layers if isinstance(layer.self_attn, LlamaAttention))
         convolutions = [layer.self_attn for layer in self.model.layers if isinstance(layer.self_attn, ShortConv)]
-        if attn.qkv_proj.tp_size == 1 and attn.attn_backend is paged_attention and \
-                not any(conv.conv.bias is not None for conv in convolutions):   # (the stack's take no bias)
+        if attn.qkv_proj.tp_size == 1 and attn.attn_backend is paged_attention and attn.query_temperature is None \
+                and not any(conv.conv.bias is not None for conv in convolutions):   # (the stack's take no bias)
             self.model.stacks = {}
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],

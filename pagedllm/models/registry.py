@@ -16,6 +16,8 @@ from pagedllm.models.llama import LlamaForCausalLM
 _MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
+    "MinistralForCausalLM": LlamaForCausalLM,
+    "Ministral3ForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     # Mixtures of experts (LlamaSparseMoeBlock in place of the MLP)
@@ -80,6 +82,8 @@ _MODELS: dict[str, type[nn.Module]] = {
     "XLMRobertaForSequenceClassification": BertModel,
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
+    "ministral": LlamaForCausalLM,
+    "ministral3": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
     "mixtral": LlamaForCausalLM,

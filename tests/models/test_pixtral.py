@@ -29,26 +29,28 @@ TEMPLATE = ("{% for m in messages %}[INST]{% if m['content'] is string %}{{ m['c
 
 
 def _save_model(folder: Path, kind: str) -> Any:
-    """A tiny random Mistral 3 (`kind` "mistral3": 2 x 2 patches a placeholder) or Pixtral-12B (a Llava of a Pixtral
-    tower, "pixtral": a patch a placeholder, the projector's biases), the tiny Mistral for its language model, a
-    two-layer Pixtral tower of 8-pixel patches, images up to 64 pixels a side; its image processor and a tokenizer
-    with Pixtral's image tokens, saved in `folder`; returns transformers' model."""
+    """A tiny random Mistral 3 (`kind` "mistral3": 2 x 2 patches a placeholder; "ministral3": the same with the tiny
+    Ministral 3 for its language model) or Pixtral-12B (a Llava of a Pixtral tower, "pixtral": a patch a
+    placeholder, the projector's biases), the tiny Mistral for its language model, a two-layer Pixtral tower of
+    8-pixel patches, images up to 64 pixels a side; its image processor and a tokenizer with Pixtral's image
+    tokens, saved in `folder`; returns transformers' model."""
     tokenizer = build_byte_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": [
         "<|im_start|>", "<|im_end|>", "[IMG]", "[IMG_BREAK]", "[IMG_END]", "[INST]", "[/INST]"]})
     tokenizer.chat_template = TEMPLATE
-    parts = dict(text_config=tiny_config("mistral", initializer_range=0.5).to_dict(),
+    text = tiny_config("ministral3" if kind == "ministral3" else "mistral", initializer_range=0.5)
+    parts = dict(text_config=text.to_dict(),
                  vision_config=dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                     num_attention_heads=2, image_size=64, patch_size=PATCH, head_dim=16,
                                     hidden_act="silu", initializer_range=0.5),
                  image_token_index=tokenizer.convert_tokens_to_ids("[IMG]"))
-    if kind == "mistral3":
+    if kind in ("mistral3", "ministral3"):
         config: Any = transformers.Mistral3Config(**parts, spatial_merge_size=2)
     else:
         config = transformers.LlavaConfig(**parts, vision_feature_select_strategy="full", vision_feature_layer=-1,
                                           multimodal_projector_bias=True)
     torch.manual_seed(0)
-    architecture = transformers.Mistral3ForConditionalGeneration if kind == "mistral3" else \
+    architecture = transformers.Mistral3ForConditionalGeneration if kind in ("mistral3", "ministral3") else \
         transformers.LlavaForConditionalGeneration
     model = architecture(config).eval()
     model.save_pretrained(folder)
@@ -179,3 +181,15 @@ def test_a_prompt_whose_markers_and_images_differ_is_a_clear_error(pixtral: tupl
     with pytest.raises(ValueError, match="1 \\[IMG\\] markers for 2 images"):
         llm.generate({"prompt": "[IMG] two?", "multi_modal_data": {"image": [_image(0), _image(1)]}}, GREEDY,
                      use_tqdm=False)
+
+
+def test_ministral_3_takes_images(tmp_path: Path) -> None:
+    """Ministral 3's layout: Mistral 3's, its language model's queries scaled past its original context (of 8 here:
+    the image's placeholders and the text after them run past it)."""
+    model = _save_model(tmp_path, "ministral3")
+    llm = LLM(model=str(tmp_path), dtype="float32", num_kv_blocks=64)
+    text, images = "Look: [IMG] what is it?", [_image(30, 48, 64)]
+    output = llm.generate({"prompt": text, "multi_modal_data": {"image": images}}, GREEDY, use_tqdm=False)[0]
+    prompt, tokens = _hf_greedy(tmp_path, model, text, images)
+    assert output.prompt_token_ids == prompt and len(prompt) > 8
+    assert output.outputs[0].token_ids == tokens

@@ -33,6 +33,14 @@ TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     # as Qwen3's real ones: heads x head_dim (4 x 32) is not the hidden size (64)
     "qwen3": ("qwen3", dict(num_key_value_heads=2, head_dim=32)),
     "mistral": ("mistral", dict(num_key_value_heads=2, sliding_window=None)),
+    # as Ministral-8B's: its layer_types' sliding windows (here the first layer's, of 6 keys)
+    "ministral": ("ministral", dict(num_key_value_heads=2, head_dim=16, sliding_window=6,
+                                    layer_types=["sliding_attention", "full_attention"])),
+    # as Ministral 3's: YaRN, and its queries scaled by 1 + 0.1 ln(1 + floor(position / 8)) past its original
+    # context of 8 (the released ones' 16,384)
+    "ministral3": ("ministral3", dict(num_key_value_heads=2, head_dim=32, rope_parameters=dict(
+        rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=8, beta_fast=32.0,
+        beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.1))),
     # as Gemma 3's: heads x head_dim past the hidden size, a local layer (a window of 12, rotary base 10,000) and a
     # global one (1,000,000), an attention scale of its own
     "gemma3": ("gemma3_text", dict(num_key_value_heads=2, head_dim=32, sliding_window=12, query_pre_attn_scalar=24,
