@@ -1105,7 +1105,7 @@ class LlamaModel(nn.Module):
                                     self.norm.eps, attn.qkv_proj.q_size // attn.head_dim,
                                     attn.qkv_proj.kv_size // attn.head_dim, attn.head_dim, attn.scale, attn.softcap,
                                     not attn.encoder, bias(self.norm), attn.clip_qkv, attn.norms_after_rope,
-                                    attn.alibi_slopes)
+                                    attn.alibi_slopes, *(attn.query_temperature or (0.0, 0)))
 
 
 # Checkpoints of the decoder alone, as decoder embedding models are saved (gte-Qwen2, e5-mistral): tensor names
@@ -1212,14 +1212,13 @@ class LlamaForCausalLM(nn.Module):
         wherever the CPU kernels run, instead of ~15 module calls a layer: the same kernels in the same order, so the
         same bits, without ~3-5 ms of Python a step (SmolLM2, one stream); an encoder's layers attend through the
         kernels' bidirectional mode there, to the K/V they write to the cache (the modules: SDPA's, to the step's
-        own). Only on one rank, with the CPU attention backend and without Ministral 3's query temperature (a
-        max_model_len past its original context): otherwise the modules run. The loader calls it once
+        own). Only on one rank and with the CPU attention backend: otherwise the modules run. The loader calls it once
         the weights are final, packed: a stack holds the weight tensors it was built with. `enforce_eager=True` keeps
         the modules."""
         attn = next(layer.self_attn for layer in self.model.layers if isinstance(layer.self_attn, LlamaAttention))
         convolutions = [layer.self_attn for layer in self.model.layers if isinstance(layer.self_attn, ShortConv)]
-        if attn.qkv_proj.tp_size == 1 and attn.attn_backend is paged_attention and attn.query_temperature is None \
-                and not any(conv.conv.bias is not None for conv in convolutions):   # (the stack's take no bias)
+        if attn.qkv_proj.tp_size == 1 and attn.attn_backend is paged_attention and \
+                not any(conv.conv.bias is not None for conv in convolutions):   # (the stack's take no bias)
             self.model.stacks = {}
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],

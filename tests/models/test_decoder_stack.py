@@ -56,6 +56,9 @@ CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "phi3, longrope": ("phi3-longrope", dict(original_max_position_embeddings=16), dict(dtype="float32")),
     # a layer without a rotary embedding (NoPE): a rotary part of no values
     "smollm3": ("smollm3", {}, dict(dtype="float32")),
+    # Ministral 3's queries scaled past its original context of 8, YaRN's tables
+    "ministral3": ("ministral3", {}, dict(dtype="float32")),
+    "ministral3 in bfloat16": ("ministral3", {}, dict(dtype="bfloat16")),
     # Granite's multipliers: the residual's folded into o_proj and down_proj, the scores' as the attention scale
     "granite": ("granite", {}, dict(dtype="bfloat16")),
     # the branches' outputs normed, not their inputs: OLMo's q/k norms over all the heads, EXAONE 4's per head and

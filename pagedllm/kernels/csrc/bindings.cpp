@@ -131,11 +131,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<pagedllm::DecoderStack>(m, "DecoderStack", py::module_local(),
                                      "A Llama-family decoder's layers and final norm in one call (decoder.cpp)")
       .def(py::init<std::vector<pagedllm::DecoderLayerWeights>, at::Tensor, double, int64_t, int64_t, int64_t,
-                    double, double, bool, c10::optional<at::Tensor>, double, bool, c10::optional<at::Tensor>>(),
+                    double, double, bool, c10::optional<at::Tensor>, double, bool, c10::optional<at::Tensor>, double,
+                    int64_t>(),
            py::arg("layers"), py::arg("norm"), py::arg("eps"), py::arg("num_heads"), py::arg("num_kv_heads"),
            py::arg("head_dim"), py::arg("scale"), py::arg("softcap") = 0.0, py::arg("causal") = true,
            py::arg("norm_bias") = py::none(), py::arg("clip_qkv") = 0.0, py::arg("qk_norm_after_rope") = false,
-           py::arg("alibi_slopes") = py::none())
+           py::arg("alibi_slopes") = py::none(), py::arg("query_beta") = 0.0, py::arg("query_original") = 0)
       .def("forward", &pagedllm::DecoderStack::forward,
            "The embedded tokens [T, H] through every layer and the final norm, reading and writing the paged KV "
            "cache: (x, positions, kv_caches, slot_mapping, block_tables, seq_lens, query_start_loc, num_decodes, "

@@ -84,11 +84,12 @@ at::Tensor LinearWeights::silu_and_mul(const at::Tensor& x) const {
 DecoderStack::DecoderStack(std::vector<DecoderLayerWeights> layers, at::Tensor norm, double eps, int64_t num_heads,
                            int64_t num_kv_heads, int64_t head_dim, double scale, double softcap, bool causal,
                            c10::optional<at::Tensor> norm_bias, double clip_qkv, bool qk_norm_after_rope,
-                           c10::optional<at::Tensor> alibi_slopes)
+                           c10::optional<at::Tensor> alibi_slopes, double query_beta, int64_t query_original)
     : layers_(std::move(layers)), norm_(std::move(norm)), norm_bias_(std::move(norm_bias)),
       alibi_slopes_(std::move(alibi_slopes)), eps_(eps),
       num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), scale_(scale), softcap_(softcap),
-      clip_qkv_(clip_qkv), causal_(causal), qk_norm_after_rope_(qk_norm_after_rope) {}
+      clip_qkv_(clip_qkv), query_beta_(query_beta), query_original_(query_original), causal_(causal),
+      qk_norm_after_rope_(qk_norm_after_rope) {}
 
 // LlamaModel.forward after the embedding: x [T, H] -> the final norm's output [T, H].
 at::Tensor DecoderStack::forward(at::Tensor x, const at::Tensor& positions, const std::vector<KVPair>& kv_caches,
@@ -227,6 +228,10 @@ at::Tensor DecoderStack::attention(const DecoderLayerWeights& layer, const at::T
   if (head_norms && qk_norm_after_rope_) {  // (Hunyuan's)
     q = head_norm(q, *layer.q_norm);
     k = head_norm(k, *layer.k_norm);
+  }
+  if (query_beta_ > 0) {  // Ministral 3's temperature of the queries, in LlamaAttention.forward's ops
+    const at::Tensor spans = at::floor(positions.to(at::kFloat) / static_cast<double>(query_original_));
+    q = q * (at::log(spans + 1) * query_beta_ + 1).view({-1, 1, 1}).to(q.scalar_type());
   }
   const auto& [k_cache, v_cache] = kv_cache;
   write_kv(k, v, k_cache, v_cache, batch.slot_mapping);

@@ -261,11 +261,13 @@ class DecoderStack {
   // softcap: 0, or the soft cap of every layer's attention scores (Gemma 2's); causal: false for an encoder's layers;
   // norm_bias: the final norm's bias, a LayerNorm model's (its final norm then a LayerNorm); clip_qkv: 0, or the bound
   // each layer's q, k and v are clamped to (OLMo's); qk_norm_after_rope: each head's q/k norms after the rotary
-  // embedding (Hunyuan's), not before; alibi_slopes: ALiBi's slope of each query head, every layer's (BLOOM's, MPT's)
+  // embedding (Hunyuan's), not before; alibi_slopes: ALiBi's slope of each query head, every layer's (BLOOM's, MPT's);
+  // query_beta, query_original: 0, or Ministral 3's temperature of the queries, each scaled after the rotary embedding
+  // by 1 + query_beta ln(1 + floor(position / query_original))
   DecoderStack(std::vector<DecoderLayerWeights> layers, at::Tensor norm, double eps, int64_t num_heads,
                int64_t num_kv_heads, int64_t head_dim, double scale, double softcap, bool causal,
                c10::optional<at::Tensor> norm_bias, double clip_qkv, bool qk_norm_after_rope,
-               c10::optional<at::Tensor> alibi_slopes);
+               c10::optional<at::Tensor> alibi_slopes, double query_beta, int64_t query_original);
   // x: the embedded tokens [T, H]; the batch as pagedllm.attention.metadata.AttentionMetadata holds it, decodes first.
   at::Tensor forward(at::Tensor x, const at::Tensor& positions, const std::vector<KVPair>& kv_caches,
                      at::Tensor slot_mapping, at::Tensor block_tables, at::Tensor seq_lens,
@@ -301,7 +303,8 @@ class DecoderStack {
   c10::optional<at::Tensor> norm_bias_, alibi_slopes_;
   double eps_;
   int64_t num_heads_, num_kv_heads_, head_dim_;
-  double scale_, softcap_, clip_qkv_;
+  double scale_, softcap_, clip_qkv_, query_beta_;
+  int64_t query_original_;
   bool causal_, qk_norm_after_rope_;
 };
 
