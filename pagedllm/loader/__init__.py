@@ -266,17 +266,19 @@ def without_sliding_window(hf_config: Any) -> None:
 
 
 def _weights(resolved: ResolvedModel, dtype: torch.dtype, hf_config: Any, quantization: str | None,
-             skip: set[str], gguf_file: GGUFFile | None) -> Iterator[tuple[str, torch.Tensor]]:
+             model: nn.Module, gguf_file: GGUFFile | None) -> Iterator[tuple[str, torch.Tensor]]:
     """A lazy (name, tensor) iterator over the checkpoint's weights in `dtype` (quantized ones dequantised), but
-    for the quantized ones named in `skip`, which are never read."""
+    for the quantized ones `model` packed before loading (`packed_checkpoint_names`), which are never read."""
+    from pagedllm.layers.linear import packed_checkpoint_names
     from pagedllm.loader.int4 import INT4_METHODS, int4_config, iterate_int4
 
+    skip = packed_checkpoint_names(model)
     if resolved.gguf_path is not None:
         from pagedllm.loader.gguf import iterate_gguf
 
         return iterate_gguf(resolved.gguf_path, dtype, gguf_file, skip)
     if quantization in INT4_METHODS:
-        return iterate_int4(resolved.path, dtype, int4_config(hf_config), skip)
+        return iterate_int4(resolved.path, dtype, int4_config(hf_config), skip, getattr(model, "checkpoint_name", str))
     return _checkpoint_tensors(resolved.path, dtype, hf_config,
                                text_part_name if hasattr(hf_config, "text_part_of") else None)
 
@@ -403,7 +405,7 @@ def _pack_blocks(model: nn.Module, quantization: str | None, resolved: ResolvedM
         counts = pack_gguf_linear_weights(model, rows, activation_bits)
         parts = [f"{count} as GGUF {name}" for name, count in sorted(counts.items())]
     else:
-        weights = int4_weights(resolved.path, int4_config(hf_config))
+        weights = int4_weights(resolved.path, int4_config(hf_config), getattr(model, "checkpoint_name", str))
         parts = [f"{pack_int4_linear_weights(model, weights, activation_bits)} as {quantization.upper()} 4-bit "
                  "(Q4_1 kernel)"]
     parts[-1] += f", times {gguf_arithmetic(activation_bits)}"
@@ -425,7 +427,6 @@ def load_model(model_config: ModelConfig, tp_rank: int = 0, tp_size: int = 1,
     """Resolve, build and load the model of `model_config`, in eval mode on `model_config.device`; under tensor
     parallelism, rank `tp_rank`'s slice of it (each rank reads the checkpoint and keeps its own slice).
     `gguf_activation_bits` sets how GGUF/AWQ/GPTQ blocks multiply (16, 8 or `GGUF_BF16`); None: the CPU's default."""
-    from pagedllm.layers.linear import packed_checkpoint_names
     from pagedllm.loader.fp8 import is_eight_bit
     from pagedllm.loader.huge_pages import place_in_huge_pages
     from pagedllm.models.registry import model_class_for_config
@@ -463,8 +464,7 @@ def load_model(model_config: ModelConfig, tp_rank: int = 0, tp_size: int = 1,
         dummy_weights(model)
         parts.append("random (load_format dummy)")
     else:
-        model.load_weights(_weights(resolved, dtype, hf_config, quantization, packed_checkpoint_names(model),
-                                    gguf_file))
+        model.load_weights(_weights(resolved, dtype, hf_config, quantization, model, gguf_file))
         if is_eight_bit(hf_config):
             parts.append(f"the checkpoint's 8-bit weights dequantised into {str(dtype).removeprefix('torch.')}")
     model.eval()

@@ -91,9 +91,11 @@ def _packed_int4_config(config: dict[str, Any]) -> Int4Config:
     return Int4Config("compressed-tensors", sizes.pop())
 
 
-def int4_weights(folder: Path, config: Int4Config) -> dict[str, Callable[[], Int4Weight]]:
-    """{Hugging Face weight name ("...q_proj.weight"): its `Int4Weight`, made when called} for every quantized
-    layer of the checkpoint; only the quantized tensors are read (a few bits a weight)."""
+def int4_weights(folder: Path, config: Int4Config, rename: Callable[[str], str] = str
+                 ) -> dict[str, Callable[[], Int4Weight]]:
+    """{Hugging Face weight name ("...q_proj.weight"), as `rename` gives it (the model's `checkpoint_name`: Mixtral's
+    experts' w1 as gate_proj ...): its `Int4Weight`, made when called} for every quantized layer of the checkpoint;
+    only the quantized tensors are read (a few bits a weight)."""
     tensors: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
     for file in safetensors_files(folder):
         with safe_open(str(file), framework="pt") as f:
@@ -101,7 +103,7 @@ def int4_weights(folder: Path, config: Int4Config) -> dict[str, Callable[[], Int
                 prefix, _, suffix = name.rpartition(".")
                 if suffix in _QUANTIZED_SUFFIXES:
                     tensors[prefix][suffix] = f.get_tensor(name)
-    return {f"{prefix}.weight": partial(_int4_weight, parts, config) for prefix, parts in tensors.items()}
+    return {rename(f"{prefix}.weight"): partial(_int4_weight, parts, config) for prefix, parts in tensors.items()}
 
 
 def _int4_weight(tensors: dict[str, torch.Tensor], config: Int4Config) -> Int4Weight:
@@ -118,14 +120,14 @@ def _int4_weight(tensors: dict[str, torch.Tensor], config: Int4Config) -> Int4We
     return gptq_int4_weight(tensors["qweight"], tensors["qzeros"], tensors["scales"], g_idx, config.zero_offset)
 
 
-def iterate_int4(folder: Path, dtype: torch.dtype, config: Int4Config, skip: Container[str] = ()
-                 ) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_int4(folder: Path, dtype: torch.dtype, config: Int4Config, skip: Container[str] = (),
+                 rename: Callable[[str], str] = str) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) pairs for the model's `load_weights`: the unquantized tensors cast to `dtype`, then each
-    quantized layer's dequantised weight in `dtype` under its plain name, but for those named in `skip` (packed
-    as they are: never read)."""
+    quantized layer's dequantised weight in `dtype` under its plain name as `rename` gives it, but for those named
+    in `skip` (packed as they are: never read)."""
     for name, tensor in iterate_safetensors(folder, dtype):
         if name.rpartition(".")[2] not in _QUANTIZED_SUFFIXES:
             yield name, tensor
-    for name, weight in int4_weights(folder, config).items():
+    for name, weight in int4_weights(folder, config, rename).items():
         if name not in skip:
             yield name, dequantize_int4(weight()).to(dtype)

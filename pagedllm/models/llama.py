@@ -1274,20 +1274,11 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if name.endswith(_IGNORED_SUFFIXES) or (unused is not None and unused in name):
                 continue
-            if ".block_sparse_moe." in name:
-                for mixtral, qwen in _MIXTRAL_NAMES:
-                    name = name.replace(mixtral, qwen)
-            body = _BODY_PREFIXES.get(self.config.model_type)
-            if body is not None and not name.startswith((body, "lm_head.", "model.")):     # (a GGUF's: ours already)
-                name = body + name
-            for theirs, ours in _CHECKPOINT_NAMES.get(self.config.model_type, ()):
-                name = name.replace(theirs, ours)
+            name = self.checkpoint_name(name)
             if _is_lfm2(self.config) and name.endswith(".conv.weight") and tensor.dim() == 2:
                 tensor = tensor.unsqueeze(1)    # llama.cpp's files squeeze it
             if self.config.model_type == "gpt2" and ".layers." in name and tensor.dim() == 2:
                 tensor = tensor.t()     # GPT-2's Conv1D layers store their weights [in, out]
-            if self.bare and not name.startswith("model."):
-                name = "model." + name
             if self.classifier_token_ids is not None and name == (
                     "model.embed_tokens.weight" if self.head_is_embedding else "lm_head.weight"):
                 head_rows = tensor[self.classifier_token_ids].float()
@@ -1310,6 +1301,20 @@ class LlamaForCausalLM(nn.Module):
             loaded.add(self._load_one(params, "score.weight", self._classifier_head(head_rows)))
         self._check_all_loaded(params, loaded)
         return loaded
+
+    def checkpoint_name(self, name: str) -> str:
+        """A checkpoint tensor's name as `load_weights` reads it: Mixtral's block_sparse_moe as Qwen-MoE's mlp (its
+        experts' w1/w3/w2 as gate/up/down), a body's prefix put back (OPT's, BLOOM's), the family's own names mapped
+        (`_CHECKPOINT_NAMES`), a bare decoder's under model.; a name read so already stays as it is."""
+        if ".block_sparse_moe." in name:
+            for mixtral, qwen in _MIXTRAL_NAMES:
+                name = name.replace(mixtral, qwen)
+        body = _BODY_PREFIXES.get(self.config.model_type)
+        if body is not None and not name.startswith((body, "lm_head.", "model.")):     # (a GGUF's: ours already)
+            name = body + name
+        for theirs, ours in _CHECKPOINT_NAMES.get(self.config.model_type, ()):
+            name = name.replace(theirs, ours)
+        return "model." + name if self.bare and not name.startswith("model.") else name
 
     def _classifier_head(self, rows: torch.Tensor) -> torch.Tensor:
         """The classification head made of the LM head's rows of the classifier's tokens: those rows, one class
