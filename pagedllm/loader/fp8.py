@@ -6,10 +6,10 @@ in the released ones) or `{layer}.weight_scale` (compressed-tensors: one a tenso
 
     W[n, k] = float(q[n, k]) x scale[n // block_rows, k // block_columns]   (a row's or a tensor's: broadcast)
 
-computed in float32 and rounded once to the model's dtype, which the model then runs as an unquantized checkpoint
-(or quantizes at load: quantization "int8" or "w8a8"). Activation scales (`input_scale`: the checkpoint's
-activations were quantized statically) are not read: activations stay in the dtype, which is what the scales
-approximate. vLLM runs these checkpoints' FP8 matmuls on GPUs alone.
+computed in float32 and rounded once to the model's dtype, which the model then runs as an unquantized checkpoint (or
+quantizes at load: quantization "int8" or "w8a8"). Activation scales (`input_scale`, Mistral's `activation_scale`:
+the checkpoint's activations were quantized statically) are not read: activations stay in the dtype, which is what
+the scales approximate. vLLM runs these checkpoints' FP8 matmuls on GPUs alone.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from safetensors import safe_open
 from pagedllm.loader.safetensors import INDEX_FILE, safetensors_files
 
 _SCALES = ("weight_scale_inv", "weight_scale")     # a weight's, as "fp8" and compressed-tensors name them
-_UNREAD = ("input_scale", "output_scale", "k_scale", "v_scale")     # activations' and the KV cache's
+# activations' (Mistral's FP8 releases: activation_scale) and the KV cache's
+_UNREAD = ("input_scale", "activation_scale", "output_scale", "k_scale", "v_scale")
 
 
 def is_eight_bit(hf_config: Any) -> bool:

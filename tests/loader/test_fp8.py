@@ -1,6 +1,7 @@
 """8-bit checkpoints read dequantised (pagedllm.loader.fp8): a tiny random model's linear weights saved as FP8 blocks
-("fp8", as Qwen3-*-FP8: weight_scale_inv a block, here blocks of 48 that leave partial ones at the edges), as
-compressed-tensors' FP8 rows or tensors, or its int8 rows, sharded; against transformers running the dequantised
+("fp8", as Qwen3-*-FP8: weight_scale_inv a block, here blocks of 48 that leave partial ones at the edges), as FP8
+tensors (Mistral's releases: a scale a tensor, static activation scales beside), as compressed-tensors' FP8 rows or
+tensors, or its int8 rows, sharded; against transformers running the dequantised
 weights; and the configurations refused, each with a clear error."""
 
 from __future__ import annotations
@@ -25,13 +26,14 @@ _LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "dow
 
 def _quantize(weight: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(8-bit values, scales, the weight they stand for) of a weight [N, K]: FP8 over blocks of 48 x 48 ("block"),
-    rows ("channel") or the whole tensor ("tensor"), or int8 rows ("int8")."""
+    rows ("channel") or the whole tensor ("tensor", and "fp8 tensor": Mistral's FP8 releases' layout), or int8 rows
+    ("int8")."""
     if layout == "block":
         rows, columns = weight.shape
         padded = torch.nn.functional.pad(weight, (0, -columns % 48, 0, -rows % 48))
         blocks = padded.unflatten(0, (-1, 48)).unflatten(2, (-1, 48))     # [R, 48, C, 48]
         scale = blocks.abs().amax(dim=(1, 3)) / 448.0
-    elif layout == "tensor":
+    elif layout in ("tensor", "fp8 tensor"):
         scale = weight.abs().amax().reshape(1) / 448.0
     else:
         scale = weight.abs().amax(dim=1, keepdim=True) / (127.0 if layout == "int8" else 448.0)
@@ -55,10 +57,14 @@ def _save_eight_bit(folder: Path, layout: str) -> Any:
         for name in [n for n in shards[shard] if n.endswith(".weight") and n.rpartition(".")[0].endswith(_LINEARS)]:
             values, scale, dequantized = _quantize(shards[shard][name], layout)
             shards[shard][name] = values
-            scale_name = name.replace(".weight", ".weight_scale_inv" if layout == "block" else ".weight_scale")
+            fp8 = layout in ("block", "fp8 tensor")
+            scale_name = name.replace(".weight", ".weight_scale_inv" if fp8 else ".weight_scale")
             other = names[(names.index(shard) + 1) % len(names)]    # the next shard holds the scale
-            shards[other][scale_name] = scale
+            shards[other][scale_name] = scale.reshape(()) if layout == "fp8 tensor" else scale
             index["weight_map"][scale_name] = other
+            if layout == "fp8 tensor":     # Mistral's releases: a static activation scale, never read
+                shards[shard][name.replace(".weight", ".activation_scale")] = torch.tensor(0.5)
+                index["weight_map"][name.replace(".weight", ".activation_scale")] = shard
             with torch.no_grad():
                 model.get_parameter(name).copy_(dequantized)
     for shard, tensors in shards.items():
@@ -68,6 +74,9 @@ def _save_eight_bit(folder: Path, layout: str) -> Any:
     if layout == "block":
         config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
                                          "weight_block_size": [48, 48]}
+    elif layout == "fp8 tensor":
+        config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "static",
+                                         "weight_block_size": None, "modules_to_not_convert": ["lm_head"]}
     else:
         weights = {"num_bits": 8, "type": "int" if layout == "int8" else "float", "symmetric": True,
                    "strategy": "channel" if layout != "tensor" else "tensor"}
@@ -81,7 +90,7 @@ def _save_eight_bit(folder: Path, layout: str) -> Any:
     return model
 
 
-@pytest.mark.parametrize("layout", ["block", "channel", "tensor", "int8"])
+@pytest.mark.parametrize("layout", ["block", "fp8 tensor", "channel", "tensor", "int8"])
 def test_an_eight_bit_checkpoint_gives_its_dequantised_weights_tokens(tmp_path: Path, layout: str) -> None:
     oracle = _save_eight_bit(tmp_path, layout)
     llm = LLM(model=str(tmp_path), dtype="float32", num_kv_blocks=64)
