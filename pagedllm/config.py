@@ -344,8 +344,8 @@ class ModelConfig:
                  "None, 'int8', 'w8a8', 'gguf', 'awq', 'gptq', 'fp8' or 'compressed-tensors'", self.quantization)
         _require(re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None, "device",
                  "'auto', 'cpu', 'cuda' or 'cuda:N'", self.device)
-        _require(self.quantization in (None, "fp8", "compressed-tensors") or not self.device.startswith("cuda"),
-                 "quantization", "None on a GPU (the quantized kernels are CPU kernels)", self.quantization)
+        _require(self.quantization in (None, "fp8") or not self.device.startswith("cuda"), "quantization",
+                 "None or 'fp8' on a GPU (the quantized kernels are CPU kernels)", self.quantization)
 
     @property
     def media_access(self) -> MediaAccess:

@@ -32,8 +32,8 @@ def resolve_device(name: str) -> str:
 
 def model_device(model: ModelConfig, tp_size: int = 1, dp_size: int = 1) -> str:
     """The device `model.device` resolves to; "auto" stays on the CPU for what runs only there (quantized weights,
-    tensor and data parallelism)."""
-    cpu_only = model.quantization is not None or tp_size > 1 or dp_size > 1
+    but an FP8 checkpoint's, read dequantised; tensor and data parallelism)."""
+    cpu_only = model.quantization not in (None, "fp8") or tp_size > 1 or dp_size > 1
     return "cpu" if model.device == "auto" and cpu_only else resolve_device(model.device)
 
 

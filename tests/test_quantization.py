@@ -131,6 +131,7 @@ def test_an_unknown_quantization_is_refused_by_name():
         ModelConfig(quantization="bitsandbytes")
     with pytest.raises(ValueError, match="quantization"):
         ModelConfig(quantization="int8", device="cuda")
+    assert ModelConfig(quantization="fp8", device="cuda").quantization == "fp8"   # read dequantised: any device
 
 
 def test_serve_and_bench_take_quantization():

@@ -343,7 +343,7 @@ def resolve_quantization(requested: str | None, resolved: ResolvedModel, hf_conf
                          f"quantization={method!r} or None, not {requested!r}")
     if quantization not in (None, "int8", "w8a8", "gguf", *INT4_METHODS):
         raise ValueError(f"{resolved.name} is a {quantization!r} checkpoint: pagedllm runs unquantized, GGUF, AWQ, "
-                         "GPTQ, FP8 and compressed-tensors 8-bit checkpoints")
+                         "GPTQ, FP8 and compressed-tensors checkpoints")
     if quantization in INT4_METHODS and method is None:
         raise ValueError(f"quantization={quantization!r} needs a checkpoint whose config.json has "
                          f"quantization_config.quant_method={quantization!r}; {resolved.name} has none")
