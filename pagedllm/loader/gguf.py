@@ -108,7 +108,10 @@ _GRANITE_MULTIPLIERS = (("embedding_multiplier", "embedding_scale"), ("attention
                         ("residual_multiplier", "residual_scale"), ("logits_scaling", "logit_scale"))
 # GGUF architecture -> transformers' model_type, where they differ (a mixture of experts: _MOE_MODEL_TYPES)
 _MODEL_TYPES = {"gemma3": "gemma3_text", "gemma-embedding": "gemma3_text", "phi2": "phi", "gptneox": "gpt_neox",
-                "command-r": "cohere", "hunyuan-dense": "hunyuan_v1_dense", "starcoder": "gpt_bigcode"}
+                "command-r": "cohere", "hunyuan-dense": "hunyuan_v1_dense", "starcoder": "gpt_bigcode",
+                # the Qwen-VLs' language models (Qwen2-VL's, Qwen3-VL's): Qwen2's and Qwen3's, whose M-RoPE
+                # (`rope.dimension_sections`) is the plain rope on text; their image encoders live in mmproj files
+                "qwen2vl": "qwen2", "qwen3vl": "qwen3"}
 # Every how many layers one is global, the others local over the window, where a file does not mark them (Cohere2's:
 # llama.cpp fixes it rather than store it)
 _GLOBAL_LAYER_EVERY = 4
@@ -129,11 +132,11 @@ _BLOCK_RE = re.compile(r"blk\.(\d+)\.([\w.]+)\.(weight|bias)$")
 _EXPERT_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight$")
 _STACKED_EXPERTS_RE = re.compile(r"(blk\.\d+\.ffn_(?:gate|up|down))_exps\.weight$")
 # GGUF architectures of mixtures of experts -> transformers' model_type (a Mixtral file says "llama")
-_MOE_MODEL_TYPES = {"llama": "mixtral", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe",
+_MOE_MODEL_TYPES = {"llama": "mixtral", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "qwen3vlmoe": "qwen3_moe",
                     "ernie4_5-moe": "ernie4_5_moe", "lfm2moe": "lfm2_moe", "granitemoe": "granitemoe", "olmoe": "olmoe"}
 # whether llama.cpp renormalises each token's top-k expert weights, by architecture (Qwen2-MoE does not)
-_MOE_RENORMALIZES = {"llama": True, "qwen2moe": False, "qwen3moe": True, "ernie4_5-moe": True, "lfm2moe": True,
-                     "granitemoe": True, "olmoe": False}
+_MOE_RENORMALIZES = {"llama": True, "qwen2moe": False, "qwen3moe": True, "qwen3vlmoe": True, "ernie4_5-moe": True,
+                     "lfm2moe": True, "granitemoe": True, "olmoe": False}
 
 
 @dataclass(frozen=True)

@@ -195,6 +195,10 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
         w.add_pooling_type(gguf.PoolingType.MEAN)
         for name, weight in zip(("dense_2.weight", "dense_3.weight"), dense):
             w.add_tensor(name, weight.numpy())
+    if arch in ("qwen2vl", "qwen3vl", "qwen3vlmoe"):     # the Qwen-VLs' M-RoPE sections; Qwen3-VL's DeepStack depth
+        w.add_rope_dimension_sections([2, 3, 3, 0] if arch == "qwen2vl" else [6, 5, 5, 0])
+        if arch != "qwen2vl":
+            w.add_num_deepstack_layers(3)
     if arch == "exaone4" or (arch == "olmo2" and getattr(cfg, "sliding_window", None)):     # (OLMo 3's)
         w.add_sliding_window(cfg.sliding_window)
         w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
@@ -291,7 +295,8 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
 @pytest.mark.parametrize("kind,arch", [("llama-gqa", "llama"), ("llama-untied", "llama"), ("qwen2", "qwen2"),
                                        ("qwen2-yarn", "qwen2"),
                                        ("qwen3", "qwen3"), ("mixtral", "llama"), ("qwen2-moe", "qwen2moe"),
-                                       ("qwen3-moe", "qwen3moe"), ("smollm3", "smollm3"), ("granite", "granite"),
+                                       ("qwen3-moe", "qwen3moe"), ("qwen2", "qwen2vl"), ("qwen3", "qwen3vl"),
+                                       ("qwen3-moe", "qwen3vlmoe"), ("smollm3", "smollm3"), ("granite", "granite"),
                                        ("granitemoe", "granitemoe"), ("olmoe", "olmoe"), ("cohere", "command-r"),
                                        ("arcee", "arcee"), ("hunyuan", "hunyuan-dense"),
                                        ("seed-oss", "seed_oss"), ("nemotron", "nemotron"),
