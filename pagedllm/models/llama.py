@@ -158,6 +158,10 @@ _FALCON_NAMES = (("transformer.word_embeddings.", "model.embed_tokens."), ("tran
                  (".self_attention.", ".self_attn."), (".mlp.dense_h_to_4h.", ".mlp.fc1."),
                  (".mlp.dense_4h_to_h.", ".mlp.fc2."))
 _UP_DOWN_NAMES = ((".mlp.up_proj.", ".mlp.fc1."), (".mlp.down_proj.", ".mlp.fc2."))    # Nemotron's, Arcee's
+# Apertus's: Llama's norms under names of their own, the ungated MLP's, its xIELU's parameters
+_APERTUS_NAMES = _UP_DOWN_NAMES + ((".attention_layernorm.", ".input_layernorm."),
+                                   (".feedforward_layernorm.", ".post_attention_layernorm."),
+                                   (".mlp.act_fn.", ".mlp.xielu."))
 _BLOOM_NAMES = (("transformer.word_embeddings_layernorm.", "model.embed_norm."),) + _FALCON_NAMES
 _MPT_NAMES = (("transformer.wte.", "model.embed_tokens."), ("transformer.blocks.", "model.layers."),
               ("transformer.norm_f.", "model.norm."), (".norm_1.", ".input_layernorm."),
@@ -184,6 +188,7 @@ _CHECKPOINT_NAMES = {"granitemoe": ((".mlp.router.layer.", ".mlp.gate."),),
                      "starcoder2": _STARCODER2_NAMES, "gpt2": _GPT2_NAMES, "gpt_bigcode": _GPT_BIGCODE_NAMES,
                      "opt": _OPT_NAMES, "gptj": _GPTJ_NAMES, "falcon": _FALCON_NAMES, "nemotron": _UP_DOWN_NAMES,
                      "arcee": _UP_DOWN_NAMES, "bloom": _BLOOM_NAMES, "mpt": _MPT_NAMES,
+                     "apertus": _APERTUS_NAMES,
                      "ernie4_5_moe": _ERNIE_MOE_NAMES}
 # A model type's prefix of the names its causal LM's checkpoints give its body, which checkpoints saved from the body
 # alone leave out (opt-125m's "decoder.layers.0...", bloom-560m's "h.0..."): `load_weights` puts it back
@@ -238,7 +243,7 @@ def _interleaved_rope(config: Any) -> bool:
 
 def _has_qk_norm(config: Any) -> bool:
     return _is_lfm2(config) or config.model_type in ("qwen3", "qwen3_moe", "gemma3_text", "exaone4",
-                                                     "hunyuan_v1_dense")
+                                                     "hunyuan_v1_dense", "apertus")
 
 
 def _norms_qk_after_rope(config: Any) -> bool:
@@ -283,7 +288,7 @@ def _falcon_two_norms(config: Any) -> bool:
 def _plain_mlp(config: Any) -> bool:
     """Whether the MLP is ungated (fc2(act(fc1(x))): `PlainMLP`)."""
     return config.model_type in ("phi", "gpt_neox", "starcoder2", "gptj", "falcon", "nemotron", "arcee", "bloom",
-                                 "mpt") or _learns_positions(config)
+                                 "mpt", "apertus") or _learns_positions(config)
 
 
 def dense_mlp_shape(config: Any) -> tuple[int, int]:
@@ -807,17 +812,17 @@ class LlamaMLP(nn.Module):
 
 
 class PlainMLP(nn.Module):
-    """The ungated MLP of Phi, GPT-NeoX, StarCoder2, GPT-2, GPT-BigCode, OPT, GPT-J, Falcon, Nemotron, Arcee, BLOOM and
-    MPT,
-    fc2(act(fc1(x))), with biases (`_has_bias`): GELU, exact (GPT-NeoX's "gelu") or its tanh approximation (Phi's
-    "gelu_new", StarCoder2's "gelu_pytorch_tanh"), ReLU (OPT's) or its square (Nemotron's and Arcee's "relu2"). Its
-    modules keep Phi's names (GPT-NeoX's dense_h_to_4h and dense_4h_to_h, StarCoder2's c_fc and c_proj, Nemotron's
-    and Arcee's up_proj and down_proj load into them); a LoRA adapter reaches the attention only (fc1 and fc2 are
-    not its modules)."""
+    """The ungated MLP of Phi, GPT-NeoX, StarCoder2, GPT-2, GPT-BigCode, OPT, GPT-J, Falcon, Nemotron, Arcee, BLOOM,
+    MPT and Apertus, fc2(act(fc1(x))), with biases (`_has_bias`): GELU, exact (GPT-NeoX's "gelu") or its tanh
+    approximation (Phi's "gelu_new", StarCoder2's "gelu_pytorch_tanh"), ReLU (OPT's) or its square (Nemotron's and
+    Arcee's "relu2"), or Apertus's xIELU (`XIELU`, its two parameters a layer). Its modules keep Phi's names
+    (GPT-NeoX's dense_h_to_4h and dense_4h_to_h, StarCoder2's c_fc and c_proj, Nemotron's, Arcee's and Apertus's
+    up_proj and down_proj load into them); a LoRA adapter reaches the attention only (fc1 and fc2 are not its
+    modules)."""
 
     # a config's activation -> its kind (the C++ stack's name for it), and the kind's function
     _KINDS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
-              "relu": "relu", "relu2": "relu2"}
+              "relu": "relu", "relu2": "relu2", "xielu": "xielu"}
     _FUNCTIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
         "gelu": F.gelu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh"), "relu": F.relu,
         "relu2": lambda x: torch.square(F.relu(x))}
@@ -837,9 +842,28 @@ class PlainMLP(nn.Module):
         self.fc1 = ColumnParallelLinear(config.hidden_size, inter, bias=bias, dtype=dtype, tp_rank=tp[0],
                                         tp_size=tp[1])
         self.fc2 = RowParallelLinear(inter, config.hidden_size, bias=bias, dtype=dtype, tp_rank=tp[0], tp_size=tp[1])
+        self.xielu = XIELU(dtype) if self.activation == "xielu" else None
 
     def forward(self, x: torch.Tensor, lora: LayerLoRA | None = None) -> torch.Tensor:
-        return self.fc2(self._FUNCTIONS[self.activation](self.fc1(x)))
+        h = self.fc1(x)
+        return self.fc2(self.xielu(h) if self.xielu is not None else self._FUNCTIONS[self.activation](h))
+
+
+class XIELU(nn.Module):
+    """Apertus's xIELU, as transformers computes it: alpha_p x^2 + beta x where x > 0, else
+    (expm1(min(x, eps)) - x) alpha_n + beta x, with alpha_p = softplus(a_p) and alpha_n = beta + softplus(a_n) from
+    the layer's two parameters, and beta, eps the checkpoint's (0.5, -1e-6), all in the model's dtype, as
+    transformers loads them in it."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.alpha_p, self.alpha_n = (nn.Parameter(torch.empty(1, dtype=dtype), requires_grad=False) for _ in range(2))
+        self.beta, self.eps = (nn.Parameter(torch.empty((), dtype=dtype), requires_grad=False) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        alpha_p, alpha_n = F.softplus(self.alpha_p), self.beta + F.softplus(self.alpha_n)
+        return torch.where(x > 0, alpha_p * x * x + self.beta * x,
+                           (torch.expm1(torch.min(x, self.eps)) - x) * alpha_n + self.beta * x)
 
 
 class LlamaSparseMoeBlock(nn.Module):
@@ -1212,12 +1236,14 @@ class LlamaForCausalLM(nn.Module):
         wherever the CPU kernels run, instead of ~15 module calls a layer: the same kernels in the same order, so the
         same bits, without ~3-5 ms of Python a step (SmolLM2, one stream); an encoder's layers attend through the
         kernels' bidirectional mode there, to the K/V they write to the cache (the modules: SDPA's, to the step's
-        own). Only on one rank and with the CPU attention backend: otherwise the modules run. The loader calls it once
+        own). Only on one rank, with the CPU attention backend and without Apertus's xIELU: otherwise the modules
+        run. The loader calls it once
         the weights are final, packed: a stack holds the weight tensors it was built with. `enforce_eager=True` keeps
         the modules."""
         attn = next(layer.self_attn for layer in self.model.layers if isinstance(layer.self_attn, LlamaAttention))
         convolutions = [layer.self_attn for layer in self.model.layers if isinstance(layer.self_attn, ShortConv)]
-        if attn.qkv_proj.tp_size == 1 and attn.attn_backend is paged_attention and \
+        xielu = any(isinstance(layer.mlp, PlainMLP) and layer.mlp.xielu is not None for layer in self.model.layers)
+        if attn.qkv_proj.tp_size == 1 and attn.attn_backend is paged_attention and not xielu and \
                 not any(conv.conv.bias is not None for conv in convolutions):   # (the stack's take no bias)
             self.model.stacks = {}
 

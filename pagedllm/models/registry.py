@@ -54,6 +54,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "OlmoForCausalLM": LlamaForCausalLM,
     "NemotronForCausalLM": LlamaForCausalLM,
     "ArceeForCausalLM": LlamaForCausalLM,
+    "ApertusForCausalLM": LlamaForCausalLM,
     "HunYuanDenseV1ForCausalLM": LlamaForCausalLM,
     "OlmoeForCausalLM": LlamaForCausalLM,
     "FalconForCausalLM": LlamaForCausalLM,     # Falcon-RW's too (ALiBi)
@@ -111,6 +112,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "cohere": LlamaForCausalLM,
     "cohere2": LlamaForCausalLM,
     "arcee": LlamaForCausalLM,
+    "apertus": LlamaForCausalLM,
     "hunyuan_v1_dense": LlamaForCausalLM,
     "seed_oss": LlamaForCausalLM,
     "nemotron": LlamaForCausalLM,

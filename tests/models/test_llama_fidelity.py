@@ -238,3 +238,17 @@ def test_alibi_models_options_the_layers_do_not_take_are_refused(tmp_path, kind:
     folder, _ = save_tiny_model(tmp_path / kind, kind, with_tokenizer=False, **overrides)
     with pytest.raises(ValueError, match=f"{refused}.* not supported"):
         _load(folder)
+
+
+def test_apertus_runs_its_xielu_in_the_modules(tmp_path) -> None:
+    """Apertus's xIELU (two parameters a layer) is not the C++ stack's: the engine runs its layers as modules, with
+    transformers' greedy tokens."""
+    from pagedllm import LLM, SamplingParams
+    from tests.models.tiny import hf_greedy
+
+    folder, hf_model = save_tiny_model(tmp_path / "apertus", "apertus")
+    llm = LLM(model=str(folder), dtype="float32", num_kv_blocks=64)
+    assert llm.engine.runner.model.model.stacks is None
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                           SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == hf_greedy(hf_model, PROMPTS, 8)

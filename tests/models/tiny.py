@@ -33,6 +33,11 @@ TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     # as Qwen3's real ones: heads x head_dim (4 x 32) is not the hidden size (64)
     "qwen3": ("qwen3", dict(num_key_value_heads=2, head_dim=32)),
     "mistral": ("mistral", dict(num_key_value_heads=2, sliding_window=None)),
+    # as Apertus's: per-head q/k norms, an ungated MLP whose xIELU has two parameters a layer (made random), its norms
+    # under names of its own, Llama 3's rope
+    "apertus": ("apertus", dict(num_key_value_heads=2, rope_parameters=dict(
+        rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=16))),
     # as Ministral-8B's: its layer_types' sliding windows (here the first layer's, of 6 keys)
     "ministral": ("ministral", dict(num_key_value_heads=2, head_dim=16, sliding_window=6,
                                     layer_types=["sliding_attention", "full_attention"])),
@@ -178,8 +183,13 @@ def build_tiny_hf_model(kind: str = "llama-gqa", seed: int = 0, **overrides: Any
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
     if config.model_type in ("gemma2", "gemma3_text", "glm4", "stablelm", "phi", "gpt_neox", "starcoder2", "cohere",
                              "cohere2", "gpt2", "gpt_bigcode", "opt", "gptj", "falcon", "nemotron",
-                             "hunyuan_v1_dense", "bloom", "mpt", "ernie4_5_moe"):
+                             "hunyuan_v1_dense", "bloom", "mpt", "ernie4_5_moe", "apertus"):
         randomize_norms(model, mean=0.0 if config.model_type.startswith("gemma") else 1.0)
+    if config.model_type == "apertus":     # its xIELUs' parameters start alike in every layer: made random
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith((".act_fn.alpha_p", ".act_fn.alpha_n")):
+                    param.normal_(0.0, 0.5)
     if config.model_type in ("ernie4_5_moe", "lfm2_moe"):     # their experts' selection bias starts at 0: made
         with torch.no_grad():                               # random, so that it changes which experts tokens get
             for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
