@@ -244,6 +244,7 @@ INT4_CHECKPOINTS = {  # name: (method, group_size, act_order, GPTQ v1)
     "gptq_v2-g64": ("gptq", 64, False, False),
     "compressed-tensors-g64": ("compressed-tensors", 64, False, True),
     "compressed-tensors-g32-act-order": ("compressed-tensors", 32, True, True),
+    "compressed-tensors-asymmetric-g32": ("compressed-tensors", 32, False, True, False),
 }
 
 

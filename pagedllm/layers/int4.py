@@ -14,10 +14,12 @@ an int32, value i in bits 4i..4i+3:
                         scales  fp16  [in/group, out]
                         g_idx   int32 [in]               g = g_idx[k], not sorted in act-order (desc_act) ones
     compressed-tensors  weight_packed int32 [out, in/8]  value i of column c: input 8c + i, stored as q, the
-      (pack-quantized,                                   signed value + 8: z = 8 (symmetric, no zeros stored)
+      (pack-quantized,                                   signed value + 8: z = 8 where symmetric (none stored)
       llm-compressor's  weight_scale  [out, in/group]    g = k // group_size
       W4A16)            weight_shape  int [2]            [out, in]
                         weight_g_idx  int32 [in]         act-order's groups, where saved
+                        weight_zero_point int32 [out/8, in/group]  an asymmetric one's z, + 8, value i of row r:
+                                                         output 8r + i
 
 As `Q4Rows`, d = s and m = -s z: both exact in float32 (a 16-bit float times a 4-bit integer), and so is d q + m = s
 (q - z). A Q4Rows group is 32 consecutive inputs with one (d, m), so AWQ's group_size must be a multiple of 32.
@@ -76,14 +78,17 @@ def gptq_int4_weight(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.
 
 
 def packed_int4_weight(packed: torch.Tensor, scales: torch.Tensor, shape: tuple[int, int], group_size: int,
-                       g_idx: torch.Tensor | None) -> Int4Weight:
+                       g_idx: torch.Tensor | None, zero_points: torch.Tensor | None = None) -> Int4Weight:
     """A compressed-tensors pack-quantized layer's tensors (above) as an `Int4Weight`: `shape` its weight's [N, K]
     (the packing pads K to 8), `g_idx` its act-order groups (None: input k's group is k // group_size; -1: one
-    group a row). ValueError if 32 sorted inputs in a row span two groups."""
+    group a row), `zero_points` an asymmetric one's (None: 8, symmetric). ValueError if 32 sorted inputs in a row
+    span two groups."""
     rows, inputs = shape
     q = unpack_int32(packed)[:rows, :inputs]
     groups = g_idx.long() if g_idx is not None else torch.arange(inputs) // (inputs if group_size < 0 else group_size)
-    return _sorted_by_group(q, scales.t(), torch.full_like(scales.t(), 8, dtype=torch.int64), groups)
+    zeros = torch.full_like(scales.t(), 8, dtype=torch.int64) if zero_points is None else \
+        unpack_int32(zero_points.t())[:, :rows]
+    return _sorted_by_group(q, scales.t(), zeros, groups)
 
 
 def _sorted_by_group(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, groups: torch.Tensor

@@ -24,7 +24,8 @@ from pagedllm.loader.safetensors import iterate_safetensors, safetensors_files
 
 INT4_METHODS = ("awq", "gptq", "compressed-tensors")
 _QUANTIZED_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx",
-                       "weight_packed", "weight_scale", "weight_shape", "weight_g_idx")     # compressed-tensors'
+                       "weight_packed", "weight_scale", "weight_shape", "weight_g_idx",     # compressed-tensors'
+                       "weight_zero_point")
 _GPTQ_ZERO_OFFSETS = {"gptq": 1, "gptq_v2": 0}  # v1 stores each zero minus 1
 
 
@@ -50,7 +51,7 @@ def checkpoint_quantization(hf_config: Any) -> str | None:
 def int4_config(hf_config: Any) -> Int4Config:
     """The `Int4Config` of an AWQ, GPTQ or compressed-tensors pack-quantized checkpoint's config; ValueError for a
     layout pagedllm does not run (other than 4 bits, AWQ's GEMV layout or no zero point, GPTQ's Marlin or other
-    formats, compressed-tensors' asymmetric ones)."""
+    formats)."""
     config = hf_config.quantization_config
     config = config if isinstance(config, dict) else config.to_dict()
     method = checkpoint_quantization(hf_config)
@@ -73,17 +74,16 @@ def int4_config(hf_config: Any) -> Int4Config:
 
 
 def _packed_int4_config(config: dict[str, Any]) -> Int4Config:
-    """A compressed-tensors pack-quantized config's `Int4Config`: every group's weights symmetric 4-bit integers,
-    a scale a group of inputs (or a row), all of one group size; ValueError otherwise."""
+    """A compressed-tensors pack-quantized config's `Int4Config`: every group's weights 4-bit integers (symmetric, or
+    with zero points), a scale a group of inputs (or a row), all of one group size; ValueError otherwise."""
     specs = [group.get("weights") or {} for group in (config.get("config_groups") or {}).values()]
     sizes = set()
     for spec in specs:
         strategy = spec.get("strategy")
-        if spec.get("num_bits") != 4 or spec.get("type") != "int" or not spec.get("symmetric", True) or \
-                strategy not in ("group", "channel"):
-            raise ValueError(f"pagedllm runs compressed-tensors' pack-quantized weights as symmetric 4-bit integers "
-                             f"with a scale a group or a row; this checkpoint has {spec.get('num_bits')}-bit "
-                             f"{spec.get('type')}, symmetric={spec.get('symmetric', True)}, strategy {strategy!r}")
+        if spec.get("num_bits") != 4 or spec.get("type") != "int" or strategy not in ("group", "channel"):
+            raise ValueError(f"pagedllm runs compressed-tensors' pack-quantized weights as 4-bit integers with a "
+                             f"scale a group or a row; this checkpoint has {spec.get('num_bits')}-bit "
+                             f"{spec.get('type')}, strategy {strategy!r}")
         sizes.add(int(spec.get("group_size") or -1) if strategy == "group" else -1)
     if len(sizes) != 1:
         raise ValueError(f"the checkpoint's weight groups have {'no' if not sizes else 'several'} group sizes: "
@@ -110,7 +110,7 @@ def _int4_weight(tensors: dict[str, torch.Tensor], config: Int4Config) -> Int4We
     if config.method == "compressed-tensors":
         rows, inputs = tensors["weight_shape"].tolist()
         return packed_int4_weight(tensors["weight_packed"], tensors["weight_scale"], (rows, inputs),
-                                  config.group_size, tensors.get("weight_g_idx"))
+                                  config.group_size, tensors.get("weight_g_idx"), tensors.get("weight_zero_point"))
     if config.method == "awq":
         return awq_int4_weight(tensors["qweight"], tensors["qzeros"], tensors["scales"], config.group_size)
     g_idx = tensors.get("g_idx")

@@ -61,14 +61,16 @@ def test_gptq_repacks_to_its_own_dequantisation(group_size: int, act_order: bool
 
 @pytest.mark.parametrize("group_size", [32, 128, -1])
 @pytest.mark.parametrize("act_order", [False, True])
-def test_compressed_tensors_repacks_to_its_own_dequantisation(group_size: int, act_order: bool) -> None:
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_compressed_tensors_repacks_to_its_own_dequantisation(group_size: int, act_order: bool,
+                                                              symmetric: bool) -> None:
     size = K if group_size < 0 else group_size
     g_idx = act_order_g_idx(K, size, seed=size) if act_order else torch.arange(K) // size
-    q, scales, _ = quantize_symmetric(_random_weight(size), g_idx)
-    tensors = pack_compressed(q, scales, g_idx, act_order)
+    q, scales, zeros = (quantize_symmetric if symmetric else quantize_groups)(_random_weight(size), g_idx)
+    tensors = pack_compressed(q, scales, g_idx, act_order, None if symmetric else zeros)
     expected = dequantize_compressed(**tensors, group_size=size)
     weight = packed_int4_weight(tensors["weight_packed"], tensors["weight_scale"], (N, K), group_size,
-                                tensors.get("weight_g_idx"))
+                                tensors.get("weight_g_idx"), tensors.get("weight_zero_point"))
     assert (weight.input_perm is not None) == (act_order and group_size > 0)   # one group: nothing to sort
     assert torch.equal(_kernel_weight(weight), expected) and torch.equal(dequantize_int4(weight), expected)
 

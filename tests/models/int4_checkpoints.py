@@ -54,27 +54,38 @@ def quantize_symmetric(weight: torch.Tensor, g_idx: torch.Tensor) -> tuple[torch
     return q, scales, torch.full((num_groups, q.shape[0]), 8)
 
 
-def pack_compressed(q: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor, act_order: bool
-                    ) -> dict[str, torch.Tensor]:
+def pack_compressed(q: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor, act_order: bool,
+                    zeros: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """compressed-tensors pack-quantized: weight_packed int32 [N, K/8] (value i of column c is input 8c + i, already
-    + 8), weight_scale [N, G], weight_shape [N, K], and act-order's weight_g_idx."""
+    + 8), weight_scale [N, G], weight_shape [N, K], act-order's weight_g_idx, and an asymmetric one's
+    weight_zero_point int32 [N/8, G] (value i of row r is output 8r + i's zero, already + 8)."""
     packed = torch.zeros(q.shape[0], q.shape[1] // 8, dtype=torch.int64)
     for i in range(8):
         packed |= q[:, i::8] << (4 * i)
     tensors = {"weight_packed": _int32(packed), "weight_scale": scales.t().contiguous(),
                "weight_shape": torch.tensor(list(q.shape), dtype=torch.int64)}
+    if zeros is not None:   # [G, N] -> packed along N
+        packed_zeros = torch.zeros(zeros.shape[1] // 8, zeros.shape[0], dtype=torch.int64)
+        for i in range(8):
+            packed_zeros |= zeros.t()[i::8] << (4 * i)
+        tensors["weight_zero_point"] = _int32(packed_zeros)
     return tensors | ({"weight_g_idx": g_idx.int()} if act_order else {})
 
 
 def dequantize_compressed(weight_packed: torch.Tensor, weight_scale: torch.Tensor, weight_shape: torch.Tensor,
-                          weight_g_idx: torch.Tensor | None = None, group_size: int = 32) -> torch.Tensor:
+                          weight_g_idx: torch.Tensor | None = None, weight_zero_point: torch.Tensor | None = None,
+                          group_size: int = 32) -> torch.Tensor:
     """A compressed-tensors pack-quantized layer's float32 [N, K] weight, read value by value."""
     n, k = weight_shape.tolist()
     q = torch.empty(n, k, dtype=torch.int64)
     for i in range(8):
         q[:, i::8] = _nibble(weight_packed, i)
+    zeros = torch.full((n, weight_scale.shape[1]), 8, dtype=torch.int64)
+    if weight_zero_point is not None:
+        for i in range(8):
+            zeros[i::8] = _nibble(weight_zero_point, i)
     g_idx = torch.arange(k) // group_size if weight_g_idx is None else weight_g_idx.long()
-    return weight_scale.float()[:, g_idx] * (q - 8).float()
+    return weight_scale.float()[:, g_idx] * (q - zeros[:, g_idx]).float()
 
 
 def dequantize_groups(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, g_idx: torch.Tensor
@@ -153,12 +164,13 @@ def act_order_g_idx(num_inputs: int, group_size: int, seed: int) -> torch.Tensor
     return position // group_size
 
 
-def quantization_config(method: str, group_size: int, act_order: bool = False, v1: bool = True) -> dict[str, Any]:
+def quantization_config(method: str, group_size: int, act_order: bool = False, v1: bool = True,
+                        symmetric: bool = True) -> dict[str, Any]:
     if method == "compressed-tensors":
         return {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
                 "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
-                    "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": group_size,
-                    "actorder": "group" if act_order else None}}}}
+                    "num_bits": 4, "type": "int", "symmetric": symmetric, "strategy": "group",
+                    "group_size": group_size, "actorder": "group" if act_order else None}}}}
     if method == "awq":
         return {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True, "version": "gemm"}
     return {"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": act_order, "sym": False,
@@ -166,7 +178,7 @@ def quantization_config(method: str, group_size: int, act_order: bool = False, v
 
 
 def save_int4_checkpoint(folder: Path, hf_model: Any, method: str, group_size: int, act_order: bool = False,
-                         v1: bool = True) -> tuple[Path, Any]:
+                         v1: bool = True, symmetric: bool = True) -> tuple[Path, Any]:
     """Quantize `hf_model`'s linear layers (not the LM head) into an AWQ, GPTQ or compressed-tensors checkpoint in
     `folder` (with a byte tokenizer), under the names transformers saves them by (a mixture of experts' experts one
     by one, as released checkpoints hold them); returns (folder, transformers' model loaded from the dequantised
@@ -187,11 +199,11 @@ def save_int4_checkpoint(folder: Path, hf_model: Any, method: str, group_size: i
         shared_input = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj", "w3": "w1"}.get(leaf, leaf)
         seed = zlib.crc32(f"{layer.rpartition('.')[0]}.{shared_input}".encode())
         g_idx = act_order_g_idx(k, group_size, seed) if act_order else torch.arange(k) // group_size
-        q, scales, zeros = quantize_symmetric(weight, g_idx) if method == "compressed-tensors" else \
+        q, scales, zeros = quantize_symmetric(weight, g_idx) if method == "compressed-tensors" and symmetric else \
             quantize_groups(weight, g_idx, min_zero=int(method == "gptq" and v1))
         tensors[name] = dequantize_groups(q, scales, zeros, g_idx).to(weight.dtype).contiguous()
         packed = pack_awq(q, scales, zeros) if method == "awq" else pack_gptq(q, scales, zeros, g_idx, v1) \
-            if method == "gptq" else pack_compressed(q, scales, g_idx, act_order)
+            if method == "gptq" else pack_compressed(q, scales, g_idx, act_order, None if symmetric else zeros)
         quantized.update({f"{layer}.{part}": t for part, t in packed.items()})
         if method == "gptq" and f"{layer}.bias" not in tensors:  # AutoGPTQ stores a zero bias for every layer
             quantized[f"{layer}.bias"] = torch.zeros(weight.shape[0], dtype=torch.float16)
@@ -201,7 +213,7 @@ def save_int4_checkpoint(folder: Path, hf_model: Any, method: str, group_size: i
     save_file({name: t for name, t in tensors.items() if name.removesuffix(".weight") not in layers} | quantized,
               str(folder / "model.safetensors"))
     config = copy.deepcopy(hf_model.config)
-    config.quantization_config = quantization_config(method, group_size, act_order, v1)
+    config.quantization_config = quantization_config(method, group_size, act_order, v1, symmetric)
     config.save_pretrained(folder)
     build_byte_tokenizer().save_pretrained(folder)
     return folder, AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32, attn_implementation="eager").eval()
