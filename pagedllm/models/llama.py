@@ -189,6 +189,8 @@ _CHECKPOINT_NAMES = {"granitemoe": ((".mlp.router.layer.", ".mlp.gate."),),
                      "opt": _OPT_NAMES, "gptj": _GPTJ_NAMES, "falcon": _FALCON_NAMES, "nemotron": _UP_DOWN_NAMES,
                      "arcee": _UP_DOWN_NAMES, "bloom": _BLOOM_NAMES, "mpt": _MPT_NAMES,
                      "apertus": _APERTUS_NAMES,
+                     # VaultGemma's MLP norm, Llama's place under Gemma's name
+                     "vaultgemma": ((".pre_feedforward_layernorm.", ".post_attention_layernorm."),),
                      "ernie4_5_moe": _ERNIE_MOE_NAMES}
 # A model type's prefix of the names its causal LM's checkpoints give its body, which checkpoints saved from the body
 # alone leave out (opt-125m's "decoder.layers.0...", bloom-560m's "h.0..."): `load_weights` puts it back
@@ -440,12 +442,13 @@ def cache_layers(config: Any) -> list[slice]:
 
 
 def _is_gemma(config: Any) -> bool:
-    return config.model_type in ("gemma2", "gemma3_text")
+    return config.model_type in ("gemma2", "gemma3_text", "vaultgemma")
 
 
 def _norms_both_sides(config: Any) -> bool:
-    """Whether the layers norm their branches' inputs and outputs (Gemma's and GLM-4's sandwich)."""
-    return _is_gemma(config) or config.model_type == "glm4"
+    """Whether the layers norm their branches' inputs and outputs (Gemma's and GLM-4's sandwich; not VaultGemma's,
+    whose layers are Gemma 2's without their outputs' norms)."""
+    return (_is_gemma(config) and config.model_type != "vaultgemma") or config.model_type == "glm4"
 
 
 def _is_olmo(config: Any) -> bool:

@@ -55,6 +55,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "NemotronForCausalLM": LlamaForCausalLM,
     "ArceeForCausalLM": LlamaForCausalLM,
     "ApertusForCausalLM": LlamaForCausalLM,
+    "VaultGemmaForCausalLM": LlamaForCausalLM,
     "HunYuanDenseV1ForCausalLM": LlamaForCausalLM,
     "OlmoeForCausalLM": LlamaForCausalLM,
     "FalconForCausalLM": LlamaForCausalLM,     # Falcon-RW's too (ALiBi)
@@ -113,6 +114,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "cohere2": LlamaForCausalLM,
     "arcee": LlamaForCausalLM,
     "apertus": LlamaForCausalLM,
+    "vaultgemma": LlamaForCausalLM,
     "hunyuan_v1_dense": LlamaForCausalLM,
     "seed_oss": LlamaForCausalLM,
     "nemotron": LlamaForCausalLM,

@@ -52,6 +52,8 @@ CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "gemma3 in bfloat16": ("gemma3", {}, dict(dtype="bfloat16")),
     # soft-capped attention scores, as the kernels cap them
     "gemma2": ("gemma2", {}, dict(dtype="float32")),
+    # Gemma 2's without the branches' output norms
+    "vaultgemma": ("vaultgemma", {}, dict(dtype="float32")),
     # fused checkpoint weights, longrope over 3/4 of each head, steps before and past an original context of 16
     "phi3, longrope": ("phi3-longrope", dict(original_max_position_embeddings=16), dict(dtype="float32")),
     # a layer without a rotary embedding (NoPE): a rotary part of no values

@@ -33,6 +33,10 @@ TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     # as Qwen3's real ones: heads x head_dim (4 x 32) is not the hidden size (64)
     "qwen3": ("qwen3", dict(num_key_value_heads=2, head_dim=32)),
     "mistral": ("mistral", dict(num_key_value_heads=2, sliding_window=None)),
+    # as VaultGemma's: Gemma 2's layers (soft caps, a local layer and a global one) without the branches' output norms
+    "vaultgemma": ("vaultgemma", dict(num_key_value_heads=2, head_dim=32, sliding_window=12, query_pre_attn_scalar=24,
+                                      attn_logit_softcapping=1.0, final_logit_softcapping=3.0,
+                                      layer_types=["sliding_attention", "full_attention"])),
     # as Apertus's: per-head q/k norms, an ungated MLP whose xIELU has two parameters a layer (made random), its norms
     # under names of its own, Llama 3's rope
     "apertus": ("apertus", dict(num_key_value_heads=2, rope_parameters=dict(
@@ -183,8 +187,8 @@ def build_tiny_hf_model(kind: str = "llama-gqa", seed: int = 0, **overrides: Any
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
     if config.model_type in ("gemma2", "gemma3_text", "glm4", "stablelm", "phi", "gpt_neox", "starcoder2", "cohere",
                              "cohere2", "gpt2", "gpt_bigcode", "opt", "gptj", "falcon", "nemotron",
-                             "hunyuan_v1_dense", "bloom", "mpt", "ernie4_5_moe", "apertus"):
-        randomize_norms(model, mean=0.0 if config.model_type.startswith("gemma") else 1.0)
+                             "hunyuan_v1_dense", "bloom", "mpt", "ernie4_5_moe", "apertus", "vaultgemma"):
+        randomize_norms(model, mean=0.0 if "gemma" in config.model_type else 1.0)
     if config.model_type == "apertus":     # its xIELUs' parameters start alike in every layer: made random
         with torch.no_grad():
             for name, param in model.named_parameters():
