@@ -365,6 +365,13 @@ class RowBreakImageProcessor(_ExpandingProcessor):
                                        row_widths=[columns for _, columns in shapes], row_ends=self.row_ends)
 
 
+def anyres_max_shape(rows: int, columns: int, side: int, most_tiles: int) -> tuple[int, int]:
+    """LLaVA-OneVision's bound on an image's unpadded tiles' rows x columns of features (`side` a tile's side):
+    shrunk to `most_tiles` tiles' worth where they pass it by a tenth (its "anyres_max_N"), else as they are."""
+    ratio = math.sqrt(rows * columns / (most_tiles * side ** 2))
+    return (int(rows // ratio), int(columns // ratio)) if ratio > 1.1 else (rows, columns)
+
+
 class OneVisionImageProcessor(_ExpandingProcessor):
     """LLaVA-OneVision's (`LlavaOnevisionForConditionalGeneration`): its image processor (transformers': a shrunk
     whole, then the grid of tiles that best fits the image's aspect) and its tokenizer; each `<image>` expanded here
@@ -394,9 +401,7 @@ class OneVisionImageProcessor(_ExpandingProcessor):
             rows -= (rows - int(round(height * (columns / width), 7))) // 2 * 2
         else:
             columns -= (columns - int(round(width * (rows / height), 7))) // 2 * 2
-        ratio = math.sqrt(rows * columns / (self.most_tiles * self.side ** 2))
-        if ratio > 1.1:
-            rows, columns = int(rows // ratio), int(columns // ratio)
+        rows, columns = anyres_max_shape(rows, columns, self.side, self.most_tiles)
         return self.side ** 2 + rows * (columns + 1) - self.drop
 
     def _process(self, text: str, images: list[Any], add_special_tokens: bool, kwargs: dict[str, Any]

@@ -105,9 +105,10 @@ def iterate_eight_bit(folder: Path, dtype: torch.dtype, block: tuple[int, int] |
                 if new_name is None or suffix in _SCALES or suffix in _UNREAD:
                     continue
                 tensor = f.get_tensor(name)
-                scale_name = next((f"{prefix}.{s}" for s in _SCALES
-                                   if f"{prefix}.{s}" in names or shard_of and f"{prefix}.{s}" in shard_of), None)
-                if suffix == "weight" and scale_name is not None:
+                scale_name = None if suffix != "weight" else next(
+                    (f"{prefix}.{s}" for s in _SCALES if f"{prefix}.{s}" in names or shard_of and f"{prefix}.{s}" in
+                     shard_of), None)
+                if scale_name is not None:
                     yield new_name, dequantize(tensor, _read(f, names, folder, shard_of, scale_name), dtype, block)
                 else:
                     yield new_name, tensor.to(dtype) if tensor.is_floating_point() else tensor

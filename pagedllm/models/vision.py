@@ -37,7 +37,6 @@ worth), in the step that first reaches its placeholders (`ModelRunner._image_row
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Iterable
 from typing import Any, NamedTuple
@@ -57,6 +56,7 @@ from pagedllm.multimodal import (
     OneVisionImageProcessor,
     RowBreakImageProcessor,
     TiledImageProcessor,
+    anyres_max_shape,
 )
 
 # transformers' activations by config name, as these towers and projectors use them
@@ -327,11 +327,8 @@ class OneVisionEncoder(LlavaNextEncoder):
         self.most_tiles = int(config.vision_aspect_ratio.removeprefix("anyres_max_"))
 
     def _shrunk(self, tiles: torch.Tensor) -> torch.Tensor:
-        _, rows, columns = tiles.shape
-        ratio = math.sqrt(rows * columns / (self.most_tiles * self.side ** 2))
-        if ratio <= 1.1:
-            return tiles
-        return F.interpolate(tiles[None], [int(rows // ratio), int(columns // ratio)], mode="bilinear")[0]
+        shape = anyres_max_shape(tiles.shape[1], tiles.shape[2], self.side, self.most_tiles)
+        return tiles if shape == tiles.shape[1:] else F.interpolate(tiles[None], list(shape), mode="bilinear")[0]
 
 
 class Idefics3Encoder(ImageEncoder):

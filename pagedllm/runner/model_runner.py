@@ -376,7 +376,7 @@ class ModelRunner:
                     state.image_rows[index] = self.model.encode_image(image)
                 row = inputs.first_rows[s.request_id] + first - start
                 places = torch.arange(first - image.offset, last - image.offset)    # in the image's run
-                step_rows = places + (row - places[0])
+                step_rows = torch.arange(row, row + last - first)
                 if image.row_width is not None:     # the rows' ends ([IMG_BREAK]) keep their own embeddings
                     keep = places % (image.row_width + 1) != image.row_width
                     places, step_rows = places[keep] - places[keep] // (image.row_width + 1), step_rows[keep]
