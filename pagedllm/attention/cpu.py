@@ -15,8 +15,9 @@ A layer with a sliding window (`window` keys) has each query read only its windo
 at the window's first (a step of such a layer never runs as cascade attention, its rows seeing different parts of a
 shared prefix); the torch paths mask the keys before it. Soft-capped scores (`softcap`, Gemma 2's) are capped by the
 kernels as each chunk's scores are made, and ALiBi's biases (`alibi_slopes`, BLOOM's and MPT's) added to them there
-(such a step never runs as cascade attention either: each row's biases run from its own position); without the
-kernels, both through the reference (SDPA has no soft-capping).
+(such a step never runs as cascade attention either: each row's biases run from its own position). Attention sinks
+(`sinks`, gpt-oss's) join each row's softmax denominator as the kernels make its output (a cascade's rows too, after
+all their keys). Without the kernels, all three through the reference (SDPA has no soft-capping and no sinks).
 An encoder's bidirectional attention (`bidirectional_attention`: each query sees the keys after it too) runs
 through SDPA over the step's own K/V.
 """
@@ -46,20 +47,22 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0,
-                    causal: bool = True, alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+                    causal: bool = True, alibi_slopes: torch.Tensor | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal paged attention (or not: an encoder's, which the decoder stack runs through the kernels), over a
     sliding `window` of keys if not 0, its scores soft-capped at `softcap` if not 0 and biased by ALiBi's
-    `alibi_slopes` if given; see `paged_attention_ref`. query: [T, Hq, D] -> [T, Hq, D]."""
+    `alibi_slopes` if given, each head's softmax with its sink (`sinks`) if given; see `paged_attention_ref`.
+    query: [T, Hq, D] -> [T, Hq, D]."""
     kernels = kernels_for(query)
-    if kernels is None and (softcap or not causal or alibi_slopes is not None):
+    if kernels is None and (softcap or not causal or alibi_slopes is not None or sinks is not None):
         return torch_ref.paged_attention_ref(query, k_cache, v_cache, meta, scale, window, softcap, causal,
-                                             alibi_slopes)
+                                             alibi_slopes, sinks)
     if kernels is None:
         return _paged_attention_torch(query, k_cache, v_cache, meta, scale, window)
     query = query.contiguous()
     out = torch.empty_like(query)
     kernels.paged_attention(out, query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                            meta.num_decodes, scale, meta.cascade, window, softcap, causal, alibi_slopes)
+                            meta.num_decodes, scale, meta.cascade, window, softcap, causal, alibi_slopes, sinks)
     return out
 
 
@@ -83,7 +86,7 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     query = query.contiguous()
     out = torch.empty_like(query)
     kernels.decode_attention(out, query, k_cache, v_cache, block_tables.contiguous(), seq_lens.contiguous(), scale,
-                             window, 0.0, None)
+                             window, 0.0, None, None)
     return out
 
 

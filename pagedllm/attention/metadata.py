@@ -103,9 +103,9 @@ class AttentionMetadata:
 
 
 class AttentionBackend(Protocol):
-    """(query, k_cache, v_cache, meta, scale, window, softcap, alibi_slopes=...) -> out; see
+    """(query, k_cache, v_cache, meta, scale, window, softcap, alibi_slopes=..., sinks=...) -> out; see
     pagedllm.attention.torch_ref.paged_attention_ref."""
 
     def __call__(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                  scale: float, window: int = 0, softcap: float = 0.0, *,
-                 alibi_slopes: torch.Tensor | None = None) -> torch.Tensor: ...
+                 alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor: ...

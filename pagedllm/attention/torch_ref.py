@@ -69,7 +69,8 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> t
 
 def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0,
-                        causal: bool = True, alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+                        causal: bool = True, alibi_slopes: torch.Tensor | None = None,
+                        sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its cached context.
 
     Query row j of seq i sits at position `q = seq_len_i - q_len_i + j` and sees positions <= q; with a sliding
@@ -79,7 +80,10 @@ def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     `attn_logit_softcapping`) the scaled scores s become softcap * tanh(s / softcap) before the softmax. With
     `alibi_slopes` ([num_heads] float32: ALiBi's, BLOOM's and MPT's position bias in place of a rotary embedding), head
     h's score of the key at k for the query at q then gains slopes[h] * (k - q): the further back, the lower (a
-    causal layer's). The K/V of the new tokens must already be written to the cache.
+    causal layer's). With `sinks` ([num_heads] float32: gpt-oss's attention sinks), head h's softmax runs over one
+    more logit, sinks[h], whose value is zero: a row's weights then sum to less than 1, by as much as the sink takes
+    (transformers' eager attention concatenates it to the scores and drops its column after the softmax). The K/V of
+    the new tokens must already be written to the cache.
 
     Args:
         query: [num_tokens, num_heads, head_dim].
@@ -111,6 +115,10 @@ def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         if window:
             hidden |= offset <= -window
         scores = scores.masked_fill(hidden, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        if sinks is None:
+            probs = torch.softmax(scores, dim=-1)
+        else:
+            sink = sinks.float().cpu()[:, None, None].expand(-1, q_len, 1)
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
         out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
     return out

@@ -13,7 +13,8 @@ It walks the context in tiles of BLOCK_N keys, each key found through the block 
 (`block_tables[i][pos // block_size]`, slot `pos % block_size`), with an online softmax, and stops at the last
 key its rows may see (causal); with a sliding window it starts at the first key its first row's window holds, and
 masks the keys before each row's. ALiBi's slopes (`alibi_slopes`) bias each row's scores by its head's slope times
-how far each key lies after it. Decodes (the runner puts them first) run as their own launch with small row
+how far each key lies after it; a head's sink (`sinks`, gpt-oss's) joins its rows' softmax denominators as
+exp(sink - m) when the output is made. Decodes (the runner puts them first) run as their own launch with small row
 tiles, prefill chunks as another.
 
 Matmul precision: float16 operands multiply as float16; bfloat16 and float32 ones as float32, in TF32 for
@@ -47,13 +48,14 @@ def _paged_attention_kernel(
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, scale, window,       # window: 0, or the sliding window
     softcap,                                                                  # 0, or the scores' soft cap
     alibi_ptr,                                                                # ALiBi's slopes (read if HAS_ALIBI)
+    sinks_ptr,                                                                # the heads' sinks (read if HAS_SINKS)
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_ct, stride_ch,                               # the caches' block, slot and head strides
     stride_bt,
     first_seq,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_INT8: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_SINKS: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     seq = first_seq + tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -97,6 +99,8 @@ def _paged_attention_kernel(
         visible = (k_pos[None, :] <= q_pos[:, None]) & in_window & key_ok[None, :]      # [BLOCK_M, BLOCK_N]
         p, alpha, m, denom = _online_softmax(tl.where(visible, scores, float("-inf")), m, denom)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=PRECISION)
+    if HAS_SINKS:   # exp(sink - m) joins the denominator (m = -inf: a padding row, not stored)
+        denom += tl.exp(tl.load(sinks_ptr + heads) - tl.where(m == float("-inf"), 0.0, m))
     out = acc / tl.where(denom > 0, denom, 1.0)[:, None]    # 0: a padding row, past its window's keys; not stored
     o_offsets = (q_start + tokens).to(tl.int64)[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :]
     tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
@@ -128,9 +132,10 @@ def _load_kv(cache_ptr, scale_ptr, row_offsets, dims, key_ok, dim_ok, HEAD_DIM: 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0,
-                    alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+                    alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal paged attention, over a sliding `window` of keys if not 0, its scores soft-capped at `softcap` if not
-    0 and biased by ALiBi's `alibi_slopes` ([Hq] float32, on query's device) if given; see `paged_attention_ref`.
+    0 and biased by ALiBi's `alibi_slopes` ([Hq] float32, on query's device) if given, each head's softmax with its
+    sink (`sinks`, [Hq] float32 on query's device) if given; see `paged_attention_ref`.
     query: [T, Hq, D] -> [T, Hq, D].
 
     Decodes (the leading sequences with one new token) run in one launch, the other sequences in a second.
@@ -139,10 +144,11 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     num_decodes = meta.num_decodes
     if num_decodes:
         _launch(out, query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, window,
-                softcap, alibi_slopes, seqs=(0, num_decodes), max_query_len=1, tile=(_DECODE_BLOCK_M, _DECODE_BLOCK_N))
+                softcap, alibi_slopes, sinks, seqs=(0, num_decodes), max_query_len=1,
+                tile=(_DECODE_BLOCK_M, _DECODE_BLOCK_N))
     if num_decodes < meta.num_seqs:
         _launch(out, query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, window,
-                softcap, alibi_slopes, seqs=(num_decodes, meta.num_seqs), max_query_len=meta.max_query_len,
+                softcap, alibi_slopes, sinks, seqs=(num_decodes, meta.num_seqs), max_query_len=meta.max_query_len,
                 tile=(_PREFILL_BLOCK_M, _PREFILL_BLOCK_N))
     return out
 
@@ -155,14 +161,14 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     num_seqs = query.shape[0]
     query_start_loc = torch.arange(num_seqs + 1, dtype=torch.int32, device=query.device)
     _launch(out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, window, 0.0, None,
-            seqs=(0, num_seqs), max_query_len=1, tile=(_DECODE_BLOCK_M, _DECODE_BLOCK_N))
+            None, seqs=(0, num_seqs), max_query_len=1, tile=(_DECODE_BLOCK_M, _DECODE_BLOCK_N))
     return out
 
 
 def _launch(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
-            window: int, softcap: float, alibi_slopes: torch.Tensor | None, seqs: tuple[int, int], max_query_len: int,
-            tile: tuple[int, int]) -> None:
+            window: int, softcap: float, alibi_slopes: torch.Tensor | None, sinks: torch.Tensor | None,
+            seqs: tuple[int, int], max_query_len: int, tile: tuple[int, int]) -> None:
     """Run the kernel for sequences seqs[0]..seqs[1]-1, writing their rows of `out`.
 
     query, out: [T, Hq, D] with unit stride along D; k_cache, v_cache: [num_blocks, block_size, Hkv, row] with
@@ -180,13 +186,14 @@ def _launch(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cac
     _paged_attention_kernel[grid](
         out, query, k_cache, v_cache, _scales_view(k_cache), _scales_view(v_cache),
         block_tables, seq_lens, query_start_loc, scale, window, softcap,
-        query if alibi_slopes is None else alibi_slopes,
+        query if alibi_slopes is None else alibi_slopes, query if sinks is None else sinks,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         seqs[0],
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=tile[1], IS_INT8=is_int8, HAS_ALIBI=alibi_slopes is not None,
+        HAS_SINKS=sinks is not None,
         DOT_DTYPE=dot_dtype, PRECISION=precision,
     )
 

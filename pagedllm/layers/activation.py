@@ -45,3 +45,19 @@ class GeluAndMul(_GatedAndMul):
 
     kernel_name = "gelu_and_mul"
     activation = functools.partial(F.gelu, approximate="tanh")
+
+
+class SwigluOAI(nn.Module):
+    """gpt-oss's clamped SwiGLU (vLLM's "swigluoai"): x [T, 2 d] (gate, up) -> (up' + 1) g sigmoid(alpha g) with
+    g = min(gate, limit), up' = clamp(up, -limit, limit), in transformers' ops and their order (the C++ mixture of
+    experts runs the same ops: kernels/csrc/moe.cpp's swiglu_oai). gpt-oss's checkpoints interleave gate and up;
+    the loader puts them in halves (pagedllm.models.llama's `_gpt_oss_experts`)."""
+
+    def __init__(self, alpha: float, limit: float) -> None:
+        super().__init__()
+        self.alpha, self.limit = alpha, limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))

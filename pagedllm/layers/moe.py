@@ -1,4 +1,4 @@
-"""Mixture-of-experts routing and expert dispatch (Mixtral, Qwen2-MoE, Qwen3-MoE, ERNIE 4.5 MoE, LFM2-MoE).
+"""Mixture-of-experts routing and expert dispatch (Mixtral, Qwen2-MoE, Qwen3-MoE, ERNIE 4.5 MoE, LFM2-MoE, gpt-oss).
 
 A sparse MLP sends each token to `top_k` of its experts, chosen by a router (a linear layer over the token's hidden
 state: one logit per expert), and sums their outputs weighted by the router's probabilities:
@@ -39,10 +39,10 @@ class Routing:
 
     @classmethod
     def of(cls, config: Any) -> Routing:
-        """A model's routing, from its config (Granite MoE's softmax over its top-k logits is the renormalised top-k
-        of the softmax over all)."""
+        """A model's routing, from its config (Granite MoE's and gpt-oss's softmax over their top-k logits is the
+        renormalised top-k of the softmax over all)."""
         ernie, lfm2 = config.model_type == "ernie4_5_moe", config.model_type == "lfm2_moe"
-        renormalize = config.model_type in ("mixtral", "granitemoe") or ernie or \
+        renormalize = config.model_type in ("mixtral", "granitemoe", "gpt_oss") or ernie or \
             bool(getattr(config, "norm_topk_prob", False))
         return cls(config.num_experts_per_tok, renormalize, norm_min=float(config.moe_norm_min) if ernie else 0.0,
                    sigmoid=lfm2, norm_eps=1e-6 if lfm2 else 0.0,

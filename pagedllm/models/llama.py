@@ -6,7 +6,10 @@ stores its q/k/v and gate/up weights fused (`unfused` splits them) and may turn 
 (`partial_rotary_factor`) with longrope's two sets of frequencies (`RotaryEmbedding`). Mixtral, Qwen2-MoE and Qwen3-MoE
 replace the MLP with a mixture of experts (`LlamaSparseMoeBlock`), as do Granite MoE and Qwen3-VL-MoE's language model
 (their experts stacked in their checkpoints: `_stacked_experts`) and OLMoE (OLMo's q/k norms over all the heads, before
-Llama's layers).
+Llama's layers). gpt-oss (20b, 120b) has biased experts under a biased router, their SwiGLU clamped (`SwigluOAI`),
+their weights stacked and gate/up interleaved (`_gpt_oss_experts`), and an attention sink of each head, a learned
+logit in every row's softmax whose value is zero (the attention backends' `sinks`), on local layers (a 128-token
+window) alternating with global ones.
 Gemma 2 and 3 have their embeddings scaled by sqrt(hidden_size), a norm on each branch's output before it joins the
 residual stream (`pre_feedforward_layernorm`, `post_feedforward_layernorm`), RMSNorm weights stored as w - 1
 (`load_weights` adds the 1 back), a GELU-gated MLP, `query_pre_attn_scalar` for their attention scale, and local
@@ -68,7 +71,7 @@ from pagedllm.attention.metadata import AttentionBackend, AttentionMetadata, KVC
 from pagedllm.attention.torch_ref import paged_attention_ref
 from pagedllm.distributed.communicator import communicator
 from pagedllm.kernels import kernels_for
-from pagedllm.layers.activation import GeluAndMul, SiluAndMul
+from pagedllm.layers.activation import GeluAndMul, SiluAndMul, SwigluOAI
 from pagedllm.layers.alibi import geometric_slopes, mpt_slopes
 from pagedllm.layers.embedding import ParallelLMHead, VocabEmbedding
 from pagedllm.layers.linear import (
@@ -189,6 +192,7 @@ _CHECKPOINT_NAMES = {"granitemoe": ((".mlp.router.layer.", ".mlp.gate."),),
                      "opt": _OPT_NAMES, "gptj": _GPTJ_NAMES, "falcon": _FALCON_NAMES, "nemotron": _UP_DOWN_NAMES,
                      "arcee": _UP_DOWN_NAMES, "bloom": _BLOOM_NAMES, "mpt": _MPT_NAMES,
                      "apertus": _APERTUS_NAMES,
+                     "gpt_oss": ((".mlp.router.", ".mlp.gate."),),
                      # VaultGemma's MLP norm, Llama's place under Gemma's name
                      "vaultgemma": ((".pre_feedforward_layernorm.", ".post_attention_layernorm."),),
                      "ernie4_5_moe": _ERNIE_MOE_NAMES}
@@ -535,6 +539,8 @@ def unfused(config: Any, name: str, tensor: torch.Tensor) -> list[tuple[str, tor
     """A checkpoint's fused q/k/v or gate/up tensor as its parts' rows, each under the name a separate checkpoint
     gives it, so that each loads (a tensor-parallel rank taking its slice of each) or packs as one; any other tensor
     as it is."""
+    if config.model_type == "gpt_oss" and ".mlp.experts." in name:
+        return _gpt_oss_experts(name, tensor)
     if any(part in name for part in _STACKED_EXPERTS):    # Granite MoE's and Qwen3-VL-MoE's experts
         return _stacked_experts(config, name, tensor)
     if ".query_key_value." in name:     # each KV head's group: its queries' rows, then its key's, then its value's
@@ -574,6 +580,20 @@ def _stacked_experts(config: Any, name: str, tensor: torch.Tensor) -> list[tuple
         return [(f"{layer}{index}.{half}.weight", rows) for index, expert in enumerate(tensor)
                 for half, rows in zip(("gate_proj", "up_proj"), expert.chunk(2), strict=True)]
     return [(f"{layer}{index}.down_proj.weight", expert) for index, expert in enumerate(tensor)]
+
+
+def _gpt_oss_experts(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """gpt-oss's stacked experts as each expert's tensors under Qwen-MoE's names: gate_up_proj [E, H, 2I] ([in,
+    out], its gate and up columns interleaved, gate first) and its bias [E, 2I] as gate_proj's and up_proj's weights
+    and biases; down_proj [E, I, H] and its bias [E, H] as down_proj's."""
+    layer, part = name.split(".mlp.experts.")
+    kind = "bias" if part.endswith("_bias") else "weight"
+    if kind == "weight":
+        tensor = tensor.transpose(1, 2)     # [E, out, in]
+    if part.startswith("gate_up_proj"):
+        return [(f"{layer}.mlp.experts.{index}.{half}.{kind}", expert[offset::2]) for index, expert in enumerate(tensor)
+                for half, offset in (("gate_proj", 0), ("up_proj", 1))]
+    return [(f"{layer}.mlp.experts.{index}.down_proj.{kind}", expert) for index, expert in enumerate(tensor)]
 
 
 def expert_intermediate_size(config: Any) -> int:
@@ -673,6 +693,10 @@ class LlamaAttention(nn.Module):
         self.alibi_slopes: torch.Tensor | None
         self.register_buffer("alibi_slopes", None if slopes is None else
                              slopes[heads.q_start:heads.q_start + heads.num_heads].contiguous(), persistent=False)
+        # gpt-oss's attention sink of each head, all of them (float32: the kernels' `sinks`); this rank's: `rank_sinks`
+        self.sinks = nn.Parameter(torch.empty(self.num_heads), requires_grad=False) \
+            if config.model_type == "gpt_oss" else None
+        self.rank_heads = slice(heads.q_start, heads.q_start + heads.num_heads)
         self._add_qk_norms(config, dtype, tp)
 
     def _add_qk_norms(self, config: Any, dtype: torch.dtype, tp: TPRank) -> None:
@@ -689,6 +713,10 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(q_width, _eps(config), dtype) if has_norms else None
         self.k_norm = RMSNorm(k_width, _eps(config), dtype) if has_norms else None
         self.norms_after_rope = _norms_qk_after_rope(config)
+
+    def rank_sinks(self) -> torch.Tensor | None:
+        """The sinks of this rank's heads (a contiguous slice), or None for a layer without sinks."""
+        return None if self.sinks is None else self.sinks[self.rank_heads]
 
     def head_norms(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, Hq, D], k [T, Hkv, D] with each head's values normed (Qwen3's q_norm and k_norm), where the layer
@@ -727,7 +755,7 @@ class LlamaAttention(nn.Module):
             k_cache, v_cache = kv_cache
             write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             out = self.attn_backend(q, k_cache, v_cache, meta, self.scale, self.sliding_window, self.softcap,
-                                    alibi_slopes=self.alibi_slopes)
+                                    alibi_slopes=self.alibi_slopes, sinks=self.rank_sinks())
             for rows, span in meta.image_spans:     # an image's placeholders see all of it (Gemma 3's)
                 out[rows] = paged_attention_ref(q[rows], k_cache, v_cache, span, self.scale, self.sliding_window,
                                                 self.softcap, causal=False)
@@ -787,10 +815,11 @@ class ShortConv(nn.Module):
 class LlamaMLP(nn.Module):
     """The gated MLP, down_proj(silu(gate_proj(x)) * up_proj(x)), of `intermediate_size` (the config's by default;
     an expert's under a mixture of experts, whose block sums its experts' outputs before it all-reduces them:
-    `reduce_results=False`), with biases where `_has_bias` says (or `bias` does: an expert has none)."""
+    `reduce_results=False`), with biases where `_has_bias` says (or `bias` does: an expert's), its activation the
+    config's (SiLU, Gemma's GELU) or `activation` (gpt-oss's experts' clamped SwiGLU)."""
 
     def __init__(self, config: Any, dtype: torch.dtype, tp: TPRank, intermediate_size: int | None = None,
-                 reduce_results: bool = True, bias: bool | None = None) -> None:
+                 reduce_results: bool = True, bias: bool | None = None, activation: SwigluOAI | None = None) -> None:
         super().__init__()
         act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
         if act not in ("silu", "gelu_pytorch_tanh"):
@@ -801,7 +830,8 @@ class LlamaMLP(nn.Module):
                                                        tp_rank=tp[0], tp_size=tp[1])
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias, dtype=dtype,
                                            tp_rank=tp[0], tp_size=tp[1], reduce_results=reduce_results)
-        self.act_fn: SiluAndMul | GeluAndMul = SiluAndMul() if act == "silu" else GeluAndMul()
+        self.act_fn: SiluAndMul | GeluAndMul | SwigluOAI = activation or \
+            (SiluAndMul() if act == "silu" else GeluAndMul())
 
     def forward(self, x: torch.Tensor, lora: LayerLoRA | None = None) -> torch.Tensor:
         gate_up = self.gate_up_proj
@@ -877,7 +907,8 @@ class LlamaSparseMoeBlock(nn.Module):
     e_score_correction_bias) and its weights' sum bounded below (moe_norm_min); LFM2-MoE's scores are sigmoids,
     biased in the choice too (its expert_bias), their sum plus 1e-6, times its routed_scaling_factor. Qwen2-MoE adds
     a shared expert that every token runs, scaled by sigmoid(shared_expert_gate(x)); ERNIE adds its
-    moe_num_shared_experts as one ungated expert of their summed width.
+    moe_num_shared_experts as one ungated expert of their summed width. gpt-oss's router and experts have biases, its
+    experts a clamped SwiGLU (`SwigluOAI`).
 
     Under tensor parallelism each rank holds a slice of every expert's intermediate size, as of a dense MLP, and the
     block all-reduces its sum once."""
@@ -888,14 +919,17 @@ class LlamaSparseMoeBlock(nn.Module):
         self.routing = Routing.of(config)
         ernie, lfm2 = config.model_type == "ernie4_5_moe", config.model_type == "lfm2_moe"
         inter = expert_intermediate_size(config)
-        self.gate = nn.Linear(config.hidden_size, num_experts(config), bias=False,
+        oss = config.model_type == "gpt_oss"     # a biased router; biased experts, their SwiGLU clamped
+        self.gate = nn.Linear(config.hidden_size, num_experts(config), bias=oss,
                               dtype=torch.float32 if ernie else dtype)
+        self.swiglu = (float(getattr(config, "swiglu_alpha", 1.702)), float(config.swiglu_limit)) if oss else None
         # (ERNIE's [1, E] and LFM2's [E] as their checkpoints hold them; never trained here)
         bias_shape = (1, num_experts(config)) if ernie else \
             (num_experts(config),) if lfm2 and config.use_expert_bias else None
         self.selection_bias = None if bias_shape is None else \
             nn.Parameter(torch.zeros(bias_shape), requires_grad=False)
-        self.experts = nn.ModuleList(LlamaMLP(config, dtype, tp, inter, reduce_results=False, bias=False)
+        self.experts = nn.ModuleList(LlamaMLP(config, dtype, tp, inter, reduce_results=False, bias=oss,
+                                              activation=None if self.swiglu is None else SwigluOAI(*self.swiglu))
                                      for _ in range(num_experts(config)))
         for expert in self.experts:     # small calls, each on one thread (kernels/csrc/moe.cpp): see brgemm_packs and
             expert.gate_up_proj.small_calls = expert.down_proj.small_calls = True   # few_rows_activation_bits
@@ -938,7 +972,8 @@ class LlamaSparseMoeBlock(nn.Module):
                 None if shared is None else shared.gate_up_proj.kernel_weights(kernels),
                 None if shared is None else shared.down_proj.kernel_weights(kernels),
                 None if self.shared_expert_gate is None else self.shared_expert_gate.weight,
-                self.selection_bias, r.norm_min, r.sigmoid, r.norm_eps, r.scale)
+                self.selection_bias, r.norm_min, r.sigmoid, r.norm_eps, r.scale, self.gate.bias,
+                *(self.swiglu or (0.0, 0.0)))
         return self.kernel_blocks[kernels]
 
 
@@ -1124,7 +1159,7 @@ class LlamaModel(nn.Module):
             return kernels.DecoderLayerWeights(
                 qkv=mixer.qkv_proj.kernel_weights(kernels), q_norm=weight(mixer.q_norm), k_norm=weight(mixer.k_norm),
                 sliding_window=mixer.sliding_window, cos_cache=mixer.rotary_emb.cos_cache,
-                sin_cache=mixer.rotary_emb.sin_cache, **shared)
+                sin_cache=mixer.rotary_emb.sin_cache, sinks=mixer.rank_sinks(), **shared)
 
         attn = next(layer.self_attn for layer in self.layers if isinstance(layer.self_attn, LlamaAttention))
         return kernels.DecoderStack([layer_weights(layer, pool_layers) for layer, pool_layers

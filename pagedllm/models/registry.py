@@ -64,6 +64,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "MPTForCausalLM": LlamaForCausalLM,        # (MosaicML's checkpoints name it so)
     "Lfm2ForCausalLM": LlamaForCausalLM,      # short convolutions among its attention layers (ShortConv)
     "Lfm2MoeForCausalLM": LlamaForCausalLM,   # and experts in its later layers
+    "GptOssForCausalLM": LlamaForCausalLM,    # attention sinks, biased experts (MXFP4 ones read dequantised)
     # The bare decoders (no LM head), as embedding models are saved (gte-Qwen2, e5-mistral): see BARE_ARCHITECTURES.
     "LlamaModel": LlamaForCausalLM,
     "MistralModel": LlamaForCausalLM,
@@ -124,6 +125,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "falcon": LlamaForCausalLM,
     "mpt": LlamaForCausalLM,
     "olmo": LlamaForCausalLM,
+    "gpt_oss": LlamaForCausalLM,
     "bert": BertModel,
     "roberta": BertModel,
     "xlm-roberta": BertModel,

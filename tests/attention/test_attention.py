@@ -402,6 +402,73 @@ def test_the_kernels_refuse_slopes_of_another_head_count(isa_level: str) -> None
         paged_attention(query, k_cache, v_cache, meta, 0.5, alibi_slopes=geometric_slopes(2))
 
 
+def random_sinks(num_heads: int, seed: int = 0) -> torch.Tensor:
+    """Attention sinks [num_heads] float32 of the scores' size (|s| ~ 1 here), so that each takes a share of its
+    rows' weights that an error in it would show."""
+    return torch.randn(num_heads, generator=torch.Generator().manual_seed(seed)) * 2
+
+
+def test_a_sink_is_one_more_logit_in_each_rows_softmax_whose_value_is_zero() -> None:
+    """The reference with sinks: the first decode's output against its softmax over [scores, sink] worked out by
+    hand, the sink's column dropped; sinks far below every score change nothing, a high one shrinks the output."""
+    query, k_cache, v_cache, meta, (q_full, k_full, v_full) = _random_batch(*WINDOW_BATCH, 4, 4, torch.float32)
+    sinks = random_sinks(4)
+    out = paged_attention_ref(query, k_cache, v_cache, meta, 0.5, sinks=sinks)
+    scores = torch.einsum("hd,khd->hk", q_full[0][40], k_full[0][:41]) * 0.5
+    probs = torch.softmax(torch.cat([scores, sinks[:, None]], dim=-1), dim=-1)[:, :-1]
+    torch.testing.assert_close(out[0], torch.einsum("hk,khd->hd", probs, v_full[0][:41]), atol=1e-5, rtol=1e-5)
+    whole = paged_attention_ref(query, k_cache, v_cache, meta, 0.5)
+    assert not torch.allclose(out, whole, atol=1e-2)
+    torch.testing.assert_close(paged_attention_ref(query, k_cache, v_cache, meta, 0.5,
+                                                   sinks=torch.full((4,), -1e4)), whole)
+    high = paged_attention_ref(query, k_cache, v_cache, meta, 0.5, sinks=torch.full((4,), 50.0))
+    assert high.abs().max() < 1e-6 * whole.abs().max()
+
+
+@pytest.mark.parametrize("window", [0, 37])
+@pytest.mark.parametrize("heads", ["mha", "gqa3", "gqa5"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [HEAD_DIM, 64])
+@pytest.mark.parametrize("int8_cache", [False, True])
+def test_sinks_kernels_and_torch_path_match_the_reference(window: int, heads: str, dtype: torch.dtype, head_dim: int,
+                                                          int8_cache: bool, isa_level: str,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decodes, fresh and cached chunks, with and without a window, over a float or an int8 cache: the decode and
+    prefill kernels add each row's sink to its denominator as they make its output; without the kernels the
+    reference runs (SDPA takes no sinks)."""
+    num_heads, num_kv_heads = HEADS[heads]
+    query, k_cache, v_cache, meta, _ = _random_batch(*WINDOW_BATCH, num_heads, num_kv_heads, dtype, seed=17,
+                                                     head_dim=head_dim, block_size=16, int8_cache=int8_cache)
+    sinks = random_sinks(num_heads, seed=1)
+    scale = head_dim ** -0.5
+    expected = paged_attention_ref(query, k_cache, v_cache, meta, scale, window, sinks=sinks)
+    kernel = paged_attention(query, k_cache, v_cache, meta, scale, window, sinks=sinks)
+    monkeypatch.setenv("PAGEDLLM_DISABLE_KERNELS", "1")
+    torch_path = paged_attention(query, k_cache, v_cache, meta, scale, window, sinks=sinks)
+    tol = 1e-5 if dtype == torch.float32 and not int8_cache else 2e-2
+    for actual in (kernel, torch_path):
+        torch.testing.assert_close(actual.float(), expected.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sinks_keep_cascade_attention(dtype: torch.dtype, isa_level: str) -> None:
+    """Sequences sharing 256 keys run as a cascade with sinks too: each row's sink joins its denominator once, after
+    the prefix's keys and its own."""
+    query, k_cache, v_cache, meta, _ = _cascade_batch("gqa3", dtype, 64, 16, 256)
+    assert cpu.cascade_prefix_len(query, k_cache, meta) == 256
+    sinks = random_sinks(9, seed=2)
+    expected = paged_attention_ref(query, k_cache, v_cache, meta, 0.125, sinks=sinks)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(paged_attention(query, k_cache, v_cache, meta, 0.125, sinks=sinks).float(),
+                               expected.float(), atol=tol, rtol=tol)
+
+
+def test_the_kernels_refuse_sinks_of_another_head_count(isa_level: str) -> None:
+    query, k_cache, v_cache, meta, _ = _random_batch(*WINDOW_BATCH, 4, 2, torch.float32)
+    with pytest.raises(RuntimeError, match="sinks must be contiguous float32 on the CPU, one a query head"):
+        paged_attention(query, k_cache, v_cache, meta, 0.5, sinks=random_sinks(2))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_batch_without_cascades_gives_each_sequence_its_own_bits(dtype: torch.dtype, isa_level: str) -> None:
     """With `cascade` off (ModelConfig.disable_cascade_attn) a batch that would run as a cascade gives every

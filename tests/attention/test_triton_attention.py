@@ -14,7 +14,7 @@ import torch
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.torch_ref import paged_attention_ref
 from pagedllm.layers.alibi import geometric_slopes
-from tests.attention.test_attention import BATCHES, _random_batch
+from tests.attention.test_attention import BATCHES, _random_batch, random_sinks
 
 pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[dev]')")
 
@@ -41,23 +41,25 @@ def backend() -> ModuleType:
 
 def _run(backend: ModuleType, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
          meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0,
-         alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+         alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The backend's paged_attention on DEVICE copies of the inputs, its output back on the CPU."""
     on_device = dataclasses.replace(meta, **{f: getattr(meta, f).to(DEVICE) for f in
                                              ("slot_mapping", "query_start_loc", "seq_lens", "block_tables")})
-    slopes = None if alibi_slopes is None else alibi_slopes.to(DEVICE)
+    slopes, sinks = (None if x is None else x.to(DEVICE) for x in (alibi_slopes, sinks))
     return backend.paged_attention(query.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), on_device,
-                                   scale, window, softcap, slopes).cpu()
+                                   scale, window, softcap, slopes, sinks).cpu()
 
 
 def _check(backend: ModuleType, heads: str, batch: tuple[list[int], list[int]], dtype: torch.dtype,
-           window: int = 0, softcap: float = 0.0, alibi: bool = False, **batch_options) -> None:
+           window: int = 0, softcap: float = 0.0, alibi: bool = False, sinks: bool = False, **batch_options) -> None:
     num_heads, num_kv_heads = TRITON_HEADS[heads]
     query, k_cache, v_cache, meta, _ = _random_batch(*batch, num_heads, num_kv_heads, dtype, **batch_options)
     scale = query.shape[-1] ** -0.5
     slopes = geometric_slopes(num_heads) if alibi else None
-    actual = _run(backend, query, k_cache, v_cache, meta, scale, window, softcap, slopes)
-    expected = paged_attention_ref(query, k_cache, v_cache, meta, scale, window, softcap, alibi_slopes=slopes)
+    head_sinks = random_sinks(num_heads) if sinks else None
+    actual = _run(backend, query, k_cache, v_cache, meta, scale, window, softcap, slopes, head_sinks)
+    expected = paged_attention_ref(query, k_cache, v_cache, meta, scale, window, softcap, alibi_slopes=slopes,
+                                   sinks=head_sinks)
     assert actual.dtype == query.dtype and actual.shape == query.shape
     tol = TOLERANCES[query.dtype]
     torch.testing.assert_close(actual.float(), expected.float(), atol=tol, rtol=tol)
@@ -98,6 +100,11 @@ def test_triton_backend_soft_caps_the_scores(backend: ModuleType, window: int) -
 def test_triton_backend_biases_the_scores_by_alibi(backend: ModuleType, heads: str) -> None:
     """Each row's head's slope, each key's distance from the row: decodes and chunks, across tiles."""
     _check(backend, heads, LONG_BATCH, torch.float32, alibi=True, seed=5, head_dim=64, block_size=16)
+
+
+@pytest.mark.parametrize("window", [0, 9])
+def test_triton_backend_adds_each_heads_sink_to_its_softmax(backend: ModuleType, window: int) -> None:
+    _check(backend, "gqa3", LONG_BATCH, torch.float32, window, sinks=True, seed=6, head_dim=64, block_size=16)
 
 
 def test_triton_decode_reads_a_cache_view_with_layer_strides(backend: ModuleType) -> None:

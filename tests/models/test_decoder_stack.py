@@ -47,6 +47,9 @@ CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "ernie 4.5 moe in bfloat16": ("ernie4_5-moe", {}, dict(dtype="bfloat16")),
     # LFM2-MoE's short convolutions beside experts with sigmoid scores
     "lfm2 moe": ("lfm2-moe", {}, dict(dtype="float32")),
+    # gpt-oss's attention sinks (each layer's own), biased router and experts, clamped SwiGLU, a local layer
+    "gpt-oss": ("gpt-oss", {}, dict(dtype="float32")),
+    "gpt-oss in bfloat16": ("gpt-oss", {}, dict(dtype="bfloat16")),
     # branch norms, GELU, a local layer (its window shorter than the long prompts, its own rope) and a global one
     "gemma3": ("gemma3", {}, dict(dtype="float32")),
     "gemma3 in bfloat16": ("gemma3", {}, dict(dtype="bfloat16")),

@@ -167,6 +167,14 @@ TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
                                   moe_intermediate_size=48, num_dense_layers=1, routed_scaling_factor=1.5)),
     "qwen3-moe": ("qwen3_moe", dict(num_key_value_heads=2, head_dim=32, num_experts=4, num_experts_per_tok=2,
                                     moe_intermediate_size=48, norm_topk_prob=True)),
+    # gpt-oss's layout: a biased router and biased experts (made random in build_tiny_hf_model), their SwiGLU clamped
+    # at a limit this small (0.5 against 7) so that it bites, attention sinks (made random), a local layer (a window
+    # of 6) and a global one, YaRN untruncated, q/k/v/o biased, an untied LM head
+    "gpt-oss": ("gpt_oss", dict(num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                                intermediate_size=48, sliding_window=6, swiglu_limit=0.5, tie_word_embeddings=False,
+                                layer_types=["sliding_attention", "full_attention"], rope_parameters=dict(
+                                    rope_type="yarn", rope_theta=10000.0, factor=4.0, beta_fast=32.0, beta_slow=1.0,
+                                    truncate=False, original_max_position_embeddings=64))),
 }
 
 
@@ -187,8 +195,13 @@ def build_tiny_hf_model(kind: str = "llama-gqa", seed: int = 0, **overrides: Any
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
     if config.model_type in ("gemma2", "gemma3_text", "glm4", "stablelm", "phi", "gpt_neox", "starcoder2", "cohere",
                              "cohere2", "gpt2", "gpt_bigcode", "opt", "gptj", "falcon", "nemotron",
-                             "hunyuan_v1_dense", "bloom", "mpt", "ernie4_5_moe", "apertus", "vaultgemma"):
+                             "hunyuan_v1_dense", "bloom", "mpt", "ernie4_5_moe", "apertus", "vaultgemma", "gpt_oss"):
         randomize_norms(model, mean=0.0 if "gemma" in config.model_type else 1.0)
+    if config.model_type == "gpt_oss":     # its sinks start at +-0.1 and its experts' biases (stacked) at 0
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith((".sinks", "_proj_bias")):
+                    param.normal_(0.0, 1.0 if name.endswith(".sinks") else 0.2)
     if config.model_type == "apertus":     # its xIELUs' parameters start alike in every layer: made random
         with torch.no_grad():
             for name, param in model.named_parameters():

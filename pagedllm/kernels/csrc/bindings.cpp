@@ -13,15 +13,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using NoGil = pybind11::call_guard<pybind11::gil_scoped_release>;
   m.def("decode_attention", &pagedllm::decode_attention,
         "Paged decode attention, one query token per sequence, over a float or int8 cache: (out, q, k_cache, "
-        "v_cache, block_tables, seq_lens, scale, window, softcap, alibi_slopes)", NoGil());
+        "v_cache, block_tables, seq_lens, scale, window, softcap, alibi_slopes, sinks)", NoGil());
   m.def("prefill_attention", &pagedllm::prefill_attention,
         "Paged attention of sequences first_seq.. of a flat batch, causal or not: (out, q, k_cache, v_cache, "
-        "block_tables, seq_lens, query_start_loc, first_seq, scale, window, softcap, causal, alibi_slopes)", NoGil());
+        "block_tables, seq_lens, query_start_loc, first_seq, scale, window, softcap, causal, alibi_slopes, sinks)",
+        NoGil());
   m.def("paged_attention", &pagedllm::paged_attention,
         "A step's paged attention, decodes first, as cascade attention where every sequence's context starts with "
         "the same blocks and `cascade` allows it (never with a sliding window or ALiBi): (out, q, k_cache, "
         "v_cache, block_tables, seq_lens, query_start_loc, num_decodes, scale, cascade, window, softcap, causal, "
-        "alibi_slopes)",
+        "alibi_slopes, sinks)",
         NoGil());
   m.def("cascade_prefix_len", &pagedllm::cascade_prefix_len,
         "The shared prefix paged_attention runs as cascade attention, in positions (0: none): (q, k_cache, "
@@ -101,19 +102,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("out"), pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("bias") = pybind11::none(),
         NoGil());
   m.def("moe_experts", &pagedllm::moe_experts,
-        "sum_j weights[t, j] experts[ids[t, j]](x[t]), each expert down(silu_and_mul(gate_up(x))) on its tokens, the "
-        "experts split between the threads: (x, weights, ids, gate_up, down)",
-        NoGil());
+        "sum_j weights[t, j] experts[ids[t, j]](x[t]), each expert down(act(gate_up(x))) on its tokens, act "
+        "SiLU-and-mul or (swiglu_limit > 0) gpt-oss's clamped SwiGLU, the experts split between the threads: (x, "
+        "weights, ids, gate_up, down, swiglu_alpha, swiglu_limit)",
+        py::arg("x"), py::arg("weights"), py::arg("ids"), py::arg("gate_up"), py::arg("down"),
+        py::arg("swiglu_alpha") = 0.0, py::arg("swiglu_limit") = 0.0, NoGil());
   py::class_<pagedllm::MoEWeights>(m, "MoEWeights", py::module_local(),
                                    "A mixture of experts' MLP, routing included (moe.cpp)")
       .def(py::init<at::Tensor, int64_t, bool, std::vector<pagedllm::LinearWeights>,
                     std::vector<pagedllm::LinearWeights>, c10::optional<pagedllm::LinearWeights>,
                     c10::optional<pagedllm::LinearWeights>, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
-                    double, bool, double, double>(),
+                    double, bool, double, double, c10::optional<at::Tensor>, double, double>(),
            py::arg("router"), py::arg("top_k"), py::arg("renormalize"), py::arg("gate_up"), py::arg("down"),
            py::arg("shared_gate_up") = py::none(), py::arg("shared_down") = py::none(),
            py::arg("shared_gate") = py::none(), py::arg("selection_bias") = py::none(), py::arg("norm_min") = 0.0,
-           py::arg("sigmoid") = false, py::arg("norm_eps") = 0.0, py::arg("scale") = 1.0)
+           py::arg("sigmoid") = false, py::arg("norm_eps") = 0.0, py::arg("scale") = 1.0,
+           py::arg("router_bias") = py::none(), py::arg("swiglu_alpha") = 0.0, py::arg("swiglu_limit") = 0.0)
       .def("__call__", &pagedllm::MoEWeights::operator(), "h [T, H] -> the block's output [T, H]", NoGil());
   py::class_<pagedllm::DecoderLayerWeights>(m, "DecoderLayerWeights", py::module_local())
       .def(py::init<c10::optional<at::Tensor>, c10::optional<at::Tensor>, pagedllm::LinearWeights,
@@ -121,13 +125,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     c10::optional<pagedllm::LinearWeights>, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
                     c10::optional<pagedllm::MoEWeights>, int64_t, at::Tensor, at::Tensor, c10::optional<at::Tensor>,
                     c10::optional<at::Tensor>, std::string, c10::optional<at::Tensor>, int64_t,
-                    c10::optional<at::Tensor>, c10::optional<at::Tensor>, bool>(),
+                    c10::optional<at::Tensor>, c10::optional<at::Tensor>, bool, c10::optional<at::Tensor>>(),
            py::arg("input_norm"), py::arg("post_attention_norm"), py::arg("qkv"), py::arg("o"), py::arg("gate_up"),
            py::arg("down"), py::arg("q_norm"), py::arg("k_norm"), py::arg("moe"), py::arg("sliding_window"),
            py::arg("cos_cache"), py::arg("sin_cache"), py::arg("pre_feedforward_norm") = py::none(),
            py::arg("post_feedforward_norm") = py::none(), py::arg("activation") = "silu_and_mul",
            py::arg("conv") = py::none(), py::arg("pool_layers") = 1, py::arg("input_norm_bias") = py::none(),
-           py::arg("post_attention_norm_bias") = py::none(), py::arg("parallel") = false);
+           py::arg("post_attention_norm_bias") = py::none(), py::arg("parallel") = false,
+           py::arg("sinks") = py::none());
   py::class_<pagedllm::DecoderStack>(m, "DecoderStack", py::module_local(),
                                      "A Llama-family decoder's layers and final norm in one call (decoder.cpp)")
       .def(py::init<std::vector<pagedllm::DecoderLayerWeights>, at::Tensor, double, int64_t, int64_t, int64_t,

@@ -423,7 +423,7 @@ template <typename scalar_t, typename cache_t, int64_t kHeadDim, int64_t kGroup>
 void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& block_tables,
                            const at::Tensor& seq_lens, double scale, int64_t window, double softcap,
-                           const float* alibi, const SoftmaxState* prefix) {
+                           const float* alibi, const float* sinks, const SoftmaxState* prefix) {
   const PagedCache<cache_t> cache(k_cache, v_cache, block_tables, seq_lens);
   const int64_t num_seqs = q.size(0), num_heads = q.size(1);
   const int64_t head_dim = kHeadDim > 0 ? kHeadDim : q.size(2);
@@ -471,12 +471,13 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
         float m;
         const float sum = exp_and_sum(scores.data() + g * n, n, m);
         if (!prefix) {
-          own[g] = 1.f / sum;
+          own[g] = 1.f / (sum + sink_term(sinks, h * group + g, m));
           continue;
         }
         const float m_prefix = prefix->max[row + g], m_both = std::max(m, m_prefix);
         const float w_prefix = exp_approx(m_prefix - m_both), w_own = exp_approx(m - m_both);
-        const float inv = 1.f / (prefix->sum[row + g] * w_prefix + sum * w_own);
+        const float inv =
+            1.f / (prefix->sum[row + g] * w_prefix + sum * w_own + sink_term(sinks, h * group + g, m_both));
         own[g] = w_own * inv;
         prefix_weight[g] = w_prefix * inv;
       }
@@ -510,13 +511,14 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
 template <typename scalar_t, typename cache_t, int64_t kHeadDim>
 void dispatch_group(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                     const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                    double scale, int64_t window, double softcap, const float* alibi, const SoftmaxState* prefix) {
+                    double scale, int64_t window, double softcap, const float* alibi, const float* sinks,
+                    const SoftmaxState* prefix) {
 #define PAGEDLLM_GROUP(G) \
-  case G: return decode_attention_impl<scalar_t, cache_t, kHeadDim, G>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap, alibi, prefix);
+  case G: return decode_attention_impl<scalar_t, cache_t, kHeadDim, G>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap, alibi, sinks, prefix);
   switch (q.size(1) / k_cache.size(2)) {
     PAGEDLLM_GROUP(1) PAGEDLLM_GROUP(2) PAGEDLLM_GROUP(3) PAGEDLLM_GROUP(4)
     PAGEDLLM_GROUP(6) PAGEDLLM_GROUP(7) PAGEDLLM_GROUP(8)
-    default: return decode_attention_impl<scalar_t, cache_t, kHeadDim, 0>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap, alibi, prefix);
+    default: return decode_attention_impl<scalar_t, cache_t, kHeadDim, 0>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap, alibi, sinks, prefix);
   }
 #undef PAGEDLLM_GROUP
 }
@@ -525,15 +527,15 @@ void dispatch_group(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
 
 void decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                       at::Tensor block_tables, at::Tensor seq_lens, double scale, int64_t window, double softcap,
-                      const c10::optional<at::Tensor>& alibi_slopes) {
+                      const c10::optional<at::Tensor>& alibi_slopes, const c10::optional<at::Tensor>& sinks) {
   decode_attention_after_prefix(out, q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap,
-                                alibi_data(alibi_slopes, q), nullptr);
+                                head_data(alibi_slopes, q, "ALiBi's slopes"), head_data(sinks, q, "sinks"), nullptr);
 }
 
 void decode_attention_after_prefix(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
                                    const at::Tensor& v_cache, const at::Tensor& block_tables,
                                    const at::Tensor& seq_lens, double scale, int64_t window, double softcap,
-                                   const float* alibi, const SoftmaxState* prefix) {
+                                   const float* alibi, const float* sinks, const SoftmaxState* prefix) {
   TORCH_CHECK(!(alibi && prefix), "ALiBi never runs with a cascade's prefix");
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous(), "q and out must be contiguous");
   TORCH_CHECK(window >= 0 && !(window > 0 && prefix), "a sliding window of ", window,
@@ -549,16 +551,16 @@ void decode_attention_after_prefix(at::Tensor out, const at::Tensor& q, const at
       switch (q.size(2)) {
         case 64:
           return dispatch_group<scalar_t, cache_t, 64>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, window,
-                                                       softcap, alibi, prefix);
+                                                       softcap, alibi, sinks, prefix);
         case 128:
           return dispatch_group<scalar_t, cache_t, 128>(out, q, k_cache, v_cache, block_tables, seq_lens, scale,
-                                                        window, softcap, alibi, prefix);
+                                                        window, softcap, alibi, sinks, prefix);
         case 256:  // Gemma's: through the generic path 2.2x the time of 128-wide heads over the same bytes
           return dispatch_group<scalar_t, cache_t, 256>(out, q, k_cache, v_cache, block_tables, seq_lens, scale,
-                                                        window, softcap, alibi, prefix);
+                                                        window, softcap, alibi, sinks, prefix);
         default:
           return decode_attention_impl<scalar_t, cache_t, 0, 0>(out, q, k_cache, v_cache, block_tables, seq_lens,
-                                                                scale, window, softcap, alibi, prefix);
+                                                                scale, window, softcap, alibi, sinks, prefix);
       }
     });
   });

@@ -238,7 +238,8 @@ at::Tensor DecoderStack::attention(const DecoderLayerWeights& layer, const at::T
   q = q.contiguous();
   at::Tensor out = at::empty_like(q);
   paged_attention(out, q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
-                  batch.num_decodes, scale_, batch.cascade, layer.sliding_window, softcap_, causal_, alibi_slopes_);
+                  batch.num_decodes, scale_, batch.cascade, layer.sliding_window, softcap_, causal_, alibi_slopes_,
+                  layer.sinks);
   return layer.o(out.flatten(1));
 }
 

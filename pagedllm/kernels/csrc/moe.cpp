@@ -154,10 +154,10 @@ void run_unit_raw(T* outputs, const T* x, int64_t hidden, const std::vector<int6
   project_on_thread(down, outputs + unit.output * hidden, hidden, buffers.mid.data(), unit.count, inter, buffers);
 }
 
-// A unit through LinearWeights' calls, whatever its weights: its tokens gathered (padded with zero rows for
-// oneDNN's weights), its rows of the result copied into `outputs`.
+// A unit through LinearWeights' calls, whatever its weights and activation: its tokens gathered (padded with zero
+// rows for oneDNN's weights), its rows of the result copied into `outputs`.
 void run_unit_tensors(at::Tensor& outputs, const at::Tensor& x, const std::vector<int64_t>& rows, const Unit& unit,
-                      const LinearWeights& gate_up, const LinearWeights& down) {
+                      const LinearWeights& gate_up, const LinearWeights& down, const ExpertActivation& activation) {
   const int64_t row_bytes = x.size(1) * x.element_size();
   // index_select only reads the ids
   const at::Tensor tokens = at::from_blob(const_cast<int64_t*>(rows.data()) + unit.first, {unit.count}, at::kLong);
@@ -167,30 +167,33 @@ void run_unit_tensors(at::Tensor& outputs, const at::Tensor& x, const std::vecto
   at::index_select_out(gathered, x, 0, tokens);
   x_rows.narrow(0, unit.count, padded - unit.count).zero_();
   // copied, not copy_: a worker thread runs outside the caller's inference mode, in which `outputs` was made
-  const at::Tensor y = down(gate_up.silu_and_mul(x_rows)).narrow(0, 0, unit.count);
+  const at::Tensor mid = activation.limit > 0 ? swiglu_oai(gate_up(x_rows), activation.alpha, activation.limit)
+                                              : gate_up.silu_and_mul(x_rows);
+  const at::Tensor y = down(mid).narrow(0, 0, unit.count);
   std::memcpy(static_cast<char*>(outputs.data_ptr()) + unit.output * row_bytes, y.contiguous().data_ptr(),
               unit.count * row_bytes);
 }
 
-// The units split between the threads (parallel_units), each on raw rows where its projections allow
-// (on_raw_rows: at a decode step's two or three rows an expert, a unit's ~12 tensor calls and their allocations
-// took ~28% of the threads' time beside brgemm's kernels on the AMX Xeon), else through the tensor calls.
+// The units split between the threads (parallel_units), each on raw rows where its projections and its activation
+// (SiLU's) allow (on_raw_rows: at a decode step's two or three rows an expert, a unit's ~12 tensor calls and their
+// allocations took ~28% of the threads' time beside brgemm's kernels on the AMX Xeon), else through the tensor calls.
 template <typename T>
 void run_units(at::Tensor& outputs, const at::Tensor& x, const std::vector<std::vector<int64_t>>& rows,
                const std::vector<Unit>& units, const std::vector<LinearWeights>& gate_up,
-               const std::vector<LinearWeights>& down) {
+               const std::vector<LinearWeights>& down, const ExpertActivation& activation) {
   parallel_units(static_cast<int64_t>(units.size()), at::get_num_threads(), [&](const auto& take) {
     UnitBuffers<T> buffers;
     for (int64_t u; (u = take()) >= 0;) {
       const Unit& unit = units[u];
       const LinearWeights &g = gate_up[unit.expert], &d = down[unit.expert];
       if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
-        if (on_raw_rows(g, x.scalar_type(), unit.count) && on_raw_rows(d, x.scalar_type(), unit.count)) {
+        if (activation.limit == 0 && on_raw_rows(g, x.scalar_type(), unit.count) &&
+            on_raw_rows(d, x.scalar_type(), unit.count)) {
           run_unit_raw(outputs.data_ptr<T>(), x.data_ptr<T>(), x.size(1), rows[unit.expert], unit, g, d, buffers);
           continue;
         }
       }
-      run_unit_tensors(outputs, x, rows[unit.expert], unit, g, d);
+      run_unit_tensors(outputs, x, rows[unit.expert], unit, g, d, activation);
     }
     if (buffers.brgemm) brgemm_release();
   });
@@ -198,8 +201,15 @@ void run_units(at::Tensor& outputs, const at::Tensor& x, const std::vector<std::
 
 }  // namespace
 
+at::Tensor swiglu_oai(const at::Tensor& x, double alpha, double limit) {
+  const int64_t d = x.size(-1) / 2;
+  const at::Tensor gate = x.narrow(-1, 0, d).clamp_max(limit), up = x.narrow(-1, d, d).clamp(-limit, limit);
+  return (up + 1) * (gate * at::sigmoid(gate * alpha));
+}
+
 at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& ids,
-                       const std::vector<LinearWeights>& gate_up, const std::vector<LinearWeights>& down) {
+                       const std::vector<LinearWeights>& gate_up, const std::vector<LinearWeights>& down,
+                       double swiglu_alpha, double swiglu_limit) {
   TORCH_CHECK(x.dim() == 2 && ids.dim() == 2 && weights.sizes() == ids.sizes() && ids.size(0) == x.size(0),
               "x [T, H], weights and ids [T, top_k]");
   TORCH_CHECK(ids.scalar_type() == at::kLong && weights.scalar_type() == at::kFloat && ids.device().is_cpu() &&
@@ -240,7 +250,7 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weights, const at:
   at::Tensor outputs = at::empty({num_rows, rows_x.size(1)}, rows_x.options());
   at::Tensor out = at::zeros_like(rows_x);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "moe_experts", [&] {
-    run_units<scalar_t>(outputs, rows_x, rows, units, gate_up, down);
+    run_units<scalar_t>(outputs, rows_x, rows, units, gate_up, down, {swiglu_alpha, swiglu_limit});
     add_slots<scalar_t>(out, outputs, slots);
   });
   return out;
@@ -250,11 +260,14 @@ MoEWeights::MoEWeights(at::Tensor router, int64_t top_k, bool renormalize, std::
                        std::vector<LinearWeights> down, c10::optional<LinearWeights> shared_gate_up,
                        c10::optional<LinearWeights> shared_down, c10::optional<at::Tensor> shared_gate,
                        c10::optional<at::Tensor> selection_bias, double norm_min, bool sigmoid, double norm_eps,
-                       double scale)
+                       double scale, c10::optional<at::Tensor> router_bias, double swiglu_alpha,
+                       double swiglu_limit)
     : router(std::move(router)), top_k(top_k), renormalize(renormalize), gate_up(std::move(gate_up)),
       down(std::move(down)), shared_gate_up(std::move(shared_gate_up)), shared_down(std::move(shared_down)),
       shared_gate(std::move(shared_gate)), selection_bias(std::move(selection_bias)), norm_min(norm_min),
-      sigmoid(sigmoid), norm_eps(norm_eps), scale(scale) {
+      sigmoid(sigmoid), norm_eps(norm_eps), scale(scale), router_bias(std::move(router_bias)),
+      activation{swiglu_alpha, swiglu_limit} {
+  TORCH_CHECK(swiglu_limit >= 0, "swiglu_limit: 0 (SiLU-and-mul) or the clamped SwiGLU's limit, not ", swiglu_limit);
   TORCH_CHECK(this->shared_gate_up.has_value() == this->shared_down.has_value() &&
                   (this->shared_down.has_value() || !this->shared_gate.has_value()),
               "a shared expert takes its gate_up and its down (and may take a gate)");
@@ -265,7 +278,7 @@ MoEWeights::MoEWeights(at::Tensor router, int64_t top_k, bool renormalize, std::
 
 // LlamaSparseMoeBlock.forward_native with pagedllm.layers.moe.route's ops, in their order: h [T, H] -> [T, H].
 at::Tensor MoEWeights::operator()(const at::Tensor& h) const {
-  const at::Tensor logits = at::linear(h.to(router.scalar_type()), router).to(at::kFloat);
+  const at::Tensor logits = at::linear(h.to(router.scalar_type()), router, router_bias).to(at::kFloat);
   const at::Tensor probs = sigmoid ? at::sigmoid(logits) : at::softmax(logits, -1);
   at::Tensor top, ids;
   if (selection_bias) {  // the experts chosen with the bias, weighted without it
@@ -276,7 +289,7 @@ at::Tensor MoEWeights::operator()(const at::Tensor& h) const {
   }
   if (renormalize) top = top / (top.sum(-1, true).clamp_min(norm_min) + norm_eps);
   if (scale != 1.0) top = top * scale;
-  at::Tensor out = moe_experts(h, top, ids, gate_up, down);
+  at::Tensor out = moe_experts(h, top, ids, gate_up, down, activation.alpha, activation.limit);
   if (shared_gate_up) {
     const at::Tensor shared = (*shared_down)(shared_gate_up->silu_and_mul(h));
     out = out + (shared_gate ? at::sigmoid(at::linear(h, *shared_gate)) * shared : shared);

@@ -37,14 +37,16 @@ namespace pagedllm {
 // Not `causal` (an encoder's bidirectional attention, EmbeddingGemma's), a query sees the keys after it too: all of
 // its context, or with a window those at (p - window, p + window); a decode, the last position, sees the same keys
 // either way. `alibi_slopes`: none, or ALiBi's slope of each query head (float32 [num_heads]; BLOOM's, MPT's): the
-// scaled (and capped) score of a query at p and a key at k gains slope (k - p), a causal layer's only.
+// scaled (and capped) score of a query at p and a key at k gains slope (k - p), a causal layer's only. `sinks`: none,
+// or an attention sink of each query head (float32 [num_heads]; gpt-oss's learned logits): one more term exp(sink)
+// in each row's softmax denominator, a key whose value is zero (`sink_term`), so that a row may attend to nothing.
 void decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
                       at::Tensor seq_lens, double scale, int64_t window, double softcap,
-                      const c10::optional<at::Tensor>& alibi_slopes);
+                      const c10::optional<at::Tensor>& alibi_slopes, const c10::optional<at::Tensor>& sinks);
 void prefill_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                        at::Tensor block_tables, at::Tensor seq_lens, at::Tensor query_start_loc, int64_t first_seq,
                        double scale, int64_t window, double softcap, bool causal,
-                       const c10::optional<at::Tensor>& alibi_slopes);
+                       const c10::optional<at::Tensor>& alibi_slopes, const c10::optional<at::Tensor>& sinks);
 // A step's attention as pagedllm.attention.cpu.paged_attention runs it: decodes (the first num_decodes sequences)
 // through decode_attention, the rest through prefill_attention; when every sequence's context starts with the same
 // blocks and `cascade` allows it (never with a window or ALiBi, never without causality), as cascade attention
@@ -52,9 +54,14 @@ void prefill_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Ten
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
                      at::Tensor seq_lens, at::Tensor query_start_loc, int64_t num_decodes, double scale,
                      bool cascade, int64_t window, double softcap, bool causal,
-                     const c10::optional<at::Tensor>& alibi_slopes);
-// The slopes' floats, checked against q's heads (nullptr for none): the kernels' `alibi`.
-const float* alibi_data(const c10::optional<at::Tensor>& alibi_slopes, const at::Tensor& q);
+                     const c10::optional<at::Tensor>& alibi_slopes, const c10::optional<at::Tensor>& sinks);
+// A per-head tensor's floats (ALiBi's slopes, the sinks), checked against q's heads (nullptr for none): the
+// kernels' `alibi` and `sinks`.
+const float* head_data(const c10::optional<at::Tensor>& per_head, const at::Tensor& q, const char* what);
+// A row's sink in its softmax denominator, whose other terms are exp(s - max): exp(sink - max); 0 without sinks.
+inline float sink_term(const float* sinks, int64_t head, float max) {
+  return sinks ? std::exp(sinks[head] - max) : 0.f;
+}
 // The prefix paged_attention runs as cascade attention for this batch: the positions at the start of every
 // sequence's context held in the same blocks of every table and seen by every query token, in whole blocks, rounded
 // down to a multiple of 64; 0 where a cascade would not pay (paged_attention.cpp).
@@ -81,19 +88,20 @@ bool prefill_attention_in_tiles(const at::Tensor& q, const at::Tensor& k_cache);
 // Cascade attention's parts (paged_attention.cpp runs them): every row of q over the first prefix_len keys of the
 // first sequence's blocks (whole kKeyChunks), then the decodes' and the other sequences' rows over the rest of their
 // contexts from that state (prefix = nullptr: from no keys, over the whole context, or its window). `alibi`: nullptr, or
-// the slopes (`alibi_data`), never with a prefix.
+// the slopes (`head_data`), never with a prefix; `sinks`: nullptr, or the sinks, which join each row's denominator as
+// its output is made (after the prefix's keys and its own).
 SoftmaxState prefix_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                               const at::Tensor& block_tables, const at::Tensor& seq_lens,
                               const at::Tensor& query_start_loc, int64_t prefix_len, double scale, double softcap);
 void decode_attention_after_prefix(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
                                    const at::Tensor& v_cache, const at::Tensor& block_tables,
                                    const at::Tensor& seq_lens, double scale, int64_t window, double softcap,
-                                   const float* alibi, const SoftmaxState* prefix);
+                                   const float* alibi, const float* sinks, const SoftmaxState* prefix);
 void prefill_attention_after_prefix(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
                                     const at::Tensor& v_cache, const at::Tensor& block_tables,
                                     const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t first_seq,
                                     double scale, int64_t window, double softcap, const float* alibi,
-                                    const SoftmaxState* prefix, bool causal = true);
+                                    const float* sinks, const SoftmaxState* prefix, bool causal = true);
 
 // The new tokens' K and V into their cache slots, copied or quantized to int8 rows (cache_write.cpp).
 void write_kv(at::Tensor key, at::Tensor value, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slot_mapping);
@@ -191,16 +199,26 @@ struct LinearWeights {
   at::Tensor silu_and_mul(const at::Tensor& x) const;
 };
 
+// The gated activation of a mixture's experts: SiLU-and-mul (limit = 0), or gpt-oss's clamped SwiGLU,
+// (clamp(up, -limit, limit) + 1) g sigmoid(alpha g) with g = min(gate, limit): `swiglu_oai`.
+struct ExpertActivation {
+  double alpha = 0.0, limit = 0.0;
+};
+// gpt-oss's clamped SwiGLU of x [T, 2 d] (gate, then up) -> [T, d], in pagedllm.layers.activation.SwigluOAI's ops.
+at::Tensor swiglu_oai(const at::Tensor& x, double alpha, double limit);
+
 // sum_j weights[t, j] experts[ids[t, j]](x[t]) for x [T, H], weights [T, top_k] float32, ids [T, top_k] int64, each
-// expert down(silu_and_mul(gate_up(x))): pagedllm.layers.moe.run_experts, the experts split between the threads
-// (moe.cpp).
+// expert down(act(gate_up(x))), `activation` act: pagedllm.layers.moe.run_experts, the experts split between the
+// threads (moe.cpp).
 at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& ids,
-                       const std::vector<LinearWeights>& gate_up, const std::vector<LinearWeights>& down);
+                       const std::vector<LinearWeights>& gate_up, const std::vector<LinearWeights>& down,
+                       double swiglu_alpha, double swiglu_limit);
 
 // A mixture of experts' MLP (pagedllm.models.llama.LlamaSparseMoeBlock on one rank): the router's weight [E, H] (the
 // rows cast to its dtype), its top_k, whether it renormalises (by a sum of at least norm_min, plus norm_eps), the
 // experts' projections, a shared expert with its gate's [1, H] weight or ungated, a bias ([E] or [1, E]) of the
-// experts' choice, whether the scores are sigmoids (not a softmax), and a scale of the weights.
+// experts' choice, whether the scores are sigmoids (not a softmax), and a scale of the weights; the router's own
+// bias [E] (gpt-oss's) and the experts' activation (gpt-oss's clamped SwiGLU, or SiLU-and-mul).
 struct MoEWeights {
   at::Tensor router;
   int64_t top_k;
@@ -211,12 +229,14 @@ struct MoEWeights {
   double norm_min;
   bool sigmoid;
   double norm_eps, scale;
+  c10::optional<at::Tensor> router_bias;
+  ExpertActivation activation;
 
   MoEWeights(at::Tensor router, int64_t top_k, bool renormalize, std::vector<LinearWeights> gate_up,
              std::vector<LinearWeights> down, c10::optional<LinearWeights> shared_gate_up,
              c10::optional<LinearWeights> shared_down, c10::optional<at::Tensor> shared_gate,
              c10::optional<at::Tensor> selection_bias, double norm_min, bool sigmoid, double norm_eps,
-             double scale);
+             double scale, c10::optional<at::Tensor> router_bias, double swiglu_alpha, double swiglu_limit);
   at::Tensor operator()(const at::Tensor& h) const;  // h [T, H] -> [T, H]
 };
 
@@ -250,6 +270,8 @@ struct DecoderLayerWeights {
   // joining it together
   c10::optional<at::Tensor> input_norm_bias, post_attention_norm_bias;
   bool parallel;
+  // the attention's sink of each query head (gpt-oss's), or none
+  c10::optional<at::Tensor> sinks;
 };
 
 using KVPair = std::tuple<at::Tensor, at::Tensor>;  // one layer's (k_cache, v_cache)

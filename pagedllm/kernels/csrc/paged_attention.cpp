@@ -59,20 +59,21 @@ int64_t cascade_prefix_len(at::Tensor q, at::Tensor k_cache, at::Tensor block_ta
   return prefix_len * num_seqs >= least.keys ? prefix_len : 0;
 }
 
-const float* alibi_data(const c10::optional<at::Tensor>& alibi_slopes, const at::Tensor& q) {
-  if (!alibi_slopes) return nullptr;
-  TORCH_CHECK(alibi_slopes->scalar_type() == at::kFloat && alibi_slopes->is_contiguous() &&
-              alibi_slopes->numel() == q.size(1), "ALiBi's slopes must be contiguous float32, one a query head (",
-              q.size(1), "), not ", alibi_slopes->sizes());
-  return alibi_slopes->data_ptr<float>();
+const float* head_data(const c10::optional<at::Tensor>& per_head, const at::Tensor& q, const char* what) {
+  if (!per_head) return nullptr;
+  TORCH_CHECK(per_head->scalar_type() == at::kFloat && per_head->is_contiguous() && per_head->device().is_cpu() &&
+              per_head->numel() == q.size(1), what, " must be contiguous float32 on the CPU, one a query head (",
+              q.size(1), "), not ", per_head->scalar_type(), " ", per_head->sizes());
+  return per_head->data_ptr<float>();
 }
 
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
                      at::Tensor seq_lens, at::Tensor query_start_loc, int64_t num_decodes, double scale,
                      bool cascade, int64_t window, double softcap, bool causal,
-                     const c10::optional<at::Tensor>& alibi_slopes) {
+                     const c10::optional<at::Tensor>& alibi_slopes, const c10::optional<at::Tensor>& sinks) {
   const int64_t num_seqs = seq_lens.size(0);
-  const float* alibi = alibi_data(alibi_slopes, q);
+  const float* alibi = head_data(alibi_slopes, q, "ALiBi's slopes");
+  const float* sink = head_data(sinks, q, "sinks");
   // A window's rows see different keys of a shared prefix, as many as their positions leave them: no cascade; nor
   // for an encoder's rows (which share no blocks), nor with ALiBi (each row's biases run from its own position).
   const bool shared = cascade && window == 0 && causal && !alibi;
@@ -86,11 +87,11 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
   if (num_decodes > 0) {
     decode_attention_after_prefix(out.narrow(0, 0, num_decodes), q.narrow(0, 0, num_decodes), k_cache, v_cache,
                                   block_tables.narrow(0, 0, num_decodes), seq_lens.narrow(0, 0, num_decodes), scale,
-                                  window, softcap, alibi, state);
+                                  window, softcap, alibi, sink, state);
   }
   if (num_decodes < num_seqs) {
     prefill_attention_after_prefix(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_decodes,
-                                   scale, window, softcap, alibi, state, causal);
+                                   scale, window, softcap, alibi, sink, state, causal);
   }
 }
 

@@ -598,6 +598,7 @@ struct Plan {
   int64_t window = 0;  // 0, or the sliding window every query row sees
   float softcap = 0.f;  // 0, or the soft cap of the scores (Gemma 2's)
   const float* alibi = nullptr;  // nullptr, or ALiBi's slope of each query head
+  const float* sinks = nullptr;  // nullptr, or the sink of each query head (sink_term)
   bool causal = true;   // false: a row sees the keys after its own too (within the window either side)
 
   // Past the last key a query at `pos` sees of a context of `end` keys.
@@ -884,7 +885,8 @@ void run_plan(Plan& plan, at::Tensor& out, const at::Tensor& q, const at::Tensor
           continue;
         }
         scalar_t* dst = out.data_ptr<scalar_t>() + row(r) * head_dim;
-        const float inv = 1.f / total_of(row_sum.data() + r * kSumLanes);
+        const float inv = 1.f / (total_of(row_sum.data() + r * kSumLanes) +
+                                 sink_term(plan.sinks, pk.head * group + r % group, row_max[r]));
         for (int64_t d = 0; d < head_dim; ++d) dst[d] = from_float<scalar_t>(acc[r * head_dim + d] * inv);
       }
     }
@@ -937,16 +939,17 @@ bool prefill_attention_in_tiles(const at::Tensor& q, const at::Tensor& k_cache) 
 void prefill_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                        at::Tensor block_tables, at::Tensor seq_lens, at::Tensor query_start_loc, int64_t first_seq,
                        double scale, int64_t window, double softcap, bool causal,
-                       const c10::optional<at::Tensor>& alibi_slopes) {
+                       const c10::optional<at::Tensor>& alibi_slopes, const c10::optional<at::Tensor>& sinks) {
   prefill_attention_after_prefix(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, first_seq, scale,
-                                 window, softcap, alibi_data(alibi_slopes, q), nullptr, causal);
+                                 window, softcap, head_data(alibi_slopes, q, "ALiBi's slopes"),
+                                 head_data(sinks, q, "sinks"), nullptr, causal);
 }
 
 void prefill_attention_after_prefix(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
                                     const at::Tensor& v_cache, const at::Tensor& block_tables,
                                     const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t first_seq,
                                     double scale, int64_t window, double softcap, const float* alibi,
-                                    const SoftmaxState* prefix, bool causal) {
+                                    const float* sinks, const SoftmaxState* prefix, bool causal) {
   check_prefill_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc);
   TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "out must be contiguous and of q's shape");
   TORCH_CHECK(window >= 0 && !(window > 0 && prefix), "a sliding window of ", window,
@@ -958,6 +961,7 @@ void prefill_attention_after_prefix(at::Tensor out, const at::Tensor& q, const a
                              seq_lens.size(0), k_cache.size(2), prefix ? prefix->prefix_len : 0, window, causal);
   plan.softcap = static_cast<float>(softcap);
   plan.alibi = alibi;
+  plan.sinks = sinks;
   dispatch_plan(q, k_cache, v_cache, [&]<typename scalar_t, typename cache_t, int64_t kHeadDim>() {
     run_plan<scalar_t, cache_t, kHeadDim>(plan, out, q, k_cache, v_cache, block_tables, seq_lens, scale, prefix,
                                           nullptr);
