@@ -15,7 +15,7 @@ from pagedllm.pooling_params import POOLING_TYPES
 PreemptionMode = Literal["recompute", "swap", "auto"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 DistributedExecutorBackend = Literal["mp", "ray"]
-QUANTIZATIONS = (None, "int8", "w8a8", "gguf", "awq", "gptq", "fp8", "compressed-tensors")
+QUANTIZATIONS = (None, "int8", "w8a8", "gguf", "awq", "gptq", "fp8", "compressed-tensors", "mxfp4")
 # what logprobs hold (vLLM's logprobs_mode; pagedllm.sample.sampler)
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
 # where the weights come from (vLLM's load_format; pagedllm.loader.load_model)
@@ -233,7 +233,9 @@ class ModelConfig:
             4-bit compressed-tensors run on one rank. "fp8" / "compressed-tensors": a checkpoint saved in 8 bits
             (transformers' and DeepSeek's FP8 blocks; compressed-tensors' FP8 or int8 weights, llm-compressor's), read
             dequantised into `dtype` (`pagedllm.loader.fp8`), as None reads it; "int8" and "w8a8" quantize those
-            weights at load as any others.
+            weights at load as any others. "mxfp4": an MXFP4 checkpoint's (gpt-oss's) experts kept in their 4 bits,
+            packed for the GGUF kernel (`pagedllm.loader.mxfp4`), on one CPU rank; elsewhere None reads them
+            dequantised.
         device: "auto" (CUDA when torch sees a CUDA device, else the CPU), "cpu", "cuda" or "cuda:N"; the engine
             resolves it at start-up (`pagedllm.device.resolve_device`).
         enforce_eager: run the model's modules one by one, from Python: on a GPU, instead of replaying the decode
@@ -341,7 +343,8 @@ class ModelConfig:
         _require(self.max_model_len is None or self.max_model_len > 0, "max_model_len", "> 0",
                  self.max_model_len)
         _require(self.quantization in QUANTIZATIONS, "quantization",
-                 "None, 'int8', 'w8a8', 'gguf', 'awq', 'gptq', 'fp8' or 'compressed-tensors'", self.quantization)
+                 "None, 'int8', 'w8a8', 'gguf', 'awq', 'gptq', 'fp8', 'compressed-tensors' or 'mxfp4'",
+                 self.quantization)
         _require(re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None, "device",
                  "'auto', 'cpu', 'cuda' or 'cuda:N'", self.device)
         _require(self.quantization in (None, "fp8") or not self.device.startswith("cuda"), "quantization",
@@ -405,7 +408,8 @@ class SpeculativeConfig:
         _require((self.model is not None) == (self.method == "draft_model"), "speculative_config.model",
                  "a draft model's folder or .gguf file with method 'draft_model', and None with 'ngram'", self.model)
         _require(self.quantization in QUANTIZATIONS, "speculative_config.quantization",
-                 "None, 'int8', 'w8a8', 'gguf', 'awq', 'gptq', 'fp8' or 'compressed-tensors'", self.quantization)
+                 "None, 'int8', 'w8a8', 'gguf', 'awq', 'gptq', 'fp8', 'compressed-tensors' or 'mxfp4'",
+                 self.quantization)
         _require(self.num_speculative_tokens > 0, "speculative_config.num_speculative_tokens", "> 0",
                  self.num_speculative_tokens)
         _require(self.prompt_lookup_min > 0, "speculative_config.prompt_lookup_min", "> 0", self.prompt_lookup_min)

@@ -1,4 +1,5 @@
-"""GGUF's Q4_0, Q4_1, Q8_0 and Q4_K weights kept packed for pagedllm's `linear_gguf` kernel (quantization="gguf").
+"""GGUF's Q4_0, Q4_1, Q8_0, Q4_K and MXFP4 weights kept packed for pagedllm's `linear_gguf` kernel
+(quantization="gguf"; gpt-oss's MXFP4 experts: quantization="mxfp4").
 
 A GGUF row of K values is K/32 blocks; each block is one f16 scale d (and Q4_1's f16 min m) and 32 values:
 
@@ -6,6 +7,8 @@ A GGUF row of K values is K/32 blocks; each block is one f16 scale d (and Q4_1's
     Q4_0: d | 16 bytes: value i in byte i % 16, low nibble    W = d (q - 8)
               for i < 16, high nibble for i >= 16
     Q4_1: d m | 16 bytes, as Q4_0                             W = d q + m
+    MXFP4: e (u8) | 16 bytes, as Q4_0                         W = 2^(e - 127) e2m1(q), e2m1's 16 values 0, +-0.5,
+                                                              +-1, +-1.5, +-2, +-3, +-4, +-6 (OCP microscaling)
 
 `pack_gguf_weight` regroups the blocks of 16 output rows side by side, with the scales widened to float32, so that
 the kernel reads one group of 32 k's for 16 columns in 64-byte rows of 16 lanes of 4 k's, vpdpbusd's operand
@@ -15,7 +18,10 @@ the kernel reads one group of 32 k's for 16 columns in 64-byte rows of 16 lanes 
       d[16] float32 | (Q4_1) m[16] float32 | values:
         Q8_0       8 quads of 4 k's, 64 bytes each: byte 4 j + t of quad i = column j's k 4 i + t (int8)
         Q4_0/Q4_1  4 octets of 8 k's, 64 bytes each: byte 4 j + t of octet o = column j's k 8 o + t (low nibble)
-                   | k 8 o + 4 + t << 4
+        /MXFP4     | k 8 o + 4 + t << 4
+
+MXFP4 packs with d = 2^(e - 128) and runs as a 4-bit type whose nibble n stands for `MXFP4_VALUES[n]` = 12 +
+2 e2m1(n) (0..24) and whose m is -12 d (as Q4_0's is -8 d): W = d (value - 12), exactly the block's weight.
 
 Other 4-bit formats whose groups of 32 k's are each an affine map of 4-bit values pack as Q4_1 through `Q4Rows`
 (W = d q + m per row and group, d and m float32): GGUF's Q4_K here, AWQ, GPTQ and compressed-tensors' in
@@ -42,7 +48,11 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from pagedllm.kernels import cpu_kernels, kernels_disabled
 
 PACKED_GGUF_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0,
-                     GGMLQuantizationType.Q4_K)
+                     GGMLQuantizationType.Q4_K, GGMLQuantizationType.MXFP4)
+# MXFP4's nibbles as the kernel reads them (linear_gguf.h's kMxfp4Values): 12 + 2 e2m1, with m = -12 d
+MXFP4_VALUES = torch.tensor([12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0], dtype=torch.uint8)
+# the m per d of the 4-bit types that store no m
+_MIN_PER_D = {GGMLQuantizationType.Q4_0: -8.0, GGMLQuantizationType.MXFP4: -12.0}
 _ROWS = 16   # output rows per packed block (the kernel's column block)
 _GROUP = 32  # k's per GGUF block
 _Q4_K_BYTES = 144  # per super-block of 256 values: d, dmin (f16), 12 bytes of scales and mins, 128 of nibbles
@@ -78,7 +88,15 @@ def _num_scales(ggml_type: GGMLQuantizationType) -> int:
 
 
 def _header_bytes(ggml_type: GGMLQuantizationType) -> int:
-    return 2 * _num_scales(ggml_type)  # f16 d (and m) at the start of a GGUF block
+    """f16 d (and m) at the start of a GGUF block; MXFP4's one byte e."""
+    return 1 if ggml_type == GGMLQuantizationType.MXFP4 else 2 * _num_scales(ggml_type)
+
+
+def e8m0_half(e: torch.Tensor) -> torch.Tensor:
+    """MXFP4's block exponents (uint8) as the float32 d its values (12 + 2 e2m1) are scaled by: 2^(e - 128), half of
+    the block's 2^(e - 127) (llama.cpp's ggml_e8m0_to_fp32_half: exponent e - 1, subnormal for e < 2)."""
+    e = e.int()
+    return torch.where(e < 2, 0x00200000 << e, (e - 1) << 23).view(torch.float32)
 
 
 def pack_gguf_weight(rows: torch.Tensor, ggml_type: GGMLQuantizationType) -> torch.Tensor:
@@ -110,7 +128,9 @@ def pack_gguf_weight_reference(rows: torch.Tensor, ggml_type: GGMLQuantizationTy
     n, groups = rows.shape[0], rows.shape[1] // block_bytes
     blocks = torch.cat([rows, rows.new_zeros(-n % _ROWS, rows.shape[1])]).view(-1, _ROWS, groups, block_bytes)
     head = _header_bytes(ggml_type)
-    scales = blocks[..., :head].contiguous().view(torch.float16).float()  # [B, 16, G, 1 or 2]
+    scales = e8m0_half(blocks[..., :head]) if ggml_type == GGMLQuantizationType.MXFP4 else \
+        blocks[..., :head].contiguous().view(torch.float16).float()  # [B, 16, G, 1 or 2]
+    scales.view(-1, groups, scales.shape[-1])[n:] = 0     # (the padding's zero bytes are MXFP4's e = 0: d 2^-128)
     scales = scales.permute(0, 2, 3, 1).contiguous().view(torch.uint8).flatten(2)  # [B, G, (d[16], m[16]) bytes]
     words = _words(blocks[..., head:])  # [B, 16 columns, G, 8 quads of int8 (Q8_0) or 4 words of 8 nibbles]
     if ggml_type == GGMLQuantizationType.Q8_0:
@@ -174,8 +194,9 @@ def _q4_k_scales_and_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 
 def unpack_gguf_packed(packed: torch.Tensor, ggml_type: GGMLQuantizationType, n: int
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """A packed GGUF weight's values as stored (float32 [N, K]: Q8_0's int8, the 4-bit types' 0..15) and its
-    float32 scales d and (Q4_1) mins m, [N, K/32] each; `ggml_type` is the packed one (`packed_type`)."""
+    """A packed GGUF weight's values as the kernel reads them (float32 [N, K]: Q8_0's int8, the 4-bit types' 0..15,
+    MXFP4's looked up in MXFP4_VALUES) and its float32 scales d and mins m, [N, K/32] each (m: Q4_1's; Q4_0's and
+    MXFP4's made of d, `_MIN_PER_D`; None for Q8_0); `ggml_type` is the packed one (`packed_type`)."""
     num_blocks, groups = packed.shape[:2]
     num_scales = _num_scales(ggml_type)
     scales = packed[..., :4 * _ROWS * num_scales].contiguous().view(torch.float32)
@@ -187,15 +208,19 @@ def unpack_gguf_packed(packed: torch.Tensor, ggml_type: GGMLQuantizationType, n:
     else:  # [B, G, octet, 16 j, 4 t] -> [B, 16 j, G, octet, low / high, t]
         octets = values.reshape(num_blocks, groups, 4, _ROWS, 4)
         q = torch.stack([octets & 0x0F, octets >> 4], dim=3).permute(0, 4, 1, 2, 3, 5)
-    q = q.reshape(num_blocks * _ROWS, groups * _GROUP)[:n].float()
-    return q, scales[0], scales[1] if num_scales == 2 else None
+    q = q.reshape(num_blocks * _ROWS, groups * _GROUP)[:n]
+    if ggml_type == GGMLQuantizationType.MXFP4:
+        q = MXFP4_VALUES[q.long()]
+    d = scales[0]
+    m = scales[1] if num_scales == 2 else d * _MIN_PER_D[ggml_type] if ggml_type in _MIN_PER_D else None
+    return q.float(), d, m
 
 
 def dequantize_gguf_packed(packed: torch.Tensor, ggml_type: GGMLQuantizationType, n: int) -> torch.Tensor:
     """The float32 [N, K] weight a packed GGUF weight stands for, with the loader's dequantisers' arithmetic.
     `ggml_type` is the packed one (`packed_type`)."""
     q, d, m = unpack_gguf_packed(packed, ggml_type, n)
-    if ggml_type == GGMLQuantizationType.Q4_0:
-        q = q - 8
+    if ggml_type in _MIN_PER_D:     # d (q - 8), d (q - 12): exact, where d q + m would round
+        return d.repeat_interleave(_GROUP, dim=1) * (q + _MIN_PER_D[ggml_type])
     weight = d.repeat_interleave(_GROUP, dim=1) * q
     return weight if m is None else weight + m.repeat_interleave(_GROUP, dim=1)

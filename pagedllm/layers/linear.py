@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -198,8 +198,9 @@ def quantize_16bit_spans(x: torch.Tensor, span: int) -> tuple[torch.Tensor, torc
 
 def gguf_reference(x: torch.Tensor, packed: torch.Tensor, ggml_type: GGMLQuantizationType, n: int,
                    bias: torch.Tensor | None = None, activation_bits: int = 16) -> torch.Tensor:
-    """x W^T + b for a packed GGUF Q8_0, Q4_0 or Q4_1 weight (`pack_gguf_weight`; W = d q, Q4_0: d q + m with
-    m = -8 d, Q4_1: d q + m), with each group of `GGUF_SPAN` k's of x's rows quantized to 16 bits
+    """x W^T + b for a packed GGUF Q8_0, Q4_0, Q4_1 or MXFP4 weight (`pack_gguf_weight`; W = d q, Q4_0: d q + m
+    with m = -8 d, Q4_1: d q + m, MXFP4: d q + m with q its nibble's value in MXFP4_VALUES and m = -12 d), with
+    each group of `GGUF_SPAN` k's of x's rows quantized to 16 bits
     (`quantize_16bit_spans`: x ~= x_scale qx), or with `activation_bits=8` to 8 as `w8a8_reference` quantizes a
     span: what `linear_gguf` computes, to the bit, at every ISA level and any M.
 
@@ -217,8 +218,6 @@ def gguf_reference(x: torch.Tensor, packed: torch.Tensor, ggml_type: GGMLQuantiz
         out = x.bfloat16().double() @ weight.T
         return (out if bias is None else out + bias.double()).to(x.dtype)
     q, d, m = unpack_gguf_packed(packed, ggml_type, n)
-    if ggml_type == GGMLQuantizationType.Q4_0:
-        m = d * -8
     qx, x_scale = (quantize_16bit_spans if activation_bits == 16 else _quantize_spans)(x, GGUF_SPAN)
     scaled_sums = x_scale * qx.sum(dim=-1).float()
     qw = q.int().view(n, -1, GGUF_SPAN)
@@ -460,7 +459,7 @@ def _check_kernels(mode: str) -> None:
         raise RuntimeError(f"{mode} runs in pagedllm's CPU kernels, which are disabled or not built here")
 
 
-def pack_gguf_linear_weights(model: nn.Module, rows: dict[str, tuple[GGMLQuantizationType, torch.Tensor]],
+def pack_gguf_linear_weights(model: nn.Module, rows: Mapping[str, tuple[GGMLQuantizationType, torch.Tensor]],
                              activation_bits: int = 16) -> Counter[str]:
     """Replace the weight of each of `model`'s linear layers (LM head included) whose checkpoint tensors are all
     in `rows` ({Hugging Face name: (type, GGUF rows)}, `pagedllm.loader.gguf.gguf_block_rows`), in one type, by

@@ -271,12 +271,15 @@ def _weights(resolved: ResolvedModel, dtype: torch.dtype, hf_config: Any, quanti
     for the quantized ones `model` packed before loading (`packed_checkpoint_names`), which are never read."""
     from pagedllm.layers.linear import packed_checkpoint_names
     from pagedllm.loader.int4 import INT4_METHODS, int4_config, iterate_int4
+    from pagedllm.loader.mxfp4 import is_mxfp4, iterate_mxfp4
 
     skip = packed_checkpoint_names(model)
     if resolved.gguf_path is not None:
         from pagedllm.loader.gguf import iterate_gguf
 
         return iterate_gguf(resolved.gguf_path, dtype, gguf_file, skip)
+    if is_mxfp4(hf_config):
+        return iterate_mxfp4(resolved.path, dtype, skip)
     if quantization in INT4_METHODS:
         return iterate_int4(resolved.path, dtype, int4_config(hf_config), skip, getattr(model, "checkpoint_name", str))
     return _checkpoint_tensors(resolved.path, dtype, hf_config,
@@ -327,13 +330,15 @@ def resolve_quantization(requested: str | None, resolved: ResolvedModel, hf_conf
     from pagedllm.models.llama import load_time_change
 
     method = None if resolved.is_gguf else checkpoint_quantization(hf_config)
+    if method == "mxfp4":
+        return _mxfp4_quantization(requested, resolved, tp_size, device)
     if method is not None and is_eight_bit(hf_config):  # read dequantised: runs as unquantized, or quantized here
         eight_bit_layout(hf_config)
         if requested not in (None, "int8", "w8a8", method):
             raise ValueError(f"{resolved.name} is a {method!r} checkpoint, read dequantised into the dtype: it runs "
                              f"as quantization {method!r} (or None), 'int8' or 'w8a8', not {requested!r}")
         return requested if requested in ("int8", "w8a8") else None
-    if requested in ("fp8", "compressed-tensors") and requested != method:
+    if requested in ("fp8", "compressed-tensors", "mxfp4") and requested != method:
         raise ValueError(f"quantization={requested!r} reads a checkpoint saved so (its config.json's "
                          f"quantization_config), dequantised; {resolved.name} is none (pagedllm quantizes weights at "
                          "load to 'int8' or 'w8a8')")
@@ -362,6 +367,25 @@ def resolve_quantization(requested: str | None, resolved: ResolvedModel, hf_conf
     return quantization
 
 
+def _mxfp4_quantization(requested: str | None, resolved: ResolvedModel, tp_size: int, device: str) -> str | None:
+    """An MXFP4 checkpoint's quantization: "mxfp4" (its experts kept in 4 bits) on one CPU rank where pagedllm's
+    kernels run, asked for or not; otherwise None, its experts read dequantised into the dtype (ValueError where
+    "mxfp4" was asked for there, or another quantization anywhere)."""
+    from pagedllm.layers.linear import quantized_kernels_available
+
+    if requested not in (None, "mxfp4"):
+        raise ValueError(f"{resolved.name} is an 'mxfp4' checkpoint: it runs as quantization 'mxfp4' (or None), not "
+                         f"{requested!r}")
+    packs = tp_size == 1 and device == "cpu" and quantized_kernels_available()
+    if requested == "mxfp4" and not packs:
+        raise ValueError("quantization='mxfp4' keeps the experts in 4 bits on one rank (tensor_parallel_size=1), in "
+                         "pagedllm's CPU kernels; use None, which reads them dequantised")
+    if not packs:
+        logger.info("%s: MXFP4 experts dequantised (their blocks stay packed only on one CPU rank, in pagedllm's "
+                    "kernels)", resolved.name)
+    return "mxfp4" if packs else None
+
+
 def _check_load_format(load_format: str, resolved: ResolvedModel) -> None:
     """ValueError where the model is not of the kind `load_format` reads (ModelConfig.load_format)."""
     if load_format == "gguf" and not resolved.is_gguf:
@@ -381,7 +405,8 @@ def dummy_weights(model: nn.Module, seed: int = 1234) -> None:
 
 def _pack_blocks(model: nn.Module, quantization: str | None, resolved: ResolvedModel, hf_config: Any,
                  dtype: torch.dtype, gguf_file: GGUFFile | None, activation_bits: int | None) -> list[str]:
-    """Before loading: pack the GGUF kernel's blocks (quantization "gguf", "awq" or "gptq") in place of the linear
+    """Before loading: pack the GGUF kernel's blocks (quantization "gguf", "awq", "gptq", 4-bit
+    "compressed-tensors" or "mxfp4") in place of the linear
     weights they hold, so that loading never reads, or dequantises, those weights (`packed_checkpoint_names`), to
     multiply activations as `activation_bits` says (None: `gguf_activation_bits`, the CPU's default). Returns what
     was packed, for the start-up line."""
@@ -393,11 +418,16 @@ def _pack_blocks(model: nn.Module, quantization: str | None, resolved: ResolvedM
     )
     from pagedllm.loader.int4 import INT4_METHODS, int4_config, int4_weights
 
-    if quantization not in ("gguf", *INT4_METHODS):
+    if quantization not in ("gguf", "mxfp4", *INT4_METHODS):
         return []
     if activation_bits is None:
         activation_bits = gguf_activation_bits(dtype)
-    if quantization == "gguf":
+    if quantization == "mxfp4":
+        from pagedllm.loader.mxfp4 import Mxfp4Rows
+
+        counts = pack_gguf_linear_weights(model, Mxfp4Rows(resolved.path), activation_bits)
+        parts = [f"{counts['MXFP4']} experts' projections as MXFP4"]
+    elif quantization == "gguf":
         from pagedllm.layers.gguf import PACKED_GGUF_TYPES
         from pagedllm.loader.gguf import gguf_block_rows
 

@@ -3,7 +3,7 @@
 The kernel widens bf16 exactly and accumulates in float32, so against the float32 reference it differs only by
 the order of the sums (float32 output) or, on top of that, by one rounding to bf16 (bf16 output). An int8 weight's
 reference is `F.linear` on its dequantised float32 weight (`dequantize_int8`): the kernel sums x times q and
-scales once, so the two differ by float32 rounding only. GGUF weights (Q8_0, Q4_0, Q4_1 blocks) multiply
+scales once, so the two differ by float32 rounding only. GGUF weights (Q8_0, Q4_0, Q4_1, MXFP4 blocks) multiply
 activations quantized to 16 bits per 32 k's (or 8, llama.cpp's): they give `gguf_reference`'s bits, within 1e-4 of
 their dequantised weight's (`dequantize_gguf_packed`) float32 result (8 bits: ~1%). On a CPU with AVX512-BF16 they
 also multiply x in bf16 by the blocks dequantised to bf16 (activation_bits=0), in AMX tiles where there are, else in
@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import quants as gguf_quants
 
 from pagedllm.kernels import cpu_kernels
 from pagedllm.layers.gguf import dequantize_gguf_packed, pack_gguf_weight, pack_gguf_weight_reference
@@ -181,14 +182,20 @@ def test_quantize_int8_maps_each_rows_largest_magnitude_to_127():
     assert (dequantize_int8(q, scale) - weight).abs().le(scale[:, None] / 2 + 1e-7).all()  # round to nearest
 
 
-GGUF_TYPES = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0]
+GGUF_TYPES = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0,
+              GGMLQuantizationType.MXFP4]
 
 
 def _random_gguf_rows(ggml_type: GGMLQuantizationType, n: int, k: int, seed: int) -> torch.Tensor:
-    """n rows of k values as GGUF blocks: random values, random f16 scales (and mins) in [-0.1, 0.1)."""
+    """n rows of k values as GGUF blocks: random values, random f16 scales (and mins) in [-0.1, 0.1); MXFP4's
+    exponents e in [118, 130), scales 2^(e - 127) of 2^-9 to 4, and one block's e = 1 (a subnormal d)."""
     g = torch.Generator().manual_seed(seed)
     block_bytes = GGML_QUANT_SIZES[ggml_type][1]
     blocks = torch.randint(0, 256, (n, k // 32, block_bytes), dtype=torch.uint8, generator=g)
+    if ggml_type == GGMLQuantizationType.MXFP4:
+        blocks[..., 0] = torch.randint(118, 130, (n, k // 32), dtype=torch.uint8, generator=g)
+        blocks[0, 0, 0] = 1
+        return blocks.view(n, -1)
     num_scales = 2 if ggml_type == GGMLQuantizationType.Q4_1 else 1
     scales = (torch.rand(n, k // 32, num_scales, generator=g) * 0.2 - 0.1).half()
     blocks[..., :2 * num_scales] = scales.view(torch.uint8)
@@ -348,6 +355,16 @@ def test_gated_bf16_rejects_bad_input(kernels: ModuleType) -> None:
     if not kernels.gguf_bf16_available():
         with pytest.raises(RuntimeError, match="AVX512-BF16, which this build of the kernels"):
             kernels.linear_gguf_silu_and_mul(torch.empty(3, 32), x, packed, int(q4_1))
+
+
+def test_a_packed_mxfp4_weight_is_the_blocks_own() -> None:
+    """MXFP4 packed (d = 2^(e - 128), each nibble looked up in MXFP4_VALUES, m = -12 d) stands for exactly the
+    weight gguf-py's own dequantiser reads from the blocks, subnormal scales included."""
+    mxfp4 = GGMLQuantizationType.MXFP4
+    rows = _random_gguf_rows(mxfp4, 40, 160, seed=4)
+    expected = torch.from_numpy(gguf_quants.dequantize(rows.numpy(), mxfp4)).float()
+    assert torch.equal(dequantize_gguf_packed(pack_gguf_weight(rows, mxfp4), mxfp4, 40), expected)
+    assert expected[0, 0] == 0 or expected[0, :32].abs().max() < 2**-120     # the block whose e is 1
 
 
 @pytest.mark.parametrize("ggml_type", GGUF_TYPES)

@@ -374,13 +374,14 @@ def _add_model_args(group: argparse._ArgumentGroup) -> None:
                        help="weight and activation precision; auto is bfloat16 on a GPU and where the CPU supports "
                             "it, float32 otherwise (default: %(default)s)")
     group.add_argument("--quantization", "-q", default=None,
-                       choices=["int8", "w8a8", "gguf", "awq", "gptq", "fp8", "compressed-tensors"],
+                       choices=["int8", "w8a8", "gguf", "awq", "gptq", "fp8", "compressed-tensors", "mxfp4"],
                        help="int8: linear weights stored as int8 with one scale per output row, quantized at load; "
                             "w8a8: those int8 weights times activations quantized to int8, a scale per 64 values; "
                             "gguf: a .gguf file's Q4_0, Q4_1, Q8_0 and Q4_K linear weights kept in their blocks; "
                             "awq, gptq: an AWQ or GPTQ checkpoint's 4-bit weights kept in 4 bits, and "
                             "compressed-tensors' W4A16 ones; fp8, compressed-tensors: an 8-bit checkpoint's weights, "
-                            "dequantised into the dtype "
+                            "dequantised into the dtype; mxfp4: an MXFP4 checkpoint's (gpt-oss's) experts kept in "
+                            "their 4 bits on one CPU rank "
                             "(default: the checkpoint's own: its quantization_config, gguf for a .gguf file under "
                             "--dtype auto on one CPU rank; else none: the dtype's weights, so --dtype bfloat16 or "
                             "float32 dequantises a .gguf file)")

@@ -1,12 +1,13 @@
-// GGUF's blocks kept packed (quantization="gguf"): Q8_0, Q4_0 and Q4_1 weights, which also run Q4_K, AWQ and GPTQ
-// weights (pagedllm.layers.gguf repacks them as Q4_1), times activations quantized to 16 bits carried as two int8
-// halves. x's rows are quantized in each call, one scale per group of 32 k's (a GGUF block), and each group's
+// GGUF's blocks kept packed (quantization="gguf"): Q8_0, Q4_0, Q4_1 and MXFP4 weights, which also run Q4_K, AWQ and
+// GPTQ weights (pagedllm.layers.gguf repacks them as Q4_1) and gpt-oss's MXFP4 experts, times activations quantized
+// to 16 bits carried as two int8 halves. x's rows are quantized in each call, one scale per group of 32 k's (a GGUF block), and each group's
 // products are summed exactly in int32:
 //
 //    v = x[m, k] / s (clamped to [-127, 127]) with s = max |x[m, group g]| / 127 (1 for a zero group),
 //    hi = round(v), lo = round(256 (v - hi)) clamped to [-127, 127], qx[m, k] = 256 hi + lo, s_x[m, g] = s / 256,
 //    sm[m, g] = s_x[m, g] * float(sum_{k in g} qx[m, k])
-//    W[n, k] = d[n, g] q[n, k] (+ m[n, g])   Q8_0: q int8, no m; Q4_0: q in 0..15, m = -8 d; Q4_1: q in 0..15
+//    W[n, k] = d[n, g] q[n, k] (+ m[n, g])   Q8_0: q int8, no m; Q4_0: q in 0..15, m = -8 d; Q4_1: q in 0..15;
+//                                            MXFP4: q = kMxfp4Values[nibble] in 0..24, m = -12 d (linear_gguf.h)
 //    acc[m, n] = sum over groups g, in order, of  (float(sum_{k in g} qx q) * d[n, g]) * s_x[m, g]
 //                                              (+ m[n, g] * sm[m, g])
 //    out[m, n] = acc[m, n] (+ bias[n]), rounded once to out's dtype
@@ -28,19 +29,20 @@
 // is column j:
 //
 //    Q8_0: 8 quads of 4 k's:   byte 4 j + t of quad i = column j's k 4 i + t (int8)             576 bytes a group
-//    Q4_x: 4 octets of 8 k's:  byte 4 j + t of octet o = column j's k 8 o + t in its low nibble,  320 (Q4_0) or
-//                              k 8 o + 4 + t in its high one                                      384 (Q4_1)
+//    Q4_x: 4 octets of 8 k's:  byte 4 j + t of octet o = column j's k 8 o + t in its low nibble,  320 (Q4_0, MXFP4)
+//                              k 8 o + 4 + t in its high one                                      or 384 (Q4_1)
 //
 // so that one 64-byte row (an octet masked by 0x0F, or shifted by 4 first) is a zmm of 16 lanes of 4 k's, the operand
 // vpdpbusd multiplies by a row's 4 bytes of hi (or lo) broadcast to every lane. Each half's products are summed
 // apart, each |sum| <= 32 x 128 x 127 < 2^19, and joined as 256 sum_hi + sum_lo (< 2^28). Paths:
-// - AVX512-VNNI: vpdpbusd multiplies unsigned bytes by signed ones. Q4: the nibbles are the unsigned operand, hi or
-//   lo the signed one. Q8_0: each half is stored + 128 (unsigned) and the weight is the signed operand; the 128 x
-//   the group's column sums this adds is taken off, the column sums counted by vpdpbusd of 1s with the weight
-//   (shared by the tile's rows).
+// - AVX512-VNNI: vpdpbusd multiplies unsigned bytes by signed ones. Q4: the nibbles (MXFP4's looked up by vpshufb)
+//   are the unsigned operand, hi or lo the signed one. Q8_0: each half is stored + 128 (unsigned) and the weight is
+//   the signed operand; the 128 x the group's column sums this adds is taken off, the column sums counted by
+//   vpdpbusd of 1s with the weight (shared by the tile's rows).
 // - AVX2, Q4: vpmaddubsw (unsigned x signed bytes, pairs summed in saturating int16) of the nibbles by a half,
 //   |pair| <= 2 x 15 x 127, the 8 of a group added in int16 (|sum| <= 16 x 15 x 127 = 30480 < 2^15, so never
-//   saturating), then vpmaddwd by 256 (hi) or 1 (lo) into int32. Q8_0: x's values are stored whole, as int16 (256 hi
+//   saturating), then vpmaddwd by 256 (hi) or 1 (lo) into int32; MXFP4's values (up to 24, looked up by vpshufb)
+//   widened every two octets (|sum| <= 8 x 24 x 127 = 24384). Q8_0: x's values are stored whole, as int16 (256 hi
 //   + lo), and vpmaddwd multiplies them by the weight widened to int16: a multiply-add per 16 products, where
 //   vpmaddubsw's pairs of a byte by a half (up to 2 x 128 x 127) would each need widening on their own. Each half
 //   of a block's columns (8, a ymm) runs over all its groups in turn, its float32 sums in registers.
@@ -142,10 +144,15 @@ inline void group_sums(const QxRows<halves>& x, int64_t g, const uint8_t* values
     }
   } else {
     const __m512i low4 = _mm512_set1_epi8(0x0F);
+    const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kMxfp4Values)));
 #pragma GCC unroll 4
     for (int64_t o = 0; o < kGroupK / 8; ++o) {
       const __m512i w = _mm512_loadu_si512(values + o * kRowBytes);
-      const __m512i lo = _mm512_and_si512(w, low4), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low4);
+      __m512i lo = _mm512_and_si512(w, low4), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low4);
+      if constexpr (type == kMXFP4) {
+        lo = _mm512_shuffle_epi8(table, lo);
+        hi = _mm512_shuffle_epi8(table, hi);
+      }
 #pragma GCC unroll 8
       for (int r = 0; r < rows; ++r) {
         if constexpr (halves == 2) {
@@ -180,8 +187,9 @@ void dot_tile(const QxRows<halves>& x, const uint8_t* block, int64_t groups, flo
     group_sums<rows, type, halves>(x, g, group + header_bytes(type), c);
     const float* header = reinterpret_cast<const float*>(group);
     const __m512 d = _mm512_loadu_ps(header);
-    // Q4_1 stores m, Q4_0 has m = -8 d; Q8_0 has none (unused below).
-    const __m512 m = type == kQ4_1 ? _mm512_loadu_ps(header + kBlock) : _mm512_mul_ps(d, _mm512_set1_ps(-8.f));
+    // Q4_1 stores m, Q4_0 has m = -8 d, MXFP4 -12 d; Q8_0 has none (unused below).
+    const __m512 m =
+        type == kQ4_1 ? _mm512_loadu_ps(header + kBlock) : _mm512_mul_ps(d, _mm512_set1_ps(min_per_d(type)));
 #pragma GCC unroll 8
     for (int r = 0; r < rows; ++r) {
       const __m512 sum = _mm512_cvtepi32_ps(c[r]);
@@ -241,30 +249,40 @@ inline void half_sums(const QxRows<halves>& x, int64_t g, const uint8_t* values,
     for (int r = 0; r < rows; ++r) c[r] = _mm256_permute4x64_epi64(_mm256_hadd_epi32(first4[r], last4[r]), 0xD8);
   } else {
     // 256 sum_hi + sum_lo: the int16 pair sums of the his widened by vpmaddwd with 256s, the los' with 1s (with x's
-    // hi alone, its sums widened with 1s).
+    // hi alone, its sums widened with 1s), every 4 octets (MXFP4: 2).
+    constexpr int64_t kOctetsPerWidening = type == kMXFP4 ? 2 : 4;
     const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), times256 = _mm256_set1_epi16(256);
-    __m256i pairs_hi[rows], pairs_lo[rows];  // int16 pair sums
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kMxfp4Values)));
 #pragma GCC unroll 8
-    for (int r = 0; r < rows; ++r) pairs_hi[r] = pairs_lo[r] = _mm256_setzero_si256();
-    for (int64_t o = 0; o < kGroupK / 8; ++o) {
-      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values + o * kRowBytes));
-      const __m256i lo = _mm256_and_si256(w, low4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low4);
+    for (int r = 0; r < rows; ++r) c[r] = _mm256_setzero_si256();
+    for (int64_t o0 = 0; o0 < kGroupK / 8; o0 += kOctetsPerWidening) {
+      __m256i pairs_hi[rows], pairs_lo[rows];  // int16 pair sums
 #pragma GCC unroll 8
-      for (int r = 0; r < rows; ++r) {
-        const uint8_t *xh = x.hi(r, g) + 8 * o, *xl = x.lo(r, g) + 8 * o;
-        pairs_hi[r] = _mm256_add_epi16(pairs_hi[r], _mm256_add_epi16(
-            _mm256_maddubs_epi16(lo, broadcast_4_bytes(xh)), _mm256_maddubs_epi16(hi, broadcast_4_bytes(xh + 4))));
-        if constexpr (halves == 2) {
-          pairs_lo[r] = _mm256_add_epi16(pairs_lo[r], _mm256_add_epi16(
-              _mm256_maddubs_epi16(lo, broadcast_4_bytes(xl)), _mm256_maddubs_epi16(hi, broadcast_4_bytes(xl + 4))));
+      for (int r = 0; r < rows; ++r) pairs_hi[r] = pairs_lo[r] = _mm256_setzero_si256();
+      for (int64_t o = o0; o < o0 + kOctetsPerWidening; ++o) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values + o * kRowBytes));
+        __m256i lo = _mm256_and_si256(w, low4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low4);
+        if constexpr (type == kMXFP4) {
+          lo = _mm256_shuffle_epi8(table, lo);
+          hi = _mm256_shuffle_epi8(table, hi);
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < rows; ++r) {
+          const uint8_t *xh = x.hi(r, g) + 8 * o, *xl = x.lo(r, g) + 8 * o;
+          pairs_hi[r] = _mm256_add_epi16(pairs_hi[r], _mm256_add_epi16(
+              _mm256_maddubs_epi16(lo, broadcast_4_bytes(xh)), _mm256_maddubs_epi16(hi, broadcast_4_bytes(xh + 4))));
+          if constexpr (halves == 2) {
+            pairs_lo[r] = _mm256_add_epi16(pairs_lo[r], _mm256_add_epi16(
+                _mm256_maddubs_epi16(lo, broadcast_4_bytes(xl)), _mm256_maddubs_epi16(hi, broadcast_4_bytes(xl + 4))));
+          }
         }
       }
-    }
 #pragma GCC unroll 8
-    for (int r = 0; r < rows; ++r) {
-      c[r] = halves == 2
-                 ? _mm256_add_epi32(_mm256_madd_epi16(pairs_hi[r], times256), _mm256_madd_epi16(pairs_lo[r], ones))
-                 : _mm256_madd_epi16(pairs_hi[r], ones);
+      for (int r = 0; r < rows; ++r) {
+        c[r] = _mm256_add_epi32(c[r], halves == 2 ? _mm256_add_epi32(_mm256_madd_epi16(pairs_hi[r], times256),
+                                                                    _mm256_madd_epi16(pairs_lo[r], ones))
+                                                  : _mm256_madd_epi16(pairs_hi[r], ones));
+      }
     }
   }
 }
@@ -284,8 +302,9 @@ void dot_tile(const QxRows<halves>& x, const uint8_t* block, int64_t groups, flo
       half_sums<rows, type, halves>(x, g, group + header_bytes(type) + 32 * h, c);
       const float* header = reinterpret_cast<const float*>(group) + 8 * h;
       const __m256 d = _mm256_loadu_ps(header);
-      // Q4_1 stores m, Q4_0 has m = -8 d; Q8_0 has none (unused below).
-      const __m256 m = type == kQ4_1 ? _mm256_loadu_ps(header + kBlock) : _mm256_mul_ps(d, _mm256_set1_ps(-8.f));
+      // Q4_1 stores m, Q4_0 has m = -8 d, MXFP4 -12 d; Q8_0 has none (unused below).
+      const __m256 m =
+          type == kQ4_1 ? _mm256_loadu_ps(header + kBlock) : _mm256_mul_ps(d, _mm256_set1_ps(min_per_d(type)));
 #pragma GCC unroll 8
       for (int r = 0; r < rows; ++r) {
         const __m256 sum = _mm256_cvtepi32_ps(c[r]);
@@ -310,7 +329,8 @@ template <int64_t type>
 inline int weight_value(const uint8_t* values, int64_t i, int j, int t) {
   if constexpr (type == kQ8_0) return static_cast<int8_t>(values[i * kRowBytes + 4 * j + t]);
   const uint8_t byte = values[(i / 2) * kRowBytes + 4 * j + t];
-  return i % 2 ? byte >> 4 : byte & 0x0F;  // Q4: row i's k's are octet i / 2's low (even i) or high nibbles
+  const int nibble = i % 2 ? byte >> 4 : byte & 0x0F;  // Q4: row i's k's are octet i / 2's low (even i) or high nibbles
+  return type == kMXFP4 ? kMxfp4Values[nibble] : nibble;
 }
 
 template <int rows, int64_t type, int halves>
@@ -336,7 +356,7 @@ void dot_tile(const QxRows<halves>& x, const uint8_t* block, int64_t groups, flo
     for (int r = 0; r < rows; ++r) {
       for (int j = 0; j < kBlock; ++j) {
         scaled[r][j] = static_cast<float>(c[r][j]) * d[j] * x.s(r, g);
-        mins[r][j] = (type == kQ4_1 ? d[kBlock + j] : d[j] * -8.f) * x.sm(r, g);
+        mins[r][j] = (type == kQ4_1 ? d[kBlock + j] : d[j] * min_per_d(type)) * x.sm(r, g);
       }
     }
     rounding_barrier(scaled);
@@ -494,6 +514,7 @@ void run_gguf_type(T* out, int64_t out_stride, int64_t n, const T* x, int64_t ld
   switch (type) {
     case kQ4_0: return run_gguf<T, kQ4_0, halves>(out, out_stride, n, x, ld, m, k, packed, bias, scratch, on_thread);
     case kQ4_1: return run_gguf<T, kQ4_1, halves>(out, out_stride, n, x, ld, m, k, packed, bias, scratch, on_thread);
+    case kMXFP4: return run_gguf<T, kMXFP4, halves>(out, out_stride, n, x, ld, m, k, packed, bias, scratch, on_thread);
     default: return run_gguf<T, kQ8_0, halves>(out, out_stride, n, x, ld, m, k, packed, bias, scratch, on_thread);
   }
 }
@@ -546,10 +567,11 @@ void linear_gguf(at::Tensor out, at::Tensor x, at::Tensor packed, int64_t ggml_t
 // pagedllm.layers.gguf.pack_gguf_weight_reference in one pass over the rows (its torch ops make ~8 passes, 0.3-0.4 s
 // of SmolLM2's load): each (16 rows, group) unit written whole by one thread, its missing rows left zero.
 at::Tensor pack_gguf_weight(at::Tensor rows, int64_t ggml_type) {
-  TORCH_CHECK(ggml_type == kQ4_0 || ggml_type == kQ4_1 || ggml_type == kQ8_0,
-              "ggml_type must be Q4_0 (2), Q4_1 (3) or Q8_0 (8), got ", ggml_type);
-  const int64_t scales = ggml_type == kQ4_1 ? 2 : 1;  // f16 d (and m) at the start of a GGUF block
-  const int64_t block_bytes = 2 * scales + (ggml_type == kQ8_0 ? kGroupK : kGroupK / 2);
+  TORCH_CHECK(is_gguf_type(ggml_type), "ggml_type must be Q4_0 (2), Q4_1 (3), Q8_0 (8) or MXFP4 (39), got ",
+              ggml_type);
+  const int64_t scales = ggml_type == kQ4_1 ? 2 : 1;  // f16 d (and m) at the start of a GGUF block, or MXFP4's e
+  const int64_t head = ggml_type == kMXFP4 ? 1 : 2 * scales;
+  const int64_t block_bytes = head + (ggml_type == kQ8_0 ? kGroupK : kGroupK / 2);
   TORCH_CHECK(rows.device().is_cpu() && rows.dim() == 2 && rows.scalar_type() == at::kByte && rows.is_contiguous()
                   && rows.size(1) % block_bytes == 0,
               "rows must be a contiguous uint8 [N, K/32 * ", block_bytes, "] of GGUF blocks, got ", rows.sizes());
@@ -566,11 +588,16 @@ at::Tensor pack_gguf_weight(at::Tensor rows, int64_t ggml_type) {
       for (int64_t j = 0; j < kBlock && b * kBlock + j < n; ++j) {
         const uint8_t* block = src + (b * kBlock + j) * rows.size(1) + g * block_bytes;
         for (int64_t i = 0; i < scales; ++i) {
+          if (ggml_type == kMXFP4) {  // 2^(e - 128): float32's bits of exponent e - 1 (subnormal for e < 2)
+            const uint32_t bits = block[0] < 2 ? 0x00200000u << block[0] : static_cast<uint32_t>(block[0] - 1) << 23;
+            std::memcpy(header + j, &bits, sizeof(bits));
+            continue;
+          }
           uint16_t bits;
           std::memcpy(&bits, block + 2 * i, sizeof(bits));
           header[i * kBlock + j] = static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
         }
-        const uint8_t* q = block + 2 * scales;
+        const uint8_t* q = block + head;
         for (int64_t row = 0; row < value_rows; ++row) {
           for (int64_t t = 0; t < 4; ++t) {  // byte t of lane j of 64-byte row `row`
             // Q8_0: quad `row`'s k 4 row + t. Q4: octet `row`'s k 8 row + t (low nibble) and 8 row + 4 + t (high),

@@ -64,7 +64,7 @@ constexpr int64_t kPrefetchGroups = 4;
 
 // One 4-bit group (its packed bytes at `group`) into the 16 x 64 bytes at `rows`: row j is column j's 32 weights,
 // k in order (the A operand of `tdpbf16ps`). A column's 16 possible weights are one table, bf16(fma(d, q, m)) for
-// q = 0..15 (one FMA and one conversion), and `vpermw` looks its 32 nibbles up in it at once.
+// q = 0..15 (MXFP4's kMxfp4Values) (one FMA and one conversion), and `vpermw` looks its 32 nibbles up in it at once.
 template <int64_t type>
 void dequantize_rows(const uint8_t* group, uint8_t* rows) {
   static_assert(type != kQ8_0);
@@ -90,12 +90,15 @@ void dequantize_rows(const uint8_t* group, uint8_t* rows) {
     }
   } index;
   const __m512i shifts = _mm512_load_si512(index.shifts), low4 = _mm512_set1_epi16(0x0F);
-  const __m512 q = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 q = type == kMXFP4 ? _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                        _mm_loadu_si128(reinterpret_cast<const __m128i*>(kMxfp4Values))))
+                                  : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   constexpr __mmask64 kEvenBytes = 0x5555555555555555ull;
 #pragma GCC unroll 16
   for (int j = 0; j < kBlock; ++j) {
     const __m512 dj = _mm512_set1_ps(d[j]);
-    const __m512 mj = type == kQ4_1 ? _mm512_set1_ps(d[kBlock + j]) : _mm512_mul_ps(dj, _mm512_set1_ps(-8.f));
+    const __m512 mj =
+        type == kQ4_1 ? _mm512_set1_ps(d[kBlock + j]) : _mm512_mul_ps(dj, _mm512_set1_ps(min_per_d(type)));
     const __m256bh weights = _mm512_cvtneps_pbh(_mm512_fmadd_ps(dj, q, mj));
     const __m512i table = _mm512_castsi256_si512(reinterpret_cast<__m256i>(weights));
     const __m512i bytes = _mm512_maskz_permutexvar_epi8(kEvenBytes, _mm512_load_si512(index.bytes[j / 4]), c[j % 4]);
@@ -188,6 +191,7 @@ struct Bf16TileProblem {
     switch (type) {
       case kQ4_0: return dequantize<kQ4_0, as_rows>(b0, b1, g0, g1, dst);
       case kQ4_1: return dequantize<kQ4_1, as_rows>(b0, b1, g0, g1, dst);
+      case kMXFP4: return dequantize<kMXFP4, as_rows>(b0, b1, g0, g1, dst);
       default:
         if constexpr (!as_rows) dequantize<kQ8_0, false>(b0, b1, g0, g1, dst);  // Q8_0 has no tables: never x_pairs
     }

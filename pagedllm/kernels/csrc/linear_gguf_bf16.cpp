@@ -215,6 +215,7 @@ struct Bf16VectorProblem {
     switch (type) {
       case kQ4_0: return run_panel<kQ4_0>(p0, p1, w);
       case kQ4_1: return run_panel<kQ4_1>(p0, p1, w);
+      case kMXFP4: return run_panel<kMXFP4>(p0, p1, w);
       default: return run_panel<kQ8_0>(p0, p1, w);
     }
   }

@@ -62,10 +62,18 @@ struct GroupDequantizer {
     const float* header = reinterpret_cast<const float*>(group);
     d = _mm512_loadu_ps(header);
     m = type == kQ4_1 ? _mm512_loadu_ps(header + kBlock)
-        : type == kQ4_0 ? _mm512_mul_ps(d, _mm512_set1_ps(-8.f)) : _mm512_setzero_ps();
+        : type == kQ8_0 ? _mm512_setzero_ps() : _mm512_mul_ps(d, _mm512_set1_ps(min_per_d(type)));
   }
 
-  __m512 weight(__m512i q) const { return _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(q), m); }
+  // (MXFP4's nibbles looked up in kMxfp4Values)
+  __m512 weight(__m512i q) const {
+    if constexpr (type == kMXFP4) {
+      const __m512 table =
+          _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kMxfp4Values))));
+      return _mm512_fmadd_ps(d, _mm512_permutexvar_ps(q, table), m);
+    }
+    return _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(q), m);
+  }
 
   // Tile row `row`: column j's k's (even, odd) from lane j of the two vectors of values.
   void store(int row, __m512i even, __m512i odd) const {
