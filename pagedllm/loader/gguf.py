@@ -99,7 +99,10 @@ _ARCH_BLOCK_NAMES = {"gemma2": _GEMMA_BLOCK_NAMES, "gemma3": _GEMMA_BLOCK_NAMES,
                      # one norm for both branches, 40B's attn_norm_2 the attention's and attn_norm the MLP's
                      "falcon": _PLAIN_MLP_BLOCK_NAMES, "mpt": _PLAIN_MLP_BLOCK_NAMES,
                      "falcon-40b": {**_PLAIN_MLP_BLOCK_NAMES, "attn_norm_2": "input_layernorm",
-                                    "attn_norm": "post_attention_layernorm"}}
+                                    "attn_norm": "post_attention_layernorm"},
+                     # gpt-oss's norm before the MLP under llama.cpp's name for a norm after the attention; its sinks
+                     "gpt-oss": {**_BLOCK_NAMES, "post_attention_norm": "post_attention_layernorm",
+                                 "attn_sinks": "self_attn.sinks"}}
 # Architectures whose norm scales by 1 + w (Gemma's RMSNorm, Nemotron's LayerNorm1P), which llama.cpp's converter
 # stores as the 1 + w it multiplies by
 _NORM_SHIFTED_ARCHS = {"gemma2", "gemma3", "gemma-embedding", "nemotron"}
@@ -128,15 +131,20 @@ _ARCH_TOP_NAMES = {"bloom": {**_TOP_NAMES, "token_embd_norm": "model.embed_norm"
 _SKIPPED = {"rope_freqs", "rope_factors_long", "rope_factors_short"}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.([\w.]+)\.(weight|bias)$")
 # one expert's tensor: blk.{layer}.ffn_{gate,up,down}.{expert}.weight, as older Mixtral files store them and as
-# GGUFFile names its slices of the stacked ones (_STACKED_EXPERTS_RE)
-_EXPERT_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight$")
-_STACKED_EXPERTS_RE = re.compile(r"(blk\.\d+\.ffn_(?:gate|up|down))_exps\.weight$")
+# GGUFFile names its slices of the stacked ones (_STACKED_EXPERTS_RE; gpt-oss's experts' biases too)
+_EXPERT_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.(weight|bias)$")
+_STACKED_EXPERTS_RE = re.compile(r"(blk\.\d+\.ffn_(?:gate|up|down))_exps\.(weight|bias)$")
 # GGUF architectures of mixtures of experts -> transformers' model_type (a Mixtral file says "llama")
 _MOE_MODEL_TYPES = {"llama": "mixtral", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "qwen3vlmoe": "qwen3_moe",
-                    "ernie4_5-moe": "ernie4_5_moe", "lfm2moe": "lfm2_moe", "granitemoe": "granitemoe", "olmoe": "olmoe"}
+                    "ernie4_5-moe": "ernie4_5_moe", "lfm2moe": "lfm2_moe", "granitemoe": "granitemoe", "olmoe": "olmoe",
+                    "gpt-oss": "gpt_oss"}
 # whether llama.cpp renormalises each token's top-k expert weights, by architecture (Qwen2-MoE does not)
 _MOE_RENORMALIZES = {"llama": True, "qwen2moe": False, "qwen3moe": True, "qwen3vlmoe": True, "ernie4_5-moe": True,
-                     "lfm2moe": True, "granitemoe": True, "olmoe": False}
+                     "lfm2moe": True, "granitemoe": True, "olmoe": False, "gpt-oss": True}
+# What llama.cpp fixes for gpt-oss rather than read from the file: its experts' SwiGLU's alpha and limit, and every how
+# many layers one is global (the others, the first among them, local over the window)
+_GPT_OSS_SWIGLU = (1.702, 7.0)
+_GPT_OSS_GLOBAL_EVERY = 2
 
 
 @dataclass(frozen=True)
@@ -253,15 +261,15 @@ class GGUFFile:
 
 
 def _split_experts(info: GGUFTensorInfo) -> list[GGUFTensorInfo]:
-    """A stacked experts tensor (blk.N.ffn_gate_exps.weight: [experts, rows, K]) as one [rows, K] tensor per
-    expert, each a contiguous run of the file's bytes, named as older files name an expert's (blk.N.ffn_gate.E.weight);
-    any other tensor as it is."""
+    """A stacked experts tensor (blk.N.ffn_gate_exps.weight: [experts, rows, K]; gpt-oss's biases,
+    blk.N.ffn_gate_exps.bias: [experts, rows]) as one tensor per expert, each a contiguous run of the file's bytes,
+    named as older files name an expert's (blk.N.ffn_gate.E.weight); any other tensor as it is."""
     match = _STACKED_EXPERTS_RE.match(info.name)
-    if match is None or len(info.shape) != 3:
+    if match is None or len(info.shape) != (3 if match.group(2) == "weight" else 2):
         return [info]
     size = info.num_bytes // info.shape[0]
-    return [GGUFTensorInfo(f"{match.group(1)}.{e}.weight", info.shape[1:], info.ggml_type, info.offset + e * size)
-            for e in range(info.shape[0])]
+    return [GGUFTensorInfo(f"{match.group(1)}.{e}.{match.group(2)}", info.shape[1:], info.ggml_type,
+                           info.offset + e * size) for e in range(info.shape[0])]
 
 
 # Torch versions of the common 32-element block formats: the same float32 arithmetic as gguf.quants (so
@@ -299,8 +307,8 @@ def gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
     None for tensors to skip."""
     expert = _EXPERT_RE.match(name)
     if expert:
-        layer, part, index = expert.groups()
-        return f"model.layers.{layer}.mlp.experts.{index}.{part}_proj.weight"
+        layer, part, index, kind = expert.groups()
+        return f"model.layers.{layer}.mlp.experts.{index}.{part}_proj.{kind}"
     m = _BLOCK_RE.match(name)
     if m:
         layer, part, kind = m.groups()
@@ -486,9 +494,24 @@ def _add_architecture_fields(g: GGUFFile, kwargs: dict[str, Any]) -> None:
                       norm_eps=kwargs["rms_norm_eps"], block_auto_adjust_ff_dim=False)
     kwargs.update(_gguf_windows(g, kwargs))
     kwargs.update(_gguf_norms_and_mlps(g, kwargs))
+    if arch == "gpt-oss":
+        kwargs.update(_gguf_gpt_oss(g, kwargs))
     if arch in ("granite", "granitemoe"):   # its four multipliers (pagedllm.models.llama), under llama.cpp's names
         kwargs.update({field: float(g.arch_value(key)) for field, key in _GRANITE_MULTIPLIERS
                        if g.arch_value(key) is not None})
+
+
+def _gguf_gpt_oss(g: GGUFFile, fields: dict[str, Any]) -> dict[str, Any]:
+    """A gpt-oss file's config fields: biased attention, the experts' SwiGLU as llama.cpp fixes it, every other layer
+    local over `attention.sliding_window` from the first on, its YaRN untruncated (as gpt-oss's config.json has it)."""
+    alpha, limit = _GPT_OSS_SWIGLU
+    rope = dict(fields["rope_parameters"])
+    if rope["rope_type"] == "yarn":
+        rope["truncate"] = False
+    return dict(attention_bias=True, swiglu_alpha=alpha, swiglu_limit=limit, rope_parameters=rope,
+                sliding_window=int(g.arch_value("attention.sliding_window")),
+                layer_types=["sliding_attention" if i % _GPT_OSS_GLOBAL_EVERY < _GPT_OSS_GLOBAL_EVERY - 1
+                             else "full_attention" for i in range(fields["num_hidden_layers"])])
 
 
 def _gguf_windows(g: GGUFFile, fields: dict[str, Any]) -> dict[str, Any]:

@@ -192,7 +192,8 @@ _CHECKPOINT_NAMES = {"granitemoe": ((".mlp.router.layer.", ".mlp.gate."),),
                      "opt": _OPT_NAMES, "gptj": _GPTJ_NAMES, "falcon": _FALCON_NAMES, "nemotron": _UP_DOWN_NAMES,
                      "arcee": _UP_DOWN_NAMES, "bloom": _BLOOM_NAMES, "mpt": _MPT_NAMES,
                      "apertus": _APERTUS_NAMES,
-                     "gpt_oss": ((".mlp.router.", ".mlp.gate."),),
+                     # gpt-oss's router; a GGUF file's sinks, named as a weight
+                     "gpt_oss": ((".mlp.router.", ".mlp.gate."), (".self_attn.sinks.weight", ".self_attn.sinks")),
                      # VaultGemma's MLP norm, Llama's place under Gemma's name
                      "vaultgemma": ((".pre_feedforward_layernorm.", ".post_attention_layernorm."),),
                      "ernie4_5_moe": _ERNIE_MOE_NAMES}
@@ -539,7 +540,7 @@ def unfused(config: Any, name: str, tensor: torch.Tensor) -> list[tuple[str, tor
     """A checkpoint's fused q/k/v or gate/up tensor as its parts' rows, each under the name a separate checkpoint
     gives it, so that each loads (a tensor-parallel rank taking its slice of each) or packs as one; any other tensor
     as it is."""
-    if config.model_type == "gpt_oss" and ".mlp.experts." in name:
+    if config.model_type == "gpt_oss" and name.rpartition(".mlp.experts.")[2] in _GPT_OSS_STACKED:
         return _gpt_oss_experts(name, tensor)
     if any(part in name for part in _STACKED_EXPERTS):    # Granite MoE's and Qwen3-VL-MoE's experts
         return _stacked_experts(config, name, tensor)
@@ -580,6 +581,10 @@ def _stacked_experts(config: Any, name: str, tensor: torch.Tensor) -> list[tuple
         return [(f"{layer}{index}.{half}.weight", rows) for index, expert in enumerate(tensor)
                 for half, rows in zip(("gate_proj", "up_proj"), expert.chunk(2), strict=True)]
     return [(f"{layer}{index}.down_proj.weight", expert) for index, expert in enumerate(tensor)]
+
+
+# gpt-oss's stacked experts' tensors, by their names' last part (a GGUF file's come split: each expert's own)
+_GPT_OSS_STACKED = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
 
 
 def _gpt_oss_experts(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:

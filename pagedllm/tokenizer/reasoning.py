@@ -13,12 +13,13 @@ class ReasoningFormat(NamedTuple):
     """How a model marks its thinking: between one of `starts` and one of `ends` (a marker's spellings);
     `must_open`: only a reply that opens with a start reasons (else the chat template may have opened it);
     `keeps_special_tokens`: the markers are special tokens, which the reply's text must keep for the parser to
-    see."""
+    see; `answer_opens`: a header the answer may open with, not part of it (gpt-oss's final channel's)."""
 
     starts: tuple[str, ...]
     ends: tuple[str, ...]
     must_open: bool = False
     keeps_special_tokens: bool = False
+    answer_opens: tuple[str, ...] = ()
 
 
 _THINK = (("<think>",), ("</think>",))
@@ -31,7 +32,12 @@ REASONING_FORMATS = {"deepseek_r1": ReasoningFormat(*_THINK),
                                                 keeps_special_tokens=True),
                      "seed_oss": ReasoningFormat(("<seed:think>",), ("</seed:think>",), must_open=True,
                                                  keeps_special_tokens=True),
-                     "granite": ReasoningFormat(*_GRANITE, must_open=True)}
+                     "granite": ReasoningFormat(*_GRANITE, must_open=True),
+                     # gpt-oss's harmony channels: its analysis, then (after <|end|>) its final answer's message
+                     "openai_gptoss": ReasoningFormat(("<|channel|>analysis<|message|>",), ("<|end|>",),
+                                                      must_open=True, keeps_special_tokens=True, answer_opens=(
+                                                          "<|start|>assistant<|channel|>final<|message|>",
+                                                          "<|channel|>final<|message|>"))}
 REASONING_PARSERS = tuple(REASONING_FORMATS)
 
 

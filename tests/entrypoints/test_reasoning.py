@@ -48,6 +48,14 @@ def test_a_whole_reply_splits_at_the_end_tag(text, parts):
     ("seed_oss", "<seed:think>a</seed:think>b", ("a", "b")),
     ("seed_oss", "just the answer", (None, "just the answer")),
     ("olmo3", "a</think>b", ("a", "b")),                                 # its template opened <think>
+    # gpt-oss's harmony channels: the analysis, then the final channel's message without its header
+    ("openai_gptoss", "<|channel|>analysis<|message|>a<|end|><|start|>assistant<|channel|>final<|message|>b",
+     ("a", "b")),
+    ("openai_gptoss", "<|channel|>analysis<|message|>a<|end|>b", ("a", "b")),
+    ("openai_gptoss", "<|channel|>analysis<|message|>still", ("still", None)),
+    ("openai_gptoss", "<|channel|>final<|message|>b", (None, "b")),      # straight to the final channel
+    ("openai_gptoss", "just the answer", (None, "just the answer")),
+    ("openai_gptoss", "<|channel|>analysis<|message|>a<|end|><|start|>assi", ("a", "<|start|>assi")),   # cut short
 ])
 def test_each_format_splits_whole_and_streamed_alike(parser, text, parts):
     assert ReasoningStream(parser).final(text) == parts

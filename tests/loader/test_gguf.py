@@ -133,9 +133,21 @@ def _gguf_tensors(hf_model, arch: str):
         return (arch_names.get_name(hf_name) or llama_names.get_name(hf_name) or    # of BLOOM's without their prefix
                 arch_names.get_name(hf_name.removeprefix("transformer.")))
 
+    gpt_oss = hf_model.config.model_type == "gpt_oss"
     for name, t in hf_model.state_dict().items():
         base, kind = name.rsplit(".", 1)
-        if name.endswith("experts.gate_up_proj"):      # stacked experts' names have no .weight (nor a map entry)
+        layer = name.split(".")[2] if name.startswith("model.layers.") else None
+        if gpt_oss and ".mlp.experts." in name:     # [E, in, out] (biases [E, out]), gate and up interleaved: as
+            t = t if name.endswith("_bias") else t.transpose(1, 2)     # llama.cpp's converter splits them
+            suffix = "bias" if name.endswith("_bias") else "weight"
+            if "gate_up_proj" in name:
+                yield f"blk.{layer}.ffn_gate_exps.{suffix}", t[:, 0::2].contiguous()
+                yield f"blk.{layer}.ffn_up_exps.{suffix}", t[:, 1::2].contiguous()
+            else:
+                yield f"blk.{layer}.ffn_down_exps.{suffix}", t.contiguous()
+        elif gpt_oss and kind == "sinks":
+            yield f"blk.{layer}.attn_sinks.weight", t
+        elif name.endswith("experts.gate_up_proj"):      # stacked experts' names have no .weight (nor a map entry)
             layer = name.split(".")[2]      # (of model.layers.{layer}. names)
             gate, up = t.chunk(2, dim=1)
             yield f"blk.{layer}.ffn_gate_exps.weight", gate.contiguous()
@@ -188,7 +200,7 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(rope["factor"])
         w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
-    if arch in ("gemma2", "gemma3"):
+    if arch in ("gemma2", "gemma3", "gpt-oss"):
         w.add_sliding_window(cfg.sliding_window)
     if arch == "gemma-embedding":      # transformers reads config.json's W as W // 2 + 1; the file holds W
         w.add_sliding_window((cfg.sliding_window - 1) * 2)
@@ -249,8 +261,8 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
     if getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None):
         w.add_expert_count(getattr(cfg, "num_local_experts", None) or cfg.num_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
-        if getattr(cfg, "moe_intermediate_size", None):
-            w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        if getattr(cfg, "moe_intermediate_size", None) or arch == "gpt-oss":
+            w.add_expert_feed_forward_length(getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size)
         if getattr(cfg, "shared_expert_intermediate_size", None):
             w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     if arch == "ernie4_5-moe":      # as llama.cpp's converter writes it (its shared experts' width its own reckoning)
@@ -281,8 +293,10 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
         elif arch in ("gptneox", "bloom") and ".attn_qkv." in gname:    # head by head -> q's rows, k's, v's
             t = t.unflatten(0, (cfg.num_attention_heads, 3, -1)).transpose(0, 1).flatten(0, 2)
         data = t.numpy()
+        if arch == "gpt-oss" and gname.endswith("_exps.weight"):    # its experts as released: MXFP4
+            w.add_tensor(gname, quantize(data, Q.MXFP4), raw_dtype=Q.MXFP4)
         # llama.cpp keeps routers, and rows too short for a block (LFM2's convolution taps), as they are
-        if qtype != Q.F32 and t.dim() >= 2 and ".ffn_gate_inp." not in gname and t.shape[-1] % 32 == 0:
+        elif qtype != Q.F32 and t.dim() >= 2 and ".ffn_gate_inp." not in gname and t.shape[-1] % 32 == 0:
             w.add_tensor(gname, _quantize_q4_k(data) if qtype == Q.Q4_K else quantize(data, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(gname, data)

@@ -149,3 +149,46 @@ def test_mxfp4_asked_of_an_unquantized_checkpoint_is_refused(tmp_path: Path) -> 
     build_byte_tokenizer().save_pretrained(tmp_path / "m")
     with pytest.raises(ValueError, match="quantization='mxfp4' reads a checkpoint saved so"):
         LLM(str(tmp_path / "m"), dtype="float32", quantization="mxfp4", num_kv_blocks=64)
+
+
+def _round_trip_experts(model: Any) -> None:
+    """The model's experts' weights as MXFP4 holds them (quantized and dequantised by gguf-py), in place: what a
+    GGUF file of it stores, exactly."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                for expert in param:
+                    rows = gguf_quants.quantize(expert.T.contiguous().numpy(), GGMLQuantizationType.MXFP4)
+                    expert.copy_(torch.from_numpy(gguf_quants.dequantize(rows, GGMLQuantizationType.MXFP4)).T)
+
+
+@pytest.mark.parametrize("quantization", ["gguf", None])
+def test_a_gpt_oss_gguf_file_matches_transformers(tmp_path: Path, quantization: str | None) -> None:
+    """A gpt-oss GGUF file as llama.cpp's converter writes one (its experts MXFP4, gate and up split, their biases
+    stacked, its sinks and router beside): its config as transformers' (every other layer local, the first among
+    them; the SwiGLU llama.cpp fixes), and transformers' greedy tokens on the weights the file holds, its experts
+    packed as MXFP4 blocks (quantization "gguf") or dequantised."""
+    from pagedllm.loader.gguf import GGUFFile, gguf_hf_config
+    from tests.loader.test_gguf import write_model_gguf
+
+    if quantization == "gguf" and cpu_kernels() is None:
+        pytest.skip("pagedllm's CPU kernels are not built here")
+    model = build_tiny_hf_model("gpt-oss", 5, intermediate_size=64)
+    _round_trip_experts(model)
+    path = tmp_path / "gpt-oss.gguf"
+    write_model_gguf(model, path, "gpt-oss")
+    g = GGUFFile(path)
+    assert g.tensors["blk.0.ffn_gate.3.weight"].ggml_type == GGMLQuantizationType.MXFP4
+    config = gguf_hf_config(g)
+    assert config.model_type == "gpt_oss" and config.layer_types == model.config.layer_types
+    assert (config.sliding_window, config.swiglu_limit, config.num_local_experts) == (6, 7.0, 4)
+    model.config.swiglu_limit = 7.0     # (llama.cpp's, which the tiny model's 0.5 is not)
+    for layer in model.model.layers:
+        layer.mlp.experts.limit = 7.0
+    expected = hf_greedy(model, PROMPTS, MAX_TOKENS)
+    build_byte_tokenizer().save_pretrained(tmp_path / "tokenizer")
+    with LLM(str(path), dtype="float32", quantization=quantization, tokenizer=str(tmp_path / "tokenizer"),
+             block_size=4, num_kv_blocks=64) as llm:
+        expert = llm.engine.runner.model.model.layers[1].mlp.experts[2].down_proj.weight
+        assert (getattr(expert, "ggml_type", None) == GGMLQuantizationType.MXFP4) == (quantization == "gguf")
+        assert _tokens(llm) == expected
