@@ -126,8 +126,8 @@ def test_quantization_at_load_needs_the_kernels(monkeypatch, quantization):
 
 
 def test_an_unknown_quantization_is_refused_by_name():
-    with pytest.raises(ValueError, match="quantization must be None, 'int8', 'w8a8', 'gguf', 'awq', 'gptq', 'fp8' or "
-                                         "'compressed-tensors', got 'bitsandbytes'"):
+    with pytest.raises(ValueError, match="quantization must be None, 'int8', 'w8a8', 'gguf', 'awq', 'gptq', 'fp8', "
+                                         "'compressed-tensors' or 'mxfp4', got 'bitsandbytes'"):
         ModelConfig(quantization="bitsandbytes")
     with pytest.raises(ValueError, match="quantization"):
         ModelConfig(quantization="int8", device="cuda")
