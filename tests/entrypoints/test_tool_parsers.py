@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, OpenAIError
+from pagedllm.entrypoints.openai.reasoning_parsers import ReasoningStream
 from pagedllm.entrypoints.openai.serving_base import ServerLimits
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.tool_parsers import (
@@ -20,6 +21,7 @@ from pagedllm.entrypoints.openai.tool_parsers import (
     Lfm2ToolParser,
     Llama3JsonToolParser,
     MistralToolParser,
+    OpenAIToolParser,
     Phi4MiniJsonToolParser,
     PythonicToolParser,
     Qwen3CoderToolParser,
@@ -124,6 +126,25 @@ def test_granite_phi4_mini_lfm2_and_functiongemma_read_their_formats():
     assert gemma.extract("plain") == ("plain", [])
 
 
+def test_openai_reads_gpt_oss_harmony_calls():
+    """gpt-oss's calls: messages addressed to a function, the recipient after the channel or before it; the content
+    the final channel's message, or the text before the first message; after --reasoning-parser openai_gptoss, whose
+    answer opens with the call's header, the whole reply's calls."""
+    parser = OpenAIToolParser()
+    text = ('<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
+            '{"city": "Paris"}<|call|>')
+    assert parser.extract(text)[0] is None and _calls(parser.extract(text)[1]) == [("get_weather", {"city": "Paris"})]
+    text = ('Sure.<|start|>assistant to=functions.a<|channel|>commentary json<|message|>{"x": 1}<|call|>'
+            '<|start|>assistant<|channel|>commentary to=functions.b<|message|>{}')      # cut short
+    assert parser.extract(text)[0] == "Sure." and _calls(parser.extract(text)[1]) == [("a", {"x": 1}), ("b", {})]
+    assert parser.extract("<|channel|>final<|message|>It is sunny.") == ("It is sunny.", [])
+    assert parser.extract("plain") == ("plain", [])
+    assert parser.tool_start("It is <|sta") == 6 and parser.tool_start("It is") is None
+    reasoning, answer = ReasoningStream("openai_gptoss").final(
+        "<|channel|>analysis<|message|>Need the weather.<|end|>" + text.removeprefix("Sure."))
+    assert reasoning == "Need the weather." and _calls(parser.extract(answer)[1]) == [("a", {"x": 1}), ("b", {})]
+
+
 def test_vllms_other_parser_names_read_the_same_formats():
     assert TOOL_PARSERS["llama4_pythonic"] is PythonicToolParser and TOOL_PARSERS["llama4_json"] is \
         Llama3JsonToolParser and TOOL_PARSERS["qwen3_json"] is TOOL_PARSERS["granite4"] is HermesToolParser
@@ -135,7 +156,7 @@ def test_a_parser_whose_marker_is_a_special_token_keeps_special_tokens_in_the_re
 
     request = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=[TOOL])
     for parser, kept in (("mistral", True), ("hermes", False), ("pythonic", False), ("granite", True),
-                         ("lfm2", True), ("functiongemma", True), ("qwen3_coder", False)):
+                         ("lfm2", True), ("functiongemma", True), ("qwen3_coder", False), ("openai", True)):
         params = _chat(build_byte_tokenizer(), parser)._force_tool_call(request, "auto", SamplingParams())
         assert params.skip_special_tokens is not kept, parser
 

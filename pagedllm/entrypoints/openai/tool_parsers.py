@@ -16,6 +16,10 @@
     lfm2         <|tool_call_start|>[pythonic calls]<|tool_call_end|>, content around it (LiquidAI's LFM2)
     functiongemma   <start_function_call>call:NAME{key:<escape>value<escape>,...}<end_function_call>
                  (FunctionGemma; each value JSON where it reads as such)
+    openai       gpt-oss's harmony messages addressed to a function: <|channel|>commentary to=functions.NAME
+                 <|constrain|>json<|message|>{...}<|call|> (the recipient may come before the channel, after
+                 <|start|>assistant); the content is the final channel's message (with --reasoning-parser
+                 openai_gptoss, whose answer this parser reads, the text before the first call)
 and vLLM's other names for these formats: llama4_json, llama4_pythonic, qwen3_json and granite4 (hermes).
 """
 
@@ -305,6 +309,35 @@ class FunctionGemmaToolParser(_MarkedToolParser):
         return (text[:start].strip() or None, calls) if calls else (text, [])
 
 
+class OpenAIToolParser(ToolParser):
+    """gpt-oss's harmony calls: each message whose header names a function (to=functions.NAME), its body the
+    arguments (up to <|call|>, the end of the message or of the reply); the content the final channel's messages'
+    bodies, or without one the text before the first message; special tokens, which the reply keeps."""
+
+    STARTS = ("<|start|>", "<|channel|>")     # a message's header, which may name a function
+    keeps_special_tokens = True
+    _MESSAGE = re.compile(r"(?:<\|start\|>)?(?P<header>(?:(?!<\|message\|>|<\|start\|>).)*)<\|message\|>"
+                          r"(?P<body>(?:(?!<\|start\|>|<\|call\|>|<\|end\|>).)*)", re.DOTALL)
+    _RECIPIENT = re.compile(r"to=functions\.([^\s<]+)")
+    _CHANNEL = re.compile(r"<\|channel\|>(\w+)")
+
+    def tool_start(self, text: str) -> int | None:
+        found = [index for start in self.STARTS
+                 if (index := text.find(start)) >= 0 or (index := partial_marker_start(text, start)) is not None]
+        return min(found, default=None)
+
+    def extract(self, text: str) -> tuple[str | None, list[FunctionCall]]:
+        messages = list(self._MESSAGE.finditer(text))
+        calls = [FunctionCall(recipient.group(1), message["body"].strip()) for message in messages
+                 if (recipient := self._RECIPIENT.search(message["header"]))]
+        finals = [message["body"] for message in messages
+                  if (channel := self._CHANNEL.search(message["header"])) and channel.group(1) == "final"]
+        if not messages:
+            return text, []
+        content = "".join(finals) if finals else text[:messages[0].start()].strip()
+        return content or None, calls
+
+
 def _json_or_text(value: str) -> Any:
     """`value` read as JSON where it is JSON (null included), else the text itself."""
     read = _loads(value)
@@ -321,6 +354,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser, "mistral": MistralToolParser,
     "pythonic": PythonicToolParser, "qwen3_coder": Qwen3CoderToolParser, "granite": GraniteToolParser,
     "phi4_mini_json": Phi4MiniJsonToolParser, "lfm2": Lfm2ToolParser, "functiongemma": FunctionGemmaToolParser,
+    "openai": OpenAIToolParser,
     # vLLM's other names for these formats
     "llama4_json": Llama3JsonToolParser, "llama4_pythonic": PythonicToolParser, "qwen3_json": HermesToolParser,
     "qwen3_xml": Qwen3CoderToolParser, "granite4": HermesToolParser}
