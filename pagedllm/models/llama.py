@@ -32,7 +32,9 @@ Gemma's (`_GLM4_NAMES` gives its norms Gemma's names), with plain RMSNorm weight
 Granite (IBM's Granite 3) scales four things by its config's multipliers: the embeddings (`embedding_multiplier`),
 the attention scores (`attention_multiplier`, in place of head_dim ** -0.5), each branch's output before it joins
 the residual stream (`residual_multiplier`: `load_weights` folds it into o_proj's and down_proj's weights, so that
-the layers and the C++ stack run as Llama's) and the logits (divided by `logits_scaling`).
+the layers and the C++ stack run as Llama's) and the logits (divided by `logits_scaling`). Granite SWA adds gpt-oss's
+attention sinks, local layers among global ones (`layer_types`) and a rotary base of each layer's own
+(`layer_rope_theta`, 0: none).
 LayerNorm models norm with `PreLayerNorm` (weights and biases; Cohere's weights only, OLMo's neither; Nemotron's
 scaling by 1 + w): StableLM (Llama's layers otherwise), Phi, GPT-NeoX, StarCoder2 (biased, over a sliding window),
 Cohere and Cohere2, GPT-2, GPT-BigCode, OPT, GPT-J, Falcon, OLMo (the first; q/k/v clamped to `clip_qkv`), Nemotron.
@@ -698,9 +700,10 @@ class LlamaAttention(nn.Module):
         self.alibi_slopes: torch.Tensor | None
         self.register_buffer("alibi_slopes", None if slopes is None else
                              slopes[heads.q_start:heads.q_start + heads.num_heads].contiguous(), persistent=False)
-        # gpt-oss's attention sink of each head, all of them (float32: the kernels' `sinks`); this rank's: `rank_sinks`
+        # gpt-oss's and Granite SWA's attention sink of each head, all of them (float32: the kernels' `sinks`); this
+        # rank's: `rank_sinks`
         self.sinks = nn.Parameter(torch.empty(self.num_heads), requires_grad=False) \
-            if config.model_type == "gpt_oss" else None
+            if config.model_type in ("gpt_oss", "granite_swa") else None
         self.rank_heads = slice(heads.q_start, heads.q_start + heads.num_heads)
         self._add_qk_norms(config, dtype, tp)
 
@@ -1059,10 +1062,13 @@ class LlamaModel(nn.Module):
 
         def rotary_of(index: int) -> RotaryEmbedding:
             base, scaling = rope_config(config, _layer_type(config, index))
+            thetas = getattr(config, "layer_rope_theta", None)     # Granite SWA's base of each layer (0: none)
+            if thetas is not None:
+                base = float(thetas[index])
             # SmolLM3's every fourth layer has no rotary embedding (NoPE): one that turns none of a head's values
             no_rope = getattr(config, "no_rope_layers", None)
             nope = (no_rope is not None and not no_rope[index]) or _learns_positions(config) or _has_alibi(config) or \
-                (_has_nope_globals(config) and _layer_type(config, index) == "full_attention")
+                (_has_nope_globals(config) and _layer_type(config, index) == "full_attention") or base == 0
             dim = 0 if nope else rotary_dim(config, _head_dim(config))
             key = repr((base, scaling, dim))
             if key not in rotary:

@@ -64,7 +64,8 @@ _MODELS: dict[str, type[nn.Module]] = {
     "MPTForCausalLM": LlamaForCausalLM,        # (MosaicML's checkpoints name it so)
     "Lfm2ForCausalLM": LlamaForCausalLM,      # short convolutions among its attention layers (ShortConv)
     "Lfm2MoeForCausalLM": LlamaForCausalLM,   # and experts in its later layers
-    "GptOssForCausalLM": LlamaForCausalLM,    # attention sinks, biased experts (MXFP4 ones read dequantised)
+    "GptOssForCausalLM": LlamaForCausalLM,    # attention sinks, biased experts (MXFP4 ones kept in 4 bits)
+    "GraniteSWAForCausalLM": LlamaForCausalLM,    # Granite's multipliers, attention sinks, local layers
     # The bare decoders (no LM head), as embedding models are saved (gte-Qwen2, e5-mistral): see BARE_ARCHITECTURES.
     "LlamaModel": LlamaForCausalLM,
     "MistralModel": LlamaForCausalLM,
@@ -126,6 +127,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "mpt": LlamaForCausalLM,
     "olmo": LlamaForCausalLM,
     "gpt_oss": LlamaForCausalLM,
+    "granite_swa": LlamaForCausalLM,
     "bert": BertModel,
     "roberta": BertModel,
     "xlm-roberta": BertModel,

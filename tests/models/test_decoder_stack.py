@@ -50,6 +50,8 @@ CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     # gpt-oss's attention sinks (each layer's own), biased router and experts, clamped SwiGLU, a local layer
     "gpt-oss": ("gpt-oss", {}, dict(dtype="float32")),
     "gpt-oss in bfloat16": ("gpt-oss", {}, dict(dtype="bfloat16")),
+    # Granite SWA's sinks, a rotary base of each layer's own and a layer without one
+    "granite swa": ("granite-swa", {}, dict(dtype="float32")),
     # branch norms, GELU, a local layer (its window shorter than the long prompts, its own rope) and a global one
     "gemma3": ("gemma3", {}, dict(dtype="float32")),
     "gemma3 in bfloat16": ("gemma3", {}, dict(dtype="bfloat16")),

@@ -167,6 +167,13 @@ TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
                                   moe_intermediate_size=48, num_dense_layers=1, routed_scaling_factor=1.5)),
     "qwen3-moe": ("qwen3_moe", dict(num_key_value_heads=2, head_dim=32, num_experts=4, num_experts_per_tok=2,
                                     moe_intermediate_size=48, norm_topk_prob=True)),
+    # Granite SWA's: Granite's multipliers, attention sinks (made random), a global layer, then a local one (a window
+    # of 6) with a rotary base of its own and a local one without a rotary embedding (its base 0)
+    "granite-swa": ("granite_swa", dict(num_key_value_heads=2, num_hidden_layers=3, embedding_multiplier=12.0,
+                                        attention_multiplier=0.05, residual_multiplier=0.22, logits_scaling=8.0,
+                                        sliding_window=6, layer_types=["full_attention", "sliding_attention",
+                                                                       "sliding_attention"],
+                                        layer_rope_theta=[10000.0, 500.0, 0.0])),
     # gpt-oss's layout: a biased router and biased experts (made random in build_tiny_hf_model), their SwiGLU clamped
     # at a limit this small (0.5 against 7) so that it bites, attention sinks (made random), a local layer (a window
     # of 6) and a global one, YaRN untruncated, q/k/v/o biased, an untied LM head
@@ -197,8 +204,8 @@ def build_tiny_hf_model(kind: str = "llama-gqa", seed: int = 0, **overrides: Any
                              "cohere2", "gpt2", "gpt_bigcode", "opt", "gptj", "falcon", "nemotron",
                              "hunyuan_v1_dense", "bloom", "mpt", "ernie4_5_moe", "apertus", "vaultgemma", "gpt_oss"):
         randomize_norms(model, mean=0.0 if "gemma" in config.model_type else 1.0)
-    if config.model_type == "gpt_oss":     # its sinks start at +-0.1 and its experts' biases (stacked) at 0
-        with torch.no_grad():
+    if config.model_type in ("gpt_oss", "granite_swa"):  # its sinks start at 0 (+-0.1), gpt-oss's experts' biases
+        with torch.no_grad():                           # (stacked) at 0
             for name, param in model.named_parameters():
                 if name.endswith((".sinks", "_proj_bias")):
                     param.normal_(0.0, 1.0 if name.endswith(".sinks") else 0.2)
