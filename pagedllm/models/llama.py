@@ -95,6 +95,7 @@ from pagedllm.layers.rotary import (
     rope_config,
     rotary_dim,
 )
+from pagedllm.models.mla import MLAttention, is_mla, mla_rope_rows
 from pagedllm.models.vision import ImageEncoder, ImageRows
 from pagedllm.multimodal import ImageInput
 
@@ -182,6 +183,9 @@ _LFM2_MOE_NAMES = _LFM2_NAMES + ((".feed_forward.experts.", ".mlp.experts."), ("
 # ERNIE 4.5 MoE's shared experts (one ungated MLP) and its router's selection bias
 _ERNIE_MOE_NAMES = ((".mlp.shared_experts.", ".mlp.shared_expert."),
                     (".mlp.moe_statics.e_score_correction_bias", ".mlp.selection_bias"), _GGUF_SELECTION_BIAS)
+# DeepSeek's shared experts (one ungated MLP) and V3's bias of its router's choice
+_DEEPSEEK_NAMES = ((".mlp.shared_experts.", ".mlp.shared_expert."),
+                   (".mlp.gate.e_score_correction_bias", ".mlp.selection_bias"))
 # A model type's checkpoint tensors the model does not use, by a part of their names: ERNIE 4.5 MoE's multi-token
 # prediction layers (transformers ignores them too)
 _UNUSED_NAME_PARTS = {"ernie4_5_moe": "mtp"}
@@ -198,7 +202,7 @@ _CHECKPOINT_NAMES = {"granitemoe": ((".mlp.router.layer.", ".mlp.gate."),),
                      "gpt_oss": ((".mlp.router.", ".mlp.gate."), (".self_attn.sinks.weight", ".self_attn.sinks")),
                      # VaultGemma's MLP norm, Llama's place under Gemma's name
                      "vaultgemma": ((".pre_feedforward_layernorm.", ".post_attention_layernorm."),),
-                     "ernie4_5_moe": _ERNIE_MOE_NAMES}
+                     "ernie4_5_moe": _ERNIE_MOE_NAMES, "deepseek_v2": _DEEPSEEK_NAMES, "deepseek_v3": _DEEPSEEK_NAMES}
 # A model type's prefix of the names its causal LM's checkpoints give its body, which checkpoints saved from the body
 # alone leave out (opt-125m's "decoder.layers.0...", bloom-560m's "h.0..."): `load_weights` puts it back
 _BODY_PREFIXES = {"opt": "model.", "bloom": "transformer."}
@@ -611,7 +615,10 @@ def expert_intermediate_size(config: Any) -> int:
 def _is_sparse_layer(config: Any, index: int) -> bool:
     """Whether decoder layer `index` has a mixture of experts for its MLP: every layer of Mixtral; Qwen-MoE's every
     `decoder_sparse_step`-th, but those in `mlp_only_layers`; ERNIE 4.5's every `moe_layer_interval`-th from
-    `moe_layer_start_index` to `moe_layer_end_index`; LFM2-MoE's after its `num_dense_layers`."""
+    `moe_layer_start_index` to `moe_layer_end_index`; LFM2-MoE's after its `num_dense_layers`; DeepSeek's from
+    `first_k_dense_replace` on (every `moe_layer_freq`-th, where the config has one)."""
+    if is_mla(config):
+        return index >= config.first_k_dense_replace and index % (getattr(config, "moe_layer_freq", None) or 1) == 0
     if config.model_type == "ernie4_5_moe":
         return (index + 1) % config.moe_layer_interval == 0 and \
             config.moe_layer_start_index <= index <= config.moe_layer_end_index
@@ -926,14 +933,17 @@ class LlamaSparseMoeBlock(nn.Module):
         self.tp_size = tp[1]
         self.routing = Routing.of(config)
         ernie, lfm2 = config.model_type == "ernie4_5_moe", config.model_type == "lfm2_moe"
+        deepseek = is_mla(config)
+        if deepseek:
+            _refuse_expert_groups(config)
         inter = expert_intermediate_size(config)
         oss = config.model_type == "gpt_oss"     # a biased router; biased experts, their SwiGLU clamped
         self.gate = nn.Linear(config.hidden_size, num_experts(config), bias=oss,
-                              dtype=torch.float32 if ernie else dtype)
+                              dtype=torch.float32 if ernie or deepseek else dtype)
         self.swiglu = (float(getattr(config, "swiglu_alpha", 1.702)), float(config.swiglu_limit)) if oss else None
         # (ERNIE's [1, E] and LFM2's [E] as their checkpoints hold them; never trained here)
         bias_shape = (1, num_experts(config)) if ernie else \
-            (num_experts(config),) if lfm2 and config.use_expert_bias else None
+            (num_experts(config),) if (lfm2 and config.use_expert_bias) or config.model_type == "deepseek_v3" else None
         self.selection_bias = None if bias_shape is None else \
             nn.Parameter(torch.zeros(bias_shape), requires_grad=False)
         self.experts = nn.ModuleList(LlamaMLP(config, dtype, tp, inter, reduce_results=False, bias=oss,
@@ -942,10 +952,11 @@ class LlamaSparseMoeBlock(nn.Module):
         for expert in self.experts:     # small calls, each on one thread (kernels/csrc/moe.cpp): see brgemm_packs and
             expert.gate_up_proj.small_calls = expert.down_proj.small_calls = True   # few_rows_activation_bits
         shared = getattr(config, "shared_expert_intermediate_size", None) or \
-            (ernie and config.moe_num_shared_experts * config.moe_intermediate_size)
+            (ernie and config.moe_num_shared_experts * config.moe_intermediate_size) or \
+            (deepseek and config.n_shared_experts * config.moe_intermediate_size)
         self.shared_expert = LlamaMLP(config, dtype, tp, shared, reduce_results=False) if shared else None
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False, dtype=dtype) \
-            if shared and not ernie else None
+            if shared and not ernie and not deepseek else None
         # kernel module -> this block for its MoEWeights (built on first use, once the weights are final, packed)
         self.kernel_blocks: dict[ModuleType, Any] = {}
 
@@ -985,13 +996,24 @@ class LlamaSparseMoeBlock(nn.Module):
         return self.kernel_blocks[kernels]
 
 
+def _refuse_expert_groups(config: Any) -> None:
+    """DeepSeek's routers choose among groups of experts first where they have several (DeepSeek-V2's and V3's
+    n_group of 8): not supported; V2-Lite's greedy choice and Moonlight's one group run."""
+    groups, kept = getattr(config, "n_group", None) or 1, getattr(config, "topk_group", None) or 1
+    if getattr(config, "topk_method", "greedy") == "group_limited_greedy" and groups > 1 or kept < groups:
+        raise ValueError(f"a router that chooses {kept} of {groups} groups of experts first is not supported "
+                         "(DeepSeek-V2-Lite's greedy choice and one group, Moonlight's, are)")
+
+
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: Any, dtype: torch.dtype, attn_backend: AttentionBackend,
                  rotary_emb: RotaryEmbedding, tp: TPRank, index: int) -> None:
         super().__init__()
-        # the token mixer: an attention, or LFM2's short convolution
-        self.self_attn: LlamaAttention | ShortConv = ShortConv(config, dtype, tp) if is_conv_layer(config, index) \
-            else LlamaAttention(config, dtype, attn_backend, rotary_emb, tp, index)
+        # the token mixer: an attention (DeepSeek's latent one), or LFM2's short convolution
+        self.self_attn: LlamaAttention | MLAttention | ShortConv = (
+            ShortConv(config, dtype, tp) if is_conv_layer(config, index) else
+            MLAttention(config, dtype, attn_backend, rotary_emb, tp) if is_mla(config) else
+            LlamaAttention(config, dtype, attn_backend, rotary_emb, tp, index))
         self.mlp: LlamaMLP | LlamaSparseMoeBlock | PlainMLP = (
             LlamaSparseMoeBlock(config, dtype, tp) if _is_sparse_layer(config, index) else
             PlainMLP(config, dtype, tp) if _plain_mlp(config) else LlamaMLP(config, dtype, tp))
@@ -1289,6 +1311,8 @@ class LlamaForCausalLM(nn.Module):
         run. The loader calls it once
         the weights are final, packed: a stack holds the weight tensors it was built with. `enforce_eager=True` keeps
         the modules."""
+        if is_mla(self.config):     # (the stack has no latent attention)
+            return
         attn = next(layer.self_attn for layer in self.model.layers if isinstance(layer.self_attn, LlamaAttention))
         convolutions = [layer.self_attn for layer in self.model.layers if isinstance(layer.self_attn, ShortConv)]
         xielu = any(isinstance(layer.mlp, PlainMLP) and layer.mlp.xielu is not None for layer in self.model.layers)
@@ -1347,9 +1371,12 @@ class LlamaForCausalLM(nn.Module):
         head_rows = None        # the classifier's tokens' rows of the checkpoint's LM head, if it is made of them
         unused = _UNUSED_NAME_PARTS.get(self.config.model_type)
         for name, tensor in weights:
-            if name.endswith(_IGNORED_SUFFIXES) or (unused is not None and unused in name):
+            if name.endswith(_IGNORED_SUFFIXES) or (unused is not None and unused in name) or \
+                    self._is_prediction_layer(name):
                 continue
             name = self.checkpoint_name(name)
+            if is_mla(self.config):
+                tensor = mla_rope_rows(self.config, name, tensor)
             if _is_lfm2(self.config) and name.endswith(".conv.weight") and tensor.dim() == 2:
                 tensor = tensor.unsqueeze(1)    # llama.cpp's files squeeze it
             if self.config.model_type == "gpt2" and ".layers." in name and tensor.dim() == 2:
@@ -1376,6 +1403,13 @@ class LlamaForCausalLM(nn.Module):
             loaded.add(self._load_one(params, "score.weight", self._classifier_head(head_rows)))
         self._check_all_loaded(params, loaded)
         return loaded
+
+    def _is_prediction_layer(self, name: str) -> bool:
+        """Whether a checkpoint tensor belongs to DeepSeek-V3's multi-token prediction layers, which come after its
+        `num_hidden_layers` (model.layers.61 of DeepSeek-V3's 61; transformers ignores them too)."""
+        if self.config.model_type != "deepseek_v3" or not name.startswith("model.layers."):
+            return False
+        return int(name.split(".")[2]) >= self.config.num_hidden_layers
 
     def checkpoint_name(self, name: str) -> str:
         """A checkpoint tensor's name as `load_weights` reads it: Mixtral's block_sparse_moe as Qwen-MoE's mlp (its
@@ -1407,7 +1441,7 @@ class LlamaForCausalLM(nn.Module):
 
     def _load_one(self, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> str:
         target, shard_id = self._target(name)
-        if shard_id is not None:
+        if shard_id is not None and (target in params or name not in params):  # (MLA's own q_proj is not fused)
             param = self._param(params, name, target)
             param.weight_loader(param, tensor, shard_id)
             return f"{target}#{shard_id}"

@@ -66,6 +66,8 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Lfm2MoeForCausalLM": LlamaForCausalLM,   # and experts in its later layers
     "GptOssForCausalLM": LlamaForCausalLM,    # attention sinks, biased experts (MXFP4 ones kept in 4 bits)
     "GraniteSWAForCausalLM": LlamaForCausalLM,    # Granite's multipliers, attention sinks, local layers
+    "DeepseekV2ForCausalLM": LlamaForCausalLM,    # latent attention (pagedllm.models.mla), shared experts
+    "DeepseekV3ForCausalLM": LlamaForCausalLM,    # and sigmoid scores chosen with a bias
     # The bare decoders (no LM head), as embedding models are saved (gte-Qwen2, e5-mistral): see BARE_ARCHITECTURES.
     "LlamaModel": LlamaForCausalLM,
     "MistralModel": LlamaForCausalLM,
@@ -128,6 +130,8 @@ _MODELS: dict[str, type[nn.Module]] = {
     "olmo": LlamaForCausalLM,
     "gpt_oss": LlamaForCausalLM,
     "granite_swa": LlamaForCausalLM,
+    "deepseek_v2": LlamaForCausalLM,
+    "deepseek_v3": LlamaForCausalLM,
     "bert": BertModel,
     "roberta": BertModel,
     "xlm-roberta": BertModel,

@@ -57,8 +57,10 @@ class ModelShape:
 
 
 def model_shape(hf_config, tp_rank: int = 0, tp_size: int = 1) -> ModelShape:
-    """The model's shape as rank `tp_rank` of `tp_size` holds it (num_kv_heads: this rank's KV heads)."""
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    """The model's shape as rank `tp_rank` of `tp_size` holds it (num_kv_heads: this rank's KV heads). A latent
+    attention's (DeepSeek's) rows are its expanded keys', qk_head_dim wide (pagedllm.models.mla)."""
+    head_dim = getattr(hf_config, "qk_head_dim", None) or getattr(hf_config, "head_dim", None) or \
+        hf_config.hidden_size // hf_config.num_attention_heads
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
     heads = head_shard(hf_config.num_attention_heads, num_kv_heads, tp_rank, tp_size)
     num_layers = cache_layers(hf_config)[-1].stop     # the KV pool's layers (LFM2's convolutions may take more)

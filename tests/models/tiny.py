@@ -167,6 +167,20 @@ TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
                                   moe_intermediate_size=48, num_dense_layers=1, routed_scaling_factor=1.5)),
     "qwen3-moe": ("qwen3_moe", dict(num_key_value_heads=2, head_dim=32, num_experts=4, num_experts_per_tok=2,
                                     moe_intermediate_size=48, norm_topk_prob=True)),
+    # DeepSeek's latent attention: V2-Lite's (queries straight from x, a dense layer 0, then 4 experts, 2 a token, and
+    # a shared one; YaRN with its mscale, which scales the scores too) and V3's (queries through their own latent,
+    # sigmoid scores chosen with a bias, made random in build_tiny_hf_model, renormalised and scaled)
+    "deepseek-v2": ("deepseek_v2", dict(num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16,
+                                        qk_rope_head_dim=8, v_head_dim=16, head_dim=8, n_routed_experts=4,
+                                        n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=48,
+                                        first_k_dense_replace=1, tie_word_embeddings=False, rope_parameters=dict(
+                                            rope_type="yarn", rope_theta=10000.0, factor=4.0, mscale=0.707,
+                                            mscale_all_dim=0.707, original_max_position_embeddings=64))),
+    "deepseek-v3": ("deepseek_v3", dict(num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16,
+                                        qk_rope_head_dim=8, v_head_dim=16, head_dim=8, n_routed_experts=4,
+                                        n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=48,
+                                        first_k_dense_replace=1, n_group=1, topk_group=1, norm_topk_prob=True,
+                                        routed_scaling_factor=2.5, tie_word_embeddings=False)),
     # Granite SWA's: Granite's multipliers, attention sinks (made random), a global layer, then a local one (a window
     # of 6) with a rotary base of its own and a local one without a rotary embedding (its base 0)
     "granite-swa": ("granite_swa", dict(num_key_value_heads=2, num_hidden_layers=3, embedding_multiplier=12.0,
@@ -214,8 +228,8 @@ def build_tiny_hf_model(kind: str = "llama-gqa", seed: int = 0, **overrides: Any
             for name, param in model.named_parameters():
                 if name.endswith((".act_fn.alpha_p", ".act_fn.alpha_n")):
                     param.normal_(0.0, 0.5)
-    if config.model_type in ("ernie4_5_moe", "lfm2_moe"):     # their experts' selection bias starts at 0: made
-        with torch.no_grad():                               # random, so that it changes which experts tokens get
+    if config.model_type in ("ernie4_5_moe", "lfm2_moe", "deepseek_v3"):    # their experts' selection bias starts
+        with torch.no_grad():                   # at 0: made random, so that it changes which experts tokens get
             for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
                 if name.endswith(("e_score_correction_bias", "expert_bias")):
                     tensor.uniform_(-0.3, 0.3)
@@ -281,15 +295,13 @@ class SimplePagedRunner:
     def __init__(self, model: Any, block_size: int = 4, num_blocks: int = 64,
                  dtype: torch.dtype = torch.float32) -> None:
         from pagedllm.attention.metadata import AttentionMetadata
-        from pagedllm.models.llama import cache_layers
+        from pagedllm.runner.model_runner import model_shape
 
         self._meta_cls = AttentionMetadata
-        cfg = model.config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        pool = model_shape(model.config)     # (LFM2's convolutions may take more layers, DeepSeek's rows are wider)
+        shape = (num_blocks, block_size, pool.num_kv_heads, pool.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
-                          for _ in range(cache_layers(cfg)[-1].stop)]     # (LFM2's convolutions may take more)
+                          for _ in range(pool.num_layers)]
         self.model, self.block_size = model, block_size
         # Hand out blocks in a scrambled order (block 0 reserved) so tables are not contiguous.
         self._free = list(range(num_blocks - 1, 0, -1))[::2] + list(range(num_blocks - 1, 0, -1))[1::2]

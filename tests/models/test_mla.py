@@ -1,0 +1,57 @@
+"""DeepSeek's multi-head latent attention (pagedllm.models.mla): its cache rows, the checkpoint tensors it skips,
+and the configurations refused; its models against transformers run in tests/models/test_moe.py (greedy tokens
+through chunks, prefix hits and preemption; bf16, int8, W8A8) and test_llama_fidelity.py (logits)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.models.mla import mla_scale, rope_rows_to_halves
+from pagedllm.runner.model_runner import model_shape
+from tests.models.tiny import hf_greedy, save_tiny_model, tiny_config
+
+PROMPT = [5, 17, 42, 99, 3, 250, 7]
+
+
+def test_the_cache_holds_each_heads_expanded_key_and_padded_value():
+    """Rows of qk_head_dim (nope + rope: 24) for each of the heads, where the config's head_dim is the rope's (8)."""
+    config = tiny_config("deepseek-v2")
+    assert config.head_dim == 8
+    shape = model_shape(config)
+    assert (shape.num_kv_heads, shape.head_dim) == (4, 24)
+
+
+def test_yarns_mscale_scales_the_scores_and_interleaved_rows_go_to_halves():
+    config = tiny_config("deepseek-v2")
+    mscale = 0.1 * 0.707 * torch.log(torch.tensor(4.0)).item() + 1
+    assert mla_scale(config) == pytest.approx(24 ** -0.5 * mscale * mscale)
+    assert mla_scale(tiny_config("deepseek-v3")) == pytest.approx(24 ** -0.5)      # no rope scaling
+    rows = torch.arange(2 * 6).float()      # two heads of 2 plain rows and 4 rotary ones
+    assert rope_rows_to_halves(rows, 2, 2, 4).tolist() == [0, 1, 2, 4, 3, 5, 6, 7, 8, 10, 9, 11]
+
+
+def test_v3s_multi_token_prediction_layers_are_not_read(tmp_path):
+    """DeepSeek-V3's checkpoints hold a prediction layer after their last (model.layers.N, N = num_hidden_layers),
+    which transformers ignores: so does the loader."""
+    folder, model = save_tiny_model(tmp_path / "m", "deepseek-v3", seed=5)
+    tensors = load_file(folder / "model.safetensors")
+    tensors["model.layers.2.eh_proj.weight"] = torch.zeros(64, 128)
+    tensors["model.layers.2.self_attn.kv_b_proj.weight"] = torch.zeros(4 * 32, 32)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with LLM(str(folder), dtype="float32", num_kv_blocks=64, block_size=4) as llm:
+        tokens = llm.generate([{"prompt_token_ids": PROMPT}], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    assert tokens == hf_greedy(model, [PROMPT], 6)[0]
+
+
+@pytest.mark.parametrize(("overrides", "options", "message"), [
+    ({}, dict(tensor_parallel_size=2), "latent attention \\(DeepSeek's\\) runs on one rank"),
+    (dict(n_group=4, topk_group=2), {}, "chooses 2 of 4 groups of experts first is not supported"),
+])
+def test_what_latent_attention_models_refuse(tmp_path, overrides, options, message):
+    folder, _ = save_tiny_model(tmp_path / "m", "deepseek-v3", **overrides)
+    with pytest.raises(ValueError, match=message):
+        LLM(str(folder), dtype="float32", num_kv_blocks=64, block_size=4, **options)
