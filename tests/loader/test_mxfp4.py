@@ -133,14 +133,19 @@ def test_mxfp4_experts_read_dequantised_elsewhere(gpt_oss: tuple[str, list[list[
         assert _tokens(llm) == expected
 
 
-@pytest.mark.parametrize(("options", "message"), [
-    (dict(quantization="int8"), "an 'mxfp4' checkpoint: it runs as quantization 'mxfp4' \\(or None\\)"),
-    (dict(quantization="mxfp4", tensor_parallel_size=2), "keeps the experts in 4 bits on one rank"),
-])
-def test_mxfp4_refusals(gpt_oss: tuple[str, list[list[int]]], options: dict[str, Any], message: str) -> None:
+def test_mxfp4_refusals(gpt_oss: tuple[str, list[list[int]]]) -> None:
+    """Another quantization asked of an MXFP4 checkpoint; "mxfp4" where the blocks cannot stay packed."""
+    from pagedllm.loader import load_hf_config, resolve_quantization
+    from pagedllm.loader.resolve import resolve_model
+
     folder, _ = gpt_oss
-    with pytest.raises(ValueError, match=message):
-        LLM(folder, dtype="float32", block_size=4, num_kv_blocks=64, **options)
+    with pytest.raises(ValueError, match="an 'mxfp4' checkpoint: it runs as quantization 'mxfp4' \\(or None\\)"):
+        LLM(folder, dtype="float32", block_size=4, num_kv_blocks=64, quantization="int8")
+    resolved = resolve_model(folder)
+    config = load_hf_config(resolved)
+    with pytest.raises(ValueError, match="keeps the experts in 4 bits on one rank"):
+        resolve_quantization("mxfp4", resolved, config, tp_size=2)
+    assert resolve_quantization(None, resolved, config, tp_size=2) is None
 
 
 def test_mxfp4_asked_of_an_unquantized_checkpoint_is_refused(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.mla import mla_scale, rope_rows_to_halves
 from pagedllm.runner.model_runner import model_shape
 from tests.models.tiny import hf_greedy, save_tiny_model, tiny_config
@@ -47,11 +48,10 @@ def test_v3s_multi_token_prediction_layers_are_not_read(tmp_path):
     assert tokens == hf_greedy(model, [PROMPT], 6)[0]
 
 
-@pytest.mark.parametrize(("overrides", "options", "message"), [
-    ({}, dict(tensor_parallel_size=2), "latent attention \\(DeepSeek's\\) runs on one rank"),
-    (dict(n_group=4, topk_group=2), {}, "chooses 2 of 4 groups of experts first is not supported"),
-])
-def test_what_latent_attention_models_refuse(tmp_path, overrides, options, message):
-    folder, _ = save_tiny_model(tmp_path / "m", "deepseek-v3", **overrides)
-    with pytest.raises(ValueError, match=message):
-        LLM(str(folder), dtype="float32", num_kv_blocks=64, block_size=4, **options)
+def test_what_latent_attention_models_refuse(tmp_path):
+    """A rank's slice of the heads (the latent is every head's), and a router choosing among groups of experts."""
+    with pytest.raises(ValueError, match="latent attention \\(DeepSeek's\\) runs on one rank"):
+        LlamaForCausalLM(tiny_config("deepseek-v3"), tp_rank=0, tp_size=2)
+    folder, _ = save_tiny_model(tmp_path / "m", "deepseek-v3", n_group=4, topk_group=2)
+    with pytest.raises(ValueError, match="chooses 2 of 4 groups of experts first is not supported"):
+        LLM(str(folder), dtype="float32", num_kv_blocks=64, block_size=4)
