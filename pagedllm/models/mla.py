@@ -2,22 +2,23 @@
 
 Each token's keys and values come from one small latent, shared by every head, and one rotary key, shared too:
 
-    latent, k_rot = split(kv_a_proj_with_mqa(x), [kv_lora_rank, qk_rope_head_dim])
-    k_nope_h, v_h = split(kv_b_proj(kv_a_layernorm(latent)), per head [qk_nope_head_dim, v_head_dim])
+    latent, k_rot = split(kv_a_proj_with_mqa(x), [kv_lora_rank, qk_rope_head_dim]);  c = kv_a_layernorm(latent)
+    k_nope_h = W_UK_h c,  v_h = W_UV_h c                       (kv_b_proj's rows: each head's W_UK_h, then W_UV_h)
     q_nope_h, q_rot_h = split(q_proj(x), per head [...])       (V2's and V3's: q_b_proj(q_a_layernorm(q_a_proj(x))))
-    k_h = [k_nope_h, rope(k_rot)]   q_h = [q_nope_h, rope(q_rot_h)]
-    o = o_proj(concat_h softmax(q_h . k_h * scale) v_h)
+    o = o_proj(concat_h softmax([q_nope_h, rope(q_rot_h)] . [k_nope_h, rope(k_rot)] * scale) v_h)
 
-as transformers runs it (which caches the latent and expands it every step). Here the expanded keys and values go
-into the paged cache as a multi-head attention's, each head's value zero-padded to the key's width (qk_head_dim)
-so that one pool of rows of one width holds both, and the kernels attend as they attend any layer's; the output's
-padding is dropped before o_proj. That is ~9x the latent's bytes a token (DeepSeek-V2-Lite: 27 layers x 16 heads x
-192 x 2: ~330 KB a bf16 token), the price of running through the kernels unchanged; the latent cache with the
-projections absorbed into the queries (vLLM's) would keep 576 values a token a layer.
+transformers caches c and k_rot and expands them into every head's keys and values each step. Here the projections
+are absorbed instead (DeepSeek's own inference, vLLM's decode): q_nope_h . W_UK_h c = (W_UK_h^T q_nope_h) . c, and
+sum_k p_k W_UV_h c_k = W_UV_h sum_k p_k c_k, so the paged cache holds one row a token a layer, [c, rope(k_rot)]
+(kv_lora_rank + qk_rope_head_dim values: 576 for DeepSeek's; its value row c, zero-padded to that width so that one
+pool of rows of one width holds both), attended as a multi-query attention's by the queries [W_UK_h^T q_nope_h,
+rope(q_rot_h)] of every head, each head's output W_UV_h applied to its first kv_lora_rank values. DeepSeek-V2-Lite: 27
+layers x 2 x 576 x 2 bytes, ~62 KB a bf16 token (the expanded keys and values would take ~330 KB). The same sums in
+another order: float32 logits within ~1e-6 of transformers'.
 
 The rope turns interleaved pairs of the rotary values (V2's complex multiplication; V3's `rope_interleave`): their
-rows of q's and kv_a_proj_with_mqa's weights are reordered into halves at load (`rope_rows_to_halves`), as for
-ERNIE's, which leaves q . k as it was. YaRN's `mscale_all_dim` scales the scores too (`mla_scale`).
+rows of q's and kv_a_proj_with_mqa's weights are reordered into halves at load (`mla_rope_rows`), as for ERNIE's,
+which leaves q . k as it was. YaRN's `mscale_all_dim` scales the scores too (`mla_scale`).
 """
 
 from __future__ import annotations
@@ -82,8 +83,22 @@ def mla_rope_rows(config: Any, name: str, tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def mla_cache_row(config: Any) -> int:
+    """The values of a token's one cache row (K and V alike) in each layer: the latent and the rotary key."""
+    return config.kv_lora_rank + config.qk_rope_head_dim
+
+
+class _Weight(nn.Module):
+    """A weight that stays a plain tensor (kv_b_proj's: absorbed into the queries and outputs head by head, never a
+    linear layer's call, so never packed)."""
+
+    def __init__(self, rows: int, columns: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(rows, columns, dtype=dtype), requires_grad=False)
+
+
 class MLAttention(nn.Module):
-    """Multi-head latent attention over a paged cache of its expanded keys and (padded) values; on one rank."""
+    """Multi-head latent attention over a paged cache of latents, its projections absorbed; on one rank."""
 
     def __init__(self, config: Any, dtype: torch.dtype, attn_backend: AttentionBackend,
                  rotary_emb: RotaryEmbedding, tp: tuple[int, int]) -> None:
@@ -93,8 +108,6 @@ class MLAttention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.nope, self.rope, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
         self.qk_dim, self.kv_rank = self.nope + self.rope, config.kv_lora_rank
-        if self.v_dim > self.qk_dim:
-            raise ValueError(f"v_head_dim {self.v_dim} wider than the keys ({self.qk_dim}) is not supported")
         hidden, bias, q_rank = config.hidden_size, bool(getattr(config, "attention_bias", False)), config.q_lora_rank
         queries = self.num_heads * self.qk_dim
         self.q_proj = None if q_rank else ColumnParallelLinear(hidden, queries, bias=False, dtype=dtype)
@@ -103,8 +116,7 @@ class MLAttention(nn.Module):
         self.q_b_proj = ColumnParallelLinear(q_rank, queries, bias=False, dtype=dtype) if q_rank else None
         self.kv_a_proj_with_mqa = ColumnParallelLinear(hidden, self.kv_rank + self.rope, bias=bias, dtype=dtype)
         self.kv_a_layernorm = RMSNorm(self.kv_rank, _LATENT_NORM_EPS, dtype)
-        self.kv_b_proj = ColumnParallelLinear(self.kv_rank, self.num_heads * (self.nope + self.v_dim), bias=False,
-                                              dtype=dtype)
+        self.kv_b_proj = _Weight(self.num_heads * (self.nope + self.v_dim), self.kv_rank, dtype)
         self.o_proj = RowParallelLinear(self.num_heads * self.v_dim, hidden, bias=bias, dtype=dtype)
         self.rotary_emb = rotary_emb
         self.attn_backend = attn_backend
@@ -121,14 +133,19 @@ class MLAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
                 lora: Any = None) -> torch.Tensor:
+        heads = self.num_heads
+        absorbed = self.kv_b_proj.weight.view(heads, self.nope + self.v_dim, self.kv_rank)
+        w_uk, w_uv = absorbed[:, :self.nope], absorbed[:, self.nope:]             # [H, nope, rank], [H, v, rank]
         q = self.queries(x)
         latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.kv_rank, self.rope], dim=-1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent.contiguous())).view(-1, self.num_heads, self.nope + self.v_dim)
+        latent = self.kv_a_layernorm(latent.contiguous())                          # [T, rank]
         q_rot, k_rot = self.rotary_emb(positions, q[..., self.nope:].contiguous(), k_rot.reshape(-1, 1, self.rope))
-        query = torch.cat([q[..., :self.nope], q_rot], dim=-1)
-        key = torch.cat([kv[..., :self.nope], k_rot.expand(-1, self.num_heads, -1)], dim=-1)
-        value = F.pad(kv[..., self.nope:], (0, self.qk_dim - self.v_dim))
+        q_latent = torch.bmm(q[..., :self.nope].transpose(0, 1), w_uk).transpose(0, 1)   # [T, H, rank]
+        query = torch.cat([q_latent, q_rot], dim=-1)
+        key = torch.cat([latent[:, None], k_rot], dim=-1)                          # [T, 1, rank + rope]
+        value = F.pad(latent, (0, self.rope))[:, None]
         k_cache, v_cache = kv_cache
         write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
-        out = self.attn_backend(query, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(out[..., :self.v_dim].flatten(1))
+        out = self.attn_backend(query, k_cache, v_cache, meta, self.scale)         # [T, H, rank + rope]
+        out = torch.bmm(out[..., :self.kv_rank].transpose(0, 1), w_uv.transpose(1, 2))    # [H, T, v]
+        return self.o_proj(out.transpose(0, 1).flatten(1))

@@ -30,6 +30,7 @@ from pagedllm.loader.pooling_config import sentence_transformers_projector
 from pagedllm.lora.adapter import LoRAAdapter, LoRABatch, LoRARegistry
 from pagedllm.lora.request import LoRARequest
 from pagedllm.models.llama import cache_layers, has_conv_layers
+from pagedllm.models.mla import is_mla, mla_cache_row
 from pagedllm.models.vision import ImageRows
 from pagedllm.multimodal import MRopeLayout
 from pagedllm.runner import kv_tensors
@@ -58,10 +59,11 @@ class ModelShape:
 
 def model_shape(hf_config, tp_rank: int = 0, tp_size: int = 1) -> ModelShape:
     """The model's shape as rank `tp_rank` of `tp_size` holds it (num_kv_heads: this rank's KV heads). A latent
-    attention's (DeepSeek's) rows are its expanded keys', qk_head_dim wide (pagedllm.models.mla)."""
-    head_dim = getattr(hf_config, "qk_head_dim", None) or getattr(hf_config, "head_dim", None) or \
-        hf_config.hidden_size // hf_config.num_attention_heads
+    attention's (DeepSeek's) pool holds one row a token, its latent and rotary key (pagedllm.models.mla)."""
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    if is_mla(hf_config):
+        head_dim, num_kv_heads = mla_cache_row(hf_config), 1
     heads = head_shard(hf_config.num_attention_heads, num_kv_heads, tp_rank, tp_size)
     num_layers = cache_layers(hf_config)[-1].stop     # the KV pool's layers (LFM2's convolutions may take more)
     return ModelShape(num_layers, heads.num_kv_heads, head_dim, hf_config.vocab_size)

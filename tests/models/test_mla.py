@@ -17,12 +17,13 @@ from tests.models.tiny import hf_greedy, save_tiny_model, tiny_config
 PROMPT = [5, 17, 42, 99, 3, 250, 7]
 
 
-def test_the_cache_holds_each_heads_expanded_key_and_padded_value():
-    """Rows of qk_head_dim (nope + rope: 24) for each of the heads, where the config's head_dim is the rope's (8)."""
+def test_the_cache_holds_one_row_a_token_its_latent_and_rotary_key():
+    """One row of kv_lora_rank + qk_rope_head_dim (32 + 8) a token a layer, for all four heads, where the config's
+    head_dim is the rope's (8)."""
     config = tiny_config("deepseek-v2")
     assert config.head_dim == 8
     shape = model_shape(config)
-    assert (shape.num_kv_heads, shape.head_dim) == (4, 24)
+    assert (shape.num_kv_heads, shape.head_dim) == (1, 40)
 
 
 def test_yarns_mscale_scales_the_scores_and_interleaved_rows_go_to_halves():
