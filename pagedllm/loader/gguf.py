@@ -102,7 +102,15 @@ _ARCH_BLOCK_NAMES = {"gemma2": _GEMMA_BLOCK_NAMES, "gemma3": _GEMMA_BLOCK_NAMES,
                                     "attn_norm": "post_attention_layernorm"},
                      # gpt-oss's norm before the MLP under llama.cpp's name for a norm after the attention; its sinks
                      "gpt-oss": {**_BLOCK_NAMES, "post_attention_norm": "post_attention_layernorm",
-                                 "attn_sinks": "self_attn.sinks"}}
+                                 "attn_sinks": "self_attn.sinks"},
+                     # DeepSeek's latent attention: its queries (straight, or through their latent), the shared
+                     # latent and rotary key, and kv_b_proj (older files' attn_kv_b; newer ones split it by head
+                     # into attn_k_b, transposed, and attn_v_b: `_fused_kv_b` joins them back)
+                     "deepseek2": {**_BLOCK_NAMES, "attn_q_a": "self_attn.q_a_proj",
+                                   "attn_q_a_norm": "self_attn.q_a_layernorm", "attn_q_b": "self_attn.q_b_proj",
+                                   "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+                                   "attn_kv_a_norm": "self_attn.kv_a_layernorm", "attn_kv_b": "self_attn.kv_b_proj",
+                                   "attn_k_b": "self_attn.kv_b_proj", "attn_v_b": "self_attn.kv_b_proj"}}
 # Architectures whose norm scales by 1 + w (Gemma's RMSNorm, Nemotron's LayerNorm1P), which llama.cpp's converter
 # stores as the 1 + w it multiplies by
 _NORM_SHIFTED_ARCHS = {"gemma2", "gemma3", "gemma-embedding", "nemotron"}
@@ -137,10 +145,10 @@ _STACKED_EXPERTS_RE = re.compile(r"(blk\.\d+\.ffn_(?:gate|up|down))_exps\.(weigh
 # GGUF architectures of mixtures of experts -> transformers' model_type (a Mixtral file says "llama")
 _MOE_MODEL_TYPES = {"llama": "mixtral", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "qwen3vlmoe": "qwen3_moe",
                     "ernie4_5-moe": "ernie4_5_moe", "lfm2moe": "lfm2_moe", "granitemoe": "granitemoe", "olmoe": "olmoe",
-                    "gpt-oss": "gpt_oss"}
+                    "gpt-oss": "gpt_oss", "deepseek2": "deepseek_v2"}
 # whether llama.cpp renormalises each token's top-k expert weights, by architecture (Qwen2-MoE does not)
 _MOE_RENORMALIZES = {"llama": True, "qwen2moe": False, "qwen3moe": True, "qwen3vlmoe": True, "ernie4_5-moe": True,
-                     "lfm2moe": True, "granitemoe": True, "olmoe": False, "gpt-oss": True}
+                     "lfm2moe": True, "granitemoe": True, "olmoe": False, "gpt-oss": True, "deepseek2": False}
 # What llama.cpp fixes for gpt-oss rather than read from the file: its experts' SwiGLU's alpha and limit, and every how
 # many layers one is global (the others, the first among them, local over the window)
 _GPT_OSS_SWIGLU = (1.702, 7.0)
@@ -345,9 +353,10 @@ def iterate_gguf(path: str | Path, dtype: torch.dtype = torch.float32, gguf_file
     names = _names_of(g)
     for info in g.tensors.values():
         hf_name = gguf_to_hf_name(info.name, names)
-        if hf_name is None or all(part in skip for part in fused_parts(hf_name)):
+        if hf_name is None or all(part in skip for part in fused_parts(hf_name)) or \
+                info.name.endswith(".attn_v_b.weight"):    # (DeepSeek's: read with its attn_k_b)
             continue
-        tensor = g.read_tensor(info)
+        tensor = _fused_kv_b(g, info) if info.name.endswith(".attn_k_b.weight") else g.read_tensor(info)
         if g.architecture in _NORM_SHIFTED_ARCHS and hf_name.endswith("norm.weight"):
             tensor = tensor.float() - 1
         # llama.cpp may store [H] (or [E]) where the checkpoints hold [1, H]: Qwen2-MoE's shared expert's gate, ERNIE's
@@ -364,6 +373,14 @@ def iterate_gguf(path: str | Path, dtype: torch.dtype = torch.float32, gguf_file
         yield hf_name, tensor.to(dtype)
 
 
+def _fused_kv_b(g: GGUFFile, k_b: GGUFTensorInfo) -> torch.Tensor:
+    """DeepSeek's kv_b_proj [heads x (nope + v), kv_lora_rank] from a newer file's two parts: attn_k_b [heads,
+    kv_lora_rank, nope] (each head's key rows transposed) and attn_v_b [heads, v, kv_lora_rank]."""
+    keys = g.read_tensor(k_b).transpose(1, 2)
+    values = g.read_tensor(g.tensors[k_b.name.replace(".attn_k_b.", ".attn_v_b.")])
+    return torch.cat([keys, values.to(keys.dtype)], dim=1).flatten(0, 1)
+
+
 def gguf_block_rows(g: GGUFFile, ggml_types: tuple[GGMLQuantizationType, ...], config: Any
                     ) -> dict[str, tuple[GGMLQuantizationType, torch.Tensor]]:
     """{Hugging Face name: (type, raw rows)} of the 2-D tensors stored as one of `ggml_types`: each row's blocks
@@ -371,6 +388,7 @@ def gguf_block_rows(g: GGUFFile, ggml_types: tuple[GGMLQuantizationType, ...], c
     `iterate_gguf` unpermutes them, a fused tensor's rows split among its parts as `config` (the file's
     `gguf_hf_config`) sizes them (rows are independent, so moving whole rows of blocks is exact)."""
     from pagedllm.models.llama import unfused
+    from pagedllm.models.mla import is_mla, mla_rope_rows
 
     permute = g.architecture in _PERMUTED_ARCHS
     residual = float(getattr(config, "residual_multiplier", None) or 1.0)    # Granite's, into its blocks' scales
@@ -389,6 +407,8 @@ def gguf_block_rows(g: GGUFFile, ggml_types: tuple[GGMLQuantizationType, ...], c
                 raw = interleaved_to_halves(raw, num_heads, rope_dims)
         if residual != 1.0 and hf_name.endswith((".o_proj.weight", ".down_proj.weight")):
             raw = scaled_blocks(raw, info.ggml_type, residual)
+        if is_mla(config):      # DeepSeek's interleaved rotary rows, reordered as whole rows of blocks
+            raw = mla_rope_rows(config, hf_name, raw)
         for part_name, part_rows in unfused(config, hf_name, raw):     # Phi-3's fused tensors, row by row
             rows[part_name] = (info.ggml_type, part_rows)
     return rows
@@ -442,10 +462,13 @@ def gguf_hf_config(g: GGUFFile) -> Any:
     kwargs.update(_gguf_token_ids(g))
     _add_architecture_fields(g, kwargs)
     kwargs.update(_gguf_experts(g, kwargs["num_hidden_layers"]))
+    if arch == "deepseek2":     # (its experts' fields its own)
+        kwargs.update(_gguf_deepseek(g, kwargs))
     name = g.metadata.get("general.name")
-    model_type = kwargs.pop("model_type", None) or _MODEL_TYPES.get(arch, arch)     # (OLMo 3's: olmo3)
+    named = kwargs.pop("model_type", None)      # (OLMo 3's: olmo3; DeepSeek-V3's: deepseek_v3)
     config = PretrainedConfig(**kwargs)
-    config.model_type = _MOE_MODEL_TYPES[arch] if kwargs.get("num_local_experts") else model_type
+    config.model_type = named or (_MOE_MODEL_TYPES[arch] if kwargs.get("num_local_experts") else
+                                  _MODEL_TYPES.get(arch, arch))
     if name:
         config._name_or_path = str(name)
     return config
@@ -512,6 +535,27 @@ def _gguf_gpt_oss(g: GGUFFile, fields: dict[str, Any]) -> dict[str, Any]:
                 sliding_window=int(g.arch_value("attention.sliding_window")),
                 layer_types=["sliding_attention" if i % _GPT_OSS_GLOBAL_EVERY < _GPT_OSS_GLOBAL_EVERY - 1
                              else "full_attention" for i in range(fields["num_hidden_layers"])])
+
+
+def _gguf_deepseek(g: GGUFFile, fields: dict[str, Any]) -> dict[str, Any]:
+    """A `deepseek2` file's config fields, as transformers' DeepSeek-V2 (softmax scores) or V3 (sigmoid ones, chosen
+    with exp_probs_b) config names them: the latent attention's widths (newer files' *_mla lengths, which their
+    absorbed layout leaves the per-head ones to; their one KV head stands for every head's), the experts' counts,
+    scale and norm, the dense layers first."""
+    rope = int(g.arch_value("rope.dimension_count"))
+    key = int(g.arch_value("attention.key_length_mla") or g.arch_value("attention.key_length"))
+    sigmoid = int(g.arch_value("expert_gating_func") or 1) == 2     # llama.cpp's LLAMA_EXPERT_GATING_FUNC_SIGMOID
+    q_rank = int(g.arch_value("attention.q_lora_rank") or 0)
+    return dict(model_type="deepseek_v3" if sigmoid else "deepseek_v2", q_lora_rank=q_rank or None,
+                kv_lora_rank=int(g.arch_value("attention.kv_lora_rank")), qk_rope_head_dim=rope,
+                qk_nope_head_dim=key - rope, head_dim=rope, num_key_value_heads=fields["num_attention_heads"],
+                v_head_dim=int(g.arch_value("attention.value_length_mla") or g.arch_value("attention.value_length")),
+                n_routed_experts=fields["num_local_experts"], n_shared_experts=int(g.arch_value("expert_shared_count")),
+                first_k_dense_replace=int(g.arch_value("leading_dense_block_count") or 0),
+                routed_scaling_factor=float(g.arch_value("expert_weights_scale") or 1.0),
+                norm_topk_prob=bool(g.arch_value("expert_weights_norm")), topk_method="greedy",
+                n_group=int(g.arch_value("expert_group_count") or 1),
+                topk_group=int(g.arch_value("expert_group_used_count") or 1), rope_interleave=True)
 
 
 def _gguf_windows(g: GGUFFile, fields: dict[str, Any]) -> dict[str, Any]:
@@ -704,9 +748,12 @@ def _gguf_rope_parameters(g: GGUFFile) -> dict[str, Any]:
     scaling = g.arch_value("rope.scaling.type")
     if scaling in ("linear",):
         params.update(rope_type="linear", factor=float(g.arch_value("rope.scaling.factor")))
-    elif scaling == "yarn" and g.arch_value("rope.scaling.yarn_log_mul") is None:   # (DeepSeek's scales: not read)
+    elif scaling == "yarn":
         params.update(rope_type="yarn", factor=float(g.arch_value("rope.scaling.factor")),
                       original_max_position_embeddings=int(g.arch_value("rope.scaling.original_context_length")))
+        log_mul = g.arch_value("rope.scaling.yarn_log_multiplier")     # DeepSeek's 0.1 mscale_all_dim (= its mscale)
+        if log_mul:
+            params.update(mscale=float(log_mul) / 0.1, mscale_all_dim=float(log_mul) / 0.1)
         for key in ("beta_fast", "beta_slow"):
             if g.arch_value(f"rope.scaling.yarn_{key}") is not None:
                 params[key] = float(g.arch_value(f"rope.scaling.yarn_{key}"))

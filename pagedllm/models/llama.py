@@ -185,7 +185,7 @@ _ERNIE_MOE_NAMES = ((".mlp.shared_experts.", ".mlp.shared_expert."),
                     (".mlp.moe_statics.e_score_correction_bias", ".mlp.selection_bias"), _GGUF_SELECTION_BIAS)
 # DeepSeek's shared experts (one ungated MLP) and V3's bias of its router's choice
 _DEEPSEEK_NAMES = ((".mlp.shared_experts.", ".mlp.shared_expert."),
-                   (".mlp.gate.e_score_correction_bias", ".mlp.selection_bias"))
+                   (".mlp.gate.e_score_correction_bias", ".mlp.selection_bias"), _GGUF_SELECTION_BIAS)
 # A model type's checkpoint tensors the model does not use, by a part of their names: ERNIE 4.5 MoE's multi-token
 # prediction layers (transformers ignores them too)
 _UNUSED_NAME_PARTS = {"ernie4_5_moe": "mtp"}

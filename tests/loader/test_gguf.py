@@ -147,6 +147,13 @@ def _gguf_tensors(hf_model, arch: str):
                 yield f"blk.{layer}.ffn_down_exps.{suffix}", t.contiguous()
         elif gpt_oss and kind == "sinks":
             yield f"blk.{layer}.attn_sinks.weight", t
+        elif name.endswith("self_attn.kv_b_proj.weight"):     # DeepSeek's, split by head as llama.cpp's converter
+            cfg = hf_model.config                                   # writes it: each head's key rows transposed
+            heads = t.view(cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, -1)
+            yield f"blk.{layer}.attn_k_b.weight", heads[:, :cfg.qk_nope_head_dim].transpose(1, 2).contiguous()
+            yield f"blk.{layer}.attn_v_b.weight", heads[:, cfg.qk_nope_head_dim:].contiguous()
+        elif kind == "e_score_correction_bias" and hf_model.config.model_type == "deepseek_v3":
+            yield f"blk.{layer}.exp_probs_b.bias", t
         elif name.endswith("experts.gate_up_proj"):      # stacked experts' names have no .weight (nor a map entry)
             layer = name.split(".")[2]      # (of model.layers.{layer}. names)
             gate, up = t.chunk(2, dim=1)
@@ -185,6 +192,22 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
     if arch in ("lfm2", "lfm2moe"):     # its convolution layers with no KV heads
         w.add_head_count_kv([0 if t == "conv" else cfg.num_key_value_heads for t in cfg.layer_types])
         w.add_shortconv_l_cache(cfg.conv_L_cache)
+    elif arch == "deepseek2":   # its latent attention as llama.cpp's absorbed layout writes it: one KV head of the
+        w.add_head_count_kv(1)  # latent and rotary key, the per-head widths under *_mla
+        w.add_kv_lora_rank(cfg.kv_lora_rank)
+        if cfg.q_lora_rank:
+            w.add_q_lora_rank(cfg.q_lora_rank)
+        w.add_key_length_mla(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+        w.add_value_length_mla(cfg.v_head_dim)
+        w.add_value_length(cfg.kv_lora_rank)
+        w.add_leading_dense_block_count(cfg.first_k_dense_replace)
+        w.add_expert_shared_count(cfg.n_shared_experts)
+        w.add_expert_weights_scale(cfg.routed_scaling_factor)
+        w.add_expert_weights_norm(cfg.norm_topk_prob)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if cfg.model_type == "deepseek_v3" else
+                                 gguf.ExpertGatingFuncType.SOFTMAX)
+        if rope.get("mscale_all_dim"):
+            w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
     else:   # (GPT-BigCode's one KV head, or one a query head)
         w.add_head_count_kv(getattr(cfg, "num_key_value_heads", None) or
                             (1 if getattr(cfg, "multi_query", False) else cfg.num_attention_heads))
@@ -247,7 +270,7 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
         w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0)
         w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], np.float32))
         w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], np.float32))
-    w.add_key_length(head_dim)
+    w.add_key_length(cfg.kv_lora_rank + cfg.qk_rope_head_dim if arch == "deepseek2" else head_dim)
     w.add_vocab_size(cfg.vocab_size)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
@@ -322,7 +345,8 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
                                        ("ernie4_5", "ernie4_5"), ("ernie4_5-moe", "ernie4_5-moe"), ("glm4", "glm4"),
                                        ("stablelm", "stablelm"),
                                        ("stablelm-parallel", "stablelm"), ("starcoder2", "starcoder2"),
-                                       ("phi", "phi2"), ("gpt-neox", "gptneox"), ("gpt-neox-sequential", "gptneox")])
+                                       ("phi", "phi2"), ("gpt-neox", "gptneox"), ("gpt-neox-sequential", "gptneox"),
+                                       ("deepseek-v2", "deepseek2"), ("deepseek-v3", "deepseek2")])
 def test_tiny_gguf_model_matches_transformers(tmp_path: Path, kind: str, arch: str) -> None:
     # SmolLM3's files leave every fourth layer without a rotary embedding (llama.cpp's fixed step): four layers here;
     # ERNIE 4.5 MoE's (and Falcon 40B's) without biases, as llama.cpp reads their files; LFM2-MoE's experts unscaled, as

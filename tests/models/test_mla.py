@@ -56,3 +56,26 @@ def test_what_latent_attention_models_refuse(tmp_path):
     folder, _ = save_tiny_model(tmp_path / "m", "deepseek-v3", n_group=4, topk_group=2)
     with pytest.raises(ValueError, match="chooses 2 of 4 groups of experts first is not supported"):
         LLM(str(folder), dtype="float32", num_kv_blocks=64, block_size=4)
+
+
+@pytest.mark.parametrize("kind", ["deepseek-v2", "deepseek-v3"])
+def test_a_quantized_deepseek2_gguf_keeps_its_blocks_rotary_rows_reordered(tmp_path, kind, monkeypatch):
+    """llama.cpp's `deepseek2` files (its absorbed layout: kv_b_proj split by head): their q and kv_a rows, the
+    rotary ones interleaved, reordered into halves as whole rows of Q8_0 blocks, which stay packed: the dequantised
+    model within the 16-bit activations' noise."""
+    from gguf import GGMLQuantizationType as Q
+
+    from pagedllm.config import ModelConfig
+    from pagedllm.loader import load_model
+    from tests.loader.test_gguf import _assert_gguf_reference_near_the_dense_model, write_model_gguf
+    from tests.models.tiny import build_tiny_hf_model
+
+    path = tmp_path / f"{kind}-q8.gguf"
+    ranks = dict(q_lora_rank=64) if kind == "deepseek-v3" else {}     # (whole blocks of 32 along its input)
+    write_model_gguf(build_tiny_hf_model(kind, 5, **ranks), path, "deepseek2", Q.Q8_0)
+    packed = load_model(ModelConfig(model=str(path), dtype="float32", quantization="gguf")).model
+    dense = load_model(ModelConfig(model=str(path), dtype="float32")).model
+    attention = packed.model.layers[0].self_attn
+    assert (attention.q_proj or attention.q_b_proj).weight.dtype == torch.uint8
+    assert attention.kv_a_proj_with_mqa.weight.dtype == torch.uint8
+    _assert_gguf_reference_near_the_dense_model(packed, dense, PROMPT, monkeypatch)
