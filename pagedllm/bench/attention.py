@@ -42,21 +42,22 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from pagedllm.attention.cpu import decode_attention
-    from pagedllm.bench.measure import ModelDims
     from pagedllm.cpu import cpu_info
     from pagedllm.loader import load_hf_config, resolve_dtype, resolve_model
     from pagedllm.runner.kv_tensors import KVLayout, allocate_kv, layer_caches
+    from pagedllm.runner.model_runner import model_shape
 
     resolved = resolve_model(args.model)
-    dims = ModelDims.from_hf_config(load_hf_config(resolved))
-    layout = KVLayout(dims.num_layers, dims.num_kv_heads, dims.head_dim, resolve_dtype(args.dtype),
+    config = load_hf_config(resolved)
+    pool = model_shape(config)      # the engine's pool: a latent attention's (DeepSeek's) one row a token too
+    layout = KVLayout(pool.num_layers, pool.num_kv_heads, pool.head_dim, resolve_dtype(args.dtype),
                       args.kv_cache_dtype)
     bytes_per_block = layout.bytes_per_token * args.block_size
     needed = max(-(-context // args.block_size) for context in args.context_len) * max(args.num_seqs)
     num_blocks = max(needed, int(args.pool_gib * 2**30) // bytes_per_block)
     caches = layer_caches(allocate_kv(layout, num_blocks, args.block_size, torch.device("cpu")))
     generator = torch.Generator().manual_seed(args.seed)
-    scale = dims.head_dim ** -0.5
+    scale = layout.head_dim ** -0.5
     rows = []
     for context in args.context_len:
         per_seq = -(-context // args.block_size)
@@ -68,7 +69,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                 v_cache[ids] = _random_rows(v_cache[ids].shape, layout, generator)
             block_tables = ids.to(torch.int32).view(num_seqs, per_seq)
             seq_lens = torch.full((num_seqs,), context, dtype=torch.int32)
-            query = torch.randn(num_seqs, dims.num_heads, dims.head_dim, generator=generator).to(layout.dtype)
+            query = torch.randn(num_seqs, config.num_attention_heads, layout.head_dim, generator=generator
+                                ).to(layout.dtype)
             steps = [_time_step(decode_attention, caches, query, block_tables, seq_lens, scale)
                      for _ in range(1 + args.repeats)]   # the first pays for the blocks' pages in cache and TLB
             seconds = statistics.median(steps[1:])
@@ -76,7 +78,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             rows.append(dict(num_seqs=num_seqs, context_len=context, ms_per_step=1e3 * seconds,
                              gb_per_s=read / seconds / 1e9))
     result = {"model": resolved.name, "cpu": cpu_info().describe(), "dtype": str(layout.dtype).removeprefix("torch."),
-              "kv_cache_dtype": args.kv_cache_dtype, "block_size": args.block_size, "layers": dims.num_layers,
+              "kv_cache_dtype": args.kv_cache_dtype, "block_size": args.block_size, "layers": layout.num_layers,
               "kv_bytes_per_token": layout.bytes_per_token,
               "scatter": args.scatter, "steps": rows}
     print_report(result)

@@ -402,6 +402,22 @@ def test_the_kernels_refuse_slopes_of_another_head_count(isa_level: str) -> None
         paged_attention(query, k_cache, v_cache, meta, 0.5, alibi_slopes=geometric_slopes(2))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("views", [1, 2])
+@pytest.mark.parametrize("batch", ["mixed", "decode"])
+def test_latent_rows_viewed_as_several_kv_heads_match_the_reference(dtype: torch.dtype, views: int, batch: str,
+                                                                    isa_level: str) -> None:
+    """DeepSeek's latent attention (pagedllm.models.mla): 16 query heads over one 576-wide row a token, which the
+    backend reads through views of it as two kv heads of 8 query heads each (stride 0: the kernels' fixed-size
+    paths), or given as such views: decodes and prefill chunks, the reference's result over the one row."""
+    query, k_cache, v_cache, meta, _ = _random_batch(*BATCHES[batch], 16, 1, dtype, seed=21, head_dim=576,
+                                                     block_size=8)
+    expected = paged_attention_ref(query, k_cache, v_cache, meta, 0.05)
+    actual = paged_attention(query, k_cache.expand(-1, -1, views, -1), v_cache.expand(-1, -1, views, -1), meta, 0.05)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(actual.float(), expected.float(), atol=tol, rtol=tol)
+
+
 def random_sinks(num_heads: int, seed: int = 0) -> torch.Tensor:
     """Attention sinks [num_heads] float32 of the scores' size (|s| ~ 1 here), so that each takes a share of its
     rows' weights that an error in it would show."""

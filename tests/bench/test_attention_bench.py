@@ -41,3 +41,14 @@ def test_each_point_times_every_layer_over_its_own_blocks(tiny_model_dir, monkey
     for row in result["steps"]:
         read = row["num_seqs"] * row["context_len"] * result["kv_bytes_per_token"]
         assert row["gb_per_s"] == pytest.approx(read / (row["ms_per_step"] / 1e3) / 1e9)
+
+
+def test_a_latent_attention_model_is_timed_over_its_pools_rows(tmp_path):
+    """DeepSeek's pool holds one row a token a layer (latent + rotary key: 32 + 8 values), which every query head
+    reads (the engine's `model_shape`), not rows of its config's head_dim (the rope's 8) for each head."""
+    from tests.models.tiny import save_tiny_model
+
+    folder, _ = save_tiny_model(tmp_path / "m", "deepseek-v2", with_tokenizer=False)
+    result = main(["attention", "--model", str(folder), "--dtype", "float32", "--num-seqs", "2", "--context-len", "9",
+                   "--pool-gib", "0.001", "--repeats", "1"])
+    assert result["kv_bytes_per_token"] == 2 * result["layers"] * 1 * 40 * 4
