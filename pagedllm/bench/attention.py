@@ -49,8 +49,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
 
     resolved = resolve_model(args.model)
     config = load_hf_config(resolved)
-    pool = model_shape(config)      # the engine's pool: a latent attention's (DeepSeek's) one row a token too
-    layout = KVLayout(pool.num_layers, pool.num_kv_heads, pool.head_dim, resolve_dtype(args.dtype),
+    pool = model_shape(config)      # the engine's rows: a latent attention's (DeepSeek's) one row a token too
+    layout = KVLayout(config.num_hidden_layers, pool.num_kv_heads, pool.head_dim, resolve_dtype(args.dtype),
                       args.kv_cache_dtype)
     bytes_per_block = layout.bytes_per_token * args.block_size
     needed = max(-(-context // args.block_size) for context in args.context_len) * max(args.num_seqs)
