@@ -1,7 +1,7 @@
 // GGUF's blocks kept packed (quantization="gguf"): Q8_0, Q4_0, Q4_1 and MXFP4 weights, which also run Q4_K, AWQ and
 // GPTQ weights (pagedllm.layers.gguf repacks them as Q4_1) and gpt-oss's MXFP4 experts, times activations quantized
-// to 16 bits carried as two int8 halves. x's rows are quantized in each call, one scale per group of 32 k's (a GGUF block), and each group's
-// products are summed exactly in int32:
+// to 16 bits carried as two int8 halves. x's rows are quantized in each call, one scale per group of 32 k's (a GGUF
+// block), and each group's products are summed exactly in int32:
 //
 //    v = x[m, k] / s (clamped to [-127, 127]) with s = max |x[m, group g]| / 127 (1 for a zero group),
 //    hi = round(v), lo = round(256 (v - hi)) clamped to [-127, 127], qx[m, k] = 256 hi + lo, s_x[m, g] = s / 256,

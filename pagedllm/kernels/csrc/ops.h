@@ -87,9 +87,9 @@ struct SoftmaxState {
 bool prefill_attention_in_tiles(const at::Tensor& q, const at::Tensor& k_cache);
 // Cascade attention's parts (paged_attention.cpp runs them): every row of q over the first prefix_len keys of the
 // first sequence's blocks (whole kKeyChunks), then the decodes' and the other sequences' rows over the rest of their
-// contexts from that state (prefix = nullptr: from no keys, over the whole context, or its window). `alibi`: nullptr, or
-// the slopes (`head_data`), never with a prefix; `sinks`: nullptr, or the sinks, which join each row's denominator as
-// its output is made (after the prefix's keys and its own).
+// contexts from that state (prefix = nullptr: from no keys, over the whole context, or its window). `alibi`: nullptr,
+// or the slopes (`head_data`), never with a prefix; `sinks`: nullptr, or the sinks, which join each row's denominator
+// as its output is made (after the prefix's keys and its own).
 SoftmaxState prefix_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                               const at::Tensor& block_tables, const at::Tensor& seq_lens,
                               const at::Tensor& query_start_loc, int64_t prefix_len, double scale, double softcap);
