@@ -15,7 +15,7 @@ dequantised into the model's dtype, exactly (e2m1 values times powers of two are
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Iterator, Mapping
+from collections.abc import Container, Iterator, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -132,13 +132,11 @@ class Mxfp4Rows(Mapping[str, tuple[GGMLQuantizationType, torch.Tensor]]):
         return len(self._where)
 
 
-def iterate_mxfp4(folder: Path, dtype: torch.dtype, skip: Container[str] = (),
-                  rename: Callable[[str], str | None] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs for the model's `load_weights`: the checkpoint's other tensors in `dtype` (`rename`d),
-    then each stacked MXFP4 projection dequantised, [E, K, N] as transformers holds gpt-oss's experts, under its
-    stacked name; but those whose every expert weight is in `skip` (packed as they are: never dequantised)."""
-    yield from iterate_safetensors(folder, dtype, lambda name: None if name.endswith(_PARTS) else
-                                   name if rename is None else rename(name))
+def iterate_mxfp4(folder: Path, dtype: torch.dtype, skip: Container[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs for the model's `load_weights`: the checkpoint's other tensors in `dtype`, then each
+    stacked MXFP4 projection dequantised, [E, K, N] as transformers holds gpt-oss's experts, under its stacked name;
+    but those whose every expert weight is in `skip` (packed as they are: never dequantised)."""
+    yield from iterate_safetensors(folder, dtype, lambda name: None if name.endswith(_PARTS) else name)
     for stacked in _stacked(folder):
         if all(name in skip for name, _, _ in _expert_names(stacked.name, stacked.num_experts)):
             continue

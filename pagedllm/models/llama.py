@@ -1000,7 +1000,7 @@ def _refuse_expert_groups(config: Any) -> None:
     """DeepSeek's routers choose among groups of experts first where they have several (DeepSeek-V2's and V3's
     n_group of 8): not supported; V2-Lite's greedy choice and Moonlight's one group run."""
     groups, kept = getattr(config, "n_group", None) or 1, getattr(config, "topk_group", None) or 1
-    if getattr(config, "topk_method", "greedy") == "group_limited_greedy" and groups > 1 or kept < groups:
+    if (getattr(config, "topk_method", "greedy") == "group_limited_greedy" and groups > 1) or kept < groups:
         raise ValueError(f"a router that chooses {kept} of {groups} groups of experts first is not supported "
                          "(DeepSeek-V2-Lite's greedy choice and one group, Moonlight's, are)")
 

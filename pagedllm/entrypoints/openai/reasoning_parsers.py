@@ -43,9 +43,7 @@ class ReasoningStream:
     """
 
     def __init__(self, parser: str = "deepseek_r1") -> None:
-        form = REASONING_FORMATS[parser]
-        self.starts, self.ends, self.must_open, self.answer_opens = \
-            form.starts, form.ends, form.must_open, form.answer_opens
+        self.starts, self.ends, self.must_open, _, self.answer_opens = REASONING_FORMATS[parser]
         self.text = ""
         self.num_reasoning_sent = 0     # of the reasoning (the text less a leading <think>)
         self.answering = False          # </think> seen (or, qwen3, no <think> first): the rest is content
