@@ -113,7 +113,7 @@ _ARCH_BLOCK_NAMES = {"gemma2": _GEMMA_BLOCK_NAMES, "gemma3": _GEMMA_BLOCK_NAMES,
                                    "attn_k_b": "self_attn.kv_b_proj", "attn_v_b": "self_attn.kv_b_proj"}}
 # Architectures whose norm scales by 1 + w (Gemma's RMSNorm, Nemotron's LayerNorm1P), which llama.cpp's converter
 # stores as the 1 + w it multiplies by
-_NORM_SHIFTED_ARCHS = {"gemma2", "gemma3", "gemma-embedding", "nemotron"}
+_NORM_SHIFTED_ARCHS = {"gemma", "gemma2", "gemma3", "gemma-embedding", "nemotron"}
 # Granite's config fields -> llama.cpp's keys
 _GRANITE_MULTIPLIERS = (("embedding_multiplier", "embedding_scale"), ("attention_multiplier", "attention.scale"),
                         ("residual_multiplier", "residual_scale"), ("logits_scaling", "logit_scale"))
@@ -501,6 +501,8 @@ def _add_architecture_fields(g: GGUFFile, kwargs: dict[str, Any]) -> None:
                                     for i in range(kwargs["num_hidden_layers"])]
     if arch in _GEMMA_LAYOUTS:
         kwargs.update(_gguf_gemma(g, kwargs))
+    if arch == "gemma":     # the first Gemma's MLP: GELU's tanh approximation (llama.cpp's, and its checkpoints' intent)
+        kwargs["hidden_act"] = "gelu_pytorch_tanh"
     if arch == "phi3":
         kwargs.update(_gguf_phi3(g, kwargs))
     if arch in _HALVES_ARCHS:    # its q/k rows come out of the file in halves already (_PERMUTED_ARCHS)

@@ -1,4 +1,4 @@
-"""One Llama-family decoder: Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM 2 and 3, Phi-3, Gemma 2 and 3; MHA, GQA and
+"""One Llama-family decoder: Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM 2 and 3, Phi-3, Gemma 1, 2 and 3; MHA, GQA and
 MQA; tied or untied embeddings. SmolLM3 leaves the rotary embedding out of the layers its `no_rope_layers` marks
 0. Qwen3 adds an RMSNorm over each query and key head (`q_norm`, `k_norm`) before the rotary embedding (Hunyuan's
 after it: `norms_after_rope`). Phi-3
@@ -10,10 +10,10 @@ Llama's layers). gpt-oss (20b, 120b) has biased experts under a biased router, t
 their weights stacked and gate/up interleaved (`_gpt_oss_experts`), and an attention sink of each head, a learned
 logit in every row's softmax whose value is zero (the attention backends' `sinks`), on local layers (a 128-token
 window) alternating with global ones.
-Gemma 2 and 3 have their embeddings scaled by sqrt(hidden_size), a norm on each branch's output before it joins the
-residual stream (`pre_feedforward_layernorm`, `post_feedforward_layernorm`), RMSNorm weights stored as w - 1
-(`load_weights` adds the 1 back), a GELU-gated MLP, `query_pre_attn_scalar` for their attention scale, and local
-layers (over a sliding window). Gemma 2 soft-caps its attention scores and its logits (`attn_logit_softcapping`,
+Gemma's have their embeddings scaled by sqrt(hidden_size), RMSNorm weights stored as w - 1 (`load_weights` adds the
+1 back) and a GELU-gated MLP: the first Gemma's layers are otherwise Llama's. Gemma 2 and 3 add a norm on each
+branch's output before it joins the residual stream (`pre_feedforward_layernorm`, `post_feedforward_layernorm`),
+`query_pre_attn_scalar` for their attention scale, and local layers (over a sliding window). Gemma 2 soft-caps its attention scores and its logits (`attn_logit_softcapping`,
 `final_logit_softcapping`: cap tanh(x / cap)); Gemma 3 (text) has Qwen3's head norms instead, and a rotary base of
 its own in its local layers. EmbeddingGemma is Gemma 3 as an encoder (`attends_both_ways`): each token attends to
 those after it too, through `bidirectional_attention`.
@@ -453,13 +453,13 @@ def cache_layers(config: Any) -> list[slice]:
 
 
 def _is_gemma(config: Any) -> bool:
-    return config.model_type in ("gemma2", "gemma3_text", "vaultgemma")
+    return config.model_type in ("gemma", "gemma2", "gemma3_text", "vaultgemma")
 
 
 def _norms_both_sides(config: Any) -> bool:
-    """Whether the layers norm their branches' inputs and outputs (Gemma's and GLM-4's sandwich; not VaultGemma's,
-    whose layers are Gemma 2's without their outputs' norms)."""
-    return (_is_gemma(config) and config.model_type != "vaultgemma") or config.model_type == "glm4"
+    """Whether the layers norm their branches' inputs and outputs (Gemma 2's and 3's and GLM-4's sandwich; not the first
+    Gemma's, whose layers are Llama's, nor VaultGemma's, which are Gemma 2's without their outputs' norms)."""
+    return config.model_type in ("gemma2", "gemma3_text", "glm4")
 
 
 def _is_olmo(config: Any) -> bool:

@@ -303,7 +303,7 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
             t = _permute(t, cfg.num_attention_heads, cfg.num_attention_heads)
         elif arch in _PERMUTED and ".attn_k." in gname:
             t = _permute(t, cfg.num_attention_heads, cfg.num_key_value_heads)
-        elif arch in ("gemma2", "gemma3", "gemma-embedding", "nemotron") and gname.endswith("norm.weight"):
+        elif arch in ("gemma", "gemma2", "gemma3", "gemma-embedding", "nemotron") and gname.endswith("norm.weight"):
             t = t + 1
         elif arch in ("lfm2", "lfm2moe") and gname.endswith("shortconv.conv.weight"):
             t = t.squeeze(1)
@@ -346,7 +346,8 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
                                        ("stablelm", "stablelm"),
                                        ("stablelm-parallel", "stablelm"), ("starcoder2", "starcoder2"),
                                        ("phi", "phi2"), ("gpt-neox", "gptneox"), ("gpt-neox-sequential", "gptneox"),
-                                       ("deepseek-v2", "deepseek2"), ("deepseek-v3", "deepseek2")])
+                                       ("deepseek-v2", "deepseek2"), ("deepseek-v3", "deepseek2"),
+                                       ("gemma", "gemma")])
 def test_tiny_gguf_model_matches_transformers(tmp_path: Path, kind: str, arch: str) -> None:
     # SmolLM3's files leave every fourth layer without a rotary embedding (llama.cpp's fixed step): four layers here;
     # ERNIE 4.5 MoE's (and Falcon 40B's) without biases, as llama.cpp reads their files; LFM2-MoE's experts unscaled, as

@@ -57,6 +57,8 @@ CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "gemma3 in bfloat16": ("gemma3", {}, dict(dtype="bfloat16")),
     # soft-capped attention scores, as the kernels cap them
     "gemma2": ("gemma2", {}, dict(dtype="float32")),
+    # the first Gemma's: Llama's layers with Gemma's norms, scaled embeddings and GELU, heads past the hidden size
+    "gemma": ("gemma", {}, dict(dtype="bfloat16")),
     # Gemma 2's without the branches' output norms
     "vaultgemma": ("vaultgemma", {}, dict(dtype="float32")),
     # fused checkpoint weights, longrope over 3/4 of each head, steps before and past an original context of 16

@@ -54,6 +54,9 @@ TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     # global one (1,000,000), an attention scale of its own
     "gemma3": ("gemma3_text", dict(num_key_value_heads=2, head_dim=32, sliding_window=12, query_pre_attn_scalar=24,
                                    layer_types=["sliding_attention", "full_attention"])),
+    # as Gemma's (the first: gemma-2b, gemma-7b, CodeGemma): Llama's layers with norms scaling by 1 + w, embeddings
+    # times sqrt(hidden), a GELU-gated MLP, heads x head_dim past the hidden size (gemma-7b's 16 x 256 of 3,072)
+    "gemma": ("gemma", dict(num_key_value_heads=2, head_dim=32)),
     # as Gemma 2's: soft-capped attention scores and logits (caps this small, 1 and 3 against 50 and 30, so that
     # they bend a tiny model's scores and logits), a local layer and a global one, no head norms
     "gemma2": ("gemma2", dict(num_key_value_heads=2, head_dim=32, sliding_window=12, query_pre_attn_scalar=24,
@@ -214,7 +217,7 @@ def build_tiny_hf_model(kind: str = "llama-gqa", seed: int = 0, **overrides: Any
     torch.manual_seed(seed)
     config = tiny_config(kind, **overrides)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
-    if config.model_type in ("gemma2", "gemma3_text", "glm4", "stablelm", "phi", "gpt_neox", "starcoder2", "cohere",
+    if config.model_type in ("gemma", "gemma2", "gemma3_text", "glm4", "stablelm", "phi", "gpt_neox", "starcoder2", "cohere",
                              "cohere2", "gpt2", "gpt_bigcode", "opt", "gptj", "falcon", "nemotron",
                              "hunyuan_v1_dense", "bloom", "mpt", "ernie4_5_moe", "apertus", "vaultgemma", "gpt_oss"):
         randomize_norms(model, mean=0.0 if "gemma" in config.model_type else 1.0)
