@@ -43,7 +43,8 @@ class Routing:
         renormalised top-k of the softmax over all)."""
         ernie, lfm2 = config.model_type == "ernie4_5_moe", config.model_type == "lfm2_moe"
         v3 = config.model_type == "deepseek_v3"     # sigmoid scores, their sum plus 1e-20
-        renormalize = config.model_type in ("mixtral", "granitemoe", "gpt_oss") or ernie or \
+        renormalize = config.model_type in ("mixtral", "granitemoe", "granitemoeshared", "granitemoehybrid",
+                                            "granitemoe_swa", "gpt_oss") or ernie or \
             bool(getattr(config, "norm_topk_prob", False))
         return cls(config.num_experts_per_tok, renormalize, norm_min=float(config.moe_norm_min) if ernie else 0.0,
                    sigmoid=lfm2 or v3, norm_eps=1e-6 if lfm2 else 1e-20 if v3 else 0.0,

@@ -730,9 +730,9 @@ def _gguf_experts(g: GGUFFile, num_layers: int) -> dict[str, Any]:
         mlp_only_layers=[i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in g.tensors])
     # the shared expert's width, as its tensor has it (ERNIE's converter writes a width of its own reckoning)
     shared = next((info.shape[0] for name, info in g.tensors.items() if name.endswith(".ffn_up_shexp.weight")), 0)
-    if shared and g.architecture == "granitemoe":
-        raise ValueError("Granite MoE's shared expert (GraniteMoeShared, Granite 4's) is not supported")
-    if shared:
+    if shared and g.architecture == "granitemoe":     # GraniteMoeShared's (Granite 4's), its ungated shared MLP
+        fields.update(model_type="granitemoeshared", shared_intermediate_size=int(shared))
+    elif shared:
         fields["shared_expert_intermediate_size"] = int(shared)
     if g.architecture == "ernie4_5-moe":    # its dense layers first, then one in `interleave_moe_layer_step` sparse
         fields.update(moe_layer_start_index=int(g.arch_value("leading_dense_block_count") or 0),

@@ -34,7 +34,10 @@ the attention scores (`attention_multiplier`, in place of head_dim ** -0.5), eac
 the residual stream (`residual_multiplier`: `load_weights` folds it into o_proj's and down_proj's weights, so that
 the layers and the C++ stack run as Llama's) and the logits (divided by `logits_scaling`). Granite SWA adds gpt-oss's
 attention sinks, local layers among global ones (`layer_types`) and a rotary base of each layer's own
-(`layer_rope_theta`, 0: none).
+(`layer_rope_theta`, 0: none); Granite MoE SWA the same over GraniteMoeShared's layers. Granite 4's layers
+(GraniteMoeShared's, GraniteMoeHybrid's) add a shared MLP, gate and up fused (`_GRANITE_SHARED_NAMES`): an ungated
+shared expert beside the experts, or the MLP of a model without them (granite-4.0-micro); GraniteMoeHybrid's
+attention may turn no values (position_embedding_type other than "rope"), and its Mamba-2 layers are refused.
 LayerNorm models norm with `PreLayerNorm` (weights and biases; Cohere's weights only, OLMo's neither; Nemotron's
 scaling by 1 + w): StableLM (Llama's layers otherwise), Phi, GPT-NeoX, StarCoder2 (biased, over a sliding window),
 Cohere and Cohere2, GPT-2, GPT-BigCode, OPT, GPT-J, Falcon, OLMo (the first; q/k/v clamped to `clip_qkv`), Nemotron.
@@ -189,6 +192,14 @@ _DEEPSEEK_NAMES = ((".mlp.shared_experts.", ".mlp.shared_expert."),
 # A model type's checkpoint tensors the model does not use, by a part of their names: ERNIE 4.5 MoE's multi-token
 # prediction layers (transformers ignores them too)
 _UNUSED_NAME_PARTS = {"ernie4_5_moe": "mtp"}
+# Granite 4's (GraniteMoeShared's, GraniteMoeHybrid's, Granite MoE SWA's): its router (router.layer as released,
+# router in transformers 5's own layout, Granite MoE SWA's), its shared MLP (gate and up fused) the mixture of experts'
+# ungated shared expert, or the MLP of a layer without experts (granite-4.0-micro's)
+_GRANITE_SHARED_NAMES = {True: ((".mlp.router.layer.", ".mlp.gate."), (".mlp.router.", ".mlp.gate."),
+                                (".shared_mlp.input_linear.", ".mlp.shared_expert.gate_up_proj."),
+                                (".shared_mlp.output_linear.", ".mlp.shared_expert.down_proj.")),
+                         False: ((".shared_mlp.input_linear.", ".mlp.gate_up_proj."),
+                                 (".shared_mlp.output_linear.", ".mlp.down_proj."))}
 _CHECKPOINT_NAMES = {"granitemoe": ((".mlp.router.layer.", ".mlp.gate."),),
                      "hunyuan_v1_dense": ((".self_attn.query_layernorm.", ".self_attn.q_norm."),
                                           (".self_attn.key_layernorm.", ".self_attn.k_norm.")),
@@ -370,6 +381,14 @@ def _check_opt(config: Any) -> None:
         raise ValueError("OPT's norms without weights (layer_norm_elementwise_affine=False) are not supported")
 
 
+def _refuse_mamba_layers(config: Any) -> None:
+    """ValueError for Granite 4's Mamba-2 layers (granite-4.0-h-*'s, which transformers' config calls
+    "linear_attention"): its models of attention layers alone (granite-4.0-micro) run."""
+    if any(kind in ("mamba", "linear_attention") for kind in config.layer_types):
+        raise ValueError("GraniteMoeHybrid's Mamba-2 layers (granite-4.0-h-*) are not supported: only its models "
+                         "of attention layers alone (granite-4.0-micro's) are")
+
+
 def _is_cohere(config: Any) -> bool:
     return config.model_type in ("cohere", "cohere2")
 
@@ -400,7 +419,8 @@ def _intermediate_size(config: Any) -> int:
     """The MLP's width: the config's, but for LFM2's, cut to 2/3, times its multiplier, rounded up to its multiple
     (`block_auto_adjust_ff_dim`), as transformers does; GPT-2's, GPT-BigCode's and GPT-J's n_inner (4 x hidden_size
     without),
-    OPT's ffn_dim, Falcon's ffn_hidden_size, BLOOM's 4 x hidden_size, MPT's expansion_ratio x hidden_size."""
+    OPT's ffn_dim, Falcon's ffn_hidden_size, BLOOM's 4 x hidden_size, MPT's expansion_ratio x hidden_size, Granite 4's
+    shared_intermediate_size."""
     if config.model_type == "opt":
         return config.ffn_dim
     if config.model_type in ("bloom", "mpt"):
@@ -409,6 +429,8 @@ def _intermediate_size(config: Any) -> int:
         return config.ffn_hidden_size or 4 * config.hidden_size
     if _learns_positions(config) or config.model_type == "gptj":
         return config.n_inner or 4 * config.hidden_size
+    if _has_granite_shared_mlp(config) and not num_experts(config):    # (its shared MLP alone: granite-4.0-micro's)
+        return config.shared_intermediate_size
     size = config.intermediate_size
     if config.model_type != "lfm2" or not config.block_auto_adjust_ff_dim:
         return size
@@ -521,6 +543,12 @@ def kv_window(config: Any) -> int:
         return 0
     windows = [sliding_window_of_layer(config, index) for index in range(config.num_hidden_layers)]
     return max(windows) if windows and all(windows) else 0
+
+
+def _has_granite_shared_mlp(config: Any) -> bool:
+    """Whether every layer has Granite 4's shared MLP (GraniteMoeShared's, GraniteMoeHybrid's, Granite MoE SWA's):
+    beside its experts, an ungated shared expert; in a model without experts (granite-4.0-micro), the layer's MLP."""
+    return config.model_type in ("granitemoeshared", "granitemoehybrid", "granitemoe_swa")
 
 
 def num_experts(config: Any) -> int:
@@ -707,10 +735,10 @@ class LlamaAttention(nn.Module):
         self.alibi_slopes: torch.Tensor | None
         self.register_buffer("alibi_slopes", None if slopes is None else
                              slopes[heads.q_start:heads.q_start + heads.num_heads].contiguous(), persistent=False)
-        # gpt-oss's and Granite SWA's attention sink of each head, all of them (float32: the kernels' `sinks`); this
-        # rank's: `rank_sinks`
+        # gpt-oss's and Granite SWA's (and Granite MoE SWA's) attention sink of each head, all of them (float32: the
+        # kernels' `sinks`); this rank's: `rank_sinks`
         self.sinks = nn.Parameter(torch.empty(self.num_heads), requires_grad=False) \
-            if config.model_type in ("gpt_oss", "granite_swa") else None
+            if config.model_type in ("gpt_oss", "granite_swa", "granitemoe_swa") else None
         self.rank_heads = slice(heads.q_start, heads.q_start + heads.num_heads)
         self._add_qk_norms(config, dtype, tp)
 
@@ -951,12 +979,14 @@ class LlamaSparseMoeBlock(nn.Module):
                                      for _ in range(num_experts(config)))
         for expert in self.experts:     # small calls, each on one thread (kernels/csrc/moe.cpp): see brgemm_packs and
             expert.gate_up_proj.small_calls = expert.down_proj.small_calls = True   # few_rows_activation_bits
+        granite = _has_granite_shared_mlp(config)
         shared = getattr(config, "shared_expert_intermediate_size", None) or \
             (ernie and config.moe_num_shared_experts * config.moe_intermediate_size) or \
-            (deepseek and config.n_shared_experts * config.moe_intermediate_size)
+            (deepseek and config.n_shared_experts * config.moe_intermediate_size) or \
+            (granite and config.shared_intermediate_size)
         self.shared_expert = LlamaMLP(config, dtype, tp, shared, reduce_results=False) if shared else None
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False, dtype=dtype) \
-            if shared and not ernie and not deepseek else None
+            if shared and not (ernie or deepseek or granite) else None
         # kernel module -> this block for its MoEWeights (built on first use, once the weights are final, packed)
         self.kernel_blocks: dict[ModuleType, Any] = {}
 
@@ -1071,6 +1101,8 @@ class LlamaModel(nn.Module):
         # vocabulary is; OPT's table starts 2 rows in (`position_offset`)
         if config.model_type == "opt":
             _check_opt(config)
+        if config.model_type == "granitemoehybrid":
+            _refuse_mamba_layers(config)
         if config.model_type == "bloom" and config.apply_residual_connection_post_layernorm:
             raise ValueError("BLOOM with its residual stream taken after each norm "
                              "(apply_residual_connection_post_layernorm=True) is not supported")
@@ -1090,7 +1122,8 @@ class LlamaModel(nn.Module):
             # SmolLM3's every fourth layer has no rotary embedding (NoPE): one that turns none of a head's values
             no_rope = getattr(config, "no_rope_layers", None)
             nope = (no_rope is not None and not no_rope[index]) or _learns_positions(config) or _has_alibi(config) or \
-                (_has_nope_globals(config) and _layer_type(config, index) == "full_attention") or base == 0
+                (_has_nope_globals(config) and _layer_type(config, index) == "full_attention") or base == 0 or \
+                (config.model_type == "granitemoehybrid" and config.position_embedding_type != "rope")
             dim = 0 if nope else rotary_dim(config, _head_dim(config))
             key = repr((base, scaling, dim))
             if key not in rotary:
@@ -1393,7 +1426,7 @@ class LlamaForCausalLM(nn.Module):
                 heads = self.config.num_attention_heads if ".q_proj." in name else _num_kv_heads(self.config)
                 tensor = interleaved_to_halves(tensor, heads, rotary_dim(self.config, _head_dim(self.config)))
             if residual_multiplier != 1.0 and name.endswith((".o_proj.weight", ".down_proj.weight",
-                                                             ".output_linear.weight")):
+                                                             ".output_linear.weight", ".experts.down_proj")):
                 tensor = (tensor.float() * residual_multiplier).to(tensor.dtype)     # Granite's (module docstring)
             for part_name, part in unfused(self.config, name, tensor):
                 if part_name.endswith(".bias") and self._target(part_name)[0] not in params and not part.any():
@@ -1421,7 +1454,9 @@ class LlamaForCausalLM(nn.Module):
         body = _BODY_PREFIXES.get(self.config.model_type)
         if body is not None and not name.startswith((body, "lm_head.", "model.")):     # (a GGUF's: ours already)
             name = body + name
-        for theirs, ours in _CHECKPOINT_NAMES.get(self.config.model_type, ()):
+        names = _GRANITE_SHARED_NAMES[num_experts(self.config) > 0] if _has_granite_shared_mlp(self.config) else \
+            _CHECKPOINT_NAMES.get(self.config.model_type, ())
+        for theirs, ours in names:
             name = name.replace(theirs, ours)
         return "model." + name if self.bare and not name.startswith("model.") else name
 

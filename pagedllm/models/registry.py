@@ -52,6 +52,10 @@ _MODELS: dict[str, type[nn.Module]] = {
     "OPTForCausalLM": LlamaForCausalLM,
     "GPTJForCausalLM": LlamaForCausalLM,
     "GraniteMoeForCausalLM": LlamaForCausalLM,
+    # Granite 4's: a shared MLP beside the experts, or alone (granite-4.0-micro); their Mamba-2 layers refused
+    "GraniteMoeSharedForCausalLM": LlamaForCausalLM,
+    "GraniteMoeHybridForCausalLM": LlamaForCausalLM,
+    "GraniteMoeSWAForCausalLM": LlamaForCausalLM,     # and Granite SWA's sinks and local layers
     "OlmoForCausalLM": LlamaForCausalLM,
     "NemotronForCausalLM": LlamaForCausalLM,
     "ArceeForCausalLM": LlamaForCausalLM,
@@ -103,6 +107,9 @@ _MODELS: dict[str, type[nn.Module]] = {
     "gemma3_text": LlamaForCausalLM,
     "granite": LlamaForCausalLM,
     "granitemoe": LlamaForCausalLM,
+    "granitemoeshared": LlamaForCausalLM,
+    "granitemoehybrid": LlamaForCausalLM,
+    "granitemoe_swa": LlamaForCausalLM,
     "lfm2": LlamaForCausalLM,
     "lfm2_moe": LlamaForCausalLM,
     "olmo2": LlamaForCausalLM,

@@ -161,6 +161,10 @@ def _gguf_tensors(hf_model, arch: str):
             yield f"blk.{layer}.ffn_up_exps.weight", up.contiguous()
         elif name.endswith("experts.down_proj"):
             yield f"blk.{name.split('.')[2]}.ffn_down_exps.weight", t
+        elif base.endswith("shared_mlp.input_linear"):      # Granite 4's shared MLP, gate and up fused
+            gate, up = t.chunk(2)
+            yield f"blk.{layer}.ffn_gate_shexp.{kind}", gate
+            yield f"blk.{layer}.ffn_up_shexp.{kind}", up
         elif base.endswith("block_sparse_moe.router"):     # Granite MoE's, router.layer in its checkpoints
             yield f"{gguf_name(base + '.layer')}.{kind}", t
         elif base.endswith("mlp.shared_expert_gate"):
@@ -286,8 +290,9 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
         w.add_expert_used_count(cfg.num_experts_per_tok)
         if getattr(cfg, "moe_intermediate_size", None) or arch == "gpt-oss":
             w.add_expert_feed_forward_length(getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size)
-        if getattr(cfg, "shared_expert_intermediate_size", None):
-            w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+        shared = getattr(cfg, "shared_expert_intermediate_size", None) or getattr(cfg, "shared_intermediate_size", None)
+        if shared:
+            w.add_expert_shared_feed_forward_length(shared)
     if arch == "ernie4_5-moe":      # as llama.cpp's converter writes it (its shared experts' width its own reckoning)
         w.add_interleave_moe_layer_step(cfg.moe_layer_interval)
         w.add_leading_dense_block_count(cfg.moe_layer_start_index)
@@ -334,7 +339,8 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
                                        ("qwen3", "qwen3"), ("mixtral", "llama"), ("qwen2-moe", "qwen2moe"),
                                        ("qwen3-moe", "qwen3moe"), ("qwen2", "qwen2vl"), ("qwen3", "qwen3vl"),
                                        ("qwen3-moe", "qwen3vlmoe"), ("smollm3", "smollm3"), ("granite", "granite"),
-                                       ("granitemoe", "granitemoe"), ("olmoe", "olmoe"), ("cohere", "command-r"),
+                                       ("granitemoe", "granitemoe"), ("granitemoeshared", "granitemoe"),
+                                       ("olmoe", "olmoe"), ("cohere", "command-r"),
                                        ("arcee", "arcee"), ("hunyuan", "hunyuan-dense"),
                                        ("seed-oss", "seed_oss"), ("nemotron", "nemotron"),
                                        ("gpt-bigcode", "starcoder"), ("gpt-bigcode-mha", "starcoder"), ("gpt2", "gpt2"),
@@ -734,26 +740,6 @@ def test_a_mixture_of_experts_keeps_its_experts_blocks(tmp_path: Path, kind: str
     if kind not in ("mixtral", "granitemoe", "olmoe"):
         assert packed.model.layers[other].mlp.gate_up_proj.weight.ggml_type == Q.Q4_1     # the dense layer
     _assert_gguf_reference_near_the_dense_model(packed, dense, [1, 17, 250, 9, 33, 70, 5, 80, 81], monkeypatch)
-
-
-def test_a_granite_moe_gguf_with_a_shared_expert_is_refused_by_name(tmp_path: Path) -> None:
-    """GraniteMoeShared's files (Granite 4's) say `granitemoe` too, with a shared expert no Granite MoE has here."""
-    path = tmp_path / "granitemoe-shared.gguf"
-    w = gguf.GGUFWriter(str(path), "granitemoe")
-    w.add_block_count(1)
-    w.add_embedding_length(64)
-    w.add_head_count(4)
-    w.add_feed_forward_length(32)
-    w.add_vocab_size(128)
-    w.add_expert_count(4)
-    w.add_expert_used_count(2)
-    w.add_tensor("blk.0.ffn_up_shexp.weight", np.zeros((32, 64), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    with pytest.raises(ValueError, match="Granite MoE's shared expert"):
-        gguf_hf_config(GGUFFile(path))
 
 
 def test_8_bit_activations_are_a_switch_read_at_load(tmp_path: Path, monkeypatch) -> None:

@@ -42,6 +42,11 @@ CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "mixture of experts in bfloat16": ("qwen3-moe", {}, dict(dtype="bfloat16")),
     # Granite MoE's stacked experts and multipliers; OLMoE's q/k norms over all the heads
     "granite moe": ("granitemoe", {}, dict(dtype="bfloat16")),
+    # Granite 4's shared MLP: beside the experts, ungated; alone (granite-4.0-micro's); attention without a rope
+    "granite moe shared": ("granitemoeshared", {}, dict(dtype="float32")),
+    "granite 4 dense": ("granite4-dense", {}, dict(dtype="bfloat16")),
+    "granite 4 nope": ("granite4-nope", {}, dict(dtype="float32")),
+    "granite moe swa": ("granitemoe-swa", {}, dict(dtype="float32")),
     "olmoe": ("olmoe", {}, dict(dtype="float32")),
     # ERNIE 4.5 MoE's float32 router for bf16 rows, its selection bias and ungated shared experts
     "ernie 4.5 moe in bfloat16": ("ernie4_5-moe", {}, dict(dtype="bfloat16")),

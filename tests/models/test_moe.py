@@ -22,8 +22,8 @@ from pagedllm.lora.request import LoRARequest
 from tests.loader.test_gguf import write_model_gguf
 from tests.models.tiny import build_tiny_hf_model, hf_greedy, save_tiny_model
 
-MOE_KINDS = ["mixtral", "qwen2-moe", "qwen3-moe", "granitemoe", "olmoe", "ernie4_5-moe", "lfm2-moe", "gpt-oss",
-             "deepseek-v2", "deepseek-v3"]
+MOE_KINDS = ["mixtral", "qwen2-moe", "qwen3-moe", "granitemoe", "granitemoeshared", "olmoe",
+             "ernie4_5-moe", "lfm2-moe", "gpt-oss", "deepseek-v2", "deepseek-v3"]
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [60, 61, 62, 63, 64], [200, 13, 9, 77, 150, 151, 40, 41, 42, 8] * 3,
            [5, 17, 42, 99, 3, 250, 7, 8, 9, 10, 11, 12, 13, 14]]
 MAX_TOKENS = 12

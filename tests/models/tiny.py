@@ -151,6 +151,21 @@ TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "granitemoe": ("granitemoe", dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
                                       intermediate_size=48, embedding_multiplier=12.0, attention_multiplier=0.05,
                                       residual_multiplier=0.22, logits_scaling=8.0)),
+    # Granite 4's: GraniteMoeShared's experts beside an ungated shared MLP (gate and up fused); GraniteMoeHybrid's
+    # attention layers with its shared MLP alone (granite-4.0-micro's), and without a rotary embedding (NoPE: as
+    # granite-4.0-h-*'s attention layers, whose Mamba-2 layers are refused)
+    "granitemoeshared": ("granitemoeshared", dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                                                  intermediate_size=48, shared_intermediate_size=96,
+                                                  embedding_multiplier=12.0, attention_multiplier=0.05,
+                                                  residual_multiplier=0.22, logits_scaling=8.0)),
+    "granite4-dense": ("granitemoehybrid", dict(num_key_value_heads=2, num_local_experts=0, shared_intermediate_size=96,
+                                                layer_types=["attention", "attention"], position_embedding_type="rope",
+                                                embedding_multiplier=12.0, attention_multiplier=0.05,
+                                                residual_multiplier=0.22, logits_scaling=8.0)),
+    "granite4-nope": ("granitemoehybrid", dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                                               intermediate_size=48, shared_intermediate_size=96,
+                                               layer_types=["attention", "attention"], position_embedding_type=None,
+                                               residual_multiplier=0.22)),
     "olmoe": ("olmoe", dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, intermediate_size=48)),
     "mixtral": ("mixtral", dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
                                 tie_word_embeddings=False)),
@@ -191,6 +206,11 @@ TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
                                         sliding_window=6, layer_types=["full_attention", "sliding_attention",
                                                                        "sliding_attention"],
                                         layer_rope_theta=[10000.0, 500.0, 0.0])),
+    # Granite MoE SWA's: Granite SWA's attention over GraniteMoeShared's layers (experts beside a shared MLP)
+    "granitemoe-swa": ("granitemoe_swa", dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                                              intermediate_size=48, shared_intermediate_size=96, residual_multiplier=0.22,
+                                              sliding_window=6, layer_types=["sliding_attention", "full_attention"],
+                                              layer_rope_theta=[500.0, 10000.0])),
     # gpt-oss's layout: a biased router and biased experts (made random in build_tiny_hf_model), their SwiGLU clamped
     # at a limit this small (0.5 against 7) so that it bites, attention sinks (made random), a local layer (a window
     # of 6) and a global one, YaRN untruncated, q/k/v/o biased, an untied LM head
@@ -221,7 +241,7 @@ def build_tiny_hf_model(kind: str = "llama-gqa", seed: int = 0, **overrides: Any
                              "cohere2", "gpt2", "gpt_bigcode", "opt", "gptj", "falcon", "nemotron",
                              "hunyuan_v1_dense", "bloom", "mpt", "ernie4_5_moe", "apertus", "vaultgemma", "gpt_oss"):
         randomize_norms(model, mean=0.0 if "gemma" in config.model_type else 1.0)
-    if config.model_type in ("gpt_oss", "granite_swa"):  # its sinks start at 0 (+-0.1), gpt-oss's experts' biases
+    if config.model_type in ("gpt_oss", "granite_swa", "granitemoe_swa"):  # its sinks start at 0 (+-0.1), gpt-oss's experts' biases
         with torch.no_grad():                           # (stacked) at 0
             for name, param in model.named_parameters():
                 if name.endswith((".sinks", "_proj_bias")):
