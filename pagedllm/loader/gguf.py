@@ -501,7 +501,7 @@ def _add_architecture_fields(g: GGUFFile, kwargs: dict[str, Any]) -> None:
                                     for i in range(kwargs["num_hidden_layers"])]
     if arch in _GEMMA_LAYOUTS:
         kwargs.update(_gguf_gemma(g, kwargs))
-    if arch == "gemma":     # the first Gemma's MLP: GELU's tanh approximation (llama.cpp's, and its checkpoints' intent)
+    if arch == "gemma":     # the first Gemma's MLP: GELU's tanh approximation (llama.cpp's, its checkpoints' intent)
         kwargs["hidden_act"] = "gelu_pytorch_tanh"
     if arch == "phi3":
         kwargs.update(_gguf_phi3(g, kwargs))

@@ -13,10 +13,10 @@ window) alternating with global ones.
 Gemma's have their embeddings scaled by sqrt(hidden_size), RMSNorm weights stored as w - 1 (`load_weights` adds the
 1 back) and a GELU-gated MLP: the first Gemma's layers are otherwise Llama's. Gemma 2 and 3 add a norm on each
 branch's output before it joins the residual stream (`pre_feedforward_layernorm`, `post_feedforward_layernorm`),
-`query_pre_attn_scalar` for their attention scale, and local layers (over a sliding window). Gemma 2 soft-caps its attention scores and its logits (`attn_logit_softcapping`,
-`final_logit_softcapping`: cap tanh(x / cap)); Gemma 3 (text) has Qwen3's head norms instead, and a rotary base of
-its own in its local layers. EmbeddingGemma is Gemma 3 as an encoder (`attends_both_ways`): each token attends to
-those after it too, through `bidirectional_attention`.
+`query_pre_attn_scalar` for their attention scale, and local layers (over a sliding window). Gemma 2 soft-caps its
+attention scores and its logits (`attn_logit_softcapping`, `final_logit_softcapping`: cap tanh(x / cap)); Gemma 3
+(text) has Qwen3's head norms instead, and a rotary base of its own in its local layers. EmbeddingGemma is Gemma 3
+as an encoder (`attends_both_ways`): each token attends to those after it too, through `bidirectional_attention`.
 OLMo 2 and 3 and EXAONE 4 norm each branch's output rather than its input (`post_attention_layernorm`,
 `post_feedforward_layernorm`, no `input_layernorm`: `_norms_outputs`); OLMo's norm their queries and keys over all
 their heads at once (`q_norm`, `k_norm` of heads x head_dim: on one rank), EXAONE 4's each head's, as Qwen3's. OLMo 3

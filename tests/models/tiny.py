@@ -208,8 +208,9 @@ TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
                                         layer_rope_theta=[10000.0, 500.0, 0.0])),
     # Granite MoE SWA's: Granite SWA's attention over GraniteMoeShared's layers (experts beside a shared MLP)
     "granitemoe-swa": ("granitemoe_swa", dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
-                                              intermediate_size=48, shared_intermediate_size=96, residual_multiplier=0.22,
-                                              sliding_window=6, layer_types=["sliding_attention", "full_attention"],
+                                              intermediate_size=48, shared_intermediate_size=96,
+                                              residual_multiplier=0.22, sliding_window=6,
+                                              layer_types=["sliding_attention", "full_attention"],
                                               layer_rope_theta=[500.0, 10000.0])),
     # gpt-oss's layout: a biased router and biased experts (made random in build_tiny_hf_model), their SwiGLU clamped
     # at a limit this small (0.5 against 7) so that it bites, attention sinks (made random), a local layer (a window
@@ -237,12 +238,13 @@ def build_tiny_hf_model(kind: str = "llama-gqa", seed: int = 0, **overrides: Any
     torch.manual_seed(seed)
     config = tiny_config(kind, **overrides)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
-    if config.model_type in ("gemma", "gemma2", "gemma3_text", "glm4", "stablelm", "phi", "gpt_neox", "starcoder2", "cohere",
-                             "cohere2", "gpt2", "gpt_bigcode", "opt", "gptj", "falcon", "nemotron",
+    if config.model_type in ("gemma", "gemma2", "gemma3_text", "glm4", "stablelm", "phi", "gpt_neox", "starcoder2",
+                             "cohere", "cohere2", "gpt2", "gpt_bigcode", "opt", "gptj", "falcon", "nemotron",
                              "hunyuan_v1_dense", "bloom", "mpt", "ernie4_5_moe", "apertus", "vaultgemma", "gpt_oss"):
         randomize_norms(model, mean=0.0 if "gemma" in config.model_type else 1.0)
-    if config.model_type in ("gpt_oss", "granite_swa", "granitemoe_swa"):  # its sinks start at 0 (+-0.1), gpt-oss's experts' biases
-        with torch.no_grad():                           # (stacked) at 0
+    # their sinks start at 0 (+-0.1), gpt-oss's experts' biases (stacked) at 0
+    if config.model_type in ("gpt_oss", "granite_swa", "granitemoe_swa"):
+        with torch.no_grad():
             for name, param in model.named_parameters():
                 if name.endswith((".sinks", "_proj_bias")):
                     param.normal_(0.0, 1.0 if name.endswith(".sinks") else 0.2)
