@@ -28,7 +28,9 @@ class Routing:
     (each logit's sigmoid with `sigmoid`: LFM2-MoE's), kept at its `top_k` largest; with `renormalize` (Mixtral;
     Qwen's `norm_topk_prob`) divided by their sum, or by `norm_min` where the sum is smaller (ERNIE 4.5's
     moe_norm_min), plus `norm_eps` (LFM2-MoE's 1e-6), so that each token's weights sum to 1; times `scale` (a
-    routed_scaling_factor)."""
+    routed_scaling_factor). With `groups` > `kept_groups` (DeepSeek-V2's and V3's n_group, topk_group), the experts
+    come in that many equal groups and each token chooses among those of its `kept_groups` best groups only, a
+    group scored by its best expert (V2's group_limited_greedy) or with `group_top2` by its best two's sum (V3's)."""
 
     top_k: int
     renormalize: bool = False
@@ -36,19 +38,30 @@ class Routing:
     sigmoid: bool = False
     norm_eps: float = 0.0
     scale: float = 1.0
+    groups: int = 1
+    kept_groups: int = 1
+    group_top2: bool = False
 
     @classmethod
     def of(cls, config: Any) -> Routing:
         """A model's routing, from its config (Granite MoE's and gpt-oss's softmax over their top-k logits is the
         renormalised top-k of the softmax over all)."""
         ernie, lfm2 = config.model_type == "ernie4_5_moe", config.model_type == "lfm2_moe"
-        v3 = config.model_type == "deepseek_v3"     # sigmoid scores, their sum plus 1e-20
+        v3 = config.model_type == "deepseek_v3"     # sigmoid scores, their sum plus 1e-20; always in groups
         renormalize = config.model_type in ("mixtral", "granitemoe", "granitemoeshared", "granitemoehybrid",
                                             "granitemoe_swa", "gpt_oss") or ernie or \
             bool(getattr(config, "norm_topk_prob", False))
+        grouped = v3 or (config.model_type == "deepseek_v2" and config.topk_method == "group_limited_greedy")
+        if grouped:
+            experts, groups, kept = config.n_routed_experts, int(config.n_group), int(config.topk_group)
+            if experts % groups or not 1 <= kept <= groups or config.num_experts_per_tok > kept * experts // groups:
+                raise ValueError(f"{experts} experts in {groups} groups, {kept} kept, cannot give a token "
+                                 f"{config.num_experts_per_tok} experts")
         return cls(config.num_experts_per_tok, renormalize, norm_min=float(config.moe_norm_min) if ernie else 0.0,
                    sigmoid=lfm2 or v3, norm_eps=1e-6 if lfm2 else 1e-20 if v3 else 0.0,
-                   scale=float(getattr(config, "routed_scaling_factor", None) or 1.0))
+                   scale=float(getattr(config, "routed_scaling_factor", None) or 1.0),
+                   groups=int(config.n_group) if grouped else 1, kept_groups=int(config.topk_group) if grouped else 1,
+                   group_top2=v3)
 
 
 def route(logits: torch.Tensor, routing: Routing,
@@ -60,16 +73,29 @@ def route(logits: torch.Tensor, routing: Routing,
     probabilities to choose the experts only: the weights are the chosen experts' probabilities without it."""
     r = routing
     probs = torch.sigmoid(logits.float()) if r.sigmoid else torch.softmax(logits.float(), dim=-1)
-    if selection_bias is None:
+    choice = probs if selection_bias is None else probs + selection_bias
+    if r.kept_groups < r.groups:
+        choice = choice.masked_fill(~_kept_groups(choice, r), float("-inf"))
+    if choice is probs:
         weights, ids = torch.topk(probs, r.top_k, dim=-1)
     else:
-        ids = torch.topk(probs + selection_bias, r.top_k, dim=-1).indices
+        ids = torch.topk(choice, r.top_k, dim=-1).indices
         weights = probs.gather(-1, ids)
     if r.renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True).clamp(min=r.norm_min) + r.norm_eps)
     if r.scale != 1.0:
         weights = weights * r.scale
     return weights, ids
+
+
+def _kept_groups(choice: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """[T, E] bool: the experts of each token's `kept_groups` best groups (`Routing`), by `choice`'s scores."""
+    tokens, experts = choice.shape
+    grouped = choice.view(tokens, routing.groups, experts // routing.groups)
+    scores = grouped.topk(2, dim=-1).values.sum(dim=-1) if routing.group_top2 else grouped.amax(dim=-1)
+    kept = torch.topk(scores, routing.kept_groups, dim=-1).indices
+    mask = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, kept, True)
+    return mask.unsqueeze(-1).expand_as(grouped).reshape(tokens, experts)
 
 
 def run_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: Sequence[Expert]) -> torch.Tensor:

@@ -962,8 +962,6 @@ class LlamaSparseMoeBlock(nn.Module):
         self.routing = Routing.of(config)
         ernie, lfm2 = config.model_type == "ernie4_5_moe", config.model_type == "lfm2_moe"
         deepseek = is_mla(config)
-        if deepseek:
-            _refuse_expert_groups(config)
         inter = expert_intermediate_size(config)
         oss = config.model_type == "gpt_oss"     # a biased router; biased experts, their SwiGLU clamped
         self.gate = nn.Linear(config.hidden_size, num_experts(config), bias=oss,
@@ -1022,17 +1020,8 @@ class LlamaSparseMoeBlock(nn.Module):
                 None if shared is None else shared.down_proj.kernel_weights(kernels),
                 None if self.shared_expert_gate is None else self.shared_expert_gate.weight,
                 self.selection_bias, r.norm_min, r.sigmoid, r.norm_eps, r.scale, self.gate.bias,
-                *(self.swiglu or (0.0, 0.0)))
+                *(self.swiglu or (0.0, 0.0)), r.groups, r.kept_groups, r.group_top2)
         return self.kernel_blocks[kernels]
-
-
-def _refuse_expert_groups(config: Any) -> None:
-    """DeepSeek's routers choose among groups of experts first where they have several (DeepSeek-V2's and V3's
-    n_group of 8): not supported; V2-Lite's greedy choice and Moonlight's one group run."""
-    groups, kept = getattr(config, "n_group", None) or 1, getattr(config, "topk_group", None) or 1
-    if (getattr(config, "topk_method", "greedy") == "group_limited_greedy" and groups > 1) or kept < groups:
-        raise ValueError(f"a router that chooses {kept} of {groups} groups of experts first is not supported "
-                         "(DeepSeek-V2-Lite's greedy choice and one group, Moonlight's, are)")
 
 
 class LlamaDecoderLayer(nn.Module):

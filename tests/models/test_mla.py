@@ -1,14 +1,18 @@
 """DeepSeek's multi-head latent attention (pagedllm.models.mla): its cache rows, the checkpoint tensors it skips,
-and the configurations refused; its models against transformers run in tests/models/test_moe.py (greedy tokens
-through chunks, prefix hits and preemption; bf16, int8, W8A8) and test_llama_fidelity.py (logits)."""
+its routers' groups of experts, and the configurations refused; its models against transformers run in
+tests/models/test_moe.py (greedy tokens through chunks, prefix hits and preemption; bf16, int8, W8A8) and
+test_llama_fidelity.py (logits)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.layers.moe import Routing, route
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.mla import mla_scale, rope_rows_to_halves
 from pagedllm.runner.model_runner import model_shape
@@ -49,13 +53,59 @@ def test_v3s_multi_token_prediction_layers_are_not_read(tmp_path):
     assert tokens == hf_greedy(model, [PROMPT], 6)[0]
 
 
-def test_what_latent_attention_models_refuse(tmp_path):
-    """A rank's slice of the heads (the latent is every head's), and a router choosing among groups of experts."""
+def test_what_latent_attention_models_refuse():
+    """A rank's slice of the heads (the latent is every head's), and groups of experts that cannot give a token its
+    experts."""
     with pytest.raises(ValueError, match="latent attention \\(DeepSeek's\\) runs on one rank"):
         LlamaForCausalLM(tiny_config("deepseek-v3"), tp_rank=0, tp_size=2)
-    folder, _ = save_tiny_model(tmp_path / "m", "deepseek-v3", n_group=4, topk_group=2)
-    with pytest.raises(ValueError, match="chooses 2 of 4 groups of experts first is not supported"):
-        LLM(str(folder), dtype="float32", num_kv_blocks=64, block_size=4)
+    with pytest.raises(ValueError, match="8 experts in 3 groups, 2 kept, cannot give a token 2 experts"):
+        LlamaForCausalLM(tiny_config("deepseek-v3", **{**GROUPED["deepseek-v3"], "n_group": 3}))
+
+
+# DeepSeek-V2's and V3's full-size routers (n_group 8, topk_group 3 and 4) in small: 8 experts in 4 groups of 2, a
+# token's 2 chosen in its best group (V2's, a group scored by its best expert: in its best two, a token's best two
+# experts always are) or among its 2 best groups (V3's, a group scored by its best two's sum)
+GROUPED = {"deepseek-v2": dict(n_routed_experts=8, n_group=4, topk_group=1, topk_method="group_limited_greedy"),
+           "deepseek-v3": dict(n_routed_experts=8, n_group=4, topk_group=2)}
+
+
+@pytest.mark.parametrize("kind", ["deepseek-v2", "deepseek-v3"])
+def test_a_router_chooses_among_its_best_groups_of_experts_as_transformers(kind):
+    """`route` with DeepSeek's groups: transformers' router's experts and weights, token by token, where the same
+    logits without the groups choose otherwise for some tokens."""
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    config = tiny_config(kind, **GROUPED[kind])
+    router = (DeepseekV3TopkRouter if kind == "deepseek-v3" else DeepseekV2TopkRouter)(config)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        router.weight.normal_()
+        bias = router.e_score_correction_bias.uniform_(-0.3, 0.3) if kind == "deepseek-v3" else None
+        logits, expected_weights, expected_ids = router(torch.randn(64, config.hidden_size))
+    routing = Routing.of(config)
+    assert (routing.groups, routing.kept_groups, routing.group_top2) == \
+        (4, GROUPED[kind]["topk_group"], kind == "deepseek-v3")
+    weights, ids = route(logits, routing, bias)
+    order, expected_order = ids.argsort(dim=-1), expected_ids.argsort(dim=-1)
+    assert torch.equal(ids.gather(1, order), expected_ids.gather(1, expected_order))
+    torch.testing.assert_close(weights.gather(1, order), expected_weights.gather(1, expected_order))
+    ungrouped = route(logits, dataclasses.replace(routing, groups=1, kept_groups=1), bias)[1].sort(dim=-1).values
+    assert not torch.equal(ungrouped, ids.sort(dim=-1).values)
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+@pytest.mark.parametrize("kind", ["deepseek-v2", "deepseek-v3"])
+def test_a_model_with_groups_of_experts_gives_transformers_greedy_tokens(tmp_path, kind, kernels, monkeypatch):
+    """The grouped routers in a model, through the C++ kernels' MoEWeights and the torch modules."""
+    if not kernels:
+        monkeypatch.setenv("PAGEDLLM_DISABLE_KERNELS", "1")
+    folder, model = save_tiny_model(tmp_path / "m", kind, seed=5, **GROUPED[kind])
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = [PROMPT, [200, 13, 9, 77, 150, 151, 40, 41, 42, 8] * 2]
+    with LLM(str(folder), dtype="float32", num_kv_blocks=64, block_size=4) as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(model, prompts, 8)
 
 
 @pytest.mark.parametrize("kind", ["deepseek-v2", "deepseek-v3"])

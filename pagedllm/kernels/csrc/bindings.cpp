@@ -112,12 +112,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<at::Tensor, int64_t, bool, std::vector<pagedllm::LinearWeights>,
                     std::vector<pagedllm::LinearWeights>, c10::optional<pagedllm::LinearWeights>,
                     c10::optional<pagedllm::LinearWeights>, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
-                    double, bool, double, double, c10::optional<at::Tensor>, double, double>(),
+                    double, bool, double, double, c10::optional<at::Tensor>, double, double, int64_t, int64_t,
+                    bool>(),
            py::arg("router"), py::arg("top_k"), py::arg("renormalize"), py::arg("gate_up"), py::arg("down"),
            py::arg("shared_gate_up") = py::none(), py::arg("shared_down") = py::none(),
            py::arg("shared_gate") = py::none(), py::arg("selection_bias") = py::none(), py::arg("norm_min") = 0.0,
            py::arg("sigmoid") = false, py::arg("norm_eps") = 0.0, py::arg("scale") = 1.0,
-           py::arg("router_bias") = py::none(), py::arg("swiglu_alpha") = 0.0, py::arg("swiglu_limit") = 0.0)
+           py::arg("router_bias") = py::none(), py::arg("swiglu_alpha") = 0.0, py::arg("swiglu_limit") = 0.0,
+           py::arg("groups") = 1, py::arg("kept_groups") = 1, py::arg("group_top2") = false)
       .def("__call__", &pagedllm::MoEWeights::operator(), "h [T, H] -> the block's output [T, H]", NoGil());
   py::class_<pagedllm::DecoderLayerWeights>(m, "DecoderLayerWeights", py::module_local())
       .def(py::init<c10::optional<at::Tensor>, c10::optional<at::Tensor>, pagedllm::LinearWeights,

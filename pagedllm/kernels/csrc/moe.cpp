@@ -24,6 +24,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -261,12 +262,12 @@ MoEWeights::MoEWeights(at::Tensor router, int64_t top_k, bool renormalize, std::
                        c10::optional<LinearWeights> shared_down, c10::optional<at::Tensor> shared_gate,
                        c10::optional<at::Tensor> selection_bias, double norm_min, bool sigmoid, double norm_eps,
                        double scale, c10::optional<at::Tensor> router_bias, double swiglu_alpha,
-                       double swiglu_limit)
+                       double swiglu_limit, int64_t groups, int64_t kept_groups, bool group_top2)
     : router(std::move(router)), top_k(top_k), renormalize(renormalize), gate_up(std::move(gate_up)),
       down(std::move(down)), shared_gate_up(std::move(shared_gate_up)), shared_down(std::move(shared_down)),
       shared_gate(std::move(shared_gate)), selection_bias(std::move(selection_bias)), norm_min(norm_min),
       sigmoid(sigmoid), norm_eps(norm_eps), scale(scale), router_bias(std::move(router_bias)),
-      activation{swiglu_alpha, swiglu_limit} {
+      activation{swiglu_alpha, swiglu_limit}, groups(groups), kept_groups(kept_groups), group_top2(group_top2) {
   TORCH_CHECK(swiglu_limit >= 0, "swiglu_limit: 0 (SiLU-and-mul) or the clamped SwiGLU's limit, not ", swiglu_limit);
   TORCH_CHECK(this->shared_gate_up.has_value() == this->shared_down.has_value() &&
                   (this->shared_down.has_value() || !this->shared_gate.has_value()),
@@ -274,6 +275,8 @@ MoEWeights::MoEWeights(at::Tensor router, int64_t top_k, bool renormalize, std::
   TORCH_CHECK(this->gate_up.size() == this->down.size() && this->router.size(0) ==
                   static_cast<int64_t>(this->gate_up.size()),
               "one router row, one gate_up and one down projection an expert");
+  TORCH_CHECK(groups >= 1 && kept_groups >= 1 && kept_groups <= groups && this->router.size(0) % groups == 0,
+              "the experts in 1 or more equal groups, 1 to all of them kept: ", groups, ", ", kept_groups);
 }
 
 // LlamaSparseMoeBlock.forward_native with pagedllm.layers.moe.route's ops, in their order: h [T, H] -> [T, H].
@@ -281,8 +284,17 @@ at::Tensor MoEWeights::operator()(const at::Tensor& h) const {
   const at::Tensor logits = at::linear(h.to(router.scalar_type()), router, router_bias).to(at::kFloat);
   const at::Tensor probs = sigmoid ? at::sigmoid(logits) : at::softmax(logits, -1);
   at::Tensor top, ids;
-  if (selection_bias) {  // the experts chosen with the bias, weighted without it
-    ids = std::get<1>(at::topk(probs + *selection_bias, top_k, -1));
+  if (selection_bias || kept_groups < groups) {  // the experts chosen with the bias, weighted without it
+    at::Tensor choice = selection_bias ? probs + *selection_bias : probs;
+    if (kept_groups < groups) {  // among the experts of each token's best groups only
+      const at::Tensor grouped = choice.view({choice.size(0), groups, -1});
+      const at::Tensor scores = group_top2 ? std::get<0>(grouped.topk(2, -1)).sum(-1) : grouped.amax(-1);
+      const at::Tensor kept = at::zeros_like(scores, scores.options().dtype(at::kBool))
+                                  .scatter_(1, std::get<1>(at::topk(scores, kept_groups, -1)), true);
+      choice = choice.masked_fill(kept.unsqueeze(-1).expand_as(grouped).reshape_as(choice).logical_not(),
+                                  -std::numeric_limits<float>::infinity());
+    }
+    ids = std::get<1>(at::topk(choice, top_k, -1));
     top = probs.gather(-1, ids);
   } else {
     std::tie(top, ids) = at::topk(probs, top_k, -1);

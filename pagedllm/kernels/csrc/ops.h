@@ -231,12 +231,16 @@ struct MoEWeights {
   double norm_eps, scale;
   c10::optional<at::Tensor> router_bias;
   ExpertActivation activation;
+  // DeepSeek's groups of experts (pagedllm.layers.moe.Routing's groups, kept_groups, group_top2)
+  int64_t groups, kept_groups;
+  bool group_top2;
 
   MoEWeights(at::Tensor router, int64_t top_k, bool renormalize, std::vector<LinearWeights> gate_up,
              std::vector<LinearWeights> down, c10::optional<LinearWeights> shared_gate_up,
              c10::optional<LinearWeights> shared_down, c10::optional<at::Tensor> shared_gate,
              c10::optional<at::Tensor> selection_bias, double norm_min, bool sigmoid, double norm_eps,
-             double scale, c10::optional<at::Tensor> router_bias, double swiglu_alpha, double swiglu_limit);
+             double scale, c10::optional<at::Tensor> router_bias, double swiglu_alpha, double swiglu_limit,
+             int64_t groups, int64_t kept_groups, bool group_top2);
   at::Tensor operator()(const at::Tensor& h) const;  // h [T, H] -> [T, H]
 };
 
