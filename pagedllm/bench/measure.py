@@ -37,37 +37,49 @@ def seconds_since_process_start() -> float:
 # ---- FLOPs -------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ModelDims:
+    """A model's sizes for its FLOPs: per layer, its attention's weights (`attention_params`) and the widths its
+    heads multiply over each key they attend to (`key_width`: every head's q . k width plus its p . v width)."""
+
     num_layers: int
     hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
+    attention_params: int
+    key_width: int
     intermediate_size: int
     vocab_size: int
     mlp_matrices: int = 3   # a gated MLP's gate, up and down; an ungated one's 2
 
     @classmethod
     def from_hf_config(cls, config) -> ModelDims:
-        """The dims of a config; a mixture of experts' `intermediate_size` is what a token runs through: its top-k
-        experts' and its shared expert's (every layer counted as sparse)."""
-        from pagedllm.models.llama import dense_mlp_shape, expert_intermediate_size, num_experts
+        """The dims of a config: q/k/v/o over heads of head_dim, or DeepSeek's latent attention's projections (its
+        queries, straight or through their latent, the shared latent and rotary key, kv_b_proj, o_proj; each head
+        multiplying qk_nope + qk_rope values with a key and v_head_dim with a value, as unabsorbed); a mixture of
+        experts' `intermediate_size` is what a token runs through: its top-k experts' and its shared expert's (every
+        layer counted as sparse)."""
+        from pagedllm.models.llama import dense_mlp_shape, expert_intermediate_size, num_experts, shared_expert_size
+        from pagedllm.models.mla import is_mla
 
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        hidden, heads = config.hidden_size, config.num_attention_heads
+        if is_mla(config):
+            qk, v, latent = config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim, config.kv_lora_rank
+            q_rank = config.q_lora_rank
+            queries = hidden * heads * qk if not q_rank else hidden * q_rank + q_rank * heads * qk
+            attention = queries + hidden * (latent + config.qk_rope_head_dim) + \
+                latent * heads * (config.qk_nope_head_dim + v) + heads * v * hidden
+            key_width = heads * (qk + v)
+        else:
+            head_dim = getattr(config, "head_dim", None) or hidden // heads
+            kv_heads = getattr(config, "num_key_value_heads", None) or heads
+            attention, key_width = hidden * head_dim * (2 * heads + 2 * kv_heads), 2 * heads * head_dim
         intermediate, matrices = dense_mlp_shape(config)
         if num_experts(config):
-            intermediate = config.num_experts_per_tok * expert_intermediate_size(config) + \
-                (getattr(config, "shared_expert_intermediate_size", None) or 0)
-        return cls(config.num_hidden_layers, config.hidden_size, config.num_attention_heads,
-                   getattr(config, "num_key_value_heads", None) or config.num_attention_heads, head_dim,
-                   intermediate, config.vocab_size, matrices)
+            intermediate = config.num_experts_per_tok * expert_intermediate_size(config) + shared_expert_size(config)
+        return cls(config.num_hidden_layers, hidden, attention, key_width, intermediate, config.vocab_size, matrices)
 
     @property
     def num_layer_params(self) -> int:
         """Weights of the transformer layers a token runs through (q, k, v, o, gate, up, down; a mixture of experts'
         chosen experts); no embedding, no lm_head, no norms."""
-        attention = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
-        mlp = self.mlp_matrices * self.hidden_size * self.intermediate_size
-        return self.num_layers * (attention + mlp)
+        return self.num_layers * (self.attention_params + self.mlp_matrices * self.hidden_size * self.intermediate_size)
 
 
 def useful_flops(dims: ModelDims, requests: list[BenchRequest]) -> float:
@@ -75,9 +87,10 @@ def useful_flops(dims: ModelDims, requests: list[BenchRequest]) -> float:
 
     Per request of prompt P and output O: the layers see P + O - 1 tokens (the last sampled token is never fed
     back), at 2 FLOPs per weight each; the lm_head runs once per output token (2 x hidden x vocab); and the token
-    at position p attends to p + 1 keys, costing 4 x layers x heads x head_dim FLOPs per key (QK^T and PV).
+    at position p attends to p + 1 keys, costing 2 x layers x key_width FLOPs per key (QK^T and PV: 4 x layers x
+    heads x head_dim where q, k and v are heads of head_dim).
     """
-    per_key = 4 * dims.num_layers * dims.num_heads * dims.head_dim
+    per_key = 2 * dims.num_layers * dims.key_width
     total = 0.0
     for request in requests:
         num_fed = request.prompt_len + request.output_len - 1

@@ -640,6 +640,19 @@ def expert_intermediate_size(config: Any) -> int:
     return getattr(config, "moe_intermediate_size", None) or config.intermediate_size
 
 
+def shared_expert_size(config: Any) -> int:
+    """The intermediate size of the shared expert every token of a sparse layer runs besides its chosen ones (0 for
+    none): Qwen2-MoE's, ERNIE 4.5's moe_num_shared_experts and DeepSeek's n_shared_experts as one expert of their
+    summed width, Granite 4's shared MLP."""
+    if config.model_type == "ernie4_5_moe":
+        return config.moe_num_shared_experts * config.moe_intermediate_size
+    if is_mla(config):
+        return config.n_shared_experts * config.moe_intermediate_size
+    if _has_granite_shared_mlp(config):
+        return config.shared_intermediate_size
+    return getattr(config, "shared_expert_intermediate_size", None) or 0
+
+
 def _is_sparse_layer(config: Any, index: int) -> bool:
     """Whether decoder layer `index` has a mixture of experts for its MLP: every layer of Mixtral; Qwen-MoE's every
     `decoder_sparse_step`-th, but those in `mlp_only_layers`; ERNIE 4.5's every `moe_layer_interval`-th from
@@ -977,14 +990,10 @@ class LlamaSparseMoeBlock(nn.Module):
                                      for _ in range(num_experts(config)))
         for expert in self.experts:     # small calls, each on one thread (kernels/csrc/moe.cpp): see brgemm_packs and
             expert.gate_up_proj.small_calls = expert.down_proj.small_calls = True   # few_rows_activation_bits
-        granite = _has_granite_shared_mlp(config)
-        shared = getattr(config, "shared_expert_intermediate_size", None) or \
-            (ernie and config.moe_num_shared_experts * config.moe_intermediate_size) or \
-            (deepseek and config.n_shared_experts * config.moe_intermediate_size) or \
-            (granite and config.shared_intermediate_size)
+        shared = shared_expert_size(config)
         self.shared_expert = LlamaMLP(config, dtype, tp, shared, reduce_results=False) if shared else None
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False, dtype=dtype) \
-            if shared and not (ernie or deepseek or granite) else None
+            if shared and not (ernie or deepseek or _has_granite_shared_mlp(config)) else None
         # kernel module -> this block for its MoEWeights (built on first use, once the weights are final, packed)
         self.kernel_blocks: dict[ModuleType, Any] = {}
 

@@ -8,8 +8,11 @@ from pagedllm.bench.measure import KVWaste, ModelDims, static_batch_kv_waste, us
 
 
 def test_useful_flops_counts_layers_lm_head_and_attention():
-    dims = ModelDims(num_layers=1, hidden_size=4, num_heads=2, num_kv_heads=1, head_dim=2, intermediate_size=8,
-                     vocab_size=10)
+    from tests.models.tiny import tiny_config
+
+    # one layer of hidden 4: 2 query heads and 1 KV head of 2
+    dims = ModelDims.from_hf_config(tiny_config("llama-gqa", num_hidden_layers=1, hidden_size=4, num_attention_heads=2,
+                                                num_key_value_heads=1, head_dim=2, intermediate_size=8, vocab_size=10))
     assert dims.num_layer_params == 4 * 2 * (2 * 2 + 2 * 1) + 3 * 4 * 8
     # prompt 2, output 2: 3 tokens fed, 2 logits, keys seen 1 + 2 + 3.
     expected = 2 * dims.num_layer_params * 3 + 2 * 4 * 10 * 2 + 4 * 1 * 2 * 2 * 6
@@ -25,6 +28,22 @@ def test_a_mixture_of_experts_counts_the_experts_a_token_runs():
     assert ModelDims.from_hf_config(tiny_config("qwen3-moe")).intermediate_size == 2 * 48
     assert ModelDims.from_hf_config(tiny_config("qwen2-moe")).intermediate_size == 2 * 48 + 96
     assert ModelDims.from_hf_config(tiny_config("mixtral")).intermediate_size == 2 * 128
+    # ERNIE 4.5's two shared experts of 48 as one, Granite 4's shared MLP of 96
+    assert ModelDims.from_hf_config(tiny_config("ernie4_5-moe")).intermediate_size == 2 * 48 + 2 * 48
+    assert ModelDims.from_hf_config(tiny_config("granitemoeshared")).intermediate_size == 2 * 48 + 96
+
+
+def test_latent_attention_counts_its_projections_and_its_heads_widths():
+    """DeepSeek-V2-Lite's layout in small (hidden 64, 4 heads of 16 + 8 for q . k and 16 for p . v, a latent of 32,
+    queries straight from x) and V3's (queries through a latent of 48); its experts: 2 of 48 and a shared one of 48."""
+    from tests.models.tiny import tiny_config
+
+    v2, v3 = (ModelDims.from_hf_config(tiny_config(kind)) for kind in ("deepseek-v2", "deepseek-v3"))
+    kv = 64 * (32 + 8) + 32 * 4 * (16 + 16) + 4 * 16 * 64     # kv_a_proj_with_mqa, kv_b_proj, o_proj
+    assert v2.attention_params == 64 * 4 * 24 + kv
+    assert v3.attention_params == 64 * 48 + 48 * 4 * 24 + kv
+    assert v2.key_width == v3.key_width == 4 * (24 + 16)
+    assert v2.intermediate_size == 2 * 48 + 48
 
 
 def test_an_ungated_mlp_counts_two_matrices():
