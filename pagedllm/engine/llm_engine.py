@@ -186,6 +186,20 @@ def _run_prompts_whole(config: EngineConfig) -> None:
         sched.max_num_batched_tokens = sched.max_model_len
 
 
+def _run_with_recurrent_states(config: EngineConfig) -> None:
+    """Mamba-2 layers keep a state a request, not a row a token (pagedllm.models.mamba): a cached block holds none
+    (prefix caching off), a swapped request's would have to be swapped too (preemption recomputes), and a rejected
+    draft token cannot be taken back out of one (no speculative decoding)."""
+    cache, sched = config.cache, config.scheduler
+    if config.speculative is not None:
+        raise ValueError("speculative decoding is not supported with Mamba-2 layers: a rejected draft token cannot be "
+                         "taken back out of a request's recurrent state")
+    if cache.enable_prefix_caching or sched.preemption_mode != "recompute" or cache.swap_space:
+        logger.info("Mamba-2 layers (a recurrent state a request): prefix caching and swapping are off, preemption "
+                    "recomputes")
+    cache.enable_prefix_caching, cache.swap_space, sched.preemption_mode = False, 0, "recompute"
+
+
 class LLMEngine:
     """Loads a model, sizes the KV pool, and runs the scheduler/runner loop one step at a time."""
 
@@ -249,17 +263,22 @@ class LLMEngine:
                                   self.structured_output, peers, config.lora, self._load_draft(config),
                                   config.model.logprobs_mode, custom)
         self.vocab_size = self.runner.shape.vocab_size
+        if self.runner.mixers:
+            _run_with_recurrent_states(config)
         num_blocks = config.cache.num_blocks or self._num_blocks()
         config.cache.num_blocks = num_blocks
         self.runner.allocate_kv_cache(num_blocks)
+        if self.runner.mixers:
+            self.runner.allocate_recurrent_states(config.scheduler.max_num_seqs)
         self._setup_swap()
         self._setup_costs()
-        # a mixture of experts sorts its tokens by expert on the host (run_experts), and a short convolution finds
-        # its tokens' earlier ones by their sequences' lengths, which a graph cannot capture
+        # a mixture of experts sorts its tokens by expert on the host (run_experts), a short convolution finds its
+        # tokens' earlier ones and a Mamba-2 layer its requests' states by their sequences' lengths, which a graph
+        # cannot capture
         model_config = self.runner.model.config
         if (self.runner.device.type == "cuda" and not config.model.enforce_eager and config.lora is None
                 and runs_in_cuda_graphs(self.runner.attn_backend) and not num_experts(model_config)
-                and not has_conv_layers(model_config)):
+                and not has_conv_layers(model_config) and not self.runner.mixers):
             self._capture_decode_graphs()
         # blocks behind a window every layer attends within are freed; not with a draft model, which runs a whole
         # context again after a preemption or a prefix hit
@@ -385,7 +404,27 @@ class LLMEngine:
             activation_bytes = self._profile_activation_bytes()
         budget = kv_tensors.kv_budget_bytes(cache.kv_cache_memory, cache.gpu_memory_utilization,
                                             self.runner.weight_bytes(), self.runner.device, activation_bytes)
+        budget -= self._recurrent_state_bytes(budget)
         return kv_tensors.num_blocks_for(budget, self.runner.kv_bytes_per_token, cache.block_size)
+
+    def _recurrent_state_bytes(self, budget: int) -> int:
+        """What Mamba-2 layers' states take of the KV budget: a slot a running request, and as much again for a
+        step's new states before they are committed; at most half the budget, max_num_seqs lowered to fit."""
+        per_request = 2 * self.runner.recurrent_bytes_per_request
+        if not per_request:
+            return 0
+        sched = self.config.scheduler
+        fitting = budget // 2 // per_request
+        if fitting < 1:
+            raise ValueError(f"a request's Mamba-2 states ({per_request / kv_tensors.GiB:.2f} GiB with a step's new "
+                             f"ones) do not fit half the KV budget ({budget / kv_tensors.GiB:.2f} GiB): raise "
+                             "kv_cache_memory")
+        if fitting < sched.max_num_seqs:
+            logger.info("max_num_seqs lowered from %d to %d: each running request's Mamba-2 states take %.1f MiB "
+                        "(twice while a step runs), at most half the KV budget", sched.max_num_seqs, fitting,
+                        per_request / 2 / (1 << 20))
+            sched.max_num_seqs = fitting
+        return sched.max_num_seqs * per_request
 
     def _profile_activation_bytes(self) -> int:
         """The activation peak of the largest step the scheduler may run: a full token budget (one sequence, so at
@@ -553,6 +592,9 @@ class LLMEngine:
         if request_id in self._tracked or request_id in self.beam_search.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         self._check_generates()
+        if self.runner.mixers:
+            raise ValueError(f"beam search is not supported with {self.model_name}'s Mamba-2 layers: its beams fork "
+                             "between steps, and a request's recurrent state is its own")
         token_ids = self.tokenize_prompt(prompt)
         if lora_request is not None:
             self.runner.load_lora(lora_request)

@@ -45,9 +45,10 @@ class LoRAAdapter:
 
 
 def _part_sizes(model: Any) -> dict[str, tuple[int, int]]:
-    """Each checkpoint module's (in features, out features) in the model (the MLP's of its dense layers: a
-    mixture of experts takes no adapter)."""
-    attn, hidden = model.model.layers[0].self_attn, model.config.hidden_size
+    """Each checkpoint module's (in features, out features) in the model (its attention layers', not its short
+    convolutions' or Mamba-2 layers'; the MLP's of its dense layers: a mixture of experts takes no adapter)."""
+    attn = next(layer.self_attn for layer in model.model.layers if hasattr(layer.self_attn, "qkv_proj"))
+    hidden = model.config.hidden_size
     q_size, kv_size = attn.qkv_proj.q_size, attn.qkv_proj.kv_size
     sizes = {"q_proj": (hidden, q_size), "k_proj": (hidden, kv_size), "v_proj": (hidden, kv_size),
              "o_proj": (q_size, hidden)}
@@ -60,8 +61,12 @@ def _part_sizes(model: Any) -> dict[str, tuple[int, int]]:
 
 def _check_dense(request: LoRARequest, model: Any, layer: int, fused: str) -> None:
     """ValueError unless layer `layer` has module `fused` to adapt: a mixture of experts' layer has no
-    gate_up_proj or down_proj of its own."""
-    if fused not in ("qkv_proj", "o_proj") and not hasattr(model.model.layers[layer].mlp, fused):
+    gate_up_proj or down_proj of its own, a short convolution or a Mamba-2 layer no attention."""
+    if fused in ("qkv_proj", "o_proj"):
+        if not hasattr(model.model.layers[layer].self_attn, "qkv_proj"):
+            raise ValueError(f"LoRA adapter {request.lora_name!r}: layer {layer} is no attention (a short "
+                             f"convolution or a Mamba-2 layer), whose projections take no adapter here")
+    elif not hasattr(model.model.layers[layer].mlp, fused):
         raise ValueError(f"LoRA adapter {request.lora_name!r}: layer {layer}'s MLP is a mixture of experts, whose "
                          "experts take no adapter here (only the attention's q/k/v/o_proj)")
 

@@ -37,7 +37,9 @@ attention sinks, local layers among global ones (`layer_types`) and a rotary bas
 (`layer_rope_theta`, 0: none); Granite MoE SWA the same over GraniteMoeShared's layers. Granite 4's layers
 (GraniteMoeShared's, GraniteMoeHybrid's) add a shared MLP, gate and up fused (`_GRANITE_SHARED_NAMES`): an ungated
 shared expert beside the experts, or the MLP of a model without them (granite-4.0-micro); GraniteMoeHybrid's
-attention may turn no values (position_embedding_type other than "rope"), and its Mamba-2 layers are refused.
+attention may turn no values (position_embedding_type other than "rope"); its Mamba-2 layers are
+`pagedllm.models.mamba.Mamba2Mixer`s in the attention's place (the C++ stack has none: such a model runs its
+modules).
 LayerNorm models norm with `PreLayerNorm` (weights and biases; Cohere's weights only, OLMo's neither; Nemotron's
 scaling by 1 + w): StableLM (Llama's layers otherwise), Phi, GPT-NeoX, StarCoder2 (biased, over a sliding window),
 Cohere and Cohere2, GPT-2, GPT-BigCode, OPT, GPT-J, Falcon, OLMo (the first; q/k/v clamped to `clip_qkv`), Nemotron.
@@ -98,6 +100,7 @@ from pagedllm.layers.rotary import (
     rope_config,
     rotary_dim,
 )
+from pagedllm.models.mamba import Mamba2Mixer, has_mamba_layers, is_mamba_layer
 from pagedllm.models.mla import MLAttention, is_mla, mla_rope_rows
 from pagedllm.models.vision import ImageEncoder, ImageRows
 from pagedllm.multimodal import ImageInput
@@ -194,12 +197,14 @@ _DEEPSEEK_NAMES = ((".mlp.shared_experts.", ".mlp.shared_expert."),
 _UNUSED_NAME_PARTS = {"ernie4_5_moe": "mtp"}
 # Granite 4's (GraniteMoeShared's, GraniteMoeHybrid's, Granite MoE SWA's): its router (router.layer as released,
 # router in transformers 5's own layout, Granite MoE SWA's), its shared MLP (gate and up fused) the mixture of experts'
-# ungated shared expert, or the MLP of a layer without experts (granite-4.0-micro's)
+# ungated shared expert, or the MLP of a layer without experts (granite-4.0-micro's); GraniteMoeHybrid's Mamba-2
+# layers (`Mamba2Mixer`, the layer's self_attn, its out_proj o_proj)
+_MAMBA_NAMES = ((".mamba.out_proj.", ".self_attn.o_proj."), (".mamba.", ".self_attn."))
 _GRANITE_SHARED_NAMES = {True: ((".mlp.router.layer.", ".mlp.gate."), (".mlp.router.", ".mlp.gate."),
                                 (".shared_mlp.input_linear.", ".mlp.shared_expert.gate_up_proj."),
-                                (".shared_mlp.output_linear.", ".mlp.shared_expert.down_proj.")),
+                                (".shared_mlp.output_linear.", ".mlp.shared_expert.down_proj."), *_MAMBA_NAMES),
                          False: ((".shared_mlp.input_linear.", ".mlp.gate_up_proj."),
-                                 (".shared_mlp.output_linear.", ".mlp.down_proj."))}
+                                 (".shared_mlp.output_linear.", ".mlp.down_proj."), *_MAMBA_NAMES)}
 _CHECKPOINT_NAMES = {"granitemoe": ((".mlp.router.layer.", ".mlp.gate."),),
                      "hunyuan_v1_dense": ((".self_attn.query_layernorm.", ".self_attn.q_norm."),
                                           (".self_attn.key_layernorm.", ".self_attn.k_norm.")),
@@ -381,14 +386,6 @@ def _check_opt(config: Any) -> None:
         raise ValueError("OPT's norms without weights (layer_norm_elementwise_affine=False) are not supported")
 
 
-def _refuse_mamba_layers(config: Any) -> None:
-    """ValueError for Granite 4's Mamba-2 layers (granite-4.0-h-*'s, which transformers' config calls
-    "linear_attention"): its models of attention layers alone (granite-4.0-micro) run."""
-    if any(kind in ("mamba", "linear_attention") for kind in config.layer_types):
-        raise ValueError("GraniteMoeHybrid's Mamba-2 layers (granite-4.0-h-*) are not supported: only its models "
-                         "of attention layers alone (granite-4.0-micro's) are")
-
-
 def _is_cohere(config: Any) -> bool:
     return config.model_type in ("cohere", "cohere2")
 
@@ -468,7 +465,8 @@ def cache_layers(config: Any) -> list[slice]:
     row = 2 * _num_kv_heads(config) * _head_dim(config)     # a pool layer's values a token
     slices, start = [], 0
     for index in range(config.num_hidden_layers):
-        width = -(-config.hidden_size // row) if is_conv_layer(config, index) else 1
+        width = -(-config.hidden_size // row) if is_conv_layer(config, index) else \
+            0 if is_mamba_layer(config, index) else 1
         slices.append(slice(start, start + width))
         start += width
     return slices
@@ -1038,8 +1036,9 @@ class LlamaDecoderLayer(nn.Module):
                  rotary_emb: RotaryEmbedding, tp: TPRank, index: int) -> None:
         super().__init__()
         # the token mixer: an attention (DeepSeek's latent one), or LFM2's short convolution
-        self.self_attn: LlamaAttention | MLAttention | ShortConv = (
+        self.self_attn: LlamaAttention | MLAttention | ShortConv | Mamba2Mixer = (
             ShortConv(config, dtype, tp) if is_conv_layer(config, index) else
+            Mamba2Mixer(config, dtype, tp, index) if is_mamba_layer(config, index) else
             MLAttention(config, dtype, attn_backend, rotary_emb, tp) if is_mla(config) else
             LlamaAttention(config, dtype, attn_backend, rotary_emb, tp, index))
         self.mlp: LlamaMLP | LlamaSparseMoeBlock | PlainMLP = (
@@ -1099,8 +1098,6 @@ class LlamaModel(nn.Module):
         # vocabulary is; OPT's table starts 2 rows in (`position_offset`)
         if config.model_type == "opt":
             _check_opt(config)
-        if config.model_type == "granitemoehybrid":
-            _refuse_mamba_layers(config)
         if config.model_type == "bloom" and config.apply_residual_connection_post_layernorm:
             raise ValueError("BLOOM with its residual stream taken after each norm "
                              "(apply_residual_connection_post_layernorm=True) is not supported")
@@ -1170,7 +1167,7 @@ class LlamaModel(nn.Module):
                                  meta.query_start_loc, meta.num_decodes, meta.cascade)
         residual = None
         for index, (layer, pool_layers) in enumerate(zip(self.layers, self.cache_layers, strict=True)):
-            kv_cache = kv_caches[pool_layers] if isinstance(layer.self_attn, ShortConv) else \
+            kv_cache = kv_caches[pool_layers] if isinstance(layer.self_attn, (ShortConv, Mamba2Mixer)) else \
                 kv_caches[pool_layers.start]
             x, residual = layer(positions, x, residual, kv_cache, meta,
                                 None if lora is None else LayerLoRA(lora, index))
@@ -1342,7 +1339,7 @@ class LlamaForCausalLM(nn.Module):
         run. The loader calls it once
         the weights are final, packed: a stack holds the weight tensors it was built with. `enforce_eager=True` keeps
         the modules."""
-        if is_mla(self.config):     # (the stack has no latent attention)
+        if is_mla(self.config) or has_mamba_layers(self.config):     # (the stack has no latent attention, no Mamba-2)
             return
         attn = next(layer.self_attn for layer in self.model.layers if isinstance(layer.self_attn, LlamaAttention))
         convolutions = [layer.self_attn for layer in self.model.layers if isinstance(layer.self_attn, ShortConv)]

@@ -30,6 +30,7 @@ from pagedllm.loader.pooling_config import sentence_transformers_projector
 from pagedllm.lora.adapter import LoRAAdapter, LoRABatch, LoRARegistry
 from pagedllm.lora.request import LoRARequest
 from pagedllm.models.llama import cache_layers, has_conv_layers
+from pagedllm.models.mamba import Mamba2Mixer, RecurrentStates
 from pagedllm.models.mla import is_mla, mla_cache_row
 from pagedllm.models.vision import ImageRows
 from pagedllm.multimodal import MRopeLayout
@@ -133,6 +134,9 @@ class ModelRunner:
         self.swap: kv_tensors.SwapSpace | None = None
         self.decode_graphs: DecodeGraphs | None = None
         self.last_timings = StepTimings()
+        # Mamba-2 layers' per-request states (`allocate_recurrent_states`); None for a model without them
+        self.mixers = [m for m in self.model.modules() if isinstance(m, Mamba2Mixer)]
+        self.recurrent: RecurrentStates | None = None
 
     def weight_bytes(self) -> int:
         """The model's weights, and the draft model's."""
@@ -151,6 +155,15 @@ class ModelRunner:
             self.kv_caches = kv_tensors.layer_caches(self.kv)
             if self.draft is not None:
                 self.draft.allocate_kv_cache(num_blocks)
+
+    @property
+    def recurrent_bytes_per_request(self) -> int:
+        """A running request's Mamba-2 states (0 for a model without Mamba-2 layers)."""
+        return RecurrentStates.bytes_per_request(self.mixers, self.layout.dtype)
+
+    def allocate_recurrent_states(self, num_slots: int) -> None:
+        """Slots for `num_slots` running requests' Mamba-2 states (a model with Mamba-2 layers; one rank)."""
+        self.recurrent = RecurrentStates(self.mixers, num_slots, self.layout.dtype, self.device)
 
     def allocate_swap_space(self, num_blocks: int, path: str | None = None) -> None:
         """The swap pool: pinned host memory beside a GPU, a memory-mapped file on a CPU device (rank r > 0 of a
@@ -237,6 +250,9 @@ class ModelRunner:
         new ones', and move blocks (swap out, swap in, copy-on-write)."""
         for request_id in scheduler_output.finished_request_ids:
             self.requests.pop(request_id, None)
+        if self.recurrent is not None:     # a preempted request runs again from its first token
+            for request_id in scheduler_output.finished_request_ids | scheduler_output.preempted_request_ids:
+                self.recurrent.release(request_id)
         # A preempted request keeps its state here (above all its seeded generator, so that its samples do not
         # depend on whether it was preempted); it comes back through new_requests and is recognised.
         for new in scheduler_output.new_requests:
@@ -256,6 +272,8 @@ class ModelRunner:
         if not scheduled:
             return RunnerOutput()
         inputs = build_model_inputs(scheduled, self.block_size, self.device, self.cascade)
+        if self.recurrent is not None:
+            inputs.meta.recurrent = self.recurrent.begin(scheduled)
         if self.mrope:
             self._shift_positions(inputs, scheduled)
         pending_masks = self._start_token_bitmasks(inputs.sample_request_ids)
@@ -279,6 +297,9 @@ class ModelRunner:
                                                       children, masks))
         for state, end in reported:   # only once the group succeeded: a group that raised may run again
             state.num_prompt_logprob_positions = end
+        if inputs.meta.recurrent is not None:
+            self.recurrent.commit(inputs.meta.recurrent,  # type: ignore[union-attr]
+                                  {s.request_id: s.child_request_ids for s in scheduled if s.child_request_ids})
         output.prompt_logprobs = prompt_logprobs
         output.embeddings = self._embeddings(hidden, inputs, scheduled)
         self._propose_drafts(scheduled, output)

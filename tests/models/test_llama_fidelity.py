@@ -253,11 +253,3 @@ def test_apertus_runs_its_xielu_in_the_modules(tmp_path) -> None:
                            SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outputs] == hf_greedy(hf_model, PROMPTS, 8)
 
-
-def test_granite_4s_mamba_layers_are_refused_by_name(tmp_path) -> None:
-    """granite-4.0-h-*'s Mamba-2 layers among its attention layers: refused at load, naming them (its models of
-    attention layers alone, granite-4.0-micro's, are tested above as `granite4-dense`)."""
-    folder, _ = save_tiny_model(tmp_path / "hybrid", "granite4-nope", with_tokenizer=False,
-                                layer_types=["mamba", "attention"], mamba_n_heads=4, mamba_d_state=16)
-    with pytest.raises(ValueError, match="GraniteMoeHybrid's Mamba-2 layers .* are not supported"):
-        _load(folder)

@@ -153,7 +153,9 @@ TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
                                       residual_multiplier=0.22, logits_scaling=8.0)),
     # Granite 4's: GraniteMoeShared's experts beside an ungated shared MLP (gate and up fused); GraniteMoeHybrid's
     # attention layers with its shared MLP alone (granite-4.0-micro's), and without a rotary embedding (NoPE: as
-    # granite-4.0-h-*'s attention layers, whose Mamba-2 layers are refused)
+    # granite-4.0-h-*'s attention layers); granite-4.0-h's Mamba-2 layers around an attention layer, with experts
+    # (h-tiny's) and without (h-micro's): 4 heads of 32, 2 groups of B and C of 16, chunks of 8 (256 in theirs) so
+    # that a prompt spans several; A_log, dt_bias, D, the conv's bias and the gated norm made random
     "granitemoeshared": ("granitemoeshared", dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
                                                   intermediate_size=48, shared_intermediate_size=96,
                                                   embedding_multiplier=12.0, attention_multiplier=0.05,
@@ -166,6 +168,15 @@ TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
                                                intermediate_size=48, shared_intermediate_size=96,
                                                layer_types=["attention", "attention"], position_embedding_type=None,
                                                residual_multiplier=0.22)),
+    "granite4-hybrid": ("granitemoehybrid", dict(
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, intermediate_size=48,
+        shared_intermediate_size=96, num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"],
+        position_embedding_type=None, residual_multiplier=0.22, embedding_multiplier=2.0, mamba_n_heads=4,
+        mamba_d_state=16, mamba_n_groups=2, mamba_chunk_size=8)),
+    "granite4-hybrid-dense": ("granitemoehybrid", dict(
+        num_key_value_heads=2, num_local_experts=0, shared_intermediate_size=96, num_hidden_layers=3,
+        layer_types=["mamba", "attention", "mamba"], position_embedding_type=None, mamba_n_heads=4,
+        mamba_d_state=16, mamba_chunk_size=8)),
     "olmoe": ("olmoe", dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, intermediate_size=48)),
     "mixtral": ("mixtral", dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
                                 tie_word_embeddings=False)),
@@ -248,6 +259,11 @@ def build_tiny_hf_model(kind: str = "llama-gqa", seed: int = 0, **overrides: Any
             for name, param in model.named_parameters():
                 if name.endswith((".sinks", "_proj_bias")):
                     param.normal_(0.0, 1.0 if name.endswith(".sinks") else 0.2)
+    if config.model_type == "granitemoehybrid":     # its Mamba-2 layers' A, dt bias, D, conv bias and norm
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(("A_log", "dt_bias", ".D", "conv1d.bias", "mamba.norm.weight")):
+                    param.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.5)
     if config.model_type == "apertus":     # its xIELUs' parameters start alike in every layer: made random
         with torch.no_grad():
             for name, param in model.named_parameters():
@@ -315,11 +331,13 @@ def hf_greedy(model: Any, prompts: list[list[int]], max_tokens: int) -> list[lis
 
 
 class SimplePagedRunner:
-    """A minimal stand-in for the model runner: per-sequence block tables over a hand-allocated KV cache."""
+    """A minimal stand-in for the model runner: per-sequence block tables over a hand-allocated KV cache (and the
+    sequences' Mamba-2 states, for a model with Mamba-2 layers)."""
 
     def __init__(self, model: Any, block_size: int = 4, num_blocks: int = 64,
                  dtype: torch.dtype = torch.float32) -> None:
         from pagedllm.attention.metadata import AttentionMetadata
+        from pagedllm.models.mamba import Mamba2Mixer, RecurrentStates
         from pagedllm.runner.model_runner import model_shape
 
         self._meta_cls = AttentionMetadata
@@ -332,6 +350,8 @@ class SimplePagedRunner:
         self._free = list(range(num_blocks - 1, 0, -1))[::2] + list(range(num_blocks - 1, 0, -1))[1::2]
         self.block_tables: dict[int, list[int]] = {}
         self.num_computed: dict[int, int] = {}
+        mixers = [m for m in model.modules() if isinstance(m, Mamba2Mixer)]
+        self.recurrent = RecurrentStates(mixers, 16, dtype, torch.device("cpu")) if mixers else None
 
     @torch.inference_mode()
     def step(self, new_tokens: dict[int, list[int]]) -> torch.Tensor:
@@ -347,7 +367,14 @@ class SimplePagedRunner:
         meta = self._meta_cls.build([self.block_tables[s] for s in seq_ids], computed, query_lens, self.block_size)
         input_ids = torch.tensor([t for s in seq_ids for t in new_tokens[s]], dtype=torch.int64)
         positions = torch.cat([torch.arange(c, c + q) for c, q in zip(computed, query_lens)])
+        if self.recurrent is not None:
+            from pagedllm.core.sched.output import ScheduledRequest
+
+            meta.recurrent = self.recurrent.begin([ScheduledRequest(str(s), self.block_tables[s], c, new_tokens[s],
+                                                                    True) for s, c in zip(seq_ids, computed)])
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if meta.recurrent is not None:
+            self.recurrent.commit(meta.recurrent, {})
         last = torch.tensor(meta.query_start_loc_cpu[1:]) - 1
         for s, q in zip(seq_ids, query_lens):
             self.num_computed[s] = self.num_computed.get(s, 0) + q
