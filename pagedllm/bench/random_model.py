@@ -74,6 +74,16 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
         layer_types=["full_attention" if i in (2, 6, 10, 14) else "conv" for i in range(16)],
         num_experts=32, num_experts_per_tok=4, use_expert_bias=True, norm_topk_prob=True, routed_scaling_factor=1.0,
         max_position_embeddings=128000)),
+    # granite-4.0-h-350m's layers (~0.33B weights here, with the tokenizer's vocabulary): 32 of hidden 768, Mamba-2
+    # layers (48 heads of 32, 8 groups of B and C of 128, a convolution over 4) but for 4 attention layers (12 query
+    # heads of 64 over 4 kv heads, no rotary embedding), each with a gated MLP of 2,048, Granite's multipliers
+    "granite4-h-350m": ("granitemoehybrid", dict(
+        hidden_size=768, num_hidden_layers=32, num_attention_heads=12, num_key_value_heads=4, num_local_experts=0,
+        shared_intermediate_size=2048, intermediate_size=2048, position_embedding_type=None,
+        layer_types=["attention" if i in (10, 13, 17, 27) else "mamba" for i in range(32)],
+        mamba_n_heads=48, mamba_d_head=32, mamba_n_groups=8, mamba_d_state=128, mamba_d_conv=4, mamba_expand=2,
+        embedding_multiplier=12.0, attention_multiplier=0.015625, residual_multiplier=0.246, logits_scaling=3.0,
+        tie_word_embeddings=True, max_position_embeddings=32768)),
     # opt-125m's layers (vLLM's first example; ~0.16B weights here, with the tokenizer's vocabulary, not OPT's 50,272):
     # 12 of hidden 768, 12 heads, a ReLU MLP of 3,072, learned positions (2,048)
     "opt-125m": ("opt", dict(

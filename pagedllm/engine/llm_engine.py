@@ -408,21 +408,21 @@ class LLMEngine:
         return kv_tensors.num_blocks_for(budget, self.runner.kv_bytes_per_token, cache.block_size)
 
     def _recurrent_state_bytes(self, budget: int) -> int:
-        """What Mamba-2 layers' states take of the KV budget: a slot a running request, and as much again for a
-        step's new states before they are committed; at most half the budget, max_num_seqs lowered to fit."""
-        per_request = 2 * self.runner.recurrent_bytes_per_request
+        """What Mamba-2 layers' states take of the KV budget: two slots a running request (its states, and a step's
+        next ones before they are committed); at most half the budget, max_num_seqs lowered to fit."""
+        per_request = self.runner.recurrent_bytes_per_request
         if not per_request:
             return 0
         sched = self.config.scheduler
         fitting = budget // 2 // per_request
         if fitting < 1:
-            raise ValueError(f"a request's Mamba-2 states ({per_request / kv_tensors.GiB:.2f} GiB with a step's new "
+            raise ValueError(f"a request's Mamba-2 states ({per_request / kv_tensors.GiB:.2f} GiB with a step's next "
                              f"ones) do not fit half the KV budget ({budget / kv_tensors.GiB:.2f} GiB): raise "
                              "kv_cache_memory")
         if fitting < sched.max_num_seqs:
             logger.info("max_num_seqs lowered from %d to %d: each running request's Mamba-2 states take %.1f MiB "
-                        "(twice while a step runs), at most half the KV budget", sched.max_num_seqs, fitting,
-                        per_request / 2 / (1 << 20))
+                        "(with a step's next ones), at most half the KV budget", sched.max_num_seqs, fitting,
+                        per_request / (1 << 20))
             sched.max_num_seqs = fitting
         return sched.max_num_seqs * per_request
 

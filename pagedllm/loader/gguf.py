@@ -44,7 +44,7 @@ _PLAIN_TYPES: dict[int, torch.dtype] = {
 # ERNIE 4.5's, GLM-4's and Cohere's (Command R's) rows as their checkpoints hold them: interleaved (GLM-4's in the
 # rotary half of each head)
 _HALVES_ARCHS = {"ernie4_5", "ernie4_5-moe", "glm4", "command-r", "cohere2"}    # (whose rows the loader reorders)
-_PERMUTED_ARCHS = {"llama", "smollm3", "granite", "granitemoe", "arcee", "olmo", *_HALVES_ARCHS}
+_PERMUTED_ARCHS = {"llama", "smollm3", "granite", "granitemoe", "granitehybrid", "arcee", "olmo", *_HALVES_ARCHS}
 # SmolLM3's layers without a rotary embedding: every how many one is (llama.cpp fixes it rather than store it)
 _SMOLLM3_NO_ROPE_EVERY = 4
 
@@ -72,6 +72,12 @@ _OUTPUT_NORMED_BLOCK_NAMES = {**_BLOCK_NAMES, "post_attention_norm": "post_atten
 # LFM2's short convolutions, as the model's modules name them (its `self_attn`, a ShortConv); LFM2-MoE's the same
 _LFM2_BLOCK_NAMES = {**_BLOCK_NAMES, "shortconv.in_proj": "self_attn.in_proj", "shortconv.out_proj": "self_attn.o_proj",
                      "shortconv.conv": "self_attn.conv"}
+# Granite 4's hybrids' Mamba-2 layers, as the model's modules name them (its `self_attn`, a Mamba2Mixer); their
+# dt bias, A and D (stored as A = -exp(A_log) and D, [H, 1] each, without .weight) are `_SSM_PARAMS`
+_GRANITE_HYBRID_BLOCK_NAMES = {**_BLOCK_NAMES, "ssm_in": "self_attn.in_proj", "ssm_conv1d": "self_attn.conv1d",
+                               "ssm_norm": "self_attn.norm", "ssm_out": "self_attn.o_proj"}
+_SSM_PARAMS = {"ssm_dt.bias": "dt_bias", "ssm_a": "A_log", "ssm_d": "D"}
+_SSM_PARAM_RE = re.compile(r"blk\.(\d+)\.(ssm_dt\.bias|ssm_a|ssm_d)$")
 _PLAIN_MLP_BLOCK_NAMES = {**_BLOCK_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.fc1", "ffn_down": "mlp.fc2"}
 # Phi-3's fused weights: its q/k/v in one tensor, and its gate and up in ffn_up (`unfused` splits them)
 _ARCH_BLOCK_NAMES = {"gemma2": _GEMMA_BLOCK_NAMES, "gemma3": _GEMMA_BLOCK_NAMES, "gemma-embedding": _GEMMA_BLOCK_NAMES,
@@ -82,6 +88,7 @@ _ARCH_BLOCK_NAMES = {"gemma2": _GEMMA_BLOCK_NAMES, "gemma3": _GEMMA_BLOCK_NAMES,
                      "glm4": {**_BLOCK_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj",
                               "post_attention_norm": "post_self_attn_layernorm", "post_ffw_norm": "post_mlp_layernorm"},
                      "lfm2": _LFM2_BLOCK_NAMES, "lfm2moe": _LFM2_BLOCK_NAMES,
+                     "granitehybrid": _GRANITE_HYBRID_BLOCK_NAMES,
                      # Seed-OSS's norm before the MLP, under llama.cpp's name for a norm after the attention
                      "seed_oss": {**_BLOCK_NAMES, "post_attention_norm": "post_attention_layernorm"},
                      # the ungated MLPs of StarCoder2, Phi-2 and GPT-NeoX, under the names the model gives them
@@ -122,7 +129,7 @@ _MODEL_TYPES = {"gemma3": "gemma3_text", "gemma-embedding": "gemma3_text", "phi2
                 "command-r": "cohere", "hunyuan-dense": "hunyuan_v1_dense", "starcoder": "gpt_bigcode",
                 # the Qwen-VLs' language models (Qwen2-VL's, Qwen3-VL's): Qwen2's and Qwen3's, whose M-RoPE
                 # (`rope.dimension_sections`) is the plain rope on text; their image encoders live in mmproj files
-                "qwen2vl": "qwen2", "qwen3vl": "qwen3"}
+                "qwen2vl": "qwen2", "qwen3vl": "qwen3", "granitehybrid": "granitemoehybrid"}
 # Every how many layers one is global, the others local over the window, where a file does not mark them (Cohere2's:
 # llama.cpp fixes it rather than store it)
 _GLOBAL_LAYER_EVERY = 4
@@ -145,10 +152,11 @@ _STACKED_EXPERTS_RE = re.compile(r"(blk\.\d+\.ffn_(?:gate|up|down))_exps\.(weigh
 # GGUF architectures of mixtures of experts -> transformers' model_type (a Mixtral file says "llama")
 _MOE_MODEL_TYPES = {"llama": "mixtral", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "qwen3vlmoe": "qwen3_moe",
                     "ernie4_5-moe": "ernie4_5_moe", "lfm2moe": "lfm2_moe", "granitemoe": "granitemoe", "olmoe": "olmoe",
-                    "gpt-oss": "gpt_oss", "deepseek2": "deepseek_v2"}
+                    "gpt-oss": "gpt_oss", "deepseek2": "deepseek_v2", "granitehybrid": "granitemoehybrid"}
 # whether llama.cpp renormalises each token's top-k expert weights, by architecture (Qwen2-MoE does not)
 _MOE_RENORMALIZES = {"llama": True, "qwen2moe": False, "qwen3moe": True, "qwen3vlmoe": True, "ernie4_5-moe": True,
-                     "lfm2moe": True, "granitemoe": True, "olmoe": False, "gpt-oss": True, "deepseek2": False}
+                     "lfm2moe": True, "granitemoe": True, "olmoe": False, "gpt-oss": True, "deepseek2": False,
+                     "granitehybrid": True}
 # What llama.cpp fixes for gpt-oss rather than read from the file: its experts' SwiGLU's alpha and limit, and every how
 # many layers one is global (the others, the first among them, local over the window)
 _GPT_OSS_SWIGLU = (1.702, 7.0)
@@ -317,6 +325,9 @@ def gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
     if expert:
         layer, part, index, kind = expert.groups()
         return f"model.layers.{layer}.mlp.experts.{index}.{part}_proj.{kind}"
+    ssm = _SSM_PARAM_RE.match(name)
+    if ssm and arch == "granitehybrid":
+        return f"model.layers.{ssm.group(1)}.self_attn.{_SSM_PARAMS[ssm.group(2)]}"
     m = _BLOCK_RE.match(name)
     if m:
         layer, part, kind = m.groups()
@@ -348,7 +359,7 @@ def iterate_gguf(path: str | Path, dtype: torch.dtype = torch.float32, gguf_file
     g = gguf_file or GGUFFile(path)
     permute = g.architecture in _PERMUTED_ARCHS
     num_heads = g.arch_value("attention.head_count")
-    num_kv_heads = g.arch_value("attention.head_count_kv", num_heads)
+    num_kv_heads = max(_per_layer(g.arch_value("attention.head_count_kv", num_heads)))     # (per layer: a hybrid's)
     rope_dims = g.arch_value("rope.dimension_count")    # a head's values its rope turns (GLM-4's half)
     names = _names_of(g)
     for info in g.tensors.values():
@@ -370,7 +381,22 @@ def iterate_gguf(path: str | Path, dtype: torch.dtype = torch.float32, gguf_file
             tensor = interleaved_to_halves(tensor, num_kv_heads, rope_dims)
         if g.architecture == "gpt2" and ".layers." in hf_name and tensor.dim() == 2:
             tensor = tensor.t()     # GPT-2's Conv1D weights [in, out], as its checkpoints hold them
+        if g.architecture == "granitehybrid":
+            tensor = _mamba_layout(hf_name, tensor)
         yield hf_name, tensor.to(dtype)
+
+
+def _mamba_layout(hf_name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """A Mamba-2 layer's tensor as its checkpoint holds it, from llama.cpp's layout: A_log from A = -exp(A_log) and
+    D from [H, 1]; the convolution [conv_dim, 1, d_conv] from [conv_dim, d_conv]; the norm [d_inner] from
+    [groups, d_inner / groups]; any other tensor as it is."""
+    if hf_name.endswith(".self_attn.A_log"):
+        return torch.log(-tensor.float().flatten())
+    if hf_name.endswith((".self_attn.D", ".self_attn.norm.weight")):
+        return tensor.flatten()
+    if hf_name.endswith(".self_attn.conv1d.weight") and tensor.dim() == 2:
+        return tensor.unsqueeze(1)
+    return tensor
 
 
 def _fused_kv_b(g: GGUFFile, k_b: GGUFTensorInfo) -> torch.Tensor:
@@ -393,7 +419,7 @@ def gguf_block_rows(g: GGUFFile, ggml_types: tuple[GGMLQuantizationType, ...], c
     permute = g.architecture in _PERMUTED_ARCHS
     residual = float(getattr(config, "residual_multiplier", None) or 1.0)    # Granite's, into its blocks' scales
     heads = {".q_proj.": g.arch_value("attention.head_count")}
-    heads[".k_proj."] = g.arch_value("attention.head_count_kv", heads[".q_proj."])
+    heads[".k_proj."] = max(_per_layer(g.arch_value("attention.head_count_kv", heads[".q_proj."])))
     rope_dims = g.arch_value("rope.dimension_count")
     names = _names_of(g)
     rows: dict[str, tuple[GGMLQuantizationType, torch.Tensor]] = {}
@@ -512,6 +538,8 @@ def _add_architecture_fields(g: GGUFFile, kwargs: dict[str, Any]) -> None:
         kwargs["rope_parameters"] = _partial_rope(g, kwargs["rope_parameters"], kwargs["head_dim"])
     if arch in ("stablelm", "starcoder2", "phi2", "gptneox"):
         kwargs.update(_gguf_layer_norm_model(g, arch))
+    if arch == "granitehybrid":
+        kwargs.update(_gguf_granite_hybrid(g))
     if arch in ("lfm2", "lfm2moe"):     # its convolution layers: those with no KV heads; the MLP's width as it is
         kv_heads = _per_layer(g.arch_value("attention.head_count_kv"))
         kwargs.update(layer_types=["conv" if heads == 0 else "full_attention" for heads in kv_heads],
@@ -521,7 +549,7 @@ def _add_architecture_fields(g: GGUFFile, kwargs: dict[str, Any]) -> None:
     kwargs.update(_gguf_norms_and_mlps(g, kwargs))
     if arch == "gpt-oss":
         kwargs.update(_gguf_gpt_oss(g, kwargs))
-    if arch in ("granite", "granitemoe"):   # its four multipliers (pagedllm.models.llama), under llama.cpp's names
+    if arch in ("granite", "granitemoe", "granitehybrid"):  # its four multipliers (pagedllm.models.llama), by llama.cpp
         kwargs.update({field: float(g.arch_value(key)) for field, key in _GRANITE_MULTIPLIERS
                        if g.arch_value(key) is not None})
 
@@ -631,6 +659,27 @@ def _gguf_mpt(g: GGUFFile, fields: dict[str, Any], eps: float) -> dict[str, Any]
                                                clip_qkv=None if clip is None else float(clip)))
 
 
+def _gguf_granite_hybrid(g: GGUFFile) -> dict[str, Any]:
+    """Granite 4's hybrids' config fields as transformers' GraniteMoeHybrid names them: a layer with no KV heads is a
+    Mamba-2 layer, whose widths llama.cpp stores under `ssm.*` (time_step_rank: its heads); the attention turns its
+    rotary embedding where the file says `rope.scaling.finetuned` (the hybrids' do not: NoPE); a model without
+    experts has its shared MLP as ffn_gate/up/down."""
+    kv_heads = _per_layer(g.arch_value("attention.head_count_kv"))
+    mamba = next((i for i, n in enumerate(kv_heads) if n == 0), 0)
+    heads, inner = int(g.arch_value("ssm.time_step_rank")), int(g.arch_value("ssm.inner_size"))
+    config: dict[str, Any] = dict(
+        layer_types=["mamba" if n == 0 else "attention" for n in kv_heads], hidden_act="silu",
+        position_embedding_type="rope" if g.arch_value("rope.scaling.finetuned") else None,
+        mamba_n_heads=heads, mamba_d_head=inner // heads, mamba_n_groups=int(g.arch_value("ssm.group_count")),
+        mamba_d_state=int(g.arch_value("ssm.state_size")), mamba_d_conv=int(g.arch_value("ssm.conv_kernel")),
+        mamba_conv_bias=f"blk.{mamba}.ssm_conv1d.bias" in g.tensors,
+        mamba_proj_bias=f"blk.{mamba}.ssm_in.bias" in g.tensors, time_step_limit=(0.0, float("inf")))
+    dense = next((info for name, info in g.tensors.items() if name.endswith(".ffn_up.weight")), None)
+    if dense is not None:
+        config["shared_intermediate_size"] = int(dense.shape[0])
+    return config
+
+
 def _per_layer(value: Any) -> list[int]:
     """A metadata value that llama.cpp stores once or once a layer (LFM2's KV heads), as a list of ints."""
     return np.atleast_1d(np.asarray(value)).astype(int).tolist()
@@ -732,6 +781,8 @@ def _gguf_experts(g: GGUFFile, num_layers: int) -> dict[str, Any]:
     shared = next((info.shape[0] for name, info in g.tensors.items() if name.endswith(".ffn_up_shexp.weight")), 0)
     if shared and g.architecture == "granitemoe":     # GraniteMoeShared's (Granite 4's), its ungated shared MLP
         fields.update(model_type="granitemoeshared", shared_intermediate_size=int(shared))
+    elif g.architecture == "granitehybrid":
+        fields.update(shared_intermediate_size=int(shared))
     elif shared:
         fields["shared_expert_intermediate_size"] = int(shared)
     if g.architecture == "ernie4_5-moe":    # its dense layers first, then one in `interleave_moe_layer_step` sparse

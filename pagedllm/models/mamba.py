@@ -20,19 +20,20 @@ fork. What a state cannot do, the engine turns off for these models: prefix cach
 swapping (preemption recomputes), speculative decoding (a rejected draft would have to be taken out of h).
 
 A prompt's chunk runs the recurrence in its chunked form (`ssd_scan`: state space duality, the Mamba-2 paper's
-algorithm: within each chunk of `chunk_size` tokens an attention-like product under a decay mask, between chunks the
+algorithm: within each chunk of `SCAN_CHUNK` tokens an attention-like product under a decay mask, between chunks the
 states passed on); a decode step's tokens run one step of it, all requests at once (`ssd_step`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.kernels import kernels_for
 from pagedllm.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 
 if TYPE_CHECKING:
@@ -71,52 +72,60 @@ class GatedRMSNorm(nn.Module):
         return self.weight * groups.flatten(-2).to(self.weight.dtype)
 
 
-def _decay_mask(log_decays: torch.Tensor) -> torch.Tensor:
-    """[..., L] log decays a_1..a_L -> [..., L, L]: at (t, s) the sum a_{s+1} + ... + a_t for s <= t (0 on the
-    diagonal), -inf above it, so that its exp is the decay from position s to position t."""
-    length = log_decays.shape[-1]
-    below = torch.ones(length, length, dtype=torch.bool, device=log_decays.device).tril(-1)
-    sums = log_decays.unsqueeze(-1).expand(*log_decays.shape, length).masked_fill(~below, 0).cumsum(-2)
-    return sums.masked_fill(~below.logical_or(torch.eye(length, dtype=torch.bool, device=below.device)),
-                            float("-inf"))
+# the recurrence's chunk on a CPU: a prompt's tokens run in chunks of this many whatever the config's (its
+# mamba_chunk_size is for GPU kernels; the chunked form gives the same result at any size, as a float sum may):
+# 300 tokens through granite-4.0-h-350m's layer shapes took 14 ms in chunks of 64, 25 ms of 128 (Zen 4, float32)
+SCAN_CHUNK = 64
 
 
 def ssd_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
              initial: torch.Tensor | None, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence's tokens through the recurrence, in chunks (float32 throughout).
+    """One sequence's tokens through the recurrence, in chunks, in float32: x [L, H, P], dt [L, H] (after softplus
+    and clamp), a [H] (A, negative), b and c [L, G, N] (each group's, shared by its H / G heads), initial [H, P, N]
+    or None (zeros) -> (y [L, H, P] without the D term, the final state [H, P, N]).
 
-    x [L, H, P], dt [L, H] (after softplus and clamp), a [H] (A, negative), b and c [L, H, N] (each head's group's),
-    initial [H, P, N] or None (zeros) -> (y [L, H, P] without the D term, the final state [H, P, N])."""
-    length, heads, _ = x.shape
+    Within a chunk, token t's output is sum_{s <= t} (c_t . b_s) decay(s -> t) dt_s x_s plus c_t times the state the
+    chunk started from, decayed to t; each chunk's own tokens add (b_s decay(s -> end) dt_s x_s) to the state it
+    passes on, decayed by the whole chunk. A group's heads share its b and c, so their products are one matmul."""
+    length, heads, head_dim = x.shape
+    groups = b.shape[1]
+    per_group = heads // groups
+    xdt = x * dt.unsqueeze(-1)
     pad = -length % chunk_size
     if pad:
-        x, dt, b, c = (F.pad(t, (0, 0) * (t.dim() - 1) + (0, pad)) for t in (x, dt, b, c))
-    chunks = x.shape[0] // chunk_size
-    x, b, c = (t.unflatten(0, (chunks, chunk_size)) for t in (x * dt.unsqueeze(-1), b, c))  # [K, Q, H, .]
-    log_decay = (dt * a).unflatten(0, (chunks, chunk_size)).permute(2, 0, 1)                 # [H, K, Q]
-    cumulative = log_decay.cumsum(-1)
-    # within each chunk: y_t = sum_{s<=t} (c_t . b_s) decay(s -> t) x_s
-    scores = torch.einsum("kthn,kshn->hkts", c, b) * _decay_mask(log_decay).exp()
-    y = torch.einsum("hkts,kshp->kthp", scores, x)
-    # each chunk's own contribution to the state at its end, and the states passed from chunk to chunk
-    to_end = (cumulative[..., -1:] - cumulative).exp()                                      # [H, K, Q]
-    chunk_states = torch.einsum("kshn,hks,kshp->khpn", b, to_end, x)
-    start = torch.zeros_like(chunk_states[:1]) if initial is None else initial.float().unsqueeze(0)
-    chunk_states = torch.cat([start, chunk_states])                                         # [K + 1, H, P, N]
-    between = _decay_mask(F.pad(cumulative[..., -1], (1, 0))).exp()                         # [H, K + 1, K + 1]
-    states = torch.einsum("hzs,shpn->zhpn", between, chunk_states)                          # at each chunk's start
-    # the state each chunk starts from, decayed to each of its positions
-    y = y + torch.einsum("kthn,khpn,hkt->kthp", c, states[:-1], cumulative.exp())
-    return y.flatten(0, 1)[:length], states[-1]
+        xdt, dt, b, c = (F.pad(t, (0, 0) * (t.dim() - 1) + (0, pad)) for t in (xdt, dt, b, c))
+    chunks = xdt.shape[0] // chunk_size
+    b, c = (t.unflatten(0, (chunks, chunk_size)).transpose(1, 2) for t in (b, c))      # [K, G, Q, N]
+    xdt = xdt.unflatten(0, (chunks, chunk_size)).unflatten(2, (groups, per_group)).permute(0, 2, 3, 1, 4)
+    cumulative = (dt * a).unflatten(0, (chunks, chunk_size)).unflatten(2, (groups, per_group)) \
+        .permute(0, 2, 3, 1).cumsum(-1)                                                   # [K, G, h, Q] log decays
+    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=x.device).tril()
+    decay = (cumulative.unsqueeze(-1) - cumulative.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()
+    y = ((c @ b.transpose(-1, -2)).unsqueeze(2) * decay) @ xdt                           # [K, G, h, Q, P]
+    to_end = (cumulative[..., -1:] - cumulative).exp().unsqueeze(-1)
+    added = b.transpose(-1, -2) @ (xdt * to_end).transpose(2, 3).flatten(3)             # [K, G, N, h * P]
+    chunk_decay = cumulative[..., -1].exp().repeat_interleave(head_dim, dim=-1).unsqueeze(-2)
+    state = torch.zeros_like(added[0]) if initial is None else \
+        initial.float().unflatten(0, (groups, per_group)).permute(0, 3, 1, 2).flatten(2)  # [G, N, h * P]
+    starts = []
+    for k in range(chunks):
+        starts.append(state)
+        state = chunk_decay[k] * state + added[k]
+    carried = (c @ torch.stack(starts)).unflatten(-1, (per_group, head_dim)).transpose(2, 3)
+    y = y + carried * cumulative.exp().unsqueeze(-1)
+    y = y.permute(0, 3, 1, 2, 4).flatten(0, 1).flatten(1, 2)[:length]
+    return y, state.unflatten(-1, (per_group, head_dim)).permute(0, 2, 3, 1).flatten(0, 1)
 
 
 def ssd_step(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
              state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token of each of S sequences: x [S, H, P], dt [S, H], b and c [S, H, N], state [S, H, P, N] -> (y
+    """One token of each of S sequences: x [S, H, P], dt [S, H], b and c [S, G, N], state [S, H, P, N] -> (y
     [S, H, P] without the D term, the new state), in float32."""
+    groups = b.shape[1]
     state = state.float() * (dt * a).exp()[..., None, None] + \
-        (dt.unsqueeze(-1) * x.float()).unsqueeze(-1) * b.unsqueeze(-2)
-    return torch.einsum("shpn,shn->shp", state, c), state
+        (dt.unsqueeze(-1) * x).unsqueeze(-1) * b.repeat_interleave(x.shape[1] // groups, dim=1).unsqueeze(-2)
+    y = state.unflatten(1, (groups, -1)).flatten(2, 3) @ c.unsqueeze(-1)               # [S, G, h * P, 1]
+    return y.view(x.shape), state
 
 
 class Mamba2Mixer(nn.Module):
@@ -132,7 +141,7 @@ class Mamba2Mixer(nn.Module):
         self.index = index      # the decoder layer's: its states' key in `RecurrentStates`
         self.num_heads, self.head_dim = config.mamba_n_heads, config.mamba_d_head
         self.groups, self.state_size = config.mamba_n_groups, config.mamba_d_state
-        self.kernel_size, self.chunk_size = config.mamba_d_conv, config.mamba_chunk_size
+        self.kernel_size = config.mamba_d_conv
         self.dt_min, self.dt_max = config.time_step_limit or (0.0, float("inf"))
         self.inner = self.num_heads * self.head_dim
         self.conv_dim = self.inner + 2 * self.groups * self.state_size
@@ -154,12 +163,22 @@ class Mamba2Mixer(nn.Module):
                 lora: LayerLoRA | None = None) -> torch.Tensor:
         step = meta.recurrent if meta.recurrent is not None else RecurrentStep.from_start(meta)
         gate, xbc, dt = self.in_proj(x).split([self.inner, self.conv_dim, self.num_heads], -1)
-        conv_states, ssm_states = step.read(self, x.dtype)
         starts = meta.query_start_loc_cpu
+        if len(starts) - 1 == x.shape[0]:      # a decode step: one token each, one step of the recurrence for all
+            kernels = kernels_for(x) if step.states is not None else None
+            if kernels is None:
+                return self.o_proj(self._decode_native(step, gate, xbc, dt))
+            out = torch.empty_like(gate)
+            kernels.mamba2_decode(out, xbc, dt, gate, *step.states.pools[self.index], step.read_slots,
+                                  step.write_slots, self.conv1d.weight.squeeze(1), self.conv1d.bias, self.dt_bias,
+                                  self._a(), self.D, self.norm.weight, self.norm.eps, self.groups, self.dt_min,
+                                  self.dt_max)
+            return self.o_proj(out)
+        conv_states, ssm_states = step.read(self, x.dtype)
         lengths = [end - start for start, end in zip(starts, starts[1:])]
+        weight = self.conv1d.weight.squeeze(1)      # [conv_dim, d_conv]
         y = torch.empty(x.shape[0], self.num_heads, self.head_dim, dtype=torch.float32, device=x.device)
         new_conv, new_ssm = torch.empty_like(conv_states), torch.empty_like(ssm_states)
-        weight = self.conv1d.weight.squeeze(1)      # [conv_dim, d_conv]
         decodes = [i for i, n in enumerate(lengths) if n == 1]
         if decodes:     # one token each: one step of the convolution and of the recurrence, all at once
             seqs = torch.tensor(decodes, device=x.device)
@@ -177,11 +196,21 @@ class Mamba2Mixer(nn.Module):
             new_conv[i] = window[:, window.shape[1] - (self.kernel_size - 1):]
             conv_out = F.conv1d(window.to(x.dtype).unsqueeze(0), weight.unsqueeze(1), groups=self.conv_dim)[0]
             xs, dts, b, c = self._ssm_inputs(conv_out.t(), dt[rows])
-            out, state = ssd_scan(xs, dts, self._a(), b, c, None if step.fresh[i] else ssm_states[i],
-                                  self.chunk_size)
+            out, state = ssd_scan(xs, dts, self._a(), b, c, None if step.fresh[i] else ssm_states[i], SCAN_CHUNK)
             y[rows], new_ssm[i] = out + self.D.float()[:, None] * xs, state.to(new_ssm.dtype)
         step.write(self, new_conv, new_ssm)
         return self.o_proj(self.norm(y.flatten(1), gate).to(x.dtype))
+
+    def _decode_native(self, step: RecurrentStep, gate: torch.Tensor, xbc: torch.Tensor,
+                       dt: torch.Tensor) -> torch.Tensor:
+        """A decode step in torch (the kernels' mamba2_decode's reference): the convolution's and the recurrence's
+        step for every sequence at once, the new states written to the step's slots -> the gated norm's [S, inner]."""
+        conv_states, ssm_states = step.read(self, xbc.dtype)
+        window = torch.cat([conv_states, xbc.unsqueeze(-1).to(conv_states.dtype)], dim=-1)
+        xs, dts, b, c = self._ssm_inputs((window.to(xbc.dtype) * self.conv1d.weight.squeeze(1)).sum(-1), dt)
+        out, state = ssd_step(xs, dts, self._a(), b, c, ssm_states)
+        step.write(self, window[..., 1:], state.to(ssm_states.dtype))
+        return self.norm((out + self.D.float()[:, None] * xs).flatten(1), gate).to(xbc.dtype)
 
     def _a(self) -> torch.Tensor:
         return -self.A_log.float().exp()
@@ -189,30 +218,31 @@ class Mamba2Mixer(nn.Module):
     def _ssm_inputs(self, conv_out: torch.Tensor, dt: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The convolution's output [n, conv_dim] (before its bias and SiLU) and dt [n, H] -> the recurrence's x
-        [n, H, P], dt [n, H] (softplus, clamped), B and C [n, H, N] (each head its group's), in float32."""
+        [n, H, P], dt [n, H] (softplus, clamped), B and C [n, G, N], in float32."""
         if self.conv1d.bias is not None:
             conv_out = conv_out + self.conv1d.bias
         conv_out = F.silu(conv_out).float()
         span = self.groups * self.state_size
         x = conv_out[:, :self.inner].unflatten(-1, (self.num_heads, self.head_dim))
         b, c = (conv_out[:, start:start + span].unflatten(-1, (self.groups, self.state_size))
-                .repeat_interleave(self.num_heads // self.groups, dim=1) for start in (self.inner, self.inner + span))
+                for start in (self.inner, self.inner + span))
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(self.dt_min, self.dt_max)
         return x, dt, b, c
 
 
 @dataclass
 class RecurrentStep:
-    """One step's view of `RecurrentStates` for its requests, in batch order: each request's slot, whether its chunk
-    starts at token 0 (its states then start at zero) and how many tokens its states will have taken in; what the
-    mixers read, and the new states they write, committed by `RecurrentStates.commit` once the step has sampled."""
+    """One step's view of `RecurrentStates` for its requests, in batch order: the slot each request's states are read
+    from (-1: its chunk starts at token 0, its states at zero) and the slot its new ones are written to, and how many
+    tokens they will have taken in; `RecurrentStates.commit` makes the written slots the requests' once the step has
+    sampled."""
 
     states: RecurrentStates | None
     request_ids: list[str]
-    slots: torch.Tensor                 # [S] int64
+    read_slots: torch.Tensor            # [S] int64
+    write_slots: torch.Tensor           # [S] int64
     fresh: list[bool]
     lengths: list[int]
-    new: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @classmethod
     def from_start(cls, meta: AttentionMetadata) -> RecurrentStep:
@@ -222,80 +252,96 @@ class RecurrentStep:
         if any(end - start != length for start, end, length in zip(starts, starts[1:], lengths)):
             raise RuntimeError("Mamba-2 layers run without their requests' states start every sequence at its first "
                                "token")
-        return cls(None, [], torch.zeros(len(lengths), dtype=torch.long), [True] * len(lengths), list(lengths))
+        none = torch.full((len(lengths),), -1, dtype=torch.long)
+        return cls(None, [], none, none, [True] * len(lengths), list(lengths))
 
     def read(self, mixer: Mamba2Mixer, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's requests' states before it in `mixer`: [S, conv_dim, d_conv - 1] and [S, H, P, N]."""
         if self.states is None:
             return tuple(torch.zeros(len(self.fresh), *shape, dtype=dtype,   # type: ignore[return-value]
                                      device=mixer.dt_bias.device) for shape in mixer.state_shapes())
-        conv, ssm = (pool.index_select(0, self.slots) for pool in self.states.pools[mixer.index])
+        conv, ssm = (pool.index_select(0, self.read_slots.clamp(min=0)) for pool in self.states.pools[mixer.index])
+        if not any(self.fresh):
+            return conv, ssm
         fresh = torch.tensor(self.fresh, device=conv.device)
         return conv.masked_fill_(fresh[:, None, None], 0), ssm.masked_fill_(fresh[:, None, None, None], 0)
 
     def write(self, mixer: Mamba2Mixer, conv: torch.Tensor, ssm: torch.Tensor) -> None:
-        self.new[mixer.index] = (conv, ssm)
+        """The step's requests' new states in `mixer`, into their write slots (nothing without states)."""
+        if self.states is not None:
+            conv_pool, ssm_pool = self.states.pools[mixer.index]
+            conv_pool.index_copy_(0, self.write_slots, conv)
+            ssm_pool.index_copy_(0, self.write_slots, ssm)
 
 
 class RecurrentStates:
-    """Each running request's Mamba-2 states: one slot a request in every mixer's two pools ([slots, conv_dim,
-    d_conv - 1] convolution inputs, [slots, H, P, N] SSM states, in the model's dtype), taken when a request first
-    runs and given back when it finishes or is preempted (a preempted request starts again from its first token)."""
+    """Each running request's Mamba-2 states: two slots a request in every mixer's two pools ([2 x requests,
+    conv_dim, d_conv - 1] convolution inputs, [2 x requests, H, P, N] SSM states, in the model's dtype), the one its
+    states are in and the one a step writes their next ones to; a commit swaps them. A request takes its pair when it
+    first runs and gives it back when it finishes or is preempted (it starts again from its first token)."""
 
-    def __init__(self, mixers: list[Mamba2Mixer], num_slots: int, dtype: torch.dtype,
+    def __init__(self, mixers: list[Mamba2Mixer], num_requests: int, dtype: torch.dtype,
                  device: torch.device) -> None:
-        self.pools = {m.index: tuple(torch.zeros(num_slots, *shape, dtype=dtype, device=device)
+        self.pools = {m.index: tuple(torch.zeros(2 * num_requests, *shape, dtype=dtype, device=device)
                                      for shape in m.state_shapes()) for m in mixers}
-        self.free = list(range(num_slots - 1, -1, -1))
-        self.slots: dict[str, int] = {}
+        self.device = device
+        self.free = list(range(num_requests - 1, -1, -1))
+        self.pairs: dict[str, int] = {}
+        self.current: dict[str, int] = {}      # which of its pair's two slots holds a request's states
         self.lengths: dict[str, int] = {}      # how many of a request's tokens its states have taken in
 
     @staticmethod
     def bytes_per_request(mixers: list[Mamba2Mixer], dtype: torch.dtype) -> int:
+        """A request's two slots in every mixer."""
         element = torch.empty((), dtype=dtype).element_size()
-        return sum(element * torch.Size(shape).numel() for m in mixers for shape in m.state_shapes())
+        return 2 * sum(element * torch.Size(shape).numel() for m in mixers for shape in m.state_shapes())
 
     def release(self, request_id: str) -> None:
-        slot = self.slots.pop(request_id, None)
+        pair = self.pairs.pop(request_id, None)
+        self.current.pop(request_id, None)
         self.lengths.pop(request_id, None)
-        if slot is not None:
-            self.free.append(slot)
+        if pair is not None:
+            self.free.append(pair)
+
+    def slot(self, request_id: str) -> int:
+        """The slot a request's states are in."""
+        return 2 * self.pairs[request_id] + self.current[request_id]
 
     def begin(self, scheduled: list[ScheduledRequest]) -> RecurrentStep:
-        """The step of these requests (batch order), a slot taken for each that has none. Each chunk starts at its
-        request's first token or where its states stopped (RuntimeError otherwise: a chunk after tokens no state
+        """The step of these requests (batch order), a pair of slots taken for each that has none. Each chunk starts at
+        its request's first token or where its states stopped (RuntimeError otherwise: a chunk after tokens no state
         took in, which the engine never schedules for these models)."""
-        slots, fresh, lengths = [], [], []
+        reads, writes, fresh, lengths = [], [], [], []
         for request in scheduled:
-            start = request.num_computed_tokens
-            if start and self.lengths.get(request.request_id) != start:
-                raise RuntimeError(f"request {request.request_id}'s Mamba-2 states cover "
-                                   f"{self.lengths.get(request.request_id, 0)} tokens, its chunk starts at {start}")
-            slots.append(self._slot(request.request_id))
+            start, request_id = request.num_computed_tokens, request.request_id
+            if start and self.lengths.get(request_id) != start:
+                raise RuntimeError(f"request {request_id}'s Mamba-2 states cover {self.lengths.get(request_id, 0)} "
+                                   f"tokens, its chunk starts at {start}")
+            pair = self._pair(request_id)
+            reads.append(self.slot(request_id) if start else -1)
+            writes.append(2 * pair + 1 - self.current[request_id])
             fresh.append(start == 0)
             lengths.append(start + request.num_new_tokens)
-        device = next(iter(self.pools.values()))[0].device
-        return RecurrentStep(self, [r.request_id for r in scheduled], torch.tensor(slots, device=device), fresh,
-                             lengths)
+        return RecurrentStep(self, [r.request_id for r in scheduled], torch.tensor(reads, device=self.device),
+                             torch.tensor(writes, device=self.device), fresh, lengths)
 
     def commit(self, step: RecurrentStep, children: dict[str, list[str]]) -> None:
-        """The step's new states into its requests' slots, once it has sampled; a forking request's children (its
-        first sampled token's, n > 1) get a copy of its states."""
-        for index, (conv, ssm) in step.new.items():
-            conv_pool, ssm_pool = self.pools[index]
-            conv_pool.index_copy_(0, step.slots, conv)
-            ssm_pool.index_copy_(0, step.slots, ssm)
-        self.lengths.update(zip(step.request_ids, step.lengths))
+        """The step's written slots become its requests' states, once it has sampled; a forking request's children
+        (its first sampled token's, n > 1) get a copy of its states."""
+        for request_id, length in zip(step.request_ids, step.lengths):
+            self.current[request_id] ^= 1
+            self.lengths[request_id] = length
         for parent, kids in children.items():
+            source = self.slot(parent)
             for kid in kids:
-                slot = self._slot(kid)
+                self._pair(kid)
                 for pool in (p for pools in self.pools.values() for p in pools):
-                    pool[slot] = pool[self.slots[parent]]
+                    pool[self.slot(kid)] = pool[source]
                 self.lengths[kid] = self.lengths[parent]
 
-    def _slot(self, request_id: str) -> int:
-        if request_id not in self.slots:
+    def _pair(self, request_id: str) -> int:
+        if request_id not in self.pairs:
             if not self.free:
-                raise RuntimeError("no Mamba-2 state slot left: more running requests than max_num_seqs")
-            self.slots[request_id] = self.free.pop()
-        return self.slots[request_id]
+                raise RuntimeError("no Mamba-2 state slots left: more running requests than max_num_seqs")
+            self.pairs[request_id], self.current[request_id] = self.free.pop(), 0
+        return self.pairs[request_id]

@@ -158,12 +158,12 @@ class ModelRunner:
 
     @property
     def recurrent_bytes_per_request(self) -> int:
-        """A running request's Mamba-2 states (0 for a model without Mamba-2 layers)."""
+        """A running request's two slots of Mamba-2 states (0 for a model without Mamba-2 layers)."""
         return RecurrentStates.bytes_per_request(self.mixers, self.layout.dtype)
 
-    def allocate_recurrent_states(self, num_slots: int) -> None:
-        """Slots for `num_slots` running requests' Mamba-2 states (a model with Mamba-2 layers; one rank)."""
-        self.recurrent = RecurrentStates(self.mixers, num_slots, self.layout.dtype, self.device)
+    def allocate_recurrent_states(self, num_requests: int) -> None:
+        """Slots for `num_requests` running requests' Mamba-2 states (a model with Mamba-2 layers; one rank)."""
+        self.recurrent = RecurrentStates(self.mixers, num_requests, self.layout.dtype, self.device)
 
     def allocate_swap_space(self, num_blocks: int, path: str | None = None) -> None:
         """The swap pool: pinned host memory beside a GPU, a memory-mapped file on a CPU device (rank r > 0 of a

@@ -161,10 +161,25 @@ def _gguf_tensors(hf_model, arch: str):
             yield f"blk.{layer}.ffn_up_exps.weight", up.contiguous()
         elif name.endswith("experts.down_proj"):
             yield f"blk.{name.split('.')[2]}.ffn_down_exps.weight", t
-        elif base.endswith("shared_mlp.input_linear"):      # Granite 4's shared MLP, gate and up fused
-            gate, up = t.chunk(2)
-            yield f"blk.{layer}.ffn_gate_shexp.{kind}", gate
-            yield f"blk.{layer}.ffn_up_shexp.{kind}", up
+        elif base.endswith("shared_mlp.input_linear"):      # Granite 4's shared MLP, gate and up fused: the
+            gate, up = t.chunk(2)                           # shared expert beside experts, else the MLP
+            shared = "_shexp" if getattr(hf_model.config, "num_local_experts", 0) else ""
+            yield f"blk.{layer}.ffn_gate{shared}.{kind}", gate
+            yield f"blk.{layer}.ffn_up{shared}.{kind}", up
+        elif base.endswith("shared_mlp.output_linear") and not hf_model.config.num_local_experts:
+            yield f"blk.{layer}.ffn_down.{kind}", t
+        elif ".mamba." in name:     # a Mamba-2 layer's, as llama.cpp's converter writes them (A = -exp(A_log))
+            mamba = {"dt_bias": ("ssm_dt.bias", t), "A_log": ("ssm_a", -t.exp()[:, None]), "D": ("ssm_d", t[:, None]),
+                     "weight": None, "bias": None}[kind]
+            if mamba is not None:
+                yield f"blk.{layer}.{mamba[0]}", mamba[1]
+            elif base.endswith(".conv1d"):
+                yield f"{gguf_name(base)}.{kind}", t.squeeze(1) if kind == "weight" else t
+            elif base.endswith(".norm"):
+                groups = hf_model.config.mamba_n_groups
+                yield f"{gguf_name(base)}.{kind}", t.view(groups, -1)
+            else:
+                yield f"{gguf_name(base)}.{kind}", t
         elif base.endswith("block_sparse_moe.router"):     # Granite MoE's, router.layer in its checkpoints
             yield f"{gguf_name(base + '.layer')}.{kind}", t
         elif base.endswith("mlp.shared_expert_gate"):
@@ -196,6 +211,14 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
     if arch in ("lfm2", "lfm2moe"):     # its convolution layers with no KV heads
         w.add_head_count_kv([0 if t == "conv" else cfg.num_key_value_heads for t in cfg.layer_types])
         w.add_shortconv_l_cache(cfg.conv_L_cache)
+    elif arch == "granitehybrid":     # its Mamba-2 layers with no KV heads, their widths; no rope (NoPE)
+        w.add_head_count_kv([0 if t == "linear_attention" else cfg.num_key_value_heads for t in cfg.layer_types])
+        w.add_ssm_conv_kernel(cfg.mamba_d_conv)
+        w.add_ssm_state_size(cfg.mamba_d_state)
+        w.add_ssm_group_count(cfg.mamba_n_groups)
+        w.add_ssm_inner_size(cfg.mamba_n_heads * cfg.mamba_d_head)
+        w.add_ssm_time_step_rank(cfg.mamba_n_heads)
+        w.add_rope_scaling_finetuned(cfg.position_embedding_type == "rope")
     elif arch == "deepseek2":   # its latent attention as llama.cpp's absorbed layout writes it: one KV head of the
         w.add_head_count_kv(1)  # latent and rotary key, the per-head widths under *_mla
         w.add_kv_lora_rank(cfg.kv_lora_rank)
@@ -241,7 +264,7 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
     if arch == "exaone4" or (arch == "olmo2" and getattr(cfg, "sliding_window", None)):     # (OLMo 3's)
         w.add_sliding_window(cfg.sliding_window)
         w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
-    if arch in ("granite", "granitemoe"):
+    if arch in ("granite", "granitemoe", "granitehybrid"):
         w.add_embedding_scale(cfg.embedding_multiplier)
         w.add_attention_scale(cfg.attention_multiplier)
         w.add_residual_scale(cfg.residual_multiplier)
@@ -324,7 +347,8 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
         if arch == "gpt-oss" and gname.endswith("_exps.weight"):    # its experts as released: MXFP4
             w.add_tensor(gname, quantize(data, Q.MXFP4), raw_dtype=Q.MXFP4)
         # llama.cpp keeps routers, and rows too short for a block (LFM2's convolution taps), as they are
-        elif qtype != Q.F32 and t.dim() >= 2 and ".ffn_gate_inp." not in gname and t.shape[-1] % 32 == 0:
+        elif qtype != Q.F32 and t.dim() >= 2 and ".ffn_gate_inp." not in gname and t.shape[-1] % 32 == 0 and \
+                not gname.endswith(("ssm_norm.weight", "ssm_a", "ssm_d")):
             w.add_tensor(gname, _quantize_q4_k(data) if qtype == Q.Q4_K else quantize(data, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(gname, data)
@@ -353,7 +377,8 @@ def write_model_gguf(hf_model, path: Path, arch: str, qtype: Q = Q.F32, eot_toke
                                        ("stablelm-parallel", "stablelm"), ("starcoder2", "starcoder2"),
                                        ("phi", "phi2"), ("gpt-neox", "gptneox"), ("gpt-neox-sequential", "gptneox"),
                                        ("deepseek-v2", "deepseek2"), ("deepseek-v3", "deepseek2"),
-                                       ("gemma", "gemma")])
+                                       ("gemma", "gemma"), ("granite4-hybrid", "granitehybrid"),
+                                       ("granite4-hybrid-dense", "granitehybrid")])
 def test_tiny_gguf_model_matches_transformers(tmp_path: Path, kind: str, arch: str) -> None:
     # SmolLM3's files leave every fourth layer without a rotary embedding (llama.cpp's fixed step): four layers here;
     # ERNIE 4.5 MoE's (and Falcon 40B's) without biases, as llama.cpp reads their files; LFM2-MoE's experts unscaled, as

@@ -12,6 +12,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.core.sched.output import ScheduledRequest
+from pagedllm.models import mamba
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.mamba import Mamba2Mixer, RecurrentStates, ssd_scan, ssd_step
 from tests.models.tiny import hf_greedy, save_tiny_model, tiny_config
@@ -23,11 +24,11 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 @pytest.mark.parametrize("start", ["zeros", "a state"])
 def test_the_chunked_scan_is_the_recurrence_token_by_token(start):
-    """11 tokens in chunks of 4 (the last one padded): each token's output and the final state those of the
-    recurrence run one token at a time."""
+    """11 tokens in chunks of 4 (the last one padded), 6 heads in 2 groups: each token's output and the final state
+    those of the recurrence run one token at a time."""
     torch.manual_seed(0)
-    length, heads, head_dim, state = 11, 3, 4, 5
-    x, b, c = torch.randn(length, heads, head_dim), torch.randn(length, heads, state), torch.randn(length, heads, state)
+    length, heads, head_dim, state = 11, 6, 4, 5
+    x, b, c = torch.randn(length, heads, head_dim), torch.randn(length, 2, state), torch.randn(length, 2, state)
     dt, a = torch.rand(length, heads) * 0.5, -torch.rand(heads) * 2
     initial = None if start == "zeros" else torch.randn(heads, head_dim, state)
     y, final = ssd_scan(x, dt, a, b, c, initial, chunk_size=4)
@@ -39,10 +40,12 @@ def test_the_chunked_scan_is_the_recurrence_token_by_token(start):
 
 
 @pytest.mark.parametrize("kind", ["granite4-hybrid", "granite4-hybrid-dense"])
-def test_greedy_tokens_match_transformers_through_chunks_and_preemption(tmp_path, kind):
-    """Four prompts batched in prefill chunks of 16 tokens (the 30-token one over two steps) in a pool of 24 blocks
-    of 4 tokens that must preempt: transformers' greedy tokens, one prompt at a time; prefix caching is off (a block
-    holds no state), so a prompt seen before runs again whole, to the same tokens."""
+def test_greedy_tokens_match_transformers_through_chunks_and_preemption(tmp_path, kind, monkeypatch):
+    """Four prompts batched in prefill chunks of 16 tokens (the 30-token one over two steps), the recurrence in
+    chunks of 4 (a step's tokens over several, from where the last step stopped), in a pool of 24 blocks of 4 tokens
+    that must preempt: transformers' greedy tokens, one prompt at a time; prefix caching is off (a block holds no
+    state), so a prompt seen before runs again whole, to the same tokens."""
+    monkeypatch.setattr(mamba, "SCAN_CHUNK", 4)
     folder, hf_model = save_tiny_model(tmp_path / "m", kind, seed=3)
     expected = hf_greedy(hf_model, PROMPTS, 12)
     with LLM(str(folder), dtype="float32", block_size=4, num_kv_blocks=24, max_num_batched_tokens=16,
@@ -55,7 +58,7 @@ def test_greedy_tokens_match_transformers_through_chunks_and_preemption(tmp_path
         again = llm.generate([{"prompt_token_ids": PROMPTS[3]}], GREEDY, use_tqdm=False)[0]
         assert again.num_cached_tokens == 0 and again.outputs[0].token_ids == expected[3]
         runner = llm.engine.runner     # (a request's last step's finish reaches the runner with the next step)
-        assert set(runner.recurrent.slots) <= set(runner.requests) and len(runner.recurrent.slots) <= 1
+        assert set(runner.recurrent.pairs) <= set(runner.requests) and len(runner.recurrent.pairs) <= 1
 
 
 def test_parallel_samples_fork_the_prompts_state(tmp_path):
@@ -93,7 +96,7 @@ def test_the_states_take_their_share_of_the_kv_budget(tmp_path):
     folder, _ = save_tiny_model(tmp_path / "m", "granite4-hybrid-dense", seed=3, with_tokenizer=False)
     budget = 1 << 20
     with LLM(str(folder), dtype="float32", kv_cache_memory=budget, max_num_seqs=256, skip_tokenizer_init=True) as llm:
-        per_request = 2 * llm.engine.runner.recurrent_bytes_per_request
+        per_request = llm.engine.runner.recurrent_bytes_per_request
         assert llm.engine.config.scheduler.max_num_seqs == budget // 2 // per_request < 256
         assert len(llm.engine.runner.recurrent.free) == llm.engine.config.scheduler.max_num_seqs
 
@@ -120,11 +123,14 @@ def test_a_step_that_raised_leaves_the_states_as_they_were():
     mixer = Mamba2Mixer(tiny_config("granite4-hybrid-dense"), torch.float32, (0, 1), 0)
     states = RecurrentStates([mixer], 2, torch.float32, torch.device("cpu"))
     first = states.begin([ScheduledRequest("a", [], 0, [1, 2, 3], True)])
+    assert first.read_slots.tolist() == [-1] and torch.equal(first.read(mixer, torch.float32)[1],
+                                                              torch.zeros(1, *mixer.state_shapes()[1]))
     conv, ssm = (torch.ones(1, *shape) for shape in mixer.state_shapes())
     first.write(mixer, conv, ssm)
     states.commit(first, {})
     assert states.lengths == {"a": 3}
     second = states.begin([ScheduledRequest("a", [], 3, [4], True)])
+    assert second.read_slots.tolist() == first.write_slots.tolist() != second.write_slots.tolist()
     second.write(mixer, conv * 2, ssm * 2)      # (never committed: the step raised)
     again = states.begin([ScheduledRequest("a", [], 3, [4], True)])
     assert torch.equal(again.read(mixer, torch.float32)[1], ssm) and states.lengths == {"a": 3}
@@ -167,3 +173,43 @@ def test_lora_adapts_the_attention_layers_and_refuses_a_mamba_layer(tmp_path):
         with pytest.raises(ValueError, match="layer 0 is no attention"):
             llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY, use_tqdm=False,
                          lora_request=LoRARequest("mamba", 2, str(tmp_path / "mamba")))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_decode_kernel_is_the_torch_step(dtype, isa_level):
+    """kernels.mamba2_decode against `Mamba2Mixer._decode_native` (its torch reference) on random weights: three
+    sequences, one starting at zero (read slot -1), 6 heads in 2 groups, a conv bias; the output, and the states
+    each writes to its write slot (the read slots left as they were), in float32 within float rounding, in bf16
+    within its rounding."""
+    from pagedllm.kernels import cpu_kernels
+
+    config = tiny_config("granite4-hybrid", mamba_n_heads=6, mamba_d_head=8, mamba_n_groups=2, mamba_d_state=16,
+                         hidden_size=48, mamba_expand=1)
+    torch.manual_seed(0)
+    mixer = Mamba2Mixer(config, dtype, (0, 1), 0)
+    with torch.no_grad():
+        for param in (mixer.conv1d.weight, mixer.conv1d.bias, mixer.dt_bias, mixer.A_log, mixer.D, mixer.norm.weight):
+            param.copy_(torch.randn_like(param) * 0.5 + (1.0 if param is mixer.norm.weight else 0.0))
+    states = RecurrentStates([mixer], 4, dtype, torch.device("cpu"))
+    for pool in states.pools[0]:
+        pool.copy_(torch.randn_like(pool.float()).to(dtype))
+    scheduled = [ScheduledRequest(name, [], start, [1], True) for name, start in (("a", 5), ("b", 0), ("c", 9))]
+    states.lengths.update(a=5, c=9)
+    step = states.begin(scheduled)
+    assert step.read_slots.tolist()[1] == -1
+    xbc, dt, gate = (torch.randn(3, n).to(dtype) for n in (mixer.conv_dim, mixer.num_heads, mixer.inner))
+    before = [pool.clone() for pool in states.pools[0]]
+    expected = mixer._decode_native(step, gate, xbc, dt)
+    expected_pools = [pool.clone() for pool in states.pools[0]]
+    for pool, saved in zip(states.pools[0], before):
+        pool.copy_(saved)
+    out = torch.empty_like(gate)
+    cpu_kernels().mamba2_decode(out, xbc, dt, gate, *states.pools[0], step.read_slots, step.write_slots,
+                                mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias, mixer.dt_bias, mixer._a(), mixer.D,
+                                mixer.norm.weight, mixer.norm.eps, mixer.groups, mixer.dt_min, mixer.dt_max)
+    tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(out, expected, **tolerance)
+    for pool, reference, saved in zip(states.pools[0], expected_pools, before):
+        torch.testing.assert_close(pool, reference, **tolerance)
+        reads = step.read_slots[step.read_slots >= 0]
+        assert torch.equal(pool[reads], saved[reads])

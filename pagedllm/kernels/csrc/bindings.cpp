@@ -35,6 +35,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "residual_out = x + residual; out = RMSNorm(residual_out) * weight: "
         "(out, residual_out, x, residual, weight, eps)", NoGil());
   m.def("silu_and_mul", &pagedllm::silu_and_mul, "out = silu(x[:, :d]) * x[:, d:]: (out, x)", NoGil());
+  m.def("mamba2_decode", &pagedllm::mamba2_decode,
+        "A Mamba-2 layer's decode step after in_proj, states read from and written to pool slots: (out, xbc, dt, "
+        "gate, conv_pool, ssm_pool, read_slots, write_slots, conv_weight, conv_bias, dt_bias, a, d, norm_weight, "
+        "eps, groups, dt_min, dt_max)", NoGil());
   m.def("gelu_and_mul", &pagedllm::gelu_and_mul, "out = gelu(x[:, :d], tanh approximation) * x[:, d:]: (out, x)",
         NoGil());
   m.def("add_layer_norm", &pagedllm::add_layer_norm,

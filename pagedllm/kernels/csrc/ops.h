@@ -116,6 +116,12 @@ void silu_and_mul(at::Tensor out, at::Tensor x);
 template <typename T>
 void silu_and_mul_rows(T* out, const T* x, int64_t rows, int64_t d);
 void gelu_and_mul(at::Tensor out, at::Tensor x);  // GELU's tanh approximation (Gemma's gelu_pytorch_tanh)
+// A Mamba-2 layer's decode step after in_proj (mamba.cpp): out [S, inner] = the gated norm of its recurrence's
+// output; each sequence's states read from slot read_slots[s] of the pools (-1: zeros) and written to write_slots[s]
+void mamba2_decode(at::Tensor out, at::Tensor xbc, at::Tensor dt, at::Tensor gate, at::Tensor conv_pool,
+                   at::Tensor ssm_pool, at::Tensor read_slots, at::Tensor write_slots, at::Tensor conv_weight,
+                   c10::optional<at::Tensor> conv_bias, at::Tensor dt_bias, at::Tensor a, at::Tensor d,
+                   at::Tensor norm_weight, double eps, int64_t groups, double dt_min, double dt_max);
 // out = LayerNorm(x + residual) (BERT's post-norm; residual may be a row broadcast, stride 0): the sum rounded to
 // x's type, as torch adds, then normalised in float
 void add_layer_norm(at::Tensor out, at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor weight,
