@@ -12,16 +12,19 @@ with dt_t = softplus(dt + dt_bias) clamped to time_step_limit and A = -exp(A_log
 group (`GatedRMSNorm`) and projected back (o_proj, the checkpoint's out_proj).
 
 Unlike K/V, what a request carries from one step to the next is a state of fixed size, its last `d_conv - 1`
-convolution inputs and its h, not a row a token: `RecurrentStates` keeps one slot a running request in every mixer's
-pools. A step reads its requests' slots (zeros for a request whose chunk starts at token 0), the mixers compute the
-new states beside them (`RecurrentStep`), and the runner commits them only once the step has sampled, so a step that
-raised may run again (the engine's reruns). A parallel-sampling request's children get a copy of its state when they
-fork. What a state cannot do, the engine turns off for these models: prefix caching (a cached block holds no state),
-swapping (preemption recomputes), speculative decoding (a rejected draft would have to be taken out of h).
+convolution inputs and its h, not a row a token: `RecurrentStates` keeps two slots a running request in every mixer's
+pools. A step reads each request's states from the slot they are in (zeros for a request whose chunk starts at token
+0) and writes the new ones to the other (`RecurrentStep`); the runner commits the step, swapping the two, only once it
+has sampled, so a step that raised may run again (the engine's reruns). A parallel-sampling request's children get a
+copy of its state when they fork. What a state cannot do, the engine turns off for these models: prefix caching (a
+cached block holds no state), swapping (preemption recomputes), speculative decoding (a rejected draft would have to be
+taken out of h) and beam search (its beams fork between steps).
 
 A prompt's chunk runs the recurrence in its chunked form (`ssd_scan`: state space duality, the Mamba-2 paper's
 algorithm: within each chunk of `SCAN_CHUNK` tokens an attention-like product under a decay mask, between chunks the
-states passed on); a decode step's tokens run one step of it, all requests at once (`ssd_step`).
+states passed on); a decode step's tokens run one step of it, all requests at once: on the CPU in the kernels'
+`mamba2_decode` (kernels/csrc/mamba.cpp: each state row read once and written once), elsewhere in torch
+(`Mamba2Mixer._decode_native`, its reference).
 """
 
 from __future__ import annotations

@@ -577,6 +577,23 @@ def test_a_quantized_lfm2_gguf_packs_its_convolutions_projections(tmp_path: Path
     _assert_gguf_reference_near_the_dense_model(packed, dense, [1, 17, 250, 9, 33, 70, 5, 80, 81], monkeypatch)
 
 
+def test_a_quantized_granite_hybrid_gguf_packs_its_mamba_layers_projections(tmp_path: Path, monkeypatch) -> None:
+    """granite-4.0-h's layers typed by their KV-head counts, its Mamba-2 layers' in and out projections multiplying
+    their blocks (out_proj's scales taking the residual multiplier), the dequantised model within the 16-bit
+    activations' noise."""
+    path = tmp_path / "granite4-h-q8.gguf"
+    write_model_gguf(build_tiny_hf_model("granite4-hybrid-dense", hidden_size=128, mamba_n_heads=4, mamba_d_head=64,
+                                         mamba_d_state=32, residual_multiplier=0.22), path, "granitehybrid", Q.Q8_0)
+    config = gguf_hf_config(GGUFFile(path))
+    assert (config.layer_types, config.mamba_n_heads, config.mamba_d_head, config.mamba_n_groups) == \
+        (["linear_attention", "full_attention", "linear_attention"], 4, 64, 1)     # (as transformers names them)
+    packed = load_model(ModelConfig(model=str(path), dtype="float32", quantization="gguf")).model
+    dense = load_model(ModelConfig(model=str(path), dtype="float32")).model
+    mixer = packed.model.layers[0].self_attn
+    assert mixer.in_proj.weight.dtype == mixer.o_proj.weight.dtype == torch.uint8
+    _assert_gguf_reference_near_the_dense_model(packed, dense, [1, 17, 250, 9, 33, 70, 5, 80, 81], monkeypatch)
+
+
 @pytest.mark.parametrize(("kind", "arch"), [("ernie4_5", "ernie4_5"), ("glm4", "glm4"), ("cohere", "command-r")])
 def test_a_quantized_interleaved_gguf_keeps_its_blocks_reordered_by_row(tmp_path: Path, kind: str, arch: str,
                                                                         monkeypatch) -> None:
