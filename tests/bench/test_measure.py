@@ -70,3 +70,16 @@ def test_kv_waste_empty():
 @pytest.mark.parametrize("text, value", [("1024", 1024), ("4G", 4 << 30), ("512MiB", 512 << 20), ("1.5k", 1536)])
 def test_parse_bytes(text, value):
     assert parse_bytes(text) == value
+
+
+def test_a_hybrids_mamba_layers_count_their_projections():
+    """granite-4.0-h's layout in small: two Mamba-2 layers (in_proj of 2 x 128 + 2 x 16 + 4 rows: gate, x, one group's
+    B and C, dt; out_proj 128 wide) and one attention layer, their mean per layer; keys only in the attention layer."""
+    from tests.models.tiny import tiny_config
+
+    dims = ModelDims.from_hf_config(tiny_config("granite4-hybrid-dense"))
+    mixer = 64 * (2 * 128 + 2 * 16 + 4) + 128 * 64
+    attention = 64 * 16 * (2 * 4 + 2 * 2)
+    assert dims.attention_params == (2 * mixer + attention) // 3
+    assert dims.key_width == 2 * 4 * 16 // 3
+
