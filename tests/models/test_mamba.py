@@ -39,12 +39,16 @@ def test_the_chunked_scan_is_the_recurrence_token_by_token(start):
     torch.testing.assert_close(final, h[0], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kernels", [True, False])
 @pytest.mark.parametrize("kind", ["granite4-hybrid", "granite4-hybrid-dense"])
-def test_greedy_tokens_match_transformers_through_chunks_and_preemption(tmp_path, kind, monkeypatch):
-    """Four prompts batched in prefill chunks of 16 tokens (the 30-token one over two steps), the recurrence in
-    chunks of 4 (a step's tokens over several, from where the last step stopped), in a pool of 24 blocks of 4 tokens
-    that must preempt: transformers' greedy tokens, one prompt at a time; prefix caching is off (a block holds no
-    state), so a prompt seen before runs again whole, to the same tokens."""
+def test_greedy_tokens_match_transformers_through_chunks_and_preemption(tmp_path, kind, kernels, monkeypatch):
+    """Four prompts batched in prefill chunks of 16 tokens (the 30-token one over two steps), in a pool of 24 blocks
+    of 4 tokens that must preempt, through the kernels (mamba2_scan, mamba2_decode) and through torch (the scan in
+    chunks of 4: a step's tokens over several, from where the last step stopped): transformers' greedy tokens, one
+    prompt at a time; prefix caching is off (a block holds no state), so a prompt seen before runs again whole, to
+    the same tokens."""
+    if not kernels:
+        monkeypatch.setenv("PAGEDLLM_DISABLE_KERNELS", "1")
     monkeypatch.setattr(mamba, "SCAN_CHUNK", 4)
     folder, hf_model = save_tiny_model(tmp_path / "m", kind, seed=3)
     expected = hf_greedy(hf_model, PROMPTS, 12)
@@ -213,3 +217,22 @@ def test_the_decode_kernel_is_the_torch_step(dtype, isa_level):
         torch.testing.assert_close(pool, reference, **tolerance)
         reads = step.read_slots[step.read_slots >= 0]
         assert torch.equal(pool[reads], saved[reads])
+
+
+@pytest.mark.parametrize("start", ["zeros", "a state"])
+def test_the_scan_kernel_is_the_chunked_scan(start, isa_level):
+    """kernels.mamba2_scan (token by token) against `ssd_scan` (torch's chunked form, its reference): 70 tokens, 6
+    heads in 2 groups, from zeros or from a state; the outputs and the final state within float rounding."""
+    from pagedllm.kernels import cpu_kernels
+
+    torch.manual_seed(0)
+    length, heads, head_dim, state = 70, 6, 8, 16
+    x, b, c = torch.randn(length, heads, head_dim), torch.randn(length, 2, state), torch.randn(length, 2, state)
+    dt, a = torch.rand(length, heads) * 0.5, -torch.rand(heads) * 2
+    initial = None if start == "zeros" else torch.randn(heads, head_dim, state)
+    expected_y, expected_state = ssd_scan(x, dt, a, b, c, initial, chunk_size=16)
+    y, final = torch.empty_like(x), torch.empty(heads, head_dim, state)
+    cpu_kernels().mamba2_scan(y, final, x, dt, a, b, c, initial)
+    torch.testing.assert_close(y, expected_y, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(final, expected_state, atol=1e-4, rtol=1e-4)
+

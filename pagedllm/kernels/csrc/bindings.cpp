@@ -35,6 +35,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "residual_out = x + residual; out = RMSNorm(residual_out) * weight: "
         "(out, residual_out, x, residual, weight, eps)", NoGil());
   m.def("silu_and_mul", &pagedllm::silu_and_mul, "out = silu(x[:, :d]) * x[:, d:]: (out, x)", NoGil());
+  m.def("mamba2_scan", &pagedllm::mamba2_scan,
+        "A sequence's tokens through a Mamba-2 layer's recurrence, token by token: (y, final_state, x, dt, a, b, c, "
+        "initial)", NoGil());
   m.def("mamba2_decode", &pagedllm::mamba2_decode,
         "A Mamba-2 layer's decode step after in_proj, states read from and written to pool slots: (out, xbc, dt, "
         "gate, conv_pool, ssm_pool, read_slots, write_slots, conv_weight, conv_bias, dt_bias, a, d, norm_weight, "

@@ -1,5 +1,7 @@
-// A decode step of a Mamba-2 layer (pagedllm.models.mamba) after its in_proj, for S sequences of one token each:
-// the causal convolution's step, the selective state space recurrence's step and the gated RMSNorm, in one pass.
+// A Mamba-2 layer's recurrence (pagedllm.models.mamba): a decode step after its in_proj for S sequences of one token
+// each, the causal convolution's step, the selective state space recurrence's step and the gated RMSNorm in one pass
+// (mamba2_decode); and a prompt's tokens through the recurrence, token by token, each head's state in cache
+// (mamba2_scan: `ssd_scan`'s result, which the chunked form reaches by another order of the same sums).
 //
 // In torch the step is ~30 ops, each a pass over the states: a batch of 16 sequences' [48, 32, 128] states
 // (granite-4.0-h-350m's) went through memory ~12 times a layer, read, widened, decayed, added to, narrowed, and
@@ -12,6 +14,7 @@
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -122,6 +125,59 @@ void mamba2_decode_impl(at::Tensor& out, const at::Tensor& xbc, const at::Tensor
 }
 
 }  // namespace
+
+void mamba2_scan(at::Tensor y, at::Tensor final_state, at::Tensor x, at::Tensor dt, at::Tensor a, at::Tensor b,
+                 at::Tensor c, c10::optional<at::Tensor> initial) {
+  const int64_t length = x.size(0), heads = x.size(1), head_dim = x.size(2);
+  const int64_t groups = b.size(1), state = b.size(2), per_group = heads / groups;
+  for (const at::Tensor& t : {y, final_state, x, dt, a, b, c})
+    TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous(), "mamba2_scan's tensors: float32, contiguous");
+  TORCH_CHECK(x.dim() == 3 && dt.size(0) == length && dt.size(1) == heads && b.sizes() == c.sizes() &&
+                  b.size(0) == length && heads % groups == 0 && y.sizes() == x.sizes() &&
+                  final_state.size(0) == heads && final_state.size(1) == head_dim && final_state.size(2) == state,
+              "x and y [L, H, P], dt [L, H], b and c [L, G, N], final_state [H, P, N]");
+  TORCH_CHECK(!initial || (initial->scalar_type() == at::kFloat && initial->is_contiguous() &&
+                           initial->sizes() == final_state.sizes()), "initial: float32 [H, P, N]");
+  const float* xs = x.data_ptr<float>();
+  const float* dts = dt.data_ptr<float>();
+  const float* as = a.data_ptr<float>();
+  const float* bs = b.data_ptr<float>();
+  const float* cs = c.data_ptr<float>();
+  float* ys = y.data_ptr<float>();
+  float* hs = final_state.data_ptr<float>();
+  const float* h0 = initial ? initial->data_ptr<float>() : nullptr;
+  // a head a task: its [P, N] state stays in the thread's L1 while the tokens go by
+  at::parallel_for(0, heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t h = begin; h < end; ++h) {
+      float* s = hs + h * head_dim * state;
+      if (h0 != nullptr) {
+        std::copy(h0 + h * head_dim * state, h0 + (h + 1) * head_dim * state, s);
+      } else {
+        std::fill(s, s + head_dim * state, 0.f);
+      }
+      const int64_t g = h / per_group;
+      for (int64_t t = 0; t < length; ++t) {
+        const float step = dts[t * heads + h];
+        const float decay = std::exp(step * as[h]);
+        const float* bt = bs + (t * groups + g) * state;
+        const float* ct = cs + (t * groups + g) * state;
+        const float* xt = xs + (t * heads + h) * head_dim;
+        float* yt = ys + (t * heads + h) * head_dim;
+        for (int64_t p = 0; p < head_dim; ++p) {
+          const float dtx = step * xt[p];
+          float* row = s + p * state;
+          float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t n = 0; n < state; ++n) {
+            row[n] = row[n] * decay + dtx * bt[n];
+            dot += row[n] * ct[n];
+          }
+          yt[p] = dot;
+        }
+      }
+    }
+  });
+}
 
 void mamba2_decode(at::Tensor out, at::Tensor xbc, at::Tensor dt, at::Tensor gate, at::Tensor conv_pool,
                    at::Tensor ssm_pool, at::Tensor read_slots, at::Tensor write_slots, at::Tensor conv_weight,

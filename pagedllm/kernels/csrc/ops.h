@@ -118,6 +118,10 @@ void silu_and_mul_rows(T* out, const T* x, int64_t rows, int64_t d);
 void gelu_and_mul(at::Tensor out, at::Tensor x);  // GELU's tanh approximation (Gemma's gelu_pytorch_tanh)
 // A Mamba-2 layer's decode step after in_proj (mamba.cpp): out [S, inner] = the gated norm of its recurrence's
 // output; each sequence's states read from slot read_slots[s] of the pools (-1: zeros) and written to write_slots[s]
+// A sequence's L tokens through a Mamba-2 layer's recurrence (mamba.cpp), float32: x [L, H, P], dt [L, H] (softplus,
+// clamped), a [H], b and c [L, G, N], initial [H, P, N] or none (zeros) -> y [L, H, P] (no D term), final_state
+void mamba2_scan(at::Tensor y, at::Tensor final_state, at::Tensor x, at::Tensor dt, at::Tensor a, at::Tensor b,
+                 at::Tensor c, c10::optional<at::Tensor> initial);
 void mamba2_decode(at::Tensor out, at::Tensor xbc, at::Tensor dt, at::Tensor gate, at::Tensor conv_pool,
                    at::Tensor ssm_pool, at::Tensor read_slots, at::Tensor write_slots, at::Tensor conv_weight,
                    c10::optional<at::Tensor> conv_bias, at::Tensor dt_bias, at::Tensor a, at::Tensor d,
