@@ -5,8 +5,6 @@ prefill in chunks and decode steps, run in test_llama_fidelity.py (`granite4-hyb
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
@@ -15,22 +13,27 @@ from pagedllm.core.sched.output import ScheduledRequest
 from pagedllm.models import mamba
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.mamba import Mamba2Mixer, RecurrentStates, ssd_scan, ssd_step
-from tests.models.tiny import hf_greedy, save_tiny_model, tiny_config
+from tests.models.tiny import clear_first_tokens, hf_greedy, save_attention_adapter, save_tiny_model, tiny_config
 
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [60, 61, 62, 63, 64], [200, 13, 9, 77, 150, 151, 40, 41, 42, 8] * 3,
            [5, 17, 42, 99, 3, 250, 7, 8, 9, 10, 11, 12, 13, 14]]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
+def _scan_inputs(length: int, head_dim: int, state: int, start: str) -> tuple[torch.Tensor, ...]:
+    """Random x [L, 6, P], dt, a, b and c of 2 groups [L, 2, N], and an initial state (None: zeros)."""
+    torch.manual_seed(0)
+    x, b, c = torch.randn(length, 6, head_dim), torch.randn(length, 2, state), torch.randn(length, 2, state)
+    dt, a = torch.rand(length, 6) * 0.5, -torch.rand(6) * 2
+    return x, dt, a, b, c, None if start == "zeros" else torch.randn(6, head_dim, state)
+
+
 @pytest.mark.parametrize("start", ["zeros", "a state"])
 def test_the_chunked_scan_is_the_recurrence_token_by_token(start):
     """11 tokens in chunks of 4 (the last one padded), 6 heads in 2 groups: each token's output and the final state
     those of the recurrence run one token at a time."""
-    torch.manual_seed(0)
     length, heads, head_dim, state = 11, 6, 4, 5
-    x, b, c = torch.randn(length, heads, head_dim), torch.randn(length, 2, state), torch.randn(length, 2, state)
-    dt, a = torch.rand(length, heads) * 0.5, -torch.rand(heads) * 2
-    initial = None if start == "zeros" else torch.randn(heads, head_dim, state)
+    x, dt, a, b, c, initial = _scan_inputs(length, head_dim, state, start)
     y, final = ssd_scan(x, dt, a, b, c, initial, chunk_size=4)
     h = torch.zeros(1, heads, head_dim, state) if initial is None else initial.unsqueeze(0)
     for t in range(length):
@@ -79,19 +82,13 @@ def test_a_bfloat16_hybrid_model_runs_close_to_float32(tmp_path):
     """bf16 weights and states: each prompt's first greedy token float32's, where float32's top two logits are not a
     near tie and transformers' own model in bf16 keeps its token."""
     folder, hf_model = save_tiny_model(tmp_path / "m", "granite4-hybrid", seed=3)
-    with torch.inference_mode():
-        logits = [hf_model(torch.tensor([p])).logits[0, -1] for p in PROMPTS]
-        hf_bf16 = copy.deepcopy(hf_model).bfloat16()
-        bf16_tokens = [int(hf_bf16(torch.tensor([p])).logits[0, -1].argmax()) for p in PROMPTS]
-    clear = [i for i, row in enumerate(logits)
-             if float(row.topk(2).values.diff().abs()) > 0.05 and bf16_tokens[i] == int(row.argmax())]
-    assert clear, "no prompt's first token is clear enough to compare"
+    tokens, clear = clear_first_tokens(hf_model, PROMPTS)
     with LLM(str(folder), dtype="bfloat16", block_size=4, num_kv_blocks=64) as llm:
         assert llm.engine.runner.recurrent.pools[0][1].dtype == torch.bfloat16
         outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0, max_tokens=1),
                                use_tqdm=False)
     for i in clear:
-        assert outputs[i].outputs[0].token_ids == [int(logits[i].argmax())]
+        assert outputs[i].outputs[0].token_ids == [tokens[i]]
 
 
 def test_the_states_take_their_share_of_the_kv_budget(tmp_path):
@@ -153,16 +150,9 @@ def test_lora_adapts_the_attention_layers_and_refuses_a_mamba_layer(tmp_path):
 
     from pagedllm.lora.request import LoRARequest
 
-    peft = pytest.importorskip("peft", reason="peft is not installed (pip install -e '.[dev]')")
+    pytest.importorskip("peft", reason="peft is not installed (pip install -e '.[dev]')")
     folder, hf_model = save_tiny_model(tmp_path / "m", "granite4-hybrid-dense", seed=3)
-    torch.manual_seed(1)
-    model = peft.get_peft_model(copy.deepcopy(hf_model), peft.LoraConfig(
-        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"], init_lora_weights=False))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.5)
-    model.save_pretrained(tmp_path / "attn")
+    model = save_attention_adapter(hf_model, tmp_path / "attn")
     (tmp_path / "mamba").mkdir()
     config = json.loads((tmp_path / "attn" / "adapter_config.json").read_text())
     (tmp_path / "mamba" / "adapter_config.json").write_text(json.dumps({**config, "target_modules": ["o_proj"]}))
@@ -173,7 +163,7 @@ def test_lora_adapts_the_attention_layers_and_refuses_a_mamba_layer(tmp_path):
         outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], GREEDY, use_tqdm=False,
                                lora_request=[LoRARequest("attn", 1, str(tmp_path / "attn")), None])
         assert [o.outputs[0].token_ids for o in outputs] == \
-            [hf_greedy(model.eval(), PROMPTS[:1], 12)[0], hf_greedy(hf_model, PROMPTS[1:2], 12)[0]]
+            [hf_greedy(model, PROMPTS[:1], 12)[0], hf_greedy(hf_model, PROMPTS[1:2], 12)[0]]
         with pytest.raises(ValueError, match="layer 0 is no attention"):
             llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY, use_tqdm=False,
                          lora_request=LoRARequest("mamba", 2, str(tmp_path / "mamba")))
@@ -225,13 +215,9 @@ def test_the_scan_kernel_is_the_chunked_scan(start, isa_level):
     heads in 2 groups, from zeros or from a state; the outputs and the final state within float rounding."""
     from pagedllm.kernels import cpu_kernels
 
-    torch.manual_seed(0)
-    length, heads, head_dim, state = 70, 6, 8, 16
-    x, b, c = torch.randn(length, heads, head_dim), torch.randn(length, 2, state), torch.randn(length, 2, state)
-    dt, a = torch.rand(length, heads) * 0.5, -torch.rand(heads) * 2
-    initial = None if start == "zeros" else torch.randn(heads, head_dim, state)
+    x, dt, a, b, c, initial = _scan_inputs(70, 8, 16, start)
     expected_y, expected_state = ssd_scan(x, dt, a, b, c, initial, chunk_size=16)
-    y, final = torch.empty_like(x), torch.empty(heads, head_dim, state)
+    y, final = torch.empty_like(x), torch.empty(6, 8, 16)
     cpu_kernels().mamba2_scan(y, final, x, dt, a, b, c, initial)
     torch.testing.assert_close(y, expected_y, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(final, expected_state, atol=1e-4, rtol=1e-4)

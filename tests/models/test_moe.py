@@ -4,7 +4,6 @@ the engine."""
 
 from __future__ import annotations
 
-import copy
 import json
 
 import pytest
@@ -20,7 +19,13 @@ from pagedllm.layers.moe import Routing, experts_reference, route, run_experts
 from pagedllm.loader import load_model
 from pagedllm.lora.request import LoRARequest
 from tests.loader.test_gguf import write_model_gguf
-from tests.models.tiny import build_tiny_hf_model, hf_greedy, save_tiny_model
+from tests.models.tiny import (
+    build_tiny_hf_model,
+    clear_first_tokens,
+    hf_greedy,
+    save_attention_adapter,
+    save_tiny_model,
+)
 
 MOE_KINDS = ["mixtral", "qwen2-moe", "qwen3-moe", "granitemoe", "granitemoeshared", "olmoe",
              "ernie4_5-moe", "lfm2-moe", "gpt-oss", "deepseek-v2", "deepseek-v3"]
@@ -158,13 +163,7 @@ def test_bfloat16_and_int8_moe_models_run_close_to_float32(moe):
     own model in bf16 keeps float32's token (a tiny random model's experts' choice can flip in bf16: LFM2-MoE's
     sigmoid scores, near 0.5, beside its bias)."""
     kind, folder, hf_model = moe
-    with torch.inference_mode():
-        logits = [hf_model(torch.tensor([p])).logits[0, -1] for p in PROMPTS]
-        hf_bf16 = copy.deepcopy(hf_model).bfloat16()
-        bf16_tokens = [int(hf_bf16(torch.tensor([p])).logits[0, -1].argmax()) for p in PROMPTS]
-    clear = [i for i, row in enumerate(logits)
-             if float(row.topk(2).values.diff().abs()) > 0.05 and bf16_tokens[i] == int(row.argmax())]
-    assert clear, "no prompt's first token is clear enough to compare"
+    tokens, clear = clear_first_tokens(hf_model, PROMPTS)
     for options in (dict(dtype="bfloat16"), dict(dtype="float32", quantization="int8"),
                     dict(dtype="bfloat16", quantization="w8a8")):
         with LLM(folder, num_kv_blocks=64, block_size=4, **options) as llm:
@@ -179,21 +178,13 @@ def test_bfloat16_and_int8_moe_models_run_close_to_float32(moe):
             outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                                 SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
         for i in clear:
-            assert outs[i].outputs[0].token_ids == [int(logits[i].argmax())], (kind, options, i)
+            assert outs[i].outputs[0].token_ids == [tokens[i]], (kind, options, i)
 
 
 def test_lora_adapts_the_attention_of_a_moe_model_and_refuses_its_experts(tmp_path):
-    peft = pytest.importorskip("peft", reason="peft is not installed (pip install -e '.[dev]')")
+    pytest.importorskip("peft", reason="peft is not installed (pip install -e '.[dev]')")
     folder, hf_model = save_tiny_model(tmp_path / "m", "qwen3-moe", seed=5)
-    torch.manual_seed(1)
-    model = peft.get_peft_model(copy.deepcopy(hf_model), peft.LoraConfig(
-        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"], init_lora_weights=False))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.5)
-    model.save_pretrained(tmp_path / "attn")
-    expected = _hf_greedy(model.eval(), PROMPTS[:2])
+    expected = _hf_greedy(save_attention_adapter(hf_model, tmp_path / "attn"), PROMPTS[:2])
     # the same adapter with a dense MLP's module added, which a layer of experts does not have
     (tmp_path / "mlp").mkdir()
     config = json.loads((tmp_path / "attn" / "adapter_config.json").read_text())

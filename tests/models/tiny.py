@@ -381,6 +381,40 @@ class SimplePagedRunner:
         return self.model.compute_logits(hidden[last])
 
 
+def clear_first_tokens(hf_model: Any, prompts: list[list[int]]) -> tuple[list[int], list[int]]:
+    """(each prompt's first greedy token in float32, the prompts whose token a lower precision should keep): those
+    whose float32 top two logits are not a near tie (0.05 apart) and whose token transformers' own model keeps in
+    bf16 (a tiny random model's choices can flip there: an expert's, a Mamba-2 layer's decays)."""
+    import copy
+
+    with torch.inference_mode():
+        logits = [hf_model(torch.tensor([p])).logits[0, -1] for p in prompts]
+        hf_bf16 = copy.deepcopy(hf_model).bfloat16()
+        bf16_tokens = [int(hf_bf16(torch.tensor([p])).logits[0, -1].argmax()) for p in prompts]
+    clear = [i for i, row in enumerate(logits)
+             if float(row.topk(2).values.diff().abs()) > 0.05 and bf16_tokens[i] == int(row.argmax())]
+    assert clear, "no prompt's first token is clear enough to compare"
+    return [int(row.argmax()) for row in logits], clear
+
+
+def save_attention_adapter(hf_model: Any, folder: Path, seed: int = 1) -> Any:
+    """A random rank-4 PEFT LoRA adapter of the attention's q/v/o_proj (its B made non-zero), saved in `folder`; the
+    adapted transformers model, its oracle. (A model of experts or Mamba-2 layers takes adapters there only.)"""
+    import copy
+
+    import peft
+
+    torch.manual_seed(seed)
+    model = peft.get_peft_model(copy.deepcopy(hf_model), peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"], init_lora_weights=False))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.5)
+    model.save_pretrained(folder)
+    return model.eval()
+
+
 def run_modules(monkeypatch: Any) -> None:
     """Make every Llama model, loaded before or after, run its modules one by one (no DecoderStack), so that a layer
     function the test patches takes effect."""
