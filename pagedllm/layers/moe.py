@@ -52,16 +52,16 @@ class Routing:
                                             "granitemoe_swa", "gpt_oss") or ernie or \
             bool(getattr(config, "norm_topk_prob", False))
         grouped = v3 or (config.model_type == "deepseek_v2" and config.topk_method == "group_limited_greedy")
+        groups, kept = (int(config.n_group), int(config.topk_group)) if grouped else (1, 1)
         if grouped:
-            experts, groups, kept = config.n_routed_experts, int(config.n_group), int(config.topk_group)
+            experts = config.n_routed_experts
             if experts % groups or not 1 <= kept <= groups or config.num_experts_per_tok > kept * experts // groups:
                 raise ValueError(f"{experts} experts in {groups} groups, {kept} kept, cannot give a token "
                                  f"{config.num_experts_per_tok} experts")
         return cls(config.num_experts_per_tok, renormalize, norm_min=float(config.moe_norm_min) if ernie else 0.0,
                    sigmoid=lfm2 or v3, norm_eps=1e-6 if lfm2 else 1e-20 if v3 else 0.0,
                    scale=float(getattr(config, "routed_scaling_factor", None) or 1.0),
-                   groups=int(config.n_group) if grouped else 1, kept_groups=int(config.topk_group) if grouped else 1,
-                   group_top2=v3)
+                   groups=groups, kept_groups=kept, group_top2=v3)
 
 
 def route(logits: torch.Tensor, routing: Routing,

@@ -175,10 +175,9 @@ class Mamba2Mixer(nn.Module):
                 lora: LayerLoRA | None = None) -> torch.Tensor:
         step = meta.recurrent if meta.recurrent is not None else RecurrentStep.from_start(meta)
         gate, xbc, dt = self.in_proj(x).split([self.inner, self.conv_dim, self.num_heads], -1)
-        starts = meta.query_start_loc_cpu
+        starts, kernels = meta.query_start_loc_cpu, kernels_for(x)
         if len(starts) - 1 == x.shape[0]:      # a decode step: one token each, one step of the recurrence for all
-            kernels = kernels_for(x) if step.states is not None else None
-            if kernels is None:
+            if kernels is None or step.states is None:
                 return self.o_proj(self._decode_native(step, gate, xbc, dt))
             out = torch.empty_like(gate)
             kernels.mamba2_decode(out, xbc, dt, gate, *step.states.pools[self.index], step.read_slots,
@@ -187,7 +186,6 @@ class Mamba2Mixer(nn.Module):
                                   self.dt_max)
             return self.o_proj(out)
         conv_states, ssm_states = step.read(self, x.dtype)
-        kernels = kernels_for(x)
         lengths = [end - start for start, end in zip(starts, starts[1:])]
         weight = self.conv1d.weight.squeeze(1)      # [conv_dim, d_conv]
         y = torch.empty(x.shape[0], self.num_heads, self.head_dim, dtype=torch.float32, device=x.device)

@@ -272,8 +272,8 @@ class ModelRunner:
         if not scheduled:
             return RunnerOutput()
         inputs = build_model_inputs(scheduled, self.block_size, self.device, self.cascade)
-        if self.recurrent is not None:
-            inputs.meta.recurrent = self.recurrent.begin(scheduled)
+        recurrent = self.recurrent.begin(scheduled) if self.recurrent is not None else None
+        inputs.meta.recurrent = recurrent
         if self.mrope:
             self._shift_positions(inputs, scheduled)
         pending_masks = self._start_token_bitmasks(inputs.sample_request_ids)
@@ -297,9 +297,9 @@ class ModelRunner:
                                                       children, masks))
         for state, end in reported:   # only once the group succeeded: a group that raised may run again
             state.num_prompt_logprob_positions = end
-        if inputs.meta.recurrent is not None:
-            self.recurrent.commit(inputs.meta.recurrent,  # type: ignore[union-attr]
-                                  {s.request_id: s.child_request_ids for s in scheduled if s.child_request_ids})
+        if self.recurrent is not None and recurrent is not None:
+            self.recurrent.commit(recurrent, {s.request_id: s.child_request_ids for s in scheduled
+                                              if s.child_request_ids})
         output.prompt_logprobs = prompt_logprobs
         output.embeddings = self._embeddings(hidden, inputs, scheduled)
         self._propose_drafts(scheduled, output)
