@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 if TYPE_CHECKING:
-    from pagedllm.models.mamba import RecurrentStep
+    from pagedllm.models.recurrent import RecurrentStep
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -40,7 +40,7 @@ class AttentionMetadata:
     # Gemma 3's images: (the step's rows of an image's placeholders, up to its last; the metadata of those rows as
     # queries of their sequence up to the image's end), rows that see their whole image, not only what precedes them
     image_spans: list[tuple[slice, AttentionMetadata]] = field(default_factory=list)
-    # Mamba-2 layers' states of the step's requests (the runner's `RecurrentStates`); None: every sequence from its
+    # recurrent layers' states of the step's requests (the runner's `RecurrentStates`); None: every sequence from its
     # first token, its states dropped
     recurrent: RecurrentStep | None = None
     # earlier_slots' answers, by how far back: the same for every layer of the step

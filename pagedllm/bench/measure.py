@@ -53,12 +53,19 @@ class ModelDims:
         """The dims of a config: q/k/v/o over heads of head_dim, or DeepSeek's latent attention's projections (its
         queries, straight or through their latent, the shared latent and rotary key, kv_b_proj, o_proj; each head
         multiplying qk_nope + qk_rope values with a key and v_head_dim with a value, as unabsorbed); a hybrid's
-        Mamba-2 layers counted by their projections, their recurrence's few FLOPs left out (per layer, the mean over
-        its layers); a mixture of experts' `intermediate_size` is what a token runs through: its top-k experts' and
-        its shared expert's (every layer counted as sparse)."""
-        from pagedllm.models.llama import dense_mlp_shape, expert_intermediate_size, num_experts, shared_expert_size
-        from pagedllm.models.mamba import is_mamba_layer
+        recurrent layers (Mamba-2's, Gated DeltaNet's) counted by their projections, their recurrence's FLOPs left out
+        (per layer, the mean over its layers); Qwen3.5's attention output gate as a projection; a mixture of experts'
+        `intermediate_size` is what a token runs through: its top-k experts' and its shared expert's (every layer
+        counted as sparse)."""
+        from pagedllm.models.llama import (
+            dense_mlp_shape,
+            expert_intermediate_size,
+            gates_attention_output,
+            num_experts,
+            shared_expert_size,
+        )
         from pagedllm.models.mla import is_mla
+        from pagedllm.models.recurrent import recurrent_layer_kind
 
         hidden, heads = config.hidden_size, config.num_attention_heads
         if is_mla(config):
@@ -72,13 +79,22 @@ class ModelDims:
             head_dim = getattr(config, "head_dim", None) or hidden // heads
             kv_heads = getattr(config, "num_key_value_heads", None) or heads
             attention, key_width = hidden * head_dim * (2 * heads + 2 * kv_heads), 2 * heads * head_dim
-        mamba = sum(is_mamba_layer(config, index) for index in range(config.num_hidden_layers))
-        if mamba:   # Granite 4's hybrids: a Mamba-2 layer's in_proj and out_proj, no keys (a layer's mean of both)
-            inner, span = config.mamba_n_heads * config.mamba_d_head, config.mamba_n_groups * config.mamba_d_state
-            mixer = hidden * (2 * inner + 2 * span + config.mamba_n_heads) + inner * hidden
+            if gates_attention_output(config):  # Qwen3-Next's and Qwen3.5's output gate: as wide as the queries
+                attention += hidden * heads * head_dim
+        kinds = [recurrent_layer_kind(config, index) for index in range(config.num_hidden_layers)]
+        recurrent = sum(kind is not None for kind in kinds)
+        if recurrent:   # hybrids: a recurrent layer's in_proj and out_proj, no keys (a layer's mean of both)
+            if "mamba2" in kinds:   # Granite 4's
+                inner, span = config.mamba_n_heads * config.mamba_d_head, config.mamba_n_groups * config.mamba_d_state
+                mixer = hidden * (2 * inner + 2 * span + config.mamba_n_heads) + inner * hidden
+            else:                   # Qwen3-Next's, Qwen3.5's Gated DeltaNet
+                keys = config.linear_num_key_heads * config.linear_key_head_dim
+                values, value_heads = config.linear_num_value_heads * config.linear_value_head_dim, \
+                    config.linear_num_value_heads
+                mixer = hidden * (2 * keys + 2 * values + 2 * value_heads) + values * hidden
             layers = config.num_hidden_layers
-            attention = (attention * (layers - mamba) + mixer * mamba) // layers
-            key_width = key_width * (layers - mamba) // layers
+            attention = (attention * (layers - recurrent) + mixer * recurrent) // layers
+            key_width = key_width * (layers - recurrent) // layers
         intermediate, matrices = dense_mlp_shape(config)
         if num_experts(config):
             intermediate = config.num_experts_per_tok * expert_intermediate_size(config) + shared_expert_size(config)

@@ -187,15 +187,16 @@ def _run_prompts_whole(config: EngineConfig) -> None:
 
 
 def _run_with_recurrent_states(config: EngineConfig) -> None:
-    """Mamba-2 layers keep a state a request, not a row a token (pagedllm.models.mamba): a cached block holds none
+    """Recurrent layers (Mamba-2's, Gated DeltaNet's) keep a state a request, not a row a token
+    (pagedllm.models.recurrent): a cached block holds none
     (prefix caching off), a swapped request's would have to be swapped too (preemption recomputes), and a rejected
     draft token cannot be taken back out of one (no speculative decoding)."""
     cache, sched = config.cache, config.scheduler
     if config.speculative is not None:
-        raise ValueError("speculative decoding is not supported with Mamba-2 layers: a rejected draft token cannot be "
-                         "taken back out of a request's recurrent state")
+        raise ValueError("speculative decoding is not supported with recurrent layers (Mamba-2, Gated DeltaNet): a "
+                         "rejected draft token cannot be taken back out of a request's recurrent state")
     if cache.enable_prefix_caching or sched.preemption_mode != "recompute" or cache.swap_space:
-        logger.info("Mamba-2 layers (a recurrent state a request): prefix caching and swapping are off, preemption "
+        logger.info("recurrent layers (a state a request): prefix caching and swapping are off, preemption "
                     "recomputes")
     cache.enable_prefix_caching, cache.swap_space, sched.preemption_mode = False, 0, "recompute"
 
@@ -273,7 +274,7 @@ class LLMEngine:
         self._setup_swap()
         self._setup_costs()
         # a mixture of experts sorts its tokens by expert on the host (run_experts), a short convolution finds its
-        # tokens' earlier ones and a Mamba-2 layer its requests' states by their sequences' lengths, which a graph
+        # tokens' earlier ones and a recurrent layer its requests' states by their sequences' lengths, which a graph
         # cannot capture
         model_config = self.runner.model.config
         if (self.runner.device.type == "cuda" and not config.model.enforce_eager and config.lora is None
@@ -408,7 +409,7 @@ class LLMEngine:
         return kv_tensors.num_blocks_for(budget, self.runner.kv_bytes_per_token, cache.block_size)
 
     def _recurrent_state_bytes(self, budget: int) -> int:
-        """What Mamba-2 layers' states take of the KV budget: two slots a running request (its states, and a step's
+        """What recurrent layers' states take of the KV budget: two slots a running request (its states, and a step's
         next ones before they are committed); at most half the budget, max_num_seqs lowered to fit."""
         per_request = self.runner.recurrent_bytes_per_request
         if not per_request:
@@ -416,11 +417,11 @@ class LLMEngine:
         sched = self.config.scheduler
         fitting = budget // 2 // per_request
         if fitting < 1:
-            raise ValueError(f"a request's Mamba-2 states ({per_request / kv_tensors.GiB:.2f} GiB with a step's next "
+            raise ValueError(f"a request's recurrent states ({per_request / kv_tensors.GiB:.2f} GiB with a step's next "
                              f"ones) do not fit half the KV budget ({budget / kv_tensors.GiB:.2f} GiB): raise "
                              "kv_cache_memory")
         if fitting < sched.max_num_seqs:
-            logger.info("max_num_seqs lowered from %d to %d: each running request's Mamba-2 states take %.1f MiB "
+            logger.info("max_num_seqs lowered from %d to %d: each running request's recurrent states take %.1f MiB "
                         "(with a step's next ones), at most half the KV budget", sched.max_num_seqs, fitting,
                         per_request / (1 << 20))
             sched.max_num_seqs = fitting
@@ -593,7 +594,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         self._check_generates()
         if self.runner.mixers:
-            raise ValueError(f"beam search is not supported with {self.model_name}'s Mamba-2 layers: its beams fork "
+            raise ValueError(f"beam search is not supported with {self.model_name}'s recurrent layers: its beams fork "
                              "between steps, and a request's recurrent state is its own")
         token_ids = self.tokenize_prompt(prompt)
         if lora_request is not None:

@@ -49,7 +49,7 @@ class Routing:
         ernie, lfm2 = config.model_type == "ernie4_5_moe", config.model_type == "lfm2_moe"
         v3 = config.model_type == "deepseek_v3"     # sigmoid scores, their sum plus 1e-20; always in groups
         renormalize = config.model_type in ("mixtral", "granitemoe", "granitemoeshared", "granitemoehybrid",
-                                            "granitemoe_swa", "gpt_oss") or ernie or \
+                                            "granitemoe_swa", "gpt_oss", "qwen3_5_moe_text") or ernie or \
             bool(getattr(config, "norm_topk_prob", False))
         grouped = v3 or (config.model_type == "deepseek_v2" and config.topk_method == "group_limited_greedy")
         groups, kept = (int(config.n_group), int(config.topk_group)) if grouped else (1, 1)

@@ -104,6 +104,8 @@ TEXT_PARTS: dict[str, tuple[str, str | None]] = {
     "Qwen2_5_VLForConditionalGeneration": ("Qwen2ForCausalLM", "qwen2"),
     "Qwen3VLForConditionalGeneration": ("Qwen3ForCausalLM", "qwen3"),
     "Qwen3VLMoeForConditionalGeneration": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    "Qwen3_5ForConditionalGeneration": ("Qwen3_5ForCausalLM", None),
+    "Qwen3_5MoeForConditionalGeneration": ("Qwen3_5MoeForCausalLM", None),
 }
 # And any other vision-language checkpoint of the Llava kind (a vision tower and a projector beside a language model
 # of a family pagedllm runs, unchanged: Llava, LlavaNext, InternVL, Idefics3, ...): its text config's model_type ->

@@ -100,8 +100,15 @@ from pagedllm.layers.rotary import (
     rope_config,
     rotary_dim,
 )
-from pagedllm.models.mamba import Mamba2Mixer, has_mamba_layers, is_mamba_layer
+from pagedllm.models.deltanet import GatedDeltaNet, split_qwen3_next_projections
+from pagedllm.models.mamba import Mamba2Mixer
 from pagedllm.models.mla import MLAttention, is_mla, mla_rope_rows
+from pagedllm.models.recurrent import (
+    GATED_DELTANET_MODEL_TYPES,
+    RecurrentMixer,
+    has_recurrent_layers,
+    recurrent_layer_kind,
+)
 from pagedllm.models.vision import ImageEncoder, ImageRows
 from pagedllm.multimodal import ImageInput
 
@@ -115,6 +122,10 @@ STACKED_PARAMS_MAPPING: list[tuple[str, str, str | int]] = [
     (".qkv_proj", ".v_proj", "v"),
     (".gate_up_proj", ".gate_proj", 0),
     (".gate_up_proj", ".up_proj", 1),
+    (".in_proj_qkvzba", ".in_proj_qkv", 0),     # a Gated DeltaNet layer's (Qwen3.5's names)
+    (".in_proj_qkvzba", ".in_proj_z", 1),
+    (".in_proj_qkvzba", ".in_proj_b", 2),
+    (".in_proj_qkvzba", ".in_proj_a", 3),
 ]
 # fused module -> the checkpoint modules whose rows it stacks, in order (vLLM's name for it), for loaders that
 # place whole rows, such as pagedllm.layers.linear.pack_gguf_linear_weights
@@ -192,9 +203,9 @@ _ERNIE_MOE_NAMES = ((".mlp.shared_experts.", ".mlp.shared_expert."),
 # DeepSeek's shared experts (one ungated MLP) and V3's bias of its router's choice
 _DEEPSEEK_NAMES = ((".mlp.shared_experts.", ".mlp.shared_expert."),
                    (".mlp.gate.e_score_correction_bias", ".mlp.selection_bias"), _GGUF_SELECTION_BIAS)
-# A model type's checkpoint tensors the model does not use, by a part of their names: ERNIE 4.5 MoE's multi-token
-# prediction layers (transformers ignores them too)
-_UNUSED_NAME_PARTS = {"ernie4_5_moe": "mtp"}
+# A model type's checkpoint tensors the model does not use, by a part of their names: ERNIE 4.5 MoE's, Qwen3-Next's
+# and Qwen3.5's multi-token prediction layers (transformers ignores them too)
+_UNUSED_NAME_PARTS = {"ernie4_5_moe": "mtp", **{t: "mtp." for t in GATED_DELTANET_MODEL_TYPES}}
 # Granite 4's (GraniteMoeShared's, GraniteMoeHybrid's, Granite MoE SWA's): its router (router.layer as released,
 # router in transformers 5's own layout, Granite MoE SWA's), its shared MLP (gate and up fused) the mixture of experts'
 # ungated shared expert, or the MLP of a layer without experts (granite-4.0-micro's); GraniteMoeHybrid's Mamba-2
@@ -218,7 +229,10 @@ _CHECKPOINT_NAMES = {"granitemoe": ((".mlp.router.layer.", ".mlp.gate."),),
                      "gpt_oss": ((".mlp.router.", ".mlp.gate."), (".self_attn.sinks.weight", ".self_attn.sinks")),
                      # VaultGemma's MLP norm, Llama's place under Gemma's name
                      "vaultgemma": ((".pre_feedforward_layernorm.", ".post_attention_layernorm."),),
-                     "ernie4_5_moe": _ERNIE_MOE_NAMES, "deepseek_v2": _DEEPSEEK_NAMES, "deepseek_v3": _DEEPSEEK_NAMES}
+                     "ernie4_5_moe": _ERNIE_MOE_NAMES, "deepseek_v2": _DEEPSEEK_NAMES, "deepseek_v3": _DEEPSEEK_NAMES,
+                     # Qwen3-Next's and Qwen3.5's Gated DeltaNet layers (`GatedDeltaNet`, the layer's self_attn)
+                     **{t: ((".linear_attn.out_proj.", ".self_attn.o_proj."), (".linear_attn.", ".self_attn."))
+                        for t in GATED_DELTANET_MODEL_TYPES}}
 # A model type's prefix of the names its causal LM's checkpoints give its body, which checkpoints saved from the body
 # alone leave out (opt-125m's "decoder.layers.0...", bloom-560m's "h.0..."): `load_weights` puts it back
 _BODY_PREFIXES = {"opt": "model.", "bloom": "transformer."}
@@ -272,7 +286,25 @@ def _interleaved_rope(config: Any) -> bool:
 
 def _has_qk_norm(config: Any) -> bool:
     return _is_lfm2(config) or config.model_type in ("qwen3", "qwen3_moe", "gemma3_text", "exaone4",
-                                                     "hunyuan_v1_dense", "apertus")
+                                                     "hunyuan_v1_dense", "apertus", *GATED_DELTANET_MODEL_TYPES)
+
+
+def gates_attention_output(config: Any) -> bool:
+    """Whether each head's attention output is multiplied by the sigmoid of a gate of its own before o_proj
+    (Qwen3-Next's and Qwen3.5's: their q_proj gives each head's gate beside its query, `unfused` splits them into
+    `output_gate`)."""
+    return config.model_type in GATED_DELTANET_MODEL_TYPES
+
+
+def _norm_weight_is_offset(config: Any, name: str) -> bool:
+    """Whether a checkpoint's norm weight is stored as w - 1, its norm scaling by 1 + w (`load_weights` adds the 1
+    back): Gemma's RMSNorms, Nemotron's LayerNorms, Qwen3-Next's and Qwen3.5's RMSNorms (but their Gated DeltaNet
+    layers' gated norm)."""
+    if not name.endswith("norm.weight"):
+        return False
+    if config.model_type in GATED_DELTANET_MODEL_TYPES:
+        return not name.endswith(".self_attn.norm.weight")
+    return _is_gemma(config) or config.model_type == "nemotron"
 
 
 def _norms_qk_after_rope(config: Any) -> bool:
@@ -466,7 +498,7 @@ def cache_layers(config: Any) -> list[slice]:
     slices, start = [], 0
     for index in range(config.num_hidden_layers):
         width = -(-config.hidden_size // row) if is_conv_layer(config, index) else \
-            0 if is_mamba_layer(config, index) else 1
+            0 if recurrent_layer_kind(config, index) else 1
         slices.append(slice(start, start + width))
         start += width
     return slices
@@ -574,6 +606,11 @@ def unfused(config: Any, name: str, tensor: torch.Tensor) -> list[tuple[str, tor
     as it is."""
     if config.model_type == "gpt_oss" and name.rpartition(".mlp.experts.")[2] in _GPT_OSS_STACKED:
         return _gpt_oss_experts(name, tensor)
+    if gates_attention_output(config) and name.endswith((".self_attn.q_proj.weight", ".self_attn.q_proj.bias")):
+        query, gate = tensor.unflatten(0, (config.num_attention_heads, 2, -1)).unbind(1)    # each head's, in turn
+        return [(name, query.flatten(0, 1)), (name.replace(".q_proj.", ".output_gate."), gate.flatten(0, 1))]
+    if config.model_type == "qwen3_next":
+        return split_qwen3_next_projections(config, name, tensor)
     if any(part in name for part in _STACKED_EXPERTS):    # Granite MoE's and Qwen3-VL-MoE's experts
         return _stacked_experts(config, name, tensor)
     if ".query_key_value." in name:     # each KV head's group: its queries' rows, then its key's, then its value's
@@ -752,6 +789,10 @@ class LlamaAttention(nn.Module):
             if config.model_type in ("gpt_oss", "granite_swa", "granitemoe_swa") else None
         self.rank_heads = slice(heads.q_start, heads.q_start + heads.num_heads)
         self._add_qk_norms(config, dtype, tp)
+        # Qwen3-Next's and Qwen3.5's gate of each head's output (`gates_attention_output`), this rank's heads'
+        self.output_gate = ColumnParallelLinear(config.hidden_size, self.num_heads * self.head_dim,
+                                                bias=_has_bias(config, "qkv"), dtype=dtype, tp_rank=tp[0],
+                                                tp_size=tp[1]) if gates_attention_output(config) else None
 
     def _add_qk_norms(self, config: Any, dtype: torch.dtype, tp: TPRank) -> None:
         """Qwen3's per-head norms of q and k (one weight of head_dim each, shared by the heads; Hunyuan's after the
@@ -814,6 +855,8 @@ class LlamaAttention(nn.Module):
                 out[rows] = paged_attention_ref(q[rows], k_cache, v_cache, span, self.scale, self.sliding_window,
                                                 self.softcap, causal=False)
         out = out.flatten(1)    # [T, Hq*D]
+        if self.output_gate is not None:
+            out = out * torch.sigmoid(self.output_gate(x))
         return self.o_proj(out) if lora is None else lora.add("o_proj", out, self.o_proj(out))  # [T, hidden]
 
 
@@ -1035,10 +1078,12 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: Any, dtype: torch.dtype, attn_backend: AttentionBackend,
                  rotary_emb: RotaryEmbedding, tp: TPRank, index: int) -> None:
         super().__init__()
-        # the token mixer: an attention (DeepSeek's latent one), or LFM2's short convolution
-        self.self_attn: LlamaAttention | MLAttention | ShortConv | Mamba2Mixer = (
+        # the token mixer: an attention (DeepSeek's latent one), LFM2's short convolution, or a recurrent layer
+        recurrent = recurrent_layer_kind(config, index)
+        self.self_attn: LlamaAttention | MLAttention | ShortConv | Mamba2Mixer | GatedDeltaNet = (
             ShortConv(config, dtype, tp) if is_conv_layer(config, index) else
-            Mamba2Mixer(config, dtype, tp, index) if is_mamba_layer(config, index) else
+            Mamba2Mixer(config, dtype, tp, index) if recurrent == "mamba2" else
+            GatedDeltaNet(config, dtype, tp, index) if recurrent == "gated_deltanet" else
             MLAttention(config, dtype, attn_backend, rotary_emb, tp) if is_mla(config) else
             LlamaAttention(config, dtype, attn_backend, rotary_emb, tp, index))
         self.mlp: LlamaMLP | LlamaSparseMoeBlock | PlainMLP = (
@@ -1167,7 +1212,7 @@ class LlamaModel(nn.Module):
                                  meta.query_start_loc, meta.num_decodes, meta.cascade)
         residual = None
         for index, (layer, pool_layers) in enumerate(zip(self.layers, self.cache_layers, strict=True)):
-            kv_cache = kv_caches[pool_layers] if isinstance(layer.self_attn, (ShortConv, Mamba2Mixer)) else \
+            kv_cache = kv_caches[pool_layers] if isinstance(layer.self_attn, (ShortConv, RecurrentMixer)) else \
                 kv_caches[pool_layers.start]
             x, residual = layer(positions, x, residual, kv_cache, meta,
                                 None if lora is None else LayerLoRA(lora, index))
@@ -1339,8 +1384,8 @@ class LlamaForCausalLM(nn.Module):
         run. The loader calls it once
         the weights are final, packed: a stack holds the weight tensors it was built with. `enforce_eager=True` keeps
         the modules."""
-        if is_mla(self.config) or has_mamba_layers(self.config):     # (the stack has no latent attention, no Mamba-2)
-            return
+        if is_mla(self.config) or has_recurrent_layers(self.config):    # (the stack has no latent attention, no
+            return                                                      # recurrent layers)
         attn = next(layer.self_attn for layer in self.model.layers if isinstance(layer.self_attn, LlamaAttention))
         convolutions = [layer.self_attn for layer in self.model.layers if isinstance(layer.self_attn, ShortConv)]
         xielu = any(isinstance(layer.mlp, PlainMLP) and layer.mlp.xielu is not None for layer in self.model.layers)
@@ -1414,8 +1459,8 @@ class LlamaForCausalLM(nn.Module):
                 head_rows = tensor[self.classifier_token_ids].float()
             if self.tie_word_embeddings and name == "lm_head.weight":
                 continue  # some checkpoints store the tied head anyway; the embedding is the one used
-            if (_is_gemma(self.config) or self.config.model_type == "nemotron") and name.endswith("norm.weight"):
-                tensor = tensor.float() + 1     # Gemma's RMSNorm scales by 1 + w, Nemotron's LayerNorm too
+            if _norm_weight_is_offset(self.config, name):
+                tensor = tensor.float() + 1     # Gemma's RMSNorm scales by 1 + w, Nemotron's LayerNorm, Qwen3.5's...
             if _interleaved_rope(self.config) and name.endswith((".q_proj.weight", ".q_proj.bias", ".k_proj.weight",
                                                                  ".k_proj.bias")):
                 heads = self.config.num_attention_heads if ".q_proj." in name else _num_kv_heads(self.config)

@@ -52,7 +52,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "OPTForCausalLM": LlamaForCausalLM,
     "GPTJForCausalLM": LlamaForCausalLM,
     "GraniteMoeForCausalLM": LlamaForCausalLM,
-    # Granite 4's: a shared MLP beside the experts, or alone (granite-4.0-micro); their Mamba-2 layers refused
+    # Granite 4's: a shared MLP beside the experts, or alone (granite-4.0-micro); Mamba-2 layers among attention ones
     "GraniteMoeSharedForCausalLM": LlamaForCausalLM,
     "GraniteMoeHybridForCausalLM": LlamaForCausalLM,
     "GraniteMoeSWAForCausalLM": LlamaForCausalLM,     # and Granite SWA's sinks and local layers
@@ -73,6 +73,12 @@ _MODELS: dict[str, type[nn.Module]] = {
     "GraniteSWAForCausalLM": LlamaForCausalLM,    # Granite's multipliers, attention sinks, local layers
     "DeepseekV2ForCausalLM": LlamaForCausalLM,    # latent attention (pagedllm.models.mla), shared experts
     "DeepseekV3ForCausalLM": LlamaForCausalLM,    # and sigmoid scores chosen with a bias
+    # Gated DeltaNet layers (pagedllm.models.deltanet) among attention layers with gated outputs; experts with a
+    # gated shared one (Qwen3-Next's, Qwen3.5-MoE's); Qwen3.5's released checkpoints are its ForConditionalGeneration
+    # (pagedllm.loader's TEXT_PARTS)
+    "Qwen3NextForCausalLM": LlamaForCausalLM,
+    "Qwen3_5ForCausalLM": LlamaForCausalLM,
+    "Qwen3_5MoeForCausalLM": LlamaForCausalLM,
     # The bare decoders (no LM head), as embedding models are saved (gte-Qwen2, e5-mistral): see BARE_ARCHITECTURES.
     "LlamaModel": LlamaForCausalLM,
     "MistralModel": LlamaForCausalLM,
@@ -141,6 +147,9 @@ _MODELS: dict[str, type[nn.Module]] = {
     "granite_swa": LlamaForCausalLM,
     "deepseek_v2": LlamaForCausalLM,
     "deepseek_v3": LlamaForCausalLM,
+    "qwen3_next": LlamaForCausalLM,
+    "qwen3_5_text": LlamaForCausalLM,
+    "qwen3_5_moe_text": LlamaForCausalLM,
     "bert": BertModel,
     "roberta": BertModel,
     "xlm-roberta": BertModel,

@@ -30,8 +30,8 @@ from pagedllm.loader.pooling_config import sentence_transformers_projector
 from pagedllm.lora.adapter import LoRAAdapter, LoRABatch, LoRARegistry
 from pagedllm.lora.request import LoRARequest
 from pagedllm.models.llama import cache_layers, has_conv_layers
-from pagedllm.models.mamba import Mamba2Mixer, RecurrentStates
 from pagedllm.models.mla import is_mla, mla_cache_row
+from pagedllm.models.recurrent import RecurrentMixer, RecurrentStates
 from pagedllm.models.vision import ImageRows
 from pagedllm.multimodal import MRopeLayout
 from pagedllm.runner import kv_tensors
@@ -134,8 +134,8 @@ class ModelRunner:
         self.swap: kv_tensors.SwapSpace | None = None
         self.decode_graphs: DecodeGraphs | None = None
         self.last_timings = StepTimings()
-        # Mamba-2 layers' per-request states (`allocate_recurrent_states`); None for a model without them
-        self.mixers = [m for m in self.model.modules() if isinstance(m, Mamba2Mixer)]
+        # recurrent layers' per-request states (`allocate_recurrent_states`); None for a model without them
+        self.mixers = [m for m in self.model.modules() if isinstance(m, RecurrentMixer)]
         self.recurrent: RecurrentStates | None = None
 
     def weight_bytes(self) -> int:
@@ -158,11 +158,11 @@ class ModelRunner:
 
     @property
     def recurrent_bytes_per_request(self) -> int:
-        """A running request's two slots of Mamba-2 states (0 for a model without Mamba-2 layers)."""
+        """A running request's two slots of recurrent states (0 for a model without recurrent layers)."""
         return RecurrentStates.bytes_per_request(self.mixers, self.layout.dtype)
 
     def allocate_recurrent_states(self, num_requests: int) -> None:
-        """Slots for `num_requests` running requests' Mamba-2 states (a model with Mamba-2 layers; one rank)."""
+        """Slots for `num_requests` running requests' recurrent states (a model with recurrent layers; one rank)."""
         self.recurrent = RecurrentStates(self.mixers, num_requests, self.layout.dtype, self.device)
 
     def allocate_swap_space(self, num_blocks: int, path: str | None = None) -> None:

@@ -12,7 +12,8 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.core.sched.output import ScheduledRequest
 from pagedllm.models import mamba
 from pagedllm.models.llama import LlamaForCausalLM
-from pagedllm.models.mamba import Mamba2Mixer, RecurrentStates, ssd_scan, ssd_step
+from pagedllm.models.mamba import Mamba2Mixer, ssd_scan, ssd_step
+from pagedllm.models.recurrent import RecurrentStates
 from tests.models.tiny import clear_first_tokens, hf_greedy, save_attention_adapter, save_tiny_model, tiny_config
 
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [60, 61, 62, 63, 64], [200, 13, 9, 77, 150, 151, 40, 41, 42, 8] * 3,
@@ -108,11 +109,11 @@ def test_what_a_hybrid_model_refuses(tmp_path):
     from pagedllm import BeamSearchParams
 
     folder, _ = save_tiny_model(tmp_path / "m", "granite4-hybrid-dense", seed=3, with_tokenizer=False)
-    with pytest.raises(ValueError, match="speculative decoding is not supported with Mamba-2 layers"):
+    with pytest.raises(ValueError, match="speculative decoding is not supported with recurrent layers"):
         LLM(str(folder), dtype="float32", skip_tokenizer_init=True,
             speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     with LLM(str(folder), dtype="float32", skip_tokenizer_init=True, num_kv_blocks=64) as llm, \
-            pytest.raises(ValueError, match="beam search is not supported with .* Mamba-2 layers"):
+            pytest.raises(ValueError, match="beam search is not supported with .* recurrent layers"):
         llm.beam_search([{"prompt_token_ids": PROMPTS[0]}], BeamSearchParams(beam_width=2, max_tokens=4))
     with pytest.raises(ValueError, match="Mamba-2 layers run on one rank"):
         LlamaForCausalLM(tiny_config("granite4-hybrid-dense"), tp_rank=0, tp_size=2)

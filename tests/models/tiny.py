@@ -18,6 +18,8 @@ _COMMON: dict[str, Any] = dict(
     max_position_embeddings=256, rms_norm_eps=1e-5, initializer_range=0.1, bos_token_id=1, eos_token_id=2,
     tie_word_embeddings=True,
 )
+_DELTANET: dict[str, Any] = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                                 linear_value_head_dim=16, linear_conv_kernel_dim=4)
 TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama-mha": ("llama", dict(num_key_value_heads=4)),
     "llama-gqa": ("llama", dict(num_key_value_heads=2)),
@@ -177,6 +179,20 @@ TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
         num_key_value_heads=2, num_local_experts=0, shared_intermediate_size=96, num_hidden_layers=3,
         layer_types=["mamba", "attention", "mamba"], position_embedding_type=None, mamba_n_heads=4,
         mamba_d_state=16, mamba_chunk_size=8)),
+    # Qwen3.5's and Qwen3-Next's: Gated DeltaNet layers (2 key heads of 16, 4 value heads of 16, each key head
+    # read by two) around a gated attention layer (4 heads of 32, a quarter turned), q/k norms and the layers' norms
+    # scaling by 1 + w (made random); Qwen3-Next's and Qwen3.5-MoE's with experts and a gated shared one
+    "qwen3.5": ("qwen3_5_text", dict(num_key_value_heads=2, head_dim=32, num_hidden_layers=3,
+                                     layer_types=["linear_attention", "full_attention", "linear_attention"],
+                                     **_DELTANET)),
+    "qwen3-next": ("qwen3_next", dict(num_key_value_heads=2, head_dim=32, num_hidden_layers=3,
+                                      layer_types=["linear_attention", "full_attention", "linear_attention"],
+                                      num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                                      shared_expert_intermediate_size=96, **_DELTANET)),
+    "qwen3.5-moe": ("qwen3_5_moe_text", dict(num_key_value_heads=2, head_dim=32, num_hidden_layers=3,
+                                             layer_types=["linear_attention", "full_attention", "linear_attention"],
+                                             num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                                             shared_expert_intermediate_size=96, **_DELTANET)),
     "olmoe": ("olmoe", dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, intermediate_size=48)),
     "mixtral": ("mixtral", dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
                                 tie_word_embeddings=False)),
@@ -259,6 +275,12 @@ def build_tiny_hf_model(kind: str = "llama-gqa", seed: int = 0, **overrides: Any
             for name, param in model.named_parameters():
                 if name.endswith((".sinks", "_proj_bias")):
                     param.normal_(0.0, 1.0 if name.endswith(".sinks") else 0.2)
+    if config.model_type in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"):   # norms of 1 + w, from w = 0
+        randomize_norms(model, mean=0.0)
+        with torch.no_grad():   # (and the Gated DeltaNet layers' gated norm, of w, and dt bias)
+            for name, param in model.named_parameters():
+                if name.endswith(("linear_attn.norm.weight", "dt_bias")):
+                    param.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.5)
     if config.model_type == "granitemoehybrid":     # its Mamba-2 layers' A, dt bias, D, conv bias and norm
         with torch.no_grad():
             for name, param in model.named_parameters():
@@ -337,7 +359,7 @@ class SimplePagedRunner:
     def __init__(self, model: Any, block_size: int = 4, num_blocks: int = 64,
                  dtype: torch.dtype = torch.float32) -> None:
         from pagedllm.attention.metadata import AttentionMetadata
-        from pagedllm.models.mamba import Mamba2Mixer, RecurrentStates
+        from pagedllm.models.recurrent import RecurrentMixer, RecurrentStates
         from pagedllm.runner.model_runner import model_shape
 
         self._meta_cls = AttentionMetadata
@@ -350,7 +372,7 @@ class SimplePagedRunner:
         self._free = list(range(num_blocks - 1, 0, -1))[::2] + list(range(num_blocks - 1, 0, -1))[1::2]
         self.block_tables: dict[int, list[int]] = {}
         self.num_computed: dict[int, int] = {}
-        mixers = [m for m in model.modules() if isinstance(m, Mamba2Mixer)]
+        mixers = [m for m in model.modules() if isinstance(m, RecurrentMixer)]
         self.recurrent = RecurrentStates(mixers, 16, dtype, torch.device("cpu")) if mixers else None
 
     @torch.inference_mode()

@@ -1,0 +1,134 @@
+"""Gated DeltaNet layers (pagedllm.models.deltanet: Qwen3-Next's and Qwen3.5's) and the gated attention beside them:
+the chunked rule against the rule token by token and against transformers' own, the models' greedy tokens against
+transformers through prefill chunks, preemption and forks, a released Qwen3.5 checkpoint's layout (its language model
+beside a vision tower), bf16. Their logits against transformers, prefill in chunks and decode steps, run in
+test_llama_fidelity.py (`qwen3.5`, `qwen3-next`, `qwen3.5-moe`); the recurrent states' bookkeeping in test_mamba.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.models import deltanet
+from pagedllm.models.deltanet import delta_rule_chunked, delta_rule_step, l2_normed
+from pagedllm.models.llama import LlamaForCausalLM
+from tests.models.tiny import (
+    _COMMON,
+    TINY_MODELS,
+    build_byte_tokenizer,
+    clear_first_tokens,
+    hf_greedy,
+    save_tiny_model,
+    tiny_config,
+)
+
+PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [60, 61, 62, 63, 64], [200, 13, 9, 77, 150, 151, 40, 41, 42, 8] * 3,
+           [5, 17, 42, 99, 3, 250, 7, 8, 9, 10, 11, 12, 13, 14]]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def _rule_inputs(length: int, start: str) -> tuple[torch.Tensor, ...]:
+    """Random q and k [L, 4, 8] (normed, q scaled), v [L, 4, 6], g (<= 0), beta in (0, 1), and an initial state
+    (None: zeros)."""
+    torch.manual_seed(0)
+    q, k = (l2_normed(torch.randn(length, 4, 8)) for _ in range(2))
+    v, g, beta = torch.randn(length, 4, 6), -torch.rand(length, 4) * 2, torch.rand(length, 4)
+    return q * 8 ** -0.5, k, v, g, beta, None if start == "zeros" else torch.randn(4, 8, 6)
+
+
+@pytest.mark.parametrize("start", ["zeros", "a state"])
+def test_the_chunked_rule_is_the_rule_token_by_token(start):
+    """11 tokens in chunks of 4 (the last one padded), 4 heads: each token's output and the final state those of the
+    rule run one token at a time."""
+    q, k, v, g, beta, initial = _rule_inputs(11, start)
+    out, final = delta_rule_chunked(q, k, v, g, beta, initial, chunk_size=4)
+    state = torch.zeros(1, 4, 8, 6) if initial is None else initial.unsqueeze(0)
+    for t in range(11):
+        o, state = delta_rule_step(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], state)
+        torch.testing.assert_close(out[t], o[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(final, state[0], atol=1e-5, rtol=1e-5)
+
+
+def test_the_chunked_rule_is_transformers():
+    """`delta_rule_chunked` against transformers' own chunked rule (its reference of the FLA kernels), 70 tokens
+    from a state: the outputs and the final state."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+
+    q, k, v, g, beta, initial = _rule_inputs(70, "a state")
+    out, final = delta_rule_chunked(q, k, v, g, beta, initial, chunk_size=16)
+    expected, expected_final = torch_chunk_gated_delta_rule(
+        (q * 8 ** 0.5).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0), beta.unsqueeze(0),
+        initial_state=initial.unsqueeze(0), output_final_state=True)
+    torch.testing.assert_close(out, expected[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(final, expected_final[0], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+@pytest.mark.parametrize("kind", ["qwen3.5", "qwen3-next", "qwen3.5-moe"])
+def test_greedy_tokens_match_transformers_through_chunks_and_preemption(tmp_path, kind, kernels, monkeypatch):
+    """Four prompts batched in prefill chunks of 16 tokens (the 30-token one over two steps), in a pool of 24 blocks
+    of 4 tokens that must preempt, the rule in chunks of 4 (a step's tokens over several, from where the last step
+    stopped), with the CPU kernels and without: transformers' greedy tokens, one prompt at a time."""
+    if not kernels:
+        monkeypatch.setenv("PAGEDLLM_DISABLE_KERNELS", "1")
+    monkeypatch.setattr(deltanet, "SCAN_CHUNK", 4)
+    folder, hf_model = save_tiny_model(tmp_path / "m", kind, seed=3)
+    expected = hf_greedy(hf_model, PROMPTS, 12)
+    with LLM(str(folder), dtype="float32", block_size=4, num_kv_blocks=24, max_num_batched_tokens=16,
+             max_num_seqs=4) as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == expected
+        assert llm.engine.make_stats().num_preemptions_total["recompute"], "the pool was meant to force preemption"
+
+
+def test_parallel_samples_fork_the_prompts_state(tmp_path):
+    """n = 3 greedy samples of one prompt: each child gets a copy of the prompt's states, so each gives its greedy
+    tokens."""
+    folder, hf_model = save_tiny_model(tmp_path / "m", "qwen3.5", seed=3)
+    with LLM(str(folder), dtype="float32", block_size=4, num_kv_blocks=64) as llm:
+        output = llm.generate([{"prompt_token_ids": PROMPTS[2]}],
+                              SamplingParams(n=3, temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
+    assert [c.token_ids for c in output.outputs] == hf_greedy(hf_model, PROMPTS[2:3], 8) * 3
+
+
+@pytest.mark.parametrize(("model_type", "kind"), [("qwen3_5", "qwen3.5"), ("qwen3_5_moe", "qwen3.5-moe")])
+def test_a_released_checkpoints_language_model(tmp_path, model_type, kind):
+    """Qwen3.5 is released as Qwen3_5ForConditionalGeneration (a vision tower beside the language model, under
+    model.language_model.*, its rope M-RoPE's, interleaved): its text is served, the greedy tokens transformers'
+    whole model gives."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    text = {**_COMMON, **TINY_MODELS[kind][1],
+            "rope_parameters": dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25,
+                                    mrope_section=[2, 1, 1], mrope_interleaved=True)}
+    config = AutoConfig.for_model(model_type, text_config=text, tie_word_embeddings=True, vision_config=dict(
+        depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64))
+    torch.manual_seed(0)
+    hf_model = AutoModelForImageTextToText.from_config(config).eval()
+    hf_model.save_pretrained(tmp_path)
+    build_byte_tokenizer().save_pretrained(tmp_path)
+    with LLM(str(tmp_path), dtype="float32", num_kv_blocks=64) as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(hf_model, PROMPTS[:2], 12)
+
+
+def test_a_bfloat16_model_runs_close_to_float32(tmp_path):
+    """bf16 weights and states: each prompt's first greedy token float32's, where float32's top two logits are not a
+    near tie and transformers' own model in bf16 keeps its token."""
+    folder, hf_model = save_tiny_model(tmp_path / "m", "qwen3-next", seed=3)
+    tokens, clear = clear_first_tokens(hf_model, PROMPTS)
+    with LLM(str(folder), dtype="bfloat16", block_size=4, num_kv_blocks=64) as llm:
+        assert llm.engine.runner.recurrent.pools[0][1].dtype == torch.bfloat16
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0, max_tokens=1),
+                               use_tqdm=False)
+    for i in clear:
+        assert outputs[i].outputs[0].token_ids == [tokens[i]]
+
+
+def test_what_the_layers_refuse():
+    """A rank's slice of a Gated DeltaNet layer; value heads that are not a multiple of the key heads."""
+    with pytest.raises(ValueError, match="Gated DeltaNet layers run on one rank"):
+        LlamaForCausalLM(tiny_config("qwen3.5"), tp_rank=0, tp_size=2)
+    with pytest.raises(ValueError, match="3 value heads are not a multiple of 2 key heads"):
+        LlamaForCausalLM(tiny_config("qwen3.5", linear_num_value_heads=3))
