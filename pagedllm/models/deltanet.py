@@ -15,9 +15,12 @@ k_t is moved toward v_t by beta_t. Each head's o is RMS-normed, times the norm's
 (`HeadGatedNorm`), and projected back (o_proj, the checkpoint's out_proj). What a request carries from one step to the
 next is its last convolution inputs and its S (pagedllm.models.recurrent's `RecurrentStates`).
 
-A prompt's chunk runs the rule in its chunked form (`delta_rule_chunked`: within each chunk of `SCAN_CHUNK` tokens the
-updates are solved at once, a triangular system, as the DeltaNet paper's WY form does; between chunks the state is
-passed on); a decode step's tokens run one step of it, all requests at once (`delta_rule_step`).
+A prompt's chunk runs the rule token by token on the CPU, in the kernels' `gated_delta_scan` (a head a task, its state
+in cache), and elsewhere in its chunked form (`delta_rule_chunked`, the scan's reference: within each chunk of
+`SCAN_CHUNK` tokens the updates are solved at once, a triangular system, as the DeltaNet paper's WY form does; between
+chunks the state is passed on); a decode step's tokens run one step of it, all requests at once: on the CPU in the kernels'
+`gated_delta_decode` (kernels/csrc/deltanet.cpp: each state row read twice and written once, the convolution and the
+norm in the same call), elsewhere in torch (`delta_rule_step`, its reference).
 
 Qwen3-Next's checkpoints hold q, k, v and z in one in_proj_qkvz and b and a in one in_proj_ba, by key head group;
 `split_qwen3_next_projections` gives them Qwen3.5's separate layout, which `in_proj_qkvzba` fuses again.
@@ -31,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.kernels import kernels_for
 from pagedllm.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from pagedllm.models.recurrent import RecurrentMixer, RecurrentStep, StepRows, convolve, decays
 
@@ -48,10 +52,16 @@ def l2_normed(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + eps)
 
 
+def _by_value_head(heads: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """[..., key heads, K] tensors with each key head's rows repeated for the value heads that read it."""
+    return tuple(t.repeat_interleave(heads // t.shape[-2], dim=-2) for t in tensors)
+
+
 def delta_rule_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                     state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token of each of S sequences, in float32: q and k [S, H, K] (normed, q scaled), v [S, H, V], g and beta
-    [S, H], state [S, H, K, V] -> (o [S, H, V], the new state)."""
+    """One token of each of S sequences, in float32: q and k [S, key heads, K] (normed, q scaled), v [S, H, V], g and
+    beta [S, H], state [S, H, K, V] -> (o [S, H, V], the new state)."""
+    q, k = _by_value_head(v.shape[1], q, k)
     state = state.float() * g.exp()[..., None, None]
     delta = (v - (state * k.unsqueeze(-1)).sum(-2)) * beta.unsqueeze(-1)
     state = state + k.unsqueeze(-1) * delta.unsqueeze(-2)
@@ -60,8 +70,8 @@ def delta_rule_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
 
 def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                        initial: torch.Tensor | None, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence's tokens through the rule, in chunks, in float32: q and k [L, H, K], v [L, H, V], g and beta
-    [L, H], initial [H, K, V] or None (zeros) -> (o [L, H, V], the final state [H, K, V]).
+    """One sequence's tokens through the rule, in chunks, in float32: q and k [L, key heads, K], v [L, H, V], g and
+    beta [L, H], initial [H, K, V] or None (zeros) -> (o [L, H, V], the final state [H, K, V]).
 
     Within a chunk (G_i the sum of its g up to token i, d(j -> i) = exp(G_i - G_j)), token i's update is
     beta_i (v_i - the prediction for k_i of the state just before it), which depends on the chunk's earlier updates:
@@ -71,6 +81,7 @@ def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     causal product with the chunk's updates; the state passed on is the starting one decayed over the chunk plus
     each update decayed to the chunk's end."""
     length = q.shape[0]
+    q, k = _by_value_head(v.shape[1], q, k)
     pad = -length % chunk_size
     if pad:
         q, k, v = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (q, k, v))
@@ -168,8 +179,15 @@ class GatedDeltaNet(RecurrentMixer):
         step = meta.recurrent if meta.recurrent is not None else RecurrentStep.from_start(meta)
         qkv, z, b, a = self.in_proj_qkvzba(x).split([self.conv_dim, self.value_size, self.value_heads,
                                                      self.value_heads], -1)
+        starts, kernels = meta.query_start_loc_cpu, kernels_for(x)
+        if kernels is not None and step.states is not None and len(starts) - 1 == x.shape[0]:
+            out = torch.empty_like(z)       # a decode step: one token each, all at once in the kernels
+            kernels.gated_delta_decode(out, qkv, z, b, a, *step.states.pools[self.index], step.read_slots,
+                                       step.write_slots, self.conv1d.weight.squeeze(1), self.dt_bias,
+                                       -self.A_log.float().exp(), self.norm.weight, self.norm.eps, self.key_heads)
+            return self.o_proj(out)
         conv_states, states = step.read(self, x.dtype)
-        rows = StepRows.of(meta.query_start_loc_cpu, x.device)
+        rows = StepRows.of(starts, x.device)
         conv_out, new_conv = convolve(self, conv_states, qkv, rows)
         q, k, v, g, beta = self._rule_inputs(F.silu(conv_out), b, a)
         out = torch.empty(x.shape[0], self.value_heads, self.value_dim, dtype=torch.float32, device=x.device)
@@ -178,21 +196,29 @@ class GatedDeltaNet(RecurrentMixer):
             one = rows.single_rows
             out[one], state = delta_rule_step(q[one], k[one], v[one], g[one], beta[one], states[rows.singles])
             new_states[rows.singles] = state.to(new_states.dtype)
-        for i, chunk in rows.chunks:    # a prompt's chunk: the rule in chunks
-            out[chunk], state = delta_rule_chunked(q[chunk], k[chunk], v[chunk], g[chunk], beta[chunk],
-                                                   None if step.fresh[i] else states[i], SCAN_CHUNK)
+        for i, chunk in rows.chunks:    # a prompt's chunk through the rule
+            out[chunk], state = self._scan(kernels, q[chunk], k[chunk], v[chunk], g[chunk], beta[chunk],
+                                           None if step.fresh[i] else states[i])
             new_states[i] = state.to(new_states.dtype)
         step.write(self, new_conv, new_states)
         return self.o_proj(self.norm(out.to(x.dtype), z.unflatten(-1, (self.value_heads, -1))).flatten(1))
 
+    def _scan(self, kernels: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+              beta: torch.Tensor, initial: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A prompt's chunk through the rule: token by token in the kernels' gated_delta_scan on the CPU (each head's
+        state in cache), else in torch's chunked form (`delta_rule_chunked`, its reference)."""
+        if kernels is None:
+            return delta_rule_chunked(q, k, v, g, beta, initial, SCAN_CHUNK)
+        out, state = torch.empty(v.shape), torch.empty(self.state_shapes()[1])
+        kernels.gated_delta_scan(out, state, q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(),
+                                 beta.contiguous(), None if initial is None else initial.float().contiguous())
+        return out, state
+
     def _rule_inputs(self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The convolution's output after its SiLU [n, conv_dim], b and a [n, value heads] -> the rule's q and k
-        [n, value heads, K] (normed, q scaled; each key head's for its value heads), v [n, value heads, V], g and
-        beta [n, value heads], in float32."""
+        [n, key heads, K] (normed, q scaled), v [n, value heads, V], g and beta [n, value heads], in float32."""
         q, k, v = mixed.float().split([self.key_size, self.key_size, self.value_size], -1)
-        per_key = self.value_heads // self.key_heads
-        q, k = (l2_normed(t.unflatten(-1, (self.key_heads, self.key_dim))).repeat_interleave(per_key, dim=1)
-                for t in (q, k))
+        q, k = (l2_normed(t.unflatten(-1, (self.key_heads, self.key_dim))) for t in (q, k))
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         return q * self.key_dim ** -0.5, k, v.unflatten(-1, (self.value_heads, -1)), g, b.sigmoid().float()

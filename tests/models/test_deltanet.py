@@ -29,17 +29,17 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
 def _rule_inputs(length: int, start: str) -> tuple[torch.Tensor, ...]:
-    """Random q and k [L, 4, 8] (normed, q scaled), v [L, 4, 6], g (<= 0), beta in (0, 1), and an initial state
-    (None: zeros)."""
+    """Random q and k of 2 key heads [L, 2, 8] (normed, q scaled), v of 4 value heads [L, 4, 6], g (<= 0), beta in
+    (0, 1), and an initial state (None: zeros)."""
     torch.manual_seed(0)
-    q, k = (l2_normed(torch.randn(length, 4, 8)) for _ in range(2))
+    q, k = (l2_normed(torch.randn(length, 2, 8)) for _ in range(2))
     v, g, beta = torch.randn(length, 4, 6), -torch.rand(length, 4) * 2, torch.rand(length, 4)
     return q * 8 ** -0.5, k, v, g, beta, None if start == "zeros" else torch.randn(4, 8, 6)
 
 
 @pytest.mark.parametrize("start", ["zeros", "a state"])
 def test_the_chunked_rule_is_the_rule_token_by_token(start):
-    """11 tokens in chunks of 4 (the last one padded), 4 heads: each token's output and the final state those of the
+    """11 tokens in chunks of 4 (the last one padded), 4 value heads over 2 key heads: each token's output and the final state those of the
     rule run one token at a time."""
     q, k, v, g, beta, initial = _rule_inputs(11, start)
     out, final = delta_rule_chunked(q, k, v, g, beta, initial, chunk_size=4)
@@ -48,6 +48,20 @@ def test_the_chunked_rule_is_the_rule_token_by_token(start):
         o, state = delta_rule_step(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], state)
         torch.testing.assert_close(out[t], o[0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(final, state[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("start", ["zeros", "a state"])
+def test_the_scan_kernel_is_the_chunked_rule(start, isa_level):
+    """kernels.gated_delta_scan (token by token) against `delta_rule_chunked` (its reference): 70 tokens, 4 value heads
+    over 2 key heads, from zeros or from a state; the outputs and the final state within float rounding."""
+    from pagedllm.kernels import cpu_kernels
+
+    q, k, v, g, beta, initial = _rule_inputs(70, start)
+    expected, expected_final = delta_rule_chunked(q, k, v, g, beta, initial, chunk_size=16)
+    out, final = torch.empty_like(v), torch.empty(4, 8, 6)
+    cpu_kernels().gated_delta_scan(out, final, q, k, v, g, beta, initial)
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(final, expected_final, atol=1e-4, rtol=1e-4)
 
 
 def test_the_chunked_rule_is_transformers():
@@ -132,3 +146,47 @@ def test_what_the_layers_refuse():
         LlamaForCausalLM(tiny_config("qwen3.5"), tp_rank=0, tp_size=2)
     with pytest.raises(ValueError, match="3 value heads are not a multiple of 2 key heads"):
         LlamaForCausalLM(tiny_config("qwen3.5", linear_num_value_heads=3))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_decode_kernel_is_the_torch_step(dtype, isa_level, monkeypatch):
+    """kernels.gated_delta_decode against the layer's torch path on random weights: three sequences of one token, one
+    starting at zero (read slot -1), 2 key heads each read by 2 value heads; the output, and the states each writes
+    to its write slot (the read slots left as they were), in float32 within float rounding, in bf16 within its
+    rounding."""
+    from pagedllm.attention.metadata import AttentionMetadata
+    from pagedllm.core.sched.output import ScheduledRequest
+    from pagedllm.kernels import cpu_kernels
+    from pagedllm.models.recurrent import RecurrentStates
+
+    torch.manual_seed(0)
+    mixer = deltanet.GatedDeltaNet(tiny_config("qwen3.5"), dtype, (0, 1), 0)
+    with torch.no_grad():
+        for param in mixer.parameters():
+            param.copy_(torch.randn_like(param.float()).to(dtype) * (0.2 if param.dim() == 2 else 0.5)
+                        + (1.0 if param is mixer.norm.weight else 0.0))
+    states = RecurrentStates([mixer], 4, dtype, torch.device("cpu"))
+    for pool in states.pools[0]:
+        pool.copy_(torch.randn_like(pool.float()).to(dtype) * 0.5)
+    states.lengths.update(a=5, c=9)
+    step = states.begin([ScheduledRequest(name, [], start, [1], True) for name, start in (("a", 5), ("b", 0),
+                                                                                        ("c", 9))])
+    assert step.read_slots.tolist()[1] == -1
+    meta = AttentionMetadata(torch.zeros(3, dtype=torch.long), torch.arange(4, dtype=torch.int32),
+                             torch.tensor([6, 1, 10], dtype=torch.int32), torch.zeros(3, 1, dtype=torch.int32), 1, 10,
+                             recurrent=step)
+    x = torch.randn(3, 64).to(dtype)
+    before = [pool.clone() for pool in states.pools[0]]
+    monkeypatch.setattr(deltanet, "kernels_for", lambda _: None)
+    expected = mixer(torch.zeros(3, dtype=torch.long), x, [], meta)
+    expected_pools = [pool.clone() for pool in states.pools[0]]
+    for pool, saved in zip(states.pools[0], before):
+        pool.copy_(saved)
+    monkeypatch.setattr(deltanet, "kernels_for", lambda _: cpu_kernels())
+    out = mixer(torch.zeros(3, dtype=torch.long), x, [], meta)
+    tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(out, expected, **tolerance)
+    for pool, reference, saved in zip(states.pools[0], expected_pools, before):
+        torch.testing.assert_close(pool, reference, **tolerance)
+        reads = step.read_slots[step.read_slots >= 0]
+        assert torch.equal(pool[reads], saved[reads])
