@@ -17,10 +17,10 @@ next is its last convolution inputs and its S (pagedllm.models.recurrent's `Recu
 
 A prompt's chunk runs the rule token by token on the CPU, in the kernels' `gated_delta_scan` (a head a task, its state
 in cache), and elsewhere in its chunked form (`delta_rule_chunked`, the scan's reference: within each chunk of
-`SCAN_CHUNK` tokens the updates are solved at once, a triangular system, as the DeltaNet paper's WY form does; between
-chunks the state is passed on); a decode step's tokens run one step of it, all requests at once: on the CPU in the kernels'
-`gated_delta_decode` (kernels/csrc/deltanet.cpp: each state row read twice and written once, the convolution and the
-norm in the same call), elsewhere in torch (`delta_rule_step`, its reference).
+`SCAN_CHUNK` tokens the updates are solved at once, a triangular system, as the DeltaNet paper's WY form does;
+between chunks the state is passed on); a decode step's tokens run one step of it, all requests at once: on the CPU
+in the kernels' `gated_delta_decode` (kernels/csrc/deltanet.cpp: each state row read twice and written once, the
+convolution and the norm in the same call), elsewhere in torch (`delta_rule_step`, its reference).
 
 Qwen3-Next's checkpoints hold q, k, v and z in one in_proj_qkvz and b and a in one in_proj_ba, by key head group;
 `split_qwen3_next_projections` gives them Qwen3.5's separate layout, which `in_proj_qkvzba` fuses again.

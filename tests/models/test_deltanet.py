@@ -39,8 +39,8 @@ def _rule_inputs(length: int, start: str) -> tuple[torch.Tensor, ...]:
 
 @pytest.mark.parametrize("start", ["zeros", "a state"])
 def test_the_chunked_rule_is_the_rule_token_by_token(start):
-    """11 tokens in chunks of 4 (the last one padded), 4 value heads over 2 key heads: each token's output and the final state those of the
-    rule run one token at a time."""
+    """11 tokens in chunks of 4 (the last one padded), 4 value heads over 2 key heads: each token's output and the
+    final state those of the rule run one token at a time."""
     q, k, v, g, beta, initial = _rule_inputs(11, start)
     out, final = delta_rule_chunked(q, k, v, g, beta, initial, chunk_size=4)
     state = torch.zeros(1, 4, 8, 6) if initial is None else initial.unsqueeze(0)
