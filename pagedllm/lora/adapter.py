@@ -46,7 +46,7 @@ class LoRAAdapter:
 
 def _part_sizes(model: Any) -> dict[str, tuple[int, int]]:
     """Each checkpoint module's (in features, out features) in the model (its attention layers', not its short
-    convolutions' or Mamba-2 layers'; the MLP's of its dense layers: a mixture of experts takes no adapter)."""
+    convolutions' or recurrent layers'; the MLP's of its dense layers: a mixture of experts takes no adapter)."""
     attn = next(layer.self_attn for layer in model.model.layers if hasattr(layer.self_attn, "qkv_proj"))
     hidden = model.config.hidden_size
     q_size, kv_size = attn.qkv_proj.q_size, attn.qkv_proj.kv_size
@@ -61,11 +61,12 @@ def _part_sizes(model: Any) -> dict[str, tuple[int, int]]:
 
 def _check_dense(request: LoRARequest, model: Any, layer: int, fused: str) -> None:
     """ValueError unless layer `layer` has module `fused` to adapt: a mixture of experts' layer has no
-    gate_up_proj or down_proj of its own, a short convolution or a Mamba-2 layer no attention."""
+    gate_up_proj or down_proj of its own, a short convolution or a recurrent layer no attention."""
     if fused in ("qkv_proj", "o_proj"):
         if not hasattr(model.model.layers[layer].self_attn, "qkv_proj"):
             raise ValueError(f"LoRA adapter {request.lora_name!r}: layer {layer} is no attention (a short "
-                             f"convolution or a Mamba-2 layer), whose projections take no adapter here")
+                             f"convolution, a Mamba-2 or Gated DeltaNet layer), whose projections take no adapter "
+                             "here")
     elif not hasattr(model.model.layers[layer].mlp, fused):
         raise ValueError(f"LoRA adapter {request.lora_name!r}: layer {layer}'s MLP is a mixture of experts, whose "
                          "experts take no adapter here (only the attention's q/k/v/o_proj)")
@@ -95,6 +96,10 @@ def load_adapter(request: LoRARequest, model: Any, max_rank: int) -> LoRAAdapter
     weights = {}
     for (layer, fused), by_part in _group_by_fused(request, parts, model.num_layers).items():
         _check_dense(request, model, layer, fused)
+        if "q_proj" in by_part and getattr(model.model.layers[layer].self_attn, "output_gate", None) is not None:
+            raise ValueError(f"LoRA adapter {request.lora_name!r}: layer {layer}'s q_proj also gives each head's "
+                             "output gate (Qwen3-Next's, Qwen3.5's), which takes no adapter here (k/v/o_proj and "
+                             "the MLP's do)")
         names = _FUSED_PARTS[fused]
         a_rows, b_blocks, out_total = [], [], sum(sizes[n][1] for n in names)
         row = 0

@@ -15,12 +15,12 @@ k_t is moved toward v_t by beta_t. Each head's o is RMS-normed, times the norm's
 (`HeadGatedNorm`), and projected back (o_proj, the checkpoint's out_proj). What a request carries from one step to the
 next is its last convolution inputs and its S (pagedllm.models.recurrent's `RecurrentStates`).
 
-A prompt's chunk runs the rule token by token on the CPU, in the kernels' `gated_delta_scan` (a head a task, its state
-in cache), and elsewhere in its chunked form (`delta_rule_chunked`, the scan's reference: within each chunk of
-`SCAN_CHUNK` tokens the updates are solved at once, a triangular system, as the DeltaNet paper's WY form does;
-between chunks the state is passed on); a decode step's tokens run one step of it, all requests at once: on the CPU
-in the kernels' `gated_delta_decode` (kernels/csrc/deltanet.cpp: each state row read twice and written once, the
-convolution and the norm in the same call), elsewhere in torch (`delta_rule_step`, its reference).
+On the CPU a step runs in one call of the kernels' `gated_delta_forward` (kernels/csrc/deltanet.cpp): the convolution,
+the norms, the rule token by token with each (sequence, head)'s state in cache, the gated norm. Elsewhere it runs in
+torch, the kernel's reference: a prompt's chunk through the rule in its chunked form (`delta_rule_chunked`: within
+each chunk of `SCAN_CHUNK` tokens the updates are solved at once, a triangular system, as the DeltaNet paper's WY
+form does; between chunks the state is passed on), a decode step's tokens through one step of it, all at once
+(`delta_rule_step`).
 
 Qwen3-Next's checkpoints hold q, k, v and z in one in_proj_qkvz and b and a in one in_proj_ba, by key head group;
 `split_qwen3_next_projections` gives them Qwen3.5's separate layout, which `in_proj_qkvzba` fuses again.
@@ -179,15 +179,16 @@ class GatedDeltaNet(RecurrentMixer):
         step = meta.recurrent if meta.recurrent is not None else RecurrentStep.from_start(meta)
         qkv, z, b, a = self.in_proj_qkvzba(x).split([self.conv_dim, self.value_size, self.value_heads,
                                                      self.value_heads], -1)
-        starts, kernels = meta.query_start_loc_cpu, kernels_for(x)
-        if kernels is not None and step.states is not None and len(starts) - 1 == x.shape[0]:
-            out = torch.empty_like(z)       # a decode step: one token each, all at once in the kernels
-            kernels.gated_delta_decode(out, qkv, z, b, a, *step.states.pools[self.index], step.read_slots,
-                                       step.write_slots, self.conv1d.weight.squeeze(1), self.dt_bias,
-                                       -self.A_log.float().exp(), self.norm.weight, self.norm.eps, self.key_heads)
+        kernels = kernels_for(x)
+        if kernels is not None and step.states is not None:    # on the CPU: the step in one call
+            out = torch.empty_like(z)
+            kernels.gated_delta_forward(out, qkv, z, b, a, *step.states.pools[self.index], step.read_slots,
+                                        step.write_slots, meta.query_start_loc, self.conv1d.weight.squeeze(1),
+                                        self.dt_bias, -self.A_log.float().exp(), self.norm.weight, self.norm.eps,
+                                        self.key_heads)
             return self.o_proj(out)
         conv_states, states = step.read(self, x.dtype)
-        rows = StepRows.of(starts, x.device)
+        rows = StepRows.of(meta.query_start_loc_cpu, x.device)
         conv_out, new_conv = convolve(self, conv_states, qkv, rows)
         q, k, v, g, beta = self._rule_inputs(F.silu(conv_out), b, a)
         out = torch.empty(x.shape[0], self.value_heads, self.value_dim, dtype=torch.float32, device=x.device)
@@ -196,23 +197,12 @@ class GatedDeltaNet(RecurrentMixer):
             one = rows.single_rows
             out[one], state = delta_rule_step(q[one], k[one], v[one], g[one], beta[one], states[rows.singles])
             new_states[rows.singles] = state.to(new_states.dtype)
-        for i, chunk in rows.chunks:    # a prompt's chunk through the rule
-            out[chunk], state = self._scan(kernels, q[chunk], k[chunk], v[chunk], g[chunk], beta[chunk],
-                                           None if step.fresh[i] else states[i])
+        for i, chunk in rows.chunks:    # a prompt's chunk: the rule in chunks
+            out[chunk], state = delta_rule_chunked(q[chunk], k[chunk], v[chunk], g[chunk], beta[chunk],
+                                                   None if step.fresh[i] else states[i], SCAN_CHUNK)
             new_states[i] = state.to(new_states.dtype)
         step.write(self, new_conv, new_states)
         return self.o_proj(self.norm(out.to(x.dtype), z.unflatten(-1, (self.value_heads, -1))).flatten(1))
-
-    def _scan(self, kernels: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-              beta: torch.Tensor, initial: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """A prompt's chunk through the rule: token by token in the kernels' gated_delta_scan on the CPU (each head's
-        state in cache), else in torch's chunked form (`delta_rule_chunked`, its reference)."""
-        if kernels is None:
-            return delta_rule_chunked(q, k, v, g, beta, initial, SCAN_CHUNK)
-        out, state = torch.empty(v.shape), torch.empty(self.state_shapes()[1])
-        kernels.gated_delta_scan(out, state, q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(),
-                                 beta.contiguous(), None if initial is None else initial.float().contiguous())
-        return out, state
 
     def _rule_inputs(self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

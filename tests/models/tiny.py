@@ -419,16 +419,17 @@ def clear_first_tokens(hf_model: Any, prompts: list[list[int]]) -> tuple[list[in
     return [int(row.argmax()) for row in logits], clear
 
 
-def save_attention_adapter(hf_model: Any, folder: Path, seed: int = 1) -> Any:
-    """A random rank-4 PEFT LoRA adapter of the attention's q/v/o_proj (its B made non-zero), saved in `folder`; the
-    adapted transformers model, its oracle. (A model of experts or Mamba-2 layers takes adapters there only.)"""
+def save_attention_adapter(hf_model: Any, folder: Path, seed: int = 1,
+                           modules: tuple[str, ...] = ("q_proj", "v_proj", "o_proj")) -> Any:
+    """A random rank-4 PEFT LoRA adapter of the attention's `modules` (its B made non-zero), saved in `folder`; the
+    adapted transformers model, its oracle. (A model of experts or recurrent layers takes adapters there only.)"""
     import copy
 
     import peft
 
     torch.manual_seed(seed)
     model = peft.get_peft_model(copy.deepcopy(hf_model), peft.LoraConfig(
-        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"], init_lora_weights=False))
+        r=4, lora_alpha=8, target_modules=list(modules), init_lora_weights=False))
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_B" in name:

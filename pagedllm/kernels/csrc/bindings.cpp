@@ -42,13 +42,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "A Mamba-2 layer's decode step after in_proj, states read from and written to pool slots: (out, xbc, dt, "
         "gate, conv_pool, ssm_pool, read_slots, write_slots, conv_weight, conv_bias, dt_bias, a, d, norm_weight, "
         "eps, groups, dt_min, dt_max)", NoGil());
-  m.def("gated_delta_scan", &pagedllm::gated_delta_scan,
-        "A sequence's tokens through a Gated DeltaNet layer's rule, token by token: (out, final_state, q, k, v, g, "
-        "beta, initial)", NoGil());
-  m.def("gated_delta_decode", &pagedllm::gated_delta_decode,
-        "A Gated DeltaNet layer's decode step after in_proj, states read from and written to pool slots: (out, qkv, "
-        "z, b, a, conv_pool, state_pool, read_slots, write_slots, conv_weight, dt_bias, decay_rate, norm_weight, eps, "
-        "key_heads)", NoGil());
+  m.def("gated_delta_forward", &pagedllm::gated_delta_forward,
+        "A Gated DeltaNet layer after in_proj for a step's sequences, states read from and written to pool slots: "
+        "(out, qkv, z, b, a, conv_pool, state_pool, read_slots, write_slots, query_start_loc, conv_weight, dt_bias, "
+        "decay_rate, norm_weight, eps, key_heads)", NoGil());
   m.def("gelu_and_mul", &pagedllm::gelu_and_mul, "out = gelu(x[:, :d], tanh approximation) * x[:, d:]: (out, x)",
         NoGil());
   m.def("add_layer_norm", &pagedllm::add_layer_norm,

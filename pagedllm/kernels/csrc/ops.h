@@ -126,18 +126,13 @@ void mamba2_decode(at::Tensor out, at::Tensor xbc, at::Tensor dt, at::Tensor gat
                    at::Tensor ssm_pool, at::Tensor read_slots, at::Tensor write_slots, at::Tensor conv_weight,
                    c10::optional<at::Tensor> conv_bias, at::Tensor dt_bias, at::Tensor a, at::Tensor d,
                    at::Tensor norm_weight, double eps, int64_t groups, double dt_min, double dt_max);
-// A Gated DeltaNet layer's decode step after in_proj (deltanet.cpp): out [S, H V] = the gated norm of each value
-// head's output; each sequence's states read from slot read_slots[s] of the pools (-1: zeros) and written to
-// write_slots[s]; decay_rate [H] float32 = -exp(A_log)
-void gated_delta_decode(at::Tensor out, at::Tensor qkv, at::Tensor z, at::Tensor b, at::Tensor a,
-                        at::Tensor conv_pool, at::Tensor state_pool, at::Tensor read_slots, at::Tensor write_slots,
-                        at::Tensor conv_weight, at::Tensor dt_bias, at::Tensor decay_rate, at::Tensor norm_weight,
-                        double eps, int64_t key_heads);
-// A sequence's L tokens through a Gated DeltaNet layer's rule (deltanet.cpp), float32: q and k [L, key heads, K]
-// (normed, q scaled), v [L, H, V], g (log decays) and beta [L, H], initial [H, K, V] or none (zeros) -> out [L, H, V],
-// final_state [H, K, V]
-void gated_delta_scan(at::Tensor out, at::Tensor final_state, at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor g,
-                      at::Tensor beta, c10::optional<at::Tensor> initial);
+// A Gated DeltaNet layer after in_proj for a step's sequences (deltanet.cpp), their rows query_start_loc [S + 1]
+// (int64, on the CPU): out [T, H V] = the gated norm of each token's value heads' outputs; each sequence's states read
+// from slot read_slots[s] of the pools (-1: zeros) and written to write_slots[s]; decay_rate [H] float32 = -exp(A_log)
+void gated_delta_forward(at::Tensor out, at::Tensor qkv, at::Tensor z, at::Tensor b, at::Tensor a,
+                         at::Tensor conv_pool, at::Tensor state_pool, at::Tensor read_slots, at::Tensor write_slots,
+                         at::Tensor query_start_loc, at::Tensor conv_weight, at::Tensor dt_bias, at::Tensor decay_rate,
+                         at::Tensor norm_weight, double eps, int64_t key_heads);
 // out = LayerNorm(x + residual) (BERT's post-norm; residual may be a row broadcast, stride 0): the sum rounded to
 // x's type, as torch adds, then normalised in float
 void add_layer_norm(at::Tensor out, at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor weight,
