@@ -1,8 +1,9 @@
 """Gated DeltaNet layers (pagedllm.models.deltanet: Qwen3-Next's and Qwen3.5's) and the gated attention beside them:
 the chunked rule against the rule token by token and against transformers' own, the models' greedy tokens against
-transformers through prefill chunks, preemption and forks, a released Qwen3.5 checkpoint's layout (its language model
-beside a vision tower), bf16. Their logits against transformers, prefill in chunks and decode steps, run in
-test_llama_fidelity.py (`qwen3.5`, `qwen3-next`, `qwen3.5-moe`); the recurrent states' bookkeeping in test_mamba.py."""
+transformers through prefill chunks and preemption, a released Qwen3.5 checkpoint's layout (its language model beside
+a vision tower), the kernel against the torch layer, LoRA. Their logits against transformers, prefill in chunks and
+decode steps, run in test_llama_fidelity.py (`qwen3.5`, `qwen3-next`, `qwen3.5-moe`); the recurrent states'
+bookkeeping, forks and bf16 in test_mamba.py, for both kinds of layer."""
 
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ from tests.models.tiny import (
     _COMMON,
     TINY_MODELS,
     build_byte_tokenizer,
-    clear_first_tokens,
     hf_greedy,
     save_attention_adapter,
     save_tiny_model,
@@ -83,16 +83,6 @@ def test_greedy_tokens_match_transformers_through_chunks_and_preemption(tmp_path
         assert llm.engine.make_stats().num_preemptions_total["recompute"], "the pool was meant to force preemption"
 
 
-def test_parallel_samples_fork_the_prompts_state(tmp_path):
-    """n = 3 greedy samples of one prompt: each child gets a copy of the prompt's states, so each gives its greedy
-    tokens."""
-    folder, hf_model = save_tiny_model(tmp_path / "m", "qwen3.5", seed=3)
-    with LLM(str(folder), dtype="float32", block_size=4, num_kv_blocks=64) as llm:
-        output = llm.generate([{"prompt_token_ids": PROMPTS[2]}],
-                              SamplingParams(n=3, temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
-    assert [c.token_ids for c in output.outputs] == hf_greedy(hf_model, PROMPTS[2:3], 8) * 3
-
-
 @pytest.mark.parametrize(("model_type", "kind"), [("qwen3_5", "qwen3.5"), ("qwen3_5_moe", "qwen3.5-moe")])
 def test_a_released_checkpoints_language_model(tmp_path, model_type, kind):
     """Qwen3.5 is released as Qwen3_5ForConditionalGeneration (a vision tower beside the language model, under
@@ -112,19 +102,6 @@ def test_a_released_checkpoints_language_model(tmp_path, model_type, kind):
     with LLM(str(tmp_path), dtype="float32", num_kv_blocks=64) as llm:
         outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(hf_model, PROMPTS[:2], 12)
-
-
-def test_a_bfloat16_model_runs_close_to_float32(tmp_path):
-    """bf16 weights and states: each prompt's first greedy token float32's, where float32's top two logits are not a
-    near tie and transformers' own model in bf16 keeps its token."""
-    folder, hf_model = save_tiny_model(tmp_path / "m", "qwen3-next", seed=3)
-    tokens, clear = clear_first_tokens(hf_model, PROMPTS)
-    with LLM(str(folder), dtype="bfloat16", block_size=4, num_kv_blocks=64) as llm:
-        assert llm.engine.runner.recurrent.pools[0][1].dtype == torch.bfloat16
-        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0, max_tokens=1),
-                               use_tqdm=False)
-    for i in clear:
-        assert outputs[i].outputs[0].token_ids == [tokens[i]]
 
 
 def test_lora_adapts_the_gated_attention_but_its_q_proj(tmp_path):

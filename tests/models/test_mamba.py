@@ -1,7 +1,8 @@
-"""Mamba-2 layers (pagedllm.models.mamba: Granite 4's hybrid models) and the engine around their recurrent states:
-the chunked scan against the recurrence, the models' greedy tokens against transformers through prefill chunks,
-preemption and forks, what the engine turns off for them and what it refuses. Their logits against transformers,
-prefill in chunks and decode steps, run in test_llama_fidelity.py (`granite4-hybrid`, `granite4-hybrid-dense`)."""
+"""Mamba-2 layers (pagedllm.models.mamba: Granite 4's hybrid models) and the engine around recurrent states (theirs and
+Gated DeltaNet's: forks and bf16 for both kinds): the chunked scan against the recurrence, the models' greedy tokens
+against transformers through prefill chunks, preemption and forks, what the engine turns off for them and what it
+refuses. Their logits against transformers, prefill in chunks and decode steps, run in test_llama_fidelity.py
+(`granite4-hybrid`, `granite4-hybrid-dense`)."""
 
 from __future__ import annotations
 
@@ -69,20 +70,22 @@ def test_greedy_tokens_match_transformers_through_chunks_and_preemption(tmp_path
         assert set(runner.recurrent.pairs) <= set(runner.requests) and len(runner.recurrent.pairs) <= 1
 
 
-def test_parallel_samples_fork_the_prompts_state(tmp_path):
+@pytest.mark.parametrize("kind", ["granite4-hybrid", "qwen3-next"])
+def test_parallel_samples_fork_the_prompts_state(tmp_path, kind):
     """n = 3 greedy samples of one prompt: the children fork off the request after its prompt, each with a copy of
-    its Mamba-2 states, so each gives the prompt's greedy tokens."""
-    folder, hf_model = save_tiny_model(tmp_path / "m", "granite4-hybrid", seed=3)
+    its recurrent states (Mamba-2's, Gated DeltaNet's), so each gives the prompt's greedy tokens."""
+    folder, hf_model = save_tiny_model(tmp_path / "m", kind, seed=3)
     with LLM(str(folder), dtype="float32", block_size=4, num_kv_blocks=64) as llm:
         output = llm.generate([{"prompt_token_ids": PROMPTS[2]}],
                               SamplingParams(n=3, temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
     assert [c.token_ids for c in output.outputs] == hf_greedy(hf_model, PROMPTS[2:3], 8) * 3
 
 
-def test_a_bfloat16_hybrid_model_runs_close_to_float32(tmp_path):
+@pytest.mark.parametrize("kind", ["granite4-hybrid", "qwen3-next"])
+def test_a_bfloat16_hybrid_model_runs_close_to_float32(tmp_path, kind):
     """bf16 weights and states: each prompt's first greedy token float32's, where float32's top two logits are not a
     near tie and transformers' own model in bf16 keeps its token."""
-    folder, hf_model = save_tiny_model(tmp_path / "m", "granite4-hybrid", seed=3)
+    folder, hf_model = save_tiny_model(tmp_path / "m", kind, seed=3)
     tokens, clear = clear_first_tokens(hf_model, PROMPTS)
     with LLM(str(folder), dtype="bfloat16", block_size=4, num_kv_blocks=64) as llm:
         assert llm.engine.runner.recurrent.pools[0][1].dtype == torch.bfloat16
