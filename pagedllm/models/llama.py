@@ -39,7 +39,11 @@ attention sinks, local layers among global ones (`layer_types`) and a rotary bas
 shared expert beside the experts, or the MLP of a model without them (granite-4.0-micro); GraniteMoeHybrid's
 attention may turn no values (position_embedding_type other than "rope"); its Mamba-2 layers are
 `pagedllm.models.mamba.Mamba2Mixer`s in the attention's place (the C++ stack has none: such a model runs its
-modules).
+modules). Qwen3-Next's and Qwen3.5's (dense and MoE) language models have Gated DeltaNet layers
+(`pagedllm.models.deltanet.GatedDeltaNet`) in the attention's place in three of every four layers, modules too; the
+fourth's attention gates each head's output by the sigmoid of a gate its q_proj gives beside the query
+(`output_gate`, split from q_proj's rows by `unfused`), norms q and k by head and turns a quarter of each head, and
+every norm of theirs scales by 1 + w (`_norm_weight_is_offset`); their experts have Qwen2-MoE's gated shared one.
 LayerNorm models norm with `PreLayerNorm` (weights and biases; Cohere's weights only, OLMo's neither; Nemotron's
 scaling by 1 + w): StableLM (Llama's layers otherwise), Phi, GPT-NeoX, StarCoder2 (biased, over a sliding window),
 Cohere and Cohere2, GPT-2, GPT-BigCode, OPT, GPT-J, Falcon, OLMo (the first; q/k/v clamped to `clip_qkv`), Nemotron.
