@@ -38,17 +38,12 @@ from pagedllm.models.recurrent import (
     StepRows,
     convolve,
     decays,
-    recurrent_layer_kind,
 )
 
 if TYPE_CHECKING:
     from pagedllm.attention.metadata import AttentionMetadata
     from pagedllm.lora.runtime import LayerLoRA
     from pagedllm.runner.kv_tensors import KVCache
-
-def is_mamba_layer(config: Any, index: int) -> bool:
-    return recurrent_layer_kind(config, index) == "mamba2"
-
 
 class GatedRMSNorm(nn.Module):
     """weight * RMSNorm(y * SiLU(z)) over each group of `group_size` values, in float32 (Mamba-2's norm)."""
