@@ -83,3 +83,16 @@ def test_a_hybrids_mamba_layers_count_their_projections():
     assert dims.attention_params == (2 * mixer + attention) // 3
     assert dims.key_width == 2 * 4 * 16 // 3
 
+
+
+def test_a_gated_deltanet_hybrid_counts_its_projections_and_output_gate():
+    """Qwen3.5's layout in small: two Gated DeltaNet layers (in_proj of 2 x 32 key rows, 2 x 64 value rows for v and
+    z, 2 x 4 rows for b and a; out_proj 64 wide) and one attention layer whose q_proj gives an output gate as wide as
+    its queries, their mean per layer; keys only in the attention layer."""
+    from tests.models.tiny import tiny_config
+
+    dims = ModelDims.from_hf_config(tiny_config("qwen3.5"))
+    mixer = 64 * (2 * 32 + 2 * 64 + 2 * 4) + 64 * 64
+    attention = 64 * 32 * (2 * 4 + 2 * 2) + 64 * 4 * 32
+    assert dims.attention_params == (2 * mixer + attention) // 3
+    assert dims.key_width == 2 * 4 * 32 // 3
