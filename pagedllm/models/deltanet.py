@@ -36,13 +36,15 @@ from torch import nn
 
 from pagedllm.kernels import kernels_for
 from pagedllm.layers.linear import MergedColumnParallelLinear, RowParallelLinear
-from pagedllm.models.recurrent import RecurrentMixer, RecurrentStep, StepRows, convolve, decays
+from pagedllm.models.recurrent import RecurrentMixer, RecurrentStep, StepRows, convolve, decays, run_recurrence
 
 if TYPE_CHECKING:
     from pagedllm.attention.metadata import AttentionMetadata
     from pagedllm.lora.runtime import LayerLoRA
     from pagedllm.runner.kv_tensors import KVCache
 
+# Qwen3-Next's fused in_proj tensors, by the end of their names (`split_qwen3_next_projections`)
+QWEN3_NEXT_FUSED = (".in_proj_qkvz.weight", ".in_proj_ba.weight")
 # a prompt's tokens run in chunks of this many (the chunked form gives the same result at any size, as a float sum may)
 SCAN_CHUNK = 64
 
@@ -112,7 +114,7 @@ def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
 def split_qwen3_next_projections(config: Any, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     """Qwen3-Next's in_proj_qkvz [key heads x (q, k, then its value heads' v, then their z)] and in_proj_ba [key heads
     x (its value heads' b, then their a)] as Qwen3.5's in_proj_qkv (all q, all k, all v), in_proj_z, in_proj_b and
-    in_proj_a; any other tensor as it is."""
+    in_proj_a (`QWEN3_NEXT_FUSED`: the names it takes)."""
     key_heads, key_dim = config.linear_num_key_heads, config.linear_key_head_dim
     per_key = config.linear_num_value_heads // key_heads
     if ".in_proj_qkvz." in name:
@@ -120,11 +122,9 @@ def split_qwen3_next_projections(config: Any, name: str, tensor: torch.Tensor) -
         q, k, v, z = tensor.unflatten(0, (key_heads, -1)).split([key_dim, key_dim, width, width], dim=1)
         return [(name.replace(".in_proj_qkvz.", ".in_proj_qkv."), torch.cat([t.flatten(0, 1) for t in (q, k, v)])),
                 (name.replace(".in_proj_qkvz.", ".in_proj_z."), z.flatten(0, 1))]
-    if ".in_proj_ba." in name:
-        b, a = tensor.unflatten(0, (key_heads, -1)).split([per_key, per_key], dim=1)
-        return [(name.replace(".in_proj_ba.", ".in_proj_b."), b.flatten(0, 1)),
-                (name.replace(".in_proj_ba.", ".in_proj_a."), a.flatten(0, 1))]
-    return [(name, tensor)]
+    b, a = tensor.unflatten(0, (key_heads, -1)).split([per_key, per_key], dim=1)
+    return [(name.replace(".in_proj_ba.", ".in_proj_b."), b.flatten(0, 1)),
+            (name.replace(".in_proj_ba.", ".in_proj_a."), a.flatten(0, 1))]
 
 
 class HeadGatedNorm(nn.Module):
@@ -184,7 +184,7 @@ class GatedDeltaNet(RecurrentMixer):
             out = torch.empty_like(z)
             kernels.gated_delta_forward(out, qkv, z, b, a, *step.states.pools[self.index], step.read_slots,
                                         step.write_slots, meta.query_start_loc, self.conv1d.weight.squeeze(1),
-                                        self.dt_bias, -self.A_log.float().exp(), self.norm.weight, self.norm.eps,
+                                        self.dt_bias, self._decay_rate(), self.norm.weight, self.norm.eps,
                                         self.key_heads)
             return self.o_proj(out)
         conv_states, states = step.read(self, x.dtype)
@@ -192,17 +192,14 @@ class GatedDeltaNet(RecurrentMixer):
         conv_out, new_conv = convolve(self, conv_states, qkv, rows)
         q, k, v, g, beta = self._rule_inputs(F.silu(conv_out), b, a)
         out = torch.empty(x.shape[0], self.value_heads, self.value_dim, dtype=torch.float32, device=x.device)
-        new_states = torch.empty_like(states)
-        if rows.singles is not None:    # one token each: one step of the rule, all at once
-            one = rows.single_rows
-            out[one], state = delta_rule_step(q[one], k[one], v[one], g[one], beta[one], states[rows.singles])
-            new_states[rows.singles] = state.to(new_states.dtype)
-        for i, chunk in rows.chunks:    # a prompt's chunk: the rule in chunks
-            out[chunk], state = delta_rule_chunked(q[chunk], k[chunk], v[chunk], g[chunk], beta[chunk],
-                                                   None if step.fresh[i] else states[i], SCAN_CHUNK)
-            new_states[i] = state.to(new_states.dtype)
+        new_states = run_recurrence(rows, step, states, (q, k, v, g, beta), delta_rule_step,
+                                    lambda *inputs: delta_rule_chunked(*inputs, SCAN_CHUNK), out)
         step.write(self, new_conv, new_states)
         return self.o_proj(self.norm(out.to(x.dtype), z.unflatten(-1, (self.value_heads, -1))).flatten(1))
+
+    def _decay_rate(self) -> torch.Tensor:
+        """-exp(A_log) [value heads], float32: g = it times softplus(a + dt_bias)."""
+        return -self.A_log.float().exp()
 
     def _rule_inputs(self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -210,5 +207,5 @@ class GatedDeltaNet(RecurrentMixer):
         [n, key heads, K] (normed, q scaled), v [n, value heads, V], g and beta [n, value heads], in float32."""
         q, k, v = mixed.float().split([self.key_size, self.key_size, self.value_size], -1)
         q, k = (l2_normed(t.unflatten(-1, (self.key_heads, self.key_dim))) for t in (q, k))
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        g = self._decay_rate() * F.softplus(a.float() + self.dt_bias.float())
         return q * self.key_dim ** -0.5, k, v.unflatten(-1, (self.value_heads, -1)), g, b.sigmoid().float()

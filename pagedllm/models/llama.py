@@ -104,7 +104,7 @@ from pagedllm.layers.rotary import (
     rope_config,
     rotary_dim,
 )
-from pagedllm.models.deltanet import GatedDeltaNet, split_qwen3_next_projections
+from pagedllm.models.deltanet import QWEN3_NEXT_FUSED, GatedDeltaNet, split_qwen3_next_projections
 from pagedllm.models.mamba import Mamba2Mixer
 from pagedllm.models.mla import MLAttention, is_mla, mla_rope_rows
 from pagedllm.models.recurrent import (
@@ -613,7 +613,7 @@ def unfused(config: Any, name: str, tensor: torch.Tensor) -> list[tuple[str, tor
     if gates_attention_output(config) and name.endswith((".self_attn.q_proj.weight", ".self_attn.q_proj.bias")):
         query, gate = tensor.unflatten(0, (config.num_attention_heads, 2, -1)).unbind(1)    # each head's, in turn
         return [(name, query.flatten(0, 1)), (name.replace(".q_proj.", ".output_gate."), gate.flatten(0, 1))]
-    if config.model_type == "qwen3_next":
+    if config.model_type == "qwen3_next" and name.endswith(QWEN3_NEXT_FUSED):
         return split_qwen3_next_projections(config, name, tensor)
     if any(part in name for part in _STACKED_EXPERTS):    # Granite MoE's and Qwen3-VL-MoE's experts
         return _stacked_experts(config, name, tensor)

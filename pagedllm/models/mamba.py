@@ -38,6 +38,7 @@ from pagedllm.models.recurrent import (
     StepRows,
     convolve,
     decays,
+    run_recurrence,
 )
 
 if TYPE_CHECKING:
@@ -165,15 +166,10 @@ class Mamba2Mixer(RecurrentMixer):
         conv_out, new_conv = convolve(self, conv_states, xbc, rows)
         xs, dts, b, c = self._ssm_inputs(conv_out, dt)
         y = torch.empty(x.shape[0], self.num_heads, self.head_dim, dtype=torch.float32, device=x.device)
-        new_ssm = torch.empty_like(ssm_states)
-        if rows.singles is not None:    # one token each: one step of the recurrence, all at once
-            one = rows.single_rows
-            y[one], state = ssd_step(xs[one], dts[one], self._a(), b[one], c[one], ssm_states[rows.singles])
-            new_ssm[rows.singles] = state.to(new_ssm.dtype)
-        for i, chunk in rows.chunks:     # a prompt's chunk: the recurrence in chunks
-            y[chunk], state = self._scan(kernels, xs[chunk], dts[chunk], b[chunk], c[chunk],
-                                         None if step.fresh[i] else ssm_states[i])
-            new_ssm[i] = state.to(new_ssm.dtype)
+        a = self._a()
+        new_ssm = run_recurrence(rows, step, ssm_states, (xs, dts, b, c),
+                                 lambda x_, dt_, b_, c_, state: ssd_step(x_, dt_, a, b_, c_, state),
+                                 lambda x_, dt_, b_, c_, initial: self._scan(kernels, x_, dt_, b_, c_, initial), y)
         step.write(self, new_conv, new_ssm)
         y = y + self.D.float()[:, None] * xs
         return self.o_proj(self.norm(y.flatten(1), gate).to(x.dtype))

@@ -15,6 +15,7 @@ decoding (a rejected draft would have to be taken out of the state) and beam sea
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -110,6 +111,24 @@ def convolve(mixer: RecurrentMixer, conv_states: torch.Tensor, x: torch.Tensor,
     if mixer.conv1d.bias is not None:
         out = out + mixer.conv1d.bias
     return out, new_states
+
+
+def run_recurrence(rows: StepRows, step: RecurrentStep, states: torch.Tensor, inputs: tuple[torch.Tensor, ...],
+                   one_step: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+                   chunked: Callable[..., tuple[torch.Tensor, torch.Tensor]], out: torch.Tensor) -> torch.Tensor:
+    """A step's sequences through a layer's recurrence, from their states before it [S, *shape]: the one-token
+    sequences' rows of `inputs` (per-token tensors) at once through `one_step(*inputs, states)`, each prompt's chunk
+    through `chunked(*inputs, initial)` (initial None for a chunk from the first token); each writes its rows of
+    `out` -> the sequences' new states, in the states' dtype."""
+    new_states = torch.empty_like(states)
+    if rows.singles is not None:
+        one = rows.single_rows
+        out[one], state = one_step(*(t[one] for t in inputs), states[rows.singles])
+        new_states[rows.singles] = state.to(new_states.dtype)
+    for i, chunk in rows.chunks:
+        out[chunk], state = chunked(*(t[chunk] for t in inputs), None if step.fresh[i] else states[i])
+        new_states[i] = state.to(new_states.dtype)
+    return new_states
 
 
 @dataclass

@@ -1,9 +1,9 @@
-"""Gated DeltaNet layers (pagedllm.models.deltanet: Qwen3-Next's and Qwen3.5's) and the gated attention beside them:
-the chunked rule against the rule token by token and against transformers' own, the models' greedy tokens against
-transformers through prefill chunks and preemption, a released Qwen3.5 checkpoint's layout (its language model beside
-a vision tower), the kernel against the torch layer, LoRA. Their logits against transformers, prefill in chunks and
-decode steps, run in test_llama_fidelity.py (`qwen3.5`, `qwen3-next`, `qwen3.5-moe`); the recurrent states'
-bookkeeping, forks and bf16 in test_mamba.py, for both kinds of layer."""
+"""Gated DeltaNet layers (pagedllm.models.deltanet: Qwen3-Next's and Qwen3.5's) and the gated attention beside them: the
+chunked rule against the rule token by token and against transformers' own, a released Qwen3.5 checkpoint's layout
+(its language model beside a vision tower), a Qwen3-Next checkpoint of stacked experts, the kernel against the torch
+layer, LoRA. Their logits against transformers, prefill in chunks and decode steps, run in test_llama_fidelity.py
+(`qwen3.5`, `qwen3-next`, `qwen3.5-moe`); the recurrent states' bookkeeping, greedy tokens through chunks and
+preemption, forks and bf16 in test_mamba.py, for both kinds of layer."""
 
 from __future__ import annotations
 
@@ -65,22 +65,20 @@ def test_the_chunked_rule_is_transformers():
     torch.testing.assert_close(final, expected_final[0], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("kernels", [True, False])
-@pytest.mark.parametrize("kind", ["qwen3.5", "qwen3-next", "qwen3.5-moe"])
-def test_greedy_tokens_match_transformers_through_chunks_and_preemption(tmp_path, kind, kernels, monkeypatch):
-    """Four prompts batched in prefill chunks of 16 tokens (the 30-token one over two steps), in a pool of 24 blocks
-    of 4 tokens that must preempt, the rule in chunks of 4 (a step's tokens over several, from where the last step
-    stopped), with the CPU kernels and without: transformers' greedy tokens, one prompt at a time."""
-    if not kernels:
-        monkeypatch.setenv("PAGEDLLM_DISABLE_KERNELS", "1")
-    monkeypatch.setattr(deltanet, "SCAN_CHUNK", 4)
-    folder, hf_model = save_tiny_model(tmp_path / "m", kind, seed=3)
-    expected = hf_greedy(hf_model, PROMPTS, 12)
-    with LLM(str(folder), dtype="float32", block_size=4, num_kv_blocks=24, max_num_batched_tokens=16,
-             max_num_seqs=4) as llm:
-        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in outputs] == expected
-        assert llm.engine.make_stats().num_preemptions_total["recompute"], "the pool was meant to force preemption"
+def test_a_checkpoint_of_stacked_experts_loads(tmp_path):
+    """Qwen3-Next in transformers 5's own layout (as its models hold it: each layer's experts stacked, gate_up_proj
+    [E, 2I, H] and down_proj [E, H, I], beside the fused in_proj_qkvz and in_proj_ba): the greedy tokens transformers
+    gives."""
+    from safetensors.torch import save_file
+
+    folder, hf_model = save_tiny_model(tmp_path / "m", "qwen3-next", seed=3)
+    tensors = {name: t.contiguous() for name, t in hf_model.state_dict().items() if name != "lm_head.weight"}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in tensors
+    (folder / "model.safetensors").unlink()
+    save_file(tensors, str(folder / "model.safetensors"))
+    with LLM(str(folder), dtype="float32", num_kv_blocks=64) as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(hf_model, PROMPTS[:2], 12)
 
 
 @pytest.mark.parametrize(("model_type", "kind"), [("qwen3_5", "qwen3.5"), ("qwen3_5_moe", "qwen3.5-moe")])

@@ -1,8 +1,8 @@
 """Mamba-2 layers (pagedllm.models.mamba: Granite 4's hybrid models) and the engine around recurrent states (theirs and
-Gated DeltaNet's: forks and bf16 for both kinds): the chunked scan against the recurrence, the models' greedy tokens
-against transformers through prefill chunks, preemption and forks, what the engine turns off for them and what it
-refuses. Their logits against transformers, prefill in chunks and decode steps, run in test_llama_fidelity.py
-(`granite4-hybrid`, `granite4-hybrid-dense`)."""
+Gated DeltaNet's: greedy tokens through chunks and preemption, forks and bf16 for both kinds): the chunked scan
+against the recurrence, the models' greedy tokens against transformers through prefill chunks, preemption and forks,
+what the engine turns off for them and what it refuses. Their logits against transformers, prefill in chunks and
+decode steps, run in test_llama_fidelity.py (`granite4-hybrid`, `granite4-hybrid-dense`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.core.sched.output import ScheduledRequest
-from pagedllm.models import mamba
+from pagedllm.models import deltanet, mamba
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.mamba import Mamba2Mixer, ssd_scan, ssd_step
 from pagedllm.models.recurrent import RecurrentStates
@@ -45,16 +45,18 @@ def test_the_chunked_scan_is_the_recurrence_token_by_token(start):
 
 
 @pytest.mark.parametrize("kernels", [True, False])
-@pytest.mark.parametrize("kind", ["granite4-hybrid", "granite4-hybrid-dense"])
+@pytest.mark.parametrize("kind", ["granite4-hybrid", "granite4-hybrid-dense", "qwen3.5", "qwen3-next", "qwen3.5-moe"])
 def test_greedy_tokens_match_transformers_through_chunks_and_preemption(tmp_path, kind, kernels, monkeypatch):
     """Four prompts batched in prefill chunks of 16 tokens (the 30-token one over two steps), in a pool of 24 blocks
-    of 4 tokens that must preempt, through the kernels (mamba2_scan, mamba2_decode) and through torch (the scan in
-    chunks of 4: a step's tokens over several, from where the last step stopped): transformers' greedy tokens, one
-    prompt at a time; prefix caching is off (a block holds no state), so a prompt seen before runs again whole, to
-    the same tokens."""
+    of 4 tokens that must preempt, through the kernels (mamba2_scan and mamba2_decode; gated_delta_forward) and
+    through torch (the chunked forms in chunks of 4: a step's tokens over several, from where the last step
+    stopped), Mamba-2 layers (Granite 4's) and Gated DeltaNet layers (Qwen3.5's, Qwen3-Next's, Qwen3.5-MoE's):
+    transformers' greedy tokens, one prompt at a time; prefix caching is off (a block holds no state), so a prompt
+    seen before runs again whole, to the same tokens."""
     if not kernels:
         monkeypatch.setenv("PAGEDLLM_DISABLE_KERNELS", "1")
     monkeypatch.setattr(mamba, "SCAN_CHUNK", 4)
+    monkeypatch.setattr(deltanet, "SCAN_CHUNK", 4)
     folder, hf_model = save_tiny_model(tmp_path / "m", kind, seed=3)
     expected = hf_greedy(hf_model, PROMPTS, 12)
     with LLM(str(folder), dtype="float32", block_size=4, num_kv_blocks=24, max_num_batched_tokens=16,
