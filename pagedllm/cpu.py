@@ -75,6 +75,15 @@ class CpuInfo:
         return "avx512_bf16" in self.flags and self.is_amd
 
     @property
+    def int8_dot_products(self) -> bool:
+        """AVX512-VNNI's VPDPBUSD: 64 byte products summed into int32 by one instruction, where pagedllm's GGUF and
+        int8 kernels multiply integer weights by quantized activations. Without it (AVX2's VPMADDUBSW and VPMADDWD,
+        plain C++) the same products take about as many instructions as float32 FMAs on widened weights, so 4-bit
+        blocks save bytes but no arithmetic: on a Zen 3, one stream 1.41x faster than bf16 weights, a batch of ~50
+        0.79x (docs/benchmarks.md)."""
+        return self.isa_level == "avx512" and "avx512_vnni" in self.flags
+
+    @property
     def is_amd(self) -> bool:
         """AMD's model names all start with "AMD"."""
         return self.model_name.startswith("AMD")

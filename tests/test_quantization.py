@@ -12,8 +12,8 @@ GGUF, transformers on an AWQ or GPTQ checkpoint's dequantised weights) within th
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
+import psutil
 import pytest
 import torch
 
@@ -186,13 +186,16 @@ def test_gguf_blocks_kept_packed_are_never_read_to_load(monkeypatch):
     assert model.lm_head.weight.ggml_type == 8  # Q8_0
 
 
-def _cpu_with_amx(monkeypatch, amx: bool) -> None:
-    """Make pagedllm.cpu report this CPU with (and oneDNN's bf16) or without AMX."""
+AVX2 = frozenset({"avx2", "fma", "f16c"})
+AVX512_VNNI = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}
+
+
+def _report_cpu(monkeypatch, flags: frozenset[str], amx: bool = False) -> None:
+    """Make pagedllm.cpu report an x86 CPU with these features (and with AMX's tiles and oneDNN's bf16)."""
     import pagedllm.cpu
 
-    real = pagedllm.cpu.cpu_info()
-    tiles = {"amx_tile", "amx_bf16", "amx_int8"}
-    cpu = dataclasses.replace(real, flags=real.flags | tiles if amx else real.flags - tiles)
+    tiles = {"amx_tile", "amx_bf16", "amx_int8", "avx512_bf16"} if amx else set()
+    cpu = pagedllm.cpu.CpuInfo("x86_64", "Intel(R) Xeon(R)" if amx else "AMD EPYC", flags | tiles)
     monkeypatch.setattr(pagedllm.cpu, "cpu_info", lambda max_isa=None: cpu)
     if amx:
         monkeypatch.setattr(pagedllm.cpu, "onednn_bf16_ok", lambda: True)
@@ -200,12 +203,12 @@ def _cpu_with_amx(monkeypatch, amx: bool) -> None:
 
 def test_a_gguf_file_keeps_its_blocks_unless_a_dtype_is_named(checkpoints, monkeypatch):
     """As vLLM runs a .gguf file as quantization="gguf": implied under dtype "auto" where the blocks can stay packed
-    (the CPU kernels, one rank); a dtype named outright, another device or tensor parallelism dequantise it; an
-    explicit quantization wins; a Hugging Face folder implies nothing. (A CPU without AMX; with it, the next test.)"""
+    (the CPU kernels, one rank) and VNNI multiplies them; a dtype named outright, another device or tensor
+    parallelism dequantise it; an explicit quantization wins; a Hugging Face folder implies nothing."""
     from pagedllm.loader import load_hf_config, resolve_quantization
     from pagedllm.loader.resolve import resolve_model
 
-    _cpu_with_amx(monkeypatch, False)
+    _report_cpu(monkeypatch, AVX512_VNNI)
     smollm2 = resolve_model(None)
     config = load_hf_config(smollm2)
     assert resolve_quantization(None, smollm2, config) == "gguf"
@@ -226,8 +229,31 @@ def test_a_gguf_file_keeps_its_blocks_on_a_cpu_with_amx(monkeypatch):
     from pagedllm.loader.resolve import resolve_model
 
     smollm2 = resolve_model(None)
-    _cpu_with_amx(monkeypatch, True)
+    _report_cpu(monkeypatch, AVX512_VNNI, amx=True)
     assert resolve_quantization(None, smollm2, load_hf_config(smollm2)) == "gguf"
+
+
+@pytest.mark.parametrize("flags", [AVX2, frozenset()], ids=["avx2", "baseline"])
+def test_without_vnni_a_small_gguf_file_is_dequantised_and_a_big_one_keeps_its_blocks(monkeypatch, caplog, flags):
+    """Without VNNI the blocks' integer products cost what float32 FMAs on bf16 weights do: a small model (its bf16
+    weights within SMALL_GGUF_SHARE of the RAM) runs as bf16 weights, faster in a batch; a bigger one keeps its
+    blocks (its memory, and the bytes that bind its decode steps); quantization="gguf" keeps them anyway."""
+    import pagedllm.loader
+    from pagedllm.loader import load_hf_config, resolve_quantization
+    from pagedllm.loader.resolve import resolve_model
+
+    _report_cpu(monkeypatch, flags)
+    smollm2 = resolve_model(None)
+    config = load_hf_config(smollm2)
+    with caplog.at_level("INFO", logger="pagedllm.loader"):
+        assert resolve_quantization(None, smollm2, config) is None
+    assert "without VNNI" in caplog.text and "quantization='gguf' keeps the blocks" in caplog.text
+    assert resolve_quantization("gguf", smollm2, config) == "gguf"
+    file_bytes = smollm2.gguf_path.stat().st_size
+    monkeypatch.setattr(pagedllm.loader, "SMALL_GGUF_SHARE", 3 * file_bytes / psutil.virtual_memory().total)
+    assert resolve_quantization(None, smollm2, config) == "gguf"     # 4 x the file over the share: "big"
+    monkeypatch.setattr(pagedllm.loader, "SMALL_GGUF_SHARE", 5 * file_bytes / psutil.virtual_memory().total)
+    assert resolve_quantization(None, smollm2, config) is None
 
 
 def test_gguf_mode_needs_a_gguf_file_and_one_rank(checkpoints):

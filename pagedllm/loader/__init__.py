@@ -300,11 +300,21 @@ def _checkpoint_tensors(folder: Path, dtype: torch.dtype, hf_config: Any, rename
     return iterate_safetensors(folder, dtype, rename)
 
 
+# The share of the RAM under which a .gguf file's weights, in bf16, are dequantised where the CPU lacks VNNI.
+SMALL_GGUF_SHARE = 1 / 8
+
+
 def implied_gguf(resolved: ResolvedModel, hf_config: Any, dtype: str, tp_size: int = 1,
                  device: str = "cpu") -> str | None:
     """"gguf" when a .gguf file runs under dtype "auto" where its blocks can stay packed (pagedllm's CPU kernels,
-    one rank); None otherwise: the file is dequantised into the dtype (a dtype named outright asks for that;
+    one rank), unless this CPU lacks VNNI (`CpuInfo.int8_dot_products`) and the weights in bf16 would be small
+    (`SMALL_GGUF_SHARE` of the RAM): there the blocks save bytes but no arithmetic, and a batch runs faster on bf16
+    weights, while a bigger model is bound by reading its weights at the batches it runs and needs the blocks'
+    memory. None otherwise: the file is dequantised into the dtype (a dtype named outright asks for that;
     quantization="gguf" keeps the blocks), as is one whose weights change at load (`load_time_change`)."""
+    import psutil
+
+    from pagedllm.cpu import cpu_info
     from pagedllm.layers.linear import quantized_kernels_available
     from pagedllm.models.llama import load_time_change
 
@@ -317,6 +327,14 @@ def implied_gguf(resolved: ResolvedModel, hf_config: Any, dtype: str, tp_size: i
     if tp_size > 1 or device != "cpu" or not quantized_kernels_available():
         logger.info("%s: GGUF weights dequantised (their blocks stay packed only on one CPU rank, in pagedllm's "
                     "kernels)", resolved.name)
+        return None
+    gguf_path = resolved.gguf_path
+    assert gguf_path is not None
+    bf16_bytes = 4 * gguf_path.stat().st_size        # 4-bit blocks, 4.5-5 bits a weight: about a quarter of bf16's
+    if not cpu_info().int8_dot_products and bf16_bytes <= SMALL_GGUF_SHARE * psutil.virtual_memory().total:
+        logger.info("%s: GGUF weights dequantised (without VNNI their blocks' integer products cost what bf16 "
+                    "weights' float32 FMAs do, so a batch runs faster on these; quantization='gguf' keeps the "
+                    "blocks: faster one stream at a time)", resolved.name)
         return None
     return "gguf"
 
