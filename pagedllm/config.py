@@ -220,8 +220,9 @@ class ModelConfig:
             The EOS id is then the model config's.
         quantization: how linear weights are stored, all multiplied in pagedllm's CPU kernels. None: the
             checkpoint's own, as vLLM: an AWQ or GPTQ folder (its config.json's quantization_config) runs as such, a
-            .gguf file as "gguf" under dtype "auto" where that can run (the CPU kernels, one rank); otherwise the
-            weights are in `dtype` (a dtype named outright dequantises a .gguf file: `loader.implied_gguf`).
+            .gguf file as "gguf" under dtype "auto" where that can run and pays (the CPU kernels, one rank; VNNI or
+            a big model); otherwise the weights are in `dtype` (a dtype named outright dequantises a .gguf file:
+            `loader.implied_gguf`).
             "int8": int8 with one scale per output row (weight-only, quantized at load from any checkpoint).
             "w8a8": the same int8 weights, times activations quantized to int8 in each matmul (one scale per 64
             values of a token's row), summed in int32.

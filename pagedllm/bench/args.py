@@ -39,9 +39,9 @@ def add_engine_args(parser: argparse.ArgumentParser, prefix_caching_flag: bool =
         group.add_argument("--quantization", "-q", default=None, choices=["int8", "w8a8", "gguf"],
                            help="int8: weights stored as int8 with per-row scales; w8a8: those weights times "
                                 "activations quantized to int8 (a scale per 64 values); gguf: a .gguf file's Q4_0/"
-                                "Q4_1/Q8_0 blocks kept packed, a .gguf file's default under --dtype auto (pagedllm "
-                                "only: peers run --dtype, so name one to compare them on the same dequantised "
-                                "weights)")
+                                "Q4_1/Q8_0 blocks kept packed, a .gguf file's default under --dtype auto with "
+                                "VNNI (pagedllm only: peers run --dtype, so name one to compare them on the same "
+                                "dequantised weights)")
         group.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
                            help="int8: K/V stored as int8 with a float32 scale per row (pagedllm only)")
     group.add_argument("--max-model-len", type=int, default=None)

@@ -90,8 +90,9 @@ class LLM:
         skip_tokenizer_init: load no tokenizer: prompts must be token ids, and outputs carry token ids and no
             text; stop strings, bad words, structured outputs and `chat` are refused (vLLM's).
         quantization: None (the checkpoint's own: an AWQ/GPTQ folder's 4-bit weights, a .gguf file's blocks
-            under dtype "auto" on one CPU rank; otherwise the dtype's weights, so a dtype named outright
-            dequantises a .gguf), "int8" (linear weights as int8 with per-row scales, quantized at load), "w8a8"
+            under dtype "auto" on one CPU rank with VNNI, or a big one without; otherwise the dtype's weights, so
+            a dtype named outright dequantises a .gguf), "int8" (linear weights as int8 with per-row scales,
+            quantized at load), "w8a8"
             (the same int8 weights times activations quantized to int8 in each matmul, a scale per 64 values of a
             row, int32 sums), "gguf" (a .gguf file's Q4_0, Q4_1, Q8_0 and Q4_K linear weights kept in their
             blocks, times activations quantized to 16 bits), "awq" or "gptq" (an AutoAWQ or AutoGPTQ checkpoint's
