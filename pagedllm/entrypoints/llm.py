@@ -92,12 +92,11 @@ class LLM:
         quantization: None (the checkpoint's own: an AWQ/GPTQ folder's 4-bit weights, a .gguf file's blocks
             under dtype "auto" on one CPU rank with VNNI, or a big one without; otherwise the dtype's weights, so
             a dtype named outright dequantises a .gguf), "int8" (linear weights as int8 with per-row scales,
-            quantized at load), "w8a8"
-            (the same int8 weights times activations quantized to int8 in each matmul, a scale per 64 values of a
-            row, int32 sums), "gguf" (a .gguf file's Q4_0, Q4_1, Q8_0 and Q4_K linear weights kept in their
-            blocks, times activations quantized to 16 bits), "awq" or "gptq" (an AutoAWQ or AutoGPTQ checkpoint's
-            4-bit weights kept in 4 bits; one rank only), "mxfp4" (an MXFP4 checkpoint's experts, gpt-oss's, kept
-            in their 4 bits; one CPU rank only).
+            quantized at load), "w8a8" (the same int8 weights times activations quantized to int8 in each matmul,
+            a scale per 64 values of a row, int32 sums), "gguf" (a .gguf file's Q4_0, Q4_1, Q8_0 and Q4_K linear
+            weights kept in their blocks, times activations quantized to 16 bits), "awq" or "gptq" (an AutoAWQ or
+            AutoGPTQ checkpoint's 4-bit weights kept in 4 bits; one rank only), "mxfp4" (an MXFP4 checkpoint's
+            experts, gpt-oss's, kept in their 4 bits; one CPU rank only).
         speculative_config: speculative decoding as vLLM takes it, e.g. `{"method": "ngram",
             "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}` or, with a smaller draft
             model of the same tokenizer, `{"model": PATH, "num_speculative_tokens": 4}`; None: off.
