@@ -31,13 +31,32 @@ os.environ.setdefault(HUGE_PAGES_ENV, "0")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked `gpu` need a CUDA device: without one they are skipped, saying so."""
+    """Tests marked `gpu` need a CUDA device: without one they are skipped, saying so. A kernel case runs at its
+    ISA levels one after the other (pytest would run every case at the first level, then every case at the next),
+    so that inputs a test module memoizes are built once for all of them (tests/attention/test_attention.py)."""
+    items[:] = _isa_levels_together(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device: torch sees none")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _isa_levels_together(items: list[pytest.Item]) -> list[pytest.Item]:
+    """`items` with each `isa_level` test placed right after the same case at the first level it runs at; every
+    other test, and the order of the cases, as collected."""
+    def case(item: pytest.Item) -> tuple:
+        callspec = getattr(item, "callspec", None)
+        if callspec is None or "isa_level" not in callspec.params:
+            return (item.nodeid,)
+        params = {k: v for k, v in callspec.params.items() if k != "isa_level"}
+        return item.nodeid.split("[")[0], tuple(sorted((k, repr(v)) for k, v in params.items()))
+
+    first: dict[tuple, int] = {}
+    for index, item in enumerate(items):
+        first.setdefault(case(item), index)
+    return sorted(items, key=lambda item: first[case(item)])
 
 
 @pytest.fixture(params=["native", *runnable_levels()])

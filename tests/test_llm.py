@@ -34,13 +34,16 @@ def test_greedy_tokens_match_transformers_on_chat_prompts(smol_llm, smol_hf):
     hf_model, hf_tokenizer = smol_hf
     conversations = [[{"role": "user", "content": c}] for c in CHATS]
     ours = smol_llm.chat(conversations, _greedy(24), use_tqdm=False)
-    for conversation, out in zip(conversations, ours):
-        ids = hf_tokenizer.apply_chat_template(conversation, add_generation_prompt=True, return_tensors="pt",
-                                               return_dict=True)["input_ids"]
-        assert out.prompt_token_ids == ids[0].tolist()
-        with torch.inference_mode():
-            hf_out = hf_model.generate(ids, max_new_tokens=24, do_sample=False)
-        assert out.outputs[0].token_ids == hf_out[0, ids.shape[1]:].tolist(), conversation
+    # transformers runs the four as one batch, padded on the left; a row that ends early goes on with padding.
+    batch = hf_tokenizer.apply_chat_template(conversations, add_generation_prompt=True, return_tensors="pt",
+                                             return_dict=True, padding=True, tokenizer_kwargs={"padding_side": "left"})
+    with torch.inference_mode():
+        hf_out = hf_model.generate(**batch, max_new_tokens=24, do_sample=False)
+    for row, (conversation, out) in enumerate(zip(conversations, ours)):
+        assert out.prompt_token_ids == batch["input_ids"][row][batch["attention_mask"][row].bool()].tolist()
+        tokens, hf_tokens = out.outputs[0].token_ids, hf_out[row, batch["input_ids"].shape[1]:].tolist()
+        assert hf_tokens[:len(tokens)] == tokens, conversation
+        assert set(hf_tokens[len(tokens):]) <= {hf_tokenizer.pad_token_id}, conversation
 
 
 def test_chat_gives_the_template_typed_parts_with_the_openai_content_format(smol_llm):

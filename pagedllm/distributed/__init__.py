@@ -85,9 +85,9 @@ class Peers:
 
 
 class WorkerProcesses(Peers):
-    """Ranks 1..N-1 as local processes (spawned, so that no torch or OpenMP state is forked), joined to this
-    process (rank 0) by a gloo process group. `start` returns once every rank has joined the group; each worker
-    then loads its slice of the model while rank 0 loads its own."""
+    """Ranks 1..N-1 as local processes (`_worker_context`: none is a fork of this process, whose threads and OpenMP
+    state it would inherit), joined to this process (rank 0) by a gloo process group. `start` returns once every
+    rank has joined the group; each worker then loads its slice of the model while rank 0 loads its own."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.size = config.parallel.tensor_parallel_size
@@ -96,13 +96,14 @@ class WorkerProcesses(Peers):
         init_method = f"tcp://127.0.0.1:{free_port()}"
         segment_path = new_segment_path()
         create_segment(segment_path, self.size)
-        context = mp.get_context("spawn")
+        context = _worker_context()
         self.pipes: list[Connection] = []
         self.processes: list[mp.Process] = []
         try:
             for rank in range(1, self.size):
                 ours, theirs = context.Pipe()
-                process = context.Process(target=_worker_main, args=(config, rank, init_method, segment_path, theirs),
+                process = context.Process(target=_worker_main, args=(config, rank, init_method, segment_path, theirs,
+                                                                     dict(os.environ)),
                                           name=f"pagedllm-tp{rank}", daemon=True)
                 process.start()
                 theirs.close()
@@ -336,10 +337,32 @@ def _start_rank(config: EngineConfig, rank: int, init_method: str, segment_path:
                        config.model.seed)
 
 
+# What a worker rank imports, once, in the server process the ranks are forked from (`_worker_context`).
+_WORKER_MODULES = ["pagedllm.distributed", "pagedllm.loader", "pagedllm.runner.model_runner"]
+
+
+def _worker_context():
+    """How worker ranks start: forked from multiprocessing's fork server, a clean process that imported what a
+    rank runs (torch, the loader, the runner) when the first rank started, where the platform has one; spawned
+    elsewhere. A forked rank skips those imports (a second or more) and ends at once where a spawned one tears torch
+    down (~0.7 s): a two-rank engine on a tiny model started in 1.6 s instead of 2.8 s and closed in 0.02 s
+    instead of 0.7 s (the AMX Xeon of docs/benchmarks.md). multiprocessing gives it this process's working
+    directory and sys.path of now, but the fork server's environment, from when it started: `_worker_main` takes
+    rank 0's as an argument."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(_WORKER_MODULES)
+    return context
+
+
 def _worker_main(config: EngineConfig, rank: int, init_method: str, segment_path: str | None,
-                 pipe: Connection) -> None:
-    """A worker: join the group, load this rank's slice, then run rank 0's commands until told to stop or until
-    rank 0 is gone. Any failure ends the process, which fails rank 0's next collective."""
+                 pipe: Connection, environ: dict[str, str]) -> None:
+    """A worker: take rank 0's environment, join the group, load this rank's slice, then run rank 0's commands
+    until told to stop or until rank 0 is gone. Any failure ends the process, which fails rank 0's next
+    collective."""
+    os.environ.clear()
+    os.environ.update(environ)
     runner = _start_rank(config, rank, init_method, segment_path)
     try:
         while True:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -26,7 +29,41 @@ def _random_batch(num_computed: list[int], query_lens: list[int], num_heads: int
                   int8_cache: bool = False, shared_prefix: int = 0):
     """Random full sequences; their prefixes are written to a shuffled paged cache (int8 rows with their scales if
     `int8_cache`), new tokens queued. The first `shared_prefix` positions (whole blocks) of every sequence are the
-    same keys and values in the same blocks, as the prefix cache shares a system prompt."""
+    same keys and values in the same blocks, as the prefix cache shares a system prompt.
+
+    Drawing the numbers takes most of a kernel test's time, and a kernel case runs at each ISA level in turn
+    (tests/conftest.py): the last few batches are kept, and each caller gets its own copies of the tensors it may
+    write (the query and the caches) and of the metadata."""
+    drawn = _drawn_batch(tuple(num_computed), tuple(query_lens), num_heads, num_kv_heads, dtype, seed, head_dim,
+                         block_size, int8_cache, shared_prefix)
+    return Batch(drawn)
+
+
+class Batch(tuple):
+    """(query, k_cache, v_cache, meta, (q_full, k_full, v_full)): copies of a drawn batch's query, caches and
+    metadata, its full sequences as drawn; and `reference`, the torch reference over it, kept with the draw."""
+
+    def __new__(cls, drawn: tuple) -> Batch:
+        query, k_cache, v_cache, meta, full, _ = drawn
+        batch = super().__new__(cls, (query.clone(), k_cache.clone(), v_cache.clone(), dataclasses.replace(meta),
+                                      full))
+        batch.drawn = drawn
+        return batch
+
+    def reference(self, *args, **kwargs) -> torch.Tensor:
+        """`paged_attention_ref` over the drawn batch with these arguments (tensors among them compared by value)."""
+        query, k_cache, v_cache, meta, _, references = self.drawn
+        as_key = lambda x: tuple(x.tolist()) if isinstance(x, torch.Tensor) else x  # noqa: E731
+        key = tuple(map(as_key, args)), tuple(sorted((k, as_key(v)) for k, v in kwargs.items()))
+        if key not in references:
+            references[key] = paged_attention_ref(query, k_cache, v_cache, meta, *args, **kwargs)
+        return references[key]
+
+
+@functools.lru_cache(maxsize=4)
+def _drawn_batch(num_computed: tuple[int, ...], query_lens: tuple[int, ...], num_heads: int, num_kv_heads: int,
+                 dtype: torch.dtype, seed: int, head_dim: int, block_size: int, int8_cache: bool,
+                 shared_prefix: int):
     g = torch.Generator().manual_seed(seed)
     seq_lens = [c + q for c, q in zip(num_computed, query_lens)]
     blocks_needed = [(s + block_size - 1) // block_size for s in seq_lens]
@@ -52,7 +89,7 @@ def _random_batch(num_computed: list[int], query_lens: list[int], num_heads: int
     meta = AttentionMetadata.build(tables, num_computed, query_lens, block_size)
     new = lambda xs: torch.cat([x[c:] for x, c in zip(xs, num_computed)])  # noqa: E731
     write_kv(new(k_full), new(v_full), k_cache, v_cache, meta.slot_mapping)
-    return new(q_full), k_cache, v_cache, meta, (q_full, k_full, v_full)
+    return new(q_full), k_cache, v_cache, meta, (q_full, k_full, v_full), {}
 
 
 BATCHES = {
@@ -86,13 +123,13 @@ def test_decode_kernel_matches_the_torch_fallback_and_reference(heads: str, dtyp
                                                                  isa_level: str,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     num_heads, num_kv_heads = HEADS[heads]
-    query, k_cache, v_cache, meta, _ = _random_batch(*BATCHES["decode"], num_heads, num_kv_heads, dtype, seed=3,
-                                                     head_dim=head_dim)
+    drawn = _random_batch(*BATCHES["decode"], num_heads, num_kv_heads, dtype, seed=3, head_dim=head_dim)
+    query, k_cache, v_cache, meta, _ = drawn
     scale = head_dim ** -0.5
     kernel = decode_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
     monkeypatch.setenv("PAGEDLLM_DISABLE_KERNELS", "1")
     fallback = decode_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
-    expected = paged_attention_ref(query, k_cache, v_cache, meta, scale)
+    expected = drawn.reference(scale)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(kernel.float(), expected.float(), atol=tol, rtol=tol)
     torch.testing.assert_close(fallback.float(), expected.float(), atol=tol, rtol=tol)
@@ -108,11 +145,12 @@ def test_decode_kernel_over_long_contexts(heads: str, dtype: torch.dtype, head_d
     together, so that its prefetches ahead, its 4-key steps and the keys left over all run; and, with AVX512-BF16,
     the value pairs, odd contexts' last key alone, and one-token blocks, whose keys are weighed one at a time."""
     num_heads, num_kv_heads = (HEADS | WIDE_GROUPS)[heads]
-    query, k_cache, v_cache, meta, _ = _random_batch([70, 129, 6, 200], [1, 1, 1, 1], num_heads, num_kv_heads, dtype,
-                                                     seed=5, head_dim=head_dim, block_size=block_size)
+    drawn = _random_batch([70, 129, 6, 200], [1, 1, 1, 1], num_heads, num_kv_heads, dtype,
+                          seed=5, head_dim=head_dim, block_size=block_size)
+    query, k_cache, v_cache, meta, _ = drawn
     scale = head_dim ** -0.5
     kernel = decode_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
-    expected = paged_attention_ref(query, k_cache, v_cache, meta, scale)
+    expected = drawn.reference(scale)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(kernel.float(), expected.float(), atol=tol, rtol=tol)
 
@@ -128,13 +166,14 @@ def test_prefill_kernel_matches_the_torch_path_and_reference(heads: str, dtype: 
     first; more tasks than threads, of very different costs."""
     num_heads, num_kv_heads = HEADS[heads]
     num_computed, query_lens = [40, 7, 0, 0, 100, 33], [1, 1, 70, 1, 37, 18]
-    query, k_cache, v_cache, meta, _ = _random_batch(num_computed, query_lens, num_heads, num_kv_heads, dtype,
-                                                     seed=5, head_dim=head_dim, block_size=block_size)
+    drawn = _random_batch(num_computed, query_lens, num_heads, num_kv_heads, dtype,
+                          seed=5, head_dim=head_dim, block_size=block_size)
+    query, k_cache, v_cache, meta, _ = drawn
     scale = head_dim ** -0.5
     kernel = paged_attention(query, k_cache, v_cache, meta, scale)
     monkeypatch.setenv("PAGEDLLM_DISABLE_KERNELS", "1")
     torch_path = paged_attention(query, k_cache, v_cache, meta, scale)
-    expected = paged_attention_ref(query, k_cache, v_cache, meta, scale)
+    expected = drawn.reference(scale)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(kernel.float(), expected.float(), atol=tol, rtol=tol)
     torch.testing.assert_close(torch_path.float(), expected.float(), atol=tol, rtol=tol)
@@ -226,10 +265,11 @@ def test_cascade_attention_matches_the_reference(heads: str, dtype: torch.dtype,
     """Sequences sharing 256 keys and 3 blocks: the prefix pass takes 256 keys for every row at once, the decode
     and prefill kernels the shared blocks left and each sequence's own keys from its state."""
     shared = 256 + 3 * block_size
-    query, k_cache, v_cache, meta, _ = _cascade_batch(heads, dtype, head_dim, block_size, shared)
+    drawn = _cascade_batch(heads, dtype, head_dim, block_size, shared)
+    query, k_cache, v_cache, meta, _ = drawn
     assert cpu.cascade_prefix_len(query, k_cache, meta) == 256
     scale = head_dim ** -0.5
-    expected = paged_attention_ref(query, k_cache, v_cache, meta, scale)
+    expected = drawn.reference(scale)
     actual = paged_attention(query, k_cache, v_cache, meta, scale)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(actual.float(), expected.float(), atol=tol, rtol=tol)
@@ -237,9 +277,10 @@ def test_cascade_attention_matches_the_reference(heads: str, dtype: torch.dtype,
 
 @pytest.mark.parametrize("heads", INT8_HEADS)
 def test_cascade_attention_over_an_int8_cache(heads: str, isa_level: str) -> None:
-    query, k_cache, v_cache, meta, _ = _cascade_batch(heads, torch.bfloat16, 64, 16, 256, int8_cache=True)
+    drawn = _cascade_batch(heads, torch.bfloat16, 64, 16, 256, int8_cache=True)
+    query, k_cache, v_cache, meta, _ = drawn
     assert cpu.cascade_prefix_len(query, k_cache, meta) == 256
-    expected = paged_attention_ref(query, k_cache, v_cache, meta, 0.125)
+    expected = drawn.reference(0.125)
     torch.testing.assert_close(paged_attention(query, k_cache, v_cache, meta, 0.125).float(), expected.float(),
                                atol=2e-2, rtol=2e-2)
 
@@ -273,10 +314,10 @@ def test_sliding_window_kernels_and_torch_path_match_the_reference(window: int, 
                                                                     head_dim: int, isa_level: str,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     num_heads, num_kv_heads = HEADS[heads]
-    query, k_cache, v_cache, meta, _ = _random_batch(*WINDOW_BATCH, num_heads, num_kv_heads, dtype, seed=7,
-                                                     head_dim=head_dim, block_size=16)
+    drawn = _random_batch(*WINDOW_BATCH, num_heads, num_kv_heads, dtype, seed=7, head_dim=head_dim, block_size=16)
+    query, k_cache, v_cache, meta, _ = drawn
     scale = head_dim ** -0.5
-    expected = paged_attention_ref(query, k_cache, v_cache, meta, scale, window)
+    expected = drawn.reference(scale, window)
     kernel = paged_attention(query, k_cache, v_cache, meta, scale, window)
     decodes = decode_attention(query[:2], k_cache, v_cache, meta.block_tables[:2], meta.seq_lens[:2], scale, window)
     monkeypatch.setenv("PAGEDLLM_DISABLE_KERNELS", "1")
@@ -290,9 +331,10 @@ def test_sliding_window_kernels_and_torch_path_match_the_reference(window: int, 
 def test_a_window_turns_cascade_attention_off(isa_level: str) -> None:
     """Sequences sharing 256 keys, where a step without a window runs as a cascade: with one, each row sees its own
     part of the shared prefix, as the reference has it."""
-    query, k_cache, v_cache, meta, _ = _cascade_batch("gqa3", torch.bfloat16, 64, 16, 256)
+    drawn = _cascade_batch("gqa3", torch.bfloat16, 64, 16, 256)
+    query, k_cache, v_cache, meta, _ = drawn
     assert cpu.cascade_prefix_len(query, k_cache, meta) == 256
-    expected = paged_attention_ref(query, k_cache, v_cache, meta, 0.125, window=100)
+    expected = drawn.reference(0.125, window=100)
     torch.testing.assert_close(paged_attention(query, k_cache, v_cache, meta, 0.125, window=100).float(),
                                expected.float(), atol=2e-2, rtol=2e-2)
 
@@ -324,10 +366,10 @@ def test_soft_capped_kernels_and_torch_path_match_the_reference(window: int, hea
     """Decodes, fresh and cached chunks, with and without a window: the kernels cap each chunk's scores as they
     make them; without the kernels the reference runs (SDPA has no soft cap)."""
     num_heads, num_kv_heads = HEADS[heads]
-    query, k_cache, v_cache, meta, _ = _random_batch(*WINDOW_BATCH, num_heads, num_kv_heads, dtype, seed=11,
-                                                     head_dim=head_dim, block_size=16)
+    drawn = _random_batch(*WINDOW_BATCH, num_heads, num_kv_heads, dtype, seed=11, head_dim=head_dim, block_size=16)
+    query, k_cache, v_cache, meta, _ = drawn
     scale = head_dim ** -0.5 * 2        # scores of about +-2 before the cap
-    expected = paged_attention_ref(query, k_cache, v_cache, meta, scale, window, SOFTCAP)
+    expected = drawn.reference(scale, window, SOFTCAP)
     kernel = paged_attention(query, k_cache, v_cache, meta, scale, window, SOFTCAP)
     monkeypatch.setenv("PAGEDLLM_DISABLE_KERNELS", "1")
     torch_path = paged_attention(query, k_cache, v_cache, meta, scale, window, SOFTCAP)
@@ -339,9 +381,10 @@ def test_soft_capped_kernels_and_torch_path_match_the_reference(window: int, hea
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_soft_capped_cascade_attention_matches_the_reference(dtype: torch.dtype, isa_level: str) -> None:
     """A soft cap keeps cascade attention: the prefix pass and each sequence's own keys cap their scores alike."""
-    query, k_cache, v_cache, meta, _ = _cascade_batch("gqa3", dtype, 64, 16, 256)
+    drawn = _cascade_batch("gqa3", dtype, 64, 16, 256)
+    query, k_cache, v_cache, meta, _ = drawn
     assert cpu.cascade_prefix_len(query, k_cache, meta) == 256
-    expected = paged_attention_ref(query, k_cache, v_cache, meta, 0.25, softcap=SOFTCAP)
+    expected = drawn.reference(0.25, softcap=SOFTCAP)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(paged_attention(query, k_cache, v_cache, meta, 0.25, softcap=SOFTCAP).float(),
                                expected.float(), atol=tol, rtol=tol)
@@ -372,11 +415,11 @@ def test_alibi_kernels_and_torch_path_match_the_reference(window: int, heads: st
     with and without a window: the kernels bias each chunk's scores as they make them, each row from its own
     position and head; without the kernels the reference runs (SDPA takes no per-head bias here)."""
     num_heads, num_kv_heads = HEADS[heads]
-    query, k_cache, v_cache, meta, _ = _random_batch(*WINDOW_BATCH, num_heads, num_kv_heads, dtype, seed=13,
-                                                     head_dim=head_dim, block_size=16)
+    drawn = _random_batch(*WINDOW_BATCH, num_heads, num_kv_heads, dtype, seed=13, head_dim=head_dim, block_size=16)
+    query, k_cache, v_cache, meta, _ = drawn
     slopes = geometric_slopes(num_heads) / 4     # keys up to ~100 back still count for every head
     scale = head_dim ** -0.5
-    expected = paged_attention_ref(query, k_cache, v_cache, meta, scale, window, alibi_slopes=slopes)
+    expected = drawn.reference(scale, window, alibi_slopes=slopes)
     kernel = paged_attention(query, k_cache, v_cache, meta, scale, window, alibi_slopes=slopes)
     monkeypatch.setenv("PAGEDLLM_DISABLE_KERNELS", "1")
     torch_path = paged_attention(query, k_cache, v_cache, meta, scale, window, alibi_slopes=slopes)
@@ -388,10 +431,11 @@ def test_alibi_kernels_and_torch_path_match_the_reference(window: int, heads: st
 def test_alibi_turns_cascade_attention_off(isa_level: str) -> None:
     """Sequences sharing 256 keys, where a step without ALiBi runs as a cascade: with it, each row's biases run from
     its own position, as the reference has them (a cascade's prefix pass would see its rows as one)."""
-    query, k_cache, v_cache, meta, _ = _cascade_batch("gqa3", torch.bfloat16, 64, 16, 256)
+    drawn = _cascade_batch("gqa3", torch.bfloat16, 64, 16, 256)
+    query, k_cache, v_cache, meta, _ = drawn
     assert cpu.cascade_prefix_len(query, k_cache, meta) == 256
     slopes = geometric_slopes(9)
-    expected = paged_attention_ref(query, k_cache, v_cache, meta, 0.125, alibi_slopes=slopes)
+    expected = drawn.reference(0.125, alibi_slopes=slopes)
     torch.testing.assert_close(paged_attention(query, k_cache, v_cache, meta, 0.125, alibi_slopes=slopes).float(),
                                expected.float(), atol=2e-2, rtol=2e-2)
 
@@ -410,9 +454,9 @@ def test_latent_rows_viewed_as_several_kv_heads_match_the_reference(dtype: torch
     """DeepSeek's latent attention (pagedllm.models.mla): 16 query heads over one 576-wide row a token, which the
     backend reads through views of it as two kv heads of 8 query heads each (stride 0: the kernels' fixed-size
     paths), or given as such views: decodes and prefill chunks, the reference's result over the one row."""
-    query, k_cache, v_cache, meta, _ = _random_batch(*BATCHES[batch], 16, 1, dtype, seed=21, head_dim=576,
-                                                     block_size=8)
-    expected = paged_attention_ref(query, k_cache, v_cache, meta, 0.05)
+    drawn = _random_batch(*BATCHES[batch], 16, 1, dtype, seed=21, head_dim=576, block_size=8)
+    query, k_cache, v_cache, meta, _ = drawn
+    expected = drawn.reference(0.05)
     actual = paged_attention(query, k_cache.expand(-1, -1, views, -1), v_cache.expand(-1, -1, views, -1), meta, 0.05)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(actual.float(), expected.float(), atol=tol, rtol=tol)
@@ -453,11 +497,12 @@ def test_sinks_kernels_and_torch_path_match_the_reference(window: int, heads: st
     prefill kernels add each row's sink to its denominator as they make its output; without the kernels the
     reference runs (SDPA takes no sinks)."""
     num_heads, num_kv_heads = HEADS[heads]
-    query, k_cache, v_cache, meta, _ = _random_batch(*WINDOW_BATCH, num_heads, num_kv_heads, dtype, seed=17,
-                                                     head_dim=head_dim, block_size=16, int8_cache=int8_cache)
+    drawn = _random_batch(*WINDOW_BATCH, num_heads, num_kv_heads, dtype, seed=17,
+                          head_dim=head_dim, block_size=16, int8_cache=int8_cache)
+    query, k_cache, v_cache, meta, _ = drawn
     sinks = random_sinks(num_heads, seed=1)
     scale = head_dim ** -0.5
-    expected = paged_attention_ref(query, k_cache, v_cache, meta, scale, window, sinks=sinks)
+    expected = drawn.reference(scale, window, sinks=sinks)
     kernel = paged_attention(query, k_cache, v_cache, meta, scale, window, sinks=sinks)
     monkeypatch.setenv("PAGEDLLM_DISABLE_KERNELS", "1")
     torch_path = paged_attention(query, k_cache, v_cache, meta, scale, window, sinks=sinks)
@@ -470,10 +515,11 @@ def test_sinks_kernels_and_torch_path_match_the_reference(window: int, heads: st
 def test_sinks_keep_cascade_attention(dtype: torch.dtype, isa_level: str) -> None:
     """Sequences sharing 256 keys run as a cascade with sinks too: each row's sink joins its denominator once, after
     the prefix's keys and its own."""
-    query, k_cache, v_cache, meta, _ = _cascade_batch("gqa3", dtype, 64, 16, 256)
+    drawn = _cascade_batch("gqa3", dtype, 64, 16, 256)
+    query, k_cache, v_cache, meta, _ = drawn
     assert cpu.cascade_prefix_len(query, k_cache, meta) == 256
     sinks = random_sinks(9, seed=2)
-    expected = paged_attention_ref(query, k_cache, v_cache, meta, 0.125, sinks=sinks)
+    expected = drawn.reference(0.125, sinks=sinks)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(paged_attention(query, k_cache, v_cache, meta, 0.125, sinks=sinks).float(),
                                expected.float(), atol=tol, rtol=tol)
@@ -708,10 +754,10 @@ def test_bidirectional_kernels_match_the_reference(window: int, heads: str, dtyp
     context within the window either side, whole prompts as an encoder's steps hold them, and (beyond what an
     encoder runs) decodes and chunks after a cached prefix, which see the whole context too."""
     num_heads, num_kv_heads = HEADS[heads]
-    query, k_cache, v_cache, meta, _ = _random_batch(*batch, num_heads, num_kv_heads, dtype, seed=9,
-                                                     head_dim=head_dim, block_size=16)
+    drawn = _random_batch(*batch, num_heads, num_kv_heads, dtype, seed=9, head_dim=head_dim, block_size=16)
+    query, k_cache, v_cache, meta, _ = drawn
     scale = head_dim ** -0.5
-    expected = paged_attention_ref(query, k_cache, v_cache, meta, scale, window, causal=False)
+    expected = drawn.reference(scale, window, causal=False)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(paged_attention(query, k_cache, v_cache, meta, scale, window, causal=False).float(),
                                expected.float(), atol=tol, rtol=tol)

@@ -4,6 +4,7 @@ with prefix caching and n > 1; and a worker that dies fails the engine cleanly."
 
 from __future__ import annotations
 
+import multiprocessing.forkserver
 import os
 import signal
 import time
@@ -12,7 +13,7 @@ import httpx
 import pytest
 import torch
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM, SamplingParams, distributed
 from pagedllm.kernels import cpu_kernels
 from pagedllm.layers.linear import HeadShard, head_shard
 from tests.entrypoints.server_utils import start_server, wait_until
@@ -116,11 +117,16 @@ def test_smollm2_on_two_ranks_matches_one(smol_llm) -> None:
         assert _generate(two, prompts, GREEDY) == expected
 
 
-def test_the_server_on_two_ranks_and_a_dead_worker_fails_every_request_with_503(tmp_path) -> None:
+def test_the_server_on_two_ranks_and_a_dead_worker_fails_every_request_with_503(tmp_path, monkeypatch) -> None:
+    """Also: a rank forks from a server that began in another directory (`_worker_context`), and works in rank
+    0's (here the model's path is relative to it)."""
     folder, _ = save_tiny_model(tmp_path / "m", "llama-gqa")
     with LLM(str(folder), dtype="float32", kv_cache_memory=8 * MiB) as one:
         expected = [o.outputs[0].text for o in one.generate(PROMPTS, GREEDY, use_tqdm=False)]
-    llm = LLM(str(folder), dtype="float32", kv_cache_memory=8 * MiB, tensor_parallel_size=2)
+    assert distributed._worker_context().get_start_method() == "forkserver"
+    multiprocessing.forkserver.ensure_running()
+    monkeypatch.chdir(tmp_path)
+    llm = LLM("m", dtype="float32", kv_cache_memory=8 * MiB, tensor_parallel_size=2)
     worker = llm.engine.runner.peers.processes[0]
     server = start_server(llm.engine, api_key=None)
     try:
@@ -145,6 +151,26 @@ def test_the_server_on_two_ranks_and_a_dead_worker_fails_every_request_with_503(
     worker.join(10)
     assert not worker.is_alive()
     assert not torch.distributed.is_initialized(), "the process group is left on close"
+
+
+def test_a_worker_rank_takes_rank_0s_environment_first(monkeypatch) -> None:
+    """A rank forks from a server whose environment is the one of when it started (`_worker_context`): the rank
+    replaces it by rank 0's of now before anything reads it (the kernels' ISA cap, the huge pages, the logging)."""
+    seen: dict[str, str] = {}
+
+    def start_rank(*args) -> None:
+        seen.update(os.environ)
+        raise InterruptedError
+
+    monkeypatch.setattr(distributed, "_start_rank", start_rank)
+    ours = dict(os.environ)
+    try:
+        with pytest.raises(InterruptedError):
+            distributed._worker_main(None, 1, "", None, None, {"PAGEDLLM_MAX_CPU_ISA": "baseline"})
+    finally:
+        os.environ.clear()
+        os.environ.update(ours)
+    assert seen == {"PAGEDLLM_MAX_CPU_ISA": "baseline"}
 
 
 def test_bench_comm_times_a_forward_pass_of_collectives(tmp_path) -> None:
