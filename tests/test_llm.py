@@ -1,21 +1,14 @@
-"""The offline API end to end on the embedded SmolLM2 model: fidelity, batching invariance, bad input."""
+"""The offline API end to end on the embedded SmolLM2 model: batching invariance, stops, bad input. (Its greedy
+chat tokens against transformers' generate: tests/models/test_smollm2_gguf.py, which loads that oracle.)"""
 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.cpu import cpu_info
 
 pytestmark = pytest.mark.slow
-
-CHATS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "List three prime numbers.",
-    "Explain in one sentence what a CPU does.",
-]
 
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly judge every boxing match "
          "near an old harbour where ships unload grain tea silk and copper before the winter storms").split()
@@ -28,22 +21,6 @@ def _mixed_prompts(count: int) -> list[str]:
 
 def _greedy(max_tokens: int, **kw) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, **kw)
-
-
-def test_greedy_tokens_match_transformers_on_chat_prompts(smol_llm, smol_hf):
-    hf_model, hf_tokenizer = smol_hf
-    conversations = [[{"role": "user", "content": c}] for c in CHATS]
-    ours = smol_llm.chat(conversations, _greedy(24), use_tqdm=False)
-    # transformers runs the four as one batch, padded on the left; a row that ends early goes on with padding.
-    batch = hf_tokenizer.apply_chat_template(conversations, add_generation_prompt=True, return_tensors="pt",
-                                             return_dict=True, padding=True, tokenizer_kwargs={"padding_side": "left"})
-    with torch.inference_mode():
-        hf_out = hf_model.generate(**batch, max_new_tokens=24, do_sample=False)
-    for row, (conversation, out) in enumerate(zip(conversations, ours)):
-        assert out.prompt_token_ids == batch["input_ids"][row][batch["attention_mask"][row].bool()].tolist()
-        tokens, hf_tokens = out.outputs[0].token_ids, hf_out[row, batch["input_ids"].shape[1]:].tolist()
-        assert hf_tokens[:len(tokens)] == tokens, conversation
-        assert set(hf_tokens[len(tokens):]) <= {hf_tokenizer.pad_token_id}, conversation
 
 
 def test_chat_gives_the_template_typed_parts_with_the_openai_content_format(smol_llm):

@@ -1,10 +1,12 @@
-"""The embedded SmolLM2 GGUF: pagedllm's loader and model against transformers' own GGUF loading."""
+"""The embedded SmolLM2 GGUF: pagedllm's loader and model, and the engine's greedy chat tokens, against
+transformers' own GGUF loading (one file, so that one pytest worker loads that oracle)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from pagedllm import SamplingParams
 from pagedllm.config import ModelConfig
 from pagedllm.loader import load_model
 from tests.models.tiny import SimplePagedRunner
@@ -42,3 +44,28 @@ def test_smollm2_gguf_matches_transformers(smol_hf) -> None:
             new_inputs[i] = [seq[-1]]
         logits = runner.step({i: [seq[-1]] for i, seq in enumerate(seqs)})
     assert max_err < 1e-3, max_err
+
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three prime numbers.",
+    "Explain in one sentence what a CPU does.",
+]
+
+
+@pytest.mark.slow
+def test_greedy_tokens_match_transformers_on_chat_prompts(smol_llm, smol_hf) -> None:
+    hf_model, hf_tokenizer = smol_hf
+    conversations = [[{"role": "user", "content": c}] for c in QUESTIONS]
+    ours = smol_llm.chat(conversations, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+    # transformers runs the four as one batch, padded on the left; a row that ends early goes on with padding.
+    batch = hf_tokenizer.apply_chat_template(conversations, add_generation_prompt=True, return_tensors="pt",
+                                             return_dict=True, padding=True, tokenizer_kwargs={"padding_side": "left"})
+    with torch.inference_mode():
+        hf_out = hf_model.generate(**batch, max_new_tokens=24, do_sample=False)
+    for row, (conversation, out) in enumerate(zip(conversations, ours)):
+        assert out.prompt_token_ids == batch["input_ids"][row][batch["attention_mask"][row].bool()].tolist()
+        tokens, hf_tokens = out.outputs[0].token_ids, hf_out[row, batch["input_ids"].shape[1]:].tolist()
+        assert hf_tokens[:len(tokens)] == tokens, conversation
+        assert set(hf_tokens[len(tokens):]) <= {hf_tokenizer.pad_token_id}, conversation
