@@ -16,8 +16,8 @@ import torch
 from pagedllm import LLM, SamplingParams
 from pagedllm.attention import triton_attention
 from tests.entrypoints.server_utils import start_server
+from tests.models.test_smollm2_gguf import QUESTIONS
 from tests.runner.test_cuda_graphs import MAX_NUM_SEQS, greedy_with_logprobs
-from tests.test_llm import CHATS
 from tests.test_sharing import PRESSURE_PROMPTS, SYSTEM, _greedy, _prompt, _tokens
 
 pytestmark = pytest.mark.gpu
@@ -55,7 +55,7 @@ def test_greedy_chat_tokens_on_cuda_match_transformers(smol_hf, caplog):
     assert "device cuda:" in caplog.text and "profile run:" in caplog.text and "KV cache:" in caplog.text
     layer = llm.engine.runner.model.model.layers[0].self_attn
     assert layer.attn_backend is triton_attention.paged_attention
-    conversations = [[{"role": "user", "content": c}] for c in CHATS]
+    conversations = [[{"role": "user", "content": c}] for c in QUESTIONS]
     ours = llm.chat(conversations, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
     for conversation, out in zip(conversations, ours):
         ids = hf_tokenizer.apply_chat_template(conversation, add_generation_prompt=True, return_tensors="pt",
