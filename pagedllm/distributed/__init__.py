@@ -337,13 +337,14 @@ def _start_rank(config: EngineConfig, rank: int, init_method: str, segment_path:
                        config.model.seed)
 
 
-# What a worker rank imports, once, in the server process the ranks are forked from (`_worker_context`).
-_WORKER_MODULES = ["pagedllm.distributed", "pagedllm.loader", "pagedllm.runner.model_runner"]
+# What a worker rank imports, once, in the server process the ranks are forked from (`_worker_context`):
+# transformers too, whose configuration classes the loader imports as it reads a model.
+_WORKER_MODULES = ["pagedllm.distributed", "pagedllm.loader", "pagedllm.runner.model_runner", "transformers"]
 
 
 def _worker_context():
     """How worker ranks start: forked from multiprocessing's fork server, a clean process that imported what a
-    rank runs (torch, the loader, the runner) when the first rank started, where the platform has one; spawned
+    rank runs (torch, transformers, the loader, the runner) when the first rank started, where the platform has one; spawned
     elsewhere. A forked rank skips those imports (a second or more) and ends at once where a spawned one tears torch
     down (~0.7 s): a two-rank engine on a tiny model started in 1.6 s instead of 2.8 s and closed in 0.02 s
     instead of 0.7 s (the AMX Xeon of docs/benchmarks.md). multiprocessing gives it this process's working

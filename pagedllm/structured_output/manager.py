@@ -21,6 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import llguidance
+import llguidance.hf
 import torch
 
 from pagedllm.config import StructuredOutputsConfig
@@ -78,12 +79,8 @@ class StructuredOutputManager:
         self._fill_thread = ThreadPoolExecutor(1, thread_name_prefix="pagedllm-bitmask")
 
     def _tokenizer(self) -> llguidance.LLTokenizer:
-        """Built on first use (about a second for a 50k vocabulary), under the lock. `llguidance.hf` imports
-        transformers (half a second): imported here, it stays out of the start-up of a tensor-parallel worker rank,
-        which imports this module with the runner and never compiles a grammar."""
+        """Built on first use (about a second for a 50k vocabulary), under the lock."""
         if self._ll_tokenizer is None:
-            import llguidance.hf
-
             self._ll_tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size)
         return self._ll_tokenizer
 
