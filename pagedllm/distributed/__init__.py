@@ -344,9 +344,9 @@ _WORKER_MODULES = ["pagedllm.distributed", "pagedllm.loader", "pagedllm.runner.m
 
 def _worker_context():
     """How worker ranks start: forked from multiprocessing's fork server, a clean process that imported what a
-    rank runs (torch, transformers, the loader, the runner) when the first rank started, where the platform has one; spawned
-    elsewhere. A forked rank skips those imports (a second or more) and ends at once where a spawned one tears torch
-    down (~0.7 s): a two-rank engine on a tiny model started in 1.6 s instead of 2.8 s and closed in 0.02 s
+    rank runs (torch, transformers, the loader, the runner) when the first rank started, where the platform has
+    one; spawned elsewhere. A forked rank skips those imports (~1.5 s) and ends at once where a spawned one tears
+    torch down (~0.7 s): a two-rank engine on a tiny model started in 1.2 s instead of 2.8 s and closed in 0.02 s
     instead of 0.7 s (the AMX Xeon of docs/benchmarks.md). multiprocessing gives it this process's working
     directory and sys.path of now, but the fork server's environment, from when it started: `_worker_main` takes
     rank 0's as an argument."""
