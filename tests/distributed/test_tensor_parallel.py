@@ -155,7 +155,8 @@ def test_the_server_on_two_ranks_and_a_dead_worker_fails_every_request_with_503(
 
 def test_a_worker_rank_takes_rank_0s_environment_first(monkeypatch) -> None:
     """A rank forks from a server whose environment is the one of when it started (`_worker_context`): the rank
-    replaces it by rank 0's of now before anything reads it (the kernels' ISA cap, the huge pages, the logging)."""
+    replaces it by rank 0's of now before anything reads it (the kernels' ISA cap, the huge pages, the bf16
+    kernel's choice)."""
     seen: dict[str, str] = {}
 
     def start_rank(*args) -> None:
