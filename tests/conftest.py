@@ -96,13 +96,26 @@ def smol_hf():
 def _gguf_parsed_once():
     """transformers parses the file's metadata anew for its config, its weights and its tokenizer (~9 s each on a
     Zen 3 core), and rebuilds gguf's tensor-name map for each of ~400 modules (~11 s); both are pure functions of
-    their arguments, so they are memoized while the oracle loads. What transformers computes is unchanged."""
+    their arguments, so they are memoized while the oracle loads. The reader slices its file ~4 million times, each
+    slice a `numpy.memmap` whose Python-level subclass hooks cost 3 times the slicing: it reads a plain array over
+    the same mapping instead (2.9 -> 0.8 s of CPU here). What transformers computes is unchanged."""
     import functools
     from unittest import mock
 
     import gguf
+    import numpy as np
 
-    with mock.patch.object(gguf, "GGUFReader", functools.cache(gguf.GGUFReader)), \
+    memmap, open_reader = np.memmap, gguf.GGUFReader
+
+    def plain_map(path: str, mode: str = "r") -> np.ndarray:
+        return memmap(path, mode=mode).view(np.ndarray)
+
+    @functools.cache
+    def reader(path: str, mode: str = "r") -> gguf.GGUFReader:
+        with mock.patch.object(np, "memmap", plain_map):
+            return open_reader(path, mode)
+
+    with mock.patch.object(gguf, "GGUFReader", reader), \
             mock.patch.object(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map)):
         yield
 
