@@ -605,7 +605,11 @@ inline float round_half_even(float x) { return (x + kRoundToInt) - kRoundToInt; 
 // a scalar call there (glibc declares its vector variants only under -ffast-math). Cephes' expf: x = n ln2 + r,
 // |r| <= ln2 / 2, exp(r) by a degree-7 polynomial, 2^n put into the exponent bits.
 namespace expf_constants {
-constexpr float kLowest = -87.3365478515625f, kHighest = 88.3762626647949f;  // exp underflows / overflows past them
+// Below kLowest exp gives 0: at -87 every result of the reduction is still a normal float (n = -126 needs r >= 0.34
+// there: p >= 1.4), where at float's own bound (-87.34) a masked -inf lane came out denormal (0.99999 x 2^-126), and
+// an instruction that makes a denormal takes a microcode assist: on partly masked softmax chunks the exps of the
+// AVX2 prefill kernel ran several times slower. exp overflows past kHighest.
+constexpr float kLowest = -87.f, kHighest = 88.3762626647949f;
 constexpr float kLog2e = 1.44269504088896341f;
 constexpr float kLn2High = 0.693359375f, kLn2Low = -2.12194440e-4f;  // ln 2 = high + low, high exact in 10 bits
 constexpr float kPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
@@ -628,7 +632,7 @@ inline float exp_approx(float x) {
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   const float value = p * scale;  // computed whatever x, so that the select below is branch-free (AVX2 has no masks)
-  return x < kLowest ? 0.f : value;  // below that, exp underflows (and exp(-inf) = 0)
+  return x < kLowest ? 0.f : value;  // below that, exp is about float's smallest normal or less (and exp(-inf) = 0)
 }
 
 // Soft-capping (Gemma 2's attention scores) in place: s = cap tanh(s / cap) over n scores, cap > 0, tanh(y) taken
@@ -641,8 +645,8 @@ inline void soft_cap(float* s, int64_t n, float cap) {
 }
 
 #if defined(__AVX512F__)
-// exp_approx of 16 values, none NaN or above kHighest, 2^n put in by vscalefps: an exponent below -126 gives a
-// denormal or 0 where exp_approx gives 0 below kLowest.
+// exp_approx of 16 values, none NaN or above kHighest, 2^n put in by vscalefps; below kLowest it gives exp(kLowest)
+// where exp_approx gives 0 (the callers mask such lanes: a -inf one).
 inline __m512 exp_approx16(__m512 x) {
   using namespace expf_constants;
   const __m512 clamped = _mm512_max_ps(x, _mm512_set1_ps(kLowest));
@@ -654,6 +658,25 @@ inline __m512 exp_approx16(__m512 x) {
   for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kPoly[i]));
   p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(p, n);
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// exp_approx of 8 values, as exp_approx computes it: 0 below kLowest (-inf included), NaN kept a NaN (max and min
+// return their second operand where either is NaN).
+inline __m256 exp_approx8(__m256 x) {
+  using namespace expf_constants;
+  const __m256 clamped = _mm256_min_ps(_mm256_set1_ps(kHighest), _mm256_max_ps(_mm256_set1_ps(kLowest), x));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(clamped, _mm256_set1_ps(kLog2e)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2High), clamped);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Low), r);
+  __m256 p = _mm256_set1_ps(kPoly[0]);
+  for (int i = 1; i < 6; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kPoly[i]));
+  p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256 value = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+  return _mm256_and_ps(value, _mm256_cmp_ps(x, _mm256_set1_ps(kLowest), _CMP_NLT_UQ));
 }
 #endif
 

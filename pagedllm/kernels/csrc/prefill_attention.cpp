@@ -539,6 +539,55 @@ inline void softmax_chunk(float* s, int64_t hidden, int64_t visible, float scale
     _mm512_storeu_ps(l, _mm512_fmadd_ps(_mm512_loadu_ps(l), correction, sum));
     return;
   }
+#elif defined(__AVX2__) && defined(__FMA__)
+  // AVX2: the same in two passes over the chunk (its eight vectors and exp_approx8's constants would not fit in
+  // sixteen registers together): its max, the lanes outside [hidden, visible) set to -inf by a blend (no masks
+  // here) and written back, then its exps, 0 on those lanes. The generic loops below ran five passes over the chunk
+  // and a scalar tree for its max.
+  static_assert(kKeyChunk == 64);
+  constexpr float kSlack = 8.f;
+  if (head_dim % 8 == 0) {
+    __m256 most = _mm256_set1_ps(kNegInf);
+    if (hidden == 0 && visible == kKeyChunk) {
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) most = _mm256_max_ps(most, _mm256_loadu_ps(s + 8 * i));
+    } else {
+      const __m256i first = _mm256_set1_epi32(static_cast<int>(hidden) - 1);
+      const __m256i end = _mm256_set1_epi32(static_cast<int>(visible));
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) {
+        const __m256i key = _mm256_add_epi32(_mm256_set1_epi32(8 * i), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        const __m256i seen = _mm256_and_si256(_mm256_cmpgt_epi32(key, first), _mm256_cmpgt_epi32(end, key));
+        const __m256 x = _mm256_blendv_ps(_mm256_set1_ps(kNegInf), _mm256_loadu_ps(s + 8 * i),
+                                          _mm256_castsi256_ps(seen));
+        _mm256_storeu_ps(s + 8 * i, x);
+        most = _mm256_max_ps(most, x);
+      }
+    }
+    __m128 half = _mm_max_ps(_mm256_castps256_ps128(most), _mm256_extractf128_ps(most, 1));
+    half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+    half = _mm_max_ss(half, _mm_movehdup_ps(half));
+    const float chunk_max = _mm_cvtss_f32(half) * scale;  // scale > 0: the max of the scaled scores
+    __m256 correction = _mm256_set1_ps(1.f);
+    if (chunk_max > m + kSlack) {  // a new max, further than kSlack (always on the row's first chunk, m = -inf)
+      correction = _mm256_set1_ps(exp_approx(m - chunk_max));  // 0 on the first chunk
+      m = chunk_max;
+      for (int64_t d = 0; d < head_dim; d += 8) {
+        _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_loadu_ps(o + d), correction));
+      }
+    }
+    const __m256 vscale = _mm256_set1_ps(scale), vm = _mm256_set1_ps(m);
+    __m256 sum[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) {
+      const __m256 p = exp_approx8(_mm256_fmsub_ps(_mm256_loadu_ps(s + 8 * i), vscale, vm));  // 0 where x is -inf
+      _mm256_storeu_ps(s + 8 * i, p);
+      sum[i % 2] = _mm256_add_ps(sum[i % 2], p);
+    }
+    _mm256_storeu_ps(l, _mm256_fmadd_ps(_mm256_loadu_ps(l), correction, sum[0]));
+    _mm256_storeu_ps(l + 8, _mm256_fmadd_ps(_mm256_loadu_ps(l + 8), correction, sum[1]));
+    return;
+  }
 #endif
 #pragma omp simd
   for (int64_t j = 0; j < kKeyChunk; ++j) s[j] *= scale;
@@ -560,13 +609,54 @@ inline void softmax_chunk(float* s, int64_t hidden, int64_t visible, float scale
   }
 }
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// o[r] += p[r] . v for R rows and 16 of the kHeadDim columns [c, c + 16) over the first `visible` values of a key
+// chunk: 2 x R ymm accumulators, each value pair of vectors loaded once for R rows and each p broadcast once for
+// both (8 loads for 12 FMAs at R = 6, where a row at a time loaded 9 for 8). Each output is still one chain over
+// the keys in order, from o: the same bits as accumulate_values gives.
+template <int R, int64_t kHeadDim>
+inline void accumulate_columns_avx2(const float* p, int64_t visible, const float* v, int64_t c, float* o) {
+  __m256 acc[R][2];
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r) {
+    acc[r][0] = _mm256_loadu_ps(o + r * kHeadDim + c);
+    acc[r][1] = _mm256_loadu_ps(o + r * kHeadDim + c + 8);
+  }
+  for (int64_t j = 0; j < visible; ++j) {
+    const __m256 v0 = _mm256_loadu_ps(v + j * kHeadDim + c), v1 = _mm256_loadu_ps(v + j * kHeadDim + c + 8);
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      const __m256 pj = _mm256_broadcast_ss(p + r * kKeyChunk + j);
+      acc[r][0] = _mm256_fmadd_ps(pj, v0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(pj, v1, acc[r][1]);
+    }
+  }
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(o + r * kHeadDim + c, acc[r][0]);
+    _mm256_storeu_ps(o + r * kHeadDim + c + 8, acc[r][1]);
+  }
+}
+#endif
+
 // o[r] += p[r] . v for `rows` rows (p rows kKeyChunk apart, o rows head_dim apart) over the first `visible`
-// values of a key chunk. With AVX-512 and a fixed head size, R rows at a time share each value vector loaded
-// (R x kHeadDim / 16 = 16 accumulators): one row at a time loaded every value once per FMA.
+// values of a key chunk. With a fixed head size, R rows at a time share each value vector loaded: with AVX-512
+// R x kHeadDim / 16 = 16 accumulators; with AVX2 (half the registers) six rows x 16 columns at a time
+// (accumulate_columns_avx2). One row at a time loaded every value once per FMA.
 template <int64_t kHeadDim>
 inline void accumulate_rows(const float* p, int64_t rows, int64_t visible, const float* v, int64_t head_dim,
                             float* o) {
   int64_t r = 0;
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+  if constexpr (kHeadDim > 0 && kHeadDim % 16 == 0) {
+    run_row_blocks<6>(rows, [&]<int R>(int64_t r0) {
+      for (int64_t c = 0; c < kHeadDim; c += 16) {
+        accumulate_columns_avx2<R, kHeadDim>(p + r0 * kKeyChunk, visible, v, c, o + r0 * kHeadDim);
+      }
+    });
+    return;
+  }
+#endif
 #if defined(__AVX512F__)
   if constexpr (kHeadDim > 0 && kHeadDim % 16 == 0 && kHeadDim <= 256) {
     constexpr int kVecs = kHeadDim / 16, R = std::max(1, 16 / kVecs);
