@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import AutoConfig
 
 from pagedllm.attention import cpu as attention_cpu
 from pagedllm.bench.cli import main
@@ -52,3 +53,42 @@ def test_a_latent_attention_model_is_timed_over_its_pools_rows(tmp_path):
     result = main(["attention", "--model", str(folder), "--dtype", "float32", "--num-seqs", "2", "--context-len", "9",
                    "--pool-gib", "0.001", "--repeats", "1"])
     assert result["kv_bytes_per_token"] == 2 * result["layers"] * 1 * 40 * 4
+
+
+def test_a_shared_prefix_step_runs_paged_attention_over_the_prefixs_blocks(tiny_model_dir, monkeypatch):
+    """--shared-prefix: every table starts with the same blocks, then the sequence's own; each layer's call gets
+    the last --query-len tokens of every sequence as its queries, as a cascade (16 sequences over 4 chunks of the
+    prefix: the kernels' threshold), and the rate counts the keys each query sees."""
+    calls = []
+    real = attention_cpu.paged_attention
+
+    def counted(query, k_cache, v_cache, meta, scale, *args, **kwargs):
+        calls.append((query.shape[0], meta))
+        return real(query, k_cache, v_cache, meta, scale, *args, **kwargs)
+
+    monkeypatch.setattr(attention_cpu, "paged_attention", counted)
+    result = main(["attention", "--model", tiny_model_dir, "--dtype", "float32", "--num-seqs", "16",
+                   "--context-len", "20", "--shared-prefix", "256", "--query-len", "5", "--block-size", "8",
+                   "--pool-gib", "0.001", "--repeats", "2"])
+    layers = result["layers"]
+    assert len(calls) == layers * 3 and {rows for rows, _ in calls} == {16 * 5}
+    _, meta = calls[-1]
+    tables = meta.block_tables.tolist()
+    assert [t[:32] for t in tables] == [tables[0][:32]] * 16                    # the prefix's 32 blocks, shared
+    own = [b for t in tables for b in t[32:]]
+    assert len(set(own)) == 16 * 3 and not set(own) & set(tables[0][:32])      # 20 own tokens: 3 blocks each
+    assert meta.seq_lens.tolist() == [276] * 16 and meta.query_start_loc.tolist() == list(range(0, 81, 5))
+    (row,) = result["steps"]
+    assert row["cascade_prefix"] == 256
+    keys_seen = 16 * sum(276 - 5 + j + 1 for j in range(5))
+    config = AutoConfig.from_pretrained(tiny_model_dir)
+    head_dim = config.hidden_size // config.num_attention_heads
+    flops = 4 * keys_seen * config.num_attention_heads * head_dim * layers
+    assert row["gflop_per_s"] == pytest.approx(flops / (row["ms_per_step"] / 1e3) / 1e9)
+
+
+@pytest.mark.parametrize("flags", [["--shared-prefix", "12"], ["--shared-prefix", "16", "--query-len", "21"]])
+def test_a_shared_prefix_of_part_of_a_block_or_more_queries_than_tokens_is_refused(tiny_model_dir, flags):
+    with pytest.raises(SystemExit, match="--shared-prefix must be whole blocks|--query-len must be"):
+        main(["attention", "--model", tiny_model_dir, "--dtype", "float32", "--num-seqs", "2", "--context-len", "20",
+              "--block-size", "8", "--pool-gib", "0.001", "--repeats", "1"] + flags)
