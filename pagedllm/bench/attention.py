@@ -84,10 +84,10 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                 k_cache[ids] = _random_rows(k_cache[ids].shape, layout, generator)
                 v_cache[ids] = _random_rows(v_cache[ids].shape, layout, generator)
             shared, own = ids[:shared_blocks], ids[shared_blocks:].view(num_seqs, per_seq)
-            step = (_decode_step if not args.shared_prefix else _shared_prefix_step)(
+            run, rate = (_decode_step if not args.shared_prefix else _shared_prefix_step)(
                 args, config, layout, caches, shared, own, context, scale, generator)
-            seconds = statistics.median([step() for _ in range(1 + args.repeats)][1:])  # the first warms the caches
-            rows.append(dict(num_seqs=num_seqs, context_len=context, ms_per_step=1e3 * seconds) | step.rate(seconds))
+            seconds = statistics.median([_timed(run) for _ in range(1 + args.repeats)][1:])  # the first warms up
+            rows.append(dict(num_seqs=num_seqs, context_len=context, ms_per_step=1e3 * seconds) | rate(seconds))
     result = {"model": resolved.name, "cpu": cpu_info().describe(), "dtype": str(layout.dtype).removeprefix("torch."),
               "kv_cache_dtype": args.kv_cache_dtype, "block_size": args.block_size, "layers": layout.num_layers,
               "kv_bytes_per_token": layout.bytes_per_token, "scatter": args.scatter,
@@ -99,16 +99,15 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-class _Step:
-    """One step's attention over every layer, timed by a call (seconds); `rate(seconds)` its row's rate."""
+# A step: (run every layer's attention once, the row's rate for the seconds that took).
+_Step = tuple[Callable[[], None], Callable[[float], dict[str, Any]]]
 
-    def __init__(self, run: Callable[[], None], rate: Callable[[float], dict[str, Any]]):
-        self.run, self.rate = run, rate
 
-    def __call__(self) -> float:
-        start = time.perf_counter()
-        self.run()
-        return time.perf_counter() - start
+def _timed(run: Callable[[], None]) -> float:
+    """Seconds `run` takes."""
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
 
 
 def _decode_step(args: argparse.Namespace, config: Any, layout: Any, caches: list[tuple[Any, Any]], shared: Any,
@@ -128,7 +127,7 @@ def _decode_step(args: argparse.Namespace, config: Any, layout: Any, caches: lis
             decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale)
 
     read = num_seqs * context * layout.bytes_per_token
-    return _Step(run, lambda seconds: {"gb_per_s": read / seconds / 1e9})
+    return run, lambda seconds: {"gb_per_s": read / seconds / 1e9}
 
 
 def _shared_prefix_step(args: argparse.Namespace, config: Any, layout: Any, caches: list[tuple[Any, Any]],
@@ -154,7 +153,7 @@ def _shared_prefix_step(args: argparse.Namespace, config: Any, layout: Any, cach
 
     keys_seen = num_seqs * sum(prefix + context - q_len + j + 1 for j in range(q_len))
     flops = 4 * keys_seen * config.num_attention_heads * layout.head_dim * layout.num_layers
-    return _Step(run, lambda seconds: {"gflop_per_s": flops / seconds / 1e9, "cascade_prefix": cascade})
+    return run, lambda seconds: {"gflop_per_s": flops / seconds / 1e9, "cascade_prefix": cascade}
 
 
 def _random_rows(shape: Any, layout: Any, generator: Any) -> Any:

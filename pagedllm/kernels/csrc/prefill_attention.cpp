@@ -832,7 +832,7 @@ void run_plan(Plan& plan, at::Tensor& out, const at::Tensor& q, const at::Tensor
     for (int64_t tile = 0; tile < plan.packed[w].num_tiles; tile += kChunkTiles) units.emplace_back(w, tile);
   }
   at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> krows(kKeyTile * head_dim);  // a tile's key rows, then transposed
+    std::vector<float> krows(kBf16Dot ? 0 : kKeyTile * head_dim);  // a float tile's key rows, to transpose
     std::vector<c10::BFloat16> k_scratch, v_scratch;  // an int8 cache's rows in bf16 (bf16_rows)
     for (int64_t u = begin; u < end; ++u) {
       const Packed& pk = plan.packed[units[u].first];
@@ -885,7 +885,9 @@ void run_plan(Plan& plan, at::Tensor& out, const at::Tensor& q, const at::Tensor
             load_row(key, krows.data() + j * head_dim, head_dim);
           }
         }
-        if constexpr (!kBf16Dot) transpose_key_tile(krows.data(), head_dim, k_floats.get() + pk.k_offset + tile * k_tile_words);
+        if constexpr (!kBf16Dot) {
+          transpose_key_tile(krows.data(), head_dim, k_floats.get() + pk.k_offset + tile * k_tile_words);
+        }
       }
     }
   });
