@@ -42,8 +42,10 @@ class VocabEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabEmbedding):
-    """hidden [N, H] -> logits [N, V] float32. Shares the embedding's weight when embeddings are tied; `bias`: a
-    logit bias of each token (Phi's), split across the ranks as the rows are."""
+    """hidden [N, H] -> logits [N, V] in the weights' compute dtype (bf16 logits for a bf16 model, as its matmul
+    rounds them: the sampler widens them to float32 where it computes with them, and a greedy batch's argmax reads
+    them as they are). Shares the embedding's weight when embeddings are tied; `bias`: a logit bias of each token
+    (Phi's), split across the ranks as the rows are."""
 
     packable_weight = True  # see pagedllm.layers.linear.pack_linear_weights
 
@@ -61,7 +63,7 @@ class ParallelLMHead(VocabEmbedding):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         """Rank 0 (the only one that samples) gets the whole vocabulary's logits, gathered from every rank's
         slice; another rank gets its own slice [N, V / tp]."""
-        logits = linear(hidden, self.weight, self.bias).float()  # [N, V / tp]
+        logits = linear(hidden, self.weight, self.bias)  # [N, V / tp]
         if self.tp_size > 1:
             parts = communicator().gather_to_first(logits)     # [tp, N, V / tp] on rank 0
             if parts is None:

@@ -1419,8 +1419,10 @@ class LlamaForCausalLM(nn.Module):
         return self.image_encoder.encode(image)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, H] -> logits [N, V] float32."""
+        """hidden: [N, H] -> logits [N, V]: the LM head's (its dtype), float32 once scaled or soft-capped."""
         logits = self.lm_head(hidden)
+        if self.logits_scaling != 1.0 or self.logit_scale != 1.0 or self.final_softcap:
+            logits = logits.float()
         if self.logits_scaling != 1.0:
             logits = logits.div_(self.logits_scaling)
         if self.logit_scale != 1.0:

@@ -235,7 +235,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] -> logits [N, V] float32 (on rank 0; a worker gets its vocabulary slice)."""
+        """hidden [N, H] -> logits [N, V], float32 or the LM head's dtype (on rank 0; a worker gets its vocabulary
+        slice)."""
         with self.peers.run("compute_logits", hidden), kernels_fixed():
             return self.model.compute_logits(hidden)
 

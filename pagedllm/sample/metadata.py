@@ -99,6 +99,12 @@ class SamplingMetadata:
     max_num_logprobs: int | None           # None: no row asked for logprobs
     generator: torch.Generator | None = None  # the shared draw of unseeded rows; None: torch's default RNG
 
+    @property
+    def processes_logits(self) -> bool:
+        """Whether a row's logits change before its sampling: a bitmask, allowed tokens, a bias, a ban, penalties."""
+        return not (self.token_bitmask is None and self.allowed is None and self.logit_bias is None
+                    and self.banned is None and self.penalties is None)
+
     @classmethod
     def build(cls, rows: list[SamplingRow], vocab_size: int, device: torch.device | str = "cpu",
               generator: torch.Generator | None = None) -> SamplingMetadata:

@@ -8,33 +8,29 @@ import sys
 import numpy as np
 import torch
 
+from pagedllm.kernels import kernels_for
 from pagedllm.sample.metadata import Penalties, TokenBitmask
 
 # Top-p looks at each row's largest logits first (see top_k_top_p_candidates).
 _TOP_P_CANDIDATES = 1024
 
 
-# Values per chunk in argmax_rows: a vocabulary that is a multiple of it (SmolLM2's 49,152 = 384 x 128) takes the
-# two-stage path.
-_ARGMAX_CHUNK = 128
+# The dtypes the kernel reads (kernels/csrc/sampling.cpp); others take torch's argmax.
+_ARGMAX_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
-    """`x.argmax(dim=-1)` of [N, V] float rows: the first index of each row's largest value (of its first NaN).
+    """`x.argmax(dim=-1)` of [N, V] rows: the first index of each row's largest value (of its first NaN).
 
-    torch's CPU argmax is a scalar loop (~1.3 ms for [32, 49152] here, about a tenth of a decode step's non-model
-    time), while its amax is vectorised (~0.14 ms). So: the max of each chunk of 128 values (amax), the first chunk
-    holding the row's max (argmax over N x V/128 values), then the first index of that max inside the chunk. The
-    first chunk holding the max holds its first index, so ties and NaN (amax and argmax both take NaN as the
-    largest) come out as torch's. Other shapes and non-CPU tensors take torch's argmax.
+    torch's CPU argmax is a scalar loop (~1.1 ms for [32, 49152] float32 rows, several percent of a decode step of
+    32 rows); the C++ kernel takes a vectorised max of each chunk of a row, then the first index of the max in the
+    first chunk holding it, and reads bf16 rows as they are. torch's argmax is the reference, and the path of other
+    devices, shapes and dtypes.
     """
-    rows, vocab = x.shape
-    if x.device.type != "cpu" or vocab % _ARGMAX_CHUNK:
+    kernels = kernels_for(x)
+    if kernels is None or x.dim() != 2 or x.dtype not in _ARGMAX_DTYPES or x.shape[1] == 0 or x.stride(1) != 1:
         return x.argmax(dim=-1)
-    chunks = x.view(rows, vocab // _ARGMAX_CHUNK, _ARGMAX_CHUNK)
-    chunk = chunks.amax(dim=-1).argmax(dim=-1)                                    # [N]
-    within = chunks[torch.arange(rows, device=x.device), chunk].argmax(dim=-1)    # [N]
-    return chunk * _ARGMAX_CHUNK + within
+    return kernels.argmax_rows(x)
 
 
 def inverse_cdf_sample(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:

@@ -116,7 +116,8 @@ class SamplerOutput:
 
 
 class Sampler(nn.Module):
-    """Samples one token per row: `Sampler()(logits [B, V] float32, meta) -> SamplerOutput`; its logprobs are as
+    """Samples one token per row: `Sampler()(logits [B, V], meta) -> SamplerOutput`, the logits in float32 or the LM
+    head's dtype (widened here, except for a batch that only takes each row's argmax); its logprobs are as
     `logprobs_mode` says (pagedllm.config.LOGPROBS_MODES; see the module docstring)."""
 
     def __init__(self, logprobs_mode: str = "raw_logprobs", custom: CustomLogits | None = None) -> None:
@@ -126,6 +127,8 @@ class Sampler(nn.Module):
 
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         # logits: [B, V]
+        if meta.all_greedy and meta.max_num_logprobs is None and self.custom is None and not meta.processes_logits:
+            return SamplerOutput(token_ids=argmax_rows(logits), logprobs=None)     # (widening keeps the argmax)
         raw = logits.float()
         logits = self.process_logits(raw, meta)
         if self.custom is not None:
@@ -149,8 +152,7 @@ class Sampler(nn.Module):
     def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """Apply the token bitmask, allowed_token_ids, logit_bias, banned tokens and penalties. Never modifies the
         caller's tensor."""
-        if (meta.token_bitmask is None and meta.allowed is None and meta.logit_bias is None and meta.banned is None
-                and meta.penalties is None):
+        if not meta.processes_logits:
             return logits
         logits = logits.clone()
         if meta.token_bitmask is not None:

@@ -111,8 +111,10 @@ def test_embedding_and_lm_head() -> None:
     assert torch.equal(emb(ids), w[ids])
     head = ParallelLMHead(10, 4, dtype=torch.bfloat16)
     head.weight.weight_loader(head.weight, w)
-    logits = head(torch.randn(2, 4).bfloat16())
-    assert logits.shape == (2, 10) and logits.dtype == torch.float32
+    hidden = torch.randn(2, 4).bfloat16()
+    logits = head(hidden)       # as the bf16 matmul rounds them: the sampler widens them where it needs to
+    assert logits.shape == (2, 10) and logits.dtype == torch.bfloat16
+    assert torch.equal(logits, hidden @ w.bfloat16().T)
     shard = VocabEmbedding(10, 4, tp_rank=1, tp_size=3)  # 4 rows each, the last rank padded
     shard.weight.weight_loader(shard.weight, w)
     assert torch.equal(shard.weight, w[4:8])

@@ -400,7 +400,7 @@ class SimplePagedRunner:
         last = torch.tensor(meta.query_start_loc_cpu[1:]) - 1
         for s, q in zip(seq_ids, query_lens):
             self.num_computed[s] = self.num_computed.get(s, 0) + q
-        return self.model.compute_logits(hidden[last])
+        return self.model.compute_logits(hidden[last]).float()
 
 
 def clear_first_tokens(hf_model: Any, prompts: list[list[int]]) -> tuple[list[int], list[int]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagedllm.kernels import kernels_for
 from pagedllm.sample.ops import argmax_rows, inverse_cdf_sample, top_k_top_p_candidates, top_k_top_p_sorted
 
 
@@ -33,16 +34,39 @@ def test_inverse_cdf_never_picks_zero_probability_tokens() -> None:
     assert inverse_cdf_sample(probs, uniform).tolist() == [1, 1, 3, 3, 3]
 
 
-@pytest.mark.parametrize("vocab", [49152, 1024, 1000])     # 1000: not a multiple of the chunk, torch's argmax
-def test_argmax_rows_is_torch_argmax_with_ties_and_nan(vocab: int) -> None:
+@pytest.mark.parametrize("vocab", [49152, 1000, 7])      # whole chunks of the kernel's 256, a partial one, less
+def test_argmax_rows_is_torch_argmax_with_ties_and_nan(vocab: int, isa_level: str) -> None:
     torch.manual_seed(0)
-    logits = torch.randn(9, vocab)
-    logits[1, [5, 700, vocab - 1]] = 50.0          # ties across chunks: the first index
-    logits[2, [130, 131]] = 50.0                   # ties in one chunk
+    logits = torch.randn(11, vocab + 3)[:, :vocab]  # rows a stride apart, as the LM head's padded vocabulary
+    logits[1, [5, vocab // 2, vocab - 1]] = 50.0   # ties across chunks: the first index
+    logits[2, [vocab - 2, vocab - 1]] = 50.0       # ties in one chunk
     logits[3, [vocab - 1, 3]] = float("nan")       # NaN counts as the largest, the first one wins
     logits[4] = float("-inf")                      # a row masked out entirely (a grammar, min_tokens)
     logits[5, vocab - 1] = float("inf")
     logits[6] = 0.0                                # all equal
     logits[7, 0] = 1e30
-    for rows in (logits, logits.to(torch.bfloat16).float(), logits[:1]):
-        assert torch.equal(argmax_rows(rows), rows.argmax(dim=-1))
+    logits[8, vocab - 1] = 60.0                    # the max in the last chunk, after a NaN-free row of others
+    logits[8, 0] = float("-inf")
+    logits[9] = -0.0                               # -0 and 0 tie
+    logits[9, vocab - 1] = 0.0
+    logits[10, vocab - 1] = float("nan")           # the only NaN, last
+    kernels = kernels_for(logits)
+    assert kernels is not None
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        rows = logits.to(dtype)
+        for x in (rows, rows[:1], rows[3:4]):
+            expected = x.argmax(dim=-1)
+            assert torch.equal(kernels.argmax_rows(x), expected), (dtype, x.shape)
+            assert torch.equal(argmax_rows(x), expected)
+    assert torch.equal(argmax_rows(logits.double()), logits.double().argmax(dim=-1))    # torch's path
+
+
+def test_argmax_rows_refuses_what_it_cannot_read() -> None:
+    kernels = kernels_for(torch.empty(0))
+    assert kernels is not None
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
+        kernels.argmax_rows(torch.zeros(2, 4, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="unit stride along V"):
+        kernels.argmax_rows(torch.zeros(4, 2).t())
+    with pytest.raises(RuntimeError, match="V > 0"):
+        kernels.argmax_rows(torch.zeros(2, 0))

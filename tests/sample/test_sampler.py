@@ -175,6 +175,26 @@ def test_all_greedy_is_argmax_and_has_no_logprobs() -> None:
     assert out.logprobs is None
 
 
+@pytest.mark.parametrize("params", [
+    [SamplingParams(temperature=0)] * 4,                                     # the argmax of the bf16 rows as they are
+    [SamplingParams(temperature=0), SamplingParams(temperature=0, logit_bias={7: 0.5})] * 2,
+    [SamplingParams(temperature=0, logprobs=3)] * 4,
+    [SamplingParams(temperature=0), SamplingParams(temperature=0.9, seed=5, top_k=20)] * 2,
+], ids=["greedy", "biased", "logprobs", "mixed"])
+def test_bf16_logits_sample_as_their_float32_widening(params: list[SamplingParams]) -> None:
+    logits = (torch.randn(4, VOCAB) * 3).bfloat16()         # ties are common in bf16: the first index wins either way
+    logits[0, [10, 50]] = logits[0].max() + 1
+    rows = [_row(p, seed=p.seed) for p in params]
+    twins = _clone_rows(rows)                              # the seeded row's generator as it was
+    narrow, wide = _sample(logits, rows), _sample(logits.float(), twins)
+    assert narrow.token_ids.tolist() == wide.token_ids.tolist()
+    assert narrow.token_ids[0] == 10
+    assert (narrow.logprobs is None) == (wide.logprobs is None)
+    if wide.logprobs is not None:
+        assert torch.equal(narrow.logprobs.logprobs, wide.logprobs.logprobs)
+        assert narrow.logprobs.logprobs.dtype == torch.float32
+
+
 def test_does_not_modify_callers_logits() -> None:
     logits = torch.randn(2, VOCAB)
     before = logits.clone()

@@ -30,6 +30,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv", &pagedllm::write_kv,
         "Store the new tokens' K and V rows at their slots, copied into a cache of their dtype or quantized into an "
         "int8 cache's rows: (key, value, k_cache, v_cache, slot_mapping)", NoGil());
+  m.def("argmax_rows", &pagedllm::argmax_rows,
+        "Each row's first index of its largest value (of its first NaN), torch.argmax(x, -1): (x)", NoGil());
   m.def("rms_norm", &pagedllm::rms_norm, "out = RMSNorm(x) * weight: (out, x, weight, eps)", NoGil());
   m.def("fused_add_rms_norm", &pagedllm::fused_add_rms_norm,
         "residual_out = x + residual; out = RMSNorm(residual_out) * weight: "

@@ -106,6 +106,10 @@ void prefill_attention_after_prefix(at::Tensor out, const at::Tensor& q, const a
 // The new tokens' K and V into their cache slots, copied or quantized to int8 rows (cache_write.cpp).
 void write_kv(at::Tensor key, at::Tensor value, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slot_mapping);
 
+// Each row's first index of its largest value, or of its first NaN: x.argmax(-1) of x [N, V] float32, bf16 or
+// float16, its rows any stride apart (sampling.cpp).
+at::Tensor argmax_rows(const at::Tensor& x);
+
 // Layers (layers.cpp).
 void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps);
 void fused_add_rms_norm(at::Tensor out, at::Tensor residual_out, at::Tensor x, at::Tensor residual,
