@@ -29,6 +29,7 @@ from pagedllm.loader import LoadedModel
 from pagedllm.runner import kv_tensors
 from pagedllm.runner.input_batch import CachedRequestState, build_model_inputs
 from pagedllm.runner.model_runner import model_shape
+from pagedllm.sample.ops import argmax_rows
 
 
 class DraftModel:
@@ -100,4 +101,4 @@ class DraftModel:
         with kernels_fixed():
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, None)
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        return dict(zip(inputs.sample_request_ids, logits[:, :self.vocab_size].argmax(-1).tolist()))
+        return dict(zip(inputs.sample_request_ids, argmax_rows(logits[:, :self.vocab_size]).tolist()))
