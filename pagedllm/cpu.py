@@ -90,8 +90,13 @@ class CpuInfo:
 
     @property
     def march(self) -> str:
-        """-march for the C++ kernels: the CPU's own (native) unless capped, then the capped level's."""
-        return _MARCH[self.isa_level] if self.capped and self.is_x86 else "native"
+        """-march for the C++ kernels: the CPU's own (native) unless capped, then the capped level's, with
+        "+avx512vnni" (built with -mavx512vnni too) at the AVX-512 level where the CPU has VNNI: x86-64-v4 lacks it,
+        and without it the cap ran the GGUF and W8A8 kernels' AVX2 paths where an Ice Lake runs `vpdpbusd`."""
+        if not (self.capped and self.is_x86):
+            return "native"
+        vnni = self.isa_level == "avx512" and "avx512_vnni" in self.flags
+        return _MARCH[self.isa_level] + ("+avx512vnni" if vnni else "")
 
     def describe(self) -> str:
         """One line for the start-up log, e.g. "AMD EPYC (x86_64, avx2: avx2 f16c fma; no native bf16)"."""

@@ -80,6 +80,10 @@ def test_cap_to_avx2_hides_avx512(zen4, monkeypatch: pytest.MonkeyPatch) -> None
     assert "capped" in capped.describe()
     monkeypatch.setenv(cpu.MAX_ISA_ENV, "baseline")
     assert (cpu_info().isa_level, cpu_info().march, cpu_info().flags) == ("baseline", "x86-64", frozenset())
+    monkeypatch.setenv(cpu.MAX_ISA_ENV, "avx512")   # Zen 4 at Ice Lake's level: AVX-512 and its VNNI, no bf16
+    assert (cpu_info().isa_level, cpu_info().march, cpu_info().native_bf16) == ("avx512", "x86-64-v4+avx512vnni", False)
+    monkeypatch.setattr(cpu, "_read_cpu", lambda: ("x86_64", "AMD EPYC", ZEN4 - {"avx512_vnni"}))
+    assert cpu_info().march == "x86-64-v4"
 
 
 def test_a_cap_above_the_cpu_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -91,7 +91,8 @@ def kernel_marches() -> list[str]:
 
 @functools.cache
 def build_kernels(march: str) -> ModuleType | None:
-    """The kernels compiled with `-march=march` (each level its own cached build), or None if that fails.
+    """The kernels compiled with `-march=march` (each level its own cached build), or None if that fails; a march
+    "base+feature" (`CpuInfo.march`) is `-march=base -mfeature`.
 
     A folder whose build once loaded is imported directly: its key covers everything ninja would check, and
     `torch.utils.cpp_extension` (setuptools with it) and ninja's up-to-date check cost ~0.2 s of a cold start.
@@ -102,8 +103,9 @@ def build_kernels(march: str) -> ModuleType | None:
     # -mprefer-vector-width=512: where the CPU has AVX-512, GCC vectorizes the plain loops (layers.cpp's norms and
     # gated activations) 16 floats wide instead of 8: 1.4-1.5x their bf16 rates on the AMX Xeon, ~7% of an encoder's
     # prefill; elsewhere it changes nothing.
-    cflags = ["-O3", f"-march={march}", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
-              "-mprefer-vector-width=512"]
+    base, *features = march.split("+")
+    cflags = ["-O3", f"-march={base}", *(f"-m{feature}" for feature in features), "-fopenmp", "-fno-math-errno",
+              "-fno-trapping-math", "-mprefer-vector-width=512"]
     # Keyed by the sources and their folder (ninja rebuilds when the command line, which names them, changes),
     # the flags, torch and, for native, the CPU: native code is only valid on this CPU.
     signature = _cpu_signature() if march == "native" else ""
@@ -112,7 +114,7 @@ def build_kernels(march: str) -> ModuleType | None:
         key.update(path.name.encode() + path.read_bytes())
     build_dir = cache_dir() / "kernels" / key.hexdigest()[:16]
     build_dir.mkdir(parents=True, exist_ok=True)
-    name = "pagedllm_cpu_kernels" + ("" if march == "native" else "_" + march.replace("-", "_"))
+    name = "pagedllm_cpu_kernels" + ("" if march == "native" else "_" + march.replace("-", "_").replace("+", "_"))
     built = build_dir / _BUILT_MARKER
     if built.exists():
         try:
