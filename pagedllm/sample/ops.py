@@ -15,7 +15,7 @@ from pagedllm.sample.metadata import Penalties, TokenBitmask
 _TOP_P_CANDIDATES = 1024
 
 
-# The dtypes the kernel reads (kernels/csrc/sampling.cpp); others take torch's argmax.
+# The dtypes the kernels read (kernels/csrc/sampling.cpp); others take torch's ops.
 _ARGMAX_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -31,6 +31,18 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     if kernels is None or x.dim() != 2 or x.dtype not in _ARGMAX_DTYPES or x.shape[1] == 0 or x.stride(1) != 1:
         return x.argmax(dim=-1)
     return kernels.argmax_rows(x)
+
+
+def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Each row's token drawn from softmax(logits / temperature) [B, V] with its uniform number (`inverse_cdf_sample`
+    of those probabilities, which is the reference and the path of other devices, shapes and dtypes). On the CPU the
+    C++ kernel does it in one pass a row, reading bf16 logits as they are; its sums are chunked where torch's cumsum
+    runs in order, so a draw differs only where u falls within float rounding of a boundary between two tokens."""
+    kernels = kernels_for(logits)
+    if (kernels is None or logits.dim() != 2 or logits.dtype not in _ARGMAX_DTYPES or logits.shape[1] == 0
+            or logits.stride(1) != 1):
+        return inverse_cdf_sample(torch.softmax(logits.float() / temperature.unsqueeze(1), dim=-1), uniform)
+    return kernels.sample_rows(logits, temperature.float().contiguous(), uniform.float().contiguous())
 
 
 def inverse_cdf_sample(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pagedllm.kernels import kernels_for
-from pagedllm.sample.ops import argmax_rows, inverse_cdf_sample, top_k_top_p_candidates, top_k_top_p_sorted
+from pagedllm.sample.ops import argmax_rows, inverse_cdf_sample, sample_rows, top_k_top_p_candidates, top_k_top_p_sorted
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -70,3 +70,30 @@ def test_argmax_rows_refuses_what_it_cannot_read() -> None:
         kernels.argmax_rows(torch.zeros(4, 2).t())
     with pytest.raises(RuntimeError, match="V > 0"):
         kernels.argmax_rows(torch.zeros(2, 0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sample_rows_draws_the_inverse_cdf_token(isa_level: str, dtype: torch.dtype) -> None:
+    """The kernel's draw is the token whose float64 CDF interval holds u * total (to float32 rounding of the sums),
+    and almost always torch's own draw (`inverse_cdf_sample` of the softmax); -inf tokens are never drawn."""
+    g = torch.Generator().manual_seed(1)
+    rows, vocab = 64, 5000
+    logits = (torch.randn(rows, vocab + 7, generator=g) * 4)[:, :vocab].to(dtype)   # rows a stride apart
+    logits[::3, 100:4000] = float("-inf")                   # filtered tokens (a mask, top-k), one chunk left whole
+    temperature = torch.rand(rows, generator=g) * 1.5 + 0.05
+    uniform = torch.rand(rows, generator=g)
+    uniform[:4] = torch.tensor([0.0, 1.0 - 2**-24, 0.5, 1e-9])
+    kernels = kernels_for(logits)
+    assert kernels is not None
+    drawn = kernels.sample_rows(logits, temperature, uniform)
+    assert torch.equal(sample_rows(logits, temperature, uniform), drawn)
+    probs = torch.softmax(logits.double() / temperature.double().unsqueeze(1), dim=-1)
+    cdf = probs.cumsum(-1)
+    target = uniform.double() * cdf[:, -1]
+    tol = 1e-5
+    for r in range(rows):
+        t = int(drawn[r])
+        assert probs[r, t] > 0, (r, t)
+        assert cdf[r, t] > target[r] - tol and (t == 0 or cdf[r, t - 1] <= target[r] + tol), (r, t)
+    torch_draw = inverse_cdf_sample(torch.softmax(logits.float() / temperature.unsqueeze(1), dim=-1), uniform)
+    assert (torch_draw == drawn).float().mean() >= 0.95

@@ -32,6 +32,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "int8 cache's rows: (key, value, k_cache, v_cache, slot_mapping)", NoGil());
   m.def("argmax_rows", &pagedllm::argmax_rows,
         "Each row's first index of its largest value (of its first NaN), torch.argmax(x, -1): (x)", NoGil());
+  m.def("sample_rows", &pagedllm::sample_rows,
+        "Each row's token drawn from softmax(x / temperature) by inverse CDF with its uniform: (x, temperature, "
+        "uniform)", NoGil());
   m.def("rms_norm", &pagedllm::rms_norm, "out = RMSNorm(x) * weight: (out, x, weight, eps)", NoGil());
   m.def("fused_add_rms_norm", &pagedllm::fused_add_rms_norm,
         "residual_out = x + residual; out = RMSNorm(residual_out) * weight: "
