@@ -4,6 +4,7 @@ the logprobs gather."""
 from __future__ import annotations
 
 import sys
+from types import ModuleType
 
 import numpy as np
 import torch
@@ -16,7 +17,15 @@ _TOP_P_CANDIDATES = 1024
 
 
 # The dtypes the kernels read (kernels/csrc/sampling.cpp); others take torch's ops.
-_ARGMAX_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _row_kernels(x: torch.Tensor) -> ModuleType | None:
+    """The kernel module where sampling.cpp's kernels take x: [N, V] CPU rows of a dtype they read, V > 0, each row
+    contiguous."""
+    if x.dim() != 2 or x.dtype not in _KERNEL_DTYPES or x.shape[1] == 0 or x.stride(1) != 1:
+        return None
+    return kernels_for(x)
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
@@ -27,10 +36,8 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     first chunk holding it, and reads bf16 rows as they are. torch's argmax is the reference, and the path of other
     devices, shapes and dtypes.
     """
-    kernels = kernels_for(x)
-    if kernels is None or x.dim() != 2 or x.dtype not in _ARGMAX_DTYPES or x.shape[1] == 0 or x.stride(1) != 1:
-        return x.argmax(dim=-1)
-    return kernels.argmax_rows(x)
+    kernels = _row_kernels(x)
+    return x.argmax(dim=-1) if kernels is None else kernels.argmax_rows(x)
 
 
 def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
@@ -38,9 +45,8 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, uniform: torch.
     of those probabilities, which is the reference and the path of other devices, shapes and dtypes). On the CPU the
     C++ kernel does it in one pass a row, reading bf16 logits as they are; its sums are chunked where torch's cumsum
     runs in order, so a draw differs only where u falls within float rounding of a boundary between two tokens."""
-    kernels = kernels_for(logits)
-    if (kernels is None or logits.dim() != 2 or logits.dtype not in _ARGMAX_DTYPES or logits.shape[1] == 0
-            or logits.stride(1) != 1):
+    kernels = _row_kernels(logits)
+    if kernels is None:
         return inverse_cdf_sample(torch.softmax(logits.float() / temperature.unsqueeze(1), dim=-1), uniform)
     return kernels.sample_rows(logits, temperature.float().contiguous(), uniform.float().contiguous())
 

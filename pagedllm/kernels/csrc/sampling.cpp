@@ -46,30 +46,57 @@ int64_t argmax_row(const T* x, int64_t n) {
   }
 }
 
-template <typename T>
-void argmax_rows_impl(at::Tensor& out, const at::Tensor& x) {
-  const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
-  const T* data = x.data_ptr<T>();
-  int64_t* result = out.data_ptr<int64_t>();
-  at::parallel_for(0, rows, std::max<int64_t>(1, kValuesGrain / n), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) result[r] = argmax_row(data + r * stride, n);
-  });
+void check_rows(const char* name, const at::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) > 0 && x.stride(1) == 1, name,
+              ": x must be [N, V] on the CPU with V > 0 and unit stride along V, got ", x.sizes(), " with strides ",
+              x.strides());
 }
+
+// out [N] int64 = pick(row r, V, r, scratch) for each row of x [N, V] (check_rows'), float32, bf16 or float16, rows
+// split between the threads, each with its own Scratch.
+template <typename Scratch, typename Pick>
+at::Tensor for_each_row(const char* name, const at::Tensor& x, const Pick& pick) {
+  const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
+  at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
+  int64_t* result = out.data_ptr<int64_t>();
+  const auto run = [&](const auto* data) {
+    at::parallel_for(0, rows, std::max<int64_t>(1, kValuesGrain / n), [&](int64_t begin, int64_t end) {
+      Scratch scratch;
+      for (int64_t r = begin; r < end; ++r) result[r] = pick(data + r * stride, n, r, scratch);
+    });
+  };
+  switch (x.scalar_type()) {
+    case at::kFloat: run(x.data_ptr<float>()); break;
+    case at::kBFloat16: run(x.data_ptr<c10::BFloat16>()); break;
+    case at::kHalf: run(x.data_ptr<c10::Half>()); break;
+    default: TORCH_CHECK(false, name, ": x must be float32, bfloat16 or float16, got ", x.scalar_type());
+  }
+  return out;
+}
+
+struct NoScratch {};
 
 // The first index at which row x's cumulative exp((x - max) / temperature) passes u times its total: the token
 // pagedllm.sample.ops.inverse_cdf_sample draws from the row's softmax with the uniform u, summed in chunks instead
 // of torch's cumsum (their sums agree to float rounding, so a draw can differ only where u falls within that of a
 // boundary). Tokens at -inf (filtered, masked) have exp 0 and are never drawn.
+// A thread's buffers for sample_row, kept from row to row: each value's exp, each chunk's sum.
+struct DrawScratch {
+  std::vector<float> e, chunk_sums;
+};
+
 template <typename T>
-int64_t sample_row(const T* x, int64_t n, float temperature, float u, std::vector<float>& e) {
+int64_t sample_row(const T* x, int64_t n, float temperature, float u, DrawScratch& scratch) {
   float most = -std::numeric_limits<float>::infinity();
 #pragma omp simd reduction(max : most)
   for (int64_t i = 0; i < n; ++i) most = std::max(most, to_float(x[i]));
   const float inv_t = 1.f / temperature;
-  e.resize(n);
   const int64_t chunks = (n + kChunk - 1) / kChunk;
+  std::vector<float>& e = scratch.e;
+  std::vector<float>& chunk_sums = scratch.chunk_sums;
+  e.resize(n);
+  chunk_sums.resize(chunks);
   float total = 0.f;
-  std::vector<float> chunk_sums(chunks);
   for (int64_t c = 0; c < chunks; ++c) {
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
@@ -100,44 +127,23 @@ int64_t sample_row(const T* x, int64_t n, float temperature, float u, std::vecto
 }  // namespace
 
 at::Tensor sample_rows(const at::Tensor& x, const at::Tensor& temperature, const at::Tensor& uniform) {
-  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) > 0 && x.stride(1) == 1,
-              "sample_rows: x must be [N, V] on the CPU with V > 0 and unit stride along V, got ", x.sizes());
+  check_rows("sample_rows", x);
   TORCH_CHECK(temperature.scalar_type() == at::kFloat && uniform.scalar_type() == at::kFloat
                   && temperature.is_contiguous() && uniform.is_contiguous() && temperature.numel() == x.size(0)
                   && uniform.numel() == x.size(0),
               "sample_rows: temperature and uniform must be contiguous float32 [N] for x's N rows");
-  const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
-  at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
   const float* t = temperature.data_ptr<float>();
   const float* u = uniform.data_ptr<float>();
-  int64_t* result = out.data_ptr<int64_t>();
-  const auto run = [&](const auto* data) {
-    at::parallel_for(0, rows, std::max<int64_t>(1, kValuesGrain / n), [&](int64_t begin, int64_t end) {
-      std::vector<float> e;
-      for (int64_t r = begin; r < end; ++r) result[r] = sample_row(data + r * stride, n, t[r], u[r], e);
-    });
-  };
-  switch (x.scalar_type()) {
-    case at::kFloat: run(x.data_ptr<float>()); break;
-    case at::kBFloat16: run(x.data_ptr<c10::BFloat16>()); break;
-    case at::kHalf: run(x.data_ptr<c10::Half>()); break;
-    default: TORCH_CHECK(false, "sample_rows: x must be float32, bfloat16 or float16, got ", x.scalar_type());
-  }
-  return out;
+  return for_each_row<DrawScratch>("sample_rows", x,
+                                   [&](const auto* row, int64_t n, int64_t r, DrawScratch& scratch) {
+                                     return sample_row(row, n, t[r], u[r], scratch);
+                                   });
 }
 
 at::Tensor argmax_rows(const at::Tensor& x) {
-  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) > 0 && x.stride(1) == 1,
-              "argmax_rows: x must be [N, V] on the CPU with V > 0 and unit stride along V, got ", x.sizes(),
-              " with strides ", x.strides());
-  at::Tensor out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
-  switch (x.scalar_type()) {
-    case at::kFloat: argmax_rows_impl<float>(out, x); break;
-    case at::kBFloat16: argmax_rows_impl<c10::BFloat16>(out, x); break;
-    case at::kHalf: argmax_rows_impl<c10::Half>(out, x); break;
-    default: TORCH_CHECK(false, "argmax_rows: x must be float32, bfloat16 or float16, got ", x.scalar_type());
-  }
-  return out;
+  check_rows("argmax_rows", x);
+  return for_each_row<NoScratch>("argmax_rows", x,
+                                 [](const auto* row, int64_t n, int64_t, NoScratch&) { return argmax_row(row, n); });
 }
 
 }  // namespace pagedllm
