@@ -40,15 +40,31 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(dim=-1) if kernels is None else kernels.argmax_rows(x)
 
 
-def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """Each row's token drawn from softmax(logits / temperature) [B, V] with its uniform number (`inverse_cdf_sample`
-    of those probabilities, which is the reference and the path of other devices, shapes and dtypes). On the CPU the
-    C++ kernel does it in one pass a row, reading bf16 logits as they are; its sums are chunked where torch's cumsum
-    runs in order, so a draw differs only where u falls within float rounding of a boundary between two tokens."""
+def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tensor,
+                top_k: torch.Tensor | None = None, top_p: torch.Tensor | None = None,
+                min_p: torch.Tensor | None = None) -> torch.Tensor:
+    """Each row's token drawn with its uniform number from softmax(logits / temperature) [B, V] after its top-k, top-p
+    and min-p (None: off for every row): `inverse_cdf_sample` of `filtered_probs`, which is the reference and the path
+    of other devices, shapes and dtypes. On the CPU the C++ kernel draws each row at once, reading bf16 logits as they
+    are; its sums are chunked where torch's cumsum runs in order, so a draw differs only where u falls within float
+    rounding of a boundary between two tokens (or a row's top-p sum within rounding of its p)."""
     kernels = _row_kernels(logits)
     if kernels is None:
-        return inverse_cdf_sample(torch.softmax(logits.float() / temperature.unsqueeze(1), dim=-1), uniform)
-    return kernels.sample_rows(logits, temperature.float().contiguous(), uniform.float().contiguous())
+        probs = filtered_probs(logits.float() / temperature.unsqueeze(1), top_k, top_p, min_p)
+        return inverse_cdf_sample(probs, uniform)
+    return kernels.sample_rows(logits, temperature.float().contiguous(), uniform.float().contiguous(), top_k, top_p,
+                               min_p)
+
+
+def filtered_probs(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
+                   min_p: torch.Tensor | None) -> torch.Tensor:
+    """The distribution a random row samples from, of its logits after temperature: top-k, top-p, softmax, min-p."""
+    if top_p is not None:
+        logits = apply_top_k_top_p(logits, top_k, top_p)
+    elif top_k is not None:
+        logits = apply_top_k_only(logits, top_k)
+    probs = torch.softmax(logits, dim=-1)
+    return probs if min_p is None else apply_min_p(probs, min_p)
 
 
 def inverse_cdf_sample(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
@@ -101,8 +117,10 @@ def apply_top_k_only(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor) -> torch.Tensor:
     """Top-k then top-p. Top-p keeps the smallest set of the most likely tokens whose probability reaches p
-    (always at least one token). Tries the row's largest logits first; sorts the whole vocabulary only when
-    some row's top-p set may reach past them (a full sort of [8, 49152] costs about 25 ms on one CPU core)."""
+    (always at least one token), and the ties of its least likely one (the C++ draw's rule: which of equal logits
+    sorts first decides nothing). Tries the row's largest logits first; sorts the whole vocabulary only when some
+    row's top-p set may reach past them (a full sort of [8, 49152] costs about 25 ms on one CPU core). The torch
+    reference of the C++ draw (`sample_rows`), and the path of other devices and of rows that report logprobs."""
     fast = top_k_top_p_candidates(logits, top_k, top_p)
     return fast if fast is not None else top_k_top_p_sorted(logits, top_k, top_p)
 
@@ -129,7 +147,8 @@ def top_k_top_p_candidates(logits: torch.Tensor, top_k: torch.Tensor | None, top
         return None
     keep = (cumulative - probs) < top_p.unsqueeze(1)                # probability mass before the token < p
     keep |= (top_p >= 1.0).unsqueeze(1)                             # rounding must not drop tokens when p = 1
-    values = values.masked_fill(~keep, float("-inf"))
+    least = values.gather(1, (keep.sum(dim=-1, keepdim=True) - 1))  # the last kept value: its ties are kept too
+    values = values.masked_fill(values < least, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter_(1, indices, values)
 
 
@@ -143,7 +162,8 @@ def top_k_top_p_sorted(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: 
     cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
     drop = cumulative <= (1 - top_p.unsqueeze(1))
     drop[:, -1] = False
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    least = sorted_logits.gather(1, drop.sum(dim=-1, keepdim=True))  # the first kept value: its ties are kept too
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < least, float("-inf"))
     return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
 
 

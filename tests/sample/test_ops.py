@@ -6,7 +6,14 @@ import pytest
 import torch
 
 from pagedllm.kernels import kernels_for
-from pagedllm.sample.ops import argmax_rows, inverse_cdf_sample, sample_rows, top_k_top_p_candidates, top_k_top_p_sorted
+from pagedllm.sample.ops import (
+    argmax_rows,
+    filtered_probs,
+    inverse_cdf_sample,
+    sample_rows,
+    top_k_top_p_candidates,
+    top_k_top_p_sorted,
+)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -97,3 +104,95 @@ def test_sample_rows_draws_the_inverse_cdf_token(isa_level: str, dtype: torch.dt
         assert cdf[r, t] > target[r] - tol and (t == 0 or cdf[r, t - 1] <= target[r] + tol), (r, t)
     torch_draw = inverse_cdf_sample(torch.softmax(logits.float() / temperature.unsqueeze(1), dim=-1), uniform)
     assert (torch_draw == drawn).float().mean() >= 0.95
+
+
+def _kept(probs: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """The tokens a row's top-k, top-p and min-p keep of its float64 `probs` [V], ties kept together: the oracle."""
+    keep = probs > 0
+    if top_k < probs.numel():
+        keep &= probs >= probs.sort(descending=True).values[top_k - 1]
+    q = torch.where(keep, probs, 0.0)
+    if top_p < 1.0:
+        ordered = q.sort(descending=True).values
+        before = ordered.cumsum(0) - ordered                    # the mass of the tokens ahead of each
+        keep &= q >= ordered[int((before < top_p * q.sum()).sum()) - 1]
+    return keep & (probs >= min_p * probs.max())
+
+
+# (top_k, top_p, min_p) a row: k within the 20 chunks' count and past it, p alone and with k, min-p alone and last
+_FILTERS = [(1, 1.0, 0.0), (3, 1.0, 0.0), (20, 1.0, 0.0), (50, 1.0, 0.0), (300, 1.0, 0.0), (5000, 0.5, 0.0),
+            (5000, 0.9, 0.0), (5000, 0.99, 0.0), (40, 0.9, 0.0), (300, 0.7, 0.1), (5000, 1.0, 0.05),
+            (5000, 0.95, 0.3), (7, 0.2, 0.0), (5000, 1e-6, 0.0)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sample_rows_filters_keep_the_oracles_tokens(isa_level: str, dtype: torch.dtype) -> None:
+    """With top-k, top-p and min-p, every draw is a token the float64 oracle keeps, inside that token's interval of
+    the kept distribution's CDF, and almost always torch's draw (`inverse_cdf_sample` of `filtered_probs`); over
+    peaked, flat and bf16 rows (whose logits tie often: a boundary's ties are kept together)."""
+    g = torch.Generator().manual_seed(2)
+    vocab, repeats = 5000, 6
+    filters = _FILTERS * repeats
+    rows = len(filters)
+    scale = torch.tensor([4.0, 8.0, 0.05, 1.0, 20.0, 0.5]).repeat_interleave(len(_FILTERS)).unsqueeze(1)
+    logits = (torch.randn(rows, vocab + 3, generator=g)[:, :vocab] * scale).to(dtype)   # rows a stride apart
+    logits[::5, 1000:3000] = float("-inf")                   # masked tokens
+    temperature = torch.rand(rows, generator=g) + 0.3
+    uniform = torch.rand(rows, generator=g)
+    uniform[:3] = torch.tensor([0.0, 1.0 - 2**-24, 1e-9])
+    top_k = torch.tensor([f[0] for f in filters])
+    top_p = torch.tensor([f[1] for f in filters])
+    min_p = torch.tensor([f[2] for f in filters])
+    kernels = kernels_for(logits)
+    assert kernels is not None
+    drawn = kernels.sample_rows(logits, temperature, uniform, top_k, top_p, min_p)
+    assert torch.equal(sample_rows(logits, temperature, uniform, top_k, top_p, min_p), drawn)
+    probs = torch.softmax(logits.double() / temperature.double().unsqueeze(1), dim=-1)
+    for r, (k, p, m) in enumerate(filters):
+        kept = torch.where(_kept(probs[r], k, p, m), probs[r], 0.0)
+        cdf = kept.cumsum(0)
+        target = float(uniform[r]) * float(cdf[-1])
+        t = int(drawn[r])
+        assert kept[t] > 0, (r, t, filters[r])
+        assert cdf[t] > target - 1e-5 and (t == 0 or cdf[t - 1] <= target + 1e-5), (r, t)
+    reference = filtered_probs(logits.float() / temperature.unsqueeze(1), top_k, top_p, min_p)
+    assert (inverse_cdf_sample(reference, uniform) == drawn).float().mean() >= 0.95
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sample_rows_filters_keep_ties_together(isa_level: str, dtype: torch.dtype) -> None:
+    """Drawn with uniforms across [0, 1), each filter yields exactly the tokens it keeps, the C++ kernel and torch's
+    ops alike: a boundary between equal logits keeps all of them, whichever index comes first."""
+    vocab = 600                                                  # three chunks, the ties spread across them
+    row = torch.full((vocab,), -30.0)
+    row[[590, 10, 300, 450]] = torch.tensor([5.0, 3.0, 3.0, 3.0])   # one top token, then three equal ones
+    row[[20, 500]] = 2.0
+    cases = {(2, 1.0, 0.0): {590, 10, 300, 450},              # top-k's k-th token has two ties
+             (600, 0.75, 0.0): {590, 10, 300, 450},           # the top token and one of the three reach p
+             (600, 0.5, 0.0): {590},
+             (600, 1.0, 0.1): {590, 10, 300, 450},            # exp(-2) = 0.135 of the top token
+             (600, 1.0, 0.2): {590},
+             (5, 0.95, 0.0): {590, 10, 300, 450, 20, 500}}    # k = 5 keeps both 2.0s, p then keeps all six
+    draws = 512
+    uniform = (torch.arange(draws) + 0.5) / draws
+    logits = row.to(dtype).expand(draws, vocab)
+    temperature = torch.ones(draws)
+    kernels = kernels_for(logits)
+    assert kernels is not None
+    for (k, p, m), expected in cases.items():
+        filters = torch.full((draws,), k), torch.full((draws,), p), torch.full((draws,), m)
+        assert set(kernels.sample_rows(logits, temperature, uniform, *filters).tolist()) == expected, (k, p, m)
+        reference = filtered_probs(logits.float(), *filters)
+        assert set(inverse_cdf_sample(reference, uniform).tolist()) == expected, (k, p, m)
+
+
+def test_sample_rows_refuses_filters_of_the_wrong_shape_or_dtype() -> None:
+    kernels = kernels_for(torch.empty(0))
+    assert kernels is not None
+    x, ones = torch.zeros(2, 8), torch.ones(2)
+    with pytest.raises(RuntimeError, match="top_k must be contiguous Long"):
+        kernels.sample_rows(x, ones, ones, top_k=torch.ones(2, dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="top_p must be contiguous Float"):
+        kernels.sample_rows(x, ones, ones, top_p=torch.ones(3))
+    with pytest.raises(RuntimeError, match="min_p must be contiguous Float"):
+        kernels.sample_rows(x, ones, ones, min_p=torch.ones(2, dtype=torch.float64))

@@ -33,8 +33,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &pagedllm::argmax_rows,
         "Each row's first index of its largest value (of its first NaN), torch.argmax(x, -1): (x)", NoGil());
   m.def("sample_rows", &pagedllm::sample_rows,
-        "Each row's token drawn from softmax(x / temperature) by inverse CDF with its uniform: (x, temperature, "
-        "uniform)", NoGil());
+        "Each row's token drawn from softmax(x / temperature) after its top-k, top-p and min-p (None: off), by "
+        "inverse CDF with its uniform: (x, temperature, uniform, top_k, top_p, min_p)",
+        py::arg("x"), py::arg("temperature"), py::arg("uniform"), py::arg("top_k") = py::none(),
+        py::arg("top_p") = py::none(), py::arg("min_p") = py::none(), NoGil());
   m.def("rms_norm", &pagedllm::rms_norm, "out = RMSNorm(x) * weight: (out, x, weight, eps)", NoGil());
   m.def("fused_add_rms_norm", &pagedllm::fused_add_rms_norm,
         "residual_out = x + residual; out = RMSNorm(residual_out) * weight: "

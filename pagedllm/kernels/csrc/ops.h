@@ -109,9 +109,12 @@ void write_kv(at::Tensor key, at::Tensor value, at::Tensor k_cache, at::Tensor v
 // Each row's first index of its largest value, or of its first NaN: x.argmax(-1) of x [N, V] float32, bf16 or
 // float16, its rows any stride apart (sampling.cpp).
 at::Tensor argmax_rows(const at::Tensor& x);
-// Each row's token drawn from softmax(x / temperature) by inverse CDF with its uniform u: x [N, V] float32, bf16 or
-// float16 (rows any stride apart), temperature and uniform [N] float32 (sampling.cpp).
-at::Tensor sample_rows(const at::Tensor& x, const at::Tensor& temperature, const at::Tensor& uniform);
+// Each row's token drawn from softmax(x / temperature), filtered by its top-k, top-p and min-p, by inverse CDF with
+// its uniform u: x [N, V] float32, bf16 or float16 (rows any stride apart), temperature, uniform, top_p and min_p
+// [N] float32, top_k [N] int64 (>= V: off); a filter left out is off for every row (sampling.cpp).
+at::Tensor sample_rows(const at::Tensor& x, const at::Tensor& temperature, const at::Tensor& uniform,
+                       const c10::optional<at::Tensor>& top_k, const c10::optional<at::Tensor>& top_p,
+                       const c10::optional<at::Tensor>& min_p);
 
 // Layers (layers.cpp).
 void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps);

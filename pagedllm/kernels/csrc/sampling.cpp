@@ -1,16 +1,26 @@
 // The sampler's kernels: each greedy row's token, the first index of its largest logit (torch.argmax's answer); and
-// a random row's token drawn from softmax(logits / temperature) by inverse CDF, in one pass over the row.
+// a random row's token drawn from softmax(logits / temperature), after its top-k, top-p and min-p, by inverse CDF.
 //
 // torch's CPU argmax is a scalar loop (~1.1 ms for [32, 49152] float32 rows), and the amax-then-argmax workaround
 // it replaced took ~0.4 ms in a decode step of 32 rows, after the LM head's bf16 logits had been widened to float32
 // for it. Here each chunk of a row takes a vectorised max, the first chunk holding the row's max is searched for
 // its first index, and bf16 logits are read as they are (widening is exact, so the answer is the float32 one).
+//
+// A draw weighs each token exp((x - max) / temperature) in one vectorised pass. Its filters come down to one least
+// weight a token must have (ties kept together): found among the few tokens that can reach it (a bound from the
+// chunks' maxima or from p rules out the rest), top-p sorting only the bucket of weights where its sum crosses p.
+// torch's top-p sorted the whole vocabulary or took a top-1024 (~16 ms for 32 rows of SmolLM2's 49,152 logits).
 #include "ops.h"
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+#include <array>
 #include <cmath>
+#include <cstring>
+#include <functional>
 #include <limits>
+#include <numeric>
 #include <vector>
 
 namespace pagedllm {
@@ -76,26 +86,119 @@ at::Tensor for_each_row(const char* name, const at::Tensor& x, const Pick& pick)
 
 struct NoScratch {};
 
-// The first index at which row x's cumulative exp((x - max) / temperature) passes u times its total: the token
-// pagedllm.sample.ops.inverse_cdf_sample draws from the row's softmax with the uniform u, summed in chunks instead
-// of torch's cumsum (their sums agree to float rounding, so a draw can differ only where u falls within that of a
-// boundary). Tokens at -inf (filtered, masked) have exp 0 and are never drawn.
-// A thread's buffers for sample_row, kept from row to row: each value's exp, each chunk's sum.
-struct DrawScratch {
-  std::vector<float> e, chunk_sums;
+// A row's filters, each off at its neutral value: top-k (k >= V), top-p (p >= 1), min-p (min_p <= 0).
+struct Filters {
+  int64_t k;
+  float p, min_p;
 };
 
+// A thread's buffers for sample_row, kept from row to row: each token's weight exp((x - max) / temperature), each
+// chunk's sum and largest logit (then weight), the weights a filter may keep, and those of one bucket of them.
+struct DrawScratch {
+  std::vector<float> e, chunk_sums, chunk_max, candidates, bucket;
+};
+
+// Top-p's buckets of weights: 8 a halving of the weight, from 1 (the row's largest) down to 2^-32; the lighter ones
+// share the last. A weight's bucket is read from its float's exponent and three leading mantissa bits.
+constexpr int kBuckets = 256;
+
+int bucket_of(float w) {
+  int32_t bits;
+  std::memcpy(&bits, &w, sizeof(bits));
+  return static_cast<int>(std::min<int32_t>(kBuckets - 1, std::max<int32_t>(0, (0x3F800000 - bits) >> 20)));
+}
+
+// The least weight top-p keeps among `weights` (each > 0; every token of the row outside them is dropped whatever
+// its rank): the lightest w whose heavier weights sum to less than target. Only the bucket where those sums cross
+// target is sorted.
+float top_p_threshold(const std::vector<float>& weights, float target, std::vector<float>& bucket) {
+  std::array<float, kBuckets> mass{};
+  float lightest = std::numeric_limits<float>::infinity();
+  for (const float w : weights) mass[bucket_of(w)] += w, lightest = std::min(lightest, w);
+  float heavier = 0.f;  // the weights of the buckets before b
+  int b = 0;
+  for (; b + 1 < kBuckets && heavier + mass[b] < target; ++b) heavier += mass[b];
+  bucket.clear();
+  for (const float w : weights) {
+    if (bucket_of(w) == b) bucket.push_back(w);
+  }
+  std::sort(bucket.begin(), bucket.end(), std::greater<float>());
+  float threshold = lightest;  // (every weight, where b is the last bucket and holds none)
+  for (size_t i = 0; i < bucket.size() && heavier < target;) {  // equal weights: all kept or all dropped
+    threshold = bucket[i];
+    for (; i < bucket.size() && bucket[i] == threshold; ++i) heavier += bucket[i];
+  }
+  return threshold;
+}
+
+// The least weight a token keeps under the row's filters, as pagedllm.sample.ops.filtered_probs applies them:
+// top-k (the k largest weights), then top-p of those (the fewest heaviest whose sum reaches p of theirs), then min-p
+// (min_p of the largest weight, 1). Ties are kept together. e: the n weights, `total` their sum; the scratch's
+// chunk_max: each chunk's largest weight.
+float keep_threshold(const float* e, int64_t n, float total, const Filters& filters, DrawScratch& scratch) {
+  const int64_t k = filters.k;
+  const std::vector<float>& chunk_max = scratch.chunk_max;
+  const int64_t chunks = static_cast<int64_t>(chunk_max.size());
+  if (k >= n && filters.p >= 1.f) return filters.min_p;
+  // A weight below which no token is kept, so that only the others are collected: the k-th largest chunk maximum
+  // (k chunks hold a weight at least that); for top-p without top-k, (1 - p) total / n (all the tokens lighter than
+  // that weigh less than 1 - p of the total, so each has p of it before it) or min-p's, the larger.
+  float least = 0.f;
+  if (k < n && k <= chunks) {
+    std::vector<float>& maxima = scratch.bucket;
+    maxima = chunk_max;
+    std::nth_element(maxima.begin(), maxima.begin() + (k - 1), maxima.end(), std::greater<float>());
+    least = maxima[k - 1];
+  } else if (k >= n) {
+    least = std::max((1.f - filters.p) * total / static_cast<float>(n), filters.min_p);
+  }
+  std::vector<float>& candidates = scratch.candidates;
+  candidates.clear();
+  for (int64_t c = 0; c < chunks; ++c) {
+    if (chunk_max[c] < least) continue;
+    for (int64_t i = c * kChunk; i < std::min(n, (c + 1) * kChunk); ++i) {
+      if (e[i] >= least && e[i] > 0.f) candidates.push_back(e[i]);
+    }
+  }
+  float kept_k = 0.f, mass = total;
+  if (k < n) {
+    if (static_cast<int64_t>(candidates.size()) >= k) {  // (fewer: least is 0, every token is kept)
+      std::nth_element(candidates.begin(), candidates.begin() + (k - 1), candidates.end(), std::greater<float>());
+      kept_k = candidates[k - 1];
+      candidates.erase(std::partition(candidates.begin() + k, candidates.end(),
+                                      [&](float w) { return w >= kept_k; }),  // the k-th weight's ties
+                       candidates.end());
+    }
+    mass = std::accumulate(candidates.begin(), candidates.end(), 0.f);
+  }
+  const float kept_p = filters.p < 1.f ? top_p_threshold(candidates, filters.p * mass, scratch.bucket) : 0.f;
+  return std::max({kept_k, kept_p, filters.min_p});
+}
+
+// The token drawn from softmax(x / temperature), after the filters, with the uniform u: the first index at which
+// the cumulative weight of the kept tokens passes u times their total, as pagedllm.sample.ops.inverse_cdf_sample
+// draws from filtered_probs. The weights are summed in chunks instead of torch's cumsum (their sums agree to float
+// rounding, so a draw can differ only where u falls within that of a boundary, or a filter's sum within that of
+// p). Tokens at -inf (filtered, masked) have weight 0 and are never drawn.
 template <typename T>
-int64_t sample_row(const T* x, int64_t n, float temperature, float u, DrawScratch& scratch) {
-  float most = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : most)
-  for (int64_t i = 0; i < n; ++i) most = std::max(most, to_float(x[i]));
-  const float inv_t = 1.f / temperature;
+int64_t sample_row(const T* x, int64_t n, float temperature, float u, const Filters& filters,
+                   DrawScratch& scratch) {
   const int64_t chunks = (n + kChunk - 1) / kChunk;
   std::vector<float>& e = scratch.e;
   std::vector<float>& chunk_sums = scratch.chunk_sums;
+  std::vector<float>& chunk_max = scratch.chunk_max;
   e.resize(n);
   chunk_sums.resize(chunks);
+  chunk_max.resize(chunks);
+  float most = -std::numeric_limits<float>::infinity();
+  for (int64_t c = 0; c < chunks; ++c) {
+    float largest = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : largest)
+    for (int64_t i = c * kChunk; i < std::min(n, (c + 1) * kChunk); ++i) largest = std::max(largest, to_float(x[i]));
+    chunk_max[c] = largest;
+    most = std::max(most, largest);
+  }
+  const float inv_t = 1.f / temperature;
   float total = 0.f;
   for (int64_t c = 0; c < chunks; ++c) {
     float sum = 0.f;
@@ -106,6 +209,21 @@ int64_t sample_row(const T* x, int64_t n, float temperature, float u, DrawScratc
     }
     chunk_sums[c] = sum;
     total += sum;
+  }
+  if (filters.k < n || filters.p < 1.f || filters.min_p > 0.f) {
+    for (float& heaviest : chunk_max) heaviest = exp_approx((heaviest - most) * inv_t);  // its token's weight
+    const float threshold = keep_threshold(e.data(), n, total, filters, scratch);
+    total = 0.f;
+    for (int64_t c = 0; c < chunks; ++c) {  // the dropped tokens' weights to 0
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t i = c * kChunk; i < std::min(n, (c + 1) * kChunk); ++i) {
+        e[i] = e[i] >= threshold ? e[i] : 0.f;
+        sum += e[i];
+      }
+      chunk_sums[c] = sum;
+      total += sum;
+    }
   }
   const float target = u * total;
   float before = 0.f;  // the cumulative sum before chunk c, in total's order
@@ -124,19 +242,33 @@ int64_t sample_row(const T* x, int64_t n, float temperature, float u, DrawScratc
   return n - 1;  // a row of NaN: inverse_cdf_sample's clamp
 }
 
+// A per-row parameter's values: nullptr for none, else checked to be contiguous [rows] of `dtype`.
+template <typename T>
+const T* row_values(const c10::optional<at::Tensor>& values, int64_t rows, at::ScalarType dtype, const char* what) {
+  if (!values) return nullptr;
+  TORCH_CHECK(values->scalar_type() == dtype && values->is_contiguous() && values->numel() == rows, "sample_rows: ",
+              what, " must be contiguous ", dtype, " [N] for x's N rows, got ", values->scalar_type(), " ",
+              values->sizes());
+  return values->data_ptr<T>();
+}
+
 }  // namespace
 
-at::Tensor sample_rows(const at::Tensor& x, const at::Tensor& temperature, const at::Tensor& uniform) {
+at::Tensor sample_rows(const at::Tensor& x, const at::Tensor& temperature, const at::Tensor& uniform,
+                       const c10::optional<at::Tensor>& top_k, const c10::optional<at::Tensor>& top_p,
+                       const c10::optional<at::Tensor>& min_p) {
   check_rows("sample_rows", x);
-  TORCH_CHECK(temperature.scalar_type() == at::kFloat && uniform.scalar_type() == at::kFloat
-                  && temperature.is_contiguous() && uniform.is_contiguous() && temperature.numel() == x.size(0)
-                  && uniform.numel() == x.size(0),
-              "sample_rows: temperature and uniform must be contiguous float32 [N] for x's N rows");
-  const float* t = temperature.data_ptr<float>();
-  const float* u = uniform.data_ptr<float>();
+  const int64_t rows = x.size(0);
+  const float* t = row_values<float>(temperature, rows, at::kFloat, "temperature");
+  const float* u = row_values<float>(uniform, rows, at::kFloat, "uniform");
+  const int64_t* k = row_values<int64_t>(top_k, rows, at::kLong, "top_k");
+  const float* p = row_values<float>(top_p, rows, at::kFloat, "top_p");
+  const float* mp = row_values<float>(min_p, rows, at::kFloat, "min_p");
   return for_each_row<DrawScratch>("sample_rows", x,
                                    [&](const auto* row, int64_t n, int64_t r, DrawScratch& scratch) {
-                                     return sample_row(row, n, t[r], u[r], scratch);
+                                     const Filters filters{k ? std::max<int64_t>(1, k[r]) : n, p ? p[r] : 1.f,
+                                                           mp ? mp[r] : 0.f};
+                                     return sample_row(row, n, t[r], u[r], filters, scratch);
                                    });
 }
 
