@@ -3,8 +3,10 @@ sampler skip what no row asks for. A seeded request's generator (make_generator)
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pagedllm.sampling_params import SamplingParams
@@ -49,11 +51,16 @@ class TokenBitmask:
 
 @dataclass
 class Penalties:
-    repetition: torch.Tensor      # [B] float, 1 = off
-    frequency: torch.Tensor       # [B] float, 0 = off
-    presence: torch.Tensor        # [B] float, 0 = off
-    seen_mask: torch.Tensor       # [B, V] bool: token is in the prompt or the output
-    output_counts: torch.Tensor   # [B, V] float: times each token was generated
+    """Each row's penalties and the tokens they weigh: row i's prompt is prompt_ids[prompt_starts[i]:prompt_starts[i
+    + 1]], its output likewise (a row without penalties has none; ids outside [0, V) are ignored)."""
+
+    repetition: torch.Tensor      # [B] float32, 1 = off
+    frequency: torch.Tensor       # [B] float32, 0 = off
+    presence: torch.Tensor        # [B] float32, 0 = off
+    prompt_ids: torch.Tensor      # [P] int64
+    prompt_starts: torch.Tensor   # [B + 1] int64
+    output_ids: torch.Tensor      # [O] int64
+    output_starts: torch.Tensor   # [B + 1] int64
 
 
 @dataclass
@@ -133,7 +140,7 @@ class SamplingMetadata:
                    if any(k < vocab_size for k, g in zip(top_k, greedy) if not g) else None),
             min_p=(_floats([p.min_p for p in params], device) if any(p.min_p > 0 for p in random_rows)
                    else None),
-            penalties=_build_penalties(rows, vocab_size, device),
+            penalties=_build_penalties(rows, device),
             logit_bias=_build_logit_bias(rows, vocab_size, device),
             banned=_build_banned(rows, vocab_size, device),
             allowed=_build_allowed(rows, vocab_size, device),
@@ -159,38 +166,26 @@ def _has_penalties(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
 
 
-def _pad(lists: list[list[int]], pad: int, device: torch.device | str) -> torch.Tensor:
-    """[B, max_len] int64, padded with `pad`."""
-    width = max((len(ids) for ids in lists), default=0)
-    out = torch.full((len(lists), width), pad, dtype=torch.long)
-    for i, ids in enumerate(lists):
-        if ids:
-            out[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-    return out.to(device)
+def _flat(lists: list[list[int]], device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ragged lists -> (their ids one after another [sum of lengths] int64, each list's start and the end [B + 1])."""
+    lengths = np.fromiter(map(len, lists), dtype=np.int64, count=len(lists))
+    starts = np.concatenate([[0], np.cumsum(lengths)])
+    ids = np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64, count=int(starts[-1]))
+    return torch.from_numpy(ids).to(device), torch.from_numpy(starts).to(device)
 
 
-def _in_vocab(ids: list[int], vocab_size: int) -> list[int]:
-    return [t if 0 <= t < vocab_size else vocab_size for t in ids]
-
-
-def _build_penalties(rows: list[SamplingRow], vocab_size: int, device: torch.device | str) -> Penalties | None:
-    if not any(_has_penalties(row.params) for row in rows):
+def _build_penalties(rows: list[SamplingRow], device: torch.device | str) -> Penalties | None:
+    penalised = [_has_penalties(row.params) for row in rows]
+    if not any(penalised):
         return None
-    # Pad with an extra column (index vocab_size) that is sliced off, so ragged rows scatter in one op.
-    shape = (len(rows), vocab_size + 1)
-    prompt = _pad([_in_vocab(r.prompt_token_ids, vocab_size) for r in rows], vocab_size, device)
-    output = _pad([_in_vocab(r.output_token_ids, vocab_size) for r in rows], vocab_size, device)
-    prompt_mask = torch.zeros(shape, dtype=torch.bool, device=device).scatter_(1, prompt, True)
-    counts = torch.zeros(shape, dtype=torch.float32, device=device)
-    counts.scatter_add_(1, output, torch.ones_like(output, dtype=torch.float32))
-    counts = counts[:, :vocab_size]
+    prompt_ids, prompt_starts = _flat([r.prompt_token_ids if on else [] for r, on in zip(rows, penalised)], device)
+    output_ids, output_starts = _flat([r.output_token_ids if on else [] for r, on in zip(rows, penalised)], device)
     params = [r.params for r in rows]
     return Penalties(
         repetition=_floats([p.repetition_penalty for p in params], device),
         frequency=_floats([p.frequency_penalty for p in params], device),
         presence=_floats([p.presence_penalty for p in params], device),
-        seen_mask=prompt_mask[:, :vocab_size] | (counts > 0),
-        output_counts=counts,
+        prompt_ids=prompt_ids, prompt_starts=prompt_starts, output_ids=output_ids, output_starts=output_starts,
     )
 
 

@@ -98,13 +98,44 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return torch.from_numpy(bits.view(np.bool_))
 
 
-def apply_penalties(logits: torch.Tensor, penalties: Penalties) -> torch.Tensor:
-    """Repetition (HF/vLLM: divide positive logits, multiply negative ones) on prompt and output tokens;
-    frequency and presence (OpenAI) on output tokens."""
-    repetition = torch.where(penalties.seen_mask, penalties.repetition.unsqueeze(1), 1.0)
-    logits = torch.where(logits > 0, logits / repetition, logits * repetition)
-    logits = logits - penalties.frequency.unsqueeze(1) * penalties.output_counts
-    return logits - penalties.presence.unsqueeze(1) * (penalties.output_counts > 0)
+def apply_penalties(logits: torch.Tensor, penalties: Penalties) -> None:
+    """Repetition (HF/vLLM: divide positive logits, multiply negative ones) on prompt and output tokens, then
+    frequency and presence (OpenAI) on output tokens: in place on float32 `logits`.
+
+    On the CPU the C++ kernel visits each row's own tokens (~600 a row for a 512-token prompt), where the dense
+    form below takes five passes over [B, V] and builds two [B, V] tables a step (~11 ms for 32 rows of SmolLM2's
+    vocabulary): the same operations in the same order, so the same bits. `apply_penalties_dense` is its
+    reference, and the path of other devices."""
+    kernels = kernels_for(logits) if logits.dtype == torch.float32 and logits.stride(-1) == 1 else None
+    if kernels is None:
+        apply_penalties_dense(logits, penalties)
+    else:
+        kernels.apply_penalties(logits, penalties.prompt_ids, penalties.prompt_starts, penalties.output_ids,
+                                penalties.output_starts, penalties.repetition, penalties.frequency, penalties.presence)
+
+
+def apply_penalties_dense(logits: torch.Tensor, penalties: Penalties) -> None:
+    """`apply_penalties` in torch's ops over the whole [B, V]."""
+    seen, counts = _seen_and_counts(penalties, logits.shape[1])
+    repetition = torch.where(seen, penalties.repetition.unsqueeze(1), 1.0)
+    penalised = torch.where(logits > 0, logits / repetition, logits * repetition)
+    penalised = penalised - penalties.frequency.unsqueeze(1) * counts
+    logits.copy_(penalised - penalties.presence.unsqueeze(1) * (counts > 0))
+
+
+def _seen_and_counts(penalties: Penalties, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, V] bool: each row's tokens in its prompt or output; [B, V] float32: the times each was generated. Ids
+    outside the vocabulary land in an extra column, cut off."""
+    def scatter(ids: torch.Tensor, starts: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        rows = torch.repeat_interleave(torch.arange(len(starts) - 1, device=ids.device), starts.diff())
+        table = torch.zeros(len(starts) - 1, vocab_size + 1, device=ids.device)
+        ids = torch.where((ids >= 0) & (ids < vocab_size), ids, vocab_size)
+        return table.index_put_((rows, ids), values.expand(len(ids)), accumulate=True)[:, :vocab_size]
+
+    one = torch.ones(1, device=penalties.prompt_ids.device)
+    counts = scatter(penalties.output_ids, penalties.output_starts, one)
+    seen = (scatter(penalties.prompt_ids, penalties.prompt_starts, one) > 0) | (counts > 0)
+    return seen, counts
 
 
 def apply_top_k_only(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:

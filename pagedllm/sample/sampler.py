@@ -167,7 +167,7 @@ class Sampler(nn.Module):
             banned = meta.banned
             logits[banned.rows, banned.tokens] = float("-inf")
         if meta.penalties is not None:
-            logits = apply_penalties(logits, meta.penalties)
+            apply_penalties(logits, meta.penalties)
         return logits
 
     @staticmethod

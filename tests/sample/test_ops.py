@@ -5,8 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagedllm import SamplingParams
 from pagedllm.kernels import kernels_for
+from pagedllm.sample.metadata import SamplingMetadata, SamplingRow
 from pagedllm.sample.ops import (
+    apply_penalties_dense,
     argmax_rows,
     filtered_probs,
     inverse_cdf_sample,
@@ -196,3 +199,30 @@ def test_sample_rows_refuses_filters_of_the_wrong_shape_or_dtype() -> None:
         kernels.sample_rows(x, ones, ones, top_p=torch.ones(3))
     with pytest.raises(RuntimeError, match="min_p must be contiguous Float"):
         kernels.sample_rows(x, ones, ones, min_p=torch.ones(2, dtype=torch.float64))
+
+
+def test_penalties_kernel_gives_the_dense_forms_bits(isa_level: str) -> None:
+    """The C++ penalties against torch's ops over [B, V]: bit for bit, with repeated and out-of-vocabulary ids, a
+    token in both the prompt and the output, rows without tokens, and rows a stride apart."""
+    g = torch.Generator().manual_seed(3)
+    vocab = 3000
+    prompts = [[5, 5, 7, -1, vocab, 2999], [], [1, 2, 3] * 50, [9]]
+    outputs = [[7, 7, 7, 11, vocab + 5], [0, 0, 2999], [], [9, 9]]
+    meta = SamplingMetadata.build(
+        [SamplingRow(SamplingParams(repetition_penalty=r, frequency_penalty=f, presence_penalty=p), prompt, output)
+         for (r, f, p), prompt, output in zip([(1.3, 0.5, 0.25), (0.8, -0.5, 1.0), (1.5, 0.0, 0.0), (1.0, 2.0, 0.0)],
+                                              prompts, outputs)], vocab, "cpu")
+    penalties = meta.penalties
+    assert penalties is not None
+    logits = (torch.randn(4, vocab + 5, generator=g) * 5)[:, :vocab]
+    original, expected = logits.clone(), logits.clone()
+    apply_penalties_dense(expected, penalties)
+    kernels = kernels_for(logits)
+    assert kernels is not None
+    kernels.apply_penalties(logits, penalties.prompt_ids, penalties.prompt_starts, penalties.output_ids,
+                            penalties.output_starts, penalties.repetition, penalties.frequency, penalties.presence)
+    assert torch.equal(logits, expected)
+    assert (logits != original).sum(dim=1).tolist() == [4, 2, 3, 1]   # each row's distinct tokens in the vocabulary
+    with pytest.raises(RuntimeError, match="starts must run from 0"):
+        kernels.apply_penalties(logits, penalties.prompt_ids, penalties.prompt_starts + 1, penalties.output_ids,
+                                penalties.output_starts, penalties.repetition, penalties.frequency, penalties.presence)

@@ -37,6 +37,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "inverse CDF with its uniform: (x, temperature, uniform, top_k, top_p, min_p)",
         py::arg("x"), py::arg("temperature"), py::arg("uniform"), py::arg("top_k") = py::none(),
         py::arg("top_p") = py::none(), py::arg("min_p") = py::none(), NoGil());
+  m.def("apply_penalties", &pagedllm::apply_penalties,
+        "Repetition, frequency and presence penalties in place on float32 logits, from each row's prompt and output "
+        "ids: (logits, prompt_ids, prompt_starts, output_ids, output_starts, repetition, frequency, presence)",
+        NoGil());
   m.def("rms_norm", &pagedllm::rms_norm, "out = RMSNorm(x) * weight: (out, x, weight, eps)", NoGil());
   m.def("fused_add_rms_norm", &pagedllm::fused_add_rms_norm,
         "residual_out = x + residual; out = RMSNorm(residual_out) * weight: "

@@ -115,6 +115,13 @@ at::Tensor argmax_rows(const at::Tensor& x);
 at::Tensor sample_rows(const at::Tensor& x, const at::Tensor& temperature, const at::Tensor& uniform,
                        const c10::optional<at::Tensor>& top_k, const c10::optional<at::Tensor>& top_p,
                        const c10::optional<at::Tensor>& min_p);
+// The penalties in place on float32 logits [N, V], as pagedllm.sample.ops.apply_penalties: each row's tokens seen
+// (prompt_ids[prompt_starts[i]:prompt_starts[i + 1]] and the output's likewise, int64; ids outside [0, V) ignored)
+// divided (positive) or multiplied by its repetition, then frequency x the times generated and presence subtracted
+// (sampling.cpp).
+void apply_penalties(at::Tensor logits, const at::Tensor& prompt_ids, const at::Tensor& prompt_starts,
+                     const at::Tensor& output_ids, const at::Tensor& output_starts, const at::Tensor& repetition,
+                     const at::Tensor& frequency, const at::Tensor& presence);
 
 // Layers (layers.cpp).
 void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps);

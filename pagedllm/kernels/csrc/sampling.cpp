@@ -1,5 +1,6 @@
-// The sampler's kernels: each greedy row's token, the first index of its largest logit (torch.argmax's answer); and
-// a random row's token drawn from softmax(logits / temperature), after its top-k, top-p and min-p, by inverse CDF.
+// The sampler's kernels: each greedy row's token, the first index of its largest logit (torch.argmax's answer); a
+// random row's token drawn from softmax(logits / temperature), after its top-k, top-p and min-p, by inverse CDF; and
+// the repetition, frequency and presence penalties.
 //
 // torch's CPU argmax is a scalar loop (~1.1 ms for [32, 49152] float32 rows), and the amax-then-argmax workaround
 // it replaced took ~0.4 ms in a decode step of 32 rows, after the LM head's bf16 logits had been widened to float32
@@ -10,6 +11,9 @@
 // weight a token must have (ties kept together): found among the few tokens that can reach it (a bound from the
 // chunks' maxima or from p rules out the rest), top-p sorting only the bucket of weights where its sum crosses p.
 // torch's top-p sorted the whole vocabulary or took a top-1024 (~16 ms for 32 rows of SmolLM2's 49,152 logits).
+//
+// The penalties visit each row's own prompt and output ids, where torch's ops took five passes over [N, V] and two
+// [N, V] tables built a step (~11 ms a decode step of 32 rows).
 #include "ops.h"
 
 #include <ATen/Parallel.h>
@@ -242,12 +246,13 @@ int64_t sample_row(const T* x, int64_t n, float temperature, float u, const Filt
   return n - 1;  // a row of NaN: inverse_cdf_sample's clamp
 }
 
-// A per-row parameter's values: nullptr for none, else checked to be contiguous [rows] of `dtype`.
+// A per-row parameter's values: nullptr for none, else checked to be contiguous [rows] of `dtype` on the CPU.
 template <typename T>
 const T* row_values(const c10::optional<at::Tensor>& values, int64_t rows, at::ScalarType dtype, const char* what) {
   if (!values) return nullptr;
-  TORCH_CHECK(values->scalar_type() == dtype && values->is_contiguous() && values->numel() == rows, "sample_rows: ",
-              what, " must be contiguous ", dtype, " [N] for x's N rows, got ", values->scalar_type(), " ",
+  TORCH_CHECK(values->scalar_type() == dtype && values->is_contiguous() && values->numel() == rows
+                  && values->device().is_cpu(),
+              what, " must be contiguous ", dtype, " [", rows, "] on the CPU, got ", values->scalar_type(), " ",
               values->sizes());
   return values->data_ptr<T>();
 }
@@ -270,6 +275,56 @@ at::Tensor sample_rows(const at::Tensor& x, const at::Tensor& temperature, const
                                                            mp ? mp[r] : 0.f};
                                      return sample_row(row, n, t[r], u[r], filters, scratch);
                                    });
+}
+
+void apply_penalties(at::Tensor logits, const at::Tensor& prompt_ids, const at::Tensor& prompt_starts,
+                     const at::Tensor& output_ids, const at::Tensor& output_starts, const at::Tensor& repetition,
+                     const at::Tensor& frequency, const at::Tensor& presence) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.dim() == 2
+                  && logits.stride(1) == 1,
+              "apply_penalties: logits must be float32 [N, V] on the CPU with unit stride along V, got ",
+              logits.scalar_type(), " ", logits.sizes());
+  const int64_t rows = logits.size(0), n = logits.size(1);
+  const int64_t* prompt = row_values<int64_t>(prompt_ids, prompt_ids.numel(), at::kLong, "prompt_ids");
+  const int64_t* output = row_values<int64_t>(output_ids, output_ids.numel(), at::kLong, "output_ids");
+  const int64_t* prompt_start = row_values<int64_t>(prompt_starts, rows + 1, at::kLong, "prompt_starts");
+  const int64_t* output_start = row_values<int64_t>(output_starts, rows + 1, at::kLong, "output_starts");
+  const float* r = row_values<float>(repetition, rows, at::kFloat, "repetition");
+  const float* f = row_values<float>(frequency, rows, at::kFloat, "frequency");
+  const float* p = row_values<float>(presence, rows, at::kFloat, "presence");
+  TORCH_CHECK(prompt_start[0] == 0 && output_start[0] == 0 && prompt_start[rows] == prompt_ids.numel()
+                  && output_start[rows] == output_ids.numel(),
+              "apply_penalties: the starts must run from 0 to the number of ids");
+  std::vector<int32_t> count(n, 0);  // a row's times each token was generated; -1: penalised already
+  for (int64_t row = 0; row < rows; ++row) {
+    float* x = logits.data_ptr<float>() + row * logits.stride(0);
+    const int64_t* row_output = output + output_start[row];
+    const int64_t* row_prompt = prompt + prompt_start[row];
+    const int64_t outputs = output_start[row + 1] - output_start[row];
+    const int64_t prompts = prompt_start[row + 1] - prompt_start[row];
+    TORCH_CHECK(outputs >= 0 && prompts >= 0, "apply_penalties: the starts must not decrease");
+    for (int64_t i = 0; i < outputs; ++i) {
+      if (row_output[i] >= 0 && row_output[i] < n) ++count[row_output[i]];
+    }
+    // torch's order, so that each logit gets the same bits: repetition on every token seen, then frequency x
+    // count and presence subtracted (a seen token never generated: minus 0 twice)
+    const auto penalise = [&](int64_t token) {
+      if (token < 0 || token >= n || count[token] < 0) return;
+      const float times = static_cast<float>(count[token]);
+      float value = x[token] > 0.f ? x[token] / r[row] : x[token] * r[row];
+      value = value - f[row] * times;
+      x[token] = value - p[row] * (times > 0.f ? 1.f : 0.f);
+      count[token] = -1;
+    };
+    for (int64_t i = 0; i < outputs; ++i) penalise(row_output[i]);
+    for (int64_t i = 0; i < prompts; ++i) penalise(row_prompt[i]);
+    for (int64_t i = 0; i < outputs; ++i) {
+      if (row_output[i] >= 0 && row_output[i] < n) count[row_output[i]] = 0;
+    }
+    for (int64_t i = 0; i < prompts; ++i) {
+      if (row_prompt[i] >= 0 && row_prompt[i] < n) count[row_prompt[i]] = 0;
+    }
+  }
 }
 
 at::Tensor argmax_rows(const at::Tensor& x) {
