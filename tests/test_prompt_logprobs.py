@@ -1,6 +1,6 @@
 """SamplingParams.prompt_logprobs on a tiny random Llama, against log_softmax of Hugging Face transformers' logits:
 whole prompts, chunked prefill, a prompt whose blocks sit in the prefix cache, preemption, n > 1, streaming; and
-against the logits themselves with logprobs_mode "raw_logits"."""
+against the logits themselves with logprobs_mode "raw_logits" (and "processed_logits", as vLLM)."""
 
 from __future__ import annotations
 
@@ -73,6 +73,16 @@ def test_raw_logits_mode_reports_the_models_logits_for_the_prompt_and_the_output
     (token_id,) = output.outputs[0].token_ids
     (entries,) = output.outputs[0].logprobs
     assert entries[token_id].logprob == pytest.approx(last.max().item(), abs=1e-4) and entries[token_id].rank == 1
+
+
+@pytest.mark.parametrize("mode", ["processed_logits", "processed_logprobs"])
+def test_a_processed_mode_reports_the_prompts_raw_scores(tiny, mode: str):
+    """A prompt position goes through no processing: the processed modes report what the raw ones do (vLLM's
+    logits in "processed_logits", log-probabilities in "processed_logprobs")."""
+    llm = _llm(tiny, logprobs_mode=mode)
+    prompt = _prompt(6, 13)
+    (output,) = llm.generate([prompt], _params(), use_tqdm=False)
+    _check_against_hf(tiny[1], prompt, output.prompt_logprobs, logits=mode == "processed_logits")
 
 
 def test_chunked_prefill_gives_every_position_once(tiny):

@@ -39,6 +39,7 @@ from pagedllm.sample.ops import (
     filtered_probs,
     gather_logprobs,
     inverse_cdf_sample,
+    raw_logprobs,
     sample_rows,
 )
 
@@ -75,22 +76,20 @@ def position_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num: int,
                       logprobs_mode: str = "raw_logprobs") -> list[list[tuple[int, float, int]]]:
     """Per row of raw `logits` [P, V]: the (token_id, logprob, rank) entries of `token_ids` [P] (the prompt token
     each row predicts) and of the row's top `num` tokens, the given token first (their logits in a *_logits mode)."""
-    ids, values, ranks = gather_logprobs(raw_scores(logits.float(), logprobs_mode), num, token_ids)
+    mode = logprobs_mode.replace("processed", "raw")     # (a prompt position's are raw either way)
+    ids, values, ranks = raw_logprobs(logits, num, token_ids, mode)
     return [_entries(*row, num) for row in zip(ids.tolist(), values.tolist(), ranks.tolist())]
 
 
-def raw_scores(logits: torch.Tensor, logprobs_mode: str) -> torch.Tensor:
-    """What a raw mode reports of float32 `logits`: their log_softmax, or the logits in "raw_logits"."""
-    return logits if logprobs_mode == "raw_logits" else torch.log_softmax(logits, dim=-1)
-
-
-def logprob_scores(raw: torch.Tensor, processed: torch.Tensor, probs: torch.Tensor | None, meta: SamplingMetadata,
-                   logprobs_mode: str) -> torch.Tensor:
-    """[B, V]: what a batch's logprobs report in `logprobs_mode` (the module docstring), from its `raw` float32
-    logits, its `processed` ones and the distribution its random rows sample from (`probs`; None: all greedy)."""
+def batch_logprobs(raw: torch.Tensor, processed: torch.Tensor, probs: torch.Tensor | None, meta: SamplingMetadata,
+                   logprobs_mode: str, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`gather_logprobs` of `token_ids` [B] and each row's top `meta.max_num_logprobs` in what a batch's logprobs
+    report in `logprobs_mode` (the module docstring), from its `raw` logits, its `processed` float32 ones and the
+    distribution its random rows sample from (`probs`; None: all greedy)."""
+    assert meta.max_num_logprobs is not None
     if logprobs_mode.startswith("raw"):
-        return raw_scores(raw, logprobs_mode)
-    return processed_scores(processed, probs, meta, logprobs_mode)
+        return raw_logprobs(raw, meta.max_num_logprobs, token_ids, logprobs_mode)
+    return gather_logprobs(processed_scores(processed, probs, meta, logprobs_mode), meta.max_num_logprobs, token_ids)
 
 
 def processed_scores(processed: torch.Tensor, probs: torch.Tensor | None, meta: SamplingMetadata,
@@ -126,9 +125,13 @@ class Sampler(nn.Module):
 
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         # logits: [B, V]
-        if meta.max_num_logprobs is None and self.custom is None:
+        if self.custom is None and (meta.max_num_logprobs is None or self.logprobs_mode.startswith("raw")):
             processed = self.process_logits(logits.float(), meta) if meta.processes_logits else logits
-            return SamplerOutput(token_ids=self._draw(processed, meta), logprobs=None)
+            token_ids = self._draw(processed, meta)
+            if meta.max_num_logprobs is None:
+                return SamplerOutput(token_ids=token_ids, logprobs=None)
+            ids, values, ranks = raw_logprobs(logits, meta.max_num_logprobs, token_ids, self.logprobs_mode)
+            return SamplerOutput(token_ids=token_ids, logprobs=LogprobsTensors(ids, values, ranks, meta.num_logprobs))
         raw = logits.float()
         logits = self.process_logits(raw, meta)
         if self.custom is not None:
@@ -143,8 +146,7 @@ class Sampler(nn.Module):
                 token_ids = torch.where(meta.greedy_mask, argmax_rows(logits), token_ids)
         logprobs = None
         if meta.max_num_logprobs is not None:
-            scores = logprob_scores(raw, logits, probs, meta, self.logprobs_mode)
-            ids, values, ranks = gather_logprobs(scores, meta.max_num_logprobs, token_ids)
+            ids, values, ranks = batch_logprobs(raw, logits, probs, meta, self.logprobs_mode, token_ids)
             logprobs = LogprobsTensors(token_ids=ids, logprobs=values, ranks=ranks, num_logprobs=meta.num_logprobs)
         return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
 

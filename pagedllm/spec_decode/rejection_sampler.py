@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.sample.metadata import SamplingMetadata
-from pagedllm.sample.ops import argmax_rows, gather_logprobs, inverse_cdf_sample
-from pagedllm.sample.sampler import LogprobsTensors, Sampler, logprob_scores
+from pagedllm.sample.ops import argmax_rows, inverse_cdf_sample
+from pagedllm.sample.sampler import LogprobsTensors, Sampler, batch_logprobs
 
 TokenLogprobs = list[tuple[int, float, int]]   # (token_id, logprob, rank) entries of one position
 
@@ -68,8 +68,9 @@ def verify_drafts(logits: torch.Tensor, meta: SamplingMetadata, request_ids: lis
         start += len(drafts) + 1
     logprobs = {}
     if meta.max_num_logprobs is not None:
-        scores = logprob_scores(logits, processed, sampled, meta, logprobs_mode)
-        logprobs = _logprobs(scores, meta, row_tokens, request_ids, spec_token_ids, num_accepted)
+        row_logprobs = batch_logprobs(logits, processed, sampled, meta, logprobs_mode,
+                                      torch.tensor(row_tokens, device=logits.device))
+        logprobs = _logprobs(row_logprobs, meta, request_ids, spec_token_ids, num_accepted)
     return VerifiedTokens(num_accepted, token_ids, logprobs)
 
 
@@ -118,14 +119,14 @@ def rejection_sample(probs: torch.Tensor, draft_ids: torch.Tensor,
     return accepted, inverse_cdf_sample(residual, uniform[:, 1])
 
 
-def _logprobs(scores: torch.Tensor, meta: SamplingMetadata, row_tokens: list[int], request_ids: list[str],
-              spec_token_ids: list[list[int]], num_accepted: list[int]) -> dict[str, list[TokenLogprobs]]:
-    """The logprobs (`scores`, [R, V]) of each request's new tokens (the accepted drafts, then the sampled one), as
-    the sampler's `LogprobsTensors.to_lists` gives them for one token."""
-    assert meta.max_num_logprobs is not None
-    token_ids = torch.tensor(row_tokens, device=scores.device)
-    ids, values, ranks = gather_logprobs(scores, meta.max_num_logprobs, token_ids)
-    per_row = LogprobsTensors(ids, values, ranks, meta.num_logprobs).to_lists([str(r) for r in range(len(row_tokens))])
+def _logprobs(row_logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor], meta: SamplingMetadata,
+              request_ids: list[str], spec_token_ids: list[list[int]], num_accepted: list[int]
+              ) -> dict[str, list[TokenLogprobs]]:
+    """The logprobs of each request's new tokens (the accepted drafts, then the sampled one), from `row_logprobs`
+    (`batch_logprobs`' ids, values and ranks of each row's token), as the sampler's `LogprobsTensors.to_lists`
+    gives them for one token."""
+    ids, values, ranks = row_logprobs
+    per_row = LogprobsTensors(ids, values, ranks, meta.num_logprobs).to_lists([str(r) for r in range(len(ids))])
     result, start = {}, 0
     for request_id, drafts, count in zip(request_ids, spec_token_ids, num_accepted):
         if str(start) in per_row:

@@ -12,7 +12,9 @@ from pagedllm.sample.ops import (
     apply_penalties_dense,
     argmax_rows,
     filtered_probs,
+    gather_logprobs,
     inverse_cdf_sample,
+    raw_logprobs,
     sample_rows,
     top_k_top_p_candidates,
     top_k_top_p_sorted,
@@ -226,3 +228,35 @@ def test_penalties_kernel_gives_the_dense_forms_bits(isa_level: str) -> None:
     with pytest.raises(RuntimeError, match="starts must run from 0"):
         kernels.apply_penalties(logits, penalties.prompt_ids, penalties.prompt_starts + 1, penalties.output_ids,
                                 penalties.output_starts, penalties.repetition, penalties.frequency, penalties.presence)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_row_logprobs_are_torchs_log_softmax_gathered(isa_level: str, dtype: torch.dtype) -> None:
+    """The C++ logprobs against `gather_logprobs` of torch's log_softmax: the token's value and rank, and the top
+    values (ties among them in index order); the logits themselves, bit for bit, in "raw_logits"."""
+    g = torch.Generator().manual_seed(4)
+    rows, vocab = 9, 5000
+    logits = (torch.randn(rows, vocab + 3, generator=g) * 3)[:, :vocab].to(dtype)    # rows a stride apart
+    logits[1, [7, 4000, 4999]] = 20.0                      # a three-way tie at the top, across chunks
+    logits[2, 1000:3000] = float("-inf")                   # masked tokens
+    token_ids = torch.randint(0, vocab, (rows,), generator=g)
+    token_ids[1], token_ids[2] = 4000, 1500                # a tied top token; a token at -inf
+    kernels = kernels_for(logits)
+    assert kernels is not None
+    wide = logits.float()
+    for num in (0, 5, 40):                                  # 40 > the row's 20 chunks: every value a candidate
+        ids, values, ranks = kernels.row_logprobs(logits, token_ids, num, True)
+        want_ids, want_values, want_ranks = gather_logprobs(torch.log_softmax(wide, dim=-1), num, token_ids)
+        assert torch.equal(ids[:, 0], token_ids) and torch.equal(ranks, want_ranks)
+        torch.testing.assert_close(values, want_values)
+        assert torch.equal(values[:, 1:], values[:, 1:].sort(dim=1, descending=True).values)
+        assert torch.equal(wide.gather(1, ids[:, 1:]), wide.gather(1, want_ids[:, 1:]))   # the same top values
+        assert torch.equal(raw_logprobs(logits, num, token_ids)[1], values)
+        if num:
+            assert ids[1, 1:4].tolist() == [7, 4000, 4999]   # equal values in index order
+        ids, values, ranks = kernels.row_logprobs(logits, token_ids, num, False)
+        assert torch.equal(values, wide.gather(1, ids))
+        assert torch.equal(values[:, 1:], wide.topk(num, dim=-1).values)
+    assert ranks[1] == 1 and values[2, 0] == float("-inf")
+    with pytest.raises(RuntimeError, match="outside"):
+        kernels.row_logprobs(logits, torch.full((rows,), vocab), 1, True)

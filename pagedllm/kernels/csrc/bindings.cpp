@@ -37,6 +37,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "inverse CDF with its uniform: (x, temperature, uniform, top_k, top_p, min_p)",
         py::arg("x"), py::arg("temperature"), py::arg("uniform"), py::arg("top_k") = py::none(),
         py::arg("top_p") = py::none(), py::arg("min_p") = py::none(), NoGil());
+  m.def("row_logprobs", &pagedllm::row_logprobs,
+        "Each row's log-softmax (its values where not normalize) at its token and at its num largest values, and "
+        "the token's rank: (x, token_ids, num, normalize) -> (ids, values, ranks)", NoGil());
   m.def("apply_penalties", &pagedllm::apply_penalties,
         "Repetition, frequency and presence penalties in place on float32 logits, from each row's prompt and output "
         "ids: (logits, prompt_ids, prompt_starts, output_ids, output_starts, repetition, frequency, presence)",

@@ -115,6 +115,12 @@ at::Tensor argmax_rows(const at::Tensor& x);
 at::Tensor sample_rows(const at::Tensor& x, const at::Tensor& temperature, const at::Tensor& uniform,
                        const c10::optional<at::Tensor>& top_k, const c10::optional<at::Tensor>& top_p,
                        const c10::optional<at::Tensor>& min_p);
+// Each row's log-softmax (normalize; else its values) at token_ids [N] int64 and at its num largest values, the
+// largest first (equal ones by index), and the token's rank, 1 + the number of larger values: (ids [N, 1 + num]
+// int64, the token first; values [N, 1 + num] float32; ranks [N] int64) of x [N, V] float32, bf16 or float16
+// (sampling.cpp).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> row_logprobs(const at::Tensor& x, const at::Tensor& token_ids,
+                                                            int64_t num, bool normalize);
 // The penalties in place on float32 logits [N, V], as pagedllm.sample.ops.apply_penalties: each row's tokens seen
 // (prompt_ids[prompt_starts[i]:prompt_starts[i + 1]] and the output's likewise, int64; ids outside [0, V) ignored)
 // divided (positive) or multiplied by its repetition, then frequency x the times generated and presence subtracted

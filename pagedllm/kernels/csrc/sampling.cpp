@@ -1,6 +1,7 @@
 // The sampler's kernels: each greedy row's token, the first index of its largest logit (torch.argmax's answer); a
-// random row's token drawn from softmax(logits / temperature), after its top-k, top-p and min-p, by inverse CDF; and
-// the repetition, frequency and presence penalties.
+// random row's token drawn from softmax(logits / temperature), after its top-k, top-p and min-p, by inverse CDF; a
+// row's raw logprobs (its token's, with its rank, and its top ones); and the repetition, frequency and presence
+// penalties.
 //
 // torch's CPU argmax is a scalar loop (~1.1 ms for [32, 49152] float32 rows), and the amax-then-argmax workaround
 // it replaced took ~0.4 ms in a decode step of 32 rows, after the LM head's bf16 logits had been widened to float32
@@ -11,6 +12,10 @@
 // weight a token must have (ties kept together): found among the few tokens that can reach it (a bound from the
 // chunks' maxima or from p rules out the rest), top-p sorting only the bucket of weights where its sum crosses p.
 // torch's top-p sorted the whole vocabulary or took a top-1024 (~16 ms for 32 rows of SmolLM2's 49,152 logits).
+//
+// The logprobs take a row's logsumexp and its token's rank in two vectorised passes, and its top values from the
+// chunks whose maximum reaches the num-th largest chunk maximum (torch's log_softmax, comparison and topk: ~10 ms for
+// 32 rows).
 //
 // The penalties visit each row's own prompt and output ids, where torch's ops took five passes over [N, V] and two
 // [N, V] tables built a step (~11 ms a decode step of 32 rows).
@@ -25,6 +30,8 @@
 #include <functional>
 #include <limits>
 #include <numeric>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 namespace pagedllm {
@@ -66,17 +73,15 @@ void check_rows(const char* name, const at::Tensor& x) {
               x.strides());
 }
 
-// out [N] int64 = pick(row r, V, r, scratch) for each row of x [N, V] (check_rows'), float32, bf16 or float16, rows
+// visit(row r's V values, V, r, scratch) for each row of x [N, V] (check_rows'), float32, bf16 or float16, rows
 // split between the threads, each with its own Scratch.
-template <typename Scratch, typename Pick>
-at::Tensor for_each_row(const char* name, const at::Tensor& x, const Pick& pick) {
+template <typename Scratch, typename Visit>
+void for_each_row(const char* name, const at::Tensor& x, const Visit& visit) {
   const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
-  at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
-  int64_t* result = out.data_ptr<int64_t>();
   const auto run = [&](const auto* data) {
     at::parallel_for(0, rows, std::max<int64_t>(1, kValuesGrain / n), [&](int64_t begin, int64_t end) {
       Scratch scratch;
-      for (int64_t r = begin; r < end; ++r) result[r] = pick(data + r * stride, n, r, scratch);
+      for (int64_t r = begin; r < end; ++r) visit(data + r * stride, n, r, scratch);
     });
   };
   switch (x.scalar_type()) {
@@ -85,7 +90,40 @@ at::Tensor for_each_row(const char* name, const at::Tensor& x, const Pick& pick)
     case at::kHalf: run(x.data_ptr<c10::Half>()); break;
     default: TORCH_CHECK(false, name, ": x must be float32, bfloat16 or float16, got ", x.scalar_type());
   }
+}
+
+// out [N] int64 = pick(row r, V, r, scratch) for each row of x, as for_each_row visits them.
+template <typename Scratch, typename Pick>
+at::Tensor pick_rows(const char* name, const at::Tensor& x, const Pick& pick) {
+  at::Tensor out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
+  int64_t* result = out.data_ptr<int64_t>();
+  for_each_row<Scratch>(name, x, [&](const auto* row, int64_t n, int64_t r, Scratch& scratch) {
+    result[r] = pick(row, n, r, scratch);
+  });
   return out;
+}
+
+// Each 256-value chunk's largest of row x, into `maxima`; returns the row's largest. (NaN: dropped.)
+template <typename T>
+float chunk_maxima(const T* x, int64_t n, std::vector<float>& maxima) {
+  const int64_t chunks = (n + kChunk - 1) / kChunk;
+  maxima.resize(chunks);
+  float most = -std::numeric_limits<float>::infinity();
+  for (int64_t c = 0; c < chunks; ++c) {
+    float largest = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : largest)
+    for (int64_t i = c * kChunk; i < std::min(n, (c + 1) * kChunk); ++i) largest = std::max(largest, to_float(x[i]));
+    maxima[c] = largest;
+    most = std::max(most, largest);
+  }
+  return most;
+}
+
+// The k-th largest of `values` (k >= 1), found in `work`, a copy.
+float kth_largest(const std::vector<float>& values, int64_t k, std::vector<float>& work) {
+  work = values;
+  std::nth_element(work.begin(), work.begin() + (k - 1), work.end(), std::greater<float>());
+  return work[k - 1];
 }
 
 struct NoScratch {};
@@ -149,10 +187,7 @@ float keep_threshold(const float* e, int64_t n, float total, const Filters& filt
   // that weigh less than 1 - p of the total, so each has p of it before it) or min-p's, the larger.
   float least = 0.f;
   if (k < n && k <= chunks) {
-    std::vector<float>& maxima = scratch.bucket;
-    maxima = chunk_max;
-    std::nth_element(maxima.begin(), maxima.begin() + (k - 1), maxima.end(), std::greater<float>());
-    least = maxima[k - 1];
+    least = kth_largest(chunk_max, k, scratch.bucket);
   } else if (k >= n) {
     least = std::max((1.f - filters.p) * total / static_cast<float>(n), filters.min_p);
   }
@@ -193,15 +228,7 @@ int64_t sample_row(const T* x, int64_t n, float temperature, float u, const Filt
   std::vector<float>& chunk_max = scratch.chunk_max;
   e.resize(n);
   chunk_sums.resize(chunks);
-  chunk_max.resize(chunks);
-  float most = -std::numeric_limits<float>::infinity();
-  for (int64_t c = 0; c < chunks; ++c) {
-    float largest = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : largest)
-    for (int64_t i = c * kChunk; i < std::min(n, (c + 1) * kChunk); ++i) largest = std::max(largest, to_float(x[i]));
-    chunk_max[c] = largest;
-    most = std::max(most, largest);
-  }
+  const float most = chunk_maxima(x, n, chunk_max);
   const float inv_t = 1.f / temperature;
   float total = 0.f;
   for (int64_t c = 0; c < chunks; ++c) {
@@ -246,6 +273,66 @@ int64_t sample_row(const T* x, int64_t n, float temperature, float u, const Filt
   return n - 1;  // a row of NaN: inverse_cdf_sample's clamp
 }
 
+// The sum of n floats, in one order whatever called it: a row's logsumexp is the same bits for bf16 logits as for
+// their float32 widening (a sum inlined in each dtype's loop may be vectorised with other partial sums).
+__attribute__((noinline)) float sum_of(const float* v, int64_t n) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) sum += v[i];
+  return sum;
+}
+
+// A thread's buffers for logprobs_row: each chunk's largest value, the values that may be among a row's largest
+// (with their indices), and a copy to select in.
+struct TopScratch {
+  std::vector<float> chunk_max, work;
+  std::vector<std::pair<float, int64_t>> top;
+};
+
+// Row x's log-softmax (its values less their logsumexp; the values themselves where !normalize) at `token` and at its
+// `num` largest values (the largest first, equal ones by index), into ids[0..num] and values[0..num], the token
+// first; and its rank, 1 + the number of larger values. The largest are collected where they can be: at least the
+// num-th largest chunk maximum.
+template <typename T>
+void logprobs_row(const T* x, int64_t n, int64_t token, int64_t num, bool normalize, TopScratch& scratch,
+                  int64_t* ids, float* values, int64_t* rank) {
+  const int64_t chunks = (n + kChunk - 1) / kChunk;
+  const float most = chunk_maxima(x, n, scratch.chunk_max);
+  float sum = 0.f;
+  float exps[kChunk];
+  for (int64_t start = 0; start < n; start += kChunk) {
+    const int64_t count = std::min(kChunk, n - start);
+#pragma omp simd
+    for (int64_t i = 0; i < count; ++i) exps[i] = exp_approx(to_float(x[start + i]) - most);
+    sum += sum_of(exps, count);
+  }
+  const float lse = normalize ? most + std::log(sum) : 0.f;
+  const float chosen = to_float(x[token]);
+  int64_t larger = 0;
+#pragma omp simd reduction(+ : larger)
+  for (int64_t i = 0; i < n; ++i) larger += to_float(x[i]) > chosen ? 1 : 0;
+  ids[0] = token, values[0] = chosen - lse, *rank = larger + 1;
+  if (num == 0) return;
+  const float least = num <= chunks ? kth_largest(scratch.chunk_max, num, scratch.work)
+                                    : -std::numeric_limits<float>::infinity();
+  auto& top = scratch.top;
+  top.clear();
+  for (int64_t c = 0; c < chunks; ++c) {
+    if (scratch.chunk_max[c] < least) continue;
+    for (int64_t i = c * kChunk; i < std::min(n, (c + 1) * kChunk); ++i) {
+      if (to_float(x[i]) >= least) top.emplace_back(to_float(x[i]), i);
+    }
+  }
+  const int64_t found = std::min<int64_t>(num, static_cast<int64_t>(top.size()));  // (fewer: a row of NaN)
+  std::partial_sort(top.begin(), top.begin() + found, top.end(), [](const auto& a, const auto& b) {
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  });
+  for (int64_t j = 0; j < num; ++j) {
+    ids[1 + j] = j < found ? top[j].second : 0;
+    values[1 + j] = j < found ? top[j].first - lse : std::numeric_limits<float>::quiet_NaN();
+  }
+}
+
 // A per-row parameter's values: nullptr for none, else checked to be contiguous [rows] of `dtype` on the CPU.
 template <typename T>
 const T* row_values(const c10::optional<at::Tensor>& values, int64_t rows, at::ScalarType dtype, const char* what) {
@@ -264,13 +351,13 @@ at::Tensor sample_rows(const at::Tensor& x, const at::Tensor& temperature, const
                        const c10::optional<at::Tensor>& min_p) {
   check_rows("sample_rows", x);
   const int64_t rows = x.size(0);
-  const float* t = row_values<float>(temperature, rows, at::kFloat, "temperature");
-  const float* u = row_values<float>(uniform, rows, at::kFloat, "uniform");
-  const int64_t* k = row_values<int64_t>(top_k, rows, at::kLong, "top_k");
-  const float* p = row_values<float>(top_p, rows, at::kFloat, "top_p");
-  const float* mp = row_values<float>(min_p, rows, at::kFloat, "min_p");
-  return for_each_row<DrawScratch>("sample_rows", x,
-                                   [&](const auto* row, int64_t n, int64_t r, DrawScratch& scratch) {
+  const float* t = row_values<float>(temperature, rows, at::kFloat, "sample_rows: temperature");
+  const float* u = row_values<float>(uniform, rows, at::kFloat, "sample_rows: uniform");
+  const int64_t* k = row_values<int64_t>(top_k, rows, at::kLong, "sample_rows: top_k");
+  const float* p = row_values<float>(top_p, rows, at::kFloat, "sample_rows: top_p");
+  const float* mp = row_values<float>(min_p, rows, at::kFloat, "sample_rows: min_p");
+  return pick_rows<DrawScratch>("sample_rows", x,
+                                [&](const auto* row, int64_t n, int64_t r, DrawScratch& scratch) {
                                      const Filters filters{k ? std::max<int64_t>(1, k[r]) : n, p ? p[r] : 1.f,
                                                            mp ? mp[r] : 0.f};
                                      return sample_row(row, n, t[r], u[r], filters, scratch);
@@ -285,13 +372,13 @@ void apply_penalties(at::Tensor logits, const at::Tensor& prompt_ids, const at::
               "apply_penalties: logits must be float32 [N, V] on the CPU with unit stride along V, got ",
               logits.scalar_type(), " ", logits.sizes());
   const int64_t rows = logits.size(0), n = logits.size(1);
-  const int64_t* prompt = row_values<int64_t>(prompt_ids, prompt_ids.numel(), at::kLong, "prompt_ids");
-  const int64_t* output = row_values<int64_t>(output_ids, output_ids.numel(), at::kLong, "output_ids");
-  const int64_t* prompt_start = row_values<int64_t>(prompt_starts, rows + 1, at::kLong, "prompt_starts");
-  const int64_t* output_start = row_values<int64_t>(output_starts, rows + 1, at::kLong, "output_starts");
-  const float* r = row_values<float>(repetition, rows, at::kFloat, "repetition");
-  const float* f = row_values<float>(frequency, rows, at::kFloat, "frequency");
-  const float* p = row_values<float>(presence, rows, at::kFloat, "presence");
+  const int64_t* prompt = row_values<int64_t>(prompt_ids, prompt_ids.numel(), at::kLong, "apply_penalties: prompt_ids");
+  const int64_t* output = row_values<int64_t>(output_ids, output_ids.numel(), at::kLong, "apply_penalties: output_ids");
+  const int64_t* prompt_start = row_values<int64_t>(prompt_starts, rows + 1, at::kLong, "apply_penalties: prompt_starts");
+  const int64_t* output_start = row_values<int64_t>(output_starts, rows + 1, at::kLong, "apply_penalties: output_starts");
+  const float* r = row_values<float>(repetition, rows, at::kFloat, "apply_penalties: repetition");
+  const float* f = row_values<float>(frequency, rows, at::kFloat, "apply_penalties: frequency");
+  const float* p = row_values<float>(presence, rows, at::kFloat, "apply_penalties: presence");
   TORCH_CHECK(prompt_start[0] == 0 && output_start[0] == 0 && prompt_start[rows] == prompt_ids.numel()
                   && output_start[rows] == output_ids.numel(),
               "apply_penalties: the starts must run from 0 to the number of ids");
@@ -327,10 +414,31 @@ void apply_penalties(at::Tensor logits, const at::Tensor& prompt_ids, const at::
   }
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> row_logprobs(const at::Tensor& x, const at::Tensor& token_ids,
+                                                            int64_t num, bool normalize) {
+  check_rows("row_logprobs", x);
+  const int64_t rows = x.size(0), n = x.size(1);
+  const int64_t* tokens = row_values<int64_t>(token_ids, rows, at::kLong, "row_logprobs: token_ids");
+  TORCH_CHECK(num >= 0 && num <= n, "row_logprobs: num must be in [0, V], got ", num);
+  for (int64_t r = 0; r < rows; ++r) {
+    TORCH_CHECK(tokens[r] >= 0 && tokens[r] < n, "row_logprobs: token id ", tokens[r], " is outside [0, ", n, ")");
+  }
+  at::Tensor ids = at::empty({rows, 1 + num}, x.options().dtype(at::kLong));
+  at::Tensor values = at::empty({rows, 1 + num}, x.options().dtype(at::kFloat));
+  at::Tensor ranks = at::empty({rows}, x.options().dtype(at::kLong));
+  int64_t* id = ids.data_ptr<int64_t>();
+  float* value = values.data_ptr<float>();
+  int64_t* rank = ranks.data_ptr<int64_t>();
+  for_each_row<TopScratch>("row_logprobs", x, [&](const auto* row, int64_t v, int64_t r, TopScratch& scratch) {
+    logprobs_row(row, v, tokens[r], num, normalize, scratch, id + r * (1 + num), value + r * (1 + num), rank + r);
+  });
+  return {ids, values, ranks};
+}
+
 at::Tensor argmax_rows(const at::Tensor& x) {
   check_rows("argmax_rows", x);
-  return for_each_row<NoScratch>("argmax_rows", x,
-                                 [](const auto* row, int64_t n, int64_t, NoScratch&) { return argmax_row(row, n); });
+  return pick_rows<NoScratch>("argmax_rows", x,
+                              [](const auto* row, int64_t n, int64_t, NoScratch&) { return argmax_row(row, n); });
 }
 
 }  // namespace pagedllm
