@@ -81,7 +81,13 @@ def inverse_cdf_sample(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tens
 
 
 def apply_token_bitmask(logits: torch.Tensor, mask: TokenBitmask) -> None:
-    """Set every token a constrained row does not allow to -inf, in place."""
+    """Set every token a constrained row does not allow to -inf, in place: on the CPU in C++ from the bits
+    themselves (~6.5 ms for 32 rows of SmolLM2's vocabulary through the unpacking below), which is its reference and
+    the path of other devices."""
+    kernels = kernels_for(logits) if logits.dtype == torch.float32 and logits.stride(-1) == 1 else None
+    if kernels is not None:
+        kernels.apply_token_bitmask(logits, mask.rows, mask.bitmask)
+        return
     allowed = unpack_bitmask(mask.bitmask, logits.shape[1]).to(logits.device)     # [R, V] bool
     logits[mask.rows] = logits[mask.rows].masked_fill(~allowed, float("-inf"))
 

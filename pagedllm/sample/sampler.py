@@ -126,7 +126,7 @@ class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         # logits: [B, V]
         if self.custom is None and (meta.max_num_logprobs is None or self.logprobs_mode.startswith("raw")):
-            processed = self.process_logits(logits.float(), meta) if meta.processes_logits else logits
+            processed = self.process_logits(logits, meta)
             token_ids = self._draw(processed, meta)
             if meta.max_num_logprobs is None:
                 return SamplerOutput(token_ids=token_ids, logprobs=None)
@@ -152,11 +152,11 @@ class Sampler(nn.Module):
 
     @staticmethod
     def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """Apply the token bitmask, allowed_token_ids, logit_bias, banned tokens and penalties. Never modifies the
-        caller's tensor."""
+        """Apply the token bitmask, allowed_token_ids, logit_bias, banned tokens and penalties to a float32 copy of
+        `logits` (the caller's tensor as it is where nothing changes it)."""
         if not meta.processes_logits:
             return logits
-        logits = logits.clone()
+        logits = logits.to(torch.float32, copy=True)
         if meta.token_bitmask is not None:
             apply_token_bitmask(logits, meta.token_bitmask)
         if meta.allowed is not None:

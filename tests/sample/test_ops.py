@@ -7,9 +7,10 @@ import torch
 
 from pagedllm import SamplingParams
 from pagedllm.kernels import kernels_for
-from pagedllm.sample.metadata import SamplingMetadata, SamplingRow
+from pagedllm.sample.metadata import SamplingMetadata, SamplingRow, TokenBitmask
 from pagedllm.sample.ops import (
     apply_penalties_dense,
+    apply_token_bitmask,
     argmax_rows,
     filtered_probs,
     gather_logprobs,
@@ -260,3 +261,25 @@ def test_row_logprobs_are_torchs_log_softmax_gathered(isa_level: str, dtype: tor
     assert ranks[1] == 1 and values[2, 0] == float("-inf")
     with pytest.raises(RuntimeError, match="outside"):
         kernels.row_logprobs(logits, torch.full((rows,), vocab), 1, True)
+
+
+@pytest.mark.parametrize("words", [32, 20])              # ceil(1000 / 32) words; fewer: the tokens past them refused
+def test_token_bitmask_kernel_masks_what_torchs_unpacking_does(isa_level: str, words: int) -> None:
+    g = torch.Generator().manual_seed(5)
+    vocab = 1000
+    bitmask = torch.randint(-2**31, 2**31, (2, words), generator=g, dtype=torch.int64).to(torch.int32)
+    bitmask[1] = -1                                         # every bit set: the whole row allowed
+    mask = TokenBitmask(rows=torch.tensor([2, 0]), bitmask=bitmask)
+    logits = (torch.randn(3, vocab + 4, generator=g))[:, :vocab]                     # rows a stride apart
+    expected = logits.double()
+    apply_token_bitmask(expected, mask)                     # float64: torch's path
+    kernels = kernels_for(logits)
+    assert kernels is not None
+    kernels.apply_token_bitmask(logits, mask.rows, mask.bitmask)
+    assert torch.equal(logits.double(), expected)
+    refused = logits[2].isinf()
+    assert 0 < int(refused[:32 * words].sum()) < 32 * words and bool(refused[32 * words:].all())
+    assert torch.isinf(logits[0, 32 * words:]).all() and not torch.isinf(logits[0, :min(vocab, 32 * words)]).any()
+    assert not torch.isinf(logits[1]).any()                 # a row without a mask
+    with pytest.raises(RuntimeError, match="outside"):
+        kernels.apply_token_bitmask(logits, torch.tensor([3, 0]), bitmask)

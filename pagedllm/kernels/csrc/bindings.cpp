@@ -40,6 +40,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("row_logprobs", &pagedllm::row_logprobs,
         "Each row's log-softmax (its values where not normalize) at its token and at its num largest values, and "
         "the token's rank: (x, token_ids, num, normalize) -> (ids, values, ranks)", NoGil());
+  m.def("apply_token_bitmask", &pagedllm::apply_token_bitmask,
+        "Each listed row's tokens whose bit is 0 to -inf, in place on float32 logits: (logits, rows, bitmask)",
+        NoGil());
   m.def("apply_penalties", &pagedllm::apply_penalties,
         "Repetition, frequency and presence penalties in place on float32 logits, from each row's prompt and output "
         "ids: (logits, prompt_ids, prompt_starts, output_ids, output_starts, repetition, frequency, presence)",

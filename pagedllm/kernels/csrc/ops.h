@@ -121,6 +121,9 @@ at::Tensor sample_rows(const at::Tensor& x, const at::Tensor& temperature, const
 // (sampling.cpp).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> row_logprobs(const at::Tensor& x, const at::Tensor& token_ids,
                                                             int64_t num, bool normalize);
+// Each rows[i] of float32 logits [N, V] to -inf where bit t of bitmask row i (int32 [R, W], bit j of word w: token
+// 32 w + j) is 0, and past its 32 W tokens (sampling.cpp).
+void apply_token_bitmask(at::Tensor logits, const at::Tensor& rows, const at::Tensor& bitmask);
 // The penalties in place on float32 logits [N, V], as pagedllm.sample.ops.apply_penalties: each row's tokens seen
 // (prompt_ids[prompt_starts[i]:prompt_starts[i + 1]] and the output's likewise, int64; ids outside [0, V) ignored)
 // divided (positive) or multiplied by its repetition, then frequency x the times generated and presence subtracted

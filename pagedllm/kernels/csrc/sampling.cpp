@@ -1,7 +1,7 @@
 // The sampler's kernels: each greedy row's token, the first index of its largest logit (torch.argmax's answer); a
 // random row's token drawn from softmax(logits / temperature), after its top-k, top-p and min-p, by inverse CDF; a
-// row's raw logprobs (its token's, with its rank, and its top ones); and the repetition, frequency and presence
-// penalties.
+// row's raw logprobs (its token's, with its rank, and its top ones); a structured-output row's bitmask; and the
+// repetition, frequency and presence penalties.
 //
 // torch's CPU argmax is a scalar loop (~1.1 ms for [32, 49152] float32 rows), and the amax-then-argmax workaround
 // it replaced took ~0.4 ms in a decode step of 32 rows, after the LM head's bf16 logits had been widened to float32
@@ -16,6 +16,9 @@
 // The logprobs take a row's logsumexp and its token's rank in two vectorised passes, and its top values from the
 // chunks whose maximum reaches the num-th largest chunk maximum (torch's log_softmax, comparison and topk: ~10 ms for
 // 32 rows).
+//
+// A structured-output row's bitmask sets the tokens it refuses to -inf straight from its bits (torch's path unpacked
+// them into an [R, V] bool tensor and masked a copy of the rows: ~6.5 ms for 32 rows).
 //
 // The penalties visit each row's own prompt and output ids, where torch's ops took five passes over [N, V] and two
 // [N, V] tables built a step (~11 ms a decode step of 32 rows).
@@ -362,6 +365,35 @@ at::Tensor sample_rows(const at::Tensor& x, const at::Tensor& temperature, const
                                                            mp ? mp[r] : 0.f};
                                      return sample_row(row, n, t[r], u[r], filters, scratch);
                                    });
+}
+
+void apply_token_bitmask(at::Tensor logits, const at::Tensor& rows, const at::Tensor& bitmask) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.dim() == 2
+                  && logits.stride(1) == 1,
+              "apply_token_bitmask: logits must be float32 [N, V] on the CPU with unit stride along V, got ",
+              logits.scalar_type(), " ", logits.sizes());
+  TORCH_CHECK(bitmask.scalar_type() == at::kInt && bitmask.dim() == 2 && bitmask.is_contiguous()
+                  && bitmask.device().is_cpu() && bitmask.size(0) == rows.numel(),
+              "apply_token_bitmask: bitmask must be contiguous int32 [R, W] on the CPU, a row each of rows' R, got ",
+              bitmask.scalar_type(), " ", bitmask.sizes());
+  const int64_t n = logits.size(1), words = bitmask.size(1);
+  const int64_t* row = row_values<int64_t>(rows, rows.numel(), at::kLong, "apply_token_bitmask: rows");
+  const uint32_t* bits = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>());
+  const int64_t covered = std::min(n, 32 * words);  // tokens past the mask's words are not allowed
+  for (int64_t i = 0; i < rows.numel(); ++i) {
+    TORCH_CHECK(row[i] >= 0 && row[i] < logits.size(0), "apply_token_bitmask: row ", row[i], " is outside [0, ",
+                logits.size(0), ")");
+  }
+  at::parallel_for(0, rows.numel(), std::max<int64_t>(1, kValuesGrain / n), [&](int64_t begin, int64_t end) {
+    constexpr float kOff = -std::numeric_limits<float>::infinity();
+    for (int64_t i = begin; i < end; ++i) {
+      float* x = logits.data_ptr<float>() + row[i] * logits.stride(0);
+      const uint32_t* mask = bits + i * words;
+#pragma omp simd
+      for (int64_t t = 0; t < covered; ++t) x[t] = (mask[t >> 5] >> (t & 31)) & 1u ? x[t] : kOff;
+      for (int64_t t = covered; t < n; ++t) x[t] = kOff;
+    }
+  });
 }
 
 void apply_penalties(at::Tensor logits, const at::Tensor& prompt_ids, const at::Tensor& prompt_starts,
