@@ -115,8 +115,9 @@ class SamplerOutput:
 
 class Sampler(nn.Module):
     """Samples one token per row: `Sampler()(logits [B, V], meta) -> SamplerOutput`, the logits in float32 or the LM
-    head's dtype (widened here, except for a batch that only takes each row's argmax); its logprobs are as
-    `logprobs_mode` says (pagedllm.config.LOGPROBS_MODES; see the module docstring)."""
+    head's dtype (widened where torch's ops compute: the processing, custom processors, processed logprobs; the C++
+    draw and raw logprobs read them as they are); its logprobs are as `logprobs_mode` says
+    (pagedllm.config.LOGPROBS_MODES; see the module docstring)."""
 
     def __init__(self, logprobs_mode: str = "raw_logprobs", custom: CustomLogits | None = None) -> None:
         super().__init__()
@@ -128,10 +129,7 @@ class Sampler(nn.Module):
         if self.custom is None and (meta.max_num_logprobs is None or self.logprobs_mode.startswith("raw")):
             processed = self.process_logits(logits, meta)
             token_ids = self._draw(processed, meta)
-            if meta.max_num_logprobs is None:
-                return SamplerOutput(token_ids=token_ids, logprobs=None)
-            ids, values, ranks = raw_logprobs(logits, meta.max_num_logprobs, token_ids, self.logprobs_mode)
-            return SamplerOutput(token_ids=token_ids, logprobs=LogprobsTensors(ids, values, ranks, meta.num_logprobs))
+            return SamplerOutput(token_ids=token_ids, logprobs=self._logprobs(logits, processed, None, meta, token_ids))
         raw = logits.float()
         logits = self.process_logits(raw, meta)
         if self.custom is not None:
@@ -144,11 +142,15 @@ class Sampler(nn.Module):
             token_ids = inverse_cdf_sample(probs, self._uniforms(meta, probs.shape[0], probs.device))
             if not meta.all_random:
                 token_ids = torch.where(meta.greedy_mask, argmax_rows(logits), token_ids)
-        logprobs = None
-        if meta.max_num_logprobs is not None:
-            ids, values, ranks = batch_logprobs(raw, logits, probs, meta, self.logprobs_mode, token_ids)
-            logprobs = LogprobsTensors(token_ids=ids, logprobs=values, ranks=ranks, num_logprobs=meta.num_logprobs)
-        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+        return SamplerOutput(token_ids=token_ids, logprobs=self._logprobs(raw, logits, probs, meta, token_ids))
+
+    def _logprobs(self, raw: torch.Tensor, processed: torch.Tensor, probs: torch.Tensor | None,
+                  meta: SamplingMetadata, token_ids: torch.Tensor) -> LogprobsTensors | None:
+        """The batch's `batch_logprobs`, None when no row asked for them."""
+        if meta.max_num_logprobs is None:
+            return None
+        ids, values, ranks = batch_logprobs(raw, processed, probs, meta, self.logprobs_mode, token_ids)
+        return LogprobsTensors(token_ids=ids, logprobs=values, ranks=ranks, num_logprobs=meta.num_logprobs)
 
     @staticmethod
     def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -183,7 +185,7 @@ class Sampler(nn.Module):
         return filtered_probs(logits, meta.top_k, meta.top_p, meta.min_p)
 
     def _draw(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """The tokens of a batch that reports no logprobs: each greedy row's argmax, each random row's draw from
+        """The tokens of a batch: each greedy row's argmax, each random row's draw from
         its processed logits in one `sample_rows` (softmax, top-k, top-p, min-p and the inverse CDF at once; bf16
         logits unwidened), where the torch ops took ~4 ms for 32 rows of SmolLM2's vocabulary at a plain
         temperature and ~16 ms with top-p."""
