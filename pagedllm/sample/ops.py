@@ -28,6 +28,11 @@ def _row_kernels(x: torch.Tensor) -> ModuleType | None:
     return kernels_for(x)
 
 
+def _float32_row_kernels(x: torch.Tensor) -> ModuleType | None:
+    """`_row_kernels` for the kernels that change float32 logits in place (the bitmask, the penalties)."""
+    return _row_kernels(x) if x.dtype == torch.float32 else None
+
+
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """`x.argmax(dim=-1)` of [N, V] rows: the first index of each row's largest value (of its first NaN).
 
@@ -84,7 +89,7 @@ def apply_token_bitmask(logits: torch.Tensor, mask: TokenBitmask) -> None:
     """Set every token a constrained row does not allow to -inf, in place: on the CPU in C++ from the bits
     themselves (~6.5 ms for 32 rows of SmolLM2's vocabulary through the unpacking below), which is its reference and
     the path of other devices."""
-    kernels = kernels_for(logits) if logits.dtype == torch.float32 and logits.stride(-1) == 1 else None
+    kernels = _float32_row_kernels(logits)
     if kernels is not None:
         kernels.apply_token_bitmask(logits, mask.rows, mask.bitmask)
         return
@@ -112,7 +117,7 @@ def apply_penalties(logits: torch.Tensor, penalties: Penalties) -> None:
     form below takes five passes over [B, V] and builds two [B, V] tables a step (~11 ms for 32 rows of SmolLM2's
     vocabulary): the same operations in the same order, so the same bits. `apply_penalties_dense` is its
     reference, and the path of other devices."""
-    kernels = kernels_for(logits) if logits.dtype == torch.float32 and logits.stride(-1) == 1 else None
+    kernels = _float32_row_kernels(logits)
     if kernels is None:
         apply_penalties_dense(logits, penalties)
     else:
@@ -220,7 +225,7 @@ def raw_logprobs(logits: torch.Tensor, num_logprobs: int, token_ids: torch.Tenso
                  logprobs_mode: str = "raw_logprobs") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`gather_logprobs` of the raw scores of `logits` [B, V] (`raw_scores`, which with it is the reference and the
     path of other devices): on the CPU one C++ pass a row, reading bf16 logits as they are, where torch's
-    log_softmax, the rank's comparison and topk took ~4 ms for 32 rows of SmolLM2's vocabulary. Its log-softmax
+    log_softmax, the rank's comparison and topk took 4-11 ms for 32 rows of SmolLM2's vocabulary. Its log-softmax
     differs from torch's by float rounding; its rank counts the larger logits, and equal values among the top come
     in index order."""
     kernels = _row_kernels(logits)

@@ -226,6 +226,9 @@ def test_penalties_kernel_gives_the_dense_forms_bits(isa_level: str) -> None:
                             penalties.output_starts, penalties.repetition, penalties.frequency, penalties.presence)
     assert torch.equal(logits, expected)
     assert (logits != original).sum(dim=1).tolist() == [4, 2, 3, 1]   # each row's distinct tokens in the vocabulary
+    with pytest.raises(RuntimeError, match="logits must be float32"):
+        kernels.apply_penalties(logits.bfloat16(), penalties.prompt_ids, penalties.prompt_starts, penalties.output_ids,
+                                penalties.output_starts, penalties.repetition, penalties.frequency, penalties.presence)
     with pytest.raises(RuntimeError, match="starts must run from 0"):
         kernels.apply_penalties(logits, penalties.prompt_ids, penalties.prompt_starts + 1, penalties.output_ids,
                                 penalties.output_starts, penalties.repetition, penalties.frequency, penalties.presence)

@@ -76,6 +76,12 @@ void check_rows(const char* name, const at::Tensor& x) {
               x.strides());
 }
 
+// check_rows' for logits changed in place, which must be float32.
+void check_float_rows(const char* name, const at::Tensor& logits) {
+  check_rows(name, logits);
+  TORCH_CHECK(logits.scalar_type() == at::kFloat, name, ": logits must be float32, got ", logits.scalar_type());
+}
+
 // visit(row r's V values, V, r, scratch) for each row of x [N, V] (check_rows'), float32, bf16 or float16, rows
 // split between the threads, each with its own Scratch.
 template <typename Scratch, typename Visit>
@@ -359,19 +365,14 @@ at::Tensor sample_rows(const at::Tensor& x, const at::Tensor& temperature, const
   const int64_t* k = row_values<int64_t>(top_k, rows, at::kLong, "sample_rows: top_k");
   const float* p = row_values<float>(top_p, rows, at::kFloat, "sample_rows: top_p");
   const float* mp = row_values<float>(min_p, rows, at::kFloat, "sample_rows: min_p");
-  return pick_rows<DrawScratch>("sample_rows", x,
-                                [&](const auto* row, int64_t n, int64_t r, DrawScratch& scratch) {
-                                     const Filters filters{k ? std::max<int64_t>(1, k[r]) : n, p ? p[r] : 1.f,
-                                                           mp ? mp[r] : 0.f};
-                                     return sample_row(row, n, t[r], u[r], filters, scratch);
-                                   });
+  return pick_rows<DrawScratch>("sample_rows", x, [&](const auto* row, int64_t n, int64_t r, DrawScratch& scratch) {
+    const Filters filters{k ? std::max<int64_t>(1, k[r]) : n, p ? p[r] : 1.f, mp ? mp[r] : 0.f};
+    return sample_row(row, n, t[r], u[r], filters, scratch);
+  });
 }
 
 void apply_token_bitmask(at::Tensor logits, const at::Tensor& rows, const at::Tensor& bitmask) {
-  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.dim() == 2
-                  && logits.stride(1) == 1,
-              "apply_token_bitmask: logits must be float32 [N, V] on the CPU with unit stride along V, got ",
-              logits.scalar_type(), " ", logits.sizes());
+  check_float_rows("apply_token_bitmask", logits);
   TORCH_CHECK(bitmask.scalar_type() == at::kInt && bitmask.dim() == 2 && bitmask.is_contiguous()
                   && bitmask.device().is_cpu() && bitmask.size(0) == rows.numel(),
               "apply_token_bitmask: bitmask must be contiguous int32 [R, W] on the CPU, a row each of rows' R, got ",
@@ -399,10 +400,7 @@ void apply_token_bitmask(at::Tensor logits, const at::Tensor& rows, const at::Te
 void apply_penalties(at::Tensor logits, const at::Tensor& prompt_ids, const at::Tensor& prompt_starts,
                      const at::Tensor& output_ids, const at::Tensor& output_starts, const at::Tensor& repetition,
                      const at::Tensor& frequency, const at::Tensor& presence) {
-  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.dim() == 2
-                  && logits.stride(1) == 1,
-              "apply_penalties: logits must be float32 [N, V] on the CPU with unit stride along V, got ",
-              logits.scalar_type(), " ", logits.sizes());
+  check_float_rows("apply_penalties", logits);
   const int64_t rows = logits.size(0), n = logits.size(1);
   const int64_t* prompt = row_values<int64_t>(prompt_ids, prompt_ids.numel(), at::kLong, "apply_penalties: prompt_ids");
   const int64_t* output = row_values<int64_t>(output_ids, output_ids.numel(), at::kLong, "apply_penalties: output_ids");
