@@ -131,6 +131,38 @@ def bench_tokenizer(args: argparse.Namespace):
     return model_tokenizer(resolve_model(args.model), args.tokenizer)
 
 
+_SAMPLING_DEFAULTS = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
+                      "presence_penalty": 0.0, "frequency_penalty": 0.0}   # greedy, nothing filtered or penalised
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "sampling", "every request draws with these (vLLM's SamplingParams names), on pagedllm's side and each "
+                    "peer's: greedy by default; top-k 0 is off")
+    for name, default in _SAMPLING_DEFAULTS.items():
+        group.add_argument("--" + name.replace("_", "-"), type=type(default), default=default)
+
+
+def sampling_kwargs(args: argparse.Namespace) -> dict[str, float | int]:
+    """The requests' sampling parameters, in vLLM's SamplingParams names: the temperature, and each other one set
+    away from its default (the temperature alone, 0, where a command has no sampling flags)."""
+    values = {name: getattr(args, name, default) for name, default in _SAMPLING_DEFAULTS.items()}
+    return {name: value for name, value in values.items()
+            if name == "temperature" or value != _SAMPLING_DEFAULTS[name]}
+
+
+def describe_sampling(sampling: dict[str, float | int]) -> str:
+    """'greedy', or the parameters as `name=value` pairs, for a report."""
+    if sampling == {"temperature": 0.0}:
+        return "greedy"
+    return " ".join(f"{name}={value:g}" for name, value in sampling.items())
+
+
+def sampling_argv(args: argparse.Namespace) -> list[str]:
+    """The sampling flags again, for a child process."""
+    return [arg for name, value in sampling_kwargs(args).items() for arg in ("--" + name.replace("_", "-"), str(value))]
+
+
 def requests_from_args(tokenizer, args: argparse.Namespace) -> list[BenchRequest]:
     return load_requests(tokenizer, args.dataset, num_prompts=args.num_prompts, input_len=args.input_len,
                          output_len=args.output_len, dataset_path=args.dataset_path, seed=args.seed)

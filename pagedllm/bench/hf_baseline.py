@@ -1,4 +1,5 @@
-"""The peer: Hugging Face transformers `generate` over left-padded static batches, greedy, in its fastest dtype.
+"""The peer: Hugging Face transformers `generate` over left-padded static batches, in its fastest dtype, greedy or
+with the requests' sampling parameters.
 
 A static batch runs until its longest request is done, so every row generates max(output_len in the batch)
 tokens. Only each request's own output_len counts as useful output; the rest is reported as generated tokens.
@@ -110,12 +111,29 @@ def _left_padded(batch: list[BenchRequest], pad_token_id: int) -> tuple[torch.Te
 
 
 @torch.inference_mode()
-def generate_batch(model: PreTrainedModel, batch: list[BenchRequest], pad_token_id: int) -> int:
-    """Greedy-generate exactly max(output_len) tokens for every row; returns how many tokens were generated."""
+def hf_sampling(sampling: dict[str, float | int]) -> dict[str, Any]:
+    """transformers' generation options for the requests' sampling parameters (vLLM's names, see
+    `pagedllm.bench.args.sampling_kwargs`): greedy at temperature 0, where only the repetition penalty applies, as
+    in vLLM; top-k off unless given (transformers' own default is 50). It has no presence or frequency penalty."""
+    missing = sorted({"presence_penalty", "frequency_penalty"} & sampling.keys())
+    if missing:
+        raise ValueError(f"transformers generate has no {' or '.join(missing)}: compare it without them")
+    penalty = {"repetition_penalty": sampling["repetition_penalty"]} if "repetition_penalty" in sampling else {}
+    if sampling["temperature"] == 0:
+        return {"do_sample": False, **penalty}
+    return {"do_sample": True, "temperature": sampling["temperature"], "top_p": sampling.get("top_p", 1.0),
+            "top_k": max(sampling.get("top_k", 0), 0), "min_p": sampling.get("min_p"), **penalty}
+
+
+def generate_batch(model: PreTrainedModel, batch: list[BenchRequest], pad_token_id: int,
+                   sampling: dict[str, float | int] | None = None) -> int:
+    """Generate exactly max(output_len) tokens for every row, greedy or with `sampling` (see `hf_sampling`); returns
+    how many tokens were generated."""
     num_new = max(r.output_len for r in batch)
     input_ids, attention_mask = _left_padded(batch, pad_token_id)
-    config = GenerationConfig(max_new_tokens=num_new, min_new_tokens=num_new, do_sample=False,
-                              pad_token_id=pad_token_id, eos_token_id=model.generation_config.eos_token_id)
+    config = GenerationConfig(max_new_tokens=num_new, min_new_tokens=num_new,
+                              pad_token_id=pad_token_id, eos_token_id=model.generation_config.eos_token_id,
+                              **hf_sampling(sampling or {"temperature": 0.0}))
     out = model.generate(input_ids=input_ids.to(model.device), attention_mask=attention_mask.to(model.device),
                          generation_config=config)
     num_generated = out.shape[1] - input_ids.shape[1]
@@ -124,9 +142,10 @@ def generate_batch(model: PreTrainedModel, batch: list[BenchRequest], pad_token_
     return len(batch) * num_generated
 
 
-def run_hf(model: PreTrainedModel, requests: list[BenchRequest], batch_size: int, pad_token_id: int) -> HFRun:
+def run_hf(model: PreTrainedModel, requests: list[BenchRequest], batch_size: int, pad_token_id: int,
+           sampling: dict[str, float | int] | None = None) -> HFRun:
     """Run the requests in dataset order, `batch_size` at a time."""
     start = time.perf_counter()
-    num_generated = sum(generate_batch(model, requests[i:i + batch_size], pad_token_id)
+    num_generated = sum(generate_batch(model, requests[i:i + batch_size], pad_token_id, sampling)
                         for i in range(0, len(requests), batch_size))
     return HFRun(time.perf_counter() - start, num_generated)

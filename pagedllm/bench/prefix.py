@@ -24,13 +24,21 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pagedllm.bench.args import add_engine_args, bench_tokenizer, engine_kwargs
+from pagedllm.bench.args import (
+    add_engine_args,
+    add_sampling_args,
+    bench_tokenizer,
+    describe_sampling,
+    engine_kwargs,
+    sampling_kwargs,
+)
 from pagedllm.bench.datasets import BenchRequest, shared_prefix_requests
 from pagedllm.bench.vllm_peer import add_vllm_args, run_vllm, vllm_python
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser, prefix_caching_flag=False)
+    add_sampling_args(parser)
     group = parser.add_argument_group("workload")
     group.add_argument("--num-prompts", type=int, default=32)
     group.add_argument("--prefix-len", type=int, default=512, help="tokens of the shared system prompt")
@@ -70,7 +78,7 @@ def run_once(args: argparse.Namespace, enable_prefix_caching: bool) -> dict[str,
     requests = shared_prefix_requests(llm.get_tokenizer(), args.num_prompts, args.prefix_len, args.output_len,
                                       args.seed)
     llm.generate([warmup_prompt(args, requests)], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
-    params = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=r.output_len) for r in requests]
+    params = [SamplingParams(ignore_eos=True, max_tokens=r.output_len, **sampling_kwargs(args)) for r in requests]
     stats = llm.engine.prefix_cache_stats
     hits_before, queries_before = stats.num_hit_tokens, stats.num_query_tokens
     start = time.perf_counter()
@@ -81,7 +89,8 @@ def run_once(args: argparse.Namespace, enable_prefix_caching: bool) -> dict[str,
     num_output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     num_hit_tokens = sum(o.num_cached_tokens for o in outputs)
     return {
-        "enable_prefix_caching": enable_prefix_caching, "num_requests": len(requests),
+        "enable_prefix_caching": enable_prefix_caching, "sampling": sampling_kwargs(args),
+        "num_requests": len(requests),
         "total_prompt_tokens": num_prompt_tokens, "total_output_tokens": num_output_tokens,
         "elapsed_time": elapsed, "requests_per_second": len(requests) / elapsed,
         "tokens_per_second": (num_prompt_tokens + num_output_tokens) / elapsed,
@@ -137,7 +146,7 @@ def _common_prefix_len(a: list[int], b: list[int]) -> int:
 def print_report(result: dict[str, Any]) -> None:
     on, off = result["cache_on"], result["cache_off"]
     print(f"Shared-prefix workload: {on['num_requests']} requests, {on['total_prompt_tokens']} prompt tokens, "
-          f"{on['total_output_tokens']} output tokens")
+          f"{on['total_output_tokens']} output tokens, {describe_sampling(on['sampling'])}")
     columns = [on, off] + ([result["vllm"]] if "vllm" in result else [])
     print(f"{'':<28}{'cache on':>12}{'cache off':>12}" + (f"{'vllm':>12}" if "vllm" in result else ""))
     for label, key, fmt in [("Requests/s", "requests_per_second", "{:.2f}"),

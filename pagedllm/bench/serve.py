@@ -1,9 +1,10 @@
 """`pagedllm bench serve`: online latency and throughput against any OpenAI-compatible server.
 
-Each request streams `/v1/completions` with `max_tokens` = its output_len and `ignore_eos` (an extra body field
-that vLLM and pagedllm accept), so servers generate the same tokens. Per request it records the time to the first
-streamed chunk (TTFT), the gaps between chunks (ITL), and the end-to-end latency (E2EL); TPOT is
-(E2EL - TTFT) / (output tokens - 1). The report follows vLLM's `benchmark_serving`.
+Each request streams `/v1/completions` with `max_tokens` = its output_len, `ignore_eos` and the sampling flags'
+parameters (greedy by default; top_k, min_p and repetition_penalty are extra body fields that vLLM and pagedllm
+accept, as `ignore_eos` is), so servers generate the same number of tokens the same way. Per request it records
+the time to the first streamed chunk (TTFT), the gaps between chunks (ITL), and the end-to-end latency (E2EL); TPOT
+is (E2EL - TTFT) / (output tokens - 1). The report follows vLLM's `benchmark_serving`.
 """
 
 from __future__ import annotations
@@ -19,12 +20,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pagedllm.bench.args import add_dataset_args, requests_from_args
+from pagedllm.bench.args import (
+    add_dataset_args,
+    add_sampling_args,
+    describe_sampling,
+    requests_from_args,
+    sampling_kwargs,
+)
 from pagedllm.bench.datasets import BenchRequest
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     add_dataset_args(parser)
+    add_sampling_args(parser)
     parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server, without /v1")
     parser.add_argument("--model", default=None, help="served model name (default: the first of /v1/models)")
     parser.add_argument("--tokenizer", default=None,
@@ -67,9 +75,10 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
         requests = requests_from_args(tokenizer, args)
         prompts = [r.prompt_token_ids if args.prompt_format == "ids" else tokenizer.decode(r.prompt_token_ids)
                    for r in requests]
+        sampling = sampling_kwargs(args)
         print(f"Model: {model}; {len(requests)} requests; request rate {args.request_rate}; "
-              f"max concurrency {args.max_concurrency}")
-        test = await send_request(client, model, prompts[0], BenchRequest(requests[0].prompt_token_ids, 2))
+              f"max concurrency {args.max_concurrency}; {describe_sampling(sampling)}")
+        test = await send_request(client, model, prompts[0], BenchRequest(requests[0].prompt_token_ids, 2), sampling)
         if not test.success:
             raise RuntimeError(f"the initial test request failed: {test.error}")
         start = time.perf_counter()
@@ -77,7 +86,7 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
         duration = time.perf_counter() - start
     result = summarise(results, duration)
     result.update(model=model, base_url=args.base_url, request_rate=args.request_rate,
-                  max_concurrency=args.max_concurrency, dataset=args.dataset)
+                  max_concurrency=args.max_concurrency, dataset=args.dataset, sampling=sampling)
     print_report(result)
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
@@ -107,12 +116,13 @@ async def _run_all(client, model: str, prompts: list, requests: list[BenchReques
                    args: argparse.Namespace) -> list[RequestResult]:
     limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
     rng = random.Random(args.seed)
+    sampling = sampling_kwargs(args)
 
     async def one(prompt, request: BenchRequest) -> RequestResult:
         if limit is None:
-            return await send_request(client, model, prompt, request)
+            return await send_request(client, model, prompt, request, sampling)
         async with limit:
-            return await send_request(client, model, prompt, request)
+            return await send_request(client, model, prompt, request, sampling)
 
     tasks = []
     for prompt, request in zip(prompts, requests):
@@ -122,9 +132,10 @@ async def _run_all(client, model: str, prompts: list, requests: list[BenchReques
     return list(await asyncio.gather(*tasks))
 
 
-async def send_request(client, model: str, prompt: list[int] | str, request: BenchRequest) -> RequestResult:
-    """Stream one completion and time its chunks."""
-    payload = {"model": model, "prompt": prompt, "max_tokens": request.output_len, "temperature": 0.0,
+async def send_request(client, model: str, prompt: list[int] | str, request: BenchRequest,
+                       sampling: dict[str, float | int]) -> RequestResult:
+    """Stream one completion, drawn with `sampling` (see `sampling_kwargs`), and time its chunks."""
+    payload = {"model": model, "prompt": prompt, "max_tokens": request.output_len, **sampling,
                "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
     result = RequestResult(prompt_len=request.prompt_len)
     start = last = time.perf_counter()

@@ -22,11 +22,15 @@ from typing import Any
 from pagedllm.bench.args import (
     add_dataset_args,
     add_engine_args,
+    add_sampling_args,
     bench_lora_request,
     bench_tokenizer,
     dataset_argv,
+    describe_sampling,
     engine_kwargs,
     requests_from_args,
+    sampling_argv,
+    sampling_kwargs,
 )
 from pagedllm.bench.datasets import BenchRequest
 from pagedllm.bench.llamacpp_peer import add_llamacpp_args, llamacpp_gguf, llamacpp_python, run_llamacpp
@@ -49,6 +53,7 @@ _RATIO_KEYS = ("requests_per_second", "tokens_per_second", "output_tokens_per_se
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     add_dataset_args(parser)
     add_engine_args(parser)
+    add_sampling_args(parser)
     parser.add_argument("--backend", choices=["pagedllm", "hf"], default="pagedllm")
     parser.add_argument("--compare", choices=list(_PEERS), action="append", default=[],
                         help="also time a peer on the same requests, in this run: hf (transformers generate), "
@@ -68,6 +73,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> dict[str, Any]:
     if args.lora_path and (args.backend != "pagedllm" or set(args.compare) - {"vllm"}):
         raise ValueError("--lora-path runs pagedllm, and vLLM with --compare vllm; not transformers or llama.cpp")
+    if "llamacpp" in args.compare and sampling_kwargs(args) != {"temperature": 0.0}:
+        raise ValueError("--compare llamacpp runs greedy requests: leave out the sampling flags")
     if "vllm" in args.compare:   # the peers' environments, before anything is timed
         vllm_python(args)
     if "llamacpp" in args.compare:
@@ -104,7 +111,7 @@ def run_pagedllm(args: argparse.Namespace) -> dict[str, Any]:
     first_token_s = time.perf_counter() - start
 
     requests = requests_from_args(llm.get_tokenizer(), args)
-    params = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=r.output_len) for r in requests]
+    params = [SamplingParams(ignore_eos=True, max_tokens=r.output_len, **sampling_kwargs(args)) for r in requests]
     waste = KVWaste()
     with _sampling_kv_waste(llm.engine, waste):
         start = time.perf_counter()
@@ -148,7 +155,7 @@ def run_hf(args: argparse.Namespace) -> dict[str, Any]:
     first_token_s = time.perf_counter() - start
 
     requests = requests_from_args(tokenizer, args)
-    run = run_batches(model, requests, args.hf_batch_size, pad_token_id)
+    run = run_batches(model, requests, args.hf_batch_size, pad_token_id, sampling_kwargs(args))
     result = _summarise("hf", resolved.name, args, requests, run.elapsed_s, ModelDims.from_hf_config(model.config))
     result.update(startup_s=startup_s, engine_init_s=engine_init_s, first_token_s=first_token_s,
                   peak_rss_mib=peak_rss_mib(), hf_batch_size=args.hf_batch_size,
@@ -162,7 +169,8 @@ def _run_hf_child(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "hf.json"
         command = [sys.executable, "-m", "pagedllm.bench", "throughput", "--backend", "hf", "--skip-gemm-peak",
-                   "--hf-batch-size", str(args.hf_batch_size), "--output-json", str(path), *dataset_argv(args)]
+                   "--hf-batch-size", str(args.hf_batch_size), "--output-json", str(path), *dataset_argv(args),
+                   *sampling_argv(args)]
         print("Running the Hugging Face peer:", " ".join(command[2:]), flush=True)
         subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
         return json.loads(path.read_text(encoding="utf-8"))
@@ -226,6 +234,7 @@ def _summarise(backend: str, model_name: str, args: argparse.Namespace, requests
     num_output_tokens = sum(r.output_len for r in requests)
     return {
         "backend": backend, "model": model_name, "dataset": args.dataset, "cpu": cpu_info().describe(),
+        "sampling": sampling_kwargs(args),
         "num_requests": len(requests), "total_prompt_tokens": num_prompt_tokens,
         "total_output_tokens": num_output_tokens, "total_num_tokens": num_prompt_tokens + num_output_tokens,
         "elapsed_time": elapsed,
@@ -289,6 +298,7 @@ def print_report(result: dict[str, Any]) -> None:
           f"tokens/s, {result['output_tokens_per_second']:.2f} output tokens/s")
     print(f"Total num prompt tokens:  {result['total_prompt_tokens']}")
     print(f"Total num output tokens:  {result['total_output_tokens']}")
+    print(f"Sampling: {describe_sampling(result['sampling'])}")
     peers = [peer for peer in _PEERS if peer in result]
     print(f"{'':<34}{result['backend']:>12}" + "".join(f"{peer:>12}{'ratio':>9}" for peer in peers))
     for label, key, fmt in _ROWS:

@@ -1,13 +1,15 @@
 """The vLLM peer's side of `--compare vllm`, run by the peer environment's Python (it has vllm, not pagedllm).
 
 It imports only the standard library and vllm, so it runs as a file: `python vllm_child.py JOB.json RESULT.json`.
-JOB.json holds the model folder, the dtype, the engine sizes, the prompts as token ids with their output lengths,
-an optional warm-up prompt (the prefix bench's system prompt), an optional LoRA adapter every request runs with,
-and the task: "generate", "embed" (vLLM's pooling runner, the model converted to embed unless it is an encoder) or
-"score" (the pooling runner on a cross-encoder, scoring the job's text pairs, as `LLM.score` takes only text).
+JOB.json holds the model folder, the dtype, the engine sizes, the prompts as token ids with their output lengths and
+sampling parameters, an optional warm-up prompt (the prefix bench's system prompt), an optional LoRA adapter every
+request runs with, and the task: "generate", "embed" (vLLM's pooling runner, the model converted to embed unless it
+is an encoder) or "score" (the pooling runner on a cross-encoder, scoring the job's text pairs, as `LLM.score` takes
+only text).
 RESULT.json gets the timings and token counts (and, to embed or score, the first prompts' vectors or scores, to check
 both sides agree).
-Every request is greedy with ignore_eos, as on pagedllm's side, so both generate exactly the same number of tokens.
+Every request has ignore_eos and the bench's sampling parameters (greedy unless it was given some), as on pagedllm's
+side, so both generate exactly the same number of tokens the same way.
 """
 
 from __future__ import annotations
@@ -43,12 +45,12 @@ def main(job_path: str, result_path: str) -> None:
 
 
 def _generate(llm, job: dict, prompts: list[dict], lora: dict, sampling_params) -> dict:
-    """Time one warm-up request, then every prompt greedy to its output length."""
+    """Time one greedy warm-up request, then every prompt to its output length with the job's sampling parameters."""
     start = time.perf_counter()
     llm.generate([{"prompt_token_ids": job["warmup_prompt_token_ids"]}], sampling_params(temperature=0, max_tokens=1),
                  use_tqdm=False, **lora)
     first_token_s = time.perf_counter() - start
-    params = [sampling_params(temperature=0, ignore_eos=True, max_tokens=n) for n in job["output_lens"]]
+    params = [sampling_params(ignore_eos=True, max_tokens=n, **job["sampling"]) for n in job["output_lens"]]
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False, **lora)
     return {"elapsed_time": time.perf_counter() - start, "first_token_s": first_token_s,

@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from pagedllm.bench.args import add_engine_args, bench_tokenizer, lora_rank
+from pagedllm.bench.args import add_engine_args, bench_tokenizer, lora_rank, sampling_kwargs
 from pagedllm.bench.datasets import BenchRequest
 from pagedllm.bench.peers import peer_python, run_child, run_in_own_group
 from pagedllm.cpu import cpu_info
@@ -103,7 +103,8 @@ def run_vllm(args: argparse.Namespace, requests: list[BenchRequest], warmup_prom
                "convert": "auto" if encoder or task == "score" else "embed", "text_pairs": text_pairs,
                "warmup_prompt_token_ids": warmup_prompt_token_ids,
                "prompt_token_ids": [r.prompt_token_ids for r in requests],
-               "output_lens": [r.output_len for r in requests], "lora_path": getattr(args, "lora_path", None),
+               "output_lens": [r.output_len for r in requests], "sampling": sampling_kwargs(args),
+               "lora_path": getattr(args, "lora_path", None),
                "task": task, "num_vectors_back": VECTORS_CHECKED}
         if job["lora_path"]:
             job["max_lora_rank"] = lora_rank(job["lora_path"])

@@ -76,3 +76,10 @@ def test_compare_llamacpp_without_its_environment_fails_before_timing(tmp_path, 
     with pytest.raises(FileNotFoundError, match="make bench-peers"):
         main(["throughput", "--compare", "llamacpp", "--llamacpp-python", str(tmp_path / "none" / "python")])
     assert "Throughput" not in capsys.readouterr().out
+
+
+def test_compare_llamacpp_refuses_sampled_requests_before_timing(tmp_path, capsys):
+    with pytest.raises(ValueError, match="llamacpp runs greedy requests"):
+        main(["throughput", "--compare", "llamacpp", "--temperature", "0.8",
+              "--llamacpp-python", str(tmp_path / "none" / "python")])
+    assert "Throughput" not in capsys.readouterr().out

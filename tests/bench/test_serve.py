@@ -85,6 +85,7 @@ def test_serve_reports_vllm_fields(fake_server, tiny_model_dir, tmp_path, capsys
     assert result["request_throughput"] > 0 and result["output_throughput"] > 0
     body = received[-1]   # after the initial test request
     assert body["stream"] and body["ignore_eos"] and body["max_tokens"] == 5
+    assert body["temperature"] == 0.0 and "top_p" not in body     # greedy, nothing else set
     assert isinstance(body["prompt"], list) and len(body["prompt"]) == 8
     printed = capsys.readouterr().out
     assert " Serving Benchmark Result " in printed and "P99 ITL (ms):" in printed
@@ -97,10 +98,13 @@ def test_serve_counts_failures_and_sends_text(fake_server, tiny_model_dir, tmp_p
     path.write_text("\n".join(json.dumps({"prompt": p, "output_len": n})
                               for p, n in [("hello", 4), ("bad", FAIL_MAX_TOKENS), ("world", 2)]))
     result = main(["serve", "--base-url", base_url, "--model", "fake-model", "--tokenizer", tiny_model_dir,
-                   "--dataset", "jsonl", "--dataset-path", str(path), "--prompt-format", "text"])
+                   "--dataset", "jsonl", "--dataset-path", str(path), "--prompt-format", "text",
+                   "--temperature", "0.7", "--top-k", "20", "--repetition-penalty", "1.1"])
     assert (result["completed"], result["failed"], result["total_output_tokens"]) == (2, 1, 6)
     assert "HTTP 500" in result["errors"][0]
     assert {b["prompt"] for b in received} == {"hello", "bad", "world"}
+    assert all((b["temperature"], b["top_k"], b["repetition_penalty"]) == (0.7, 20, 1.1) for b in received)
+    assert result["sampling"] == {"temperature": 0.7, "top_k": 20, "repetition_penalty": 1.1}
 
 
 def test_summarise_tpot_and_percentiles():

