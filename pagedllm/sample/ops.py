@@ -1,5 +1,5 @@
-"""The sampler's tensor ops, each over the whole batch: penalties, top-k / top-p, min-p, inverse-CDF sampling and
-the logprobs gather."""
+"""The sampler's tensor ops, each over the whole batch: penalties, top-k / top-p, min-p, inverse-CDF sampling, the
+verdicts on draft tokens and the logprobs gather."""
 
 from __future__ import annotations
 
@@ -59,6 +59,43 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, uniform: torch.
         return inverse_cdf_sample(probs, uniform)
     return kernels.sample_rows(logits, temperature.float().contiguous(), uniform.float().contiguous(), top_k, top_p,
                                min_p)
+
+
+def verify_rows(logits: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tensor, draft_ids: torch.Tensor,
+                top_k: torch.Tensor | None = None, top_p: torch.Tensor | None = None,
+                min_p: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rejection_sample` of each row's draft (-1: none) against the distribution `sample_rows` draws from, with its
+    two uniform numbers [B, 2]: that of `filtered_probs`, the reference and the path of other devices, shapes and
+    dtypes. On the CPU the C++ kernel weighs, filters and draws each row at once (torch's [B, V] ops took ~45 ms to
+    verify 32 requests' 3 drafts greedy, ~270 ms with top-p); its draws differ from torch's as `sample_rows`' do."""
+    kernels = _row_kernels(logits)
+    if kernels is None:
+        probs = filtered_probs(logits.float() / temperature.unsqueeze(1), top_k, top_p, min_p)
+        return rejection_sample(probs, draft_ids, uniform)
+    return kernels.verify_rows(logits, temperature.float().contiguous(), uniform.float().contiguous(),
+                               draft_ids.contiguous(), top_k, top_p, min_p)
+
+
+def rejection_sample(probs: torch.Tensor, draft_ids: torch.Tensor,
+                     uniform: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row: whether its draft is accepted, and the token to emit if the run stops at this row.
+
+    Args:
+        probs: [R, V] target distributions.
+        draft_ids: [R] the draft token each row verifies; -1 for a bonus row (no draft, never accepted).
+        uniform: [R, 2] numbers in [0, 1).
+
+    Returns:
+        accepted: [R] bool, uniform[:, 0] < p(draft).
+        recovered: [R] int64, drawn from p with the draft removed (the residual of a point-mass draft), or from
+            p itself on a bonus row, by inverse CDF with uniform[:, 1].
+    """
+    has_draft = draft_ids >= 0
+    index = draft_ids.clamp(min=0).unsqueeze(1)                           # [R, 1]
+    p_draft = probs.gather(1, index).squeeze(1)                            # [R]
+    accepted = has_draft & (uniform[:, 0] < p_draft)
+    residual = torch.where(has_draft.unsqueeze(1), probs.scatter(1, index, 0.0), probs)
+    return accepted, inverse_cdf_sample(residual, uniform[:, 1])
 
 
 def filtered_probs(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,

@@ -11,7 +11,9 @@ accepted, a bonus token is sampled from p_k. The tokens then follow p exactly (L
 
 Greedy rows are the case p = one-hot(argmax): a draft is accepted iff it is the argmax, and the token after the
 accepted ones is the argmax. Each position goes through the sampler's own logits processing (bias, min_tokens,
-penalties over the output plus the drafts before it) and its temperature / top-k / top-p / min-p.
+penalties over the output plus the drafts before it) and its temperature / top-k / top-p / min-p. As in the sampler,
+a batch that reports no processed logprobs takes its argmax and its random rows' verdicts from the C++ kernels
+(`ops.verify_rows`), reading bf16 logits as they are; processed logprobs need p itself, from torch's ops.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.sample.metadata import SamplingMetadata
-from pagedllm.sample.ops import argmax_rows, inverse_cdf_sample
+from pagedllm.sample.ops import argmax_rows, rejection_sample, verify_rows
 from pagedllm.sample.sampler import LogprobsTensors, Sampler, batch_logprobs
 
 TokenLogprobs = list[tuple[int, float, int]]   # (token_id, logprob, rank) entries of one position
@@ -42,18 +44,24 @@ def verify_drafts(logits: torch.Tensor, meta: SamplingMetadata, request_ids: lis
     """Verify each request's drafts.
 
     Args:
-        logits: [R, V] float32, R = sum(k_i + 1): request i's k_i + 1 positions, one after another.
+        logits: [R, V] float32 or the LM head's dtype, R = sum(k_i + 1): request i's k_i + 1 positions, one after
+            another.
         meta: the rows' sampling metadata (row j of request i: its output tokens extended by its first j drafts).
         request_ids: the requests, in row order.
         spec_token_ids: each request's drafts.
         logprobs_mode: what the logprobs hold, as the sampler's (pagedllm.sample.sampler).
     """
     draft_ids = torch.tensor([t for drafts in spec_token_ids for t in drafts + [-1]], device=logits.device)
-    logits = logits.float()
-    processed = Sampler.process_logits(logits, meta)
-    sampled = None if meta.all_greedy else Sampler.compute_probs(processed, meta)
-    probs = target_probs(processed, sampled, meta)
-    accepted, recovered = rejection_sample(probs, draft_ids, draw_uniforms(meta, len(draft_ids), logits.device))
+    uniform = draw_uniforms(meta, len(draft_ids), logits.device)
+    sampled = None
+    if meta.max_num_logprobs is None or logprobs_mode.startswith("raw"):
+        processed = Sampler.process_logits(logits, meta)
+        accepted, recovered = draft_verdicts(processed, draft_ids, uniform, meta)
+    else:   # processed logprobs: p itself
+        logits = logits.float()
+        processed = Sampler.process_logits(logits, meta)
+        sampled = None if meta.all_greedy else Sampler.compute_probs(processed, meta)
+        accepted, recovered = rejection_sample(target_probs(processed, sampled, meta), draft_ids, uniform)
     accepted_list, recovered_list = accepted.tolist(), recovered.tolist()
     # Each row's token for the logprobs: its draft, then the sampled one where the run stops (later rows unused).
     num_accepted, token_ids, row_tokens = [], [], [max(t, 0) for t in draft_ids.tolist()]
@@ -72,6 +80,23 @@ def verify_drafts(logits: torch.Tensor, meta: SamplingMetadata, request_ids: lis
                                       torch.tensor(row_tokens, device=logits.device))
         logprobs = _logprobs(row_logprobs, meta, request_ids, spec_token_ids, num_accepted)
     return VerifiedTokens(num_accepted, token_ids, logprobs)
+
+
+def draft_verdicts(logits: torch.Tensor, draft_ids: torch.Tensor, uniform: torch.Tensor,
+                   meta: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rejection_sample`'s (accepted, recovered) on the processed `logits`, without p: a greedy row accepts its
+    draft iff it is the argmax and emits the argmax (its accepted rows' recovered token is never used), a random row
+    takes `verify_rows`' verdict under its temperature, top-k, top-p and min-p."""
+    if meta.all_greedy:
+        greedy = argmax_rows(logits)
+        return draft_ids == greedy, greedy
+    accepted, recovered = verify_rows(logits, meta.temperature, uniform, draft_ids, meta.top_k, meta.top_p,
+                                      meta.min_p)
+    if meta.all_random:
+        return accepted, recovered
+    greedy = argmax_rows(logits)
+    return (torch.where(meta.greedy_mask, draft_ids == greedy, accepted),
+            torch.where(meta.greedy_mask, greedy, recovered))
 
 
 def target_probs(processed: torch.Tensor, sampled: torch.Tensor | None, meta: SamplingMetadata) -> torch.Tensor:
@@ -95,28 +120,6 @@ def draw_uniforms(meta: SamplingMetadata, num_rows: int, device: torch.device) -
     for row, generator in meta.generators.items():
         uniform[row] = torch.rand(2, generator=generator, device=device)
     return uniform
-
-
-def rejection_sample(probs: torch.Tensor, draft_ids: torch.Tensor,
-                     uniform: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row: whether its draft is accepted, and the token to emit if the run stops at this row.
-
-    Args:
-        probs: [R, V] target distributions.
-        draft_ids: [R] the draft token each row verifies; -1 for a bonus row (no draft, never accepted).
-        uniform: [R, 2] numbers in [0, 1).
-
-    Returns:
-        accepted: [R] bool, uniform[:, 0] < p(draft).
-        recovered: [R] int64, drawn from p with the draft removed (the residual of a point-mass draft), or from
-            p itself on a bonus row, by inverse CDF with uniform[:, 1].
-    """
-    has_draft = draft_ids >= 0
-    index = draft_ids.clamp(min=0).unsqueeze(1)                           # [R, 1]
-    p_draft = probs.gather(1, index).squeeze(1)                            # [R]
-    accepted = has_draft & (uniform[:, 0] < p_draft)
-    residual = torch.where(has_draft.unsqueeze(1), probs.scatter(1, index, 0.0), probs)
-    return accepted, inverse_cdf_sample(residual, uniform[:, 1])
 
 
 def _logprobs(row_logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor], meta: SamplingMetadata,

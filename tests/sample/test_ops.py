@@ -16,9 +16,11 @@ from pagedllm.sample.ops import (
     gather_logprobs,
     inverse_cdf_sample,
     raw_logprobs,
+    rejection_sample,
     sample_rows,
     top_k_top_p_candidates,
     top_k_top_p_sorted,
+    verify_rows,
 )
 
 
@@ -163,6 +165,65 @@ def test_sample_rows_filters_keep_the_oracles_tokens(isa_level: str, dtype: torc
         assert cdf[t] > target - 1e-5 and (t == 0 or cdf[t - 1] <= target + 1e-5), (r, t)
     reference = filtered_probs(logits.float() / temperature.unsqueeze(1), top_k, top_p, min_p)
     assert (inverse_cdf_sample(reference, uniform) == drawn).float().mean() >= 0.95
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_verify_rows_gives_the_oracles_verdicts(isa_level: str, dtype: torch.dtype) -> None:
+    """The kernel accepts a draft where u < p(draft) of the float64 oracle's filtered distribution (u away from it by
+    more than float rounding) and draws the row's token from p without the draft (from p on a bonus row) inside its
+    CDF interval, almost always torch's own draw (`rejection_sample` of `filtered_probs`); drafts at the argmax, at a
+    random token, at a masked one, none; a draft that holds all of p (top-k 1) is accepted and stands as the draw."""
+    g = torch.Generator().manual_seed(3)
+    vocab, repeats = 5000, 6
+    filters = _FILTERS * repeats
+    rows = len(filters)
+    scale = torch.tensor([4.0, 8.0, 0.05, 1.0, 20.0, 0.5]).repeat_interleave(len(_FILTERS)).unsqueeze(1)
+    logits = (torch.randn(rows, vocab + 3, generator=g)[:, :vocab] * scale).to(dtype)   # rows a stride apart
+    logits[::5, 1000:3000] = float("-inf")                   # masked tokens
+    temperature = torch.rand(rows, generator=g) + 0.3
+    uniform = torch.rand(rows, 2, generator=g)
+    kind = torch.arange(rows) % 4
+    draft_ids = torch.where(kind == 0, logits.float().argmax(-1), torch.randint(0, vocab, (rows,), generator=g))
+    draft_ids = torch.where(kind == 2, torch.full((rows,), 1500), draft_ids)   # masked in every fifth row
+    draft_ids = torch.where(kind == 3, -1, draft_ids)
+    top_k = torch.tensor([f[0] for f in filters])
+    top_p = torch.tensor([f[1] for f in filters])
+    min_p = torch.tensor([f[2] for f in filters])
+    kernels = kernels_for(logits)
+    assert kernels is not None
+    accepted, recovered = kernels.verify_rows(logits, temperature, uniform, draft_ids, top_k, top_p, min_p)
+    fast = verify_rows(logits, temperature, uniform, draft_ids, top_k, top_p, min_p)
+    assert torch.equal(fast[0], accepted) and torch.equal(fast[1], recovered)
+    probs = torch.softmax(logits.double() / temperature.double().unsqueeze(1), dim=-1)
+    for r, (k, p, m) in enumerate(filters):
+        kept = torch.where(_kept(probs[r], k, p, m), probs[r], 0.0)
+        kept /= kept.sum()
+        d, t = int(draft_ids[r]), int(recovered[r])
+        p_draft = float(kept[d]) if d >= 0 else 0.0
+        if abs(float(uniform[r, 0]) - p_draft) > 1e-5:
+            assert bool(accepted[r]) == (float(uniform[r, 0]) < p_draft), (r, d, p_draft)
+        if p_draft > 1 - 1e-6:     # no residual
+            assert bool(accepted[r]) and t == d, (r, filters[r])
+            continue
+        residual = kept.clone()
+        if d >= 0:
+            residual[d] = 0.0
+        cdf = residual.cumsum(0)
+        target = float(uniform[r, 1]) * float(cdf[-1])
+        assert residual[t] > 0, (r, t, filters[r])
+        assert cdf[t] > target - 1e-5 and (t == 0 or cdf[t - 1] <= target + 1e-5), (r, t)
+    reference = filtered_probs(logits.float() / temperature.unsqueeze(1), top_k, top_p, min_p)
+    torch_accepted, torch_recovered = rejection_sample(reference, draft_ids, uniform)
+    assert (torch_accepted == accepted).float().mean() >= 0.95
+    used = ~accepted & ~torch_accepted      # where the run stops, the recovered token is emitted
+    assert (torch_recovered == recovered)[used].float().mean() >= 0.95
+
+
+def test_verify_rows_refuses_a_draft_past_the_vocabulary() -> None:
+    kernels = kernels_for(torch.zeros(1, 8))
+    assert kernels is not None
+    with pytest.raises(RuntimeError, match="draft id 8 of row 0 is past the 8 tokens"):
+        kernels.verify_rows(torch.zeros(1, 8), torch.ones(1), torch.zeros(1, 2), torch.tensor([8]))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

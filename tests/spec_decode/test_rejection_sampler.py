@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from pagedllm.sample.metadata import SamplingMetadata, SamplingRow, make_generator
+from pagedllm.sample.ops import rejection_sample, verify_rows
 from pagedllm.sample.sampler import Sampler
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.spec_decode.rejection_sampler import rejection_sample, verify_drafts
+from pagedllm.spec_decode.rejection_sampler import verify_drafts
 
 
 def plain_verify(probs: list[list[float]], drafts: list[int], uniforms: list[tuple[float, float]]) -> list[int]:
@@ -71,7 +72,18 @@ def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(((counts - expected) ** 2 / expected).sum())
 
 
-def test_first_token_follows_p_whatever_the_draft() -> None:
+def _torch_verdicts(p: torch.Tensor, draft_ids: torch.Tensor, uniform: torch.Tensor):
+    return rejection_sample(p.repeat(len(draft_ids), 1), draft_ids, uniform)
+
+
+def _kernel_verdicts(p: torch.Tensor, draft_ids: torch.Tensor, uniform: torch.Tensor):
+    """verify_rows on logits log(p) at temperature 1 (the C++ kernel on the CPU): p itself, unfiltered."""
+    rows = len(draft_ids)
+    return verify_rows(p.log().repeat(rows, 1), torch.ones(rows), uniform, draft_ids)
+
+
+@pytest.mark.parametrize("verdicts", [_torch_verdicts, _kernel_verdicts])
+def test_first_token_follows_p_whatever_the_draft(verdicts) -> None:
     """With one draft at a fixed distribution p, the first new token is distributed as p. The threshold 20.5 is
     chi-square's 0.999 quantile at 4 degrees of freedom; a sampler that drew the rejection from p itself (not
     p without the draft) puts 0.55 + 0.45 * 0.55 ~ 0.80 on the draft and scores in the thousands."""
@@ -79,12 +91,35 @@ def test_first_token_follows_p_whatever_the_draft() -> None:
     num_trials = 20_000
     gen = torch.Generator().manual_seed(0)
     for draft in (0, 3):
-        probs = p.repeat(2 * num_trials, 1)
         draft_ids = torch.tensor([draft, -1] * num_trials)
-        accepted, recovered = rejection_sample(probs, draft_ids, torch.rand(2 * num_trials, 2, generator=gen))
+        accepted, recovered = verdicts(p, draft_ids, torch.rand(2 * num_trials, 2, generator=gen))
         first = torch.where(accepted[0::2], draft, recovered[0::2])
         counts = torch.bincount(first, minlength=5).double()
         assert _chi_square(counts, p.double()) < 20.5, counts
+
+
+@pytest.mark.parametrize("params", [dict(temperature=0), dict(temperature=0.8, top_p=0.9, top_k=20),
+                                    dict(temperature=0.6, min_p=0.05)])
+def test_verify_drafts_without_p_agrees_with_p(params: dict) -> None:
+    """verify_drafts takes its verdicts from the argmax and the C++ kernel unless processed logprobs need p; with the
+    same uniforms (the same seeds) both ways give the same tokens, bf16 logits read as they are (the kernel's draws
+    may differ from torch's only within float rounding of a boundary, which these rows do not hit)."""
+    gen = torch.Generator().manual_seed(5)
+    vocab, num_requests, k = 300, 6, 3
+    logits = (torch.randn(num_requests * (k + 1), vocab, generator=gen) * 3).to(torch.bfloat16)
+    drafts = [[int(logits[i * (k + 1) + j].float().argmax()) if j < 2 else 7 for j in range(k)]
+              for i in range(num_requests)]
+
+    def verified(mode: str):
+        rows = [SamplingRow(SamplingParams(**params, seed=i, logprobs=1), [1], [2] + drafts[i][:j], make_generator(i))
+                for i in range(num_requests) for j in range(k + 1)]
+        return verify_drafts(logits, SamplingMetadata.build(rows, vocab), [str(i) for i in range(num_requests)],
+                             drafts, mode)
+
+    fast, with_p = verified("raw_logprobs"), verified("processed_logprobs")
+    assert (fast.num_accepted, fast.token_ids) == (with_p.num_accepted, with_p.token_ids)
+    if params["temperature"] == 0:
+        assert fast.num_accepted == [2] * num_requests
 
 
 def test_verify_greedy_accepts_the_argmax_run_and_reports_logprobs() -> None:

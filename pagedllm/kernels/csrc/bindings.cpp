@@ -37,6 +37,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "inverse CDF with its uniform: (x, temperature, uniform, top_k, top_p, min_p)",
         py::arg("x"), py::arg("temperature"), py::arg("uniform"), py::arg("top_k") = py::none(),
         py::arg("top_p") = py::none(), py::arg("min_p") = py::none(), NoGil());
+  m.def("verify_rows", &pagedllm::verify_rows,
+        "Each row's verdict on its draft (-1: none) against the distribution sample_rows draws from: accepted where "
+        "uniform[:, 0] < p(draft), and the token drawn with uniform[:, 1] from p without the draft: (x, temperature, "
+        "uniform, draft_ids, top_k, top_p, min_p) -> (accepted, recovered)",
+        py::arg("x"), py::arg("temperature"), py::arg("uniform"), py::arg("draft_ids"), py::arg("top_k") = py::none(),
+        py::arg("top_p") = py::none(), py::arg("min_p") = py::none(), NoGil());
   m.def("row_logprobs", &pagedllm::row_logprobs,
         "Each row's log-softmax (its values where not normalize) at its token and at its num largest values, and "
         "the token's rank: (x, token_ids, num, normalize) -> (ids, values, ranks)", NoGil());

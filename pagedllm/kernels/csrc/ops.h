@@ -115,6 +115,15 @@ at::Tensor argmax_rows(const at::Tensor& x);
 at::Tensor sample_rows(const at::Tensor& x, const at::Tensor& temperature, const at::Tensor& uniform,
                        const c10::optional<at::Tensor>& top_k, const c10::optional<at::Tensor>& top_p,
                        const c10::optional<at::Tensor>& min_p);
+// Each row's verdict on its draft token (draft_ids [N] int64; -1: none, a bonus row) against the distribution
+// sample_rows draws from: accepted [N] bool where uniform[r, 0] < p(draft), and recovered [N] int64, the token drawn
+// with uniform[r, 1] ([N, 2] float32) from p without the draft (from p on a bonus row): rejection sampling of a
+// point-mass draft (sampling.cpp).
+std::tuple<at::Tensor, at::Tensor> verify_rows(const at::Tensor& x, const at::Tensor& temperature,
+                                               const at::Tensor& uniform, const at::Tensor& draft_ids,
+                                               const c10::optional<at::Tensor>& top_k,
+                                               const c10::optional<at::Tensor>& top_p,
+                                               const c10::optional<at::Tensor>& min_p);
 // Each row's log-softmax (normalize; else its values) at token_ids [N] int64 and at its num largest values, the
 // largest first (equal ones by index), and the token's rank, 1 + the number of larger values: (ids [N, 1 + num]
 // int64, the token first; values [N, 1 + num] float32; ranks [N] int64) of x [N, V] float32, bf16 or float16

@@ -223,14 +223,10 @@ float keep_threshold(const float* e, int64_t n, float total, const Filters& filt
   return std::max({kept_k, kept_p, filters.min_p});
 }
 
-// The token drawn from softmax(x / temperature), after the filters, with the uniform u: the first index at which
-// the cumulative weight of the kept tokens passes u times their total, as pagedllm.sample.ops.inverse_cdf_sample
-// draws from filtered_probs. The weights are summed in chunks instead of torch's cumsum (their sums agree to float
-// rounding, so a draw can differ only where u falls within that of a boundary, or a filter's sum within that of
-// p). Tokens at -inf (filtered, masked) have weight 0 and are never drawn.
+// Each token's weight exp((x - max) / temperature) into the scratch's e, 0 where the filters drop it, with each
+// chunk's sum into its chunk_sums; returns their total.
 template <typename T>
-int64_t sample_row(const T* x, int64_t n, float temperature, float u, const Filters& filters,
-                   DrawScratch& scratch) {
+float filtered_weights(const T* x, int64_t n, float temperature, const Filters& filters, DrawScratch& scratch) {
   const int64_t chunks = (n + kChunk - 1) / kChunk;
   std::vector<float>& e = scratch.e;
   std::vector<float>& chunk_sums = scratch.chunk_sums;
@@ -265,7 +261,15 @@ int64_t sample_row(const T* x, int64_t n, float temperature, float u, const Filt
       total += sum;
     }
   }
-  const float target = u * total;
+  return total;
+}
+
+// The first index at which the cumulative weight of the scratch's e (filtered_weights') passes target, summed chunk
+// by chunk (n - 1 where it never does: a row of NaN, inverse_cdf_sample's clamp). Tokens of weight 0 are never drawn.
+int64_t draw_weighted(const DrawScratch& scratch, int64_t n, float target) {
+  const std::vector<float>& e = scratch.e;
+  const std::vector<float>& chunk_sums = scratch.chunk_sums;
+  const int64_t chunks = static_cast<int64_t>(chunk_sums.size());
   float before = 0.f;  // the cumulative sum before chunk c, in total's order
   for (int64_t c = 0; c < chunks; ++c) {
     if (before + chunk_sums[c] <= target && c + 1 < chunks) {
@@ -279,7 +283,40 @@ int64_t sample_row(const T* x, int64_t n, float temperature, float u, const Filt
     }
     if (last >= 0) return last;
   }
-  return n - 1;  // a row of NaN: inverse_cdf_sample's clamp
+  return n - 1;
+}
+
+// The token drawn from softmax(x / temperature), after the filters, with the uniform u: the first index at which
+// the cumulative weight of the kept tokens passes u times their total, as pagedllm.sample.ops.inverse_cdf_sample
+// draws from filtered_probs. The weights are summed in chunks instead of torch's cumsum (their sums agree to float
+// rounding, so a draw can differ only where u falls within that of a boundary, or a filter's sum within that of
+// p). Tokens at -inf (filtered, masked) have weight 0 and are never drawn.
+template <typename T>
+int64_t sample_row(const T* x, int64_t n, float temperature, float u, const Filters& filters,
+                   DrawScratch& scratch) {
+  const float total = filtered_weights(x, n, temperature, filters, scratch);
+  return draw_weighted(scratch, n, u * total);
+}
+
+// A draft token's verdict against the distribution sample_row draws from, p: accepted where u_accept < p(draft),
+// and the token to emit if the run stops here, drawn with u_draw from p without the draft (its residual), or from p
+// itself where there is no draft (draft < 0, a bonus row), as pagedllm.sample.ops.rejection_sample decides on
+// filtered_probs. A draft that held all of p has no residual: it is accepted, and stands as its own draw.
+template <typename T>
+std::pair<bool, int64_t> verify_row(const T* x, int64_t n, float temperature, float u_accept, float u_draw,
+                                    int64_t draft, const Filters& filters, DrawScratch& scratch) {
+  float total = filtered_weights(x, n, temperature, filters, scratch);
+  if (draft < 0) return {false, draw_weighted(scratch, n, u_draw * total)};
+  const float weight = scratch.e[draft];
+  const bool accepted = u_accept < weight / total;
+  if (weight <= 0.f) return {accepted, draw_weighted(scratch, n, u_draw * total)};
+  scratch.e[draft] = 0.f;
+  const int64_t c = draft / kChunk;
+  float sum = 0.f;
+  for (int64_t i = c * kChunk; i < std::min(n, (c + 1) * kChunk); ++i) sum += scratch.e[i];
+  scratch.chunk_sums[c] = sum;
+  total = std::accumulate(scratch.chunk_sums.begin(), scratch.chunk_sums.end(), 0.f);
+  return {accepted, total > 0.f ? draw_weighted(scratch, n, u_draw * total) : draft};
 }
 
 // The sum of n floats, in one order whatever called it: a row's logsumexp is the same bits for bf16 logits as for
@@ -369,6 +406,39 @@ at::Tensor sample_rows(const at::Tensor& x, const at::Tensor& temperature, const
     const Filters filters{k ? std::max<int64_t>(1, k[r]) : n, p ? p[r] : 1.f, mp ? mp[r] : 0.f};
     return sample_row(row, n, t[r], u[r], filters, scratch);
   });
+}
+
+std::tuple<at::Tensor, at::Tensor> verify_rows(const at::Tensor& x, const at::Tensor& temperature,
+                                               const at::Tensor& uniform, const at::Tensor& draft_ids,
+                                               const c10::optional<at::Tensor>& top_k,
+                                               const c10::optional<at::Tensor>& top_p,
+                                               const c10::optional<at::Tensor>& min_p) {
+  check_rows("verify_rows", x);
+  const int64_t rows = x.size(0);
+  const float* t = row_values<float>(temperature, rows, at::kFloat, "verify_rows: temperature");
+  TORCH_CHECK(uniform.scalar_type() == at::kFloat && uniform.is_contiguous() && uniform.dim() == 2
+                  && uniform.size(0) == rows && uniform.size(1) == 2 && uniform.device().is_cpu(),
+              "verify_rows: uniform must be contiguous float32 [", rows, ", 2] on the CPU, got ",
+              uniform.scalar_type(), " ", uniform.sizes());
+  const float* u = uniform.data_ptr<float>();
+  const int64_t* drafts = row_values<int64_t>(draft_ids, rows, at::kLong, "verify_rows: draft_ids");
+  for (int64_t r = 0; r < rows; ++r) {
+    TORCH_CHECK(drafts[r] < x.size(1), "verify_rows: draft id ", drafts[r], " of row ", r, " is past the ",
+                x.size(1), " tokens");
+  }
+  const int64_t* k = row_values<int64_t>(top_k, rows, at::kLong, "verify_rows: top_k");
+  const float* p = row_values<float>(top_p, rows, at::kFloat, "verify_rows: top_p");
+  const float* mp = row_values<float>(min_p, rows, at::kFloat, "verify_rows: min_p");
+  at::Tensor accepted = at::empty({rows}, x.options().dtype(at::kBool));
+  at::Tensor recovered = at::empty({rows}, x.options().dtype(at::kLong));
+  bool* accepted_out = accepted.data_ptr<bool>();
+  int64_t* recovered_out = recovered.data_ptr<int64_t>();
+  for_each_row<DrawScratch>("verify_rows", x, [&](const auto* row, int64_t n, int64_t r, DrawScratch& scratch) {
+    const Filters filters{k ? std::max<int64_t>(1, k[r]) : n, p ? p[r] : 1.f, mp ? mp[r] : 0.f};
+    std::tie(accepted_out[r], recovered_out[r]) =
+        verify_row(row, n, t[r], u[2 * r], u[2 * r + 1], drafts[r], filters, scratch);
+  });
+  return {accepted, recovered};
 }
 
 void apply_token_bitmask(at::Tensor logits, const at::Tensor& rows, const at::Tensor& bitmask) {
