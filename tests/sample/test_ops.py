@@ -133,19 +133,28 @@ _FILTERS = [(1, 1.0, 0.0), (3, 1.0, 0.0), (20, 1.0, 0.0), (50, 1.0, 0.0), (300, 
             (5000, 0.95, 0.3), (7, 0.2, 0.0), (5000, 1e-6, 0.0)]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_sample_rows_filters_keep_the_oracles_tokens(isa_level: str, dtype: torch.dtype) -> None:
-    """With top-k, top-p and min-p, every draw is a token the float64 oracle keeps, inside that token's interval of
-    the kept distribution's CDF, and almost always torch's draw (`inverse_cdf_sample` of `filtered_probs`); over
-    peaked, flat and bf16 rows (whose logits tie often: a boundary's ties are kept together)."""
-    g = torch.Generator().manual_seed(2)
+def _filtered_rows(seed: int, dtype: torch.dtype) -> tuple[torch.Generator, list[tuple[int, float, float]],
+                                                             torch.Tensor, torch.Tensor]:
+    """Rows of 5,000 logits for _FILTERS, six times over, each time at another scale (peaked, flat; bf16 ties), a
+    stride apart, every fifth with a masked span; their filters, logits and temperatures, and the generator to go on
+    drawing from."""
+    g = torch.Generator().manual_seed(seed)
     vocab, repeats = 5000, 6
     filters = _FILTERS * repeats
     rows = len(filters)
     scale = torch.tensor([4.0, 8.0, 0.05, 1.0, 20.0, 0.5]).repeat_interleave(len(_FILTERS)).unsqueeze(1)
     logits = (torch.randn(rows, vocab + 3, generator=g)[:, :vocab] * scale).to(dtype)   # rows a stride apart
     logits[::5, 1000:3000] = float("-inf")                   # masked tokens
-    temperature = torch.rand(rows, generator=g) + 0.3
+    return g, filters, logits, torch.rand(rows, generator=g) + 0.3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sample_rows_filters_keep_the_oracles_tokens(isa_level: str, dtype: torch.dtype) -> None:
+    """With top-k, top-p and min-p, every draw is a token the float64 oracle keeps, inside that token's interval of
+    the kept distribution's CDF, and almost always torch's draw (`inverse_cdf_sample` of `filtered_probs`); over
+    peaked, flat and bf16 rows (whose logits tie often: a boundary's ties are kept together)."""
+    g, filters, logits, temperature = _filtered_rows(2, dtype)
+    rows = len(filters)
     uniform = torch.rand(rows, generator=g)
     uniform[:3] = torch.tensor([0.0, 1.0 - 2**-24, 1e-9])
     top_k = torch.tensor([f[0] for f in filters])
@@ -173,14 +182,8 @@ def test_verify_rows_gives_the_oracles_verdicts(isa_level: str, dtype: torch.dty
     more than float rounding) and draws the row's token from p without the draft (from p on a bonus row) inside its
     CDF interval, almost always torch's own draw (`rejection_sample` of `filtered_probs`); drafts at the argmax, at a
     random token, at a masked one, none; a draft that holds all of p (top-k 1) is accepted and stands as the draw."""
-    g = torch.Generator().manual_seed(3)
-    vocab, repeats = 5000, 6
-    filters = _FILTERS * repeats
-    rows = len(filters)
-    scale = torch.tensor([4.0, 8.0, 0.05, 1.0, 20.0, 0.5]).repeat_interleave(len(_FILTERS)).unsqueeze(1)
-    logits = (torch.randn(rows, vocab + 3, generator=g)[:, :vocab] * scale).to(dtype)   # rows a stride apart
-    logits[::5, 1000:3000] = float("-inf")                   # masked tokens
-    temperature = torch.rand(rows, generator=g) + 0.3
+    g, filters, logits, temperature = _filtered_rows(3, dtype)
+    rows, vocab = logits.shape
     uniform = torch.rand(rows, 2, generator=g)
     kind = torch.arange(rows) % 4
     draft_ids = torch.where(kind == 0, logits.float().argmax(-1), torch.randint(0, vocab, (rows,), generator=g))
