@@ -12,6 +12,7 @@ from pagedllm.bench.datasets import BenchRequest, load_requests
 from pagedllm.config import DEFAULT_BLOCK_SIZE
 from pagedllm.entrypoints.openai.cli_args import parse_json_object
 from pagedllm.lora.request import LoRARequest
+from pagedllm.sampling_params import SamplingParams
 
 _SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
@@ -145,10 +146,13 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
 
 def sampling_kwargs(args: argparse.Namespace) -> dict[str, float | int]:
     """The requests' sampling parameters, in vLLM's SamplingParams names: the temperature, and each other one set
-    away from its default (the temperature alone, 0, where a command has no sampling flags)."""
+    away from its default (the temperature alone, 0, where a command has no sampling flags). ValueError, before
+    anything runs, where `SamplingParams` refuses them."""
     values = {name: getattr(args, name, default) for name, default in _SAMPLING_DEFAULTS.items()}
-    return {name: value for name, value in values.items()
-            if name == "temperature" or value != _SAMPLING_DEFAULTS[name]}
+    kwargs = {name: value for name, value in values.items()
+              if name == "temperature" or value != _SAMPLING_DEFAULTS[name]}
+    SamplingParams(**kwargs)
+    return kwargs
 
 
 def describe_sampling(sampling: dict[str, float | int]) -> str:

@@ -54,6 +54,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
+    sampling_kwargs(args)   # the sampling flags checked before anything loads
     if "vllm" in args.compare:
         vllm_python(args)   # before anything is timed
     result: dict[str, Any] = {"cache_on": run_once(args, True)}

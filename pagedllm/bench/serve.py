@@ -60,6 +60,7 @@ class RequestResult:
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
+    sampling_kwargs(args)   # the sampling flags checked before any request
     return asyncio.run(_main(args))
 
 

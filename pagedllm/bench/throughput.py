@@ -73,7 +73,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> dict[str, Any]:
     if args.lora_path and (args.backend != "pagedllm" or set(args.compare) - {"vllm"}):
         raise ValueError("--lora-path runs pagedllm, and vLLM with --compare vllm; not transformers or llama.cpp")
-    if "llamacpp" in args.compare and sampling_kwargs(args) != {"temperature": 0.0}:
+    if sampling_kwargs(args) != {"temperature": 0.0} and "llamacpp" in args.compare:   # (checked before any load)
         raise ValueError("--compare llamacpp runs greedy requests: leave out the sampling flags")
     if "vllm" in args.compare:   # the peers' environments, before anything is timed
         vllm_python(args)

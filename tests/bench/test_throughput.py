@@ -104,3 +104,10 @@ def test_throughput_runs_every_request_through_a_lora_adapter(tiny_model_dir, tm
         main([*argv, "--compare", "hf"])
     with pytest.raises(ValueError, match="no adapter_config.json there"):
         main([*argv[:-len(_ENGINE) - 2], "--lora-path", str(tmp_path), *_ENGINE])
+
+
+@pytest.mark.parametrize("command", ["throughput", "prefix", "serve"])
+def test_a_sampling_flag_out_of_range_fails_before_anything_loads(command, capsys):
+    with pytest.raises(ValueError, match="top_p"):
+        main([command, "--model", "/nowhere/at/all", "--temperature", "0.7", "--top-p", "1.5"])
+    assert "Throughput" not in capsys.readouterr().out
