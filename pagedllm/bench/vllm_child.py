@@ -9,7 +9,8 @@ only text).
 RESULT.json gets the timings and token counts (and, to embed or score, the first prompts' vectors or scores, to check
 both sides agree).
 Every request has ignore_eos and the bench's sampling parameters (greedy unless it was given some), as on pagedllm's
-side, so both generate exactly the same number of tokens the same way.
+side, so both generate exactly the same number of tokens the same way; or, with a JSON schema in the job, every
+request is constrained by it and ends where its JSON does (its text and finish reason come back, to validate).
 """
 
 from __future__ import annotations
@@ -45,17 +46,28 @@ def main(job_path: str, result_path: str) -> None:
 
 
 def _generate(llm, job: dict, prompts: list[dict], lora: dict, sampling_params) -> dict:
-    """Time one greedy warm-up request, then every prompt to its output length with the job's sampling parameters."""
+    """Time one greedy warm-up request (constrained, where the job has a schema, so that it compiles), then every
+    prompt to its output length with the job's sampling parameters (or to its JSON's end)."""
+    constraint = {}
+    if job.get("json_schema") is not None:
+        from vllm.sampling_params import StructuredOutputsParams
+
+        constraint = {"structured_outputs": StructuredOutputsParams(json=job["json_schema"])}
     start = time.perf_counter()
-    llm.generate([{"prompt_token_ids": job["warmup_prompt_token_ids"]}], sampling_params(temperature=0, max_tokens=1),
-                 use_tqdm=False, **lora)
+    llm.generate([{"prompt_token_ids": job["warmup_prompt_token_ids"]}],
+                 sampling_params(temperature=0, max_tokens=1, **constraint), use_tqdm=False, **lora)
     first_token_s = time.perf_counter() - start
-    params = [sampling_params(ignore_eos=True, max_tokens=n, **job["sampling"]) for n in job["output_lens"]]
+    params = [sampling_params(ignore_eos=not constraint, max_tokens=n, **job["sampling"], **constraint)
+              for n in job["output_lens"]]
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False, **lora)
-    return {"elapsed_time": time.perf_counter() - start, "first_token_s": first_token_s,
-            "num_output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
-            "prefix_cache_hit_tokens": sum(o.num_cached_tokens or 0 for o in outputs)}
+    result = {"elapsed_time": time.perf_counter() - start, "first_token_s": first_token_s,
+              "num_output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
+              "prefix_cache_hit_tokens": sum(o.num_cached_tokens or 0 for o in outputs)}
+    if constraint:
+        result.update(texts=[o.outputs[0].text for o in outputs],
+                      finish_reasons=[o.outputs[0].finish_reason for o in outputs])
+    return result
 
 
 def _pool(llm, job: dict, prompts: list[dict]) -> dict:

@@ -84,10 +84,11 @@ def export_hf_folder(args: argparse.Namespace, folder: Path) -> tuple[str, Any]:
 
 
 def run_vllm(args: argparse.Namespace, requests: list[BenchRequest], warmup_prompt_token_ids: list[int],
-             enable_prefix_caching: bool, task: str = "generate", text_pairs: list[tuple[str, str]] | None = None
-             ) -> tuple[dict[str, Any], Any]:
-    """Time vLLM on `requests` (after one warm-up request), generating from their prompts or embedding them, or
-    scoring `text_pairs` with a cross-encoder (`task`); returns its figures and the model's HF config."""
+             enable_prefix_caching: bool, task: str = "generate", text_pairs: list[tuple[str, str]] | None = None,
+             json_schema: dict[str, Any] | None = None) -> tuple[dict[str, Any], Any]:
+    """Time vLLM on `requests` (after one warm-up request), generating from their prompts (each constrained by
+    `json_schema`, if given, to its end or its output_len, the warm-up compiling it) or embedding them, or scoring
+    `text_pairs` with a cross-encoder (`task`); returns its figures and the model's HF config."""
     from pagedllm.models.llama import attends_both_ways
 
     python = vllm_python(args)
@@ -105,7 +106,7 @@ def run_vllm(args: argparse.Namespace, requests: list[BenchRequest], warmup_prom
                "prompt_token_ids": [r.prompt_token_ids for r in requests],
                "output_lens": [r.output_len for r in requests], "sampling": sampling_kwargs(args),
                "lora_path": getattr(args, "lora_path", None),
-               "task": task, "num_vectors_back": VECTORS_CHECKED}
+               "task": task, "num_vectors_back": VECTORS_CHECKED, "json_schema": json_schema}
         if job["lora_path"]:
             job["max_lora_rank"] = lora_rank(job["lora_path"])
         print(f"Running the vLLM peer ({python}, {dtype}): this starts in about 3 minutes on 2 cores", flush=True)

@@ -36,7 +36,8 @@ class SamplingParams:
 
 class _Completion:
     def __init__(self, n):
-        self.token_ids = [7] * n
+        self.token_ids, self.finish_reason = [7] * n, "stop"
+        self.text = os.environ.get("FAKE_VLLM_TEXT", "")
 
 class _Output:
     def __init__(self, n):
@@ -50,7 +51,7 @@ class LLM:
     def __init__(self, **kwargs):
         self.env = {k: v for k, v in os.environ.items() if k.startswith("VLLM_CPU") or k == "VLLM_RPC_BASE_PATH"}
         self.env["rpc_dir_exists"] = os.path.isdir(os.environ.get("VLLM_RPC_BASE_PATH", ""))
-        self.kwargs, self.calls = kwargs, []
+        self.kwargs, self.calls, self.params = kwargs, [], []
 
     def embed(self, prompts, use_tqdm=True):     # the vectors the test put in FAKE_VLLM_VECTORS, in turn
         self.calls.append([p["prompt_token_ids"] for p in prompts])
@@ -76,16 +77,25 @@ class LLM:
         self.calls.append([p["prompt_token_ids"] if "prompt_token_ids" in p else  # or text and an image's size
                            [p["prompt"], list(p["multi_modal_data"]["image"].size)] for p in prompts])
         with open(os.environ["FAKE_VLLM_RECORD"], "w") as f:
-            json.dump({"kwargs": self.kwargs, "env": self.env, "calls": self.calls,
-                       "params": [dict(p.kwargs, ignore_eos=p.ignore_eos) for p in params]}, f)
+            self.params.append([dict(p.kwargs, ignore_eos=p.ignore_eos) for p in params])
+            json.dump({"kwargs": self.kwargs, "env": self.env, "calls": self.calls, "params": self.params[-1],
+                       "warmup_params": self.params[0]}, f)
         return [_Output(p.max_tokens) for p in params]
+'''
+
+
+_FAKE_PARAMS = '''
+class StructuredOutputsParams(dict):     # (a dict, so that the record can hold it)
+    def __init__(self, **kwargs):
+        super().__init__(kwargs)
 '''
 
 
 @pytest.fixture
 def fake_vllm_python(tmp_path, monkeypatch) -> tuple[Path, Path]:
     """A `python` that runs this interpreter with the stand-in vllm first on its path; and its record file."""
-    python = python_with_packages(tmp_path, {"vllm/__init__.py": _FAKE_VLLM, "vllm/entrypoints/__init__.py": "",
+    python = python_with_packages(tmp_path, {"vllm/__init__.py": _FAKE_VLLM, "vllm/sampling_params.py": _FAKE_PARAMS,
+                                             "vllm/entrypoints/__init__.py": "",
                                              "vllm/entrypoints/openai/__init__.py": "",
                                              "vllm/entrypoints/openai/api_server.py": _FAKE_SERVE})
     record = tmp_path / "record.json"
@@ -241,6 +251,30 @@ def test_prefix_compare_vllm_warms_up_on_the_system_prompt(tiny_model_dir, fake_
     assert result["cache_on"]["sampling"] == result["cache_off"]["sampling"] == {"temperature": 0.5, "min_p": 0.1}
     printed = capsys.readouterr().out
     assert "over vLLM 0.0-stand-in" in printed and "output tokens, temperature=0.5 min_p=0.1" in printed
+
+
+def test_structured_compare_vllm_constrains_the_same_prompts(tiny_model_dir, fake_vllm_python, monkeypatch,
+                                                              capsys):
+    """vLLM's requests carry the schema (its warm-up too, so that it compiles before the timing) and no ignore_eos,
+    each to --json-max-tokens; its texts are validated as pagedllm's (the stand-in sends one valid record each)."""
+    from pagedllm.bench.structured import BenchRecord
+
+    python, record = fake_vllm_python
+    text = BenchRecord(title="t", year=2000, genres=["drama"], rating=5, summary="s").model_dump_json()
+    monkeypatch.setenv("FAKE_VLLM_TEXT", text)
+    result = main(["structured", "--model", tiny_model_dir, "--num-prompts", "2", "--dataset", "random",
+                   "--input-len", "16", "--output-len", "4", "--json-max-tokens", "30", "--kv-cache-memory", "16M",
+                   "--dtype", "float32", "--compare", "vllm", "--vllm-python", str(python)])
+    seen = json.loads(record.read_text())
+    warmup, timed = seen["calls"]
+    assert len(warmup) == 1 and len(timed) == 2 and all(len(ids) == 16 for ids in timed)
+    schema = {"json": BenchRecord.model_json_schema()}
+    assert seen["params"] == [{"temperature": 0.0, "structured_outputs": schema, "ignore_eos": False}] * 2
+    assert seen["warmup_params"] == [{"temperature": 0, "structured_outputs": schema, "ignore_eos": False}]
+    vllm = result["vllm"]
+    assert (vllm["total_output_tokens"], vllm["valid_share"], vllm["complete_share"]) == (60, 1.0, 1.0)
+    assert result["vs_vllm"] == result["constrained"]["output_tokens_per_second"] / vllm["output_tokens_per_second"]
+    assert "pagedllm (constrained) over vLLM (constrained)" in capsys.readouterr().out
 
 
 def test_vllm_serve_serves_the_exported_model_under_pagedllms_name(tiny_model_dir, fake_vllm_python, tmp_path):
