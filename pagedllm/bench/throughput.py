@@ -75,6 +75,10 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("--lora-path runs pagedllm, and vLLM with --compare vllm; not transformers or llama.cpp")
     if sampling_kwargs(args) != {"temperature": 0.0} and "llamacpp" in args.compare:   # (checked before any load)
         raise ValueError("--compare llamacpp runs greedy requests: leave out the sampling flags")
+    if args.backend == "hf" or "hf" in args.compare:
+        from pagedllm.bench.hf_baseline import hf_sampling
+
+        hf_sampling(sampling_kwargs(args))    # what transformers cannot draw, refused before any load
     if "vllm" in args.compare:   # the peers' environments, before anything is timed
         vllm_python(args)
     if "llamacpp" in args.compare:

@@ -111,3 +111,10 @@ def test_a_sampling_flag_out_of_range_fails_before_anything_loads(command, capsy
     with pytest.raises(ValueError, match="top_p"):
         main([command, "--model", "/nowhere/at/all", "--temperature", "0.7", "--top-p", "1.5"])
     assert "Throughput" not in capsys.readouterr().out
+
+
+def test_a_penalty_transformers_lacks_fails_before_anything_loads(capsys):
+    with pytest.raises(ValueError, match="transformers generate has no presence_penalty"):
+        main(["throughput", "--model", "/nowhere/at/all", "--compare", "hf", "--temperature", "0.7",
+              "--presence-penalty", "0.5"])
+    assert "Throughput" not in capsys.readouterr().out
