@@ -1,11 +1,11 @@
 """The vLLM peer's side of `--compare vllm`, run by the peer environment's Python (it has vllm, not pagedllm).
 
 It imports only the standard library and vllm, so it runs as a file: `python vllm_child.py JOB.json RESULT.json`.
-JOB.json holds the model folder, the dtype, the engine sizes, the prompts as token ids with their output lengths and
-sampling parameters, an optional warm-up prompt (the prefix bench's system prompt), an optional LoRA adapter every
-request runs with, and the task: "generate", "embed" (vLLM's pooling runner, the model converted to embed unless it
-is an encoder) or "score" (the pooling runner on a cross-encoder, scoring the job's text pairs, as `LLM.score` takes
-only text).
+JOB.json holds the model folder, the dtype, the engine sizes (and an n-gram speculative config, if any), the
+prompts as token ids with their output lengths and sampling parameters, an optional warm-up prompt (the prefix
+bench's system prompt), an optional LoRA adapter every request runs with, and the task: "generate", "embed" (vLLM's
+pooling runner, the model converted to embed unless it is an encoder) or "score" (the pooling runner on a
+cross-encoder, scoring the job's text pairs, as `LLM.score` takes only text).
 RESULT.json gets the timings and token counts (and, to embed or score, the first prompts' vectors or scores, to check
 both sides agree).
 Every request has ignore_eos and the bench's sampling parameters (greedy unless it was given some), as on pagedllm's
@@ -34,9 +34,11 @@ def main(job_path: str, result_path: str) -> None:
         lora = {"lora_request": LoRARequest("bench", 1, job["lora_path"])}
     task = job.get("task", "generate")
     pooling = {"runner": "pooling", "convert": job["convert"]} if task != "generate" else {}
+    speculative = {"speculative_config": job["speculative_config"]} if job.get("speculative_config") else {}
     llm = LLM(model=job["model"], dtype=job["dtype"], max_model_len=job["max_model_len"],
               max_num_seqs=job["max_num_seqs"], max_num_batched_tokens=job["max_num_batched_tokens"],
-              enable_prefix_caching=job["enable_prefix_caching"], seed=job["seed"], **with_lora, **pooling)
+              enable_prefix_caching=job["enable_prefix_caching"], seed=job["seed"], **with_lora, **pooling,
+              **speculative)
     startup_s = time.perf_counter() - start
     prompts = [{"prompt_token_ids": ids} for ids in job["prompt_token_ids"]]
     result = _generate(llm, job, prompts, lora, SamplingParams) if task == "generate" else _pool(llm, job, prompts)

@@ -24,6 +24,7 @@ from typing import Any
 from pagedllm.bench.args import add_engine_args, bench_tokenizer, lora_rank, sampling_kwargs
 from pagedllm.bench.datasets import BenchRequest
 from pagedllm.bench.peers import peer_python, run_child, run_in_own_group
+from pagedllm.config import SpeculativeConfig
 from pagedllm.cpu import cpu_info
 
 DEFAULT_VLLM_PYTHON = ".peers/vllm/bin/python"
@@ -42,8 +43,26 @@ def add_vllm_args(parser: argparse.ArgumentParser) -> None:
 
 
 def vllm_python(args: argparse.Namespace) -> Path:
-    """The peer environment's Python, checked before any timing starts."""
+    """The peer environment's Python, checked before any timing starts, with the speculation vLLM is asked for
+    (`vllm_speculative_config`)."""
+    vllm_speculative_config(args)
     return peer_python(args.vllm_python, "--vllm-python", "vLLM")
+
+
+def vllm_speculative_config(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The bench's --speculative-config as vLLM's: an n-gram lookup with pagedllm's window written out (vLLM's
+    defaults, 5 and 5, differ from pagedllm's 3 and 1), so that both sides look up the same n-grams; None without
+    one. ValueError for a draft model, which the peer does not run."""
+    config = SpeculativeConfig.from_dict(getattr(args, "speculative_config", None))
+    if config is None:
+        return None
+    if config.method != "ngram":
+        raise ValueError("--compare vllm runs n-gram speculation only: a draft model runs on pagedllm's side alone")
+    spec = {"method": "ngram", "num_speculative_tokens": config.num_speculative_tokens,
+            "prompt_lookup_max": config.prompt_lookup_max, "prompt_lookup_min": config.prompt_lookup_min}
+    if config.disable_by_batch_size is not None:
+        spec["disable_by_batch_size"] = config.disable_by_batch_size
+    return spec
 
 
 def vllm_env(kv_cache_memory: int | None, rpc_dir: Path) -> dict[str, str]:
@@ -106,7 +125,8 @@ def run_vllm(args: argparse.Namespace, requests: list[BenchRequest], warmup_prom
                "prompt_token_ids": [r.prompt_token_ids for r in requests],
                "output_lens": [r.output_len for r in requests], "sampling": sampling_kwargs(args),
                "lora_path": getattr(args, "lora_path", None),
-               "task": task, "num_vectors_back": VECTORS_CHECKED, "json_schema": json_schema}
+               "task": task, "num_vectors_back": VECTORS_CHECKED, "json_schema": json_schema,
+               "speculative_config": vllm_speculative_config(args)}
         if job["lora_path"]:
             job["max_lora_rank"] = lora_rank(job["lora_path"])
         print(f"Running the vLLM peer ({python}, {dtype}): this starts in about 3 minutes on 2 cores", flush=True)

@@ -197,6 +197,7 @@ def test_compare_vllm_runs_the_same_token_ids_in_the_peer(tiny_model_dir, fake_v
     assert len(warmup) == 1 and len(timed) == 4 and all(len(ids) == 10 for ids in timed)
     assert seen["kwargs"]["dtype"] == "float32" and seen["kwargs"]["enable_prefix_caching"] is True
     assert seen["kwargs"]["max_num_seqs"] == 256 and seen["kwargs"]["max_num_batched_tokens"] == 2048
+    assert "speculative_config" not in seen["kwargs"]
     assert seen["params"] == [{"temperature": 0.0, "ignore_eos": True}] * 4     # greedy by default
     assert seen["env"]["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0" and seen["env"]["VLLM_CPU_KVCACHE_SPACE"] == "1"
     assert seen["env"]["VLLM_CPU_OMP_THREADS_BIND"] == ",".join(map(str, sorted(os.sched_getaffinity(0))))
@@ -275,6 +276,22 @@ def test_structured_compare_vllm_constrains_the_same_prompts(tiny_model_dir, fak
     assert (vllm["total_output_tokens"], vllm["valid_share"], vllm["complete_share"]) == (60, 1.0, 1.0)
     assert result["vs_vllm"] == result["constrained"]["output_tokens_per_second"] / vllm["output_tokens_per_second"]
     assert "pagedllm (constrained) over vLLM (constrained)" in capsys.readouterr().out
+
+
+def test_compare_vllm_speculates_with_the_same_ngram_window(tiny_model_dir, fake_vllm_python):
+    """The n-gram config reaches vLLM with pagedllm's lookup window written out (vLLM's own defaults differ); a draft
+    model, which the peer does not run, is refused before anything is timed."""
+    python, record = fake_vllm_python
+    argv = ["throughput", "--model", tiny_model_dir, "--dataset", "random", "--num-prompts", "2", "--input-len", "10",
+            "--output-len", "4", "--compare", "vllm", "--vllm-python", str(python), "--kv-cache-memory", "16M",
+            "--dtype", "float32", "--skip-gemm-peak"]
+    main(argv + ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'])
+    assert json.loads(record.read_text())["kwargs"]["speculative_config"] == {
+        "method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    record.unlink()
+    with pytest.raises(ValueError, match="n-gram speculation only"):
+        main(argv + ["--speculative-config", json.dumps({"method": "draft_model", "model": tiny_model_dir})])
+    assert not record.exists()
 
 
 def test_vllm_serve_serves_the_exported_model_under_pagedllms_name(tiny_model_dir, fake_vllm_python, tmp_path):
