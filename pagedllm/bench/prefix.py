@@ -79,7 +79,8 @@ def run_once(args: argparse.Namespace, enable_prefix_caching: bool) -> dict[str,
     requests = shared_prefix_requests(llm.get_tokenizer(), args.num_prompts, args.prefix_len, args.output_len,
                                       args.seed)
     llm.generate([warmup_prompt(args, requests)], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
-    params = [SamplingParams(ignore_eos=True, max_tokens=r.output_len, **sampling_kwargs(args)) for r in requests]
+    sampling = sampling_kwargs(args)
+    params = [SamplingParams(ignore_eos=True, max_tokens=r.output_len, **sampling) for r in requests]
     stats = llm.engine.prefix_cache_stats
     hits_before, queries_before = stats.num_hit_tokens, stats.num_query_tokens
     start = time.perf_counter()

@@ -60,11 +60,10 @@ class RequestResult:
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
-    sampling_kwargs(args)   # the sampling flags checked before any request
-    return asyncio.run(_main(args))
+    return asyncio.run(_main(args, sampling_kwargs(args)))   # (the sampling flags checked before any request)
 
 
-async def _main(args: argparse.Namespace) -> dict[str, Any]:
+async def _main(args: argparse.Namespace, sampling: dict[str, float | int]) -> dict[str, Any]:
     import httpx
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -76,14 +75,13 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
         requests = requests_from_args(tokenizer, args)
         prompts = [r.prompt_token_ids if args.prompt_format == "ids" else tokenizer.decode(r.prompt_token_ids)
                    for r in requests]
-        sampling = sampling_kwargs(args)
         print(f"Model: {model}; {len(requests)} requests; request rate {args.request_rate}; "
               f"max concurrency {args.max_concurrency}; {describe_sampling(sampling)}")
         test = await send_request(client, model, prompts[0], BenchRequest(requests[0].prompt_token_ids, 2), sampling)
         if not test.success:
             raise RuntimeError(f"the initial test request failed: {test.error}")
         start = time.perf_counter()
-        results = await _run_all(client, model, prompts, requests, args)
+        results = await _run_all(client, model, prompts, requests, args, sampling)
         duration = time.perf_counter() - start
     result = summarise(results, duration)
     result.update(model=model, base_url=args.base_url, request_rate=args.request_rate,
@@ -113,11 +111,10 @@ def _load_tokenizer(model: str | None):
     return load_tokenizer(resolved.path, resolved.gguf_file)
 
 
-async def _run_all(client, model: str, prompts: list, requests: list[BenchRequest],
-                   args: argparse.Namespace) -> list[RequestResult]:
+async def _run_all(client, model: str, prompts: list, requests: list[BenchRequest], args: argparse.Namespace,
+                   sampling: dict[str, float | int]) -> list[RequestResult]:
     limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
     rng = random.Random(args.seed)
-    sampling = sampling_kwargs(args)
 
     async def one(prompt, request: BenchRequest) -> RequestResult:
         if limit is None:

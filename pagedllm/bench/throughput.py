@@ -115,7 +115,8 @@ def run_pagedllm(args: argparse.Namespace) -> dict[str, Any]:
     first_token_s = time.perf_counter() - start
 
     requests = requests_from_args(llm.get_tokenizer(), args)
-    params = [SamplingParams(ignore_eos=True, max_tokens=r.output_len, **sampling_kwargs(args)) for r in requests]
+    sampling = sampling_kwargs(args)
+    params = [SamplingParams(ignore_eos=True, max_tokens=r.output_len, **sampling) for r in requests]
     waste = KVWaste()
     with _sampling_kv_waste(llm.engine, waste):
         start = time.perf_counter()

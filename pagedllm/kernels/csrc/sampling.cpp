@@ -35,6 +35,7 @@
 #include <functional>
 #include <limits>
 #include <numeric>
+#include <string>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -392,6 +393,23 @@ const T* row_values(const c10::optional<at::Tensor>& values, int64_t rows, at::S
   return values->data_ptr<T>();
 }
 
+// A batch's top-k, top-p and min-p, each [rows] or left out (off for every row), checked once for op `name`.
+struct BatchFilters {
+  const int64_t* k;
+  const float *p, *min_p;
+
+  BatchFilters(const char* name, int64_t rows, const c10::optional<at::Tensor>& top_k,
+               const c10::optional<at::Tensor>& top_p, const c10::optional<at::Tensor>& min_p_)
+      : k(row_values<int64_t>(top_k, rows, at::kLong, (std::string(name) + ": top_k").c_str())),
+        p(row_values<float>(top_p, rows, at::kFloat, (std::string(name) + ": top_p").c_str())),
+        min_p(row_values<float>(min_p_, rows, at::kFloat, (std::string(name) + ": min_p").c_str())) {}
+
+  // Row r's filters over its n values.
+  Filters row(int64_t r, int64_t n) const {
+    return {k ? std::max<int64_t>(1, k[r]) : n, p ? p[r] : 1.f, min_p ? min_p[r] : 0.f};
+  }
+};
+
 }  // namespace
 
 at::Tensor sample_rows(const at::Tensor& x, const at::Tensor& temperature, const at::Tensor& uniform,
@@ -401,12 +419,9 @@ at::Tensor sample_rows(const at::Tensor& x, const at::Tensor& temperature, const
   const int64_t rows = x.size(0);
   const float* t = row_values<float>(temperature, rows, at::kFloat, "sample_rows: temperature");
   const float* u = row_values<float>(uniform, rows, at::kFloat, "sample_rows: uniform");
-  const int64_t* k = row_values<int64_t>(top_k, rows, at::kLong, "sample_rows: top_k");
-  const float* p = row_values<float>(top_p, rows, at::kFloat, "sample_rows: top_p");
-  const float* mp = row_values<float>(min_p, rows, at::kFloat, "sample_rows: min_p");
+  const BatchFilters filters("sample_rows", rows, top_k, top_p, min_p);
   return pick_rows<DrawScratch>("sample_rows", x, [&](const auto* row, int64_t n, int64_t r, DrawScratch& scratch) {
-    const Filters filters{k ? std::max<int64_t>(1, k[r]) : n, p ? p[r] : 1.f, mp ? mp[r] : 0.f};
-    return sample_row(row, n, t[r], u[r], filters, scratch);
+    return sample_row(row, n, t[r], u[r], filters.row(r, n), scratch);
   });
 }
 
@@ -428,17 +443,14 @@ std::tuple<at::Tensor, at::Tensor> verify_rows(const at::Tensor& x, const at::Te
     TORCH_CHECK(drafts[r] < x.size(1), "verify_rows: draft id ", drafts[r], " of row ", r, " is past the ",
                 x.size(1), " tokens");
   }
-  const int64_t* k = row_values<int64_t>(top_k, rows, at::kLong, "verify_rows: top_k");
-  const float* p = row_values<float>(top_p, rows, at::kFloat, "verify_rows: top_p");
-  const float* mp = row_values<float>(min_p, rows, at::kFloat, "verify_rows: min_p");
+  const BatchFilters filters("verify_rows", rows, top_k, top_p, min_p);
   at::Tensor accepted = at::empty({rows}, x.options().dtype(at::kBool));
   at::Tensor recovered = at::empty({rows}, x.options().dtype(at::kLong));
   bool* accepted_out = accepted.data_ptr<bool>();
   int64_t* recovered_out = recovered.data_ptr<int64_t>();
   for_each_row<DrawScratch>("verify_rows", x, [&](const auto* row, int64_t n, int64_t r, DrawScratch& scratch) {
-    const Filters filters{k ? std::max<int64_t>(1, k[r]) : n, p ? p[r] : 1.f, mp ? mp[r] : 0.f};
     std::tie(accepted_out[r], recovered_out[r]) =
-        verify_row(row, n, t[r], u[2 * r], u[2 * r + 1], drafts[r], filters, scratch);
+        verify_row(row, n, t[r], u[2 * r], u[2 * r + 1], drafts[r], filters.row(r, n), scratch);
   });
   return {accepted, recovered};
 }
