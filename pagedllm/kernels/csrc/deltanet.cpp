@@ -18,12 +18,17 @@
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
 #include <vector>
 
 namespace pagedllm {
 namespace {
 
 inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }  // torch's, threshold 20
+
+// A step's buffers of floats, left uninitialized: every element is written before it is read (zeroed vectors were
+// a memset of a prompt's [T, conv_dim] inputs and [T, H V] outputs on one thread before the others started).
+using Floats = std::unique_ptr<float[]>;
 
 template <typename scalar_t>
 void gated_delta_forward_impl(at::Tensor& out, const at::Tensor& qkv, const at::Tensor& z, const at::Tensor& b,
@@ -48,18 +53,22 @@ void gated_delta_forward_impl(at::Tensor& out, const at::Tensor& qkv, const at::
   std::vector<int64_t> seq_of(rows);
   for (int64_t s = 0; s < seqs; ++s) std::fill(seq_of.begin() + starts[s], seq_of.begin() + starts[s + 1], s);
   // 1. each token's convolution over it and the `kept` inputs before it (its sequence's earlier rows, else the
-  // state before the chunk), its SiLU: act [T, conv_dim] (q, k, then v of all heads); q and k normed by head, their
-  // dot product kq [T, key heads]; each value head's decay and beta [T, H]
+  // state before the chunk), its SiLU; q and k normed by head, their dot product kq [T, key heads]; each value head's
+  // decay and beta [T, H]. The results go into act head by head (q's key heads, k's, then v's value heads, each
+  // [T, its size]): a rule task reads its heads' rows token after token, which are then a head's row apart, not a
+  // token's conv_dim (a page or more, where the hardware prefetcher does not follow)
   const float* rate = decay_rate.data_ptr<float>();
-  std::vector<float> act(rows * conv_dim), taps_w(taps * conv_dim);  // the weight tap by tap: [taps, conv_dim]
+  Floats act(new float[rows * conv_dim]);
+  std::vector<float> taps_w(taps * conv_dim);  // the weight tap by tap: [taps, conv_dim]
   std::vector<float> kq(rows * key_heads), decays(rows * heads), betas(rows * heads);
   for (int64_t ch = 0; ch < conv_dim; ++ch)
     for (int64_t j = 0; j < taps; ++j) taps_w[j * conv_dim + ch] = to_float(w[ch * taps + j]);
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    Floats token(new float[conv_dim]);
+    float* row = token.get();
     for (int64_t r = begin; r < end; ++r) {
       const int64_t s = seq_of[r], position = r - starts[s];
       const scalar_t* before = read[s] < 0 ? nullptr : conv + read[s] * conv_slot;
-      float* row = act.data() + r * conv_dim;
       std::fill(row, row + conv_dim, 0.f);
       for (int64_t j = 0; j < taps; ++j) {  // torch: (window * weight) in scalar_t, summed in float, rounded
         const int64_t back = position - kept + j;  // the tap's input: this chunk's row, or the state's column
@@ -93,6 +102,12 @@ void gated_delta_forward_impl(at::Tensor& out, const at::Tensor& qkv, const at::
         for (int64_t i = 0; i < key_dim; ++i) dot += k[i] * q[i];
         kq[r * key_heads + head] = dot;
       }
+      for (int64_t head = 0; head < 2 * key_heads; ++head)
+        std::copy(row + head * key_dim, row + (head + 1) * key_dim, act.get() + head * key_dim * rows + r * key_dim);
+      for (int64_t h = 0; h < heads; ++h) {
+        const int64_t offset = 2 * key_size + h * value_dim;
+        std::copy(row + offset, row + offset + value_dim, act.get() + offset * rows + r * value_dim);
+      }
       for (int64_t h = 0; h < heads; ++h) {
         const float bias = to_float(dt_bias.data_ptr<scalar_t>()[h]);
         decays[r * heads + h] = std::exp(rate[h] * softplus(to_float(a_rows[r * a.stride(0) + h]) + bias));
@@ -123,7 +138,7 @@ void gated_delta_forward_impl(at::Tensor& out, const at::Tensor& qkv, const at::
   // S^T q + (k . q) delta); read from the read slot once and written to the write slot once
   constexpr int64_t kBlock = 32;
   const int64_t blocks = (value_dim + kBlock - 1) / kBlock;
-  std::vector<float> outputs(rows * heads * value_dim);  // each token's heads' o, for the norm
+  Floats outputs(new float[rows * heads * value_dim]);  // each token's heads' o, for the norm
   at::parallel_for(0, seqs * heads * blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> columns(key_dim * kBlock);
     float sum_k[kBlock], sum_q[kBlock], delta[kBlock];
@@ -131,14 +146,15 @@ void gated_delta_forward_impl(at::Tensor& out, const at::Tensor& qkv, const at::
       const int64_t s = task / (heads * blocks), h = task / blocks % heads, j0 = task % blocks * kBlock;
       const int64_t width = std::min(kBlock, value_dim - j0), kh = h / per_key;
       const scalar_t* old = read[s] < 0 ? nullptr : states + read[s] * state_slot + h * state_size + j0;
-      std::fill(columns.begin(), columns.end(), 0.f);
+      // zeros where the state starts at none, or past a last block's width; else every column is read from the slot
+      if (old == nullptr || width < kBlock) std::fill(columns.begin(), columns.end(), 0.f);
       if (old != nullptr) {  // (a branch, not a mask: a masked load's lanes off a null pointer stall Zen 4)
         for (int64_t i = 0; i < key_dim; ++i)
           for (int64_t j = 0; j < width; ++j) columns[i * kBlock + j] = to_float(old[i * value_dim + j]);
       }
       auto decay_of = [&](int64_t r) { return decays[r * heads + h]; };
-      auto q_of = [&](int64_t r) { return act.data() + r * conv_dim + kh * key_dim; };
-      auto k_of = [&](int64_t r) { return act.data() + r * conv_dim + key_size + kh * key_dim; };
+      auto q_of = [&](int64_t r) { return act.get() + kh * key_dim * rows + r * key_dim; };
+      auto k_of = [&](int64_t r) { return act.get() + (key_size + kh * key_dim) * rows + r * key_dim; };
       // the columns' sums for the chunk's first token
       std::fill(sum_k, sum_k + kBlock, 0.f);
       std::fill(sum_q, sum_q + kBlock, 0.f);
@@ -159,9 +175,9 @@ void gated_delta_forward_impl(at::Tensor& out, const at::Tensor& qkv, const at::
       for (int64_t r = starts[s]; r < starts[s + 1]; ++r) {
         const float* q = q_of(r);
         const float* k = k_of(r);
-        const float* v = act.data() + r * conv_dim + 2 * key_size + h * value_dim + j0;
+        const float* v = act.get() + (2 * key_size + h * value_dim) * rows + r * value_dim + j0;
         const float beta = betas[r * heads + h], dot = kq[r * key_heads + kh];
-        float* o = outputs.data() + (r * heads + h) * value_dim + j0;
+        float* o = outputs.get() + (r * heads + h) * value_dim + j0;
         for (int64_t j = 0; j < kBlock; ++j) {
           delta[j] = j < width ? (v[j] - sum_k[j]) * beta : 0.f;
           if (j < width) o[j] = sum_q[j] + dot * delta[j];
@@ -219,7 +235,7 @@ void gated_delta_forward_impl(at::Tensor& out, const at::Tensor& qkv, const at::
   at::parallel_for(0, rows * heads, 16, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = task / heads, h = task % heads;
-      float* o = outputs.data() + task * value_dim;
+      float* o = outputs.get() + task * value_dim;
       float sum_sq = 0.f;
       for (int64_t j = 0; j < value_dim; ++j) {
         o[j] = round_to<scalar_t>(o[j]);
