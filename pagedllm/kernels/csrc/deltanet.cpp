@@ -30,6 +30,44 @@ inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); 
 // a memset of a prompt's [T, conv_dim] inputs and [T, H V] outputs on one thread before the others started).
 using Floats = std::unique_ptr<float[]>;
 
+// A decode step reads every state from memory, a block's rows a state row apart, where the hardware prefetcher left
+// the task waiting: its rows this many ahead are asked for (18 layers of 16 Qwen3-Next states: 1.15x at 32, 1.1x at 16)
+constexpr int64_t kStateAhead = 32;
+constexpr int64_t kBlock = 32;  // a rule task's value columns (step 3)
+
+// A decode step's token of a (sequence, head, block of kBlock columns) task from a state: its sums taken as the
+// read slot's rows are read, its update rounded and stored to the write slot as it is made; two sweeps over the rows
+// (the second from cache), where a copy widened to float32 took four. The same operations in the same order as the
+// rule's general path (gated_delta_forward_impl's step 3): the same bits. Not inlined: inlined, its prefetches (asm)
+// left the general path's prompt tokens 1.3x slower (GCC's code for the rest of the task changed).
+template <typename scalar_t>
+__attribute__((noinline)) void decode_token(const scalar_t* old, scalar_t* fresh, const float* k, const float* q, const float* v, float* o,
+                  float decay, float beta, float dot, int64_t key_dim, int64_t value_dim, int64_t width) {
+  float sum_k[kBlock] = {}, sum_q[kBlock] = {}, delta[kBlock];
+  for (int64_t i = 0; i < key_dim; ++i) {
+    const scalar_t* src = old + i * value_dim;
+    if (i + kStateAhead < key_dim) prefetch_line<0>(src + kStateAhead * value_dim);
+    const float nk = k[i] * decay, nq = q[i] * decay;
+#pragma omp simd
+    for (int64_t j = 0; j < width; ++j) {
+      const float x = to_float(src[j]);
+      sum_k[j] += x * nk;
+      sum_q[j] += x * nq;
+    }
+  }
+  for (int64_t j = 0; j < width; ++j) {
+    delta[j] = (v[j] - sum_k[j]) * beta;
+    o[j] = sum_q[j] + dot * delta[j];
+  }
+  for (int64_t i = 0; i < key_dim; ++i) {
+    const scalar_t* src = old + i * value_dim;
+    scalar_t* dst = fresh + i * value_dim;
+    const float ki = k[i];
+#pragma omp simd
+    for (int64_t j = 0; j < width; ++j) dst[j] = from_float<scalar_t>(to_float(src[j]) * decay + ki * delta[j]);
+  }
+}
+
 template <typename scalar_t>
 void gated_delta_forward_impl(at::Tensor& out, const at::Tensor& qkv, const at::Tensor& z, const at::Tensor& b,
                               const at::Tensor& a, at::Tensor& conv_pool, at::Tensor& state_pool,
@@ -136,7 +174,6 @@ void gated_delta_forward_impl(at::Tensor& out, const at::Tensor& qkv, const at::
   // [K, kBlock] columns in float32 in L1 while the chunk's tokens go by: one pass over them a token, which updates
   // them and sums what the next token reads of them (decay S^T k and decay S^T q: S^T q after the update is decay
   // S^T q + (k . q) delta); read from the read slot once and written to the write slot once
-  constexpr int64_t kBlock = 32;
   const int64_t blocks = (value_dim + kBlock - 1) / kBlock;
   Floats outputs(new float[rows * heads * value_dim]);  // each token's heads' o, for the norm
   at::parallel_for(0, seqs * heads * blocks, 1, [&](int64_t begin, int64_t end) {
@@ -146,15 +183,23 @@ void gated_delta_forward_impl(at::Tensor& out, const at::Tensor& qkv, const at::
       const int64_t s = task / (heads * blocks), h = task / blocks % heads, j0 = task % blocks * kBlock;
       const int64_t width = std::min(kBlock, value_dim - j0), kh = h / per_key;
       const scalar_t* old = read[s] < 0 ? nullptr : states + read[s] * state_slot + h * state_size + j0;
+      scalar_t* fresh = states + write[s] * state_slot + h * state_size + j0;
+      auto decay_of = [&](int64_t r) { return decays[r * heads + h]; };
+      auto q_of = [&](int64_t r) { return act.get() + kh * key_dim * rows + r * key_dim; };
+      auto k_of = [&](int64_t r) { return act.get() + (key_size + kh * key_dim) * rows + r * key_dim; };
+      auto v_of = [&](int64_t r) { return act.get() + (2 * key_size + h * value_dim) * rows + r * value_dim + j0; };
+      if (old != nullptr && starts[s + 1] - starts[s] == 1) {
+        const int64_t r = starts[s];
+        decode_token(old, fresh, k_of(r), q_of(r), v_of(r), outputs.get() + (r * heads + h) * value_dim + j0,
+                     decay_of(r), betas[r * heads + h], kq[r * key_heads + kh], key_dim, value_dim, width);
+        continue;
+      }
       // zeros where the state starts at none, or past a last block's width; else every column is read from the slot
       if (old == nullptr || width < kBlock) std::fill(columns.begin(), columns.end(), 0.f);
       if (old != nullptr) {  // (a branch, not a mask: a masked load's lanes off a null pointer stall Zen 4)
         for (int64_t i = 0; i < key_dim; ++i)
           for (int64_t j = 0; j < width; ++j) columns[i * kBlock + j] = to_float(old[i * value_dim + j]);
       }
-      auto decay_of = [&](int64_t r) { return decays[r * heads + h]; };
-      auto q_of = [&](int64_t r) { return act.get() + kh * key_dim * rows + r * key_dim; };
-      auto k_of = [&](int64_t r) { return act.get() + (key_size + kh * key_dim) * rows + r * key_dim; };
       // the columns' sums for the chunk's first token
       std::fill(sum_k, sum_k + kBlock, 0.f);
       std::fill(sum_q, sum_q + kBlock, 0.f);
@@ -175,7 +220,7 @@ void gated_delta_forward_impl(at::Tensor& out, const at::Tensor& qkv, const at::
       for (int64_t r = starts[s]; r < starts[s + 1]; ++r) {
         const float* q = q_of(r);
         const float* k = k_of(r);
-        const float* v = act.get() + (2 * key_size + h * value_dim) * rows + r * value_dim + j0;
+        const float* v = v_of(r);
         const float beta = betas[r * heads + h], dot = kq[r * key_heads + kh];
         float* o = outputs.get() + (r * heads + h) * value_dim + j0;
         for (int64_t j = 0; j < kBlock; ++j) {
@@ -224,7 +269,6 @@ void gated_delta_forward_impl(at::Tensor& out, const at::Tensor& qkv, const at::
           sum_q[j] += odd_q[j];
         }
       }
-      scalar_t* fresh = states + write[s] * state_slot + h * state_size + j0;
       for (int64_t i = 0; i < key_dim; ++i)
         for (int64_t j = 0; j < width; ++j) fresh[i * value_dim + j] = from_float<scalar_t>(columns[i * kBlock + j]);
     }
