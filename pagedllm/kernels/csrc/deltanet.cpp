@@ -8,9 +8,10 @@
 // 16 heads of [128, 128] a sequence, 18 layers). Here each value column of a head's state, a recurrence of its own,
 // stays in float32 in L1 with its block of columns while the tokens go by, one pass over it a token: S^T q after the
 // update is decay S^T q + (k . q) delta, so what a token reads of the state (S^T k and S^T q) is summed as the
-// previous token's update writes it, and the state is read from its slot once and written once a step. The arithmetic is the torch path's (`GatedDeltaNet` without the kernels),
-// rounded to the storage type where torch stores an intermediate, exp and SiLU by exp_approx: in float32 within
-// float rounding (the rule's sums in another order than the chunked form's).
+// previous token's update writes it, and the state is read from its slot once and written once a step. The
+// arithmetic is the torch path's (`GatedDeltaNet` without the kernels), rounded to the storage type where torch stores
+// an intermediate, exp and SiLU by exp_approx: in float32 within float rounding (the rule's sums in another order
+// than the chunked form's).
 #include "ops.h"
 
 #include <ATen/Dispatch.h>
@@ -41,8 +42,9 @@ constexpr int64_t kBlock = 32;  // a rule task's value columns (step 3)
 // rule's general path (gated_delta_forward_impl's step 3): the same bits. Not inlined: inlined, its prefetches (asm)
 // left the general path's prompt tokens 1.3x slower (GCC's code for the rest of the task changed).
 template <typename scalar_t>
-__attribute__((noinline)) void decode_token(const scalar_t* old, scalar_t* fresh, const float* k, const float* q, const float* v, float* o,
-                  float decay, float beta, float dot, int64_t key_dim, int64_t value_dim, int64_t width) {
+__attribute__((noinline)) void decode_token(const scalar_t* old, scalar_t* fresh, const float* k, const float* q,
+                                            const float* v, float* o, float decay, float beta, float dot,
+                                            int64_t key_dim, int64_t value_dim, int64_t width) {
   float sum_k[kBlock] = {}, sum_q[kBlock] = {}, delta[kBlock];
   for (int64_t i = 0; i < key_dim; ++i) {
     const scalar_t* src = old + i * value_dim;
