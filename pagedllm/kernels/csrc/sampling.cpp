@@ -35,7 +35,6 @@
 #include <functional>
 #include <limits>
 #include <numeric>
-#include <string>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -382,14 +381,16 @@ void logprobs_row(const T* x, int64_t n, int64_t token, int64_t num, bool normal
   }
 }
 
-// A per-row parameter's values: nullptr for none, else checked to be contiguous [rows] of `dtype` on the CPU.
+// A per-row parameter's values: nullptr for none, else checked to be contiguous [rows] of `dtype` on the CPU (the
+// error names op's `field`; joined only when the check fails).
 template <typename T>
-const T* row_values(const c10::optional<at::Tensor>& values, int64_t rows, at::ScalarType dtype, const char* what) {
+const T* row_values(const c10::optional<at::Tensor>& values, int64_t rows, at::ScalarType dtype, const char* op,
+                    const char* field) {
   if (!values) return nullptr;
   TORCH_CHECK(values->scalar_type() == dtype && values->is_contiguous() && values->numel() == rows
                   && values->device().is_cpu(),
-              what, " must be contiguous ", dtype, " [", rows, "] on the CPU, got ", values->scalar_type(), " ",
-              values->sizes());
+              op, ": ", field, " must be contiguous ", dtype, " [", rows, "] on the CPU, got ", values->scalar_type(),
+              " ", values->sizes());
   return values->data_ptr<T>();
 }
 
@@ -400,9 +401,9 @@ struct BatchFilters {
 
   BatchFilters(const char* name, int64_t rows, const c10::optional<at::Tensor>& top_k,
                const c10::optional<at::Tensor>& top_p, const c10::optional<at::Tensor>& min_p_)
-      : k(row_values<int64_t>(top_k, rows, at::kLong, (std::string(name) + ": top_k").c_str())),
-        p(row_values<float>(top_p, rows, at::kFloat, (std::string(name) + ": top_p").c_str())),
-        min_p(row_values<float>(min_p_, rows, at::kFloat, (std::string(name) + ": min_p").c_str())) {}
+      : k(row_values<int64_t>(top_k, rows, at::kLong, name, "top_k")),
+        p(row_values<float>(top_p, rows, at::kFloat, name, "top_p")),
+        min_p(row_values<float>(min_p_, rows, at::kFloat, name, "min_p")) {}
 
   // Row r's filters over its n values.
   Filters row(int64_t r, int64_t n) const {
@@ -417,8 +418,8 @@ at::Tensor sample_rows(const at::Tensor& x, const at::Tensor& temperature, const
                        const c10::optional<at::Tensor>& min_p) {
   check_rows("sample_rows", x);
   const int64_t rows = x.size(0);
-  const float* t = row_values<float>(temperature, rows, at::kFloat, "sample_rows: temperature");
-  const float* u = row_values<float>(uniform, rows, at::kFloat, "sample_rows: uniform");
+  const float* t = row_values<float>(temperature, rows, at::kFloat, "sample_rows", "temperature");
+  const float* u = row_values<float>(uniform, rows, at::kFloat, "sample_rows", "uniform");
   const BatchFilters filters("sample_rows", rows, top_k, top_p, min_p);
   return pick_rows<DrawScratch>("sample_rows", x, [&](const auto* row, int64_t n, int64_t r, DrawScratch& scratch) {
     return sample_row(row, n, t[r], u[r], filters.row(r, n), scratch);
@@ -432,13 +433,13 @@ std::tuple<at::Tensor, at::Tensor> verify_rows(const at::Tensor& x, const at::Te
                                                const c10::optional<at::Tensor>& min_p) {
   check_rows("verify_rows", x);
   const int64_t rows = x.size(0);
-  const float* t = row_values<float>(temperature, rows, at::kFloat, "verify_rows: temperature");
+  const float* t = row_values<float>(temperature, rows, at::kFloat, "verify_rows", "temperature");
   TORCH_CHECK(uniform.scalar_type() == at::kFloat && uniform.is_contiguous() && uniform.dim() == 2
                   && uniform.size(0) == rows && uniform.size(1) == 2 && uniform.device().is_cpu(),
               "verify_rows: uniform must be contiguous float32 [", rows, ", 2] on the CPU, got ",
               uniform.scalar_type(), " ", uniform.sizes());
   const float* u = uniform.data_ptr<float>();
-  const int64_t* drafts = row_values<int64_t>(draft_ids, rows, at::kLong, "verify_rows: draft_ids");
+  const int64_t* drafts = row_values<int64_t>(draft_ids, rows, at::kLong, "verify_rows", "draft_ids");
   for (int64_t r = 0; r < rows; ++r) {
     TORCH_CHECK(drafts[r] < x.size(1), "verify_rows: draft id ", drafts[r], " of row ", r, " is past the ",
                 x.size(1), " tokens");
@@ -462,7 +463,7 @@ void apply_token_bitmask(at::Tensor logits, const at::Tensor& rows, const at::Te
               "apply_token_bitmask: bitmask must be contiguous int32 [R, W] on the CPU, a row each of rows' R, got ",
               bitmask.scalar_type(), " ", bitmask.sizes());
   const int64_t n = logits.size(1), words = bitmask.size(1);
-  const int64_t* row = row_values<int64_t>(rows, rows.numel(), at::kLong, "apply_token_bitmask: rows");
+  const int64_t* row = row_values<int64_t>(rows, rows.numel(), at::kLong, "apply_token_bitmask", "rows");
   const uint32_t* bits = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>());
   const int64_t covered = std::min(n, 32 * words);  // tokens past the mask's words are not allowed
   for (int64_t i = 0; i < rows.numel(); ++i) {
@@ -486,13 +487,17 @@ void apply_penalties(at::Tensor logits, const at::Tensor& prompt_ids, const at::
                      const at::Tensor& frequency, const at::Tensor& presence) {
   check_float_rows("apply_penalties", logits);
   const int64_t rows = logits.size(0), n = logits.size(1);
-  const int64_t* prompt = row_values<int64_t>(prompt_ids, prompt_ids.numel(), at::kLong, "apply_penalties: prompt_ids");
-  const int64_t* output = row_values<int64_t>(output_ids, output_ids.numel(), at::kLong, "apply_penalties: output_ids");
-  const int64_t* prompt_start = row_values<int64_t>(prompt_starts, rows + 1, at::kLong, "apply_penalties: prompt_starts");
-  const int64_t* output_start = row_values<int64_t>(output_starts, rows + 1, at::kLong, "apply_penalties: output_starts");
-  const float* r = row_values<float>(repetition, rows, at::kFloat, "apply_penalties: repetition");
-  const float* f = row_values<float>(frequency, rows, at::kFloat, "apply_penalties: frequency");
-  const float* p = row_values<float>(presence, rows, at::kFloat, "apply_penalties: presence");
+  const int64_t* prompt =
+      row_values<int64_t>(prompt_ids, prompt_ids.numel(), at::kLong, "apply_penalties", "prompt_ids");
+  const int64_t* output =
+      row_values<int64_t>(output_ids, output_ids.numel(), at::kLong, "apply_penalties", "output_ids");
+  const int64_t* prompt_start =
+      row_values<int64_t>(prompt_starts, rows + 1, at::kLong, "apply_penalties", "prompt_starts");
+  const int64_t* output_start =
+      row_values<int64_t>(output_starts, rows + 1, at::kLong, "apply_penalties", "output_starts");
+  const float* r = row_values<float>(repetition, rows, at::kFloat, "apply_penalties", "repetition");
+  const float* f = row_values<float>(frequency, rows, at::kFloat, "apply_penalties", "frequency");
+  const float* p = row_values<float>(presence, rows, at::kFloat, "apply_penalties", "presence");
   TORCH_CHECK(prompt_start[0] == 0 && output_start[0] == 0 && prompt_start[rows] == prompt_ids.numel()
                   && output_start[rows] == output_ids.numel(),
               "apply_penalties: the starts must run from 0 to the number of ids");
@@ -532,7 +537,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> row_logprobs(const at::Tensor& x,
                                                             int64_t num, bool normalize) {
   check_rows("row_logprobs", x);
   const int64_t rows = x.size(0), n = x.size(1);
-  const int64_t* tokens = row_values<int64_t>(token_ids, rows, at::kLong, "row_logprobs: token_ids");
+  const int64_t* tokens = row_values<int64_t>(token_ids, rows, at::kLong, "row_logprobs", "token_ids");
   TORCH_CHECK(num >= 0 && num <= n, "row_logprobs: num must be in [0, V], got ", num);
   for (int64_t r = 0; r < rows; ++r) {
     TORCH_CHECK(tokens[r] >= 0 && tokens[r] < n, "row_logprobs: token id ", tokens[r], " is outside [0, ", n, ")");
