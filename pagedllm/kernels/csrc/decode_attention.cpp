@@ -28,13 +28,6 @@
 namespace pagedllm {
 namespace {
 
-inline float dot(const float* a, const float* b, int64_t n) {
-  float s = 0.f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
-
 // The vector paths below keep key and value rows, and the group's sums, in registers: for a fixed head size and
 // group, over a bf16, float or int8 cache. Their vectors: 16 float lanes in a zmm with AVX-512 (32 registers), 8 in
 // a ymm with AVX2 and FMA (16 registers). An int8 row's scale s multiplies its score (s q.k for q.(s k)) and its

@@ -130,17 +130,14 @@ void gated_delta_forward_impl(at::Tensor& out, const at::Tensor& qkv, const at::
       }
       for (int64_t head = 0; head < 2 * key_heads; ++head) {  // q's heads (scaled too), then k's
         float* v = row + head * key_dim;
-        float sum_sq = 0.f;
-        for (int64_t i = 0; i < key_dim; ++i) sum_sq += v[i] * v[i];
-        const float inv = 1.f / std::sqrt(sum_sq + 1e-6f) * (head < key_heads ? scale : 1.f);
+        const float inv = 1.f / std::sqrt(dot(v, v, key_dim) + 1e-6f) * (head < key_heads ? scale : 1.f);
+#pragma omp simd
         for (int64_t i = 0; i < key_dim; ++i) v[i] *= inv;
       }
       for (int64_t head = 0; head < key_heads; ++head) {
         const float* q = row + head * key_dim;
         const float* k = row + key_size + head * key_dim;
-        float dot = 0.f;
-        for (int64_t i = 0; i < key_dim; ++i) dot += k[i] * q[i];
-        kq[r * key_heads + head] = dot;
+        kq[r * key_heads + head] = dot(k, q, key_dim);
       }
       for (int64_t head = 0; head < 2 * key_heads; ++head)
         std::copy(row + head * key_dim, row + (head + 1) * key_dim, act.get() + head * key_dim * rows + r * key_dim);
@@ -282,14 +279,12 @@ void gated_delta_forward_impl(at::Tensor& out, const at::Tensor& qkv, const at::
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = task / heads, h = task % heads;
       float* o = outputs.get() + task * value_dim;
-      float sum_sq = 0.f;
-      for (int64_t j = 0; j < value_dim; ++j) {
-        o[j] = round_to<scalar_t>(o[j]);
-        sum_sq += o[j] * o[j];
-      }
-      const float inv_rms = 1.f / std::sqrt(sum_sq / static_cast<float>(value_dim) + eps);
+#pragma omp simd
+      for (int64_t j = 0; j < value_dim; ++j) o[j] = round_to<scalar_t>(o[j]);
+      const float inv_rms = 1.f / std::sqrt(dot(o, o, value_dim) / static_cast<float>(value_dim) + eps);
       const scalar_t* zh = z_rows + r * z.stride(0) + h * value_dim;
       scalar_t* out_h = out_rows + r * out.stride(0) + h * value_dim;
+#pragma omp simd
       for (int64_t j = 0; j < value_dim; ++j) {
         const float zj = to_float(zh[j]);
         const float normed = round_to<scalar_t>(to_float(nw[j]) * round_to<scalar_t>(o[j] * inv_rms));

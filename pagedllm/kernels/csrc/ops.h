@@ -615,6 +615,22 @@ inline void load_row(const int8_t* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]) * scale;
 }
 
+// a . b over n floats, summed in 16 lanes (each over every 16th product, in order) then across them. Written out
+// rather than as an `omp simd reduction`, which GCC left a scalar chain when inlined into the Gated DeltaNet
+// kernel's token loop (its q and k norms and the gated norm: 1.1x slower prompts there).
+inline float dot(const float* a, const float* b, int64_t n) {
+  float lanes[16] = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+#pragma omp simd
+    for (int64_t j = 0; j < 16; ++j) lanes[j] += a[i + j] * b[i + j];
+  }
+  float sum = 0.f;
+  for (int64_t j = 0; j < 16; ++j) sum += lanes[j];
+  for (; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
 // Run body.template operator()<cache_t>() with cache_t = int8_t for an int8 cache, else the query's scalar_t; the
 // caches must match the query: same float type, or int8 rows of head_dim + 4.
 template <typename scalar_t, typename Body>
