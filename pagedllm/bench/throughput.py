@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -22,13 +23,16 @@ from typing import Any
 from pagedllm.bench.args import (
     add_dataset_args,
     add_engine_args,
+    add_repeat_arg,
     add_sampling_args,
     bench_lora_request,
     bench_tokenizer,
     dataset_argv,
     describe_sampling,
     engine_kwargs,
+    print_runs,
     requests_from_args,
+    run_repeated,
     sampling_argv,
     sampling_kwargs,
 )
@@ -64,6 +68,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lora-path", default=None,
                         help="a PEFT LoRA adapter folder that every request runs with (vLLM's benchmark --lora-path); "
                              "on both sides with --compare vllm")
+    add_repeat_arg(parser)
     parser.add_argument("--hf-batch-size", type=int, default=8, help="static batch size of the hf backend")
     parser.add_argument("--skip-gemm-peak", action="store_true", help="do not time the GEMM peak")
     parser.add_argument("--output-json", default=None, help="write the results to this file")
@@ -71,6 +76,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
+    if args.repeat > 1 and args.backend != "pagedllm":
+        raise ValueError("--repeat times pagedllm's engine and vLLM's; transformers (--backend hf) runs once")
     if args.lora_path and (args.backend != "pagedllm" or set(args.compare) - {"vllm"}):
         raise ValueError("--lora-path runs pagedllm, and vLLM with --compare vllm; not transformers or llama.cpp")
     if sampling_kwargs(args) != {"temperature": 0.0} and "llamacpp" in args.compare:   # (checked before any load)
@@ -111,7 +118,11 @@ def run_pagedllm(args: argparse.Namespace) -> dict[str, Any]:
     startup_s = seconds_since_process_start()
     start = time.perf_counter()
     lora = bench_lora_request(args)
-    llm.generate("Hello", SamplingParams(temperature=0, max_tokens=1), use_tqdm=False, lora_request=lora)
+
+    def warmup() -> None:
+        llm.generate("Hello", SamplingParams(temperature=0, max_tokens=1), use_tqdm=False, lora_request=lora)
+
+    warmup()
     first_token_s = time.perf_counter() - start
 
     requests = requests_from_args(llm.get_tokenizer(), args)
@@ -119,11 +130,10 @@ def run_pagedllm(args: argparse.Namespace) -> dict[str, Any]:
     params = [SamplingParams(ignore_eos=True, max_tokens=r.output_len, **sampling) for r in requests]
     waste = KVWaste()
     with _sampling_kv_waste(llm.engine, waste):
-        start = time.perf_counter()
-        outputs = llm.generate([r.prompt_token_ids for r in requests], params, use_tqdm=True, lora_request=lora)
-        elapsed = time.perf_counter() - start
+        outputs, seconds = run_repeated(llm, args.repeat, warmup, lambda: llm.generate(
+            [r.prompt_token_ids for r in requests], params, use_tqdm=args.repeat == 1, lora_request=lora))
     num_output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    result = _summarise("pagedllm", llm.engine.model_name, args, requests, elapsed,
+    result = _summarise("pagedllm", llm.engine.model_name, args, requests, seconds,
                         ModelDims.from_hf_config(llm.engine.hf_config))
     _check_output_tokens(result, num_output_tokens)
     result.update(startup_s=startup_s, engine_init_s=engine_init_s, first_token_s=first_token_s,
@@ -161,7 +171,7 @@ def run_hf(args: argparse.Namespace) -> dict[str, Any]:
 
     requests = requests_from_args(tokenizer, args)
     run = run_batches(model, requests, args.hf_batch_size, pad_token_id, sampling_kwargs(args))
-    result = _summarise("hf", resolved.name, args, requests, run.elapsed_s, ModelDims.from_hf_config(model.config))
+    result = _summarise("hf", resolved.name, args, requests, [run.elapsed_s], ModelDims.from_hf_config(model.config))
     result.update(startup_s=startup_s, engine_init_s=engine_init_s, first_token_s=first_token_s,
                   peak_rss_mib=peak_rss_mib(), hf_batch_size=args.hf_batch_size,
                   total_generated_tokens=run.num_generated_tokens, dtype=str(model.dtype).removeprefix("torch."),
@@ -188,7 +198,7 @@ def _run_vllm_child(args: argparse.Namespace) -> dict[str, Any]:
     tokenizer = bench_tokenizer(args)
     requests = requests_from_args(tokenizer, args)
     run, hf_config = run_vllm(args, requests, tokenizer.encode("Hello"), args.enable_prefix_caching)
-    result = _summarise("vllm", resolved.name, args, requests, run["elapsed_time"],
+    result = _summarise("vllm", resolved.name, args, requests, run["elapsed_times"],
                         ModelDims.from_hf_config(hf_config))
     _check_output_tokens(result, run["num_output_tokens"])
     result.update(startup_s=run["startup_s"], first_token_s=run["first_token_s"], dtype=run["dtype"], device="cpu",
@@ -204,7 +214,7 @@ def _run_llamacpp_child(args: argparse.Namespace) -> dict[str, Any]:
     tokenizer = bench_tokenizer(args)
     requests = requests_from_args(tokenizer, args)
     run = run_llamacpp(args, requests, tokenizer.encode("Hello"))
-    result = _summarise("llamacpp", resolved.name, args, requests, run["elapsed_time"],
+    result = _summarise("llamacpp", resolved.name, args, requests, [run["elapsed_time"]],
                         ModelDims.from_hf_config(load_hf_config(resolved)))
     _check_output_tokens(result, run["num_output_tokens"])
     result.update(startup_s=run["startup_s"], first_token_s=run["first_token_s"], model_file=run["model_file"],
@@ -234,9 +244,12 @@ def _sampling_kv_waste(engine, waste: KVWaste) -> Iterator[None]:
 
 # ---- results -----------------------------------------------------------------------------------------------------
 def _summarise(backend: str, model_name: str, args: argparse.Namespace, requests: list[BenchRequest],
-               elapsed: float, dims: ModelDims) -> dict[str, Any]:
+               seconds: list[float], dims: ModelDims) -> dict[str, Any]:
+    """A backend's figures over its runs' `seconds`: the median run's (`--repeat`; of an even number, the slower
+    middle one), each run's output tokens/s listed."""
     num_prompt_tokens = sum(r.prompt_len for r in requests)
     num_output_tokens = sum(r.output_len for r in requests)
+    elapsed = statistics.median_high(seconds)
     return {
         "backend": backend, "model": model_name, "dataset": args.dataset, "cpu": cpu_info().describe(),
         "sampling": sampling_kwargs(args),
@@ -247,6 +260,7 @@ def _summarise(backend: str, model_name: str, args: argparse.Namespace, requests
         "tokens_per_second": (num_prompt_tokens + num_output_tokens) / elapsed,
         "output_tokens_per_second": num_output_tokens / elapsed,
         "achieved_gflops": useful_flops(dims, requests) / elapsed / 1e9,
+        "runs_output_tokens_per_second": [num_output_tokens / run for run in seconds],
     }
 
 
@@ -312,6 +326,7 @@ def print_report(result: dict[str, Any]) -> None:
             ratio = f"{result['ratio'][peer][key]:>8.2f}x" if key in _RATIO_KEYS else ""
             line += f"{_cell(result[peer], key, fmt):>12}{ratio:<9}"
         print(line)
+    print_runs([(result["backend"], result)] + [(peer, result[peer]) for peer in peers])
     if "gemm_peak_gflops" in result:
         print(f"{result['gemm_peak_dtype']} GEMM peak (GFLOP/s, this CPU, this run): {result['gemm_peak_gflops']:.1f}")
     hf = result if result["backend"] == "hf" else result.get("hf")

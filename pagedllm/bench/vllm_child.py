@@ -16,6 +16,7 @@ request is constrained by it and ends where its JSON does (its text and finish r
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 import time
 
@@ -49,21 +50,36 @@ def main(job_path: str, result_path: str) -> None:
 
 def _generate(llm, job: dict, prompts: list[dict], lora: dict, sampling_params) -> dict:
     """Time one greedy warm-up request (constrained, where the job has a schema, so that it compiles), then every
-    prompt to its output length with the job's sampling parameters (or to its JSON's end)."""
+    prompt to its output length with the job's sampling parameters (or to its JSON's end); the job's `repeat` times,
+    the prefix cache emptied and the warm-up served again before each run but the first (pagedllm's side:
+    `pagedllm.bench.args.run_repeated`): the median run's seconds (the slower middle one of an even number) and
+    each run's."""
     constraint = {}
     if job.get("json_schema") is not None:
         from vllm.sampling_params import StructuredOutputsParams
 
         constraint = {"structured_outputs": StructuredOutputsParams(json=job["json_schema"])}
+
+    def warmup() -> None:
+        llm.generate([{"prompt_token_ids": job["warmup_prompt_token_ids"]}],
+                     sampling_params(temperature=0, max_tokens=1, **constraint), use_tqdm=False, **lora)
+
     start = time.perf_counter()
-    llm.generate([{"prompt_token_ids": job["warmup_prompt_token_ids"]}],
-                 sampling_params(temperature=0, max_tokens=1, **constraint), use_tqdm=False, **lora)
+    warmup()
     first_token_s = time.perf_counter() - start
     params = [sampling_params(ignore_eos=not constraint, max_tokens=n, **job["sampling"], **constraint)
               for n in job["output_lens"]]
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False, **lora)
-    result = {"elapsed_time": time.perf_counter() - start, "first_token_s": first_token_s,
+    seconds = []
+    for run in range(job.get("repeat", 1)):
+        if run:
+            if not llm.reset_prefix_cache():
+                raise RuntimeError("vLLM's prefix cache could not be emptied between runs")
+            warmup()
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False, **lora)
+        seconds.append(time.perf_counter() - start)
+    result = {"elapsed_time": statistics.median_high(seconds), "elapsed_times": seconds,
+              "first_token_s": first_token_s,
               "num_output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
               "prefix_cache_hit_tokens": sum(o.num_cached_tokens or 0 for o in outputs)}
     if constraint:

@@ -126,6 +126,7 @@ def run_vllm(args: argparse.Namespace, requests: list[BenchRequest], warmup_prom
                "output_lens": [r.output_len for r in requests], "sampling": sampling_kwargs(args),
                "lora_path": getattr(args, "lora_path", None),
                "task": task, "num_vectors_back": VECTORS_CHECKED, "json_schema": json_schema,
+               "repeat": getattr(args, "repeat", 1),
                "speculative_config": vllm_speculative_config(args)}
         if job["lora_path"]:
             job["max_lora_rank"] = lora_rank(job["lora_path"])

@@ -8,6 +8,7 @@ import argparse
 import json
 import os
 import stat
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -71,6 +72,10 @@ class LLM:
             vectors = json.load(f)
         return [type("Scored", (), {"outputs": type("ScoringOutput", (), {"score": vectors[i % len(vectors)][0]})()})()
                 for i in range(len(self.calls[-1]))]
+
+    def reset_prefix_cache(self):     # noted among the calls (--repeat empties the cache between runs)
+        self.calls.append("reset")
+        return True
 
     def generate(self, prompts, params, use_tqdm=True):
         params = params if isinstance(params, list) else [params] * len(prompts)
@@ -234,6 +239,26 @@ def test_compare_vllm_samples_both_sides_alike(tiny_model_dir, fake_vllm_python,
                                    == (0.8, 0.95, 40, 0.0, 0.5, True) for p in timed)
     assert ours[0].temperature == 0     # the warm-up
     assert "Sampling: temperature=0.8 top_p=0.95 top_k=40 presence_penalty=0.5" in capsys.readouterr().out
+
+
+def test_compare_vllm_repeats_the_batch_in_one_engine(tiny_model_dir, fake_vllm_python, capsys):
+    """--repeat 3: each side times the batch three times after one start-up, its prefix cache emptied and the
+    warm-up served again between runs; the figures (and the ratio) are the median runs', each run's listed."""
+    python, record = fake_vllm_python
+    result = main(["throughput", "--model", tiny_model_dir, "--dataset", "random", "--num-prompts", "2",
+                   "--input-len", "10", "--output-len", "3", "--compare", "vllm", "--vllm-python", str(python),
+                   "--kv-cache-memory", "16M", "--dtype", "float32", "--skip-gemm-peak", "--repeat", "3"])
+    calls = json.loads(record.read_text())["calls"]
+    warmup, timed = calls[:2]
+    assert len(warmup) == 1 and len(timed) == 2
+    assert calls == [warmup, timed, "reset", warmup, timed, "reset", warmup, timed]
+    for side in (result, result["vllm"]):
+        runs = side["runs_output_tokens_per_second"]
+        assert len(runs) == 3 and side["output_tokens_per_second"] == statistics.median(runs)
+    assert result["ratio"]["vllm"]["output_tokens_per_second"] == (result["output_tokens_per_second"]
+                                                                  / result["vllm"]["output_tokens_per_second"])
+    printed = capsys.readouterr().out
+    assert "pagedllm: the median of 3 runs" in printed and "vllm: the median of 3 runs" in printed
 
 
 def test_prefix_compare_vllm_warms_up_on_the_system_prompt(tiny_model_dir, fake_vllm_python, capsys):
