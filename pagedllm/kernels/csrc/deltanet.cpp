@@ -61,12 +61,22 @@ __attribute__((noinline)) void decode_token(const scalar_t* old, scalar_t* fresh
     delta[j] = (v[j] - sum_k[j]) * beta;
     o[j] = sum_q[j] + dot * delta[j];
   }
+  // a block's row of the write slot is whole lines (bf16's 32 values one): streamed, not read in to be written
+  const bool lines = width == kBlock && reinterpret_cast<uintptr_t>(fresh) % 64 == 0 &&
+                     value_dim * sizeof(scalar_t) % 64 == 0;
   for (int64_t i = 0; i < key_dim; ++i) {
     const scalar_t* src = old + i * value_dim;
     scalar_t* dst = fresh + i * value_dim;
     const float ki = k[i];
+    if (lines) {
+      alignas(64) scalar_t row[kBlock];
 #pragma omp simd
-    for (int64_t j = 0; j < width; ++j) dst[j] = from_float<scalar_t>(to_float(src[j]) * decay + ki * delta[j]);
+      for (int64_t j = 0; j < kBlock; ++j) row[j] = from_float<scalar_t>(to_float(src[j]) * decay + ki * delta[j]);
+      stream_lines(dst, row, sizeof(row));
+    } else {
+#pragma omp simd
+      for (int64_t j = 0; j < width; ++j) dst[j] = from_float<scalar_t>(to_float(src[j]) * decay + ki * delta[j]);
+    }
   }
 }
 
@@ -271,6 +281,7 @@ void gated_delta_forward_impl(at::Tensor& out, const at::Tensor& qkv, const at::
       for (int64_t i = 0; i < key_dim; ++i)
         for (int64_t j = 0; j < width; ++j) fresh[i * value_dim + j] = from_float<scalar_t>(columns[i * kBlock + j]);
     }
+    stream_fence();  // decode_token's streamed rows, before step 4's threads and the caller read on
   });
   // 4. the gated norm of each token's head output: torch rounds o to the storage type, norms it in float and rounds,
   // times the weight (rounded), times SiLU(z) in float, rounded

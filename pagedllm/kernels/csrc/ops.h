@@ -21,7 +21,7 @@
 #include <utility>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__x86_64__)
 #include <immintrin.h>
 #endif
 #if defined(__AMX_TILE__)
@@ -482,6 +482,34 @@ inline void prefetch_line(const void* p) {
   else asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));
 #else
   __builtin_prefetch(p, 0, 3 - kLevel);
+#endif
+}
+
+// Copies `bytes` (whole 64-byte lines, both ends 64-byte aligned) from src to dst with non-temporal stores, which
+// write the lines to memory without reading them first: a normal store to a line not in cache reads it in to
+// modify it (the Gated DeltaNet decode's write slots, 16 MB a layer, read for nothing). Weakly ordered: the thread
+// calls stream_fence() before its other threads may read dst.
+inline void stream_lines(void* dst, const void* src, size_t bytes) {
+  char* to = static_cast<char*>(dst);
+  const char* from = static_cast<const char*>(src);
+#if defined(__AVX512F__)
+  for (size_t o = 0; o < bytes; o += 64)
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(to + o), _mm512_load_si512(from + o));
+#elif defined(__AVX__)
+  for (size_t o = 0; o < bytes; o += 32)
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(to + o),
+                        _mm256_load_si256(reinterpret_cast<const __m256i*>(from + o)));
+#elif defined(__x86_64__)
+  for (size_t o = 0; o < bytes; o += 16)
+    _mm_stream_si128(reinterpret_cast<__m128i*>(to + o), _mm_load_si128(reinterpret_cast<const __m128i*>(from + o)));
+#else
+  std::memcpy(to, from, bytes);
+#endif
+}
+
+inline void stream_fence() {
+#if defined(__x86_64__)
+  _mm_sfence();
 #endif
 }
 
