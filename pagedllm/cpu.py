@@ -109,8 +109,9 @@ class CpuInfo:
 def cpu_info(max_isa: str | None = None) -> CpuInfo:
     """This machine's CPU, capped at `max_isa` (default: $PAGEDLLM_MAX_CPU_ISA) when that is set.
 
-    A cap at or below the CPU's level reports exactly that level's features (and its -march); a cap above it,
-    or on a CPU that is not x86, changes nothing.
+    A cap at or below the CPU's level reports exactly that level's features (and its -march); a cap that takes
+    no feature away (AVX2 on a Zen 3, whose native build runs the AVX2 paths), a cap above the CPU's level, or one
+    on a CPU that is not x86, changes nothing.
     """
     machine, model_name, flags = _read_cpu()
     cpu = CpuInfo(machine, model_name, flags)
@@ -119,20 +120,21 @@ def cpu_info(max_isa: str | None = None) -> CpuInfo:
         return cpu
     if cap not in X86_LEVELS:
         raise ValueError(f"{MAX_ISA_ENV} must be one of {', '.join(X86_LEVELS)}, got {cap!r}")
-    if not cpu.is_x86 or X86_LEVELS.index(cap) > X86_LEVELS.index(cpu.isa_level):
+    if not cpu.is_x86 or X86_LEVELS.index(cap) > X86_LEVELS.index(cpu.isa_level) or cpu.flags <= _ALLOWED[cap]:
         return cpu
     return CpuInfo(machine, model_name, flags & _ALLOWED[cap], capped=True)
 
 
 def runnable_levels() -> list[str]:
-    """The x86 levels this CPU runs below its own, highest first ("avx2", "baseline"); none off x86.
+    """The x86 levels this CPU runs below its own, highest first ("avx2", "baseline"); none off x86. A level is
+    below when its cap takes features away: a Zen 3's native build is its AVX2 level, not built and tested twice.
 
     Each is a PAGEDLLM_MAX_CPU_ISA value whose kernels are built and tested beside the native ones.
     """
     cpu = cpu_info()
     if not cpu.is_x86:
         return []
-    return [level for level in ("avx2", "baseline") if X86_LEVELS.index(level) <= X86_LEVELS.index(cpu.isa_level)]
+    return [level for level in ("avx2", "baseline") if not cpu.flags <= _ALLOWED[level]]
 
 
 def onednn_bf16_ok() -> bool:

@@ -61,8 +61,9 @@ def _isa_levels_together(items: list[pytest.Item]) -> list[pytest.Item]:
 
 @pytest.fixture(params=["native", *runnable_levels()])
 def isa_level(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Runs a kernel test once per ISA level this CPU runs: the native build, then the AVX2 (-march=x86-64-v3)
-    and baseline (-march=x86-64) builds, chosen through PAGEDLLM_MAX_CPU_ISA as a user would."""
+    """Runs a kernel test once per ISA level this CPU runs: the native build (this CPU's own level), then each
+    level below it, the AVX2 (-march=x86-64-v3) and baseline (-march=x86-64) builds, chosen through
+    PAGEDLLM_MAX_CPU_ISA as a user would."""
     if request.param != "native":
         monkeypatch.setenv(MAX_ISA_ENV, request.param)
     assert cpu_kernels() is not None, f"the C++ kernels must build at the {request.param} level on the test machine"

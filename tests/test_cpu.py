@@ -86,18 +86,27 @@ def test_cap_to_avx2_hides_avx512(zen4, monkeypatch: pytest.MonkeyPatch) -> None
     assert cpu_info().march == "x86-64-v4"
 
 
-def test_a_cap_above_the_cpu_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_cap_above_the_cpu_or_taking_nothing_away_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cpu, "_read_cpu", lambda: ("x86_64", "AMD EPYC", ZEN3))
     monkeypatch.setenv(cpu.MAX_ISA_ENV, "avx512")
     assert cpu_info() == CpuInfo("x86_64", "AMD EPYC", ZEN3)
-    at_level = cpu_info("avx2")  # an argument overrides the environment
-    assert (at_level.isa_level, at_level.march, at_level.capped) == ("avx2", "x86-64-v3", True)
+    at_level = cpu_info("avx2")  # an argument overrides the environment; AVX2 is all a Zen 3 has: its native build
+    assert at_level == CpuInfo("x86_64", "AMD EPYC", ZEN3) and at_level.march == "native"
+    below = cpu_info("baseline")
+    assert (below.isa_level, below.march, below.capped) == ("baseline", "x86-64", True)
 
 
 def test_runnable_levels(zen4, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The levels below the CPU's own: the native build runs its own level's code (a Zen 3's -march=native takes
+    the AVX2 paths that -march=x86-64-v3 would), so building and testing that level again would repeat it."""
     assert cpu.runnable_levels() == ["avx2", "baseline"]
-    monkeypatch.setattr(cpu, "_read_cpu", lambda: ("x86_64", "old", frozenset()))
+    monkeypatch.setattr(cpu, "_read_cpu", lambda: ("x86_64", "AMD EPYC", ZEN3))
     assert cpu.runnable_levels() == ["baseline"]
+    monkeypatch.setenv(cpu.MAX_ISA_ENV, "baseline")   # capped to the lowest level: nothing below it
+    assert cpu.runnable_levels() == []
+    monkeypatch.delenv(cpu.MAX_ISA_ENV)
+    monkeypatch.setattr(cpu, "_read_cpu", lambda: ("x86_64", "old", frozenset()))
+    assert cpu.runnable_levels() == []
     monkeypatch.setattr(cpu, "_read_cpu", lambda: ("aarch64", "graviton", frozenset({"asimd"})))
     assert cpu.runnable_levels() == []
 
