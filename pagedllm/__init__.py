@@ -20,19 +20,33 @@ _EXPORTS = {
     "EmbeddingRequestOutput": "pagedllm.outputs",
     "ScoringRequestOutput": "pagedllm.outputs",
     "ClassificationRequestOutput": "pagedllm.outputs",
+    "EmbeddingOutput": "pagedllm.outputs",
+    "ScoringOutput": "pagedllm.outputs",
+    "ClassificationOutput": "pagedllm.outputs",
+    "PromptType": "pagedllm.inputs",
+    "TextPrompt": "pagedllm.inputs",
+    "TokensPrompt": "pagedllm.inputs",
+    "EmbedsPrompt": "pagedllm.inputs",
 }
+# vLLM's top-level names where pagedllm has them (`from vllm import LLM, SamplingParams, TokensPrompt` becomes
+# `from pagedllm import ...`), and pagedllm's own (StructuredOutputsParams, BeamSearchParams, EmbedsPrompt).
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput",
            "BeamSearchParams", "PoolingParams", "EmbeddingRequestOutput", "ScoringRequestOutput",
-           "ClassificationRequestOutput"]
+           "ClassificationRequestOutput", "EmbeddingOutput", "ScoringOutput", "ClassificationOutput", "PromptType",
+           "TextPrompt", "TokensPrompt", "EmbedsPrompt"]
 
 if TYPE_CHECKING:
     from pagedllm.engine.beam_search import BeamSearchParams
     from pagedllm.entrypoints.llm import LLM
+    from pagedllm.inputs import EmbedsPrompt, PromptType, TextPrompt, TokensPrompt
     from pagedllm.outputs import (
+        ClassificationOutput,
         ClassificationRequestOutput,
         CompletionOutput,
+        EmbeddingOutput,
         EmbeddingRequestOutput,
         RequestOutput,
+        ScoringOutput,
         ScoringRequestOutput,
     )
     from pagedllm.pooling_params import PoolingParams

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM, SamplingParams, TextPrompt, TokensPrompt
 from pagedllm.entrypoints.openai.tool_parsers import with_tools
 from pagedllm.inputs import ParsedPrompt, as_prompt_list, parse_prompt
 from tests.models.tiny import save_tiny_model
@@ -75,6 +75,9 @@ def test_every_prompt_form_gives_the_same_completion(llm):
     assert _run(llm, {"prompt": "hello there"}) == [("hello there", ids, completion)]
     assert _run(llm, {"prompt_token_ids": ids}) == [(None, ids, completion)]
     assert _run(llm, {"prompt_token_ids": ids, "prompt": "hello there"}) == [("hello there", ids, completion)]
+    # vLLM's typed forms, imported from the package as from vllm's
+    assert _run(llm, [TextPrompt(prompt="hello there"), TokensPrompt(prompt_token_ids=ids)]) == \
+        [("hello there", ids, completion), (None, ids, completion)]
     many = _run(llm, ["hello there", ids, {"prompt": "hello there"}, {"prompt_token_ids": ids, "cache_salt": "a"}])
     assert [out[2] for out in many] == [completion] * 4
 
