@@ -155,6 +155,11 @@ class LLM:
             code written for vLLM runs; they select nothing, since one pagedllm engine both generates and embeds
             (`embed`), and a checkpoint with a classification head also classifies (`classify`). vLLM's other
             runners and conversions (draft, classify, reward) are refused.
+        tokenizer_mode, revision, tokenizer_revision, disable_log_stats: vLLM's, taken so that code written for it
+            (lm-evaluation-harness's vLLM backend passes the first three) runs: the checkpoint's own fast tokenizer
+            is "auto" and "hf" (other modes are refused); a revision names a Hugging Face hub commit, which pagedllm
+            never fetches, so one given is logged and the files on disk are read; the offline engine keeps no
+            statistics, so True (the default, as vLLM's) is the one value (`pagedllm serve` keeps them).
     """
 
     def __init__(self, model: str | None = None, *, dtype: str = "auto", max_model_len: int | None = None,
@@ -187,8 +192,11 @@ class LLM:
                  structured_outputs_config: dict[str, Any] | StructuredOutputsConfig | None = None,
                  enable_prompt_embeds: bool = False, load_format: str = "auto", kv_cache_metrics: bool = False,
                  kv_cache_metrics_sample: float = 0.01, scheduler_reserve_full_isl: bool = True,
-                 watermark: float = 0.0, max_num_active_seqs: int | None = None) -> None:
+                 watermark: float = 0.0, max_num_active_seqs: int | None = None, tokenizer_mode: str = "auto",
+                 revision: str | None = None, tokenizer_revision: str | None = None,
+                 disable_log_stats: bool = True) -> None:
         check_runner(runner, convert)
+        _check_vllm_loading_args(model, tokenizer_mode, revision, tokenizer_revision, disable_log_stats)
         if kv_cache_memory_bytes is not None:
             if kv_cache_memory not in (None, kv_cache_memory_bytes):
                 raise ValueError("kv_cache_memory and kv_cache_memory_bytes are one setting: give one")
@@ -555,6 +563,21 @@ class LLM:
         finally:
             bar.close()
         return [done[r] for r in request_ids]
+
+
+def _check_vllm_loading_args(model: str | None, tokenizer_mode: str, revision: str | None,
+                             tokenizer_revision: str | None, disable_log_stats: bool) -> None:
+    """vLLM's loading and logging arguments, as `LLM` takes them (see its docstring)."""
+    if tokenizer_mode not in ("auto", "hf"):
+        raise ValueError(f"tokenizer_mode must be 'auto' or 'hf', got {tokenizer_mode!r}: pagedllm runs the "
+                         "checkpoint's own fast tokenizer (transformers'), and has no slow or mistral mode")
+    if not disable_log_stats:
+        raise ValueError("disable_log_stats=False: the offline LLM keeps no statistics (`pagedllm serve` does: its "
+                         "periodic log line and /metrics)")
+    for name, value in (("revision", revision), ("tokenizer_revision", tokenizer_revision)):
+        if value is not None:
+            logger.warning("%s=%r is not used: it names a Hugging Face hub commit, which pagedllm never fetches; "
+                           "%s is read as it is on disk", name, value, model or "the embedded default model")
 
 
 def _as_conversations(messages: Conversation | Sequence[Conversation]) -> list[Conversation]:
