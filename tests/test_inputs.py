@@ -164,16 +164,13 @@ def test_code_written_for_vllms_llm_runs(llm, tmp_path):
 
 
 def test_vllms_loading_arguments_are_taken_and_what_does_not_apply_refused(tmp_path, caplog):
-    """lm-evaluation-harness's vLLM backend passes tokenizer_mode, revision and tokenizer_revision; vLLM's offline
-    LLM defaults to disable_log_stats=True."""
+    """lm-evaluation-harness's vLLM backend passes tokenizer_mode, revision and tokenizer_revision."""
     folder, _ = save_tiny_model(tmp_path / "m", "llama-gqa", initializer_range=0.5)
     with pytest.raises(ValueError, match="tokenizer_mode must be 'auto' or 'hf', got 'slow'"):
         LLM(model=str(folder), tokenizer_mode="slow")
-    with pytest.raises(ValueError, match="disable_log_stats=False: the offline LLM keeps no statistics"):
-        LLM(model=str(folder), disable_log_stats=False)
     caplog.set_level("WARNING", logger="pagedllm")
     llm = LLM(model=str(folder), dtype="float32", num_kv_blocks=64, tokenizer_mode="hf", revision="main",
-              tokenizer_revision=None, disable_log_stats=True)
+              tokenizer_revision=None)
     assert [r.getMessage() for r in caplog.records if "revision" in r.getMessage()] == \
         [f"revision='main' is not used: it names a Hugging Face hub commit, which pagedllm never fetches; {folder} "
          "is read as it is on disk"]

@@ -50,7 +50,7 @@ from pagedllm.engine.engine_thread import EngineThread
 from pagedllm.engine.llm_engine import LLMEngine, PromptInput, tokenize_prompt
 from pagedllm.inputs import ParsedPrompt, parse_prompt
 from pagedllm.lora.request import LoRARequest
-from pagedllm.metrics.stats import IterationStats, RequestStatsTracker, SchedulerStats
+from pagedllm.metrics.stats import IterationStats, SchedulerStats, StatLogger, StepRecorder
 from pagedllm.multimodal import ImageProcessor
 from pagedllm.outputs import RequestOutput
 from pagedllm.pooling_params import PoolingParams
@@ -58,7 +58,6 @@ from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-StatLogger = Callable[[SchedulerStats, IterationStats], None]
 T = TypeVar("T")
 
 
@@ -144,7 +143,6 @@ class AsyncEngine:
         self.log_requests, self.max_log_len, self.log_outputs = log_requests, max_log_len, log_outputs
         self.error: BaseException | None = None
         self.latest_stats = SchedulerStats()
-        self._stat_loggers: list[StatLogger] = []
         self._cond = threading.Condition()
         self._inbox: list[_InboxItem] = []
         self._calls: set[asyncio.Future] = set()     # call_in_engine's, until answered
@@ -156,7 +154,7 @@ class AsyncEngine:
         self._streams: dict[str, asyncio.Queue] = {}        # event loop thread only
         self._beam_waiters: dict[str, asyncio.Future] = {}  # event loop thread only: beam searches unanswered
         self._snapshot_waiter: asyncio.Future[KVCacheSnapshot] | None = None     # event loop thread only
-        self._request_stats = RequestStatsTracker()         # engine thread only
+        self._stats = StepRecorder()                        # engine thread only
         self._beam_search_ids: set[str] = set()             # engine thread only: beam searches added, not done
         # One worker, as vLLM's serving layer has: tokenizer calls run one at a time and in order (a fast
         # tokenizer raises "Already borrowed" if one thread changes its settings while another encodes), and a
@@ -263,7 +261,7 @@ class AsyncEngine:
 
     def add_stat_logger(self, stat_logger: StatLogger) -> None:
         """Call `stat_logger(scheduler_stats, iteration_stats)` on the engine thread after each step."""
-        self._stat_loggers.append(stat_logger)
+        self._stats.loggers.append(stat_logger)
 
     # ---- lifecycle ----------------------------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
@@ -572,33 +570,25 @@ class AsyncEngine:
             return
         num_prompt_tokens = len(item.prompt_token_ids) if item.prompt_token_ids is not None else 0
         sampling = item.params if isinstance(item.params, SamplingParams) else None
-        self._request_stats.on_added(item.request_id, item.arrival, num_prompt_tokens,
-                                     None if sampling is None else sampling.max_tokens,
-                                     None if sampling is None else sampling.n)
+        self._stats.requests.on_added(item.request_id, item.arrival, num_prompt_tokens,
+                                      None if sampling is None else sampling.max_tokens,
+                                      None if sampling is None else sampling.n)
 
     def _abort(self, request_ids: list[str], iteration: IterationStats, stop_reason: str | None = None) -> None:
         beams = [r for r in request_ids if r in self._beam_search_ids]
         if beams:
             self.engine.abort_request(beams)
             self._beam_search_ids.difference_update(beams)
-        live = [r for r in request_ids if r in self._request_stats]
+        live = [r for r in request_ids if r in self._stats.requests]
         if not live:
             return      # finished (or refused) before the abort arrived
         ends = self.engine.abort_request(live, stop_reason)
-        self._request_stats.on_aborted(live, iteration, time.monotonic())
+        self._stats.requests.on_aborted(live, iteration, time.monotonic())
         if stop_reason is not None:     # someone is still listening: tell them how it ended
             self._call_in_loop(self._dispatch, ends)
 
     def _publish(self, outputs: list[RequestOutput], iteration: IterationStats, stepped: bool = False) -> None:
-        self.latest_stats = self.engine.make_stats()
-        if stepped:
-            iteration.num_step_tokens = self.latest_stats.num_scheduled_tokens
-        self._request_stats.on_step(outputs, self.latest_stats.scheduled_request_ids, iteration, time.monotonic())
-        for stat_logger in self._stat_loggers:
-            try:
-                stat_logger(self.latest_stats, iteration)
-            except Exception:  # noqa: BLE001 - metrics must never stop the engine
-                logger.exception("stat logger failed")
+        self.latest_stats = self._stats.record(self.engine, outputs, iteration, stepped)
         if outputs:
             self._call_in_loop(self._dispatch, outputs)
         if self._beam_search_ids:       # (an engine without beam searches is not asked: a Ray replica's is remote)

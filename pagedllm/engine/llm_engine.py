@@ -301,6 +301,9 @@ class LLMEngine:
                                                   self.runner.kv_bytes_per_token, self.max_model_len, window)
         logger.info("device %s; %s", describe_device(self.runner.device), self.capacity)
         self._tracked: dict[str, _Tracked] = {}
+        # the last step's new tokens: request id -> completion index -> count, for the statistics of outputs that
+        # do not carry each step's tokens (the offline "final" outputs; pagedllm.metrics.stats.StepRecorder)
+        self.step_new_tokens: dict[str, dict[int, int]] = {}
 
     def _thought_markers(self, config: StructuredOutputsConfig) -> tuple[int, int] | None:
         """The (start, end) token ids of the reasoning format after whose thought a constraint applies; None where
@@ -775,6 +778,7 @@ class LLMEngine:
     def _finish_step(self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput,
                      errors: dict[str, Exception]) -> list[RequestOutput]:
         """Fail the requests whose run raised, then apply the step's result to the others."""
+        self.step_new_tokens = {}
         outputs = self._fail_requests(errors)
         updates = self.scheduler.update_from_output(scheduler_output, runner_output)
         outputs += [o for o in map(self._process, updates) if o is not None]
@@ -823,6 +827,9 @@ class LLMEngine:
         completion = tracked.completions[update.index]
         stop_str, update.new_token_ids = self._detokenize(completion, update.new_token_ids)
         completion.token_ids.extend(update.new_token_ids)
+        if update.new_token_ids:
+            counts = self.step_new_tokens.setdefault(request_id, {})
+            counts[update.index] = counts.get(update.index, 0) + len(update.new_token_ids)
         self._append_logprobs(completion, update, tracked.params.detokenize)
         finish_reason, stop_reason = update.finish_reason, update.stop_reason
         if stop_str is not None and finish_reason is None:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
+from prometheus_client import CollectorRegistry
 from tqdm.auto import tqdm
 
 from pagedllm.config import (
@@ -30,6 +32,10 @@ from pagedllm.entrypoints.openai.tool_parsers import with_tools
 from pagedllm.inputs import ParsedPrompt, PromptType, as_prompt_list, parse_prompt
 from pagedllm.logger import init_logger
 from pagedllm.lora.request import LoRARequest
+from pagedllm.metrics.log_stats import LoggingStatLogger
+from pagedllm.metrics.prometheus import PrometheusStatLogger
+from pagedllm.metrics.reader import Metric, metrics_snapshot
+from pagedllm.metrics.stats import IterationStats, StepRecorder
 from pagedllm.multimodal import check_image_count
 from pagedllm.outputs import (
     ClassificationOutput,
@@ -155,11 +161,14 @@ class LLM:
             code written for vLLM runs; they select nothing, since one pagedllm engine both generates and embeds
             (`embed`), and a checkpoint with a classification head also classifies (`classify`). vLLM's other
             runners and conversions (draft, classify, reward) are refused.
-        tokenizer_mode, revision, tokenizer_revision, disable_log_stats: vLLM's, taken so that code written for it
-            (lm-evaluation-harness's vLLM backend passes the first three) runs: the checkpoint's own fast tokenizer
-            is "auto" and "hf" (other modes are refused); a revision names a Hugging Face hub commit, which pagedllm
-            never fetches, so one given is logged and the files on disk are read; the offline engine keeps no
-            statistics, so True (the default, as vLLM's) is the one value (`pagedllm serve` keeps them).
+        tokenizer_mode, revision, tokenizer_revision: vLLM's, taken so that code written for it (such as
+            lm-evaluation-harness's vLLM backend) runs: the checkpoint's own fast tokenizer is "auto" and "hf"
+            (other modes are refused); a revision names a Hugging Face hub commit, which pagedllm never fetches, so
+            one given is logged and the files on disk are read.
+        disable_log_stats: False keeps the engine's statistics while `generate` and the others run, as vLLM's
+            offline LLM does: vLLM's periodic log line of throughput and load (`pagedllm.metrics.log_stats`), and
+            the metrics the server's /metrics has, which `get_metrics()` reads. Off by default, as in vLLM; one
+            engine (data_parallel_size 1).
     """
 
     def __init__(self, model: str | None = None, *, dtype: str = "auto", max_model_len: int | None = None,
@@ -196,7 +205,9 @@ class LLM:
                  revision: str | None = None, tokenizer_revision: str | None = None,
                  disable_log_stats: bool = True) -> None:
         check_runner(runner, convert)
-        _check_vllm_loading_args(model, tokenizer_mode, revision, tokenizer_revision, disable_log_stats)
+        _check_vllm_loading_args(model, tokenizer_mode, revision, tokenizer_revision)
+        if not disable_log_stats and data_parallel_size > 1:
+            raise ValueError("disable_log_stats=False keeps one engine's statistics: data_parallel_size must be 1")
         if kv_cache_memory_bytes is not None:
             if kv_cache_memory not in (None, kv_cache_memory_bytes):
                 raise ValueError("kv_cache_memory and kv_cache_memory_bytes are one setting: give one")
@@ -235,7 +246,8 @@ class LLM:
             lora=LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None,
             structured_outputs=StructuredOutputsConfig.from_dict(structured_outputs_config),
         )
-        self._attach(LLMEngine(config) if data_parallel_size == 1 else DataParallelEngine(config))
+        self._attach(LLMEngine(config) if data_parallel_size == 1 else DataParallelEngine(config),
+                     log_stats=not disable_log_stats)
 
     @classmethod
     def from_engine(cls, engine: LLMEngine | DataParallelEngine) -> LLM:
@@ -244,11 +256,20 @@ class LLM:
         llm._attach(engine)
         return llm
 
-    def _attach(self, engine: LLMEngine | DataParallelEngine) -> None:
+    def _attach(self, engine: LLMEngine | DataParallelEngine, log_stats: bool = False) -> None:
         self.engine = engine
         self._counter = itertools.count()
         self._built_on = threading.get_ident()
         self._warned_of_thread = False
+        self._stats: StepRecorder | None = None          # log_stats: each step recorded for the loggers,
+        self._registry: CollectorRegistry | None = None  # ... one of which keeps the metrics get_metrics reads
+        if log_stats:
+            assert isinstance(engine, LLMEngine)
+            self._stats, self._registry = StepRecorder(), CollectorRegistry()
+            metrics = PrometheusStatLogger(engine.model_name, self._registry,
+                                           swap_space_bytes=engine.swap_space_bytes,
+                                           max_model_len=engine.max_model_len)
+            self._stats.loggers += [metrics.record, LoggingStatLogger().record]
 
     def close(self) -> None:
         """Release the engine's swap pool (its file is deleted). `with LLM(...) as llm:` closes on leaving."""
@@ -273,6 +294,15 @@ class LLM:
         """Forget every cached block; False (nothing done) while requests are running."""
         return self.engine.reset_prefix_cache()
 
+    def get_metrics(self) -> list[Metric]:
+        """A snapshot of the engine's metrics, named as the server's /metrics names them (vLLM's
+        `LLM.get_metrics()`; the records, Counter, Gauge, Histogram and Vector, are pagedllm.metrics.reader's).
+        Needs `LLM(..., disable_log_stats=False)`, which keeps them."""
+        if self._registry is None:
+            raise ValueError("get_metrics() reads the statistics that LLM(..., disable_log_stats=False) keeps; "
+                             "they are off by default, as in vLLM")
+        return metrics_snapshot(self._registry)
+
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
                     lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
                     ) -> list[BeamSearchOutput]:
@@ -295,7 +325,7 @@ class LLM:
             while len(results) < len(request_ids):
                 if not self.engine.has_unfinished_requests():
                     raise RuntimeError("the engine went idle with beam searches unanswered")
-                self.engine.step()
+                self._step()
                 for request_id in request_ids:
                     output = self.engine.pop_beam_search_output(request_id)
                     if output is not None:
@@ -462,6 +492,11 @@ class LLM:
                                                                priorities, loras):
             self.engine.add_request(request_id, prompt, params, priority=prio, prompt_token_ids=ids,
                                     lora_request=lora)
+            if self._stats is not None:
+                sampling = params if isinstance(params, SamplingParams) else None
+                self._stats.requests.on_added(request_id, time.monotonic(), 0 if ids is None else len(ids),
+                                              None if sampling is None else sampling.max_tokens,
+                                              None if sampling is None else sampling.n)
         return self._run(request_ids, use_tqdm and len(prompt_list) > 1)
 
     def _load_loras(self, loras: list[LoRARequest | None]) -> None:
@@ -550,7 +585,7 @@ class LLM:
             while len(done) < len(request_ids):
                 if not self.engine.has_unfinished_requests():
                     raise RuntimeError("the engine went idle with requests unanswered")
-                for output in self.engine.step():
+                for output in self._step():
                     if output.finished and output.request_id in wanted:
                         done[output.request_id] = output
                         num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
@@ -558,22 +593,34 @@ class LLM:
                         elapsed = max(bar.format_dict["elapsed"], 1e-9)
                         bar.set_postfix_str(f"output {num_output_tokens / elapsed:.1f} tok/s")
         except BaseException:
-            self.engine.abort_request([r for r in request_ids if r not in done])
+            unanswered = [r for r in request_ids if r not in done]
+            self.engine.abort_request(unanswered)
+            if self._stats is not None:
+                iteration = IterationStats()
+                self._stats.requests.on_aborted(unanswered, iteration, time.monotonic())
+                self._stats.record(self.engine, [], iteration, stepped=False)
             raise
         finally:
             bar.close()
         return [done[r] for r in request_ids]
 
+    def _step(self) -> list[RequestOutput]:
+        """One engine step; with statistics kept (disable_log_stats=False), recorded for their loggers, the new
+        tokens counted as the engine made them (the outputs here are final: a request's all at once)."""
+        if self._stats is None:
+            return self.engine.step()
+        iteration = IterationStats(started=time.monotonic())
+        outputs = self.engine.step()
+        self._stats.record(self.engine, outputs, iteration, True, self.engine.step_new_tokens)
+        return outputs
+
 
 def _check_vllm_loading_args(model: str | None, tokenizer_mode: str, revision: str | None,
-                             tokenizer_revision: str | None, disable_log_stats: bool) -> None:
-    """vLLM's loading and logging arguments, as `LLM` takes them (see its docstring)."""
+                             tokenizer_revision: str | None) -> None:
+    """vLLM's loading arguments, as `LLM` takes them (see its docstring)."""
     if tokenizer_mode not in ("auto", "hf"):
         raise ValueError(f"tokenizer_mode must be 'auto' or 'hf', got {tokenizer_mode!r}: pagedllm runs the "
                          "checkpoint's own fast tokenizer (transformers'), and has no slow or mistral mode")
-    if not disable_log_stats:
-        raise ValueError("disable_log_stats=False: the offline LLM keeps no statistics (`pagedllm serve` does: its "
-                         "periodic log line and /metrics)")
     for name, value in (("revision", revision), ("tokenizer_revision", tokenizer_revision)):
         if value is not None:
             logger.warning("%s=%r is not used: it names a Hugging Face hub commit, which pagedllm never fetches; "

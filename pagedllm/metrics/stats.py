@@ -1,19 +1,24 @@
 """Plain records of what the engine did: a snapshot of the scheduler per step, and per-request timings.
 
 The scheduler makes the snapshot (`Scheduler.make_stats`); `RequestStatsTracker` turns the engine's outputs into
-per-request timings. The async engine runs both on its engine thread and hands the records to stat loggers
-(`prometheus.py`). No prometheus_client and no torch here, so the core can import this and the records can be
+per-request timings. `StepRecorder` runs both after each step, on the thread that steps the engine (the async
+engine's, or `LLM`'s with `disable_log_stats=False`), and hands the records to stat loggers (`prometheus.py`,
+`log_stats.py`). No prometheus_client and no torch here, so the core can import this and the records can be
 logged or tested on their own.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import logging
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from pagedllm.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -222,25 +227,35 @@ class RequestStatsTracker:
         self._times[request_id] = RequestTimes(arrival, num_prompt_tokens, max_tokens, n)
 
     def on_step(self, outputs: Iterable[RequestOutput], scheduled_request_ids: Iterable[str], iteration: IterationStats,
-                now: float) -> None:
-        """A step ran `scheduled_request_ids` (their queue time ends as it began) and produced `outputs`."""
+                now: float, new_tokens: dict[str, dict[int, int]] | None = None) -> None:
+        """A step ran `scheduled_request_ids` (their queue time ends as it began) and produced `outputs`. Its new
+        tokens are the outputs' own (streamed deltas), or `new_tokens` (request id -> completion index -> count,
+        `LLMEngine.step_new_tokens`) where the outputs do not carry each step's: the offline "final" outputs."""
         scheduled_at = now if iteration.started is None else iteration.started
         for request_id in scheduled_request_ids:
             times = self._times.get(request_id)
             if times is not None:
                 times.on_scheduled(iteration, scheduled_at)
+        outputs = [output for output in outputs if output.request_id in self._times]
         for output in outputs:
-            times = self._times.get(output.request_id)
-            if times is None:
-                continue
+            times = self._times[output.request_id]
             if not times.num_prompt_tokens:
                 times.num_prompt_tokens = len(output.prompt_token_ids)
             times.on_scheduled(iteration, scheduled_at)
             if output.embedding is not None:    # an embedding: its prompt ran, and nothing is generated
                 iteration.num_prompt_tokens += times.num_prompt_tokens
-            times.on_tokens(iteration, sum(len(c.token_ids) for c in output.outputs), now,
-                            [(c.index, len(c.token_ids)) for c in output.outputs])
-            if output.finished:
+        if new_tokens is None:
+            new_tokens = {}
+            for output in outputs:
+                counts = new_tokens.setdefault(output.request_id, {})
+                for c in output.outputs:
+                    counts[c.index] = counts.get(c.index, 0) + len(c.token_ids)
+        for request_id, counts in new_tokens.items():
+            times = self._times.get(request_id)
+            if times is not None:
+                times.on_tokens(iteration, sum(counts.values()), now, counts.items())
+        for output in outputs:
+            if output.finished and output.request_id in self._times:
                 reason = output.outputs[0].finish_reason if output.outputs else None
                 output.metrics = self._times.pop(output.request_id)     # the response's per-request metrics
                 output.metrics.on_finished(iteration, reason or "stop", now)
@@ -250,3 +265,36 @@ class RequestStatsTracker:
             times = self._times.pop(request_id, None)
             if times is not None:
                 times.on_finished(iteration, "abort", now)
+
+
+StatLogger = Callable[[SchedulerStats, IterationStats], None]
+
+
+class _SteppedEngine(Protocol):
+    def make_stats(self) -> SchedulerStats: ...
+
+
+class StepRecorder:
+    """What each engine step did, for the stat loggers: the scheduler's snapshot, and the step's IterationStats
+    with each request's timings (`requests`, told of each request as it is added and aborted). Used by one thread,
+    the one that steps the engine."""
+
+    def __init__(self) -> None:
+        self.requests = RequestStatsTracker()
+        self.loggers: list[StatLogger] = []
+
+    def record(self, engine: _SteppedEngine, outputs: Iterable[RequestOutput], iteration: IterationStats,
+               stepped: bool, new_tokens: dict[str, dict[int, int]] | None = None) -> SchedulerStats:
+        """After a step (`stepped`) that gave `outputs` (and `new_tokens`: see RequestStatsTracker.on_step), or
+        after adds and aborts alone: the engine's snapshot, given to every logger with `iteration` (a logger that
+        raises is logged, and never stops the engine)."""
+        stats = engine.make_stats()
+        if stepped:
+            iteration.num_step_tokens = stats.num_scheduled_tokens
+        self.requests.on_step(outputs, stats.scheduled_request_ids, iteration, time.monotonic(), new_tokens)
+        for stat_logger in self.loggers:
+            try:
+                stat_logger(stats, iteration)
+            except Exception:  # noqa: BLE001 - metrics must never stop the engine
+                logger.exception("stat logger failed")
+        return stats

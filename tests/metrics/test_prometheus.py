@@ -226,3 +226,54 @@ def test_a_request_is_scheduled_when_its_first_step_began_and_its_response_metri
     assert last.metrics.response_metrics() == pytest.approx({
         "time_to_first_token_ms": 2000.0, "generation_time_ms": 1000.0, "queue_time_ms": 2000.0,
         "mean_itl_ms": 500.0, "tokens_per_second": 1.0})
+
+
+def test_final_outputs_take_their_tokens_from_the_engines_counts():
+    """Offline outputs are final (a request's tokens all at once): the tracker times the tokens as the engine made
+    them (`new_tokens`, LLMEngine.step_new_tokens), so the first token is dated at its own step, not at the end."""
+    from pagedllm.metrics.stats import RequestStatsTracker
+    from pagedllm.outputs import CompletionOutput, RequestOutput
+
+    tracker = RequestStatsTracker()
+    tracker.on_added("r", arrival=1.0, num_prompt_tokens=4, max_tokens=3, n=2)
+    first = IterationStats(started=1.0)
+    tracker.on_step([], ["r"], first, now=2.0, new_tokens={"r": {0: 1, 1: 1}})     # no output: not finished
+    assert first.time_to_first_tokens == [1.0] and first.num_generation_tokens == 2
+    second = IterationStats(started=2.0)
+    tracker.on_step([], ["r"], second, now=3.0, new_tokens={"r": {0: 1, 1: 1}})
+    assert second.inter_token_latencies == [0.5] and second.num_generation_tokens == 2
+    final = RequestOutput("r", None, [1, 2, 3, 4], [CompletionOutput(0, "", [5, 6, 7], None, "length"),
+                                                    CompletionOutput(1, "", [8, 9], None, "stop")], finished=True)
+    last = IterationStats(started=3.0)
+    tracker.on_step([final], ["r"], last, now=4.0, new_tokens={"r": {0: 1}})      # not the output's 5 tokens
+    assert last.num_generation_tokens == 1 and last.inter_token_latencies == [1.0]
+    (finished,) = last.finished
+    assert (finished.e2e_latency, finished.prefill_time, finished.decode_time) == (3.0, 1.0, 2.0)
+    assert (finished.num_generation_tokens, finished.max_num_generation_tokens) == (5, 3)
+
+
+def test_the_reader_gives_each_series_as_a_record():
+    """pagedllm.metrics.reader, as vLLM's `get_metrics()` records: counters and gauges by labels, a histogram's
+    buckets by upper bound, the accepted drafts by position as one vector."""
+    from pagedllm.metrics.reader import Counter, Gauge, Histogram, Vector, metrics_snapshot
+    from pagedllm.metrics.stats import FinishedRequestStats, SpecDecodingStats
+
+    stat_logger = PrometheusStatLogger("m")
+    spec = SpecDecodingStats()
+    spec.observe(3, 2)
+    spec.observe(3, 1)
+    iteration = IterationStats(num_generation_tokens=7, time_to_first_tokens=[0.02, 3.0])
+    iteration.finished.append(FinishedRequestStats("length", 1.0, 0.1, 4, 7))
+    stat_logger.record(SchedulerStats(num_running=2, spec_decoding=spec), iteration)
+    records = {(r.name, tuple(sorted(r.labels.items()))): r for r in metrics_snapshot(stat_logger.registry)}
+    model = (("model_name", "m"),)
+    assert records["pagedllm:num_requests_running", model] == \
+        Gauge("pagedllm:num_requests_running", {"model_name": "m"}, 2.0)
+    assert records["pagedllm:generation_tokens", model] == Counter("pagedllm:generation_tokens", {"model_name": "m"}, 7)
+    assert records["pagedllm:request_success", (("finished_reason", "length"), *model)].value == 1
+    assert records["pagedllm:spec_decode_num_accepted_tokens_per_pos", model] == \
+        Vector("pagedllm:spec_decode_num_accepted_tokens_per_pos", {"model_name": "m"}, [2, 1, 0])
+    ttft = records["pagedllm:time_to_first_token_seconds", model]
+    assert isinstance(ttft, Histogram) and (ttft.count, ttft.sum) == (2, pytest.approx(3.02))
+    assert ttft.buckets["+Inf"] == 2 and ttft.buckets["0.02"] == 1 and ttft.buckets["2.5"] == 1
+    assert all(r.name.startswith("pagedllm:") for r in records.values())
