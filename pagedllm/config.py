@@ -5,6 +5,7 @@ Each config validates itself in `__post_init__` and raises `ValueError` naming t
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -22,6 +23,8 @@ LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 # how a chat message's content reaches the template (vLLM's chat_template_content_format; pagedllm.tokenizer)
 CHAT_CONTENT_FORMATS = ("auto", "string", "openai")
+# vLLM's tokenizer modes that pagedllm runs: the checkpoint's own fast tokenizer (transformers')
+TOKENIZER_MODES = ("auto", "hf")
 MODALITIES = ("image", "video", "audio")    # limit_mm_per_prompt's keys (vLLM's); pagedllm reads images
 DataParallelRouterPolicy = Literal["prefix_aware", "round_robin"]
 T = TypeVar("T")
@@ -564,3 +567,19 @@ class EngineConfig:
         _require(self.lora is None or parallel.tensor_parallel_size == parallel.data_parallel_size == 1,
                  "enable_lora", "False with tensor_parallel_size or data_parallel_size > 1 (LoRA adapters run on "
                  "one engine of one rank)", self.lora is not None)
+
+
+def check_vllm_loading_args(model: str | None, tokenizer_mode: str, revision: str | None,
+                            tokenizer_revision: str | None) -> None:
+    """vLLM's loading arguments (`LLM(...)`, `pagedllm serve --...`), taken so that code and command lines written
+    for vLLM run: `tokenizer_mode` must be one pagedllm runs (TOKENIZER_MODES); a revision names a Hugging Face hub
+    commit, which pagedllm never fetches, so one given is logged and the files on disk are read (as transformers
+    reads a local folder whatever the revision)."""
+    if tokenizer_mode not in TOKENIZER_MODES:
+        raise ValueError(f"tokenizer_mode must be 'auto' or 'hf', got {tokenizer_mode!r}: pagedllm runs the "
+                         "checkpoint's own fast tokenizer (transformers'), and has no slow or mistral mode")
+    for name, value in (("revision", revision), ("tokenizer_revision", tokenizer_revision)):
+        if value is not None:
+            logging.getLogger(__name__).warning(
+                "%s=%r is not used: it names a Hugging Face hub commit, which pagedllm never fetches; %s is read as "
+                "it is on disk", name, value, model or "the embedded default model")

@@ -24,6 +24,7 @@ from pagedllm.config import (
     SchedulingPolicy,
     SpeculativeConfig,
     StructuredOutputsConfig,
+    check_vllm_loading_args,
 )
 from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedllm.engine.data_parallel import DataParallelEngine
@@ -205,7 +206,7 @@ class LLM:
                  revision: str | None = None, tokenizer_revision: str | None = None,
                  disable_log_stats: bool = True) -> None:
         check_runner(runner, convert)
-        _check_vllm_loading_args(model, tokenizer_mode, revision, tokenizer_revision)
+        check_vllm_loading_args(model, tokenizer_mode, revision, tokenizer_revision)
         if not disable_log_stats and data_parallel_size > 1:
             raise ValueError("disable_log_stats=False keeps one engine's statistics: data_parallel_size must be 1")
         if kv_cache_memory_bytes is not None:
@@ -613,18 +614,6 @@ class LLM:
         outputs = self.engine.step()
         self._stats.record(self.engine, outputs, iteration, True, self.engine.step_new_tokens)
         return outputs
-
-
-def _check_vllm_loading_args(model: str | None, tokenizer_mode: str, revision: str | None,
-                             tokenizer_revision: str | None) -> None:
-    """vLLM's loading arguments, as `LLM` takes them (see its docstring)."""
-    if tokenizer_mode not in ("auto", "hf"):
-        raise ValueError(f"tokenizer_mode must be 'auto' or 'hf', got {tokenizer_mode!r}: pagedllm runs the "
-                         "checkpoint's own fast tokenizer (transformers'), and has no slow or mistral mode")
-    for name, value in (("revision", revision), ("tokenizer_revision", tokenizer_revision)):
-        if value is not None:
-            logger.warning("%s=%r is not used: it names a Hugging Face hub commit, which pagedllm never fetches; "
-                           "%s is read as it is on disk", name, value, model or "the embedded default model")
 
 
 def _as_conversations(messages: Conversation | Sequence[Conversation]) -> list[Conversation]:

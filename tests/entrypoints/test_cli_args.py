@@ -257,6 +257,15 @@ def test_a_vllm_command_line_parses() -> None:
     assert args.trust_remote_code and args.max_model_len == 4096 and args.served_model_name == ["smol"]
 
 
+def test_vllms_tokenizer_mode_and_revisions_are_taken_a_revision_logged(caplog) -> None:
+    caplog.set_level("WARNING", logger="pagedllm")
+    _config("--tokenizer-mode", "hf", "--revision", "v1.0", "--tokenizer-revision", "main")
+    assert [r.getMessage().split(" is not used")[0] for r in caplog.records] == \
+        ["revision='v1.0'", "tokenizer_revision='main'"]
+    with pytest.raises(SystemExit):
+        _args("--tokenizer-mode", "mistral")
+
+
 def test_help_groups_the_engine_flags_as_vllm_does() -> None:
     parser = add_server_args(argparse.ArgumentParser(), positional_model=True)
     groups = {group.title: {option for action in group._group_actions for option in action.option_strings}

@@ -12,7 +12,14 @@ import re
 from pathlib import Path
 from typing import Any, cast
 
-from pagedllm.config import CHAT_CONTENT_FORMATS, DEFAULT_BLOCK_SIZE, LOAD_FORMATS, LOGPROBS_MODES
+from pagedllm.config import (
+    CHAT_CONTENT_FORMATS,
+    DEFAULT_BLOCK_SIZE,
+    LOAD_FORMATS,
+    LOGPROBS_MODES,
+    TOKENIZER_MODES,
+    check_vllm_loading_args,
+)
 from pagedllm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from pagedllm.pooling_params import CONVERTS, RUNNERS
@@ -358,6 +365,13 @@ def _add_model_args(group: argparse._ArgumentGroup) -> None:
                             "(/classify) when the checkpoint has a classification head")
     group.add_argument("--convert", choices=CONVERTS, default="auto",
                        help="as --runner (`--convert embed`): embeddings are always served, by LAST pooling")
+    group.add_argument("--tokenizer-mode", choices=TOKENIZER_MODES, default="auto",
+                       help="taken so that vLLM command lines run: the checkpoint's own fast tokenizer "
+                            "(transformers'); pagedllm has no slow or mistral mode")
+    group.add_argument("--revision", default=None,
+                       help="taken so that vLLM command lines run: a Hugging Face hub commit, which pagedllm never "
+                            "fetches; one given is logged, and the files on disk are read")
+    group.add_argument("--tokenizer-revision", default=None, help="as --revision, for the tokenizer")
     group.add_argument("--tokenizer", default=None,
                        help="a tokenizer (or model) folder, or a .gguf file, whose tokenizer replaces the model's "
                             "own: for a .gguf file without a vocabulary, or one that converts badly (default: the "
@@ -631,6 +645,7 @@ def engine_config_from_args(args: argparse.Namespace):
 
     if args.lora_modules and not args.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora")
+    check_vllm_loading_args(model_of(args), args.tokenizer_mode, args.revision, args.tokenizer_revision)
     return EngineConfig(
         model=ModelConfig(model=model_of(args), dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed,
                           chat_template=args.chat_template, tokenizer=args.tokenizer,
