@@ -203,6 +203,8 @@ def _run_vllm_child(args: argparse.Namespace) -> dict[str, Any]:
     _check_output_tokens(result, run["num_output_tokens"])
     result.update(startup_s=run["startup_s"], first_token_s=run["first_token_s"], dtype=run["dtype"], device="cpu",
                   vllm_version=run["vllm_version"])
+    if "spec_decoding" in run:      # speculating: vLLM's acceptance, as pagedllm's own is reported
+        result["spec_decoding"] = run["spec_decoding"]
     return result
 
 

@@ -7,7 +7,7 @@ bench's system prompt), an optional LoRA adapter every request runs with, and th
 pooling runner, the model converted to embed unless it is an encoder) or "score" (the pooling runner on a
 cross-encoder, scoring the job's text pairs, as `LLM.score` takes only text).
 RESULT.json gets the timings and token counts (and, to embed or score, the first prompts' vectors or scores, to check
-both sides agree).
+both sides agree; speculating, vLLM's acceptance, read from its metrics, which its statistics keep).
 Every request has ignore_eos and the bench's sampling parameters (greedy unless it was given some), as on pagedllm's
 side, so both generate exactly the same number of tokens the same way; or, with a JSON schema in the job, every
 request is constrained by it and ends where its JSON does (its text and finish reason come back, to validate).
@@ -36,6 +36,8 @@ def main(job_path: str, result_path: str) -> None:
     task = job.get("task", "generate")
     pooling = {"runner": "pooling", "convert": job["convert"]} if task != "generate" else {}
     speculative = {"speculative_config": job["speculative_config"]} if job.get("speculative_config") else {}
+    if speculative:     # LLM.get_metrics() has the acceptance counters only where the statistics are kept
+        speculative["disable_log_stats"] = False
     llm = LLM(model=job["model"], dtype=job["dtype"], max_model_len=job["max_model_len"],
               max_num_seqs=job["max_num_seqs"], max_num_batched_tokens=job["max_num_batched_tokens"],
               enable_prefix_caching=job["enable_prefix_caching"], seed=job["seed"], **with_lora, **pooling,
@@ -43,6 +45,8 @@ def main(job_path: str, result_path: str) -> None:
     startup_s = time.perf_counter() - start
     prompts = [{"prompt_token_ids": ids} for ids in job["prompt_token_ids"]]
     result = _generate(llm, job, prompts, lora, SamplingParams) if task == "generate" else _pool(llm, job, prompts)
+    if speculative:
+        result["spec_decoding"] = _acceptance(llm)
     result.update(startup_s=startup_s, vllm_version=sys.modules["vllm"].__version__)
     with open(result_path, "w", encoding="utf-8") as f:
         json.dump(result, f)
@@ -86,6 +90,20 @@ def _generate(llm, job: dict, prompts: list[dict], lora: dict, sampling_params) 
         result.update(texts=[o.outputs[0].text for o in outputs],
                       finish_reasons=[o.outputs[0].finish_reason for o in outputs])
     return result
+
+
+def _acceptance(llm) -> dict:
+    """vLLM's speculation counters since start-up (the warm-ups and every run, as pagedllm's side counts its own),
+    and the acceptance rate and mean accepted length, as pagedllm.metrics.stats.SpecDecodingStats computes them (this
+    file cannot import pagedllm)."""
+    totals = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
+    for metric in llm.get_metrics():
+        name = metric.name.removeprefix("vllm:spec_decode_")
+        if name in totals:      # one series per engine: summed
+            totals[name] += metric.value
+    drafts, proposed, accepted = totals["num_drafts"], totals["num_draft_tokens"], totals["num_accepted_tokens"]
+    return {**totals, "acceptance_rate": accepted / proposed if proposed else 0.0,
+            "mean_acceptance_length": 1.0 + accepted / drafts if drafts else 0.0}
 
 
 def _pool(llm, job: dict, prompts: list[dict]) -> dict:

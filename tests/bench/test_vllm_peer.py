@@ -48,6 +48,10 @@ class _Embedded:
     def __init__(self, vector):
         self.outputs = type("EmbeddingOutput", (), {"embedding": vector})()
 
+class _Counter:
+    def __init__(self, name, value):
+        self.name, self.labels, self.value = name, {"engine": "0"}, value
+
 class LLM:
     def __init__(self, **kwargs):
         self.env = {k: v for k, v in os.environ.items() if k.startswith("VLLM_CPU") or k == "VLLM_RPC_BASE_PATH"}
@@ -72,6 +76,11 @@ class LLM:
             vectors = json.load(f)
         return [type("Scored", (), {"outputs": type("ScoringOutput", (), {"score": vectors[i % len(vectors)][0]})()})()
                 for i in range(len(self.calls[-1]))]
+
+    def get_metrics(self):     # vLLM's records, with its statistics kept: speculation's counters among others
+        assert self.kwargs.get("disable_log_stats") is False, "vLLM keeps no metrics by default"
+        return [_Counter("vllm:spec_decode_num_drafts", 4), _Counter("vllm:spec_decode_num_draft_tokens", 8),
+                _Counter("vllm:spec_decode_num_accepted_tokens", 6), _Counter("vllm:generation_tokens", 99)]
 
     def reset_prefix_cache(self):     # noted among the calls (--repeat empties the cache between runs)
         self.calls.append("reset")
@@ -303,16 +312,24 @@ def test_structured_compare_vllm_constrains_the_same_prompts(tiny_model_dir, fak
     assert "pagedllm (constrained) over vLLM (constrained)" in capsys.readouterr().out
 
 
-def test_compare_vllm_speculates_with_the_same_ngram_window(tiny_model_dir, fake_vllm_python):
-    """The n-gram config reaches vLLM with pagedllm's lookup window written out (vLLM's own defaults differ); a draft
-    model, which the peer does not run, is refused before anything is timed."""
+def test_compare_vllm_speculates_with_the_same_ngram_window(tiny_model_dir, fake_vllm_python, tmp_path, capsys):
+    """The n-gram config reaches vLLM with pagedllm's lookup window written out (vLLM's own defaults differ), and
+    vLLM's acceptance comes back from its metrics beside pagedllm's; a draft model, which the peer does not run, is
+    refused before anything is timed."""
     python, record = fake_vllm_python
     argv = ["throughput", "--model", tiny_model_dir, "--dataset", "random", "--num-prompts", "2", "--input-len", "10",
             "--output-len", "4", "--compare", "vllm", "--vllm-python", str(python), "--kv-cache-memory", "16M",
             "--dtype", "float32", "--skip-gemm-peak"]
-    main(argv + ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'])
+    main(argv + ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}',
+                 "--output-json", str(tmp_path / "result.json")])
     assert json.loads(record.read_text())["kwargs"]["speculative_config"] == {
         "method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["vllm"]["spec_decoding"] == {"num_drafts": 4, "num_draft_tokens": 8, "num_accepted_tokens": 6,
+                                               "acceptance_rate": 0.75, "mean_acceptance_length": 2.5}
+    assert "acceptance_rate" in result["spec_decoding"]        # pagedllm's own, beside it
+    rate_row = next(line for line in capsys.readouterr().out.splitlines() if "acceptance rate" in line)
+    assert rate_row.split()[-1] == "0.75"      # vLLM's column
     record.unlink()
     with pytest.raises(ValueError, match="n-gram speculation only"):
         main(argv + ["--speculative-config", json.dumps({"method": "draft_model", "model": tiny_model_dir})])
