@@ -3,7 +3,10 @@ chat tokens against transformers' generate: tests/models/test_smollm2_gguf.py, w
 
 from __future__ import annotations
 
+import io
+
 import pytest
+from tqdm import tqdm
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.cpu import cpu_info
@@ -77,6 +80,13 @@ def test_progress_bar_only_for_several_prompts(smol_llm, capsys):
     smol_llm.generate(["a", "b"], _greedy(2))
     assert "Processed prompts" in capsys.readouterr().err
     smol_llm.generate("a", _greedy(2))
+    assert "Processed prompts" not in capsys.readouterr().err
+    # vLLM's use_tqdm may be a callable that makes the bar from tqdm's arguments
+    made = []
+    smol_llm.generate(["a", "b", "c"], _greedy(2), use_tqdm=lambda **kwargs: made.append(kwargs) or
+                      tqdm(**kwargs | {"file": io.StringIO()}))
+    smol_llm.generate("a", _greedy(2), use_tqdm=lambda **kwargs: made.append(kwargs) or tqdm(**kwargs))
+    assert [(m["total"], m["desc"], m["disable"]) for m in made] == [(3, "Processed prompts", False)]
     assert "Processed prompts" not in capsys.readouterr().err
 
 

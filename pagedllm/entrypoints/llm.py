@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -58,6 +58,9 @@ from pagedllm.tokenizer.chat_template import (
 )
 
 logger = init_logger(__name__)
+
+# A progress bar or none, as vLLM's `use_tqdm`: a bool, or a callable that makes the bar from tqdm's arguments.
+UseTqdm = bool | Callable[..., tqdm]
 Conversation = list[dict[str, Any]]
 
 
@@ -338,7 +341,7 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                 use_tqdm: UseTqdm = True, priority: Sequence[int] | None = None,
                  lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Complete each prompt; the outputs come back in input order.
 
@@ -346,7 +349,8 @@ class LLM:
             prompts: one prompt or a list of them, each a string, a list of token ids, `{"prompt": str}` or
                 `{"prompt_token_ids": [...]}` (a dict may add `cache_salt`; see `pagedllm.inputs`).
             sampling_params: one for all prompts, or one per prompt (default: get_default_sampling_params()).
-            use_tqdm: show a progress bar when there is more than one prompt.
+            use_tqdm: show a progress bar when there is more than one prompt; a callable (vLLM's, e.g.
+                `functools.partial(tqdm, leave=False)`) makes the bar, given tqdm's arguments.
             priority: one per prompt; lower runs first. Needs scheduling_policy "priority" unless all are 0.
             lora_request: a LoRA adapter for every prompt, or one (or None) per prompt; needs
                 `enable_lora=True`. Prompts of different adapters, and of none, batch together.
@@ -364,7 +368,7 @@ class LLM:
                                  _per_prompt(lora_request, len(prompt_list), "lora_request"))
 
     def embed(self, prompts: PromptType | Sequence[PromptType],
-              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *, use_tqdm: bool = True,
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *, use_tqdm: UseTqdm = True,
               lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
               truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
         """Embed each prompt (vLLM's `LLM.embed`): the model's final hidden states pooled as the model says (its
@@ -375,7 +379,7 @@ class LLM:
         Args:
             prompts: as `generate`'s.
             pooling_params: one for all prompts, or one per prompt (default: `PoolingParams()`).
-            use_tqdm: show a progress bar when there is more than one prompt.
+            use_tqdm: show a progress bar when there is more than one prompt (a callable: as `generate`'s).
             lora_request: as `generate`'s.
             truncate_prompt_tokens: keep each prompt's last k tokens (vLLM's); -1 keeps as many as the context
                 holds.
@@ -386,7 +390,7 @@ class LLM:
                                        o.num_cached_tokens) for o in outputs]
 
     def classify(self, prompts: PromptType | Sequence[PromptType],
-                 pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *, use_tqdm: bool = True,
+                 pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *, use_tqdm: UseTqdm = True,
                  lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
                  truncate_prompt_tokens: int | None = None) -> list[ClassificationRequestOutput]:
         """Classify each prompt (vLLM's `LLM.classify`) with the checkpoint's classification head (a model saved
@@ -399,7 +403,7 @@ class LLM:
             prompts: as `generate`'s.
             pooling_params: one for all prompts, or one per prompt (default: `PoolingParams(task="classify")`;
                 `use_activation=False` gives the logits).
-            use_tqdm: show a progress bar when there is more than one prompt.
+            use_tqdm: show a progress bar when there is more than one prompt (a callable: as `generate`'s).
             lora_request: as `generate`'s.
             truncate_prompt_tokens: as `embed`'s.
         """
@@ -409,7 +413,7 @@ class LLM:
                                             o.num_cached_tokens) for o in outputs]
 
     def score(self, data_1: PromptType | Sequence[PromptType], data_2: PromptType | Sequence[PromptType], /, *,
-              use_tqdm: bool = True, lora_request: LoRARequest | None = None,
+              use_tqdm: UseTqdm = True, lora_request: LoRARequest | None = None,
               truncate_prompt_tokens: int | None = None) -> list[ScoringRequestOutput]:
         """Score text pairs (vLLM's `LLM.score`); one ScoringRequestOutput per pair, in order. With an embedding
         model each text is embedded (`embed`) and a pair scores the cosine similarity of its two embeddings; with
@@ -420,7 +424,7 @@ class LLM:
             data_1: one prompt (scored against each of data_2) or a list of them (paired with data_2's, one to
                 one); each prompt in any of `generate`'s forms.
             data_2: one prompt or a list of them.
-            use_tqdm: show a progress bar when there is more than one prompt to run.
+            use_tqdm: show a progress bar when there is more than one prompt to run (a callable: as `generate`'s).
             lora_request: a LoRA adapter to run every prompt with (`generate`'s).
             truncate_prompt_tokens: as `embed`'s, for each text (a cross-encoder: each pair's prompt).
         """
@@ -447,7 +451,7 @@ class LLM:
                 for o in classified]
 
     def _pool(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | Sequence[PoolingParams],
-              task: str, use_tqdm: bool, lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+              task: str, use_tqdm: UseTqdm, lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
               truncate_prompt_tokens: int | None) -> list[RequestOutput]:
         """Run pooling requests of `task` to the end (RuntimeError if any failed); their outputs, in order."""
         prompt_list = as_prompt_list(prompts)
@@ -478,7 +482,7 @@ class LLM:
                 for p in prompt_list]
 
     def _add_and_run(self, prompt_list: list[PromptType], params_list: list[SamplingParams | PoolingParams],
-                     priorities: list[int], use_tqdm: bool, loras: list[LoRARequest | None]) -> list[RequestOutput]:
+                     priorities: list[int], use_tqdm: UseTqdm, loras: list[LoRARequest | None]) -> list[RequestOutput]:
         """Validate every prompt (and load every adapter) before any runs, queue them, and run them to the end."""
         for prio in priorities:
             self.engine.config.scheduler.check_priority(prio)
@@ -498,7 +502,7 @@ class LLM:
                 self._stats.requests.on_added(request_id, time.monotonic(), 0 if ids is None else len(ids),
                                               None if sampling is None else sampling.max_tokens,
                                               None if sampling is None else sampling.n)
-        return self._run(request_ids, use_tqdm and len(prompt_list) > 1)
+        return self._run(request_ids, use_tqdm if len(prompt_list) > 1 else False)
 
     def _load_loras(self, loras: list[LoRARequest | None]) -> None:
         """Load each adapter named (ValueError for what is not a LoRARequest, or cannot load)."""
@@ -512,7 +516,7 @@ class LLM:
             self.engine.runner.load_lora(lora)
 
     def chat(self, messages: Conversation | Sequence[Conversation],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *, use_tqdm: bool = True,
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *, use_tqdm: UseTqdm = True,
              chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
              chat_template_kwargs: dict[str, Any] | None = None,
@@ -576,11 +580,12 @@ class LLM:
                        "as fast (torch's OpenMP gives each thread its own team of workers; see LLM.generate). "
                        "Build the LLM on the thread that calls it.")
 
-    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, request_ids: list[str], use_tqdm: UseTqdm) -> list[RequestOutput]:
         self._warn_if_on_another_thread()
         done: dict[str, RequestOutput] = {}
         wanted = set(request_ids)  # the engine may also be running requests added directly to it
-        bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        make_bar = use_tqdm if callable(use_tqdm) else tqdm
+        bar = make_bar(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         num_output_tokens = 0
         try:
             while len(done) < len(request_ids):
