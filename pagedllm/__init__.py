@@ -23,6 +23,8 @@ _EXPORTS = {
     "EmbeddingOutput": "pagedllm.outputs",
     "ScoringOutput": "pagedllm.outputs",
     "ClassificationOutput": "pagedllm.outputs",
+    "PoolingOutput": "pagedllm.outputs",
+    "PoolingRequestOutput": "pagedllm.outputs",
     "PromptType": "pagedllm.inputs",
     "TextPrompt": "pagedllm.inputs",
     "TokensPrompt": "pagedllm.inputs",
@@ -32,8 +34,8 @@ _EXPORTS = {
 # `from pagedllm import ...`), and pagedllm's own (StructuredOutputsParams, BeamSearchParams, EmbedsPrompt).
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput",
            "BeamSearchParams", "PoolingParams", "EmbeddingRequestOutput", "ScoringRequestOutput",
-           "ClassificationRequestOutput", "EmbeddingOutput", "ScoringOutput", "ClassificationOutput", "PromptType",
-           "TextPrompt", "TokensPrompt", "EmbedsPrompt"]
+           "ClassificationRequestOutput", "EmbeddingOutput", "ScoringOutput", "ClassificationOutput", "PoolingOutput",
+           "PoolingRequestOutput", "PromptType", "TextPrompt", "TokensPrompt", "EmbedsPrompt"]
 
 if TYPE_CHECKING:
     from pagedllm.engine.beam_search import BeamSearchParams
@@ -45,6 +47,8 @@ if TYPE_CHECKING:
         CompletionOutput,
         EmbeddingOutput,
         EmbeddingRequestOutput,
+        PoolingOutput,
+        PoolingRequestOutput,
         RequestOutput,
         ScoringOutput,
         ScoringRequestOutput,

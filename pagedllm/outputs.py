@@ -155,6 +155,36 @@ class ClassificationRequestOutput:
 
 
 @dataclass
+class PoolingOutput:
+    """One prompt's pooled values as one tensor (vLLM's `PoolingOutput`, what `LLM.encode` gives).
+
+    Args:
+        data: a float32 tensor: the embedding ("embed"), or the class probabilities or logits ("classify").
+    """
+
+    data: Any
+
+
+@dataclass
+class PoolingRequestOutput:
+    """What `LLM.encode` returns per prompt (vLLM's `PoolingRequestOutput`).
+
+    Args:
+        request_id: the engine's id for the request.
+        outputs: the prompt's pooled values.
+        prompt_token_ids: the tokenized prompt.
+        num_cached_tokens: prompt tokens served from the prefix cache.
+        finished: always True: pooled values come whole.
+    """
+
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    num_cached_tokens: int = 0
+    finished: bool = True
+
+
+@dataclass
 class ScoringOutput:
     """One pair's score (vLLM's `ScoringOutput`).
 

@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 from prometheus_client import CollectorRegistry
 from tqdm.auto import tqdm
 
@@ -43,11 +44,13 @@ from pagedllm.outputs import (
     ClassificationRequestOutput,
     EmbeddingOutput,
     EmbeddingRequestOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
     RequestOutput,
     ScoringOutput,
     ScoringRequestOutput,
 )
-from pagedllm.pooling_params import PoolingParams, check_runner
+from pagedllm.pooling_params import TASKS, PoolingParams, check_runner
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.scoring import cosine_similarity, cross_encoder_prompt, pair_up
 from pagedllm.tokenizer.chat_template import (
@@ -411,6 +414,23 @@ class LLM:
                              lora_request, truncate_prompt_tokens)
         return [ClassificationRequestOutput(o.request_id, ClassificationOutput(o.embedding), o.prompt_token_ids,
                                             o.num_cached_tokens) for o in outputs]
+
+    def encode(self, prompts: PromptType | Sequence[PromptType],
+               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *, use_tqdm: UseTqdm = True,
+               lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None, pooling_task: str | None = None,
+               truncate_prompt_tokens: int | None = None) -> list[PoolingRequestOutput]:
+        """vLLM's general pooling call: `pooling_task="embed"` gives `embed`'s vectors, "classify" `classify`'s
+        probabilities (or logits), each prompt's as one float32 tensor, `outputs.data`. vLLM's per-token tasks
+        ("token_embed", "token_classify") and plugins are refused: pagedllm pools one vector a prompt. The other
+        arguments as `embed`'s (`pooling_params` default: `PoolingParams(task=pooling_task)`)."""
+        if pooling_task not in TASKS:
+            raise ValueError(f"LLM.encode needs pooling_task 'embed' or 'classify', got {pooling_task!r}: pagedllm "
+                             "pools one vector a prompt (embed, classify and score do the same with their own "
+                             "outputs), and has no per-token or plugin task")
+        outputs = self._pool(prompts, pooling_params or PoolingParams(task=pooling_task), pooling_task, use_tqdm,
+                             lora_request, truncate_prompt_tokens)
+        return [PoolingRequestOutput(o.request_id, PoolingOutput(torch.tensor(o.embedding, dtype=torch.float32)),
+                                     o.prompt_token_ids, o.num_cached_tokens) for o in outputs]
 
     def score(self, data_1: PromptType | Sequence[PromptType], data_2: PromptType | Sequence[PromptType], /, *,
               use_tqdm: UseTqdm = True, lora_request: LoRARequest | None = None,

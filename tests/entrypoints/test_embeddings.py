@@ -321,6 +321,13 @@ def test_vllm_runner_and_convert_switches_are_taken_and_others_refused(tiny):
     llm = LLM(model=str(tiny[0]), dtype="float32", num_kv_blocks=64, runner="pooling", convert="embed")
     (output,) = llm.embed([[1, 2, 3]], use_tqdm=False)
     assert len(output.outputs.embedding) == tiny[1].config.hidden_size
+    # vLLM's general call: the same vector as a float32 tensor; a task pagedllm has not, refused
+    (encoded,) = llm.encode([[1, 2, 3]], pooling_task="embed", use_tqdm=False)
+    assert encoded.outputs.data.dtype == torch.float32 and encoded.prompt_token_ids == [1, 2, 3]
+    assert encoded.outputs.data.tolist() == output.outputs.embedding
+    for task in (None, "token_embed"):
+        with pytest.raises(ValueError, match=f"LLM.encode needs pooling_task 'embed' or 'classify', got {task!r}"):
+            llm.encode([[1, 2, 3]], pooling_task=task)
     with pytest.raises(ValueError, match="runner must be one of auto, generate, pooling, got 'draft'"):
         LLM(model=str(tiny[0]), runner="draft")
     with pytest.raises(ValueError, match="convert must be one of auto, none, embed, got 'classify'"):

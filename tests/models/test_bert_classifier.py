@@ -80,6 +80,8 @@ def test_an_encoder_classifies_as_transformers_does(tmp_path, kind, dtype):
         for prompt, output in zip(PROMPTS, outputs):
             torch.testing.assert_close(torch.tensor(output.outputs.probs), activation(_hf_logits(model, prompt)),
                                        atol=tol, rtol=tol)
+    (encoded,) = llm.encode(prompts[:1], pooling_task="classify", use_tqdm=False)    # vLLM's general call
+    assert encoded.outputs.data.tolist() == llm.classify(prompts[:1], use_tqdm=False)[0].outputs.probs
     with pytest.raises(ValueError, match="reads the CLS token"):
         llm.classify("a", PoolingParams(task="classify", pooling_type="LAST"), use_tqdm=False)
 
