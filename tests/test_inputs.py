@@ -175,3 +175,16 @@ def test_vllms_loading_arguments_are_taken_and_what_does_not_apply_refused(tmp_p
         [f"revision='main' is not used: it names a Hugging Face hub commit, which pagedllm never fetches; {folder} "
          "is read as it is on disk"]
     assert len(llm.generate("hi", GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == GREEDY.max_tokens
+
+
+def test_the_engine_by_vllms_name_runs_requests_step_by_step(llm):
+    """vLLM's LLMEngine loop through `llm.llm_engine`: add requests, step until none is unfinished."""
+    engine = llm.llm_engine
+    assert engine is llm.engine and engine.get_tokenizer() is llm.get_tokenizer()
+    expected = [o.outputs[0].token_ids for o in llm.generate(["hello", "there"], GREEDY, use_tqdm=False)]
+    engine.add_request("a", "hello", GREEDY)
+    engine.add_request("b", "there", GREEDY)
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished |= {o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished}
+    assert [finished["a"], finished["b"]] == expected

@@ -38,7 +38,7 @@ from pagedllm.engine.async_engine import AsyncEngine, KVCacheSnapshot
 from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedllm.engine.dp_router import DataParallelRouter
 from pagedllm.engine.engine_thread import EngineThread
-from pagedllm.engine.llm_engine import LLMEngine, PromptInput
+from pagedllm.engine.llm_engine import LLMEngine, PromptInput, require_tokenizer
 from pagedllm.inputs import ParsedPrompt, parse_prompt
 from pagedllm.logger import init_logger
 from pagedllm.lora.request import LoRARequest
@@ -165,6 +165,9 @@ class DataParallelEngine:
 
     def tokenize_prompt(self, prompt: PromptInput, pooling: bool = False) -> list[int]:
         return self.replicas[0].tokenize_prompt(prompt, pooling)
+
+    def get_tokenizer(self):
+        return require_tokenizer(self.tokenizer)
 
     @property
     def image_marker(self) -> str | None:

@@ -441,6 +441,10 @@ class LLMEngine:
         return peak
 
     # ---- requests ---------------------------------------------------------------------------------------------
+    def get_tokenizer(self):
+        """The tokenizer (vLLM's `LLMEngine.get_tokenizer`; ValueError with skip_tokenizer_init, which loads none)."""
+        return require_tokenizer(self.tokenizer)
+
     @property
     def eos_token_id(self) -> int | None:
         """The EOS id replies end at (`model_eos_token_id`), read when asked: a caller may set the tokenizer's."""

@@ -29,7 +29,7 @@ from pagedllm.config import (
 )
 from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedllm.engine.data_parallel import DataParallelEngine
-from pagedllm.engine.llm_engine import LLMEngine, require_tokenizer
+from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.openai.tool_parsers import with_tools
 from pagedllm.inputs import ParsedPrompt, PromptType, as_prompt_list, parse_prompt
 from pagedllm.logger import init_logger
@@ -288,9 +288,15 @@ class LLM:
     def __exit__(self, *exc_info) -> None:
         self.close()
 
+    @property
+    def llm_engine(self) -> LLMEngine | DataParallelEngine:
+        """The engine, by vLLM's name: `add_request(request_id, prompt, params)`, `step()` (the outputs of requests
+        that finished in it, by default), `has_unfinished_requests()`, `abort_request(ids)`, as vLLM's LLMEngine."""
+        return self.engine
+
     def get_tokenizer(self):
         """The engine's tokenizer (ValueError with skip_tokenizer_init, which loads none)."""
-        return require_tokenizer(self.engine.tokenizer)
+        return self.engine.get_tokenizer()
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` and `chat` use when given no SamplingParams: SamplingParams() with the sampling defaults
