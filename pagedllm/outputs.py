@@ -86,6 +86,37 @@ class RequestOutput:
 
 
 @dataclass
+class PoolingOutput:
+    """One prompt's pooled values as one tensor (vLLM's `PoolingOutput`, what `LLM.encode` gives).
+
+    Args:
+        data: a float32 tensor: the embedding ("embed"), or the class probabilities or logits ("classify").
+    """
+
+    data: Any
+
+
+@dataclass
+class PoolingRequestOutput:
+    """What a pooling call returns per prompt (vLLM's `PoolingRequestOutput`): `LLM.encode`'s, and, as its kinds
+    with their own `outputs`, `embed`'s and `classify`'s.
+
+    Args:
+        request_id: the engine's id for the request.
+        outputs: the prompt's pooled values (a PoolingOutput; an EmbeddingOutput, a ClassificationOutput).
+        prompt_token_ids: the tokenized prompt.
+        num_cached_tokens: prompt tokens served from the prefix cache.
+        finished: always True: pooled values come whole.
+    """
+
+    request_id: str
+    outputs: Any
+    prompt_token_ids: list[int]
+    num_cached_tokens: int = 0
+    finished: bool = True
+
+
+@dataclass
 class EmbeddingOutput:
     """One prompt's embedding (vLLM's `EmbeddingOutput`).
 
@@ -101,22 +132,10 @@ class EmbeddingOutput:
 
 
 @dataclass
-class EmbeddingRequestOutput:
-    """What `LLM.embed` returns per prompt (vLLM's `EmbeddingRequestOutput`).
+class EmbeddingRequestOutput(PoolingRequestOutput):
+    """What `LLM.embed` returns per prompt (vLLM's `EmbeddingRequestOutput`): `outputs` is its embedding."""
 
-    Args:
-        request_id: the engine's id for the request.
-        outputs: the prompt's embedding.
-        prompt_token_ids: the tokenized prompt.
-        num_cached_tokens: prompt tokens served from the prefix cache.
-        finished: always True: an embedding comes whole.
-    """
-
-    request_id: str
     outputs: EmbeddingOutput
-    prompt_token_ids: list[int]
-    num_cached_tokens: int = 0
-    finished: bool = True
 
 
 @dataclass
@@ -136,52 +155,11 @@ class ClassificationOutput:
 
 
 @dataclass
-class ClassificationRequestOutput:
-    """What `LLM.classify` returns per prompt (vLLM's `ClassificationRequestOutput`).
+class ClassificationRequestOutput(PoolingRequestOutput):
+    """What `LLM.classify` returns per prompt (vLLM's `ClassificationRequestOutput`): `outputs` is its
+    classification."""
 
-    Args:
-        request_id: the engine's id for the request.
-        outputs: the prompt's classification.
-        prompt_token_ids: the tokenized prompt.
-        num_cached_tokens: prompt tokens served from the prefix cache.
-        finished: always True: a classification comes whole.
-    """
-
-    request_id: str
     outputs: ClassificationOutput
-    prompt_token_ids: list[int]
-    num_cached_tokens: int = 0
-    finished: bool = True
-
-
-@dataclass
-class PoolingOutput:
-    """One prompt's pooled values as one tensor (vLLM's `PoolingOutput`, what `LLM.encode` gives).
-
-    Args:
-        data: a float32 tensor: the embedding ("embed"), or the class probabilities or logits ("classify").
-    """
-
-    data: Any
-
-
-@dataclass
-class PoolingRequestOutput:
-    """What `LLM.encode` returns per prompt (vLLM's `PoolingRequestOutput`).
-
-    Args:
-        request_id: the engine's id for the request.
-        outputs: the prompt's pooled values.
-        prompt_token_ids: the tokenized prompt.
-        num_cached_tokens: prompt tokens served from the prefix cache.
-        finished: always True: pooled values come whole.
-    """
-
-    request_id: str
-    outputs: PoolingOutput
-    prompt_token_ids: list[int]
-    num_cached_tokens: int = 0
-    finished: bool = True
 
 
 @dataclass

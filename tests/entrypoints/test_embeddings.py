@@ -15,7 +15,7 @@ import openai
 import pytest
 import torch
 
-from pagedllm import LLM, PoolingParams, SamplingParams
+from pagedllm import LLM, PoolingParams, PoolingRequestOutput, SamplingParams
 from tests.entrypoints.server_utils import RunningServer, metric, scrape, start_server
 from tests.models.tiny import build_byte_tokenizer, build_tiny_hf_model, save_tiny_model
 from tests.reliability.tiny_server import build_tiny_engine
@@ -325,6 +325,7 @@ def test_vllm_runner_and_convert_switches_are_taken_and_others_refused(tiny):
     (encoded,) = llm.encode([[1, 2, 3]], pooling_task="embed", use_tqdm=False)
     assert encoded.outputs.data.dtype == torch.float32 and encoded.prompt_token_ids == [1, 2, 3]
     assert encoded.outputs.data.tolist() == output.outputs.embedding
+    assert isinstance(output, PoolingRequestOutput)     # embed's kind of encode's output, as in vLLM
     for task in (None, "token_embed"):
         with pytest.raises(ValueError, match=f"LLM.encode needs pooling_task 'embed' or 'classify', got {task!r}"):
             llm.encode([[1, 2, 3]], pooling_task=task)
