@@ -147,3 +147,12 @@ def as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[ParsedPro
     if all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
         prompts = [list(prompts)]    # one prompt as token ids
     return [parse_prompt(p, i) for i, p in enumerate(prompts)]
+
+
+def truncation_slice(keep: int, side: str | None, tokenizer: Any) -> slice:
+    """The prompt tokens vLLM's truncate_prompt_tokens keeps (`keep` >= 1): the first `keep` where the side is
+    "right", the last where it is "left"; without a side, the tokenizer's own (its `truncation_side`, "right"
+    unless the checkpoint sets another; "right" without a tokenizer), as vLLM 0.32 cuts (its renderer's
+    `_truncation_slice`)."""
+    side = side or getattr(tokenizer, "truncation_side", None) or "right"
+    return slice(-keep, None) if side == "left" else slice(0, keep)

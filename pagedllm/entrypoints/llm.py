@@ -31,7 +31,7 @@ from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedllm.engine.data_parallel import DataParallelEngine
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.openai.tool_parsers import with_tools
-from pagedllm.inputs import ParsedPrompt, PromptType, as_prompt_list, parse_prompt
+from pagedllm.inputs import ParsedPrompt, PromptType, as_prompt_list, parse_prompt, truncation_slice
 from pagedllm.logger import init_logger
 from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics.log_stats import LoggingStatLogger
@@ -495,16 +495,17 @@ class LLM:
         return outputs
 
     def _truncated(self, prompt_list: list[ParsedPrompt], keep: int) -> list[ParsedPrompt]:
-        """Each prompt's last `keep` tokens (-1: as many as the context holds), as token ids (with their types)."""
+        """Each prompt's `keep` tokens (-1: as many as the context holds) that vLLM keeps: its first, or its last
+        where the tokenizer truncates on the left (`truncation_slice`), as token ids (with their types)."""
         max_model_len = self.engine.max_model_len
         if keep != -1 and not 1 <= keep <= max_model_len:
             raise ValueError(f"truncate_prompt_tokens must be -1 or in [1, {max_model_len}], got {keep}")
-        keep = max_model_len if keep == -1 else keep
+        kept = truncation_slice(max_model_len if keep == -1 else keep, None, self.engine.tokenizer)
         if any(p.images for p in prompt_list):
             raise ValueError("truncate_prompt_tokens cuts text prompts: a prompt with images cannot be cut")
         return [ParsedPrompt(None, (p.token_ids if p.token_ids is not None else
-                                    self.get_tokenizer().encode(p.text))[-keep:],
-                             p.cache_salt, None if p.token_type_ids is None else p.token_type_ids[-keep:])
+                                    self.get_tokenizer().encode(p.text))[kept],
+                             p.cache_salt, None if p.token_type_ids is None else p.token_type_ids[kept])
                 for p in prompt_list]
 
     def _add_and_run(self, prompt_list: list[PromptType], params_list: list[SamplingParams | PoolingParams],

@@ -212,7 +212,8 @@ def test_a_pooling_the_config_asks_for_is_taken_per_model_and_per_request(tiny, 
 def test_a_prompt_may_fill_the_context_to_embed_as_in_vllm(tiny):
     """A prompt of max_model_len tokens embeds (vLLM's pooling takes the whole context) and gives transformers'
     vector; generating from it, or embedding one token more, is refused; the server's truncate_prompt_tokens=-1
-    keeps the whole context for an embedding (the last tokens, as truncation_side "left")."""
+    keeps the whole context for an embedding (the first tokens, the tokenizer's side; the last with
+    truncation_side "left")."""
     llm = LLM(model=str(tiny[0]), dtype="float32", block_size=16, num_kv_blocks=64, max_model_len=48)
     full = list(range(30, 78))                                          # 48 tokens
     (output,) = llm.embed({"prompt_token_ids": full}, PoolingParams(normalize=False), use_tqdm=False)
@@ -225,23 +226,31 @@ def test_a_prompt_may_fill_the_context_to_embed_as_in_vllm(tiny):
     running = start_server(llm.engine, api_key=None)
     try:
         client = running.client()
-        cut = client.embeddings.create(model=running.model_name, input=[4, 4, *full], encoding_format="float",
-                                       extra_body={"truncate_prompt_tokens": -1, "normalize": False})
-        assert cut.usage.prompt_tokens == 48
-        assert cut.data[0].embedding == pytest.approx(output.outputs.embedding, rel=1e-5, abs=1e-6)
+        for tokens, side in (([*full, 4, 4], None), ([4, 4, *full], "left")):
+            cut = client.embeddings.create(model=running.model_name, input=tokens, encoding_format="float",
+                                           extra_body={"truncate_prompt_tokens": -1, "normalize": False,
+                                                       "truncation_side": side})
+            assert cut.usage.prompt_tokens == 48
+            assert cut.data[0].embedding == pytest.approx(output.outputs.embedding, rel=1e-5, abs=1e-6)
     finally:
         running.stop()
 
 
-def test_truncate_prompt_tokens_keeps_the_last_ones_as_vllm_does(llm):
+def test_truncate_prompt_tokens_keeps_the_tokenizers_side_as_vllm_does(llm, monkeypatch):
+    """vLLM 0.32 keeps the first k tokens where the tokenizer truncates on the right (transformers' default, this
+    one's), the last k where it truncates on the left."""
+    tokenizer = llm.engine.tokenizer
     long = list(range(20, 20 + llm.engine.max_model_len + 30))      # longer than the context
     (kept,) = llm.embed({"prompt_token_ids": long}, use_tqdm=False, truncate_prompt_tokens=-1)
-    assert kept.prompt_token_ids == long[-llm.engine.max_model_len:]
-    (last,) = llm.embed({"prompt_token_ids": PROMPTS[1]}, use_tqdm=False, truncate_prompt_tokens=9)
-    (alone,) = llm.embed({"prompt_token_ids": PROMPTS[1][-9:]}, use_tqdm=False)
-    assert last.prompt_token_ids == PROMPTS[1][-9:] and last.outputs.embedding == alone.outputs.embedding
+    assert tokenizer.truncation_side == "right" and kept.prompt_token_ids == long[:llm.engine.max_model_len]
+    (first,) = llm.embed({"prompt_token_ids": PROMPTS[1]}, use_tqdm=False, truncate_prompt_tokens=9)
+    (alone,) = llm.embed({"prompt_token_ids": PROMPTS[1][:9]}, use_tqdm=False)
+    assert first.prompt_token_ids == PROMPTS[1][:9] and first.outputs.embedding == alone.outputs.embedding
     (scored,) = llm.score("abc", "xyzw", use_tqdm=False, truncate_prompt_tokens=2)
-    assert scored.prompt_token_ids == llm.engine.tokenizer.encode("abc")[-2:] + llm.engine.tokenizer.encode("xyzw")[-2:]
+    assert scored.prompt_token_ids == tokenizer.encode("abc")[:2] + tokenizer.encode("xyzw")[:2]
+    monkeypatch.setattr(tokenizer, "truncation_side", "left")
+    (last,) = llm.embed({"prompt_token_ids": PROMPTS[1]}, use_tqdm=False, truncate_prompt_tokens=9)
+    assert last.prompt_token_ids == PROMPTS[1][-9:]
     with pytest.raises(ValueError, match="truncate_prompt_tokens must be -1 or in"):
         llm.embed("abc", use_tqdm=False, truncate_prompt_tokens=0)
 

@@ -346,9 +346,12 @@ def test_return_tokens_as_token_ids_name_logprobs_tokens_by_id(client, server):
 
 
 def test_truncate_prompt_tokens_keeps_the_last_or_first_tokens(client, server, offline):
+    """As vLLM 0.32: the last k (truncation_side "left"), the first k ("right"), and without a side the
+    tokenizer's own ("right" here, as transformers defaults it)."""
     tokenizer = offline.get_tokenizer()
+    assert tokenizer.truncation_side == "right"
     prompt = "abcdefghijklmnop"        # a token a character
-    for side, kept in (("left", "mnop"), ("right", "abcd"), (None, "mnop")):
+    for side, kept in (("left", "mnop"), ("right", "abcd"), (None, "abcd")):
         out = client.completions.create(model=server.model_name, prompt=prompt, max_tokens=6, temperature=0,
                                         echo=True, extra_body={"truncate_prompt_tokens": 4, "truncation_side": side,
                                                                "return_token_ids": True, "ignore_eos": True})
@@ -359,7 +362,7 @@ def test_truncate_prompt_tokens_keeps_the_last_or_first_tokens(client, server, o
     chat = client.chat.completions.create(model=server.model_name, messages=PREFILL[:1], max_tokens=1,
                                           extra_body={"truncate_prompt_tokens": 5, "return_token_ids": True})
     templated = tokenizer.apply_chat_template(PREFILL[:1], tokenize=False, add_generation_prompt=True)
-    assert chat.model_extra["prompt_token_ids"] == tokenizer.encode(templated, add_special_tokens=False)[-5:]
+    assert chat.model_extra["prompt_token_ids"] == tokenizer.encode(templated, add_special_tokens=False)[:5]
 
 
 def test_truncate_prompt_tokens_minus_one_fits_a_prompt_longer_than_the_context(client, server):

@@ -18,7 +18,7 @@ from pagedllm.engine.data_parallel import AsyncDataParallelEngine
 from pagedllm.engine.llm_engine import PromptTooLongError, require_tokenizer
 from pagedllm.entrypoints.openai.protocol import OpenAIError, _PoolingRequest, _SamplingFields, random_id
 from pagedllm.entrypoints.openai.structured_outputs import structured_outputs_from
-from pagedllm.inputs import ParsedPrompt, TokensPrompt
+from pagedllm.inputs import ParsedPrompt, TokensPrompt, truncation_slice
 from pagedllm.lora.request import LoRARequest
 from pagedllm.multimodal import ImageInput
 from pagedllm.outputs import CompletionOutput, PromptLogprobs, RequestOutput
@@ -237,9 +237,9 @@ class OpenAIServing:
             raise OpenAIError("prompt_logprobs are not available when stream is true", param="prompt_logprobs")
 
     def truncation(self, request: _SamplingFields | _PoolingRequest) -> slice | None:
-        """The prompt tokens vLLM's truncate_prompt_tokens keeps: the last k (truncation_side "left", the
-        default) or the first k; -1 keeps as many as fit: the whole context to embed, all but one token to
-        generate. None: all of them."""
+        """The prompt tokens vLLM's truncate_prompt_tokens keeps (`truncation_slice`): the first k (truncation_side
+        "right") or the last k ("left"), on the tokenizer's own side where the request names none; -1 keeps as
+        many as fit: the whole context to embed, all but one token to generate. None: all of them."""
         keep = request.truncate_prompt_tokens
         if keep is None:
             return None
@@ -249,7 +249,7 @@ class OpenAIServing:
             raise OpenAIError(f"truncate_prompt_tokens must be -1 or in [1, {most}] (max_model_len is "
                               f"{self.engine.max_model_len}), got {request.truncate_prompt_tokens}",
                               param="truncate_prompt_tokens")
-        return slice(0, keep) if request.truncation_side == "right" else slice(-keep, None)
+        return truncation_slice(keep, request.truncation_side, self.engine.tokenizer)
 
     async def prompt_token_ids(self, prompt: str | list[int], param: str = "prompt",
                                truncation: slice | None = None, pooling: bool = False) -> list[int]:
