@@ -379,7 +379,8 @@ class LLM:
     def embed(self, prompts: PromptType | Sequence[PromptType],
               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *, use_tqdm: UseTqdm = True,
               lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
-              truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
+              truncate_prompt_tokens: int | None = None,
+              tokenization_kwargs: dict[str, Any] | None = None) -> list[EmbeddingRequestOutput]:
         """Embed each prompt (vLLM's `LLM.embed`): the model's final hidden states pooled as the model says (its
         last token's by default; `PoolingParams.pooling_type`), L2-normalised; the outputs come back in input
         order. The prompts batch with each other and with any generation, through the same paged cache and prefix
@@ -390,18 +391,22 @@ class LLM:
             pooling_params: one for all prompts, or one per prompt (default: `PoolingParams()`).
             use_tqdm: show a progress bar when there is more than one prompt (a callable: as `generate`'s).
             lora_request: as `generate`'s.
-            truncate_prompt_tokens: keep each prompt's last k tokens (vLLM's); -1 keeps as many as the context
+            truncate_prompt_tokens: keep k of each prompt's tokens, as vLLM 0.32 does: the first k, or the last
+                where the tokenizer truncates on the left (its `truncation_side`); -1 keeps as many as the context
                 holds.
+            tokenization_kwargs: vLLM 0.32's form of the same: `{"truncate_prompt_tokens": k}`, with
+                `"truncation_side": "left"` (the last k) or `"right"` (the first k); other keys are refused.
         """
         outputs = self._pool(prompts, pooling_params or PoolingParams(), "embed", use_tqdm, lora_request,
-                             truncate_prompt_tokens)
+                             truncate_prompt_tokens, tokenization_kwargs)
         return [EmbeddingRequestOutput(o.request_id, EmbeddingOutput(o.embedding), o.prompt_token_ids,
                                        o.num_cached_tokens) for o in outputs]
 
     def classify(self, prompts: PromptType | Sequence[PromptType],
                  pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *, use_tqdm: UseTqdm = True,
                  lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
-                 truncate_prompt_tokens: int | None = None) -> list[ClassificationRequestOutput]:
+                 truncate_prompt_tokens: int | None = None,
+                 tokenization_kwargs: dict[str, Any] | None = None) -> list[ClassificationRequestOutput]:
         """Classify each prompt (vLLM's `LLM.classify`) with the checkpoint's classification head (a model saved
         as `LlamaForSequenceClassification`, `Qwen2ForSequenceClassification`, `Qwen3ForSequenceClassification`
         or `MistralForSequenceClassification`, or made one by `hf_overrides`; ValueError for another): the head
@@ -414,17 +419,18 @@ class LLM:
                 `use_activation=False` gives the logits).
             use_tqdm: show a progress bar when there is more than one prompt (a callable: as `generate`'s).
             lora_request: as `generate`'s.
-            truncate_prompt_tokens: as `embed`'s.
+            truncate_prompt_tokens, tokenization_kwargs: as `embed`'s.
         """
         outputs = self._pool(prompts, pooling_params or PoolingParams(task="classify"), "classify", use_tqdm,
-                             lora_request, truncate_prompt_tokens)
+                             lora_request, truncate_prompt_tokens, tokenization_kwargs)
         return [ClassificationRequestOutput(o.request_id, ClassificationOutput(o.embedding), o.prompt_token_ids,
                                             o.num_cached_tokens) for o in outputs]
 
     def encode(self, prompts: PromptType | Sequence[PromptType],
                pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *, use_tqdm: UseTqdm = True,
                lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None, pooling_task: str | None = None,
-               truncate_prompt_tokens: int | None = None) -> list[PoolingRequestOutput]:
+               truncate_prompt_tokens: int | None = None,
+               tokenization_kwargs: dict[str, Any] | None = None) -> list[PoolingRequestOutput]:
         """vLLM's general pooling call: `pooling_task="embed"` gives `embed`'s vectors, "classify" `classify`'s
         probabilities (or logits), each prompt's as one float32 tensor, `outputs.data`. vLLM's per-token tasks
         ("token_embed", "token_classify") and plugins are refused: pagedllm pools one vector a prompt. The other
@@ -434,13 +440,14 @@ class LLM:
                              "pools one vector a prompt (embed, classify and score do the same with their own "
                              "outputs), and has no per-token or plugin task")
         outputs = self._pool(prompts, pooling_params or PoolingParams(task=pooling_task), pooling_task, use_tqdm,
-                             lora_request, truncate_prompt_tokens)
+                             lora_request, truncate_prompt_tokens, tokenization_kwargs)
         return [PoolingRequestOutput(o.request_id, PoolingOutput(torch.tensor(o.embedding, dtype=torch.float32)),
                                      o.prompt_token_ids, o.num_cached_tokens) for o in outputs]
 
     def score(self, data_1: PromptType | Sequence[PromptType], data_2: PromptType | Sequence[PromptType], /, *,
               use_tqdm: UseTqdm = True, lora_request: LoRARequest | None = None,
-              truncate_prompt_tokens: int | None = None) -> list[ScoringRequestOutput]:
+              truncate_prompt_tokens: int | None = None,
+              tokenization_kwargs: dict[str, Any] | None = None) -> list[ScoringRequestOutput]:
         """Score text pairs (vLLM's `LLM.score`); one ScoringRequestOutput per pair, in order. With an embedding
         model each text is embedded (`embed`) and a pair scores the cosine similarity of its two embeddings; with
         a cross-encoder (a classifier with one label, as rerankers are saved) a pair is one prompt, the two texts
@@ -452,14 +459,16 @@ class LLM:
             data_2: one prompt or a list of them.
             use_tqdm: show a progress bar when there is more than one prompt to run (a callable: as `generate`'s).
             lora_request: a LoRA adapter to run every prompt with (`generate`'s).
-            truncate_prompt_tokens: as `embed`'s, for each text (a cross-encoder: each pair's prompt).
+            truncate_prompt_tokens, tokenization_kwargs: as `embed`'s, for each text (a cross-encoder: each pair's
+                prompt).
         """
         first, second = as_prompt_list(data_1), as_prompt_list(data_2)
         pairs = pair_up(first, second)
         labels = self.engine.class_labels
         if labels is None:
             embedded = self.embed(first + second, use_tqdm=use_tqdm, lora_request=lora_request,
-                                  truncate_prompt_tokens=truncate_prompt_tokens)
+                                  truncate_prompt_tokens=truncate_prompt_tokens,
+                                  tokenization_kwargs=tokenization_kwargs)
             firsts, seconds = embedded[:len(first)], embedded[len(first):]
             return [ScoringRequestOutput(seconds[j].request_id,
                                          ScoringOutput(cosine_similarity(firsts[i].outputs.embedding,
@@ -472,17 +481,27 @@ class LLM:
         tokenizer, token_types = self.get_tokenizer(), self.engine.token_type_vocab_size > 1
         classified = self.classify([cross_encoder_prompt(tokenizer, first[i], second[j], token_types)
                                     for i, j in pairs], use_tqdm=use_tqdm, lora_request=lora_request,
-                                   truncate_prompt_tokens=truncate_prompt_tokens)
+                                   truncate_prompt_tokens=truncate_prompt_tokens,
+                                   tokenization_kwargs=tokenization_kwargs)
         return [ScoringRequestOutput(o.request_id, ScoringOutput(o.outputs.probs[0]), o.prompt_token_ids)
                 for o in classified]
 
     def _pool(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | Sequence[PoolingParams],
               task: str, use_tqdm: UseTqdm, lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
-              truncate_prompt_tokens: int | None) -> list[RequestOutput]:
+              truncate_prompt_tokens: int | None, tokenization_kwargs: dict[str, Any] | None) -> list[RequestOutput]:
         """Run pooling requests of `task` to the end (RuntimeError if any failed); their outputs, in order."""
         prompt_list = as_prompt_list(prompts)
-        if truncate_prompt_tokens is not None:
-            prompt_list = self._truncated(prompt_list, truncate_prompt_tokens)
+        kwargs = dict(tokenization_kwargs or {})
+        keep, side = kwargs.pop("truncate_prompt_tokens", None), kwargs.pop("truncation_side", None)
+        if kwargs or side not in (None, "left", "right"):
+            raise ValueError("tokenization_kwargs takes truncate_prompt_tokens and truncation_side ('left' or "
+                             f"'right'), got {tokenization_kwargs!r}")
+        if None not in (keep, truncate_prompt_tokens) and keep != truncate_prompt_tokens:
+            raise ValueError(f"truncate_prompt_tokens is {truncate_prompt_tokens} and tokenization_kwargs' {keep}: "
+                             "give one")
+        keep = truncate_prompt_tokens if keep is None else keep
+        if keep is not None:
+            prompt_list = self._truncated(prompt_list, keep, side)
         params_list = _per_prompt(pooling_params, len(prompt_list), "pooling_params")
         for params in params_list:
             if not isinstance(params, PoolingParams) or params.task != task:
@@ -494,13 +513,13 @@ class LLM:
             raise RuntimeError(f"request {failed[0].request_id} failed: {failed[0].error}")
         return outputs
 
-    def _truncated(self, prompt_list: list[ParsedPrompt], keep: int) -> list[ParsedPrompt]:
+    def _truncated(self, prompt_list: list[ParsedPrompt], keep: int, side: str | None) -> list[ParsedPrompt]:
         """Each prompt's `keep` tokens (-1: as many as the context holds) that vLLM keeps: its first, or its last
-        where the tokenizer truncates on the left (`truncation_slice`), as token ids (with their types)."""
+        (`side`, else the tokenizer's: `truncation_slice`), as token ids (with their types)."""
         max_model_len = self.engine.max_model_len
         if keep != -1 and not 1 <= keep <= max_model_len:
             raise ValueError(f"truncate_prompt_tokens must be -1 or in [1, {max_model_len}], got {keep}")
-        kept = truncation_slice(max_model_len if keep == -1 else keep, None, self.engine.tokenizer)
+        kept = truncation_slice(max_model_len if keep == -1 else keep, side, self.engine.tokenizer)
         if any(p.images for p in prompt_list):
             raise ValueError("truncate_prompt_tokens cuts text prompts: a prompt with images cannot be cut")
         return [ParsedPrompt(None, (p.token_ids if p.token_ids is not None else

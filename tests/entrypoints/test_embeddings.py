@@ -248,6 +248,16 @@ def test_truncate_prompt_tokens_keeps_the_tokenizers_side_as_vllm_does(llm, monk
     assert first.prompt_token_ids == PROMPTS[1][:9] and first.outputs.embedding == alone.outputs.embedding
     (scored,) = llm.score("abc", "xyzw", use_tqdm=False, truncate_prompt_tokens=2)
     assert scored.prompt_token_ids == tokenizer.encode("abc")[:2] + tokenizer.encode("xyzw")[:2]
+    # vLLM 0.32's tokenization_kwargs say the same, and may name the side
+    (also,) = llm.embed({"prompt_token_ids": PROMPTS[1]}, use_tqdm=False,
+                        tokenization_kwargs={"truncate_prompt_tokens": 9})
+    (left,) = llm.embed({"prompt_token_ids": PROMPTS[1]}, use_tqdm=False,
+                        tokenization_kwargs={"truncate_prompt_tokens": 9, "truncation_side": "left"})
+    assert also.prompt_token_ids == PROMPTS[1][:9] and left.prompt_token_ids == PROMPTS[1][-9:]
+    with pytest.raises(ValueError, match="tokenization_kwargs takes truncate_prompt_tokens and truncation_side"):
+        llm.embed("abc", use_tqdm=False, tokenization_kwargs={"padding": "max_length"})
+    with pytest.raises(ValueError, match="truncate_prompt_tokens is 2 and tokenization_kwargs' 3: give one"):
+        llm.embed("abc", use_tqdm=False, truncate_prompt_tokens=2, tokenization_kwargs={"truncate_prompt_tokens": 3})
     monkeypatch.setattr(tokenizer, "truncation_side", "left")
     (last,) = llm.embed({"prompt_token_ids": PROMPTS[1]}, use_tqdm=False, truncate_prompt_tokens=9)
     assert last.prompt_token_ids == PROMPTS[1][-9:]
