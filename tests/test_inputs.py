@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedllm import LLM, SamplingParams, TextPrompt, TokensPrompt
+from pagedllm import LLM, PoolingRequestOutput, RequestOutput, SamplingParams, TextPrompt, TokensPrompt
 from pagedllm.entrypoints.openai.tool_parsers import with_tools
 from pagedllm.inputs import ParsedPrompt, as_prompt_list, parse_prompt
 from tests.models.tiny import save_tiny_model
@@ -188,3 +188,49 @@ def test_the_engine_by_vllms_name_runs_requests_step_by_step(llm):
     while engine.has_unfinished_requests():
         finished |= {o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished}
     assert [finished["a"], finished["b"]] == expected
+
+
+def test_enqueued_requests_run_at_wait_for_completion_and_none_is_lost(llm):
+    """vLLM 0.32's enqueue / enqueue_chat / wait_for_completion: queued requests run only when asked, or beside a
+    generate call, which returns only its own outputs; the queued ones' outputs come back in queued order."""
+    chat = [{"role": "user", "content": "Hi"}]
+    longer = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in llm.generate(["hello", "there"], GREEDY, use_tqdm=False)]
+    expected_chat = llm.chat(chat, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    expected_own = llm.generate("abc", longer, use_tqdm=False)[0].outputs[0].token_ids
+    queued = llm.enqueue(["hello", "there"], GREEDY) + llm.enqueue_chat(chat, GREEDY)
+    assert llm.llm_engine.get_num_unfinished_requests() == 3 and len(set(queued)) == 3
+    (own,) = llm.generate("abc", longer, use_tqdm=False)      # the queued ones (6 tokens) finish during it
+    assert own.outputs[0].token_ids == expected_own and not llm.engine.has_unfinished_requests()
+    outputs = llm.wait_for_completion(use_tqdm=False)
+    assert [o.request_id for o in outputs] == queued
+    assert [o.outputs[0].token_ids for o in outputs] == expected + [expected_chat]
+    assert llm.wait_for_completion() == []
+    # queued and run by wait_for_completion alone; the expected type checked
+    llm.enqueue("hello", GREEDY, priority=0)
+    assert [o.outputs[0].token_ids for o in llm.wait_for_completion(RequestOutput)] == expected[:1]
+    llm.enqueue("hello", GREEDY)
+    with pytest.raises(TypeError, match="expected .*PoolingRequestOutput, got RequestOutput"):
+        llm.wait_for_completion(PoolingRequestOutput)
+    # a bad prompt queues nothing
+    with pytest.raises(ValueError, match=r"prompt 1: unknown key 'propmt'"):
+        llm.enqueue(["fine", {"propmt": "typo"}], GREEDY)
+    assert not llm.engine.has_unfinished_requests() and llm.wait_for_completion() == []
+
+
+def test_generate_takes_vllms_priority_and_tokenization_arguments(llm):
+    """vLLM's generate(priority=int, tokenization_kwargs={"truncate_prompt_tokens": k}) and chat's."""
+    ids = llm.get_tokenizer().encode("hello there")
+    cut = llm.generate("hello there", GREEDY, use_tqdm=False, priority=0,
+                       tokenization_kwargs={"truncate_prompt_tokens": 4, "truncation_side": "left"})[0]
+    assert cut.prompt_token_ids == ids[-4:]
+    assert cut.outputs[0].token_ids == llm.generate(ids[-4:], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    chat = [{"role": "user", "content": "Hi"}]
+    full = llm.chat(chat, GREEDY, use_tqdm=False)[0].prompt_token_ids
+    assert llm.chat(chat, GREEDY, use_tqdm=False, tokenization_kwargs={"truncate_prompt_tokens": 5}
+                    )[0].prompt_token_ids == full[:5]
+    with pytest.raises(ValueError, match="priority"):
+        llm.generate("hello", GREEDY, use_tqdm=False, priority=1)     # scheduling_policy "fcfs"
+    with pytest.raises(ValueError, match="tokenization_kwargs takes truncate_prompt_tokens"):
+        llm.generate("hello", GREEDY, use_tqdm=False, tokenization_kwargs={"padding": True})
+    assert not llm.engine.has_unfinished_requests()

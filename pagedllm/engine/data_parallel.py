@@ -232,6 +232,9 @@ class DataParallelEngine:
     def has_unfinished_requests(self) -> bool:
         return any(replica.has_unfinished_requests() for replica in self.replicas)
 
+    def get_num_unfinished_requests(self) -> int:
+        return sum(replica.get_num_unfinished_requests() for replica in self.replicas)
+
     def reset_prefix_cache(self) -> bool:
         """Forget every replica's cached blocks and the router's map; False if some replica is busy (those that
         are idle are reset all the same)."""

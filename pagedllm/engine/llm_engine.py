@@ -705,6 +705,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def get_num_unfinished_requests(self) -> int:
+        """Requests added and not finished yet (vLLM's; a request's n completions count once)."""
+        return len(self._tracked)
+
     def close(self) -> None:
         """Release the swap pool: its file is closed and deleted. The engine must not step afterwards."""
         self.runner.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 import time
@@ -31,7 +32,7 @@ from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedllm.engine.data_parallel import DataParallelEngine
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.openai.tool_parsers import with_tools
-from pagedllm.inputs import ParsedPrompt, PromptType, as_prompt_list, parse_prompt, truncation_slice
+from pagedllm.inputs import ParsedPrompt, PromptType, as_prompt_list, truncation_slice
 from pagedllm.logger import init_logger
 from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics.log_stats import LoggingStatLogger
@@ -268,6 +269,8 @@ class LLM:
         self._counter = itertools.count()
         self._built_on = threading.get_ident()
         self._warned_of_thread = False
+        # the requests `enqueue` queued, in order, and the outputs of those that finished (during a generate, say)
+        self._enqueued: dict[str, RequestOutput | None] = {}
         self._stats: StepRecorder | None = None          # log_stats: each step recorded for the loggers,
         self._registry: CollectorRegistry | None = None  # ... one of which keeps the metrics get_metrics reads
         if log_stats:
@@ -350,8 +353,9 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                 use_tqdm: UseTqdm = True, priority: Sequence[int] | None = None,
-                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+                 use_tqdm: UseTqdm = True, lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                 priority: int | Sequence[int] | None = None, tokenization_kwargs: dict[str, Any] | None = None,
+                 mm_processor_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """Complete each prompt; the outputs come back in input order.
 
         Args:
@@ -360,21 +364,73 @@ class LLM:
             sampling_params: one for all prompts, or one per prompt (default: get_default_sampling_params()).
             use_tqdm: show a progress bar when there is more than one prompt; a callable (vLLM's, e.g.
                 `functools.partial(tqdm, leave=False)`) makes the bar, given tqdm's arguments.
-            priority: one per prompt; lower runs first. Needs scheduling_policy "priority" unless all are 0.
             lora_request: a LoRA adapter for every prompt, or one (or None) per prompt; needs
                 `enable_lora=True`. Prompts of different adapters, and of none, batch together.
+            priority: one for all prompts, or one per prompt; lower runs first. Needs scheduling_policy "priority"
+                unless all are 0.
+            tokenization_kwargs: vLLM's `{"truncate_prompt_tokens": k}` (with `"truncation_side"`), as `embed`'s:
+                each prompt cut to k tokens before it runs.
+            mm_processor_kwargs: arguments for the model's processor on the prompts' images, under each prompt's
+                own `mm_processor_kwargs`.
 
         Call it from the thread that built the LLM: torch's kernels run on GNU OpenMP, which gives each thread that
         runs them a team of worker threads, and with two teams on the machine every kernel call wakes a sleeping
         worker (pagedllm/engine/engine_thread.py). From another thread it works, about half as fast, and says so
-        once in the log.
+        once in the log. Requests queued by `enqueue` run alongside; their outputs wait for `wait_for_completion`.
         """
-        prompt_list = as_prompt_list(prompts)
+        request_ids = self._add_completions(prompts, sampling_params, lora_request, priority, tokenization_kwargs,
+                                            mm_processor_kwargs)
+        return self._run(request_ids, use_tqdm if len(request_ids) > 1 else False)
+
+    def enqueue(self, prompts: PromptType | Sequence[PromptType],
+                sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                priority: int | Sequence[int] | None = None, use_tqdm: UseTqdm = True,
+                tokenization_kwargs: dict[str, Any] | None = None,
+                mm_processor_kwargs: dict[str, Any] | None = None) -> list[str]:
+        """Queue prompts for generation without running them (vLLM 0.32's): every prompt is checked, and queued,
+        before this returns; nothing runs until `wait_for_completion` (or a `generate`, which runs them beside its
+        own). The arguments as `generate`'s (use_tqdm is taken for vLLM's signature: queueing shows no bar).
+        Returns the queued requests' ids."""
+        del use_tqdm
+        request_ids = self._add_completions(prompts, sampling_params, lora_request, priority, tokenization_kwargs,
+                                            mm_processor_kwargs)
+        self._enqueued.update(dict.fromkeys(request_ids))
+        return request_ids
+
+    def wait_for_completion(self, output_type: type | tuple[type, ...] | None = None, *,
+                            use_tqdm: UseTqdm = True) -> list[RequestOutput]:
+        """Run every request queued by `enqueue` and `enqueue_chat` to the end; their outputs, in the order they
+        were queued, and the queue empties. `output_type`: the outputs' expected type(s) (vLLM's; default
+        RequestOutput), a TypeError otherwise."""
+        expected = output_type or RequestOutput
+        request_ids = list(self._enqueued)
+        try:
+            outputs = self._run(request_ids, use_tqdm if len(request_ids) > 1 else False)
+        finally:
+            self._enqueued.clear()
+        wrong = [o for o in outputs if not isinstance(o, expected)]
+        if wrong:
+            names = " or ".join(t.__name__ for t in (expected if isinstance(expected, tuple) else (expected,)))
+            raise TypeError(f"wait_for_completion expected {names}, got {type(wrong[0]).__name__}")
+        return outputs
+
+    def _add_completions(self, prompts: PromptType | Sequence[PromptType],
+                         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+                         lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+                         priority: int | Sequence[int] | None, tokenization_kwargs: dict[str, Any] | None,
+                         mm_processor_kwargs: dict[str, Any] | None) -> list[str]:
+        """Check and queue generation requests for `prompts` (generate's arguments); their request ids."""
+        prompt_list = self._truncated(as_prompt_list(prompts), None, tokenization_kwargs)
+        if mm_processor_kwargs:     # under each prompt's own
+            prompt_list = [dataclasses.replace(p, processor_kwargs=mm_processor_kwargs | (p.processor_kwargs or {}))
+                           if p.images else p for p in prompt_list]
         params_list = _per_prompt(sampling_params or self.get_default_sampling_params(), len(prompt_list),
                                   "sampling_params")
-        priorities = _per_prompt(list(priority) if priority is not None else 0, len(prompt_list), "priority")
-        return self._add_and_run(prompt_list, params_list, priorities, use_tqdm,
-                                 _per_prompt(lora_request, len(prompt_list), "lora_request"))
+        priorities = _per_prompt(list(priority) if isinstance(priority, Sequence) else priority or 0,
+                                 len(prompt_list), "priority")
+        return self._add(prompt_list, params_list, priorities, _per_prompt(lora_request, len(prompt_list),
+                                                                           "lora_request"))
 
     def embed(self, prompts: PromptType | Sequence[PromptType],
               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *, use_tqdm: UseTqdm = True,
@@ -490,7 +546,25 @@ class LLM:
               task: str, use_tqdm: UseTqdm, lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
               truncate_prompt_tokens: int | None, tokenization_kwargs: dict[str, Any] | None) -> list[RequestOutput]:
         """Run pooling requests of `task` to the end (RuntimeError if any failed); their outputs, in order."""
-        prompt_list = as_prompt_list(prompts)
+        prompt_list = self._truncated(as_prompt_list(prompts), truncate_prompt_tokens, tokenization_kwargs)
+        params_list = _per_prompt(pooling_params, len(prompt_list), "pooling_params")
+        for params in params_list:
+            if not isinstance(params, PoolingParams) or params.task != task:
+                raise ValueError(f"pooling_params must be PoolingParams with task {task!r}, got {params!r}")
+        request_ids = self._add(prompt_list, params_list, [0] * len(prompt_list),
+                                _per_prompt(lora_request, len(prompt_list), "lora_request"))
+        outputs = self._run(request_ids, use_tqdm if len(request_ids) > 1 else False)
+        failed = [o for o in outputs if o.embedding is None]
+        if failed:
+            raise RuntimeError(f"request {failed[0].request_id} failed: {failed[0].error}")
+        return outputs
+
+    def _truncated(self, prompt_list: list[ParsedPrompt], truncate_prompt_tokens: int | None,
+                   tokenization_kwargs: dict[str, Any] | None) -> list[ParsedPrompt]:
+        """The prompts as vLLM's truncation leaves them: `truncate_prompt_tokens` (or tokenization_kwargs' one) of
+        each prompt's tokens, its first, or its last (tokenization_kwargs' `truncation_side`, else the tokenizer's:
+        `truncation_slice`), as token ids (with their types); -1 keeps as many as the context holds. Without
+        either, the prompts as given."""
         kwargs = dict(tokenization_kwargs or {})
         keep, side = kwargs.pop("truncate_prompt_tokens", None), kwargs.pop("truncation_side", None)
         if kwargs or side not in (None, "left", "right"):
@@ -500,22 +574,8 @@ class LLM:
             raise ValueError(f"truncate_prompt_tokens is {truncate_prompt_tokens} and tokenization_kwargs' {keep}: "
                              "give one")
         keep = truncate_prompt_tokens if keep is None else keep
-        if keep is not None:
-            prompt_list = self._truncated(prompt_list, keep, side)
-        params_list = _per_prompt(pooling_params, len(prompt_list), "pooling_params")
-        for params in params_list:
-            if not isinstance(params, PoolingParams) or params.task != task:
-                raise ValueError(f"pooling_params must be PoolingParams with task {task!r}, got {params!r}")
-        outputs = self._add_and_run(prompt_list, params_list, [0] * len(prompt_list), use_tqdm,
-                                    _per_prompt(lora_request, len(prompt_list), "lora_request"))
-        failed = [o for o in outputs if o.embedding is None]
-        if failed:
-            raise RuntimeError(f"request {failed[0].request_id} failed: {failed[0].error}")
-        return outputs
-
-    def _truncated(self, prompt_list: list[ParsedPrompt], keep: int, side: str | None) -> list[ParsedPrompt]:
-        """Each prompt's `keep` tokens (-1: as many as the context holds) that vLLM keeps: its first, or its last
-        (`side`, else the tokenizer's: `truncation_slice`), as token ids (with their types)."""
+        if keep is None:
+            return prompt_list
         max_model_len = self.engine.max_model_len
         if keep != -1 and not 1 <= keep <= max_model_len:
             raise ValueError(f"truncate_prompt_tokens must be -1 or in [1, {max_model_len}], got {keep}")
@@ -527,14 +587,13 @@ class LLM:
                              p.cache_salt, None if p.token_type_ids is None else p.token_type_ids[kept])
                 for p in prompt_list]
 
-    def _add_and_run(self, prompt_list: list[PromptType], params_list: list[SamplingParams | PoolingParams],
-                     priorities: list[int], use_tqdm: UseTqdm, loras: list[LoRARequest | None]) -> list[RequestOutput]:
-        """Validate every prompt (and load every adapter) before any runs, queue them, and run them to the end."""
+    def _add(self, prompt_list: list[ParsedPrompt], params_list: list[SamplingParams | PoolingParams],
+             priorities: list[int], loras: list[LoRARequest | None]) -> list[str]:
+        """Validate every prompt (and load every adapter) before any is queued, then queue them; their ids."""
         for prio in priorities:
             self.engine.config.scheduler.check_priority(prio)
-        prompt_list = [self.engine.process_images(parsed) if (parsed := parse_prompt(p)).images else
-                       self.engine.embeds_prompt(parsed) if parsed.prompt_embeds is not None else p
-                       for p in prompt_list]
+        prompt_list = [self.engine.process_images(p) if p.images else
+                       self.engine.embeds_prompt(p) if p.prompt_embeds is not None else p for p in prompt_list]
         token_ids = [self.engine.tokenize_prompt(p, isinstance(params, PoolingParams))
                      for p, params in zip(prompt_list, params_list)]
         self._load_loras(loras)
@@ -548,7 +607,7 @@ class LLM:
                 self._stats.requests.on_added(request_id, time.monotonic(), 0 if ids is None else len(ids),
                                               None if sampling is None else sampling.max_tokens,
                                               None if sampling is None else sampling.n)
-        return self._run(request_ids, use_tqdm if len(prompt_list) > 1 else False)
+        return request_ids
 
     def _load_loras(self, loras: list[LoRARequest | None]) -> None:
         """Load each adapter named (ValueError for what is not a LoRARequest, or cannot load)."""
@@ -568,7 +627,8 @@ class LLM:
              chat_template_kwargs: dict[str, Any] | None = None,
              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
              mm_processor_kwargs: dict[str, Any] | None = None,
-             chat_template_content_format: str = "auto") -> list[RequestOutput]:
+             chat_template_content_format: str = "auto", priority: int | Sequence[int] | None = None,
+             tokenization_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """Generate a reply to a conversation, or to each of a list of conversations; one RequestOutput per
         conversation, in order.
 
@@ -583,12 +643,37 @@ class LLM:
                 variable, or the system message for a template without one); the reply's calls are its text
                 (parse them with a tool parser, e.g. `HermesToolParser`).
             chat_template_kwargs: extra variables for the template (e.g. a model's `enable_thinking`).
-            lora_request: as `generate`'s, per conversation.
+            lora_request, priority, tokenization_kwargs: as `generate`'s, per conversation.
             mm_processor_kwargs: arguments for the model's processor on the conversations' images (over the
                 engine's `mm_processor_kwargs`).
             chat_template_content_format: how a message's content reaches the template (vLLM's): "auto", "string"
                 or "openai" (`render_chat_template`).
         """
+        prompts = self._chat_prompts(messages, chat_template, add_generation_prompt, continue_final_message, tools,
+                                     chat_template_kwargs, mm_processor_kwargs, chat_template_content_format)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request,
+                             priority=priority, tokenization_kwargs=tokenization_kwargs)
+
+    def enqueue_chat(self, messages: Conversation | Sequence[Conversation],
+                     sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                     use_tqdm: UseTqdm = True, lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                     priority: int | Sequence[int] | None = None, chat_template: str | None = None,
+                     chat_template_content_format: str = "auto", add_generation_prompt: bool = True,
+                     continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
+                     chat_template_kwargs: dict[str, Any] | None = None,
+                     tokenization_kwargs: dict[str, Any] | None = None,
+                     mm_processor_kwargs: dict[str, Any] | None = None) -> list[str]:
+        """`chat`'s conversations queued as `enqueue` queues prompts (vLLM 0.32's); the arguments as `chat`'s.
+        Returns the queued requests' ids; `wait_for_completion` runs them."""
+        prompts = self._chat_prompts(messages, chat_template, add_generation_prompt, continue_final_message, tools,
+                                     chat_template_kwargs, mm_processor_kwargs, chat_template_content_format)
+        return self.enqueue(prompts, sampling_params, lora_request, priority, use_tqdm, tokenization_kwargs)
+
+    def _chat_prompts(self, messages: Conversation | Sequence[Conversation], chat_template: str | None,
+                      add_generation_prompt: bool, continue_final_message: bool, tools: list[dict[str, Any]] | None,
+                      chat_template_kwargs: dict[str, Any] | None, mm_processor_kwargs: dict[str, Any] | None,
+                      content_format: str) -> list[ParsedPrompt]:
+        """Each conversation's prompt, rendered as `chat` renders it."""
         conversations = _as_conversations(messages)
         template = chat_template or self.engine.config.model.chat_template
         tokenizer = self.get_tokenizer()
@@ -600,8 +685,8 @@ class LLM:
                 conversation, tool_kwargs = with_tools(list(conversation), tools, used)
                 kwargs |= tool_kwargs
             prompts.append(self._chat_prompt(conversation, template, add_generation_prompt, continue_final_message,
-                                             chat_template_content_format, kwargs, mm_processor_kwargs))
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+                                             content_format, kwargs, mm_processor_kwargs))
+        return prompts
 
     def _chat_prompt(self, conversation: Conversation, template: str | None, add_generation_prompt: bool,
                      continue_final_message: bool, content_format: str, kwargs: dict[str, Any],
@@ -627,11 +712,14 @@ class LLM:
                        "Build the LLM on the thread that calls it.")
 
     def _run(self, request_ids: list[str], use_tqdm: UseTqdm) -> list[RequestOutput]:
+        """Step the engine until `request_ids` have finished; their outputs, in order. Queued requests' outputs
+        that finish meanwhile are kept for `wait_for_completion`."""
         self._warn_if_on_another_thread()
-        done: dict[str, RequestOutput] = {}
+        done = {r: output for r in request_ids if (output := self._enqueued.get(r)) is not None}
         wanted = set(request_ids)  # the engine may also be running requests added directly to it
         make_bar = use_tqdm if callable(use_tqdm) else tqdm
-        bar = make_bar(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        bar = make_bar(total=len(request_ids), initial=len(done), desc="Processed prompts", disable=not use_tqdm,
+                       dynamic_ncols=True)
         num_output_tokens = 0
         try:
             while len(done) < len(request_ids):
@@ -657,13 +745,18 @@ class LLM:
         return [done[r] for r in request_ids]
 
     def _step(self) -> list[RequestOutput]:
-        """One engine step; with statistics kept (disable_log_stats=False), recorded for their loggers, the new
-        tokens counted as the engine made them (the outputs here are final: a request's all at once)."""
+        """One engine step; the finished outputs of queued requests (`enqueue`) are kept. With statistics kept
+        (disable_log_stats=False), the step is recorded for their loggers, the new tokens counted as the engine made
+        them (the outputs here are final: a request's all at once)."""
         if self._stats is None:
-            return self.engine.step()
-        iteration = IterationStats(started=time.monotonic())
-        outputs = self.engine.step()
-        self._stats.record(self.engine, outputs, iteration, True, self.engine.step_new_tokens)
+            outputs = self.engine.step()
+        else:
+            iteration = IterationStats(started=time.monotonic())
+            outputs = self.engine.step()
+            self._stats.record(self.engine, outputs, iteration, True, self.engine.step_new_tokens)
+        for output in outputs:
+            if output.finished and output.request_id in self._enqueued:
+                self._enqueued[output.request_id] = output
         return outputs
 
 

@@ -530,6 +530,12 @@ def test_processor_arguments_for_the_engine_and_for_a_prompt(tmp_path: Path) -> 
     conversation = [{"role": "user", "content": [{"type": "image_pil", "image_pil": image}]}]
     chatted = llm.chat(conversation, GREEDY, mm_processor_kwargs={"do_image_splitting": True}, use_tqdm=False)[0]
     assert chatted.prompt_token_ids.count(image_token) == 20
+    # generate's own (vLLM's), over the engine's and under a prompt's; a prompt without images runs as it is
+    called = llm.generate([{"prompt": text, "multi_modal_data": {"image": image}},
+                           {"prompt": text, "multi_modal_data": {"image": image},
+                            "mm_processor_kwargs": {"do_image_splitting": False}}, "no image"], GREEDY,
+                          use_tqdm=False, mm_processor_kwargs={"do_image_splitting": True})
+    assert [o.prompt_token_ids.count(image_token) for o in called] == [20, 4, 0]
     with pytest.raises(ValueError, match="beside 'multi_modal_data'"):
         llm.generate({"prompt": text, "mm_processor_kwargs": {"do_image_splitting": True}}, GREEDY)
 
