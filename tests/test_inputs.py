@@ -234,3 +234,14 @@ def test_generate_takes_vllms_priority_and_tokenization_arguments(llm):
     with pytest.raises(ValueError, match="tokenization_kwargs takes truncate_prompt_tokens"):
         llm.generate("hello", GREEDY, use_tqdm=False, tokenization_kwargs={"padding": True})
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_collective_rpc_and_apply_model_reach_the_worker(llm):
+    """vLLM's collective_rpc and apply_model on one rank (tests/distributed: on two, and on Ray's actors)."""
+    runner = llm.engine.runner
+    assert llm.get_world_size() == llm.get_world_size(include_dp=False) == 1
+    assert llm.apply_model(lambda model: model is runner.model) == [True]
+    assert llm.collective_rpc("weight_bytes") == [runner.weight_bytes()]
+    assert llm.collective_rpc(lambda worker, a, b=0: (worker.tp_rank, a + b), args=(1,), kwargs={"b": 2}) == [(0, 3)]
+    with pytest.raises(AttributeError, match="no_such_method"):
+        llm.collective_rpc("no_such_method")

@@ -21,6 +21,10 @@ scheduler, the sampler and the structured-output grammars live on rank 0 only.
 
 A rank-wide operation that fails on any rank leaves the ranks out of step (a collective half done), so it fails
 the engine as a whole with `TensorParallelError`: every request gets an error, and the server answers 503.
+
+`Peers.call` is vLLM's `collective_rpc` on ranks 1..N-1: a method of the rank's runner by name, or a function
+given it, whose result each worker sends back on its pipe (a Ray actor: as its call's result). A failure there
+is the function's, not the group's: it raises on rank 0 and the group goes on.
 """
 
 from __future__ import annotations
@@ -30,11 +34,12 @@ import copy
 import os
 import pickle
 import socket
+import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import psutil
 import torch
@@ -77,11 +82,31 @@ class Peers:
         every rank has done it (for the allocations at start-up, so that a rank's failure shows there)."""
         yield
 
+    @contextlib.contextmanager
+    def call(self, method: str | Callable, args: tuple, kwargs: dict[str, Any], timeout: float | None
+             ) -> Iterator[list]:
+        """Start `invoke(runner, method, args, kwargs)` on every other rank; the body is rank 0's own part, and
+        the list it is given holds the other ranks' results, in rank order, once it ends (TimeoutError after
+        `timeout` seconds; RuntimeError with a rank's traceback where it raised there)."""
+        yield []
+
     def is_alive(self) -> bool:
         return True
 
     def close(self) -> None:
         pass
+
+
+def invoke(runner: ModelRunner, method: str | Callable, args: tuple, kwargs: dict[str, Any]) -> Any:
+    """vLLM's collective_rpc on one rank: the runner's method of that name, or a function given the runner first."""
+    if isinstance(method, str):
+        return getattr(runner, method)(*args, **kwargs)
+    return method(runner, *args, **kwargs)
+
+
+def apply_to_model(runner: ModelRunner, function: Callable) -> Any:
+    """vLLM's apply_model on one rank: `function` of the rank's model (its slice under tensor parallelism)."""
+    return function(runner.model)
 
 
 class WorkerProcesses(Peers):
@@ -93,6 +118,7 @@ class WorkerProcesses(Peers):
         self.size = config.parallel.tensor_parallel_size
         self.error: BaseException | None = None
         self._closed = False
+        self._calls = 0             # collective_rpc calls sent, which number their replies
         init_method = f"tcp://127.0.0.1:{free_port()}"
         segment_path = new_segment_path()
         create_segment(segment_path, self.size)
@@ -133,6 +159,42 @@ class WorkerProcesses(Peers):
                          exc)
             raise TensorParallelError(f"tensor-parallel {method} failed: {exc!r}"
                                       + (f"; worker(s) {', '.join(dead)} died" if dead else "")) from exc
+
+    @contextlib.contextmanager
+    def call(self, method: str | Callable, args: tuple, kwargs: dict[str, Any], timeout: float | None
+             ) -> Iterator[list]:
+        if self.error is not None:
+            raise TensorParallelError(f"the tensor-parallel group failed earlier: {self.error!r}") from self.error
+        try:
+            payload = pickle.dumps((method, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:
+            raise ValueError(f"collective_rpc sends its method and arguments to the other ranks, and they do not "
+                             f"pickle ({exc!r}): name a runner method, or give a module-level function, not a "
+                             "lambda or a nested one") from exc
+        self._calls += 1
+        with self.run("rpc", self._calls, payload):
+            pass
+        results: list = []
+        yield results
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for rank, pipe in enumerate(self.pipes, 1):
+            results.append(self._reply(rank, pipe, self._calls, deadline, timeout))
+
+    def _reply(self, rank: int, pipe: Connection, call: int, deadline: float | None, timeout: float | None) -> Any:
+        """Rank `rank`'s result of call number `call`; the replies of earlier calls that timed out are dropped."""
+        while True:
+            if not pipe.poll(None if deadline is None else max(0.0, deadline - time.monotonic())):
+                raise TimeoutError(f"collective_rpc: rank {rank} gave no result within {timeout} s")
+            try:
+                answered, ok, value = pickle.loads(pipe.recv_bytes())
+            except (EOFError, OSError) as exc:
+                self.error = exc
+                raise TensorParallelError(f"tensor-parallel rank {rank} died during collective_rpc") from exc
+            if answered == call:
+                break
+        if not ok:
+            raise RuntimeError(f"collective_rpc failed on tensor-parallel rank {rank}:\n{value}")
+        return value
 
     def is_alive(self) -> bool:
         return self.error is None and not self._closed and all(p.is_alive() for p in self.processes)
@@ -201,6 +263,23 @@ class RayWorkers(Peers):
             self.error = exc
             logger.error("tensor-parallel %s failed: %r", method, exc)
             raise TensorParallelError(f"tensor-parallel {method} failed: {exc!r}") from exc
+
+    @contextlib.contextmanager
+    def call(self, method: str | Callable, args: tuple, kwargs: dict[str, Any], timeout: float | None
+             ) -> Iterator[list]:
+        if self.error is not None:
+            raise TensorParallelError(f"the tensor-parallel group failed earlier: {self.error!r}") from self.error
+        refs = [actor.call.remote(method, args, kwargs) for actor in self.actors]
+        results: list = []
+        yield results
+        exceptions = self.ray.exceptions
+        try:
+            results += self.ray.get(refs, timeout=timeout)     # GetTimeoutError: a TimeoutError
+        except exceptions.RayTaskError as exc:
+            raise RuntimeError(f"collective_rpc failed on a tensor-parallel rank: {exc}") from exc
+        except exceptions.RayActorError as exc:
+            self.error = exc
+            raise TensorParallelError(f"a tensor-parallel rank died during collective_rpc: {exc!r}") from exc
 
     def _settled(self, refs: list) -> list:
         """The calls still running; raises the error of one that failed (an actor that died among them)."""
@@ -277,6 +356,17 @@ class _RayWorker:
         getattr(self.runner, method)(*args)
         if method in _WAITED_FOR:
             dist.barrier()
+
+    def call(self, method: str | Callable, args: tuple, kwargs: dict[str, Any]) -> Any:
+        return invoke(self.runner, method, args, kwargs)
+
+
+def _rpc_reply(runner: ModelRunner, call: int, payload: bytes) -> bytes:
+    """A worker's reply to collective_rpc number `call`: (call, True, result), or (call, False, the traceback)."""
+    try:
+        return pickle.dumps((call, True, invoke(runner, *pickle.loads(payload))), protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:
+        return pickle.dumps((call, False, traceback.format_exc()))
 
 
 def start_peers(config: EngineConfig) -> Peers:
@@ -373,6 +463,9 @@ def _worker_main(config: EngineConfig, rank: int, init_method: str, segment_path
                 return
             if method == "shutdown":
                 return
+            if method == "rpc":
+                pipe.send_bytes(_rpc_reply(runner, *args))
+                continue
             getattr(runner, method)(*args)
             if method in _WAITED_FOR:
                 dist.barrier()

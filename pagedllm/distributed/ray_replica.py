@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -182,6 +183,16 @@ class RayReplica:
     def has_unfinished_requests(self) -> bool:
         """As of the last call (only this process adds requests, and only a call changes the answer)."""
         return self._unfinished
+
+    def get_num_unfinished_requests(self) -> int:
+        return self._call("get_num_unfinished_requests")
+
+    def collective_rpc(self, method: str | Callable, timeout: float | None = None, args: tuple = (),
+                       kwargs: dict[str, Any] | None = None) -> list:
+        return self._call("collective_rpc", method, timeout, args, kwargs)
+
+    def apply_model(self, function: Callable) -> list:
+        return self._call("apply_model", function)
 
     def make_stats(self):
         return self._call("make_stats")

@@ -235,6 +235,15 @@ class DataParallelEngine:
     def get_num_unfinished_requests(self) -> int:
         return sum(replica.get_num_unfinished_requests() for replica in self.replicas)
 
+    def collective_rpc(self, method: str | Callable, timeout: float | None = None, args: tuple = (),
+                       kwargs: dict[str, Any] | None = None) -> list:
+        """LLMEngine.collective_rpc on each replica: every replica's ranks' results, replica by replica."""
+        return [result for replica in self.replicas
+                for result in replica.collective_rpc(method, timeout, args, kwargs)]
+
+    def apply_model(self, function: Callable) -> list:
+        return [result for replica in self.replicas for result in replica.apply_model(function)]
+
     def reset_prefix_cache(self) -> bool:
         """Forget every replica's cached blocks and the router's map; False if some replica is busy (those that
         are idle are reset all the same)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +21,7 @@ from pagedllm.core.request import FinishReason, Request, RequestStatus, child_re
 from pagedllm.core.sched.output import RequestUpdate, RunnerOutput, ScheduledRequest, SchedulerOutput
 from pagedllm.core.sched.scheduler import Scheduler
 from pagedllm.device import describe_device, resolve_engine_device
-from pagedllm.distributed import Peers, TensorParallelError, start_peers
+from pagedllm.distributed import Peers, TensorParallelError, apply_to_model, invoke, start_peers
 from pagedllm.engine.beam_search import BeamSearchDriver, BeamSearchOutput, BeamSearchParams
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.heap import paused_gc
@@ -704,6 +705,20 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def collective_rpc(self, method: str | Callable, timeout: float | None = None, args: tuple = (),
+                       kwargs: dict[str, Any] | None = None) -> list:
+        """vLLM's collective_rpc: on every tensor-parallel rank, the method of that name of the rank's ModelRunner
+        (pagedllm's worker), or `method(runner, *args, **kwargs)`; the results in rank order (rank 0's first).
+        For ranks in other processes, a function must pickle (a module-level one) and so must its result."""
+        kwargs = kwargs or {}
+        with self.runner.peers.call(method, args, kwargs, timeout) as others:
+            own = invoke(self.runner, method, args, kwargs)
+        return [own, *others]
+
+    def apply_model(self, function: Callable[[torch.nn.Module], Any]) -> list:
+        """vLLM's apply_model: `function(model)` on every rank's model (its slice of the weights), in rank order."""
+        return self.collective_rpc(apply_to_model, args=(function,))
 
     def get_num_unfinished_requests(self) -> int:
         """Requests added and not finished yet (vLLM's; a request's n completions count once)."""

@@ -297,6 +297,28 @@ class LLM:
         that finished in it, by default), `has_unfinished_requests()`, `abort_request(ids)`, as vLLM's LLMEngine."""
         return self.engine
 
+    def get_world_size(self, include_dp: bool = True) -> int:
+        """The processes that run the model (vLLM's): tensor_parallel_size, times data_parallel_size with
+        include_dp."""
+        parallel = self.engine.config.parallel
+        return parallel.tensor_parallel_size * (parallel.data_parallel_size if include_dp else 1)
+
+    def collective_rpc(self, method: str | Callable, timeout: float | None = None, args: tuple = (),
+                       kwargs: dict[str, Any] | None = None) -> list:
+        """Run a method on every worker and return the results (vLLM's): pagedllm's worker is a rank's
+        `ModelRunner` (its `model`, `device`, ...); `method` is the name of one of its methods, or a function
+        called as `method(runner, *args, **kwargs)`. One result a rank, rank 0's first (and replica by replica
+        under data parallelism). Ranks in worker processes get the function pickled (a module-level function,
+        not a lambda; Ray's actors take any), and send back their results; `timeout`: seconds to wait for them
+        (TimeoutError). A function that raises on a worker raises RuntimeError here, with its traceback; the
+        engine goes on."""
+        return self.engine.collective_rpc(method, timeout, args, kwargs)
+
+    def apply_model(self, func: Callable[[torch.nn.Module], Any]) -> list:
+        """`func(model)` on every rank's model (its slice of the weights under tensor parallelism), the results
+        in rank order (vLLM's; as `collective_rpc` sends it)."""
+        return self.engine.apply_model(func)
+
     def get_tokenizer(self):
         """The engine's tokenizer (ValueError with skip_tokenizer_init, which loads none)."""
         return self.engine.get_tokenizer()

@@ -99,6 +99,9 @@ def test_replicas_of_tensor_parallel_groups_in_actors_give_one_engines_tokens_an
         assert len(set(pids)) == 2 and os.getpid() not in pids
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outputs] == expected
+        # vLLM's collective_rpc reaches every rank of every replica; Ray's actors take a lambda
+        assert llm.get_world_size() == 4 and llm.get_world_size(include_dp=False) == 2
+        assert llm.collective_rpc(lambda runner, a: (runner.tp_rank, a), args=(7,)) == [(0, 7), (1, 7)] * 2
         queries = [replica.prefix_cache_stats.num_queries for replica in engine.replicas]
         assert all(queries) and sum(queries) == len(prompts)
         # The engine's own refusal, raised in the actor, reaches the caller as the same ValueError.

@@ -57,6 +57,14 @@ def test_two_replicas_give_one_engines_greedy_tokens_in_input_order(tiny_dir):
         (beams,) = two.beam_search([prompts[1]], BeamSearchParams(beam_width=2, max_tokens=3))
         assert len(beams.sequences) == 2
         assert not two.engine.has_unfinished_requests() and not two.engine._owner
+        # vLLM's enqueue and collective_rpc reach both replicas
+        queued = two.enqueue(prompts, params)
+        assert two.llm_engine.get_num_unfinished_requests() == len(prompts)
+        done = two.wait_for_completion(use_tqdm=False)
+        assert [o.request_id for o in done] == queued and [o.outputs[0].token_ids for o in done] == expected
+        assert two.get_world_size() == 2 and two.get_world_size(include_dp=False) == 1
+        models = [replica.runner.model for replica in two.engine.replicas]
+        assert two.apply_model(lambda model: models.index(model)) == [0, 1]
 
 
 def test_prefix_aware_routing_hits_the_cache_more_than_round_robin_offline(tiny_dir):
