@@ -64,7 +64,7 @@ logger = init_logger(__name__)
 # A collective waits this long for a rank that stopped answering (one that died closes its sockets at once).
 _COLLECTIVE_TIMEOUT = timedelta(seconds=120)
 _JOIN_SECONDS = 10.0
-_WAITED_FOR = ("allocate_kv_cache", "allocate_swap_space")   # rank 0 calls these with wait=True
+_WAITED_FOR = ("allocate_kv_cache", "release_kv_cache", "allocate_swap_space")   # rank 0 calls these with wait=True
 
 
 class TensorParallelError(RuntimeError):

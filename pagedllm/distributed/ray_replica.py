@@ -194,6 +194,18 @@ class RayReplica:
     def apply_model(self, function: Callable) -> list:
         return self._call("apply_model", function)
 
+    def sleep(self, level: int = 1) -> None:
+        self._call("sleep", level)
+
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        return self._call("wake_up", tags)
+
+    def release_kv_cache_memory(self) -> None:
+        self._call("release_kv_cache_memory")
+
+    def is_sleeping(self) -> bool:
+        return self._call("is_sleeping")
+
     def make_stats(self):
         return self._call("make_stats")
 

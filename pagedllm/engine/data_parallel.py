@@ -244,6 +244,23 @@ class DataParallelEngine:
     def apply_model(self, function: Callable) -> list:
         return [result for replica in self.replicas for result in replica.apply_model(function)]
 
+    def sleep(self, level: int = 1) -> None:
+        for replica in self.replicas:
+            replica.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        return all([replica.wake_up(tags) for replica in self.replicas])
+
+    def release_kv_cache_memory(self) -> None:
+        for replica in self.replicas:
+            replica.release_kv_cache_memory()
+
+    def is_sleeping(self) -> bool:
+        return any(replica.is_sleeping() for replica in self.replicas)
+
+    def unfinished_request_ids(self) -> list[str]:
+        return list(self._owner)
+
     def reset_prefix_cache(self) -> bool:
         """Forget every replica's cached blocks and the router's map; False if some replica is busy (those that
         are idle are reset all the same)."""

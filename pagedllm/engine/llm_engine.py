@@ -115,6 +115,8 @@ class PromptTooLongError(ValueError):
 
 
 NO_TOKENIZER = "the engine has no tokenizer (skip_tokenizer_init=True)"
+SLEEP_LEVELS = (0, 1, 2)                            # vLLM's sleep levels (LLMEngine.sleep)
+SLEEP_TAGS = ("weights", "kv_cache", "scheduling")  # what wake_up brings back
 
 
 def require_tokenizer(tokenizer):
@@ -282,6 +284,8 @@ class LLMEngine:
                 and runs_in_cuda_graphs(self.runner.attn_backend) and not num_experts(model_config)
                 and not has_conv_layers(model_config) and not self.runner.mixers):
             self._capture_decode_graphs()
+        self.graphs_captured = self.runner.decode_graphs is not None
+        self.paused = self.kv_released = False      # sleep mode: scheduling paused; the KV pool's memory released
         # blocks behind a window every layer attends within are freed; not with a draft model, which runs a whole
         # context again after a preemption or a prefix hit
         window = kv_window(loaded.hf_config) if self.runner.draft is None else 0
@@ -720,6 +724,59 @@ class LLMEngine:
         """vLLM's apply_model: `function(model)` on every rank's model (its slice of the weights), in rank order."""
         return self.collective_rpc(apply_to_model, args=(function,))
 
+    # ---- sleep mode (vLLM's) -------------------------------------------------------------------------------------
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep, the requests already dealt with by the caller (`LLM.sleep`'s mode). Level 0 pauses
+        scheduling: requests are taken, and `step()` runs none. Level 1 also releases the KV pool's memory on
+        every rank: each running request waits to be recomputed (a swapped one keeps its swap blocks), the prefix
+        cache is emptied. Level 2 is level 1 here: the weights stay in memory (vLLM's level 1 offloads GPU weights
+        to host memory, where pagedllm's already are on a CPU; its level 2 discards them for the caller to load
+        new ones, which the weights kept in place serve too)."""
+        if level not in SLEEP_LEVELS:
+            raise ValueError(f"sleep level must be one of {SLEEP_LEVELS}, got {level!r}")
+        self.paused = True
+        if level == 0 or self.kv_released:
+            return
+        for request_id in self.scheduler.requeue_running():
+            if self.runner.recurrent is not None:
+                self.runner.recurrent.release(request_id)
+        assert self.kv_cache_manager.reset_prefix_cache(), "a block in use after every running request left"
+        self.runner.release_kv_cache()
+        self.kv_released = True
+        logger.info("asleep (level %d): the KV pool's %.2f GiB released", level,
+                    self.capacity.num_blocks * self.capacity.block_size * self.runner.kv_bytes_per_token
+                    / kv_tensors.GiB)
+
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        """vLLM's wake_up: bring back what `tags` name ("kv_cache", "weights", "scheduling"; None: all) and
+        resume scheduling once no memory is released any more. Returns whether the engine is fully awake."""
+        tags = list(SLEEP_TAGS) if tags is None else list(tags)
+        unknown = [tag for tag in tags if tag not in SLEEP_TAGS]
+        if unknown:
+            raise ValueError(f"wake_up tags are among {SLEEP_TAGS}, got {unknown}")
+        if "kv_cache" in tags and self.kv_released:
+            self.runner.allocate_kv_cache(self.config.cache.num_blocks)
+            if self.graphs_captured:
+                self._capture_decode_graphs()
+            self.kv_released = False
+        if not self.kv_released:
+            self.paused = False
+        return not self.paused
+
+    def release_kv_cache_memory(self) -> None:
+        """vLLM's: from a level-0 sleep, release the KV pool's memory as level 1 does (wake_up(["kv_cache"])
+        brings it back; kept requests are recomputed)."""
+        if not self.paused:
+            raise RuntimeError("release_kv_cache_memory() releases a paused engine's KV pool: sleep(level=0) first")
+        self.sleep(1)
+
+    def is_sleeping(self) -> bool:
+        return self.paused
+
+    def unfinished_request_ids(self) -> list[str]:
+        """The requests added and not finished, in the order added."""
+        return list(self._tracked)
+
     def get_num_unfinished_requests(self) -> int:
         """Requests added and not finished yet (vLLM's; a request's n completions count once)."""
         return len(self._tracked)
@@ -730,6 +787,8 @@ class LLMEngine:
 
     # ---- the loop -----------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.paused:     # asleep: requests wait (LLM and the server refuse to step it)
+            return []
         scheduler_output = self.scheduler.schedule()
         try:
             self.runner.prepare(scheduler_output)

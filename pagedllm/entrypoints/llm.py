@@ -30,7 +30,7 @@ from pagedllm.config import (
 )
 from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedllm.engine.data_parallel import DataParallelEngine
-from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.llm_engine import SLEEP_LEVELS, LLMEngine
 from pagedllm.entrypoints.openai.tool_parsers import with_tools
 from pagedllm.inputs import ParsedPrompt, PromptType, as_prompt_list, truncation_slice
 from pagedllm.logger import init_logger
@@ -66,6 +66,7 @@ logger = init_logger(__name__)
 # A progress bar or none, as vLLM's `use_tqdm`: a bool, or a callable that makes the bar from tqdm's arguments.
 UseTqdm = bool | Callable[..., tqdm]
 Conversation = list[dict[str, Any]]
+SLEEP_MODES = ("abort", "wait", "keep")     # what LLM.sleep does with unfinished requests (vLLM's PauseMode)
 
 
 class LLM:
@@ -319,6 +320,46 @@ class LLM:
         in rank order (vLLM's; as `collective_rpc` sends it)."""
         return self.engine.apply_model(func)
 
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """Put the engine to sleep (vLLM's sleep mode): no request runs until `wake_up`, and from level 1 the KV
+        pool's memory is released (pagedllm.engine.llm_engine.LLMEngine.sleep; the weights stay, in host memory).
+
+        Args:
+            level: 0 pauses scheduling (`enqueue` still takes requests); 1 also releases the KV pool's memory and
+                empties the prefix cache; 2 is 1 here (vLLM's level 2 discards GPU weights for new ones to be
+                loaded; pagedllm's stay in place, where collective_rpc can change them).
+            mode: what happens to requests not finished (those `enqueue` queued): "abort" ends them (finish_reason
+                "abort"; wait_for_completion returns them so), "wait" runs them to the end first (their outputs
+                kept for wait_for_completion), "keep" leaves them queued, to run (recomputed) after wake_up.
+        """
+        if mode not in SLEEP_MODES:
+            raise ValueError(f"sleep mode must be one of {SLEEP_MODES}, got {mode!r}")
+        if level not in SLEEP_LEVELS:
+            raise ValueError(f"sleep level must be one of {SLEEP_LEVELS}, got {level!r}")
+        if mode == "abort":
+            self._keep_enqueued(self._abort(self.engine.unfinished_request_ids()))
+        elif mode == "wait" and self.engine.has_unfinished_requests():
+            self._check_awake("sleep(mode='wait') runs the unfinished requests to the end")
+            while self.engine.has_unfinished_requests():
+                self._step()
+        self.engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        """Wake the engine (vLLM's): bring back what `tags` name ("kv_cache", "weights", "scheduling"; None:
+        all), and resume scheduling once nothing is released any more; returns whether it is fully awake. From a
+        level-0 sleep, `wake_up(["scheduling"])` resumes."""
+        return self.engine.wake_up(tags)
+
+    def release_kv_cache_memory(self) -> None:
+        """From a level-0 sleep, release the KV pool's memory as level 1 does (vLLM's); `wake_up(["kv_cache"])`
+        brings it back, and kept requests are recomputed."""
+        self.engine.release_kv_cache_memory()
+
+    def _check_awake(self, what: str) -> None:
+        if self.engine.is_sleeping():
+            raise RuntimeError(f"the engine is asleep (LLM.sleep) and {what}: call wake_up() first (enqueue takes "
+                               "requests meanwhile)")
+
     def get_tokenizer(self):
         """The engine's tokenizer (ValueError with skip_tokenizer_init, which loads none)."""
         return self.engine.get_tokenizer()
@@ -349,6 +390,7 @@ class LLM:
 
         The beams run in the engine and share their KV blocks copy-on-write (see pagedllm/engine/beam_search.py).
         """
+        self._check_awake("beam_search runs its prompts")
         prompt_list = as_prompt_list(prompts)
         loras = _per_prompt(lora_request, len(prompt_list), "lora_request")
         request_ids = [f"beam-{next(self._counter)}" for _ in prompt_list]
@@ -400,6 +442,7 @@ class LLM:
         worker (pagedllm/engine/engine_thread.py). From another thread it works, about half as fast, and says so
         once in the log. Requests queued by `enqueue` run alongside; their outputs wait for `wait_for_completion`.
         """
+        self._check_awake("generate runs its prompts")
         request_ids = self._add_completions(prompts, sampling_params, lora_request, priority, tokenization_kwargs,
                                             mm_processor_kwargs)
         return self._run(request_ids, use_tqdm if len(request_ids) > 1 else False)
@@ -427,6 +470,8 @@ class LLM:
         RequestOutput), a TypeError otherwise."""
         expected = output_type or RequestOutput
         request_ids = list(self._enqueued)
+        if any(output is None for output in self._enqueued.values()):
+            self._check_awake("wait_for_completion runs the queued requests")
         try:
             outputs = self._run(request_ids, use_tqdm if len(request_ids) > 1 else False)
         finally:
@@ -568,6 +613,7 @@ class LLM:
               task: str, use_tqdm: UseTqdm, lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
               truncate_prompt_tokens: int | None, tokenization_kwargs: dict[str, Any] | None) -> list[RequestOutput]:
         """Run pooling requests of `task` to the end (RuntimeError if any failed); their outputs, in order."""
+        self._check_awake(f"{task} runs its prompts")
         prompt_list = self._truncated(as_prompt_list(prompts), truncate_prompt_tokens, tokenization_kwargs)
         params_list = _per_prompt(pooling_params, len(prompt_list), "pooling_params")
         for params in params_list:
@@ -755,16 +801,20 @@ class LLM:
                         elapsed = max(bar.format_dict["elapsed"], 1e-9)
                         bar.set_postfix_str(f"output {num_output_tokens / elapsed:.1f} tok/s")
         except BaseException:
-            unanswered = [r for r in request_ids if r not in done]
-            self.engine.abort_request(unanswered)
-            if self._stats is not None:
-                iteration = IterationStats()
-                self._stats.requests.on_aborted(unanswered, iteration, time.monotonic())
-                self._stats.record(self.engine, [], iteration, stepped=False)
+            self._abort([r for r in request_ids if r not in done])
             raise
         finally:
             bar.close()
         return [done[r] for r in request_ids]
+
+    def _abort(self, request_ids: list[str]) -> list[RequestOutput]:
+        """Abort requests, counted so in the statistics; their last outputs."""
+        outputs = self.engine.abort_request(request_ids)
+        if self._stats is not None:
+            iteration = IterationStats()
+            self._stats.requests.on_aborted(request_ids, iteration, time.monotonic())
+            self._stats.record(self.engine, [], iteration, stepped=False)
+        return outputs
 
     def _step(self) -> list[RequestOutput]:
         """One engine step; the finished outputs of queued requests (`enqueue`) are kept. With statistics kept
@@ -776,10 +826,14 @@ class LLM:
             iteration = IterationStats(started=time.monotonic())
             outputs = self.engine.step()
             self._stats.record(self.engine, outputs, iteration, True, self.engine.step_new_tokens)
+        self._keep_enqueued(outputs)
+        return outputs
+
+    def _keep_enqueued(self, outputs: list[RequestOutput]) -> None:
+        """Keep the final outputs of queued requests (`enqueue`) for wait_for_completion."""
         for output in outputs:
             if output.finished and output.request_id in self._enqueued:
                 self._enqueued[output.request_id] = output
-        return outputs
 
 
 def _as_conversations(messages: Conversation | Sequence[Conversation]) -> list[Conversation]:

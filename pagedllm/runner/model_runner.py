@@ -156,6 +156,14 @@ class ModelRunner:
             if self.draft is not None:
                 self.draft.allocate_kv_cache(num_blocks)
 
+    def release_kv_cache(self) -> None:
+        """Free the KV pool's memory (the engine's sleep mode) on every rank; allocate_kv_cache brings it back."""
+        self.decode_graphs = None
+        with self.peers.run("release_kv_cache", wait=True):
+            self.kv, self.kv_caches = None, []
+            if self.draft is not None:
+                self.draft.release_kv_cache()
+
     @property
     def recurrent_bytes_per_request(self) -> int:
         """A running request's two slots of recurrent states (0 for a model without recurrent layers)."""

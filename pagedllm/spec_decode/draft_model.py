@@ -61,6 +61,9 @@ class DraftModel:
         self.kv = kv_tensors.allocate_kv(self.layout, num_blocks, self.block_size, self.device)
         self.kv_caches = kv_tensors.layer_caches(self.kv)
 
+    def release_kv_cache(self) -> None:
+        self.kv, self.kv_caches = None, []
+
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """The scheduler's copy-on-write copies, in the draft's pool too."""
         assert self.kv is not None

@@ -4,6 +4,7 @@ with prefix caching and n > 1; and a worker that dies fails the engine cleanly."
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing.forkserver
 import os
 import signal
@@ -16,6 +17,7 @@ import torch
 from pagedllm import LLM, SamplingParams, distributed
 from pagedllm.kernels import cpu_kernels
 from pagedllm.layers.linear import HeadShard, head_shard
+from tests.distributed import rpc_functions as rpc
 from tests.entrypoints.server_utils import start_server, wait_until
 from tests.models.tiny import save_tiny_model
 
@@ -107,48 +109,32 @@ def test_two_ranks_give_the_tokens_of_one(tmp_path, disk_tmp_path, kind: str, ov
     assert not list(swap_dir.iterdir()), "each rank's swap file is deleted on close"
 
 
-# What vLLM's collective_rpc and apply_model send to the workers: module-level functions, which pickle.
-def _attention_heads(model: torch.nn.Module) -> HeadShard:
-    return model.model.layers[0].self_attn.qkv_proj.heads
-
-
-def _rank_and_sum(runner, a: int, b: int = 0) -> tuple[int, int]:
-    return runner.tp_rank, a + b
-
-
-def _fail_on_workers(runner) -> int:
-    if runner.tp_rank:
-        raise KeyError("only on workers")
-    return 0
-
-
-def _sleep_on_workers(runner, seconds: float) -> int:
-    if runner.tp_rank:
-        time.sleep(seconds)
-    return runner.tp_rank
-
-
 def test_smollm2_on_two_ranks_matches_one(smol_llm) -> None:
     prompts = ["What is the capital of France?", "Write a haiku about the sea.", "1, 2, 3, 4,"]
     expected = _generate(smol_llm, prompts, GREEDY)
     with LLM(dtype="float32", kv_cache_memory=64 * MiB, max_model_len=2048, tensor_parallel_size=2) as two:
         assert two.get_world_size() == 2
         # rank 0: 6 query heads and 2 of the 3 KV heads; rank 1 the rest
-        assert two.apply_model(_attention_heads) == [HeadShard(0, 6, 0, 2), HeadShard(6, 3, 2, 1)]
+        assert two.apply_model(rpc.attention_heads) == [HeadShard(0, 6, 0, 2), HeadShard(6, 3, 2, 1)]
         assert two.engine.runner.layout.num_kv_heads == 2
         assert _generate(two, prompts, GREEDY) == expected
         # vLLM's collective_rpc: a worker's failure, a timeout and a function that cannot travel leave the group
         # as it was
-        assert two.collective_rpc(_rank_and_sum, args=(1,), kwargs={"b": 2}) == [(0, 3), (1, 3)]
+        assert two.collective_rpc(rpc.rank_and_sum, args=(1,), kwargs={"b": 2}) == [(0, 3), (1, 3)]
         assert two.collective_rpc("weight_bytes")[0] == two.engine.runner.weight_bytes()
         with pytest.raises(RuntimeError, match="rank 1:\n(.|\n)*KeyError: 'only on workers'"):
-            two.collective_rpc(_fail_on_workers)
+            two.collective_rpc(rpc.fail_on_workers)
         with pytest.raises(ValueError, match="do not pickle"):
             two.collective_rpc(lambda runner: 0)
-        with pytest.raises(TimeoutError, match="rank 1 gave no result within 0.2 s"):
-            two.collective_rpc(_sleep_on_workers, timeout=0.2, args=(1.0,))
-        assert two.collective_rpc(_rank_and_sum, args=(5,)) == [(0, 5), (1, 5)]     # the late reply dropped
-        assert two.engine.is_healthy() and _generate(two, prompts[:1], GREEDY) == expected[:1]
+        with pytest.raises(TimeoutError, match="rank 1 gave no result within 0.1 s"):
+            two.collective_rpc(rpc.sleep_on_workers, timeout=0.1, args=(0.4,))
+        assert two.collective_rpc(rpc.rank_and_sum, args=(5,)) == [(0, 5), (1, 5)]     # the late reply dropped
+        # vLLM's sleep mode releases every rank's KV pool, and wake_up brings them back
+        two.sleep(level=1)
+        assert two.collective_rpc(rpc.kv_pool_released) == [True, True]
+        assert two.wake_up() and two.collective_rpc(rpc.kv_pool_released) == [False, False]
+        assert two.engine.is_healthy()
+        assert _generate(two, prompts[:1], dataclasses.replace(GREEDY, max_tokens=4)) == [[expected[0][0][:4]]]
 
 
 def test_the_server_on_two_ranks_and_a_dead_worker_fails_every_request_with_503(tmp_path, monkeypatch) -> None:

@@ -382,6 +382,15 @@ class Scheduler:
             self._wait_to_recompute(self.requests[request_id])
         return requeued
 
+    def requeue_running(self) -> list[str]:
+        """Every running request drops its blocks and waits to be recomputed (the KV pool's memory is about to be
+        released: `LLMEngine.sleep`); their ids. Not counted as preemptions, which measure a full pool."""
+        requeued = [request.request_id for request in self.running]
+        for request in list(self.running):
+            self._remove_running(request)
+            self._wait_to_recompute(request)
+        return requeued
+
     def _wait_to_recompute(self, request: Request) -> None:
         """A request out of `running` drops its blocks (their hashes stay cached) and its computed tokens, and
         waits again with its original priority and arrival time."""
