@@ -122,6 +122,7 @@ class RayReplica:
             raise
         self._facts_ref = self.actor.facts.remote()
         self._unfinished = False
+        self._sleeping = False
         self._closed = False
 
     def wait_until_loaded(self) -> None:
@@ -196,15 +197,18 @@ class RayReplica:
 
     def sleep(self, level: int = 1) -> None:
         self._call("sleep", level)
+        self._sleeping = True
 
     def wake_up(self, tags: list[str] | None = None) -> bool:
-        return self._call("wake_up", tags)
+        self._sleeping = not self._call("wake_up", tags)
+        return not self._sleeping
 
     def release_kv_cache_memory(self) -> None:
         self._call("release_kv_cache_memory")
 
     def is_sleeping(self) -> bool:
-        return self._call("is_sleeping")
+        """As of the last call (only this process puts the engine to sleep and wakes it)."""
+        return self._sleeping
 
     def make_stats(self):
         return self._call("make_stats")

@@ -47,7 +47,7 @@ from pagedllm.distributed import TensorParallelError
 from pagedllm.engine.admission import Admission, admitted
 from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedllm.engine.engine_thread import EngineThread
-from pagedllm.engine.llm_engine import LLMEngine, PromptInput, tokenize_prompt
+from pagedllm.engine.llm_engine import LLMEngine, PromptInput, check_sleep, tokenize_prompt
 from pagedllm.inputs import ParsedPrompt, parse_prompt
 from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics.stats import IterationStats, SchedulerStats, StatLogger, StepRecorder
@@ -74,6 +74,7 @@ class RequestFailedError(RuntimeError):
 
 
 SHUTDOWN_STOP_REASON = "server_shutdown"
+SLEEP_STOP_REASON = "engine_sleep"      # the stop_reason of requests a sleep (mode "abort") ended
 
 
 @dataclass(slots=True)
@@ -441,6 +442,46 @@ class AsyncEngine:
         finally:
             self._calls.discard(future)
 
+    # ---- vLLM's development controls (the server's /sleep, /wake_up, /collective_rpc, ...) ---------------------------
+    async def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """`LLMEngine.sleep` between two steps, once the requests are dealt with as `mode` says: "abort" ends every
+        request (finish_reason "abort", stop_reason "engine_sleep"), "wait" lets those running or queued now finish
+        first (later ones are kept), "keep" keeps them all, to run after wake_up (recomputed from level 1)."""
+        check_sleep(level, mode)
+        if mode == "abort" and self._streams:
+            self._post(_Abort(list(self._streams), SLEEP_STOP_REASON))
+        elif mode == "wait":
+            if self._streams and self.is_sleeping():
+                raise ValueError("sleep mode 'wait' runs the requests in flight to the end, which a sleeping engine "
+                                 "cannot: wake it up first, or use mode 'abort' or 'keep'")
+            waited = set(self._streams)
+            while waited.intersection(self._streams) and self.is_running:
+                await asyncio.sleep(0.02)
+        await self.call_in_engine(lambda engine: engine.sleep(level))
+
+    async def wake_up(self, tags: list[str] | None = None) -> bool:
+        """`LLMEngine.wake_up`: whether the engine is fully awake (and steps again)."""
+        return await self.call_in_engine(lambda engine: engine.wake_up(tags))
+
+    async def release_kv_cache_memory(self) -> None:
+        await self.call_in_engine(lambda engine: engine.release_kv_cache_memory())
+
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping()
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.engine.config.parallel.tensor_parallel_size
+
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every cached block; False while requests hold blocks."""
+        return await self.call_in_engine(lambda engine: engine.reset_prefix_cache())
+
+    async def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (),
+                             kwargs: dict[str, Any] | None = None) -> list:
+        """`LLMEngine.collective_rpc` between two steps."""
+        return await self.call_in_engine(lambda engine: engine.collective_rpc(method, timeout, args, kwargs))
+
     async def kv_cache_snapshot(self) -> KVCacheSnapshot:
         """The KV block map and the stats after the engine's next step (at once when it is idle). Callers that
         ask while one is being made share it.
@@ -517,7 +558,7 @@ class AsyncEngine:
             while (batch := self._wait_for_work()) is not None:
                 iteration = IterationStats()
                 wants_snapshot = self._handle_inbox(batch, iteration)
-                stepped = self.engine.has_unfinished_requests()
+                stepped = self._has_work()
                 iteration.started = time.monotonic()
                 outputs = self.engine.step() if stepped else []
                 self._publish(outputs, iteration, stepped)
@@ -532,12 +573,16 @@ class AsyncEngine:
     def _wait_for_work(self) -> list[_InboxItem] | None:
         """Sleep until there is something to do; None once shut down."""
         with self._cond:
-            while not self._stopped and not self._inbox and not self.engine.has_unfinished_requests():
+            while not self._stopped and not self._inbox and not self._has_work():
                 self._cond.wait()
             if self._stopped:
                 return None
             batch, self._inbox = self._inbox, []
             return batch
+
+    def _has_work(self) -> bool:
+        """Requests to step: unfinished ones, and the engine awake (asleep, they wait for wake_up)."""
+        return self.engine.has_unfinished_requests() and not self.engine.is_sleeping()
 
     def _handle_inbox(self, batch: list[_InboxItem], iteration: IterationStats) -> bool:
         """Add and abort; True if a snapshot was asked for."""

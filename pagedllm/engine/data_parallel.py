@@ -451,6 +451,33 @@ class AsyncDataParallelEngine:
                                   [r.num_active_requests for r in self.replicas])
         return await self.replicas[index].beam_search(request_id, prompt, params)
 
+    # ---- vLLM's development controls, on every replica -------------------------------------------------------------
+    async def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        await asyncio.gather(*(replica.sleep(level, mode) for replica in self.replicas))
+
+    async def wake_up(self, tags: list[str] | None = None) -> bool:
+        return all(await asyncio.gather(*(replica.wake_up(tags) for replica in self.replicas)))
+
+    async def release_kv_cache_memory(self) -> None:
+        await asyncio.gather(*(replica.release_kv_cache_memory() for replica in self.replicas))
+
+    def is_sleeping(self) -> bool:
+        return any(replica.is_sleeping() for replica in self.replicas)
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.replicas[0].tensor_parallel_size
+
+    async def reset_prefix_cache(self) -> bool:
+        return all(await asyncio.gather(*(replica.reset_prefix_cache() for replica in self.replicas)))
+
+    async def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (),
+                             kwargs: dict[str, Any] | None = None) -> list:
+        """Every replica's ranks' results, replica by replica."""
+        results = await asyncio.gather(*(replica.collective_rpc(method, timeout, args, kwargs)
+                                         for replica in self.replicas))
+        return [result for replica_results in results for result in replica_results]
+
     async def kv_cache_snapshot(self) -> KVCacheSnapshot:
         """Replica 0's block map and stats (the dashboard shows one pool)."""
         return await self.replicas[0].kv_cache_snapshot()

@@ -116,7 +116,16 @@ class PromptTooLongError(ValueError):
 
 NO_TOKENIZER = "the engine has no tokenizer (skip_tokenizer_init=True)"
 SLEEP_LEVELS = (0, 1, 2)                            # vLLM's sleep levels (LLMEngine.sleep)
+SLEEP_MODES = ("abort", "wait", "keep")             # what a sleep does with unfinished requests (vLLM's PauseMode)
 SLEEP_TAGS = ("weights", "kv_cache", "scheduling")  # what wake_up brings back
+
+
+def check_sleep(level: int, mode: str) -> None:
+    """ValueError unless `level` and `mode` are vLLM's sleep level and mode."""
+    if mode not in SLEEP_MODES:
+        raise ValueError(f"sleep mode must be one of {SLEEP_MODES}, got {mode!r}")
+    if level not in SLEEP_LEVELS:
+        raise ValueError(f"sleep level must be one of {SLEEP_LEVELS}, got {level!r}")
 
 
 def require_tokenizer(tokenizer):
@@ -732,8 +741,7 @@ class LLMEngine:
         cache is emptied. Level 2 is level 1 here: the weights stay in memory (vLLM's level 1 offloads GPU weights
         to host memory, where pagedllm's already are on a CPU; its level 2 discards them for the caller to load
         new ones, which the weights kept in place serve too)."""
-        if level not in SLEEP_LEVELS:
-            raise ValueError(f"sleep level must be one of {SLEEP_LEVELS}, got {level!r}")
+        check_sleep(level, "keep")
         self.paused = True
         if level == 0 or self.kv_released:
             return

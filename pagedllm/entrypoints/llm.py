@@ -30,7 +30,7 @@ from pagedllm.config import (
 )
 from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedllm.engine.data_parallel import DataParallelEngine
-from pagedllm.engine.llm_engine import SLEEP_LEVELS, LLMEngine
+from pagedllm.engine.llm_engine import LLMEngine, check_sleep
 from pagedllm.entrypoints.openai.tool_parsers import with_tools
 from pagedllm.inputs import ParsedPrompt, PromptType, as_prompt_list, truncation_slice
 from pagedllm.logger import init_logger
@@ -66,7 +66,6 @@ logger = init_logger(__name__)
 # A progress bar or none, as vLLM's `use_tqdm`: a bool, or a callable that makes the bar from tqdm's arguments.
 UseTqdm = bool | Callable[..., tqdm]
 Conversation = list[dict[str, Any]]
-SLEEP_MODES = ("abort", "wait", "keep")     # what LLM.sleep does with unfinished requests (vLLM's PauseMode)
 
 
 class LLM:
@@ -332,10 +331,7 @@ class LLM:
                 "abort"; wait_for_completion returns them so), "wait" runs them to the end first (their outputs
                 kept for wait_for_completion), "keep" leaves them queued, to run (recomputed) after wake_up.
         """
-        if mode not in SLEEP_MODES:
-            raise ValueError(f"sleep mode must be one of {SLEEP_MODES}, got {mode!r}")
-        if level not in SLEEP_LEVELS:
-            raise ValueError(f"sleep level must be one of {SLEEP_LEVELS}, got {level!r}")
+        check_sleep(level, mode)
         if mode == "abort":
             self._keep_enqueued(self._abort(self.engine.unfinished_request_ids()))
         elif mode == "wait" and self.engine.has_unfinished_requests():

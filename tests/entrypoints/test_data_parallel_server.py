@@ -11,6 +11,7 @@ import torch
 
 from pagedllm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pagedllm.engine.data_parallel import AsyncDataParallelEngine, build_async_engine
+from pagedllm.entrypoints.openai.server import DEV_MODE_ENV
 from tests.entrypoints.server_utils import metric, scrape, start_server, wait_until
 from tests.models.tiny import save_tiny_model
 from tests.reliability.tiny_server import TINY_CONTEXT, pool_is_whole
@@ -43,7 +44,9 @@ def _serve(folder, router: str = "prefix_aware"):
 
 @pytest.fixture(scope="module")
 def dp_server(tiny_dir):
-    server = _serve(tiny_dir)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(DEV_MODE_ENV, "1")     # vLLM's development endpoints, on every replica
+        server = _serve(tiny_dir)
     yield server
     server.stop()
 
@@ -98,6 +101,20 @@ def test_a_disconnect_frees_the_blocks_of_the_replica_that_ran_it(dp_server):
     replicas = dp_server.engine.replicas
     assert wait_until(lambda: dp_server.engine.num_active_requests == 0 and
                       all(pool_is_whole(r.engine) for r in replicas))
+
+
+def test_the_development_endpoints_reach_every_replica(dp_server):
+    base = dp_server.base_url
+    expected = _complete(base, "alpha beta")["choices"][0]["text"]
+    assert httpx.post(f"{base}/sleep", timeout=30).json() == {"status": "sleeping", "level": 1}
+    replicas = dp_server.engine.replicas
+    assert httpx.get(f"{base}/is_sleeping", timeout=30).json() == {"is_sleeping": True}
+    assert all(r.engine.runner.kv is None for r in replicas), "each replica's KV pool released"
+    assert httpx.post(f"{base}/wake_up", timeout=30).json() == {"status": "awake", "tags": None}
+    assert _complete(base, "alpha beta")["choices"][0]["text"] == expected
+    assert httpx.get(f"{base}/get_world_size", timeout=30).json() == {"world_size": 2}
+    assert httpx.post(f"{base}/collective_rpc", json={"method": "weight_bytes"}, timeout=30).json()["results"] == \
+        [str(r.engine.runner.weight_bytes()) for r in replicas]
 
 
 def test_a_dead_replica_makes_the_server_unhealthy(tiny_dir, monkeypatch):

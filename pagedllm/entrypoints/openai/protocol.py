@@ -326,6 +326,15 @@ class RerankRequest(_PoolingRequest):
 FinishReason = Literal["stop", "length", "abort", "tool_calls"]
 
 
+class CollectiveRPCRequest(BaseModel):
+    """vLLM's /collective_rpc body (VLLM_SERVER_DEV_MODE): a worker method by name, with string arguments."""
+
+    method: str = Field(min_length=1)
+    args: list[str] = Field(default_factory=list)
+    kwargs: dict[str, str] = Field(default_factory=dict)
+    timeout: float | None = Field(default=None, gt=0)
+
+
 class LoadLoRAAdapterRequest(BaseModel):
     """vLLM's /v1/load_lora_adapter body."""
 

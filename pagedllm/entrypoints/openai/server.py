@@ -14,9 +14,9 @@ import os
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -31,6 +31,7 @@ from pagedllm.entrypoints.openai.dashboard import dashboard_router
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ClassificationRequest,
+    CollectiveRPCRequest,
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
@@ -168,6 +169,8 @@ def build_app(engine: AsyncEngine | AsyncDataParallelEngine, *, served_model_nam
     app.include_router(_utility_router(OpenAIServingTokenization(chat), stat_logger,
                                        load if server_load_tracking else None, tokenizer_info))
     app.include_router(dashboard_router(engine, api_keys))
+    if server_dev_mode():
+        app.include_router(_dev_router(engine))
     return app
 
 
@@ -306,12 +309,99 @@ def _pooling_router(pooling: OpenAIServingPooling, scoring: OpenAIServingScore) 
 
 
 RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
+
+
+def _env_switch(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true")
 
 
 def runtime_lora_updating() -> bool:
     """vLLM's switch for loading and unloading LoRA adapters while the server runs: $VLLM_ALLOW_RUNTIME_LORA_UPDATING
     set to true or 1."""
-    return os.environ.get(RUNTIME_LORA_ENV, "").strip().lower() in ("1", "true")
+    return _env_switch(RUNTIME_LORA_ENV)
+
+
+def server_dev_mode() -> bool:
+    """vLLM's switch for the development endpoints (sleep mode, cache reset, collective_rpc): $VLLM_SERVER_DEV_MODE
+    set to true or 1."""
+    return _env_switch(DEV_MODE_ENV)
+
+
+SleepMode = Literal["abort", "wait", "keep"]
+
+
+def _dev_router(engine: AsyncEngine | AsyncDataParallelEngine) -> APIRouter:
+    """vLLM's development endpoints, served with VLLM_SERVER_DEV_MODE=1 (behind the API key, unlike vLLM's):
+    sleep mode (/sleep, /wake_up, /is_sleeping, /release_kv_cache_memory), its level 0 as the RL loop's /pause,
+    /resume and /is_paused, /reset_prefix_cache, /get_world_size, and /collective_rpc by method name. Each runs on
+    the engine thread between two steps (on every replica)."""
+    router = APIRouter()
+
+    async def control(call: Callable[[], Any]) -> Any:
+        try:
+            return await call()
+        except ValueError as exc:
+            raise OpenAIError(str(exc)) from exc
+
+    @router.post("/sleep")
+    async def sleep(level: Annotated[int, Query(ge=0, le=2)] = 1, mode: SleepMode = "abort") -> dict[str, Any]:
+        await control(lambda: engine.sleep(level, mode))
+        return {"status": "sleeping", "level": level}
+
+    @router.post("/wake_up")
+    async def wake_up(request: Request) -> dict[str, Any]:
+        tags = request.query_params.getlist("tags") or None
+        awake = await control(lambda: engine.wake_up(tags))
+        return {"status": "awake" if awake else "sleeping", "tags": tags}
+
+    @router.get("/is_sleeping")
+    async def is_sleeping() -> dict[str, bool]:
+        return {"is_sleeping": engine.is_sleeping()}
+
+    @router.post("/release_kv_cache_memory")
+    async def release_kv_cache_memory() -> dict[str, str]:
+        try:
+            await engine.release_kv_cache_memory()
+        except RuntimeError as exc:     # not paused first
+            raise OpenAIError(str(exc)) from exc
+        return {"status": "kv_cache_released"}
+
+    @router.post("/pause")
+    async def pause(mode: SleepMode = "abort", clear_cache: bool = True) -> dict[str, str]:
+        await control(lambda: engine.sleep(0, mode))
+        if clear_cache and mode != "keep":
+            await engine.reset_prefix_cache()
+        return {"status": "paused"}
+
+    @router.post("/resume")
+    async def resume() -> dict[str, str]:
+        await engine.wake_up(["scheduling"])
+        return {"status": "resumed"}
+
+    @router.get("/is_paused")
+    async def is_paused() -> dict[str, bool]:
+        return {"is_paused": engine.is_sleeping()}
+
+    @router.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> dict[str, bool]:
+        return {"success": await engine.reset_prefix_cache()}
+
+    @router.get("/get_world_size")
+    async def get_world_size(include_dp: bool = True) -> dict[str, int]:
+        return {"world_size": engine.tensor_parallel_size * (engine.data_parallel_size if include_dp else 1)}
+
+    @router.post("/collective_rpc")
+    async def collective_rpc(body: CollectiveRPCRequest) -> dict[str, list]:
+        try:
+            results = await engine.collective_rpc(body.method, body.timeout, tuple(body.args), body.kwargs)
+        except (AttributeError, TypeError) as exc:     # no such method, or not its arguments
+            raise OpenAIError(f"collective_rpc {body.method!r}: {exc}", param="method") from exc
+        except (RuntimeError, TimeoutError) as exc:     # it failed, or gave no result in time, on some rank
+            raise OpenAIError(f"collective_rpc {body.method!r}: {exc}", 500) from exc
+        return {"results": [r if r is None or isinstance(r, dict | list) else str(r) for r in results]}
+
+    return router
 
 
 def _lora_router(engine: AsyncEngine, chat: OpenAIServingChat) -> APIRouter:
