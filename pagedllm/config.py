@@ -538,6 +538,66 @@ class StructuredOutputsConfig:
         return _from_dict(cls, values, "structured_outputs_config")
 
 
+PROFILER_ACTIVITIES = ("CPU", "CUDA")
+
+
+@dataclass
+class ProfilerConfig:
+    """How `start_profile` profiles the engine (vLLM's `profiler_config`, `--profiler-config`): torch's profiler over
+    the engine's steps, each session's trace written to `torch_profiler_dir` as a Chrome trace
+    (`{name}.{time_ns}.pt.trace.json[.gz]`, which Perfetto and chrome://tracing open). pagedllm.profiler runs it.
+
+    Args:
+        profiler: "torch", or None: profiling off (start_profile refused).
+        torch_profiler_dir: the folder the traces go to (made if missing); needed with "torch".
+        torch_profiler_activities: what is recorded, "CPU" and/or "CUDA" (default: CPU, and CUDA on a GPU).
+        torch_profiler_record_shapes, torch_profiler_with_memory, torch_profiler_with_stack,
+            torch_profiler_with_flops: torch.profiler.profile's record_shapes, profile_memory, with_stack and
+            with_flops.
+        torch_profiler_use_gzip: write the trace gzipped.
+        delay_iterations: engine steps after start_profile before recording starts.
+        max_iterations: engine steps recorded before the session stops by itself (0: until stop_profile).
+        wait_iterations, warmup_iterations, active_iterations: torch's profiling schedule (used when wait or
+            warmup is set): steps skipped, then recorded and thrown away, then recorded.
+    """
+
+    profiler: str | None = None
+    torch_profiler_dir: str = ""
+    torch_profiler_activities: list[str] | None = None
+    torch_profiler_record_shapes: bool = False
+    torch_profiler_with_memory: bool = False
+    torch_profiler_with_stack: bool = True
+    torch_profiler_with_flops: bool = False
+    torch_profiler_use_gzip: bool = True
+    delay_iterations: int = 0
+    max_iterations: int = 0
+    wait_iterations: int = 0
+    warmup_iterations: int = 0
+    active_iterations: int = 5
+
+    def __post_init__(self) -> None:
+        _require(self.profiler in (None, "torch"), "profiler_config.profiler",
+                 "'torch' or None (pagedllm profiles with torch's profiler; vLLM's cuda and proton are not taken)",
+                 self.profiler)
+        _require(self.profiler is None or bool(self.torch_profiler_dir), "profiler_config.torch_profiler_dir",
+                 "the folder for the traces with profiler 'torch'", self.torch_profiler_dir)
+        activities = self.torch_profiler_activities
+        _require(activities is None or (bool(activities) and set(activities) <= set(PROFILER_ACTIVITIES)
+                                        and len(set(activities)) == len(activities)),
+                 "profiler_config.torch_profiler_activities", f"distinct names among {PROFILER_ACTIVITIES}",
+                 activities)
+        for name in ("delay_iterations", "max_iterations", "wait_iterations", "warmup_iterations"):
+            _require(getattr(self, name) >= 0, f"profiler_config.{name}", ">= 0", getattr(self, name))
+        _require(self.active_iterations >= 1, "profiler_config.active_iterations", ">= 1", self.active_iterations)
+
+    @classmethod
+    def from_dict(cls, values: dict | ProfilerConfig | None) -> ProfilerConfig:
+        """vLLM's dict form; None: profiling off. Unknown keys are a ValueError naming them."""
+        if values is None or isinstance(values, ProfilerConfig):
+            return values or cls()
+        return _from_dict(cls, values, "profiler_config")
+
+
 def _from_dict(cls: type[T], values: Any, name: str) -> T:
     """A config from vLLM's dict form of it (`name`); ValueError for another value, or naming unknown keys."""
     if not isinstance(values, dict):
@@ -558,12 +618,17 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     lora: LoRAConfig | None = None     # None: LoRA adapters off
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
 
     def __post_init__(self) -> None:
         parallel = self.parallel
         _require(self.speculative is None or self.speculative.method != "draft_model"
                  or parallel.tensor_parallel_size == 1, "speculative_config",
                  "n-gram lookup with tensor_parallel_size > 1 (a draft model runs on one rank)", self.speculative)
+        _require(self.profiler.profiler is None or parallel.data_parallel_size == 1
+                 or parallel.distributed_executor_backend == "ray", "profiler_config",
+                 "None with replicas in this process (torch's profiler records one session a process: profile one "
+                 "engine, or replicas in Ray actors, distributed_executor_backend='ray')", self.profiler.profiler)
         _require(self.lora is None or parallel.tensor_parallel_size == parallel.data_parallel_size == 1,
                  "enable_lora", "False with tensor_parallel_size or data_parallel_size > 1 (LoRA adapters run on "
                  "one engine of one rank)", self.lora is not None)

@@ -195,6 +195,13 @@ class RayReplica:
     def apply_model(self, function: Callable) -> list:
         return self._call("apply_model", function)
 
+    def start_profile(self, profile_prefix: str | None = None, *, delay_iterations: int | None = None,
+                      max_iterations: int | None = None) -> None:
+        self._call("start_profile", profile_prefix, delay_iterations=delay_iterations, max_iterations=max_iterations)
+
+    def stop_profile(self) -> None:
+        self._call("stop_profile")
+
     def sleep(self, level: int = 1) -> None:
         self._call("sleep", level)
         self._sleeping = True

@@ -473,6 +473,19 @@ class AsyncEngine:
     def tensor_parallel_size(self) -> int:
         return self.engine.config.parallel.tensor_parallel_size
 
+    @property
+    def profiles(self) -> bool:
+        """Whether a profiler is configured (`start_profile`)."""
+        return bool(self.engine.config.profiler.profiler)
+
+    async def start_profile(self, profile_prefix: str | None = None, delay_iterations: int | None = None,
+                            max_iterations: int | None = None) -> None:
+        await self.call_in_engine(lambda engine: engine.start_profile(
+            profile_prefix, delay_iterations=delay_iterations, max_iterations=max_iterations))
+
+    async def stop_profile(self) -> None:
+        await self.call_in_engine(lambda engine: engine.stop_profile())
+
     async def reset_prefix_cache(self) -> bool:
         """Forget every cached block; False while requests hold blocks."""
         return await self.call_in_engine(lambda engine: engine.reset_prefix_cache())

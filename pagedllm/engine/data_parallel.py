@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import functools
+import os
 from collections import Counter
 from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
@@ -244,6 +245,17 @@ class DataParallelEngine:
     def apply_model(self, function: Callable) -> list:
         return [result for replica in self.replicas for result in replica.apply_model(function)]
 
+    def start_profile(self, profile_prefix: str | None = None, *, delay_iterations: int | None = None,
+                      max_iterations: int | None = None) -> None:
+        """Each replica's session, on the thread that steps it (the thread torch's profiler records)."""
+        for index, (replica, thread) in enumerate(zip(self.replicas, self._threads, strict=True)):
+            thread.call(functools.partial(replica.start_profile, _replica_profile(profile_prefix, index),
+                                          delay_iterations=delay_iterations, max_iterations=max_iterations))
+
+    def stop_profile(self) -> None:
+        for replica, thread in zip(self.replicas, self._threads, strict=True):
+            thread.call(replica.stop_profile)
+
     def sleep(self, level: int = 1) -> None:
         for replica in self.replicas:
             replica.sleep(level)
@@ -288,6 +300,11 @@ class DataParallelEngine:
     def _loads(self) -> list[int]:
         counts = Counter(self._owner.values())
         return [counts[index] for index in range(len(self.replicas))]
+
+
+def _replica_profile(profile_prefix: str | None, index: int) -> str:
+    """The name of replica `index`'s trace in a profiling session named `profile_prefix`."""
+    return f"{profile_prefix or f'pagedllm_{os.getpid()}'}_dp{index}"
 
 
 class AsyncDataParallelEngine:
@@ -467,6 +484,18 @@ class AsyncDataParallelEngine:
     @property
     def tensor_parallel_size(self) -> int:
         return self.replicas[0].tensor_parallel_size
+
+    @property
+    def profiles(self) -> bool:
+        return self.replicas[0].profiles
+
+    async def start_profile(self, profile_prefix: str | None = None, delay_iterations: int | None = None,
+                            max_iterations: int | None = None) -> None:
+        await asyncio.gather(*(replica.start_profile(_replica_profile(profile_prefix, index), delay_iterations,
+                                                     max_iterations) for index, replica in enumerate(self.replicas)))
+
+    async def stop_profile(self) -> None:
+        await asyncio.gather(*(replica.stop_profile() for replica in self.replicas))
 
     async def reset_prefix_cache(self) -> bool:
         return all(await asyncio.gather(*(replica.reset_prefix_cache() for replica in self.replicas)))

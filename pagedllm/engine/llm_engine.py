@@ -45,6 +45,7 @@ from pagedllm.models.llama import (
 from pagedllm.multimodal import ImageInput, ImageProcessor, check_image_count, pixels_hash
 from pagedllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from pagedllm.pooling_params import PoolingParams
+from pagedllm.profiler import EngineProfiler
 from pagedllm.runner import kv_tensors
 from pagedllm.runner.model_runner import ModelRunner, StepTimings, model_shape
 from pagedllm.sample.logits_processor import CustomLogits, load_logits_processors
@@ -294,6 +295,7 @@ class LLMEngine:
                 and not has_conv_layers(model_config) and not self.runner.mixers):
             self._capture_decode_graphs()
         self.graphs_captured = self.runner.decode_graphs is not None
+        self.profiler = EngineProfiler(config.profiler, self.runner.device) if config.profiler.profiler else None
         self.paused = self.kv_released = False      # sleep mode: scheduling paused; the KV pool's memory released
         # blocks behind a window every layer attends within are freed; not with a draft model, which runs a whole
         # context again after a preemption or a prefix hit
@@ -733,6 +735,20 @@ class LLMEngine:
         """vLLM's apply_model: `function(model)` on every rank's model (its slice of the weights), in rank order."""
         return self.collective_rpc(apply_to_model, args=(function,))
 
+    # ---- profiling (vLLM's start_profile / stop_profile) --------------------------------------------------------
+    def start_profile(self, profile_prefix: str | None = None, *, delay_iterations: int | None = None,
+                      max_iterations: int | None = None) -> None:
+        """Start recording the engine's steps with torch's profiler (pagedllm.profiler; `profiler_config`)."""
+        if self.profiler is None:
+            raise ValueError("start_profile needs a profiler: profiler_config={'profiler': 'torch', "
+                             "'torch_profiler_dir': DIR} (--profiler-config)")
+        self.profiler.start(profile_prefix, delay_iterations, max_iterations)
+
+    def stop_profile(self) -> None:
+        """End the profiling session and write its trace."""
+        if self.profiler is not None:
+            self.profiler.stop()
+
     # ---- sleep mode (vLLM's) -------------------------------------------------------------------------------------
     def sleep(self, level: int = 1) -> None:
         """vLLM's sleep, the requests already dealt with by the caller (`LLM.sleep`'s mode). Level 0 pauses
@@ -797,6 +813,12 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         if self.paused:     # asleep: requests wait (LLM and the server refuse to step it)
             return []
+        outputs = self._step()
+        if self.profiler is not None:
+            self.profiler.step()
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         scheduler_output = self.scheduler.schedule()
         try:
             self.runner.prepare(scheduler_output)

@@ -22,6 +22,7 @@ from pagedllm.config import (
     ModelConfig,
     ParallelConfig,
     PreemptionMode,
+    ProfilerConfig,
     SchedulerConfig,
     SchedulingPolicy,
     SpeculativeConfig,
@@ -177,6 +178,8 @@ class LLM:
             offline LLM does: vLLM's periodic log line of throughput and load (`pagedllm.metrics.log_stats`), and
             the metrics the server's /metrics has, which `get_metrics()` reads. Off by default, as in vLLM; one
             engine (data_parallel_size 1).
+        profiler_config: torch's profiler for `start_profile` (vLLM's), e.g. `{"profiler": "torch",
+            "torch_profiler_dir": "./traces"}` (`ProfilerConfig`); None: off.
     """
 
     def __init__(self, model: str | None = None, *, dtype: str = "auto", max_model_len: int | None = None,
@@ -211,7 +214,8 @@ class LLM:
                  kv_cache_metrics_sample: float = 0.01, scheduler_reserve_full_isl: bool = True,
                  watermark: float = 0.0, max_num_active_seqs: int | None = None, tokenizer_mode: str = "auto",
                  revision: str | None = None, tokenizer_revision: str | None = None,
-                 disable_log_stats: bool = True) -> None:
+                 disable_log_stats: bool = True,
+                 profiler_config: dict[str, Any] | ProfilerConfig | None = None) -> None:
         check_runner(runner, convert)
         check_vllm_loading_args(model, tokenizer_mode, revision, tokenizer_revision)
         if not disable_log_stats and data_parallel_size > 1:
@@ -253,6 +257,7 @@ class LLM:
                                     data_parallel_router=data_parallel_router),
             lora=LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None,
             structured_outputs=StructuredOutputsConfig.from_dict(structured_outputs_config),
+            profiler=ProfilerConfig.from_dict(profiler_config),
         )
         self._attach(LLMEngine(config) if data_parallel_size == 1 else DataParallelEngine(config),
                      log_stats=not disable_log_stats)
@@ -355,6 +360,18 @@ class LLM:
         if self.engine.is_sleeping():
             raise RuntimeError(f"the engine is asleep (LLM.sleep) and {what}: call wake_up() first (enqueue takes "
                                "requests meanwhile)")
+
+    def start_profile(self, profile_prefix: str | None = None, *, delay_iterations: int | None = None,
+                      max_iterations: int | None = None) -> None:
+        """Record the engine's steps with torch's profiler until `stop_profile` (vLLM's; needs `profiler_config`):
+        the trace goes to its folder as `{profile_prefix}.{time_ns}.pt.trace.json.gz` (a Chrome trace; with data
+        parallelism, one a replica, `{profile_prefix}_dp{i}`). `delay_iterations` steps pass before recording;
+        `max_iterations` recorded steps end the session by themselves (0: until stop_profile)."""
+        self.engine.start_profile(profile_prefix, delay_iterations=delay_iterations, max_iterations=max_iterations)
+
+    def stop_profile(self) -> None:
+        """End the profiling session and write its trace."""
+        self.engine.stop_profile()
 
     def get_tokenizer(self):
         """The engine's tokenizer (ValueError with skip_tokenizer_init, which loads none)."""

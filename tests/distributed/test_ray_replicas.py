@@ -81,7 +81,7 @@ def test_the_server_on_replicas_in_actors_and_a_dead_one_answers_503(tiny_dir):
 
 
 def test_replicas_of_tensor_parallel_groups_in_actors_give_one_engines_tokens_and_refuse_as_one_engine(
-        tiny_dir, local_cluster):
+        tiny_dir, local_cluster, tmp_path):
     """Two replica actors, each rank 0 of a tensor-parallel group of 2 (its rank 1 another actor)."""
     prompts = random_prompts(6, seed=5) + [SYSTEM + f" Question {i}?" for i in range(4)]
     with LLM(str(tiny_dir), **CONFIG) as one:
@@ -90,14 +90,19 @@ def test_replicas_of_tensor_parallel_groups_in_actors_give_one_engines_tokens_an
         LLM(str(tiny_dir), **CONFIG, data_parallel_size=2, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="need 6 Ray actors .* the Ray cluster has 4 CPU"):
         LLM(str(tiny_dir), **CONFIG, data_parallel_size=3, tensor_parallel_size=2, distributed_executor_backend="ray")
-    llm = LLM(str(tiny_dir), **CONFIG, data_parallel_size=2, tensor_parallel_size=2, distributed_executor_backend="ray")
+    profiler = {"profiler": "torch", "torch_profiler_dir": str(tmp_path), "torch_profiler_with_stack": False}
+    llm = LLM(str(tiny_dir), **CONFIG, data_parallel_size=2, tensor_parallel_size=2, distributed_executor_backend="ray",
+              profiler_config=profiler)
     with llm:
         engine = llm.engine
         assert isinstance(engine, DataParallelEngine)
         assert all(isinstance(replica, RayReplica) for replica in engine.replicas)
         pids = [replica.pid for replica in engine.replicas]
         assert len(set(pids)) == 2 and os.getpid() not in pids
+        llm.start_profile("run")        # each actor, its own process, records its own session
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        llm.stop_profile()
+        assert sorted(path.name.split(".")[0] for path in tmp_path.iterdir()) == ["run_dp0", "run_dp1"]
         assert [o.outputs[0].token_ids for o in outputs] == expected
         # vLLM's collective_rpc reaches every rank of every replica; Ray's actors take a lambda
         assert llm.get_world_size() == 4 and llm.get_world_size(include_dp=False) == 2

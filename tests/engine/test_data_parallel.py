@@ -119,3 +119,11 @@ def test_replicas_without_a_tokenizer_run_on_token_ids(tiny_dir):
         assert [o.outputs[0].token_ids for o in outputs] == expected and all(o.outputs[0].text == "" for o in outputs)
         with pytest.raises(ValueError, match="skip_tokenizer_init"):
             two.get_tokenizer()
+
+
+
+def test_replicas_in_this_process_refuse_a_profiler(tiny_dir):
+    """torch's profiler records one session a process: in-process replicas cannot each have one (Ray's can)."""
+    config = {"profiler": "torch", "torch_profiler_dir": "traces"}
+    with pytest.raises(ValueError, match="profiler_config must be None with replicas in this process"):
+        _llm(tiny_dir, 2, profiler_config=config)

@@ -535,6 +535,10 @@ def _add_scheduler_args(group: argparse._ArgumentGroup) -> None:
                             '"enable_in_reasoning": true}\': "backend" is taken by name (pagedllm compiles with '
                             'llguidance), JSON is compact unless disable_any_whitespace is false, and with a '
                             'reasoning parser a constraint applies after the thought unless enable_in_reasoning')
+    group.add_argument("--profiler-config", type=parse_json_object, default=None, metavar="JSON",
+                       help='torch\'s profiler for /start_profile and /stop_profile (served with it), as vLLM '
+                            'configures it, e.g. \'{"profiler": "torch", "torch_profiler_dir": "./traces"}\' '
+                            '(default: off)')
     group.add_argument("--spec-method", default=None, choices=["ngram", "draft_model"],
                        help="shortcut for --speculative-config's method")
     group.add_argument("--spec-model", default=None, metavar="PATH",
@@ -639,6 +643,7 @@ def engine_config_from_args(args: argparse.Namespace):
         LoRAConfig,
         ModelConfig,
         ParallelConfig,
+        ProfilerConfig,
         SchedulerConfig,
         SpeculativeConfig,
     )
@@ -679,6 +684,7 @@ def engine_config_from_args(args: argparse.Namespace):
                                   preemption_mode=args.preemption_mode, scheduling_policy=args.scheduling_policy),
         speculative=SpeculativeConfig.from_dict(_speculative_config(args)),
         structured_outputs=_structured_outputs_config(args),
+        profiler=ProfilerConfig.from_dict(args.profiler_config),
         parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
                                 data_parallel_size=args.data_parallel_size,
                                 distributed_executor_backend=args.distributed_executor_backend,

@@ -335,6 +335,14 @@ class CollectiveRPCRequest(BaseModel):
     timeout: float | None = Field(default=None, gt=0)
 
 
+class StartProfileRequest(BaseModel):
+    """vLLM's /start_profile body: what one profiling session overrides of --profiler-config."""
+
+    profile_prefix: str | None = None
+    delay_iterations: int | None = Field(default=None, ge=0)
+    max_iterations: int | None = Field(default=None, ge=0)
+
+
 class LoadLoRAAdapterRequest(BaseModel):
     """vLLM's /v1/load_lora_adapter body."""
 

@@ -40,6 +40,7 @@ from pagedllm.entrypoints.openai.protocol import (
     RerankRequest,
     ResponsesRequest,
     ScoreRequest,
+    StartProfileRequest,
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
     now,
@@ -66,8 +67,11 @@ from pagedllm.entrypoints.openai.transport import (
     ServerLoad,
     respond,
 )
+from pagedllm.logger import init_logger
 from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics.prometheus import PrometheusStatLogger
+
+logger = init_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -171,6 +175,8 @@ def build_app(engine: AsyncEngine | AsyncDataParallelEngine, *, served_model_nam
     app.include_router(dashboard_router(engine, api_keys))
     if server_dev_mode():
         app.include_router(_dev_router(engine))
+    if engine.profiles:
+        app.include_router(_profile_router(engine))
     return app
 
 
@@ -427,6 +433,29 @@ def _lora_router(engine: AsyncEngine, chat: OpenAIServingChat) -> APIRouter:
                               "model_not_found")
         await engine.call_in_engine(lambda llm_engine: llm_engine.runner.loras.drop(lora.lora_int_id))
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
+    return router
+
+
+def _profile_router(engine: AsyncEngine | AsyncDataParallelEngine) -> APIRouter:
+    """vLLM's /start_profile (an optional body: `profile_prefix`, `delay_iterations`, `max_iterations`) and
+    /stop_profile, served when the engine has a profiler (--profiler-config)."""
+    router = APIRouter()
+    logger.warning("the profiler's /start_profile and /stop_profile are served: for local development only")
+
+    @router.post("/start_profile")
+    async def start_profile(body: StartProfileRequest | None = None) -> Response:
+        body = body or StartProfileRequest()
+        try:
+            await engine.start_profile(body.profile_prefix, body.delay_iterations, body.max_iterations)
+        except ValueError as exc:
+            raise OpenAIError(str(exc)) from exc
+        return Response(status_code=200)
+
+    @router.post("/stop_profile")
+    async def stop_profile() -> Response:
+        await engine.stop_profile()
+        return Response(status_code=200)
 
     return router
 
