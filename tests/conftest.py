@@ -71,6 +71,15 @@ def isa_level(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama (GQA, a byte tokenizer) saved once a session, its weights large enough (initializer_range
+    0.5) that its greedy tokens vary: for the tests that serve or run any small model."""
+    from tests.models.tiny import save_tiny_model
+
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-llama") / "m", "llama-gqa", initializer_range=0.5)[0]
+
+
+@pytest.fixture(scope="session")
 def smol_llm():
     from pagedllm import LLM
 

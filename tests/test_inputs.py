@@ -53,9 +53,8 @@ def test_bad_prompts_name_their_index_and_key(prompts, words):
 
 # ---- through the offline API ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory) -> LLM:
-    folder, _ = save_tiny_model(tmp_path_factory.mktemp("tiny") / "m", "llama-gqa", initializer_range=0.5)
-    return LLM(model=str(folder), dtype="float32", block_size=4, num_kv_blocks=256)
+def llm(tiny_llama_dir) -> LLM:
+    return LLM(model=str(tiny_llama_dir), dtype="float32", block_size=4, num_kv_blocks=256)
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

@@ -36,6 +36,9 @@ class CountingEngine:
     def is_healthy(self) -> bool:
         return True
 
+    def is_sleeping(self) -> bool:
+        return False
+
     def has_unfinished_requests(self) -> bool:
         return self.steps_left > 0
 

@@ -18,15 +18,10 @@ from pagedllm.entrypoints.openai.api_server import make_parser
 from pagedllm.entrypoints.openai.cli_args import engine_config_from_args
 from pagedllm.entrypoints.openai.server import build_app
 from tests.entrypoints.server_utils import start_server
-from tests.models.tiny import save_tiny_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> Path:
-    folder, _ = save_tiny_model(tmp_path_factory.mktemp("tiny") / "m", "llama-gqa", initializer_range=0.5)
-    return folder
 
 
 def _profiler(directory: Path, **fields) -> dict:
@@ -39,8 +34,8 @@ def _traces(directory: Path, name: str) -> list[dict]:
     return [json.loads(gzip.decompress(path.read_bytes())) for path in paths]
 
 
-def test_a_session_traces_the_steps_between_start_and_stop(tiny_dir, tmp_path):
-    llm = LLM(model=str(tiny_dir), dtype="float32", num_kv_blocks=64, profiler_config=_profiler(tmp_path))
+def test_a_session_traces_the_steps_between_start_and_stop(tiny_llama_dir, tmp_path):
+    llm = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=64, profiler_config=_profiler(tmp_path))
     expected = llm.generate("hello", GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     llm.start_profile("session")
     assert llm.engine.profiler.running
@@ -52,8 +47,8 @@ def test_a_session_traces_the_steps_between_start_and_stop(tiny_dir, tmp_path):
     assert any(name.startswith("aten::") for name in names), "the steps' ops are in the trace"
 
 
-def test_delay_and_max_iterations_bound_the_session_by_steps(tiny_dir, tmp_path):
-    llm = LLM(model=str(tiny_dir), dtype="float32", num_kv_blocks=64,
+def test_delay_and_max_iterations_bound_the_session_by_steps(tiny_llama_dir, tmp_path):
+    llm = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=64,
               profiler_config=_profiler(tmp_path, delay_iterations=2))
     profiler, engine = llm.engine.profiler, llm.llm_engine
     llm.start_profile("bounded", max_iterations=3)      # the config's delay, this session's limit
@@ -83,20 +78,20 @@ def test_a_bad_profiler_config_is_refused(config, words):
         ProfilerConfig.from_dict(config)
 
 
-def test_without_a_profiler_start_profile_says_what_it_needs(tiny_dir):
-    llm = LLM(model=str(tiny_dir), dtype="float32", num_kv_blocks=64)
+def test_without_a_profiler_start_profile_says_what_it_needs(tiny_llama_dir):
+    llm = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=64)
     with pytest.raises(ValueError, match="start_profile needs a profiler: profiler_config="):
         llm.start_profile()
     llm.stop_profile()
 
 
-def test_the_server_serves_the_profile_routes_with_a_profiler(tiny_dir, tmp_path):
+def test_the_server_serves_the_profile_routes_with_a_profiler(tiny_llama_dir, tmp_path):
     args = make_parser().parse_args(["--profiler-config", json.dumps(_profiler(tmp_path))])
     assert engine_config_from_args(args).profiler == ProfilerConfig(**_profiler(tmp_path))
-    plain = LLMEngine(EngineConfig(model=ModelConfig(model=str(tiny_dir), dtype="float32"),
+    plain = LLMEngine(EngineConfig(model=ModelConfig(model=str(tiny_llama_dir), dtype="float32"),
                                    cache=CacheConfig(num_blocks=64)))
     assert "/start_profile" not in build_app(AsyncEngine(plain)).openapi()["paths"]
-    engine = LLMEngine(EngineConfig(model=ModelConfig(model=str(tiny_dir), dtype="float32"),
+    engine = LLMEngine(EngineConfig(model=ModelConfig(model=str(tiny_llama_dir), dtype="float32"),
                                     cache=CacheConfig(num_blocks=64), profiler=ProfilerConfig(**_profiler(tmp_path))))
     server = start_server(engine, api_key=None)
     try:

@@ -17,9 +17,8 @@ def _tokens(outputs: list[RequestOutput]) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory) -> LLM:
-    folder, _ = save_tiny_model(tmp_path_factory.mktemp("tiny") / "m", "llama-gqa", initializer_range=0.5)
-    return LLM(model=str(folder), dtype="float32", block_size=4, num_kv_blocks=64)
+def llm(tiny_llama_dir) -> LLM:
+    return LLM(model=str(tiny_llama_dir), dtype="float32", block_size=4, num_kv_blocks=64)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ from pagedllm import SamplingParams
 from pagedllm.engine.async_engine import AsyncEngine
 from pagedllm.entrypoints.openai.server import DEV_MODE_ENV, build_app
 from tests.entrypoints.server_utils import RunningServer, start_server
-from tests.models.tiny import save_tiny_model
 from tests.reliability.tiny_server import build_tiny_engine, offline
 
 PROMPT = "Once upon a time, in a paged cache,"
@@ -22,23 +21,19 @@ DEV_ROUTES = {"/sleep", "/wake_up", "/is_sleeping", "/release_kv_cache_memory", 
               "/reset_prefix_cache", "/get_world_size", "/collective_rpc"}
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    folder, _ = save_tiny_model(tmp_path_factory.mktemp("tiny") / "m", "llama-gqa", initializer_range=0.5)
-    return folder
 
 
 @pytest.fixture(scope="module")
-def server(tiny_dir):
+def server(tiny_llama_dir):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(DEV_MODE_ENV, "1")
-        running = start_server(build_tiny_engine(tiny_dir), api_key=None)
+        running = start_server(build_tiny_engine(tiny_llama_dir), api_key=None)
     yield running
     running.stop()
 
 
-def _greedy_tokens(tiny_dir, max_tokens: int) -> list[int]:
-    llm = offline(build_tiny_engine(tiny_dir))
+def _greedy_tokens(tiny_llama_dir, max_tokens: int) -> list[int]:
+    llm = offline(build_tiny_engine(tiny_llama_dir))
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     return llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0].token_ids
 
@@ -67,16 +62,16 @@ def _completion_in_background(server: RunningServer, max_tokens: int) -> tuple[t
     return thread, answer
 
 
-def test_without_the_switch_no_development_endpoint_is_served(tiny_dir, monkeypatch):
+def test_without_the_switch_no_development_endpoint_is_served(tiny_llama_dir, monkeypatch):
     monkeypatch.delenv(DEV_MODE_ENV, raising=False)
-    engine = AsyncEngine(build_tiny_engine(tiny_dir))
+    engine = AsyncEngine(build_tiny_engine(tiny_llama_dir))
     assert not set(build_app(engine).openapi()["paths"]) & DEV_ROUTES
     monkeypatch.setenv(DEV_MODE_ENV, "true")
     assert set(build_app(engine).openapi()["paths"]) >= DEV_ROUTES
 
 
-def test_a_request_sent_while_asleep_runs_after_wake_up(server, tiny_dir):
-    expected = _greedy_tokens(tiny_dir, 8)
+def test_a_request_sent_while_asleep_runs_after_wake_up(server, tiny_llama_dir):
+    expected = _greedy_tokens(tiny_llama_dir, 8)
     assert _get(server, "/is_sleeping") == {"is_sleeping": False}
     assert _post(server, "/sleep", params={"level": 1}).json() == {"status": "sleeping", "level": 1}
     assert _get(server, "/is_sleeping") == {"is_sleeping": True}
@@ -103,10 +98,10 @@ def _running_one(server: RunningServer) -> tuple[threading.Thread, dict]:
 
 
 @pytest.mark.parametrize("mode", ["abort", "keep"])
-def test_a_request_caught_by_a_sleep_is_ended_or_recomputed(server, tiny_dir, mode):
+def test_a_request_caught_by_a_sleep_is_ended_or_recomputed(server, tiny_llama_dir, mode):
     """"abort" ends the request in flight (finish_reason "abort", the tokens it had); "keep" recomputes it after
     /wake_up, to the tokens it would have given awake."""
-    expected = _greedy_tokens(tiny_dir, MAX_TOKENS)
+    expected = _greedy_tokens(tiny_llama_dir, MAX_TOKENS)
     thread, answer = _running_one(server)
     if mode == "keep":      # "wait" cannot finish it while paused: refused, not a hang
         response = _post(server, "/sleep", params={"mode": "wait"})
@@ -122,8 +117,8 @@ def test_a_request_caught_by_a_sleep_is_ended_or_recomputed(server, tiny_dir, mo
         assert choice["finish_reason"] == "length" and choice["token_ids"] == expected
 
 
-def test_sleep_mode_wait_lets_the_request_in_flight_finish_first(server, tiny_dir):
-    expected = _greedy_tokens(tiny_dir, MAX_TOKENS)
+def test_sleep_mode_wait_lets_the_request_in_flight_finish_first(server, tiny_llama_dir):
+    expected = _greedy_tokens(tiny_llama_dir, MAX_TOKENS)
     thread, answer = _completion_in_background(server, MAX_TOKENS)
     while not server.engine.num_active_requests:
         thread.join(0.005)

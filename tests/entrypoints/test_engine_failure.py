@@ -25,7 +25,7 @@ class ExplodingEngine:
         self.real, self.gate = real, gate
         self.tokenizer, self.max_model_len, self.model_name = real.tokenizer, real.max_model_len, real.model_name
         self.vocab_size, self.swap_space_bytes = real.vocab_size, real.swap_space_bytes
-        self.default_sampling = real.default_sampling
+        self.default_sampling, self.config = real.default_sampling, real.config
         # An idle core of its own, for the metrics (the real engine's belongs to the shared server's thread).
         self.scheduler = Scheduler(SchedulerConfig(), KVCacheManager(num_blocks=16, block_size=16))
         self.pending: set[str] = set()
@@ -45,6 +45,9 @@ class ExplodingEngine:
 
     def is_healthy(self) -> bool:
         return True
+
+    def is_sleeping(self) -> bool:
+        return False
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.pending)

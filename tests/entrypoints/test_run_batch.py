@@ -14,34 +14,30 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.engine.async_engine import AsyncEngine
 from pagedllm.entrypoints.openai.run_batch import run_batch
 from pagedllm.entrypoints.openai.serving_base import FrontendOptions
-from tests.models.tiny import build_byte_tokenizer, save_tiny_model
+from tests.models.tiny import build_byte_tokenizer
 from tests.reliability.tiny_server import build_tiny_engine, offline
 
 MESSAGES = [{"role": "user", "content": "Say something."}]
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    folder, _ = save_tiny_model(tmp_path_factory.mktemp("tiny") / "m", "llama-gqa", initializer_range=0.5)
-    return folder
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_dir) -> LLM:
-    return offline(build_tiny_engine(tiny_dir))
+def reference(tiny_llama_dir) -> LLM:
+    return offline(build_tiny_engine(tiny_llama_dir))
 
 
 def _line(custom_id: str, url: str, body: dict) -> str:
     return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body})
 
 
-def _run(tiny_dir, lines: list[str], max_in_flight: int = 8,
+def _run(tiny_llama_dir, lines: list[str], max_in_flight: int = 8,
          options: FrontendOptions | None = None) -> tuple[list[dict], object]:
     """run_batch on a tiny engine of its own, started and shut down here; the output lines, parsed."""
     written: list[str] = []
 
     async def main():
-        served = AsyncEngine(build_tiny_engine(tiny_dir))
+        served = AsyncEngine(build_tiny_engine(tiny_llama_dir))
         served.start(asyncio.get_running_loop())
         try:
             return await run_batch(served, lines, written.append, max_in_flight=max_in_flight, options=options)
@@ -59,7 +55,7 @@ def _greedy(llm: LLM, prompt, max_tokens: int, chat: bool = False) -> str:
     return outputs[0].outputs[0].text
 
 
-def test_requests_are_answered_as_the_offline_api_answers_them_in_the_input_order(tiny_dir, reference):
+def test_requests_are_answered_as_the_offline_api_answers_them_in_the_input_order(tiny_llama_dir, reference):
     # a long request first: it finishes last, yet its answer is written first
     lines = [_line("long", "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 48, "temperature": 0,
                                                "ignore_eos": True}),
@@ -72,7 +68,7 @@ def test_requests_are_answered_as_the_offline_api_answers_them_in_the_input_orde
              _line("embedding", "/v1/embeddings", {"input": ["a", "b c"]}),
              _line("score", "/v1/score", {"text_1": "a", "text_2": ["b c", "a"]}),
              _line("rerank", "/v1/rerank", {"query": "a", "documents": ["b c", "a"], "top_n": 1})]
-    outputs, counts = _run(tiny_dir, lines)
+    outputs, counts = _run(tiny_llama_dir, lines)
     assert [o["custom_id"] for o in outputs] == ["long", "chat", "short", "response", "embedding", "score", "rerank"]
     assert (counts.succeeded, counts.failed) == (7, 0)
     for output in outputs:
@@ -98,7 +94,7 @@ def test_requests_are_answered_as_the_offline_api_answers_them_in_the_input_orde
 
 
 @pytest.mark.parametrize("max_in_flight", [1, 3])
-def test_every_line_gets_its_answer_bad_ones_included(tiny_dir, max_in_flight):
+def test_every_line_gets_its_answer_bad_ones_included(tiny_llama_dir, max_in_flight):
     good = {"prompt": "hi", "max_tokens": 2, "temperature": 0}
     lines = [_line("ok-1", "/v1/completions", good),
              _line("bad-temperature", "/v1/completions", {**good, "temperature": -1}),
@@ -110,7 +106,7 @@ def test_every_line_gets_its_answer_bad_ones_included(tiny_dir, max_in_flight):
              json.dumps({"custom_id": "get", "method": "GET", "url": "/v1/completions", "body": good}),
              json.dumps({"method": "POST", "url": "/v1/completions", "body": good}),
              _line("ok-2", "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2})]
-    outputs, counts = _run(tiny_dir, lines, max_in_flight)
+    outputs, counts = _run(tiny_llama_dir, lines, max_in_flight)
     assert [o["custom_id"] for o in outputs] == ["ok-1", "bad-temperature", "no-prompt", "other-model", "speech",
                                                  "streamed", None, "get", None, "ok-2"]
     assert (counts.succeeded, counts.failed) == (2, 8)
@@ -130,7 +126,7 @@ def test_every_line_gets_its_answer_bad_ones_included(tiny_dir, max_in_flight):
     assert "custom_id" in outputs[8]["error"]["message"]
 
 
-def test_the_command_reads_and_writes_files(tiny_dir, tmp_path):
+def test_the_command_reads_and_writes_files(tiny_llama_dir, tmp_path):
     requests = tmp_path / "in.jsonl"
     requests.write_text("\n".join([
         _line("a", "/v1/completions", {"prompt": "Once", "max_tokens": 3, "temperature": 0, "ignore_eos": True}),
@@ -138,7 +134,7 @@ def test_the_command_reads_and_writes_files(tiny_dir, tmp_path):
         _line("c", "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 3, "chat_template": "x"})]) + "\n")
     results = tmp_path / "out.jsonl"
     done = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "run-batch", "-i", str(requests),
-                           "-o", str(results), "--model", str(tiny_dir), "--dtype", "float32",
+                           "-o", str(results), "--model", str(tiny_llama_dir), "--dtype", "float32",
                            "--kv-cache-memory", "16MiB", "--response-role", "bot"], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -150,17 +146,17 @@ def test_the_command_reads_and_writes_files(tiny_dir, tmp_path):
     assert "batch done: 2 requests answered, 1 failed" in done.stderr
 
 
-def test_a_background_response_in_a_batch_is_refused(tiny_dir):
+def test_a_background_response_in_a_batch_is_refused(tiny_llama_dir):
     line = _line("bg", "/v1/responses", {"input": "hi", "max_output_tokens": 2, "background": True})
-    (output,), _ = _run(tiny_dir, [line])
+    (output,), _ = _run(tiny_llama_dir, [line])
     assert output["response"]["status_code"] == 400, output
     assert output["response"]["body"]["error"]["param"] == "background", output
 
 
-def test_a_trusted_batch_takes_its_own_chat_template(tiny_dir):
+def test_a_trusted_batch_takes_its_own_chat_template(tiny_llama_dir):
     line = _line("t", "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 1, "return_token_ids": True,
                                                "chat_template": "{{ messages[0]['content'] }}"})
-    (output,), _ = _run(tiny_dir, [line], options=FrontendOptions(trust_request_chat_template=True))
+    (output,), _ = _run(tiny_llama_dir, [line], options=FrontendOptions(trust_request_chat_template=True))
     body = output["response"]["body"]
     assert output["response"]["status_code"] == 200 and body["prompt_token_ids"] == \
         build_byte_tokenizer().encode(MESSAGES[0]["content"], add_special_tokens=False)

@@ -15,22 +15,17 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 from tests.entrypoints.server_utils import RunningServer, metric, scrape, start_server, wait_until
-from tests.models.tiny import save_tiny_model
 from tests.reliability.tiny_server import build_tiny_engine, pool_is_whole
 
 PROMPT = "Once upon a time, in a paged cache,"
 SAMPLED = dict(temperature=1.0, top_p=0.95, seed=1234, max_tokens=12, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    folder, _ = save_tiny_model(tmp_path_factory.mktemp("tiny") / "m", "llama-gqa", initializer_range=0.5)
-    return folder
 
 
 @pytest.fixture(scope="module")
-def server(tiny_dir):
-    running = start_server(build_tiny_engine(tiny_dir), api_key=None)
+def server(tiny_llama_dir):
+    running = start_server(build_tiny_engine(tiny_llama_dir), api_key=None)
     yield running
     running.stop()
 
@@ -41,8 +36,8 @@ def client(server: RunningServer) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def offline(tiny_dir) -> LLM:
-    return LLM(model=str(tiny_dir), dtype="float32", block_size=16, num_kv_blocks=512)
+def offline(tiny_llama_dir) -> LLM:
+    return LLM(model=str(tiny_llama_dir), dtype="float32", block_size=16, num_kv_blocks=512)
 
 
 def _offline_texts(llm: LLM, prompt, n: int, seed: int = SAMPLED["seed"]) -> list[str]:
