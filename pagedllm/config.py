@@ -635,16 +635,22 @@ class EngineConfig:
 
 
 def check_vllm_loading_args(model: str | None, tokenizer_mode: str, revision: str | None,
-                            tokenizer_revision: str | None) -> None:
+                            tokenizer_revision: str | None, download_dir: str | None = None,
+                            hf_token: str | bool | None = None) -> None:
     """vLLM's loading arguments (`LLM(...)`, `pagedllm serve --...`), taken so that code and command lines written
     for vLLM run: `tokenizer_mode` must be one pagedllm runs (TOKENIZER_MODES); a revision names a Hugging Face hub
-    commit, which pagedllm never fetches, so one given is logged and the files on disk are read (as transformers
-    reads a local folder whatever the revision)."""
+    commit, and `download_dir` and `hf_token` serve downloads from the hub, which pagedllm never makes, so each one
+    given is logged (never the token itself) and the files on disk are read (as transformers reads a local folder
+    whatever the revision)."""
     if tokenizer_mode not in TOKENIZER_MODES:
         raise ValueError(f"tokenizer_mode must be 'auto' or 'hf', got {tokenizer_mode!r}: pagedllm runs the "
                          "checkpoint's own fast tokenizer (transformers'), and has no slow or mistral mode")
-    for name, value in (("revision", revision), ("tokenizer_revision", tokenizer_revision)):
-        if value is not None:
-            logging.getLogger(__name__).warning(
-                "%s=%r is not used: it names a Hugging Face hub commit, which pagedllm never fetches; %s is read as "
-                "it is on disk", name, value, model or "the embedded default model")
+    where = model or "the embedded default model"
+    unused = [f"{name}={value!r}" for name, value in (("revision", revision), ("tokenizer_revision",
+                                                                              tokenizer_revision),
+                                                      ("download_dir", download_dir)) if value is not None]
+    unused += ["hf_token"] if hf_token not in (None, False) else []
+    for what in unused:
+        logging.getLogger(__name__).warning(
+            "%s is not used: pagedllm never fetches from the Hugging Face hub; %s is read as it is on disk", what,
+            where)

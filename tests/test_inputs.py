@@ -162,17 +162,25 @@ def test_code_written_for_vllms_llm_runs(llm, tmp_path):
     assert trusting.generate("Hello", GREEDY, use_tqdm=False)[0].outputs[0].token_ids
 
 
-def test_vllms_loading_arguments_are_taken_and_what_does_not_apply_refused(tmp_path, caplog):
-    """lm-evaluation-harness's vLLM backend passes tokenizer_mode, revision and tokenizer_revision."""
-    folder, _ = save_tiny_model(tmp_path / "m", "llama-gqa", initializer_range=0.5)
+def test_vllms_loading_arguments_are_taken_and_what_does_not_apply_refused(tiny_llama_dir, caplog):
+    """lm-evaluation-harness's vLLM backend passes tokenizer_mode, revision and tokenizer_revision; RL frameworks
+    download_dir, hf_token, enable_sleep_mode and vLLM's name of the pool's size."""
+    folder = tiny_llama_dir
     with pytest.raises(ValueError, match="tokenizer_mode must be 'auto' or 'hf', got 'slow'"):
         LLM(model=str(folder), tokenizer_mode="slow")
+    with pytest.raises(ValueError, match="pipeline_parallel_size must be 1, got 2"):
+        LLM(model=str(folder), pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match="num_kv_blocks and num_gpu_blocks_override are one setting"):
+        LLM(model=str(folder), num_kv_blocks=64, num_gpu_blocks_override=32)
     caplog.set_level("WARNING", logger="pagedllm")
-    llm = LLM(model=str(folder), dtype="float32", num_kv_blocks=64, tokenizer_mode="hf", revision="main",
-              tokenizer_revision=None)
-    assert [r.getMessage() for r in caplog.records if "revision" in r.getMessage()] == \
-        [f"revision='main' is not used: it names a Hugging Face hub commit, which pagedllm never fetches; {folder} "
-         "is read as it is on disk"]
+    llm = LLM(model=str(folder), dtype="float32", num_gpu_blocks_override=64, tokenizer_mode="hf", revision="main",
+              tokenizer_revision=None, download_dir="/models", hf_token="hf_secret", pipeline_parallel_size=1,
+              enable_sleep_mode=True)
+    said = [r.getMessage() for r in caplog.records if "is not used" in r.getMessage()]
+    assert said == [f"{what} is not used: pagedllm never fetches from the Hugging Face hub; {folder} is read as it "
+                    "is on disk" for what in ("revision='main'", "download_dir='/models'", "hf_token")]
+    assert not any("hf_secret" in r.getMessage() for r in caplog.records), "the token is never logged"
+    assert llm.engine.kv_cache_manager.num_usable_blocks == 63     # 64 less the null block
     assert len(llm.generate("hi", GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == GREEDY.max_tokens
 
 

@@ -180,6 +180,10 @@ class LLM:
             engine (data_parallel_size 1).
         profiler_config: torch's profiler for `start_profile` (vLLM's), e.g. `{"profiler": "torch",
             "torch_profiler_dir": "./traces"}` (`ProfilerConfig`); None: off.
+        download_dir, hf_token: vLLM's, for downloads from the Hugging Face hub, which pagedllm never makes: one
+            given is logged (never the token) and the model is read from disk. pipeline_parallel_size: 1 only
+            (tensor parallelism splits a model). num_gpu_blocks_override: vLLM's name for num_kv_blocks.
+            enable_sleep_mode: vLLM's switch for `sleep`, which pagedllm always offers.
     """
 
     def __init__(self, model: str | None = None, *, dtype: str = "auto", max_model_len: int | None = None,
@@ -215,9 +219,19 @@ class LLM:
                  watermark: float = 0.0, max_num_active_seqs: int | None = None, tokenizer_mode: str = "auto",
                  revision: str | None = None, tokenizer_revision: str | None = None,
                  disable_log_stats: bool = True,
-                 profiler_config: dict[str, Any] | ProfilerConfig | None = None) -> None:
+                 profiler_config: dict[str, Any] | ProfilerConfig | None = None, download_dir: str | None = None,
+                 hf_token: str | bool | None = None, pipeline_parallel_size: int = 1,
+                 num_gpu_blocks_override: int | None = None, enable_sleep_mode: bool = False) -> None:
+        del enable_sleep_mode       # sleep mode needs no switch here (see sleep)
         check_runner(runner, convert)
-        check_vllm_loading_args(model, tokenizer_mode, revision, tokenizer_revision)
+        check_vllm_loading_args(model, tokenizer_mode, revision, tokenizer_revision, download_dir, hf_token)
+        if pipeline_parallel_size != 1:
+            raise ValueError(f"pipeline_parallel_size must be 1, got {pipeline_parallel_size}: pagedllm splits a "
+                             "model by tensor parallelism (tensor_parallel_size)")
+        if num_gpu_blocks_override is not None:
+            if num_kv_blocks not in (None, num_gpu_blocks_override):
+                raise ValueError("num_kv_blocks and num_gpu_blocks_override are one setting: give one")
+            num_kv_blocks = num_gpu_blocks_override
         if not disable_log_stats and data_parallel_size > 1:
             raise ValueError("disable_log_stats=False keeps one engine's statistics: data_parallel_size must be 1")
         if kv_cache_memory_bytes is not None:

@@ -257,11 +257,12 @@ def test_a_vllm_command_line_parses() -> None:
     assert args.trust_remote_code and args.max_model_len == 4096 and args.served_model_name == ["smol"]
 
 
-def test_vllms_tokenizer_mode_and_revisions_are_taken_a_revision_logged(caplog) -> None:
+def test_vllms_tokenizer_mode_revisions_and_hub_flags_are_taken_and_logged(caplog) -> None:
     caplog.set_level("WARNING", logger="pagedllm")
-    _config("--tokenizer-mode", "hf", "--revision", "v1.0", "--tokenizer-revision", "main")
+    _config("--tokenizer-mode", "hf", "--revision", "v1.0", "--tokenizer-revision", "main", "--download-dir", "/m",
+            "--hf-token", "--enable-sleep-mode")
     assert [r.getMessage().split(" is not used")[0] for r in caplog.records] == \
-        ["revision='v1.0'", "tokenizer_revision='main'"]
+        ["revision='v1.0'", "tokenizer_revision='main'", "download_dir='/m'", "hf_token"]
     with pytest.raises(SystemExit):
         _args("--tokenizer-mode", "mistral")
 

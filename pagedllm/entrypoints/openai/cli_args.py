@@ -372,6 +372,14 @@ def _add_model_args(group: argparse._ArgumentGroup) -> None:
                        help="taken so that vLLM command lines run: a Hugging Face hub commit, which pagedllm never "
                             "fetches; one given is logged, and the files on disk are read")
     group.add_argument("--tokenizer-revision", default=None, help="as --revision, for the tokenizer")
+    group.add_argument("--download-dir", default=None,
+                       help="taken so that vLLM command lines run: pagedllm never downloads; one given is logged")
+    group.add_argument("--hf-token", nargs="?", const=True, default=None,
+                       help="taken so that vLLM command lines run: pagedllm never contacts the Hugging Face hub; one "
+                            "given is logged (never the token)")
+    group.add_argument("--enable-sleep-mode", action="store_true",
+                       help="taken so that vLLM command lines run: the sleep endpoints are served with "
+                            "VLLM_SERVER_DEV_MODE=1, whatever this says")
     group.add_argument("--tokenizer", default=None,
                        help="a tokenizer (or model) folder, or a .gguf file, whose tokenizer replaces the model's "
                             "own: for a .gguf file without a vocabulary, or one that converts badly (default: the "
@@ -650,7 +658,8 @@ def engine_config_from_args(args: argparse.Namespace):
 
     if args.lora_modules and not args.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora")
-    check_vllm_loading_args(model_of(args), args.tokenizer_mode, args.revision, args.tokenizer_revision)
+    check_vllm_loading_args(model_of(args), args.tokenizer_mode, args.revision, args.tokenizer_revision,
+                            args.download_dir, args.hf_token)
     return EngineConfig(
         model=ModelConfig(model=model_of(args), dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed,
                           chat_template=args.chat_template, tokenizer=args.tokenizer,
