@@ -109,6 +109,7 @@ def test_api_key_guards_the_routes_that_run_the_model(server):
     assert httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 200
     for path in ("/health", "/ping", "/metrics", "/version"):
         assert httpx.get(f"{url}{path}").status_code == 200, path
+    assert httpx.post(f"{url}/ping").status_code == 200      # SageMaker's, as vLLM answers it
 
 
 def test_body_too_large(http):

@@ -491,7 +491,8 @@ def _utility_router(tokenization: OpenAIServingTokenization, stat_logger: Promet
             return {"server_load": load.count}
 
     @router.get("/health")
-    @router.get("/ping")            # vLLM's (and SageMaker's) name for the same check
+    @router.get("/ping")            # vLLM's (and SageMaker's) name for the same check, GET or POST
+    @router.post("/ping")
     async def health() -> Response:
         if not engine.is_running:
             raise OpenAIError(f"the engine is not running: {engine.error!r}", 503, code="engine_dead")
