@@ -297,6 +297,7 @@ class LLMEngine:
         self.graphs_captured = self.runner.decode_graphs is not None
         self.profiler = EngineProfiler(config.profiler, self.runner.device) if config.profiler.profiler else None
         self.paused = self.kv_released = False      # sleep mode: scheduling paused; the KV pool's memory released
+        self.sleep_level: int | None = None         # ... and the deepest level asked since awake (None: awake)
         # blocks behind a window every layer attends within are freed; not with a draft model, which runs a whole
         # context again after a preemption or a prefix hit
         window = kv_window(loaded.hf_config) if self.runner.draft is None else 0
@@ -698,8 +699,11 @@ class LLMEngine:
         return self.runner.quantization
 
     def make_stats(self) -> SchedulerStats:
-        """The scheduler's snapshot after the last step (for metrics; from the stepping thread)."""
-        return self.scheduler.make_stats()
+        """The scheduler's snapshot after the last step, and the sleep level (for metrics; from the stepping
+        thread)."""
+        stats = self.scheduler.make_stats()
+        stats.sleep_level = self.sleep_level
+        return stats
 
     def make_block_map(self) -> BlockMap:
         """A snapshot of the KV pools and the requests' block tables (for the dashboard; from the stepping thread)."""
@@ -759,6 +763,7 @@ class LLMEngine:
         new ones, which the weights kept in place serve too)."""
         check_sleep(level, "keep")
         self.paused = True
+        self.sleep_level = max(level, self.sleep_level or 0)
         if level == 0 or self.kv_released:
             return
         for request_id in self.scheduler.requeue_running():
@@ -784,7 +789,7 @@ class LLMEngine:
                 self._capture_decode_graphs()
             self.kv_released = False
         if not self.kv_released:
-            self.paused = False
+            self.paused, self.sleep_level = False, None
         return not self.paused
 
     def release_kv_cache_memory(self) -> None:

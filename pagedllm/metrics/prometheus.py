@@ -13,6 +13,7 @@ from pagedllm.engine.admission import REASONS
 from pagedllm.metrics.stats import IterationStats, SchedulerStats, SpecDecodingStats
 
 PREFIX = "pagedllm:"
+SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")     # vLLM's engine_sleep_state series
 
 # No `*_created` series next to each counter (as in vLLM): they double the scrape for nothing.
 disable_created_metrics()
@@ -128,6 +129,9 @@ class _Families:
         self.max_tokens_param = histogram("request_params_max_tokens", "A request's max_tokens.", sizes)
         self.n_param = histogram("request_params_n", "A request's n.", [1, 2, 5, 10, 20])
         self.iteration_tokens = histogram("iteration_tokens_total", "Tokens an engine step ran.", _STEP_BUCKETS)
+        self.sleep_state = Gauge(PREFIX + "engine_sleep_state", "vLLM's sleep state, one series a state: awake 1 "
+                                 "when awake; weights_offloaded 1 at sleep level 1, discard_all 1 at level 2 (both 0 "
+                                 "and awake 0 at level 0).", [*label_names, "sleep_state"], registry=registry)
         self._spec: _SpecDecodingFamilies | None = None
         self._lora_info: Gauge | None = None
         self._residency: tuple[Histogram, Histogram, Histogram] | None = None
@@ -187,6 +191,8 @@ class _ReplicaMetrics:
         self.max_generation_length = series(f.max_generation_length)
         self.max_tokens_param, self.n_param = series(f.max_tokens_param), series(f.n_param)
         self.iteration_tokens = series(f.iteration_tokens)
+        self.sleep_states = {state: f.sleep_state.labels(*label_values, state) for state in SLEEP_STATES}
+        self._record_sleep(None)
         series(f.swap_space_bytes).set(swap_space_bytes)
         for reason in ("stop", "length", "abort"):
             f.request_success.labels(*label_values, reason)
@@ -199,6 +205,11 @@ class _ReplicaMetrics:
         if iteration is not None:
             self._record_iteration(iteration)
 
+    def _record_sleep(self, level: int | None) -> None:
+        awake, offloaded, discarded = level is None, level == 1, level == 2
+        for state, value in zip(SLEEP_STATES, (awake, offloaded, discarded), strict=True):
+            self.sleep_states[state].set(int(value))
+
     def _record_scheduler(self, stats: SchedulerStats) -> None:
         self.num_running.set(stats.num_running)
         self.num_waiting.set(stats.num_waiting)
@@ -208,6 +219,7 @@ class _ReplicaMetrics:
         self.blocks_total.set(stats.num_blocks_total)
         self.swap_blocks_used.set(stats.num_swap_blocks_total - stats.num_swap_blocks_free)
         self.swap_blocks_total.set(stats.num_swap_blocks_total)
+        self._record_sleep(stats.sleep_level)
         last = self._last or SchedulerStats()
         # The core keeps cumulative counts; a Prometheus counter takes increments.
         for mode, count in stats.num_preemptions_total.items():

@@ -91,6 +91,7 @@ class SchedulerStats:
     waiting_lora_adapters: list[str] = field(default_factory=list)
     # the sampled blocks whose lives ended since the last snapshot (None: CacheConfig.kv_cache_metrics off)
     kv_block_residencies: list[BlockResidency] | None = None
+    sleep_level: int | None = None          # the engine's sleep level (LLMEngine.sleep); None: awake
 
     @property
     def kv_cache_usage(self) -> float:

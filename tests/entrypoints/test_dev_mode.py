@@ -12,7 +12,7 @@ import pytest
 from pagedllm import SamplingParams
 from pagedllm.engine.async_engine import AsyncEngine
 from pagedllm.entrypoints.openai.server import DEV_MODE_ENV, build_app
-from tests.entrypoints.server_utils import RunningServer, start_server
+from tests.entrypoints.server_utils import RunningServer, metric, scrape, start_server, wait_until
 from tests.reliability.tiny_server import build_tiny_engine, offline
 
 PROMPT = "Once upon a time, in a paged cache,"
@@ -48,6 +48,13 @@ def _get(server: RunningServer, path: str, **kwargs) -> dict:
     return response.json()
 
 
+def _sleep_states(server: RunningServer) -> dict[str, float]:
+    """vLLM's engine_sleep_state series, by state."""
+    values = scrape(server.base_url)
+    return {state: metric(values, "pagedllm:engine_sleep_state", sleep_state=state)
+            for state in ("awake", "weights_offloaded", "discard_all")}
+
+
 def _completion_in_background(server: RunningServer, max_tokens: int) -> tuple[threading.Thread, dict]:
     """A greedy completion sent from a thread; the dict gets its JSON once it is answered."""
     answer: dict = {}
@@ -75,6 +82,7 @@ def test_a_request_sent_while_asleep_runs_after_wake_up(server, tiny_llama_dir):
     assert _get(server, "/is_sleeping") == {"is_sleeping": False}
     assert _post(server, "/sleep", params={"level": 1}).json() == {"status": "sleeping", "level": 1}
     assert _get(server, "/is_sleeping") == {"is_sleeping": True}
+    assert wait_until(lambda: _sleep_states(server) == {"awake": 0, "weights_offloaded": 1, "discard_all": 0})
     thread, answer = _completion_in_background(server, 8)
     thread.join(0.5)
     assert thread.is_alive() and not answer, "a request waits while the engine sleeps"
@@ -85,6 +93,7 @@ def test_a_request_sent_while_asleep_runs_after_wake_up(server, tiny_llama_dir):
     thread.join(30)
     assert answer["choices"][0]["token_ids"] == expected
     assert _get(server, "/is_sleeping") == {"is_sleeping": False}
+    assert wait_until(lambda: _sleep_states(server) == {"awake": 1, "weights_offloaded": 0, "discard_all": 0})
 
 
 def _running_one(server: RunningServer) -> tuple[threading.Thread, dict]:
