@@ -29,16 +29,22 @@ _EXPORTS = {
     "TextPrompt": "pagedllm.inputs",
     "TokensPrompt": "pagedllm.inputs",
     "EmbedsPrompt": "pagedllm.inputs",
+    "EngineArgs": "pagedllm.engine.arg_utils",
+    "AsyncEngineArgs": "pagedllm.engine.arg_utils",
+    "LLMEngine": "pagedllm.engine.llm_engine",
 }
 # vLLM's top-level names where pagedllm has them (`from vllm import LLM, SamplingParams, TokensPrompt` becomes
 # `from pagedllm import ...`), and pagedllm's own (StructuredOutputsParams, BeamSearchParams, EmbedsPrompt).
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput",
            "BeamSearchParams", "PoolingParams", "EmbeddingRequestOutput", "ScoringRequestOutput",
            "ClassificationRequestOutput", "EmbeddingOutput", "ScoringOutput", "ClassificationOutput", "PoolingOutput",
-           "PoolingRequestOutput", "PromptType", "TextPrompt", "TokensPrompt", "EmbedsPrompt"]
+           "PoolingRequestOutput", "PromptType", "TextPrompt", "TokensPrompt", "EmbedsPrompt", "EngineArgs",
+           "AsyncEngineArgs", "LLMEngine"]
 
 if TYPE_CHECKING:
+    from pagedllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
     from pagedllm.engine.beam_search import BeamSearchParams
+    from pagedllm.engine.llm_engine import LLMEngine
     from pagedllm.entrypoints.llm import LLM
     from pagedllm.inputs import EmbedsPrompt, PromptType, TextPrompt, TokensPrompt
     from pagedllm.outputs import (

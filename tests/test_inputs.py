@@ -5,7 +5,16 @@ from __future__ import annotations
 
 import pytest
 
-from pagedllm import LLM, PoolingRequestOutput, RequestOutput, SamplingParams, TextPrompt, TokensPrompt
+from pagedllm import (
+    LLM,
+    EngineArgs,
+    LLMEngine,
+    PoolingRequestOutput,
+    RequestOutput,
+    SamplingParams,
+    TextPrompt,
+    TokensPrompt,
+)
 from pagedllm.entrypoints.openai.tool_parsers import with_tools
 from pagedllm.inputs import ParsedPrompt, as_prompt_list, parse_prompt
 from tests.models.tiny import save_tiny_model
@@ -252,3 +261,23 @@ def test_collective_rpc_and_apply_model_reach_the_worker(llm):
     assert llm.collective_rpc(lambda worker, a, b=0: (worker.tp_rank, a + b), args=(1,), kwargs={"b": 2}) == [(0, 3)]
     with pytest.raises(AttributeError, match="no_such_method"):
         llm.collective_rpc("no_such_method")
+
+
+def test_vllms_engine_args_build_the_engine_they_describe(tiny_llama_dir):
+    """`EngineArgs` (a dataclass, as vLLM's: fields set after construction count), LLM.from_engine_args and
+    LLMEngine.from_engine_args; LLM's keywords are its fields."""
+    args = EngineArgs(str(tiny_llama_dir), dtype="float32", num_kv_blocks=64, block_size=4)
+    args.max_model_len = 128
+    llm = LLM.from_engine_args(args)
+    assert (llm.engine.max_model_len, llm.engine.config.cache.block_size) == (128, 4)
+    expected = llm.generate("hello", GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    engine = LLMEngine.from_engine_args(args)
+    engine.add_request("a", "hello", GREEDY)
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [o for o in engine.step() if o.finished]
+    assert finished[0].outputs[0].token_ids == expected
+    with pytest.raises(ValueError, match="an LLMEngine is one replica"):
+        LLMEngine.from_engine_args(EngineArgs(str(tiny_llama_dir), data_parallel_size=2))
+    with pytest.raises(TypeError, match="unexpected keyword argument 'max_modle_len'"):
+        LLM(str(tiny_llama_dir), max_modle_len=128)

@@ -26,9 +26,9 @@ float32 model on the same windows, as the oracle.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import hashlib
-import inspect
 import json
 import math
 import time
@@ -94,9 +94,9 @@ def parse_config(text: str) -> AccuracyConfig:
 
 
 def llm_accepts_kv_cache_dtype() -> bool:
-    from pagedllm import LLM
+    from pagedllm import EngineArgs
 
-    return "kv_cache_dtype" in inspect.signature(LLM).parameters
+    return "kv_cache_dtype" in {f.name for f in dataclasses.fields(EngineArgs)}
 
 
 def default_configs(gguf_model: bool) -> list[AccuracyConfig]:

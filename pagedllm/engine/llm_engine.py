@@ -22,6 +22,7 @@ from pagedllm.core.sched.output import RequestUpdate, RunnerOutput, ScheduledReq
 from pagedllm.core.sched.scheduler import Scheduler
 from pagedllm.device import describe_device, resolve_engine_device
 from pagedllm.distributed import Peers, TensorParallelError, apply_to_model, invoke, start_peers
+from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.beam_search import BeamSearchDriver, BeamSearchOutput, BeamSearchParams
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.heap import paused_gc
@@ -231,6 +232,11 @@ class LLMEngine:
         except BaseException:
             peers.close()
             raise
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
+        """An engine of these arguments (vLLM's); one replica (data_parallel_size 1)."""
+        return cls(engine_args.create_engine_config())
 
     def _start(self, config: EngineConfig, peers: Peers) -> None:
         loaded = load_model(config.model, 0, config.parallel.tensor_parallel_size)

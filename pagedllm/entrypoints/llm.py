@@ -13,22 +13,7 @@ import torch
 from prometheus_client import CollectorRegistry
 from tqdm.auto import tqdm
 
-from pagedllm.config import (
-    DEFAULT_BLOCK_SIZE,
-    CacheConfig,
-    DataParallelRouterPolicy,
-    EngineConfig,
-    LoRAConfig,
-    ModelConfig,
-    ParallelConfig,
-    PreemptionMode,
-    ProfilerConfig,
-    SchedulerConfig,
-    SchedulingPolicy,
-    SpeculativeConfig,
-    StructuredOutputsConfig,
-    check_vllm_loading_args,
-)
+from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedllm.engine.data_parallel import DataParallelEngine
 from pagedllm.engine.llm_engine import LLMEngine, check_sleep
@@ -52,7 +37,7 @@ from pagedllm.outputs import (
     ScoringOutput,
     ScoringRequestOutput,
 )
-from pagedllm.pooling_params import TASKS, PoolingParams, check_runner
+from pagedllm.pooling_params import TASKS, PoolingParams
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.scoring import cosine_similarity, cross_encoder_prompt, pair_up
 from pagedllm.tokenizer.chat_template import (
@@ -72,209 +57,22 @@ Conversation = list[dict[str, Any]]
 class LLM:
     """An engine for offline batch inference.
 
-    Args:
-        model: a Hugging Face folder, a `.gguf` file, or None for the embedded SmolLM2-135M-Instruct.
-        dtype: "auto", "bfloat16", "float16" or "float32".
-        max_model_len: context length cap (prompt + output).
-        block_size: tokens per KV block.
-        gpu_memory_utilization: fraction of device memory (of RAM on a CPU) for the engine.
-        kv_cache_memory: bytes for the KV pool; overrides gpu_memory_utilization. kv_cache_memory_bytes: vLLM's
-            name for it.
-        max_num_seqs: most requests in one step.
-        max_num_batched_tokens: token budget of one step.
-        enable_chunked_prefill: run a long prompt in chunks over several steps (False: each prompt in one step,
-            which then needs max_num_batched_tokens >= max_model_len).
-        max_num_encoder_input_tokens: image placeholders a step may encode the images of (a prompt's chunk stops
-            before an image past it; the step's first runs whatever its size); None: max_num_batched_tokens.
-        long_prefill_token_threshold: the most tokens one request computes in a step while others wait or run
-            (vLLM's; 0: no cap); long_prefill_token_threshold_adaptive: at least a fair share of the step's budget
-            (`SchedulerConfig`).
-        seed: seed of the global random stream.
-        enable_prefix_caching: reuse the KV cache of shared prompt prefixes.
-        kv_cache_dtype: "auto" (K/V in the model's dtype) or "int8" (int8 with a float32 scale per token and kv
-            head: about 1.9x the blocks of a bfloat16 cache, 3.8x those of a float32 one).
-        swap_space: GiB of the swap pool for swap preemption (host memory, or a memory-mapped file on a CPU).
-        swap_path: the file backing the swap pool on a CPU device, deleted by `close()`; refused on a RAM-backed
-            filesystem (tmpfs). None: an anonymous file in a disk-backed directory.
-        preemption_mode: "recompute", "swap" or "auto" (swap when it costs less than recomputing).
-        scheduling_policy: "fcfs" (priorities refused) or "priority" (`generate(..., priority=...)` orders the
-            queues).
-        chat_template: a Jinja template replacing the model's own.
-        tokenizer: a tokenizer (or model) folder, or a .gguf file, whose tokenizer replaces the model's own (for a
-            GGUF file without a vocabulary, or one that converts badly).
-        skip_tokenizer_init: load no tokenizer: prompts must be token ids, and outputs carry token ids and no
-            text; stop strings, bad words, structured outputs and `chat` are refused (vLLM's).
-        quantization: None (the checkpoint's own: an AWQ/GPTQ folder's 4-bit weights, a .gguf file's blocks
-            under dtype "auto" on one CPU rank with VNNI, or a big one without; otherwise the dtype's weights, so
-            a dtype named outright dequantises a .gguf), "int8" (linear weights as int8 with per-row scales,
-            quantized at load), "w8a8" (the same int8 weights times activations quantized to int8 in each matmul,
-            a scale per 64 values of a row, int32 sums), "gguf" (a .gguf file's Q4_0, Q4_1, Q8_0 and Q4_K linear
-            weights kept in their blocks, times activations quantized to 16 bits), "awq" or "gptq" (an AutoAWQ or
-            AutoGPTQ checkpoint's 4-bit weights kept in 4 bits; one rank only), "mxfp4" (an MXFP4 checkpoint's
-            experts, gpt-oss's, kept in their 4 bits; one CPU rank only).
-        speculative_config: speculative decoding as vLLM takes it, e.g. `{"method": "ngram",
-            "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}` or, with a smaller draft
-            model of the same tokenizer, `{"model": PATH, "num_speculative_tokens": 4}`; None: off.
-        tensor_parallel_size: worker processes sharing each layer (docs/scale-out.md).
-        data_parallel_size: engines (replicas), each with its own KV pool of the configured size, the prompts
-            routed among them and the replicas stepped in parallel threads (docs/scale-out.md).
-        data_parallel_router: "prefix_aware" (a prompt goes to the replica most likely to hold its prefix, else
-            the least loaded) or "round_robin".
-        distributed_executor_backend: "mp" (local worker processes, the default) or "ray".
-        device: "auto" (CUDA when torch sees a CUDA device, else the CPU), "cpu", "cuda" or "cuda:N".
-        enforce_eager: run the model's modules one by one from Python: on a GPU instead of replaying CUDA graphs
-            captured at start-up, on a CPU instead of running the decoder layers in one C++ call a step.
-        disable_cascade_attn: never run a step's attention as cascade attention over a shared prefix (see
-            `ModelConfig.disable_cascade_attn`).
-        generation_config: "auto" (the model's generation_config.json: its sampling defaults for calls given no
-            SamplingParams, its other EOS ids as stop ids), "vllm" (none of it) or a folder holding such a file;
-            `override_generation_config` sets some of those defaults over it (vLLM's), e.g. `{"temperature": 0.5}`.
-        trust_remote_code: taken so that code written for vLLM's LLM runs; it changes nothing: pagedllm runs its own
-            model code (Llama and Qwen2 architectures), never code from a checkpoint.
-        enable_lora: serve LoRA adapters (PEFT's format) named per request by `lora_request`; the base model's
-            requests batch with theirs (pagedllm.lora). On one engine of one rank.
-        max_loras: most distinct adapters in one step; max_lora_rank: the largest rank taken; max_cpu_loras:
-            adapters kept loaded (default max_loras; others load again from their folders when asked for).
-        pooler_config: how embeddings pool (vLLM's), `{"pooling_type": "LAST" | "MEAN" | "CLS"}`; by default the
-            model's sentence-transformers config says, else LAST.
-        hf_overrides: fields set on the model's transformers config (vLLM's; see `ModelConfig.hf_overrides`), e.g.
-            to serve Qwen3-Reranker as a classifier made of its LM head's "no" and "yes" rows.
-        mm_processor_kwargs: arguments for the model's processor on every prompt with images (vLLM's), e.g.
-            `{"do_image_splitting": False}` for Idefics3 (SmolVLM): one tile an image.
-        limit_mm_per_prompt: the most images a prompt may hold (vLLM's), e.g. `{"image": 2}`; `{"image": 0}` loads
-            no image encoder: a vision-language checkpoint runs as its language model (`ModelConfig`).
-        language_model_only: images off, as limit_mm_per_prompt `{"image": 0}` (vLLM's).
-        disable_sliding_window: cap the context at the model's sliding window, every layer attending over all of
-            it (vLLM's; `ModelConfig.disable_sliding_window`).
-        allowed_local_media_path: a folder whose images `chat` may name by file:// URL (vLLM's); "": none.
-        allowed_media_domains: the hosts of the http(s) image URLs `chat` reads (vLLM's); None: any.
-        logits_processors: custom logits processors (vLLM's interface, pagedllm.sample.logits_processor): classes
-            or import paths; a request's `SamplingParams(extra_args=...)` reach them.
-        logprobs_mode: what logprobs hold (vLLM's): "raw_logprobs" (the model's), "processed_logprobs" (those of
-            the distribution sampled from, after penalties, temperature and filters), "raw_logits" or
-            "processed_logits" (`ModelConfig.logprobs_mode`).
-        enable_prompt_embeds: take prompts given as embeddings, `{"prompt_embeds": tensor}` ([tokens, hidden_size],
-            as the model's embedding layer gives them), as vLLM does with it.
-        load_format: "auto", "safetensors", "gguf", or "dummy": random weights in the shapes of a folder's config,
-            no checkpoint read, to measure a model before its weights are at hand (`ModelConfig.load_format`).
-        kv_cache_metrics, kv_cache_metrics_sample: follow that fraction of the KV blocks from allocation to reuse
-            (vLLM's residency metrics: `llm.engine.make_stats().kv_block_residencies`; `CacheConfig`).
-        scheduler_reserve_full_isl, watermark: admit a request only while the free blocks hold its whole prompt (on
-            by default, as vLLM's), and leave that fraction of the pool free at an admission while others run
-            (`SchedulerConfig`).
-        max_num_active_seqs: the most sequences running at once, below max_num_seqs (vLLM's).
-        structured_outputs_config: how structured outputs compile and when they apply (vLLM's), e.g.
-            `{"disable_any_whitespace": False}` for JSON with whitespace, or `{"reasoning_parser": "qwen3"}` for a
-            constraint that applies once the thought is over (`StructuredOutputsConfig`).
-        runner, convert: vLLM's switches to an embedding model (`runner="pooling"`, `convert="embed"`), taken so that
-            code written for vLLM runs; they select nothing, since one pagedllm engine both generates and embeds
-            (`embed`), and a checkpoint with a classification head also classifies (`classify`). vLLM's other
-            runners and conversions (draft, classify, reward) are refused.
-        tokenizer_mode, revision, tokenizer_revision: vLLM's, taken so that code written for it (such as
-            lm-evaluation-harness's vLLM backend) runs: the checkpoint's own fast tokenizer is "auto" and "hf"
-            (other modes are refused); a revision names a Hugging Face hub commit, which pagedllm never fetches, so
-            one given is logged and the files on disk are read.
-        disable_log_stats: False keeps the engine's statistics while `generate` and the others run, as vLLM's
-            offline LLM does: vLLM's periodic log line of throughput and load (`pagedllm.metrics.log_stats`), and
-            the metrics the server's /metrics has, which `get_metrics()` reads. Off by default, as in vLLM; one
-            engine (data_parallel_size 1).
-        profiler_config: torch's profiler for `start_profile` (vLLM's), e.g. `{"profiler": "torch",
-            "torch_profiler_dir": "./traces"}` (`ProfilerConfig`); None: off.
-        download_dir, hf_token: vLLM's, for downloads from the Hugging Face hub, which pagedllm never makes: one
-            given is logged (never the token) and the model is read from disk. pipeline_parallel_size: 1 only
-            (tensor parallelism splits a model). num_gpu_blocks_override: vLLM's name for num_kv_blocks.
-            enable_sleep_mode: vLLM's switch for `sleep`, which pagedllm always offers.
+    `LLM(model, **kwargs)`: `model` is a Hugging Face folder, a `.gguf` file, or None for the embedded
+    SmolLM2-135M-Instruct; the keywords are `EngineArgs`' fields (pagedllm/engine/arg_utils.py says each), e.g.
+    `dtype`, `max_model_len`, `kv_cache_memory`, `enable_prefix_caching`, `tensor_parallel_size`, `quantization`,
+    `speculative_config`; an unknown one is a TypeError.
     """
 
-    def __init__(self, model: str | None = None, *, dtype: str = "auto", max_model_len: int | None = None,
-                 block_size: int = DEFAULT_BLOCK_SIZE, gpu_memory_utilization: float | None = None,
-                 kv_cache_memory: int | None = None, kv_cache_memory_bytes: int | None = None, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int = 2048, enable_chunked_prefill: bool = True,
-                 max_num_encoder_input_tokens: int | None = None, long_prefill_token_threshold: int = 0,
-                 long_prefill_token_threshold_adaptive: bool = False, seed: int = 0,
-                 enable_prefix_caching: bool = True,
-                 swap_space: float = 0.0, preemption_mode: PreemptionMode = "recompute",
-                 chat_template: str | None = None, tokenizer: str | None = None, skip_tokenizer_init: bool = False,
-                 num_kv_blocks: int | None = None,
-                 swap_path: str | None = None, scheduling_policy: SchedulingPolicy = "fcfs",
-                 quantization: str | None = None, kv_cache_dtype: str = "auto",
-                 speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
-                 tensor_parallel_size: int = 1, data_parallel_size: int = 1,
-                 distributed_executor_backend: str | None = None,
-                 data_parallel_router: DataParallelRouterPolicy = "prefix_aware", device: str = "auto",
-                 enforce_eager: bool = False, disable_cascade_attn: bool = False,
-                 generation_config: str = "auto", override_generation_config: dict[str, Any] | None = None,
-                 trust_remote_code: bool = False, runner: str = "auto",
-                 convert: str = "auto", enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16,
-                 max_cpu_loras: int | None = None, hf_overrides: dict[str, Any] | None = None,
-                 pooler_config: dict[str, Any] | None = None,
-                 mm_processor_kwargs: dict[str, Any] | None = None,
-                 limit_mm_per_prompt: dict[str, Any] | None = None, language_model_only: bool = False,
-                 disable_sliding_window: bool = False, allowed_local_media_path: str = "",
-                 allowed_media_domains: list[str] | None = None, logits_processors: list[str | type] | None = None,
-                 logprobs_mode: str = "raw_logprobs",
-                 structured_outputs_config: dict[str, Any] | StructuredOutputsConfig | None = None,
-                 enable_prompt_embeds: bool = False, load_format: str = "auto", kv_cache_metrics: bool = False,
-                 kv_cache_metrics_sample: float = 0.01, scheduler_reserve_full_isl: bool = True,
-                 watermark: float = 0.0, max_num_active_seqs: int | None = None, tokenizer_mode: str = "auto",
-                 revision: str | None = None, tokenizer_revision: str | None = None,
-                 disable_log_stats: bool = True,
-                 profiler_config: dict[str, Any] | ProfilerConfig | None = None, download_dir: str | None = None,
-                 hf_token: str | bool | None = None, pipeline_parallel_size: int = 1,
-                 num_gpu_blocks_override: int | None = None, enable_sleep_mode: bool = False) -> None:
-        del enable_sleep_mode       # sleep mode needs no switch here (see sleep)
-        check_runner(runner, convert)
-        check_vllm_loading_args(model, tokenizer_mode, revision, tokenizer_revision, download_dir, hf_token)
-        if pipeline_parallel_size != 1:
-            raise ValueError(f"pipeline_parallel_size must be 1, got {pipeline_parallel_size}: pagedllm splits a "
-                             "model by tensor parallelism (tensor_parallel_size)")
-        if num_gpu_blocks_override is not None:
-            if num_kv_blocks not in (None, num_gpu_blocks_override):
-                raise ValueError("num_kv_blocks and num_gpu_blocks_override are one setting: give one")
-            num_kv_blocks = num_gpu_blocks_override
-        if not disable_log_stats and data_parallel_size > 1:
-            raise ValueError("disable_log_stats=False keeps one engine's statistics: data_parallel_size must be 1")
-        if kv_cache_memory_bytes is not None:
-            if kv_cache_memory not in (None, kv_cache_memory_bytes):
-                raise ValueError("kv_cache_memory and kv_cache_memory_bytes are one setting: give one")
-            kv_cache_memory = kv_cache_memory_bytes
-        config = EngineConfig(
-            model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
-                              chat_template=chat_template, tokenizer=tokenizer,
-                              skip_tokenizer_init=skip_tokenizer_init, quantization=quantization,
-                              device=device, enforce_eager=enforce_eager, disable_cascade_attn=disable_cascade_attn,
-                              generation_config=generation_config,
-                              override_generation_config=override_generation_config, hf_overrides=hf_overrides,
-                              pooler_config=pooler_config, mm_processor_kwargs=mm_processor_kwargs,
-                              limit_mm_per_prompt=limit_mm_per_prompt, language_model_only=language_model_only,
-                              disable_sliding_window=disable_sliding_window,
-                              allowed_local_media_path=allowed_local_media_path,
-                              allowed_media_domains=allowed_media_domains, logits_processors=logits_processors,
-                              logprobs_mode=logprobs_mode, enable_prompt_embeds=enable_prompt_embeds,
-                              load_format=load_format),
-            cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
-                              gpu_memory_utilization=gpu_memory_utilization, swap_space=swap_space,
-                              swap_path=swap_path, enable_prefix_caching=enable_prefix_caching,
-                              kv_cache_dtype=kv_cache_dtype, num_blocks=num_kv_blocks,
-                              kv_cache_metrics=kv_cache_metrics, kv_cache_metrics_sample=kv_cache_metrics_sample),
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                      enable_chunked_prefill=enable_chunked_prefill,
-                                      max_num_encoder_input_tokens=max_num_encoder_input_tokens,
-                                      long_prefill_token_threshold=long_prefill_token_threshold,
-                                      long_prefill_token_threshold_adaptive=long_prefill_token_threshold_adaptive,
-                                      preemption_mode=preemption_mode, scheduling_policy=scheduling_policy,
-                                      scheduler_reserve_full_isl=scheduler_reserve_full_isl, watermark=watermark,
-                                      max_num_active_seqs=max_num_active_seqs),
-            speculative=SpeculativeConfig.from_dict(speculative_config),
-            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size,
-                                    distributed_executor_backend=distributed_executor_backend,
-                                    data_parallel_router=data_parallel_router),
-            lora=LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None,
-            structured_outputs=StructuredOutputsConfig.from_dict(structured_outputs_config),
-            profiler=ProfilerConfig.from_dict(profiler_config),
-        )
-        self._attach(LLMEngine(config) if data_parallel_size == 1 else DataParallelEngine(config),
-                     log_stats=not disable_log_stats)
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        args = EngineArgs(model, **kwargs)
+        config = args.create_engine_config()
+        self._attach(LLMEngine(config) if config.parallel.data_parallel_size == 1 else DataParallelEngine(config),
+                     log_stats=not args.disable_log_stats)
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> LLM:
+        """An LLM of these arguments (vLLM's)."""
+        return cls(**{f.name: getattr(engine_args, f.name) for f in dataclasses.fields(EngineArgs)})
 
     @classmethod
     def from_engine(cls, engine: LLMEngine | DataParallelEngine) -> LLM:
