@@ -32,6 +32,8 @@ _EXPORTS = {
     "EngineArgs": "pagedllm.engine.arg_utils",
     "AsyncEngineArgs": "pagedllm.engine.arg_utils",
     "LLMEngine": "pagedllm.engine.llm_engine",
+    "AsyncLLM": "pagedllm.engine.async_llm",
+    "AsyncLLMEngine": "pagedllm.engine.async_llm",
 }
 # vLLM's top-level names where pagedllm has them (`from vllm import LLM, SamplingParams, TokensPrompt` becomes
 # `from pagedllm import ...`), and pagedllm's own (StructuredOutputsParams, BeamSearchParams, EmbedsPrompt).
@@ -39,10 +41,11 @@ __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", 
            "BeamSearchParams", "PoolingParams", "EmbeddingRequestOutput", "ScoringRequestOutput",
            "ClassificationRequestOutput", "EmbeddingOutput", "ScoringOutput", "ClassificationOutput", "PoolingOutput",
            "PoolingRequestOutput", "PromptType", "TextPrompt", "TokensPrompt", "EmbedsPrompt", "EngineArgs",
-           "AsyncEngineArgs", "LLMEngine"]
+           "AsyncEngineArgs", "LLMEngine", "AsyncLLM", "AsyncLLMEngine"]
 
 if TYPE_CHECKING:
     from pagedllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
+    from pagedllm.engine.async_llm import AsyncLLM, AsyncLLMEngine
     from pagedllm.engine.beam_search import BeamSearchParams
     from pagedllm.engine.llm_engine import LLMEngine
     from pagedllm.entrypoints.llm import LLM

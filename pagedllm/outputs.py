@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 
 @dataclass(slots=True)
 class Logprob:
@@ -114,6 +116,12 @@ class PoolingRequestOutput:
     prompt_token_ids: list[int]
     num_cached_tokens: int = 0
     finished: bool = True
+
+    @classmethod
+    def of(cls, output: RequestOutput) -> PoolingRequestOutput:
+        """A pooling request's engine output (its `embedding`), its values one float32 tensor."""
+        return cls(output.request_id, PoolingOutput(torch.tensor(output.embedding, dtype=torch.float32)),
+                   output.prompt_token_ids, output.num_cached_tokens)
 
 
 @dataclass

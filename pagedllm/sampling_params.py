@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import json
 import math
 from collections.abc import Callable
@@ -91,6 +92,15 @@ class StructuredOutputsParams:
 _STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
+class RequestOutputKind(enum.Enum):
+    """vLLM's kinds of streamed output (`SamplingParams.output_kind`): each output carries the whole completion so
+    far, only what is new since the last, or there is one output, once the request has finished."""
+
+    CUMULATIVE = "cumulative"
+    DELTA = "delta"
+    FINAL_ONLY = "final"
+
+
 @dataclass
 class SamplingParams:
     """How to sample one prompt's completions.
@@ -132,6 +142,9 @@ class SamplingParams:
         stream_interval: the most new tokens a streamed output waits for (vLLM's): with output_kind "delta" or
             "cumulative", an output goes out once that many tokens are new, the first and the last at once; raised
             to the engine's `SchedulerConfig.stream_interval`. None: the engine's.
+        output_kind: what each output carries (vLLM's RequestOutputKind, or its value): "cumulative" the whole
+            completion so far, "delta" what is new, "final" one output once finished. None: the caller's default
+            (LLM and LLMEngine: "final"; AsyncLLM: "cumulative", as vLLM's).
     """
 
     n: int = 1
@@ -161,7 +174,7 @@ class SamplingParams:
     thinking_token_budget: int | None = None
     stream_interval: int | None = None
     extra_args: dict[str, Any] | None = None
-    output_kind: str = field(default="final", repr=False)
+    output_kind: str | RequestOutputKind | None = field(default=None, repr=False)
     # bad_words as token sequences, from resolve_bad_words
     bad_words_token_ids: list[list[int]] = field(default_factory=list, init=False, repr=False, compare=False)
     # the model's (<think>, </think>) token ids, from resolve_thinking
@@ -171,6 +184,10 @@ class SamplingParams:
     constrained_after: tuple[int, int] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if isinstance(self.output_kind, RequestOutputKind):
+            self.output_kind = self.output_kind.value
+        _check(self.output_kind in (None, *(kind.value for kind in RequestOutputKind)), "output_kind",
+               "'cumulative', 'delta', 'final' (a RequestOutputKind) or None", self.output_kind)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])

@@ -92,7 +92,8 @@ class _Add:
 @dataclass(slots=True)
 class _Abort:
     request_ids: list[str]
-    stop_reason: str | None = None      # set: tell each request's caller it ended, with this stop_reason
+    stop_reason: str | None = None      # the aborted outputs' stop_reason
+    tell: bool = False                  # send each request's caller its aborted output (nobody listens otherwise)
 
 
 @dataclass(slots=True)
@@ -309,7 +310,7 @@ class AsyncEngine:
         left = list(self._streams)
         if left and self.is_running:
             logger.warning("shutdown deadline (%.1f s) reached: aborting %d running request(s)", timeout, len(left))
-            self._post(_Abort(left, SHUTDOWN_STOP_REASON))
+            self._post(_Abort(left, SHUTDOWN_STOP_REASON, tell=True))
             end = time.monotonic() + 5.0
             while self._streams and time.monotonic() < end and self.is_running:
                 await asyncio.sleep(poll_interval)
@@ -449,7 +450,7 @@ class AsyncEngine:
         first (later ones are kept), "keep" keeps them all, to run after wake_up (recomputed from level 1)."""
         check_sleep(level, mode)
         if mode == "abort" and self._streams:
-            self._post(_Abort(list(self._streams), SLEEP_STOP_REASON))
+            self._post(_Abort(list(self._streams), SLEEP_STOP_REASON, tell=True))
         elif mode == "wait":
             if self._streams and self.is_sleeping():
                 raise ValueError("sleep mode 'wait' runs the requests in flight to the end, which a sleeping engine "
@@ -458,6 +459,13 @@ class AsyncEngine:
             while waited.intersection(self._streams) and self.is_running:
                 await asyncio.sleep(0.02)
         await self.call_in_engine(lambda engine: engine.sleep(level))
+
+    async def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
+        """vLLM's pause for a weight update: a level-0 sleep (`mode` as sleep's), then the prefix cache emptied
+        unless `clear_cache` is False or the requests are kept (their blocks are in use)."""
+        await self.sleep(0, mode)
+        if clear_cache and mode != "keep":
+            await self.reset_prefix_cache()
 
     async def wake_up(self, tags: list[str] | None = None) -> bool:
         """`LLMEngine.wake_up`: whether the engine is fully awake (and steps again)."""
@@ -490,7 +498,7 @@ class AsyncEngine:
         """Forget every cached block; False while requests hold blocks."""
         return await self.call_in_engine(lambda engine: engine.reset_prefix_cache())
 
-    async def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (),
+    async def collective_rpc(self, method: str | Callable, timeout: float | None = None, args: tuple = (),
                              kwargs: dict[str, Any] | None = None) -> list:
         """`LLMEngine.collective_rpc` between two steps."""
         return await self.call_in_engine(lambda engine: engine.collective_rpc(method, timeout, args, kwargs))
@@ -509,9 +517,10 @@ class AsyncEngine:
             self._post(_Snapshot())
         return await asyncio.shield(self._snapshot_waiter)
 
-    def abort(self, request_id: str) -> None:
-        """Abort a request (a no-op if it already finished)."""
-        self._post(_Abort([request_id]))
+    def abort(self, request_id: str, tell: bool = False) -> None:
+        """Abort a request (a no-op if it already finished). `tell`: its caller, still iterating, gets its last
+        output, finish_reason "abort" (otherwise the caller has gone: the server's disconnect)."""
+        self._post(_Abort([request_id], tell=tell))
 
     def _raise_if_dead(self) -> None:
         self._notice_dead_workers()
@@ -604,7 +613,7 @@ class AsyncEngine:
             if isinstance(item, _Add):
                 self._add(item)
             elif isinstance(item, _Abort):
-                self._abort(item.request_ids, iteration, item.stop_reason)
+                self._abort(item.request_ids, iteration, item.stop_reason, item.tell)
             elif isinstance(item, _Call):
                 self._call(item)
             else:
@@ -632,7 +641,8 @@ class AsyncEngine:
                                       None if sampling is None else sampling.max_tokens,
                                       None if sampling is None else sampling.n)
 
-    def _abort(self, request_ids: list[str], iteration: IterationStats, stop_reason: str | None = None) -> None:
+    def _abort(self, request_ids: list[str], iteration: IterationStats, stop_reason: str | None = None,
+               tell: bool = False) -> None:
         beams = [r for r in request_ids if r in self._beam_search_ids]
         if beams:
             self.engine.abort_request(beams)
@@ -642,7 +652,7 @@ class AsyncEngine:
             return      # finished (or refused) before the abort arrived
         ends = self.engine.abort_request(live, stop_reason)
         self._stats.requests.on_aborted(live, iteration, time.monotonic())
-        if stop_reason is not None:     # someone is still listening: tell them how it ended
+        if tell:     # someone is still listening: tell them how it ended
             self._call_in_loop(self._dispatch, ends)
 
     def _publish(self, outputs: list[RequestOutput], iteration: IterationStats, stepped: bool = False) -> None:

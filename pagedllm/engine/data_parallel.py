@@ -472,6 +472,9 @@ class AsyncDataParallelEngine:
     async def sleep(self, level: int = 1, mode: str = "abort") -> None:
         await asyncio.gather(*(replica.sleep(level, mode) for replica in self.replicas))
 
+    async def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
+        await asyncio.gather(*(replica.pause_generation(mode, clear_cache) for replica in self.replicas))
+
     async def wake_up(self, tags: list[str] | None = None) -> bool:
         return all(await asyncio.gather(*(replica.wake_up(tags) for replica in self.replicas)))
 
@@ -500,7 +503,7 @@ class AsyncDataParallelEngine:
     async def reset_prefix_cache(self) -> bool:
         return all(await asyncio.gather(*(replica.reset_prefix_cache() for replica in self.replicas)))
 
-    async def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (),
+    async def collective_rpc(self, method: str | Callable, timeout: float | None = None, args: tuple = (),
                              kwargs: dict[str, Any] | None = None) -> list:
         """Every replica's ranks' results, replica by replica."""
         results = await asyncio.gather(*(replica.collective_rpc(method, timeout, args, kwargs)
@@ -511,10 +514,10 @@ class AsyncDataParallelEngine:
         """Replica 0's block map and stats (the dashboard shows one pool)."""
         return await self.replicas[0].kv_cache_snapshot()
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, tell: bool = False) -> None:
         index = self._owner.get(request_id)
         if index is not None:
-            self.replicas[index].abort(request_id)
+            self.replicas[index].abort(request_id, tell)
 
 
 def build_async_engine(config: EngineConfig, log_requests: bool = False, log_stats: bool = False,

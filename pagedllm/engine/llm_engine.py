@@ -533,6 +533,8 @@ class LLMEngine:
             self._check_classifies(pooling)
         if pooling is not None:   # the prompt's forward pass, then one greedy token that nobody sees
             params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+        if not isinstance(params.output_kind, str):     # None, the caller's default: one output, once finished;
+            params = dataclasses.replace(params, output_kind=params.output_kind or "final")     # or an enum set late
         if request_id in self._tracked:
             raise ValueError(f"request id {request_id!r} is already in use")
         parsed, token_ids = self._prompt(prompt, prompt_token_ids, pooling)

@@ -31,7 +31,6 @@ from pagedllm.outputs import (
     ClassificationRequestOutput,
     EmbeddingOutput,
     EmbeddingRequestOutput,
-    PoolingOutput,
     PoolingRequestOutput,
     RequestOutput,
     ScoringOutput,
@@ -389,8 +388,7 @@ class LLM:
                              "outputs), and has no per-token or plugin task")
         outputs = self._pool(prompts, pooling_params or PoolingParams(task=pooling_task), pooling_task, use_tqdm,
                              lora_request, truncate_prompt_tokens, tokenization_kwargs)
-        return [PoolingRequestOutput(o.request_id, PoolingOutput(torch.tensor(o.embedding, dtype=torch.float32)),
-                                     o.prompt_token_ids, o.num_cached_tokens) for o in outputs]
+        return [PoolingRequestOutput.of(o) for o in outputs]
 
     def score(self, data_1: PromptType | Sequence[PromptType], data_2: PromptType | Sequence[PromptType], /, *,
               use_tqdm: UseTqdm = True, lora_request: LoRARequest | None = None,

@@ -239,6 +239,8 @@ def test_bad_words_ban_a_word_where_it_would_be_completed(client, server, offlin
     j, word = _printable_pair(offline.get_tokenizer(), base)
     params = SamplingParams(**GREEDY, bad_words=[word])
     banned = offline.generate(PROMPT, params, use_tqdm=False)[0].outputs[0]
+    tokenizer = offline.get_tokenizer()
+    params.resolve_bad_words(lambda text: tokenizer.encode(text, add_special_tokens=False))     # as the engine does
     assert params.bad_words_token_ids == [base[j:j + 2]]    # " " + word is three tokens: not another form
     # the same up to the word's first token, then anything but its second, and never the word again
     assert banned.token_ids[:j + 1] == base[:j + 1] and banned.token_ids[j + 1] != base[j + 1]

@@ -375,9 +375,7 @@ def _dev_router(engine: AsyncEngine | AsyncDataParallelEngine) -> APIRouter:
 
     @router.post("/pause")
     async def pause(mode: SleepMode = "abort", clear_cache: bool = True) -> dict[str, str]:
-        await control(lambda: engine.sleep(0, mode))
-        if clear_cache and mode != "keep":
-            await engine.reset_prefix_cache()
+        await control(lambda: engine.pause_generation(mode, clear_cache))
         return {"status": "paused"}
 
     @router.post("/resume")
