@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 
 @dataclass(slots=True)
 class Logprob:
@@ -119,7 +117,10 @@ class PoolingRequestOutput:
 
     @classmethod
     def of(cls, output: RequestOutput) -> PoolingRequestOutput:
-        """A pooling request's engine output (its `embedding`), its values one float32 tensor."""
+        """A pooling request's engine output (its `embedding`), its values one float32 tensor (torch imported here:
+        the outputs themselves need none)."""
+        import torch
+
         return cls(output.request_id, PoolingOutput(torch.tensor(output.embedding, dtype=torch.float32)),
                    output.prompt_token_ids, output.num_cached_tokens)
 
