@@ -777,7 +777,8 @@ class LLMEngine:
         for request_id in self.scheduler.requeue_running():
             if self.runner.recurrent is not None:
                 self.runner.recurrent.release(request_id)
-        assert self.kv_cache_manager.reset_prefix_cache(), "a block in use after every running request left"
+        emptied = self.kv_cache_manager.reset_prefix_cache()
+        assert emptied, "a block in use after every running request left"
         self.runner.release_kv_cache()
         self.kv_released = True
         logger.info("asleep (level %d): the KV pool's %.2f GiB released", level,
