@@ -281,3 +281,28 @@ def test_vllms_engine_args_build_the_engine_they_describe(tiny_llama_dir):
         LLMEngine.from_engine_args(EngineArgs(str(tiny_llama_dir), data_parallel_size=2))
     with pytest.raises(TypeError, match="unexpected keyword argument 'max_modle_len'"):
         LLM(str(tiny_llama_dir), max_modle_len=128)
+
+
+def test_tokenization_kwargs_can_leave_out_the_tokenizers_special_tokens(tmp_path):
+    """vLLM's `tokenization_kwargs={"add_special_tokens": False}` (a prompt that already carries its BOS, say), on
+    generate and embed alike; truncation then cuts the tokens so made."""
+    from tokenizers import processors
+
+    from tests.models.tiny import build_byte_tokenizer
+
+    folder, _ = save_tiny_model(tmp_path / "m", "llama-gqa", initializer_range=0.5, with_tokenizer=False)
+    tokenizer = build_byte_tokenizer()
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[
+        ("<s>", 1)])
+    tokenizer.save_pretrained(folder)
+    llm = LLM(model=str(folder), dtype="float32", num_kv_blocks=64)
+    bare = tokenizer.encode("hello", add_special_tokens=False)
+    assert llm.generate("hello", GREEDY, use_tqdm=False)[0].prompt_token_ids == [1, *bare]
+    (plain,) = llm.generate("hello", GREEDY, use_tqdm=False, tokenization_kwargs={"add_special_tokens": False})
+    assert plain.prompt == "hello" and plain.prompt_token_ids == bare
+    assert plain.outputs[0].token_ids == llm.generate(bare, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    (cut,) = llm.embed("hello", use_tqdm=False, tokenization_kwargs={"add_special_tokens": False,
+                                                                      "truncate_prompt_tokens": 3})
+    assert cut.prompt_token_ids == bare[:3]
+    with pytest.raises(ValueError, match="add_special_tokens \\(a bool\\)"):
+        llm.generate("hello", GREEDY, tokenization_kwargs={"add_special_tokens": "no"})

@@ -257,7 +257,8 @@ class LLM:
             priority: one for all prompts, or one per prompt; lower runs first. Needs scheduling_policy "priority"
                 unless all are 0.
             tokenization_kwargs: vLLM's `{"truncate_prompt_tokens": k}` (with `"truncation_side"`), as `embed`'s:
-                each prompt cut to k tokens before it runs.
+                each prompt cut to k tokens before it runs; `"add_special_tokens": False` tokenizes text prompts
+                without the tokenizer's special tokens.
             mm_processor_kwargs: arguments for the model's processor on the prompts' images, under each prompt's
                 own `mm_processor_kwargs`.
 
@@ -342,7 +343,8 @@ class LLM:
                 where the tokenizer truncates on the left (its `truncation_side`); -1 keeps as many as the context
                 holds.
             tokenization_kwargs: vLLM 0.32's form of the same: `{"truncate_prompt_tokens": k}`, with
-                `"truncation_side": "left"` (the last k) or `"right"` (the first k); other keys are refused.
+                `"truncation_side": "left"` (the last k) or `"right"` (the first k); `"add_special_tokens": False`
+                tokenizes text prompts without the tokenizer's special tokens; other keys are refused.
         """
         outputs = self._pool(prompts, pooling_params or PoolingParams(), "embed", use_tqdm, lora_request,
                              truncate_prompt_tokens, tokenization_kwargs)
@@ -452,27 +454,35 @@ class LLM:
 
     def _truncated(self, prompt_list: list[ParsedPrompt], truncate_prompt_tokens: int | None,
                    tokenization_kwargs: dict[str, Any] | None) -> list[ParsedPrompt]:
-        """The prompts as vLLM's truncation leaves them: `truncate_prompt_tokens` (or tokenization_kwargs' one) of
-        each prompt's tokens, its first, or its last (tokenization_kwargs' `truncation_side`, else the tokenizer's:
+        """The prompts as vLLM's tokenization_kwargs leave them: text prompts tokenized with(out) the tokenizer's
+        special tokens (`add_special_tokens`), then `truncate_prompt_tokens` (or tokenization_kwargs' one) of each
+        prompt's tokens kept, its first, or its last (tokenization_kwargs' `truncation_side`, else the tokenizer's:
         `truncation_slice`), as token ids (with their types); -1 keeps as many as the context holds. Without
         either, the prompts as given."""
         kwargs = dict(tokenization_kwargs or {})
         keep, side = kwargs.pop("truncate_prompt_tokens", None), kwargs.pop("truncation_side", None)
-        if kwargs or side not in (None, "left", "right"):
-            raise ValueError("tokenization_kwargs takes truncate_prompt_tokens and truncation_side ('left' or "
-                             f"'right'), got {tokenization_kwargs!r}")
+        special = kwargs.pop("add_special_tokens", None)
+        if kwargs or side not in (None, "left", "right") or special not in (None, True, False):
+            raise ValueError("tokenization_kwargs takes truncate_prompt_tokens, truncation_side ('left' or 'right') "
+                             f"and add_special_tokens (a bool), got {tokenization_kwargs!r}")
         if None not in (keep, truncate_prompt_tokens) and keep != truncate_prompt_tokens:
             raise ValueError(f"truncate_prompt_tokens is {truncate_prompt_tokens} and tokenization_kwargs' {keep}: "
                              "give one")
         keep = truncate_prompt_tokens if keep is None else keep
+        if keep is None and special is None:
+            return prompt_list
+        if any(p.images for p in prompt_list):
+            raise ValueError("tokenization_kwargs tokenize and cut text prompts: a prompt with images cannot be")
+        if special is not None:
+            tokenizer = self.get_tokenizer()
+            prompt_list = [ParsedPrompt(p.text, tokenizer.encode(p.text, add_special_tokens=special), p.cache_salt)
+                           if p.token_ids is None and p.text is not None else p for p in prompt_list]
         if keep is None:
             return prompt_list
         max_model_len = self.engine.max_model_len
         if keep != -1 and not 1 <= keep <= max_model_len:
             raise ValueError(f"truncate_prompt_tokens must be -1 or in [1, {max_model_len}], got {keep}")
         kept = truncation_slice(max_model_len if keep == -1 else keep, side, self.engine.tokenizer)
-        if any(p.images for p in prompt_list):
-            raise ValueError("truncate_prompt_tokens cuts text prompts: a prompt with images cannot be cut")
         return [ParsedPrompt(None, (p.token_ids if p.token_ids is not None else
                                     self.get_tokenizer().encode(p.text))[kept],
                              p.cache_salt, None if p.token_type_ids is None else p.token_type_ids[kept])

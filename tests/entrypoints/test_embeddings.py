@@ -254,7 +254,7 @@ def test_truncate_prompt_tokens_keeps_the_tokenizers_side_as_vllm_does(llm, monk
     (left,) = llm.embed({"prompt_token_ids": PROMPTS[1]}, use_tqdm=False,
                         tokenization_kwargs={"truncate_prompt_tokens": 9, "truncation_side": "left"})
     assert also.prompt_token_ids == PROMPTS[1][:9] and left.prompt_token_ids == PROMPTS[1][-9:]
-    with pytest.raises(ValueError, match="tokenization_kwargs takes truncate_prompt_tokens and truncation_side"):
+    with pytest.raises(ValueError, match="tokenization_kwargs takes truncate_prompt_tokens, truncation_side"):
         llm.embed("abc", use_tqdm=False, tokenization_kwargs={"padding": "max_length"})
     with pytest.raises(ValueError, match="truncate_prompt_tokens is 2 and tokenization_kwargs' 3: give one"):
         llm.embed("abc", use_tqdm=False, truncate_prompt_tokens=2, tokenization_kwargs={"truncate_prompt_tokens": 3})
