@@ -303,3 +303,39 @@ def test_an_adapter_on_phis_attention_gives_pefts_tokens_and_one_on_its_ungated_
         assert expected != _hf_greedy(hf_model)
         assert _tokens(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False,
                                     lora_request=request)) == expected
+
+
+def test_adapters_are_added_listed_and_removed_by_vllms_engine_calls(tiny, adapters):
+    """vLLM's LLMEngine.add_lora / list_loras / remove_lora, and AsyncLLM's: an adapter added ahead runs its
+    requests; one removed loads again from its folder when a request names it."""
+    import asyncio
+
+    from pagedllm import AsyncEngineArgs, AsyncLLM
+
+    engine = _llm(tiny, max_loras=2, max_cpu_loras=2).llm_engine
+    lora = adapters["all"][0]
+    assert engine.list_loras() == set() and engine.add_lora(lora) and engine.list_loras() == {lora.lora_int_id}
+    assert engine.remove_lora(lora.lora_int_id) and not engine.remove_lora(lora.lora_int_id)
+    assert engine.list_loras() == set()
+    engine.add_request("again", {"prompt_token_ids": PROMPTS[0]}, GREEDY, lora_request=lora)
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [o for o in engine.step() if o.finished]
+    assert finished[0].outputs[0].token_ids == adapters["all"][1][0] and engine.list_loras() == {lora.lora_int_id}
+
+    async def run() -> None:
+        served = AsyncLLM.from_engine_args(AsyncEngineArgs(tiny[0], dtype="float32", num_kv_blocks=64,
+                                                           enable_lora=True))
+        try:
+            assert await served.add_lora(lora) and await served.list_loras() == {lora.lora_int_id}
+            outputs = [o async for o in served.generate({"prompt_token_ids": PROMPTS[0]}, GREEDY, "r",
+                                                        lora_request=lora)]
+            assert outputs[-1].outputs[0].token_ids == adapters["all"][1][0]
+            assert await served.remove_lora(lora.lora_int_id) and await served.list_loras() == set()
+        finally:
+            served.shutdown()
+    asyncio.run(run())
+    plain = LLM(model=tiny[0], dtype="float32", num_kv_blocks=64).llm_engine      # LoRA off: refused, saying how
+    with pytest.raises(ValueError, match="enable_lora=True"):
+        plain.add_lora(lora)
+    assert plain.list_loras() == set() and not plain.remove_lora(lora.lora_int_id)

@@ -155,6 +155,21 @@ class AsyncLLM:
     async def stop_profile(self) -> None:
         await self._control(self.engine.stop_profile)
 
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """LLMEngine.add_lora between two steps (LoRA adapters run on one engine: not with data parallelism)."""
+        return await self._in_engine(lambda engine: engine.add_lora(lora_request))
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        return await self._in_engine(lambda engine: engine.remove_lora(lora_id))
+
+    async def list_loras(self) -> set[int]:
+        return await self._in_engine(lambda engine: engine.list_loras())
+
+    async def _in_engine(self, call: Callable[[Any], Any]) -> Any:
+        if not isinstance(self.engine, AsyncEngine):
+            raise ValueError("LoRA adapters run on one engine: data_parallel_size must be 1")
+        return await self._control(lambda: self.engine.call_in_engine(call))
+
     async def collective_rpc(self, method: str | Callable, timeout: float | None = None, args: tuple = (),
                              kwargs: dict[str, Any] | None = None) -> list:
         return await self._control(lambda: self.engine.collective_rpc(method, timeout, args, kwargs))

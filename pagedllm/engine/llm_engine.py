@@ -747,6 +747,21 @@ class LLMEngine:
         """vLLM's apply_model: `function(model)` on every rank's model (its slice of the weights), in rank order."""
         return self.collective_rpc(apply_to_model, args=(function,))
 
+    # ---- LoRA adapters (vLLM's LLMEngine calls) ------------------------------------------------------------------
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter now, ahead of the requests that name it (ValueError for one that cannot load, or with
+        LoRA off); True."""
+        self.runner.load_lora(lora_request)
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Unload an adapter (requests naming it later load it again); whether it was loaded."""
+        return self.runner.loras is not None and self.runner.loras.drop(lora_id)
+
+    def list_loras(self) -> set[int]:
+        """The `lora_int_id`s of the adapters loaded (at most max_cpu_loras; the least recently used go first)."""
+        return self.runner.loras.ids() if self.runner.loras is not None else set()
+
     # ---- profiling (vLLM's start_profile / stop_profile) --------------------------------------------------------
     def start_profile(self, profile_prefix: str | None = None, *, delay_iterations: int | None = None,
                       max_iterations: int | None = None) -> None:

@@ -184,9 +184,13 @@ class LoRARegistry:
         self._adapters.move_to_end(request.lora_int_id)
         return adapter
 
-    def drop(self, lora_int_id: int) -> None:
-        """Forget an adapter (a request still naming it loads it again from its folder)."""
-        self._adapters.pop(lora_int_id, None)
+    def drop(self, lora_int_id: int) -> bool:
+        """Forget an adapter (a request still naming it loads it again from its folder); whether it was loaded."""
+        return self._adapters.pop(lora_int_id, None) is not None
+
+    def ids(self) -> set[int]:
+        """The `lora_int_id`s of the adapters loaded."""
+        return set(self._adapters)
 
 
 class LoRABatch:

@@ -419,7 +419,7 @@ def _lora_router(engine: AsyncEngine, chat: OpenAIServingChat) -> APIRouter:
         if loras.get(body.lora_name) is not None or body.lora_name in names:
             raise OpenAIError(f"The lora adapter '{body.lora_name}' has already been loaded.", param="lora_name")
         lora = loras.new(body.lora_name, body.lora_path)
-        await engine.call_in_engine(lambda llm_engine: llm_engine.runner.load_lora(lora))
+        await engine.call_in_engine(lambda llm_engine: llm_engine.add_lora(lora))
         loras.add(lora)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
@@ -429,7 +429,7 @@ def _lora_router(engine: AsyncEngine, chat: OpenAIServingChat) -> APIRouter:
         if lora is None:
             raise OpenAIError(f"The lora adapter '{body.lora_name}' cannot be found.", 404, "lora_name",
                               "model_not_found")
-        await engine.call_in_engine(lambda llm_engine: llm_engine.runner.loras.drop(lora.lora_int_id))
+        await engine.call_in_engine(lambda llm_engine: llm_engine.remove_lora(lora.lora_int_id))
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     return router
