@@ -29,12 +29,16 @@ class PoolingParams:
         task: "embed": that hidden state is the embedding (vLLM's default for a causal LM served as an embedding
             model, `--convert embed`). "classify": the checkpoint's classification head (a
             `*ForSequenceClassification` model) turns it into one logit per class.
+        dimensions: (embed) keep the embedding's first `dimensions` values, then normalize: a Matryoshka model's
+            shorter embedding (vLLM's; the engine checks that the model is one, `is_matryoshka` or
+            `matryoshka_dimensions` in its config). None: the whole embedding.
     """
 
     normalize: bool = True
     use_activation: bool = True
     task: str = "embed"
     pooling_type: str | None = None
+    dimensions: int | None = None
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -46,6 +50,10 @@ class PoolingParams:
         for name in ("normalize", "use_activation"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.dimensions is not None and (self.task != "embed" or isinstance(self.dimensions, bool)
+                                            or not isinstance(self.dimensions, int) or self.dimensions < 1):
+            raise ValueError(f"dimensions is an embedding's length, an int >= 1 (task 'embed'), got "
+                             f"{self.dimensions!r} with task {self.task!r}")
 
     @property
     def needs_every_position(self) -> bool:

@@ -531,6 +531,8 @@ class LLMEngine:
                                           else self.classifier_pooling)
         if pooling is not None and pooling.task == "classify":
             self._check_classifies(pooling)
+        if pooling is not None and pooling.dimensions is not None:
+            self._check_dimensions(pooling.dimensions)
         if pooling is not None:   # the prompt's forward pass, then one greedy token that nobody sees
             params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
         if not isinstance(params.output_kind, str):     # None, the caller's default: one output, once finished;
@@ -643,6 +645,20 @@ class LLMEngine:
         if pooling.pooling_type != self.classifier_pooling:
             raise ValueError(f"{self.model_name}'s classification head reads the {self.classifier_pooling} token "
                              f"(pooling_type {self.classifier_pooling!r}), not {pooling.pooling_type!r}")
+
+    def _check_dimensions(self, dimensions: int) -> None:
+        """A shorter embedding only from a model trained for it (a Matryoshka model's config says so), as vLLM."""
+        listed = getattr(self.hf_config, "matryoshka_dimensions", None)
+        if not (listed or getattr(self.hf_config, "is_matryoshka", False)):
+            raise ValueError(f"dimensions must be unset: {self.model_name} does not support Matryoshka embeddings, "
+                             f"got {dimensions} (a model trained for them says so in its config, is_matryoshka or "
+                             "matryoshka_dimensions, which hf_overrides can set)")
+        size = self.runner.embedding_size
+        if not dimensions <= size:
+            raise ValueError(f"dimensions must be in [1, {size}] for {self.model_name}, got {dimensions}")
+        if listed and dimensions not in listed:
+            raise ValueError(f"dimensions must be one of {self.model_name}'s Matryoshka dimensions {list(listed)}, "
+                             f"got {dimensions}")
 
     def _check_takes_images(self, pooling: PoolingParams | None) -> None:
         if pooling is not None:

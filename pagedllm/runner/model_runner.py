@@ -34,6 +34,7 @@ from pagedllm.models.mla import is_mla, mla_cache_row
 from pagedllm.models.recurrent import RecurrentMixer, RecurrentStates
 from pagedllm.models.vision import ImageRows
 from pagedllm.multimodal import MRopeLayout
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.runner import kv_tensors
 from pagedllm.runner.cuda_graphs import Capture, DecodeGraphs, capture_sizes, cuda_capture
 from pagedllm.runner.input_batch import CachedRequestState, ModelInputs, build_model_inputs
@@ -137,6 +138,14 @@ class ModelRunner:
         # recurrent layers' per-request states (`allocate_recurrent_states`); None for a model without them
         self.mixers = [m for m in self.model.modules() if isinstance(m, RecurrentMixer)]
         self.recurrent: RecurrentStates | None = None
+
+    @property
+    def embedding_size(self) -> int:
+        """An embedding's length: the last Dense layer's outputs (a sentence-transformers projector's), else the
+        model's hidden size."""
+        if self.projector is not None:
+            return [m for m in self.projector.modules() if isinstance(m, torch.nn.Linear)][-1].out_features
+        return self.model.config.hidden_size
 
     def weight_bytes(self) -> int:
         """The model's weights, and the draft model's."""
@@ -339,7 +348,7 @@ class ModelRunner:
         (`projector`), and is L2-normalised unless it asks otherwise; a classification is the head's logits, as
         probabilities unless it asks otherwise."""
         result = {}
-        embeddings: dict[str, tuple[torch.Tensor, bool]] = {}     # request id -> (pooled vector, normalize)
+        embeddings: dict[str, tuple[torch.Tensor, PoolingParams]] = {}     # request id -> (pooled vector, params)
         for s in scheduled:
             state = self.requests[s.request_id]
             pooling = state.pooling
@@ -367,13 +376,15 @@ class ModelRunner:
                     vector = vector.sigmoid() if len(vector) == 1 else vector.softmax(0)
                 result[s.request_id] = vector.tolist()
             else:
-                embeddings[s.request_id] = (vector, pooling.normalize)
+                embeddings[s.request_id] = (vector, pooling)
         if embeddings:      # the step's embeddings through the Dense layers together: one product per layer
             vectors = torch.stack([vector for vector, _ in embeddings.values()])
             if self.projector is not None:
                 vectors = self.projector(vectors)
-            for (request_id, (_, normalize)), vector in zip(embeddings.items(), vectors):
-                result[request_id] = (torch.nn.functional.normalize(vector, dim=0) if normalize else vector).tolist()
+            for (request_id, (_, pooling)), vector in zip(embeddings.items(), vectors):
+                vector = vector[:pooling.dimensions]        # a Matryoshka model's shorter embedding, or all of it
+                result[request_id] = (torch.nn.functional.normalize(vector, dim=0) if pooling.normalize
+                                      else vector).tolist()
         return result
 
     def _forward_step(self, inputs: ModelInputs, lora: LoRABatch | None, token_types: torch.Tensor | None,

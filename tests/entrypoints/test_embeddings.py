@@ -274,6 +274,28 @@ def test_embed_refuses_bad_prompts_before_running_any(llm):
         PoolingParams(normalize="yes")
 
 
+def test_a_matryoshka_model_gives_its_first_dimensions_normalised_again(tiny, llm):
+    """vLLM's PoolingParams(dimensions=k) (the server's `dimensions`): the first k values of the embedding, then
+    normalized, from a model whose config says it was trained for them; refused, saying why, otherwise."""
+    matryoshka = LLM(model=str(tiny[0]), dtype="float32", num_kv_blocks=64,
+                     hf_overrides={"matryoshka_dimensions": [16, 32]})
+    (full,) = matryoshka.embed(PROMPTS[:1], PoolingParams(normalize=False), use_tqdm=False)
+    (short,) = matryoshka.embed(PROMPTS[:1], PoolingParams(dimensions=16), use_tqdm=False)
+    expected = torch.nn.functional.normalize(torch.tensor(full.outputs.embedding[:16]), dim=0)
+    assert short.outputs.embedding == pytest.approx(expected.tolist(), abs=1e-6)
+    with pytest.raises(ValueError, match=r"dimensions must be one of .*\[16, 32\], got 8"):
+        matryoshka.embed(PROMPTS[:1], PoolingParams(dimensions=8), use_tqdm=False)
+    with pytest.raises(ValueError, match="dimensions must be unset: .* does not support Matryoshka embeddings"):
+        llm.embed(PROMPTS[:1], PoolingParams(dimensions=16), use_tqdm=False)
+    any_length = LLM(model=str(tiny[0]), dtype="float32", num_kv_blocks=64, hf_overrides={"is_matryoshka": True})
+    assert len(any_length.embed(PROMPTS[:1], PoolingParams(dimensions=5), use_tqdm=False)[0].outputs.embedding) == 5
+    with pytest.raises(ValueError, match=r"dimensions must be in \[1, 64\]"):
+        any_length.embed(PROMPTS[:1], PoolingParams(dimensions=65), use_tqdm=False)
+    for bad in (dict(dimensions=0), dict(dimensions=True), dict(task="classify", dimensions=4)):
+        with pytest.raises(ValueError, match="dimensions is an embedding's length"):
+            PoolingParams(**bad)
+
+
 def test_served_embeddings_equal_offline_ones(client, server, llm):
     texts = ["Once upon a time", "in a paged cache, blocks"]
     expected = [o.outputs.embedding for o in llm.embed(texts, use_tqdm=False)]

@@ -36,13 +36,13 @@ class OpenAIServingPooling(OpenAIServing):
 
     async def embeddings(self, request: EmbeddingRequest) -> dict[str, Any]:
         model = self.check_model(request.model)
-        if request.dimensions is not None:
-            raise OpenAIError("this model does not support matryoshka representations, so dimensions cannot be "
-                              "set: its embeddings have the model's hidden size", param="dimensions")
+        try:
+            params = PoolingParams(normalize=request.normalize, dimensions=request.dimensions)
+        except ValueError as exc:
+            raise OpenAIError(str(exc), param="dimensions") from exc
         prompts = await self._prompts(request)
         request_id = random_id("embd")
-        vectors = await self.pool(request_id, prompts, PoolingParams(normalize=request.normalize), request.priority,
-                                  self.lora_for(model))
+        vectors = await self.pool(request_id, prompts, params, request.priority, self.lora_for(model))
         num_tokens = sum(len(p.token_ids) for p in prompts)
         return {"id": request_id, "object": "list", "created": now(), "model": model,
                 "data": [{"index": i, "object": "embedding", "embedding": _encode(vector, request.encoding_format)}
