@@ -32,6 +32,7 @@ class PoolingParams:
         dimensions: (embed) keep the embedding's first `dimensions` values, then normalize: a Matryoshka model's
             shorter embedding (vLLM's; the engine checks that the model is one, `is_matryoshka` or
             `matryoshka_dimensions` in its config). None: the whole embedding.
+        skip_reading_prefix_cache: compute the whole prompt, reading no block from the prefix cache (vLLM's).
     """
 
     normalize: bool = True
@@ -39,6 +40,7 @@ class PoolingParams:
     task: str = "embed"
     pooling_type: str | None = None
     dimensions: int | None = None
+    skip_reading_prefix_cache: bool | None = None
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:

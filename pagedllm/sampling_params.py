@@ -142,6 +142,8 @@ class SamplingParams:
         stream_interval: the most new tokens a streamed output waits for (vLLM's): with output_kind "delta" or
             "cumulative", an output goes out once that many tokens are new, the first and the last at once; raised
             to the engine's `SchedulerConfig.stream_interval`. None: the engine's.
+        skip_reading_prefix_cache: compute the whole prompt, reading no block from the prefix cache (vLLM's; the
+            request's own blocks are still cached for others). None or False: read it.
         output_kind: what each output carries (vLLM's RequestOutputKind, or its value): "cumulative" the whole
             completion so far, "delta" what is new, "final" one output once finished. None: the caller's default
             (LLM and LLMEngine: "final"; AsyncLLM: "cumulative", as vLLM's).
@@ -174,6 +176,7 @@ class SamplingParams:
     thinking_token_budget: int | None = None
     stream_interval: int | None = None
     extra_args: dict[str, Any] | None = None
+    skip_reading_prefix_cache: bool | None = None
     output_kind: str | RequestOutputKind | None = field(default=None, repr=False)
     # bad_words as token sequences, from resolve_bad_words
     bad_words_token_ids: list[list[int]] = field(default_factory=list, init=False, repr=False, compare=False)

@@ -306,3 +306,21 @@ def test_tokenization_kwargs_can_leave_out_the_tokenizers_special_tokens(tmp_pat
     assert cut.prompt_token_ids == bare[:3]
     with pytest.raises(ValueError, match="add_special_tokens \\(a bool\\)"):
         llm.generate("hello", GREEDY, tokenization_kwargs={"add_special_tokens": "no"})
+
+
+def test_a_request_may_skip_reading_the_prefix_cache(llm):
+    """vLLM's skip_reading_prefix_cache, on SamplingParams and PoolingParams: that request computes its whole
+    prompt, and still leaves its blocks for the next."""
+    from pagedllm import PoolingParams
+
+    prompt = "a prompt long enough to fill several blocks of four tokens"
+    llm.reset_prefix_cache()
+    first = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+    skipping = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, skip_reading_prefix_cache=True)
+    skipped = llm.generate(prompt, skipping, use_tqdm=False)[0]
+    again = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+    assert (first.num_cached_tokens, skipped.num_cached_tokens) == (0, 0) and again.num_cached_tokens > 0
+    assert skipped.outputs[0].token_ids == first.outputs[0].token_ids == again.outputs[0].token_ids
+    (embedded,) = llm.embed(prompt, PoolingParams(skip_reading_prefix_cache=True), use_tqdm=False)
+    assert embedded.num_cached_tokens == 0
+    assert llm.embed(prompt, use_tqdm=False)[0].num_cached_tokens > 0

@@ -187,10 +187,13 @@ class KVCacheManager:
         The hit never covers the last token: at least one token must be computed to get logits, so it stops
         at `num_tokens - 1` rounded down to a block. Takes no reference and counts no query (see `allocate_slots`).
         A request that wants prompt logprobs gets no hit (as in vLLM): the logits of every prompt position must be
-        computed; nor does an embedding that pools over every position (MEAN, CLS).
+        computed; nor does an embedding that pools over every position (MEAN, CLS), nor a request that asks to
+        skip reading the cache (`skip_reading_prefix_cache`).
         """
         if (not self.enable_caching or request.sampling_params.prompt_logprobs is not None
-                or (request.pooling_params is not None and request.pooling_params.needs_every_position)):
+                or request.sampling_params.skip_reading_prefix_cache
+                or (request.pooling_params is not None and (request.pooling_params.needs_every_position
+                                                            or request.pooling_params.skip_reading_prefix_cache))):
             return ComputedBlocks()
         hashes = self._block_hashes(request)
         extra_keys, image_keys = request.block_extra_keys, request.image_keys
