@@ -118,6 +118,8 @@ class SamplingParams:
         max_tokens: most generated tokens; None means up to the context length.
         min_tokens: EOS and stop_token_ids are suppressed until this many tokens are generated.
         logprobs: number of top log-probabilities returned per generated token (plus the sampled one).
+        logprob_token_ids: token ids whose log-probabilities each generated token's entry also carries (vLLM's:
+            a scoring task's label tokens, cheaper than every token's); with or without `logprobs`.
         prompt_logprobs: number of top log-probabilities returned per prompt token (plus the prompt token
             itself), in `RequestOutput.prompt_logprobs`. Such a request takes no prefix-cache hit: every prompt
             position must be computed to have logits.
@@ -164,6 +166,7 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    logprob_token_ids: list[int] | None = None
     prompt_logprobs: int | None = None
     detokenize: bool = True
     skip_special_tokens: bool = True
@@ -231,6 +234,11 @@ class SamplingParams:
                f"<= max_tokens ({self.max_tokens})", self.min_tokens)
         _check(self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0), "logprobs",
                "an integer >= 0 or None", self.logprobs)
+        if self.logprob_token_ids is not None:
+            self.logprob_token_ids = list(self.logprob_token_ids)
+            _check(bool(self.logprob_token_ids) and all(_is_int(t) and t >= 0 for t in self.logprob_token_ids),
+                   "logprob_token_ids", "a non-empty list of token ids (integers >= 0) or None",
+                   self.logprob_token_ids)
         _check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and self.prompt_logprobs >= 0),
                "prompt_logprobs", "an integer >= 0 or None", self.prompt_logprobs)
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "a list of non-empty strings",

@@ -137,3 +137,35 @@ def test_a_streamed_request_gets_them_in_its_first_output_only(tiny):
 def test_a_bad_prompt_logprobs_is_refused(value):
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=value)
+
+
+@pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
+def test_logprob_token_ids_report_those_tokens_as_the_full_ranking_does(tiny, mode):
+    """vLLM's logprob_token_ids: each generated token's entry carries the asked ids' logprobs and ranks, the same
+    as a ranking of the whole vocabulary gives them (in the mode's scores: a logit bias moves the processed ones),
+    with or without top logprobs; refused with speculative decoding."""
+    llm = _llm(tiny, logprobs_mode=mode)
+    prompt, ids = _prompt(3, 12), [5, 9, 200]
+    common = dict(temperature=0, max_tokens=4, ignore_eos=True, logit_bias={9: 2.0})
+    vocab_size = llm.engine.vocab_size      # every token ranked: the reference
+    (whole,) = llm.generate({"prompt_token_ids": prompt}, SamplingParams(**common, logprobs=vocab_size),
+                            use_tqdm=False)
+    for extra in ({}, {"logprobs": 2}):
+        (asked,) = llm.generate({"prompt_token_ids": prompt}, SamplingParams(**common, logprob_token_ids=ids, **extra),
+                                use_tqdm=False)
+        assert asked.outputs[0].token_ids == whole.outputs[0].token_ids
+        for position, (got, full) in enumerate(zip(asked.outputs[0].logprobs, whole.outputs[0].logprobs,
+                                                   strict=True)):
+            sampled = asked.outputs[0].token_ids[position]
+            top = {token for token, logprob in full.items() if logprob.rank <= extra.get("logprobs", 0)}
+            assert set(got) == {sampled, *ids, *top}
+            for token in ids:
+                assert got[token].logprob == pytest.approx(full[token].logprob, abs=1e-5)
+                assert got[token].rank == full[token].rank
+    with pytest.raises(ValueError, match=rf"logprob_token_ids take token ids in \[0, {vocab_size}\)"):
+        llm.generate([5], SamplingParams(logprob_token_ids=[vocab_size]), use_tqdm=False)
+    with pytest.raises(ValueError, match="logprob_token_ids must be a non-empty list"):
+        SamplingParams(logprob_token_ids=[])
+    spec = _llm(tiny, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="not reported with speculative decoding"):
+        spec.generate([5, 6], SamplingParams(logprob_token_ids=ids), use_tqdm=False)

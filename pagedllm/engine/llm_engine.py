@@ -545,9 +545,11 @@ class LLMEngine:
             raise ValueError("prompt_logprobs are not computed for prompt_embeds: their positions hold no tokens")
         cache_salt = cache_salt if cache_salt is not None else parsed.cache_salt
         if any(t >= self.vocab_size for t in [*(params.logit_bias or {}), *params.stop_token_ids,
-                                              *(params.allowed_token_ids or [])]):
-            raise ValueError(f"logit_bias, stop_token_ids and allowed_token_ids take token ids in [0, "
-                             f"{self.vocab_size})")
+                                              *(params.allowed_token_ids or []), *(params.logprob_token_ids or [])]):
+            raise ValueError(f"logit_bias, stop_token_ids, allowed_token_ids and logprob_token_ids take token ids in "
+                             f"[0, {self.vocab_size})")
+        if params.logprob_token_ids and self.config.speculative is not None:
+            raise ValueError("logprob_token_ids are not reported with speculative decoding: ask for logprobs")
         if self.tokenizer is None:
             params = self._tokens_only(params)
         if params.structured_outputs is not None:
@@ -563,8 +565,9 @@ class LLMEngine:
             processor.validate_params(params)
         # (prompt embeddings' placeholder ids are no text for the detokenizer to go on from)
         context = [] if embeds else token_ids
+        reports = params.logprobs is not None or params.logprob_token_ids     # each token's logprobs
         completions = [_Completion(i, IncrementalDetokenizer(self.tokenizer, params, context),
-                                   logprobs=[] if params.logprobs is not None else None) for i in range(params.n)]
+                                   logprobs=[] if reports else None) for i in range(params.n)]
         self.scheduler.add_request(Request(
             request_id=request_id, prompt_token_ids=token_ids, sampling_params=params,
             eos_token_id=self.eos_token_id,

@@ -102,8 +102,9 @@ class SamplingMetadata:
     allowed: AllowedTokens | None          # None when no row has allowed_token_ids
     token_bitmask: TokenBitmask | None     # None when no row is constrained
     generators: dict[int, torch.Generator] # row index -> generator, for seeded random rows
-    num_logprobs: list[int | None]         # per row: the `logprobs` it asked for
+    num_logprobs: list[int | None]         # per row: the `logprobs` it asked for (0 with logprob_token_ids alone)
     max_num_logprobs: int | None           # None: no row asked for logprobs
+    logprob_token_ids: list[list[int] | None] | None = None     # per row: the ids it asked for; None: no row did
     generator: torch.Generator | None = None  # the shared draw of unseeded rows; None: torch's default RNG
 
     @property
@@ -127,7 +128,8 @@ class SamplingMetadata:
         greedy = [p.greedy for p in params]
         random_rows = [p for p in params if not p.greedy]
         top_k = [effective_top_k(p.top_k, vocab_size) for p in params]
-        logprob_counts = [p.logprobs for p in params if p.logprobs is not None]
+        num_logprobs = [p.logprobs if p.logprobs is not None else 0 if p.logprob_token_ids else None for p in params]
+        logprob_counts = [n for n in num_logprobs if n is not None]
         return cls(
             vocab_size=vocab_size,
             temperature=_floats([1.0 if g else p.temperature for p, g in zip(params, greedy)], device),
@@ -147,8 +149,10 @@ class SamplingMetadata:
             token_bitmask=_build_token_bitmask(rows, device),
             generators={i: row.generator for i, row in enumerate(rows)
                         if row.generator is not None and not row.params.greedy},
-            num_logprobs=[p.logprobs for p in params],
+            num_logprobs=num_logprobs,
             max_num_logprobs=max(logprob_counts) if logprob_counts else None,
+            logprob_token_ids=([p.logprob_token_ids for p in params] if any(p.logprob_token_ids for p in params)
+                               else None),
             generator=generator,
         )
 

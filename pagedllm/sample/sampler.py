@@ -58,12 +58,15 @@ class LogprobsTensors:
     logprobs: torch.Tensor
     ranks: torch.Tensor
     num_logprobs: list[int | None]
+    chosen: list[list[tuple[int, float, int]]] | None = None   # per row, its logprob_token_ids' entries
 
     def to_lists(self, request_ids: list[str]) -> dict[str, list[list[tuple[int, float, int]]]]:
         """Per request that asked for logprobs (request_ids in batch order): a one-element list (this step's one
-        token) of (token_id, logprob, rank) entries, the sampled token first, then its top tokens."""
+        token) of (token_id, logprob, rank) entries, the sampled token first, then its top tokens, then those of
+        its logprob_token_ids."""
         token_ids, logprobs, ranks = self.token_ids.tolist(), self.logprobs.tolist(), self.ranks.tolist()
-        return {request_id: [_entries(token_ids[i], logprobs[i], ranks[i], num)]
+        chosen = self.chosen or [[]] * len(request_ids)
+        return {request_id: [_entries(token_ids[i], logprobs[i], ranks[i], num) + chosen[i]]
                 for i, (request_id, num) in enumerate(zip(request_ids, self.num_logprobs)) if num is not None}
 
 
@@ -90,6 +93,26 @@ def batch_logprobs(raw: torch.Tensor, processed: torch.Tensor, probs: torch.Tens
     if logprobs_mode.startswith("raw"):
         return raw_logprobs(raw, meta.max_num_logprobs, token_ids, logprobs_mode)
     return gather_logprobs(processed_scores(processed, probs, meta, logprobs_mode), meta.max_num_logprobs, token_ids)
+
+
+def chosen_logprobs(raw: torch.Tensor, processed: torch.Tensor, probs: torch.Tensor | None, meta: SamplingMetadata,
+                    logprobs_mode: str) -> list[list[tuple[int, float, int]]]:
+    """Per row, the (token_id, logprob, rank) entries of its `logprob_token_ids` (none for a row without), in what
+    `logprobs_mode` reports (batch_logprobs' scores); a rank counts the tokens scored higher, plus one."""
+    assert meta.logprob_token_ids is not None
+    if logprobs_mode.startswith("raw"):
+        scores = raw.float() if logprobs_mode == "raw_logits" else torch.log_softmax(raw.float(), dim=-1)
+    else:
+        scores = processed_scores(processed, probs, meta, logprobs_mode)
+    result = []
+    for row, ids in enumerate(meta.logprob_token_ids):
+        if not ids:
+            result.append([])
+            continue
+        values = scores[row, torch.tensor(ids, device=scores.device)]
+        ranks = (scores[row].unsqueeze(0) > values.unsqueeze(1)).sum(1) + 1
+        result.append(list(zip(ids, values.tolist(), ranks.tolist(), strict=True)))
+    return result
 
 
 def processed_scores(processed: torch.Tensor, probs: torch.Tensor | None, meta: SamplingMetadata,
@@ -150,7 +173,10 @@ class Sampler(nn.Module):
         if meta.max_num_logprobs is None:
             return None
         ids, values, ranks = batch_logprobs(raw, processed, probs, meta, self.logprobs_mode, token_ids)
-        return LogprobsTensors(token_ids=ids, logprobs=values, ranks=ranks, num_logprobs=meta.num_logprobs)
+        chosen = None if meta.logprob_token_ids is None else \
+            chosen_logprobs(raw, processed, probs, meta, self.logprobs_mode)
+        return LogprobsTensors(token_ids=ids, logprobs=values, ranks=ranks, num_logprobs=meta.num_logprobs,
+                               chosen=chosen)
 
     @staticmethod
     def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
