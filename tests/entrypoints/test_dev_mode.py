@@ -12,13 +12,13 @@ import pytest
 from pagedllm import SamplingParams
 from pagedllm.engine.async_engine import AsyncEngine
 from pagedllm.entrypoints.openai.server import DEV_MODE_ENV, build_app
+from pagedllm.entrypoints.openai.transport import CONTROL_PATHS
 from tests.entrypoints.server_utils import RunningServer, metric, scrape, start_server, wait_until
 from tests.reliability.tiny_server import build_tiny_engine, offline
 
 PROMPT = "Once upon a time, in a paged cache,"
 MAX_TOKENS = 200        # ~0.2 s of steps, within the tiny model's 256-token context
-DEV_ROUTES = {"/sleep", "/wake_up", "/is_sleeping", "/release_kv_cache_memory", "/pause", "/resume", "/is_paused",
-              "/reset_prefix_cache", "/get_world_size", "/collective_rpc"}
+DEV_ROUTES = set(CONTROL_PATHS) - {"/start_profile", "/stop_profile"}      # those: with a profiler (test_profiler)
 
 
 
@@ -163,3 +163,16 @@ def test_bad_controls_are_a_400_and_change_nothing(server, method, path, kwargs,
     response = httpx.request(method, f"{server.base_url}{path}", timeout=30, **kwargs)
     assert response.status_code == 400 and words in response.text
     assert _get(server, "/is_sleeping") == {"is_sleeping": False}
+
+
+def test_with_an_api_key_the_controls_need_it(tiny_llama_dir, monkeypatch):
+    """vLLM leaves its development routes open; pagedllm puts them behind the API key, as the model's routes."""
+    monkeypatch.setenv(DEV_MODE_ENV, "1")
+    guarded = start_server(build_tiny_engine(tiny_llama_dir))
+    try:
+        assert _post(guarded, "/sleep").status_code == 401
+        assert httpx.get(f"{guarded.base_url}/is_sleeping", timeout=30).status_code == 401
+        assert _post(guarded, "/collective_rpc", json={"method": "weight_bytes"}).status_code == 401
+        assert _get(guarded, "/is_sleeping", headers=guarded.headers) == {"is_sleeping": False}
+    finally:
+        guarded.stop()

@@ -108,12 +108,19 @@ async def wait_for_disconnect(raw_request: Request) -> None:
         pass
 
 
+# The routes that control the engine (vLLM's development and profiler routes: server.py's _dev_router and
+# _profile_router), which vLLM leaves open and pagedllm puts behind the API key.
+CONTROL_PATHS = ("/sleep", "/wake_up", "/is_sleeping", "/release_kv_cache_memory", "/pause", "/resume", "/is_paused",
+                 "/reset_prefix_cache", "/get_world_size", "/collective_rpc", "/start_profile", "/stop_profile")
+
+
 def needs_key(scope: Scope) -> bool:
-    """Whether a request runs the model, and so needs the API key: vLLM checks it on /v1/*; the classify, score,
-    rerank and invocations routes it serves outside /v1 run the model too. The path is taken less any
-    --root-path."""
+    """Whether a request runs or controls the model, and so needs the API key: vLLM checks it on /v1/*; the
+    classify, score, rerank and invocations routes it serves outside /v1 run the model too, and the control
+    routes (CONTROL_PATHS) change it. The path is taken less any --root-path."""
     path = get_route_path(scope)
-    return path.startswith(("/v1/", "/v2/")) or path in ("/classify", "/score", "/rerank", "/invocations")
+    return path.startswith(("/v1/", "/v2/")) or path in ("/classify", "/score", "/rerank", "/invocations",
+                                                         *CONTROL_PATHS)
 
 
 class RequestGate:
@@ -122,7 +129,7 @@ class RequestGate:
     `max_bytes`, 400 for a request that declares both Content-Length and Transfer-Encoding (h11 would honour the
     chunked framing and read past the declared length). The app then reads the buffered body.
 
-    With `api_keys`, a request to a path that runs the model (/v1/*, /v2/*, /classify, /score, /rerank) without
+    With `api_keys`, a request to a path that runs or controls the model (`needs_key`) without
     `Authorization: Bearer <key>` (or Anthropic's `x-api-key: <key>`) for one of them gets its 401 before any of
     its body is read."""
 
