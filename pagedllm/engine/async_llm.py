@@ -117,6 +117,9 @@ class AsyncLLM:
     def get_num_unfinished_requests(self) -> int:
         return self.engine.num_active_requests
 
+    async def get_supported_tasks(self) -> tuple[str, ...]:
+        return await self._in_engine(lambda engine: engine.get_supported_tasks())
+
     # ---- vLLM's controls ----------------------------------------------------------------------------------------
     async def _control(self, call: Callable[[], Any]) -> Any:
         self._start()
@@ -156,7 +159,7 @@ class AsyncLLM:
         await self._control(self.engine.stop_profile)
 
     async def add_lora(self, lora_request: LoRARequest) -> bool:
-        """LLMEngine.add_lora between two steps (LoRA adapters run on one engine: not with data parallelism)."""
+        """LLMEngine.add_lora between two steps."""
         return await self._in_engine(lambda engine: engine.add_lora(lora_request))
 
     async def remove_lora(self, lora_id: int) -> bool:
@@ -166,9 +169,10 @@ class AsyncLLM:
         return await self._in_engine(lambda engine: engine.list_loras())
 
     async def _in_engine(self, call: Callable[[Any], Any]) -> Any:
-        if not isinstance(self.engine, AsyncEngine):
-            raise ValueError("LoRA adapters run on one engine: data_parallel_size must be 1")
-        return await self._control(lambda: self.engine.call_in_engine(call))
+        """`call(LLMEngine)` between two steps, on the engine (the first replica's: LoRA, which they would need
+        alike, runs on one engine only, and they serve one model)."""
+        engine = self.engine if isinstance(self.engine, AsyncEngine) else self.engine.replicas[0]
+        return await self._control(lambda: engine.call_in_engine(call))
 
     async def collective_rpc(self, method: str | Callable, timeout: float | None = None, args: tuple = (),
                              kwargs: dict[str, Any] | None = None) -> list:

@@ -849,6 +849,13 @@ class LLMEngine:
         """The requests added and not finished, in the order added."""
         return list(self._tracked)
 
+    def get_supported_tasks(self) -> tuple[str, ...]:
+        """What this model serves, by vLLM's task names: "generate" (with an LM head, not an encoder), "embed"
+        (every model), "classify" (with a classification head)."""
+        generates = self.generates and not attends_both_ways(self.hf_config)
+        return (*(("generate",) if generates else ()), "embed",
+                *(("classify",) if self.class_labels is not None else ()))
+
     def get_num_unfinished_requests(self) -> int:
         """Requests added and not finished yet (vLLM's; a request's n completions count once)."""
         return len(self._tracked)

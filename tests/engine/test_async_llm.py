@@ -51,6 +51,7 @@ def test_it_streams_the_offline_engines_tokens_as_vllms_does(tiny_llama_dir):
             assert await engine.collective_rpc("weight_bytes") == [engine.engine.engine.runner.weight_bytes()]
             await engine.check_health()
             assert engine.get_tokenizer() is engine.tokenizer and engine.get_num_unfinished_requests() == 0
+            assert await engine.get_supported_tasks() == ("generate", "embed")
         finally:
             engine.shutdown()
         assert not engine.is_running

@@ -65,6 +65,8 @@ def test_classify_gives_transformers_probabilities_and_logits(classifier):
         llm.score("a", "b", use_tqdm=False)
     with pytest.raises(ValueError, match="task 'classify'"):
         llm.classify("a", PoolingParams(), use_tqdm=False)
+    # vLLM's get_supported_tasks: this classifier's config ties its embeddings to an LM head: it generates too
+    assert llm.llm_engine.get_supported_tasks() == ("generate", "embed", "classify")
 
 
 def test_a_model_without_a_classification_head_cannot_classify(tmp_path):
@@ -72,6 +74,7 @@ def test_a_model_without_a_classification_head_cannot_classify(tmp_path):
     llm = LLM(model=str(folder), dtype="float32", num_kv_blocks=32)
     with pytest.raises(ValueError, match="has no classification head"):
         llm.classify("a", use_tqdm=False)
+    assert llm.llm_engine.get_supported_tasks() == ("generate", "embed")
 
 
 def test_cross_encoder_scores_are_the_pairs_probabilities(cross_encoder):

@@ -89,6 +89,7 @@ def test_an_encoder_classifies_as_transformers_does(tmp_path, kind, dtype):
 def test_token_types_given_with_the_prompt_are_bert_s(cross_encoder):
     folder, model = cross_encoder
     llm = LLM(model=str(folder), dtype="float32")
+    assert llm.llm_engine.get_supported_tasks() == ("embed", "classify")     # an encoder: it generates nothing
     ids, types = PROMPTS[1], [0] * 30 + [1] * 40
     with_types, without = llm.classify([{"prompt_token_ids": ids, "token_type_ids": types},
                                         {"prompt_token_ids": ids}], use_tqdm=False)
