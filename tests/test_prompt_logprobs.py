@@ -143,7 +143,7 @@ def test_a_bad_prompt_logprobs_is_refused(value):
 def test_logprob_token_ids_report_those_tokens_as_the_full_ranking_does(tiny, mode):
     """vLLM's logprob_token_ids: each generated token's entry carries the asked ids' logprobs and ranks, the same
     as a ranking of the whole vocabulary gives them (in the mode's scores: a logit bias moves the processed ones),
-    with or without top logprobs; refused with speculative decoding."""
+    with or without top logprobs, with speculative decoding too."""
     llm = _llm(tiny, logprobs_mode=mode)
     prompt, ids = _prompt(3, 12), [5, 9, 200]
     common = dict(temperature=0, max_tokens=4, ignore_eos=True, logit_bias={9: 2.0})
@@ -166,6 +166,17 @@ def test_logprob_token_ids_report_those_tokens_as_the_full_ranking_does(tiny, mo
         llm.generate([5], SamplingParams(logprob_token_ids=[vocab_size]), use_tqdm=False)
     with pytest.raises(ValueError, match="logprob_token_ids must be a non-empty list"):
         SamplingParams(logprob_token_ids=[])
-    spec = _llm(tiny, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
-    with pytest.raises(ValueError, match="not reported with speculative decoding"):
-        spec.generate([5, 6], SamplingParams(logprob_token_ids=ids), use_tqdm=False)
+    # with speculative decoding: the tokens the verifier decides (drafts proposed from the repetitive prompt) carry
+    # the same entries
+    spec = _llm(tiny, logprobs_mode=mode, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    looping = {"prompt_token_ids": [7, 8, 9, 10] * 6}
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprob_token_ids=ids)
+    (plain,) = llm.generate(looping, params, use_tqdm=False)
+    (drafted,) = spec.generate(looping, params, use_tqdm=False)
+    assert spec.engine.make_stats().spec_decoding.num_drafts > 0
+    assert drafted.outputs[0].token_ids == plain.outputs[0].token_ids
+    for got, want in zip(drafted.outputs[0].logprobs, plain.outputs[0].logprobs, strict=True):
+        assert set(got) == set(want)
+        for token in ids:
+            assert got[token].logprob == pytest.approx(want[token].logprob, abs=1e-4)
+            assert got[token].rank == want[token].rank

@@ -548,8 +548,6 @@ class LLMEngine:
                                               *(params.allowed_token_ids or []), *(params.logprob_token_ids or [])]):
             raise ValueError(f"logit_bias, stop_token_ids, allowed_token_ids and logprob_token_ids take token ids in "
                              f"[0, {self.vocab_size})")
-        if params.logprob_token_ids and self.config.speculative is not None:
-            raise ValueError("logprob_token_ids are not reported with speculative decoding: ask for logprobs")
         if self.tokenizer is None:
             params = self._tokens_only(params)
         if params.structured_outputs is not None:

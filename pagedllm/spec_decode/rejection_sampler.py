@@ -24,7 +24,7 @@ import torch
 
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.ops import argmax_rows, rejection_sample, verify_rows
-from pagedllm.sample.sampler import LogprobsTensors, Sampler, batch_logprobs
+from pagedllm.sample.sampler import LogprobsTensors, Sampler, batch_logprobs, chosen_logprobs
 
 TokenLogprobs = list[tuple[int, float, int]]   # (token_id, logprob, rank) entries of one position
 
@@ -78,7 +78,9 @@ def verify_drafts(logits: torch.Tensor, meta: SamplingMetadata, request_ids: lis
     if meta.max_num_logprobs is not None:
         row_logprobs = batch_logprobs(logits, processed, sampled, meta, logprobs_mode,
                                       torch.tensor(row_tokens, device=logits.device))
-        logprobs = _logprobs(row_logprobs, meta, request_ids, spec_token_ids, num_accepted)
+        chosen = None if meta.logprob_token_ids is None else \
+            chosen_logprobs(logits, processed, sampled, meta, logprobs_mode)
+        logprobs = _logprobs(row_logprobs, chosen, meta, request_ids, spec_token_ids, num_accepted)
     return VerifiedTokens(num_accepted, token_ids, logprobs)
 
 
@@ -122,14 +124,15 @@ def draw_uniforms(meta: SamplingMetadata, num_rows: int, device: torch.device) -
     return uniform
 
 
-def _logprobs(row_logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor], meta: SamplingMetadata,
-              request_ids: list[str], spec_token_ids: list[list[int]], num_accepted: list[int]
-              ) -> dict[str, list[TokenLogprobs]]:
+def _logprobs(row_logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+              chosen: list[list[tuple[int, float, int]]] | None, meta: SamplingMetadata, request_ids: list[str],
+              spec_token_ids: list[list[int]], num_accepted: list[int]) -> dict[str, list[TokenLogprobs]]:
     """The logprobs of each request's new tokens (the accepted drafts, then the sampled one), from `row_logprobs`
-    (`batch_logprobs`' ids, values and ranks of each row's token), as the sampler's `LogprobsTensors.to_lists`
-    gives them for one token."""
+    (`batch_logprobs`' ids, values and ranks of each row's token) and each row's `chosen` (its logprob_token_ids'
+    entries), as the sampler's `LogprobsTensors.to_lists` gives them for one token."""
     ids, values, ranks = row_logprobs
-    per_row = LogprobsTensors(ids, values, ranks, meta.num_logprobs).to_lists([str(r) for r in range(len(ids))])
+    per_row = LogprobsTensors(ids, values, ranks, meta.num_logprobs, chosen).to_lists(
+        [str(r) for r in range(len(ids))])
     result, start = {}, 0
     for request_id, drafts, count in zip(request_ids, spec_token_ids, num_accepted):
         if str(start) in per_row:
