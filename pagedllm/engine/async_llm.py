@@ -20,7 +20,8 @@ from typing import Any
 from pagedllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
 from pagedllm.engine.async_engine import AsyncEngine, EngineDeadError
 from pagedllm.engine.data_parallel import AsyncDataParallelEngine, build_async_engine
-from pagedllm.inputs import PromptType
+from pagedllm.engine.llm_engine import PromptInput, apply_tokenization_kwargs
+from pagedllm.inputs import PromptType, parse_prompt
 from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import PoolingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
@@ -49,10 +50,11 @@ class AsyncLLM:
             self._started = True
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str, *,
-                       lora_request: LoRARequest | None = None, priority: int = 0
-                       ) -> AsyncGenerator[RequestOutput, None]:
+                       lora_request: LoRARequest | None = None, priority: int = 0,
+                       tokenization_kwargs: dict[str, Any] | None = None) -> AsyncGenerator[RequestOutput, None]:
         """Run one request, yielding its outputs until the finished one: each the completion so far unless
         `sampling_params.output_kind` says "delta" or "final" (vLLM's default; pagedllm's LLM uses "final").
+        `tokenization_kwargs`: as LLM.generate's (truncate_prompt_tokens, truncation_side, add_special_tokens).
 
         Raises:
             ValueError: a bad prompt or parameters (this request alone fails).
@@ -61,18 +63,31 @@ class AsyncLLM:
         self._start()
         if sampling_params.output_kind is None:
             sampling_params = dataclasses.replace(sampling_params, output_kind="cumulative")
+        prompt = await self._tokenized(prompt, tokenization_kwargs)
         async for output in self.engine.generate(request_id, prompt, sampling_params, priority=priority,
                                                  lora_request=lora_request):
             yield output
 
     async def encode(self, prompt: PromptType, pooling_params: PoolingParams, request_id: str,
-                     lora_request: LoRARequest | None = None, priority: int = 0
+                     lora_request: LoRARequest | None = None, priority: int = 0,
+                     tokenization_kwargs: dict[str, Any] | None = None
                      ) -> AsyncGenerator[PoolingRequestOutput, None]:
         """Pool one prompt (an embedding, or a classifier's probabilities: `pooling_params.task`); one output."""
         self._start()
+        prompt = await self._tokenized(prompt, tokenization_kwargs)
         async for output in self.engine.generate(request_id, prompt, pooling_params, priority=priority,
                                                  lora_request=lora_request):
             yield PoolingRequestOutput.of(output)
+
+    async def _tokenized(self, prompt: PromptType, tokenization_kwargs: dict[str, Any] | None) -> PromptInput:
+        """The prompt as its tokenization_kwargs leave it (tokenized off the event loop, on the tokenizer's
+        thread), or as given without them."""
+        if not tokenization_kwargs:
+            return prompt
+        (parsed,) = await self.engine.run_on_tokenizer_thread(
+            apply_tokenization_kwargs, [parse_prompt(prompt)], None, tokenization_kwargs, self.engine.tokenizer,
+            self.engine.max_model_len)
+        return parsed
 
     async def abort(self, request_id: str | Iterable[str]) -> None:
         """Abort requests (ids already finished are skipped): each one's `generate` yields its last output,

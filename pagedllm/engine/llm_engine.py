@@ -26,7 +26,7 @@ from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.beam_search import BeamSearchDriver, BeamSearchOutput, BeamSearchParams
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.heap import paused_gc
-from pagedllm.inputs import ParsedPrompt, PromptType, parse_prompt
+from pagedllm.inputs import ParsedPrompt, PromptType, parse_prompt, truncation_slice
 from pagedllm.loader import IMAGE_ENCODERS, LoadedModel, load_model
 from pagedllm.loader.generation_config import read_generation_config
 from pagedllm.loader.pooling_config import model_pooling_type
@@ -146,6 +146,44 @@ def model_eos_token_id(tokenizer, hf_config: Any) -> int | None:
     if isinstance(eos, (list, tuple)):
         return eos[0] if eos else None
     return eos if isinstance(eos, int) else None
+
+
+def apply_tokenization_kwargs(prompt_list: list[ParsedPrompt], truncate_prompt_tokens: int | None,
+                              tokenization_kwargs: dict[str, Any] | None, tokenizer: Any,
+                              max_model_len: int) -> list[ParsedPrompt]:
+    """The prompts as vLLM's tokenization_kwargs leave them (LLM's calls, AsyncLLM.generate; `tokenizer` and
+    `max_model_len` the engine's): text prompts tokenized with(out) the tokenizer's
+    special tokens (`add_special_tokens`), then `truncate_prompt_tokens` (or tokenization_kwargs' one) of each
+    prompt's tokens kept, its first, or its last (tokenization_kwargs' `truncation_side`, else the tokenizer's:
+    `truncation_slice`), as token ids (with their types); -1 keeps as many as the context holds. Without
+    either, the prompts as given."""
+    kwargs = dict(tokenization_kwargs or {})
+    keep, side = kwargs.pop("truncate_prompt_tokens", None), kwargs.pop("truncation_side", None)
+    special = kwargs.pop("add_special_tokens", None)
+    if kwargs or side not in (None, "left", "right") or special not in (None, True, False):
+        raise ValueError("tokenization_kwargs takes truncate_prompt_tokens, truncation_side ('left' or 'right') "
+                         f"and add_special_tokens (a bool), got {tokenization_kwargs!r}")
+    if None not in (keep, truncate_prompt_tokens) and keep != truncate_prompt_tokens:
+        raise ValueError(f"truncate_prompt_tokens is {truncate_prompt_tokens} and tokenization_kwargs' {keep}: "
+                         "give one")
+    keep = truncate_prompt_tokens if keep is None else keep
+    if keep is None and special is None:
+        return prompt_list
+    if any(p.images for p in prompt_list):
+        raise ValueError("tokenization_kwargs tokenize and cut text prompts: a prompt with images cannot be")
+    if special is not None:
+        tokenizer = require_tokenizer(tokenizer)
+        prompt_list = [ParsedPrompt(p.text, tokenizer.encode(p.text, add_special_tokens=special), p.cache_salt)
+                       if p.token_ids is None and p.text is not None else p for p in prompt_list]
+    if keep is None:
+        return prompt_list
+    if keep != -1 and not 1 <= keep <= max_model_len:
+        raise ValueError(f"truncate_prompt_tokens must be -1 or in [1, {max_model_len}], got {keep}")
+    kept = truncation_slice(max_model_len if keep == -1 else keep, side, tokenizer)
+    return [ParsedPrompt(None, (p.token_ids if p.token_ids is not None else
+                                require_tokenizer(tokenizer).encode(p.text))[kept],
+                         p.cache_salt, None if p.token_type_ids is None else p.token_type_ids[kept])
+            for p in prompt_list]
 
 
 def tokenize_prompt(tokenizer, prompt: PromptInput, vocab_size: int, max_model_len: int,

@@ -16,9 +16,9 @@ from tqdm.auto import tqdm
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedllm.engine.data_parallel import DataParallelEngine
-from pagedllm.engine.llm_engine import LLMEngine, check_sleep
+from pagedllm.engine.llm_engine import LLMEngine, apply_tokenization_kwargs, check_sleep
 from pagedllm.entrypoints.openai.tool_parsers import with_tools
-from pagedllm.inputs import ParsedPrompt, PromptType, as_prompt_list, truncation_slice
+from pagedllm.inputs import ParsedPrompt, PromptType, as_prompt_list
 from pagedllm.logger import init_logger
 from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics.log_stats import LoggingStatLogger
@@ -454,39 +454,9 @@ class LLM:
 
     def _truncated(self, prompt_list: list[ParsedPrompt], truncate_prompt_tokens: int | None,
                    tokenization_kwargs: dict[str, Any] | None) -> list[ParsedPrompt]:
-        """The prompts as vLLM's tokenization_kwargs leave them: text prompts tokenized with(out) the tokenizer's
-        special tokens (`add_special_tokens`), then `truncate_prompt_tokens` (or tokenization_kwargs' one) of each
-        prompt's tokens kept, its first, or its last (tokenization_kwargs' `truncation_side`, else the tokenizer's:
-        `truncation_slice`), as token ids (with their types); -1 keeps as many as the context holds. Without
-        either, the prompts as given."""
-        kwargs = dict(tokenization_kwargs or {})
-        keep, side = kwargs.pop("truncate_prompt_tokens", None), kwargs.pop("truncation_side", None)
-        special = kwargs.pop("add_special_tokens", None)
-        if kwargs or side not in (None, "left", "right") or special not in (None, True, False):
-            raise ValueError("tokenization_kwargs takes truncate_prompt_tokens, truncation_side ('left' or 'right') "
-                             f"and add_special_tokens (a bool), got {tokenization_kwargs!r}")
-        if None not in (keep, truncate_prompt_tokens) and keep != truncate_prompt_tokens:
-            raise ValueError(f"truncate_prompt_tokens is {truncate_prompt_tokens} and tokenization_kwargs' {keep}: "
-                             "give one")
-        keep = truncate_prompt_tokens if keep is None else keep
-        if keep is None and special is None:
-            return prompt_list
-        if any(p.images for p in prompt_list):
-            raise ValueError("tokenization_kwargs tokenize and cut text prompts: a prompt with images cannot be")
-        if special is not None:
-            tokenizer = self.get_tokenizer()
-            prompt_list = [ParsedPrompt(p.text, tokenizer.encode(p.text, add_special_tokens=special), p.cache_salt)
-                           if p.token_ids is None and p.text is not None else p for p in prompt_list]
-        if keep is None:
-            return prompt_list
-        max_model_len = self.engine.max_model_len
-        if keep != -1 and not 1 <= keep <= max_model_len:
-            raise ValueError(f"truncate_prompt_tokens must be -1 or in [1, {max_model_len}], got {keep}")
-        kept = truncation_slice(max_model_len if keep == -1 else keep, side, self.engine.tokenizer)
-        return [ParsedPrompt(None, (p.token_ids if p.token_ids is not None else
-                                    self.get_tokenizer().encode(p.text))[kept],
-                             p.cache_salt, None if p.token_type_ids is None else p.token_type_ids[kept])
-                for p in prompt_list]
+        """The prompts as `apply_tokenization_kwargs` leaves them."""
+        return apply_tokenization_kwargs(prompt_list, truncate_prompt_tokens, tokenization_kwargs,
+                                         self.engine.tokenizer, self.engine.max_model_len)
 
     def _add(self, prompt_list: list[ParsedPrompt], params_list: list[SamplingParams | PoolingParams],
              priorities: list[int], loras: list[LoRARequest | None]) -> list[str]:

@@ -35,6 +35,11 @@ def test_it_streams_the_offline_engines_tokens_as_vllms_does(tiny_llama_dir):
             (final,) = [o async for o in engine.generate("hello", SamplingParams(**GREEDY, output_kind="final"),
                                                          "final")]
             assert final.outputs[0].token_ids == expected
+            cut = [o async for o in engine.generate("hello", SamplingParams(**GREEDY, output_kind="final"), "cut-2",
+                                                    tokenization_kwargs={"truncate_prompt_tokens": 2})]
+            assert cut[0].prompt_token_ids == engine.get_tokenizer().encode("hello")[:2]
+            with pytest.raises(ValueError, match="tokenization_kwargs takes"):
+                await anext(engine.generate("hello", SamplingParams(**GREEDY), "bad", tokenization_kwargs={"x": 1}))
             (pooled,) = [o async for o in engine.encode("hello", PoolingParams(), "pooled")]
             assert pooled.finished and pooled.outputs.data.tolist() == pytest.approx(embedding.tolist(), abs=1e-5)
             # an abort ends its stream with a last output, finish_reason "abort"
