@@ -227,8 +227,8 @@ class RayReplica:
     def prefix_cache_stats(self) -> PrefixCacheStats:
         return self._get(self.actor.prefix_cache_stats.remote())
 
-    def reset_prefix_cache(self) -> bool:
-        return self._call("reset_prefix_cache")
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        return self._call("reset_prefix_cache", reset_running_requests, reset_connector)
 
     def is_healthy(self) -> bool:
         """Not closed and, for an actor on this machine, its process lives: asked without a call, so that /health

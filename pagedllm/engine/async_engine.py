@@ -494,9 +494,10 @@ class AsyncEngine:
     async def stop_profile(self) -> None:
         await self.call_in_engine(lambda engine: engine.stop_profile())
 
-    async def reset_prefix_cache(self) -> bool:
-        """Forget every cached block; False while requests hold blocks."""
-        return await self.call_in_engine(lambda engine: engine.reset_prefix_cache())
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forget every cached block; False while requests hold blocks, unless `reset_running_requests`
+        (LLMEngine.reset_prefix_cache)."""
+        return await self.call_in_engine(lambda engine: engine.reset_prefix_cache(reset_running_requests))
 
     async def collective_rpc(self, method: str | Callable, timeout: float | None = None, args: tuple = (),
                              kwargs: dict[str, Any] | None = None) -> list:

@@ -140,8 +140,10 @@ class AsyncLLM:
         self._start()
         return await call()
 
-    async def reset_prefix_cache(self) -> bool:
-        return await self._control(self.engine.reset_prefix_cache)
+    async def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """LLMEngine.reset_prefix_cache between two steps."""
+        del reset_connector     # (no external KV connector)
+        return await self._control(lambda: self.engine.reset_prefix_cache(reset_running_requests))
 
     async def sleep(self, level: int = 1, mode: str = "abort") -> None:
         """LLM.sleep's levels and modes, for the requests in flight."""

@@ -273,10 +273,11 @@ class DataParallelEngine:
     def unfinished_request_ids(self) -> list[str]:
         return list(self._owner)
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         """Forget every replica's cached blocks and the router's map; False if some replica is busy (those that
-        are idle are reset all the same)."""
-        done = all([replica.reset_prefix_cache() for replica in self.replicas])
+        are idle are reset all the same), unless `reset_running_requests` (LLMEngine.reset_prefix_cache)."""
+        done = all([replica.reset_prefix_cache(reset_running_requests, reset_connector)
+                    for replica in self.replicas])
         if done:
             self.router.forget()
         return done
@@ -500,8 +501,9 @@ class AsyncDataParallelEngine:
     async def stop_profile(self) -> None:
         await asyncio.gather(*(replica.stop_profile() for replica in self.replicas))
 
-    async def reset_prefix_cache(self) -> bool:
-        return all(await asyncio.gather(*(replica.reset_prefix_cache() for replica in self.replicas)))
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        return all(await asyncio.gather(*(replica.reset_prefix_cache(reset_running_requests)
+                                          for replica in self.replicas)))
 
     async def collective_rpc(self, method: str | Callable, timeout: float | None = None, args: tuple = (),
                              kwargs: dict[str, Any] | None = None) -> list:

@@ -777,9 +777,20 @@ class LLMEngine:
         """Queried and hit prompt tokens of the prefix cache so far (for metrics)."""
         return self.kv_cache_manager.prefix_cache_stats
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached block hash; False (nothing done) while requests hold blocks."""
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """Forget every cached block hash; False (nothing done) while requests hold blocks, unless
+        `reset_running_requests` (vLLM's): the running requests then drop their blocks and wait to be recomputed
+        first. `reset_connector`: vLLM's external KV connector's cache, which pagedllm has none of."""
+        del reset_connector
+        if reset_running_requests:
+            self._requeue_running()
         return self.kv_cache_manager.reset_prefix_cache()
+
+    def _requeue_running(self) -> None:
+        """Every running request drops its blocks (and recurrent state) and waits to be recomputed."""
+        for request_id in self.scheduler.requeue_running():
+            if self.runner.recurrent is not None:
+                self.runner.recurrent.release(request_id)
 
     def is_healthy(self) -> bool:
         """False once a tensor-parallel worker died or a rank-wide operation failed: the engine cannot step."""
@@ -844,9 +855,7 @@ class LLMEngine:
         self.sleep_level = max(level, self.sleep_level or 0)
         if level == 0 or self.kv_released:
             return
-        for request_id in self.scheduler.requeue_running():
-            if self.runner.recurrent is not None:
-                self.runner.recurrent.release(request_id)
+        self._requeue_running()
         emptied = self.kv_cache_manager.reset_prefix_cache()
         assert emptied, "a block in use after every running request left"
         self.runner.release_kv_cache()

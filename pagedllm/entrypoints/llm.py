@@ -193,9 +193,11 @@ class LLM:
         of the model's generation config (`generation_config`), as vLLM's."""
         return SamplingParams(**self.engine.default_sampling)
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached block; False (nothing done) while requests are running."""
-        return self.engine.reset_prefix_cache()
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """Forget every cached block; False (nothing done) while requests are running, unless
+        `reset_running_requests` (vLLM's): they then drop their blocks and are recomputed. `reset_connector`:
+        taken for vLLM's signature (pagedllm has no external KV connector)."""
+        return self.engine.reset_prefix_cache(reset_running_requests, reset_connector)
 
     def get_metrics(self) -> list[Metric]:
         """A snapshot of the engine's metrics, named as the server's /metrics names them (vLLM's

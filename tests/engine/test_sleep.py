@@ -108,3 +108,16 @@ def test_a_hybrids_kept_requests_start_their_recurrent_states_again(tmp_path):
         hybrid.sleep(mode="keep")
         assert engine.runner.recurrent.pairs == {}, "a waiting request holds no slots"
         assert hybrid.wake_up() and _tokens(hybrid.wait_for_completion(use_tqdm=False)) == awake
+
+
+def test_reset_prefix_cache_may_requeue_the_running_requests(llm, expected):
+    """vLLM's reset_prefix_cache(reset_running_requests=True): the running requests drop their blocks, wait to be
+    recomputed, and give the same tokens; without it the reset waits for an idle pool (False)."""
+    engine = llm.llm_engine
+    llm.enqueue(PROMPTS, GREEDY)
+    assert engine.step() == [] and engine.step() == [] and engine.scheduler.num_running == 2
+    assert not llm.reset_prefix_cache() and engine.scheduler.num_running == 2
+    assert llm.reset_prefix_cache(reset_running_requests=True, reset_connector=True)
+    assert engine.scheduler.num_running == 0 and engine.get_num_unfinished_requests() == 2
+    assert _tokens(llm.wait_for_completion(use_tqdm=False)) == expected
+    assert engine.scheduler.num_preemptions == 0

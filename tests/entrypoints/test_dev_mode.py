@@ -176,3 +176,16 @@ def test_with_an_api_key_the_controls_need_it(tiny_llama_dir, monkeypatch):
         assert _get(guarded, "/is_sleeping", headers=guarded.headers) == {"is_sleeping": False}
     finally:
         guarded.stop()
+
+
+def test_reset_prefix_cache_may_requeue_a_request_in_flight(server, tiny_llama_dir):
+    """vLLM's /reset_prefix_cache?reset_running_requests=true: the request in flight is recomputed after the reset
+    and gives its tokens; without the flag the reset waits for an idle pool."""
+    expected = _greedy_tokens(tiny_llama_dir, MAX_TOKENS)
+    thread, answer = _running_one(server)
+    assert _post(server, "/reset_prefix_cache").json() == {"success": False}
+    assert _post(server, "/reset_prefix_cache", params={"reset_running_requests": "true"}).json() == \
+        {"success": True}
+    assert _post(server, "/resume").json() == {"status": "resumed"}
+    thread.join(30)
+    assert answer["choices"][0]["token_ids"] == expected

@@ -388,8 +388,10 @@ def _dev_router(engine: AsyncEngine | AsyncDataParallelEngine) -> APIRouter:
         return {"is_paused": engine.is_sleeping()}
 
     @router.post("/reset_prefix_cache")
-    async def reset_prefix_cache() -> dict[str, bool]:
-        return {"success": await engine.reset_prefix_cache()}
+    async def reset_prefix_cache(reset_running_requests: bool = False, reset_external: bool = False
+                                 ) -> dict[str, bool]:
+        del reset_external      # vLLM's external KV connector's: pagedllm has none
+        return {"success": await engine.reset_prefix_cache(reset_running_requests)}
 
     @router.get("/get_world_size")
     async def get_world_size(include_dp: bool = True) -> dict[str, int]:
