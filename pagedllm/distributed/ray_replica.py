@@ -192,9 +192,6 @@ class RayReplica:
                        kwargs: dict[str, Any] | None = None) -> list:
         return self._call("collective_rpc", method, timeout, args, kwargs)
 
-    def apply_model(self, function: Callable) -> list:
-        return self._call("apply_model", function)
-
     def start_profile(self, profile_prefix: str | None = None, *, delay_iterations: int | None = None,
                       max_iterations: int | None = None) -> None:
         self._call("start_profile", profile_prefix, delay_iterations=delay_iterations, max_iterations=max_iterations)

@@ -34,6 +34,7 @@ import torch
 from pagedllm.config import EngineConfig, MediaAccess
 from pagedllm.core.kv_cache.block_pool import PrefixCacheStats
 from pagedllm.device import resolve_engine_device
+from pagedllm.distributed import apply_to_model
 from pagedllm.engine.admission import Admission, admitted
 from pagedllm.engine.async_engine import AsyncEngine, KVCacheSnapshot
 from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchParams
@@ -243,7 +244,7 @@ class DataParallelEngine:
                 for result in replica.collective_rpc(method, timeout, args, kwargs)]
 
     def apply_model(self, function: Callable) -> list:
-        return [result for replica in self.replicas for result in replica.apply_model(function)]
+        return self.collective_rpc(apply_to_model, args=(function,))
 
     def start_profile(self, profile_prefix: str | None = None, *, delay_iterations: int | None = None,
                       max_iterations: int | None = None) -> None:
@@ -502,8 +503,12 @@ class AsyncDataParallelEngine:
         await asyncio.gather(*(replica.stop_profile() for replica in self.replicas))
 
     async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
-        return all(await asyncio.gather(*(replica.reset_prefix_cache(reset_running_requests)
+        """Every replica's (DataParallelEngine.reset_prefix_cache's rule: the router forgets once all are reset)."""
+        done = all(await asyncio.gather(*(replica.reset_prefix_cache(reset_running_requests)
                                           for replica in self.replicas)))
+        if done:
+            self.router.forget()
+        return done
 
     async def collective_rpc(self, method: str | Callable, timeout: float | None = None, args: tuple = (),
                              kwargs: dict[str, Any] | None = None) -> list:

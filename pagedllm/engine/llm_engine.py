@@ -122,9 +122,9 @@ SLEEP_MODES = ("abort", "wait", "keep")             # what a sleep does with unf
 SLEEP_TAGS = ("weights", "kv_cache", "scheduling")  # what wake_up brings back
 
 
-def check_sleep(level: int, mode: str) -> None:
-    """ValueError unless `level` and `mode` are vLLM's sleep level and mode."""
-    if mode not in SLEEP_MODES:
+def check_sleep(level: int, mode: str | None = None) -> None:
+    """ValueError unless `level` (and `mode`, where given) are vLLM's sleep level and mode."""
+    if mode is not None and mode not in SLEEP_MODES:
         raise ValueError(f"sleep mode must be one of {SLEEP_MODES}, got {mode!r}")
     if level not in SLEEP_LEVELS:
         raise ValueError(f"sleep level must be one of {SLEEP_LEVELS}, got {level!r}")
@@ -340,8 +340,8 @@ class LLMEngine:
             self._capture_decode_graphs()
         self.graphs_captured = self.runner.decode_graphs is not None
         self.profiler = EngineProfiler(config.profiler, self.runner.device) if config.profiler.profiler else None
-        self.paused = self.kv_released = False      # sleep mode: scheduling paused; the KV pool's memory released
-        self.sleep_level: int | None = None         # ... and the deepest level asked since awake (None: awake)
+        self.sleep_level: int | None = None     # sleep mode: the deepest level asked since awake (None: awake)
+        self.kv_released = False                # ... and whether the KV pool's memory is released
         # blocks behind a window every layer attends within are freed; not with a draft model, which runs a whole
         # context again after a preemption or a prefix hit
         window = kv_window(loaded.hf_config) if self.runner.draft is None else 0
@@ -850,8 +850,7 @@ class LLMEngine:
         cache is emptied. Level 2 is level 1 here: the weights stay in memory (vLLM's level 1 offloads GPU weights
         to host memory, where pagedllm's already are on a CPU; its level 2 discards them for the caller to load
         new ones, which the weights kept in place serve too)."""
-        check_sleep(level, "keep")
-        self.paused = True
+        check_sleep(level)
         self.sleep_level = max(level, self.sleep_level or 0)
         if level == 0 or self.kv_released:
             return
@@ -877,18 +876,18 @@ class LLMEngine:
                 self._capture_decode_graphs()
             self.kv_released = False
         if not self.kv_released:
-            self.paused, self.sleep_level = False, None
-        return not self.paused
+            self.sleep_level = None
+        return self.sleep_level is None
 
     def release_kv_cache_memory(self) -> None:
         """vLLM's: from a level-0 sleep, release the KV pool's memory as level 1 does (wake_up(["kv_cache"])
         brings it back; kept requests are recomputed)."""
-        if not self.paused:
+        if not self.is_sleeping():
             raise RuntimeError("release_kv_cache_memory() releases a paused engine's KV pool: sleep(level=0) first")
         self.sleep(1)
 
     def is_sleeping(self) -> bool:
-        return self.paused
+        return self.sleep_level is not None
 
     def unfinished_request_ids(self) -> list[str]:
         """The requests added and not finished, in the order added."""
@@ -911,7 +910,7 @@ class LLMEngine:
 
     # ---- the loop -----------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        if self.paused:     # asleep: requests wait (LLM and the server refuse to step it)
+        if self.sleep_level is not None:     # asleep: requests wait (LLM and the server refuse to step it)
             return []
         outputs = self._step()
         if self.profiler is not None:

@@ -272,7 +272,7 @@ class LLM:
         self._check_awake("generate runs its prompts")
         request_ids = self._add_completions(prompts, sampling_params, lora_request, priority, tokenization_kwargs,
                                             mm_processor_kwargs)
-        return self._run(request_ids, use_tqdm if len(request_ids) > 1 else False)
+        return self._run(request_ids, use_tqdm)
 
     def enqueue(self, prompts: PromptType | Sequence[PromptType],
                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -300,7 +300,7 @@ class LLM:
         if any(output is None for output in self._enqueued.values()):
             self._check_awake("wait_for_completion runs the queued requests")
         try:
-            outputs = self._run(request_ids, use_tqdm if len(request_ids) > 1 else False)
+            outputs = self._run(request_ids, use_tqdm)
         finally:
             self._enqueued.clear()
         wrong = [o for o in outputs if not isinstance(o, expected)]
@@ -448,7 +448,7 @@ class LLM:
                 raise ValueError(f"pooling_params must be PoolingParams with task {task!r}, got {params!r}")
         request_ids = self._add(prompt_list, params_list, [0] * len(prompt_list),
                                 _per_prompt(lora_request, len(prompt_list), "lora_request"))
-        outputs = self._run(request_ids, use_tqdm if len(request_ids) > 1 else False)
+        outputs = self._run(request_ids, use_tqdm)
         failed = [o for o in outputs if o.embedding is None]
         if failed:
             raise RuntimeError(f"request {failed[0].request_id} failed: {failed[0].error}")
@@ -585,9 +585,11 @@ class LLM:
                        "Build the LLM on the thread that calls it.")
 
     def _run(self, request_ids: list[str], use_tqdm: UseTqdm) -> list[RequestOutput]:
-        """Step the engine until `request_ids` have finished; their outputs, in order. Queued requests' outputs
-        that finish meanwhile are kept for `wait_for_completion`."""
+        """Step the engine until `request_ids` have finished; their outputs, in order, with a progress bar
+        (`use_tqdm`) when there are several. Queued requests' outputs that finish meanwhile are kept for
+        `wait_for_completion`."""
         self._warn_if_on_another_thread()
+        use_tqdm = use_tqdm if len(request_ids) > 1 else False
         done = {r: output for r in request_ids if (output := self._enqueued.get(r)) is not None}
         wanted = set(request_ids)  # the engine may also be running requests added directly to it
         make_bar = use_tqdm if callable(use_tqdm) else tqdm
@@ -631,7 +633,8 @@ class LLM:
             iteration = IterationStats(started=time.monotonic())
             outputs = self.engine.step()
             self._stats.record(self.engine, outputs, iteration, True, self.engine.step_new_tokens)
-        self._keep_enqueued(outputs)
+        if self._enqueued:
+            self._keep_enqueued(outputs)
         return outputs
 
     def _keep_enqueued(self, outputs: list[RequestOutput]) -> None:

@@ -96,10 +96,12 @@ def batch_logprobs(raw: torch.Tensor, processed: torch.Tensor, probs: torch.Tens
 
 
 def chosen_logprobs(raw: torch.Tensor, processed: torch.Tensor, probs: torch.Tensor | None, meta: SamplingMetadata,
-                    logprobs_mode: str) -> list[list[tuple[int, float, int]]]:
+                    logprobs_mode: str) -> list[list[tuple[int, float, int]]] | None:
     """Per row, the (token_id, logprob, rank) entries of its `logprob_token_ids` (none for a row without), in what
-    `logprobs_mode` reports (batch_logprobs' scores); a rank counts the tokens scored higher, plus one."""
-    assert meta.logprob_token_ids is not None
+    `logprobs_mode` reports (batch_logprobs' scores); a rank counts the tokens scored higher, plus one. None when
+    no row asked for any."""
+    if meta.logprob_token_ids is None:
+        return None
     if logprobs_mode.startswith("raw"):
         scores = raw.float() if logprobs_mode == "raw_logits" else torch.log_softmax(raw.float(), dim=-1)
     else:
@@ -173,10 +175,8 @@ class Sampler(nn.Module):
         if meta.max_num_logprobs is None:
             return None
         ids, values, ranks = batch_logprobs(raw, processed, probs, meta, self.logprobs_mode, token_ids)
-        chosen = None if meta.logprob_token_ids is None else \
-            chosen_logprobs(raw, processed, probs, meta, self.logprobs_mode)
         return LogprobsTensors(token_ids=ids, logprobs=values, ranks=ranks, num_logprobs=meta.num_logprobs,
-                               chosen=chosen)
+                               chosen=chosen_logprobs(raw, processed, probs, meta, self.logprobs_mode))
 
     @staticmethod
     def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

@@ -78,8 +78,7 @@ def verify_drafts(logits: torch.Tensor, meta: SamplingMetadata, request_ids: lis
     if meta.max_num_logprobs is not None:
         row_logprobs = batch_logprobs(logits, processed, sampled, meta, logprobs_mode,
                                       torch.tensor(row_tokens, device=logits.device))
-        chosen = None if meta.logprob_token_ids is None else \
-            chosen_logprobs(logits, processed, sampled, meta, logprobs_mode)
+        chosen = chosen_logprobs(logits, processed, sampled, meta, logprobs_mode)
         logprobs = _logprobs(row_logprobs, chosen, meta, request_ids, spec_token_ids, num_accepted)
     return VerifiedTokens(num_accepted, token_ids, logprobs)
 
